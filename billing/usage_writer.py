@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 import psycopg
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
 
@@ -49,6 +48,7 @@ from billing.quota import replayed
 from billing.usage_journal import UsageJournal, read_segment
 from controlplane.cancellation import end_if_cancelled
 from controlplane.per_loop import PerLoop
+from controlplane.worker_threads import in_worker_thread
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -377,11 +377,14 @@ def _raise_outage(exc: psycopg.DatabaseError) -> None:
 
 async def _count_superseded(lost_costs: dict[str, Decimal], *, registered: bool = False) -> None:
     """The `gateway_lost` rows a write or a replay superseded now, their difference counted
-    (`replayed.count_superseded`; `registered`: by a replay that registered them)."""
+    (`replayed.count_superseded`; `registered`: by a replay that registered them).
+
+    NOTE: in a worker thread that closes its connection after (`in_worker_thread`): through asgiref's one
+    process-wide thread (no request's context here) it kept a pooled connection checked out after each replay."""
     if not lost_costs:
         return
     try:
-        await sync_to_async(replayed.count_superseded)(lost_costs, registered=registered)
+        await in_worker_thread(replayed.count_superseded)(lost_costs, registered=registered)
     except Exception as exc:  # noqa: BLE001 - as `_count_replayed`: a counter rebuilt from the ledger later counts them
         logger.warning("usage writer: %d superseded lost row(s) not counted in the quota counters: %r",
                        len(lost_costs), exc)
@@ -411,7 +414,7 @@ async def _count_replayed(request_ids: set[str], *, batch: list[UsageReport],
     """The rows a replay wrote now, and those of its `batch` a killed replay before it wrote and left owed, counted
     in the quota counters rebuilt without them (`billing.quota.replayed`)."""
     try:
-        await sync_to_async(replayed.count_replayed)(request_ids, batch=batch, registration=registration)
+        await in_worker_thread(replayed.count_replayed)(request_ids, batch=batch, registration=registration)
     except Exception as exc:  # noqa: BLE001 - the rows are in the ledger: a counter rebuilt from it later counts them
         logger.warning("usage journal: %d replayed row(s) not counted in the quota counters: %r", len(request_ids), exc)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.core import checks
+from django.db import DatabaseError, connections
+
+from controlplane.serve import num_workers
 
 
 @checks.register()
@@ -22,5 +25,39 @@ def answer_bytes_bounds(app_configs=None, **kwargs) -> list[checks.CheckMessage]
             "first, and one organisation could take a gateway process's whole budget of answer bytes from every other.",
             hint=f"Set it to a share of the process's bound (by default a quarter: {per_process // 4}).",
             id="inferplane.E001",
+        )
+    ]
+
+
+@checks.register(checks.Tags.database)
+def database_connections_fit(app_configs=None, databases=None, **kwargs) -> list[checks.CheckMessage]:
+    """One web pod's connections must fit PostgreSQL's `max_connections` (less its superuser reserve): each of its
+    `WEB_CONCURRENCY` gateway processes may hold `DATABASE_POOL_MAX_SIZE` pooled connections and its ledger writer's
+    one. Past it, PostgreSQL refuses connects under load and requests fail. Only where the checks may query the
+    database (`migrate`, `check --database default`); the whole fleet's sum (x the web pods, beside the workers) is
+    the operator's to keep (README, "Configuration")."""
+    max_size = settings.DATABASE_POOL_MAX_SIZE
+    if not databases or "default" not in databases or max_size == 0:
+        return []
+    try:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+            )
+            num_allowed = cursor.fetchone()[0]
+    except DatabaseError:
+        return []  # a database that does not answer (or PgBouncer, which has no such setting) is checked elsewhere
+    num_processes = num_workers()
+    num_needed = (max_size + 1) * num_processes
+    if num_needed <= num_allowed:
+        return []
+    return [
+        checks.Warning(
+            f"One web pod may hold {num_needed} PostgreSQL connections (WEB_CONCURRENCY={num_processes} processes x "
+            f"(DATABASE_POOL_MAX_SIZE={max_size} + 1 ledger writer)), more than the {num_allowed} PostgreSQL allows "
+            "clients (max_connections less superuser_reserved_connections).",
+            hint="Lower DATABASE_POOL_MAX_SIZE or WEB_CONCURRENCY, raise max_connections, or put PgBouncer in front "
+            "(DATABASE_POOLER=transaction).",
+            id="inferplane.W001",
         )
     ]

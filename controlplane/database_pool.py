@@ -31,6 +31,14 @@ def use_in_this_process() -> None:
     _in_this_process = True
 
 
+# NOTE: psycopg_pool's default (300 s) retried a failed connect in the background with a backoff (1 s, doubling), and
+# while such a retry was pending the pool started no other: after a real PostgreSQL restart (20 s down) `/api/` kept
+# answering 503 for 6 s after PostgreSQL was back (more after a longer outage), where without the pool the first
+# request after was answered. With 0 a failed connect is tried once more at once, then given up: the next request
+# that finds no free connection tries again, as each request did without the pool.
+RECONNECT_TIMEOUT_S = 0.0
+
+
 def pool_options(*, min_size: int, max_size: int, max_idle_s: float, timeout_s: float) -> dict | None:
     """The `pool` entry of `DATABASES["default"]["OPTIONS"]` for this process; None where it does not pool."""
     if not _in_this_process or max_size == 0:
@@ -41,6 +49,7 @@ def pool_options(*, min_size: int, max_size: int, max_idle_s: float, timeout_s: 
         "max_size": max_size,
         "max_idle": max_idle_s,
         "timeout": timeout_s,
+        "reconnect_timeout": RECONNECT_TIMEOUT_S,
     }
 
 
@@ -63,8 +72,10 @@ def server_error(request):
     debug mode Django shows its own error page instead."""
     if _waited_for_a_pooled_connection(sys.exc_info()[1]):
         message = "The database is busy: try again shortly."
-        if request.path.startswith(("/api/", "/agent/")):
+        if request.path.startswith("/api/"):
             response = JsonResponse({"detail": message}, status=503)
+        elif request.path.startswith("/agent/"):  # the agent API's own error shape (`endpoints.fleet.api`)
+            response = JsonResponse({"error": {"message": message}}, status=503)
         else:
             response = HttpResponse(message, content_type="text/plain", status=503)
         response["Retry-After"] = "1"

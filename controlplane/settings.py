@@ -179,12 +179,14 @@ DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, mini
 # With the pool: each connection is checked as the pool hands it out.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # The web process's pool (`controlplane.database_pool`; no other process pools). NOTE: per web process (each of
-# `WEB_CONCURRENCY`): `DATABASE_POOL_MAX_SIZE` x processes x replicas must fit PostgreSQL's `max_connections` (or
-# PgBouncer's `max_client_conn`) beside the workers'. A request that finds every connection taken for
-# `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_pool.server_error`). 0 turns the pool off.
+# `WEB_CONCURRENCY`): (`DATABASE_POOL_MAX_SIZE` + its ledger writer's one) x processes x replicas must fit
+# PostgreSQL's `max_connections` (or PgBouncer's `max_client_conn`) beside the workers' (README, "Configuration";
+# `controlplane.checks.database_connections_fit` warns where one pod's alone does not). A request that finds every
+# connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_pool.server_error`). 0 turns the pool off.
+DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 4, minimum=0, maximum=500)
 DATABASE_POOL = database_pool.pool_options(
     min_size=env_int("DATABASE_POOL_MIN_SIZE", 2, minimum=0, maximum=100),
-    max_size=env_int("DATABASE_POOL_MAX_SIZE", 20, minimum=0, maximum=500),
+    max_size=DATABASE_POOL_MAX_SIZE,
     max_idle_s=env_float("DATABASE_POOL_MAX_IDLE_S", 300.0, minimum=1.0),
     timeout_s=env_float("DATABASE_POOL_TIMEOUT_S", 5.0, minimum=0.1),
 )

@@ -5,16 +5,22 @@ is refused with a 503 soon instead of waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
-from django.db import connection
+from asgiref.sync import sync_to_async
+from django.db import connection, connections
 
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import SYSTEM
@@ -22,7 +28,7 @@ from endpoints.fleet.services import create_join_token
 from gpu_agent.protocol import Heartbeat
 from tests.conftest import start_web_server, wait_until
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
-from tests.outages import terminate_backends
+from tests.outages import database_refusing_connections, terminate_backends
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,6 +56,11 @@ PRODUCTION_ENV = {
     "ALLOWED_HOSTS": "127.0.0.1",
     "SECURE_SSL_REDIRECT": "0",
 }
+
+
+def bogus_node_secret() -> str:
+    """A node secret of the right shape that no node holds (anyone may send one: no credentials needed)."""
+    return f"nd_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)[:43]}"
 
 
 def sessions_opened() -> int:
@@ -211,6 +222,12 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
             message="the first request to hold the pool's connection",
         )
         refused = httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=10)
+        agent_refused = httpx.post(
+            f"{web}/agent/v1/heartbeat",
+            json={},
+            headers={"authorization": f"Bearer {bogus_node_secret()}"},
+            timeout=10,
+        )
     finally:
         holder.close()
         stuck.join(30)
@@ -219,6 +236,9 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
     assert refused.json() == {"detail": "The database is busy: try again shortly."}
+    # the agent API's own error shape, as its other errors (`endpoints.fleet.api`)
+    assert agent_refused.status_code == 503
+    assert agent_refused.json() == {"error": {"message": "The database is busy: try again shortly."}}
     assert answers[0].status_code == 200
 
 
@@ -251,7 +271,7 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
 def test_only_the_web_process_pools_its_connections():
     """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
     `manage.py` keep `CONN_MAX_AGE` too."""
-    pool = "{'name': 'web', 'min_size': 2, 'max_size': 20, 'max_idle': 300.0, 'timeout': 5.0}"
+    pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
     assert _database_settings_of("controlplane.asgi", {}) == f"({pool}, 0, None)"
     assert _database_settings_of("controlplane.celery_app", {}) == "(None, 60, None)"
     assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == "(None, 60, None)"
@@ -262,3 +282,112 @@ def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_s
     settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction"})
     assert settings_seen.startswith("({'name': 'web'")
     assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
+
+
+def test_bogus_node_secrets_on_watch_take_no_pooled_connection_from_other_requests(tmp_path, owner_client):
+    """Before, `/agent/v1/watch` looked a secret up on the event loop's default executor and never closed the thread's
+    connection: each of its long-lived threads kept one pooled connection for good, and after a few rounds of bogus
+    secrets (no credentials needed) the pool was theirs and the management API answered 503."""
+    child, web = start_web_server(
+        tmp_path,
+        extra_env=PRODUCTION_ENV
+        | {
+            "DATABASE_POOL_MIN_SIZE": "1",
+            "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE),
+            "DATABASE_POOL_TIMEOUT_S": "1",
+        },
+    )
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+
+    def watch_with_a_bogus_secret(_) -> int:
+        return httpx.post(
+            f"{web}/agent/v1/watch", headers={"authorization": f"Bearer {bogus_node_secret()}"}, timeout=10
+        ).status_code
+
+    try:
+        refusals = []
+        # NOTE: in rounds, the server idle between them: a steady stream pinned fewer threads
+        for _ in range(4):
+            with ThreadPoolExecutor(4) as clients:
+                refusals += clients.map(watch_with_a_bogus_secret, range(8))
+            time.sleep(0.5)
+        listed = [
+            httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=10).status_code for _ in range(3)
+        ]
+    finally:
+        child.stop()
+
+    assert set(refusals) == {401}
+    assert listed == [200] * 3
+
+
+def test_after_postgresql_comes_back_the_first_request_is_answered_at_once(tmp_path, owner_client):
+    """Before, psycopg_pool retried a failed connect in the background with a backoff (1 s, doubling) and started no
+    other meanwhile (its tries 1, 3, 7, 15 s after the first): after a 10 s outage `/api/` kept failing for seconds after
+    PostgreSQL took connections again (6 s after a 20 s outage). Now a failed connect is given up at once and the next
+    request tries again."""
+    child, web = start_web_server(tmp_path, extra_env=POOL_ENV | {"DATABASE_POOL_TIMEOUT_S": "1"})
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    try:
+        assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers).status_code == 200
+        with database_refusing_connections():
+            down_until = time.monotonic() + 10
+            # requests meanwhile: each fails, and the pool tries to connect
+            while time.monotonic() < down_until:
+                assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30).status_code >= 500
+        back_at = time.monotonic()
+        statuses = []
+        while 200 not in statuses:
+            statuses.append(httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30).status_code)
+            answered_s = time.monotonic() - back_at
+            assert answered_s < 1.0, f"{statuses}: no 200 {answered_s:.1f} s after PostgreSQL was back"
+    finally:
+        child.stop()
+
+
+def test_a_replays_count_in_the_quota_counters_leaves_no_connection_open_behind_it():
+    """Before, the usage writer ran `count_superseded` (and `count_replayed`) through asgiref's one process-wide thread
+    (no request's context there) and left that thread's connection open: in the web process, one pooled connection
+    checked out for good after a replay."""
+    from billing import usage_writer
+
+    def open_on_asgirefs_one_thread() -> bool:
+        return connections["default"].connection is not None
+
+    asyncio.run(sync_to_async(connections.close_all)())
+    assert not asyncio.run(sync_to_async(open_on_asgirefs_one_thread)())
+
+    asyncio.run(usage_writer._count_superseded({"req-superseded": Decimal("0.10")}))
+
+    assert not asyncio.run(sync_to_async(open_on_asgirefs_one_thread)())
+
+
+def test_a_pool_one_web_pods_processes_could_fill_past_max_connections_is_warned_of(settings, monkeypatch):
+    """`migrate` (and `check --database default`) runs the project's database checks: (max_size + its ledger writer)
+    x `WEB_CONCURRENCY` against what PostgreSQL allows its clients (the test server's `max_connections`: 100)."""
+    from django.core import checks
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+        )
+        num_allowed = cursor.fetchone()[0]
+    monkeypatch.setenv("WEB_CONCURRENCY", "2")
+
+    def warned() -> list[str]:
+        return [
+            message.msg
+            for message in checks.run_checks(databases=["default"])
+            if message.id == "inferplane.W001"
+        ]
+
+    settings.DATABASE_POOL_MAX_SIZE = 4  # the default
+    assert warned() == []
+    settings.DATABASE_POOL_MAX_SIZE = num_allowed // 2
+    assert warned() == [
+        f"One web pod may hold {2 * (num_allowed // 2 + 1)} PostgreSQL connections (WEB_CONCURRENCY=2 processes x "
+        f"(DATABASE_POOL_MAX_SIZE={num_allowed // 2} + 1 ledger writer)), more than the {num_allowed} PostgreSQL "
+        "allows clients (max_connections less superuser_reserved_connections)."
+    ]
+    settings.DATABASE_POOL_MAX_SIZE = 0  # no pool
+    assert warned() == []

@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
@@ -23,6 +22,7 @@ from controlplane import tokens
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.credential_lookups import CredentialLookups
 from controlplane.secrets import SecretUnreadable
+from controlplane.worker_threads import in_worker_thread
 from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
@@ -177,11 +177,16 @@ def authenticate_node(secret: str) -> Node:
 
 async def authenticate_node_async(secret: str) -> Node:
     """`authenticate_node` for an async view: a refused secret costs no thread, and callers beyond the lookup
-    slots wait as coroutines, not as threads."""
+    slots wait as coroutines, not as threads.
+
+    NOTE: in a worker thread that closes its connection after (`in_worker_thread`): run on the loop's default executor
+    and left open, each lookup pinned a pooled connection to that long-lived thread for good, so a few bogus secrets
+    (no credentials needed) took the web process's whole pool and every request after got a 503
+    (`tests/test_web_database_pool.py`)."""
     if tokens.split_token(secret, Node.SECRET_KIND) is None or NODE_SECRET_LOOKUPS.is_refused(secret):
         raise AgentAuthError("invalid node secret")
     async with NODE_SECRET_LOOKUPS.slots.held_async():
-        return await sync_to_async(authenticate_node, thread_sensitive=False)(secret)
+        return await in_worker_thread(authenticate_node)(secret)
 
 
 # The node's `last_status` key that says what of its heartbeat's GPU list was ignored (the fleet pages show it).
