@@ -300,6 +300,8 @@ CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - 30 if CELERY_TASK_TIME_LI
 # NOTE: must exceed the longest task (and any countdown), or Redis redelivers a task still running.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": max(3600, 2 * CELERY_TASK_TIME_LIMIT)}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker outlives Redis restarts with tasks held (`controlplane.broker_transport`).
+CELERY_BROKER_TRANSPORT = "controlplane.broker_transport:Transport"
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_TIMEZONE = "UTC"
 # NOTE: batch runs (each up to INFERPLANE_BATCH_RUN_SLICE_S, any tenant may queue many) have a queue of their

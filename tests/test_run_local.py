@@ -1,6 +1,9 @@
 """`make run`'s command (`manage.py run_local`) as a new user meets it when this machine's port is taken."""
 
 import socket
+import subprocess
+import sys
+import time
 from io import StringIO
 from types import SimpleNamespace
 
@@ -35,3 +38,36 @@ def test_the_banner_says_where_the_mail_a_new_user_waits_for_is(settings, tmp_pa
     demo = SimpleNamespace(password="pw", api_key="ip_key")
     Command(stdout=out)._print_banner("http://127.0.0.1:8000", demo, tmp_path / "logs", no_agent=False)
     assert f"Mail        printed to {tmp_path / 'logs'}/web.log (sign-up links, invitations" in out.getvalue()
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _exited() -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    child.wait()
+    return child
+
+
+def test_a_worker_that_dies_is_started_again_and_make_run_goes_on(tmp_path):
+    children = {"web": _sleeper(), "worker": _exited(), "beat": _sleeper()}
+    started_at = dict.fromkeys(children, time.monotonic() - 60)
+    err = StringIO()
+    try:
+        stop = Command(stderr=err)._restart_exited(children, started_at, lambda name: _sleeper(), tmp_path)
+        assert not stop
+        assert children["worker"].poll() is None
+        assert "worker exited with 1" in err.getvalue() and "worker started again" in err.getvalue()
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
+
+
+def test_the_web_server_exiting_or_a_worker_that_cannot_start_stops_make_run(tmp_path):
+    for name, age_s in (("web", 60), ("worker", 1)):
+        children = {name: _exited()}
+        assert Command(stderr=StringIO())._restart_exited(
+            children, {name: time.monotonic() - age_s}, lambda name: _sleeper(), tmp_path
+        )

@@ -26,6 +26,11 @@ from django.core.management.base import BaseCommand, CommandError
 from controlplane import embedded
 from controlplane.demo import DEMO_EMAIL, DEMO_ENDPOINT, seed_demo
 
+# NOTE: a Celery process that dies (a broker fault its library does not survive) is started again, as in a pod;
+# the web server is what a user watches, and its exit stops `make run`.
+RESTARTED_ON_EXIT = ("worker", "beat")
+RESTART_MIN_UPTIME_S = 10.0
+
 
 class Command(BaseCommand):
     help = "Run the web server, Celery worker and beat, with a seeded demo whose local node pool starts a CPU agent."
@@ -76,18 +81,20 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGINT, stop_all)
         signal.signal(signal.SIGTERM, stop_all)
+        def start(name: str) -> subprocess.Popen:
+            with open(logs_dir / f"{name}.log", "ab") as log:
+                return subprocess.Popen(commands[name], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
         try:
-            for name, command in commands.items():
-                log = open(logs_dir / f"{name}.log", "ab")
-                children[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            started_at: dict[str, float] = {}
+            for name in commands:
+                children[name], started_at[name] = start(name), time.monotonic()
                 if name == "web":
                     self._wait_for(base_url, children["web"], logs_dir / "web.log")
             self._print_banner(base_url, demo, logs_dir, no_agent)
             while not stopping:
-                for name, child in children.items():
-                    if child.poll() is not None:
-                        self.stderr.write(f"{name} exited with {child.returncode}; see {logs_dir / (name + '.log')}")
-                        stopping = True
+                if self._restart_exited(children, started_at, start, logs_dir):
+                    stopping = True
                 time.sleep(0.5)
         finally:
             self.stdout.write("Stopping…")
@@ -101,6 +108,21 @@ class Command(BaseCommand):
                     _signal_group(child, signal.SIGKILL)
             self.stdout.write("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
                               "`make stop` stops them.")
+
+    def _restart_exited(self, children: dict[str, subprocess.Popen], started_at: dict[str, float], start,
+                        logs_dir: Path) -> bool:
+        """Start again a worker or beat that exited (as Kubernetes restarts their containers: the Deployments'
+        `restartPolicy: Always`); True, to stop everything, when the web server exited or one exited again within
+        `RESTART_MIN_UPTIME_S` of its start (it cannot start: its log says why)."""
+        for name, child in children.items():
+            if child.poll() is None:
+                continue
+            self.stderr.write(f"{name} exited with {child.returncode}; see {logs_dir / (name + '.log')}")
+            if name not in RESTARTED_ON_EXIT or time.monotonic() - started_at[name] < RESTART_MIN_UPTIME_S:
+                return True
+            children[name], started_at[name] = start(name), time.monotonic()
+            self.stderr.write(f"{name} started again")
+        return False
 
     def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 60
