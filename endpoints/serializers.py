@@ -2,7 +2,6 @@
 
 import functools
 import ipaddress
-import json
 import re
 from urllib.parse import urlsplit
 
@@ -10,6 +9,7 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from controlplane import parsers
 from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.tenancy import request_membership
@@ -201,7 +201,7 @@ class PrewarmWindowsField(serializers.Field):
     def to_internal_value(self, data):
         if isinstance(data, str):  # a form post: the console sends the list as JSON
             try:
-                data = json.loads(data or "[]")
+                data = parsers.loads(data or "[]")
             except ValueError:
                 self.fail("invalid")
         problems = prewarm.validate_windows(data)
