@@ -337,7 +337,11 @@ class EndpointSerializer(StrictModelSerializer):
         errors = {}
         gpu = current("gpu_type")
         quantization = current("quantization")
-        if gpu in GPU_TYPES and quantization not in GPU_TYPES[gpu].quantizations:
+        # NOTE: judged when the request sets the pair, not on every PATCH: an endpoint saved before a GPU type
+        # stopped offering its quantization (int8 on cpu) can still be scaled to zero, paused or renamed.
+        changes_gpu = self.instance is None or any(
+            name in attrs and attrs[name] != getattr(self.instance, name) for name in ("gpu_type", "quantization"))
+        if changes_gpu and gpu in GPU_TYPES and quantization not in GPU_TYPES[gpu].quantizations:
             allowed = ", ".join(GPU_TYPES[gpu].quantizations)
             errors["quantization"] = [f"{quantization!r} is not available on {gpu}; choose one of: {allowed}."]
         min_replicas, max_replicas = current("min_replicas"), current("max_replicas")
