@@ -30,19 +30,27 @@ def test_a_port_out_of_range_is_a_one_line_error_that_names_the_range(monkeypatc
     monkeypatch.setenv("INFERPLANE_PORT", port)
     with pytest.raises(CommandError) as refused:
         call_command("run_local")
-    assert str(refused.value) == f"cannot listen on 127.0.0.1:{port}: INFERPLANE_PORT must be a port from 1 to 65535."
+    assert (
+        str(refused.value)
+        == f"cannot listen on 127.0.0.1:{port}: INFERPLANE_PORT must be a port from 1 to 65535."
+    )
     assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize("host", ["no-such-host.invalid", "[::1]"])
-def test_a_host_this_machine_cannot_listen_on_is_named_and_no_other_port_is_suggested(monkeypatch, tmp_path, host):
+def test_a_host_this_machine_cannot_listen_on_is_named_and_no_other_port_is_suggested(
+    monkeypatch, tmp_path, host
+):
     """It was told to choose another port, which changed nothing."""
     monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("INFERPLANE_HOST", host)
     with pytest.raises(CommandError) as refused:
         call_command("run_local", "--port", "8000")
     message = str(refused.value)
-    assert message.startswith(f"cannot listen on {host}:8000 (") and "INFERPLANE_HOST must be an address" in message
+    assert (
+        message.startswith(f"cannot listen on {host}:8000 (")
+        and "INFERPLANE_HOST must be an address" in message
+    )
     assert "INFERPLANE_PORT" not in message
     assert not (tmp_path / "logs").exists()
 
