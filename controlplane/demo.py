@@ -95,8 +95,9 @@ def seed_local_pool(*, enabled: bool) -> NodePool:
         return create_node_pool(SYSTEM, name=DEMO_POOL, gpu_type="cpu", provider=PoolProvider.LOCAL, template={},
                                 gpu_memory_mb=host_engine_memory_mb(), join_deadline_s=300, hourly_price=0, **limits)
     pool = update_node_pool(SYSTEM, pool, **limits)
-    release_stopped_machines(pool, get_provider(pool.provider), "its agent is not running (stopped by make stop?)",
-                             timezone.now())
+    if pool.provider == PoolProvider.LOCAL:  # staff may have moved it to a cloud: heartbeats judge those machines
+        release_stopped_machines(pool, get_provider(pool.provider), "its agent is not running (stopped by make stop?)",
+                                 timezone.now())
     return pool
 
 

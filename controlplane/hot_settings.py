@@ -21,15 +21,22 @@ class _Settings:
     """Each setting read once, then a plain attribute (a miss reads `settings`; `_forget` drops a changed one)."""
 
     def __getattr__(self, name: str):
+        # NOTE: a change between the read and the store (another thread's `override_settings`) would be forgotten
+        # before the store and then stored stale for good: a value read across a change is returned, not kept.
+        seen = _num_changes
         value = getattr(settings, name)
-        self.__dict__[name] = value
+        if _num_changes == seen:
+            self.__dict__[name] = value
         return value
 
 
+_num_changes = 0  # `setting_changed` signals seen
 hot = _Settings()
 
 
 def _forget(*, setting: str, **_kwargs) -> None:
+    global _num_changes
+    _num_changes += 1
     hot.__dict__.pop(setting, None)
 
 

@@ -2,7 +2,6 @@
 
 import functools
 import ipaddress
-import json
 import re
 from urllib.parse import urlsplit
 
@@ -10,6 +9,7 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from controlplane import parsers
 from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.tenancy import request_membership
@@ -201,7 +201,7 @@ class PrewarmWindowsField(serializers.Field):
     def to_internal_value(self, data):
         if isinstance(data, str):  # a form post: the console sends the list as JSON
             try:
-                data = json.loads(data or "[]")
+                data = parsers.loads(data or "[]")
             except ValueError:
                 self.fail("invalid")
         problems = prewarm.validate_windows(data)
@@ -337,7 +337,11 @@ class EndpointSerializer(StrictModelSerializer):
         errors = {}
         gpu = current("gpu_type")
         quantization = current("quantization")
-        if gpu in GPU_TYPES and quantization not in GPU_TYPES[gpu].quantizations:
+        # NOTE: judged when the request sets the pair, not on every PATCH: an endpoint saved before a GPU type
+        # stopped offering its quantization (int8 on cpu) can still be scaled to zero, paused or renamed.
+        changes_gpu = self.instance is None or any(
+            name in attrs and attrs[name] != getattr(self.instance, name) for name in ("gpu_type", "quantization"))
+        if changes_gpu and gpu in GPU_TYPES and quantization not in GPU_TYPES[gpu].quantizations:
             allowed = ", ".join(GPU_TYPES[gpu].quantizations)
             errors["quantization"] = [f"{quantization!r} is not available on {gpu}; choose one of: {allowed}."]
         min_replicas, max_replicas = current("min_replicas"), current("max_replicas")

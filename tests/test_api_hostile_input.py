@@ -3,6 +3,8 @@
 Each case here was a 500 found by the schema fuzzer (tests/test_api_fuzz.py).
 """
 
+from urllib.parse import urlencode
+
 import pytest
 from rest_framework.request import Request
 from rest_framework.settings import api_settings
@@ -10,7 +12,7 @@ from rest_framework.test import APIRequestFactory
 
 from controlplane.accounts.models import Role
 from endpoints.events import record_event
-from endpoints.models import EventKind
+from endpoints.models import Endpoint, EventKind
 from tests.factories import EndpointFactory, MembershipFactory
 
 pytestmark = pytest.mark.django_db
@@ -217,3 +219,27 @@ def test_a_body_nested_too_deeply_is_a_400_on_every_operation_that_reads_one(own
 
     assert {path: response.status_code for path, response in answers.items()} == {path: 400 for _, path in calls}
     assert all("nested too deeply" in response.json()["detail"] for response in answers.values())
+
+
+def test_json_text_nested_too_deeply_inside_a_field_is_a_400_on_that_field(owner_client, settings):
+    """The pre-warm windows as JSON text (the console's form post, or a string in a JSON body) `[[[…]]]` 5,000 levels
+    deep raised a RecursionError past the field's `except ValueError`: a 500 from every parser."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    nested = "[" * 5000 + "]" * 5000
+    new = {"name": "deep", "model_source": "hf:org/m-1B", "gpu_type": "l4", "prewarm_windows": nested}
+    patch = f"/api/v1/endpoints/{endpoint.pk}/"
+
+    answers = {
+        "a string in a JSON PATCH": owner_client.patch(patch, {"prewarm_windows": nested}, format="json"),
+        "a string in a JSON POST": owner_client.post("/api/v1/endpoints/", new, format="json"),
+        "an urlencoded PATCH": owner_client.patch(patch, urlencode({"prewarm_windows": nested}),
+                                                  content_type="application/x-www-form-urlencoded"),
+        "a multipart POST": owner_client.post("/api/v1/endpoints/", new),
+    }
+
+    assert {what: response.status_code for what, response in answers.items()} == {what: 400 for what in answers}
+    assert all(response.json() == {"prewarm_windows": ["Must be a JSON list of windows."]} for response in answers.values())
+    endpoint.refresh_from_db()
+    assert endpoint.prewarm_windows == [] and not Endpoint.objects.filter(name="deep").exists()

@@ -2,6 +2,7 @@
 `django.conf.settings`, changes included, without its lazy wrapper's look-up on each read."""
 
 import asyncio
+import threading
 from decimal import Decimal
 
 import pytest
@@ -10,6 +11,7 @@ from django.test import override_settings
 
 from billing import standing
 from billing.quota import counters
+from controlplane import hot_settings
 from controlplane.hot_settings import hot
 from endpoints.gateway import delivery
 
@@ -33,6 +35,35 @@ def test_a_hot_setting_follows_override_settings_and_its_undoing():
         assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == Decimal("12.5")
         assert counters.limits_version() == "2:12.5:1"
     assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == before
+
+
+def test_a_setting_changed_while_another_thread_reads_it_is_not_kept_stale(monkeypatch):
+    """The reader stored what it read after the change's signal had dropped it: `hot` kept the old value for good."""
+    hot.__dict__.pop("BILLING_RESERVATION_TTL_S", None)
+    before = settings.BILLING_RESERVATION_TTL_S
+    change = override_settings(BILLING_RESERVATION_TTL_S=before + 99)
+    read, changed = threading.Event(), threading.Event()
+
+    class ReadJustBeforeTheChange:  # settings as the reader thread sees them: its read lands, then the change
+        def __getattr__(self, name):
+            value = getattr(settings, name)
+            read.set()
+            changed.wait(timeout=30)
+            return value
+
+    monkeypatch.setattr(hot_settings, "settings", ReadJustBeforeTheChange())
+    reader = threading.Thread(target=lambda: hot.BILLING_RESERVATION_TTL_S)
+    reader.start()
+    assert read.wait(timeout=30)
+    change.enable()  # another thread's override_settings: the setting_changed signal
+    changed.set()
+    reader.join()
+    monkeypatch.setattr(hot_settings, "settings", settings)
+    try:
+        assert hot.BILLING_RESERVATION_TTL_S == before + 99
+    finally:
+        change.disable()
+    assert hot.BILLING_RESERVATION_TTL_S == before
 
 
 def test_an_unknown_setting_is_refused_as_django_refuses_it():

@@ -73,6 +73,25 @@ def test_int8_on_a_cpu_is_refused_with_a_field_error_since_no_cpu_agent_can_run_
     assert refused.json()["quantization"] == ["'int8' is not available on cpu; choose one of: none, fp8_per_channel."]
 
 
+def test_an_int8_cpu_endpoint_saved_before_cpu_dropped_int8_can_still_be_scaled_paused_and_moved_off_it(owner_client):
+    """Every PATCH was judged by the pair as stored: `{"min_replicas": 0}` answered 400 on `quantization`."""
+    endpoint = EndpointFactory(organization=owner_client.organization, gpu_type="cpu", quantization="int8",
+                               model_source="hf:org/model-1B", min_replicas=1, max_replicas=2)
+    url = f"/api/v1/endpoints/{endpoint.pk}/"
+
+    scaled = owner_client.patch(url, {"min_replicas": 0}, format="json")
+    windows = owner_client.patch(url, {"prewarm_windows": []}, format="json")
+    same_pair = owner_client.patch(url, {"gpu_type": "cpu", "quantization": "int8", "max_replicas": 1}, format="json")
+    moved = owner_client.patch(url, {"quantization": "none"}, format="json")
+
+    assert (scaled.status_code, windows.status_code, same_pair.status_code) == (200, 200, 200), scaled.json()
+    assert moved.status_code == 200 and moved.json()["quantization"] == "none"
+    endpoint.refresh_from_db()
+    assert (endpoint.min_replicas, endpoint.max_replicas, endpoint.quantization) == (0, 1, "none")
+    back = owner_client.patch(url, {"quantization": "int8"}, format="json")
+    assert back.status_code == 400 and "is not available on cpu" in back.json()["quantization"][0]
+
+
 @pytest.fixture
 def l4_node(client):
     token = create_join_token(SYSTEM, name="test").plain

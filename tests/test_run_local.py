@@ -26,6 +26,38 @@ def test_a_taken_port_stops_make_run_at_once_and_names_the_variable_that_picks_a
     assert not (tmp_path / "logs").exists()  # nothing migrated, seeded or started first
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_a_one_line_error_that_names_the_range(monkeypatch, tmp_path, port):
+    """`bind` raised an OverflowError for it: a traceback."""
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("INFERPLANE_PORT", port)
+    with pytest.raises(CommandError) as refused:
+        call_command("run_local")
+    assert (
+        str(refused.value)
+        == f"cannot listen on 127.0.0.1:{port}: INFERPLANE_PORT must be a port from 1 to 65535."
+    )
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "[::1]"])
+def test_a_host_this_machine_cannot_listen_on_is_named_and_no_other_port_is_suggested(
+    monkeypatch, tmp_path, host
+):
+    """It was told to choose another port, which changed nothing."""
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("INFERPLANE_HOST", host)
+    with pytest.raises(CommandError) as refused:
+        call_command("run_local", "--port", "8000")
+    message = str(refused.value)
+    assert (
+        message.startswith(f"cannot listen on {host}:8000 (")
+        and "INFERPLANE_HOST must be an address" in message
+    )
+    assert "INFERPLANE_PORT" not in message
+    assert not (tmp_path / "logs").exists()
+
+
 def test_a_bad_port_variable_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("INFERPLANE_PORT", "80OO")
     with pytest.raises(CommandError, match="argument --port: invalid int value: '80OO'"):

@@ -11,6 +11,7 @@ import json
 
 from django import forms
 
+from controlplane import parsers
 from endpoints.catalogue import GPU_TYPES
 from endpoints.fleet import pool_services
 from endpoints.nodes.models import NodePool, PoolProvider
@@ -25,7 +26,7 @@ class JsonObjectField(forms.CharField):
     def to_python(self, value):
         text = (value or "").strip() or "{}"
         try:
-            parsed = json.loads(text)
+            parsed = parsers.loads(text)
         except ValueError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc}") from None
         if not isinstance(parsed, dict):

@@ -13,6 +13,7 @@ from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import BasePermission
 
 from billing.serializers import DatePeriodSerializer
+from controlplane import parsers
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.serializers import StrictModelSerializer
@@ -72,7 +73,7 @@ class NodePoolSerializer(StrictModelSerializer):
     num_booting = serializers.IntegerField(source="usage.num_booting", read_only=True,
                                            help_text="Of them, requested or launching (not joined yet).")
     usage = PoolUsageSerializer(read_only=True, help_text="Node-hours and cost in the period asked for (default: this month).")
-    template = serializers.JSONField(required=False, help_text="The provider's machine template (a JSON object).")
+    template = parsers.JSONField(required=False, help_text="The provider's machine template (a JSON object).")
     gpus_per_node = serializers.IntegerField(required=False, min_value=0, max_value=pool_services.MAX_GPUS_PER_NODE,
                                              help_text="Default 1 (0 for the cpu GPU type).")
     gpu_memory_mb = serializers.IntegerField(required=False, min_value=0, max_value=pool_services.MAX_GPU_MEMORY_MB,

@@ -11,7 +11,8 @@ termination failed is tried again every tick.
 
 A joined node OFFLINE past another heartbeat grace period (the machine died) is terminated and
 finished the same way, the reason saying so; its demand, if any, brings a replacement. `make run`
-releases the local pool's machines whose agent `make stop` stopped at once (`release_stopped_machines`).
+releases the local pool's machines whose agent `make stop` stopped at once (`release_stopped_machines`): those its
+pool folder records, their process gone; never another `make run`'s (another folder, the same database).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from endpoints.fleet.pool_demand import pool_counts
 from endpoints.fleet.pool_plan import IdleNode, nodes_to_release
 from endpoints.fleet.providers import pool_spec
 from endpoints.fleet.providers.base import Provider, ProviderError
+from endpoints.fleet.providers.local import LocalProvider
 from endpoints.fleet.services import retire_node, set_node_state
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
@@ -82,16 +84,17 @@ def cordon_for_release(pool: NodePool, launch_id: str) -> bool:
     return True
 
 
-def release_stopped_machines(pool: NodePool, provider: Provider, reason: str, now: datetime) -> list[str]:
-    """Joined launches whose machine the provider no longer runs are terminated, their nodes retired and their
-    replicas replaced now, not two heartbeat grace periods later.
+def release_stopped_machines(pool: NodePool, provider: LocalProvider, reason: str, now: datetime) -> list[str]:
+    """Joined launches whose local agent `make stop` stopped are terminated, their nodes retired and their replicas
+    replaced now, not two heartbeat grace periods later.
 
-    NOTE: only where `provider.list` is the truth of this moment: the local provider at `make run`'s start (its
-    agents are this machine's processes, and `make stop` stops them). A cloud's list may lag its machines; their
-    silence is judged by heartbeats (`release_idle`)."""
-    running = {machine.launch_id for machine in provider.list(pool_spec(pool))}
+    NOTE: only a launch whose agent this machine's pool folder records, and whose process is gone: at `make run`'s
+    start these records are the truth of this moment. A launch recorded nowhere here may be another `make run`'s
+    (another data folder, the same database), its agent alive: it is judged by heartbeats (`release_idle`), as a
+    cloud's machines are (a cloud's list may lag its machines)."""
+    stopped = provider.stopped(pool_spec(pool))
     for launch in NodeLaunch.objects.filter(pool=pool, state=LaunchState.JOINED):
-        if str(launch.pk) not in running and launches.start_release(launch, reason):
+        if str(launch.pk) in stopped and launches.start_release(launch, reason):
             record_audit(SYSTEM, None, "node_launch.dead", launch, pool=pool.name, reason=reason)
     return finish_releases(pool, provider, now)
 

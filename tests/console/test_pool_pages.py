@@ -76,6 +76,14 @@ def test_a_template_that_is_not_a_json_object_is_shown_as_such(staff):
     assert response.status_code == 400 and "Not valid JSON" in response.content.decode()
 
 
+def test_a_template_nested_too_deeply_is_shown_as_not_valid_json(staff):
+    """`[[[…]]]` 5,000 levels deep raised a RecursionError past the field's `except ValueError`: a 500."""
+    response = staff.post(reverse("console:pool-new"), FORM | {"template": "[" * 5000 + "]" * 5000})
+
+    assert response.status_code == 400 and "Not valid JSON: nested too deeply" in response.content.decode()
+    assert not NodePool.objects.exists()
+
+
 def test_staff_edit_a_pool_and_only_what_changed_is_saved(staff):
     pool = make_pool()
     url = reverse("console:pool-edit", args=[pool.pk])

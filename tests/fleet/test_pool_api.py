@@ -117,6 +117,19 @@ def test_a_pool_that_breaks_a_rule_is_a_400_naming_the_field(staff_client, chang
     assert not NodePool.objects.exists()
 
 
+def test_a_template_posted_as_form_json_nested_too_deeply_is_a_400_on_the_template(staff_client, settings):
+    """A form post's template is JSON text DRF's JSONField parses: `[[[…]]]` 5,000 levels deep raised a
+    RecursionError it does not catch (a 500)."""
+    settings.DEBUG = False
+    staff_client.raise_request_exception = False
+
+    response = staff_client.post(POOLS, POOL | {"template": "[" * 5000 + "]" * 5000})
+
+    assert response.status_code == 400
+    assert response.json() == {"template": ["Value must be valid JSON."]}
+    assert not NodePool.objects.exists()
+
+
 def test_the_providers_template_errors_come_back_as_template_fields(staff_client):
     response = staff_client.post(POOLS, POOL | {"template": {"engine_ports": "80-90", "subnet": "x"}}, format="json")
 

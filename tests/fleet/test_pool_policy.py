@@ -7,6 +7,8 @@ it was asked: the policy's decisions are what is under test; the real `local` pr
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -15,7 +17,7 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from controlplane import tokens
+from controlplane import local_agents, tokens
 from controlplane.accounts.models import AuditEvent, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
 from controlplane.demo import host_engine_memory_mb, seed_local_pool
@@ -530,18 +532,34 @@ def test_make_runs_demo_pool_starts_the_local_agent_and_no_agent_turns_it_off():
     assert tick(provider) == 1  # its minimum: the agent `make run` no longer starts itself
 
 
+def record_local_agent(directory, launch: NodeLaunch, process: subprocess.Popen, started: str) -> None:
+    """The state file the local provider writes for a launch's agent (`controlplane.local_agents`)."""
+    local_agents.LocalAgent(launch_id=str(launch.pk), pool_id=launch.pool_id, name=f"agent-{launch.pk}",
+                            pid=process.pid, pgid=process.pid, started=started, engine_port_min=10000,
+                            engine_port_max=10099).save(directory)
+
+
+def joined_launch_with_a_ready_replica(pool: NodePool) -> tuple[NodeLaunch, Node, Replica]:
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.JOINED, deadline_at=timezone.now(),
+                                       joined_at=timezone.now() - timedelta(minutes=20))
+    NodeLaunch.objects.filter(pk=launch.pk).update(provider_id=str(launch.pk))  # the local provider's id: the launch's
+    node = join(launch)
+    NodeLaunch.objects.filter(pk=launch.pk).update(node=node)
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=1)
+    return launch, node, Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+
+
 @pytest.mark.django_db
 def test_make_run_retires_the_local_agents_make_stop_stopped_and_replaces_their_replicas_at_once(settings, tmp_path):
     # Seen on `make stop` then `make run`: the stopped agent's node was still READY on record, and the printed curl
     # got 502 upstream_error for 2 min 24 s, until the sweeper judged it silent and the pool started a new agent.
-    settings.LOCAL_POOL_DIR = str(tmp_path)  # no agent runs: `make stop` stopped it
+    settings.LOCAL_POOL_DIR = str(tmp_path)
     pool = seed_local_pool(enabled=True)
-    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.JOINED, provider_id="gone", deadline_at=timezone.now(),
-                                       joined_at=timezone.now() - timedelta(minutes=20))
-    node = join(launch)
-    NodeLaunch.objects.filter(pk=launch.pk).update(node=node)
-    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=1)
-    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    launch, node, replica = joined_launch_with_a_ready_replica(pool)
+    agent = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = local_agents.process_start_time(agent.pid)
+    agent.wait()  # `make stop` stopped it; its record stays
+    record_local_agent(tmp_path, launch, agent, started)
 
     seed_local_pool(enabled=True)  # what `make run` does before it starts the control plane
 
@@ -550,7 +568,37 @@ def test_make_run_retires_the_local_agents_make_stop_stopped_and_replaces_their_
     launch.refresh_from_db()
     assert node.state == NodeState.OFFLINE and replica.state == ReplicaState.FAILED
     assert launch.state == LaunchState.TERMINATED and launch.reason == "its agent is not running (stopped by make stop?)"
+    assert not local_agents.state_path(tmp_path, str(launch.pk)).exists()
     assert tick(RecordingProvider()) == 1  # a new agent for the endpoint's replica, at the first tick
+
+
+@pytest.mark.django_db
+def test_a_second_make_run_with_another_data_folder_on_the_same_database_keeps_the_firsts_live_agents(settings,
+                                                                                                      tmp_path):
+    """Its pool folder records none of the first run's agents: they were taken for stopped, their nodes retired and
+    replicas failed, their processes left running unseen."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    settings.LOCAL_POOL_DIR = str(first)
+    pool = seed_local_pool(enabled=True)
+    launch, node, replica = joined_launch_with_a_ready_replica(pool)
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        record_local_agent(first, launch, agent, local_agents.process_start_time(agent.pid))
+        seed_local_pool(enabled=True)  # the first `make run` again: its agent lives
+
+        settings.LOCAL_POOL_DIR = str(second)
+        seed_local_pool(enabled=True)  # the second, another data folder, the same DATABASE_URL
+
+        node.refresh_from_db()
+        replica.refresh_from_db()
+        launch.refresh_from_db()
+        assert (node.state, replica.state, launch.state) == (NodeState.READY, ReplicaState.READY, LaunchState.JOINED)
+        assert agent.poll() is None
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 @pytest.mark.django_db

@@ -10,6 +10,7 @@ are machines and keep running (`make stop` stops them).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -173,14 +174,24 @@ Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 
 def port_problem(host: str, port: int) -> str:
     """Why the web server could not listen on host:port ("" if it can), with the way out. Checked before
-    migrating and seeding: else the web server died at its start and the banner said only "see web.log"."""
+    migrating and seeding: else the web server died at its start and the banner said only "see web.log".
+    Another port is suggested only when this one is taken; a port out of range or a host this machine cannot
+    listen on is named as such (a port past 65535 was an OverflowError traceback)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
         try:
             probe.bind((host, port))
+        except OverflowError:
+            return f"cannot listen on {host}:{port}: INFERPLANE_PORT must be a port from 1 to 65535."
         except OSError as error:
-            return (f"cannot listen on {host}:{port} ({error.strerror}). Choose another port: "
-                    f"INFERPLANE_PORT={port + 1} make run")
+            if error.errno == errno.EADDRINUSE:
+                return (f"cannot listen on {host}:{port} ({error.strerror}). Choose another port: "
+                        f"INFERPLANE_PORT={port + 1} make run")
+            if error.errno == errno.EACCES:
+                return (f"cannot listen on {host}:{port} ({error.strerror}): a port below 1024 needs privileges. "
+                        "Choose another port: INFERPLANE_PORT=8000 make run")
+            return (f"cannot listen on {host}:{port} ({error.strerror}): INFERPLANE_HOST must be an address of this "
+                    "machine, e.g. 127.0.0.1 or 0.0.0.0 (an IPv6 one without brackets).")
     return ""
 
 

@@ -114,6 +114,14 @@ class LocalProvider:
             if agent.pool_id == pool.id and local_agents.is_alive(agent)
         ]
 
+    def stopped(self, pool: PoolSpec) -> set[str]:
+        """The launch ids of this folder's recorded agents that no longer run (`make stop` keeps their records).
+
+        NOTE: a launch without a record here is unknown, not stopped: another `make run`, with another data folder
+        and the same database, runs its own agents, recorded in its own folder."""
+        return {agent.launch_id for agent in local_agents.read_agents(_pool_dir())
+                if agent.pool_id == pool.id and not local_agents.is_alive(agent)}
+
 
 def _pool_dir() -> Path:
     directory = Path(settings.LOCAL_POOL_DIR)
