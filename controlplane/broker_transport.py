@@ -11,13 +11,26 @@ Two faults of kombu's Redis transport (5.7) when Redis goes away under a worker 
   worker exits. The channel keeps the connection it was opened on and reads the parameters from it instead.
 - That hand-back runs while Redis is still down, so it fails; the messages stay in the broker's unacknowledged set
   until the visibility timeout (an hour) passes. The worker remembers their delivery tags and hands them back on
-  its next channel, once Redis answers again (their bodies are in Redis, kept across its restart)."""
+  its next channel, once Redis answers again (their bodies are in Redis, kept across its restart), each only while
+  its unacknowledged copy is still the one this process held: a message handed back keeps its delivery tag, and a
+  copy delivered again since (to another worker, or after the visibility timeout) is indexed at a later time. A
+  process forked after the failure (billiard's new pool child) forgets them: its parent hands them back.
+
+NOTE: a review found that without those two rules a remembered tag handed back by a forked child (or twice) took the
+message from the consumer that held it again and queued it a second time: the task ran twice."""
+
+import os
+import time
 
 from kombu.transport import redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
 
-# NOTE: per process: the delivery tags whose hand-back failed on a lost connection. Only this process held them
-# (a message is delivered to one consumer), so no other worker hands them back before the visibility timeout.
-_tags_to_restore: set[str] = set()
+# NOTE: per process: the delivery tags whose hand-back failed on a lost connection, with when it failed. Only this
+# process held them (a message is delivered to one consumer), so no other worker hands them back before the
+# visibility timeout.
+_tags_to_restore: dict[str, float] = {}
+os.register_at_fork(after_in_child=_tags_to_restore.clear)
 
 
 class QoS(redis.QoS):
@@ -26,9 +39,29 @@ class QoS(redis.QoS):
         try:
             return super().restore_unacked(client)
         except self.channel.connection_errors:
-            _tags_to_restore.update(tags)
+            failed_at = time.time()
+            _tags_to_restore.update(dict.fromkeys(tags, failed_at))
             self._delivered.clear()
             raise
+
+    def restore_if_still_held(self, tag: str, failed_at: float) -> None:
+        """Hand `tag`'s message back to its queue if its unacknowledged copy was delivered before `failed_at` (the one
+        this process held); a copy delivered since, or none, is left alone. One transaction over both indices."""
+        channel = self.channel
+
+        def restore(pipe):
+            delivered_at = pipe.zscore(channel.unacked_index_key, tag)
+            payload = pipe.hget(channel.unacked_key, tag)
+            pipe.multi()
+            if delivered_at is None or delivered_at > failed_at:
+                return
+            self._remove_from_indices(tag, pipe)
+            if payload:
+                message, exchange, routing_key = loads(bytes_to_str(payload))
+                channel._do_restore_message(message, exchange, routing_key, pipe, False)
+
+        with channel.conn_or_acquire() as client:
+            client.transaction(restore, channel.unacked_key, channel.unacked_index_key)
 
 
 class Channel(redis.Channel):
@@ -37,9 +70,13 @@ class Channel(redis.Channel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._broker_connection = self.connection.client
-        for tag in list(_tags_to_restore):
-            self.qos.restore_by_tag(tag)
-            _tags_to_restore.discard(tag)
+        try:
+            for tag, failed_at in list(_tags_to_restore.items()):
+                self.qos.restore_if_still_held(tag, failed_at)
+                del _tags_to_restore[tag]
+        except BaseException:
+            self.close()  # NOTE: not left in the connection's poller, its Redis pool open; the tags stay remembered
+            raise
 
     def _connparams(self, asynchronous=False):
         transport = self.connection
