@@ -171,14 +171,20 @@ def test_the_tick_looks_only_at_active_endpoints():
     assert str(idle.pk) not in scheduler.active_endpoint_ids()
 
 
-def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsewhere(settings, django_capture_on_commit_callbacks):
-    settings.NODE_HEARTBEAT_GRACE_S = 30
+def _a_ready_replica_on_a_silent_node(seconds: float):
+    """An endpoint's one replica, READY on a node whose last heartbeat is `seconds` old."""
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
     silent = make_node(memory_mb=80_000)
     scheduler.reconcile_endpoint(str(endpoint.pk), load())
     replica = Replica.objects.get(endpoint=endpoint)
     Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
-    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=seconds))
+    return endpoint, silent, replica
+
+
+def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsewhere(settings, django_capture_on_commit_callbacks):
+    settings.NODE_HEARTBEAT_GRACE_S = 30
+    endpoint, silent, replica = _a_ready_replica_on_a_silent_node(31)
     healthy = make_node(memory_mb=80_000)
     with django_capture_on_commit_callbacks(execute=False):
         scheduler.sweep_stuck()
@@ -196,12 +202,7 @@ def test_a_silent_node_goes_offline_and_its_replicas_fail_and_are_replaced_elsew
 def test_the_event_log_names_a_failed_replicas_state_as_the_console_shows_it(settings, django_capture_on_commit_callbacks):
     # Seen on `make run` after `make stop`: "Replica 8611126e ReplicaState.FAILED: its node stopped sending heartbeats".
     settings.NODE_HEARTBEAT_GRACE_S = 30
-    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
-    silent = make_node(memory_mb=80_000)
-    scheduler.reconcile_endpoint(str(endpoint.pk), load())
-    replica = Replica.objects.get(endpoint=endpoint)
-    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
-    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    endpoint, silent, replica = _a_ready_replica_on_a_silent_node(31)
     with django_capture_on_commit_callbacks(execute=False):
         scheduler.sweep_stuck()
     [event] = EndpointEvent.objects.filter(endpoint=endpoint, kind="failure")
@@ -285,12 +286,7 @@ def test_no_reader_sees_an_offline_node_whose_replicas_still_look_ready(settings
     # Found by the scaling test on a busy machine: the node's OFFLINE was committed before its replicas failed,
     # so a reader in between (the gateway's replica list, the console, a test) saw it OFFLINE and them READY.
     settings.NODE_HEARTBEAT_GRACE_S = 30
-    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
-    silent = make_node(memory_mb=80_000)
-    scheduler.reconcile_endpoint(str(endpoint.pk), load())
-    replica = Replica.objects.get(endpoint=endpoint)
-    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
-    Node.objects.filter(pk=silent.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=31))
+    endpoint, silent, replica = _a_ready_replica_on_a_silent_node(31)
     seen = []
 
     def read_elsewhere():

@@ -22,13 +22,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
-from controlplane.accounts.models import Role
-from controlplane.accounts.services import SYSTEM
-from endpoints.fleet.services import create_join_token
-from gpu_agent.protocol import Heartbeat
 from tests.conftest import start_web_server, wait_until
-from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 from tests.outages import database_refusing_connections, terminate_backends
+from tests.web_callers import registered_agent, signed_in_owner
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,16 +33,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 POOL_MAX_SIZE = 3
 POOL_ENV = {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE)}
 NUM_REQUESTS = 30
-REGISTRATION = {
-    "name": "gpu-1",
-    "gpu_type": "cpu",
-    "num_gpus": 0,
-    "gpu_memory_mb": 8192,
-    "num_cpus": 2,
-    "memory_mb": 24000,
-    "agent_version": "0.1.0",
-    "supported_quantizations": ["none"],
-}
 # What production needs to start with debug mode off: then a refused request gets the project's error handlers
 # (`handler500`), not Django's debug page.
 PRODUCTION_ENV = {
@@ -105,30 +91,13 @@ def pooled_web(tmp_path):
     child.stop()
 
 
-@pytest.fixture
-def console(client):
-    """A signed-in owner's cookies and one endpoint of theirs."""
-    organization = OrganizationFactory()
-    user = UserFactory()
-    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
-    endpoint = EndpointFactory(organization=organization, name="mine")
-    client.force_login(user)
-    return {name: morsel.value for name, morsel in client.cookies.items()}, endpoint
-
-
 def test_sequential_console_api_and_agent_requests_open_no_more_connections_than_the_pool_holds(
-    pooled_web, console, owner_client
+    pooled_web, client, owner_client
 ):
     """Before, each request's thread opened a connection of its own (a PostgreSQL backend forked, authenticated, closed
     as the request ended): 30 requests opened 30 sessions and more."""
-    cookies, endpoint = console
-    token = create_join_token(SYSTEM, name="pool").plain
-    secret = httpx.post(f"{pooled_web}/agent/v1/register", json=REGISTRATION | {"join_token": token}).json()[
-        "node_secret"
-    ]
-    beat = Heartbeat(
-        agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, replicas=[]
-    ).to_dict()
+    cookies, endpoint = signed_in_owner(client)
+    secret, beat = registered_agent(pooled_web, join_token_name="pool")
     opened_before = sessions_opened()
 
     for _ in range(NUM_REQUESTS // 3):

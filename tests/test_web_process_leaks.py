@@ -12,12 +12,8 @@ import pytest
 from django.db import connection
 
 from controlplane import serve
-from controlplane.accounts.models import Role
-from controlplane.accounts.services import SYSTEM
-from endpoints.fleet.services import create_join_token
-from gpu_agent.protocol import Heartbeat
 from tests.conftest import start_web_server, wait_until
-from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
+from tests.web_callers import registered_agent, signed_in_owner
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,16 +21,6 @@ NUM_REQUESTS = 30
 # The sessions a web process keeps whatever its traffic: one per thread of its event loop's default executor (asyncio's
 # own number of them) and its usage writer's. Fewer than NUM_REQUESTS, which each left one before.
 LONG_LIVED_SESSIONS = min(32, (os.cpu_count() or 1) + 4) + 1
-REGISTRATION = {
-    "name": "gpu-1",
-    "gpu_type": "cpu",
-    "num_gpus": 0,
-    "gpu_memory_mb": 8192,
-    "num_cpus": 2,
-    "memory_mb": 24000,
-    "agent_version": "0.1.0",
-    "supported_quantizations": ["none"],
-}
 
 # glibc maps each malloc arena but the main one as a heap of this size, aligned to it (HEAP_MAX_SIZE on 64 bits).
 MALLOC_HEAP_BYTES = 64 * 1024 * 1024
@@ -83,19 +69,8 @@ def test_the_web_process_holds_no_postgresql_session_once_its_requests_are_answe
     closed only when the garbage collector happened on it (a full collection, every few hundred requests), so a
     process held one idle session per request since then (49 after 420 console pages) and a few web processes
     took PostgreSQL's `max_connections`."""
-    organization = OrganizationFactory()
-    user = UserFactory()
-    MembershipFactory(organization=organization, user=user, role=Role.OWNER)
-    endpoint = EndpointFactory(organization=organization, name="mine")
-    client.force_login(user)
-    cookies = {name: morsel.value for name, morsel in client.cookies.items()}
-    token = create_join_token(SYSTEM, name="soak").plain
-    secret = httpx.post(f"{web}/agent/v1/register", json=REGISTRATION | {"join_token": token}).json()[
-        "node_secret"
-    ]
-    beat = Heartbeat(
-        agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, replicas=[]
-    ).to_dict()
+    cookies, endpoint = signed_in_owner(client)
+    secret, beat = registered_agent(web, join_token_name="soak")
 
     for _ in range(NUM_REQUESTS // 3):
         with httpx.Client(base_url=web, cookies=cookies) as browser:

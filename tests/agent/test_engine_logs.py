@@ -120,7 +120,9 @@ def test_a_log_cut_while_its_writer_appends_keeps_its_end_aside_and_takes_the_ne
         os.close(writer)
 
 
-def test_the_part_kept_aside_of_a_pruned_replicas_log_goes_with_it(tmp_path, monkeypatch):
+@pytest.fixture
+def ended_replica(tmp_path, monkeypatch):
+    """A supervisor that keeps no ended replica's log, and its one replica `r-ended`, whose engine exited: FAILED."""
     from gpu_agent.runtime import supervisor as supervisor_module
 
     monkeypatch.setattr(supervisor_module, "KEPT_ENDED_LOGS", 0)
@@ -132,11 +134,16 @@ def test_the_part_kept_aside_of_a_pruned_replicas_log_goes_with_it(tmp_path, mon
     try:
         supervisor.start(make_spec("r-ended"), "/nonexistent")
         wait_for_state(supervisor, "r-ended", ReplicaState.FAILED, timeout_s=60)
-        supervisor.logs_dir.joinpath("r-ended.log.1").write_bytes(b"kept aside\n")
-        supervisor.forget("r-ended")
-        assert list(supervisor.logs_dir.iterdir()) == []
+        yield supervisor
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+def test_the_part_kept_aside_of_a_pruned_replicas_log_goes_with_it(ended_replica):
+    supervisor = ended_replica
+    supervisor.logs_dir.joinpath("r-ended.log.1").write_bytes(b"kept aside\n")
+    supervisor.forget("r-ended")
+    assert list(supervisor.logs_dir.iterdir()) == []
 
 
 def crash_log(log_path, label: str) -> bytes:
@@ -249,25 +256,12 @@ def test_what_an_agent_killed_mid_cut_left_goes_at_the_next_agents_start(tmp_pat
     assert sorted(path.name for path in logs_dir.iterdir()) == ["r-old.log", "r-old.log.1", "standby.log"]
 
 
-def test_what_a_cut_left_beside_a_pruned_replicas_log_goes_with_it(tmp_path, monkeypatch):
-    from gpu_agent.runtime import supervisor as supervisor_module
-
-    monkeypatch.setattr(supervisor_module, "KEPT_ENDED_LOGS", 0)
-    supervisor = Supervisor(
-        tmp_path / "agent",
-        command_factory=fake_engine_factory("--exit-after-s", "0"),
-        policy=SupervisorPolicy(max_consecutive_crashes=1),
-    )
-    try:
-        supervisor.start(make_spec("r-ended"), "/nonexistent")
-        wait_for_state(supervisor, "r-ended", ReplicaState.FAILED, timeout_s=60)
-        supervisor.logs_dir.joinpath("r-ended.log.1.partial").write_bytes(
-            b"being kept aside\n"
-        )  # agent killed mid-cut
-        supervisor.forget("r-ended")
-        assert list(supervisor.logs_dir.iterdir()) == []
-    finally:
-        supervisor.shutdown(timeout_s=1)
+def test_what_a_cut_left_beside_a_pruned_replicas_log_goes_with_it(ended_replica):
+    supervisor = ended_replica
+    # agent killed mid-cut
+    supervisor.logs_dir.joinpath("r-ended.log.1.partial").write_bytes(b"being kept aside\n")
+    supervisor.forget("r-ended")
+    assert list(supervisor.logs_dir.iterdir()) == []
 
 
 def test_the_logs_stay_within_their_bound_while_a_walk_of_the_engines_folders_takes_long(
