@@ -5,10 +5,12 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import math
 import threading
 import time
 from datetime import timedelta
 from decimal import Decimal
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -103,6 +105,18 @@ def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_rele
         child.stop()
 
 
+async def beat_and_its_parts(*, web: bool = False) -> None:
+    """One beat, then the parts it started beside it (the server check, the reconcile, the deadline push, the ends and
+    the progress) until they end.
+
+    NOTE: a part that outlasts the beat's `BEAT_S` goes on beside it, and `asyncio.run`'s end cancelled it: on 2 loaded
+    cores a reconcile of 30 organisations did, and a test found nothing of it logged."""
+    await presence.beat(web=web)
+    beating = presence._beats.get()
+    parts = [beating.server, beating.reconcile, beating.deadlines, beating.progress]
+    await asyncio.gather(*(part for part in parts if part is not None))
+
+
 def held(organization_id: int, api_key_id: int) -> tuple[int, int, int]:
     """The organisation's reservations, and its and its key's reserved sums (units)."""
     redis = get_redis()
@@ -165,9 +179,9 @@ def test_a_put_back_that_failed_is_tried_again_by_the_next_beat(monkeypatch, gat
     presence.track("kept", org, "e-kept", None, admitted.reservation)
     redis = get_redis()
     redis.flushdb()
-    asyncio.run(presence.beat())  # its put-back fails, the rest of the beat goes on
+    asyncio.run(beat_and_its_parts())  # its put-back fails, the rest of the beat goes on
     assert failures and presence._repair.due
-    asyncio.run(presence.beat())
+    asyncio.run(beat_and_its_parts())
     assert redis.zscore(redis_keys.inflight_key(org, "e-kept"), "kept") is not None
     assert redis.hexists(redis_keys.reservations_key(org), "kept")
     assert int(redis.get(redis_keys.org_reserved_key(org))) == to_units(Decimal("0.02"))
@@ -190,7 +204,7 @@ def test_a_put_back_that_keeps_failing_leaves_the_rest_of_the_beat_to_go_on(monk
     monkeypatch.setattr(presence, "unfinished", {})
     monkeypatch.setattr(presence, "_repair", presence._Repair(due=True))
     for _ in range(2):
-        asyncio.run(presence.beat())
+        asyncio.run(beat_and_its_parts())
     assert len(pushed) == 2 and presence._repair.due
 
 
@@ -226,11 +240,11 @@ def test_one_organisations_failed_put_back_stops_no_other_and_is_tried_again_by_
                 and int(redis.get(redis_keys.org_reserved_key(org)) or 0) == to_units(Decimal("0.02")))
 
     with caplog.at_level("WARNING", logger="inferplane.gateway"):
-        asyncio.run(presence.beat())
+        asyncio.run(beat_and_its_parts())
     assert failures == [failing]
     assert put_back(other) and not put_back(failing)  # the other's in the same reconcile
     assert f"organisation {failing}'s {part}" in caplog.text and presence._repair.due
-    asyncio.run(presence.beat())
+    asyncio.run(beat_and_its_parts())
     assert put_back(failing) and put_back(other) and not presence._repair.due
 
 
@@ -259,7 +273,7 @@ def test_after_one_organisations_part_fails_the_next_beats_reconcile_it_alone_an
             if beat == 7:
                 fails["on"] = False  # its node back
             reconciled_per_beat.append([])
-            asyncio.run(presence.beat(web=True))
+            asyncio.run(beat_and_its_parts(web=True))
     assert [len(organizations) for organizations in reconciled_per_beat] == [20, 1, 1, 1, 1, 20, 1, 1, 0]
     assert all(organizations == [failing] for organizations in reconciled_per_beat[1:5])
     assert not presence._repair.retry and not presence._repair.due
@@ -757,7 +771,7 @@ def test_a_reconcile_that_hits_a_bug_logs_its_traceback_and_is_not_run_every_bea
     presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
     with caplog.at_level("WARNING", logger="inferplane.gateway"):
         for _ in range(3):
-            asyncio.run(presence.beat())
+            asyncio.run(beat_and_its_parts())
     assert len(pushed) == 3  # the beat went on
     assert len(calls) == 1  # then at the reconcile's own pace, not every beat
     assert "trying again next beat" not in caplog.text
@@ -777,7 +791,7 @@ def test_a_reconcile_whose_organisations_all_fail_logs_one_line(monkeypatch, cap
         presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None)
     presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
     with caplog.at_level("WARNING", logger="inferplane.gateway"):
-        asyncio.run(presence.beat())
+        asyncio.run(beat_and_its_parts())
     failed = [record.getMessage() for record in caplog.records if "could not put back" in record.getMessage()]
     assert len(failed) == 1, failed
     assert "30 part(s)" in failed[0] and "CLUSTERDOWN" in failed[0]
@@ -807,7 +821,7 @@ def test_a_redis_cluster_error_in_one_organisation_stops_no_other_and_the_next_b
                        admitted[organization_id].reservation)
     redis = get_redis()
     redis.flushdb()  # Redis restarted without persistence
-    asyncio.run(presence.beat())
+    asyncio.run(beat_and_its_parts())
     assert redis.hexists(redis_keys.reservations_key(other), f"call-{other}")  # held again
     assert presence._repair.due  # the next beat reconciles again, as forgotten
 
@@ -948,19 +962,28 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
     assert counts(endpoint, replica) == (0, 0)
 
 
-async def beating_watched(until, *, at_least_s: float = 0.0, limit_s: float) -> tuple[float, dict[str, int]]:
-    """This gateway beating on this loop (`presence._beat_forever`) until `until()` (`at_least_s` at least, `limit_s` at
-    most), its alive key watched from a thread every 0.1 s once written: the loop's largest stall (a task ticking every
-    20 ms; in the loop thread's CPU time), and how many times the key was watched and found missing."""
-    redis = get_redis()
-    alive = redis_keys.gateway_alive_key(traffic.gateway_id())
-    seen, gaps, done = {"lapsed": 0, "watched": 0}, [], threading.Event()
+def waited_for_a_core_s() -> float:
+    """The seconds this thread has spent ready to run but waiting for a core (Linux's schedstat)."""
+    with open("/proc/thread-self/schedstat") as schedstat:
+        return int(schedstat.read().split()[1]) / 1e9
 
-    def watch():
-        while not done.is_set():
-            seen["lapsed"] += not redis.exists(alive)
-            seen["watched"] += 1
-            time.sleep(0.1)
+
+async def beating_watched(until, *, at_least_s: float = 0.0, limit_s: float) -> tuple[float, dict]:
+    """This gateway beating on this loop (`presence._beat_forever`) until `until()` (`at_least_s` at least, `limit_s` at
+    most): the loop's largest stall (a task ticking every 20 ms; in the loop thread's CPU time), how many beats wrote
+    the alive key, and the longest time between two of them (and from the last to the end), less the time the loop
+    thread waited for a core meanwhile: the alive key lapses if that is past `ALIVE_TTL_S`.
+
+    NOTE: the loop's own time, not the wall clock's, as the stall: on 2 cores at load 15 (a whole suite's two workers
+    beside other work) a watcher of the key found it missing 0.3-6.5 s at a time with the loop's stalls under 1 s of
+    its CPU: the loop thread, one of ~16 runnable threads, waited for a core ~7 s in 8. A beat held back by the work
+    beside it (a reconcile or a recording waited for inside the beat) still spaces the beats past the key's life."""
+    gaps, beats = [], []  # beats: (monotonic, the loop thread's waits for a core) as each beat begins (its SET first)
+    beat = presence.beat
+
+    async def marked(**kwargs):
+        beats.append((time.monotonic(), waited_for_a_core_s()))
+        return await beat(**kwargs)
 
     async def ticking():
         # NOTE: the loop's own CPU time between ticks (its thread's), not the wall clock's: on a machine whose other
@@ -972,25 +995,24 @@ async def beating_watched(until, *, at_least_s: float = 0.0, limit_s: float) -> 
             gaps.append(time.thread_time() - last)
             last = time.thread_time()
 
+    presence.beat = marked
     ticker = asyncio.get_running_loop().create_task(ticking())
     beating = asyncio.get_running_loop().create_task(presence._beat_forever(web=True))
-    written_by = time.monotonic() + 30
-    while not redis.exists(alive) and time.monotonic() < written_by:  # its first beat writes it (again, after a flush)
-        await asyncio.sleep(0.01)
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
         started = time.monotonic()
         while time.monotonic() < started + limit_s and (time.monotonic() < started + at_least_s or not until()):
             await asyncio.sleep(0.2)
+        ended = (time.monotonic(), waited_for_a_core_s())
     finally:
-        done.set()
-        await asyncio.to_thread(watcher.join)
+        presence.beat = beat
         beside = [presence._beats.get().reconcile, presence._beats.get().progress]
         for task in [ticker, beating, *[task for task in beside if task is not None]]:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    return max(gaps), seen
+    marks = [*beats, ended]
+    spaced = [(later - earlier) - (waited_later - waited_earlier)
+              for (earlier, waited_earlier), (later, waited_later) in pairwise(marks)]
+    return max(gaps), {"beats": len(beats), "longest_gap_s": max(spaced, default=math.inf)}
 
 
 def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(gateway_alone):
@@ -1000,7 +1022,7 @@ def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(ga
     loop runs between them."""
     redis = get_redis()
     first = 9_400_000
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    asyncio.run(beat_and_its_parts(web=True))  # alive, serving nothing
     for organization_id in range(first, first + 20_000):
         reservation = counters.Reservation(f"call-{organization_id}", organization_id, None, Decimal("0.01"), "2026-12")
         presence.track(f"call-{organization_id}", organization_id, f"e-{organization_id}", None, reservation)
@@ -1009,9 +1031,12 @@ def test_a_large_forgotten_reconcile_never_stalls_the_loop_past_the_alive_key(ga
     stall, seen = asyncio.run(beating_watched(
         lambda: not presence._repair.due and presence._repair.num_forgotten >= 2, limit_s=30))
     assert stall < 1.0, f"the loop stalled {stall:.2f} s"
-    assert seen["watched"] and seen["lapsed"] == 0
-    assert presence._repair.num_forgotten == 2 and not presence._repair.due  # put back and held again, once
+    assert seen["beats"] and seen["longest_gap_s"] < presence.ALIVE_TTL_S, seen
+    # NOTE: not "found its key gone twice": on 2 cores at load 15 the key lapsed in the wall clock's time (the loop
+    # waiting for a core, the gaps above short of the key's life), and each beat that found it gone reconciled again.
+    assert not presence._repair.due and presence._repair.num_forgotten >= 2  # put back and held again
     assert redis.hexists(redis_keys.reservations_key(first), f"call-{first}")
+    assert int(redis.get(redis_keys.org_reserved_key(first))) == to_units(Decimal("0.01"))  # held once
 
 
 def test_a_heartbeat_cancelled_as_one_of_its_redis_writes_finishes_still_ends(gateway_alone):
@@ -1074,14 +1099,14 @@ def test_a_beat_recording_the_progress_of_many_streams_never_stalls_the_loop_nor
     alive key came near its end. Now in chunks (`CHUNK`), the loop runs between them."""
     redis = get_redis()
     first, num_organizations = 9_500_000, 20_000
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    asyncio.run(beat_and_its_parts(web=True))  # alive, serving nothing
     organisations_streaming(first, num_organizations)
     presence._repair.num_beats = -100  # no reconcile: the progress alone
     stall, seen = asyncio.run(beating_watched(  # six seconds, and until every stream's was recorded (loaded: seconds)
         lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=6,
         limit_s=60))
     assert stall < 1.0, f"the loop stalled {stall:.2f} s"
-    assert seen["watched"] and seen["lapsed"] == 0
+    assert seen["beats"] and seen["longest_gap_s"] < presence.ALIVE_TTL_S, seen
     assert all(held.progress_recorded is not None for held in presence.serving.values())  # every stream's
     assert redis.hexists(redis_keys.progress_key(first + num_organizations - 1), f"call-{first + num_organizations - 1}")
 
@@ -1192,7 +1217,7 @@ def test_one_large_organisations_calls_that_redis_lost_are_put_back_without_stal
     gateway for dead and billed its calls as lost."""
     redis = get_redis()
     org, num_calls = 9_600_000, 20_000
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    asyncio.run(beat_and_its_parts(web=True))  # alive, serving nothing
     num_forgotten = presence._repair.num_forgotten
     one_organisations_calls(org, num_calls, reserved=False, streaming=False)
     traffic._registered[1].add(org)
@@ -1200,7 +1225,7 @@ def test_one_large_organisations_calls_that_redis_lost_are_put_back_without_stal
     stall, seen = asyncio.run(beating_watched(
         lambda: redis.hlen(redis_keys.reservations_key(org)) == num_calls and not presence._repair.unheld, limit_s=60))
     assert stall < 2.0, f"the loop stalled {stall:.2f} s"
-    assert seen["watched"] and seen["lapsed"] == 0
+    assert seen["beats"] and seen["longest_gap_s"] < presence.ALIVE_TTL_S, seen
     assert presence._repair.num_forgotten == num_forgotten  # never taken for forgotten
     assert redis.hlen(traffic.gateway_requests_key(org)) == num_calls  # each put back once
     assert redis.hlen(redis_keys.reservations_key(org)) == num_calls  # and held again once
@@ -1211,14 +1236,14 @@ def test_one_large_organisations_streams_progress_is_recorded_without_stalling_t
     40,000 growing streams stalled the event loop 2-3 s at every beat (on 2 loaded cores)."""
     redis = get_redis()
     org, num_calls = 9_700_000, 40_000
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    asyncio.run(beat_and_its_parts(web=True))  # alive, serving nothing
     one_organisations_calls(org, num_calls, reserved=True, streaming=True)
     presence._repair.num_beats = -100  # no reconcile: the progress alone
     stall, seen = asyncio.run(beating_watched(
         lambda: all(held.progress_recorded is not None for held in presence.serving.values()), at_least_s=4,
         limit_s=60))
     assert stall < 1.0, f"the loop stalled {stall:.2f} s"
-    assert seen["watched"] and seen["lapsed"] == 0
+    assert seen["beats"] and seen["longest_gap_s"] < presence.ALIVE_TTL_S, seen
     assert redis.hlen(redis_keys.progress_key(org)) == num_calls
 
 
@@ -1232,7 +1257,7 @@ def test_the_ends_of_many_organisations_calls_that_missed_redis_never_let_the_al
     gateway = traffic.gateway_id()
     first, num_organizations = 9_800_000, 9_000
     monkeypatch.setattr(presence, "unfinished_journaled", set())
-    asyncio.run(presence.beat(web=True))  # alive, serving nothing
+    asyncio.run(beat_and_its_parts(web=True))  # alive, serving nothing
     with redis.pipeline(transaction=False) as pipe:
         for organization_id in range(first, first + num_organizations):
             pipe.hset(traffic.gateway_requests_key(organization_id, gateway), "call", f"e-{organization_id}|")
@@ -1243,7 +1268,7 @@ def test_the_ends_of_many_organisations_calls_that_missed_redis_never_let_the_al
         presence.end_later(organization_id, "call", call_token="", row_journaled=True)
     presence._repair.num_beats = -100  # no reconcile: the ends alone
     stall, seen = asyncio.run(beating_watched(lambda: not presence.unfinished, at_least_s=3, limit_s=60))
-    assert seen["watched"] and seen["lapsed"] == 0
+    assert seen["beats"] and seen["longest_gap_s"] < presence.ALIVE_TTL_S, seen
     assert stall < 1.0, f"the loop stalled {stall:.2f} s"
     assert not presence.unfinished and not presence.unfinished_journaled
     for organization_id in (first, first + num_organizations // 2, first + num_organizations - 1):
