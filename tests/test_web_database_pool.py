@@ -241,14 +241,15 @@ def test_only_the_web_process_pools_its_connections():
     """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
     `manage.py` keep `CONN_MAX_AGE` too."""
     pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
-    assert _database_settings_of("controlplane.asgi", {}) == f"({pool}, 0, None)"
+    assert _database_settings_of("controlplane.asgi", {}) == "(None, 60, None)"  # off unless asked for
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == f"({pool}, 0, None)"
     assert _database_settings_of("controlplane.celery_app", {}) == "(None, 60, None)"
     assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == "(None, 60, None)"
     assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == "(None, 60, None)"
 
 
 def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
-    settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction"})
+    settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"})
     assert settings_seen.startswith("({'name': 'web'")
     assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
 
@@ -350,7 +351,7 @@ def test_a_pool_one_web_pods_processes_could_fill_past_max_connections_is_warned
             if message.id == "inferplane.W001"
         ]
 
-    settings.DATABASE_POOL_MAX_SIZE = 4  # the default
+    settings.DATABASE_POOL_MAX_SIZE = 4  # the size the shipped manifests are sized for, opted in
     assert warned() == []
     settings.DATABASE_POOL_MAX_SIZE = num_allowed // 2
     assert warned() == [
