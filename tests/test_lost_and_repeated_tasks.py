@@ -53,8 +53,11 @@ RECOVERED_BY = {
 def _messages_sent(monkeypatch) -> list[tuple[str, list]]:
     """The task messages sent from now on, never delivered: lost."""
     sent = []
-    monkeypatch.setattr(controlplane_tasks.current_app, "send_task",
-                        lambda name, **options: sent.append((name, options.get("args"))))
+    monkeypatch.setattr(
+        controlplane_tasks.current_app,
+        "send_task",
+        lambda name, **options: sent.append((name, options.get("args"))),
+    )
     return sent
 
 
@@ -71,7 +74,8 @@ def test_every_task_is_either_on_the_beat_or_recovered_by_a_beat_task_when_its_m
 
 
 def test_a_lost_reconcile_after_a_spec_change_is_done_by_the_next_autoscaler_tick(
-        monkeypatch, django_capture_on_commit_callbacks):
+    monkeypatch, django_capture_on_commit_callbacks
+):
     make_node(memory_mb=80_000)
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=2)
     sent = _messages_sent(monkeypatch)
@@ -92,11 +96,17 @@ def test_a_reconcile_delivered_twice_places_no_second_replica():
 
 
 def test_a_lost_reconcile_after_a_replica_failed_is_replaced_by_the_next_autoscaler_tick(
-        monkeypatch, django_capture_on_commit_callbacks):
+    monkeypatch, django_capture_on_commit_callbacks
+):
     node = make_node(memory_mb=80_000)
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=1)
-    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY,
-                                     address="http://127.0.0.1:9", ready_at=timezone.now())
+    replica = Replica.objects.create(
+        endpoint=endpoint,
+        node=node,
+        state=ReplicaState.READY,
+        address="http://127.0.0.1:9",
+        ready_at=timezone.now(),
+    )
     sent = _messages_sent(monkeypatch)
     with django_capture_on_commit_callbacks(execute=True):
         fail_replica(replica, "its engine crashed")
@@ -119,8 +129,13 @@ def test_a_lost_wake_of_a_cold_endpoint_is_done_by_the_next_autoscaler_tick():
 
 def test_a_lost_idle_deadline_reconcile_scales_the_endpoint_to_zero_at_the_next_tick():
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=1, idle_timeout_s=60)
-    Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
-                           address="http://127.0.0.1:9", ready_at=timezone.now())
+    Replica.objects.create(
+        endpoint=endpoint,
+        node=make_node(memory_mb=80_000),
+        state=ReplicaState.READY,
+        address="http://127.0.0.1:9",
+        ready_at=timezone.now(),
+    )
     now = redis_time()
     get_redis().set(last_request_key(endpoint.organization_id, str(endpoint.pk)), now - 61)
     scheduler.autoscale_tick()
@@ -129,31 +144,42 @@ def test_a_lost_idle_deadline_reconcile_scales_the_endpoint_to_zero_at_the_next_
 
 def _create_batch(tenant) -> Batch:
     return batch_services.create_batch(
-        organization_id=tenant.org.pk, api_key_id=None, user_id=tenant.owner.pk,
-        input_file_id=_input_file(tenant.org.pk).pk, request_path="/v1/chat/completions", completion_window="24h",
-        metadata=None)
+        organization_id=tenant.org.pk,
+        api_key_id=None,
+        user_id=tenant.owner.pk,
+        input_file_id=_input_file(tenant.org.pk).pk,
+        request_path="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
 
 
 def test_a_lost_batch_run_is_queued_again_by_the_batch_tick_once_its_dispatch_lapses(
-        monkeypatch, django_capture_on_commit_callbacks):
+    monkeypatch, django_capture_on_commit_callbacks
+):
     tenant = new_tenant()
     sent = _messages_sent(monkeypatch)
     with django_capture_on_commit_callbacks(execute=True):
         batch = _create_batch(tenant)
     assert sent == [("batches.run_batch", [batch.pk])]
     batch_services.tick()
-    assert len(sent) == 1  # the queued run stands for the batch for DISPATCH_HELD_S: a long queue is not refilled
+    assert (
+        len(sent) == 1
+    )  # the queued run stands for the batch for DISPATCH_HELD_S: a long queue is not refilled
     get_redis().delete(batch_dispatch_key(batch.pk))  # DISPATCH_HELD_S later
     batch_services.tick()
     assert sent == [("batches.run_batch", [batch.pk])] * 2
 
 
-def test_a_batch_run_delivered_while_another_run_holds_the_batch_does_nothing(django_capture_on_commit_callbacks):
+def test_a_batch_run_delivered_while_another_run_holds_the_batch_does_nothing(
+    django_capture_on_commit_callbacks,
+):
     tenant = new_tenant()
     with django_capture_on_commit_callbacks(execute=False):
         batch = _create_batch(tenant)
-    Batch.objects.filter(pk=batch.pk).update(lease_until=timezone.now() + timedelta(seconds=60),
-                                             lease_token="first-run")
+    Batch.objects.filter(pk=batch.pk).update(
+        lease_until=timezone.now() + timedelta(seconds=60), lease_token="first-run"
+    )
     assert batch_tasks.run_batch(batch.pk) == "busy"
     assert Batch.objects.get(pk=batch.pk).lease_token == "first-run"
 
