@@ -17,14 +17,21 @@ Two faults of kombu's Redis transport (5.7) when Redis goes away under a worker 
   process forked after the failure (billiard's new pool child) forgets them: its parent hands them back.
 
 NOTE: a review found that without those two rules a remembered tag handed back by a forked child (or twice) took the
-message from the consumer that held it again and queued it a second time: the task ran twice."""
+message from the consumer that held it again and queued it a second time: the task ran twice.
+
+A third, the same rule for a channel's own acknowledgement: kombu's ack (and reject, and the hand-back of a closing
+channel) deletes the tag's unacknowledged entry whichever copy it is. A task that ran on through a Redis restart
+(`acks_late`) acked on its old channel after its message had been handed back and delivered again with the same tag:
+its ack deleted the new holder's entry, and that copy, no longer recorded, was lost if its worker died or Redis
+restarted in turn (reproduced, `tests/test_broker_transport.py`); so did a task that outlived the visibility timeout.
+Each channel remembers when it delivered each message and settles its entry only while it is still that copy."""
 
 import os
 import time
 
-from kombu.transport import redis
+from kombu.transport import redis, virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
 
 # NOTE: per process: the delivery tags whose hand-back failed on a lost connection, with when it failed. Only this
 # process held them (a message is delivered to one consumer), so no other worker hands them back before the
@@ -34,6 +41,57 @@ os.register_at_fork(after_in_child=_tags_to_restore.clear)
 
 
 class QoS(redis.QoS):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # NOTE: per delivery tag, the score this channel wrote in the unacknowledged index.
+        self._delivered_at: dict[str, float] = {}
+
+    def append(self, message, delivery_tag):
+        """kombu's, the delivery's time kept: the mark of the copy this channel holds."""
+        delivered_at = time.time()
+        delivery = message.delivery_info
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {delivery_tag: delivered_at}).hset(
+                self.unacked_key,
+                delivery_tag,
+                dumps([message._raw, delivery["exchange"], delivery["routing_key"]]),
+            ).execute()
+        self._delivered_at[delivery_tag] = delivered_at
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag):
+        self._settle(delivery_tag, requeue=False)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag, requeue=False):
+        self._settle(delivery_tag, requeue=requeue, leftmost=True)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def restore_by_tag(self, tag, client=None, leftmost=False):
+        self._settle(tag, requeue=True, client=client, leftmost=leftmost)
+
+    def _settle(self, tag: str, *, requeue: bool, client=None, leftmost: bool = False) -> None:
+        """Drop `tag`'s unacknowledged entry, its message queued again if `requeue`, only while it is the copy this
+        channel delivered (any copy for a tag it never delivered: kombu's visibility-timeout restore). One transaction
+        over both indices."""
+        channel, delivered_at = self.channel, self._delivered_at.get(tag)
+
+        def settle(pipe):
+            held_at = pipe.zscore(channel.unacked_index_key, tag)
+            payload = pipe.hget(channel.unacked_key, tag) if requeue else None
+            pipe.multi()
+            if held_at is None or (delivered_at is not None and held_at != delivered_at):
+                return  # settled already, or delivered again since: another holder's entry
+            self._remove_from_indices(tag, pipe)
+            if payload:
+                message, exchange, routing_key = loads(bytes_to_str(payload))
+                channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+
+        with channel.conn_or_acquire(client) as client:
+            client.transaction(settle, channel.unacked_key, channel.unacked_index_key)
+        # NOTE: kept when Redis was out of reach (raised above): a later ack still needs it.
+        self._delivered_at.pop(tag, None)
+
     def restore_unacked(self, client=None):
         tags = set(self._delivered)
         try:

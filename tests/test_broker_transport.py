@@ -94,3 +94,74 @@ def test_a_child_forked_after_a_failed_hand_back_does_not_hand_its_parents_tags_
     os.waitpid(child, 0)
     assert _queued_and_held(client) == (0, 1)  # before: (1, 0), the child handed back what its parent still held
     assert broker_transport._tags_to_restore == {message.delivery_tag: pytest.approx(time.time(), abs=60)}
+
+
+@pytest.fixture
+def restartable_broker(tmp_path):
+    """A Redis that keeps its data across a restart (append-only file), as the embedded one does."""
+    port, servers = _free_port(), []
+
+    def start() -> redis.Redis:
+        command = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+        command += ["--appendonly", "yes", "--save", ""]
+        servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        client = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                client.ping()
+                return client
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("Redis did not start")
+
+    def stop() -> None:
+        servers[-1].kill()
+        servers[-1].wait()
+
+    yield port, start, stop
+    for server in servers:
+        server.kill()
+        server.wait()
+    broker_transport._tags_to_restore.clear()
+
+
+def test_a_late_ack_on_a_channel_lost_with_redis_leaves_the_copy_delivered_again_recorded(restartable_broker):
+    # A task ran on through a Redis restart (acks_late); its message was handed back on the worker's next channel and
+    # delivered again; the task's end then acked on its old channel.
+    port, start, stop = restartable_broker
+    start()
+    old_connection, _, message = _held_message(port)
+    stop()
+    old_connection.collect()  # as Celery's consumer does with a broken connection: the hand-back fails
+    client = start()
+    _connection(port).channel()  # the hand-back, once Redis answers
+    held_again = QUEUE(_connection(port).channel()).get(no_ack=False)
+    assert held_again.delivery_tag == message.delivery_tag and _queued_and_held(client) == (0, 1)
+    message.ack()
+    assert _queued_and_held(client) == (0, 1)  # before: (0, 0), the copy held again no longer recorded: lost
+    held_again.ack()
+    assert _queued_and_held(client) == (0, 0)
+
+
+def test_an_ack_after_the_visibility_timeout_handed_the_message_to_another_consumer_leaves_its_entry(broker):
+    port, client = broker
+    _, _, message = _held_message(port)
+    _connection(port).channel().qos.restore_by_tag(message.delivery_tag)  # kombu's visibility-timeout restore
+    held_again = QUEUE(_connection(port).channel()).get(no_ack=False)
+    message.ack()
+    assert _queued_and_held(client) == (0, 1)  # before: (0, 0)
+    held_again.reject(requeue=True)
+    assert _queued_and_held(client) == (1, 0)
+
+
+def test_an_ack_or_a_reject_of_the_copy_a_channel_holds_settles_it(broker):
+    port, client = broker
+    _, channel, message = _held_message(port)
+    message.ack()
+    assert _queued_and_held(client) == (0, 0)
+    connection = _connection(port)
+    connection.Producer(connection.channel()).publish({"task": "y"}, exchange=QUEUE.exchange, routing_key="q")
+    QUEUE(channel).get(no_ack=False).reject(requeue=True)
+    assert _queued_and_held(client) == (1, 0)
+    QUEUE(channel).get(no_ack=False).reject()
+    assert _queued_and_held(client) == (0, 0)

@@ -3,7 +3,6 @@
 import socket
 import subprocess
 import sys
-import time
 from io import StringIO
 from types import SimpleNamespace
 
@@ -11,6 +10,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from controlplane.management.commands.run_local import Command
+from controlplane.restarts import Supervised, Supervisor
 
 
 def test_a_taken_port_stops_make_run_at_once_and_names_the_variable_that_picks_another(tmp_path, monkeypatch):
@@ -82,24 +82,59 @@ def _exited() -> subprocess.Popen:
     return child
 
 
-def test_a_worker_that_dies_is_started_again_and_make_run_goes_on(tmp_path):
-    children = {"web": _sleeper(), "worker": _exited(), "beat": _sleeper()}
-    started_at = dict.fromkeys(children, time.monotonic() - 60)
-    err = StringIO()
+def _supervising(children: dict[str, subprocess.Popen], started_at: float, start=lambda name: _sleeper()):
+    lines: list[str] = []
+    supervisor = Supervisor(start, lines.append)
+    for name, child in children.items():
+        supervisor.processes[name] = Supervised(name, child, started_at)
+    return supervisor, lines
+
+
+def _stop(supervisor: Supervisor) -> None:
+    for child in supervisor.children():
+        child.kill()
+        child.wait()
+
+
+def test_a_worker_that_dies_after_a_long_run_is_started_again_at_once_and_make_run_goes_on():
+    supervisor, lines = _supervising(
+        {"web": _sleeper(), "worker": _exited(), "beat": _sleeper()}, started_at=0.0
+    )
     try:
-        stop = Command(stderr=err)._restart_exited(children, started_at, lambda name: _sleeper(), tmp_path)
-        assert not stop
-        assert children["worker"].poll() is None
-        assert "worker exited with 1" in err.getvalue() and "worker started again" in err.getvalue()
+        assert not supervisor.check(600.0, lambda name: f"{name}.log")
+        assert supervisor.processes["worker"].child.poll() is None
+        assert lines == ["worker exited with 1; see worker.log", "worker started again"]
     finally:
-        for child in children.values():
-            child.kill()
-            child.wait()
+        _stop(supervisor)
 
 
-def test_the_web_server_exiting_or_a_worker_that_cannot_start_stops_make_run(tmp_path):
+def test_the_web_server_exiting_or_a_worker_that_cannot_start_stops_make_run():
     for name, age_s in (("web", 60), ("worker", 1)):
-        children = {name: _exited()}
-        assert Command(stderr=StringIO())._restart_exited(
-            children, {name: time.monotonic() - age_s}, lambda name: _sleeper(), tmp_path
-        )
+        supervisor, _ = _supervising({name: _exited()}, started_at=0.0)
+        assert supervisor.check(age_s, lambda name: f"{name}.log")
+
+
+def test_a_worker_that_keeps_dying_waits_twice_as_long_before_each_start_up_to_a_minute_then_at_once_after_a_long_run():
+    """It was started again at once each time, for ever, however often it died (each 10 s or more after its start)."""
+    supervisor, lines = _supervising({"worker": _exited()}, started_at=0.0, start=lambda name: _exited())
+    worker, now, waits = supervisor.processes["worker"], 0.0, []
+    try:
+        for _ in range(8):
+            now = worker.started_at + 15  # each run ends 15 s after its start
+            assert not supervisor.check(now, lambda name: f"{name}.log")
+            assert worker.started_at < now  # not started again yet: it waits
+            waits.append(worker.restart_at - now)
+            assert not supervisor.check(worker.restart_at - 0.1, lambda name: f"{name}.log")
+            assert worker.restart_at is not None
+            assert not supervisor.check(worker.restart_at, lambda name: f"{name}.log")
+            assert worker.restart_at is None and worker.started_at == now + waits[-1]
+        assert waits == [1, 2, 4, 8, 16, 32, 60, 60]
+        assert "worker starts again in 4 s: its run 3 in a row shorter than 120 s" in "\n".join(lines)
+        # A run of 2 minutes or more: the next exit starts it again at once, and the wait doubles from 1 s again.
+        assert not supervisor.check(worker.started_at + 130, lambda name: f"{name}.log")
+        assert worker.restart_at is None and worker.num_short_runs == 0
+        now = worker.started_at + 15
+        supervisor.check(now, lambda name: f"{name}.log")
+        assert worker.restart_at - now == 1
+    finally:
+        _stop(supervisor)

@@ -26,11 +26,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from controlplane import embedded
 from controlplane.demo import DEMO_EMAIL, DEMO_ENDPOINT, seed_demo
-
-# NOTE: a Celery process that dies (a broker fault its library does not survive) is started again, as in a pod;
-# the web server is what a user watches, and its exit stops `make run`.
-RESTARTED_ON_EXIT = ("worker", "beat")
-RESTART_MIN_UPTIME_S = 10.0
+from controlplane.restarts import Supervisor
 
 
 class Command(BaseCommand):
@@ -73,7 +69,6 @@ class Command(BaseCommand):
             "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "INFO",
                      "--schedule", str(data_dir / "celerybeat-schedule")],
         }
-        children: dict[str, subprocess.Popen] = {}
         stopping = False
 
         def stop_all(*_):
@@ -86,44 +81,30 @@ class Command(BaseCommand):
             with open(logs_dir / f"{name}.log", "ab") as log:
                 return subprocess.Popen(commands[name], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+        supervisor = Supervisor(start, self.stderr.write)
         try:
-            started_at: dict[str, float] = {}
             for name in commands:
-                children[name], started_at[name] = start(name), time.monotonic()
+                child = supervisor.launch(name, time.monotonic())
                 if name == "web":
-                    self._wait_for(base_url, children["web"], logs_dir / "web.log")
+                    self._wait_for(base_url, child, logs_dir / "web.log")
             self._print_banner(base_url, demo, logs_dir, no_agent)
             while not stopping:
-                if self._restart_exited(children, started_at, start, logs_dir):
+                if supervisor.check(time.monotonic(), lambda name: logs_dir / f"{name}.log"):
                     stopping = True
                 time.sleep(0.5)
         finally:
             self.stdout.write("Stopping…")
-            for child in reversed(list(children.values())):
+            children = supervisor.children()
+            for child in reversed(children):
                 _signal_group(child, signal.SIGTERM)
             deadline = time.monotonic() + 40
-            for child in children.values():
+            for child in children:
                 try:
                     child.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     _signal_group(child, signal.SIGKILL)
             self.stdout.write("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
                               "`make stop` stops them.")
-
-    def _restart_exited(self, children: dict[str, subprocess.Popen], started_at: dict[str, float], start,
-                        logs_dir: Path) -> bool:
-        """Start again a worker or beat that exited (as Kubernetes restarts their containers: the Deployments'
-        `restartPolicy: Always`); True, to stop everything, when the web server exited or one exited again within
-        `RESTART_MIN_UPTIME_S` of its start (it cannot start: its log says why)."""
-        for name, child in children.items():
-            if child.poll() is None:
-                continue
-            self.stderr.write(f"{name} exited with {child.returncode}; see {logs_dir / (name + '.log')}")
-            if name not in RESTARTED_ON_EXIT or time.monotonic() - started_at[name] < RESTART_MIN_UPTIME_S:
-                return True
-            children[name], started_at[name] = start(name), time.monotonic()
-            self.stderr.write(f"{name} started again")
-        return False
 
     def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 60
