@@ -103,7 +103,7 @@ def test_a_message_held_when_redis_stopped_goes_back_to_its_queue_on_the_next_ch
 ):
     port, start, stop = restartable_broker
     start()
-    connection, _, message = _held_message(port)
+    connection, _, _ = _held_message(port)
     stop()
     connection.collect()  # as Celery's consumer does with a broken connection: the hand-back fails
     client = start()
