@@ -11,115 +11,40 @@ Two faults of kombu's Redis transport (5.7) when Redis goes away under a worker 
   worker exits. The channel keeps the connection it was opened on and reads the parameters from it instead.
 - That hand-back runs while Redis is still down, so it fails; the messages stay in the broker's unacknowledged set
   until the visibility timeout (an hour) passes. The worker remembers their delivery tags and hands them back on
-  its next channel, once Redis answers again (their bodies are in Redis, kept across its restart), each only while
-  its unacknowledged copy is still the one this process held: a message handed back keeps its delivery tag, and a
-  copy delivered again since (to another worker, or after the visibility timeout) is indexed at a later time. A
-  process forked after the failure (billiard's new pool child) forgets them: its parent hands them back.
+  its next channel, once Redis answers again (their bodies are in Redis, kept across its restart). A process forked
+  after the failure (billiard's new pool child) forgets them: its parent hands them back.
 
-NOTE: a review found that without those two rules a remembered tag handed back by a forked child (or twice) took the
-message from the consumer that held it again and queued it a second time: the task ran twice.
-
-A third, the same rule for a channel's own acknowledgement: kombu's ack (and reject, and the hand-back of a closing
-channel) deletes the tag's unacknowledged entry whichever copy it is. A task that ran on through a Redis restart
-(`acks_late`) acked on its old channel after its message had been handed back and delivered again with the same tag:
+A third, kombu's too: a message handed back to its queue (a closing channel's hand-back, a reject with requeue, the
+visibility-timeout sweep, the remembered hand-back above) kept its delivery tag, and every settlement (ack, reject,
+hand-back) deletes the tag's unacknowledged entry whichever copy holds it. A task that ran on through a Redis restart
+or past the visibility timeout (`acks_late`) acked on its old channel after its message had been delivered again:
 its ack deleted the new holder's entry, and that copy, no longer recorded, was lost if its worker died or Redis
-restarted in turn (reproduced, `tests/test_broker_transport.py`); so did a task that outlived the visibility timeout.
-Each channel remembers when it delivered each message and settles its entry only while it is still that copy."""
+restarted in turn; a stale hand-back took the copy another consumer held and queued it twice (the task ran twice).
+Each copy handed back now gets a new delivery tag, so a tag's entry is only ever the copy delivered under it, and
+settling a tag can touch no other copy (`tests/test_broker_transport.py`).
+
+NOTE: a review found that marks of when each channel delivered each tag (the previous fix) were dropped by a
+hand-back that worked, after which a late ack deleted the entry of the copy delivered again: a task lost for good."""
 
 import os
-import time
 
-from kombu.transport import redis, virtual
-from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.transport import redis
 
-# NOTE: per process: the delivery tags whose hand-back failed on a lost connection, with when it failed. Only this
-# process held them (a message is delivered to one consumer), so no other worker hands them back before the
-# visibility timeout.
-_tags_to_restore: dict[str, float] = {}
+# NOTE: per process: the delivery tags whose hand-back failed on a lost connection. Only this process held them (a
+# message is delivered to one consumer), so no other worker hands them back before the visibility timeout.
+_tags_to_restore: set[str] = set()
 os.register_at_fork(after_in_child=_tags_to_restore.clear)
 
 
 class QoS(redis.QoS):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # NOTE: per delivery tag, the score this channel wrote in the unacknowledged index.
-        self._delivered_at: dict[str, float] = {}
-
-    def append(self, message, delivery_tag):
-        """kombu's, the delivery's time kept: the mark of the copy this channel holds."""
-        delivered_at = time.time()
-        delivery = message.delivery_info
-        with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: delivered_at}).hset(
-                self.unacked_key,
-                delivery_tag,
-                dumps([message._raw, delivery["exchange"], delivery["routing_key"]]),
-            ).execute()
-        self._delivered_at[delivery_tag] = delivered_at
-        virtual.QoS.append(self, message, delivery_tag)
-
-    def ack(self, delivery_tag):
-        self._settle(delivery_tag, requeue=False)
-        virtual.QoS.ack(self, delivery_tag)
-
-    def reject(self, delivery_tag, requeue=False):
-        self._settle(delivery_tag, requeue=requeue, leftmost=True)
-        virtual.QoS.ack(self, delivery_tag)
-
-    def restore_by_tag(self, tag, client=None, leftmost=False):
-        self._settle(tag, requeue=True, client=client, leftmost=leftmost)
-
-    def _settle(self, tag: str, *, requeue: bool, client=None, leftmost: bool = False) -> None:
-        """Drop `tag`'s unacknowledged entry, its message queued again if `requeue`, only while it is the copy this
-        channel delivered (any copy for a tag it never delivered: kombu's visibility-timeout restore). One transaction
-        over both indices."""
-        channel, delivered_at = self.channel, self._delivered_at.get(tag)
-
-        def settle(pipe):
-            held_at = pipe.zscore(channel.unacked_index_key, tag)
-            payload = pipe.hget(channel.unacked_key, tag) if requeue else None
-            pipe.multi()
-            if held_at is None or (delivered_at is not None and held_at != delivered_at):
-                return  # settled already, or delivered again since: another holder's entry
-            self._remove_from_indices(tag, pipe)
-            if payload:
-                message, exchange, routing_key = loads(bytes_to_str(payload))
-                channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
-
-        with channel.conn_or_acquire(client) as client:
-            client.transaction(settle, channel.unacked_key, channel.unacked_index_key)
-        # NOTE: kept when Redis was out of reach (raised above): a later ack still needs it.
-        self._delivered_at.pop(tag, None)
-
     def restore_unacked(self, client=None):
         tags = set(self._delivered)
         try:
             return super().restore_unacked(client)
         except self.channel.connection_errors:
-            failed_at = time.time()
-            _tags_to_restore.update(dict.fromkeys(tags, failed_at))
+            _tags_to_restore.update(tags)
             self._delivered.clear()
             raise
-
-    def restore_if_still_held(self, tag: str, failed_at: float) -> None:
-        """Hand `tag`'s message back to its queue if its unacknowledged copy was delivered before `failed_at` (the one
-        this process held); a copy delivered since, or none, is left alone. One transaction over both indices."""
-        channel = self.channel
-
-        def restore(pipe):
-            delivered_at = pipe.zscore(channel.unacked_index_key, tag)
-            payload = pipe.hget(channel.unacked_key, tag)
-            pipe.multi()
-            if delivered_at is None or delivered_at > failed_at:
-                return
-            self._remove_from_indices(tag, pipe)
-            if payload:
-                message, exchange, routing_key = loads(bytes_to_str(payload))
-                channel._do_restore_message(message, exchange, routing_key, pipe, False)
-
-        with channel.conn_or_acquire() as client:
-            client.transaction(restore, channel.unacked_key, channel.unacked_index_key)
 
 
 class Channel(redis.Channel):
@@ -129,12 +54,22 @@ class Channel(redis.Channel):
         super().__init__(*args, **kwargs)
         self._broker_connection = self.connection.client
         try:
-            for tag, failed_at in list(_tags_to_restore.items()):
-                self.qos.restore_if_still_held(tag, failed_at)
-                del _tags_to_restore[tag]
+            # NOTE: a tag's entry, while it is there, is the copy this process held: one handed back since (by the
+            # visibility timeout) went under a new tag, and this finds nothing to do.
+            for tag in list(_tags_to_restore):
+                self.qos.restore_by_tag(tag)
+                _tags_to_restore.discard(tag)
         except BaseException:
             self.close()  # NOTE: not left in the connection's poller, its Redis pool open; the tags stay remembered
             raise
+
+    def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
+        """kombu's, the copy handed back given a delivery tag of its own (see the module's docstring)."""
+        try:
+            payload["properties"]["delivery_tag"] = self._next_delivery_tag()
+        except (KeyError, TypeError):
+            pass  # not a message kombu wrote: kombu's own logs it
+        return super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
 
     def _connparams(self, asynchronous=False):
         transport = self.connection

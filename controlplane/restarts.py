@@ -9,6 +9,7 @@ was started again at once, for ever: each start's imports and connections, and i
 
 from __future__ import annotations
 
+import math
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,13 +23,16 @@ RESTART_FIRST_DELAY_S = 1.0
 RESTART_MAX_DELAY_S = 60.0
 # A run this long resets the delay: the next exit restarts at once.
 RESTART_STABLE_AFTER_S = 120.0
+# NOTE: the doublings that reach `RESTART_MAX_DELAY_S`; more are not computed: `2 ** 1024` is past a float (an
+# OverflowError, after ~20 h of short runs, stopped `make run`).
+_MAX_DOUBLINGS = math.ceil(math.log2(RESTART_MAX_DELAY_S / RESTART_FIRST_DELAY_S))
 
 
 def restart_delay_s(num_short_runs: int) -> float:
     """The wait before the next start after `num_short_runs` runs in a row shorter than `RESTART_STABLE_AFTER_S`."""
     if num_short_runs <= 0:
         return 0.0
-    return min(RESTART_MAX_DELAY_S, RESTART_FIRST_DELAY_S * 2 ** (num_short_runs - 1))
+    return min(RESTART_MAX_DELAY_S, RESTART_FIRST_DELAY_S * 2 ** min(num_short_runs - 1, _MAX_DOUBLINGS))
 
 
 @dataclass(slots=True)

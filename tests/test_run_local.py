@@ -138,3 +138,35 @@ def test_a_worker_that_keeps_dying_waits_twice_as_long_before_each_start_up_to_a
         assert worker.restart_at - now == 1
     finally:
         _stop(supervisor)
+
+
+class _ChildThatDiesAt:
+    """A worker's process as the supervisor sees it (`poll`, `returncode`): it exits once the test's clock passes."""
+
+    def __init__(self, clock: list[float], run_s: float):
+        self.clock, self.exits_at, self.returncode = clock, clock[0] + run_s, None
+
+    def poll(self) -> int | None:
+        if self.clock[0] >= self.exits_at:
+            self.returncode = 1
+        return self.returncode
+
+
+def test_a_worker_that_keeps_dying_for_a_day_still_waits_a_minute_before_each_start_and_make_run_goes_on():
+    """The wait was `2 ** (runs - 1)` s before its bound: past 1,024 short runs in a row (about 20 h of a crash
+    loop) that is no float, and the OverflowError stopped `make run`."""
+    clock = [0.0]
+    supervisor, lines = _supervising({}, started_at=0.0, start=lambda name: _ChildThatDiesAt(clock, 15.0))
+    supervisor.launch("worker", clock[0])
+    worker = supervisor.processes["worker"]
+    for _ in range(1100):
+        clock[0] = worker.child.exits_at
+        assert not supervisor.check(clock[0], lambda name: f"{name}.log")
+        assert worker.restart_at - clock[0] <= 60
+        clock[0] = worker.restart_at
+        assert not supervisor.check(clock[0], lambda name: f"{name}.log")
+    assert worker.num_short_runs == 1100 and clock[0] > 20 * 3600
+    assert lines[-2:] == [
+        "worker starts again in 60 s: its run 1100 in a row shorter than 120 s (the wait doubles up to 60 s)",
+        "worker started again",
+    ]
