@@ -351,9 +351,9 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     return batch
 
 
-# The first line of an input read at a batch's creation (`_refuse_a_model_of_another_task`): one ranged GET for most
-# files, a few for a line up to a request's size.
-FIRST_LINE_PART_BYTES = 1024 * 1024
+# What of an input is read at a batch's creation (`_refuse_a_model_of_another_task`): the first line of most files; a
+# longer one is left to the validation.
+FIRST_LINE_BYTES = 1024 * 1024
 
 
 def _refuse_a_model_of_another_task(organization_id: int, input_file: File, request_path: str) -> None:
@@ -362,10 +362,11 @@ def _refuse_a_model_of_another_task(organization_id: int, input_file: File, requ
     created, validated and run, and every line failed as it ran. The rest of the file is the validation's to check
     (each line against the same model's task: `_LineModels`); an input that cannot be read now is left to it too."""
     try:
-        model = first_model(storage.read_parts(input_file.s3_key, part_bytes=FIRST_LINE_PART_BYTES))
+        start = storage.read_start(input_file.s3_key, FIRST_LINE_BYTES)
     except Exception:  # NOTE: a check ahead of the validation's: S3 failing here must not refuse (or 500) a create
         logger.warning("batch of %s: its first line could not be read at creation", input_file.pk, exc_info=True)
         return
+    model = first_model(start, is_whole_file=len(start) < FIRST_LINE_BYTES)
     refusal = _LineModels(organization_id, BATCH_PATHS[request_path]).task_refusal(model) if model else None
     if refusal is not None:
         raise Refused(f"{refusal.message} The batch's endpoint, {request_path}, does not serve it.", param="endpoint",

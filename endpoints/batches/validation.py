@@ -191,14 +191,19 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
     return Checked(num_lines if not problems else 0, problems, served)
 
 
-def first_model(parts: Iterable[bytes]) -> str | None:
-    """The `body.model` of a file's first request, when it reads as one (every line is `parse_lines`'s to judge)."""
-    for _, _, text in _requests(parts):
-        if text is None or has_too_many_json_items(text):
-            return None
+def first_model(start: bytes, *, is_whole_file: bool) -> str | None:
+    """The `body.model` of the first request in `start`, a file's first bytes (all of them: `is_whole_file`), when that
+    line is whole there and reads as one (every line is `parse_lines`'s to judge)."""
+    lines = start.split(b"\n")
+    if not is_whole_file:
+        lines.pop()  # it may go on past `start`
+    for raw in lines:
+        if not raw.strip():
+            continue
         try:
-            request = json.loads(text)
-        except (ValueError, RecursionError):
+            text = raw.decode("utf-8")
+            request = json.loads(text) if not has_too_many_json_items(text) else None
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return None
         body = request.get("body") if isinstance(request, dict) else None
         model = body.get("model") if isinstance(body, dict) else None
