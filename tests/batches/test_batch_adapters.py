@@ -29,9 +29,16 @@ MAX_TOKENS = 3
 
 
 def _line(custom_id: str, model: str) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "messages": [{"role": "user", "content": f"say {custom_id}"}],
-                     "max_tokens": MAX_TOKENS}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": f"say {custom_id}"}],
+            "max_tokens": MAX_TOKENS,
+        },
+    }
 
 
 def _jsonl(rows) -> bytes:
@@ -40,9 +47,13 @@ def _jsonl(rows) -> bytes:
 
 def _with_adapter(endpoint, name: str = "french") -> Adapter:
     """An adapter of `endpoint`, with prices of its own, that its replicas hold (as their agents report)."""
-    adapter = Adapter.objects.create(endpoint=endpoint, name=name, source=f"hf:tuned/{name}",
-                                     price_input_per_million=ADAPTER_PRICE_INPUT,
-                                     price_output_per_million=ADAPTER_PRICE_OUTPUT)
+    adapter = Adapter.objects.create(
+        endpoint=endpoint,
+        name=name,
+        source=f"hf:tuned/{name}",
+        price_input_per_million=ADAPTER_PRICE_INPUT,
+        price_output_per_million=ADAPTER_PRICE_OUTPUT,
+    )
     Replica.objects.filter(endpoint=endpoint).update(adapters=[name])
     return adapter
 
@@ -53,16 +64,21 @@ def _rows(files_bucket: str, file) -> dict[str, dict]:
 
 
 def test_lines_naming_an_adapter_run_on_it_billed_at_its_prices_as_the_gateway_bills_a_call_to_it(
-        files_bucket, tenant, start_mock_upstream):
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     _with_adapter(endpoint)
-    batch = new_batch(endpoint, _jsonl([_line("base", endpoint.name), _line("tuned", f"{endpoint.name}:french")]))
+    batch = new_batch(
+        endpoint, _jsonl([_line("base", endpoint.name), _line("tuned", f"{endpoint.name}:french")])
+    )
 
     services.run_batch(batch.pk)
 
     batch = Batch.objects.get(pk=batch.pk)
-    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (2, 0), batch.errors
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (2, 0), (
+        batch.errors
+    )
     output = _rows(files_bucket, batch.output_file)
     # The engine was asked for the adapter by its name (vLLM's `lora_name`), the base model by the endpoint's.
     assert output["base"]["response"]["body"]["model"] == endpoint.name
@@ -72,21 +88,30 @@ def test_lines_naming_an_adapter_run_on_it_billed_at_its_prices_as_the_gateway_b
     base, tuned = (records[output[name]["response"]["request_id"]] for name in ("base", "tuned"))
     assert (base.adapter, tuned.adapter) == ("", "french")
     assert base.endpoint_id == tuned.endpoint_id == endpoint.pk and tuned.organization_id == tenant.org.pk
-    expected = (PROMPT_TOKENS * ADAPTER_PRICE_INPUT + MAX_TOKENS * ADAPTER_PRICE_OUTPUT) / Decimal(1_000_000) / 2
+    expected = (
+        (PROMPT_TOKENS * ADAPTER_PRICE_INPUT + MAX_TOKENS * ADAPTER_PRICE_OUTPUT) / Decimal(1_000_000) / 2
+    )
     assert tuned.cost == expected.quantize(Decimal("0.000000001"))
 
 
 def test_a_line_naming_an_unknown_adapter_or_another_organisations_fails_the_check_on_its_own_line(
-        files_bucket, tenant, start_mock_upstream):
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     _with_adapter(endpoint)
     theirs = serve_endpoint(new_tenant().org, name="theirs")
     _with_adapter(theirs, "secret")
     sibling = serve_endpoint(tenant.org, name="sibling")
-    rows = [_line("ok", f"{endpoint.name}:french"), _line("unknown", f"{endpoint.name}:nope"),
-            _line("their-adapter", "theirs:secret"), _line("their-endpoint", "theirs"),
-            _line("no-adapter", f"{endpoint.name}:"), _line("sibling", sibling.name), _line("base", endpoint.name)]
+    rows = [
+        _line("ok", f"{endpoint.name}:french"),
+        _line("unknown", f"{endpoint.name}:nope"),
+        _line("their-adapter", "theirs:secret"),
+        _line("their-endpoint", "theirs"),
+        _line("no-adapter", f"{endpoint.name}:"),
+        _line("sibling", sibling.name),
+        _line("base", endpoint.name),
+    ]
     batch = new_batch(endpoint, _jsonl(rows))
 
     services.run_batch(batch.pk)
@@ -94,18 +119,25 @@ def test_a_line_naming_an_unknown_adapter_or_another_organisations_fails_the_che
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.FAILED and batch.num_total == 0
     assert [(error["line"], error["code"], error["param"]) for error in batch.errors] == [
-        (2, "model_not_found", "body.model"), (3, "model_not_found", "body.model"), (4, "model_not_found", "body.model"),
-        (5, "model_not_found", "body.model"), (6, "mismatched_model", "body.model")]
+        (2, "model_not_found", "body.model"),
+        (3, "model_not_found", "body.model"),
+        (4, "model_not_found", "body.model"),
+        (5, "model_not_found", "body.model"),
+        (6, "mismatched_model", "body.model"),
+    ]
     assert "theirs:secret" in batch.errors[1]["message"] and "does not exist" in batch.errors[1]["message"]
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
 
 
 def test_a_line_whose_adapter_was_deleted_after_the_check_fails_alone_as_it_runs(
-        files_bucket, tenant, start_mock_upstream):
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     adapter = _with_adapter(endpoint)
-    batch = new_batch(endpoint, _jsonl([_line("base", endpoint.name), _line("tuned", f"{endpoint.name}:french")]))
+    batch = new_batch(
+        endpoint, _jsonl([_line("base", endpoint.name), _line("tuned", f"{endpoint.name}:french")])
+    )
     batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
     assert batch.status == BatchStatus.IN_PROGRESS
     adapter.delete()

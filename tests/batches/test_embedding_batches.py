@@ -32,7 +32,12 @@ PRICE_INPUT = Decimal("100")
 
 
 def _line(custom_id: str, model: str, url: str = EMBEDDINGS, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": model, "input": "hello"} | body}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": url,
+        "body": {"model": model, "input": "hello"} | body,
+    }
 
 
 def _jsonl(rows) -> bytes:
@@ -44,7 +49,8 @@ def _embedding_endpoint(organization, *addresses: str, **spec):
 
 
 def test_an_embeddings_batch_runs_each_line_once_billed_for_its_prompt_tokens_at_the_batch_price(
-        files_bucket, tenant, start_mock_upstream):
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = _embedding_endpoint(tenant.org, upstream)
     # NOTE: text only: the mock counts 7 tokens an input, more than a short list of token ids may cost (what the call
@@ -57,7 +63,11 @@ def test_an_embeddings_batch_runs_each_line_once_billed_for_its_prompt_tokens_at
     services.run_batch(batch.pk)
 
     batch = Batch.objects.get(pk=batch.pk)
-    assert batch.status == BatchStatus.COMPLETED and (batch.num_total, batch.num_completed, batch.num_failed) == (5, 5, 0)
+    assert batch.status == BatchStatus.COMPLETED and (
+        batch.num_total,
+        batch.num_completed,
+        batch.num_failed,
+    ) == (5, 5, 0)
     stored = bucket_objects(files_bucket, batch.output_file.s3_key)[batch.output_file.s3_key]
     output = {row["custom_id"]: row for row in map(json.loads, stored.splitlines())}
     num_vectors = {"e0": 1, "e1": 2, "e2": 1, "e3": 3, "shorter": 1}
@@ -80,13 +90,16 @@ def test_an_embeddings_batch_runs_each_line_once_billed_for_its_prompt_tokens_at
         assert record.cost == cost_of(endpoint, record.prompt_tokens, 0, 0, fraction=Decimal("0.5")) > 0
 
 
-def test_a_line_run_again_after_its_result_was_lost_is_billed_once(files_bucket, tenant, start_mock_upstream,
-                                                                      monkeypatch):
+def test_a_line_run_again_after_its_result_was_lost_is_billed_once(
+    files_bucket, tenant, start_mock_upstream, monkeypatch
+):
     # A run that died between a line's usage row and its result in S3 (a worker killed, S3 refusing the put): the next
     # run runs the line again under the same request id, and the ledger keeps its first row.
     upstream = start_mock_upstream()
     endpoint = _embedding_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _jsonl([_line(f"e{i}", endpoint.name) for i in range(3)]), request_path=EMBEDDINGS)
+    batch = new_batch(
+        endpoint, _jsonl([_line(f"e{i}", endpoint.name) for i in range(3)]), request_path=EMBEDDINGS
+    )
     put_result, lost = storage.put_result, []
 
     def loses_one(organization_id, batch_id, index, row, *, ok):
@@ -109,7 +122,8 @@ def test_a_line_run_again_after_its_result_was_lost_is_billed_once(files_bucket,
 
 
 def test_embeddings_lines_are_checked_as_the_gateway_checks_their_bodies_and_each_bad_one_is_listed(
-        files_bucket, tenant, start_mock_upstream):
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = _embedding_endpoint(tenant.org, upstream)
     others = _embedding_endpoint(new_tenant().org, name="theirs")
@@ -125,7 +139,11 @@ def test_embeddings_lines_are_checked_as_the_gateway_checks_their_bodies_and_eac
         _line("other-org", others.name),
         _line("no-input", endpoint.name, input=None),
     ]
-    data = _jsonl(rows) + json.dumps(_line("huge", endpoint.name, input="x" * (9 * 1024 * 1024))).encode() + b"\n"
+    data = (
+        _jsonl(rows)
+        + json.dumps(_line("huge", endpoint.name, input="x" * (9 * 1024 * 1024))).encode()
+        + b"\n"
+    )
     batch = new_batch(endpoint, data, request_path=EMBEDDINGS)
 
     services.run_batch(batch.pk)
@@ -152,24 +170,36 @@ def test_a_batch_whose_endpoint_path_asks_what_its_model_does_not_serve_is_a_400
     embedder = _embedding_endpoint(tenant.org)
     chatter = serve_endpoint(tenant.org, task="generate")
     client = tenant.client(gateway)
-    chat_line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"model": embedder.name, "messages": [{"role": "user", "content": "hi"}]}}
+    chat_line = {
+        "custom_id": "c",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": embedder.name, "messages": [{"role": "user", "content": "hi"}]},
+    }
     chat_file = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl([chat_line]))), purpose="batch")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+        client.batches.create(
+            input_file_id=chat_file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
     assert (refused.value.body["param"], refused.value.body["code"]) == ("endpoint", "model_is_embedding")
     assert "/v1/embeddings" in refused.value.message
 
-    embed_file = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line("e", chatter.name)]))), purpose="batch")
+    embed_file = client.files.create(
+        file=("in.jsonl", io.BytesIO(_jsonl([_line("e", chatter.name)]))), purpose="batch"
+    )
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=embed_file.id, endpoint=EMBEDDINGS, completion_window="24h")
     assert (refused.value.body["param"], refused.value.body["code"]) == ("endpoint", "model_not_embedding")
     assert not Batch.objects.exists()
 
     # Each model with the path it serves is a batch.
-    served = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line("e", embedder.name)]))), purpose="batch")
-    assert client.batches.create(input_file_id=served.id, endpoint=EMBEDDINGS, completion_window="24h").status \
+    served = client.files.create(
+        file=("in.jsonl", io.BytesIO(_jsonl([_line("e", embedder.name)]))), purpose="batch"
+    )
+    assert (
+        client.batches.create(input_file_id=served.id, endpoint=EMBEDDINGS, completion_window="24h").status
         == "validating"
+    )
 
 
 def test_a_batch_created_while_s3_stalls_is_created_without_its_first_line_checked(gateway, tenant, s3_child):
@@ -178,26 +208,38 @@ def test_a_batch_created_while_s3_stalls_is_created_without_its_first_line_check
     # creation waiting on them held the client for minutes.
     embedder = _embedding_endpoint(tenant.org)
     client = tenant.client(gateway, timeout=30)
-    input_file = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line("e", embedder.name)]))), purpose="batch")
+    input_file = client.files.create(
+        file=("in.jsonl", io.BytesIO(_jsonl([_line("e", embedder.name)]))), purpose="batch"
+    )
     with s3_stalled(s3_child):
-        batch = client.batches.create(input_file_id=input_file.id, endpoint=EMBEDDINGS, completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=input_file.id, endpoint=EMBEDDINGS, completion_window="24h"
+        )
     assert batch.status == "validating"
 
 
 def test_an_embeddings_batch_cancelled_mid_run_counts_exactly_the_lines_it_answered(
-        gateway, tenant, batch_worker, start_mock_upstream):
+    gateway, tenant, batch_worker, start_mock_upstream
+):
     # One slot and a slow engine: lines finish one at a time.
     endpoint = _embedding_endpoint(tenant.org, start_mock_upstream(prefill_ms=100), target_concurrency=1)
     client = tenant.client(gateway)
     input_file = client.files.create(
-        file=("in.jsonl", io.BytesIO(_jsonl([_line(f"l{i}", endpoint.name) for i in range(60)]))), purpose="batch")
+        file=("in.jsonl", io.BytesIO(_jsonl([_line(f"l{i}", endpoint.name) for i in range(60)]))),
+        purpose="batch",
+    )
     batch = client.batches.create(input_file_id=input_file.id, endpoint=EMBEDDINGS, completion_window="24h")
     assert batch.endpoint == EMBEDDINGS
-    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 120,
-               message="a few lines to finish")
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3,
+        120,
+        message="a few lines to finish",
+    )
 
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
-    wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", 120, message="the batch to end")
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).status == "cancelled", 120, message="the batch to end"
+    )
     batch = client.batches.retrieve(batch.id)
     output = client.files.content(batch.output_file_id).read().splitlines()
     assert 3 <= len(output) == batch.request_counts.completed < 60 and batch.request_counts.failed == 0
@@ -205,4 +247,5 @@ def test_an_embeddings_batch_cancelled_mid_run_counts_exactly_the_lines_it_answe
     records = UsageRecord.objects.filter(batch_id=batch.id)
     assert records.count() == len(output) == len(set(records.values_list("request_id", flat=True)))
     assert sorted(records.values_list("request_id", flat=True)) == sorted(
-        json.loads(row)["response"]["request_id"] for row in output)
+        json.loads(row)["response"]["request_id"] for row in output
+    )
