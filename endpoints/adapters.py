@@ -47,6 +47,15 @@ def split_model_name(model: str) -> tuple[str, str]:
     return endpoint, adapter
 
 
+def parse_model_name(model: str) -> tuple[str, str] | None:
+    """What a call's `model` names, as `split_model_name`; None for `"<endpoint>:"`, which names no adapter, so no
+    model (the gateway's `adapter_hold.resolve` and a batch's line checks alike)."""
+    endpoint, adapter = split_model_name(model)
+    if not adapter and model.endswith(ADAPTER_SEPARATOR):
+        return None
+    return endpoint, adapter
+
+
 ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
 
 

@@ -8,6 +8,9 @@ interactive call. What differs is only what a batch line is:
 - its request id is `<batch id>-<line index>`, the same on every try, so a line re-run after a worker
   died mid-line writes no second usage row (the ledger's unique request id);
 - its usage row carries the batch id and is priced at the endpoint's `batch_price_fraction`;
+- its `body.model` is resolved as the gateway resolves a call's (`adapter_hold.resolve`): the batch's endpoint, or
+  one of its LoRA adapters (`"<endpoint>:<adapter>"`), run on a replica holding it and priced and metered as the
+  gateway's call to it;
 - it runs at `scheduling.BATCH_ENGINE_PRIORITY` at the engine, and is started only while the READY
   replicas have spare slots (`scheduling.batch_slots`), never held through a cold start.
 
@@ -39,7 +42,7 @@ from controlplane.redis_keys import outstanding_key
 from controlplane.worker_threads import in_worker_thread
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
-from endpoints.gateway import directory, errors, presence, upstream
+from endpoints.gateway import adapter_hold, directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.request import InferenceRequest
@@ -195,6 +198,21 @@ async def _never_disconnects() -> dict:
     return {"type": "http.disconnect"}
 
 
+async def _route(work: Work, endpoint: directory.EndpointInfo, request: InferenceRequest,
+                 ) -> tuple[directory.EndpointInfo, InferenceRequest, directory.AdapterInfo | None]:
+    """The endpoint (priced for the adapter), the request and the adapter a line's `model` names, as the gateway
+    resolves a call's (`adapter_hold.resolve`, then the adapter's name for the engine), or the 404 of a model that is
+    not the batch's endpoint's (an adapter deleted since the batch's check: this line fails, not the batch)."""
+    resolved = await adapter_hold.resolve(work.organization_id, request.model)
+    if resolved is None or resolved[0].id != endpoint.id:
+        raise errors.model_not_found(request.model)
+    adapter = resolved[1]
+    if adapter is None:
+        return endpoint, request, None
+    # NOTE: priced from the run's endpoint, read again every second (its engine generation), as the gateway prices it
+    return adapter.priced(endpoint), replace(request, engine_model=adapter.name), adapter
+
+
 async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient,
                    answer_deadline: float | None = None, answer: answer_bytes.LineAnswer | None = None) -> LineOutcome:
     """Run one line; its answer's bytes are counted by `answer` from the first read (`answer_bytes`), then as its row
@@ -208,10 +226,11 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     try:
         request = replace(InferenceRequest.parse(json.dumps(line.body).encode(), kind=work.kind, path=work.request_path),
                           priority=scheduling.BATCH_ENGINE_PRIORITY)
-        call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=endpoint, client=client,
+        priced, request, adapter = await _route(work, endpoint, request)
+        call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=priced, client=client,
                              receive=_never_disconnects, send=capture.send, started_at=datetime.now(UTC),
                              batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline,
-                             answer_holding=answer)
+                             answer_holding=answer, adapter=adapter)
         await call.run()
     except errors.OpenAIError as exc:
         status, body, retry = exc.status, exc.body(), exc.status in RETRY_STATUSES

@@ -34,6 +34,7 @@ from controlplane.accounts.models import ApiKey, Membership, Organization, Role,
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
+from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
     BATCH_PATHS,
@@ -47,10 +48,11 @@ from endpoints.batches.models import (
     new_file_id,
 )
 from endpoints.batches.text import storable
-from endpoints.batches.validation import Line, LineError, parse_lines, read_lines
+from endpoints.batches.validation import Line, LineError, first_model, parse_lines, read_lines
 from endpoints.events import record_event_once
+from endpoints.gateway import embeddings, errors
 from endpoints.gateway.auth import Caller
-from endpoints.models import Endpoint, EventKind, Replica
+from endpoints.models import Adapter, Endpoint, EventKind, Replica
 from gpu_agent.protocol import ReplicaState
 
 logger = logging.getLogger("inferplane.batches")
@@ -326,6 +328,7 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
         raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
     if input_file.purpose != FilePurpose.BATCH:
         raise Refused("The input file's purpose must be 'batch'.", param="input_file_id")
+    _refuse_a_model_of_another_task(organization_id, input_file, request_path)
     now = timezone.now()
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, input_file.bytes, param="input_file_id",
@@ -346,6 +349,62 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
             idempotency.save_answer(claim, batch.as_openai())
     _dispatch_after_commit(batch.pk)
     return batch
+
+
+# What of an input is read at a batch's creation (`_refuse_a_model_of_another_task`): the first line of most files; a
+# longer one is left to the validation.
+FIRST_LINE_BYTES = 1024 * 1024
+
+
+def _refuse_a_model_of_another_task(organization_id: int, input_file: File, request_path: str) -> None:
+    """Refuse (400 naming `endpoint`) a batch whose first line's model serves another task than its `endpoint` asks
+    (an embedding model's batch for `/v1/chat/completions`, a chat model's for `/v1/embeddings`): before, it was
+    created, validated and run, and every line failed as it ran. The rest of the file is the validation's to check
+    (each line against the same model's task: `_LineModels`); an input that cannot be read now is left to it too."""
+    try:
+        start = storage.read_start(input_file.s3_key, FIRST_LINE_BYTES)
+    except Exception:  # NOTE: a check ahead of the validation's: S3 failing here must not refuse (or 500) a create
+        logger.warning("batch of %s: its first line could not be read at creation", input_file.pk, exc_info=True)
+        return
+    model = first_model(start, is_whole_file=len(start) < FIRST_LINE_BYTES)
+    refusal = _LineModels(organization_id, BATCH_PATHS[request_path]).task_refusal(model) if model else None
+    if refusal is not None:
+        raise Refused(f"{refusal.message} The batch's endpoint, {request_path}, does not serve it.", param="endpoint",
+                      code=refusal.code)
+
+
+class _LineModels:
+    """The models a batch's lines may name (`validation.ModelCheck`): the organisation's live endpoints serving the
+    batch's kind of call, as `"<endpoint>"` or `"<endpoint>:<adapter>"` (the gateway's naming,
+    `adapters.parse_model_name`; what the runner resolves as the gateway does, `adapter_hold.resolve`). Another
+    organisation's endpoint or adapter is unknown here, as it is to the gateway: `model_not_found`."""
+
+    def __init__(self, organization_id: int, kind: str):
+        self.organization_id, self.kind = organization_id, kind
+        self._endpoints: dict[str, tuple[Endpoint, set[str]] | None] = {}
+
+    def endpoint(self, name: str) -> Endpoint | None:
+        return (self._found(name) or (None,))[0]
+
+    def _found(self, name: str) -> tuple[Endpoint, set[str]] | None:
+        if name not in self._endpoints:
+            endpoint = Endpoint.objects.live().filter(organization_id=self.organization_id, name=name).first()
+            self._endpoints[name] = (endpoint, set(Adapter.objects.filter(endpoint=endpoint).values_list(
+                "name", flat=True))) if endpoint is not None else None
+        return self._endpoints[name]
+
+    def __call__(self, model: str) -> errors.OpenAIError | None:
+        names = parse_model_name(model)
+        found = self._found(names[0]) if names is not None else None
+        if found is None or (names[1] and names[1] not in found[1]):
+            return errors.model_not_found(model)
+        return self.task_refusal(model)
+
+    def task_refusal(self, model: str) -> errors.OpenAIError | None:
+        """The refusal of a call of this kind to the endpoint `model` names, when it serves the other task."""
+        names = parse_model_name(model)
+        endpoint = self.endpoint(names[0]) if names is not None else None
+        return embeddings.wrong_task(self.kind, endpoint.serving_task, endpoint.name) if endpoint is not None else None
 
 
 def cancel_batch(batch: Batch) -> Batch:
@@ -511,19 +570,18 @@ def validate_batch(batch: Batch) -> Batch:
         return _fail_validation(batch, [LineError(1, "validation_failed", f"The input file could not be checked "
                                                   f"({MAX_VALIDATION_ATTEMPTS} attempts failed); check its lines and "
                                                   "create the batch again.")])
+    models = _LineModels(batch.organization_id, BATCH_PATHS[batch.request_path])
     try:
         checked = parse_lines(storage.read_parts(batch.input_file.s3_key), request_path=batch.request_path,
-                              kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES)
+                              kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES,
+                              check_model=models)
     except storage.ObjectGone:  # NOTE: only a missing object: S3 failing (retried by boto3) fails this attempt alone
         logger.warning("batch %s: its input file is gone", batch.pk)
         checked_errors, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], None
     else:
         checked_errors, endpoint = checked.errors, None
         if not checked_errors:
-            endpoint = Endpoint.objects.live().filter(organization_id=batch.organization_id, name=checked.model).first()
-            if endpoint is None:
-                checked_errors = [LineError(1, "model_not_found", f"The model '{checked.model}' does not exist or you do "
-                                                                  "not have access to it.", "body.model")]
+            endpoint = models.endpoint(checked.model)
     if checked_errors:
         return _fail_validation(batch, checked_errors)
     Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(

@@ -62,6 +62,30 @@ def _client():
                         config=Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32))
 
 
+# A read made while a client waits for its answer (`read_start`): one try, given up soon. NOTE: the run's client retries
+# five times with boto3's 60 s timeouts: a stalled S3 held a batch's creation for minutes, and the openai client, timed
+# out, sent it again.
+QUICK_READ = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=2, read_timeout=5)
+
+
+@functools.cache
+def _quick_client():
+    return boto3.client("s3", endpoint_url=settings.FILES_S3_ENDPOINT_URL, region_name=settings.FILES_S3_REGION,
+                        config=QUICK_READ)
+
+
+def read_start(key: str, num_bytes: int) -> bytes:
+    """The object's first `num_bytes` at most, in one ranged GET that gives up within seconds (`QUICK_READ`): for a
+    check made while a client waits, which may be skipped (its error raised) but never held up."""
+    try:
+        answer = _quick_client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Range=f"bytes=0-{num_bytes - 1}")
+    except ClientError as exc:
+        if _error_code(exc) == "InvalidRange":
+            return b""  # an empty object
+        raise
+    return answer["Body"].read()
+
+
 def file_key(organization_id: int, file_id: str) -> str:
     return f"{FILES_PREFIX}{organization_id}/{file_id}"
 

@@ -3,7 +3,8 @@
 Every line must be a JSON object `{"custom_id", "method": "POST", "url", "body"}` whose `custom_id` is a
 unique string without control characters or lone surrogates, whose `url` is the batch's endpoint, and whose `body` the gateway would accept for that
 path (`endpoints.gateway.request.parse_payload`: the same checks as an interactive call) with a
-`model` naming one of the organisation's endpoints, the same for every line, and no `stream` or `priority`. A file
+`model` naming one of the organisation's endpoints or one of its LoRA adapters (`"<endpoint>:<adapter>"`, the
+gateway's naming), the same endpoint for every line, and no `stream` or `priority`. A file
 with any bad line fails the whole batch with one error per bad line (OpenAI's `errors.data`), and
 nothing runs.
 """
@@ -11,9 +12,10 @@ nothing runs.
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
+from endpoints.adapters import split_model_name
 from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
 from endpoints.gateway.request import MAX_BODY_BYTES, MAX_JSON_ITEMS, has_too_many_json_items, parse_payload
@@ -46,7 +48,12 @@ class LineError:
 class Checked:
     num_lines: int  # the requests of a file without errors (0 with any)
     errors: list[LineError]
-    model: str | None
+    model: str | None  # the endpoint every line names (itself, or one of its adapters)
+
+
+# A line's `body.model` checked (`parse_lines`): the refusal (OpenAI's error: `model_not_found`, a model of the other
+# task) or None.
+ModelCheck = Callable[[str], gateway_errors.OpenAIError | None]
 
 
 def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES) -> Iterator[tuple[int, bytes | None]]:
@@ -85,14 +92,19 @@ def _requests(parts: Iterable[bytes]) -> Iterator[tuple[int, bytes | None, str |
             yield number, raw, text
 
 
-def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lines: int) -> Checked:
-    """Check a file read in `parts`, a line at a time (model lookup is the caller's: `model`). What is kept besides a
-    line is its custom id: a file is never held whole, nor its lines parsed (a 200 MiB input held as bytes, text and
-    lines, then parsed, took a batch worker several times its memory limit)."""
+def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lines: int,
+                check_model: ModelCheck | None = None) -> Checked:
+    """Check a file read in `parts`, a line at a time; each line's `body.model` by `check_model` (the caller's
+    lookup, once a name), and all of them naming the same endpoint (itself or its adapters: `model`). What is kept
+    besides a line is its custom id: a file is never held whole, nor its lines parsed (a 200 MiB input held as bytes,
+    text and lines, then parsed, took a batch worker several times its memory limit)."""
     num_lines = 0
     problems: list[LineError] = []
     seen: set[str] = set()
-    models: set[str] = set()
+    # NOTE: each name looked up once, and only while errors are still listed: every unknown name is an error, so at
+    # most `MAX_ERRORS` of them and the endpoint's own names are ever looked up, however many lines name others.
+    checked_models: dict[str, gateway_errors.OpenAIError | None] = {}
+    served: str | None = None  # the endpoint the first line with a known model names
 
     def refuse(number: int, code: str, message: str, param: str | None = None) -> None:
         if len(problems) < MAX_ERRORS:
@@ -159,12 +171,44 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
         except gateway_errors.OpenAIError as exc:
             refuse(number, exc.code or "invalid_request", exc.message, f"body.{exc.param}" if exc.param else "body")
             continue
-        models.add(payload["model"])
+        model = payload["model"]
+        if check_model is not None and len(problems) < MAX_ERRORS:
+            if model not in checked_models:
+                checked_models[model] = check_model(model)
+            if (refusal := checked_models[model]) is not None:
+                # NOTE: this line alone, as OpenAI lists a bad line: an adapter of another endpoint or organisation,
+                # or one deleted, failed every line of the batch as it ran (or the whole batch as one unknown model)
+                refuse(number, refusal.code or "invalid_request", refusal.message, "body.model")
+                continue
+        endpoint_name = split_model_name(model)[0]
+        if served is None:
+            served = endpoint_name
+        elif endpoint_name != served:
+            refuse(number, "mismatched_model", f"Every request of a batch must name the same endpoint, '{served}' (or "
+                                               f"one of its adapters, as '{served}:<adapter>').", "body.model")
     if not num_lines:
         return Checked(0, [LineError(1, "empty_file", "The input file has no requests.")], None)
-    if not problems and len(models) > 1:
-        problems.append(LineError(1, "mismatched_model", "Every request of a batch must name the same model.", "body.model"))
-    return Checked(num_lines if not problems else 0, problems, next(iter(models)) if len(models) == 1 else None)
+    return Checked(num_lines if not problems else 0, problems, served)
+
+
+def first_model(start: bytes, *, is_whole_file: bool) -> str | None:
+    """The `body.model` of the first request in `start`, a file's first bytes (all of them: `is_whole_file`), when that
+    line is whole there and reads as one (every line is `parse_lines`'s to judge)."""
+    lines = start.split(b"\n")
+    if not is_whole_file:
+        lines.pop()  # it may go on past `start`
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+            request = json.loads(text) if not has_too_many_json_items(text) else None
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return None
+        body = request.get("body") if isinstance(request, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        return model if isinstance(model, str) else None
+    return None
 
 
 def read_lines(parts: Iterable[bytes], *, skip: Container[int] = ()) -> Iterator[Line]:

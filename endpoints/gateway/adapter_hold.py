@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from controlplane.worker_threads import in_worker_thread
-from endpoints.adapters import ADAPTER_SEPARATOR, split_model_name, want_adapter
+from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.gateway import directory, errors
 
 POLL_S = 0.25
@@ -26,11 +26,12 @@ async def resolve(organization_id: int, model: str, *, before_lookup: Callable[[
 
     `before_lookup` is awaited once before the first database lookup (a name, or an endpoint's adapters, not cached)
     and may raise to refuse the call before it costs a query (`admission.resolve_model`)."""
-    endpoint_name, adapter_name = split_model_name(model)
-    if not adapter_name and model.endswith(ADAPTER_SEPARATOR):
+    names = parse_model_name(model)
+    if names is None:
         # NOTE: `"<endpoint>:"` names no adapter, so no model: it was served as the endpoint (`/v1/models/{id}` said
         # 200 with the endpoint's id), and a real engine refused its name only once the call was admitted
         return None
+    endpoint_name, adapter_name = names
     if before_lookup is not None and not directory.knows_endpoint(organization_id, endpoint_name):
         await before_lookup()
         before_lookup = None

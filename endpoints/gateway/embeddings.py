@@ -84,16 +84,24 @@ def _are_token_ids(items: list) -> bool:
 
 def refuse_wrong_task(kind: str, endpoint) -> None:
     """A 400 when `endpoint` cannot serve a call of `kind`; "" (a task not known yet) lets the engine judge."""
-    task = endpoint.task
+    refusal = wrong_task(kind, endpoint.task, endpoint.name)
+    if refusal is not None:
+        raise refusal
+
+
+def wrong_task(kind: str, task: str, name: str) -> errors.OpenAIError | None:
+    """The 400 refusing a call of `kind` to the endpoint `name` serving `task` (`Endpoint.serving_task`), if any:
+    the gateway's, and a batch's whose `endpoint` asks what its lines' model does not serve."""
     if kind == EMBEDDING and task == GENERATE_TASK:
-        raise errors.invalid_request(
-            f"The model '{endpoint.name}' generates text and serves no embeddings; call /v1/chat/completions "
+        return errors.invalid_request(
+            f"The model '{name}' generates text and serves no embeddings; call /v1/chat/completions "
             "or /v1/completions, or deploy an embedding model (task \"embed\").", param="model",
             code="model_not_embedding")
     if kind != EMBEDDING and task == EMBED_TASK:
-        raise errors.invalid_request(
-            f"The model '{endpoint.name}' is an embedding model; call /v1/embeddings.", param="model",
+        return errors.invalid_request(
+            f"The model '{name}' is an embedding model; call /v1/embeddings.", param="model",
             code="model_is_embedding")
+    return None
 
 
 def engine_refusal(status: int, body: bytes, payload: dict) -> errors.OpenAIError:

@@ -91,7 +91,7 @@ def gateway(files_bucket, transactional_db, tmp_path):
     child.stop()
 
 
-def new_batch(endpoint, data: bytes):
+def new_batch(endpoint, data: bytes, *, request_path: str = "/v1/chat/completions"):
     """A batch of the endpoint's organisation over `data` (its input file, uploaded), created by a member
     through the services as the API does: `validating`, with no run of it queued yet but its dispatch."""
     input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
@@ -99,7 +99,7 @@ def new_batch(endpoint, data: bytes):
     member = UserFactory()
     MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
     return services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
-                                 input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                 input_file_id=input_file.pk, request_path=request_path,
                                  completion_window="24h", metadata=None)
 
 

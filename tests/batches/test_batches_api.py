@@ -99,7 +99,7 @@ def test_a_batch_with_malformed_lines_fails_with_an_error_per_line_and_runs_noth
     assert batch.status == "failed" and batch.failed_at is not None
     assert [(e.line, e.code) for e in batch.errors.data] == [
         (2, "invalid_json"), (3, "duplicate_custom_id"), (4, "invalid_method"), (5, "invalid_url"),
-        (6, "priority_not_allowed")]
+        (6, "priority_not_allowed"), (7, "model_not_found")]
     assert batch.output_file_id is None and batch.request_counts.total == 0
     assert not UsageRecord.objects.exists()
 

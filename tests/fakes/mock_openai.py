@@ -155,6 +155,7 @@ class MockOpenAI:
             left.cancel()
 
     async def _embeddings(self, send, payload):
+        await asyncio.sleep(self.prefill_s)
         inputs = payload.get("input")
         num_inputs = 1 if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)) \
             else len(inputs or [])
