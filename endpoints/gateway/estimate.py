@@ -10,7 +10,8 @@ of every text the chat template can render (contents, roles, names, tool definit
 `response_format` schemas; structured values as indented JSON with escapes, which is longer than
 what templates render) plus a fixed allowance per message and per prompt for the template's own
 text and special tokens. Whatever the text, the engine refuses a prompt longer than its context,
-so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that.
+so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that, and
+so does a chat whose `chat_template_kwargs` hold more than flags (the template may render them in every message).
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; completions take
@@ -159,12 +160,34 @@ def _chat_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERS
         return UNBOUNDED
     for message in messages:
         total += per_message + _message_bytes(message)
+    if not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
+        return UNBOUNDED
     for name in ("tools", "functions", "response_format", "tool_choice", "chat_template_kwargs", "documents"):
         if payload.get(name) is not None:
             total += _json_bytes(payload[name])
     if payload.get("tools") or payload.get("functions"):
         total += TOKENS_FOR_TOOLS
     return total
+
+
+def _template_kwargs_bounded(kwargs) -> bool:
+    """Whether the template's text with `chat_template_kwargs` is bounded by the allowances: only flags (true or false)
+    that name no special token.
+
+    NOTE: vLLM hands the template every kwarg it names, and a kwarg replaces what the template had under that name: a
+    template renders `eos_token` or `bos_token` in every message, so 90 bytes of `eos_token` prompted a conversation of
+    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled), and `tools` given there came
+    without the tools' allowance. A text, a number or a list can be rendered in any loop of the template, and a flag
+    named as a token renders as "True" where one special token was; the engine's context bounds those instead."""
+    if kwargs is None:
+        return True
+    if not isinstance(kwargs, dict):
+        return True  # the engine refuses kwargs that are not an object
+    return all(isinstance(value, bool) and not _names_a_token(key) for key, value in kwargs.items())
+
+
+def _names_a_token(key: str) -> bool:
+    return key.endswith(("_token", "_tokens"))
 
 
 def _message_bytes(message) -> int:

@@ -181,3 +181,19 @@ def test_a_completions_suffix_is_reserved_with_every_prompt():
     # suffix reserved 9 tokens each.
     case = worst_case({"model": "m", "prompt": ["a"] * 8, "suffix": "x" * 30_000, "max_tokens": 1}, "completion", CONTEXT)
     assert case.prompt_bounds == (min(CONTEXT, 1 + 8 + 30_000 + 8),) * 8
+
+
+@pytest.mark.parametrize("kwargs", [{"eos_token": "%" * 90}, {"bos_token": True}, {"tools": [{"name": "f"}]},
+                                    {"date_string": "today"}, {"budget": 10**40}, {"enable_thinking": None}])
+def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
+    # A template renders `eos_token` in every message: 90 bytes of it made 20 empty messages a ~2,000-token prompt on
+    # the tiny model against a bound of ~580, the rest unbilled. Any text, number or list may sit in such a loop.
+    messages = [{"role": "user", "content": ""}] * 20
+    case = worst_case({"model": "m", "max_tokens": 1, "messages": messages, "chat_template_kwargs": kwargs}, "chat",
+                      CONTEXT)
+    assert case.prompt_bounds == (CONTEXT,)
+
+
+def test_template_flags_keep_the_bound_of_their_bytes():
+    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT)
+    assert worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens < flags.num_prompt_tokens < CONTEXT
