@@ -5,7 +5,8 @@ prepaid credit reserve its `max_cost`, and token rate limits may read its token 
 
 Prompt tokens are bounded without the tokenizer. A byte-level BPE tokenizer (the tiny model's, and
 Llama 3's, Qwen's, GPT-2's…) never makes more tokens than the UTF-8 bytes of its text, and a
-SentencePiece one with byte fallback at most one more per text. So a prompt is bounded by the bytes
+SentencePiece one with byte fallback at most one more per text, each counted after the Unicode normalization
+the tokenizer may apply (NFC, NFKC: one character can become eleven). So a prompt is bounded by the bytes
 of every text the chat template can render (contents, roles, names, tool definitions, tool calls,
 `response_format` schemas; structured values as indented JSON with escapes, which is longer than
 what templates render) plus a fixed allowance per message and per prompt for the template's own
@@ -39,6 +40,7 @@ this allows would cost the platform, never the customer's cap.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
@@ -254,8 +256,25 @@ def _completion_prompt_bounds(prompt) -> list[int]:
     return bounds
 
 
+# The Unicode normalizations tokenizers apply before they split (tokenizer.json's `normalizer`): NFC (Qwen's), NFKC
+# (SentencePiece's nmt_nfkc, XLM-R's and its embedding models'). Either can lengthen a text: U+1D160 (4 bytes) is
+# 12 bytes in NFC, U+FDFA (3 bytes) 33 in NFKC.
+TOKENIZER_NORMALIZATIONS = ("NFC", "NFKC")
+
+
 def _utf8_bytes(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    """The most UTF-8 bytes of `text` as a tokenizer sees it: as sent, or as a normalizer rewrites it.
+
+    NOTE: 150 × U+1D160 (600 bytes) are 1,801 tokens to a byte-level BPE behind NFC, as Qwen's tokenizers are; the
+    bound counted 608, and the bill stops at the reservation. ASCII text is every normalization's own (the usual
+    case costs one check); other text is normalized only where it is not already in that form."""
+    size = len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    if text.isascii():
+        return size
+    for form in TOKENIZER_NORMALIZATIONS:
+        if not unicodedata.is_normalized(form, text):
+            size = max(size, len(unicodedata.normalize(form, text).encode("utf-8", "surrogatepass")))
+    return size
 
 
 def _is_token(value) -> bool:
@@ -263,9 +282,13 @@ def _is_token(value) -> bool:
 
 
 def _json_bytes(value) -> int:
-    """Bytes of `value` as indented, ASCII-escaped JSON: at least what a template's `tojson` renders."""
+    """Bytes of `value` as indented JSON, ASCII-escaped or as a tokenizer sees its text unescaped (`_utf8_bytes`): at
+    least what a template's `tojson` renders (Jinja's escapes, Hugging Face's does not)."""
     try:
-        return len(json.dumps(value, indent=JSON_INDENT, default=str))
+        escaped = json.dumps(value, indent=JSON_INDENT, default=str)
+        if "\\u" not in escaped:
+            return len(escaped)
+        return max(len(escaped), _utf8_bytes(json.dumps(value, indent=JSON_INDENT, default=str, ensure_ascii=False)))
     except (TypeError, ValueError, RecursionError):
         return UNBOUNDED
 

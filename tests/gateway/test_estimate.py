@@ -197,3 +197,22 @@ def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
 def test_template_flags_keep_the_bound_of_their_bytes():
     flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT)
     assert worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens < flags.num_prompt_tokens < CONTEXT
+
+
+@pytest.mark.parametrize(("normalizer", "character"), [("NFC", "\U0001d160"), ("NFKC", "\ufdfa")])
+def test_text_a_tokenizer_normalizes_longer_is_reserved_as_it_tokenizes(tiny_model_dir, normalizer, character):
+    # Qwen's tokenizers normalize NFC, XLM-R's (and its embedding models') NFKC: U+1D160 is 4 bytes and 12 once
+    # normalized, U+FDFA 3 and 33. 150 of the first were 1,801 tokens against a bound of 608, the bill stopping there.
+    from tokenizers import Tokenizer
+
+    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text()) | {"normalizer": {"type": normalizer}}
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    text = character * 150
+    num_tokens = len(tokenizer.encode(text).ids)
+    tools = [{"type": "function", "function": {"name": "f", "description": text}}]
+
+    assert num_tokens > 2 * len(text.encode())
+    assert worst_case({"prompt": text, "max_tokens": 1}, "completion", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case({"input": [text]}, "embedding", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case({"messages": [{"role": "user", "content": text}]}, "chat", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case(CHAT | {"tools": tools}, "chat", 100_000).num_prompt_tokens >= num_tokens
