@@ -695,7 +695,10 @@ class InferenceCall:
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
-            if self.status != "cut_off":  # a stream stopped at its reservation went past it by its last chunk only
+            # NOTE: a stream stopped at its reservation went past it by its last chunk only, unless its prompt alone
+            # did: the reservation holds every prompt the estimate allows, so that prompt was past the estimate (a
+            # template or tokenizer rendering more), on its first event, and the loss was seen for no stream.
+            if self.status != "cut_off" or self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, 0):
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
