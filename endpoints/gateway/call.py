@@ -777,7 +777,8 @@ class InferenceCall:
 
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the
-        reservation, counted and logged so the loss is seen (a stream stopped at its reservation is not this)."""
+        reservation, counted and logged so the loss is seen (a stream stopped at its reservation by its output is not
+        this; one whose prompt alone passed it is)."""
         metrics.usage_past_reservation.labels(self.endpoint.id, self.endpoint.organization_id).inc()
         logger.warning("request %s on endpoint %s: usage (%d prompt, %d completion tokens) costs %s, past the %s "
                        "reserved; billed the reservation", self.request_id, self.endpoint.id, self.usage.prompt_tokens,
