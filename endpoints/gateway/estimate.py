@@ -188,8 +188,8 @@ def _template_kwargs_bounded(kwargs) -> bool:
     return all(isinstance(value, bool) and not _names_a_token(key) for key, value in kwargs.items())
 
 
-def _names_a_token(key: str) -> bool:
-    return key.endswith(("_token", "_tokens"))
+def _names_a_token(key) -> bool:
+    return not isinstance(key, str) or key.endswith(("_token", "_tokens"))
 
 
 def _message_bytes(message) -> int:
