@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from decimal import ROUND_CEILING, Decimal
 from types import SimpleNamespace
 
@@ -216,3 +217,11 @@ def test_text_a_tokenizer_normalizes_longer_is_reserved_as_it_tokenizes(tiny_mod
     assert worst_case({"input": [text]}, "embedding", 100_000).num_prompt_tokens >= num_tokens
     assert worst_case({"messages": [{"role": "user", "content": text}]}, "chat", 100_000).num_prompt_tokens >= num_tokens
     assert worst_case(CHAT | {"tools": tools}, "chat", 100_000).num_prompt_tokens >= num_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.characters(exclude_categories=("Cs",)) | st.sampled_from("\U0001d160\ufdfa\u0390\uac00e\u0301\ufb01"),
+                max_size=40).map("".join))
+def test_a_prompt_bound_holds_whatever_normalization_the_tokenizer_applies(text):
+    bound = worst_case({"prompt": text, "max_tokens": 1}, "completion", 10**9).num_prompt_tokens
+    assert bound >= max(len(unicodedata.normalize(form, text).encode()) for form in ("NFC", "NFKC"))
