@@ -695,7 +695,10 @@ class InferenceCall:
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
-            if self.status != "cut_off":  # a stream stopped at its reservation went past it by its last chunk only
+            # NOTE: a stream stopped at its reservation went past it by its last chunk only, unless its prompt alone
+            # did: the reservation holds every prompt the estimate allows, so that prompt was past the estimate (a
+            # template or tokenizer rendering more), on its first event, and the loss was seen for no stream.
+            if self.status != "cut_off" or self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, 0):
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
@@ -774,7 +777,8 @@ class InferenceCall:
 
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the
-        reservation, counted and logged so the loss is seen (a stream stopped at its reservation is not this)."""
+        reservation, counted and logged so the loss is seen (a stream stopped at its reservation by its output is not
+        this; one whose prompt alone passed it is)."""
         metrics.usage_past_reservation.labels(self.endpoint.id, self.endpoint.organization_id).inc()
         logger.warning("request %s on endpoint %s: usage (%d prompt, %d completion tokens) costs %s, past the %s "
                        "reserved; billed the reservation", self.request_id, self.endpoint.id, self.usage.prompt_tokens,

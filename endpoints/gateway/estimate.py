@@ -5,12 +5,14 @@ prepaid credit reserve its `max_cost`, and token rate limits may read its token 
 
 Prompt tokens are bounded without the tokenizer. A byte-level BPE tokenizer (the tiny model's, and
 Llama 3's, Qwen's, GPT-2's…) never makes more tokens than the UTF-8 bytes of its text, and a
-SentencePiece one with byte fallback at most one more per text. So a prompt is bounded by the bytes
+SentencePiece one with byte fallback at most one more per text, each counted after the Unicode normalization
+the tokenizer may apply (NFC, NFKC: one character can become eleven). So a prompt is bounded by the bytes
 of every text the chat template can render (contents, roles, names, tool definitions, tool calls,
 `response_format` schemas; structured values as indented JSON with escapes, which is longer than
 what templates render) plus a fixed allowance per message and per prompt for the template's own
 text and special tokens. Whatever the text, the engine refuses a prompt longer than its context,
-so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that.
+so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that, and
+so does a chat whose `chat_template_kwargs` hold more than flags (the template may render them in every message).
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; completions take
@@ -37,7 +39,11 @@ this allows would cost the platform, never the customer's cap.
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
+import sys
+import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
@@ -159,12 +165,34 @@ def _chat_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERS
         return UNBOUNDED
     for message in messages:
         total += per_message + _message_bytes(message)
+    if not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
+        return UNBOUNDED
     for name in ("tools", "functions", "response_format", "tool_choice", "chat_template_kwargs", "documents"):
         if payload.get(name) is not None:
             total += _json_bytes(payload[name])
     if payload.get("tools") or payload.get("functions"):
         total += TOKENS_FOR_TOOLS
     return total
+
+
+def _template_kwargs_bounded(kwargs) -> bool:
+    """Whether the template's text with `chat_template_kwargs` is bounded by the allowances: only flags (true or false)
+    that name no special token.
+
+    NOTE: vLLM hands the template every kwarg it names, and a kwarg replaces what the template had under that name: a
+    template renders `eos_token` or `bos_token` in every message, so 90 bytes of `eos_token` prompted a conversation of
+    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled), and `tools` given there came
+    without the tools' allowance. A text, a number or a list can be rendered in any loop of the template, and a flag
+    named as a token renders as "True" where one special token was; the engine's context bounds those instead."""
+    if kwargs is None:
+        return True
+    if not isinstance(kwargs, dict):
+        return True  # the engine refuses kwargs that are not an object
+    return all(isinstance(value, bool) and not _names_a_token(key) for key, value in kwargs.items())
+
+
+def _names_a_token(key) -> bool:
+    return not isinstance(key, str) or key.endswith(("_token", "_tokens"))
 
 
 def _message_bytes(message) -> int:
@@ -231,8 +259,48 @@ def _completion_prompt_bounds(prompt) -> list[int]:
     return bounds
 
 
+# The Unicode normalizations tokenizers apply before they split (tokenizer.json's `normalizer`): NFC (Qwen's), NFKC
+# (SentencePiece's nmt_nfkc, XLM-R's and its embedding models'). Either can lengthen a text: U+1D160 (4 bytes) is
+# 12 bytes in NFC, U+FDFA (3 bytes) 33 in NFKC. Each is bounded by its decomposition (NFD, NFKD), which composing
+# only shortens: the decomposition of a text is that of its characters, one by one.
+TOKENIZER_NORMALIZATIONS = (("NFC", "NFD"), ("NFKC", "NFKD"))
+
+
 def _utf8_bytes(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    """At least the UTF-8 bytes of `text` as a tokenizer sees it: as sent, or as a normalizer rewrites it.
+
+    NOTE: 150 × U+1D160 (600 bytes) are 1,801 tokens to a byte-level BPE behind NFC, as Qwen's tokenizers are; the
+    bound counted 608, and the bill stops at the reservation. ASCII text, and text already in a form, is that form's
+    own (the usual case costs a check); other text counts what each of its characters' decomposition adds, never
+    normalized whole: 8 MiB of U+FDFA took 7 s to normalize (~90 MB of text), its characters ~0.2 s to count."""
+    size = len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    if text.isascii():
+        return size
+    forms = [decomposed for form, decomposed in TOKENIZER_NORMALIZATIONS if not unicodedata.is_normalized(form, text)]
+    if not forms:
+        return size
+    counts = collections.Counter(text)
+    growth = _decomposition_growth()
+    return size + max(sum(count * growth[form].get(character, 0) for character, count in counts.items())
+                      for form in forms)
+
+
+@functools.cache
+def _decomposition_growth() -> dict[str, dict[str, int]]:
+    """For NFD and NFKD, the UTF-8 bytes each character's decomposition adds to it (~13,000 characters, ~0.5 s once,
+    when a text first needs it)."""
+    growth: dict[str, dict[str, int]] = {form: {} for _, form in TOKENIZER_NORMALIZATIONS}
+    for code_point in range(sys.maxunicode + 1):
+        character = chr(code_point)
+        # NOTE: Hangul syllables decompose by rule, not by the database's mapping
+        if not (unicodedata.decomposition(character) or 0xAC00 <= code_point <= 0xD7A3):
+            continue
+        size = len(character.encode("utf-8"))
+        for form, table in growth.items():
+            added = len(unicodedata.normalize(form, character).encode("utf-8")) - size
+            if added > 0:
+                table[character] = added
+    return growth
 
 
 def _is_token(value) -> bool:
@@ -240,9 +308,13 @@ def _is_token(value) -> bool:
 
 
 def _json_bytes(value) -> int:
-    """Bytes of `value` as indented, ASCII-escaped JSON: at least what a template's `tojson` renders."""
+    """Bytes of `value` as indented JSON, ASCII-escaped or as a tokenizer sees its text unescaped (`_utf8_bytes`): at
+    least what a template's `tojson` renders (Jinja's escapes, Hugging Face's does not)."""
     try:
-        return len(json.dumps(value, indent=JSON_INDENT, default=str))
+        escaped = json.dumps(value, indent=JSON_INDENT, default=str)
+        if "\\u" not in escaped:
+            return len(escaped)
+        return max(len(escaped), _utf8_bytes(json.dumps(value, indent=JSON_INDENT, default=str, ensure_ascii=False)))
     except (TypeError, ValueError, RecursionError):
         return UNBOUNDED
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from decimal import ROUND_CEILING, Decimal
 from types import SimpleNamespace
 
@@ -181,3 +182,46 @@ def test_a_completions_suffix_is_reserved_with_every_prompt():
     # suffix reserved 9 tokens each.
     case = worst_case({"model": "m", "prompt": ["a"] * 8, "suffix": "x" * 30_000, "max_tokens": 1}, "completion", CONTEXT)
     assert case.prompt_bounds == (min(CONTEXT, 1 + 8 + 30_000 + 8),) * 8
+
+
+@pytest.mark.parametrize("kwargs", [{"eos_token": "%" * 90}, {"bos_token": True}, {"tools": [{"name": "f"}]},
+                                    {"date_string": "today"}, {"budget": 10**40}, {"enable_thinking": None}])
+def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
+    # A template renders `eos_token` in every message: 90 bytes of it made 20 empty messages a ~2,000-token prompt on
+    # the tiny model against a bound of ~580, the rest unbilled. Any text, number or list may sit in such a loop.
+    messages = [{"role": "user", "content": ""}] * 20
+    case = worst_case({"model": "m", "max_tokens": 1, "messages": messages, "chat_template_kwargs": kwargs}, "chat",
+                      CONTEXT)
+    assert case.prompt_bounds == (CONTEXT,)
+
+
+def test_template_flags_keep_the_bound_of_their_bytes():
+    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT)
+    assert worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens < flags.num_prompt_tokens < CONTEXT
+
+
+@pytest.mark.parametrize(("normalizer", "character"), [("NFC", "\U0001d160"), ("NFKC", "\ufdfa")])
+def test_text_a_tokenizer_normalizes_longer_is_reserved_as_it_tokenizes(tiny_model_dir, normalizer, character):
+    # Qwen's tokenizers normalize NFC, XLM-R's (and its embedding models') NFKC: U+1D160 is 4 bytes and 12 once
+    # normalized, U+FDFA 3 and 33. 150 of the first were 1,801 tokens against a bound of 608, the bill stopping there.
+    from tokenizers import Tokenizer
+
+    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text()) | {"normalizer": {"type": normalizer}}
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    text = character * 150
+    num_tokens = len(tokenizer.encode(text).ids)
+    tools = [{"type": "function", "function": {"name": "f", "description": text}}]
+
+    assert num_tokens > 2 * len(text.encode())
+    assert worst_case({"prompt": text, "max_tokens": 1}, "completion", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case({"input": [text]}, "embedding", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case({"messages": [{"role": "user", "content": text}]}, "chat", 100_000).num_prompt_tokens >= num_tokens
+    assert worst_case(CHAT | {"tools": tools}, "chat", 100_000).num_prompt_tokens >= num_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.characters(exclude_categories=("Cs",)) | st.sampled_from("\U0001d160\ufdfa\u0390\uac00e\u0301\ufb01"),
+                max_size=40).map("".join))
+def test_a_prompt_bound_holds_whatever_normalization_the_tokenizer_applies(text):
+    bound = worst_case({"prompt": text, "max_tokens": 1}, "completion", 10**9).num_prompt_tokens
+    assert bound >= max(len(unicodedata.normalize(form, text).encode()) for form in ("NFC", "NFKC"))

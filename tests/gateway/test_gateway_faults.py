@@ -92,7 +92,8 @@ def test_a_stream_left_during_its_prefill_is_billed_for_its_prompt_and_stopped_a
 def test_a_stream_left_during_its_prefill_whose_first_event_passes_its_reservation_is_cut_off_there(
         gateway, tenant, start_mock_upstream):
     # The engine counts far more prompt than the estimate allowed (a template's own text): the first event spends
-    # the reservation. Billed the reservation as a stream cut off there, not logged as a broken estimate.
+    # the reservation. Billed the reservation as a stream cut off there (and counted as usage past its reservation: a
+    # prompt past the estimate is the estimate's failure, `test_spend_caps.py`).
     upstream = start_mock_upstream(token_delay_ms=40, prefill_ms=1500, prompt_tokens=5000)
     endpoint = serve_endpoint(tenant.org, upstream)
     with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=100) as response:

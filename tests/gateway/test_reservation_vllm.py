@@ -157,6 +157,23 @@ def test_a_message_of_many_text_parts_never_costs_more_than_its_reservation(engi
         worst_case(payload, "chat", CONTEXT).max_cost(endpoint)
 
 
+def test_a_special_token_given_in_template_kwargs_is_billed_for_every_message_it_renders_in(engine, gateway, tenant):
+    # The template renders `eos_token` after every message, and vLLM lets `chat_template_kwargs` replace it: 90 bytes
+    # of it with 20 empty messages prompted ~1,990 tokens against a reservation of ~580, and the bill stopped there.
+    endpoint = Endpoint.objects.filter(organization=tenant.org, name=NAME).first() or _endpoint(tenant.org, engine)
+    payload = {"model": NAME, "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 20,
+               "chat_template_kwargs": {"eos_token": "%" * 90}}
+
+    response = _call(gateway, tenant.key, "chat", payload)
+
+    assert response.status_code == 200, response.text[:300]
+    row = wait_until(lambda: UsageRecord.objects.filter(request_id=response.headers["x-request-id"]).first(), 30,
+                     message="the usage row")
+    assert row.prompt_tokens > 1_500 and row.status == "ok"
+    assert row.cost == cost_of(endpoint, row.prompt_tokens, row.cached_tokens, row.completion_tokens)
+    assert row.cost <= worst_case(payload, "chat", CONTEXT).max_cost(endpoint)
+
+
 # --- the n: 16 attack --------------------------------------------------------------------------------
 
 # One sequence of 40 tokens costs about $0.012: inside $0.05. Sixteen cost about $0.20.

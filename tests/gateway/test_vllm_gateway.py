@@ -114,6 +114,34 @@ def test_a_client_leaving_mid_stream_aborts_the_engines_request(engine, gateway,
     assert 0 < row.completion_tokens < max_tokens / 4
 
 
+def test_a_client_leaving_a_stream_of_four_choices_is_billed_what_it_was_sent_and_no_more_than_the_engine_made(
+        engine, gateway, tenant, endpoint):
+    # vLLM's running usage is per choice: each choice's tokens count once, the prompt once, and a client that leaves
+    # has every event it was sent billed (at least one token each), never more than the engine generated.
+    payload = {"model": NAME, "messages": [{"role": "user", "content": "Tell me a story"}], "n": 4,
+               "max_tokens": CONTEXT - 64, "ignore_eos": True, "stream": True, "temperature": 1.0}
+    generated_before = _engine_metrics(engine).get("vllm:generation_tokens_total", 0.0)
+    sent_by_choice: dict[int, int] = {}
+
+    with _client(gateway, tenant.key) as client, client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content":' in line:
+                index = int(line.split('"index":', 1)[1].split(",", 1)[0])
+                sent_by_choice[index] = sent_by_choice.get(index, 0) + 1
+            if sum(sent_by_choice.values()) >= 40:
+                break  # leave: the connection closes unread
+
+    row = wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).first(), 60, message="the usage row")
+    with _client(engine, ENGINE_KEY) as direct:
+        prompt = direct.post("/tokenize", json={"model": NAME, "messages": payload["messages"]}).json()["count"]
+    generated = _engine_metrics(engine)["vllm:generation_tokens_total"] - generated_before
+    assert row.status == "client_aborted"
+    assert row.prompt_tokens == prompt  # the prompt once, not once per choice
+    assert sum(sent_by_choice.values()) <= row.completion_tokens <= generated
+
+
 # --- a prefix-cache hit ------------------------------------------------------------------------------
 
 # Token ids the tiny model's vocabulary holds (its special tokens come first): a long shared prefix,
