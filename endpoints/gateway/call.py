@@ -418,7 +418,7 @@ class InferenceCall:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
         else:
-            self.usage.take_totals(sse.response_usage(body))
+            self.usage.take_totals(self.request.answer_usage(body))
         finally:
             holding.done_reading()
         self.first_token_at = datetime.now(UTC)
@@ -514,7 +514,10 @@ class InferenceCall:
                 break
             scanner.feed(chunk)
             tail = chunk[-1:]
-        self.usage.take_chunk(scanner.usage, head)
+        if head.startswith(b"event: "):  # a Responses stream's last event: its totals
+            self.usage.take_totals(scanner.usage)
+        else:
+            self.usage.take_chunk(scanner.usage, head)
         self.status = "upstream_error"
         raise errors.event_too_large(sse.MAX_EVENT_BYTES)
 
@@ -536,7 +539,7 @@ class InferenceCall:
         for event in events:
             if gone and self.usage.every_prompt_counted:
                 break
-            if self.first_token_at is None and sse.has_choices(event):
+            if self.first_token_at is None and sse.carries_output(event):
                 self.first_token_at = datetime.now(UTC)
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
