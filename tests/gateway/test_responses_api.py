@@ -23,7 +23,9 @@ import pytest
 from billing import services as billing_services
 from billing.models import UsageRecord
 from controlplane.accounts.services import SYSTEM
+from endpoints.gateway import sse
 from endpoints.gateway.estimate import worst_case
+from endpoints.gateway.tally import UsageTally
 from tests.conftest import wait_until
 from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME, new_tenant, serve_endpoint
 
@@ -127,6 +129,25 @@ def test_a_client_leaving_a_stream_midway_is_billed_the_engines_usage_once(gatew
     # NOTE: no running usage in a Responses stream: read on to its last event, billed exactly the engine's figures.
     assert (row.prompt_tokens, row.completion_tokens) == (whole.json()["usage"]["input_tokens"], 40)
     assert UsageRecord.objects.filter(request_id=request_id).count() == 1
+
+
+def test_a_streams_usage_is_read_from_its_last_event_never_from_the_callers_own_json():
+    # NOTE: a response echoes the caller's JSON (`metadata`, tools' `parameters`): a `"usage"` there, even after the
+    # real one, is never read.
+    completed = (b'event: response.completed\ndata: {"response":{"id":"resp_1","metadata":{"a":"1","usage":'
+                 b'{"input_tokens":1,"output_tokens":1}},"usage":{"input_tokens":30,"input_tokens_details":'
+                 b'{"cached_tokens":16},"output_tokens":12},"tools":[{"type":"function","name":"f","parameters":'
+                 b'{"b":1,"usage":{"input_tokens":0,"output_tokens":0}}}]},"sequence_number":9,'
+                 b'"type":"response.completed"}')
+    delta = b'event: response.output_text.delta\ndata: {"delta":"Hi","usage":{"input_tokens":0},"type":"x"}'
+
+    relayed, usage = sse.rewrite_event(completed, False, False)
+    tally = UsageTally()
+    tally.take_totals(usage)
+
+    assert relayed == completed and (tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens) == (30, 16, 12)
+    assert sse.rewrite_event(delta, False, False) == (delta, None) and sse.carries_output(delta)
+    assert not sse.carries_output(completed)
 
 
 # --- refused: state, built-in tools, unknown fields ---------------------------------------------------
