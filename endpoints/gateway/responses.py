@@ -25,8 +25,9 @@ PATH = "/v1/responses"
 # Routes under it that read or change a stored response (retrieve, delete, cancel, input items, ...).
 STORED_PREFIX = PATH + "/"
 
-_NO_STATE = ("responses are not stored here (each call may go to another replica, and an endpoint scales to "
-             "zero)")
+_NO_STATE = (
+    "responses are not stored here (each call may go to another replica, and an endpoint scales to zero)"
+)
 # Fields that need a response kept between calls, refused when set (a false or null value changes nothing).
 STATEFUL: dict[str, str] = {
     "previous_response_id": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
@@ -47,8 +48,9 @@ def check_payload(payload: dict) -> None:
     tools = payload.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise errors.invalid_request("Invalid type for 'tools': expected an array.", param="tools",
-                                         code="invalid_type")
+            raise errors.invalid_request(
+                "Invalid type for 'tools': expected an array.", param="tools", code="invalid_type"
+            )
         for index, tool in enumerate(tools):
             _check_tool(tool, f"tools[{index}]")
     _check_tool_choice(payload.get("tool_choice"))
@@ -56,20 +58,30 @@ def check_payload(payload: dict) -> None:
 
 def _check_tool(tool, param: str) -> None:
     if not isinstance(tool, dict):
-        raise errors.invalid_request(f"Invalid type for '{param}': expected an object.", param=param,
-                                     code="invalid_type")
+        raise errors.invalid_request(
+            f"Invalid type for '{param}': expected an object.", param=param, code="invalid_type"
+        )
     kind = tool.get("type")
     if kind != FUNCTION_TOOL:
         shown = kind if isinstance(kind, str) and kind.isprintable() else "?"
         raise errors.invalid_request(
             f"Tools of type '{shown[:64]}' are not supported: built-in tools run at OpenAI; only 'function' tools are "
-            "served here.", param=f"{param}.type", code="unsupported_value")
+            "served here.",
+            param=f"{param}.type",
+            code="unsupported_value",
+        )
     if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise errors.invalid_request(f"Invalid type for '{param}.name': expected a non-empty string.",
-                                     param=f"{param}.name", code="invalid_type")
+        raise errors.invalid_request(
+            f"Invalid type for '{param}.name': expected a non-empty string.",
+            param=f"{param}.name",
+            code="invalid_type",
+        )
     if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-        raise errors.invalid_request(f"Invalid type for '{param}.parameters': expected an object.",
-                                     param=f"{param}.parameters", code="invalid_type")
+        raise errors.invalid_request(
+            f"Invalid type for '{param}.parameters': expected an object.",
+            param=f"{param}.parameters",
+            code="invalid_type",
+        )
 
 
 def _check_tool_choice(value) -> None:
@@ -79,7 +91,10 @@ def _check_tool_choice(value) -> None:
         return
     raise errors.invalid_request(
         "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
-        "...}; built-in tools are not served here.", param="tool_choice", code="unsupported_value")
+        "...}; built-in tools are not served here.",
+        param="tool_choice",
+        code="unsupported_value",
+    )
 
 
 def engine_payload(payload: dict) -> dict:
@@ -91,4 +106,6 @@ def refuse_stored(method: str, path: str) -> errors.OpenAIError:
     """The answer to a route that reads or changes a stored response: none is ever stored."""
     return errors.invalid_request(
         f"{method} {fields.printable(path)}: {_NO_STATE}, so they cannot be retrieved, cancelled or deleted; the response "
-        "came whole with its call (or as its stream).", code="responses_not_stored")
+        "came whole with its call (or as its stream).",
+        code="responses_not_stored",
+    )
