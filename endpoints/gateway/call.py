@@ -605,7 +605,13 @@ class InferenceCall:
         buffers for it."""
         logger.warning("request %s: cut off: %s; connection dropped", self.request_id, reason)
         self.disconnected.set()
-        delivery.drop_connection(self.send)
+        dropped = delivery.drop_connection(self.send)
+        if dropped and self.request.stream and self._reads_on_for_usage():
+            # NOTE: as a client that left (`_watch_disconnect`): a stream whose usage is not known yet (a Responses
+            # stream carries it only in its last event) reads on to it, relaying nothing. Cancelled, it was billed
+            # nothing: stop reading, and the prompt and the output sent were free. The send it waits in returns: the
+            # server's flag is set (`drop_connection`) and its lost connection resumes writing.
+            return
         # NOTE: cancelled too: the dropped connection wakes the send waiting on it before the server hears it is
         # gone, and the send then wrote to the closed connection (a RuntimeError, answered as a 500).
         if self._task is not None and not self._cancelled_for_client:
@@ -643,10 +649,15 @@ class InferenceCall:
                 self.disconnected.set()
                 if self._cancelled_for_client:
                     return  # cut off already (`cut_off`)
-                if not self.forwarded or (self.request.stream and self.usage.every_prompt_counted):
+                if not self._reads_on_for_usage():
                     self._cancelled_for_client = True
                     work.cancel()
                 return
+
+    def _reads_on_for_usage(self) -> bool:
+        """Whether a call whose client is gone reads on for its usage (`_watch_disconnect`): it was sent to a replica,
+        and its usage so far is not known yet (a non-streamed call; a stream before each prompt's counted)."""
+        return self.forwarded and not (self.request.stream and self.usage.every_prompt_counted)
 
     async def _measure_cold_start(self) -> None:
         if self.cold_start is not None:

@@ -14,6 +14,7 @@ refused with a 400 naming it.
 from __future__ import annotations
 
 import json
+import socket
 from decimal import Decimal
 
 import httpx
@@ -30,7 +31,7 @@ from endpoints.gateway.errors import OpenAIError
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
-from tests.conftest import wait_until
+from tests.conftest import start_web_server, wait_until
 from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME, new_tenant, serve_endpoint
 from tests.gateway.test_v1_fuzz import FUZZ_SETTINGS, any_json, encode, maybe_valid
 
@@ -307,6 +308,55 @@ def test_any_responses_body_is_taken_or_refused_with_a_400_never_an_error(body):
         sent["store"] is False and "stream_options" not in sent
     )  # never stored; no running usage to ask for
     routing.prefix_key(request.kind, request.payload)
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_usage(
+    tenant, endpoint, tmp_path
+):
+    # NOTE: ~2,000 tokens with 20 top logprobs each make several MB of events, past what the loopback's socket
+    # buffers hold for a client reading nothing: the send waits, and the send deadline (2 s) cuts the call off.
+    child, gateway = start_web_server(
+        tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_SEND_TIMEOUT_S": "2"}
+    )
+    max_output_tokens = ENGINE_CONTEXT - 48
+    body = json.dumps(
+        {
+            "model": NAME,
+            "input": "Hi",
+            "max_output_tokens": max_output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "top_logprobs": 20,
+            "include": ["message.output_text.logprobs"],
+        }
+    ).encode()
+    host, port = gateway.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nauthorization: "
+            b"Bearer "
+            + tenant.key.encode()
+            + b"\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        row = wait_until(
+            lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 300, message="the usage row"
+        )
+    finally:
+        sock.close()
+        child.stop()
+
+    assert row.status == "client_aborted"
+    # Read on to `response.completed`, relaying nothing: the engine's figures. Cancelled, it was billed nothing.
+    assert row.completion_tokens == max_output_tokens and row.prompt_tokens > 0, (
+        row.prompt_tokens,
+        row.completion_tokens,
+    )
 
 
 # --- refused: state, built-in tools, unknown fields ---------------------------------------------------
