@@ -1,5 +1,5 @@
 """The gateway's ASGI application: `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-`/v1/embeddings`, `/metrics` (token only).
+`/v1/embeddings`, `/v1/responses` (its stored-response routes a 400: `responses`), `/metrics` (token only).
 
 Everything else goes to Django, `/v1/files*` and `/v1/batches*` too (`endpoints.batches.api`). One request's life:
 
@@ -41,6 +41,7 @@ from endpoints.gateway import (
     fields,
     metrics,
     presence,
+    responses,
     standing,
     upstream,
 )
@@ -62,7 +63,8 @@ FILES_PREFIX = "/v1/files"
 DJANGO_V1_MAX_BODY_BYTES = 1024 * 1024
 # The access log's status of a request whose client left before it was answered (as nginx logs one).
 CLIENT_GONE_STATUS = 499
-INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding",
+                   responses.PATH: responses.RESPONSES}
 
 
 class Gateway:
@@ -339,6 +341,8 @@ class Gateway:
                 return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
+                if path.startswith(responses.STORED_PREFIX):
+                    raise responses.refuse_stored(method, path)
                 raise errors.unknown_url(method, path)
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")

@@ -418,7 +418,7 @@ class InferenceCall:
             self.status = "upstream_error"
             raise errors.upstream_failed(f"The replica failed mid-request ({type(exc).__name__}).") from None
         else:
-            self.usage.take_totals(sse.response_usage(body))
+            self.usage.take_totals(self.request.answer_usage(body))
         finally:
             holding.done_reading()
         self.first_token_at = datetime.now(UTC)
@@ -514,7 +514,10 @@ class InferenceCall:
                 break
             scanner.feed(chunk)
             tail = chunk[-1:]
-        self.usage.take_chunk(scanner.usage, head)
+        if head.startswith(b"event: "):  # a Responses stream's last event: its totals
+            self.usage.take_totals(scanner.usage)
+        else:
+            self.usage.take_chunk(scanner.usage, head)
         self.status = "upstream_error"
         raise errors.event_too_large(sse.MAX_EVENT_BYTES)
 
@@ -536,7 +539,7 @@ class InferenceCall:
         for event in events:
             if gone and self.usage.every_prompt_counted:
                 break
-            if self.first_token_at is None and sse.has_choices(event):
+            if self.first_token_at is None and sse.carries_output(event):
                 self.first_token_at = datetime.now(UTC)
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
@@ -602,7 +605,13 @@ class InferenceCall:
         buffers for it."""
         logger.warning("request %s: cut off: %s; connection dropped", self.request_id, reason)
         self.disconnected.set()
-        delivery.drop_connection(self.send)
+        dropped = delivery.drop_connection(self.send)
+        if dropped and self.request.stream and self._reads_on_for_usage():
+            # NOTE: as a client that left (`_watch_disconnect`): a stream whose usage is not known yet (a Responses
+            # stream carries it only in its last event) reads on to it, relaying nothing. Cancelled, it was billed
+            # nothing: stop reading, and the prompt and the output sent were free. The send it waits in returns: the
+            # server's flag is set (`drop_connection`) and its lost connection resumes writing.
+            return
         # NOTE: cancelled too: the dropped connection wakes the send waiting on it before the server hears it is
         # gone, and the send then wrote to the closed connection (a RuntimeError, answered as a 500).
         if self._task is not None and not self._cancelled_for_client:
@@ -640,10 +649,15 @@ class InferenceCall:
                 self.disconnected.set()
                 if self._cancelled_for_client:
                     return  # cut off already (`cut_off`)
-                if not self.forwarded or (self.request.stream and self.usage.every_prompt_counted):
+                if not self._reads_on_for_usage():
                     self._cancelled_for_client = True
                     work.cancel()
                 return
+
+    def _reads_on_for_usage(self) -> bool:
+        """Whether a call whose client is gone reads on for its usage (`_watch_disconnect`): it was sent to a replica,
+        and its usage so far is not known yet (a non-streamed call; a stream before each prompt's counted)."""
+        return self.forwarded and not (self.request.stream and self.usage.every_prompt_counted)
 
     async def _measure_cold_start(self) -> None:
         if self.cold_start is not None:

@@ -15,7 +15,9 @@ so each prompt counts at most `max_model_len`; a part that is not text (an image
 so does a chat whose `chat_template_kwargs` hold more than flags (the template may render them in every message).
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
-chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; completions take
+chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; a Responses call
+(`/v1/responses`, rendered by the same chat template: `instructions` a system message, each `input` item a
+message) `max_output_tokens`, else all the context left; completions take
 `max_tokens` only (default 16; `max_completion_tokens` is ignored), and a prompt plus its output
 never pass the context. Each prompt is generated `n` times (`best_of` above `n` is refused by
 `endpoints.gateway.fields`: vLLM ignores it); its prompt tokens are counted once, as vLLM's usage counts them.
@@ -135,6 +137,10 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
         prompts = [_chat_prompt_bound(payload, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
                                       max(TOKENS_PER_MESSAGE, template_tokens[1]))]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
+    elif kind == "responses":
+        prompts = [_responses_prompt_bound(payload, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
+                                           max(TOKENS_PER_MESSAGE, template_tokens[1]))]
+        requested = _first_int(payload.get("max_output_tokens"))
     elif kind == "embedding":  # `input` reads as a completions prompt does; an embedding has no output
         return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"))),
                          num_sequences=1, max_output_tokens=0, max_model_len=limit)
@@ -193,6 +199,59 @@ def _template_kwargs_bounded(kwargs) -> bool:
 
 def _names_a_token(key) -> bool:
     return not isinstance(key, str) or key.endswith(("_token", "_tokens"))
+
+
+# A Responses content part's text, by the part's type; any other part (an image) is unbounded.
+_RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
+
+
+def _responses_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERSATION,
+                            per_message: int = TOKENS_PER_MESSAGE) -> int:
+    """A Responses call's prompt: `instructions` and each `input` item as a message of the chat template, tools,
+    the `text` format's schema and the template's own arguments as JSON."""
+    total = per_conversation
+    instructions = payload.get("instructions")
+    if instructions is not None:
+        total += per_message + (_utf8_bytes(instructions) if isinstance(instructions, str) else _json_bytes(instructions))
+    items = payload.get("input")
+    if isinstance(items, str):
+        total += per_message + _utf8_bytes(items)
+    elif isinstance(items, list):
+        for item in items:
+            total += per_message + _responses_item_bytes(item)
+    else:
+        return UNBOUNDED
+    if not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
+        return UNBOUNDED
+    for name in ("tools", "tool_choice", "text", "reasoning", "chat_template_kwargs"):
+        if payload.get(name) is not None:
+            total += _json_bytes(payload[name])
+    if payload.get("tools"):
+        total += TOKENS_FOR_TOOLS
+    return total
+
+
+def _responses_item_bytes(item) -> int:
+    """An input item as the template may render it: a message's text parts as text, a function call's `arguments`
+    also parsed (as `_tool_calls_bytes`), anything else as JSON."""
+    if not isinstance(item, dict):
+        return _json_bytes(item)
+    total = 0
+    for key, value in item.items():
+        if key == "content" and isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_PARTS:
+                    text = part.get("text")
+                    total += (_utf8_bytes(text) if isinstance(text, str) else _json_bytes(text)) + TOKENS_PER_PART
+                else:
+                    total += UNBOUNDED
+        elif key == "arguments":
+            total += _tool_calls_bytes([{"function": {"arguments": value}}])
+        elif isinstance(value, str):
+            total += _utf8_bytes(value)
+        elif value is not None:
+            total += _json_bytes(value)
+    return total
 
 
 def _message_bytes(message) -> int:

@@ -45,6 +45,20 @@ _VLLM_CHAT = _VLLM_SAMPLING | {
     "echo", "add_generation_prompt", "continue_final_message", "documents", "chat_template_kwargs",
     "include_reasoning", "thinking_token_budget",
 }
+# NOTE: `background`, `previous_response_id`, `conversation` and `prompt` are OpenAI's, refused when set
+# (`endpoints.gateway.responses.STATEFUL`); `store` is served off. vLLM's `text.format` is the structured output.
+_OPENAI_RESPONSES = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
+    "reasoning", "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
+    "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "safety_identifier", "background",
+    "previous_response_id", "conversation", "prompt",
+})
+# vLLM's extensions that its Responses request reads (`vllm.entrypoints.openai.responses.protocol.ResponsesRequest`).
+_VLLM_RESPONSES = frozenset({
+    "top_k", "min_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens", "logit_bias", "presence_penalty", "frequency_penalty", "priority", "cache_salt",
+    "structured_outputs", "chat_template_kwargs", "include_reasoning", "previous_input_messages",
+})
 _EMBEDDING = frozenset({
     "model", "input", "encoding_format", "dimensions", "user",
     "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "priority", "embed_dtype", "endianness",
@@ -55,6 +69,7 @@ ACCEPTED: dict[str, frozenset[str]] = {
     "chat": _OPENAI_CHAT | _VLLM_CHAT,
     "completion": _OPENAI_COMPLETION | _VLLM_SAMPLING,
     "embedding": _EMBEDDING,
+    "responses": _OPENAI_RESPONSES | _VLLM_RESPONSES,
 }
 
 # Fields the engine knows that are refused on purpose, with the reason the caller reads.
@@ -78,6 +93,10 @@ REFUSED_ON_PATH: dict[tuple[str, str], str] = {
     ("embedding", "messages"): "is not supported by /v1/embeddings: send the text as 'input'",
     ("completion", "messages"): "is not supported by /v1/completions: send the text as 'prompt', or the messages to "
                                 "/v1/chat/completions",
+    ("responses", "messages"): "is not supported by /v1/responses: send the messages as 'input' items",
+    ("responses", "max_tokens"): "is not supported by /v1/responses: use 'max_output_tokens'",
+    ("responses", "max_completion_tokens"): "is not supported by /v1/responses: use 'max_output_tokens'",
+    ("responses", "n"): "is not supported by /v1/responses: one response per call",
 }
 
 

@@ -1,11 +1,13 @@
-"""A `/v1/chat/completions`, `/v1/completions` or `/v1/embeddings` call, parsed and checked: `InferenceRequest`.
+"""A `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` or `/v1/responses` call, parsed and checked:
+`InferenceRequest`.
 
 Anything malformed is a 400 in OpenAI's shape here, before a key's limits are counted, an endpoint
 is looked up or a byte reaches the engine: JSON the gateway could not re-encode (NaN, numbers past
 64 bits or past a float, nesting deeper than `MAX_DEPTH`), a body that is not an object, and a
 wrong type or range for any field OpenAI's API defines, and any field not on the allowlist of
 `endpoints.gateway.fields`. vLLM's sampling extensions on it (`top_k`, `min_p`, …) pass through for
-the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`. Media (an image,
+the engine to judge. An embeddings body is checked by `endpoints.gateway.embeddings`; a Responses body's
+state and tools by `endpoints.gateway.responses`, its `input` here. Media (an image,
 audio or a video in a message's content) comes inline, as a `data:` URL: engines never fetch it; a media part's
 `uuid` (vLLM's cache key for it) and a body's `cache_salt` reach the engine scoped to the calling key
 (`endpoints.gateway.media_uuids`).
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from endpoints.gateway import embeddings, errors, estimate, fields, media_uuids
+from endpoints.gateway import embeddings, errors, estimate, fields, media_uuids, responses, sse
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Objects, arrays and separators (`{`, `[`, `,`, counted in the raw bytes, strings included) a body may hold.
@@ -145,11 +147,14 @@ def parse_payload(body: bytes, kind: str) -> dict:
     if kind == embeddings.EMBEDDING:
         embeddings.check_payload(payload)
         return payload
-    if kind == "chat":
+    if kind == responses.RESPONSES:
+        responses.check_payload(payload)
+        _check_input_items(payload.get("input"))
+    elif kind == "chat":
         _check_messages(payload.get("messages"))
     else:
         _check_prompt(payload.get("prompt"))
-    for name, check in (_CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS).items():
+    for name, check in _FIELDS_OF_KIND[kind].items():
         value = payload.get(name)
         if value is not None:
             check(value, name)
@@ -162,7 +167,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
     return payload
 
 
-KINDS = frozenset({"chat", "completion", embeddings.EMBEDDING})
+KINDS = frozenset({"chat", "completion", embeddings.EMBEDDING, responses.RESPONSES})
 INTERACTIVE_PRIORITY = 0  # vLLM's default: what a call without `priority` runs at
 
 
@@ -206,7 +211,8 @@ class InferenceRequest:
     """One inference call as the client sent it, its body parsed and checked (`parse`); what it may
     cost at an endpoint is its `worst_case`."""
 
-    kind: str  # "chat" (/v1/chat/completions), "completion" (/v1/completions) or "embedding" (/v1/embeddings)
+    # "chat" (/v1/chat/completions), "completion" (/v1/completions), "embedding" (/v1/embeddings) or "responses"
+    kind: str
     path: str
     body: bytes  # as the client sent it: proxied unchanged when nothing needs rewriting
     payload: dict
@@ -249,19 +255,19 @@ class InferenceRequest:
         """The most tokens, and so money, it can take at `endpoint`; a 400 when it asks for more
         output tokens than the endpoint's context, or calls an endpoint of the other task."""
         embeddings.refuse_wrong_task(self.kind, endpoint)
-        max_tokens = self.payload.get("max_completion_tokens") or self.payload.get("max_tokens")
+        param = "max_output_tokens" if self.kind == responses.RESPONSES else "max_tokens"
+        max_tokens = self.payload.get("max_completion_tokens") or self.payload.get(param)
         if max_tokens is not None and max_tokens > endpoint.max_model_len:
             raise errors.invalid_request(
-                f"max_tokens is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.",
-                param="max_tokens",
-            )
+                f"{param} is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.", param=param)
         return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens)
 
     def upstream_body(self, media_scope: str) -> bytes:
         """The body the engine gets; `media_scope` is the caller's (`Caller.limit_subject`), which its media parts'
         uuids are scoped to (`endpoints.gateway.media_uuids`)."""
         reprioritised = self.priority != self.payload.get("priority", INTERACTIVE_PRIORITY)
-        if not (self.stream or reprioritised or self.engine_model or self.names_media_uuids or self.names_cache_salt):
+        is_responses = self.kind == responses.RESPONSES
+        if not (self.stream or is_responses or reprioritised or self.engine_model or self.names_media_uuids or self.names_cache_salt):
             return self.body  # `model` is already the endpoint's name, the engine's served name
         payload = self.payload | {"priority": self.priority} if reprioritised else self.payload
         if self.names_media_uuids:
@@ -270,11 +276,21 @@ class InferenceRequest:
             payload = media_uuids.scoped_cache_salt(payload, media_scope)
         if self.engine_model:
             payload = payload | {"model": self.engine_model}
-        if self.stream:
+        if is_responses:
+            # NOTE: a Responses stream carries no running usage (only its `response.completed` event has it), so it
+            # gets no `stream_options`; nothing is ever stored (`endpoints.gateway.responses`).
+            payload = responses.engine_payload(payload)
+        elif self.stream:
             # NOTE: usage on every chunk tells the gateway the tokens delivered if the client leaves
             # mid-stream; what the client asked for is restored by `endpoints.gateway.sse.rewrite_event`.
             payload = payload | {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         return _encoded(payload)
+
+    def answer_usage(self, body: bytes) -> dict | None:
+        """The `usage` of the engine's whole (not streamed) answer."""
+        if self.kind == responses.RESPONSES:
+            return sse.responses_usage(body)
+        return sse.response_usage(body)
 
     def engine_refusal(self, status: int, body: bytes) -> errors.OpenAIError:
         """The engine's 4xx answer to this request, in OpenAI's shape."""
@@ -347,6 +363,42 @@ def _check_messages(messages) -> None:
                 raise _wrong_type(f"{param}.{name}", "a string")
         if message.get("tool_calls") is not None:
             _check_list_of_objects(message["tool_calls"], f"{param}.tool_calls")
+
+
+def _check_input_items(value) -> None:
+    """A Responses `input`: a string, or a non-empty array of items (messages, function calls and their outputs).
+
+    NOTE: message contents are checked as chat's content parts (media only as `data:` URLs); a part naming a
+    media `uuid` is refused, as only chat's are scoped to the caller (`endpoints.gateway.media_uuids`)."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise errors.invalid_request("'input' must be a string or a non-empty array of input items.", param="input")
+    for index, item in enumerate(value):
+        param = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _wrong_type(param, "an object")
+        if item.get("type") is not None and not isinstance(item["type"], str):
+            raise _wrong_type(f"{param}.type", "a string")
+        if item.get("role") is not None and (not isinstance(item["role"], str) or not item["role"]):
+            raise _wrong_type(f"{param}.role", "a non-empty string")
+        content = item.get("content")
+        if isinstance(content, list):
+            _check_content_parts(content, f"{param}.content")
+            for part_index, part in enumerate(content):
+                if "uuid" in part:
+                    raise errors.invalid_request(f"'{param}.content[{part_index}].uuid' is not supported on /v1/responses.",
+                                                 param=f"{param}.content[{part_index}].uuid",
+                                                 code="unsupported_parameter")
+                if "file_url" in part or "file_id" in part:
+                    raise errors.invalid_request(
+                        f"'{param}.content[{part_index}]': files are not fetched or stored here; send the text.",
+                        param=f"{param}.content[{part_index}]", code="unsupported_value")
+        elif content is not None and not isinstance(content, str):
+            raise _wrong_type(f"{param}.content", "a string or an array of content parts")
+        for name in ("name", "call_id", "arguments"):
+            if item.get(name) is not None and not isinstance(item[name], str):
+                raise _wrong_type(f"{param}.{name}", "a string")
 
 
 def _check_content_parts(parts: list, param: str) -> None:
@@ -586,4 +638,33 @@ _COMPLETION_FIELDS: dict[str, Callable] = _COMMON_FIELDS | {
     "best_of": _integer(1, MAX_N),
     "suffix": _string,
     "response_format": _response_format,
+}
+
+
+def _string_list(value, param: str) -> None:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _wrong_type(param, "an array of strings")
+
+
+# NOTE: `tools` and `tool_choice` are `endpoints.gateway.responses`'s; the engine reads the shapes of `text`,
+# `reasoning` and `include`.
+_RESPONSES_FIELDS: dict[str, Callable] = {
+    name: _COMMON_FIELDS[name] for name in (
+        "stream", "stream_options", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
+        "user", "logit_bias", "stop_token_ids")
+} | {
+    "max_output_tokens": _positive_tokens,
+    "instructions": _string,
+    "metadata": _object,
+    "store": _boolean,
+    "background": _boolean,
+    "parallel_tool_calls": _boolean,
+    "top_logprobs": _integer(0, 20),
+    "max_tool_calls": _integer(0),
+    "text": _object,
+    "reasoning": _object,
+    "include": _string_list,
+}
+_FIELDS_OF_KIND: dict[str, dict[str, Callable]] = {
+    "chat": _CHAT_FIELDS, "completion": _COMPLETION_FIELDS, responses.RESPONSES: _RESPONSES_FIELDS,
 }

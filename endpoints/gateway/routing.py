@@ -87,6 +87,14 @@ def prompt_text(kind: str, payload: dict, limit: int = PREFIX_CHARS) -> str:
             parts.append(f"<{message.get('role', '')}>{content}")
             num_chars += len(parts[-1])
         return "".join(parts)
+    if kind == "responses":  # rendered as a conversation: `instructions` a system message, each item a message
+        instructions, items = payload.get("instructions"), payload.get("input")
+        messages = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        if isinstance(items, str):
+            messages.append({"role": "user", "content": items})
+        elif isinstance(items, list):
+            messages.extend(item for item in items if isinstance(item, dict))
+        return prompt_text("chat", {"messages": messages}, limit)
     if kind == "completion":
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

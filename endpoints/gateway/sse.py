@@ -3,7 +3,10 @@
 The gateway always asks the engine for usage on every streamed chunk (so it knows the tokens
 delivered if the client leaves mid-stream); `rewrite_event` gives the client usage only as it
 asked. `find_usage` reads the `usage` object of a compact JSON response or chunk without parsing
-the rest. Pure functions over bytes: the call (`endpoints.gateway.call`) does the I/O.
+the rest. A Responses stream (`/v1/responses`) names each event (`event: response.output_text.delta`, then its
+`data:` line) and carries usage only in its last event (`response.completed`, or `.incomplete`/`.failed`):
+relayed unchanged, its usage read by `responses_usage`. Pure functions over bytes: the call
+(`endpoints.gateway.call`) does the I/O.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ def has_choices(event: bytes) -> bool:
     return event.startswith(b"data: ") and (b'"choices":[{' in event or b'"choices": [{' in event)
 
 
+_RESPONSES_EVENT = b"event: response."
+# The Responses events that carry the response object with its usage: the stream's last.
+_RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+
+
+def carries_output(event: bytes) -> bool:
+    """Whether the event carries generated tokens: a chat or completions chunk with a choice, or a Responses delta."""
+    if event.startswith(_RESPONSES_EVENT):
+        return event.find(b".delta\n", 0, 128) > 0
+    return has_choices(event)
+
+
 def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
     """An upstream SSE event as the client asked for it (None: drop it), and the usage it carried.
 
@@ -30,7 +45,13 @@ def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tu
 
     NOTE: byte-level, without re-serialising the chunk: vLLM writes compact JSON, and `,"usage":`
     with bare quotes can only be the chunk's own field (quotes inside strings are escaped).
+    A Responses event is relayed as it is, with its usage if it is the stream's last.
     """
+    if event.startswith(_RESPONSES_EVENT):
+        if not event.startswith(_RESPONSES_ENDS):
+            return event, None
+        data = event.find(b"\ndata: ")
+        return event, (responses_usage(event[data + 7:]) if data > 0 else None)
     if not event.startswith(b"data: ") or event == b"data: [DONE]":
         return event, None
     usage, start, end = find_usage(event)
@@ -122,6 +143,32 @@ def response_usage(body: bytes) -> dict | None:
     if start < 0 and b'"usage"' in body:
         return _parsed_usage(body)
     return usage
+
+
+class _WithUsage(msgspec.Struct):
+    usage: dict | None = None
+
+
+class _ResponsesAnswer(msgspec.Struct):
+    usage: dict | None = None  # a whole response object's
+    response: _WithUsage | None = None  # a stream event's response object
+
+
+_responses_answer_decoder = msgspec.json.Decoder(_ResponsesAnswer)
+
+
+def responses_usage(data: bytes) -> dict | None:
+    """The usage of a Responses answer: a whole response object, or the `data` of a stream's last event (the
+    response object under `response`).
+
+    NOTE: decoded for `usage` alone (msgspec skips every other field), never found by its bytes: a response echoes
+    the caller's own JSON (`metadata`, tools' `parameters`, the `text` format's schema), where a `"usage":` of the
+    caller's making could come after the real one."""
+    try:
+        answer = _responses_answer_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return answer.response.usage if answer.response is not None else answer.usage
 
 
 def _parsed_usage(body: bytes) -> dict | None:

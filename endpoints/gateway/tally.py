@@ -4,7 +4,8 @@ A whole answer carries its totals. A stream carries usage on every chunk (the ga
 `continuous_usage_stats`), but vLLM counts it per choice there: a chunk of choice `i` says the
 prompt tokens of its prompt and the output tokens of choice `i` alone. With `n` choices per prompt
 choice `i` belongs to prompt `i // n` (vLLM numbers the choices of a list of prompts that way).
-The closing usage-only chunk carries the totals and replaces the running figures.
+The closing usage-only chunk carries the totals and replaces the running figures. A Responses stream carries
+only totals, in its last event.
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ class UsageTally:
 
 
 def _counts(usage: dict) -> tuple[int, int, int]:
-    details = usage.get("prompt_tokens_details") or {}
-    return (_count(usage.get("prompt_tokens")), _count(details.get("cached_tokens") if isinstance(details, dict) else 0),
-            _count(usage.get("completion_tokens")))
+    """Prompt, cached and output tokens of a chat or completions `usage`, or of a Responses one (`input_tokens`,
+    `input_tokens_details.cached_tokens`, `output_tokens`, reasoning included)."""
+    if "input_tokens" in usage:
+        prompt, details, completion = usage.get("input_tokens"), usage.get("input_tokens_details"), usage.get("output_tokens")
+    else:
+        prompt, details, completion = (usage.get("prompt_tokens"), usage.get("prompt_tokens_details"),
+                                       usage.get("completion_tokens"))
+    return (_count(prompt), _count(details.get("cached_tokens") if isinstance(details, dict) else 0), _count(completion))
 
 
 def _count(value) -> int:

@@ -1,0 +1,111 @@
+"""`/v1/responses`, OpenAI's Responses API: what the gateway refuses because it keeps no state, and what the engine
+gets instead.
+
+vLLM keeps a stored response (and what `previous_response_id`, `background` and cancelling read) in the memory of
+the one engine that answered it, and only when started with `VLLM_ENABLE_RESPONSES_API_STORE` (never here). The
+next call may go to another replica, and an endpoint scales to zero, so none of it can work: each is a 400 naming
+its field (the stored-response routes, `GET /v1/responses/{id}` and the rest, a 400 too). `store` is served with
+storage off, as vLLM does by default: the openai client sends nothing for it (OpenAI's default is true), most
+callers never read a response back, and refusing it would refuse every client written for OpenAI that sends it; one
+that does read back gets the routes' 400, which says why. The engine is always told `store: false`, whatever an
+engine's `VLLM_ENABLE_RESPONSES_API_STORE`.
+
+Tools: function tools go to the engine (its tool parser, as chat's); OpenAI's built-in tools (web search, file
+search, code interpreter, computer use, MCP, image generation, ...) run at OpenAI or on servers the engine would
+call, and are a 400 naming the tool. The body's other fields are checked by `endpoints.gateway.request` (types and
+ranges) and `endpoints.gateway.fields` (the allowlist); the reservation by `endpoints.gateway.estimate`.
+"""
+
+from __future__ import annotations
+
+from endpoints.gateway import errors, fields
+
+RESPONSES = "responses"  # the request kind (`endpoints.gateway.request.KINDS`)
+PATH = "/v1/responses"
+# Routes under it that read or change a stored response (retrieve, delete, cancel, input items, ...).
+STORED_PREFIX = PATH + "/"
+
+_NO_STATE = (
+    "responses are not stored here (each call may go to another replica, and an endpoint scales to zero)"
+)
+# Fields that need a response kept between calls, refused when set (a false or null value changes nothing).
+STATEFUL: dict[str, str] = {
+    "previous_response_id": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
+    "background": f"is not supported: {_NO_STATE}; stream the response instead ('stream': true)",
+    "conversation": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
+    "prompt": "is not supported: prompt templates are stored at OpenAI; send the text as 'instructions' and 'input'",
+    "previous_input_messages": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
+}
+FUNCTION_TOOL = "function"
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+def check_payload(payload: dict) -> None:
+    """A 400 in OpenAI's shape for a field that needs stored state, or a tool other than a function."""
+    for name, reason in STATEFUL.items():
+        if payload.get(name) not in (None, False):
+            raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
+    tools = payload.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise errors.invalid_request(
+                "Invalid type for 'tools': expected an array.", param="tools", code="invalid_type"
+            )
+        for index, tool in enumerate(tools):
+            _check_tool(tool, f"tools[{index}]")
+    _check_tool_choice(payload.get("tool_choice"))
+
+
+def _check_tool(tool, param: str) -> None:
+    if not isinstance(tool, dict):
+        raise errors.invalid_request(
+            f"Invalid type for '{param}': expected an object.", param=param, code="invalid_type"
+        )
+    kind = tool.get("type")
+    if kind != FUNCTION_TOOL:
+        shown = kind if isinstance(kind, str) and kind.isprintable() else "?"
+        raise errors.invalid_request(
+            f"Tools of type '{shown[:64]}' are not supported: built-in tools run at OpenAI; only 'function' tools are "
+            "served here.",
+            param=f"{param}.type",
+            code="unsupported_value",
+        )
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise errors.invalid_request(
+            f"Invalid type for '{param}.name': expected a non-empty string.",
+            param=f"{param}.name",
+            code="invalid_type",
+        )
+    if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+        raise errors.invalid_request(
+            f"Invalid type for '{param}.parameters': expected an object.",
+            param=f"{param}.parameters",
+            code="invalid_type",
+        )
+
+
+def _check_tool_choice(value) -> None:
+    if value is None or (isinstance(value, str) and value in TOOL_CHOICES):
+        return
+    if isinstance(value, dict) and value.get("type") == FUNCTION_TOOL and isinstance(value.get("name"), str):
+        return
+    raise errors.invalid_request(
+        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
+        "...}; built-in tools are not served here.",
+        param="tool_choice",
+        code="unsupported_value",
+    )
+
+
+def engine_payload(payload: dict) -> dict:
+    """The body the engine gets: never stored (see the module's docstring)."""
+    return payload | {"store": False}
+
+
+def refuse_stored(method: str, path: str) -> errors.OpenAIError:
+    """The answer to a route that reads or changes a stored response: none is ever stored."""
+    return errors.invalid_request(
+        f"{method} {fields.printable(path)}: {_NO_STATE}, so they cannot be retrieved, cancelled or deleted; the response "
+        "came whole with its call (or as its stream).",
+        code="responses_not_stored",
+    )
