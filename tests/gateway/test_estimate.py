@@ -193,6 +193,8 @@ def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
     case = worst_case({"model": "m", "max_tokens": 1, "messages": messages, "chat_template_kwargs": kwargs}, "chat",
                       CONTEXT)
     assert case.prompt_bounds == (CONTEXT,)
+    responses = worst_case({"model": "m", "input": messages, "chat_template_kwargs": kwargs}, "responses", CONTEXT)
+    assert responses.prompt_bounds == (CONTEXT,)
 
 
 def test_template_flags_keep_the_bound_of_their_bytes():
