@@ -133,8 +133,8 @@ class UsageReport:
 
     def as_json_row(self) -> dict:
         """The report as a dict of JSON's types, a key per field: times in ISO 8601 with their offset, money and the
-        endpoint id as text (exact). A journal's line (`billing.usage_journal.encode`), and the ledger's rows when
-        msgspec cannot encode them (`_rows`)."""
+        endpoint id as text (exact). A journal's line, a progress and the ledger's rows when msgspec cannot encode
+        them (`reports_json`)."""
         # NOTE: a shallow dict, not `dataclasses.asdict`: its deep copy of every value (each Decimal, each datetime) made
         # a row ~86 µs, and a gateway's beat encodes one for every call whose progress changed since the last
         # (`billing.quota.counters.record_progress`); ~16 µs so. Nothing of the report is changed in place.
@@ -322,21 +322,30 @@ RETURNING u.request_id, lost.cost
 _ENCODER = msgspec.json.Encoder()
 
 
+def reports_json(reports: UsageReport | list[UsageReport]) -> bytes:
+    """A report, or a list of them, as JSON: a usage journal's line (`billing.usage_journal.encode`), a call's progress
+    in Redis (`billing.quota.counters.record_progress`), the ledger statement's parameter (`_rows`).
+
+    NOTE: a value msgspec cannot encode (a lone surrogate: UnicodeEncodeError; a subclass of str, int, Decimal or
+    datetime: TypeError) raised, before PostgreSQL saw the batch; the journal's replays and the sweeper set aside only
+    a batch PostgreSQL refuses for what its rows hold (SQLSTATE 22, 23), so the replay failed on every try until the
+    journal was full. Such a report goes through the json module (`as_json_row`): PostgreSQL takes a subclass's value
+    and refuses a lone surrogate (escaped, `\ud800`) with a `DataError`, which each of them handles.
+    """
+    try:
+        return _ENCODER.encode(reports)
+    except (TypeError, ValueError):
+        rows = [report.as_json_row() for report in reports] if isinstance(reports, list) else reports.as_json_row()
+        return json.dumps(rows, separators=(",", ":")).encode()
+
+
 def _rows(reports: list[UsageReport]) -> list[str]:
     """The reports as the statement's one parameter: a JSON array of rows (`json_to_recordset`).
 
     NOTE: one string, encoded in C and parsed by PostgreSQL, rather than eighteen arrays bound value by value: binding
     arrays in psycopg is Python code per element, and it was most of the gateway's CPU spent on a usage row.
     """
-    try:
-        return [_ENCODER.encode(reports).decode()]
-    except (TypeError, ValueError):
-        # NOTE: a value msgspec cannot encode (a lone surrogate: UnicodeEncodeError; a subclass of str, int, Decimal or
-        # datetime: TypeError) raised here, before PostgreSQL saw the batch; the journal's replays and the sweeper set
-        # aside only a batch PostgreSQL refuses for what its rows hold (SQLSTATE 22, 23), so the replay failed on every
-        # try until the journal was full. Through the json module, as a journal's lines: PostgreSQL takes a subclass's
-        # value and refuses a lone surrogate (escaped, `\ud800`) with a `DataError`, which each of them handles.
-        return [json.dumps([report.as_json_row() for report in reports], separators=(",", ":"))]
+    return [reports_json(reports).decode()]
 
 
 def record_usage_batch(reports: list[UsageReport]) -> set[str]:

@@ -48,7 +48,7 @@ from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 
-from billing.ledger import REPORT_FIELDS, REPORT_MONEY, REPORT_TIMES, UsageReport
+from billing.ledger import REPORT_FIELDS, REPORT_MONEY, REPORT_TIMES, UsageReport, reports_json
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -68,7 +68,10 @@ _FIELDS = frozenset(REPORT_FIELDS)
 
 
 def encode(report: UsageReport) -> bytes:
-    return json.dumps(report.as_json_row(), separators=(",", ":")).encode() + b"\n"
+    # NOTE: msgspec's encoder, as the ledger's rows (~1 µs a line against ~12 through `as_json_row` and the json module:
+    # a gateway's beat encodes every running call whose progress changed). UTC times end in "Z" (lines written
+    # before: "+00:00"); `decode` reads both.
+    return reports_json(report) + b"\n"
 
 
 def decode(line: bytes) -> UsageReport:

@@ -82,10 +82,11 @@ class ComposedScript:
             arg_at += len(part.args)
         self.source = "".join(libraries) + _SLICE + "\n".join(slices) + "\n" + glue
         self._script = Script(self.source)
+        self._names = frozenset(self.offsets)  # NOTE: compared with each call's names as they are: no set built
 
     def keys_and_args(self, **values: tuple[Sequence, Sequence]) -> tuple[list, list]:
         """KEYS and ARGV for the parts' (keys, args), laid out at the computed offsets."""
-        if set(values) != set(self.offsets):
+        if values.keys() != self._names:
             raise ValueError(f"expected keys and arguments for {sorted(self.offsets)}, got {sorted(values)}")
         keys: list = []
         args: list = []

@@ -108,13 +108,19 @@ class RateLimitReport:
         """The `x-ratelimit-*` headers, raw, for an ASGI response."""
         raw: list[tuple[bytes, bytes]] = []
         reset = format_reset(self.resets_at - redis_now()).encode()  # `resets_at` is Redis's clock
-        for name, limit, used in (("requests", self.requests_per_minute, self.num_requests),
-                                  ("tokens", self.tokens_per_minute, self.num_tokens)):
+        for (limit_name, remaining_name, reset_name), limit, used in (
+                (_REQUESTS_NAMES, self.requests_per_minute, self.num_requests),
+                (_TOKENS_NAMES, self.tokens_per_minute, self.num_tokens)):
             if not limit:
                 continue
-            raw.append((b"x-ratelimit-limit-" + name.encode(), b"%d" % limit))
+            raw.append((limit_name, b"%d" % limit))
             if used is not None:
-                raw.append((b"x-ratelimit-remaining-" + name.encode(), b"%d" % max(0, limit - used)))
-                raw.append((b"x-ratelimit-reset-" + name.encode(), reset))
+                raw.append((remaining_name, b"%d" % max(0, limit - used)))
+                raw.append((reset_name, reset))
         return raw
+
+
+# Each dimension's three header names, made once (every `/v1` answer sends them).
+_REQUESTS_NAMES = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
+_TOKENS_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
 

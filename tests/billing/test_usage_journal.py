@@ -52,14 +52,41 @@ def test_a_journal_line_is_every_field_of_its_report_and_leaves_the_report_as_it
         price_output_per_million=Decimal("1.50"), price_fraction=Decimal("0.5"), billing_mode=BillingMode.POSTPAID,
     )
     expected = dataclasses.asdict(report) | {
-        "started_at": "2026-11-30T12:00:00+00:00", "first_token_at": None, "finished_at": "2026-11-30T12:00:02+00:00",
+        "started_at": "2026-11-30T12:00:00Z", "first_token_at": None, "finished_at": "2026-11-30T12:00:02Z",
         "max_cost": "0.000123456789", "price_input_per_million": "0.5", "price_cached_input_per_million": "0.25",
         "price_output_per_million": "1.50", "price_fraction": "0.5"}
     line = encode(report)
-    assert line == json.dumps(expected, separators=(",", ":")).encode() + b"\n"
+    assert line == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
     assert decode(line) == report
     assert report.started_at == started and report.max_cost == Decimal("0.000123456789")
     assert report.cold_start_phases is phases and phases == {"queue": 120, "load": 3400}
+
+
+def test_a_line_written_before_lines_used_msgspec_reads_back_the_same():
+    """Lines of journals (and progress in Redis) written through the json module, times with "+00:00", still replay."""
+    started = datetime(2026, 11, 30, 12, 0, 1, 250000, tzinfo=UTC)
+    report = UsageReport(
+        request_id="req-3", organization_id=7, api_key_id=2, endpoint_id="6f0c3f5e-0000-4000-8000-000000000003",
+        replica_id=None, prompt_tokens=5, cached_tokens=0, completion_tokens=9, started_at=started,
+        first_token_at=started, finished_at=started + timedelta(seconds=1), status="ok",
+        max_cost=Decimal("0.5"), billing_mode=BillingMode.POSTPAID,
+    )
+    written_before = json.dumps(report.as_json_row(), separators=(",", ":")).encode() + b"\n"
+    assert b"+00:00" in written_before and written_before != encode(report)
+    assert decode(written_before) == decode(encode(report)) == report
+
+
+def test_a_report_msgspec_cannot_encode_is_journalled_all_the_same():
+    """A lone surrogate (no UTF-8 for it) in a report: its line is the json module's, escaped, and reads back."""
+    started = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    report = UsageReport(
+        request_id="req-\ud800", organization_id=7, api_key_id=None, endpoint_id="6f0c3f5e-0000-4000-8000-000000000004",
+        replica_id=None, prompt_tokens=5, cached_tokens=0, completion_tokens=9, started_at=started, first_token_at=None,
+        finished_at=started, status="ok", billing_mode=BillingMode.POSTPAID,
+    )
+    line = encode(report)
+    assert b"\\ud800" in line and line.endswith(b"\n") and line.count(b"\n") == 1
+    assert decode(line) == report
 
 
 def _without_mode(line: bytes) -> bytes:
