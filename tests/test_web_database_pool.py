@@ -128,6 +128,46 @@ def test_after_postgresql_cuts_every_session_the_next_requests_are_answered(pool
     assert statuses == [200] * 10
 
 
+def test_after_postgresql_cuts_every_idle_pooled_connection_readiness_api_console_and_agent_are_answered_at_once(
+    tmp_path, client, owner_client
+):
+    """A failover or a restart cuts every session at once, the pool's idle ones included. Before, psycopg_pool checked
+    the stale idle connections one by one inside the request that asked for one and slept after each failed check (~1 s,
+    then 2 s, 4 s...): `/readyz`'s 2 s database check timed out (the pod left the load balancer) and the next requests
+    waited seconds. Now the first failed check drops every idle connection and the request gets a fresh one."""
+    pool_size = 4
+    child, web = start_web_server(
+        tmp_path,
+        extra_env={"DATABASE_POOL_MIN_SIZE": str(pool_size), "DATABASE_POOL_MAX_SIZE": str(pool_size)},
+    )
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    cookies, endpoint = signed_in_owner(client)
+    try:
+        secret, beat = registered_agent(web, join_token_name="cut")
+        assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers).status_code == 200
+        wait_until(
+            lambda: sessions_in("idle") >= pool_size, 20, message="the pool's connections to be open and idle"
+        )
+
+        assert terminate_backends() >= pool_size
+
+        ready = httpx.get(f"{web}/readyz", timeout=30)
+        listed = [httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30) for _ in range(3)]
+        with httpx.Client(base_url=web, cookies=cookies, timeout=30) as browser:
+            page = browser.get(f"/console/endpoints/{endpoint.pk}/")
+        beaten = httpx.post(
+            f"{web}/agent/v1/heartbeat", json=beat, headers={"authorization": f"Bearer {secret}"}
+        )
+    finally:
+        child.stop()
+
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"]["database"] == "ok"
+    assert [answer.status_code for answer in listed] == [200] * 3
+    assert page.status_code == 200
+    assert beaten.status_code == 200, beaten.text
+
+
 def test_a_request_that_fails_mid_transaction_hands_its_connection_back_clean(pooled_web, owner_client):
     """A key's creation (its row and its audit event, one transaction) cancelled by PostgreSQL half-way: the request
     fails, and its connection goes back to the pool rolled back, never left idle in its transaction."""
@@ -249,7 +289,9 @@ def test_only_the_web_process_pools_its_connections():
 
 
 def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
-    settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"})
+    settings_seen = _database_settings_of(
+        "controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"}
+    )
     assert settings_seen.startswith("({'name': 'web'")
     assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
 
