@@ -30,7 +30,7 @@ _SESSION_ENDED = (
     psycopg.errors.IdleSessionTimeout,
 )
 
-BUSY = "The database is busy: try again shortly."
+BUSY = "The database is busy or unavailable: try again shortly."
 UNAVAILABLE = "The database is unavailable: try again shortly."
 
 

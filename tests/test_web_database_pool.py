@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -22,9 +21,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
-from tests.conftest import start_web_server, wait_until
+from tests.conftest import PRODUCTION_WEB_ENV, start_web_server, wait_until
 from tests.outages import database_refusing_connections, terminate_backends
-from tests.web_callers import registered_agent, signed_in_owner
+from tests.web_callers import bogus_node_secret, registered_agent, signed_in_owner
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,20 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 POOL_MAX_SIZE = 3
 POOL_ENV = {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE)}
 NUM_REQUESTS = 30
-# What production needs to start with debug mode off: then a refused request gets the project's error handlers
-# (`handler500`), not Django's debug page.
-PRODUCTION_ENV = {
-    "DJANGO_DEBUG": "0",
-    "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
-    "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
-    "ALLOWED_HOSTS": "127.0.0.1",
-    "SECURE_SSL_REDIRECT": "0",
-}
-
-
-def bogus_node_secret() -> str:
-    """A node secret of the right shape that no node holds (anyone may send one: no credentials needed)."""
-    return f"nd_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)[:43]}"
 
 
 def sessions_opened() -> int:
@@ -214,7 +199,7 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
 
     child, web = start_web_server(
         tmp_path,
-        extra_env=PRODUCTION_ENV
+        extra_env=PRODUCTION_WEB_ENV
         | {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": "1", "DATABASE_POOL_TIMEOUT_S": "1"},
     )
     headers = {"authorization": f"Bearer {owner_client.plain_key}"}
@@ -244,10 +229,12 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
 
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
-    assert refused.json() == {"detail": "The database is busy: try again shortly."}
+    assert refused.json() == {"detail": "The database is busy or unavailable: try again shortly."}
     # the agent API's own error shape, as its other errors (`endpoints.fleet.api`)
     assert agent_refused.status_code == 503
-    assert agent_refused.json() == {"error": {"message": "The database is busy: try again shortly."}}
+    assert agent_refused.json() == {
+        "error": {"message": "The database is busy or unavailable: try again shortly."}
+    }
     assert answers[0].status_code == 200
 
 
@@ -261,7 +248,7 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
         "pool and pool.kwargs.get('prepare_threshold', 'unset'))))"
     )
     clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"}}
-    production = {k: v for k, v in PRODUCTION_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
+    production = {k: v for k, v in PRODUCTION_WEB_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
         "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
         "REDIS_URL": "redis://redis.internal:6379/0",
     }
@@ -302,7 +289,7 @@ def test_bogus_node_secrets_on_watch_take_no_pooled_connection_from_other_reques
     secrets (no credentials needed) the pool was theirs and the management API answered 503."""
     child, web = start_web_server(
         tmp_path,
-        extra_env=PRODUCTION_ENV
+        extra_env=PRODUCTION_WEB_ENV
         | {
             "DATABASE_POOL_MIN_SIZE": "1",
             "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE),
