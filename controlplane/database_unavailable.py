@@ -2,8 +2,8 @@
 `Retry-After`, in each API's error shape, never a 500.
 
 Two cases, with the web process's pool (`controlplane.database_pool`) on or off: every pooled connection stayed taken
-for the pool's `timeout` (`DATABASE_POOL_TIMEOUT_S`: the database is busy), or PostgreSQL could not be reached or cut
-the request's session (down, restarting, failing over: unavailable).
+for the pool's `timeout` (`DATABASE_POOL_TIMEOUT_S`: the database is busy, or down and the pool connects none), or
+PostgreSQL could not be reached or cut the request's session (down, restarting, failing over: unavailable).
 
 NOTE: only failures of the connection itself. Any other `OperationalError` (a statement cancelled or timed out, a lock
 not granted, a disk full) stays a 500 as every other error: it may be a bug, and a 503 would hide it.

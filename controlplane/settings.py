@@ -184,7 +184,7 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # `controlplane.checks.database_connections_fit` warns where one pod's alone does not). A request that finds every
 # connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_unavailable.server_error`). 0 turns the
 # pool off (each request then opens and closes its own connection).
-DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 0, minimum=0, maximum=500)
+DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 4, minimum=0, maximum=500)
 DATABASE_POOL = database_pool.pool_options(
     min_size=env_int("DATABASE_POOL_MIN_SIZE", 2, minimum=0, maximum=100),
     max_size=DATABASE_POOL_MAX_SIZE,

@@ -239,15 +239,19 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
 
 
 def _database_settings_of(entry: str, env: dict[str, str]) -> str:
-    """The default database's pool options, `CONN_MAX_AGE` and the pool's connection arguments as a process started
-    through `entry` (a module imported first) sees them, with production's settings and `env`."""
+    """The default database's pool options, `CONN_MAX_AGE`, the pool's connection arguments and `ENGINE` as a process
+    started through `entry` (a module imported first) sees them, with production's settings and `env`."""
     script = (
         f"import {entry}\nimport django\ndjango.setup()\nfrom django.db import connection\n"
         "pool = connection.pool\n"
         "print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
-        "pool and pool.kwargs.get('prepare_threshold', 'unset'))))"
+        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])))"
     )
-    clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"}}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"} and not k.startswith("DATABASE_POOL")
+    }
     production = {k: v for k, v in PRODUCTION_WEB_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
         "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
         "REDIS_URL": "redis://redis.internal:6379/0",
@@ -266,13 +270,16 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
 
 def test_only_the_web_process_pools_its_connections():
     """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
-    `manage.py` keep `CONN_MAX_AGE` too."""
+    `manage.py` keep `CONN_MAX_AGE` too. The web process's pool is on by default, through the backend that checks its
+    connections (`controlplane.database_pool.base`)."""
     pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
-    assert _database_settings_of("controlplane.asgi", {}) == "(None, 60, None)"  # off unless asked for
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == f"({pool}, 0, None)"
-    assert _database_settings_of("controlplane.celery_app", {}) == "(None, 60, None)"
-    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == "(None, 60, None)"
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == "(None, 60, None)"
+    pooled = f"({pool}, 0, None, 'controlplane.database_pool')"
+    unpooled = "(None, 60, None, 'django.db.backends.postgresql')"
+    assert _database_settings_of("controlplane.asgi", {}) == pooled
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == pooled
+    assert _database_settings_of("controlplane.celery_app", {}) == unpooled
+    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == unpooled
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == unpooled
 
 
 def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
@@ -280,7 +287,8 @@ def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_s
         "controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"}
     )
     assert settings_seen.startswith("({'name': 'web'")
-    assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
+    # prepare_threshold None, not psycopg's default of 5
+    assert settings_seen.endswith(", 0, None, 'controlplane.database_pool')")
 
 
 def test_bogus_node_secrets_on_watch_take_no_pooled_connection_from_other_requests(tmp_path, owner_client):
