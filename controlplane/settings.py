@@ -176,17 +176,15 @@ TEMPLATES = [
 # --- state of record and broker ------------------------------------------------
 DATABASES = {"default": parse_database_url(DATABASE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
-# With the pool: each connection is checked as the pool hands it out.
+# Without the pool: a connection kept for reuse is checked before a request uses it.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # The web process's pool (`controlplane.database_pool`; no other process pools). NOTE: per web process (each of
 # `WEB_CONCURRENCY`): (`DATABASE_POOL_MAX_SIZE` + its ledger writer's one) x processes x replicas must fit
 # PostgreSQL's `max_connections` (or PgBouncer's `max_client_conn`) beside the workers' (README, "Configuration";
 # `controlplane.checks.database_connections_fit` warns where one pod's alone does not). A request that finds every
-# connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_pool.server_error`). 0, the default, turns
-# the pool off: after PostgreSQL cut every session (a failover, a demoted primary), psycopg_pool's check of each stale
-# idle connection backs off ~1 s, doubling, inside the request that asks for one, so the readiness probe timed out and
-# traffic did not resume for 30 s (`tests/gateway/test_durable_usage.py`); opt in only where that is acceptable.
-DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 0, minimum=0, maximum=500)
+# connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_unavailable.server_error`). 0 turns the
+# pool off (each request then opens and closes its own connection).
+DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 4, minimum=0, maximum=500)
 DATABASE_POOL = database_pool.pool_options(
     min_size=env_int("DATABASE_POOL_MIN_SIZE", 2, minimum=0, maximum=100),
     max_size=DATABASE_POOL_MAX_SIZE,
@@ -194,7 +192,11 @@ DATABASE_POOL = database_pool.pool_options(
     timeout_s=env_float("DATABASE_POOL_TIMEOUT_S", 5.0, minimum=0.1),
 )
 if DATABASE_POOL is not None:
+    DATABASES["default"]["ENGINE"] = database_pool.ENGINE
     DATABASES["default"]["CONN_MAX_AGE"] = 0  # NOTE: Django refuses a pool with persistent connections
+    # NOTE: the backend checks each connection the pool hands out (`controlplane.database_pool.base`): psycopg_pool's
+    # own check slept after each stale one it found.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = False
     DATABASES["default"]["OPTIONS"]["pool"] = DATABASE_POOL
 # DATABASE_POOLER=transaction: DATABASE_URL points at PgBouncer in transaction mode, where each
 # transaction may run on another server connection. So no server-side prepared statements (psycopg's

@@ -43,7 +43,7 @@ api_v1 = [
 ]
 
 handler404 = "controlplane.accounts.api.not_found"
-handler500 = "controlplane.database_pool.server_error"
+handler500 = "controlplane.database_unavailable.server_error"
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),

@@ -113,6 +113,17 @@ def child_env() -> dict[str, str]:
     }
 
 
+# What production needs to start a web server with debug mode off: then a failed request gets the project's error
+# handlers (`handler500`), not Django's debug page.
+PRODUCTION_WEB_ENV = {
+    "DJANGO_DEBUG": "0",
+    "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
+    "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
+    "ALLOWED_HOSTS": "127.0.0.1",
+    "SECURE_SSL_REDIRECT": "0",
+}
+
+
 def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None = None, workers: int = 1,
                      server_args: tuple[str, ...] = (), zygote: WebZygote | None = None,
                      launcher: bool = False) -> tuple[ChildProcess, str]:

@@ -49,6 +49,19 @@ def database_refusing_connections():
             admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 
 
+@contextlib.contextmanager
+def postgresql_stopped():
+    """The embedded PostgreSQL stopped (a fast shutdown: every session cut, every connect refused), then started again
+    with its data. This test process's own connections were cut too: dropped, so the test reconnects."""
+    embedded.stop_postgres()
+    try:
+        yield
+    finally:
+        embedded.ensure_postgres()
+        connections.close_all()
+        asyncio.run(sync_to_async(connections.close_all)())
+
+
 def restart_redis() -> None:
     """Stop the embedded Redis and start it again on the same port (its append-only file kept)."""
     embedded.stop_redis()

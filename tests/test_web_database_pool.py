@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -22,9 +21,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
-from tests.conftest import start_web_server, wait_until
+from tests.conftest import PRODUCTION_WEB_ENV, start_web_server, wait_until
 from tests.outages import database_refusing_connections, terminate_backends
-from tests.web_callers import registered_agent, signed_in_owner
+from tests.web_callers import bogus_node_secret, registered_agent, signed_in_owner
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,20 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 POOL_MAX_SIZE = 3
 POOL_ENV = {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE)}
 NUM_REQUESTS = 30
-# What production needs to start with debug mode off: then a refused request gets the project's error handlers
-# (`handler500`), not Django's debug page.
-PRODUCTION_ENV = {
-    "DJANGO_DEBUG": "0",
-    "DJANGO_SECRET_KEY": "k3y-" + "x9Q!z" * 12,
-    "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
-    "ALLOWED_HOSTS": "127.0.0.1",
-    "SECURE_SSL_REDIRECT": "0",
-}
-
-
-def bogus_node_secret() -> str:
-    """A node secret of the right shape that no node holds (anyone may send one: no credentials needed)."""
-    return f"nd_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)[:43]}"
 
 
 def sessions_opened() -> int:
@@ -128,6 +113,46 @@ def test_after_postgresql_cuts_every_session_the_next_requests_are_answered(pool
     assert statuses == [200] * 10
 
 
+def test_after_postgresql_cuts_every_idle_pooled_connection_readiness_api_console_and_agent_are_answered_at_once(
+    tmp_path, client, owner_client
+):
+    """A failover or a restart cuts every session at once, the pool's idle ones included. Before, psycopg_pool checked
+    the stale idle connections one by one inside the request that asked for one and slept after each failed check (~1 s,
+    then 2 s, 4 s...): `/readyz`'s 2 s database check timed out (the pod left the load balancer) and the next requests
+    waited seconds. Now the first failed check drops every idle connection and the request gets a fresh one."""
+    pool_size = 4
+    child, web = start_web_server(
+        tmp_path,
+        extra_env={"DATABASE_POOL_MIN_SIZE": str(pool_size), "DATABASE_POOL_MAX_SIZE": str(pool_size)},
+    )
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    cookies, endpoint = signed_in_owner(client)
+    try:
+        secret, beat = registered_agent(web, join_token_name="cut")
+        assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers).status_code == 200
+        wait_until(
+            lambda: sessions_in("idle") >= pool_size, 20, message="the pool's connections to be open and idle"
+        )
+
+        assert terminate_backends() >= pool_size
+
+        ready = httpx.get(f"{web}/readyz", timeout=30)
+        listed = [httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30) for _ in range(3)]
+        with httpx.Client(base_url=web, cookies=cookies, timeout=30) as browser:
+            page = browser.get(f"/console/endpoints/{endpoint.pk}/")
+        beaten = httpx.post(
+            f"{web}/agent/v1/heartbeat", json=beat, headers={"authorization": f"Bearer {secret}"}
+        )
+    finally:
+        child.stop()
+
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"]["database"] == "ok"
+    assert [answer.status_code for answer in listed] == [200] * 3
+    assert page.status_code == 200
+    assert beaten.status_code == 200, beaten.text
+
+
 def test_a_request_that_fails_mid_transaction_hands_its_connection_back_clean(pooled_web, owner_client):
     """A key's creation (its row and its audit event, one transaction) cancelled by PostgreSQL half-way: the request
     fails, and its connection goes back to the pool rolled back, never left idle in its transaction."""
@@ -174,7 +199,7 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
 
     child, web = start_web_server(
         tmp_path,
-        extra_env=PRODUCTION_ENV
+        extra_env=PRODUCTION_WEB_ENV
         | {"DATABASE_POOL_MIN_SIZE": "1", "DATABASE_POOL_MAX_SIZE": "1", "DATABASE_POOL_TIMEOUT_S": "1"},
     )
     headers = {"authorization": f"Bearer {owner_client.plain_key}"}
@@ -204,24 +229,30 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
 
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
-    assert refused.json() == {"detail": "The database is busy: try again shortly."}
+    assert refused.json() == {"detail": "The database is busy or unavailable: try again shortly."}
     # the agent API's own error shape, as its other errors (`endpoints.fleet.api`)
     assert agent_refused.status_code == 503
-    assert agent_refused.json() == {"error": {"message": "The database is busy: try again shortly."}}
+    assert agent_refused.json() == {
+        "error": {"message": "The database is busy or unavailable: try again shortly."}
+    }
     assert answers[0].status_code == 200
 
 
 def _database_settings_of(entry: str, env: dict[str, str]) -> str:
-    """The default database's pool options, `CONN_MAX_AGE` and the pool's connection arguments as a process started
-    through `entry` (a module imported first) sees them, with production's settings and `env`."""
+    """The default database's pool options, `CONN_MAX_AGE`, the pool's connection arguments and `ENGINE` as a process
+    started through `entry` (a module imported first) sees them, with production's settings and `env`."""
     script = (
         f"import {entry}\nimport django\ndjango.setup()\nfrom django.db import connection\n"
         "pool = connection.pool\n"
         "print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
-        "pool and pool.kwargs.get('prepare_threshold', 'unset'))))"
+        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])))"
     )
-    clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"}}
-    production = {k: v for k, v in PRODUCTION_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG"} and not k.startswith("DATABASE_POOL")
+    }
+    production = {k: v for k, v in PRODUCTION_WEB_ENV.items() if k != "SECURE_SSL_REDIRECT"} | {
         "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
         "REDIS_URL": "redis://redis.internal:6379/0",
     }
@@ -239,19 +270,25 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
 
 def test_only_the_web_process_pools_its_connections():
     """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
-    `manage.py` keep `CONN_MAX_AGE` too."""
+    `manage.py` keep `CONN_MAX_AGE` too. The web process's pool is on by default, through the backend that checks its
+    connections (`controlplane.database_pool.base`)."""
     pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
-    assert _database_settings_of("controlplane.asgi", {}) == "(None, 60, None)"  # off unless asked for
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == f"({pool}, 0, None)"
-    assert _database_settings_of("controlplane.celery_app", {}) == "(None, 60, None)"
-    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == "(None, 60, None)"
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == "(None, 60, None)"
+    pooled = f"({pool}, 0, None, 'controlplane.database_pool')"
+    unpooled = "(None, 60, None, 'django.db.backends.postgresql')"
+    assert _database_settings_of("controlplane.asgi", {}) == pooled
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == pooled
+    assert _database_settings_of("controlplane.celery_app", {}) == unpooled
+    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == unpooled
+    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == unpooled
 
 
 def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
-    settings_seen = _database_settings_of("controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"})
+    settings_seen = _database_settings_of(
+        "controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"}
+    )
     assert settings_seen.startswith("({'name': 'web'")
-    assert settings_seen.endswith(", 0, None)")  # prepare_threshold None, not psycopg's default of 5
+    # prepare_threshold None, not psycopg's default of 5
+    assert settings_seen.endswith(", 0, None, 'controlplane.database_pool')")
 
 
 def test_bogus_node_secrets_on_watch_take_no_pooled_connection_from_other_requests(tmp_path, owner_client):
@@ -260,7 +297,7 @@ def test_bogus_node_secrets_on_watch_take_no_pooled_connection_from_other_reques
     secrets (no credentials needed) the pool was theirs and the management API answered 503."""
     child, web = start_web_server(
         tmp_path,
-        extra_env=PRODUCTION_ENV
+        extra_env=PRODUCTION_WEB_ENV
         | {
             "DATABASE_POOL_MIN_SIZE": "1",
             "DATABASE_POOL_MAX_SIZE": str(POOL_MAX_SIZE),

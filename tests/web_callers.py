@@ -3,6 +3,8 @@ console user and a GPU node's agent, over HTTP."""
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 
 from controlplane.accounts.models import Role
@@ -44,3 +46,8 @@ def registered_agent(base_url: str, *, join_token_name: str) -> tuple[str, dict]
         agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, replicas=[]
     ).to_dict()
     return secret, beat
+
+
+def bogus_node_secret() -> str:
+    """A node secret of the right shape that no node holds (anyone may send one: no credentials needed)."""
+    return f"nd_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)[:43]}"

@@ -4,7 +4,9 @@ Under ASGI, Django runs each request's synchronous code (middleware, views) in a
 `CONN_MAX_AGE` never reuses a connection there: every console page, `/api/` call and agent heartbeat paid a
 PostgreSQL connect and authentication, and the server a backend fork. With the pool, a request takes an open
 connection and its end (`close()`, in `controlplane.asgi`) hands it back; the pool checks each one as it hands it out
-(`CONN_HEALTH_CHECKS`), so one a PostgreSQL restart broke is replaced, never given to a request.
+(`controlplane.database_pool.base`, this package's Django database backend), so one a PostgreSQL restart broke is
+replaced, never given to a request; and since a restart or a failover cuts every session at once, the first broken one
+drops every idle one with it and the request gets a fresh connection at once.
 
 Only the web process pools (`controlplane.asgi` calls `use_in_this_process()` before Django reads its settings).
 A Celery prefork worker forks its children, and a pool's connections and threads must never be shared across a
@@ -16,11 +18,6 @@ request ends, a gateway worker thread's after each call (`controlplane.worker_th
 """
 
 from __future__ import annotations
-
-import sys
-
-from django.http import HttpResponse, JsonResponse
-from django.views import defaults
 
 _in_this_process = False
 
@@ -39,6 +36,11 @@ def use_in_this_process() -> None:
 RECONNECT_TIMEOUT_S = 0.0
 
 
+# The `ENGINE` of a pooling process's database: Django's PostgreSQL backend, its pool's connections checked by
+# `base.DatabaseWrapper`.
+ENGINE = "controlplane.database_pool"
+
+
 def pool_options(*, min_size: int, max_size: int, max_idle_s: float, timeout_s: float) -> dict | None:
     """The `pool` entry of `DATABASES["default"]["OPTIONS"]` for this process; None where it does not pool."""
     if not _in_this_process or max_size == 0:
@@ -51,33 +53,3 @@ def pool_options(*, min_size: int, max_size: int, max_idle_s: float, timeout_s: 
         "timeout": timeout_s,
         "reconnect_timeout": RECONNECT_TIMEOUT_S,
     }
-
-
-def _waited_for_a_pooled_connection(exc: BaseException | None) -> bool:
-    """Whether `exc` (Django's `OperationalError` wraps psycopg's) is the pool's: no connection free in time."""
-    from psycopg_pool import PoolTimeout
-
-    while exc is not None:
-        if isinstance(exc, PoolTimeout):
-            return True
-        exc = exc.__cause__
-    return False
-
-
-def server_error(request):
-    """The project's 500 (`handler500`), but a 503 with `Retry-After` when every pooled connection stayed taken for
-    the pool's `timeout` (`DATABASE_POOL_TIMEOUT_S`): the request is refused soon, never left waiting.
-
-    NOTE: Django calls it inside the `except` that caught the request's exception, so `sys.exc_info()` names it. In
-    debug mode Django shows its own error page instead."""
-    if _waited_for_a_pooled_connection(sys.exc_info()[1]):
-        message = "The database is busy: try again shortly."
-        if request.path.startswith("/api/"):
-            response = JsonResponse({"detail": message}, status=503)
-        elif request.path.startswith("/agent/"):  # the agent API's own error shape (`endpoints.fleet.api`)
-            response = JsonResponse({"error": {"message": message}}, status=503)
-        else:
-            response = HttpResponse(message, content_type="text/plain", status=503)
-        response["Retry-After"] = "1"
-        return response
-    return defaults.server_error(request)
