@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -322,7 +322,7 @@ RETURNING u.request_id, lost.cost
 _ENCODER = msgspec.json.Encoder()
 
 
-def reports_json(reports: UsageReport | list[UsageReport]) -> bytes:
+def reports_json(reports: UsageReport | Sequence[UsageReport]) -> bytes:
     """A report, or a list of them, as JSON: a usage journal's line (`billing.usage_journal.encode`), a call's progress
     in Redis (`billing.quota.counters.record_progress`), the ledger statement's parameter (`_rows`).
 
@@ -335,7 +335,9 @@ def reports_json(reports: UsageReport | list[UsageReport]) -> bytes:
     try:
         return _ENCODER.encode(reports)
     except (TypeError, ValueError):
-        rows = [report.as_json_row() for report in reports] if isinstance(reports, list) else reports.as_json_row()
+        if isinstance(reports, UsageReport):
+            return json.dumps(reports.as_json_row(), separators=(",", ":")).encode()
+        rows = [report.as_json_row() for report in reports]  # NOTE: any sequence of reports, as `_rows` took
         return json.dumps(rows, separators=(",", ":")).encode()
 
 

@@ -89,6 +89,21 @@ def test_a_report_msgspec_cannot_encode_is_journalled_all_the_same():
     assert decode(line) == report
 
 
+def test_a_batch_msgspec_cannot_encode_is_written_by_the_json_module_whatever_sequence_holds_it():
+    """The ledger's statement takes any sequence of reports: a tuple holding a lone surrogate was an AttributeError
+    (only a list was taken for a batch), which no replay sets aside."""
+    from billing.ledger import reports_json
+
+    started = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    report = UsageReport(
+        request_id="req-\ud800", organization_id=7, api_key_id=None, endpoint_id="6f0c3f5e-0000-4000-8000-000000000004",
+        replica_id=None, prompt_tokens=5, cached_tokens=0, completion_tokens=9, started_at=started, first_token_at=None,
+        finished_at=started, status="ok", billing_mode=BillingMode.POSTPAID,
+    )
+    assert json.loads(reports_json((report, report))) == json.loads(reports_json([report, report]))
+    assert len(json.loads(reports_json((report,)))) == 1
+
+
 def _without_mode(line: bytes) -> bytes:
     """A journal line as gateways wrote it before reports carried the billing mode of their admission."""
     row = json.loads(line)
