@@ -18,11 +18,14 @@ import pytest
 from django.db import connection
 
 from billing.models import UsageRecord
+from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
+from endpoints.adapters import create_adapter, delete_adapter
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.models import Adapter, AdapterState, Endpoint, Replica
+from endpoints.services import set_prices
 from tests.batches.conftest import bucket_objects, new_batch
 from tests.fakes.mock_openai import PROMPT_TOKENS
 from tests.gateway.conftest import new_tenant, serve_endpoint
@@ -224,3 +227,27 @@ def test_a_batch_waiting_for_an_adapter_to_load_is_cancelled_at_once_holding_not
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.CANCELLED and (batch.num_completed, batch.num_failed) == (0, 0)
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
+
+
+def test_an_adapter_its_tenant_deletes_and_creates_again_is_billed_at_the_prices_staff_set(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream, price_input_per_million=Decimal("1"),
+                              price_output_per_million=Decimal("2"))
+    adapter = Adapter.objects.create(endpoint=endpoint, name="french", source="hf:tuned/french")
+    set_prices(SYSTEM, adapter, price_input_per_million=ADAPTER_PRICE_INPUT,
+               price_output_per_million=ADAPTER_PRICE_OUTPUT)  # the admin's path
+    Replica.objects.filter(endpoint=endpoint).update(adapters=["french"])
+    batch = new_batch(endpoint, _jsonl([_line("tuned", f"{endpoint.name}:french")]))
+    batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+    # the tenant, through the API's services: delete it, create it again (same name, same source)
+    delete_adapter(SYSTEM, Adapter.objects.get(pk=adapter.pk))
+    create_adapter(SYSTEM, Endpoint.objects.get(pk=endpoint.pk), name="french", source="hf:tuned/french")
+
+    services.run_batch(batch.pk)
+
+    row = UsageRecord.objects.get(batch_id=batch.pk)
+    at_adapter_prices = (row.prompt_tokens * ADAPTER_PRICE_INPUT + row.completion_tokens * ADAPTER_PRICE_OUTPUT
+                         ) / Decimal(10**6) / 2  # the batch price
+    assert row.adapter == "french" and row.cost == at_adapter_prices.quantize(row.cost)
