@@ -7,34 +7,69 @@ from django.db import migrations, models
 
 def keep_staff_prices(apps, schema_editor):
     """Adapters priced before: their prices kept under their names, as `services.set_prices` keeps them now."""
-    Adapter, AdapterPrice = apps.get_model("endpoints", "Adapter"), apps.get_model("endpoints", "AdapterPrice")
-    priced = Adapter.objects.exclude(price_input_per_million__isnull=True, price_output_per_million__isnull=True)
-    AdapterPrice.objects.bulk_create([
-        AdapterPrice(endpoint_id=a.endpoint_id, name=a.name, source=a.source, price_input_per_million=a.price_input_per_million,
-                     price_output_per_million=a.price_output_per_million) for a in priced.iterator()
-    ], ignore_conflicts=True)
+    Adapter, AdapterPrice = (
+        apps.get_model("endpoints", "Adapter"),
+        apps.get_model("endpoints", "AdapterPrice"),
+    )
+    priced = Adapter.objects.exclude(
+        price_input_per_million__isnull=True, price_output_per_million__isnull=True
+    )
+    AdapterPrice.objects.bulk_create(
+        [
+            AdapterPrice(
+                endpoint_id=a.endpoint_id,
+                name=a.name,
+                source=a.source,
+                price_input_per_million=a.price_input_per_million,
+                price_output_per_million=a.price_output_per_million,
+            )
+            for a in priced.iterator()
+        ],
+        ignore_conflicts=True,
+    )
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('endpoints', '0022_model_facts_disputed'),
+        ("endpoints", "0022_model_facts_disputed"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='AdapterPrice',
+            name="AdapterPrice",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63)),
-                ('source', models.CharField(blank=True, max_length=500)),
-                ('price_input_per_million', models.DecimalField(blank=True, decimal_places=6, max_digits=12, null=True)),
-                ('price_output_per_million', models.DecimalField(blank=True, decimal_places=6, max_digits=12, null=True)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('endpoint', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='adapter_prices', to='endpoints.endpoint')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=63)),
+                ("source", models.CharField(blank=True, max_length=500)),
+                (
+                    "price_input_per_million",
+                    models.DecimalField(blank=True, decimal_places=6, max_digits=12, null=True),
+                ),
+                (
+                    "price_output_per_million",
+                    models.DecimalField(blank=True, decimal_places=6, max_digits=12, null=True),
+                ),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "endpoint",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="adapter_prices",
+                        to="endpoints.endpoint",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('endpoint', 'name'), name='adapter_price_unique_in_endpoint')],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("endpoint", "name"), name="adapter_price_unique_in_endpoint"
+                    )
+                ],
             },
         ),
         migrations.RunPython(keep_staff_prices, migrations.RunPython.noop),

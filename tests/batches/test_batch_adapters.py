@@ -161,7 +161,9 @@ def test_a_line_whose_adapter_was_deleted_after_the_check_fails_alone_as_it_runs
     assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1
 
 
-def test_a_line_naming_an_adapter_created_just_before_the_batch_runs_on_it(files_bucket, tenant, start_mock_upstream):
+def test_a_line_naming_an_adapter_created_just_before_the_batch_runs_on_it(
+    files_bucket, tenant, start_mock_upstream
+):
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     _with_adapter(endpoint, "german")
@@ -186,8 +188,13 @@ def test_lines_naming_an_adapter_that_failed_to_load_fail_at_once_with_its_reaso
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     Endpoint.objects.filter(pk=endpoint.pk).update(cold_start_timeout_s=600)
-    Adapter.objects.create(endpoint=endpoint, name="broken", source="hf:tuned/broken", state=AdapterState.FAILED,
-                           status_message="not a LoRA adapter")
+    Adapter.objects.create(
+        endpoint=endpoint,
+        name="broken",
+        source="hf:tuned/broken",
+        state=AdapterState.FAILED,
+        status_message="not a LoRA adapter",
+    )
     batch = new_batch(endpoint, _jsonl([_line(f"l{i}", f"{endpoint.name}:broken") for i in range(3)]))
     batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
     assert batch.status == BatchStatus.IN_PROGRESS
@@ -208,7 +215,9 @@ def test_a_batch_waiting_for_an_adapter_to_load_is_cancelled_at_once_holding_not
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     Endpoint.objects.filter(pk=endpoint.pk).update(cold_start_timeout_s=600)
-    adapter = Adapter.objects.create(endpoint=endpoint, name="slow", source="hf:tuned/slow")  # no replica loads it
+    adapter = Adapter.objects.create(
+        endpoint=endpoint, name="slow", source="hf:tuned/slow"
+    )  # no replica loads it
     batch = new_batch(endpoint, _jsonl([_line(f"l{i}", f"{endpoint.name}:slow") for i in range(4)]))
     services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
 
@@ -220,7 +229,9 @@ def test_a_batch_waiting_for_an_adapter_to_load_is_cancelled_at_once_holding_not
     runner.start()
     while not Adapter.objects.filter(pk=adapter.pk, last_requested_at__isnull=False).exists():
         time.sleep(0.1)  # a line asked for the adapter: the run is waiting for it
-    assert get_redis().hlen(reservations_key(tenant.org.pk)) == 0  # before: each waiting line held a reservation
+    assert (
+        get_redis().hlen(reservations_key(tenant.org.pk)) == 0
+    )  # before: each waiting line held a reservation
     services.cancel_batch(Batch.objects.get(pk=batch.pk))
     runner.join(60)  # before: each line held for the endpoint's 600 s cold start timeout
     assert not runner.is_alive()
@@ -233,11 +244,16 @@ def test_an_adapter_its_tenant_deletes_and_creates_again_is_billed_at_the_prices
     files_bucket, tenant, start_mock_upstream
 ):
     upstream = start_mock_upstream()
-    endpoint = serve_endpoint(tenant.org, upstream, price_input_per_million=Decimal("1"),
-                              price_output_per_million=Decimal("2"))
+    endpoint = serve_endpoint(
+        tenant.org, upstream, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("2")
+    )
     adapter = Adapter.objects.create(endpoint=endpoint, name="french", source="hf:tuned/french")
-    set_prices(SYSTEM, adapter, price_input_per_million=ADAPTER_PRICE_INPUT,
-               price_output_per_million=ADAPTER_PRICE_OUTPUT)  # the admin's path
+    set_prices(
+        SYSTEM,
+        adapter,
+        price_input_per_million=ADAPTER_PRICE_INPUT,
+        price_output_per_million=ADAPTER_PRICE_OUTPUT,
+    )  # the admin's path
     Replica.objects.filter(endpoint=endpoint).update(adapters=["french"])
     batch = new_batch(endpoint, _jsonl([_line("tuned", f"{endpoint.name}:french")]))
     batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
@@ -248,6 +264,9 @@ def test_an_adapter_its_tenant_deletes_and_creates_again_is_billed_at_the_prices
     services.run_batch(batch.pk)
 
     row = UsageRecord.objects.get(batch_id=batch.pk)
-    at_adapter_prices = (row.prompt_tokens * ADAPTER_PRICE_INPUT + row.completion_tokens * ADAPTER_PRICE_OUTPUT
-                         ) / Decimal(10**6) / 2  # the batch price
+    at_adapter_prices = (
+        (row.prompt_tokens * ADAPTER_PRICE_INPUT + row.completion_tokens * ADAPTER_PRICE_OUTPUT)
+        / Decimal(10**6)
+        / 2
+    )  # the batch price
     assert row.adapter == "french" and row.cost == at_adapter_prices.quantize(row.cost)
