@@ -12,6 +12,7 @@ nothing runs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -197,30 +198,31 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
     return Checked(num_lines if not problems else 0, problems, served)
 
 
+# What `bytes.strip` strips: a line of these alone is blank.
+_BLANK = re.compile(rb"[ \t\n\r\x0b\x0c]*")
+
+
 def first_model(start: bytes, *, is_whole_file: bool) -> str | None:
     """The `body.model` of the first request in `start`, a file's first bytes (all of them: `is_whole_file`), when that
     line is whole there, reads as one and names a model the gateway would look up (`is_model_name`: PostgreSQL refuses
     a NUL or a lone surrogate, and such a name was a 500 at the batch's creation); every line is `parse_lines`'s to
-    judge. NOTE: only the first line that is not blank is cut out of `start`, never the whole of it split."""
-    position = 0
-    while position < len(start):
-        end = start.find(b"\n", position)
-        if end < 0:
-            if not is_whole_file:
-                return None  # it may go on past `start`
-            end = len(start)
-        raw, position = start[position:end], end + 1
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-            request = json.loads(text) if not has_too_many_json_items(text) else None
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-            return None
-        body = request.get("body") if isinstance(request, dict) else None
-        model = body.get("model") if isinstance(body, dict) else None
-        return model if isinstance(model, str) and is_model_name(model) else None
-    return None
+    judge. NOTE: only the first line that is not blank is cut out of `start`, never the whole of it split into lines."""
+    begin = _BLANK.match(start).end()
+    if begin == len(start):
+        return None
+    end = start.find(b"\n", begin)
+    if end < 0:
+        if not is_whole_file:
+            return None  # it may go on past `start`
+        end = len(start)
+    try:
+        text = start[begin:end].decode("utf-8")
+        request = json.loads(text) if not has_too_many_json_items(text) else None
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    body = request.get("body") if isinstance(request, dict) else None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and is_model_name(model) else None
 
 
 def read_lines(parts: Iterable[bytes], *, skip: Container[int] = ()) -> Iterator[Line]:
