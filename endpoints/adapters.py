@@ -20,7 +20,15 @@ from controlplane.integrity import unique_or_field_error
 from controlplane.secrets import SecretUnreadable
 from endpoints.credentials import source_credentials
 from endpoints.events import record_event
-from endpoints.models import Adapter, AdapterState, Endpoint, EventKind, Replica, organization_scope
+from endpoints.models import (
+    Adapter,
+    AdapterPrice,
+    AdapterState,
+    Endpoint,
+    EventKind,
+    Replica,
+    organization_scope,
+)
 from endpoints.nodes.notify import notify_node
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
@@ -65,11 +73,39 @@ def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
     Endpoint.objects.select_for_update().filter(pk=endpoint.pk).first()
     if Adapter.objects.filter(endpoint=endpoint).count() >= MAX_ADAPTERS:
         raise ValidationError({"endpoint": [TOO_MANY_ADAPTERS]})
+    kept = staff_prices(endpoint, spec["name"], spec["source"])
+    if kept is not None:
+        spec = {**spec, **kept}
     with unique_or_field_error({"adapter_name_unique_in_endpoint": ("name", ADAPTER_NAME_TAKEN)}):
         adapter = Adapter.objects.create(endpoint=endpoint, **spec)
-    record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} added")
+    record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} added" + (
+        " at the prices the platform set for it" if kept is not None else ""))
     record_audit(actor, endpoint.organization, "adapter.create", adapter)
     return adapter
+
+
+ADAPTER_PRICE_FIELDS = ("price_input_per_million", "price_output_per_million")
+
+
+def keep_staff_prices(adapter: Adapter) -> None:
+    """Keep the prices staff set on `adapter` (`services.set_prices`) under its endpoint and name, beyond its row."""
+    AdapterPrice.objects.update_or_create(endpoint_id=adapter.endpoint_id, name=adapter.name, defaults={
+        "source": adapter.source, "updated_at": timezone.now(),
+        **{field: getattr(adapter, field) for field in ADAPTER_PRICE_FIELDS}})
+
+
+def staff_prices(endpoint: Endpoint, name: str, source: str) -> dict | None:
+    """The prices staff set on an adapter of `endpoint` named `name`, or else on the last priced with the same `source`,
+    that an adapter created now starts at; None if staff priced neither.
+
+    NOTE: a staff price on an adapter name is the contract: deleting the adapter and creating it again keeps it (it
+    was the endpoint's prices after, 40 times less for one priced 40/80 on an endpoint at 1/2), and so does the same
+    source under another name. A new name with a new source starts at the endpoint's prices until staff price it."""
+    kept = AdapterPrice.objects.filter(endpoint=endpoint, name=name).first() or AdapterPrice.objects.filter(
+        endpoint=endpoint, source=source).exclude(source="").order_by("-updated_at").first()
+    if kept is None or all(getattr(kept, field) is None for field in ADAPTER_PRICE_FIELDS):
+        return None
+    return {field: getattr(kept, field) for field in ADAPTER_PRICE_FIELDS}
 
 
 @transaction.atomic

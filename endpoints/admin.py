@@ -6,6 +6,7 @@ from django.contrib import admin
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
 from endpoints import services
+from endpoints.adapters import ADAPTER_PRICE_FIELDS
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
 from endpoints.models import Adapter, AllowedSource, Endpoint, EndpointEvent, ModelCredential, Replica
 
@@ -88,7 +89,7 @@ class AdapterAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         services.set_prices(Actor.from_request(request), obj,
-                            **{name: form.cleaned_data[name] for name in services.ADAPTER_PRICE_FIELDS})
+                            **{name: form.cleaned_data[name] for name in ADAPTER_PRICE_FIELDS})
 
 
 @admin.register(Replica)

@@ -667,3 +667,24 @@ class Adapter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint.name}:{self.name}"
+
+
+class AdapterPrice(models.Model):
+    """The prices staff set on an endpoint's adapter name (`services.set_prices`), kept when the adapter is deleted: an
+    adapter created again under that name (or with the same source) starts at them (`adapters.create_adapter`).
+
+    NOTE: the prices lived on the adapter's row alone, and a tenant deleting and creating it again (same name, same
+    source: all the API allows) was billed at the endpoint's prices, 40 times less for one staff had priced."""
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="adapter_prices")
+    name = models.SlugField(max_length=63)
+    source = models.CharField(max_length=500, blank=True)  # the priced adapter's, when its prices were last set
+    price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "name"], name="adapter_price_unique_in_endpoint")]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_id}:{self.name}"

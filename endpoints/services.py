@@ -12,6 +12,7 @@ from django.utils import timezone
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
+from endpoints.adapters import keep_staff_prices
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event
 from endpoints.models import ENGINE_FIELDS, Adapter, Endpoint, EventKind
@@ -77,12 +78,11 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
 # What staff price in the admin: an endpoint's (its GPU type's by default) and an adapter's (the endpoint's by default).
 ENDPOINT_PRICE_FIELDS = ("price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                          "batch_price_fraction")
-ADAPTER_PRICE_FIELDS = ("price_input_per_million", "price_output_per_million")
 
 
 @transaction.atomic
 def set_prices(actor: Actor, priced: Endpoint | Adapter, **prices) -> dict[str, dict[str, str | None]]:
-    """Staff's prices for an endpoint or an adapter (`ENDPOINT_PRICE_FIELDS`, `ADAPTER_PRICE_FIELDS`; an adapter's
+    """Staff's prices for an endpoint or an adapter (`ENDPOINT_PRICE_FIELDS`, `adapters.ADAPTER_PRICE_FIELDS`; an adapter's
     None: its endpoint's): saved, audited (`endpoint.prices`, `adapter.prices`) and written on the endpoint's log for
     its owner to read. Returns what changed, `{field: {"from", "to"}}`; nothing is recorded when nothing did.
 
@@ -100,6 +100,8 @@ def set_prices(actor: Actor, priced: Endpoint | Adapter, **prices) -> dict[str, 
     if not changes:
         return changes
     row.save(update_fields=list(changes))
+    if isinstance(row, Adapter):
+        keep_staff_prices(row)  # kept under its name: its row goes with a delete, the contract does not
     endpoint = row if isinstance(row, Endpoint) else row.endpoint
     what = "" if isinstance(row, Endpoint) else f" of adapter {row.name}"
     record_audit(actor, endpoint.organization, f"{'endpoint' if what == '' else 'adapter'}.prices", row, changes=changes)

@@ -40,12 +40,14 @@ from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import outstanding_key
 from controlplane.worker_threads import in_worker_thread
+from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
 from endpoints.gateway import adapter_hold, directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.request import InferenceRequest
+from endpoints.models import AdapterState
 
 logger = logging.getLogger("inferplane.batches")
 
@@ -204,13 +206,39 @@ async def _route(work: Work, endpoint: directory.EndpointInfo, request: Inferenc
     resolves a call's (`adapter_hold.resolve`, then the adapter's name for the engine), or the 404 of a model that is
     not the batch's endpoint's (an adapter deleted since the batch's check: this line fails, not the batch)."""
     resolved = await adapter_hold.resolve(work.organization_id, request.model)
+    if resolved is None and (names := parse_model_name(request.model)) is not None and names[0] == work.model:
+        # NOTE: the cached adapter list (`directory.endpoint_adapters`) may predate an adapter the batch's check found:
+        # read again before the 404, which fails the line for good
+        await directory.endpoint_adapters(endpoint.id, fresh=True)
+        resolved = await adapter_hold.resolve(work.organization_id, request.model)
     if resolved is None or resolved[0].id != endpoint.id:
         raise errors.model_not_found(request.model)
     adapter = resolved[1]
     if adapter is None:
         return endpoint, request, None
+    await _refuse_unless_held(endpoint, adapter)
     # NOTE: priced from the run's endpoint, read again every second (its engine generation), as the gateway prices it
     return adapter.priced(endpoint), replace(request, engine_model=adapter.name), adapter
+
+
+async def _refuse_unless_held(endpoint: directory.EndpointInfo, adapter: directory.AdapterInfo) -> None:
+    """Nothing if a READY replica holds `adapter`; else the line's refusal before it is admitted (no reservation, no
+    slot, no hold: a batch line is never held through a load, as through a cold start): an adapter an engine refused
+    (FAILED, read again to be sure) fails the line (400 `adapter_failed`, its reason); one not loaded yet is asked for
+    and the line tried again later (503, as no slot now). NOTE: before, each line waited `cold_start_timeout_s`
+    holding its reservation and a slot, then was tried again until the batch expired, a FAILED adapter's for ever."""
+    replicas = await directory.ready_replicas(endpoint.id, generation=endpoint.engine_generation)
+    if any(adapter.name in replica.adapters for replica in replicas):
+        return
+    if adapter.state == AdapterState.FAILED:
+        adapter = (await directory.endpoint_adapters(endpoint.id, fresh=True)).get(adapter.name) or adapter
+        if adapter.state == AdapterState.FAILED:
+            raise errors.OpenAIError(
+                400, f"The adapter '{adapter.name}' could not be loaded: {adapter.status_message or 'its engine refused it'}.",
+                param="model", code="adapter_failed")
+    await in_worker_thread(want_adapter)(adapter.id)
+    raise errors.OpenAIError(503, f"The adapter '{adapter.name}' is not loaded yet.", type="server_error",
+                             code="adapter_loading")
 
 
 async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, client: upstream.UpstreamClient,

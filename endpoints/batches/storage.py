@@ -16,6 +16,7 @@ import contextlib
 import functools
 import io
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,16 +75,40 @@ def _quick_client():
                         config=QUICK_READ)
 
 
+# How long a `read_start` goes on reading the object's bytes, whatever pace S3 sends them at: it ends within this and
+# one `QUICK_READ` read timeout (an S3 sending a byte every 3 s held a batch's creation for ever).
+READ_START_WITHIN_S = 5.0
+READ_START_CHUNK_BYTES = 64 * 1024
+
+
 def read_start(key: str, num_bytes: int) -> bytes:
-    """The object's first `num_bytes` at most, in one ranged GET that gives up within seconds (`QUICK_READ`): for a
-    check made while a client waits, which may be skipped (its error raised) but never held up."""
+    """The object's first `num_bytes` at most, in one ranged GET that gives up within seconds (`QUICK_READ`, and its
+    bytes read a chunk at a time until `READ_START_WITHIN_S` has passed: `TimeoutError`): for a check made while a client
+    waits, which may be skipped (its error raised) but never held up."""
+    deadline = time.monotonic() + READ_START_WITHIN_S
     try:
         answer = _quick_client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Range=f"bytes=0-{num_bytes - 1}")
     except ClientError as exc:
         if _error_code(exc) == "InvalidRange":
             return b""  # an empty object
         raise
-    return answer["Body"].read()
+    body = answer["Body"]
+    chunks: list[bytes] = []
+    num_read = 0
+    try:
+        while num_read < num_bytes:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the first {num_bytes} bytes of {key} took longer than {READ_START_WITHIN_S} s")
+            # NOTE: `read1` answers with what has come (each wait at most `QUICK_READ`'s read timeout): `read(n)` waits
+            # for all n bytes, each byte starting the timeout again
+            chunk = body._raw_stream.read1(min(READ_START_CHUNK_BYTES, num_bytes - num_read))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            num_read += len(chunk)
+    finally:
+        body.close()
+    return b"".join(chunks)
 
 
 def file_key(organization_id: int, file_id: str) -> str:

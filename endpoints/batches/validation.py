@@ -12,13 +12,20 @@ nothing runs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from endpoints.adapters import split_model_name
 from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
-from endpoints.gateway.request import MAX_BODY_BYTES, MAX_JSON_ITEMS, has_too_many_json_items, parse_payload
+from endpoints.gateway.request import (
+    MAX_BODY_BYTES,
+    MAX_JSON_ITEMS,
+    has_too_many_json_items,
+    is_model_name,
+    parse_payload,
+)
 
 MAX_ERRORS = 100  # errors reported per batch; the rest of a bad file is not listed
 MAX_CUSTOM_ID = 512
@@ -191,24 +198,31 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
     return Checked(num_lines if not problems else 0, problems, served)
 
 
+# What `bytes.strip` strips: a line of these alone is blank.
+_BLANK = re.compile(rb"[ \t\n\r\x0b\x0c]*")
+
+
 def first_model(start: bytes, *, is_whole_file: bool) -> str | None:
     """The `body.model` of the first request in `start`, a file's first bytes (all of them: `is_whole_file`), when that
-    line is whole there and reads as one (every line is `parse_lines`'s to judge)."""
-    lines = start.split(b"\n")
-    if not is_whole_file:
-        lines.pop()  # it may go on past `start`
-    for raw in lines:
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-            request = json.loads(text) if not has_too_many_json_items(text) else None
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-            return None
-        body = request.get("body") if isinstance(request, dict) else None
-        model = body.get("model") if isinstance(body, dict) else None
-        return model if isinstance(model, str) else None
-    return None
+    line is whole there, reads as one and names a model the gateway would look up (`is_model_name`: PostgreSQL refuses
+    a NUL or a lone surrogate, and such a name was a 500 at the batch's creation); every line is `parse_lines`'s to
+    judge. NOTE: only the first line that is not blank is cut out of `start`, never the whole of it split into lines."""
+    begin = _BLANK.match(start).end()
+    if begin == len(start):
+        return None
+    end = start.find(b"\n", begin)
+    if end < 0:
+        if not is_whole_file:
+            return None  # it may go on past `start`
+        end = len(start)
+    try:
+        text = start[begin:end].decode("utf-8")
+        request = json.loads(text) if not has_too_many_json_items(text) else None
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    body = request.get("body") if isinstance(request, dict) else None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and is_model_name(model) else None
 
 
 def read_lines(parts: Iterable[bytes], *, skip: Container[int] = ()) -> Iterator[Line]:

@@ -152,11 +152,20 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> str | BatchForm 
             claim = started
         with idempotency.held(claim):
             input_file = storing.finish()
-            return services.create_batch(organization_id=request.organization.pk, api_key_id=None,
-                                         user_id=request.user.pk, input_file_id=input_file.pk,
-                                         request_path=form.cleaned_data["endpoint"], completion_window="24h",
-                                         metadata=None, claim=claim).pk
+            try:
+                return services.create_batch(organization_id=request.organization.pk, api_key_id=None,
+                                             user_id=request.user.pk, input_file_id=input_file.pk,
+                                             request_path=form.cleaned_data["endpoint"], completion_window="24h",
+                                             metadata=None, claim=claim).pk
+            except services.Refused:
+                # NOTE: the file was stored for this batch alone: kept, each refused try left a file and its S3 object
+                # counted against the storage quota, listed nowhere in the console
+                services.delete_file(input_file)
+                raise
     except services.Refused as exc:
+        if exc.param == "endpoint" and form.is_bound:
+            form.add_error("endpoint", exc.message)  # the model's task: the endpoint chosen is what is wrong
+            return form
         # NOTE: refused as the body was parsed (past the storage quota, or the size), the form was never bound, and
         # `add_error` on it raised (a 500).
         return _with_file_error(form, exc.message)

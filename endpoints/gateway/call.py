@@ -275,7 +275,10 @@ class InferenceCall:
     async def _adapter_holders(self, replicas: list[ReplicaInfo]) -> list[ReplicaInfo]:
         """The replicas holding the call's adapter (waiting for one to load it); the replica admission
         picked is given back if it does not hold it."""
-        holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, self.endpoint.cold_start_timeout_s)
+        # NOTE: a batch line is never held through an adapter's load (as through a cold start): it holds a reservation
+        # and a replica slot meanwhile; its runner checks a replica holds it first, and a 503 tries the line again later
+        timeout_s = 0 if self.batch_id else self.endpoint.cold_start_timeout_s
+        holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, timeout_s)
         if self.outstanding_replica_id is not None and self.outstanding_replica_id not in {r.id for r in holding}:
             await traffic.release_replica(self.caller.organization_id, self.outstanding_replica_id,
                                           request_id=self.request_id, endpoint_id=self.endpoint.id,

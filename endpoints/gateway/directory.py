@@ -166,6 +166,8 @@ class AdapterInfo:
     name: str
     price_input_per_million: Decimal | None
     price_output_per_million: Decimal | None
+    state: str = ""  # `AdapterState`: FAILED when an engine refused it (`status_message` says why)
+    status_message: str = ""
 
     def priced(self, endpoint: EndpointInfo) -> EndpointInfo:
         """The endpoint as a call to this adapter is priced (reserved and billed).
@@ -188,16 +190,18 @@ class AdapterInfo:
 
 def _load_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
     rows = Adapter.objects.filter(endpoint_id=endpoint_id).values_list(
-        "pk", "name", "price_input_per_million", "price_output_per_million")
-    return {name: AdapterInfo(str(pk), name, price_in, price_out) for pk, name, price_in, price_out in rows}
+        "pk", "name", "price_input_per_million", "price_output_per_million", "state", "status_message")
+    return {name: AdapterInfo(str(pk), name, price_in, price_out, state, message)
+            for pk, name, price_in, price_out, state, message in rows}
 
 
 _adapters = Memo(_load_adapters, ENDPOINT_CACHE_S)
 
 
-async def endpoint_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
-    """The endpoint's adapters by name."""
-    return await _adapters.get(endpoint_id, endpoint_id)
+async def endpoint_adapters(endpoint_id: str, *, fresh: bool = False) -> dict[str, AdapterInfo]:
+    """The endpoint's adapters by name; `fresh` reads the database now (an adapter created or changed since the
+    cached list was read)."""
+    return await _adapters.get(endpoint_id, endpoint_id, fresh=fresh)
 
 
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:

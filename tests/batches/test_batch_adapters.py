@@ -9,15 +9,23 @@ one unknown model (`model_not_found` on line 1, whatever line was wrong)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from decimal import Decimal
 
 import httpx
 import pytest
+from django.db import connection
 
 from billing.models import UsageRecord
+from controlplane.accounts.services import SYSTEM
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import reservations_key
+from endpoints.adapters import create_adapter, delete_adapter
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
-from endpoints.models import Adapter, Replica
+from endpoints.models import Adapter, AdapterState, Endpoint, Replica
+from endpoints.services import set_prices
 from tests.batches.conftest import bucket_objects, new_batch
 from tests.fakes.mock_openai import PROMPT_TOKENS
 from tests.gateway.conftest import new_tenant, serve_endpoint
@@ -151,3 +159,114 @@ def test_a_line_whose_adapter_was_deleted_after_the_check_fails_alone_as_it_runs
     assert failed["response"]["body"]["error"]["code"] == "model_not_found"
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
     assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1
+
+
+def test_a_line_naming_an_adapter_created_just_before_the_batch_runs_on_it(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    _with_adapter(endpoint, "german")
+    warm = new_batch(endpoint, _jsonl([_line("warm", f"{endpoint.name}:german")]))
+    services.run_batch(warm.pk)  # this process now has the endpoint's adapters cached: german alone
+    Adapter.objects.create(endpoint=endpoint, name="french", source="hf:tuned/french")
+    Replica.objects.filter(endpoint=endpoint).update(adapters=["german", "french"])
+    batch = new_batch(endpoint, _jsonl([_line("tuned", f"{endpoint.name}:french")]))
+    batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+    assert batch.status == BatchStatus.IN_PROGRESS
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert UsageRecord.objects.get(batch_id=batch.pk).adapter == "french"
+
+
+def test_lines_naming_an_adapter_that_failed_to_load_fail_at_once_with_its_reason(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    Endpoint.objects.filter(pk=endpoint.pk).update(cold_start_timeout_s=600)
+    Adapter.objects.create(
+        endpoint=endpoint,
+        name="broken",
+        source="hf:tuned/broken",
+        state=AdapterState.FAILED,
+        status_message="not a LoRA adapter",
+    )
+    batch = new_batch(endpoint, _jsonl([_line(f"l{i}", f"{endpoint.name}:broken") for i in range(3)]))
+    batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+    assert batch.status == BatchStatus.IN_PROGRESS
+
+    services.run_batch(batch.pk)  # before: every line held 600 s, then tried again until the batch expired
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (0, 3)
+    error = _rows(files_bucket, batch.error_file)["l0"]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["code"] == "adapter_failed"
+    assert "not a LoRA adapter" in error["body"]["error"]["message"]
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
+
+
+def test_a_batch_waiting_for_an_adapter_to_load_is_cancelled_at_once_holding_nothing(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    Endpoint.objects.filter(pk=endpoint.pk).update(cold_start_timeout_s=600)
+    adapter = Adapter.objects.create(
+        endpoint=endpoint, name="slow", source="hf:tuned/slow"
+    )  # no replica loads it
+    batch = new_batch(endpoint, _jsonl([_line(f"l{i}", f"{endpoint.name}:slow") for i in range(4)]))
+    services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+
+    def run():
+        services.run_batch(batch.pk)
+        connection.close()
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    while not Adapter.objects.filter(pk=adapter.pk, last_requested_at__isnull=False).exists():
+        time.sleep(0.1)  # a line asked for the adapter: the run is waiting for it
+    assert (
+        get_redis().hlen(reservations_key(tenant.org.pk)) == 0
+    )  # before: each waiting line held a reservation
+    services.cancel_batch(Batch.objects.get(pk=batch.pk))
+    runner.join(60)  # before: each line held for the endpoint's 600 s cold start timeout
+    assert not runner.is_alive()
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.CANCELLED and (batch.num_completed, batch.num_failed) == (0, 0)
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
+
+
+def test_an_adapter_its_tenant_deletes_and_creates_again_is_billed_at_the_prices_staff_set(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(
+        tenant.org, upstream, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("2")
+    )
+    adapter = Adapter.objects.create(endpoint=endpoint, name="french", source="hf:tuned/french")
+    set_prices(
+        SYSTEM,
+        adapter,
+        price_input_per_million=ADAPTER_PRICE_INPUT,
+        price_output_per_million=ADAPTER_PRICE_OUTPUT,
+    )  # the admin's path
+    Replica.objects.filter(endpoint=endpoint).update(adapters=["french"])
+    batch = new_batch(endpoint, _jsonl([_line("tuned", f"{endpoint.name}:french")]))
+    batch = services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+    # the tenant, through the API's services: delete it, create it again (same name, same source)
+    delete_adapter(SYSTEM, Adapter.objects.get(pk=adapter.pk))
+    create_adapter(SYSTEM, Endpoint.objects.get(pk=endpoint.pk), name="french", source="hf:tuned/french")
+
+    services.run_batch(batch.pk)
+
+    row = UsageRecord.objects.get(batch_id=batch.pk)
+    at_adapter_prices = (
+        (row.prompt_tokens * ADAPTER_PRICE_INPUT + row.completion_tokens * ADAPTER_PRICE_OUTPUT)
+        / Decimal(10**6)
+        / 2
+    )  # the batch price
+    assert row.adapter == "french" and row.cost == at_adapter_prices.quantize(row.cost)
