@@ -12,7 +12,8 @@ of every text the chat template can render (contents, roles, names, tool definit
 what templates render) plus a fixed allowance per message and per prompt for the template's own
 text and special tokens. Whatever the text, the engine refuses a prompt longer than its context,
 so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that, and
-so does a chat whose `chat_template_kwargs` hold more than flags (the template may render them in every message).
+so does a chat whose `chat_template_kwargs` or `reasoning_effort` hold more than the flags its engine measured (the
+template may render them in every message, or switch on a long block with a flag).
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; a Responses call
@@ -47,6 +48,8 @@ import sys
 import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
+
+from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_FLAGS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
 # the whole conversation (a default system preamble, the generation prompt), for the instructions a
@@ -122,27 +125,33 @@ class WorstCase:
                    kink * price_in + n * min(output, limit - kink) * price_out)
 
 
-def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0)) -> WorstCase:
+def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0),
+               template_flag_tokens: tuple[int, int] | None = None) -> WorstCase:
     """The worst case of a `/v1/chat/completions` (`kind` "chat"), `/v1/completions` or
     `/v1/embeddings` ("embedding": its inputs' tokens, no output) request body.
 
     Never raises on odd input: what cannot be read is counted at its largest (the engine refuses
     what it cannot read, and a refused request costs nothing). `template_tokens`: what the model's chat
     template was measured to add, per conversation and per message (`ModelFacts`); the allowances are
-    at least that.
+    at least that. `template_flag_tokens`: the same with any flag a request may set (`protocol.TEMPLATE_FLAGS`,
+    `reasoning_effort`); None until measured, and a request that sets one is bounded by the context alone.
 
     NOTE: it runs on the gateway's event loop before admission, for any key: a prompt is counted only until it
     reaches the context (where its bound is capped anyway), so no body, however large, costs more than one
     context's worth of per-character work.
     """
     limit = max(1, int(max_model_len))
+    if kind in ("chat", "responses"):
+        reasoning = payload.get("reasoning")  # a Responses call's effort is `reasoning.effort`
+        effort = payload.get("reasoning_effort") if kind == "chat" else (
+            reasoning.get("effort") if isinstance(reasoning, dict) else None)
+        allowances = _template_allowances(payload.get("chat_template_kwargs"), effort, template_tokens,
+                                          template_flag_tokens)
     if kind == "chat":
-        prompts = [_chat_prompt_bound(payload, limit, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
-                                      max(TOKENS_PER_MESSAGE, template_tokens[1]))]
+        prompts = [UNBOUNDED if allowances is None else _chat_prompt_bound(payload, limit, *allowances)]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
     elif kind == "responses":
-        prompts = [_responses_prompt_bound(payload, limit, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
-                                           max(TOKENS_PER_MESSAGE, template_tokens[1]))]
+        prompts = [UNBOUNDED if allowances is None else _responses_prompt_bound(payload, limit, *allowances)]
         requested = _first_int(payload.get("max_output_tokens"))
     elif kind == "embedding":  # `input` reads as a completions prompt does; an embedding has no output
         return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"), limit)),
@@ -172,7 +181,7 @@ UNBOUNDED = 1 << 62  # a part we cannot bound (an image, audio): the context bou
 def _chat_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS_PER_CONVERSATION,
                        per_message: int = TOKENS_PER_MESSAGE) -> int:
     messages = payload.get("messages")
-    if not isinstance(messages, list) or not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
+    if not isinstance(messages, list):
         return UNBOUNDED
     total = per_conversation
     for message in messages:
@@ -187,24 +196,28 @@ def _chat_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS
     return total
 
 
-def _template_kwargs_bounded(kwargs) -> bool:
-    """Whether the template's text with `chat_template_kwargs` is bounded by the allowances: only flags (true or false)
-    that name no special token.
+def _template_allowances(kwargs, effort, template_tokens: tuple[int, int],
+                         template_flag_tokens: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The template's own tokens (per conversation, per message) that bound a prompt with these `chat_template_kwargs`
+    and reasoning effort; None when nothing but the context does.
 
     NOTE: vLLM hands the template every kwarg it names, and a kwarg replaces what the template had under that name: a
     template renders `eos_token` or `bos_token` in every message, so 90 bytes of `eos_token` prompted a conversation of
-    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled), and `tools` given there came
-    without the tools' allowance. A text, a number or a list can be rendered in any loop of the template, and a flag
-    named as a token renders as "True" where one special token was; the engine's context bounds those instead."""
-    if kwargs is None:
-        return True
+    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled). A text, a number or a list can be
+    rendered in any loop of the template, and a flag can switch on a block of any length (Granite's `thinking: true`:
+    970 tokens against a bound of 366); a reasoning effort reaches the template as itself and as `enable_thinking`. So
+    only the flags and efforts the model's engine measured (`protocol.TEMPLATE_FLAGS`, `REASONING_EFFORTS`) are bounded,
+    by the most they were measured to add."""
+    allowances = (max(TOKENS_PER_CONVERSATION, template_tokens[0]), max(TOKENS_PER_MESSAGE, template_tokens[1]))
     if not isinstance(kwargs, dict):
-        return True  # the engine refuses kwargs that are not an object
-    return all(isinstance(value, bool) and not _names_a_token(key) for key, value in kwargs.items())
-
-
-def _names_a_token(key) -> bool:
-    return not isinstance(key, str) or key.endswith(("_token", "_tokens"))
+        kwargs = {}  # none, or not an object: the engine refuses it
+    if not kwargs and effort is None:
+        return allowances
+    if template_flag_tokens is None or (effort is not None and effort not in REASONING_EFFORTS):
+        return None
+    if not all(key in TEMPLATE_FLAGS and isinstance(value, bool) for key, value in kwargs.items()):
+        return None
+    return max(allowances[0], template_flag_tokens[0]), max(allowances[1], template_flag_tokens[1])
 
 
 # A Responses content part's text, by the part's type; any other part (an image) is unbounded.
@@ -216,7 +229,7 @@ def _responses_prompt_bound(payload: dict, limit: int, per_conversation: int = T
     """A Responses call's prompt: `instructions` and each `input` item as a message of the chat template, tools,
     the `text` format's schema and the template's own arguments as JSON."""
     items = payload.get("input")
-    if not isinstance(items, str | list) or not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
+    if not isinstance(items, str | list):
         return UNBOUNDED
     total = per_conversation
     instructions = payload.get("instructions")

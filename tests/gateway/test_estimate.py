@@ -197,9 +197,74 @@ def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
     assert responses.prompt_bounds == (CONTEXT,)
 
 
-def test_template_flags_keep_the_bound_of_their_bytes():
-    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT)
-    assert worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens < flags.num_prompt_tokens < CONTEXT
+def test_template_flags_the_engine_measured_are_bounded_by_the_measure():
+    measured = (300, 20)
+    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT, (64, 16), measured)
+    assert worst_case(CHAT, "chat", CONTEXT, (64, 16), measured).num_prompt_tokens + 300 - 64 < flags.num_prompt_tokens
+    assert flags.num_prompt_tokens < CONTEXT
+
+
+# A Granite-like template: `thinking: true` adds ~600 bytes of system prompt to every conversation.
+GRANITE = (
+    "{%- set system = 'Knowledge Cutoff Date: April 2024. You are Granite, developed by IBM.' -%}"
+    "{%- if thinking %}{%- set system = system + ' You are a helpful AI assistant.\\nRespond to every user query in a"
+    " comprehensive and detailed way. You can write down your thoughts and reasoning process before responding. In the"
+    " thought process, engage in a comprehensive cycle of analysis, summarization, exploration, reassessment,"
+    " reflection, backtracing, and iteration to develop well-considered thinking process. In the response section,"
+    " based on various attempts, explorations, and reflections from the thoughts section, systematically present the"
+    " final solution that you deem correct. The response should summarize the thought process. Write your thoughts"
+    " after Here is my thought process: and write your response after Here is my response: for each user query.' %}"
+    "{%- else %}{%- set system = system + ' You are a helpful AI assistant.' %}{%- endif -%}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system + '<|end_of_text|>\\n' }}"
+    "{%- for message in messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\\n' }}{%- endfor %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+)
+
+
+def _granite_tokens(messages, **kwargs) -> int:
+    import jinja2
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import BPE
+
+    text = jinja2.Environment().from_string(GRANITE).render(messages=messages, **kwargs)
+    tokenizer = Tokenizer(BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                              merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return len(tokenizer.encode(text).ids)
+
+
+def _measured_as_the_probe_does(**kwargs) -> tuple[int, int]:
+    user, assistant = {"role": "user", "content": ""}, {"role": "assistant", "content": ""}
+    one, two = _granite_tokens([user], **kwargs), _granite_tokens([user, assistant], **kwargs)
+    return one, two - one
+
+
+def test_a_flag_that_switches_on_a_long_template_block_is_reserved_for_it():
+    # Granite's `thinking: true` rendered 970 tokens against a bound of 366: the flag counted its bytes alone.
+    user = {"role": "user", "content": ""}
+    payload = {"model": "m", "max_tokens": 1, "messages": [user], "chat_template_kwargs": {"thinking": True}}
+    real = _granite_tokens([user], thinking=True)
+    plain = _measured_as_the_probe_does()
+
+    assert real > plain[0] + 400
+    assert worst_case(payload, "chat", 100_000, plain).num_prompt_tokens >= real  # not measured: the context
+    flagged = _measured_as_the_probe_does(thinking=True)
+    assert real <= worst_case(payload, "chat", 100_000, plain, flagged).num_prompt_tokens < 100_000
+
+
+@pytest.mark.parametrize("effort", ["high", "none"])
+def test_a_reasoning_effort_reaches_the_template_and_is_bounded_only_once_measured(effort):
+    # vLLM hands the template `reasoning_effort` and sets `enable_thinking` from it.
+    chat = CHAT | {"reasoning_effort": effort}
+    responses = {"model": "m", "input": "Hello", "reasoning": {"effort": effort}}
+    assert worst_case(chat, "chat", CONTEXT, (64, 16)).prompt_bounds == (CONTEXT,)
+    assert worst_case(responses, "responses", CONTEXT, (64, 16)).prompt_bounds == (CONTEXT,)
+    assert worst_case(chat, "chat", CONTEXT, (64, 16), (500, 16)).num_prompt_tokens >= 500
+    assert worst_case(responses, "responses", CONTEXT, (64, 16), (500, 16)).num_prompt_tokens >= 500
+    assert worst_case(CHAT | {"reasoning_effort": "extreme"}, "chat", CONTEXT, (64, 16), (500, 16)).prompt_bounds == (
+        CONTEXT,)
+    other_flag = CHAT | {"chat_template_kwargs": {"add_vision_id": True}}
+    assert worst_case(other_flag, "chat", CONTEXT, (64, 16), (500, 16)).prompt_bounds == (CONTEXT,)
 
 
 @pytest.mark.parametrize(("normalizer", "character"), [
