@@ -363,6 +363,11 @@ class Endpoint(models.Model):
         return ModelFacts.chat_template_tokens_of(self.model_source, self.weights_scope)
 
     @property
+    def chat_template_measures(self) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """That, and what it adds with a flag set (`ModelFacts.chat_template_measures_of`)."""
+        return ModelFacts.chat_template_measures_of(self.model_source, self.weights_scope)
+
+    @property
     def context_length(self) -> int:
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
         if self.max_model_len is not None:
@@ -396,7 +401,9 @@ def implausible_model_facts(values: dict) -> str:
     if (values.get("num_params") or 0) > MAX_PLAUSIBLE_NUM_PARAMS:
         return f"{values['num_params']} parameters is past {MAX_PLAUSIBLE_NUM_PARAMS}"
     for name, most in (("template_tokens_per_conversation", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION),
-                       ("template_tokens_per_message", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE)):
+                       ("template_tokens_per_message", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE),
+                       ("template_tokens_flagged_per_conversation", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION),
+                       ("template_tokens_flagged_per_message", MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE)):
         if (values.get(name) or 0) > most:
             return f"{values[name]} chat template tokens is past {most}"
     return ""
@@ -424,6 +431,10 @@ class ModelFacts(models.Model):
     # (`protocol.ChatTemplateTokens`); null until one has. The gateway's estimate allows at least this.
     template_tokens_per_conversation = models.PositiveIntegerField(null=True, blank=True)
     template_tokens_per_message = models.PositiveIntegerField(null=True, blank=True)
+    # The same with any flag or reasoning effort a request may set (`protocol.TEMPLATE_FLAGS`); null until measured,
+    # and a request that sets one reserves the whole context.
+    template_tokens_flagged_per_conversation = models.PositiveIntegerField(null=True, blank=True)
+    template_tokens_flagged_per_message = models.PositiveIntegerField(null=True, blank=True)
     # Of a shared copy (scope ""): what nodes reported that differs from the facts kept, by node id, {node: {field:
     # value}}; a value two nodes report replaces the kept one (`learn`).
     disputed = models.JSONField(default=dict, blank=True)
@@ -501,9 +512,19 @@ class ModelFacts(models.Model):
     @classmethod
     def chat_template_tokens_of(cls, source: str, scope: str) -> tuple[int, int]:
         """(per conversation, per message) its chat template adds, as measured; (0, 0) until measured."""
+        return cls.chat_template_measures_of(source, scope)[0]
+
+    @classmethod
+    def chat_template_measures_of(cls, source: str, scope: str) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """`chat_template_tokens_of`, and the same with any flag a request may set (`protocol.TEMPLATE_FLAGS`), None
+        until measured: one query."""
         measured = cls.of(source, scope).exclude(template_tokens_per_conversation=None).values_list(
-            "template_tokens_per_conversation", "template_tokens_per_message").first()
-        return (measured[0], measured[1] or 0) if measured else (0, 0)
+            "template_tokens_per_conversation", "template_tokens_per_message",
+            "template_tokens_flagged_per_conversation", "template_tokens_flagged_per_message").first()
+        if not measured:
+            return (0, 0), None
+        flagged = None if measured[2] is None else (measured[2], measured[3] or 0)
+        return (measured[0], measured[1] or 0), flagged
 
     @classmethod
     def quantization_of(cls, source: str, scope: str) -> CheckpointQuantization | None:

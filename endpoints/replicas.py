@@ -364,7 +364,7 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     NOTE: a fact like the model's others (`ModelFacts.learn`): bounded to what a template can add, and a shared
     copy's count is changed only by two nodes' agreeing reports; `node_id` is the node whose engine counted."""
     kept = (endpoint.pk, str(node_id), measured.model_source, measured.weights_scope, measured.per_conversation,
-            measured.per_message)
+            measured.per_message, measured.flagged_per_conversation, measured.flagged_per_message)
     if kept in _kept_template_counts:
         return
     source, scope = endpoint.model_source, endpoint.weights_scope
@@ -374,6 +374,9 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
         return
     values = {"template_tokens_per_conversation": measured.per_conversation,
               "template_tokens_per_message": measured.per_message}
+    if measured.flagged_per_conversation is not None:
+        values |= {"template_tokens_flagged_per_conversation": measured.flagged_per_conversation,
+                   "template_tokens_flagged_per_message": measured.flagged_per_message}
     problem = ModelFacts.learn(source, scope, node_id, values)
     if problem:
         logger.warning("endpoint %s: a chat template count (%s, %s) was not kept: %s", endpoint.pk,

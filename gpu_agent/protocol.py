@@ -371,6 +371,14 @@ class EngineMemory(Message):
         self.kv_cache_mb = None if self.kv_cache_mb is None else min(self.kv_cache_mb, MAX_ENGINE_MEMORY_MB)
 
 
+# What a request may hand a chat template beyond its messages and still be bounded by a measure (`ChatTemplateTokens`):
+# these `chat_template_kwargs` as true or false, and `reasoning_effort`, which vLLM hands the template as itself and
+# as `enable_thinking` (false for "none"). A flag can switch on a long block (Granite's `thinking`: ~600 tokens of
+# system prompt), so each is measured; any other kwarg may be rendered anywhere, and reserves the context.
+TEMPLATE_FLAGS = ("enable_thinking", "thinking")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 @dataclass(slots=True)
 class ChatTemplateTokens(Message):
     """What a model's chat template adds to a conversation's own text, in tokens, as its engine counted it
@@ -380,6 +388,10 @@ class ChatTemplateTokens(Message):
 
     per_conversation: int = 0  # a one-message conversation with its generation prompt (BOS, default system prompt)
     per_message: int = 0  # each further message, of the role whose markers cost most
+    # The same with any of `TEMPLATE_FLAGS` set true or false, or a `REASONING_EFFORTS` value given (the most any of
+    # those measured); None: not measured (an agent from before), and a request that sets one reserves the context.
+    flagged_per_conversation: int | None = None
+    flagged_per_message: int | None = None
     # The copy of the model the engine was started on (its spec's): the control plane keeps the count only while
     # the endpoint still reads that copy (an endpoint edited since, its credential or source, reads another).
     model_source: str = ""
@@ -394,6 +406,13 @@ class ChatTemplateTokens(Message):
         # NOTE: the engine counted what a tenant's template renders: clamped to what a context can hold.
         self.per_conversation = min(max(self.per_conversation, 0), MAX_MODEL_CONTEXT_TOKENS)
         self.per_message = min(max(self.per_message, 0), MAX_MODEL_CONTEXT_TOKENS)
+        _require((self.flagged_per_conversation is None) == (self.flagged_per_message is None)
+                 and all(value is None or _is_int(value) for value in (self.flagged_per_conversation,
+                                                                       self.flagged_per_message)),
+                 "flagged template token counts must be integers, both or neither")
+        if self.flagged_per_conversation is not None:
+            self.flagged_per_conversation = min(max(self.flagged_per_conversation, 0), MAX_MODEL_CONTEXT_TOKENS)
+            self.flagged_per_message = min(max(self.flagged_per_message, 0), MAX_MODEL_CONTEXT_TOKENS)
 
 
 MAX_REPORTED_COUNT = 2**31 - 1  # requests, restarts: a 32-bit column

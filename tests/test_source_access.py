@@ -11,6 +11,7 @@ from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
 from endpoints.credentials import source_access
 from endpoints.fleet.services import create_join_token
+from endpoints.gateway import directory
 from endpoints.models import Adapter, AllowedSource, ModelCredential, Replica, organization_scope
 from endpoints.nodes.models import Node
 from endpoints.replicas import record_chat_template_tokens
@@ -351,6 +352,21 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     record_chat_template_tokens(own_copy, ChatTemplateTokens(1000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope),
                                 node_id=NODE_ID)
     assert catalogue.chat_template_tokens == (300, 5)
+
+
+def test_what_a_template_adds_with_a_flag_set_is_kept_beside_its_count_and_reaches_the_gateway():
+    # A request that sets a flag the engine measured is bounded by that measure; one an older agent never measured
+    # reserves the context (None).
+    endpoint, older = EndpointFactory(model_source=PUBLIC_REPO), EndpointFactory(model_source="s3://our-bucket/older")
+    record_chat_template_tokens(endpoint, ChatTemplateTokens(300, 5, flagged_per_conversation=900, flagged_per_message=7,
+                                                             model_source=PUBLIC_REPO, weights_scope=""), node_id=NODE_ID)
+    record_chat_template_tokens(older, ChatTemplateTokens(300, 5, model_source=older.model_source,
+                                                          weights_scope=older.weights_scope),
+                                node_id=NODE_ID)
+    assert endpoint.chat_template_tokens == (300, 5)
+    info = directory._endpoint_info(endpoint)
+    assert (info.template_tokens, info.template_flag_tokens) == ((300, 5), (900, 7))
+    assert older.chat_template_measures == ((300, 5), None)
 
 
 def test_a_chat_template_count_that_comes_after_the_heartbeat_that_said_ready_is_kept(client):

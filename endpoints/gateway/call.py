@@ -110,6 +110,7 @@ class InferenceCall:
     served: bool = False  # a replica accepted the request: a usage row is owed
     first_token_at: datetime | None = None
     reserved: Decimal = Decimal(0)  # the worst case held against caps and credit; never billed beyond
+    num_prompt_tokens_bound: int | None = None  # the worst case's prompt tokens: more is past the estimate
     usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
@@ -163,6 +164,7 @@ class InferenceCall:
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
+        self.num_prompt_tokens_bound = worst_case.num_prompt_tokens
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
@@ -712,10 +714,11 @@ class InferenceCall:
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
-            # NOTE: a stream stopped at its reservation went past it by its last chunk only, unless its prompt alone
-            # did: the reservation holds every prompt the estimate allows, so that prompt was past the estimate (a
-            # template or tokenizer rendering more), on its first event, and the loss was seen for no stream.
-            if self.status != "cut_off" or self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, 0):
+            # NOTE: a stream stopped at its reservation went past it by its last chunk only, unless its prompt passed
+            # the estimate's bound (a template or tokenizer rendering more): that prompt took output the reservation
+            # held for it, so the stream was cut off early, and the loss was seen only when the prompt alone passed
+            # the whole reservation.
+            if self.status != "cut_off" or self._prompt_past_estimate(usage):
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
@@ -791,6 +794,11 @@ class InferenceCall:
             return None
         return self.usage_report(finished_at=datetime.now(UTC), status=UsageStatus.GATEWAY_LOST,
                                  billing_mode=billing_mode)
+
+    def _prompt_past_estimate(self, usage: UsageTally) -> bool:
+        if self.num_prompt_tokens_bound is None:
+            return self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, 0)
+        return usage.prompt_tokens > self.num_prompt_tokens_bound
 
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the

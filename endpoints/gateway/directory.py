@@ -62,6 +62,8 @@ class EndpointInfo:
     # What its model's chat template adds per conversation and per message, as an engine measured it
     # (`Endpoint.chat_template_tokens`; (0, 0) until then): the estimate allows at least this.
     template_tokens: tuple[int, int] = (0, 0)
+    # The same with a flag a request may set (`Endpoint.chat_template_measures`); None until measured.
+    template_flag_tokens: tuple[int, int] | None = None
     engine_generation: int = 0  # `Endpoint.engine_generation`: calls go to replicas of this one only
 
 
@@ -80,6 +82,7 @@ class ReplicaInfo:
 
 def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
     """`for_calls` False: for `/v1/models`, which reserves nothing (no look-up of the template's size)."""
+    template_tokens, template_flag_tokens = endpoint.chat_template_measures if for_calls else ((0, 0), None)
     return EndpointInfo(
         id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
         paused=endpoint.paused_at is not None, max_model_len=endpoint.context_length,
@@ -90,8 +93,8 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
-        target_concurrency=endpoint.target_concurrency, template_tokens=endpoint.chat_template_tokens if for_calls else (0, 0),
-        engine_generation=endpoint.engine_generation,
+        target_concurrency=endpoint.target_concurrency, template_tokens=template_tokens,
+        template_flag_tokens=template_flag_tokens, engine_generation=endpoint.engine_generation,
     )
 
 

@@ -12,7 +12,8 @@ of every text the chat template can render (contents, roles, names, tool definit
 what templates render) plus a fixed allowance per message and per prompt for the template's own
 text and special tokens. Whatever the text, the engine refuses a prompt longer than its context,
 so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that, and
-so does a chat whose `chat_template_kwargs` hold more than flags (the template may render them in every message).
+so does a chat whose `chat_template_kwargs` or `reasoning_effort` hold more than the flags its engine measured (the
+template may render them in every message, or switch on a long block with a flag).
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; a Responses call
@@ -41,13 +42,14 @@ this allows would cost the platform, never the customer's cap.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import sys
 import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
+
+from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_FLAGS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
 # the whole conversation (a default system preamble, the generation prompt), for the instructions a
@@ -123,33 +125,44 @@ class WorstCase:
                    kink * price_in + n * min(output, limit - kink) * price_out)
 
 
-def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0)) -> WorstCase:
+def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0),
+               template_flag_tokens: tuple[int, int] | None = None) -> WorstCase:
     """The worst case of a `/v1/chat/completions` (`kind` "chat"), `/v1/completions` or
     `/v1/embeddings` ("embedding": its inputs' tokens, no output) request body.
 
     Never raises on odd input: what cannot be read is counted at its largest (the engine refuses
     what it cannot read, and a refused request costs nothing). `template_tokens`: what the model's chat
     template was measured to add, per conversation and per message (`ModelFacts`); the allowances are
-    at least that.
+    at least that. `template_flag_tokens`: the same with any flag a request may set (`protocol.TEMPLATE_FLAGS`,
+    `reasoning_effort`); None until measured, and a request that sets one is bounded by the context alone.
+
+    NOTE: it runs on the gateway's event loop before admission, for any key: a prompt is counted only until it
+    reaches the context (where its bound is capped anyway), so no body, however large, costs more than one
+    context's worth of per-character work.
     """
     limit = max(1, int(max_model_len))
+    if kind in ("chat", "responses"):
+        reasoning = payload.get("reasoning")  # a Responses call's effort is `reasoning.effort`
+        effort = payload.get("reasoning_effort") if kind == "chat" else (
+            reasoning.get("effort") if isinstance(reasoning, dict) else None)
+        allowances = _template_allowances(payload.get("chat_template_kwargs"), effort, template_tokens,
+                                          template_flag_tokens)
     if kind == "chat":
-        prompts = [_chat_prompt_bound(payload, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
-                                      max(TOKENS_PER_MESSAGE, template_tokens[1]))]
+        prompts = [UNBOUNDED if allowances is None else _chat_prompt_bound(payload, limit, *allowances)]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
     elif kind == "responses":
-        prompts = [_responses_prompt_bound(payload, max(TOKENS_PER_CONVERSATION, template_tokens[0]),
-                                           max(TOKENS_PER_MESSAGE, template_tokens[1]))]
+        prompts = [UNBOUNDED if allowances is None else _responses_prompt_bound(payload, limit, *allowances)]
         requested = _first_int(payload.get("max_output_tokens"))
     elif kind == "embedding":  # `input` reads as a completions prompt does; an embedding has no output
-        return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"))),
+        return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in _completion_prompt_bounds(payload.get("input"), limit)),
                          num_sequences=1, max_output_tokens=0, max_model_len=limit)
     else:
-        prompts = _completion_prompt_bounds(payload.get("prompt"))
+        prompts = _completion_prompt_bounds(payload.get("prompt"), limit)
         suffix = payload.get("suffix")
         if isinstance(suffix, str) and suffix:
             # NOTE: a fill-in-the-middle renderer prefills the suffix with every prompt of the list (vLLM's DeepSeek V4).
-            prompts = [bound + _utf8_bytes(suffix) + TOKENS_PER_PROMPT for bound in prompts]
+            suffix_bytes = _utf8_bytes(suffix, limit)
+            prompts = [bound + suffix_bytes + TOKENS_PER_PROMPT for bound in prompts]
         requested = _first_int(payload.get("max_tokens"), COMPLETIONS_DEFAULT_MAX_TOKENS)
     # NOTE: at least one token: vLLM generates one for `max_tokens: 0` with `echo`.
     max_output = limit if requested is None else max(1, min(requested, limit))
@@ -159,125 +172,145 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
 
 
 # --- prompts -------------------------------------------------------------------------------------
+# Every counter takes `budget`, what is left of the context: its count is exact below it, and at least the budget
+# once the text reaches it (the caller then stops: the bound is the context).
 
 UNBOUNDED = 1 << 62  # a part we cannot bound (an image, audio): the context bounds it
 
 
-def _chat_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERSATION,
-                      per_message: int = TOKENS_PER_MESSAGE) -> int:
+def _chat_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS_PER_CONVERSATION,
+                       per_message: int = TOKENS_PER_MESSAGE) -> int:
     messages = payload.get("messages")
-    total = per_conversation
     if not isinstance(messages, list):
         return UNBOUNDED
+    total = per_conversation
     for message in messages:
-        total += per_message + _message_bytes(message)
-    if not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
-        return UNBOUNDED
+        if total >= limit:
+            return total
+        total += per_message + _message_bytes(message, limit - total)
     for name in ("tools", "functions", "response_format", "tool_choice", "chat_template_kwargs", "documents"):
-        if payload.get(name) is not None:
-            total += _json_bytes(payload[name])
+        if payload.get(name) is not None and total < limit:
+            total += _json_bytes(payload[name], limit - total)
     if payload.get("tools") or payload.get("functions"):
         total += TOKENS_FOR_TOOLS
     return total
 
 
-def _template_kwargs_bounded(kwargs) -> bool:
-    """Whether the template's text with `chat_template_kwargs` is bounded by the allowances: only flags (true or false)
-    that name no special token.
+def _template_allowances(kwargs, effort, template_tokens: tuple[int, int],
+                         template_flag_tokens: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The template's own tokens (per conversation, per message) that bound a prompt with these `chat_template_kwargs`
+    and reasoning effort; None when nothing but the context does.
 
     NOTE: vLLM hands the template every kwarg it names, and a kwarg replaces what the template had under that name: a
     template renders `eos_token` or `bos_token` in every message, so 90 bytes of `eos_token` prompted a conversation of
-    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled), and `tools` given there came
-    without the tools' allowance. A text, a number or a list can be rendered in any loop of the template, and a flag
-    named as a token renders as "True" where one special token was; the engine's context bounds those instead."""
-    if kwargs is None:
-        return True
+    20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled). A text, a number or a list can be
+    rendered in any loop of the template, and a flag can switch on a block of any length (Granite's `thinking: true`:
+    970 tokens against a bound of 366); a reasoning effort reaches the template as itself and as `enable_thinking`. So
+    only the flags and efforts the model's engine measured (`protocol.TEMPLATE_FLAGS`, `REASONING_EFFORTS`) are bounded,
+    by the most they were measured to add."""
+    allowances = (max(TOKENS_PER_CONVERSATION, template_tokens[0]), max(TOKENS_PER_MESSAGE, template_tokens[1]))
     if not isinstance(kwargs, dict):
-        return True  # the engine refuses kwargs that are not an object
-    return all(isinstance(value, bool) and not _names_a_token(key) for key, value in kwargs.items())
-
-
-def _names_a_token(key) -> bool:
-    return not isinstance(key, str) or key.endswith(("_token", "_tokens"))
+        kwargs = {}  # none, or not an object: the engine refuses it
+    if not kwargs and effort is None:
+        return allowances
+    if template_flag_tokens is None or (effort is not None and effort not in REASONING_EFFORTS):
+        return None
+    if not all(key in TEMPLATE_FLAGS and isinstance(value, bool) for key, value in kwargs.items()):
+        return None
+    return max(allowances[0], template_flag_tokens[0]), max(allowances[1], template_flag_tokens[1])
 
 
 # A Responses content part's text, by the part's type; any other part (an image) is unbounded.
 _RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
 
 
-def _responses_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERSATION,
+def _responses_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS_PER_CONVERSATION,
                             per_message: int = TOKENS_PER_MESSAGE) -> int:
     """A Responses call's prompt: `instructions` and each `input` item as a message of the chat template, tools,
     the `text` format's schema and the template's own arguments as JSON."""
+    items = payload.get("input")
+    if not isinstance(items, str | list):
+        return UNBOUNDED
     total = per_conversation
     instructions = payload.get("instructions")
     if instructions is not None:
-        total += per_message + (_utf8_bytes(instructions) if isinstance(instructions, str) else _json_bytes(instructions))
-    items = payload.get("input")
+        total += per_message + (_utf8_bytes(instructions, limit - total) if isinstance(instructions, str)
+                                else _json_bytes(instructions, limit - total))
     if isinstance(items, str):
-        total += per_message + _utf8_bytes(items)
-    elif isinstance(items, list):
-        for item in items:
-            total += per_message + _responses_item_bytes(item)
+        total += per_message + _utf8_bytes(items, max(0, limit - total))
     else:
-        return UNBOUNDED
-    if not _template_kwargs_bounded(payload.get("chat_template_kwargs")):
-        return UNBOUNDED
+        for item in items:
+            if total >= limit:
+                return total
+            total += per_message + _responses_item_bytes(item, limit - total)
     for name in ("tools", "tool_choice", "text", "reasoning", "chat_template_kwargs"):
-        if payload.get(name) is not None:
-            total += _json_bytes(payload[name])
+        if payload.get(name) is not None and total < limit:
+            total += _json_bytes(payload[name], limit - total)
     if payload.get("tools"):
         total += TOKENS_FOR_TOOLS
     return total
 
 
-def _responses_item_bytes(item) -> int:
+def _responses_item_bytes(item, budget: int) -> int:
     """An input item as the template may render it: a message's text parts as text, a function call's `arguments`
     also parsed (as `_tool_calls_bytes`), anything else as JSON."""
     if not isinstance(item, dict):
-        return _json_bytes(item)
+        return _json_bytes(item, budget)
     total = 0
     for key, value in item.items():
+        if total >= budget:
+            return total
         if key == "content" and isinstance(value, list):
             for part in value:
+                if total >= budget:
+                    return total
                 if isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_PARTS:
                     text = part.get("text")
-                    total += (_utf8_bytes(text) if isinstance(text, str) else _json_bytes(text)) + TOKENS_PER_PART
+                    total += (_utf8_bytes(text, budget - total) if isinstance(text, str)
+                              else _json_bytes(text, budget - total)) + TOKENS_PER_PART
                 else:
                     total += UNBOUNDED
         elif key == "arguments":
-            total += _tool_calls_bytes([{"function": {"arguments": value}}])
+            total += _tool_calls_bytes([{"function": {"arguments": value}}], budget - total)
         elif isinstance(value, str):
-            total += _utf8_bytes(value)
+            total += _utf8_bytes(value, budget - total)
         elif value is not None:
-            total += _json_bytes(value)
+            total += _json_bytes(value, budget - total)
     return total
 
 
-def _message_bytes(message) -> int:
+def _message_bytes(message, budget: int) -> int:
     if not isinstance(message, dict):
-        return _json_bytes(message)
+        return _json_bytes(message, budget)
     total = 0
     for key, value in message.items():
+        if total >= budget:
+            return total
         if key == "content" and isinstance(value, list):
-            total += sum(_part_bytes(part) + TOKENS_PER_PART for part in value)
+            for part in value:
+                if total >= budget:
+                    return total
+                total += _part_bytes(part, budget - total) + TOKENS_PER_PART
         elif key == "tool_calls":
-            total += _tool_calls_bytes(value)
+            total += _tool_calls_bytes(value, budget - total)
         elif isinstance(value, str):
-            total += _utf8_bytes(value)
+            total += _utf8_bytes(value, budget - total)
         elif value is not None:
-            total += _json_bytes(value)
+            total += _json_bytes(value, budget - total)
     return total
 
 
-def _tool_calls_bytes(tool_calls) -> int:
+def _tool_calls_bytes(tool_calls, budget: int) -> int:
     """A message's tool calls as the template may render them: with each call's `arguments` as sent (a string) or
     as vLLM hands them to templates, parsed, which `tojson` renders with a space after every `,` and `:` (a compact
-    list of 600 zeros took ~30 % more tokens rendered than its string counted)."""
-    as_sent = _json_bytes(tool_calls)
-    if not isinstance(tool_calls, list):
+    list of 600 zeros took ~30 % more tokens rendered than its string counted).
+
+    NOTE: parsed only when the calls as sent are shorter than the budget: arguments past it are at the context
+    already, and parsing them would be work past it."""
+    as_sent = _json_bytes(tool_calls, budget)
+    if not isinstance(tool_calls, list) or as_sent >= budget:
         return as_sent
-    parsed = []
+    parsed, any_parsed = [], False
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
@@ -285,24 +318,25 @@ def _tool_calls_bytes(tool_calls) -> int:
                 arguments = json.loads(function["arguments"])
             except (ValueError, RecursionError):
                 arguments = function["arguments"]
+            any_parsed = any_parsed or not isinstance(arguments, str)
             call = {**call, "function": {**function, "arguments": arguments}}
         parsed.append(call)
-    return max(as_sent, _json_bytes(parsed))
+    return max(as_sent, _json_bytes(parsed, budget)) if any_parsed else as_sent
 
 
-def _part_bytes(part) -> int:
+def _part_bytes(part, budget: int) -> int:
     if isinstance(part, dict) and part.get("type", "text") == "text":
         text = part.get("text")
-        return _utf8_bytes(text) if isinstance(text, str) else _json_bytes(text)
+        return _utf8_bytes(text, budget) if isinstance(text, str) else _json_bytes(text, budget)
     if isinstance(part, str):
-        return _utf8_bytes(part)
+        return _utf8_bytes(part, budget)
     return UNBOUNDED
 
 
-def _completion_prompt_bounds(prompt) -> list[int]:
+def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
     """One bound per prompt: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [_utf8_bytes(prompt) + TOKENS_PER_PROMPT]
+        return [_utf8_bytes(prompt, limit) + TOKENS_PER_PROMPT]
     if not isinstance(prompt, list) or not prompt:
         return [UNBOUNDED]
     if all(_is_token(item) for item in prompt):
@@ -310,7 +344,7 @@ def _completion_prompt_bounds(prompt) -> list[int]:
     bounds = []
     for item in prompt:
         if isinstance(item, str):
-            bounds.append(_utf8_bytes(item) + TOKENS_PER_PROMPT)
+            bounds.append(_utf8_bytes(item, limit) + TOKENS_PER_PROMPT)
         elif isinstance(item, list) and all(_is_token(token) for token in item):
             bounds.append(len(item))
         else:
@@ -318,64 +352,118 @@ def _completion_prompt_bounds(prompt) -> list[int]:
     return bounds
 
 
-# The Unicode normalizations tokenizers apply before they split (tokenizer.json's `normalizer`): NFC (Qwen's), NFKC
-# (SentencePiece's nmt_nfkc, XLM-R's and its embedding models'). Either can lengthen a text: U+1D160 (4 bytes) is
-# 12 bytes in NFC, U+FDFA (3 bytes) 33 in NFKC. Each is bounded by its decomposition (NFD, NFKD), which composing
-# only shortens: the decomposition of a text is that of its characters, one by one.
+# The rewrites tokenizers apply before they split (tokenizer.json's `normalizer`): NFC (Qwen's), NFKC (SentencePiece's
+# nmt_nfkc, XLM-R's and its embedding models'), and `Lowercase`, alone or after either (CLIP's, served as an embedding
+# model). Each can lengthen a text: U+1D160 (4 bytes) is 12 bytes in NFC, U+FDFA (3 bytes) 33 in NFKC, U+0130 (2) 3
+# lowercased. A composition is bounded by the decomposition (NFD, NFKD), which composing only shortens, lowercased or
+# not (no character a composition yields lowercases longer than its lowercased decomposition), and the decomposition
+# of a text is that of its characters, one by one (reordering moves them only); lowercasing is per character too.
 TOKENIZER_NORMALIZATIONS = (("NFC", "NFD"), ("NFKC", "NFKD"))
+# Characters decomposed at a time: a decomposition is at most 18 characters a character (U+FDFA), so a text past its
+# budget is found past it at most one chunk's work later.
+_DECOMPOSE_CHARACTERS = 4096
 
 
-def _utf8_bytes(text: str) -> int:
-    """At least the UTF-8 bytes of `text` as a tokenizer sees it: as sent, or as a normalizer rewrites it.
+def _utf8_bytes(text: str, budget: int) -> int:
+    """At least the UTF-8 bytes of `text` as a tokenizer sees it: as sent, or as a normalizer rewrites it; at least
+    `budget` when that is past it.
 
     NOTE: 150 × U+1D160 (600 bytes) are 1,801 tokens to a byte-level BPE behind NFC, as Qwen's tokenizers are; the
-    bound counted 608, and the bill stops at the reservation. ASCII text, and text already in a form, is that form's
-    own (the usual case costs a check); other text counts what each of its characters' decomposition adds, never
-    normalized whole: 8 MiB of U+FDFA took 7 s to normalize (~90 MB of text), its characters ~0.2 s to count."""
-    size = len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    bound counted 608, and the bill stops at the reservation. ASCII text costs one check (`isascii` reads a flag); text
+    already in a form (Unicode's quick check, which stops at the first character not in it) adds only what
+    lowercasing adds; other text counts its decomposition, a chunk at a time, until that reaches the budget. A text of
+    `budget` characters or more is past the budget unread (each character is a byte at least): 8 MiB of U+FDFA took
+    7 s to normalize whole."""
     if text.isascii():
-        return size
-    forms = [decomposed for form, decomposed in TOKENIZER_NORMALIZATIONS if not unicodedata.is_normalized(form, text)]
-    if not forms:
-        return size
-    counts = collections.Counter(text)
-    growth = _decomposition_growth()
-    return size + max(sum(count * growth[form].get(character, 0) for character, count in counts.items())
-                      for form in forms)
+        return len(text)
+    if len(text) >= budget:
+        return len(text)
+    size = len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
+    longest = size + _lowercase_adds(text)
+    for form, decomposed in TOKENIZER_NORMALIZATIONS:
+        if not unicodedata.is_normalized(form, text):
+            longest = max(longest, _decomposed_bytes(text, decomposed, budget))
+    return longest
+
+
+def _decomposed_bytes(text: str, form: str, budget: int) -> int:
+    """The UTF-8 bytes of `text` decomposed, and lowercased (which only lengthens), counted until they reach `budget`."""
+    total = 0
+    for start in range(0, len(text), _DECOMPOSE_CHARACTERS):
+        if total >= budget:
+            break
+        decomposition = unicodedata.normalize(form, text[start:start + _DECOMPOSE_CHARACTERS])
+        total += len(decomposition.encode("utf-8", "surrogatepass")) + _lowercase_adds(decomposition)
+    return total
+
+
+def _lowercase_adds(text: str) -> int:
+    return sum(text.count(character) * added for character, added in _lowercase_growth())
 
 
 @functools.cache
-def _decomposition_growth() -> dict[str, dict[str, int]]:
-    """For NFD and NFKD, the UTF-8 bytes each character's decomposition adds to it (~13,000 characters, ~0.5 s once,
-    when a text first needs it)."""
-    growth: dict[str, dict[str, int]] = {form: {} for _, form in TOKENIZER_NORMALIZATIONS}
+def _lowercase_growth() -> tuple[tuple[str, int], ...]:
+    """The characters lowercasing lengthens (U+0130 and two others), with the UTF-8 bytes it adds to each."""
+    growth = []
     for code_point in range(sys.maxunicode + 1):
         character = chr(code_point)
-        # NOTE: Hangul syllables decompose by rule, not by the database's mapping
-        if not (unicodedata.decomposition(character) or 0xAC00 <= code_point <= 0xD7A3):
-            continue
-        size = len(character.encode("utf-8"))
-        for form, table in growth.items():
-            added = len(unicodedata.normalize(form, character).encode("utf-8")) - size
-            if added > 0:
-                table[character] = added
-    return growth
+        added = len(character.lower().encode("utf-8", "surrogatepass")) - len(character.encode("utf-8", "surrogatepass"))
+        if added > 0:
+            growth.append((character, added))
+    return tuple(growth)
 
 
 def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_bytes(value) -> int:
-    """Bytes of `value` as indented JSON, ASCII-escaped or as a tokenizer sees its text unescaped (`_utf8_bytes`): at
-    least what a template's `tojson` renders (Jinja's escapes, Hugging Face's does not)."""
+def _json_bytes(value, budget: int) -> int:
+    """Bytes of `value` as indented JSON, each string ASCII-escaped or as a tokenizer sees it unescaped
+    (`_utf8_bytes`), whichever is longer: at least what a template's `tojson` renders (Jinja's escapes, Hugging Face's
+    does not). Walked, never dumped whole, and only until it reaches `budget`."""
     try:
-        escaped = json.dumps(value, indent=JSON_INDENT, default=str)
-        if "\\u" not in escaped:
-            return len(escaped)
-        return max(len(escaped), _utf8_bytes(json.dumps(value, indent=JSON_INDENT, default=str, ensure_ascii=False)))
+        return _json_walk(value, budget, 0)
     except (TypeError, ValueError, RecursionError):
         return UNBOUNDED
+
+
+def _json_walk(value, budget: int, depth: int) -> int:
+    if isinstance(value, str):
+        return _json_string_bytes(value, budget)
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = value
+    elif value is None or isinstance(value, bool | int | float):
+        return len(json.dumps(value))
+    else:
+        return _json_string_bytes(str(value), budget)  # as `default=str`
+    if not items:
+        return 2
+    # "[" or "{", then each item on its own line indented one level deeper, "," between, the closing one level up
+    total = 2 + JSON_INDENT * depth + 1
+    for item in items:
+        if total >= budget:
+            return total
+        total += 1 + JSON_INDENT * (depth + 1) + 1  # newline, indent, the "," (one too many: the bound is loose)
+        if isinstance(value, dict):
+            key, item = item
+            if not isinstance(key, str):
+                if key is not None and not isinstance(key, bool | int | float):
+                    raise TypeError("keys must be str, int, float, bool or None")
+                key = json.dumps(key)
+            total += _json_string_bytes(key, budget - total) + 2  # ": "
+        total += _json_walk(item, budget - total, depth + 1)
+    return total
+
+
+def _json_string_bytes(text: str, budget: int) -> int:
+    if len(text) >= budget:
+        return len(text)
+    escaped = json.dumps(text)
+    if text.isascii():
+        return len(escaped)
+    return max(len(escaped), _utf8_bytes(json.dumps(text, ensure_ascii=False), budget))
 
 
 # --- numbers as the engine reads them ------------------------------------------------------------

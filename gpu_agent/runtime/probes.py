@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gpu_agent.protocol import ChatTemplateTokens
+from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_FLAGS, ChatTemplateTokens
 
 # Conversations of empty messages: what a template renders for them is its own text alone, and each probe adds one
 # message of one role to the one before. Some templates refuse some shapes (a system role, a conversation that ends
@@ -26,6 +26,11 @@ _ONE = [_USER]
 _TWO = [_USER, _ASSISTANT]
 _THREE = [_USER, _ASSISTANT, _USER]
 _WITH_SYSTEM = [{"role": "system", "content": ""}, *_THREE]
+# The template arguments a request may set and still be bounded (`protocol.TEMPLATE_FLAGS`), each as vLLM hands it: a
+# flag true, false, all together; a reasoning effort as itself and `enable_thinking`.
+_FLAGGED = ([{flag: value} for flag in TEMPLATE_FLAGS for value in (True, False)]
+            + [dict.fromkeys(TEMPLATE_FLAGS, value) for value in (True, False)]
+            + [{"reasoning_effort": effort, "enable_thinking": effort != "none"} for effort in REASONING_EFFORTS])
 
 
 @dataclass(slots=True)
@@ -67,16 +72,41 @@ class EngineProbe:
         Per message: the most any role's message adds (an assistant's markers may cost more than a user's); a
         system message that makes a default system prompt go away adds less than nothing, and counts nothing.
         An engine that stops answering in time (a template slow to render some shape) ends the measure there,
-        with what was counted before it."""
+        with what was counted before it.
+
+        Then the same with each template argument a request may set (`_FLAGGED`), keeping the most: a variant the
+        engine refuses is left out (a request with it is refused too); one it does not answer leaves the flags
+        unmeasured (a request that sets one then reserves the context)."""
+        try:
+            plain = self._measure(address, engine_api_key, model, None)
+        except httpx.TransportError:
+            return None
+        if plain is None:
+            return None
+        flagged: tuple[int, int] | None = plain
+        try:
+            for kwargs in _FLAGGED:
+                measured = self._measure(address, engine_api_key, model, kwargs)
+                if measured is not None:
+                    flagged = (max(flagged[0], measured[0]), max(flagged[1], measured[1]))
+        except httpx.TransportError:
+            flagged = None
+        return ChatTemplateTokens(per_conversation=plain[0], per_message=plain[1],
+                                  flagged_per_conversation=flagged[0] if flagged else None,
+                                  flagged_per_message=flagged[1] if flagged else None)
+
+    def _measure(self, address: str, engine_api_key: str, model: str, kwargs: dict | None) -> tuple[int, int] | None:
+        """(per conversation, per message) with `kwargs` as `chat_template_kwargs`; None when refused."""
         counts: dict[int, int | None] = {}
         try:
-            counts[1] = self._count(address, engine_api_key, model, _ONE)
+            counts[1] = self._count(address, engine_api_key, model, _ONE, kwargs)
             if counts[1] is None:
                 return None
             for size, messages in ((2, _TWO), (3, _THREE), (4, _WITH_SYSTEM)):
-                counts[size] = self._count(address, engine_api_key, model, messages)
+                counts[size] = self._count(address, engine_api_key, model, messages, kwargs)
         except httpx.TransportError:
-            pass
+            if kwargs is not None or 1 not in counts:
+                raise
         one, two, three, four = (counts.get(size) for size in (1, 2, 3, 4))
         if one is None:
             return None
@@ -87,12 +117,16 @@ class EngineProbe:
             added.append(three - one)  # both together: a bound on either
         if four is not None and three is not None:
             added.append(four - three)  # a system message's
-        return ChatTemplateTokens(per_conversation=one, per_message=max([0, *added]))
+        return one, max([0, *added])
 
-    def _count(self, address: str, engine_api_key: str, model: str, messages: list[dict]) -> int | None:
+    def _count(self, address: str, engine_api_key: str, model: str, messages: list[dict],
+               kwargs: dict | None = None) -> int | None:
         """The engine's count of `messages` rendered; None when it refused them."""
+        body = {"model": model, "messages": messages, "add_generation_prompt": True}
+        if kwargs is not None:
+            body["chat_template_kwargs"] = kwargs
         response = self._http.post(f"{address}/tokenize", headers={"Authorization": f"Bearer {engine_api_key}"},
-                                   json={"model": model, "messages": messages, "add_generation_prompt": True})
+                                   json=body)
         if response.status_code != 200:
             return None
         try:

@@ -31,13 +31,19 @@ def template(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"count": _rendered(body["messages"]), "max_model_len": 2048})
 
 
+def flags_alike(per_conversation: int, per_message: int) -> ChatTemplateTokens:
+    """A measure of a template no flag changes (these stand-ins ignore `chat_template_kwargs`)."""
+    return ChatTemplateTokens(per_conversation, per_message, flagged_per_conversation=per_conversation,
+                              flagged_per_message=per_message)
+
+
 def _rendered(messages, preamble=PREAMBLE) -> int:
     return preamble + sum(PER_ASSISTANT if message["role"] == "assistant" else PER_MESSAGE for message in messages)
 
 
 def test_the_template_is_counted_per_conversation_and_per_message_of_the_costliest_role():
     measured = probe_with(template).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT)
+    assert measured == flags_alike(PREAMBLE + PER_MESSAGE, PER_ASSISTANT)
 
 
 def test_a_template_that_refuses_a_system_role_is_measured_from_the_other_probes():
@@ -47,7 +53,7 @@ def test_a_template_that_refuses_a_system_role_is_measured_from_the_other_probes
         return template(request)
 
     measured = probe_with(no_system).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT)
+    assert measured == flags_alike(PREAMBLE + PER_MESSAGE, PER_ASSISTANT)
 
 
 def test_a_template_that_refuses_to_end_with_the_assistant_bounds_a_message_by_a_user_and_assistant_pair():
@@ -57,7 +63,7 @@ def test_a_template_that_refuses_to_end_with_the_assistant_bounds_a_message_by_a
         return template(request)
 
     measured = probe_with(no_trailing_assistant).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=PREAMBLE + PER_MESSAGE, per_message=PER_ASSISTANT + PER_MESSAGE)
+    assert measured == flags_alike(PREAMBLE + PER_MESSAGE, PER_ASSISTANT + PER_MESSAGE)
 
 
 def test_a_default_system_prompt_dropped_when_one_is_given_never_makes_a_message_count_below_zero():
@@ -67,7 +73,7 @@ def test_a_default_system_prompt_dropped_when_one_is_given_never_makes_a_message
         return httpx.Response(200, json={"count": _rendered(messages, preamble)})
 
     measured = probe_with(default_system_prompt).chat_template_tokens("http://engine", "key", "m")
-    assert measured == ChatTemplateTokens(per_conversation=300 + PER_MESSAGE, per_message=PER_ASSISTANT)
+    assert measured == flags_alike(300 + PER_MESSAGE, PER_ASSISTANT)
 
 
 @pytest.mark.parametrize("answer", [
@@ -104,7 +110,36 @@ def test_an_engine_that_stops_answering_in_time_ends_the_measure_with_what_it_co
         return template(request)
 
     measured = probe_with(slow_after).chat_template_tokens("http://engine", "key", "m")
-    assert len(calls) == answered + 1
+    assert len(calls) == answered + 1 + (answered > 0)  # then the first flagged count, unanswered too
     expected = {0: None, 1: ChatTemplateTokens(PREAMBLE + PER_MESSAGE, 0),
                 3: ChatTemplateTokens(PREAMBLE + PER_MESSAGE, PER_ASSISTANT)}
     assert measured == expected[answered]
+
+
+def test_a_flag_that_switches_on_a_long_block_is_measured_with_it():
+    # Granite's `thinking: true` adds ~600 tokens of system prompt to every conversation; a reasoning effort reaches
+    # the template as `enable_thinking` too. A variant the engine refuses is left out, as requests with it are.
+    def flagged_template(request):
+        body = json.loads(request.content)
+        kwargs = body.get("chat_template_kwargs") or {}
+        if kwargs.get("reasoning_effort") == "max":
+            return httpx.Response(400, json={"error": {"message": "reasoning_effort='max' is not supported"}})
+        extra = 600 if kwargs.get("thinking") else 0
+        extra += 2 * len(body["messages"]) if kwargs.get("enable_thinking") else 0
+        return httpx.Response(200, json={"count": _rendered(body["messages"]) + extra})
+
+    measured = probe_with(flagged_template).chat_template_tokens("http://engine", "key", "m")
+    assert (measured.per_conversation, measured.per_message) == (PREAMBLE + PER_MESSAGE, PER_ASSISTANT)
+    assert measured.flagged_per_conversation == PREAMBLE + PER_MESSAGE + 600 + 2
+    assert measured.flagged_per_message == PER_ASSISTANT + 2
+
+
+def test_flags_an_engine_stops_answering_for_are_left_unmeasured():
+    def plain_only(request):
+        if "chat_template_kwargs" in json.loads(request.content):
+            raise httpx.ReadTimeout("timed out", request=request)
+        return template(request)
+
+    measured = probe_with(plain_only).chat_template_tokens("http://engine", "key", "m")
+    assert measured == ChatTemplateTokens(PREAMBLE + PER_MESSAGE, PER_ASSISTANT)
+    assert measured.flagged_per_conversation is None

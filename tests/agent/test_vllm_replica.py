@@ -85,6 +85,9 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     spec = supervisor.get("r-plain").spec
     assert (template.model_source, template.weights_scope) == (spec.model_source, spec.weights_scope)
     assert template.per_conversation <= chat.json()["usage"]["prompt_tokens"] <= template.per_conversation + 2
+    # And with each flag and reasoning effort a request may set, as vLLM hands them to the template: measured.
+    assert template.flagged_per_conversation >= template.per_conversation
+    assert template.flagged_per_message >= template.per_message
 
 
 def test_restarted_agent_adopts_its_healthy_engine(engines):

@@ -197,24 +197,94 @@ def test_template_kwargs_other_than_flags_reserve_the_whole_context(kwargs):
     assert responses.prompt_bounds == (CONTEXT,)
 
 
-def test_template_flags_keep_the_bound_of_their_bytes():
-    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT)
-    assert worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens < flags.num_prompt_tokens < CONTEXT
+def test_template_flags_the_engine_measured_are_bounded_by_the_measure():
+    measured = (300, 20)
+    flags = worst_case(CHAT | {"chat_template_kwargs": {"enable_thinking": False}}, "chat", CONTEXT, (64, 16), measured)
+    assert worst_case(CHAT, "chat", CONTEXT, (64, 16), measured).num_prompt_tokens + 300 - 64 < flags.num_prompt_tokens
+    assert flags.num_prompt_tokens < CONTEXT
 
 
-@pytest.mark.parametrize(("normalizer", "character"), [("NFC", "\U0001d160"), ("NFKC", "\ufdfa")])
+# A Granite-like template: `thinking: true` adds ~600 bytes of system prompt to every conversation.
+GRANITE = (
+    "{%- set system = 'Knowledge Cutoff Date: April 2024. You are Granite, developed by IBM.' -%}"
+    "{%- if thinking %}{%- set system = system + ' You are a helpful AI assistant.\\nRespond to every user query in a"
+    " comprehensive and detailed way. You can write down your thoughts and reasoning process before responding. In the"
+    " thought process, engage in a comprehensive cycle of analysis, summarization, exploration, reassessment,"
+    " reflection, backtracing, and iteration to develop well-considered thinking process. In the response section,"
+    " based on various attempts, explorations, and reflections from the thoughts section, systematically present the"
+    " final solution that you deem correct. The response should summarize the thought process. Write your thoughts"
+    " after Here is my thought process: and write your response after Here is my response: for each user query.' %}"
+    "{%- else %}{%- set system = system + ' You are a helpful AI assistant.' %}{%- endif -%}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system + '<|end_of_text|>\\n' }}"
+    "{%- for message in messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\\n' }}{%- endfor %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+)
+
+
+def _granite_tokens(messages, **kwargs) -> int:
+    import jinja2
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import BPE
+
+    text = jinja2.Environment().from_string(GRANITE).render(messages=messages, **kwargs)
+    tokenizer = Tokenizer(BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                              merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return len(tokenizer.encode(text).ids)
+
+
+def _measured_as_the_probe_does(**kwargs) -> tuple[int, int]:
+    user, assistant = {"role": "user", "content": ""}, {"role": "assistant", "content": ""}
+    one, two = _granite_tokens([user], **kwargs), _granite_tokens([user, assistant], **kwargs)
+    return one, two - one
+
+
+def test_a_flag_that_switches_on_a_long_template_block_is_reserved_for_it():
+    # Granite's `thinking: true` rendered 970 tokens against a bound of 366: the flag counted its bytes alone.
+    user = {"role": "user", "content": ""}
+    payload = {"model": "m", "max_tokens": 1, "messages": [user], "chat_template_kwargs": {"thinking": True}}
+    real = _granite_tokens([user], thinking=True)
+    plain = _measured_as_the_probe_does()
+
+    assert real > plain[0] + 400
+    assert worst_case(payload, "chat", 100_000, plain).num_prompt_tokens >= real  # not measured: the context
+    flagged = _measured_as_the_probe_does(thinking=True)
+    assert real <= worst_case(payload, "chat", 100_000, plain, flagged).num_prompt_tokens < 100_000
+
+
+@pytest.mark.parametrize("effort", ["high", "none"])
+def test_a_reasoning_effort_reaches_the_template_and_is_bounded_only_once_measured(effort):
+    # vLLM hands the template `reasoning_effort` and sets `enable_thinking` from it.
+    chat = CHAT | {"reasoning_effort": effort}
+    responses = {"model": "m", "input": "Hello", "reasoning": {"effort": effort}}
+    assert worst_case(chat, "chat", CONTEXT, (64, 16)).prompt_bounds == (CONTEXT,)
+    assert worst_case(responses, "responses", CONTEXT, (64, 16)).prompt_bounds == (CONTEXT,)
+    assert worst_case(chat, "chat", CONTEXT, (64, 16), (500, 16)).num_prompt_tokens >= 500
+    assert worst_case(responses, "responses", CONTEXT, (64, 16), (500, 16)).num_prompt_tokens >= 500
+    assert worst_case(CHAT | {"reasoning_effort": "extreme"}, "chat", CONTEXT, (64, 16), (500, 16)).prompt_bounds == (
+        CONTEXT,)
+    other_flag = CHAT | {"chat_template_kwargs": {"add_vision_id": True}}
+    assert worst_case(other_flag, "chat", CONTEXT, (64, 16), (500, 16)).prompt_bounds == (CONTEXT,)
+
+
+@pytest.mark.parametrize(("normalizer", "character"), [
+    ("NFC", "\U0001d160"), ("NFKC", "\ufdfa"),
+    # CLIP's (an embedding model vLLM serves) lowercases after NFC: U+0130 is 2 bytes and 3 lowercased
+    ({"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]}, "\u0130"),
+])
 def test_text_a_tokenizer_normalizes_longer_is_reserved_as_it_tokenizes(tiny_model_dir, normalizer, character):
     # Qwen's tokenizers normalize NFC, XLM-R's (and its embedding models') NFKC: U+1D160 is 4 bytes and 12 once
     # normalized, U+FDFA 3 and 33. 150 of the first were 1,801 tokens against a bound of 608, the bill stopping there.
     from tokenizers import Tokenizer
 
-    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text()) | {"normalizer": {"type": normalizer}}
+    normalizer = normalizer if isinstance(normalizer, dict) else {"type": normalizer}
+    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text()) | {"normalizer": normalizer}
     tokenizer = Tokenizer.from_str(json.dumps(spec))
     text = character * 150
     num_tokens = len(tokenizer.encode(text).ids)
     tools = [{"type": "function", "function": {"name": "f", "description": text}}]
 
-    assert num_tokens > 2 * len(text.encode())
+    assert num_tokens > len(text.encode())
     assert worst_case({"prompt": text, "max_tokens": 1}, "completion", 100_000).num_prompt_tokens >= num_tokens
     assert worst_case({"input": [text]}, "embedding", 100_000).num_prompt_tokens >= num_tokens
     assert worst_case({"messages": [{"role": "user", "content": text}]}, "chat", 100_000).num_prompt_tokens >= num_tokens
@@ -222,8 +292,69 @@ def test_text_a_tokenizer_normalizes_longer_is_reserved_as_it_tokenizes(tiny_mod
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.characters(exclude_categories=("Cs",)) | st.sampled_from("\U0001d160\ufdfa\u0390\uac00e\u0301\ufb01"),
+@given(st.lists(st.characters(exclude_categories=("Cs",)) | st.sampled_from("\U0001d160\ufdfa\u0390\uac00e\u0301\ufb01\u0130"),
                 max_size=40).map("".join))
 def test_a_prompt_bound_holds_whatever_normalization_the_tokenizer_applies(text):
     bound = worst_case({"prompt": text, "max_tokens": 1}, "completion", 10**9).num_prompt_tokens
-    assert bound >= max(len(unicodedata.normalize(form, text).encode()) for form in ("NFC", "NFKC"))
+    assert bound >= max(len(rewritten.encode()) for form in ("NFC", "NFKC")
+                        for rewritten in (unicodedata.normalize(form, text), unicodedata.normalize(form, text).lower()))
+
+
+# Bodies up to the gateway's 8 MiB limit, of text that makes counting slow: a 7.7 MiB one held the event loop 2.8 s.
+HOSTILE_CHARACTERS = 2 * 1024 * 1024
+_DISTINCT = "".join(chr(c) for c in range(0x80, 0x30000) if not 0xD800 <= c <= 0xDFFF)
+HOSTILE = {
+    "combining marks": {"messages": [{"role": "user", "content": "e\u0301" * (HOSTILE_CHARACTERS // 2)}]},
+    "tool call arguments": {"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+        "name": "f", "arguments": json.dumps("e\u0301" * (HOSTILE_CHARACTERS // 2), ensure_ascii=False)}}]}]},
+    "distinct characters": {"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+        "name": "f", "arguments": json.dumps(_DISTINCT * (HOSTILE_CHARACTERS // len(_DISTINCT)), ensure_ascii=False)}}]}]},
+    "many messages": {"messages": [{"role": "user", "content": "\ufdfa"}] * (HOSTILE_CHARACTERS // 16)},
+    "many parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ufdfa"}] * (HOSTILE_CHARACTERS // 32)}]},
+    "a schema": {"messages": [], "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "enum": ["e\u0301"] * (HOSTILE_CHARACTERS // 8)}}}]},
+}
+
+
+@pytest.mark.parametrize("shape", HOSTILE)
+def test_a_hostile_body_is_counted_no_further_than_the_context(shape):
+    # NOTE: what it allocates measures the text it examined (normalized, dumped, encoded, counted): every such pass
+    # over the whole body made a copy of it. Each shape allocated 2 MiB to 36 MiB before counting stopped at the context.
+    import tracemalloc
+
+    payload = HOSTILE[shape] | {"model": "m", "max_tokens": 1}
+    worst_case({"prompt": "\ufdfa e\u0301 \u0130"}, "completion", CONTEXT)  # any table built once, outside the count
+    tracemalloc.start()
+    try:
+        case = worst_case(payload, "chat", CONTEXT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert case.prompt_bounds == (CONTEXT,)
+    assert peak < 64 * 1024
+
+
+def test_completions_and_embeddings_are_counted_no_further_than_the_context():
+    import tracemalloc
+
+    text = "\ufdfa" * (HOSTILE_CHARACTERS // 4)
+    worst_case({"prompt": "\ufdfa e\u0301 \u0130"}, "completion", CONTEXT)
+    tracemalloc.start()
+    try:
+        completion = worst_case({"prompt": [text] * 4, "suffix": text}, "completion", CONTEXT)
+        embedding = worst_case({"input": [text] * 4}, "embedding", CONTEXT)
+        responses = worst_case({"model": "m", "input": [{"role": "user", "content": text}] * 4}, "responses", CONTEXT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert completion.prompt_bounds == embedding.prompt_bounds == (CONTEXT,) * 4 and responses.prompt_bounds == (CONTEXT,)
+    assert peak < 64 * 1024
+
+
+def test_text_in_its_normal_form_counts_its_bytes_and_full_width_forms_only_what_they_become():
+    # NOTE: guards the common path (it held before as well): Chinese and composed French are their own NFC and NFKC;
+    # full-width punctuation is not NFKC but shrinks to ASCII there (！ is 3 bytes, ! one).
+    for text in ("我们今天讨论一下推理平台的计费问题。", "Le café était très léger, à côté."):
+        assert worst_case({"prompt": text}, "completion", CONTEXT).num_prompt_tokens == len(text.encode()) + 8
+    full_width = "明日（月曜日）も？"
+    assert worst_case({"prompt": full_width}, "completion", CONTEXT).num_prompt_tokens == len(full_width.encode()) + 8

@@ -288,7 +288,7 @@ _bodies = st.fixed_dictionaries(
 
 
 class _Endpoint:  # what `InferenceRequest.worst_case` reads of an endpoint
-    name, task, max_model_len, template_tokens = NAME, "generate", ENGINE_CONTEXT, (0, 0)
+    name, task, max_model_len, template_tokens, template_flag_tokens = NAME, "generate", ENGINE_CONTEXT, (0, 0), None
 
 
 @FUZZ_SETTINGS

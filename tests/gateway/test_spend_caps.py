@@ -220,6 +220,28 @@ def test_a_stream_whose_prompt_alone_passes_its_reservation_is_counted_as_a_loss
     assert row.status == "cut_off" and row.prompt_tokens == 100_000
 
 
+def test_a_stream_whose_prompt_passes_its_estimate_is_counted_as_a_loss_when_cut_off(tenant, start_mock_upstream,
+                                                                                     tmp_path):
+    # "Hello" is bounded at 13 prompt tokens and the reservation holds 16 of output: a 20-token prompt is past the
+    # estimate but not past the reservation, and took output the reservation held, so the stream was cut off at its
+    # tenth token, the loss counted for nothing (only a prompt past the whole reservation was).
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(prompt_tokens=20), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
+    try:
+        with httpx.stream("POST", f"{gateway}/v1/completions", json={"model": endpoint.name, **OVERLONG, "stream": True},
+                          headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60) as response:
+            response.read()
+        assert response.status_code == 200
+        row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
+        assert row.status == "cut_off" and row.prompt_tokens == 20
+        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
+        metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    finally:
+        child.stop()
+    assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
+
+
 def test_a_stream_admitted_postpaid_that_ends_after_a_switch_to_prepaid_is_billed_postpaid(gateway, tenant,
                                                                                             start_mock_upstream):
     """Its row took the mode of its end before: prepaid, never metered, and written off by the credit draw (no credit
