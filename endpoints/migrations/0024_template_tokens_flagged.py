@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('endpoints', '0022_model_facts_disputed'),
+        ('endpoints', '0023_adapter_prices_kept'),
     ]
 
     operations = [
