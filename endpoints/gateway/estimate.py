@@ -203,6 +203,9 @@ def _names_a_token(key) -> bool:
 
 # A Responses content part's text, by the part's type; any other part (an image) is unbounded.
 _RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
+# The Responses item fields vLLM renders as a message's content parts: a message's `content`, and a function (or
+# custom) tool call's `output`, its tool message's content (`vllm/entrypoints/openai/responses/utils.py`).
+RESPONSES_PART_FIELDS = ("content", "output")
 
 
 def _responses_prompt_bound(payload: dict, per_conversation: int = TOKENS_PER_CONVERSATION,
@@ -238,7 +241,7 @@ def _responses_item_bytes(item) -> int:
         return _json_bytes(item)
     total = 0
     for key, value in item.items():
-        if key == "content" and isinstance(value, list):
+        if key in RESPONSES_PART_FIELDS and isinstance(value, list):
             for part in value:
                 if isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_PARTS:
                     text = part.get("text")
