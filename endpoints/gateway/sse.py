@@ -32,8 +32,12 @@ _RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\
 def carries_output(event: bytes) -> bool:
     """Whether the event carries generated tokens: a chat or completions chunk with a choice, or a Responses delta."""
     if event.startswith(_RESPONSES_EVENT):
-        return event.find(b".delta\n", 0, 128) > 0
+        return _names_delta(event)
     return has_choices(event)
+
+
+def _names_delta(event: bytes) -> bool:
+    return event.find(b".delta\n", 0, 128) > 0
 
 
 def is_responses_end(event: bytes) -> bool:
@@ -44,7 +48,7 @@ def is_responses_end(event: bytes) -> bool:
 def is_responses_delta(event: bytes) -> bool:
     """Whether the event is a Responses `response.*.delta`: vLLM writes one an engine step, so their number is a floor
     of the output tokens the engine computed (`endpoints.gateway.tally.UsageTally.num_output_events`)."""
-    return event.startswith(_RESPONSES_EVENT) and event.find(b".delta\n", 0, 128) > 0
+    return event.startswith(_RESPONSES_EVENT) and _names_delta(event)
 
 
 def is_error_event(event: bytes) -> bool:

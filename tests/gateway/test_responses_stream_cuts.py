@@ -23,7 +23,7 @@ from billing.models import UsageRecord
 from billing.quota.sweeper import sweep_expired_reservations
 from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
 from tests.fakes import responses_engine
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import serve_endpoint, wait_until_healthy
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -44,14 +44,7 @@ def engine(tmp_path):
         tmp_path / "responses-engine.log",
     )
     address = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{address}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(healthy, 30, message="the scripted engine")
+    wait_until_healthy(address, "the scripted engine")
     yield address
     child.stop()
 
@@ -66,11 +59,15 @@ def _body(endpoint, scenario: str) -> dict:
     }
 
 
+def _open(gateway: str, key: str, body: dict):
+    return httpx.stream(
+        "POST", f"{gateway}/v1/responses", headers={"authorization": f"Bearer {key}"}, json=body, timeout=60
+    )
+
+
 def _stream(gateway: str, key: str, body: dict) -> tuple[str, bytes]:
     received = b""
-    with httpx.stream(
-        "POST", f"{gateway}/v1/responses", headers={"authorization": f"Bearer {key}"}, json=body, timeout=60
-    ) as response:
+    with _open(gateway, key, body) as response:
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
         for chunk in response.iter_bytes():
@@ -141,13 +138,7 @@ def test_a_stream_still_running_at_the_drains_bound_is_billed_the_deltas_it_read
 
     def read() -> None:
         try:
-            with httpx.stream(
-                "POST",
-                f"{gateway}/v1/responses",
-                headers={"authorization": f"Bearer {tenant.key}"},
-                json=_body(endpoint, "slow"),
-                timeout=60,
-            ) as response:
+            with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
                 got["request_id"] = response.headers["x-request-id"]
                 for chunk in response.iter_bytes():
                     got["bytes"] += chunk
@@ -184,13 +175,7 @@ def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweep
     )
     received = b""
     try:
-        with httpx.stream(
-            "POST",
-            f"{gateway}/v1/responses",
-            headers={"authorization": f"Bearer {tenant.key}"},
-            json=_body(endpoint, "slow"),
-            timeout=60,
-        ) as response:
+        with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
             request_id = response.headers["x-request-id"]
             for chunk in response.iter_bytes():
                 received += chunk
