@@ -33,6 +33,7 @@ from endpoints.gateway import (
     errors,
     metrics,
     presence,
+    responses,
     routing,
     sse,
     standing,
@@ -487,13 +488,15 @@ class InferenceCall:
                     pending.append(chunk)
                     pending_bytes += len(chunk)
                     if pending_bytes > sse.MAX_EVENT_BYTES:
-                        await self._drop_large_event(pending, chunks)
+                        pending, pending_bytes = await self._drop_large_event(pending, chunks, wants_usage,
+                                                                              wants_continuous)
                     continue
                 rest = await self._relay_events(b"".join(pending) + chunk if pending else chunk, wants_usage,
                                                 wants_continuous)
                 pending, pending_bytes = ([rest], len(rest)) if rest else ([], 0)
                 if pending_bytes > sse.MAX_EVENT_BYTES:
-                    await self._drop_large_event(pending, chunks)
+                    pending, pending_bytes = await self._drop_large_event(pending, chunks, wants_usage,
+                                                                          wants_continuous)
         except upstream.UpstreamError as exc:
             # Every event that arrived before the failure still reaches the client, and is billed.
             await self._relay_events(b"".join(pending) + response.arrived_before_failure(), wants_usage, wants_continuous)
@@ -502,24 +505,42 @@ class InferenceCall:
         if self.disconnected.is_set():  # read to its end after the client left, no event carrying usage
             self.status = "client_aborted"
 
-    async def _drop_large_event(self, pending: list[bytes], chunks) -> None:
+    async def _drop_large_event(self, pending: list[bytes], chunks, wants_usage: bool,
+                                wants_continuous: bool) -> tuple[list[bytes], int]:
         """An event past `sse.MAX_EVENT_BYTES` (the echo of a long prompt with the logprobs of each of its tokens): read
         to its end for its usage, keeping none of it, and the stream ends there with an error event (the engine's
-        request aborted). Held whole, one such event of ~100 MB a call held the gateway's memory and its loop."""
+        request aborted). Held whole, one such event of ~100 MB a call held the gateway's memory and its loop.
+
+        A Responses event other than the stream's last (`response.content_part.done` with every token's logprobs) carries
+        no usage: it is dropped, unrelayed, and the stream goes on (the events after it relayed) to its last event,
+        whose usage is billed; returned: what came after it, as `_relay_stream`'s unfinished event. Ended there, such
+        a stream was billed nothing (its usage comes only in its last event)."""
         head = pending[0][:sse.EVENT_HEAD_BYTES]  # where its choice's index is
+        responses_event = head.startswith(b"event: ")
+        dropped = responses_event and not sse.is_responses_end(head)
         scanner = sse.UsageScanner()
-        for piece in pending:
-            scanner.feed(piece)
+        if not dropped:
+            for piece in pending:
+                scanner.feed(piece)
         tail = pending[-1][-1:]
         pending.clear()
+        after = b""
         async for chunk in chunks:
             end = (tail + chunk).find(b"\n\n")
             if end >= 0:
-                scanner.feed(chunk[:max(0, end + 1 - len(tail))])
+                if not dropped:
+                    scanner.feed(chunk[:max(0, end + 1 - len(tail))])
+                after = chunk[end + 2 - len(tail):]
                 break
-            scanner.feed(chunk)
+            if not dropped:
+                scanner.feed(chunk)
             tail = chunk[-1:]
-        if head.startswith(b"event: "):  # a Responses stream's last event: its totals
+        if dropped:
+            logger.warning("request %s: a stream event past %d bytes (%r) dropped unrelayed", self.request_id,
+                           sse.MAX_EVENT_BYTES, head[:head.find(b"\n")].decode("ascii", "replace"))
+            rest = await self._relay_events(after, wants_usage, wants_continuous) if after else b""
+            return ([rest], len(rest)) if rest else ([], 0)
+        if responses_event:  # a Responses stream's last event: its totals
             self.usage.take_totals(scanner.usage)
         else:
             self.usage.take_chunk(scanner.usage, head)
@@ -541,6 +562,7 @@ class InferenceCall:
             raise ClientGone()
         *events, rest = buffer.split(b"\n\n")
         out, spent = [], False
+        responses_stream = self.request.kind == responses.RESPONSES
         for event in events:
             if gone and self.usage.every_prompt_counted:
                 break
@@ -561,6 +583,13 @@ class InferenceCall:
                 if self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
                     spent = True
                     break
+            elif responses_stream:
+                # NOTE: counted as read, as usage is: a Responses stream cut before its last event (a drain, a replica
+                # lost, an engine's error) is billed these as its output tokens' floor, and a lost gateway's beat too.
+                if sse.is_responses_delta(event):
+                    self.usage.num_output_events += 1
+                elif sse.is_error_event(event) and self.status == "ok":
+                    self.status = "upstream_error"
         if gone and not spent:
             if self.usage.every_prompt_counted:
                 raise ClientGone()
@@ -709,6 +738,10 @@ class InferenceCall:
         # replica answered, with nothing counted (the body cut off), wrote an empty usage row, and the retry that
         # succeeded was billed nothing (its row conflicted with the empty one; its settlement found the marker).
         usage = self.usage
+        if self.served and self.request.stream and not usage.has_totals and self.status == "ok" and (
+                self.request.kind == responses.RESPONSES):
+            # NOTE: a Responses stream whose last event (its usage) never came was cut: billed its deltas' floor
+            self.status = "upstream_error"
         recorded = self.served and not (self.batch_id and self.status == "upstream_error"
                                         and not (usage.prompt_tokens or usage.completion_tokens))
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.

@@ -136,10 +136,11 @@ def batch_answer_too_large(kind: str, limit_bytes: int, *, as_outside: bool = Tr
 
 
 def event_too_large(limit_bytes: int) -> OpenAIError:
-    """A streamed event past what the gateway relays (`sse.MAX_EVENT_BYTES`); its tokens are billed."""
+    """A streamed event past what the gateway relays (`sse.MAX_EVENT_BYTES`): the stream ends there."""
     return OpenAIError(400, f"An event of this stream is larger than {limit_bytes // 2**20} MiB, the most the gateway "
-                            "relays (an echoed prompt with logprobs?). The engine computed it, so its tokens are billed; "
-                            "ask for fewer logprobs, no echo, or a shorter prompt.", code="response_too_large")
+                            "relays (an echoed prompt with logprobs?), and the stream ends here; the tokens the engine "
+                            "computed up to it are billed as it reported them. Ask for fewer logprobs, no echo, or a "
+                            "shorter prompt.", code="response_too_large")
 
 
 def service_unavailable(message: str = "The service is briefly unavailable; please retry.") -> OpenAIError:

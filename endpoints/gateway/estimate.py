@@ -222,6 +222,9 @@ def _template_allowances(kwargs, effort, template_tokens: tuple[int, int],
 
 # A Responses content part's text, by the part's type; any other part (an image) is unbounded.
 _RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
+# The Responses item fields vLLM renders as a message's content parts: a message's `content`, and a function (or
+# custom) tool call's `output`, its tool message's content (`vllm/entrypoints/openai/responses/utils.py`).
+RESPONSES_PART_FIELDS = ("content", "output")
 
 
 def _responses_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS_PER_CONVERSATION,
@@ -260,7 +263,7 @@ def _responses_item_bytes(item, budget: int) -> int:
     for key, value in item.items():
         if total >= budget:
             return total
-        if key == "content" and isinstance(value, list):
+        if key in RESPONSES_PART_FIELDS and isinstance(value, list):
             for part in value:
                 if total >= budget:
                     return total

@@ -369,8 +369,9 @@ def _check_messages(messages) -> None:
 def _check_input_items(value) -> None:
     """A Responses `input`: a string, or a non-empty array of items (messages, function calls and their outputs).
 
-    NOTE: message contents are checked as chat's content parts (media only as `data:` URLs); a part naming a
-    media `uuid` is refused, as only chat's are scoped to the caller (`endpoints.gateway.media_uuids`)."""
+    NOTE: message contents and a tool output's parts (`estimate.RESPONSES_PART_FIELDS`) are checked as chat's content parts
+    (media only as `data:` URLs); a part naming a media `uuid` is refused, as only chat's are scoped to the caller
+    (`endpoints.gateway.media_uuids`)."""
     if isinstance(value, str):
         return
     if not isinstance(value, list) or not value:
@@ -383,23 +384,26 @@ def _check_input_items(value) -> None:
             raise _wrong_type(f"{param}.type", "a string")
         if item.get("role") is not None and (not isinstance(item["role"], str) or not item["role"]):
             raise _wrong_type(f"{param}.role", "a non-empty string")
+        for field_name in estimate.RESPONSES_PART_FIELDS:
+            if isinstance(item.get(field_name), list):
+                _check_responses_parts(item[field_name], f"{param}.{field_name}")
         content = item.get("content")
-        if isinstance(content, list):
-            _check_content_parts(content, f"{param}.content")
-            for part_index, part in enumerate(content):
-                if "uuid" in part:
-                    raise errors.invalid_request(f"'{param}.content[{part_index}].uuid' is not supported on /v1/responses.",
-                                                 param=f"{param}.content[{part_index}].uuid",
-                                                 code="unsupported_parameter")
-                if "file_url" in part or "file_id" in part:
-                    raise errors.invalid_request(
-                        f"'{param}.content[{part_index}]': files are not fetched or stored here; send the text.",
-                        param=f"{param}.content[{part_index}]", code="unsupported_value")
-        elif content is not None and not isinstance(content, str):
+        if content is not None and not isinstance(content, (str, list)):
             raise _wrong_type(f"{param}.content", "a string or an array of content parts")
         for name in ("name", "call_id", "arguments"):
             if item.get(name) is not None and not isinstance(item[name], str):
                 raise _wrong_type(f"{param}.{name}", "a string")
+
+
+def _check_responses_parts(parts: list, param: str) -> None:
+    _check_content_parts(parts, param)
+    for part_index, part in enumerate(parts):
+        if "uuid" in part:
+            raise errors.invalid_request(f"'{param}[{part_index}].uuid' is not supported on /v1/responses.",
+                                         param=f"{param}[{part_index}].uuid", code="unsupported_parameter")
+        if "file_url" in part or "file_id" in part:
+            raise errors.invalid_request(f"'{param}[{part_index}]': files are not fetched or stored here; send the text.",
+                                         param=f"{param}[{part_index}]", code="unsupported_value")
 
 
 def _check_content_parts(parts: list, param: str) -> None:

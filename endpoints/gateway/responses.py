@@ -28,7 +28,8 @@ STORED_PREFIX = PATH + "/"
 _NO_STATE = (
     "responses are not stored here (each call may go to another replica, and an endpoint scales to zero)"
 )
-# Fields that need a response kept between calls, refused when set (a false or null value changes nothing).
+# Fields that need a response kept between calls, refused when set: only absent, null or false changes nothing (any other
+# value, `0` and `""` included, is refused).
 STATEFUL: dict[str, str] = {
     "previous_response_id": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
     "background": f"is not supported: {_NO_STATE}; stream the response instead ('stream': true)",
@@ -43,7 +44,9 @@ TOOL_CHOICES = frozenset({"none", "auto", "required"})
 def check_payload(payload: dict) -> None:
     """A 400 in OpenAI's shape for a field that needs stored state, or a tool other than a function."""
     for name, reason in STATEFUL.items():
-        if payload.get(name) not in (None, False):
+        value = payload.get(name)
+        # NOTE: by identity: `0 in (None, False)` and `0.0 == False` are true, so a number passed as "unset"
+        if value is not None and value is not False:
             raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
     tools = payload.get("tools")
     if tools is not None:

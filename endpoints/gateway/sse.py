@@ -32,8 +32,28 @@ _RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\
 def carries_output(event: bytes) -> bool:
     """Whether the event carries generated tokens: a chat or completions chunk with a choice, or a Responses delta."""
     if event.startswith(_RESPONSES_EVENT):
-        return event.find(b".delta\n", 0, 128) > 0
+        return _names_delta(event)
     return has_choices(event)
+
+
+def _names_delta(event: bytes) -> bool:
+    return event.find(b".delta\n", 0, 128) > 0
+
+
+def is_responses_end(event: bytes) -> bool:
+    """Whether the event is a Responses stream's last, the one carrying its usage."""
+    return event.startswith(_RESPONSES_ENDS)
+
+
+def is_responses_delta(event: bytes) -> bool:
+    """Whether the event is a Responses `response.*.delta`: vLLM writes one an engine step, so their number is a floor
+    of the output tokens the engine computed (`endpoints.gateway.tally.UsageTally.num_output_events`)."""
+    return event.startswith(_RESPONSES_EVENT) and _names_delta(event)
+
+
+def is_error_event(event: bytes) -> bool:
+    """Whether the event is an engine's `event: error` (vLLM's Responses stream says a failure so, then ends)."""
+    return event.startswith(b"event: error\n")
 
 
 def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
@@ -181,7 +201,9 @@ def _parsed_usage(body: bytes) -> dict | None:
 
 # The largest event a stream relays: an event is held whole until its end (the blank line), and one can be as large
 # as a long prompt echoed with each token's logprobs (~600 bytes a token: 80 MB at 128k tokens). Past this, the stream
-# ends with an error event, the event's tokens billed (`endpoints.gateway.call.InferenceCall._drop_large_event`).
+# ends with an error event, the event's tokens billed (`endpoints.gateway.call.InferenceCall._drop_large_event`); a
+# Responses event other than the last (`response.content_part.done` with every token's logprobs: ~1,200 bytes a token
+# at `top_logprobs` 20) is dropped unrelayed and the stream goes on to its last event, which carries its usage.
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 EVENT_HEAD_BYTES = 4096  # an event's start, which names its choice
 

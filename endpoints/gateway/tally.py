@@ -5,7 +5,7 @@ A whole answer carries its totals. A stream carries usage on every chunk (the ga
 prompt tokens of its prompt and the output tokens of choice `i` alone. With `n` choices per prompt
 choice `i` belongs to prompt `i // n` (vLLM numbers the choices of a list of prompts that way).
 The closing usage-only chunk carries the totals and replaces the running figures. A Responses stream carries
-only totals, in its last event.
+only totals, in its last event; until then its delta events count a floor of its output tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class UsageTally:
     _completion_by_choice: dict[int, int] = field(default_factory=dict)
     _cached: int = 0
     _totals: tuple[int, int, int] | None = None  # prompt, cached, completion from a whole usage
+    # A Responses stream's `response.*.delta` events read (one an engine step): its output tokens' floor while its last
+    # event, the only one with usage, has not come (a stream cut before it is billed that, its prompt not).
+    num_output_events: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -36,7 +39,14 @@ class UsageTally:
 
     @property
     def completion_tokens(self) -> int:
-        return self._totals[2] if self._totals else sum(self._completion_by_choice.values())
+        if self._totals:
+            return self._totals[2]
+        return max(sum(self._completion_by_choice.values()), self.num_output_events)
+
+    @property
+    def has_totals(self) -> bool:
+        """A whole usage came (a whole answer's, a stream's closing chunk or a Responses stream's last event)."""
+        return self._totals is not None
 
     @property
     def every_prompt_counted(self) -> bool:

@@ -33,6 +33,18 @@ from tests.engines import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME  # noqa: F401 
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 
 
+def wait_until_healthy(address: str, what: str) -> None:
+    """Wait for a fake engine at `address` to answer its `/health`."""
+
+    def healthy():
+        try:
+            return httpx.get(f"{address}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, 30, message=what)
+
+
 @pytest.fixture
 def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
@@ -63,14 +75,7 @@ def start_mock_upstream(tmp_path):
         child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)
         address = f"http://127.0.0.1:{port}"
-
-        def healthy():
-            try:
-                return httpx.get(f"{address}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 30, message="mock upstream")
+        wait_until_healthy(address, "mock upstream")
         return address
 
     def stop(address: str) -> None:

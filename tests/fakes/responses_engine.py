@@ -1,0 +1,143 @@
+"""A scripted `/v1/responses` engine: named SSE events shaped as vLLM writes them, for the ends of a Responses
+stream a real engine gives only rarely (an event past the gateway's size cap, an engine's error, a replica dying).
+
+    python -m tests.fakes.responses_engine --port 9100
+
+The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response.completed` with `USAGE`),
+`large_part` (a `response.content_part.done` past 8 MiB before the end, as vLLM writes it with every token's
+`top_logprobs`), `error` (vLLM's `event: error` after the deltas, then the stream ends), `dies` (the process exits
+after the deltas: a replica lost mid-stream) and `slow` (300 deltas, 50 ms apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+import uvicorn
+
+NUM_DELTAS = 50
+NUM_SLOW_DELTAS = 300
+USAGE = {
+    "input_tokens": 7,
+    "input_tokens_details": {"cached_tokens": 0},
+    "output_tokens": NUM_DELTAS,
+    "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 7 + NUM_DELTAS,
+}
+LARGE_PART_TOKENS = 9000  # ~1 KB of logprobs each: ~9.4 MB, past `sse.MAX_EVENT_BYTES`
+
+
+def _event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _response(status: str, usage: dict | None) -> dict:
+    return {
+        "id": "resp_x",
+        "object": "response",
+        "metadata": {},
+        "output": [],
+        "status": status,
+        "usage": usage,
+    }
+
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["path"] == "/health":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    scenario = (json.loads(body).get("metadata") or {}).get("scenario", "ok")
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    )
+
+    async def out(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    await out(
+        _event(
+            "response.created",
+            {"type": "response.created", "sequence_number": 0, "response": _response("in_progress", None)},
+        )
+    )
+    for index in range(NUM_SLOW_DELTAS if scenario == "slow" else NUM_DELTAS):
+        if scenario == "slow":
+            await asyncio.sleep(0.05)
+        await out(
+            _event(
+                "response.output_text.delta",
+                {
+                    "type": "response.output_text.delta",
+                    "sequence_number": index + 1,
+                    "delta": "tok ",
+                    "logprobs": [],
+                },
+            )
+        )
+    if scenario == "large_part":
+        logprob = {"token": "x" * 1000, "logprob": -1.0, "top_logprobs": []}
+        await out(
+            _event(
+                "response.content_part.done",
+                {
+                    "type": "response.content_part.done",
+                    "sequence_number": 60,
+                    "part": {
+                        "type": "output_text",
+                        "text": "tok " * NUM_DELTAS,
+                        "logprobs": [logprob] * LARGE_PART_TOKENS,
+                    },
+                },
+            )
+        )
+        await out(
+            _event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 61})
+        )
+    if scenario == "error":
+        await out(
+            _event(
+                "error",
+                {
+                    "type": "error",
+                    "sequence_number": 61,
+                    "code": "internal_error",
+                    "message": "Internal server error",
+                },
+            )
+        )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if scenario == "dies":
+        await asyncio.sleep(0.2)  # the deltas leave before the process does
+        os._exit(1)
+    await out(
+        _event(
+            "response.completed",
+            {"type": "response.completed", "sequence_number": 99, "response": _response("completed", USAGE)},
+        )
+    )
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    uvicorn.run(app, host="127.0.0.1", port=parser.parse_args().port, log_level="warning")

@@ -1,0 +1,192 @@
+"""A `/v1/responses` stream whose end is not the usual one, against a scripted engine (`tests.fakes.responses_engine`):
+its usage comes only in its last event, so a stream that never gets there is billed a floor, and one large event
+before it must not keep it from getting there.
+
+- An event past `sse.MAX_EVENT_BYTES` that is not the last (vLLM's `response.content_part.done` with every token's
+  logprobs) is dropped, unrelayed, and the stream goes on to its last event, billed from there.
+- A stream cut before its last event (an engine's `event: error`, a replica lost, the drain's bound, a lost gateway) is
+  billed its delta events (one an engine step) as output tokens, its prompt not (no figure of it came), as an
+  `upstream_error` row (a lost gateway's: `gateway_lost`, by the sweeper).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from billing.quota.sweeper import sweep_expired_reservations
+from tests.conftest import ChildProcess, child_env, free_port, start_web_server, wait_until
+from tests.fakes import responses_engine
+from tests.gateway.conftest import serve_endpoint, wait_until_healthy
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+PRICES = {
+    "price_input_per_million": Decimal("100"),
+    "price_cached_input_per_million": Decimal("10"),
+    "price_output_per_million": Decimal("300"),
+}
+DELTA = b"event: response.output_text.delta\n"
+
+
+@pytest.fixture
+def engine(tmp_path):
+    port = free_port()
+    child = ChildProcess(
+        [sys.executable, "-m", "tests.fakes.responses_engine", "--port", str(port)],
+        child_env(),
+        tmp_path / "responses-engine.log",
+    )
+    address = f"http://127.0.0.1:{port}"
+    wait_until_healthy(address, "the scripted engine")
+    yield address
+    child.stop()
+
+
+def _body(endpoint, scenario: str) -> dict:
+    return {
+        "model": endpoint.name,
+        "input": "hi",
+        "stream": True,
+        "max_output_tokens": 1000,
+        "metadata": {"scenario": scenario},
+    }
+
+
+def _open(gateway: str, key: str, body: dict):
+    return httpx.stream(
+        "POST", f"{gateway}/v1/responses", headers={"authorization": f"Bearer {key}"}, json=body, timeout=60
+    )
+
+
+def _stream(gateway: str, key: str, body: dict) -> tuple[str, bytes]:
+    received = b""
+    with _open(gateway, key, body) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        for chunk in response.iter_bytes():
+            received += chunk
+    return request_id, received
+
+
+def _row(request_id: str) -> UsageRecord:
+    return wait_until(
+        lambda: UsageRecord.objects.filter(request_id=request_id).first(), 30, message="the usage row"
+    )
+
+
+def test_a_complete_stream_is_billed_from_its_last_event(gateway, tenant, engine):
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "ok"))
+    row = _row(request_id)
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("ok", 7, responses_engine.NUM_DELTAS)
+
+
+def test_a_large_event_before_the_last_is_dropped_and_the_stream_billed_from_its_last_event(
+    gateway, tenant, engine
+):
+    # Before, the large `response.content_part.done` ended the stream with an error saying its tokens were billed, and
+    # the row was `upstream_error` with 0 tokens: its usage comes only in `response.completed`, never read.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "large_part"))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    assert b"event: response.content_part.done" not in received  # dropped, unrelayed
+    assert b"event: response.output_item.done" in received  # what came after it is relayed
+    assert b"event: response.completed" in received
+    assert b"billed" not in received
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("ok", 7, responses_engine.NUM_DELTAS)
+    assert row.cost > 0
+
+
+@pytest.mark.parametrize("scenario", ["error", "dies"])
+def test_a_stream_cut_before_its_last_event_is_billed_its_deltas_as_an_upstream_error(
+    gateway, tenant, engine, scenario
+):
+    # Before: an engine's `event: error` then the end was an `ok` row of 0 tokens, a replica lost an `upstream_error`
+    # row of 0 tokens: the 50 tokens streamed were free.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, scenario))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    row = _row(request_id)
+    # The output's floor: one token a delta; the prompt unbilled, the engine never said it.
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        0,
+        responses_engine.NUM_DELTAS,
+    )
+    assert row.cost > 0
+
+
+def test_a_stream_still_running_at_the_drains_bound_is_billed_the_deltas_it_read(tenant, engine, tmp_path):
+    # Before: its row was `ok` with 0 tokens (a chat stream stopped so is billed what it sent).
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    child, gateway = start_web_server(
+        tmp_path,
+        name="gateway",
+        server_args=("--timeout-graceful-shutdown", "1"),
+        extra_env={"INFERPLANE_GATEWAY_DRAIN_S": "1"},
+    )
+    seen, got = threading.Event(), {"bytes": b""}
+
+    def read() -> None:
+        try:
+            with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
+                got["request_id"] = response.headers["x-request-id"]
+                for chunk in response.iter_bytes():
+                    got["bytes"] += chunk
+                    if got["bytes"].count(DELTA) >= 40:
+                        seen.set()
+        except httpx.HTTPError:
+            pass
+        seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(30)
+        child.kill(signal.SIGTERM)
+        reader.join(30)
+        child.process.wait(30)
+    finally:
+        child.stop()
+    received = got["bytes"].count(DELTA)
+    assert 40 <= received < responses_engine.NUM_SLOW_DELTAS
+    assert b"server_stopping" in got["bytes"]
+    row = _row(got["request_id"])
+    assert (row.status, row.prompt_tokens) == ("upstream_error", 0)
+    # What it relayed, and at most what it had read but not yet relayed when it was stopped.
+    assert received <= row.completion_tokens < responses_engine.NUM_SLOW_DELTAS
+
+
+def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path):
+    # Before: its calls' progress had no tokens (a Responses stream's usage comes only in its last event), so the
+    # sweeper released its hold and billed nothing.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    child, gateway = start_web_server(
+        tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}
+    )
+    received = b""
+    try:
+        with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
+            request_id = response.headers["x-request-id"]
+            for chunk in response.iter_bytes():
+                received += chunk
+                if received.count(DELTA) >= 100:  # ~5 s in: some five beats
+                    child.kill()
+                    break
+    finally:
+        child.stop()
+    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5, message="the lapsed hold swept")
+    row = UsageRecord.objects.get()
+    assert (row.request_id, row.status, row.prompt_tokens) == (request_id, "gateway_lost", 0)
+    # Less what came after its last beat (a beat: 20 deltas; three allowed for a loaded machine).
+    assert received.count(DELTA) - 60 <= row.completion_tokens <= received.count(DELTA) + 10
+    assert row.cost > 0
