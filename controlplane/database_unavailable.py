@@ -11,6 +11,7 @@ not granted, a disk full) stays a 500 as every other error: it may be a bug, and
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import psycopg
@@ -19,15 +20,21 @@ from django.http import HttpResponse, JsonResponse
 from django.views import defaults
 from psycopg_pool import PoolTimeout
 
+logger = logging.getLogger(__name__)
+
 # What PostgreSQL sends as it ends a session (a shutdown, a crash, an administrator's terminate, a restart not yet
-# done, a connection-level failure), beside libpq's own failures (a plain `psycopg.OperationalError`, no SQLSTATE:
-# a refused or failed connect, a session closed under a query, a closed connection used).
+# done, a connection-level failure, a session idle too long, in a transaction or not), beside libpq's own failures (a
+# plain `psycopg.OperationalError`, no SQLSTATE: a refused or failed connect, a session closed under a query, a closed
+# connection used); and a server that takes no write (25006: a demoted primary or a standby, stale DNS after a
+# failover), where every write would fail until the address points at the new primary.
 _SESSION_ENDED = (
     psycopg.errors.ConnectionException,
     psycopg.errors.AdminShutdown,
     psycopg.errors.CrashShutdown,
     psycopg.errors.CannotConnectNow,
     psycopg.errors.IdleSessionTimeout,
+    psycopg.errors.IdleInTransactionSessionTimeout,
+    psycopg.errors.ReadOnlySqlTransaction,
 )
 
 BUSY = "The database is busy or unavailable: try again shortly."
@@ -46,15 +53,26 @@ def database_failure(exc: BaseException | None) -> str | None:
     return None
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """psycopg's own error (its class names the failure) under Django's wrappers."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
 def server_error(request):
     """The project's 500 (`handler500`), but a 503 with `Retry-After: 1` where PostgreSQL cannot serve now
-    (`database_failure`): the client is told to try again, not that the platform failed.
+    (`database_failure`): the client is told to try again, not that the platform failed. Each 503 is logged with the
+    error's class and message, so an operator sees why.
 
     NOTE: Django calls it inside the `except` that caught the request's exception, so `sys.exc_info()` names it. In
     debug mode Django shows its own error page instead."""
-    message = database_failure(sys.exc_info()[1])
+    exc = sys.exc_info()[1]
+    message = database_failure(exc)
     if message is None:
         return defaults.server_error(request)
+    cause = _innermost(exc)
+    logger.warning("%s %s answered 503: %s: %s", request.method, request.path, type(cause).__name__, cause)
     if request.path.startswith("/api/"):
         response = JsonResponse({"detail": message}, status=503)
     elif request.path.startswith("/agent/"):  # the agent API's own error shape (`endpoints.fleet.api`)

@@ -118,8 +118,24 @@ def env_counts(name: str) -> dict[str, int]:
     return counts
 
 
+# libpq's options every PostgreSQL connection gets unless `DATABASE_URL` sets them (README, "Configuration"): a connect
+# gives up after `connect_timeout` s, and an established TCP session whose peer went silent (a failover, a partition:
+# no RST) is found dead by keepalives after ~60 s idle, or after `tcp_user_timeout` ms of unacknowledged data, instead
+# of hanging every request handed it (libpq's defaults: no connect timeout, the kernel's 2-hour keepalive, no user
+# timeout). NOTE: a Unix socket ignores the TCP ones.
+DATABASE_CONNECTION_DEFAULTS = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
 def parse_database_url(url: str) -> dict:
-    """Turn `postgresql://user:pass@host:port/name?host=/socket/dir` into Django's DATABASES entry."""
+    """Turn `postgresql://user:pass@host:port/name?host=/socket/dir` into Django's DATABASES entry, with libpq's
+    `DATABASE_CONNECTION_DEFAULTS` where the URL does not set them."""
     parsed = urlparse(url)
     if parsed.scheme not in {"postgres", "postgresql", "pgsql"}:
         raise ImproperlyConfiguredEnv(f"DATABASE_URL must be a postgresql:// URL, not {parsed.scheme or url!r}")
@@ -135,5 +151,5 @@ def parse_database_url(url: str) -> dict:
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": host,
         "PORT": str(parsed.port or ""),
-        "OPTIONS": query,
+        "OPTIONS": DATABASE_CONNECTION_DEFAULTS | query,
     }

@@ -15,7 +15,7 @@ ready again once the journal is replayed below its limit.
 
 import asyncio
 
-from asgiref.sync import sync_to_async
+import psycopg
 from django.db import connection
 from django.http import JsonResponse
 
@@ -29,16 +29,29 @@ async def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
-def _database_answers() -> None:
-    # NOTE: runs in the request's own thread, where Django's request signals already dropped a
-    # connection left dead by a PostgreSQL restart. Closed after: that thread ends with the request, and a
-    # connection kept for reuse (CONN_MAX_AGE) stayed open with nobody to reuse it, one idle session per probe
-    # (every 5 s per pod) until PostgreSQL refused clients.
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-    finally:
-        connection.close()
+# NOTE: the probe's own budget for each of its checks: the kubelet's readiness probe gives up after 5 s.
+CHECK_TIMEOUT_S = 2.0
+
+
+async def _database_answers() -> None:
+    """`SELECT 1` on a connection of the probe's own, opened and closed here on the event loop (psycopg's async
+    connection), within `CHECK_TIMEOUT_S`.
+
+    NOTE: never a request's connection nor the web process's pool (`controlplane.database_pool`): a burst of slow
+    console or API requests (a lock, a slow PostgreSQL) held every pooled connection and the probe waited for one
+    until the kubelet gave up, so every pod left the load balancer at once; and a pooled session that stalled (a
+    partition, no RST) hung the probe's thread, past an `asyncio.wait_for` that cannot stop a thread. A coroutine is
+    cancelled at the deadline, its socket closed."""
+    params = connection.get_connection_params()
+    for key in ("cursor_factory", "context"):  # Django's, for its own synchronous connections
+        params.pop(key, None)
+    params["connect_timeout"] = max(2, int(CHECK_TIMEOUT_S))  # NOTE: libpq's minimum is 2 s
+
+    async def select_one() -> None:
+        async with await psycopg.AsyncConnection.connect(**params, autocommit=True) as probe:
+            await probe.execute("SELECT 1")
+
+    await asyncio.wait_for(select_one(), timeout=CHECK_TIMEOUT_S)
 
 
 async def readyz(request):
@@ -46,12 +59,12 @@ async def readyz(request):
     stopping."""
     checks = {}
     try:
-        await asyncio.wait_for(sync_to_async(_database_answers)(), timeout=2)
+        await _database_answers()
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        await asyncio.wait_for(get_async_redis().ping(), timeout=2)
+        await asyncio.wait_for(get_async_redis().ping(), timeout=CHECK_TIMEOUT_S)
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {type(exc).__name__}"

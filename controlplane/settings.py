@@ -182,9 +182,11 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # `WEB_CONCURRENCY`): (`DATABASE_POOL_MAX_SIZE` + its ledger writer's one) x processes x replicas must fit
 # PostgreSQL's `max_connections` (or PgBouncer's `max_client_conn`) beside the workers' (README, "Configuration";
 # `controlplane.checks.database_connections_fit` warns where one pod's alone does not). A request that finds every
-# connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_unavailable.server_error`). 0 turns the
-# pool off (each request then opens and closes its own connection).
-DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 4, minimum=0, maximum=500)
+# connection taken for `DATABASE_POOL_TIMEOUT_S` is answered 503 (`database_unavailable.server_error`). 0, the
+# default, turns the pool off (each request then opens and closes its own connection): the agent API shares the pool
+# with the console and the management API, so at size 4 a burst of 4 slow console or API requests (a lock, a slow
+# PostgreSQL) starved that pod's agent heartbeats (503 after `DATABASE_POOL_TIMEOUT_S`); opt in where that is acceptable.
+DATABASE_POOL_MAX_SIZE = env_int("DATABASE_POOL_MAX_SIZE", 0, minimum=0, maximum=500)
 DATABASE_POOL = database_pool.pool_options(
     min_size=env_int("DATABASE_POOL_MIN_SIZE", 2, minimum=0, maximum=100),
     max_size=DATABASE_POOL_MAX_SIZE,

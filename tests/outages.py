@@ -6,6 +6,10 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
+import threading
+import time
+from pathlib import Path
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -109,3 +113,69 @@ def database_read_only():
         finally:
             admin.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
             terminate_backends()
+
+
+class StallableSocketProxy:
+    """A proxy on a Unix socket of its own in front of PostgreSQL's: `stall()` blackholes every session open through it
+    now (no byte relayed either way, nothing closed: a partition, a failover that sent no RST), while sessions opened
+    after relay normally. `url` is a `DATABASE_URL` through it."""
+
+    def __init__(self, directory: Path):
+        database = settings.DATABASES["default"]
+        host, port = database["HOST"], database["PORT"] or "5432"
+        assert host.startswith("/"), f"the test PostgreSQL listens on a Unix socket, not {host!r}"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.upstream = f"{host}/.s.PGSQL.{port}"
+        self.url = (
+            f"postgresql://{database['USER'] or 'postgres'}@/{database['NAME']}?host={directory}&port={port}"
+        )
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(str(directory / f".s.PGSQL.{port}"))
+        self.server.listen(64)
+        self.sockets: list[socket.socket] = []
+        self.num_sessions = 0
+        self.num_stalled = 0  # sessions numbered below it are blackholed
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.upstream)
+            self.sockets += [client, upstream]
+            session = self.num_sessions
+            self.num_sessions += 1
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._relay, args=(source, sink, session), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, session: int) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            while session < self.num_stalled:
+                time.sleep(0.05)  # blackholed: the bytes held for good
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def stall(self) -> None:
+        self.num_stalled = self.num_sessions
+
+    def close(self) -> None:
+        """Stop listening and end every session through it (PostgreSQL's end of a stalled one too)."""
+        self.num_stalled = 0
+        self.server.close()
+        for relayed in self.sockets:
+            with contextlib.suppress(OSError):
+                relayed.shutdown(socket.SHUT_RDWR)
+            relayed.close()

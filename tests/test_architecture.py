@@ -51,7 +51,6 @@ REQUEST_THREAD = "Django middleware or view: the request's own thread, its conne
 BATCH_WORKER = "the batch worker's run (`asyncio.run`): that process does not pool"
 OFF_LOOP_CALLS_ALLOWED = {
     ("controlplane/asgi.py", "connections.close_all"): REQUEST_THREAD,
-    ("controlplane/health.py", "_database_answers"): REQUEST_THREAD + ", and it closes its own",
     ("controlplane/health.py", "usage_journal.backlog"): "the usage journal's files, no ORM",
     ("controlplane/accounts/middleware.py", "self._gate"): REQUEST_THREAD,
     ("controlplane/accounts/middleware.py", "_subjects"): REQUEST_THREAD,

@@ -93,12 +93,43 @@ def _from_django(cause: BaseException) -> django.db.OperationalError:
         psycopg.OperationalError("the connection is closed"),
         psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
         psycopg.errors.CannotConnectNow("the database system is starting up"),
+        psycopg.errors.IdleInTransactionSessionTimeout(
+            "terminating connection due to idle-in-transaction timeout"
+        ),
     ],
-    ids=["refused", "closed", "terminated", "starting"],
+    ids=["refused", "closed", "terminated", "starting", "idle-in-transaction"],
 )
 def test_a_failure_of_the_connection_itself_is_a_503(cause):
+    """Before, a session PostgreSQL ended for idling in a transaction was a 500."""
     answer = _handled(_from_django(cause))
     assert (answer.status_code, answer["Retry-After"]) == (503, "1")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_server_that_takes_no_write_a_demoted_primary_is_a_503_and_logged_with_its_class(caplog):
+    """After a failover a gateway may still reach the old primary, now a standby (stale DNS): every write fails with
+    SQLSTATE 25006. Before, each was a 500, as if the platform had a bug; and no 503 was logged at all."""
+    from django.db import connection, transaction
+
+    from endpoints.models import Endpoint
+
+    try:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL transaction_read_only = on")
+            Endpoint.objects.update(name="refused")
+    except django.db.Error as exc:
+        refused = exc
+    assert isinstance(refused.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+
+    with caplog.at_level("WARNING", logger="controlplane.database_unavailable"):
+        answer = _handled(refused, "/agent/v1/heartbeat")
+
+    assert (answer.status_code, answer["Retry-After"]) == (503, "1")
+    assert [record.getMessage() for record in caplog.records] == [
+        "GET /agent/v1/heartbeat answered 503: ReadOnlySqlTransaction: "
+        "cannot execute UPDATE in a read-only transaction"
+    ]
 
 
 def test_a_pool_that_hands_out_no_connection_in_time_is_a_503():

@@ -49,7 +49,65 @@ def test_database_url_parses_sockets_and_tcp():
     socket_db = parse_database_url("postgresql://postgres@/inferplane?host=/tmp/pg")
     assert (socket_db["NAME"], socket_db["HOST"], socket_db["USER"]) == ("inferplane", "/tmp/pg", "postgres")
     tcp = parse_database_url("postgres://u:p%40ss@db.internal:6543/app?sslmode=require")
-    assert (tcp["HOST"], tcp["PORT"], tcp["PASSWORD"], tcp["OPTIONS"]) == ("db.internal", "6543", "p@ss", {"sslmode": "require"})
+    assert (tcp["HOST"], tcp["PORT"], tcp["PASSWORD"]) == ("db.internal", "6543", "p@ss")
+    assert tcp["OPTIONS"]["sslmode"] == "require"
+
+
+def test_every_database_connection_gets_libpqs_timeouts_and_keepalives_unless_the_url_sets_them():
+    """Before, none was set: a connect to a server that never answered waited for good, and a TCP session whose server
+    went silent (a failover, a partition: no RST) hung the requests on it for the kernel's two hours."""
+    defaults = parse_database_url("postgresql://u:p@db.internal/app")["OPTIONS"]
+    assert defaults == {
+        "connect_timeout": "5",
+        "keepalives": "1",
+        "keepalives_idle": "30",
+        "keepalives_interval": "10",
+        "keepalives_count": "3",
+        "tcp_user_timeout": "30000",
+    }
+    chosen = parse_database_url(
+        "postgresql://u:p@db.internal/app?connect_timeout=10&keepalives=0&sslmode=require"
+    )
+    assert chosen["OPTIONS"] == defaults | {"connect_timeout": "10", "keepalives": "0", "sslmode": "require"}
+
+
+def test_a_connect_to_a_server_that_never_answers_gives_up_instead_of_hanging(tmp_path):
+    """A TCP listener that accepts and never speaks (a PostgreSQL host gone silent behind its load balancer)."""
+    import socket
+    import threading
+
+    import psycopg
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"postgresql://u:p@127.0.0.1:{silent.getsockname()[1]}/app"
+    database = parse_database_url(url)
+    params = {
+        "host": database["HOST"],
+        "port": database["PORT"],
+        "dbname": database["NAME"],
+        "user": "u",
+        **database["OPTIONS"],
+    }
+    failures = []
+    connecting = threading.Thread(
+        target=lambda: failures.append(_connect_error(psycopg, params)), daemon=True
+    )
+    try:
+        connecting.start()
+        connecting.join(60)
+    finally:
+        silent.close()
+    assert failures and isinstance(failures[0], psycopg.OperationalError), failures
+
+
+def _connect_error(psycopg, params):
+    try:
+        psycopg.connect(**params).close()
+    except psycopg.Error as exc:
+        return exc
+    return None
 
 
 PRODUCTION_ENV = {
@@ -167,9 +225,10 @@ def _read_setting(env: dict[str, str], expression: str) -> subprocess.CompletedP
 
 def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_side_cursors_are_off():
     result = _read_setting({"DATABASE_POOLER": "transaction"},
-                           '(settings.DATABASES["default"]["OPTIONS"], settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"])')
+                           '(settings.DATABASES["default"]["OPTIONS"]["prepare_threshold"], '
+                           'settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"])')
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "({'prepare_threshold': None}, True)"
+    assert result.stdout.strip().splitlines()[-1] == "(None, True)"
     direct = _read_setting({}, 'settings.DATABASES["default"].get("DISABLE_SERVER_SIDE_CURSORS", False)')
     assert direct.stdout.strip().splitlines()[-1] == "False"
 

@@ -22,7 +22,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
 from tests.conftest import PRODUCTION_WEB_ENV, start_web_server, wait_until
-from tests.outages import database_refusing_connections, terminate_backends
+from tests.outages import StallableSocketProxy, database_refusing_connections, terminate_backends
 from tests.web_callers import bogus_node_secret, registered_agent, signed_in_owner
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -268,14 +268,15 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def test_only_the_web_process_pools_its_connections():
+def test_only_the_web_process_pools_its_connections_and_only_when_opted_in():
     """A Celery prefork worker forks its children, and a pool must never be shared across a fork; beat and
-    `manage.py` keep `CONN_MAX_AGE` too. The web process's pool is on by default, through the backend that checks its
-    connections (`controlplane.database_pool.base`)."""
+    `manage.py` keep `CONN_MAX_AGE` too. The web process's pool is off by default (a burst of slow requests starved
+    the agent API, below); opted in, it goes through the backend that checks its connections
+    (`controlplane.database_pool.base`)."""
     pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
     pooled = f"({pool}, 0, None, 'controlplane.database_pool')"
     unpooled = "(None, 60, None, 'django.db.backends.postgresql')"
-    assert _database_settings_of("controlplane.asgi", {}) == pooled
+    assert _database_settings_of("controlplane.asgi", {}) == unpooled
     assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == pooled
     assert _database_settings_of("controlplane.celery_app", {}) == unpooled
     assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == unpooled
@@ -398,3 +399,89 @@ def test_a_pool_one_web_pods_processes_could_fill_past_max_connections_is_warned
     ]
     settings.DATABASE_POOL_MAX_SIZE = 0  # no pool
     assert warned() == []
+
+
+def _during_a_burst_of_slow_api_requests(
+    tmp_path, owner_client, env: dict
+) -> tuple[httpx.Response, httpx.Response]:
+    """`/readyz` and an agent's heartbeat (a bogus secret: 401 once its lookup gets a connection) while 6 management-API
+    requests wait on a lock another session holds (as they would on a slow PostgreSQL)."""
+    from endpoints.models import Endpoint
+
+    child, web = start_web_server(tmp_path, extra_env=env)
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    holder = table_locked_by_another_session(Endpoint)
+    burst = [
+        threading.Thread(target=lambda: httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=60))
+        for _ in range(6)
+    ]
+    try:
+        for request in burst:
+            request.start()
+        wait_until(
+            lambda: len(sessions_waiting_for_a_lock()) >= 4, 20, message="the burst to wait on the lock"
+        )
+        ready = httpx.get(f"{web}/readyz", timeout=10)
+        beaten = httpx.post(
+            f"{web}/agent/v1/heartbeat",
+            json={},
+            headers={"authorization": f"Bearer {bogus_node_secret()}"},
+            timeout=10,
+        )
+    finally:
+        holder.close()
+        for request in burst:
+            request.join(60)
+        child.stop()
+    return ready, beaten
+
+
+def test_by_default_a_burst_of_slow_api_requests_leaves_the_pod_ready_and_the_agent_api_answered(
+    tmp_path, owner_client
+):
+    """Before, the pool was on by default (4 connections): the burst held all 4, `/readyz` answered 503 after 5 s (the
+    kubelet's probe gives up then: every pod out of the load balancer at once) and agents' heartbeats got 503."""
+    ready, beaten = _during_a_burst_of_slow_api_requests(tmp_path, owner_client, PRODUCTION_WEB_ENV)
+
+    assert ready.status_code == 200, ready.text
+    assert beaten.status_code == 401, beaten.text  # the secret refused, not the database busy
+
+
+def test_with_the_pool_on_a_burst_of_slow_requests_that_holds_every_connection_leaves_the_pod_ready(
+    tmp_path, owner_client
+):
+    """`/readyz` checks PostgreSQL on a connection of its own, never a pooled one. Before, it waited for a pooled
+    connection (its 2 s `wait_for` did not stop the thread) and answered 503 after the pool's 5 s. The agent API still
+    shares the pool (why it is off by default)."""
+    ready, _ = _during_a_burst_of_slow_api_requests(
+        tmp_path, owner_client, PRODUCTION_WEB_ENV | {"DATABASE_POOL_MAX_SIZE": "4"}
+    )
+
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"]["database"] == "ok"
+
+
+def test_a_pooled_session_that_stalls_is_cut_and_replaced_instead_of_hanging_the_requests_handed_it(
+    tmp_path, owner_client
+):
+    """A partition or a failover with no RST: the pool's sessions go silent. Before, the pool's check of a connection
+    (an empty query) waited on it with no deadline: every request handed one hung (here until the client gave up),
+    while `/readyz` stayed 200. Now the check is cut after 2 s, the pool drops its idle connections and connects anew."""
+    proxy = StallableSocketProxy(tmp_path / "sock")
+    child, web = start_web_server(
+        tmp_path,
+        extra_env=PRODUCTION_WEB_ENV | POOL_ENV | {"DATABASE_URL": proxy.url, "DATABASE_POOL_TIMEOUT_S": "2"},
+    )
+    headers = {"authorization": f"Bearer {owner_client.plain_key}"}
+    try:
+        for _ in range(3):
+            assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=10).status_code == 200
+        proxy.stall()
+        listed = [httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=20) for _ in range(3)]
+        ready = httpx.get(f"{web}/readyz", timeout=10)
+    finally:
+        child.stop()
+        proxy.close()
+
+    assert [answer.status_code for answer in listed] == [200] * 3
+    assert ready.status_code == 200, ready.text
