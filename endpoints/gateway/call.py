@@ -515,7 +515,14 @@ class InferenceCall:
         no usage: it is dropped, unrelayed, and the stream goes on (the events after it relayed) to its last event,
         whose usage is billed; returned: what came after it, as `_relay_stream`'s unfinished event. Ended there, such
         a stream was billed nothing (its usage comes only in its last event)."""
-        head = pending[0][:sse.EVENT_HEAD_BYTES]  # where its choice's index is
+        # NOTE: where its name and its choice's index are, from the first bytes of every piece: the first piece is what
+        # the read before left over, maybe only `event: respo`, which took a stream's last event for another (dropped,
+        # unrelayed and its usage unread: billed as a cut stream, its prompt free)
+        head = b""
+        for piece in pending:
+            head += piece[:sse.EVENT_HEAD_BYTES - len(head)]
+            if len(head) >= sse.EVENT_HEAD_BYTES:
+                break
         responses_event = head.startswith(b"event: ")
         dropped = responses_event and not sse.is_responses_end(head)
         scanner = sse.UsageScanner()

@@ -6,7 +6,9 @@ stream a real engine gives only rarely (an event past the gateway's size cap, an
 The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response.completed` with `USAGE`),
 `large_part` (a `response.content_part.done` past 8 MiB before the end, as vLLM writes it with every token's
 `top_logprobs`), `error` (vLLM's `event: error` after the deltas, then the stream ends), `dies` (the process exits
-after the deltas: a replica lost mid-stream) and `slow` (300 deltas, 50 ms apart).
+after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart) and `large_last` (the `large_part` stream,
+its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
+apart: a read boundary inside the event's name).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ async def app(scope, receive, send):
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    scenario = (json.loads(body).get("metadata") or {}).get("scenario", "ok")
+    metadata = json.loads(body).get("metadata") or {}
+    scenario = metadata.get("scenario", "ok")
     await send(
         {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     )
@@ -92,8 +95,8 @@ async def app(scope, receive, send):
                 },
             )
         )
-    if scenario == "large_part":
-        logprob = {"token": "x" * 1000, "logprob": -1.0, "top_logprobs": []}
+    logprob = {"token": "x" * 1000, "logprob": -1.0, "top_logprobs": []}
+    if scenario in ("large_part", "large_last"):
         await out(
             _event(
                 "response.content_part.done",
@@ -128,12 +131,21 @@ async def app(scope, receive, send):
     if scenario == "dies":
         await asyncio.sleep(0.2)  # the deltas leave before the process does
         os._exit(1)
-    await out(
-        _event(
-            "response.completed",
-            {"type": "response.completed", "sequence_number": 99, "response": _response("completed", USAGE)},
-        )
+    last = _event(
+        "response.completed",
+        {"type": "response.completed", "sequence_number": 99, "response": _response("completed", USAGE)},
     )
+    if scenario == "large_last":
+        response = _response("completed", USAGE) | {
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "tok " * NUM_DELTAS,
+                                                        "logprobs": [logprob] * LARGE_PART_TOKENS}]}]
+        }
+        last = _event("response.completed", {"type": "response.completed", "sequence_number": 99, "response": response})
+        split = int(metadata.get("split", "0"))
+        await out(last[:split])
+        await asyncio.sleep(0.3)  # read apart
+        last = last[split:]
+    await out(last)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

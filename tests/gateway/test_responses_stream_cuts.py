@@ -3,7 +3,8 @@ its usage comes only in its last event, so a stream that never gets there is bil
 before it must not keep it from getting there.
 
 - An event past `sse.MAX_EVENT_BYTES` that is not the last (vLLM's `response.content_part.done` with every token's
-  logprobs) is dropped, unrelayed, and the stream goes on to its last event, billed from there.
+  logprobs) is dropped, unrelayed, and the stream goes on to its last event, billed from there; vLLM's last event then
+  carries the same logprobs, so it too passes the cap: the stream ends with the error event, billed from its usage.
 - A stream cut before its last event (an engine's `event: error`, a replica lost, the drain's bound, a lost gateway) is
   billed its delta events (one an engine step) as output tokens, its prompt not (no figure of it came), as an
   `upstream_error` row (a lost gateway's: `gateway_lost`, by the sweeper).
@@ -104,6 +105,23 @@ def test_a_large_event_before_the_last_is_dropped_and_the_stream_billed_from_its
     row = _row(request_id)
     assert (row.status, row.prompt_tokens, row.completion_tokens) == ("ok", 7, responses_engine.NUM_DELTAS)
     assert row.cost > 0
+
+
+@pytest.mark.parametrize("split", [3, 12, 40])
+def test_a_last_event_too_large_to_relay_is_billed_from_its_usage_wherever_a_read_splits_its_name(
+    gateway, tenant, engine, split
+):
+    # vLLM's `response.completed` carries every token's logprobs too: past the cap when `content_part.done` is. Before,
+    # with the read boundary 12 bytes into it (`event: respo`), it was taken for another event, dropped unrelayed and
+    # its usage unread: an `upstream_error` row of 0 prompt tokens, and the client's stream stopped with no event.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "large_last") | {
+        "metadata": {"scenario": "large_last", "split": str(split)}})
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    assert b"event: response.content_part.done" not in received
+    assert b"response_too_large" in received
+    row = _row(request_id)
+    assert (row.prompt_tokens, row.completion_tokens) == (7, responses_engine.NUM_DELTAS)
 
 
 @pytest.mark.parametrize("scenario", ["error", "dies"])
