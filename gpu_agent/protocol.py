@@ -377,6 +377,13 @@ class EngineMemory(Message):
 # system prompt), so each is measured; any other kwarg may be rendered anywhere, and reserves the context.
 TEMPLATE_FLAGS = ("enable_thinking", "thinking")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# Each template-argument dict the engine's probe measures, as vLLM hands it to the template (`build_chat_params`
+# merges `chat_template_kwargs` with `reasoning_effort` and the `enable_thinking` it implies): a flag true or false,
+# all together, a reasoning effort. A request is bounded by the measure only when its merged dict is one of these.
+TEMPLATE_KWARG_VARIANTS = ([{flag: value} for flag in TEMPLATE_FLAGS for value in (True, False)]
+                           + [dict.fromkeys(TEMPLATE_FLAGS, value) for value in (True, False)]
+                           + [{"reasoning_effort": effort, "enable_thinking": effort != "none"}
+                              for effort in REASONING_EFFORTS])
 
 
 @dataclass(slots=True)

@@ -12,8 +12,10 @@ of every text the chat template can render (contents, roles, names, tool definit
 what templates render) plus a fixed allowance per message and per prompt for the template's own
 text and special tokens. Whatever the text, the engine refuses a prompt longer than its context,
 so each prompt counts at most `max_model_len`; a part that is not text (an image) counts as that, and
-so does a chat whose `chat_template_kwargs` or `reasoning_effort` hold more than the flags its engine measured (the
-template may render them in every message, or switch on a long block with a flag).
+so does a chat whose `chat_template_kwargs` and `reasoning_effort`, merged as vLLM merges them, are not exactly a dict its
+engine measured (the template may render them in every message, or switch on a long block with a flag). Normalizing is
+work on the event loop: a request decomposes at most one context of characters, and past that a text counts
+`MAX_GROWTH` bytes a character, unread.
 
 Outputs are bounded by what vLLM honours (`vllm.entrypoints.serve.utils.api_utils.get_max_tokens`):
 chat takes `max_completion_tokens`, else `max_tokens`, else all the context left; a Responses call
@@ -42,14 +44,13 @@ this allows would cost the platform, never the customer's cap.
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
+import threading
 import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
-from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_FLAGS
+from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
 # the whole conversation (a default system preamble, the generation prompt), for the instructions a
@@ -133,20 +134,26 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
     Never raises on odd input: what cannot be read is counted at its largest (the engine refuses
     what it cannot read, and a refused request costs nothing). `template_tokens`: what the model's chat
     template was measured to add, per conversation and per message (`ModelFacts`); the allowances are
-    at least that. `template_flag_tokens`: the same with any flag a request may set (`protocol.TEMPLATE_FLAGS`,
-    `reasoning_effort`); None until measured, and a request that sets one is bounded by the context alone.
+    at least that. `template_flag_tokens`: the same with any flag a request may set
+    (`protocol.TEMPLATE_KWARG_VARIANTS`); None until measured, and a request that sets one is bounded by the context alone.
 
     NOTE: it runs on the gateway's event loop before admission, for any key: a prompt is counted only until it
     reaches the context (where its bound is capped anyway), so no body, however large, costs more than one
-    context's worth of per-character work.
+    context's worth of per-character work, and the request shares one allowance of characters to normalize (the
+    context: 2,048 prompts of U+FDFA, each under its own budget, took 0.4 s): past it, a text counts `MAX_GROWTH`
+    bytes a character, unread.
     """
     limit = max(1, int(max_model_len))
+    _DECOMPOSE_ALLOWANCE.num_characters = limit
     if kind in ("chat", "responses"):
-        reasoning = payload.get("reasoning")  # a Responses call's effort is `reasoning.effort`
-        effort = payload.get("reasoning_effort") if kind == "chat" else (
-            reasoning.get("effort") if isinstance(reasoning, dict) else None)
-        allowances = _template_allowances(payload.get("chat_template_kwargs"), effort, template_tokens,
-                                          template_flag_tokens)
+        allowances = (max(TOKENS_PER_CONVERSATION, template_tokens[0]), max(TOKENS_PER_MESSAGE, template_tokens[1]))
+        # NOTE: most bodies set neither; skipping the check is most of an ASCII request's estimate (issue #20).
+        if "chat_template_kwargs" in payload or "reasoning_effort" in payload or "reasoning" in payload:
+            reasoning = payload.get("reasoning")  # a Responses call's effort is `reasoning.effort`
+            effort = payload.get("reasoning_effort") if kind == "chat" else (
+                reasoning.get("effort") if isinstance(reasoning, dict) else None)
+            allowances = _template_allowances(payload.get("chat_template_kwargs"), effort, allowances,
+                                              template_flag_tokens)
     if kind == "chat":
         prompts = [UNBOUNDED if allowances is None else _chat_prompt_bound(payload, limit, *allowances)]
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
@@ -196,26 +203,32 @@ def _chat_prompt_bound(payload: dict, limit: int, per_conversation: int = TOKENS
     return total
 
 
-def _template_allowances(kwargs, effort, template_tokens: tuple[int, int],
+def _template_allowances(kwargs, effort, allowances: tuple[int, int],
                          template_flag_tokens: tuple[int, int] | None) -> tuple[int, int] | None:
     """The template's own tokens (per conversation, per message) that bound a prompt with these `chat_template_kwargs`
-    and reasoning effort; None when nothing but the context does.
+    and reasoning effort, given the `allowances` without them; None when nothing but the context does.
 
     NOTE: vLLM hands the template every kwarg it names, and a kwarg replaces what the template had under that name: a
     template renders `eos_token` or `bos_token` in every message, so 90 bytes of `eos_token` prompted a conversation of
     20 empty messages with ~2,000 tokens against a bound of ~580 (the rest unbilled). A text, a number or a list can be
     rendered in any loop of the template, and a flag can switch on a block of any length (Granite's `thinking: true`:
-    970 tokens against a bound of 366); a reasoning effort reaches the template as itself and as `enable_thinking`. So
-    only the flags and efforts the model's engine measured (`protocol.TEMPLATE_FLAGS`, `REASONING_EFFORTS`) are bounded,
-    by the most they were measured to add."""
-    allowances = (max(TOKENS_PER_CONVERSATION, template_tokens[0]), max(TOKENS_PER_MESSAGE, template_tokens[1]))
+    970 tokens against a bound of 366). vLLM merges the kwargs with the effort (`build_chat_params`: `reasoning_effort`
+    and, unless the kwargs name it, `enable_thinking`), and a template may branch on any combination, so the merged
+    dict is bounded only when it is one the engine measured (`protocol.TEMPLATE_KWARG_VARIANTS`): `thinking` with a
+    "high" effort, or two flags of different values, were bounded by measures of neither."""
     if not isinstance(kwargs, dict):
         kwargs = {}  # none, or not an object: the engine refuses it
     if not kwargs and effort is None:
         return allowances
     if template_flag_tokens is None or (effort is not None and effort not in REASONING_EFFORTS):
         return None
-    if not all(key in TEMPLATE_FLAGS and isinstance(value, bool) for key, value in kwargs.items()):
+    merged = dict(kwargs)
+    if effort is not None:
+        merged["reasoning_effort"] = effort
+        merged.setdefault("enable_thinking", effort != "none")
+    # NOTE: by type as well as value: `{"thinking": 1}` equals `{"thinking": True}`, and a template may render the 1.
+    if not any(merged == variant and all(type(merged[key]) is type(value) for key, value in variant.items())
+               for variant in TEMPLATE_KWARG_VARIANTS):
         return None
     return max(allowances[0], template_flag_tokens[0]), max(allowances[1], template_flag_tokens[1])
 
@@ -264,15 +277,7 @@ def _responses_item_bytes(item, budget: int) -> int:
         if total >= budget:
             return total
         if key in RESPONSES_PART_FIELDS and isinstance(value, list):
-            for part in value:
-                if total >= budget:
-                    return total
-                if isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_PARTS:
-                    text = part.get("text")
-                    total += (_utf8_bytes(text, budget - total) if isinstance(text, str)
-                              else _json_bytes(text, budget - total)) + TOKENS_PER_PART
-                else:
-                    total += UNBOUNDED
+            total += _content_bytes(value, budget - total, _responses_part_text)
         elif key == "arguments":
             total += _tool_calls_bytes([{"function": {"arguments": value}}], budget - total)
         elif isinstance(value, str):
@@ -290,10 +295,7 @@ def _message_bytes(message, budget: int) -> int:
         if total >= budget:
             return total
         if key == "content" and isinstance(value, list):
-            for part in value:
-                if total >= budget:
-                    return total
-                total += _part_bytes(part, budget - total) + TOKENS_PER_PART
+            total += _content_bytes(value, budget - total, _chat_part_text)
         elif key == "tool_calls":
             total += _tool_calls_bytes(value, budget - total)
         elif isinstance(value, str):
@@ -319,21 +321,53 @@ def _tool_calls_bytes(tool_calls, budget: int) -> int:
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
                 arguments = json.loads(function["arguments"])
+                # NOTE: a JSON string literal too: ASCII "\\ufdfa" escapes parse to text a template renders raw.
+                any_parsed = True
             except (ValueError, RecursionError):
                 arguments = function["arguments"]
-            any_parsed = any_parsed or not isinstance(arguments, str)
             call = {**call, "function": {**function, "arguments": arguments}}
         parsed.append(call)
     return max(as_sent, _json_bytes(parsed, budget)) if any_parsed else as_sent
 
 
-def _part_bytes(part, budget: int) -> int:
-    if isinstance(part, dict) and part.get("type", "text") == "text":
-        text = part.get("text")
-        return _utf8_bytes(text, budget) if isinstance(text, str) else _json_bytes(text, budget)
+_NOT_TEXT = object()  # a content part that is not text (an image): unbounded
+
+
+def _chat_part_text(part):
     if isinstance(part, str):
-        return _utf8_bytes(part, budget)
-    return UNBOUNDED
+        return part
+    if isinstance(part, dict) and part.get("type", "text") == "text":
+        return part.get("text")
+    return _NOT_TEXT
+
+
+def _responses_part_text(part):
+    if isinstance(part, dict) and part.get("type") in _RESPONSES_TEXT_PARTS:
+        return part.get("text")
+    return _NOT_TEXT
+
+
+def _content_bytes(parts: list, budget: int, text_of) -> int:
+    """A content list: its text parts (`text_of` a part: its text, or `_NOT_TEXT`) as one text joined by "\\n", as vLLM
+    joins them, counted in one pass (480,000 parts of "e\\u0301", each normalized apart, took 0.8 s), a part whose
+    text is not a string as JSON, any other part as the context, and `TOKENS_PER_PART` each.
+
+    NOTE: the joined count is the parts' own together plus a byte a "\\n": "\\n" neither composes, nor reorders, nor
+    decomposes under any normalization, so no part's count changes beside it."""
+    total, texts, num_characters = 0, [], 0
+    for part in parts:
+        if total + num_characters >= budget:
+            return total + num_characters
+        text = text_of(part)
+        if isinstance(text, str):
+            texts.append(text)
+            num_characters += len(text)
+        elif text is _NOT_TEXT:
+            total += UNBOUNDED
+        else:
+            total += _json_bytes(text, budget - total - num_characters)
+        total += TOKENS_PER_PART
+    return total + _utf8_bytes("\n".join(texts), budget - total) if texts else total
 
 
 def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
@@ -362,6 +396,24 @@ def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
 # not (no character a composition yields lowercases longer than its lowercased decomposition), and the decomposition
 # of a text is that of its characters, one by one (reordering moves them only); lowercasing is per character too.
 TOKENIZER_NORMALIZATIONS = (("NFC", "NFD"), ("NFKC", "NFKD"))
+# What is left of the request's allowance of non-ASCII characters to read and decompose (`worst_case` sets it to the
+# context; each character read and each one a decomposition yields counts); None outside a request (no limit).
+# NOTE: per thread, not a ContextVar (whose set and reset added ~0.35 µs to every request): `worst_case` never awaits,
+# so one thread runs one estimate at a time.
+
+
+class _Allowance(threading.local):
+    num_characters: int | None = None
+
+
+_DECOMPOSE_ALLOWANCE = _Allowance()
+# The characters lowercasing lengthens, with the UTF-8 bytes it adds to each (a test recomputes them over every code
+# point; scanning them here took the first non-ASCII request of a process 255 ms).
+LOWERCASE_GROWTH = (("\u0130", 1), ("\u023a", 1), ("\u023e", 1))
+# The most UTF-8 bytes one code point becomes under any of these normalizations, lowercased or not (U+FDFA's NFKD is
+# 18 characters, 33 bytes; a test recomputes it): a text past the request's decomposition allowance counts this much a
+# character, unread.
+MAX_GROWTH = 33
 # Characters decomposed at a time: a decomposition is at most 18 characters a character (U+FDFA), so a text past its
 # budget is found past it at most one chunk's work later.
 _DECOMPOSE_CHARACTERS = 4096
@@ -376,44 +428,48 @@ def _utf8_bytes(text: str, budget: int) -> int:
     already in a form (Unicode's quick check, which stops at the first character not in it) adds only what
     lowercasing adds; other text counts its decomposition, a chunk at a time, until that reaches the budget. A text of
     `budget` characters or more is past the budget unread (each character is a byte at least): 8 MiB of U+FDFA took
-    7 s to normalize whole."""
+    7 s to normalize whole. Every character read and decomposed is taken from the request's allowance
+    (`_DECOMPOSE_ALLOWANCE`); a text it cannot pay for counts `MAX_GROWTH` bytes a character, unread."""
     if text.isascii():
         return len(text)
     if len(text) >= budget:
         return len(text)
+    unread = min(budget, MAX_GROWTH * len(text))
+    allowance = _DECOMPOSE_ALLOWANCE
+    if allowance.num_characters is not None:
+        if allowance.num_characters < len(text):
+            return unread
+        allowance.num_characters -= len(text)
     size = len(text.encode("utf-8", "surrogatepass"))  # NOTE: JSON may carry lone surrogates
     longest = size + _lowercase_adds(text)
     for form, decomposed in TOKENIZER_NORMALIZATIONS:
         if not unicodedata.is_normalized(form, text):
-            longest = max(longest, _decomposed_bytes(text, decomposed, budget))
+            counted = _decomposed_bytes(text, decomposed, budget)
+            if counted is None:
+                return unread
+            longest = max(longest, counted)
     return longest
 
 
-def _decomposed_bytes(text: str, form: str, budget: int) -> int:
-    """The UTF-8 bytes of `text` decomposed, and lowercased (which only lengthens), counted until they reach `budget`."""
+def _decomposed_bytes(text: str, form: str, budget: int) -> int | None:
+    """The UTF-8 bytes of `text` decomposed, and lowercased (which only lengthens), counted until they reach `budget`;
+    None when the characters a decomposition yields exhaust the request's allowance."""
+    allowance = _DECOMPOSE_ALLOWANCE
     total = 0
     for start in range(0, len(text), _DECOMPOSE_CHARACTERS):
         if total >= budget:
             break
         decomposition = unicodedata.normalize(form, text[start:start + _DECOMPOSE_CHARACTERS])
         total += len(decomposition.encode("utf-8", "surrogatepass")) + _lowercase_adds(decomposition)
+        if allowance.num_characters is not None:
+            allowance.num_characters -= len(decomposition)
+            if allowance.num_characters < 0:
+                return None
     return total
 
 
 def _lowercase_adds(text: str) -> int:
-    return sum(text.count(character) * added for character, added in _lowercase_growth())
-
-
-@functools.cache
-def _lowercase_growth() -> tuple[tuple[str, int], ...]:
-    """The characters lowercasing lengthens (U+0130 and two others), with the UTF-8 bytes it adds to each."""
-    growth = []
-    for code_point in range(sys.maxunicode + 1):
-        character = chr(code_point)
-        added = len(character.lower().encode("utf-8", "surrogatepass")) - len(character.encode("utf-8", "surrogatepass"))
-        if added > 0:
-            growth.append((character, added))
-    return tuple(growth)
+    return sum(text.count(character) * added for character, added in LOWERCASE_GROWTH)
 
 
 def _is_token(value) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_FLAGS, ChatTemplateTokens
+from gpu_agent.protocol import TEMPLATE_KWARG_VARIANTS, ChatTemplateTokens
 
 # Conversations of empty messages: what a template renders for them is its own text alone, and each probe adds one
 # message of one role to the one before. Some templates refuse some shapes (a system role, a conversation that ends
@@ -26,11 +26,6 @@ _ONE = [_USER]
 _TWO = [_USER, _ASSISTANT]
 _THREE = [_USER, _ASSISTANT, _USER]
 _WITH_SYSTEM = [{"role": "system", "content": ""}, *_THREE]
-# The template arguments a request may set and still be bounded (`protocol.TEMPLATE_FLAGS`), each as vLLM hands it: a
-# flag true, false, all together; a reasoning effort as itself and `enable_thinking`.
-_FLAGGED = ([{flag: value} for flag in TEMPLATE_FLAGS for value in (True, False)]
-            + [dict.fromkeys(TEMPLATE_FLAGS, value) for value in (True, False)]
-            + [{"reasoning_effort": effort, "enable_thinking": effort != "none"} for effort in REASONING_EFFORTS])
 
 
 @dataclass(slots=True)
@@ -74,7 +69,7 @@ class EngineProbe:
         An engine that stops answering in time (a template slow to render some shape) ends the measure there,
         with what was counted before it.
 
-        Then the same with each template argument a request may set (`_FLAGGED`), keeping the most: a variant the
+        Then the same with each template argument a request may set (`protocol.TEMPLATE_KWARG_VARIANTS`), keeping the most: a variant the
         engine refuses is left out (a request with it is refused too); one it does not answer leaves the flags
         unmeasured (a request that sets one then reserves the context)."""
         try:
@@ -85,7 +80,7 @@ class EngineProbe:
             return None
         flagged: tuple[int, int] | None = plain
         try:
-            for kwargs in _FLAGGED:
+            for kwargs in TEMPLATE_KWARG_VARIANTS:
                 measured = self._measure(address, engine_api_key, model, kwargs)
                 if measured is not None:
                     flagged = (max(flagged[0], measured[0]), max(flagged[1], measured[1]))

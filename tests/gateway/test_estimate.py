@@ -358,3 +358,86 @@ def test_text_in_its_normal_form_counts_its_bytes_and_full_width_forms_only_what
         assert worst_case({"prompt": text}, "completion", CONTEXT).num_prompt_tokens == len(text.encode()) + 8
     full_width = "明日（月曜日）も？"
     assert worst_case({"prompt": full_width}, "completion", CONTEXT).num_prompt_tokens == len(full_width.encode()) + 8
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses"])
+def test_tool_call_arguments_that_are_a_json_string_are_reserved_as_the_text_they_parse_to(kind):
+    # ASCII on the wire (6 bytes a character), vLLM parses it and a template renders the text raw: U+FDFA is 33 bytes
+    # under NFKC. A review counted 66,163 real tokens against a bound of 14,288.
+    arguments = json.dumps("\ufdfa" * 2000)
+    if kind == "chat":
+        body = {"model": "m", "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]}
+    else:
+        body = {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments}]}
+    assert worst_case(body, kind, 1_000_000).num_prompt_tokens >= 33 * 2000
+
+
+@pytest.mark.parametrize(("kwargs", "effort"), [
+    ({"thinking": True}, "high"),  # vLLM hands the template all three: the probe measured none of them together
+    ({"thinking": True, "enable_thinking": False}, None),
+    ({"enable_thinking": False}, "high"),
+    ({"thinking": 1}, None),  # equal to True, yet a template may render the 1
+])
+def test_flags_and_efforts_together_are_bounded_only_as_the_engine_measured_them(kwargs, effort):
+    body = CHAT | {"chat_template_kwargs": kwargs} | ({"reasoning_effort": effort} if effort else {})
+    assert worst_case(body, "chat", CONTEXT, (64, 16), (500, 16)).prompt_bounds == (CONTEXT,)
+
+
+def test_an_effort_with_the_enable_thinking_it_implies_is_bounded_by_the_measure():
+    body = CHAT | {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "high"}
+    assert 500 <= worst_case(body, "chat", CONTEXT, (64, 16), (500, 16)).num_prompt_tokens < CONTEXT
+
+
+@pytest.fixture
+def characters_normalized(monkeypatch):
+    """The characters the estimate hands Unicode normalization, and how many calls, as it counts them."""
+    work = {"characters": 0, "calls": 0}
+    for name in ("normalize", "is_normalized"):
+        original = getattr(unicodedata, name)
+
+        def counted(form, text, original=original):
+            work["characters"] += len(text)
+            work["calls"] += 1
+            return original(form, text)
+
+        monkeypatch.setattr(unicodedata, name, counted)
+    return work
+
+
+@pytest.mark.parametrize("kind", ["completion", "embedding"])
+def test_a_request_of_many_prompts_normalizes_at_most_its_context_of_characters(kind, characters_normalized):
+    # 2,048 prompts of U+FDFA, each under its own budget, stalled the loop 0.4 s: every prompt was normalized whole.
+    field = "prompt" if kind == "completion" else "input"
+    case = worst_case({"model": "m", field: ["\ufdfa" * 1000] * 2048}, kind, 100_000)
+    assert characters_normalized["characters"] <= 4 * 100_000
+    assert min(case.prompt_bounds) >= 33 * 1000
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses"])
+def test_the_text_parts_of_a_content_list_are_normalized_in_one_pass(kind, characters_normalized):
+    # 480,000 parts of "e\u0301" stalled the loop 0.8 s: each part was normalized on its own.
+    if kind == "chat":
+        body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "e\u0301"}] * 20_000}]}
+    else:
+        body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "e\u0301"}] * 20_000}]}
+    assert worst_case(body, kind, 1_000_000).num_prompt_tokens >= 20_000 * (3 + 1)
+    assert characters_normalized["calls"] <= 64  # a chunk of 4,096 characters a call, not a part a call
+
+
+def test_the_lengthening_characters_are_those_unicode_defines():
+    from endpoints.gateway.estimate import LOWERCASE_GROWTH, MAX_GROWTH, TOKENIZER_NORMALIZATIONS
+
+    def utf8(text):
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    growth, most = [], 0
+    for code_point in range(0x110000):
+        character = chr(code_point)
+        if utf8(character.lower()) > utf8(character):
+            growth.append((character, utf8(character.lower()) - utf8(character)))
+        forms = [character] + [unicodedata.normalize(form, character) for pair in TOKENIZER_NORMALIZATIONS for form in pair]
+        most = max(most, *(utf8(text) for text in forms), *(utf8(text.lower()) for text in forms))
+    assert tuple(growth) == LOWERCASE_GROWTH
+    assert most == MAX_GROWTH
