@@ -75,6 +75,14 @@ def _quick_client():
                         config=QUICK_READ)
 
 
+def forget_clients() -> None:
+    """Drop the S3 clients made so far (`_client`, `_quick_client`): the next call makes them from the settings again
+    (a test's S3 server and bucket). NOTE: one place for both: a test that dropped only the run's kept the quick one,
+    bound to an S3 server an earlier test had stopped."""
+    _client.cache_clear()
+    _quick_client.cache_clear()
+
+
 # How long a `read_start` goes on reading the object's bytes, whatever pace S3 sends them at: it ends within this and
 # one `QUICK_READ` read timeout (an S3 sending a byte every 3 s held a batch's creation for ever).
 READ_START_WITHIN_S = 5.0

@@ -76,11 +76,11 @@ def files_bucket(s3_server, monkeypatch, settings) -> str:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings.FILES_S3_BUCKET, settings.FILES_S3_ENDPOINT_URL = bucket, s3_server
-    storage._client.cache_clear()
+    storage.forget_clients()
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id=S3_KEY,
                  aws_secret_access_key=S3_SECRET).create_bucket(Bucket=bucket)
     yield bucket
-    storage._client.cache_clear()
+    storage.forget_clients()
 
 
 @pytest.fixture

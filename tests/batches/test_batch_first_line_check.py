@@ -97,7 +97,7 @@ def test_reading_the_first_line_from_an_s3_that_trickles_gives_up(settings):
     threading.Thread(target=_trickle, args=(listener, stop), daemon=True).start()
     settings.FILES_S3_ENDPOINT_URL = f"http://127.0.0.1:{listener.getsockname()[1]}"
     settings.FILES_S3_BUCKET = "b"
-    storage._quick_client.cache_clear()
+    storage.forget_clients()
     result = {}
 
     def read():
@@ -116,4 +116,22 @@ def test_reading_the_first_line_from_an_s3_that_trickles_gives_up(settings):
     finally:
         stop.set()
         listener.close()
-        storage._quick_client.cache_clear()
+        storage.forget_clients()
+
+
+@pytest.fixture
+def quick_client_of_a_stopped_s3(settings):
+    """The quick S3 client made while the settings named an S3 server since gone (an earlier test's): before the
+    bucket's fixture names this test's server."""
+    settings.FILES_S3_ENDPOINT_URL = "http://127.0.0.1:9"  # nothing listens
+    storage._quick_client()
+
+
+def test_the_first_line_check_reads_from_the_s3_the_settings_name_now(
+    quick_client_of_a_stopped_s3, console_client_factory, files_bucket, org
+):
+    # The suite's run: the bucket's fixture dropped the run's S3 client only, and the check's kept an earlier test's
+    # server (connection refused): the check was skipped and the batch created, a 302 where the refusal was a 400.
+    serve_endpoint(org, "http://127.0.0.1:9", task="embed", name="m")
+    member = console_client_factory(org, Role.MEMBER)
+    assert _post_form(member, "m", "/v1/chat/completions").status_code == 400
