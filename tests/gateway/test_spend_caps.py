@@ -182,20 +182,28 @@ def test_without_a_card_calls_stop_at_the_limit_and_an_unpaid_invoice_stops_them
         fake.stop()
 
 
+def _metrics_after_a_call_past_its_reservation(tenant, endpoint, tmp_path, *, stream: bool) -> str:
+    """One overlong completion through a gateway of its own (its log and metrics this call's alone): its metrics once
+    the loss's warning is logged."""
+    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
+    try:
+        body = {"model": endpoint.name, **OVERLONG} | ({"stream": True} if stream else {})
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60) as response:
+            response.read()
+        assert response.status_code == 200
+        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
+        return httpx.get(f"{gateway}/metrics", timeout=10).text
+    finally:
+        child.stop()
+
+
 def test_usage_past_the_reservation_is_logged_and_counted_so_the_loss_is_seen(tenant, start_mock_upstream, tmp_path):
     # A model's own chat template can render more prompt than the estimate allows; the customer is billed the
     # reservation and the rest is the platform's, which nothing showed.
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
                               price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
-    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
-    try:
-        answer = httpx.post(f"{gateway}/v1/completions", json={"model": endpoint.name, **OVERLONG},
-                            headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60)
-        assert answer.status_code == 200
-        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
-        metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
-    finally:
-        child.stop()
+    metrics = _metrics_after_a_call_past_its_reservation(tenant, endpoint, tmp_path, stream=False)
     assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
 
 
@@ -205,16 +213,7 @@ def test_a_stream_whose_prompt_alone_passes_its_reservation_is_counted_as_a_loss
     # event: the stream was cut off there as if its last chunk had, and the loss was counted for no stream.
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(prompt_tokens=100_000), price_input_per_million=PRICE,
                               price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
-    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
-    try:
-        with httpx.stream("POST", f"{gateway}/v1/completions", json={"model": endpoint.name, **OVERLONG, "stream": True},
-                          headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60) as response:
-            response.read()
-        assert response.status_code == 200
-        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
-        metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
-    finally:
-        child.stop()
+    metrics = _metrics_after_a_call_past_its_reservation(tenant, endpoint, tmp_path, stream=True)
     assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
     row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
     assert row.status == "cut_off" and row.prompt_tokens == 100_000
@@ -227,18 +226,9 @@ def test_a_stream_whose_prompt_passes_its_estimate_is_counted_as_a_loss_when_cut
     # tenth token, the loss counted for nothing (only a prompt past the whole reservation was).
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(prompt_tokens=20), price_input_per_million=PRICE,
                               price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
-    child, gateway = start_web_server(tmp_path, name="gateway", server_args=("--log-level", "warning"))
-    try:
-        with httpx.stream("POST", f"{gateway}/v1/completions", json={"model": endpoint.name, **OVERLONG, "stream": True},
-                          headers={"Authorization": f"Bearer {tenant.key}"}, timeout=60) as response:
-            response.read()
-        assert response.status_code == 200
-        row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
-        assert row.status == "cut_off" and row.prompt_tokens == 20
-        wait_until(lambda: "past the" in child.log_text(), 15, message="the warning")
-        metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
-    finally:
-        child.stop()
+    metrics = _metrics_after_a_call_past_its_reservation(tenant, endpoint, tmp_path, stream=True)
+    row = wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).first(), 15, message="the usage row")
+    assert row.status == "cut_off" and row.prompt_tokens == 20
     assert f'inferplane_usage_past_reservation_total{{endpoint_id="{endpoint.pk}"' in metrics
 
 
