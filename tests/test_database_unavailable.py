@@ -15,7 +15,7 @@ from psycopg_pool import PoolTimeout
 from controlplane.database_unavailable import server_error
 from tests.conftest import PRODUCTION_WEB_ENV, start_web_server
 from tests.outages import database_refusing_connections, postgresql_stopped
-from tests.web_callers import bogus_node_secret, signed_in_owner
+from tests.web_callers import heartbeat_with_a_bogus_secret, signed_in_owner
 
 UNAVAILABLE = "The database is unavailable: try again shortly."
 BUSY = "The database is busy or unavailable: try again shortly."
@@ -48,12 +48,7 @@ def test_while_postgresql_is_down_the_api_console_and_agent_api_answer_503_with_
             listed = httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30)
             with httpx.Client(base_url=web, cookies=cookies, timeout=30) as browser:
                 page = browser.get(f"/console/endpoints/{endpoint.pk}/")
-            beaten = httpx.post(
-                f"{web}/agent/v1/heartbeat",
-                json={},
-                headers={"authorization": f"Bearer {bogus_node_secret()}"},
-                timeout=30,
-            )
+            beaten = heartbeat_with_a_bogus_secret(web, timeout=30)
         listed_after = httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30)
     finally:
         child.stop()

@@ -23,7 +23,12 @@ from django.db import connection, connections
 
 from tests.conftest import PRODUCTION_WEB_ENV, start_web_server, wait_until
 from tests.outages import StallableSocketProxy, database_refusing_connections, terminate_backends
-from tests.web_callers import bogus_node_secret, registered_agent, signed_in_owner
+from tests.web_callers import (
+    bogus_node_secret,
+    heartbeat_with_a_bogus_secret,
+    registered_agent,
+    signed_in_owner,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -216,12 +221,7 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
             message="the first request to hold the pool's connection",
         )
         refused = httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=10)
-        agent_refused = httpx.post(
-            f"{web}/agent/v1/heartbeat",
-            json={},
-            headers={"authorization": f"Bearer {bogus_node_secret()}"},
-            timeout=10,
-        )
+        agent_refused = heartbeat_with_a_bogus_secret(web, timeout=10)
     finally:
         holder.close()
         stuck.join(30)
@@ -422,12 +422,7 @@ def _during_a_burst_of_slow_api_requests(
             lambda: len(sessions_waiting_for_a_lock()) >= 4, 20, message="the burst to wait on the lock"
         )
         ready = httpx.get(f"{web}/readyz", timeout=10)
-        beaten = httpx.post(
-            f"{web}/agent/v1/heartbeat",
-            json={},
-            headers={"authorization": f"Bearer {bogus_node_secret()}"},
-            timeout=10,
-        )
+        beaten = heartbeat_with_a_bogus_secret(web, timeout=10)
     finally:
         holder.close()
         for request in burst:

@@ -51,3 +51,9 @@ def registered_agent(base_url: str, *, join_token_name: str) -> tuple[str, dict]
 def bogus_node_secret() -> str:
     """A node secret of the right shape that no node holds (anyone may send one: no credentials needed)."""
     return f"nd_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)[:43]}"
+
+
+def heartbeat_with_a_bogus_secret(web: str, *, timeout: float) -> httpx.Response:
+    """An agent heartbeat to the web server at `web` under `bogus_node_secret` (what any stranger can send)."""
+    return httpx.post(f"{web}/agent/v1/heartbeat", json={},
+                      headers={"authorization": f"Bearer {bogus_node_secret()}"}, timeout=timeout)
