@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.console.conftest import screenshot
-from tests.console.test_browser_pages import log_in_staff, nav, sign_up
+from tests.console.test_browser_pages import copy_new_secret, log_in_staff, nav, sign_up
 from tests.factories import MembershipFactory, UserFactory
 
 NEEDED = [REPO_ROOT / "gpu_agent" / "runtime" / "cli.py"]
@@ -73,10 +73,7 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
         nav(page, "API keys")
         page.get_by_label("Name").fill("journey")
         page.get_by_role("button", name="Create key").click()
-        secret = page.get_by_test_id("new-secret").input_value()
-        page.get_by_role("button", name="Copy").click()
-        expect(page.get_by_role("button", name="Copied")).to_be_visible()  # the clipboard's write is done
-        assert page.evaluate("navigator.clipboard.readText()") == secret
+        copy_new_secret(page)
 
         # Deploy: a first attempt without a model source is refused inline, the second deploys.
         page.goto("/console/endpoints/new/")
