@@ -19,7 +19,8 @@ its own, `limit_malloc_arenas`): every Django request runs in a thread of its ow
 
 uvicorn's access line is off unless `--access-log` is passed: the application writes its own
 (`controlplane.access_log`), and none on an inference call, which has the gateway's request line. uvicorn's graceful
-wait after the gateway's drain is `GRACEFUL_SHUTDOWN_S` unless `--timeout-graceful-shutdown` is passed.
+wait after the gateway's drain is `GRACEFUL_SHUTDOWN_S` unless `--timeout-graceful-shutdown` is passed. No `server`
+header names uvicorn unless `--server-header` is passed.
 
 NOTE: uvicorn (uvloop, httptools), not granian: granian cost the gateway more CPU per request, not less,
 measured side by side (`bench/results/gateway_profile.md`, round 4).
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         # NOTE: what is left after the gateway's own drain of its inference calls (`endpoints.gateway.drain`):
         # uploads and console requests. uvicorn's default waits for them for ever, until the pod's SIGKILL.
         uvicorn_args.append(f"--timeout-graceful-shutdown={GRACEFUL_SHUTDOWN_S}")
+    if not any(arg in ("--server-header", "--no-server-header") for arg in uvicorn_args):
+        # NOTE: `server: uvicorn` names the software to every caller (a scanner's first finding) and cost each
+        # response a header's checks in uvicorn's `send`.
+        uvicorn_args.append("--no-server-header")
     uvicorn.main([APPLICATION, "--workers", str(workers), *uvicorn_args])
 
 

@@ -81,6 +81,12 @@ def test_uvicorns_access_line_is_off_unless_asked_for(monkeypatch, given, expect
     assert expected in args and ("--access-log" in args) != ("--no-access-log" in args)
 
 
+@pytest.mark.parametrize(("given", "expected"), [((), "--no-server-header"), (("--server-header",), "--server-header")])
+def test_no_server_header_names_the_software_unless_asked_for(monkeypatch, given, expected):
+    args = _uvicorn_args(monkeypatch, given)
+    assert expected in args and ("--server-header" in args) != ("--no-server-header" in args)
+
+
 @pytest.mark.parametrize(("given", "expected"), [((), "--timeout-graceful-shutdown=10"),
                                                  (("--timeout-graceful-shutdown=30",), "--timeout-graceful-shutdown=30")])
 def test_uvicorns_graceful_wait_is_bounded_unless_given(monkeypatch, given, expected):

@@ -170,3 +170,4 @@ def test_metrics_of_a_multi_process_pod_still_need_the_token(pod):
         response = httpx.get(f"{pod.url}/metrics", headers=headers)
         assert response.status_code == 401
         assert response.content == b""
+        assert "server" not in response.headers  # no software named to a caller (controlplane.serve)
