@@ -35,7 +35,7 @@ class EndpointForm(SerializerBackedForm):
     )
     task = forms.ChoiceField(
         label="Task", required=False,
-        choices=[("auto", "Automatic (from the model's config)"), ("generate", "Generate text (chat, completions)"),
+        choices=[("auto", "Automatic (from the model's config)"), ("generate", "Generate text (chat, completions, responses)"),
                  ("embed", "Embeddings (/v1/embeddings)")],
         help_text="An embedding endpoint serves /v1/embeddings, billed as input tokens at the input price.",
     )

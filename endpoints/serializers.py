@@ -259,9 +259,10 @@ class EndpointSerializer(StrictModelSerializer):
 
     task = serializers.ChoiceField(
         choices=[task.value for task in ModelTask], default=ModelTask.AUTO.value,
-        help_text="What the endpoint serves: \"generate\" (chat and completions), \"embed\" (/v1/embeddings, "
-                  "billed as input tokens at the input price) or \"auto\" (the default): from the model's config "
-                  "(an encoder such as BertModel, a bare *Model body or a sentence-transformers layout embeds).",
+        help_text="What the endpoint serves: \"generate\" (/v1/chat/completions, /v1/completions and "
+                  "/v1/responses), \"embed\" (/v1/embeddings, billed as input tokens at the input price) or \"auto\" "
+                  "(the default): from the model's config (an encoder such as BertModel, a bare *Model body or a "
+                  "sentence-transformers layout embeds). Batches take the same paths as their `endpoint`.",
     )
     speculative_method = serializers.ChoiceField(
         choices=[method.value for method in SpeculativeMethod], default=SpeculativeMethod.NONE.value,

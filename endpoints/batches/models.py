@@ -17,7 +17,8 @@ COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 # (`services.sweep_abandoned_uploads`). The longest an upload may take: one of a row with no lease counts until then.
 UPLOAD_ABANDONED_AFTER = timedelta(hours=1)
 # The paths a batch line may call (OpenAI's `endpoint`), and the gateway's kind of each.
-BATCH_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
+BATCH_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding",
+               "/v1/responses": "responses"}
 
 
 def new_file_id() -> str:

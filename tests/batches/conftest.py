@@ -103,6 +103,32 @@ def new_batch(endpoint, data: bytes, *, request_path: str = "/v1/chat/completion
                                  completion_window="24h", metadata=None)
 
 
+def lose_a_result_once(monkeypatch, index: int) -> list[int]:
+    """S3 refuses the put of line `index`'s result once, after the line ran and was billed (a worker that died between
+    its usage row and its result): that run raises. The list returned holds `index` once it was lost."""
+    put_result, lost = storage.put_result, []
+
+    def loses_one(organization_id, batch_id, line_index, row, *, ok):
+        if line_index == index and not lost:
+            lost.append(line_index)
+            raise RuntimeError("the worker died here")
+        return put_result(organization_id, batch_id, line_index, row, ok=ok)
+
+    monkeypatch.setattr(storage, "put_result", loses_one)
+    return lost
+
+
+# OpenAI's statuses of a batch that has ended.
+ENDED_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+
+def ended_batch(client, batch_id: str, timeout_s: float = 300):
+    """The batch, read with the `openai` `client`, once it has ended."""
+    wait_until(lambda: client.batches.retrieve(batch_id).status in ENDED_STATUSES, timeout_s, interval_s=1,
+               message="the batch to end")
+    return client.batches.retrieve(batch_id)
+
+
 def logprob_lines(model: str, num: int) -> bytes:
     """An input of `num` chat lines for `model` that ask for logprobs (the mock pads its answers with them)."""
     return b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",

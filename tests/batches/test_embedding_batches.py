@@ -17,10 +17,10 @@ import pytest
 
 from billing.ledger import cost_of
 from billing.models import UsageRecord
-from endpoints.batches import services, storage
+from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.gateway.embeddings import MAX_INPUTS
-from tests.batches.conftest import bucket_objects, new_batch, s3_stalled
+from tests.batches.conftest import bucket_objects, lose_a_result_once, new_batch, s3_stalled
 from tests.conftest import wait_until
 from tests.fakes.mock_openai import EMBEDDING_SIZE, PROMPT_TOKENS
 from tests.gateway.conftest import new_tenant, serve_endpoint
@@ -100,15 +100,7 @@ def test_a_line_run_again_after_its_result_was_lost_is_billed_once(
     batch = new_batch(
         endpoint, _jsonl([_line(f"e{i}", endpoint.name) for i in range(3)]), request_path=EMBEDDINGS
     )
-    put_result, lost = storage.put_result, []
-
-    def loses_one(organization_id, batch_id, index, row, *, ok):
-        if index == 1 and not lost:
-            lost.append(index)
-            raise RuntimeError("the worker died here")
-        return put_result(organization_id, batch_id, index, row, ok=ok)
-
-    monkeypatch.setattr(storage, "put_result", loses_one)
+    lost = lose_a_result_once(monkeypatch, 1)
     with pytest.raises(RuntimeError):
         services.run_batch(batch.pk)
     services.run_batch(batch.pk)

@@ -17,7 +17,7 @@ from billing.ledger import cost_of
 from billing.models import UsageRecord
 from gpu_agent.protocol import ModelTask, ReplicaSpec
 from gpu_agent.runtime.tiny_model import EMBEDDING_MATRYOSHKA_DIMENSIONS, HIDDEN_SIZE
-from tests.conftest import wait_until
+from tests.batches.conftest import ended_batch
 from tests.engines import serve_engine
 from tests.gateway.conftest import serve_endpoint
 
@@ -78,13 +78,7 @@ def test_an_embeddings_batch_answers_every_input_shape_with_the_models_vectors_b
     )
     assert batch.endpoint == "/v1/embeddings"
 
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).status in ("completed", "failed", "expired", "cancelled"),
-        300,
-        interval_s=1,
-        message="the batch to end",
-    )
-    batch = client.batches.retrieve(batch.id)
+    batch = ended_batch(client, batch.id)
     assert batch.status == "completed", batch
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
         7,

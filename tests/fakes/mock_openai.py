@@ -87,6 +87,8 @@ class MockOpenAI:
                                                            "param": "max_tokens", "code": 400}})
         if path.endswith("/embeddings"):
             return await self._embeddings(send, payload)
+        if path.endswith("/responses") and not payload.get("stream"):
+            return await self._response(send, payload)
         num_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
         chat = path.endswith("/chat/completions")
         cached = PROMPT_TOKENS - 1 if self.prefix_cache and _prefix(payload) in self.prefixes_seen else 0
@@ -163,6 +165,20 @@ class MockOpenAI:
         tokens = PROMPT_TOKENS * num_inputs
         return await self._json(send, 200, {"object": "list", "model": payload.get("model"), "data": data,
                                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _response(self, send, payload):
+        """A whole `/v1/responses` answer, as vLLM writes one: `max_output_tokens` tokens of text."""
+        num_tokens = int(payload.get("max_output_tokens") or 16)
+        await asyncio.sleep(self.prefill_s + self.token_delay_s * num_tokens)
+        text = " ".join(["tok"] * num_tokens)
+        output = [{"id": "msg-mock", "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        usage = {"input_tokens": PROMPT_TOKENS, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": num_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": PROMPT_TOKENS + num_tokens}
+        return await self._json(send, 200, {"id": "resp-mock", "object": "response", "created_at": int(time.time()),
+                                            "model": payload.get("model"), "status": "completed", "output": output,
+                                            "usage": usage})
 
     async def _json(self, send, status, data):
         body = _dumps(data)
