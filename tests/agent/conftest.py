@@ -34,6 +34,15 @@ def write_json_of_empty_objects(path: Path, fields: dict, num_bytes: int = 30 * 
     path.write_text(head + "{}," * ((num_bytes - len(head)) // 3) + "{}]}")
 
 
+def cpu_used_s() -> float:
+    """The CPU seconds this process (all its threads) and the children it waited for have used so far.
+
+    NOTE: for a bound on work, not on waiting: a loaded machine stretches the wall clock's time of the same work
+    (CI's 2 cores saw a 1 s bound on a header's refusal missed), never its CPU time."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def with_peak_memory(call):
     """`call()`'s result and the most memory Python held while it ran, in bytes."""
     tracemalloc.start()

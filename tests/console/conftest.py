@@ -63,6 +63,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-background-networking", "--disable-gpu",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOTS_DIR = ARTIFACTS_DIR / "screenshots"
+# NOTE: how long an action or an `expect` waits. Playwright's `expect` waits 5 s by default, which a server's
+# answer or a page's deferred scripts can take on CI's loaded machine; a wait that passes returns at once.
+BROWSER_TIMEOUT_MS = 15_000
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,7 @@ def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (tests/run.sh installs Debian's chromium package)")
+    sync_api.expect.set_options(timeout=BROWSER_TIMEOUT_MS)
     # NOTE: Playwright's sync API runs an event loop in this thread; the test's own ORM calls
     # (fixtures, assertions) are still plain synchronous code, so Django may allow them.
     previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
@@ -96,7 +100,7 @@ def browser():
 def page(browser, live_server_url):
     context = browser.new_context(base_url=live_server_url, viewport={"width": 1280, "height": 900},
                                   permissions=["clipboard-read", "clipboard-write"])
-    context.set_default_timeout(15_000)
+    context.set_default_timeout(BROWSER_TIMEOUT_MS)
     page = context.new_page()
     script_errors = []
     page.on("pageerror", lambda error: script_errors.append(str(error)))

@@ -6,7 +6,7 @@ import pytest
 
 from controlplane.accounts.invitations import invitation_token
 from controlplane.accounts.models import Invitation, Membership, Role
-from tests.console.conftest import screenshot
+from tests.console.conftest import BROWSER_TIMEOUT_MS, screenshot
 from tests.console.test_browser_pages import (
     PASSWORD,
     expect,
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 def _new_page(browser, live_server_url):
     context = browser.new_context(base_url=live_server_url, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
+    context.set_default_timeout(BROWSER_TIMEOUT_MS)
     return context, context.new_page()
 
 

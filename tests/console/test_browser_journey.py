@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.console.conftest import screenshot
-from tests.console.test_browser_pages import copy_new_secret, log_in_staff, nav, sign_up
+from tests.console.test_browser_pages import copy_new_secret, log_in_staff, nav, press_and_confirm, sign_up
 from tests.factories import MembershipFactory, UserFactory
 
 NEEDED = [REPO_ROOT / "gpu_agent" / "runtime" / "cli.py"]
@@ -129,9 +129,9 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
         nav(page, "Fleet")
         card = page.get_by_test_id(f"node-{NODE}")
         expect(card).to_contain_text("tiny-chat")
-        page.once("dialog", lambda dialog: dialog.accept())
-        card.get_by_role("button", name="Drain").click()
+        questions = press_and_confirm(page, card.get_by_role("button", name="Drain"))
         expect(page.get_by_text(f"Node {NODE} is draining")).to_be_visible()
+        assert questions == [f"Drain {NODE}? Its replicas move to other nodes."]
         assert Node.objects.get(name=NODE).state == NodeState.DRAINING
         wait_until(lambda: not Replica.objects.filter(endpoint=endpoint, node__name=NODE, state=ReplicaState.READY).exists(),
                    30, message="the replica to leave READY")

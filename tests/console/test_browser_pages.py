@@ -74,31 +74,68 @@ def nav(page, name: str) -> None:
     page.get_by_role("navigation", name="Main").get_by_role("link", name=name, exact=True).click()
 
 
+def scripts_ran(page) -> None:
+    """Wait until the page's deferred scripts (htmx, app.js, the page's own) have run.
+
+    NOTE: what only a script makes work (`data-copy`, `data-confirm`, `hx-*`, the playground) does nothing
+    when pressed before (CI saw a Copy pressed before app.js on a loaded machine). Call it once something of
+    the new page was seen: until the new page arrives, this is the old page's load state.
+    """
+    page.wait_for_load_state("load")
+
+
 def copy_new_secret(page) -> str:
     """Press the new key page's Copy button; return the secret once the clipboard holds it."""
     secret = page.get_by_test_id("new-secret").input_value()
-    # NOTE: the button is app.js's (a deferred script): a click before the page has loaded copies nothing
-    # (CI saw it on a loaded machine: the key page's scripts were still being revalidated).
-    page.wait_for_load_state("load")
+    scripts_ran(page)
     page.get_by_role("button", name="Copy").click()
     expect(page.get_by_role("button", name="Copied")).to_be_visible()  # the clipboard's write is done
     assert page.evaluate("navigator.clipboard.readText()") == secret
     return secret
 
 
+def press_and_confirm(page, button) -> list[str]:
+    """Press a button whose form asks first (app.js's `data-confirm`), accept, and return what was asked."""
+    questions = []
+
+    def accept(dialog):
+        questions.append(dialog.message)
+        dialog.accept()
+
+    scripts_ran(page)
+    page.once("dialog", accept)
+    button.click()
+    return questions
+
+
 @contextmanager
-def late_scripts(page, delay_ms: int):
-    """This page's own scripts (app.js, htmx) answered `delay_ms` late, as on a loaded machine."""
+def late_responses(page, url: str, delay_ms: int):
+    """The page's requests for `url` (a glob) made inside the block answered `delay_ms` late, as on a loaded
+    machine."""
+    held = []
 
     def hold(route):
-        page.wait_for_timeout(delay_ms)  # NOTE: Playwright runs each route handler on its own greenlet
-        route.continue_()
+        held.append(route)
+        try:
+            page.wait_for_timeout(delay_ms)  # NOTE: Playwright runs each route handler on its own greenlet
+            route.continue_()
+        finally:
+            held.remove(route)
 
-    page.route("**/static/**/*.js", hold)
+    page.route(url, hold)
     try:
         yield
     finally:
-        page.unroute("**/static/**/*.js", hold)
+        # NOTE: unrouting during a hold fails its `continue_` ("Route is already handled") in whatever the test
+        # does next: the block ends once every request it held was answered.
+        while held:
+            page.wait_for_timeout(50)
+        page.unroute(url, hold)
+
+
+def late_scripts(page, delay_ms: int):
+    """This page's own scripts (app.js, htmx) answered `delay_ms` late."""
+    return late_responses(page, "**/static/**/*.js", delay_ms)
 
 
 def log_in_unverified(page, email: str) -> None:
@@ -161,8 +198,8 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     # The deploy wizard: an invalid spec shows the serializer's errors inline, then a valid one deploys.
     nav(page, "Endpoints")
     page.get_by_role("link", name="New endpoint").first.click()
-    # NOTE: htmx (a deferred script) listens once the page has loaded: a click before it swaps nothing.
-    page.wait_for_load_state("load")
+    expect(page.get_by_role("heading", name="New endpoint")).to_be_visible()
+    scripts_ran(page)  # htmx swaps in the quantizations of the GPU picked
     page.get_by_label("Endpoint name").fill("Support Chat")
     page.get_by_label("Model source", exact=True).fill("github.com/some/model")
     page.locator("label[for=gpu-cpu]").click()
@@ -171,8 +208,14 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
     expect(page.locator("#id_quantization option[value=fp8_per_channel]")).to_have_count(1)
     expect(page.locator("#id_quantization option[value=awq]")).to_have_count(0)
     page.get_by_label("Maximum replicas").fill("0")
-    page.get_by_role("button", name="Deploy endpoint").click()
-    expect(page.get_by_test_id("form-errors")).to_be_visible()
+    # The refused spec's page has its scripts late (a loaded machine): a GPU picked there still swaps in its
+    # quantizations.
+    with late_scripts(page, delay_ms=1_500):
+        page.get_by_role("button", name="Deploy endpoint").click()
+        expect(page.get_by_test_id("form-errors")).to_be_visible()
+        scripts_ran(page)
+        page.locator("label[for=gpu-l4]").click()
+        expect(page.locator("#id_quantization option[value=awq]")).to_have_count(1)
     expect(page.get_by_text("Must start with hf:, s3:// or / (a local path).")).to_be_visible()
     expect(page.get_by_text("Ensure this value is greater than or equal to 1.")).to_be_visible()
     screenshot(page, "05-wizard-errors")
@@ -180,8 +223,6 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
 
     page.get_by_label("Endpoint name").fill("support-chat")
     page.get_by_label("Model source", exact=True).fill("hf:meta-llama/Llama-3.1-8B-Instruct")
-    page.locator("label[for=gpu-l4]").click()
-    expect(page.locator("#id_quantization option[value=awq]")).to_have_count(1)
     page.get_by_label("Quantization").select_option("fp8")
     page.get_by_label("Maximum replicas").fill("3")
     page.get_by_label("Idle timeout (seconds)").fill("600")
@@ -204,17 +245,20 @@ def test_a_customer_signs_up_creates_a_key_deploys_and_reads_every_page(page):
         for request in range(1 + minute % 4):
             record_usage(endpoint, minutes_ago=minute + request / 10, prompt=400 + 10 * minute, completion=600 + 40 * request,
                          latency_ms=700 + 300 * request + 5 * minute)
-    page.reload()
-    expect(page.locator("#endpoint-status")).to_contain_text("Ready")
-    expect(page.get_by_text("downloading weights").first).to_be_visible()
-    expect(page.get_by_test_id("event-log")).to_contain_text("READY after 38.2 s")
-    expect(page.locator("#snippet-python")).to_contain_text('model="support-chat"')
-    expect(page.locator("[data-chart=latency] canvas")).to_have_count(1)
+    # The charts' metrics answer late (a loaded machine): they are still drawn.
+    with late_responses(page, "**/metrics.json?*", delay_ms=7_000):
+        page.reload()
+        expect(page.locator("#endpoint-status")).to_contain_text("Ready")
+        expect(page.get_by_text("downloading weights").first).to_be_visible()
+        expect(page.get_by_test_id("event-log")).to_contain_text("READY after 38.2 s")
+        expect(page.locator("#snippet-python")).to_contain_text('model="support-chat"')
+        expect(page.locator("[data-chart=latency] canvas")).to_have_count(1)
     screenshot(page, "07-endpoint")
 
     # The live part follows the database without a reload (htmx polling).
     Replica.objects.filter(state=ReplicaState.STARTING).update(state=ReplicaState.FAILED, failure_reason="CUDA out of memory")
-    expect(page.get_by_test_id("replica-table")).to_contain_text("Failed", timeout=10_000)
+    # NOTE: htmx polls every 3 s, and a loaded server takes seconds to answer each poll.
+    expect(page.get_by_test_id("replica-table")).to_contain_text("Failed", timeout=30_000)
 
     page.get_by_role("link", name="Edit").click()
     expect(page.get_by_label("Maximum replicas")).to_have_value("3")
@@ -275,14 +319,15 @@ def test_staff_cordon_and_drain_a_node(page):
     expect(card).to_contain_text("big-model")
     screenshot(page, "14-fleet")
 
-    card.get_by_role("button", name="Cordon").click()
-    expect(page.get_by_text("Node gpu-h100-07 is cordoned")).to_be_visible()
-    node.refresh_from_db()
-    assert node.state == NodeState.CORDONED
-
-    page.once("dialog", lambda dialog: dialog.accept())
-    page.get_by_test_id("node-gpu-h100-07").get_by_role("button", name="Drain").click()
+    # The fleet page's scripts arrive late (a loaded machine): Drain still asks first.
+    with late_scripts(page, delay_ms=1_500):
+        card.get_by_role("button", name="Cordon").click()
+        expect(page.get_by_text("Node gpu-h100-07 is cordoned")).to_be_visible()
+        node.refresh_from_db()
+        assert node.state == NodeState.CORDONED
+        questions = press_and_confirm(page, card.get_by_role("button", name="Drain"))
     expect(page.get_by_text("Node gpu-h100-07 is draining")).to_be_visible()
+    assert questions == ["Drain gpu-h100-07? Its replicas move to other nodes."]
     node.refresh_from_db()
     replica.refresh_from_db()
     assert node.state == NodeState.DRAINING and replica.state == ReplicaState.DRAINING
