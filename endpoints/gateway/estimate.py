@@ -6,7 +6,9 @@ prepaid credit reserve its `max_cost`, and token rate limits may read its token 
 Prompt tokens are bounded without the tokenizer. A byte-level BPE tokenizer (the tiny model's, and
 Llama 3's, Qwen's, GPT-2's…) never makes more tokens than the UTF-8 bytes of its text, and a
 SentencePiece one with byte fallback at most one more per text, each counted after the Unicode normalization
-the tokenizer may apply (NFC, NFKC: one character can become eleven). So a prompt is bounded by the bytes
+the tokenizer may apply (NFC, NFKC: one character can become eleven), and, for a model whose agent reported a
+tokenizer that decomposes, replaces or prepends, what that adds (`endpoints.gateway.normalizers`, by `_rewritten_bytes`;
+an unknown one counts as the context). So a prompt is bounded by the bytes
 of every text the chat template can render (contents, roles, names, tool definitions, tool calls,
 `response_format` schemas; structured values as indented JSON with escapes, which is longer than
 what templates render) plus a fixed allowance per message and per prompt for the template's own

@@ -18,6 +18,9 @@ a regular expression replaced by content (one matching nothing lengthens every p
 pattern an earlier step can make (its characters in an earlier replacement's or prepend's content, a multi-character
 pattern after a step that deletes, a non-ASCII pattern after a normalization). A model whose agent reported nothing
 (`None`) is counted as before; so is one whose normalizer adds nothing (NFC, NFKC, lowercase, strip).
+
+NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is taken as the NFKC it is built from (nmt_nfkc), as
+before this module: a tenant's own map could send a character to anything, and is not bounded here.
 """
 
 from __future__ import annotations
