@@ -69,9 +69,14 @@ class PromptNormalizer:
         added = 0
         for pattern, growth, normalized, lowercased in self.replacements:
             if not (decomposed_apart and normalized):
-                added += growth * (text.count(pattern) + (text.lower().count(pattern) if lowercased else 0))
+                added += growth * text.count(pattern)
+                if lowercased:
+                    added += growth * text.lower().count(pattern)
         if self.prepend_bytes:
-            added += self.prepend_bytes * (1 + sum(text.count(start) for start in self.segment_starts))
+            num_pieces = 1
+            for start in self.segment_starts:
+                num_pieces += text.count(start)
+            added += self.prepend_bytes * num_pieces
         return added
 
     def rewritten_added_bytes(self, decomposed: str) -> int:
