@@ -521,7 +521,8 @@ MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's o
 
 
 # What a tokenizer's normalizer may do to a text's length, one step at a time (`NormalizerStep.kind`), as the agent
-# reads it from tokenizer.json (`gpu_agent.runtime.tokenizer_normalizer`); the gateway bounds prompts by it
+# reads it from tokenizer.json (`gpu_agent.runtime.tokenizer_normalizer`; a `Metaspace` pre-tokenizer's replacement and
+# prepend follow as steps of the same kinds); the gateway bounds prompts by it
 # (`endpoints.gateway.normalizers`). "compose": NFC, NFKC or a precompiled (SentencePiece) character map; "decompose":
 # NFD or NFKD; "lowercase"; "replace": `pattern` (literal) by `content`; "replace_regex": the same, `pattern` a regular
 # expression; "prepend": `content` before each piece of text; "cjk_spaces": a space either side of each CJK ideograph

@@ -11,6 +11,8 @@ into what the estimate adds, once per endpoint as the gateway loads it (`directo
   less the pattern), counted per occurrence in the text as sent, or decomposed and lowercased when a normalization or
   lowercasing runs before it (which can make occurrences: NFKD of U+FDFA holds three spaces).
 - `Prepend`: its content per text, and per piece the tokenizer splits the text into at its added tokens.
+- a `Metaspace` pre-tokenizer (Mistral's, XLM-R's, T5's): the agent reports it as the `Replace(" ", "▁")` and
+  `Prepend("▁")` it makes, after the normalizer's steps.
 - BERT's spaces either side of a CJK ideograph: two bytes per non-ASCII character.
 
 NOTE: a step whose growth cannot be bounded this way reserves the context (`unbounded`): an unknown normalizer type,
@@ -132,10 +134,12 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
             prepend_bytes += _longest_bytes(step.content)
             made.update(step.content)
         elif step.kind == "replace_regex":
-            if step.content and _regex_growth(step.pattern, step.content) > 0:
+            repeated = _repeated_character(step.pattern)
+            if step.content and (repeated is None or _regex_growth(repeated, step.content) > 0):
                 return PromptNormalizer(unbounded=f"a regular expression replaced by {step.content[:20]!r}")
             deletes = True
-            made.update(step.content)
+            if set(step.content) - {repeated[0] if repeated else ""}:
+                made.update(step.content)  # NOTE: a run made shorter of the same character makes none of it
         elif step.kind == "replace":
             pattern = step.pattern
             if not pattern:
@@ -165,17 +169,19 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
     )
 
 
-def _regex_growth(pattern: str, content: str) -> int:
-    """The most bytes replacing one match of `pattern` by `content` adds; 1 (it lengthens) for a pattern other than
-    one character repeated."""
+def _repeated_character(pattern: str) -> tuple[str, int] | None:
+    """(the character, the fewest times) of a regular expression that matches one character repeated; None for any
+    other (a class such as \\s or \\d is not a character)."""
     match = _REPETITION.match(pattern)
-    if match is None:
-        return 1
-    character = match[1][-1]
-    if match[1].startswith("\\") and character.isalnum():
-        return 1  # a class (\d, \s, \w...), not a character
-    shortest = 1 if match[3] else int(match[2])
-    return _longest_bytes(content) - shortest * len(character.encode("utf-8", "surrogatepass"))
+    if match is None or (match[1].startswith("\\") and match[1][-1].isalnum()):
+        return None
+    return match[1][-1], 1 if match[3] else int(match[2])
+
+
+def _regex_growth(repeated: tuple[str, int], content: str) -> int:
+    """The most bytes replacing one match of a character repeated by `content` adds (its shortest match: fewest)."""
+    character, fewest = repeated
+    return _longest_bytes(content) - fewest * len(character.encode("utf-8", "surrogatepass"))
 
 
 def _longest_bytes(text: str) -> int:

@@ -1,4 +1,5 @@
-"""What a model's tokenizer does to text before it splits it: tokenizer.json's `normalizer`, as a length goes.
+"""What a model's tokenizer does to text before it splits it: tokenizer.json's `normalizer` (and a `Metaspace`
+pre-tokenizer's rewrite), as a length goes.
 
 The gateway bounds a prompt's tokens by its UTF-8 bytes after normalization (`endpoints.gateway.estimate`), and some
 normalizers lengthen text: NFD and NFKD decompose text already composed ("가", 3 bytes, is 9 as jamo), `Replace`
@@ -51,10 +52,14 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
     Never raises."""
     path = Path(model_dir) / "tokenizer.json"
     try:
-        fields = _top_level_fields(path, ("normalizer", "added_tokens"))
-        if "normalizer" not in fields:
-            raise _Unknown("its tokenizer.json has no normalizer before the cap on what is read")
-        steps = _steps(fields["normalizer"], 0)
+        fields = _top_level_fields(path, ("normalizer", "pre_tokenizer", "added_tokens"))
+        if "normalizer" not in fields or "pre_tokenizer" not in fields:
+            raise _Unknown(
+                "its tokenizer.json has no normalizer or pre-tokenizer before the cap on what is read"
+            )
+        steps = _steps(fields["normalizer"], 0) + _pre_tokenizer_steps(fields["pre_tokenizer"], 0)
+        if len(steps) > MAX_NORMALIZER_STEPS:
+            raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
         starts = (
             _segment_starts(fields.get("added_tokens"))
             if any(step.kind == "prepend" for step in steps)
@@ -69,10 +74,13 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
         return TokenizerNormalizer(unknown="its tokenizer.json is not JSON as a tokenizer writes it")
 
 
-def describe_normalizer(normalizer: object) -> TokenizerNormalizer:
-    """`read_tokenizer_normalizer` of a `normalizer` value already parsed (tests, and what a tokenizer builds)."""
+def describe_normalizer(normalizer: object, pre_tokenizer: object = None) -> TokenizerNormalizer:
+    """`read_tokenizer_normalizer` of a tokenizer.json's `normalizer` and `pre_tokenizer` values already parsed."""
     try:
-        return TokenizerNormalizer(steps=_steps(normalizer, 0))
+        steps = _steps(normalizer, 0) + _pre_tokenizer_steps(pre_tokenizer, 0)
+        if len(steps) > MAX_NORMALIZER_STEPS:
+            raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
+        return TokenizerNormalizer(steps=steps)
     except _Unknown as exc:
         return TokenizerNormalizer(unknown=str(exc))
 
@@ -93,9 +101,7 @@ def _top_level_fields(path: Path, names: tuple[str, ...]) -> dict:
     while len(found) < len(names):
         position = _skip_space(text, position)
         if text[position : position + 1] == "}":
-            if "normalizer" not in found:
-                found["normalizer"] = None  # the whole object read: it has no normalizer
-            return found
+            return {name: None for name in names} | found  # the whole object read: what it lacks it has not
         try:
             key, position = decoder.raw_decode(text, position)
             position = _skip_space(text, position)
@@ -146,6 +152,56 @@ def _steps(normalizer: object, depth: int) -> list[NormalizerStep]:
     if len(steps) > MAX_NORMALIZER_STEPS:
         raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
     return steps
+
+
+# Pre-tokenizers that only split text (`tokenizers`' types): they add nothing to its length.
+_SPLITTING_PRE_TOKENIZERS = frozenset(
+    {
+        "BertPreTokenizer",
+        "ByteLevel",
+        "CharDelimiterSplit",
+        "Whitespace",
+        "WhitespaceSplit",
+        "Split",
+        "Punctuation",
+        "Digits",
+        "UnicodeScripts",
+        "FixedLength",
+    }
+)
+
+
+def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerStep]:
+    """A pre-tokenizer's rewrites, after the normalizer's: `Metaspace` (newer conversions of Llama's and Mistral's
+    SentencePiece tokenizers, T5's, XLM-R's) replaces each space by its `replacement` ("▁", 3 bytes) and prepends one
+    unless its scheme is "never"; the others only split (`ByteLevel` maps each byte to one character, which its
+    byte-level vocabulary counts as one byte)."""
+    if pre_tokenizer is None:
+        return []
+    if not isinstance(pre_tokenizer, dict):
+        raise _Unknown("a pre-tokenizer that is not an object")
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        inner = pre_tokenizer.get("pretokenizers")
+        if not isinstance(inner, list) or depth >= _SEQUENCE_DEPTH:
+            raise _Unknown("a pre-tokenizer Sequence that is not a list, or nested too deep")
+        return [
+            step
+            for item in inner[: MAX_NORMALIZER_STEPS + 1]
+            for step in _pre_tokenizer_steps(item, depth + 1)
+        ]
+    if kind == "Metaspace":
+        replacement = _text(pre_tokenizer.get("replacement", "\u2581"), "Metaspace's replacement")
+        scheme = pre_tokenizer.get(
+            "prepend_scheme", "always" if pre_tokenizer.get("add_prefix_space", True) else "never"
+        )
+        if scheme not in ("always", "first", "never"):
+            raise _Unknown("a Metaspace whose prepend_scheme is none of always, first, never")
+        steps = [NormalizerStep(kind="replace", pattern=" ", content=replacement)]
+        return steps + ([NormalizerStep(kind="prepend", content=replacement)] if scheme != "never" else [])
+    if kind in _SPLITTING_PRE_TOKENIZERS:
+        return []
+    raise _Unknown(f"a pre-tokenizer of type {str(kind)[:40]!r}")
 
 
 def _replace(normalizer: dict) -> NormalizerStep:

@@ -91,6 +91,45 @@ def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds
     assert _kinds(read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))) == kinds
 
 
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "kinds"),
+    [
+        # Mistral's and newer Llama conversions: the space replaced in pre-tokenizing, not normalizing
+        (
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+            ["replace", "prepend"],
+        ),
+        (
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never", "split": True},
+            ["replace"],
+        ),
+        ({"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}, ["replace", "prepend"]),
+        ({"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel"}]}, []),
+    ],
+)
+def test_a_metaspace_pre_tokenizer_is_described_as_the_replacement_it_makes(model_copy, pre_tokenizer, kinds):
+    path = model_copy / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == kinds
+
+
+@pytest.mark.parametrize(
+    "pre_tokenizer",
+    [
+        {"type": "SomethingNew"},
+        {"type": "Metaspace", "prepend_scheme": "sometimes"},
+        {"type": "Sequence"},
+        "Metaspace",
+    ],
+)
+def test_a_pre_tokenizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, pre_tokenizer):
+    path = model_copy / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
 def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
     described = read_tokenizer_normalizer(_with_normalizer(model_copy, LLAMA))
 
@@ -135,7 +174,9 @@ def test_a_huge_tokenizer_is_read_no_further_than_its_normalizer(model_copy):
     # Real tokenizer.json files run to tens of MB (the vocabulary, after the normalizer): read up to the cap only.
     path = model_copy / "tokenizer.json"
     spec = json.loads(path.read_text())
-    head = {name: spec[name] for name in ("version", "added_tokens")} | {"normalizer": {"type": "NFD"}}
+    head = {name: spec[name] for name in ("version", "added_tokens", "pre_tokenizer")} | {
+        "normalizer": {"type": "NFD"}
+    }
     path.write_text(json.dumps(head)[:-1] + ', "model": {"vocab": [' + "{}," * (20 * 1024 * 1024) + "{}]}}")
 
     described, peak = with_peak_memory(lambda: read_tokenizer_normalizer(model_copy))

@@ -53,6 +53,34 @@ NORMALIZERS = {
         "type": "Sequence",
         "normalizers": [{"type": "Replace", "pattern": {"String": "x"}, "content": "\ufdfa"}, NFKD],
     },
+    # Mistral's newer conversions: "▁" for a space in pre-tokenizing; here the tiny model's bytes take it after
+    "Metaspace, then bytes": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            ],
+        },
+    ),
+    # XLM-R's: NFKC (its precompiled map's), runs of spaces made one, then Metaspace
+    "XLM-R's": (
+        {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "NFKC"},
+                {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+            ],
+        },
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+    ),
     "BERT's": {
         "type": "BertNormalizer",
         "clean_text": True,
@@ -71,21 +99,37 @@ def tiny_tokenizer_spec(tiny_model_dir) -> dict:
     return json.loads((tiny_model_dir / "tokenizer.json").read_text())
 
 
-def _tokens(spec: dict, normalizer: dict, text: str) -> int:
+def _parts(tokenizer) -> tuple:
+    """(normalizer, pre-tokenizer) of a `NORMALIZERS` entry: a normalizer, or both."""
+    return tokenizer if isinstance(tokenizer, tuple) else (tokenizer, None)
+
+
+def _tokens(spec: dict, tokenizer, text: str) -> int:
     from tokenizers import Tokenizer
 
-    return len(Tokenizer.from_str(json.dumps(spec | {"normalizer": normalizer})).encode(text).ids)
+    normalizer, pre_tokenizer = _parts(tokenizer)
+    changed = {"normalizer": normalizer} | ({"pre_tokenizer": pre_tokenizer} if pre_tokenizer else {})
+    return len(Tokenizer.from_str(json.dumps(spec | changed)).encode(text).ids)
 
 
-def _bound(text: str, normalizer: dict | None) -> int:
-    rewrites = None if normalizer is None else prompt_normalizer(describe_normalizer(normalizer).to_dict())
+def _bound(text: str, tokenizer) -> int:
+    rewrites = (
+        None if tokenizer is None else prompt_normalizer(describe_normalizer(*_parts(tokenizer)).to_dict())
+    )
     return worst_case(
         {"prompt": text, "max_tokens": 1}, "completion", CONTEXT, normalizer=rewrites
     ).num_prompt_tokens
 
 
 @pytest.mark.parametrize(
-    ("normalizer", "text"), [(NFD, KOREAN), (NFD, "\u00e9" * 300), (NFKD, KOREAN), (LLAMA, SPACED)]
+    ("normalizer", "text"),
+    [
+        (NFD, KOREAN),
+        (NFD, "\u00e9" * 300),
+        (NFKD, KOREAN),
+        (LLAMA, SPACED),
+        (NORMALIZERS["Metaspace, then bytes"], SPACED),
+    ],
 )
 def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
     tiny_tokenizer_spec, normalizer, text
