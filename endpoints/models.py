@@ -368,6 +368,11 @@ class Endpoint(models.Model):
         return ModelFacts.chat_template_measures_of(self.model_source, self.weights_scope)
 
     @property
+    def tokenizer_normalizer(self) -> dict | None:
+        """What its model's tokenizer's normalizer does (`ModelFacts.tokenizer_normalizer_of`); None until known."""
+        return ModelFacts.tokenizer_normalizer_of(self.model_source, self.weights_scope)
+
+    @property
     def context_length(self) -> int:
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
         if self.max_model_len is not None:
@@ -435,6 +440,9 @@ class ModelFacts(models.Model):
     # and a request that sets one reserves the whole context.
     template_tokens_flagged_per_conversation = models.PositiveIntegerField(null=True, blank=True)
     template_tokens_flagged_per_message = models.PositiveIntegerField(null=True, blank=True)
+    # What its tokenizer's normalizer does to a text's length (`protocol.TokenizerNormalizer.to_dict()`): null = not
+    # read (an older agent), and the gateway's estimate bounds prompts as before (`endpoints.gateway.normalizers`).
+    tokenizer_normalizer = models.JSONField(null=True, blank=True)
     # Of a shared copy (scope ""): what nodes reported that differs from the facts kept, by node id, {node: {field:
     # value}}; a value two nodes report replaces the kept one (`learn`).
     disputed = models.JSONField(default=dict, blank=True)
@@ -525,6 +533,12 @@ class ModelFacts(models.Model):
             return (0, 0), None
         flagged = None if measured[2] is None else (measured[2], measured[3] or 0)
         return (measured[0], measured[1] or 0), flagged
+
+    @classmethod
+    def tokenizer_normalizer_of(cls, source: str, scope: str) -> dict | None:
+        """What its tokenizer's normalizer does (`protocol.TokenizerNormalizer.to_dict()`); None until an agent said."""
+        return cls.of(source, scope).exclude(tokenizer_normalizer__isnull=True).values_list(
+            "tokenizer_normalizer", flat=True).first()
 
     @classmethod
     def quantization_of(cls, source: str, scope: str) -> CheckpointQuantization | None:

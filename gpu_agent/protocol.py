@@ -520,6 +520,71 @@ MAX_ARCHITECTURE_CHARS = 200
 MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's own store can list anything)
 
 
+# What a tokenizer's normalizer may do to a text's length, one step at a time (`NormalizerStep.kind`), as the agent
+# reads it from tokenizer.json (`gpu_agent.runtime.tokenizer_normalizer`; a `Metaspace` pre-tokenizer's replacement and
+# prepend follow as steps of the same kinds); the gateway bounds prompts by it
+# (`endpoints.gateway.normalizers`). "compose": NFC, NFKC or a precompiled (SentencePiece) character map; "decompose":
+# NFD or NFKD; "lowercase"; "replace": `pattern` (literal) by `content`; "replace_regex": the same, `pattern` a regular
+# expression; "prepend": `content` before each piece of text; "cjk_spaces": a space either side of each CJK ideograph
+# (BERT's); "shortens": steps that only delete or map a character to one no longer (strip, strip accents, BERT's
+# clean-up).
+NORMALIZER_STEP_KINDS = ("compose", "decompose", "lowercase", "replace", "replace_regex", "prepend", "cjk_spaces",
+                         "shortens")
+MAX_NORMALIZER_STEPS = 16
+MAX_NORMALIZER_TEXT_CHARS = 64  # a step's pattern or content
+MAX_SEGMENT_STARTS = 64
+MAX_NORMALIZER_NOTE_CHARS = 200
+
+
+@dataclass(slots=True)
+class NormalizerStep(Message):
+    kind: str
+    pattern: str = ""
+    content: str = ""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.kind, str) and isinstance(self.pattern, str) and isinstance(self.content, str),
+                 "a normalizer step's kind, pattern and content must be strings")
+
+
+@dataclass(slots=True)
+class TokenizerNormalizer(Message):
+    """What a model's tokenizer does to text before it splits it (tokenizer.json's `normalizer`), as far as a
+    text's length goes: its steps in order, or why it is not known (`unknown`, then `steps` is empty).
+
+    NOTE: read from a tenant's file: whatever a report says, a step the protocol does not know, too many steps, a
+    pattern or content too long (or holding a NUL, which PostgreSQL's JSON refuses) make the whole description
+    unknown, never a refused heartbeat; the gateway reserves an unknown normalizer's prompts as the context."""
+
+    steps: list[NormalizerStep] = field(default_factory=list)
+    unknown: str = ""  # why the normalizer is not known ("" when it is)
+    # The first characters of the added tokens the tokenizer splits out before it normalizes (each piece between
+    # them gets a "prepend" step's content); "" when there are none.
+    segment_starts: str = ""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.unknown, str) and isinstance(self.segment_starts, str),
+                 "a normalizer's note and segment starts must be strings")
+        problem = self.unknown or self._problem()
+        if problem:
+            self.steps, self.segment_starts = [], ""
+            self.unknown = _printable(problem)[:MAX_NORMALIZER_NOTE_CHARS] or "unknown"
+
+    def _problem(self) -> str:
+        if len(self.steps) > MAX_NORMALIZER_STEPS:
+            return f"more than {MAX_NORMALIZER_STEPS} steps"
+        if len(self.segment_starts) > MAX_SEGMENT_STARTS or "\0" in self.segment_starts:
+            return "too many added tokens' first characters"
+        for step in self.steps:
+            if step.kind not in NORMALIZER_STEP_KINDS:
+                return f"a step of kind {step.kind[:40]!r}"
+            if max(len(step.pattern), len(step.content)) > MAX_NORMALIZER_TEXT_CHARS:
+                return f"a pattern or content past {MAX_NORMALIZER_TEXT_CHARS} characters"
+            if "\0" in step.pattern + step.content:
+                return "a pattern or content holding a NUL"
+        return ""
+
+
 @dataclass(slots=True)
 class ModelInfo(Message):
     """What a model's own config says (read by the agent once the weights are cached)."""
@@ -529,6 +594,8 @@ class ModelInfo(Message):
     num_params: int | None = None  # from the safetensors headers
     # None: not read (an agent older than this field); else what config.json declares, maybe nothing.
     quantization: CheckpointQuantization | None = None
+    # None: not read (an agent older than this field); else what its tokenizer.json's normalizer does.
+    tokenizer_normalizer: TokenizerNormalizer | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 0),

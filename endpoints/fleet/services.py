@@ -289,7 +289,8 @@ def _reported_replica_ids(reports: list[protocol.ReplicaStatus]) -> list[uuid.UU
 
 
 def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> None:
-    """Keep what the node read from its models' configs (context length, architecture, parameters, quantization)
+    """Keep what the node read from its models' configs (context length, architecture, parameters, quantization,
+    tokenizer normalizer)
     and the size of their files as stored (placement's estimate of the engine's weights).
 
     NOTE: taken only for sources this node runs replicas of now (live states): a node cannot set the limits of
@@ -333,6 +334,8 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
             values |= {"max_model_len": info.max_model_len, "architecture": info.architecture[:200], "num_params": info.num_params}
             if info.quantization is not None:  # an older agent does not read it: keep what another one did
                 values["checkpoint_quantization"] = info.quantization.to_dict()
+            if info.tokenizer_normalizer is not None:  # the same
+                values["tokenizer_normalizer"] = info.tokenizer_normalizer.to_dict()
         if not values:
             continue
         facts = known.get((source, scope))

@@ -21,6 +21,7 @@ from controlplane.credential_lookups import ExpiringSet
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
+from endpoints.gateway.normalizers import PromptNormalizer, prompt_normalizer
 from endpoints.models import Adapter, Endpoint, Replica
 from endpoints.nodes.models import database_time_ago
 from gpu_agent.protocol import NodeState, ReplicaState
@@ -65,6 +66,9 @@ class EndpointInfo:
     # The same with a flag a request may set (`Endpoint.chat_template_measures`); None until measured.
     template_flag_tokens: tuple[int, int] | None = None
     engine_generation: int = 0  # `Endpoint.engine_generation`: calls go to replicas of this one only
+    # What its model's tokenizer adds to a prompt's text beyond every model's count (`normalizers.prompt_normalizer`
+    # of `Endpoint.tokenizer_normalizer`, read once as the endpoint loads); None: nothing, or not known (an older agent).
+    prompt_normalizer: PromptNormalizer | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +87,7 @@ class ReplicaInfo:
 def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
     """`for_calls` False: for `/v1/models`, which reserves nothing (no look-up of the template's size)."""
     template_tokens, template_flag_tokens = endpoint.chat_template_measures if for_calls else ((0, 0), None)
+    normalizer = prompt_normalizer(endpoint.tokenizer_normalizer) if for_calls else None
     return EndpointInfo(
         id=str(endpoint.pk), name=endpoint.name, organization_id=endpoint.organization_id,
         paused=endpoint.paused_at is not None, max_model_len=endpoint.context_length,
@@ -95,6 +100,7 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
         target_concurrency=endpoint.target_concurrency, template_tokens=template_tokens,
         template_flag_tokens=template_flag_tokens, engine_generation=endpoint.engine_generation,
+        prompt_normalizer=normalizer,
     )
 
 

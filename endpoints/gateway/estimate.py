@@ -6,7 +6,9 @@ prepaid credit reserve its `max_cost`, and token rate limits may read its token 
 Prompt tokens are bounded without the tokenizer. A byte-level BPE tokenizer (the tiny model's, and
 Llama 3's, Qwen's, GPT-2's…) never makes more tokens than the UTF-8 bytes of its text, and a
 SentencePiece one with byte fallback at most one more per text, each counted after the Unicode normalization
-the tokenizer may apply (NFC, NFKC: one character can become eleven). So a prompt is bounded by the bytes
+the tokenizer may apply (NFC, NFKC: one character can become eleven), and, for a model whose agent reported a
+tokenizer that decomposes, replaces or prepends, what that adds (`endpoints.gateway.normalizers`, by `_rewritten_bytes`;
+an unknown one counts as the context). So a prompt is bounded by the bytes
 of every text the chat template can render (contents, roles, names, tool definitions, tool calls,
 `response_format` schemas; structured values as indented JSON with escapes, which is longer than
 what templates render) plus a fixed allowance per message and per prompt for the template's own
@@ -44,12 +46,14 @@ this allows would cost the platform, never the customer's cap.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
+from endpoints.gateway.normalizers import PromptNormalizer
 from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
@@ -127,7 +131,8 @@ class WorstCase:
 
 
 def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int] = (0, 0),
-               template_flag_tokens: tuple[int, int] | None = None) -> WorstCase:
+               template_flag_tokens: tuple[int, int] | None = None,
+               normalizer: PromptNormalizer | None = None) -> WorstCase:
     """The worst case of a `/v1/chat/completions` (`kind` "chat"), `/v1/completions` or
     `/v1/embeddings` ("embedding": its inputs' tokens, no output) request body.
 
@@ -142,7 +147,12 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
     context's worth of per-character work, and the request shares one allowance of characters to normalize (the
     context: 2,048 prompts of U+FDFA, each under its own budget, took 0.4 s): past it, a text counts `MAX_GROWTH`
     bytes a character, unread.
+
+    `normalizer`: what the model's tokenizer adds to a text beyond what every model's count allows
+    (`normalizers.PromptNormalizer`); None for a model whose agent said nothing, or whose tokenizer adds nothing.
     """
+    if normalizer is not None:
+        return _rewritten_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens, normalizer)
     limit = max(1, int(max_model_len))
     _DECOMPOSE_ALLOWANCE.num_characters = limit
     if kind in ("chat", "responses"):
@@ -176,6 +186,26 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
     num_sequences = max(1, _as_int(payload.get("n")) or 1)
     return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in prompts), num_sequences=num_sequences,
                      max_output_tokens=max_output, max_model_len=limit)
+
+
+def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int],
+                          template_flag_tokens: tuple[int, int] | None, normalizer: PromptNormalizer) -> WorstCase:
+    """`worst_case` of a model whose tokenizer's normalizer lengthens text (`normalizers`): every text is counted by
+    `_rewritten_bytes`; a normalizer nothing bounds reserves each prompt as the context, as an unmeasured template
+    flag does."""
+    global _NUM_REWRITING
+    with _REWRITING_LOCK:
+        _NUM_REWRITING += 1
+    _DECOMPOSE_ALLOWANCE.rewrites = normalizer
+    try:
+        case = worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens)
+    finally:
+        _DECOMPOSE_ALLOWANCE.rewrites = None
+        with _REWRITING_LOCK:
+            _NUM_REWRITING -= 1
+    if normalizer.unbounded:
+        return dataclasses.replace(case, prompt_bounds=(case.max_model_len,) * len(case.prompt_bounds))
+    return case
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -404,9 +434,15 @@ TOKENIZER_NORMALIZATIONS = (("NFC", "NFD"), ("NFKC", "NFKD"))
 
 class _Allowance(threading.local):
     num_characters: int | None = None
+    # What the model's tokenizer adds (`_rewritten_worst_case` sets it for the request); None for most models.
+    rewrites: PromptNormalizer | None = None
 
 
 _DECOMPOSE_ALLOWANCE = _Allowance()
+# Threads estimating a request whose tokenizer rewrites text now. NOTE: read before the thread's own `rewrites`, so an
+# estimate of any other model pays one read of a module's integer, not of a thread's attribute, per text (issue #20).
+_NUM_REWRITING = 0
+_REWRITING_LOCK = threading.Lock()
 # The characters lowercasing lengthens, with the UTF-8 bytes it adds to each (a test recomputes them over every code
 # point; scanning them here took the first non-ASCII request of a process 255 ms).
 LOWERCASE_GROWTH = (("\u0130", 1), ("\u023a", 1), ("\u023e", 1))
@@ -430,6 +466,8 @@ def _utf8_bytes(text: str, budget: int) -> int:
     `budget` characters or more is past the budget unread (each character is a byte at least): 8 MiB of U+FDFA took
     7 s to normalize whole. Every character read and decomposed is taken from the request's allowance
     (`_DECOMPOSE_ALLOWANCE`); a text it cannot pay for counts `MAX_GROWTH` bytes a character, unread."""
+    if _NUM_REWRITING and _DECOMPOSE_ALLOWANCE.rewrites is not None:
+        return _rewritten_bytes(text, budget, _DECOMPOSE_ALLOWANCE.rewrites)
     if text.isascii():
         return len(text)
     if len(text) >= budget:
@@ -451,9 +489,38 @@ def _utf8_bytes(text: str, budget: int) -> int:
     return longest
 
 
-def _decomposed_bytes(text: str, form: str, budget: int) -> int | None:
+def _rewritten_bytes(text: str, budget: int, rewrites: PromptNormalizer) -> int:
+    """`_utf8_bytes` of a text to a model whose tokenizer rewrites it (`normalizers.PromptNormalizer`): its bytes, or
+    its decomposition's (always, for a tokenizer that decomposes; else as `_utf8_bytes` counts them), plus what the
+    replacements, prepends and spaces add. ASCII text decomposes to itself: only what replacements and prepends add."""
+    if len(text) >= budget:
+        return len(text)
+    if text.isascii():
+        return len(text) + rewrites.added_bytes(text) if rewrites.rewrites_ascii else len(text)
+    unread = min(budget, (MAX_GROWTH + rewrites.added_per_character()) * len(text) + rewrites.prepend_bytes)
+    allowance = _DECOMPOSE_ALLOWANCE
+    if allowance.num_characters is not None:
+        if allowance.num_characters < len(text):
+            return unread
+        allowance.num_characters -= len(text)
+    longest = len(text.encode("utf-8", "surrogatepass")) + _lowercase_adds(text)
+    counts_decomposed = rewrites.counts_decomposed
+    for form, decomposed in TOKENIZER_NORMALIZATIONS:
+        if rewrites.decomposes or counts_decomposed or not unicodedata.is_normalized(form, text):
+            counted = _decomposed_bytes(text, decomposed, budget, rewrites if counts_decomposed else None)
+            if counted is None:
+                return unread
+            longest = max(longest, counted)
+    added = rewrites.added_bytes(text, decomposed_apart=counts_decomposed)
+    if rewrites.bytes_per_non_ascii:
+        added += rewrites.bytes_per_non_ascii * (len(text) - len(text.encode("ascii", "ignore")))
+    return longest + added
+
+
+def _decomposed_bytes(text: str, form: str, budget: int, rewrites: PromptNormalizer | None = None) -> int | None:
     """The UTF-8 bytes of `text` decomposed, and lowercased (which only lengthens), counted until they reach `budget`;
-    None when the characters a decomposition yields exhaust the request's allowance."""
+    None when the characters a decomposition yields exhaust the request's allowance. With `rewrites`, plus what its
+    replacements that run after a normalization add to the decomposition."""
     allowance = _DECOMPOSE_ALLOWANCE
     total = 0
     for start in range(0, len(text), _DECOMPOSE_CHARACTERS):
@@ -461,6 +528,8 @@ def _decomposed_bytes(text: str, form: str, budget: int) -> int | None:
             break
         decomposition = unicodedata.normalize(form, text[start:start + _DECOMPOSE_CHARACTERS])
         total += len(decomposition.encode("utf-8", "surrogatepass")) + _lowercase_adds(decomposition)
+        if rewrites is not None:
+            total += rewrites.rewritten_added_bytes(decomposition)
         if allowance.num_characters is not None:
             allowance.num_characters -= len(decomposition)
             if allowance.num_characters < 0:
@@ -481,9 +550,20 @@ def _json_bytes(value, budget: int) -> int:
     (`_utf8_bytes`), whichever is longer: at least what a template's `tojson` renders (Jinja's escapes, Hugging Face's
     does not). Walked, never dumped whole, and only until it reaches `budget`."""
     try:
-        return _json_walk(value, budget, 0)
+        counted = _json_walk(value, budget, 0)
     except (TypeError, ValueError, RecursionError):
         return UNBOUNDED
+    if _NUM_REWRITING and _DECOMPOSE_ALLOWANCE.rewrites is not None and _DECOMPOSE_ALLOWANCE.rewrites.rewrites_ascii:
+        counted += _json_rewrites(counted, _DECOMPOSE_ALLOWANCE.rewrites)
+    return counted
+
+
+def _json_rewrites(counted: int, rewrites: PromptNormalizer) -> int:
+    """What replacements and prepends may add to JSON of `counted` bytes, whose indentation, quotes and escapes are
+    not in any text counted: as if every place in it began an occurrence (a loose bound, for structured values)."""
+    added = sum(growth * (counted // len(pattern.encode("utf-8", "surrogatepass")) + 1) * (2 if lowercased else 1)
+                for pattern, growth, _, lowercased in rewrites.replacements)
+    return added + rewrites.prepend_bytes * (1 + (counted if rewrites.segment_starts else 0))
 
 
 def _json_walk(value, budget: int, depth: int) -> int:

@@ -261,7 +261,7 @@ class InferenceRequest:
             raise errors.invalid_request(
                 f"{param} is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.", param=param)
         return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens,
-                                   endpoint.template_flag_tokens)
+                                   endpoint.template_flag_tokens, endpoint.prompt_normalizer)
 
     def upstream_body(self, media_scope: str) -> bytes:
         """The body the engine gets; `media_scope` is the caller's (`Caller.limit_subject`), which its media parts'

@@ -1,4 +1,4 @@
-"""What a model's own files say about it: context length, architecture, size, quantization.
+"""What a model's own files say about it: context length, architecture, size, quantization, tokenizer normalizer.
 
 Read from a cached model directory (`config.json` and the safetensors headers), after the weights
 are fetched and before the engine starts, so the agent can refuse a spec the model cannot run
@@ -39,6 +39,7 @@ from gpu_agent.protocol import (
 )
 from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
 from gpu_agent.runtime.safetensors_headers import read_headers
+from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def read_model(model_dir: str | Path) -> ModelReading:
             architecture=architecture(config),
             num_params=count_parameters(model_dir),
             quantization=checkpoint_quantization(config),
+            tokenizer_normalizer=read_tokenizer_normalizer(model_dir),
         )
     except MalformedModel as exc:
         logger.warning("model %s refused: %s", model_dir.name, exc)

@@ -1,0 +1,192 @@
+"""How a model's tokenizer lengthens text before it splits it, as the gateway's prompt bound counts it.
+
+The estimate (`endpoints.gateway.estimate`) bounds a prompt's tokens by its UTF-8 bytes after normalization, and
+models NFC, NFKC and lowercasing for every model. Some tokenizers do more, and an agent reports what its model's
+tokenizer.json says (`protocol.TokenizerNormalizer`, kept in `ModelFacts.tokenizer_normalizer`); this module turns that
+into what the estimate adds, once per endpoint as the gateway loads it (`directory`), never per request:
+
+- NFD or NFKD ("decompose"): text already composed is lengthened too ("가", 3 bytes, is 9 as jamo), so every non-ASCII
+  text counts its decomposition, not only one that is not in NFC or NFKC.
+- `Replace` of a literal pattern: what each occurrence adds (its content, decomposed and lowercased if that is longer,
+  less the pattern), counted per occurrence in the text as sent, or decomposed and lowercased when a normalization or
+  lowercasing runs before it (which can make occurrences: NFKD of U+FDFA holds three spaces).
+- `Prepend`: its content per text, and per piece the tokenizer splits the text into at its added tokens.
+- a `Metaspace` pre-tokenizer (Mistral's, XLM-R's, T5's): the agent reports it as the `Replace(" ", "▁")` and
+  `Prepend("▁")` it makes, after the normalizer's steps.
+- BERT's spaces either side of a CJK ideograph: two bytes per non-ASCII character.
+
+NOTE: a step whose growth cannot be bounded this way reserves the context (`unbounded`): an unknown normalizer type,
+a regular expression replaced by content (one matching nothing lengthens every position), or a replacement whose
+pattern an earlier step can make (its characters in an earlier replacement's or prepend's content, a multi-character
+pattern after a step that deletes, a non-ASCII pattern after a normalization). A model whose agent reported nothing
+(`None`) is counted as before; so is one whose normalizer adds nothing (NFC, NFKC, lowercase, strip).
+
+NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is taken as the NFKC it is built from (nmt_nfkc), as
+before this module: a tenant's own map could send a character to anything, and is not bounded here.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+from gpu_agent.protocol import TokenizerNormalizer
+
+# The most characters one code point decomposes to (U+FDFA's NFKD, 18), and the most ideographs (U+337F's NFKD,
+# "株式会社"): a text past the request's allowance is counted this much a character, unread.
+MAX_DECOMPOSED_CHARACTERS = 18
+MAX_DECOMPOSED_IDEOGRAPHS = 4
+CJK_SPACE_BYTES = 2  # " " either side
+# A regular expression read as one character repeated at least n times (XLM-R's `" {2,}"` by " "): the one kind whose
+# replacement is bounded, by its shortest match. NOTE: never compiled: a tenant's pattern is only matched as text here.
+_REPETITION = re.compile(r"^(\\?[^\\()\[\]{}|.*+?^$])(?:\{(\d{1,4}),\d{0,4}\}|(\+))$")
+
+
+@dataclass(slots=True, frozen=True)
+class PromptNormalizer:
+    """What a model's tokenizer adds to a text's bytes beyond what the estimate counts for every model."""
+
+    decomposes: bool = False  # every non-ASCII text counts its decomposition
+    # Literal replacements that lengthen: (pattern, bytes each occurrence adds, whether a normalization runs before it,
+    # whether lowercasing does). After a normalization, occurrences are counted in the decomposed text (a non-ASCII
+    # one's, by `rewritten_added_bytes`); after lowercasing, in the text as it is and lowercased, both.
+    replacements: tuple[tuple[str, int, bool, bool], ...] = ()
+    prepend_bytes: int = 0  # per text, and per piece after an added token
+    segment_starts: str = ""  # the first characters of the added tokens that start a piece
+    bytes_per_non_ascii: int = 0  # added per non-ASCII character (BERT's spaces around ideographs)
+    unbounded: str = ""  # why nothing but the context bounds a prompt; "" when the above does
+
+    @property
+    def rewrites_ascii(self) -> bool:
+        return bool(self.replacements or self.prepend_bytes)
+
+    @property
+    def counts_decomposed(self) -> bool:
+        return any(normalized for _, _, normalized, _ in self.replacements)
+
+    def added_bytes(self, text: str, *, decomposed_apart: bool = False) -> int:
+        """What the replacements and prepends add to `text`; `decomposed_apart`: leave out the replacements after a
+        normalization (`rewritten_added_bytes` counts them in the text's decomposition)."""
+        added = 0
+        for pattern, growth, normalized, lowercased in self.replacements:
+            if not (decomposed_apart and normalized):
+                added += growth * text.count(pattern)
+                if lowercased:
+                    added += growth * text.lower().count(pattern)
+        if self.prepend_bytes:
+            num_pieces = 1
+            for start in self.segment_starts:
+                num_pieces += text.count(start)
+            added += self.prepend_bytes * num_pieces
+        return added
+
+    def rewritten_added_bytes(self, decomposed: str) -> int:
+        """What the replacements after a normalization add to a piece of a text's decomposition (one more occurrence
+        of a pattern longer than a character, at each of the piece's ends: one may straddle it)."""
+        added = 0
+        for pattern, growth, normalized, lowercased in self.replacements:
+            if normalized:
+                count = decomposed.count(pattern) + (decomposed.lower().count(pattern) if lowercased else 0)
+                added += growth * (count + 2 * (len(pattern) > 1))
+        return added
+
+    def added_per_character(self) -> int:
+        """The most bytes one character can gain besides its decomposition (a text past the allowance, unread)."""
+        per_occurrence = sum(growth for _, growth, _, _ in self.replacements)
+        return (
+            2
+            * MAX_DECOMPOSED_CHARACTERS
+            * (per_occurrence + (self.prepend_bytes if self.segment_starts else 0))
+            + self.bytes_per_non_ascii
+        )
+
+
+def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
+    """What the estimate adds for a model whose agent described its tokenizer's normalizer (`description`:
+    `protocol.TokenizerNormalizer.to_dict()`); None when nothing (no description, or a normalizer that adds nothing
+    the estimate does not already count)."""
+    if description is None:
+        return None
+    try:
+        normalizer = TokenizerNormalizer.from_dict(description)
+    except (ValueError, TypeError):
+        return PromptNormalizer(unbounded="an unreadable description")
+    if normalizer.unknown:
+        return PromptNormalizer(unbounded=normalizer.unknown)
+    decomposes = deletes = False
+    normalized = lowercased = False  # a normalization ran before; lowercasing did
+    made = set()  # characters an earlier step may insert
+    replacements: list[tuple[str, int, bool, bool]] = []
+    prepend_bytes = bytes_per_non_ascii = 0
+    for step in normalizer.steps:
+        if step.kind in ("compose", "decompose"):
+            decomposes |= step.kind == "decompose"
+            normalized = True
+        elif step.kind == "lowercase":
+            lowercased = True
+        elif step.kind == "shortens":
+            deletes = True
+        elif step.kind == "cjk_spaces":
+            bytes_per_non_ascii += CJK_SPACE_BYTES * (MAX_DECOMPOSED_IDEOGRAPHS if normalized else 1)
+            made.add(" ")
+        elif step.kind == "prepend":
+            prepend_bytes += _longest_bytes(step.content)
+            made.update(step.content)
+        elif step.kind == "replace_regex":
+            repeated = _repeated_character(step.pattern)
+            if step.content and (repeated is None or _regex_growth(repeated, step.content) > 0):
+                return PromptNormalizer(unbounded=f"a regular expression replaced by {step.content[:20]!r}")
+            deletes = True
+            if set(step.content) - {repeated[0] if repeated else ""}:
+                made.update(step.content)  # NOTE: a run made shorter of the same character makes none of it
+        elif step.kind == "replace":
+            pattern = step.pattern
+            if not pattern:
+                return PromptNormalizer(unbounded="an empty pattern replaced")
+            if (
+                made.intersection(pattern)
+                or (deletes and len(pattern) > 1)
+                or ((normalized or lowercased) and not pattern.isascii())
+            ):
+                return PromptNormalizer(
+                    unbounded=f"a replacement of {pattern[:20]!r} an earlier step can make"
+                )
+            growth = _longest_bytes(step.content) - len(pattern.encode("utf-8", "surrogatepass"))
+            if growth > 0:
+                replacements.append((pattern, growth, normalized, lowercased))
+            if len(step.content) < len(pattern):
+                deletes = True
+            made.update(step.content)
+    if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii):
+        return None
+    return PromptNormalizer(
+        decomposes=decomposes,
+        replacements=tuple(replacements),
+        prepend_bytes=prepend_bytes,
+        segment_starts=normalizer.segment_starts if prepend_bytes else "",
+        bytes_per_non_ascii=bytes_per_non_ascii,
+    )
+
+
+def _repeated_character(pattern: str) -> tuple[str, int] | None:
+    """(the character, the fewest times) of a regular expression that matches one character repeated; None for any
+    other (a class such as \\s or \\d is not a character)."""
+    match = _REPETITION.match(pattern)
+    if match is None or (match[1].startswith("\\") and match[1][-1].isalnum()):
+        return None
+    return match[1][-1], 1 if match[3] else int(match[2])
+
+
+def _regex_growth(repeated: tuple[str, int], content: str) -> int:
+    """The most bytes replacing one match of a character repeated by `content` adds (its shortest match: fewest)."""
+    character, fewest = repeated
+    return _longest_bytes(content) - fewest * len(character.encode("utf-8", "surrogatepass"))
+
+
+def _longest_bytes(text: str) -> int:
+    """The UTF-8 bytes of `text` as it may end up after any later step: as written, decomposed, lowercased."""
+    forms = [text] + [unicodedata.normalize(form, text) for form in ("NFD", "NFKD")]
+    forms += [form.lower() for form in forms]
+    forms += [unicodedata.normalize("NFKD", form) for form in forms]
+    return max(len(form.encode("utf-8", "surrogatepass")) for form in forms)

@@ -1,0 +1,243 @@
+"""The agent reads what a model's tokenizer.json normalizer does to a text's length, and a hostile file makes it
+"unknown", never a crash, a long read or anything run (`gpu_agent.runtime.tokenizer_normalizer`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpu_agent.protocol import ModelInfo, NormalizerStep, TokenizerNormalizer, WeightsStatus
+from gpu_agent.runtime.model_info import read_model
+from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
+from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
+from tests.agent.conftest import with_peak_memory
+
+LLAMA = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+    ],
+}
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    return copy
+
+
+def _with_normalizer(model_dir: Path, normalizer) -> Path:
+    path = model_dir / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"normalizer": normalizer}))
+    return model_dir
+
+
+def _kinds(normalizer: TokenizerNormalizer) -> list[str]:
+    return [step.kind for step in normalizer.steps]
+
+
+def test_a_tokenizer_without_a_normalizer_is_known_to_add_nothing(model_copy):
+    assert read_tokenizer_normalizer(model_copy) == TokenizerNormalizer()
+
+
+def test_the_model_reading_reports_its_normalizer_with_the_other_facts(model_copy):
+    info = read_model(_with_normalizer(model_copy, {"type": "NFD"})).info
+
+    assert info.tokenizer_normalizer == TokenizerNormalizer(steps=[NormalizerStep(kind="decompose")])
+    assert (
+        WeightsStatus.from_dict(
+            WeightsStatus(source="s", cache_key="k", model_info=info).to_dict()
+        ).model_info
+        == info
+    )
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "kinds"),
+    [
+        ({"type": "NFD"}, ["decompose"]),
+        ({"type": "NFKD"}, ["decompose"]),
+        ({"type": "NFKC"}, ["compose"]),
+        (LLAMA, ["prepend", "replace"]),
+        (
+            {
+                "type": "Sequence",
+                "normalizers": [
+                    {"type": "Sequence", "normalizers": [{"type": "NFKD"}]},
+                    {"type": "Lowercase"},
+                ],
+            },
+            ["decompose", "lowercase"],
+        ),
+        (
+            {
+                "type": "BertNormalizer",
+                "clean_text": True,
+                "handle_chinese_chars": True,
+                "strip_accents": None,
+                "lowercase": True,
+            },
+            ["shortens", "cjk_spaces", "decompose", "shortens", "lowercase"],
+        ),
+        ({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}, ["replace_regex"]),
+    ],
+)
+def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds):
+    assert _kinds(read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))) == kinds
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "kinds"),
+    [
+        # Mistral's and newer Llama conversions: the space replaced in pre-tokenizing, not normalizing
+        (
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+            ["replace", "prepend"],
+        ),
+        (
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never", "split": True},
+            ["replace"],
+        ),
+        ({"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}, ["replace", "prepend"]),
+        ({"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel"}]}, []),
+    ],
+)
+def test_a_metaspace_pre_tokenizer_is_described_as_the_replacement_it_makes(model_copy, pre_tokenizer, kinds):
+    path = model_copy / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == kinds
+
+
+@pytest.mark.parametrize(
+    "pre_tokenizer",
+    [
+        {"type": "SomethingNew"},
+        {"type": "Metaspace", "prepend_scheme": "sometimes"},
+        {"type": "Sequence"},
+        "Metaspace",
+    ],
+)
+def test_a_pre_tokenizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, pre_tokenizer):
+    path = model_copy / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
+    described = read_tokenizer_normalizer(_with_normalizer(model_copy, LLAMA))
+
+    assert described.steps[1] == NormalizerStep(kind="replace", pattern=" ", content="\u2581")
+    assert described.segment_starts == "<"  # <unk>, <s>, </s>, <pad>: split out before normalizing
+
+
+@pytest.mark.parametrize(
+    "normalizer",
+    [
+        {"type": "ByteLevel"},
+        {"type": "SomethingNew"},
+        "NFD",
+        ["NFD"],
+        5,
+        {"type": 5},
+        {"type": "Sequence", "normalizers": {"type": "NFD"}},
+        {"type": "Replace", "pattern": {"String": 5}, "content": "x"},
+        {"type": "Replace", "pattern": " ", "content": "x"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "x" * 10_000},
+        {"type": "Replace", "pattern": {"String": "\u0000"}, "content": "xx"},
+        {"type": "Prepend", "prepend": None},
+        {"type": "BertNormalizer", "lowercase": "yes"},
+        {"type": "Sequence", "normalizers": [{"type": "NFD"}] * 100},
+    ],
+)
+def test_a_normalizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, normalizer):
+    described = read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))
+
+    assert described.unknown and described.steps == []
+
+
+def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy):
+    nested = '{"type": "Sequence", "normalizers": [' * 10_000 + "]}" * 10_000
+    text = (model_copy / "tokenizer.json").read_text()
+    (model_copy / "tokenizer.json").write_text('{"normalizer": ' + nested + ", " + text[1:])
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+def test_a_huge_tokenizer_is_read_no_further_than_its_normalizer(model_copy):
+    # Real tokenizer.json files run to tens of MB (the vocabulary, after the normalizer): read up to the cap only.
+    path = model_copy / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    head = {name: spec[name] for name in ("version", "added_tokens", "pre_tokenizer")} | {
+        "normalizer": {"type": "NFD"}
+    }
+    path.write_text(json.dumps(head)[:-1] + ', "model": {"vocab": [' + "{}," * (20 * 1024 * 1024) + "{}]}}")
+
+    described, peak = with_peak_memory(lambda: read_tokenizer_normalizer(model_copy))
+
+    assert _kinds(described) == ["decompose"]
+    assert peak < 4 * MAX_MODEL_JSON_BYTES
+
+
+def test_a_normalizer_past_the_cap_on_what_is_read_is_unknown(model_copy):
+    path = model_copy / "tokenizer.json"
+    path.write_text(
+        '{"model": {"vocab": [' + "{}," * MAX_MODEL_JSON_BYTES + '{}]}, "normalizer": {"type": "NFD"}}'
+    )
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+@pytest.mark.parametrize("content", ["", "not json", "[]", '{"normalizer": ', "\u00ff\u00fe"])
+def test_a_tokenizer_file_that_is_not_a_tokenizer_is_unknown(model_copy, content):
+    (model_copy / "tokenizer.json").write_text(content)
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+def test_a_model_without_a_tokenizer_file_has_an_unknown_normalizer(model_copy):
+    # The engine would convert a SentencePiece model, which may add Replace and Prepend steps.
+    (model_copy / "tokenizer.json").unlink()
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+def test_a_regular_expression_is_never_compiled(model_copy, monkeypatch):
+    import re
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tenant's pattern was compiled")
+
+    monkeypatch.setattr(re, "compile", refuse)
+    described = read_tokenizer_normalizer(
+        _with_normalizer(model_copy, {"type": "Replace", "pattern": {"Regex": "(a+)+$"}, "content": "b"})
+    )
+
+    assert described.steps == [NormalizerStep(kind="replace_regex", pattern="(a+)+$", content="b")]
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"steps": [{"kind": "teleport"}]},
+        {"steps": [{"kind": "decompose"}] * 17},
+        {"steps": [{"kind": "replace", "pattern": " ", "content": "x" * 65}]},
+        {"steps": [{"kind": "prepend", "content": "\u0000"}]},
+        {"segment_starts": "x" * 65},
+    ],
+)
+def test_a_report_the_protocol_cannot_hold_is_taken_as_unknown_not_refused(report):
+    # A node's whole heartbeat is refused with a report it cannot read: a tenant's file must not do that.
+    info = ModelInfo.from_dict({"tokenizer_normalizer": report})
+
+    assert info.tokenizer_normalizer.unknown and info.tokenizer_normalizer.steps == []
+
+
+def test_an_older_agents_report_says_nothing_of_the_normalizer():
+    assert ModelInfo.from_dict({"max_model_len": 2048}).tokenizer_normalizer is None

@@ -1,0 +1,301 @@
+"""A prompt to a model whose tokenizer decomposes, replaces or prepends is reserved for what its tokenizer makes of
+it (`endpoints.gateway.normalizers`), counted by the tokenizer itself (Hugging Face `tokenizers`, as vLLM runs it)
+on the tiny model's byte-level BPE with each normalizer put in."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from endpoints.gateway.directory import _endpoint_info
+from endpoints.gateway.estimate import worst_case
+from endpoints.gateway.normalizers import prompt_normalizer
+from endpoints.models import ModelFacts
+from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer
+from tests.factories import EndpointFactory
+from tests.gateway.test_estimate import HOSTILE
+
+CONTEXT = 100_000
+NFD = {"type": "NFD"}
+NFKD = {"type": "NFKD"}
+LLAMA = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+    ],
+}
+NORMALIZERS = {
+    "NFD": NFD,
+    "NFKD": NFKD,
+    "Llama's prepend and replace": LLAMA,
+    "NFD, prepend and replace": {"type": "Sequence", "normalizers": [NFD, *LLAMA["normalizers"]]},
+    "NFKC then a replacement": {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "NFKC"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581\u2581"},
+        ],
+    },
+    "NFKD, lowercase, then a replacement": {
+        "type": "Sequence",
+        "normalizers": [
+            NFKD,
+            {"type": "Lowercase"},
+            {"type": "Replace", "pattern": {"String": "ab"}, "content": "\ufdfa"},
+        ],
+    },
+    "a replacement, then NFKD": {
+        "type": "Sequence",
+        "normalizers": [{"type": "Replace", "pattern": {"String": "x"}, "content": "\ufdfa"}, NFKD],
+    },
+    # Mistral's newer conversions: "▁" for a space in pre-tokenizing; here the tiny model's bytes take it after
+    "Metaspace, then bytes": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            ],
+        },
+    ),
+    # XLM-R's: NFKC (its precompiled map's), runs of spaces made one, then Metaspace
+    "XLM-R's": (
+        {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "NFKC"},
+                {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+            ],
+        },
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+    ),
+    "BERT's": {
+        "type": "BertNormalizer",
+        "clean_text": True,
+        "handle_chinese_chars": True,
+        "strip_accents": None,
+        "lowercase": True,
+    },
+}
+# Text a tokenizer lengthens: composed Hangul and Latin (NFD: "가" 3 bytes, 6 as jamo), spaces (1 byte, "▁" 3).
+KOREAN = "가나다라마바사아자차카타파하" * 10
+SPACED = "a " * 300
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_spec(tiny_model_dir) -> dict:
+    return json.loads((tiny_model_dir / "tokenizer.json").read_text())
+
+
+def _parts(tokenizer) -> tuple:
+    """(normalizer, pre-tokenizer) of a `NORMALIZERS` entry: a normalizer, or both."""
+    return tokenizer if isinstance(tokenizer, tuple) else (tokenizer, None)
+
+
+def _tokens(spec: dict, tokenizer, text: str) -> int:
+    from tokenizers import Tokenizer
+
+    normalizer, pre_tokenizer = _parts(tokenizer)
+    changed = {"normalizer": normalizer} | ({"pre_tokenizer": pre_tokenizer} if pre_tokenizer else {})
+    return len(Tokenizer.from_str(json.dumps(spec | changed)).encode(text).ids)
+
+
+def _bound(text: str, tokenizer) -> int:
+    rewrites = (
+        None if tokenizer is None else prompt_normalizer(describe_normalizer(*_parts(tokenizer)).to_dict())
+    )
+    return worst_case(
+        {"prompt": text, "max_tokens": 1}, "completion", CONTEXT, normalizer=rewrites
+    ).num_prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "text"),
+    [
+        (NFD, KOREAN),
+        (NFD, "\u00e9" * 300),
+        (NFKD, KOREAN),
+        (LLAMA, SPACED),
+        (NORMALIZERS["Metaspace, then bytes"], SPACED),
+    ],
+)
+def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
+    tiny_tokenizer_spec, normalizer, text
+):
+    # 140 Hangul syllables (420 bytes, already NFC) were 841 tokens behind NFD against a bound of 428; 300 spaces
+    # behind Llama's Replace(" ", "▁") 1,204 against 608: half the prompt unbilled.
+    num_tokens = _tokens(tiny_tokenizer_spec, normalizer, text)
+
+    assert _bound(text, None) < num_tokens  # the bound for every model: what the tokenizer makes is past it
+    assert _bound(text, normalizer) >= num_tokens
+
+
+@pytest.mark.parametrize("name", NORMALIZERS)
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.lists(
+        st.characters(codec="utf-8", exclude_categories=("Cs",))
+        | st.sampled_from(
+            [
+                "가",
+                "\u00e9",
+                "e\u0301",
+                " ",
+                "ab",
+                "AB",
+                "x",
+                "\ufdfa",
+                "\u1e9b",
+                "\u337f",
+                "\u3000",
+                "<s>",
+                "\u0130",
+                "日本",
+            ]
+        ),
+        max_size=40,
+    ).map("".join)
+)
+def test_a_prompt_bound_holds_for_what_the_tokenizer_makes_of_any_text(tiny_tokenizer_spec, name, text):
+    assert _bound(text, NORMALIZERS[name]) >= _tokens(tiny_tokenizer_spec, NORMALIZERS[name], text)
+
+
+@pytest.mark.parametrize("kind", ["chat", "embedding"])
+def test_a_chat_or_embedding_is_reserved_for_what_the_tokenizer_makes_of_it(tiny_tokenizer_spec, kind):
+    rewrites = prompt_normalizer(describe_normalizer(NORMALIZERS["NFD, prepend and replace"]).to_dict())
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "description": SPACED,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "description": KOREAN}},
+                },
+            },
+        }
+    ]
+    payload = (
+        {"messages": [{"role": "user", "content": KOREAN + SPACED}], "tools": tools}
+        if kind == "chat"
+        else {"input": [KOREAN + SPACED]}
+    )
+    rendered = KOREAN + SPACED + (json.dumps(tools, indent=4, ensure_ascii=False) if kind == "chat" else "")
+
+    real = _tokens(tiny_tokenizer_spec, NORMALIZERS["NFD, prepend and replace"], rendered)
+
+    assert worst_case(payload, kind, CONTEXT).num_prompt_tokens < real
+    assert worst_case(payload, kind, CONTEXT, normalizer=rewrites).num_prompt_tokens >= real
+
+
+@pytest.mark.parametrize(
+    "normalizer",
+    [
+        {"type": "SomethingNew"},
+        # matches nothing: lengthens every position
+        {"type": "Replace", "pattern": {"Regex": "a*"}, "content": "b"},
+        {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Replace", "pattern": {"String": "a"}, "content": "bb"},
+                {"type": "Replace", "pattern": {"String": "b"}, "content": "ccc"},
+            ],
+        },
+        {
+            "type": "Sequence",
+            "normalizers": [NFKD, {"type": "Replace", "pattern": {"String": "\u0301"}, "content": "xx"}],
+        },
+    ],
+)
+def test_a_normalizer_nothing_bounds_reserves_the_context(normalizer):
+    rewrites = prompt_normalizer(describe_normalizer(normalizer).to_dict())
+
+    assert rewrites.unbounded
+    assert worst_case(
+        {"prompt": "a", "max_tokens": 1}, "completion", 4096, normalizer=rewrites
+    ).prompt_bounds == (4096,)
+    assert worst_case(
+        {"messages": [{"role": "user", "content": "a"}]}, "chat", 4096, normalizer=rewrites
+    ).prompt_bounds == (4096,)
+
+
+@pytest.mark.parametrize(
+    "normalizer",
+    [
+        None,
+        {"type": "NFC"},
+        {"type": "NFKC"},
+        {"type": "Lowercase"},
+        {"type": "Strip", "left": True, "right": True},
+        # XLM-R's (and its embedding models'): runs of spaces made one
+        {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "NFKC"},
+                {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+            ],
+        },
+    ],
+)
+def test_a_model_whose_tokenizer_adds_nothing_new_or_says_nothing_is_counted_as_before(normalizer):
+    # None: an agent older than the report (`ModelFacts.tokenizer_normalizer` null).
+    description = None if normalizer is None else describe_normalizer(normalizer).to_dict()
+
+    assert prompt_normalizer(description) is None
+
+
+@pytest.mark.parametrize("shape", HOSTILE)
+@pytest.mark.parametrize(
+    "name", ["NFD, prepend and replace", "NFKD, lowercase, then a replacement", "BERT's"]
+)
+def test_a_hostile_body_to_a_rewriting_tokenizer_is_counted_no_further_than_the_context(shape, name):
+    # As for every model (`test_estimate`): what it allocates measures the text it examined.
+    import tracemalloc
+
+    rewrites = prompt_normalizer(describe_normalizer(NORMALIZERS[name]).to_dict())
+    payload = HOSTILE[shape] | {"model": "m", "max_tokens": 1}
+    worst_case({"prompt": "\ufdfa e\u0301 \u0130"}, "completion", 4096, normalizer=rewrites)
+    tracemalloc.start()
+    try:
+        case = worst_case(payload, "chat", 4096, normalizer=rewrites)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert case.prompt_bounds == (4096,)
+    assert peak < 64 * 1024
+
+
+@pytest.mark.django_db
+def test_the_gateway_reads_the_normalizer_an_agent_reported_once_with_the_endpoint():
+    endpoint = EndpointFactory()
+    assert _endpoint_info(endpoint).prompt_normalizer is None  # nothing reported yet: counted as before
+
+    ModelFacts.objects.create(
+        source=endpoint.model_source,
+        scope=endpoint.weights_scope,
+        tokenizer_normalizer=describe_normalizer(NFD).to_dict(),
+    )
+
+    assert _endpoint_info(endpoint).prompt_normalizer.decomposes
+    assert _endpoint_info(endpoint, for_calls=False).prompt_normalizer is None  # /v1/models reserves nothing
+
+
+def test_decomposition_is_counted_only_for_a_tokenizer_that_decomposes():
+    # NFC text already composed: for every other model its bytes alone, as before (~4x the work on everyday text).
+    assert unicodedata.is_normalized("NFC", KOREAN)
+    assert _bound(KOREAN, None) == len(KOREAN.encode()) + 8
+    assert _bound(KOREAN, NFD) > 2 * len(KOREAN.encode())
