@@ -98,6 +98,17 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 
 
+class EngineFailed(OpenAIError):
+    """Every replica tried answered the request with an HTTP 500 of its own engine, before its answer's first byte:
+    the engines are up and this request fails there (a body vLLM cannot handle), as it may again. A batch line gives
+    up after a few (`endpoints.batches.runner.MAX_ENGINE_FAILURES`); a replica that went away is `upstream_failed`."""
+
+
+def engine_failed() -> EngineFailed:
+    return EngineFailed(502, "The model's engine failed on this request; please retry.", type="server_error",
+                        code="upstream_error")
+
+
 ANSWER_WAIT_EXCEEDED = "answer_wait_exceeded"
 
 
