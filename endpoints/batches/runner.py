@@ -17,8 +17,9 @@ interactive call. What differs is only what a batch line is:
 A line's result is written to S3 as it finishes (`storage.put_result`); a run that is taken over
 skips the lines already there. Its answer counts against the worker process's bound on the bytes of answers its lines
 hold in memory (`answer_bytes`), from before its first byte is read until its row is stored; one larger than a line may
-hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try;
-anything else is the line's answer, kept in the error file.
+hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try,
+but an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times in a run; anything else is the line's
+answer, kept in the error file.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ LINES_END_WITHIN_S = 720.0
 # fails for good at it has been waited for that long at least, never cut short for starting late in a run that
 # spent its time reading the batch.
 LINE_MIN_WAIT_S = 600.0
+
+# A line whose call the engine failed (an HTTP 500 of its own, its replica still READY: `errors.EngineFailed`) this many
+# times in a run fails for good, `upstream_error` in the error file. NOTE: such a request fails there again and again (a
+# lone surrogate in `stop` did, before the gateway refused one): tried again every `RETRY_PAUSE_S` it was, for every
+# run's slice until the batch expired, a day. A replica that went away (refused, reset: a drain, a scale-down, a node
+# lost) is not counted: its line waits for another as before. Between tries a line holds no slot and no reservation.
+MAX_ENGINE_FAILURES = 5
 
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
@@ -112,6 +120,7 @@ class LineOutcome:
     # or read from the file its answer is in when it is stored (one larger than a worker keeps in memory: `spool`)
     row: bytes | spool.SpooledRow
     retry: bool = False
+    engine_failed: bool = False  # its call failed at the engine itself (`errors.EngineFailed`)
 
 
 def error_row(batch_id: str, index: int, custom_id: str, *, code: str, message: str) -> bytes:
@@ -251,6 +260,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     request_id = line_request_id(work.batch_id, line.index)
     answer = answer or answer_bytes.LineAnswer()
     capture = _Capture()
+    engine_failed = False
     try:
         request = replace(InferenceRequest.parse(json.dumps(line.body).encode(), kind=work.kind, path=work.request_path),
                           priority=scheduling.BATCH_ENGINE_PRIORITY)
@@ -262,6 +272,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
         await call.run()
     except errors.OpenAIError as exc:
         status, body, retry = exc.status, exc.body(), exc.status in RETRY_STATUSES
+        engine_failed = isinstance(exc, errors.EngineFailed)
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
@@ -290,7 +301,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     row = answer_row(work.batch_id, line, status, request_id, body)
     del body  # NOTE: the row is the one copy of the answer the line keeps from here on
     answer.keep(len(row))
-    return LineOutcome(line, status, row, retry=retry)
+    return LineOutcome(line, status, row, retry=retry, engine_failed=engine_failed)
 
 
 # A run that could start no line for this long (every slot of the endpoint's READY replicas taken by interactive
@@ -386,6 +397,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
     no_slot_since: float | None = None  # since when no line could start and none ran
+    num_engine_failures: dict[int, int] = {}  # a line's index: the tries of it its engine failed (`MAX_ENGINE_FAILURES`)
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
@@ -457,6 +469,12 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 except BaseException:
                     answer.release()
                     raise
+                if outcome.engine_failed:
+                    num_engine_failures[line.index] = num_engine_failures.get(line.index, 0) + 1
+                    if num_engine_failures[line.index] >= MAX_ENGINE_FAILURES:
+                        logger.warning("batch %s line %d: its engine failed it %d times; not tried again",
+                                       work.batch_id, line.index, MAX_ENGINE_FAILURES)
+                        outcome = replace(outcome, retry=False)  # its 502 `upstream_error`, kept in the error file
                 if outcome.retry:
                     answer.release()
                     pending.again(line)

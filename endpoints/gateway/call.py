@@ -86,7 +86,12 @@ class ClientGone(Exception):
 
 
 class UpstreamUnavailable(Exception):
-    """The replica failed before sending a byte: safe to retry elsewhere."""
+    """The replica failed before sending a byte: safe to retry elsewhere. `engine_status` is the HTTP status its engine
+    answered with (a 5xx, or a 401), 0 where it answered nothing (refused, reset, gone)."""
+
+    def __init__(self, message: str, *, engine_status: int = 0):
+        super().__init__(message)
+        self.engine_status = engine_status
 
 
 class ReservationSpent(errors.OpenAIError):
@@ -294,6 +299,7 @@ class InferenceCall:
         # NOTE: an address tried, not a replica: a replica whose engine was restarted listens on a new port, and
         # the cached list may still name the old one; the fresh list's new address is a new place to try.
         tried: set[tuple[str, str]] = set()
+        engine_statuses: list[int] = []  # what each engine tried answered
         for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
             candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
@@ -318,12 +324,19 @@ class InferenceCall:
                 return
             except UpstreamUnavailable as exc:
                 logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
+                engine_statuses.append(exc.engine_status)
                 directory.forget_replica(self.endpoint.id, replica.id)
                 await traffic.release_replica(self.caller.organization_id, replica.id, request_id=self.request_id,
                                               endpoint_id=self.endpoint.id, call_token=self.call_token)
                 self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
+        if engine_statuses and all(status == 500 for status in engine_statuses):
+            # NOTE: engines that answered, on replicas still READY (read now): the request fails there, not the replica
+            # (one going away, its engine failing as it stops, is `upstream_failed`, tried again as any other)
+            ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
+            if {replica_id for replica_id, _ in tried} <= {r.id for r in ready}:
+                raise errors.engine_failed()
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
     async def _forward(self, replica: ReplicaInfo) -> None:
@@ -350,7 +363,7 @@ class InferenceCall:
         try:
             if response.status >= 500 or response.status == 401:
                 # A 401 is the engine refusing our key: the replica's fault, never the client's.
-                raise UpstreamUnavailable(f"HTTP {response.status}")
+                raise UpstreamUnavailable(f"HTTP {response.status}", engine_status=response.status)
             if response.status >= 400:
                 raise self.request.engine_refusal(response.status, await response.read())
             self.replica = replica

@@ -98,6 +98,17 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
     return OpenAIError(502, message, type="server_error", code="upstream_error")
 
 
+class EngineFailed(OpenAIError):
+    """Every replica tried answered the request with an HTTP 500 of its own engine, before its answer's first byte:
+    the engines are up and this request fails there (a body vLLM cannot handle), as it may again. A batch line gives
+    up after a few (`endpoints.batches.runner.MAX_ENGINE_FAILURES`); a replica that went away is `upstream_failed`."""
+
+
+def engine_failed() -> EngineFailed:
+    return EngineFailed(502, "The model's engine failed on this request; please retry.", type="server_error",
+                        code="upstream_error")
+
+
 ANSWER_WAIT_EXCEEDED = "answer_wait_exceeded"
 
 
@@ -116,10 +127,15 @@ def answer_wait_exceeded(wait_s: float) -> OpenAIError:
                             "(\"stream\": true).", code=ANSWER_WAIT_EXCEEDED)
 
 
+# What an answer is made of, to ask for less of, by kind of call (`request.KINDS`): a Responses call has no `n`.
+_ANSWER_PARTS = {"responses": "tokens or logprobs"}
+_GENERATED_PARTS = "choices, tokens or logprobs"
+
+
 def response_too_large(kind: str, limit_bytes: int) -> OpenAIError:
     """A non-streamed answer past what the gateway holds whole (`upstream.MAX_WHOLE_BODY_BYTES`)."""
     what = ("send fewer inputs in one request, or ask for encoding_format \"base64\"" if kind == "embedding"
-            else "ask for it with \"stream\": true, or for fewer choices, tokens or logprobs")
+            else f"ask for it with \"stream\": true, or for fewer {_ANSWER_PARTS.get(kind, _GENERATED_PARTS)}")
     return OpenAIError(400, f"The answer is larger than {limit_bytes // 2**20} MiB, the most a non-streamed answer may "
                             f"be. The engine computed it, so its tokens are billed: {what}.", code="response_too_large")
 
@@ -128,7 +144,8 @@ def batch_answer_too_large(kind: str, limit_bytes: int, *, as_outside: bool = Tr
     """A batch line's answer past the most one may be (`endpoints.batches.answer_bytes`): as outside a batch
     (`upstream.MAX_WHOLE_BODY_BYTES`), or, not `as_outside`, the most a batch worker that keeps no answer on disk holds
     of one. A 400, the line's own error: run again, it would be as large."""
-    what = "send fewer inputs in one line" if kind == "embedding" else "ask for fewer choices, tokens or logprobs"
+    what = ("send fewer inputs in one line" if kind == "embedding"
+            else f"ask for fewer {_ANSWER_PARTS.get(kind, _GENERATED_PARTS)}")
     where = "" if as_outside else ", or send the request on its own, outside a batch"
     return OpenAIError(400, f"The answer is larger than {limit_bytes / 2**20:g} MiB, the most a batch line's answer may "
                             f"be. The engine computed it, so its tokens are billed: {what}{where}.",

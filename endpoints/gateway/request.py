@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,29 +90,73 @@ _DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 _INT64_DIGITS = b"0" * 19  # 2**63 has 19 digits: an integer with fewer fits in 64 bits
 
 
+class _LoneSurrogate(ValueError):
+    def __init__(self, param: str | None):
+        super().__init__(param)
+        self.param = param
+
+
+# A `\uXXXX` escape of a surrogate (U+D800 to U+DFFF), in either case: the one way a JSON body (valid UTF-8) holds one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# An object key a `param` names (`metadata.job`); past another (free text), the param names the object holding it.
+_PARAM_KEY = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+
+
 def _decoded(body: bytes):
-    """The body's JSON, exactly as `_decoder` decodes it: the same value or the same refusal.
+    """The body's JSON, exactly as `_decoder` decodes it: the same value or the same refusal; `_LoneSurrogate` naming
+    where a string (or an object's key) holds a lone surrogate.
 
     NOTE: msgspec's C decoder first, a quarter of `_decoder`'s time with its Python hooks (round 25 of
     `bench/results/gateway_profile.md`). Where the two differ, msgspec refuses: NaN, Infinity, a float past
     its range, a lone surrogate, an invalid escape or UTF-8; `_decoder` then decodes the body again and its
     answer stands. The one thing msgspec takes that `_decoder` refuses, an integer past 64 bits, has 19
-    digits in a row, and such a body goes to `_decoder` alone."""
+    digits in a row, and such a body goes to `_decoder` alone. So only a body decoded here by `_decoder` can hold a
+    lone surrogate, and it is looked for only in one whose bytes hold a surrogate's escape (`\\ud800`): the warm path
+    pays nothing."""
     if _INT64_DIGITS not in body.translate(_DIGITS_AS_ZEROS):
         try:
             return _fast_decoder.decode(body)
         except (msgspec.DecodeError, RecursionError):
             pass
-    return _decoder.decode(body.decode("utf-8"))
+    payload = _decoder.decode(body.decode("utf-8"))
+    if _SURROGATE_ESCAPE.search(body) is not None and (found := _lone_surrogate_at(payload)) is not None:
+        raise _LoneSurrogate(found or None)
+    return payload
+
+
+def _lone_surrogate_at(value) -> str | None:
+    """Where in `value` (decoded by the json module, which joins a valid pair into one character: any surrogate left in
+    a string is a lone one) the first string or object key holding a lone surrogate is, as a `param`
+    (`messages[0].content`, `metadata.job`; "" for a key of the body itself), or None.
+
+    NOTE: a lone surrogate is not text: vLLM generated a whole Responses answer for a body with one in `metadata` or
+    `user`, then failed to write the answer that echoes them (a 400: billed nothing), and answered 500 for one in
+    `stop` (the gateway took its replica for failed); PostgreSQL refuses one in a usage row or an error."""
+    stack: list[tuple[object, str, bool]] = [(value, "", True)]  # a value, its param, whether a key can go on it
+    while stack:
+        item, param, named = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item) is not None:
+                return param
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                if not key.isascii() and _SURROGATE.search(key) is not None:
+                    return param
+                nameable = named and _PARAM_KEY.fullmatch(key) is not None
+                children.append((child, (f"{param}.{key}" if param else key) if nameable else param, nameable))
+            stack.extend(reversed(children))  # NOTE: in the body's order: the first one is named
+        elif isinstance(item, list):
+            stack.extend((item[index], f"{param}[{index}]" if named else param, named)
+                         for index in range(len(item) - 1, -1, -1))
+    return None
 
 
 def _encoded(payload: dict) -> bytes:
-    """`payload` as JSON for the engine: msgspec's (UTF-8, compact), or the json module's where msgspec cannot write
-    it (a lone surrogate, which JSON carries escaped)."""
-    try:
-        return _encoder.encode(payload)
-    except UnicodeEncodeError:
-        return json.dumps(payload).encode()
+    """`payload` as JSON for the engine (UTF-8, compact). NOTE: it holds no lone surrogate (`parse_payload` refuses
+    one), so msgspec writes all of it."""
+    return _encoder.encode(payload)
 
 
 def has_too_many_json_items(text: bytes | str) -> bool:
@@ -130,6 +175,11 @@ def parse_payload(body: bytes, kind: str) -> dict:
         raise errors.invalid_request(f"The JSON body of your request has more than {MAX_JSON_ITEMS:,} elements.")
     try:
         payload = _decoded(body)
+    except _LoneSurrogate as exc:
+        where = f"'{exc.param}'" if exc.param else "a field name of the body"
+        raise errors.invalid_request(f"Invalid value for {where}: it holds a lone surrogate (an escape from \\ud800 to "
+                                     "\\udfff without its pair), which is not text.", param=exc.param,
+                                     code="invalid_value") from None
     except _Unparsable as exc:
         raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -21,6 +21,7 @@ from billing.models import UsageRecord
 from controlplane.accounts.models import Role
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
+from endpoints.gateway import errors
 from endpoints.models import Adapter, Replica
 from tests.batches.conftest import bucket_objects, new_batch
 from tests.fakes.mock_openai import PROMPT_TOKENS
@@ -153,3 +154,18 @@ def test_the_console_batch_form_offers_the_responses_path(console_client_factory
 def test_the_api_schema_names_the_responses_path_among_those_a_generating_endpoint_serves():
     schema = Client().get("/api/schema/", {"format": "json"}).content.decode()
     assert "/v1/chat/completions, /v1/completions and /v1/responses" in schema
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        errors.batch_answer_too_large("responses", 2**20),
+        errors.batch_answer_too_large("responses", 2**20, as_outside=False),
+        errors.response_too_large("responses", 2**26),
+    ],
+    ids=["batch line", "batch line, in memory", "outside a batch"],
+)
+def test_a_responses_answer_too_large_is_told_to_ask_for_fewer_tokens_or_logprobs_not_choices(refusal):
+    # Before: "ask for fewer choices, tokens or logprobs", and a Responses call has no `n`.
+    assert "fewer tokens or logprobs" in refusal.message and "choices" not in refusal.message
+    assert "fewer choices, tokens or logprobs" in errors.batch_answer_too_large("chat", 2**20).message

@@ -23,6 +23,8 @@ from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV, EngineKeyGuard
 
 PROMPT_TOKENS = 7
 EMBEDDING_SIZE = 8  # `/v1/embeddings`: every input gets this many zeros, and PROMPT_TOKENS tokens
+# A request whose `user` is this is answered with an HTTP 500, every time.
+ENGINE_FAILS_FOR = "engine-fails-this"
 
 
 def _dumps(data) -> bytes:
@@ -85,6 +87,10 @@ class MockOpenAI:
         if payload.get("max_tokens") == 999_999:
             return await self._json(send, 400, {"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                            "param": "max_tokens", "code": 400}})
+        if payload.get("user") == ENGINE_FAILS_FOR:
+            # vLLM's 500 before generating (a lone surrogate in `stop` was one): its engine up, this request failing
+            return await self._json(send, 500, {"error": {"message": "", "type": "InternalServerError", "param": None,
+                                                           "code": 500}})
         if path.endswith("/embeddings"):
             return await self._embeddings(send, payload)
         if path.endswith("/responses") and not payload.get("stream"):
