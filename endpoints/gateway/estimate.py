@@ -107,8 +107,9 @@ class WorstCase:
         NOTE: every kind's prompt bounds (chat, completions, responses, embeddings, batch lines) come through
         `InferenceRequest.worst_case`, which calls this for an endpoint with a factor: one place."""
         limit = self.max_model_len
-        bounds = tuple(min(limit, int((bound * factor).to_integral_value(ROUND_CEILING))) for bound in self.prompt_bounds)
-        return dataclasses.replace(self, prompt_bounds=bounds, num_unscaled_prompt_tokens=self.num_prompt_tokens)
+        numerator, denominator = factor.as_integer_ratio()
+        bounds = tuple(min(limit, -(-bound * numerator // denominator)) for bound in self.prompt_bounds)
+        return WorstCase(bounds, self.num_sequences, self.max_output_tokens, limit, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:
