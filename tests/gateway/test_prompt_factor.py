@@ -8,16 +8,22 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
+import httpx
 import pytest
 from django.db import connections
 
+from billing.ledger import cost_of
+from billing.models import UsageRecord
 from controlplane.accounts.models import AuditEvent
 from endpoints.gateway import directory, estimate
 from endpoints.gateway.request import InferenceRequest
-from endpoints.models import Endpoint, PromptFactor, prompt_factor_for
+from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
+from tests.conftest import wait_until
 from tests.factories import EndpointFactory, UserFactory, sign_in_staff
+from tests.gateway.conftest import serve_endpoint
 
 CONTEXT = 4096
 CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "%" * 240}]}
@@ -190,3 +196,86 @@ def test_staff_see_the_learned_factor_in_the_admin_and_reset_it_with_an_audited_
     assert endpoint.prompt_factor is None
     audit = AuditEvent.objects.get(action="endpoint.prompt_factor_reset", target_id=str(endpoint.pk))
     assert list(audit.details["factors"].values()) == ["6.125"]
+
+
+# --- through the gateway (an engine that reports a fixed prompt: `tests.fakes.mock_openai`) ---------
+
+PRICE = Decimal("100")
+HELLO = {"prompt": "Hello", "max_tokens": 1}  # bounded at 13 prompt tokens
+
+
+def _served(tenant, address: str) -> Endpoint:
+    return serve_endpoint(
+        tenant.org,
+        address,
+        price_input_per_million=PRICE,
+        price_cached_input_per_million=PRICE,
+        price_output_per_million=PRICE,
+    )
+
+
+def _completion(gateway: str, tenant, endpoint: Endpoint) -> UsageRecord:
+    response = httpx.post(
+        f"{gateway}/v1/completions",
+        json={"model": endpoint.name, **HELLO},
+        headers={"Authorization": f"Bearer {tenant.key}"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text[:300]
+    return wait_until(
+        lambda: UsageRecord.objects.filter(request_id=response.headers["x-request-id"]).first(),
+        15,
+        message="the usage row",
+    )
+
+
+def _in_full(endpoint: Endpoint, row: UsageRecord) -> Decimal:
+    return cost_of(endpoint, row.prompt_tokens, row.cached_tokens, row.completion_tokens)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenant_escalating_step_by_step_loses_the_platform_at_most_one_reservation_a_step(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=40))
+    replica = endpoint.replicas.get()
+    for step, num_prompt_tokens in enumerate((40, 100, 400)):
+        if step:  # the tenant's prompts grow past the factor learned so far
+            Replica.objects.filter(pk=replica.pk).update(
+                address=start_mock_upstream(prompt_tokens=num_prompt_tokens)
+            )
+        first = wait_until(
+            lambda n=num_prompt_tokens: (
+                (row := _completion(gateway, tenant, endpoint)).prompt_tokens == n and row
+            ),
+            30,
+            message="a call at the next step",
+        )
+        assert first.cost < _in_full(endpoint, first)  # this step's loss: billed its reservation
+        wait_until(
+            lambda n=num_prompt_tokens: (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, 13),
+            15,
+            message="the step's factor",
+        )
+
+        again = _completion(gateway, tenant, endpoint)
+
+        assert again.prompt_tokens == num_prompt_tokens
+        assert again.cost == _in_full(endpoint, again)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_calls_past_the_bound_before_the_factor_lands_each_lose_at_most_their_reservation(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=100, prefill_ms=300))
+    reserved = estimate.worst_case(HELLO, "completion", endpoint.max_model_len).max_cost(endpoint)
+    with ThreadPoolExecutor(8) as pool:
+        rows = list(pool.map(lambda _: _completion(gateway, tenant, endpoint), range(8)))
+
+    assert all(row.prompt_tokens == 100 and row.cost <= reserved for row in rows)
+    factor = wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+    assert factor == prompt_factor_for(100, 13) == Decimal("7.75")
+    assert PromptFactor.objects.filter(endpoint=endpoint).count() == 1
+    after = _completion(gateway, tenant, endpoint)
+    assert after.cost == _in_full(endpoint, after)
