@@ -2,7 +2,8 @@
 
 A short ASCII chat and a short Japanese one, to a model whose tokenizer adds nothing (the bound as for every model)
 and, where the tree has it, to one whose tokenizer decomposes, prepends and replaces (`endpoints.gateway.normalizers`,
-NFD then Llama's `Prepend("▁")` and `Replace(" ", "▁")`). Each tree is timed in its own process, the trees
+NFD then Llama's `Prepend("▁")` and `Replace(" ", "▁")`); and the same chats as the gateway takes their bound
+(`InferenceRequest.worst_case`, where an endpoint's learned prompt factor applies), without a factor and with one. Each tree is timed in its own process, the trees
 alternated round by round so that a busy machine slows each alike; the best of each round's repeats is kept, and the
 median of the rounds printed, in µs per call.
 
@@ -62,6 +63,23 @@ for name, payload in shapes.items():
         rewrites = prompt_normalizer(normalizer)
         results[name + ", rewriting tokenizer"] = min(timeit.repeat(
             lambda: worst_case(payload, "chat", 4096, (64, 16), normalizer=rewrites), number=number, repeat=3))
+# The request's bound as the gateway takes it (`InferenceRequest.worst_case`, where an endpoint's learned prompt
+# factor applies): at an endpoint without one, and, where the tree has them, with one.
+import dataclasses, django
+from decimal import Decimal
+django.setup()
+from endpoints.gateway.directory import EndpointInfo
+from endpoints.gateway.request import InferenceRequest
+info = EndpointInfo(id="e", name="m", organization_id=1, paused=False, max_model_len=4096, cold_start_timeout_s=60,
+                    price_input_per_million=Decimal(1), price_cached_input_per_million=Decimal(1),
+                    price_output_per_million=Decimal(1), created_at=0.0, max_held_requests=8, template_tokens=(64, 16))
+for name, payload in shapes.items():
+    request = InferenceRequest("chat", "/v1/chat/completions", b"", payload)
+    results[name + ", request"] = min(timeit.repeat(lambda: request.worst_case(info), number=number, repeat=3))
+    if hasattr(info, "prompt_factor"):
+        scaled = dataclasses.replace(info, prompt_factor=Decimal("6.125"))
+        results[name + ", request, learned factor"] = min(timeit.repeat(
+            lambda: request.worst_case(scaled), number=number, repeat=3))
 print(json.dumps({name: seconds / number * 1e6 for name, seconds in results.items()}))
 """
 

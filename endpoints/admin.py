@@ -56,9 +56,22 @@ class EndpointAdmin(admin.ModelAdmin):
     # NOTE: staff edit prices only; the spec goes through the API's validation (serializers) instead.
     fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica", "allow_gpu_sharing",
               "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
-              "batch_price_fraction"]
+              "batch_price_fraction", "prompt_factor"]
     readonly_fields = ["name", "organization", "model_source", "task", "gpu_type", "quantization", "gpus_per_replica",
-                       "allow_gpu_sharing"]
+                       "allow_gpu_sharing", "prompt_factor"]
+    actions = ["reset_prompt_factor"]
+
+    @admin.display(description="prompt factor (learned)")
+    def prompt_factor(self, obj):
+        """What its prompt bounds are multiplied by since a prompt ran past them (`PromptFactor`); "-": none."""
+        factor = obj.prompt_factor
+        return "-" if factor is None else f"{factor.normalize()}×"
+
+    @admin.action(description="Reset the learned prompt factor (reserve prompts as estimated again)")
+    def reset_prompt_factor(self, request, queryset):
+        actor = Actor.from_request(request)
+        cleared = sum(services.reset_prompt_factor(actor, endpoint) for endpoint in queryset)
+        self.message_user(request, f"{cleared} prompt factor(s) cleared.")
 
     def has_add_permission(self, request):
         return False

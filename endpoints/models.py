@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models, transaction
+from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
@@ -373,6 +373,12 @@ class Endpoint(models.Model):
         return ModelFacts.tokenizer_normalizer_of(self.model_source, self.weights_scope)
 
     @property
+    def prompt_factor(self) -> Decimal | None:
+        """What its calls' prompt bounds are multiplied by, learned from prompts that ran past them on the model it
+        serves now (`PromptFactor`); None when none did."""
+        return PromptFactor.of(self)
+
+    @property
     def context_length(self) -> int:
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
         if self.max_model_len is not None:
@@ -546,6 +552,75 @@ class ModelFacts(models.Model):
         stored = cls.of(source, scope).exclude(checkpoint_quantization__isnull=True).values_list(
             "checkpoint_quantization", flat=True).first()
         return CheckpointQuantization.from_dict(stored) if isinstance(stored, dict) else None
+
+
+# The most a learned prompt factor can be: any factor past the context over the smallest bound (8 tokens) already
+# reserves the whole context; this keeps the column's digits bounded.
+MAX_PROMPT_FACTOR = Decimal(2**20)
+# A factor is kept rounded up to this fraction: fewer, larger steps (a stream of requests each a little past the
+# last factor writes a row each at most once per eighth).
+PROMPT_FACTOR_STEP = 8
+
+
+def prompt_factor_for(num_prompt_tokens: int, num_bound_tokens: int) -> Decimal:
+    """The factor a request teaches: its engine's prompt tokens over its bound (before any factor), rounded up to
+    1/`PROMPT_FACTOR_STEP`, at most `MAX_PROMPT_FACTOR`."""
+    steps = -(-num_prompt_tokens * PROMPT_FACTOR_STEP // max(1, num_bound_tokens))
+    return min(MAX_PROMPT_FACTOR, Decimal(steps) / PROMPT_FACTOR_STEP)
+
+
+class PromptFactor(models.Model):
+    """What an endpoint's prompt bounds are multiplied by (`endpoints.gateway.estimate.WorstCase.scaled`): the highest
+    ratio an engine's prompt tokens reached against a request's bound, learned from the loss (the gateway bills at
+    most what it reserved, so a prompt past its bound was free past it).
+
+    NOTE: per endpoint and per copy of the model it served (`model_source`, which names a revision, and the
+    `weights_scope` read): another model, revision or copy starts fresh, and no tenant's requests raise another's
+    reservations (the shared catalogue copy's `ModelFacts` are every tenant's). Only ever raised (`raise_to`: a
+    conditional update, so of two writers the larger wins), and cleared only by staff (`services.reset_prompt_factor`).
+    In PostgreSQL: Redis losing its memory loses no factor.
+    """
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="prompt_factors")
+    model_source = models.CharField(max_length=500)
+    weights_scope = models.CharField(max_length=40, blank=True, default="")
+    factor = models.DecimalField(max_digits=10, decimal_places=3)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "model_source", "weights_scope"],
+                                               name="prompt_factor_endpoint_copy_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.factor}× {self.model_source}"
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> Decimal | None:
+        return cls.objects.filter(endpoint=endpoint, model_source=endpoint.model_source,
+                                  weights_scope=endpoint.weights_scope).values_list("factor", flat=True).first()
+
+    @classmethod
+    def raise_to(cls, endpoint_id, model_source: str, weights_scope: str, factor: Decimal) -> bool:
+        """Keep `factor` for the endpoint's copy of its model unless a larger one is kept already; True when it was
+        kept. Not for a deleted endpoint (its calls in flight may still finish).
+
+        NOTE: a conditional update (`factor < new`), never a read then a write: PostgreSQL re-checks the condition
+        on the row another writer just committed, so of two writers racing the larger factor stands."""
+        factor = min(MAX_PROMPT_FACTOR, factor)
+        if factor <= 1:
+            return False
+        copy = cls.objects.filter(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope)
+        if copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()):
+            return True
+        if copy.exists() or not Endpoint.objects.live().filter(pk=endpoint_id).exists():
+            return False
+        try:
+            with transaction.atomic():
+                cls.objects.create(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope,
+                                   factor=factor)
+            return True
+        except IntegrityError:  # another writer created it first (or the endpoint's row is gone): the larger stands
+            return bool(copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()))
 
 
 # Replicas that hold their node's memory (placement counts them) and those that serve or will serve.

@@ -15,7 +15,7 @@ from endpoints import quotas
 from endpoints.adapters import keep_staff_prices
 from endpoints.catalogue import GPU_TYPES
 from endpoints.events import record_event
-from endpoints.models import ENGINE_FIELDS, Adapter, Endpoint, EventKind
+from endpoints.models import ENGINE_FIELDS, Adapter, Endpoint, EventKind, PromptFactor
 from endpoints.replicas import drain_replicas, request_reconcile
 
 ENDPOINT_NAME_TAKEN = "An endpoint with this name already exists in your organisation."
@@ -109,6 +109,20 @@ def set_prices(actor: Actor, priced: Endpoint | Adapter, **prices) -> dict[str, 
                       for name, change in changes.items())
     record_event(endpoint, EventKind.CONFIG, f"Prices changed{what} by the platform: {shown}"[:300], changes=changes)
     return changes
+
+
+@transaction.atomic
+def reset_prompt_factor(actor: Actor, endpoint: Endpoint) -> int:
+    """Staff clear what the endpoint's prompt bounds learned to be multiplied by (`PromptFactor`, every copy of its
+    model): audited (`endpoint.prompt_factor_reset`, with the factors it had). Returns how many were cleared. The
+    gateway reserves as estimated again within `directory.ENDPOINT_CACHE_S`, until a prompt runs past its bound again."""
+    factors = {f"{row.model_source} ({row.weights_scope or 'shared'})": str(row.factor)
+               for row in PromptFactor.objects.filter(endpoint=endpoint)}
+    if not factors:
+        return 0
+    PromptFactor.objects.filter(endpoint=endpoint).delete()
+    record_audit(actor, endpoint.organization, "endpoint.prompt_factor_reset", endpoint, factors=factors)
+    return len(factors)
 
 
 @transaction.atomic

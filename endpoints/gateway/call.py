@@ -22,6 +22,7 @@ from django.conf import settings
 from billing import ledger, usage_writer
 from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
+from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     adapter_hold,
     admission,
@@ -45,6 +46,7 @@ from endpoints.gateway.directory import AdapterInfo, EndpointInfo, ReplicaInfo
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.tally import UsageTally
+from endpoints.models import PromptFactor, prompt_factor_for
 
 logger = logging.getLogger("inferplane.requests")
 # The request log's line: one a call, at its end (`InferenceCall._observe`).
@@ -117,6 +119,8 @@ class InferenceCall:
     first_token_at: datetime | None = None
     reserved: Decimal = Decimal(0)  # the worst case held against caps and credit; never billed beyond
     num_prompt_tokens_bound: int | None = None  # the worst case's prompt tokens: more is past the estimate
+    # The same before its endpoint's learned prompt factor (`WorstCase.scaled`); None: no factor applied.
+    num_unscaled_prompt_tokens_bound: int | None = None
     usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
@@ -171,6 +175,7 @@ class InferenceCall:
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
         self.num_prompt_tokens_bound = worst_case.num_prompt_tokens
+        self.num_unscaled_prompt_tokens_bound = worst_case.num_unscaled_prompt_tokens
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
@@ -764,6 +769,8 @@ class InferenceCall:
             self.status = "upstream_error"
         recorded = self.served and not (self.batch_id and self.status == "upstream_error"
                                         and not (usage.prompt_tokens or usage.completion_tokens))
+        if recorded and self.num_prompt_tokens_bound is not None and usage.prompt_tokens > self.num_prompt_tokens_bound:
+            self._learn_prompt_factor(usage.prompt_tokens)
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
@@ -853,6 +860,29 @@ class InferenceCall:
             return self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, 0)
         return usage.prompt_tokens > self.num_prompt_tokens_bound
 
+    def _learn_prompt_factor(self, num_prompt_tokens: int) -> None:
+        """The engine counted more prompt tokens than the estimate bounded: the endpoint's later calls are reserved
+        for the ratio (`PromptFactor`), in this process at once, in the others with their next load of the endpoint
+        (`directory.ENDPOINT_CACHE_S`), once its row is written, off the answer's path (its end already sent).
+
+        NOTE: this call is billed at most its reservation still (the loss is one call's); a tenant raising its
+        prompts step by step loses the platform at most one reservation a step, and each step raises the factor."""
+        endpoint = self.endpoint
+        if not endpoint.model_copy[0]:
+            return
+        unscaled = self.num_unscaled_prompt_tokens_bound or self.num_prompt_tokens_bound
+        factor = prompt_factor_for(num_prompt_tokens, unscaled)
+        directory.keep_prompt_factor(endpoint, factor)
+        key = (endpoint.id, endpoint.model_copy)
+        if _written_prompt_factors.get(key, 0) >= factor:
+            return  # NOTE: many calls past the same bound at once (before the factor landed) write it once
+        if len(_written_prompt_factors) >= MAX_WRITTEN_PROMPT_FACTORS:
+            _written_prompt_factors.clear()
+        _written_prompt_factors[key] = factor
+        writing = asyncio.ensure_future(_write_prompt_factor(endpoint, factor))
+        _finishing.add(writing)  # a stopping process waits for it as for a usage row (`finish_pending`)
+        writing.add_done_callback(_finishing.discard)
+
     def _note_usage_past_reservation(self, cost: Decimal) -> None:
         """The engine reported more than the estimate bounds (`endpoints.gateway.estimate`): billed the
         reservation, counted and logged so the loss is seen (a stream stopped at its reservation by its output is not
@@ -881,6 +911,29 @@ class InferenceCall:
 
 # The request line's call site: its file and function (`InferenceCall._observe`).
 _OBSERVED_AT = InferenceCall._observe.__code__
+
+
+# The highest prompt factor this process wrote, per (endpoint, copy of its model): a lower or equal one is not written
+# again. Cleared whole past its bound (a factor written again costs one conditional update).
+_written_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
+MAX_WRITTEN_PROMPT_FACTORS = 10_000
+
+
+async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
+    """`PromptFactor.raise_to` in a worker thread, then kept in this process's cache again (a load that read the
+    database before the row may have landed meanwhile). A database that fails it is logged: the next call past the
+    bound tries again."""
+    source, scope = endpoint.model_copy
+    try:
+        raised = await in_worker_thread(PromptFactor.raise_to)(endpoint.id, source, scope, factor)
+    except Exception as exc:  # noqa: BLE001 - a measure of the loss: never fail the call's end for it
+        _written_prompt_factors.pop((endpoint.id, endpoint.model_copy), None)
+        logger.warning("endpoint %s: its prompt factor %s could not be written: %r", endpoint.id, factor, exc)
+        return
+    directory.keep_prompt_factor(endpoint, factor)
+    if raised:
+        logger.warning("endpoint %s: a prompt ran past its bound; its prompts are reserved %s× their bound from now on",
+                       endpoint.id, factor)
 
 
 def _retrieve(future: asyncio.Future) -> None:

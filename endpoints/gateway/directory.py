@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -69,6 +70,10 @@ class EndpointInfo:
     # What its model's tokenizer adds to a prompt's text beyond every model's count (`normalizers.prompt_normalizer`
     # of `Endpoint.tokenizer_normalizer`, read once as the endpoint loads); None: nothing, or not known (an older agent).
     prompt_normalizer: PromptNormalizer | None = None
+    # What its calls' prompt bounds are multiplied by, learned from prompts that ran past them (`PromptFactor`, read
+    # once as the endpoint loads); None: none did. `model_copy`: the (source, scope) it serves, the factor's key.
+    prompt_factor: Decimal | None = None
+    model_copy: tuple[str, str] = ("", "")
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +105,8 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
         target_concurrency=endpoint.target_concurrency, template_tokens=template_tokens,
         template_flag_tokens=template_flag_tokens, engine_generation=endpoint.engine_generation,
-        prompt_normalizer=normalizer,
+        prompt_normalizer=normalizer, prompt_factor=endpoint.prompt_factor if for_calls else None,
+        model_copy=(endpoint.model_source, endpoint.weights_scope),
     )
 
 
@@ -140,6 +146,25 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
         _endpoints.forget(key)
         _unknown_endpoints.add(key)
     return endpoint
+
+
+def keep_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
+    """This process's cached endpoint reserves for `factor` from now on, if it still serves the same copy of its model
+    and has no larger one (`call.InferenceCall._learn_prompt_factor`); other processes read it with the endpoint's next
+    load, within `ENDPOINT_CACHE_S` of the factor's row.
+
+    NOTE: kept as loaded now, so that a load that began before (which may have read the database before the factor's
+    row) does not replace it (`Memo._reload` keeps the later start)."""
+    key = (endpoint.organization_id, endpoint.name)
+    entry = _endpoints.entries.get(key)
+    if entry is None or entry[1] is None:
+        return
+    cached = entry[1]
+    if cached.id != endpoint.id or cached.model_copy != endpoint.model_copy:
+        return
+    if cached.prompt_factor is not None and cached.prompt_factor >= factor:
+        return
+    _endpoints.entries[key] = (time.monotonic(), dataclasses.replace(cached, prompt_factor=factor))
 
 
 def knows_endpoint(organization_id: int, name: str) -> bool:

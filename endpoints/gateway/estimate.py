@@ -86,6 +86,8 @@ class WorstCase:
     num_sequences: int  # per prompt: n
     max_output_tokens: int  # per sequence, before the context limit
     max_model_len: int
+    # The prompt tokens the estimate bounded before its endpoint's learned factor (`scaled`); None: no factor applied.
+    num_unscaled_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_sequences < 1 or self.max_output_tokens < 0 or self.max_model_len < 1:
@@ -97,6 +99,17 @@ class WorstCase:
     def num_prompt_tokens(self) -> int:
         """The most prompt tokens the request can be billed for."""
         return sum(self.prompt_bounds)
+
+    def scaled(self, factor: Decimal) -> WorstCase:
+        """The same with each prompt's bound multiplied by `factor` (rounded up, at most the context): an endpoint whose
+        prompts ran past their bounds (`endpoints.models.PromptFactor`) is reserved for as much from then on.
+
+        NOTE: every kind's prompt bounds (chat, completions, responses, embeddings, batch lines) come through
+        `InferenceRequest.worst_case`, which calls this for an endpoint with a factor: one place."""
+        limit = self.max_model_len
+        numerator, denominator = factor.as_integer_ratio()
+        bounds = tuple(min(limit, -(-bound * numerator // denominator)) for bound in self.prompt_bounds)
+        return WorstCase(bounds, self.num_sequences, self.max_output_tokens, limit, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -310,8 +310,10 @@ class InferenceRequest:
         if max_tokens is not None and max_tokens > endpoint.max_model_len:
             raise errors.invalid_request(
                 f"{param} is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.", param=param)
-        return estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens,
+        case = estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens,
                                    endpoint.template_flag_tokens, endpoint.prompt_normalizer)
+        # NOTE: one attribute read for an endpoint without a learned factor (most): its bound is as estimated.
+        return case if endpoint.prompt_factor is None else case.scaled(endpoint.prompt_factor)
 
     def upstream_body(self, media_scope: str) -> bytes:
         """The body the engine gets; `media_scope` is the caller's (`Caller.limit_subject`), which its media parts'

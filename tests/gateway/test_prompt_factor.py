@@ -1,0 +1,281 @@
+"""An endpoint whose prompts ran past their bound is reserved higher from then on (`endpoints.models.PromptFactor`).
+
+The factor's store (only ever raised; of two writers the larger stands; per copy of the model), what the gateway's
+cached endpoint reads of it, the estimate's multiplication for every kind, and staff's view and reset. A real engine's
+case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+
+import httpx
+import pytest
+from django.db import connections
+
+from billing.ledger import cost_of
+from billing.models import UsageRecord
+from controlplane.accounts.models import AuditEvent
+from endpoints.gateway import directory, estimate
+from endpoints.gateway.request import InferenceRequest
+from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
+from tests.conftest import wait_until
+from tests.factories import EndpointFactory, UserFactory, sign_in_staff
+from tests.gateway.conftest import serve_endpoint
+
+CONTEXT = 4096
+CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "%" * 240}]}
+
+
+def _info(factor: Decimal | None = None) -> directory.EndpointInfo:
+    return directory.EndpointInfo(
+        id="e",
+        name="m",
+        organization_id=1,
+        paused=False,
+        max_model_len=CONTEXT,
+        cold_start_timeout_s=60,
+        price_input_per_million=Decimal(1),
+        price_cached_input_per_million=Decimal(1),
+        price_output_per_million=Decimal(1),
+        created_at=0.0,
+        max_held_requests=8,
+        prompt_factor=factor,
+        model_copy=("hf:org/m", ""),
+    )
+
+
+def _bounds(kind: str, payload: dict, factor: Decimal | None) -> tuple[int, ...]:
+    return InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(factor)).prompt_bounds
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+
+
+def test_the_factor_a_request_teaches_is_its_prompt_over_its_bound_rounded_up_to_an_eighth():
+    assert prompt_factor_for(1942, 324) == Decimal("6")  # 5.99: the reviewer's template, 240 bytes
+    assert prompt_factor_for(1944, 324) == Decimal("6")
+    assert prompt_factor_for(1945, 324) == Decimal("6.125")
+    assert prompt_factor_for(325, 324) == Decimal("1.125")
+    assert prompt_factor_for(10**9, 1) == Decimal(2**20)  # bounded
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [
+        ("chat", CHAT),
+        ("completion", {"model": "m", "prompt": ["%" * 100, "%" * 200]}),
+        ("responses", {"model": "m", "max_output_tokens": 1, "input": "%" * 240}),
+        ("embedding", {"model": "m", "input": ["%" * 100, "%" * 10]}),
+    ],
+)
+def test_every_kinds_prompt_bounds_are_multiplied_by_the_endpoints_factor_rounded_up(kind, payload):
+    plain = _bounds(kind, payload, None)
+    assert plain == estimate.worst_case(payload, kind, CONTEXT).prompt_bounds  # no factor: as estimated
+
+    scaled = _bounds(kind, payload, Decimal("2.125"))
+
+    assert scaled == tuple(-(-bound * 17 // 8) for bound in plain)
+
+
+def test_a_factor_past_the_context_reserves_the_whole_context_and_no_more():
+    case = InferenceRequest("chat", "/v1/x", b"", CHAT).worst_case(_info(Decimal(1000)))
+    assert case.prompt_bounds == (CONTEXT,)
+    assert case.num_unscaled_prompt_tokens == estimate.worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens
+
+
+# --- the store ------------------------------------------------------------------------------------
+
+
+def _raise(endpoint: Endpoint, factor: str) -> bool:
+    return PromptFactor.raise_to(endpoint.pk, endpoint.model_source, endpoint.weights_scope, Decimal(factor))
+
+
+@pytest.mark.django_db
+def test_a_factor_is_only_ever_raised_and_the_gateways_endpoint_reads_it():
+    endpoint = EndpointFactory()
+    assert directory._endpoint_info(endpoint).prompt_factor is None
+
+    assert _raise(endpoint, "2.5")
+    assert not _raise(endpoint, "1.5")  # a smaller one changes nothing
+    assert not _raise(endpoint, "2.5")
+
+    assert endpoint.prompt_factor == Decimal("2.5")
+    assert directory._endpoint_info(endpoint).prompt_factor == Decimal("2.5")
+    assert (
+        directory._endpoint_info(endpoint, for_calls=False).prompt_factor is None
+    )  # `/v1/models` reserves nothing
+
+
+@pytest.mark.django_db(transaction=True)
+def test_of_two_writers_racing_the_larger_factor_stands():
+    for attempt in range(10):
+        endpoint = EndpointFactory()
+        factors = ["3", "2"] if attempt % 2 else ["2", "3"]
+        start = threading.Barrier(len(factors))
+
+        def write(factor, endpoint=endpoint, start=start):
+            try:
+                start.wait()
+                _raise(endpoint, factor)
+            finally:
+                connections.close_all()
+
+        writers = [threading.Thread(target=write, args=(factor,)) for factor in factors]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join()
+
+        assert PromptFactor.objects.get(endpoint=endpoint).factor == Decimal(3)
+
+
+@pytest.mark.django_db
+def test_another_model_or_revision_starts_fresh_and_the_old_ones_factor_is_kept_for_it():
+    endpoint = EndpointFactory(model_source="hf:org/model@v1")
+    _raise(endpoint, "4")
+
+    Endpoint.objects.filter(pk=endpoint.pk).update(model_source="hf:org/model@v2")
+    endpoint.refresh_from_db()
+
+    assert endpoint.prompt_factor is None
+    assert directory._endpoint_info(endpoint).prompt_factor is None
+    assert PromptFactor.objects.filter(endpoint=endpoint, model_source="hf:org/model@v1").exists()
+
+
+@pytest.mark.django_db
+def test_a_deleted_endpoint_learns_no_factor():
+    endpoint = EndpointFactory()
+    Endpoint.objects.filter(pk=endpoint.pk).update(deleted_at="2026-01-01T00:00:00Z")
+
+    assert not _raise(endpoint, "3")
+    assert not PromptFactor.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_gateway_process_keeps_its_own_factor_at_once_only_for_the_copy_it_learned_it_on():
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    key = (info.organization_id, info.name)
+    directory._endpoints.entries[key] = (0.0, info)
+    try:
+        directory.keep_prompt_factor(info, Decimal(3))
+        assert directory._endpoints.entries[key][1].prompt_factor == Decimal(3)
+        directory.keep_prompt_factor(info, Decimal(2))  # never lowered
+        assert directory._endpoints.entries[key][1].prompt_factor == Decimal(3)
+
+        moved = directory.EndpointInfo(
+            **{**{name: getattr(info, name) for name in info.__slots__}, "model_copy": ("hf:other/model", "")}
+        )
+        directory.keep_prompt_factor(moved, Decimal(5))  # learned on the model the endpoint served before
+        assert directory._endpoints.entries[key][1].prompt_factor == Decimal(3)
+    finally:
+        directory._endpoints.forget(key)
+
+
+# --- staff ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_staff_see_the_learned_factor_in_the_admin_and_reset_it_with_an_audited_action(client):
+    endpoint = EndpointFactory()
+    _raise(endpoint, "6.125")
+    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
+
+    page = client.get(f"/django-admin/endpoints/endpoint/{endpoint.pk}/change/").content.decode()
+    assert "6.125×" in page
+
+    response = client.post(
+        "/django-admin/endpoints/endpoint/",
+        {"action": "reset_prompt_factor", "_selected_action": [str(endpoint.pk)]},
+    )
+
+    assert response.status_code == 302
+    assert endpoint.prompt_factor is None
+    audit = AuditEvent.objects.get(action="endpoint.prompt_factor_reset", target_id=str(endpoint.pk))
+    assert list(audit.details["factors"].values()) == ["6.125"]
+
+
+# --- through the gateway (an engine that reports a fixed prompt: `tests.fakes.mock_openai`) ---------
+
+PRICE = Decimal("100")
+HELLO = {"prompt": "Hello", "max_tokens": 1}  # bounded at 13 prompt tokens
+
+
+def _served(tenant, address: str) -> Endpoint:
+    return serve_endpoint(
+        tenant.org,
+        address,
+        price_input_per_million=PRICE,
+        price_cached_input_per_million=PRICE,
+        price_output_per_million=PRICE,
+    )
+
+
+def _completion(gateway: str, tenant, endpoint: Endpoint) -> UsageRecord:
+    response = httpx.post(
+        f"{gateway}/v1/completions",
+        json={"model": endpoint.name, **HELLO},
+        headers={"Authorization": f"Bearer {tenant.key}"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text[:300]
+    return wait_until(
+        lambda: UsageRecord.objects.filter(request_id=response.headers["x-request-id"]).first(),
+        15,
+        message="the usage row",
+    )
+
+
+def _in_full(endpoint: Endpoint, row: UsageRecord) -> Decimal:
+    return cost_of(endpoint, row.prompt_tokens, row.cached_tokens, row.completion_tokens)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenant_escalating_step_by_step_loses_the_platform_at_most_one_reservation_a_step(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=40))
+    replica = endpoint.replicas.get()
+    for step, num_prompt_tokens in enumerate((40, 100, 400)):
+        if step:  # the tenant's prompts grow past the factor learned so far
+            Replica.objects.filter(pk=replica.pk).update(
+                address=start_mock_upstream(prompt_tokens=num_prompt_tokens)
+            )
+        first = wait_until(
+            lambda n=num_prompt_tokens: (
+                (row := _completion(gateway, tenant, endpoint)).prompt_tokens == n and row
+            ),
+            30,
+            message="a call at the next step",
+        )
+        assert first.cost < _in_full(endpoint, first)  # this step's loss: billed its reservation
+        wait_until(
+            lambda n=num_prompt_tokens: (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, 13),
+            15,
+            message="the step's factor",
+        )
+
+        again = _completion(gateway, tenant, endpoint)
+
+        assert again.prompt_tokens == num_prompt_tokens
+        assert again.cost == _in_full(endpoint, again)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_calls_past_the_bound_before_the_factor_lands_each_lose_at_most_their_reservation(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=100, prefill_ms=300))
+    reserved = estimate.worst_case(HELLO, "completion", endpoint.max_model_len).max_cost(endpoint)
+    with ThreadPoolExecutor(8) as pool:
+        rows = list(pool.map(lambda _: _completion(gateway, tenant, endpoint), range(8)))
+
+    assert all(row.prompt_tokens == 100 and row.cost <= reserved for row in rows)
+    factor = wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+    assert factor == prompt_factor_for(100, 13) == Decimal("7.75")
+    assert PromptFactor.objects.filter(endpoint=endpoint).count() == 1
+    after = _completion(gateway, tenant, endpoint)
+    assert after.cost == _in_full(endpoint, after)
