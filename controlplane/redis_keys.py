@@ -259,6 +259,12 @@ def batch_dispatch_key(batch_id: str) -> str:
     return f"batch:dispatched:{batch_id}"
 
 
+def batch_engine_failures_key(batch_id: str, index: int) -> str:
+    """A batch line's tries its engine failed (`endpoints.batches.runner.MAX_ENGINE_FAILURES`): a hash of their number
+    and the first's unix time, kept across runs until the batch's window ends."""
+    return f"batch:engine-failures:{batch_id}:{int(index)}"
+
+
 # --- node pools ------------------------------------------------------------------------------------
 
 # Held by one `billing.stripe_sync.push_pending_rollups` run at a time (a token lock: redis-py's `Lock`).

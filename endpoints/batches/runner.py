@@ -18,14 +18,15 @@ A line's result is written to S3 as it finishes (`storage.put_result`); a run th
 skips the lines already there. Its answer counts against the worker process's bound on the bytes of answers its lines
 hold in memory (`answer_bytes`), from before its first byte is read until its row is stored; one larger than a line may
 hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try,
-but an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times in a run; anything else is the line's
-answer, kept in the error file.
+but an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times over `ENGINE_FAILURES_MIN_SPAN_S`
+(counted across runs); anything else is the line's answer, kept in the error file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import heapq
 import json
 import logging
 import time
@@ -39,7 +40,7 @@ from django.conf import settings
 
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
-from controlplane.redis_keys import outstanding_key
+from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
 from controlplane.worker_threads import in_worker_thread
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
@@ -65,14 +66,40 @@ LINES_END_WITHIN_S = 720.0
 # spent its time reading the batch.
 LINE_MIN_WAIT_S = 600.0
 
-# A line whose call the engine failed (an HTTP 500 of its own, its replica still READY: `errors.EngineFailed`) this many
-# times in a run fails for good, `upstream_error` in the error file. NOTE: such a request fails there again and again (a
-# lone surrogate in `stop` did, before the gateway refused one): tried again every `RETRY_PAUSE_S` it was, for every
-# run's slice until the batch expired, a day. A replica that went away (refused, reset: a drain, a scale-down, a node
-# lost) is not counted: its line waits for another as before. Between tries a line holds no slot and no reservation.
-MAX_ENGINE_FAILURES = 5
-
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
+
+# A line whose call the engine failed (an HTTP 500 of its own, its replica still READY: `errors.EngineFailed`) this many
+# times, the first and the last at least `ENGINE_FAILURES_MIN_SPAN_S` apart, fails for good, `upstream_error` in the
+# error file. NOTE: such a request fails there again and again (a lone surrogate in `stop` did, before the gateway
+# refused one): tried again every `RETRY_PAUSE_S` it was, for every run's slice until the batch expired, a day. A replica
+# that went away (refused, reset: a drain, a scale-down, a node lost) is not counted: its line waits for another as
+# before. Between tries a line holds no slot and no reservation, and waits `engine_failure_pause_s`.
+MAX_ENGINE_FAILURES = 5
+# NOTE: an engine that fails every request for a few seconds (a CUDA error it recovers from, a restart under way) is not
+# the line's fault: counted alone, 500s for 6 s failed 2 of 3 healthy lines for good (5 tries, a second apart). The
+# count and the first failure's time are kept in Redis across runs (`batch_engine_failures_key`), until the batch's
+# window ends; a Redis that lost them only starts the count again.
+ENGINE_FAILURES_MIN_SPAN_S = 60.0
+ENGINE_FAILURE_MAX_PAUSE_S = 30.0  # the longest wait between tries of a line its engine failed
+
+
+def engine_failure_pause_s(num_failures: int) -> float:
+    """How long a line its engine failed `num_failures` times waits before its next try: `RETRY_PAUSE_S`, doubled at each
+    failure, at most `ENGINE_FAILURE_MAX_PAUSE_S`."""
+    return min(RETRY_PAUSE_S * 2 ** min(max(num_failures - 1, 0), 16), ENGINE_FAILURE_MAX_PAUSE_S)
+
+
+async def count_engine_failure(batch_id: str, index: int, expires_at: float) -> tuple[int, float]:
+    """Count a failure of line `index` at its engine (`errors.EngineFailed`): the number of them so far, across runs,
+    and the unix time of the first, kept until `expires_at` (the batch's window's end)."""
+    key = batch_engine_failures_key(batch_id, index)
+    async with get_async_redis().pipeline(transaction=False) as pipe:  # one key: one run of a batch at a time
+        pipe.hsetnx(key, "first_at", repr(time.time()))
+        pipe.hincrby(key, "num", 1)
+        pipe.hget(key, "first_at")
+        pipe.expireat(key, int(expires_at) + 1)
+        _, num_failures, first_at, _ = await pipe.execute()
+    return int(num_failures), float(first_at)
 
 
 def line_request_id(batch_id: str, index: int) -> str:
@@ -321,8 +348,8 @@ async def free_slots(organization_id: int, endpoint_id: str, *, target_concurren
 
 
 class _Pending:
-    """The lines still to start: those to try again first, then the input's next, read one ahead in a worker thread
-    (the input comes from S3 a part at a time) while the run goes on. NOTE: never awaited in the run's loop: a slow
+    """The lines still to start: those to try again first (one its engine failed once its pause is over), then the
+    input's next, read one ahead in a worker thread (the input comes from S3 a part at a time) while the run goes on. NOTE: never awaited in the run's loop: a slow
     read (S3 retrying, a long skip over the lines done) held up the lease's renewal and the run's checks, and the
     batch was taken over with its lines in flight. An error reading the input ends the reads; it is raised once the
     lines that run have ended (`raise_failure`)."""
@@ -330,6 +357,7 @@ class _Pending:
     def __init__(self, fresh: Iterator[Line]):
         self._fresh = fresh
         self._again: deque[Line] = deque()
+        self._later: list[tuple[float, int, Line]] = []  # lines to try again from a time (monotonic): a heap
         self._next: Line | None = None
         self.reading: asyncio.Future | None = None  # the read under way
         self._ended = False
@@ -349,20 +377,26 @@ class _Pending:
             self.reading = asyncio.ensure_future(asyncio.to_thread(next, self._fresh, None))
 
     def ready(self) -> bool:
+        while self._later and self._later[0][0] <= time.monotonic():
+            self._again.append(heapq.heappop(self._later)[2])
         return bool(self._again) or self._next is not None
 
     def __bool__(self) -> bool:  # a line may still come
-        return self.ready() or not self._ended
+        return self.ready() or bool(self._later) or not self._ended
 
     def take(self) -> Line:
-        if self._again:
+        if self.ready() and self._again:
             return self._again.popleft()
         line, self._next = self._next, None
         self.read_ahead()
         return line
 
-    def again(self, line: Line) -> None:
-        self._again.append(line)
+    def again(self, line: Line, *, not_before: float = 0.0) -> None:
+        """Try `line` again, not before `not_before` (monotonic)."""
+        if not_before > time.monotonic():
+            heapq.heappush(self._later, (not_before, line.index, line))
+        else:
+            self._again.append(line)
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -397,7 +431,6 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
     no_slot_since: float | None = None  # since when no line could start and none ran
-    num_engine_failures: dict[int, int] = {}  # a line's index: the tries of it its engine failed (`MAX_ENGINE_FAILURES`)
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
@@ -469,15 +502,20 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 except BaseException:
                     answer.release()
                     raise
+                not_before = 0.0
                 if outcome.engine_failed:
-                    num_engine_failures[line.index] = num_engine_failures.get(line.index, 0) + 1
-                    if num_engine_failures[line.index] >= MAX_ENGINE_FAILURES:
-                        logger.warning("batch %s line %d: its engine failed it %d times; not tried again",
-                                       work.batch_id, line.index, MAX_ENGINE_FAILURES)
+                    num_failures, first_failed_at = await count_engine_failure(work.batch_id, line.index,
+                                                                               work.expires_at)
+                    failed_for_s = time.time() - first_failed_at
+                    if num_failures >= MAX_ENGINE_FAILURES and failed_for_s >= ENGINE_FAILURES_MIN_SPAN_S:
+                        logger.warning("batch %s line %d: its engine failed it %d times in %.0f s; not tried again",
+                                       work.batch_id, line.index, num_failures, failed_for_s)
                         outcome = replace(outcome, retry=False)  # its 502 `upstream_error`, kept in the error file
+                    else:
+                        not_before = time.monotonic() + engine_failure_pause_s(num_failures)
                 if outcome.retry:
                     answer.release()
-                    pending.again(line)
+                    pending.again(line, not_before=not_before)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
                 storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = answer

@@ -90,12 +90,6 @@ _DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 _INT64_DIGITS = b"0" * 19  # 2**63 has 19 digits: an integer with fewer fits in 64 bits
 
 
-class _LoneSurrogate(ValueError):
-    def __init__(self, param: str | None):
-        super().__init__(param)
-        self.param = param
-
-
 # A `\uXXXX` escape of a surrogate (U+D800 to U+DFFF), in either case: the one way a JSON body (valid UTF-8) holds one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -103,26 +97,36 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _PARAM_KEY = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
 
-def _decoded(body: bytes):
-    """The body's JSON, exactly as `_decoder` decodes it: the same value or the same refusal; `_LoneSurrogate` naming
-    where a string (or an object's key) holds a lone surrogate.
+def _decoded(body: bytes) -> tuple[object, bool]:
+    """The body's JSON, exactly as `_decoder` decodes it: the same value or the same refusal; and whether it may hold a
+    lone surrogate (`_lone_surrogate_param` says where).
 
     NOTE: msgspec's C decoder first, a quarter of `_decoder`'s time with its Python hooks (round 25 of
     `bench/results/gateway_profile.md`). Where the two differ, msgspec refuses: NaN, Infinity, a float past
     its range, a lone surrogate, an invalid escape or UTF-8; `_decoder` then decodes the body again and its
     answer stands. The one thing msgspec takes that `_decoder` refuses, an integer past 64 bits, has 19
     digits in a row, and such a body goes to `_decoder` alone. So only a body decoded here by `_decoder` can hold a
-    lone surrogate, and it is looked for only in one whose bytes hold a surrogate's escape (`\\ud800`): the warm path
-    pays nothing."""
+    lone surrogate, and only one whose bytes hold a surrogate's escape (`\\ud800`): the warm path pays nothing."""
     if _INT64_DIGITS not in body.translate(_DIGITS_AS_ZEROS):
         try:
-            return _fast_decoder.decode(body)
+            return _fast_decoder.decode(body), False
         except (msgspec.DecodeError, RecursionError):
             pass
     payload = _decoder.decode(body.decode("utf-8"))
-    if _SURROGATE_ESCAPE.search(body) is not None and (found := _lone_surrogate_at(payload)) is not None:
-        raise _LoneSurrogate(found or None)
-    return payload
+    return payload, _SURROGATE_ESCAPE.search(body) is not None
+
+
+def _lone_surrogate_param(payload: dict) -> str | None:
+    """Where `payload` (within `MAX_DEPTH`) holds a lone surrogate, as `_lone_surrogate_at` names it, or None.
+
+    NOTE: msgspec's encoder (C) first: it refuses a lone surrogate, and only one, so the walk (Python, a step an
+    element) runs only for a body that really holds one. An escaped backslash before `ud800` (no surrogate) in 720 KB
+    of `[]`, `[]`, … had the walk add 1.3 s of the event loop to the json module's 0.57 s."""
+    try:
+        _encoder.encode(payload)
+    except UnicodeEncodeError:
+        return _lone_surrogate_at(payload)
+    return None
 
 
 def _lone_surrogate_at(value) -> str | None:
@@ -133,24 +137,40 @@ def _lone_surrogate_at(value) -> str | None:
     NOTE: a lone surrogate is not text: vLLM generated a whole Responses answer for a body with one in `metadata` or
     `user`, then failed to write the answer that echoes them (a 400: billed nothing), and answered 500 for one in
     `stop` (the gateway took its replica for failed); PostgreSQL refuses one in a usage row or an error."""
-    stack: list[tuple[object, str, bool]] = [(value, "", True)]  # a value, its param, whether a key can go on it
+    # NOTE: each item stacked with its place, a link to its parent's (`_param_of`), the param's text made only for the
+    # one found: nested 64-character keys 800 deep over 30,000 items, each item's param built as it was stacked, took
+    # 1.5 GB and 1.7 s of the event loop for a 115 KB body.
+    stack: list[tuple[object, tuple | None, bool]] = [(value, None, True)]  # a value, its place, whether named
     while stack:
-        item, param, named = stack.pop()
+        item, place, named = stack.pop()
         if isinstance(item, str):
             if not item.isascii() and _SURROGATE.search(item) is not None:
-                return param
+                return _param_of(place)
         elif isinstance(item, dict):
             children = []
             for key, child in item.items():
                 if not key.isascii() and _SURROGATE.search(key) is not None:
-                    return param
+                    return _param_of(place)
                 nameable = named and _PARAM_KEY.fullmatch(key) is not None
-                children.append((child, (f"{param}.{key}" if param else key) if nameable else param, nameable))
+                children.append((child, (place, key) if nameable else place, nameable))
             stack.extend(reversed(children))  # NOTE: in the body's order: the first one is named
         elif isinstance(item, list):
-            stack.extend((item[index], f"{param}[{index}]" if named else param, named)
+            stack.extend((item[index], (place, index) if named else place, named)
                          for index in range(len(item) - 1, -1, -1))
     return None
+
+
+def _param_of(place: tuple | None) -> str:
+    """`place` (an item's parent's place, None for the body, and its key or index there) as a `param`
+    (`messages[0].content`; "" for the body itself)."""
+    steps: list[str | int] = []
+    while place is not None:
+        place, step = place
+        steps.append(step)
+    param = ""
+    for step in reversed(steps):
+        param = f"{param}[{step}]" if isinstance(step, int) else f"{param}.{step}" if param else step
+    return param
 
 
 def _encoded(payload: dict) -> bytes:
@@ -174,12 +194,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
     if has_too_many_json_items(body):
         raise errors.invalid_request(f"The JSON body of your request has more than {MAX_JSON_ITEMS:,} elements.")
     try:
-        payload = _decoded(body)
-    except _LoneSurrogate as exc:
-        where = f"'{exc.param}'" if exc.param else "a field name of the body"
-        raise errors.invalid_request(f"Invalid value for {where}: it holds a lone surrogate (an escape from \\ud800 to "
-                                     "\\udfff without its pair), which is not text.", param=exc.param,
-                                     code="invalid_value") from None
+        payload, may_hold_lone_surrogate = _decoded(body)
     except _Unparsable as exc:
         raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -188,6 +203,12 @@ def parse_payload(body: bytes, kind: str) -> dict:
         raise errors.invalid_request("The request body must be a JSON object.")
     if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(payload) > MAX_DEPTH:
         raise errors.invalid_request(f"The JSON body of your request is nested more than {MAX_DEPTH} levels deep.")
+    # NOTE: after the depth's check, which bounds the walk's stack and each param's length
+    if may_hold_lone_surrogate and (param := _lone_surrogate_param(payload)) is not None:
+        where = f"'{param}'" if param else "a field name of the body"
+        raise errors.invalid_request(f"Invalid value for {where}: it holds a lone surrogate (an escape from \\ud800 to "
+                                     "\\udfff without its pair), which is not text.", param=param or None,
+                                     code="invalid_value")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise errors.invalid_request("You must provide a model parameter.", param="model")

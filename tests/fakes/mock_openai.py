@@ -25,6 +25,9 @@ PROMPT_TOKENS = 7
 EMBEDDING_SIZE = 8  # `/v1/embeddings`: every input gets this many zeros, and PROMPT_TOKENS tokens
 # A request whose `user` is this is answered with an HTTP 500, every time.
 ENGINE_FAILS_FOR = "engine-fails-this"
+# A request whose `user` is this and a unix time (`engine-fails-until:1765000000.5`) is answered with an HTTP 500 until
+# then: an engine failing for a while, then well again.
+ENGINE_FAILS_UNTIL = "engine-fails-until:"
 
 
 def _dumps(data) -> bytes:
@@ -87,7 +90,11 @@ class MockOpenAI:
         if payload.get("max_tokens") == 999_999:
             return await self._json(send, 400, {"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                            "param": "max_tokens", "code": 400}})
-        if payload.get("user") == ENGINE_FAILS_FOR:
+        user = payload.get("user")
+        if user == ENGINE_FAILS_FOR or (
+            isinstance(user, str) and user.startswith(ENGINE_FAILS_UNTIL)
+            and time.time() < float(user.removeprefix(ENGINE_FAILS_UNTIL))
+        ):
             # vLLM's 500 before generating (a lone surrogate in `stop` was one): its engine up, this request failing
             return await self._json(send, 500, {"error": {"message": "", "type": "InternalServerError", "param": None,
                                                            "code": 500}})

@@ -8,6 +8,7 @@ generated a whole Responses answer for one in `metadata`, then could not write i
 """
 
 import json
+import tracemalloc
 
 import pytest
 
@@ -182,3 +183,60 @@ def test_a_body_without_a_lone_surrogate_reaches_the_engine_as_utf_8():
     )
     assert "\u00e9".encode() in sent.upstream_body("org:1")
     assert request.parse_payload(sent.upstream_body("org:1"), "chat")["user"] == "\u00e9"
+
+
+def _nested_under_long_keys(depth: int, num_items: int, last: bytes) -> bytes:
+    # `depth` objects each under a 64-character key (a name a param may carry), around `num_items` zeros and `last`
+    key = b"k" * 64
+    return (
+        b'{"model": "m", "prompt": '
+        + (b'{"' + key + b'": ') * depth
+        + b"["
+        + b"0, " * num_items
+        + last
+        + b"]"
+        + b"}" * depth
+        + b"}"
+    )
+
+
+def _peak_bytes(work) -> int:
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_body_nested_too_deep_is_refused_for_its_depth_before_it_is_looked_at_for_a_lone_surrogate():
+    # the review's 115 KB body: 800 deep under 64-character keys over 30,000 items; its param built for each item as
+    # it was stacked took 1.5 GB and 1.7 s of the event loop
+    body = _nested_under_long_keys(800, 30_000, b'"\\ud800"')
+    messages = []
+    peak = _peak_bytes(lambda: messages.append(_refusal(body)))
+    assert messages == [f"The JSON body of your request is nested more than {request.MAX_DEPTH} levels deep."]
+    assert peak < 32 * 1024 * 1024
+
+
+def test_a_lone_surrogate_under_long_keys_is_named_without_a_param_made_for_every_item():
+    # as deep as a body may be: the body, 30 objects, the array
+    body = _nested_under_long_keys(request.MAX_DEPTH - 2, 30_000, b'"\\ud800"')
+    params = []
+    peak = _peak_bytes(lambda: params.append(_refusal_of(body, "completion")))
+    assert params == ["prompt" + ("." + "k" * 64) * (request.MAX_DEPTH - 2) + "[30000]"]
+    assert peak < 16 * 1024 * 1024
+
+
+def test_a_body_whose_bytes_only_look_like_a_lone_surrogate_is_not_walked(monkeypatch):
+    # a 19-digit seed sends it to the json module; an escaped backslash before `ud800` is no surrogate. The walk of
+    # 720 KB of `[]` took 1.3 s of the event loop for it.
+    def walked(payload):
+        raise AssertionError("walked a body that holds no lone surrogate")
+
+    monkeypatch.setattr(request, "_lone_surrogate_at", walked)
+    payload = parse_payload(
+        _chat(b', "seed": 1234567890123456789, "user": "\\\\ud800", "stop": [' + b'"a", ' * 50 + b'"b"]'),
+        "chat",
+    )
+    assert payload["user"] == "\\ud800" and payload["seed"] == 1234567890123456789
