@@ -289,6 +289,7 @@ _bodies = st.fixed_dictionaries(
 
 class _Endpoint:  # what `InferenceRequest.worst_case` reads of an endpoint
     name, task, max_model_len, template_tokens, template_flag_tokens = NAME, "generate", ENGINE_CONTEXT, (0, 0), None
+    prompt_normalizer = prompt_factor = None  # a model whose tokenizer adds nothing; no learned factor
 
 
 @FUZZ_SETTINGS
