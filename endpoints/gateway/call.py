@@ -119,8 +119,9 @@ class InferenceCall:
     first_token_at: datetime | None = None
     reserved: Decimal = Decimal(0)  # the worst case held against caps and credit; never billed beyond
     num_prompt_tokens_bound: int | None = None  # the worst case's prompt tokens: more is past the estimate
-    # The same before its endpoint's learned prompt factor (`WorstCase.scaled`); None: no factor applied.
-    num_unscaled_prompt_tokens_bound: int | None = None
+    # Its worst case's prompt bounds, before its endpoint's learned prompt factor (`WorstCase.scaled`): what the factor
+    # a prompt past them teaches is computed from (`prompt_factor_for`).
+    unscaled_prompt_bounds: tuple[int, ...] = ()
     usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
@@ -175,7 +176,7 @@ class InferenceCall:
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
         self.num_prompt_tokens_bound = worst_case.num_prompt_tokens
-        self.num_unscaled_prompt_tokens_bound = worst_case.num_unscaled_prompt_tokens
+        self.unscaled_prompt_bounds = worst_case.unscaled_prompt_bounds or worst_case.prompt_bounds
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
@@ -870,8 +871,7 @@ class InferenceCall:
         endpoint = self.endpoint
         if not endpoint.model_copy[0]:
             return
-        unscaled = self.num_unscaled_prompt_tokens_bound or self.num_prompt_tokens_bound
-        factor = prompt_factor_for(num_prompt_tokens, unscaled)
+        factor = prompt_factor_for(num_prompt_tokens, self.unscaled_prompt_bounds, endpoint.max_model_len)
         directory.keep_prompt_factor(endpoint, factor)
         key = (endpoint.id, endpoint.model_copy)
         if _written_prompt_factors.get(key, 0) >= factor:

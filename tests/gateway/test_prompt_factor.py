@@ -55,11 +55,44 @@ def _bounds(kind: str, payload: dict, factor: Decimal | None) -> tuple[int, ...]
 
 
 def test_the_factor_a_request_teaches_is_its_prompt_over_its_bound_rounded_up_to_an_eighth():
-    assert prompt_factor_for(1942, 324) == Decimal("6")  # 5.99: the reviewer's template, 240 bytes
-    assert prompt_factor_for(1944, 324) == Decimal("6")
-    assert prompt_factor_for(1945, 324) == Decimal("6.125")
-    assert prompt_factor_for(325, 324) == Decimal("1.125")
-    assert prompt_factor_for(10**9, 1) == Decimal(2**20)  # bounded
+    # 5.99: the reviewer's template, 240 bytes
+    assert prompt_factor_for(1942, (324,), CONTEXT) == Decimal("6")
+    assert prompt_factor_for(1944, (324,), CONTEXT) == Decimal("6")
+    assert prompt_factor_for(1945, (324,), CONTEXT) == Decimal("6.125")
+    assert prompt_factor_for(325, (324,), CONTEXT) == Decimal("1.125")
+    assert prompt_factor_for(10**9, (1,), CONTEXT) == Decimal(2**20)  # bounded
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "num_prompt_tokens"),
+    [
+        # "Hello" really 2,000 tokens beside a prompt whose bound is the context already, really 4,090
+        ("embedding", {"model": "m", "input": ["Hello", "%" * 5000]}, 2000 + 4090),
+        ("completion", {"model": "m", "prompt": ["Hello", "%" * 5000], "max_tokens": 1}, 2000 + 4090),
+        # the capped one only reached at the factor: 1,000 of "%" reach the context at ~4.1×
+        ("completion", {"model": "m", "prompt": ["Hello", "%" * 1000], "max_tokens": 1}, 3000 + 1000),
+        # past every context
+        ("embedding", {"model": "m", "input": ["%" * 5000, "%" * 6000]}, 2 * CONTEXT + 1),
+    ],
+)
+def test_the_factor_a_prompt_list_teaches_covers_it_though_a_bound_is_at_the_context(
+    kind, payload, num_prompt_tokens
+):
+    unscaled = InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(None))
+    assert num_prompt_tokens > unscaled.num_prompt_tokens
+
+    factor = prompt_factor_for(num_prompt_tokens, unscaled.prompt_bounds, CONTEXT)
+    scaled = InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(factor))
+
+    # before: the ratio of the totals (1.5 for the first: 1,974 tokens of every such call unreserved, for ever)
+    assert scaled.num_prompt_tokens >= min(num_prompt_tokens, len(scaled.prompt_bounds) * CONTEXT)
+    assert scaled.unscaled_prompt_bounds == unscaled.prompt_bounds
+    # within an eighth of the least that covers it (each bound is rounded up)
+    smaller = factor - Decimal(2) / 8
+    assert factor == Decimal(2**20) or (
+        InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(smaller)).num_prompt_tokens
+        < num_prompt_tokens
+    )
 
 
 @pytest.mark.parametrize(
@@ -83,7 +116,7 @@ def test_every_kinds_prompt_bounds_are_multiplied_by_the_endpoints_factor_rounde
 def test_a_factor_past_the_context_reserves_the_whole_context_and_no_more():
     case = InferenceRequest("chat", "/v1/x", b"", CHAT).worst_case(_info(Decimal(1000)))
     assert case.prompt_bounds == (CONTEXT,)
-    assert case.num_unscaled_prompt_tokens == estimate.worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens
+    assert case.unscaled_prompt_bounds == estimate.worst_case(CHAT, "chat", CONTEXT).prompt_bounds
 
 
 # --- the store ------------------------------------------------------------------------------------
@@ -253,7 +286,9 @@ def test_a_tenant_escalating_step_by_step_loses_the_platform_at_most_one_reserva
         )
         assert first.cost < _in_full(endpoint, first)  # this step's loss: billed its reservation
         wait_until(
-            lambda n=num_prompt_tokens: (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, 13),
+            lambda n=num_prompt_tokens: (
+                (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, (13,), endpoint.max_model_len)
+            ),
             15,
             message="the step's factor",
         )
@@ -275,7 +310,40 @@ def test_calls_past_the_bound_before_the_factor_lands_each_lose_at_most_their_re
 
     assert all(row.prompt_tokens == 100 and row.cost <= reserved for row in rows)
     factor = wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
-    assert factor == prompt_factor_for(100, 13) == Decimal("7.75")
+    assert factor == prompt_factor_for(100, (13,), endpoint.max_model_len) == Decimal("7.75")
     assert PromptFactor.objects.filter(endpoint=endpoint).count() == 1
     after = _completion(gateway, tenant, endpoint)
     assert after.cost == _in_full(endpoint, after)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_prompt_list_with_a_prompt_at_the_context_is_billed_in_full_from_the_call_after_the_first_past_it(
+    gateway, tenant, start_mock_upstream
+):
+    # "Hello" (bound 13) really 1,505 tokens beside a prompt whose bound is the context (2,048) already: 3,553 in all.
+    # Before, the factor was the ratio of the totals (1.75), which the capped bound never follows: every call stayed
+    # ~42 % unbilled, for ever.
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=3553))
+    body = {"model": endpoint.name, "prompt": ["Hello", "%" * 3000], "max_tokens": 1}
+    billed_in_full_at = None
+    for step in range(3):
+        response = httpx.post(
+            f"{gateway}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {tenant.key}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text[:300]
+        row = wait_until(
+            lambda response=response: UsageRecord.objects.filter(
+                request_id=response.headers["x-request-id"]
+            ).first(),
+            15,
+            message="the usage row",
+        )
+        if row.cost == _in_full(endpoint, row):
+            billed_in_full_at = step
+            break
+        wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+
+    assert billed_in_full_at == 1  # one call lost its reservation's worth, the next was billed in full
