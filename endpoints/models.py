@@ -630,15 +630,19 @@ class PromptFactor(models.Model):
         copy = cls.objects.filter(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope)
         if copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()):
             return True
-        if copy.exists() or not Endpoint.objects.live().filter(pk=endpoint_id).exists():
-            return False
-        try:
-            with transaction.atomic():
-                cls.objects.create(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope,
-                                   factor=factor)
-            return True
-        except IntegrityError:  # another writer created it first (or the endpoint's row is gone): the larger stands
-            return bool(copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()))
+        if not copy.exists():
+            if not Endpoint.objects.live().filter(pk=endpoint_id).exists():
+                return False
+            try:
+                with transaction.atomic():
+                    cls.objects.create(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope,
+                                       factor=factor)
+                return True
+            except IntegrityError:  # another writer created it first (or the endpoint's row is gone)
+                pass
+        # NOTE: a row another writer created since the update above (a smaller factor's, maybe): raised if smaller.
+        # Returning at `exists()` let the smaller stand (`test_of_two_writers_racing_the_larger_factor_stands`).
+        return bool(copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()))
 
 
 # Replicas that hold their node's memory (placement counts them) and those that serve or will serve.
