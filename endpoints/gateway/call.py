@@ -874,11 +874,9 @@ class InferenceCall:
         factor = prompt_factor_for(num_prompt_tokens, self.unscaled_prompt_bounds, endpoint.max_model_len)
         directory.keep_prompt_factor(endpoint, factor)
         key = (endpoint.id, endpoint.model_copy)
-        if _written_prompt_factors.get(key, 0) >= factor:
+        if _writing_prompt_factors.get(key, 0) >= factor:
             return  # NOTE: many calls past the same bound at once (before the factor landed) write it once
-        if len(_written_prompt_factors) >= MAX_WRITTEN_PROMPT_FACTORS:
-            _written_prompt_factors.clear()
-        _written_prompt_factors[key] = factor
+        _writing_prompt_factors[key] = factor
         writing = asyncio.ensure_future(_write_prompt_factor(endpoint, factor))
         _finishing.add(writing)  # a stopping process waits for it as for a usage row (`finish_pending`)
         writing.add_done_callback(_finishing.discard)
@@ -913,10 +911,11 @@ class InferenceCall:
 _OBSERVED_AT = InferenceCall._observe.__code__
 
 
-# The highest prompt factor this process wrote, per (endpoint, copy of its model): a lower or equal one is not written
-# again. Cleared whole past its bound (a factor written again costs one conditional update).
-_written_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
-MAX_WRITTEN_PROMPT_FACTORS = 10_000
+# The prompt factor this process is writing now, per (endpoint, copy of its model): a lower or equal one is not
+# written as well; each is dropped once its write is done (at most one per call in flight).
+# NOTE: not every factor ever written: staff reset a factor in the database alone, and a process that had written it
+# never wrote it again (every second call past the bound lost ~86 %: the review of the factor).
+_writing_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
 
 
 async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
@@ -924,12 +923,15 @@ async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
     database before the row may have landed meanwhile). A database that fails it is logged: the next call past the
     bound tries again."""
     source, scope = endpoint.model_copy
+    key = (endpoint.id, endpoint.model_copy)
     try:
         raised = await in_worker_thread(PromptFactor.raise_to)(endpoint.id, source, scope, factor)
     except Exception as exc:  # noqa: BLE001 - a measure of the loss: never fail the call's end for it
-        _written_prompt_factors.pop((endpoint.id, endpoint.model_copy), None)
         logger.warning("endpoint %s: its prompt factor %s could not be written: %r", endpoint.id, factor, exc)
         return
+    finally:
+        if _writing_prompt_factors.get(key) == factor:  # a larger one's write, started since, is its own
+            del _writing_prompt_factors[key]
     directory.keep_prompt_factor(endpoint, factor)
     if raised:
         logger.warning("endpoint %s: a prompt ran past its bound; its prompts are reserved %s× their bound from now on",

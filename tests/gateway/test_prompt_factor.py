@@ -18,6 +18,8 @@ from django.db import connections
 from billing.ledger import cost_of
 from billing.models import UsageRecord
 from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import Actor
+from endpoints import services
 from endpoints.gateway import directory, estimate
 from endpoints.gateway.request import InferenceRequest
 from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
@@ -347,3 +349,28 @@ def test_a_prompt_list_with_a_prompt_at_the_context_is_billed_in_full_from_the_c
         wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
 
     assert billed_in_full_at == 1  # one call lost its reservation's worth, the next was billed in full
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_staff_reset_is_learned_again_by_the_gateway_that_wrote_it_before(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=100))
+    _completion(gateway, tenant, endpoint)
+    wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    assert services.reset_prompt_factor(Actor(user=staff), endpoint) == 1
+
+    # the gateway reserves as estimated again once it reloads the endpoint: the next call past the bound loses
+    wait_until(
+        lambda: (row := _completion(gateway, tenant, endpoint)).cost < _in_full(endpoint, row),
+        30,
+        message="a call past the bound after the reset",
+    )
+
+    # before: never written again by the process that had written it (every second call lost ~86 %)
+    assert wait_until(lambda: PromptFactor.of(endpoint), 15, message="the factor learned again") == Decimal(
+        "7.75"
+    )
+    after = _completion(gateway, tenant, endpoint)
+    assert after.cost == _in_full(endpoint, after)
