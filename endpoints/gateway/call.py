@@ -104,6 +104,10 @@ class ReservationSpent(errors.OpenAIError):
                          type="insufficient_quota", code="reservation_spent")
 
 
+# The 402s a call's reserved cost causes (`QuotaExceeded.reason`): a learned prompt factor says so after them.
+_COST_REFUSALS = frozenset({"credit", "org_cap", "key_cap", "payment_method"})
+
+
 @dataclass(slots=True)
 class InferenceCall:
     request_id: str
@@ -193,10 +197,11 @@ class InferenceCall:
                 num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
                 prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
                 margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas),
-                call_token=self.call_token)
+                call_token=self.call_token, why_so_many=errors.prompt_factor_note(self.endpoint.prompt_factor))
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
-            raise errors.insufficient_quota(str(exc)) from None
+            why = errors.prompt_factor_note(self.endpoint.prompt_factor) if exc.reason in _COST_REFUSALS else ""
+            raise errors.insufficient_quota(str(exc) + why) from None
         except BaseException:
             # NOTE: every refusal gives its place up (a 429, a request in progress: before, only an outage did, and a
             # refused call's place stayed counted until it lapsed); the call's end, should the script have run before
@@ -916,6 +921,8 @@ _OBSERVED_AT = InferenceCall._observe.__code__
 # NOTE: not every factor ever written: staff reset a factor in the database alone, and a process that had written it
 # never wrote it again (every second call past the bound lost ~86 %: the review of the factor).
 _writing_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
+# A factor past this is worth an operator's look (a template far from the estimate, or an engine over-reporting).
+PROMPT_FACTOR_WARNING = 8
 
 
 async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
@@ -936,6 +943,10 @@ async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
     if raised:
         logger.warning("endpoint %s: a prompt ran past its bound; its prompts are reserved %s× their bound from now on",
                        endpoint.id, factor)
+    if raised and factor > PROMPT_FACTOR_WARNING:
+        logger.warning("endpoint %s: its prompt factor rose to %s×, past %s×: its calls reserve far more than estimated "
+                       "and may be refused for credit, caps or tokens per minute (said in the refusal); staff can "
+                       "reset it in the admin", endpoint.id, factor, PROMPT_FACTOR_WARNING)
 
 
 def _retrieve(future: asyncio.Future) -> None:

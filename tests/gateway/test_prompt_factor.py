@@ -7,6 +7,8 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -17,10 +19,11 @@ from django.db import connections
 
 from billing.ledger import cost_of
 from billing.models import UsageRecord
-from controlplane.accounts.models import AuditEvent
-from controlplane.accounts.services import Actor
+from billing.services import set_spend_cap
+from controlplane.accounts.models import ApiKey, AuditEvent
+from controlplane.accounts.services import SYSTEM, Actor
 from endpoints import services
-from endpoints.gateway import directory, estimate
+from endpoints.gateway import call, directory, estimate
 from endpoints.gateway.request import InferenceRequest
 from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
 from tests.conftest import wait_until
@@ -374,3 +377,64 @@ def test_a_factor_staff_reset_is_learned_again_by_the_gateway_that_wrote_it_befo
     )
     after = _completion(gateway, tenant, endpoint)
     assert after.cost == _in_full(endpoint, after)
+
+
+# --- what a tenant and an operator are told --------------------------------------------------------
+
+FACTOR_NOTE = "Prompts at this endpoint are reserved 100× their estimate since a prompt ran past it; staff can reset it."
+
+
+def _refused(gateway: str, tenant, endpoint: Endpoint) -> httpx.Response:
+    return httpx.post(
+        f"{gateway}/v1/completions",
+        json={"model": endpoint.name, **HELLO},
+        headers={"Authorization": f"Bearer {tenant.key}"},
+        timeout=60,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_too_large_for_the_keys_tokens_per_minute_says_the_learned_factor_made_it_so(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=5))
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(tokens_per_minute=500)
+    _raise(endpoint, "100")  # "Hello" (bound 13) reserves 1,300 tokens
+
+    response = _refused(gateway, tenant, endpoint)
+
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["message"].startswith("Request too large")
+    assert error["message"].endswith(FACTOR_NOTE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_refused_for_its_cost_says_the_learned_factor_made_it_so(gateway, tenant, start_mock_upstream):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=5))
+    set_spend_cap(
+        SYSTEM, tenant.org, spend_cap=Decimal("0.05")
+    )  # "Hello" reserves ~0.0014 $, at 100× ~0.13 $
+    _raise(endpoint, "100")
+
+    response = _refused(gateway, tenant, endpoint)
+
+    assert response.status_code == 402
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_quota" and error["message"].endswith(FACTOR_NOTE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_rising_past_eight_is_logged_as_a_warning(caplog):
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger=call.logger.name):
+            asyncio.run(call._write_prompt_factor(info, Decimal(8)))
+            assert "past 8×" not in caplog.text
+            asyncio.run(call._write_prompt_factor(info, Decimal("8.125")))
+    finally:
+        connections.close_all()
+
+    assert endpoint.prompt_factor == Decimal("8.125")
+    assert f"endpoint {endpoint.pk}: its prompt factor rose to 8.125×, past 8×" in caplog.text
