@@ -213,6 +213,70 @@ def test_a_gateway_process_keeps_its_own_factor_at_once_only_for_the_copy_it_lea
         directory._endpoints.forget(key)
 
 
+def _cached(info: directory.EndpointInfo) -> tuple[float, directory.EndpointInfo]:
+    return directory._endpoints.entries[(info.organization_id, info.name)]
+
+
+def _reload(info: directory.EndpointInfo, *, kept_while_loading: Decimal | None) -> directory.EndpointInfo:
+    """A reload of the endpoint's cached entry, which this process keeps `kept_while_loading` during (None: before)."""
+
+    async def scenario():
+        loading = asyncio.ensure_future(
+            directory._endpoints._reload((info.organization_id, info.name), (info.organization_id, info.name))
+        )
+        await asyncio.sleep(0)  # the reload has started: it reads the database in a worker thread
+        if kept_while_loading is not None:
+            directory.keep_prompt_factor(info, kept_while_loading)
+        return await loading
+
+    try:
+        return asyncio.run(scenario())
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reload_started_before_the_factor_was_kept_lands_with_what_it_read_and_keeps_the_higher_factor():
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    key = (info.organization_id, info.name)
+    directory._endpoints.entries[key] = (0.0, info)
+    try:
+        Endpoint.objects.filter(pk=endpoint.pk).update(
+            price_input_per_million=Decimal(7)
+        )  # staff set a price
+
+        _reload(info, kept_while_loading=Decimal(3))
+
+        # before: the keep stamped the entry as loaded now, the reload was dropped, the old price served ~2 s more
+        stamped_at, cached = _cached(info)
+        assert stamped_at > 0.0
+        assert cached.price_input_per_million == Decimal(7)
+        assert cached.prompt_factor == Decimal(3)  # the reload read no row: the factor kept here stands
+    finally:
+        directory._endpoints.forget(key)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keeping_a_factor_leaves_the_entrys_time_and_a_reload_started_after_takes_the_databases_factor():
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    key = (info.organization_id, info.name)
+    directory._endpoints.entries[key] = (12.5, info)
+    try:
+        directory.keep_prompt_factor(info, Decimal(3))
+        assert _cached(info)[0] == 12.5  # before: stamped now, as if loaded now
+        _raise(endpoint, "4")  # another process learned more
+
+        assert _reload(info, kept_while_loading=None).prompt_factor == Decimal(4)
+
+        PromptFactor.objects.filter(endpoint=endpoint).delete()  # staff reset it
+        assert _reload(info, kept_while_loading=None).prompt_factor is None
+        assert _cached(info)[1].prompt_factor is None
+    finally:
+        directory._endpoints.forget(key)
+
+
 # --- staff ----------------------------------------------------------------------------------------
 
 
