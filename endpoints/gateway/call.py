@@ -868,7 +868,7 @@ class InferenceCall:
 
     def _learn_prompt_factor(self, num_prompt_tokens: int) -> None:
         """The engine counted more prompt tokens than the estimate bounded: the endpoint's later calls are reserved
-        for the ratio (`PromptFactor`), in this process at once, in the others with their next load of the endpoint
+        for the least factor that covers them (`prompt_factor_for`, `PromptFactor`), in this process at once, in the others with their next load of the endpoint
         (`directory.ENDPOINT_CACHE_S`), once its row is written, off the answer's path (its end already sent).
 
         NOTE: this call is billed at most its reservation still (the loss is one call's); a tenant raising its
