@@ -562,10 +562,28 @@ MAX_PROMPT_FACTOR = Decimal(2**20)
 PROMPT_FACTOR_STEP = 8
 
 
-def prompt_factor_for(num_prompt_tokens: int, num_bound_tokens: int) -> Decimal:
-    """The factor a request teaches: its engine's prompt tokens over its bound (before any factor), rounded up to
-    1/`PROMPT_FACTOR_STEP`, at most `MAX_PROMPT_FACTOR`."""
-    steps = -(-num_prompt_tokens * PROMPT_FACTOR_STEP // max(1, num_bound_tokens))
+def prompt_factor_for(num_prompt_tokens: int, prompt_bounds: tuple[int, ...], max_model_len: int) -> Decimal:
+    """The factor a request teaches: the least (rounded up to 1/`PROMPT_FACTOR_STEP`, at most `MAX_PROMPT_FACTOR`)
+    that makes its prompts' bounds (before any factor), each multiplied and capped at the context as
+    `WorstCase.scaled` does, add up to its engine's prompt tokens.
+
+    NOTE: not the ratio of the totals: a bound already at the context grows no further, so a list with one such prompt
+    (a completions list, embeddings inputs, a batch line) learned a ratio its scaled bounds never reached, and lost the
+    rest of every call for ever (the review's "Hello" beside a padded prompt: 1.75, ~42 % of each call unbilled). The
+    tokens past the capped bounds are what the others must cover: with the largest bounds capped one by one until the
+    next largest stays under the context at the factor that covers the rest."""
+    limit = max(1, max_model_len)
+    bounds = sorted(prompt_bounds, reverse=True)
+    num_capped, rest = 0, sum(bounds)
+    for bound in bounds:
+        # NOTE: integers only: at the factor (num_prompt_tokens - capped) / rest, this bound stays under the context.
+        if rest <= 0 or bound * (num_prompt_tokens - num_capped * limit) < limit * rest:
+            break
+        num_capped, rest = num_capped + 1, rest - bound
+    if rest <= 0:
+        return MAX_PROMPT_FACTOR  # every bound reaches the context and the tokens are still more: the most there is
+    # NOTE: past the bounds, so more than 1 (a factor of 1 or less would lower a reservation, never raise it).
+    steps = max(PROMPT_FACTOR_STEP + 1, -(-(num_prompt_tokens - num_capped * limit) * PROMPT_FACTOR_STEP // rest))
     return min(MAX_PROMPT_FACTOR, Decimal(steps) / PROMPT_FACTOR_STEP)
 
 
@@ -612,15 +630,19 @@ class PromptFactor(models.Model):
         copy = cls.objects.filter(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope)
         if copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()):
             return True
-        if copy.exists() or not Endpoint.objects.live().filter(pk=endpoint_id).exists():
-            return False
-        try:
-            with transaction.atomic():
-                cls.objects.create(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope,
-                                   factor=factor)
-            return True
-        except IntegrityError:  # another writer created it first (or the endpoint's row is gone): the larger stands
-            return bool(copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()))
+        if not copy.exists():
+            if not Endpoint.objects.live().filter(pk=endpoint_id).exists():
+                return False
+            try:
+                with transaction.atomic():
+                    cls.objects.create(endpoint_id=endpoint_id, model_source=model_source, weights_scope=weights_scope,
+                                       factor=factor)
+                return True
+            except IntegrityError:  # another writer created it first (or the endpoint's row is gone)
+                pass
+        # NOTE: a row another writer created since the update above (a smaller factor's, maybe): raised if smaller.
+        # Returning at `exists()` let the smaller stand (`test_of_two_writers_racing_the_larger_factor_stands`).
+        return bool(copy.filter(factor__lt=factor).update(factor=factor, updated_at=timezone.now()))
 
 
 # Replicas that hold their node's memory (placement counts them) and those that serve or will serve.

@@ -110,7 +110,8 @@ class Admission:
 
 async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: Decimal, num_tokens: int,
                 candidates: list[str], report: RateLimitReport | None = None, prefix_key: str | None = None,
-                margin: int = 0, prefer: frozenset[str] = frozenset(), call_token: str | None = None) -> Admission:
+                margin: int = 0, prefer: frozenset[str] = frozenset(), call_token: str | None = None,
+                why_so_many: str = "") -> Admission:
     """Admit a request, or raise the OpenAIError (429) or QuotaExceeded that refuses it.
 
     `report` (the answer's rate-limit headers) gets the counters as the script left them, admitted or not.
@@ -124,6 +125,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
     `call_token` (`traffic.new_call_token`, a new one when None) is this call's, and its end's: an entry an earlier try
     under `request_id` left in this gateway's requests hash, whose end this process knows, is released as that try's
     end would, never taken as this call's; a live try's refuses this call (503, `errors.request_in_progress`).
+    `why_so_many`: said after a 429 for its tokens (`limits.Window.refusal`).
 
     A reply lost to an outage or a cancellation (the script may have run) leaves the call's end to a later beat
     (`presence.end_later`), with its whole reservation given back.
@@ -167,7 +169,7 @@ async def admit(*, caller: Caller, endpoint_id: str, request_id: str, amount: De
                 await presence.release_leftover(caller.organization_id, request_id, detail)
                 continue
             if status == "rate_limited":
-                raise window.refusal(int(detail))
+                raise window.refusal(int(detail), why_so_many)
             if (refused := counters.refusal(status, detail)) is not None:
                 raise refused
             traffic.note_recent(endpoint_id)

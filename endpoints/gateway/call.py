@@ -104,6 +104,10 @@ class ReservationSpent(errors.OpenAIError):
                          type="insufficient_quota", code="reservation_spent")
 
 
+# The 402s a call's reserved cost causes (`QuotaExceeded.reason`): a learned prompt factor says so after them.
+_COST_REFUSALS = frozenset({"credit", "org_cap", "key_cap", "payment_method"})
+
+
 @dataclass(slots=True)
 class InferenceCall:
     request_id: str
@@ -119,8 +123,9 @@ class InferenceCall:
     first_token_at: datetime | None = None
     reserved: Decimal = Decimal(0)  # the worst case held against caps and credit; never billed beyond
     num_prompt_tokens_bound: int | None = None  # the worst case's prompt tokens: more is past the estimate
-    # The same before its endpoint's learned prompt factor (`WorstCase.scaled`); None: no factor applied.
-    num_unscaled_prompt_tokens_bound: int | None = None
+    # Its worst case's prompt bounds, before its endpoint's learned prompt factor (`WorstCase.scaled`): what the factor
+    # a prompt past them teaches is computed from (`prompt_factor_for`).
+    unscaled_prompt_bounds: tuple[int, ...] = ()
     usage: UsageTally = field(default_factory=UsageTally)
     status: str = "ok"
     cold_start_s: float = 0.0
@@ -175,7 +180,7 @@ class InferenceCall:
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)
         self.num_prompt_tokens_bound = worst_case.num_prompt_tokens
-        self.num_unscaled_prompt_tokens_bound = worst_case.num_unscaled_prompt_tokens
+        self.unscaled_prompt_bounds = worst_case.unscaled_prompt_bounds or worst_case.prompt_bounds
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
@@ -192,10 +197,11 @@ class InferenceCall:
                 num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
                 prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
                 margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas),
-                call_token=self.call_token)
+                call_token=self.call_token, why_so_many=errors.prompt_factor_note(self.endpoint.prompt_factor))
         except QuotaExceeded as exc:
             await cold_start.give_up(place)
-            raise errors.insufficient_quota(str(exc)) from None
+            why = errors.prompt_factor_note(self.endpoint.prompt_factor) if exc.reason in _COST_REFUSALS else ""
+            raise errors.insufficient_quota(str(exc) + why) from None
         except BaseException:
             # NOTE: every refusal gives its place up (a 429, a request in progress: before, only an outage did, and a
             # refused call's place stayed counted until it lapsed); the call's end, should the script have run before
@@ -862,7 +868,7 @@ class InferenceCall:
 
     def _learn_prompt_factor(self, num_prompt_tokens: int) -> None:
         """The engine counted more prompt tokens than the estimate bounded: the endpoint's later calls are reserved
-        for the ratio (`PromptFactor`), in this process at once, in the others with their next load of the endpoint
+        for the least factor that covers them (`prompt_factor_for`, `PromptFactor`), in this process at once, in the others with their next load of the endpoint
         (`directory.ENDPOINT_CACHE_S`), once its row is written, off the answer's path (its end already sent).
 
         NOTE: this call is billed at most its reservation still (the loss is one call's); a tenant raising its
@@ -870,15 +876,12 @@ class InferenceCall:
         endpoint = self.endpoint
         if not endpoint.model_copy[0]:
             return
-        unscaled = self.num_unscaled_prompt_tokens_bound or self.num_prompt_tokens_bound
-        factor = prompt_factor_for(num_prompt_tokens, unscaled)
+        factor = prompt_factor_for(num_prompt_tokens, self.unscaled_prompt_bounds, endpoint.max_model_len)
         directory.keep_prompt_factor(endpoint, factor)
         key = (endpoint.id, endpoint.model_copy)
-        if _written_prompt_factors.get(key, 0) >= factor:
+        if _writing_prompt_factors.get(key, 0) >= factor:
             return  # NOTE: many calls past the same bound at once (before the factor landed) write it once
-        if len(_written_prompt_factors) >= MAX_WRITTEN_PROMPT_FACTORS:
-            _written_prompt_factors.clear()
-        _written_prompt_factors[key] = factor
+        _writing_prompt_factors[key] = factor
         writing = asyncio.ensure_future(_write_prompt_factor(endpoint, factor))
         _finishing.add(writing)  # a stopping process waits for it as for a usage row (`finish_pending`)
         writing.add_done_callback(_finishing.discard)
@@ -913,10 +916,13 @@ class InferenceCall:
 _OBSERVED_AT = InferenceCall._observe.__code__
 
 
-# The highest prompt factor this process wrote, per (endpoint, copy of its model): a lower or equal one is not written
-# again. Cleared whole past its bound (a factor written again costs one conditional update).
-_written_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
-MAX_WRITTEN_PROMPT_FACTORS = 10_000
+# The prompt factor this process is writing now, per (endpoint, copy of its model): a lower or equal one is not
+# written as well; each is dropped once its write is done (at most one per call in flight).
+# NOTE: not every factor ever written: staff reset a factor in the database alone, and a process that had written it
+# never wrote it again (every second call past the bound lost ~86 %: the review of the factor).
+_writing_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
+# A factor past this is worth an operator's look (a template far from the estimate, or an engine over-reporting).
+PROMPT_FACTOR_WARNING = 8
 
 
 async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
@@ -924,16 +930,23 @@ async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
     database before the row may have landed meanwhile). A database that fails it is logged: the next call past the
     bound tries again."""
     source, scope = endpoint.model_copy
+    key = (endpoint.id, endpoint.model_copy)
     try:
         raised = await in_worker_thread(PromptFactor.raise_to)(endpoint.id, source, scope, factor)
     except Exception as exc:  # noqa: BLE001 - a measure of the loss: never fail the call's end for it
-        _written_prompt_factors.pop((endpoint.id, endpoint.model_copy), None)
         logger.warning("endpoint %s: its prompt factor %s could not be written: %r", endpoint.id, factor, exc)
         return
+    finally:
+        if _writing_prompt_factors.get(key) == factor:  # a larger one's write, started since, is its own
+            del _writing_prompt_factors[key]
     directory.keep_prompt_factor(endpoint, factor)
     if raised:
         logger.warning("endpoint %s: a prompt ran past its bound; its prompts are reserved %s× their bound from now on",
                        endpoint.id, factor)
+    if raised and factor > PROMPT_FACTOR_WARNING:
+        logger.warning("endpoint %s: its prompt factor rose to %s×, past %s×: its calls reserve far more than estimated "
+                       "and may be refused for credit, caps or tokens per minute (said in the refusal); staff can "
+                       "reset it in the admin", endpoint.id, factor, PROMPT_FACTOR_WARNING)
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -74,6 +74,8 @@ class EndpointInfo:
     # once as the endpoint loads); None: none did. `model_copy`: the (source, scope) it serves, the factor's key.
     prompt_factor: Decimal | None = None
     model_copy: tuple[str, str] = ("", "")
+    # When (monotonic) this process kept `prompt_factor` itself (`keep_prompt_factor`); 0: as loaded.
+    prompt_factor_kept_at: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,8 +131,20 @@ def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
 # `_endpoints`, which so holds only endpoints that exist; a stream of made-up names (each a first load) holds at most
 # `MAX_ENDPOINT_LOOKUPS` worker threads and connections. They kept up to 100,000 entries of up to 8 KB each (a
 # name in `/v1/models/{id}` was unbounded): one key could fill the web pod's memory, every tenant's calls with it.
+def _keep_learned_factor(cached: EndpointInfo | None, loaded: EndpointInfo | None, started: float) -> EndpointInfo | None:
+    """A reload of an endpoint that started before this process kept a higher prompt factor (it may have read the
+    database before the factor's row) keeps that factor; one started after takes the database's (a reset's too)."""
+    if (cached is None or loaded is None or cached.prompt_factor_kept_at < started or cached.id != loaded.id
+            or cached.model_copy != loaded.model_copy):
+        return loaded
+    if loaded.prompt_factor is not None and loaded.prompt_factor >= cached.prompt_factor:
+        return loaded
+    return dataclasses.replace(loaded, prompt_factor=cached.prompt_factor,
+                               prompt_factor_kept_at=cached.prompt_factor_kept_at)
+
+
 _endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S, max_entries=KNOWN_ENDPOINTS_MAX,
-                  max_concurrent_loads=MAX_ENDPOINT_LOOKUPS)
+                  max_concurrent_loads=MAX_ENDPOINT_LOOKUPS, merge=_keep_learned_factor)
 # (organisation, name) that named no live endpoint, for as long as a cached endpoint is trusted: a name sent again
 # costs no query; a flood of different ones pushes out only each other. An endpoint created since is found once its
 # name's entry expires, as a change to a cached one is.
@@ -153,8 +167,9 @@ def keep_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
     and has no larger one (`call.InferenceCall._learn_prompt_factor`); other processes read it with the endpoint's next
     load, within `ENDPOINT_CACHE_S` of the factor's row.
 
-    NOTE: kept as loaded now, so that a load that began before (which may have read the database before the factor's
-    row) does not replace it (`Memo._reload` keeps the later start)."""
+    NOTE: the entry keeps its own load's time: a reload that began before still lands (prices, a pause or a deletion
+    it read are served at once), keeping the higher factor (`_keep_learned_factor`). Stamping the entry as loaded now
+    dropped that reload and served the stale endpoint ~2 s longer at every rise."""
     key = (endpoint.organization_id, endpoint.name)
     entry = _endpoints.entries.get(key)
     if entry is None or entry[1] is None:
@@ -162,9 +177,12 @@ def keep_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
     cached = entry[1]
     if cached.id != endpoint.id or cached.model_copy != endpoint.model_copy:
         return
-    if cached.prompt_factor is not None and cached.prompt_factor >= factor:
+    # NOTE: the same factor again (its row now written: `call._write_prompt_factor`) is kept as of now all the same, so
+    # a reload that read the database before the row landed keeps it too.
+    if cached.prompt_factor is not None and cached.prompt_factor > factor:
         return
-    _endpoints.entries[key] = (time.monotonic(), dataclasses.replace(cached, prompt_factor=factor))
+    _endpoints.entries[key] = (entry[0], dataclasses.replace(cached, prompt_factor=factor,
+                                                             prompt_factor_kept_at=time.monotonic()))
 
 
 def knows_endpoint(organization_id: int, name: str) -> bool:

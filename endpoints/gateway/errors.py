@@ -72,6 +72,15 @@ def model_not_found(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", param="model", code="model_not_found")
 
 
+def prompt_factor_note(factor) -> str:
+    """Said after a refusal that the call's reservation caused (a 429 for its tokens, a 402 for its cost), when its
+    endpoint learned a prompt factor (`endpoints.models.PromptFactor`): that is why the reservation is so large."""
+    if factor is None:
+        return ""
+    return (f" Prompts at this endpoint are reserved {factor.normalize():f}× their estimate since a prompt ran past "
+            "it; staff can reset it.")
+
+
 def insufficient_quota(message: str) -> OpenAIError:
     return OpenAIError(402, message, type="insufficient_quota", code="insufficient_quota")
 

@@ -86,8 +86,8 @@ class WorstCase:
     num_sequences: int  # per prompt: n
     max_output_tokens: int  # per sequence, before the context limit
     max_model_len: int
-    # The prompt tokens the estimate bounded before its endpoint's learned factor (`scaled`); None: no factor applied.
-    num_unscaled_prompt_tokens: int | None = None
+    # Each prompt's bound before its endpoint's learned factor (`scaled`); None: no factor applied.
+    unscaled_prompt_bounds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_sequences < 1 or self.max_output_tokens < 0 or self.max_model_len < 1:
@@ -109,7 +109,7 @@ class WorstCase:
         limit = self.max_model_len
         numerator, denominator = factor.as_integer_ratio()
         bounds = tuple(min(limit, -(-bound * numerator // denominator)) for bound in self.prompt_bounds)
-        return WorstCase(bounds, self.num_sequences, self.max_output_tokens, limit, self.num_prompt_tokens)
+        return WorstCase(bounds, self.num_sequences, self.max_output_tokens, limit, self.prompt_bounds)
 
     @property
     def num_output_tokens(self) -> int:

@@ -29,8 +29,12 @@ STALE_FOR_S = 5.0
 
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
-                 max_entries: int = 100_000, max_concurrent_loads: int | None = None):
+                 max_entries: int = 100_000, max_concurrent_loads: int | None = None,
+                 merge: Callable | None = None):
         self._load = in_worker_thread(load)
+        # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
+        # loaded): the process may have learned of the entry since the load read the database.
+        self._merge = merge
         # NOTE: each load holds a worker thread and its own PostgreSQL connection while it runs; where the keys are
         # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
         # connections per process, queueing every other lookup behind them. At most this many first loads at once.
@@ -87,6 +91,8 @@ class Memo:
                 del self._loading[key]
         current = self.entries.get(key)
         if current is None or current[0] <= started:
+            if self._merge is not None and current is not None:
+                value = self._merge(current[1], value, started)
             self.entries[key] = (started, value)
             self.entries.move_to_end(key)
             while len(self.entries) > self.max_entries:

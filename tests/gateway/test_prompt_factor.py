@@ -7,6 +7,8 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -17,8 +19,11 @@ from django.db import connections
 
 from billing.ledger import cost_of
 from billing.models import UsageRecord
-from controlplane.accounts.models import AuditEvent
-from endpoints.gateway import directory, estimate
+from billing.services import set_spend_cap
+from controlplane.accounts.models import ApiKey, AuditEvent
+from controlplane.accounts.services import SYSTEM, Actor
+from endpoints import services
+from endpoints.gateway import call, directory, estimate
 from endpoints.gateway.request import InferenceRequest
 from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
 from tests.conftest import wait_until
@@ -55,11 +60,44 @@ def _bounds(kind: str, payload: dict, factor: Decimal | None) -> tuple[int, ...]
 
 
 def test_the_factor_a_request_teaches_is_its_prompt_over_its_bound_rounded_up_to_an_eighth():
-    assert prompt_factor_for(1942, 324) == Decimal("6")  # 5.99: the reviewer's template, 240 bytes
-    assert prompt_factor_for(1944, 324) == Decimal("6")
-    assert prompt_factor_for(1945, 324) == Decimal("6.125")
-    assert prompt_factor_for(325, 324) == Decimal("1.125")
-    assert prompt_factor_for(10**9, 1) == Decimal(2**20)  # bounded
+    # 5.99: the reviewer's template, 240 bytes
+    assert prompt_factor_for(1942, (324,), CONTEXT) == Decimal("6")
+    assert prompt_factor_for(1944, (324,), CONTEXT) == Decimal("6")
+    assert prompt_factor_for(1945, (324,), CONTEXT) == Decimal("6.125")
+    assert prompt_factor_for(325, (324,), CONTEXT) == Decimal("1.125")
+    assert prompt_factor_for(10**9, (1,), CONTEXT) == Decimal(2**20)  # bounded
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "num_prompt_tokens"),
+    [
+        # "Hello" really 2,000 tokens beside a prompt whose bound is the context already, really 4,090
+        ("embedding", {"model": "m", "input": ["Hello", "%" * 5000]}, 2000 + 4090),
+        ("completion", {"model": "m", "prompt": ["Hello", "%" * 5000], "max_tokens": 1}, 2000 + 4090),
+        # the capped one only reached at the factor: 1,000 of "%" reach the context at ~4.1×
+        ("completion", {"model": "m", "prompt": ["Hello", "%" * 1000], "max_tokens": 1}, 3000 + 1000),
+        # past every context
+        ("embedding", {"model": "m", "input": ["%" * 5000, "%" * 6000]}, 2 * CONTEXT + 1),
+    ],
+)
+def test_the_factor_a_prompt_list_teaches_covers_it_though_a_bound_is_at_the_context(
+    kind, payload, num_prompt_tokens
+):
+    unscaled = InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(None))
+    assert num_prompt_tokens > unscaled.num_prompt_tokens
+
+    factor = prompt_factor_for(num_prompt_tokens, unscaled.prompt_bounds, CONTEXT)
+    scaled = InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(factor))
+
+    # before: the ratio of the totals (1.5 for the first: 1,974 tokens of every such call unreserved, for ever)
+    assert scaled.num_prompt_tokens >= min(num_prompt_tokens, len(scaled.prompt_bounds) * CONTEXT)
+    assert scaled.unscaled_prompt_bounds == unscaled.prompt_bounds
+    # within an eighth of the least that covers it (each bound is rounded up)
+    smaller = factor - Decimal(2) / 8
+    assert factor == Decimal(2**20) or (
+        InferenceRequest(kind, "/v1/x", b"", payload).worst_case(_info(smaller)).num_prompt_tokens
+        < num_prompt_tokens
+    )
 
 
 @pytest.mark.parametrize(
@@ -83,7 +121,7 @@ def test_every_kinds_prompt_bounds_are_multiplied_by_the_endpoints_factor_rounde
 def test_a_factor_past_the_context_reserves_the_whole_context_and_no_more():
     case = InferenceRequest("chat", "/v1/x", b"", CHAT).worst_case(_info(Decimal(1000)))
     assert case.prompt_bounds == (CONTEXT,)
-    assert case.num_unscaled_prompt_tokens == estimate.worst_case(CHAT, "chat", CONTEXT).num_prompt_tokens
+    assert case.unscaled_prompt_bounds == estimate.worst_case(CHAT, "chat", CONTEXT).prompt_bounds
 
 
 # --- the store ------------------------------------------------------------------------------------
@@ -175,6 +213,70 @@ def test_a_gateway_process_keeps_its_own_factor_at_once_only_for_the_copy_it_lea
         directory._endpoints.forget(key)
 
 
+def _cached(info: directory.EndpointInfo) -> tuple[float, directory.EndpointInfo]:
+    return directory._endpoints.entries[(info.organization_id, info.name)]
+
+
+def _reload(info: directory.EndpointInfo, *, kept_while_loading: Decimal | None) -> directory.EndpointInfo:
+    """A reload of the endpoint's cached entry, which this process keeps `kept_while_loading` during (None: before)."""
+
+    async def scenario():
+        loading = asyncio.ensure_future(
+            directory._endpoints._reload((info.organization_id, info.name), (info.organization_id, info.name))
+        )
+        await asyncio.sleep(0)  # the reload has started: it reads the database in a worker thread
+        if kept_while_loading is not None:
+            directory.keep_prompt_factor(info, kept_while_loading)
+        return await loading
+
+    try:
+        return asyncio.run(scenario())
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reload_started_before_the_factor_was_kept_lands_with_what_it_read_and_keeps_the_higher_factor():
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    key = (info.organization_id, info.name)
+    directory._endpoints.entries[key] = (0.0, info)
+    try:
+        Endpoint.objects.filter(pk=endpoint.pk).update(
+            price_input_per_million=Decimal(7)
+        )  # staff set a price
+
+        _reload(info, kept_while_loading=Decimal(3))
+
+        # before: the keep stamped the entry as loaded now, the reload was dropped, the old price served ~2 s more
+        stamped_at, cached = _cached(info)
+        assert stamped_at > 0.0
+        assert cached.price_input_per_million == Decimal(7)
+        assert cached.prompt_factor == Decimal(3)  # the reload read no row: the factor kept here stands
+    finally:
+        directory._endpoints.forget(key)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keeping_a_factor_leaves_the_entrys_time_and_a_reload_started_after_takes_the_databases_factor():
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    key = (info.organization_id, info.name)
+    directory._endpoints.entries[key] = (12.5, info)
+    try:
+        directory.keep_prompt_factor(info, Decimal(3))
+        assert _cached(info)[0] == 12.5  # before: stamped now, as if loaded now
+        _raise(endpoint, "4")  # another process learned more
+
+        assert _reload(info, kept_while_loading=None).prompt_factor == Decimal(4)
+
+        PromptFactor.objects.filter(endpoint=endpoint).delete()  # staff reset it
+        assert _reload(info, kept_while_loading=None).prompt_factor is None
+        assert _cached(info)[1].prompt_factor is None
+    finally:
+        directory._endpoints.forget(key)
+
+
 # --- staff ----------------------------------------------------------------------------------------
 
 
@@ -253,7 +355,9 @@ def test_a_tenant_escalating_step_by_step_loses_the_platform_at_most_one_reserva
         )
         assert first.cost < _in_full(endpoint, first)  # this step's loss: billed its reservation
         wait_until(
-            lambda n=num_prompt_tokens: (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, 13),
+            lambda n=num_prompt_tokens: (
+                (PromptFactor.of(endpoint) or 0) >= prompt_factor_for(n, (13,), endpoint.max_model_len)
+            ),
             15,
             message="the step's factor",
         )
@@ -275,7 +379,126 @@ def test_calls_past_the_bound_before_the_factor_lands_each_lose_at_most_their_re
 
     assert all(row.prompt_tokens == 100 and row.cost <= reserved for row in rows)
     factor = wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
-    assert factor == prompt_factor_for(100, 13) == Decimal("7.75")
+    assert factor == prompt_factor_for(100, (13,), endpoint.max_model_len) == Decimal("7.75")
     assert PromptFactor.objects.filter(endpoint=endpoint).count() == 1
     after = _completion(gateway, tenant, endpoint)
     assert after.cost == _in_full(endpoint, after)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_prompt_list_with_a_prompt_at_the_context_is_billed_in_full_from_the_call_after_the_first_past_it(
+    gateway, tenant, start_mock_upstream
+):
+    # "Hello" (bound 13) really 1,505 tokens beside a prompt whose bound is the context (2,048) already: 3,553 in all.
+    # Before, the factor was the ratio of the totals (1.75), which the capped bound never follows: every call stayed
+    # ~42 % unbilled, for ever.
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=3553))
+    body = {"model": endpoint.name, "prompt": ["Hello", "%" * 3000], "max_tokens": 1}
+    billed_in_full_at = None
+    for step in range(3):
+        response = httpx.post(
+            f"{gateway}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {tenant.key}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text[:300]
+        row = wait_until(
+            lambda response=response: UsageRecord.objects.filter(
+                request_id=response.headers["x-request-id"]
+            ).first(),
+            15,
+            message="the usage row",
+        )
+        if row.cost == _in_full(endpoint, row):
+            billed_in_full_at = step
+            break
+        wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+
+    assert billed_in_full_at == 1  # one call lost its reservation's worth, the next was billed in full
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_staff_reset_is_learned_again_by_the_gateway_that_wrote_it_before(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=100))
+    _completion(gateway, tenant, endpoint)
+    wait_until(lambda: PromptFactor.of(endpoint), 15, message="the learned factor")
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    assert services.reset_prompt_factor(Actor(user=staff), endpoint) == 1
+
+    # the gateway reserves as estimated again once it reloads the endpoint: the next call past the bound loses
+    wait_until(
+        lambda: (row := _completion(gateway, tenant, endpoint)).cost < _in_full(endpoint, row),
+        30,
+        message="a call past the bound after the reset",
+    )
+
+    # before: never written again by the process that had written it (every second call lost ~86 %)
+    assert wait_until(lambda: PromptFactor.of(endpoint), 15, message="the factor learned again") == Decimal(
+        "7.75"
+    )
+    after = _completion(gateway, tenant, endpoint)
+    assert after.cost == _in_full(endpoint, after)
+
+
+# --- what a tenant and an operator are told --------------------------------------------------------
+
+FACTOR_NOTE = "Prompts at this endpoint are reserved 100× their estimate since a prompt ran past it; staff can reset it."
+
+
+def _refused(gateway: str, tenant, endpoint: Endpoint) -> httpx.Response:
+    return httpx.post(
+        f"{gateway}/v1/completions",
+        json={"model": endpoint.name, **HELLO},
+        headers={"Authorization": f"Bearer {tenant.key}"},
+        timeout=60,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_too_large_for_the_keys_tokens_per_minute_says_the_learned_factor_made_it_so(
+    gateway, tenant, start_mock_upstream
+):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=5))
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(tokens_per_minute=500)
+    _raise(endpoint, "100")  # "Hello" (bound 13) reserves 1,300 tokens
+
+    response = _refused(gateway, tenant, endpoint)
+
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["message"].startswith("Request too large")
+    assert error["message"].endswith(FACTOR_NOTE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_call_refused_for_its_cost_says_the_learned_factor_made_it_so(gateway, tenant, start_mock_upstream):
+    endpoint = _served(tenant, start_mock_upstream(prompt_tokens=5))
+    set_spend_cap(
+        SYSTEM, tenant.org, spend_cap=Decimal("0.05")
+    )  # "Hello" reserves ~0.0014 $, at 100× ~0.13 $
+    _raise(endpoint, "100")
+
+    response = _refused(gateway, tenant, endpoint)
+
+    assert response.status_code == 402
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_quota" and error["message"].endswith(FACTOR_NOTE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_rising_past_eight_is_logged_as_a_warning(caplog):
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger=call.logger.name):
+            asyncio.run(call._write_prompt_factor(info, Decimal(8)))
+            assert "past 8×" not in caplog.text
+            asyncio.run(call._write_prompt_factor(info, Decimal("8.125")))
+    finally:
+        connections.close_all()
+
+    assert endpoint.prompt_factor == Decimal("8.125")
+    assert f"endpoint {endpoint.pk}: its prompt factor rose to 8.125×, past 8×" in caplog.text
