@@ -169,6 +169,16 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: a lone surrogate ("\\ud800", which JSON may escape) does not, and an HTTP
+    body holding one cannot be sent (httpx's `json=` raises)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -553,8 +563,9 @@ class TokenizerNormalizer(Message):
     text's length goes: its steps in order, or why it is not known (`unknown`, then `steps` is empty).
 
     NOTE: read from a tenant's file: whatever a report says, a step the protocol does not know, too many steps, a
-    pattern or content too long (or holding a NUL, which PostgreSQL's JSON refuses) make the whole description
-    unknown, never a refused heartbeat; the gateway reserves an unknown normalizer's prompts as the context."""
+    pattern or content too long (or holding a NUL, which PostgreSQL's JSON refuses, or a lone surrogate, which no
+    UTF-8 body can carry: the agent's heartbeat could not be sent) make the whole description unknown, never a
+    refused or unsendable heartbeat; the gateway reserves an unknown normalizer's prompts as the context."""
 
     steps: list[NormalizerStep] = field(default_factory=list)
     unknown: str = ""  # why the normalizer is not known ("" when it is)
@@ -575,6 +586,8 @@ class TokenizerNormalizer(Message):
             return f"more than {MAX_NORMALIZER_STEPS} steps"
         if len(self.segment_starts) > MAX_SEGMENT_STARTS or "\0" in self.segment_starts:
             return "too many added tokens' first characters"
+        if not _is_utf8(self.segment_starts):
+            return "an added token's first character that is not UTF-8"
         for step in self.steps:
             if step.kind not in NORMALIZER_STEP_KINDS:
                 return f"a step of kind {step.kind[:40]!r}"
@@ -582,6 +595,8 @@ class TokenizerNormalizer(Message):
                 return f"a pattern or content past {MAX_NORMALIZER_TEXT_CHARS} characters"
             if "\0" in step.pattern + step.content:
                 return "a pattern or content holding a NUL"
+            if not _is_utf8(step.pattern + step.content):
+                return "a pattern or content that is not UTF-8 (a lone surrogate)"
         return ""
 
 

@@ -249,7 +249,17 @@ def _text(value: object, name: str) -> str:
         raise _Unknown(f"{name} is not text")
     if len(value) > MAX_NORMALIZER_TEXT_CHARS:
         raise _Unknown(f"{name} is past {MAX_NORMALIZER_TEXT_CHARS} characters")
+    _require_utf8(value, name)
     return value
+
+
+def _require_utf8(value: str, name: str) -> None:
+    """NOTE: JSON may escape a lone surrogate ("\\ud800"), which no UTF-8 body carries: in a report, the agent's
+    heartbeat could not be sent at all (the node offline, with every tenant's replicas on it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Unknown(f"{name} is not UTF-8 (a lone surrogate)") from None
 
 
 def _segment_starts(added_tokens: object) -> str:
@@ -264,6 +274,7 @@ def _segment_starts(added_tokens: object) -> str:
         if not isinstance(token, dict) or not isinstance(token.get("content"), str):
             raise _Unknown("an added token without content")
         if token["content"] and token.get("normalized") is not True:
+            _require_utf8(token["content"][0], "an added token's first character")
             starts.add(token["content"][0])
         if len(starts) > MAX_SEGMENT_STARTS:
             raise _Unknown("added tokens with too many first characters to count pieces by")

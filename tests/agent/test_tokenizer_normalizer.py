@@ -229,7 +229,9 @@ def test_a_regular_expression_is_never_compiled(model_copy, monkeypatch):
         {"steps": [{"kind": "decompose"}] * 17},
         {"steps": [{"kind": "replace", "pattern": " ", "content": "x" * 65}]},
         {"steps": [{"kind": "prepend", "content": "\u0000"}]},
+        {"steps": [{"kind": "replace", "pattern": "a", "content": "\ud800"}]},
         {"segment_starts": "x" * 65},
+        {"segment_starts": "<\udfff"},
     ],
 )
 def test_a_report_the_protocol_cannot_hold_is_taken_as_unknown_not_refused(report):
