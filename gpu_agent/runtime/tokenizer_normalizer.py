@@ -1,22 +1,33 @@
-"""What a model's tokenizer does to text before it splits it: tokenizer.json's `normalizer` (and a `Metaspace`
-pre-tokenizer's rewrite), as a length goes.
+"""What a model's tokenizer does to text before it splits it (its `normalizer`, and a `Metaspace` or prefix-space
+`ByteLevel` pre-tokenizer's rewrite), as a length goes.
 
 The gateway bounds a prompt's tokens by its UTF-8 bytes after normalization (`endpoints.gateway.estimate`), and some
 normalizers lengthen text: NFD and NFKD decompose text already composed ("가", 3 bytes, is 9 as jamo), `Replace`
 (" " by "▁", Llama's and SentencePiece's: 1 byte to 3) and `Prepend` add bytes of their own. The agent reads the
 normalizer once, with the model's other facts (`model_info.read_model`), into a `protocol.TokenizerNormalizer`.
 
-NOTE: the file is the tenant's. It is read up to `model_json.MAX_MODEL_JSON_BYTES` (real ones run to tens of MB, but
-their `normalizer` and `added_tokens` come first, before the vocabulary), key by key at the top level, and nothing in
-it is run: a regular expression is reported as text, never compiled. Whatever cannot be read (past the cap, not JSON,
-nested too deep, a type the protocol does not know, a field of the wrong type) makes the normalizer unknown, which the
-gateway reserves as the context.
+NOTE: read what the engine reads. The tokenizer is loaded as vLLM loads it (transformers' `AutoTokenizer`, no remote
+code; `tokenizers` on tokenizer.json where transformers is not installed) and described from the library's own
+canonical JSON (`backend_tokenizer.to_str()`): a file of the agent's own parsing disagreed with the engine's (a
+duplicate "normalizer" key, of which `tokenizers` keeps the last; `fast_tokenizer_files` naming another file), and
+a SentencePiece-only folder converted to a fast tokenizer is described instead of unknown.
+
+NOTE: the files are the tenant's. They are loaded in a child process (`python -m
+gpu_agent.runtime.tokenizer_normalizer <folder>`) with `MAX_LOADER_CPU_S` of CPU, `MAX_LOADER_MEMORY_BYTES` of
+address space and `LOADER_TIMEOUT_S` of wall time, as the safetensors headers are (`safetensors_headers`); the
+agent's thread waits on a pipe. Whatever fails to load, or cannot be described (a type the protocol does not know,
+a field of the wrong type, text that is not UTF-8), makes the normalizer unknown, which the gateway reserves as the
+context. Nothing the child finds is run in the agent: a regular expression is reported as text.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 from gpu_agent.protocol import (
@@ -26,7 +37,8 @@ from gpu_agent.protocol import (
     NormalizerStep,
     TokenizerNormalizer,
 )
-from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
+
+logger = logging.getLogger(__name__)
 
 # tokenizer.json's normalizer types (Hugging Face `tokenizers`), by what they may do to a text's length.
 _KINDS = {
@@ -40,6 +52,12 @@ _KINDS = {
     "StripAccents": "shortens",
 }
 _SEQUENCE_DEPTH = 4  # a Sequence inside a Sequence is flattened this deep at most
+# The loader child's limits. transformers' import and a tiny model's tokenizer take ~3.5 s of CPU and ~400 MB; a
+# 250,000-piece vocabulary a few seconds more. Past them the normalizer is unknown.
+MAX_LOADER_CPU_S = 60
+MAX_LOADER_MEMORY_BYTES = 3 * 1024**3
+LOADER_TIMEOUT_S = 180
+MAX_ANSWER_BYTES = 64 * 1024  # a description is a few hundred bytes
 
 
 class _Unknown(Exception):
@@ -47,83 +65,84 @@ class _Unknown(Exception):
 
 
 def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
-    """The normalizer of `model_dir`'s tokenizer.json; unknown when the folder has none (the engine would then build
-    a tokenizer from a SentencePiece model, whose conversion may add `Replace` and `Prepend`) or it cannot be read.
-    Never raises."""
-    path = Path(model_dir) / "tokenizer.json"
+    """The normalizer of the tokenizer the engine would load from `model_dir`, described by a child process within
+    the loader's limits; unknown when it does not load there or cannot be described. Never raises."""
+    # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
+    package_root = Path(__file__).resolve().parents[2]
+    environment = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     try:
-        fields = _top_level_fields(path, ("normalizer", "pre_tokenizer", "added_tokens"))
-        if "normalizer" not in fields or "pre_tokenizer" not in fields:
-            raise _Unknown(
-                "its tokenizer.json has no normalizer or pre-tokenizer before the cap on what is read"
-            )
-        steps = _steps(fields["normalizer"], 0) + _pre_tokenizer_steps(fields["pre_tokenizer"], 0)
+        finished = subprocess.run(  # noqa: S603 - our own interpreter and module, the folder as one argument
+            [
+                sys.executable,
+                "-E",
+                "-s",
+                "-m",
+                __name__,
+                os.fspath(model_dir),
+                str(MAX_LOADER_CPU_S),
+                str(MAX_LOADER_MEMORY_BYTES),
+            ],
+            cwd=package_root,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=LOADER_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return TokenizerNormalizer(unknown=f"its tokenizer took more than {LOADER_TIMEOUT_S} s to load")
+    except OSError as exc:
+        logger.exception("could not start the tokenizer loader for %s", Path(model_dir).name)
+        return TokenizerNormalizer(
+            unknown=f"the tokenizer loader could not start ({exc.strerror or 'error'})"
+        )
+    if finished.returncode != 0:
+        logger.warning(
+            "the tokenizer loader for %s ended with %s: %s",
+            Path(model_dir).name,
+            finished.returncode,
+            finished.stderr[-2000:].decode(errors="replace"),
+        )
+        return TokenizerNormalizer(
+            unknown=f"its tokenizer does not load within the node's limits (exit {finished.returncode})"
+        )
+    try:
+        answer = json.loads(finished.stdout[:MAX_ANSWER_BYTES])
+        return TokenizerNormalizer.from_dict(answer)
+    except (ValueError, TypeError, KeyError):
+        logger.warning("the tokenizer loader for %s answered %r", Path(model_dir).name, finished.stdout[:200])
+        return TokenizerNormalizer(unknown="the tokenizer loader's answer could not be read")
+
+
+def describe_tokenizer(tokenizer: object) -> TokenizerNormalizer:
+    """The normalizer of a tokenizer as `tokenizers` writes it (`Tokenizer.to_str()`, parsed): its `normalizer` and
+    `pre_tokenizer`, and the first characters of its added tokens. Never raises."""
+    try:
+        if not isinstance(tokenizer, dict):
+            raise _Unknown("a tokenizer that is not a JSON object")
+        steps = _steps(tokenizer.get("normalizer"), 0) + _pre_tokenizer_steps(
+            tokenizer.get("pre_tokenizer"), 0
+        )
         if len(steps) > MAX_NORMALIZER_STEPS:
             raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
         starts = (
-            _segment_starts(fields.get("added_tokens"))
+            _segment_starts(tokenizer.get("added_tokens"))
             if any(step.kind == "prepend" for step in steps)
             else ""
         )
         return TokenizerNormalizer(steps=steps, segment_starts=starts)
     except _Unknown as exc:
         return TokenizerNormalizer(unknown=str(exc))
-    except OSError:
-        return TokenizerNormalizer(unknown="no readable tokenizer.json")
     except (ValueError, RecursionError, TypeError, AttributeError):
-        return TokenizerNormalizer(unknown="its tokenizer.json is not JSON as a tokenizer writes it")
+        return TokenizerNormalizer(unknown="its tokenizer is not JSON as a tokenizer writes it")
 
 
 def describe_normalizer(normalizer: object, pre_tokenizer: object = None) -> TokenizerNormalizer:
-    """`read_tokenizer_normalizer` of a tokenizer.json's `normalizer` and `pre_tokenizer` values already parsed."""
-    try:
-        steps = _steps(normalizer, 0) + _pre_tokenizer_steps(pre_tokenizer, 0)
-        if len(steps) > MAX_NORMALIZER_STEPS:
-            raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
-        return TokenizerNormalizer(steps=steps)
-    except _Unknown as exc:
-        return TokenizerNormalizer(unknown=str(exc))
-
-
-def _top_level_fields(path: Path, names: tuple[str, ...]) -> dict:
-    """The values of `names` in the JSON object at `path`, parsed one top-level field at a time and no further than
-    the last of them (or `MAX_MODEL_JSON_BYTES`): the vocabulary that follows is never parsed."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        data = handle.read(MAX_MODEL_JSON_BYTES)
-    text = data.decode("utf-8", "ignore" if size > len(data) else "strict")
-    decoder = json.JSONDecoder()
-    position = _skip_space(text, 0)
-    if text[position : position + 1] != "{":
-        raise _Unknown("its tokenizer.json is not a JSON object")
-    position += 1
-    found: dict = {}
-    while len(found) < len(names):
-        position = _skip_space(text, position)
-        if text[position : position + 1] == "}":
-            return {name: None for name in names} | found  # the whole object read: what it lacks it has not
-        try:
-            key, position = decoder.raw_decode(text, position)
-            position = _skip_space(text, position)
-            if text[position : position + 1] != ":":
-                raise ValueError("':' expected")
-            value, position = decoder.raw_decode(text, _skip_space(text, position + 1))
-        except ValueError:
-            if size > len(data):
-                return found  # NOTE: the cap cut the file: what came before it stands, the rest is unknown
-            raise
-        if key in names and key not in found:
-            found[key] = value
-        position = _skip_space(text, position)
-        if text[position : position + 1] == ",":
-            position += 1
-    return found
-
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in " \t\r\n":
-        position += 1
-    return position
+    """`describe_tokenizer` of a tokenizer's `normalizer` and `pre_tokenizer` values alone."""
+    return describe_tokenizer({"normalizer": normalizer, "pre_tokenizer": pre_tokenizer})
 
 
 def _steps(normalizer: object, depth: int) -> list[NormalizerStep]:
@@ -279,3 +298,47 @@ def _segment_starts(added_tokens: object) -> str:
         if len(starts) > MAX_SEGMENT_STARTS:
             raise _Unknown("added tokens with too many first characters to count pieces by")
     return "".join(sorted(starts))
+
+
+def _load_tokenizer(model_dir: Path) -> dict:
+    """The child's work: the tokenizer the engine would load from `model_dir`, as `tokenizers` writes it."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # an agent without the engine
+        return _load_tokenizer_file(model_dir)
+    # NOTE: as vLLM's `get_tokenizer` calls it: no remote code, the folder alone.
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.fspath(model_dir), trust_remote_code=False, local_files_only=True
+    )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise _Unknown(f"the engine's tokenizer ({type(tokenizer).__name__[:60]}) is not a fast one")
+    return json.loads(backend.to_str())
+
+
+def _load_tokenizer_file(model_dir: Path) -> dict:
+    """The file transformers would read, where it can be told which without transformers."""
+    from tokenizers import Tokenizer
+
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.exists() and "fast_tokenizer_files" in json.loads(config_path.read_text(encoding="utf-8")):
+        raise _Unknown("its tokenizer_config.json names fast_tokenizer_files (transformers picks among them)")
+    return json.loads(Tokenizer.from_file(os.fspath(model_dir / "tokenizer.json")).to_str())
+
+
+def _main(model_dir: str, cpu_s: int, memory_bytes: int) -> None:
+    """The child: limit itself, load, describe, print one line of JSON."""
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        described = describe_tokenizer(_load_tokenizer(Path(model_dir)))
+    except _Unknown as exc:
+        described = TokenizerNormalizer(unknown=str(exc))
+    except Exception as exc:  # noqa: BLE001 - NOTE: whatever the tenant's files make the libraries raise
+        described = TokenizerNormalizer(unknown=f"its tokenizer does not load ({type(exc).__name__})")
+    sys.stdout.write(json.dumps(described.to_dict()))  # NOTE: ASCII: a lone surrogate stays escaped
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

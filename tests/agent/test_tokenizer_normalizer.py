@@ -1,5 +1,10 @@
-"""The agent reads what a model's tokenizer.json normalizer does to a text's length, and a hostile file makes it
-"unknown", never a crash, a long read or anything run (`gpu_agent.runtime.tokenizer_normalizer`)."""
+"""The agent reads what a model's tokenizer normalizer does to a text's length, from the tokenizer the engine loads,
+and a hostile file makes it "unknown", never a crash, a long read or anything run
+(`gpu_agent.runtime.tokenizer_normalizer`).
+
+The descriptions of each normalizer and pre-tokenizer are checked on the parsed file (`describe_tokenizer`, in this
+process); what the loader child does with the folder (transformers' choice of file and class, a duplicate key, the
+limits) through `read_tokenizer_normalizer`, a few seconds each."""
 
 from __future__ import annotations
 
@@ -11,9 +16,7 @@ import pytest
 
 from gpu_agent.protocol import ModelInfo, NormalizerStep, TokenizerNormalizer, WeightsStatus
 from gpu_agent.runtime.model_info import read_model
-from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
-from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
-from tests.agent.conftest import with_peak_memory
+from gpu_agent.runtime.tokenizer_normalizer import describe_tokenizer, read_tokenizer_normalizer
 
 LLAMA = {
     "type": "Sequence",
@@ -35,6 +38,11 @@ def _with_normalizer(model_dir: Path, normalizer) -> Path:
     path = model_dir / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"normalizer": normalizer}))
     return model_dir
+
+
+def _described(model_dir: Path) -> TokenizerNormalizer:
+    """What the loader child describes once the library has parsed the file (as written: no library's rewriting)."""
+    return describe_tokenizer(json.loads((model_dir / "tokenizer.json").read_text()))
 
 
 def _kinds(normalizer: TokenizerNormalizer) -> list[str]:
@@ -88,7 +96,7 @@ def test_the_model_reading_reports_its_normalizer_with_the_other_facts(model_cop
     ],
 )
 def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds):
-    assert _kinds(read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))) == kinds
+    assert _kinds(_described(_with_normalizer(model_copy, normalizer))) == kinds
 
 
 @pytest.mark.parametrize(
@@ -111,7 +119,7 @@ def test_a_metaspace_pre_tokenizer_is_described_as_the_replacement_it_makes(mode
     path = model_copy / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
 
-    assert _kinds(read_tokenizer_normalizer(model_copy)) == kinds
+    assert _kinds(_described(model_copy)) == kinds
 
 
 @pytest.mark.parametrize(
@@ -127,11 +135,11 @@ def test_a_pre_tokenizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy
     path = model_copy / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
 
-    assert read_tokenizer_normalizer(model_copy).unknown
+    assert _described(model_copy).unknown
 
 
 def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
-    described = read_tokenizer_normalizer(_with_normalizer(model_copy, LLAMA))
+    described = _described(_with_normalizer(model_copy, LLAMA))
 
     assert described.steps[1] == NormalizerStep(kind="replace", pattern=" ", content="\u2581")
     assert described.segment_starts == "<"  # <unk>, <s>, </s>, <pad>: split out before normalizing
@@ -157,7 +165,7 @@ def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
     ],
 )
 def test_a_normalizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, normalizer):
-    described = read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))
+    described = _described(_with_normalizer(model_copy, normalizer))
 
     assert described.unknown and described.steps == []
 
@@ -170,31 +178,7 @@ def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy):
     assert read_tokenizer_normalizer(model_copy).unknown
 
 
-def test_a_huge_tokenizer_is_read_no_further_than_its_normalizer(model_copy):
-    # Real tokenizer.json files run to tens of MB (the vocabulary, after the normalizer): read up to the cap only.
-    path = model_copy / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    head = {name: spec[name] for name in ("version", "added_tokens", "pre_tokenizer")} | {
-        "normalizer": {"type": "NFD"}
-    }
-    path.write_text(json.dumps(head)[:-1] + ', "model": {"vocab": [' + "{}," * (20 * 1024 * 1024) + "{}]}}")
-
-    described, peak = with_peak_memory(lambda: read_tokenizer_normalizer(model_copy))
-
-    assert _kinds(described) == ["decompose"]
-    assert peak < 4 * MAX_MODEL_JSON_BYTES
-
-
-def test_a_normalizer_past_the_cap_on_what_is_read_is_unknown(model_copy):
-    path = model_copy / "tokenizer.json"
-    path.write_text(
-        '{"model": {"vocab": [' + "{}," * MAX_MODEL_JSON_BYTES + '{}]}, "normalizer": {"type": "NFD"}}'
-    )
-
-    assert read_tokenizer_normalizer(model_copy).unknown
-
-
-@pytest.mark.parametrize("content", ["", "not json", "[]", '{"normalizer": ', "\u00ff\u00fe"])
+@pytest.mark.parametrize("content", ["not json", '{"normalizer": '])
 def test_a_tokenizer_file_that_is_not_a_tokenizer_is_unknown(model_copy, content):
     (model_copy / "tokenizer.json").write_text(content)
 
@@ -215,7 +199,7 @@ def test_a_regular_expression_is_never_compiled(model_copy, monkeypatch):
         raise AssertionError("a tenant's pattern was compiled")
 
     monkeypatch.setattr(re, "compile", refuse)
-    described = read_tokenizer_normalizer(
+    described = _described(
         _with_normalizer(model_copy, {"type": "Replace", "pattern": {"Regex": "(a+)+$"}, "content": "b"})
     )
 
@@ -243,3 +227,52 @@ def test_a_report_the_protocol_cannot_hold_is_taken_as_unknown_not_refused(repor
 
 def test_an_older_agents_report_says_nothing_of_the_normalizer():
     assert ModelInfo.from_dict({"max_model_len": 2048}).tokenizer_normalizer is None
+
+
+# --- what the engine reads, not what a parser of the file's own reads ------------------------------------------------
+
+HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
+
+
+def test_of_two_normalizer_keys_the_one_the_tokenizers_library_keeps_is_reported(model_copy):
+    # The agent's own parser kept the first (null: nothing added); `tokenizers`, and so vLLM, keeps the last.
+    path = model_copy / "tokenizer.json"
+    text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
+    path.write_text(text[:-1] + ', "normalizer": ' + json.dumps(HOSTILE_REPLACE) + "}")
+
+    described = read_tokenizer_normalizer(model_copy)
+
+    assert described.steps == [NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)]
+
+
+def test_the_file_fast_tokenizer_files_names_is_the_one_reported(model_copy):
+    # transformers (and so vLLM) loads tokenizer.4.0.0.json in place of tokenizer.json.
+    tokenizer = json.loads((model_copy / "tokenizer.json").read_text())
+    (model_copy / "tokenizer.4.0.0.json").write_text(json.dumps(tokenizer | {"normalizer": HOSTILE_REPLACE}))
+    config = json.loads((model_copy / "tokenizer_config.json").read_text())
+    (model_copy / "tokenizer_config.json").write_text(
+        json.dumps(config | {"fast_tokenizer_files": ["tokenizer.4.0.0.json"]})
+    )
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace"]
+
+
+def test_a_tokenizer_class_that_builds_its_own_pipeline_is_reported_as_it_builds_it(model_copy):
+    # transformers' LlamaTokenizer keeps tokenizer.json's vocabulary and sets its own Metaspace: the file's
+    # normalizer (NFD here) is not what the engine runs.
+    _with_normalizer(model_copy, {"type": "NFD"})
+    config = json.loads((model_copy / "tokenizer_config.json").read_text())
+    (model_copy / "tokenizer_config.json").write_text(
+        json.dumps(config | {"tokenizer_class": "LlamaTokenizer"})
+    )
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace", "prepend"]
+
+
+def test_a_tokenizer_with_a_lone_surrogate_is_unknown(model_copy):
+    path = model_copy / "tokenizer.json"
+    text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
+    replace = '{"type": "Replace", "pattern": {"String": "a"}, "content": "\\ud800"}'
+    path.write_text(text.replace('"normalizer": null', '"normalizer": ' + replace, 1))
+
+    assert read_tokenizer_normalizer(model_copy).unknown

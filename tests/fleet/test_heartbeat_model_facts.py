@@ -44,8 +44,9 @@ def in_process_control_plane():
 @pytest.fixture
 def agent(in_process_control_plane, tmp_path):
     token = create_join_token(SYSTEM, name="rack").plain
-    config = AgentConfig(control_plane_url="http://testserver", join_token=token, data_dir=tmp_path / "agent",
-                         force_cpu=True)
+    config = AgentConfig(
+        control_plane_url="http://testserver", join_token=token, data_dir=tmp_path / "agent", force_cpu=True
+    )
     agent = Agent(config, transport=in_process_control_plane)
     yield agent
     agent.shutdown()
@@ -56,8 +57,9 @@ def _reported(source: str) -> dict:
     return next(status for status in weights if status["source"] == source)
 
 
-def test_a_tokenizer_with_a_lone_surrogate_is_reported_unknown_and_the_node_keeps_beating(agent, tiny_model_dir,
-                                                                                            tmp_path):
+def test_a_tokenizer_with_a_lone_surrogate_is_reported_unknown_and_the_node_keeps_beating(
+    agent, tiny_model_dir, tmp_path
+):
     model_dir = tmp_path / "tenant-model"
     shutil.copytree(tiny_model_dir, model_dir)
     path = model_dir / "tokenizer.json"
@@ -75,12 +77,15 @@ def test_a_tokenizer_with_a_lone_surrogate_is_reported_unknown_and_the_node_keep
     assert Node.objects.get().last_heartbeat_at is not None
 
 
-def test_facts_that_cannot_be_encoded_are_left_out_of_the_heartbeat_not_the_heartbeat(agent, tiny_model_dir,
-                                                                                      monkeypatch):
+def test_facts_that_cannot_be_encoded_are_left_out_of_the_heartbeat_not_the_heartbeat(
+    agent, tiny_model_dir, monkeypatch
+):
     source = str(tiny_model_dir)
     agent.weights.fetch(source)
     info = ModelInfo(max_model_len=2048, architecture="LlamaForCausalLM")
-    info.architecture = "Llama\ud800"  # past every check: a reader's bug, or a field the protocol does not check yet
+    info.architecture = (
+        "Llama\ud800"  # past every check: a reader's bug, or a field the protocol does not check yet
+    )
     monkeypatch.setattr(agent.weights, "reading_made", lambda model_dir: ModelReading(info=info))
 
     agent.heartbeat_once()
