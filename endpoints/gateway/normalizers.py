@@ -21,8 +21,10 @@ pattern an earlier step can make (its characters in an earlier replacement's or 
 pattern after a step that deletes, a non-ASCII pattern after a normalization). A model whose agent reported nothing
 (`None`) is counted as before; so is one whose normalizer adds nothing (NFC, NFKC, lowercase, strip).
 
-NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is taken as the NFKC it is built from (nmt_nfkc), as
-before this module: a tenant's own map could send a character to anything, and is not bounded here.
+NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is known only as one of sentencepiece's own (nmt_nfkc,
+nmt_nfkc_cf, identity, by the hash of its bytes, in the agent): NFKC, lowercased for _cf, whose whitespace and a few
+format characters become spaces ("spaces", as BERT's clean-up makes them); a tenant's own map, which could send a
+character to anything, is unknown.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
     decomposes = deletes = False
     normalized = lowercased = False  # a normalization ran before; lowercasing did
     made = set()  # characters an earlier step may insert
+    # Characters an earlier step may turn into a space (BERT's clean-up, sentencepiece's nmt maps).
+    spaced: set[str] = set()
     replacements: list[tuple[str, int, bool, bool]] = []
     prepend_bytes = bytes_per_non_ascii = 0
     for step in normalizer.steps:
@@ -127,6 +131,8 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
             lowercased = True
         elif step.kind == "shortens":
             deletes = True
+        elif step.kind == "spaces":
+            spaced.update(step.pattern)
         elif step.kind == "cjk_spaces":
             bytes_per_non_ascii += CJK_SPACE_BYTES * (MAX_DECOMPOSED_IDEOGRAPHS if normalized else 1)
             made.add(" ")
@@ -152,9 +158,16 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
                 return PromptNormalizer(
                     unbounded=f"a replacement of {pattern[:20]!r} an earlier step can make"
                 )
-            growth = _longest_bytes(step.content) - len(pattern.encode("utf-8", "surrogatepass"))
-            if growth > 0:
-                replacements.append((pattern, growth, normalized, lowercased))
+            if spaced and " " in pattern and pattern != " ":
+                return PromptNormalizer(
+                    unbounded=f"a replacement of {pattern[:20]!r} an earlier step can make"
+                )
+            # NOTE: a space an earlier step made of another character is replaced too: each such character counts
+            # as an occurrence of its own ("\n" by BERT's clean-up, then " " by "▁": 1 byte to 3).
+            for source in [pattern] + (sorted(spaced) if pattern == " " else []):
+                growth = _longest_bytes(step.content) - len(source.encode("utf-8", "surrogatepass"))
+                if growth > 0:
+                    replacements.append((source, growth, normalized, lowercased))
             if len(step.content) < len(pattern):
                 deletes = True
             made.update(step.content)

@@ -22,6 +22,8 @@ context. Nothing the child finds is run in the agent: a regular expression is re
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import os
@@ -44,12 +46,27 @@ logger = logging.getLogger(__name__)
 _KINDS = {
     "NFC": "compose",
     "NFKC": "compose",
-    "Precompiled": "compose",
     "NFD": "decompose",
     "NFKD": "decompose",
     "Lowercase": "lowercase",
     "Strip": "shortens",
     "StripAccents": "shortens",
+}
+# The characters that become a space besides what NFKD makes one: BERT's clean-up (Unicode whitespace, and Python's
+# `isspace` is a superset of what `tokenizers` counts) and sentencepiece's nmt_nfkc maps (found by normalizing every
+# code point with the map, `tokenizers.normalizers.Precompiled`). A later replacement of " " counts them too.
+_WHITESPACE = "".join(chr(code) for code in range(0x110000) if chr(code).isspace() and code != 0x20)
+_NMT_SPACES = "\t\n\x0c\r\u061c\u1680\u200b\u200c\u200e\u200f\u2028\u2029\u2581\ufeff\ufffd"
+# sentencepiece's builtin character maps by the SHA-256 of their decoded bytes (its `normalization_rule_name`s,
+# built by sentencepiece 0.2 from a trained model's `normalizer_spec.precompiled_charsmap`; identity is empty). NOTE:
+# any other map is a tenant's own, which may send a character to anything ("a space to 40 x '▁'"): unknown.
+_PRECOMPILED_MAPS = {
+    "1e2c7b43d3ee9755ceaa2ac335e253d8703604e0249ee1e81156c92b46423844": ("nmt_nfkc", ("compose",)),
+    "2c03512e62f9ed965ec90d85314211b63b5b8aa0395311ea2147eec9ff738907": (
+        "nmt_nfkc_cf",
+        ("compose", "lowercase"),
+    ),
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855": ("identity", ()),
 }
 _SEQUENCE_DEPTH = 4  # a Sequence inside a Sequence is flattened this deep at most
 # The loader child's limits. transformers' import and a tiny model's tokenizer take ~3.5 s of CPU and ~400 MB; a
@@ -158,6 +175,8 @@ def _steps(normalizer: object, depth: int) -> list[NormalizerStep]:
         steps = [step for item in inner[: MAX_NORMALIZER_STEPS + 1] for step in _steps(item, depth + 1)]
     elif kind in _KINDS:
         steps = [NormalizerStep(kind=_KINDS[kind])]
+    elif kind == "Precompiled":
+        steps = _precompiled(normalizer)
     elif kind == "Replace":
         steps = [_replace(normalizer)]
     elif kind == "Prepend":
@@ -237,6 +256,24 @@ def _replace(normalizer: dict) -> NormalizerStep:
     raise _Unknown("a Replace whose pattern is neither a String nor a Regex")
 
 
+def _precompiled(normalizer: dict) -> list[NormalizerStep]:
+    """A SentencePiece character map (T5's, XLM-R's) as steps, when it is one of sentencepiece's own."""
+    charsmap = normalizer.get("precompiled_charsmap")
+    try:
+        digest = hashlib.sha256(base64.b64decode(charsmap or "", validate=True)).hexdigest()
+    except (ValueError, TypeError):
+        raise _Unknown("a Precompiled character map that is not base64") from None
+    if digest not in _PRECOMPILED_MAPS:
+        raise _Unknown(
+            "a Precompiled character map that is none of sentencepiece's nmt_nfkc, nmt_nfkc_cf, identity"
+        )
+    name, kinds = _PRECOMPILED_MAPS[digest]
+    steps = [NormalizerStep(kind=kind) for kind in kinds]
+    if name != "identity":
+        steps += [NormalizerStep(kind="shortens"), NormalizerStep(kind="spaces", pattern=_NMT_SPACES)]
+    return steps
+
+
 def _bert(normalizer: dict) -> list[NormalizerStep]:
     """BERT's normalizer as steps: clean-up (control characters dropped, whitespace a space), a space either side of
     each CJK ideograph, accents stripped (NFD, then combining marks dropped), lowercase; `strip_accents` unset
@@ -253,7 +290,11 @@ def _bert(normalizer: dict) -> list[NormalizerStep]:
     if not all(value is None or isinstance(value, bool) for value in flags.values()):
         raise _Unknown("a BertNormalizer whose flags are not true or false")
     strip_accents = flags["lowercase"] if flags["strip_accents"] is None else flags["strip_accents"]
-    steps = [NormalizerStep(kind="shortens")] if flags["clean_text"] else []
+    steps = (
+        [NormalizerStep(kind="shortens"), NormalizerStep(kind="spaces", pattern=_WHITESPACE)]
+        if flags["clean_text"]
+        else []
+    )
     if flags["handle_chinese_chars"]:
         steps.append(NormalizerStep(kind="cjk_spaces"))
     if strip_accents:

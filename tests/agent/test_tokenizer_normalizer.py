@@ -16,7 +16,12 @@ import pytest
 
 from gpu_agent.protocol import ModelInfo, NormalizerStep, TokenizerNormalizer, WeightsStatus
 from gpu_agent.runtime.model_info import read_model
-from gpu_agent.runtime.tokenizer_normalizer import describe_tokenizer, read_tokenizer_normalizer
+from gpu_agent.runtime.tokenizer_normalizer import (
+    describe_normalizer,
+    describe_tokenizer,
+    read_tokenizer_normalizer,
+)
+from tests.agent.conftest import sentencepiece_charsmap
 
 LLAMA = {
     "type": "Sequence",
@@ -90,7 +95,7 @@ def test_the_model_reading_reports_its_normalizer_with_the_other_facts(model_cop
                 "strip_accents": None,
                 "lowercase": True,
             },
-            ["shortens", "cjk_spaces", "decompose", "shortens", "lowercase"],
+            ["shortens", "spaces", "cjk_spaces", "decompose", "shortens", "lowercase"],
         ),
         ({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}, ["replace_regex"]),
     ],
@@ -276,3 +281,31 @@ def test_a_tokenizer_with_a_lone_surrogate_is_unknown(model_copy):
     path.write_text(text.replace('"normalizer": null', '"normalizer": ' + replace, 1))
 
     assert read_tokenizer_normalizer(model_copy).unknown
+
+
+# --- a SentencePiece character map is known only when it is one of sentencepiece's own -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "kinds"), [("nmt_nfkc", ["compose"]), ("nmt_nfkc_cf", ["compose", "lowercase"])]
+)
+def test_sentencepieces_own_character_maps_are_described_as_the_normalization_they_are(rule, kinds):
+    described = describe_normalizer(
+        {"type": "Precompiled", "precompiled_charsmap": sentencepiece_charsmap(rule)}
+    )
+
+    assert _kinds(described) == [*kinds, "shortens", "spaces"]
+    assert "\n" in described.steps[-1].pattern  # nmt maps a newline to a space
+
+
+def test_a_tenants_own_character_map_is_unknown():
+    # A map built from a rules file of one's own sends " " to 40 x "▁": it was taken as NFKC.
+    charsmap = sentencepiece_charsmap(rules_tsv="20\t" + " ".join(["2581"] * 40) + "\n")
+
+    assert describe_normalizer({"type": "Precompiled", "precompiled_charsmap": charsmap}).unknown
+
+
+def test_berts_clean_up_is_described_as_making_spaces_of_whitespace():
+    described = describe_normalizer({"type": "BertNormalizer", "clean_text": True, "lowercase": False})
+
+    assert described.steps[1].kind == "spaces" and {"\n", "\t", "\u3000"} <= set(described.steps[1].pattern)

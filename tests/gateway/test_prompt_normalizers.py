@@ -16,6 +16,7 @@ from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
 from endpoints.models import ModelFacts
 from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer
+from tests.agent.conftest import sentencepiece_charsmap
 from tests.factories import EndpointFactory
 from tests.gateway.test_estimate import HOSTILE
 
@@ -81,6 +82,25 @@ NORMALIZERS = {
             ],
         },
     ),
+    # BERT's clean-up makes a space of "\n" and "\t", which a later replacement lengthens (1 byte to 3)
+    "BERT's clean-up, then a replacement": {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": False, "lowercase": False},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+        ],
+    },
+    # XLM-R's own: sentencepiece's nmt_nfkc map (a newline becomes a space), then Metaspace
+    "XLM-R's precompiled map": (
+        {"type": "Precompiled", "precompiled_charsmap": sentencepiece_charsmap("nmt_nfkc")},
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+    ),
     "BERT's": {
         "type": "BertNormalizer",
         "clean_text": True,
@@ -129,6 +149,8 @@ def _bound(text: str, tokenizer) -> int:
         (NFKD, KOREAN),
         (LLAMA, SPACED),
         (NORMALIZERS["Metaspace, then bytes"], SPACED),
+        (NORMALIZERS["BERT's clean-up, then a replacement"], "\n\t" * 250),
+        (NORMALIZERS["XLM-R's precompiled map"], "\n" * 300),
     ],
 )
 def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
@@ -160,6 +182,9 @@ def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
                 "\u1e9b",
                 "\u337f",
                 "\u3000",
+                "\n",
+                "\t",
+                "\u2028",
                 "<s>",
                 "\u0130",
                 "日本",
