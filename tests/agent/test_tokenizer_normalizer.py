@@ -309,3 +309,24 @@ def test_berts_clean_up_is_described_as_making_spaces_of_whitespace():
     described = describe_normalizer({"type": "BertNormalizer", "clean_text": True, "lowercase": False})
 
     assert described.steps[1].kind == "spaces" and {"\n", "\t", "\u3000"} <= set(described.steps[1].pattern)
+
+
+def test_a_sentencepiece_only_folder_is_described_as_transformers_converts_it(tiny_model_dir, tmp_path):
+    # No tokenizer.json: the engine converts tokenizer.model; before, such a folder reserved the whole context.
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["hello world this is a test of things"] * 200))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(model_dir / "tokenizer"),
+        vocab_size=30,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    shutil.copy(tiny_model_dir / "config.json", model_dir)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+
+    assert _kinds(read_tokenizer_normalizer(model_dir)) == ["replace", "prepend"]
