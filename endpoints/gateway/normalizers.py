@@ -40,6 +40,7 @@ from gpu_agent.protocol import TokenizerNormalizer
 MAX_DECOMPOSED_CHARACTERS = 18
 MAX_DECOMPOSED_IDEOGRAPHS = 4
 CJK_SPACE_BYTES = 2  # " " either side
+MAX_COUNTED_SEGMENT_STARTS = 8  # added tokens' first characters a prepend's pieces are counted by
 # A regular expression read as one character repeated at least n times (XLM-R's `" {2,}"` by " "): the one kind whose
 # replacement is bounded, by its shortest match. NOTE: never compiled: a tenant's pattern is only matched as text here.
 _REPETITION = re.compile(r"^(\\?[^\\()\[\]{}|.*+?^$])(?:\{(\d{1,4}),\d{0,4}\}|(\+))$")
@@ -70,6 +71,11 @@ class PromptNormalizer:
     def added_bytes(self, text: str, *, decomposed_apart: bool = False) -> int:
         """What the replacements and prepends add to `text`; `decomposed_apart`: leave out the replacements after a
         normalization (`rewritten_added_bytes` counts them in the text's decomposition)."""
+        return self.prepend_bytes + self.added_within(text, decomposed_apart=decomposed_apart)
+
+    def added_within(self, text: str, *, decomposed_apart: bool = False) -> int:
+        """`added_bytes` but the prepend of `text`'s own first piece: the replacements, and the prepends of the
+        pieces that start inside it (a part of a larger text: a JSON string inside a rendered tool list)."""
         added = 0
         for pattern, growth, normalized, lowercased in self.replacements:
             if not (decomposed_apart and normalized):
@@ -77,11 +83,32 @@ class PromptNormalizer:
                 if lowercased:
                     added += growth * text.lower().count(pattern)
         if self.prepend_bytes:
-            num_pieces = 1
             for start in self.segment_starts:
-                num_pieces += text.count(start)
-            added += self.prepend_bytes * num_pieces
+                added += self.prepend_bytes * text.count(start)
         return added
+
+    def added_to_part(self, text: str) -> int:
+        """`added_within` of a part of a larger text, with one more occurrence of each pattern longer than a
+        character, which may straddle the part's start."""
+        straddling = sum(
+            growth * (2 if lowercased else 1)
+            for pattern, growth, _, lowercased in self.replacements
+            if len(pattern) > 1
+        )
+        return self.added_within(text) + straddling
+
+    @property
+    def num_ascii_scans(self) -> int:
+        """The passes `added_bytes` makes over an ASCII text (each replacement, lowercased too; each segment start)."""
+        return sum(2 if lowercased else 1 for *_, lowercased in self.replacements) + (
+            len(self.segment_starts) if self.prepend_bytes else 0
+        )
+
+    def added_per_ascii_character(self) -> int:
+        """The most bytes one ASCII character can gain (a text past the request's scans, unread)."""
+        return sum(growth * (2 if lowercased else 1) for _, growth, _, lowercased in self.replacements) + (
+            self.prepend_bytes if self.segment_starts else 0
+        )
 
     def rewritten_added_bytes(self, decomposed: str) -> int:
         """What the replacements after a normalization add to a piece of a text's decomposition (one more occurrence
@@ -171,6 +198,11 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
             if len(step.content) < len(pattern):
                 deletes = True
             made.update(step.content)
+    if prepend_bytes and len(normalizer.segment_starts) > MAX_COUNTED_SEGMENT_STARTS:
+        # NOTE: each is a pass over every ASCII text (64 of them held the event loop 0.18 s for an 8 MiB body)
+        return PromptNormalizer(
+            unbounded=f"added tokens with more than {MAX_COUNTED_SEGMENT_STARTS} first characters to count pieces by"
+        )
     if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii):
         return None
     return PromptNormalizer(

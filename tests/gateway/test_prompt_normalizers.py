@@ -15,7 +15,7 @@ from endpoints.gateway.directory import _endpoint_info
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
 from endpoints.models import ModelFacts
-from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer
+from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer, describe_tokenizer
 from tests.agent.conftest import sentencepiece_charsmap
 from tests.factories import EndpointFactory
 from tests.gateway.test_estimate import HOSTILE
@@ -324,3 +324,78 @@ def test_decomposition_is_counted_only_for_a_tokenizer_that_decomposes():
     assert unicodedata.is_normalized("NFC", KOREAN)
     assert _bound(KOREAN, None) == len(KOREAN.encode()) + 8
     assert _bound(KOREAN, NFD) > 2 * len(KOREAN.encode())
+
+
+# --- tools and schemas, counted per string; a request's passes over ASCII text --------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city name"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_QUESTION = [
+    {"role": "user", "content": "What is the weather like in Paris today? One short sentence."}
+]
+LLAMA_2_STYLE = {
+    "steps": [
+        {"kind": "prepend", "content": "\u2581"},
+        {"kind": "replace", "pattern": " ", "content": "\u2581"},
+    ],
+    "segment_starts": "<[",
+}
+
+
+def test_eight_small_tools_to_a_llama_2_style_tokenizer_are_reserved_near_what_their_text_makes():
+    # Every byte of the tools' JSON was counted as an occurrence and a piece: 6,852 tokens became the whole 32k.
+    body = {"messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL] * 8, "max_tokens": 256}
+    plain = worst_case(body, "chat", 32_768).num_prompt_tokens
+    rewritten = worst_case(
+        body, "chat", 32_768, normalizer=prompt_normalizer(LLAMA_2_STYLE)
+    ).num_prompt_tokens
+
+    assert plain < rewritten < 2.5 * plain < 32_768
+
+
+def test_tools_are_reserved_for_what_the_tokenizer_makes_of_them_rendered(tiny_tokenizer_spec):
+    # The JSON a template renders (indented, as `tojson(indent=4)` does), through Llama's normalizer.
+    tools = [WEATHER_TOOL] * 3
+    rendered = json.dumps(tools, indent=4)
+    counted = _tokens(tiny_tokenizer_spec, LLAMA, rendered)
+    rewrites = prompt_normalizer(describe_normalizer(LLAMA).to_dict())
+    body = {"messages": [{"role": "user", "content": ""}], "tools": tools}
+
+    assert worst_case(body, "chat", CONTEXT, normalizer=rewrites).num_prompt_tokens >= counted
+
+
+def test_a_prepend_counted_by_more_than_eight_added_tokens_first_characters_reserves_the_context():
+    # Each first character is a pass over every ASCII text of a request.
+    description = {"steps": [{"kind": "prepend", "content": "\u2581"}], "segment_starts": "<[{(|!#$%"}
+
+    assert prompt_normalizer(description).unbounded
+
+
+def test_text_past_the_requests_ascii_scans_is_counted_unread_and_still_bounds_it(
+    tiny_tokenizer_spec, monkeypatch
+):
+    from endpoints.gateway import estimate
+
+    prompts = ["a b<s>c " * 40] * 12
+    counted = sum(_tokens(tiny_tokenizer_spec, LLAMA, prompt) for prompt in prompts)
+    rewrites = prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec | {"normalizer": LLAMA}).to_dict())
+    body = {"prompt": prompts, "max_tokens": 1}
+    read = worst_case(body, "completion", CONTEXT, normalizer=rewrites).num_prompt_tokens
+    monkeypatch.setattr(estimate, "ASCII_SCAN_ALLOWANCE", 1000)  # two prompts' worth of passes
+
+    unread = worst_case(body, "completion", CONTEXT, normalizer=rewrites).num_prompt_tokens
+
+    assert counted <= read < unread
