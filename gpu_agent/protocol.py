@@ -539,7 +539,7 @@ MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's o
 # (BERT's); "shortens": steps that only delete or map a character to one no longer (strip, strip accents, BERT's
 # clean-up).
 NORMALIZER_STEP_KINDS = ("compose", "decompose", "lowercase", "replace", "replace_regex", "prepend", "cjk_spaces",
-                         "shortens", "spaces")
+                         "shortens", "spaces", "prepend_each")
 MAX_NORMALIZER_STEPS = 16
 MAX_NORMALIZER_TEXT_CHARS = 64  # a step's pattern or content
 MAX_SEGMENT_STARTS = 64

@@ -58,11 +58,13 @@ class PromptNormalizer:
     prepend_bytes: int = 0  # per text, and per piece after an added token
     segment_starts: str = ""  # the first characters of the added tokens that start a piece
     bytes_per_non_ascii: int = 0  # added per non-ASCII character (BERT's spaces around ideographs)
+    # Added per character: a pre-tokenizer's prepend after a split, which may make a piece of every character.
+    bytes_per_character: int = 0
     unbounded: str = ""  # why nothing but the context bounds a prompt; "" when the above does
 
     @property
     def rewrites_ascii(self) -> bool:
-        return bool(self.replacements or self.prepend_bytes)
+        return bool(self.replacements or self.prepend_bytes or self.bytes_per_character)
 
     @property
     def counts_decomposed(self) -> bool:
@@ -77,6 +79,14 @@ class PromptNormalizer:
         """`added_bytes` but the prepend of `text`'s own first piece: the replacements, and the prepends of the
         pieces that start inside it (a part of a larger text: a JSON string inside a rendered tool list)."""
         added = 0
+        if self.bytes_per_character:
+            # NOTE: a non-ASCII character may become up to 18 before the pre-tokenizer splits (a normalization)
+            num_characters = len(text)
+            if not text.isascii():
+                num_characters += (MAX_DECOMPOSED_CHARACTERS - 1) * (
+                    len(text) - len(text.encode("ascii", "ignore"))
+                )
+            added += self.bytes_per_character * num_characters
         for pattern, growth, normalized, lowercased in self.replacements:
             if not (decomposed_apart and normalized):
                 added += growth * text.count(pattern)
@@ -106,8 +116,10 @@ class PromptNormalizer:
 
     def added_per_ascii_character(self) -> int:
         """The most bytes one ASCII character can gain (a text past the request's scans, unread)."""
-        return sum(growth * (2 if lowercased else 1) for _, growth, _, lowercased in self.replacements) + (
-            self.prepend_bytes if self.segment_starts else 0
+        return (
+            sum(growth * (2 if lowercased else 1) for _, growth, _, lowercased in self.replacements)
+            + (self.prepend_bytes if self.segment_starts else 0)
+            + self.bytes_per_character
         )
 
     def rewritten_added_bytes(self, decomposed: str) -> int:
@@ -126,7 +138,7 @@ class PromptNormalizer:
         return (
             2
             * MAX_DECOMPOSED_CHARACTERS
-            * (per_occurrence + (self.prepend_bytes if self.segment_starts else 0))
+            * (per_occurrence + (self.prepend_bytes if self.segment_starts else 0) + self.bytes_per_character)
             + self.bytes_per_non_ascii
         )
 
@@ -149,7 +161,7 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
     # Characters an earlier step may turn into a space (BERT's clean-up, sentencepiece's nmt maps).
     spaced: set[str] = set()
     replacements: list[tuple[str, int, bool, bool]] = []
-    prepend_bytes = bytes_per_non_ascii = 0
+    prepend_bytes = bytes_per_non_ascii = bytes_per_character = 0
     for step in normalizer.steps:
         if step.kind in ("compose", "decompose"):
             decomposes |= step.kind == "decompose"
@@ -165,6 +177,9 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
             made.add(" ")
         elif step.kind == "prepend":
             prepend_bytes += _longest_bytes(step.content)
+            made.update(step.content)
+        elif step.kind == "prepend_each":
+            bytes_per_character += _longest_bytes(step.content)
             made.update(step.content)
         elif step.kind == "replace_regex":
             repeated = _repeated_character(step.pattern)
@@ -203,7 +218,7 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
         return PromptNormalizer(
             unbounded=f"added tokens with more than {MAX_COUNTED_SEGMENT_STARTS} first characters to count pieces by"
         )
-    if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii):
+    if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii or bytes_per_character):
         return None
     return PromptNormalizer(
         decomposes=decomposes,
@@ -211,6 +226,7 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
         prepend_bytes=prepend_bytes,
         segment_starts=normalizer.segment_starts if prepend_bytes else "",
         bytes_per_non_ascii=bytes_per_non_ascii,
+        bytes_per_character=bytes_per_character,
     )
 
 

@@ -140,16 +140,29 @@ def describe_tokenizer(tokenizer: object) -> TokenizerNormalizer:
     try:
         if not isinstance(tokenizer, dict):
             raise _Unknown("a tokenizer that is not a JSON object")
-        steps = _steps(tokenizer.get("normalizer"), 0) + _pre_tokenizer_steps(
-            tokenizer.get("pre_tokenizer"), 0
-        )
+        normalizing = _steps(tokenizer.get("normalizer"), 0)
+        pre_tokenizing = _pre_tokenizer_steps(tokenizer.get("pre_tokenizer"), 0)
+        added_tokens = tokenizer.get("added_tokens")
+        # NOTE: an added token marked `normalized` is split out of the normalized text, before pre-tokenizing: a
+        # pre-tokenizer's prepend is made to each piece after one too ("ax" x 190, "x" such a token, behind Metaspace
+        # was 1,050 tokens against a bound of 470). Counted by its first character in the text as sent when nothing
+        # normalizes it; else the prepend is made before every character.
+        normalized_starts = _segment_starts(added_tokens, normalized=True)
+        if normalized_starts and normalizing:
+            pre_tokenizing = [
+                NormalizerStep(kind="prepend_each", content=step.content) if step.kind == "prepend" else step
+                for step in pre_tokenizing
+            ]
+        steps = normalizing + pre_tokenizing
         if len(steps) > MAX_NORMALIZER_STEPS:
             raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
-        starts = (
-            _segment_starts(tokenizer.get("added_tokens"))
-            if any(step.kind == "prepend" for step in steps)
-            else ""
-        )
+        starts = ""
+        if any(step.kind == "prepend" for step in steps):
+            starts = _segment_starts(added_tokens)
+            if any(step.kind == "prepend" for step in pre_tokenizing):
+                starts = "".join(sorted(set(starts + normalized_starts)))
+                if len(starts) > MAX_SEGMENT_STARTS:
+                    raise _Unknown("added tokens with too many first characters to count pieces by")
         return TokenizerNormalizer(steps=steps, segment_starts=starts)
     except _Unknown as exc:
         return TokenizerNormalizer(unknown=str(exc))
@@ -209,11 +222,19 @@ _SPLITTING_PRE_TOKENIZERS = frozenset(
 )
 
 
-def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerStep]:
+def _pre_tokenizer_steps(
+    pre_tokenizer: object, depth: int, split: list[bool] | None = None
+) -> list[NormalizerStep]:
     """A pre-tokenizer's rewrites, after the normalizer's: `Metaspace` (newer conversions of Llama's and Mistral's
     SentencePiece tokenizers, T5's, XLM-R's) replaces each space by its `replacement` ("▁", 3 bytes) and prepends one
-    unless its scheme is "never"; the others only split (`ByteLevel` maps each byte to one character, which its
-    byte-level vocabulary counts as one byte)."""
+    unless its scheme is "never"; `ByteLevel` with `add_prefix_space` prepends a space; the others only split
+    (`ByteLevel` maps each byte to one character, which its byte-level vocabulary counts as one byte).
+
+    NOTE: a pre-tokenizer's prepend is made to each piece it is given: after a splitter earlier in a Sequence (`split`,
+    `Digits` before `Metaspace`, a `Split` before a prefix-space `ByteLevel`) a piece may be one character, so such a
+    prepend is reported as "prepend_each" (its content before every character). Before, one per text was counted:
+    "0123456789" x 38 behind Digits and Metaspace was 1,623 tokens against a bound of 470."""
+    split = [False] if split is None else split
     if pre_tokenizer is None:
         return []
     if not isinstance(pre_tokenizer, dict):
@@ -226,7 +247,7 @@ def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerSt
         return [
             step
             for item in inner[: MAX_NORMALIZER_STEPS + 1]
-            for step in _pre_tokenizer_steps(item, depth + 1)
+            for step in _pre_tokenizer_steps(item, depth + 1, split)
         ]
     if kind == "Metaspace":
         replacement = _text(pre_tokenizer.get("replacement", "\u2581"), "Metaspace's replacement")
@@ -236,8 +257,24 @@ def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerSt
         if scheme not in ("always", "first", "never"):
             raise _Unknown("a Metaspace whose prepend_scheme is none of always, first, never")
         steps = [NormalizerStep(kind="replace", pattern=" ", content=replacement)]
-        return steps + ([NormalizerStep(kind="prepend", content=replacement)] if scheme != "never" else [])
+        if scheme != "never":  # NOTE: "first" prepends to the text's first piece alone, however it was split
+            prepend = "prepend_each" if split[0] and scheme == "always" else "prepend"
+            steps.append(NormalizerStep(kind=prepend, content=replacement))
+        split[0] = split[0] or pre_tokenizer.get("split", True) is not False
+        return steps
+    if kind == "ByteLevel":
+        add_prefix_space = pre_tokenizer.get("add_prefix_space", True)
+        if not isinstance(add_prefix_space, bool):
+            raise _Unknown("a ByteLevel whose add_prefix_space is not true or false")
+        steps = (
+            [NormalizerStep(kind="prepend_each" if split[0] else "prepend", content=" ")]
+            if add_prefix_space
+            else []
+        )
+        split[0] = split[0] or pre_tokenizer.get("use_regex", True) is not False
+        return steps
     if kind in _SPLITTING_PRE_TOKENIZERS:
+        split[0] = True
         return []
     raise _Unknown(f"a pre-tokenizer of type {str(kind)[:40]!r}")
 
@@ -322,9 +359,9 @@ def _require_utf8(value: str, name: str) -> None:
         raise _Unknown(f"{name} is not UTF-8 (a lone surrogate)") from None
 
 
-def _segment_starts(added_tokens: object) -> str:
+def _segment_starts(added_tokens: object, *, normalized: bool = False) -> str:
     """The first characters of the added tokens the tokenizer splits out of the raw text (those not `normalized`):
-    the normalizer runs on each piece between them."""
+    the normalizer runs on each piece between them; with `normalized`, of those split out of the normalized text."""
     if added_tokens is None:
         return ""
     if not isinstance(added_tokens, list):
@@ -333,7 +370,7 @@ def _segment_starts(added_tokens: object) -> str:
     for token in added_tokens:
         if not isinstance(token, dict) or not isinstance(token.get("content"), str):
             raise _Unknown("an added token without content")
-        if token["content"] and token.get("normalized") is not True:
+        if token["content"] and (token.get("normalized") is True) == normalized:
             _require_utf8(token["content"][0], "an added token's first character")
             starts.add(token["content"][0])
         if len(starts) > MAX_SEGMENT_STARTS:

@@ -117,7 +117,13 @@ def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds
             ["replace"],
         ),
         ({"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}, ["replace", "prepend"]),
-        ({"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel"}]}, []),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel", "add_prefix_space": False}],
+            },
+            [],
+        ),
     ],
 )
 def test_a_metaspace_pre_tokenizer_is_described_as_the_replacement_it_makes(model_copy, pre_tokenizer, kinds):
@@ -330,3 +336,52 @@ def test_a_sentencepiece_only_folder_is_described_as_transformers_converts_it(ti
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
 
     assert _kinds(read_tokenizer_normalizer(model_dir)) == ["replace", "prepend"]
+
+
+# --- a pre-tokenizer's prepend, once per piece --------------------------------------------------------------------
+
+DIGITS_THEN_METASPACE = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False},
+    ],
+}
+NORMALIZED_X = {"id": 999, "content": "x", "normalized": True, "special": False}
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "kinds"),
+    [
+        (DIGITS_THEN_METASPACE, ["replace", "prepend_each"]),
+        ({"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}, ["prepend"]),
+        (
+            {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}, {"type": "ByteLevel"}]},
+            ["prepend_each"],
+        ),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits"},
+                    {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
+                ],
+            },
+            ["replace", "prepend"],
+        ),
+    ],
+)
+def test_a_pre_tokenizers_prepend_after_a_split_is_made_before_every_character(pre_tokenizer, kinds):
+    assert _kinds(describe_tokenizer({"pre_tokenizer": pre_tokenizer})) == kinds
+
+
+def test_an_added_token_split_out_of_normalized_text_starts_a_piece_for_a_pre_tokenizers_prepend():
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False}
+
+    plain = describe_tokenizer({"pre_tokenizer": metaspace, "added_tokens": [NORMALIZED_X]})
+    normalized = describe_tokenizer(
+        {"normalizer": {"type": "NFKC"}, "pre_tokenizer": metaspace, "added_tokens": [NORMALIZED_X]}
+    )
+
+    assert _kinds(plain) == ["replace", "prepend"] and plain.segment_starts == "x"
+    assert _kinds(normalized) == ["compose", "replace", "prepend_each"]

@@ -101,6 +101,28 @@ NORMALIZERS = {
             ],
         },
     ),
+    # A pre-tokenizer's prepend after a splitter: one per piece, and a piece may be one character
+    "Digits, then Metaspace": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            ],
+        },
+    ),
+    "a Split, then a prefix-space ByteLevel": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": False},
+            ],
+        },
+    ),
     "BERT's": {
         "type": "BertNormalizer",
         "clean_text": True,
@@ -151,6 +173,8 @@ def _bound(text: str, tokenizer) -> int:
         (NORMALIZERS["Metaspace, then bytes"], SPACED),
         (NORMALIZERS["BERT's clean-up, then a replacement"], "\n\t" * 250),
         (NORMALIZERS["XLM-R's precompiled map"], "\n" * 300),
+        (NORMALIZERS["Digits, then Metaspace"], "0123456789" * 38),
+        (NORMALIZERS["a Split, then a prefix-space ByteLevel"], "~" * 800),
     ],
 )
 def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
