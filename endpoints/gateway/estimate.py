@@ -196,6 +196,14 @@ def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template
     global _NUM_REWRITING
     with _REWRITING_LOCK:
         _NUM_REWRITING += 1
+    if normalizer.bytes_per_character:
+        # NOTE: the template's own text gets a pre-tokenizer's prepend before every character too: its allowances
+        # are taken as characters, each with the prepend (a Digits-then-Metaspace chat was 7 tokens past its bound).
+        scale = 1 + normalizer.bytes_per_character
+        template_tokens = (max(TOKENS_PER_CONVERSATION, template_tokens[0]) * scale,
+                           max(TOKENS_PER_MESSAGE, template_tokens[1]) * scale)
+        if template_flag_tokens is not None:
+            template_flag_tokens = (template_flag_tokens[0] * scale, template_flag_tokens[1] * scale)
     _DECOMPOSE_ALLOWANCE.rewrites = normalizer
     _DECOMPOSE_ALLOWANCE.num_ascii_scans = ASCII_SCAN_ALLOWANCE
     try:
