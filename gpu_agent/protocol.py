@@ -572,13 +572,19 @@ class TokenizerNormalizer(Message):
     # The first characters of the added tokens the tokenizer splits out before it normalizes (each piece between
     # them gets a "prepend" step's content); "" when there are none.
     segment_starts: str = ""
+    # The special tokens its post-processor adds to each sequence (a completions prompt, an embedding input): BOS/EOS,
+    # or a tenant's 500 of them.
+    num_special_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.unknown, str) and isinstance(self.segment_starts, str),
                  "a normalizer's note and segment starts must be strings")
+        if not (_is_int(self.num_special_tokens) and self.num_special_tokens >= 0):
+            self.unknown, self.num_special_tokens = self.unknown or "a special token count that is not a count", 0
+        self.num_special_tokens = min(self.num_special_tokens, MAX_MODEL_CONTEXT_TOKENS)
         problem = self.unknown or self._problem()
         if problem:
-            self.steps, self.segment_starts = [], ""
+            self.steps, self.segment_starts, self.num_special_tokens = [], "", 0
             self.unknown = _printable(problem)[:MAX_NORMALIZER_NOTE_CHARS] or "unknown"
 
     def _problem(self) -> str:

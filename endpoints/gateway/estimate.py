@@ -53,7 +53,7 @@ import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
-from endpoints.gateway.normalizers import PromptNormalizer
+from endpoints.gateway.normalizers import TOKENS_PER_PROMPT, PromptNormalizer
 from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
@@ -63,7 +63,6 @@ from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 TOKENS_PER_MESSAGE = 16
 TOKENS_PER_CONVERSATION = 64
 TOKENS_FOR_TOOLS = 512
-TOKENS_PER_PROMPT = 8
 # Between and around the text parts of one message's content: vLLM joins the parts of a "string" content-format
 # template with "\n" (one token each, which a message of 800 one-letter parts made 45 % of its prompt, unreserved
 # and so unbilled), and a template that walks the parts may add a little of its own.
@@ -179,7 +178,7 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
         if isinstance(suffix, str) and suffix:
             # NOTE: a fill-in-the-middle renderer prefills the suffix with every prompt of the list (vLLM's DeepSeek V4).
             suffix_bytes = _utf8_bytes(suffix, limit)
-            prompts = [bound + suffix_bytes + TOKENS_PER_PROMPT for bound in prompts]
+            prompts = [bound + suffix_bytes + _tokens_per_prompt() for bound in prompts]
         requested = _first_int(payload.get("max_tokens"), COMPLETIONS_DEFAULT_MAX_TOKENS)
     # NOTE: at least one token: vLLM generates one for `max_tokens: 0` with `echo`.
     max_output = limit if requested is None else max(1, min(requested, limit))
@@ -410,10 +409,17 @@ def _content_bytes(parts: list, budget: int, text_of) -> int:
     return total + _utf8_bytes("\n".join(texts), budget - total) if texts else total
 
 
+def _tokens_per_prompt() -> int:
+    """The special tokens a completions prompt or embedding input gets: `TOKENS_PER_PROMPT`, or the model's own
+    post-processor's when it adds more (a tenant's 500 a prompt were counted as 8)."""
+    rewrites = _DECOMPOSE_ALLOWANCE.rewrites if _NUM_REWRITING else None
+    return TOKENS_PER_PROMPT if rewrites is None else rewrites.tokens_per_prompt
+
+
 def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
     """One bound per prompt: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [_utf8_bytes(prompt, limit) + TOKENS_PER_PROMPT]
+        return [_utf8_bytes(prompt, limit) + _tokens_per_prompt()]
     if not isinstance(prompt, list) or not prompt:
         return [UNBOUNDED]
     if all(_is_token(item) for item in prompt):
@@ -421,7 +427,7 @@ def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
     bounds = []
     for item in prompt:
         if isinstance(item, str):
-            bounds.append(_utf8_bytes(item, limit) + TOKENS_PER_PROMPT)
+            bounds.append(_utf8_bytes(item, limit) + _tokens_per_prompt())
         elif isinstance(item, list) and all(_is_token(token) for token in item):
             bounds.append(len(item))
         else:

@@ -40,6 +40,9 @@ from gpu_agent.protocol import TokenizerNormalizer
 MAX_DECOMPOSED_CHARACTERS = 18
 MAX_DECOMPOSED_IDEOGRAPHS = 4
 CJK_SPACE_BYTES = 2  # " " either side
+# Special tokens counted for each completions prompt and embedding input (BOS/EOS) for every model; a tokenizer whose
+# post-processor adds more is counted for its own (`PromptNormalizer.tokens_per_prompt`).
+TOKENS_PER_PROMPT = 8
 MAX_COUNTED_SEGMENT_STARTS = 8  # added tokens' first characters a prepend's pieces are counted by
 # A regular expression read as one character repeated at least n times (XLM-R's `" {2,}"` by " "): the one kind whose
 # replacement is bounded, by its shortest match. NOTE: never compiled: a tenant's pattern is only matched as text here.
@@ -60,6 +63,7 @@ class PromptNormalizer:
     bytes_per_non_ascii: int = 0  # added per non-ASCII character (BERT's spaces around ideographs)
     # Added per character: a pre-tokenizer's prepend after a split, which may make a piece of every character.
     bytes_per_character: int = 0
+    tokens_per_prompt: int = TOKENS_PER_PROMPT  # the special tokens a sequence gets, at least TOKENS_PER_PROMPT
     unbounded: str = ""  # why nothing but the context bounds a prompt; "" when the above does
 
     @property
@@ -218,7 +222,15 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
         return PromptNormalizer(
             unbounded=f"added tokens with more than {MAX_COUNTED_SEGMENT_STARTS} first characters to count pieces by"
         )
-    if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii or bytes_per_character):
+    tokens_per_prompt = max(TOKENS_PER_PROMPT, normalizer.num_special_tokens)
+    if not (
+        decomposes
+        or replacements
+        or prepend_bytes
+        or bytes_per_non_ascii
+        or bytes_per_character
+        or tokens_per_prompt > TOKENS_PER_PROMPT
+    ):
         return None
     return PromptNormalizer(
         decomposes=decomposes,
@@ -227,6 +239,7 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
         segment_starts=normalizer.segment_starts if prepend_bytes else "",
         bytes_per_non_ascii=bytes_per_non_ascii,
         bytes_per_character=bytes_per_character,
+        tokens_per_prompt=tokens_per_prompt,
     )
 
 

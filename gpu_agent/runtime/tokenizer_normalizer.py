@@ -163,7 +163,11 @@ def describe_tokenizer(tokenizer: object) -> TokenizerNormalizer:
                 starts = "".join(sorted(set(starts + normalized_starts)))
                 if len(starts) > MAX_SEGMENT_STARTS:
                     raise _Unknown("added tokens with too many first characters to count pieces by")
-        return TokenizerNormalizer(steps=steps, segment_starts=starts)
+        return TokenizerNormalizer(
+            steps=steps,
+            segment_starts=starts,
+            num_special_tokens=_special_tokens(tokenizer.get("post_processor"), 0),
+        )
     except _Unknown as exc:
         return TokenizerNormalizer(unknown=str(exc))
     except (ValueError, RecursionError, TypeError, AttributeError):
@@ -277,6 +281,34 @@ def _pre_tokenizer_steps(
         split[0] = True
         return []
     raise _Unknown(f"a pre-tokenizer of type {str(kind)[:40]!r}")
+
+
+def _special_tokens(post_processor: object, depth: int) -> int:
+    """The special tokens a post-processor adds to one sequence (`TemplateProcessing`'s `single`, each of its special
+    tokens as many ids as it has; BERT's and RoBERTa's two)."""
+    if post_processor is None:
+        return 0
+    if not isinstance(post_processor, dict):
+        raise _Unknown("a post-processor that is not an object")
+    kind = post_processor.get("type")
+    if kind == "Sequence":
+        inner = post_processor.get("processors")
+        if not isinstance(inner, list) or depth >= _SEQUENCE_DEPTH:
+            raise _Unknown("a post-processor Sequence that is not a list, or nested too deep")
+        return sum(_special_tokens(item, depth + 1) for item in inner)
+    if kind == "ByteLevel":
+        return 0
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return 2
+    if kind == "TemplateProcessing":
+        special = post_processor.get("special_tokens") or {}
+        total = 0
+        for piece in post_processor.get("single") or []:
+            if isinstance(piece, dict) and "SpecialToken" in piece:
+                ids = special.get(piece["SpecialToken"].get("id"), {}).get("ids")
+                total += len(ids) if isinstance(ids, list) else 1
+        return total
+    raise _Unknown(f"a post-processor of type {str(kind)[:40]!r}")
 
 
 def _replace(normalizer: dict) -> NormalizerStep:

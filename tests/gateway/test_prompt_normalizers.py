@@ -423,3 +423,29 @@ def test_text_past_the_requests_ascii_scans_is_counted_unread_and_still_bounds_i
     unread = worst_case(body, "completion", CONTEXT, normalizer=rewrites).num_prompt_tokens
 
     assert counted <= read < unread
+
+
+# --- a post-processor's special tokens -------------------------------------------------------------------------------
+
+
+def test_a_post_processor_adding_500_special_tokens_a_prompt_is_counted_for_them(tiny_tokenizer_spec):
+    from tokenizers import Tokenizer
+
+    post_processor = dict(tiny_tokenizer_spec["post_processor"])
+    post_processor["single"] = [{"SpecialToken": {"id": "<s>", "type_id": 0}}] * 500 + [
+        {"Sequence": {"id": "A", "type_id": 0}}
+    ]
+    spec = tiny_tokenizer_spec | {"post_processor": post_processor}
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    prompts = ["a"] * 4
+    counted = sum(len(tokenizer.encode(prompt, add_special_tokens=True).ids) for prompt in prompts)
+    rewrites = prompt_normalizer(describe_tokenizer(json.loads(tokenizer.to_str())).to_dict())
+
+    bound = worst_case({"prompt": prompts, "max_tokens": 1}, "completion", 4096, normalizer=rewrites)
+
+    assert bound.num_prompt_tokens >= counted  # 2,004 tokens were bounded by 36
+
+
+def test_a_post_processor_adding_a_bos_alone_leaves_the_model_counted_as_before(tiny_tokenizer_spec):
+    assert tiny_tokenizer_spec["post_processor"] is not None
+    assert prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec).to_dict()) is None
