@@ -169,6 +169,16 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: a lone surrogate ("\\ud800", which JSON may escape) does not, and an HTTP
+    body holding one cannot be sent (httpx's `json=` raises)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -529,7 +539,7 @@ MAX_WEIGHTS_BYTES = 2**62  # a model's size as its store listed it (a tenant's o
 # (BERT's); "shortens": steps that only delete or map a character to one no longer (strip, strip accents, BERT's
 # clean-up).
 NORMALIZER_STEP_KINDS = ("compose", "decompose", "lowercase", "replace", "replace_regex", "prepend", "cjk_spaces",
-                         "shortens")
+                         "shortens", "spaces", "prepend_each")
 MAX_NORMALIZER_STEPS = 16
 MAX_NORMALIZER_TEXT_CHARS = 64  # a step's pattern or content
 MAX_SEGMENT_STARTS = 64
@@ -553,21 +563,28 @@ class TokenizerNormalizer(Message):
     text's length goes: its steps in order, or why it is not known (`unknown`, then `steps` is empty).
 
     NOTE: read from a tenant's file: whatever a report says, a step the protocol does not know, too many steps, a
-    pattern or content too long (or holding a NUL, which PostgreSQL's JSON refuses) make the whole description
-    unknown, never a refused heartbeat; the gateway reserves an unknown normalizer's prompts as the context."""
+    pattern or content too long (or holding a NUL, which PostgreSQL's JSON refuses, or a lone surrogate, which no
+    UTF-8 body can carry: the agent's heartbeat could not be sent) make the whole description unknown, never a
+    refused or unsendable heartbeat; the gateway reserves an unknown normalizer's prompts as the context."""
 
     steps: list[NormalizerStep] = field(default_factory=list)
     unknown: str = ""  # why the normalizer is not known ("" when it is)
     # The first characters of the added tokens the tokenizer splits out before it normalizes (each piece between
     # them gets a "prepend" step's content); "" when there are none.
     segment_starts: str = ""
+    # The special tokens its post-processor adds to each sequence (a completions prompt, an embedding input): BOS/EOS,
+    # or a tenant's 500 of them.
+    num_special_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.unknown, str) and isinstance(self.segment_starts, str),
                  "a normalizer's note and segment starts must be strings")
+        if not (_is_int(self.num_special_tokens) and self.num_special_tokens >= 0):
+            self.unknown, self.num_special_tokens = self.unknown or "a special token count that is not a count", 0
+        self.num_special_tokens = min(self.num_special_tokens, MAX_MODEL_CONTEXT_TOKENS)
         problem = self.unknown or self._problem()
         if problem:
-            self.steps, self.segment_starts = [], ""
+            self.steps, self.segment_starts, self.num_special_tokens = [], "", 0
             self.unknown = _printable(problem)[:MAX_NORMALIZER_NOTE_CHARS] or "unknown"
 
     def _problem(self) -> str:
@@ -575,6 +592,8 @@ class TokenizerNormalizer(Message):
             return f"more than {MAX_NORMALIZER_STEPS} steps"
         if len(self.segment_starts) > MAX_SEGMENT_STARTS or "\0" in self.segment_starts:
             return "too many added tokens' first characters"
+        if not _is_utf8(self.segment_starts):
+            return "an added token's first character that is not UTF-8"
         for step in self.steps:
             if step.kind not in NORMALIZER_STEP_KINDS:
                 return f"a step of kind {step.kind[:40]!r}"
@@ -582,6 +601,8 @@ class TokenizerNormalizer(Message):
                 return f"a pattern or content past {MAX_NORMALIZER_TEXT_CHARS} characters"
             if "\0" in step.pattern + step.content:
                 return "a pattern or content holding a NUL"
+            if not _is_utf8(step.pattern + step.content):
+                return "a pattern or content that is not UTF-8 (a lone surrogate)"
         return ""
 
 

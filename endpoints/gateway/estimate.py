@@ -53,7 +53,7 @@ import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
-from endpoints.gateway.normalizers import PromptNormalizer
+from endpoints.gateway.normalizers import TOKENS_PER_PROMPT, PromptNormalizer
 from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 
 # Template text and special tokens around each message (role markers, separators, BOS/EOS), around
@@ -63,7 +63,6 @@ from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 TOKENS_PER_MESSAGE = 16
 TOKENS_PER_CONVERSATION = 64
 TOKENS_FOR_TOOLS = 512
-TOKENS_PER_PROMPT = 8
 # Between and around the text parts of one message's content: vLLM joins the parts of a "string" content-format
 # template with "\n" (one token each, which a message of 800 one-letter parts made 45 % of its prompt, unreserved
 # and so unbilled), and a template that walks the parts may add a little of its own.
@@ -192,7 +191,7 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
         if isinstance(suffix, str) and suffix:
             # NOTE: a fill-in-the-middle renderer prefills the suffix with every prompt of the list (vLLM's DeepSeek V4).
             suffix_bytes = _utf8_bytes(suffix, limit)
-            prompts = [bound + suffix_bytes + TOKENS_PER_PROMPT for bound in prompts]
+            prompts = [bound + suffix_bytes + _tokens_per_prompt() for bound in prompts]
         requested = _first_int(payload.get("max_tokens"), COMPLETIONS_DEFAULT_MAX_TOKENS)
     # NOTE: at least one token: vLLM generates one for `max_tokens: 0` with `echo`.
     max_output = limit if requested is None else max(1, min(requested, limit))
@@ -209,11 +208,21 @@ def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template
     global _NUM_REWRITING
     with _REWRITING_LOCK:
         _NUM_REWRITING += 1
+    if normalizer.bytes_per_character:
+        # NOTE: the template's own text gets a pre-tokenizer's prepend before every character too: its allowances
+        # are taken as characters, each with the prepend (a Digits-then-Metaspace chat was 7 tokens past its bound).
+        scale = 1 + normalizer.bytes_per_character
+        template_tokens = (max(TOKENS_PER_CONVERSATION, template_tokens[0]) * scale,
+                           max(TOKENS_PER_MESSAGE, template_tokens[1]) * scale)
+        if template_flag_tokens is not None:
+            template_flag_tokens = (template_flag_tokens[0] * scale, template_flag_tokens[1] * scale)
     _DECOMPOSE_ALLOWANCE.rewrites = normalizer
+    _DECOMPOSE_ALLOWANCE.num_ascii_scans = ASCII_SCAN_ALLOWANCE
     try:
         case = worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens)
     finally:
         _DECOMPOSE_ALLOWANCE.rewrites = None
+        _DECOMPOSE_ALLOWANCE.num_ascii_scans = 0
         with _REWRITING_LOCK:
             _NUM_REWRITING -= 1
     if normalizer.unbounded:
@@ -413,10 +422,17 @@ def _content_bytes(parts: list, budget: int, text_of) -> int:
     return total + _utf8_bytes("\n".join(texts), budget - total) if texts else total
 
 
+def _tokens_per_prompt() -> int:
+    """The special tokens a completions prompt or embedding input gets: `TOKENS_PER_PROMPT`, or the model's own
+    post-processor's when it adds more (a tenant's 500 a prompt were counted as 8)."""
+    rewrites = _DECOMPOSE_ALLOWANCE.rewrites if _NUM_REWRITING else None
+    return TOKENS_PER_PROMPT if rewrites is None else rewrites.tokens_per_prompt
+
+
 def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
     """One bound per prompt: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [_utf8_bytes(prompt, limit) + TOKENS_PER_PROMPT]
+        return [_utf8_bytes(prompt, limit) + _tokens_per_prompt()]
     if not isinstance(prompt, list) or not prompt:
         return [UNBOUNDED]
     if all(_is_token(item) for item in prompt):
@@ -424,7 +440,7 @@ def _completion_prompt_bounds(prompt, limit: int) -> list[int]:
     bounds = []
     for item in prompt:
         if isinstance(item, str):
-            bounds.append(_utf8_bytes(item, limit) + TOKENS_PER_PROMPT)
+            bounds.append(_utf8_bytes(item, limit) + _tokens_per_prompt())
         elif isinstance(item, list) and all(_is_token(token) for token in item):
             bounds.append(len(item))
         else:
@@ -447,11 +463,18 @@ TOKENIZER_NORMALIZATIONS = (("NFC", "NFD"), ("NFKC", "NFKD"))
 
 class _Allowance(threading.local):
     num_characters: int | None = None
+    # What is left of the request's passes over ASCII text to count a rewriting tokenizer's replacements and pieces
+    # (characters times `PromptNormalizer.num_ascii_scans`; `_rewritten_worst_case` sets it).
+    num_ascii_scans: int = 0
     # What the model's tokenizer adds (`_rewritten_worst_case` sets it for the request); None for most models.
     rewrites: PromptNormalizer | None = None
 
 
 _DECOMPOSE_ALLOWANCE = _Allowance()
+# A request's passes over ASCII characters to count a rewriting tokenizer's replacements and pieces (~1 ns each): 8 MiB
+# of completions prompts to a tokenizer of 14 lowercased replacements and 64 segment starts held the event loop
+# 0.13-0.19 s. Past it an ASCII text counts `PromptNormalizer.added_per_ascii_character` a character, unread.
+ASCII_SCAN_ALLOWANCE = 16 * 1024 * 1024
 # Threads estimating a request whose tokenizer rewrites text now. NOTE: read before the thread's own `rewrites`, so an
 # estimate of any other model pays one read of a module's integer, not of a thread's attribute, per text (issue #20).
 _NUM_REWRITING = 0
@@ -509,7 +532,13 @@ def _rewritten_bytes(text: str, budget: int, rewrites: PromptNormalizer) -> int:
     if len(text) >= budget:
         return len(text)
     if text.isascii():
-        return len(text) + rewrites.added_bytes(text) if rewrites.rewrites_ascii else len(text)
+        if not rewrites.rewrites_ascii:
+            return len(text)
+        allowance = _DECOMPOSE_ALLOWANCE
+        allowance.num_ascii_scans -= len(text) * rewrites.num_ascii_scans
+        if allowance.num_ascii_scans < 0:
+            return min(budget, len(text) * (1 + rewrites.added_per_ascii_character()) + rewrites.prepend_bytes)
+        return len(text) + rewrites.added_bytes(text)
     unread = min(budget, (MAX_GROWTH + rewrites.added_per_character()) * len(text) + rewrites.prepend_bytes)
     allowance = _DECOMPOSE_ALLOWANCE
     if allowance.num_characters is not None:
@@ -561,61 +590,75 @@ def _is_token(value) -> bool:
 def _json_bytes(value, budget: int) -> int:
     """Bytes of `value` as indented JSON, each string ASCII-escaped or as a tokenizer sees it unescaped
     (`_utf8_bytes`), whichever is longer: at least what a template's `tojson` renders (Jinja's escapes, Hugging Face's
-    does not). Walked, never dumped whole, and only until it reaches `budget`."""
+    does not). Walked, never dumped whole, and only until it reaches `budget`.
+
+    To a model whose tokenizer rewrites ASCII (`normalizers`), what its replacements and pieces add is counted per
+    string and per separator the walk writes (the JSON's own first piece prepended once): before, as if every byte of
+    it began an occurrence, 8 small tools reserved a Llama-2-style model's whole 32k context."""
+    rewrites = _DECOMPOSE_ALLOWANCE.rewrites if _NUM_REWRITING else None
+    if rewrites is not None and not rewrites.rewrites_ascii:
+        rewrites = None
     try:
-        counted = _json_walk(value, budget, 0)
+        counted = _json_walk(value, budget, 0, rewrites)
     except (TypeError, ValueError, RecursionError):
         return UNBOUNDED
-    if _NUM_REWRITING and _DECOMPOSE_ALLOWANCE.rewrites is not None and _DECOMPOSE_ALLOWANCE.rewrites.rewrites_ascii:
-        counted += _json_rewrites(counted, _DECOMPOSE_ALLOWANCE.rewrites)
-    return counted
+    return counted + (rewrites.prepend_bytes if rewrites is not None else 0)
 
 
-def _json_rewrites(counted: int, rewrites: PromptNormalizer) -> int:
-    """What replacements and prepends may add to JSON of `counted` bytes, whose indentation, quotes and escapes are
-    not in any text counted: as if every place in it began an occurrence (a loose bound, for structured values)."""
-    added = sum(growth * (counted // len(pattern.encode("utf-8", "surrogatepass")) + 1) * (2 if lowercased else 1)
-                for pattern, growth, _, lowercased in rewrites.replacements)
-    return added + rewrites.prepend_bytes * (1 + (counted if rewrites.segment_starts else 0))
-
-
-def _json_walk(value, budget: int, depth: int) -> int:
+def _json_walk(value, budget: int, depth: int, rewrites: PromptNormalizer | None) -> int:
     if isinstance(value, str):
-        return _json_string_bytes(value, budget)
+        return _json_string_bytes(value, budget, rewrites)
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list | tuple):
         items = value
     elif value is None or isinstance(value, bool | int | float):
-        return len(json.dumps(value))
+        literal = json.dumps(value)
+        return len(literal) + (rewrites.added_to_part(literal) if rewrites is not None else 0)
     else:
-        return _json_string_bytes(str(value), budget)  # as `default=str`
+        return _json_string_bytes(str(value), budget, rewrites)  # as `default=str`
     if not items:
-        return 2
+        return 2 + (rewrites.added_to_part("[]{}") if rewrites is not None else 0)
     # "[" or "{", then each item on its own line indented one level deeper, "," between, the closing one level up
     total = 2 + JSON_INDENT * depth + 1
+    # NOTE: what a rewriting tokenizer adds to the separators this walk writes, counted on them as written
+    separator = "\n" + " " * (JSON_INDENT * (depth + 1)) + ","
+    separator_added = rewrites.added_to_part(separator) if rewrites is not None else 0
+    if rewrites is not None:
+        total += rewrites.added_to_part("[{" + "\n" + " " * (JSON_INDENT * depth) + "]}")
     for item in items:
         if total >= budget:
             return total
-        total += 1 + JSON_INDENT * (depth + 1) + 1  # newline, indent, the "," (one too many: the bound is loose)
+        total += 1 + JSON_INDENT * (depth + 1) + 1 + separator_added  # newline, indent, "," (one too many: loose)
         if isinstance(value, dict):
             key, item = item
             if not isinstance(key, str):
                 if key is not None and not isinstance(key, bool | int | float):
                     raise TypeError("keys must be str, int, float, bool or None")
                 key = json.dumps(key)
-            total += _json_string_bytes(key, budget - total) + 2  # ": "
-        total += _json_walk(item, budget - total, depth + 1)
+            total += _json_string_bytes(key, budget - total, rewrites) + 2  # ": "
+            if rewrites is not None:
+                total += rewrites.added_to_part(": ")
+        total += _json_walk(item, budget - total, depth + 1, rewrites)
     return total
 
 
-def _json_string_bytes(text: str, budget: int) -> int:
+def _json_string_bytes(text: str, budget: int, rewrites: PromptNormalizer | None = None) -> int:
     if len(text) >= budget:
         return len(text)
     escaped = json.dumps(text)
+    if rewrites is not None:
+        _DECOMPOSE_ALLOWANCE.num_ascii_scans -= len(escaped) * rewrites.num_ascii_scans
+        escaped_bytes = len(escaped) + (
+            rewrites.added_to_part(escaped)
+            if _DECOMPOSE_ALLOWANCE.num_ascii_scans >= 0
+            else len(escaped) * rewrites.added_per_ascii_character()
+        )
+    else:
+        escaped_bytes = len(escaped)
     if text.isascii():
-        return len(escaped)
-    return max(len(escaped), _utf8_bytes(json.dumps(text, ensure_ascii=False), budget))
+        return escaped_bytes
+    return max(escaped_bytes, _utf8_bytes(json.dumps(text, ensure_ascii=False), budget))
 
 
 # --- numbers as the engine reads them ------------------------------------------------------------

@@ -21,8 +21,10 @@ pattern an earlier step can make (its characters in an earlier replacement's or 
 pattern after a step that deletes, a non-ASCII pattern after a normalization). A model whose agent reported nothing
 (`None`) is counted as before; so is one whose normalizer adds nothing (NFC, NFKC, lowercase, strip).
 
-NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is taken as the NFKC it is built from (nmt_nfkc), as
-before this module: a tenant's own map could send a character to anything, and is not bounded here.
+NOTE: a SentencePiece `Precompiled` character map (T5's, XLM-R's) is known only as one of sentencepiece's own (nmt_nfkc,
+nmt_nfkc_cf, identity, by the hash of its bytes, in the agent): NFKC, lowercased for _cf, whose whitespace and a few
+format characters become spaces ("spaces", as BERT's clean-up makes them); a tenant's own map, which could send a
+character to anything, is unknown.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from gpu_agent.protocol import TokenizerNormalizer
 MAX_DECOMPOSED_CHARACTERS = 18
 MAX_DECOMPOSED_IDEOGRAPHS = 4
 CJK_SPACE_BYTES = 2  # " " either side
+# Special tokens counted for each completions prompt and embedding input (BOS/EOS) for every model; a tokenizer whose
+# post-processor adds more is counted for its own (`PromptNormalizer.tokens_per_prompt`).
+TOKENS_PER_PROMPT = 8
+MAX_COUNTED_SEGMENT_STARTS = 8  # added tokens' first characters a prepend's pieces are counted by
 # A regular expression read as one character repeated at least n times (XLM-R's `" {2,}"` by " "): the one kind whose
 # replacement is bounded, by its shortest match. NOTE: never compiled: a tenant's pattern is only matched as text here.
 _REPETITION = re.compile(r"^(\\?[^\\()\[\]{}|.*+?^$])(?:\{(\d{1,4}),\d{0,4}\}|(\+))$")
@@ -55,11 +61,14 @@ class PromptNormalizer:
     prepend_bytes: int = 0  # per text, and per piece after an added token
     segment_starts: str = ""  # the first characters of the added tokens that start a piece
     bytes_per_non_ascii: int = 0  # added per non-ASCII character (BERT's spaces around ideographs)
+    # Added per character: a pre-tokenizer's prepend after a split, which may make a piece of every character.
+    bytes_per_character: int = 0
+    tokens_per_prompt: int = TOKENS_PER_PROMPT  # the special tokens a sequence gets, at least TOKENS_PER_PROMPT
     unbounded: str = ""  # why nothing but the context bounds a prompt; "" when the above does
 
     @property
     def rewrites_ascii(self) -> bool:
-        return bool(self.replacements or self.prepend_bytes)
+        return bool(self.replacements or self.prepend_bytes or self.bytes_per_character)
 
     @property
     def counts_decomposed(self) -> bool:
@@ -68,18 +77,54 @@ class PromptNormalizer:
     def added_bytes(self, text: str, *, decomposed_apart: bool = False) -> int:
         """What the replacements and prepends add to `text`; `decomposed_apart`: leave out the replacements after a
         normalization (`rewritten_added_bytes` counts them in the text's decomposition)."""
+        return self.prepend_bytes + self.added_within(text, decomposed_apart=decomposed_apart)
+
+    def added_within(self, text: str, *, decomposed_apart: bool = False) -> int:
+        """`added_bytes` but the prepend of `text`'s own first piece: the replacements, and the prepends of the
+        pieces that start inside it (a part of a larger text: a JSON string inside a rendered tool list)."""
         added = 0
+        if self.bytes_per_character:
+            # NOTE: a non-ASCII character may become up to 18 before the pre-tokenizer splits (a normalization)
+            num_characters = len(text)
+            if not text.isascii():
+                num_characters += (MAX_DECOMPOSED_CHARACTERS - 1) * (
+                    len(text) - len(text.encode("ascii", "ignore"))
+                )
+            added += self.bytes_per_character * num_characters
         for pattern, growth, normalized, lowercased in self.replacements:
             if not (decomposed_apart and normalized):
                 added += growth * text.count(pattern)
                 if lowercased:
                     added += growth * text.lower().count(pattern)
         if self.prepend_bytes:
-            num_pieces = 1
             for start in self.segment_starts:
-                num_pieces += text.count(start)
-            added += self.prepend_bytes * num_pieces
+                added += self.prepend_bytes * text.count(start)
         return added
+
+    def added_to_part(self, text: str) -> int:
+        """`added_within` of a part of a larger text, with one more occurrence of each pattern longer than a
+        character, which may straddle the part's start."""
+        straddling = sum(
+            growth * (2 if lowercased else 1)
+            for pattern, growth, _, lowercased in self.replacements
+            if len(pattern) > 1
+        )
+        return self.added_within(text) + straddling
+
+    @property
+    def num_ascii_scans(self) -> int:
+        """The passes `added_bytes` makes over an ASCII text (each replacement, lowercased too; each segment start)."""
+        return sum(2 if lowercased else 1 for *_, lowercased in self.replacements) + (
+            len(self.segment_starts) if self.prepend_bytes else 0
+        )
+
+    def added_per_ascii_character(self) -> int:
+        """The most bytes one ASCII character can gain (a text past the request's scans, unread)."""
+        return (
+            sum(growth * (2 if lowercased else 1) for _, growth, _, lowercased in self.replacements)
+            + (self.prepend_bytes if self.segment_starts else 0)
+            + self.bytes_per_character
+        )
 
     def rewritten_added_bytes(self, decomposed: str) -> int:
         """What the replacements after a normalization add to a piece of a text's decomposition (one more occurrence
@@ -97,7 +142,7 @@ class PromptNormalizer:
         return (
             2
             * MAX_DECOMPOSED_CHARACTERS
-            * (per_occurrence + (self.prepend_bytes if self.segment_starts else 0))
+            * (per_occurrence + (self.prepend_bytes if self.segment_starts else 0) + self.bytes_per_character)
             + self.bytes_per_non_ascii
         )
 
@@ -117,8 +162,10 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
     decomposes = deletes = False
     normalized = lowercased = False  # a normalization ran before; lowercasing did
     made = set()  # characters an earlier step may insert
+    # Characters an earlier step may turn into a space (BERT's clean-up, sentencepiece's nmt maps).
+    spaced: set[str] = set()
     replacements: list[tuple[str, int, bool, bool]] = []
-    prepend_bytes = bytes_per_non_ascii = 0
+    prepend_bytes = bytes_per_non_ascii = bytes_per_character = 0
     for step in normalizer.steps:
         if step.kind in ("compose", "decompose"):
             decomposes |= step.kind == "decompose"
@@ -127,11 +174,16 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
             lowercased = True
         elif step.kind == "shortens":
             deletes = True
+        elif step.kind == "spaces":
+            spaced.update(step.pattern)
         elif step.kind == "cjk_spaces":
             bytes_per_non_ascii += CJK_SPACE_BYTES * (MAX_DECOMPOSED_IDEOGRAPHS if normalized else 1)
             made.add(" ")
         elif step.kind == "prepend":
             prepend_bytes += _longest_bytes(step.content)
+            made.update(step.content)
+        elif step.kind == "prepend_each":
+            bytes_per_character += _longest_bytes(step.content)
             made.update(step.content)
         elif step.kind == "replace_regex":
             repeated = _repeated_character(step.pattern)
@@ -152,13 +204,33 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
                 return PromptNormalizer(
                     unbounded=f"a replacement of {pattern[:20]!r} an earlier step can make"
                 )
-            growth = _longest_bytes(step.content) - len(pattern.encode("utf-8", "surrogatepass"))
-            if growth > 0:
-                replacements.append((pattern, growth, normalized, lowercased))
+            if spaced and " " in pattern and pattern != " ":
+                return PromptNormalizer(
+                    unbounded=f"a replacement of {pattern[:20]!r} an earlier step can make"
+                )
+            # NOTE: a space an earlier step made of another character is replaced too: each such character counts
+            # as an occurrence of its own ("\n" by BERT's clean-up, then " " by "▁": 1 byte to 3).
+            for source in [pattern] + (sorted(spaced) if pattern == " " else []):
+                growth = _longest_bytes(step.content) - len(source.encode("utf-8", "surrogatepass"))
+                if growth > 0:
+                    replacements.append((source, growth, normalized, lowercased))
             if len(step.content) < len(pattern):
                 deletes = True
             made.update(step.content)
-    if not (decomposes or replacements or prepend_bytes or bytes_per_non_ascii):
+    if prepend_bytes and len(normalizer.segment_starts) > MAX_COUNTED_SEGMENT_STARTS:
+        # NOTE: each is a pass over every ASCII text (64 of them held the event loop 0.18 s for an 8 MiB body)
+        return PromptNormalizer(
+            unbounded=f"added tokens with more than {MAX_COUNTED_SEGMENT_STARTS} first characters to count pieces by"
+        )
+    tokens_per_prompt = max(TOKENS_PER_PROMPT, normalizer.num_special_tokens)
+    if not (
+        decomposes
+        or replacements
+        or prepend_bytes
+        or bytes_per_non_ascii
+        or bytes_per_character
+        or tokens_per_prompt > TOKENS_PER_PROMPT
+    ):
         return None
     return PromptNormalizer(
         decomposes=decomposes,
@@ -166,6 +238,8 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
         prepend_bytes=prepend_bytes,
         segment_starts=normalizer.segment_starts if prepend_bytes else "",
         bytes_per_non_ascii=bytes_per_non_ascii,
+        bytes_per_character=bytes_per_character,
+        tokens_per_prompt=tokens_per_prompt,
     )
 
 

@@ -1,22 +1,35 @@
-"""What a model's tokenizer does to text before it splits it: tokenizer.json's `normalizer` (and a `Metaspace`
-pre-tokenizer's rewrite), as a length goes.
+"""What a model's tokenizer does to text before it splits it (its `normalizer`, and a `Metaspace` or prefix-space
+`ByteLevel` pre-tokenizer's rewrite), as a length goes.
 
 The gateway bounds a prompt's tokens by its UTF-8 bytes after normalization (`endpoints.gateway.estimate`), and some
 normalizers lengthen text: NFD and NFKD decompose text already composed ("가", 3 bytes, is 9 as jamo), `Replace`
 (" " by "▁", Llama's and SentencePiece's: 1 byte to 3) and `Prepend` add bytes of their own. The agent reads the
 normalizer once, with the model's other facts (`model_info.read_model`), into a `protocol.TokenizerNormalizer`.
 
-NOTE: the file is the tenant's. It is read up to `model_json.MAX_MODEL_JSON_BYTES` (real ones run to tens of MB, but
-their `normalizer` and `added_tokens` come first, before the vocabulary), key by key at the top level, and nothing in
-it is run: a regular expression is reported as text, never compiled. Whatever cannot be read (past the cap, not JSON,
-nested too deep, a type the protocol does not know, a field of the wrong type) makes the normalizer unknown, which the
-gateway reserves as the context.
+NOTE: read what the engine reads. The tokenizer is loaded as vLLM loads it (transformers' `AutoTokenizer`, no remote
+code; `tokenizers` on tokenizer.json where transformers is not installed) and described from the library's own
+canonical JSON (`backend_tokenizer.to_str()`): a file of the agent's own parsing disagreed with the engine's (a
+duplicate "normalizer" key, of which `tokenizers` keeps the last; `fast_tokenizer_files` naming another file), and
+a SentencePiece-only folder converted to a fast tokenizer is described instead of unknown.
+
+NOTE: the files are the tenant's. They are loaded in a child process (`python -m
+gpu_agent.runtime.tokenizer_normalizer <folder>`) with `MAX_LOADER_CPU_S` of CPU, `MAX_LOADER_MEMORY_BYTES` of
+address space and `LOADER_TIMEOUT_S` of wall time, as the safetensors headers are (`safetensors_headers`); the
+agent's thread waits on a pipe. Whatever fails to load, or cannot be described (a type the protocol does not know,
+a field of the wrong type, text that is not UTF-8), makes the normalizer unknown, which the gateway reserves as the
+context. Nothing the child finds is run in the agent: a regular expression is reported as text.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import logging
 import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 from gpu_agent.protocol import (
@@ -26,20 +39,42 @@ from gpu_agent.protocol import (
     NormalizerStep,
     TokenizerNormalizer,
 )
-from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
+
+logger = logging.getLogger(__name__)
 
 # tokenizer.json's normalizer types (Hugging Face `tokenizers`), by what they may do to a text's length.
 _KINDS = {
     "NFC": "compose",
     "NFKC": "compose",
-    "Precompiled": "compose",
     "NFD": "decompose",
     "NFKD": "decompose",
     "Lowercase": "lowercase",
     "Strip": "shortens",
     "StripAccents": "shortens",
 }
+# The characters that become a space besides what NFKD makes one: BERT's clean-up (Unicode whitespace, and Python's
+# `isspace` is a superset of what `tokenizers` counts) and sentencepiece's nmt_nfkc maps (found by normalizing every
+# code point with the map, `tokenizers.normalizers.Precompiled`). A later replacement of " " counts them too.
+_WHITESPACE = "".join(chr(code) for code in range(0x110000) if chr(code).isspace() and code != 0x20)
+_NMT_SPACES = "\t\n\x0c\r\u061c\u1680\u200b\u200c\u200e\u200f\u2028\u2029\u2581\ufeff\ufffd"
+# sentencepiece's builtin character maps by the SHA-256 of their decoded bytes (its `normalization_rule_name`s,
+# built by sentencepiece 0.2 from a trained model's `normalizer_spec.precompiled_charsmap`; identity is empty). NOTE:
+# any other map is a tenant's own, which may send a character to anything ("a space to 40 x '▁'"): unknown.
+_PRECOMPILED_MAPS = {
+    "1e2c7b43d3ee9755ceaa2ac335e253d8703604e0249ee1e81156c92b46423844": ("nmt_nfkc", ("compose",)),
+    "2c03512e62f9ed965ec90d85314211b63b5b8aa0395311ea2147eec9ff738907": (
+        "nmt_nfkc_cf",
+        ("compose", "lowercase"),
+    ),
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855": ("identity", ()),
+}
 _SEQUENCE_DEPTH = 4  # a Sequence inside a Sequence is flattened this deep at most
+# The loader child's limits. transformers' import and a tiny model's tokenizer take ~3.5 s of CPU and ~400 MB; a
+# 250,000-piece vocabulary a few seconds more. Past them the normalizer is unknown.
+MAX_LOADER_CPU_S = 60
+MAX_LOADER_MEMORY_BYTES = 3 * 1024**3
+LOADER_TIMEOUT_S = 180
+MAX_ANSWER_BYTES = 64 * 1024  # a description is a few hundred bytes
 
 
 class _Unknown(Exception):
@@ -47,83 +82,101 @@ class _Unknown(Exception):
 
 
 def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
-    """The normalizer of `model_dir`'s tokenizer.json; unknown when the folder has none (the engine would then build
-    a tokenizer from a SentencePiece model, whose conversion may add `Replace` and `Prepend`) or it cannot be read.
-    Never raises."""
-    path = Path(model_dir) / "tokenizer.json"
+    """The normalizer of the tokenizer the engine would load from `model_dir`, described by a child process within
+    the loader's limits; unknown when it does not load there or cannot be described. Never raises."""
+    # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
+    package_root = Path(__file__).resolve().parents[2]
+    environment = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     try:
-        fields = _top_level_fields(path, ("normalizer", "pre_tokenizer", "added_tokens"))
-        if "normalizer" not in fields or "pre_tokenizer" not in fields:
-            raise _Unknown(
-                "its tokenizer.json has no normalizer or pre-tokenizer before the cap on what is read"
-            )
-        steps = _steps(fields["normalizer"], 0) + _pre_tokenizer_steps(fields["pre_tokenizer"], 0)
+        finished = subprocess.run(  # noqa: S603 - our own interpreter and module, the folder as one argument
+            [
+                sys.executable,
+                "-E",
+                "-s",
+                "-m",
+                __name__,
+                os.fspath(model_dir),
+                str(MAX_LOADER_CPU_S),
+                str(MAX_LOADER_MEMORY_BYTES),
+            ],
+            cwd=package_root,
+            env=environment,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=LOADER_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return TokenizerNormalizer(unknown=f"its tokenizer took more than {LOADER_TIMEOUT_S} s to load")
+    except OSError as exc:
+        logger.exception("could not start the tokenizer loader for %s", Path(model_dir).name)
+        return TokenizerNormalizer(
+            unknown=f"the tokenizer loader could not start ({exc.strerror or 'error'})"
+        )
+    if finished.returncode != 0:
+        logger.warning(
+            "the tokenizer loader for %s ended with %s: %s",
+            Path(model_dir).name,
+            finished.returncode,
+            finished.stderr[-2000:].decode(errors="replace"),
+        )
+        return TokenizerNormalizer(
+            unknown=f"its tokenizer does not load within the node's limits (exit {finished.returncode})"
+        )
+    try:
+        answer = json.loads(finished.stdout[:MAX_ANSWER_BYTES])
+        return TokenizerNormalizer.from_dict(answer)
+    except (ValueError, TypeError, KeyError):
+        logger.warning("the tokenizer loader for %s answered %r", Path(model_dir).name, finished.stdout[:200])
+        return TokenizerNormalizer(unknown="the tokenizer loader's answer could not be read")
+
+
+def describe_tokenizer(tokenizer: object) -> TokenizerNormalizer:
+    """The normalizer of a tokenizer as `tokenizers` writes it (`Tokenizer.to_str()`, parsed): its `normalizer` and
+    `pre_tokenizer`, and the first characters of its added tokens. Never raises."""
+    try:
+        if not isinstance(tokenizer, dict):
+            raise _Unknown("a tokenizer that is not a JSON object")
+        normalizing = _steps(tokenizer.get("normalizer"), 0)
+        pre_tokenizing = _pre_tokenizer_steps(tokenizer.get("pre_tokenizer"), 0)
+        added_tokens = tokenizer.get("added_tokens")
+        # NOTE: an added token marked `normalized` is split out of the normalized text, before pre-tokenizing: a
+        # pre-tokenizer's prepend is made to each piece after one too ("ax" x 190, "x" such a token, behind Metaspace
+        # was 1,050 tokens against a bound of 470). Counted by its first character in the text as sent when nothing
+        # normalizes it; else the prepend is made before every character.
+        normalized_starts = _segment_starts(added_tokens, normalized=True)
+        if normalized_starts and normalizing:
+            pre_tokenizing = [
+                NormalizerStep(kind="prepend_each", content=step.content) if step.kind == "prepend" else step
+                for step in pre_tokenizing
+            ]
+        steps = normalizing + pre_tokenizing
         if len(steps) > MAX_NORMALIZER_STEPS:
             raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
-        starts = (
-            _segment_starts(fields.get("added_tokens"))
-            if any(step.kind == "prepend" for step in steps)
-            else ""
+        starts = ""
+        if any(step.kind == "prepend" for step in steps):
+            starts = _segment_starts(added_tokens)
+            if any(step.kind == "prepend" for step in pre_tokenizing):
+                starts = "".join(sorted(set(starts + normalized_starts)))
+                if len(starts) > MAX_SEGMENT_STARTS:
+                    raise _Unknown("added tokens with too many first characters to count pieces by")
+        return TokenizerNormalizer(
+            steps=steps,
+            segment_starts=starts,
+            num_special_tokens=_special_tokens(tokenizer.get("post_processor"), 0),
         )
-        return TokenizerNormalizer(steps=steps, segment_starts=starts)
     except _Unknown as exc:
         return TokenizerNormalizer(unknown=str(exc))
-    except OSError:
-        return TokenizerNormalizer(unknown="no readable tokenizer.json")
     except (ValueError, RecursionError, TypeError, AttributeError):
-        return TokenizerNormalizer(unknown="its tokenizer.json is not JSON as a tokenizer writes it")
+        return TokenizerNormalizer(unknown="its tokenizer is not JSON as a tokenizer writes it")
 
 
 def describe_normalizer(normalizer: object, pre_tokenizer: object = None) -> TokenizerNormalizer:
-    """`read_tokenizer_normalizer` of a tokenizer.json's `normalizer` and `pre_tokenizer` values already parsed."""
-    try:
-        steps = _steps(normalizer, 0) + _pre_tokenizer_steps(pre_tokenizer, 0)
-        if len(steps) > MAX_NORMALIZER_STEPS:
-            raise _Unknown(f"more than {MAX_NORMALIZER_STEPS} steps")
-        return TokenizerNormalizer(steps=steps)
-    except _Unknown as exc:
-        return TokenizerNormalizer(unknown=str(exc))
-
-
-def _top_level_fields(path: Path, names: tuple[str, ...]) -> dict:
-    """The values of `names` in the JSON object at `path`, parsed one top-level field at a time and no further than
-    the last of them (or `MAX_MODEL_JSON_BYTES`): the vocabulary that follows is never parsed."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        data = handle.read(MAX_MODEL_JSON_BYTES)
-    text = data.decode("utf-8", "ignore" if size > len(data) else "strict")
-    decoder = json.JSONDecoder()
-    position = _skip_space(text, 0)
-    if text[position : position + 1] != "{":
-        raise _Unknown("its tokenizer.json is not a JSON object")
-    position += 1
-    found: dict = {}
-    while len(found) < len(names):
-        position = _skip_space(text, position)
-        if text[position : position + 1] == "}":
-            return {name: None for name in names} | found  # the whole object read: what it lacks it has not
-        try:
-            key, position = decoder.raw_decode(text, position)
-            position = _skip_space(text, position)
-            if text[position : position + 1] != ":":
-                raise ValueError("':' expected")
-            value, position = decoder.raw_decode(text, _skip_space(text, position + 1))
-        except ValueError:
-            if size > len(data):
-                return found  # NOTE: the cap cut the file: what came before it stands, the rest is unknown
-            raise
-        if key in names and key not in found:
-            found[key] = value
-        position = _skip_space(text, position)
-        if text[position : position + 1] == ",":
-            position += 1
-    return found
-
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in " \t\r\n":
-        position += 1
-    return position
+    """`describe_tokenizer` of a tokenizer's `normalizer` and `pre_tokenizer` values alone."""
+    return describe_tokenizer({"normalizer": normalizer, "pre_tokenizer": pre_tokenizer})
 
 
 def _steps(normalizer: object, depth: int) -> list[NormalizerStep]:
@@ -139,6 +192,8 @@ def _steps(normalizer: object, depth: int) -> list[NormalizerStep]:
         steps = [step for item in inner[: MAX_NORMALIZER_STEPS + 1] for step in _steps(item, depth + 1)]
     elif kind in _KINDS:
         steps = [NormalizerStep(kind=_KINDS[kind])]
+    elif kind == "Precompiled":
+        steps = _precompiled(normalizer)
     elif kind == "Replace":
         steps = [_replace(normalizer)]
     elif kind == "Prepend":
@@ -171,11 +226,19 @@ _SPLITTING_PRE_TOKENIZERS = frozenset(
 )
 
 
-def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerStep]:
+def _pre_tokenizer_steps(
+    pre_tokenizer: object, depth: int, split: list[bool] | None = None
+) -> list[NormalizerStep]:
     """A pre-tokenizer's rewrites, after the normalizer's: `Metaspace` (newer conversions of Llama's and Mistral's
     SentencePiece tokenizers, T5's, XLM-R's) replaces each space by its `replacement` ("▁", 3 bytes) and prepends one
-    unless its scheme is "never"; the others only split (`ByteLevel` maps each byte to one character, which its
-    byte-level vocabulary counts as one byte)."""
+    unless its scheme is "never"; `ByteLevel` with `add_prefix_space` prepends a space; the others only split
+    (`ByteLevel` maps each byte to one character, which its byte-level vocabulary counts as one byte).
+
+    NOTE: a pre-tokenizer's prepend is made to each piece it is given: after a splitter earlier in a Sequence (`split`,
+    `Digits` before `Metaspace`, a `Split` before a prefix-space `ByteLevel`) a piece may be one character, so such a
+    prepend is reported as "prepend_each" (its content before every character). Before, one per text was counted:
+    "0123456789" x 38 behind Digits and Metaspace was 1,623 tokens against a bound of 470."""
+    split = [False] if split is None else split
     if pre_tokenizer is None:
         return []
     if not isinstance(pre_tokenizer, dict):
@@ -188,7 +251,7 @@ def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerSt
         return [
             step
             for item in inner[: MAX_NORMALIZER_STEPS + 1]
-            for step in _pre_tokenizer_steps(item, depth + 1)
+            for step in _pre_tokenizer_steps(item, depth + 1, split)
         ]
     if kind == "Metaspace":
         replacement = _text(pre_tokenizer.get("replacement", "\u2581"), "Metaspace's replacement")
@@ -198,10 +261,54 @@ def _pre_tokenizer_steps(pre_tokenizer: object, depth: int) -> list[NormalizerSt
         if scheme not in ("always", "first", "never"):
             raise _Unknown("a Metaspace whose prepend_scheme is none of always, first, never")
         steps = [NormalizerStep(kind="replace", pattern=" ", content=replacement)]
-        return steps + ([NormalizerStep(kind="prepend", content=replacement)] if scheme != "never" else [])
+        if scheme != "never":  # NOTE: "first" prepends to the text's first piece alone, however it was split
+            prepend = "prepend_each" if split[0] and scheme == "always" else "prepend"
+            steps.append(NormalizerStep(kind=prepend, content=replacement))
+        split[0] = split[0] or pre_tokenizer.get("split", True) is not False
+        return steps
+    if kind == "ByteLevel":
+        add_prefix_space = pre_tokenizer.get("add_prefix_space", True)
+        if not isinstance(add_prefix_space, bool):
+            raise _Unknown("a ByteLevel whose add_prefix_space is not true or false")
+        steps = (
+            [NormalizerStep(kind="prepend_each" if split[0] else "prepend", content=" ")]
+            if add_prefix_space
+            else []
+        )
+        split[0] = split[0] or pre_tokenizer.get("use_regex", True) is not False
+        return steps
     if kind in _SPLITTING_PRE_TOKENIZERS:
+        split[0] = True
         return []
     raise _Unknown(f"a pre-tokenizer of type {str(kind)[:40]!r}")
+
+
+def _special_tokens(post_processor: object, depth: int) -> int:
+    """The special tokens a post-processor adds to one sequence (`TemplateProcessing`'s `single`, each of its special
+    tokens as many ids as it has; BERT's and RoBERTa's two)."""
+    if post_processor is None:
+        return 0
+    if not isinstance(post_processor, dict):
+        raise _Unknown("a post-processor that is not an object")
+    kind = post_processor.get("type")
+    if kind == "Sequence":
+        inner = post_processor.get("processors")
+        if not isinstance(inner, list) or depth >= _SEQUENCE_DEPTH:
+            raise _Unknown("a post-processor Sequence that is not a list, or nested too deep")
+        return sum(_special_tokens(item, depth + 1) for item in inner)
+    if kind == "ByteLevel":
+        return 0
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return 2
+    if kind == "TemplateProcessing":
+        special = post_processor.get("special_tokens") or {}
+        total = 0
+        for piece in post_processor.get("single") or []:
+            if isinstance(piece, dict) and "SpecialToken" in piece:
+                ids = special.get(piece["SpecialToken"].get("id"), {}).get("ids")
+                total += len(ids) if isinstance(ids, list) else 1
+        return total
+    raise _Unknown(f"a post-processor of type {str(kind)[:40]!r}")
 
 
 def _replace(normalizer: dict) -> NormalizerStep:
@@ -216,6 +323,24 @@ def _replace(normalizer: dict) -> NormalizerStep:
             kind="replace_regex", pattern=_text(pattern["Regex"], "Replace's pattern"), content=content
         )
     raise _Unknown("a Replace whose pattern is neither a String nor a Regex")
+
+
+def _precompiled(normalizer: dict) -> list[NormalizerStep]:
+    """A SentencePiece character map (T5's, XLM-R's) as steps, when it is one of sentencepiece's own."""
+    charsmap = normalizer.get("precompiled_charsmap")
+    try:
+        digest = hashlib.sha256(base64.b64decode(charsmap or "", validate=True)).hexdigest()
+    except (ValueError, TypeError):
+        raise _Unknown("a Precompiled character map that is not base64") from None
+    if digest not in _PRECOMPILED_MAPS:
+        raise _Unknown(
+            "a Precompiled character map that is none of sentencepiece's nmt_nfkc, nmt_nfkc_cf, identity"
+        )
+    name, kinds = _PRECOMPILED_MAPS[digest]
+    steps = [NormalizerStep(kind=kind) for kind in kinds]
+    if name != "identity":
+        steps += [NormalizerStep(kind="shortens"), NormalizerStep(kind="spaces", pattern=_NMT_SPACES)]
+    return steps
 
 
 def _bert(normalizer: dict) -> list[NormalizerStep]:
@@ -234,7 +359,11 @@ def _bert(normalizer: dict) -> list[NormalizerStep]:
     if not all(value is None or isinstance(value, bool) for value in flags.values()):
         raise _Unknown("a BertNormalizer whose flags are not true or false")
     strip_accents = flags["lowercase"] if flags["strip_accents"] is None else flags["strip_accents"]
-    steps = [NormalizerStep(kind="shortens")] if flags["clean_text"] else []
+    steps = (
+        [NormalizerStep(kind="shortens"), NormalizerStep(kind="spaces", pattern=_WHITESPACE)]
+        if flags["clean_text"]
+        else []
+    )
     if flags["handle_chinese_chars"]:
         steps.append(NormalizerStep(kind="cjk_spaces"))
     if strip_accents:
@@ -249,12 +378,22 @@ def _text(value: object, name: str) -> str:
         raise _Unknown(f"{name} is not text")
     if len(value) > MAX_NORMALIZER_TEXT_CHARS:
         raise _Unknown(f"{name} is past {MAX_NORMALIZER_TEXT_CHARS} characters")
+    _require_utf8(value, name)
     return value
 
 
-def _segment_starts(added_tokens: object) -> str:
+def _require_utf8(value: str, name: str) -> None:
+    """NOTE: JSON may escape a lone surrogate ("\\ud800"), which no UTF-8 body carries: in a report, the agent's
+    heartbeat could not be sent at all (the node offline, with every tenant's replicas on it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Unknown(f"{name} is not UTF-8 (a lone surrogate)") from None
+
+
+def _segment_starts(added_tokens: object, *, normalized: bool = False) -> str:
     """The first characters of the added tokens the tokenizer splits out of the raw text (those not `normalized`):
-    the normalizer runs on each piece between them."""
+    the normalizer runs on each piece between them; with `normalized`, of those split out of the normalized text."""
     if added_tokens is None:
         return ""
     if not isinstance(added_tokens, list):
@@ -263,8 +402,53 @@ def _segment_starts(added_tokens: object) -> str:
     for token in added_tokens:
         if not isinstance(token, dict) or not isinstance(token.get("content"), str):
             raise _Unknown("an added token without content")
-        if token["content"] and token.get("normalized") is not True:
+        if token["content"] and (token.get("normalized") is True) == normalized:
+            _require_utf8(token["content"][0], "an added token's first character")
             starts.add(token["content"][0])
         if len(starts) > MAX_SEGMENT_STARTS:
             raise _Unknown("added tokens with too many first characters to count pieces by")
     return "".join(sorted(starts))
+
+
+def _load_tokenizer(model_dir: Path) -> dict:
+    """The child's work: the tokenizer the engine would load from `model_dir`, as `tokenizers` writes it."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # an agent without the engine
+        return _load_tokenizer_file(model_dir)
+    # NOTE: as vLLM's `get_tokenizer` calls it: no remote code, the folder alone.
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.fspath(model_dir), trust_remote_code=False, local_files_only=True
+    )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise _Unknown(f"the engine's tokenizer ({type(tokenizer).__name__[:60]}) is not a fast one")
+    return json.loads(backend.to_str())
+
+
+def _load_tokenizer_file(model_dir: Path) -> dict:
+    """The file transformers would read, where it can be told which without transformers."""
+    from tokenizers import Tokenizer
+
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.exists() and "fast_tokenizer_files" in json.loads(config_path.read_text(encoding="utf-8")):
+        raise _Unknown("its tokenizer_config.json names fast_tokenizer_files (transformers picks among them)")
+    return json.loads(Tokenizer.from_file(os.fspath(model_dir / "tokenizer.json")).to_str())
+
+
+def _main(model_dir: str, cpu_s: int, memory_bytes: int) -> None:
+    """The child: limit itself, load, describe, print one line of JSON."""
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        described = describe_tokenizer(_load_tokenizer(Path(model_dir)))
+    except _Unknown as exc:
+        described = TokenizerNormalizer(unknown=str(exc))
+    except Exception as exc:  # noqa: BLE001 - NOTE: whatever the tenant's files make the libraries raise
+        described = TokenizerNormalizer(unknown=f"its tokenizer does not load ({type(exc).__name__})")
+    sys.stdout.write(json.dumps(described.to_dict()))  # NOTE: ASCII: a lone surrogate stays escaped
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -465,7 +465,7 @@ class WeightsCache:
         for status in statuses:
             if status.complete:
                 reading = self.reading_made(directories[status.cache_key])
-                status.model_info = reading.info if reading is not None else None
+                status.model_info = _sendable(reading.info, status.source) if reading is not None else None
         return statuses
 
     # -- disk -------------------------------------------------------------------
@@ -647,6 +647,22 @@ def _disk_bytes(folder: Path) -> int:
 def _charged(entry: dict) -> int:
     """What a cached model counts against the budget (a manifest written before `disk_bytes`: its size)."""
     return max(entry.get("disk_bytes", 0), entry["size_bytes"])
+
+
+def _sendable(info: ModelInfo | None, source: str) -> ModelInfo | None:
+    """`info`, or None when it cannot go out in a heartbeat's UTF-8 body (a lone surrogate the protocol let by).
+
+    NOTE: defence in depth: the facts are a tenant's files, read once and attached to every heartbeat; one the
+    body cannot encode failed every heartbeat (httpx raises before sending), and the node went offline with every
+    tenant's replicas. Its model's facts are dropped instead (as not read yet), and the node keeps beating."""
+    if info is None:
+        return None
+    try:
+        json.dumps(info.to_dict(), ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, TypeError):
+        logger.error("the facts of model %s cannot be sent in a heartbeat: left out", source[:200])
+        return None
+    return info
 
 
 def _local_size(path: Path) -> int:

@@ -145,3 +145,32 @@ def _no_stray_env(monkeypatch):
     # The tests' tenant stores are moto on loopback (`tests/agent/test_weights_credentials.py` checks the refusal).
     monkeypatch.setenv("INFERPLANE_AGENT_ALLOW_PRIVATE_STORES", "1")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def sentencepiece_charsmap(rule: str = "nmt_nfkc", rules_tsv: str = "") -> str:
+    """The base64 `precompiled_charsmap` sentencepiece builds for its builtin normalization `rule`, or for a rules
+    file of one's own (`rules_tsv`: "source code points<TAB>target code points" lines), as a tokenizer.json holds it."""
+    import base64
+    import tempfile
+
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    with tempfile.TemporaryDirectory() as work:
+        corpus = Path(work) / "corpus.txt"
+        corpus.write_text("\n".join(["hello world this is a test of things"] * 200))
+        options = {"normalization_rule_name": rule}
+        if rules_tsv:
+            (Path(work) / "rules.tsv").write_text(rules_tsv)
+            options = {"normalization_rule_tsv": str(Path(work) / "rules.tsv")}
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(corpus),
+            model_prefix=str(Path(work) / "m"),
+            vocab_size=20,
+            hard_vocab_limit=False,
+            minloglevel=2,
+            **options,
+        )
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString((Path(work) / "m.model").read_bytes())
+    return base64.b64encode(model.normalizer_spec.precompiled_charsmap).decode()

@@ -1,5 +1,10 @@
-"""The agent reads what a model's tokenizer.json normalizer does to a text's length, and a hostile file makes it
-"unknown", never a crash, a long read or anything run (`gpu_agent.runtime.tokenizer_normalizer`)."""
+"""The agent reads what a model's tokenizer normalizer does to a text's length, from the tokenizer the engine loads,
+and a hostile file makes it "unknown", never a crash, a long read or anything run
+(`gpu_agent.runtime.tokenizer_normalizer`).
+
+The descriptions of each normalizer and pre-tokenizer are checked on the parsed file (`describe_tokenizer`, in this
+process); what the loader child does with the folder (transformers' choice of file and class, a duplicate key, the
+limits) through `read_tokenizer_normalizer`, a few seconds each."""
 
 from __future__ import annotations
 
@@ -11,9 +16,12 @@ import pytest
 
 from gpu_agent.protocol import ModelInfo, NormalizerStep, TokenizerNormalizer, WeightsStatus
 from gpu_agent.runtime.model_info import read_model
-from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
-from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
-from tests.agent.conftest import with_peak_memory
+from gpu_agent.runtime.tokenizer_normalizer import (
+    describe_normalizer,
+    describe_tokenizer,
+    read_tokenizer_normalizer,
+)
+from tests.agent.conftest import sentencepiece_charsmap
 
 LLAMA = {
     "type": "Sequence",
@@ -37,18 +45,26 @@ def _with_normalizer(model_dir: Path, normalizer) -> Path:
     return model_dir
 
 
+def _described(model_dir: Path) -> TokenizerNormalizer:
+    """What the loader child describes once the library has parsed the file (as written: no library's rewriting)."""
+    return describe_tokenizer(json.loads((model_dir / "tokenizer.json").read_text()))
+
+
 def _kinds(normalizer: TokenizerNormalizer) -> list[str]:
     return [step.kind for step in normalizer.steps]
 
 
 def test_a_tokenizer_without_a_normalizer_is_known_to_add_nothing(model_copy):
-    assert read_tokenizer_normalizer(model_copy) == TokenizerNormalizer()
+    # The tiny model's post-processor adds its BOS to each sequence.
+    assert read_tokenizer_normalizer(model_copy) == TokenizerNormalizer(num_special_tokens=1)
 
 
 def test_the_model_reading_reports_its_normalizer_with_the_other_facts(model_copy):
     info = read_model(_with_normalizer(model_copy, {"type": "NFD"})).info
 
-    assert info.tokenizer_normalizer == TokenizerNormalizer(steps=[NormalizerStep(kind="decompose")])
+    assert info.tokenizer_normalizer == TokenizerNormalizer(
+        steps=[NormalizerStep(kind="decompose")], num_special_tokens=1
+    )
     assert (
         WeightsStatus.from_dict(
             WeightsStatus(source="s", cache_key="k", model_info=info).to_dict()
@@ -82,13 +98,13 @@ def test_the_model_reading_reports_its_normalizer_with_the_other_facts(model_cop
                 "strip_accents": None,
                 "lowercase": True,
             },
-            ["shortens", "cjk_spaces", "decompose", "shortens", "lowercase"],
+            ["shortens", "spaces", "cjk_spaces", "decompose", "shortens", "lowercase"],
         ),
         ({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}, ["replace_regex"]),
     ],
 )
 def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds):
-    assert _kinds(read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))) == kinds
+    assert _kinds(_described(_with_normalizer(model_copy, normalizer))) == kinds
 
 
 @pytest.mark.parametrize(
@@ -104,14 +120,20 @@ def test_each_normalizer_is_described_step_by_step(model_copy, normalizer, kinds
             ["replace"],
         ),
         ({"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}, ["replace", "prepend"]),
-        ({"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel"}]}, []),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [{"type": "Digits"}, {"type": "ByteLevel", "add_prefix_space": False}],
+            },
+            [],
+        ),
     ],
 )
 def test_a_metaspace_pre_tokenizer_is_described_as_the_replacement_it_makes(model_copy, pre_tokenizer, kinds):
     path = model_copy / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
 
-    assert _kinds(read_tokenizer_normalizer(model_copy)) == kinds
+    assert _kinds(_described(model_copy)) == kinds
 
 
 @pytest.mark.parametrize(
@@ -127,11 +149,11 @@ def test_a_pre_tokenizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy
     path = model_copy / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"pre_tokenizer": pre_tokenizer}))
 
-    assert read_tokenizer_normalizer(model_copy).unknown
+    assert _described(model_copy).unknown
 
 
 def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
-    described = read_tokenizer_normalizer(_with_normalizer(model_copy, LLAMA))
+    described = _described(_with_normalizer(model_copy, LLAMA))
 
     assert described.steps[1] == NormalizerStep(kind="replace", pattern=" ", content="\u2581")
     assert described.segment_starts == "<"  # <unk>, <s>, </s>, <pad>: split out before normalizing
@@ -157,7 +179,7 @@ def test_a_replacements_pattern_and_content_are_reported_as_text(model_copy):
     ],
 )
 def test_a_normalizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, normalizer):
-    described = read_tokenizer_normalizer(_with_normalizer(model_copy, normalizer))
+    described = _described(_with_normalizer(model_copy, normalizer))
 
     assert described.unknown and described.steps == []
 
@@ -170,31 +192,7 @@ def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy):
     assert read_tokenizer_normalizer(model_copy).unknown
 
 
-def test_a_huge_tokenizer_is_read_no_further_than_its_normalizer(model_copy):
-    # Real tokenizer.json files run to tens of MB (the vocabulary, after the normalizer): read up to the cap only.
-    path = model_copy / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    head = {name: spec[name] for name in ("version", "added_tokens", "pre_tokenizer")} | {
-        "normalizer": {"type": "NFD"}
-    }
-    path.write_text(json.dumps(head)[:-1] + ', "model": {"vocab": [' + "{}," * (20 * 1024 * 1024) + "{}]}}")
-
-    described, peak = with_peak_memory(lambda: read_tokenizer_normalizer(model_copy))
-
-    assert _kinds(described) == ["decompose"]
-    assert peak < 4 * MAX_MODEL_JSON_BYTES
-
-
-def test_a_normalizer_past_the_cap_on_what_is_read_is_unknown(model_copy):
-    path = model_copy / "tokenizer.json"
-    path.write_text(
-        '{"model": {"vocab": [' + "{}," * MAX_MODEL_JSON_BYTES + '{}]}, "normalizer": {"type": "NFD"}}'
-    )
-
-    assert read_tokenizer_normalizer(model_copy).unknown
-
-
-@pytest.mark.parametrize("content", ["", "not json", "[]", '{"normalizer": ', "\u00ff\u00fe"])
+@pytest.mark.parametrize("content", ["not json", '{"normalizer": '])
 def test_a_tokenizer_file_that_is_not_a_tokenizer_is_unknown(model_copy, content):
     (model_copy / "tokenizer.json").write_text(content)
 
@@ -215,7 +213,7 @@ def test_a_regular_expression_is_never_compiled(model_copy, monkeypatch):
         raise AssertionError("a tenant's pattern was compiled")
 
     monkeypatch.setattr(re, "compile", refuse)
-    described = read_tokenizer_normalizer(
+    described = _described(
         _with_normalizer(model_copy, {"type": "Replace", "pattern": {"Regex": "(a+)+$"}, "content": "b"})
     )
 
@@ -229,7 +227,10 @@ def test_a_regular_expression_is_never_compiled(model_copy, monkeypatch):
         {"steps": [{"kind": "decompose"}] * 17},
         {"steps": [{"kind": "replace", "pattern": " ", "content": "x" * 65}]},
         {"steps": [{"kind": "prepend", "content": "\u0000"}]},
+        {"steps": [{"kind": "replace", "pattern": "a", "content": "\ud800"}]},
         {"segment_starts": "x" * 65},
+        {"segment_starts": "<\udfff"},
+        {"num_special_tokens": -1},
     ],
 )
 def test_a_report_the_protocol_cannot_hold_is_taken_as_unknown_not_refused(report):
@@ -241,3 +242,150 @@ def test_a_report_the_protocol_cannot_hold_is_taken_as_unknown_not_refused(repor
 
 def test_an_older_agents_report_says_nothing_of_the_normalizer():
     assert ModelInfo.from_dict({"max_model_len": 2048}).tokenizer_normalizer is None
+
+
+# --- what the engine reads, not what a parser of the file's own reads ------------------------------------------------
+
+HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
+
+
+def test_of_two_normalizer_keys_the_one_the_tokenizers_library_keeps_is_reported(model_copy):
+    # The agent's own parser kept the first (null: nothing added); `tokenizers`, and so vLLM, keeps the last.
+    path = model_copy / "tokenizer.json"
+    text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
+    path.write_text(text[:-1] + ', "normalizer": ' + json.dumps(HOSTILE_REPLACE) + "}")
+
+    described = read_tokenizer_normalizer(model_copy)
+
+    assert described.steps == [NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)]
+
+
+def test_the_file_fast_tokenizer_files_names_is_the_one_reported(model_copy):
+    # transformers (and so vLLM) loads tokenizer.4.0.0.json in place of tokenizer.json.
+    tokenizer = json.loads((model_copy / "tokenizer.json").read_text())
+    (model_copy / "tokenizer.4.0.0.json").write_text(json.dumps(tokenizer | {"normalizer": HOSTILE_REPLACE}))
+    config = json.loads((model_copy / "tokenizer_config.json").read_text())
+    (model_copy / "tokenizer_config.json").write_text(
+        json.dumps(config | {"fast_tokenizer_files": ["tokenizer.4.0.0.json"]})
+    )
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace"]
+
+
+def test_a_tokenizer_class_that_builds_its_own_pipeline_is_reported_as_it_builds_it(model_copy):
+    # transformers' LlamaTokenizer keeps tokenizer.json's vocabulary and sets its own Metaspace: the file's
+    # normalizer (NFD here) is not what the engine runs.
+    _with_normalizer(model_copy, {"type": "NFD"})
+    config = json.loads((model_copy / "tokenizer_config.json").read_text())
+    (model_copy / "tokenizer_config.json").write_text(
+        json.dumps(config | {"tokenizer_class": "LlamaTokenizer"})
+    )
+
+    assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace", "prepend"]
+
+
+def test_a_tokenizer_with_a_lone_surrogate_is_unknown(model_copy):
+    path = model_copy / "tokenizer.json"
+    text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
+    replace = '{"type": "Replace", "pattern": {"String": "a"}, "content": "\\ud800"}'
+    path.write_text(text.replace('"normalizer": null', '"normalizer": ' + replace, 1))
+
+    assert read_tokenizer_normalizer(model_copy).unknown
+
+
+# --- a SentencePiece character map is known only when it is one of sentencepiece's own -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "kinds"), [("nmt_nfkc", ["compose"]), ("nmt_nfkc_cf", ["compose", "lowercase"])]
+)
+def test_sentencepieces_own_character_maps_are_described_as_the_normalization_they_are(rule, kinds):
+    described = describe_normalizer(
+        {"type": "Precompiled", "precompiled_charsmap": sentencepiece_charsmap(rule)}
+    )
+
+    assert _kinds(described) == [*kinds, "shortens", "spaces"]
+    assert "\n" in described.steps[-1].pattern  # nmt maps a newline to a space
+
+
+def test_a_tenants_own_character_map_is_unknown():
+    # A map built from a rules file of one's own sends " " to 40 x "▁": it was taken as NFKC.
+    charsmap = sentencepiece_charsmap(rules_tsv="20\t" + " ".join(["2581"] * 40) + "\n")
+
+    assert describe_normalizer({"type": "Precompiled", "precompiled_charsmap": charsmap}).unknown
+
+
+def test_berts_clean_up_is_described_as_making_spaces_of_whitespace():
+    described = describe_normalizer({"type": "BertNormalizer", "clean_text": True, "lowercase": False})
+
+    assert described.steps[1].kind == "spaces" and {"\n", "\t", "\u3000"} <= set(described.steps[1].pattern)
+
+
+def test_a_sentencepiece_only_folder_is_described_as_transformers_converts_it(tiny_model_dir, tmp_path):
+    # No tokenizer.json: the engine converts tokenizer.model; before, such a folder reserved the whole context.
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["hello world this is a test of things"] * 200))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(model_dir / "tokenizer"),
+        vocab_size=30,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    shutil.copy(tiny_model_dir / "config.json", model_dir)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+
+    assert _kinds(read_tokenizer_normalizer(model_dir)) == ["replace", "prepend"]
+
+
+# --- a pre-tokenizer's prepend, once per piece --------------------------------------------------------------------
+
+DIGITS_THEN_METASPACE = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False},
+    ],
+}
+NORMALIZED_X = {"id": 999, "content": "x", "normalized": True, "special": False}
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "kinds"),
+    [
+        (DIGITS_THEN_METASPACE, ["replace", "prepend_each"]),
+        ({"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}, ["prepend"]),
+        (
+            {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}, {"type": "ByteLevel"}]},
+            ["prepend_each"],
+        ),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits"},
+                    {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"},
+                ],
+            },
+            ["replace", "prepend"],
+        ),
+    ],
+)
+def test_a_pre_tokenizers_prepend_after_a_split_is_made_before_every_character(pre_tokenizer, kinds):
+    assert _kinds(describe_tokenizer({"pre_tokenizer": pre_tokenizer})) == kinds
+
+
+def test_an_added_token_split_out_of_normalized_text_starts_a_piece_for_a_pre_tokenizers_prepend():
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False}
+
+    plain = describe_tokenizer({"pre_tokenizer": metaspace, "added_tokens": [NORMALIZED_X]})
+    normalized = describe_tokenizer(
+        {"normalizer": {"type": "NFKC"}, "pre_tokenizer": metaspace, "added_tokens": [NORMALIZED_X]}
+    )
+
+    assert _kinds(plain) == ["replace", "prepend"] and plain.segment_starts == "x"
+    assert _kinds(normalized) == ["compose", "replace", "prepend_each"]

@@ -15,7 +15,8 @@ from endpoints.gateway.directory import _endpoint_info
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
 from endpoints.models import ModelFacts
-from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer
+from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer, describe_tokenizer
+from tests.agent.conftest import sentencepiece_charsmap
 from tests.factories import EndpointFactory
 from tests.gateway.test_estimate import HOSTILE
 
@@ -81,6 +82,47 @@ NORMALIZERS = {
             ],
         },
     ),
+    # BERT's clean-up makes a space of "\n" and "\t", which a later replacement lengthens (1 byte to 3)
+    "BERT's clean-up, then a replacement": {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": False, "lowercase": False},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+        ],
+    },
+    # XLM-R's own: sentencepiece's nmt_nfkc map (a newline becomes a space), then Metaspace
+    "XLM-R's precompiled map": (
+        {"type": "Precompiled", "precompiled_charsmap": sentencepiece_charsmap("nmt_nfkc")},
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+    ),
+    # A pre-tokenizer's prepend after a splitter: one per piece, and a piece may be one character
+    "Digits, then Metaspace": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            ],
+        },
+    ),
+    "a Split, then a prefix-space ByteLevel": (
+        None,
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": False},
+            ],
+        },
+    ),
     "BERT's": {
         "type": "BertNormalizer",
         "clean_text": True,
@@ -129,6 +171,10 @@ def _bound(text: str, tokenizer) -> int:
         (NFKD, KOREAN),
         (LLAMA, SPACED),
         (NORMALIZERS["Metaspace, then bytes"], SPACED),
+        (NORMALIZERS["BERT's clean-up, then a replacement"], "\n\t" * 250),
+        (NORMALIZERS["XLM-R's precompiled map"], "\n" * 300),
+        (NORMALIZERS["Digits, then Metaspace"], "0123456789" * 38),
+        (NORMALIZERS["a Split, then a prefix-space ByteLevel"], "~" * 800),
     ],
 )
 def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
@@ -160,6 +206,9 @@ def test_text_a_tokenizer_lengthens_was_free_past_the_bound_and_is_now_reserved(
                 "\u1e9b",
                 "\u337f",
                 "\u3000",
+                "\n",
+                "\t",
+                "\u2028",
                 "<s>",
                 "\u0130",
                 "日本",
@@ -299,3 +348,104 @@ def test_decomposition_is_counted_only_for_a_tokenizer_that_decomposes():
     assert unicodedata.is_normalized("NFC", KOREAN)
     assert _bound(KOREAN, None) == len(KOREAN.encode()) + 8
     assert _bound(KOREAN, NFD) > 2 * len(KOREAN.encode())
+
+
+# --- tools and schemas, counted per string; a request's passes over ASCII text --------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city name"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_QUESTION = [
+    {"role": "user", "content": "What is the weather like in Paris today? One short sentence."}
+]
+LLAMA_2_STYLE = {
+    "steps": [
+        {"kind": "prepend", "content": "\u2581"},
+        {"kind": "replace", "pattern": " ", "content": "\u2581"},
+    ],
+    "segment_starts": "<[",
+}
+
+
+def test_eight_small_tools_to_a_llama_2_style_tokenizer_are_reserved_near_what_their_text_makes():
+    # Every byte of the tools' JSON was counted as an occurrence and a piece: 6,852 tokens became the whole 32k.
+    body = {"messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL] * 8, "max_tokens": 256}
+    plain = worst_case(body, "chat", 32_768).num_prompt_tokens
+    rewritten = worst_case(
+        body, "chat", 32_768, normalizer=prompt_normalizer(LLAMA_2_STYLE)
+    ).num_prompt_tokens
+
+    assert plain < rewritten < 2.5 * plain < 32_768
+
+
+def test_tools_are_reserved_for_what_the_tokenizer_makes_of_them_rendered(tiny_tokenizer_spec):
+    # The JSON a template renders (indented, as `tojson(indent=4)` does), through Llama's normalizer.
+    tools = [WEATHER_TOOL] * 3
+    rendered = json.dumps(tools, indent=4)
+    counted = _tokens(tiny_tokenizer_spec, LLAMA, rendered)
+    rewrites = prompt_normalizer(describe_normalizer(LLAMA).to_dict())
+    body = {"messages": [{"role": "user", "content": ""}], "tools": tools}
+
+    assert worst_case(body, "chat", CONTEXT, normalizer=rewrites).num_prompt_tokens >= counted
+
+
+def test_a_prepend_counted_by_more_than_eight_added_tokens_first_characters_reserves_the_context():
+    # Each first character is a pass over every ASCII text of a request.
+    description = {"steps": [{"kind": "prepend", "content": "\u2581"}], "segment_starts": "<[{(|!#$%"}
+
+    assert prompt_normalizer(description).unbounded
+
+
+def test_text_past_the_requests_ascii_scans_is_counted_unread_and_still_bounds_it(
+    tiny_tokenizer_spec, monkeypatch
+):
+    from endpoints.gateway import estimate
+
+    prompts = ["a b<s>c " * 40] * 12
+    counted = sum(_tokens(tiny_tokenizer_spec, LLAMA, prompt) for prompt in prompts)
+    rewrites = prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec | {"normalizer": LLAMA}).to_dict())
+    body = {"prompt": prompts, "max_tokens": 1}
+    read = worst_case(body, "completion", CONTEXT, normalizer=rewrites).num_prompt_tokens
+    monkeypatch.setattr(estimate, "ASCII_SCAN_ALLOWANCE", 1000)  # two prompts' worth of passes
+
+    unread = worst_case(body, "completion", CONTEXT, normalizer=rewrites).num_prompt_tokens
+
+    assert counted <= read < unread
+
+
+# --- a post-processor's special tokens -------------------------------------------------------------------------------
+
+
+def test_a_post_processor_adding_500_special_tokens_a_prompt_is_counted_for_them(tiny_tokenizer_spec):
+    from tokenizers import Tokenizer
+
+    post_processor = dict(tiny_tokenizer_spec["post_processor"])
+    post_processor["single"] = [{"SpecialToken": {"id": "<s>", "type_id": 0}}] * 500 + [
+        {"Sequence": {"id": "A", "type_id": 0}}
+    ]
+    spec = tiny_tokenizer_spec | {"post_processor": post_processor}
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    prompts = ["a"] * 4
+    counted = sum(len(tokenizer.encode(prompt, add_special_tokens=True).ids) for prompt in prompts)
+    rewrites = prompt_normalizer(describe_tokenizer(json.loads(tokenizer.to_str())).to_dict())
+
+    bound = worst_case({"prompt": prompts, "max_tokens": 1}, "completion", 4096, normalizer=rewrites)
+
+    assert bound.num_prompt_tokens >= counted  # 2,004 tokens were bounded by 36
+
+
+def test_a_post_processor_adding_a_bos_alone_leaves_the_model_counted_as_before(tiny_tokenizer_spec):
+    assert tiny_tokenizer_spec["post_processor"] is not None
+    assert prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec).to_dict()) is None
