@@ -8,6 +8,7 @@ test process's engine node (`tests.engines`).
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 from concurrent.futures import Future
@@ -152,8 +153,10 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
                    **spec):
     """An endpoint with one READY replica per upstream address, on a READY node (engine ports `node_ports`);
     `engine_key`: the key the replicas' engines were started with (a real engine answers no other)."""
-    node = Node.objects.create(name=f"node-{free_port()}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
-                               secret_lookup=f"{free_port():012d}", secret_digest="x", state=NodeState.READY,
+    # NOTE: a random lookup, unique: two free ports asked for in turn may be the same port.
+    lookup = secrets.token_hex(6)
+    node = Node.objects.create(name=f"node-{lookup}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
+                               secret_lookup=lookup, secret_digest="x", state=NodeState.READY,
                                quantizations=["none"], last_heartbeat_at=timezone.now(),
                                # the mocks listen on ephemeral ports: the whole range is this node's
                                advertise_host="127.0.0.1", engine_port_min=node_ports[0], engine_port_max=node_ports[1])
