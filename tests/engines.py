@@ -10,6 +10,8 @@ one to three per engine. A plain `vllm serve` (no standby, no zygote) still runs
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +77,28 @@ def serve_engine(node: Supervisor, spec: ReplicaSpec, model_dir: Path) -> Iterat
         yield wait_for_ready(node, spec.replica_id)
     finally:
         stop_engine(node, spec.replica_id)
+
+
+def tiny_model_copy(tiny_model_dir: Path, into: Path, changes: dict[str, dict] | None = None) -> Path:
+    """A copy of the tiny model at `into`/model, each JSON file named in `changes` (`"tokenizer.json"`) updated with
+    the fields given for it."""
+    copy = into / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    for name, fields in (changes or {}).items():
+        path = copy / name
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+    return copy
+
+
+@contextmanager
+def serve_small_engine(node: Supervisor, served_model_name: str, model_dir: Path, engine_api_key: str,
+                       max_model_len: int = ENGINE_CONTEXT) -> Iterator[str]:
+    """A four-sequence engine of `model_dir` of its own, answering `served_model_name`; yields its address."""
+    spec = ReplicaSpec(replica_id=f"{served_model_name}-engine", endpoint_id=served_model_name,
+                       served_model_name=served_model_name, model_source=str(model_dir), max_model_len=max_model_len,
+                       max_num_seqs=4, engine_api_key=engine_api_key)
+    with serve_engine(node, spec, model_dir) as replica:
+        yield replica.address
 
 
 def shared_engine_spec(model_dir: Path) -> ReplicaSpec:

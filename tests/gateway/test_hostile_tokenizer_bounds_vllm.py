@@ -14,17 +14,15 @@ whatever the engine would accept: `min(count, CONTEXT)`.
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
 
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
-from gpu_agent.protocol import ReplicaSpec
 from gpu_agent.runtime.model_info import read_model
 from tests.agent.conftest import sentencepiece_charsmap
-from tests.engines import serve_engine
+from tests.engines import serve_small_engine, tiny_model_copy
 
 pytestmark = [pytest.mark.vllm]
 
@@ -138,21 +136,11 @@ MODELS = {
 @pytest.fixture(scope="module", params=list(MODELS))
 def hostile_engine(request, engine_node, tiny_model_dir, tmp_path_factory):
     name = request.param
-    model_dir = tmp_path_factory.mktemp("hostile-tokenizer") / "model"
-    shutil.copytree(tiny_model_dir, model_dir)
+    model_dir = tiny_model_copy(tiny_model_dir, tmp_path_factory.mktemp("hostile-tokenizer"))
     MODELS[name][0](model_dir)
     served = "hostile-" + "-".join(name.split()).replace("'", "")[:40]
-    spec = ReplicaSpec(
-        replica_id=served,
-        endpoint_id=served,
-        served_model_name=served,
-        model_source=str(model_dir),
-        max_model_len=CONTEXT,
-        max_num_seqs=4,
-        engine_api_key=KEY,
-    )
-    with serve_engine(engine_node, spec, model_dir) as replica:
-        yield name, served, model_dir, replica.address
+    with serve_small_engine(engine_node, served, model_dir, KEY, CONTEXT) as address:
+        yield name, served, model_dir, address
 
 
 def test_a_hostile_tokenizers_prompts_are_bounded_by_what_the_engine_counts(hostile_engine):

@@ -9,8 +9,6 @@ does; before, the bound counted Hangul already in NFC as its bytes and a space a
 
 from __future__ import annotations
 
-import json
-import shutil
 from decimal import Decimal
 
 import httpx
@@ -22,10 +20,9 @@ from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
 from gpu_agent import protocol
-from gpu_agent.protocol import ReplicaSpec
 from gpu_agent.runtime.model_info import read_model
 from tests.conftest import wait_until
-from tests.engines import serve_engine
+from tests.engines import serve_small_engine, tiny_model_copy
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -52,26 +49,14 @@ PRICES = {
 
 @pytest.fixture(scope="module")
 def normalizing_model_dir(tiny_model_dir, tmp_path_factory):
-    copy = tmp_path_factory.mktemp("normalizing-model") / "model"
-    shutil.copytree(tiny_model_dir, copy)
-    path = copy / "tokenizer.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"normalizer": NORMALIZER}))
-    return copy
+    return tiny_model_copy(tiny_model_dir, tmp_path_factory.mktemp("normalizing-model"),
+                           {"tokenizer.json": {"normalizer": NORMALIZER}})
 
 
 @pytest.fixture(scope="module")
 def normalizing_engine(engine_node, normalizing_model_dir) -> str:
-    spec = ReplicaSpec(
-        replica_id="normalizing-engine",
-        endpoint_id="normalizing",
-        served_model_name=NAME,
-        model_source=str(normalizing_model_dir),
-        max_model_len=CONTEXT,
-        max_num_seqs=4,
-        engine_api_key=ENGINE_KEY,
-    )
-    with serve_engine(engine_node, spec, normalizing_model_dir) as replica:
-        yield replica.address
+    with serve_small_engine(engine_node, NAME, normalizing_model_dir, ENGINE_KEY, CONTEXT) as address:
+        yield address
 
 
 def _engine_count(address: str, payload: dict) -> int:

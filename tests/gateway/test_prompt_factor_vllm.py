@@ -9,8 +9,6 @@ request was billed at the bound, the rest free, for as long as the tenant sent i
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from decimal import Decimal
 
@@ -24,10 +22,9 @@ from controlplane.accounts.models import Scope
 from controlplane.accounts.services import Actor
 from endpoints.gateway.estimate import worst_case
 from endpoints.models import PromptFactor
-from gpu_agent.protocol import ReplicaSpec
 from gpu_agent.runtime.tiny_model import CHAT_TEMPLATE
 from tests.conftest import start_web_server, wait_until
-from tests.engines import serve_engine
+from tests.engines import serve_small_engine, tiny_model_copy
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -51,26 +48,14 @@ PRICES = {
 @pytest.fixture(scope="module")
 def repeating_model_dir(tiny_model_dir, tmp_path_factory):
     assert CONTENT in CHAT_TEMPLATE
-    copy = tmp_path_factory.mktemp("repeating-model") / "model"
-    shutil.copytree(tiny_model_dir, copy)
-    path = copy / "tokenizer_config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"chat_template": REPEATING_TEMPLATE}))
-    return copy
+    return tiny_model_copy(tiny_model_dir, tmp_path_factory.mktemp("repeating-model"),
+                           {"tokenizer_config.json": {"chat_template": REPEATING_TEMPLATE}})
 
 
 @pytest.fixture(scope="module")
 def repeating_engine(engine_node, repeating_model_dir) -> str:
-    spec = ReplicaSpec(
-        replica_id="repeating-engine",
-        endpoint_id="repeating",
-        served_model_name=NAME,
-        model_source=str(repeating_model_dir),
-        max_model_len=CONTEXT,
-        max_num_seqs=4,
-        engine_api_key=ENGINE_KEY,
-    )
-    with serve_engine(engine_node, spec, repeating_model_dir) as replica:
-        yield replica.address
+    with serve_small_engine(engine_node, NAME, repeating_model_dir, ENGINE_KEY, CONTEXT) as address:
+        yield address
 
 
 def _call(gateway: str, key: str, payload: dict = PAYLOAD) -> tuple[httpx.Response, UsageRecord]:
