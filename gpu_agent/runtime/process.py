@@ -2,13 +2,12 @@
 
 Every engine carries two environment markers (`engine.REPLICA_ENV_MARKER`,
 `engine.DATA_DIR_ENV_MARKER`), so an agent finds its engines (and strays they left) by
-environment, never by name, and a reused pid is never mistaken for an engine. On Linux an engine
-also dies with the thread that forked it (PR_SET_PDEATHSIG), so a killed agent leaves no orphans.
+environment, never by name, and a reused pid is never mistaken for an engine. Every engine runs under
+the reaper (`reaper.py`), which takes it down with the agent, so a killed agent leaves no orphans.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -23,30 +22,22 @@ import psutil
 
 from gpu_agent.runtime import shared_memory
 from gpu_agent.runtime.engine import DATA_DIR_ENV_MARKER, REPLICA_ENV_MARKER
-from gpu_agent.runtime.reaper import OUTLIVES_AGENT_ENV, group_members, runs_under_reaper
+from gpu_agent.runtime.reaper import OUTLIVES_AGENT_ENV, REAPER_MODULE, group_members, runs_under_reaper
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-# NOTE: looked up once, here: the child of a threaded process runs as little as it can between fork and exec (no
-# library loaded, no symbol looked up, no class made: a lock another thread held at the fork is never released there).
-_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent: bool) -> subprocess.Popen:
     """Start an engine in its own process group, its output appended to `log`.
 
-    An engine under the reaper (every engine `engine.build_engine_command` makes) dies with the agent, or not,
-    as the reaper is told (`reaper.OUTLIVES_AGENT_ENV`); any other command is killed with the agent by the
-    kernel (`die_with_parent`). NOTE: only the latter runs Python between fork and exec, which a threaded parent
-    makes unsafe (a lock held by another thread at the fork is never released in the child)."""
-    under_reaper = runs_under_reaper(argv)
-    if under_reaper and not die_with_agent:
+    Every command runs under the reaper (`engine.build_engine_command` puts each engine there; any other command is
+    put there here), which dies with the agent, or not, as it is told (`reaper.OUTLIVES_AGENT_ENV`).
+    NOTE: the child runs no Python between fork and exec (no `preexec_fn`): in a threaded agent CPython would first
+    clear the other threads' state in the child, running their objects' finalisers (an httpx client's SSL context
+    freed under an OpenSSL lock another thread held at the fork: a child that never reached exec)."""
+    if not runs_under_reaper(argv):
+        argv = [sys.executable, "-m", REAPER_MODULE, "--", *argv]
+    if not die_with_agent:
         env = {**env, OUTLIVES_AGENT_ENV: "1"}
     return subprocess.Popen(
         argv,
@@ -55,7 +46,6 @@ def spawn(argv: list[str], env: dict[str, str], log: BinaryIO, *, die_with_agent
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,  # own process group: we signal the engine and its workers together
-        preexec_fn=die_with_parent if die_with_agent and not under_reaper else None,
         close_fds=True,
     )
 
@@ -73,7 +63,9 @@ def exit_code(process: subprocess.Popen | None, pid: int) -> int | None:
         return -1
 
 
-def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals) -> None:
+def kill_group(
+    pid: int | None, process: subprocess.Popen | None, replica_id: str, data_dir: Path, sig: signal.Signals
+) -> None:
     """Signal the engine's process group and, on SIGKILL, any stray process carrying its marker.
 
     On SIGKILL the engine's shared-memory segments go too (`shared_memory`: only a graceful exit unlinks them).
@@ -81,7 +73,9 @@ def kill_group(pid: int | None, process: subprocess.Popen | None, replica_id: st
     segments = set()
     if sig == signal.SIGKILL:
         members = group_members(pid) if pid is not None else []
-        segments = shared_memory.segments_of([*members, *(found.pid for found in replica_processes(replica_id, data_dir))])
+        segments = shared_memory.segments_of(
+            [*members, *(found.pid for found in replica_processes(replica_id, data_dir))]
+        )
     if pid is not None:
         try:
             os.killpg(pid, sig)

@@ -333,7 +333,7 @@ def test_sigterm_stops_the_agent_and_its_engines(control_plane, tmp_path):
     agent = spawn_agent_process(control_plane, tmp_path / "agent")
     try:
         wait_until(lambda: control_plane.last_states().get("r-term") == ReplicaState.READY, 20)
-        assert len(processes_with_marker("r-term")) == 2
+        assert len(processes_with_marker("r-term")) == 3  # the reaper, the engine and its worker
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=SPAWNED_SHUTDOWN_DEADLINE_S + 15) == 0
         assert processes_with_marker("r-term") == []

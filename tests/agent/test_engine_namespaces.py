@@ -26,6 +26,7 @@ from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import namespaces, process, sandbox, shared_memory
 from gpu_agent.runtime.engine import DEVICE_CPU, DEVICE_CUDA
 from gpu_agent.runtime.engine_disk import EngineDiskBounds
+from gpu_agent.runtime.reaper import runs_under_reaper
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_for_state, wait_until
@@ -316,7 +317,8 @@ def test_namespaces_refused_after_the_agent_found_them_working_fail_the_launch_a
 
     def exhausted(spec, model_path, port):
         command = factory(spec, model_path, port)
-        return dataclasses.replace(command, argv=[sys.executable, "-c", EXHAUSTED, *command.argv])
+        at = 4 if runs_under_reaper(command.argv) else 0  # inside the reaper, as a node's kernel would refuse it
+        return dataclasses.replace(command, argv=[*command.argv[:at], sys.executable, "-c", EXHAUSTED, *command.argv[at:]])
 
     monkeypatch.setattr(supervisor, "command_factory", exhausted)
     supervisor.start(make_spec("r-a", endpoint_id="e-r-a"), tmp_path)
@@ -448,6 +450,7 @@ from pathlib import Path
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import process, sandbox
 from gpu_agent.runtime.engine_disk import EngineDiskBounds
+from gpu_agent.runtime.reaper import runs_under_reaper
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from tests.agent.conftest import fake_engine_factory, make_spec, wait_for_state
 

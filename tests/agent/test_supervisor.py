@@ -111,7 +111,7 @@ def test_drain_waits_for_running_requests_then_stops_every_process(make_supervis
     supervisor = make_supervisor("--running-file", str(running_file))
     supervisor.start(make_spec("r-drain"), "/models/x")
     wait_until(lambda: state_of(supervisor, "r-drain") == ReplicaState.READY, 10, poll=supervisor.poll)
-    assert len(processes_with_marker("r-drain")) == 2  # the engine and its worker
+    assert len(processes_with_marker("r-drain")) == 3  # the reaper, the engine and its worker
     supervisor.drain("r-drain", timeout_s=30)
     for _ in range(5):
         supervisor.poll()
@@ -267,7 +267,7 @@ def test_a_chat_template_measure_that_failed_is_tried_again_and_then_no_more(mak
 
 
 def test_killed_agent_leaves_no_engine_behind(tmp_path):
-    """PR_SET_PDEATHSIG kills the engine with the agent; the next agent's recover() reaps the rest."""
+    """The engine's reaper (armed with PR_SET_PDEATHSIG) takes the engine and its worker down with the agent."""
     data_dir = tmp_path / "agent"
     script = textwrap.dedent(
         f"""
@@ -288,14 +288,13 @@ def test_killed_agent_leaves_no_engine_behind(tmp_path):
     try:
         assert agent.stdout.readline().strip() == "ready"
         engine_pids = {p.pid for p in processes_with_marker("r-orphan")}
-        assert len(engine_pids) == 2
+        assert len(engine_pids) == 3  # the reaper, the engine and its worker
         agent.send_signal(signal.SIGKILL)
         agent.wait()
-        # The engine (direct child) dies with the agent at once.
-        wait_until(lambda: len(processes_with_marker("r-orphan")) <= 1, 5)
-        # Its worker is reaped by the next agent on this data dir.
-        Supervisor(data_dir, command_factory=fake_engine_factory()).recover({})
         wait_until(lambda: processes_with_marker("r-orphan") == [], 5)
+        # The next agent on this data dir finds nothing to reap, and starts nothing.
+        Supervisor(data_dir, command_factory=fake_engine_factory()).recover({})
+        assert processes_with_marker("r-orphan") == []
     finally:
         agent.kill()
         for process in processes_with_marker("r-orphan"):
