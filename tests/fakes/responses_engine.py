@@ -8,10 +8,11 @@ The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response
 `top_logprobs`), `error` (vLLM's `event: error` after the deltas, then the stream ends), `dies` (the process exits
 after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart), `large_last` (the `large_part` stream,
 its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
-apart: a read boundary inside the event's name) and `error_first` (vLLM's `event: error` before any delta).
+apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta) and
+`render_hangs` (the `error` stream, its render never answered).
 
 `POST /v1/responses/render` answers as vLLM's (`--enable-scale-out`) does: the prompt's token ids, as many as `USAGE`
-says; `GET /renders` says how many it answered.
+says; `GET /renders` says how many it was asked.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ async def app(scope, receive, send):
         if not message.get("more_body"):
             break
     if scope["path"] == RENDER_PATH:
-        await _render(send)
+        await _render(send, (json.loads(body).get("metadata") or {}).get("scenario"))
         return
     metadata = json.loads(body).get("metadata") or {}
     scenario = metadata.get("scenario", "ok")
@@ -127,7 +128,7 @@ async def app(scope, receive, send):
         await out(
             _event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 61})
         )
-    if scenario in ("error", "error_first"):
+    if scenario in ("error", "error_first", "render_hangs"):
         await out(
             _event(
                 "error",
@@ -162,9 +163,11 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _render(send) -> None:
+async def _render(send, scenario: str | None) -> None:
     global _num_renders
     _num_renders += 1
+    if scenario == "render_hangs":
+        await asyncio.sleep(3600)
     answer = {"request_id": "resp_x", "token_ids": list(range(USAGE["input_tokens"])), "sampling_params": {}}
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -197,6 +197,22 @@ def test_a_stream_whose_only_replica_dies_is_billed_its_deltas_alone(gateway, te
     assert row.cost > 0
 
 
+def test_a_cut_stream_whose_engine_never_answers_its_render_is_billed_its_deltas_alone_without_hanging(
+    gateway, tenant, engine
+):
+    # Waited for up to `rendered_prompt.RENDER_TIMEOUT_S`, after the client's stream ended: the row is still written.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "render_hangs"))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        0,
+        responses_engine.NUM_DELTAS,
+    )
+    assert _num_renders(engine) == 1
+
+
 def test_a_stream_whose_engine_fails_before_any_delta_is_billed_no_prompt(gateway, tenant, engine):
     # No output token: its prompt may not have been prefilled whole, so none of it is billed, and no engine is asked.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
