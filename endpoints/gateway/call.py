@@ -34,6 +34,7 @@ from endpoints.gateway import (
     errors,
     metrics,
     presence,
+    rendered_prompt,
     responses,
     routing,
     sse,
@@ -136,6 +137,7 @@ class InferenceCall:
     forwarded: bool = False
     _cancelled_for_client: bool = False  # the disconnect watcher cancelled the call (not the server stopping)
     _stopped_for_shutdown: bool = False  # still running at the end of its process's drain (`drain`)
+    _replica_failed: bool = False  # its replica failed mid-stream: asked nothing more (`_count_cut_prompt`)
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -522,6 +524,7 @@ class InferenceCall:
                     pending, pending_bytes = await self._drop_large_event(pending, chunks, wants_usage,
                                                                           wants_continuous)
         except upstream.UpstreamError as exc:
+            self._replica_failed = True
             # Every event that arrived before the failure still reaches the client, and is billed.
             await self._relay_events(b"".join(pending) + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"
@@ -756,6 +759,11 @@ class InferenceCall:
                     delivery.drop_connection(self.send)
                 except Exception:  # noqa: BLE001 - the client may be gone already
                     pass
+            if self._cut_before_its_usage() and self.usage.num_output_events:
+                try:
+                    await self._count_cut_prompt()
+                except Exception:  # noqa: BLE001 - a measure of the bill: never lose the usage row for it
+                    logger.exception("request %s: its cut stream's prompt could not be counted", self.request_id)
         except BaseException:
             # NOTE: cancelled (a loop that ends: a batch run's) before its settlement: a later beat of this process
             # ends it in Redis (`presence.end_later`), and its beat no longer holds its reservation, which the sweeper
@@ -769,9 +777,9 @@ class InferenceCall:
         # replica answered, with nothing counted (the body cut off), wrote an empty usage row, and the retry that
         # succeeded was billed nothing (its row conflicted with the empty one; its settlement found the marker).
         usage = self.usage
-        if self.served and self.request.stream and not usage.has_totals and self.status == "ok" and (
-                self.request.kind == responses.RESPONSES):
-            # NOTE: a Responses stream whose last event (its usage) never came was cut: billed its deltas' floor
+        if self._cut_before_its_usage() and self.status == "ok":
+            # NOTE: a Responses stream whose last event (its usage) never came was cut: billed its deltas as output and
+            # its prompt as its engine renders it (`_count_cut_prompt`)
             self.status = "upstream_error"
         recorded = self.served and not (self.batch_id and self.status == "upstream_error"
                                         and not (usage.prompt_tokens or usage.completion_tokens))
@@ -823,6 +831,29 @@ class InferenceCall:
                                    give_back=admitted.window.give_back_keys_and_args(num_tokens, self.call_token))
             finally:
                 self._observe(outcome=self.status if self.served else "not_served")
+
+    def _cut_before_its_usage(self) -> bool:
+        """A Responses stream that ended before its last event, the only one that says its usage."""
+        return (self.served and self.request.stream and not self.usage.has_totals
+                and self.request.kind == responses.RESPONSES)
+
+    async def _count_cut_prompt(self) -> None:
+        """A Responses stream cut after its first delta (its prompt prefilled whole) has its prompt counted by an engine
+        of its endpoint (`rendered_prompt`): the replica that served it unless it failed, else another of its
+        configuration holding its adapter. Billed its deltas alone, its prompt was free."""
+        try:
+            ready = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
+        except errors.OpenAIError:  # its configuration changed since: only its own replica renders as it was sent
+            ready = []
+        # NOTE: a failed replica is still READY in the cached list for a while: it is never asked (its connection may
+        # take the whole wait to fail)
+        others = [r for r in ready if r.id != self.replica.id
+                  and (self.adapter is None or self.adapter.name in r.adapters)]
+        asked = others if self._replica_failed else [self.replica, *others]
+        body = self.request.upstream_body(media_scope=self.caller.limit_subject)
+        num_tokens = await rendered_prompt.count_prompt_tokens(self.client, asked, body, self.request_id)
+        if num_tokens is not None:
+            self.usage.take_rendered_prompt(num_tokens)
 
     def usage_report(self, *, finished_at: datetime, status: str, billing_mode: str) -> ledger.UsageReport:
         """The call's usage row as it stands: at its end (`_finish`), or while it streams, as its progress

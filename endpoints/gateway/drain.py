@@ -13,8 +13,8 @@ less the preStop pause, uvicorn's own graceful wait for what is left and the fin
 `call.SHUTDOWN_FINISH_WAIT_S`). Meanwhile a new inference call is answered 503 `server_stopping` with its
 connection closed (a retry goes to another server) and `/readyz` says not ready. Calls still running at the bound are
 stopped (`InferenceCall.stop_for_shutdown`): a stream ends with an error event and is billed for what it sent (a
-Responses stream, whose usage comes only in its last event, for its output's floor: the delta events it read, no
-prompt tokens, an `upstream_error` row), a call not yet answered gets the 503 and is billed nothing (the client has no answer, and the engine says its usage only with
+Responses stream, whose usage comes only in its last event, for the delta events it read and its prompt as its engine
+renders it, `endpoints.gateway.rendered_prompt`, an `upstream_error` row), a call not yet answered gets the 503 and is billed nothing (the client has no answer, and the engine says its usage only with
 the whole answer); each settles its reservation once, as any call ends. A second SIGINT (Ctrl-C twice) still stops
 the server at once, as uvicorn does.
 

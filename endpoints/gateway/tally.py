@@ -5,7 +5,8 @@ A whole answer carries its totals. A stream carries usage on every chunk (the ga
 prompt tokens of its prompt and the output tokens of choice `i` alone. With `n` choices per prompt
 choice `i` belongs to prompt `i // n` (vLLM numbers the choices of a list of prompts that way).
 The closing usage-only chunk carries the totals and replaces the running figures. A Responses stream carries
-only totals, in its last event; until then its delta events count a floor of its output tokens.
+only totals, in its last event; until then its delta events count a floor of its output tokens, and a stream cut before
+that event takes its prompt's count from its engine's rendering of it (`endpoints.gateway.rendered_prompt`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class UsageTally:
     _cached: int = 0
     _totals: tuple[int, int, int] | None = None  # prompt, cached, completion from a whole usage
     # A Responses stream's `response.*.delta` events read (one an engine step): its output tokens' floor while its last
-    # event, the only one with usage, has not come (a stream cut before it is billed that, its prompt not).
+    # event, the only one with usage, has not come (a stream cut before it is billed that, and its prompt as its engine
+    # renders it: `take_rendered_prompt`).
     num_output_events: int = 0
 
     @property
@@ -60,6 +62,12 @@ class UsageTally:
             return
         prompt, cached, completion = _counts(usage)
         self._totals = (prompt, cached, completion)
+
+    def take_rendered_prompt(self, num_tokens: int) -> None:
+        """A Responses stream cut before its last event: its prompt's tokens as its engine renders them
+        (`endpoints.gateway.rendered_prompt`), none of them known to be cached."""
+        if self._totals is None and num_tokens > 0:
+            self._prompt_by_prompt[0] = num_tokens
 
     def take_chunk(self, usage: dict | None, event: bytes) -> None:
         """The usage on a stream chunk of one choice (cumulative for that choice)."""

@@ -73,6 +73,11 @@ MEDIA_URL_ENV = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
 # An embedding model runs on vLLM's pooling runner (`/v1/embeddings`); `--convert embed` also turns
 # a generative checkpoint into an embedder (last-token pooling), as vLLM does for e5-mistral.
 EMBEDDING_FLAGS = ("--runner", "pooling", "--convert", "embed")
+# A generating engine renders a request without generating (`POST /v1/responses/render`: its prompt's token ids, by
+# the same template and tokenizer): the gateway counts the prompt of a Responses stream cut before its last event, the
+# only one with usage, so (`endpoints.gateway.rendered_prompt`). The flag also opens vLLM's token-in, token-out routes
+# (`/inference/v1/generate`): behind the engine's key as every path (`engine_guard`), and the gateway proxies neither.
+RENDER_FLAGS = ("--enable-scale-out",)
 
 
 @dataclass(slots=True, frozen=True)
@@ -279,6 +284,7 @@ def build_engine_command(
         argv += ["--reasoning-parser", spec.reasoning_parser]
     if task != ModelTask.EMBED:
         argv += speculative_args(spec)
+        argv += RENDER_FLAGS
     # NOTE: the key travels in the environment, never in argv (visible to `ps`, written to the log).
     # NOTE: SPT_NOENV: vLLM titles its processes ("VLLM::EngineCore") with setproctitle, which by default
     # writes the title over the environment block that /proc/<pid>/environ shows, and with it the replica's

@@ -24,6 +24,7 @@ def test_cpu_command_runs_eager_single_process_on_loopback():
     assert argv[1:4] == ["-m", "gpu_agent.runtime.reaper", "--"]
     assert argv[5:7] == ["-m", "gpu_agent.runtime.engine_main"]  # it confines the engine, then runs vLLM's server
     assert "--enable-prompt-tokens-details" in argv
+    assert "--enable-scale-out" in argv  # `/v1/responses/render`: a cut Responses stream's prompt is counted
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--served-model-name") == "tiny"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "8123")
     assert flag(argv, "--max-model-len") == "1024" and flag(argv, "--max-num-seqs") == "8"

@@ -6,9 +6,13 @@ stream a real engine gives only rarely (an event past the gateway's size cap, an
 The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response.completed` with `USAGE`),
 `large_part` (a `response.content_part.done` past 8 MiB before the end, as vLLM writes it with every token's
 `top_logprobs`), `error` (vLLM's `event: error` after the deltas, then the stream ends), `dies` (the process exits
-after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart) and `large_last` (the `large_part` stream,
+after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart), `large_last` (the `large_part` stream,
 its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
-apart: a read boundary inside the event's name).
+apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta) and
+`render_hangs` (the `error` stream, its render never answered).
+
+`POST /v1/responses/render` answers as vLLM's (`--enable-scale-out`) does: the prompt's token ids, as many as `USAGE`
+says; `GET /renders` says how many it was asked.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ USAGE = {
     "output_tokens_details": {"reasoning_tokens": 0},
     "total_tokens": 7 + NUM_DELTAS,
 }
+RENDER_PATH = "/v1/responses/render"
+_num_renders = 0
 LARGE_PART_TOKENS = 9000  # ~1 KB of logprobs each: ~9.4 MB, past `sse.MAX_EVENT_BYTES`
 
 
@@ -60,12 +66,19 @@ async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
         return
+    if scope["path"] == "/renders":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(_num_renders).encode()})
+        return
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
+    if scope["path"] == RENDER_PATH:
+        await _render(send, (json.loads(body).get("metadata") or {}).get("scenario"))
+        return
     metadata = json.loads(body).get("metadata") or {}
     scenario = metadata.get("scenario", "ok")
     await send(
@@ -81,7 +94,8 @@ async def app(scope, receive, send):
             {"type": "response.created", "sequence_number": 0, "response": _response("in_progress", None)},
         )
     )
-    for index in range(NUM_SLOW_DELTAS if scenario == "slow" else NUM_DELTAS):
+    num_deltas = {"error_first": 0, "slow": NUM_SLOW_DELTAS}.get(scenario, NUM_DELTAS)
+    for index in range(num_deltas):
         if scenario == "slow":
             await asyncio.sleep(0.05)
         await out(
@@ -114,7 +128,7 @@ async def app(scope, receive, send):
         await out(
             _event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 61})
         )
-    if scenario == "error":
+    if scenario in ("error", "error_first", "render_hangs"):
         await out(
             _event(
                 "error",
@@ -147,6 +161,17 @@ async def app(scope, receive, send):
         last = last[split:]
     await out(last)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _render(send, scenario: str | None) -> None:
+    global _num_renders
+    _num_renders += 1
+    if scenario == "render_hangs":
+        await asyncio.sleep(3600)
+    answer = {"request_id": "resp_x", "token_ids": list(range(USAGE["input_tokens"])), "sampling_params": {}}
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ before it must not keep it from getting there.
 - An event past `sse.MAX_EVENT_BYTES` that is not the last (vLLM's `response.content_part.done` with every token's
   logprobs) is dropped, unrelayed, and the stream goes on to its last event, billed from there; vLLM's last event then
   carries the same logprobs, so it too passes the cap: the stream ends with the error event, billed from its usage.
-- A stream cut before its last event (an engine's `event: error`, a replica lost, the drain's bound, a lost gateway) is
-  billed its delta events (one an engine step) as output tokens, its prompt not (no figure of it came), as an
-  `upstream_error` row (a lost gateway's: `gateway_lost`, by the sweeper).
+- A stream cut before its last event (an engine's `event: error`, a replica lost, the drain's bound) is billed its delta
+  events (one an engine step) as output tokens and its prompt as an engine of its endpoint renders it
+  (`endpoints.gateway.rendered_prompt`), as an `upstream_error` row. Before, its prompt was free: a 30k-token prompt
+  cut after its first delta cost nothing of it. With no engine left to ask (its only replica lost), and for a lost
+  gateway (`gateway_lost`, by the sweeper), its deltas alone, as before; before any delta, no prompt (it may not have
+  been prefilled).
+- A client that leaves (or stops reading) is read on to the last event and billed the engine's usage.
 """
 
 from __future__ import annotations
@@ -36,18 +40,37 @@ PRICES = {
 DELTA = b"event: response.output_text.delta\n"
 
 
-@pytest.fixture
-def engine(tmp_path):
+def _start_engine(tmp_path, name: str) -> tuple[ChildProcess, str]:
     port = free_port()
     child = ChildProcess(
         [sys.executable, "-m", "tests.fakes.responses_engine", "--port", str(port)],
         child_env(),
-        tmp_path / "responses-engine.log",
+        tmp_path / f"{name}.log",
     )
     address = f"http://127.0.0.1:{port}"
     wait_until_healthy(address, "the scripted engine")
+    return child, address
+
+
+@pytest.fixture
+def engine(tmp_path):
+    child, address = _start_engine(tmp_path, "responses-engine")
     yield address
     child.stop()
+
+
+@pytest.fixture
+def second_engine(tmp_path):
+    child, address = _start_engine(tmp_path, "second-engine")
+    yield address
+    child.stop()
+
+
+def _num_renders(address: str) -> int:
+    try:
+        return int(httpx.get(f"{address}/renders", timeout=5).text)
+    except httpx.HTTPError:  # a replica that died
+        return 0
 
 
 def _body(endpoint, scenario: str) -> dict:
@@ -124,17 +147,48 @@ def test_a_last_event_too_large_to_relay_is_billed_from_its_usage_wherever_a_rea
     assert (row.prompt_tokens, row.completion_tokens) == (7, responses_engine.NUM_DELTAS)
 
 
-@pytest.mark.parametrize("scenario", ["error", "dies"])
-def test_a_stream_cut_before_its_last_event_is_billed_its_deltas_as_an_upstream_error(
-    gateway, tenant, engine, scenario
+def test_a_stream_its_engine_ends_with_an_error_is_billed_its_rendered_prompt_and_its_deltas_once(
+    gateway, tenant, engine
 ):
-    # Before: an engine's `event: error` then the end was an `ok` row of 0 tokens, a replica lost an `upstream_error`
-    # row of 0 tokens: the 50 tokens streamed were free.
+    # Before: an `upstream_error` row of 0 prompt tokens and the 50 deltas (and, before that, an `ok` row of 0 tokens).
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
-    request_id, received = _stream(gateway, tenant.key, _body(endpoint, scenario))
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "error"))
     assert received.count(DELTA) == responses_engine.NUM_DELTAS
     row = _row(request_id)
-    # The output's floor: one token a delta; the prompt unbilled, the engine never said it.
+    assert (row.status, row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
+        "upstream_error",
+        responses_engine.USAGE["input_tokens"],
+        0,
+        responses_engine.NUM_DELTAS,
+    )
+    # The prompt at the input price, the deltas at the output price, billed once.
+    assert row.cost == Decimal(7 * 100 + responses_engine.NUM_DELTAS * 300) / 1_000_000
+    assert UsageRecord.objects.filter(request_id=request_id).count() == 1
+    assert _num_renders(engine) == 1
+
+
+def test_a_stream_whose_replica_dies_is_billed_its_prompt_as_another_replica_renders_it(
+    gateway, tenant, engine, second_engine
+):
+    # Before: an `upstream_error` row of 0 prompt tokens: the prompt was free.
+    endpoint = serve_endpoint(tenant.org, engine, second_engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "dies"))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        responses_engine.USAGE["input_tokens"],
+        responses_engine.NUM_DELTAS,
+    )
+    assert _num_renders(engine) + _num_renders(second_engine) == 1  # the survivor's; the dead one never asked
+
+
+def test_a_stream_whose_only_replica_dies_is_billed_its_deltas_alone(gateway, tenant, engine):
+    # No engine is left to count its prompt: the deltas' floor, as before.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "dies"))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    row = _row(request_id)
     assert (row.status, row.prompt_tokens, row.completion_tokens) == (
         "upstream_error",
         0,
@@ -143,8 +197,57 @@ def test_a_stream_cut_before_its_last_event_is_billed_its_deltas_as_an_upstream_
     assert row.cost > 0
 
 
-def test_a_stream_still_running_at_the_drains_bound_is_billed_the_deltas_it_read(tenant, engine, tmp_path):
-    # Before: its row was `ok` with 0 tokens (a chat stream stopped so is billed what it sent).
+def test_a_cut_stream_whose_engine_never_answers_its_render_is_billed_its_deltas_alone_without_hanging(
+    gateway, tenant, engine
+):
+    # Waited for up to `rendered_prompt.RENDER_TIMEOUT_S`, after the client's stream ended: the row is still written.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "render_hangs"))
+    assert received.count(DELTA) == responses_engine.NUM_DELTAS
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        0,
+        responses_engine.NUM_DELTAS,
+    )
+    assert _num_renders(engine) == 1
+
+
+def test_a_stream_whose_engine_fails_before_any_delta_is_billed_no_prompt(gateway, tenant, engine):
+    # No output token: its prompt may not have been prefilled whole, so none of it is billed, and no engine is asked.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "error_first"))
+    assert DELTA not in received
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("upstream_error", 0, 0)
+    assert _num_renders(engine) == 0
+
+
+def test_a_stream_whose_client_leaves_after_its_first_delta_is_read_on_and_billed_the_engines_usage(
+    gateway, tenant, engine
+):
+    # As before: the gateway reads on to `response.completed`, relaying nothing, and bills its usage.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
+        request_id = response.headers["x-request-id"]
+        for chunk in response.iter_bytes():
+            if DELTA in chunk:
+                break
+    row = wait_until(
+        lambda: UsageRecord.objects.filter(request_id=request_id).first(), 60, message="the usage row"
+    )
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "client_aborted",
+        responses_engine.USAGE["input_tokens"],
+        responses_engine.USAGE["output_tokens"],
+    )
+    assert _num_renders(engine) == 0
+
+
+def test_a_stream_still_running_at_the_drains_bound_is_billed_its_rendered_prompt_and_the_deltas_it_read(
+    tenant, engine, tmp_path
+):
+    # Before: an `upstream_error` row of 0 prompt tokens (and, before that, an `ok` row of 0 tokens).
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     child, gateway = start_web_server(
         tmp_path,
@@ -179,14 +282,14 @@ def test_a_stream_still_running_at_the_drains_bound_is_billed_the_deltas_it_read
     assert 40 <= received < responses_engine.NUM_SLOW_DELTAS
     assert b"server_stopping" in got["bytes"]
     row = _row(got["request_id"])
-    assert (row.status, row.prompt_tokens) == ("upstream_error", 0)
+    assert (row.status, row.prompt_tokens) == ("upstream_error", responses_engine.USAGE["input_tokens"])
     # What it relayed, and at most what it had read but not yet relayed when it was stopped.
     assert received <= row.completion_tokens < responses_engine.NUM_SLOW_DELTAS
 
 
 def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path):
     # Before: its calls' progress had no tokens (a Responses stream's usage comes only in its last event), so the
-    # sweeper released its hold and billed nothing.
+    # sweeper released its hold and billed nothing. Its prompt is still free: no process is left to ask its count.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     child, gateway = start_web_server(
         tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}

@@ -1,0 +1,98 @@
+"""The prompt tokens of a `/v1/responses` stream cut before its last event, counted by an engine of its endpoint.
+
+vLLM's Responses stream says its usage only in its last event (`response.completed`), and nothing running before it
+(chat's `continuous_usage_stats` has no counterpart). A client that leaves, or stops reading, is read on to that event
+(`InferenceCall._reads_on_for_usage`); a stream the gateway cannot read to its end has no figure: its replica failed,
+its engine wrote `event: error`, its process's drain reached its bound. Billed its delta events alone, such a stream
+had its prompt prefilled free: a 30k-token prompt, cut after its first delta, cost nothing of it.
+
+So the engine is asked: `POST /v1/responses/render` (vLLM's `--enable-scale-out`, which every engine starts with,
+`gpu_agent.runtime.engine`) renders the very body the stream was sent through the same chat template and tokenizer
+and answers its token ids, without generating. Their number is the `input_tokens` the stream's last event would have
+said (`tests/gateway/test_responses_stream_cuts_vllm.py` checks it against a real engine), asked of the replica that
+served it (unless that replica failed) or another of the same configuration holding its adapter. Asked only once a
+delta came (an output token means the whole prompt was prefilled: a stream cut sooner may not have been, and is billed
+no prompt), and only after the stream's end was sent to its client. An engine that does not answer within
+`RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its deltas' floor, no prompt, as before.
+
+The prompt is billed at the input price: as a chat stream cut mid-way, nothing says what the prefix cache held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from endpoints.gateway import upstream
+from endpoints.gateway.directory import ReplicaInfo
+
+logger = logging.getLogger("inferplane.requests")
+
+RENDER_PATH = "/v1/responses/render"
+# The longest a cut stream's end waits for its prompt's count, all replicas asked together: within a stopping process's
+# wait for its calls' finishes (`call.SHUTDOWN_FINISH_WAIT_S`), which its usage row must still make.
+RENDER_TIMEOUT_S = 4.0
+MAX_REPLICAS_ASKED = 2
+
+
+async def count_prompt_tokens(
+    client: upstream.UpstreamClient, replicas: list[ReplicaInfo], body: bytes, request_id: str
+) -> int | None:
+    """The prompt tokens `body` (a `/v1/responses` body as its engine was sent it) renders to, by the first of
+    `replicas` that answers; None when none does within `RENDER_TIMEOUT_S`."""
+    try:
+        async with asyncio.timeout(RENDER_TIMEOUT_S):
+            for replica in replicas[:MAX_REPLICAS_ASKED]:
+                count = await _ask(client, replica, body, request_id)
+                if count is not None:
+                    return count
+    except TimeoutError:
+        logger.warning(
+            "request %s: no engine counted its cut stream's prompt within %.0f s",
+            request_id,
+            RENDER_TIMEOUT_S,
+        )
+    return None
+
+
+async def _ask(
+    client: upstream.UpstreamClient, replica: ReplicaInfo, body: bytes, request_id: str
+) -> int | None:
+    try:
+        response = await client.post(
+            replica.address,
+            RENDER_PATH,
+            body,
+            {
+                "content-type": "application/json",
+                "x-request-id": request_id,
+                "authorization": replica.authorization,
+            },
+        )
+        try:
+            answer = await response.read()
+        finally:
+            response.close()
+    except upstream.UpstreamError as exc:
+        logger.warning("request %s: replica %s could not count its prompt: %s", request_id, replica.id, exc)
+        return None
+    if response.status != 200:
+        logger.warning(
+            "request %s: replica %s answered its prompt's count with HTTP %d",
+            request_id,
+            replica.id,
+            response.status,
+        )
+        return None
+    return _num_token_ids(answer)
+
+
+def _num_token_ids(answer: bytes) -> int | None:
+    try:
+        token_ids = json.loads(answer).get("token_ids")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(token_ids, list) or not token_ids:
+        return None
+    return len(token_ids)
