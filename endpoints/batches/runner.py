@@ -111,6 +111,7 @@ def line_request_id(batch_id: str, index: int) -> str:
 class Work:
     batch_id: str
     organization_id: int
+    endpoint_id: str  # the batch's endpoint (`Batch.endpoint`): another that took its name once it was deleted is not it
     model: str
     kind: str
     request_path: str
@@ -412,7 +413,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     starting lines; `store` keeps a finished line, and may stop the run's starts (`Stored.stop`). An error reading
     `todo` stops the run's starts and is raised once its lines in flight have ended and been kept."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
-    if endpoint is None:
+    if endpoint is None or endpoint.id != work.endpoint_id:
         progress.stopped = "gone"
         return progress
     check = in_worker_thread(keep_going)
@@ -446,7 +447,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
-                endpoint = await directory.find_endpoint(work.organization_id, work.model) or endpoint
+                found = await directory.find_endpoint(work.organization_id, work.model)
+                if found is None or found.id == work.endpoint_id:
+                    endpoint = found or endpoint
+                elif not progress.stopped:
+                    progress.stopped = "gone"  # its name is another endpoint's now: no line starts
                 # a line starts only while it has `LINE_MIN_WAIT_S` left to be waited for
                 starts_until = (latest_end - LINE_MIN_WAIT_S if ends_at is None
                                 else min(ends_at, answer_deadline - LINE_MIN_WAIT_S))
