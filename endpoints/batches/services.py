@@ -22,7 +22,7 @@ from collections.abc import Container, Iterable, Iterator
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, close_old_connections, transaction
 from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
@@ -752,6 +752,9 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
 
     progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
                                       keep_going=keep_going, store=store, lines_end_by=lines_end_by))
+    # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
+    # through): checked before its next query, as between two requests
+    close_old_connections()
     if progress.stopped == "cold":
         wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
                                                          batch.expires_at.timestamp()),
