@@ -721,7 +721,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         if not renewed:
             return "lease"
         status, endpoint_deleted_at = Batch.objects.filter(pk=batch.pk).values_list(
-            "status", "endpoint__deleted_at").first()
+            "status", "endpoint__deleted_at").first() or (None, None)
         if status != BatchStatus.IN_PROGRESS:
             return "cancel"
         if endpoint_deleted_at is not None:
