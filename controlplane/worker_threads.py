@@ -40,12 +40,26 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
         try:
             return function(*args, **kwargs)
         finally:
-            if executor is None:
-                close_old_connections()
-            else:
-                connections.close_all()
+            connections.close_all()
 
-    return sync_to_async(call, thread_sensitive=False, executor=executor)
+    return sync_to_async(
+        connections_checked(function) if executor is None else call, thread_sensitive=False, executor=executor
+    )
+
+
+def connections_checked(function: Callable) -> Callable:
+    """`function` (which uses the ORM, in a thread that never sees a request) with its thread's connections treated as
+    Django treats a request's: a stale or broken one (a PostgreSQL restart, a terminated backend) dropped before and
+    after the call, so it never serves the next."""
+
+    def call(*args, **kwargs):
+        close_old_connections()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            close_old_connections()
+
+    return call
 
 
 class FairSlots:

@@ -37,11 +37,12 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.conf import settings
+from django.db import DatabaseError
 
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
-from controlplane.worker_threads import in_worker_thread
+from controlplane.worker_threads import connections_checked, in_worker_thread
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
@@ -111,6 +112,7 @@ def line_request_id(batch_id: str, index: int) -> str:
 class Work:
     batch_id: str
     organization_id: int
+    endpoint_id: str  # the batch's endpoint (`Batch.endpoint`): another that took its name once it was deleted is not it
     model: str
     kind: str
     request_path: str
@@ -208,7 +210,8 @@ def json_text(data: bytes) -> bytes | None:
 class Progress:
     num_completed: int
     num_failed: int
-    # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota"
+    # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
+    # "outage" (PostgreSQL away: `run`)
     stopped: str = ""
 
 
@@ -347,6 +350,25 @@ async def free_slots(organization_id: int, endpoint_id: str, *, target_concurren
                                   num_outstanding=sum(int(c or 0) for c in counts), num_batch_in_flight=num_batch_in_flight)
 
 
+def _through_outages(keep_going: Callable[[Progress], str]) -> Callable:
+    """`keep_going` (`run`) in a worker thread, its connection checked before and after (`in_worker_thread`); "outage"
+    (no line starts) while PostgreSQL is away, instead of its error.
+
+    NOTE: the error ended the run: a PostgreSQL restart of a second cut every line in flight mid-answer, each run again
+    (its GPU work twice) by the next run. Now they finish and are kept; the lease is PostgreSQL's, which no other run
+    can take while it is away."""
+    checked = in_worker_thread(keep_going)
+
+    async def check(progress: Progress) -> str:
+        try:
+            return await checked(progress)
+        except DatabaseError as exc:
+            logger.warning("batch run: PostgreSQL is away (%r): no line starts until the next run", exc)
+            return "outage"
+
+    return check
+
+
 class _Pending:
     """The lines still to start: those to try again first (one its engine failed once its pause is over), then the
     input's next, read one ahead in a worker thread (the input comes from S3 a part at a time) while the run goes on. NOTE: never awaited in the run's loop: a slow
@@ -412,10 +434,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     starting lines; `store` keeps a finished line, and may stop the run's starts (`Stored.stop`). An error reading
     `todo` stops the run's starts and is raised once its lines in flight have ended and been kept."""
     endpoint = await directory.find_endpoint(work.organization_id, work.model)
-    if endpoint is None:
+    if endpoint is None or endpoint.id != work.endpoint_id:
         progress.stopped = "gone"
         return progress
-    check = in_worker_thread(keep_going)
+    check = _through_outages(keep_going)
+    store = connections_checked(store)
     # NOTE: one beat before any line: it ends in Redis what an earlier run in this process left unended
     # (`presence.end_later`), before a line of the same id (a retry) is admitted again and confused with it.
     await presence.start()
@@ -442,11 +465,15 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             if now - last_check >= CHECK_EVERY_S:
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
-                reason = await check(progress)
+                reason = await check(progress)  # "outage" while PostgreSQL is away
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
-                endpoint = await directory.find_endpoint(work.organization_id, work.model) or endpoint
+                found = await directory.find_endpoint(work.organization_id, work.model)
+                if found is None or found.id == work.endpoint_id:
+                    endpoint = found or endpoint
+                elif not progress.stopped:
+                    progress.stopped = "gone"  # its name is another endpoint's now: no line starts
                 # a line starts only while it has `LINE_MIN_WAIT_S` left to be waited for
                 starts_until = (latest_end - LINE_MIN_WAIT_S if ends_at is None
                                 else min(ends_at, answer_deadline - LINE_MIN_WAIT_S))
@@ -488,7 +515,15 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             for task in done:
                 if task in storing:
                     storing.pop(task).release()
-                    stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
+                    try:
+                        stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
+                    except DatabaseError as exc:
+                        # NOTE: PostgreSQL away as its answer's room was counted (`store`): not stored, run again by the
+                        # next run under its id (billed once); raised, it ended the run, its other lines cut mid-answer
+                        logger.warning("batch %s: a line's answer could not be stored (%r): the next run runs it again",
+                                       work.batch_id, exc)
+                        progress.stopped = progress.stopped or "outage"
+                        continue
                     if stored.ok:
                         progress.num_completed += 1
                     else:
@@ -518,6 +553,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     pending.again(line, not_before=not_before)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
+                # NOTE: its thread's connection checked before and after (`connections_checked`): Django checks them
+                # only around requests, and one a PostgreSQL restart cut stayed in its thread, broken
                 storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = answer
             # NOTE: a line's task holds its outcome (its row) as long as the task is named: not till the next ends
             done = task = outcome = None

@@ -22,7 +22,7 @@ from collections.abc import Container, Iterable, Iterator
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, close_old_connections, transaction
 from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
@@ -463,7 +463,10 @@ def tick() -> int:
     idempotency.sweep_expired()
     unleased = Batch.objects.open().filter(_lease_lapsed())
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
-    due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now))
+    # NOTE: and running ones whose endpoint was deleted (its replicas drained): they waited for a READY replica until
+    # their window ended, a day, each an open batch of its organisation keeping its storage room (`_end_without_endpoint`)
+    due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now)
+                          | Q(endpoint__deleted_at__isnull=False))
     # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
     # backlog (hundreds of batches, stuck or not) never fills the slice and starves all the others.
     turn = Window(RowNumber(), partition_by=[F("organization_id")], order_by=[F("created_at").asc(), F("id").asc()])
@@ -541,6 +544,13 @@ def run_batch(batch_id: str) -> str:
                 return "input gone"
             batch.refresh_from_db()
         final = None
+        if batch.status == BatchStatus.IN_PROGRESS and outcome == "gone":
+            # NOTE: deleted, not renamed (its old name then another endpoint's, or none in this process's cache yet):
+            # the next run reads its name again
+            if Endpoint.objects.filter(pk=batch.endpoint_id, deleted_at__isnull=False).exists():
+                _hold_lease_through_a_long_step(batch_id, token)
+                _end_without_endpoint(batch)
+            return outcome
         if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
             final = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
@@ -619,6 +629,18 @@ def _end_without_input(batch: Batch) -> None:
     finalize_batch(batch, BatchStatus.FAILED, errors=[LineError(1, "file_not_found", INPUT_GONE_MESSAGE).as_openai()])
 
 
+ENDPOINT_GONE_MESSAGE = ("The batch's endpoint was deleted; the lines that ran are in the output and error files.")
+
+
+def _end_without_endpoint(batch: Batch) -> None:
+    """A running batch whose endpoint was deleted: ended as `failed` with the files of the lines that ran (a cancel
+    that came first ends it `cancelled` instead, `run_batch`).
+
+    NOTE: its line results were deleted with no file written from them: the lines that ran, billed, were lost."""
+    finalize_batch(batch, BatchStatus.FAILED,
+                   errors=[LineError(1, "model_not_found", ENDPOINT_GONE_MESSAGE, "body.model").as_openai()])
+
+
 def _input_lines(batch: Batch, *, skip: Container[int] = ()) -> Iterator[Line]:
     """The batch's lines but those in `skip`, read from its input a part at a time as they are asked for
     (`storage.ObjectGone` once it is gone)."""
@@ -658,6 +680,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     """Run the lines not yet done, read from the input as slots free, each waited for at most
     `runner.LINES_END_WITHIN_S` from the first one's read, and all of them ended within the task's time limit,
     counted from `started` (before the input's check, in a batch's first run), less `RUN_FINISH_MARGIN_S`."""
+    if batch.endpoint.deleted_at is not None:
+        return "gone"
     caller = caller_of(batch)
     if caller is None:
         _stop_as_its_caller_may_not_spend(batch)
@@ -678,7 +702,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
                                num_failed=sum(1 for ok in done.values() if not ok))
     endpoint = batch.endpoint
-    work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, model=endpoint.name,
+    work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, endpoint_id=str(endpoint.pk),
+                       model=endpoint.name,
                        kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
                        expires_at=batch.expires_at.timestamp())
@@ -695,9 +720,12 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
             num_completed=progress.num_completed, num_failed=progress.num_failed)
         if not renewed:
             return "lease"
-        status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).first()
+        status, endpoint_deleted_at = Batch.objects.filter(pk=batch.pk).values_list(
+            "status", "endpoint__deleted_at").first() or (None, None)
         if status != BatchStatus.IN_PROGRESS:
             return "cancel"
+        if endpoint_deleted_at is not None:
+            return "gone"
         if caller_of(batch) is None:
             _stop_as_its_caller_may_not_spend(batch)
             return "cancel"
@@ -724,6 +752,9 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
 
     progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
                                       keep_going=keep_going, store=store, lines_end_by=lines_end_by))
+    # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
+    # through): checked before its next query, as between two requests
+    close_old_connections()
     if progress.stopped == "cold":
         wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
                                                          batch.expires_at.timestamp()),
@@ -735,12 +766,6 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                    batch_id=batch.pk)
     elif progress.stopped == "quota":
         _fail_past_storage_quota(batch, min(refused))
-    elif progress.stopped == "gone":
-        # NOTE: only when this run failed it: a cancel that came first keeps the results for its files.
-        if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
-                status=BatchStatus.FAILED, failed_at=timezone.now(),
-                errors=[LineError(1, "model_not_found", "The batch's endpoint was deleted.", "body.model").as_openai()]):
-            _delete_results(batch)
     return progress.stopped or "ran"
 
 

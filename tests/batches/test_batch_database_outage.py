@@ -1,0 +1,83 @@
+"""A batch run through a PostgreSQL outage (a restart, a failover): the lines it has in flight finish and are kept, run
+once and billed once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from django.db import connections
+
+from billing.models import UsageRecord
+from endpoints.batches import services
+from endpoints.batches.models import Batch, BatchStatus
+from tests.batches.conftest import new_batch
+from tests.gateway.conftest import serve_endpoint
+from tests.outages import database_refusing_connections
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NUM_TOKENS = 8
+
+
+def _one_line(endpoint) -> bytes:
+    line = {
+        "custom_id": "only",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": endpoint.name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": NUM_TOKENS,
+        },
+    }
+    return json.dumps(line).encode() + b"\n"
+
+
+def _wait_for(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.05)
+
+
+def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint))
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch.pk))
+        except Exception as exc:  # noqa: BLE001 - what the task would have raised
+            runs.append(exc)
+        finally:
+            connections.close_all()  # this thread's own
+
+    def num_engine_requests() -> int:
+        return httpx.get(f"{upstream}/_stats").json()["num_requests"]
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    _wait_for(lambda: num_engine_requests() == 1)  # the line is in flight
+    with database_refusing_connections():
+        time.sleep(1.5)  # the run renews its lease every second: it meets the outage at least once
+    worker.join(timeout=120)
+
+    for _ in range(2):  # whatever the first run left, the next runs finish
+        if Batch.objects.get(pk=batch.pk).status != BatchStatus.COMPLETED:
+            Batch.objects.filter(pk=batch.pk).update(lease_until=None, lease_token="")
+            services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert num_engine_requests() == 1, "the line ran once: its first answer was kept"
+    assert runs == ["outage"], "the run went through the outage, starting no line meanwhile"
+    [row] = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert row.completion_tokens == NUM_TOKENS
