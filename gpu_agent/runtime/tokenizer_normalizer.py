@@ -417,34 +417,30 @@ def _segment_starts(added_tokens: object, *, normalized: bool = False) -> str:
     return "".join(sorted(starts))
 
 
-def _mistral_tokenizer_files(model_dir: Path) -> list[Path]:
-    """The files mistral_common may pick its tokenizer from, when vLLM (`--tokenizer-mode auto`) loads the tokenizer
-    through it: a `consolidated*.safetensors` and a `tekken.json` or `tokenizer.model.v*` anywhere in the folder
-    (`vllm.tokenizers.registry.resolve_tokenizer_args`); else none (vLLM loads what transformers loads)."""
-    names = [path for path in model_dir.rglob("*") if path.is_file()]
-    if not any(fnmatch.fnmatch(path.name, "consolidated*.safetensors") for path in names):
-        return []
-    if not any(
-        path.name == "tekken.json" or fnmatch.fnmatch(path.name, "tokenizer.model.v*") for path in names
-    ):
-        return []
-    # NOTE: a superset of mistral_common's valid names (tekken.json, *.model, *.model.<version>)
-    return [path for path in names if path.name == "tekken.json" or ".model" in path.name]
+def _loads_through_mistral_common(model_dir: Path) -> bool:
+    """Whether vLLM (`--tokenizer-mode auto`, as engines run) loads the folder's tokenizer through mistral_common: a
+    `consolidated*.safetensors` and a `tekken.json` or `tokenizer.model.v*` anywhere in it
+    (`vllm.tokenizers.registry.resolve_tokenizer_args`)."""
+    names = [path.name for path in model_dir.rglob("*") if path.is_file()]
+    return any(fnmatch.fnmatch(name, "consolidated*.safetensors") for name in names) and any(
+        name == "tekken.json" or fnmatch.fnmatch(name, "tokenizer.model.v*") for name in names
+    )
 
 
-def _mistral_tokenizer(files: list[Path]) -> dict:
-    """The tokenizer mistral_common loads, as a tokenizer.json would describe it: Tekken is byte-level BPE with no
-    normalizer (nothing to add); one SentencePiece model is described by its own `normalizer_spec` (its character
-    map, as a `Precompiled` normalizer; its dummy prefix and escaped spaces, as Llama's `Prepend` and `Replace` of
-    "\u2581"). Several candidates, of which it picks by rules of its own, are unknown."""
-    if all(path.name == "tekken.json" for path in files):
-        return {}
-    if len(files) != 1:
-        raise _Unknown("mistral_common picks its tokenizer among several files")
+def _mistral_tokenizer(model_dir: Path) -> dict:
+    """The tokenizer mistral_common loads from the folder (the file it picks of those at its top: `tekken.json`, else
+    the last SentencePiece model by name), as a tokenizer.json would describe it: Tekken is byte-level BPE with no
+    normalizer (nothing to add); a SentencePiece model is its own `normalizer_spec` (its character map as a
+    `Precompiled` normalizer, so a tenant's own is unknown; its dummy prefix and escaped spaces as Llama's `Prepend`
+    and `Replace` of "\u2581")."""
+    from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
     from sentencepiece import sentencepiece_model_pb2
 
+    chosen = model_dir / get_one_valid_tokenizer_file(os.listdir(model_dir))
+    if chosen.name == "tekken.json":
+        return {}
     model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(files[0].read_bytes())
+    model.ParseFromString(chosen.read_bytes())
     spec = model.normalizer_spec
     steps: list[dict] = [
         {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(spec.precompiled_charsmap).decode()}
@@ -464,9 +460,8 @@ def _load_tokenizer(model_dir: Path) -> dict:
     NOTE: vLLM loads a Mistral-format folder's tokenizer through mistral_common, not transformers: described from
     its own file (`_mistral_tokenizer`). Before, its tokenizer.json was: a tenant's SentencePiece model mapping a space
     to 40 x "\u2581" beside an empty consolidated.safetensors made a 40-byte chat 784 tokens in vLLM's tokenizer."""
-    mistral_files = _mistral_tokenizer_files(model_dir)
-    if mistral_files:
-        return _mistral_tokenizer(mistral_files)
+    if _loads_through_mistral_common(model_dir):
+        return _mistral_tokenizer(model_dir)
     try:
         from transformers import AutoTokenizer
     except ImportError:  # an agent without the engine

@@ -55,11 +55,15 @@ def _sentencepiece_model(work, **options) -> bytes:
     return (work / "m.model").read_bytes()
 
 
-def _mistral_folder(tiny_model_dir, into, tokenizer_model: bytes):
+def _mistral_folder(tiny_model_dir, into, tokenizer_model: bytes, beside: bytes | None = None):
+    """The tiny model with an empty consolidated.safetensors and `tokenizer_model` as tokenizer.model.v3 (and `beside`
+    as tokenizer.model, as Mistral-7B-Instruct-v0.3 holds both: mistral_common picks the v3)."""
     model_dir = tiny_model_copy(tiny_model_dir, into)
     header = json.dumps({"__metadata__": {}}).encode()
     (model_dir / "consolidated.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     (model_dir / "tokenizer.model.v3").write_bytes(tokenizer_model)
+    if beside is not None:
+        (model_dir / "tokenizer.model").write_bytes(beside)
     return model_dir
 
 
@@ -84,7 +88,8 @@ def test_a_tenants_sentencepiece_model_read_by_mistral_common_is_bounded_by_what
     rules = tmp_path / "work" / "rules.tsv"
     rules.write_text(FORTY_MARKS)
     model = _sentencepiece_model(tmp_path / "work", normalization_rule_tsv=str(rules))
-    model_dir = _mistral_folder(tiny_model_dir, tmp_path / "hostile", model)
+    benign = _sentencepiece_model(tmp_path / "work")
+    model_dir = _mistral_folder(tiny_model_dir, tmp_path / "hostile", model, beside=benign)
 
     for text in TEXTS:
         assert _bound(model_dir, text) >= min(_vllm_count(model_dir, text), CONTEXT), text[:12]
@@ -94,7 +99,8 @@ def test_sentencepieces_own_map_read_by_mistral_common_is_bounded_short_of_the_c
     tiny_model_dir, tmp_path
 ):
     (tmp_path / "work").mkdir()
-    model_dir = _mistral_folder(tiny_model_dir, tmp_path / "nmt", _sentencepiece_model(tmp_path / "work"))
+    model = _sentencepiece_model(tmp_path / "work")
+    model_dir = _mistral_folder(tiny_model_dir, tmp_path / "nmt", model, beside=model)
 
     for text in TEXTS:
         counted = _vllm_count(model_dir, text)
