@@ -117,3 +117,26 @@ def test_two_revisions_chat_templates_are_allowed_the_larger_count(endpoint):
 
     endpoint.refresh_from_db()
     assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whichever_was_used_last(endpoint):
+    node, _, _ = _running(endpoint, COSTLY)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    copies = [
+        WeightsStatus(
+            source=SOURCE,
+            cache_key=key,
+            size_bytes=1 << 30,
+            complete=True,
+            last_used_at=used_at,
+            model_info=info,
+            scope=endpoint.weights_scope,
+        )
+        for key, used_at, info in (("revision-1", 1.0, COSTLY), ("revision-2", 2.0, CHEAP))
+    ]
+
+    record_model_facts(node, copies)
+
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 32768
+    assert prompt_normalizer(endpoint.tokenizer_normalizer).unbounded

@@ -344,6 +344,11 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
                 values["checkpoint_quantization"] = info.quantization.to_dict()
             if info.tokenizer_normalizer is not None:  # the same
                 values["tokenizer_normalizer"] = info.tokenizer_normalizer.to_dict()
+        if scope and len(complete) > 1:
+            # NOTE: a tenant's copies of one source are its revisions (its branch moved between two replicas' starts),
+            # and the node does not say which its replicas run: what bounds a reservation is theirs merged, as over
+            # nodes (`ModelFacts.learn`). Before, the most recently used spoke, the cheaper while the costlier served.
+            values |= merged_claims({w.cache_key: _reservation_facts(w.model_info) for w in complete})
         if not values:
             continue
         facts = known.get((source, scope))
@@ -353,6 +358,13 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
                                    max_weights_bytes=_most_weights_bytes(node, quantizations[source]))
         if problem:
             logger.warning("node %s: its report of %s (scope %r) was not all kept: %s", node.name, source[:200], scope, problem)
+
+
+def _reservation_facts(info: protocol.ModelInfo) -> dict:
+    """What one copy's reading says of `RESERVATION_FACTS`."""
+    normalizer = info.tokenizer_normalizer
+    return {"max_model_len": info.max_model_len,
+            "tokenizer_normalizer": normalizer.to_dict() if normalizer is not None else None}
 
 
 def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict) -> bool:
