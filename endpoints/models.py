@@ -21,6 +21,7 @@ from gpu_agent.protocol import (
     ModelTask,
     ReplicaState,
     SpeculativeMethod,
+    TokenizerNormalizer,
     task_of_architecture,
 )
 
@@ -401,6 +402,13 @@ MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_CONVERSATION = 8192  # long default system pro
 MAX_PLAUSIBLE_TEMPLATE_TOKENS_PER_MESSAGE = 1024
 # Nodes whose disputed reports of one shared copy are kept (`ModelFacts.disputed`); the oldest go first.
 MAX_DISPUTING_NODES = 16
+# The facts a tenant's copy is reserved by (its context caps a prompt, its tokenizer and template bound one), merged
+# over the nodes running it now (`ModelFacts.learn`): the largest, and a tokenizer two nodes describe differently is
+# unknown (the gateway reserves the context).
+RESERVATION_FACTS = ("max_model_len", "tokenizer_normalizer", "template_tokens_per_conversation",
+                     "template_tokens_per_message", "template_tokens_flagged_per_conversation",
+                     "template_tokens_flagged_per_message")
+DIFFERING_TOKENIZERS = TokenizerNormalizer(unknown="its replicas read tokenizers that differ (two revisions)").to_dict()
 
 
 def implausible_model_facts(values: dict) -> str:
@@ -418,6 +426,21 @@ def implausible_model_facts(values: dict) -> str:
         if (values.get(name) or 0) > most:
             return f"{values[name]} chat template tokens is past {most}"
     return ""
+
+
+def merged_claims(claims: dict[str, dict]) -> dict:
+    """`RESERVATION_FACTS` as the nodes' `claims` ({node: {field: value}}) bound a reservation together: each count
+    the largest any node reported, the tokenizer the one they all describe, else `DIFFERING_TOKENIZERS`."""
+    merged = {}
+    for name in RESERVATION_FACTS:
+        reported = [node_claims[name] for node_claims in claims.values() if node_claims.get(name) is not None]
+        if not reported:
+            continue
+        if name == "tokenizer_normalizer":
+            merged[name] = reported[0] if all(value == reported[0] for value in reported) else DIFFERING_TOKENIZERS
+        else:
+            merged[name] = max(reported)
+    return merged
 
 
 class ModelFacts(models.Model):
@@ -450,7 +473,8 @@ class ModelFacts(models.Model):
     # read (an older agent), and the gateway's estimate bounds prompts as before (`endpoints.gateway.normalizers`).
     tokenizer_normalizer = models.JSONField(null=True, blank=True)
     # Of a shared copy (scope ""): what nodes reported that differs from the facts kept, by node id, {node: {field:
-    # value}}; a value two nodes report replaces the kept one (`learn`).
+    # value}}; a value two nodes report replaces the kept one (`learn`). Of a tenant's copy: what each node running it
+    # reported of `RESERVATION_FACTS`, which are kept merged.
     disputed = models.JSONField(default=dict, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -474,13 +498,19 @@ class ModelFacts(models.Model):
         all of it was not kept ("" when all was).
 
         NOTE: a report outside what a model can be is refused whole (`implausible_model_facts`). A fact not known
-        yet is learned from the first node that reports it. In a tenant's own scope the latest report stands: only
-        nodes running that tenant's replicas report there. A shared copy's facts (scope "", every tenant's
+        yet is learned from the first node that reports it. In a tenant's own scope the latest report stands (but for
+        `RESERVATION_FACTS`, below): only nodes running that tenant's replicas report there. A shared copy's facts (scope "", every tenant's
         catalogue endpoints read them) are never changed by one node: a value that differs from the one kept is held
         as that node's dispute, and replaces it only once a second node reports the same value (a catalogue model
         updated upstream, read afresh). Before, the last node to report set them: one node made every tenant's
         endpoints of a model unplaceable (its size), refused their calls (its context) or over-reserved them (its
         chat template).
+
+        NOTE: a tenant's copy is named by its source, not its content: replicas started before and after its branch
+        moved (or its store's files were replaced) run two revisions, and each node's report replaced the other's, so
+        the prompt bound flipped with every heartbeat, to the cheaper one's context and tokenizer while the costlier
+        served. So each node's report of `RESERVATION_FACTS` is kept (in `disputed`), and the facts are those merged
+        over the nodes running a replica of this copy now (`merged_claims`).
         """
         # NOTE: a size past what the node could hold leaves the size out, not the report: an agent's size is every file
         # of the repository, and some hold the weights twice (`original/consolidated.00.pth` beside the safetensors),
@@ -496,20 +526,31 @@ class ModelFacts(models.Model):
         if not values:
             return left_out
         node_key = str(node_id)
+        claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
         with transaction.atomic():
-            facts, created = cls.objects.get_or_create(source=source, scope=scope, defaults=values)
+            defaults = values | ({"disputed": {node_key: claimed}} if scope and claimed else {})
+            facts, created = cls.objects.get_or_create(source=source, scope=scope, defaults=defaults)
             if created:
                 return left_out
             facts = cls.objects.select_for_update().get(pk=facts.pk)
-            changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
             if scope:
-                kept, disputed = changed, {}
-            else:
-                kept = {name: value for name, value in changed.items() if getattr(facts, name) in (None, "")}
-                others = [claims for node, claims in facts.disputed.items() if node != node_key]
-                kept |= {name: value for name, value in changed.items()
-                         if name not in kept and any(claims.get(name) == value for claims in others)}
-                disputed = {name: value for name, value in changed.items() if name not in kept}
+                claims = {node: claims for node, claims in facts.disputed.items() if node != node_key}
+                if claims:  # NOTE: of the nodes running it now: once the other revision's replicas are gone, it goes
+                    running = cls._nodes_running(source, scope)
+                    claims = {node: claims for node, claims in claims.items() if node in running}
+                if claimed or node_key in facts.disputed:
+                    claims[node_key] = facts.disputed.get(node_key, {}) | claimed
+                merged = values | merged_claims(claims)
+                kept = {name: value for name, value in merged.items() if getattr(facts, name) != value}
+                if kept or claims != facts.disputed:
+                    cls.objects.filter(pk=facts.pk).update(**kept, disputed=claims, updated_at=timezone.now())
+                return left_out
+            changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
+            kept = {name: value for name, value in changed.items() if getattr(facts, name) in (None, "")}
+            others = [claims for node, claims in facts.disputed.items() if node != node_key]
+            kept |= {name: value for name, value in changed.items()
+                     if name not in kept and any(claims.get(name) == value for claims in others)}
+            disputed = {name: value for name, value in changed.items() if name not in kept}
             disputes = {node: claims for node, claims in facts.disputed.items() if node != node_key}
             if disputed:
                 disputes[node_key] = disputed
@@ -518,6 +559,14 @@ class ModelFacts(models.Model):
                 cls.objects.filter(pk=facts.pk).update(**kept, disputed=disputes, updated_at=timezone.now())
         disputed_note = f"disputed, kept until another node reports the same: {sorted(disputed)}" if disputed else ""
         return "; ".join(note for note in (left_out, disputed_note) if note)
+
+    @staticmethod
+    def _nodes_running(source: str, scope: str) -> set[str]:
+        """The nodes (ids as text) running a live replica of `source` read in `scope`."""
+        rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).values_list(
+            "node_id", "endpoint__organization_id", "endpoint__credential_id").distinct()
+        return {str(node) for node, organization, credential in rows
+                if weights_scope_for(organization, credential, source) == scope}
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

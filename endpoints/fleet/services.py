@@ -27,7 +27,15 @@ from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
-from endpoints.models import LIVE_REPLICA_STATES, IdleAction, ModelFacts, Replica, weights_scope_for
+from endpoints.models import (
+    LIVE_REPLICA_STATES,
+    RESERVATION_FACTS,
+    IdleAction,
+    ModelFacts,
+    Replica,
+    merged_claims,
+    weights_scope_for,
+)
 from endpoints.nodes.models import (
     JoinToken,
     Node,
@@ -336,16 +344,40 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
                 values["checkpoint_quantization"] = info.quantization.to_dict()
             if info.tokenizer_normalizer is not None:  # the same
                 values["tokenizer_normalizer"] = info.tokenizer_normalizer.to_dict()
+        if scope and len(complete) > 1:
+            # NOTE: a tenant's copies of one source are its revisions (its branch moved between two replicas' starts),
+            # and the node does not say which its replicas run: what bounds a reservation is theirs merged, as over
+            # nodes (`ModelFacts.learn`). Before, the most recently used spoke, the cheaper while the costlier served.
+            values |= merged_claims({w.cache_key: _reservation_facts(w.model_info) for w in complete})
         if not values:
             continue
         facts = known.get((source, scope))
-        if facts is not None and facts.disputed.get(str(node.pk), {}) == {
-                name: value for name, value in values.items() if getattr(facts, name) != value}:
-            continue  # as kept, or as this node already disputes it: nothing to write
+        if facts is not None and _nothing_to_write(facts, str(node.pk), values):
+            continue
         problem = ModelFacts.learn(source, scope, node.pk, values,
                                    max_weights_bytes=_most_weights_bytes(node, quantizations[source]))
         if problem:
             logger.warning("node %s: its report of %s (scope %r) was not all kept: %s", node.name, source[:200], scope, problem)
+
+
+def _reservation_facts(info: protocol.ModelInfo) -> dict:
+    """What one copy's reading says of `RESERVATION_FACTS`."""
+    normalizer = info.tokenizer_normalizer
+    return {"max_model_len": info.max_model_len,
+            "tokenizer_normalizer": normalizer.to_dict() if normalizer is not None else None}
+
+
+def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict) -> bool:
+    """Whether a node's report would change nothing kept (`ModelFacts.learn`): of a shared copy, as kept or as this
+    node already disputes it; of a tenant's, as kept and as this node's claim, which no other node's claim raises (one
+    that does is looked at again with each report: its node may no longer run the copy)."""
+    changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
+    if not facts.scope:
+        return facts.disputed.get(node_key, {}) == changed
+    claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
+    own = facts.disputed.get(node_key, {})
+    merged = merged_claims(facts.disputed)
+    return not changed and all(own.get(name) == value == merged.get(name) for name, value in claimed.items())
 
 
 def _most_weights_bytes(node: Node, quantizations: set[str]) -> int:

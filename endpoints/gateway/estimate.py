@@ -178,6 +178,10 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
                                               template_flag_tokens)
     if kind == "chat":
         prompts = [UNBOUNDED if allowances is None else _chat_prompt_bound(payload, limit, *allowances)]
+        if payload.get("add_special_tokens") not in (None, False):
+            # NOTE: vLLM then adds the post-processor's special tokens to the rendered conversation too (a tenant's
+            # 500 made a 204-token bound 543 tokens); any value but false, as the engine's model coerces it.
+            prompts[0] += _tokens_per_prompt()
         requested = _first_int(payload.get("max_completion_tokens"), payload.get("max_tokens"))
     elif kind == "responses":
         prompts = [UNBOUNDED if allowances is None else _responses_prompt_bound(payload, limit, *allowances)]

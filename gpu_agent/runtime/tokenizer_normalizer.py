@@ -23,6 +23,7 @@ context. Nothing the child finds is run in the agent: a regular expression is re
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import json
 import logging
@@ -285,7 +286,10 @@ def _pre_tokenizer_steps(
 
 def _special_tokens(post_processor: object, depth: int) -> int:
     """The special tokens a post-processor adds to one sequence (`TemplateProcessing`'s `single`, each of its special
-    tokens as many ids as it has; BERT's and RoBERTa's two)."""
+    tokens as many ids as it has; BERT's and RoBERTa's two).
+
+    NOTE: `single` may name the text itself (`$A`) more than once, and `tokenizers` repeats it that many times, special
+    tokens asked for or not (a chat's too): [`<s>`, `$A` x 20] made a 204-token bound 860 tokens in vLLM. Unknown."""
     if post_processor is None:
         return 0
     if not isinstance(post_processor, dict):
@@ -303,7 +307,10 @@ def _special_tokens(post_processor: object, depth: int) -> int:
     if kind == "TemplateProcessing":
         special = post_processor.get("special_tokens") or {}
         total = 0
-        for piece in post_processor.get("single") or []:
+        single = post_processor.get("single") or []
+        if sum(isinstance(piece, dict) and "Sequence" in piece for piece in single) > 1:
+            raise _Unknown("a post-processor that repeats the text")
+        for piece in single:
             if isinstance(piece, dict) and "SpecialToken" in piece:
                 ids = special.get(piece["SpecialToken"].get("id"), {}).get("ids")
                 total += len(ids) if isinstance(ids, list) else 1
@@ -410,8 +417,51 @@ def _segment_starts(added_tokens: object, *, normalized: bool = False) -> str:
     return "".join(sorted(starts))
 
 
+def _loads_through_mistral_common(model_dir: Path) -> bool:
+    """Whether vLLM (`--tokenizer-mode auto`, as engines run) loads the folder's tokenizer through mistral_common: a
+    `consolidated*.safetensors` and a `tekken.json` or `tokenizer.model.v*` anywhere in it
+    (`vllm.tokenizers.registry.resolve_tokenizer_args`)."""
+    names = [path.name for path in model_dir.rglob("*") if path.is_file()]
+    return any(fnmatch.fnmatch(name, "consolidated*.safetensors") for name in names) and any(
+        name == "tekken.json" or fnmatch.fnmatch(name, "tokenizer.model.v*") for name in names
+    )
+
+
+def _mistral_tokenizer(model_dir: Path) -> dict:
+    """The tokenizer mistral_common loads from the folder (the file it picks of those at its top: `tekken.json`, else
+    the last SentencePiece model by name), as a tokenizer.json would describe it: Tekken is byte-level BPE with no
+    normalizer (nothing to add); a SentencePiece model is its own `normalizer_spec` (its character map as a
+    `Precompiled` normalizer, so a tenant's own is unknown; its dummy prefix and escaped spaces as Llama's `Prepend`
+    and `Replace` of "\u2581")."""
+    from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
+    from sentencepiece import sentencepiece_model_pb2
+
+    chosen = model_dir / get_one_valid_tokenizer_file(os.listdir(model_dir))
+    if chosen.name == "tekken.json":
+        return {}
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(chosen.read_bytes())
+    spec = model.normalizer_spec
+    steps: list[dict] = [
+        {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(spec.precompiled_charsmap).decode()}
+    ]
+    if spec.remove_extra_whitespaces:
+        steps.append({"type": "Strip"})
+    if spec.add_dummy_prefix:
+        steps.append({"type": "Prepend", "prepend": "\u2581"})
+    if spec.escape_whitespaces:
+        steps.append({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
+    return {"normalizer": {"type": "Sequence", "normalizers": steps}}
+
+
 def _load_tokenizer(model_dir: Path) -> dict:
-    """The child's work: the tokenizer the engine would load from `model_dir`, as `tokenizers` writes it."""
+    """The child's work: the tokenizer the engine would load from `model_dir`, as `tokenizers` writes it.
+
+    NOTE: vLLM loads a Mistral-format folder's tokenizer through mistral_common, not transformers: described from
+    its own file (`_mistral_tokenizer`). Before, its tokenizer.json was: a tenant's SentencePiece model mapping a space
+    to 40 x "\u2581" beside an empty consolidated.safetensors made a 40-byte chat 784 tokens in vLLM's tokenizer."""
+    if _loads_through_mistral_common(model_dir):
+        return _mistral_tokenizer(model_dir)
     try:
         from transformers import AutoTokenizer
     except ImportError:  # an agent without the engine

@@ -446,6 +446,44 @@ def test_a_post_processor_adding_500_special_tokens_a_prompt_is_counted_for_them
     assert bound.num_prompt_tokens >= counted  # 2,004 tokens were bounded by 36
 
 
+def test_a_post_processor_repeating_the_text_reserves_every_prompt_as_the_context(tiny_tokenizer_spec):
+    from tokenizers import Tokenizer
+
+    post_processor = dict(tiny_tokenizer_spec["post_processor"])
+    post_processor["single"] = [{"Sequence": {"id": "A", "type_id": 0}}] * 20
+    tokenizer = Tokenizer.from_str(json.dumps(tiny_tokenizer_spec | {"post_processor": post_processor}))
+    counted = len(
+        tokenizer.encode("hello world " * 10, add_special_tokens=False).ids
+    )  # a chat's, no specials asked
+    rewrites = prompt_normalizer(describe_tokenizer(json.loads(tokenizer.to_str())).to_dict())
+
+    bound = worst_case(
+        {"messages": [{"role": "user", "content": "hello world " * 10}]}, "chat", 4096, normalizer=rewrites
+    )
+
+    assert counted > 400  # twenty times the text
+    assert bound.prompt_bounds == (4096,)
+
+
+def test_a_chat_asking_for_special_tokens_is_counted_for_the_post_processors(tiny_tokenizer_spec):
+    from tokenizers import Tokenizer
+
+    post_processor = dict(tiny_tokenizer_spec["post_processor"])
+    post_processor["single"] = [{"SpecialToken": {"id": "<s>", "type_id": 0}}] * 500 + [
+        {"Sequence": {"id": "A", "type_id": 0}}
+    ]
+    tokenizer = Tokenizer.from_str(json.dumps(tiny_tokenizer_spec | {"post_processor": post_processor}))
+    rewrites = prompt_normalizer(describe_tokenizer(json.loads(tokenizer.to_str())).to_dict())
+    body = {"messages": [{"role": "user", "content": "a"}]}
+
+    plain = worst_case(body, "chat", 4096, normalizer=rewrites).num_prompt_tokens
+    asking = worst_case(
+        body | {"add_special_tokens": True}, "chat", 4096, normalizer=rewrites
+    ).num_prompt_tokens
+
+    assert asking >= plain + 500
+
+
 def test_a_post_processor_adding_a_bos_alone_leaves_the_model_counted_as_before(tiny_tokenizer_spec):
     assert tiny_tokenizer_spec["post_processor"] is not None
     assert prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec).to_dict()) is None

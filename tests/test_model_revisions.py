@@ -1,0 +1,142 @@
+"""Two replicas of one endpoint that read two revisions of a tenant's model (its branch moved, or its store's files
+were replaced, between their starts) are reserved for the costlier of the two while both run.
+
+A tenant's copy of a model (its own scope) is keyed by its source, not its content: each node running a replica reports
+what it read, and the last report stood. So the prompt bound flipped with every heartbeat, to the cheaper revision's
+context and tokenizer while a replica of the costlier one served (its prompts past the bound were free).
+"""
+
+import pytest
+
+from endpoints.fleet.services import record_model_facts
+from endpoints.gateway.estimate import worst_case
+from endpoints.gateway.normalizers import prompt_normalizer
+from endpoints.models import Replica
+from endpoints.replicas import record_chat_template_tokens
+from gpu_agent.protocol import (
+    ChatTemplateTokens,
+    ModelInfo,
+    NormalizerStep,
+    ReplicaState,
+    TokenizerNormalizer,
+    WeightsStatus,
+)
+from tests.factories import EndpointFactory, OrganizationFactory, make_credential
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+SOURCE = "hf:tenant/own-model"
+# Revision 1: a long context, and a tokenizer that makes each space 9 "▁" (27 bytes); revision 2: neither.
+NINE_MARKS = TokenizerNormalizer(steps=[NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)])
+COSTLY = ModelInfo(max_model_len=32768, architecture="LlamaForCausalLM", tokenizer_normalizer=NINE_MARKS)
+CHEAP = ModelInfo(
+    max_model_len=2048, architecture="LlamaForCausalLM", tokenizer_normalizer=TokenizerNormalizer()
+)
+SPACES = {"messages": [{"role": "user", "content": " " * 1000}], "max_tokens": 1}
+
+
+@pytest.fixture
+def endpoint():
+    organization = OrganizationFactory()
+    return EndpointFactory(
+        organization=organization, model_source=SOURCE, credential=make_credential(organization)
+    )
+
+
+def _running(endpoint, info):
+    node = make_node(gpu_type=endpoint.gpu_type)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    return node, replica, info
+
+
+def _heartbeat(endpoint, node, info):
+    status = WeightsStatus(
+        source=SOURCE,
+        cache_key=f"copy-{node.pk}",
+        size_bytes=1 << 30,
+        complete=True,
+        model_info=info,
+        scope=endpoint.weights_scope,
+    )
+    record_model_facts(node, [status])
+
+
+def _bound(endpoint) -> int:
+    endpoint.refresh_from_db()
+    normalizer = prompt_normalizer(endpoint.tokenizer_normalizer)
+    return worst_case(SPACES, "chat", endpoint.context_length, normalizer=normalizer).num_prompt_tokens
+
+
+def test_two_revisions_of_a_tenants_model_are_reserved_for_the_costlier_whichever_reported_last(endpoint):
+    costly, cheap = _running(endpoint, COSTLY), _running(endpoint, CHEAP)
+    _heartbeat(endpoint, *costly[::2])
+    costly_bound = _bound(endpoint)
+    assert costly_bound > 9 * 1000
+
+    for node, _, info in (cheap, costly, cheap, cheap, costly, cheap):
+        _heartbeat(endpoint, node, info)
+        endpoint.refresh_from_db()
+
+        assert endpoint.context_length == 32768
+        assert _bound(endpoint) >= costly_bound
+
+
+def test_the_cheaper_revision_alone_is_reserved_as_itself_once_the_other_replica_stops(endpoint):
+    costly, cheap = _running(endpoint, COSTLY), _running(endpoint, CHEAP)
+    for node, _, info in (costly, cheap):
+        _heartbeat(endpoint, node, info)
+    Replica.objects.filter(pk=costly[1].pk).update(state=ReplicaState.STOPPED)
+
+    _heartbeat(endpoint, *cheap[::2])
+
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 2048
+    assert prompt_normalizer(endpoint.tokenizer_normalizer) is None
+
+
+def test_one_revision_on_two_nodes_is_reserved_as_itself(endpoint):
+    for node, _, info in (_running(endpoint, COSTLY), _running(endpoint, COSTLY)):
+        _heartbeat(endpoint, node, info)
+
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 32768
+    assert endpoint.tokenizer_normalizer == NINE_MARKS.to_dict()
+
+
+def test_two_revisions_chat_templates_are_allowed_the_larger_count(endpoint):
+    (first, *_), (second, *_) = _running(endpoint, COSTLY), _running(endpoint, CHEAP)
+    for node, per_conversation in ((first, 900), (second, 40)):
+        measured = ChatTemplateTokens(
+            per_conversation=per_conversation,
+            per_message=8,
+            model_source=SOURCE,
+            weights_scope=endpoint.weights_scope,
+        )
+        record_chat_template_tokens(endpoint, measured, node_id=node.pk)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whichever_was_used_last(endpoint):
+    node, _, _ = _running(endpoint, COSTLY)
+    Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    copies = [
+        WeightsStatus(
+            source=SOURCE,
+            cache_key=key,
+            size_bytes=1 << 30,
+            complete=True,
+            last_used_at=used_at,
+            model_info=info,
+            scope=endpoint.weights_scope,
+        )
+        for key, used_at, info in (("revision-1", 1.0, COSTLY), ("revision-2", 2.0, CHEAP))
+    ]
+
+    record_model_facts(node, copies)
+
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 32768
+    assert prompt_normalizer(endpoint.tokenizer_normalizer).unbounded
