@@ -34,25 +34,45 @@ RENDER_PATH = "/v1/responses/render"
 # wait for its calls' finishes (`call.SHUTDOWN_FINISH_WAIT_S`), which its usage row must still make.
 RENDER_TIMEOUT_S = 4.0
 MAX_REPLICAS_ASKED = 2
+# A replica's own share of the wait: the next is asked once one fails, or has not answered within its share (alive,
+# its API stalled), while the first may still answer; the first count to come is taken, the other ask dropped.
+# NOTE: one after another, a stalled first replica took the whole wait, and the second was never asked.
+ASK_NEXT_AFTER_S = RENDER_TIMEOUT_S / MAX_REPLICAS_ASKED
 
 
 async def count_prompt_tokens(
     client: upstream.UpstreamClient, replicas: list[ReplicaInfo], body: bytes, request_id: str
 ) -> int | None:
     """The prompt tokens `body` (a `/v1/responses` body as its engine was sent it) renders to, by the first of
-    `replicas` that answers; None when none does within `RENDER_TIMEOUT_S`."""
+    `replicas` that answers (each asked in turn, the next after a failure or `ASK_NEXT_AFTER_S`); None when none
+    does within `RENDER_TIMEOUT_S`."""
+    waiting = list(replicas[:MAX_REPLICAS_ASKED])
+    asked: set[asyncio.Task] = set()
     try:
         async with asyncio.timeout(RENDER_TIMEOUT_S):
-            for replica in replicas[:MAX_REPLICAS_ASKED]:
-                count = await _ask(client, replica, body, request_id)
-                if count is not None:
-                    return count
+            while waiting or asked:
+                if waiting:
+                    asked.add(asyncio.ensure_future(_ask(client, waiting.pop(0), body, request_id)))
+                answered, asked = await asyncio.wait(
+                    asked,
+                    timeout=ASK_NEXT_AFTER_S if waiting else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in answered:
+                    count = task.result()
+                    if count is not None:
+                        return count
     except TimeoutError:
         logger.warning(
             "request %s: no engine counted its cut stream's prompt within %.0f s",
             request_id,
             RENDER_TIMEOUT_S,
         )
+    finally:
+        for task in asked:
+            task.cancel()
+        if asked:
+            await asyncio.wait(asked)  # each closes its connection as it is cancelled
     return None
 
 

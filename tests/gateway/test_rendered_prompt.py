@@ -136,3 +136,18 @@ def test_a_replica_list_held_too_long_to_trust_is_not_asked():
     served, stale = ScriptedEngine(num_tokens=30), ScriptedEngine(num_tokens=99)
     assert _count_cut_prompt(served, held=[stale], replica_failed=True, held_since=time.monotonic() - 60) == 0
     assert stale.bodies == []
+
+
+def test_a_replica_that_stalls_leaves_the_next_one_its_share_of_the_wait():
+    # Before, the served replica (alive, its API stalled) took the whole 4 s and the next was never asked: the stream
+    # was billed its deltas alone.
+    stalled, good = ScriptedEngine(num_tokens=99, delay_s=3600), ScriptedEngine(num_tokens=30)
+    assert _count_cut_prompt(stalled, held=[good]) == 30
+    assert (len(stalled.bodies), len(good.bodies)) == (1, 1)
+
+
+def test_a_replica_that_answers_within_its_share_is_the_only_one_asked():
+    # Guards the common case (passes before and after): the served replica's count, no other engine bothered.
+    served, other = ScriptedEngine(num_tokens=30), ScriptedEngine(num_tokens=99)
+    assert _count_cut_prompt(served, held=[other]) == 30
+    assert (len(served.bodies), len(other.bodies)) == (1, 0)
