@@ -851,7 +851,9 @@ class InferenceCall:
                   and (self.adapter is None or self.adapter.name in r.adapters)]
         asked = others if self._replica_failed else [self.replica, *others]
         body = self.request.upstream_body(media_scope=self.caller.limit_subject)
-        num_tokens = await rendered_prompt.count_prompt_tokens(self.client, asked, body, self.request_id)
+        num_tokens = await rendered_prompt.count_prompt_tokens(
+            self.client, asked, body, self.request_id, max_model_len=self.endpoint.max_model_len
+        )
         if num_tokens is not None:
             self.usage.take_rendered_prompt(num_tokens)
 

@@ -18,16 +18,21 @@ from endpoints.gateway.tally import UsageTally
 
 ENDPOINT_ID = "e-render"
 GENERATION = 3
+MAX_MODEL_LEN = 4096
 BODY = b'{"model":"m","input":"hi","stream":true}'
 
 
 @dataclass
 class ScriptedEngine:
-    """An engine's `/v1/responses/render`: answers `num_tokens` token ids (and `extra` fields) after `delay_s`."""
+    """An engine's `/v1/responses/render`, answering after `delay_s` as vLLM 0.32's does: the prompt's `num_tokens`
+    token ids (each `token_id`, else counting up), and its images' processed tensors (`tensor_bytes` of them, in
+    base64) unless the body asks `"mm_payload": "none"` (vLLM's default is "tensors"), or the engine `ignores_it`."""
 
     num_tokens: int = 7
+    token_id: int | None = None
     delay_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    tensor_bytes: int = 0
+    ignores_it: bool = False
     bodies: list[bytes] = field(default_factory=list)
     address: str = ""
 
@@ -40,13 +45,22 @@ class ScriptedEngine:
                 if line.startswith(b"content-length")
             )
         )
-        self.bodies.append(await reader.readexactly(length))
+        body = await reader.readexactly(length)
+        self.bodies.append(body)
         await asyncio.sleep(self.delay_s)
-        answer = json.dumps({"token_ids": list(range(self.num_tokens)), **self.extra}).encode()
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(answer)
+        token_ids = (
+            [self.token_id] * self.num_tokens if self.token_id is not None else list(range(self.num_tokens))
         )
-        writer.write(answer)
+        answer = {"request_id": "resp-x", "token_ids": token_ids, "sampling_params": {"max_tokens": 1000}}
+        if self.tensor_bytes and (
+            self.ignores_it or json.loads(body).get("mm_payload", "tensors") == "tensors"
+        ):
+            answer["features"] = {"kwargs_data": {"image": ["A" * self.tensor_bytes]}}
+        encoded = json.dumps(answer, separators=(",", ":")).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(encoded)
+        )
+        writer.write(encoded)
         await writer.drain()
         writer.close()
 
@@ -67,7 +81,7 @@ def _cut_call(
     served: ReplicaInfo, client: upstream.UpstreamClient, *, replica_failed: bool = False
 ) -> InferenceCall:
     call = object.__new__(InferenceCall)
-    call.endpoint = SimpleNamespace(id=ENDPOINT_ID, engine_generation=GENERATION, max_model_len=4096)
+    call.endpoint = SimpleNamespace(id=ENDPOINT_ID, engine_generation=GENERATION, max_model_len=MAX_MODEL_LEN)
     call.replica, call.adapter, call._replica_failed = served, None, replica_failed
     call.request = SimpleNamespace(upstream_body=lambda media_scope: BODY)
     call.caller = SimpleNamespace(limit_subject="key-1")
@@ -151,3 +165,24 @@ def test_a_replica_that_answers_within_its_share_is_the_only_one_asked():
     served, other = ScriptedEngine(num_tokens=30), ScriptedEngine(num_tokens=99)
     assert _count_cut_prompt(served, held=[other]) == 30
     assert (len(served.bodies), len(other.bodies)) == (1, 0)
+
+
+def test_a_render_answer_carries_no_image_tensors():
+    # vLLM's render answers each image's processed tensors by default (`mm_payload: "tensors"`): ~55 MiB for one large
+    # image, read whole and parsed on the gateway's loop; two passed `upstream.MAX_WHOLE_BODY_BYTES`, and before, the
+    # count was dropped: such a prompt cost nothing. Asked for none, the answer is its token ids.
+    engine = ScriptedEngine(num_tokens=2400, tensor_bytes=70 * 1024 * 1024)
+    assert _count_cut_prompt(engine) == 2400
+    assert json.loads(engine.bodies[0]) == json.loads(BODY) | {"mm_payload": "none"}
+
+
+def test_a_render_answer_larger_than_its_prompts_token_ids_is_not_read():
+    # An engine that sends tensors all the same (older, or not vLLM): its answer is read up to what the largest prompt's
+    # token ids take, then dropped, the stream billed its deltas alone. Before, ~12 MiB were held and parsed.
+    engine = ScriptedEngine(num_tokens=2400, tensor_bytes=12 * 1024 * 1024, ignores_it=True)
+    assert _count_cut_prompt(engine) == 0
+
+
+def test_a_render_answer_of_a_whole_context_of_the_longest_token_ids_is_read():
+    # Guards the bound's size (passes before and after): every token of the context, each a 6-digit id.
+    assert _count_cut_prompt(ScriptedEngine(num_tokens=MAX_MODEL_LEN, token_id=262_143)) == MAX_MODEL_LEN
