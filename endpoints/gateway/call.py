@@ -841,17 +841,19 @@ class InferenceCall:
         """A Responses stream cut after its first delta (its prompt prefilled whole) has its prompt counted by an engine
         of its endpoint (`rendered_prompt`): the replica that served it unless it failed, else another of its
         configuration holding its adapter. Billed its deltas alone, its prompt was free."""
-        try:
-            ready = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
-        except errors.OpenAIError:  # its configuration changed since: only its own replica renders as it was sent
-            ready = []
+        # NOTE: nothing is awaited before `count_prompt_tokens`, whose bound is so the whole count's: the
+        # others are those the directory already holds, never loaded (a load waits on PostgreSQL, 5-10 s in an
+        # outage, and a stopping process's finish, `SHUTDOWN_FINISH_WAIT_S`, then gave up on the usage row).
+        ready = directory.held_ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         # NOTE: a failed replica is still READY in the cached list for a while: it is never asked (its connection may
         # take the whole wait to fail)
         others = [r for r in ready if r.id != self.replica.id
                   and (self.adapter is None or self.adapter.name in r.adapters)]
         asked = others if self._replica_failed else [self.replica, *others]
         body = self.request.upstream_body(media_scope=self.caller.limit_subject)
-        num_tokens = await rendered_prompt.count_prompt_tokens(self.client, asked, body, self.request_id)
+        num_tokens = await rendered_prompt.count_prompt_tokens(
+            self.client, asked, body, self.request_id, max_model_len=self.endpoint.max_model_len
+        )
         if num_tokens is not None:
             self.usage.take_rendered_prompt(num_tokens)
 

@@ -298,6 +298,12 @@ async def ready_replicas(endpoint_id: str, *, fresh: bool = False, generation: i
     return current
 
 
+def held_ready_replicas(endpoint_id: str, *, generation: int) -> list[ReplicaInfo]:
+    """The READY replicas of `endpoint_id` started with configuration `generation` that this process
+    already holds and still trusts (`Memo.held`); [] when it holds none. Never reads the database."""
+    return [r for r in _replicas.held(endpoint_id) or () if r.generation == generation]
+
+
 def forget_replica(endpoint_id: str, replica_id: str) -> None:
     """A replica failed under us: stop routing to it until the next load."""
     cached = _replicas.entries.get(endpoint_id)

@@ -55,6 +55,11 @@ class Memo:
         return (entry is not None and time.monotonic() - entry[0] < self.ttl_s + STALE_FOR_S
                 and not (self.wait_when_empty and not entry[1]))
 
+    def held(self, key: Hashable):
+        """What `get(key)` answers from this cache, never loading (nor starting a reload); None when it would
+        wait for a load."""
+        return self.entries[key][1] if self.answers_at_once(key) else None
+
     async def get(self, key: Hashable, *load_args, fresh: bool = False):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
         entry = self.entries.get(key)

@@ -7,13 +7,15 @@ its engine wrote `event: error`, its process's drain reached its bound. Billed i
 had its prompt prefilled free: a 30k-token prompt, cut after its first delta, cost nothing of it.
 
 So the engine is asked: `POST /v1/responses/render` (vLLM's `--enable-scale-out`, which every engine starts with,
-`gpu_agent.runtime.engine`) renders the very body the stream was sent through the same chat template and tokenizer
-and answers its token ids, without generating. Their number is the `input_tokens` the stream's last event would have
-said (`tests/gateway/test_responses_stream_cuts_vllm.py` checks it against a real engine), asked of the replica that
-served it (unless that replica failed) or another of the same configuration holding its adapter. Asked only once a
-delta came (an output token means the whole prompt was prefilled: a stream cut sooner may not have been, and is billed
-no prompt), and only after the stream's end was sent to its client. An engine that does not answer within
-`RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its deltas' floor, no prompt, as before.
+`gpu_agent.runtime.engine`) renders the very body the stream was sent (asking for no image tensors: `NO_TENSORS`)
+through the same chat template and tokenizer and answers its token ids, without generating. Their number is the
+`input_tokens` the stream's last event would have said (`tests/gateway/test_responses_stream_cuts_vllm.py` checks it
+against a real engine), asked of the replica that served it (unless that replica failed) or another of the same
+configuration holding its adapter, as the gateway already knows them (`directory.held_ready_replicas`: never a
+database read). Asked only once a delta came (an output token means the whole prompt was prefilled: a stream cut
+sooner may not have been, and is billed no prompt), and only after the stream's end was sent to its client. An engine
+that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its
+deltas' floor, no prompt, as before.
 
 The prompt is billed at the input price: as a chat stream cut mid-way, nothing says what the prefix cache held.
 """
@@ -21,6 +23,7 @@ The prompt is billed at the input price: as a chat stream cut mid-way, nothing s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -34,30 +37,77 @@ RENDER_PATH = "/v1/responses/render"
 # wait for its calls' finishes (`call.SHUTDOWN_FINISH_WAIT_S`), which its usage row must still make.
 RENDER_TIMEOUT_S = 4.0
 MAX_REPLICAS_ASKED = 2
+# A replica's own share of the wait: the next is asked once one fails, or has not answered within its share (alive,
+# its API stalled), while the first may still answer; the first count to come is taken, the other ask dropped.
+# NOTE: one after another, a stalled first replica took the whole wait, and the second was never asked.
+ASK_NEXT_AFTER_S = RENDER_TIMEOUT_S / MAX_REPLICAS_ASKED
+# NOTE: the render is asked for no image tensors (`"mm_payload": "none"`, vLLM's `ResponsesRequest`): by default
+# ("tensors") its answer carried each image's processed pixels, ~55 MiB for one large image, read whole and parsed on
+# the event loop, and two passed `upstream.MAX_WHOLE_BODY_BYTES`: the count dropped, such a prompt was free.
+NO_TENSORS = b'"mm_payload":"none"'
+# The answer is read up to what its token ids for a whole context take (a token id and its comma in compact JSON: 8
+# bytes covers ids under 10 million; 1 MiB for a 128k context, 8 MiB for 1M), plus the body sent (the parameters it
+# echoes are at most that) and its own fields (an image's hash and place, the sampling defaults): a larger answer
+# (an engine that sent tensors all the same) is dropped unread, the stream billed its deltas alone.
+BYTES_PER_TOKEN_ID = 8
+ANSWER_FIELDS_BYTES = 64 * 1024
 
 
 async def count_prompt_tokens(
-    client: upstream.UpstreamClient, replicas: list[ReplicaInfo], body: bytes, request_id: str
+    client: upstream.UpstreamClient,
+    replicas: list[ReplicaInfo],
+    body: bytes,
+    request_id: str,
+    *,
+    max_model_len: int,
 ) -> int | None:
-    """The prompt tokens `body` (a `/v1/responses` body as its engine was sent it) renders to, by the first of
-    `replicas` that answers; None when none does within `RENDER_TIMEOUT_S`."""
+    """The prompt tokens `body` (a `/v1/responses` body as its engine was sent it, of an endpoint whose context is
+    `max_model_len` tokens) renders to, by the first of `replicas` that answers (each asked in turn, the next after a
+    failure or `ASK_NEXT_AFTER_S`); None when none does within `RENDER_TIMEOUT_S`."""
+    max_answer_bytes = max_model_len * BYTES_PER_TOKEN_ID + len(body) + ANSWER_FIELDS_BYTES
+    body = _without_tensors(body)
+    waiting = list(replicas[:MAX_REPLICAS_ASKED])
+    asked: set[asyncio.Task] = set()
     try:
         async with asyncio.timeout(RENDER_TIMEOUT_S):
-            for replica in replicas[:MAX_REPLICAS_ASKED]:
-                count = await _ask(client, replica, body, request_id)
-                if count is not None:
-                    return count
+            while waiting or asked:
+                if waiting:
+                    replica = waiting.pop(0)
+                    asked.add(
+                        asyncio.ensure_future(_ask(client, replica, body, request_id, max_answer_bytes))
+                    )
+                answered, asked = await asyncio.wait(
+                    asked,
+                    timeout=ASK_NEXT_AFTER_S if waiting else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in answered:
+                    count = task.result()
+                    if count is not None:
+                        return count
     except TimeoutError:
         logger.warning(
             "request %s: no engine counted its cut stream's prompt within %.0f s",
             request_id,
             RENDER_TIMEOUT_S,
         )
+    finally:
+        for task in asked:
+            task.cancel()
+        if asked:
+            await asyncio.wait(asked)  # each closes its connection as it is cancelled
     return None
 
 
+def _without_tensors(body: bytes) -> bytes:
+    """`body` (a JSON object) asking its render for no tensors: the field is added last, so it wins over one the
+    body holds (a JSON object's last key does, in vLLM's parse), never re-encoding the body on the event loop."""
+    head = body.rstrip()[:-1].rstrip()  # without its closing brace
+    return head + (b"" if head == b"{" else b",") + NO_TENSORS + b"}"
+
+
 async def _ask(
-    client: upstream.UpstreamClient, replica: ReplicaInfo, body: bytes, request_id: str
+    client: upstream.UpstreamClient, replica: ReplicaInfo, body: bytes, request_id: str, max_answer_bytes: int
 ) -> int | None:
     try:
         response = await client.post(
@@ -71,9 +121,9 @@ async def _ask(
             },
         )
         try:
-            answer = await response.read()
+            answer = await _read_at_most(response, max_answer_bytes)
         finally:
-            response.close()
+            response.close()  # one not read to its end is dropped with its connection
     except upstream.UpstreamError as exc:
         logger.warning("request %s: replica %s could not count its prompt: %s", request_id, replica.id, exc)
         return None
@@ -85,7 +135,27 @@ async def _ask(
             response.status,
         )
         return None
+    if answer is None:
+        logger.warning(
+            "request %s: replica %s answered its prompt's count with more than %d bytes",
+            request_id,
+            replica.id,
+            max_answer_bytes,
+        )
+        return None
     return _num_token_ids(answer)
+
+
+async def _read_at_most(response: upstream.Response, max_bytes: int) -> bytes | None:
+    """The answer's body, or None once it passes `max_bytes` (the rest unread)."""
+    parts, num_bytes = [], 0
+    async with contextlib.aclosing(response.chunks()) as chunks:
+        async for chunk in chunks:
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:
+                return None
+            parts.append(chunk)
+    return b"".join(parts)
 
 
 def _num_token_ids(answer: bytes) -> int | None:

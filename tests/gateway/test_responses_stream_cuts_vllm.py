@@ -15,7 +15,7 @@ import pytest
 from endpoints.gateway import rendered_prompt, responses, upstream
 from endpoints.gateway.directory import ReplicaInfo
 from endpoints.gateway.request import InferenceRequest
-from tests.gateway.conftest import ENGINE_KEY, ENGINE_NAME
+from tests.gateway.conftest import ENGINE_CONTEXT, ENGINE_KEY, ENGINE_NAME
 
 pytestmark = [pytest.mark.vllm]
 
@@ -81,7 +81,9 @@ async def _rendered(address: str, body: bytes) -> int | None:
     client = upstream.UpstreamClient()
     try:
         replica = ReplicaInfo(id="r", address=address, authorization=f"Bearer {ENGINE_KEY}")
-        return await rendered_prompt.count_prompt_tokens(client, [replica], body, "req-render")
+        return await rendered_prompt.count_prompt_tokens(
+            client, [replica], body, "req-render", max_model_len=ENGINE_CONTEXT
+        )
     finally:
         await client.close()
 
@@ -98,7 +100,7 @@ def test_an_engine_asked_without_its_key_counts_nothing(vllm_engine):
         try:
             replica = ReplicaInfo(id="r", address=vllm_engine)
             return await rendered_prompt.count_prompt_tokens(
-                client, [replica], _engine_body(BODIES["a string"]), "x"
+                client, [replica], _engine_body(BODIES["a string"]), "x", max_model_len=ENGINE_CONTEXT
             )
         finally:
             await client.close()

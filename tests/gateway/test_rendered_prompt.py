@@ -1,0 +1,188 @@
+"""How a cut `/v1/responses` stream's prompt is counted (`endpoints.gateway.rendered_prompt`, asked by
+`InferenceCall._count_cut_prompt`): which replicas are asked, within one bound, and what their answers may cost the
+gateway. Against engines scripted in the test (an asyncio server each); the real engine's count is checked by
+`test_responses_stream_cuts_vllm.py`, the whole billed stream by `test_responses_stream_cuts.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from endpoints.gateway import directory, upstream
+from endpoints.gateway.call import InferenceCall
+from endpoints.gateway.directory import ReplicaInfo
+from endpoints.gateway.tally import UsageTally
+
+ENDPOINT_ID = "e-render"
+GENERATION = 3
+MAX_MODEL_LEN = 4096
+BODY = b'{"model":"m","input":"hi","stream":true}'
+
+
+@dataclass
+class ScriptedEngine:
+    """An engine's `/v1/responses/render`, answering after `delay_s` as vLLM 0.32's does: the prompt's `num_tokens`
+    token ids (each `token_id`, else counting up), and its images' processed tensors (`tensor_bytes` of them, in
+    base64) unless the body asks `"mm_payload": "none"` (vLLM's default is "tensors"), or the engine `ignores_it`."""
+
+    num_tokens: int = 7
+    token_id: int | None = None
+    delay_s: float = 0.0
+    tensor_bytes: int = 0
+    ignores_it: bool = False
+    bodies: list[bytes] = field(default_factory=list)
+    address: str = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length")
+            )
+        )
+        body = await reader.readexactly(length)
+        self.bodies.append(body)
+        await asyncio.sleep(self.delay_s)
+        token_ids = (
+            [self.token_id] * self.num_tokens if self.token_id is not None else list(range(self.num_tokens))
+        )
+        answer = {"request_id": "resp-x", "token_ids": token_ids, "sampling_params": {"max_tokens": 1000}}
+        if self.tensor_bytes and (
+            self.ignores_it or json.loads(body).get("mm_payload", "tensors") == "tensors"
+        ):
+            answer["features"] = {"kwargs_data": {"image": ["A" * self.tensor_bytes]}}
+        encoded = json.dumps(answer, separators=(",", ":")).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(encoded)
+        )
+        writer.write(encoded)
+        await writer.drain()
+        writer.close()
+
+    def replica(self, replica_id: str) -> ReplicaInfo:
+        return ReplicaInfo(replica_id, self.address, generation=GENERATION)
+
+
+async def _started(*engines: ScriptedEngine) -> list[asyncio.Server]:
+    servers = []
+    for engine in engines:
+        server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
+        engine.address = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        servers.append(server)
+    return servers
+
+
+def _cut_call(
+    served: ReplicaInfo, client: upstream.UpstreamClient, *, replica_failed: bool = False
+) -> InferenceCall:
+    call = object.__new__(InferenceCall)
+    call.endpoint = SimpleNamespace(id=ENDPOINT_ID, engine_generation=GENERATION, max_model_len=MAX_MODEL_LEN)
+    call.replica, call.adapter, call._replica_failed = served, None, replica_failed
+    call.request = SimpleNamespace(upstream_body=lambda media_scope: BODY)
+    call.caller = SimpleNamespace(limit_subject="key-1")
+    call.client, call.request_id, call.usage = client, "req-render", UsageTally()
+    call.usage.num_output_events = 50
+    return call
+
+
+def _count_cut_prompt(
+    served: ScriptedEngine,
+    *,
+    held: list[ScriptedEngine] = (),
+    replica_failed: bool = False,
+    held_since: float | None = None,
+) -> int:
+    """The prompt tokens a stream cut on `served` is billed, the directory holding `held` (loaded at `held_since`)."""
+
+    async def main() -> int:
+        servers = await _started(served, *held)
+        client = upstream.UpstreamClient()
+        directory._replicas.forget(ENDPOINT_ID)
+        if held:
+            directory._replicas.entries[ENDPOINT_ID] = (
+                time.monotonic() if held_since is None else held_since,
+                [engine.replica(f"r-held-{i}") for i, engine in enumerate(held)],
+            )
+        try:
+            call = _cut_call(served.replica("r-served"), client, replica_failed=replica_failed)
+            await call._count_cut_prompt()
+            return call.usage.prompt_tokens
+        finally:
+            directory._replicas.forget(ENDPOINT_ID)
+            await client.close()
+            for server in servers:
+                server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_cut_streams_prompt_is_counted_by_its_replica_without_reading_the_replica_list_from_the_database(
+    monkeypatch,
+):
+    # Before, the count first loaded the endpoint's READY replicas (none cached: a long stream, no other call), outside
+    # its 4 s bound: 5-10 s on a PostgreSQL outage, past a stopping process's wait for its calls' usage rows.
+    loads = []
+
+    async def load(endpoint_id):
+        loads.append(endpoint_id)
+        return []
+
+    monkeypatch.setattr(directory._replicas, "_load", load)
+    assert _count_cut_prompt(ScriptedEngine(num_tokens=30)) == 30
+    assert loads == []
+
+
+def test_a_cut_stream_whose_replica_failed_is_counted_by_another_the_directory_holds():
+    # Guards the flow kept: the others come from what the directory holds (passes before and after).
+    served, survivor = ScriptedEngine(num_tokens=99), ScriptedEngine(num_tokens=30)
+    assert _count_cut_prompt(served, held=[survivor], replica_failed=True) == 30
+    assert (len(served.bodies), len(survivor.bodies)) == (0, 1)
+
+
+def test_a_replica_list_held_too_long_to_trust_is_not_asked():
+    # A list past the directory's trust (`Memo.held`) may name an engine gone since, its address another's now: with
+    # its own replica failed, the stream is billed its deltas alone.
+    served, stale = ScriptedEngine(num_tokens=30), ScriptedEngine(num_tokens=99)
+    assert _count_cut_prompt(served, held=[stale], replica_failed=True, held_since=time.monotonic() - 60) == 0
+    assert stale.bodies == []
+
+
+def test_a_replica_that_stalls_leaves_the_next_one_its_share_of_the_wait():
+    # Before, the served replica (alive, its API stalled) took the whole 4 s and the next was never asked: the stream
+    # was billed its deltas alone.
+    stalled, good = ScriptedEngine(num_tokens=99, delay_s=3600), ScriptedEngine(num_tokens=30)
+    assert _count_cut_prompt(stalled, held=[good]) == 30
+    assert (len(stalled.bodies), len(good.bodies)) == (1, 1)
+
+
+def test_a_replica_that_answers_within_its_share_is_the_only_one_asked():
+    # Guards the common case (passes before and after): the served replica's count, no other engine bothered.
+    served, other = ScriptedEngine(num_tokens=30), ScriptedEngine(num_tokens=99)
+    assert _count_cut_prompt(served, held=[other]) == 30
+    assert (len(served.bodies), len(other.bodies)) == (1, 0)
+
+
+def test_a_render_answer_carries_no_image_tensors():
+    # vLLM's render answers each image's processed tensors by default (`mm_payload: "tensors"`): ~55 MiB for one large
+    # image, read whole and parsed on the gateway's loop; two passed `upstream.MAX_WHOLE_BODY_BYTES`, and before, the
+    # count was dropped: such a prompt cost nothing. Asked for none, the answer is its token ids.
+    engine = ScriptedEngine(num_tokens=2400, tensor_bytes=70 * 1024 * 1024)
+    assert _count_cut_prompt(engine) == 2400
+    assert json.loads(engine.bodies[0]) == json.loads(BODY) | {"mm_payload": "none"}
+
+
+def test_a_render_answer_larger_than_its_prompts_token_ids_is_not_read():
+    # An engine that sends tensors all the same (older, or not vLLM): its answer is read up to what the largest prompt's
+    # token ids take, then dropped, the stream billed its deltas alone. Before, ~12 MiB were held and parsed.
+    engine = ScriptedEngine(num_tokens=2400, tensor_bytes=12 * 1024 * 1024, ignores_it=True)
+    assert _count_cut_prompt(engine) == 0
+
+
+def test_a_render_answer_of_a_whole_context_of_the_longest_token_ids_is_read():
+    # Guards the bound's size (passes before and after): every token of the context, each a 6-digit id.
+    assert _count_cut_prompt(ScriptedEngine(num_tokens=MAX_MODEL_LEN, token_id=262_143)) == MAX_MODEL_LEN
