@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import resource
+import stat
 import subprocess
 import sys
 import threading
@@ -87,12 +88,19 @@ LOADER_TIMEOUT_S = 180
 MAX_ANSWER_BYTES = 64 * 1024  # a description is a few hundred bytes
 # The child's answers kept (`_remembered`): a few hundred bytes each.
 MAX_REMEMBERED_ANSWERS = 256
-# Files hashed by name and size alone: safetensors weights (`weights_formats`: the only weights an agent fetches), which
-# no tokenizer loader reads, unless transformers may pick one as a versioned tokenizer file
+# Files hashed by name and size alone: weights (`weights_formats`' suffixes: safetensors, pickles, other frameworks'),
+# whose names no tokenizer class reads, unless transformers may pick one as a versioned tokenizer file
 # (`tokenization_utils_base._re_tokenizer_file`, searched in a `fast_tokenizer_files` name:
-# "tokenizer.4.0.json.safetensors" is one). Any other file, a pickle in a local folder too, is hashed whole.
-_WEIGHTS_SUFFIX = ".safetensors"
+# "tokenizer.4.0.json.safetensors" is one).
+_WEIGHTS_SUFFIXES = (
+    ".safetensors",
+    *(".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"),
+    *(".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf", ".tflite", ".mlmodel", ".ot"),
+)
 _VERSIONED_TOKENIZER_FILE = re.compile(r"tokenizer\.(.*)\.json")
+# Past this many bytes of other files (a tokenizer.json is 34 MB at most), the folder is not hashed: described by
+# the child at each reading, as before, never a long read in the agent.
+MAX_HASHED_BYTES = 256 * 1024**2
 # The libraries whose versions change what the child answers (loading, conversion of a SentencePiece model).
 _LIBRARIES = ("transformers", "tokenizers", "sentencepiece", "protobuf", "tiktoken")
 _HASH_CHUNK_BYTES = 1024 * 1024
@@ -182,8 +190,9 @@ def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str 
 def _content_key(model_dir: str | Path) -> str | None:
     """The SHA-256 of everything the child's answer may depend on: the libraries' versions, and every entry of the
     folder (walked, links not followed into folders) by relative name, kind and link target, each file's content
-    (links followed, as the loader opens them) or, for weights, its size. None when the folder cannot be read
-    whole: nothing is kept or looked up then."""
+    (links followed, as the loader opens them) or, for weights, its size; a FIFO or device by its kind alone. None
+    when the folder cannot be read whole or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up
+    then."""
     digest = hashlib.sha256()
     for library in _LIBRARIES:
         try:
@@ -192,11 +201,12 @@ def _content_key(model_dir: str | Path) -> str | None:
             version = ""
         digest.update(f"{library}={version}\0".encode())
     root = Path(model_dir)
+    num_hashed_bytes = 0
     try:
         for folder, folder_names, file_names in os.walk(root, onerror=_raise):
-            folder_names.sort()
+            folder_names.sort()  # NOTE: walked, and hashed, in this order
             base = Path(folder)
-            for name in sorted(folder_names):
+            for name in folder_names:
                 path = base / name
                 relative = os.fsencode(path.relative_to(root))
                 digest.update(b"d\0" + relative + b"\0")
@@ -210,10 +220,17 @@ def _content_key(model_dir: str | Path) -> str | None:
                     digest.update(b"l\0" + os.fsencode(os.readlink(path)) + b"\0")
                 if not path.exists():
                     digest.update(b"dangling\0")
-                elif name.endswith(_WEIGHTS_SUFFIX) and not _VERSIONED_TOKENIZER_FILE.search(name):
-                    digest.update(b"s%d\0" % path.stat().st_size)
+                    continue
+                status = path.stat()
+                if not stat.S_ISREG(status.st_mode):  # NOTE: a FIFO or a device is never opened here
+                    digest.update(b"special %o\0" % status.st_mode)
+                elif name.endswith(_WEIGHTS_SUFFIXES) and not _VERSIONED_TOKENIZER_FILE.search(name):
+                    digest.update(b"s%d\0" % status.st_size)
                 else:
-                    digest.update(b"c" + _file_digest(path) + b"\0")
+                    num_hashed_bytes += status.st_size
+                    if num_hashed_bytes > MAX_HASHED_BYTES:
+                        return None
+                    digest.update(b"c%d:" % status.st_size + _file_digest(path, status.st_size) + b"\0")
     except (OSError, ValueError):
         return None
     return digest.hexdigest()
@@ -223,11 +240,14 @@ def _raise(error: OSError) -> None:
     raise error
 
 
-def _file_digest(path: Path) -> bytes:
+def _file_digest(path: Path, num_bytes: int) -> bytes:
+    """The SHA-256 of a file's first `num_bytes` (its size when it was listed; one grown since hashes differently
+    by that size the next time)."""
     file_digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK_BYTES):
+        while num_bytes > 0 and (chunk := handle.read(min(_HASH_CHUNK_BYTES, num_bytes))):
             file_digest.update(chunk)
+            num_bytes -= len(chunk)
     return file_digest.digest()
 
 

@@ -7,6 +7,7 @@ The child is the real one; the tests count its starts by wrapping `subprocess.ru
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections import OrderedDict
@@ -151,3 +152,29 @@ def test_files_changed_while_the_loader_read_them_are_not_kept(tiny_model_dir, t
 
     assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="decompose")]
     assert len(starts) == 2
+
+
+def test_a_folder_past_the_bytes_the_agent_hashes_is_described_by_the_loader_at_each_reading(
+    tiny_model_dir, tmp_path, loader_starts, monkeypatch
+):
+    monkeypatch.setattr(
+        tokenizer_normalizer, "MAX_HASHED_BYTES", 1000
+    )  # the tiny model's tokenizer.json is 55 kB
+
+    described = read_tokenizer_normalizer(_copy(tiny_model_dir, tmp_path / "model"))
+
+    assert described == TokenizerNormalizer(num_special_tokens=1)
+    assert len(loader_starts) == 1
+
+
+def test_a_fifo_in_the_folder_is_never_opened_by_the_agent(
+    tiny_model_dir, tmp_path, loader_starts, monkeypatch
+):
+    # Opening a FIFO for reading waits for a writer: the loader child waits within its wall time; the agent never.
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    (model_dir / "tokenizer.json").unlink()
+    os.mkfifo(model_dir / "tokenizer.json")
+    monkeypatch.setattr(tokenizer_normalizer, "LOADER_TIMEOUT_S", 1)
+
+    assert read_tokenizer_normalizer(model_dir).unknown
+    assert len(loader_starts) == 1
