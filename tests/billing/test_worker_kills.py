@@ -102,6 +102,9 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
         "STRIPE_SECRET_KEY": "sk_test_chaos", "STRIPE_API_BASE": fake.base_url, "STRIPE_TIMEOUT_S": "3",
         "STRIPE_RETRY_BASE_DELAY_S": "0.01", "INFERPLANE_BILLING_CLAIM_TIMEOUT_S": "1",
         "INFERPLANE_ROLLUP_CLOSE_AFTER_S": "0",
+        # NOTE: a killed worker's push run holds off the next for its lock's life (30 s by default, renewed every
+        # 10 s while it runs): a few seconds here, so the chaos's kills are not followed by pushes that wait it out.
+        "INFERPLANE_BILLING_PUSH_RUN_LOCK_S": "3",
     }
     organizations = [OrganizationFactory(), OrganizationFactory()]
     endpoints = [EndpointFactory(organization=org) for org in organizations for _ in range(2)]
