@@ -484,7 +484,9 @@ def test_every_beat_is_dropped_once_its_next_is_due():
         assert 0 < entry.get("options", {}).get("expires", 0) <= max(entry["schedule"] * 2, 10), name
 
 
-def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(fake_stripe, monkeypatch, settings):
+def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(
+    fake_stripe, monkeypatch, settings
+):
     # The lock was held for the task's whole time limit: a worker killed mid-run kept every push away for 10 minutes.
     settings.BILLING_PUSH_RUN_LOCK_S = 1.5
     endpoint = EndpointFactory()
