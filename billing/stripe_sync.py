@@ -116,10 +116,6 @@ IDENTIFIER_TRUSTED_FOR = timedelta(hours=23)
 # How long one push run goes on claiming rollups. NOTE: under the task's soft time limit
 # (`billing.tasks.push_pending_rollups`, 570 s), with room for the rollup in hand to finish.
 PUSH_RUN_BUDGET_S = 400.0
-# A run's lock lasts this long unless renewed, and a thread of the run renews it every third of that while the run
-# lives. NOTE: not the task's whole time limit: a worker killed mid-run held it that long (10 minutes), and no push ran
-# meanwhile; now at most this long.
-PUSH_RUN_LOCK_S = 30
 
 
 class StripeNotConfigured(RuntimeError):
@@ -949,7 +945,10 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
     # NOTE: one run at a time. With Stripe down, each run spent its whole budget failing (~55 s of retries a
     # rollup), a new one began every minute beside it, and together they held every slot of the scheduler's
     # workers: autoscaler ticks and sweeps expired in the queue, wakes and reconciles waited behind them.
-    with held_alone(PUSH_RUN_LOCK_KEY, PUSH_RUN_LOCK_S, renewed=True) as held:
+    # NOTE: the run's lock lasts `BILLING_PUSH_RUN_LOCK_S` (30 s) unless renewed, every third of that while the run
+    # lives; not the task's whole time limit: a worker killed mid-run held it that long (10 minutes), and no push ran
+    # meanwhile; now at most this long.
+    with held_alone(PUSH_RUN_LOCK_KEY, settings.BILLING_PUSH_RUN_LOCK_S, renewed=True) as held:
         if not held:
             logger.info("a push run is still going; this one leaves the rollups to it")
             return 0

@@ -458,6 +458,9 @@ BILLING_RESERVATION_TTL_S = env_float("INFERPLANE_RESERVATION_TTL_S", 900.0, min
 BILLING_ROLLUP_CLOSE_AFTER_S = env_int("INFERPLANE_ROLLUP_CLOSE_AFTER_S", 600, minimum=0)
 # A Stripe push claimed longer ago than this is presumed dead and may be taken over.
 BILLING_CLAIM_TIMEOUT_S = env_float("INFERPLANE_BILLING_CLAIM_TIMEOUT_S", 300.0, minimum=0.1)
+# A push run's lock lasts this long unless its run renews it (every third of it): how long a killed worker's run
+# keeps the next from starting (`stripe_sync.push_pending_rollups`).
+BILLING_PUSH_RUN_LOCK_S = env_float("INFERPLANE_BILLING_PUSH_RUN_LOCK_S", 30.0, minimum=1)
 
 # Usage rows PostgreSQL cannot take go to this folder (fsync'd) and are replayed when it is back.
 USAGE_JOURNAL_DIR = env_str("INFERPLANE_USAGE_JOURNAL_DIR") or str(embedded.data_dir() / "usage-journal")

@@ -21,7 +21,13 @@ from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 from tests.web_zygote import WebZygote
 
-pytest_plugins = ["tests.ci_skips", "tests.child_logs", "tests.timeline", "tests.split"]
+pytest_plugins = [
+    "tests.ci_skips",
+    "tests.child_logs",
+    "tests.timeline",
+    "tests.split",
+    "tests.database_reset",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"

@@ -4,6 +4,8 @@ unacknowledged when Redis went away run (Celery's at-least-once), none lost.
 A new user's `make run` lost its worker this way: kombu's `restore_unacked` raised `AttributeError: 'NoneType' object
 has no attribute 'hostname'` while the worker reconnected, and the worker exited."""
 
+import time
+
 import redis
 from django.conf import settings
 
@@ -12,6 +14,7 @@ from tests.outages import restart_redis
 from tests.processes import wait_until
 
 NUM_RESTARTS = 4
+MIN_HELD_S = 15  # the held tasks' shortest countdown
 
 
 def _broker() -> redis.Redis:
@@ -61,7 +64,13 @@ def test_the_worker_reconnects_after_redis_restarts_and_runs_the_next_task(celer
 def test_tasks_held_unacknowledged_across_redis_restarts_still_run(celery_worker):
     # Tasks with a countdown are reserved by the worker at once and held unacknowledged (in the broker's
     # visibility set) until they are due: the messages a reconnect must hand back to the queue.
-    held = [ping.apply_async((f"held {number}",), countdown=60) for number in range(3)]
+    # NOTE: the countdown must outlast the restarts (each waits for the tasks to be held again, and fails if one ran)
+    # and the test waits it out: twice what the restarts take here, from one restart timed first (a fixed 60 s was
+    # ~45 s of waiting on an idle machine).
+    started = time.monotonic()
+    _restart_redis_and_wait_for_the_worker(celery_worker)
+    held_s = max(MIN_HELD_S, 2 * NUM_RESTARTS * (time.monotonic() - started))
+    held = [ping.apply_async((f"held {number}",), countdown=held_s) for number in range(3)]
     wait_until(
         lambda: _broker().hlen("unacked") == len(held), 60, message="the worker to reserve the held tasks"
     )

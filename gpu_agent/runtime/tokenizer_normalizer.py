@@ -18,6 +18,12 @@ address space and `LOADER_TIMEOUT_S` of wall time, as the safetensors headers ar
 agent's thread waits on a pipe. Whatever fails to load, or cannot be described (a type the protocol does not know,
 a field of the wrong type, text that is not UTF-8), makes the normalizer unknown, which the gateway reserves as the
 context. Nothing the child finds is run in the agent: a regular expression is reported as text.
+
+NOTE: the child costs ~4.5 s of CPU (transformers' import), at every reading of a model. What it answered is kept in
+the agent, by the SHA-256 of what it read (`_content_key`: every file of the folder by name and content, weights by
+name and size alone, and the libraries' versions), so the same files are described once per agent. A tenant cannot
+reach another's entry: a key is the content itself, and an answer is kept only when the files hashed the same before
+and after the child read them. A timeout or a child that could not start or ended badly is never kept.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import resource
+import stat
 import subprocess
 import sys
+import threading
+from collections import OrderedDict
+from importlib import metadata
 from pathlib import Path
 
 from gpu_agent.protocol import (
@@ -76,6 +87,26 @@ MAX_LOADER_CPU_S = 60
 MAX_LOADER_MEMORY_BYTES = 3 * 1024**3
 LOADER_TIMEOUT_S = 180
 MAX_ANSWER_BYTES = 64 * 1024  # a description is a few hundred bytes
+# The child's answers kept (`_remembered`): a few hundred bytes each.
+MAX_REMEMBERED_ANSWERS = 256
+# Files hashed by name and size alone: weights (`weights_formats`' suffixes: safetensors, pickles, other frameworks'),
+# whose names no tokenizer class reads, unless transformers may pick one as a versioned tokenizer file
+# (`tokenization_utils_base._re_tokenizer_file`, searched in a `fast_tokenizer_files` name:
+# "tokenizer.4.0.json.safetensors" is one).
+_WEIGHTS_SUFFIXES = (
+    ".safetensors",
+    *(".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"),
+    *(".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf", ".tflite", ".mlmodel", ".ot"),
+)
+_VERSIONED_TOKENIZER_FILE = re.compile(r"tokenizer\.(.*)\.json")
+# Past this many bytes of other files (a tokenizer.json is 34 MB at most), the folder is not hashed: described by
+# the child at each reading, as before, never a long read in the agent.
+MAX_HASHED_BYTES = 256 * 1024**2
+# The libraries whose versions change what the child answers (loading, conversion of a SentencePiece model).
+_LIBRARIES = ("transformers", "tokenizers", "sentencepiece", "protobuf", "tiktoken")
+_HASH_CHUNK_BYTES = 1024 * 1024
+_remembered: OrderedDict[str, str] = OrderedDict()  # content key -> the child's answer (JSON text)
+_remembered_lock = threading.Lock()
 
 
 class _Unknown(Exception):
@@ -84,7 +115,29 @@ class _Unknown(Exception):
 
 def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
     """The normalizer of the tokenizer the engine would load from `model_dir`, described by a child process within
-    the loader's limits; unknown when it does not load there or cannot be described. Never raises."""
+    the loader's limits (once per content: `_content_key`); unknown when it does not load there or cannot be
+    described. Never raises."""
+    key = _content_key(model_dir)
+    if key is not None:
+        with _remembered_lock:
+            answer = _remembered.get(key)
+            if answer is not None:
+                _remembered.move_to_end(key)
+        if answer is not None:
+            return TokenizerNormalizer.from_dict(json.loads(answer))
+    described, answer = _describe_in_child(model_dir)
+    # NOTE: kept only when the files the child read are the ones hashed: never an answer under another content's key.
+    if answer is not None and key is not None and _content_key(model_dir) == key:
+        with _remembered_lock:
+            _remembered[key] = answer
+            while len(_remembered) > MAX_REMEMBERED_ANSWERS:
+                _remembered.popitem(last=False)
+    return described
+
+
+def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str | None]:
+    """The child's description, and its answer as JSON text when it answered (None: a timeout, a child that could not
+    start or ended badly, an answer that could not be read)."""
     # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
     package_root = Path(__file__).resolve().parents[2]
     environment = os.environ | {
@@ -111,12 +164,12 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
             timeout=LOADER_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return TokenizerNormalizer(unknown=f"its tokenizer took more than {LOADER_TIMEOUT_S} s to load")
+        return TokenizerNormalizer(unknown=f"its tokenizer took more than {LOADER_TIMEOUT_S} s to load"), None
     except OSError as exc:
         logger.exception("could not start the tokenizer loader for %s", Path(model_dir).name)
         return TokenizerNormalizer(
             unknown=f"the tokenizer loader could not start ({exc.strerror or 'error'})"
-        )
+        ), None
     if finished.returncode != 0:
         logger.warning(
             "the tokenizer loader for %s ended with %s: %s",
@@ -126,13 +179,77 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
         )
         return TokenizerNormalizer(
             unknown=f"its tokenizer does not load within the node's limits (exit {finished.returncode})"
-        )
+        ), None
     try:
         answer = json.loads(finished.stdout[:MAX_ANSWER_BYTES])
-        return TokenizerNormalizer.from_dict(answer)
+        return TokenizerNormalizer.from_dict(answer), json.dumps(answer)
     except (ValueError, TypeError, KeyError):
         logger.warning("the tokenizer loader for %s answered %r", Path(model_dir).name, finished.stdout[:200])
-        return TokenizerNormalizer(unknown="the tokenizer loader's answer could not be read")
+        return TokenizerNormalizer(unknown="the tokenizer loader's answer could not be read"), None
+
+
+def _content_key(model_dir: str | Path) -> str | None:
+    """The SHA-256 of everything the child's answer may depend on: the libraries' versions, and every entry of the
+    folder (walked, links not followed into folders) by relative name, kind and link target, each file's content
+    (links followed, as the loader opens them) or, for weights, its size; a FIFO or device by its kind alone. None
+    when the folder cannot be read whole or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up
+    then."""
+    digest = hashlib.sha256()
+    for library in _LIBRARIES:
+        try:
+            version = metadata.version(library)
+        except metadata.PackageNotFoundError:
+            version = ""
+        digest.update(f"{library}={version}\0".encode())
+    root = Path(model_dir)
+    num_hashed_bytes = 0
+    try:
+        for folder, folder_names, file_names in os.walk(root, onerror=_raise):
+            folder_names.sort()  # NOTE: walked, and hashed, in this order
+            base = Path(folder)
+            for name in folder_names:
+                path = base / name
+                relative = os.fsencode(path.relative_to(root))
+                digest.update(b"d\0" + relative + b"\0")
+                if path.is_symlink():
+                    digest.update(b"l\0" + os.fsencode(os.readlink(path)) + b"\0")
+            for name in sorted(file_names):
+                path = base / name
+                relative = os.fsencode(path.relative_to(root))
+                digest.update(b"f\0" + relative + b"\0")
+                if path.is_symlink():
+                    digest.update(b"l\0" + os.fsencode(os.readlink(path)) + b"\0")
+                if not path.exists():
+                    digest.update(b"dangling\0")
+                    continue
+                status = path.stat()
+                if not stat.S_ISREG(status.st_mode):  # NOTE: a FIFO or a device is never opened here
+                    digest.update(b"special %o\0" % status.st_mode)
+                elif name.endswith(_WEIGHTS_SUFFIXES) and not _VERSIONED_TOKENIZER_FILE.search(name):
+                    digest.update(b"s%d\0" % status.st_size)
+                else:
+                    num_hashed_bytes += status.st_size
+                    if num_hashed_bytes > MAX_HASHED_BYTES:
+                        return None
+                    digest.update(b"c%d:" % status.st_size + _file_digest(path, status.st_size) + b"\0")
+    except (OSError, ValueError):
+        return None
+    return digest.hexdigest()
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def _file_digest(path: Path, num_bytes: int) -> bytes:
+    """The SHA-256 of a file's first `num_bytes` (its size when it was listed; one grown since hashes differently
+    by that size the next time)."""
+    file_digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while num_bytes > 0 and (chunk := handle.read(min(_HASH_CHUNK_BYTES, num_bytes))):
+            file_digest.update(chunk)
+            num_bytes -= len(chunk)
+    return file_digest.digest()
 
 
 def describe_tokenizer(tokenizer: object) -> TokenizerNormalizer:

@@ -484,9 +484,11 @@ def test_every_beat_is_dropped_once_its_next_is_due():
         assert 0 < entry.get("options", {}).get("expires", 0) <= max(entry["schedule"] * 2, 10), name
 
 
-def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(fake_stripe, monkeypatch):
+def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(
+    fake_stripe, monkeypatch, settings
+):
     # The lock was held for the task's whole time limit: a worker killed mid-run kept every push away for 10 minutes.
-    monkeypatch.setattr(stripe_sync, "PUSH_RUN_LOCK_S", 1.5)
+    settings.BILLING_PUSH_RUN_LOCK_S = 1.5
     endpoint = EndpointFactory()
     _closed_rollup(endpoint)
     push_rollup, ttls = stripe_sync.push_rollup, []
@@ -500,6 +502,21 @@ def test_a_push_runs_lock_outlives_its_timeout_while_it_runs_and_not_its_worker(
     assert stripe_sync.push_pending_rollups() == 1
     assert ttls and ttls[0] > 0
     assert get_redis().get(PUSH_RUN_LOCK_KEY) is None
+
+
+def test_a_push_runs_lock_lasts_what_the_setting_says(fake_stripe, monkeypatch, settings):
+    # INFERPLANE_BILLING_PUSH_RUN_LOCK_S: how long a killed worker's run holds off the next (30 s by default).
+    settings.BILLING_PUSH_RUN_LOCK_S = 7
+    _closed_rollup(EndpointFactory())
+    push_rollup, ttls = stripe_sync.push_rollup, []
+
+    def push_noting_the_lock(rollup_id):
+        ttls.append(get_redis().pttl(PUSH_RUN_LOCK_KEY))
+        return push_rollup(rollup_id)
+
+    monkeypatch.setattr(stripe_sync, "push_rollup", push_noting_the_lock)
+    assert stripe_sync.push_pending_rollups() == 1
+    assert ttls and 0 < ttls[0] <= 7000
 
 
 def test_a_meter_event_whose_key_is_in_flight_elsewhere_is_tried_again(fake_stripe):

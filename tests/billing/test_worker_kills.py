@@ -102,6 +102,9 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
         "STRIPE_SECRET_KEY": "sk_test_chaos", "STRIPE_API_BASE": fake.base_url, "STRIPE_TIMEOUT_S": "3",
         "STRIPE_RETRY_BASE_DELAY_S": "0.01", "INFERPLANE_BILLING_CLAIM_TIMEOUT_S": "1",
         "INFERPLANE_ROLLUP_CLOSE_AFTER_S": "0",
+        # NOTE: a killed worker's push run holds off the next for its lock's life (30 s by default, renewed every
+        # 10 s while it runs): a few seconds here, so the chaos's kills are not followed by pushes that wait it out.
+        "INFERPLANE_BILLING_PUSH_RUN_LOCK_S": "3",
     }
     organizations = [OrganizationFactory(), OrganizationFactory()]
     endpoints = [EndpointFactory(organization=org) for org in organizations for _ in range(2)]
@@ -154,9 +157,13 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
 
     # A fresh worker finishes everything. Stripe answers at once now: its latency only had to make the kills land
     # inside pushes (a push left ~240 rollups, ~1,000 meter events, to the fresh worker: 20 ms each was ~30 s).
+    # NOTE: the "timeout" failures the chaos queued and did not use meet the fresh worker: each holds its answer
+    # until the client's timeout, 1 s here (3 s was ~18 s of the fresh worker's run); a slow answer is one more
+    # timeout, retried with its idempotency key like the injected ones.
     fake.latency_s = 0.0
     celery_app.control.purge()
-    final = _start_worker(tmp_path, env | {"INFERPLANE_BILLING_CLAIM_TIMEOUT_S": "0.5"}, next(worker_numbers))
+    final_env = env | {"INFERPLANE_BILLING_CLAIM_TIMEOUT_S": "0.5", "STRIPE_TIMEOUT_S": "1"}
+    final = _start_worker(tmp_path, final_env, next(worker_numbers))
     try:
         def finished():
             # NOTE: generous: the fresh worker may still be booting, and a full rollup is long.

@@ -1,0 +1,180 @@
+"""The agent describes a tokenizer's files once per content: the loader child (transformers' import, ~4.5 s of CPU) is
+started again only for files it has not described, and a description is never handed to other files
+(`gpu_agent.runtime.tokenizer_normalizer._content_key`).
+
+The child is the real one; the tests count its starts by wrapping `subprocess.run`, which still runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from gpu_agent.protocol import NormalizerStep, TokenizerNormalizer
+from gpu_agent.runtime import tokenizer_normalizer
+from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
+
+HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
+
+
+@pytest.fixture(scope="module")
+def tiny_models_answers(tiny_model_dir) -> OrderedDict:
+    """What the agent keeps once it has described the tiny model's files (one child, shared by this module's tests)."""
+    kept = OrderedDict()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(tokenizer_normalizer, "_remembered", kept, raising=False)
+        read_tokenizer_normalizer(tiny_model_dir)
+    return kept
+
+
+@pytest.fixture
+def loader_starts(monkeypatch, tiny_models_answers) -> list[str]:
+    """The folders the loader child is started for, by an agent that has described the tiny model's files alone."""
+    monkeypatch.setattr(tokenizer_normalizer, "_remembered", OrderedDict(tiny_models_answers), raising=False)
+    starts = []
+    real_run = subprocess.run
+
+    def counting_run(command, *args, **kwargs):
+        starts.append(command[5])  # [python, -E, -s, -m, module, folder, ...]
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_normalizer.subprocess, "run", counting_run)
+    return starts
+
+
+def _copy(tiny_model_dir: Path, folder: Path) -> Path:
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def _with_normalizer(model_dir: Path, normalizer, file_name: str = "tokenizer.json") -> Path:
+    path = model_dir / file_name
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    path.write_text(json.dumps(tokenizer | {"normalizer": normalizer}))
+    return model_dir
+
+
+def test_the_same_files_in_another_folder_are_described_without_starting_the_loader_again(
+    tiny_model_dir, tmp_path, loader_starts
+):
+    described = read_tokenizer_normalizer(_copy(tiny_model_dir, tmp_path / "another-tenant"))
+
+    assert described == TokenizerNormalizer(num_special_tokens=1)
+    assert loader_starts == []
+
+
+def test_a_file_removed_is_described_again(tiny_model_dir, tmp_path, loader_starts):
+    # Without tokenizer.json the loader would convert a SentencePiece model (none here): unknown.
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    (model_dir / "tokenizer.json").unlink()
+
+    assert read_tokenizer_normalizer(model_dir).unknown
+    assert len(loader_starts) == 1
+
+
+def test_a_changed_tokenizer_file_is_described_again_and_two_tenants_never_share_a_description(
+    tiny_model_dir, tmp_path, loader_starts
+):
+    plain = _copy(tiny_model_dir, tmp_path / "tenant-a")
+    lengthening = _with_normalizer(_copy(tiny_model_dir, tmp_path / "tenant-b"), HOSTILE_REPLACE)
+
+    readings = [read_tokenizer_normalizer(folder) for folder in (plain, lengthening, plain, lengthening)]
+
+    assert readings[0] == readings[2] == TokenizerNormalizer(num_special_tokens=1)
+    hostile = [NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)]
+    assert readings[1].steps == readings[3].steps == hostile
+    assert len(loader_starts) == 1
+
+
+def test_weights_changed_alone_are_not_described_again(tiny_model_dir, tmp_path, loader_starts):
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(bytes(weights.stat().st_size))  # same size, other bytes: no tokenizer reads them
+
+    assert read_tokenizer_normalizer(model_dir) == TokenizerNormalizer(num_special_tokens=1)
+    assert loader_starts == []
+
+
+def test_a_tokenizer_file_named_like_weights_is_hashed_by_its_content(
+    tiny_model_dir, tmp_path, loader_starts
+):
+    # transformers picks "tokenizer.4.0.0.json.safetensors" from fast_tokenizer_files: a file of the same size
+    # with another normalizer (NFD and NFC, one byte apart) must be described again, not taken as weights.
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    versioned = "tokenizer.4.0.0.json.safetensors"
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(config | {"fast_tokenizer_files": [versioned]})
+    )
+    _with_normalizer(model_dir, {"type": "NFD"}, versioned)
+    assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="decompose")]
+
+    _with_normalizer(model_dir, {"type": "NFC"}, versioned)
+
+    assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="compose")]
+    assert len(loader_starts) == 2
+
+
+def test_a_loader_that_gave_no_answer_is_started_again_next_time(
+    tiny_model_dir, tmp_path, loader_starts, monkeypatch
+):
+    model_dir = _with_normalizer(_copy(tiny_model_dir, tmp_path / "model"), {"type": "NFKC"})
+    monkeypatch.setattr(tokenizer_normalizer, "LOADER_TIMEOUT_S", 0.001)
+    assert "took more than" in read_tokenizer_normalizer(model_dir).unknown
+
+    monkeypatch.setattr(tokenizer_normalizer, "LOADER_TIMEOUT_S", 180)
+
+    assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="compose")]
+    assert len(loader_starts) == 2
+
+
+def test_files_changed_while_the_loader_read_them_are_not_kept(tiny_model_dir, tmp_path, monkeypatch):
+    # The answer was of the files before the change, or after, or of a mix: kept under neither content.
+    monkeypatch.setattr(tokenizer_normalizer, "_remembered", OrderedDict(), raising=False)
+    model_dir = _with_normalizer(_copy(tiny_model_dir, tmp_path / "model"), {"type": "NFKC"})
+    starts = []
+    real_run = subprocess.run
+
+    def run_then_change_the_files(command, *args, **kwargs):
+        starts.append(command)
+        finished = real_run(command, *args, **kwargs)
+        if len(starts) == 1:
+            _with_normalizer(model_dir, {"type": "NFD"})
+        return finished
+
+    monkeypatch.setattr(tokenizer_normalizer.subprocess, "run", run_then_change_the_files)
+    assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="compose")]
+
+    assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="decompose")]
+    assert len(starts) == 2
+
+
+def test_a_folder_past_the_bytes_the_agent_hashes_is_described_by_the_loader_at_each_reading(
+    tiny_model_dir, tmp_path, loader_starts, monkeypatch
+):
+    monkeypatch.setattr(
+        tokenizer_normalizer, "MAX_HASHED_BYTES", 1000
+    )  # the tiny model's tokenizer.json is 55 kB
+
+    described = read_tokenizer_normalizer(_copy(tiny_model_dir, tmp_path / "model"))
+
+    assert described == TokenizerNormalizer(num_special_tokens=1)
+    assert len(loader_starts) == 1
+
+
+def test_a_fifo_in_the_folder_is_never_opened_by_the_agent(
+    tiny_model_dir, tmp_path, loader_starts, monkeypatch
+):
+    # Opening a FIFO for reading waits for a writer: the loader child waits within its wall time; the agent never.
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    (model_dir / "tokenizer.json").unlink()
+    os.mkfifo(model_dir / "tokenizer.json")
+    monkeypatch.setattr(tokenizer_normalizer, "LOADER_TIMEOUT_S", 1)
+
+    assert read_tokenizer_normalizer(model_dir).unknown
+    assert len(loader_starts) == 1

@@ -1,0 +1,41 @@
+"""A transactional test's reset (tests/database_reset.py) leaves what Django's flush leaves: every table empty but
+the content types and permissions post_migrate makes, all of them, also after a test changed them."""
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.contrib.contenttypes.models import ContentType
+from django.test import TransactionTestCase
+
+from controlplane.accounts.models import Organization
+from tests import database_reset
+from tests.factories import OrganizationFactory
+
+
+def _made_by_post_migrate() -> tuple[set, set]:
+    return (
+        set(ContentType.objects.values_list("app_label", "model")),
+        set(Permission.objects.values_list("content_type__app_label", "codename")),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reset_empties_the_tables_and_keeps_or_makes_again_every_content_type_and_permission():
+    reset = TransactionTestCase()
+    reset._fixture_teardown()  # Django's flush the first time: what post_migrate makes is known from then on
+    made = _made_by_post_migrate()
+    assert made[0] and made[1]
+
+    OrganizationFactory()
+    reset._fixture_teardown()  # the kept tables as post_migrate made them: left in place
+    assert Organization.objects.count() == 0 and _made_by_post_migrate() == made
+
+    OrganizationFactory()
+    Permission.objects.filter(codename="view_organization").delete()
+    ContentType.objects.filter(model="organization").update(model="renamed")
+    reset._fixture_teardown()  # changed: Django's flush, post_migrate and all
+
+    assert Organization.objects.count() == 0 and _made_by_post_migrate() == made
+    assert database_reset.POST_MIGRATE_TABLES == (
+        ContentType._meta.db_table,
+        Permission._meta.db_table,
+    )
