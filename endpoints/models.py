@@ -544,7 +544,7 @@ class ModelFacts(models.Model):
             if scope:
                 claims = {node: claims for node, claims in facts.disputed.items() if node != node_key}
                 if claims:  # NOTE: of the nodes running it now: once the other revision's replicas are gone, it goes
-                    running = cls._running_claimants(source, scope)
+                    running = cls.running_claimants(source, scope)
                     claims = {node: claims for node, claims in claims.items() if node in running}
                 if claimed or node_key in facts.disputed:
                     claims[node_key] = facts.disputed.get(node_key, {}) | claimed
@@ -569,7 +569,7 @@ class ModelFacts(models.Model):
         return "; ".join(note for note in (left_out, disputed_note) if note)
 
     @staticmethod
-    def _running_claimants(source: str, scope: str) -> set[str]:
+    def running_claimants(source: str, scope: str) -> set[str]:
         """The keys of the claims that stand (`learn`): the nodes (ids as text) running a live replica of `source` read
         in `scope`, and those replicas (`_replica_key`)."""
         rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).values_list(

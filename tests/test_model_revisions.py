@@ -7,6 +7,8 @@ context and tokenizer while a replica of the costlier one served (its prompts pa
 """
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
@@ -185,3 +187,21 @@ def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whicheve
     endpoint.refresh_from_db()
     assert endpoint.context_length == 32768
     assert prompt_normalizer(endpoint.tokenizer_normalizer).unbounded
+
+
+def test_a_steady_heartbeat_beside_a_costlier_revision_locks_and_writes_nothing(endpoint):
+    # The costlier revision's replica sleeps on another node (no cost to its tenant): its claim raises the cheap
+    # node's, and each of the cheap node's beats ran `learn` (a savepoint, SELECT ... FOR UPDATE, the replicas' join).
+    cheap, costly = _running(endpoint, CHEAP), _running(endpoint, COSTLY)
+    Replica.objects.filter(pk=costly[1].pk).update(state=ReplicaState.SLEEPING)
+    _heartbeat(endpoint, *costly[::2])
+    _heartbeat(endpoint, *cheap[::2])
+
+    with CaptureQueriesContext(connection) as beat:
+        _heartbeat(endpoint, *cheap[::2])
+
+    statements = [query["sql"] for query in beat.captured_queries]
+    assert not any("FOR UPDATE" in sql or sql.startswith(("UPDATE", "SAVEPOINT")) for sql in statements)
+    assert len(statements) <= 3  # this node's replicas, the copy's facts, the copy's live replicas (was 8)
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 32768
