@@ -428,6 +428,11 @@ def implausible_model_facts(values: dict) -> str:
     return ""
 
 
+def _replica_key(replica_id) -> str:
+    """A replica's claim's key in `ModelFacts.disputed`, apart from its node's (the node's id as text)."""
+    return f"replica:{replica_id}"
+
+
 def merged_claims(claims: dict[str, dict]) -> dict:
     """`RESERVATION_FACTS` as the nodes' `claims` ({node: {field: value}}) bound a reservation together: each count
     the largest any node reported, the tokenizer the one they all describe, else `DIFFERING_TOKENIZERS`."""
@@ -493,7 +498,8 @@ class ModelFacts(models.Model):
         return cls.objects.filter(source=source, scope__in={scope, ""}).order_by("-scope")
 
     @classmethod
-    def learn(cls, source: str, scope: str, node_id, values: dict, *, max_weights_bytes: int | None = None) -> str:
+    def learn(cls, source: str, scope: str, node_id, values: dict, *, max_weights_bytes: int | None = None,
+              replica_id=None) -> str:
         """Keep what a node running a replica of this copy (`source` read in `scope`) read of it; returns why some or
         all of it was not kept ("" when all was).
 
@@ -510,7 +516,9 @@ class ModelFacts(models.Model):
         moved (or its store's files were replaced) run two revisions, and each node's report replaced the other's, so
         the prompt bound flipped with every heartbeat, to the cheaper one's context and tokenizer while the costlier
         served. So each node's report of `RESERVATION_FACTS` is kept (in `disputed`), and the facts are those merged
-        over the nodes running a replica of this copy now (`merged_claims`).
+        over the nodes running a replica of this copy now (`merged_claims`). What a replica's engine counted (its chat
+        template, `replica_id`) is its own claim there: two replicas on one node may run two revisions (900 and 40
+        tokens a conversation were kept as 40 while both served), and it stands while that replica is live.
         """
         # NOTE: a size past what the node could hold leaves the size out, not the report: an agent's size is every file
         # of the repository, and some hold the weights twice (`original/consolidated.00.pth` beside the safetensors),
@@ -525,7 +533,7 @@ class ModelFacts(models.Model):
             return problem
         if not values:
             return left_out
-        node_key = str(node_id)
+        node_key = _replica_key(replica_id) if scope and replica_id is not None else str(node_id)
         claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
         with transaction.atomic():
             defaults = values | ({"disputed": {node_key: claimed}} if scope and claimed else {})
@@ -536,7 +544,7 @@ class ModelFacts(models.Model):
             if scope:
                 claims = {node: claims for node, claims in facts.disputed.items() if node != node_key}
                 if claims:  # NOTE: of the nodes running it now: once the other revision's replicas are gone, it goes
-                    running = cls._nodes_running(source, scope)
+                    running = cls.running_claimants(source, scope)
                     claims = {node: claims for node, claims in claims.items() if node in running}
                 if claimed or node_key in facts.disputed:
                     claims[node_key] = facts.disputed.get(node_key, {}) | claimed
@@ -561,12 +569,14 @@ class ModelFacts(models.Model):
         return "; ".join(note for note in (left_out, disputed_note) if note)
 
     @staticmethod
-    def _nodes_running(source: str, scope: str) -> set[str]:
-        """The nodes (ids as text) running a live replica of `source` read in `scope`."""
+    def running_claimants(source: str, scope: str) -> set[str]:
+        """The keys of the claims that stand (`learn`): the nodes (ids as text) running a live replica of `source` read
+        in `scope`, and those replicas (`_replica_key`)."""
         rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).values_list(
-            "node_id", "endpoint__organization_id", "endpoint__credential_id").distinct()
-        return {str(node) for node, organization, credential in rows
-                if weights_scope_for(organization, credential, source) == scope}
+            "pk", "node_id", "endpoint__organization_id", "endpoint__credential_id")
+        running = [(replica, node) for replica, node, organization, credential in rows
+                   if weights_scope_for(organization, credential, source) == scope]
+        return {str(node) for _, node in running} | {_replica_key(replica) for replica, _ in running}
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

@@ -339,7 +339,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
     if new_state == ReplicaState.READY and report.chat_template_tokens is not None:
-        record_chat_template_tokens(replica.endpoint, report.chat_template_tokens, node_id=node.pk)
+        record_chat_template_tokens(replica.endpoint, report.chat_template_tokens, node_id=node.pk,
+                                    replica_id=replica.pk)
     if memory_changed:
         problem = memory_estimate_problem(replica.endpoint, memory)
         if problem:
@@ -349,7 +350,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
         _announce_transition(replica, previous, new_state, report)
 
 
-def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens, *, node_id) -> None:
+def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens, *, node_id,
+                                replica_id) -> None:
     """Keep what a READY engine counted of its model's chat template, in the scope the endpoint reads the model in
     (as `fleet.services.record_model_facts` keeps a config's facts): the gateway's estimate of every prompt to
     that model allows at least this (`endpoints.gateway.estimate`).
@@ -362,8 +364,9 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     copy of a catalogue name now reads the catalogue's) would otherwise file its old engine's count, a template
     the tenant wrote, as the catalogue copy's, which every other tenant's reservations read.
     NOTE: a fact like the model's others (`ModelFacts.learn`): bounded to what a template can add, and a shared
-    copy's count is changed only by two nodes' agreeing reports; `node_id` is the node whose engine counted."""
-    kept = (endpoint.pk, str(node_id), measured.model_source, measured.weights_scope, measured.per_conversation,
+    copy's count is changed only by two nodes' agreeing reports; `node_id` is the node whose engine counted, and
+    `replica_id` its replica, whose claim a tenant's copy keeps as its own (two revisions may run on one node)."""
+    kept = (endpoint.pk, str(node_id), str(replica_id), measured.model_source, measured.weights_scope, measured.per_conversation,
             measured.per_message, measured.flagged_per_conversation, measured.flagged_per_message)
     if kept in _kept_template_counts:
         return
@@ -377,7 +380,7 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     if measured.flagged_per_conversation is not None:
         values |= {"template_tokens_flagged_per_conversation": measured.flagged_per_conversation,
                    "template_tokens_flagged_per_message": measured.flagged_per_message}
-    problem = ModelFacts.learn(source, scope, node_id, values)
+    problem = ModelFacts.learn(source, scope, node_id, values, replica_id=replica_id)
     if problem:
         logger.warning("endpoint %s: a chat template count (%s, %s) was not kept: %s", endpoint.pk,
                        measured.per_conversation, measured.per_message, problem)
@@ -386,7 +389,7 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
     _kept_template_counts.add(kept)
 
 
-# (endpoint, node, measured copy, counts) this process has kept (`record_chat_template_tokens`).
+# (endpoint, node, replica, measured copy, counts) this process has kept (`record_chat_template_tokens`).
 _kept_template_counts: set[tuple] = set()
 
 

@@ -7,6 +7,8 @@ context and tokenizer while a replica of the costlier one served (its prompts pa
 """
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
@@ -104,19 +106,64 @@ def test_one_revision_on_two_nodes_is_reserved_as_itself(endpoint):
     assert endpoint.tokenizer_normalizer == NINE_MARKS.to_dict()
 
 
+def _counted(endpoint, replica, per_conversation):
+    """A READY replica's engine's count of its chat template, as its node's heartbeat carries it."""
+    measured = ChatTemplateTokens(
+        per_conversation=per_conversation,
+        per_message=8,
+        model_source=SOURCE,
+        weights_scope=endpoint.weights_scope,
+    )
+    record_chat_template_tokens(endpoint, measured, node_id=replica.node_id, replica_id=replica.pk)
+
+
 def test_two_revisions_chat_templates_are_allowed_the_larger_count(endpoint):
-    (first, *_), (second, *_) = _running(endpoint, COSTLY), _running(endpoint, CHEAP)
-    for node, per_conversation in ((first, 900), (second, 40)):
-        measured = ChatTemplateTokens(
-            per_conversation=per_conversation,
-            per_message=8,
-            model_source=SOURCE,
-            weights_scope=endpoint.weights_scope,
-        )
-        record_chat_template_tokens(endpoint, measured, node_id=node.pk)
+    (_, first, _), (_, second, _) = _running(endpoint, COSTLY), _running(endpoint, CHEAP)
+    for replica, per_conversation in ((first, 900), (second, 40)):
+        _counted(endpoint, replica, per_conversation)
 
     endpoint.refresh_from_db()
     assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_two_revisions_chat_templates_on_one_node_are_allowed_the_larger_count(endpoint):
+    # Two replicas on one node (started before and after the branch moved): both heard on every heartbeat.
+    node, costly, _ = _running(endpoint, COSTLY)
+    cheap = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    for replica, per_conversation in ((costly, 900), (cheap, 40), (costly, 900), (cheap, 40)):
+        _counted(endpoint, replica, per_conversation)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (900, 8)  # was (40, 8): the node's last claim replaced its first
+
+
+def test_a_second_endpoint_of_the_same_copy_on_one_node_does_not_lower_the_count(endpoint):
+    other = EndpointFactory(
+        organization=endpoint.organization, model_source=SOURCE, credential=endpoint.credential
+    )
+    assert other.weights_scope == endpoint.weights_scope
+    node, replica, _ = _running(endpoint, COSTLY)
+    others = Replica.objects.create(endpoint=other, node=node, state=ReplicaState.READY)
+
+    _counted(endpoint, replica, 900)
+    _counted(other, others, 40)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_the_cheaper_template_alone_is_counted_once_the_costlier_replica_on_its_node_stops(endpoint):
+    node, costly, _ = _running(endpoint, COSTLY)
+    cheap = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    _counted(endpoint, costly, 900)
+    _counted(endpoint, cheap, 40)
+    Replica.objects.filter(pk=costly.pk).update(state=ReplicaState.STOPPED)
+
+    successor = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    _counted(endpoint, successor, 40)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)
 
 
 def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whichever_was_used_last(endpoint):
@@ -140,3 +187,21 @@ def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whicheve
     endpoint.refresh_from_db()
     assert endpoint.context_length == 32768
     assert prompt_normalizer(endpoint.tokenizer_normalizer).unbounded
+
+
+def test_a_steady_heartbeat_beside_a_costlier_revision_locks_and_writes_nothing(endpoint):
+    # The costlier revision's replica sleeps on another node (no cost to its tenant): its claim raises the cheap
+    # node's, and each of the cheap node's beats ran `learn` (a savepoint, SELECT ... FOR UPDATE, the replicas' join).
+    cheap, costly = _running(endpoint, CHEAP), _running(endpoint, COSTLY)
+    Replica.objects.filter(pk=costly[1].pk).update(state=ReplicaState.SLEEPING)
+    _heartbeat(endpoint, *costly[::2])
+    _heartbeat(endpoint, *cheap[::2])
+
+    with CaptureQueriesContext(connection) as beat:
+        _heartbeat(endpoint, *cheap[::2])
+
+    statements = [query["sql"] for query in beat.captured_queries]
+    assert not any("FOR UPDATE" in sql or sql.startswith(("UPDATE", "SAVEPOINT")) for sql in statements)
+    assert len(statements) <= 3  # this node's replicas, the copy's facts, the copy's live replicas (was 8)
+    endpoint.refresh_from_db()
+    assert endpoint.context_length == 32768

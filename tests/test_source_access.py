@@ -30,6 +30,7 @@ pytestmark = pytest.mark.django_db
 PUBLIC_BUCKET = "s3://inferplane-public-models/"
 PUBLIC_REPO = "hf:meta-llama/Llama-3.1-8B-Instruct"
 NODE_ID = "9b1f0c1e-0000-4000-8000-000000000001"  # the node whose engine counted a chat template
+REPLICA_ID = "5c7e0a2d-0000-4000-8000-000000000001"  # its replica (a shared copy's claims are by node)
 
 
 @pytest.fixture(autouse=True)
@@ -331,9 +332,9 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     own_copy = EndpointFactory(model_source=PUBLIC_REPO, credential=make_credential(OrganizationFactory(), kind="hf"))
     own_scope = own_copy.weights_scope
     record_chat_template_tokens(catalogue, ChatTemplateTokens(300, 5, model_source=PUBLIC_REPO, weights_scope=""),
-                                node_id=NODE_ID)
+                                node_id=NODE_ID, replica_id=REPLICA_ID)
     record_chat_template_tokens(own_copy, ChatTemplateTokens(2, 0, model_source=PUBLIC_REPO, weights_scope=own_scope),
-                                node_id=NODE_ID)
+                                node_id=NODE_ID, replica_id=REPLICA_ID)
     assert catalogue.chat_template_tokens == (300, 5)
     assert own_copy.chat_template_tokens == (2, 0)
     assert EndpointFactory(model_source=PUBLIC_REPO).chat_template_tokens == (300, 5)  # any tenant's, no credential
@@ -348,9 +349,10 @@ def test_what_an_engine_counts_of_a_chat_template_is_kept_in_the_scope_its_endpo
     # (Another node already disputes the catalogue's count with the same figures: were the old engine's count taken
     # as the catalogue's, the two would agree and replace it.)
     record_chat_template_tokens(catalogue, ChatTemplateTokens(1000, 0, model_source=PUBLIC_REPO, weights_scope=""),
-                                node_id="9b1f0c1e-0000-4000-8000-000000000002")
+                                node_id="9b1f0c1e-0000-4000-8000-000000000002",
+                                replica_id=REPLICA_ID)
     record_chat_template_tokens(own_copy, ChatTemplateTokens(1000, 0, model_source=PUBLIC_REPO, weights_scope=own_scope),
-                                node_id=NODE_ID)
+                                node_id=NODE_ID, replica_id=REPLICA_ID)
     assert catalogue.chat_template_tokens == (300, 5)
 
 
@@ -359,10 +361,10 @@ def test_what_a_template_adds_with_a_flag_set_is_kept_beside_its_count_and_reach
     # reserves the context (None).
     endpoint, older = EndpointFactory(model_source=PUBLIC_REPO), EndpointFactory(model_source="s3://our-bucket/older")
     record_chat_template_tokens(endpoint, ChatTemplateTokens(300, 5, flagged_per_conversation=900, flagged_per_message=7,
-                                                             model_source=PUBLIC_REPO, weights_scope=""), node_id=NODE_ID)
+                                                             model_source=PUBLIC_REPO, weights_scope=""), node_id=NODE_ID, replica_id=REPLICA_ID)
     record_chat_template_tokens(older, ChatTemplateTokens(300, 5, model_source=older.model_source,
                                                           weights_scope=older.weights_scope),
-                                node_id=NODE_ID)
+                                node_id=NODE_ID, replica_id=REPLICA_ID)
     assert endpoint.chat_template_tokens == (300, 5)
     info = directory._endpoint_info(endpoint)
     assert (info.template_tokens, info.template_flag_tokens) == ((300, 5), (900, 7))

@@ -401,38 +401,82 @@ def _pre_tokenizer_steps(
     raise _Unknown(f"a pre-tokenizer of type {str(kind)[:40]!r}")
 
 
+# Post-processors that hand on each encoding they are given as it came, adding nothing (`ByteLevel` trims offsets).
+# Any other adds tokens (`TemplateProcessing`, `BertProcessing`, `RobertaProcessing`), and one at most may stand in a
+# Sequence: `_special_tokens`.
+_PASSING_POST_PROCESSORS = frozenset({"ByteLevel"})
+# Adding processors of a fixed count (`TemplateProcessing` counts by its template).
+_ADDING_POST_PROCESSORS = {"BertProcessing": 2, "RobertaProcessing": 2}
+
+
 def _special_tokens(post_processor: object, depth: int) -> int:
     """The special tokens a post-processor adds to one sequence (`TemplateProcessing`'s `single`, each of its special
-    tokens as many ids as it has; BERT's and RoBERTa's two).
+    tokens as many ids as it has; BERT's and RoBERTa's two), known for the shapes below alone.
 
-    NOTE: `single` may name the text itself (`$A`) more than once, and `tokenizers` repeats it that many times, special
-    tokens asked for or not (a chat's too): [`<s>`, `$A` x 20] made a 204-token bound 860 tokens in vLLM. Unknown."""
-    if post_processor is None:
+    NOTE: in a Sequence, an adding processor hands the next one an encoding per piece of its template (`tokenizers`
+    0.23), which a second adding processor takes as a pair: [`<s> $A`, then `$A` | pair `$A $B` x 20] made a 999-byte
+    prompt 10,001 tokens against a bound of 1,007. Known: any number of `ByteLevel`s and one adding processor at most,
+    nested or not; anything else is unknown."""
+    processors = _post_processors(post_processor, depth)
+    adding = [item for item in processors if item.get("type") not in _PASSING_POST_PROCESSORS]
+    if len(adding) > 1:
+        raise _Unknown("a post-processor Sequence of more than one processor that adds tokens")
+    if not adding:
         return 0
+    kind = adding[0].get("type")
+    if kind == "TemplateProcessing":
+        return _template_special_tokens(adding[0])
+    if kind in _ADDING_POST_PROCESSORS:
+        return _ADDING_POST_PROCESSORS[kind]
+    raise _Unknown(f"a post-processor of type {str(kind)[:40]!r}")
+
+
+def _post_processors(post_processor: object, depth: int) -> list[dict]:
+    """A post-processor as the list of processors it runs in turn, Sequences flattened."""
+    if post_processor is None:
+        return []
     if not isinstance(post_processor, dict):
         raise _Unknown("a post-processor that is not an object")
-    kind = post_processor.get("type")
-    if kind == "Sequence":
-        inner = post_processor.get("processors")
-        if not isinstance(inner, list) or depth >= _SEQUENCE_DEPTH:
-            raise _Unknown("a post-processor Sequence that is not a list, or nested too deep")
-        return sum(_special_tokens(item, depth + 1) for item in inner)
-    if kind == "ByteLevel":
-        return 0
-    if kind in ("BertProcessing", "RobertaProcessing"):
-        return 2
-    if kind == "TemplateProcessing":
-        special = post_processor.get("special_tokens") or {}
-        total = 0
-        single = post_processor.get("single") or []
-        if sum(isinstance(piece, dict) and "Sequence" in piece for piece in single) > 1:
-            raise _Unknown("a post-processor that repeats the text")
-        for piece in single:
-            if isinstance(piece, dict) and "SpecialToken" in piece:
-                ids = special.get(piece["SpecialToken"].get("id"), {}).get("ids")
-                total += len(ids) if isinstance(ids, list) else 1
-        return total
-    raise _Unknown(f"a post-processor of type {str(kind)[:40]!r}")
+    if post_processor.get("type") != "Sequence":
+        return [post_processor]
+    inner = post_processor.get("processors")
+    if not isinstance(inner, list) or depth >= _SEQUENCE_DEPTH:
+        raise _Unknown("a post-processor Sequence that is not a list, or nested too deep")
+    return [item for each in inner for item in _post_processors(each, depth + 1)]
+
+
+def _template_special_tokens(template: dict) -> int:
+    """`TemplateProcessing`'s special tokens in `single`, when `single` names the text (`$A`) once at most and `pair`
+    each text once at most.
+
+    NOTE: `tokenizers` repeats a text its template names more than once, special tokens asked for or not (a chat's
+    too): [`<s>`, `$A` x 20] made a 204-token bound 860 tokens in vLLM; and a `pair` is applied whenever the processor
+    is handed two encodings."""
+    special = template.get("special_tokens") or {}
+    single, pair = template.get("single") or [], template.get("pair") or []
+    if not isinstance(special, dict) or not isinstance(single, list) or not isinstance(pair, list):
+        raise _Unknown("a TemplateProcessing that is not lists of pieces")
+    if _texts(single) not in ([], ["A"]) or len(set(_texts(pair))) != len(_texts(pair)):
+        raise _Unknown("a post-processor template that repeats the text")
+    total = 0
+    for piece in single:
+        if "SpecialToken" in piece:
+            ids = special.get(piece["SpecialToken"].get("id"), {}).get("ids")
+            total += len(ids) if isinstance(ids, list) else 1
+    return total
+
+
+def _texts(template: list) -> list[str]:
+    """The texts a template names (`$A`, `$B`), in order; unknown for a piece neither a text nor a special token."""
+    texts = []
+    for piece in template:
+        if not isinstance(piece, dict) or len(piece) != 1 or not isinstance(next(iter(piece.values())), dict):
+            raise _Unknown("a post-processor template piece that is not a text or a special token")
+        if "Sequence" in piece:
+            texts.append(piece["Sequence"].get("id"))
+        elif "SpecialToken" not in piece:
+            raise _Unknown("a post-processor template piece that is not a text or a special token")
+    return texts
 
 
 def _replace(normalizer: dict) -> NormalizerStep:

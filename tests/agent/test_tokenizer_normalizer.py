@@ -389,3 +389,85 @@ def test_an_added_token_split_out_of_normalized_text_starts_a_piece_for_a_pre_to
 
     assert _kinds(plain) == ["replace", "prepend"] and plain.segment_starts == "x"
     assert _kinds(normalized) == ["compose", "replace", "prepend_each"]
+
+
+# --- a post-processor's special tokens, and the shapes that repeat the text ------------------------------------------
+
+
+def _post_processor(processor) -> dict:
+    """A `tokenizers` post-processor as the library writes it in tokenizer.json."""
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.post_processor = processor
+    return json.loads(tokenizer.to_str())["post_processor"]
+
+
+def _template(single: str, pair: str):
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[("<s>", 0), ("</s>", 1)])
+
+
+def _sequence(*items):
+    from tokenizers import processors
+
+    return processors.Sequence(list(items))
+
+
+def _roberta():
+    from tokenizers import processors
+
+    return processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+
+
+def _byte_level():
+    from tokenizers import processors
+
+    return processors.ByteLevel(trim_offsets=False)
+
+
+PAIR_OF_TWENTY = "$A " + " ".join(["$B"] * 20)
+
+
+@pytest.mark.parametrize(
+    "processor",
+    [
+        # the finding: the first hands the second two encodings, which it takes as a pair (a prompt 20 times over)
+        lambda: _sequence(_template("<s> $A", "<s> $A $B"), _template("$A", PAIR_OF_TWENTY)),
+        lambda: _sequence(_template("<s> $A", "<s> $A $B"), _roberta()),
+        lambda: _sequence(_byte_level(), _sequence(_template("<s> $A", "<s> $A $B")), _roberta()),
+        lambda: _template("<s> $A", PAIR_OF_TWENTY),
+        lambda: _template("<s> $A", "$A $A $B"),
+    ],
+    ids=["two templates", "a template and roberta", "nested", "a pair of twenty", "a pair repeating A"],
+)
+def test_a_post_processor_that_can_repeat_the_text_is_unknown(processor):
+    described = describe_tokenizer({"post_processor": _post_processor(processor())})
+
+    assert described.unknown and described.num_special_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "processor, num_special_tokens",
+    [
+        # Llama 3's: byte-level offsets, then a BOS
+        (lambda: _sequence(_byte_level(), _template("<s> $A", "<s> $A <s> $B")), 1),
+        (lambda: _sequence(_template("<s> $A </s>", "<s> $A </s> $B </s>"), _byte_level()), 2),
+        # RoBERTa's own pair: a special token twice is no repeated text
+        (lambda: _template("<s> $A </s>", "<s> $A </s> </s> $B </s>"), 2),
+        (lambda: _sequence(_byte_level(), _roberta()), 2),
+    ],
+    ids=[
+        "byte-level then a bos",
+        "a template then byte-level",
+        "roberta's template",
+        "byte-level then roberta",
+    ],
+)
+def test_a_post_processor_adding_once_behind_byte_level_is_counted_for_its_special_tokens(
+    processor, num_special_tokens
+):
+    described = describe_tokenizer({"post_processor": _post_processor(processor())})
+
+    assert not described.unknown and described.num_special_tokens == num_special_tokens

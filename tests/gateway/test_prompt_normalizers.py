@@ -465,6 +465,30 @@ def test_a_post_processor_repeating_the_text_reserves_every_prompt_as_the_contex
     assert bound.prompt_bounds == (4096,)
 
 
+def test_a_sequence_of_templates_taking_the_first_ones_pieces_as_a_pair_reserves_the_context(
+    tiny_tokenizer_spec,
+):
+    from tokenizers import Tokenizer
+
+    # `tokenizers` hands the second template one encoding per piece of the first's (`<s>`, the text): a pair.
+    twenty_times = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}] + [{"Sequence": {"id": "B", "type_id": 0}}] * 20,
+        "special_tokens": {},
+    }
+    post_processor = {"type": "Sequence", "processors": [tiny_tokenizer_spec["post_processor"], twenty_times]}
+    tokenizer = Tokenizer.from_str(json.dumps(tiny_tokenizer_spec | {"post_processor": post_processor}))
+    prompt = " ".join(["a"] * 500)
+    counted = len(tokenizer.encode(prompt, add_special_tokens=True).ids)
+    rewrites = prompt_normalizer(describe_tokenizer(json.loads(tokenizer.to_str())).to_dict())
+
+    bound = worst_case({"prompt": prompt, "max_tokens": 1}, "completion", CONTEXT, normalizer=rewrites)
+
+    assert counted > 20 * 500  # the text twenty times over, and a BOS
+    assert bound.num_prompt_tokens >= counted  # 10,001 tokens were bounded by 1,007
+
+
 def test_a_chat_asking_for_special_tokens_is_counted_for_the_post_processors(tiny_tokenizer_spec):
     from tokenizers import Tokenizer
 
