@@ -39,3 +39,17 @@ def test_a_reset_empties_the_tables_and_keeps_or_makes_again_every_content_type_
         ContentType._meta.db_table,
         Permission._meta.db_table,
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_content_types_cache_is_cleared_when_their_rows_are_kept():
+    TransactionTestCase()._fixture_teardown()  # the rows' fingerprint is known from here on
+    content_type = ContentType.objects.get_for_model(Organization)
+    ContentType.objects.filter(pk=content_type.pk).update(model="renamed")
+    ContentType.objects.clear_cache()
+    assert ContentType.objects.get_for_id(content_type.pk).model == "renamed"  # cached by id
+    ContentType.objects.filter(pk=content_type.pk).update(model="organization")  # the rows as post_migrate made them
+
+    TransactionTestCase()._fixture_teardown()
+
+    assert ContentType.objects.get_for_id(content_type.pk).model == "organization"

@@ -190,10 +190,11 @@ def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str 
 
 def _content_key(model_dir: str | Path) -> str | None:
     """The SHA-256 of everything the child's answer may depend on: the libraries' versions, and every entry of the
-    folder (walked, links not followed into folders) by relative name, kind and link target, each file's content
-    (links followed, as the loader opens them) or, for weights, its size; a FIFO or device by its kind alone. None
-    when the folder cannot be read whole or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up
-    then."""
+    folder by relative name, kind and link target, each file's content (links followed, as the loader opens them) or,
+    for weights, its size (unless its relative path may be a versioned tokenizer file, or `fast_tokenizer_files` names
+    it: "tokenizer.4.0.json/model.safetensors" is read as a tokenizer); a FIFO or device by its kind alone. None when
+    the folder cannot be read whole, holds a link to a folder (the walk does not follow it; the loader would), names a
+    tokenizer file outside itself, or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up then."""
     digest = hashlib.sha256()
     for library in _LIBRARIES:
         try:
@@ -204,6 +205,7 @@ def _content_key(model_dir: str | Path) -> str | None:
     root = Path(model_dir)
     num_hashed_bytes = 0
     try:
+        named = _named_tokenizer_files(root)
         for folder, folder_names, file_names in os.walk(root, onerror=_raise):
             folder_names.sort()  # NOTE: walked, and hashed, in this order
             base = Path(folder)
@@ -211,8 +213,9 @@ def _content_key(model_dir: str | Path) -> str | None:
                 path = base / name
                 relative = os.fsencode(path.relative_to(root))
                 digest.update(b"d\0" + relative + b"\0")
+                # NOTE: a link to a folder: the loader reads through it, the walk does not (its files unhashed)
                 if path.is_symlink():
-                    digest.update(b"l\0" + os.fsencode(os.readlink(path)) + b"\0")
+                    return None
             for name in sorted(file_names):
                 path = base / name
                 relative = os.fsencode(path.relative_to(root))
@@ -225,7 +228,9 @@ def _content_key(model_dir: str | Path) -> str | None:
                 status = path.stat()
                 if not stat.S_ISREG(status.st_mode):  # NOTE: a FIFO or a device is never opened here
                     digest.update(b"special %o\0" % status.st_mode)
-                elif name.endswith(_WEIGHTS_SUFFIXES) and not _VERSIONED_TOKENIZER_FILE.search(name):
+                elif name.endswith(_WEIGHTS_SUFFIXES) and not (
+                    _VERSIONED_TOKENIZER_FILE.search(os.fsdecode(relative)) or path.resolve() in named
+                ):
                     digest.update(b"s%d\0" % status.st_size)
                 else:
                     num_hashed_bytes += status.st_size
@@ -235,6 +240,29 @@ def _content_key(model_dir: str | Path) -> str | None:
     except (OSError, ValueError):
         return None
     return digest.hexdigest()
+
+
+def _named_tokenizer_files(root: Path) -> set[Path]:
+    """The files a tokenizer_config.json's `fast_tokenizer_files` names, resolved as the loader opens them
+    (`os.path.join(folder, name)`, links and `..` followed): hashed by content whatever their names. A name whose
+    file is outside the folder raises ValueError (no key)."""
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_bytes())
+    except (OSError, ValueError):
+        return set()
+    names = config.get("fast_tokenizer_files") if isinstance(config, dict) else None
+    if not isinstance(names, list):
+        return set()
+    resolved_root = root.resolve()
+    named = set()
+    for name in names:
+        if not isinstance(name, str):
+            continue
+        path = Path(os.path.join(root, name)).resolve()
+        if not path.is_relative_to(resolved_root):
+            raise ValueError(f"{name!r} is outside the folder")
+        named.add(path)
+    return named
 
 
 def _raise(error: OSError) -> None:

@@ -100,13 +100,22 @@ def test_weights_changed_alone_are_not_described_again(tiny_model_dir, tmp_path,
     assert loader_starts == []
 
 
+@pytest.mark.parametrize(
+    "versioned",
+    [
+        "tokenizer.4.0.0.json.safetensors",
+        "tokenizer.4.0.json/model.safetensors",
+        "tokenizer.4.0.json/../extra.bin",
+    ],
+)
 def test_a_tokenizer_file_named_like_weights_is_hashed_by_its_content(
-    tiny_model_dir, tmp_path, loader_starts
+    tiny_model_dir, tmp_path, loader_starts, versioned
 ):
-    # transformers picks "tokenizer.4.0.0.json.safetensors" from fast_tokenizer_files: a file of the same size
-    # with another normalizer (NFD and NFC, one byte apart) must be described again, not taken as weights.
+    # transformers picks a versioned file from fast_tokenizer_files (its whole name searched: a folder's name counts):
+    # a file of the same size with another normalizer (NFD and NFC, one byte apart) must be described again, not taken
+    # as weights. A review found the subfolder's file hashed by its size (a hostile Replace described as none).
     model_dir = _copy(tiny_model_dir, tmp_path / "model")
-    versioned = "tokenizer.4.0.0.json.safetensors"
+    (model_dir / "tokenizer.4.0.json").mkdir(exist_ok=True)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(
         json.dumps(config | {"fast_tokenizer_files": [versioned]})
@@ -117,6 +126,20 @@ def test_a_tokenizer_file_named_like_weights_is_hashed_by_its_content(
     _with_normalizer(model_dir, {"type": "NFC"}, versioned)
 
     assert read_tokenizer_normalizer(model_dir).steps == [NormalizerStep(kind="compose")]
+    assert len(loader_starts) == 2
+
+
+def test_a_folder_with_a_link_to_a_folder_is_described_at_each_reading(
+    tiny_model_dir, tmp_path, loader_starts
+):
+    # The walk does not follow a link to a folder, the loader would: its files are not in the key, so nothing is kept.
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    (model_dir / "real").mkdir()
+    (model_dir / "tokenizer.4.0.json").symlink_to("real", target_is_directory=True)
+
+    read_tokenizer_normalizer(model_dir)
+    read_tokenizer_normalizer(model_dir)
+
     assert len(loader_starts) == 2
 
 
