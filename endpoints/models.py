@@ -408,6 +408,8 @@ MAX_DISPUTING_NODES = 16
 RESERVATION_FACTS = ("max_model_len", "tokenizer_normalizer", "template_tokens_per_conversation",
                      "template_tokens_per_message", "template_tokens_flagged_per_conversation",
                      "template_tokens_flagged_per_message")
+# Of those, what a replica's engine counted (its chat template): a replica's own claim, never a node's (`learn`).
+TEMPLATE_COUNT_FACTS = tuple(name for name in RESERVATION_FACTS if name.startswith("template_tokens_"))
 DIFFERING_TOKENIZERS = TokenizerNormalizer(unknown="its replicas read tokenizers that differ (two revisions)").to_dict()
 
 
@@ -430,7 +432,10 @@ def implausible_model_facts(values: dict) -> str:
 
 def _replica_key(replica_id) -> str:
     """A replica's claim's key in `ModelFacts.disputed`, apart from its node's (the node's id as text)."""
-    return f"replica:{replica_id}"
+    return f"{_REPLICA_KEY_PREFIX}{replica_id}"
+
+
+_REPLICA_KEY_PREFIX = "replica:"
 
 
 def merged_claims(claims: dict[str, dict]) -> dict:
@@ -548,6 +553,12 @@ class ModelFacts(models.Model):
                     claims = {node: claims for node, claims in claims.items() if node in running}
                 if claimed or node_key in facts.disputed:
                     claims[node_key] = facts.disputed.get(node_key, {}) | claimed
+                # NOTE: a template count is its replica's claim: one a node's claim still holds (kept before claims
+                # were a replica's) stood while that node ran any replica of the copy (900 reserved for a 40 template).
+                claims = {key: claim if key.startswith(_REPLICA_KEY_PREFIX) else
+                          {name: value for name, value in claim.items() if name not in TEMPLATE_COUNT_FACTS}
+                          for key, claim in claims.items()}
+                claims = {key: claim for key, claim in claims.items() if claim}
                 merged = values | merged_claims(claims)
                 kept = {name: value for name, value in merged.items() if getattr(facts, name) != value}
                 if kept or claims != facts.disputed:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from datetime import timedelta
 
 from django.conf import settings
@@ -358,17 +359,19 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
 
     NOTE: from any READY report that carries it, not only the one that says READY first: the agent measures on a
     thread once the engine is READY, and its heartbeat says READY at once, before the count is in. Once kept, the
-    same count from the same endpoint is not looked up again (`_kept_template_counts`): a heartbeat pays nothing
-    for it. And only while the endpoint still reads the copy the engine was started on (the source and scope
+    same count from the same replica is not looked up again for a minute (`_kept_template_counts`): a heartbeat
+    pays nothing for it. And only while the endpoint still reads the copy the engine was started on (the source and scope
     the agent reports with the count): an endpoint edited since (its credential dropped, say: a tenant's own
     copy of a catalogue name now reads the catalogue's) would otherwise file its old engine's count, a template
     the tenant wrote, as the catalogue copy's, which every other tenant's reservations read.
     NOTE: a fact like the model's others (`ModelFacts.learn`): bounded to what a template can add, and a shared
     copy's count is changed only by two nodes' agreeing reports; `node_id` is the node whose engine counted, and
     `replica_id` its replica, whose claim a tenant's copy keeps as its own (two revisions may run on one node)."""
-    kept = (endpoint.pk, str(node_id), str(replica_id), measured.model_source, measured.weights_scope, measured.per_conversation,
-            measured.per_message, measured.flagged_per_conversation, measured.flagged_per_message)
-    if kept in _kept_template_counts:
+    claimant = (endpoint.pk, str(node_id), str(replica_id), measured.model_source, measured.weights_scope)
+    counts = (measured.per_conversation, measured.per_message, measured.flagged_per_conversation,
+              measured.flagged_per_message)
+    last = _kept_template_counts.get(claimant)
+    if last is not None and last[0] == counts and time.monotonic() - last[1] < KEPT_TEMPLATE_COUNT_S:
         return
     source, scope = endpoint.model_source, endpoint.weights_scope
     if (measured.model_source, measured.weights_scope) != (source, scope):
@@ -386,11 +389,16 @@ def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTempl
                        measured.per_conversation, measured.per_message, problem)
     if len(_kept_template_counts) >= 10_000:
         _kept_template_counts.clear()
-    _kept_template_counts.add(kept)
+    _kept_template_counts[claimant] = (counts, time.monotonic())
 
 
-# (endpoint, node, replica, measured copy, counts) this process has kept (`record_chat_template_tokens`).
-_kept_template_counts: set[tuple] = set()
+# (endpoint, node, replica, measured copy) -> the counts this process last kept for it, and when
+# (`record_chat_template_tokens`). NOTE: the last counts, not every count seen: a replica's claim lowered (900, then
+# 40) and raised again (900) was never learned again, its engine adding 860 tokens a conversation unreserved. And
+# only for a while: another web process may have kept another count since.
+_kept_template_counts: dict[tuple, tuple[tuple, float]] = {}
+# How long a count this process kept is taken as still kept (another process's report may have replaced it).
+KEPT_TEMPLATE_COUNT_S = 60.0
 
 
 def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -> str:

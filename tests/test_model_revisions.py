@@ -10,10 +10,11 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from endpoints import replicas
 from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
-from endpoints.models import Replica
+from endpoints.models import ModelFacts, Replica
 from endpoints.replicas import record_chat_template_tokens
 from gpu_agent.protocol import (
     ChatTemplateTokens,
@@ -205,3 +206,61 @@ def test_a_steady_heartbeat_beside_a_costlier_revision_locks_and_writes_nothing(
     assert len(statements) <= 3  # this node's replicas, the copy's facts, the copy's live replicas (was 8)
     endpoint.refresh_from_db()
     assert endpoint.context_length == 32768
+
+
+def test_a_replicas_count_lowered_and_raised_again_is_kept_raised(endpoint):
+    # An engine relaunched on another revision and back: the count last kept was a set of every count seen, so the
+    # raised one (seen before) was never learned again: 40 kept while the engine added 900 (a review's finding).
+    replicas._kept_template_counts.clear()
+    _node, replica, _ = _running(endpoint, COSTLY)
+    for count in (900, 40, 900):
+        _counted(endpoint, replica, count)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_a_count_another_web_process_replaced_is_learned_again_within_a_minute(endpoint):
+    replicas._kept_template_counts.clear()
+    _node, replica, _ = _running(endpoint, COSTLY)
+    _counted(endpoint, replica, 900)
+    first_process = dict(replicas._kept_template_counts)
+    replicas._kept_template_counts.clear()
+    _counted(endpoint, replica, 40)  # another process
+    replicas._kept_template_counts.clear()
+    replicas._kept_template_counts.update(
+        {
+            claimant: (counts, kept_at - replicas.KEPT_TEMPLATE_COUNT_S)
+            for claimant, (counts, kept_at) in first_process.items()
+        }
+    )
+
+    _counted(endpoint, replica, 900)  # back on the first, a minute on
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (900, 8)
+
+
+def test_a_template_count_a_node_claimed_before_counts_were_a_replicas_goes_with_the_next_heartbeat(endpoint):
+    # Kept under the node's key by the code before: it stood while that node ran any replica of the copy.
+    replicas._kept_template_counts.clear()
+    node, costly, _ = _running(endpoint, COSTLY)
+    _heartbeat(endpoint, node, CHEAP)
+    facts = ModelFacts.objects.get(source=SOURCE, scope=endpoint.weights_scope)
+    old_claim = facts.disputed[str(node.pk)] | {
+        "template_tokens_per_conversation": 900,
+        "template_tokens_per_message": 8,
+    }
+    ModelFacts.objects.filter(pk=facts.pk).update(
+        disputed={str(node.pk): old_claim},
+        template_tokens_per_conversation=900,
+        template_tokens_per_message=8,
+    )
+    Replica.objects.filter(pk=costly.pk).update(state=ReplicaState.STOPPED)
+    cheap = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    _counted(endpoint, cheap, 40)
+
+    _heartbeat(endpoint, node, CHEAP)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)

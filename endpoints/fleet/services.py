@@ -30,6 +30,7 @@ from endpoints.fleet.launches import link_joined_node
 from endpoints.models import (
     LIVE_REPLICA_STATES,
     RESERVATION_FACTS,
+    TEMPLATE_COUNT_FACTS,
     IdleAction,
     ModelFacts,
     Replica,
@@ -382,6 +383,8 @@ def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict) -> bool:
     claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
     own = facts.disputed.get(node_key, {})
     if any(name not in claimed for name in changed) or any(own.get(name) != value for name, value in claimed.items()):
+        return False
+    if any(name in TEMPLATE_COUNT_FACTS for name in own):  # NOTE: kept before counts were a replica's: `learn` drops it
         return False
     if any(getattr(facts, name) != value for name, value in merged_claims(facts.disputed).items()):
         return False
