@@ -469,7 +469,12 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
-                found = await directory.find_endpoint(work.organization_id, work.model)
+                try:
+                    found = await directory.find_endpoint(work.organization_id, work.model)
+                except DatabaseError:
+                    # NOTE: PostgreSQL away past the directory's cache and its stale grace (7 s): the endpoint in hand
+                    # is kept. Raised, it ended the run, its lines in flight cut and run again (GPU work twice).
+                    found = endpoint
                 if found is None or found.id == work.endpoint_id:
                     endpoint = found or endpoint
                 elif not progress.stopped:

@@ -750,11 +750,14 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         refused.append(outcome.line.index)
         return runner.Stored(ok=False, stop="quota")
 
-    progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
-                                      keep_going=keep_going, store=store, lines_end_by=lines_end_by))
-    # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
-    # through): checked before its next query, as between two requests
-    close_old_connections()
+    try:
+        progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
+                                          keep_going=keep_going, store=store, lines_end_by=lines_end_by))
+    finally:
+        # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
+        # through): checked before its next query, as between two requests, also when the run raised (else the
+        # dead connection's error in `_release` hid the run's own)
+        close_old_connections()
     if progress.stopped == "cold":
         wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
                                                          batch.expires_at.timestamp()),

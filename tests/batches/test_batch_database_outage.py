@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 NUM_TOKENS = 8
 
 
-def _one_line(endpoint) -> bytes:
+def _one_line(endpoint, num_tokens: int) -> bytes:
     line = {
         "custom_id": "only",
         "method": "POST",
@@ -31,7 +31,7 @@ def _one_line(endpoint) -> bytes:
         "body": {
             "model": endpoint.name,
             "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": NUM_TOKENS,
+            "max_tokens": num_tokens,
         },
     }
     return json.dumps(line).encode() + b"\n"
@@ -44,12 +44,12 @@ def _wait_for(condition, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
-    files_bucket, tenant, start_mock_upstream
-):
-    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
+def _run_through_an_outage(tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float):
+    """A one-line batch whose run meets a PostgreSQL outage of `outage_s` while its line is in flight, then the runs
+    that finish it: the batch, the first run's outcome and the number of engine requests made."""
+    upstream = start_mock_upstream(token_delay_ms=token_delay_ms)
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, _one_line(endpoint, num_tokens))
     runs: list[object] = []
 
     def run() -> None:
@@ -67,17 +67,41 @@ def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_onc
     worker.start()
     _wait_for(lambda: num_engine_requests() == 1)  # the line is in flight
     with database_refusing_connections():
-        time.sleep(1.5)  # the run renews its lease every second: it meets the outage at least once
+        time.sleep(outage_s)
     worker.join(timeout=120)
 
     for _ in range(2):  # whatever the first run left, the next runs finish
         if Batch.objects.get(pk=batch.pk).status != BatchStatus.COMPLETED:
             Batch.objects.filter(pk=batch.pk).update(lease_until=None, lease_token="")
             services.run_batch(batch.pk)
+    return Batch.objects.get(pk=batch.pk), runs, num_engine_requests()
 
-    batch = Batch.objects.get(pk=batch.pk)
+
+def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
+    files_bucket, tenant, start_mock_upstream
+):
+    # the line answers in ~4 s; the run renews its lease every second: it meets the outage at least once
+    batch, runs, num_engine_requests = _run_through_an_outage(
+        tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=1.5
+    )
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
-    assert num_engine_requests() == 1, "the line ran once: its first answer was kept"
+    assert num_engine_requests == 1, "the line ran once: its first answer was kept"
     assert runs == ["outage"], "the run went through the outage, starting no line meanwhile"
     [row] = UsageRecord.objects.filter(batch_id=batch.pk)
     assert row.completion_tokens == NUM_TOKENS
+
+
+def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_run_once(
+    files_bucket, tenant, start_mock_upstream
+):
+    # NOTE: 10 s, past the directory's cached endpoint and its stale grace (7 s): its once-a-second read of the
+    # endpoint raised, the run ended with its line cut mid-answer, and the next run ran it again
+    num_tokens = 12  # the line answers in ~18 s: in flight through the whole outage
+    batch, runs, num_engine_requests = _run_through_an_outage(
+        tenant, start_mock_upstream, token_delay_ms=1500, num_tokens=num_tokens, outage_s=10
+    )
+    assert runs == ["outage"], "the run went through the outage"
+    assert num_engine_requests == 1, "the line ran once: its first answer was kept"
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    [row] = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert row.completion_tokens == num_tokens
