@@ -44,7 +44,9 @@ def _wait_for(condition, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
-def _run_through_an_outage(tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float):
+def _run_through_an_outage(
+    tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float
+):
     """A one-line batch whose run meets a PostgreSQL outage of `outage_s` while its line is in flight, then the runs
     that finish it: the batch, the first run's outcome and the number of engine requests made."""
     upstream = start_mock_upstream(token_delay_ms=token_delay_ms)
