@@ -306,7 +306,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
-        logger.warning("batch line %s: %r", request_id, exc)
+        logger.warning("batch line %s: %s", request_id, repr(exc))  # a string, not the exception (`_through_outages`)
         status, body, retry = 503, errors.service_unavailable().body(), True
     else:
         status, retry = capture.status or 502, capture.status in RETRY_STATUSES
@@ -363,7 +363,9 @@ def _through_outages(keep_going: Callable[[Progress], str]) -> Callable:
         try:
             return await checked(progress)
         except DatabaseError as exc:
-            logger.warning("batch run: PostgreSQL is away (%r): no line starts until the next run", exc)
+            # NOTE: logged as a string: a record that kept the exception (a handler, pytest's capture) kept, through
+            # its traceback's frames, the worker thread's connection open for good (the test database never dropped)
+            logger.warning("batch run: PostgreSQL is away (%s): no line starts until the next run", repr(exc))
             return "outage"
 
     return check
@@ -525,8 +527,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     except DatabaseError as exc:
                         # NOTE: PostgreSQL away as its answer's room was counted (`store`): not stored, run again by the
                         # next run under its id (billed once); raised, it ended the run, its other lines cut mid-answer
-                        logger.warning("batch %s: a line's answer could not be stored (%r): the next run runs it again",
-                                       work.batch_id, exc)
+                        logger.warning("batch %s: a line's answer could not be stored (%s): the next run runs it again",
+                                       work.batch_id, repr(exc))  # a string, not the exception (`_through_outages`)
                         progress.stopped = progress.stopped or "outage"
                         continue
                     if stored.ok:
