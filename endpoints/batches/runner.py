@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import InterfaceError, OperationalError
 
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
@@ -55,6 +55,10 @@ from endpoints.models import AdapterState
 logger = logging.getLogger("inferplane.batches")
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# PostgreSQL away (a restart, a failover, a cut connection): a run goes on through it, starting no line. NOTE: only
+# these: any other database error (a bad query, a constraint) is a fault that must be seen, not an outage that ends
+# every run quietly and queues the batch again at each tick.
+DATABASE_AWAY = (OperationalError, InterfaceError)
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
 # A line's answer is waited for at most this long from its run's read of the input, whatever its engine still
@@ -362,7 +366,7 @@ def _through_outages(keep_going: Callable[[Progress], str]) -> Callable:
     async def check(progress: Progress) -> str:
         try:
             return await checked(progress)
-        except DatabaseError as exc:
+        except DATABASE_AWAY as exc:
             # NOTE: logged as a string: a record that kept the exception (a handler, pytest's capture) kept, through
             # its traceback's frames, the worker thread's connection open for good (the test database never dropped)
             logger.warning("batch run: PostgreSQL is away (%s): no line starts until the next run", repr(exc))
@@ -473,7 +477,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 # kept it.
                 try:
                     found = await directory.find_endpoint(work.organization_id, work.model)
-                except DatabaseError:
+                except DATABASE_AWAY:
                     # NOTE: PostgreSQL away past the directory's cache and its stale grace (7 s): the endpoint in hand
                     # is kept. Raised, it ended the run, its lines in flight cut and run again (GPU work twice).
                     found = endpoint
@@ -524,7 +528,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     storing.pop(task).release()
                     try:
                         stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
-                    except DatabaseError as exc:
+                    except DATABASE_AWAY as exc:
                         # NOTE: PostgreSQL away as its answer's room was counted (`store`): not stored, run again by the
                         # next run under its id (billed once); raised, it ended the run, its other lines cut mid-answer
                         logger.warning("batch %s: a line's answer could not be stored (%s): the next run runs it again",

@@ -3,16 +3,17 @@ once and billed once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
 import httpx
 import pytest
-from django.db import connections
+from django.db import ProgrammingError, connection, connections
 
 from billing.models import UsageRecord
-from endpoints.batches import services
+from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import new_batch
 from tests.gateway.conftest import serve_endpoint
@@ -107,3 +108,28 @@ def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_ru
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
     [row] = UsageRecord.objects.filter(batch_id=batch.pk)
     assert row.completion_tokens == num_tokens
+
+
+def test_a_lease_check_that_fails_for_another_reason_than_an_outage_is_raised_not_taken_for_an_outage():
+    # NOTE: every database error was taken for an outage: a check that always failed (a bad query) ended every run
+    # quietly as "outage", no line started, and the batch was queued again at every tick until it expired
+    def keep_going(progress: runner.Progress) -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT no_such_column FROM no_such_table")
+        return ""
+
+    check = runner._through_outages(keep_going)
+    with pytest.raises(ProgrammingError):
+        asyncio.run(check(runner.Progress(num_completed=0, num_failed=0)))
+
+
+def test_a_lease_check_that_meets_postgresql_away_is_an_outage():
+    def keep_going(progress: runner.Progress) -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return ""
+
+    check = runner._through_outages(keep_going)
+    connection.ensure_connection()  # this test's own session, kept through the outage
+    with database_refusing_connections():
+        assert asyncio.run(check(runner.Progress(num_completed=0, num_failed=0))) == "outage"
