@@ -8,8 +8,8 @@ interactive call. What differs is only what a batch line is:
 - its request id is `<batch id>-<line index>`, the same on every try, so a line re-run after a worker
   died mid-line writes no second usage row (the ledger's unique request id);
 - its usage row carries the batch id and is priced at the endpoint's `batch_price_fraction`;
-- its `body.model` is resolved as the gateway resolves a call's (`adapter_hold.resolve`): the batch's endpoint, or
-  one of its LoRA adapters (`"<endpoint>:<adapter>"`), run on a replica holding it and priced and metered as the
+- its `body.model` is resolved as the gateway resolves a call's, on the batch's endpoint (`Batch.endpoint`, renamed
+  or not): the endpoint, or one of its LoRA adapters (`"<endpoint>:<adapter>"`), run on a replica holding it and priced and metered as the
   gateway's call to it;
 - it runs at `scheduling.BATCH_ENGINE_PRIORITY` at the engine, and is started only while the READY
   replicas have spare slots (`scheduling.batch_slots`), never held through a cold start.
@@ -46,7 +46,7 @@ from controlplane.worker_threads import connections_checked, in_worker_thread
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
-from endpoints.gateway import adapter_hold, directory, errors, presence, upstream
+from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.request import InferenceRequest
@@ -246,19 +246,26 @@ async def _never_disconnects() -> dict:
 async def _route(work: Work, endpoint: directory.EndpointInfo, request: InferenceRequest,
                  ) -> tuple[directory.EndpointInfo, InferenceRequest, directory.AdapterInfo | None]:
     """The endpoint (priced for the adapter), the request and the adapter a line's `model` names, as the gateway
-    resolves a call's (`adapter_hold.resolve`, then the adapter's name for the engine), or the 404 of a model that is
-    not the batch's endpoint's (an adapter deleted since the batch's check: this line fails, not the batch)."""
-    resolved = await adapter_hold.resolve(work.organization_id, request.model)
-    if resolved is None and (names := parse_model_name(request.model)) is not None and names[0] == work.model:
+    resolves a call's (the adapter's name for the engine), or the 404 of an adapter the batch's endpoint no longer has
+    (deleted since the batch's check: this line fails, not the batch).
+
+    NOTE: the endpoint is the batch's own, `endpoint` (`Work.endpoint_id`, read by the run every second), never the
+    one the line's endpoint part names now: the batch's check found it named the batch's endpoint, and after a rename
+    its old name named none (every line left failed `model_not_found`) or another endpoint."""
+    names = parse_model_name(request.model)
+    if names is None:
+        raise errors.model_not_found(request.model)
+    adapter_name = names[1]
+    if not adapter_name:
+        # NOTE: renamed, its engines serve its new name (a rename restarts them: `ENGINE_FIELDS`)
+        return endpoint, request if names[0] == endpoint.name else replace(request, engine_model=endpoint.name), None
+    adapter = (await directory.endpoint_adapters(endpoint.id)).get(adapter_name)
+    if adapter is None:
         # NOTE: the cached adapter list (`directory.endpoint_adapters`) may predate an adapter the batch's check found:
         # read again before the 404, which fails the line for good
-        await directory.endpoint_adapters(endpoint.id, fresh=True)
-        resolved = await adapter_hold.resolve(work.organization_id, request.model)
-    if resolved is None or resolved[0].id != endpoint.id:
-        raise errors.model_not_found(request.model)
-    adapter = resolved[1]
+        adapter = (await directory.endpoint_adapters(endpoint.id, fresh=True)).get(adapter_name)
     if adapter is None:
-        return endpoint, request, None
+        raise errors.model_not_found(request.model)
     await _refuse_unless_held(endpoint, adapter)
     # NOTE: priced from the run's endpoint, read again every second (its engine generation), as the gateway prices it
     return adapter.priced(endpoint), replace(request, engine_model=adapter.name), adapter
