@@ -10,6 +10,7 @@ shares such a pool's threads among its callers' owners (organisations), so none 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
@@ -47,17 +48,32 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     )
 
 
+# Set in a short-lived event loop's task (`close_connections_after_each_call`): its calls' connections closed after each.
+_closing_after_each_call = contextvars.ContextVar("closing_after_each_call", default=False)
+
+
+def close_connections_after_each_call() -> None:
+    """From now on in the running task (and the tasks and worker-thread calls it starts, which copy its context), each
+    `connections_checked` call closes its connections after it. For an event loop that ends soon (a batch run's
+    `asyncio.run`): its pool's threads end with it, and the connection each kept (Django keeps them per thread and
+    context) stayed open with no one to close it until a garbage collection found it, a few sessions a run."""
+    _closing_after_each_call.set(True)
+
+
 def connections_checked(function: Callable) -> Callable:
     """`function` (which uses the ORM, in a thread that never sees a request) with its thread's connections treated as
     Django treats a request's: a stale or broken one (a PostgreSQL restart, a terminated backend) dropped before and
-    after the call, so it never serves the next."""
+    after the call, so it never serves the next; every one closed after it under `close_connections_after_each_call`."""
 
     def call(*args, **kwargs):
         close_old_connections()
         try:
             return function(*args, **kwargs)
         finally:
-            close_old_connections()
+            if _closing_after_each_call.get():
+                connections.close_all()
+            else:
+                close_old_connections()
 
     return call
 

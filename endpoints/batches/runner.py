@@ -42,7 +42,11 @@ from django.db import InterfaceError, OperationalError
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
-from controlplane.worker_threads import connections_checked, in_worker_thread
+from controlplane.worker_threads import (
+    close_connections_after_each_call,
+    connections_checked,
+    in_worker_thread,
+)
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
@@ -450,6 +454,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     if endpoint is None or endpoint.id != work.endpoint_id:
         progress.stopped = "gone"
         return progress
+    # NOTE: the run's loop and its pool's threads end with it: the connections of its calls are closed after each
+    close_connections_after_each_call()
     check = _through_outages(keep_going)
     store = connections_checked(store)
     # NOTE: one beat before any line: it ends in Redis what an earlier run in this process left unended

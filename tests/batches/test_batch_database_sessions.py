@@ -79,3 +79,10 @@ def test_a_run_through_an_outage_leaves_no_session_open_once_its_objects_are_col
     assert _run_a_line(tenant, start_mock_upstream, outage_s=1.5) == ["outage"]
     gc.collect()
     assert _other_sessions() == []
+
+
+def test_a_run_leaves_no_session_of_its_worker_threads_open(files_bucket, tenant, start_mock_upstream):
+    # NOTE: each thread the run's calls ran in (its lease checks, its stores, its lookups) kept its connection open
+    # after the run, until a garbage collection found it: three sessions a run, of the database's `max_connections`
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=0) == ["ran"]
+    assert _other_sessions() == []
