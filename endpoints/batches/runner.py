@@ -174,6 +174,7 @@ class Stored:
 
     ok: bool
     stop: str = ""
+    kept: bool = True  # False: not stored at all (the run lost its lease), counted neither completed nor failed
 
 
 def _dropped(pairs: list) -> None:
@@ -472,6 +473,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
+    renewed_at = time.monotonic()  # the lease's last renewal (about: its long-step hold came just before the run)
     no_slot_since: float | None = None  # since when no line could start and none ran
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
@@ -485,6 +487,13 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
                 reason = await check(progress)  # "outage" while PostgreSQL is away
+                if reason != "outage":
+                    renewed_at = now
+                elif now - renewed_at >= settings.BATCH_LEASE_S:
+                    # NOTE: the lease lapsed during the outage: another run may hold the batch as PostgreSQL returns
+                    # (its lines are its own: this run's answers are not stored, `store`)
+                    reason = "lease"
+                    progress.stopped = "lease" if progress.stopped == "outage" else progress.stopped
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
@@ -548,9 +557,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                                        work.batch_id, repr(exc))  # a string, not the exception (`_through_outages`)
                         progress.stopped = progress.stopped or "outage"
                         continue
-                    if stored.ok:
+                    if stored.kept and stored.ok:
                         progress.num_completed += 1
-                    else:
+                    elif stored.kept:
                         progress.num_failed += 1
                     if stored.stop and not progress.stopped:
                         progress.stopped = stored.stop

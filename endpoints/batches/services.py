@@ -734,8 +734,16 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     refused: list[int] = []  # the lines whose answers were not kept, past the storage quota
 
     def store(outcome: runner.LineOutcome) -> runner.Stored:
+        try:
+            return _store(outcome)
+        except LeaseLost:
+            # NOTE: another run holds the batch (its lease lapsed through an outage longer than it): that run counts
+            # and writes its lines; this one's answer, counted too, took the storage quota twice for one file row
+            return runner.Stored(ok=False, kept=False, stop="lease")
+
+    def _store(outcome: runner.LineOutcome) -> runner.Stored:
         row = outcome.row
-        if _take_result_room(batch, len(row) + 1):
+        if _take_result_room(batch, len(row) + 1, token=token):
             storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
             return runner.Stored(ok=outcome.status_code == 200)
         # NOTE: its answer is dropped, not stored past the quota: the run stops starting lines (each would be billed
@@ -745,7 +753,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                                          "organisation's files past its storage quota (max_file_bytes). It ran, and is "
                                          "billed as any request that ran. Delete files the organisation no longer "
                                          "needs, or ask for a larger plan, and send the request again.")
-        _take_result_room(batch, len(error) + 1, past_quota=True)
+        _take_result_room(batch, len(error) + 1, past_quota=True, token=token)
         storage.put_result(batch.organization_id, batch.pk, outcome.line.index, error, ok=False)
         refused.append(outcome.line.index)
         return runner.Stored(ok=False, stop="quota")
@@ -772,20 +780,29 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     return progress.stopped or "ran"
 
 
-def _take_result_room(batch: Batch, num_bytes: int, *, past_quota: bool = False) -> bool:
+class LeaseLost(Exception):
+    """The batch's lease is no longer the run's (`lease_token`): another run holds it."""
+
+
+def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: bool = False) -> bool:
     """Count `num_bytes` more of the batch's results (`num_result_bytes`) against its organisation's `max_file_bytes`,
     under its row lock; False, counting nothing, when they would take it past the quota (unless `past_quota`: a line's
     error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
-    fit. NOTE: a batch kept room for its output equal to its input only, and its outputs were stored unchecked: a
-    300-byte line's answer may be 64 MiB, and 50,000 such lines took an organisation's S3 use far past its quota."""
+    fit. `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
+    its output equal to its input only, and its outputs were stored unchecked: a 300-byte line's answer may be 64 MiB,
+    and 50,000 such lines took an organisation's S3 use far past its quota."""
     with transaction.atomic():
         limit, used, room = _storage_use(batch.organization_id)
-        num_input_bytes, num_result_bytes = Batch.objects.filter(pk=batch.pk).values_list(
-            "input_file__bytes", "num_result_bytes").get()
+        num_input_bytes, num_result_bytes, lease_token = Batch.objects.filter(pk=batch.pk).values_list(
+            "input_file__bytes", "num_result_bytes", "lease_token").get()
+        if lease_token != token:
+            raise LeaseLost(batch.pk)
         kept, wanted = max(num_input_bytes, num_result_bytes), max(num_input_bytes, num_result_bytes + num_bytes)
         if not past_quota and wanted > kept and used + room - kept + wanted > limit:
             return False
-        Batch.objects.filter(pk=batch.pk).update(num_result_bytes=F("num_result_bytes") + num_bytes)
+        if not Batch.objects.filter(pk=batch.pk, lease_token=token).update(
+                num_result_bytes=F("num_result_bytes") + num_bytes):
+            raise LeaseLost(batch.pk)
     return True
 
 

@@ -133,3 +133,39 @@ def test_a_lease_check_that_meets_postgresql_away_is_an_outage():
     connection.ensure_connection()  # this test's own session, kept through the outage
     with database_refusing_connections():
         assert asyncio.run(check(runner.Progress(num_completed=0, num_failed=0))) == "outage"
+
+
+def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_holds_the_batch(
+    files_bucket, tenant, start_mock_upstream, settings
+):
+    # NOTE: an outage longer than the lease: as PostgreSQL came back, the next run claimed the lapsed lease and ran the
+    # line again, and both runs counted its answer against the storage quota (num_result_bytes twice the file's)
+    settings.BATCH_LEASE_S = 2.0
+    upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint, 10))
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch.pk))
+        finally:
+            connections.close_all()  # this thread's own
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    _wait_for(lambda: httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1)  # the line is in flight
+    with database_refusing_connections():
+        time.sleep(4)
+    assert (
+        services.run_batch(batch.pk) == "ran"
+    )  # the tick's next run, taken by a worker as PostgreSQL is back
+    worker.join(timeout=120)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.num_result_bytes == batch.output_file.bytes, (
+        "its answer counted once against the storage quota"
+    )
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert runs == ["lease"], "the first run knew its lease lapsed"
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1
