@@ -42,11 +42,7 @@ from django.db import InterfaceError, OperationalError
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
-from controlplane.worker_threads import (
-    close_connections_after_each_call,
-    connections_checked,
-    in_worker_thread,
-)
+from controlplane.worker_threads import connections_checked, in_worker_thread
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
@@ -220,7 +216,7 @@ class Progress:
     num_completed: int
     num_failed: int
     # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
-    # "outage" (PostgreSQL away: `run`)
+    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end)
     stopped: str = ""
 
 
@@ -455,8 +451,6 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     if endpoint is None or endpoint.id != work.endpoint_id:
         progress.stopped = "gone"
         return progress
-    # NOTE: the run's loop and its pool's threads end with it: the connections of its calls are closed after each
-    close_connections_after_each_call()
     check = _through_outages(keep_going)
     store = connections_checked(store)
     # NOTE: one beat before any line: it ends in Redis what an earlier run in this process left unended
@@ -469,7 +463,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     running: dict[asyncio.Task, tuple[Line, answer_bytes.LineAnswer]] = {}
     # NOTE: a finished line's result goes to S3 in a worker thread, never awaited in the loop: a put S3 was slow to
     # answer (boto3 retrying) held up the lease's renewal as a slow read did. Counted once stored.
-    storing: dict[asyncio.Future, answer_bytes.LineAnswer] = {}
+    storing: dict[asyncio.Future, tuple[LineOutcome, answer_bytes.LineAnswer]] = {}
+    # NOTE: finished lines whose store met PostgreSQL away, stored again after the next check that reached it: dropped
+    # for the next run to run again, the line was lost (billed, in no file) when this run ended the batch (its endpoint
+    # deleted, a cancel), as no run could run it again
+    unstored: list[tuple[LineOutcome, answer_bytes.LineAnswer]] = []
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
@@ -480,7 +478,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
     try:
-        while pending or running or storing:
+        while pending or running or storing or unstored:
             pending.read_ahead()
             now = time.monotonic()
             if now - last_check >= CHECK_EVERY_S:
@@ -494,6 +492,10 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     # (its lines are its own: this run's answers are not stored, `store`)
                     reason = "lease"
                     progress.stopped = "lease" if progress.stopped == "outage" else progress.stopped
+                if reason != "outage":
+                    for outcome, answer in unstored:
+                        storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
+                    unstored.clear()
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
@@ -537,7 +539,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
                         line, answer)
             if not running and not storing:
-                if progress.stopped or not pending:
+                # NOTE: answers left unstored are tried again at each check until the run's lines must have ended
+                if (progress.stopped or not pending) and (not unstored or now >= latest_end):
                     break
                 if pending.reading is not None:
                     await asyncio.wait([pending.reading], timeout=0.2)
@@ -547,16 +550,18 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             done, _ = await asyncio.wait([*running, *storing], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in storing:
-                    storing.pop(task).release()
+                    outcome, answer = storing.pop(task)
                     try:
                         stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
                     except DATABASE_AWAY as exc:
-                        # NOTE: PostgreSQL away as its answer's room was counted (`store`): not stored, run again by the
-                        # next run under its id (billed once); raised, it ended the run, its other lines cut mid-answer
-                        logger.warning("batch %s: a line's answer could not be stored (%s): the next run runs it again",
+                        # NOTE: PostgreSQL away as its answer's room was counted (`store`): kept, and stored again once
+                        # it is back (`unstored`); raised, it ended the run, its other lines cut mid-answer
+                        logger.warning("batch %s: a line's answer could not be stored yet (%s)",
                                        work.batch_id, repr(exc))  # a string, not the exception (`_through_outages`)
+                        unstored.append((outcome, answer))
                         progress.stopped = progress.stopped or "outage"
                         continue
+                    answer.release()
                     if stored.kept and stored.ok:
                         progress.num_completed += 1
                     elif stored.kept:
@@ -588,13 +593,18 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     continue
                 # NOTE: its thread's connection checked before and after (`connections_checked`): Django checks them
                 # only around requests, and one a PostgreSQL restart cut stayed in its thread, broken
-                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = answer
+                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
             # NOTE: a line's task holds its outcome (its row) as long as the task is named: not till the next ends
             done = task = outcome = None
     finally:
         # NOTE: a run that ends with lines running or storing (an error) gives their bytes back: the process runs others
-        for answer in [*(answer for _, answer in running.values()), *storing.values()]:
+        for _, answer in [*running.values(), *storing.values(), *unstored]:
             answer.release()
+        if unstored:
+            # NOTE: never ended by this run (`services.run_batch`): the next runs them again, under their ids
+            logger.warning("batch %s: %d line(s) answered but not stored: the next run runs them again",
+                           work.batch_id, len(unstored))
+            progress.stopped = "unstored"
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
     await check(progress)  # the last counts

@@ -13,7 +13,6 @@ batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
@@ -34,6 +33,7 @@ from controlplane.accounts.models import ApiKey, Membership, Organization, Role,
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
+from controlplane.worker_threads import run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
@@ -543,6 +543,10 @@ def run_batch(batch_id: str) -> str:
                 _end_without_input(batch)
                 return "input gone"
             batch.refresh_from_db()
+            if outcome == "unstored":
+                # NOTE: lines answered (billed) whose answers PostgreSQL kept from being stored: ended now, the batch's
+                # files lacked them for good; the next run runs them again, under their ids (billed once)
+                return outcome
         final = None
         if batch.status == BatchStatus.IN_PROGRESS and outcome == "gone":
             # NOTE: deleted, not renamed (its old name then another endpoint's, or none in this process's cache yet):
@@ -690,8 +694,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         # NOTE: its journal past its limit (PostgreSQL took no writes for a while), the worker replays what it may and
         # counts the folder again first: only a replay or a count clears it, and a run that went no further never
         # made one, so the worker's batches waited for ever with the journal's rows unwritten.
-        asyncio.run(usage_writer.replay_before_the_loop_ends(runner.REPLAY_JOURNAL_FOR_S))
-    if not usage_writer.usage_recordable() or asyncio.run(runner.free_slots(
+        run_briefly(usage_writer.replay_before_the_loop_ends(runner.REPLAY_JOURNAL_FOR_S))
+    if not usage_writer.usage_recordable() or run_briefly(runner.free_slots(
             batch.organization_id, batch.endpoint_id, target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
     _hold_lease_through_a_long_step(batch.pk, token)  # renewed each second once its lines run
@@ -759,7 +763,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         return runner.Stored(ok=False, stop="quota")
 
     try:
-        progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
+        progress = run_briefly(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
                                           keep_going=keep_going, store=store, lines_end_by=lines_end_by))
     finally:
         # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
