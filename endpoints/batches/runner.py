@@ -487,15 +487,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 reason = await check(progress)  # "outage" while PostgreSQL is away
                 if reason != "outage":
                     renewed_at = now
+                    for outcome, answer in unstored:  # PostgreSQL reached: their stores tried again
+                        storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
+                    unstored.clear()
                 elif now - renewed_at >= settings.BATCH_LEASE_S:
                     # NOTE: the lease lapsed during the outage: another run may hold the batch as PostgreSQL returns
                     # (its lines are its own: this run's answers are not stored, `store`)
                     reason = "lease"
                     progress.stopped = "lease" if progress.stopped == "outage" else progress.stopped
-                if reason != "outage":
-                    for outcome, answer in unstored:
-                        storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
-                    unstored.clear()
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
