@@ -10,15 +10,19 @@ shares such a pool's threads among its callers' owners (organisations), so none 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connections
 
 from controlplane.per_loop import PerLoop
+
+T = TypeVar("T")
 
 
 def in_worker_thread(function: Callable, *, executor: Executor | None = None) -> Callable:
@@ -47,17 +51,37 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     )
 
 
+# Set in a short-lived event loop's main task (`run_briefly`): its calls' connections closed after each.
+_closing_after_each_call = contextvars.ContextVar("closing_after_each_call", default=False)
+
+
+def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coroutine)`, each `connections_checked` call of its tasks (they copy its context) closing its
+    connections after it. NOTE: for an event loop that ends soon (a batch run's): its pool's threads end with it, and
+    the connection each kept (Django keeps them per thread and context) stayed open with no one to close it until a
+    garbage collection found it, a few sessions a run."""
+
+    async def closing_after_each_call() -> T:
+        _closing_after_each_call.set(True)  # the main task's own context
+        return await coroutine
+
+    return asyncio.run(closing_after_each_call())
+
+
 def connections_checked(function: Callable) -> Callable:
     """`function` (which uses the ORM, in a thread that never sees a request) with its thread's connections treated as
     Django treats a request's: a stale or broken one (a PostgreSQL restart, a terminated backend) dropped before and
-    after the call, so it never serves the next."""
+    after the call, so it never serves the next; every one closed after it under `run_briefly`."""
 
     def call(*args, **kwargs):
         close_old_connections()
         try:
             return function(*args, **kwargs)
         finally:
-            close_old_connections()
+            if _closing_after_each_call.get():
+                connections.close_all()
+            else:
+                close_old_connections()
 
     return call
 

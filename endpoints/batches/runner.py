@@ -8,8 +8,8 @@ interactive call. What differs is only what a batch line is:
 - its request id is `<batch id>-<line index>`, the same on every try, so a line re-run after a worker
   died mid-line writes no second usage row (the ledger's unique request id);
 - its usage row carries the batch id and is priced at the endpoint's `batch_price_fraction`;
-- its `body.model` is resolved as the gateway resolves a call's (`adapter_hold.resolve`): the batch's endpoint, or
-  one of its LoRA adapters (`"<endpoint>:<adapter>"`), run on a replica holding it and priced and metered as the
+- its `body.model` is resolved as the gateway resolves a call's, on the batch's endpoint (`Batch.endpoint`, renamed
+  or not): the endpoint, or one of its LoRA adapters (`"<endpoint>:<adapter>"`), run on a replica holding it and priced and metered as the
   gateway's call to it;
 - it runs at `scheduling.BATCH_ENGINE_PRIORITY` at the engine, and is started only while the READY
   replicas have spare slots (`scheduling.batch_slots`), never held through a cold start.
@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import InterfaceError, OperationalError
 
 from billing import usage_writer
 from controlplane.redis_client import get_async_redis
@@ -46,7 +46,7 @@ from controlplane.worker_threads import connections_checked, in_worker_thread
 from endpoints.adapters import parse_model_name, want_adapter
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
-from endpoints.gateway import adapter_hold, directory, errors, presence, upstream
+from endpoints.gateway import directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.request import InferenceRequest
@@ -55,6 +55,10 @@ from endpoints.models import AdapterState
 logger = logging.getLogger("inferplane.batches")
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# PostgreSQL away (a restart, a failover, a cut connection): a run goes on through it, starting no line. NOTE: only
+# these: any other database error (a bad query, a constraint) is a fault that must be seen, not an outage that ends
+# every run quietly and queues the batch again at each tick.
+DATABASE_AWAY = (OperationalError, InterfaceError)
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
 # A line's answer is waited for at most this long from its run's read of the input, whatever its engine still
@@ -166,6 +170,7 @@ class Stored:
 
     ok: bool
     stop: str = ""
+    kept: bool = True  # False: not stored at all (the run lost its lease), counted neither completed nor failed
 
 
 def _dropped(pairs: list) -> None:
@@ -211,7 +216,7 @@ class Progress:
     num_completed: int
     num_failed: int
     # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
-    # "outage" (PostgreSQL away: `run`)
+    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end)
     stopped: str = ""
 
 
@@ -242,19 +247,26 @@ async def _never_disconnects() -> dict:
 async def _route(work: Work, endpoint: directory.EndpointInfo, request: InferenceRequest,
                  ) -> tuple[directory.EndpointInfo, InferenceRequest, directory.AdapterInfo | None]:
     """The endpoint (priced for the adapter), the request and the adapter a line's `model` names, as the gateway
-    resolves a call's (`adapter_hold.resolve`, then the adapter's name for the engine), or the 404 of a model that is
-    not the batch's endpoint's (an adapter deleted since the batch's check: this line fails, not the batch)."""
-    resolved = await adapter_hold.resolve(work.organization_id, request.model)
-    if resolved is None and (names := parse_model_name(request.model)) is not None and names[0] == work.model:
+    resolves a call's (the adapter's name for the engine), or the 404 of an adapter the batch's endpoint no longer has
+    (deleted since the batch's check: this line fails, not the batch).
+
+    NOTE: the endpoint is the batch's own, `endpoint` (`Work.endpoint_id`, read by the run every second), never the
+    one the line's endpoint part names now: the batch's check found it named the batch's endpoint, and after a rename
+    its old name named none (every line left failed `model_not_found`) or another endpoint."""
+    names = parse_model_name(request.model)
+    if names is None:
+        raise errors.model_not_found(request.model)
+    adapter_name = names[1]
+    if not adapter_name:
+        # NOTE: renamed, its engines serve its new name (a rename restarts them: `ENGINE_FIELDS`)
+        return endpoint, request if names[0] == endpoint.name else replace(request, engine_model=endpoint.name), None
+    adapter = (await directory.endpoint_adapters(endpoint.id)).get(adapter_name)
+    if adapter is None:
         # NOTE: the cached adapter list (`directory.endpoint_adapters`) may predate an adapter the batch's check found:
         # read again before the 404, which fails the line for good
-        await directory.endpoint_adapters(endpoint.id, fresh=True)
-        resolved = await adapter_hold.resolve(work.organization_id, request.model)
-    if resolved is None or resolved[0].id != endpoint.id:
-        raise errors.model_not_found(request.model)
-    adapter = resolved[1]
+        adapter = (await directory.endpoint_adapters(endpoint.id, fresh=True)).get(adapter_name)
     if adapter is None:
-        return endpoint, request, None
+        raise errors.model_not_found(request.model)
     await _refuse_unless_held(endpoint, adapter)
     # NOTE: priced from the run's endpoint, read again every second (its engine generation), as the gateway prices it
     return adapter.priced(endpoint), replace(request, engine_model=adapter.name), adapter
@@ -306,7 +318,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
-        logger.warning("batch line %s: %r", request_id, exc)
+        logger.warning("batch line %s: %s", request_id, repr(exc))  # a string, not the exception (`_through_outages`)
         status, body, retry = 503, errors.service_unavailable().body(), True
     else:
         status, retry = capture.status or 502, capture.status in RETRY_STATUSES
@@ -362,8 +374,10 @@ def _through_outages(keep_going: Callable[[Progress], str]) -> Callable:
     async def check(progress: Progress) -> str:
         try:
             return await checked(progress)
-        except DatabaseError as exc:
-            logger.warning("batch run: PostgreSQL is away (%r): no line starts until the next run", exc)
+        except DATABASE_AWAY as exc:
+            # NOTE: logged as a string: a record that kept the exception (a handler, pytest's capture) kept, through
+            # its traceback's frames, the worker thread's connection open for good (the test database never dropped)
+            logger.warning("batch run: PostgreSQL is away (%s): no line starts until the next run", repr(exc))
             return "outage"
 
     return check
@@ -449,27 +463,47 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     running: dict[asyncio.Task, tuple[Line, answer_bytes.LineAnswer]] = {}
     # NOTE: a finished line's result goes to S3 in a worker thread, never awaited in the loop: a put S3 was slow to
     # answer (boto3 retrying) held up the lease's renewal as a slow read did. Counted once stored.
-    storing: dict[asyncio.Future, answer_bytes.LineAnswer] = {}
+    storing: dict[asyncio.Future, tuple[LineOutcome, answer_bytes.LineAnswer]] = {}
+    # NOTE: finished lines whose store met PostgreSQL away, stored again after the next check that reached it: dropped
+    # for the next run to run again, the line was lost (billed, in no file) when this run ended the batch (its endpoint
+    # deleted, a cancel), as no run could run it again
+    unstored: list[tuple[LineOutcome, answer_bytes.LineAnswer]] = []
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
+    renewed_at = time.monotonic()  # the lease's last renewal (about: its long-step hold came just before the run)
     no_slot_since: float | None = None  # since when no line could start and none ran
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
     try:
-        while pending or running or storing:
+        while pending or running or storing or unstored:
             pending.read_ahead()
             now = time.monotonic()
             if now - last_check >= CHECK_EVERY_S:
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
                 reason = await check(progress)  # "outage" while PostgreSQL is away
+                if reason != "outage":
+                    renewed_at = now
+                    for outcome, answer in unstored:  # PostgreSQL reached: their stores tried again
+                        storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
+                    unstored.clear()
+                elif now - renewed_at >= settings.BATCH_LEASE_S:
+                    # NOTE: the lease lapsed during the outage: another run may hold the batch as PostgreSQL returns
+                    # (its lines are its own: this run's answers are not stored, `store`)
+                    reason = "lease"
+                    progress.stopped = "lease" if progress.stopped == "outage" else progress.stopped
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
-                found = await directory.find_endpoint(work.organization_id, work.model)
+                try:
+                    found = await directory.find_endpoint(work.organization_id, work.model)
+                except DATABASE_AWAY:
+                    # NOTE: PostgreSQL away past the directory's cache and its stale grace (7 s): the endpoint in hand
+                    # is kept. Raised, it ended the run, its lines in flight cut and run again (GPU work twice).
+                    found = endpoint
                 if found is None or found.id == work.endpoint_id:
                     endpoint = found or endpoint
                 elif not progress.stopped:
@@ -504,7 +538,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
                         line, answer)
             if not running and not storing:
-                if progress.stopped or not pending:
+                # NOTE: answers left unstored are tried again at each check until the run's lines must have ended
+                if (progress.stopped or not pending) and (not unstored or now >= latest_end):
                     break
                 if pending.reading is not None:
                     await asyncio.wait([pending.reading], timeout=0.2)
@@ -514,19 +549,21 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             done, _ = await asyncio.wait([*running, *storing], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in storing:
-                    storing.pop(task).release()
+                    outcome, answer = storing.pop(task)
                     try:
                         stored = task.result()  # a put S3 refused ends the run: the next one runs the line again, under its id
-                    except DatabaseError as exc:
-                        # NOTE: PostgreSQL away as its answer's room was counted (`store`): not stored, run again by the
-                        # next run under its id (billed once); raised, it ended the run, its other lines cut mid-answer
-                        logger.warning("batch %s: a line's answer could not be stored (%r): the next run runs it again",
-                                       work.batch_id, exc)
+                    except DATABASE_AWAY as exc:
+                        # NOTE: PostgreSQL away as its answer's room was counted (`store`): kept, and stored again once
+                        # it is back (`unstored`); raised, it ended the run, its other lines cut mid-answer
+                        logger.warning("batch %s: a line's answer could not be stored yet (%s)",
+                                       work.batch_id, repr(exc))  # a string, not the exception (`_through_outages`)
+                        unstored.append((outcome, answer))
                         progress.stopped = progress.stopped or "outage"
                         continue
-                    if stored.ok:
+                    answer.release()
+                    if stored.kept and stored.ok:
                         progress.num_completed += 1
-                    else:
+                    elif stored.kept:
                         progress.num_failed += 1
                     if stored.stop and not progress.stopped:
                         progress.stopped = stored.stop
@@ -555,13 +592,18 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     continue
                 # NOTE: its thread's connection checked before and after (`connections_checked`): Django checks them
                 # only around requests, and one a PostgreSQL restart cut stayed in its thread, broken
-                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = answer
+                storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
             # NOTE: a line's task holds its outcome (its row) as long as the task is named: not till the next ends
             done = task = outcome = None
     finally:
         # NOTE: a run that ends with lines running or storing (an error) gives their bytes back: the process runs others
-        for answer in [*(answer for _, answer in running.values()), *storing.values()]:
+        for _, answer in [*running.values(), *storing.values(), *unstored]:
             answer.release()
+        if unstored:
+            # NOTE: never ended by this run (`services.run_batch`): the next runs them again, under their ids
+            logger.warning("batch %s: %d line(s) answered but not stored: the next run runs them again",
+                           work.batch_id, len(unstored))
+            progress.stopped = "unstored"
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
     await check(progress)  # the last counts

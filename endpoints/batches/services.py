@@ -13,7 +13,6 @@ batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
@@ -34,6 +33,7 @@ from controlplane.accounts.models import ApiKey, Membership, Organization, Role,
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
+from controlplane.worker_threads import run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
@@ -543,6 +543,10 @@ def run_batch(batch_id: str) -> str:
                 _end_without_input(batch)
                 return "input gone"
             batch.refresh_from_db()
+            if outcome == "unstored":
+                # NOTE: lines answered (billed) whose answers PostgreSQL kept from being stored: ended now, the batch's
+                # files lacked them for good; the next run runs them again, under their ids (billed once)
+                return outcome
         final = None
         if batch.status == BatchStatus.IN_PROGRESS and outcome == "gone":
             # NOTE: deleted, not renamed (its old name then another endpoint's, or none in this process's cache yet):
@@ -690,8 +694,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         # NOTE: its journal past its limit (PostgreSQL took no writes for a while), the worker replays what it may and
         # counts the folder again first: only a replay or a count clears it, and a run that went no further never
         # made one, so the worker's batches waited for ever with the journal's rows unwritten.
-        asyncio.run(usage_writer.replay_before_the_loop_ends(runner.REPLAY_JOURNAL_FOR_S))
-    if not usage_writer.usage_recordable() or asyncio.run(runner.free_slots(
+        run_briefly(usage_writer.replay_before_the_loop_ends(runner.REPLAY_JOURNAL_FOR_S))
+    if not usage_writer.usage_recordable() or run_briefly(runner.free_slots(
             batch.organization_id, batch.endpoint_id, target_concurrency=batch.endpoint.target_concurrency)) == 0:
         return "full"  # NOTE: before its input is read: a run per `FULL_RETRY_S` must not read 200 MB each time
     _hold_lease_through_a_long_step(batch.pk, token)  # renewed each second once its lines run
@@ -734,8 +738,16 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     refused: list[int] = []  # the lines whose answers were not kept, past the storage quota
 
     def store(outcome: runner.LineOutcome) -> runner.Stored:
+        try:
+            return _store(outcome)
+        except LeaseLost:
+            # NOTE: another run holds the batch (its lease lapsed through an outage longer than it): that run counts
+            # and writes its lines; this one's answer, counted too, took the storage quota twice for one file row
+            return runner.Stored(ok=False, kept=False, stop="lease")
+
+    def _store(outcome: runner.LineOutcome) -> runner.Stored:
         row = outcome.row
-        if _take_result_room(batch, len(row) + 1):
+        if _take_result_room(batch, len(row) + 1, token=token):
             storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
             return runner.Stored(ok=outcome.status_code == 200)
         # NOTE: its answer is dropped, not stored past the quota: the run stops starting lines (each would be billed
@@ -745,16 +757,19 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                                          "organisation's files past its storage quota (max_file_bytes). It ran, and is "
                                          "billed as any request that ran. Delete files the organisation no longer "
                                          "needs, or ask for a larger plan, and send the request again.")
-        _take_result_room(batch, len(error) + 1, past_quota=True)
+        _take_result_room(batch, len(error) + 1, past_quota=True, token=token)
         storage.put_result(batch.organization_id, batch.pk, outcome.line.index, error, ok=False)
         refused.append(outcome.line.index)
         return runner.Stored(ok=False, stop="quota")
 
-    progress = asyncio.run(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
-                                      keep_going=keep_going, store=store, lines_end_by=lines_end_by))
-    # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
-    # through): checked before its next query, as between two requests
-    close_old_connections()
+    try:
+        progress = run_briefly(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
+                                          keep_going=keep_going, store=store, lines_end_by=lines_end_by))
+    finally:
+        # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
+        # through): checked before its next query, as between two requests, also when the run raised (else the
+        # dead connection's error in `_release` hid the run's own)
+        close_old_connections()
     if progress.stopped == "cold":
         wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
                                                          batch.expires_at.timestamp()),
@@ -769,20 +784,29 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     return progress.stopped or "ran"
 
 
-def _take_result_room(batch: Batch, num_bytes: int, *, past_quota: bool = False) -> bool:
+class LeaseLost(Exception):
+    """The batch's lease is no longer the run's (`lease_token`): another run holds it."""
+
+
+def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: bool = False) -> bool:
     """Count `num_bytes` more of the batch's results (`num_result_bytes`) against its organisation's `max_file_bytes`,
     under its row lock; False, counting nothing, when they would take it past the quota (unless `past_quota`: a line's
     error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
-    fit. NOTE: a batch kept room for its output equal to its input only, and its outputs were stored unchecked: a
-    300-byte line's answer may be 64 MiB, and 50,000 such lines took an organisation's S3 use far past its quota."""
+    fit. `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
+    its output equal to its input only, and its outputs were stored unchecked: a 300-byte line's answer may be 64 MiB,
+    and 50,000 such lines took an organisation's S3 use far past its quota."""
     with transaction.atomic():
         limit, used, room = _storage_use(batch.organization_id)
-        num_input_bytes, num_result_bytes = Batch.objects.filter(pk=batch.pk).values_list(
-            "input_file__bytes", "num_result_bytes").get()
+        num_input_bytes, num_result_bytes, lease_token = Batch.objects.filter(pk=batch.pk).values_list(
+            "input_file__bytes", "num_result_bytes", "lease_token").get()
+        if lease_token != token:
+            raise LeaseLost(batch.pk)
         kept, wanted = max(num_input_bytes, num_result_bytes), max(num_input_bytes, num_result_bytes + num_bytes)
         if not past_quota and wanted > kept and used + room - kept + wanted > limit:
             return False
-        Batch.objects.filter(pk=batch.pk).update(num_result_bytes=F("num_result_bytes") + num_bytes)
+        if not Batch.objects.filter(pk=batch.pk, lease_token=token).update(
+                num_result_bytes=F("num_result_bytes") + num_bytes):
+            raise LeaseLost(batch.pk)
     return True
 
 

@@ -113,4 +113,4 @@ class Memo:
 
 def _note_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        logger.warning("gateway lookup failed: %r", task.exception())
+        logger.warning("gateway lookup failed: %s", repr(task.exception()))  # a string: no frame kept

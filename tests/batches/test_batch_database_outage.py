@@ -3,16 +3,17 @@ once and billed once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
 import httpx
 import pytest
-from django.db import connections
+from django.db import ProgrammingError, connection, connections
 
 from billing.models import UsageRecord
-from endpoints.batches import services
+from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import new_batch
 from tests.gateway.conftest import serve_endpoint
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 NUM_TOKENS = 8
 
 
-def _one_line(endpoint) -> bytes:
+def _one_line(endpoint, num_tokens: int) -> bytes:
     line = {
         "custom_id": "only",
         "method": "POST",
@@ -31,7 +32,7 @@ def _one_line(endpoint) -> bytes:
         "body": {
             "model": endpoint.name,
             "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": NUM_TOKENS,
+            "max_tokens": num_tokens,
         },
     }
     return json.dumps(line).encode() + b"\n"
@@ -44,12 +45,14 @@ def _wait_for(condition, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
-    files_bucket, tenant, start_mock_upstream
+def _run_through_an_outage(
+    tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float
 ):
-    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
+    """A one-line batch whose run meets a PostgreSQL outage of `outage_s` while its line is in flight, then the runs
+    that finish it: the batch, the first run's outcome and the number of engine requests made."""
+    upstream = start_mock_upstream(token_delay_ms=token_delay_ms)
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, _one_line(endpoint, num_tokens))
     runs: list[object] = []
 
     def run() -> None:
@@ -67,17 +70,102 @@ def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_onc
     worker.start()
     _wait_for(lambda: num_engine_requests() == 1)  # the line is in flight
     with database_refusing_connections():
-        time.sleep(1.5)  # the run renews its lease every second: it meets the outage at least once
+        time.sleep(outage_s)
     worker.join(timeout=120)
 
     for _ in range(2):  # whatever the first run left, the next runs finish
         if Batch.objects.get(pk=batch.pk).status != BatchStatus.COMPLETED:
             Batch.objects.filter(pk=batch.pk).update(lease_until=None, lease_token="")
             services.run_batch(batch.pk)
+    return Batch.objects.get(pk=batch.pk), runs, num_engine_requests()
 
-    batch = Batch.objects.get(pk=batch.pk)
+
+def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
+    files_bucket, tenant, start_mock_upstream
+):
+    # the line answers in ~4 s; the run renews its lease every second: it meets the outage at least once
+    batch, runs, num_engine_requests = _run_through_an_outage(
+        tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=1.5
+    )
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
-    assert num_engine_requests() == 1, "the line ran once: its first answer was kept"
+    assert num_engine_requests == 1, "the line ran once: its first answer was kept"
     assert runs == ["outage"], "the run went through the outage, starting no line meanwhile"
     [row] = UsageRecord.objects.filter(batch_id=batch.pk)
     assert row.completion_tokens == NUM_TOKENS
+
+
+def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_run_once(
+    files_bucket, tenant, start_mock_upstream
+):
+    # NOTE: 10 s, past the directory's cached endpoint and its stale grace (7 s): its once-a-second read of the
+    # endpoint raised, the run ended with its line cut mid-answer, and the next run ran it again
+    num_tokens = 12  # the line answers in ~18 s: in flight through the whole outage
+    batch, runs, num_engine_requests = _run_through_an_outage(
+        tenant, start_mock_upstream, token_delay_ms=1500, num_tokens=num_tokens, outage_s=10
+    )
+    assert runs == ["outage"], "the run went through the outage"
+    assert num_engine_requests == 1, "the line ran once: its first answer was kept"
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    [row] = UsageRecord.objects.filter(batch_id=batch.pk)
+    assert row.completion_tokens == num_tokens
+
+
+def test_a_lease_check_that_fails_for_another_reason_than_an_outage_is_raised_not_taken_for_an_outage():
+    # NOTE: every database error was taken for an outage: a check that always failed (a bad query) ended every run
+    # quietly as "outage", no line started, and the batch was queued again at every tick until it expired
+    def keep_going(progress: runner.Progress) -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT no_such_column FROM no_such_table")
+        return ""
+
+    check = runner._through_outages(keep_going)
+    with pytest.raises(ProgrammingError):
+        asyncio.run(check(runner.Progress(num_completed=0, num_failed=0)))
+
+
+def test_a_lease_check_that_meets_postgresql_away_is_an_outage():
+    def keep_going(progress: runner.Progress) -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return ""
+
+    check = runner._through_outages(keep_going)
+    connection.ensure_connection()  # this test's own session, kept through the outage
+    with database_refusing_connections():
+        assert asyncio.run(check(runner.Progress(num_completed=0, num_failed=0))) == "outage"
+
+
+def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_holds_the_batch(
+    files_bucket, tenant, start_mock_upstream, settings
+):
+    # NOTE: an outage longer than the lease: as PostgreSQL came back, the next run claimed the lapsed lease and ran the
+    # line again, and both runs counted its answer against the storage quota (num_result_bytes twice the file's)
+    settings.BATCH_LEASE_S = 2.0
+    upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint, 10))
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch.pk))
+        finally:
+            connections.close_all()  # this thread's own
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    _wait_for(lambda: httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1)  # the line is in flight
+    with database_refusing_connections():
+        time.sleep(4)
+    assert (
+        services.run_batch(batch.pk) == "ran"
+    )  # the tick's next run, taken by a worker as PostgreSQL is back
+    worker.join(timeout=120)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.num_result_bytes == batch.output_file.bytes, (
+        "its answer counted once against the storage quota"
+    )
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+    assert runs == ["lease"], "the first run knew its lease lapsed"
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from controlplane.accounts.services import SYSTEM
@@ -21,6 +22,7 @@ from endpoints.gateway import directory
 from endpoints.models import Endpoint
 from tests.batches.conftest import new_batch
 from tests.factories import EndpointFactory
+from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -127,3 +129,38 @@ def test_a_batch_whose_endpoint_was_renamed_is_not_ended(files_bucket):
     services.run_batch(batch.pk)
 
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.IN_PROGRESS
+
+
+def test_a_batch_whose_endpoint_was_renamed_runs_its_lines_on_it_under_its_new_name(
+    files_bucket, tenant, start_mock_upstream
+):
+    """Before: a line was routed by its own `body.model`, the old name, which named no endpoint any more: every line
+    not yet run failed `model_not_found`, for good."""
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": endpoint.name,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        }
+        for i in range(NUM_LINES)
+    ]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    # checked, no line run yet
+    services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+    Endpoint.objects.filter(pk=endpoint.pk).update(name=f"{endpoint.name}-renamed")
+    directory._endpoints.clear()  # as a worker's cache is a few seconds on (`ENDPOINT_CACHE_S`)
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (NUM_LINES, 0)
+    stats = httpx.get(f"{upstream}/_stats").json()
+    assert stats["num_requests"] == NUM_LINES
+    assert stats["last_payload"]["model"] == f"{endpoint.name}-renamed", "its engines serve the new name"

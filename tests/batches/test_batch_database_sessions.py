@@ -1,0 +1,88 @@
+"""A batch run leaves no PostgreSQL session of its own open once it has ended, also after an outage it went through:
+each held one of the database's `max_connections` until a garbage collection, or for good."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from django.db import connection, connections
+
+from endpoints.batches import services
+from tests.batches.conftest import new_batch
+from tests.gateway.conftest import serve_endpoint
+from tests.outages import database_refusing_connections
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _one_line(endpoint) -> bytes:
+    line = {
+        "custom_id": "only",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+    }
+    return json.dumps(line).encode() + b"\n"
+
+
+def _other_sessions() -> list[tuple]:
+    """The test database's sessions but this test's own, once those closed have gone (a closed session's backend
+    leaves `pg_stat_activity` a moment after its client)."""
+    deadline = time.monotonic() + 5
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid, left(query, 90) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            rows = cursor.fetchall()
+        if not rows or time.monotonic() >= deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def _run_a_line(tenant, start_mock_upstream, *, outage_s: float) -> object:
+    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint))
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch.pk))
+        finally:
+            connections.close_all()  # this thread's own, as a worker's task ends
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{upstream}/_stats").json()["num_requests"] < 1:
+        assert time.monotonic() < deadline, "the line never started"
+        time.sleep(0.05)
+    if outage_s:
+        with database_refusing_connections():
+            time.sleep(outage_s)
+    worker.join(timeout=120)
+    return runs
+
+
+def test_a_run_through_an_outage_leaves_no_session_open_once_its_objects_are_collected(
+    files_bucket, tenant, start_mock_upstream
+):
+    # NOTE: the warning logged for the outage kept the exception, whose traceback's frames kept a worker thread's
+    # connection (reconnected after the outage) open as long as the record was kept
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=1.5) == ["outage"]
+    gc.collect()
+    assert _other_sessions() == []
+
+
+def test_a_run_leaves_no_session_of_its_worker_threads_open(files_bucket, tenant, start_mock_upstream):
+    # NOTE: each thread the run's calls ran in (its lease checks, its stores, its lookups) kept its connection open
+    # after the run, until a garbage collection found it: three sessions a run, of the database's `max_connections`
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=0) == ["ran"]
+    assert _other_sessions() == []

@@ -1,0 +1,87 @@
+"""A line's answer whose store met PostgreSQL away is stored again once it is back, in the same run: before, it was
+dropped for the next run to run again, and a run that then ended the batch (its endpoint deleted, a cancel) lost the
+line, billed and in no file."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from django.db import OperationalError, connections
+
+from billing.models import UsageRecord
+from controlplane.accounts.services import SYSTEM
+from endpoints import services as endpoint_services
+from endpoints.batches import services, storage
+from endpoints.batches.models import Batch, BatchStatus
+from tests.batches.conftest import new_batch
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NUM_TOKENS = 8
+
+
+def _one_line(endpoint) -> bytes:
+    line = {
+        "custom_id": "only",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": endpoint.name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": NUM_TOKENS,
+        },
+    }
+    return json.dumps(line).encode() + b"\n"
+
+
+@pytest.fixture
+def first_store_meets_postgresql_away(monkeypatch):
+    """The first count of a line's storage room fails as a connection PostgreSQL cut would (a blip of a second: a
+    real outage cannot be timed to the one query)."""
+    take_result_room = services._take_result_room
+    num_calls = []
+
+    def once_cut(*args, **kwargs):
+        num_calls.append(1)
+        if len(num_calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return take_result_room(*args, **kwargs)
+
+    monkeypatch.setattr(services, "_take_result_room", once_cut)
+
+
+def test_a_line_whose_store_met_an_outage_is_in_the_files_of_a_batch_whose_endpoint_was_deleted_meanwhile(
+    files_bucket, tenant, start_mock_upstream, first_store_meets_postgresql_away
+):
+    upstream = start_mock_upstream(token_delay_ms=400)  # the line answers in ~3 s
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, _one_line(endpoint))
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch.pk))
+        finally:
+            connections.close_all()  # this thread's own
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{upstream}/_stats").json()["num_requests"] < 1:
+        assert time.monotonic() < deadline, "the line never started"
+        time.sleep(0.05)
+    endpoint_services.delete_endpoint(SYSTEM, endpoint)  # the line in flight
+    worker.join(timeout=120)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1, "the line ran, billed"
+    assert batch.status in (BatchStatus.FAILED, BatchStatus.COMPLETED), f"ended by the run ({runs})"
+    assert batch.output_file is not None, "the billed line's answer is in the output file"
+    [row] = [json.loads(text) for text in storage.read_bytes(batch.output_file.s3_key).splitlines()]
+    assert row["custom_id"] == "only" and row["response"]["status_code"] == 200
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
