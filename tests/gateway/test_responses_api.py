@@ -167,11 +167,13 @@ def test_a_client_leaving_a_stream_midway_is_billed_the_engines_usage_once(gatew
     body = {
         "model": NAME,
         "input": "Once upon a time",
-        "max_output_tokens": 40,
+        # NOTE: long enough that the client leaves while the gateway still writes: at 40 tokens a loaded machine's run
+        # had the whole stream written before the client read its second delta (an 'ok' stream, rightly billed whole).
+        "max_output_tokens": 1000,
         "stream": True,
         "ignore_eos": True,
     }
-    whole = _post(gateway, tenant.key, body | {"stream": False})
+    whole = _post(gateway, tenant.key, body | {"stream": False, "max_output_tokens": 1})
     assert whole.status_code == 200, whole.text
 
     with (
@@ -191,7 +193,7 @@ def test_a_client_leaving_a_stream_midway_is_billed_the_engines_usage_once(gatew
     row = _row(request_id)
     assert row.status == "client_aborted"
     # NOTE: no running usage in a Responses stream: read on to its last event, billed exactly the engine's figures.
-    assert (row.prompt_tokens, row.completion_tokens) == (whole.json()["usage"]["input_tokens"], 40)
+    assert (row.prompt_tokens, row.completion_tokens) == (whole.json()["usage"]["input_tokens"], 1000)
     assert UsageRecord.objects.filter(request_id=request_id).count() == 1
 
 
