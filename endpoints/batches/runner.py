@@ -560,6 +560,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         unstored.append((outcome, answer))
                         progress.stopped = progress.stopped or "outage"
                         continue
+                    except BaseException:
+                        # NOTE: popped, so not among those the run gives back as it ends: a put S3 refused kept its
+                        # bytes held for the process's life, and a later run of a small bound started no line, forever
+                        answer.release()
+                        raise
                     answer.release()
                     if stored.kept and stored.ok:
                         progress.num_completed += 1

@@ -15,7 +15,7 @@ from django.db import OperationalError, connections
 from billing.models import UsageRecord
 from controlplane.accounts.services import SYSTEM
 from endpoints import services as endpoint_services
-from endpoints.batches import services, storage
+from endpoints.batches import answer_bytes, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import new_batch
 from tests.gateway.conftest import serve_endpoint
@@ -85,3 +85,22 @@ def test_a_line_whose_store_met_an_outage_is_in_the_files_of_a_batch_whose_endpo
     [row] = [json.loads(text) for text in storage.read_bytes(batch.output_file.s3_key).splitlines()]
     assert row["custom_id"] == "only" and row["response"]["status_code"] == 200
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+
+
+def test_a_store_that_fails_otherwise_ends_the_run_and_gives_its_answers_bytes_back(
+    files_bucket, tenant, start_mock_upstream, monkeypatch
+):
+    # A put S3 refused (or any error but PostgreSQL away) ends the run, as before; the answer it held was popped from
+    # the stores in flight and never given back: the process's answer bytes stayed held, and a later run under a small
+    # bound started no line and never ended (a fresh clone's run hung there).
+    def refused(*args, **kwargs):
+        raise RuntimeError("the store refused the put")
+
+    monkeypatch.setattr(services, "_take_result_room", refused)
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, _one_line(endpoint))
+
+    with pytest.raises(RuntimeError):
+        services.run_batch(batch.pk)
+
+    assert answer_bytes.held_bytes() == 0
