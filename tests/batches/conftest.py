@@ -103,6 +103,13 @@ def new_batch(endpoint, data: bytes, *, request_path: str = "/v1/chat/completion
                                  completion_window="24h", metadata=None)
 
 
+def one_chat_line(endpoint, max_tokens: int = 8) -> bytes:
+    """A batch input of one chat line ("only") to `endpoint`."""
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}}
+    return json.dumps(line).encode() + b"\n"
+
+
 def lose_a_result_once(monkeypatch, index: int) -> list[int]:
     """S3 refuses the put of line `index`'s result once, after the line ran and was billed (a worker that died between
     its usage row and its result): that run raises. The list returned holds `index` once it was lost."""

@@ -4,7 +4,6 @@ once and billed once."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -15,27 +14,13 @@ from django.db import ProgrammingError, connection, connections
 from billing.models import UsageRecord
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, one_chat_line
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NUM_TOKENS = 8
-
-
-def _one_line(endpoint, num_tokens: int) -> bytes:
-    line = {
-        "custom_id": "only",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": endpoint.name,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": num_tokens,
-        },
-    }
-    return json.dumps(line).encode() + b"\n"
 
 
 def _wait_for(condition, timeout_s: float = 60) -> None:
@@ -52,7 +37,7 @@ def _run_through_an_outage(
     that finish it: the batch, the first run's outcome and the number of engine requests made."""
     upstream = start_mock_upstream(token_delay_ms=token_delay_ms)
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint, num_tokens))
+    batch = new_batch(endpoint, one_chat_line(endpoint, num_tokens))
     runs: list[object] = []
 
     def run() -> None:
@@ -143,7 +128,7 @@ def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_h
     settings.BATCH_LEASE_S = 2.0
     upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint, 10))
+    batch = new_batch(endpoint, one_chat_line(endpoint, 10))
     runs: list[object] = []
 
     def run() -> None:

@@ -4,7 +4,6 @@ each held one of the database's `max_connections` until a garbage collection, or
 from __future__ import annotations
 
 import gc
-import json
 import threading
 import time
 
@@ -13,21 +12,12 @@ import pytest
 from django.db import connection, connections
 
 from endpoints.batches import services
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, one_chat_line
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-def _one_line(endpoint) -> bytes:
-    line = {
-        "custom_id": "only",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-    }
-    return json.dumps(line).encode() + b"\n"
 
 
 def _other_sessions() -> list[tuple]:
@@ -49,7 +39,7 @@ def _other_sessions() -> list[tuple]:
 def _run_a_line(tenant, start_mock_upstream, *, outage_s: float) -> object:
     upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, one_chat_line(endpoint))
     runs: list[object] = []
 
     def run() -> None:

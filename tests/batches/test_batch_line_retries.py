@@ -4,7 +4,6 @@ reached no engine: `tests/billing/test_quota.py`)."""
 
 from __future__ import annotations
 
-import json
 from decimal import Decimal
 
 import httpx
@@ -17,7 +16,7 @@ from controlplane.redis_client import get_redis
 from controlplane.redis_keys import org_period_key
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, one_chat_line
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,11 +27,6 @@ def _redis_spent(organization_id: int) -> Decimal:
     return counters.from_units(int(spent or 0))
 
 
-def _one_line(endpoint) -> bytes:
-    return json.dumps({"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
-                                "max_tokens": 8}}).encode() + b"\n"
-
 
 def test_a_line_whose_first_answer_was_cut_off_is_billed_for_the_retry_that_succeeded(
         files_bucket, tenant, start_mock_upstream, monkeypatch):
@@ -41,7 +35,7 @@ def test_a_line_whose_first_answer_was_cut_off_is_billed_for_the_retry_that_succ
     monkeypatch.setattr(runner, "RETRY_PAUSE_S", 0.1)
     upstream = start_mock_upstream(cut_whole_answers=1)
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, one_chat_line(endpoint))
 
     services.run_batch(batch.pk)
 
@@ -65,7 +59,7 @@ def test_a_run_whose_endpoint_changed_configuration_meanwhile_goes_on_with_the_n
     monkeypatch.setattr(runner, "RETRY_PAUSE_S", 0.1)
     settings.BATCH_RUN_SLICE_S = 8
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, one_chat_line(endpoint))
     Endpoint.objects.filter(pk=endpoint.pk).update(engine_generation=1)  # replaced: the replica is of the new one
     Replica.objects.filter(endpoint=endpoint).update(engine_generation=1)
     real_find, reads = directory.find_endpoint, []

@@ -17,26 +17,13 @@ from controlplane.accounts.services import SYSTEM
 from endpoints import services as endpoint_services
 from endpoints.batches import answer_bytes, services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch
+from tests.batches.conftest import new_batch, one_chat_line
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NUM_TOKENS = 8
 
-
-def _one_line(endpoint) -> bytes:
-    line = {
-        "custom_id": "only",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": endpoint.name,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": NUM_TOKENS,
-        },
-    }
-    return json.dumps(line).encode() + b"\n"
 
 
 @pytest.fixture
@@ -60,7 +47,7 @@ def test_a_line_whose_store_met_an_outage_is_in_the_files_of_a_batch_whose_endpo
 ):
     upstream = start_mock_upstream(token_delay_ms=400)  # the line answers in ~3 s
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, one_chat_line(endpoint))
     runs: list[object] = []
 
     def run() -> None:
@@ -98,7 +85,7 @@ def test_a_store_that_fails_otherwise_ends_the_run_and_gives_its_answers_bytes_b
 
     monkeypatch.setattr(services, "_take_result_room", refused)
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    batch = new_batch(endpoint, _one_line(endpoint))
+    batch = new_batch(endpoint, one_chat_line(endpoint))
 
     with pytest.raises(RuntimeError):
         services.run_batch(batch.pk)
