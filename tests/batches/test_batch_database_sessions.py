@@ -19,7 +19,6 @@ from tests.outages import database_refusing_connections
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-
 def _other_sessions() -> list[tuple]:
     """The test database's sessions but this test's own, once those closed have gone (a closed session's backend
     leaves `pg_stat_activity` a moment after its client)."""

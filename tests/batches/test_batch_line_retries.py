@@ -27,7 +27,6 @@ def _redis_spent(organization_id: int) -> Decimal:
     return counters.from_units(int(spent or 0))
 
 
-
 def test_a_line_whose_first_answer_was_cut_off_is_billed_for_the_retry_that_succeeded(
         files_bucket, tenant, start_mock_upstream, monkeypatch):
     # The cut try wrote an empty usage row under the line's id and left a day's settled marker: the retry's row

@@ -22,9 +22,6 @@ from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-NUM_TOKENS = 8
-
-
 
 @pytest.fixture
 def first_store_meets_postgresql_away(monkeypatch):
