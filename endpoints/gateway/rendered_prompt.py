@@ -12,8 +12,15 @@ through the same chat template and tokenizer and answers its token ids, without 
 `input_tokens` the stream's last event would have said (`tests/gateway/test_responses_stream_cuts_vllm.py` checks it
 against a real engine), asked of the replica that served it (unless that replica failed) or another of the same
 configuration holding its adapter, as the gateway already knows them (`directory.held_ready_replicas`: never a
-database read). Asked only once a delta came (an output token means the whole prompt was prefilled: a stream cut
-sooner may not have been, and is billed no prompt), and only after the stream's end was sent to its client. An engine
+database read). Asked only once the engine wrote an event from its output (a delta, or the announce of a function
+call before its arguments' first delta: `sse.is_responses_output`), which means the whole prompt was prefilled; and
+only after the stream's end was sent to its client.
+
+NOTE: a stream cut before that (vLLM writes `response.created` and `response.in_progress` as it starts, before the
+engine's first step) is billed no prompt: it may have been queued, or prefilled in part (a replica lost mid-prefill, a
+drain's bound reached while a long prompt is prefilled), and its client got nothing of it; a chat stream, whose first
+chunk with usage comes with the engine's first output, is billed none then either. The render could count it, but
+what the engine did of it is not known. An engine
 that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its
 deltas' floor, no prompt, as before.
 
