@@ -599,6 +599,10 @@ class InferenceCall:
         *events, rest = buffer.split(b"\n\n")
         out, spent = [], False
         responses_stream = self.request.kind == responses.RESPONSES
+        if responses_stream:
+            # NOTE: its cut's prompt may be counted by another replica, only one this process holds: kept held while
+            # it runs (`directory.keep_replicas_held`), never read from the database at its end
+            directory.keep_replicas_held(self.endpoint.id)
         for event in events:
             if gone and self.usage.every_prompt_counted:
                 break

@@ -9,6 +9,7 @@ The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response
 after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart), `large_last` (the `large_part` stream,
 its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
 apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta),
+`slow_dies` (150 deltas 50 ms apart, longer than the gateway trusts a replica list it read, then the process exits),
 `error_after_call` (a function call announced, `response.output_item.added` as vLLM writes it once its parser has the
 name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
 answered). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`.
@@ -28,6 +29,7 @@ import uvicorn
 
 NUM_DELTAS = 50
 NUM_SLOW_DELTAS = 300
+NUM_SLOW_DIES_DELTAS = 150
 USAGE = {
     "input_tokens": 7,
     "input_tokens_details": {"cached_tokens": 0},
@@ -121,9 +123,14 @@ async def app(scope, receive, send):
                 {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item},
             )
         )
-    num_deltas = {"error_first": 0, "error_after_call": 0, "slow": NUM_SLOW_DELTAS}.get(scenario, NUM_DELTAS)
+    num_deltas = {
+        "error_first": 0,
+        "error_after_call": 0,
+        "slow": NUM_SLOW_DELTAS,
+        "slow_dies": NUM_SLOW_DIES_DELTAS,
+    }.get(scenario, NUM_DELTAS)
     for index in range(num_deltas):
-        if scenario == "slow":
+        if scenario in ("slow", "slow_dies"):
             await asyncio.sleep(0.05)
         await out(
             _event(
@@ -169,7 +176,7 @@ async def app(scope, receive, send):
         )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
-    if scenario == "dies":
+    if scenario in ("dies", "slow_dies"):
         await asyncio.sleep(0.2)  # the deltas leave before the process does
         os._exit(1)
     last = _event(
