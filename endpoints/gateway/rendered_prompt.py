@@ -20,9 +20,10 @@ NOTE: a stream cut before that (vLLM writes `response.created` and `response.in_
 engine's first step) is billed no prompt: it may have been queued, or prefilled in part (a replica lost mid-prefill, a
 drain's bound reached while a long prompt is prefilled), and its client got nothing of it; a chat stream, whose first
 chunk with usage comes with the engine's first output, is billed none then either. The render could count it, but
-what the engine did of it is not known. An engine
-that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its
-deltas' floor, no prompt, as before.
+what the engine did of it is not known.
+
+An engine that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream
+its deltas' floor, no prompt, as before.
 
 An engine started before the flag (it takes effect only at a restart) answers the render 403 (vLLM's "Scale-out
 endpoints are disabled"), a vLLM without the route 404: a refusal takes none of the count's wait (another replica is
