@@ -570,6 +570,8 @@ class InferenceCall:
                 scanner.feed(chunk)
             tail = chunk[-1:]
         if dropped:
+            if sse.is_responses_output(head):
+                self.usage.prompt_prefilled = True
             logger.warning("request %s: a stream event past %d bytes (%r) dropped unrelayed", self.request_id,
                            sse.MAX_EVENT_BYTES, head[:head.find(b"\n")].decode("ascii", "replace"))
             rest = await self._relay_events(after, wants_usage, wants_continuous) if after else b""
@@ -597,6 +599,10 @@ class InferenceCall:
         *events, rest = buffer.split(b"\n\n")
         out, spent = [], False
         responses_stream = self.request.kind == responses.RESPONSES
+        if responses_stream:
+            # NOTE: its cut's prompt may be counted by another replica, only one this process holds: kept held while
+            # it runs (`directory.keep_replicas_held`), never read from the database at its end
+            directory.keep_replicas_held(self.endpoint.id)
         for event in events:
             if gone and self.usage.every_prompt_counted:
                 break
@@ -624,6 +630,8 @@ class InferenceCall:
                     self.usage.num_output_events += 1
                 elif sse.is_error_event(event) and self.status == "ok":
                     self.status = "upstream_error"
+                if not self.usage.prompt_prefilled and sse.is_responses_output(event):
+                    self.usage.prompt_prefilled = True
         if gone and not spent:
             if self.usage.every_prompt_counted:
                 raise ClientGone()
@@ -759,7 +767,7 @@ class InferenceCall:
                     delivery.drop_connection(self.send)
                 except Exception:  # noqa: BLE001 - the client may be gone already
                     pass
-            if self._cut_before_its_usage() and self.usage.num_output_events:
+            if self._cut_before_its_usage() and self.usage.prompt_prefilled:
                 try:
                     await self._count_cut_prompt()
                 except Exception:  # noqa: BLE001 - a measure of the bill: never lose the usage row for it
@@ -838,9 +846,9 @@ class InferenceCall:
                 and self.request.kind == responses.RESPONSES)
 
     async def _count_cut_prompt(self) -> None:
-        """A Responses stream cut after its first delta (its prompt prefilled whole) has its prompt counted by an engine
-        of its endpoint (`rendered_prompt`): the replica that served it unless it failed, else another of its
-        configuration holding its adapter. Billed its deltas alone, its prompt was free."""
+        """A Responses stream cut after its engine's first output (its prompt prefilled whole: `sse.is_responses_output`)
+        has its prompt counted by an engine of its endpoint (`rendered_prompt`): the replica that served it unless it
+        failed, else another of its configuration holding its adapter. Billed its deltas alone, its prompt was free."""
         # NOTE: nothing is awaited before `count_prompt_tokens`, whose bound is so the whole count's: the
         # others are those the directory already holds, never loaded (a load waits on PostgreSQL, 5-10 s in an
         # outage, and a stopping process's finish, `SHUTDOWN_FINISH_WAIT_S`, then gave up on the usage row).

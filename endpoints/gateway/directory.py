@@ -304,6 +304,25 @@ def held_ready_replicas(endpoint_id: str, *, generation: int) -> list[ReplicaInf
     return [r for r in _replicas.held(endpoint_id) or () if r.generation == generation]
 
 
+# NOTE: a cut Responses stream's prompt is counted by a replica this process holds (`held_ready_replicas`: trusted for
+# `REPLICA_CACHE_S` + `memo.STALE_FOR_S`, 5.5 s, after its load) when its own failed: a stream longer than that, on an
+# endpoint no other call read meanwhile, found none held, and its prompt was free. So while such a stream reads, its
+# endpoint's list is reloaded in the background once older than `REPLICA_CACHE_S`, looked at every
+# `REPLICAS_KEPT_EVERY_S` at most (`keep_replicas_held`): held at its cut unless PostgreSQL was away (or slower than
+# ~3 s) or the engine wrote nothing for as long, and its count never waits on the database.
+REPLICAS_KEPT_EVERY_S = 2.0
+_replicas_kept = ExpiringSet(REPLICAS_KEPT_EVERY_S, max_entries=KNOWN_ENDPOINTS_MAX)
+
+
+def keep_replicas_held(endpoint_id: str) -> None:
+    """Keep this process's READY replicas of `endpoint_id` held (`held_ready_replicas`) while a call that may ask them at
+    its end runs: a reload in the background at most every `REPLICAS_KEPT_EVERY_S`, never waited for."""
+    if endpoint_id in _replicas_kept:
+        return
+    _replicas_kept.add(endpoint_id)
+    _replicas.reload_if_older(endpoint_id, REPLICA_CACHE_S)
+
+
 def forget_replica(endpoint_id: str, replica_id: str) -> None:
     """A replica failed under us: stop routing to it until the next load."""
     cached = _replicas.entries.get(endpoint_id)

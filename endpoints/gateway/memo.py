@@ -60,6 +60,13 @@ class Memo:
         wait for a load."""
         return self.entries[key][1] if self.answers_at_once(key) else None
 
+    def reload_if_older(self, key: Hashable, age_s: float, *load_args) -> None:
+        """Start a reload of `key` in the background (one at a time), never waited for, when its entry is older than
+        `age_s` or gone: what keeps an entry `held` while a long call that needs it at its end runs."""
+        entry = self.entries.get(key)
+        if entry is None or time.monotonic() - entry[0] >= age_s:
+            self._loader(key, load_args)
+
     async def get(self, key: Hashable, *load_args, fresh: bool = False):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
         entry = self.entries.get(key)

@@ -63,6 +63,12 @@ tokens_total = Counter("inferplane_tokens_total", "Tokens by endpoint and kind (
 usage_past_reservation = Counter("inferplane_usage_past_reservation_total",
                                  "Requests whose reported usage cost more than was reserved (billed the reservation).",
                                  ENDPOINT, registry=REGISTRY)
+# A replica that refused to render a cut Responses stream's prompt (HTTP 403: its engine was started without
+# `--enable-scale-out`; 404: a vLLM without the route), by status: the log names the replica to restart
+# (`endpoints.gateway.rendered_prompt`). Labelled by status alone: few series, whatever the fleet.
+prompt_render_refusals = Counter("inferplane_prompt_render_refusals_total",
+                                 "Renders of a cut Responses stream's prompt a replica refused (its engine needs a "
+                                 "restart with --enable-scale-out), by HTTP status.", ["status"], registry=REGISTRY)
 # NOTE: `livesum`: a pod's in-flight requests are those of its live processes; a dead one's go with it.
 inflight = Gauge("inferplane_inflight_requests", "Requests being served by this pod's gateway processes.", ENDPOINT,
                  registry=REGISTRY, multiprocess_mode="livesum")

@@ -12,10 +12,24 @@ through the same chat template and tokenizer and answers its token ids, without 
 `input_tokens` the stream's last event would have said (`tests/gateway/test_responses_stream_cuts_vllm.py` checks it
 against a real engine), asked of the replica that served it (unless that replica failed) or another of the same
 configuration holding its adapter, as the gateway already knows them (`directory.held_ready_replicas`: never a
-database read). Asked only once a delta came (an output token means the whole prompt was prefilled: a stream cut
-sooner may not have been, and is billed no prompt), and only after the stream's end was sent to its client. An engine
-that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream its
-deltas' floor, no prompt, as before.
+database read). Asked only once the engine wrote an event from its output (a delta, or the announce of a function
+call before its arguments' first delta: `sse.is_responses_output`), which means the whole prompt was prefilled; and
+only after the stream's end was sent to its client.
+
+NOTE: a stream cut before that (vLLM writes `response.created` and `response.in_progress` as it starts, before the
+engine's first step) is billed no prompt: it may have been queued, or prefilled in part (a replica lost mid-prefill, a
+drain's bound reached while a long prompt is prefilled), and its client got nothing of it; a chat stream, whose first
+chunk with usage comes with the engine's first output, is billed none then either. The render could count it, but
+what the engine did of it is not known.
+
+An engine that does not answer within `RENDER_TIMEOUT_S` (none left, an engine older than the flag) leaves the stream
+its deltas' floor, no prompt, as before.
+
+An engine started before the flag (it takes effect only at a restart) answers the render 403 (vLLM's "Scale-out
+endpoints are disabled"), a vLLM without the route 404: a refusal takes none of the count's wait (another replica is
+asked in its place), the replica is remembered (`_refusing`, for `REFUSALS_KEPT_S`) and asked after every other one,
+and each refusal is logged, naming the replica to restart, and counted (`metrics.prompt_render_refusals`). Before, two
+refusing replicas asked first (of the two asked) left the prompt free, on every cut stream they served.
 
 The prompt is billed at the input price: as a chat stream cut mid-way, nothing says what the prefix cache held.
 """
@@ -27,7 +41,8 @@ import contextlib
 import json
 import logging
 
-from endpoints.gateway import upstream
+from controlplane.credential_lookups import ExpiringSet
+from endpoints.gateway import metrics, upstream
 from endpoints.gateway.directory import ReplicaInfo
 
 logger = logging.getLogger("inferplane.requests")
@@ -51,6 +66,12 @@ NO_TENSORS = b'"mm_payload":"none"'
 # (an engine that sent tensors all the same) is dropped unread, the stream billed its deltas alone.
 BYTES_PER_TOKEN_ID = 8
 ANSWER_FIELDS_BYTES = 64 * 1024
+# Replicas (by id) whose engine refused the render: asked last for this long, then in their turn again (an
+# engine restarted since, with the flag, counts again). Bounded as every per-process memory of the gateway.
+REFUSALS_KEPT_S = 600.0
+MAX_REFUSALS_KEPT = 4096
+_refusing = ExpiringSet(REFUSALS_KEPT_S, max_entries=MAX_REFUSALS_KEPT)
+_REFUSED = -1  # `_ask`'s answer for a replica that refused the render (`_note_refusal`)
 
 
 async def count_prompt_tokens(
@@ -63,10 +84,13 @@ async def count_prompt_tokens(
 ) -> int | None:
     """The prompt tokens `body` (a `/v1/responses` body as its engine was sent it, of an endpoint whose context is
     `max_model_len` tokens) renders to, by the first of `replicas` that answers (each asked in turn, the next after a
-    failure or `ASK_NEXT_AFTER_S`); None when none does within `RENDER_TIMEOUT_S`."""
+    failure or `ASK_NEXT_AFTER_S`; those that refused the render before, last; `MAX_REPLICAS_ASKED`, and one more for
+    each refusal); None when none does within `RENDER_TIMEOUT_S`."""
     max_answer_bytes = max_model_len * BYTES_PER_TOKEN_ID + len(body) + ANSWER_FIELDS_BYTES
     body = _without_tensors(body)
-    waiting = list(replicas[:MAX_REPLICAS_ASKED])
+    # NOTE: a stable sort: the served replica stays first unless it refused the render before
+    ordered = sorted(replicas, key=_refused_before)
+    waiting, spare = ordered[:MAX_REPLICAS_ASKED], ordered[MAX_REPLICAS_ASKED:]
     asked: set[asyncio.Task] = set()
     try:
         async with asyncio.timeout(RENDER_TIMEOUT_S):
@@ -83,7 +107,11 @@ async def count_prompt_tokens(
                 )
                 for task in answered:
                     count = task.result()
-                    if count is not None:
+                    if count == _REFUSED:
+                        # NOTE: a refusal takes none of the wait: one more replica in its place
+                        if spare:
+                            waiting.append(spare.pop(0))
+                    elif count is not None:
                         return count
     except TimeoutError:
         logger.warning(
@@ -97,6 +125,37 @@ async def count_prompt_tokens(
         if asked:
             await asyncio.wait(asked)  # each closes its connection as it is cancelled
     return None
+
+
+def _refused_before(replica: ReplicaInfo) -> bool:
+    return replica.id in _refusing
+
+
+def _note_refusal(replica: ReplicaInfo, status: int, answer: bytes | None, request_id: str) -> bool:
+    """Whether the replica's answer says its engine serves no render at all (not this request's fault): HTTP 403
+    (vLLM started without `--enable-scale-out`), or a 404 that is not vLLM's own error (a route it lacks; vLLM's
+    404 names a model or adapter it does not hold, this request's alone). Such a replica is remembered, logged and
+    counted."""
+    if status != 403 and not (status == 404 and not _is_engine_error(answer)):
+        return False
+    _refusing.add(replica.id)
+    metrics.prompt_render_refusals.labels(str(status)).inc()
+    logger.warning(
+        "request %s: replica %s refuses to render prompts (HTTP %d): its engine was started without "
+        "--enable-scale-out; restart it. Its cut Responses streams' prompts are counted by other replicas, or free.",
+        request_id,
+        replica.id,
+        status,
+    )
+    return True
+
+
+def _is_engine_error(answer: bytes | None) -> bool:
+    try:
+        parsed = json.loads(answer or b"")
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and "error" in parsed
 
 
 def _without_tensors(body: bytes) -> bytes:
@@ -128,6 +187,8 @@ async def _ask(
         logger.warning("request %s: replica %s could not count its prompt: %s", request_id, replica.id, exc)
         return None
     if response.status != 200:
+        if _note_refusal(replica, response.status, answer, request_id):
+            return _REFUSED
         logger.warning(
             "request %s: replica %s answered its prompt's count with HTTP %d",
             request_id,

@@ -51,6 +51,17 @@ def is_responses_delta(event: bytes) -> bool:
     return event.startswith(_RESPONSES_EVENT) and _names_delta(event)
 
 
+# What vLLM writes as a Responses stream starts, before the engine's first output (`response.queued` is OpenAI's).
+_RESPONSES_STARTS = (b"event: response.created\n", b"event: response.in_progress\n", b"event: response.queued\n")
+
+
+def is_responses_output(event: bytes) -> bool:
+    """Whether the event is one vLLM writes from the engine's output (any `response.*` event but those it writes as the
+    stream starts): its prompt was prefilled whole. A delta is one; so is the announce of a function call
+    (`response.output_item.added`), which comes once its parser has the name, before its arguments' first delta."""
+    return event.startswith(_RESPONSES_EVENT) and not event.startswith(_RESPONSES_STARTS)
+
+
 def is_error_event(event: bytes) -> bool:
     """Whether the event is an engine's `event: error` (vLLM's Responses stream says a failure so, then ends)."""
     return event.startswith(b"event: error\n")

@@ -6,7 +6,8 @@ prompt tokens of its prompt and the output tokens of choice `i` alone. With `n` 
 choice `i` belongs to prompt `i // n` (vLLM numbers the choices of a list of prompts that way).
 The closing usage-only chunk carries the totals and replaces the running figures. A Responses stream carries
 only totals, in its last event; until then its delta events count a floor of its output tokens, and a stream cut before
-that event takes its prompt's count from its engine's rendering of it (`endpoints.gateway.rendered_prompt`).
+that event, once its engine wrote an event from its output, takes its prompt's count from its engine's rendering of it
+(`endpoints.gateway.rendered_prompt`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class UsageTally:
     # event, the only one with usage, has not come (a stream cut before it is billed that, and its prompt as its engine
     # renders it: `take_rendered_prompt`).
     num_output_events: int = 0
+    # A Responses stream's engine wrote an event from its output (`sse.is_responses_output`): its prompt was prefilled
+    # whole, so a stream cut before its last event is billed it, as its engine renders it.
+    prompt_prefilled: bool = False
 
     @property
     def prompt_tokens(self) -> int:

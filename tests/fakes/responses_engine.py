@@ -8,8 +8,11 @@ The body's `metadata.scenario` picks the script: `ok` (50 deltas, then `response
 `top_logprobs`), `error` (vLLM's `event: error` after the deltas, then the stream ends), `dies` (the process exits
 after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart), `large_last` (the `large_part` stream,
 its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
-apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta) and
-`render_hangs` (the `error` stream, its render never answered).
+apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta),
+`slow_dies` (150 deltas 50 ms apart, longer than the gateway trusts a replica list it read, then the process exits),
+`error_after_call` (a function call announced, `response.output_item.added` as vLLM writes it once its parser has the
+name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
+answered). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`.
 
 `POST /v1/responses/render` answers as vLLM's (`--enable-scale-out`) does: the prompt's token ids, as many as `USAGE`
 says; `GET /renders` says how many it was asked.
@@ -26,6 +29,7 @@ import uvicorn
 
 NUM_DELTAS = 50
 NUM_SLOW_DELTAS = 300
+NUM_SLOW_DIES_DELTAS = 150
 USAGE = {
     "input_tokens": 7,
     "input_tokens_details": {"cached_tokens": 0},
@@ -94,9 +98,39 @@ async def app(scope, receive, send):
             {"type": "response.created", "sequence_number": 0, "response": _response("in_progress", None)},
         )
     )
-    num_deltas = {"error_first": 0, "slow": NUM_SLOW_DELTAS}.get(scenario, NUM_DELTAS)
+    await out(
+        _event(
+            "response.in_progress",
+            {
+                "type": "response.in_progress",
+                "sequence_number": 1,
+                "response": _response("in_progress", None),
+            },
+        )
+    )
+    if scenario == "error_after_call":
+        item = {
+            "type": "function_call",
+            "id": "fc_x",
+            "call_id": "call_x",
+            "name": "f",
+            "arguments": "",
+            "status": "in_progress",
+        }
+        await out(
+            _event(
+                "response.output_item.added",
+                {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item},
+            )
+        )
+    num_deltas = {
+        "error_first": 0,
+        "error_after_call": 0,
+        "slow": NUM_SLOW_DELTAS,
+        "slow_dies": NUM_SLOW_DIES_DELTAS,
+    }.get(scenario, NUM_DELTAS)
     for index in range(num_deltas):
-        if scenario == "slow":
+        if scenario in ("slow", "slow_dies"):
             await asyncio.sleep(0.05)
         await out(
             _event(
@@ -128,7 +162,7 @@ async def app(scope, receive, send):
         await out(
             _event("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 61})
         )
-    if scenario in ("error", "error_first", "render_hangs"):
+    if scenario in ("error", "error_first", "error_after_call", "render_hangs"):
         await out(
             _event(
                 "error",
@@ -142,7 +176,7 @@ async def app(scope, receive, send):
         )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
-    if scenario == "dies":
+    if scenario in ("dies", "slow_dies"):
         await asyncio.sleep(0.2)  # the deltas leave before the process does
         os._exit(1)
     last = _event(
@@ -151,10 +185,22 @@ async def app(scope, receive, send):
     )
     if scenario == "large_last":
         response = _response("completed", USAGE) | {
-            "output": [{"type": "message", "content": [{"type": "output_text", "text": "tok " * NUM_DELTAS,
-                                                        "logprobs": [logprob] * LARGE_PART_TOKENS}]}]
+            "output": [
+                {
+                    "type": "message",
+                    "content": [
+                        {
+                            "type": "output_text",
+                            "text": "tok " * NUM_DELTAS,
+                            "logprobs": [logprob] * LARGE_PART_TOKENS,
+                        }
+                    ],
+                }
+            ]
         }
-        last = _event("response.completed", {"type": "response.completed", "sequence_number": 99, "response": response})
+        last = _event(
+            "response.completed", {"type": "response.completed", "sequence_number": 99, "response": response}
+        )
         split = int(metadata.get("split", "0"))
         await out(last[:split])
         await asyncio.sleep(0.3)  # read apart

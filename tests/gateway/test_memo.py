@@ -97,6 +97,29 @@ def test_an_expired_entry_is_answered_at_once_and_reloaded_once_in_the_backgroun
     assert fresh == "k:second"
 
 
+def test_an_entry_a_long_call_keeps_is_reloaded_in_the_background_never_waited_for_and_stays_held():
+    # A cut Responses stream's prompt is counted by replicas held (`Memo.held`), never loaded then: a stopping process's
+    # finish must not wait on PostgreSQL. `directory.keep_replicas_held` keeps them held while the stream runs.
+    loader = Loader()
+    cache = Memo(loader, ttl_s=0.5)
+
+    async def scenario():
+        await cache.get("k")
+        cache.entries["k"] = (time.monotonic() - 60, cache.entries["k"][1])  # past its trust: no longer held
+        assert cache.held("k") is None
+        loader.answer = "second"
+        loader.gate.clear()  # the reload is held: a caller that waited for it would never return
+        cache.reload_if_older("k", 0.5)
+        cache.reload_if_older("k", 0.5)  # one reload at a time
+        loader.gate.set()
+        await until(lambda: cache.held("k") == "k:second")
+        cache.reload_if_older("k", 60)  # younger than that: nothing loaded
+        await asyncio.sleep(0.05)
+        return loader.calls
+
+    assert asyncio.run(scenario()) == 2
+
+
 def test_fresh_reads_and_empty_answers_wait_for_the_database():
     loader = Loader()
     ttl = Ttl(60)

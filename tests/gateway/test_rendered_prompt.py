@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from endpoints.gateway import directory, upstream
+import pytest
+
+from endpoints.gateway import directory, metrics, rendered_prompt, upstream
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.directory import ReplicaInfo
 from endpoints.gateway.tally import UsageTally
@@ -20,6 +22,33 @@ ENDPOINT_ID = "e-render"
 GENERATION = 3
 MAX_MODEL_LEN = 4096
 BODY = b'{"model":"m","input":"hi","stream":true}'
+DISABLED = json.dumps(
+    {
+        "error": {
+            "message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+            "type": "PermissionDeniedError",
+            "param": None,
+            "code": 403,
+        }
+    }
+).encode()
+MODEL_NOT_FOUND = json.dumps(
+    {
+        "error": {
+            "message": "The model `m` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+).encode()
+
+
+@pytest.fixture(autouse=True)
+def _no_refusal_remembered():
+    rendered_prompt._refusing.clear()
+    yield
+    rendered_prompt._refusing.clear()
 
 
 @dataclass
@@ -33,6 +62,10 @@ class ScriptedEngine:
     delay_s: float = 0.0
     tensor_bytes: int = 0
     ignores_it: bool = False
+    # Another status than 200 answers `refusal` instead: by default vLLM's own answer when started without
+    # `--enable-scale-out` (a 403).
+    status: int = 200
+    refusal: bytes = DISABLED
     bodies: list[bytes] = field(default_factory=list)
     address: str = ""
 
@@ -48,6 +81,14 @@ class ScriptedEngine:
         body = await reader.readexactly(length)
         self.bodies.append(body)
         await asyncio.sleep(self.delay_s)
+        if self.status != 200:
+            writer.write(
+                b"HTTP/1.1 %d Refused\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (self.status, len(self.refusal), self.refusal)
+            )
+            await writer.drain()
+            writer.close()
+            return
         token_ids = (
             [self.token_id] * self.num_tokens if self.token_id is not None else list(range(self.num_tokens))
         )
@@ -186,3 +227,53 @@ def test_a_render_answer_larger_than_its_prompts_token_ids_is_not_read():
 def test_a_render_answer_of_a_whole_context_of_the_longest_token_ids_is_read():
     # Guards the bound's size (passes before and after): every token of the context, each a 6-digit id.
     assert _count_cut_prompt(ScriptedEngine(num_tokens=MAX_MODEL_LEN, token_id=262_143)) == MAX_MODEL_LEN
+
+
+def _num_refusals(status: int) -> float:
+    return (
+        metrics.REGISTRY.get_sample_value("inferplane_prompt_render_refusals_total", {"status": str(status)})
+        or 0
+    )
+
+
+def test_replicas_whose_engines_refuse_the_render_leave_the_count_to_another_and_are_asked_last_from_then_on(
+    caplog,
+):
+    # Engines started before `--enable-scale-out` answer the render 403 until they restart. Before, the two asked (the
+    # served replica and the next) both refused and the third was never asked: the stream's prompt was free, on every
+    # cut stream they served, and nothing said which engines needed a restart.
+    served, older, good = (
+        ScriptedEngine(status=403),
+        ScriptedEngine(status=403),
+        ScriptedEngine(num_tokens=30),
+    )
+    refusals_before = _num_refusals(403)
+    with caplog.at_level("WARNING", logger="inferplane.requests"):
+        assert _count_cut_prompt(served, held=[older, good]) == 30
+    assert (len(served.bodies), len(older.bodies), len(good.bodies)) == (1, 1, 1)
+    assert _num_refusals(403) == refusals_before + 2
+    assert "replica r-served refuses to render prompts (HTTP 403)" in caplog.text
+    assert "replica r-held-0 refuses to render prompts (HTTP 403)" in caplog.text
+    # The next cut stream of the same replica asks the one that answers first.
+    assert _count_cut_prompt(served, held=[older, good]) == 30
+    assert (len(served.bodies), len(older.bodies), len(good.bodies)) == (1, 1, 2)
+
+
+def test_a_replica_without_the_render_route_is_remembered_as_one_that_refuses_it():
+    # A vLLM older than the route answers FastAPI's 404 (passes the first count before, the second failed before).
+    served, good = (
+        ScriptedEngine(status=404, refusal=b'{"detail":"Not Found"}'),
+        ScriptedEngine(num_tokens=30),
+    )
+    assert _count_cut_prompt(served, held=[good]) == 30
+    assert _count_cut_prompt(served, held=[good]) == 30
+    assert (len(served.bodies), len(good.bodies)) == (1, 2)
+
+
+def test_a_404_naming_the_requests_own_model_is_not_remembered_against_the_replica():
+    # Guards the per-request refusal (passes before and after): vLLM's own 404 (a model or adapter it does not hold)
+    # says nothing of the next request, so the served replica stays the first asked.
+    served, good = ScriptedEngine(status=404, refusal=MODEL_NOT_FOUND), ScriptedEngine(num_tokens=30)
+    assert _count_cut_prompt(served, held=[good]) == 30
+    assert _count_cut_prompt(served, held=[good]) == 30
+    assert (len(served.bodies), len(good.bodies)) == (2, 2)

@@ -55,6 +55,22 @@ def test_a_tool_outputs_parts_are_checked_as_a_messages_content_parts(part, para
     assert _refusal({"model": "m", "input": _tool_output(part)})["param"] == param
 
 
+@pytest.mark.parametrize(
+    "items",
+    [
+        [{"role": "user", "content": [{"type": "input_image", "image_url": None, "uuid": "seen-before"}]}],
+        [{"type": "message", "role": "user", "content": [{"type": "input_image", "uuid": "seen-before"}]}],
+        _tool_output({"type": "input_image", "uuid": "seen-before"}),
+    ],
+)
+def test_an_image_named_by_uuid_alone_never_reaches_an_engine_or_a_cut_streams_render(items):
+    # vLLM's render (`/v1/responses/render`, which counts a cut stream's prompt) skips its processed-media cache, so an
+    # image sent by `uuid` alone would fail there, the prompt unbilled: no such part gets that far (guards the refusal,
+    # passes before and after).
+    error = _refusal({"model": "m", "input": items, "stream": True})
+    assert (error["param"].endswith(".uuid"), error["code"]) == (True, "unsupported_parameter")
+
+
 def test_a_tool_output_as_text_or_text_parts_is_taken():
     _parse({"model": "m", "input": _tool_output({"type": "input_text", "text": "42"})})
     _parse({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": "42"}]})

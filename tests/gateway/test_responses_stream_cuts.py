@@ -9,8 +9,8 @@ before it must not keep it from getting there.
   events (one an engine step) as output tokens and its prompt as an engine of its endpoint renders it
   (`endpoints.gateway.rendered_prompt`), as an `upstream_error` row. Before, its prompt was free: a 30k-token prompt
   cut after its first delta cost nothing of it. With no engine left to ask (its only replica lost), and for a lost
-  gateway (`gateway_lost`, by the sweeper), its deltas alone, as before; before any delta, no prompt (it may not have
-  been prefilled).
+  gateway (`gateway_lost`, by the sweeper), its deltas alone, as before; before the engine's first output (an event
+  other than `response.created` and `response.in_progress`), no prompt (it may not have been prefilled).
 - A client that leaves (or stops reading) is read on to the last event and billed the engine's usage.
 """
 
@@ -138,8 +138,11 @@ def test_a_last_event_too_large_to_relay_is_billed_from_its_usage_wherever_a_rea
     # with the read boundary 12 bytes into it (`event: respo`), it was taken for another event, dropped unrelayed and
     # its usage unread: an `upstream_error` row of 0 prompt tokens, and the client's stream stopped with no event.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
-    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "large_last") | {
-        "metadata": {"scenario": "large_last", "split": str(split)}})
+    request_id, received = _stream(
+        gateway,
+        tenant.key,
+        _body(endpoint, "large_last") | {"metadata": {"scenario": "large_last", "split": str(split)}},
+    )
     assert received.count(DELTA) == responses_engine.NUM_DELTAS
     assert b"event: response.content_part.done" not in received
     assert b"response_too_large" in received
@@ -183,8 +186,27 @@ def test_a_stream_whose_replica_dies_is_billed_its_prompt_as_another_replica_ren
     assert _num_renders(engine) + _num_renders(second_engine) == 1  # the survivor's; the dead one never asked
 
 
+def test_a_stream_longer_than_a_held_replica_list_is_trusted_is_billed_its_prompt_as_another_replica_renders_it(
+    gateway, tenant, engine, second_engine
+):
+    # The count asks only replicas the gateway holds, trusted 5.5 s after their load. Before, a stream running longer
+    # (~7.5 s here, no other call to its endpoint) found none held when its replica died: 0 prompt tokens, none asked.
+    endpoint = serve_endpoint(tenant.org, engine, second_engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "slow_dies"))
+    assert received.count(DELTA) == responses_engine.NUM_SLOW_DIES_DELTAS
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        responses_engine.USAGE["input_tokens"],
+        responses_engine.NUM_SLOW_DIES_DELTAS,
+    )
+    assert UsageRecord.objects.filter(request_id=request_id).count() == 1
+    assert _num_renders(engine) + _num_renders(second_engine) == 1
+
+
 def test_a_stream_whose_only_replica_dies_is_billed_its_deltas_alone(gateway, tenant, engine):
-    # No engine is left to count its prompt: the deltas' floor, as before.
+    # No engine is left to count its prompt: the deltas' floor, as before; never the reservation's prompt estimate, an
+    # upper bound that would overcharge (passes before and after: the documented behaviour, pinned).
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     request_id, received = _stream(gateway, tenant.key, _body(endpoint, "dies"))
     assert received.count(DELTA) == responses_engine.NUM_DELTAS
@@ -194,7 +216,7 @@ def test_a_stream_whose_only_replica_dies_is_billed_its_deltas_alone(gateway, te
         0,
         responses_engine.NUM_DELTAS,
     )
-    assert row.cost > 0
+    assert row.cost == Decimal(responses_engine.NUM_DELTAS * 300) / 1_000_000
 
 
 def test_a_cut_stream_whose_engine_never_answers_its_render_is_billed_its_deltas_alone_without_hanging(
@@ -213,14 +235,35 @@ def test_a_cut_stream_whose_engine_never_answers_its_render_is_billed_its_deltas
     assert _num_renders(engine) == 1
 
 
-def test_a_stream_whose_engine_fails_before_any_delta_is_billed_no_prompt(gateway, tenant, engine):
-    # No output token: its prompt may not have been prefilled whole, so none of it is billed, and no engine is asked.
+def test_a_stream_whose_engine_fails_before_its_first_output_is_billed_no_prompt(gateway, tenant, engine):
+    # Only what vLLM writes as a stream starts (`response.created`, `response.in_progress`), no output: its prompt may
+    # not have been prefilled whole, so none of it is billed, and no engine is asked (passes before and after).
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     request_id, received = _stream(gateway, tenant.key, _body(endpoint, "error_first"))
     assert DELTA not in received
     row = _row(request_id)
     assert (row.status, row.prompt_tokens, row.completion_tokens) == ("upstream_error", 0, 0)
     assert _num_renders(engine) == 0
+
+
+def test_a_stream_cut_after_its_engines_first_output_but_before_any_delta_is_billed_its_rendered_prompt(
+    gateway, tenant, engine
+):
+    # vLLM announces a function call (`response.output_item.added`) once its parser has the name, before its arguments'
+    # first delta: the engine had output, so its prompt was prefilled whole. Before: an `upstream_error` row of 0 prompt
+    # tokens, no engine asked.
+    endpoint = serve_endpoint(tenant.org, engine, **PRICES)
+    request_id, received = _stream(gateway, tenant.key, _body(endpoint, "error_after_call"))
+    assert b"event: response.output_item.added" in received and DELTA not in received
+    row = _row(request_id)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+        "upstream_error",
+        responses_engine.USAGE["input_tokens"],
+        0,
+    )
+    assert row.cost == Decimal(7 * 100) / 1_000_000
+    assert UsageRecord.objects.filter(request_id=request_id).count() == 1
+    assert _num_renders(engine) == 1
 
 
 def test_a_stream_whose_client_leaves_after_its_first_delta_is_read_on_and_billed_the_engines_usage(
