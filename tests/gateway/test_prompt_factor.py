@@ -20,6 +20,7 @@ from django.db import connections
 from billing.ledger import cost_of
 from billing.models import UsageRecord
 from billing.services import set_spend_cap
+from controlplane import worker_threads
 from controlplane.accounts.models import ApiKey, AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor
 from endpoints import services
@@ -29,6 +30,7 @@ from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
 from tests.conftest import wait_until
 from tests.factories import EndpointFactory, UserFactory, sign_in_staff
 from tests.gateway.conftest import serve_endpoint
+from tests.outages import database_refusing_connections
 
 CONTEXT = 4096
 CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "%" * 240}]}
@@ -502,3 +504,36 @@ def test_a_factor_rising_past_eight_is_logged_as_a_warning(caplog):
 
     assert endpoint.prompt_factor == Decimal("8.125")
     assert f"endpoint {endpoint.pk}: its prompt factor rose to 8.125×, past 8×" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_it_is_back(monkeypatch):
+    # Before: the write's failure was logged alone, and the factor this process kept went with the endpoint's next
+    # reload once PostgreSQL was back: the next call past the bound lost its reservation again.
+    monkeypatch.setattr(call, "PROMPT_FACTOR_RETRY_S", 0.05, raising=False)
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    loop = asyncio.new_event_loop()
+    # as `run_briefly`: no worker thread's session left open for the teardown
+    closing = worker_threads._closing_after_each_call.set(True)
+    try:
+        with database_refusing_connections():
+            loop.run_until_complete(call._write_prompt_factor(info, Decimal(3)))
+            # a smaller one: the larger stands
+            loop.run_until_complete(call._write_prompt_factor(info, Decimal(2)))
+            loop.run_until_complete(asyncio.sleep(0.3))  # tried again meanwhile: refused too
+            assert endpoint.prompt_factor is None
+
+        factor = wait_until(
+            lambda: loop.run_until_complete(asyncio.sleep(0.05)) or endpoint.prompt_factor,
+            15,
+            message="the factor written once PostgreSQL is back",
+        )
+
+        assert factor == Decimal(3)
+        assert not call._unwritten_prompt_factors
+    finally:
+        worker_threads._closing_after_each_call.reset(closing)
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        connections.close_all()
