@@ -154,7 +154,18 @@ def source_kind(model_source: str) -> str | None:
 
 def organization_scope(organization_id) -> str:
     """The weights scope of an organisation's private sources: its cached copies are its own."""
-    return f"org-{organization_id}"
+    return f"{_ORGANIZATION_SCOPE_PREFIX}{organization_id}"
+
+
+def organization_of_scope(scope: str) -> int | None:
+    """The organisation whose scope `scope` is (`organization_scope`); None for the shared one ("") or another."""
+    if not scope.startswith(_ORGANIZATION_SCOPE_PREFIX):
+        return None
+    number = scope.removeprefix(_ORGANIZATION_SCOPE_PREFIX)
+    return int(number) if number.isdigit() else None
+
+
+_ORGANIZATION_SCOPE_PREFIX = "org-"
 
 
 def _plain_path(model_source: str) -> bool:
@@ -430,7 +441,7 @@ def implausible_model_facts(values: dict) -> str:
     return ""
 
 
-def _replica_key(replica_id) -> str:
+def replica_key(replica_id) -> str:
     """A replica's claim's key in `ModelFacts.disputed`, apart from its node's (the node's id as text)."""
     return f"{_REPLICA_KEY_PREFIX}{replica_id}"
 
@@ -538,7 +549,7 @@ class ModelFacts(models.Model):
             return problem
         if not values:
             return left_out
-        node_key = _replica_key(replica_id) if scope and replica_id is not None else str(node_id)
+        node_key = replica_key(replica_id) if scope and replica_id is not None else str(node_id)
         claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
         with transaction.atomic():
             defaults = values | ({"disputed": {node_key: claimed}} if scope and claimed else {})
@@ -582,12 +593,17 @@ class ModelFacts(models.Model):
     @staticmethod
     def running_claimants(source: str, scope: str) -> set[str]:
         """The keys of the claims that stand (`learn`): the nodes (ids as text) running a live replica of `source` read
-        in `scope`, and those replicas (`_replica_key`)."""
-        rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).values_list(
-            "pk", "node_id", "endpoint__organization_id", "endpoint__credential_id")
+        in `scope`, and those replicas (`replica_key`)."""
+        # NOTE: a tenant's scope is one organisation's: its replicas alone are read, not every tenant's of a catalogue
+        # name (sorted out here by their scope, a row each, unordered).
+        rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).order_by()
+        organization_id = organization_of_scope(scope)
+        if organization_id is not None:
+            rows = rows.filter(endpoint__organization_id=organization_id)
+        rows = rows.values_list("pk", "node_id", "endpoint__organization_id", "endpoint__credential_id")
         running = [(replica, node) for replica, node, organization, credential in rows
                    if weights_scope_for(organization, credential, source) == scope]
-        return {str(node) for _, node in running} | {_replica_key(replica) for replica, _ in running}
+        return {str(node) for _, node in running} | {replica_key(replica) for replica, _ in running}
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

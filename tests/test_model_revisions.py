@@ -264,3 +264,41 @@ def test_a_template_count_a_node_claimed_before_counts_were_a_replicas_goes_with
 
     endpoint.refresh_from_db()
     assert endpoint.chat_template_tokens == (40, 8)
+
+
+def test_a_steady_heartbeat_of_a_copy_served_from_its_node_alone_asks_nothing_of_the_fleets_replicas(
+    endpoint,
+):
+    # Its replica's chat template count is a claim of its own beside its node's: each beat asked the database whether
+    # that replica still ran (every live replica of the source, any tenant's, sorted out in Python), though the beat
+    # had just read the node's live replicas. The same for a second replica of the copy on the node.
+    replicas._kept_template_counts.clear()
+    node, replica, _ = _running(endpoint, CHEAP)
+    second = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.SLEEPING)
+    _heartbeat(endpoint, node, CHEAP)
+    _counted(endpoint, replica, 40)
+    _counted(endpoint, second, 40)
+    _heartbeat(endpoint, node, CHEAP)
+
+    with CaptureQueriesContext(connection) as beat:
+        _heartbeat(endpoint, node, CHEAP)
+
+    assert len(beat.captured_queries) == 2  # this node's replicas, the copy's facts (was 3)
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)
+
+
+def test_a_claim_of_a_replica_stopped_on_the_reporting_node_goes_with_its_next_heartbeat(endpoint):
+    # What the beat knows of its own node stands for the question (not a stale answer): a stopped replica's claim goes.
+    replicas._kept_template_counts.clear()
+    node, costly, _ = _running(endpoint, CHEAP)
+    cheap = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
+    _heartbeat(endpoint, node, CHEAP)
+    _counted(endpoint, costly, 900)
+    _counted(endpoint, cheap, 40)
+    Replica.objects.filter(pk=costly.pk).update(state=ReplicaState.STOPPED)
+
+    _heartbeat(endpoint, node, CHEAP)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)
