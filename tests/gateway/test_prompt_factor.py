@@ -8,6 +8,7 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -537,3 +538,19 @@ def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_i
         loop.run_until_complete(loop.shutdown_default_executor())
         loop.close()
         connections.close_all()
+
+
+def test_factors_kept_unwritten_past_their_bound_drop_the_oldest_and_keep_the_largest_per_copy(monkeypatch):
+    monkeypatch.setattr(call, "MAX_UNWRITTEN_PROMPT_FACTORS", 2)
+    monkeypatch.setattr(call, "_unwritten_prompt_factors", {})
+    first, second, third = (dataclasses.replace(_info(), id=name) for name in ("first", "second", "third"))
+
+    async def outage():
+        for info, factor in ((first, 2), (second, 3), (second, 2), (third, 4)):
+            call._keep_unwritten_prompt_factor(info, Decimal(factor))
+        call._retrying_prompt_factors.cancel()
+
+    asyncio.run(outage())
+
+    kept = {key[0]: factor for key, (_, factor) in call._unwritten_prompt_factors.items()}
+    assert kept == {"second": Decimal(3), "third": Decimal(4)}
