@@ -273,18 +273,24 @@ def test_a_template_count_a_node_claimed_before_counts_were_a_replicas_goes_with
     assert endpoint.chat_template_tokens == (40, 8)
 
 
+def _two_replicas_counted(endpoint, first_count, second_count, *, second_state=ReplicaState.READY):
+    """A node running two replicas of the copy, each of which counted its chat template, after a heartbeat."""
+    replicas._kept_template_counts.clear()
+    node, first, _ = _running(endpoint, CHEAP)
+    second = Replica.objects.create(endpoint=endpoint, node=node, state=second_state)
+    _heartbeat(endpoint, node, CHEAP)
+    _counted(endpoint, first, first_count)
+    _counted(endpoint, second, second_count)
+    return node, first, second
+
+
 def test_a_steady_heartbeat_of_a_copy_served_from_its_node_alone_asks_nothing_of_the_fleets_replicas(
     endpoint,
 ):
     # Its replica's chat template count is a claim of its own beside its node's: each beat asked the database whether
     # that replica still ran (every live replica of the source, any tenant's, sorted out in Python), though the beat
     # had just read the node's live replicas. The same for a second replica of the copy on the node.
-    replicas._kept_template_counts.clear()
-    node, replica, _ = _running(endpoint, CHEAP)
-    second = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.SLEEPING)
-    _heartbeat(endpoint, node, CHEAP)
-    _counted(endpoint, replica, 40)
-    _counted(endpoint, second, 40)
+    node, _, _ = _two_replicas_counted(endpoint, 40, 40, second_state=ReplicaState.SLEEPING)
     _heartbeat(endpoint, node, CHEAP)
 
     with CaptureQueriesContext(connection) as beat:
@@ -297,12 +303,7 @@ def test_a_steady_heartbeat_of_a_copy_served_from_its_node_alone_asks_nothing_of
 
 def test_a_claim_of_a_replica_stopped_on_the_reporting_node_goes_with_its_next_heartbeat(endpoint):
     # What the beat knows of its own node stands for the question (not a stale answer): a stopped replica's claim goes.
-    replicas._kept_template_counts.clear()
-    node, costly, _ = _running(endpoint, CHEAP)
-    cheap = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY)
-    _heartbeat(endpoint, node, CHEAP)
-    _counted(endpoint, costly, 900)
-    _counted(endpoint, cheap, 40)
+    node, costly, _ = _two_replicas_counted(endpoint, 900, 40)
     Replica.objects.filter(pk=costly.pk).update(state=ReplicaState.STOPPED)
 
     _heartbeat(endpoint, node, CHEAP)
