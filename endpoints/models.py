@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import uuid
 from decimal import Decimal
@@ -154,7 +155,18 @@ def source_kind(model_source: str) -> str | None:
 
 def organization_scope(organization_id) -> str:
     """The weights scope of an organisation's private sources: its cached copies are its own."""
-    return f"org-{organization_id}"
+    return f"{_ORGANIZATION_SCOPE_PREFIX}{organization_id}"
+
+
+def organization_of_scope(scope: str) -> int | None:
+    """The organisation whose scope `scope` is (`organization_scope`); None for the shared one ("") or another."""
+    if not scope.startswith(_ORGANIZATION_SCOPE_PREFIX):
+        return None
+    number = scope.removeprefix(_ORGANIZATION_SCOPE_PREFIX)
+    return int(number) if number.isdigit() else None
+
+
+_ORGANIZATION_SCOPE_PREFIX = "org-"
 
 
 def _plain_path(model_source: str) -> bool:
@@ -411,6 +423,10 @@ RESERVATION_FACTS = ("max_model_len", "tokenizer_normalizer", "template_tokens_p
 # Of those, what a replica's engine counted (its chat template): a replica's own claim, never a node's (`learn`).
 TEMPLATE_COUNT_FACTS = tuple(name for name in RESERVATION_FACTS if name.startswith("template_tokens_"))
 DIFFERING_TOKENIZERS = TokenizerNormalizer(unknown="its replicas read tokenizers that differ (two revisions)").to_dict()
+# Differing descriptions kept together (`merged_claims`): the gateway bounds each prompt by the largest of their bounds
+# (`endpoints.gateway.estimate.worst_case`); more are `DIFFERING_TOKENIZERS` alone (the context). NOTE: each costs the
+# estimate of those endpoints' calls once more.
+MAX_DIFFERING_TOKENIZERS = 4
 
 
 def implausible_model_facts(values: dict) -> str:
@@ -430,7 +446,7 @@ def implausible_model_facts(values: dict) -> str:
     return ""
 
 
-def _replica_key(replica_id) -> str:
+def replica_key(replica_id) -> str:
     """A replica's claim's key in `ModelFacts.disputed`, apart from its node's (the node's id as text)."""
     return f"{_REPLICA_KEY_PREFIX}{replica_id}"
 
@@ -440,17 +456,42 @@ _REPLICA_KEY_PREFIX = "replica:"
 
 def merged_claims(claims: dict[str, dict]) -> dict:
     """`RESERVATION_FACTS` as the nodes' `claims` ({node: {field: value}}) bound a reservation together: each count
-    the largest any node reported, the tokenizer the one they all describe, else `DIFFERING_TOKENIZERS`."""
+    the largest any node reported, the tokenizer the one they all describe, else `differing_tokenizers` of theirs."""
     merged = {}
     for name in RESERVATION_FACTS:
         reported = [node_claims[name] for node_claims in claims.values() if node_claims.get(name) is not None]
         if not reported:
             continue
         if name == "tokenizer_normalizer":
-            merged[name] = reported[0] if all(value == reported[0] for value in reported) else DIFFERING_TOKENIZERS
+            merged[name] = reported[0] if all(value == reported[0] for value in reported) else (
+                differing_tokenizers(reported))
         else:
             merged[name] = max(reported)
     return merged
+
+
+def differing_tokenizers(descriptions: list[dict]) -> dict:
+    """Tokenizers that replicas of one copy read differently (two revisions, or two agent versions' describers during a
+    rollout), as the gateway bounds a prompt by them: `DIFFERING_TOKENIZERS` (read as unknown by a gateway that knows
+    no better), with each description (`alternatives`, in a fixed order) when all are known and at most
+    `MAX_DIFFERING_TOKENIZERS`: each prompt is then reserved its largest bound among them, not the context.
+
+    NOTE: every replica's engine reads one of these descriptions' tokenizers, so the largest bound is its bound too.
+    Before, any difference reserved the whole context: a 1,000-space chat to a copy on two agent versions' nodes was
+    reserved 32,768 prompt tokens (1,084 on either alone) until the last node was upgraded."""
+    each = {}
+    for description in descriptions:
+        if not isinstance(description, dict):
+            return DIFFERING_TOKENIZERS
+        for one in description.get("alternatives") or [description]:
+            if not isinstance(one, dict) or one.get("unknown"):
+                return DIFFERING_TOKENIZERS
+            each[json.dumps(one, sort_keys=True)] = one
+    if len(each) > MAX_DIFFERING_TOKENIZERS:
+        return DIFFERING_TOKENIZERS
+    if len(each) == 1:
+        return next(iter(each.values()))
+    return DIFFERING_TOKENIZERS | {"alternatives": [each[key] for key in sorted(each)]}
 
 
 class ModelFacts(models.Model):
@@ -538,7 +579,7 @@ class ModelFacts(models.Model):
             return problem
         if not values:
             return left_out
-        node_key = _replica_key(replica_id) if scope and replica_id is not None else str(node_id)
+        node_key = replica_key(replica_id) if scope and replica_id is not None else str(node_id)
         claimed = {name: value for name, value in values.items() if name in RESERVATION_FACTS}
         with transaction.atomic():
             defaults = values | ({"disputed": {node_key: claimed}} if scope and claimed else {})
@@ -582,12 +623,17 @@ class ModelFacts(models.Model):
     @staticmethod
     def running_claimants(source: str, scope: str) -> set[str]:
         """The keys of the claims that stand (`learn`): the nodes (ids as text) running a live replica of `source` read
-        in `scope`, and those replicas (`_replica_key`)."""
-        rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).values_list(
-            "pk", "node_id", "endpoint__organization_id", "endpoint__credential_id")
+        in `scope`, and those replicas (`replica_key`)."""
+        # NOTE: a tenant's scope is one organisation's: its replicas alone are read, not every tenant's of a catalogue
+        # name (sorted out here by their scope, a row each, unordered).
+        rows = Replica.objects.filter(state__in=LIVE_REPLICA_STATES, endpoint__model_source=source).order_by()
+        organization_id = organization_of_scope(scope)
+        if organization_id is not None:
+            rows = rows.filter(endpoint__organization_id=organization_id)
+        rows = rows.values_list("pk", "node_id", "endpoint__organization_id", "endpoint__credential_id")
         running = [(replica, node) for replica, node, organization, credential in rows
                    if weights_scope_for(organization, credential, source) == scope]
-        return {str(node) for _, node in running} | {_replica_key(replica) for replica, _ in running}
+        return {str(node) for _, node in running} | {replica_key(replica) for replica, _ in running}
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:

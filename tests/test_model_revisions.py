@@ -14,7 +14,7 @@ from endpoints import replicas
 from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
-from endpoints.models import ModelFacts, Replica
+from endpoints.models import MAX_DIFFERING_TOKENIZERS, ModelFacts, Replica
 from endpoints.replicas import record_chat_template_tokens
 from gpu_agent.protocol import (
     ChatTemplateTokens,
@@ -68,6 +68,12 @@ def _heartbeat(endpoint, node, info):
 def _bound(endpoint) -> int:
     endpoint.refresh_from_db()
     normalizer = prompt_normalizer(endpoint.tokenizer_normalizer)
+    return worst_case(SPACES, "chat", endpoint.context_length, normalizer=normalizer).num_prompt_tokens
+
+
+def _bound_by(endpoint, info) -> int:
+    """`_bound` by one reading's tokenizer alone."""
+    normalizer = prompt_normalizer(info.tokenizer_normalizer.to_dict())
     return worst_case(SPACES, "chat", endpoint.context_length, normalizer=normalizer).num_prompt_tokens
 
 
@@ -187,7 +193,8 @@ def test_two_revisions_cached_on_one_node_are_reserved_for_the_costlier_whicheve
 
     endpoint.refresh_from_db()
     assert endpoint.context_length == 32768
-    assert prompt_normalizer(endpoint.tokenizer_normalizer).unbounded
+    # each prompt its larger bound of the two tokenizers': the costlier's (before: the context)
+    assert _bound(endpoint) == _bound_by(endpoint, COSTLY) > 9 * 1000
 
 
 def test_a_steady_heartbeat_beside_a_costlier_revision_locks_and_writes_nothing(endpoint):
@@ -264,3 +271,102 @@ def test_a_template_count_a_node_claimed_before_counts_were_a_replicas_goes_with
 
     endpoint.refresh_from_db()
     assert endpoint.chat_template_tokens == (40, 8)
+
+
+def _two_replicas_counted(endpoint, first_count, second_count, *, second_state=ReplicaState.READY):
+    """A node running two replicas of the copy, each of which counted its chat template, after a heartbeat."""
+    replicas._kept_template_counts.clear()
+    node, first, _ = _running(endpoint, CHEAP)
+    second = Replica.objects.create(endpoint=endpoint, node=node, state=second_state)
+    _heartbeat(endpoint, node, CHEAP)
+    _counted(endpoint, first, first_count)
+    _counted(endpoint, second, second_count)
+    return node, first, second
+
+
+def test_a_steady_heartbeat_of_a_copy_served_from_its_node_alone_asks_nothing_of_the_fleets_replicas(
+    endpoint,
+):
+    # Its replica's chat template count is a claim of its own beside its node's: each beat asked the database whether
+    # that replica still ran (every live replica of the source, any tenant's, sorted out in Python), though the beat
+    # had just read the node's live replicas. The same for a second replica of the copy on the node.
+    node, _, _ = _two_replicas_counted(endpoint, 40, 40, second_state=ReplicaState.SLEEPING)
+    _heartbeat(endpoint, node, CHEAP)
+
+    with CaptureQueriesContext(connection) as beat:
+        _heartbeat(endpoint, node, CHEAP)
+
+    assert len(beat.captured_queries) == 2  # this node's replicas, the copy's facts (was 3)
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)
+
+
+def test_a_claim_of_a_replica_stopped_on_the_reporting_node_goes_with_its_next_heartbeat(endpoint):
+    # What the beat knows of its own node stands for the question (not a stale answer): a stopped replica's claim goes.
+    node, costly, _ = _two_replicas_counted(endpoint, 900, 40)
+    Replica.objects.filter(pk=costly.pk).update(state=ReplicaState.STOPPED)
+
+    _heartbeat(endpoint, node, CHEAP)
+
+    endpoint.refresh_from_db()
+    assert endpoint.chat_template_tokens == (40, 8)
+
+
+# One revision of the files, described by two agent versions (a describer fixed between them: the older missed the
+# pre-tokenizer's "▁" before each piece, which the newer reads).
+OLDER_AGENTS = ModelInfo(
+    max_model_len=32768, architecture="LlamaForCausalLM", tokenizer_normalizer=TokenizerNormalizer()
+)
+NEWER_AGENTS = ModelInfo(
+    max_model_len=32768,
+    architecture="LlamaForCausalLM",
+    tokenizer_normalizer=TokenizerNormalizer(steps=[NormalizerStep(kind="prepend", content="\u2581")]),
+)
+
+
+def test_during_an_agent_rollout_a_copy_on_both_versions_nodes_is_reserved_the_larger_of_their_bounds(
+    endpoint,
+):
+    # The control plane cannot tell two agent versions' descriptions of one revision from two revisions (whose engines
+    # may split differently): every replica's engine reads one of the two, so each prompt is reserved the larger of its
+    # two bounds. Before, the whole context: 32,768 prompt tokens for this 1,000-space chat, 1,084 or 1,090 by either.
+    (old, _, _), (upgraded, _, _) = _running(endpoint, OLDER_AGENTS), _running(endpoint, OLDER_AGENTS)
+    _heartbeat(endpoint, old, OLDER_AGENTS)
+    _heartbeat(endpoint, upgraded, OLDER_AGENTS)
+    before = _bound(endpoint)
+
+    _heartbeat(endpoint, upgraded, NEWER_AGENTS)  # one node of the copy upgraded
+    during = _bound(endpoint)
+    _heartbeat(endpoint, old, NEWER_AGENTS)  # the last one upgraded: its next heartbeat
+    after = _bound(endpoint)
+
+    assert before == _bound_by(endpoint, OLDER_AGENTS) < after == _bound_by(endpoint, NEWER_AGENTS)
+    assert during == max(before, after)
+    endpoint.refresh_from_db()
+    assert (
+        endpoint.tokenizer_normalizer == NEWER_AGENTS.tokenizer_normalizer.to_dict()
+    )  # once all are upgraded
+
+
+def test_tokenizers_differing_past_the_alternatives_kept_or_one_unknown_reserve_the_context(endpoint):
+    unknown = ModelInfo(
+        max_model_len=32768,
+        architecture="LlamaForCausalLM",
+        tokenizer_normalizer=TokenizerNormalizer(unknown="x"),
+    )
+    many = [
+        ModelInfo(
+            max_model_len=32768,
+            architecture="LlamaForCausalLM",
+            tokenizer_normalizer=TokenizerNormalizer(num_special_tokens=count),
+        )
+        for count in range(MAX_DIFFERING_TOKENIZERS + 1)
+    ]
+    for info in (OLDER_AGENTS, unknown):
+        _heartbeat(endpoint, _running(endpoint, info)[0], info)
+    assert _bound(endpoint) == 32768
+
+    Replica.objects.filter(endpoint=endpoint).update(state=ReplicaState.STOPPED)
+    for info in many:
+        _heartbeat(endpoint, _running(endpoint, info)[0], info)
+    assert _bound(endpoint) == 32768

@@ -35,6 +35,7 @@ from endpoints.models import (
     ModelFacts,
     Replica,
     merged_claims,
+    replica_key,
     weights_scope_for,
 )
 from endpoints.nodes.models import (
@@ -322,13 +323,18 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
         return
     scopes: dict[str, set[str]] = {}
     quantizations: dict[str, set[str]] = {}
-    for organization_id, credential_id, source, quantization in (
+    # The claims of this copy that stand by what this node runs now (`ModelFacts.running_claimants`): its own, and its
+    # live replicas'; a steady heartbeat asks the database of no other (`_nothing_to_write`).
+    standing: dict[tuple[str, str], set[str]] = {}
+    for replica_id, organization_id, credential_id, source, quantization in (
             Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES,
                                    endpoint__model_source__in=list({source for source, _ in copies})).order_by()
-            .values_list("endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source",
-                         "endpoint__quantization").distinct()):
-        scopes.setdefault(source, set()).add(weights_scope_for(organization_id, credential_id, source))
+            .values_list("pk", "endpoint__organization_id", "endpoint__credential_id", "endpoint__model_source",
+                         "endpoint__quantization")):
+        scope = weights_scope_for(organization_id, credential_id, source)
+        scopes.setdefault(source, set()).add(scope)
         quantizations.setdefault(source, set()).add(quantization)
+        standing.setdefault((source, scope), {str(node.pk)}).add(replica_key(replica_id))
     known = {(facts.source, facts.scope): facts for facts in ModelFacts.objects.filter(source__in=list(scopes))}
     for source, (scope, *others) in scopes.items():
         statuses = copies.get((source, scope)) or _unscoped_copy(copies.get((source, None)))
@@ -353,7 +359,7 @@ def record_model_facts(node: Node, weights: list[protocol.WeightsStatus]) -> Non
         if not values:
             continue
         facts = known.get((source, scope))
-        if facts is not None and _nothing_to_write(facts, str(node.pk), values):
+        if facts is not None and _nothing_to_write(facts, str(node.pk), values, standing[source, scope]):
             continue
         problem = ModelFacts.learn(source, scope, node.pk, values,
                                    max_weights_bytes=_most_weights_bytes(node, quantizations[source]))
@@ -368,15 +374,17 @@ def _reservation_facts(info: protocol.ModelInfo) -> dict:
             "tokenizer_normalizer": normalizer.to_dict() if normalizer is not None else None}
 
 
-def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict) -> bool:
+def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict, standing: set[str]) -> bool:
     """Whether a node's report would change nothing kept (`ModelFacts.learn`): of a shared copy, as kept or as this
     node already disputes it; of a tenant's, as this node's claim already kept, the facts merged from the claims kept,
-    and every other claim's node or replica still running the copy.
+    and every other claim's node or replica still running the copy (`standing`: the claims this node's live replicas
+    hold up, read with the heartbeat).
 
     NOTE: from an unchanged claim the merged facts change only when another claim stops standing (its replica
-    stopped: the costlier revision gone, the facts fall to this one's), so that alone is looked up, one query.
-    Before, a claim another raised ran `learn` with every heartbeat (8 queries a copy, a row locked), held at no cost
-    by a SLEEPING replica of another revision."""
+    stopped: the costlier revision gone, the facts fall to this one's), so that alone is looked up, one query, and
+    only for claims of other nodes' replicas. Before, a claim another raised ran `learn` with every heartbeat (8
+    queries a copy, a row locked), held at no cost by a SLEEPING replica of another revision; and a copy served from
+    one node asked the database every beat whether its own replica (whose template count is a claim) still ran."""
     changed = {name: value for name, value in values.items() if getattr(facts, name) != value}
     if not facts.scope:
         return facts.disputed.get(node_key, {}) == changed
@@ -388,7 +396,7 @@ def _nothing_to_write(facts: ModelFacts, node_key: str, values: dict) -> bool:
         return False
     if any(getattr(facts, name) != value for name, value in merged_claims(facts.disputed).items()):
         return False
-    others = set(facts.disputed) - {node_key}
+    others = set(facts.disputed) - standing
     return not others or others <= ModelFacts.running_claimants(facts.source, facts.scope)
 
 

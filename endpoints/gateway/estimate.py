@@ -164,6 +164,9 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
     (`normalizers.PromptNormalizer`); None for a model whose agent said nothing, or whose tokenizer adds nothing.
     """
     if normalizer is not None:
+        if normalizer.alternatives:
+            return _largest_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens,
+                                       normalizer.alternatives)
         return _rewritten_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens, normalizer)
     limit = max(1, int(max_model_len))
     _DECOMPOSE_ALLOWANCE.num_characters = limit
@@ -202,6 +205,20 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
     num_sequences = max(1, _as_int(payload.get("n")) or 1)
     return WorstCase(prompt_bounds=tuple(min(bound, limit) for bound in prompts), num_sequences=num_sequences,
                      max_output_tokens=max_output, max_model_len=limit)
+
+
+def _largest_worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int],
+                        template_flag_tokens: tuple[int, int] | None,
+                        alternatives: tuple[PromptNormalizer | None, ...]) -> WorstCase:
+    """`worst_case` of a copy whose replicas read tokenizers that differ (`normalizers.PromptNormalizer.alternatives`):
+    each prompt's bound the largest of its bounds by each tokenizer, since the engine that serves it reads one of them
+    (the rest of the case does not depend on the tokenizer)."""
+    cases = [worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens, normalizer)
+             for normalizer in alternatives]
+    if len({len(case.prompt_bounds) for case in cases}) != 1:  # NOTE: never seen; the context then bounds each
+        most = max(len(case.prompt_bounds) for case in cases)
+        return dataclasses.replace(cases[0], prompt_bounds=(cases[0].max_model_len,) * most)
+    return dataclasses.replace(cases[0], prompt_bounds=tuple(map(max, *(case.prompt_bounds for case in cases))))
 
 
 def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int],

@@ -33,6 +33,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
+from endpoints.models import MAX_DIFFERING_TOKENIZERS
 from gpu_agent.protocol import TokenizerNormalizer
 
 # The most characters one code point decomposes to (U+FDFA's NFKD, 18), and the most ideographs (U+337F's NFKD,
@@ -65,6 +66,9 @@ class PromptNormalizer:
     bytes_per_character: int = 0
     tokens_per_prompt: int = TOKENS_PER_PROMPT  # the special tokens a sequence gets, at least TOKENS_PER_PROMPT
     unbounded: str = ""  # why nothing but the context bounds a prompt; "" when the above does
+    # Of a copy whose replicas read tokenizers that differ (`endpoints.models.differing_tokenizers`): each one's (None:
+    # one that adds nothing), the above unused; each prompt is bounded by the largest of theirs (`estimate.worst_case`).
+    alternatives: tuple[PromptNormalizer | None, ...] = ()
 
     @property
     def rewrites_ascii(self) -> bool:
@@ -153,6 +157,13 @@ def prompt_normalizer(description: dict | None) -> PromptNormalizer | None:
     the estimate does not already count)."""
     if description is None:
         return None
+    alternatives = description.get("alternatives") if isinstance(description, dict) else None
+    if isinstance(alternatives, list) and 1 < len(alternatives) <= MAX_DIFFERING_TOKENIZERS:
+        each = tuple(prompt_normalizer(one) if isinstance(one, dict) and "alternatives" not in one else
+                     PromptNormalizer(unbounded="an unreadable description") for one in alternatives)
+        if not any(one is not None and one.unbounded for one in each):
+            return PromptNormalizer(alternatives=each)
+    # NOTE: else (and to a gateway that reads no `alternatives`) the description says the tokenizers differ: unknown.
     try:
         normalizer = TokenizerNormalizer.from_dict(description)
     except (ValueError, TypeError):

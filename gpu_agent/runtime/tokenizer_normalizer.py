@@ -21,7 +21,8 @@ context. Nothing the child finds is run in the agent: a regular expression is re
 
 NOTE: the child costs ~4.5 s of CPU (transformers' import), at every reading of a model. What it answered is kept in
 the agent, by the SHA-256 of what it read (`_content_key`: every file of the folder by name and content, weights by
-name and size alone, and the libraries' versions), so the same files are described once per agent. A tenant cannot
+name and size alone, the libraries' versions, and the source of the agent's own modules the child runs:
+`_describer_digest`), so the same files are described once per agent and describer. A tenant cannot
 reach another's entry: a key is the content itself, and an answer is kept only when the files hashed the same before
 and after the child read them. A timeout or a child that could not start or ended badly is never kept.
 """
@@ -105,6 +106,20 @@ MAX_HASHED_BYTES = 256 * 1024**2
 # The libraries whose versions change what the child answers (loading, conversion of a SentencePiece model).
 _LIBRARIES = ("transformers", "tokenizers", "sentencepiece", "protobuf", "tiktoken")
 _HASH_CHUNK_BYTES = 1024 * 1024
+# The agent's own modules the child runs to describe a tokenizer (this one as `-m`, and what it imports of the agent),
+# relative to the folder the child starts in: their source is in every content key (`_describer_digest`).
+# NOTE: the child reads them from disk at each start. An agent upgraded in place (its package replaced under the
+# running agent) ran a fixed describer in its children while its memo kept serving the old one's answers for every
+# folder it had described: `tests/agent/test_tokenizer_descriptions_kept.py` checks this list is what the child imports.
+DESCRIBER_FILES = (
+    "gpu_agent/__init__.py",
+    "gpu_agent/protocol.py",
+    "gpu_agent/runtime/__init__.py",
+    "gpu_agent/runtime/tokenizer_normalizer.py",
+)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# The describer's files' stat signature, and the digest of their source then (`_describer_digest`).
+_describer: tuple[tuple, bytes] | None = None
 _remembered: OrderedDict[str, str] = OrderedDict()  # content key -> the child's answer (JSON text)
 _remembered_lock = threading.Lock()
 
@@ -139,7 +154,7 @@ def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str 
     """The child's description, and its answer as JSON text when it answered (None: a timeout, a child that could not
     start or ended badly, an answer that could not be read)."""
     # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
-    package_root = Path(__file__).resolve().parents[2]
+    package_root = _PACKAGE_ROOT
     environment = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -195,7 +210,7 @@ def _content_key(model_dir: str | Path) -> str | None:
     it: "tokenizer.4.0.json/model.safetensors" is read as a tokenizer); a FIFO or device by its kind alone. None when
     the folder cannot be read whole, holds a link to a folder (the walk does not follow it; the loader would), names a
     tokenizer file outside itself, or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up then."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_describer_digest())
     for library in _LIBRARIES:
         try:
             version = metadata.version(library)
@@ -240,6 +255,33 @@ def _content_key(model_dir: str | Path) -> str | None:
     except (OSError, ValueError):
         return None
     return digest.hexdigest()
+
+
+def _describer_digest() -> bytes:
+    """The SHA-256 of the source of `DESCRIBER_FILES` as the child would import them now: hashed once per version of
+    the files (their size, modification time and inode), a stat of each at every key. A file that cannot be read
+    hashes as missing (the child then fails, and its answer is not kept)."""
+    global _describer
+    signature = []
+    for name in DESCRIBER_FILES:
+        try:
+            status = (_PACKAGE_ROOT / name).stat()
+            signature.append((name, status.st_size, status.st_mtime_ns, status.st_ino))
+        except OSError:
+            signature.append((name, None))
+    signature = tuple(signature)
+    if _describer is not None and _describer[0] == signature:
+        return _describer[1]
+    digest = hashlib.sha256()
+    for name in DESCRIBER_FILES:
+        try:
+            source = (_PACKAGE_ROOT / name).read_bytes()
+        except OSError:
+            digest.update(b"missing %s\0" % name.encode())
+            continue
+        digest.update(b"%s %d:" % (name.encode(), len(source)) + source + b"\0")
+    _describer = (signature, digest.digest())
+    return _describer[1]
 
 
 def _named_tokenizer_files(root: Path) -> set[Path]:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -201,3 +202,62 @@ def test_a_fifo_in_the_folder_is_never_opened_by_the_agent(
 
     assert read_tokenizer_normalizer(model_dir).unknown
     assert len(loader_starts) == 1
+
+
+# An agent whose package is replaced under it (upgraded in place): reads the folder, has its describer changed on
+# disk (the child's load replaced by a fixed answer), reads the same folder again.
+UPGRADED_IN_PLACE = """
+import sys
+from pathlib import Path
+from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
+describer = Path("gpu_agent/runtime/tokenizer_normalizer.py")
+print(read_tokenizer_normalizer(sys.argv[1]).unknown or "described")
+source = describer.read_text()
+loading = "described = describe_tokenizer(_load_tokenizer(Path(model_dir)))"
+assert loading in source
+describer.write_text(source.replace(loading, 'described = TokenizerNormalizer(unknown="the fixed describer")'))
+print(read_tokenizer_normalizer(sys.argv[1]).unknown or "described")
+"""
+
+
+def test_an_agent_upgraded_in_place_describes_a_folder_it_described_before_with_its_new_describer(
+    tiny_model_dir, tmp_path
+):
+    # Before: the memo's key left out the agent's own code, so the old description was served for good.
+    agent_root = tmp_path / "agent"
+    package = Path(tokenizer_normalizer.__file__).resolve().parents[1]
+    shutil.copytree(package, agent_root / "gpu_agent", ignore=shutil.ignore_patterns("__pycache__"))
+
+    agent = subprocess.run(  # noqa: S603 - our own interpreter and a script of this test
+        [sys.executable, "-E", "-s", "-c", UPGRADED_IN_PLACE, os.fspath(tiny_model_dir)],
+        cwd=agent_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+    assert agent.returncode == 0, agent.stderr[-2000:]
+    assert agent.stdout.split("\n")[:2] == ["described", "the fixed describer"]
+
+
+def test_the_describers_source_in_the_key_is_every_agent_module_the_loader_child_imports():
+    imported = subprocess.run(  # noqa: S603 - our own interpreter
+        [
+            sys.executable,
+            "-E",
+            "-s",
+            "-c",
+            "import sys, runpy; sys.argv = ['child']; "
+            "runpy.run_module('gpu_agent.runtime.tokenizer_normalizer', run_name='child'); "
+            "print(' '.join(sys.modules[name].__file__ for name in sys.modules if name.startswith('gpu_agent')))",
+        ],
+        cwd=tokenizer_normalizer._PACKAGE_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+    root = tokenizer_normalizer._PACKAGE_ROOT
+    files = {os.fspath(Path(name).resolve().relative_to(root)) for name in imported.stdout.split()}
+    assert files | {"gpu_agent/runtime/tokenizer_normalizer.py"} == set(tokenizer_normalizer.DESCRIBER_FILES)

@@ -8,6 +8,7 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from django.db import connections
 from billing.ledger import cost_of
 from billing.models import UsageRecord
 from billing.services import set_spend_cap
+from controlplane import worker_threads
 from controlplane.accounts.models import ApiKey, AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor
 from endpoints import services
@@ -29,6 +31,7 @@ from endpoints.models import Endpoint, PromptFactor, Replica, prompt_factor_for
 from tests.conftest import wait_until
 from tests.factories import EndpointFactory, UserFactory, sign_in_staff
 from tests.gateway.conftest import serve_endpoint
+from tests.outages import database_refusing_connections
 
 CONTEXT = 4096
 CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "%" * 240}]}
@@ -502,3 +505,52 @@ def test_a_factor_rising_past_eight_is_logged_as_a_warning(caplog):
 
     assert endpoint.prompt_factor == Decimal("8.125")
     assert f"endpoint {endpoint.pk}: its prompt factor rose to 8.125×, past 8×" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_it_is_back(monkeypatch):
+    # Before: the write's failure was logged alone, and the factor this process kept went with the endpoint's next
+    # reload once PostgreSQL was back: the next call past the bound lost its reservation again.
+    monkeypatch.setattr(call, "PROMPT_FACTOR_RETRY_S", 0.05, raising=False)
+    endpoint = EndpointFactory()
+    info = directory._endpoint_info(endpoint)
+    loop = asyncio.new_event_loop()
+    # as `run_briefly`: no worker thread's session left open for the teardown
+    closing = worker_threads._closing_after_each_call.set(True)
+    try:
+        with database_refusing_connections():
+            loop.run_until_complete(call._write_prompt_factor(info, Decimal(3)))
+            # a smaller one: the larger stands
+            loop.run_until_complete(call._write_prompt_factor(info, Decimal(2)))
+            loop.run_until_complete(asyncio.sleep(0.3))  # tried again meanwhile: refused too
+            assert endpoint.prompt_factor is None
+
+        factor = wait_until(
+            lambda: loop.run_until_complete(asyncio.sleep(0.05)) or endpoint.prompt_factor,
+            15,
+            message="the factor written once PostgreSQL is back",
+        )
+
+        assert factor == Decimal(3)
+        assert not call._unwritten_prompt_factors
+    finally:
+        worker_threads._closing_after_each_call.reset(closing)
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        connections.close_all()
+
+
+def test_factors_kept_unwritten_past_their_bound_drop_the_oldest_and_keep_the_largest_per_copy(monkeypatch):
+    monkeypatch.setattr(call, "MAX_UNWRITTEN_PROMPT_FACTORS", 2)
+    monkeypatch.setattr(call, "_unwritten_prompt_factors", {})
+    first, second, third = (dataclasses.replace(_info(), id=name) for name in ("first", "second", "third"))
+
+    async def outage():
+        for info, factor in ((first, 2), (second, 3), (second, 2), (third, 4)):
+            call._keep_unwritten_prompt_factor(info, Decimal(factor))
+        call._retrying_prompt_factors.cancel()
+
+    asyncio.run(outage())
+
+    kept = {key[0]: factor for key, (_, factor) in call._unwritten_prompt_factors.items()}
+    assert kept == {"second": Decimal(3), "third": Decimal(4)}

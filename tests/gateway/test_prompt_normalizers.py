@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from endpoints.gateway.directory import _endpoint_info
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
-from endpoints.models import ModelFacts
+from endpoints.models import ModelFacts, merged_claims
+from gpu_agent.protocol import NormalizerStep, TokenizerNormalizer
 from gpu_agent.runtime.tokenizer_normalizer import describe_normalizer, describe_tokenizer
 from tests.agent.conftest import sentencepiece_charsmap
 from tests.factories import EndpointFactory
@@ -511,3 +512,30 @@ def test_a_chat_asking_for_special_tokens_is_counted_for_the_post_processors(tin
 def test_a_post_processor_adding_a_bos_alone_leaves_the_model_counted_as_before(tiny_tokenizer_spec):
     assert tiny_tokenizer_spec["post_processor"] is not None
     assert prompt_normalizer(describe_tokenizer(tiny_tokenizer_spec).to_dict()) is None
+
+
+def test_a_copy_whose_replicas_read_two_tokenizers_bounds_each_prompt_by_the_larger_of_its_two_bounds():
+    # One tokenizer makes each space 9 "▁", the other decomposes Hangul (3 bytes to 9): a list with a prompt of each
+    # is reserved each prompt's larger bound (not the larger total of either, which leaves one prompt short; not the
+    # context, as before: 2 x 100,000).
+    spaces = TokenizerNormalizer(steps=[NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)])
+    decomposing = TokenizerNormalizer(steps=[NormalizerStep(kind="decompose")])
+    differing = merged_claims(
+        {
+            "node-1": {"tokenizer_normalizer": spaces.to_dict()},
+            "node-2": {"tokenizer_normalizer": decomposing.to_dict()},
+        }
+    )["tokenizer_normalizer"]
+    payload = {"prompt": [" " * 1000, "\uac00" * 1000], "max_tokens": 1}
+
+    bounds = worst_case(payload, "completion", CONTEXT, normalizer=prompt_normalizer(differing)).prompt_bounds
+
+    by_spaces = worst_case(payload, "completion", CONTEXT, normalizer=prompt_normalizer(spaces.to_dict()))
+    by_decomposing = worst_case(
+        payload, "completion", CONTEXT, normalizer=prompt_normalizer(decomposing.to_dict())
+    )
+    assert bounds == (by_spaces.prompt_bounds[0], by_decomposing.prompt_bounds[1])
+    assert bounds[0] > by_decomposing.prompt_bounds[0] and bounds[1] > by_spaces.prompt_bounds[1]
+    assert sum(bounds) < CONTEXT
+    # a gateway that reads no alternatives (the previous version, mid-deploy) sees an unknown tokenizer: the context
+    assert TokenizerNormalizer.from_dict(differing).unknown
