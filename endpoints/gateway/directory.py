@@ -10,7 +10,9 @@ that is gone fails before the first byte, and the gateway retries elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -309,18 +311,31 @@ def held_ready_replicas(endpoint_id: str, *, generation: int) -> list[ReplicaInf
 # endpoint no other call read meanwhile, found none held, and its prompt was free. So while such a stream reads, its
 # endpoint's list is reloaded in the background once older than `REPLICA_CACHE_S`, looked at every
 # `REPLICAS_KEPT_EVERY_S` at most (`keep_replicas_held`): held at its cut unless PostgreSQL was away (or slower than
-# ~3 s) or the engine wrote nothing for as long, and its count never waits on the database.
+# ~3 s) or the engine wrote nothing for as long, and its count never waits on the database. After such a reload failed
+# (PostgreSQL away), the endpoint's next is `REPLICAS_KEPT_AFTER_FAILURE_S` later: with PostgreSQL away, each
+# streaming endpoint's reload every 2 s took a worker thread for a connect's timeout, and every other look-up of the
+# process (a new key, an endpoint) queued behind them.
 REPLICAS_KEPT_EVERY_S = 2.0
+REPLICAS_KEPT_AFTER_FAILURE_S = 10.0
 _replicas_kept = ExpiringSet(REPLICAS_KEPT_EVERY_S, max_entries=KNOWN_ENDPOINTS_MAX)
+_replicas_kept_failed = ExpiringSet(REPLICAS_KEPT_AFTER_FAILURE_S, max_entries=KNOWN_ENDPOINTS_MAX)
 
 
 def keep_replicas_held(endpoint_id: str) -> None:
     """Keep this process's READY replicas of `endpoint_id` held (`held_ready_replicas`) while a call that may ask them at
-    its end runs: a reload in the background at most every `REPLICAS_KEPT_EVERY_S`, never waited for."""
-    if endpoint_id in _replicas_kept:
+    its end runs: a reload in the background at most every `REPLICAS_KEPT_EVERY_S` (`REPLICAS_KEPT_AFTER_FAILURE_S`
+    after one failed), never waited for."""
+    if endpoint_id in _replicas_kept or endpoint_id in _replicas_kept_failed:
         return
     _replicas_kept.add(endpoint_id)
-    _replicas.reload_if_older(endpoint_id, REPLICA_CACHE_S)
+    reload = _replicas.reload_if_older(endpoint_id, REPLICA_CACHE_S)
+    if reload is not None:
+        reload.add_done_callback(functools.partial(_note_kept_reload, endpoint_id))
+
+
+def _note_kept_reload(endpoint_id: str, reload: asyncio.Task) -> None:
+    if not reload.cancelled() and reload.exception() is not None:
+        _replicas_kept_failed.add(endpoint_id)
 
 
 def forget_replica(endpoint_id: str, replica_id: str) -> None:

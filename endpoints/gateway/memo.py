@@ -60,12 +60,14 @@ class Memo:
         wait for a load."""
         return self.entries[key][1] if self.answers_at_once(key) else None
 
-    def reload_if_older(self, key: Hashable, age_s: float, *load_args) -> None:
+    def reload_if_older(self, key: Hashable, age_s: float, *load_args) -> asyncio.Task | None:
         """Start a reload of `key` in the background (one at a time), never waited for, when its entry is older than
-        `age_s` or gone: what keeps an entry `held` while a long call that needs it at its end runs."""
+        `age_s` or gone: what keeps an entry `held` while a long call that needs it at its end runs. The reload's task,
+        or None when the entry is young enough."""
         entry = self.entries.get(key)
         if entry is None or time.monotonic() - entry[0] >= age_s:
-            self._loader(key, load_args)
+            return self._loader(key, load_args)
+        return None
 
     async def get(self, key: Hashable, *load_args, fresh: bool = False):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""

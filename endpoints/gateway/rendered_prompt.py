@@ -27,9 +27,11 @@ its deltas' floor, no prompt, as before.
 
 An engine started before the flag (it takes effect only at a restart) answers the render 403 (vLLM's "Scale-out
 endpoints are disabled"), a vLLM without the route 404: a refusal takes none of the count's wait (another replica is
-asked in its place), the replica is remembered (`_refusing`, for `REFUSALS_KEPT_S`) and asked after every other one,
-and each refusal is logged, naming the replica to restart, and counted (`metrics.prompt_render_refusals`). Before, two
-refusing replicas asked first (of the two asked) left the prompt free, on every cut stream they served.
+asked in its place, never one remembered as refusing), the replica is remembered (`_refusing`, for `REFUSALS_KEPT_S`)
+and asked after every other one, and each refusal is counted (`metrics.prompt_render_refusals`) and logged, naming the
+replica to restart, when the replica was not remembered already. Before, two refusing replicas asked first (of the two
+asked) left the prompt free, on every cut stream they served. A fleet whose every engine refuses is asked
+`MAX_REPLICAS_ASKED` times a cut stream, as before the refusal memory.
 
 The prompt is billed at the input price: as a chat stream cut mid-way, nothing says what the prefix cache held.
 """
@@ -90,7 +92,10 @@ async def count_prompt_tokens(
     body = _without_tensors(body)
     # NOTE: a stable sort: the served replica stays first unless it refused the render before
     ordered = sorted(replicas, key=_refused_before)
-    waiting, spare = ordered[:MAX_REPLICAS_ASKED], ordered[MAX_REPLICAS_ASKED:]
+    # NOTE: a replica that refused before is never the one more asked in a refusal's place: with a whole fleet
+    # refusing (engines started before the flag), each cut stream would ask every replica, its whole body each time.
+    waiting = ordered[:MAX_REPLICAS_ASKED]
+    spare = [replica for replica in ordered[MAX_REPLICAS_ASKED:] if not _refused_before(replica)]
     asked: set[asyncio.Task] = set()
     try:
         async with asyncio.timeout(RENDER_TIMEOUT_S):
@@ -134,12 +139,16 @@ def _refused_before(replica: ReplicaInfo) -> bool:
 def _note_refusal(replica: ReplicaInfo, status: int, answer: bytes | None, request_id: str) -> bool:
     """Whether the replica's answer says its engine serves no render at all (not this request's fault): HTTP 403
     (vLLM started without `--enable-scale-out`), or a 404 that is not vLLM's own error (a route it lacks; vLLM's
-    404 names a model or adapter it does not hold, this request's alone). Such a replica is remembered, logged and
-    counted."""
-    if status != 403 and not (status == 404 and not _is_engine_error(answer)):
+    404 names a model or adapter it does not hold, this request's alone). Such a replica is remembered and counted,
+    and logged when it was not remembered already (one line a replica, not one a cut stream)."""
+    # NOTE: a 404 too large to read (`answer` None) is not taken for a route the engine lacks: it may be vLLM's own.
+    if status != 403 and not (status == 404 and answer is not None and not _is_engine_error(answer)):
         return False
+    known = replica.id in _refusing
     _refusing.add(replica.id)
     metrics.prompt_render_refusals.labels(str(status)).inc()
+    if known:
+        return True
     logger.warning(
         "request %s: replica %s refuses to render prompts (HTTP %d): its engine was started without "
         "--enable-scale-out; restart it. Its cut Responses streams' prompts are counted by other replicas, or free.",

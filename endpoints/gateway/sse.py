@@ -51,15 +51,18 @@ def is_responses_delta(event: bytes) -> bool:
     return event.startswith(_RESPONSES_EVENT) and _names_delta(event)
 
 
-# What vLLM writes as a Responses stream starts, before the engine's first output (`response.queued` is OpenAI's).
-_RESPONSES_STARTS = (b"event: response.created\n", b"event: response.in_progress\n", b"event: response.queued\n")
-
-
 def is_responses_output(event: bytes) -> bool:
-    """Whether the event is one vLLM writes from the engine's output (any `response.*` event but those it writes as the
-    stream starts): its prompt was prefilled whole. A delta is one; so is the announce of a function call
-    (`response.output_item.added`), which comes once its parser has the name, before its arguments' first delta."""
-    return event.startswith(_RESPONSES_EVENT) and not event.startswith(_RESPONSES_STARTS)
+    """Whether the event is one vLLM writes from the engine's output: its prompt was prefilled whole. Those name a part
+    of the output and what happened to it (`response.output_item.added`, `response.output_text.delta`,
+    `response.function_call_arguments.delta`, ...: three dotted parts; the announce of a function call comes once its
+    parser has the name, before its arguments' first delta); the response's own lifecycle events name a state alone
+    (`response.created`, `response.in_progress`, OpenAI's `response.queued`, and the last events, which carry the
+    usage). An allow-list by that shape: an event a later vLLM writes before the engine's first step is a lifecycle one,
+    not taken for output."""
+    if not event.startswith(_RESPONSES_EVENT):
+        return False
+    name_end = event.find(b"\n", len(_RESPONSES_EVENT))
+    return event.find(b".", len(_RESPONSES_EVENT), name_end if name_end != -1 else len(event)) != -1
 
 
 def is_error_event(event: bytes) -> bool:

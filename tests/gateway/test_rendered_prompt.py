@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -277,3 +278,67 @@ def test_a_404_naming_the_requests_own_model_is_not_remembered_against_the_repli
     assert _count_cut_prompt(served, held=[good]) == 30
     assert _count_cut_prompt(served, held=[good]) == 30
     assert (len(served.bodies), len(good.bodies)) == (2, 2)
+
+
+def test_a_fleet_whose_every_engine_refuses_the_render_is_asked_by_each_cut_stream_no_more_than_before(caplog):
+    # Before: each refusal put one more replica in its place, those known to refuse among them, so with every engine
+    # started before the flag each cut stream sent its whole body to all 10 (30 renders and 30 warnings for 3 cuts).
+    served, held = ScriptedEngine(status=403), [ScriptedEngine(status=403) for _ in range(9)]
+    with caplog.at_level("WARNING", logger="inferplane.requests"):
+        for _ in range(3):
+            assert _count_cut_prompt(served, held=held) == 0
+    asks = len(served.bodies) + sum(len(engine.bodies) for engine in held)
+    # the first cut learns which refuse (each asked once), the next two ask `MAX_REPLICAS_ASKED` each
+    assert asks == 10 + 2 * rendered_prompt.MAX_REPLICAS_ASKED
+    assert caplog.text.count("refuses to render prompts") == 10
+
+
+def test_a_404_too_large_to_read_is_not_remembered_as_a_refusal():
+    # vLLM's own 404 (a model or adapter it does not hold) past the answer's bound is dropped unread: nothing says it
+    # is a route the engine lacks. Before: the served replica was asked last for 10 minutes.
+    large = json.dumps({"error": {"message": "x" * (MAX_MODEL_LEN * 8 + 70 * 1024), "code": 404}}).encode()
+    served, good = ScriptedEngine(status=404, refusal=large), ScriptedEngine(num_tokens=30)
+    assert _count_cut_prompt(served, held=[good]) == 30
+    assert "r-served" not in rendered_prompt._refusing
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_keeping_its_replicas_held_backs_off_while_postgresql_refuses_connections(monkeypatch):
+    # Before: each streaming endpoint's reload every 2 s took a worker thread for a connect while PostgreSQL was away,
+    # and the process's other look-ups queued behind them.
+    from django.db import OperationalError, connections
+
+    from controlplane import worker_threads
+    from tests.outages import database_refusing_connections
+
+    endpoint_id = str(uuid.uuid4())
+    loads = []
+    load = directory._replicas._load
+
+    async def counted(*args):
+        loads.append(args)
+        return await load(*args)
+
+    monkeypatch.setattr(directory._replicas, "_load", counted)
+    directory._replicas.forget(endpoint_id)
+    closing = worker_threads._closing_after_each_call.set(True)
+
+    async def keep_held_twice():
+        directory.keep_replicas_held(endpoint_id)
+        reload = directory._replicas._loading.get(endpoint_id)
+        await asyncio.wait([reload])
+        assert isinstance(reload.exception(), OperationalError)
+        directory._replicas_kept.discard(endpoint_id)  # as 2 s later
+        directory.keep_replicas_held(endpoint_id)
+        await asyncio.sleep(0)
+
+    try:
+        with database_refusing_connections():
+            asyncio.run(keep_held_twice())
+    finally:
+        worker_threads._closing_after_each_call.reset(closing)
+        directory._replicas_kept.discard(endpoint_id)
+        directory._replicas_kept_failed.discard(endpoint_id)
+        directory._replicas.forget(endpoint_id)
+        connections.close_all()
+    assert len(loads) == 1

@@ -114,3 +114,26 @@ def test_a_usage_object_reads_as_json_loads_reads_it_or_not_at_all(usage, monkey
         monkeypatch.setattr(sse, "_object_of", json.loads)
         assert found == find_usage(event)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize(
+    ("name", "from_output"),
+    [
+        ("response.created", False),
+        ("response.in_progress", False),
+        ("response.queued", False),
+        # a lifecycle event a later vLLM might write before the engine's first step (before: taken for output, and
+        # the prompt of a stream cut right after it billed though never prefilled)
+        ("response.prefilling", False),
+        ("response.completed", False),
+        ("response.output_item.added", True),
+        ("response.content_part.added", True),
+        ("response.output_text.delta", True),
+        ("response.function_call_arguments.delta", True),
+        ("response.output_text.annotation.added", True),
+    ],
+)
+def test_only_an_event_naming_a_part_of_the_output_says_the_prompt_was_prefilled(name, from_output):
+    event = f'event: {name}\ndata: {{"type":"{name}","sequence_number":1}}'.encode()
+    assert sse.is_responses_output(event) is from_output
+    assert not sse.is_responses_output(b'data: {"type":"response.output_text.delta"}')
