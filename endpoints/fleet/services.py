@@ -481,12 +481,28 @@ def memory_fraction(replica: Replica) -> float:
     return round(min(0.95, max(0.05, replica.reserved_memory_mb / node.gpu_memory_mb)), 3)
 
 
+class NodeRetired(Exception):
+    """A retired node (`retire_node`): no agent of its runs anything again, so staff have nothing to change on it."""
+
+
 def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
-    """Cordon (no new replicas), drain (move replicas away) or uncordon a node."""
-    Node.objects.filter(pk=node.pk).update(state=state)
+    """Cordon (no new replicas), drain (move replicas away) or uncordon a node.
+
+    NOTE: a silent node stays OFFLINE: staff's decision is what it comes back to when its agent beats again
+    (`state_before_offline`, `record_heartbeat`), and a retired one changes not at all (`NodeRetired`). Before, either
+    went READY at once ("select all, uncordon" in the admin) and won placement until the sweep found it silent again,
+    each replica placed there failing toward its endpoint's back-off. Decided under the node's row lock, which a
+    heartbeat bringing it back and the sweep taking it OFFLINE wait on too.
+    """
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if not locked.secret_digest:
+            raise NodeRetired(f"node {locked.name} is retired: its secret is void and nothing runs on it again")
+        offline = locked.state == NodeState.OFFLINE
+        Node.objects.filter(pk=node.pk).update(**{"state_before_offline" if offline else "state": state})
+        node.refresh_from_db()
+        record_audit(actor, None, f"node.{state.value.lower()}", node, **({"while_offline": True} if offline else {}))
     notify_node(node.pk)
-    node.refresh_from_db()
-    record_audit(actor, None, f"node.{state.value.lower()}", node)
     if state == NodeState.DRAINING:
         drain_node(node, reason=f"node {node.name} draining")
     return node
