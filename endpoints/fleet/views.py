@@ -90,8 +90,8 @@ def node_state(request, pk):
     offline = node.state == NodeState.OFFLINE
     try:
         services.set_node_state(Actor.from_request(request), node, state)
-    except services.NodeRetired:
-        messages.error(request, f"Node {node.name} is retired: it runs nothing again, so there is nothing to change.")
+    except services.NodeStateRefused as refused:
+        messages.error(request, f"Nothing changed: {refused}.")
         return redirect("console:fleet")
     if offline:
         messages.success(request, f"Node {node.name} is offline; when its agent beats again it is {description}.")

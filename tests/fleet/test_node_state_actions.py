@@ -4,14 +4,15 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
 from endpoints.fleet.services import create_join_token, retire_node
 from endpoints.models import Replica
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import NodeState, ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, sign_in_staff
 from tests.test_agent_api import beat, register
 
@@ -36,7 +37,7 @@ def admin_action(staff, action, node):
 
 
 def test_uncordoning_every_node_in_the_admin_leaves_a_retired_one_retired_and_places_nothing_on_it(staff):
-    """"Select all, uncordon" after maintenance: a retired node (a pool's terminated machine, a stolen one cut off)
+    """A "select all, uncordon" after maintenance: a retired node (a pool's terminated machine, a stolen one cut off)
     has no agent to run a replica. Before, it went READY and won placement until the sweep found it silent again."""
     node, agent, secret = joined_node()
     retire_node(SYSTEM, node, reason="stolen machine")
@@ -101,8 +102,6 @@ def test_draining_a_node_while_a_replica_starts_on_it_drains_that_replica_too(st
     endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
     reconcile_endpoint(str(endpoint.pk))
     replica = Replica.objects.get(endpoint=endpoint, node=node)
-    from gpu_agent.protocol import ReplicaStatus
-
     beat(agent, secret, [ReplicaStatus(str(replica.pk), ReplicaState.STARTING)])
     staff.post(reverse("console:node-state", args=[node.pk]), {"action": "drain"})
     answer = beat(agent, secret, [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20000")])
@@ -110,3 +109,33 @@ def test_draining_a_node_while_a_replica_starts_on_it_drains_that_replica_too(st
     replica.refresh_from_db()
     assert replica.state == ReplicaState.DRAINING, "a READY report never revives a drained replica"
     assert [spec["action"] for spec in answer.json()["desired"]] == ["DRAIN"]
+
+
+def test_a_pool_machine_being_released_is_not_uncordoned_and_takes_no_replica(staff):
+    """The pool cordoned it, empty, and its provider has not terminated it yet (an API refused, tried next tick):
+    before, staff's uncordon made it READY, a replica landed, and the machine's termination failed it."""
+    node, _, _ = joined_node()
+    pool = NodePool.objects.create(name="cpu", gpu_type="cpu", provider="local", gpus_per_node=0, gpu_memory_mb=8192)
+    NodeLaunch.objects.create(pool=pool, node=node, state=LaunchState.RELEASING, deadline_at=timezone.now())
+    Node.objects.filter(pk=node.pk).update(state=NodeState.CORDONED)
+
+    page = staff.post(reverse("console:node-state", args=[node.pk]), {"action": "uncordon"}, follow=True)
+
+    assert "being released" in page.content.decode()
+    assert Node.objects.get(pk=node.pk).state == NodeState.CORDONED
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    assert not Replica.objects.filter(endpoint=endpoint).exists()
+
+
+def test_staff_node_actions_and_join_tokens_need_the_forms_csrf_token(staff):
+    """A page elsewhere cannot make a signed-in staff member's browser drain a node or mint a join token (guard:
+    passes before and after)."""
+    node, _, _ = joined_node()
+    staff.handler.enforce_csrf_checks = True
+
+    assert staff.post(reverse("console:node-state", args=[node.pk]), {"action": "drain"}).status_code == 403
+    assert staff.post(reverse("console:join-token-create"), {"name": "x"}).status_code == 403
+    assert admin_action(staff, "retire", node).status_code == 403
+    node.refresh_from_db()
+    assert node.state == NodeState.READY and node.secret_digest
