@@ -693,12 +693,40 @@ def _scratch_owner(folder: Path) -> str | None:
 
 
 def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:
-    """An endpoint's cache folder, with vLLM's model facts shared read-only from the zygote's cache."""
-    vllm_cache = cache_dir / "vllm"
-    vllm_cache.mkdir(parents=True, exist_ok=True)
-    link = vllm_cache / "modelinfos"
-    if not link.is_symlink() and not link.exists():
-        link.symlink_to(shared_cache_root / "modelinfos", target_is_directory=True)
+    """An endpoint's cache folder, with vLLM's model facts shared read-only from the zygote's cache.
+
+    NOTE: the folder is its endpoint's engines' to write (others may run while a launch prepares it): its `vllm` is
+    reached through a descriptor opened without following a link, and a link or file an engine left there goes.
+    Before, the agent made its `modelinfos` link wherever such a link pointed (another tenant's cached model)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    folder = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        vllm_cache = _own_folder(folder, "vllm")
+        try:
+            os.symlink(shared_cache_root / "modelinfos", "modelinfos", target_is_directory=True, dir_fd=vllm_cache)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(vllm_cache)
+    finally:
+        os.close(folder)
+
+
+def _own_folder(parent: int, name: str) -> int:
+    """A descriptor of the folder `name` in `parent`, made if missing; whatever else is there (a link) is removed."""
+    for _ in range(3):
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except OSError:  # ELOOP: a link; ENOTDIR: a file
+            try:
+                os.unlink(name, dir_fd=parent)
+            except OSError:
+                pass
+    raise OSError(f"{name} keeps being replaced")
 
 
 # The start of vLLM's IPC sockets' base in the abstract namespace (`rpc_base_path`).

@@ -584,6 +584,22 @@ def test_an_engine_that_swaps_its_folders_owner_file_for_a_fifo_or_an_endless_fi
     assert found.stdout.splitlines() == [repr([own.name]), "False"], "the hostile folder is not taken as the agent's"
 
 
+def test_a_link_an_engine_left_in_its_endpoints_cache_folder_never_has_the_agent_write_where_it_points(tmp_path):
+    """The cache folder is its endpoints' engines' to write: one made its `vllm` folder a link to another tenant's cached
+    model, and the next launch had the agent make its `modelinfos` link there (before: in the other tenant's folder)."""
+    cache_dir = tmp_path / "engine-caches" / "endpoint"
+    other_tenants_model = tmp_path / "weights" / "key"
+    other_tenants_model.mkdir(parents=True)
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "vllm").symlink_to(other_tenants_model, target_is_directory=True)
+
+    sandbox.prepare_cache_folder(cache_dir, tmp_path / "shared")
+
+    assert list(other_tenants_model.iterdir()) == []
+    assert (cache_dir / "vllm").is_dir() and not (cache_dir / "vllm").is_symlink()
+    assert (cache_dir / "vllm" / "modelinfos").readlink() == tmp_path / "shared" / "modelinfos"
+
+
 @pytest.mark.parametrize("mode", [SandboxMode.BEST_EFFORT, SandboxMode.OFF])
 def test_while_engines_are_confined_the_zygote_loads_no_tenants_look_ups_ahead(tmp_path, monkeypatch, mode):
     # The zygote loaded the look-ups engines recorded (one tenant's config, tokenizer, chat template) and every engine
