@@ -1,4 +1,5 @@
-"""Staff's cordon, uncordon and drain against nodes that are not there: a retired machine, a silent one."""
+"""Staff's cordon, uncordon and drain of nodes that cannot take them (a retired machine, a silent one, a pool's machine
+being released), racing a replica's start, and only with the form's CSRF token."""
 
 import pytest
 from django.contrib.auth import get_user_model
