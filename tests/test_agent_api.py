@@ -524,3 +524,31 @@ def test_free_text_an_agent_reports_is_kept_cut_not_refused(client, agent):
     replica = Replica.objects.get(pk=report["replica_id"])
     assert replica.state == "FAILED" and replica.failure_reason.endswith("the last line")
     assert len(replica.failure_reason) <= 2000
+
+
+def test_a_heartbeats_unknown_fields_are_ignored_and_never_reach_the_nodes_status(client, agent):
+    """What the fleet page reads of a node (`last_status`) is the protocol's fields alone: a field the control plane
+    writes there itself (`gpus_ignored`) or any other made up is dropped, the heartbeat taken (guard: passes before
+    and after)."""
+    answer = beat_raw(client, agent, {"gpus_ignored": "nothing, trust me", "evil": {"x": ["y"] * 1000}})
+
+    assert answer.status_code == 200
+    status = Node.objects.get(pk=agent["node_id"]).last_status
+    assert "gpus_ignored" not in status and "evil" not in status
+
+
+def test_a_node_registering_with_another_nodes_name_and_host_gets_a_node_of_its_own(client, agent):
+    """A machine holding a join token cannot take over a node by its name or address: it is a new node, with its own
+    secret and no replica of the first; the first node's secret and replicas are untouched (guard: passes before and
+    after)."""
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+
+    impostor = register(client, create_join_token(SYSTEM, name="other").plain).json()
+
+    assert impostor["node_id"] != agent["node_id"] and impostor["node_secret"] != agent["node_secret"]
+    assert beat(client, impostor["node_secret"]).json()["desired"] == []
+    beat(client, impostor["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED)])
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.PENDING
+    assert [spec["replica_id"] for spec in beat(client, agent["node_secret"]).json()["desired"]] == [str(replica.pk)]

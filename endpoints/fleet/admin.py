@@ -15,7 +15,7 @@ from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
 from endpoints.fleet import pool_services
-from endpoints.fleet.services import retire_node, set_node_state
+from endpoints.fleet.services import NodeStateRefused, retire_node, set_node_state
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
 from gpu_agent.protocol import NodeState
 
@@ -34,9 +34,16 @@ class NodeAdmin(ReadOnlyAdmin):
         return [name for name in super().get_readonly_fields(request, obj) if name not in self.exclude]
 
     def _set_state(self, request, queryset, state: NodeState) -> None:
+        refused = []
         for node in queryset:
-            set_node_state(Actor.from_request(request), node, state)
-        self.message_user(request, f"{queryset.count()} node(s) now {state.value.lower()}.", messages.SUCCESS)
+            try:
+                set_node_state(Actor.from_request(request), node, state)
+            except NodeStateRefused as refusal:
+                refused.append(str(refusal))
+        self.message_user(request, f"{queryset.count() - len(refused)} node(s) now {state.value.lower()} "
+                                   "(an offline one once its agent beats again).", messages.SUCCESS)
+        for refusal in refused:
+            self.message_user(request, f"Nothing changed: {refusal}.", messages.WARNING)
 
     @admin.action(description="Cordon selected nodes (no new replicas)", permissions=["cordon"])
     def cordon(self, request, queryset):

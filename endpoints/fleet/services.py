@@ -40,7 +40,9 @@ from endpoints.models import (
 )
 from endpoints.nodes.models import (
     JoinToken,
+    LaunchState,
     Node,
+    NodeLaunch,
     advertise_host_problem,
     bounded_gpu_inventory,
     gpu_inventory,
@@ -489,12 +491,32 @@ def memory_fraction(replica: Replica) -> float:
     return round(min(0.95, max(0.05, replica.reserved_memory_mb / node.gpu_memory_mb)), 3)
 
 
+class NodeStateRefused(Exception):
+    """Staff's cordon, drain or uncordon has nothing to change on this node (the message says why)."""
+
+
 def set_node_state(actor: Actor, node: Node, state: NodeState) -> Node:
-    """Cordon (no new replicas), drain (move replicas away) or uncordon a node."""
-    Node.objects.filter(pk=node.pk).update(state=state)
+    """Cordon (no new replicas), drain (move replicas away) or uncordon a node.
+
+    NOTE: a silent node stays OFFLINE: staff's decision is what it comes back to when its agent beats again
+    (`state_before_offline`, `record_heartbeat`). A retired node changes not at all, and a pool's machine being
+    released is never uncordoned (`NodeStateRefused`). Before, either went READY at once ("select all, uncordon" in
+    the admin) and won placement: the silent or retired one until the sweep found it silent again, the released one
+    until its machine was terminated; each replica placed there failed toward its endpoint's back-off. Decided under
+    the node's row lock, which a heartbeat bringing it back, the sweep taking it OFFLINE and a pool cordoning it for
+    release (`pool_release.cordon_for_release`) take too.
+    """
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        if not locked.secret_digest:
+            raise NodeStateRefused(f"node {locked.name} is retired: its secret is void and nothing runs on it again")
+        if state == NodeState.READY and NodeLaunch.objects.filter(node=locked, state=LaunchState.RELEASING).exists():
+            raise NodeStateRefused(f"node {locked.name} is a pool's machine being released: it takes no new replicas")
+        offline = locked.state == NodeState.OFFLINE
+        Node.objects.filter(pk=node.pk).update(**{"state_before_offline" if offline else "state": state})
+        node.refresh_from_db()
+        record_audit(actor, None, f"node.{state.value.lower()}", node, **({"while_offline": True} if offline else {}))
     notify_node(node.pk)
-    node.refresh_from_db()
-    record_audit(actor, None, f"node.{state.value.lower()}", node)
     if state == NodeState.DRAINING:
         drain_node(node, reason=f"node {node.name} draining")
     return node

@@ -87,8 +87,16 @@ def node_state(request, pk):
         messages.error(request, "Unknown node action.")
         return redirect("console:fleet")
     state, description = action
-    services.set_node_state(Actor.from_request(request), node, state)
-    messages.success(request, f"Node {node.name} is {description}.")
+    offline = node.state == NodeState.OFFLINE
+    try:
+        services.set_node_state(Actor.from_request(request), node, state)
+    except services.NodeStateRefused as refused:
+        messages.error(request, f"Nothing changed: {refused}.")
+        return redirect("console:fleet")
+    if offline:
+        messages.success(request, f"Node {node.name} is offline; when its agent beats again it is {description}.")
+    else:
+        messages.success(request, f"Node {node.name} is {description}.")
     return redirect("console:fleet")
 
 

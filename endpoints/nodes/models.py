@@ -217,18 +217,25 @@ class Node(models.Model):
         return num_gpus, memory_mb
 
     def keep_within_shape(self) -> str:
-        """Hold what it registered (its count, size per GPU and GPU list) to `gpu_shape`; returns what was ignored.
+        """Hold what it registered (its count, size per GPU and GPU list) to `gpu_shape`, and its GPU type to its pool's;
+        returns what was ignored.
 
         NOTE: a pool's machine registers with its launch's join token, which sits on the machine: what its agent
         says of itself is held to what staff made the pool once it is linked to its launch, as its heartbeats are.
         """
         num_gpus, memory_mb = self.gpu_shape()
         gpus, ignored = bounded_gpu_inventory(self.gpus, (num_gpus, memory_mb))
-        if (num_gpus, memory_mb, gpus) == (self.num_gpus, self.gpu_memory_mb, self.gpus):
+        # NOTE: and its GPU type: a pool's machine that said it was another type took that type's endpoints (another
+        # pool's to serve, billed as that type) onto the pool's hardware.
+        gpu_type = NodeLaunch.objects.filter(node=self).values_list("pool__gpu_type", flat=True).first() or self.gpu_type
+        if (num_gpus, memory_mb, gpus, gpu_type) == (self.num_gpus, self.gpu_memory_mb, self.gpus, self.gpu_type):
             return ""
-        ignored = ignored or f"registered past its shape ({num_gpus} GPUs of {memory_mb} MiB)"
-        Node.objects.filter(pk=self.pk).update(num_gpus=num_gpus, gpu_memory_mb=memory_mb, gpus=gpus)
-        self.num_gpus, self.gpu_memory_mb, self.gpus = num_gpus, memory_mb, gpus
+        if (num_gpus, memory_mb, gpus) != (self.num_gpus, self.gpu_memory_mb, self.gpus):
+            ignored = ignored or f"registered past its shape ({num_gpus} GPUs of {memory_mb} MiB)"
+        if gpu_type != self.gpu_type:
+            ignored = "; ".join(filter(None, [f"registered as {self.gpu_type}, its pool's machines are {gpu_type}", ignored]))
+        Node.objects.filter(pk=self.pk).update(num_gpus=num_gpus, gpu_memory_mb=memory_mb, gpus=gpus, gpu_type=gpu_type)
+        self.num_gpus, self.gpu_memory_mb, self.gpus, self.gpu_type = num_gpus, memory_mb, gpus, gpu_type
         return ignored
 
 

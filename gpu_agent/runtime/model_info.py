@@ -37,9 +37,9 @@ from gpu_agent.protocol import (
     checkpoint_quantization_problem,
     task_of_architecture,
 )
-from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
+from gpu_agent.runtime.model_json import ModelJsonTooLarge, file_holds, read_model_json
 from gpu_agent.runtime.safetensors_headers import read_headers
-from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
+from gpu_agent.runtime.tokenizer_normalizer import FAST_TOKENIZER_FILES_KEY, read_tokenizer_normalizer
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _audio_tokenizer_file(_content: object) -> Iterator[str]:
 # `MAX_MODEL_JSON_BYTES` that holds no such key leads nowhere: a tokenizer_config.json grows with its added tokens).
 MODEL_FILE_PATHS = {
     "modules.json": (_sentence_transformers_module_paths, b'"path"'),
-    "tokenizer_config.json": (_fast_tokenizer_files, b'"fast_tokenizer_files"'),
+    "tokenizer_config.json": (_fast_tokenizer_files, FAST_TOKENIZER_FILES_KEY),
     "processor_config.json": (_audio_tokenizer, b'"audio_tokenizer"'),
     "audio_tokenizer_config.json": (_audio_tokenizer_file, b""),
 }
@@ -268,7 +268,7 @@ def refuse_paths_outside_model(model_dir: Path) -> None:
         except (ValueError, RecursionError):
             raise MalformedModel(f"its {file_name} is not JSON") from None
         except ModelJsonTooLarge:
-            if not key or _holds(model_dir / file_name, key):
+            if not key or file_holds(model_dir / file_name, key):
                 raise
             continue  # NOTE: names no path: read whole by transformers alone, as before
         for name in paths_in(content):
@@ -285,20 +285,6 @@ def refuse_paths_outside_model(model_dir: Path) -> None:
                 raise MalformedModel(
                     f"its {file_name} names a file outside the model's folder ({name[:200]!r} leads out of it)"
                 )
-
-
-def _holds(path: Path, key: bytes) -> bool:
-    """Whether the file's bytes hold `key` (read a MiB at a time, never whole); True when it cannot be read."""
-    try:
-        with open(path, "rb") as handle:
-            tail = b""
-            while chunk := handle.read(1024 * 1024):
-                if key in tail + chunk:
-                    return True
-                tail = chunk[-len(key):]
-    except OSError:
-        return True
-    return False
 
 
 def architecture(config: dict) -> str:

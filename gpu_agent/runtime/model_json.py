@@ -45,5 +45,22 @@ def read_model_json(path: str | Path) -> object:
     return json.loads(data.decode("utf-8"))
 
 
+def file_holds(path: str | Path, key: bytes) -> bool:
+    """Whether the file's bytes hold `key` (read a MiB at a time, never whole); True when it cannot be read.
+
+    NOTE: how a file past `MAX_MODEL_JSON_BYTES` is judged without being parsed: one that does not even hold a field's
+    name cannot set that field."""
+    try:
+        with open(path, "rb") as handle:
+            tail = b""
+            while chunk := handle.read(1024 * 1024):
+                if key in tail + chunk:
+                    return True
+                tail = chunk[-len(key) :]
+    except OSError:
+        return True
+    return False
+
+
 def _too_large(path: Path) -> ModelJsonTooLarge:
     return ModelJsonTooLarge(f"its {path.name} is larger than {MAX_MODEL_JSON_BYTES // (1024 * 1024)} MiB")

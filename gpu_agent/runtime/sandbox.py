@@ -55,6 +55,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -653,35 +654,79 @@ def is_scratch_folder(path: Path, replica_id: str, data_dir: Path) -> bool:
     NOTE: the path comes from the engine's environment block, which the engine may rewrite: one that named another
     engine's live folder there had it removed when it ended itself (the review of the sandbox). Its name must be
     `replica_id`'s, which no other engine's is."""
-    try:
-        owner = (path / SCRATCH_OWNER_FILE).read_text()
-    except OSError:
-        return False
     return (path.parent == Path(tempfile.gettempdir()) and path.name.startswith(_scratch_prefix(replica_id))
-            and owner == str(data_dir))
+            and _scratch_owner(path) == str(data_dir))
 
 
 def scratch_folders_of(data_dir: Path) -> list[Path]:
     """The scratch folders the agent of `data_dir` made: what a killed agent's engines left is removed by the next.
 
     NOTE: an engine can write only its own folder's owner file; it cannot make a folder here."""
-    found = []
-    for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
-        try:
-            if (folder / SCRATCH_OWNER_FILE).read_text() == str(data_dir):
-                found.append(folder)
-        except OSError:
-            continue
-    return found
+    return [folder for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*")
+            if _scratch_owner(folder) == str(data_dir)]
+
+
+# The most of an owner file read: a data dir's path.
+_MAX_OWNER_BYTES = 4096
+
+
+def _scratch_owner(folder: Path) -> str | None:
+    """What the folder's owner file says (the data dir of the agent that made it), or None when it is not a plain file.
+
+    NOTE: the folder is its engine's to write, and Landlock lets it make a FIFO or a link there: read without following
+    a link, never from a FIFO or a device, and no more than a path. Before, a new agent looking for what a killed one
+    left (at its start, under the supervisor's lock) opened an engine's FIFO and waited for a writer for ever, every
+    restart of the node's agent, or read a link to /dev/zero until it ran out of memory
+    (`tests/agent/test_engine_sandbox.py`)."""
+    try:
+        descriptor = os.open(folder / SCRATCH_OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        return os.read(descriptor, _MAX_OWNER_BYTES + 1).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
 
 
 def prepare_cache_folder(cache_dir: Path, shared_cache_root: Path) -> None:
-    """An endpoint's cache folder, with vLLM's model facts shared read-only from the zygote's cache."""
-    vllm_cache = cache_dir / "vllm"
-    vllm_cache.mkdir(parents=True, exist_ok=True)
-    link = vllm_cache / "modelinfos"
-    if not link.is_symlink() and not link.exists():
-        link.symlink_to(shared_cache_root / "modelinfos", target_is_directory=True)
+    """An endpoint's cache folder, with vLLM's model facts shared read-only from the zygote's cache.
+
+    NOTE: the folder is its endpoint's engines' to write (others may run while a launch prepares it): its `vllm` is
+    reached through a descriptor opened without following a link, and a link or file an engine left there goes.
+    Before, the agent made its `modelinfos` link wherever such a link pointed (another tenant's cached model)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    folder = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        vllm_cache = _own_folder(folder, "vllm")
+        try:
+            os.symlink(shared_cache_root / "modelinfos", "modelinfos", target_is_directory=True, dir_fd=vllm_cache)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(vllm_cache)
+    finally:
+        os.close(folder)
+
+
+def _own_folder(parent: int, name: str) -> int:
+    """A descriptor of the folder `name` in `parent`, made if missing; whatever else is there (a link) is removed."""
+    for _ in range(3):
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except OSError:  # ELOOP: a link; ENOTDIR: a file
+            try:
+                os.unlink(name, dir_fd=parent)
+            except OSError:
+                pass
+    raise OSError(f"{name} keeps being replaced")
 
 
 # The start of vLLM's IPC sockets' base in the abstract namespace (`rpc_base_path`).

@@ -52,6 +52,7 @@ from gpu_agent.protocol import (
     NormalizerStep,
     TokenizerNormalizer,
 )
+from gpu_agent.runtime.model_json import ModelJsonTooLarge, file_holds, read_model_json
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ _WEIGHTS_SUFFIXES = (
     *(".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf", ".tflite", ".mlmodel", ".ot"),
 )
 _VERSIONED_TOKENIZER_FILE = re.compile(r"tokenizer\.(.*)\.json")
+# How a tokenizer_config.json names the files a fast tokenizer is read from (the loader's field), as its bytes hold it.
+FAST_TOKENIZER_FILES_KEY = b'"fast_tokenizer_files"'
 # Past this many bytes of other files (a tokenizer.json is 34 MB at most), the folder is not hashed: described by
 # the child at each reading, as before, never a long read in the agent.
 MAX_HASHED_BYTES = 256 * 1024**2
@@ -287,10 +290,20 @@ def _describer_digest() -> bytes:
 def _named_tokenizer_files(root: Path) -> set[Path]:
     """The files a tokenizer_config.json's `fast_tokenizer_files` names, resolved as the loader opens them
     (`os.path.join(folder, name)`, links and `..` followed): hashed by content whatever their names. A name whose
-    file is outside the folder raises ValueError (no key)."""
+    file is outside the folder, or a file past `MAX_MODEL_JSON_BYTES` that holds the field, raises ValueError (no key).
+
+    NOTE: read within the bound every tenant JSON file the agent parses is held to (`model_json`), a larger one only
+    scanned for the field's name: parsed whole, 48 MiB of `{},` (a tokenizer_config.json may be any size the weights
+    budget allows, a real one grown past 4 MiB by its added tokens) took the agent 1.26 GB and 1.3 s of the GIL,
+    twice a reading, and a deeper one than the parser's recursion raised out of this "never raises" reading."""
+    path = root / "tokenizer_config.json"
     try:
-        config = json.loads((root / "tokenizer_config.json").read_bytes())
-    except (OSError, ValueError):
+        config = read_model_json(path)
+    except ModelJsonTooLarge:
+        if file_holds(path, FAST_TOKENIZER_FILES_KEY):
+            raise ValueError("a tokenizer_config.json too large to read names tokenizer files") from None
+        return set()
+    except (OSError, ValueError, RecursionError):
         return set()
     names = config.get("fast_tokenizer_files") if isinstance(config, dict) else None
     if not isinstance(names, list):

@@ -540,6 +540,66 @@ def test_a_new_agent_adopts_no_scratch_folder_an_engine_names_but_its_own(make_s
             subprocess.run(["rm", "-rf", str(folder)], check=True)
 
 
+# A new agent looking for what a killed one's engines left (`scratch_folders_of`, at its start, under the supervisor's
+# lock) and adopting a live engine's folder (`is_scratch_folder`, the path from the engine's own environment), in a
+# child held to this much memory: what it reads of an owner file is a path.
+_FIND_SCRATCH_FOLDERS = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (512 * 1024**2, 512 * 1024**2))
+from gpu_agent.runtime import sandbox
+data_dir = Path(sys.argv[1])
+print(sorted(folder.name for folder in sandbox.scratch_folders_of(data_dir)))
+print(sandbox.is_scratch_folder(Path(sys.argv[2]), "r-hostile", data_dir))
+"""
+
+
+@pytest.mark.parametrize("owner_file", ["a FIFO", "a link to /dev/zero"])
+def test_an_engine_that_swaps_its_folders_owner_file_for_a_fifo_or_an_endless_file_never_holds_up_a_new_agent(
+    tmp_path, monkeypatch, owner_file
+):
+    """Its scratch folder is the engine's to write: Landlock lets it make a FIFO or a link there. Before, the next agent
+    opened the FIFO and waited for a writer for ever (every restart of the node's agent hung, the node OFFLINE), or
+    read /dev/zero until it ran out of memory."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", os.fspath(temporary))
+    data_dir = tmp_path / "agent"
+    own = sandbox.make_scratch_folder(data_dir, "r-own")
+    hostile = sandbox.make_scratch_folder(data_dir, "r-hostile")
+    owner = hostile / sandbox.SCRATCH_OWNER_FILE
+    owner.unlink()
+    if owner_file == "a FIFO":
+        os.mkfifo(owner)
+    else:
+        owner.symlink_to("/dev/zero")
+
+    found = subprocess.run(
+        [sys.executable, "-c", _FIND_SCRATCH_FOLDERS, os.fspath(data_dir), os.fspath(hostile)],
+        env=os.environ | {"TMPDIR": os.fspath(temporary)}, cwd=Path(sandbox.__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=60,  # NOTE: a hang's bound, not a timing: it answers at once
+    )
+
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.splitlines() == [repr([own.name]), "False"], "the hostile folder is not taken as the agent's"
+
+
+def test_a_link_an_engine_left_in_its_endpoints_cache_folder_never_has_the_agent_write_where_it_points(tmp_path):
+    """The cache folder is its endpoints' engines' to write: one made its `vllm` folder a link to another tenant's cached
+    model, and the next launch had the agent make its `modelinfos` link there (before: in the other tenant's folder)."""
+    cache_dir = tmp_path / "engine-caches" / "endpoint"
+    other_tenants_model = tmp_path / "weights" / "key"
+    other_tenants_model.mkdir(parents=True)
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "vllm").symlink_to(other_tenants_model, target_is_directory=True)
+
+    sandbox.prepare_cache_folder(cache_dir, tmp_path / "shared")
+
+    assert list(other_tenants_model.iterdir()) == []
+    assert (cache_dir / "vllm").is_dir() and not (cache_dir / "vllm").is_symlink()
+    assert (cache_dir / "vllm" / "modelinfos").readlink() == tmp_path / "shared" / "modelinfos"
+
+
 @pytest.mark.parametrize("mode", [SandboxMode.BEST_EFFORT, SandboxMode.OFF])
 def test_while_engines_are_confined_the_zygote_loads_no_tenants_look_ups_ahead(tmp_path, monkeypatch, mode):
     # The zygote loaded the look-ups engines recorded (one tenant's config, tokenizer, chat template) and every engine

@@ -261,3 +261,62 @@ def test_the_describers_source_in_the_key_is_every_agent_module_the_loader_child
     root = tokenizer_normalizer._PACKAGE_ROOT
     files = {os.fspath(Path(name).resolve().relative_to(root)) for name in imported.stdout.split()}
     assert files | {"gpu_agent/runtime/tokenizer_normalizer.py"} == set(tokenizer_normalizer.DESCRIBER_FILES)
+
+
+# What hashing a folder (`_content_key`) may take of the agent's memory: far more than 4 MiB of JSON parses, far less
+# than the tens of times its size that parsing a tenant's 48 MiB `tokenizer_config.json` took (1.26 GB, 1.3 s of the
+# GIL, twice a reading).
+AGENT_HASHING_MEMORY_BYTES = 768 * 1024**2
+_HASH_WITHIN_A_MEMORY_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
+from gpu_agent.runtime import tokenizer_normalizer
+print(tokenizer_normalizer._content_key(sys.argv[1]))
+"""
+
+
+def _hashed_within_the_agents_memory(model_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _HASH_WITHIN_A_MEMORY_LIMIT, os.fspath(model_dir), str(AGENT_HASHING_MEMORY_BYTES)],
+        capture_output=True, text=True, timeout=120, cwd=Path(tokenizer_normalizer.__file__).resolve().parents[2],
+    )
+
+
+def _big_tokenizer_config(model_dir: Path, *, fast_tokenizer_files: bool = False) -> Path:
+    """A tokenizer_config.json of 48 MiB of empty objects (`added_tokens_decoder` grows a real one past 4 MiB)."""
+    named = '"fast_tokenizer_files": ["tokenizer.json"], ' if fast_tokenizer_files else ""
+    with open(model_dir / "tokenizer_config.json", "w") as handle:
+        handle.write('{' + named + '"model_max_length": 2048, "padding": [' + "{}," * (16 * 1024**2) + "{}]}")
+    return model_dir
+
+
+def test_a_tokenizer_config_past_the_json_bound_is_never_parsed_by_the_agent_and_its_folder_is_still_keyed(
+    tiny_model_dir, tmp_path
+):
+    """Before, the agent parsed the whole file to find `fast_tokenizer_files` (any size the weights budget allows):
+    its memory past the limit here, a MemoryError, and the model refused as unreadable."""
+    model_dir = _big_tokenizer_config(_copy(tiny_model_dir, tmp_path / "model"))
+
+    hashed = _hashed_within_the_agents_memory(model_dir)
+
+    assert hashed.returncode == 0, hashed.stderr[-2000:]
+    assert len(hashed.stdout.strip()) == 64, "the folder is keyed: its description is kept"
+
+
+def test_a_tokenizer_config_past_the_json_bound_that_names_tokenizer_files_is_not_keyed(tiny_model_dir, tmp_path):
+    """Which files it names cannot be known without parsing it: described by the loader child at each reading (and
+    refused before that by `model_info.refuse_paths_outside_model`)."""
+    model_dir = _big_tokenizer_config(_copy(tiny_model_dir, tmp_path / "model"), fast_tokenizer_files=True)
+
+    hashed = _hashed_within_the_agents_memory(model_dir)
+
+    assert hashed.returncode == 0, hashed.stderr[-2000:]
+    assert hashed.stdout.strip() == "None"
+
+
+def test_a_tokenizer_config_nested_past_the_parsers_depth_is_keyed_as_json_that_names_nothing(tiny_model_dir, tmp_path):
+    """As a file that is not JSON: the loader cannot read it either. Before, its RecursionError left the reading."""
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    (model_dir / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+
+    assert len(tokenizer_normalizer._content_key(model_dir)) == 64

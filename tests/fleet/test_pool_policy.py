@@ -602,6 +602,27 @@ def test_a_second_make_run_with_another_data_folder_on_the_same_database_keeps_t
 
 
 @pytest.mark.django_db
+def test_a_pool_machine_that_registers_another_gpu_type_is_held_to_its_pools_and_gets_none_of_that_types_replicas(
+    client
+):
+    """A machine of the pool of one-L4 machines saying it is an H100 (the launch's token sits on it): before, its node
+    was an H100 node, and H100 endpoints (billed and planned as H100s, another pool's to serve) were placed on it."""
+    pool = make_pool(name="l4-pool", gpu_type="l4", gpus_per_node=1, gpu_memory_mb=23_034)
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.LAUNCHING, deadline_at=timezone.now() + timedelta(minutes=10))
+    answer = client.post("/agent/v1/register", {
+        "join_token": pools.reissue_token(launch), "name": "m-1", "gpu_type": "h100-80gb", "num_gpus": 1,
+        "gpu_memory_mb": 23_034, "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0"},
+        content_type="application/json")
+    assert answer.status_code == 201, answer.content
+
+    node = Node.objects.get(pk=answer.json()["node_id"])
+    assert node.gpu_type == "l4"
+    endpoint = EndpointFactory(gpu_type="h100-80gb", model_source=TINY, quantization="none", min_replicas=1)
+    reconcile_endpoint(str(endpoint.pk))
+    assert not Replica.objects.filter(endpoint=endpoint, node=node).exists()
+
+
+@pytest.mark.django_db
 def test_a_pool_machine_that_registers_more_than_its_pool_is_held_to_the_pools_shape(client):
     """The launch's join token sits on the machine: whatever its agent says of itself at registration (four GPUs of
     80 GB on a pool of one-L4 machines), placement sees what staff made the pool (before, what it registered stood
