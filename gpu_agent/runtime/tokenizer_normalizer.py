@@ -118,6 +118,7 @@ DESCRIBER_FILES = (
     "gpu_agent/__init__.py",
     "gpu_agent/protocol.py",
     "gpu_agent/runtime/__init__.py",
+    "gpu_agent/runtime/model_json.py",
     "gpu_agent/runtime/tokenizer_normalizer.py",
 )
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
