@@ -517,6 +517,9 @@ BATCH_ANSWER_BYTES = env_int("INFERPLANE_BATCH_ANSWER_BYTES", 32 * 2**20, minimu
 # larger answer waiting for one to be stored; under 64 MiB, none, and such answers fail `response_too_large`
 # (`endpoints.batches.spool`). The worker's /tmp holds its processes' (`tests/infra/test_manifests.py`).
 BATCH_SPOOL_BYTES = env_int("INFERPLANE_BATCH_SPOOL_BYTES", 128 * 2**20, minimum=0)
+# A run that can start no line because its process's other lines hold the answer bytes (BATCH_ANSWER_BYTES), and
+# has none of its own running, gives up its slice after this long (logged at ERROR): its lines wait for a later run.
+BATCH_NO_ROOM_GIVE_UP_S = env_float("INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S", 180.0, minimum=1)
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

@@ -216,7 +216,8 @@ class Progress:
     num_completed: int
     num_failed: int
     # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
-    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end)
+    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end),
+    # "no_room" (the process's answer bytes held by others for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
     stopped: str = ""
 
 
@@ -473,6 +474,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     last_check, pause_until = 0.0, 0.0
     renewed_at = time.monotonic()  # the lease's last renewal (about: its long-step hold came just before the run)
     no_slot_since: float | None = None  # since when no line could start and none ran
+    no_room_since: float | None = None  # since when no line could start for the process's answer bytes, none its own
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
@@ -537,6 +539,18 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     line, answer = pending.take(), answer_bytes.LineAnswer()
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
                         line, answer)
+            if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
+                no_room_since = None
+            elif no_room_since is None:
+                no_room_since = now
+            elif now - no_room_since >= settings.BATCH_NO_ROOM_GIVE_UP_S:
+                # NOTE: the bytes are held by the process's other runs, or leaked: waited for with no bound, a leak
+                # held this run's worker slot until its task's time limit, and the next run's after it, for good
+                logger.error("batch %s: no line could start for %.0f s: this process's batch lines hold %d bytes of "
+                             "answers (INFERPLANE_BATCH_ANSWER_BYTES %d), none of them this run's; its lines wait for "
+                             "a later run", work.batch_id, now - no_room_since, answer_bytes.held_bytes(),
+                             settings.BATCH_ANSWER_BYTES)
+                progress.stopped = "no_room"
             if not running and not storing:
                 # NOTE: answers left unstored are tried again at each check until the run's lines must have ended
                 if (progress.stopped or not pending) and (not unstored or now >= latest_end):
