@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import tracemalloc
 
 import httpx
 import pytest
-from django.db import connections
 
 from billing.models import UsageRecord
 from endpoints.batches import answer_bytes, runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.gateway import upstream
-from tests.batches.conftest import logprob_lines, new_batch
+from tests.batches.conftest import logprob_lines, new_batch, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 
 MiB = 2**20
@@ -473,17 +471,8 @@ def test_a_run_with_no_room_for_a_first_read_and_no_line_of_its_own_gives_up_its
     batch = new_batch(endpoint, logprob_lines(endpoint.name, 2))
     leaked = answer_bytes.LineAnswer()  # another line's bytes, never given back
     assert not answer_bytes.room()
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own
-
     try:
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        worker, runs = run_in_a_thread(batch.pk)
         worker.join(timeout=60)  # NOTE: a guard against a hang, far past the second it waits
         assert not worker.is_alive(), "the run waited for the held bytes with no bound"
     finally:

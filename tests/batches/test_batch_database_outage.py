@@ -4,17 +4,16 @@ once and billed once."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-from django.db import ProgrammingError, connection, connections
+from django.db import ProgrammingError, connection
 
 from billing.models import UsageRecord
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch, one_chat_line
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
@@ -45,21 +44,11 @@ def _run_through_an_outage(
             for i in range(num_lines)
         ),
     )
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        except Exception as exc:  # noqa: BLE001 - what the task would have raised
-            runs.append(exc)
-        finally:
-            connections.close_all()  # this thread's own
 
     def num_engine_requests() -> int:
         return httpx.get(f"{upstream}/_stats").json()["num_requests"]
 
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     _wait_for(lambda: num_engine_requests() == 1)  # the line is in flight
     with database_refusing_connections():
         time.sleep(outage_s)
@@ -155,16 +144,7 @@ def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_h
     upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, one_chat_line(endpoint, 10))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     _wait_for(lambda: httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1)  # the line is in flight
     with database_refusing_connections():
         time.sleep(4)

@@ -10,11 +10,10 @@ import time
 
 import httpx
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from django.db.backends.signals import connection_created
 
-from endpoints.batches import services
-from tests.batches.conftest import new_batch, one_chat_line
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
@@ -41,16 +40,7 @@ def _run_a_line(tenant, start_mock_upstream, *, outage_s: float, num_tokens: int
     upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in num_tokens / 2 s
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, one_chat_line(endpoint, num_tokens))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own, as a worker's task ends
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     deadline = time.monotonic() + 60
     while httpx.get(f"{upstream}/_stats").json()["num_requests"] < 1:
         assert time.monotonic() < deadline, "the line never started"
