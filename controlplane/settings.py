@@ -504,6 +504,9 @@ BATCH_MAX_OPEN_PER_ORG = env_int("INFERPLANE_BATCH_MAX_OPEN_PER_ORG", 100, minim
 BATCH_LEASE_S = env_float("INFERPLANE_BATCH_LEASE_S", 30.0, minimum=1)
 # One run of a batch stops after this long and is queued again (tasks stay short, workers shared).
 BATCH_RUN_SLICE_S = env_float("INFERPLANE_BATCH_RUN_SLICE_S", 120.0, minimum=1)
+# A run that meets PostgreSQL away (a restart, a failover) starts no line and checks again (0.25 s, doubling, at most
+# 1 s apart) for this long; back by then, it goes on with its slice, else it starts no line for the rest of it.
+BATCH_OUTAGE_RETRY_S = env_float("INFERPLANE_BATCH_OUTAGE_RETRY_S", 8.0, minimum=0)
 # The scheduler's estimate of one line's seconds on one slot, for waking a sleeping endpoint in time.
 BATCH_SECONDS_PER_LINE = env_float("INFERPLANE_BATCH_SECONDS_PER_LINE", 2.0, minimum=0.001)
 # The bytes of line answers a batch worker process holds in memory at once, every read included
@@ -517,6 +520,9 @@ BATCH_ANSWER_BYTES = env_int("INFERPLANE_BATCH_ANSWER_BYTES", 32 * 2**20, minimu
 # larger answer waiting for one to be stored; under 64 MiB, none, and such answers fail `response_too_large`
 # (`endpoints.batches.spool`). The worker's /tmp holds its processes' (`tests/infra/test_manifests.py`).
 BATCH_SPOOL_BYTES = env_int("INFERPLANE_BATCH_SPOOL_BYTES", 128 * 2**20, minimum=0)
+# A run that can start no line because its process's other lines hold the answer bytes (BATCH_ANSWER_BYTES), and
+# has none of its own running, gives up its slice after this long (logged at ERROR): its lines wait for a later run.
+BATCH_NO_ROOM_GIVE_UP_S = env_float("INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S", 180.0, minimum=1)
 
 # --- email -----------------------------------------------------------------------------
 EMAIL_HOST = env_str("EMAIL_HOST")

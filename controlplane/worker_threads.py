@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Executor
@@ -18,7 +19,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from controlplane.per_loop import PerLoop
 
@@ -51,37 +53,96 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     )
 
 
-# Set in a short-lived event loop's main task (`run_briefly`): its calls' connections closed after each.
-_closing_after_each_call = contextvars.ContextVar("closing_after_each_call", default=False)
+class _RunConnections:
+    """The connections a short-lived event loop's calls opened (`run_briefly`), one a thread at most: each kept across
+    its thread's calls, closed when the loop ends. NOTE: closed after each call, a batch run opened a PostgreSQL session
+    per lease check (one a second) and per stored line."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, BaseDatabaseWrapper] = {}
+
+    def keep(self) -> None:
+        """Note this thread's open connections (its caller's thread), to close when the loop ends."""
+        with self._lock:
+            for wrapper in connections.all(initialized_only=True):
+                if wrapper.connection is not None:
+                    self._kept[id(wrapper)] = wrapper
+
+    def close_all(self) -> None:
+        """Close every connection noted, from this thread: their threads have ended (or serve no call of the loop)."""
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for wrapper in kept:
+            wrapper.inc_thread_sharing()  # NOTE: Django refuses a connection's close outside its thread otherwise
+            try:
+                wrapper.close()
+            except DatabaseError:  # NOTE: a connection already broken is as closed
+                pass
+            finally:
+                wrapper.dec_thread_sharing()
+
+
+# Set in a short-lived event loop's main task (`run_briefly`): its calls' connections, closed as it ends.
+_run_connections: contextvars.ContextVar[_RunConnections | None] = contextvars.ContextVar(
+    "run_connections", default=None
+)
 
 
 def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(coroutine)`, each `connections_checked` call of its tasks (they copy its context) closing its
-    connections after it. NOTE: for an event loop that ends soon (a batch run's): its pool's threads end with it, and
-    the connection each kept (Django keeps them per thread and context) stayed open with no one to close it until a
-    garbage collection found it, a few sessions a run."""
+    """`asyncio.run(coroutine)`, the connection each thread of its `connections_checked` calls (its tasks copy its
+    context) opened kept across those calls and closed as it ends. NOTE: for an event loop that ends soon (a batch
+    run's): its pool's threads end with it, and the connection each kept (Django keeps them per thread) stayed open
+    with no one to close it until a garbage collection found it, a few sessions a run."""
+    kept = _RunConnections()
 
-    async def closing_after_each_call() -> T:
-        _closing_after_each_call.set(True)  # the main task's own context
+    async def keeping_connections() -> T:
+        _run_connections.set(kept)  # the main task's own context
         return await coroutine
 
-    return asyncio.run(closing_after_each_call())
+    try:
+        return asyncio.run(keeping_connections())
+    finally:
+        kept.close_all()  # NOTE: after `asyncio.run` has joined its default executor's threads
+
+
+def _close_broken_connections() -> None:
+    """Close this thread's connections that an error left unusable (a PostgreSQL restart, a terminated backend), or
+    left outside autocommit, as `close_old_connections` does, but keep a healthy one past `CONN_MAX_AGE`."""
+    for wrapper in connections.all(initialized_only=True):
+        if wrapper.connection is None:
+            continue
+        # NOTE: checked again at its next use (`CONN_HEALTH_CHECKS`), as at a request's start
+        wrapper.health_check_done = False
+        if wrapper.get_autocommit() != wrapper.settings_dict["AUTOCOMMIT"]:
+            wrapper.close()
+        elif wrapper.errors_occurred:
+            if wrapper.is_usable():
+                wrapper.errors_occurred = False
+            else:
+                wrapper.close()
 
 
 def connections_checked(function: Callable) -> Callable:
     """`function` (which uses the ORM, in a thread that never sees a request) with its thread's connections treated as
     Django treats a request's: a stale or broken one (a PostgreSQL restart, a terminated backend) dropped before and
-    after the call, so it never serves the next; every one closed after it under `run_briefly`."""
+    after the call, so it never serves the next. Under `run_briefly` a healthy one is kept for the thread's next call
+    and closed as the loop ends; a broken one is closed at once."""
 
     def call(*args, **kwargs):
-        close_old_connections()
+        kept = _run_connections.get()
+        if kept is None:
+            close_old_connections()
+        else:
+            _close_broken_connections()
         try:
             return function(*args, **kwargs)
         finally:
-            if _closing_after_each_call.get():
-                connections.close_all()
-            else:
+            if kept is None:
                 close_old_connections()
+            else:
+                _close_broken_connections()
+                kept.keep()
 
     return call
 

@@ -60,6 +60,9 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 # every run quietly and queues the batch again at each tick.
 DATABASE_AWAY = (OperationalError, InterfaceError)
 CHECK_EVERY_S = 1.0  # how often a run renews its lease, writes its counts and reads a cancel
+# While PostgreSQL is away a run checks again after 0.25 s, then twice as long each time, at most `CHECK_EVERY_S`,
+# for up to `BATCH_OUTAGE_RETRY_S` (starting no line meanwhile) before it stops starting lines for the rest of its slice.
+OUTAGE_FIRST_RETRY_S = 0.25
 RETRY_PAUSE_S = 1.0  # after a transient refusal, no line starts for this long
 # A line's answer is waited for at most this long from its run's read of the input, whatever its engine still
 # generates (`InferenceCall.answer_deadline`): under the task's time limit (`services.RUN_TIME_LIMIT_S`), with
@@ -86,6 +89,12 @@ MAX_ENGINE_FAILURES = 5
 # window ends; a Redis that lost them only starts the count again.
 ENGINE_FAILURES_MIN_SPAN_S = 60.0
 ENGINE_FAILURE_MAX_PAUSE_S = 30.0  # the longest wait between tries of a line its engine failed
+
+
+def outage_retry_pause_s(num_away_checks: int) -> float:
+    """How long a run waits before its next check once `num_away_checks` checks in a row met PostgreSQL away (or a
+    store did: 0)."""
+    return min(OUTAGE_FIRST_RETRY_S * 2 ** min(max(num_away_checks - 1, 0), 16), CHECK_EVERY_S)
 
 
 def engine_failure_pause_s(num_failures: int) -> float:
@@ -216,7 +225,8 @@ class Progress:
     num_completed: int
     num_failed: int
     # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
-    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end)
+    # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end),
+    # "no_room" (the process's answer bytes held by others for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
     stopped: str = ""
 
 
@@ -377,7 +387,7 @@ def _through_outages(keep_going: Callable[[Progress], str]) -> Callable:
         except DATABASE_AWAY as exc:
             # NOTE: logged as a string: a record that kept the exception (a handler, pytest's capture) kept, through
             # its traceback's frames, the worker thread's connection open for good (the test database never dropped)
-            logger.warning("batch run: PostgreSQL is away (%s): no line starts until the next run", repr(exc))
+            logger.warning("batch run: PostgreSQL is away (%s): no line starts until it is back", repr(exc))
             return "outage"
 
     return check
@@ -471,8 +481,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     # NOTE: from the first line's start: a slow read of the input (S3, a long skip) is not counted against the lines
     ends_at = answer_deadline = None
     last_check, pause_until = 0.0, 0.0
+    # NOTE: since when PostgreSQL is away (a check or a store met it), and the checks in a row that met it: no line
+    # starts meanwhile, and past `BATCH_OUTAGE_RETRY_S` none for the rest of the slice. Before, a blip of a second
+    # ended the slice's starts at once: the batch waited for the next tick and a free worker.
+    away_since: float | None = None
+    num_away_checks = 0
     renewed_at = time.monotonic()  # the lease's last renewal (about: its long-step hold came just before the run)
     no_slot_since: float | None = None  # since when no line could start and none ran
+    no_room_since: float | None = None  # since when no line could start for the process's answer bytes, none its own
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
@@ -481,12 +497,13 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
         while pending or running or storing or unstored:
             pending.read_ahead()
             now = time.monotonic()
-            if now - last_check >= CHECK_EVERY_S:
+            if now - last_check >= (CHECK_EVERY_S if away_since is None else outage_retry_pause_s(num_away_checks)):
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
                 reason = await check(progress)  # "outage" while PostgreSQL is away
                 if reason != "outage":
                     renewed_at = now
+                    away_since, num_away_checks = None, 0
                     for outcome, answer in unstored:  # PostgreSQL reached: their stores tried again
                         storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
                     unstored.clear()
@@ -495,6 +512,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     # (its lines are its own: this run's answers are not stored, `store`)
                     reason = "lease"
                     progress.stopped = "lease" if progress.stopped == "outage" else progress.stopped
+                else:
+                    away_since = now if away_since is None else away_since
+                    num_away_checks += 1
+                    if now - away_since < settings.BATCH_OUTAGE_RETRY_S:
+                        reason = ""  # checked again soon: a blip ends no slice
                 # NOTE: read again: a change to what its engines start with (`Endpoint.engine_generation`) refuses the
                 # lines of the configuration read before it (a 503, tried again), for the rest of the slice had the run
                 # kept it.
@@ -516,7 +538,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         "expired" if time.time() >= work.expires_at else "")
             # NOTE: past the process's bound of answer bytes no line starts (those running may still answer: each
             # reads on once bytes are given back, or alone)
-            if not progress.stopped and pending.ready() and now >= pause_until and answer_bytes.room():
+            if (not progress.stopped and away_since is None and pending.ready() and now >= pause_until
+                    and answer_bytes.room()):
                 # NOTE: none while the usage journal is past its limit (PostgreSQL took no writes for a while): a
                 # line's row could only go to it, as an interactive call's, which the gateway refuses then.
                 slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
@@ -537,6 +560,18 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     line, answer = pending.take(), answer_bytes.LineAnswer()
                     running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
                         line, answer)
+            if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
+                no_room_since = None
+            elif no_room_since is None:
+                no_room_since = now
+            elif now - no_room_since >= settings.BATCH_NO_ROOM_GIVE_UP_S:
+                # NOTE: the bytes are held by the process's other runs, or leaked: waited for with no bound, a leak
+                # held this run's worker slot until its task's time limit, and the next run's after it, for good
+                logger.error("batch %s: no line could start for %.0f s: this process's batch lines hold %d bytes of "
+                             "answers (INFERPLANE_BATCH_ANSWER_BYTES %d), none of them this run's; its lines wait for "
+                             "a later run", work.batch_id, now - no_room_since, answer_bytes.held_bytes(),
+                             settings.BATCH_ANSWER_BYTES)
+                progress.stopped = "no_room"
             if not running and not storing:
                 # NOTE: answers left unstored are tried again at each check until the run's lines must have ended
                 if (progress.stopped or not pending) and (not unstored or now >= latest_end):
@@ -558,7 +593,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         logger.warning("batch %s: a line's answer could not be stored yet (%s)",
                                        work.batch_id, repr(exc))  # a string, not the exception (`_through_outages`)
                         unstored.append((outcome, answer))
-                        progress.stopped = progress.stopped or "outage"
+                        away_since = time.monotonic() if away_since is None else away_since  # no start till checked
                         continue
                     except BaseException:
                         # NOTE: popped, so not among those the run gives back as it ends: a put S3 refused kept its

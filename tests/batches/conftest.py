@@ -8,12 +8,14 @@ import io
 import json
 import signal
 import sys
+import threading
 import tracemalloc
 import uuid
 
 import boto3
 import httpx
 import pytest
+from django.db import connections
 
 from controlplane.accounts.models import Role
 from endpoints.batches import services, storage
@@ -101,6 +103,24 @@ def new_batch(endpoint, data: bytes, *, request_path: str = "/v1/chat/completion
     return services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
                                  input_file_id=input_file.pk, request_path=request_path,
                                  completion_window="24h", metadata=None)
+
+
+def run_in_a_thread(batch_id: str) -> tuple[threading.Thread, list[object]]:
+    """`services.run_batch(batch_id)` started in a thread of its own, as a worker's task: the thread, and a list that
+    holds what the run returned (or raised) once it has ended. The thread's connection is closed as it ends."""
+    runs: list[object] = []
+
+    def run() -> None:
+        try:
+            runs.append(services.run_batch(batch_id))
+        except Exception as exc:  # noqa: BLE001 - what the task would have raised
+            runs.append(exc)
+        finally:
+            connections.close_all()  # this thread's own, as a worker's task ends
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return worker, runs
 
 
 def one_chat_line(endpoint, max_tokens: int = 8) -> bytes:

@@ -11,13 +11,14 @@ import json
 import os
 import tracemalloc
 
+import httpx
 import pytest
 
 from billing.models import UsageRecord
 from endpoints.batches import answer_bytes, runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.gateway import upstream
-from tests.batches.conftest import logprob_lines, new_batch
+from tests.batches.conftest import logprob_lines, new_batch, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 
 MiB = 2**20
@@ -456,3 +457,35 @@ def test_without_spools_lines_larger_than_the_largest_answer_fail_with_their_err
         assert error["code"] == "response_too_large"
         assert "larger than 0.5 MiB, the most a batch line's answer may be" in error["message"]
         assert "outside a batch" in error["message"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_with_no_room_for_a_first_read_and_no_line_of_its_own_gives_up_its_slice_and_says_so(
+        files_bucket, tenant, start_mock_upstream, settings, caplog):
+    """Before, such a run waited for bytes to be given back with no bound: bytes leaked (never released) held its
+    worker slot until its task's time limit, and the next run's after it, for good."""
+    settings.BATCH_ANSWER_BYTES = 1 * MiB
+    settings.BATCH_NO_ROOM_GIVE_UP_S = 1
+    engine = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, engine)
+    batch = new_batch(endpoint, logprob_lines(endpoint.name, 2))
+    leaked = answer_bytes.LineAnswer()  # another line's bytes, never given back
+    assert not answer_bytes.room()
+    try:
+        worker, runs = run_in_a_thread(batch.pk)
+        worker.join(timeout=60)  # NOTE: a guard against a hang, far past the second it waits
+        assert not worker.is_alive(), "the run waited for the held bytes with no bound"
+    finally:
+        leaked.release()
+    assert runs == ["no_room"]
+    assert (Batch.objects.get(pk=batch.pk).status, _engine_requests(engine)) == (BatchStatus.IN_PROGRESS, 0)
+    [error] = [record for record in caplog.records if record.levelname == "ERROR"]
+    assert f"hold {256 * 1024} bytes of answers" in error.getMessage()
+
+    assert services.run_batch(batch.pk) == "ran"  # the bytes given back, a later run runs its lines
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, 2)
+
+
+def _engine_requests(engine: str) -> int:
+    return httpx.get(f"{engine}/_stats").json()["num_requests"]

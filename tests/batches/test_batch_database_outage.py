@@ -4,17 +4,16 @@ once and billed once."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-from django.db import ProgrammingError, connection, connections
+from django.db import ProgrammingError, connection
 
 from billing.models import UsageRecord
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch, one_chat_line
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
@@ -31,28 +30,25 @@ def _wait_for(condition, timeout_s: float = 60) -> None:
 
 
 def _run_through_an_outage(
-    tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float
+    tenant, start_mock_upstream, *, token_delay_ms: int, num_tokens: int, outage_s: float, num_lines: int = 1
 ):
-    """A one-line batch whose run meets a PostgreSQL outage of `outage_s` while its line is in flight, then the runs
-    that finish it: the batch, the first run's outcome and the number of engine requests made."""
+    """A batch of `num_lines` lines run one at a time whose run meets a PostgreSQL outage of `outage_s` while its first
+    line is in flight, then the runs that finish it: the batch, the first run's outcome and the number of engine
+    requests made."""
     upstream = start_mock_upstream(token_delay_ms=token_delay_ms)
-    endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, one_chat_line(endpoint, num_tokens))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        except Exception as exc:  # noqa: BLE001 - what the task would have raised
-            runs.append(exc)
-        finally:
-            connections.close_all()  # this thread's own
+    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=1)
+    batch = new_batch(
+        endpoint,
+        b"".join(
+            one_chat_line(endpoint, num_tokens).replace(b'"only"', f'"c{i}"'.encode())
+            for i in range(num_lines)
+        ),
+    )
 
     def num_engine_requests() -> int:
         return httpx.get(f"{upstream}/_stats").json()["num_requests"]
 
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     _wait_for(lambda: num_engine_requests() == 1)  # the line is in flight
     with database_refusing_connections():
         time.sleep(outage_s)
@@ -66,8 +62,10 @@ def _run_through_an_outage(
 
 
 def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_once_and_billed_once(
-    files_bucket, tenant, start_mock_upstream
+    files_bucket, tenant, start_mock_upstream, settings
 ):
+    # an outage past the run's retries: no line starts for the rest of its slice
+    settings.BATCH_OUTAGE_RETRY_S = 0
     # the line answers in ~4 s; the run renews its lease every second: it meets the outage at least once
     batch, runs, num_engine_requests = _run_through_an_outage(
         tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=1.5
@@ -80,8 +78,9 @@ def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_onc
 
 
 def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_run_once(
-    files_bucket, tenant, start_mock_upstream
+    files_bucket, tenant, start_mock_upstream, settings
 ):
+    settings.BATCH_OUTAGE_RETRY_S = 2  # past it the run starts no line for the rest of its slice
     # NOTE: 10 s, past the directory's cached endpoint and its stale grace (7 s): its once-a-second read of the
     # endpoint raised, the run ended with its line cut mid-answer, and the next run ran it again
     num_tokens = 12  # the line answers in ~18 s: in flight through the whole outage
@@ -93,6 +92,22 @@ def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_ru
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
     [row] = UsageRecord.objects.filter(batch_id=batch.pk)
     assert row.completion_tokens == num_tokens
+
+
+@pytest.mark.parametrize("outage_s", [1.0, 12.0], ids=["a-blip", "past-the-retries"])
+def test_a_run_goes_on_starting_lines_after_a_brief_outage_and_stops_after_a_long_one(
+    files_bucket, tenant, start_mock_upstream, outage_s
+):
+    # NOTE: a blip of a second ended the run's starts for the rest of its slice: the batch's next line waited for the
+    # next tick and a free worker. Retried for `BATCH_OUTAGE_RETRY_S` (8 s), the same run starts it; a longer outage
+    # still ends the slice's starts, its line in flight kept.
+    batch, runs, num_engine_requests = _run_through_an_outage(
+        tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=outage_s, num_lines=2
+    )
+    assert runs == (["ran"] if outage_s < 8 else ["outage"])
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (2, 0)
+    assert num_engine_requests == 2, "each line ran once"
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 2
 
 
 def test_a_lease_check_that_fails_for_another_reason_than_an_outage_is_raised_not_taken_for_an_outage():
@@ -129,16 +144,7 @@ def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_h
     upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, one_chat_line(endpoint, 10))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     _wait_for(lambda: httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1)  # the line is in flight
     with database_refusing_connections():
         time.sleep(4)

@@ -1,5 +1,6 @@
 """A batch run leaves no PostgreSQL session of its own open once it has ended, also after an outage it went through:
-each held one of the database's `max_connections` until a garbage collection, or for good."""
+each held one of the database's `max_connections` until a garbage collection, or for good. And it opens one a thread,
+kept across its calls: it opened one a call."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import time
 
 import httpx
 import pytest
-from django.db import connection, connections
+from django.db import connection
+from django.db.backends.signals import connection_created
 
-from endpoints.batches import services
-from tests.batches.conftest import new_batch, one_chat_line
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
 
@@ -35,20 +36,11 @@ def _other_sessions() -> list[tuple]:
         time.sleep(0.1)
 
 
-def _run_a_line(tenant, start_mock_upstream, *, outage_s: float) -> object:
-    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in ~4 s
+def _run_a_line(tenant, start_mock_upstream, *, outage_s: float, num_tokens: int = 8) -> object:
+    upstream = start_mock_upstream(token_delay_ms=500)  # the line answers in num_tokens / 2 s
     endpoint = serve_endpoint(tenant.org, upstream)
-    batch = new_batch(endpoint, one_chat_line(endpoint))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own, as a worker's task ends
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    batch = new_batch(endpoint, one_chat_line(endpoint, num_tokens))
+    worker, runs = run_in_a_thread(batch.pk)
     deadline = time.monotonic() + 60
     while httpx.get(f"{upstream}/_stats").json()["num_requests"] < 1:
         assert time.monotonic() < deadline, "the line never started"
@@ -65,7 +57,8 @@ def test_a_run_through_an_outage_leaves_no_session_open_once_its_objects_are_col
 ):
     # NOTE: the warning logged for the outage kept the exception, whose traceback's frames kept a worker thread's
     # connection (reconnected after the outage) open as long as the record was kept
-    assert _run_a_line(tenant, start_mock_upstream, outage_s=1.5) == ["outage"]
+    # a blip the run rides through (`BATCH_OUTAGE_RETRY_S`), its connections cut by it
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=1.5) == ["ran"]
     gc.collect()
     assert _other_sessions() == []
 
@@ -75,3 +68,24 @@ def test_a_run_leaves_no_session_of_its_worker_threads_open(files_bucket, tenant
     # after the run, until a garbage collection found it: three sessions a run, of the database's `max_connections`
     assert _run_a_line(tenant, start_mock_upstream, outage_s=0) == ["ran"]
     assert _other_sessions() == []
+
+
+def test_a_run_keeps_its_connections_across_its_checks_and_stores_and_closes_them_as_it_ends(
+    files_bucket, tenant, start_mock_upstream
+):
+    # NOTE: each of the run's calls closed its connection after it: a run opened a PostgreSQL session per lease check
+    # (one a second) and per stored line, 19 for this line of ~8 s where it now opens one a thread (7)
+    opened: list[threading.Thread] = []  # the thread of each session opened (kept: an ident may be reused)
+
+    def count(sender, connection, **kwargs) -> None:
+        # NOTE: the quota rebuild's own pool closes its connections after each call by design (`in_worker_thread`)
+        if not threading.current_thread().name.startswith("quota-rebuild"):
+            opened.append(threading.current_thread())
+
+    connection_created.connect(count)
+    try:
+        assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=16) == ["ran"]
+    finally:
+        connection_created.disconnect(count)
+    assert len(opened) == len(set(opened)), f"{len(opened)} sessions opened by {len(set(opened))} threads"
+    assert _other_sessions() == [], "a session was left open past the run"

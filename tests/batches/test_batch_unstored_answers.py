@@ -5,19 +5,18 @@ line, billed and in no file."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import pytest
-from django.db import OperationalError, connections
+from django.db import OperationalError
 
 from billing.models import UsageRecord
 from controlplane.accounts.services import SYSTEM
 from endpoints import services as endpoint_services
 from endpoints.batches import answer_bytes, services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch, one_chat_line
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,16 +44,7 @@ def test_a_line_whose_store_met_an_outage_is_in_the_files_of_a_batch_whose_endpo
     upstream = start_mock_upstream(token_delay_ms=400)  # the line answers in ~3 s
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, one_chat_line(endpoint))
-    runs: list[object] = []
-
-    def run() -> None:
-        try:
-            runs.append(services.run_batch(batch.pk))
-        finally:
-            connections.close_all()  # this thread's own
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    worker, runs = run_in_a_thread(batch.pk)
     deadline = time.monotonic() + 60
     while httpx.get(f"{upstream}/_stats").json()["num_requests"] < 1:
         assert time.monotonic() < deadline, "the line never started"
