@@ -274,3 +274,38 @@ def test_a_key_created_while_its_creator_is_being_removed_is_refused(monkeypatch
     with pytest.raises(members.NotPermitted):
         keys.create_api_key(services.Actor(user=bob), org, name="x", scopes=[Scope.MANAGE, Scope.INFERENCE])
     assert not ApiKey.objects.filter(organization=org, created_by=bob, revoked_at__isnull=True).exists()
+
+
+@pytest.mark.django_db
+def test_an_admin_demoted_to_member_loses_the_keys_only_an_admin_may_make_and_keeps_the_others(settings):
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 600
+    organization = OrganizationFactory()
+    owner, admin = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    membership = MembershipFactory(organization=organization, user=admin, role=Role.ADMIN)
+    as_admin = services.Actor(user=admin)
+    made = {
+        "manage": keys.create_api_key(as_admin, organization, name="ops", scopes=[Scope.MANAGE, Scope.INFERENCE]),
+        "priority": keys.create_api_key(as_admin, organization, name="urgent", scopes=[Scope.INFERENCE],
+                                         max_priority_boost=50),
+        "fast": keys.create_api_key(as_admin, organization, name="bulk", scopes=[Scope.INFERENCE],
+                                    requests_per_minute=100_000),
+        "plain": keys.create_api_key(as_admin, organization, name="app", scopes=[Scope.INFERENCE]),
+    }
+    minted = keys.create_api_key(services.Actor(user=admin, api_key=made["manage"].api_key), organization,
+                                 name="child", scopes=[Scope.MANAGE])
+    manage_client = Client(HTTP_AUTHORIZATION=f"Bearer {made['manage'].plain}")
+    assert manage_client.get("/api/v1/organization/").json()["role"] == Role.ADMIN
+
+    demoted = signed_in_api_client(owner).patch(f"/api/v1/members/{membership.pk}/", {"role": Role.MEMBER}, format="json")
+
+    assert demoted.status_code == 200, demoted.json()
+    # A member may make none of these (the 'manage' scope, a priority range, limits above the platform's): an admin
+    # demoted kept them, a member's session holding an admin's key.
+    revoked = set(ApiKey.objects.filter(revoked_at__isnull=False).values_list("name", flat=True))
+    assert revoked == {"ops", "urgent", "bulk", "child"}
+    assert manage_client.get("/api/v1/organization/").status_code == 401
+    assert keys.authenticate_api_key_with_role(made["plain"].plain)[1] == Role.MEMBER
+    assert sorted(AuditEvent.objects.filter(action="api_key.revoke").values_list("target_id", "details__reason")) == sorted(
+        (str(created.api_key.pk), "member.change_role")
+        for created in (made["manage"], made["priority"], made["fast"], minted))

@@ -225,6 +225,28 @@ def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None 
     return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
 
 
+@transaction.atomic
+def revoke_api_keys_beyond_role(actor: Actor, user, *, organization: Organization, role: str, reason: str) -> int:
+    """Revokes every key `user` created in `organization` that `role` may not create (`_ensure_role_may_mint`: the
+    `manage` scope, a priority range, limits above the platform's), and the keys those minted, each audited with
+    `reason`; the number revoked.
+
+    NOTE: called where a member's role falls (`members.change_member_role`). A key acts with its creator's current
+    role, but what only an admin may give a key stayed on it: an admin demoted to member kept their `manage` keys, and
+    keys whose calls ran ahead of colleagues' or past the platform's limits, which no member may make (a review's
+    finding). Keys the new role may make stay (a viewer's are refused on `/v1` by its role, as before)."""
+    num_revoked, now = 0, timezone.now()
+    created = ApiKey.objects.filter(organization=organization, created_by=user, revoked_at__isnull=True)
+    for api_key in created.select_related("organization").order_by("pk"):
+        try:
+            _ensure_role_may_mint(role, scopes=api_key.scopes, requests_per_minute=api_key.requests_per_minute,
+                                  tokens_per_minute=api_key.tokens_per_minute,
+                                  max_priority_boost=api_key.max_priority_boost)
+        except NotPermitted:
+            num_revoked += _revoke_with_minted(actor, api_key, now=now, reason=reason)
+    return num_revoked
+
+
 def _revoke_with_minted(actor: Actor, api_key: ApiKey, *, now, **details) -> int:
     """Revokes `api_key` and the keys minted from it, generation by generation; the number revoked here."""
     num_revoked = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)

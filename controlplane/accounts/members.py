@@ -50,6 +50,8 @@ def add_member(actor: Actor, organization: Organization, *, user, role: str) -> 
         membership.role = role
         membership.save(update_fields=["role"])
     record_audit(actor, organization, "member.add" if created else "member.change_role", membership, role=role)
+    if not created:
+        _revoke_keys_beyond(actor, membership)
     return membership
 
 
@@ -62,7 +64,15 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
     membership.role = role
     membership.save(update_fields=["role"])
     record_audit(actor, membership.organization, "member.change_role", membership, role=role)
+    _revoke_keys_beyond(actor, membership)
     return membership
+
+
+def _revoke_keys_beyond(actor: Actor, membership: Membership) -> None:
+    """NOTE: after the role is saved: a key being created meanwhile holds the membership's row
+    (`keys.create_api_key`), so the save waits for its commit and the keys listed here include it."""
+    keys.revoke_api_keys_beyond_role(actor, membership.user, organization=membership.organization,
+                                     role=membership.role, reason="member.change_role")
 
 
 @transaction.atomic
