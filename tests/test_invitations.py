@@ -151,6 +151,39 @@ def test_an_invitation_from_an_admin_since_demoted_grants_nothing(org, owner, cl
     assert Invitation.objects.get(pk=invitation.pk).accepted_at is None
 
 
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_rogue_admins_pending_invitations_end_with_their_seat_and_stay_dead_when_it_comes_back(org, owner, client,
+                                                                                                change):
+    """Before, an invitation from an admin removed (or demoted) was refused only while they were away: listed as
+    pending, and good again, to a second address of theirs as admin, once they were invited back or promoted again."""
+    rogue = Client()
+    rogue_user = UserFactory()
+    MembershipFactory(organization=org, user=rogue_user, role=Role.ADMIN)
+    rogue.force_login(rogue_user)
+    rogue.user, rogue.organization = rogue_user, org
+    invitation = _invite(rogue, "second@rogue.example", role=Role.ADMIN)
+    kept = _invite(owner, "colleague@victim.example")
+    link = _link_path(mail.outbox[-2])
+    membership = Membership.objects.get(organization=org, user=rogue_user)
+
+    if change == "remove":
+        assert owner.post(reverse("console:member-remove", args=[membership.pk])).status_code == 302
+        back = _invite(owner, rogue_user.email, role=Role.ADMIN)
+        invitations.accept_invitation(services.Actor(user=rogue_user), back)
+    else:
+        for role in (Role.MEMBER, Role.ADMIN):
+            assert owner.post(reverse("console:member-role", args=[membership.pk]), {"role": role}).status_code == 302
+    assert Membership.objects.get(organization=org, user=rogue_user).role == Role.ADMIN
+
+    _signed_in(client, UserFactory(username="second@rogue.example"))
+    response = client.post(link)
+    assert response.status_code == 400 and "was revoked" in response.content.decode()
+    assert not Membership.objects.filter(organization=org, user__email="second@rogue.example").exists()
+    assert Invitation.objects.get(pk=kept.pk).status == "pending"
+    revoked = AuditEvent.objects.get(action="invitation.revoke", target_id=str(invitation.pk))
+    assert revoked.details == {"email": "second@rogue.example", "reason": f"member.{'remove' if change == 'remove' else 'change_role'}"}
+
+
 def test_an_expired_invitation_cannot_be_accepted(owner, client):
     invitation = _invite(owner)
     Invitation.objects.filter(pk=invitation.pk).update(expires_at=timezone.now())

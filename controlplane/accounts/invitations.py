@@ -19,6 +19,7 @@ from controlplane.accounts.members import (
     actor_role,
     ensure_in_a_session,
     ensure_may_touch_owner_role,
+    may_invite,
     remove_member_for_security,
 )
 from controlplane.accounts.models import (
@@ -131,23 +132,6 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
     return invitation
 
 
-def revoke_invitations_sent_by(actor: Actor, user, *, reason: str) -> int:
-    """Revokes every pending invitation `user` sent, in every organisation, each audited with `reason`; the number
-    revoked.
-
-    NOTE: a forgotten password's reset of an address its owner never confirmed (`signup.secure_after_password_reset`)
-    ends a stranger's sessions and keys: the invitations those sessions sent (to a second address of the stranger's)
-    must end with them, or one is accepted after the owner took the account back."""
-    num_revoked, now = 0, timezone.now()
-    for invitation in Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk"):
-        if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
-                revoked_at=now):
-            num_revoked += 1
-            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
-                         reason=reason)
-    return num_revoked
-
-
 def remove_members_invited_by(actor: Actor, user, *, reason: str) -> int:
     """Removes, in each organisation where `user` is still an owner or admin, the members who joined through an
     invitation `user` sent, and those who joined through theirs (and so on), each audited with `reason` and their
@@ -221,8 +205,7 @@ def _inviter_may_still_grant(invitation: Invitation) -> bool:
         return True
     role = Membership.objects.filter(organization_id=invitation.organization_id, user_id=invitation.invited_by_id,
                                      user__is_active=True).values_list("role", flat=True).first()
-    needed = Role.OWNER if invitation.role == Role.OWNER else Role.ADMIN
-    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[needed]
+    return may_invite(role, invitation.role)
 
 
 def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
