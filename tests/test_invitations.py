@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.accounts import invitations, services
+from controlplane.accounts import invitations, members, services
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_api_client
 
@@ -182,6 +182,25 @@ def test_a_rogue_admins_pending_invitations_end_with_their_seat_and_stay_dead_wh
     assert Invitation.objects.get(pk=kept.pk).status == "pending"
     revoked = AuditEvent.objects.get(action="invitation.revoke", target_id=str(invitation.pk))
     assert revoked.details == {"email": "second@rogue.example", "reason": f"member.{'remove' if change == 'remove' else 'change_role'}"}
+
+
+def test_an_invitation_sent_while_its_sender_is_being_removed_is_refused(org, owner, monkeypatch):
+    """The sender's role was read before their removal committed and the invitation written after the removal had
+    revoked their pending ones: a pending invitation of a non-member, good again once they were invited back."""
+    rogue = UserFactory()
+    seat = MembershipFactory(organization=org, user=rogue, role=Role.ADMIN)
+    read_role = invitations.actor_role
+
+    def role_then_removed(actor, organization):
+        role = read_role(actor, organization)
+        if actor.user == rogue and Membership.objects.filter(pk=seat.pk).exists():
+            members.remove_member(services.Actor(user=owner.user), Membership.objects.get(pk=seat.pk))
+        return role
+
+    monkeypatch.setattr(invitations, "actor_role", role_then_removed)
+    with pytest.raises(members.NotPermitted):
+        invitations.invite_member(services.Actor(user=rogue), org, email="second@rogue.example", role=Role.ADMIN)
+    assert not Invitation.objects.filter(organization=org, invited_by=rogue).exists()
 
 
 def test_an_expired_invitation_cannot_be_accepted(owner, client):

@@ -107,6 +107,11 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
+        # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
+        # invitations before this one was written, left a pending invitation of a non-member.
+        _ensure_admin(actor, organization, "email")
+        ensure_may_touch_owner_role(actor, organization, role)
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
             raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
