@@ -7,12 +7,15 @@ import asyncio
 import threading
 
 import pytest
+from django.conf import settings
 from django.db import connection
+from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.urls import reverse
 
 from controlplane.accounts import invitations, keys, members, services
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role, Scope
+from controlplane.hot_settings import hot
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.conftest import wait_until
@@ -309,3 +312,41 @@ def test_an_admin_demoted_to_member_loses_the_keys_only_an_admin_may_make_and_ke
     assert sorted(AuditEvent.objects.filter(action="api_key.revoke").values_list("target_id", "details__reason")) == sorted(
         (str(created.api_key.pk), "member.change_role")
         for created in (made["manage"], made["priority"], made["fast"], minted))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_removed_members_key_stops_on_v1_within_the_cache_window_and_their_playground_at_once():
+    """A guard (it held before): removal revokes the keys, which the gateway's key cache lets through for at most its
+    window and one reload; a console session is looked up on every call, so the playground stops with the removal."""
+    organization = OrganizationFactory()
+    owner, user = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    membership = MembershipFactory(organization=organization, user=user, role=Role.MEMBER)
+    created = keys.create_api_key(services.Actor(user=user), organization, name="app", scopes=[Scope.INFERENCE])
+    browser = Client()
+    browser.force_login(user)
+    csrf = _get_new_csrf_string()
+    playground = {"cookie": f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}; "
+                            f"{settings.CSRF_COOKIE_NAME}={csrf}", "x-csrftoken": csrf}
+    with_key = {"authorization": f"Bearer {created.plain}"}
+    for headers in (with_key, playground):
+        assert asyncio.run(authenticate(headers)).organization_id == organization.pk
+
+    members.remove_member(services.Actor(user=owner), membership)
+
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(authenticate(playground))
+    assert refused.value.status == 401
+
+    async def key_refused() -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hot.API_KEY_CACHE_S + 30
+        while loop.time() < deadline:
+            try:
+                await authenticate(with_key)
+            except OpenAIError as exc:
+                return exc.status == 401
+            await asyncio.sleep(0.1)
+        return False
+
+    assert asyncio.run(key_refused()), "a removed member's key still infers past the cache window"
