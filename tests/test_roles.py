@@ -350,3 +350,46 @@ def test_a_removed_members_key_stops_on_v1_within_the_cache_window_and_their_pla
         return False
 
     assert asyncio.run(key_refused()), "a removed member's key still infers past the cache window"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_removal_or_demotion_while_a_key_of_the_member_is_being_created_revokes_it(change):
+    """The key's creation locked the membership's row, and its foreign keys lock the organisation's row only at its
+    commit (PostgreSQL checks Django's foreign keys deferred); a removal or demotion takes the organisation's row, then
+    waited on the membership's: each waited on the other, and PostgreSQL broke the deadlock by failing one (a 500)."""
+    organization = OrganizationFactory()
+    owner, bob = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    bobs = MembershipFactory(organization=organization, user=bob, role=Role.ADMIN)
+    failures: list[BaseException] = []
+    change_role = threading.Thread(target=_change_then_close, args=(change, owner, bobs.pk, failures))
+
+    def change_while_the_key_is_uncommitted(sender, *, api_key, **kwargs):
+        change_role.start()
+        wait_until(lambda: not change_role.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+
+    keys.api_key_created.connect(change_while_the_key_is_uncommitted)
+    try:
+        created = keys.create_api_key(services.Actor(user=bob), organization, name="x", scopes=[Scope.MANAGE])
+    finally:
+        keys.api_key_created.disconnect(change_while_the_key_is_uncommitted)
+    change_role.join(timeout=60)
+
+    assert failures == []
+    left = Membership.objects.filter(pk=bobs.pk).values_list("role", flat=True).first()
+    assert left == (None if change == "remove" else Role.MEMBER)
+    assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
+
+
+def _change_then_close(change: str, owner, membership_pk: int, failures: list) -> None:
+    try:
+        membership, actor = Membership.objects.get(pk=membership_pk), services.Actor(user=owner)
+        if change == "remove":
+            members.remove_member(actor, membership)
+        else:
+            members.change_member_role(actor, membership, role=Role.MEMBER)
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        failures.append(exc)
+    finally:
+        connection.close()

@@ -70,6 +70,9 @@ def create_api_key(
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
             with transaction.atomic():
+                # NOTE: NO KEY UPDATE: other keys' creations in the organisation queue behind it, inserts that only
+                # reference the row do not (see below).
+                Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
                 # NOTE: the minting key's row stays locked until its child is committed, so revoking it
                 # (`revoke_api_key`, which looks for its children once it has updated it) waits and finds the child;
                 # a key revoked since this call was authenticated mints nothing.
@@ -77,10 +80,14 @@ def create_api_key(
                         pk=minting.pk, revoked_at__isnull=True).values_list("pk", flat=True).first() is None:
                     raise NotPermitted("non_field_errors", "The key this call was made with was revoked.")
                 if actor.user is not None:
-                    # NOTE: the creator's membership stays locked until the key is committed, so removing them
-                    # (`members.remove_member`, which lists their keys to revoke) waits and finds it; a member removed
-                    # (or demoted) since the check above gets no key. Before, a key created while its creator was
-                    # being removed outlived the removal, and came back with them (the review of this stop's diff).
+                    # NOTE: the organisation's row was locked first, as removing or re-roling a member takes it
+                    # (`members._lock_membership`), so one of them waits for this key's commit and then lists it to
+                    # revoke, or this waits for theirs and reads the role it left; a member removed (or demoted) since
+                    # the check above gets no key. Before, a key created while its creator was being removed outlived
+                    # the removal, and came back with them (the review of this stop's diff); and with the membership's
+                    # row alone locked here, the change (holding the organisation's row) waited on it while this
+                    # commit's deferred foreign-key check waited on the organisation's row: a deadlock, one of them
+                    # failed. Taken first (above), before the minting key's row, which a removal revokes too.
                     role = Membership.objects.select_for_update().filter(
                         organization=organization, user=actor.user).values_list("role", flat=True).first()
                     if role is None:
