@@ -16,7 +16,9 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts import invitations, members, services
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
+from tests.conftest import wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_api_client
+from tests.test_roles import _waiting_on_a_lock
 
 pytestmark = pytest.mark.django_db
 
@@ -427,3 +429,48 @@ def test_the_migration_revokes_the_pending_invitations_keys_made_and_audits_each
     event = AuditEvent.objects.get(action="invitation.revoke")
     assert (event.organization, event.target_id, event.details) == (
         org, str(made_with_key.pk), {"email": "by-key@example.test", "reason": "made with an API key"})
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_an_invitation_accepted_while_its_sender_is_removed_or_demoted_is_one_or_the_other(monkeypatch, change):
+    """A guard (it held before): accepting locks the organisation's row with the invitation's, so the sender's removal
+    or demotion, which takes the organisation's row and then revokes their pending invitations, waits for the accept
+    to commit and finds it accepted. Were the invitation's row locked alone, the two would wait on each other (the
+    membership's foreign keys lock the organisation's row at commit) and PostgreSQL would fail one of them."""
+    organization = OrganizationFactory()
+    owner, sender, invitee = UserFactory(), UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+
+    def change_then_close():
+        try:
+            membership, actor = Membership.objects.get(pk=seat.pk), services.Actor(user=owner)
+            if change == "remove":
+                members.remove_member(actor, membership)
+            else:
+                members.change_member_role(actor, membership, role=Role.MEMBER)
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    changing = threading.Thread(target=change_then_close)
+    record_audit = invitations.record_audit
+
+    def record_audit_while_the_sender_changes(actor, organization, action, *args, **kwargs):
+        if action == "invitation.accept":
+            changing.start()
+            wait_until(lambda: not changing.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(invitations, "record_audit", record_audit_while_the_sender_changes)
+    invitations.accept_invitation(services.Actor(user=invitee), invitation)
+    changing.join(timeout=60)
+
+    assert failures == []
+    assert Membership.objects.filter(organization=organization, user=invitee).exists()  # accepted first
+    assert Invitation.objects.get(pk=invitation.pk).status == "accepted"

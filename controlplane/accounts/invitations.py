@@ -217,6 +217,8 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
+        # NOTE: locks the organisation's row too (select_related), first, as a removal or a role change does: they revoke
+        # a sender's pending invitations, and this commit's foreign keys take that row (a deadlock were it left out).
         invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
         organization = invitation.organization
         refusal = invitation_refusal(invitation, user)
