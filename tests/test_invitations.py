@@ -474,3 +474,42 @@ def test_an_invitation_accepted_while_its_sender_is_removed_or_demoted_is_one_or
     assert failures == []
     assert Membership.objects.filter(organization=organization, user=invitee).exists()  # accepted first
     assert Invitation.objects.get(pk=invitation.pk).status == "accepted"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_revoked_while_its_sender_is_removed_is_revoked_once_and_neither_fails(monkeypatch):
+    """Revoking locked the invitation's row, and its audit event's foreign keys lock the organisation's row at commit;
+    the sender's removal takes the organisation's row, then revokes their pending invitations: each waited on the
+    other, and PostgreSQL failed one of them (a 500)."""
+    organization = OrganizationFactory()
+    owner, sender = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email="new@example.test",
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+
+    def remove_then_close():
+        try:
+            members.remove_member(services.Actor(user=owner), Membership.objects.get(pk=seat.pk))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    removing = threading.Thread(target=remove_then_close)
+    record_audit = invitations.record_audit
+
+    def record_audit_while_the_sender_is_removed(actor, organization, action, *args, **kwargs):
+        removing.start()
+        wait_until(lambda: not removing.is_alive() or _waiting_on_a_lock(), 60, message="the removal to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(invitations, "record_audit", record_audit_while_the_sender_is_removed)
+    invitations.revoke_invitation(services.Actor(user=owner), invitation)
+    removing.join(timeout=60)
+
+    assert failures == []
+    assert not Membership.objects.filter(pk=seat.pk).exists()
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert AuditEvent.objects.filter(action="invitation.revoke", target_id=str(invitation.pk)).count() == 1

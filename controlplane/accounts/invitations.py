@@ -129,6 +129,10 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
     _ensure_admin(actor, invitation.organization, "invitation")
     ensure_may_touch_owner_role(actor, invitation.organization, invitation.role)
     with transaction.atomic():
+        # NOTE: the organisation's row first, as removing or demoting the sender does before revoking their pending
+        # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
+        # organisation's row) and PostgreSQL failed one.
+        Organization.objects.select_for_update().filter(pk=invitation.organization_id).first()
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:

@@ -123,6 +123,7 @@ def may_invite(role: str | None, invited_role: str) -> bool:
     return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[needed]
 
 
+@transaction.atomic
 def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization: Organization | None = None,
                                role: str | None = None) -> int:
     """Revokes the pending invitations `user` sent (in `organization`, or in every organisation), those a member
@@ -136,6 +137,9 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
     pending = Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk")
     if organization is not None:
         pending = pending.filter(organization=organization)
+    # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see
+    # `invitations.revoke_invitation`.
+    list(Organization.objects.select_for_update().filter(pk__in=pending.values("organization_id")).order_by("pk"))
     num_revoked, now = 0, timezone.now()
     for invitation in pending:
         if role is not None and may_invite(role, invitation.role):
