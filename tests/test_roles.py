@@ -393,3 +393,33 @@ def _change_then_close(change: str, owner, membership_pk: int, failures: list) -
         failures.append(exc)
     finally:
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_key_revoked_while_its_creator_is_removed_or_demoted_is_revoked_once_and_neither_fails(monkeypatch, change):
+    """Revoking locked the key's row, and its audit event's foreign keys lock the organisation's row at commit; the
+    creator's removal (or demotion below admin) takes the organisation's row, then revokes their keys: each waited on
+    the other, and PostgreSQL failed one of them (a 500)."""
+    organization = OrganizationFactory()
+    owner, bob = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    bobs = MembershipFactory(organization=organization, user=bob, role=Role.ADMIN)
+    created = keys.create_api_key(services.Actor(user=bob), organization, name="ops", scopes=[Scope.MANAGE])
+    failures: list[BaseException] = []
+    changing = threading.Thread(target=_change_then_close, args=(change, owner, bobs.pk, failures))
+    record_audit = keys.record_audit
+
+    def record_audit_while_the_creator_changes(actor, organization, action, *args, **kwargs):
+        if not changing.is_alive() and changing.ident is None:
+            changing.start()
+            wait_until(lambda: not changing.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(keys, "record_audit", record_audit_while_the_creator_changes)
+    keys.revoke_api_key(services.Actor(user=owner), created.api_key)
+    changing.join(timeout=60)
+
+    assert failures == []
+    assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
+    assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(created.api_key.pk)).count() == 1

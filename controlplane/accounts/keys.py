@@ -208,6 +208,10 @@ def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
     with it working, unbounded in time (a review's finding). Revoking a key already revoked revokes what it minted
     that still works (keys minted before their parent was recorded, then linked from the audit log by migration
     0009, were not revoked with it)."""
+    # NOTE: the organisation's row first, as removing or demoting the key's creator does before revoking their keys:
+    # with the key's row alone, each waited on the other (this commit's foreign keys take the organisation's row) and
+    # PostgreSQL failed one.
+    Organization.objects.select_for_update(no_key=True).filter(pk=api_key.organization_id).first()
     roles = member_roles(api_key.organization)
     if not may_revoke_api_key(actor, api_key, actor_role=roles.get(actor.user.pk) if actor.user else None,
                               creator_role=roles.get(api_key.created_by_id)):
