@@ -232,6 +232,8 @@ def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None 
     created = ApiKey.objects.filter(created_by=user, revoked_at__isnull=True).select_related("organization")
     if organization is not None:
         created = created.filter(organization=organization)
+    # NOTE: each organisation's row first (in one order), as `revoke_api_key` does.
+    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=created.values("organization_id")).order_by("pk"))
     now = timezone.now()
     return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
 
