@@ -13,8 +13,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import SpendAlert, UsageRollup
+from controlplane.accounts.invitations import InvitationRefused, accept_invitation, invite_member
 from controlplane.accounts.keys import create_api_key
-from controlplane.accounts.models import ApiKey, AuditEvent, Role, Scope
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Role, Scope
 from controlplane.accounts.services import Actor
 from endpoints.models import EndpointEvent, EventKind, Replica
 from tests.factories import EndpointFactory, MembershipFactory, UserFactory, sign_in_staff
@@ -115,3 +116,30 @@ def test_a_user_staff_delete_has_their_keys_revoked_first(staff_client):
     response = staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
     assert response.status_code == 302
     assert all(ApiKey.objects.get(pk=key.pk).revoked_at is not None for key in made)
+
+
+@pytest.mark.parametrize("change", ["deactivate", "delete"])
+def test_a_user_staff_deactivate_or_delete_has_their_pending_invitations_revoked(staff_client, change):
+    """Before, a deleted user's pending invitations lost their sender (`invited_by` set to null) and were taken for
+    the platform's own, granting their role to whoever held the address, owner included; a deactivated one's were
+    refused only until the account came back."""
+    user = UserFactory()
+    membership = MembershipFactory(user=user, role=Role.OWNER)
+    organization = membership.organization
+    invitation = invite_member(Actor(user=user), organization, email="second@rogue.example", role=Role.OWNER)
+    if change == "delete":
+        response = staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
+    else:
+        joined = user.date_joined
+        response = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+            "username": user.username, "email": user.email, "first_name": "", "last_name": "",
+            "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+        })  # is_active left out: unticked
+    assert response.status_code == 302
+
+    second = UserFactory(username="second@rogue.example")
+    with pytest.raises(InvitationRefused, match="revoked"):
+        accept_invitation(Actor(user=second), Invitation.objects.get(pk=invitation.pk))
+    assert not organization.memberships.filter(user=second).exists()
+    event = AuditEvent.objects.get(action="invitation.revoke", target_id=str(invitation.pk))
+    assert event.details == {"email": "second@rogue.example", "reason": f"user.{change}"}

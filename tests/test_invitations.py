@@ -14,9 +14,11 @@ from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.accounts import invitations, services
+from controlplane.accounts import invitations, members, services
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
+from tests.conftest import wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_api_client
+from tests.test_roles import _waiting_on_a_lock
 
 pytestmark = pytest.mark.django_db
 
@@ -149,6 +151,58 @@ def test_an_invitation_from_an_admin_since_demoted_grants_nothing(org, owner, cl
     assert response.status_code == 400 and "may no longer invite" in response.content.decode()
     assert not Membership.objects.filter(organization=org, user__email="second@rogue.example").exists()
     assert Invitation.objects.get(pk=invitation.pk).accepted_at is None
+
+
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_rogue_admins_pending_invitations_end_with_their_seat_and_stay_dead_when_it_comes_back(org, owner, client,
+                                                                                                change):
+    """Before, an invitation from an admin removed (or demoted) was refused only while they were away: listed as
+    pending, and good again, to a second address of theirs as admin, once they were invited back or promoted again."""
+    rogue = Client()
+    rogue_user = UserFactory()
+    MembershipFactory(organization=org, user=rogue_user, role=Role.ADMIN)
+    rogue.force_login(rogue_user)
+    rogue.user, rogue.organization = rogue_user, org
+    invitation = _invite(rogue, "second@rogue.example", role=Role.ADMIN)
+    kept = _invite(owner, "colleague@victim.example")
+    link = _link_path(mail.outbox[-2])
+    membership = Membership.objects.get(organization=org, user=rogue_user)
+
+    if change == "remove":
+        assert owner.post(reverse("console:member-remove", args=[membership.pk])).status_code == 302
+        back = _invite(owner, rogue_user.email, role=Role.ADMIN)
+        invitations.accept_invitation(services.Actor(user=rogue_user), back)
+    else:
+        for role in (Role.MEMBER, Role.ADMIN):
+            assert owner.post(reverse("console:member-role", args=[membership.pk]), {"role": role}).status_code == 302
+    assert Membership.objects.get(organization=org, user=rogue_user).role == Role.ADMIN
+
+    _signed_in(client, UserFactory(username="second@rogue.example"))
+    response = client.post(link)
+    assert response.status_code == 400 and "was revoked" in response.content.decode()
+    assert not Membership.objects.filter(organization=org, user__email="second@rogue.example").exists()
+    assert Invitation.objects.get(pk=kept.pk).status == "pending"
+    revoked = AuditEvent.objects.get(action="invitation.revoke", target_id=str(invitation.pk))
+    assert revoked.details == {"email": "second@rogue.example", "reason": f"member.{'remove' if change == 'remove' else 'change_role'}"}
+
+
+def test_an_invitation_sent_while_its_sender_is_being_removed_is_refused(org, owner, monkeypatch):
+    """The sender's role was read before their removal committed and the invitation written after the removal had
+    revoked their pending ones: a pending invitation of a non-member, good again once they were invited back."""
+    rogue = UserFactory()
+    seat = MembershipFactory(organization=org, user=rogue, role=Role.ADMIN)
+    read_role = invitations.actor_role
+
+    def role_then_removed(actor, organization):
+        role = read_role(actor, organization)
+        if actor.user == rogue and Membership.objects.filter(pk=seat.pk).exists():
+            members.remove_member(services.Actor(user=owner.user), Membership.objects.get(pk=seat.pk))
+        return role
+
+    monkeypatch.setattr(invitations, "actor_role", role_then_removed)
+    with pytest.raises(members.NotPermitted):
+        invitations.invite_member(services.Actor(user=rogue), org, email="second@rogue.example", role=Role.ADMIN)
+    assert not Invitation.objects.filter(organization=org, invited_by=rogue).exists()
 
 
 def test_an_expired_invitation_cannot_be_accepted(owner, client):
@@ -375,3 +429,87 @@ def test_the_migration_revokes_the_pending_invitations_keys_made_and_audits_each
     event = AuditEvent.objects.get(action="invitation.revoke")
     assert (event.organization, event.target_id, event.details) == (
         org, str(made_with_key.pk), {"email": "by-key@example.test", "reason": "made with an API key"})
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_an_invitation_accepted_while_its_sender_is_removed_or_demoted_is_one_or_the_other(monkeypatch, change):
+    """A guard (it held before): accepting locks the organisation's row with the invitation's, so the sender's removal
+    or demotion, which takes the organisation's row and then revokes their pending invitations, waits for the accept
+    to commit and finds it accepted. Were the invitation's row locked alone, the two would wait on each other (the
+    membership's foreign keys lock the organisation's row at commit) and PostgreSQL would fail one of them."""
+    organization = OrganizationFactory()
+    owner, sender, invitee = UserFactory(), UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+
+    def change_then_close():
+        try:
+            membership, actor = Membership.objects.get(pk=seat.pk), services.Actor(user=owner)
+            if change == "remove":
+                members.remove_member(actor, membership)
+            else:
+                members.change_member_role(actor, membership, role=Role.MEMBER)
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    changing = threading.Thread(target=change_then_close)
+    record_audit = invitations.record_audit
+
+    def record_audit_while_the_sender_changes(actor, organization, action, *args, **kwargs):
+        if action == "invitation.accept":
+            changing.start()
+            wait_until(lambda: not changing.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(invitations, "record_audit", record_audit_while_the_sender_changes)
+    invitations.accept_invitation(services.Actor(user=invitee), invitation)
+    changing.join(timeout=60)
+
+    assert failures == []
+    assert Membership.objects.filter(organization=organization, user=invitee).exists()  # accepted first
+    assert Invitation.objects.get(pk=invitation.pk).status == "accepted"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_revoked_while_its_sender_is_removed_is_revoked_once_and_neither_fails(monkeypatch):
+    """Revoking locked the invitation's row, and its audit event's foreign keys lock the organisation's row at commit;
+    the sender's removal takes the organisation's row, then revokes their pending invitations: each waited on the
+    other, and PostgreSQL failed one of them (a 500)."""
+    organization = OrganizationFactory()
+    owner, sender = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email="new@example.test",
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+
+    def remove_then_close():
+        try:
+            members.remove_member(services.Actor(user=owner), Membership.objects.get(pk=seat.pk))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    removing = threading.Thread(target=remove_then_close)
+    record_audit = invitations.record_audit
+
+    def record_audit_while_the_sender_is_removed(actor, organization, action, *args, **kwargs):
+        removing.start()
+        wait_until(lambda: not removing.is_alive() or _waiting_on_a_lock(), 60, message="the removal to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(invitations, "record_audit", record_audit_while_the_sender_is_removed)
+    invitations.revoke_invitation(services.Actor(user=owner), invitation)
+    removing.join(timeout=60)
+
+    assert failures == []
+    assert not Membership.objects.filter(pk=seat.pk).exists()
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert AuditEvent.objects.filter(action="invitation.revoke", target_id=str(invitation.pk)).count() == 1

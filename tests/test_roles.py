@@ -7,12 +7,15 @@ import asyncio
 import threading
 
 import pytest
+from django.conf import settings
 from django.db import connection
+from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.urls import reverse
 
 from controlplane.accounts import invitations, keys, members, services
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role, Scope
+from controlplane.hot_settings import hot
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.conftest import wait_until
@@ -274,3 +277,149 @@ def test_a_key_created_while_its_creator_is_being_removed_is_refused(monkeypatch
     with pytest.raises(members.NotPermitted):
         keys.create_api_key(services.Actor(user=bob), org, name="x", scopes=[Scope.MANAGE, Scope.INFERENCE])
     assert not ApiKey.objects.filter(organization=org, created_by=bob, revoked_at__isnull=True).exists()
+
+
+@pytest.mark.django_db
+def test_an_admin_demoted_to_member_loses_the_keys_only_an_admin_may_make_and_keeps_the_others(settings):
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 600
+    organization = OrganizationFactory()
+    owner, admin = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    membership = MembershipFactory(organization=organization, user=admin, role=Role.ADMIN)
+    as_admin = services.Actor(user=admin)
+    made = {
+        "manage": keys.create_api_key(as_admin, organization, name="ops", scopes=[Scope.MANAGE, Scope.INFERENCE]),
+        "priority": keys.create_api_key(as_admin, organization, name="urgent", scopes=[Scope.INFERENCE],
+                                         max_priority_boost=50),
+        "fast": keys.create_api_key(as_admin, organization, name="bulk", scopes=[Scope.INFERENCE],
+                                    requests_per_minute=100_000),
+        "plain": keys.create_api_key(as_admin, organization, name="app", scopes=[Scope.INFERENCE]),
+    }
+    minted = keys.create_api_key(services.Actor(user=admin, api_key=made["manage"].api_key), organization,
+                                 name="child", scopes=[Scope.MANAGE])
+    manage_client = Client(HTTP_AUTHORIZATION=f"Bearer {made['manage'].plain}")
+    assert manage_client.get("/api/v1/organization/").json()["role"] == Role.ADMIN
+
+    demoted = signed_in_api_client(owner).patch(f"/api/v1/members/{membership.pk}/", {"role": Role.MEMBER}, format="json")
+
+    assert demoted.status_code == 200, demoted.json()
+    # A member may make none of these (the 'manage' scope, a priority range, limits above the platform's): an admin
+    # demoted kept them, a member's session holding an admin's key.
+    revoked = set(ApiKey.objects.filter(revoked_at__isnull=False).values_list("name", flat=True))
+    assert revoked == {"ops", "urgent", "bulk", "child"}
+    assert manage_client.get("/api/v1/organization/").status_code == 401
+    assert keys.authenticate_api_key_with_role(made["plain"].plain)[1] == Role.MEMBER
+    assert sorted(AuditEvent.objects.filter(action="api_key.revoke").values_list("target_id", "details__reason")) == sorted(
+        (str(created.api_key.pk), "member.change_role")
+        for created in (made["manage"], made["priority"], made["fast"], minted))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_removed_members_key_stops_on_v1_within_the_cache_window_and_their_playground_at_once():
+    """A guard (it held before): removal revokes the keys, which the gateway's key cache lets through for at most its
+    window and one reload; a console session is looked up on every call, so the playground stops with the removal."""
+    organization = OrganizationFactory()
+    owner, user = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    membership = MembershipFactory(organization=organization, user=user, role=Role.MEMBER)
+    created = keys.create_api_key(services.Actor(user=user), organization, name="app", scopes=[Scope.INFERENCE])
+    browser = Client()
+    browser.force_login(user)
+    csrf = _get_new_csrf_string()
+    playground = {"cookie": f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}; "
+                            f"{settings.CSRF_COOKIE_NAME}={csrf}", "x-csrftoken": csrf}
+    with_key = {"authorization": f"Bearer {created.plain}"}
+    for headers in (with_key, playground):
+        assert asyncio.run(authenticate(headers)).organization_id == organization.pk
+
+    members.remove_member(services.Actor(user=owner), membership)
+
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(authenticate(playground))
+    assert refused.value.status == 401
+
+    async def key_refused() -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hot.API_KEY_CACHE_S + 30
+        while loop.time() < deadline:
+            try:
+                await authenticate(with_key)
+            except OpenAIError as exc:
+                return exc.status == 401
+            await asyncio.sleep(0.1)
+        return False
+
+    assert asyncio.run(key_refused()), "a removed member's key still infers past the cache window"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_removal_or_demotion_while_a_key_of_the_member_is_being_created_revokes_it(change):
+    """The key's creation locked the membership's row, and its foreign keys lock the organisation's row only at its
+    commit (PostgreSQL checks Django's foreign keys deferred); a removal or demotion takes the organisation's row, then
+    waited on the membership's: each waited on the other, and PostgreSQL broke the deadlock by failing one (a 500)."""
+    organization = OrganizationFactory()
+    owner, bob = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    bobs = MembershipFactory(organization=organization, user=bob, role=Role.ADMIN)
+    failures: list[BaseException] = []
+    change_role = threading.Thread(target=_change_then_close, args=(change, owner, bobs.pk, failures))
+
+    def change_while_the_key_is_uncommitted(sender, *, api_key, **kwargs):
+        change_role.start()
+        wait_until(lambda: not change_role.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+
+    keys.api_key_created.connect(change_while_the_key_is_uncommitted)
+    try:
+        created = keys.create_api_key(services.Actor(user=bob), organization, name="x", scopes=[Scope.MANAGE])
+    finally:
+        keys.api_key_created.disconnect(change_while_the_key_is_uncommitted)
+    change_role.join(timeout=60)
+
+    assert failures == []
+    left = Membership.objects.filter(pk=bobs.pk).values_list("role", flat=True).first()
+    assert left == (None if change == "remove" else Role.MEMBER)
+    assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
+
+
+def _change_then_close(change: str, owner, membership_pk: int, failures: list) -> None:
+    try:
+        membership, actor = Membership.objects.get(pk=membership_pk), services.Actor(user=owner)
+        if change == "remove":
+            members.remove_member(actor, membership)
+        else:
+            members.change_member_role(actor, membership, role=Role.MEMBER)
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        failures.append(exc)
+    finally:
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_a_key_revoked_while_its_creator_is_removed_or_demoted_is_revoked_once_and_neither_fails(monkeypatch, change):
+    """Revoking locked the key's row, and its audit event's foreign keys lock the organisation's row at commit; the
+    creator's removal (or demotion below admin) takes the organisation's row, then revokes their keys: each waited on
+    the other, and PostgreSQL failed one of them (a 500)."""
+    organization = OrganizationFactory()
+    owner, bob = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    bobs = MembershipFactory(organization=organization, user=bob, role=Role.ADMIN)
+    created = keys.create_api_key(services.Actor(user=bob), organization, name="ops", scopes=[Scope.MANAGE])
+    failures: list[BaseException] = []
+    changing = threading.Thread(target=_change_then_close, args=(change, owner, bobs.pk, failures))
+    record_audit = keys.record_audit
+
+    def record_audit_while_the_creator_changes(actor, organization, action, *args, **kwargs):
+        if not changing.is_alive() and changing.ident is None:
+            changing.start()
+            wait_until(lambda: not changing.is_alive() or _waiting_on_a_lock(), 60, message="the change to wait or end")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(keys, "record_audit", record_audit_while_the_creator_changes)
+    keys.revoke_api_key(services.Actor(user=owner), created.api_key)
+    changing.join(timeout=60)
+
+    assert failures == []
+    assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
+    assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(created.api_key.pk)).count() == 1

@@ -1,5 +1,6 @@
-"""A session's writes need its CSRF token (console forms and `/api/v1` alike), a logged-out session is nobody, and
-an API key opens no console page. Routes are read from the URLconf and the schema, so a new one is covered."""
+"""A session's writes need its CSRF token (console forms, `/api/v1` and an invitation's page alike), a logged-out
+session is nobody, a log-in issues a new session id and goes nowhere off the site, and an API key opens no console
+page. Routes are read from the URLconf and the schema, so a new one is covered."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from django.conf import settings as django_settings
 from django.test import Client
 from rest_framework.test import APIClient
 
-from controlplane.accounts.models import Role
+from controlplane.accounts import invitations
+from controlplane.accounts.models import Invitation, Membership, Role
+from controlplane.accounts.services import Actor
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, signed_in_with_the_password
 from tests.test_cross_tenant_routes import caller_of, concrete_path, routes_of, seed_organisation, state_of
 
@@ -127,3 +130,47 @@ def test_an_api_key_opens_no_console_page_and_changes_nothing(settings):
         if answer[0] not in (302, 403, 405) or answer[0] == 302 and answer[1] != "/login/"
     } == {}
     assert state_of(organization) == before
+
+
+def test_accepting_an_invitation_needs_the_pages_csrf_token(settings):
+    """A guard (it held before): a page elsewhere cannot make a signed-in invitee join an organisation."""
+    organization = OrganizationFactory()
+    owner, invitee = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    invitation = invitations.invite_member(Actor(user=owner), organization, email=invitee.email, role=Role.ADMIN)
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(invitee)
+    path = f"/invitations/{invitations.invitation_token(invitation)}/"
+
+    assert browser.post(path).status_code == 403
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+    page = browser.get(path)
+    token = page.content.decode().split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
+    assert browser.post(path, {"csrfmiddlewaretoken": token}).status_code == 302
+    assert Invitation.objects.get(pk=invitation.pk).accepted_by == invitee
+
+
+@pytest.mark.parametrize("next_url", ["https://evil.example/", "//evil.example/", "/\\evil.example/", "\\\\evil.example",
+                                      "https:evil.example", " //evil.example", "///evil.example",
+                                      "https://testserver@evil.example/", "javascript:alert(1)"])
+def test_a_log_in_whose_next_leaves_the_site_leads_to_the_console_on_a_new_session_id(settings, next_url):
+    """A guard (it held before): no open redirect from `next=`, signed in or not, and no session fixation (the
+    session id a visitor had before logging in names nobody after)."""
+    settings.DEBUG = False
+    user = UserFactory()
+    MembershipFactory(organization=OrganizationFactory(), user=user, role=Role.OWNER)
+    browser = Client()
+    browser.get("/login/")
+    session = browser.session
+    session.save()
+    before = session.session_key
+
+    logged_in = browser.post("/login/", {"username": user.email, "password": "correct horse battery", "next": next_url})
+
+    assert (logged_in.status_code, logged_in["Location"]) == (302, "/console/")
+    assert browser.cookies[django_settings.SESSION_COOKIE_NAME].value != before
+    again = browser.get("/login/", {"next": next_url})
+    assert (again.status_code, again["Location"]) == (302, "/console/")
+    fixated = Client()
+    fixated.cookies[django_settings.SESSION_COOKIE_NAME] = before
+    assert fixated.get("/api/v1/organization/").status_code in (401, 403)

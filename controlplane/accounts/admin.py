@@ -3,7 +3,8 @@ here count as verified; plans (quotas) and which plan each organisation is on ar
 services that audit (`save_plan`, `set_organization_plan`).
 
 Users that staff create here count as verified; deactivating or deleting one revokes every key they created
-(`keys.revoke_api_keys_of`), as removing a member does. Everything else is read-only: organisations,
+(`keys.revoke_api_keys_of`) and every invitation they sent that is still pending (`members.revoke_invitations_sent_by`),
+as removing a member does. Everything else is read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
 (a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
 authenticator gets its enrolment code from the users' "Issue an enrolment code" action
@@ -17,6 +18,7 @@ from django.template.response import TemplateResponse
 
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
+from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
 from controlplane.accounts.second_factor import (
     EnrolmentCodeRefused,
@@ -37,17 +39,18 @@ class UserAdmin(auth_admin.UserAdmin):
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)
-        # NOTE: an inactive creator's keys are refused, and would work again with the account: they end with it.
+        # NOTE: an inactive creator's keys and invitations are refused, and would work again with the account: they
+        # end with it.
         if change and "is_active" in form.changed_data and not obj.is_active:
-            revoke_api_keys_of(Actor(source_ip=client_ip(request)), obj, reason="user.deactivate")
+            _revoke_what_they_made(request, obj, reason="user.deactivate")
 
     def delete_model(self, request, obj):
-        revoke_api_keys_of(Actor(source_ip=client_ip(request)), obj, reason="user.delete")
+        _revoke_what_they_made(request, obj, reason="user.delete")
         super().delete_model(request, obj)
 
     def delete_queryset(self, request, queryset):
         for user in queryset:
-            revoke_api_keys_of(Actor(source_ip=client_ip(request)), user, reason="user.delete")
+            _revoke_what_they_made(request, user, reason="user.delete")
         super().delete_queryset(request, queryset)
 
     @admin.action(description="Issue an enrolment code (staff accounts without an authenticator)",
@@ -77,6 +80,16 @@ class UserAdmin(auth_admin.UserAdmin):
     def has_issue_enrolment_code_permission(self, request):
         # NOTE: whoever may change accounts, in a session past their own second factor (as the admin site asks).
         return has_staff_powers(request.user) and self.has_change_permission(request)
+
+
+def _revoke_what_they_made(request, user, *, reason: str) -> None:
+    """The keys `user` created and the invitations they sent that are still pending, in every organisation.
+
+    NOTE: a deleted sender's invitations lose their `invited_by` (null), which names the platform's own invitations,
+    granted whatever their sender's role: a deleted owner's pending invitation made its addressee an owner."""
+    actor = Actor(source_ip=client_ip(request))
+    revoke_api_keys_of(actor, user, reason=reason)
+    revoke_invitations_sent_by(actor, user, reason=reason)
 
 
 admin.site.unregister(User)

@@ -19,6 +19,7 @@ from controlplane.accounts.members import (
     actor_role,
     ensure_in_a_session,
     ensure_may_touch_owner_role,
+    may_invite,
     remove_member_for_security,
 )
 from controlplane.accounts.models import (
@@ -106,6 +107,11 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
+        # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
+        # invitations before this one was written, left a pending invitation of a non-member.
+        _ensure_admin(actor, organization, "email")
+        ensure_may_touch_owner_role(actor, organization, role)
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
             raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
@@ -123,29 +129,16 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
     _ensure_admin(actor, invitation.organization, "invitation")
     ensure_may_touch_owner_role(actor, invitation.organization, invitation.role)
     with transaction.atomic():
+        # NOTE: the organisation's row first, as removing or demoting the sender does before revoking their pending
+        # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
+        # organisation's row) and PostgreSQL failed one.
+        Organization.objects.select_for_update().filter(pk=invitation.organization_id).first()
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:
             record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email)
     invitation.refresh_from_db()
     return invitation
-
-
-def revoke_invitations_sent_by(actor: Actor, user, *, reason: str) -> int:
-    """Revokes every pending invitation `user` sent, in every organisation, each audited with `reason`; the number
-    revoked.
-
-    NOTE: a forgotten password's reset of an address its owner never confirmed (`signup.secure_after_password_reset`)
-    ends a stranger's sessions and keys: the invitations those sessions sent (to a second address of the stranger's)
-    must end with them, or one is accepted after the owner took the account back."""
-    num_revoked, now = 0, timezone.now()
-    for invitation in Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk"):
-        if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
-                revoked_at=now):
-            num_revoked += 1
-            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
-                         reason=reason)
-    return num_revoked
 
 
 def remove_members_invited_by(actor: Actor, user, *, reason: str) -> int:
@@ -221,14 +214,15 @@ def _inviter_may_still_grant(invitation: Invitation) -> bool:
         return True
     role = Membership.objects.filter(organization_id=invitation.organization_id, user_id=invitation.invited_by_id,
                                      user__is_active=True).values_list("role", flat=True).first()
-    needed = Role.OWNER if invitation.role == Role.OWNER else Role.ADMIN
-    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[needed]
+    return may_invite(role, invitation.role)
 
 
 def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
+        # NOTE: locks the organisation's row too (select_related), first, as a removal or a role change does: they revoke
+        # a sender's pending invitations, and this commit's foreign keys take that row (a deadlock were it left out).
         invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
         organization = invitation.organization
         refusal = invitation_refusal(invitation, user)

@@ -70,6 +70,9 @@ def create_api_key(
         issued = tokens.issue_token(ApiKey.TOKEN_KIND)
         try:
             with transaction.atomic():
+                # NOTE: NO KEY UPDATE: other keys' creations in the organisation queue behind it, inserts that only
+                # reference the row do not (see below).
+                Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
                 # NOTE: the minting key's row stays locked until its child is committed, so revoking it
                 # (`revoke_api_key`, which looks for its children once it has updated it) waits and finds the child;
                 # a key revoked since this call was authenticated mints nothing.
@@ -77,10 +80,14 @@ def create_api_key(
                         pk=minting.pk, revoked_at__isnull=True).values_list("pk", flat=True).first() is None:
                     raise NotPermitted("non_field_errors", "The key this call was made with was revoked.")
                 if actor.user is not None:
-                    # NOTE: the creator's membership stays locked until the key is committed, so removing them
-                    # (`members.remove_member`, which lists their keys to revoke) waits and finds it; a member removed
-                    # (or demoted) since the check above gets no key. Before, a key created while its creator was
-                    # being removed outlived the removal, and came back with them (the review of this stop's diff).
+                    # NOTE: the organisation's row was locked first, as removing or re-roling a member takes it
+                    # (`members._lock_membership`), so one of them waits for this key's commit and then lists it to
+                    # revoke, or this waits for theirs and reads the role it left; a member removed (or demoted) since
+                    # the check above gets no key. Before, a key created while its creator was being removed outlived
+                    # the removal, and came back with them (the review of this stop's diff); and with the membership's
+                    # row alone locked here, the change (holding the organisation's row) waited on it while this
+                    # commit's deferred foreign-key check waited on the organisation's row: a deadlock, one of them
+                    # failed. Taken first (above), before the minting key's row, which a removal revokes too.
                     role = Membership.objects.select_for_update().filter(
                         organization=organization, user=actor.user).values_list("role", flat=True).first()
                     if role is None:
@@ -201,6 +208,10 @@ def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
     with it working, unbounded in time (a review's finding). Revoking a key already revoked revokes what it minted
     that still works (keys minted before their parent was recorded, then linked from the audit log by migration
     0009, were not revoked with it)."""
+    # NOTE: the organisation's row first, as removing or demoting the key's creator does before revoking their keys:
+    # with the key's row alone, each waited on the other (this commit's foreign keys take the organisation's row) and
+    # PostgreSQL failed one.
+    Organization.objects.select_for_update(no_key=True).filter(pk=api_key.organization_id).first()
     roles = member_roles(api_key.organization)
     if not may_revoke_api_key(actor, api_key, actor_role=roles.get(actor.user.pk) if actor.user else None,
                               creator_role=roles.get(api_key.created_by_id)):
@@ -221,8 +232,32 @@ def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None 
     created = ApiKey.objects.filter(created_by=user, revoked_at__isnull=True).select_related("organization")
     if organization is not None:
         created = created.filter(organization=organization)
+    # NOTE: each organisation's row first (in one order), as `revoke_api_key` does.
+    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=created.values("organization_id")).order_by("pk"))
     now = timezone.now()
     return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
+
+
+@transaction.atomic
+def revoke_api_keys_beyond_role(actor: Actor, user, *, organization: Organization, role: str, reason: str) -> int:
+    """Revokes every key `user` created in `organization` that `role` may not create (`_ensure_role_may_mint`: the
+    `manage` scope, a priority range, limits above the platform's), and the keys those minted, each audited with
+    `reason`; the number revoked.
+
+    NOTE: called where a member's role falls (`members.change_member_role`). A key acts with its creator's current
+    role, but what only an admin may give a key stayed on it: an admin demoted to member kept their `manage` keys, and
+    keys whose calls ran ahead of colleagues' or past the platform's limits, which no member may make (a review's
+    finding). Keys the new role may make stay (a viewer's are refused on `/v1` by its role, as before)."""
+    num_revoked, now = 0, timezone.now()
+    created = ApiKey.objects.filter(organization=organization, created_by=user, revoked_at__isnull=True)
+    for api_key in created.select_related("organization").order_by("pk"):
+        try:
+            _ensure_role_may_mint(role, scopes=api_key.scopes, requests_per_minute=api_key.requests_per_minute,
+                                  tokens_per_minute=api_key.tokens_per_minute,
+                                  max_priority_boost=api_key.max_priority_boost)
+        except NotPermitted:
+            num_revoked += _revoke_with_minted(actor, api_key, now=now, reason=reason)
+    return num_revoked
 
 
 def _revoke_with_minted(actor: Actor, api_key: ApiKey, *, now, **details) -> int:

@@ -1,14 +1,16 @@
 """Members of an organisation and their roles: who may do what (`actor_role`, `NotPermitted`, defined in
 `services` and named here as before), the owner role's guard, the rule that only a signed-in person changes
 who belongs (`ensure_in_a_session`), and adding, re-roling and removing members, always leaving an owner; a
-removed member's keys are revoked with their membership (also when the platform removes one: `remove_member_for_security`)."""
+removed member's keys and pending invitations are revoked with their membership (also when the platform removes one:
+`remove_member_for_security`), and a demoted member's that their new role may not make."""
 
 from __future__ import annotations
 
 from django.db import transaction
+from django.utils import timezone
 
 from controlplane.accounts import keys
-from controlplane.accounts.models import Membership, Organization, Role
+from controlplane.accounts.models import ROLE_RANK, Invitation, Membership, Organization, Role
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 
 
@@ -50,6 +52,8 @@ def add_member(actor: Actor, organization: Organization, *, user, role: str) -> 
         membership.role = role
         membership.save(update_fields=["role"])
     record_audit(actor, organization, "member.add" if created else "member.change_role", membership, role=role)
+    if not created:
+        _revoke_what_the_role_may_not_hold(actor, membership)
     return membership
 
 
@@ -62,7 +66,19 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
     membership.role = role
     membership.save(update_fields=["role"])
     record_audit(actor, membership.organization, "member.change_role", membership, role=role)
+    _revoke_what_the_role_may_not_hold(actor, membership)
     return membership
+
+
+def _revoke_what_the_role_may_not_hold(actor: Actor, membership: Membership) -> None:
+    """The member's keys and pending invitations that their role (just saved) may not make, revoked.
+
+    NOTE: after the role is saved: a key being created meanwhile holds the membership's row
+    (`keys.create_api_key`), so the save waits for its commit and the keys listed here include it."""
+    keys.revoke_api_keys_beyond_role(actor, membership.user, organization=membership.organization,
+                                     role=membership.role, reason="member.change_role")
+    revoke_invitations_sent_by(actor, membership.user, organization=membership.organization, role=membership.role,
+                               reason="member.change_role")
 
 
 @transaction.atomic
@@ -96,7 +112,44 @@ def _end(actor: Actor, membership: Membership, *, reason: str) -> None:
         details["reason"] = reason
     record_audit(actor, membership.organization, "member.remove", membership, **details)
     keys.revoke_api_keys_of(actor, membership.user, organization=membership.organization, reason=reason)
+    revoke_invitations_sent_by(actor, membership.user, organization=membership.organization, reason=reason)
     membership.delete()
+
+
+def may_invite(role: str | None, invited_role: str) -> bool:
+    """Whether a member with `role` may invite someone as `invited_role`: owners and admins invite, only owners
+    invite owners (`ensure_may_touch_owner_role`)."""
+    needed = Role.OWNER if invited_role == Role.OWNER else Role.ADMIN
+    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[needed]
+
+
+@transaction.atomic
+def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization: Organization | None = None,
+                               role: str | None = None) -> int:
+    """Revokes the pending invitations `user` sent (in `organization`, or in every organisation), those a member
+    with `role` may not send where it is given (`may_invite`), each audited with `reason`; the number revoked.
+
+    NOTE: called where a seat ends or shrinks (`remove_member`, `change_member_role`), and by a forgotten password's
+    reset of an address its owner never confirmed (`signup.secure_after_password_reset`: the invitations a
+    stranger's session sent, to a second address of theirs, must end with it). An invitation is refused while its
+    sender may not grant it (`invitations.invitation_refusal`), but was not ended: listed as pending, it was good
+    again once the sender was invited back or promoted again (a review's finding)."""
+    pending = Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk")
+    if organization is not None:
+        pending = pending.filter(organization=organization)
+    # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see
+    # `invitations.revoke_invitation`.
+    list(Organization.objects.select_for_update().filter(pk__in=pending.values("organization_id")).order_by("pk"))
+    num_revoked, now = 0, timezone.now()
+    for invitation in pending:
+        if role is not None and may_invite(role, invitation.role):
+            continue
+        if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
+                revoked_at=now):
+            num_revoked += 1
+            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
+                         reason=reason)
+    return num_revoked
 
 
 def _lock_membership(membership: Membership) -> Membership:

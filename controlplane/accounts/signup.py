@@ -19,9 +19,9 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import email_in_use
-from controlplane.accounts.invitations import remove_members_invited_by, revoke_invitations_sent_by
+from controlplane.accounts.invitations import remove_members_invited_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
-from controlplane.accounts.members import add_member
+from controlplane.accounts.members import add_member, revoke_invitations_sent_by
 from controlplane.accounts.models import (
     EmailVerification,
     Membership,

@@ -2,13 +2,18 @@
 
 Every browser test in this folder fails on a script error, and a page that broke the policy logs one: the
 console's own pages keep to it. Here: that it is sent, and that a real browser enforces it (a script that got
-into a page, as injected text would, does not run)."""
+into a page, as injected text would, does not run), and that text people choose is escaped before it gets there."""
 
 from __future__ import annotations
 
 import pytest
+from django.test import Client
 
+from controlplane.accounts import invitations
+from controlplane.accounts.models import Organization, Role
+from controlplane.accounts.services import Actor
 from controlplane.content_security import HEADER
+from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -43,3 +48,31 @@ def test_an_inline_script_in_a_page_does_not_run_and_the_pages_own_scripts_do(br
     context.close()
     assert ran is False
     assert violations, "the browser reported no refused script"
+
+
+MARKUP = '"><img src=x onerror=alert(1)><script>alert(1)</script>'
+
+
+def test_names_people_choose_are_shown_as_text_on_the_accounts_pages(org, console_client_factory):
+    """A guard (it held before): an organisation's, a key's or an invitee's name with markup in it is escaped on
+    every page that shows it, the policy above being the second line."""
+    Organization.objects.filter(pk=org.pk).update(name=f"Acme{MARKUP}")
+    owner = console_client_factory(org, Role.OWNER)
+    created = owner.post("/console/keys/", {"name": f"k{MARKUP}"[:100], "scopes": ["inference"]})
+    invitee = UserFactory()
+    invitation = invitations.invite_member(Actor(user=owner.user), org, email=invitee.email, role=Role.MEMBER)
+    invited = Client()
+    invited.force_login(invitee)
+    pages = {
+        "key created": created,
+        "dashboard": owner.get("/console/"),
+        "keys": owner.get("/console/keys/"),
+        "members": owner.get("/console/members/"),
+        "invitation": invited.get(f"/invitations/{invitations.invitation_token(invitation)}/"),
+    }
+
+    assert created.status_code == 201
+    for name, page in pages.items():
+        html = page.content.decode()
+        assert "<img src=x" not in html and "<script>alert" not in html, name
+        assert "&lt;img src=x onerror=alert(1)&gt;" in html, name
