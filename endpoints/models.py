@@ -18,6 +18,7 @@ from controlplane import secrets as secrets_at_rest
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
+    MAX_DIFFERING_TOKENIZERS,
     CheckpointQuantization,
     ModelTask,
     ReplicaState,
@@ -423,10 +424,6 @@ RESERVATION_FACTS = ("max_model_len", "tokenizer_normalizer", "template_tokens_p
 # Of those, what a replica's engine counted (its chat template): a replica's own claim, never a node's (`learn`).
 TEMPLATE_COUNT_FACTS = tuple(name for name in RESERVATION_FACTS if name.startswith("template_tokens_"))
 DIFFERING_TOKENIZERS = TokenizerNormalizer(unknown="its replicas read tokenizers that differ (two revisions)").to_dict()
-# Differing descriptions kept together (`merged_claims`): the gateway bounds each prompt by the largest of their bounds
-# (`endpoints.gateway.estimate.worst_case`); more are `DIFFERING_TOKENIZERS` alone (the context). NOTE: each costs the
-# estimate of those endpoints' calls once more.
-MAX_DIFFERING_TOKENIZERS = 4
 
 
 def implausible_model_facts(values: dict) -> str:

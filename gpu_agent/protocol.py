@@ -544,6 +544,11 @@ MAX_NORMALIZER_STEPS = 16
 MAX_NORMALIZER_TEXT_CHARS = 64  # a step's pattern or content
 MAX_SEGMENT_STARTS = 64
 MAX_NORMALIZER_NOTE_CHARS = 200
+# Differing descriptions of one copy's tokenizers kept together (`endpoints.models.merged_claims`): the gateway bounds
+# each prompt by the largest of their bounds (`endpoints.gateway.estimate.worst_case`, one budget of work shared among
+# them); more are unknown (the context). NOTE: here, not in `endpoints.models`, so that the estimate imports without
+# Django set up (`bench/bench_estimate.py`).
+MAX_DIFFERING_TOKENIZERS = 4
 
 
 @dataclass(slots=True)

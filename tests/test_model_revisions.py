@@ -14,9 +14,10 @@ from endpoints import replicas
 from endpoints.fleet.services import record_model_facts
 from endpoints.gateway.estimate import worst_case
 from endpoints.gateway.normalizers import prompt_normalizer
-from endpoints.models import MAX_DIFFERING_TOKENIZERS, ModelFacts, Replica
+from endpoints.models import ModelFacts, Replica
 from endpoints.replicas import record_chat_template_tokens
 from gpu_agent.protocol import (
+    MAX_DIFFERING_TOKENIZERS,
     ChatTemplateTokens,
     ModelInfo,
     NormalizerStep,

@@ -80,9 +80,9 @@ async def finish_pending(timeout_s: float = SHUTDOWN_FINISH_WAIT_S) -> int:
     unfinished = (await asyncio.wait(pending, timeout=timeout_s))[1] if pending else set()
     if unfinished:
         logger.error("%d call(s) still finishing after %.0f s of shutdown: their usage may be lost", len(unfinished), timeout_s)
-    if _unwritten_prompt_factors:
+    if directory.unwritten_prompt_factors:
         logger.error("%d prompt factor(s) not written (the database away): each is learned again by its endpoint's "
-                     "next call past its bound", len(_unwritten_prompt_factors))
+                     "next call past its bound", len(directory.unwritten_prompt_factors))
     return len(unfinished)
 
 
@@ -966,22 +966,16 @@ _OBSERVED_AT = InferenceCall._observe.__code__
 _writing_prompt_factors: dict[tuple[str, tuple[str, str]], Decimal] = {}
 # A factor past this is worth an operator's look (a template far from the estimate, or an engine over-reporting).
 PROMPT_FACTOR_WARNING = 8
-# Factors whose write met the database away, per (endpoint, copy of its model), the largest, with the endpoint they were
-# learned on: written again every `PROMPT_FACTOR_RETRY_S` until written (`_write_unwritten_prompt_factors`).
-# NOTE: only logged before, and lost with the endpoint's next reload once PostgreSQL was back: the factor this process
-# kept meanwhile went with it, and the next call past the bound lost its reservation again. Bounded: past
-# `MAX_UNWRITTEN_PROMPT_FACTORS` the oldest is dropped (logged), as are those of a process stopped in the outage; such a
-# factor is learned again by its endpoint's next call past the bound (one more call's reservation lost).
-_unwritten_prompt_factors: dict[tuple[str, tuple[str, str]], tuple[EndpointInfo, Decimal]] = {}
+# Factors whose write met the database away (`directory.unwritten_prompt_factors`) are written again every
+# `PROMPT_FACTOR_RETRY_S` until written (`_write_unwritten_prompt_factors`).
 _retrying_prompt_factors: asyncio.Task | None = None
-MAX_UNWRITTEN_PROMPT_FACTORS = 1000  # a few hundred bytes each
 PROMPT_FACTOR_RETRY_S = 2.0
 
 
 async def _write_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> bool:
     """`PromptFactor.raise_to` in a worker thread, then kept in this process's cache again (a load that read the
     database before the row may have landed meanwhile). False when the database failed it: the factor is kept to be
-    written again once it is back (`_unwritten_prompt_factors`)."""
+    written again once it is back (`directory.unwritten_prompt_factors`)."""
     source, scope = endpoint.model_copy
     key = (endpoint.id, endpoint.model_copy)
     try:
@@ -1012,14 +1006,7 @@ def _keep_unwritten_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> No
     """Keep a factor the database failed to write (the largest per copy), and write it again from a task of this
     loop that runs while any is kept."""
     global _retrying_prompt_factors
-    key = (endpoint.id, endpoint.model_copy)
-    kept = _unwritten_prompt_factors.pop(key, None)
-    _unwritten_prompt_factors[key] = (endpoint, max(factor, kept[1]) if kept else factor)
-    while len(_unwritten_prompt_factors) > MAX_UNWRITTEN_PROMPT_FACTORS:
-        oldest = next(iter(_unwritten_prompt_factors))
-        dropped = _unwritten_prompt_factors.pop(oldest)
-        logger.error("endpoint %s: its prompt factor %s is not written (past %d unwritten): its next call past the "
-                     "bound learns it again", oldest[0], dropped[1], MAX_UNWRITTEN_PROMPT_FACTORS)
+    directory.keep_unwritten_prompt_factor(endpoint, factor)
     loop = asyncio.get_running_loop()
     retrying = _retrying_prompt_factors
     if retrying is None or retrying.done() or retrying.get_loop() is not loop:
@@ -1029,10 +1016,10 @@ def _keep_unwritten_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> No
 async def _write_unwritten_prompt_factors() -> None:
     """Write the factors the database failed to, every `PROMPT_FACTOR_RETRY_S` (one try a round while it is still
     away); ends once none is left (an idle loop keeps no task)."""
-    while _unwritten_prompt_factors:
+    while directory.unwritten_prompt_factors:
         await asyncio.sleep(PROMPT_FACTOR_RETRY_S)
-        for key in list(_unwritten_prompt_factors):
-            endpoint, factor = _unwritten_prompt_factors.pop(key, (None, None))
+        for key in list(directory.unwritten_prompt_factors):
+            endpoint, factor = directory.unwritten_prompt_factors.pop(key, (None, None))
             if endpoint is not None and not await _write_prompt_factor(endpoint, factor):
                 break  # kept again: the database is still away
 

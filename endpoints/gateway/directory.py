@@ -135,7 +135,15 @@ def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
 # name in `/v1/models/{id}` was unbounded): one key could fill the web pod's memory, every tenant's calls with it.
 def _keep_learned_factor(cached: EndpointInfo | None, loaded: EndpointInfo | None, started: float) -> EndpointInfo | None:
     """A reload of an endpoint that started before this process kept a higher prompt factor (it may have read the
-    database before the factor's row) keeps that factor; one started after takes the database's (a reset's too)."""
+    database before the factor's row) keeps that factor; one started after takes the database's (a reset's too). A
+    factor of its copy the database failed to write (`unwritten_prompt_factors`) is kept over a lower one loaded.
+
+    NOTE: the first reload once PostgreSQL is back read no factor row, and dropped the one this process kept until the
+    retry wrote it (up to `call.PROMPT_FACTOR_RETRY_S`): calls past the bound meanwhile lost their reservation again."""
+    if loaded is not None and unwritten_prompt_factors:
+        unwritten = unwritten_prompt_factors.get((loaded.id, loaded.model_copy))
+        if unwritten is not None and (loaded.prompt_factor is None or loaded.prompt_factor < unwritten[1]):
+            loaded = dataclasses.replace(loaded, prompt_factor=unwritten[1])
     if (cached is None or loaded is None or cached.prompt_factor_kept_at < started or cached.id != loaded.id
             or cached.model_copy != loaded.model_copy):
         return loaded
@@ -143,6 +151,29 @@ def _keep_learned_factor(cached: EndpointInfo | None, loaded: EndpointInfo | Non
         return loaded
     return dataclasses.replace(loaded, prompt_factor=cached.prompt_factor,
                                prompt_factor_kept_at=cached.prompt_factor_kept_at)
+
+
+# Factors whose write met the database away, per (endpoint, copy of its model), the largest, with the endpoint they were
+# learned on: `call` writes them again every `call.PROMPT_FACTOR_RETRY_S` until written, and every reload of the
+# endpoint keeps them meanwhile (`_keep_learned_factor`). NOTE: only logged once, and lost with the endpoint's next
+# reload once PostgreSQL was back: the next call past the bound lost its reservation again. Bounded: past
+# `MAX_UNWRITTEN_PROMPT_FACTORS` the oldest is dropped (logged), as are those of a process stopped in the outage; such a
+# factor is learned again by its endpoint's next call past the bound (one more call's reservation lost).
+unwritten_prompt_factors: dict[tuple[str, tuple[str, str]], tuple[EndpointInfo, Decimal]] = {}
+MAX_UNWRITTEN_PROMPT_FACTORS = 1000  # a few hundred bytes each
+
+
+def keep_unwritten_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> None:
+    """Keep a factor the database failed to write (the largest per copy), the oldest dropped past
+    `MAX_UNWRITTEN_PROMPT_FACTORS`."""
+    key = (endpoint.id, endpoint.model_copy)
+    kept = unwritten_prompt_factors.pop(key, None)
+    unwritten_prompt_factors[key] = (endpoint, max(factor, kept[1]) if kept else factor)
+    while len(unwritten_prompt_factors) > MAX_UNWRITTEN_PROMPT_FACTORS:
+        oldest = next(iter(unwritten_prompt_factors))
+        dropped = unwritten_prompt_factors.pop(oldest)
+        logger.error("endpoint %s: its prompt factor %s is not written (past %d unwritten): its next call past the "
+                     "bound learns it again", oldest[0], dropped[1], MAX_UNWRITTEN_PROMPT_FACTORS)
 
 
 _endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S, max_entries=KNOWN_ENDPOINTS_MAX,

@@ -168,8 +168,14 @@ def worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tu
             return _largest_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens,
                                        normalizer.alternatives)
         return _rewritten_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens, normalizer)
+    _DECOMPOSE_ALLOWANCE.num_characters = max(1, int(max_model_len))
+    return _counted_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens)
+
+
+def _counted_worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int],
+                        template_flag_tokens: tuple[int, int] | None) -> WorstCase:
+    """`worst_case` within the allowances its caller set (`_DECOMPOSE_ALLOWANCE`)."""
     limit = max(1, int(max_model_len))
-    _DECOMPOSE_ALLOWANCE.num_characters = limit
     if kind in ("chat", "responses"):
         allowances = (max(TOKENS_PER_CONVERSATION, template_tokens[0]), max(TOKENS_PER_MESSAGE, template_tokens[1]))
         # NOTE: most bodies set neither; skipping the check is most of an ASCII request's estimate (issue #20).
@@ -212,9 +218,21 @@ def _largest_worst_case(payload: dict, kind: str, max_model_len: int, template_t
                         alternatives: tuple[PromptNormalizer | None, ...]) -> WorstCase:
     """`worst_case` of a copy whose replicas read tokenizers that differ (`normalizers.PromptNormalizer.alternatives`):
     each prompt's bound the largest of its bounds by each tokenizer, since the engine that serves it reads one of them
-    (the rest of the case does not depend on the tokenizer)."""
-    cases = [worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens, normalizer)
-             for normalizer in alternatives]
+    (the rest of the case does not depend on the tokenizer).
+
+    NOTE: the tokenizers share the request's one allowance of work: each normalizes its share of the context's
+    characters and of `ASCII_SCAN_ALLOWANCE` (past it a text counts unread, looser), and the others run only when the
+    texts the first read, times the others, are at most one context; past that each prompt counts as the context. Before,
+    each had a whole allowance and read every text: a 9 MB body to a copy of four held the event loop 4 times one's."""
+    limit = max(1, int(max_model_len))
+    # NOTE: one that adds nothing is counted as an empty description, whose counts are the plain ones
+    each = list(dict.fromkeys(normalizer or PromptNormalizer() for normalizer in alternatives))
+    share = (limit // len(each), ASCII_SCAN_ALLOWANCE // len(each))
+    cases = [_rewritten_worst_case(payload, kind, limit, template_tokens, template_flag_tokens, each[0], share)]
+    if _DECOMPOSE_ALLOWANCE.num_texts * (len(each) - 1) > limit:
+        return dataclasses.replace(cases[0], prompt_bounds=(limit,) * len(cases[0].prompt_bounds))
+    cases += [_rewritten_worst_case(payload, kind, limit, template_tokens, template_flag_tokens, normalizer, share)
+              for normalizer in each[1:]]
     if len({len(case.prompt_bounds) for case in cases}) != 1:  # NOTE: never seen; the context then bounds each
         most = max(len(case.prompt_bounds) for case in cases)
         return dataclasses.replace(cases[0], prompt_bounds=(cases[0].max_model_len,) * most)
@@ -222,10 +240,12 @@ def _largest_worst_case(payload: dict, kind: str, max_model_len: int, template_t
 
 
 def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template_tokens: tuple[int, int],
-                          template_flag_tokens: tuple[int, int] | None, normalizer: PromptNormalizer) -> WorstCase:
+                          template_flag_tokens: tuple[int, int] | None, normalizer: PromptNormalizer,
+                          allowance: tuple[int, int] | None = None) -> WorstCase:
     """`worst_case` of a model whose tokenizer's normalizer lengthens text (`normalizers`): every text is counted by
     `_rewritten_bytes`; a normalizer nothing bounds reserves each prompt as the context, as an unmeasured template
-    flag does."""
+    flag does. `allowance`: the characters to normalize and ASCII scans it may spend (the context and
+    `ASCII_SCAN_ALLOWANCE` when None)."""
     global _NUM_REWRITING
     with _REWRITING_LOCK:
         _NUM_REWRITING += 1
@@ -238,9 +258,11 @@ def _rewritten_worst_case(payload: dict, kind: str, max_model_len: int, template
         if template_flag_tokens is not None:
             template_flag_tokens = (template_flag_tokens[0] * scale, template_flag_tokens[1] * scale)
     _DECOMPOSE_ALLOWANCE.rewrites = normalizer
-    _DECOMPOSE_ALLOWANCE.num_ascii_scans = ASCII_SCAN_ALLOWANCE
+    _DECOMPOSE_ALLOWANCE.num_characters, _DECOMPOSE_ALLOWANCE.num_ascii_scans = allowance or (
+        max(1, int(max_model_len)), ASCII_SCAN_ALLOWANCE)
+    _DECOMPOSE_ALLOWANCE.num_texts = 0
     try:
-        case = worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens)
+        case = _counted_worst_case(payload, kind, max_model_len, template_tokens, template_flag_tokens)
     finally:
         _DECOMPOSE_ALLOWANCE.rewrites = None
         _DECOMPOSE_ALLOWANCE.num_ascii_scans = 0
@@ -489,6 +511,7 @@ class _Allowance(threading.local):
     num_ascii_scans: int = 0
     # What the model's tokenizer adds (`_rewritten_worst_case` sets it for the request); None for most models.
     rewrites: PromptNormalizer | None = None
+    num_texts: int = 0  # the texts `_rewritten_bytes` counted for the request so far
 
 
 _DECOMPOSE_ALLOWANCE = _Allowance()
@@ -550,6 +573,7 @@ def _rewritten_bytes(text: str, budget: int, rewrites: PromptNormalizer) -> int:
     """`_utf8_bytes` of a text to a model whose tokenizer rewrites it (`normalizers.PromptNormalizer`): its bytes, or
     its decomposition's (always, for a tokenizer that decomposes; else as `_utf8_bytes` counts them), plus what the
     replacements, prepends and spaces add. ASCII text decomposes to itself: only what replacements and prepends add."""
+    _DECOMPOSE_ALLOWANCE.num_texts += 1
     if len(text) >= budget:
         return len(text)
     if text.isascii():

@@ -33,8 +33,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from endpoints.models import MAX_DIFFERING_TOKENIZERS
-from gpu_agent.protocol import TokenizerNormalizer
+from gpu_agent.protocol import MAX_DIFFERING_TOKENIZERS, TokenizerNormalizer
 
 # The most characters one code point decomposes to (U+FDFA's NFKD, 18), and the most ideographs (U+337F's NFKD,
 # "株式会社"): a text past the request's allowance is counted this much a character, unread.

@@ -121,8 +121,7 @@ DESCRIBER_FILES = (
     "gpu_agent/runtime/model_json.py",
     "gpu_agent/runtime/tokenizer_normalizer.py",
 )
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-# The describer's files' stat signature, and the digest of their source then (`_describer_digest`).
+# The describer's files' root and stat signature, and the digest of their source then (`_describer_digest`).
 _describer: tuple[tuple, bytes] | None = None
 _remembered: OrderedDict[str, str] = OrderedDict()  # content key -> the child's answer (JSON text)
 _remembered_lock = threading.Lock()
@@ -136,7 +135,9 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
     """The normalizer of the tokenizer the engine would load from `model_dir`, described by a child process within
     the loader's limits (once per content: `_content_key`); unknown when it does not load there or cannot be
     described. Never raises."""
-    key = _content_key(model_dir)
+    # NOTE: one root for the key and the child: the describer hashed is the one that runs
+    root = _package_root()
+    key = _content_key(model_dir, root)
     if key is not None:
         with _remembered_lock:
             answer = _remembered.get(key)
@@ -144,9 +145,9 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
                 _remembered.move_to_end(key)
         if answer is not None:
             return TokenizerNormalizer.from_dict(json.loads(answer))
-    described, answer = _describe_in_child(model_dir)
+    described, answer = _describe_in_child(model_dir, root)
     # NOTE: kept only when the files the child read are the ones hashed: never an answer under another content's key.
-    if answer is not None and key is not None and _content_key(model_dir) == key:
+    if answer is not None and key is not None and _content_key(model_dir, root) == key:
         with _remembered_lock:
             _remembered[key] = answer
             while len(_remembered) > MAX_REMEMBERED_ANSWERS:
@@ -154,11 +155,20 @@ def read_tokenizer_normalizer(model_dir: str | Path) -> TokenizerNormalizer:
     return described
 
 
-def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str | None]:
+def _package_root() -> Path:
+    """The folder of the agent's package, its links resolved now, not at import: an install whose link was flipped to a
+    new release (`current -> v2`, the old release removed) runs and hashes the new release's describer. Resolved once,
+    a removed release was the child's folder until the agent restarted: every new model's tokenizer unknown."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _describe_in_child(
+    model_dir: str | Path, package_root: Path | None = None
+) -> tuple[TokenizerNormalizer, str | None]:
     """The child's description, and its answer as JSON text when it answered (None: a timeout, a child that could not
-    start or ended badly, an answer that could not be read)."""
+    start or ended badly, an answer that could not be read). `package_root`: the agent's folder (`_package_root()`)."""
     # NOTE: the child imports this same agent (its folder first on the path), wherever the agent was started.
-    package_root = _PACKAGE_ROOT
+    package_root = package_root or _package_root()
     environment = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -207,14 +217,15 @@ def _describe_in_child(model_dir: str | Path) -> tuple[TokenizerNormalizer, str 
         return TokenizerNormalizer(unknown="the tokenizer loader's answer could not be read"), None
 
 
-def _content_key(model_dir: str | Path) -> str | None:
+def _content_key(model_dir: str | Path, package_root: Path | None = None) -> str | None:
     """The SHA-256 of everything the child's answer may depend on: the libraries' versions, and every entry of the
     folder by relative name, kind and link target, each file's content (links followed, as the loader opens them) or,
     for weights, its size (unless its relative path may be a versioned tokenizer file, or `fast_tokenizer_files` names
     it: "tokenizer.4.0.json/model.safetensors" is read as a tokenizer); a FIFO or device by its kind alone. None when
     the folder cannot be read whole, holds a link to a folder (the walk does not follow it; the loader would), names a
-    tokenizer file outside itself, or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up then."""
-    digest = hashlib.sha256(_describer_digest())
+    tokenizer file outside itself, or holds more than `MAX_HASHED_BYTES` to hash: nothing is kept or looked up then.
+    `package_root`: the agent's folder whose describer is hashed (`_package_root()`)."""
+    digest = hashlib.sha256(_describer_digest(package_root or _package_root()))
     for library in _LIBRARIES:
         try:
             version = metadata.version(library)
@@ -261,16 +272,19 @@ def _content_key(model_dir: str | Path) -> str | None:
     return digest.hexdigest()
 
 
-def _describer_digest() -> bytes:
-    """The SHA-256 of the source of `DESCRIBER_FILES` as the child would import them now: hashed once per version of
-    the files (their size, modification time and inode), a stat of each at every key. A file that cannot be read
-    hashes as missing (the child then fails, and its answer is not kept)."""
+def _describer_digest(package_root: Path) -> bytes:
+    """The SHA-256 of the source of `DESCRIBER_FILES` under `package_root` as the child would import them now: hashed
+    once per version of the files (their size, modification time, inode and change time), a stat of each at every key.
+    A file that cannot be read hashes as missing (the child then fails, and its answer is not kept).
+
+    NOTE: the change time too: a file rewritten in place at its size with its modification time put back (`cp -p` or
+    `rsync --inplace -t` of a reproducible build) kept its size, modification time and inode, and the old digest."""
     global _describer
-    signature = []
+    signature = [package_root]
     for name in DESCRIBER_FILES:
         try:
-            status = (_PACKAGE_ROOT / name).stat()
-            signature.append((name, status.st_size, status.st_mtime_ns, status.st_ino))
+            status = (package_root / name).stat()
+            signature.append((name, status.st_size, status.st_mtime_ns, status.st_ino, status.st_ctime_ns))
         except OSError:
             signature.append((name, None))
     signature = tuple(signature)
@@ -279,7 +293,7 @@ def _describer_digest() -> bytes:
     digest = hashlib.sha256()
     for name in DESCRIBER_FILES:
         try:
-            source = (_PACKAGE_ROOT / name).read_bytes()
+            source = (package_root / name).read_bytes()
         except OSError:
             digest.update(b"missing %s\0" % name.encode())
             continue

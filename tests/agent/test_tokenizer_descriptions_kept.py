@@ -240,6 +240,77 @@ def test_an_agent_upgraded_in_place_describes_a_folder_it_described_before_with_
     assert agent.stdout.split("\n")[:2] == ["described", "the fixed describer"]
 
 
+def test_a_describer_file_rewritten_in_place_at_its_size_and_modification_time_changes_the_key(
+    tmp_path, monkeypatch
+):
+    # As `cp -p` or `rsync --inplace -t` of a reproducible build does (fixed modification times): before, the size,
+    # modification time and inode were the same, and the old describer's digest was kept until the agent restarted.
+    root = tmp_path / "agent"
+    for name in tokenizer_normalizer.DESCRIBER_FILES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer_normalizer._package_root() / name, root / name)
+    monkeypatch.setattr(tokenizer_normalizer, "_describer", None)
+    before = tokenizer_normalizer._describer_digest(root)
+    describer = root / "gpu_agent/runtime/tokenizer_normalizer.py"
+    status = describer.stat()
+    source = describer.read_bytes()
+    fixed = source.replace(b"MAX_REMEMBERED_ANSWERS = 256", b"MAX_REMEMBERED_ANSWERS = 257", 1)
+    assert fixed != source and len(fixed) == len(source)
+    tick = tmp_path / "tick"
+    while tick.touch() or tick.stat().st_ctime_ns == status.st_ctime_ns:
+        pass  # NOTE: the file system's clock past the copy's change time, as any later upgrade is
+
+    with open(describer, "r+b") as file:
+        file.write(fixed)
+    os.utime(describer, ns=(status.st_atime_ns, status.st_mtime_ns))
+
+    rewritten = describer.stat()
+    assert (rewritten.st_size, rewritten.st_mtime_ns, rewritten.st_ino) == (
+        status.st_size,
+        status.st_mtime_ns,
+        status.st_ino,
+    )
+    assert tokenizer_normalizer._describer_digest(root) != before
+
+
+# An agent installed as releases behind a link (`current -> v1`) flips the link to a new release and removes the old one
+# before it is restarted; then it reads a folder it never described.
+RELEASE_FLIPPED = """
+import os, shutil, sys
+from pathlib import Path
+releases = Path(sys.argv[1])
+sys.path.insert(0, os.fspath(releases / "current"))
+from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
+os.symlink("v2", releases / "next")
+os.replace(releases / "next", releases / "current")
+shutil.rmtree(releases / "v1")
+print(read_tokenizer_normalizer(sys.argv[2]).unknown or "described")
+"""
+
+
+def test_an_agent_whose_release_link_was_flipped_describes_with_the_new_release(tiny_model_dir, tmp_path):
+    # Before: the package's folder was resolved once, at import: the child started in the removed release
+    # ("the tokenizer loader could not start") for every new folder until the agent restarted.
+    releases = tmp_path / "releases"
+    package = tokenizer_normalizer._package_root() / "gpu_agent"
+    for release in ("v1", "v2"):
+        shutil.copytree(
+            package, releases / release / "gpu_agent", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    (releases / "current").symlink_to("v1")
+
+    agent = subprocess.run(  # noqa: S603 - our own interpreter and a script of this test
+        [sys.executable, "-E", "-s", "-c", RELEASE_FLIPPED, os.fspath(releases), os.fspath(tiny_model_dir)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+    assert agent.returncode == 0, agent.stderr[-2000:]
+    assert agent.stdout.strip() == "described"
+
+
 def test_the_describers_source_in_the_key_is_every_agent_module_the_loader_child_imports():
     imported = subprocess.run(  # noqa: S603 - our own interpreter
         [
@@ -251,14 +322,14 @@ def test_the_describers_source_in_the_key_is_every_agent_module_the_loader_child
             "runpy.run_module('gpu_agent.runtime.tokenizer_normalizer', run_name='child'); "
             "print(' '.join(sys.modules[name].__file__ for name in sys.modules if name.startswith('gpu_agent')))",
         ],
-        cwd=tokenizer_normalizer._PACKAGE_ROOT,
+        cwd=tokenizer_normalizer._package_root(),
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
 
-    root = tokenizer_normalizer._PACKAGE_ROOT
+    root = tokenizer_normalizer._package_root()
     files = {os.fspath(Path(name).resolve().relative_to(root)) for name in imported.stdout.split()}
     assert files | {"gpu_agent/runtime/tokenizer_normalizer.py"} == set(tokenizer_normalizer.DESCRIBER_FILES)
 
@@ -277,8 +348,17 @@ print(tokenizer_normalizer._content_key(sys.argv[1]))
 
 def _hashed_within_the_agents_memory(model_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", _HASH_WITHIN_A_MEMORY_LIMIT, os.fspath(model_dir), str(AGENT_HASHING_MEMORY_BYTES)],
-        capture_output=True, text=True, timeout=120, cwd=Path(tokenizer_normalizer.__file__).resolve().parents[2],
+        [
+            sys.executable,
+            "-c",
+            _HASH_WITHIN_A_MEMORY_LIMIT,
+            os.fspath(model_dir),
+            str(AGENT_HASHING_MEMORY_BYTES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(tokenizer_normalizer.__file__).resolve().parents[2],
     )
 
 
@@ -286,7 +366,7 @@ def _big_tokenizer_config(model_dir: Path, *, fast_tokenizer_files: bool = False
     """A tokenizer_config.json of 48 MiB of empty objects (`added_tokens_decoder` grows a real one past 4 MiB)."""
     named = '"fast_tokenizer_files": ["tokenizer.json"], ' if fast_tokenizer_files else ""
     with open(model_dir / "tokenizer_config.json", "w") as handle:
-        handle.write('{' + named + '"model_max_length": 2048, "padding": [' + "{}," * (16 * 1024**2) + "{}]}")
+        handle.write("{" + named + '"model_max_length": 2048, "padding": [' + "{}," * (16 * 1024**2) + "{}]}")
     return model_dir
 
 
@@ -303,7 +383,9 @@ def test_a_tokenizer_config_past_the_json_bound_is_never_parsed_by_the_agent_and
     assert len(hashed.stdout.strip()) == 64, "the folder is keyed: its description is kept"
 
 
-def test_a_tokenizer_config_past_the_json_bound_that_names_tokenizer_files_is_not_keyed(tiny_model_dir, tmp_path):
+def test_a_tokenizer_config_past_the_json_bound_that_names_tokenizer_files_is_not_keyed(
+    tiny_model_dir, tmp_path
+):
     """Which files it names cannot be known without parsing it: described by the loader child at each reading (and
     refused before that by `model_info.refuse_paths_outside_model`)."""
     model_dir = _big_tokenizer_config(_copy(tiny_model_dir, tmp_path / "model"), fast_tokenizer_files=True)
@@ -314,7 +396,9 @@ def test_a_tokenizer_config_past_the_json_bound_that_names_tokenizer_files_is_no
     assert hashed.stdout.strip() == "None"
 
 
-def test_a_tokenizer_config_nested_past_the_parsers_depth_is_keyed_as_json_that_names_nothing(tiny_model_dir, tmp_path):
+def test_a_tokenizer_config_nested_past_the_parsers_depth_is_keyed_as_json_that_names_nothing(
+    tiny_model_dir, tmp_path
+):
     """As a file that is not JSON: the loader cannot read it either. Before, its RecursionError left the reading."""
     model_dir = _copy(tiny_model_dir, tmp_path / "model")
     (model_dir / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import unicodedata
 from decimal import ROUND_CEILING, Decimal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +21,7 @@ CONTEXT = 2048
 PRICES = SimpleNamespace(price_input_per_million=Decimal("100"), price_cached_input_per_million=Decimal("50"),
                          price_output_per_million=Decimal("100"))
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}]}
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sixteen_completions_reserve_sixteen_times_the_output_of_one():
@@ -441,3 +445,21 @@ def test_the_lengthening_characters_are_those_unicode_defines():
         most = max(most, *(utf8(text) for text in forms), *(utf8(text.lower()) for text in forms))
     assert tuple(growth) == LOWERCASE_GROWTH
     assert most == MAX_GROWTH
+
+
+def test_the_estimate_imports_without_django_set_up_as_its_bench_does():
+    """`bench/bench_estimate.py` imports the estimate alone: it and its normalizers need no app registry."""
+    code = (
+        "import sys, endpoints.gateway.estimate\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'django', 'controlplane', 'billing'}"
+        " or m.startswith('endpoints.models')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

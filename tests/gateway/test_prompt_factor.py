@@ -8,6 +8,7 @@ case (a template that repeats message text) is `test_prompt_factor_vllm.py`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -507,6 +508,23 @@ def test_a_factor_rising_past_eight_is_logged_as_a_warning(caplog):
     assert f"endpoint {endpoint.pk}: its prompt factor rose to 8.125×, past 8×" in caplog.text
 
 
+@contextlib.contextmanager
+def _a_loop_of_its_own():
+    """An event loop the test steps through, each worker thread's PostgreSQL session closed as it ends (as
+    `worker_threads.run_briefly` does), so none is left open for the teardown."""
+    loop = asyncio.new_event_loop()
+    kept = worker_threads._RunConnections()
+    token = worker_threads._run_connections.set(kept)
+    try:
+        yield loop
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        worker_threads._run_connections.reset(token)
+        kept.close_all()
+        connections.close_all()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_it_is_back(monkeypatch):
     # Before: the write's failure was logged alone, and the factor this process kept went with the endpoint's next
@@ -514,10 +532,7 @@ def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_i
     monkeypatch.setattr(call, "PROMPT_FACTOR_RETRY_S", 0.05, raising=False)
     endpoint = EndpointFactory()
     info = directory._endpoint_info(endpoint)
-    loop = asyncio.new_event_loop()
-    # as `run_briefly`: no worker thread's session left open for the teardown
-    closing = worker_threads._closing_after_each_call.set(True)
-    try:
+    with _a_loop_of_its_own() as loop:
         with database_refusing_connections():
             loop.run_until_complete(call._write_prompt_factor(info, Decimal(3)))
             # a smaller one: the larger stands
@@ -532,17 +547,35 @@ def test_a_factor_learned_while_postgresql_refuses_connections_is_written_once_i
         )
 
         assert factor == Decimal(3)
-        assert not call._unwritten_prompt_factors
-    finally:
-        worker_threads._closing_after_each_call.reset(closing)
-        loop.run_until_complete(loop.shutdown_default_executor())
-        loop.close()
-        connections.close_all()
+        assert not directory.unwritten_prompt_factors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_endpoint_reloaded_once_postgresql_is_back_keeps_the_factor_not_written_yet(monkeypatch):
+    # Before: the first reload read no factor row and dropped the factor this process kept until the retry wrote it.
+    monkeypatch.setattr(call, "PROMPT_FACTOR_RETRY_S", 3600)  # the retry comes after the reload
+    monkeypatch.setattr(directory, "unwritten_prompt_factors", {})
+    endpoint = EndpointFactory()
+    key = (endpoint.organization_id, endpoint.name)
+    with _a_loop_of_its_own() as loop:
+        info = loop.run_until_complete(directory.find_endpoint(*key))
+        directory.keep_prompt_factor(info, Decimal(3))  # as `_learn_prompt_factor` does at once
+        with database_refusing_connections():
+            assert loop.run_until_complete(call._write_prompt_factor(info, Decimal(3))) is False
+
+        reloaded = loop.run_until_complete(directory._endpoints.get(key, *key, fresh=True))
+
+        assert endpoint.prompt_factor is None  # not written yet
+        assert reloaded.prompt_factor == Decimal(3)
+        # another copy of its model (a new revision) is not reserved for the old copy's factor
+        other_copy = dataclasses.replace(reloaded, model_copy=("hf:another/model", ""), prompt_factor=None)
+        assert directory._keep_learned_factor(None, other_copy, 0.0).prompt_factor is None
+        call._retrying_prompt_factors.cancel()
 
 
 def test_factors_kept_unwritten_past_their_bound_drop_the_oldest_and_keep_the_largest_per_copy(monkeypatch):
-    monkeypatch.setattr(call, "MAX_UNWRITTEN_PROMPT_FACTORS", 2)
-    monkeypatch.setattr(call, "_unwritten_prompt_factors", {})
+    monkeypatch.setattr(directory, "MAX_UNWRITTEN_PROMPT_FACTORS", 2)
+    monkeypatch.setattr(directory, "unwritten_prompt_factors", {})
     first, second, third = (dataclasses.replace(_info(), id=name) for name in ("first", "second", "third"))
 
     async def outage():
@@ -552,5 +585,5 @@ def test_factors_kept_unwritten_past_their_bound_drop_the_oldest_and_keep_the_la
 
     asyncio.run(outage())
 
-    kept = {key[0]: factor for key, (_, factor) in call._unwritten_prompt_factors.items()}
+    kept = {key[0]: factor for key, (_, factor) in directory.unwritten_prompt_factors.items()}
     assert kept == {"second": Decimal(3), "third": Decimal(4)}

@@ -539,3 +539,81 @@ def test_a_copy_whose_replicas_read_two_tokenizers_bounds_each_prompt_by_the_lar
     assert sum(bounds) < CONTEXT
     # a gateway that reads no alternatives (the previous version, mid-deploy) sees an unknown tokenizer: the context
     assert TokenizerNormalizer.from_dict(differing).unknown
+
+
+def _four_differing_tokenizers():
+    """Four descriptions a copy's replicas may read (each decomposes, then makes a space k "▁"), kept together."""
+    each = {
+        f"node-{k}": {
+            "tokenizer_normalizer": TokenizerNormalizer(
+                steps=[
+                    NormalizerStep(kind="decompose"),
+                    NormalizerStep(kind="replace", pattern=" ", content="\u2581" * k),
+                ]
+            ).to_dict()
+        }
+        for k in range(1, 5)
+    }
+    return merged_claims(each)["tokenizer_normalizer"], each["node-4"]["tokenizer_normalizer"]
+
+
+def test_tokenizers_that_differ_share_one_allowance_of_characters_to_normalize(monkeypatch):
+    # A list of U+FDFA prompts (18 characters each decomposed) past the context's allowance: four tokenizers each with
+    # a whole allowance normalized four times what one does (the event loop held 4 times as long).
+    from endpoints.gateway import estimate
+
+    normalized = []
+
+    class CountingUnicodedata:
+        is_normalized = staticmethod(unicodedata.is_normalized)
+
+        @staticmethod
+        def normalize(form, text):
+            decomposed = unicodedata.normalize(form, text)
+            normalized.append(len(text) + len(decomposed))
+            return decomposed
+
+    monkeypatch.setattr(estimate, "unicodedata", CountingUnicodedata)
+    differing, one = _four_differing_tokenizers()
+    payload = {"prompt": ["\ufdfa"] * 20_000, "max_tokens": 1}
+    context = 131_072
+
+    worst_case(payload, "completion", context, normalizer=prompt_normalizer(one))
+    by_one, normalized[:] = sum(normalized), []
+    case = worst_case(payload, "completion", context, normalizer=prompt_normalizer(differing))
+    by_four = sum(normalized)
+
+    assert len(prompt_normalizer(differing).alternatives) == 4
+    # each share may end a text past it: one U+FDFA read, then decomposed (NFD: 1 character, NFKD: 18) more each
+    assert by_four <= by_one + 4 * (1 + 1 + 1 + 18)
+    # past its share a prompt counts unread, never less than the one tokenizer counts it
+    by_one_alone = worst_case(payload, "completion", context, normalizer=prompt_normalizer(one)).prompt_bounds
+    assert all(shared >= alone for shared, alone in zip(case.prompt_bounds, by_one_alone, strict=True))
+
+
+def test_a_list_of_more_prompts_than_the_context_shared_among_differing_tokenizers_reserves_each_the_context(
+    monkeypatch,
+):
+    # The later tokenizers read the texts again only while all their reads stay within one context (2,048 here)
+    from endpoints.gateway import estimate
+
+    counted = []
+    rewritten_bytes = estimate._rewritten_bytes
+
+    def counting(text, budget, rewrites):
+        counted.append(text)
+        return rewritten_bytes(text, budget, rewrites)
+
+    monkeypatch.setattr(estimate, "_rewritten_bytes", counting)
+    differing, _ = _four_differing_tokenizers()
+    rewrites = prompt_normalizer(differing)
+
+    few = worst_case({"prompt": ["a b"] * 600, "max_tokens": 1}, "completion", 2048, normalizer=rewrites)
+    assert len(counted) == 4 * 600
+    assert (
+        few.prompt_bounds == (3 + 11 + 8,) * 600
+    )  # the largest: a space made 4 "▁" (12 bytes) by the fourth
+    counted.clear()
+    many = worst_case({"prompt": ["a b"] * 3000, "max_tokens": 1}, "completion", 2048, normalizer=rewrites)
+    assert len(counted) == 3000
+    assert many.prompt_bounds == (2048,) * 3000
