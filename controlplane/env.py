@@ -111,7 +111,7 @@ def env_aws_account_ids(name: str) -> frozenset[str]:
 def env_networks(name: str, default: str = "") -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
     """Comma-separated CIDRs (`10.20.0.0/16,fd00:20::/64`), each strict (no host bits set); unset means `default`."""
     networks = []
-    for item in env_list(name, default.split(",")):
+    for item in env_list(name, [item for item in default.split(",") if item]):
         try:
             networks.append(ipaddress.ip_network(item))
         except ValueError:
