@@ -37,11 +37,18 @@ def service_addresses(settings):
 
 
 def test_a_node_registering_from_an_internal_address_outside_the_node_networks_is_400_audited_and_spends_no_token(
-        client, production_networks):
+    client, production_networks
+):
     created = create_join_token(SYSTEM, name="stolen", max_uses=3)
     for host in ("10.0.5.5", "172.16.0.10", "192.168.1.1", "fd00:99::1", "8.8.8.8"):
-        response = register(client, created.plain, name="mole", advertise_host=host, engine_port_min=6000,
-                            engine_port_max=6500)
+        response = register(
+            client,
+            created.plain,
+            name="mole",
+            advertise_host=host,
+            engine_port_min=6000,
+            engine_port_max=6500,
+        )
         assert response.status_code == 400, host
         assert response.json()["error"]["message"].startswith("invalid registration: advertise_host: "), host
         assert "INFERPLANE_NODE_NETWORKS" in response.json()["error"]["message"], host
@@ -50,7 +57,12 @@ def test_a_node_registering_from_an_internal_address_outside_the_node_networks_i
     refused = AuditEvent.objects.filter(action="node.register_refused")
     assert refused.count() == 5
     assert {event.details["advertise_host"] for event in refused} == {
-        "10.0.5.5", "172.16.0.10", "192.168.1.1", "fd00:99::1", "8.8.8.8"}
+        "10.0.5.5",
+        "172.16.0.10",
+        "192.168.1.1",
+        "fd00:99::1",
+        "8.8.8.8",
+    }
     assert {event.target_id for event in refused} == {str(created.join_token.pk)}
     # Inside the named networks, a node registers as before.
     for host in ("10.20.3.7", "fd00:20::7"):
@@ -64,31 +76,43 @@ def test_a_refused_host_with_a_bogus_token_is_400_and_writes_no_audit_row(client
 
 
 def test_a_node_on_the_control_planes_own_redis_or_database_address_is_refused_even_inside_the_networks(
-        client, production_networks, service_addresses):
+    client, production_networks, service_addresses
+):
     service_addresses.CELERY_BROKER_URL = "redis://10.20.0.9:6379/1"
     token = create_join_token(SYSTEM, name="stolen").plain
-    response = register(client, token, name="redis", advertise_host="10.20.0.9", engine_port_min=6000,
-                        engine_port_max=6500)
+    response = register(
+        client, token, name="redis", advertise_host="10.20.0.9", engine_port_min=6000, engine_port_max=6500
+    )
     assert response.status_code == 400
     assert "control plane's own PostgreSQL or Redis" in response.json()["error"]["message"]
     assert register(client, token, name="next-door", advertise_host="10.20.0.10").status_code == 201
 
 
-def test_the_gateway_never_routes_to_a_replica_on_a_node_outside_the_node_networks(client, production_networks):
+def test_the_gateway_never_routes_to_a_replica_on_a_node_outside_the_node_networks(
+    client, production_networks
+):
     production_networks.NODE_NETWORKS = (*FLEET, ipaddress.ip_network("10.99.0.0/16"))
     answer = register(client, create_join_token(SYSTEM, name="t").plain, advertise_host="10.99.0.7").json()
     endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
     reconcile_endpoint(str(endpoint.pk))
     replica = Replica.objects.get(endpoint=endpoint)
-    assert beat(client, answer["node_secret"],
-                [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://10.99.0.7:20001")]).status_code == 200
+    assert (
+        beat(
+            client,
+            answer["node_secret"],
+            [ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://10.99.0.7:20001")],
+        ).status_code
+        == 200
+    )
     assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
     # The operator drops that network (it was an internal service's): the directory's next load leaves it out.
     production_networks.NODE_NETWORKS = FLEET
     assert _load_replicas(str(endpoint.pk)) == []
 
 
-def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_reason(client, production_networks):
+def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_reason(
+    client, production_networks
+):
     production_networks.NODE_NETWORKS = (*FLEET, ipaddress.ip_network("10.99.0.0/16"))
     answer = register(client, create_join_token(SYSTEM, name="t").plain, advertise_host="10.99.0.7").json()
     assert beat(client, answer["node_secret"]).status_code == 200
