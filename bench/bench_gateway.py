@@ -65,7 +65,8 @@ DATA_DIR = REPO / ".data" / "bench"
 # NOTE: production settings (DEBUG off), as a deployed gateway runs; on plain HTTP, on localhost (its engines too).
 ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DJANGO_DEBUG": "0",
        "DJANGO_SECRET_KEY": "bench-gateway-only-" + "x" * 40, "ALLOWED_HOSTS": "127.0.0.1,localhost",
-       "SECURE_SSL_REDIRECT": "0", "INFERPLANE_ALLOW_LOOPBACK_NODES": "1"}
+       "SECURE_SSL_REDIRECT": "0", "INFERPLANE_ALLOW_LOOPBACK_NODES": "1",
+       "INFERPLANE_NODE_NETWORKS": "10.0.0.0/8"}
 os.environ.update(ENV)
 
 from controlplane import embedded  # noqa: E402 - after sys.path is set

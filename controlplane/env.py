@@ -8,6 +8,7 @@ table and the infra manifests are checked against.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from decimal import Decimal, InvalidOperation
 from urllib.parse import parse_qs, unquote, urlparse
@@ -105,6 +106,18 @@ def env_aws_account_ids(name: str) -> frozenset[str]:
         if not (len(item) == 12 and item.isascii() and item.isdigit()):
             raise ImproperlyConfiguredEnv(f"{name} must list 12-digit AWS account ids, comma-separated, not {item!r}")
     return frozenset(ids)
+
+
+def env_networks(name: str, default: str = "") -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated CIDRs (`10.20.0.0/16,fd00:20::/64`), each strict (no host bits set); unset means `default`."""
+    networks = []
+    for item in env_list(name, [item for item in default.split(",") if item]):
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError:
+            raise ImproperlyConfiguredEnv(f"{name} must list networks as CIDRs (10.20.0.0/16), comma-separated, "
+                                          f"not {item!r}") from None
+    return tuple(networks)
 
 
 def env_counts(name: str) -> dict[str, int]:

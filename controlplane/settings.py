@@ -32,6 +32,7 @@ from controlplane.env import (
     env_float,
     env_int,
     env_list,
+    env_networks,
     env_str,
     parse_database_url,
 )
@@ -372,6 +373,14 @@ ALLOW_LOCAL_MODEL_PATHS = env_bool("INFERPLANE_ALLOW_LOCAL_MODEL_PATHS", DEBUG o
 # Nodes whose engines are on the control plane's own machine (loopback, or a host name): the local stack's agents
 # are; a fleet's never are, and any holder of a shared join token could otherwise aim the gateway at its loopback.
 ALLOW_LOOPBACK_NODES = env_bool("INFERPLANE_ALLOW_LOOPBACK_NODES", DEBUG or env_str("DATABASE_URL") is None)
+# The networks GPU nodes may register from and serve engines on (`endpoints.nodes.models.advertise_host_problem`): the
+# gateway POSTs tenants' prompts, with the engine key, to a node's host, so a holder of a join token must not aim it at
+# an internal service. Production names them (the GPU nodes' subnets); none named is refused at start, as a missing
+# DATABASE_URL is. The local stack takes the private networks (its loopback agents need ALLOW_LOOPBACK_NODES).
+NODE_NETWORKS = env_networks("INFERPLANE_NODE_NETWORKS", "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7" if DEBUG else "")
+if not NODE_NETWORKS:
+    raise ImproperlyConfiguredEnv("INFERPLANE_NODE_NETWORKS must be set when DJANGO_DEBUG is off: the CIDRs of the "
+                                  "networks GPU nodes register from, never the control plane's own")
 # The AWS accounts the platform itself runs in (the control plane's, each node pool's, the files bucket's). A tenant's
 # S3 credential may name a role for the GPU nodes to assume with their own credentials; a role in one of these
 # accounts is refused when saved and when a replica's spec is built (`endpoints.credentials.check_role_arn`): if any

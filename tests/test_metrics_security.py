@@ -169,6 +169,7 @@ def test_production_refuses_a_short_metrics_token():
         "INFERPLANE_ENCRYPTION_KEYS": "YnVpbGQtdGltZS1wbGFjZWhvbGRlci1uZXZlci11c2U=",
         "ALLOWED_HOSTS": "inferplane.example.com",
         "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane", "REDIS_URL": "redis://redis.internal:6379/0",
+        "INFERPLANE_NODE_NETWORKS": "10.20.0.0/16",
         "INFERPLANE_METRICS_TOKEN": "short",
     }
     result = subprocess.run([sys.executable, "manage.py", "check"], cwd=REPO_ROOT, env=environment,

@@ -11,6 +11,7 @@ from controlplane.env import (
     env_bool,
     env_int,
     env_list,
+    env_networks,
     parse_database_url,
 )
 from tests.conftest import REPO_ROOT
@@ -118,6 +119,7 @@ PRODUCTION_ENV = {
     "CSRF_TRUSTED_ORIGINS": "https://inferplane.example.com",
     "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
     "REDIS_URL": "redis://redis.internal:6379/0",
+    "INFERPLANE_NODE_NETWORKS": "10.20.0.0/16",
 }
 
 
@@ -196,6 +198,24 @@ def test_with_django_debug_off_and_no_urls_production_refuses_instead_of_startin
     assert result.returncode != 0
     assert "DATABASE_URL must be set when DJANGO_DEBUG is off" in result.stderr
     assert not (tmp_path / "postgres").exists()
+
+
+def test_production_refuses_to_start_without_the_networks_gpu_nodes_may_serve_on(tmp_path):
+    env = {k: v for k, v in PRODUCTION_ENV.items() if k != "INFERPLANE_NODE_NETWORKS"}
+    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    assert result.returncode != 0
+    assert "ImproperlyConfiguredEnv: INFERPLANE_NODE_NETWORKS must be set when DJANGO_DEBUG is off" in result.stderr
+
+
+def test_node_networks_are_cidrs_or_the_setting_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(env, "SETTINGS_ENV_VARS", set(env.SETTINGS_ENV_VARS))
+    assert env_networks("X_NETWORKS") == ()
+    monkeypatch.setenv("X_NETWORKS", " 10.20.0.0/16, fd00:20::/64 ,")
+    assert [str(network) for network in env_networks("X_NETWORKS")] == ["10.20.0.0/16", "fd00:20::/64"]
+    for bad in ("10.20.0.1/16", "ten", "10.20.0.0/33"):
+        monkeypatch.setenv("X_NETWORKS", f"10.20.0.0/16,{bad}")
+        with pytest.raises(ImproperlyConfiguredEnv, match="X_NETWORKS must list networks as CIDRs"):
+            env_networks("X_NETWORKS")
 
 
 def test_production_settings_never_import_the_embedded_servers():

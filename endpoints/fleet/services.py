@@ -130,11 +130,20 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`), before the token
-    is looked up or a use of it spent; `LookupsBusy` when other join tokens hold every lookup slot for longer than a
-    caller may wait."""
+    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) before a use of the token is
+    spent, audited (`node.register_refused`, naming the token) when the token is a real one: its holder tried to aim
+    the gateway at an address outside the fleet's; `LookupsBusy` when other join tokens hold every lookup slot for
+    longer than a caller may wait."""
     host_problem = advertise_host_problem(request.advertise_host)
     if host_problem:
+        # NOTE: audited only for a real token, so a stranger's bogus registrations write nothing (and a refused token
+        # sent again costs no query, `JOIN_TOKEN_LOOKUPS`).
+        join_token = _find_join_token(request.join_token)
+        if join_token is not None:
+            logger.warning("registration of node %r with join token %s refused: advertise_host %r: %s",
+                           request.name, join_token, request.advertise_host, host_problem)
+            record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name,
+                         advertise_host=request.advertise_host, reason=host_problem)
         raise ReportRefused(f"advertise_host: {host_problem}")
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
@@ -208,10 +217,15 @@ GPUS_IGNORED = "gpus_ignored"
 def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
     """Take the agent's report, move replica states forward, and answer with the desired replicas.
 
-    Raises `ReportRefused` (nothing taken) when a report names no replica id the control plane could have issued.
-    Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
+    Raises `ReportRefused` (nothing taken) when a report names no replica id the control plane could have issued, or
+    when the node's registered host is one the gateway may no longer reach (`Node.host_problem`: the operator narrowed
+    `NODE_NETWORKS` since it registered; the sweep moves its replicas elsewhere). Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
     one on a replica stopped or failed, or another node's, or made up, changes nothing, its events and adapters included.
     """
+    host_problem = node.host_problem()
+    if host_problem:
+        raise ReportRefused(f"advertise_host: the node's registered host is refused ({host_problem}); "
+                            "register again from an allowed host")
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)

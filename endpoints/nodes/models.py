@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import socket
 import uuid
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -55,7 +57,8 @@ def advertise_host_problem(host: str) -> str:
     NOTE: the one rule for a node's host, applied when it registers and again by the gateway before it routes
     (`engine_address_problem`): any holder of a shared join token can register a node, so its host must not be the
     gateway's own machine (loopback, the unspecified address), a link-local address (169.254.169.254 is the cloud's
-    metadata service) or a multicast one. Private addresses (RFC 1918, IPv6 ULA) are where fleet nodes live. A
+    metadata service) or a multicast one, nor an internal service's: it must be inside the networks the operator named
+    for GPU nodes (`NODE_NETWORKS`) and not the control plane's own PostgreSQL or Redis. A
     host name is taken only where loopback nodes are (`ALLOW_LOOPBACK_NODES`, the local stack): the gateway connects
     by name, and a name may resolve to anything, later as well as now; a fleet node advertises its IP (pod, instance).
     """
@@ -70,7 +73,40 @@ def advertise_host_problem(host: str) -> str:
     if address.is_unspecified or address.is_link_local or address.is_multicast or address.is_reserved or (
             address.version == 4 and address in _THIS_NETWORK):
         return "it is an unspecified, link-local, multicast or reserved address"
+    if address in control_plane_service_addresses():
+        return "it is an address of the control plane's own PostgreSQL or Redis"
+    if not any(address in network for network in settings.NODE_NETWORKS):
+        return "it is outside the networks GPU nodes may serve on (INFERPLANE_NODE_NETWORKS)"
     return ""
+
+
+@functools.cache
+def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`), a
+    host name's as it resolved once per process: a node never advertises one, even inside `NODE_NETWORKS`.
+
+    NOTE: a name that resolves elsewhere later (a managed database's failover) is not followed; the web pods' egress
+    NetworkPolicy (`infra/k8s/base/network-policies.yaml`) is the other wall. Loopback ones matter only where
+    loopback nodes are refused: the local stack allows them (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
+    addresses = set()
+    for url in (settings.DATABASE_URL, settings.REDIS_URL, settings.CELERY_BROKER_URL):
+        try:
+            host = urlsplit(url).hostname
+        except ValueError:
+            host = None
+        if not host or host.startswith("/"):  # a Unix socket
+            continue
+        try:
+            addresses.add(ipaddress.ip_address(_normal_host(host)))
+            continue
+        except ValueError:
+            pass
+        try:
+            resolved = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            continue
+        addresses.update(ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in resolved)
+    return frozenset(addresses)
 
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # "this host on this network": never a node's address

@@ -183,3 +183,42 @@ def test_uploads_have_an_ingress_whose_body_limit_admits_the_largest_file_and_st
     from endpoints.batches.views import CONSOLE_FILE_MAX_BYTES
 
     assert CONSOLE_FILE_MAX_BYTES + 64 * 1024 <= request_limit
+
+
+def _egress_rules(rendered, workload: str) -> list[dict]:
+    return [rule for policy in _policies_selecting(rendered, workload)
+            if "Egress" in policy["spec"]["policyTypes"] for rule in policy["spec"].get("egress", [])]
+
+
+def test_web_pods_reach_inside_the_network_only_dns_the_databases_and_the_engine_ports_of_the_node_networks(rendered):
+    # A node registered on an internal service's address is refused by the control plane (INFERPLANE_NODE_NETWORKS,
+    # tests/test_node_networks.py); without an egress policy the gateway could still be aimed at any port inside.
+    import ipaddress
+
+    rules = _egress_rules(rendered, "inferplane-web")
+    assert rules, "the web pods have an egress policy"
+    node_networks = {network.strip() for network in
+                     rendered.config_map("inferplane-config")["data"]["INFERPLANE_NODE_NETWORKS"].split(",")}
+    engine_ports = [{"port": DEFAULT_ENGINE_PORT_MIN, "endPort": DEFAULT_ENGINE_PORT_MAX, "protocol": "TCP"}]
+    internal = [ipaddress.ip_network(cidr) for cidr in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                                        "100.64.0.0/10", "169.254.169.254/32", "127.0.0.0/8")]
+    for rule in rules:
+        assert rule.get("ports"), f"a rule open on every port: {rule}"
+        ports = {port["port"] for port in rule["ports"]}
+        for peer in rule.get("to", []):
+            if "namespaceSelector" in peer:
+                assert ports == {53}, "only DNS leaves the namespace by selector"
+            block = peer.get("ipBlock")
+            if block is None:
+                continue
+            if rule["ports"] == engine_ports:
+                assert block["cidr"] in node_networks and not block.get("except"), block
+                continue
+            excepted = [ipaddress.ip_network(cidr) for cidr in block.get("except", [])]
+            for network in internal:
+                if network.subnet_of(ipaddress.ip_network(block["cidr"])):
+                    assert any(network.subnet_of(out) for out in excepted), (network, block)
+        if "to" not in rule:
+            assert ports <= {5432, 6432, 6379}, f"only the databases' ports are open to any address: {rule}"
+    assert any(rule["ports"] == engine_ports and {"ipBlock": {"cidr": network}} in rule["to"]
+               for rule in rules for network in node_networks), "the node networks' engine ports are reachable"
