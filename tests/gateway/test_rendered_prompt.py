@@ -321,7 +321,6 @@ def test_a_stream_keeping_its_replicas_held_backs_off_while_postgresql_refuses_c
 
     monkeypatch.setattr(directory._replicas, "_load", counted)
     directory._replicas.forget(endpoint_id)
-    closing = worker_threads._closing_after_each_call.set(True)
 
     async def keep_held_twice():
         directory.keep_replicas_held(endpoint_id)
@@ -334,9 +333,8 @@ def test_a_stream_keeping_its_replicas_held_backs_off_while_postgresql_refuses_c
 
     try:
         with database_refusing_connections():
-            asyncio.run(keep_held_twice())
+            worker_threads.run_briefly(keep_held_twice())
     finally:
-        worker_threads._closing_after_each_call.reset(closing)
         directory._replicas_kept.discard(endpoint_id)
         directory._replicas_kept_failed.discard(endpoint_id)
         directory._replicas.forget(endpoint_id)
