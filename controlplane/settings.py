@@ -539,9 +539,14 @@ EMAIL_PORT = env_int("EMAIL_PORT", 587, minimum=1, maximum=65535)
 EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", True)
-EMAIL_BACKEND = (
-    "django.core.mail.backends.smtp.EmailBackend" if EMAIL_HOST else "django.core.mail.backends.console.EmailBackend"
-)
+# Without SMTP: printed whole while debugging (`make run`), dropped with a log line of its recipients in production
+# (its links are secrets: `controlplane.unsent_mail`).
+if EMAIL_HOST:
+    EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+elif DEBUG:
+    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+else:
+    EMAIL_BACKEND = "controlplane.unsent_mail.EmailBackend"
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "Inferplane <noreply@inferplane.local>")
 
 # --- security (production) ---------------------------------------------------------------

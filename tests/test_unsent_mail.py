@@ -1,0 +1,29 @@
+"""Mail in a deployment without SMTP (`controlplane.unsent_mail`): never its secrets in the log."""
+
+import logging
+
+from django.core import mail
+from django.core.mail import EmailMessage
+
+from tests.test_settings import _read_setting
+
+
+def test_a_production_without_email_host_drops_mail_and_logs_only_its_recipients_and_subject():
+    # Before: Django's console backend, which prints the whole message (a password reset's link) to the log.
+    chosen = _read_setting({"EMAIL_HOST": ""}, "settings.EMAIL_BACKEND")
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.strip().splitlines()[-1] == "'controlplane.unsent_mail.EmailBackend'"
+    with_smtp = _read_setting({"EMAIL_HOST": "smtp.example.com"}, "settings.EMAIL_BACKEND")
+    assert with_smtp.stdout.strip().splitlines()[-1] == "'django.core.mail.backends.smtp.EmailBackend'"
+
+
+def test_the_unsent_mail_backend_says_who_was_not_mailed_and_nothing_of_the_body(caplog):
+    connection = mail.get_connection("controlplane.unsent_mail.EmailBackend")
+    message = EmailMessage(
+        "Reset your password", "https://console.example.com/reset/MQ/secret-token-123/", to=["ada@example.com"]
+    )
+    with caplog.at_level(logging.WARNING, logger="inferplane.mail"):
+        assert connection.send_messages([message]) == 0
+    assert "ada@example.com" in caplog.text
+    assert "Reset your password" in caplog.text
+    assert "secret-token-123" not in caplog.text
