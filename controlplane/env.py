@@ -9,6 +9,7 @@ table and the infra manifests are checked against.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from decimal import Decimal, InvalidOperation
 from urllib.parse import parse_qs, unquote, urlparse
@@ -79,6 +80,9 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
         number = float(value)
     except ValueError:
         raise ImproperlyConfiguredEnv(f"{name} must be a number, not {value!r}") from None
+    # NOTE: `float` reads "nan" and "inf", which pass every bound (`nan < minimum` is False) and turn off what they time
+    if not math.isfinite(number):
+        raise ImproperlyConfiguredEnv(f"{name} must be a finite number, not {value!r}")
     if minimum is not None and number < minimum:
         raise ImproperlyConfiguredEnv(f"{name} must be at least {minimum}, not {number}")
     return number

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
@@ -56,23 +56,47 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
 class _RunConnections:
     """The connections a short-lived event loop's calls opened (`run_briefly`), one a thread at most: each kept across
     its thread's calls, closed when the loop ends. NOTE: closed after each call, a batch run opened a PostgreSQL session
-    per lease check (one a second) and per stored line."""
+    per lease check (one a second) and per stored line.
+
+    NOTE: the loop can end while a call still runs in its thread: Celery's soft time limit raised while `asyncio.run`
+    joined them. `close_all` then closed a connection that thread was mid-query on (a store lost), and a call that
+    ended after it kept its connection in the emptied list (a session open until a garbage collection). So a thread's
+    connections are closed by `close_all` only between its calls; a call ending after it closes its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[int, BaseDatabaseWrapper] = {}
+        # id(wrapper) -> (its thread, the wrapper)
+        self._kept: dict[int, tuple[int, BaseDatabaseWrapper]] = {}
+        self._num_calls_in: Counter[int] = Counter()  # thread -> its calls running now
+        self.closed = False
 
-    def keep(self) -> None:
-        """Note this thread's open connections (its caller's thread), to close when the loop ends."""
+    def enter(self) -> None:
+        """This thread begins a call: its connections are its own until `leave`."""
         with self._lock:
-            for wrapper in connections.all(initialized_only=True):
-                if wrapper.connection is not None:
-                    self._kept[id(wrapper)] = wrapper
+            self._num_calls_in[threading.get_ident()] += 1
+
+    def leave(self) -> None:
+        """This thread's call ended: its open connections kept to close as the loop ends, or closed now if it has."""
+        thread = threading.get_ident()
+        with self._lock:
+            self._num_calls_in[thread] -= 1
+            if not self._num_calls_in[thread]:
+                del self._num_calls_in[thread]
+            closed = self.closed
+            if not closed:
+                for wrapper in connections.all(initialized_only=True):
+                    if wrapper.connection is not None:
+                        self._kept[id(wrapper)] = thread, wrapper
+        if closed:
+            connections.close_all()
 
     def close_all(self) -> None:
-        """Close every connection noted, from this thread: their threads have ended (or serve no call of the loop)."""
+        """Close every connection noted of a thread between calls, from this thread; a thread still inside a call
+        closes its own as the call ends (`leave`)."""
         with self._lock:
-            kept, self._kept = list(self._kept.values()), {}
+            self.closed = True
+            kept = [wrapper for thread, wrapper in self._kept.values() if thread not in self._num_calls_in]
+            self._kept = {}
         for wrapper in kept:
             wrapper.inc_thread_sharing()  # NOTE: Django refuses a connection's close outside its thread otherwise
             try:
@@ -103,7 +127,7 @@ def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(keeping_connections())
     finally:
-        kept.close_all()  # NOTE: after `asyncio.run` has joined its default executor's threads
+        kept.close_all()  # NOTE: after `asyncio.run` has joined its default executor's threads (or was interrupted)
 
 
 def _close_broken_connections() -> None:
@@ -133,16 +157,19 @@ def connections_checked(function: Callable) -> Callable:
         kept = _run_connections.get()
         if kept is None:
             close_old_connections()
-        else:
-            _close_broken_connections()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                close_old_connections()
+        kept.enter()
         try:
+            _close_broken_connections()
             return function(*args, **kwargs)
         finally:
-            if kept is None:
-                close_old_connections()
-            else:
+            try:
                 _close_broken_connections()
-                kept.keep()
+            finally:
+                kept.leave()
 
     return call
 

@@ -265,6 +265,14 @@ def test_a_pooler_or_cluster_setting_that_cannot_work_refuses_to_start(env, mess
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity"])
+def test_a_duration_that_is_not_a_finite_number_refuses_to_start(value):
+    # NOTE: `nan` and `inf` passed every bound: INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S=nan turned the give-up off
+    result = _read_setting({"INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S": value}, "settings.BATCH_NO_ROOM_GIVE_UP_S")
+    assert result.returncode != 0
+    assert f"INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S must be a finite number, not {value!r}" in result.stderr
+
+
 def test_on_a_redis_cluster_celery_and_the_cache_use_the_plain_broker_redis():
     result = _read_setting({"REDIS_CLUSTER": "1", "REDIS_URL": "redis://node-1.cluster:6379/0",
                             "CELERY_BROKER_URL": "redis://broker:6379/0"},

@@ -30,18 +30,22 @@ line keeps (its engine's bytes, then its row: `LineAnswer.keep`). A read that fa
 So the lines' answers hold at most the bound; what a line copies beside its answer held in memory (its read joined,
 its check, its row: an answer at most) is made in the run's event loop, one line at a time (`runner.run_line`), and
 boto3 holds up to 2 MiB beside each row it stores. One budget per process, shared by every run in it (a prefork child
-runs one at a time; runs in threads share it under its lock, a parked read resumed in its own event loop).
+runs one at a time; runs in threads share it under its lock, a parked read resumed in its own event loop). Bytes still
+held as a run starts with none of the process's running are a leak: logged and forgotten (`run_started`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 from django.conf import settings
 
 from endpoints.batches import spool
 from endpoints.gateway import upstream
+
+logger = logging.getLogger("inferplane.batches")
 
 # NOTE: the most one read of an upstream connection brings (asyncio's selector transports read up to 256 KiB at a
 # time): taken from the bound before each read. What came in with an answer's headers, before its read began, is one
@@ -138,6 +142,32 @@ class _Budget:
 
 
 _budget = _Budget()
+_runs_lock = threading.Lock()
+_num_runs = 0  # the process's runs running now (`run_started`, `run_ended`)
+
+
+def run_started(batch_id: str) -> None:
+    """A run of this process begins (before its first line): bytes still held while none of its runs is running are
+    a leak (a line's answer never released), logged and forgotten. `run_ended` must follow, once its lines are released.
+
+    NOTE: a batch worker (Celery prefork) runs one run a process: a leak made every later run of the process give up
+    with "no_room" (`runner.run`), for good, until its pod restarted. The answers leaked keep counting in the budget
+    they were made under, not in the new one."""
+    global _budget, _num_runs
+    with _runs_lock:
+        if not _num_runs and (_budget.held or _budget.num_spooled):
+            logger.error("batch %s: this process's batch lines held %d bytes of answers and %d answer(s) on disk with "
+                         "none of its runs running: leaked (a line's answer never released); counted from zero again",
+                         batch_id, _budget.held, _budget.num_spooled)
+            _budget = _Budget()
+        _num_runs += 1
+
+
+def run_ended() -> None:
+    """A run of this process ended, its lines' answers released (`run_started`)."""
+    global _num_runs
+    with _runs_lock:
+        _num_runs -= 1
 
 
 def held_bytes() -> int:
@@ -178,7 +208,7 @@ class LineAnswer:
     `release` gives back every count, and its spool, and nothing is counted after it (a line still running as its
     run ends on an error). Made with the room of its first read taken (`room` says whether a line may start)."""
 
-    __slots__ = ("num_bytes", "num_unread", "spool", "_reading", "_num_sent", "_released")
+    __slots__ = ("num_bytes", "num_unread", "spool", "_reading", "_num_sent", "_released", "_budget")
 
     def __init__(self) -> None:
         self.num_bytes = 0  # counted against the bound: what it holds, and `num_unread`
@@ -187,7 +217,8 @@ class LineAnswer:
         self._reading = True
         self._num_sent = 0  # handed to the line's own `send`, which keeps them
         self._released = False
-        budget = _budget
+        # NOTE: the budget it is counted in, kept: one forgotten as leaked (`run_started`) is never given back to the next
+        self._budget = budget = _budget
         with budget.lock:
             budget.held += READ_BYTES
             budget.reading += READ_BYTES
@@ -208,7 +239,7 @@ class LineAnswer:
         """Count bytes just read on `connection` (from the room taken for them); True when it must pause (it is parked,
         resumed as bytes are given back). Past `largest_answer_bytes`, its bytes are given back and the rest of it goes
         on to a spool (`connection.drop_whole_answer`), or, with none free, it waits for one."""
-        budget = _budget
+        budget = self._budget
         to_spool = too_large = False
         with budget.lock:
             if self._released or not self._reading or self.spool is not None:
@@ -267,7 +298,7 @@ class LineAnswer:
     def done_reading(self) -> None:
         """Its read ended (whole, failed or abandoned): its bytes are held whole now, the room taken for reads it will
         not make is given back, and the reader's slot is free."""
-        budget = _budget
+        budget = self._budget
         with budget.lock:
             if not self._reading:
                 return
@@ -303,7 +334,7 @@ class LineAnswer:
             return
         self.spool.close()
         self.spool = None
-        budget = _budget
+        budget = self._budget
         with budget.lock:
             budget.num_spooled -= 1
             waiting, budget.waiting_for_disk = budget.waiting_for_disk, None
@@ -311,7 +342,7 @@ class LineAnswer:
             _resume([waiting[0]])  # NOTE: its next read goes on to the spool given back (`take`)
 
     def _count(self, num_bytes: int) -> None:
-        budget = _budget
+        budget = self._budget
         with budget.lock:
             if self._released:
                 return

@@ -226,7 +226,7 @@ class Progress:
     num_failed: int
     # why the run stopped starting lines: "cancel", "lease", "slice", "expired", "cold", "full", "quota", "gone",
     # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end),
-    # "no_room" (the process's answer bytes held by others for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
+    # "no_room" (the process's answer bytes held by its other runs for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
     stopped: str = ""
 
 
@@ -493,6 +493,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
+    answer_bytes.run_started(work.batch_id)
     try:
         while pending or running or storing or unstored:
             pending.read_ahead()
@@ -565,12 +566,13 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             elif no_room_since is None:
                 no_room_since = now
             elif now - no_room_since >= settings.BATCH_NO_ROOM_GIVE_UP_S:
-                # NOTE: the bytes are held by the process's other runs, or leaked: waited for with no bound, a leak
-                # held this run's worker slot until its task's time limit, and the next run's after it, for good
+                # NOTE: the bytes are held by the process's other runs (in threads: a prefork child runs one), or
+                # leaked since this run started (one leaked before is forgotten as a run starts alone, `run_started`):
+                # waited for with no bound, a leak held this run's worker slot until its task's time limit
                 logger.error("batch %s: no line could start for %.0f s: this process's batch lines hold %d bytes of "
-                             "answers (INFERPLANE_BATCH_ANSWER_BYTES %d), none of them this run's; its lines wait for "
-                             "a later run", work.batch_id, now - no_room_since, answer_bytes.held_bytes(),
-                             settings.BATCH_ANSWER_BYTES)
+                             "answers (INFERPLANE_BATCH_ANSWER_BYTES %d), none of them this run's: held by its other "
+                             "runs, or leaked while this one ran; its lines wait for a later run", work.batch_id,
+                             now - no_room_since, answer_bytes.held_bytes(), settings.BATCH_ANSWER_BYTES)
                 progress.stopped = "no_room"
             if not running and not storing:
                 # NOTE: answers left unstored are tried again at each check until the run's lines must have ended
@@ -637,8 +639,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             done = task = outcome = None
     finally:
         # NOTE: a run that ends with lines running or storing (an error) gives their bytes back: the process runs others
-        for _, answer in [*running.values(), *storing.values(), *unstored]:
-            answer.release()
+        try:
+            for _, answer in [*running.values(), *storing.values(), *unstored]:
+                answer.release()
+        finally:
+            answer_bytes.run_ended()
         if unstored:
             # NOTE: never ended by this run (`services.run_batch`): the next runs them again, under their ids
             logger.warning("batch %s: %d line(s) answered but not stored: the next run runs them again",

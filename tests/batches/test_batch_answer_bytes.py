@@ -462,21 +462,23 @@ def test_without_spools_lines_larger_than_the_largest_answer_fail_with_their_err
 @pytest.mark.django_db(transaction=True)
 def test_a_run_with_no_room_for_a_first_read_and_no_line_of_its_own_gives_up_its_slice_and_says_so(
         files_bucket, tenant, start_mock_upstream, settings, caplog):
-    """Before, such a run waited for bytes to be given back with no bound: bytes leaked (never released) held its
-    worker slot until its task's time limit, and the next run's after it, for good."""
+    """Before, such a run waited for bytes to be given back with no bound: bytes held by another run of the process
+    (or leaked while it ran) held its worker slot until its task's time limit."""
     settings.BATCH_ANSWER_BYTES = 1 * MiB
     settings.BATCH_NO_ROOM_GIVE_UP_S = 1
     engine = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, engine)
     batch = new_batch(endpoint, logprob_lines(endpoint.name, 2))
-    leaked = answer_bytes.LineAnswer()  # another line's bytes, never given back
-    assert not answer_bytes.room()
+    answer_bytes.run_started("batch_other")  # another run of the process (in a thread), holding a line's bytes
     try:
+        held = answer_bytes.LineAnswer()
+        assert not answer_bytes.room()
         worker, runs = run_in_a_thread(batch.pk)
         worker.join(timeout=60)  # NOTE: a guard against a hang, far past the second it waits
         assert not worker.is_alive(), "the run waited for the held bytes with no bound"
+        held.release()
     finally:
-        leaked.release()
+        answer_bytes.run_ended()
     assert runs == ["no_room"]
     assert (Batch.objects.get(pk=batch.pk).status, _engine_requests(engine)) == (BatchStatus.IN_PROGRESS, 0)
     [error] = [record for record in caplog.records if record.levelname == "ERROR"]
@@ -485,6 +487,30 @@ def test_a_run_with_no_room_for_a_first_read_and_no_line_of_its_own_gives_up_its
     assert services.run_batch(batch.pk) == "ran"  # the bytes given back, a later run runs its lines
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed) == (BatchStatus.COMPLETED, 2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bytes_leaked_while_no_run_of_the_process_ran_are_forgotten_as_the_next_run_starts(
+        files_bucket, tenant, start_mock_upstream, settings, caplog):
+    """Before, a batch worker process (Celery prefork: one run at a time) whose answer bytes leaked gave up every run it
+    took with "no_room", for good (6 runs of 3 batches: 6 "no_room", no engine request)."""
+    settings.BATCH_ANSWER_BYTES = 1 * MiB
+    settings.BATCH_NO_ROOM_GIVE_UP_S = 1
+    engine = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, engine)
+    batches = [new_batch(endpoint, logprob_lines(endpoint.name, 2)) for _ in range(2)]
+    leaked = answer_bytes.LineAnswer()  # a line's bytes never given back, no run of the process running
+    assert not answer_bytes.room()
+
+    assert [services.run_batch(batch.pk) for batch in batches] == ["ran", "ran"]
+
+    assert [Batch.objects.get(pk=batch.pk).status for batch in batches] == [BatchStatus.COMPLETED] * 2
+    assert _engine_requests(engine) == 4
+    [error] = [record for record in caplog.records if record.levelname == "ERROR"]  # once, as the first run started
+    assert "held 262144 bytes of answers and 0 answer(s) on disk with none of its runs running: leaked" in (
+        error.getMessage())
+    leaked.release()  # NOTE: given back to the budget it was forgotten with, never to the process's new one
+    assert answer_bytes.held_bytes() == 0
 
 
 def _engine_requests(engine: str) -> int:

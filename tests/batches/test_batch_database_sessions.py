@@ -4,15 +4,20 @@ kept across its calls: it opened one a call."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gc
+import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
 from django.db import connection
 from django.db.backends.signals import connection_created
 
+from controlplane.worker_threads import in_worker_thread, run_briefly
 from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
@@ -89,3 +94,79 @@ def test_a_run_keeps_its_connections_across_its_checks_and_stores_and_closes_the
         connection_created.disconnect(count)
     assert len(opened) == len(set(opened)), f"{len(opened)} sessions opened by {len(set(opened))} threads"
     assert _other_sessions() == [], "a session was left open past the run"
+
+
+class _SoftTimeLimit(Exception):
+    """As Celery's `SoftTimeLimitExceeded`: raised in the worker's main thread by a signal, wherever it is."""
+
+
+@contextmanager
+def _soft_time_limits(first_after_s: float, *, then_every_s: float = 0.0):
+    """`_SoftTimeLimit` raised in this thread after `first_after_s` (and every `then_every_s` after, if given), as
+    Celery's soft time limit is."""
+
+    def raise_soft_limit(signum, frame):
+        raise _SoftTimeLimit()
+
+    previous = signal.signal(signal.SIGALRM, raise_soft_limit)
+    signal.setitimer(signal.ITIMER_REAL, first_after_s, then_every_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _one_thread_executor() -> None:
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+
+
+def test_a_soft_time_limit_while_a_run_joins_its_threads_lets_a_call_mid_query_finish_and_store():
+    # NOTE: the run's end closed every kept connection while a store was still mid-query in its thread: the store
+    # failed ("connection socket closed") and its answer was lost
+    outcome: list[str] = []
+
+    def quick() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
+    def slow_store() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_sleep(2)")
+                cursor.execute("SELECT 1")
+            outcome.append("stored")
+        except Exception as exc:  # noqa: BLE001 - what the store met is the test's outcome
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    async def a_run() -> None:
+        _one_thread_executor()
+        await in_worker_thread(quick)()  # the thread's connection, kept for its next call
+        asyncio.ensure_future(in_worker_thread(slow_store)())  # still in its thread as the run ends
+        await asyncio.sleep(0.1)
+        raise RuntimeError("the run failed (a put S3 refused)")
+
+    with _soft_time_limits(0.8), pytest.raises((RuntimeError, _SoftTimeLimit)):
+        run_briefly(a_run())  # the soft limit lands while `asyncio.run` joins the store's thread
+    deadline = time.monotonic() + 10
+    while not outcome and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcome == ["stored"]
+    assert _other_sessions() == []
+
+
+def test_a_call_that_ends_after_its_run_closes_its_own_connection():
+    # NOTE: a second soft limit during the join ended the run with a call still in its thread; the call then kept its
+    # connection in the emptied list, and the session stayed open until a garbage collection
+    def slow() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(2)")
+
+    async def a_run() -> None:
+        _one_thread_executor()
+        await in_worker_thread(slow)()
+
+    with _soft_time_limits(0.5, then_every_s=0.5), pytest.raises(_SoftTimeLimit):
+        run_briefly(a_run())  # one limit during the call, the next while `asyncio.run` joins its thread
+    time.sleep(2)  # the call ends in its thread
+    assert _other_sessions() == []
