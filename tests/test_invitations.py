@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.apps import apps
 from django.core import mail
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -513,3 +513,89 @@ def test_an_invitation_revoked_while_its_sender_is_removed_is_revoked_once_and_n
     assert not Membership.objects.filter(pk=seat.pk).exists()
     assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
     assert AuditEvent.objects.filter(action="invitation.revoke", target_id=str(invitation.pk)).count() == 1
+
+
+@pytest.mark.parametrize("role", [Role.OWNER, Role.ADMIN])
+def test_a_sender_deleted_outside_the_admin_leaves_an_invitation_that_grants_nothing(role):
+    """A null sender read as the platform: a sender deleted from the shell (or by a cascade) left pending invitations
+    that granted their role, owner included, to whoever held the address (a review's finding)."""
+    organization = OrganizationFactory()
+    sender, invitee = UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, role=Role.OWNER)
+    MembershipFactory(organization=organization, user=sender, role=Role.OWNER)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email, role=role)
+
+    sender.delete()
+
+    invitation = Invitation.objects.get(pk=invitation.pk)
+    assert "may no longer invite" in (invitations.invitation_refusal(invitation, invitee) or "")
+    with pytest.raises(invitations.InvitationRefused):
+        invitations.accept_invitation(services.Actor(user=invitee), invitation)
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+
+
+def test_the_platforms_own_invitations_are_marked_and_still_accepted():
+    organization = OrganizationFactory()
+    invitee = UserFactory(username="new@example.test")
+    invitation = invitations.invite_member(services.SYSTEM, organization, email=invitee.email, role=Role.OWNER)
+
+    assert invitation.from_platform and invitation.invited_by_id is None
+    assert invitations.accept_invitation(services.Actor(user=invitee), invitation).role == Role.OWNER
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_sent_while_the_admin_deletes_its_sender_grants_nothing():
+    """The admin's delete revokes the user's pending invitations, then deletes the user: one sent in between (in an
+    organisation whose row the revocation never locked) lost its sender and became the platform's, an owner's seat."""
+    first, second = OrganizationFactory(), OrganizationFactory()
+    sender, accomplice = UserFactory(), UserFactory(username="accomplice@example.test")
+    MembershipFactory(organization=first, user=sender, role=Role.OWNER)
+    MembershipFactory(organization=second, user=sender, role=Role.OWNER)
+    MembershipFactory(organization=second, role=Role.OWNER)
+    invitations.invite_member(services.Actor(user=sender), first, email="x@example.test", role=Role.MEMBER)
+    sent = {}
+
+    def invite_then_close():
+        try:
+            sent["invitation"] = invitations.invite_member(services.Actor(user=sender), second,
+                                                           email=accomplice.email, role=Role.OWNER)
+        finally:
+            connection.close()
+
+    with transaction.atomic():  # as the admin's `_revoke_what_they_made` and then its delete run
+        actor = services.Actor(source_ip="127.0.0.1")
+        members.revoke_invitations_sent_by(actor, sender, reason="user.delete")
+        inviting = threading.Thread(target=invite_then_close)
+        inviting.start()
+        inviting.join(timeout=60)
+        sender.delete()
+
+    invitation = Invitation.objects.get(pk=sent["invitation"].pk)
+    assert invitations.invitation_refusal(invitation, accomplice) is not None
+    with pytest.raises(invitations.InvitationRefused):
+        invitations.accept_invitation(services.Actor(user=accomplice), invitation)
+    assert not Membership.objects.filter(organization=second, user=accomplice).exists()
+
+
+def test_the_migration_revokes_pending_invitations_whose_sender_was_deleted_and_audits_each():
+    organization = OrganizationFactory()
+    sender = UserFactory()
+    MembershipFactory(organization=organization, user=sender, role=Role.OWNER)
+    orphaned = invitations.invite_member(services.Actor(user=sender), organization, email="a@example.test",
+                                         role=Role.OWNER)
+    accepted = invitations.invite_member(services.Actor(user=sender), organization, email="b@example.test",
+                                         role=Role.MEMBER)
+    platform = invitations.invite_member(services.SYSTEM, organization, email="c@example.test", role=Role.MEMBER)
+    Invitation.objects.filter(pk=accepted.pk).update(accepted_at=timezone.now())
+    # As a deletion before this change left them: the sender gone, nothing marked.
+    Invitation.objects.filter(pk__in=[orphaned.pk, accepted.pk]).update(invited_by=None)
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0013_invitation_from_platform")
+    migration.revoke_pending_invitations_of_deleted_senders(apps, None)
+
+    assert Invitation.objects.get(pk=orphaned.pk).status == "revoked"
+    assert Invitation.objects.get(pk=accepted.pk).status == "accepted"
+    assert Invitation.objects.get(pk=platform.pk).status == "pending"
+    event = AuditEvent.objects.get(action="invitation.revoke")
+    assert (event.organization, event.target_id, event.details) == (
+        organization, str(orphaned.pk), {"email": "a@example.test", "reason": "sender deleted"})

@@ -115,6 +115,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
             raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
+                                               from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)
         record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)
     body = render_to_string("controlplane/invitation_email.txt", {
@@ -209,9 +210,16 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
 
 def _inviter_may_still_grant(invitation: Invitation) -> bool:
     """An invitation is worth what its sender may grant now: one sent by an admin who was since removed
-    or demoted (perhaps to a second address of their own) grants nothing."""
-    if invitation.invited_by_id is None:  # made by the platform (a management command)
+    or demoted (perhaps to a second address of their own) grants nothing.
+
+    NOTE: the platform's own invitations are marked (`from_platform`); a null sender is a deleted one (SET_NULL)
+    and grants nothing. Before, a null sender read as the platform: a sender deleted outside the Django admin (the
+    shell, a cascade), or one who sent an invitation while the admin's delete ran, left invitations that granted
+    their role, owner included (a review's finding)."""
+    if invitation.from_platform:
         return True
+    if invitation.invited_by_id is None:
+        return False
     role = Membership.objects.filter(organization_id=invitation.organization_id, user_id=invitation.invited_by_id,
                                      user__is_active=True).values_list("role", flat=True).first()
     return may_invite(role, invitation.role)
