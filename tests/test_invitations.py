@@ -434,7 +434,7 @@ def test_the_migration_revokes_the_pending_invitations_keys_made_and_audits_each
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("change", ["remove", "demote"])
 def test_an_invitation_accepted_while_its_sender_is_removed_or_demoted_is_one_or_the_other(monkeypatch, change):
-    """A guard (it held before): accepting locks the organisation's row with the invitation's, so the sender's removal
+    """A guard (it held before): accepting locks the organisation's row, then the invitation's, so the sender's removal
     or demotion, which takes the organisation's row and then revokes their pending invitations, waits for the accept
     to commit and finds it accepted. Were the invitation's row locked alone, the two would wait on each other (the
     membership's foreign keys lock the organisation's row at commit) and PostgreSQL would fail one of them."""
@@ -599,3 +599,79 @@ def test_the_migration_revokes_pending_invitations_whose_sender_was_deleted_and_
     event = AuditEvent.objects.get(action="invitation.revoke")
     assert (event.organization, event.target_id, event.details) == (
         organization, str(orphaned.pk), {"email": "a@example.test", "reason": "sender deleted"})
+
+
+def _accept_in_a_thread(invitee, invitation, failures) -> threading.Thread:
+    def accept_then_close():
+        try:
+            invitations.accept_invitation(services.Actor(user=invitee), Invitation.objects.get(pk=invitation.pk))
+        except Exception as exc:  # noqa: BLE001 - the assertion shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    return threading.Thread(target=accept_then_close)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_an_invitation_accepted_once_its_senders_removal_or_demotion_holds_the_organisation_waits_and_is_refused(
+    monkeypatch, change
+):
+    """Accepting locked the invitation's row, then the organisation's (one query locks in table order); a removal or
+    demotion that already held the organisation's row then revoked the invitation: each waited on the other, and
+    PostgreSQL failed one (a 500)."""
+    organization = OrganizationFactory()
+    owner, sender, invitee = UserFactory(), UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+    accepting = _accept_in_a_thread(invitee, invitation, failures)
+    record_audit = members.record_audit
+
+    def record_audit_while_the_invitee_accepts(actor, organization, action, *args, **kwargs):
+        if action in ("member.remove", "member.change_role") and accepting.ident is None:  # the row is held
+            accepting.start()
+            wait_until(lambda: not accepting.is_alive() or _waiting_on_a_lock(), 60, message="the accept to wait")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(members, "record_audit", record_audit_while_the_invitee_accepts)
+    actor = services.Actor(user=owner)
+    if change == "remove":
+        members.remove_member(actor, Membership.objects.get(pk=seat.pk))
+    else:
+        members.change_member_role(actor, Membership.objects.get(pk=seat.pk), role=Role.MEMBER)
+    accepting.join(timeout=60)
+
+    assert [type(failure) for failure in failures] == [invitations.InvitationRefused]
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_accepted_while_an_owner_revokes_it_is_revoked_and_neither_fails(monkeypatch):
+    organization = OrganizationFactory()
+    owner, invitee = UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    invitation = invitations.invite_member(services.Actor(user=owner), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+    accepting = _accept_in_a_thread(invitee, invitation, failures)
+    revoke = Invitation.objects.filter
+
+    def filter_once_the_organisation_is_held(*args, **kwargs):  # revoke_invitation's conditional update
+        if accepting.ident is None:
+            accepting.start()
+            wait_until(lambda: not accepting.is_alive() or _waiting_on_a_lock(), 60, message="the accept to wait")
+        return revoke(*args, **kwargs)
+
+    monkeypatch.setattr(Invitation.objects, "filter", filter_once_the_organisation_is_held)
+    invitations.revoke_invitation(services.Actor(user=owner), invitation)
+    monkeypatch.undo()
+    accepting.join(timeout=60)
+
+    assert [type(failure) for failure in failures] == [invitations.InvitationRefused]
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()

@@ -229,9 +229,13 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
-        # NOTE: locks the organisation's row too (select_related), first, as a removal or a role change does: they revoke
-        # a sender's pending invitations, and this commit's foreign keys take that row (a deadlock were it left out).
-        invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
+        # NOTE: the organisation's row first, then the invitation's, as a removal, a role change or a revocation does
+        # (they lock the organisation, then revoke the invitation). Locking both in one query took them in table order,
+        # the invitation's first: each waited on the other and PostgreSQL failed one (a 500; a review's finding).
+        # The organisation of an invitation never changes, so it is read unlocked.
+        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
+        invitation = (Invitation.objects.select_for_update(of=("self",)).select_related("organization")
+                      .get(pk=invitation.pk))
         organization = invitation.organization
         refusal = invitation_refusal(invitation, user)
         if refusal is not None:
