@@ -106,7 +106,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         raise TooManyInvitations(retry_after_s)
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
-        Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
         # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
         # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
         # invitations before this one was written, left a pending invitation of a non-member.
@@ -133,7 +133,7 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
         # NOTE: the organisation's row first, as removing or demoting the sender does before revoking their pending
         # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
         # organisation's row) and PostgreSQL failed one.
-        Organization.objects.select_for_update().filter(pk=invitation.organization_id).first()
+        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:
