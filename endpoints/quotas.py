@@ -161,10 +161,12 @@ def check_spec(organization: Organization, changes: dict, instance: Endpoint | N
         raise QuotaExceeded(errors)
 
 
-def lock_organization(organization_id: int) -> Organization:
+def lock_organization(organization_id: int, *, skip_locked: bool = False) -> Organization | None:
     """The organisation's row, locked until the transaction ends: quota checks that count and then
-    add (endpoints, replicas) run one at a time per organisation."""
-    return Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization_id)
+    add (endpoints, replicas) run one at a time per organisation. With `skip_locked`, None where another
+    transaction holds the row (the caller retries later) instead of waiting for it."""
+    locked = Organization.objects.select_for_update(of=("self",), skip_locked=skip_locked).select_related("plan")
+    return locked.get(pk=organization_id) if not skip_locked else locked.filter(pk=organization_id).first()
 
 
 def replica_refusal(endpoint: Endpoint) -> str | None:

@@ -84,16 +84,25 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
         message, waiting_for_capacity = (endpoint.status_message if held_back else ""), False
         num_unplaced, event = 0, ""
+        organization = None
         if decision.desired > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off
             # after a failure waits for `next_attempt_at` (a later tick).
             pass
+        elif decision.desired > len(serving) and (organization := quotas.lock_organization(
+                endpoint.organization_id, skip_locked=True)) is None:
+            # NOTE: the organisation's row is held by another write (a key revocation walking thousands of minted keys,
+            # a member's change, another of its endpoints placing): this tick leaves the endpoint as it is and the
+            # next one retries. Waiting held the tick, which reconciles every endpoint in turn, so every tenant's
+            # scale-up waited behind one tenant's revocation (12 s with 3,000 minted keys; a review's finding).
+            message, waiting_for_capacity = endpoint.status_message, endpoint.waiting_for_capacity
+            num_unplaced = endpoint.unplaced_replicas
         elif decision.desired > len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
             # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
             # time and together never pass its replica and GPU quotas.
-            endpoint.organization = quotas.lock_organization(endpoint.organization_id)
+            endpoint.organization = organization
             num_placed = 0
             sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
                             .select_related("endpoint").order_by("-state_changed_at"))

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.apps import apps
 from django.core import mail
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -434,7 +434,7 @@ def test_the_migration_revokes_the_pending_invitations_keys_made_and_audits_each
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("change", ["remove", "demote"])
 def test_an_invitation_accepted_while_its_sender_is_removed_or_demoted_is_one_or_the_other(monkeypatch, change):
-    """A guard (it held before): accepting locks the organisation's row with the invitation's, so the sender's removal
+    """A guard (it held before): accepting locks the organisation's row, then the invitation's, so the sender's removal
     or demotion, which takes the organisation's row and then revokes their pending invitations, waits for the accept
     to commit and finds it accepted. Were the invitation's row locked alone, the two would wait on each other (the
     membership's foreign keys lock the organisation's row at commit) and PostgreSQL would fail one of them."""
@@ -513,3 +513,165 @@ def test_an_invitation_revoked_while_its_sender_is_removed_is_revoked_once_and_n
     assert not Membership.objects.filter(pk=seat.pk).exists()
     assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
     assert AuditEvent.objects.filter(action="invitation.revoke", target_id=str(invitation.pk)).count() == 1
+
+
+@pytest.mark.parametrize("role", [Role.OWNER, Role.ADMIN])
+def test_a_sender_deleted_outside_the_admin_leaves_an_invitation_that_grants_nothing(role):
+    """A null sender read as the platform: a sender deleted from the shell (or by a cascade) left pending invitations
+    that granted their role, owner included, to whoever held the address (a review's finding)."""
+    organization = OrganizationFactory()
+    sender, invitee = UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, role=Role.OWNER)
+    MembershipFactory(organization=organization, user=sender, role=Role.OWNER)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email, role=role)
+
+    sender.delete()
+
+    invitation = Invitation.objects.get(pk=invitation.pk)
+    assert "may no longer invite" in (invitations.invitation_refusal(invitation, invitee) or "")
+    with pytest.raises(invitations.InvitationRefused):
+        invitations.accept_invitation(services.Actor(user=invitee), invitation)
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+
+
+def test_the_platforms_own_invitations_are_marked_and_still_accepted():
+    organization = OrganizationFactory()
+    invitee = UserFactory(username="new@example.test")
+    invitation = invitations.invite_member(services.SYSTEM, organization, email=invitee.email, role=Role.OWNER)
+
+    assert invitation.from_platform and invitation.invited_by_id is None
+    assert invitations.accept_invitation(services.Actor(user=invitee), invitation).role == Role.OWNER
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_sent_while_the_admin_deletes_its_sender_grants_nothing():
+    """The admin's delete revokes the user's pending invitations, then deletes the user: one sent in between (in an
+    organisation whose row the revocation never locked) lost its sender and became the platform's, an owner's seat."""
+    first, second = OrganizationFactory(), OrganizationFactory()
+    sender, accomplice = UserFactory(), UserFactory(username="accomplice@example.test")
+    MembershipFactory(organization=first, user=sender, role=Role.OWNER)
+    MembershipFactory(organization=second, user=sender, role=Role.OWNER)
+    MembershipFactory(organization=second, role=Role.OWNER)
+    invitations.invite_member(services.Actor(user=sender), first, email="x@example.test", role=Role.MEMBER)
+    sent = {}
+
+    def invite_then_close():
+        try:
+            sent["invitation"] = invitations.invite_member(services.Actor(user=sender), second,
+                                                           email=accomplice.email, role=Role.OWNER)
+        finally:
+            connection.close()
+
+    with transaction.atomic():  # as the admin's `_revoke_what_they_made` and then its delete run
+        actor = services.Actor(source_ip="127.0.0.1")
+        members.revoke_invitations_sent_by(actor, sender, reason="user.delete")
+        inviting = threading.Thread(target=invite_then_close)
+        inviting.start()
+        inviting.join(timeout=60)
+        sender.delete()
+
+    invitation = Invitation.objects.get(pk=sent["invitation"].pk)
+    assert invitations.invitation_refusal(invitation, accomplice) is not None
+    with pytest.raises(invitations.InvitationRefused):
+        invitations.accept_invitation(services.Actor(user=accomplice), invitation)
+    assert not Membership.objects.filter(organization=second, user=accomplice).exists()
+
+
+def test_the_migration_revokes_pending_invitations_whose_sender_was_deleted_and_audits_each():
+    organization = OrganizationFactory()
+    sender = UserFactory()
+    MembershipFactory(organization=organization, user=sender, role=Role.OWNER)
+    orphaned = invitations.invite_member(services.Actor(user=sender), organization, email="a@example.test",
+                                         role=Role.OWNER)
+    accepted = invitations.invite_member(services.Actor(user=sender), organization, email="b@example.test",
+                                         role=Role.MEMBER)
+    platform = invitations.invite_member(services.SYSTEM, organization, email="c@example.test", role=Role.MEMBER)
+    Invitation.objects.filter(pk=accepted.pk).update(accepted_at=timezone.now())
+    # As a deletion before this change left them: the sender gone, nothing marked.
+    Invitation.objects.filter(pk__in=[orphaned.pk, accepted.pk]).update(invited_by=None)
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0013_invitation_from_platform")
+    migration.revoke_pending_invitations_of_deleted_senders(apps, None)
+
+    assert Invitation.objects.get(pk=orphaned.pk).status == "revoked"
+    assert Invitation.objects.get(pk=accepted.pk).status == "accepted"
+    assert Invitation.objects.get(pk=platform.pk).status == "pending"
+    event = AuditEvent.objects.get(action="invitation.revoke")
+    assert (event.organization, event.target_id, event.details) == (
+        organization, str(orphaned.pk), {"email": "a@example.test", "reason": "sender deleted"})
+
+
+def _accept_in_a_thread(invitee, invitation, failures) -> threading.Thread:
+    def accept_then_close():
+        try:
+            invitations.accept_invitation(services.Actor(user=invitee), Invitation.objects.get(pk=invitation.pk))
+        except Exception as exc:  # noqa: BLE001 - the assertion shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    return threading.Thread(target=accept_then_close)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["remove", "demote"])
+def test_an_invitation_accepted_once_its_senders_removal_or_demotion_holds_the_organisation_waits_and_is_refused(
+    monkeypatch, change
+):
+    """Accepting locked the invitation's row, then the organisation's (one query locks in table order); a removal or
+    demotion that already held the organisation's row then revoked the invitation: each waited on the other, and
+    PostgreSQL failed one (a 500)."""
+    organization = OrganizationFactory()
+    owner, sender, invitee = UserFactory(), UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=sender, role=Role.ADMIN)
+    invitation = invitations.invite_member(services.Actor(user=sender), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+    accepting = _accept_in_a_thread(invitee, invitation, failures)
+    record_audit = members.record_audit
+
+    def record_audit_while_the_invitee_accepts(actor, organization, action, *args, **kwargs):
+        if action in ("member.remove", "member.change_role") and accepting.ident is None:  # the row is held
+            accepting.start()
+            wait_until(lambda: not accepting.is_alive() or _waiting_on_a_lock(), 60, message="the accept to wait")
+        return record_audit(actor, organization, action, *args, **kwargs)
+
+    monkeypatch.setattr(members, "record_audit", record_audit_while_the_invitee_accepts)
+    actor = services.Actor(user=owner)
+    if change == "remove":
+        members.remove_member(actor, Membership.objects.get(pk=seat.pk))
+    else:
+        members.change_member_role(actor, Membership.objects.get(pk=seat.pk), role=Role.MEMBER)
+    accepting.join(timeout=60)
+
+    assert [type(failure) for failure in failures] == [invitations.InvitationRefused]
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_accepted_while_an_owner_revokes_it_is_revoked_and_neither_fails(monkeypatch):
+    organization = OrganizationFactory()
+    owner, invitee = UserFactory(), UserFactory(username="new@example.test")
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    invitation = invitations.invite_member(services.Actor(user=owner), organization, email=invitee.email,
+                                           role=Role.MEMBER)
+    failures: list[BaseException] = []
+    accepting = _accept_in_a_thread(invitee, invitation, failures)
+    revoke = Invitation.objects.filter
+
+    def filter_once_the_organisation_is_held(*args, **kwargs):  # revoke_invitation's conditional update
+        if accepting.ident is None:
+            accepting.start()
+            wait_until(lambda: not accepting.is_alive() or _waiting_on_a_lock(), 60, message="the accept to wait")
+        return revoke(*args, **kwargs)
+
+    monkeypatch.setattr(Invitation.objects, "filter", filter_once_the_organisation_is_held)
+    invitations.revoke_invitation(services.Actor(user=owner), invitation)
+    monkeypatch.undo()
+    accepting.join(timeout=60)
+
+    assert [type(failure) for failure in failures] == [invitations.InvitationRefused]
+    assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
+    assert not Membership.objects.filter(organization=organization, user=invitee).exists()

@@ -4,9 +4,11 @@ roles change only when signed in, and an organisation keeps an owner however man
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 
 import pytest
+from django.apps import apps
 from django.conf import settings
 from django.db import connection
 from django.middleware.csrf import _get_new_csrf_string
@@ -423,3 +425,60 @@ def test_a_key_revoked_while_its_creator_is_removed_or_demoted_is_revoked_once_a
     assert failures == []
     assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
     assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(created.api_key.pk)).count() == 1
+
+
+@pytest.mark.django_db
+def test_the_migration_revokes_what_members_demoted_or_removed_before_it_kept_and_audits_each(settings):
+    """A demotion or removal before those revoked anything left keys and pending invitations the role may not make;
+    refused while the person was away, each was good again once they were invited back or promoted."""
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 600
+    organization = OrganizationFactory()
+    owner, demoted, removed, admin = UserFactory(), UserFactory(), UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seats = {user: MembershipFactory(organization=organization, user=user, role=Role.ADMIN)
+             for user in (demoted, removed, admin)}
+
+    def key(user, name, **limits):
+        return keys.create_api_key(services.Actor(user=user), organization, name=name, **limits).api_key
+
+    ops = key(demoted, "ops", scopes=[Scope.MANAGE, Scope.INFERENCE])
+    child = keys.create_api_key(services.Actor(user=demoted, api_key=ops), organization, name="child",
+                                scopes=[Scope.MANAGE]).api_key
+    urgent = key(demoted, "urgent", scopes=[Scope.INFERENCE], max_priority_boost=50)
+    bulk = key(demoted, "bulk", scopes=[Scope.INFERENCE], requests_per_minute=100_000)
+    plain = key(demoted, "app", scopes=[Scope.INFERENCE])
+    gone = key(removed, "gone", scopes=[Scope.INFERENCE])
+    kept = key(admin, "admins", scopes=[Scope.MANAGE])
+
+    def invite(user, email, role):
+        return invitations.invite_member(services.Actor(user=user), organization, email=email, role=role)
+
+    from_demoted = invite(demoted, "a@example.test", Role.MEMBER)
+    from_removed = invite(removed, "b@example.test", Role.MEMBER)
+    owner_from_admin = invite(owner, "c@example.test", Role.OWNER)
+    from_admin = invite(admin, "d@example.test", Role.ADMIN)
+    # As a demotion and a removal before that revoked anything left them: the role changed, nothing else.
+    Membership.objects.filter(pk=seats[demoted].pk).update(role=Role.MEMBER)
+    Membership.objects.filter(pk=seats[removed].pk).delete()
+    Membership.objects.filter(organization=organization, user=owner).update(role=Role.ADMIN)
+    Membership.objects.filter(pk=seats[admin].pk).update(role=Role.OWNER)
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0014_revoke_what_roles_may_not_hold")
+    migration.revoke_what_roles_may_not_hold(apps, None)
+
+    revoked = set(ApiKey.objects.filter(revoked_at__isnull=False).values_list("pk", flat=True))
+    assert revoked == {ops.pk, child.pk, urgent.pk, bulk.pk, gone.pk}
+    assert {plain.pk, kept.pk}.isdisjoint(revoked)
+    assert [Invitation.objects.get(pk=sent.pk).status for sent in (from_demoted, from_removed, owner_from_admin,
+                                                                    from_admin)] == ["revoked", "revoked", "revoked",
+                                                                                     "pending"]
+    reasons = sorted(AuditEvent.objects.filter(action__in=["api_key.revoke", "invitation.revoke"]).values_list(
+        "target_type", "target_id", "details__reason"))
+    assert reasons == sorted([
+        ("ApiKey", str(ops.pk), "beyond its creator's role"), ("ApiKey", str(child.pk), "minted by a revoked key"),
+        ("ApiKey", str(urgent.pk), "beyond its creator's role"), ("ApiKey", str(bulk.pk), "beyond its creator's role"),
+        ("ApiKey", str(gone.pk), "its creator is no longer a member"),
+        ("Invitation", str(from_demoted.pk), "beyond its sender's role"),
+        ("Invitation", str(from_removed.pk), "its sender is no longer a member"),
+        ("Invitation", str(owner_from_admin.pk), "beyond its sender's role"),
+    ])

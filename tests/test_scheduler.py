@@ -5,10 +5,11 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from controlplane import redis_keys
+from controlplane.accounts.models import Organization
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import TICK_LOCK_KEY
 from endpoints import autoscaler, scheduler
@@ -517,3 +518,38 @@ def test_redis_emptied_does_not_slow_node_failure_down(settings, django_capture_
         scheduler.sweep_stuck()
 
     assert Node.objects.get(pk=node.pk).state == NodeState.OFFLINE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_up_whose_organisation_is_held_by_a_key_revocation_skips_this_tick_and_places_at_the_next():
+    """The tick reconciles every endpoint in turn, and a scale-up waited for its organisation's row: behind one
+    tenant's key revocation (12 s with 3,000 minted keys to walk), every tenant's scale-up waited."""
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=1)
+    make_node(memory_mb=80_000)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_organisation_as_a_revocation_does():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=endpoint.organization_id).first()
+                held.set()
+                release.wait(timeout=60)
+        finally:
+            connection.close()
+
+    holding = threading.Thread(target=hold_the_organisation_as_a_revocation_does)
+    holding.start()
+    try:
+        held.wait(timeout=60)
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '2s'")  # a wait on the row fails the test instead
+        scheduler.reconcile_endpoint(str(endpoint.pk), load())
+        assert not endpoint.replicas.exists()
+    finally:
+        release.set()
+        holding.join(timeout=60)
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    assert endpoint.replicas.count() == 1

@@ -85,8 +85,8 @@ class UserAdmin(auth_admin.UserAdmin):
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
     """The keys `user` created and the invitations they sent that are still pending, in every organisation.
 
-    NOTE: a deleted sender's invitations lose their `invited_by` (null), which names the platform's own invitations,
-    granted whatever their sender's role: a deleted owner's pending invitation made its addressee an owner."""
+    NOTE: a deleted sender's invitations lose their `invited_by` (null) and grant nothing since (only `from_platform`
+    ones grant without a sender), but would still be listed as pending: they are revoked, audited, first."""
     actor = Actor(source_ip=client_ip(request))
     revoke_api_keys_of(actor, user, reason=reason)
     revoke_invitations_sent_by(actor, user, reason=reason)

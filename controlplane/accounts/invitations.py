@@ -106,7 +106,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         raise TooManyInvitations(retry_after_s)
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
-        Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
         # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
         # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
         # invitations before this one was written, left a pending invitation of a non-member.
@@ -115,6 +115,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
             raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
+                                               from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)
         record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)
     body = render_to_string("controlplane/invitation_email.txt", {
@@ -132,7 +133,7 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
         # NOTE: the organisation's row first, as removing or demoting the sender does before revoking their pending
         # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
         # organisation's row) and PostgreSQL failed one.
-        Organization.objects.select_for_update().filter(pk=invitation.organization_id).first()
+        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:
@@ -209,9 +210,16 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
 
 def _inviter_may_still_grant(invitation: Invitation) -> bool:
     """An invitation is worth what its sender may grant now: one sent by an admin who was since removed
-    or demoted (perhaps to a second address of their own) grants nothing."""
-    if invitation.invited_by_id is None:  # made by the platform (a management command)
+    or demoted (perhaps to a second address of their own) grants nothing.
+
+    NOTE: the platform's own invitations are marked (`from_platform`); a null sender is a deleted one (SET_NULL)
+    and grants nothing. Before, a null sender read as the platform: a sender deleted outside the Django admin (the
+    shell, a cascade), or one who sent an invitation while the admin's delete ran, left invitations that granted
+    their role, owner included (a review's finding)."""
+    if invitation.from_platform:
         return True
+    if invitation.invited_by_id is None:
+        return False
     role = Membership.objects.filter(organization_id=invitation.organization_id, user_id=invitation.invited_by_id,
                                      user__is_active=True).values_list("role", flat=True).first()
     return may_invite(role, invitation.role)
@@ -221,9 +229,13 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
-        # NOTE: locks the organisation's row too (select_related), first, as a removal or a role change does: they revoke
-        # a sender's pending invitations, and this commit's foreign keys take that row (a deadlock were it left out).
-        invitation = Invitation.objects.select_for_update().select_related("organization").get(pk=invitation.pk)
+        # NOTE: the organisation's row first, then the invitation's, as a removal, a role change or a revocation does
+        # (they lock the organisation, then revoke the invitation). Locking both in one query took them in table order,
+        # the invitation's first: each waited on the other and PostgreSQL failed one (a 500; a review's finding).
+        # The organisation of an invitation never changes, so it is read unlocked.
+        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
+        invitation = (Invitation.objects.select_for_update(of=("self",)).select_related("organization")
+                      .get(pk=invitation.pk))
         organization = invitation.organization
         refusal = invitation_refusal(invitation, user)
         if refusal is not None:

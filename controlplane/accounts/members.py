@@ -139,7 +139,7 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
         pending = pending.filter(organization=organization)
     # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see
     # `invitations.revoke_invitation`.
-    list(Organization.objects.select_for_update().filter(pk__in=pending.values("organization_id")).order_by("pk"))
+    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=pending.values("organization_id")).order_by("pk"))
     num_revoked, now = 0, timezone.now()
     for invitation in pending:
         if role is not None and may_invite(role, invitation.role):
@@ -157,9 +157,11 @@ def _lock_membership(membership: Membership) -> Membership:
 
     NOTE: every change of roles in one organisation queues on its row, so the checks that
     follow (the actor is an owner, another owner remains) read what earlier changes committed:
-    two owners demoting each other at once cannot both succeed.
+    two owners demoting each other at once cannot both succeed. NO KEY UPDATE, as every lock of that row in
+    accounts: they still queue on each other, and rows that only reference the organisation (a usage row's
+    foreign-key check, FOR KEY SHARE) do not wait for a demotion's walk of its keys.
     """
-    Organization.objects.select_for_update().get(pk=membership.organization_id)
+    Organization.objects.select_for_update(no_key=True).get(pk=membership.organization_id)
     return Membership.objects.select_related("organization", "user").get(pk=membership.pk)
 
 
