@@ -270,6 +270,12 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             # A cordoned or draining node comes back cordoned or draining: silence undoes no decision.
             held = node.state_before_offline
             node.state = held if held in (NodeState.CORDONED, NodeState.DRAINING) else NodeState.READY
+            # NOTE: and a pool's machine being released (it went silent, its terminate is retried) comes back
+            # cordoned: READY, it won placement and the next tick terminated it under the replica.
+            if node.state == NodeState.READY and NodeLaunch.objects.filter(
+                node=node, state=LaunchState.RELEASING
+            ).exists():
+                node.state = NodeState.CORDONED
             node.state_before_offline = ""
             fields.append("state_before_offline")
         node.save(update_fields=fields)
