@@ -13,7 +13,9 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
+from endpoints.models import LIVE_REPLICA_STATES, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch
+from endpoints.replicas import drain_replica, request_reconcile
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,31 @@ def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime
     if ignored:
         logger.warning("node %s of pool %s: what it registered past its pool's shape was ignored: %s",
                        node.name, found.pool_id, ignored)
+        drain_unfitting_replicas(node, reason=f"its node was held to its pool's shape ({ignored})")
     return found
+
+
+def drain_unfitting_replicas(node: Node, *, reason: str) -> int:
+    """Drain the node's live replicas that its type and shape no longer hold (another GPU type's endpoint, a GPU past
+    its count, more memory than their GPUs have); their endpoints are reconciled to replace them elsewhere.
+
+    NOTE: a machine linked to its launch by name (a shared join token, `pools.link_joins`) was a node of the type and
+    shape it claimed for up to a tick, and placement may have put another type's replica on it."""
+    gpu_indices = {gpu["index"] for gpu in node.gpus} if node.gpus else set(range(node.num_gpus))
+    unfitting = [
+        replica
+        for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint")
+        if replica.endpoint.gpu_type != node.gpu_type
+        or not set(replica.gpu_indices) <= gpu_indices
+        or replica.reserved_memory_mb > node.gpu_memory_mb * max(len(replica.gpu_indices), 1)
+    ]
+    num_drained, endpoint_ids = 0, set()
+    for replica in unfitting:
+        num_drained += drain_replica(replica, reason=reason)
+        endpoint_ids.add(replica.endpoint_id)
+    for endpoint_id in endpoint_ids:
+        request_reconcile(endpoint_id)
+    return num_drained
 
 
 def record_launched(launch: NodeLaunch, provider_id: str, zone: str = "", now: datetime | None = None) -> bool:

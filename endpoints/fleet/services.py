@@ -170,11 +170,13 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             last_heartbeat_at=Now(),  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
         )
         node.refresh_from_db(fields=["last_heartbeat_at"])
+        # NOTE: in the node's transaction: a machine a pool launched (its launch's one-use join token) marks that
+        # launch JOINED and is held to its pool's type and shape before any reconcile can see it. Linked after the
+        # commit, a reconcile between the two placed another type's replica on the machine the machine claimed to be.
+        # A node joined by hand belongs to no launch.
         record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
+        launch = link_joined_node(node)
     logger.info("node %s (%s) registered", node.name, node.pk)
-    # NOTE: after the node's transaction: a machine a pool launched (its launch's one-use join
-    # token) marks that launch JOINED; a node joined by hand belongs to no launch.
-    launch = link_joined_node(node)
     if launch is not None:
         logger.info("node %s joined as launch %s of pool %s", node.name, launch.pk, launch.pool_id)
     return protocol.RegisterResponse(
@@ -270,6 +272,12 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             # A cordoned or draining node comes back cordoned or draining: silence undoes no decision.
             held = node.state_before_offline
             node.state = held if held in (NodeState.CORDONED, NodeState.DRAINING) else NodeState.READY
+            # NOTE: and a pool's machine being released (it went silent, its terminate is retried) comes back
+            # cordoned: READY, it won placement and the next tick terminated it under the replica.
+            if node.state == NodeState.READY and NodeLaunch.objects.filter(
+                node=node, state=LaunchState.RELEASING
+            ).exists():
+                node.state = NodeState.CORDONED
             node.state_before_offline = ""
             fields.append("state_before_offline")
         node.save(update_fields=fields)

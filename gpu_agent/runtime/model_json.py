@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 # Real configs are a few KB (the largest, per-layer quantization settings of big MoE models, some hundred KB);
 # parsing this much takes ~100 MB and under a second at worst (a file of nothing but `{},`).
 MAX_MODEL_JSON_BYTES = 4 * 1024 * 1024
+# Past this, a file too large to parse is not even scanned (`file_holds`): judged to hold any key, unread.
+MAX_SCANNED_BYTES = 256 * 1024**2
+# A `\uXXXX` escape of a printable ASCII character, of which every key is spelled: JSON may spell any character of a
+# key so (`"fast\u005ftokenizer_files"`), and the loader's `json.load` decodes it to the same field; `json.dumps` never
+# writes one for printable ASCII.
+_ESCAPED_ASCII = re.compile(rb"\\u00[2-7][0-9a-fA-F]")
 
 
 class ModelJsonTooLarge(Exception):
@@ -46,17 +53,24 @@ def read_model_json(path: str | Path) -> object:
 
 
 def file_holds(path: str | Path, key: bytes) -> bool:
-    """Whether the file's bytes hold `key` (read a MiB at a time, never whole); True when it cannot be read.
+    """Whether the file's bytes may hold `key` (read a MiB at a time, never whole): True when they hold it or any JSON
+    escape of a printable ASCII character (which may spell it), when the file is past `MAX_SCANNED_BYTES`, or when it
+    cannot be read.
 
     NOTE: how a file past `MAX_MODEL_JSON_BYTES` is judged without being parsed: one that does not even hold a field's
-    name cannot set that field."""
+    name, spelled out or escaped, cannot set that field. One past `MAX_SCANNED_BYTES` is judged unread: a 4 GiB
+    (sparse) file took 58 s to scan."""
     try:
         with open(path, "rb") as handle:
-            tail = b""
+            if os.fstat(handle.fileno()).st_size > MAX_SCANNED_BYTES:
+                return True
+            tail, num_read = b"", 0
             while chunk := handle.read(1024 * 1024):
-                if key in tail + chunk:
-                    return True
-                tail = chunk[-len(key) :]
+                num_read += len(chunk)
+                window = tail + chunk
+                if num_read > MAX_SCANNED_BYTES or key in window or _ESCAPED_ASCII.search(window):
+                    return True  # NOTE: past the bound: a file that grew since the stat is judged unread too
+                tail = window[-max(len(key), 6) :]
     except OSError:
         return True
     return False

@@ -52,7 +52,7 @@ from gpu_agent.protocol import (
     NormalizerStep,
     TokenizerNormalizer,
 )
-from gpu_agent.runtime.model_json import ModelJsonTooLarge, file_holds, read_model_json
+from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
 
 logger = logging.getLogger(__name__)
 
@@ -305,19 +305,19 @@ def _describer_digest(package_root: Path) -> bytes:
 def _named_tokenizer_files(root: Path) -> set[Path]:
     """The files a tokenizer_config.json's `fast_tokenizer_files` names, resolved as the loader opens them
     (`os.path.join(folder, name)`, links and `..` followed): hashed by content whatever their names. A name whose
-    file is outside the folder, or a file past `MAX_MODEL_JSON_BYTES` that holds the field, raises ValueError (no key).
+    file is outside the folder, or a tokenizer_config.json past `MAX_MODEL_JSON_BYTES`, raises ValueError (no key).
 
-    NOTE: read within the bound every tenant JSON file the agent parses is held to (`model_json`), a larger one only
-    scanned for the field's name: parsed whole, 48 MiB of `{},` (a tokenizer_config.json may be any size the weights
-    budget allows, a real one grown past 4 MiB by its added tokens) took the agent 1.26 GB and 1.3 s of the GIL,
-    twice a reading, and a deeper one than the parser's recursion raised out of this "never raises" reading."""
+    NOTE: read within the bound every tenant JSON file the agent parses is held to (`model_json`), a larger one not at
+    all: parsed whole, 48 MiB of `{},` (a tokenizer_config.json may be any size the weights budget allows, a real one
+    grown past 4 MiB by its added tokens) took the agent 1.26 GB and 1.3 s of the GIL, twice a reading, and a deeper
+    one than the parser's recursion raised out of this "never raises" reading. A scan of its bytes for the field's name
+    missed a JSON-escaped one (`"fast\\u005ftokenizer_files"`, which the loader decodes): two folders whose named
+    tokenizers differed shared a key, and so a description."""
     path = root / "tokenizer_config.json"
     try:
         config = read_model_json(path)
     except ModelJsonTooLarge:
-        if file_holds(path, FAST_TOKENIZER_FILES_KEY):
-            raise ValueError("a tokenizer_config.json too large to read names tokenizer files") from None
-        return set()
+        raise ValueError("a tokenizer_config.json too large to read may name tokenizer files") from None
     except (OSError, ValueError, RecursionError):
         return set()
     names = config.get("fast_tokenizer_files") if isinstance(config, dict) else None

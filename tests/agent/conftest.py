@@ -174,3 +174,8 @@ def sentencepiece_charsmap(rule: str = "nmt_nfkc", rules_tsv: str = "") -> str:
         model = sentencepiece_model_pb2.ModelProto()
         model.ParseFromString((Path(work) / "m.model").read_bytes())
     return base64.b64encode(model.normalizer_spec.precompiled_charsmap).decode()
+
+
+def bytes_read_by_this_process() -> int:
+    """What this process has read so far, from files or anything else (`rchar` of /proc/self/io)."""
+    return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])

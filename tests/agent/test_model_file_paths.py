@@ -17,7 +17,7 @@ import pytest
 from gpu_agent.protocol import ModelTask, ReplicaState
 from gpu_agent.runtime.model_info import read_model
 
-from .conftest import make_spec, processes_with_marker
+from .conftest import bytes_read_by_this_process, make_spec, processes_with_marker
 from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
 from .test_weights_agent import reported
 from .test_weights_cache import s3, s3_endpoint  # noqa: F401  (fixtures)
@@ -192,3 +192,26 @@ def test_a_tokenizer_config_past_the_size_cap_is_refused_only_if_it_names_tokeni
                                                              "fast_tokenizer_files": ["tokenizer.9.json"]}))
     problem = read_model(other).problem
     assert problem is not None and "tokenizer_config.json" in problem, problem
+
+
+def test_a_tokenizer_config_past_the_size_cap_naming_tokenizer_files_under_an_escaped_key_is_refused(node_weights):
+    # JSON may escape any character of a key, and transformers' `json.load` decodes `"fast\u005ftokenizer_files"` to
+    # the field: a scan of the bytes for the field's name missed it, and another tenant's tokenizer was loaded.
+    model, victim = node_weights["attacker"], node_weights["victim"]
+    config = json.dumps(json.loads((model / "tokenizer_config.json").read_text()))
+    named = r'"fast\u005ftokenizer_files": ["../' + victim.name + '/tokenizer.json"]'
+    (model / "tokenizer_config.json").write_text(config[:-1] + f', {named}, "padding": "{"a" * 5 * 1024**2}"}}')
+    problem = read_model(model).problem
+    assert problem is not None and "tokenizer_config.json" in problem, problem
+
+
+def test_a_tokenizer_config_past_the_scanned_bound_is_refused_without_being_read(tmp_path):
+    # Before, it was scanned to its end for a field's name (4 GiB, sparse: 58 s of a node's agent).
+    model = _llama(tmp_path / "model")
+    (model / "tokenizer_config.json").touch()
+    os.truncate(model / "tokenizer_config.json", 257 * 1024**2)  # sparse, past the 256 MiB scanned
+
+    bytes_read_before = bytes_read_by_this_process()
+    problem = read_model(model).problem
+    assert problem is not None and "tokenizer_config.json" in problem, problem
+    assert bytes_read_by_this_process() - bytes_read_before < 64 * 1024**2

@@ -20,6 +20,8 @@ from gpu_agent.protocol import NormalizerStep, TokenizerNormalizer
 from gpu_agent.runtime import tokenizer_normalizer
 from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
 
+from .conftest import bytes_read_by_this_process
+
 HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
 
 
@@ -370,17 +372,66 @@ def _big_tokenizer_config(model_dir: Path, *, fast_tokenizer_files: bool = False
     return model_dir
 
 
-def test_a_tokenizer_config_past_the_json_bound_is_never_parsed_by_the_agent_and_its_folder_is_still_keyed(
+def test_a_tokenizer_config_past_the_json_bound_is_never_parsed_by_the_agent_and_its_folder_is_not_keyed(
     tiny_model_dir, tmp_path
 ):
     """Before, the agent parsed the whole file to find `fast_tokenizer_files` (any size the weights budget allows):
-    its memory past the limit here, a MemoryError, and the model refused as unreadable."""
+    its memory past the limit here, a MemoryError, and the model refused as unreadable. Which files it names cannot be
+    known unparsed (a scan of its bytes missed an escaped key): described by the loader child at each reading."""
     model_dir = _big_tokenizer_config(_copy(tiny_model_dir, tmp_path / "model"))
 
     hashed = _hashed_within_the_agents_memory(model_dir)
 
     assert hashed.returncode == 0, hashed.stderr[-2000:]
-    assert len(hashed.stdout.strip()) == 64, "the folder is keyed: its description is kept"
+    assert hashed.stdout.strip() == "None"
+
+
+def _naming_weights_as_its_tokenizer(model_dir: Path, normalizer, *, key: str) -> Path:
+    """A folder whose tokenizer_config.json, past the JSON bound, names `tokenizer.1.json/../model.bin` (a weight-named
+    file of the same size in every such folder) as its fast tokenizer file, the field's name spelled as `key`."""
+    tokenizer = json.dumps(
+        json.loads((model_dir / "tokenizer.json").read_text()) | {"normalizer": normalizer}
+    )
+    (model_dir / "model.bin").write_text(tokenizer + " " * (400_000 - len(tokenizer)))
+    (model_dir / "tokenizer.1.json").mkdir()
+    config = json.dumps(json.loads((model_dir / "tokenizer_config.json").read_text()))
+    padding = '"x_padding": "' + "a" * (5 * 1024**2) + '"'
+    (model_dir / "tokenizer_config.json").write_text(
+        config[:-1] + f', {key}: ["tokenizer.1.json/../model.bin"], {padding}}}'
+    )
+    return model_dir
+
+
+def test_two_folders_naming_different_tokenizers_under_an_escaped_key_never_share_a_description(
+    tiny_model_dir, tmp_path, loader_starts
+):
+    """JSON may escape any character of a key, and the loader decodes `"fast\\u005ftokenizer_files"` to the field:
+    a scan of the file's bytes for the field's name missed it, so both folders were keyed by model.bin's size alone,
+    and the second was handed the first's description (a tenant chose its prompt bound and token counts)."""
+    escaped = r'"fast\u005ftokenizer_files"'
+    lowercase = _naming_weights_as_its_tokenizer(
+        _copy(tiny_model_dir, tmp_path / "a"), {"type": "Lowercase"}, key=escaped
+    )
+    composed = _naming_weights_as_its_tokenizer(
+        _copy(tiny_model_dir, tmp_path / "b"), {"type": "NFKC"}, key=escaped
+    )
+
+    assert read_tokenizer_normalizer(lowercase).steps == [NormalizerStep(kind="lowercase")]
+    assert read_tokenizer_normalizer(composed).steps == [NormalizerStep(kind="compose")]
+    assert tokenizer_normalizer._content_key(lowercase) is None
+
+
+def test_a_tokenizer_config_past_the_scanned_bound_is_given_no_key_without_being_read(
+    tiny_model_dir, tmp_path
+):
+    """Before, it was scanned to its end for the field's name (4 GiB, sparse: 58 s) to be given no key anyway."""
+    model_dir = _copy(tiny_model_dir, tmp_path / "model")
+    size = tokenizer_normalizer.MAX_HASHED_BYTES + 1024**2
+    os.truncate(model_dir / "tokenizer_config.json", size)  # sparse: no disk, and no key written in it
+
+    bytes_read_before = bytes_read_by_this_process()
+    assert tokenizer_normalizer._content_key(model_dir) is None
+    assert bytes_read_by_this_process() - bytes_read_before < 64 * 1024**2
 
 
 def test_a_tokenizer_config_past_the_json_bound_that_names_tokenizer_files_is_not_keyed(

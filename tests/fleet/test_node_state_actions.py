@@ -1,7 +1,10 @@
 """Staff's cordon, uncordon and drain of nodes that cannot take them (a retired machine, a silent one, a pool's machine
 being released), racing a replica's start, and only with the form's CSRF token."""
 
+from datetime import timedelta
+
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
@@ -9,12 +12,15 @@ from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
+from endpoints.fleet import pool_release
+from endpoints.fleet.providers.base import ProviderError
 from endpoints.fleet.services import create_join_token, retire_node
 from endpoints.models import Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, sign_in_staff
+from tests.fleet.test_pool_policy import RecordingProvider, make_pool
 from tests.test_agent_api import beat, register
 
 pytestmark = pytest.mark.django_db
@@ -140,3 +146,29 @@ def test_staff_node_actions_and_join_tokens_need_the_forms_csrf_token(staff):
     assert admin_action(staff, "retire", node).status_code == 403
     node.refresh_from_db()
     assert node.state == NodeState.READY and node.secret_digest
+
+
+def test_a_pool_machine_being_released_that_beats_again_comes_back_cordoned_and_takes_no_replica():
+    """It went silent, the pool tick marked its launch RELEASING, and the provider's terminate failed (retried next
+    tick). Before, its next heartbeat made it READY: it won placement and was terminated under the replica."""
+    node, agent, secret = joined_node()
+    pool = make_pool(name="cpu", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=8192)
+    launch = NodeLaunch.objects.create(pool=pool, node=node, state=LaunchState.JOINED, provider_id="m-1",
+                                       deadline_at=timezone.now(), joined_at=timezone.now())
+    silent_since = timezone.now() - timedelta(seconds=3 * settings.NODE_HEARTBEAT_GRACE_S)
+    Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE, state_before_offline=NodeState.READY,
+                                           last_heartbeat_at=silent_since)
+    throttled = RecordingProvider()
+
+    def refuse(pool, provider_id):
+        raise ProviderError("API throttled")
+
+    throttled.terminate = refuse
+    pool_release.release_idle(pool, throttled, timezone.now())
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.RELEASING
+
+    assert beat(agent, secret).json()["node_state"] == NodeState.CORDONED
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    assert not Replica.objects.filter(endpoint=endpoint, node=node).exists()

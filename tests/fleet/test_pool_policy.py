@@ -21,9 +21,10 @@ from controlplane import local_agents, tokens
 from controlplane.accounts.models import AuditEvent, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
 from controlplane.demo import host_engine_memory_mb, seed_local_pool
-from endpoints.fleet import pool_release, pools
+from endpoints.fleet import launches, pool_release, pools, services
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
 from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError, ProviderUnreachable
+from endpoints.fleet.services import create_join_token
 from endpoints.gateway import directory
 from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
@@ -640,3 +641,62 @@ def test_a_pool_machine_that_registers_more_than_its_pool_is_held_to_the_pools_s
     assert [(gpu["index"], gpu["memory_mb"]) for gpu in node.gpus] == [(0, 23_034)]
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and launch.node == node
+
+
+def _register_claiming_eight_h100s(client, join_token: str):
+    return client.post("/agent/v1/register", {
+        "join_token": join_token, "name": "m-1", "gpu_type": "h100-80gb", "num_gpus": 8, "gpu_memory_mb": 81_920,
+        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0"}, content_type="application/json")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reconcile_while_a_pool_machine_registers_never_sees_the_type_it_claimed(client, monkeypatch):
+    """Before, the node was committed with the type and shape the machine claimed, and held to its pool's in a second
+    transaction: a reconcile in another worker between the two placed an H100 endpoint on the L4 pool's machine, and
+    nothing moved it after."""
+    pool = make_pool(name="l4-pool", gpu_type="l4", gpus_per_node=1, gpu_memory_mb=23_034)
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.LAUNCHING, deadline_at=timezone.now() + timedelta(minutes=10))
+    endpoint = EndpointFactory(gpu_type="h100-80gb", model_source=TINY, quantization="none", min_replicas=1)
+    link_joined_node, errors = services.link_joined_node, []
+
+    def reconcile_in_another_worker():
+        try:
+            reconcile_endpoint(str(endpoint.pk))
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            connection.close()
+
+    def link_after_a_reconcile(node, *args, **kwargs):
+        worker = threading.Thread(target=reconcile_in_another_worker)
+        worker.start()
+        worker.join()
+        return link_joined_node(node, *args, **kwargs)
+
+    monkeypatch.setattr(services, "link_joined_node", link_after_a_reconcile)
+    answer = _register_claiming_eight_h100s(client, pools.reissue_token(launch))
+    assert answer.status_code == 201, answer.content
+    assert not errors
+
+    node = Node.objects.get(pk=answer.json()["node_id"])
+    assert (node.gpu_type, node.num_gpus) == ("l4", 1)
+    assert not Replica.objects.filter(endpoint=endpoint, node=node).exists()
+
+
+@pytest.mark.django_db
+def test_a_replica_placed_on_a_machine_before_it_is_linked_by_name_is_drained_when_held_to_its_pools_type(client):
+    """A machine whose agent joined with a shared token is linked by the name the provider reports at the next tick;
+    until then it is the type it claimed. Before, an H100 endpoint's replica placed then stayed on the L4 machine."""
+    pool = make_pool(name="l4-pool", gpu_type="l4", gpus_per_node=1, gpu_memory_mb=23_034)
+    launch = NodeLaunch.objects.create(pool=pool, state=LaunchState.LAUNCHING, deadline_at=timezone.now() + timedelta(minutes=10))
+    answer = _register_claiming_eight_h100s(client, create_join_token(SYSTEM, name="daemonset").plain)
+    assert answer.status_code == 201, answer.content
+    node = Node.objects.get(pk=answer.json()["node_id"])
+    endpoint = EndpointFactory(gpu_type="h100-80gb", model_source=TINY, quantization="none", min_replicas=1)
+    reconcile_endpoint(str(endpoint.pk))
+    assert Replica.objects.filter(endpoint=endpoint, node=node, state=ReplicaState.PENDING).exists()
+
+    assert launches.link_joined_node(node, launch)
+
+    assert node.gpu_type == "l4"
+    assert not Replica.objects.filter(endpoint=endpoint, node=node, state__in=[ReplicaState.PENDING]).exists()
