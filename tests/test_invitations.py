@@ -543,6 +543,20 @@ def test_the_platforms_own_invitations_are_marked_and_still_accepted():
     assert invitations.accept_invitation(services.Actor(user=invitee), invitation).role == Role.OWNER
 
 
+def test_an_invitation_written_by_a_web_pod_still_on_the_code_before_the_flag_is_not_the_platforms():
+    # A rolling deploy: the migration runs while pods of the code before it still invite, with the columns they know.
+    # Before: a NOT NULL column without a database default refused their INSERT (a 500 for every invite).
+    organization, sender = OrganizationFactory(), UserFactory()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO controlplane_invitation (organization_id, email, role, invited_by_id, created_at, expires_at)"
+            " VALUES (%s, %s, %s, %s, now(), now() + interval '1 day') RETURNING id",
+            [organization.pk, "old-pod@example.test", Role.MEMBER, sender.pk],
+        )
+        (invitation_id,) = cursor.fetchone()
+    assert Invitation.objects.get(pk=invitation_id).from_platform is False
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_invitation_sent_while_the_admin_deletes_its_sender_grants_nothing():
     """The admin's delete revokes the user's pending invitations, then deletes the user: one sent in between (in an

@@ -167,7 +167,7 @@ class Invitation(models.Model):
     invited_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
     # NOTE: the platform's own invitations (no acting user) grant their role whatever; a null `invited_by` alone is
     # a deleted sender (SET_NULL), whose invitation grants nothing (`invitations.invitation_refusal`).
-    from_platform = models.BooleanField(default=False)
+    from_platform = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField()
     accepted_at = models.DateTimeField(null=True, blank=True)

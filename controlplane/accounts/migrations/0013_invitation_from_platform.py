@@ -5,7 +5,10 @@ platform's own invitation, granted whatever its role, owner included.
 NOTE: no existing row is provably the platform's: no command or page invites without a signed-in user (only code run
 by hand in a shell did), and a deleted sender's `invitation.create` event lost its actor too (SET_NULL). So no row is
 marked here, and every invitation still pending with a null sender is revoked, each audited (reason "sender
-deleted"); an admin sends any still wanted again. Accepted ones are left as they are."""
+deleted"); an admin sends any still wanted again. Accepted ones are left as they are.
+
+The column has a database default (false): during a rolling deploy the web pods still on the code before insert
+invitations without it, which a NOT NULL column without a default refused (a 500 for every invite)."""
 
 from django.db import migrations, models
 from django.utils import timezone
@@ -44,7 +47,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="invitation",
             name="from_platform",
-            field=models.BooleanField(default=False),
+            field=models.BooleanField(default=False, db_default=False),
         ),
         migrations.RunPython(revoke_pending_invitations_of_deleted_senders, migrations.RunPython.noop),
     ]
