@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 
 from django.conf import settings
@@ -143,7 +144,16 @@ def drain_replicas(endpoint: Endpoint, *, reason: str) -> int:
 
 def drain_node(node: Node, *, reason: str) -> int:
     """Every serving replica on the node drains, and its endpoint is reconciled to replace it elsewhere."""
-    replicas = Replica.objects.filter(node=node, state__in=(*SERVING_REPLICA_STATES, ReplicaState.SLEEPING)).select_related("endpoint")
+    return drain_each(
+        Replica.objects.filter(node=node, state__in=(*SERVING_REPLICA_STATES, ReplicaState.SLEEPING)).select_related(
+            "endpoint"
+        ),
+        reason=reason,
+    )
+
+
+def drain_each(replicas: Iterable[Replica], *, reason: str) -> int:
+    """Each of `replicas` drains, and each one's endpoint is reconciled (once) to replace it elsewhere."""
     num_drained, endpoint_ids = 0, set()
     for replica in replicas:
         num_drained += drain_replica(replica, reason=reason)

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from endpoints.models import LIVE_REPLICA_STATES, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch
-from endpoints.replicas import drain_replica, request_reconcile
+from endpoints.replicas import drain_each
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,7 @@ def drain_unfitting_replicas(node: Node, *, reason: str) -> int:
         or not set(replica.gpu_indices) <= gpu_indices
         or replica.reserved_memory_mb > node.gpu_memory_mb * max(len(replica.gpu_indices), 1)
     ]
-    num_drained, endpoint_ids = 0, set()
-    for replica in unfitting:
-        num_drained += drain_replica(replica, reason=reason)
-        endpoint_ids.add(replica.endpoint_id)
-    for endpoint_id in endpoint_ids:
-        request_reconcile(endpoint_id)
-    return num_drained
+    return drain_each(unfitting, reason=reason)
 
 
 def record_launched(launch: NodeLaunch, provider_id: str, zone: str = "", now: datetime | None = None) -> bool:
