@@ -164,8 +164,13 @@ def check_spec(organization: Organization, changes: dict, instance: Endpoint | N
 def lock_organization(organization_id: int, *, skip_locked: bool = False) -> Organization | None:
     """The organisation's row, locked until the transaction ends: quota checks that count and then
     add (endpoints, replicas) run one at a time per organisation. With `skip_locked`, None where another
-    transaction holds the row (the caller retries later) instead of waiting for it."""
-    locked = Organization.objects.select_for_update(of=("self",), skip_locked=skip_locked).select_related("plan")
+    transaction holds the row (the caller retries later) instead of waiting for it.
+
+    NOTE: FOR NO KEY UPDATE, as the accounts' changes take it (they conflict with each other): FOR UPDATE also held up
+    every row whose foreign key names the organisation (usage rows, audit events) until the placement committed."""
+    locked = Organization.objects.select_for_update(of=("self",), skip_locked=skip_locked, no_key=True).select_related(
+        "plan"
+    )
     return locked.get(pk=organization_id) if not skip_locked else locked.filter(pk=organization_id).first()
 
 

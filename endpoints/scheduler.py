@@ -62,9 +62,11 @@ IDLE_DEADLINE_MARGIN_S = 0.05
 
 
 def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
-                       now: float | None = None) -> autoscaler.Decision | None:
+                       now: float | None = None, in_a_tick: bool = False) -> autoscaler.Decision | None:
     """Place missing replicas and drain surplus ones, for the `load` read at `now` (Redis's clock; both read here
-    when None)."""
+    when None). `in_a_tick` (the autoscaler's pass over every endpoint): a scale-up whose organisation's row another
+    write holds is left to the next tick rather than waited for; the endpoint's own task (a wake, a spec change)
+    waits for it."""
     now = redis_time() if now is None else now
     if load is None:
         load = autoscaler.read_load([str(endpoint_id)], now=now)[str(endpoint_id)]
@@ -90,7 +92,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
             # after a failure waits for `next_attempt_at` (a later tick).
             pass
         elif decision.desired > len(serving) and (organization := quotas.lock_organization(
-                endpoint.organization_id, skip_locked=True)) is None:
+                endpoint.organization_id, skip_locked=in_a_tick)) is None:
             # NOTE: the organisation's row is held by another write (a key revocation walking thousands of minted keys,
             # a member's change, another of its endpoints placing): this tick leaves the endpoint as it is and the
             # next one retries. Waiting held the tick, which reconciles every endpoint in turn, so every tenant's
@@ -318,7 +320,7 @@ def _tick() -> int:
     schedule_idle_deadlines(idle_deadlines, now)
     for endpoint_id in changing:
         try:
-            reconcile_endpoint(endpoint_id, loads[endpoint_id], now=now)
+            reconcile_endpoint(endpoint_id, loads[endpoint_id], now=now, in_a_tick=True)
         except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others
             logger.exception("reconciling endpoint %s failed", endpoint_id)
     return len(endpoint_ids)

@@ -95,3 +95,20 @@ def test_a_usage_row_of_the_organisation_is_written_while_a_member_change_holds_
     assert written == [WRITES[write]]
     assert refusals == []
     assert UsageRecord.objects.filter(organization=organization).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_usage_row_of_the_organisation_is_written_while_a_scale_up_holds_its_row():
+    """`quotas.lock_organization` (a placement's quota check) took FOR UPDATE: every usage row of that organisation
+    waited for the placement's commit."""
+    from endpoints import quotas
+
+    endpoint = EndpointFactory()
+    refusals: list[BaseException] = []
+    with transaction.atomic():
+        quotas.lock_organization(endpoint.organization_id)
+        writing = threading.Thread(target=_write_a_usage_row, args=(endpoint, refusals))
+        writing.start()
+        writing.join(timeout=60)
+    assert refusals == []
+    assert UsageRecord.objects.filter(request_id=f"req-{endpoint.pk}-while-held").exists()

@@ -5,7 +5,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 from controlplane import redis_keys
@@ -543,8 +543,12 @@ def test_a_scale_up_whose_organisation_is_held_by_a_key_revocation_skips_this_ti
         held.wait(timeout=60)
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '2s'")  # a wait on the row fails the test instead
-        scheduler.reconcile_endpoint(str(endpoint.pk), load())
+        scheduler.reconcile_endpoint(str(endpoint.pk), load(), in_a_tick=True)
         assert not endpoint.replicas.exists()
+        # The endpoint's own task (a request waking it) waits for the row instead of leaving the wake to the next
+        # tick: with the row still held, its wait is the lock's timeout.
+        with pytest.raises(OperationalError, match="lock timeout"), transaction.atomic():
+            scheduler.reconcile_endpoint(str(endpoint.pk), load())
     finally:
         release.set()
         holding.join(timeout=60)
