@@ -504,7 +504,13 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 reason = await check(progress)  # "outage" while PostgreSQL is away
                 if reason != "outage":
                     renewed_at = now
-                    away_since, num_away_checks = None, 0
+                    if unstored:
+                        # NOTE: no line starts until a store tried again succeeds (below): a store that keeps failing
+                        # while the checks succeed (a statement timeout, a lock on one row) started lines whose answers
+                        # could not be stored, for the whole slice
+                        num_away_checks += 1
+                    else:
+                        away_since, num_away_checks = None, 0
                     for outcome, answer in unstored:  # PostgreSQL reached: their stores tried again
                         storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
                     unstored.clear()
@@ -603,6 +609,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         answer.release()
                         raise
                     answer.release()
+                    if not unstored:
+                        away_since, num_away_checks = None, 0  # stored: PostgreSQL takes answers again
                     if stored.kept and stored.ok:
                         progress.num_completed += 1
                     elif stored.kept:

@@ -160,3 +160,47 @@ def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_h
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
     assert runs == ["lease"], "the first run knew its lease lapsed"
     assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1
+
+
+def test_no_line_starts_while_a_finished_lines_store_keeps_failing_though_the_lease_checks_succeed(
+    files_bucket, tenant, start_mock_upstream, monkeypatch
+):
+    # A store that fails with PostgreSQL up (a statement timeout, a lock on one row) while the lease checks succeed.
+    # Before: each successful check let lines start again, whose answers then met the same failing store: GPU work
+    # for answers that could not be kept, for the whole slice.
+    import threading
+
+    from django.db import OperationalError
+
+    num_lines = 8
+    upstream = start_mock_upstream(token_delay_ms=50)
+    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=1)
+    batch = new_batch(
+        endpoint,
+        b"".join(
+            one_chat_line(endpoint, NUM_TOKENS).replace(b'"only"', f'"c{i}"'.encode()) for i in range(num_lines)
+        ),
+    )
+    engine_requests_at_failures: list[int] = []
+    failing = threading.Lock()
+    take_result_room = services._take_result_room
+
+    def failing_for_a_while(*args, **kwargs):
+        with failing:
+            if len(engine_requests_at_failures) < 6:
+                engine_requests_at_failures.append(httpx.get(f"{upstream}/_stats").json()["num_requests"])
+                raise OperationalError("canceling statement due to statement timeout")
+        return take_result_room(*args, **kwargs)
+
+    monkeypatch.setattr(services, "_take_result_room", failing_for_a_while)
+    services.run_batch(batch.pk)
+    for _ in range(2):  # whatever the run left, the next runs finish
+        if Batch.objects.get(pk=batch.pk).status != BatchStatus.COMPLETED:
+            Batch.objects.filter(pk=batch.pk).update(lease_until=None, lease_token="")
+            services.run_batch(batch.pk)
+
+    assert len(engine_requests_at_failures) == 6
+    assert len(set(engine_requests_at_failures)) == 1, engine_requests_at_failures  # no start while they failed
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (num_lines, 0)
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == num_lines
