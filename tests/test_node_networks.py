@@ -129,7 +129,7 @@ def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_re
     response = beat(client, answer["node_secret"])
     assert response.status_code == 401  # the agent registers again, and that registration's 400 says why
     message = response.json()["error"]["message"]
-    assert "registered host is refused" in message and "INFERPLANE_NODE_NETWORKS" in message
+    assert "registered host or engine ports are refused" in message and "INFERPLANE_NODE_NETWORKS" in message
 
 
 def test_the_local_stack_still_admits_its_loopback_agent_and_private_addresses_by_default(client, settings):
@@ -208,6 +208,11 @@ def test_the_gateway_never_routes_to_an_engine_port_outside_the_platforms_of_a_n
     assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
     production_networks.ALLOW_LOOPBACK_NODES = False
     assert _load_replicas(str(endpoint.pk)) == []
+    # Nor is anything placed there, and its agent is told to register again (and refused, with the reason).
+    assert not Node.objects.placeable()
+    response = beat(client, answer["node_secret"])
+    assert response.status_code == 401
+    assert "20000-29999" in response.json()["error"]["message"]
 
 
 @pytest.fixture

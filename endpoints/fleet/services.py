@@ -252,8 +252,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     control_plane_service_addresses()  # NOTE: a DNS failure of ours refuses no node (`_registration_problem`)
     host_problem = node.host_problem()
     if host_problem:
-        raise NodeRefused(f"advertise_host: the node's registered host is refused ({host_problem}); "
-                          "register again from an allowed host")
+        raise NodeRefused(f"the node's registered host or engine ports are refused ({host_problem}); "
+                          "register again with allowed ones")
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)

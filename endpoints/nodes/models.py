@@ -63,7 +63,7 @@ def engine_ports_problem(port_min: int, port_max: int) -> str:
     (`endpoints.fleet.providers.local`)."""
     if settings.ALLOW_LOOPBACK_NODES or DEFAULT_ENGINE_PORT_MIN <= port_min <= port_max <= DEFAULT_ENGINE_PORT_MAX:
         return ""
-    return f"they must lie in the platform's engine ports, {DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}"
+    return f"its engine ports must lie in the platform's, {DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}"
 
 
 def advertise_host_problem(host: str) -> str:
@@ -273,12 +273,15 @@ class Node(models.Model):
 
     def host_problem(self) -> str:
         """Why the gateway may not reach this node's engines at all ("" if it may): its registered host as
-        `advertise_host_problem` judges it now.
+        `advertise_host_problem` judges it now, and its engine ports as `engine_ports_problem` does.
 
-        NOTE: a node registered before that rule, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host the
-        gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the sweeps move
-        its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a loop."""
-        return advertise_host_problem(self.advertise_host)
+        NOTE: a node registered before those rules, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host or
+        ports the gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the
+        sweeps move its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a
+        loop."""
+        return advertise_host_problem(self.advertise_host) or engine_ports_problem(
+            self.engine_port_min, self.engine_port_max
+        )
 
     @property
     def total_gpu_memory_mb(self) -> int:
