@@ -410,7 +410,8 @@ def move_off_unreachable_nodes() -> int:
     routes to its engines, so a replica there serves nothing however long it runs. Judged whatever the heartbeats
     say: it is the node's registration, not its silence. Not counted as the endpoint's failure (no back-off)."""
     unreachable = [node for node in Node.objects.exclude(state=NodeState.OFFLINE).filter(
-        replicas__state__in=LIVE_REPLICA_STATES).distinct().only("pk", "name", "advertise_host") if node.host_problem()]
+        replicas__state__in=LIVE_REPLICA_STATES).distinct().only(
+        "pk", "name", "advertise_host", "engine_port_min", "engine_port_max") if node.host_problem()]
     num_failed = 0
     for node in unreachable:
         # NOTE: the reason is shown to every member: it names neither the node nor its host (the log below does).

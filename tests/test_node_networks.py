@@ -3,18 +3,27 @@ networks the operator named for GPU nodes (`INFERPLANE_NODE_NETWORKS`) and never
 PostgreSQL or Redis; a node outside them is refused at registration, at each heartbeat and by the gateway."""
 
 import ipaddress
+import math
+import socket
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
-from endpoints.fleet.services import create_join_token
+from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.gateway.directory import _load_replicas
 from endpoints.models import Replica
-from endpoints.nodes.models import JoinToken, Node, control_plane_service_addresses
+from endpoints.nodes import models as nodes_models
+from endpoints.nodes.models import JoinToken, Node, advertise_host_problem, control_plane_service_addresses
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import ReplicaState, ReplicaStatus
+from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, ReplicaState, ReplicaStatus
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.control_plane import RegistrationRefused
 from tests.factories import EndpointFactory
+from tests.fleet.test_node_sandbox_fact import in_process_control_plane  # noqa: F401 (a fixture)
 from tests.test_agent_api import beat, register
 
 pytestmark = pytest.mark.django_db
@@ -118,9 +127,9 @@ def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_re
     assert beat(client, answer["node_secret"]).status_code == 200
     production_networks.NODE_NETWORKS = FLEET
     response = beat(client, answer["node_secret"])
-    assert response.status_code == 400
+    assert response.status_code == 401  # the agent registers again, and that registration's 400 says why
     message = response.json()["error"]["message"]
-    assert "registered host is refused" in message and "INFERPLANE_NODE_NETWORKS" in message
+    assert "registered host or engine ports are refused" in message and "INFERPLANE_NODE_NETWORKS" in message
 
 
 def test_the_local_stack_still_admits_its_loopback_agent_and_private_addresses_by_default(client, settings):
@@ -130,3 +139,181 @@ def test_the_local_stack_still_admits_its_loopback_agent_and_private_addresses_b
     for host in ("127.0.0.1", "localhost", "10.0.3.7", "192.168.7.7", "fd00:1::7"):
         assert register(client, token, name=host, advertise_host=host).status_code == 201, host
     assert register(client, token, name="public", advertise_host="8.8.8.8").status_code == 400
+
+
+def _ready_replica_on(client, secret, address):
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, model_source="/models/tiny")
+    reconcile_endpoint(str(endpoint.pk))
+    replica = Replica.objects.get(endpoint=endpoint)
+    assert (
+        beat(
+            client, secret, [ReplicaStatus(str(replica.pk), ReplicaState.READY, address=address)]
+        ).status_code
+        == 200
+    )
+    return endpoint, replica
+
+
+def test_a_node_inside_the_networks_with_engine_ports_outside_the_platforms_is_400_and_never_routed_to(
+    client, production_networks
+):
+    token = create_join_token(SYSTEM, name="stolen", max_uses=10).plain
+    # A web pod's own :8000, a Redis Cluster peer, PostgreSQL behind PgBouncer, the kube API: all inside 10/8.
+    for host, port in (
+        ("10.20.1.2", 8000),
+        ("10.20.0.12", 6379),
+        ("10.20.0.22", 5432),
+        ("10.20.0.1", 6443),
+        ("10.20.0.3", DEFAULT_ENGINE_PORT_MAX + 1),
+    ):
+        response = register(
+            client,
+            token,
+            name=f"mole-{port}",
+            advertise_host=host,
+            engine_port_min=port,
+            engine_port_max=port,
+        )
+        assert response.status_code == 400, port
+        message = response.json()["error"]["message"]
+        assert message.startswith("invalid registration: engine_port_min: "), message
+        assert f"{DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}" in message
+    assert not Node.objects.exists()
+    assert AuditEvent.objects.filter(action="node.register_refused").count() == 5
+    assert (
+        register(
+            client,
+            token,
+            name="gpu",
+            advertise_host="10.20.1.2",
+            engine_port_min=DEFAULT_ENGINE_PORT_MIN,
+            engine_port_max=DEFAULT_ENGINE_PORT_MIN + 99,
+        ).status_code
+        == 201
+    )
+
+
+def test_the_gateway_never_routes_to_an_engine_port_outside_the_platforms_of_a_node_registered_before_the_rule(
+    client, production_networks
+):
+    production_networks.ALLOW_LOOPBACK_NODES = True  # registered where any range was taken
+    answer = register(
+        client,
+        create_join_token(SYSTEM, name="t").plain,
+        advertise_host="10.20.1.2",
+        engine_port_min=8000,
+        engine_port_max=8000,
+    ).json()
+    endpoint, replica = _ready_replica_on(client, answer["node_secret"], "http://10.20.1.2:8000")
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    production_networks.ALLOW_LOOPBACK_NODES = False
+    assert _load_replicas(str(endpoint.pk)) == []
+    # Nor is anything placed there, and its agent is told to register again (and refused, with the reason).
+    assert not Node.objects.placeable()
+    response = beat(client, answer["node_secret"])
+    assert response.status_code == 401
+    assert "20000-29999" in response.json()["error"]["message"]
+
+
+@pytest.fixture
+def flaky_dns(monkeypatch):
+    """The cluster's resolver, down for `failures["left"]` lookups of the control plane's own names."""
+    real = socket.getaddrinfo
+    failures = {"left": 0}
+    names = {"db.internal": "10.20.0.5", "redis.internal": "10.20.0.6"}
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in names:
+            return real(host, *args, **kwargs)
+        if failures["left"]:
+            failures["left"] -= 1
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (names[host], 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(nodes_models, "RESOLVE_RETRY_S", 0.0)
+    monkeypatch.setitem(nodes_models._last_unresolved, "at", -math.inf)
+    return failures
+
+
+def test_a_dns_failure_at_first_use_refuses_nodes_until_the_names_resolve_and_is_not_kept(
+    client, production_networks, service_addresses, flaky_dns
+):
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    service_addresses.REDIS_URL = service_addresses.CELERY_BROKER_URL = "redis://redis.internal:6379/0"
+    flaky_dns["left"] = 2
+    assert "could not be resolved" in advertise_host_problem("10.20.0.9")  # fails closed meanwhile
+    token = create_join_token(SYSTEM, name="t").plain
+    response = register(client, token, name="db", advertise_host="10.20.0.5")
+    assert response.status_code == 503  # the agent retries: a DNS failure of ours refuses no node for good
+    assert response["Retry-After"]
+    assert not Node.objects.exists()
+    # The resolver is back: looked up again, the database's address is refused and another is admitted.
+    assert "control plane's own PostgreSQL or Redis" in advertise_host_problem("10.20.0.5")
+    assert "control plane's own PostgreSQL or Redis" in advertise_host_problem("10.20.0.6")
+    assert register(client, token, name="db", advertise_host="10.20.0.5").status_code == 400
+    assert register(client, token, name="gpu", advertise_host="10.20.0.9").status_code == 201
+
+
+def test_a_database_address_spelled_ipv4_mapped_is_refused_as_its_ipv4(
+    client, production_networks, service_addresses
+):
+    service_addresses.DATABASE_URL = "postgres://u:p@[::ffff:10.20.0.5]:5432/db"
+    assert "control plane's own PostgreSQL or Redis" in advertise_host_problem("10.20.0.5")
+    assert "control plane's own PostgreSQL or Redis" in advertise_host_problem("::ffff:10.20.0.5")
+    response = register(client, create_join_token(SYSTEM, name="t").plain, advertise_host="10.20.0.5")
+    assert response.status_code == 400
+
+
+def test_a_revoked_or_expired_token_refused_for_its_host_writes_no_audit_row(client, production_networks):
+    revoked = create_join_token(SYSTEM, name="old", max_uses=1)
+    revoke_join_token(SYSTEM, revoked.join_token)
+    expired = create_join_token(SYSTEM, name="late", expires_at=timezone.now() - timedelta(minutes=1))
+    for created in (revoked, expired):
+        for number in range(20):
+            response = register(client, created.plain, name=f"flood-{number}", advertise_host="8.8.8.8")
+            assert response.status_code == 400
+    assert not AuditEvent.objects.filter(action="node.register_refused").exists()
+    # An allowed host with such a token is a 401, as before.
+    assert register(client, revoked.plain, advertise_host="10.20.0.1").status_code == 401
+
+
+def test_an_agent_whose_host_the_operator_refuses_since_it_registered_is_told_its_registration_is_refused(
+    in_process_control_plane,  # noqa: F811
+    production_networks,
+    tmp_path,
+):
+    production_networks.NODE_NETWORKS = (*FLEET, ipaddress.ip_network("10.99.0.0/16"))
+    token = create_join_token(SYSTEM, name="rack").plain
+    config = AgentConfig(
+        control_plane_url="http://testserver",
+        join_token=token,
+        data_dir=tmp_path / "agent",
+        force_cpu=True,
+        advertise_host="10.99.0.7",
+    )
+    agent = Agent(config, transport=in_process_control_plane)  # starts no engine: nothing is placed on it
+    try:
+        agent.heartbeat_once()  # registers, then beats
+        assert Node.objects.get().advertise_host == "10.99.0.7"
+        production_networks.NODE_NETWORKS = FLEET
+        with pytest.raises(RegistrationRefused) as refused:
+            agent.heartbeat_once()
+        assert "advertise_host" in str(refused.value) and "INFERPLANE_NODE_NETWORKS" in str(refused.value)
+        assert Node.objects.count() == 1  # no second node
+    finally:
+        agent.shutdown()
+
+
+def test_after_a_failed_lookup_the_next_waits_a_moment_and_nodes_are_refused_meanwhile(
+    production_networks, service_addresses, flaky_dns, monkeypatch
+):
+    # While DNS is down each heartbeat and directory load would otherwise wait out the resolver's timeout.
+    monkeypatch.setattr(nodes_models, "RESOLVE_RETRY_S", 3600.0)
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    flaky_dns["left"] = 1
+    assert "could not be resolved" in advertise_host_problem("10.20.0.9")
+    assert "could not be resolved" in advertise_host_problem("10.20.0.9")
+    assert flaky_dns["left"] == 0
+    monkeypatch.setattr(nodes_models, "RESOLVE_RETRY_S", 0.0)
+    assert advertise_host_problem("10.20.0.9") == ""

@@ -15,6 +15,7 @@ from django.views.decorators.http import require_POST
 from controlplane import pubsub
 from controlplane.credential_lookups import LookupsBusy
 from endpoints.fleet import services
+from endpoints.nodes.models import ServiceAddressesUnresolved
 from endpoints.nodes.notify import node_channel
 from gpu_agent import protocol
 
@@ -23,11 +24,15 @@ def _error(status: int, message: str) -> JsonResponse:
     return JsonResponse({"error": {"message": message}}, status=status)
 
 
-def _busy() -> JsonResponse:
-    """Too many credentials being checked at once (a flood of made-up ones): the agent retries, as after any 5xx."""
-    response = _error(503, "too many credentials are being checked at once; retry shortly")
+def _busy(message: str = "too many credentials are being checked at once") -> JsonResponse:
+    """Too many credentials being checked at once (a flood of made-up ones), or the control plane's own addresses not
+    resolving yet: the agent retries, as after any 5xx."""
+    response = _error(503, f"{message}; retry shortly")
     response["Retry-After"] = "1"
     return response
+
+
+UNRESOLVED = "the control plane's own PostgreSQL or Redis addresses do not resolve yet"
 
 
 def _parse(request, message_class):
@@ -55,6 +60,8 @@ def register(request):
         return _error(401, str(exc))
     except LookupsBusy:
         return _busy()
+    except ServiceAddressesUnresolved:
+        return _busy(UNRESOLVED)
     return JsonResponse(answer.to_dict(), status=201)
 
 
@@ -75,6 +82,10 @@ def heartbeat(request):
         return _error(400, f"invalid heartbeat: {exc}")
     try:
         return JsonResponse(services.record_heartbeat(node, report).to_dict())
+    except services.NodeRefused as exc:
+        return _error(401, str(exc))
+    except ServiceAddressesUnresolved:
+        return _busy(UNRESOLVED)
     except services.ReportRefused as exc:
         return _error(400, f"invalid heartbeat: {exc}")
 

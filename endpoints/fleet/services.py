@@ -45,6 +45,8 @@ from endpoints.nodes.models import (
     NodeLaunch,
     advertise_host_problem,
     bounded_gpu_inventory,
+    control_plane_service_addresses,
+    engine_ports_problem,
     gpu_inventory,
 )
 from endpoints.nodes.notify import notify_node
@@ -59,6 +61,11 @@ logger = logging.getLogger(__name__)
 
 class AgentAuthError(Exception):
     """The agent's join token or node secret is not valid."""
+
+
+class NodeRefused(AgentAuthError):
+    """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason, so the
+    agent registers again (`gpu_agent.runtime.control_plane`) and that registration's 400 tells it why it is refused."""
 
 
 class ReportRefused(ValueError):
@@ -130,21 +137,24 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) before a use of the token is
-    spent, audited (`node.register_refused`, naming the token) when the token is a real one: its holder tried to aim
-    the gateway at an address outside the fleet's; `LookupsBusy` when other join tokens hold every lookup slot for
-    longer than a caller may wait."""
-    host_problem = advertise_host_problem(request.advertise_host)
-    if host_problem:
-        # NOTE: audited only for a real token, so a stranger's bogus registrations write nothing (and a refused token
-        # sent again costs no query, `JOIN_TOKEN_LOOKUPS`).
+    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) or engine ports outside the
+    platform's (`engine_ports_problem`) before a use of the token is spent, audited (`node.register_refused`, naming
+    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's;
+    `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve; `LookupsBusy` when
+    other join tokens hold every lookup slot for longer than a caller may wait."""
+    problem = _registration_problem(request)
+    if problem:
+        # NOTE: audited only for a usable token, so a stranger's bogus registrations, or a revoked, expired or used-up
+        # token's, write nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`).
         join_token = _find_join_token(request.join_token)
-        if join_token is not None:
-            logger.warning("registration of node %r with join token %s refused: advertise_host %r: %s",
-                           request.name, join_token, request.advertise_host, host_problem)
+        if join_token is not None and join_token.is_usable():
+            logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
+                           "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
+                           request.engine_port_max, problem)
             record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name,
-                         advertise_host=request.advertise_host, reason=host_problem)
-        raise ReportRefused(f"advertise_host: {host_problem}")
+                         advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
+                         engine_port_max=request.engine_port_max, reason=problem)
+        raise ReportRefused(problem)
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
@@ -184,6 +194,20 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     )
 
 
+def _registration_problem(request: protocol.RegisterRequest) -> str:
+    """Why the gateway may not route to engines at the registration's host and ports ("field: reason"; "" if it may).
+    NOTE: the control plane's own addresses are resolved first, so a DNS failure of ours raises
+    `ServiceAddressesUnresolved` (the agent retries) rather than refuse the node."""
+    control_plane_service_addresses()
+    host_problem = advertise_host_problem(request.advertise_host)
+    if host_problem:
+        return f"advertise_host: {host_problem}"
+    ports_problem = engine_ports_problem(request.engine_port_min, request.engine_port_max)
+    if ports_problem:
+        return f"engine_port_min: {ports_problem}"
+    return ""
+
+
 def authenticate_node(secret: str) -> Node:
     """The node whose secret this is. Raises `AgentAuthError` if none (a refused secret sent again costs no query),
     `LookupsBusy` when other secrets hold every lookup slot for longer than a caller may wait."""
@@ -219,15 +243,17 @@ GPUS_IGNORED = "gpus_ignored"
 def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.HeartbeatResponse:
     """Take the agent's report, move replica states forward, and answer with the desired replicas.
 
-    Raises `ReportRefused` (nothing taken) when a report names no replica id the control plane could have issued, or
-    when the node's registered host is one the gateway may no longer reach (`Node.host_problem`: the operator narrowed
-    `NODE_NETWORKS` since it registered; the sweep moves its replicas elsewhere). Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
+    Raises `ReportRefused` (nothing taken) when a report names no replica id the control plane could have issued;
+    `NodeRefused` when the node's registered host is one the gateway may no longer reach (`Node.host_problem`: the
+    operator narrowed `NODE_NETWORKS` since it registered; the sweep moves its replicas elsewhere);
+    `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve. Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
     one on a replica stopped or failed, or another node's, or made up, changes nothing, its events and adapters included.
     """
+    control_plane_service_addresses()  # NOTE: a DNS failure of ours refuses no node (`_registration_problem`)
     host_problem = node.host_problem()
     if host_problem:
-        raise ReportRefused(f"advertise_host: the node's registered host is refused ({host_problem}); "
-                            "register again from an allowed host")
+        raise NodeRefused(f"the node's registered host or engine ports are refused ({host_problem}); "
+                          "register again with allowed ones")
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
 import socket
+import time
 import uuid
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -46,9 +48,22 @@ def engine_address_problem(address: str, host: str, port_min: int, port_max: int
         return "the engine's address is not on the node's registered host"
     if advertise_host_problem(host):
         return "the node's registered host is not one the gateway may reach"
-    if port is None or not port_min <= port <= port_max:
+    if port is None or not port_min <= port <= port_max or engine_ports_problem(port, port):
         return "the engine's address is outside the node's engine ports"
     return ""
+
+
+def engine_ports_problem(port_min: int, port_max: int) -> str:
+    """Why a node may not serve engines on ports [min, max] ("" if it may).
+
+    NOTE: inside the node networks a node's host may be any pod's or machine's, so its ports must be the platform's
+    engine ports (`DEFAULT_ENGINE_PORT_MIN..MAX`, what the NetworkPolicies open to the web and batch-worker pods): else
+    a join token's holder aimed the gateway at a web pod's own :8000, a Redis or PostgreSQL peer or the kube API. The
+    local stack (`ALLOW_LOOPBACK_NODES`) keeps any range: its pools' loopback agents use 10000-19999
+    (`endpoints.fleet.providers.local`)."""
+    if settings.ALLOW_LOOPBACK_NODES or DEFAULT_ENGINE_PORT_MIN <= port_min <= port_max <= DEFAULT_ENGINE_PORT_MAX:
+        return ""
+    return f"its engine ports must lie in the platform's, {DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}"
 
 
 def advertise_host_problem(host: str) -> str:
@@ -66,28 +81,46 @@ def advertise_host_problem(host: str) -> str:
         address = ipaddress.ip_address(_normal_host(host))
     except ValueError:
         return "" if settings.ALLOW_LOOPBACK_NODES else "it must be an IP address, not a host name"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    address = _unmapped(address)
     if address.is_loopback:  # NOTE: first: ::1 is also in IPv6's reserved ::/8
         return "" if settings.ALLOW_LOOPBACK_NODES else "it is a loopback address"
     if address.is_unspecified or address.is_link_local or address.is_multicast or address.is_reserved or (
             address.version == 4 and address in _THIS_NETWORK):
         return "it is an unspecified, link-local, multicast or reserved address"
-    if address in control_plane_service_addresses():
+    try:
+        service_addresses = control_plane_service_addresses()
+    except ServiceAddressesUnresolved:  # NOTE: fail closed: an address of ours we cannot name yet may be this one
+        return "the control plane's own PostgreSQL or Redis addresses could not be resolved yet"
+    if address in service_addresses:
         return "it is an address of the control plane's own PostgreSQL or Redis"
     if not any(address in network for network in settings.NODE_NETWORKS):
         return "it is outside the networks GPU nodes may serve on (INFERPLANE_NODE_NETWORKS)"
     return ""
 
 
+class ServiceAddressesUnresolved(Exception):
+    """A host name of the control plane's own PostgreSQL or Redis did not resolve (DNS down): try again later."""
+
+
+# After a failed lookup, the next is tried no sooner than this: while DNS is down, each heartbeat, registration and
+# directory load would otherwise wait out the resolver's timeout (refused meanwhile all the same).
+RESOLVE_RETRY_S = 2.0
+_last_unresolved = {"at": -math.inf, "host": ""}
+
+
 @functools.cache
 def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`), a
-    host name's as it resolved once per process: a node never advertises one, even inside `NODE_NETWORKS`.
+    host name's as it resolved once per process: a node never advertises one, even inside `NODE_NETWORKS`. Raises
+    `ServiceAddressesUnresolved` when a name does not resolve, which `functools.cache` does not keep: the next call
+    looks again, `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once cached an empty set, and the
+    check was off for the process's life).
 
     NOTE: a name that resolves elsewhere later (a managed database's failover) is not followed; the web pods' egress
     NetworkPolicy (`infra/k8s/base/network-policies.yaml`) is the other wall. Loopback ones matter only where
     loopback nodes are refused: the local stack allows them (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
+    if time.monotonic() - _last_unresolved["at"] < RESOLVE_RETRY_S:
+        raise ServiceAddressesUnresolved(_last_unresolved["host"])
     addresses = set()
     for url in (settings.DATABASE_URL, settings.REDIS_URL, settings.CELERY_BROKER_URL):
         try:
@@ -97,16 +130,24 @@ def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipadd
         if not host or host.startswith("/"):  # a Unix socket
             continue
         try:
-            addresses.add(ipaddress.ip_address(_normal_host(host)))
+            addresses.add(_unmapped(ipaddress.ip_address(_normal_host(host))))
             continue
         except ValueError:
             pass
         try:
             resolved = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-        except OSError:
-            continue
-        addresses.update(ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in resolved)
+        except OSError as error:
+            _last_unresolved.update(at=time.monotonic(), host=host)
+            raise ServiceAddressesUnresolved(host) from error
+        addresses.update(_unmapped(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in resolved)
     return frozenset(addresses)
+
+
+def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """`::ffff:10.0.0.5` as `10.0.0.5`: one spelling for an IPv4 address, as nodes' hosts are compared."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # "this host on this network": never a node's address
@@ -232,12 +273,15 @@ class Node(models.Model):
 
     def host_problem(self) -> str:
         """Why the gateway may not reach this node's engines at all ("" if it may): its registered host as
-        `advertise_host_problem` judges it now.
+        `advertise_host_problem` judges it now, and its engine ports as `engine_ports_problem` does.
 
-        NOTE: a node registered before that rule, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host the
-        gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the sweeps move
-        its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a loop."""
-        return advertise_host_problem(self.advertise_host)
+        NOTE: a node registered before those rules, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host or
+        ports the gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the
+        sweeps move its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a
+        loop."""
+        return advertise_host_problem(self.advertise_host) or engine_ports_problem(
+            self.engine_port_min, self.engine_port_max
+        )
 
     @property
     def total_gpu_memory_mb(self) -> int:

@@ -222,3 +222,10 @@ def test_web_pods_reach_inside_the_network_only_dns_the_databases_and_the_engine
             assert ports <= {5432, 6432, 6379}, f"only the databases' ports are open to any address: {rule}"
     assert any(rule["ports"] == engine_ports and {"ipBlock": {"cidr": network}} in rule["to"]
                for rule in rules for network in node_networks), "the node networks' engine ports are reachable"
+
+
+def test_batch_workers_reach_inside_the_network_only_what_the_web_pods_reach(rendered):
+    # A batch line routes through the same directory as the gateway: without the web pods' egress policy a replica on
+    # a node registered at an internal address was reachable from the batch workers on any port.
+    rules = _egress_rules(rendered, "inferplane-batch-worker")
+    assert rules and rules == _egress_rules(rendered, "inferplane-web")
