@@ -73,8 +73,9 @@ def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Me
 def _revoke_what_the_role_may_not_hold(actor: Actor, membership: Membership) -> None:
     """The member's keys and pending invitations that their role (just saved) may not make, revoked.
 
-    NOTE: after the role is saved: a key being created meanwhile holds the membership's row
-    (`keys.create_api_key`), so the save waits for its commit and the keys listed here include it."""
+    NOTE: after the role is saved, with the organisation's row held (`_lock_membership`): a key being created meanwhile
+    queues on the same row (`keys.create_api_key`), so either it committed first and is listed here, or it waits and
+    then sees the new role."""
     keys.revoke_api_keys_beyond_role(actor, membership.user, organization=membership.organization,
                                      role=membership.role, reason="member.change_role")
     revoke_invitations_sent_by(actor, membership.user, organization=membership.organization, role=membership.role,
