@@ -29,6 +29,7 @@ from controlplane.accounts.models import (
     Organization,
     Role,
     email_is_verified,
+    lock_organizations,
 )
 from controlplane.accounts.services import Actor, record_audit
 
@@ -106,7 +107,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         raise TooManyInvitations(retry_after_s)
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
-        Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
+        lock_organizations([organization.pk])
         # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
         # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
         # invitations before this one was written, left a pending invitation of a non-member.
@@ -133,7 +134,7 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
         # NOTE: the organisation's row first, as removing or demoting the sender does before revoking their pending
         # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
         # organisation's row) and PostgreSQL failed one.
-        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
+        lock_organizations([invitation.organization_id])
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:
@@ -233,7 +234,7 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
         # (they lock the organisation, then revoke the invitation). Locking both in one query took them in table order,
         # the invitation's first: each waited on the other and PostgreSQL failed one (a 500; a review's finding).
         # The organisation of an invitation never changes, so it is read unlocked.
-        Organization.objects.select_for_update(no_key=True).filter(pk=invitation.organization_id).first()
+        lock_organizations([invitation.organization_id])
         invitation = (Invitation.objects.select_for_update(of=("self",)).select_related("organization")
                       .get(pk=invitation.pk))
         organization = invitation.organization

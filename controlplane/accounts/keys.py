@@ -14,7 +14,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane import tokens
-from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
+from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope, lock_organizations
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.credential_lookups import CredentialLookups
 
@@ -72,7 +72,7 @@ def create_api_key(
             with transaction.atomic():
                 # NOTE: NO KEY UPDATE: other keys' creations in the organisation queue behind it, inserts that only
                 # reference the row do not (see below).
-                Organization.objects.select_for_update(no_key=True).filter(pk=organization.pk).first()
+                lock_organizations([organization.pk])
                 # NOTE: the minting key's row stays locked until its child is committed, so revoking it
                 # (`revoke_api_key`, which looks for its children once it has updated it) waits and finds the child;
                 # a key revoked since this call was authenticated mints nothing.
@@ -211,7 +211,7 @@ def revoke_api_key(actor: Actor, api_key: ApiKey) -> ApiKey:
     # NOTE: the organisation's row first, as removing or demoting the key's creator does before revoking their keys:
     # with the key's row alone, each waited on the other (this commit's foreign keys take the organisation's row) and
     # PostgreSQL failed one.
-    Organization.objects.select_for_update(no_key=True).filter(pk=api_key.organization_id).first()
+    lock_organizations([api_key.organization_id])
     roles = member_roles(api_key.organization)
     if not may_revoke_api_key(actor, api_key, actor_role=roles.get(actor.user.pk) if actor.user else None,
                               creator_role=roles.get(api_key.created_by_id)):
@@ -233,7 +233,7 @@ def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None 
     if organization is not None:
         created = created.filter(organization=organization)
     # NOTE: each organisation's row first (in one order), as `revoke_api_key` does.
-    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=created.values("organization_id")).order_by("pk"))
+    lock_organizations(created.values("organization_id"))
     now = timezone.now()
     return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
 

@@ -10,7 +10,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts import keys
-from controlplane.accounts.models import ROLE_RANK, Invitation, Membership, Organization, Role
+from controlplane.accounts.models import (
+    ROLE_RANK,
+    Invitation,
+    Membership,
+    Organization,
+    Role,
+    lock_organizations,
+)
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 
 
@@ -140,7 +147,7 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
         pending = pending.filter(organization=organization)
     # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see
     # `invitations.revoke_invitation`.
-    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=pending.values("organization_id")).order_by("pk"))
+    lock_organizations(pending.values("organization_id"))
     num_revoked, now = 0, timezone.now()
     for invitation in pending:
         if role is not None and may_invite(role, invitation.role):
@@ -162,7 +169,7 @@ def _lock_membership(membership: Membership) -> Membership:
     accounts: they still queue on each other, and rows that only reference the organisation (a usage row's
     foreign-key check, FOR KEY SHARE) do not wait for a demotion's walk of its keys.
     """
-    Organization.objects.select_for_update(no_key=True).get(pk=membership.organization_id)
+    lock_organizations([membership.organization_id])
     return Membership.objects.select_related("organization", "user").get(pk=membership.pk)
 
 

@@ -101,6 +101,17 @@ class Organization(models.Model):
         return self.plan.quotas if self.plan_id is not None else Quotas.platform_default()
 
 
+def lock_organizations(ids) -> None:
+    """Hold these organisations' rows (a list of ids, or a subquery of them) until the transaction ends.
+
+    NOTE: every change of an organisation's members, keys and invitations takes its organisation's row first, in pk
+    order where there are several, so none deadlocks with another (each commit's foreign keys check the organisation's
+    row too: with a key's or an invitation's row taken first, two changes waited on each other and PostgreSQL failed
+    one). NO KEY UPDATE: they queue behind each other, but rows that only reference the organisation (usage rows'
+    foreign-key checks, FOR KEY SHARE) never wait for them."""
+    list(Organization.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk"))
+
+
 class Membership(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
