@@ -44,6 +44,9 @@ def database_refusing_connections():
     """PostgreSQL as a gateway sees it when down: every session cut, no new one accepted (this test's
     own session is kept, so the test can look and put things back)."""
     name = settings.DATABASES["default"]["NAME"]
+    # NOTE: opened before connections are refused: a test that had not read the database yet (its own session not
+    # open) failed to open it here, once the database refused it
+    connection.ensure_connection()
     with _admin_connection() as admin:
         admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
         try:
