@@ -11,9 +11,11 @@ Failures back off with jitter; the engines keep serving through them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
+import uuid
 
 import httpx
 
@@ -94,6 +96,10 @@ class Agent:
         self.control_plane = ControlPlaneClient(config, self.hardware, device=self.device, transport=transport)
         self.replicas = Reconciler(self.supervisor, self.weights, wake=self._wake)
         self.num_heartbeats = 0
+        # NOTE: this process's heartbeats are numbered (`Heartbeat.sequence`, under this boot id), so the control plane
+        # takes none that arrives after a newer one; a restarted agent counts again under a new boot id.
+        self.boot_id = uuid.uuid4().hex
+        self._heartbeat_numbers = itertools.count(1)
 
     def _keep_readings_across_restarts(self) -> None:
         """What this agent reads of its node that a restart must not forget, kept in its state file (`state_file.py`)
@@ -124,6 +130,8 @@ class Agent:
             # NOTE: every beat, not only at registration: the namespaces' fact changes while the agent runs (an
             # engine's exit 79 re-tests them), and operators read the node's fact on the control plane.
             engine_sandbox=engine_sandbox_fact(sandbox.node_fact(self.config.engine_sandbox)),
+            boot_id=self.boot_id,
+            sequence=next(self._heartbeat_numbers),
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:

@@ -211,6 +211,13 @@ def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_a
     running_agent()
     wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 2, 10)
     assert len(control_plane.registrations) == 1
+    # Each process numbers its heartbeats from 1 under its own boot id (the control plane takes none that arrives
+    # after a newer one), so the restarted agent's are not taken for stale ones.
+    first, second = control_plane.heartbeats[:num_beats], control_plane.heartbeats[num_beats:]
+    assert [beat.sequence for beat in first] == list(range(1, num_beats + 1))
+    assert [beat.sequence for beat in second] == list(range(1, len(second) + 1))
+    assert len({beat.boot_id for beat in first}) == len({beat.boot_id for beat in second}) == 1
+    assert first[0].boot_id != second[0].boot_id
 
 
 def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_plane, running_agent, tmp_path, monkeypatch):
