@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -19,6 +19,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.credential_lookups import CredentialLookups
 from controlplane.secrets import SecretUnreadable
@@ -139,7 +140,8 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
     Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) or engine ports outside the
     platform's (`engine_ports_problem`) before a use of the token is spent, audited (`node.register_refused`, naming
-    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's;
+    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's (once an
+    hour for the same refusal, `_audit_refused_registration`);
     `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve; `LookupsBusy` when
     other join tokens hold every lookup slot for longer than a caller may wait."""
     problem = _registration_problem(request)
@@ -151,9 +153,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
                            "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
                            request.engine_port_max, problem)
-            record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name,
-                         advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
-                         engine_port_max=request.engine_port_max, reason=problem)
+            _audit_refused_registration(join_token, request, problem)
         raise ReportRefused(problem)
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
@@ -192,6 +192,30 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     return protocol.RegisterResponse(
         node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
     )
+
+
+# NOTE: a refused node's agent registers again at every back-off (at most a minute; every 5 s had it exited, systemd's
+# `Restart=always`), so one refusal is audited once an hour per join token, host, port range and reason, and at most
+# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour (a token's holder trying one host after another).
+# Before, each try wrote a row: 1,440 a day for each refused node while its token was usable. The log says each.
+REFUSED_REGISTRATION_AUDIT_S = 3600
+MAX_REFUSED_REGISTRATIONS_AUDITED = 100
+
+
+def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
+    """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
+    same refusal of the token was audited within the hour, or as many of its refusals as the hour's bound."""
+    refusal = {"advertise_host": request.advertise_host, "engine_port_min": request.engine_port_min,
+               "engine_port_max": request.engine_port_max, "reason": problem}
+    audited = list(AuditEvent.objects.filter(
+        action="node.register_refused", target_type=type(join_token).__name__, target_id=str(join_token.pk),
+        created_at__gte=timezone.now() - timedelta(seconds=REFUSED_REGISTRATION_AUDIT_S),
+    ).values_list("details", flat=True)[:MAX_REFUSED_REGISTRATIONS_AUDITED])
+    if len(audited) >= MAX_REFUSED_REGISTRATIONS_AUDITED or any(
+        {key: details.get(key) for key in refusal} == refusal for details in audited
+    ):
+        return
+    record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name, **refusal)
 
 
 def _registration_problem(request: protocol.RegisterRequest) -> str:
