@@ -135,14 +135,35 @@ class Agent:
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:
-        """Send one heartbeat (registering first if needed) and reconcile with the answer."""
-        self.control_plane.register_if_needed()
-        heartbeat = self.build_heartbeat()
-        answer = self.control_plane.send_heartbeat(heartbeat)
+        """Send one heartbeat (registering first if needed) and reconcile with the answer.
+
+        Refused (`RegistrationRefused`: the control plane refuses the node's host now, or knows neither the node nor
+        its join token), the agent stops every engine before it raises."""
+        try:
+            self.control_plane.register_if_needed()
+            heartbeat = self.build_heartbeat()
+            answer = self.control_plane.send_heartbeat(heartbeat)
+        except RegistrationRefused:
+            self._stop_engines_of_refused_node()
+            raise
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
         self.replicas.reconcile(answer.desired)
         return answer
+
+    def _stop_engines_of_refused_node(self) -> None:
+        """Drain and stop every replica, as an answer that wants none would.
+
+        NOTE: the control plane refuses a node it will not route to (its host outside the node networks since it
+        registered, or a retired node's secret): the gateway leaves its replicas out and the sweep fails them and
+        places them elsewhere, so its engines serve nobody the platform sends, and must not go on serving anyone who
+        reaches them, nor hold the GPUs. Before, they ran until the agent stopped. The agent keeps registering
+        again at every back-off, and once the node is taken again its answers start what it should run."""
+        running = [replica_id for replica_id in self.supervisor.replica_ids()
+                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final]
+        if running:
+            logger.warning("the control plane refuses this node: stopping its %d engine(s)", len(running))
+        self.replicas.reconcile([])
 
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until `stop` is set, then stop every engine.
