@@ -283,7 +283,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)
-    status.pop("engine_sandbox", None)  # kept in its own column, below
+    for own_column in ("engine_sandbox", "boot_id", "sequence"):  # kept in their own columns, below
+        status.pop(own_column, None)
     with transaction.atomic():
         authenticated_digest = node.secret_digest
         node = Node.objects.select_for_update().get(pk=node.pk)
