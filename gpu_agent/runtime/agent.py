@@ -5,7 +5,8 @@ weights cache (`weights`), its client of the agent API (`control_plane`: registr
 the watch) and the application of the desired replicas (`reconciler`). Its loop sends a heartbeat
 (what the machine and every replica are doing), reconciles with the answer, and waits for the next
 interval, or less when there is news: a replica turned READY, or the watch heard of a change.
-Failures back off with jitter; the engines keep serving through them.
+Failures back off with jitter; the engines keep serving through them, unless the control plane refuses the node:
+then they stop (`Agent.heartbeat_once`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, engine_sandbox_fact
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState, engine_sandbox_fact
 from gpu_agent.runtime import engine, hardware, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
@@ -160,7 +161,8 @@ class Agent:
         reaches them, nor hold the GPUs. Before, they ran until the agent stopped. The agent keeps registering
         again at every back-off, and once the node is taken again its answers start what it should run."""
         running = [replica_id for replica_id in self.supervisor.replica_ids()
-                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final]
+                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final
+                   and replica.state != ReplicaState.DRAINING]
         if running:
             logger.warning("the control plane refuses this node: stopping its %d engine(s)", len(running))
         self.replicas.reconcile([])

@@ -302,8 +302,9 @@ def test_a_refused_node_stops_its_engines_and_starts_again_once_taken_back(contr
     with control_plane.lock:
         control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
         num_registrations = len(control_plane.registrations)
-    wait_until(lambda: processes_with_marker("r-a") == [], 15)  # before: its engine served on, for as long as it ran
-    assert agent.supervisor.get("r-a").state == ReplicaState.STOPPED
+    # Before: its engine served on, for as long as the agent ran.
+    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a").state == ReplicaState.STOPPED,
+               15)
     assert len(control_plane.registrations) == num_registrations  # no registration was taken
     # The operator widens them again: the node's next heartbeat is taken, and it runs what it is told to.
     control_plane.desired = [make_spec("r-b", model_source=str(model))]
