@@ -285,12 +285,13 @@ def state_after_report(current: str, reported: ReplicaState) -> str:
     return current
 
 
-def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
+def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbeat: tuple[str, int] | None = None) -> None:
     """Take what the node's agent says of one of its replicas: its load, address, restarts and state.
 
     A report about another node's replica, one that no longer exists, or one stopped or failed already, is ignored:
     a final state is the control plane's, and nothing a node says of it afterwards (a restart, its reason, its load)
-    reaches the replica's row or its endpoint's event log.
+    reaches the replica's row or its endpoint's event log. `heartbeat` (boot id, sequence) is the numbered heartbeat
+    that carries the report: it is taken only while that is still the node's last heartbeat taken.
     """
     with transaction.atomic():
         replica = (
@@ -298,6 +299,14 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus) -> None:
             .exclude(state__in=FINAL_REPLICA_STATES).first()
         )
         if replica is None:
+            return
+        # NOTE: read under the replica's row lock. Two heartbeats of one agent in flight at once each pass the node's
+        # check in turn (`fleet.services.record_heartbeat`), and their reports are taken after it: the older's could
+        # land last. A newer heartbeat taken by now makes the older's report stale; one taken later waits on this
+        # lock for its own report, so it lands after.
+        if heartbeat is not None and not Node.objects.filter(
+            pk=node.pk, heartbeat_boot_id=heartbeat[0], heartbeat_sequence=heartbeat[1]
+        ).exists():
             return
         previous = replica.state
         new_state = ReplicaState(state_after_report(previous, report.state)).value

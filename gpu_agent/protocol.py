@@ -27,7 +27,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2
+# NOTE: each version only adds optional fields, so agents and control planes of any two versions speak to each other
+# during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`.
+PROTOCOL_VERSION = 3
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
 DEFAULT_ENGINE_PORT_MIN = 20000
@@ -225,6 +227,8 @@ MAX_CACHE_KEY_CHARS = 64  # a content address (32 hex digits) or "local-<16 hex 
 MAX_WEIGHTS_SCOPE_CHARS = 64  # "" or "org-<uuid>"
 MAX_ENGINE_ADDRESS_CHARS = 200  # `Replica.address`
 MAX_REPLICA_ID_CHARS = 36  # a UUID's text
+MAX_BOOT_ID_CHARS = 64  # `Node.heartbeat_boot_id`; the agent sends a UUID's 32 hex digits
+MAX_HEARTBEAT_SEQUENCE = 2**63 - 1  # `Node.heartbeat_sequence`, a bigint
 MAX_ADAPTER_NAME_CHARS = 63  # `Adapter.name`
 MAX_ADAPTERS_PER_REPLICA = 256  # every adapter of an endpoint is in each of its replicas' specs
 # Free text an agent reports is kept cut, not refused: an engine's failure is worth its last lines.
@@ -677,8 +681,20 @@ class Heartbeat(Message):
     # NOTE: refused, not cut, past `MAX_ENGINE_SANDBOX_CHARS` or with a control character: the agent sends it through
     # `engine_sandbox_fact`, so only a made-up heartbeat (a stolen node secret) carries such a one.
     engine_sandbox: str | None = None
+    # Which heartbeat of which agent process this is: `boot_id` is drawn when the agent starts and `sequence` counts
+    # its heartbeats from 1. The control plane takes a heartbeat's report only when it is newer than the last it took
+    # from the node (`Node.heartbeat_is_newer`): one delayed in flight (a retry, a slow proxy) and arriving after a
+    # newer one took a READY replica back to STARTING. "" and None from agents older than the fields: taken, as before.
+    boot_id: str = ""
+    sequence: int | None = None
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.boot_id, str), "boot_id must be a string")
+        _require((self.sequence is None) == (not self.boot_id), "boot_id and sequence come together")
+        _require(len(self.boot_id) <= MAX_BOOT_ID_CHARS and self.boot_id.isprintable(),
+                 f"boot_id must be at most {MAX_BOOT_ID_CHARS} printable characters")
+        _require(self.sequence is None or 1 <= self.sequence <= MAX_HEARTBEAT_SEQUENCE,
+                 f"sequence must be 1-{MAX_HEARTBEAT_SEQUENCE}")
         if self.engine_sandbox is not None:
             _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
             _require_length(self.engine_sandbox, "engine_sandbox", MAX_ENGINE_SANDBOX_CHARS)

@@ -317,3 +317,38 @@ def test_after_a_failed_lookup_the_next_waits_a_moment_and_nodes_are_refused_mea
     assert flaky_dns["left"] == 0
     monkeypatch.setattr(nodes_models, "RESOLVE_RETRY_S", 0.0)
     assert advertise_host_problem("10.20.0.9") == ""
+
+
+def test_a_refused_nodes_agent_registering_again_at_every_back_off_writes_one_audit_row_an_hour(
+    client, production_networks
+):
+    created = create_join_token(SYSTEM, name="rack")
+    refused = AuditEvent.objects.filter(action="node.register_refused")
+    for _ in range(30):  # half an hour of an agent backing off a minute at a time
+        response = register(client, created.plain, name="gpu-7", advertise_host="10.99.0.7")
+        assert response.status_code == 400
+        assert "INFERPLANE_NODE_NETWORKS" in response.json()["error"]["message"]
+    assert refused.count() == 1  # before: 30
+    # Another host, or other ports, is another refusal, audited once too.
+    for _ in range(3):
+        register(client, created.plain, name="gpu-8", advertise_host="10.99.0.8")
+        register(client, created.plain, name="gpu-7", advertise_host="10.99.0.7", engine_port_min=6000,
+                 engine_port_max=6500)
+    assert refused.count() == 3
+    # An hour on, the same refusal is audited again.
+    refused.update(created_at=timezone.now() - timedelta(minutes=61))
+    register(client, created.plain, name="gpu-7", advertise_host="10.99.0.7")
+    assert refused.count() == 4
+    assert refused.filter(created_at__gt=timezone.now() - timedelta(minutes=1)).get().details["advertise_host"] == (
+        "10.99.0.7")
+
+
+def test_a_token_holder_trying_one_host_after_another_writes_a_bounded_number_of_audit_rows(
+    client, production_networks
+):
+    created = create_join_token(SYSTEM, name="stolen")
+    for number in range(120):
+        response = register(client, created.plain, name="mole", advertise_host=f"10.98.0.{number + 1}")
+        assert response.status_code == 400
+    # `MAX_REFUSED_REGISTRATIONS_AUDITED` of the token's refusals an hour (before: one row a try, 120); the log says each.
+    assert AuditEvent.objects.filter(action="node.register_refused").count() == 100

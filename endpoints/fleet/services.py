@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -19,6 +19,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.credential_lookups import CredentialLookups
 from controlplane.secrets import SecretUnreadable
@@ -139,7 +140,8 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
     Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) or engine ports outside the
     platform's (`engine_ports_problem`) before a use of the token is spent, audited (`node.register_refused`, naming
-    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's;
+    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's (once an
+    hour for the same refusal, `_audit_refused_registration`);
     `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve; `LookupsBusy` when
     other join tokens hold every lookup slot for longer than a caller may wait."""
     problem = _registration_problem(request)
@@ -151,9 +153,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
                            "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
                            request.engine_port_max, problem)
-            record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name,
-                         advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
-                         engine_port_max=request.engine_port_max, reason=problem)
+            _audit_refused_registration(join_token, request, problem)
         raise ReportRefused(problem)
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
@@ -192,6 +192,30 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     return protocol.RegisterResponse(
         node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
     )
+
+
+# NOTE: a refused node's agent registers again at every back-off (at most a minute; every 5 s had it exited, systemd's
+# `Restart=always`), so one refusal is audited once an hour per join token, host, port range and reason, and at most
+# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour (a token's holder trying one host after another).
+# Before, each try wrote a row: 1,440 a day for each refused node while its token was usable. The log says each.
+REFUSED_REGISTRATION_AUDIT_S = 3600
+MAX_REFUSED_REGISTRATIONS_AUDITED = 100
+
+
+def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
+    """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
+    same refusal of the token was audited within the hour, or as many of its refusals as the hour's bound."""
+    refusal = {"advertise_host": request.advertise_host, "engine_port_min": request.engine_port_min,
+               "engine_port_max": request.engine_port_max, "reason": problem}
+    audited = list(AuditEvent.objects.filter(
+        action="node.register_refused", target_type=type(join_token).__name__, target_id=str(join_token.pk),
+        created_at__gte=timezone.now() - timedelta(seconds=REFUSED_REGISTRATION_AUDIT_S),
+    ).values_list("details", flat=True)[:MAX_REFUSED_REGISTRATIONS_AUDITED])
+    if len(audited) >= MAX_REFUSED_REGISTRATIONS_AUDITED or any(
+        {key: details.get(key) for key in refusal} == refusal for details in audited
+    ):
+        return
+    record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name, **refusal)
 
 
 def _registration_problem(request: protocol.RegisterRequest) -> str:
@@ -248,6 +272,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     operator narrowed `NODE_NETWORKS` since it registered; the sweep moves its replicas elsewhere);
     `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve. Only reports on the node's own replicas in live states are taken, found in one query (`apply_replica_report`):
     one on a replica stopped or failed, or another node's, or made up, changes nothing, its events and adapters included.
+    A numbered heartbeat (`Heartbeat.sequence`) no newer than the last taken from the node (`Node.heartbeat_is_newer`)
+    changes nothing either, and is answered with the node's desired replicas.
     """
     control_plane_service_addresses()  # NOTE: a DNS failure of ours refuses no node (`_registration_problem`)
     host_problem = node.host_problem()
@@ -257,7 +283,8 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     reported_ids = _reported_replica_ids(heartbeat.replicas)
     status = heartbeat.to_dict()
     status.pop("replicas", None)
-    status.pop("engine_sandbox", None)  # kept in its own column, below
+    for own_column in ("engine_sandbox", "boot_id", "sequence"):  # kept in their own columns, below
+        status.pop(own_column, None)
     with transaction.atomic():
         authenticated_digest = node.secret_digest
         node = Node.objects.select_for_update().get(pk=node.pk)
@@ -267,54 +294,32 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             # lock, so an OFFLINE that a retire wrote is never taken for a node coming back.
             return protocol.HeartbeatResponse(
                 node_state=NodeState.OFFLINE, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S, desired=[])
-        previous_status = node.last_status or {}
-        came_back = node.state == NodeState.OFFLINE
-        node.last_heartbeat_at = Now()  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
-        node.last_status = status
-        node.agent_version = heartbeat.agent_version
-        fields = ["last_heartbeat_at", "last_status", "agent_version", "state"]
-        inventory = gpu_inventory(heartbeat.gpus)
-        # NOTE: only an agent that names its GPUs (by UUID) gets per-GPU placement; an older one
-        # keeps the pooled placement it was registered with. What it names is bounded by what the node
-        # registered (its pool's shape), the rest ignored with the reason on the node (`bounded_gpu_inventory`).
-        ignored = ""
-        if inventory and all(gpu["uuid"] for gpu in inventory):
-            inventory, ignored = bounded_gpu_inventory(inventory, node.gpu_shape())
-            if inventory != node.gpus:
-                node.gpus = inventory
-                fields.append("gpus")
-        newly_ignored = ignored and ignored != previous_status.get(GPUS_IGNORED)
-        # NOTE: written only when it changed (a fact is stable for hours); None from an agent older than the field.
-        sandbox_before = node.engine_sandbox
-        sandbox_changed = heartbeat.engine_sandbox is not None and heartbeat.engine_sandbox != sandbox_before
-        if sandbox_changed:
-            node.engine_sandbox = heartbeat.engine_sandbox
-            fields.append("engine_sandbox")
-        if ignored:
-            status[GPUS_IGNORED] = ignored
-        if came_back:
-            # NOTE: its replicas were failed and replaced while it was gone; they are absent from
-            # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
-            # A cordoned or draining node comes back cordoned or draining: silence undoes no decision.
-            held = node.state_before_offline
-            node.state = held if held in (NodeState.CORDONED, NodeState.DRAINING) else NodeState.READY
-            # NOTE: and a pool's machine being released (it went silent, its terminate is retried) comes back
-            # cordoned: READY, it won placement and the next tick terminated it under the replica.
-            if node.state == NodeState.READY and NodeLaunch.objects.filter(
-                node=node, state=LaunchState.RELEASING
-            ).exists():
-                node.state = NodeState.CORDONED
-            node.state_before_offline = ""
-            fields.append("state_before_offline")
-        node.save(update_fields=fields)
+        # NOTE: compared under the row lock, so of two heartbeats in flight at once the older, second here, is stale.
+        stale = not node.heartbeat_is_newer(heartbeat.boot_id, heartbeat.sequence)
+        if not stale:
+            came_back, newly_ignored, sandbox_before, sandbox_changed = _take_node_report(node, heartbeat, status)
+    if stale:
+        # NOTE: older than one taken already (delayed in flight: a retry, a slow proxy): nothing of it is taken, its
+        # replicas' states, its figures and its time included. Before, a READY replica went back to STARTING until the
+        # next heartbeat, and a stale word from a node gone silent since brought it back. Its agent is answered as a
+        # current heartbeat would be.
+        logger.info("node %s: heartbeat %d of agent %s came after a newer one: not taken", node.name,
+                    heartbeat.sequence, heartbeat.boot_id)
+        return protocol.HeartbeatResponse(
+            node_state=NodeState(node.state),
+            heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
+            desired=desired_replicas(node),
+        )
     if came_back:
         record_audit(SYSTEM, None, "node.online", node)
     if newly_ignored:
-        logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name, ignored)
-        record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=ignored)
+        logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name,
+                       newly_ignored)
+        record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=newly_ignored)
     if sandbox_changed:
         _record_sandbox_change(node, sandbox_before)
     record_model_facts(node, heartbeat.weights)
+    numbered = (heartbeat.boot_id, heartbeat.sequence) if heartbeat.sequence is not None else None
     live = set(Replica.objects.filter(node=node, pk__in=reported_ids).exclude(state__in=FINAL_REPLICA_STATES)
                .values_list("pk", flat=True)) if reported_ids else set()
     for report, replica_id in zip(heartbeat.replicas, reported_ids, strict=True):
@@ -323,12 +328,62 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         # NOTE: adapters first: a report that fails its replica still says which adapters the engine refused.
         if report.adapters or report.adapter_failures:
             record_replica_adapters(node, report)
-        apply_replica_report(node, report)
+        apply_replica_report(node, report, heartbeat=numbered)
     return protocol.HeartbeatResponse(
         node_state=NodeState(node.state),
         heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S,
         desired=desired_replicas(node),
     )
+
+
+def _take_node_report(node: Node, heartbeat: protocol.Heartbeat, status: dict) -> tuple[bool, str, str, bool]:
+    """Keep what a heartbeat says of its node (under the node's row lock): its time, status, GPUs, sandbox, state and
+    number. Returns whether it came back from OFFLINE, what of its GPUs was ignored if that is news ("" if not), its
+    sandbox fact before and whether that changed."""
+    previous_status = node.last_status or {}
+    came_back = node.state == NodeState.OFFLINE
+    node.last_heartbeat_at = Now()  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
+    node.last_status = status
+    node.agent_version = heartbeat.agent_version
+    fields = ["last_heartbeat_at", "last_status", "agent_version", "state"]
+    if heartbeat.sequence is not None:
+        node.heartbeat_boot_id, node.heartbeat_sequence = heartbeat.boot_id, heartbeat.sequence
+        fields += ["heartbeat_boot_id", "heartbeat_sequence"]
+    inventory = gpu_inventory(heartbeat.gpus)
+    # NOTE: only an agent that names its GPUs (by UUID) gets per-GPU placement; an older one
+    # keeps the pooled placement it was registered with. What it names is bounded by what the node
+    # registered (its pool's shape), the rest ignored with the reason on the node (`bounded_gpu_inventory`).
+    ignored = ""
+    if inventory and all(gpu["uuid"] for gpu in inventory):
+        inventory, ignored = bounded_gpu_inventory(inventory, node.gpu_shape())
+        if inventory != node.gpus:
+            node.gpus = inventory
+            fields.append("gpus")
+    newly_ignored = ignored if ignored != previous_status.get(GPUS_IGNORED) else ""
+    # NOTE: written only when it changed (a fact is stable for hours); None from an agent older than the field.
+    sandbox_before = node.engine_sandbox
+    sandbox_changed = heartbeat.engine_sandbox is not None and heartbeat.engine_sandbox != sandbox_before
+    if sandbox_changed:
+        node.engine_sandbox = heartbeat.engine_sandbox
+        fields.append("engine_sandbox")
+    if ignored:
+        status[GPUS_IGNORED] = ignored
+    if came_back:
+        # NOTE: its replicas were failed and replaced while it was gone; they are absent from
+        # `desired` below, so the agent stops them: a returning node is reconciled, not trusted.
+        # A cordoned or draining node comes back cordoned or draining: silence undoes no decision.
+        held = node.state_before_offline
+        node.state = held if held in (NodeState.CORDONED, NodeState.DRAINING) else NodeState.READY
+        # NOTE: and a pool's machine being released (it went silent, its terminate is retried) comes back
+        # cordoned: READY, it won placement and the next tick terminated it under the replica.
+        if node.state == NodeState.READY and NodeLaunch.objects.filter(
+            node=node, state=LaunchState.RELEASING
+        ).exists():
+            node.state = NodeState.CORDONED
+        node.state_before_offline = ""
+        fields.append("state_before_offline")
+    node.save(update_fields=fields)
+    return came_back, newly_ignored, sandbox_before, sandbox_changed
 
 
 def _record_sandbox_change(node: Node, before: str) -> None:

@@ -21,6 +21,7 @@ from controlplane import tokens
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
+    MAX_BOOT_ID_CHARS,
     MAX_GPU_TYPE_CHARS,
     MAX_VERSION_CHARS,
     GpuStatus,
@@ -253,6 +254,11 @@ class Node(models.Model):
     # The latest heartbeat as the agent sent it (GPUs, weights cache, …), for the fleet pages.
     last_status = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # The last heartbeat whose report was taken: its agent process (`Heartbeat.boot_id`) and its number there
+    # (`Heartbeat.sequence`); empty and null until an agent that numbers its heartbeats beats. NOTE: a default in the
+    # database too: the previous release's web pods, running on this schema during a deploy, insert nodes without it.
+    heartbeat_boot_id = models.CharField(max_length=MAX_BOOT_ID_CHARS, blank=True, default="", db_default="")
+    heartbeat_sequence = models.BigIntegerField(null=True, blank=True)
     # Where its engines listen, as registered (never from a heartbeat): replica addresses must match.
     advertise_host = models.CharField(max_length=253, default="127.0.0.1")
     engine_port_min = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MIN)
@@ -282,6 +288,17 @@ class Node(models.Model):
         return advertise_host_problem(self.advertise_host) or engine_ports_problem(
             self.engine_port_min, self.engine_port_max
         )
+
+    def heartbeat_is_newer(self, boot_id: str, sequence: int | None) -> bool:
+        """Whether a heartbeat numbered so is newer than the last one taken from this node (read under its row lock).
+
+        NOTE: an agent older than the numbering (no sequence) is taken, as before; so is another agent process's
+        first (a restarted agent counts from 1 again, under a new boot id). What stays open: a heartbeat of a
+        previous agent process delayed past its successor's first is taken once, and the successor's next one, a
+        boot id other than the stored one again, puts the node's replicas right."""
+        if sequence is None or boot_id != self.heartbeat_boot_id or self.heartbeat_sequence is None:
+            return True
+        return sequence > self.heartbeat_sequence
 
     @property
     def total_gpu_memory_mb(self) -> int:

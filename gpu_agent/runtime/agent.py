@@ -5,19 +5,22 @@ weights cache (`weights`), its client of the agent API (`control_plane`: registr
 the watch) and the application of the desired replicas (`reconciler`). Its loop sends a heartbeat
 (what the machine and every replica are doing), reconciles with the answer, and waits for the next
 interval, or less when there is news: a replica turned READY, or the watch heard of a change.
-Failures back off with jitter; the engines keep serving through them.
+Failures back off with jitter; the engines keep serving through them, unless the control plane refuses the node:
+then they stop (`Agent.heartbeat_once`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
+import uuid
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, engine_sandbox_fact
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState, engine_sandbox_fact
 from gpu_agent.runtime import engine, hardware, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
@@ -94,6 +97,10 @@ class Agent:
         self.control_plane = ControlPlaneClient(config, self.hardware, device=self.device, transport=transport)
         self.replicas = Reconciler(self.supervisor, self.weights, wake=self._wake)
         self.num_heartbeats = 0
+        # NOTE: this process's heartbeats are numbered (`Heartbeat.sequence`, under this boot id), so the control plane
+        # takes none that arrives after a newer one; a restarted agent counts again under a new boot id.
+        self.boot_id = uuid.uuid4().hex
+        self._heartbeat_numbers = itertools.count(1)
 
     def _keep_readings_across_restarts(self) -> None:
         """What this agent reads of its node that a restart must not forget, kept in its state file (`state_file.py`)
@@ -124,17 +131,41 @@ class Agent:
             # NOTE: every beat, not only at registration: the namespaces' fact changes while the agent runs (an
             # engine's exit 79 re-tests them), and operators read the node's fact on the control plane.
             engine_sandbox=engine_sandbox_fact(sandbox.node_fact(self.config.engine_sandbox)),
+            boot_id=self.boot_id,
+            sequence=next(self._heartbeat_numbers),
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:
-        """Send one heartbeat (registering first if needed) and reconcile with the answer."""
-        self.control_plane.register_if_needed()
-        heartbeat = self.build_heartbeat()
-        answer = self.control_plane.send_heartbeat(heartbeat)
+        """Send one heartbeat (registering first if needed) and reconcile with the answer.
+
+        Refused (`RegistrationRefused`: the control plane refuses the node's host now, or knows neither the node nor
+        its join token), the agent stops every engine before it raises."""
+        try:
+            self.control_plane.register_if_needed()
+            heartbeat = self.build_heartbeat()
+            answer = self.control_plane.send_heartbeat(heartbeat)
+        except RegistrationRefused:
+            self._stop_engines_of_refused_node()
+            raise
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
         self.replicas.reconcile(answer.desired)
         return answer
+
+    def _stop_engines_of_refused_node(self) -> None:
+        """Drain and stop every replica, as an answer that wants none would.
+
+        NOTE: the control plane refuses a node it will not route to (its host outside the node networks since it
+        registered, or a retired node's secret): the gateway leaves its replicas out and the sweep fails them and
+        places them elsewhere, so its engines serve nobody the platform sends, and must not go on serving anyone who
+        reaches them, nor hold the GPUs. Before, they ran until the agent stopped. The agent keeps registering
+        again at every back-off, and once the node is taken again its answers start what it should run."""
+        running = [replica_id for replica_id in self.supervisor.replica_ids()
+                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final
+                   and replica.state != ReplicaState.DRAINING]
+        if running:
+            logger.warning("the control plane refuses this node: stopping its %d engine(s)", len(running))
+        self.replicas.reconcile([])
 
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until `stop` is set, then stop every engine.

@@ -7,7 +7,8 @@
 The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent is the same node.
 A 401 on a heartbeat means the control plane forgot the node, or refuses its registered host now (the
 operator narrowed the node networks): the agent registers again with its join token, and a refusal of
-that registration (400) is `RegistrationRefused`, logged with the reason. What to report and what to do with the answer is the agent loop's (`agent`).
+that registration (400) is `RegistrationRefused`, logged with the reason; the agent then stops its engines
+(`Agent.heartbeat_once`). What to report and what to do with the answer is the agent loop's (`agent`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,9 @@ class FakeControlPlane:
         self.desired_changed = threading.Event()
         self.num_watches = 0
         self.num_failures_to_inject = 0
+        # Set: the node is refused, as the control plane refuses one whose host it no longer allows (heartbeats
+        # 401, registrations 400 with this reason).
+        self.refusal = ""
         self.lock = threading.Lock()
         plane = self
 
@@ -74,6 +77,9 @@ class FakeControlPlane:
                     if plane.num_failures_to_inject:
                         plane.num_failures_to_inject -= 1
                         return self.reply(503, {"error": "busy"})
+                    if plane.refusal:
+                        status = 400 if self.path == "/agent/v1/register" else 401
+                        return self.reply(status, {"error": {"message": plane.refusal}})
                     if self.path == "/agent/v1/register":
                         request = RegisterRequest.from_dict(body)
                         if request.join_token != plane.join_token:
@@ -211,6 +217,13 @@ def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_a
     running_agent()
     wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 2, 10)
     assert len(control_plane.registrations) == 1
+    # Each process numbers its heartbeats from 1 under its own boot id (the control plane takes none that arrives
+    # after a newer one), so the restarted agent's are not taken for stale ones.
+    first, second = control_plane.heartbeats[:num_beats], control_plane.heartbeats[num_beats:]
+    assert [beat.sequence for beat in first] == list(range(1, num_beats + 1))
+    assert [beat.sequence for beat in second] == list(range(1, len(second) + 1))
+    assert len({beat.boot_id for beat in first}) == len({beat.boot_id for beat in second}) == 1
+    assert first[0].boot_id != second[0].boot_id
 
 
 def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_plane, running_agent, tmp_path, monkeypatch):
@@ -275,6 +288,29 @@ def test_starts_desired_replicas_and_reports_them_ready(control_plane, running_a
     # its cold start's anatomy: how long the weights took, and the engine from launch to READY
     assert status.download_s is not None and status.download_s >= 0
     assert status.engine_start_s is not None and status.engine_start_s >= 0
+
+
+def test_a_refused_node_stops_its_engines_and_starts_again_once_taken_back(control_plane, running_agent, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-a", model_source=str(model))]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 15)
+    assert processes_with_marker("r-a")
+    # The operator narrowed the node networks: the control plane refuses the node; its replicas are failed there and
+    # the gateway routes to none of them.
+    with control_plane.lock:
+        control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
+        num_registrations = len(control_plane.registrations)
+    # Before: its engine served on, for as long as the agent ran.
+    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a").state == ReplicaState.STOPPED,
+               15)
+    assert len(control_plane.registrations) == num_registrations  # no registration was taken
+    # The operator widens them again: the node's next heartbeat is taken, and it runs what it is told to.
+    control_plane.desired = [make_spec("r-b", model_source=str(model))]
+    with control_plane.lock:
+        control_plane.refusal = ""
+    wait_until(lambda: control_plane.last_states().get("r-b") == ReplicaState.READY, 15)
 
 
 def test_two_replicas_of_one_s3_model_download_once(control_plane, running_agent, s3, s3_endpoint):  # noqa: F811
