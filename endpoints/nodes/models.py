@@ -26,7 +26,11 @@ from gpu_agent.protocol import (
     MAX_VERSION_CHARS,
     GpuStatus,
     NodeState,
+    ReplicaAction,
 )
+
+# The node's `last_status` key that lists the replica actions its agent knows (`record_heartbeat`).
+REPLICA_ACTIONS_KNOWN = "replica_actions"
 
 
 def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
@@ -303,6 +307,12 @@ class Node(models.Model):
     @property
     def total_gpu_memory_mb(self) -> int:
         return self.gpu_memory_mb * max(self.num_gpus, 1)
+
+    def knows_action(self, action: ReplicaAction) -> bool:
+        """Whether the node's agent, as its last heartbeat said (`protocol.understood_actions`), carries out `action`.
+        A node with no heartbeat since the control plane kept it is taken to, as before; its next heartbeat says."""
+        known = (self.last_status or {}).get(REPLICA_ACTIONS_KNOWN)
+        return not isinstance(known, list) or action.value in known
 
     def gpu_shape(self) -> tuple[int, int]:
         """(GPUs, MiB per GPU) this node may hold at most: what it registered with its join token, within its
