@@ -116,3 +116,21 @@ def test_a_row_written_by_code_before_a_column_gets_what_the_migration_gave_the_
     row = _insert_as_older_code(make(), without=field_name)
     assert getattr(row, field_name) == expected
 
+
+
+def test_every_migration_of_ours_can_be_reversed():
+    """Rolling back runs the code back first, then `migrate <app> <its last migration>` (README, *A rolling deploy*):
+    an irreversible operation (a RunPython or RunSQL without its reverse) would stop the rollback there (guard: passes
+    before and after)."""
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    irreversible = []
+    for key, migration in sorted(loader.disk_migrations.items()):
+        if not type(migration).__module__.startswith(OWN_PACKAGES):
+            continue
+        operations = list(migration.operations)
+        while operations:
+            operation = operations.pop()
+            operations.extend(getattr(operation, "database_operations", ()))
+            if not operation.reversible:
+                irreversible.append(f"{key[0]}.{key[1]}: {operation.describe()}")
+    assert irreversible == []
