@@ -8,6 +8,9 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    # NOTE: each ALTER in its own transaction: a table's lock (ACCESS EXCLUSIVE, for the catalogue change alone) is not
+    # held while the next table's is waited for. Run again after a failure part way, it sets the same defaults.
+    atomic = False
 
     dependencies = [
         ('controlplane', '0014_revoke_what_roles_may_not_hold'),
