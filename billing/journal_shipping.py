@@ -37,7 +37,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
-from billing.usage_journal import UsageJournal, encode, read_segment
+from billing.usage_journal import UsageJournal, read_segment, set_aside
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -125,7 +125,8 @@ def _replay_one(key: str) -> int:
         return 0
     handle = io.BytesIO(body)
     handle.name = key
-    reports = read_segment(handle)
+    segment = read_segment(handle)
+    reports = segment.reports
     num_written, rejected = 0, []
     for first in range(0, len(reports), REPLAY_BATCH):
         batch = reports[first:first + REPLAY_BATCH]
@@ -152,10 +153,10 @@ def _replay_one(key: str) -> int:
         with replayed.bounded_write():  # raises past its timeout: the segment waits, registered again next run
             lost_costs = supersede_lost_rows(batch, written)
         replayed.count_superseded(lost_costs, registered=registration is not None)
-    if rejected:
-        _set_aside(key, b"".join(encode(report) for report in rejected))
-        logger.error("usage journal: %d shipped report(s) refused by the ledger kept in %s", len(rejected),
-                     REJECTED_PREFIX)
+    if rejected or segment.unreadable:
+        _set_aside(key, set_aside(rejected, segment.unreadable))
+        logger.error("usage journal: %d shipped report(s) refused by the ledger and %d line(s) unreadable kept in %s",
+                     len(rejected), len(segment.unreadable), REJECTED_PREFIX)
     _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
     logger.info("usage journal: %d report(s) replayed from the bucket's %s (%d new)", len(reports), key, num_written)
     return num_written

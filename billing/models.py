@@ -75,9 +75,9 @@ class UsageRecord(models.Model):
     cold_start_phases = models.JSONField(null=True, blank=True)
     # The batch a line of which this request was ("" for an interactive call): priced at the
     # endpoint's batch price (`Endpoint.batch_price_fraction` of its prices).
-    batch_id = models.CharField(max_length=40, blank=True, default="")
+    batch_id = models.CharField(max_length=40, blank=True, default="", db_default="")
     # The LoRA adapter the call named (`"<endpoint>:<adapter>"`), "" for the base model.
-    adapter = models.CharField(max_length=63, blank=True, default="")
+    adapter = models.CharField(max_length=63, blank=True, default="", db_default="")
     # When the row reached the ledger: rollups find late rows by it.
     recorded_at = models.DateTimeField(default=timezone.now)
     # The cost the row had as the sweeper's `gateway_lost` row, for one the call's own row superseded since
@@ -295,7 +295,7 @@ class DeletedStripeCustomer(models.Model):
     # events Stripe received in the deletion's own second it billed, and which it dropped
     # (`billing.services._pushed_uninvoiced`); and, read after the deletion, which invoices were not void then
     # (`billing_invoice_ids`).
-    billed_periods = models.JSONField(default=list, blank=True)
+    billed_periods = models.JSONField(default=list, db_default=[], blank=True)
 
     def __str__(self) -> str:
         return self.stripe_customer_id
@@ -514,7 +514,7 @@ class Invoice(models.Model):
     stripe_invoice_id = models.CharField(max_length=64, unique=True)
     # The Stripe customer it bills (empty: mirrored before it was kept, `billing/0020`): one deleted since
     # (`DeletedStripeCustomer`) has no card to charge (`billing.standing.past_due_since`).
-    stripe_customer_id = models.CharField(max_length=64, blank=True, db_index=True)
+    stripe_customer_id = models.CharField(max_length=64, blank=True, db_index=True, default="", db_default="")
     number = models.CharField(max_length=64, blank=True)
     status = models.CharField(max_length=32)  # draft, open, paid, uncollectible, void
     currency = models.CharField(max_length=8, default="usd")

@@ -44,6 +44,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -87,18 +89,43 @@ def decode(line: bytes) -> UsageReport:
     return UsageReport(**row)
 
 
-def read_segment(handle) -> list[UsageReport]:
-    """The reports of a segment; a torn last line (a crash mid-write, never fsync'd) is skipped."""
+@dataclass(slots=True)
+class SegmentRead:
+    """What a replay read of a segment: its reports, and its lines this version cannot read, kept for the set-aside."""
+
+    reports: list[UsageReport]
+    unreadable: list[bytes]
+
+
+def set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> bytes:
+    """The lines a replay keeps for an operator (or a newer version's replay): reports the ledger refused, and lines
+    this version could not read, as they were written."""
+    return b"".join(encode(report) for report in rejected) + b"".join(line + b"\n" for line in unreadable)
+
+
+def read_segment(handle) -> SegmentRead:
+    """The reports of a segment, and the lines this version cannot read.
+
+    A torn last line (a crash mid-write, never fsync'd: no call was told its row was written) is skipped. NOTE: any other
+    unreadable line is kept, for the caller's set-aside (`UsageJournal.done`: `rejected.jsonl`; the bucket's rejected
+    prefix): one written by a newer version (a status or mode this one does not know), replayed by an older one during a
+    rolling deploy or after a rollback, is a call's usage that a newer replay bills. Before, it was logged and dropped
+    with its segment, unbilled."""
     handle.seek(0)
-    reports = []
-    for number, line in enumerate(handle.read().split(b"\n")):
+    *lines, last = handle.read().split(b"\n")
+    reports, unreadable = [], []
+    for number, line in enumerate([*lines, last]):
         if not line.strip():
             continue
         try:
             reports.append(decode(line))
         except (ValueError, TypeError, KeyError) as exc:
-            logger.error("usage journal %s line %d unreadable, skipped: %r", handle.name, number + 1, exc)
-    return reports
+            torn = number == len(lines)  # after the segment's last newline
+            logger.error("usage journal %s line %d unreadable, %s: %r", handle.name, number + 1,
+                         "skipped (torn)" if torn else "kept aside", exc)
+            if not torn:
+                unreadable.append(line)
+    return SegmentRead(reports, unreadable)
 
 
 class UsageJournal:
@@ -236,14 +263,16 @@ class UsageJournal:
                 return
             yield handle
 
-    def done(self, path: Path, rejected: list[UsageReport]) -> None:
-        """A segment is in the ledger: keep what the ledger refused, delete the segment."""
-        if rejected:
+    def done(self, path: Path, rejected: list[UsageReport], unreadable: Sequence[bytes] = ()) -> None:
+        """A segment is in the ledger: keep what the ledger refused and the lines this version could not read
+        (`read_segment`), delete the segment."""
+        if rejected or unreadable:
             with open(self.directory / REJECTED_NAME, "ab") as handle:
-                handle.write(b"".join(encode(report) for report in rejected))
+                handle.write(set_aside(rejected, unreadable))
                 handle.flush()
                 os.fsync(handle.fileno())
-            logger.error("usage journal: %d report(s) refused by the ledger kept in %s", len(rejected), REJECTED_NAME)
+            logger.error("usage journal: %d report(s) refused by the ledger and %d line(s) unreadable kept in %s",
+                         len(rejected), len(unreadable), REJECTED_NAME)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         with self._lock:

@@ -320,7 +320,8 @@ class UsageWriter:
                 if handle is None:
                     num_left += 1
                     continue
-                reports = await asyncio.to_thread(read_segment, handle)
+                segment = await asyncio.to_thread(read_segment, handle)
+                reports = segment.reports
                 rejected = []
                 for first in range(0, len(reports), self.max_batch):
                     batch = reports[first:first + self.max_batch]
@@ -351,7 +352,7 @@ class UsageWriter:
                         logger.error("usage journal: a batch's lost rows not superseded (%r): billed as lost", exc)
                         continue
                     await _count_superseded(superseded, registered=registration is not None)
-                await asyncio.to_thread(usage_journal.done, path, rejected)
+                await asyncio.to_thread(usage_journal.done, path, rejected, segment.unreadable)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
 

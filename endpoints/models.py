@@ -246,14 +246,14 @@ class Endpoint(models.Model):
     gpu_type = models.CharField(max_length=32, choices=[(name, gpu.label) for name, gpu in GPU_TYPES.items()])
     quantization = models.CharField(max_length=32, choices=[(name, name) for name in QUANTIZATIONS], default="none")
     # Whole GPUs of one node per replica; more than one runs the model tensor parallel over them.
-    gpus_per_replica = models.PositiveSmallIntegerField(choices=[(n, str(n)) for n in GPUS_PER_REPLICA], default=1)
+    gpus_per_replica = models.PositiveSmallIntegerField(choices=[(n, str(n)) for n in GPUS_PER_REPLICA], default=1, db_default=1)
     # A one-GPU replica may share its GPU with other sharing replicas, each engine held to its share
     # of the GPU's memory; without it a replica has its GPUs to itself.
-    allow_gpu_sharing = models.BooleanField(default=False)
+    allow_gpu_sharing = models.BooleanField(default=False, db_default=False)
     min_replicas = models.PositiveIntegerField(default=0)
     max_replicas = models.PositiveIntegerField(default=1)
     idle_timeout_s = models.PositiveIntegerField(default=300)
-    idle_action = models.CharField(max_length=8, choices=IdleAction.choices, default=IdleAction.STOP)
+    idle_action = models.CharField(max_length=8, choices=IdleAction.choices, default=IdleAction.STOP, db_default=IdleAction.STOP)
     target_concurrency = models.PositiveIntegerField(default=8)
     # None: the model's own context length (`ModelFacts`, or vLLM's reading of its config).
     max_model_len = models.PositiveIntegerField(null=True, blank=True, default=None)
@@ -261,46 +261,46 @@ class Endpoint(models.Model):
     max_num_batched_tokens = models.PositiveIntegerField(null=True, blank=True)
     cold_start_timeout_s = models.PositiveIntegerField(default=300)
     # Times the floor is higher (`endpoints.prewarm`): [{"schedule", "timezone", "duration_minutes", "min_replicas"}].
-    prewarm_windows = models.JSONField(default=list, blank=True)
+    prewarm_windows = models.JSONField(default=list, db_default=[], blank=True)
     # After a cold start, keep one replica at least this long even when idle (0: only idle_timeout_s counts).
-    keep_warm_after_cold_start_s = models.PositiveIntegerField(default=0)
+    keep_warm_after_cold_start_s = models.PositiveIntegerField(default=0, db_default=0)
     last_cold_start_at = models.DateTimeField(null=True, blank=True, editable=False)
     enable_prefix_caching = models.BooleanField(default=True)
     # Speculative decoding (`endpoints.speculative`): "none", "ngram" (prompt lookup) or "draft" (a small
     # model with the same tokenizer, read from `draft_model_source` with the endpoint's own credential).
-    speculative_method = models.CharField(max_length=16, choices=[(m.value, m.value) for m in SpeculativeMethod], default="none")
-    num_speculative_tokens = models.PositiveSmallIntegerField(default=4)
-    prompt_lookup_max = models.PositiveSmallIntegerField(default=4)
-    prompt_lookup_min = models.PositiveSmallIntegerField(default=2)
-    draft_model_source = models.CharField(max_length=500, blank=True)
+    speculative_method = models.CharField(max_length=16, choices=[(m.value, m.value) for m in SpeculativeMethod], default="none", db_default="none")
+    num_speculative_tokens = models.PositiveSmallIntegerField(default=4, db_default=4)
+    prompt_lookup_max = models.PositiveSmallIntegerField(default=4, db_default=4)
+    prompt_lookup_min = models.PositiveSmallIntegerField(default=2, db_default=2)
+    draft_model_source = models.CharField(max_length=500, blank=True, default="", db_default="")
 
     # LoRA adapters (`Adapter`): 0 serves none (the engine starts without LoRA); else how many one
     # replica holds loaded at once and the largest rank it accepts.
-    max_loras = models.PositiveSmallIntegerField(default=0)
-    max_lora_rank = models.PositiveSmallIntegerField(default=16)
+    max_loras = models.PositiveSmallIntegerField(default=0, db_default=0)
+    max_lora_rank = models.PositiveSmallIntegerField(default=16, db_default=16)
     # vLLM's tool-call parser (`endpoints.catalogue.TOOL_CALL_PARSERS`); "" turns tool calling off.
-    tool_call_parser = models.CharField(max_length=32, blank=True, default="")
+    tool_call_parser = models.CharField(max_length=32, blank=True, default="", db_default="")
     # What it serves (`protocol.ModelTask`): "auto" reads it from the model's config (`serving_task`).
-    task = models.CharField(max_length=16, choices=[(t.value, t.value) for t in ModelTask], default=ModelTask.AUTO.value)
+    task = models.CharField(max_length=16, choices=[(t.value, t.value) for t in ModelTask], default=ModelTask.AUTO.value, db_default=ModelTask.AUTO.value)
     # Counts the changes to its `ENGINE_FIELDS`; a replica records the one it was placed under, and the gateway sends a
     # call only to a replica of the configuration it checked and reserved the call by.
-    engine_generation = models.PositiveIntegerField(default=0, editable=False)
+    engine_generation = models.PositiveIntegerField(default=0, db_default=0, editable=False)
     price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_cached_input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     # Batch lines (`endpoints.batches`) pay this fraction of the prices above (staff set it; default half).
-    batch_price_fraction = models.DecimalField(max_digits=4, decimal_places=3, default=Decimal("0.5"),
+    batch_price_fraction = models.DecimalField(max_digits=4, decimal_places=3, default=Decimal("0.5"), db_default=Decimal("0.5"),
                                                validators=[MinValueValidator(Decimal(0)), MaxValueValidator(Decimal(1))])
     # Why the endpoint cannot get what it wants right now ("waiting for capacity: …"); empty when fine.
     status_message = models.CharField(max_length=300, blank=True)
     # Set by the scheduler while no node has room for a replica it wants (the message says why).
-    waiting_for_capacity = models.BooleanField(default=False)
+    waiting_for_capacity = models.BooleanField(default=False, db_default=False)
     # Replicas it wants that no node had room for at its last reconcile (not quota refusals): the
     # demand node pools launch machines for (`endpoints.fleet.pools`). 0 once placed or unwanted.
-    unplaced_replicas = models.PositiveIntegerField(default=0)
+    unplaced_replicas = models.PositiveIntegerField(default=0, db_default=0)
     # Replica failures in a row with the same reason; they back off, then stop the endpoint (FAILED).
-    num_identical_failures = models.PositiveIntegerField(default=0)
-    last_failure_reason = models.CharField(max_length=300, blank=True)
+    num_identical_failures = models.PositiveIntegerField(default=0, db_default=0)
+    last_failure_reason = models.CharField(max_length=300, blank=True, default="", db_default="")
     next_attempt_at = models.DateTimeField(null=True, blank=True)  # no new replica before this (backoff)
     failed_at = models.DateTimeField(null=True, blank=True)  # gave up: no replicas until a spec change or resume
     paused_at = models.DateTimeField(null=True, blank=True)
@@ -501,7 +501,7 @@ class ModelFacts(models.Model):
     """
 
     source = models.CharField(max_length=500)
-    scope = models.CharField(max_length=40, blank=True, default="")  # `weights_scope_for`: "" shared by every tenant
+    scope = models.CharField(max_length=40, blank=True, default="", db_default="")  # `weights_scope_for`: "" shared by every tenant
     max_model_len = models.PositiveIntegerField(null=True, blank=True)
     architecture = models.CharField(max_length=200, blank=True)
     num_params = models.BigIntegerField(null=True, blank=True)
@@ -523,7 +523,7 @@ class ModelFacts(models.Model):
     # Of a shared copy (scope ""): what nodes reported that differs from the facts kept, by node id, {node: {field:
     # value}}; a value two nodes report replaces the kept one (`learn`). Of a tenant's copy: what each node running it
     # reported of `RESERVATION_FACTS`, which are kept merged.
-    disputed = models.JSONField(default=dict, blank=True)
+    disputed = models.JSONField(default=dict, db_default={}, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -786,7 +786,7 @@ class Replica(models.Model):
     # GPU memory this replica holds on its node, for placement (weights plus KV cache).
     reserved_memory_mb = models.PositiveIntegerField(default=0)
     # The node's GPUs placement gave it (CUDA_VISIBLE_DEVICES); empty on nodes without a GPU list.
-    gpu_indices = ArrayField(models.PositiveSmallIntegerField(), default=list, blank=True)
+    gpu_indices = ArrayField(models.PositiveSmallIntegerField(), default=list, db_default=[], blank=True)
     # Its share of its GPU's memory when it shares the GPU with other replicas; None: whole GPUs.
     gpu_memory_fraction = models.FloatField(null=True, blank=True)
     num_restarts = models.PositiveIntegerField(default=0)
@@ -796,8 +796,8 @@ class Replica(models.Model):
     kv_cache_usage = models.FloatField(default=0.0)
     tokens_per_s = models.FloatField(default=0.0)
     # Prompt tokens its engine looked up in its prefix cache, and found there, since the engine started.
-    num_prefix_cache_queries = models.PositiveBigIntegerField(default=0)
-    num_prefix_cache_hits = models.PositiveBigIntegerField(default=0)
+    num_prefix_cache_queries = models.PositiveBigIntegerField(default=0, db_default=0)
+    num_prefix_cache_hits = models.PositiveBigIntegerField(default=0, db_default=0)
     progress = models.CharField(max_length=100, blank=True)
     progress_percent = models.FloatField(null=True, blank=True)
     # What the engine said it allocated once started (its log; `protocol.EngineMemory`), in MB.
@@ -811,9 +811,9 @@ class Replica(models.Model):
     woken_at = models.DateTimeField(null=True, blank=True)
 
     # Its endpoint's `engine_generation` when it was placed: the configuration its engine starts with.
-    engine_generation = models.PositiveIntegerField(default=0, editable=False)
+    engine_generation = models.PositiveIntegerField(default=0, db_default=0, editable=False)
     # LoRA adapters its engine holds now (as its agent reported), most recently used first.
-    adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True)
+    adapters = ArrayField(models.CharField(max_length=63), default=list, db_default=[], blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)

@@ -57,7 +57,7 @@ from endpoints.placement import (
     room_to_wake,
 )
 from gpu_agent import protocol
-from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaState
+from gpu_agent.protocol import FINAL_REPLICA_STATES, NodeState, ReplicaAction, ReplicaState
 
 # NOTE: sent by name: the task (`endpoints.tasks`) calls the scheduler, which calls this module.
 RECONCILE_TASK = "endpoints.reconcile_endpoint"
@@ -191,7 +191,8 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
     if endpoint.idle_action != IdleAction.SLEEP or replica.state != ReplicaState.READY:
         return drain_replica(replica, reason=reason)
     why_not = ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
-        "CPU nodes never sleep" if endpoint.gpu_type == "cpu" else "")
+        "CPU nodes never sleep" if endpoint.gpu_type == "cpu" else "") or (
+        "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
     if why_not:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     now = timezone.now()
@@ -205,6 +206,11 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
         record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} sleeps: {reason}", replica=replica,
                      stops_after_s=settings.SLEEP_STOP_AFTER_S)
     return bool(changed)
+
+
+def _node_knows_sleep(replica: Replica) -> bool:
+    node = Node.objects.filter(pk=replica.node_id).only("last_status").first()
+    return node is None or node.knows_action(ReplicaAction.SLEEP)
 
 
 def wake_replica(replica: Replica) -> str:

@@ -91,6 +91,25 @@ class ReplicaAction(str, enum.Enum):  # noqa: UP042 - str() and format() of memb
     SLEEP = "SLEEP"  # an engine started with `sleep_mode` sleeps (`/sleep`) and keeps its process; RUN wakes it
 
 
+# NOTE: an agent refuses a whole heartbeat answer that holds an action it does not know (`ReplicaAction(value)`), and
+# then reconciles none of its replicas: agents older than sleep mode knew only these two. The control plane sends a node
+# no action its agent did not say it knows (`understood_actions`); agents may run an older version than it for weeks.
+ACTIONS_EVERY_AGENT_KNOWS = frozenset({ReplicaAction.RUN, ReplicaAction.DRAIN})
+MAX_REPORTED_ACTIONS = 16
+MAX_ACTION_NAME_CHARS = 16
+
+
+def understood_actions(heartbeat: Heartbeat) -> frozenset[ReplicaAction]:
+    """The replica actions the agent that sent `heartbeat` knows: those it lists (`Heartbeat.replica_actions`, names it
+    does not share with this module ignored). An agent older than the list knew SLEEP if it reports its engine sandbox
+    in its heartbeats (that came later than sleep mode); one that does neither may be older than sleep mode."""
+    if heartbeat.replica_actions is not None:
+        return ACTIONS_EVERY_AGENT_KNOWS | {action for action in ReplicaAction if action.value in heartbeat.replica_actions}
+    if heartbeat.engine_sandbox is not None:
+        return ACTIONS_EVERY_AGENT_KNOWS | {ReplicaAction.SLEEP}
+    return ACTIONS_EVERY_AGENT_KNOWS
+
+
 def _coerce(tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if value is None:
@@ -687,6 +706,9 @@ class Heartbeat(Message):
     # newer one took a READY replica back to STARTING. "" and None from agents older than the fields: taken, as before.
     boot_id: str = ""
     sequence: int | None = None
+    # The replica actions this agent carries out (`ReplicaAction` values): the control plane sends it no other
+    # (`understood_actions`). None from agents older than this field.
+    replica_actions: list[str] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.boot_id, str), "boot_id must be a string")
@@ -695,6 +717,10 @@ class Heartbeat(Message):
                  f"boot_id must be at most {MAX_BOOT_ID_CHARS} printable characters")
         _require(self.sequence is None or 1 <= self.sequence <= MAX_HEARTBEAT_SEQUENCE,
                  f"sequence must be 1-{MAX_HEARTBEAT_SEQUENCE}")
+        _require(self.replica_actions is None or len(self.replica_actions) <= MAX_REPORTED_ACTIONS,
+                 f"replica_actions lists at most {MAX_REPORTED_ACTIONS}")
+        for action in self.replica_actions or ():
+            _require_length(action, "each replica action", MAX_ACTION_NAME_CHARS)
         if self.engine_sandbox is not None:
             _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
             _require_length(self.engine_sandbox, "engine_sandbox", MAX_ENGINE_SANDBOX_CHARS)

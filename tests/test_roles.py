@@ -11,6 +11,8 @@ import pytest
 from django.apps import apps
 from django.conf import settings
 from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+from django.db.migrations.operations import RunPython
 from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.urls import reverse
@@ -425,6 +427,40 @@ def test_a_key_revoked_while_its_creator_is_removed_or_demoted_is_revoked_once_a
     assert failures == []
     assert ApiKey.objects.get(pk=created.api_key.pk).revoked_at is not None
     assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(created.api_key.pk)).count() == 1
+
+
+def _accounts_data_migrations_after(name: str):
+    """The data operations of the accounts migrations after `name` on disk: what the next release's `migrate` runs."""
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    later = sorted(key for key in loader.disk_migrations if key[0] == "controlplane" and key[1] > name)
+    return [operation for key in later for operation in loader.disk_migrations[key].operations
+            if isinstance(operation, RunPython)]
+
+
+@pytest.mark.django_db
+def test_what_an_older_pod_let_a_member_keep_while_the_revoking_migration_rolled_out_is_revoked_by_the_next_release():
+    """Migration 0014 runs first in its deploy, while web pods of the code before it still serve: a demotion or removal
+    there, after the migration, revoked nothing, and the member kept their `manage` key and invitations for good."""
+    organization = OrganizationFactory()
+    owner, demoted, removed = UserFactory(), UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seats = {user: MembershipFactory(organization=organization, user=user, role=Role.ADMIN) for user in (demoted, removed)}
+    ops = keys.create_api_key(services.Actor(user=demoted), organization, name="ops", scopes=[Scope.MANAGE]).api_key
+    gone = keys.create_api_key(services.Actor(user=removed), organization, name="gone", scopes=[Scope.INFERENCE]).api_key
+    sent = invitations.invite_member(services.Actor(user=demoted), organization, email="a@example.test", role=Role.MEMBER)
+    importlib.import_module("controlplane.accounts.migrations.0014_revoke_what_roles_may_not_hold"
+                            ).revoke_what_roles_may_not_hold(apps, None)
+    assert not ApiKey.objects.filter(revoked_at__isnull=False).exists()  # nothing to revoke yet
+    # Then, on a pod of the code before 0014: the role changed, the seat deleted, nothing else.
+    Membership.objects.filter(pk=seats[demoted].pk).update(role=Role.MEMBER)
+    Membership.objects.filter(pk=seats[removed].pk).delete()
+
+    for operation in _accounts_data_migrations_after("0014_revoke_what_roles_may_not_hold"):
+        operation.code(apps, None)
+
+    # Before: no later migration: both keys live, the invitation pending.
+    assert set(ApiKey.objects.filter(revoked_at__isnull=False).values_list("pk", flat=True)) == {ops.pk, gone.pk}
+    assert Invitation.objects.get(pk=sent.pk).status == "revoked"
 
 
 @pytest.mark.django_db

@@ -141,9 +141,10 @@ class EmailVerification(models.Model):
     verified_at = models.DateTimeField(default=timezone.now)
     # NOTE: False only on rows from before a link counted in the account's own session alone: such a link followed
     # signed out may have verified a stranger's sign-up; a password reset then revokes the account's keys and
-    # pending invitations (migration 0012 confirmed the rows operators made).
+    # pending invitations (migration 0012 confirmed the rows operators made). The database's default is False: a row
+    # written by a web pod from before the field, during a rolling deploy, may be such a link.
     confirmed_by_owner = models.BooleanField(
-        default=True, help_text="Proven by the address's owner: the link followed in the account's own session, a "
+        default=True, db_default=False, help_text="Proven by the address's owner: the link followed in the account's own session, a "
                                 "password reset, or an operator's word (False: followed signed out, before that was refused).")
 
     def __str__(self) -> str:

@@ -40,6 +40,7 @@ from endpoints.models import (
     weights_scope_for,
 )
 from endpoints.nodes.models import (
+    REPLICA_ACTIONS_KNOWN,
     JoinToken,
     LaunchState,
     Node,
@@ -285,6 +286,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     status.pop("replicas", None)
     for own_column in ("engine_sandbox", "boot_id", "sequence"):  # kept in their own columns, below
         status.pop(own_column, None)
+    status[REPLICA_ACTIONS_KNOWN] = sorted(action.value for action in protocol.understood_actions(heartbeat))
     with transaction.atomic():
         authenticated_digest = node.secret_digest
         node = Node.objects.select_for_update().get(pk=node.pk)
@@ -520,6 +522,17 @@ def _unscoped_copy(statuses: list[protocol.WeightsStatus] | None) -> list[protoc
 REPLICA_ACTIONS = {ReplicaState.DRAINING: ReplicaAction.DRAIN, ReplicaState.SLEEPING: ReplicaAction.SLEEP}
 
 
+def replica_action(replica: Replica) -> ReplicaAction:
+    """What the replica's agent is told to do with it. NOTE: a SLEEPING replica whose node's agent does not know SLEEP
+    (older than sleep mode: `Node.knows_action`) is told to DRAIN, what an agent does with a sleep its engine cannot
+    take: the SLEEP made such an agent refuse every heartbeat answer, so that it started, stopped and drained none of
+    its replicas again, while its heartbeats kept the node READY."""
+    action = REPLICA_ACTIONS.get(replica.state, ReplicaAction.RUN)
+    if replica.node is not None and not replica.node.knows_action(action):
+        return ReplicaAction.DRAIN
+    return action
+
+
 def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     """The specs of the node's live replicas. One whose spec cannot be built (its endpoint's row holds what the
     protocol refuses) fails, with the reason on its endpoint, which stops until its configuration changes: it failed
@@ -547,7 +560,7 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         endpoint_id=str(endpoint.pk),
         served_model_name=endpoint.name,
         model_source=endpoint.model_source,
-        action=REPLICA_ACTIONS.get(replica.state, ReplicaAction.RUN),
+        action=replica_action(replica),
         # NOTE: on the engine's command line from its start, so only an endpoint that may sleep pays for it
         # (the agent adds it to CUDA engines only).
         sleep_mode=endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE,

@@ -26,7 +26,11 @@ from gpu_agent.protocol import (
     MAX_VERSION_CHARS,
     GpuStatus,
     NodeState,
+    ReplicaAction,
 )
+
+# The node's `last_status` key that lists the replica actions its agent knows (`record_heartbeat`).
+REPLICA_ACTIONS_KNOWN = "replica_actions"
 
 
 def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
@@ -238,19 +242,19 @@ class Node(models.Model):
     state = models.CharField(max_length=16, choices=[(s.value, s.value.title()) for s in NodeState], default=NodeState.READY)
     # What staff had made of it (READY, CORDONED or DRAINING) when it went silent: it comes back to that,
     # so falling silent for a while never undoes a cordon or a drain. Empty while it is not OFFLINE.
-    state_before_offline = models.CharField(max_length=16, blank=True, default="")
+    state_before_offline = models.CharField(max_length=16, blank=True, default="", db_default="")
     agent_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
     engine_version = models.CharField(max_length=MAX_VERSION_CHARS, blank=True)
     # What confines each engine on the node, as its agent found it: "landlock abi 6; own pid, mount and user
     # namespaces", or "none: <why>" and "no namespaces: <why>" for either part.
-    engine_sandbox = models.CharField(max_length=200, blank=True)
+    engine_sandbox = models.CharField(max_length=200, blank=True, default="", db_default="")
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")
     # Each GPU as the agent reported it: [{index, uuid, name, memory_mb, mig_slices: [{uuid, profile,
     # memory_mb}]}]. Empty for CPU nodes and agents older than per-GPU placement: placement then
     # treats the node's GPU memory as one pool and assigns no GPU indices.
-    gpus = models.JSONField(default=list, blank=True)
+    gpus = models.JSONField(default=list, db_default=[], blank=True)
     # The latest heartbeat as the agent sent it (GPUs, weights cache, …), for the fleet pages.
     last_status = models.JSONField(default=dict, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -303,6 +307,12 @@ class Node(models.Model):
     @property
     def total_gpu_memory_mb(self) -> int:
         return self.gpu_memory_mb * max(self.num_gpus, 1)
+
+    def knows_action(self, action: ReplicaAction) -> bool:
+        """Whether the node's agent, as its last heartbeat said (`protocol.understood_actions`), carries out `action`.
+        A node with no heartbeat since the control plane kept it is taken to, as before; its next heartbeat says."""
+        known = (self.last_status or {}).get(REPLICA_ACTIONS_KNOWN)
+        return not isinstance(known, list) or action.value in known
 
     def gpu_shape(self) -> tuple[int, int]:
         """(GPUs, MiB per GPU) this node may hold at most: what it registered with its join token, within its

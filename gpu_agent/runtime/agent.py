@@ -20,7 +20,7 @@ import uuid
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaState, engine_sandbox_fact
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaAction, ReplicaState, engine_sandbox_fact
 from gpu_agent.runtime import engine, hardware, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
@@ -133,6 +133,8 @@ class Agent:
             engine_sandbox=engine_sandbox_fact(sandbox.node_fact(self.config.engine_sandbox)),
             boot_id=self.boot_id,
             sequence=next(self._heartbeat_numbers),
+            # NOTE: what the reconciler carries out: the control plane sends no other action (`understood_actions`).
+            replica_actions=[action.value for action in ReplicaAction],
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:

@@ -24,6 +24,7 @@ from controlplane.worker_threads import in_worker_thread
 from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import _progress, reserve
+from tests.billing.test_usage_journal import line_of_a_newer_version
 from tests.factories import EndpointFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -239,6 +240,26 @@ def test_a_segment_the_platform_did_not_sign_is_never_billed(outage, files_bucke
     assert UsageRecord.objects.count() == 0
     assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
     assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 2
+
+
+def test_a_shipped_line_this_version_cannot_read_is_kept_aside_in_the_bucket(outage, files_bucket):  # noqa: F811
+    # New web pods shipped it; an older worker replays it (workers roll in no order, or the deploy is rolled back).
+    # Before: logged "unreadable, skipped" and deleted with its segment: the call's usage unbilled for good.
+    endpoint = EndpointFactory()
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-1"))
+    data = newer + encode(usage_report(endpoint, request_id="known-1"))
+    _put(files_bucket, journal_shipping.PREFIX + "web-1-1.jsonl", data,
+         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 1
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-1"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    kept = journal_shipping.REJECTED_PREFIX + "web-1-1.jsonl"
+    assert _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX) == [kept]
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    assert s3.get_object(Bucket=files_bucket, Key=kept)["Body"].read() == newer
 
 
 def test_rows_the_ledger_refuses_for_what_they_hold_do_not_block_the_segments_after(outage, files_bucket):  # noqa: F811

@@ -159,6 +159,30 @@ def test_a_journal_replayed_after_switches_of_mode_bills_each_call_in_the_mode_i
         "after-the-switches": BillingMode.PREPAID, "says-its-mode": BillingMode.POSTPAID}
 
 
+def line_of_a_newer_version(report) -> bytes:
+    """`report`'s journal line as a newer version writes it: a status this version does not know (its decode refuses
+    it, as an older worker's refuses a value added since)."""
+    line = encode(report).replace(b'"status":"ok"', b'"status":"evicted"')
+    assert b'"status":"evicted"' in line
+    return line
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_journal_line_this_version_cannot_read_is_kept_aside_and_only_a_torn_last_line_is_dropped(settings, tmp_path):
+    """A rolling deploy or a rollback has an older process replay a newer one's lines. Before: the line was logged
+    "unreadable, skipped" and deleted with its segment: the call's usage was nowhere, unbilled."""
+    endpoint = EndpointFactory()
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer"))
+    journal_dir = tmp_path / "journal"
+    journal_dir.mkdir()
+    (journal_dir / "gone-1-1.jsonl").write_bytes(
+        newer + encode(usage_report(endpoint, request_id="known")) + b'{"request_id": "torn", "organiz')
+    assert _replayed(settings, journal_dir) == 0  # none left
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known"]
+    assert sorted(path.name for path in journal_dir.iterdir()) == [REJECTED_NAME]
+    assert (journal_dir / REJECTED_NAME).read_bytes() == newer  # as it was written: a newer replay bills it
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_journal_line_postgresql_refuses_for_a_lone_surrogate_is_set_aside_and_the_next_segment_replayed(
         settings, tmp_path):
@@ -173,7 +197,7 @@ def test_a_journal_line_postgresql_refuses_for_a_lone_surrogate_is_set_aside_and
     assert _replayed(settings, journal_dir) == 0  # none left
     assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["next"]
     assert sorted(path.name for path in journal_dir.iterdir()) == [REJECTED_NAME]
-    assert [report.request_id for report in read_segment((journal_dir / REJECTED_NAME).open("rb"))] == ["refused"]
+    assert [report.request_id for report in read_segment((journal_dir / REJECTED_NAME).open("rb")).reports] == ["refused"]
 
 
 def _segment_bytes(directory: Path) -> int:
@@ -305,7 +329,7 @@ def test_a_segment_claimed_between_its_creation_and_its_lock_loses_no_row(tmp_pa
     reports = []
     for path in UsageJournal(tmp_path).segments():
         with open(path, "rb") as handle:
-            reports += read_segment(handle)
+            reports += read_segment(handle).reports
     assert raced and [report.request_id for report in reports] == ["req-0001"]
 
 
