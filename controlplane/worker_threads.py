@@ -4,7 +4,8 @@ asgiref's default (`thread_sensitive=True`) runs every such call of a process wi
 gateway's `/v1` path sets none up) on ONE thread, one after another: one slow call queued every other behind it. So
 each runs apart (`thread_sensitive=False`), in asgiref's pool or in a small pool of its own (`executor`) where many
 calls may come at once and each holds a PostgreSQL connection while it runs (`billing.quota.rebuild`); `FairSlots`
-shares such a pool's threads among its callers' owners (organisations), so none takes them all.
+shares such a pool's threads among its callers' owners (organisations), so none takes them all. A short-lived loop
+(`run_briefly`: a batch run's) may give its ORM calls a few threads of their own, and so hold that many sessions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextvars
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Hashable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -31,7 +32,8 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     """`function` (which uses the ORM) as a coroutine run in a worker thread (of `executor`, if given) that treats
     each call as Django treats a request: stale or broken connections (a PostgreSQL restart, a terminated backend)
     are dropped before and after, so a broken one never serves the next call. A call on `executor`'s threads closes its
-    connections after it: those threads are few and long-lived, and work there (a rebuild) comes in bursts.
+    connections after it: those threads are few and long-lived, and work there (a rebuild) comes in bursts. Without
+    `executor`, under a `run_briefly` loop that has database threads of its own, it runs on one of those.
 
     NOTE: `CONN_MAX_AGE` is checked only when a thread's next call begins: the rebuild pool's four threads each kept a
     PostgreSQL session open and idle for good after a burst of rebuilds.
@@ -48,9 +50,44 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
         finally:
             connections.close_all()
 
-    return sync_to_async(
-        connections_checked(function) if executor is None else call, thread_sensitive=False, executor=executor
-    )
+    if executor is not None:
+        return sync_to_async(call, thread_sensitive=False, executor=executor)
+    checked = connections_checked(function)
+
+    async def on_a_worker_thread(*args, **kwargs):
+        kept = _run_connections.get()
+        database_threads = kept.database_threads if kept is not None else None
+        return await sync_to_async(checked, thread_sensitive=False, executor=database_threads)(*args, **kwargs)
+
+    return on_a_worker_thread
+
+
+def on_database_thread(function: Callable) -> Callable:
+    """`function` (sync, ORM), called from a worker thread of a `run_briefly` loop that has database threads of its
+    own (a batch run's `asyncio.to_thread` store, whose S3 put must hold none of them), run on one of those and waited
+    for, its connections checked there (`connections_checked`); anywhere else it runs where it is called.
+
+    NOTE: a thread of those calls it in place: one waiting for another of the same few threads could wait for good."""
+    checked = connections_checked(function)
+
+    def call(*args, **kwargs):
+        kept = _run_connections.get()
+        if kept is None or kept.database_threads is None or getattr(_on_database_thread, "yes", False):
+            return checked(*args, **kwargs)
+        try:
+            done = kept.database_threads.submit(contextvars.copy_context().run, checked, *args, **kwargs)
+        except RuntimeError:  # NOTE: the loop has ended (a soft time limit): the call ends here, as it did before
+            return checked(*args, **kwargs)
+        return done.result()
+
+    return call
+
+
+_on_database_thread = threading.local()  # `yes` on a run's database threads
+
+
+def _mark_database_thread() -> None:
+    _on_database_thread.yes = True
 
 
 class _RunConnections:
@@ -63,7 +100,11 @@ class _RunConnections:
     ended after it kept its connection in the emptied list (a session open until a garbage collection). So a thread's
     connections are closed by `close_all` only between its calls; a call ending after it closes its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_database_threads: int | None = None) -> None:
+        # NOTE: every ORM call of the loop runs on these, when given (`in_worker_thread`, `on_database_thread`): on the
+        # loop's default executor each of up to min(32, CPUs + 4) threads kept a PostgreSQL session till the run ended
+        self.database_threads = None if num_database_threads is None else ThreadPoolExecutor(
+            num_database_threads, thread_name_prefix="run-database", initializer=_mark_database_thread)
         self._lock = threading.Lock()
         # id(wrapper) -> (its thread, the wrapper)
         self._kept: dict[int, tuple[int, BaseDatabaseWrapper]] = {}
@@ -113,12 +154,20 @@ _run_connections: contextvars.ContextVar[_RunConnections | None] = contextvars.C
 )
 
 
-def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
+def run_briefly(coroutine: Coroutine[Any, Any, T], *, num_database_threads: int | None = None) -> T:
     """`asyncio.run(coroutine)`, the connection each thread of its `connections_checked` calls (its tasks copy its
     context) opened kept across those calls and closed as it ends. NOTE: for an event loop that ends soon (a batch
     run's): its pool's threads end with it, and the connection each kept (Django keeps them per thread) stayed open
-    with no one to close it until a garbage collection found it, a few sessions a run."""
-    kept = _RunConnections()
+    with no one to close it until a garbage collection found it, a few sessions a run.
+
+    With `num_database_threads`, its ORM calls (`in_worker_thread`, `on_database_thread`) share that many threads of
+    their own, so it holds at most that many sessions, and this thread's own are closed first (the loop runs here, and
+    the ORM refuses to run on it): a batch run held one a thread of the default executor, up to min(32, CPUs + 4),
+    beside its task's idle one, and eight runs took PostgreSQL past its `max_connections`."""
+    kept = _RunConnections(num_database_threads)
+    if num_database_threads is not None and not any(
+            wrapper.in_atomic_block for wrapper in connections.all(initialized_only=True)):
+        connections.close_all()
 
     async def keeping_connections() -> T:
         _run_connections.set(kept)  # the main task's own context
@@ -127,7 +176,11 @@ def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(keeping_connections())
     finally:
-        kept.close_all()  # NOTE: after `asyncio.run` has joined its default executor's threads (or was interrupted)
+        try:
+            if kept.database_threads is not None:
+                kept.database_threads.shutdown(wait=True)  # NOTE: joined as `asyncio.run` joins its default executor's
+        finally:
+            kept.close_all()  # NOTE: after `asyncio.run` has joined its threads (or was interrupted)
 
 
 def _close_broken_connections() -> None:
