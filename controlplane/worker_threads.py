@@ -19,10 +19,12 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import psycopg
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from controlplane.database_pool.base import CHECK_TIMEOUT_S, check_within_deadline
 from controlplane.per_loop import PerLoop
 
 T = TypeVar("T")
@@ -183,9 +185,14 @@ def run_briefly(coroutine: Coroutine[Any, Any, T], *, num_database_threads: int 
             kept.close_all()  # NOTE: after `asyncio.run` has joined its threads (or was interrupted)
 
 
-def _close_broken_connections() -> None:
+def _close_broken_connections(*, check_within_s: float | None = None) -> None:
     """Close this thread's connections that an error left unusable (a PostgreSQL restart, a terminated backend), or
-    left outside autocommit, as `close_old_connections` does, but keep a healthy one past `CONN_MAX_AGE`."""
+    left outside autocommit, as `close_old_connections` does, but keep a healthy one past `CONN_MAX_AGE`. With
+    `check_within_s`, each kept one is checked now, and closed unless it answers within that long.
+
+    NOTE: Django's own check (`CONN_HEALTH_CHECKS`: a `SELECT 1` at a kept connection's next use) has no deadline: a
+    session gone silent (a partition, a failover with no RST, a proxy that stopped relaying but still acknowledges
+    every byte, so no TCP timeout fires) held a batch run's lease check, and its loop with it, for good."""
     for wrapper in connections.all(initialized_only=True):
         if wrapper.connection is None:
             continue
@@ -198,6 +205,17 @@ def _close_broken_connections() -> None:
                 wrapper.errors_occurred = False
             else:
                 wrapper.close()
+        if check_within_s is None or wrapper.connection is None:
+            continue
+        try:
+            check_within_deadline(wrapper.connection, check_within_s)
+        except psycopg.Error:
+            try:
+                wrapper.close()
+            except DatabaseError:  # NOTE: a connection already broken is as closed
+                pass
+        else:
+            wrapper.health_check_done = True  # NOTE: just checked: Django's own (no deadline) would only repeat it
 
 
 def connections_checked(function: Callable) -> Callable:
@@ -216,7 +234,7 @@ def connections_checked(function: Callable) -> Callable:
                 close_old_connections()
         kept.enter()
         try:
-            _close_broken_connections()
+            _close_broken_connections(check_within_s=CHECK_TIMEOUT_S)
             return function(*args, **kwargs)
         finally:
             try:
