@@ -55,11 +55,13 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     if executor is not None:
         return sync_to_async(call, thread_sensitive=False, executor=executor)
     checked = connections_checked(function)
+    on_the_default_executor = sync_to_async(checked, thread_sensitive=False)
 
     async def on_a_worker_thread(*args, **kwargs):
         kept = _run_connections.get()
-        database_threads = kept.database_threads if kept is not None else None
-        return await sync_to_async(checked, thread_sensitive=False, executor=database_threads)(*args, **kwargs)
+        if kept is None or kept.database_threads is None:
+            return await on_the_default_executor(*args, **kwargs)
+        return await sync_to_async(checked, thread_sensitive=False, executor=kept.database_threads)(*args, **kwargs)
 
     return on_a_worker_thread
 

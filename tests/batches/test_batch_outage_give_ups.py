@@ -24,18 +24,12 @@ from endpoints.models import Replica
 from tests.batches.conftest import logprob_lines, new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 GIVE_UP_S = 3.0
 OUTAGE_S = 3.0  # with the wait before it, past `GIVE_UP_S`; within `BATCH_OUTAGE_RETRY_S` (8 s): ridden through
-
-
-def _wait_for(condition, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.05)
 
 
 def test_a_slot_freed_during_an_outage_is_used_once_it_ends_though_the_run_waited_past_its_give_up(
@@ -53,9 +47,9 @@ def test_a_slot_freed_during_an_outage_is_used_once_it_ends_though_the_run_waite
         return httpx.get(f"{upstream}/_stats").json()["num_requests"]
 
     worker, runs = run_in_a_thread(batch.pk)
-    _wait_for(lambda: num_engine_requests() == 1)
+    wait_until(lambda: num_engine_requests() == 1, 60, message="the first line's start")
     get_redis().incr(slot)  # an interactive call takes the slot as the first line ends
-    _wait_for(lambda: UsageRecord.objects.filter(batch_id=batch.pk).exists())  # the first line has ended
+    wait_until(lambda: UsageRecord.objects.filter(batch_id=batch.pk).exists(), 60, message="the first line's end")
     time.sleep(1)  # no slot: the run waits
     with database_refusing_connections():
         get_redis().set(slot, 0)  # the interactive call ends
@@ -81,7 +75,8 @@ def test_room_given_back_during_an_outage_is_used_once_it_ends_though_the_run_wa
         held = answer_bytes.LineAnswer()
         assert not answer_bytes.room()
         worker, runs = run_in_a_thread(batch.pk)
-        _wait_for(lambda: answer_bytes._num_runs == 2)  # the run's loop has begun (an outage before it fails the task)
+        # the run's loop has begun (an outage before it fails the task)
+        wait_until(lambda: answer_bytes._num_runs == 2, 60, message="the run's loop")
         time.sleep(1)  # no room: the run waits
         with database_refusing_connections():
             held.release()  # the other run's line is stored
