@@ -516,6 +516,11 @@ BATCH_RUN_SLICE_S = env_float("INFERPLANE_BATCH_RUN_SLICE_S", 120.0, minimum=1)
 # A run that meets PostgreSQL away (a restart, a failover) starts no line and checks again (0.25 s, doubling, at most
 # 1 s apart) for this long; back by then, it goes on with its slice, else it starts no line for the rest of it.
 BATCH_OUTAGE_RETRY_S = env_float("INFERPLANE_BATCH_OUTAGE_RETRY_S", 8.0, minimum=0)
+# The PostgreSQL sessions a batch run's ORM calls (its lease checks, stores, lookups) share, on threads of their own
+# (`controlplane.worker_threads.run_briefly`); beside them a run holds its usage writer's one (its task's own is closed
+# while it runs). NOTE: on the loop's default executor a run held up to min(32, CPUs + 4), and the batch workers' eight
+# runs took PostgreSQL past its `max_connections` (README, the sizing paragraph: 8 x (1 + 2) keeps its sums within 97).
+BATCH_DB_SESSIONS = env_int("INFERPLANE_BATCH_DB_SESSIONS", 2, minimum=1)
 # The scheduler's estimate of one line's seconds on one slot, for waking a sleeping endpoint in time.
 BATCH_SECONDS_PER_LINE = env_float("INFERPLANE_BATCH_SECONDS_PER_LINE", 2.0, minimum=0.001)
 # The bytes of line answers a batch worker process holds in memory at once, every read included

@@ -4,7 +4,8 @@ asgiref's default (`thread_sensitive=True`) runs every such call of a process wi
 gateway's `/v1` path sets none up) on ONE thread, one after another: one slow call queued every other behind it. So
 each runs apart (`thread_sensitive=False`), in asgiref's pool or in a small pool of its own (`executor`) where many
 calls may come at once and each holds a PostgreSQL connection while it runs (`billing.quota.rebuild`); `FairSlots`
-shares such a pool's threads among its callers' owners (organisations), so none takes them all.
+shares such a pool's threads among its callers' owners (organisations), so none takes them all. A short-lived loop
+(`run_briefly`: a batch run's) may give its ORM calls a few threads of their own, and so hold that many sessions.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import contextvars
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Hashable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import psycopg
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from controlplane.database_pool.base import CHECK_TIMEOUT_S, check_within_deadline
 from controlplane.per_loop import PerLoop
 
 T = TypeVar("T")
@@ -31,7 +34,8 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
     """`function` (which uses the ORM) as a coroutine run in a worker thread (of `executor`, if given) that treats
     each call as Django treats a request: stale or broken connections (a PostgreSQL restart, a terminated backend)
     are dropped before and after, so a broken one never serves the next call. A call on `executor`'s threads closes its
-    connections after it: those threads are few and long-lived, and work there (a rebuild) comes in bursts.
+    connections after it: those threads are few and long-lived, and work there (a rebuild) comes in bursts. Without
+    `executor`, under a `run_briefly` loop that has database threads of its own, it runs on one of those.
 
     NOTE: `CONN_MAX_AGE` is checked only when a thread's next call begins: the rebuild pool's four threads each kept a
     PostgreSQL session open and idle for good after a burst of rebuilds.
@@ -48,9 +52,46 @@ def in_worker_thread(function: Callable, *, executor: Executor | None = None) ->
         finally:
             connections.close_all()
 
-    return sync_to_async(
-        connections_checked(function) if executor is None else call, thread_sensitive=False, executor=executor
-    )
+    if executor is not None:
+        return sync_to_async(call, thread_sensitive=False, executor=executor)
+    checked = connections_checked(function)
+    on_the_default_executor = sync_to_async(checked, thread_sensitive=False)
+
+    async def on_a_worker_thread(*args, **kwargs):
+        kept = _run_connections.get()
+        if kept is None or kept.database_threads is None:
+            return await on_the_default_executor(*args, **kwargs)
+        return await sync_to_async(checked, thread_sensitive=False, executor=kept.database_threads)(*args, **kwargs)
+
+    return on_a_worker_thread
+
+
+def on_database_thread(function: Callable) -> Callable:
+    """`function` (sync, ORM), called from a worker thread of a `run_briefly` loop that has database threads of its
+    own (a batch run's `asyncio.to_thread` store, whose S3 put must hold none of them), run on one of those and waited
+    for, its connections checked there (`connections_checked`); anywhere else it runs where it is called.
+
+    NOTE: a thread of those calls it in place: one waiting for another of the same few threads could wait for good."""
+    checked = connections_checked(function)
+
+    def call(*args, **kwargs):
+        kept = _run_connections.get()
+        if kept is None or kept.database_threads is None or getattr(_on_database_thread, "yes", False):
+            return checked(*args, **kwargs)
+        try:
+            done = kept.database_threads.submit(contextvars.copy_context().run, checked, *args, **kwargs)
+        except RuntimeError:  # NOTE: the loop has ended (a soft time limit): the call ends here, as it did before
+            return checked(*args, **kwargs)
+        return done.result()
+
+    return call
+
+
+_on_database_thread = threading.local()  # `yes` on a run's database threads
+
+
+def _mark_database_thread() -> None:
+    _on_database_thread.yes = True
 
 
 class _RunConnections:
@@ -63,7 +104,11 @@ class _RunConnections:
     ended after it kept its connection in the emptied list (a session open until a garbage collection). So a thread's
     connections are closed by `close_all` only between its calls; a call ending after it closes its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_database_threads: int | None = None) -> None:
+        # NOTE: every ORM call of the loop runs on these, when given (`in_worker_thread`, `on_database_thread`): on the
+        # loop's default executor each of up to min(32, CPUs + 4) threads kept a PostgreSQL session till the run ended
+        self.database_threads = None if num_database_threads is None else ThreadPoolExecutor(
+            num_database_threads, thread_name_prefix="run-database", initializer=_mark_database_thread)
         self._lock = threading.Lock()
         # id(wrapper) -> (its thread, the wrapper)
         self._kept: dict[int, tuple[int, BaseDatabaseWrapper]] = {}
@@ -113,12 +158,20 @@ _run_connections: contextvars.ContextVar[_RunConnections | None] = contextvars.C
 )
 
 
-def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
+def run_briefly(coroutine: Coroutine[Any, Any, T], *, num_database_threads: int | None = None) -> T:
     """`asyncio.run(coroutine)`, the connection each thread of its `connections_checked` calls (its tasks copy its
     context) opened kept across those calls and closed as it ends. NOTE: for an event loop that ends soon (a batch
     run's): its pool's threads end with it, and the connection each kept (Django keeps them per thread) stayed open
-    with no one to close it until a garbage collection found it, a few sessions a run."""
-    kept = _RunConnections()
+    with no one to close it until a garbage collection found it, a few sessions a run.
+
+    With `num_database_threads`, its ORM calls (`in_worker_thread`, `on_database_thread`) share that many threads of
+    their own, so it holds at most that many sessions, and this thread's own are closed first (the loop runs here, and
+    the ORM refuses to run on it): a batch run held one a thread of the default executor, up to min(32, CPUs + 4),
+    beside its task's idle one, and eight runs took PostgreSQL past its `max_connections`."""
+    kept = _RunConnections(num_database_threads)
+    if num_database_threads is not None and not any(
+            wrapper.in_atomic_block for wrapper in connections.all(initialized_only=True)):
+        connections.close_all()
 
     async def keeping_connections() -> T:
         _run_connections.set(kept)  # the main task's own context
@@ -127,12 +180,21 @@ def run_briefly(coroutine: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(keeping_connections())
     finally:
-        kept.close_all()  # NOTE: after `asyncio.run` has joined its default executor's threads (or was interrupted)
+        try:
+            if kept.database_threads is not None:
+                kept.database_threads.shutdown(wait=True)  # NOTE: joined as `asyncio.run` joins its default executor's
+        finally:
+            kept.close_all()  # NOTE: after `asyncio.run` has joined its threads (or was interrupted)
 
 
-def _close_broken_connections() -> None:
+def _close_broken_connections(*, check_within_s: float | None = None) -> None:
     """Close this thread's connections that an error left unusable (a PostgreSQL restart, a terminated backend), or
-    left outside autocommit, as `close_old_connections` does, but keep a healthy one past `CONN_MAX_AGE`."""
+    left outside autocommit, as `close_old_connections` does, but keep a healthy one past `CONN_MAX_AGE`. With
+    `check_within_s`, each kept one is checked now, and closed unless it answers within that long.
+
+    NOTE: Django's own check (`CONN_HEALTH_CHECKS`: a `SELECT 1` at a kept connection's next use) has no deadline: a
+    session gone silent (a partition, a failover with no RST, a proxy that stopped relaying but still acknowledges
+    every byte, so no TCP timeout fires) held a batch run's lease check, and its loop with it, for good."""
     for wrapper in connections.all(initialized_only=True):
         if wrapper.connection is None:
             continue
@@ -145,6 +207,17 @@ def _close_broken_connections() -> None:
                 wrapper.errors_occurred = False
             else:
                 wrapper.close()
+        if check_within_s is None or wrapper.connection is None:
+            continue
+        try:
+            check_within_deadline(wrapper.connection, check_within_s)
+        except psycopg.Error:
+            try:
+                wrapper.close()
+            except DatabaseError:  # NOTE: a connection already broken is as closed
+                pass
+        else:
+            wrapper.health_check_done = True  # NOTE: just checked: Django's own (no deadline) would only repeat it
 
 
 def connections_checked(function: Callable) -> Callable:
@@ -163,7 +236,7 @@ def connections_checked(function: Callable) -> Callable:
                 close_old_connections()
         kept.enter()
         try:
-            _close_broken_connections()
+            _close_broken_connections(check_within_s=CHECK_TIMEOUT_S)
             return function(*args, **kwargs)
         finally:
             try:

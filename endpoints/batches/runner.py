@@ -549,16 +549,26 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     and answer_bytes.room()):
                 # NOTE: none while the usage journal is past its limit (PostgreSQL took no writes for a while): a
                 # line's row could only go to it, as an interactive call's, which the gateway refuses then.
-                slots = await free_slots(work.organization_id, endpoint.id, target_concurrency=work.target_concurrency,
-                                         num_batch_in_flight=len(running)) if usage_writer.usage_recordable() else 0
-                if slots is None and not running:
-                    progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
-                if slots or running:
-                    no_slot_since = None
-                elif no_slot_since is None:
-                    no_slot_since = now
-                elif now - no_slot_since >= NO_SLOT_GIVE_UP_S:
-                    progress.stopped = "full"  # the worker goes back to the queue: other batches may use it
+                try:
+                    slots = await free_slots(work.organization_id, endpoint.id,
+                                             target_concurrency=work.target_concurrency,
+                                             num_batch_in_flight=len(running)) if usage_writer.usage_recordable() else 0
+                except DATABASE_AWAY as exc:
+                    # NOTE: PostgreSQL away since the last check, the replicas past the directory's cache (never read
+                    # in this run: no room till now): no line starts until a check reaches it again (`away_since`).
+                    # Raised, it ended the run, its lines in flight cut and run again (GPU work twice).
+                    logger.warning("batch %s: its endpoint's replicas could not be read (%s): no line starts until "
+                                   "PostgreSQL is back", work.batch_id, repr(exc))  # a string (`_through_outages`)
+                    away_since, slots = now, 0
+                if away_since is None:  # NOTE: else nothing was read: neither "cold" nor a wait for a slot
+                    if slots is None and not running:
+                        progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
+                    if slots or running:
+                        no_slot_since = None
+                    elif no_slot_since is None:
+                        no_slot_since = now
+                    elif now - no_slot_since >= NO_SLOT_GIVE_UP_S:
+                        progress.stopped = "full"  # the worker goes back to the queue: other batches may use it
                 for _ in range(max(0, (slots or 0) - len(running))):
                     if not pending.ready() or not answer_bytes.room():  # NOTE: each takes the room of its first read
                         break

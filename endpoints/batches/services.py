@@ -33,7 +33,7 @@ from controlplane.accounts.models import ApiKey, Membership, Organization, Role,
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
-from controlplane.worker_threads import run_briefly
+from controlplane.worker_threads import on_database_thread, run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
 from endpoints.batches.models import (
@@ -745,9 +745,13 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
             # and writes its lines; this one's answer, counted too, took the storage quota twice for one file row
             return runner.Stored(ok=False, kept=False, stop="lease")
 
+    # NOTE: its ORM on the run's database threads (`BATCH_DB_SESSIONS`), its S3 put where it is called (`runner.run`'s
+    # worker thread): a slow put holds none of the few threads the lease's checks need
+    take_result_room = on_database_thread(_take_result_room)
+
     def _store(outcome: runner.LineOutcome) -> runner.Stored:
         row = outcome.row
-        if _take_result_room(batch, len(row) + 1, token=token):
+        if take_result_room(batch, len(row) + 1, token=token):
             storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
             return runner.Stored(ok=outcome.status_code == 200)
         # NOTE: its answer is dropped, not stored past the quota: the run stops starting lines (each would be billed
@@ -757,14 +761,15 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                                          "organisation's files past its storage quota (max_file_bytes). It ran, and is "
                                          "billed as any request that ran. Delete files the organisation no longer "
                                          "needs, or ask for a larger plan, and send the request again.")
-        _take_result_room(batch, len(error) + 1, past_quota=True, token=token)
+        take_result_room(batch, len(error) + 1, past_quota=True, token=token)
         storage.put_result(batch.organization_id, batch.pk, outcome.line.index, error, ok=False)
         refused.append(outcome.line.index)
         return runner.Stored(ok=False, stop="quota")
 
     try:
         progress = run_briefly(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
-                                          keep_going=keep_going, store=store, lines_end_by=lines_end_by))
+                                          keep_going=keep_going, store=store, lines_end_by=lines_end_by),
+                               num_database_threads=settings.BATCH_DB_SESSIONS)
     finally:
         # NOTE: minutes on, this thread's connection may have been cut meanwhile (a PostgreSQL restart the run went
         # through): checked before its next query, as between two requests, also when the run raised (else the

@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import json
 import signal
 import threading
 import time
 from contextlib import contextmanager
 
 import httpx
+import psycopg
 import pytest
 from django.db import connection
 from django.db.backends.signals import connection_created
 
+from controlplane.accounts.models import Organization
 from controlplane.worker_threads import in_worker_thread, run_briefly
 from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
@@ -92,8 +95,70 @@ def test_a_run_keeps_its_connections_across_its_checks_and_stores_and_closes_the
         assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=16) == ["ran"]
     finally:
         connection_created.disconnect(count)
+    # NOTE: the task's own thread closes its session while its run goes (`run_briefly`), and opens one again after
+    tasks = {thread for thread in opened if thread.name.endswith("(run)")}  # `run_in_a_thread`'s
+    assert len(tasks) == 1 and opened.count(*tasks) <= 2
+    opened = [thread for thread in opened if thread not in tasks]
     assert len(opened) == len(set(opened)), f"{len(opened)} sessions opened by {len(set(opened))} threads"
     assert _other_sessions() == [], "a session was left open past the run"
+
+
+def _chat_lines(endpoint, num_lines: int, max_tokens: int) -> bytes:
+    return b"".join(
+        json.dumps({"custom_id": f"line-{index}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": max_tokens}}).encode() + b"\n"
+        for index in range(num_lines))
+
+
+def _num_other_sessions_now(mine: set[int]) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> ALL(%s)",
+                       [sorted(mine)])
+        return cursor.fetchone()[0]
+
+
+def test_a_run_of_many_lines_at_once_holds_no_more_sessions_than_its_bound(
+    files_bucket, tenant, start_mock_upstream, settings
+):
+    # NOTE: each store (and lookup, and lease check) ran on a thread of the loop's default executor, each thread kept
+    # its own session till the run ended: a run held up to min(32, CPUs + 4) of them beside its task's, and the batch
+    # workers' eight runs took PostgreSQL past its `max_connections` (the whole control plane "too many clients").
+    # Here 16 finished lines wait for the organisation's row lock (as behind a busy upload) to store their answers:
+    # each such thread held a session (8 in all on two CPUs, its task's and its usage writer's among them).
+    num_lines = 16
+    upstream = start_mock_upstream(token_delay_ms=100)
+    endpoint = serve_endpoint(tenant.org, upstream, target_concurrency=num_lines)
+    batch = new_batch(endpoint, _chat_lines(endpoint, num_lines, max_tokens=10))  # each line answers in ~1 s
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        mine = {cursor.fetchone()[0]}
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{key: value for key, value in params.items() if key not in ("context", "cursor_factory")})
+    mine.add(locker.info.backend_pid)
+    peak = 0
+    try:
+        worker, runs = run_in_a_thread(batch.pk)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{upstream}/_stats").json()["num_requests"] < num_lines:
+            assert time.monotonic() < deadline, "the lines never all started"
+            time.sleep(0.05)
+        locker.execute(f"SELECT 1 FROM {Organization._meta.db_table} WHERE id = %s FOR UPDATE", [tenant.org.pk])
+        held_until = time.monotonic() + 4  # the lines finish meanwhile, their stores wait for the lock
+        while time.monotonic() < held_until:
+            peak = max(peak, _num_other_sessions_now(mine))
+            time.sleep(0.05)
+        locker.rollback()
+        worker.join(timeout=120)
+    finally:
+        locker.close()
+    assert runs == ["ran"]
+    batch.refresh_from_db()
+    assert (batch.status, batch.num_completed, batch.num_failed) == ("completed", num_lines, 0)
+    # the run's database threads, and its usage writer's own connection
+    assert peak <= settings.BATCH_DB_SESSIONS + 1, f"the run held {peak} sessions at once"
+    assert _other_sessions() == []
 
 
 class _SoftTimeLimit(Exception):
