@@ -318,8 +318,12 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=newly_ignored)
     if sandbox_changed:
         _record_sandbox_change(node, sandbox_before)
-    record_model_facts(node, heartbeat.weights)
     numbered = (heartbeat.boot_id, heartbeat.sequence) if heartbeat.sequence is not None else None
+    # NOTE: as its replicas' reports, skipped once a newer heartbeat was taken since this one's check (its facts are
+    # newer); before, they were learnt after the newer's. Left open: a newer one taken while these are being learnt,
+    # whose facts may then be learnt first (each copy's under its own row lock, `ModelFacts.learn`).
+    if numbered is None or Node.objects.last_heartbeat_is(node.pk, numbered).exists():
+        record_model_facts(node, heartbeat.weights)
     live = set(Replica.objects.filter(node=node, pk__in=reported_ids).exclude(state__in=FINAL_REPLICA_STATES)
                .values_list("pk", flat=True)) if reported_ids else set()
     for report, replica_id in zip(heartbeat.replicas, reported_ids, strict=True):
@@ -327,7 +331,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             continue
         # NOTE: adapters first: a report that fails its replica still says which adapters the engine refused.
         if report.adapters or report.adapter_failures:
-            record_replica_adapters(node, report)
+            record_replica_adapters(node, report, heartbeat=numbered)
         apply_replica_report(node, report, heartbeat=numbered)
     return protocol.HeartbeatResponse(
         node_state=NodeState(node.state),

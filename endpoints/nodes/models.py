@@ -222,6 +222,12 @@ class NodeQuerySet(models.QuerySet):
         """Nodes whose secret still admits their agent: all but the retired (`retire_node` voids the secret)."""
         return self.exclude(secret_digest="")
 
+    def last_heartbeat_is(self, node_pk, heartbeat: tuple[str, int]):
+        """The node, while `heartbeat` (boot id, sequence) is still the last heartbeat taken from it
+        (`Node.heartbeat_is_newer`); what a heartbeat's reports write is conditioned on it, so of two heartbeats in
+        flight at once the older's never lands after the newer's."""
+        return self.filter(pk=node_pk, heartbeat_boot_id=heartbeat[0], heartbeat_sequence=heartbeat[1])
+
 
 class Node(models.Model):
     SECRET_KIND = "nd"
