@@ -298,11 +298,16 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         stale = not node.heartbeat_is_newer(heartbeat.boot_id, heartbeat.sequence)
         if not stale:
             came_back, newly_ignored, sandbox_before, sandbox_changed = _take_node_report(node, heartbeat, status)
+        elif node.state != NodeState.OFFLINE:
+            # NOTE: its agent is alive, so the sweep must not take the node OFFLINE: an agent process restored from a
+            # snapshot counts again below the stored number (`Node.heartbeat_is_newer`), and every heartbeat it sent
+            # stale, the node went OFFLINE at the grace with every replica on it. Never for an OFFLINE node.
+            Node.objects.filter(pk=node.pk).update(last_heartbeat_at=Now())
     if stale:
         # NOTE: older than one taken already (delayed in flight: a retry, a slow proxy): nothing of it is taken, its
-        # replicas' states, its figures and its time included. Before, a READY replica went back to STARTING until the
-        # next heartbeat, and a stale word from a node gone silent since brought it back. Its agent is answered as a
-        # current heartbeat would be.
+        # replicas' states and its figures included, only that its agent lives. Before, a READY replica went back to
+        # STARTING until the next heartbeat, and a stale word from a node gone silent since brought it back. Its agent
+        # is answered as a current heartbeat would be.
         logger.info("node %s: heartbeat %d of agent %s came after a newer one: not taken", node.name,
                     heartbeat.sequence, heartbeat.boot_id)
         return protocol.HeartbeatResponse(

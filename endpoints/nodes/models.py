@@ -206,6 +206,12 @@ class JoinToken(models.Model):
         )
 
 
+# How far behind the last heartbeat taken from a node a heartbeat of the same agent process may arrive and still be a
+# delayed one (not taken). Its agent sends one at a time, at least 0.2 s apart (5 s by default), and gives each up
+# after its request timeout (10 s): one that a proxy held past 100 newer ones was held for minutes.
+MAX_HEARTBEAT_REORDERING = 100
+
+
 class NodeQuerySet(models.QuerySet):
     def schedulable(self):
         return self.filter(state=NodeState.READY)
@@ -299,12 +305,16 @@ class Node(models.Model):
         """Whether a heartbeat numbered so is newer than the last one taken from this node (read under its row lock).
 
         NOTE: an agent older than the numbering (no sequence) is taken, as before; so is another agent process's
-        first (a restarted agent counts from 1 again, under a new boot id). What stays open: a heartbeat of a
-        previous agent process delayed past its successor's first is taken once, and the successor's next one, a
-        boot id other than the stored one again, puts the node's replicas right."""
+        first (a restarted agent counts from 1 again, under a new boot id), and one more than
+        `MAX_HEARTBEAT_REORDERING` behind the last taken: no heartbeat is held in flight past that many newer ones, so
+        it is the same process counting again from an earlier point (a VM or process snapshot restored), which would
+        otherwise have none of its reports taken until its count passed the stored one. What stays open: a
+        heartbeat of a previous agent process delayed past its successor's first is taken once, and after it one of
+        the successor's own delayed heartbeats may be too (its boot id differs from the stored one again); the
+        successor's next heartbeat puts the node's replicas right."""
         if sequence is None or boot_id != self.heartbeat_boot_id or self.heartbeat_sequence is None:
             return True
-        return sequence > self.heartbeat_sequence
+        return sequence > self.heartbeat_sequence or sequence < self.heartbeat_sequence - MAX_HEARTBEAT_REORDERING
 
     @property
     def total_gpu_memory_mb(self) -> int:

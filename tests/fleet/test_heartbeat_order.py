@@ -11,7 +11,7 @@ from controlplane.accounts.services import SYSTEM
 from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token
 from endpoints.models import ModelFacts, Replica
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import Node, database_time_ago
 from endpoints.replicas import apply_replica_report
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import Heartbeat, ModelInfo, NodeState, ReplicaState, ReplicaStatus, WeightsStatus
@@ -163,3 +163,32 @@ def test_adapters_and_model_facts_of_a_heartbeat_overtaken_while_it_was_being_ta
     facts = ModelFacts.objects.get(source=replica.endpoint.model_source)
     assert facts.max_model_len == 8192
     assert [claim["max_model_len"] for claim in facts.disputed.values()] == [8192]  # the node's claim, its newer
+
+
+def test_an_agent_restored_from_a_snapshot_counting_below_the_stored_number_stays_online_and_is_taken_again(
+    client, node_with_replica, settings
+):
+    """A VM or process snapshot restored resumes the agent with its boot id and an older count."""
+    secret, replica = node_with_replica
+    boot = uuid.uuid4().hex
+    assert numbered_beat(client, secret, boot, 720, [report(replica, ReplicaState.READY)]).status_code == 200
+    silent = Node.objects.filter(last_heartbeat_at__lt=database_time_ago(settings.NODE_HEARTBEAT_GRACE_S))
+    # Restored 40 heartbeats back: within what a delay could be, so its reports are not taken; but it is alive.
+    for sequence in range(680, 690):
+        Node.objects.update(last_heartbeat_at=database_time_ago(600))  # the grace ran out between two
+        assert numbered_beat(client, secret, boot, sequence, [report(replica, ReplicaState.STARTING)]).status_code == 200
+        assert not silent.exists()  # before: its time never moved, and the sweep took the node OFFLINE
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY and Node.objects.get().heartbeat_sequence == 720
+    # Restored further back than any delay: its count is taken as the process's again, its reports too.
+    assert numbered_beat(client, secret, boot, 12, [report(replica, ReplicaState.STARTING)]).status_code == 200
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.STARTING and Node.objects.get().heartbeat_sequence == 12
+    assert numbered_beat(client, secret, boot, 13, [report(replica, ReplicaState.READY)]).status_code == 200
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY
+    # A late heartbeat never keeps a node the sweep took OFFLINE alive, nor brings it back.
+    Node.objects.update(state=NodeState.OFFLINE, state_before_offline=NodeState.READY,
+                        last_heartbeat_at=database_time_ago(600))
+    assert numbered_beat(client, secret, boot, 11, []).json()["node_state"] == NodeState.OFFLINE
+    assert silent.exists() and Node.objects.get().state == NodeState.OFFLINE  # its time did not move
