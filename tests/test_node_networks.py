@@ -385,5 +385,28 @@ def test_a_token_holder_trying_one_host_after_another_writes_a_bounded_number_of
     for number in range(120):
         response = register(client, created.plain, name="mole", advertise_host=f"10.98.0.{number + 1}")
         assert response.status_code == 400
-    # `MAX_REFUSED_REGISTRATIONS_AUDITED` of the token's refusals an hour (before: one row a try, 120); the log says each.
+    # `MAX_REFUSED_REGISTRATIONS_AUDITED` of the token's refusals an hour (before: one row a try, 120); the log says each,
+    # and one row that the bound was reached.
     assert AuditEvent.objects.filter(action="node.register_refused").count() == 100
+    assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1
+
+
+def test_refusals_of_a_fleets_own_hosts_are_audited_past_the_bound_a_token_holders_decoys_reach(
+    client, production_networks
+):
+    production_networks.NODE_NETWORKS = (*FLEET, ipaddress.ip_network("10.99.0.0/16"))
+    created = create_join_token(SYSTEM, name="fleet")  # one token the whole fleet shares
+    for number in range(3):
+        assert register(client, created.plain, name=f"gpu-{number}", advertise_host=f"10.99.0.{number + 1}").status_code == 201
+    production_networks.NODE_NETWORKS = FLEET  # the operator narrows the networks under the fleet
+    for number in range(120):  # the token's holder spends the hour's bound on decoys first
+        register(client, created.plain, name="mole", advertise_host=f"10.98.0.{number + 1}")
+    for number in range(3):
+        assert register(client, created.plain, name=f"gpu-{number}", advertise_host=f"10.99.0.{number + 1}").status_code == 400
+    # A second machine's name on a host is audited too, up to a bound a host.
+    for number in range(10):
+        register(client, created.plain, name=f"other-{number}", advertise_host="10.99.0.1")
+    refused = AuditEvent.objects.filter(action="node.register_refused", details__registered_host=True)
+    # Before: none of the fleet's own refusals (the decoys had taken the token's 100), nor another machine's name.
+    assert sorted(refused.values_list("details__advertise_host", flat=True)) == ["10.99.0.1"] * 5 + ["10.99.0.2", "10.99.0.3"]
+    assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1

@@ -195,27 +195,51 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
 
 
 # NOTE: a refused node's agent registers again at every back-off (at most a minute; every 5 s had it exited, systemd's
-# `Restart=always`), so one refusal is audited once an hour per join token, host, port range and reason, and at most
-# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour (a token's holder trying one host after another).
-# Before, each try wrote a row: 1,440 a day for each refused node while its token was usable. The log says each.
+# `Restart=always`), so one refusal is audited once an hour per join token, machine name, host, port range and reason,
+# at most `MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST` of one host. Before, each try wrote a row: 1,440 a day for each
+# refused node while its token was usable. A host where one of the token's nodes is registered (the operator narrowed
+# the networks under a fleet) is always audited so; of other hosts (a token's holder trying one after another), at most
+# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour, then one `node.register_refusals_unaudited` row
+# says the bound was reached. The log says each.
 REFUSED_REGISTRATION_AUDIT_S = 3600
 MAX_REFUSED_REGISTRATIONS_AUDITED = 100
+MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST = 5
+
+
+def _audited_within(action: str, target, seconds: float, **details):
+    """The audit rows of `action` on `target` written in the last `seconds` whose details hold `details`: what bounds
+    an action a node or an agent can repeat to one row per period."""
+    return AuditEvent.objects.filter(action=action, target_type=type(target).__name__, target_id=str(target.pk),
+                                     created_at__gte=timezone.now() - timedelta(seconds=seconds),
+                                     details__contains=details)
 
 
 def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
     """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
-    same refusal of the token was audited within the hour, or as many of its refusals as the hour's bound."""
-    refusal = {"advertise_host": request.advertise_host, "engine_port_min": request.engine_port_min,
-               "engine_port_max": request.engine_port_max, "reason": problem}
-    audited = list(AuditEvent.objects.filter(
-        action="node.register_refused", target_type=type(join_token).__name__, target_id=str(join_token.pk),
-        created_at__gte=timezone.now() - timedelta(seconds=REFUSED_REGISTRATION_AUDIT_S),
-    ).values_list("details", flat=True)[:MAX_REFUSED_REGISTRATIONS_AUDITED])
-    if len(audited) >= MAX_REFUSED_REGISTRATIONS_AUDITED or any(
-        {key: details.get(key) for key in refusal} == refusal for details in audited
-    ):
+    same refusal of the token was audited within the hour, or as many of its host's as the hour's bound, or, for a host
+    none of its nodes is registered on, as many of such refusals as the hour's bound (the first past it writes
+    `node.register_refusals_unaudited`, once an hour).
+
+    NOTE: before, the bound counted every refusal of the token: a token a fleet shares and the operator narrowing the
+    networks under 500 of its nodes audited 100, and its holder spending them on decoy hosts first left its real probes
+    (a Redis address) unaudited."""
+    refusal = {"name": request.name, "advertise_host": request.advertise_host,
+               "engine_port_min": request.engine_port_min, "engine_port_max": request.engine_port_max,
+               "reason": problem}
+    audited = _audited_within("node.register_refused", join_token, REFUSED_REGISTRATION_AUDIT_S)
+    if audited.filter(details__contains=refusal).exists() or audited.filter(
+        details__contains={"advertise_host": request.advertise_host}
+    )[:MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST:
         return
-    record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name, **refusal)
+    registered_host = Node.objects.filter(join_token=join_token, advertise_host=request.advertise_host).exists()
+    if not registered_host and audited.filter(details__contains={"registered_host": False})[
+        :MAX_REFUSED_REGISTRATIONS_AUDITED
+    ].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED:
+        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S).exists():
+            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token,
+                         bound=MAX_REFUSED_REGISTRATIONS_AUDITED, period_s=REFUSED_REGISTRATION_AUDIT_S)
+        return
+    record_audit(SYSTEM, None, "node.register_refused", join_token, registered_host=registered_host, **refusal)
 
 
 def _registration_problem(request: protocol.RegisterRequest) -> str:
