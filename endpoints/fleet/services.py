@@ -344,7 +344,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     if newly_ignored:
         logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name,
                        newly_ignored)
-        record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=newly_ignored)
+        _audit_node_at_most_hourly(node, "node.gpus_ignored", reason=newly_ignored)
     if sandbox_changed:
         _record_sandbox_change(node, sandbox_before)
     numbered = (heartbeat.boot_id, heartbeat.sequence) if heartbeat.sequence is not None else None
@@ -419,11 +419,25 @@ def _take_node_report(node: Node, heartbeat: protocol.Heartbeat, status: dict) -
     return came_back, newly_ignored, sandbox_before, sandbox_changed
 
 
+# A node's own word audited at most once an hour per action (`_audit_node_at_most_hourly`).
+NODE_REPORT_AUDIT_S = 3600
+
+
+def _audit_node_at_most_hourly(node: Node, action: str, **details) -> None:
+    """Audit what a node's heartbeat says of itself (`node.sandbox_weakened`, `node.gpus_ignored`) unless the node had
+    a row of that action within the hour: its current word is on the node's row and each is logged.
+
+    NOTE: each is audited when it changes, and a node alternating two facts (its sandbox's, two GPU lists past its
+    registration) changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret."""
+    if not _audited_within(action, node, NODE_REPORT_AUDIT_S).exists():
+        record_audit(SYSTEM, None, action, node, **details)
+
+
 def _record_sandbox_change(node: Node, before: str) -> None:
     """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it."""
     if protocol.engine_sandbox_weakened(before, node.engine_sandbox):
         logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
-        record_audit(SYSTEM, None, "node.sandbox_weakened", node, engine_sandbox=node.engine_sandbox, before=before)
+        _audit_node_at_most_hourly(node, "node.sandbox_weakened", engine_sandbox=node.engine_sandbox, before=before)
     else:
         logger.info("node %s: its engine sandbox is now %r (was %r)", node.name, node.engine_sandbox, before)
 
