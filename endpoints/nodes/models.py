@@ -206,9 +206,9 @@ class JoinToken(models.Model):
         )
 
 
-# How far behind the last heartbeat taken from a node a heartbeat of the same agent process may arrive and still be a
-# delayed one (not taken). Its agent sends one at a time, at least 0.2 s apart (5 s by default), and gives each up
-# after its request timeout (10 s): one that a proxy held past 100 newer ones was held for minutes.
+# How far behind the last heartbeat taken from a node a heartbeat of the same agent process may arrive and be taken
+# for a delayed one (not taken). Its agent sends one at a time, 5 s apart by default (0.2 s at the least), and gives
+# each up after its request timeout (10 s): one that a proxy held past 100 newer ones was held for minutes.
 MAX_HEARTBEAT_REORDERING = 100
 
 
@@ -306,9 +306,9 @@ class Node(models.Model):
 
         NOTE: an agent older than the numbering (no sequence) is taken, as before; so is another agent process's
         first (a restarted agent counts from 1 again, under a new boot id), and one more than
-        `MAX_HEARTBEAT_REORDERING` behind the last taken: no heartbeat is held in flight past that many newer ones, so
-        it is the same process counting again from an earlier point (a VM or process snapshot restored), which would
-        otherwise have none of its reports taken until its count passed the stored one. What stays open: a
+        `MAX_HEARTBEAT_REORDERING` behind the last taken: the same process counting again from an earlier point (a VM or
+        process snapshot restored), which would otherwise have none of its reports taken until its count passed the
+        stored one. A heartbeat held in flight that long would be taken once, and put right by the next. What stays open: a
         heartbeat of a previous agent process delayed past its successor's first is taken once, and after it one of
         the successor's own delayed heartbeats may be too (its boot id differs from the stored one again); the
         successor's next heartbeat puts the node's replicas right."""

@@ -161,8 +161,8 @@ class Agent:
     def _stop_engines_of_refused_node(self) -> None:
         """Drain and stop every replica, as an answer that wants none would.
 
-        NOTE: the control plane refuses a node it will not route to (its host outside the node networks since it
-        registered, or a retired node's secret): the gateway leaves its replicas out and the sweep fails them and
+        NOTE: the control plane refuses a node it will not route to (its host or engine ports outside what the gateway
+        may reach since it registered, `protocol.NODE_REFUSED`): the gateway leaves its replicas out and the sweep fails them and
         places them elsewhere, so its engines serve nobody the platform sends, and must not go on serving anyone who
         reaches them, nor hold the GPUs. Before, they ran until the agent stopped. The agent keeps registering
         again at every back-off, and once the node is taken again its answers start what it should run, those it
