@@ -11,7 +11,7 @@ names one no READY replica holds, and holds the call like a cold start until one
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Exists, F
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
@@ -29,6 +29,7 @@ from endpoints.models import (
     Replica,
     organization_scope,
 )
+from endpoints.nodes.models import Node
 from endpoints.nodes.notify import notify_node
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
@@ -167,26 +168,39 @@ def _fail(adapter: Adapter, reason: str) -> None:
         record_event(adapter.endpoint, EventKind.FAILURE, f"Adapter {adapter.name} failed: {reason}")
 
 
-def record_replica_adapters(node, report: ReplicaStatus) -> None:
+def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str, int] | None = None) -> None:
     """What an agent reported of one of its replicas' adapters: the replica's `adapters` (what the
     gateway routes on), adapters it loaded READY, refused ones FAILED with the engine's reason. Nothing of a replica
-    stopped or failed already (as `replicas.apply_replica_report`)."""
-    replica = (Replica.objects.filter(pk=report.replica_id, node=node).exclude(state__in=FINAL_REPLICA_STATES)
-               .only("pk", "endpoint_id", "adapters").first())
-    if replica is None:
-        return
-    endpoint_id = replica.endpoint_id
+    stopped or failed already (as `replicas.apply_replica_report`), nor of a numbered `heartbeat` (boot id, sequence)
+    no longer the node's last taken.
+
+    NOTE: the replica's list is checked and written under its row lock, as `apply_replica_report` takes its state: a
+    newer heartbeat taken since skips it, and one taken later waits on the lock and writes after it. Each adapter's
+    state (rows every replica of the endpoint writes) is conditioned on it in its own statement
+    (`NodeQuerySet.last_heartbeat_is`), never holding a lock past it. Before, of two heartbeats in flight at once the
+    older's adapters landed after the newer's (`tests/fleet/test_heartbeat_order.py`)."""
     loaded = [name for name in report.adapters if isinstance(name, str)][:MAX_REPORTED_ADAPTERS]
     failures = {str(name): str(reason) for name, reason in list(report.adapter_failures.items())[:MAX_REPORTED_ADAPTERS]}
-    if replica.adapters != loaded:
-        Replica.objects.filter(pk=replica.pk).update(adapters=loaded)
+    with transaction.atomic():
+        replica = (Replica.objects.select_for_update().filter(pk=report.replica_id, node=node)
+                   .exclude(state__in=FINAL_REPLICA_STATES).only("pk", "endpoint_id", "adapters").first())
+        if replica is None or (heartbeat is not None
+                               and not Node.objects.last_heartbeat_is(node.pk, heartbeat).exists()):
+            return
+        if replica.adapters != loaded:
+            Replica.objects.filter(pk=replica.pk).update(adapters=loaded)
+
+    def while_last(rows):
+        return rows if heartbeat is None else rows.filter(Exists(Node.objects.last_heartbeat_is(node.pk, heartbeat)))
+
+    endpoint_id = replica.endpoint_id
     if loaded:
-        Adapter.objects.filter(endpoint_id=endpoint_id, name__in=loaded).exclude(state=AdapterState.READY).update(
-            state=AdapterState.READY, status_message="")
+        while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name__in=loaded).exclude(
+            state=AdapterState.READY)).update(state=AdapterState.READY, status_message="")
     for name, reason in failures.items():
-        Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
+        while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
             state=AdapterState.FAILED, status_message=reason[:300]
-        ).update(state=AdapterState.FAILED, status_message=reason[:300])
+        )).update(state=AdapterState.FAILED, status_message=reason[:300])
 
 
 def adapters_with_holders(endpoint: Endpoint) -> list[Adapter]:

@@ -310,9 +310,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
         # check in turn (`fleet.services.record_heartbeat`), and their reports are taken after it: the older's could
         # land last. A newer heartbeat taken by now makes the older's report stale; one taken later waits on this
         # lock for its own report, so it lands after.
-        if heartbeat is not None and not Node.objects.filter(
-            pk=node.pk, heartbeat_boot_id=heartbeat[0], heartbeat_sequence=heartbeat[1]
-        ).exists():
+        if heartbeat is not None and not Node.objects.last_heartbeat_is(node.pk, heartbeat).exists():
             return
         previous = replica.state
         new_state = ReplicaState(state_after_report(previous, report.state)).value

@@ -28,8 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # NOTE: each version only adds optional fields, so agents and control planes of any two versions speak to each other
-# during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`.
+# during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`;
+# a registration refused for the node's host or ports says so (`NODE_REFUSED`).
 PROTOCOL_VERSION = 3
+
+# The `error.code` of a registration's 400 when the control plane refuses the node itself (its host or engine ports are
+# outside what the gateway may reach), as of a heartbeat's 401 for a registered node so refused since. NOTE: the one
+# answer on which an agent stops its engines: a 401 alone (a proxy dropping `Authorization`, a restored database, a
+# join token used up or rotated) says nothing of the node, and stopping on it stopped a whole fleet at once.
+NODE_REFUSED = "node_refused"
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
 DEFAULT_ENGINE_PORT_MIN = 20000

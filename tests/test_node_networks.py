@@ -18,7 +18,13 @@ from endpoints.models import Replica
 from endpoints.nodes import models as nodes_models
 from endpoints.nodes.models import JoinToken, Node, advertise_host_problem, control_plane_service_addresses
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import (
+    DEFAULT_ENGINE_PORT_MAX,
+    DEFAULT_ENGINE_PORT_MIN,
+    NODE_REFUSED,
+    ReplicaState,
+    ReplicaStatus,
+)
 from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import RegistrationRefused
@@ -130,6 +136,12 @@ def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_re
     assert response.status_code == 401  # the agent registers again, and that registration's 400 says why
     message = response.json()["error"]["message"]
     assert "registered host or engine ports are refused" in message and "INFERPLANE_NODE_NETWORKS" in message
+    assert response.json()["error"]["code"] == NODE_REFUSED
+    again = register(client, create_join_token(SYSTEM, name="t2").plain, advertise_host="10.99.0.7")
+    assert again.status_code == 400 and again.json()["error"]["code"] == NODE_REFUSED
+    # A secret or join token refused says nothing of any node: no code, and the agent keeps its engines serving.
+    assert "code" not in beat(client, "nd_" + "x" * 40).json()["error"]
+    assert "code" not in register(client, "jt_" + "x" * 40, advertise_host="10.20.0.7").json()["error"]
 
 
 def test_the_local_stack_still_admits_its_loopback_agent_and_private_addresses_by_default(client, settings):
@@ -300,7 +312,30 @@ def test_an_agent_whose_host_the_operator_refuses_since_it_registered_is_told_it
         with pytest.raises(RegistrationRefused) as refused:
             agent.heartbeat_once()
         assert "advertise_host" in str(refused.value) and "INFERPLANE_NODE_NETWORKS" in str(refused.value)
+        assert refused.value.node_refused  # the one refusal on which the agent stops its engines
         assert Node.objects.count() == 1  # no second node
+    finally:
+        agent.shutdown()
+
+
+def test_an_agent_whose_secret_and_join_token_are_both_refused_is_not_told_its_node_is_refused(
+    in_process_control_plane,  # noqa: F811
+    production_networks,
+    tmp_path,
+):
+    """A restored database or another environment knows neither the node's secret nor its join token, whose one use
+    is spent: refused, but not as a node, so its engines keep serving (`Agent.heartbeat_once`)."""
+    created = create_join_token(SYSTEM, name="pool launch", max_uses=1)
+    config = AgentConfig(control_plane_url="http://testserver", join_token=created.plain, data_dir=tmp_path / "agent",
+                         force_cpu=True, advertise_host="10.20.0.7")
+    agent = Agent(config, transport=in_process_control_plane)
+    try:
+        agent.heartbeat_once()
+        Node.objects.all().delete()  # the database restored from before the node joined
+        with pytest.raises(RegistrationRefused) as refused:
+            agent.heartbeat_once()
+        assert "used-up join token" in str(refused.value)
+        assert not refused.value.node_refused  # before: any 400, 401 or 403 stopped every engine
     finally:
         agent.shutdown()
 
@@ -350,5 +385,28 @@ def test_a_token_holder_trying_one_host_after_another_writes_a_bounded_number_of
     for number in range(120):
         response = register(client, created.plain, name="mole", advertise_host=f"10.98.0.{number + 1}")
         assert response.status_code == 400
-    # `MAX_REFUSED_REGISTRATIONS_AUDITED` of the token's refusals an hour (before: one row a try, 120); the log says each.
+    # `MAX_REFUSED_REGISTRATIONS_AUDITED` of the token's refusals an hour (before: one row a try, 120); the log says each,
+    # and one row that the bound was reached.
     assert AuditEvent.objects.filter(action="node.register_refused").count() == 100
+    assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1
+
+
+def test_refusals_of_a_fleets_own_hosts_are_audited_past_the_bound_a_token_holders_decoys_reach(
+    client, production_networks
+):
+    production_networks.NODE_NETWORKS = (*FLEET, ipaddress.ip_network("10.99.0.0/16"))
+    created = create_join_token(SYSTEM, name="fleet")  # one token the whole fleet shares
+    for number in range(3):
+        assert register(client, created.plain, name=f"gpu-{number}", advertise_host=f"10.99.0.{number + 1}").status_code == 201
+    production_networks.NODE_NETWORKS = FLEET  # the operator narrows the networks under the fleet
+    for number in range(120):  # the token's holder spends the hour's bound on decoys first
+        register(client, created.plain, name="mole", advertise_host=f"10.98.0.{number + 1}")
+    for number in range(3):
+        assert register(client, created.plain, name=f"gpu-{number}", advertise_host=f"10.99.0.{number + 1}").status_code == 400
+    # A second machine's name on a host is audited too, up to a bound a host.
+    for number in range(10):
+        register(client, created.plain, name=f"other-{number}", advertise_host="10.99.0.1")
+    refused = AuditEvent.objects.filter(action="node.register_refused", details__registered_host=True)
+    # Before: none of the fleet's own refusals (the decoys had taken the token's 100), nor another machine's name.
+    assert sorted(refused.values_list("details__advertise_host", flat=True)) == ["10.99.0.1"] * 5 + ["10.99.0.2", "10.99.0.3"]
+    assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1

@@ -20,8 +20,8 @@ from endpoints.nodes.notify import node_channel
 from gpu_agent import protocol
 
 
-def _error(status: int, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"message": message}}, status=status)
+def _error(status: int, message: str, *, code: str = "") -> JsonResponse:
+    return JsonResponse({"error": {"message": message} | ({"code": code} if code else {})}, status=status)
 
 
 def _busy(message: str = "too many credentials are being checked at once") -> JsonResponse:
@@ -54,8 +54,10 @@ def register(request):
     try:
         registration = _parse(request, protocol.RegisterRequest)
         answer = services.register_node(registration)
-    except (_BadRequest, services.ReportRefused) as exc:
+    except _BadRequest as exc:
         return _error(400, f"invalid registration: {exc}")
+    except services.ReportRefused as exc:  # the node's host or ports: the agent stops its engines on this code alone
+        return _error(400, f"invalid registration: {exc}", code=protocol.NODE_REFUSED)
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
     except LookupsBusy:
@@ -83,7 +85,7 @@ def heartbeat(request):
     try:
         return JsonResponse(services.record_heartbeat(node, report).to_dict())
     except services.NodeRefused as exc:
-        return _error(401, str(exc))
+        return _error(401, str(exc), code=protocol.NODE_REFUSED)
     except ServiceAddressesUnresolved:
         return _busy(UNRESOLVED)
     except services.ReportRefused as exc:

@@ -196,27 +196,51 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
 
 
 # NOTE: a refused node's agent registers again at every back-off (at most a minute; every 5 s had it exited, systemd's
-# `Restart=always`), so one refusal is audited once an hour per join token, host, port range and reason, and at most
-# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour (a token's holder trying one host after another).
-# Before, each try wrote a row: 1,440 a day for each refused node while its token was usable. The log says each.
+# `Restart=always`), so one refusal is audited once an hour per join token, machine name, host, port range and reason,
+# at most `MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST` of one host. Before, each try wrote a row: 1,440 a day for each
+# refused node while its token was usable. A host where one of the token's nodes is registered (the operator narrowed
+# the networks under a fleet) is always audited so; of other hosts (a token's holder trying one after another), at most
+# `MAX_REFUSED_REGISTRATIONS_AUDITED` refusals of one token an hour, then one `node.register_refusals_unaudited` row
+# says the bound was reached. The log says each.
 REFUSED_REGISTRATION_AUDIT_S = 3600
 MAX_REFUSED_REGISTRATIONS_AUDITED = 100
+MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST = 5
+
+
+def _audited_within(action: str, target, seconds: float, **details):
+    """The audit rows of `action` on `target` written in the last `seconds` whose details hold `details`: what bounds
+    an action a node or an agent can repeat to one row per period."""
+    return AuditEvent.objects.filter(action=action, target_type=type(target).__name__, target_id=str(target.pk),
+                                     created_at__gte=timezone.now() - timedelta(seconds=seconds),
+                                     details__contains=details)
 
 
 def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
     """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
-    same refusal of the token was audited within the hour, or as many of its refusals as the hour's bound."""
-    refusal = {"advertise_host": request.advertise_host, "engine_port_min": request.engine_port_min,
-               "engine_port_max": request.engine_port_max, "reason": problem}
-    audited = list(AuditEvent.objects.filter(
-        action="node.register_refused", target_type=type(join_token).__name__, target_id=str(join_token.pk),
-        created_at__gte=timezone.now() - timedelta(seconds=REFUSED_REGISTRATION_AUDIT_S),
-    ).values_list("details", flat=True)[:MAX_REFUSED_REGISTRATIONS_AUDITED])
-    if len(audited) >= MAX_REFUSED_REGISTRATIONS_AUDITED or any(
-        {key: details.get(key) for key in refusal} == refusal for details in audited
-    ):
+    same refusal of the token was audited within the hour, or as many of its host's as the hour's bound, or, for a host
+    none of its nodes is registered on, as many of such refusals as the hour's bound (the first past it writes
+    `node.register_refusals_unaudited`, once an hour).
+
+    NOTE: before, the bound counted every refusal of the token: a token a fleet shares and the operator narrowing the
+    networks under 500 of its nodes audited 100, and its holder spending them on decoy hosts first left its real probes
+    (a Redis address) unaudited."""
+    refusal = {"name": request.name, "advertise_host": request.advertise_host,
+               "engine_port_min": request.engine_port_min, "engine_port_max": request.engine_port_max,
+               "reason": problem}
+    audited = _audited_within("node.register_refused", join_token, REFUSED_REGISTRATION_AUDIT_S)
+    if audited.filter(details__contains=refusal).exists() or audited.filter(
+        details__contains={"advertise_host": request.advertise_host}
+    )[:MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST:
         return
-    record_audit(SYSTEM, None, "node.register_refused", join_token, name=request.name, **refusal)
+    registered_host = Node.objects.filter(join_token=join_token, advertise_host=request.advertise_host).exists()
+    if not registered_host and audited.filter(details__contains={"registered_host": False})[
+        :MAX_REFUSED_REGISTRATIONS_AUDITED
+    ].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED:
+        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S).exists():
+            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token,
+                         bound=MAX_REFUSED_REGISTRATIONS_AUDITED, period_s=REFUSED_REGISTRATION_AUDIT_S)
+        return
+    record_audit(SYSTEM, None, "node.register_refused", join_token, registered_host=registered_host, **refusal)
 
 
 def _registration_problem(request: protocol.RegisterRequest) -> str:
@@ -300,11 +324,16 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
         stale = not node.heartbeat_is_newer(heartbeat.boot_id, heartbeat.sequence)
         if not stale:
             came_back, newly_ignored, sandbox_before, sandbox_changed = _take_node_report(node, heartbeat, status)
+        elif node.state != NodeState.OFFLINE:
+            # NOTE: its agent is alive, so the sweep must not take the node OFFLINE: an agent process restored from a
+            # snapshot counts again below the stored number (`Node.heartbeat_is_newer`), and every heartbeat it sent
+            # stale, the node went OFFLINE at the grace with every replica on it. Never for an OFFLINE node.
+            Node.objects.filter(pk=node.pk).update(last_heartbeat_at=Now())
     if stale:
         # NOTE: older than one taken already (delayed in flight: a retry, a slow proxy): nothing of it is taken, its
-        # replicas' states, its figures and its time included. Before, a READY replica went back to STARTING until the
-        # next heartbeat, and a stale word from a node gone silent since brought it back. Its agent is answered as a
-        # current heartbeat would be.
+        # replicas' states and its figures included, only that its agent lives. Before, a READY replica went back to
+        # STARTING until the next heartbeat, and a stale word from a node gone silent since brought it back. Its agent
+        # is answered as a current heartbeat would be.
         logger.info("node %s: heartbeat %d of agent %s came after a newer one: not taken", node.name,
                     heartbeat.sequence, heartbeat.boot_id)
         return protocol.HeartbeatResponse(
@@ -317,11 +346,15 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     if newly_ignored:
         logger.warning("node %s: its heartbeat's GPUs past its registration were ignored: %s", node.name,
                        newly_ignored)
-        record_audit(SYSTEM, None, "node.gpus_ignored", node, reason=newly_ignored)
+        _audit_node_at_most_hourly(node, "node.gpus_ignored", reason=newly_ignored)
     if sandbox_changed:
         _record_sandbox_change(node, sandbox_before)
-    record_model_facts(node, heartbeat.weights)
     numbered = (heartbeat.boot_id, heartbeat.sequence) if heartbeat.sequence is not None else None
+    # NOTE: as its replicas' reports, skipped once a newer heartbeat was taken since this one's check (its facts are
+    # newer); before, they were learnt after the newer's. Left open: a newer one taken while these are being learnt,
+    # whose facts may then be learnt first (each copy's under its own row lock, `ModelFacts.learn`).
+    if numbered is None or Node.objects.last_heartbeat_is(node.pk, numbered).exists():
+        record_model_facts(node, heartbeat.weights)
     live = set(Replica.objects.filter(node=node, pk__in=reported_ids).exclude(state__in=FINAL_REPLICA_STATES)
                .values_list("pk", flat=True)) if reported_ids else set()
     for report, replica_id in zip(heartbeat.replicas, reported_ids, strict=True):
@@ -329,7 +362,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
             continue
         # NOTE: adapters first: a report that fails its replica still says which adapters the engine refused.
         if report.adapters or report.adapter_failures:
-            record_replica_adapters(node, report)
+            record_replica_adapters(node, report, heartbeat=numbered)
         apply_replica_report(node, report, heartbeat=numbered)
     return protocol.HeartbeatResponse(
         node_state=NodeState(node.state),
@@ -388,11 +421,25 @@ def _take_node_report(node: Node, heartbeat: protocol.Heartbeat, status: dict) -
     return came_back, newly_ignored, sandbox_before, sandbox_changed
 
 
+# A node's own word audited at most once an hour per action (`_audit_node_at_most_hourly`).
+NODE_REPORT_AUDIT_S = 3600
+
+
+def _audit_node_at_most_hourly(node: Node, action: str, **details) -> None:
+    """Audit what a node's heartbeat says of itself (`node.sandbox_weakened`, `node.gpus_ignored`) unless the node had
+    a row of that action within the hour: its current word is on the node's row and each is logged.
+
+    NOTE: each is audited when it changes, and a node alternating two facts (its sandbox's, two GPU lists past its
+    registration) changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret."""
+    if not _audited_within(action, node, NODE_REPORT_AUDIT_S).exists():
+        record_audit(SYSTEM, None, action, node, **details)
+
+
 def _record_sandbox_change(node: Node, before: str) -> None:
     """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it."""
     if protocol.engine_sandbox_weakened(before, node.engine_sandbox):
         logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
-        record_audit(SYSTEM, None, "node.sandbox_weakened", node, engine_sandbox=node.engine_sandbox, before=before)
+        _audit_node_at_most_hourly(node, "node.sandbox_weakened", engine_sandbox=node.engine_sandbox, before=before)
     else:
         logger.info("node %s: its engine sandbox is now %r (was %r)", node.name, node.engine_sandbox, before)
 

@@ -210,6 +210,12 @@ class JoinToken(models.Model):
         )
 
 
+# How far behind the last heartbeat taken from a node a heartbeat of the same agent process may arrive and be taken
+# for a delayed one (not taken). Its agent sends one at a time, 5 s apart by default (0.2 s at the least), and gives
+# each up after its request timeout (10 s): one that a proxy held past 100 newer ones was held for minutes.
+MAX_HEARTBEAT_REORDERING = 100
+
+
 class NodeQuerySet(models.QuerySet):
     def schedulable(self):
         return self.filter(state=NodeState.READY)
@@ -225,6 +231,12 @@ class NodeQuerySet(models.QuerySet):
     def admitted(self):
         """Nodes whose secret still admits their agent: all but the retired (`retire_node` voids the secret)."""
         return self.exclude(secret_digest="")
+
+    def last_heartbeat_is(self, node_pk, heartbeat: tuple[str, int]):
+        """The node, while `heartbeat` (boot id, sequence) is still the last heartbeat taken from it
+        (`Node.heartbeat_is_newer`); what a heartbeat's reports write is conditioned on it, so of two heartbeats in
+        flight at once the older's never lands after the newer's."""
+        return self.filter(pk=node_pk, heartbeat_boot_id=heartbeat[0], heartbeat_sequence=heartbeat[1])
 
 
 class Node(models.Model):
@@ -297,12 +309,16 @@ class Node(models.Model):
         """Whether a heartbeat numbered so is newer than the last one taken from this node (read under its row lock).
 
         NOTE: an agent older than the numbering (no sequence) is taken, as before; so is another agent process's
-        first (a restarted agent counts from 1 again, under a new boot id). What stays open: a heartbeat of a
-        previous agent process delayed past its successor's first is taken once, and the successor's next one, a
-        boot id other than the stored one again, puts the node's replicas right."""
+        first (a restarted agent counts from 1 again, under a new boot id), and one more than
+        `MAX_HEARTBEAT_REORDERING` behind the last taken: the same process counting again from an earlier point (a VM or
+        process snapshot restored), which would otherwise have none of its reports taken until its count passed the
+        stored one. A heartbeat held in flight that long would be taken once, and put right by the next. What stays open: a
+        heartbeat of a previous agent process delayed past its successor's first is taken once, and after it one of
+        the successor's own delayed heartbeats may be too (its boot id differs from the stored one again); the
+        successor's next heartbeat puts the node's replicas right."""
         if sequence is None or boot_id != self.heartbeat_boot_id or self.heartbeat_sequence is None:
             return True
-        return sequence > self.heartbeat_sequence
+        return sequence > self.heartbeat_sequence or sequence < self.heartbeat_sequence - MAX_HEARTBEAT_REORDERING
 
     @property
     def total_gpu_memory_mb(self) -> int:

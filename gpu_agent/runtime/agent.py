@@ -5,8 +5,8 @@ weights cache (`weights`), its client of the agent API (`control_plane`: registr
 the watch) and the application of the desired replicas (`reconciler`). Its loop sends a heartbeat
 (what the machine and every replica are doing), reconciles with the answer, and waits for the next
 interval, or less when there is news: a replica turned READY, or the watch heard of a change.
-Failures back off with jitter; the engines keep serving through them, unless the control plane refuses the node:
-then they stop (`Agent.heartbeat_once`).
+Failures back off with jitter; the engines keep serving through them, unless the control plane refuses the node
+itself (`RegistrationRefused.node_refused`): then they stop (`Agent.heartbeat_once`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaAction, ReplicaState, engine_sandbox_fact
+from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaAction, engine_sandbox_fact
 from gpu_agent.runtime import engine, hardware, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
@@ -140,14 +140,20 @@ class Agent:
     def heartbeat_once(self) -> HeartbeatResponse:
         """Send one heartbeat (registering first if needed) and reconcile with the answer.
 
-        Refused (`RegistrationRefused`: the control plane refuses the node's host now, or knows neither the node nor
-        its join token), the agent stops every engine before it raises."""
+        Refused as a node (`RegistrationRefused.node_refused`: the control plane refuses the node's host or ports
+        now), the agent stops every engine before it raises. Refused otherwise (the node's secret and its join token
+        both refused), the engines keep serving: a proxy dropping `Authorization`, agents pointed at another
+        environment or at a restored database answer so with the node wanted as much as before, and a join token
+        that no longer admits anyone is the usual state (a pool's is one-use, a rotation revokes the old one).
+        NOTE: stopping then stopped every engine of the fleet within a heartbeat, past the control plane's hold for
+        a fleet gone silent all at once (`NODE_FLEET_SILENCE_HOLD_S`)."""
         try:
             self.control_plane.register_if_needed()
             heartbeat = self.build_heartbeat()
             answer = self.control_plane.send_heartbeat(heartbeat)
-        except RegistrationRefused:
-            self._stop_engines_of_refused_node()
+        except RegistrationRefused as refusal:
+            if refusal.node_refused:
+                self._stop_engines_of_refused_node()
             raise
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
@@ -157,17 +163,15 @@ class Agent:
     def _stop_engines_of_refused_node(self) -> None:
         """Drain and stop every replica, as an answer that wants none would.
 
-        NOTE: the control plane refuses a node it will not route to (its host outside the node networks since it
-        registered, or a retired node's secret): the gateway leaves its replicas out and the sweep fails them and
+        NOTE: the control plane refuses a node it will not route to (its host or engine ports outside what the gateway
+        may reach since it registered, `protocol.NODE_REFUSED`): the gateway leaves its replicas out and the sweep fails them and
         places them elsewhere, so its engines serve nobody the platform sends, and must not go on serving anyone who
         reaches them, nor hold the GPUs. Before, they ran until the agent stopped. The agent keeps registering
-        again at every back-off, and once the node is taken again its answers start what it should run."""
-        running = [replica_id for replica_id in self.supervisor.replica_ids()
-                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final
-                   and replica.state != ReplicaState.DRAINING]
-        if running:
-            logger.warning("the control plane refuses this node: stopping its %d engine(s)", len(running))
-        self.replicas.reconcile([])
+        again at every back-off, and once the node is taken again its answers start what it should run, those it
+        stopped here included (`Reconciler.stop_unasked`)."""
+        num_stopping = self.replicas.stop_unasked()
+        if num_stopping:
+            logger.warning("the control plane refuses this node: stopping its %d engine(s)", num_stopping)
 
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until `stop` is set, then stop every engine.

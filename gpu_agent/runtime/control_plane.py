@@ -6,9 +6,11 @@
 
 The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent is the same node.
 A 401 on a heartbeat means the control plane forgot the node, or refuses its registered host now (the
-operator narrowed the node networks): the agent registers again with its join token, and a refusal of
-that registration (400) is `RegistrationRefused`, logged with the reason; the agent then stops its engines
-(`Agent.heartbeat_once`). What to report and what to do with the answer is the agent loop's (`agent`).
+operator narrowed the node networks), or that something between them dropped the secret: the agent registers
+again with its join token, and a refusal of that registration (400, 401, 403) is `RegistrationRefused`, logged
+with the reason. Only a refusal of the node itself (`RegistrationRefused.node_refused`: the answer's
+`protocol.NODE_REFUSED` code) stops its engines (`Agent.heartbeat_once`); any other leaves them serving while the
+agent retries. What to report and what to do with the answer is the agent loop's (`agent`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import threading
 
 import httpx
 
-from gpu_agent.protocol import Heartbeat, HeartbeatResponse, RegisterRequest, RegisterResponse, WatchResponse
+from gpu_agent.protocol import (
+    NODE_REFUSED,
+    Heartbeat,
+    HeartbeatResponse,
+    RegisterRequest,
+    RegisterResponse,
+    WatchResponse,
+)
 from gpu_agent.runtime import engine, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.hardware import HardwareReport
@@ -44,7 +53,26 @@ def heartbeat_interval(value) -> float:
 
 
 class RegistrationRefused(Exception):
-    """The control plane rejected the join token."""
+    """The control plane refused the registration: `node_refused` when it refuses this node, its host or engine ports
+    (the answer's `protocol.NODE_REFUSED` code); else the join token (invalid, expired, used up, revoked), or whatever
+    answered was no control plane that knows this fleet (a proxy's 403, another environment's 401).
+
+    NOTE: a pool's machine joins with a one-use token and a rotation revokes the old one, so a token that no longer
+    admits anyone is the usual state of a running node: its refusal says nothing of the node."""
+
+    def __init__(self, message: str, *, node_refused: bool = False) -> None:
+        super().__init__(message)
+        self.node_refused = node_refused
+
+
+def _error_code(response: httpx.Response) -> str:
+    """The agent API's `error.code` of a refusal ("" when it has none, or the body is not the API's)."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else ""
 
 
 class ControlPlaneClient:
@@ -106,7 +134,8 @@ class ControlPlaneClient:
         )
         response = self.http.post("/agent/v1/register", json=request.to_dict())
         if response.status_code in (400, 401, 403):
-            raise RegistrationRefused(f"register refused ({response.status_code}): {response.text[:200]}")
+            raise RegistrationRefused(f"register refused ({response.status_code}): {response.text[:200]}",
+                                      node_refused=_error_code(response) == NODE_REFUSED)
         response.raise_for_status()
         answer = RegisterResponse.from_dict(response.json())
         self.node_id, self.node_secret = answer.node_id, answer.node_secret

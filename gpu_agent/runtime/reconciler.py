@@ -5,7 +5,8 @@ DRAIN action; SLEEP puts a READY engine to sleep, RUN wakes a sleeping one, `Sup
 with the download's progress), is checked against what the model's config allows, and is then
 handed to the supervisor without the source's credentials. A replica no longer wanted is drained;
 a finished one is forgotten, and its weights unpinned, once the control plane has seen its final
-state. `replica_statuses` is what the next heartbeat reports.
+state. `replica_statuses` is what the next heartbeat reports. Replicas the agent stops unasked (the control plane
+refuses the node: `stop_unasked`) are reported no more: an answer that still wants one starts it again.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Reconciler:
         self._pins: dict[str, Path] = {}  # replica id -> cached model it uses
         self._draft_pins: dict[str, Path] = {}  # replica id -> cached draft model it uses
         self._reported_terminal: set[str] = set()
+        # Replicas stopped without the control plane asking (`stop_unasked`), left out of every report.
+        self._stopped_unasked: set[str] = set()
         self._lock = threading.Lock()
         self.adapters = ReplicaAdapters(self._fetch_adapter, wake=wake, stage=supervisor.stage_adapter)
 
@@ -91,9 +94,53 @@ class Reconciler:
                 if status.state in FINAL_REPLICA_STATES:
                     self._reported_terminal.add(status.replica_id)
 
+    def stop_unasked(self) -> int:
+        """Drain every replica and cancel every pull, unasked: the control plane refuses this node (`Agent.heartbeat_once`).
+        Returns how many were not stopping already.
+
+        NOTE: they are left out of the heartbeats from now on (`replica_statuses`), and forgotten once stopped, so an
+        answer that wants one again, the node taken back before the sweep moved it elsewhere, starts it afresh
+        (`reconcile`). Reported STOPPED, the control plane took that as final (a replica's final state is its own)
+        and replaced it cold, and an answer still wanting a replica this agent knew as STOPPED never started it."""
+        with self._lock:
+            pulling = {replica_id for replica_id, pull in self._pulls.items() if not pull.done}
+        running = {replica_id for replica_id in self.supervisor.replica_ids()
+                   if (replica := self.supervisor.get(replica_id)) is not None and not replica.is_final}
+        with self._lock:
+            stopping = (running | pulling) - self._stopped_unasked
+            self._stopped_unasked |= running | pulling
+        self.reconcile([])
+        return len(stopping)
+
+    def _forget_stopped_unasked(self, desired_by_id: dict[str, ReplicaSpec]) -> None:
+        """Forget each replica stopped unasked once its engine or pull is gone, unless the answer drains or sleeps it
+        (then it is reported, as any drained replica): not wanted, nothing more to say of it; wanted, `reconcile`
+        starts it again as a replica it does not know."""
+        with self._lock:
+            unasked = set(self._stopped_unasked)
+        for replica_id in unasked:
+            spec = desired_by_id.get(replica_id)
+            if spec is not None and spec.action != ReplicaAction.RUN:
+                with self._lock:
+                    self._stopped_unasked.discard(replica_id)
+                continue
+            replica = self.supervisor.get(replica_id)
+            with self._lock:
+                pull = self._pulls.get(replica_id)
+            if (replica is not None and not replica.is_final) or (pull is not None and not pull.done):
+                continue  # still stopping: the next answer decides
+            if replica is not None:
+                self.supervisor.forget(replica_id)
+                self._release_weights(replica_id)
+            with self._lock:
+                self._pulls.pop(replica_id, None)
+                self._stopped_unasked.discard(replica_id)
+                self._reported_terminal.discard(replica_id)
+
     def reconcile(self, desired: list[ReplicaSpec]) -> None:
         """Start missing replicas, drain unwanted ones, forget finished ones the control plane dropped."""
         desired_by_id = {spec.replica_id: spec for spec in desired}
+        self._forget_stopped_unasked(desired_by_id)
         known = set(self.supervisor.replica_ids())
         with self._lock:
             pulling = set(self._pulls)
@@ -298,9 +345,10 @@ class Reconciler:
         return self.weights.fetch_adapter(adapter.source, access=access)
 
     def replica_statuses(self) -> list[ReplicaStatus]:
-        statuses = self.supervisor.statuses()
         with self._lock:
-            pulls = list(self._pulls.values())
+            pulls = [pull for replica_id, pull in self._pulls.items() if replica_id not in self._stopped_unasked]
+            unasked = set(self._stopped_unasked)
+        statuses = [status for status in self.supervisor.statuses() if status.replica_id not in unasked]
         for pull in pulls:
             if pull.failure_reason:
                 state = ReplicaState.FAILED

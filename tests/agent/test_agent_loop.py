@@ -18,6 +18,7 @@ import pytest
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
+    NODE_REFUSED,
     Heartbeat,
     HeartbeatResponse,
     NodeState,
@@ -52,8 +53,9 @@ class FakeControlPlane:
         self.num_watches = 0
         self.num_failures_to_inject = 0
         # Set: the node is refused, as the control plane refuses one whose host it no longer allows (heartbeats
-        # 401, registrations 400 with this reason).
+        # 401, registrations 400 with this reason, both with the `NODE_REFUSED` code).
         self.refusal = ""
+        self.num_register_calls = 0
         self.lock = threading.Lock()
         plane = self
 
@@ -77,9 +79,11 @@ class FakeControlPlane:
                     if plane.num_failures_to_inject:
                         plane.num_failures_to_inject -= 1
                         return self.reply(503, {"error": "busy"})
+                    if self.path == "/agent/v1/register":
+                        plane.num_register_calls += 1
                     if plane.refusal:
                         status = 400 if self.path == "/agent/v1/register" else 401
-                        return self.reply(status, {"error": {"message": plane.refusal}})
+                        return self.reply(status, {"error": {"message": plane.refusal, "code": NODE_REFUSED}})
                     if self.path == "/agent/v1/register":
                         request = RegisterRequest.from_dict(body)
                         if request.join_token != plane.join_token:
@@ -302,15 +306,65 @@ def test_a_refused_node_stops_its_engines_and_starts_again_once_taken_back(contr
     with control_plane.lock:
         control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
         num_registrations = len(control_plane.registrations)
-    # Before: its engine served on, for as long as the agent ran.
-    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a").state == ReplicaState.STOPPED,
-               15)
+    # Before: its engine served on, for as long as the agent ran. Stopped unasked, it is forgotten, never reported.
+    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a") is None, 15)
+    assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
     assert len(control_plane.registrations) == num_registrations  # no registration was taken
     # The operator widens them again: the node's next heartbeat is taken, and it runs what it is told to.
     control_plane.desired = [make_spec("r-b", model_source=str(model))]
     with control_plane.lock:
         control_plane.refusal = ""
     wait_until(lambda: control_plane.last_states().get("r-b") == ReplicaState.READY, 15)
+
+
+def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_them_again(control_plane, running_agent,
+                                                                                        tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-a", model_source=str(model))]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 15)
+    first_engine = processes_with_marker("r-a")
+    with control_plane.lock:
+        control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
+    wait_until(lambda: processes_with_marker("r-a") == [], 15)
+    # The operator widens the networks again before the sweep moved r-a elsewhere: the control plane still wants it.
+    with control_plane.lock:
+        control_plane.refusal = ""
+        num_beats = len(control_plane.heartbeats)
+    # Before: the agent reported r-a STOPPED (final on the control plane: replaced cold), and an answer still wanting
+    # it never started it again (only replicas it did not know were started).
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY
+               and len(control_plane.heartbeats) > num_beats, 15)
+    assert processes_with_marker("r-a") and not set(processes_with_marker("r-a")) & set(first_engine)
+    assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
+
+
+def test_a_heartbeat_401_with_a_join_token_no_longer_usable_leaves_the_engines_serving(control_plane, running_agent,
+                                                                                       tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-a", model_source=str(model))]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 15)
+    engine = processes_with_marker("r-a")
+    # A proxy drops `Authorization` (every heartbeat 401) while the node's join token admits nobody any more (a pool's
+    # one-use token, or rotated): neither says anything of the node, which the control plane wants as before.
+    with control_plane.lock:
+        secrets = set(control_plane.secrets)
+        control_plane.secrets.clear()
+        control_plane.join_token = "rotated"
+        num_register_calls = control_plane.num_register_calls
+    wait_until(lambda: control_plane.num_register_calls >= num_register_calls + 5, 15)
+    # Before: every engine was stopped within a heartbeat (the whole fleet at once, past the control plane's hold for a
+    # fleet gone silent), and r-a was reported STOPPED once the proxy was fixed: replaced cold.
+    assert processes_with_marker("r-a") == engine
+    assert agent.supervisor.get("r-a").state == ReplicaState.READY
+    with control_plane.lock:
+        control_plane.secrets |= secrets
+        num_beats = len(control_plane.heartbeats)
+    wait_until(lambda: len(control_plane.heartbeats) >= num_beats + 3, 15)
+    assert control_plane.last_states().get("r-a") == ReplicaState.READY and processes_with_marker("r-a") == engine
 
 
 def test_two_replicas_of_one_s3_model_download_once(control_plane, running_agent, s3, s3_endpoint):  # noqa: F811

@@ -8,12 +8,13 @@ import uuid
 import pytest
 
 from controlplane.accounts.services import SYSTEM
+from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token
-from endpoints.models import Replica
-from endpoints.nodes.models import Node
+from endpoints.models import ModelFacts, Replica
+from endpoints.nodes.models import Node, database_time_ago
 from endpoints.replicas import apply_replica_report
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import Heartbeat, NodeState, ReplicaState, ReplicaStatus
+from gpu_agent.protocol import Heartbeat, ModelInfo, NodeState, ReplicaState, ReplicaStatus, WeightsStatus
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 
@@ -124,3 +125,70 @@ def test_a_malformed_heartbeat_number_is_a_400_naming_it(client, node_with_repli
                            HTTP_AUTHORIZATION=f"Bearer {secret}")
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+def beat_of(boot_id, sequence, replica, *, adapters=(), max_model_len=None):
+    """A numbered heartbeat reporting `replica` READY with `adapters`, and its model read with `max_model_len`."""
+    weights = [] if max_model_len is None else [WeightsStatus(
+        source=replica.endpoint.model_source, cache_key="k", size_bytes=2 << 30, downloaded_bytes=2 << 30,
+        complete=True, model_info=ModelInfo(max_model_len=max_model_len, architecture="LlamaForCausalLM"))]
+    return Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000, boot_id=boot_id,
+                     sequence=sequence, weights=weights,
+                     replicas=[ReplicaStatus(str(replica.pk), ReplicaState.READY, address="http://127.0.0.1:20001",
+                                             adapters=list(adapters))])
+
+
+def test_adapters_and_model_facts_of_a_heartbeat_overtaken_while_it_was_being_taken_are_not_kept(
+    node_with_replica, monkeypatch
+):
+    _secret, replica = node_with_replica
+    boot = uuid.uuid4().hex
+    services.record_heartbeat(Node.objects.get(), beat_of(boot, 6, replica, adapters=["a"]))
+    take_node_report = services._take_node_report
+
+    def newer_taken_meanwhile(node, heartbeat, status):
+        taken = take_node_report(node, heartbeat, status)
+        if heartbeat.sequence == 7:  # 7 passed the node's check; 8 is taken whole before 7's facts and reports
+            services.record_heartbeat(Node.objects.get(), beat_of(boot, 8, replica, adapters=["a", "b"],
+                                                                   max_model_len=8192))
+        return taken
+
+    monkeypatch.setattr(services, "_take_node_report", newer_taken_meanwhile)
+    services.record_heartbeat(Node.objects.get(), beat_of(boot, 7, replica, adapters=["a"], max_model_len=4096))
+    assert Node.objects.get().heartbeat_sequence == 8
+    replica.refresh_from_db()
+    # Before: ["a"] (what the gateway routes LoRA calls on: none of b's to this replica until the next heartbeat), and
+    # the model's context as the older heartbeat read it (4096), learnt after the newer's.
+    assert replica.adapters == ["a", "b"]
+    facts = ModelFacts.objects.get(source=replica.endpoint.model_source)
+    assert facts.max_model_len == 8192
+    assert [claim["max_model_len"] for claim in facts.disputed.values()] == [8192]  # the node's claim, its newer
+
+
+def test_an_agent_restored_from_a_snapshot_counting_below_the_stored_number_stays_online_and_is_taken_again(
+    client, node_with_replica, settings
+):
+    """A VM or process snapshot restored resumes the agent with its boot id and an older count."""
+    secret, replica = node_with_replica
+    boot = uuid.uuid4().hex
+    assert numbered_beat(client, secret, boot, 720, [report(replica, ReplicaState.READY)]).status_code == 200
+    silent = Node.objects.filter(last_heartbeat_at__lt=database_time_ago(settings.NODE_HEARTBEAT_GRACE_S))
+    # Restored 40 heartbeats back: within what a delay could be, so its reports are not taken; but it is alive.
+    for sequence in range(680, 690):
+        Node.objects.update(last_heartbeat_at=database_time_ago(600))  # the grace ran out between two
+        assert numbered_beat(client, secret, boot, sequence, [report(replica, ReplicaState.STARTING)]).status_code == 200
+        assert not silent.exists()  # before: its time never moved, and the sweep took the node OFFLINE
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY and Node.objects.get().heartbeat_sequence == 720
+    # Restored further back than any delay: its count is taken as the process's again, its reports too.
+    assert numbered_beat(client, secret, boot, 12, [report(replica, ReplicaState.STARTING)]).status_code == 200
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.STARTING and Node.objects.get().heartbeat_sequence == 12
+    assert numbered_beat(client, secret, boot, 13, [report(replica, ReplicaState.READY)]).status_code == 200
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY
+    # A late heartbeat never keeps a node the sweep took OFFLINE alive, nor brings it back.
+    Node.objects.update(state=NodeState.OFFLINE, state_before_offline=NodeState.READY,
+                        last_heartbeat_at=database_time_ago(600))
+    assert numbered_beat(client, secret, boot, 11, []).json()["node_state"] == NodeState.OFFLINE
+    assert silent.exists() and Node.objects.get().state == NodeState.OFFLINE  # its time did not move

@@ -9,6 +9,7 @@ namespaces".
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
@@ -135,3 +137,19 @@ def test_a_fact_that_did_not_change_is_not_written_again_and_an_older_agents_sil
     node = Node.objects.get()
     assert node.engine_sandbox == weaker and "engine_sandbox" not in node.last_status
     assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 1  # once, not per beat
+
+
+def test_a_node_alternating_its_sandbox_fact_or_its_gpus_writes_one_audit_row_an_hour(client, node_secret):
+    """A machine holding a node's secret flips its facts every heartbeat (nothing rate-limits heartbeats)."""
+    facts = [REGISTRATION["engine_sandbox"], "none: the kernel has no Landlock (ENOSYS); no namespaces: gone"]
+    too_many = [[{"index": index, "uuid": f"GPU-{index:04d}", "name": "NVIDIA L4", "utilization_percent": 0.0,
+                  "memory_used_mb": 0, "memory_total_mb": 23_034} for index in range(count)] for count in (40, 50)]
+    for number in range(40):
+        assert beat(client, node_secret, engine_sandbox=facts[number % 2], gpus=too_many[number % 2]).status_code == 200
+    # Before: 20 rows of each (one a weakening, one a new list ignored), without end; the log still says each.
+    assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 1
+    assert AuditEvent.objects.filter(action="node.gpus_ignored").count() == 1
+    AuditEvent.objects.update(created_at=timezone.now() - timedelta(minutes=61))
+    for number in range(2):
+        assert beat(client, node_secret, engine_sandbox=facts[number % 2], gpus=too_many[number % 2]).status_code == 200
+    assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 2  # an hour on, again
