@@ -135,12 +135,12 @@ def start_web_server(tmp_dir: Path, *, name: str = "web", extra_env: dict | None
                      server_args: tuple[str, ...] = (), zygote: WebZygote | None = None,
                      launcher: bool = False) -> tuple[ChildProcess, str]:
     """A web server on the test database: one uvicorn process, or with `workers` > 1 (or `launcher`) the production
-    launcher (`controlplane.serve`) running that many gateway processes on one port. With `zygote`
-    (and nothing but the session's environment) the process is forked from it, imports done."""
+    launcher (`controlplane.serve`) running that many gateway processes on one port. With `zygote` the process
+    is forked from it, or from its sibling for `extra_env` (`WebZygote.for_env`), imports done."""
     port = free_port()
     env = child_env() | (extra_env or {})
-    if zygote is not None and zygote.serves(env) and workers == 1 and not server_args and not launcher:
-        child = zygote.fork(port, tmp_dir / f"{name}.log")
+    if zygote is not None and workers == 1 and not server_args and not launcher:
+        child = zygote.for_env(env).fork(port, tmp_dir / f"{name}.log")
     else:
         launched = workers > 1 or launcher
         server = ["controlplane.serve", "--workers", str(workers)] if launched else ["uvicorn", "controlplane.asgi:application"]

@@ -30,9 +30,10 @@ start_mock_upstream = gateway_fixtures.start_mock_upstream
 
 
 @pytest.fixture
-def monitored_gateway(transactional_db, tmp_path):
+def monitored_gateway(transactional_db, tmp_path, web_zygote):
     """A real web process (uvicorn, the project's ASGI app) with a metrics token configured."""
-    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_METRICS_TOKEN": TOKEN})
+    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_METRICS_TOKEN": TOKEN},
+                                       zygote=web_zygote)
     yield base_url
     child.stop()
 

@@ -6,9 +6,11 @@ zygote (`python -m tests.web_zygote SOCKET`) imports `controlplane.asgi` once, o
 and starts no thread, then forks a fresh server per request: every test still gets its own process
 (its own caches, connections, metrics and gateway id), in a fraction of a second.
 
-Only servers started with the session's plain environment come from here (`tests.conftest`'s
-`gateway` and `live_server_url` fixtures): a test that sets environment variables of its own, or
-runs several workers, starts a server the ordinary way, since settings are read at import.
+Servers started with the session's plain environment come from here (`tests.conftest`'s `gateway` and
+`live_server_url` fixtures). Settings are read at import, so a fixture that passes the zygote an environment
+of its own gets a sibling zygote started with that environment (`WebZygote.for_env`), kept for the next
+server of the same environment. A test that does not pass the zygote, or runs several workers, starts a
+server the ordinary way.
 """
 
 from __future__ import annotations
@@ -121,6 +123,14 @@ class ForkedServer:
                     time.sleep(0.05)
 
 
+# The zygotes of other environments (`WebZygote.for_env`) kept at once: each holds an imported Django (~150 MB).
+MAX_SIBLINGS = 3
+
+
+def _plain(env: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
+
+
 class WebZygote:
     """The pytest side: starts the zygote on first use, asks it for servers, stops it at the end."""
 
@@ -128,6 +138,9 @@ class WebZygote:
         from tests.processes import ChildProcess
 
         work_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir = work_dir
+        self._siblings: dict[tuple, WebZygote] = {}
+        self._num_siblings_started = 0
         self.socket_path = str(work_dir / "web-zygote.sock")
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
@@ -143,9 +156,23 @@ class WebZygote:
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a server for `env` may come from here: the zygote's own environment (but for the
         name of the test running, which pytest keeps in it)."""
-        def plain(values):
-            return {key: value for key, value in values.items() if key != "PYTEST_CURRENT_TEST"}
-        return plain(env) == plain(self.env)
+        return _plain(env) == _plain(self.env)
+
+    def for_env(self, env: dict[str, str]) -> WebZygote:
+        """This zygote where it `serves` `env`, else its sibling for `env`: started on first use (one import, as a
+        plain start pays), kept for the next server of that environment, the least recently used of more than
+        `MAX_SIBLINGS` stopped."""
+        if self.serves(env):
+            return self
+        key = tuple(sorted(_plain(env).items()))
+        sibling = self._siblings.pop(key, None)
+        if sibling is None:
+            sibling = WebZygote(env, self.work_dir / f"sibling-{self._num_siblings_started}")
+            self._num_siblings_started += 1
+        self._siblings[key] = sibling  # the most recently used last
+        while len(self._siblings) > MAX_SIBLINGS:
+            self._siblings.pop(next(iter(self._siblings))).stop()
+        return sibling
 
     def fork(self, port: int, log_path: Path) -> ForkedServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +184,9 @@ class WebZygote:
         return ForkedServer(pid, log_path)
 
     def stop(self) -> None:
+        for sibling in self._siblings.values():
+            sibling.stop()
+        self._siblings.clear()
         self.child.stop()
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)

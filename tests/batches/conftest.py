@@ -69,10 +69,18 @@ def s3_stalled(s3_child: ChildProcess):
         s3_child.kill(signal.SIGCONT)
 
 
+@pytest.fixture(scope="package")
+def files_bucket_name() -> str:
+    return f"files-{uuid.uuid4().hex[:12]}"
+
+
 @pytest.fixture
-def files_bucket(s3_server, monkeypatch, settings) -> str:
-    """A fresh bucket for this test, named in the settings and in the environment of every child started after."""
-    bucket = f"files-{uuid.uuid4().hex[:12]}"
+def files_bucket(s3_server, files_bucket_name, monkeypatch, settings) -> str:
+    """A fresh bucket for this test, named in the settings and in the environment of every child started after.
+    Its name is the package's (moto's every bucket and object removed first): the web servers of the package's
+    tests then share an environment, and a zygote (`WebZygote.for_env`)."""
+    httpx.post(f"{s3_server}/moto-api/reset", timeout=30).raise_for_status()
+    bucket = files_bucket_name
     env = {"INFERPLANE_FILES_S3_BUCKET": bucket, "INFERPLANE_FILES_S3_ENDPOINT_URL": s3_server,
            "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
     for name, value in env.items():
@@ -86,9 +94,9 @@ def files_bucket(s3_server, monkeypatch, settings) -> str:
 
 
 @pytest.fixture
-def gateway(files_bucket, transactional_db, tmp_path):
+def gateway(files_bucket, transactional_db, tmp_path, web_zygote):
     """The web server (gateway and Django), started after the bucket so that it reads from it."""
-    child, base_url = start_web_server(tmp_path, name="gateway")
+    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     yield base_url
     child.stop()
 

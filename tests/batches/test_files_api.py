@@ -20,10 +20,11 @@ LINES = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "b
 
 
 @pytest.fixture
-def web(files_bucket, transactional_db, tmp_path):
+def web(files_bucket, transactional_db, tmp_path, web_zygote):
     # NOTE: 9 places: one organisation's 8 uploads at once all go on (the last place is kept for another).
     child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_MAX_BYTES": "4096",
-                                                                        "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "9"})
+                                                                        "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "9"},
+                                       zygote=web_zygote)
     yield base_url
     child.stop()
 

@@ -71,12 +71,18 @@ class DiskSampler:
         self._thread.join()
 
 
+@pytest.fixture(scope="module")
+def web_temporary(tmp_path_factory) -> Path:
+    """The web servers' temporary folder, the module's (one environment, one zygote: `WebZygote.for_env`): each test's
+    server is a process of its own, and the files it holds there are told apart by its pid (`held_files`)."""
+    return tmp_path_factory.mktemp("web-tmp")
+
+
 @pytest.fixture
-def web(files_bucket, transactional_db, tmp_path):
-    """A web server whose temporary files go to a folder of the test's own."""
-    temporary = tmp_path / "web-tmp"
-    temporary.mkdir()
-    child, base_url = start_web_server(tmp_path, name="web", extra_env={
+def web(files_bucket, transactional_db, tmp_path, web_zygote, web_temporary):
+    """A web server whose temporary files go to the module's folder."""
+    temporary = web_temporary
+    child, base_url = start_web_server(tmp_path, name="web", zygote=web_zygote, extra_env={
         "TMPDIR": str(temporary), "INFERPLANE_FILES_MAX_BYTES": str(64 * MiB), "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "2"})
     child.temporary = temporary
     child.base_url = base_url
@@ -271,9 +277,10 @@ def test_ordinary_pages_still_take_their_bodies(web):
 
 
 @pytest.fixture
-def impatient(files_bucket, transactional_db, tmp_path):
+def impatient(files_bucket, transactional_db, tmp_path, web_zygote):
     """A web server that stops reading a body after 2 s without a byte."""
-    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_UPLOAD_IDLE_S": "2"})
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_UPLOAD_IDLE_S": "2"},
+                                       zygote=web_zygote)
     child.base_url = base_url
     yield child
     child.stop()

@@ -28,27 +28,33 @@ pytestmark = pytest.mark.django_db(transaction=True)
 IDLE_S = 2
 
 
-def _web(tmp_path, **extra_env):
-    temporary = tmp_path / "web-tmp"
-    temporary.mkdir()
-    child, base_url = start_web_server(tmp_path, name="web", extra_env={
+def _web(tmp_path, web_zygote, temporary, **extra_env):
+    child, base_url = start_web_server(tmp_path, name="web", zygote=web_zygote, extra_env={
         "TMPDIR": str(temporary), "INFERPLANE_FILES_MAX_BYTES": str(64 * MiB),
         "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "2", **extra_env})
     child.temporary, child.base_url = temporary, base_url
     return child
 
 
+@pytest.fixture(scope="module")
+def web_temporary(tmp_path_factory):
+    """The web servers' temporary folder, the module's (one environment, one zygote: `WebZygote.for_env`): each test's
+    server is a process of its own, and the files it holds there are told apart by its pid (`held_files`)."""
+    return tmp_path_factory.mktemp("web-tmp")
+
+
 @pytest.fixture
-def web(files_bucket, transactional_db, tmp_path):
-    child = _web(tmp_path)
+def web(files_bucket, transactional_db, tmp_path, web_zygote, web_temporary):
+    child = _web(tmp_path, web_zygote, web_temporary)
     yield child
     child.stop()
 
 
 @pytest.fixture
-def impatient_web(files_bucket, transactional_db, tmp_path):
+def impatient_web(files_bucket, transactional_db, tmp_path, web_zygote, web_temporary):
     """A web server that cuts an upload off after `IDLE_S` without a byte, or at under 64 KiB a second."""
-    child = _web(tmp_path, INFERPLANE_FILES_UPLOAD_IDLE_S=str(IDLE_S), INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S="65536")
+    child = _web(tmp_path, web_zygote, web_temporary, INFERPLANE_FILES_UPLOAD_IDLE_S=str(IDLE_S),
+                 INFERPLANE_FILES_UPLOAD_MIN_BYTES_PER_S="65536")
     yield child
     child.stop()
 

@@ -223,4 +223,6 @@ async def _render(send, scenario: str | None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    uvicorn.run(app, host="127.0.0.1", port=parser.parse_args().port, log_level="warning")
+    # NOTE: a test double: on SIGTERM a call it still holds (`render_hangs`, `slow`) is cut after 1 s, not waited for
+    # until the test's stop gives up and kills it (10 s).
+    uvicorn.run(app, host="127.0.0.1", port=parser.parse_args().port, log_level="warning", timeout_graceful_shutdown=1)

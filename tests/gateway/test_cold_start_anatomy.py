@@ -92,8 +92,9 @@ def test_a_held_answer_whose_replica_holds_non_finite_measures_is_answered_and_b
 
 
 @pytest.fixture
-def gateway_with_metrics(transactional_db, tmp_path):
-    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_METRICS_TOKEN": METRICS_TOKEN})
+def gateway_with_metrics(transactional_db, tmp_path, web_zygote):
+    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_METRICS_TOKEN": METRICS_TOKEN},
+                                       zygote=web_zygote)
     yield base_url
     child.stop()
 
