@@ -77,7 +77,11 @@ def encode(report: UsageReport) -> bytes:
 
 
 def decode(line: bytes) -> UsageReport:
-    row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
+    """A journal line's report; ValueError (or TypeError, KeyError) for a line this version cannot read."""
+    row = json.loads(line)
+    if not isinstance(row, dict):  # `null`, `[1, 2]`: never a report (before: AttributeError, the replay stuck)
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    row = {key: value for key, value in row.items() if key in _FIELDS}
     # NOTE: every journal line is a gateway call's, admitted under a billing mode; one that does not say it was written
     # before reports carried it, and is billed in the mode in effect when its call started (`UsageReport`).
     row["mode_when_started"] = row.get("billing_mode") is None
@@ -85,7 +89,10 @@ def decode(line: bytes) -> UsageReport:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
     for name in REPORT_MONEY:  # NOTE: exact money: text in the journal, a Decimal again on replay
         if row.get(name) is not None:
-            row[name] = Decimal(row[name])
+            try:
+                row[name] = Decimal(row[name])
+            except ArithmeticError:  # decimal.InvalidOperation: "1.5 USD"
+                raise ValueError(f"{name} {row[name]!r} is not an amount") from None
     return UsageReport(**row)
 
 
