@@ -28,6 +28,9 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import os
+import socket
+import time
 
 import boto3
 from botocore.config import Config
@@ -38,7 +41,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
-from billing.usage_journal import UsageJournal, read_segment, set_aside
+from billing.usage_journal import REJECTED_NAME, UsageJournal, read_segment, set_aside
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -99,7 +102,31 @@ def ship(journal: UsageJournal) -> int:
             num_shipped += 1
             logger.warning("usage journal: %s (%d bytes) shipped to the files bucket; the worker replays it",
                            path.name, len(data))
+    ship_set_aside(journal)
     return num_shipped
+
+
+def ship_set_aside(journal: UsageJournal) -> int:
+    """Upload what this pod's replays set aside (`rejected.jsonl`, on the pod's volume, gone with it) to the rejected
+    prefix, signed, under a name of this host's, process's and time's, and empty it here; returns the bytes shipped.
+    `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a worker thread."""
+    if not enabled():
+        return 0
+
+    def upload(data: bytes) -> None:
+        name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + name, Body=data,
+                             Metadata={SIGNATURE: _signature(data)})
+
+    try:
+        num_bytes = journal.hand_over_set_aside(upload)
+    except FAILURES as exc:
+        logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here", REJECTED_NAME, exc)
+        return 0
+    if num_bytes:
+        logger.warning("usage journal: %s (%d bytes) shipped to the bucket's %s", REJECTED_NAME, num_bytes,
+                       REJECTED_PREFIX)
+    return num_bytes
 
 
 def replay_shipped() -> int:

@@ -15,7 +15,7 @@ import pytest
 from django.core.management import call_command
 from django.db import OperationalError, connections
 
-from billing import journal_shipping, usage_writer
+from billing import journal_shipping, usage_journal, usage_writer
 from billing.models import UsageRecord
 from billing.periods import period_containing
 from billing.quota import reads, rebuild, replayed, sweeper
@@ -593,3 +593,27 @@ def test_a_line_an_older_version_kept_aside_is_billed_once_by_replay_rejected_us
         journal_shipping.REJECTED_PREFIX + "evil-2-1.jsonl", kept]
     assert [json.loads(line)["request_id"] for line in s3.get_object(Bucket=files_bucket, Key=kept)["Body"].read()
             .splitlines()] == ["refused-2"]
+
+
+def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(outage, files_bucket, settings):  # noqa: F811
+    """Before, `rejected.jsonl` stayed on the pod's volume (an emptyDir, gone with the pod), never shipped, and no
+    metric said it had lines: an operator learnt of them from the log alone, if at all."""
+    endpoint = EndpointFactory()
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-3"))
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gone-3-1.jsonl").write_bytes(newer + encode(usage_report(endpoint, request_id="known-3")))
+    counted = usage_journal.lines_set_aside.labels(reason="unreadable")._value.get()
+    outage.end()
+
+    _replay_here()
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-3"]
+    assert usage_journal.lines_set_aside.labels(reason="unreadable")._value.get() == counted + 1
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert shipped.endswith(REJECTED_NAME)
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    answer = s3.get_object(Bucket=files_bucket, Key=shipped)
+    body = answer["Body"].read()
+    assert body == newer and journal_shipping._signed(body, answer["Metadata"][journal_shipping.SIGNATURE])
+    assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
