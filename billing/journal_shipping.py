@@ -11,7 +11,8 @@ has it. The scheduler's worker replays the bucket's segments every minute (`repl
 
 Exactly once: every row is written by its request id (the ledger's unique constraint), so a segment replayed twice (a
 process killed between its upload and its local delete, a task run twice) counts once. Rows the ledger refuses (their
-endpoint is gone) go to `usage-journal-rejected/` for an operator, as the local replay's go to `rejected.jsonl`.
+endpoint is gone) go to `usage-journal-rejected/`, signed, as the local replay's go to `rejected.jsonl`; `manage.py
+replay_rejected_usage` replays them (`replay_rejected`), each row once, after a release that reads them.
 
 The bucket is not trusted with money: whoever may write there could otherwise forge usage for any organisation at any
 price. Each segment is shipped with an HMAC of its bytes keyed by the platform's secret (`SECRET_KEY`, its fallbacks
@@ -27,6 +28,9 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import os
+import socket
+import time
 
 import boto3
 from botocore.config import Config
@@ -37,7 +41,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
-from billing.usage_journal import UsageJournal, read_segment, set_aside
+from billing.usage_journal import REJECTED_NAME, UsageJournal, read_segment, set_aside
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -98,7 +102,31 @@ def ship(journal: UsageJournal) -> int:
             num_shipped += 1
             logger.warning("usage journal: %s (%d bytes) shipped to the files bucket; the worker replays it",
                            path.name, len(data))
+    ship_set_aside(journal)
     return num_shipped
+
+
+def ship_set_aside(journal: UsageJournal) -> int:
+    """Upload what this pod's replays set aside (`rejected.jsonl`, on the pod's volume, gone with it) to the rejected
+    prefix, signed, under a name of this host's, process's and time's, and empty it here; returns the bytes shipped.
+    `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a worker thread."""
+    if not enabled():
+        return 0
+
+    def upload(data: bytes) -> None:
+        name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + name, Body=data,
+                             Metadata={SIGNATURE: _signature(data)})
+
+    try:
+        num_bytes = journal.hand_over_set_aside(upload)
+    except FAILURES as exc:
+        logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here", REJECTED_NAME, exc)
+        return 0
+    if num_bytes:
+        logger.warning("usage journal: %s (%d bytes) shipped to the bucket's %s", REJECTED_NAME, num_bytes,
+                       REJECTED_PREFIX)
+    return num_bytes
 
 
 def replay_shipped() -> int:
@@ -120,7 +148,7 @@ def _replay_one(key: str) -> int:
     if not _signed(body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
         logger.error("usage journal: the bucket's %s is not signed by this platform: not written, kept in %s", key,
                      REJECTED_PREFIX)
-        _set_aside(key, body)
+        _set_aside(key, body, signed=False)
         _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
         return 0
     handle = io.BytesIO(body)
@@ -162,5 +190,37 @@ def _replay_one(key: str) -> int:
     return num_written
 
 
-def _set_aside(key: str, data: bytes) -> None:
-    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + key.removeprefix(PREFIX), Body=data)
+def _set_aside(key: str, data: bytes, *, signed: bool = True) -> None:
+    """Keep `data` under the rejected prefix; signed (as a shipped segment) unless it came unsigned: only a signed one
+    is ever replayed (`replay_rejected`)."""
+    metadata = {SIGNATURE: _signature(data)} if signed else {}
+    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + key.removeprefix(PREFIX), Body=data,
+                         Metadata=metadata)
+
+
+def replay_rejected() -> tuple[int, list[str]]:
+    """Replay what the rejected prefix keeps (`manage.py replay_rejected_usage`): lines an older version could not read,
+    rows the ledger refused (their endpoint gone) and the gateways' own set-aside (`ship`). Each signed object goes back
+    under the shipped prefix and is replayed as a shipped segment (`_replay_one`): what this version reads is written,
+    each row once (the ledger's request ids: replayed twice, or already written, it counts once); what it still cannot
+    read, or the ledger still refuses, is set aside again. Returns the rows written and the keys left as they were
+    (not signed by this platform: never billed)."""
+    if not enabled():
+        return 0, []
+    num_written, unsigned = 0, []
+    paginator = _client().get_paginator("list_objects_v2")
+    keys = [item["Key"] for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=REJECTED_PREFIX)
+            for item in page.get("Contents", [])]
+    for key in keys:
+        answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        body = answer["Body"].read()
+        signature = (answer.get("Metadata") or {}).get(SIGNATURE, "")
+        if not _signed(body, signature):
+            unsigned.append(key)
+            continue
+        shipped = PREFIX + key.removeprefix(REJECTED_PREFIX)
+        # NOTE: shipped before the rejected copy goes: a run stopped between the two replays it (each row once).
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=shipped, Body=body, Metadata={SIGNATURE: signature})
+        _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        num_written += _replay_one(shipped)
+    return num_written, unsigned

@@ -44,11 +44,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+
+from prometheus_client import Counter
 
 from billing.ledger import REPORT_FIELDS, REPORT_MONEY, REPORT_TIMES, UsageReport, reports_json
 
@@ -59,6 +61,12 @@ NEW_SUFFIX = ".tmp"  # a segment being created: `.<name>.tmp` until it is locked
 # A new segment's hidden file older than this was left by a process that died creating it (it takes microseconds).
 LEFT_NEW_AFTER_S = 60.0
 REJECTED_NAME = "rejected.jsonl"
+# Lines a gateway's replay set aside (`UsageJournal.done`), by reason ("refused": by the ledger; "unreadable": by this
+# version): calls not billed until `manage.py replay_rejected_usage` bills them. Exported by the gateway's /metrics
+# (`endpoints.gateway.metrics`), charted on the dashboard (infra/grafana/inferplane.json).
+lines_set_aside = Counter("inferplane_usage_lines_set_aside_total",
+                          "Usage journal lines a replay set aside unbilled (refused by the ledger, or unreadable by "
+                          "this version), by reason.", ["reason"], registry=None)
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 # NOTE: what the journal's volume holds past `max_bytes`, for the calls admitted before the journal was full, which
 # still journal their rows as they end (none is ever lost), and for another process's appends this one has not listed
@@ -77,7 +85,11 @@ def encode(report: UsageReport) -> bytes:
 
 
 def decode(line: bytes) -> UsageReport:
-    row = {key: value for key, value in json.loads(line).items() if key in _FIELDS}
+    """A journal line's report; ValueError (or TypeError, KeyError) for a line this version cannot read."""
+    row = json.loads(line)
+    if not isinstance(row, dict):  # `null`, `[1, 2]`: never a report (before: AttributeError, the replay stuck)
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    row = {key: value for key, value in row.items() if key in _FIELDS}
     # NOTE: every journal line is a gateway call's, admitted under a billing mode; one that does not say it was written
     # before reports carried it, and is billed in the mode in effect when its call started (`UsageReport`).
     row["mode_when_started"] = row.get("billing_mode") is None
@@ -85,7 +97,10 @@ def decode(line: bytes) -> UsageReport:
         row[name] = datetime.fromisoformat(row[name]) if row.get(name) else None
     for name in REPORT_MONEY:  # NOTE: exact money: text in the journal, a Decimal again on replay
         if row.get(name) is not None:
-            row[name] = Decimal(row[name])
+            try:
+                row[name] = Decimal(row[name])
+            except ArithmeticError:  # decimal.InvalidOperation: "1.5 USD"
+                raise ValueError(f"{name} {row[name]!r} is not an amount") from None
     return UsageReport(**row)
 
 
@@ -268,17 +283,44 @@ class UsageJournal:
         (`read_segment`), delete the segment."""
         if rejected or unreadable:
             with open(self.directory / REJECTED_NAME, "ab") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # NOTE: against `hand_over_set_aside` (another process's)
                 handle.write(set_aside(rejected, unreadable))
                 handle.flush()
                 os.fsync(handle.fileno())
             logger.error("usage journal: %d report(s) refused by the ledger and %d line(s) unreadable kept in %s",
                          len(rejected), len(unreadable), REJECTED_NAME)
+            lines_set_aside.labels(reason="refused").inc(len(rejected))
+            lines_set_aside.labels(reason="unreadable").inc(len(unreadable))
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         with self._lock:
             # NOTE: bytes another process appended to it after this one listed it were never counted here.
             self._num_bytes_listed -= self._listed_bytes.pop(path.name, 0)
             self._count()
+
+    def hand_over_set_aside(self, upload: Callable[[bytes], None]) -> int:
+        """Pass what `rejected.jsonl` holds to `upload` and empty it once `upload` returned (if it raises, the file is
+        left as it was); returns the bytes handed over. The file's lock is held meanwhile: an append waits for it,
+        and comes after (appends are made under the same lock, `done`)."""
+        try:
+            handle = open(self.directory / REJECTED_NAME, "r+b")
+        except FileNotFoundError:
+            return 0
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            data = handle.read()
+            if not data:
+                return 0
+            upload(data)
+            handle.truncate(0)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return len(data)
+
+    def has_set_aside(self) -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.directory / REJECTED_NAME).stat().st_size > 0
+        return False
 
     def backlog(self) -> int:
         """Reports waiting in every segment of the folder (all processes of this machine)."""

@@ -353,6 +353,8 @@ class UsageWriter:
                         continue
                     await _count_superseded(superseded, registered=registration is not None)
                 await asyncio.to_thread(usage_journal.done, path, rejected, segment.unreadable)
+                if rejected or segment.unreadable:  # NOTE: off the pod's volume, which dies with it
+                    await asyncio.to_thread(journal_shipping.ship_set_aside, usage_journal)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
         return num_left
 
@@ -438,6 +440,8 @@ async def replay_before_the_loop_ends(timeout_s: float) -> None:
     stayed in the worker's journal, and was lost with its pod."""
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
+        if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
+            await asyncio.to_thread(journal_shipping.ship_set_aside, journal())
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
@@ -451,6 +455,7 @@ async def ship_what_is_left() -> int:
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
     if not await asyncio.to_thread(usage_journal.list_segments):
+        await asyncio.to_thread(journal_shipping.ship_set_aside, usage_journal)
         return 0
     return await asyncio.to_thread(journal_shipping.ship, usage_journal)
 

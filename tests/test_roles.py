@@ -16,6 +16,7 @@ from django.db.migrations.operations import RunPython
 from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from controlplane.accounts import invitations, keys, members, services
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role, Scope
@@ -518,3 +519,103 @@ def test_the_migration_revokes_what_members_demoted_or_removed_before_it_kept_an
         ("Invitation", str(from_removed.pk), "its sender is no longer a member"),
         ("Invitation", str(owner_from_admin.pk), "beyond its sender's role"),
     ])
+
+
+_0016 = importlib.import_module("controlplane.accounts.migrations.0016_revoke_what_roles_may_not_hold_again")
+
+
+def _run_0016_paused_before_its_first_judgement(changes_meanwhile, *, after_reading='"controlplane_membership"',
+                                                at_a_lock=True):
+    """0016 run as `migrate` runs it, paused where the live code of its release may still change the organisation: at
+    its first lock of an organisation, or after its first read of the roles, whichever comes first."""
+    paused, go_on, errors = threading.Event(), threading.Event(), []
+    state = {"read": False}
+
+    def pause_once(execute, sql, params, many, context):
+        if not paused.is_set() and (state["read"] or (at_a_lock and "FOR NO KEY UPDATE" in sql)):
+            paused.set()
+            assert go_on.wait(20)
+        result = execute(sql, params, many, context)
+        state["read"] |= sql.startswith("SELECT") and after_reading in sql.split(" WHERE ")[0]
+        return result
+
+    def migration():
+        try:
+            with connection.execute_wrapper(pause_once):
+                _0016.Migration.operations[0].code(apps, None)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=migration)
+    thread.start()
+    try:
+        assert paused.wait(20)
+        changes_meanwhile()
+    finally:
+        go_on.set()
+        thread.join(30)
+    assert not errors, errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_from_a_member_promoted_while_0016_runs_is_kept():
+    """Before, 0016 (0014's function) read every role once, first: a member promoted by this release's pods meanwhile,
+    who then invited a colleague, had the invitation revoked as "beyond its sender's role"."""
+    organization = OrganizationFactory()
+    owner, promoted = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=promoted, role=Role.MEMBER)
+    keys.create_api_key(services.Actor(user=owner), organization, name="ops", scopes=[Scope.MANAGE])  # to judge
+    sent = []
+
+    def promoted_then_inviting():
+        members.change_member_role(services.Actor(user=owner), seat, role=Role.ADMIN)
+        sent.append(invitations.invite_member(services.Actor(user=promoted), organization,
+                                              email="colleague@example.test", role=Role.MEMBER))
+
+    _run_0016_paused_before_its_first_judgement(promoted_then_inviting)
+    assert Invitation.objects.get(pk=sent[0].pk).revoked_at is None
+    assert not AuditEvent.objects.filter(action="invitation.revoke").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_made_by_someone_who_joined_as_an_admin_while_0016_runs_is_kept():
+    """Before, 0016 read every role once, first: a manage key made meanwhile by someone who had just accepted an
+    invitation as an admin was revoked as "its creator is no longer a member"."""
+    organization = OrganizationFactory()
+    owner, joining = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    keys.create_api_key(services.Actor(user=owner), organization, name="ops", scopes=[Scope.MANAGE])  # to judge
+    made = []
+
+    def joined_then_making_a_key():
+        MembershipFactory(organization=organization, user=joining, role=Role.ADMIN)  # an accepted invitation's seat
+        made.append(keys.create_api_key(services.Actor(user=joining), organization, name="deploys",
+                                        scopes=[Scope.MANAGE]).api_key)
+
+    _run_0016_paused_before_its_first_judgement(joined_then_making_a_key)
+    assert ApiKey.objects.get(pk=made[0].pk).revoked_at is None
+    assert not AuditEvent.objects.filter(action="api_key.revoke").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invitation_accepted_while_0016_judges_it_is_neither_revoked_nor_audited():
+    """Before, 0016's revocation of an invitation was unconditional: one accepted (or revoked) between its read of the
+    pending invitations and its UPDATE was revoked all the same, and audited (again)."""
+    organization = OrganizationFactory()
+    owner, demoted = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seat = MembershipFactory(organization=organization, user=demoted, role=Role.ADMIN)
+    sent = invitations.invite_member(services.Actor(user=demoted), organization, email="a@example.test",
+                                     role=Role.MEMBER)
+    Membership.objects.filter(pk=seat.pk).update(role=Role.MEMBER)  # on a pod of the code before 0014
+
+    def accepted_meanwhile():  # by a pod of the code before, which takes no organisation's lock
+        Invitation.objects.filter(pk=sent.pk).update(accepted_at=timezone.now())
+
+    _run_0016_paused_before_its_first_judgement(accepted_meanwhile, after_reading='"controlplane_invitation"',
+                                                at_a_lock=False)
+    assert Invitation.objects.get(pk=sent.pk).revoked_at is None
+    assert not AuditEvent.objects.filter(action="invitation.revoke").exists()

@@ -119,9 +119,9 @@ def test_a_row_written_by_code_before_a_column_gets_what_the_migration_gave_the_
 
 
 def test_every_migration_of_ours_can_be_reversed():
-    """Rolling back runs the code back first, then `migrate <app> <its last migration>` (README, *A rolling deploy*):
-    an irreversible operation (a RunPython or RunSQL without its reverse) would stop the rollback there (guard: passes
-    before and after)."""
+    """A rollback that reverses migrations runs `migrate <app> <the previous release's last migration>` from the newer
+    image (README, *A rolling deploy*): an irreversible operation (a RunPython or RunSQL without its reverse) would
+    stop it there (guard: passes before and after)."""
     loader = MigrationLoader(None, ignore_no_migrations=True)
     irreversible = []
     for key, migration in sorted(loader.disk_migrations.items()):

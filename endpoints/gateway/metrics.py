@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from billing import usage_journal
 from controlplane import clock
 from endpoints.fleet.pool_costs import usage_by_pool
 from endpoints.models import LIVE_REPLICA_STATES, Endpoint, Replica
@@ -69,6 +70,8 @@ usage_past_reservation = Counter("inferplane_usage_past_reservation_total",
 prompt_render_refusals = Counter("inferplane_prompt_render_refusals_total",
                                  "Renders of a cut Responses stream's prompt a replica refused (its engine needs a "
                                  "restart with --enable-scale-out), by HTTP status.", ["status"], registry=REGISTRY)
+# Journal lines a replay set aside unbilled, defined beside the journal (billing owns it; registered here to be scraped).
+REGISTRY.register(usage_journal.lines_set_aside)
 # NOTE: `livesum`: a pod's in-flight requests are those of its live processes; a dead one's go with it.
 inflight = Gauge("inferplane_inflight_requests", "Requests being served by this pod's gateway processes.", ENDPOINT,
                  registry=REGISTRY, multiprocess_mode="livesum")

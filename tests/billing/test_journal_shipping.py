@@ -3,6 +3,7 @@ and the worker replays them from there, each row once."""
 
 import asyncio
 import dataclasses
+import json
 import shutil
 import threading
 import time
@@ -11,9 +12,10 @@ from decimal import Decimal
 import boto3
 import psycopg
 import pytest
+from django.core.management import call_command
 from django.db import OperationalError, connections
 
-from billing import journal_shipping, usage_writer
+from billing import journal_shipping, usage_journal, usage_writer
 from billing.models import UsageRecord
 from billing.periods import period_containing
 from billing.quota import reads, rebuild, replayed, sweeper
@@ -555,3 +557,63 @@ def test_a_shipped_rows_supersede_paused_before_its_count_while_another_run_repl
 
     assert UsageRecord.objects.get(request_id="shipped").cost == Decimal("0.50")
     assert reads.counted_spend(organization_id) == Decimal("0.50")
+
+
+def test_a_line_an_older_version_kept_aside_is_billed_once_by_replay_rejected_usage(outage, files_bucket):  # noqa: F811
+    """Before, nothing ever read the rejected prefix again (and its objects were not signed, so nothing could trust
+    them): a line an older worker could not read during a rolling deploy or a rollback was never billed."""
+    endpoint = EndpointFactory()
+    known = encode(usage_report(endpoint, request_id="known-2"))
+    newer = encode(usage_report(endpoint, request_id="newer-2"))  # what this version reads, an older one did not
+    gone = EndpointFactory(organization=endpoint.organization)
+    refused = encode(usage_report(gone, request_id="refused-2"))  # its endpoint deleted: the ledger refuses it
+    gone.delete()
+    data = known + newer + refused
+    _put(files_bucket, journal_shipping.PREFIX + "web-2-1.jsonl", data,
+         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    forged = encode(usage_report(endpoint, request_id="forged-2"))
+    _put(files_bucket, journal_shipping.REJECTED_PREFIX + "evil-2-1.jsonl", forged)
+    outage.end()
+    assert journal_shipping.replay_shipped() == 3 - 1  # the refused row kept aside, signed
+    # An older worker's replay had kept `newer-2` aside too: as it would have, the known row's line with it.
+    UsageRecord.objects.filter(request_id="newer-2").delete()
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    kept = journal_shipping.REJECTED_PREFIX + "web-2-1.jsonl"
+    aside = s3.get_object(Bucket=files_bucket, Key=kept)["Body"].read() + known + newer
+    _put(files_bucket, kept, aside, **{journal_shipping.SIGNATURE: journal_shipping._signature(aside)})
+
+    call_command("replay_rejected_usage")
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-2", "newer-2"]
+    call_command("replay_rejected_usage")  # again: each row once
+    assert UsageRecord.objects.filter(request_id__in=["known-2", "newer-2"]).count() == 2
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    # The refused row is kept again (signed, for a later run); the forged object never billed, left as it is.
+    assert sorted(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == [
+        journal_shipping.REJECTED_PREFIX + "evil-2-1.jsonl", kept]
+    assert [json.loads(line)["request_id"] for line in s3.get_object(Bucket=files_bucket, Key=kept)["Body"].read()
+            .splitlines()] == ["refused-2"]
+
+
+def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(outage, files_bucket, settings):  # noqa: F811
+    """Before, `rejected.jsonl` stayed on the pod's volume (an emptyDir, gone with the pod), never shipped, and no
+    metric said it had lines: an operator learnt of them from the log alone, if at all."""
+    endpoint = EndpointFactory()
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-3"))
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gone-3-1.jsonl").write_bytes(newer + encode(usage_report(endpoint, request_id="known-3")))
+    counted = usage_journal.lines_set_aside.labels(reason="unreadable")._value.get()
+    outage.end()
+
+    _replay_here()
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-3"]
+    assert usage_journal.lines_set_aside.labels(reason="unreadable")._value.get() == counted + 1
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert shipped.endswith(REJECTED_NAME)
+    s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                      aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+    answer = s3.get_object(Bucket=files_bucket, Key=shipped)
+    body = answer["Body"].read()
+    assert body == newer and journal_shipping._signed(body, answer["Metadata"][journal_shipping.SIGNATURE])
+    assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice

@@ -4,6 +4,7 @@ gateway admits no new call until it is replayed."""
 import asyncio
 import dataclasses
 import fcntl
+import io
 import json
 import os
 import time
@@ -181,6 +182,22 @@ def test_a_journal_line_this_version_cannot_read_is_kept_aside_and_only_a_torn_l
     assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known"]
     assert sorted(path.name for path in journal_dir.iterdir()) == [REJECTED_NAME]
     assert (journal_dir / REJECTED_NAME).read_bytes() == newer  # as it was written: a newer replay bills it
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("unreadable", [b"null", b"[1, 2]", b'"text"', "money"])
+def test_a_journal_line_that_is_no_object_or_bad_money_is_kept_aside_not_a_replay_stuck(unreadable):
+    """Before: `null` and `[1, 2]` raised AttributeError, money text such as "1.5 USD" decimal.InvalidOperation, out of
+    `read_segment` (which caught ValueError, TypeError and KeyError only): the segment's replay failed on every try."""
+    endpoint = EndpointFactory()
+    good = encode(usage_report(endpoint, request_id="good"))
+    if unreadable == "money":
+        unreadable = json.dumps({**json.loads(good), "request_id": "bad", "max_cost": "1.5 USD"}).encode()
+    handle = io.BytesIO(unreadable + b"\n" + good)
+    handle.name = "gone-1-1.jsonl"
+    segment = read_segment(handle)
+    assert [report.request_id for report in segment.reports] == ["good"]
+    assert segment.unreadable == [unreadable]
 
 
 @pytest.mark.django_db(transaction=True)

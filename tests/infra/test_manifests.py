@@ -336,6 +336,27 @@ def test_worker_and_migrations_run_the_right_commands(rendered):
     assert migrate["command"] == ["python", "manage.py", "migrate", "--noinput"]
 
 
+WAIT_NAME = "wait-for-migrations"
+
+
+def test_no_pod_of_a_release_serves_before_its_migrations_are_applied(rendered):
+    """`kubectl apply -k` applies the migration Job and the Deployments together. Before, nothing held a new pod back
+    while the Job ran (no init container): its code read columns the Job had not added yet, and the README's "the
+    migration Job runs first" was not true."""
+    for kind, name in DJANGO_PROCESSES:
+        pod = _pod_spec(rendered.get(kind, name))
+        waits = [container for container in pod.get("initContainers", []) if container["name"] == WAIT_NAME]
+        if kind == "Job":
+            assert not waits  # the one that applies them
+            continue
+        assert len(waits) == 1, f"{rendered.overlay} {name} does not wait for its migrations"
+        (wait,) = waits
+        serving = pod["containers"][0]
+        assert wait["command"] == ["python", "manage.py", "wait_for_migrations"]
+        assert wait["image"] == serving["image"]
+        assert (wait["envFrom"], wait["env"]) == (serving["envFrom"], serving["env"])  # the same database
+
+
 def test_web_scales_horizontally_and_survives_node_drains(rendered):
     web = rendered.get("Deployment", "inferplane-web")
     assert "replicas" not in web["spec"], "the HorizontalPodAutoscaler owns the web replica count"
@@ -360,14 +381,15 @@ def test_every_container_has_requests_limits_and_runs_as_non_root(rendered):
         pod = _pod_spec(resource)
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["automountServiceAccountToken"] is False
-        for container in pod["containers"]:
+        agent_init = [container for container in pod.get("initContainers", []) if container["name"] != WAIT_NAME]
+        for container in pod["containers"] + [c for c in pod.get("initContainers", []) if c["name"] == WAIT_NAME]:
             where = f"{rendered.overlay} {resource['metadata']['name']}/{container['name']}"
             assert {"cpu", "memory"} <= container["resources"]["requests"].keys(), where
             assert "memory" in container["resources"]["limits"], where
             assert container["securityContext"]["readOnlyRootFilesystem"] is True, where
             assert container["securityContext"]["allowPrivilegeEscalation"] is False, where
             assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], where
-        for container in pod.get("initContainers", []):
+        for container in agent_init:
             # The one root container: it only hands the host directories to the agent's user.
             assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
 
