@@ -23,7 +23,7 @@ from billing.usage_journal import REJECTED_NAME, encode
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from controlplane.worker_threads import in_worker_thread
-from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, s3_child, s3_server  # noqa: F401 - fixtures used here
+from tests.batches.conftest import S3_KEY, S3_SECRET, files_bucket, files_bucket_name, s3_child, s3_server  # noqa: F401 - fixtures used here
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import _progress, reserve
 from tests.billing.test_usage_journal import line_of_a_newer_version
@@ -69,12 +69,20 @@ def _bucket_keys(bucket: str, prefix: str) -> list[str]:
     return [item["Key"] for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
 
 
-def _journal_rows_while_down(reports, *, replay_for_s: float) -> None:
+def _journal_rows_while_down(reports, *, replay_for_s: float, shipped: bool = True) -> None:
+    """`reports` journaled while PostgreSQL takes no writes, and the writer's replay loop left to meet the outage for
+    `replay_for_s`; then (`shipped`, a reachable bucket), until it shipped every segment off the pod (at most 20 s).
+
+    NOTE: waited for, not timed: on a loaded machine a fixed 0.5 s once ended before the segment reached the bucket."""
     async def calls():
         writer = usage_writer.writer_for_this_loop()
         assert await asyncio.gather(*(writer.write(report) for report in reports)) == [usage_writer.Recorded.JOURNALED] * len(reports)
         # The writer's replay loop meets the outage again and again meanwhile.
         await asyncio.sleep(replay_for_s)
+        if shipped and replay_for_s:
+            deadline = time.monotonic() + 20
+            while usage_writer.journal().backlog() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
 
     asyncio.run(calls())
 
@@ -200,7 +208,7 @@ def test_an_unreachable_bucket_keeps_the_segments_here(outage, settings):
     journal_shipping._client.cache_clear()
     endpoint = EndpointFactory()
     reports = [usage_report(endpoint, request_id=f"kept-{number:02d}") for number in range(2)]
-    _journal_rows_while_down(reports, replay_for_s=0.3)
+    _journal_rows_while_down(reports, replay_for_s=0.3, shipped=False)
 
     assert usage_writer.journal().backlog() == len(reports)
     outage.end()
