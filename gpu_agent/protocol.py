@@ -29,14 +29,28 @@ from typing import Any
 
 # NOTE: each version only adds optional fields, so agents and control planes of any two versions speak to each other
 # during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`;
-# a registration refused for the node's host or ports says so (`NODE_REFUSED`).
-PROTOCOL_VERSION = 3
+# a registration refused for the node's host or ports says so (`NODE_REFUSED`). 4: a heartbeat's or watch's 401 says
+# when the node secret it carried names no node (`NODE_UNKNOWN`), and `NODE_REFUSED` is answered to a registration
+# only when its join token admits nodes here.
+PROTOCOL_VERSION = 4
 
-# The `error.code` of a registration's 400 when the control plane refuses the node itself (its host or engine ports are
-# outside what the gateway may reach), as of a heartbeat's 401 for a registered node so refused since. NOTE: the one
-# answer on which an agent stops its engines: a 401 alone (a proxy dropping `Authorization`, a restored database, a
-# join token used up or rotated) says nothing of the node, and stopping on it stopped a whole fleet at once.
+# What a refused agent does, by the refusal's `error.code` (the agent's side is `gpu_agent.runtime.control_plane`):
+# - `NODE_REFUSED`, on a heartbeat's 401 (the node's own secret accepted) or a registration's 400 (its join token
+#   usable here): the control plane refuses the node itself, its host or engine ports outside what the gateway may
+#   reach. The one answer on which an agent stops its engines.
+# - `NODE_UNKNOWN`, on a heartbeat's or watch's 401: a node secret arrived and names no node (the node was retired or
+#   deleted, or the database restored from before it joined). The one answer on which an agent registers again with
+#   its join token, at most once a `REREGISTER_MIN_INTERVAL_S`.
+# - no code (a 401 or 403 without one, any 5xx): the agent keeps its engines serving and its node secret, and retries
+#   with back-off. NOTE: a proxy dropping `Authorization` gets a 401 with no code; registering again on any 401 made a
+#   new node each heartbeat under a fleet's shared token, and once the proxy was fixed the agent beat as the newest,
+#   empty node, was told to run nothing and drained every engine. A 401 alone (a join token used up or rotated, another
+#   environment, a restored database) says nothing of the node, and stopping on it stopped a whole fleet at once. A
+#   control plane older than protocol 4 never says `NODE_UNKNOWN`: a node it forgot is not registered again by its
+#   agent until the agent restarts with its `node.json` removed, or a newer control plane answers.
 NODE_REFUSED = "node_refused"
+NODE_UNKNOWN = "node_unknown"
+REREGISTER_MIN_INTERVAL_S = 60.0
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
 DEFAULT_ENGINE_PORT_MIN = 20000

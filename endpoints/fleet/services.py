@@ -65,9 +65,14 @@ class AgentAuthError(Exception):
     """The agent's join token or node secret is not valid."""
 
 
+class NodeUnknown(AgentAuthError):
+    """A node secret that names no node (never issued here, or its node retired or deleted): the agent API answers 401
+    with `protocol.NODE_UNKNOWN`, the one answer on which an agent registers again."""
+
+
 class NodeRefused(AgentAuthError):
-    """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason, so the
-    agent registers again (`gpu_agent.runtime.control_plane`) and that registration's 400 tells it why it is refused."""
+    """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason and
+    `protocol.NODE_REFUSED`, on which the agent, its own secret accepted, stops its engines."""
 
 
 class ReportRefused(ValueError):
@@ -139,26 +144,29 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) or engine ports outside the
-    platform's (`engine_ports_problem`) before a use of the token is spent, audited (`node.register_refused`, naming
-    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's (once an
-    hour for the same refusal, `_audit_refused_registration`);
+    Raises `AgentAuthError` for a join token that admits nobody (unknown, expired, used up, revoked), whatever the
+    registration's host; `ReportRefused` for a usable token's host the gateway may not reach (`advertise_host_problem`)
+    or engine ports outside the platform's (`engine_ports_problem`) before a use of the token is spent, audited
+    (`node.register_refused`, naming the token): its holder tried to aim the gateway at an address outside the fleet's
+    (once an hour for the same refusal, `_audit_refused_registration`);
     `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve; `LookupsBusy` when
-    other join tokens hold every lookup slot for longer than a caller may wait."""
-    problem = _registration_problem(request)
-    if problem:
-        # NOTE: audited only for a usable token, so a stranger's bogus registrations, or a revoked, expired or used-up
-        # token's, write nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`).
-        join_token = _find_join_token(request.join_token)
-        if join_token is not None and join_token.is_usable():
-            logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
-                           "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
-                           request.engine_port_max, problem)
-            _audit_refused_registration(join_token, request, problem)
-        raise ReportRefused(problem)
+    other join tokens hold every lookup slot for longer than a caller may wait.
+
+    NOTE: the token first: `ReportRefused` is answered `protocol.NODE_REFUSED`, on which the agent stops its engines,
+    so only a control plane whose token admits the node may say it refuses the node. Before, the host was judged first
+    and a bogus or revoked token at a host outside this environment's networks (an agent pointed at another
+    environment) was told its node is refused, and stopped every engine. A stranger's refused registrations write
+    nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`)."""
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
+    problem = _registration_problem(request)
+    if problem:
+        logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
+                       "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
+                       request.engine_port_max, problem)
+        _audit_refused_registration(join_token, request, problem)
+        raise ReportRefused(problem)
     issued = tokens.issue_token(Node.SECRET_KIND)
     with transaction.atomic():
         # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
@@ -258,16 +266,19 @@ def _registration_problem(request: protocol.RegisterRequest) -> str:
 
 
 def authenticate_node(secret: str) -> Node:
-    """The node whose secret this is. Raises `AgentAuthError` if none (a refused secret sent again costs no query),
-    `LookupsBusy` when other secrets hold every lookup slot for longer than a caller may wait."""
+    """The node whose secret this is. Raises `AgentAuthError` for anything not shaped as a node secret (none sent),
+    `NodeUnknown` for a node secret that names no node (a refused secret sent again costs no query), `LookupsBusy` when
+    other secrets hold every lookup slot for longer than a caller may wait."""
     lookup = tokens.split_token(secret, Node.SECRET_KIND)
-    if lookup is None or NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise AgentAuthError("invalid node secret")
+    if lookup is None:
+        raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
+    if NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise NodeUnknown("invalid node secret")
     with NODE_SECRET_LOOKUPS.slots.held():
         node = Node.objects.filter(secret_lookup=lookup).first()
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
-        raise AgentAuthError("invalid node secret")
+        raise NodeUnknown("invalid node secret")
     return node
 
 
@@ -279,8 +290,10 @@ async def authenticate_node_async(secret: str) -> Node:
     and left open, each lookup pinned a pooled connection to that long-lived thread for good, so a few bogus secrets
     (no credentials needed) took the web process's whole pool and every request after got a 503
     (`tests/test_web_database_pool.py`)."""
-    if tokens.split_token(secret, Node.SECRET_KIND) is None or NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise AgentAuthError("invalid node secret")
+    if tokens.split_token(secret, Node.SECRET_KIND) is None:
+        raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
+    if NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise NodeUnknown("invalid node secret")
     async with NODE_SECRET_LOOKUPS.slots.held_async():
         return await in_worker_thread(authenticate_node)(secret)
 

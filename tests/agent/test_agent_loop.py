@@ -19,6 +19,7 @@ from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
     NODE_REFUSED,
+    NODE_UNKNOWN,
     Heartbeat,
     HeartbeatResponse,
     NodeState,
@@ -28,6 +29,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     WatchResponse,
 )
+from gpu_agent.runtime import control_plane as control_plane_client
 from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.cli import EXIT_STUCK_STOPPING
 from gpu_agent.runtime.config import AgentConfig
@@ -98,7 +100,7 @@ class FakeControlPlane:
                     if self.path == "/agent/v1/heartbeat":
                         token = self.headers.get("Authorization", "").removeprefix("Bearer ")
                         if token not in plane.secrets:
-                            return self.reply(401, {"error": "unknown node"})
+                            return self.reply(401, {"error": {"message": "unknown node", "code": NODE_UNKNOWN}})
                         plane.heartbeats.append(Heartbeat.from_dict(body))
                         answer = HeartbeatResponse(
                             node_state=NodeState.READY, heartbeat_interval_s=plane.heartbeat_interval_s,
@@ -255,7 +257,8 @@ def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_p
     assert [gpu.utilization_percent for gpu in control_plane.heartbeats[-1].gpus] == [0.0, 87.0]
 
 
-def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent):
+def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent, monkeypatch):
+    monkeypatch.setattr(control_plane_client, "REREGISTER_MIN_INTERVAL_S", 0.0)  # else once a minute
     running_agent()
     wait_until(lambda: control_plane.heartbeats, 10)
     with control_plane.lock:
@@ -341,7 +344,8 @@ def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_th
 
 
 def test_a_heartbeat_401_with_a_join_token_no_longer_usable_leaves_the_engines_serving(control_plane, running_agent,
-                                                                                       tmp_path):
+                                                                                       tmp_path, monkeypatch):
+    monkeypatch.setattr(control_plane_client, "REREGISTER_MIN_INTERVAL_S", 0.0)  # else once a minute
     model = tmp_path / "model"
     model.mkdir()
     control_plane.desired = [make_spec("r-a", model_source=str(model))]
