@@ -245,6 +245,13 @@ def _require_length(text: str, name: str, most: int) -> None:
     _require(len(text) <= most, f"{name} must be at most {most} characters")
 
 
+def _require_printable(text: str, name: str, most: int) -> None:
+    """At most `most` characters, none a control character. NOTE: PostgreSQL refuses a NUL in text and jsonb alike: a
+    node's name, versions, GPU type or labels holding one was a 500 (the row's insert, or the refusal's audit)."""
+    _require_length(text, name, most)
+    _require(text.isprintable(), f"{name} must hold no control characters")
+
+
 def _printable(text: str) -> str:
     """`text` without control characters (a NUL is refused by PostgreSQL, in text and JSON columns alike)."""
     return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
@@ -373,20 +380,21 @@ class RegisterRequest(Message):
         _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
         self.engine_sandbox = engine_sandbox_fact(self.engine_sandbox)
         _require_length(self.join_token, "join_token", 200)
-        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
-        _require_length(self.engine_version, "engine_version", MAX_VERSION_CHARS)
-        _require_length(self.gpu_type, "gpu_type", MAX_GPU_TYPE_CHARS)
+        _require_printable(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require_printable(self.engine_version, "engine_version", MAX_VERSION_CHARS)
+        _require_printable(self.gpu_type, "gpu_type", MAX_GPU_TYPE_CHARS)
         _require(len(self.supported_quantizations) <= MAX_QUANTIZATIONS,
                  f"supported_quantizations lists at most {MAX_QUANTIZATIONS}")
         for quantization in self.supported_quantizations:
-            _require_length(quantization, "each supported quantization", MAX_QUANTIZATION_CHARS)
+            _require_printable(quantization, "each supported quantization", MAX_QUANTIZATION_CHARS)
         _require(len(self.labels) <= MAX_LABELS, f"labels holds at most {MAX_LABELS}")
         for key, value in self.labels.items():
-            _require_length(key, "each label's key", MAX_LABEL_KEY_CHARS)
-            _require_length(value, "each label's value", MAX_LABEL_VALUE_CHARS)
+            _require_printable(key, "each label's key", MAX_LABEL_KEY_CHARS)
+            _require_printable(value, "each label's value", MAX_LABEL_VALUE_CHARS)
         _require_distinct_gpus(self.gpus)
         _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
-        _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
+        _require(bool(self.name), "name must be 1-128 characters")
+        _require_printable(self.name, "name", 128)
         _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
         _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
         _require(
@@ -749,7 +757,7 @@ class Heartbeat(Message):
         _require_distinct_gpus(self.gpus)
         _require_few_reports(self.replicas)
         del self.weights[MAX_WEIGHTS_REPORTS:]
-        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require_printable(self.agent_version, "agent_version", MAX_VERSION_CHARS)
         _require(min(self.num_cpus, self.memory_mb, self.memory_used_mb, self.disk_free_mb or 0) >= 0,
                  "CPU, memory and disk figures must be >= 0")
         self.cpu_percent = _clamped(self.cpu_percent, "cpu_percent", 0.0, 100.0)  # NOTE: kept in jsonb: no NaN
