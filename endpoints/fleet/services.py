@@ -434,27 +434,43 @@ def _take_node_report(node: Node, heartbeat: protocol.Heartbeat, status: dict) -
     return came_back, newly_ignored, sandbox_before, sandbox_changed
 
 
-# A node's own word audited at most once an hour per action (`_audit_node_at_most_hourly`).
+# A node's own word audited at most once an hour per fact (`_audit_node_at_most_hourly`), at most this many an hour a
+# node and action; a sandbox's new gap always (`_record_sandbox_change`).
 NODE_REPORT_AUDIT_S = 3600
+MAX_NODE_REPORTS_AUDITED = 5
 
 
 def _audit_node_at_most_hourly(node: Node, action: str, **details) -> None:
-    """Audit what a node's heartbeat says of itself (`node.sandbox_weakened`, `node.gpus_ignored`) unless the node had
-    a row of that action within the hour: its current word is on the node's row and each is logged.
+    """Audit what a node's heartbeat says of itself (`node.gpus_ignored`) unless the node had a row of that action saying
+    the same within the hour, or `MAX_NODE_REPORTS_AUDITED` rows of it: its current word is on the node's row and each
+    is logged.
 
-    NOTE: each is audited when it changes, and a node alternating two facts (its sandbox's, two GPU lists past its
-    registration) changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret."""
-    if not _audited_within(action, node, NODE_REPORT_AUDIT_S).exists():
-        record_audit(SYSTEM, None, action, node, **details)
+    NOTE: each is audited when it changes, and a node alternating two facts (two GPU lists past its registration)
+    changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret. Then one row of
+    the action an hour hid a second, different word within the hour."""
+    audited = _audited_within(action, node, NODE_REPORT_AUDIT_S)
+    if audited.filter(details__contains=details).exists() or audited[:MAX_NODE_REPORTS_AUDITED].count() >= (
+            MAX_NODE_REPORTS_AUDITED):
+        return
+    record_audit(SYSTEM, None, action, node, **details)
 
 
 def _record_sandbox_change(node: Node, before: str) -> None:
-    """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it."""
-    if protocol.engine_sandbox_weakened(before, node.engine_sandbox):
-        logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
-        _audit_node_at_most_hourly(node, "node.sandbox_weakened", engine_sandbox=node.engine_sandbox, before=before)
-    else:
+    """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it, unless
+    each gap it has (`protocol.ENGINE_SANDBOX_GAPS`) was in a fact audited within the hour.
+
+    NOTE: a node alternating a confined and a weakened fact is so audited once an hour, and a sandbox weakened again
+    (Landlock turned off after the namespaces were lost) at once. Before, one row of the action an hour: the second,
+    worse weakening within the hour left no audit trace."""
+    if not protocol.engine_sandbox_weakened(before, node.engine_sandbox):
         logger.info("node %s: its engine sandbox is now %r (was %r)", node.name, node.engine_sandbox, before)
+        return
+    logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
+    audited_facts = _audited_within("node.sandbox_weakened", node, NODE_REPORT_AUDIT_S).values_list(
+        "details__engine_sandbox", flat=True)
+    audited_gaps = {gap for fact in audited_facts for gap in protocol.ENGINE_SANDBOX_GAPS if gap in (fact or "")}
+    if any(gap in node.engine_sandbox and gap not in audited_gaps for gap in protocol.ENGINE_SANDBOX_GAPS):
+        record_audit(SYSTEM, None, "node.sandbox_weakened", node, engine_sandbox=node.engine_sandbox, before=before)
 
 
 def _reported_replica_ids(reports: list[protocol.ReplicaStatus]) -> list[uuid.UUID]:
