@@ -412,3 +412,19 @@ def test_refusals_of_a_fleets_own_hosts_are_audited_past_the_bound_a_token_holde
     # Before: none of the fleet's own refusals (the decoys had taken the token's 100), nor another machine's name.
     assert sorted(refused.values_list("details__advertise_host", flat=True)) == ["10.99.0.1"] * 5 + ["10.99.0.2", "10.99.0.3"]
     assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1
+
+
+def test_decoys_outside_the_networks_hide_no_probe_of_the_control_planes_own_redis_or_the_metadata_service(
+    client, production_networks, service_addresses
+):
+    """Before: 100 refusals on decoy hosts took the token's hour, and the probes that followed wrote no row naming
+    their host; the one summary row named neither host nor reason."""
+    service_addresses.CELERY_BROKER_URL = "redis://10.20.0.9:6379/1"
+    created = create_join_token(SYSTEM, name="shared", max_uses=50)
+    for number in range(101):
+        assert register(client, created.plain, name="d", advertise_host=f"10.98.0.{number + 1}").status_code == 400
+    for probe in ("10.20.0.9", "169.254.169.254"):
+        assert register(client, created.plain, name="probe", advertise_host=probe).status_code == 400
+        assert AuditEvent.objects.filter(action="node.register_refused", details__advertise_host=probe).exists()
+    summary = AuditEvent.objects.get(action="node.register_refusals_unaudited")
+    assert "INFERPLANE_NODE_NETWORKS" in summary.details["reason"]

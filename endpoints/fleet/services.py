@@ -226,12 +226,15 @@ def _audited_within(action: str, target, seconds: float, **details):
 def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
     """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
     same refusal of the token was audited within the hour, or as many of its host's as the hour's bound, or, for a host
-    none of its nodes is registered on, as many of such refusals as the hour's bound (the first past it writes
-    `node.register_refusals_unaudited`, once an hour).
+    none of its nodes is registered on, as many of such refusals for the same reason as the hour's bound (the first
+    past it writes `node.register_refusals_unaudited` naming the reason, once an hour a reason).
 
     NOTE: before, the bound counted every refusal of the token: a token a fleet shares and the operator narrowing the
     networks under 500 of its nodes audited 100, and its holder spending them on decoy hosts first left its real probes
-    (a Redis address) unaudited."""
+    (a Redis address) unaudited. Then it counted every refusal of a host none of the token's nodes is on: 100 decoys
+    outside the networks still hid a probe of the control plane's own Redis, or of the cloud's metadata service. Each
+    reason has its own bound now (the control plane's own addresses are few, each capped at
+    `MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST`: never reaching it)."""
     refusal = {"name": request.name, "advertise_host": request.advertise_host,
                "engine_port_min": request.engine_port_min, "engine_port_max": request.engine_port_max,
                "reason": problem}
@@ -241,11 +244,12 @@ def _audit_refused_registration(join_token: JoinToken, request: protocol.Registe
     )[:MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST:
         return
     registered_host = Node.objects.filter(join_token=join_token, advertise_host=request.advertise_host).exists()
-    if not registered_host and audited.filter(details__contains={"registered_host": False})[
+    if not registered_host and audited.filter(details__contains={"registered_host": False, "reason": problem})[
         :MAX_REFUSED_REGISTRATIONS_AUDITED
     ].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED:
-        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S).exists():
-            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token,
+        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S,
+                               reason=problem).exists():
+            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token, reason=problem,
                          bound=MAX_REFUSED_REGISTRATIONS_AUDITED, period_s=REFUSED_REGISTRATION_AUDIT_S)
         return
     record_audit(SYSTEM, None, "node.register_refused", join_token, registered_host=registered_host, **refusal)
