@@ -29,14 +29,28 @@ from typing import Any
 
 # NOTE: each version only adds optional fields, so agents and control planes of any two versions speak to each other
 # during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`;
-# a registration refused for the node's host or ports says so (`NODE_REFUSED`).
-PROTOCOL_VERSION = 3
+# a registration refused for the node's host or ports says so (`NODE_REFUSED`). 4: a heartbeat's or watch's 401 says
+# when the node secret it carried names no node (`NODE_UNKNOWN`), and `NODE_REFUSED` is answered to a registration
+# only when its join token admits nodes here.
+PROTOCOL_VERSION = 4
 
-# The `error.code` of a registration's 400 when the control plane refuses the node itself (its host or engine ports are
-# outside what the gateway may reach), as of a heartbeat's 401 for a registered node so refused since. NOTE: the one
-# answer on which an agent stops its engines: a 401 alone (a proxy dropping `Authorization`, a restored database, a
-# join token used up or rotated) says nothing of the node, and stopping on it stopped a whole fleet at once.
+# What a refused agent does, by the refusal's `error.code` (the agent's side is `gpu_agent.runtime.control_plane`):
+# - `NODE_REFUSED`, on a heartbeat's 401 (the node's own secret accepted) or a registration's 400 (its join token
+#   usable here): the control plane refuses the node itself, its host or engine ports outside what the gateway may
+#   reach. The one answer on which an agent stops its engines.
+# - `NODE_UNKNOWN`, on a heartbeat's or watch's 401: a node secret arrived and names no node (the node was retired or
+#   deleted, or the database restored from before it joined). The one answer on which an agent registers again with
+#   its join token, at most once a `REREGISTER_MIN_INTERVAL_S`.
+# - no code (a 401 or 403 without one, any 5xx): the agent keeps its engines serving and its node secret, and retries
+#   with back-off. NOTE: a proxy dropping `Authorization` gets a 401 with no code; registering again on any 401 made a
+#   new node each heartbeat under a fleet's shared token, and once the proxy was fixed the agent beat as the newest,
+#   empty node, was told to run nothing and drained every engine. A 401 alone (a join token used up or rotated, another
+#   environment, a restored database) says nothing of the node, and stopping on it stopped a whole fleet at once. A
+#   control plane older than protocol 4 never says `NODE_UNKNOWN`: a node it forgot is not registered again by its
+#   agent until the agent restarts with its `node.json` removed, or a newer control plane answers.
 NODE_REFUSED = "node_refused"
+NODE_UNKNOWN = "node_unknown"
+REREGISTER_MIN_INTERVAL_S = 60.0
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
 DEFAULT_ENGINE_PORT_MIN = 20000
@@ -231,6 +245,13 @@ def _require_length(text: str, name: str, most: int) -> None:
     _require(len(text) <= most, f"{name} must be at most {most} characters")
 
 
+def _require_printable(text: str, name: str, most: int) -> None:
+    """At most `most` characters, none a control character. NOTE: PostgreSQL refuses a NUL in text and jsonb alike: a
+    node's name, versions, GPU type or labels holding one was a 500 (the row's insert, or the refusal's audit)."""
+    _require_length(text, name, most)
+    _require(text.isprintable(), f"{name} must hold no control characters")
+
+
 def _printable(text: str) -> str:
     """`text` without control characters (a NUL is refused by PostgreSQL, in text and JSON columns alike)."""
     return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
@@ -359,20 +380,21 @@ class RegisterRequest(Message):
         _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
         self.engine_sandbox = engine_sandbox_fact(self.engine_sandbox)
         _require_length(self.join_token, "join_token", 200)
-        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
-        _require_length(self.engine_version, "engine_version", MAX_VERSION_CHARS)
-        _require_length(self.gpu_type, "gpu_type", MAX_GPU_TYPE_CHARS)
+        _require_printable(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require_printable(self.engine_version, "engine_version", MAX_VERSION_CHARS)
+        _require_printable(self.gpu_type, "gpu_type", MAX_GPU_TYPE_CHARS)
         _require(len(self.supported_quantizations) <= MAX_QUANTIZATIONS,
                  f"supported_quantizations lists at most {MAX_QUANTIZATIONS}")
         for quantization in self.supported_quantizations:
-            _require_length(quantization, "each supported quantization", MAX_QUANTIZATION_CHARS)
+            _require_printable(quantization, "each supported quantization", MAX_QUANTIZATION_CHARS)
         _require(len(self.labels) <= MAX_LABELS, f"labels holds at most {MAX_LABELS}")
         for key, value in self.labels.items():
-            _require_length(key, "each label's key", MAX_LABEL_KEY_CHARS)
-            _require_length(value, "each label's value", MAX_LABEL_VALUE_CHARS)
+            _require_printable(key, "each label's key", MAX_LABEL_KEY_CHARS)
+            _require_printable(value, "each label's value", MAX_LABEL_VALUE_CHARS)
         _require_distinct_gpus(self.gpus)
         _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
-        _require(bool(self.name) and len(self.name) <= 128, "name must be 1-128 characters")
+        _require(bool(self.name), "name must be 1-128 characters")
+        _require_printable(self.name, "name", 128)
         _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
         _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
         _require(
@@ -735,7 +757,7 @@ class Heartbeat(Message):
         _require_distinct_gpus(self.gpus)
         _require_few_reports(self.replicas)
         del self.weights[MAX_WEIGHTS_REPORTS:]
-        _require_length(self.agent_version, "agent_version", MAX_VERSION_CHARS)
+        _require_printable(self.agent_version, "agent_version", MAX_VERSION_CHARS)
         _require(min(self.num_cpus, self.memory_mb, self.memory_used_mb, self.disk_free_mb or 0) >= 0,
                  "CPU, memory and disk figures must be >= 0")
         self.cpu_percent = _clamped(self.cpu_percent, "cpu_percent", 0.0, 100.0)  # NOTE: kept in jsonb: no NaN

@@ -552,3 +552,22 @@ def test_a_node_registering_with_another_nodes_name_and_host_gets_a_node_of_its_
     beat(client, impostor["node_secret"], [ReplicaStatus(str(replica.pk), ReplicaState.FAILED)])
     assert Replica.objects.get(pk=replica.pk).state == ReplicaState.PENDING
     assert [spec["replica_id"] for spec in beat(client, agent["node_secret"]).json()["desired"]] == [str(replica.pk)]
+
+
+@pytest.mark.parametrize("field, changes", [
+    ("name", {"name": "gpu\x001"}), ("name", {"name": "gpu\n1"}), ("agent_version", {"agent_version": "0.1\x00"}),
+    ("engine_version", {"engine_version": "\x000.32"}), ("gpu_type", {"gpu_type": "h1\x0000"}),
+    ("quantization", {"supported_quantizations": ["none\x00"]}), ("label", {"labels": {"zone": "a\x00"}}),
+])
+def test_a_control_character_in_a_registrations_text_is_a_400_naming_the_field(client, settings, field, changes):
+    """Before: a NUL in the name (or the versions, GPU type, labels) was a 500 (PostgreSQL's text refuses it), on the
+    node's insert or, for a refused host, on the refusal's audit."""
+    token = create_join_token(SYSTEM, name="t").plain
+    response = register(client, token, **changes)
+    assert response.status_code == 400 and field in response.json()["error"]["message"], response.content[:300]
+    assert not Node.objects.exists()
+
+
+def test_a_control_character_in_a_heartbeats_agent_version_is_a_400_naming_it(client, agent):
+    response = beat_raw(client, agent, {"agent_version": "0.1\x00"})
+    assert response.status_code == 400 and "agent_version" in response.json()["error"]["message"]

@@ -84,9 +84,9 @@ def test_a_node_registering_from_an_internal_address_outside_the_node_networks_i
         assert register(client, created.plain, name=host, advertise_host=host).status_code == 201, host
 
 
-def test_a_refused_host_with_a_bogus_token_is_400_and_writes_no_audit_row(client, production_networks):
+def test_a_refused_host_with_a_bogus_token_is_401_and_writes_no_audit_row(client, production_networks):
     response = register(client, "jt_000000000000_nope", advertise_host="10.0.5.5")
-    assert response.status_code == 400
+    assert response.status_code == 401 and "code" not in response.json()["error"]  # the token first: nobody's node
     assert not AuditEvent.objects.filter(action="node.register_refused").exists()
 
 
@@ -133,13 +133,13 @@ def test_a_node_outside_the_node_networks_has_its_heartbeats_refused_with_the_re
     assert beat(client, answer["node_secret"]).status_code == 200
     production_networks.NODE_NETWORKS = FLEET
     response = beat(client, answer["node_secret"])
-    assert response.status_code == 401  # the agent registers again, and that registration's 400 says why
+    assert response.status_code == 401  # under the node's own secret: the agent stops its engines on this code
     message = response.json()["error"]["message"]
     assert "registered host or engine ports are refused" in message and "INFERPLANE_NODE_NETWORKS" in message
     assert response.json()["error"]["code"] == NODE_REFUSED
     again = register(client, create_join_token(SYSTEM, name="t2").plain, advertise_host="10.99.0.7")
     assert again.status_code == 400 and again.json()["error"]["code"] == NODE_REFUSED
-    # A secret or join token refused says nothing of any node: no code, and the agent keeps its engines serving.
+    # A malformed secret or a join token refused says nothing of any node: no code, the agent keeps its engines serving.
     assert "code" not in beat(client, "nd_" + "x" * 40).json()["error"]
     assert "code" not in register(client, "jt_" + "x" * 40, advertise_host="10.20.0.7").json()["error"]
 
@@ -284,9 +284,8 @@ def test_a_revoked_or_expired_token_refused_for_its_host_writes_no_audit_row(cli
     for created in (revoked, expired):
         for number in range(20):
             response = register(client, created.plain, name=f"flood-{number}", advertise_host="8.8.8.8")
-            assert response.status_code == 400
+            assert response.status_code == 401 and "code" not in response.json()["error"]  # its host never judged
     assert not AuditEvent.objects.filter(action="node.register_refused").exists()
-    # An allowed host with such a token is a 401, as before.
     assert register(client, revoked.plain, advertise_host="10.20.0.1").status_code == 401
 
 
@@ -311,7 +310,9 @@ def test_an_agent_whose_host_the_operator_refuses_since_it_registered_is_told_it
         production_networks.NODE_NETWORKS = FLEET
         with pytest.raises(RegistrationRefused) as refused:
             agent.heartbeat_once()
-        assert "advertise_host" in str(refused.value) and "INFERPLANE_NODE_NETWORKS" in str(refused.value)
+        # The heartbeat's own refusal, under the node's secret: no registration tried (it would be refused so too).
+        assert "registered host or engine ports are refused" in str(refused.value)
+        assert "INFERPLANE_NODE_NETWORKS" in str(refused.value)
         assert refused.value.node_refused  # the one refusal on which the agent stops its engines
         assert Node.objects.count() == 1  # no second node
     finally:
@@ -332,6 +333,7 @@ def test_an_agent_whose_secret_and_join_token_are_both_refused_is_not_told_its_n
     try:
         agent.heartbeat_once()
         Node.objects.all().delete()  # the database restored from before the node joined
+        agent.control_plane._registered_at = -math.inf  # registered longer than `REREGISTER_MIN_INTERVAL_S` ago
         with pytest.raises(RegistrationRefused) as refused:
             agent.heartbeat_once()
         assert "used-up join token" in str(refused.value)
@@ -410,3 +412,19 @@ def test_refusals_of_a_fleets_own_hosts_are_audited_past_the_bound_a_token_holde
     # Before: none of the fleet's own refusals (the decoys had taken the token's 100), nor another machine's name.
     assert sorted(refused.values_list("details__advertise_host", flat=True)) == ["10.99.0.1"] * 5 + ["10.99.0.2", "10.99.0.3"]
     assert AuditEvent.objects.filter(action="node.register_refusals_unaudited").count() == 1
+
+
+def test_decoys_outside_the_networks_hide_no_probe_of_the_control_planes_own_redis_or_the_metadata_service(
+    client, production_networks, service_addresses
+):
+    """Before: 100 refusals on decoy hosts took the token's hour, and the probes that followed wrote no row naming
+    their host; the one summary row named neither host nor reason."""
+    service_addresses.CELERY_BROKER_URL = "redis://10.20.0.9:6379/1"
+    created = create_join_token(SYSTEM, name="shared", max_uses=50)
+    for number in range(101):
+        assert register(client, created.plain, name="d", advertise_host=f"10.98.0.{number + 1}").status_code == 400
+    for probe in ("10.20.0.9", "169.254.169.254"):
+        assert register(client, created.plain, name="probe", advertise_host=probe).status_code == 400
+        assert AuditEvent.objects.filter(action="node.register_refused", details__advertise_host=probe).exists()
+    summary = AuditEvent.objects.get(action="node.register_refusals_unaudited")
+    assert "INFERPLANE_NODE_NETWORKS" in summary.details["reason"]

@@ -32,6 +32,12 @@ def _busy(message: str = "too many credentials are being checked at once") -> Js
     return response
 
 
+def _auth_error(exc: Exception) -> JsonResponse:
+    """A node secret refused: `protocol.NODE_UNKNOWN` only when a node secret arrived and names no node, the one 401 on
+    which an agent registers again; none when no secret arrived (something between dropped `Authorization`)."""
+    return _error(401, str(exc), code=protocol.NODE_UNKNOWN if isinstance(exc, services.NodeUnknown) else "")
+
+
 UNRESOLVED = "the control plane's own PostgreSQL or Redis addresses do not resolve yet"
 
 
@@ -56,7 +62,7 @@ def register(request):
         answer = services.register_node(registration)
     except _BadRequest as exc:
         return _error(400, f"invalid registration: {exc}")
-    except services.ReportRefused as exc:  # the node's host or ports: the agent stops its engines on this code alone
+    except services.ReportRefused as exc:  # a usable token's host or ports: the agent stops its engines on this code
         return _error(400, f"invalid registration: {exc}", code=protocol.NODE_REFUSED)
     except services.AgentAuthError as exc:
         return _error(401, str(exc))
@@ -77,7 +83,7 @@ def heartbeat(request):
         node = services.authenticate_node(secret.strip())
         report = _parse(request, protocol.Heartbeat)
     except services.AgentAuthError as exc:
-        return _error(401, str(exc))
+        return _auth_error(exc)
     except LookupsBusy:
         return _busy()
     except _BadRequest as exc:
@@ -110,7 +116,7 @@ async def watch(request):
             raise services.AgentAuthError("send 'Authorization: Bearer <node secret>'")
         node = await services.authenticate_node_async(secret.strip())
     except services.AgentAuthError as exc:
-        return _error(401, str(exc))
+        return _auth_error(exc)
     except LookupsBusy:
         return _busy()
     async with pubsub.subscribe(node_channel(node.pk)) as changes:

@@ -65,9 +65,14 @@ class AgentAuthError(Exception):
     """The agent's join token or node secret is not valid."""
 
 
+class NodeUnknown(AgentAuthError):
+    """A node secret that names no node (never issued here, or its node retired or deleted): the agent API answers 401
+    with `protocol.NODE_UNKNOWN`, the one answer on which an agent registers again."""
+
+
 class NodeRefused(AgentAuthError):
-    """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason, so the
-    agent registers again (`gpu_agent.runtime.control_plane`) and that registration's 400 tells it why it is refused."""
+    """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason and
+    `protocol.NODE_REFUSED`, on which the agent, its own secret accepted, stops its engines."""
 
 
 class ReportRefused(ValueError):
@@ -139,26 +144,29 @@ def _find_join_token(plain: str) -> JoinToken | None:
 
 def register_node(request: protocol.RegisterRequest) -> protocol.RegisterResponse:
     """Admit a node with a join token; the answer carries its secret, which is stored only as a hash.
-    Raises `ReportRefused` for a host the gateway may not reach (`advertise_host_problem`) or engine ports outside the
-    platform's (`engine_ports_problem`) before a use of the token is spent, audited (`node.register_refused`, naming
-    the token) when the token is usable: its holder tried to aim the gateway at an address outside the fleet's (once an
-    hour for the same refusal, `_audit_refused_registration`);
+    Raises `AgentAuthError` for a join token that admits nobody (unknown, expired, used up, revoked), whatever the
+    registration's host; `ReportRefused` for a usable token's host the gateway may not reach (`advertise_host_problem`)
+    or engine ports outside the platform's (`engine_ports_problem`) before a use of the token is spent, audited
+    (`node.register_refused`, naming the token): its holder tried to aim the gateway at an address outside the fleet's
+    (once an hour for the same refusal, `_audit_refused_registration`);
     `ServiceAddressesUnresolved` (retry) while the control plane's own addresses do not resolve; `LookupsBusy` when
-    other join tokens hold every lookup slot for longer than a caller may wait."""
-    problem = _registration_problem(request)
-    if problem:
-        # NOTE: audited only for a usable token, so a stranger's bogus registrations, or a revoked, expired or used-up
-        # token's, write nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`).
-        join_token = _find_join_token(request.join_token)
-        if join_token is not None and join_token.is_usable():
-            logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
-                           "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
-                           request.engine_port_max, problem)
-            _audit_refused_registration(join_token, request, problem)
-        raise ReportRefused(problem)
+    other join tokens hold every lookup slot for longer than a caller may wait.
+
+    NOTE: the token first: `ReportRefused` is answered `protocol.NODE_REFUSED`, on which the agent stops its engines,
+    so only a control plane whose token admits the node may say it refuses the node. Before, the host was judged first
+    and a bogus or revoked token at a host outside this environment's networks (an agent pointed at another
+    environment) was told its node is refused, and stopped every engine. A stranger's refused registrations write
+    nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`)."""
     join_token = _find_join_token(request.join_token)
     if join_token is None or not join_token.is_usable():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
+    problem = _registration_problem(request)
+    if problem:
+        logger.warning("registration of node %r with join token %s refused: advertise_host %r, engine ports "
+                       "%d-%d: %s", request.name, join_token, request.advertise_host, request.engine_port_min,
+                       request.engine_port_max, problem)
+        _audit_refused_registration(join_token, request, problem)
+        raise ReportRefused(problem)
     issued = tokens.issue_token(Node.SECRET_KIND)
     with transaction.atomic():
         # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
@@ -218,12 +226,15 @@ def _audited_within(action: str, target, seconds: float, **details):
 def _audit_refused_registration(join_token: JoinToken, request: protocol.RegisterRequest, problem: str) -> None:
     """Audit a usable join token's registration refused for its host or ports (`node.register_refused`), unless the
     same refusal of the token was audited within the hour, or as many of its host's as the hour's bound, or, for a host
-    none of its nodes is registered on, as many of such refusals as the hour's bound (the first past it writes
-    `node.register_refusals_unaudited`, once an hour).
+    none of its nodes is registered on, as many of such refusals for the same reason as the hour's bound (the first
+    past it writes `node.register_refusals_unaudited` naming the reason, once an hour a reason).
 
     NOTE: before, the bound counted every refusal of the token: a token a fleet shares and the operator narrowing the
     networks under 500 of its nodes audited 100, and its holder spending them on decoy hosts first left its real probes
-    (a Redis address) unaudited."""
+    (a Redis address) unaudited. Then it counted every refusal of a host none of the token's nodes is on: 100 decoys
+    outside the networks still hid a probe of the control plane's own Redis, or of the cloud's metadata service. Each
+    reason has its own bound now (the control plane's own addresses are few, each capped at
+    `MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST`: never reaching it)."""
     refusal = {"name": request.name, "advertise_host": request.advertise_host,
                "engine_port_min": request.engine_port_min, "engine_port_max": request.engine_port_max,
                "reason": problem}
@@ -233,11 +244,12 @@ def _audit_refused_registration(join_token: JoinToken, request: protocol.Registe
     )[:MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED_PER_HOST:
         return
     registered_host = Node.objects.filter(join_token=join_token, advertise_host=request.advertise_host).exists()
-    if not registered_host and audited.filter(details__contains={"registered_host": False})[
+    if not registered_host and audited.filter(details__contains={"registered_host": False, "reason": problem})[
         :MAX_REFUSED_REGISTRATIONS_AUDITED
     ].count() >= MAX_REFUSED_REGISTRATIONS_AUDITED:
-        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S).exists():
-            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token,
+        if not _audited_within("node.register_refusals_unaudited", join_token, REFUSED_REGISTRATION_AUDIT_S,
+                               reason=problem).exists():
+            record_audit(SYSTEM, None, "node.register_refusals_unaudited", join_token, reason=problem,
                          bound=MAX_REFUSED_REGISTRATIONS_AUDITED, period_s=REFUSED_REGISTRATION_AUDIT_S)
         return
     record_audit(SYSTEM, None, "node.register_refused", join_token, registered_host=registered_host, **refusal)
@@ -258,16 +270,19 @@ def _registration_problem(request: protocol.RegisterRequest) -> str:
 
 
 def authenticate_node(secret: str) -> Node:
-    """The node whose secret this is. Raises `AgentAuthError` if none (a refused secret sent again costs no query),
-    `LookupsBusy` when other secrets hold every lookup slot for longer than a caller may wait."""
+    """The node whose secret this is. Raises `AgentAuthError` for anything not shaped as a node secret (none sent),
+    `NodeUnknown` for a node secret that names no node (a refused secret sent again costs no query), `LookupsBusy` when
+    other secrets hold every lookup slot for longer than a caller may wait."""
     lookup = tokens.split_token(secret, Node.SECRET_KIND)
-    if lookup is None or NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise AgentAuthError("invalid node secret")
+    if lookup is None:
+        raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
+    if NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise NodeUnknown("invalid node secret")
     with NODE_SECRET_LOOKUPS.slots.held():
         node = Node.objects.filter(secret_lookup=lookup).first()
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
-        raise AgentAuthError("invalid node secret")
+        raise NodeUnknown("invalid node secret")
     return node
 
 
@@ -279,8 +294,10 @@ async def authenticate_node_async(secret: str) -> Node:
     and left open, each lookup pinned a pooled connection to that long-lived thread for good, so a few bogus secrets
     (no credentials needed) took the web process's whole pool and every request after got a 503
     (`tests/test_web_database_pool.py`)."""
-    if tokens.split_token(secret, Node.SECRET_KIND) is None or NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise AgentAuthError("invalid node secret")
+    if tokens.split_token(secret, Node.SECRET_KIND) is None:
+        raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
+    if NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise NodeUnknown("invalid node secret")
     async with NODE_SECRET_LOOKUPS.slots.held_async():
         return await in_worker_thread(authenticate_node)(secret)
 
@@ -421,27 +438,43 @@ def _take_node_report(node: Node, heartbeat: protocol.Heartbeat, status: dict) -
     return came_back, newly_ignored, sandbox_before, sandbox_changed
 
 
-# A node's own word audited at most once an hour per action (`_audit_node_at_most_hourly`).
+# A node's own word audited at most once an hour per fact (`_audit_node_at_most_hourly`), at most this many an hour a
+# node and action; a sandbox's new gap always (`_record_sandbox_change`).
 NODE_REPORT_AUDIT_S = 3600
+MAX_NODE_REPORTS_AUDITED = 5
 
 
 def _audit_node_at_most_hourly(node: Node, action: str, **details) -> None:
-    """Audit what a node's heartbeat says of itself (`node.sandbox_weakened`, `node.gpus_ignored`) unless the node had
-    a row of that action within the hour: its current word is on the node's row and each is logged.
+    """Audit what a node's heartbeat says of itself (`node.gpus_ignored`) unless the node had a row of that action saying
+    the same within the hour, or `MAX_NODE_REPORTS_AUDITED` rows of it: its current word is on the node's row and each
+    is logged.
 
-    NOTE: each is audited when it changes, and a node alternating two facts (its sandbox's, two GPU lists past its
-    registration) changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret."""
-    if not _audited_within(action, node, NODE_REPORT_AUDIT_S).exists():
-        record_audit(SYSTEM, None, action, node, **details)
+    NOTE: each is audited when it changes, and a node alternating two facts (two GPU lists past its registration)
+    changed it every other heartbeat: a row each, 8,640 a day, with no more than a stolen node secret. Then one row of
+    the action an hour hid a second, different word within the hour."""
+    audited = _audited_within(action, node, NODE_REPORT_AUDIT_S)
+    if audited.filter(details__contains=details).exists() or audited[:MAX_NODE_REPORTS_AUDITED].count() >= (
+            MAX_NODE_REPORTS_AUDITED):
+        return
+    record_audit(SYSTEM, None, action, node, **details)
 
 
 def _record_sandbox_change(node: Node, before: str) -> None:
-    """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it."""
-    if protocol.engine_sandbox_weakened(before, node.engine_sandbox):
-        logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
-        _audit_node_at_most_hourly(node, "node.sandbox_weakened", engine_sandbox=node.engine_sandbox, before=before)
-    else:
+    """Say that a node's engine sandbox changed; audited (`node.sandbox_weakened`) when it lost a part of it, unless
+    each gap it has (`protocol.ENGINE_SANDBOX_GAPS`) was in a fact audited within the hour.
+
+    NOTE: a node alternating a confined and a weakened fact is so audited once an hour, and a sandbox weakened again
+    (Landlock turned off after the namespaces were lost) at once. Before, one row of the action an hour: the second,
+    worse weakening within the hour left no audit trace."""
+    if not protocol.engine_sandbox_weakened(before, node.engine_sandbox):
         logger.info("node %s: its engine sandbox is now %r (was %r)", node.name, node.engine_sandbox, before)
+        return
+    logger.warning("node %s: its engine sandbox weakened: %r (was %r)", node.name, node.engine_sandbox, before)
+    audited_facts = _audited_within("node.sandbox_weakened", node, NODE_REPORT_AUDIT_S).values_list(
+        "details__engine_sandbox", flat=True)
+    audited_gaps = {gap for fact in audited_facts for gap in protocol.ENGINE_SANDBOX_GAPS if gap in (fact or "")}
+    if any(gap in node.engine_sandbox and gap not in audited_gaps for gap in protocol.ENGINE_SANDBOX_GAPS):
+        record_audit(SYSTEM, None, "node.sandbox_weakened", node, engine_sandbox=node.engine_sandbox, before=before)
 
 
 def _reported_replica_ids(reports: list[protocol.ReplicaStatus]) -> list[uuid.UUID]:

@@ -140,11 +140,13 @@ class Agent:
     def heartbeat_once(self) -> HeartbeatResponse:
         """Send one heartbeat (registering first if needed) and reconcile with the answer.
 
-        Refused as a node (`RegistrationRefused.node_refused`: the control plane refuses the node's host or ports
-        now), the agent stops every engine before it raises. Refused otherwise (the node's secret and its join token
-        both refused), the engines keep serving: a proxy dropping `Authorization`, agents pointed at another
-        environment or at a restored database answer so with the node wanted as much as before, and a join token
-        that no longer admits anyone is the usual state (a pool's is one-use, a rotation revokes the old one).
+        Refused as a node (`RegistrationRefused.node_refused`: a heartbeat under the node's own secret, or a
+        registration under a join token usable there, answered `protocol.NODE_REFUSED`: the control plane refuses the
+        node's host or ports now), the agent stops every engine before it raises. Refused otherwise (a 401 with no
+        code, the node's secret unknown and its join token refused), the engines keep serving: a proxy dropping
+        `Authorization`, agents pointed at another environment or at a restored database answer so with the node wanted
+        as much as before, and a join token that no longer admits anyone is the usual state (a pool's is one-use, a
+        rotation revokes the old one).
         NOTE: stopping then stopped every engine of the fleet within a heartbeat, past the control plane's hold for
         a fleet gone silent all at once (`NODE_FLEET_SILENCE_HOLD_S`)."""
         try:

@@ -5,12 +5,14 @@
     POST /agent/v1/watch                       -> WatchResponse     (Bearer <node secret>)
 
 The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent is the same node.
-A 401 on a heartbeat means the control plane forgot the node, or refuses its registered host now (the
-operator narrowed the node networks), or that something between them dropped the secret: the agent registers
-again with its join token, and a refusal of that registration (400, 401, 403) is `RegistrationRefused`, logged
-with the reason. Only a refusal of the node itself (`RegistrationRefused.node_refused`: the answer's
-`protocol.NODE_REFUSED` code) stops its engines (`Agent.heartbeat_once`); any other leaves them serving while the
-agent retries. What to report and what to do with the answer is the agent loop's (`agent`).
+A heartbeat's 401 is answered by its `error.code` (`protocol.NODE_REFUSED`, `NODE_UNKNOWN`: what each means and does is
+noted there, in one place): `NODE_UNKNOWN` (the control plane forgot the node) registers again with the join token, at
+most once a `REREGISTER_MIN_INTERVAL_S`; `NODE_REFUSED` (its own secret accepted, the node refused) is
+`RegistrationRefused.node_refused`, as is a registration's 400 with that code; any other 401 (something between them
+dropped the secret, an older control plane) is `HeartbeatUnauthorized`, retried with back-off. A refusal of a
+registration (400, 401, 403) is `RegistrationRefused`, logged with the reason. Only a refusal of the node itself
+stops its engines (`Agent.heartbeat_once`); any other leaves them serving while the agent retries. What to report and
+what to do with the answer is the agent loop's (`agent`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import logging
 import math
 import os
 import threading
+import time
 
 import httpx
 
 from gpu_agent.protocol import (
     NODE_REFUSED,
+    NODE_UNKNOWN,
+    REREGISTER_MIN_INTERVAL_S,
     Heartbeat,
     HeartbeatResponse,
     RegisterRequest,
@@ -65,6 +70,12 @@ class RegistrationRefused(Exception):
         self.node_refused = node_refused
 
 
+class HeartbeatUnauthorized(httpx.HTTPError):
+    """A heartbeat's 401 that says nothing of the node: no `error.code` (no secret reached the control plane, or it is
+    older than protocol 4), or `NODE_UNKNOWN` sooner than `REREGISTER_MIN_INTERVAL_S` after the last registration.
+    Retried with back-off (an `httpx.HTTPError`), the engines serving and the node secret kept."""
+
+
 def _error_code(response: httpx.Response) -> str:
     """The agent API's `error.code` of a refusal ("" when it has none, or the body is not the API's)."""
     try:
@@ -97,6 +108,7 @@ class ControlPlaneClient:
         self.node_id: str | None = None
         self.node_secret: str | None = None
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        self._registered_at = -math.inf  # `time.monotonic()` of this process's last registration
         self._load_credentials()
 
     def _load_credentials(self) -> None:
@@ -132,6 +144,7 @@ class ControlPlaneClient:
             gpus=list(self.machine.gpus),
             engine_sandbox=sandbox.node_fact(self.config.engine_sandbox),
         )
+        self._registered_at = time.monotonic()
         response = self.http.post("/agent/v1/register", json=request.to_dict())
         if response.status_code in (400, 401, 403):
             raise RegistrationRefused(f"register refused ({response.status_code}): {response.text[:200]}",
@@ -159,16 +172,28 @@ class ControlPlaneClient:
             self.register()
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> HeartbeatResponse:
-        """Send one heartbeat, registering again if the control plane forgot the node."""
+        """Send one heartbeat, registering again if the control plane says it forgot the node (`NODE_UNKNOWN`).
+        Raises `RegistrationRefused` (`node_refused`) when it refuses the node, `HeartbeatUnauthorized` for a 401 that
+        says neither."""
         response = self._post_heartbeat(heartbeat)
-        if response.status_code == 401:
-            logger.warning("heartbeat refused (401): registering again")
+        if response.status_code == 401 and self._unknown_node_may_register(response):
+            logger.warning("heartbeat refused (401, %s): registering again", NODE_UNKNOWN)
             self.register()
             response = self._post_heartbeat(heartbeat)
+        if response.status_code == 401:
+            if _error_code(response) == NODE_REFUSED:
+                raise RegistrationRefused(f"heartbeat refused (401): {response.text[:200]}", node_refused=True)
+            raise HeartbeatUnauthorized(f"heartbeat refused (401), retrying: {response.text[:200]}")
         response.raise_for_status()
         answer = HeartbeatResponse.from_dict(response.json())
         self.heartbeat_interval_s = heartbeat_interval(answer.heartbeat_interval_s)
         return answer
+
+    def _unknown_node_may_register(self, response: httpx.Response) -> bool:
+        """Whether a heartbeat's 401 is `NODE_UNKNOWN` and this process registered no sooner than
+        `REREGISTER_MIN_INTERVAL_S` ago: a control plane that forgets each new node at once gets one a minute."""
+        return _error_code(response) == NODE_UNKNOWN and (
+            time.monotonic() - self._registered_at >= REREGISTER_MIN_INTERVAL_S)
 
     def _post_heartbeat(self, heartbeat: Heartbeat) -> httpx.Response:
         return self.http.post(

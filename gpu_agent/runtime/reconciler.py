@@ -98,10 +98,13 @@ class Reconciler:
         """Drain every replica and cancel every pull, unasked: the control plane refuses this node (`Agent.heartbeat_once`).
         Returns how many were not stopping already.
 
-        NOTE: they are left out of the heartbeats from now on (`replica_statuses`), and forgotten once stopped, so an
-        answer that wants one again, the node taken back before the sweep moved it elsewhere, starts it afresh
-        (`reconcile`). Reported STOPPED, the control plane took that as final (a replica's final state is its own)
-        and replaced it cold, and an answer still wanting a replica this agent knew as STOPPED never started it."""
+        NOTE: they are left out of the heartbeats from now on (`replica_statuses`), and forgotten once stopped at the
+        next answer that does not drain or sleep them (`_forget_stopped_unasked`), so an answer that wants one again,
+        the node taken back before the sweep moved it elsewhere, starts it afresh (`reconcile`). Reported STOPPED, the
+        control plane took that as final (a replica's final state is its own) and replaced it cold, and an answer still
+        wanting a replica this agent knew as STOPPED never started it. Never forgotten here, on a refusal: a refusal
+        that outlasted the drain forgot them, and the answer that took the node back, draining or sleeping one, found
+        nothing to report (a draining replica kept its placement until the drain sweep, a sleeping one was held)."""
         with self._lock:
             pulling = {replica_id for replica_id, pull in self._pulls.items() if not pull.done}
         running = {replica_id for replica_id in self.supervisor.replica_ids()
@@ -109,7 +112,7 @@ class Reconciler:
         with self._lock:
             stopping = (running | pulling) - self._stopped_unasked
             self._stopped_unasked |= running | pulling
-        self.reconcile([])
+        self.reconcile([], answered=False)
         return len(stopping)
 
     def _forget_stopped_unasked(self, desired_by_id: dict[str, ReplicaSpec]) -> None:
@@ -137,10 +140,12 @@ class Reconciler:
                 self._stopped_unasked.discard(replica_id)
                 self._reported_terminal.discard(replica_id)
 
-    def reconcile(self, desired: list[ReplicaSpec]) -> None:
-        """Start missing replicas, drain unwanted ones, forget finished ones the control plane dropped."""
+    def reconcile(self, desired: list[ReplicaSpec], *, answered: bool = True) -> None:
+        """Start missing replicas, drain unwanted ones, forget finished ones the control plane dropped. `answered`:
+        `desired` is the control plane's answer (not `stop_unasked`'s nothing)."""
         desired_by_id = {spec.replica_id: spec for spec in desired}
-        self._forget_stopped_unasked(desired_by_id)
+        if answered:
+            self._forget_stopped_unasked(desired_by_id)
         known = set(self.supervisor.replica_ids())
         with self._lock:
             pulling = set(self._pulls)

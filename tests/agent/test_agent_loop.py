@@ -19,6 +19,7 @@ from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
     NODE_REFUSED,
+    NODE_UNKNOWN,
     Heartbeat,
     HeartbeatResponse,
     NodeState,
@@ -28,6 +29,7 @@ from gpu_agent.protocol import (
     ReplicaState,
     WatchResponse,
 )
+from gpu_agent.runtime import control_plane as control_plane_client
 from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.cli import EXIT_STUCK_STOPPING
 from gpu_agent.runtime.config import AgentConfig
@@ -56,6 +58,7 @@ class FakeControlPlane:
         # 401, registrations 400 with this reason, both with the `NODE_REFUSED` code).
         self.refusal = ""
         self.num_register_calls = 0
+        self.num_refused = 0  # requests answered `refusal`
         self.lock = threading.Lock()
         plane = self
 
@@ -82,6 +85,7 @@ class FakeControlPlane:
                     if self.path == "/agent/v1/register":
                         plane.num_register_calls += 1
                     if plane.refusal:
+                        plane.num_refused += 1
                         status = 400 if self.path == "/agent/v1/register" else 401
                         return self.reply(status, {"error": {"message": plane.refusal, "code": NODE_REFUSED}})
                     if self.path == "/agent/v1/register":
@@ -98,7 +102,7 @@ class FakeControlPlane:
                     if self.path == "/agent/v1/heartbeat":
                         token = self.headers.get("Authorization", "").removeprefix("Bearer ")
                         if token not in plane.secrets:
-                            return self.reply(401, {"error": "unknown node"})
+                            return self.reply(401, {"error": {"message": "unknown node", "code": NODE_UNKNOWN}})
                         plane.heartbeats.append(Heartbeat.from_dict(body))
                         answer = HeartbeatResponse(
                             node_state=NodeState.READY, heartbeat_interval_s=plane.heartbeat_interval_s,
@@ -255,7 +259,8 @@ def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_p
     assert [gpu.utilization_percent for gpu in control_plane.heartbeats[-1].gpus] == [0.0, 87.0]
 
 
-def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent):
+def test_registers_again_when_the_control_plane_forgets_the_node(control_plane, running_agent, monkeypatch):
+    monkeypatch.setattr(control_plane_client, "REREGISTER_MIN_INTERVAL_S", 0.0)  # else once a minute
     running_agent()
     wait_until(lambda: control_plane.heartbeats, 10)
     with control_plane.lock:
@@ -306,8 +311,8 @@ def test_a_refused_node_stops_its_engines_and_starts_again_once_taken_back(contr
     with control_plane.lock:
         control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
         num_registrations = len(control_plane.registrations)
-    # Before: its engine served on, for as long as the agent ran. Stopped unasked, it is forgotten, never reported.
-    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a") is None, 15)
+    # Before: its engine served on, for as long as the agent ran. Stopped unasked, it is never reported.
+    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a").is_final, 15)
     assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
     assert len(control_plane.registrations) == num_registrations  # no registration was taken
     # The operator widens them again: the node's next heartbeat is taken, and it runs what it is told to.
@@ -315,6 +320,30 @@ def test_a_refused_node_stops_its_engines_and_starts_again_once_taken_back(contr
     with control_plane.lock:
         control_plane.refusal = ""
     wait_until(lambda: control_plane.last_states().get("r-b") == ReplicaState.READY, 15)
+    assert agent.supervisor.get("r-a") is None  # forgotten at the first answer that does not want it
+    assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
+
+
+def test_a_refused_node_taken_back_reports_a_replica_it_stopped_that_the_answer_drains(control_plane, running_agent,
+                                                                                      tmp_path):
+    """The refusal outlasts the drain, then the answer that takes the node back drains the replica. Before: the agent
+    forgot it at the refusal's first retry past its drain, reported nothing of it, and the control plane held its
+    placement DRAINING until the drain sweep."""
+    model = tmp_path / "model"
+    model.mkdir()
+    control_plane.desired = [make_spec("r-a", model_source=str(model), drain_timeout_s=0.5)]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 15)
+    with control_plane.lock:
+        control_plane.refusal = "invalid registration: advertise_host: it is outside the networks GPU nodes may serve on"
+    wait_until(lambda: processes_with_marker("r-a") == [], 15)
+    with control_plane.lock:
+        num_refused = control_plane.num_refused
+    wait_until(lambda: control_plane.num_refused >= num_refused + 2, 15)  # refused again, past the drain
+    control_plane.desired = [make_spec("r-a", model_source=str(model), action=ReplicaAction.DRAIN)]
+    with control_plane.lock:
+        control_plane.refusal = ""
+    wait_until(lambda: control_plane.ever_reported("r-a", ReplicaState.STOPPED), 15)
 
 
 def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_them_again(control_plane, running_agent,
@@ -341,7 +370,8 @@ def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_th
 
 
 def test_a_heartbeat_401_with_a_join_token_no_longer_usable_leaves_the_engines_serving(control_plane, running_agent,
-                                                                                       tmp_path):
+                                                                                       tmp_path, monkeypatch):
+    monkeypatch.setattr(control_plane_client, "REREGISTER_MIN_INTERVAL_S", 0.0)  # else once a minute
     model = tmp_path / "model"
     model.mkdir()
     control_plane.desired = [make_spec("r-a", model_source=str(model))]

@@ -148,8 +148,28 @@ def test_a_node_alternating_its_sandbox_fact_or_its_gpus_writes_one_audit_row_an
         assert beat(client, node_secret, engine_sandbox=facts[number % 2], gpus=too_many[number % 2]).status_code == 200
     # Before: 20 rows of each (one a weakening, one a new list ignored), without end; the log still says each.
     assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 1
-    assert AuditEvent.objects.filter(action="node.gpus_ignored").count() == 1
+    assert AuditEvent.objects.filter(action="node.gpus_ignored").count() == 2  # each list once an hour
     AuditEvent.objects.update(created_at=timezone.now() - timedelta(minutes=61))
     for number in range(2):
         assert beat(client, node_secret, engine_sandbox=facts[number % 2], gpus=too_many[number % 2]).status_code == 200
     assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 2  # an hour on, again
+
+
+def test_a_sandbox_weakened_again_or_other_gpus_ignored_within_the_hour_are_audited(client, node_secret):
+    """Before: one row of each action a node an hour, whatever it said: Landlock turned off right after the namespaces
+    were lost left no row naming it."""
+    mild = "landlock abi 7; no namespaces: unshare refused (EPERM)"
+    worst = "none: sandbox turned off; no namespaces: unshare refused (EPERM)"
+    assert beat(client, node_secret, engine_sandbox=mild).status_code == 200
+    assert beat(client, node_secret, engine_sandbox=worst).status_code == 200
+    facts = AuditEvent.objects.filter(action="node.sandbox_weakened").order_by("created_at")
+    assert [row.details["engine_sandbox"] for row in facts] == [mild, worst]
+    for fact in (mild, REGISTRATION["engine_sandbox"], worst, mild, worst):  # no gap not audited within the hour
+        assert beat(client, node_secret, engine_sandbox=fact).status_code == 200
+    assert AuditEvent.objects.filter(action="node.sandbox_weakened").count() == 2
+    gpus = [[{"index": index, "uuid": f"GPU-{index:04d}", "name": "NVIDIA L4", "utilization_percent": 0.0,
+              "memory_used_mb": 0, "memory_total_mb": 23_034} for index in range(count)] for count in range(10, 20)]
+    for listed in gpus:
+        assert beat(client, node_secret, gpus=listed).status_code == 200
+    ignored = AuditEvent.objects.filter(action="node.gpus_ignored").order_by("created_at")
+    assert [row.details["reason"][:2] for row in ignored] == ["10", "11", "12", "13", "14"]  # MAX_NODE_REPORTS_AUDITED
