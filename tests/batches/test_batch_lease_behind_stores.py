@@ -1,5 +1,5 @@
 """A batch run's lease check never waits behind its stores on the run's few database threads
-(`INFERPLANE_BATCH_DB_SESSIONS`)."""
+(`INFERPLANE_BATCH_DB_SESSIONS`), and a read of free slots that keeps failing gives up as an outage does."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import time
 import httpx
 import psycopg
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 from controlplane.accounts.models import Organization
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch
-from tests.batches.conftest import new_batch, run_in_a_thread
+from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -87,3 +87,32 @@ def test_stores_waiting_for_their_organisations_row_never_hold_up_the_lease_chec
     batch.refresh_from_db()
     assert (batch.num_completed, batch.num_failed) == (8, 0)
 
+
+def test_a_read_of_free_slots_that_keeps_failing_gives_up_though_the_lease_checks_succeed(
+        files_bucket, tenant, start_mock_upstream, settings, monkeypatch):
+    # NOTE: before, each failed read (a statement timeout: not an outage the checks meet) started the give-up's clock
+    # again, and each successful check cleared it: the run spun for its whole slice, a warning every 0.4 s
+    settings.BATCH_OUTAGE_RETRY_S = 2.0
+    upstream = start_mock_upstream(token_delay_ms=100)
+    endpoint = serve_endpoint(tenant.org, upstream)
+    batch = new_batch(endpoint, one_chat_line(endpoint, 4))
+    state = {"reads": 0, "fail": True}
+    free_slots = runner.free_slots
+
+    async def failing(*args, **kwargs):
+        state["reads"] += 1
+        if state["reads"] > 1 and state["fail"]:  # the first: `run_batch`'s own, before the run
+            raise OperationalError("canceling statement due to statement timeout")
+        return await free_slots(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "free_slots", failing)
+    waits = _timed_checks(monkeypatch)
+    worker, runs = run_in_a_thread(batch.pk)
+    worker.join(timeout=15)
+    gave_up = not worker.is_alive()
+    state["fail"] = False
+    worker.join(timeout=60)
+    assert gave_up, f"still running after 15 s: {len(waits)} lease checks, {state['reads']} reads"
+    assert runs == ["outage"]
+    assert state["reads"] <= 12, f"{state['reads']} reads in the give-up's 2 s"
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0
