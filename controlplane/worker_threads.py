@@ -71,6 +71,12 @@ def on_database_thread(function: Callable) -> Callable:
     own (a batch run's `asyncio.to_thread` store, whose S3 put must hold none of them), run on one of those and waited
     for, its connections checked there (`connections_checked`); anywhere else it runs where it is called.
 
+    At most all those threads but one run such calls at once (`_RunConnections.held_back`, waited for in the calling
+    thread), so one is always free for the loop's own (`in_worker_thread`: a run's lease checks, its lookups). NOTE: a
+    store waits for its organisation's row lock; two stores so blocked (another run's store of the same organisation, a
+    slow PostgreSQL) held both of the two threads, the lease check queued behind them for 7 s, and a lease of 3 s lapsed
+    with lines in flight (another worker could take the batch and run them again).
+
     NOTE: a thread of those calls it in place: one waiting for another of the same few threads could wait for good."""
     checked = connections_checked(function)
 
@@ -78,11 +84,12 @@ def on_database_thread(function: Callable) -> Callable:
         kept = _run_connections.get()
         if kept is None or kept.database_threads is None or getattr(_on_database_thread, "yes", False):
             return checked(*args, **kwargs)
-        try:
-            done = kept.database_threads.submit(contextvars.copy_context().run, checked, *args, **kwargs)
-        except RuntimeError:  # NOTE: the loop has ended (a soft time limit): the call ends here, as it did before
-            return checked(*args, **kwargs)
-        return done.result()
+        with kept.held_back:
+            try:
+                done = kept.database_threads.submit(contextvars.copy_context().run, checked, *args, **kwargs)
+            except RuntimeError:  # NOTE: the loop has ended (a soft time limit): the call ends here, as it did before
+                return checked(*args, **kwargs)
+            return done.result()
 
     return call
 
@@ -109,6 +116,8 @@ class _RunConnections:
         # loop's default executor each of up to min(32, CPUs + 4) threads kept a PostgreSQL session till the run ended
         self.database_threads = None if num_database_threads is None else ThreadPoolExecutor(
             num_database_threads, thread_name_prefix="run-database", initializer=_mark_database_thread)
+        # how many `on_database_thread` calls may hold those threads at once: all but one (one thread alone is shared)
+        self.held_back = threading.BoundedSemaphore(max(1, (num_database_threads or 1) - 1))
         self._lock = threading.Lock()
         # id(wrapper) -> (its thread, the wrapper)
         self._kept: dict[int, tuple[int, BaseDatabaseWrapper]] = {}

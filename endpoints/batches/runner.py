@@ -488,6 +488,12 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     num_away_checks = 0
     renewed_at = time.monotonic()  # the lease's last renewal (about: its long-step hold came just before the run)
     no_slot_since: float | None = None  # since when no line could start and none ran
+    # NOTE: since when the reads of free slots fail (PostgreSQL away, or a statement timeout, a deadlock: not met by the
+    # checks), and those in a row: read again after `outage_retry_pause_s`, and past `BATCH_OUTAGE_RETRY_S` from the
+    # first no line starts for the rest of the slice. Before, each failed read started the give-up's clock again and each
+    # check that succeeded cleared it: a read that kept failing held the worker for its slice, a warning every 0.4 s.
+    read_failing_since: float | None = None
+    num_failed_reads, read_again_at = 0, 0.0
     no_room_since: float | None = None  # since when no line could start for the process's answer bytes, none its own
     # NOTE: a line's engine is first asked whether it still generates after this long of silence: at most the wait
     # a line is sure of, so that `LINES_END_WITHIN_S` holds whatever `GATEWAY_UPSTREAM_READ_TIMEOUT_S` is.
@@ -545,7 +551,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         "expired" if time.time() >= work.expires_at else "")
             # NOTE: past the process's bound of answer bytes no line starts (those running may still answer: each
             # reads on once bytes are given back, or alone)
-            if (not progress.stopped and away_since is None and pending.ready() and now >= pause_until
+            if (not progress.stopped and away_since is None and pending.ready() and now >= max(pause_until, read_again_at)
                     and answer_bytes.room()):
                 # NOTE: none while the usage journal is past its limit (PostgreSQL took no writes for a while): a
                 # line's row could only go to it, as an interactive call's, which the gateway refuses then.
@@ -555,12 +561,19 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                                              num_batch_in_flight=len(running)) if usage_writer.usage_recordable() else 0
                 except DATABASE_AWAY as exc:
                     # NOTE: PostgreSQL away since the last check, the replicas past the directory's cache (never read
-                    # in this run: no room till now): no line starts until a check reaches it again (`away_since`).
-                    # Raised, it ended the run, its lines in flight cut and run again (GPU work twice).
+                    # in this run: no room till now), or the read alone failing: no line starts until a read succeeds
+                    # (`read_failing_since`). Raised, it ended the run, its lines in flight cut and run again (GPU work
+                    # twice).
                     logger.warning("batch %s: its endpoint's replicas could not be read (%s): no line starts until "
-                                   "PostgreSQL is back", work.batch_id, repr(exc))  # a string (`_through_outages`)
-                    away_since, slots = now, 0
-                if away_since is None:  # NOTE: else nothing was read: neither "cold" nor a wait for a slot
+                                   "PostgreSQL answers", work.batch_id, repr(exc))  # a string (`_through_outages`)
+                    read_failing_since = now if read_failing_since is None else read_failing_since
+                    num_failed_reads += 1
+                    read_again_at, slots = now + outage_retry_pause_s(num_failed_reads), 0
+                    if now - read_failing_since >= settings.BATCH_OUTAGE_RETRY_S:
+                        progress.stopped = "outage"
+                else:
+                    read_failing_since, num_failed_reads = None, 0
+                if read_failing_since is None:  # NOTE: else nothing was read: neither "cold" nor a wait for a slot
                     if slots is None and not running:
                         progress.stopped = "cold"  # nothing warm: batch work never wakes an endpoint here
                     if slots or running:

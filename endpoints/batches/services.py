@@ -21,7 +21,7 @@ from collections.abc import Container, Iterable, Iterator
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
@@ -789,6 +789,10 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     return progress.stopped or "ran"
 
 
+# The longest a line's store waits for its organisation's row lock (`_take_result_room`): well within a lease.
+STORE_LOCK_WAIT_S = 2.0
+
+
 class LeaseLost(Exception):
     """The batch's lease is no longer the run's (`lease_token`): another run holds it."""
 
@@ -799,8 +803,15 @@ def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: b
     error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
     fit. `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
     its output equal to its input only, and its outputs were stored unchecked: a 300-byte line's answer may be 64 MiB,
-    and 50,000 such lines took an organisation's S3 use far past its quota."""
+    and 50,000 such lines took an organisation's S3 use far past its quota.
+
+    Its locks are waited for `STORE_LOCK_WAIT_S` at most (`lock_timeout`): then an `OperationalError` (55P03), which
+    the run treats as PostgreSQL away (`runner.DATABASE_AWAY`): the answer is stored again after its next check. NOTE:
+    a store blocked on the organisation's row (another run's store, an upload) held one of the run's few database
+    threads for as long as the lock was held."""
     with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(STORE_LOCK_WAIT_S * 1000)}ms"])
         limit, used, room = _storage_use(batch.organization_id)
         num_input_bytes, num_result_bytes, lease_token = Batch.objects.filter(pk=batch.pk).values_list(
             "input_file__bytes", "num_result_bytes", "lease_token").get()
