@@ -142,8 +142,20 @@ def replay_shipped() -> int:
     return num_written
 
 
+def _gone(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}
+
+
 def _replay_one(key: str) -> int:
-    answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    try:
+        answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    except ClientError as exc:
+        # NOTE: another run replayed (and deleted) it since it was listed: the beat's `replay_shipped_usage` taking
+        # the segment `replay_rejected_usage` had just moved back. Its rows are written: nothing left to do here.
+        if not _gone(exc):
+            raise
+        logger.info("usage journal: the bucket's %s was replayed by another run", key)
+        return 0
     body = answer["Body"].read()
     if not _signed(body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
         logger.error("usage journal: the bucket's %s is not signed by this platform: not written, kept in %s", key,
@@ -212,7 +224,12 @@ def replay_rejected() -> tuple[int, list[str]]:
     keys = [item["Key"] for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=REJECTED_PREFIX)
             for item in page.get("Contents", [])]
     for key in keys:
-        answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        try:
+            answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        except ClientError as exc:  # another `replay_rejected_usage` moved it since the listing
+            if not _gone(exc):
+                raise
+            continue
         body = answer["Body"].read()
         signature = (answer.get("Metadata") or {}).get(SIGNATURE, "")
         if not _signed(body, signature):

@@ -625,3 +625,26 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
     body = answer["Body"].read()
     assert body == newer and journal_shipping._signed(body, answer["Metadata"][journal_shipping.SIGNATURE])
     assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
+
+
+def test_replay_rejected_usage_goes_on_when_the_beats_replay_took_the_moved_segment_first(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    """`replay_rejected_usage` moves a kept object back under the shipped prefix, where the beat's
+    `replay_shipped_usage` may replay (and delete) it first. Before, the command then crashed with NoSuchKey, and the
+    objects listed after it were left for another run."""
+    endpoint = EndpointFactory()
+    for number in (1, 2):
+        data = encode(usage_report(endpoint, request_id=f"aside-4-{number}"))
+        _put(files_bucket, journal_shipping.REJECTED_PREFIX + f"web-4-{number}.jsonl", data,
+             **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    outage.end()
+    replay_one = journal_shipping._replay_one
+
+    def the_beat_replays_it_first(key):
+        replay_one(key)  # the beat's run, between the move and the command's own replay
+        return replay_one(key)
+
+    monkeypatch.setattr(journal_shipping, "_replay_one", the_beat_replays_it_first)
+    assert journal_shipping.replay_rejected() == (0, [])  # each row written by the beat's run, none twice
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["aside-4-1", "aside-4-2"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
