@@ -648,3 +648,29 @@ def test_replay_rejected_usage_goes_on_when_the_beats_replay_took_the_moved_segm
     assert journal_shipping.replay_rejected() == (0, [])  # each row written by the beat's run, none twice
     assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["aside-4-1", "aside-4-2"]
     assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+
+
+def test_a_slow_bucket_holds_a_loops_end_no_longer_than_its_replay_time(outage, files_bucket, monkeypatch):  # noqa: F811
+    """Before, what a replay set aside was shipped without `timeout_s`'s bound: a put that took 3 s held
+    `replay_before_the_loop_ends(0.5)` (a gateway's shutdown, a batch run's end) 3 s, and a slow bucket up to its
+    attempts' ~26 s. Now it is waited for until the time is up; it goes on in its own thread."""
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    line = line_of_a_newer_version(usage_report(endpoint, request_id="newer-5"))
+    (directory / REJECTED_NAME).write_bytes(line)
+    client = journal_shipping._client()
+    put_object = client.put_object
+
+    def slowly(**kwargs):
+        time.sleep(3)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    outage.end()
+    started = time.monotonic()
+    asyncio.run(usage_writer.replay_before_the_loop_ends(0.5))
+    assert time.monotonic() - started < 1.5
+    usage_writer.ship_set_aside_soon().join(10)  # it went on meanwhile
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1
+    assert (directory / REJECTED_NAME).read_bytes() == b""
