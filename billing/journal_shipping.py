@@ -41,7 +41,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
-from billing.usage_journal import REJECTED_NAME, UsageJournal, read_segment, set_aside
+from billing.usage_journal import REJECTED_NAME, UsageJournal, count_set_aside, read_segment, set_aside
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -195,6 +195,7 @@ def _replay_one(key: str) -> int:
         replayed.count_superseded(lost_costs, registered=registration is not None)
     if rejected or segment.unreadable:
         _set_aside(key, set_aside(rejected, segment.unreadable))
+        count_set_aside(rejected, segment.unreadable)
         logger.error("usage journal: %d shipped report(s) refused by the ledger and %d line(s) unreadable kept in %s",
                      len(rejected), len(segment.unreadable), REJECTED_PREFIX)
     _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)

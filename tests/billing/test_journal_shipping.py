@@ -674,3 +674,21 @@ def test_a_slow_bucket_holds_a_loops_end_no_longer_than_its_replay_time(outage, 
     usage_writer.ship_set_aside_soon().join(10)  # it went on meanwhile
     assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1
     assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_what_the_workers_replay_of_the_bucket_sets_aside_is_counted(outage, files_bucket):  # noqa: F811
+    """The README says each line set aside is counted; before, the worker's replay of a shipped segment set lines
+    aside under the rejected prefix and counted none (only a gateway's replay did)."""
+    endpoint = EndpointFactory()
+    gone = EndpointFactory(organization=endpoint.organization)
+    refused = encode(usage_report(gone, request_id="refused-6"))  # its endpoint deleted: the ledger refuses it
+    gone.delete()
+    data = line_of_a_newer_version(usage_report(endpoint, request_id="newer-6")) + refused
+    _put(files_bucket, journal_shipping.PREFIX + "web-6-1.jsonl", data,
+         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    counted = {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get()
+               for reason in ("refused", "unreadable")}
+    outage.end()
+    assert journal_shipping.replay_shipped() == 0
+    assert {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get() - counted[reason]
+            for reason in counted} == {"refused": 1, "unreadable": 1}
