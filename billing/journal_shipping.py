@@ -41,7 +41,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from billing.ledger import UnknownEndpointError, supersede_lost_rows
 from billing.quota import replayed
-from billing.usage_journal import REJECTED_NAME, UsageJournal, read_segment, set_aside
+from billing.usage_journal import REJECTED_NAME, UsageJournal, count_set_aside, read_segment, set_aside
 
 logger = logging.getLogger("inferplane.billing")
 
@@ -142,8 +142,20 @@ def replay_shipped() -> int:
     return num_written
 
 
+def _gone(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}
+
+
 def _replay_one(key: str) -> int:
-    answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    try:
+        answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    except ClientError as exc:
+        # NOTE: another run replayed (and deleted) it since it was listed: the beat's `replay_shipped_usage` taking
+        # the segment `replay_rejected_usage` had just moved back. Its rows are written: nothing left to do here.
+        if not _gone(exc):
+            raise
+        logger.info("usage journal: the bucket's %s was replayed by another run", key)
+        return 0
     body = answer["Body"].read()
     if not _signed(body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
         logger.error("usage journal: the bucket's %s is not signed by this platform: not written, kept in %s", key,
@@ -183,6 +195,7 @@ def _replay_one(key: str) -> int:
         replayed.count_superseded(lost_costs, registered=registration is not None)
     if rejected or segment.unreadable:
         _set_aside(key, set_aside(rejected, segment.unreadable))
+        count_set_aside(rejected, segment.unreadable)
         logger.error("usage journal: %d shipped report(s) refused by the ledger and %d line(s) unreadable kept in %s",
                      len(rejected), len(segment.unreadable), REJECTED_PREFIX)
     _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
@@ -212,7 +225,12 @@ def replay_rejected() -> tuple[int, list[str]]:
     keys = [item["Key"] for page in paginator.paginate(Bucket=settings.FILES_S3_BUCKET, Prefix=REJECTED_PREFIX)
             for item in page.get("Contents", [])]
     for key in keys:
-        answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        try:
+            answer = _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+        except ClientError as exc:  # another `replay_rejected_usage` moved it since the listing
+            if not _gone(exc):
+                raise
+            continue
         body = answer["Body"].read()
         signature = (answer.get("Metadata") or {}).get(SIGNATURE, "")
         if not _signed(body, signature):

@@ -118,6 +118,13 @@ def set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> bytes
     return b"".join(encode(report) for report in rejected) + b"".join(line + b"\n" for line in unreadable)
 
 
+def count_set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> None:
+    """Each line a replay sets aside counted (`lines_set_aside`): a gateway's (`UsageJournal.done`) or the worker's
+    of a shipped segment (`journal_shipping`; NOTE: no Celery worker's metrics are scraped, its log says it)."""
+    lines_set_aside.labels(reason="refused").inc(len(rejected))
+    lines_set_aside.labels(reason="unreadable").inc(len(unreadable))
+
+
 def read_segment(handle) -> SegmentRead:
     """The reports of a segment, and the lines this version cannot read.
 
@@ -289,8 +296,7 @@ class UsageJournal:
                 os.fsync(handle.fileno())
             logger.error("usage journal: %d report(s) refused by the ledger and %d line(s) unreadable kept in %s",
                          len(rejected), len(unreadable), REJECTED_NAME)
-            lines_set_aside.labels(reason="refused").inc(len(rejected))
-            lines_set_aside.labels(reason="unreadable").inc(len(unreadable))
+            count_set_aside(rejected, unreadable)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         with self._lock:

@@ -28,6 +28,7 @@ import contextlib
 import enum
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -314,7 +315,7 @@ class UsageWriter:
         processes); returns how many it left to live processes. Raises while the database is down."""
         usage_journal = journal()
         await asyncio.to_thread(usage_journal.seal)
-        num_left = 0
+        num_left, set_aside = 0, False
         for path in await asyncio.to_thread(usage_journal.list_segments):
             with usage_journal.claim(path) as handle:
                 if handle is None:
@@ -353,9 +354,10 @@ class UsageWriter:
                         continue
                     await _count_superseded(superseded, registered=registration is not None)
                 await asyncio.to_thread(usage_journal.done, path, rejected, segment.unreadable)
-                if rejected or segment.unreadable:  # NOTE: off the pod's volume, which dies with it
-                    await asyncio.to_thread(journal_shipping.ship_set_aside, usage_journal)
+                set_aside = set_aside or bool(rejected or segment.unreadable)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
+        if set_aside:  # NOTE: off the pod's volume, which dies with it; never awaited here (`ship_set_aside_soon`)
+            ship_set_aside_soon()
         return num_left
 
     async def close(self) -> None:
@@ -438,26 +440,55 @@ async def replay_before_the_loop_ends(timeout_s: float) -> None:
     NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
     stayed in the worker's journal, and was lost with its pod."""
+    deadline = time.monotonic() + timeout_s
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
-            await asyncio.to_thread(journal_shipping.ship_set_aside, journal())
+            await _wait_for(ship_set_aside_soon(), deadline)
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
-    await ship_what_is_left()
+    await ship_what_is_left(deadline)
 
 
-async def ship_what_is_left() -> int:
+async def ship_what_is_left(deadline: float) -> int:
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
-    back. Returns how many segments went."""
+    back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
+    at most (`ship_set_aside_soon`)."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
     if not await asyncio.to_thread(usage_journal.list_segments):
-        await asyncio.to_thread(journal_shipping.ship_set_aside, usage_journal)
+        if usage_journal.has_set_aside():
+            await _wait_for(ship_set_aside_soon(), deadline)
         return 0
     return await asyncio.to_thread(journal_shipping.ship, usage_journal)
+
+
+_set_aside_shipper: threading.Thread | None = None
+_set_aside_shipper_lock = threading.Lock()
+
+
+def ship_set_aside_soon() -> threading.Thread:
+    """Ship what this pod's replays set aside (`journal_shipping.ship_set_aside`) in a thread of its own, unless one
+    ships it now; returns that thread.
+
+    NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~26 s) held a replay
+    loop after each segment, and a loop's end past its `timeout_s`. A daemon thread, not the loop's executor, which
+    `asyncio.run` waits for as it ends: a process that stops meanwhile leaves `rejected.jsonl` as it was (emptied only
+    once the bucket has it), shipped next time (replayed twice, each row counts once: its request id)."""
+    global _set_aside_shipper
+    with _set_aside_shipper_lock:
+        if _set_aside_shipper is None or not _set_aside_shipper.is_alive():
+            _set_aside_shipper = threading.Thread(target=journal_shipping.ship_set_aside, args=(journal(),),
+                                                  name="usage-set-aside-shipper", daemon=True)
+            _set_aside_shipper.start()
+        return _set_aside_shipper
+
+
+async def _wait_for(thread: threading.Thread, deadline: float) -> None:
+    """Wait for `thread` until `deadline` (`time.monotonic()`) at most; it goes on after."""
+    await asyncio.to_thread(thread.join, max(0.0, deadline - time.monotonic()))
 
 
 async def arecord_usage(report: UsageReport) -> Recorded:

@@ -68,7 +68,7 @@ OFF_LOOP_CALLS_ALLOWED = {
     ("billing/usage_writer.py", "journal().append"): "the usage journal's files, no ORM",
     ("billing/usage_writer.py", "journal().list_segments"): "the usage journal's files, no ORM",
     ("billing/usage_writer.py", "journal_shipping.ship"): "the usage journal's files to S3, no ORM",
-    ("billing/usage_writer.py", "journal_shipping.ship_set_aside"): "the usage journal's set-aside to S3, no ORM",
+    ("billing/usage_writer.py", "thread.join"): "waits for the set-aside's shipping thread (S3, no ORM)",
     ("billing/usage_writer.py", "usage_journal.seal"): "the usage journal's files, no ORM",
     ("billing/usage_writer.py", "usage_journal.list_segments"): "the usage journal's files, no ORM",
     ("billing/usage_writer.py", "usage_journal.done"): "the usage journal's files, no ORM",

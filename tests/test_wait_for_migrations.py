@@ -1,35 +1,27 @@
-"""A pod of a new release waits for its migrations before it serves (`manage.py wait_for_migrations`, each Django
-Deployment's init container: tests/infra/test_manifests.py)."""
-
-import threading
+"""A pod of a new release waits for its migrations before it serves: its init container loops on Django's
+`manage.py migrate --check` (infra/k8s/base/patches/wait-for-migrations.yaml, tests/infra/test_manifests.py). Our
+`migrate` (controlplane/management/commands/migrate.py) replaces Django's: its `--check` must still only check."""
 
 import pytest
 from django.core.management import call_command
-from django.core.management.base import CommandError
 from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+
+
+def _unapplied() -> list:
+    executor = MigrationExecutor(connection)
+    return executor.migration_plan(executor.loader.graph.leaf_nodes())
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_wait_ends_once_the_migrations_are_applied_and_fails_past_its_timeout():
-    call_command("wait_for_migrations", timeout_s=0, interval_s=0.1)  # every one applied: at once
+def test_migrate_check_exits_non_zero_while_a_migration_is_unapplied_and_applies_nothing():
+    call_command("migrate", check_unapplied=True, verbosity=0)  # every one applied: exits 0
     call_command("migrate", "endpoints", "0026", verbosity=0)
     try:
-        with pytest.raises(CommandError, match=r"endpoints\.0027_database_defaults_for_older_code"):
-            call_command("wait_for_migrations", timeout_s=0.3, interval_s=0.1)
-        outcome = []
-
-        def waiting():
-            try:
-                call_command("wait_for_migrations", timeout_s=30, interval_s=0.1)
-                outcome.append("served")
-            finally:
-                connection.close()
-
-        thread = threading.Thread(target=waiting)
-        thread.start()
-        thread.join(0.5)
-        assert thread.is_alive() and not outcome  # still waiting
+        with pytest.raises(SystemExit) as exited:
+            call_command("migrate", check_unapplied=True, verbosity=0)
+        assert exited.value.code == 1
+        assert _unapplied(), "--check applied the migrations"
     finally:
         call_command("migrate", "endpoints", verbosity=0)  # what the migration Job does
-    thread.join(10)
-    assert outcome == ["served"]
+    call_command("migrate", check_unapplied=True, verbosity=0)

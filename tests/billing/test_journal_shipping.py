@@ -625,3 +625,70 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
     body = answer["Body"].read()
     assert body == newer and journal_shipping._signed(body, answer["Metadata"][journal_shipping.SIGNATURE])
     assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
+
+
+def test_replay_rejected_usage_goes_on_when_the_beats_replay_took_the_moved_segment_first(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    """`replay_rejected_usage` moves a kept object back under the shipped prefix, where the beat's
+    `replay_shipped_usage` may replay (and delete) it first. Before, the command then crashed with NoSuchKey, and the
+    objects listed after it were left for another run."""
+    endpoint = EndpointFactory()
+    for number in (1, 2):
+        data = encode(usage_report(endpoint, request_id=f"aside-4-{number}"))
+        _put(files_bucket, journal_shipping.REJECTED_PREFIX + f"web-4-{number}.jsonl", data,
+             **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    outage.end()
+    replay_one = journal_shipping._replay_one
+
+    def the_beat_replays_it_first(key):
+        replay_one(key)  # the beat's run, between the move and the command's own replay
+        return replay_one(key)
+
+    monkeypatch.setattr(journal_shipping, "_replay_one", the_beat_replays_it_first)
+    assert journal_shipping.replay_rejected() == (0, [])  # each row written by the beat's run, none twice
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["aside-4-1", "aside-4-2"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+
+
+def test_a_slow_bucket_holds_a_loops_end_no_longer_than_its_replay_time(outage, files_bucket, monkeypatch):  # noqa: F811
+    """Before, what a replay set aside was shipped without `timeout_s`'s bound: a put that took 3 s held
+    `replay_before_the_loop_ends(0.5)` (a gateway's shutdown, a batch run's end) 3 s, and a slow bucket up to its
+    attempts' ~26 s. Now it is waited for until the time is up; it goes on in its own thread."""
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    line = line_of_a_newer_version(usage_report(endpoint, request_id="newer-5"))
+    (directory / REJECTED_NAME).write_bytes(line)
+    client = journal_shipping._client()
+    put_object = client.put_object
+
+    def slowly(**kwargs):
+        time.sleep(3)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    outage.end()
+    started = time.monotonic()
+    asyncio.run(usage_writer.replay_before_the_loop_ends(0.5))
+    assert time.monotonic() - started < 1.5
+    usage_writer.ship_set_aside_soon().join(10)  # it went on meanwhile
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_what_the_workers_replay_of_the_bucket_sets_aside_is_counted(outage, files_bucket):  # noqa: F811
+    """The README says each line set aside is counted; before, the worker's replay of a shipped segment set lines
+    aside under the rejected prefix and counted none (only a gateway's replay did)."""
+    endpoint = EndpointFactory()
+    gone = EndpointFactory(organization=endpoint.organization)
+    refused = encode(usage_report(gone, request_id="refused-6"))  # its endpoint deleted: the ledger refuses it
+    gone.delete()
+    data = line_of_a_newer_version(usage_report(endpoint, request_id="newer-6")) + refused
+    _put(files_bucket, journal_shipping.PREFIX + "web-6-1.jsonl", data,
+         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    counted = {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get()
+               for reason in ("refused", "unreadable")}
+    outage.end()
+    assert journal_shipping.replay_shipped() == 0
+    assert {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get() - counted[reason]
+            for reason in counted} == {"refused": 1, "unreadable": 1}

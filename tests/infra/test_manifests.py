@@ -342,17 +342,26 @@ WAIT_NAME = "wait-for-migrations"
 def test_no_pod_of_a_release_serves_before_its_migrations_are_applied(rendered):
     """`kubectl apply -k` applies the migration Job and the Deployments together. Before, nothing held a new pod back
     while the Job ran (no init container): its code read columns the Job had not added yet, and the README's "the
-    migration Job runs first" was not true."""
+    migration Job runs first" was not true.
+
+    Beat waits for nothing: it reads no schema, and with `Recreate` its old pod is gone at once, so its wait stopped
+    autoscaling, sweeps and rollups fleet-wide for a whole migration (before: beat had the init container). The wait
+    is Django's `migrate --check`, which every image has: before, it ran `manage.py wait_for_migrations`, a command
+    only that release had, and rolling back to an older tag left each new pod's init container failing forever."""
     for kind, name in DJANGO_PROCESSES:
         pod = _pod_spec(rendered.get(kind, name))
         waits = [container for container in pod.get("initContainers", []) if container["name"] == WAIT_NAME]
-        if kind == "Job":
-            assert not waits  # the one that applies them
+        if kind == "Job" or name == "inferplane-beat":
+            assert not waits, f"{rendered.overlay} {name} waits for the migrations"  # the Job applies them
             continue
         assert len(waits) == 1, f"{rendered.overlay} {name} does not wait for its migrations"
         (wait,) = waits
         serving = pod["containers"][0]
-        assert wait["command"] == ["python", "manage.py", "wait_for_migrations"]
+        script = " ".join(wait["command"])
+        assert wait["command"][:2] == ["sh", "-c"]
+        assert "python manage.py migrate --check" in script
+        assert "wait_for_migrations" not in script
+        assert "deadline" in script and "exit 1" in script  # bounded: fails, and Kubernetes starts it again
         assert wait["image"] == serving["image"]
         assert (wait["envFrom"], wait["env"]) == (serving["envFrom"], serving["env"])  # the same database
 
