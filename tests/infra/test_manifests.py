@@ -477,3 +477,16 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
     for drain_s in (float(values["INFERPLANE_GATEWAY_DRAIN_S"]), settings.GATEWAY_DRAIN_S):
         assert pod["terminationGracePeriodSeconds"] > (pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S
                                                        + SHUTDOWN_REPLAY_S + ONE_PUT_BOUND_S)
+
+
+def test_what_a_scheduler_first_upgrade_applies_alone_is_the_migration_job_and_every_config_map_its_pod_reads(rendered):
+    """infra/README.md, *Upgrading*: a release that rolls the worker and beat first applies the migration Job alone
+    (`kubectl apply -l inferplane.dev/before-the-rest=true`) and waits for it, so the worker's new code never meets the
+    old schema; the Job must find the settings' ConfigMap of its own content there (a new name per content), and nothing
+    else may roll with it."""
+    selected = {(doc["kind"], doc["metadata"]["name"]) for doc in rendered.documents
+                if doc["metadata"].get("labels", {}).get("inferplane.dev/before-the-rest") == "true"}
+    job = rendered.get("Job", "inferplane-migrate")
+    read = {source["configMapRef"]["name"] for container in _pod_spec(job)["containers"]
+            for source in container.get("envFrom", []) if "configMapRef" in source}
+    assert read and selected == {("Job", "inferplane-migrate")} | {("ConfigMap", name) for name in read}
