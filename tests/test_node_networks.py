@@ -428,3 +428,15 @@ def test_decoys_outside_the_networks_hide_no_probe_of_the_control_planes_own_red
         assert AuditEvent.objects.filter(action="node.register_refused", details__advertise_host=probe).exists()
     summary = AuditEvent.objects.get(action="node.register_refusals_unaudited")
     assert "INFERPLANE_NODE_NETWORKS" in summary.details["reason"]
+
+
+def test_link_local_decoys_hide_no_probe_of_the_metadata_service(client, production_networks):
+    """Before (a last read of the change): every link-local host had the same reason, so 100 refusals of 169.254.1.x
+    spent that reason's hour and a probe of 169.254.169.254 wrote no row naming it."""
+    created = create_join_token(SYSTEM, name="shared", max_uses=50)
+    for number in range(101):
+        assert register(client, created.plain, name="d", advertise_host=f"169.254.1.{number + 1}").status_code == 400
+    for probe in ("169.254.169.254", "100.100.100.200"):
+        answer = register(client, created.plain, name="probe", advertise_host=probe)
+        assert answer.status_code == 400 and "metadata" in answer.content.decode()
+        assert AuditEvent.objects.filter(action="node.register_refused", details__advertise_host=probe).exists()

@@ -89,6 +89,8 @@ def advertise_host_problem(host: str) -> str:
     address = _unmapped(address)
     if address.is_loopback:  # NOTE: first: ::1 is also in IPv6's reserved ::/8
         return "" if settings.ALLOW_LOOPBACK_NODES else "it is a loopback address"
+    if address in _INSTANCE_METADATA_ADDRESSES:  # NOTE: its own reason, so link-local decoys never spend its audit rows
+        return "it is a cloud's instance metadata service"
     if address.is_unspecified or address.is_link_local or address.is_multicast or address.is_reserved or (
             address.version == 4 and address in _THIS_NETWORK):
         return "it is an unspecified, link-local, multicast or reserved address"
@@ -156,6 +158,10 @@ def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddre
 
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # "this host on this network": never a node's address
+# The clouds' instance metadata services (credentials of the machine's role): AWS, GCP, Azure and OpenStack's IPv4 and
+# AWS's IPv6 address, ECS's task metadata, Alibaba Cloud's (in 100.64.0.0/10, which node networks may name).
+_INSTANCE_METADATA_ADDRESSES = frozenset(ipaddress.ip_address(address) for address in (
+    "169.254.169.254", "fd00:ec2::254", "169.254.170.2", "100.100.100.200"))
 
 
 def _normal_host(host: str) -> str:
