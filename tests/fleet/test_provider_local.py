@@ -73,7 +73,9 @@ def test_launch_starts_a_detached_cpu_agent_with_the_join_token_only_in_its_envi
     assert state["started"] == local_agents.process_start_time(pid)
     assert (state["engine_port_min"], state["engine_port_max"]) == (10000, 10099)
 
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    # NOTE: waited for: Popen returns once the child's exec is past its point of no return, and its arguments are
+    # mapped a moment later; read in between, under load, the cmdline was empty (a whole-suite run failed so).
+    argv = wait_until(lambda: Path(f"/proc/{pid}/cmdline").read_bytes(), 10, message="its arguments").split(b"\0")
     assert TOKEN.encode() not in b" ".join(argv)  # argv is world-readable
     assert argv[1:4] == [b"-m", b"gpu_agent", b"run"] and b"--cpu" in argv and b"--no-standby" in argv
     assert argv[argv.index(b"--data-dir") + 1] == str(pool_dir / "6b1d0a4e-launch-one").encode()
