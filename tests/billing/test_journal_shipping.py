@@ -617,6 +617,12 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
     _replay_here()
     assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-3"]
     assert usage_journal.lines_set_aside.labels(reason="unreadable")._value.get() == counted + 1
+    # NOTE: waited for: the set-aside lines are shipped by a thread of their own once the replay ended (a whole-suite
+    # run of the tests read the bucket before that thread's upload, and found nothing).
+    deadline = time.monotonic() + 20
+    while not (_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+               and (directory / REJECTED_NAME).read_bytes() == b"") and time.monotonic() < deadline:
+        time.sleep(0.05)
     (shipped,) = _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
     assert shipped.endswith(REJECTED_NAME)
     s3 = boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
