@@ -741,8 +741,9 @@ def start_gateway(logs: Path, name: str, processes: int, cores: str | None, serv
 
 def start_floor(logs: Path, name: str, upstream: str, processes: int, cores: str | None, serve: list[str]) -> tuple[Child, str]:
     port = free_port()
+    # NOTE: no `server` header, as `controlplane.serve` serves the gateway beside it: the same uvicorn work an answer
     child = Child([sys.executable, "-m", "uvicorn", "bench.bare_proxy:app", "--port", str(port), "--workers", str(processes),
-                   *serve], logs / f"{name}.log", cores=cores, env={"BARE_PROXY_UPSTREAM": upstream})
+                   "--no-server-header", *serve], logs / f"{name}.log", cores=cores, env={"BARE_PROXY_UPSTREAM": upstream})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url + "/health", child, 60)
     return child, url

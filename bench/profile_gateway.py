@@ -13,7 +13,7 @@ of py-spy: native symbols, so CPython's own C functions (attribute look-ups, the
 modules show, which py-spy's Python frames hide (round 22).
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy|--perf] [--server uvicorn|granian]
-        [--compare-server granian|uvicorn-access-log [--granian-args "--runtime-mode st"]]
+        [--compare-server granian|uvicorn-access-log|uvicorn-server-header [--granian-args "--runtime-mode st"]]
 
 `--compare-server` serves the same tree (gateway and floor) a second time under the other server,
 measured in the same rounds, alternating; the summary gives the medians and the paired differences.
@@ -49,9 +49,13 @@ def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] =
         return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
                 "--workers", "1", "--loop", "uvloop", "--no-ws", "--no-access-log", "--log-level", "warning",
                 *granian_args, app]
-    access_log = [] if server == "uvicorn-access-log" else ["--no-access-log"]  # the former: as a pod runs it
+    access_log = [] if server == "uvicorn-access-log" else ["--no-access-log"]  # the former: as a pod ran it before
+    # NOTE: no `server: uvicorn` header, as `controlplane.serve` runs a pod (round 28); uvicorn-server-header: with it,
+    # as this bench ran every gateway and floor through round 27.
+    server_header = ["--server-header"] if server == "uvicorn-server-header" else ["--no-server-header"]
     return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), *access_log,
-            "--log-level", "info" if access_log == [] else "warning", "--loop", "uvloop", "--http", "httptools"]
+            *server_header, "--log-level", "info" if access_log == [] else "warning", "--loop", "uvloop",
+            "--http", "httptools"]
 
 
 def in_tree(tree: str, command: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -181,9 +185,12 @@ def main() -> int:
                              "saturation, as a real engine)")
     parser.add_argument("--skip-wrk", action="store_true", help="only the streaming runs")
     parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
-    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log"), default=None,
+    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log", "uvicorn-server-header"),
+                        default=None,
                         help="also serve the gateway and the floor of this tree under this server, in the same rounds "
-                             "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process does)")
+                             "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process did before "
+                             "`controlplane.serve`; uvicorn-server-header: uvicorn's `server: uvicorn` header on, which "
+                             "a pod's web process turns off)")
     parser.add_argument("--granian-args", default="", help="extra granian flags, e.g. \"--runtime-mode st\"")
     parser.add_argument("--machine-cpu", action="store_true",
                         help="also print, per request, the CPU of Redis, PostgreSQL, the mock, wrk and the whole machine")
@@ -252,6 +259,10 @@ def main() -> int:
         bench.run_wrk(bare_url + "/v1/chat/completions", key, "mock", CONCURRENCY, 2, None)
         rows = []
         for round_index in range(0 if args.skip_wrk else args.rounds):
+            # NOTE: under `--compare-server` too, the two servers take turns at going first (round 28: before, the
+            # other server always ran last).
+            other_runs = ((measure(other[2], key, other[3], args.duration_s),
+                           measure(other[0], key, other[1], args.duration_s)) if other and round_index % 2 else None)
             floor = measure(bare_url, key, bare_pid, args.duration_s)
             # NOTE: with `--compare-with`, the two gateways take turns at going first: the slot a run has in its
             # round moves its figures more than most changes (two runs of the same pair of trees, swapped between
@@ -260,8 +271,8 @@ def main() -> int:
             through = measure(gateway_url, key, gateway_pid, args.duration_s)
             rows.append((floor, through))
             if other:
-                other_floor = measure(other[2], key, other[3], args.duration_s)
-                other_through = measure(other[0], key, other[1], args.duration_s)
+                other_floor, other_through = other_runs or (measure(other[2], key, other[3], args.duration_s),
+                                                             measure(other[0], key, other[1], args.duration_s))
                 rows[-1] += (other_floor, other_through)
                 print(f"{args.compare_server}: floor {other_floor['requests_per_s']}/s {other_floor['cpu_us_per_request']} µs/req "
                       f"p50 {other_floor['p50_ms']} ms | gateway {other_through['requests_per_s']}/s "

@@ -4,6 +4,7 @@ directly would have given, once, whatever the fold's timing."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -131,3 +132,36 @@ def test_an_endpoint_a_call_took_is_not_forgotten_under_it(monkeypatch):
     metrics.fold()
     assert _samples(registry)[("requests_total", (("endpoint_id", "e1"), ("organization_id", "7"),
                                                   ("status", "ok")))] == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stopping_gateway_process_publishes_the_counts_it_had_not_folded(monkeypatch):
+    # A process stops between two folds: what it counted since the last one reaches prometheus_client (its files, in a
+    # pod) at the lifespan's shutdown, before it goes; nothing folds it afterwards.
+    from controlplane.asgi import application
+
+    registry = _fresh_metrics(monkeypatch)
+    labels = (("endpoint_id", "e1"), ("organization_id", "7"))
+    endpoint = metrics.of_endpoint("e1", 7)
+    for _ in range(5):
+        endpoint.inflight.inc()
+        endpoint.observe_request("ok", 0.2, 10, 0, 3)
+        endpoint.inflight.dec()
+    assert ("requests_total", (*labels, ("status", "ok"))) not in _samples(registry)  # not folded yet
+    sent = []
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(application(
+        {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    assert sent == [{"type": "lifespan.shutdown.complete"}]
+    samples = _samples(registry)
+    assert samples[("requests_total", (*labels, ("status", "ok")))] == 5
+    assert samples[("duration_count", labels)] == 5
+    assert samples[("tokens_total", (("endpoint_id", "e1"), ("kind", "prompt"), ("organization_id", "7")))] == 50
+    assert samples[("tokens_total", (("endpoint_id", "e1"), ("kind", "completion"), ("organization_id", "7")))] == 15
+    assert samples[("inflight", labels)] == 0

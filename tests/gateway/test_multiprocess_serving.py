@@ -171,3 +171,15 @@ def test_metrics_of_a_multi_process_pod_still_need_the_token(pod):
         assert response.status_code == 401
         assert response.content == b""
         assert "server" not in response.headers  # no software named to a caller (controlplane.serve)
+
+
+def test_no_answer_of_a_pod_names_its_server(pod, tenant, start_mock_upstream):
+    # `server: uvicorn` named the software and its maker to every caller (a scanner's first finding); `date` stays
+    # (RFC 9110 asks an origin server with a clock for it).
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    with httpx.Client(base_url=pod.url) as client:
+        answers = [_chat(client, tenant.key, endpoint.name), _chat(client, "sk-not-a-key", endpoint.name),
+                   client.get("/login/"), client.get("/healthz")]
+    assert [answer.status_code for answer in answers] == [200, 401, 200, 200]
+    for answer in answers:
+        assert "server" not in answer.headers and "date" in answer.headers
