@@ -304,24 +304,32 @@ class UsageJournal:
             self._num_bytes_listed -= self._listed_bytes.pop(path.name, 0)
             self._count()
 
-    def hand_over_set_aside(self, upload: Callable[[bytes], None]) -> int:
-        """Pass what `rejected.jsonl` holds to `upload` and empty it once `upload` returned (if it raises, the file is
-        left as it was); returns the bytes handed over. The file's lock is held meanwhile: an append waits for it,
-        and comes after (appends are made under the same lock, `done`)."""
-        try:
-            handle = open(self.directory / REJECTED_NAME, "r+b")
-        except FileNotFoundError:
-            return 0
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            data = handle.read()
-            if not data:
-                return 0
-            upload(data)
-            handle.truncate(0)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return len(data)
+    def hand_over_set_aside(self, upload: Callable[[bytes], None], *, max_part_bytes: int) -> int:
+        """Pass what `rejected.jsonl` holds to `upload` in parts of whole lines, at most `max_part_bytes` each (a
+        single longer line goes alone), from its end, cutting each part off the file once `upload` returned; returns
+        the bytes handed over. If `upload` raises, the file holds exactly the lines no `upload` took, and it raises.
+
+        NOTE: from the end, so a part taken is a truncation, never a rewrite of the rest; the file's lock is held
+        for one part at a time (an append waits for it, and comes after: appends are made under the same lock,
+        `done`), and only that part is in memory."""
+        num_bytes = 0
+        while True:
+            try:
+                handle = open(self.directory / REJECTED_NAME, "r+b")
+            except FileNotFoundError:
+                return num_bytes
+            with handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                end = os.fstat(handle.fileno()).st_size
+                if not end:
+                    return num_bytes
+                start = _last_part_start(handle, end, max_part_bytes)
+                handle.seek(start)
+                upload(handle.read(end - start))
+                handle.truncate(start)
+                handle.flush()
+                os.fsync(handle.fileno())
+            num_bytes += end - start
 
     def has_set_aside(self) -> bool:
         with contextlib.suppress(FileNotFoundError):
@@ -335,6 +343,27 @@ class UsageJournal:
             with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
                 total += sum(1 for line in handle if line.strip())
         return total
+
+
+def _last_part_start(handle, end: int, max_part_bytes: int) -> int:
+    """Where the last part of a file of `end` bytes starts: at its first whole line among its last `max_part_bytes`,
+    or at its last line's start if that line alone is longer."""
+    if end <= max_part_bytes:
+        return 0
+    window_start = end - max_part_bytes - 1
+    handle.seek(window_start)
+    # NOTE: the bytes before the last one: a newline among them ends a line, the next one starts within the part.
+    newline = handle.read(max_part_bytes).find(b"\n")
+    if newline >= 0:
+        return window_start + newline + 1
+    while window_start > 0:  # the last line alone is longer than a part: its start, however far back
+        previous = max(0, window_start - max_part_bytes)
+        handle.seek(previous)
+        newline = handle.read(window_start - previous).rfind(b"\n")
+        if newline >= 0:
+            return previous + newline + 1
+        window_start = previous
+    return 0
 
 
 def _fsync_directory(directory: Path) -> None:
