@@ -63,7 +63,8 @@ LEFT_NEW_AFTER_S = 60.0
 REJECTED_NAME = "rejected.jsonl"
 # Lines a gateway's replay set aside (`UsageJournal.done`), by reason ("refused": by the ledger; "unreadable": by this
 # version): calls not billed until `manage.py replay_rejected_usage` bills them. Exported by the gateway's /metrics
-# (`endpoints.gateway.metrics`), charted on the dashboard (infra/grafana/inferplane.json).
+# (`endpoints.gateway.metrics`) and a Celery worker's (`controlplane.worker_metrics`: its replays of the files bucket),
+# charted on the dashboard by job (infra/grafana/inferplane.json).
 lines_set_aside = Counter("inferplane_usage_lines_set_aside_total",
                           "Usage journal lines a replay set aside unbilled (refused by the ledger, or unreadable by "
                           "this version), by reason.", ["reason"], registry=None)
@@ -120,7 +121,7 @@ def set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> bytes
 
 def count_set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> None:
     """Each line a replay sets aside counted (`lines_set_aside`): a gateway's (`UsageJournal.done`) or the worker's
-    of a shipped segment (`journal_shipping`; NOTE: no Celery worker's metrics are scraped, its log says it)."""
+    of a shipped segment (`journal_shipping`, scraped from the worker's own /metrics: `controlplane.worker_metrics`)."""
     lines_set_aside.labels(reason="refused").inc(len(rejected))
     lines_set_aside.labels(reason="unreadable").inc(len(unreadable))
 
