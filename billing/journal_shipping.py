@@ -15,9 +15,15 @@ endpoint is gone) go to `usage-journal-rejected/`, signed, as the local replay's
 replay_rejected_usage` replays them (`replay_rejected`), each row once, after a release that reads them.
 
 The bucket is not trusted with money: whoever may write there could otherwise forge usage for any organisation at any
-price. Each segment is shipped with an HMAC of its bytes keyed by the platform's secret (`SECRET_KEY`, its fallbacks
-accepted on replay), and one whose signature does not match is never written into the ledger: it is kept under the
-rejected prefix, with an error logged.
+price. Each object is shipped with an HMAC of its key and its bytes keyed by the platform's secret (`SECRET_KEY`, its
+fallbacks accepted on replay), and one whose signature does not match is never written into the ledger: it is kept
+under the rejected prefix, with an error logged. The key is signed too, so an object copied under another name (a
+set-aside object copied back under the shipped prefix, to be replayed before an operator chose to) is refused as
+well; the previous release signed the bytes alone, and those signatures are still read (`_LEGACY_SIGNATURE_SALT`).
+
+What a pod's replays set aside (`rejected.jsonl`) may grow large in a long outage: it goes in parts of at most
+`SET_ASIDE_PART_BYTES`, one object each, read from the file one part at a time and cut off it once the bucket has
+that part (`UsageJournal.hand_over_set_aside`): a put that fails leaves here exactly what the bucket lacks.
 
 A bucket that cannot be reached changes nothing: the segments stay in the local journal, bounded as before. The
 client has short timeouts and few retries: shipping runs on the writer's replay loop and in a process's shutdown.
@@ -54,16 +60,30 @@ ONE_PUT_BOUND_S = ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S)
 _CLIENT_CONFIG = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                         retries={"max_attempts": ATTEMPTS, "mode": "standard"})
 FAILURES = (BotoCoreError, ClientError, OSError)
-SIGNATURE = "inferplane-signature"  # the object's metadata: `_signature` of its bytes
-_SIGNATURE_SALT = "billing.journal_shipping"
+# The most one object of a pod's set-aside lines holds (`ship_set_aside`): a put of it fits its timeouts, and it is
+# read into memory one part at a time. A single line longer than this (the journal writes none: a report is ~1 KiB)
+# goes whole, alone.
+SET_ASIDE_PART_BYTES = 8 * 1024 * 1024
+SIGNATURE = "inferplane-signature"  # the object's metadata: `_signature` of its key and bytes
+_SIGNATURE_SALT = "billing.journal_shipping.keyed"
+# NOTE: the previous release signed an object's bytes alone, under this salt. Its objects (shipped segments, set-aside
+# lines) are still read; once every bucket has been replayed by this release (`replay_shipped_usage` runs every
+# minute; `replay_rejected_usage` re-signs what it moves) and no pod of that release is left, this can go.
+_LEGACY_SIGNATURE_SALT = "billing.journal_shipping"
 
 
-def _signature(data: bytes, secret: str | None = None) -> str:
-    return salted_hmac(_SIGNATURE_SALT, data, secret=secret, algorithm="sha256").hexdigest()
+def _signature(key: str, data: bytes, secret: str | None = None) -> str:
+    """The HMAC of an object's key and bytes: the key's length first, so no key and bytes read as another's."""
+    named = f"{len(key)}:{key}\n".encode() + data
+    return salted_hmac(_SIGNATURE_SALT, named, secret=secret, algorithm="sha256").hexdigest()
 
 
-def _signed(data: bytes, signature: str) -> bool:
-    return any(constant_time_compare(signature, _signature(data, secret))
+def _signed(key: str, data: bytes, signature: str) -> bool:
+    """Whether `signature` is this platform's for `data` under `key` (or, written by the previous release, for
+    `data` alone)."""
+    return any(constant_time_compare(signature, _signature(key, data, secret))
+               or constant_time_compare(signature, salted_hmac(_LEGACY_SIGNATURE_SALT, data, secret=secret,
+                                                               algorithm="sha256").hexdigest())
                for secret in (settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS))
 
 
@@ -93,7 +113,7 @@ def ship(journal: UsageJournal) -> int:
             if data:
                 try:
                     _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=PREFIX + path.name, Body=data,
-                                         Metadata={SIGNATURE: _signature(data)})
+                                         Metadata={SIGNATURE: _signature(PREFIX + path.name, data)})
                 except FAILURES as exc:
                     logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here",
                                    path.name, exc)
@@ -108,21 +128,26 @@ def ship(journal: UsageJournal) -> int:
 
 def ship_set_aside(journal: UsageJournal) -> int:
     """Upload what this pod's replays set aside (`rejected.jsonl`, on the pod's volume, gone with it) to the rejected
-    prefix, signed, under a name of this host's, process's and time's, and empty it here; returns the bytes shipped.
-    `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a worker thread."""
+    prefix, signed, in parts of at most `SET_ASIDE_PART_BYTES` each under a name of this host's, process's and time's,
+    cutting each part off the file once the bucket has it; returns the bytes shipped. A put that fails leaves here
+    exactly the lines no object holds. `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a
+    worker thread."""
     if not enabled():
         return 0
+    num_shipped = [0]
 
     def upload(data: bytes) -> None:
-        name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
-        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + name, Body=data,
-                             Metadata={SIGNATURE: _signature(data)})
+        key = f"{REJECTED_PREFIX}{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Body=data,
+                             Metadata={SIGNATURE: _signature(key, data)})
+        num_shipped[0] += len(data)
 
     try:
-        num_bytes = journal.hand_over_set_aside(upload)
+        num_bytes = journal.hand_over_set_aside(upload, max_part_bytes=SET_ASIDE_PART_BYTES)
     except FAILURES as exc:
-        logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here", REJECTED_NAME, exc)
-        return 0
+        logger.warning("usage journal: could not ship all of %s to the files bucket (%r; %d bytes went); the rest "
+                       "stays here", REJECTED_NAME, exc, num_shipped[0])
+        return num_shipped[0]
     if num_bytes:
         logger.warning("usage journal: %s (%d bytes) shipped to the bucket's %s", REJECTED_NAME, num_bytes,
                        REJECTED_PREFIX)
@@ -157,7 +182,7 @@ def _replay_one(key: str) -> int:
         logger.info("usage journal: the bucket's %s was replayed by another run", key)
         return 0
     body = answer["Body"].read()
-    if not _signed(body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
+    if not _signed(key, body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
         logger.error("usage journal: the bucket's %s is not signed by this platform: not written, kept in %s", key,
                      REJECTED_PREFIX)
         _set_aside(key, body, signed=False)
@@ -206,9 +231,9 @@ def _replay_one(key: str) -> int:
 def _set_aside(key: str, data: bytes, *, signed: bool = True) -> None:
     """Keep `data` under the rejected prefix; signed (as a shipped segment) unless it came unsigned: only a signed one
     is ever replayed (`replay_rejected`)."""
-    metadata = {SIGNATURE: _signature(data)} if signed else {}
-    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=REJECTED_PREFIX + key.removeprefix(PREFIX), Body=data,
-                         Metadata=metadata)
+    kept = REJECTED_PREFIX + key.removeprefix(PREFIX)
+    metadata = {SIGNATURE: _signature(kept, data)} if signed else {}
+    _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=kept, Body=data, Metadata=metadata)
 
 
 def replay_rejected() -> tuple[int, list[str]]:
@@ -232,13 +257,14 @@ def replay_rejected() -> tuple[int, list[str]]:
                 raise
             continue
         body = answer["Body"].read()
-        signature = (answer.get("Metadata") or {}).get(SIGNATURE, "")
-        if not _signed(body, signature):
+        if not _signed(key, body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
             unsigned.append(key)
             continue
         shipped = PREFIX + key.removeprefix(REJECTED_PREFIX)
         # NOTE: shipped before the rejected copy goes: a run stopped between the two replays it (each row once).
-        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=shipped, Body=body, Metadata={SIGNATURE: signature})
+        # Signed again for its new key: the signature binds an object to its name.
+        _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=shipped, Body=body,
+                             Metadata={SIGNATURE: _signature(shipped, body)})
         _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
         num_written += _replay_one(shipped)
     return num_written, unsigned

@@ -63,7 +63,8 @@ LEFT_NEW_AFTER_S = 60.0
 REJECTED_NAME = "rejected.jsonl"
 # Lines a gateway's replay set aside (`UsageJournal.done`), by reason ("refused": by the ledger; "unreadable": by this
 # version): calls not billed until `manage.py replay_rejected_usage` bills them. Exported by the gateway's /metrics
-# (`endpoints.gateway.metrics`), charted on the dashboard (infra/grafana/inferplane.json).
+# (`endpoints.gateway.metrics`) and a Celery worker's (`controlplane.worker_metrics`: its replays of the files bucket),
+# charted on the dashboard by job (infra/grafana/inferplane.json).
 lines_set_aside = Counter("inferplane_usage_lines_set_aside_total",
                           "Usage journal lines a replay set aside unbilled (refused by the ledger, or unreadable by "
                           "this version), by reason.", ["reason"], registry=None)
@@ -120,7 +121,7 @@ def set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> bytes
 
 def count_set_aside(rejected: list[UsageReport], unreadable: Sequence[bytes]) -> None:
     """Each line a replay sets aside counted (`lines_set_aside`): a gateway's (`UsageJournal.done`) or the worker's
-    of a shipped segment (`journal_shipping`; NOTE: no Celery worker's metrics are scraped, its log says it)."""
+    of a shipped segment (`journal_shipping`, scraped from the worker's own /metrics: `controlplane.worker_metrics`)."""
     lines_set_aside.labels(reason="refused").inc(len(rejected))
     lines_set_aside.labels(reason="unreadable").inc(len(unreadable))
 
@@ -304,24 +305,32 @@ class UsageJournal:
             self._num_bytes_listed -= self._listed_bytes.pop(path.name, 0)
             self._count()
 
-    def hand_over_set_aside(self, upload: Callable[[bytes], None]) -> int:
-        """Pass what `rejected.jsonl` holds to `upload` and empty it once `upload` returned (if it raises, the file is
-        left as it was); returns the bytes handed over. The file's lock is held meanwhile: an append waits for it,
-        and comes after (appends are made under the same lock, `done`)."""
-        try:
-            handle = open(self.directory / REJECTED_NAME, "r+b")
-        except FileNotFoundError:
-            return 0
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            data = handle.read()
-            if not data:
-                return 0
-            upload(data)
-            handle.truncate(0)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return len(data)
+    def hand_over_set_aside(self, upload: Callable[[bytes], None], *, max_part_bytes: int) -> int:
+        """Pass what `rejected.jsonl` holds to `upload` in parts of whole lines, at most `max_part_bytes` each (a
+        single longer line goes alone), from its end, cutting each part off the file once `upload` returned; returns
+        the bytes handed over. If `upload` raises, the file holds exactly the lines no `upload` took, and it raises.
+
+        NOTE: from the end, so a part taken is a truncation, never a rewrite of the rest; the file's lock is held
+        for one part at a time (an append waits for it, and comes after: appends are made under the same lock,
+        `done`), and only that part is in memory."""
+        num_bytes = 0
+        while True:
+            try:
+                handle = open(self.directory / REJECTED_NAME, "r+b")
+            except FileNotFoundError:
+                return num_bytes
+            with handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                end = os.fstat(handle.fileno()).st_size
+                if not end:
+                    return num_bytes
+                start = _last_part_start(handle, end, max_part_bytes)
+                handle.seek(start)
+                upload(handle.read(end - start))
+                handle.truncate(start)
+                handle.flush()
+                os.fsync(handle.fileno())
+            num_bytes += end - start
 
     def has_set_aside(self) -> bool:
         with contextlib.suppress(FileNotFoundError):
@@ -335,6 +344,27 @@ class UsageJournal:
             with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
                 total += sum(1 for line in handle if line.strip())
         return total
+
+
+def _last_part_start(handle, end: int, max_part_bytes: int) -> int:
+    """Where the last part of a file of `end` bytes starts: at its first whole line among its last `max_part_bytes`,
+    or at its last line's start if that line alone is longer."""
+    if end <= max_part_bytes:
+        return 0
+    window_start = end - max_part_bytes - 1
+    handle.seek(window_start)
+    # NOTE: the bytes before the last one: a newline among them ends a line, the next one starts within the part.
+    newline = handle.read(max_part_bytes).find(b"\n")
+    if newline >= 0:
+        return window_start + newline + 1
+    while window_start > 0:  # the last line alone is longer than a part: its start, however far back
+        previous = max(0, window_start - max_part_bytes)
+        handle.seek(previous)
+        newline = handle.read(window_start - previous).rfind(b"\n")
+        if newline >= 0:
+            return previous + newline + 1
+        window_start = previous
+    return 0
 
 
 def _fsync_directory(directory: Path) -> None:

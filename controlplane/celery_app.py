@@ -12,7 +12,7 @@ import os
 from celery import Celery
 from celery.signals import beat_init, before_task_publish, task_revoked, worker_ready
 
-from controlplane import clock
+from controlplane import clock, worker_metrics  # noqa: F401 - its signals serve a worker's /metrics
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 

@@ -9,7 +9,8 @@ Redis and PostgreSQL, never in a process (README, "Warm call").
 
 With more than one worker, Prometheus counters live in files shared by the workers
 (`PROMETHEUS_MULTIPROC_DIR`, prometheus_client's multiprocess mode): `/metrics`, whichever worker
-answers it, reports their sums (`endpoints/gateway/metrics.py`). The folder is emptied here, before
+answers it, reports their sums (`endpoints/gateway/metrics.py`). The folder is emptied here
+(`controlplane.metrics_processes.prepare_metrics_dir`), before
 any worker starts, so a restarted container never adds a previous run's counts or gauges. Without
 the variable a private folder is made under the temporary directory and removed on exit.
 
@@ -32,16 +33,15 @@ before Django, and only in the web process, so they are not settings every proce
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
 import math
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import uvicorn
+
+from controlplane.metrics_processes import prepare_metrics_dir
 
 APPLICATION = "controlplane.asgi:application"
 GRACEFUL_SHUTDOWN_S = 10  # unless `--timeout-graceful-shutdown` is passed (infra/k8s/base/web.yaml passes the same)
@@ -82,25 +82,6 @@ def num_workers(environ: dict[str, str] = os.environ) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise SystemExit(f"WEB_CONCURRENCY must be a whole number of worker processes (1 or more), not {raw!r}")
     return int(raw)
-
-
-def prepare_metrics_dir(num_processes: int, environ: dict[str, str] = os.environ) -> Path | None:
-    """An empty `PROMETHEUS_MULTIPROC_DIR` for the workers, set in `environ`; None for one process without it."""
-    configured = (environ.get("PROMETHEUS_MULTIPROC_DIR") or "").strip()
-    if not configured and num_processes == 1:
-        return None
-    if configured:
-        directory = Path(configured)
-        if directory.is_dir():
-            # NOTE: emptied, not removed: in a pod it may be the mount point of an emptyDir volume.
-            for entry in directory.iterdir():
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        directory.mkdir(parents=True, exist_ok=True)
-    else:
-        directory = Path(tempfile.mkdtemp(prefix="inferplane-metrics-"))
-        atexit.register(shutil.rmtree, directory, True)
-    environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
-    return directory
 
 
 def limit_malloc_arenas(environ: dict[str, str] = os.environ) -> None:

@@ -591,6 +591,9 @@ def _metrics_token() -> str:
 
 
 METRICS_TOKEN = _metrics_token()
+# A Celery worker's own /metrics, on this port of its pod (`controlplane.worker_metrics`), under the same token; 0 or
+# no token: the worker listens on nothing.
+WORKER_METRICS_PORT = env_int("INFERPLANE_WORKER_METRICS_PORT", 9100, minimum=0, maximum=65535)
 
 LOGGING = {
     "version": 1,

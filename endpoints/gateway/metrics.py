@@ -20,8 +20,6 @@ import asyncio
 import bisect
 import contextlib
 import enum
-import glob
-import hmac
 import ipaddress
 import math
 import os
@@ -32,10 +30,10 @@ from django.conf import settings
 from django.db.models import Count
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from billing import usage_journal
 from controlplane import clock
+from controlplane.metrics_processes import forget_dead_processes, multiprocess_registry, token_granted
 from endpoints.fleet.pool_costs import usage_by_pool
 from endpoints.models import LIVE_REPLICA_STATES, Endpoint, Replica
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
@@ -371,10 +369,7 @@ def access(scope: dict) -> Access:
     headers = dict(scope.get("headers") or [])
     if not token:
         return Access.GRANTED if settings.DEBUG and _direct_loopback_client(scope, headers) else Access.OFF
-    keyword, _, presented = headers.get(b"authorization", b"").partition(b" ")
-    if keyword.lower() == b"bearer" and hmac.compare_digest(presented.strip(), token.encode()):
-        return Access.GRANTED
-    return Access.DENIED
+    return Access.GRANTED if token_granted(headers.get(b"authorization", b""), token) else Access.DENIED
 
 
 def _direct_loopback_client(scope: dict, headers: dict[bytes, bytes]) -> bool:
@@ -391,8 +386,7 @@ def _scraped_registry() -> CollectorRegistry:
     """What a scrape reads: this process's registry, or every process's files and the fleet."""
     if MULTIPROCESS_DIR is None:
         return REGISTRY
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, MULTIPROCESS_DIR)
+    registry = multiprocess_registry(MULTIPROCESS_DIR)
     registry.register(fleet)
     return registry
 
@@ -400,20 +394,8 @@ def _scraped_registry() -> CollectorRegistry:
 _SCRAPED = _scraped_registry()
 
 
-def _forget_dead_processes() -> None:
-    """Drop the live gauges of processes that are gone (a worker killed without its shutdown)."""
-    for path in glob.glob(os.path.join(MULTIPROCESS_DIR, "gauge_live*_*.db")):
-        pid = int(path.rsplit("_", 1)[1].removesuffix(".db"))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            mark_process_dead(pid, MULTIPROCESS_DIR)
-        except PermissionError:
-            pass  # alive, someone else's
-
-
 def render() -> bytes:
     fold()
     if MULTIPROCESS_DIR is not None:
-        _forget_dead_processes()
+        forget_dead_processes(MULTIPROCESS_DIR)
     return generate_latest(_SCRAPED)

@@ -12,6 +12,7 @@ from decimal import Decimal
 import boto3
 import psycopg
 import pytest
+from botocore.exceptions import EndpointConnectionError
 from django.core.management import call_command
 from django.db import OperationalError, connections
 
@@ -237,6 +238,11 @@ def _put(bucket: str, key: str, data: bytes, **metadata) -> None:
     s3.put_object(Bucket=bucket, Key=key, Body=data, Metadata=metadata)
 
 
+def _put_signed(bucket: str, key: str, data: bytes) -> None:
+    """`data` under `key`, signed by this platform as the shipping signs it (its key and its bytes)."""
+    _put(bucket, key, data, **{journal_shipping.SIGNATURE: journal_shipping._signature(key, data)})
+
+
 def test_a_segment_the_platform_did_not_sign_is_never_billed(outage, files_bucket):  # noqa: F811
     # Whoever may write to the files bucket could put usage there for any organisation at any price.
     endpoint = EndpointFactory()
@@ -258,8 +264,7 @@ def test_a_shipped_line_this_version_cannot_read_is_kept_aside_in_the_bucket(out
     endpoint = EndpointFactory()
     newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-1"))
     data = newer + encode(usage_report(endpoint, request_id="known-1"))
-    _put(files_bucket, journal_shipping.PREFIX + "web-1-1.jsonl", data,
-         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    _put_signed(files_bucket, journal_shipping.PREFIX + "web-1-1.jsonl", data)
     outage.end()
 
     assert journal_shipping.replay_shipped() == 1
@@ -277,8 +282,7 @@ def test_rows_the_ledger_refuses_for_what_they_hold_do_not_block_the_segments_af
     poisoned = encode(dataclasses.replace(usage_report(endpoint, request_id="poison-1"), prompt_tokens=2**31))
     good = encode(usage_report(endpoint, request_id="after-1"))
     for name, data in (("a-1-1.jsonl", poisoned), ("b-1-1.jsonl", good)):
-        _put(files_bucket, journal_shipping.PREFIX + name, data,
-             **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+        _put_signed(files_bucket, journal_shipping.PREFIX + name, data)
     outage.end()
 
     assert journal_shipping.replay_shipped() == 1
@@ -577,8 +581,7 @@ def test_a_line_an_older_version_kept_aside_is_billed_once_by_replay_rejected_us
     refused = encode(usage_report(gone, request_id="refused-2"))  # its endpoint deleted: the ledger refuses it
     gone.delete()
     data = known + newer + refused
-    _put(files_bucket, journal_shipping.PREFIX + "web-2-1.jsonl", data,
-         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    _put_signed(files_bucket, journal_shipping.PREFIX + "web-2-1.jsonl", data)
     forged = encode(usage_report(endpoint, request_id="forged-2"))
     _put(files_bucket, journal_shipping.REJECTED_PREFIX + "evil-2-1.jsonl", forged)
     outage.end()
@@ -589,7 +592,7 @@ def test_a_line_an_older_version_kept_aside_is_billed_once_by_replay_rejected_us
                       aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
     kept = journal_shipping.REJECTED_PREFIX + "web-2-1.jsonl"
     aside = s3.get_object(Bucket=files_bucket, Key=kept)["Body"].read() + known + newer
-    _put(files_bucket, kept, aside, **{journal_shipping.SIGNATURE: journal_shipping._signature(aside)})
+    _put_signed(files_bucket, kept, aside)
 
     call_command("replay_rejected_usage")
     assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-2", "newer-2"]
@@ -629,7 +632,7 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
                       aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
     answer = s3.get_object(Bucket=files_bucket, Key=shipped)
     body = answer["Body"].read()
-    assert body == newer and journal_shipping._signed(body, answer["Metadata"][journal_shipping.SIGNATURE])
+    assert body == newer and journal_shipping._signed(shipped, body, answer["Metadata"][journal_shipping.SIGNATURE])
     assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
 
 
@@ -641,8 +644,7 @@ def test_replay_rejected_usage_goes_on_when_the_beats_replay_took_the_moved_segm
     endpoint = EndpointFactory()
     for number in (1, 2):
         data = encode(usage_report(endpoint, request_id=f"aside-4-{number}"))
-        _put(files_bucket, journal_shipping.REJECTED_PREFIX + f"web-4-{number}.jsonl", data,
-             **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+        _put_signed(files_bucket, journal_shipping.REJECTED_PREFIX + f"web-4-{number}.jsonl", data)
     outage.end()
     replay_one = journal_shipping._replay_one
 
@@ -690,11 +692,96 @@ def test_what_the_workers_replay_of_the_bucket_sets_aside_is_counted(outage, fil
     refused = encode(usage_report(gone, request_id="refused-6"))  # its endpoint deleted: the ledger refuses it
     gone.delete()
     data = line_of_a_newer_version(usage_report(endpoint, request_id="newer-6")) + refused
-    _put(files_bucket, journal_shipping.PREFIX + "web-6-1.jsonl", data,
-         **{journal_shipping.SIGNATURE: journal_shipping._signature(data)})
+    _put_signed(files_bucket, journal_shipping.PREFIX + "web-6-1.jsonl", data)
     counted = {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get()
                for reason in ("refused", "unreadable")}
     outage.end()
     assert journal_shipping.replay_shipped() == 0
     assert {reason: usage_journal.lines_set_aside.labels(reason=reason)._value.get() - counted[reason]
             for reason in counted} == {"refused": 1, "unreadable": 1}
+
+
+def _s3():
+    return boto3.client("s3", endpoint_url=journal_shipping.settings.FILES_S3_ENDPOINT_URL, region_name="us-east-1",
+                        aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+
+
+def test_a_signed_object_copied_under_another_name_is_never_billed(outage, files_bucket):  # noqa: F811
+    """Before, the signature covered an object's bytes alone: a set-aside object copied under the shipped prefix (or
+    under any other name) was read as signed, and its rows written into the ledger (the test saw 1 row and no key
+    left aside as unsigned)."""
+    endpoint = EndpointFactory()
+    data = encode(usage_report(endpoint, request_id="copied-7"))
+    kept = journal_shipping.REJECTED_PREFIX + "web-7-1.jsonl"
+    _put_signed(files_bucket, kept, data)
+    s3 = _s3()
+    signature = s3.head_object(Bucket=files_bucket, Key=kept)["Metadata"][journal_shipping.SIGNATURE]
+    for copy in (journal_shipping.PREFIX + "web-7-1.jsonl", journal_shipping.REJECTED_PREFIX + "other-7-1.jsonl"):
+        s3.copy_object(Bucket=files_bucket, Key=copy, CopySource={"Bucket": files_bucket, "Key": kept},
+                       Metadata={journal_shipping.SIGNATURE: signature}, MetadataDirective="REPLACE")
+    s3.delete_object(Bucket=files_bucket, Key=kept)
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 0  # the copy under the shipped prefix: refused, kept aside unsigned
+    assert journal_shipping.replay_rejected() == (0, sorted(
+        [journal_shipping.REJECTED_PREFIX + "other-7-1.jsonl", journal_shipping.REJECTED_PREFIX + "web-7-1.jsonl"]))
+    assert UsageRecord.objects.count() == 0
+
+
+def test_an_object_the_previous_release_signed_over_its_bytes_alone_is_still_replayed(outage, files_bucket):  # noqa: F811
+    # Shipped by the previous release's pods during a rolling deploy: its signature covers the bytes, not the key.
+    from django.utils.crypto import salted_hmac
+
+    endpoint = EndpointFactory()
+    data = encode(usage_report(endpoint, request_id="older-8"))
+    legacy = salted_hmac("billing.journal_shipping", data, algorithm="sha256").hexdigest()
+    _put(files_bucket, journal_shipping.REJECTED_PREFIX + "web-8-1.jsonl", data, **{journal_shipping.SIGNATURE: legacy})
+    outage.end()
+
+    assert journal_shipping.replay_rejected() == (1, [])
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["older-8"]
+
+
+def _object_lines(bucket: str, prefix: str) -> list[bytes]:
+    s3 = _s3()
+    return [line for key in _bucket_keys(bucket, prefix)
+            for line in s3.get_object(Bucket=bucket, Key=key)["Body"].read().splitlines(keepends=True)]
+
+
+def test_a_large_set_aside_goes_in_parts_and_a_put_failing_midway_leaves_here_exactly_what_the_bucket_lacks(
+        outage, files_bucket, monkeypatch):  # noqa: F811
+    """Before, the whole of `rejected.jsonl` was read into memory and sent as one object, however large an outage had
+    made it (the test saw one object of 12 lines, 3 times the part's bound)."""
+    endpoint = EndpointFactory()
+    lines = [encode(usage_report(endpoint, request_id=f"aside-9-{number:02}")) for number in range(12)]
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / REJECTED_NAME).write_bytes(b"".join(lines))
+    part_bytes = max(map(len, lines)) * 4  # four lines at most a part
+    monkeypatch.setattr(journal_shipping, "SET_ASIDE_PART_BYTES", part_bytes)
+    client = journal_shipping._client()
+    put_object, num_puts = client.put_object, [0]
+
+    def third_put_fails(**kwargs):
+        num_puts[0] += 1
+        if num_puts[0] == 3:
+            raise EndpointConnectionError(endpoint_url="http://bucket.test")
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", third_put_fails)
+    assert 0 < journal_shipping.ship_set_aside(usage_writer.journal()) < len(b"".join(lines))
+    shipped = _object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)
+    left = (directory / REJECTED_NAME).read_bytes().splitlines(keepends=True)
+    assert shipped and left
+    assert sorted(shipped + left) == sorted(lines)  # each line in exactly one place
+    s3 = _s3()
+    assert all(s3.head_object(Bucket=files_bucket, Key=key)["ContentLength"] <= part_bytes
+               for key in _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX))
+
+    journal_shipping.ship_set_aside(usage_writer.journal())  # the bucket answers again
+    assert sorted(_object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)) == sorted(lines)
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+    assert all(s3.head_object(Bucket=files_bucket, Key=key)["ContentLength"] <= part_bytes
+               for key in _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX))
+    outage.end()
+    assert journal_shipping.replay_rejected() == (12, [])  # every part signed: each line billed once

@@ -417,3 +417,13 @@ def test_a_shutdown_whose_cancellation_a_replays_redis_write_dropped_still_ends(
         usage_writer.journal.cache_clear()
     assert dropped
     assert ended, "the shutdown waited for the replay for as long as the database refused writes"
+
+
+def test_the_set_aside_is_handed_over_in_parts_of_whole_lines_and_a_longer_line_alone(tmp_path):
+    # Lines of 3, 5, 12 (longer than a part), 2 and 4 bytes, the last one torn (no newline), parts of at most 8 bytes.
+    lines = [b"aa\n", b"bbbb\n", b"c" * 11 + b"\n", b"d\n", b"eeee"]
+    (tmp_path / REJECTED_NAME).write_bytes(b"".join(lines))
+    parts = []
+    assert UsageJournal(tmp_path).hand_over_set_aside(parts.append, max_part_bytes=8) == len(b"".join(lines))
+    assert parts == [b"d\neeee", b"c" * 11 + b"\n", b"aa\nbbbb\n"]
+    assert (tmp_path / REJECTED_NAME).read_bytes() == b""

@@ -324,6 +324,19 @@ def test_beat_runs_exactly_one_replica_and_never_two_at_once(rendered):
     assert _pod_spec(beat)["containers"][0]["command"][:3] == ["celery", "--app=controlplane", "beat"]
 
 
+def test_each_worker_serves_its_metrics_on_the_port_its_pod_names_from_a_writable_folder(rendered):
+    # controlplane/worker_metrics.py listens on INFERPLANE_WORKER_METRICS_PORT with the metrics token (a Secret), and
+    # keeps its processes' counters in a fresh folder under the temporary directory.
+    for name in ("inferplane-worker", "inferplane-batch-worker"):
+        deployment = rendered.get("Deployment", name)
+        values, from_secrets = _environment(rendered, deployment)
+        container = _pod_spec(deployment)["containers"][0]
+        (port,) = [port for port in container["ports"] if port["name"] == "metrics"]
+        assert str(port["containerPort"]) == values["INFERPLANE_WORKER_METRICS_PORT"] != "0", name
+        assert "INFERPLANE_METRICS_TOKEN" in from_secrets, name
+        assert "/tmp" in {mount["mountPath"] for mount in container["volumeMounts"]}, name
+
+
 def test_worker_and_migrations_run_the_right_commands(rendered):
     worker = _pod_spec(rendered.get("Deployment", "inferplane-worker"))["containers"][0]
     assert worker["command"][:3] == ["celery", "--app=controlplane", "worker"]

@@ -146,3 +146,31 @@ def test_prometheus_scrapes_the_web_pods_metrics_port():
         == "inferplane;web"
     )
     assert keep[("__meta_kubernetes_pod_container_port_name",)] == "http"
+
+
+def test_prometheus_scrapes_every_celery_workers_metrics_port_with_the_same_token():
+    """Before, no job scraped a worker: what a worker counts (the lines its replays of the files bucket set aside)
+    was in its log alone."""
+    config = yaml.safe_load((INFRA_DIR / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    worker = jobs["inferplane-worker"]
+    assert worker["metrics_path"] == "/metrics"
+    assert worker["authorization"] == jobs["inferplane-web"]["authorization"]
+    keep = {tuple(rule["source_labels"]): rule["regex"] for rule in worker["relabel_configs"]
+            if rule.get("action") == "keep"}
+    components = keep[("__meta_kubernetes_pod_label_app_kubernetes_io_part_of",
+                       "__meta_kubernetes_pod_label_app_kubernetes_io_component")]
+    for component in ("worker", "batch-worker"):
+        assert re.fullmatch(components, f"inferplane;{component}"), component
+    for component in ("web", "beat", "agent"):
+        assert not re.fullmatch(components, f"inferplane;{component}"), component
+    assert keep[("__meta_kubernetes_pod_container_port_name",)] == "metrics"
+
+
+def test_the_set_aside_panel_charts_the_workers_lines_beside_the_gateways():
+    (panel,) = [panel for panel in _dashboard()["panels"]
+                if any("inferplane_usage_lines_set_aside_total" in target["expr"] for target in panel["targets"])]
+    for target in panel["targets"]:
+        assert "job=" not in target["expr"], "both jobs: the gateways' and the workers'"
+        assert re.search(r"by \((job, reason|reason, job)\)", target["expr"]), target["expr"]
+    assert "inferplane-worker" in panel["description"]

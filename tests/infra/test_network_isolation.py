@@ -64,9 +64,26 @@ def test_every_pod_refuses_incoming_connections_unless_a_policy_allows_them(rend
         assert deny in _policies_selecting(rendered, workload), workload
 
 
-def test_worker_beat_and_migrations_accept_no_connection(rendered):
-    for workload in ("inferplane-worker", "inferplane-batch-worker", "inferplane-beat", "inferplane-migrate"):
+def test_beat_and_migrations_accept_no_connection(rendered):
+    for workload in ("inferplane-beat", "inferplane-migrate"):
         assert _allow_rules(rendered, workload) == [], workload
+
+
+def test_worker_pods_are_reached_only_by_prometheus_and_only_on_their_metrics_port(rendered):
+    """Before, no worker served /metrics (what its replays set aside showed in its log alone); now each serves its own
+    (controlplane/worker_metrics.py), with the token, to Prometheus alone."""
+    for workload in ("inferplane-worker", "inferplane-batch-worker"):
+        (rule,) = _allow_rules(rendered, workload)
+        assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}], workload
+        (peer,) = rule["from"]
+        assert set(peer) == {"namespaceSelector", "podSelector"}, peer
+        assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+        assert _selects(peer["podSelector"], {"app.kubernetes.io/name": "prometheus", "prometheus": "k8s"})
+        assert not _selects(peer["podSelector"], {"app.kubernetes.io/name": "grafana"})
+        (container,) = _pod_spec(rendered, "Deployment", workload)["containers"]
+        assert [port["name"] for port in container["ports"]] == ["metrics"], workload
+        annotations = rendered.get("Deployment", workload)["spec"]["template"]["metadata"].get("annotations", {})
+        assert not [key for key in annotations if key.startswith("prometheus.io/")], "no scraper without the token"
 
 
 def test_only_web_and_batch_worker_pods_reach_the_agents_and_only_on_the_engine_ports(rendered):
