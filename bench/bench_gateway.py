@@ -69,6 +69,7 @@ ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlp
        "INFERPLANE_NODE_NETWORKS": "10.0.0.0/8"}
 os.environ.update(ENV)
 
+from bench.stream_pairs import CHAT_BODY, run_streams, stream_pairs  # noqa: E402 - profile_gateway reads run_streams here
 from controlplane import embedded  # noqa: E402 - after sys.path is set
 from gpu_agent.runtime.engine import cpu_openmp_env  # noqa: E402
 from gpu_agent.runtime.tiny_model import build_tiny_model  # noqa: E402
@@ -91,7 +92,6 @@ TARGET_ADDED_P50_OVER_FLOOR = 2.0
 TARGET_STREAMING_RATIO = 0.95  # vLLM streaming tokens/s ÷ direct at concurrency 32 and 64
 TARGET_VLLM_BENCH_RATIO = 0.90
 SLOW_MOCK_DELAY_MS = 3  # per token: 48 ms per 16-token answer, so c16 offers ~330 requests/s, below saturation
-CHAT_BODY = {"model": "MODEL", "messages": [{"role": "user", "content": "Say something about llamas."}], "max_tokens": 16}
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -200,66 +200,6 @@ def run_wrk(url: str, key: str, model: str, concurrency: int, duration_s: float,
         "p50_ms": raw["p50_us"] / 1000, "p95_ms": raw["p95_us"] / 1000, "p99_ms": raw["p99_us"] / 1000,
         "mean_ms": round(raw["mean_us"] / 1000, 3),
         "errors": raw["errors"] + raw["non_2xx"],
-    }
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
-
-
-async def run_streams(url: str, key: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
-                      extra: dict | None = None) -> dict:
-    """Closed-loop streaming chats: time to first token, and completion tokens/s over the run.
-
-    NOTE: aiohttp, reading raw lines and counting content chunks without parsing them: on two cores the
-    client shares a core with the gateway, and a heavier client would measure itself.
-    """
-    import aiohttp
-
-    body = json.dumps(CHAT_BODY | {"model": model, "max_tokens": max_tokens, "stream": True} | (extra or {})).encode()
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-    ttfts, totals, num_tokens, num_errors = [], [], 0, 0
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
-        deadline = time.perf_counter() + duration_s
-
-        async def worker() -> None:
-            nonlocal num_tokens, num_errors
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                first = None
-                try:
-                    async with client.post(url, data=body, headers=headers) as response:
-                        if response.status != 200:
-                            await response.read()
-                            num_errors += 1
-                            continue
-                        async for line in response.content:
-                            # a chunk with text: `"content":"…"` (chat) that is not the empty role chunk
-                            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                                if first is None:
-                                    first = time.perf_counter()
-                                num_tokens += 1
-                except aiohttp.ClientError:
-                    num_errors += 1
-                    continue
-                if first is not None:
-                    ttfts.append(first - started)
-                totals.append(time.perf_counter() - started)
-
-        started_at = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started_at
-    return {
-        "concurrency": concurrency,
-        "requests": len(totals),
-        "errors": num_errors,
-        "ttft_p50_ms": round(percentile(ttfts, 0.50) * 1000, 2) if ttfts else None,
-        "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 2) if ttfts else None,
-        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 2) if ttfts else None,
-        "tokens_per_s": round(num_tokens / elapsed, 1),
-        "requests_per_s": round(len(totals) / elapsed, 1),
     }
 
 
@@ -372,12 +312,27 @@ def bench_slow_mock(gateway_url: str, mock_url: str, key: str, duration_s: float
             "streaming": []}
 
 
-def bench_vllm(gateway_url: str, vllm_url: str, key: str, duration_s: float, cores: str | None) -> dict:
+def bench_vllm(gateway_url: str, vllm_url: str, key: str, duration_s: float, cores: str | None, *, stream_pairs_k: int,
+               gateway_pid: int | None) -> dict:
+    """Plain requests (wrk), then streams at each concurrency in `stream_pairs_k` alternating pairs
+    (`stream_pairs.stream_pairs`: each pair's ratio, their median, judged, and the ratio of the means), with the
+    gateway's CPU per streamed token in each of its runs."""
     levels = sorted(set(CONCURRENCY_LEVELS) | {STREAM_TOKENS_CONCURRENCY})
+    non_streaming = wrk_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, cores, warm_up=True)
+    streaming = []
+    for concurrency in levels:
+        row = stream_pairs(vllm_url, gateway_url, key, "tiny", concurrency, duration_s, 64, {"ignore_eos": True, "temperature": 0.0},
+                           pairs=stream_pairs_k, proxy_pid=gateway_pid)
+        streaming.append(row)
+        shown = ", ".join(f"{run['tokens_per_s_ratio']:.1%}" if run["tokens_per_s_ratio"] is not None else "–" for run in row["pairs"])
+        print(f"  vllm stream c{concurrency}: {len(row['pairs'])} pairs {shown}; median {percent(row['median_ratio'])}, "
+              f"ratio of the means {percent(row['ratio_of_means'])} (tokens/s direct {row['direct']['tokens_per_s']} gateway "
+              f"{row['gateway']['tokens_per_s']}); gateway CPU {row['gateway'].get('proxy_cpu_us_per_token')} µs a token", flush=True)
     return {
-        "non_streaming": wrk_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, cores, warm_up=True),
-        "streaming": stream_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, levels, 64,
-                                   {"ignore_eos": True, "temperature": 0.0}),
+        "non_streaming": non_streaming,
+        "streaming": streaming,
+        "streaming_method": {"pairs": stream_pairs_k, "order": "direct → gateway in odd pairs, gateway → direct in even ones",
+                             "judged_on": "median_ratio", "tokens_per_s_ratio": "the median of the pairs' ratios"},
     }
 
 
@@ -536,6 +491,12 @@ def summarize(results: dict) -> dict:
     for concurrency in (STREAM_TOKENS_CONCURRENCY, 64):
         if row := find_row(results, "vllm", concurrency, "streaming"):
             summary[f"vllm_streaming_tokens_per_s_ratio_c{concurrency}"] = row["tokens_per_s_ratio"]
+            if "pairs" in row:
+                summary[f"vllm_streaming_ratio_of_means_c{concurrency}"] = row["ratio_of_means"]
+                summary[f"vllm_streaming_pair_ratios_c{concurrency}"] = [run["tokens_per_s_ratio"] for run in row["pairs"]]
+                summary[f"vllm_streaming_gateway_cpu_us_per_token_c{concurrency}"] = row["gateway"].get("proxy_cpu_us_per_token")
+                summary["vllm_streaming_judged_on"] = (f"the median of {len(row['pairs'])} alternating pairs' ratios "
+                                                       "(vllm_streaming_tokens_per_s_ratio_c*)")
     bench = results.get("vllm_bench") or {}
     if bench.get("median_ratio") is not None:
         summary["vllm_bench_serve_output_tokens_per_s_ratio"] = bench["median_ratio"]
@@ -595,8 +556,11 @@ def summary_table(summary: dict, targets: dict, results: dict) -> list[str]:
                      f"({summary['added_p50_c16_over_floor']:.1f}×); p99 {added99['gateway']:+.2f} vs {added99['floor']:+.2f} ms | "
                      f"{yes[targets.get('added_p50_c16<=2x_floor')]} |")
     for concurrency in (STREAM_TOKENS_CONCURRENCY, 64):
+        row = find_row(results, "vllm", concurrency, "streaming") or {}
+        shown = ", ".join(percent(run["tokens_per_s_ratio"]) for run in row.get("pairs", []))
         lines.append(f"| streaming ≥ 95% of direct tokens/s at c{concurrency} (vLLM) | "
-                     f"{percent(summary.get(f'vllm_streaming_tokens_per_s_ratio_c{concurrency}'))} | "
+                     f"{percent(summary.get(f'vllm_streaming_tokens_per_s_ratio_c{concurrency}'))}"
+                     f"{f' (median of {shown})' if shown else ''} | "
                      f"{yes[targets.get(f'vllm_streaming_c{concurrency}>=95%_of_direct')]} |")
     bench = results.get("vllm_bench") or {}
     pairs = ", ".join(percent(row["output_tokens_per_s_ratio"]) for row in bench.get("pairs", []))
@@ -656,11 +620,27 @@ def vllm_tables(results: dict) -> list[str]:
     lines = []
     section = results.get("vllm")
     if section and section["streaming"]:
-        lines += ["\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; direct and through the gateway)\n",
-                  "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | ratio |", "|---:|---:|---:|---:|---:|"]
+        pairs = (section.get("streaming_method") or {}).get("pairs")
+        if pairs:
+            lines += [f"\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; at each concurrency {pairs} "
+                      f"alternating pairs, direct → gateway then gateway → direct, {pairs} × 2 runs; tok/s the mean of a side's "
+                      f"runs; **judged on the median of the pairs' ratios**; gateway CPU a token: its process's /proc CPU over "
+                      f"its runs ÷ the tokens they streamed)\n",
+                      "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | pairs' ratios | **median** | ratio of the means | "
+                      "gateway CPU a token |", "|---:|---:|---:|---:|---|---:|---:|---:|"]
+        else:  # a result of the one-pair method (before issue #20's pairs)
+            lines += ["\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; direct and through the gateway)\n",
+                      "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | ratio |", "|---:|---:|---:|---:|---:|"]
         for row in section["streaming"]:
-            lines.append(f"| {row['concurrency']} | {row.get('added_ttft_p50_ms', 0):+.1f} ms | {row['direct']['tokens_per_s']:.0f} | "
-                         f"{row['gateway']['tokens_per_s']:.0f} | {percent(row['tokens_per_s_ratio'])} |")
+            cells = (f"| {row['concurrency']} | {row.get('added_ttft_p50_ms', 0):+.1f} ms | {row['direct']['tokens_per_s']:.0f} | "
+                     f"{row['gateway']['tokens_per_s']:.0f} | ")
+            if pairs:
+                cpu = row["gateway"].get("proxy_cpu_us_per_token")
+                cells += (f"{', '.join(percent(run['tokens_per_s_ratio']) for run in row['pairs'])} | **{percent(row['median_ratio'])}** | "
+                          f"{percent(row['ratio_of_means'])} | {f'{cpu:.0f} µs' if cpu is not None else '–'} |")
+            else:
+                cells += f"{percent(row['tokens_per_s_ratio'])} |"
+            lines.append(cells)
     bench = results.get("vllm_bench")
     if bench and bench.get("pairs"):
         config = bench["config"]
@@ -759,6 +739,9 @@ def main() -> int:
                         help="gateway and floor processes for the N-process rows (default 2; 0 or 1 skips them)")
     parser.add_argument("--vllm-bench-pairs", type=int, default=3,
                         help="`vllm bench serve` runs direct and through the gateway, alternating (default 3 pairs; 0 skips)")
+    parser.add_argument("--stream-pairs", type=int, default=3,
+                        help="vLLM streaming rows: direct and through the gateway in this many alternating pairs at each "
+                             "concurrency, judged on the median ratio (default 3)")
     parser.add_argument("--vllm-bench-prompts", type=int, default=64, help="prompts per `vllm bench serve` run")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
@@ -767,6 +750,8 @@ def main() -> int:
     parser.add_argument("--output", default=None, help="default bench/results/gateway.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
     args = parser.parse_args()
+    if args.stream_pairs < 1:
+        parser.error("--stream-pairs must be at least 1")
     if shutil.which("wrk") is None:
         print("wrk is missing: `make bench ONLY=gateway` (bench/run.sh) installs it", file=sys.stderr)
         return 2
@@ -841,7 +826,8 @@ def main() -> int:
                 others = f"0-{engine_core - 1}"
                 pin_tree(gateway.process.pid, others)
                 os.sched_setaffinity(0, range(engine_core))
-            results["vllm"] = bench_vllm(gateway_url, vllm_url, key, args.duration_s, others)
+            results["vllm"] = bench_vllm(gateway_url, vllm_url, key, args.duration_s, others,
+                                         stream_pairs_k=args.stream_pairs, gateway_pid=gateway.process.pid)
             if args.vllm_bench_pairs > 0:
                 try:
                     results["vllm_bench"] = bench_vllm_serve(gateway_url, vllm_url, key, args.vllm_bench_pairs, args.vllm_bench_prompts)
