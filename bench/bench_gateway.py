@@ -6,7 +6,8 @@ LiteLLM proxy (its own virtualenv, installed by `bench/run.sh`; its defaults, no
 in one table; then the gateway and the floor with N processes each (`--processes`, the gateway through
 `controlplane.serve` and `WEB_CONCURRENCY` as a pod runs it). Against the real replica, vLLM's own client
 (`vllm bench serve`, random 128-in/64-out, concurrency 16) runs direct and through the gateway in
-alternating pairs (`--vllm-bench-pairs`). The summary (JSON `summary` and `targets_met`, printed
+alternating pairs (`--vllm-bench-pairs`), and the vLLM streaming rows are alternating pairs too at each
+concurrency (`--stream-pairs`, `bench/stream_pairs.py`), each judged on the median of its pairs' ratios. The summary (JSON `summary` and `targets_met`, printed
 first) holds issue #20's ratios: gateway ÷ floor throughput at c16, added p50/p99 against the floor's,
 streaming ÷ direct at c32 and c64 on vLLM, `vllm bench serve` gateway ÷ direct output tokens/s, and
 Inferplane ÷ LiteLLM per row. The README's gateway table is what the script prints under "README table".
@@ -31,11 +32,12 @@ For the vLLM runs the engine gets the last core (`VLLM_CPU_OMP_THREADS_BIND`; it
 barriers, so any process sharing its core stalls it) and the gateway and clients the others, direct
 and through the gateway alike (`--shared-engine-cores` to let it use every core).
 
-    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--no-vllm] [--pin] [--processes 2]
+    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--no-vllm] [--pin] [--processes 2] [--stream-pairs 3]
     make bench ONLY=gateway BENCH_ARGS="--duration-s 3"
+    make bench ONLY=gateway BENCH_ARGS=--quick   # a smoke run of every part (writes .data/bench/gateway-quick.json)
 
-A full run takes about 11 minutes on a quiet 2-core machine with the default 5 s per measurement (17 on
-a loaded one; it prints its wall time).
+A full run takes about 10 minutes on a quiet 2-core machine with the default 5 s per measurement (14 at
+load 5-8; it prints its wall time); `--quick` runs every part in a few minutes as a smoke test.
 Writes `bench/results/gateway.json` and prints markdown tables.
 """
 
@@ -86,6 +88,9 @@ STREAM_TOKENS_CONCURRENCY = 32
 PROCESSES_LEVELS = (16, 64)  # the N-process rows: where one process saturates
 # `vllm bench serve` against the real replica: vLLM's own client, random prompts, fixed concurrency.
 VLLM_BENCH = {"dataset": "random", "input_len": 128, "output_len": 64, "concurrency": 16}
+# The defaults of a full run, and of `--quick` (a smoke run of every part, minutes; its figures are no result).
+FULL = {"duration_s": 5.0, "stream_pairs": 3, "vllm_bench_pairs": 3, "vllm_bench_prompts": 64}
+QUICK = {"duration_s": 1.0, "stream_pairs": 2, "vllm_bench_pairs": 1, "vllm_bench_prompts": 16}
 # Issue #20's targets, checked in `targets_met`.
 TARGET_SHARE_OF_FLOOR_C16 = 0.5
 TARGET_ADDED_P50_OVER_FLOOR = 2.0
@@ -730,19 +735,24 @@ def start_floor(logs: Path, name: str, upstream: str, processes: int, cores: str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=5, help="seconds per measurement (default 5: ~11 min in all on a quiet 2-core machine)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run of every part: {QUICK['duration_s']:g} s per measurement, {QUICK['stream_pairs']} streaming "
+                             f"pairs, {QUICK['vllm_bench_pairs']} `vllm bench serve` pair of {QUICK['vllm_bench_prompts']} prompts, no "
+                             "slow mock; writes .data/bench/gateway-quick.json unless --output says otherwise (the results of "
+                             "record stay); options given explicitly win")
+    parser.add_argument("--duration-s", type=float, default=None, help="seconds per measurement (default 5: ~10 min in all on a quiet 2-core machine)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the real-replica runs")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy's row")
     parser.add_argument("--no-slow-mock", action="store_true", help="skip the runs against the mock answering in 48 ms")
     parser.add_argument("--only-vllm", action="store_true", help="only the real-replica runs (no mock, no floor)")
     parser.add_argument("--processes", type=int, default=2,
                         help="gateway and floor processes for the N-process rows (default 2; 0 or 1 skips them)")
-    parser.add_argument("--vllm-bench-pairs", type=int, default=3,
+    parser.add_argument("--vllm-bench-pairs", type=int, default=None,
                         help="`vllm bench serve` runs direct and through the gateway, alternating (default 3 pairs; 0 skips)")
-    parser.add_argument("--stream-pairs", type=int, default=3,
+    parser.add_argument("--stream-pairs", type=int, default=None,
                         help="vLLM streaming rows: direct and through the gateway in this many alternating pairs at each "
                              "concurrency, judged on the median ratio (default 3)")
-    parser.add_argument("--vllm-bench-prompts", type=int, default=64, help="prompts per `vllm bench serve` run")
+    parser.add_argument("--vllm-bench-prompts", type=int, default=None, help="prompts per `vllm bench serve` run (default 64)")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
     parser.add_argument("--shared-engine-cores", action="store_true",
@@ -750,6 +760,10 @@ def main() -> int:
     parser.add_argument("--output", default=None, help="default bench/results/gateway.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
     args = parser.parse_args()
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.no_slow_mock = args.no_slow_mock or args.quick
     if args.stream_pairs < 1:
         parser.error("--stream-pairs must be at least 1")
     if shutil.which("wrk") is None:
@@ -854,13 +868,14 @@ def main() -> int:
         "vllm_runs": (f"vLLM on core {engine_core} (VLLM_CPU_OMP_THREADS_BIND); gateway, wrk, streaming clients and "
                       f"vllm bench serve on cores 0-{engine_core - 1}") if engine_core is not None else "unpinned",
         "duration_s_per_run": args.duration_s,
+        "quick": args.quick,
         "request": {"chat_messages": 1, "max_tokens_mock": 16, "max_tokens_vllm_streaming": 64},
         "summary": summary,
         "targets_met": targets_met(summary),
         "earlier_targets_met": earlier_targets_met(results),
         "results": results,
     }
-    output = Path(args.output or REPO / "bench" / "results" / "gateway.json")
+    output = Path(args.output or (DATA_DIR / "gateway-quick.json" if args.quick else REPO / "bench" / "results" / "gateway.json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
     print(markdown(document))
