@@ -6,7 +6,8 @@ LiteLLM proxy (its own virtualenv, installed by `bench/run.sh`; its defaults, no
 in one table; then the gateway and the floor with N processes each (`--processes`, the gateway through
 `controlplane.serve` and `WEB_CONCURRENCY` as a pod runs it). Against the real replica, vLLM's own client
 (`vllm bench serve`, random 128-in/64-out, concurrency 16) runs direct and through the gateway in
-alternating pairs (`--vllm-bench-pairs`). The summary (JSON `summary` and `targets_met`, printed
+alternating pairs (`--vllm-bench-pairs`), and the vLLM streaming rows are alternating pairs too at each
+concurrency (`--stream-pairs`, `bench/stream_pairs.py`), each judged on the median of its pairs' ratios. The summary (JSON `summary` and `targets_met`, printed
 first) holds issue #20's ratios: gateway ÷ floor throughput at c16, added p50/p99 against the floor's,
 streaming ÷ direct at c32 and c64 on vLLM, `vllm bench serve` gateway ÷ direct output tokens/s, and
 Inferplane ÷ LiteLLM per row. The README's gateway table is what the script prints under "README table".
@@ -31,11 +32,12 @@ For the vLLM runs the engine gets the last core (`VLLM_CPU_OMP_THREADS_BIND`; it
 barriers, so any process sharing its core stalls it) and the gateway and clients the others, direct
 and through the gateway alike (`--shared-engine-cores` to let it use every core).
 
-    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--no-vllm] [--pin] [--processes 2]
+    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--no-vllm] [--pin] [--processes 2] [--stream-pairs 3]
     make bench ONLY=gateway BENCH_ARGS="--duration-s 3"
+    make bench ONLY=gateway BENCH_ARGS=--quick   # a smoke run of every part (writes .data/bench/gateway-quick.json)
 
-A full run takes about 11 minutes on a quiet 2-core machine with the default 5 s per measurement (17 on
-a loaded one; it prints its wall time).
+A full run takes about 10 minutes on a quiet 2-core machine with the default 5 s per measurement (14 at
+load 5-8; it prints its wall time); `--quick` runs every part in a few minutes as a smoke test.
 Writes `bench/results/gateway.json` and prints markdown tables.
 """
 
@@ -69,6 +71,7 @@ ENV = {"INFERPLANE_DATA_DIR": str(DATA_DIR), "DJANGO_SETTINGS_MODULE": "controlp
        "INFERPLANE_NODE_NETWORKS": "10.0.0.0/8"}
 os.environ.update(ENV)
 
+from bench.stream_pairs import CHAT_BODY, run_streams, stream_pairs  # noqa: E402 - profile_gateway reads run_streams here
 from controlplane import embedded  # noqa: E402 - after sys.path is set
 from gpu_agent.runtime.engine import cpu_openmp_env  # noqa: E402
 from gpu_agent.runtime.tiny_model import build_tiny_model  # noqa: E402
@@ -85,13 +88,15 @@ STREAM_TOKENS_CONCURRENCY = 32
 PROCESSES_LEVELS = (16, 64)  # the N-process rows: where one process saturates
 # `vllm bench serve` against the real replica: vLLM's own client, random prompts, fixed concurrency.
 VLLM_BENCH = {"dataset": "random", "input_len": 128, "output_len": 64, "concurrency": 16}
+# The defaults of a full run, and of `--quick` (a smoke run of every part, minutes; its figures are no result).
+FULL = {"duration_s": 5.0, "stream_pairs": 3, "vllm_bench_pairs": 3, "vllm_bench_prompts": 64}
+QUICK = {"duration_s": 1.0, "stream_pairs": 2, "vllm_bench_pairs": 1, "vllm_bench_prompts": 16}
 # Issue #20's targets, checked in `targets_met`.
 TARGET_SHARE_OF_FLOOR_C16 = 0.5
 TARGET_ADDED_P50_OVER_FLOOR = 2.0
 TARGET_STREAMING_RATIO = 0.95  # vLLM streaming tokens/s ÷ direct at concurrency 32 and 64
 TARGET_VLLM_BENCH_RATIO = 0.90
 SLOW_MOCK_DELAY_MS = 3  # per token: 48 ms per 16-token answer, so c16 offers ~330 requests/s, below saturation
-CHAT_BODY = {"model": "MODEL", "messages": [{"role": "user", "content": "Say something about llamas."}], "max_tokens": 16}
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -200,66 +205,6 @@ def run_wrk(url: str, key: str, model: str, concurrency: int, duration_s: float,
         "p50_ms": raw["p50_us"] / 1000, "p95_ms": raw["p95_us"] / 1000, "p99_ms": raw["p99_us"] / 1000,
         "mean_ms": round(raw["mean_us"] / 1000, 3),
         "errors": raw["errors"] + raw["non_2xx"],
-    }
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
-
-
-async def run_streams(url: str, key: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
-                      extra: dict | None = None) -> dict:
-    """Closed-loop streaming chats: time to first token, and completion tokens/s over the run.
-
-    NOTE: aiohttp, reading raw lines and counting content chunks without parsing them: on two cores the
-    client shares a core with the gateway, and a heavier client would measure itself.
-    """
-    import aiohttp
-
-    body = json.dumps(CHAT_BODY | {"model": model, "max_tokens": max_tokens, "stream": True} | (extra or {})).encode()
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-    ttfts, totals, num_tokens, num_errors = [], [], 0, 0
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
-        deadline = time.perf_counter() + duration_s
-
-        async def worker() -> None:
-            nonlocal num_tokens, num_errors
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                first = None
-                try:
-                    async with client.post(url, data=body, headers=headers) as response:
-                        if response.status != 200:
-                            await response.read()
-                            num_errors += 1
-                            continue
-                        async for line in response.content:
-                            # a chunk with text: `"content":"…"` (chat) that is not the empty role chunk
-                            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                                if first is None:
-                                    first = time.perf_counter()
-                                num_tokens += 1
-                except aiohttp.ClientError:
-                    num_errors += 1
-                    continue
-                if first is not None:
-                    ttfts.append(first - started)
-                totals.append(time.perf_counter() - started)
-
-        started_at = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started_at
-    return {
-        "concurrency": concurrency,
-        "requests": len(totals),
-        "errors": num_errors,
-        "ttft_p50_ms": round(percentile(ttfts, 0.50) * 1000, 2) if ttfts else None,
-        "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 2) if ttfts else None,
-        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 2) if ttfts else None,
-        "tokens_per_s": round(num_tokens / elapsed, 1),
-        "requests_per_s": round(len(totals) / elapsed, 1),
     }
 
 
@@ -372,12 +317,27 @@ def bench_slow_mock(gateway_url: str, mock_url: str, key: str, duration_s: float
             "streaming": []}
 
 
-def bench_vllm(gateway_url: str, vllm_url: str, key: str, duration_s: float, cores: str | None) -> dict:
+def bench_vllm(gateway_url: str, vllm_url: str, key: str, duration_s: float, cores: str | None, *, stream_pairs_k: int,
+               gateway_pid: int | None) -> dict:
+    """Plain requests (wrk), then streams at each concurrency in `stream_pairs_k` alternating pairs
+    (`stream_pairs.stream_pairs`: each pair's ratio, their median, judged, and the ratio of the means), with the
+    gateway's CPU per streamed token in each of its runs."""
     levels = sorted(set(CONCURRENCY_LEVELS) | {STREAM_TOKENS_CONCURRENCY})
+    non_streaming = wrk_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, cores, warm_up=True)
+    streaming = []
+    for concurrency in levels:
+        row = stream_pairs(vllm_url, gateway_url, key, "tiny", concurrency, duration_s, 64, {"ignore_eos": True, "temperature": 0.0},
+                           pairs=stream_pairs_k, proxy_pid=gateway_pid)
+        streaming.append(row)
+        shown = ", ".join(f"{run['tokens_per_s_ratio']:.1%}" if run["tokens_per_s_ratio"] is not None else "–" for run in row["pairs"])
+        print(f"  vllm stream c{concurrency}: {len(row['pairs'])} pairs {shown}; median {percent(row['median_ratio'])}, "
+              f"ratio of the means {percent(row['ratio_of_means'])} (tokens/s direct {row['direct']['tokens_per_s']} gateway "
+              f"{row['gateway']['tokens_per_s']}); gateway CPU {row['gateway'].get('proxy_cpu_us_per_token')} µs a token", flush=True)
     return {
-        "non_streaming": wrk_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, cores, warm_up=True),
-        "streaming": stream_levels("vllm", gateway_url, vllm_url, key, "tiny", duration_s, levels, 64,
-                                   {"ignore_eos": True, "temperature": 0.0}),
+        "non_streaming": non_streaming,
+        "streaming": streaming,
+        "streaming_method": {"pairs": stream_pairs_k, "order": "direct → gateway in odd pairs, gateway → direct in even ones",
+                             "judged_on": "median_ratio", "tokens_per_s_ratio": "the median of the pairs' ratios"},
     }
 
 
@@ -536,6 +496,12 @@ def summarize(results: dict) -> dict:
     for concurrency in (STREAM_TOKENS_CONCURRENCY, 64):
         if row := find_row(results, "vllm", concurrency, "streaming"):
             summary[f"vllm_streaming_tokens_per_s_ratio_c{concurrency}"] = row["tokens_per_s_ratio"]
+            if "pairs" in row:
+                summary[f"vllm_streaming_ratio_of_means_c{concurrency}"] = row["ratio_of_means"]
+                summary[f"vllm_streaming_pair_ratios_c{concurrency}"] = [run["tokens_per_s_ratio"] for run in row["pairs"]]
+                summary[f"vllm_streaming_gateway_cpu_us_per_token_c{concurrency}"] = row["gateway"].get("proxy_cpu_us_per_token")
+                summary["vllm_streaming_judged_on"] = (f"the median of {len(row['pairs'])} alternating pairs' ratios "
+                                                       "(vllm_streaming_tokens_per_s_ratio_c*)")
     bench = results.get("vllm_bench") or {}
     if bench.get("median_ratio") is not None:
         summary["vllm_bench_serve_output_tokens_per_s_ratio"] = bench["median_ratio"]
@@ -595,8 +561,11 @@ def summary_table(summary: dict, targets: dict, results: dict) -> list[str]:
                      f"({summary['added_p50_c16_over_floor']:.1f}×); p99 {added99['gateway']:+.2f} vs {added99['floor']:+.2f} ms | "
                      f"{yes[targets.get('added_p50_c16<=2x_floor')]} |")
     for concurrency in (STREAM_TOKENS_CONCURRENCY, 64):
+        row = find_row(results, "vllm", concurrency, "streaming") or {}
+        shown = ", ".join(percent(run["tokens_per_s_ratio"]) for run in row.get("pairs", []))
         lines.append(f"| streaming ≥ 95% of direct tokens/s at c{concurrency} (vLLM) | "
-                     f"{percent(summary.get(f'vllm_streaming_tokens_per_s_ratio_c{concurrency}'))} | "
+                     f"{percent(summary.get(f'vllm_streaming_tokens_per_s_ratio_c{concurrency}'))}"
+                     f"{f' (median of {shown})' if shown else ''} | "
                      f"{yes[targets.get(f'vllm_streaming_c{concurrency}>=95%_of_direct')]} |")
     bench = results.get("vllm_bench") or {}
     pairs = ", ".join(percent(row["output_tokens_per_s_ratio"]) for row in bench.get("pairs", []))
@@ -656,11 +625,27 @@ def vllm_tables(results: dict) -> list[str]:
     lines = []
     section = results.get("vllm")
     if section and section["streaming"]:
-        lines += ["\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; direct and through the gateway)\n",
-                  "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | ratio |", "|---:|---:|---:|---:|---:|"]
+        pairs = (section.get("streaming_method") or {}).get("pairs")
+        if pairs:
+            lines += [f"\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; at each concurrency {pairs} "
+                      f"alternating pairs, direct → gateway then gateway → direct, {pairs} × 2 runs; tok/s the mean of a side's "
+                      f"runs; **judged on the median of the pairs' ratios**; gateway CPU a token: its process's /proc CPU over "
+                      f"its runs ÷ the tokens they streamed)\n",
+                      "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | pairs' ratios | **median** | ratio of the means | "
+                      "gateway CPU a token |", "|---:|---:|---:|---:|---|---:|---:|---:|"]
+        else:  # a result of the one-pair method (before issue #20's pairs)
+            lines += ["\n**vLLM tiny model (CPU), streaming 64 tokens** (aiohttp client; direct and through the gateway)\n",
+                      "| concurrency | added TTFT p50 | direct tok/s | gateway tok/s | ratio |", "|---:|---:|---:|---:|---:|"]
         for row in section["streaming"]:
-            lines.append(f"| {row['concurrency']} | {row.get('added_ttft_p50_ms', 0):+.1f} ms | {row['direct']['tokens_per_s']:.0f} | "
-                         f"{row['gateway']['tokens_per_s']:.0f} | {percent(row['tokens_per_s_ratio'])} |")
+            cells = (f"| {row['concurrency']} | {row.get('added_ttft_p50_ms', 0):+.1f} ms | {row['direct']['tokens_per_s']:.0f} | "
+                     f"{row['gateway']['tokens_per_s']:.0f} | ")
+            if pairs:
+                cpu = row["gateway"].get("proxy_cpu_us_per_token")
+                cells += (f"{', '.join(percent(run['tokens_per_s_ratio']) for run in row['pairs'])} | **{percent(row['median_ratio'])}** | "
+                          f"{percent(row['ratio_of_means'])} | {f'{cpu:.0f} µs' if cpu is not None else '–'} |")
+            else:
+                cells += f"{percent(row['tokens_per_s_ratio'])} |"
+            lines.append(cells)
     bench = results.get("vllm_bench")
     if bench and bench.get("pairs"):
         config = bench["config"]
@@ -751,16 +736,24 @@ def start_floor(logs: Path, name: str, upstream: str, processes: int, cores: str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=5, help="seconds per measurement (default 5: ~11 min in all on a quiet 2-core machine)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run of every part: {QUICK['duration_s']:g} s per measurement, {QUICK['stream_pairs']} streaming "
+                             f"pairs, {QUICK['vllm_bench_pairs']} `vllm bench serve` pair of {QUICK['vllm_bench_prompts']} prompts, no "
+                             "slow mock; writes .data/bench/gateway-quick.json unless --output says otherwise (the results of "
+                             "record stay); options given explicitly win")
+    parser.add_argument("--duration-s", type=float, default=None, help="seconds per measurement (default 5: ~10 min in all on a quiet 2-core machine)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the real-replica runs")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy's row")
     parser.add_argument("--no-slow-mock", action="store_true", help="skip the runs against the mock answering in 48 ms")
     parser.add_argument("--only-vllm", action="store_true", help="only the real-replica runs (no mock, no floor)")
     parser.add_argument("--processes", type=int, default=2,
                         help="gateway and floor processes for the N-process rows (default 2; 0 or 1 skips them)")
-    parser.add_argument("--vllm-bench-pairs", type=int, default=3,
+    parser.add_argument("--vllm-bench-pairs", type=int, default=None,
                         help="`vllm bench serve` runs direct and through the gateway, alternating (default 3 pairs; 0 skips)")
-    parser.add_argument("--vllm-bench-prompts", type=int, default=64, help="prompts per `vllm bench serve` run")
+    parser.add_argument("--stream-pairs", type=int, default=None,
+                        help="vLLM streaming rows: direct and through the gateway in this many alternating pairs at each "
+                             "concurrency, judged on the median ratio (default 3)")
+    parser.add_argument("--vllm-bench-prompts", type=int, default=None, help="prompts per `vllm bench serve` run (default 64)")
     parser.add_argument("--pin", action="store_true",
                         help="pin the gateway to core 0 and the mocks and wrk to core 1 (vLLM runs stay unpinned)")
     parser.add_argument("--shared-engine-cores", action="store_true",
@@ -768,6 +761,12 @@ def main() -> int:
     parser.add_argument("--output", default=None, help="default bench/results/gateway.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
     args = parser.parse_args()
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.no_slow_mock = args.no_slow_mock or args.quick
+    if args.stream_pairs < 1:
+        parser.error("--stream-pairs must be at least 1")
     if shutil.which("wrk") is None:
         print("wrk is missing: `make bench ONLY=gateway` (bench/run.sh) installs it", file=sys.stderr)
         return 2
@@ -842,7 +841,8 @@ def main() -> int:
                 others = f"0-{engine_core - 1}"
                 pin_tree(gateway.process.pid, others)
                 os.sched_setaffinity(0, range(engine_core))
-            results["vllm"] = bench_vllm(gateway_url, vllm_url, key, args.duration_s, others)
+            results["vllm"] = bench_vllm(gateway_url, vllm_url, key, args.duration_s, others,
+                                         stream_pairs_k=args.stream_pairs, gateway_pid=gateway.process.pid)
             if args.vllm_bench_pairs > 0:
                 try:
                     results["vllm_bench"] = bench_vllm_serve(gateway_url, vllm_url, key, args.vllm_bench_pairs, args.vllm_bench_prompts)
@@ -869,13 +869,14 @@ def main() -> int:
         "vllm_runs": (f"vLLM on core {engine_core} (VLLM_CPU_OMP_THREADS_BIND); gateway, wrk, streaming clients and "
                       f"vllm bench serve on cores 0-{engine_core - 1}") if engine_core is not None else "unpinned",
         "duration_s_per_run": args.duration_s,
+        "quick": args.quick,
         "request": {"chat_messages": 1, "max_tokens_mock": 16, "max_tokens_vllm_streaming": 64},
         "summary": summary,
         "targets_met": targets_met(summary),
         "earlier_targets_met": earlier_targets_met(results),
         "results": results,
     }
-    output = Path(args.output or REPO / "bench" / "results" / "gateway.json")
+    output = Path(args.output or (DATA_DIR / "gateway-quick.json" if args.quick else REPO / "bench" / "results" / "gateway.json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
     print(markdown(document))
