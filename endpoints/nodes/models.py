@@ -268,6 +268,11 @@ class Node(models.Model):
     engine_sandbox = models.CharField(max_length=200, blank=True, default="", db_default="")
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)
+    # The secret's hash as it was when the node was retired (`retire_node` voids `secret_digest`): a heartbeat that
+    # presents that very secret is told the node is retired (`protocol.NODE_RETIRED`), on which its agent stops its
+    # engines and wipes their folders. The hash only, as `secret_digest`; empty for a node not retired, or retired
+    # before it was kept.
+    retired_secret_digest = models.CharField(max_length=64, blank=True, default="", db_default="")
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")
     # Each GPU as the agent reported it: [{index, uuid, name, memory_mb, mig_slices: [{uuid, profile,
     # memory_mb}]}]. Empty for CPU nodes and agents older than per-GPU placement: placement then

@@ -317,6 +317,13 @@ class CacheFolders:
                                      measure([path], max_bytes=max_bytes, max_files=max_files)))  # fmt: skip
         return sorted(found, key=lambda folder: folder.last_used_at)
 
+    def names(self) -> list[str]:
+        """Every cache folder's name (those set aside left out)."""
+        try:
+            return sorted(entry.name for entry in os.scandir(self.root) if not entry.name.startswith("."))
+        except OSError:
+            return []
+
     def forget(self, name: str) -> None:
         (self.root / USED_DIR / name).unlink(missing_ok=True)
 
