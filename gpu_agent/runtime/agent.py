@@ -143,7 +143,8 @@ class Agent:
 
         Refused as a node (`RegistrationRefused.node_refused`: a heartbeat under the node's own secret, or a
         registration under a join token usable there, answered `protocol.NODE_REFUSED`: the control plane refuses the
-        node's host or ports now), the agent stops every engine before it raises. Refused otherwise (a 401 with no
+        node's host or ports now), the agent stops every engine before it raises; told the node is retired
+        (`node_retired`), it winds down for good (`_wind_down_retired_node`). Refused otherwise (a 401 with no
         code, the node's secret unknown and its join token refused), the engines keep serving: a proxy dropping
         `Authorization`, agents pointed at another environment or at a restored database answer so with the node wanted
         as much as before, and a join token that no longer admits anyone is the usual state (a pool's is one-use, a
