@@ -31,16 +31,25 @@ from typing import Any
 # during a rolling deploy (an absent field means what it meant before). 3: heartbeats carry `boot_id` and `sequence`;
 # a registration refused for the node's host or ports says so (`NODE_REFUSED`). 4: a heartbeat's or watch's 401 says
 # when the node secret it carried names no node (`NODE_UNKNOWN`), and `NODE_REFUSED` is answered to a registration
-# only when its join token admits nodes here.
-PROTOCOL_VERSION = 4
+# only when its join token admits nodes here. 5: a heartbeat's or watch's 401 says when the secret it carried is the
+# very one of a retired node (`NODE_RETIRED`).
+PROTOCOL_VERSION = 5
 
 # What a refused agent does, by the refusal's `error.code` (the agent's side is `gpu_agent.runtime.control_plane`):
 # - `NODE_REFUSED`, on a heartbeat's 401 (the node's own secret accepted) or a registration's 400 (its join token
 #   usable here): the control plane refuses the node itself, its host or engine ports outside what the gateway may
-#   reach. The one answer on which an agent stops its engines.
-# - `NODE_UNKNOWN`, on a heartbeat's or watch's 401: a node secret arrived and names no node (the node was retired or
-#   deleted, or the database restored from before it joined). The one answer on which an agent registers again with
-#   its join token, at most once a `REREGISTER_MIN_INTERVAL_S`.
+#   reach. The agent stops its engines (and registers again at each back-off, to rejoin once the host is allowed).
+# - `NODE_UNKNOWN`, on a heartbeat's or watch's 401: a node secret arrived and names no node (the node was deleted,
+#   retired before protocol 5 kept its secret's hash, or the database restored from before it joined). The one answer
+#   on which an agent registers again with its join token, at most once a `REREGISTER_MIN_INTERVAL_S`.
+# - `NODE_RETIRED`, on a heartbeat's or watch's 401: the secret it carried is the very one of a node the operator
+#   retired (the control plane keeps its hash, never the secret, `Node.retired_secret_digest`), so no proxy and no other
+#   environment can answer it. The agent drains and stops every engine, then removes the engines' cache folders and
+#   every model in its weights cache (tenants' weights), and idles: it never registers again, and keeps asking at its
+#   longest back-off (each answer the same). It does not exit: systemd's `Restart=always` and a pod's restarts would
+#   only loop. A retired node is gone for good: to rejoin, its machine is set up afresh (its `node.json` removed).
+#   Before, a retired node's agent was told `NODE_UNKNOWN`, registered again with a join token revoked, was refused
+#   without a code and kept its engines running, routed to by nobody: the GPUs busy, tenants' weights on its disk.
 # - no code (a 401 or 403 without one, any 5xx): the agent keeps its engines serving and its node secret, and retries
 #   with back-off. NOTE: a proxy dropping `Authorization` gets a 401 with no code; registering again on any 401 made a
 #   new node each heartbeat under a fleet's shared token, and once the proxy was fixed the agent beat as the newest,
@@ -50,6 +59,7 @@ PROTOCOL_VERSION = 4
 #   agent until the agent restarts with its `node.json` removed, or a newer control plane answers.
 NODE_REFUSED = "node_refused"
 NODE_UNKNOWN = "node_unknown"
+NODE_RETIRED = "node_retired"
 REREGISTER_MIN_INTERVAL_S = 60.0
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).

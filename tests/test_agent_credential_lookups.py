@@ -2,6 +2,7 @@
 few lookups at once, never every thread and database connection."""
 
 import asyncio
+import ipaddress
 import secrets
 import threading
 import time
@@ -10,10 +11,12 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
 from controlplane.credential_lookups import CredentialLookups
 from endpoints.fleet import services
-from endpoints.nodes.models import Node
+from endpoints.nodes.models import Node, control_plane_service_addresses
+from gpu_agent.protocol import NODE_REFUSED, NODE_RETIRED
 from tests.test_agent_api import beat, register
 
 pytestmark = pytest.mark.django_db
@@ -106,3 +109,41 @@ def test_an_agent_waits_briefly_for_a_lookup_slot_then_gets_a_503_it_retries(cli
     assert heartbeat["Retry-After"] == "1"
     assert "retry" in heartbeat.json()["error"]["message"]
     assert beat(client, _bogus("nd")).status_code == 401
+
+
+@pytest.fixture
+def node_networks(settings):
+    settings.ALLOW_LOOPBACK_NODES = False
+    settings.NODE_NETWORKS = (ipaddress.ip_network("10.20.0.0/16"),)
+    control_plane_service_addresses.cache_clear()
+    yield settings
+    control_plane_service_addresses.cache_clear()
+
+
+def test_busy_lookups_on_the_refused_paths_answer_503_to_retry_and_never_a_refusal_or_an_audit_row(
+    client, monkeypatch, node_networks
+):
+    """A usable token's registration at a host the networks refuse, and a retired node's heartbeat, while strangers'
+    made-up credentials hold every lookup slot: a 503 with Retry-After in the agent API's shape, no refusal code (none
+    that would stop the engines, none that would make the agent register again), no audit row, no use of the token;
+    once a slot is free, each is refused as it should be. (The reviewer's case, the token looked up after the host was
+    judged: since the token is judged first, `register_node`, it held already; kept so.)"""
+    created = services.create_join_token(SYSTEM, name="rack")
+    retired = register(client, created.plain, advertise_host="10.20.0.8").json()
+    services.retire_node(SYSTEM, Node.objects.get(pk=retired["node_id"]), reason="machine shut out")
+    created = services.create_join_token(SYSTEM, name="rack-2")
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(services, "NODE_SECRET_LOOKUPS", busy)
+    monkeypatch.setattr(services, "JOIN_TOKEN_LOOKUPS", busy)
+    with busy.slots.held():
+        answers = [register(client, created.plain, advertise_host="10.99.0.7"), beat(client, retired["node_secret"])]
+    for answer in answers:
+        assert answer.status_code == 503 and answer["Retry-After"] == "1"
+        assert set(answer.json()["error"]) == {"message"} and "retry" in answer.json()["error"]["message"]
+    assert not AuditEvent.objects.filter(action__startswith="node.register_refus").exists()
+    created.join_token.refresh_from_db()
+    assert created.join_token.num_uses == 0
+    refused = register(client, created.plain, advertise_host="10.99.0.7")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == NODE_REFUSED
+    assert AuditEvent.objects.filter(action="node.register_refused").count() == 1
+    assert beat(client, retired["node_secret"]).json()["error"]["code"] == NODE_RETIRED

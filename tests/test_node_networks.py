@@ -231,8 +231,8 @@ def test_the_gateway_never_routes_to_an_engine_port_outside_the_platforms_of_a_n
 def flaky_dns(monkeypatch):
     """The cluster's resolver, down for `failures["left"]` lookups of the control plane's own names."""
     real = socket.getaddrinfo
-    failures = {"left": 0}
     names = {"db.internal": "10.20.0.5", "redis.internal": "10.20.0.6"}
+    failures = {"left": 0, "names": names}  # what each name resolves to, which a test may change
 
     def getaddrinfo(host, *args, **kwargs):
         if host not in names:
@@ -353,6 +353,31 @@ def test_after_a_failed_lookup_the_next_waits_a_moment_and_nodes_are_refused_mea
     assert "could not be resolved" in advertise_host_problem("10.20.0.9")
     assert flaky_dns["left"] == 0
     monkeypatch.setattr(nodes_models, "RESOLVE_RETRY_S", 0.0)
+    assert advertise_host_problem("10.20.0.9") == ""
+
+
+def test_a_failover_moving_the_databases_name_to_another_ip_is_followed_within_the_ttl(
+    client, production_networks, service_addresses, flaky_dns, monkeypatch
+):
+    """A managed database's failover: its name now resolves to the standby's IP, inside the node networks. Before, the
+    name was resolved once per process: a node registered at the new IP was admitted (201), and the gateway routed
+    tenants' prompts and engine keys to the database."""
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    assert "control plane's own" in advertise_host_problem("10.20.0.5")
+    assert advertise_host_problem("10.20.0.7") == ""
+    flaky_dns["names"]["db.internal"] = "10.20.0.7"  # the failover
+    assert advertise_host_problem("10.20.0.7") == ""  # the last answer, younger than the TTL
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_TTL_S", 0.0, raising=False)  # the TTL passes
+    assert "control plane's own" in advertise_host_problem("10.20.0.7")
+    token = create_join_token(SYSTEM, name="t").plain
+    assert register(client, token, name="standby", advertise_host="10.20.0.7").status_code == 400
+    # The old primary is still ours (a replica now) for a while; then its address may serve a node again.
+    assert "control plane's own" in advertise_host_problem("10.20.0.5")
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_KEPT_S", 0.0, raising=False)
+    assert advertise_host_problem("10.20.0.5") == ""
+    # Unresolvable at a later look-up: nodes are refused meanwhile (fail closed), as at first use.
+    flaky_dns["left"] = 1
+    assert "could not be resolved" in advertise_host_problem("10.20.0.9")
     assert advertise_host_problem("10.20.0.9") == ""
 
 

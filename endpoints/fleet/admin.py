@@ -61,8 +61,9 @@ class NodeAdmin(ReadOnlyAdmin):
                   permissions=["retire"])
     def retire(self, request, queryset):
         # NOTE: for a node that joined by hand, as pools retire theirs: a stolen or misbehaving machine is cut
-        # off, its replicas failed and replaced elsewhere. Its agent registers again with its join token unless
-        # that is revoked too (`retire_node`); a token other nodes share must be rotated, and staff are told so.
+        # off, its replicas failed and replaced elsewhere, and its agent told so stops for good (`protocol.NODE_RETIRED`).
+        # The machine still holds its join token (an older agent, or the machine set up afresh, registers again with
+        # it) unless that is revoked too (`retire_node`); a token other nodes share must be rotated, and staff are told.
         retirements = [retire_node(Actor.from_request(request), node, reason=f"retired by {request.user}")
                        for node in queryset]
         self.message_user(request, f"{sum(r.retired for r in retirements)} node(s) retired.", messages.SUCCESS)

@@ -34,8 +34,10 @@ def _busy(message: str = "too many credentials are being checked at once") -> Js
 
 def _auth_error(exc: Exception) -> JsonResponse:
     """A node secret refused: `protocol.NODE_UNKNOWN` only when a node secret arrived and names no node, the one 401 on
-    which an agent registers again; none when no secret arrived (something between dropped `Authorization`)."""
-    return _error(401, str(exc), code=protocol.NODE_UNKNOWN if isinstance(exc, services.NodeUnknown) else "")
+    which an agent registers again; `protocol.NODE_RETIRED` only when it is the very secret of a retired node, the one on
+    which an agent stops for good; none when no secret arrived (something between dropped `Authorization`)."""
+    code = {services.NodeUnknown: protocol.NODE_UNKNOWN, services.NodeRetired: protocol.NODE_RETIRED}.get(type(exc), "")
+    return _error(401, str(exc), code=code)
 
 
 UNRESOLVED = "the control plane's own PostgreSQL or Redis addresses do not resolve yet"

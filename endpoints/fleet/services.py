@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
-from django.db.models.functions import Now
+from django.db.models import F, Q, Value
+from django.db.models.functions import Coalesce, Now, NullIf
 from django.utils import timezone
 
 from controlplane import tokens
@@ -68,6 +68,11 @@ class AgentAuthError(Exception):
 class NodeUnknown(AgentAuthError):
     """A node secret that names no node (never issued here, or its node retired or deleted): the agent API answers 401
     with `protocol.NODE_UNKNOWN`, the one answer on which an agent registers again."""
+
+
+class NodeRetired(AgentAuthError):
+    """A node secret that is the very one of a retired node (`Node.retired_secret_digest`): the agent API answers 401
+    with `protocol.NODE_RETIRED`, on which the agent stops its engines, wipes their folders and the weights, and idles."""
 
 
 class NodeRefused(AgentAuthError):
@@ -271,7 +276,8 @@ def _registration_problem(request: protocol.RegisterRequest) -> str:
 
 def authenticate_node(secret: str) -> Node:
     """The node whose secret this is. Raises `AgentAuthError` for anything not shaped as a node secret (none sent),
-    `NodeUnknown` for a node secret that names no node (a refused secret sent again costs no query), `LookupsBusy` when
+    `NodeUnknown` for a node secret that names no node (a refused secret sent again costs no query), `NodeRetired` for
+    the very secret of a node retired (`retire_node` keeps its hash), `LookupsBusy` when
     other secrets hold every lookup slot for longer than a caller may wait."""
     lookup = tokens.split_token(secret, Node.SECRET_KIND)
     if lookup is None:
@@ -280,6 +286,11 @@ def authenticate_node(secret: str) -> Node:
         raise NodeUnknown("invalid node secret")
     with NODE_SECRET_LOOKUPS.slots.held():
         node = Node.objects.filter(secret_lookup=lookup).first()
+    if node is not None and not node.secret_digest and node.retired_secret_digest and tokens.token_matches(
+            secret, node.retired_secret_digest):
+        # NOTE: never remembered as refused: sent again, it is answered so again, never `NodeUnknown` (on which the
+        # agent would register again). Only its own agent holds it: one query a back-off of that agent.
+        raise NodeRetired(f"node {node.name} is retired: stop its engines and remove what they left")
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
         raise NodeUnknown("invalid node secret")
@@ -723,8 +734,9 @@ class Retirement:
     """What `retire_node` did.
 
     `open_join_token`: the join token the node registered with, left usable because `num_other_nodes` other nodes
-    (not retired) joined with it too. Until staff rotate it (`rotate_join_token`), the retired machine's agent can
-    register with it again, as a new node.
+    (not retired) joined with it too. Until staff rotate it (`rotate_join_token`), whoever holds it can register a
+    new node: the retired machine keeps it on its disk (its agent, told `protocol.NODE_RETIRED`, does not register
+    again; one older than protocol 5, or the machine set up afresh, does).
     """
 
     retired: bool
@@ -737,8 +749,9 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
     """The node's machine is gone for good (a pool terminated it, or staff shut it out): OFFLINE, its secret no
     longer admits anyone, and its replicas, if any, fail and are replaced.
 
-    NOTE: a void secret alone does not keep its agent out: refused a heartbeat, the agent registers again with
-    its join token. So the join token goes too when no other node (not retired) joined with it; a token others
+    NOTE: a void secret alone does not keep the machine out: it holds its join token too (an agent older than
+    protocol 5, told its node is unknown, registers again with it). Its secret's hash is kept
+    (`Node.retired_secret_digest`), so its agent is told `protocol.NODE_RETIRED` and stops its engines for good. So the join token goes too when no other node (not retired) joined with it; a token others
     share is left usable and named in the answer (`Retirement.open_join_token`), to be rotated. A pool's one-use
     token is spent already and stays as it is.
     """
@@ -758,8 +771,11 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
                 revoke_join_token(actor, join_token)
                 outcome = {"revoked_join_token": join_token}
         # NOTE: an empty digest matches no secret (`tokens.token_matches` compares hashes).
+        # NOTE: its secret's hash is kept (never the secret), so that its agent, presenting that very secret, is told
+        # it is retired (`authenticate_node`); retired again, the hash kept before stays.
         retired = Node.objects.filter(pk=node.pk).exclude(state=NodeState.OFFLINE, secret_digest="").update(
-            state=NodeState.OFFLINE, secret_digest="")
+            state=NodeState.OFFLINE, secret_digest="",
+            retired_secret_digest=Coalesce(NullIf(F("secret_digest"), Value("")), F("retired_secret_digest")))
         if retired:
             node.refresh_from_db()
             record_audit(actor, None, "node.retire", node, reason=reason[:300])

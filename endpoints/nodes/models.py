@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import math
 import socket
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -113,21 +113,60 @@ class ServiceAddressesUnresolved(Exception):
 # directory load would otherwise wait out the resolver's timeout (refused meanwhile all the same).
 RESOLVE_RETRY_S = 2.0
 _last_unresolved = {"at": -math.inf, "host": ""}
+# The control plane's own names are looked up again this long after they last resolved (a managed database's
+# failover moves its name to another IP), and an address they named is still refused this long after they last did
+# (the old primary is still ours: a replica, or the primary again at the next failover).
+SERVICE_ADDRESSES_TTL_S = 30.0
+SERVICE_ADDRESSES_KEPT_S = 3600.0
+# `addresses`: the last good answer (None before the first), with every address named within `SERVICE_ADDRESSES_KEPT_S`
+# (`seen`: address -> `time.monotonic()` it was last named); `at`: when it was made.
+_resolved: dict = {"at": -math.inf, "addresses": None, "seen": {}}
+_resolving = threading.Lock()
 
 
-@functools.cache
 def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`), a
-    host name's as it resolved once per process: a node never advertises one, even inside `NODE_NETWORKS`. Raises
-    `ServiceAddressesUnresolved` when a name does not resolve, which `functools.cache` does not keep: the next call
-    looks again, `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once cached an empty set, and the
-    check was off for the process's life).
+    """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`): a
+    node never advertises one, even inside `NODE_NETWORKS`. A host name is looked up again once its last answer is
+    `SERVICE_ADDRESSES_TTL_S` old, and an address it named stays refused for `SERVICE_ADDRESSES_KEPT_S` after. Raises
+    `ServiceAddressesUnresolved` when a name does not resolve (fail closed: the callers refuse nodes and answer 503),
+    at first use as at each later look-up, for `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once
+    cached an empty set, and the check was off for the process's life).
 
-    NOTE: a name that resolves elsewhere later (a managed database's failover) is not followed; the web pods' egress
-    NetworkPolicy (`infra/k8s/base/network-policies.yaml`) is the other wall. Loopback ones matter only where
-    loopback nodes are refused: the local stack allows them (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
+    NOTE: before, a name was resolved once per process: after a managed database's failover moved it to another IP,
+    a node registered at the new one (inside the node networks) was admitted and the gateway POSTed prompts to the
+    database (`tests/test_node_networks.py`). One thread looks up at a time; the others take the last good answer
+    meanwhile (or wait, before the first). The web pods' egress NetworkPolicy (`infra/k8s/base/network-policies.yaml`)
+    is the other wall. Loopback ones matter only where loopback nodes are refused: the local stack allows them
+    (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
+    if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:
+        return _resolved["addresses"]
     if time.monotonic() - _last_unresolved["at"] < RESOLVE_RETRY_S:
         raise ServiceAddressesUnresolved(_last_unresolved["host"])
+    if not _resolving.acquire(blocking=_resolved["addresses"] is None):
+        return _resolved["addresses"]  # another thread is looking them up: the last good answer, a moment old
+    try:
+        if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:  # looked up while this one waited
+            return _resolved["addresses"]
+        named = _resolve_service_addresses()
+        now = time.monotonic()
+        seen = {address: at for address, at in _resolved["seen"].items() if now - at < SERVICE_ADDRESSES_KEPT_S}
+        seen.update(dict.fromkeys(named, now))
+        _resolved.update(at=now, addresses=frozenset(seen), seen=seen)
+        return _resolved["addresses"]
+    finally:
+        _resolving.release()
+
+
+def _forget_service_addresses() -> None:
+    """Look every name up afresh at the next call (settings changed: tests)."""
+    _resolved.update(at=-math.inf, addresses=None, seen={})
+
+
+control_plane_service_addresses.cache_clear = _forget_service_addresses  # as `functools.cache` spelled it
+
+
+def _resolve_service_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """What the control plane's own service URLs name now; raises `ServiceAddressesUnresolved` (and remembers when)."""
     addresses = set()
     for url in (settings.DATABASE_URL, settings.REDIS_URL, settings.CELERY_BROKER_URL):
         try:
@@ -147,7 +186,7 @@ def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipadd
             _last_unresolved.update(at=time.monotonic(), host=host)
             raise ServiceAddressesUnresolved(host) from error
         addresses.update(_unmapped(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in resolved)
-    return frozenset(addresses)
+    return addresses
 
 
 def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -268,6 +307,11 @@ class Node(models.Model):
     engine_sandbox = models.CharField(max_length=200, blank=True, default="", db_default="")
     secret_lookup = models.CharField(max_length=tokens.LOOKUP_LENGTH, unique=True)
     secret_digest = models.CharField(max_length=64)
+    # The secret's hash as it was when the node was retired (`retire_node` voids `secret_digest`): a heartbeat that
+    # presents that very secret is told the node is retired (`protocol.NODE_RETIRED`), on which its agent stops its
+    # engines and wipes their folders. The hash only, as `secret_digest`; empty for a node not retired, or retired
+    # before it was kept.
+    retired_secret_digest = models.CharField(max_length=64, blank=True, default="", db_default="")
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")
     # Each GPU as the agent reported it: [{index, uuid, name, memory_mb, mig_slices: [{uuid, profile,
     # memory_mb}]}]. Empty for CPU nodes and agents older than per-GPU placement: placement then

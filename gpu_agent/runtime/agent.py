@@ -6,7 +6,8 @@ the watch) and the application of the desired replicas (`reconciler`). Its loop 
 (what the machine and every replica are doing), reconciles with the answer, and waits for the next
 interval, or less when there is news: a replica turned READY, or the watch heard of a change.
 Failures back off with jitter; the engines keep serving through them, unless the control plane refuses the node
-itself (`RegistrationRefused.node_refused`): then they stop (`Agent.heartbeat_once`).
+itself (`RegistrationRefused.node_refused`): then they stop (`Agent.heartbeat_once`); or says the node is retired
+(`node_retired`): then they stop and what they left on disk goes, weights included.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class Agent:
 
         Refused as a node (`RegistrationRefused.node_refused`: a heartbeat under the node's own secret, or a
         registration under a join token usable there, answered `protocol.NODE_REFUSED`: the control plane refuses the
-        node's host or ports now), the agent stops every engine before it raises. Refused otherwise (a 401 with no
+        node's host or ports now), the agent stops every engine before it raises; told the node is retired
+        (`node_retired`), it winds down for good (`_wind_down_retired_node`). Refused otherwise (a 401 with no
         code, the node's secret unknown and its join token refused), the engines keep serving: a proxy dropping
         `Authorization`, agents pointed at another environment or at a restored database answer so with the node wanted
         as much as before, and a join token that no longer admits anyone is the usual state (a pool's is one-use, a
@@ -156,6 +158,8 @@ class Agent:
         except RegistrationRefused as refusal:
             if refusal.node_refused:
                 self._stop_engines_of_refused_node()
+            elif refusal.node_retired:
+                self._wind_down_retired_node()
             raise
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
@@ -174,6 +178,26 @@ class Agent:
         num_stopping = self.replicas.stop_unasked()
         if num_stopping:
             logger.warning("the control plane refuses this node: stopping its %d engine(s)", num_stopping)
+
+    def _wind_down_retired_node(self) -> None:
+        """Drain and stop every replica; once none runs, remove the engines' cache folders and every model in the
+        weights cache (tenants' weights). Each heartbeat answered `protocol.NODE_RETIRED` does what is left (a drain
+        takes a while), and nothing more once all is gone; the agent idles, asking at its back-off, never registering
+        again (`protocol.py` says why it does not exit).
+
+        NOTE: the node's secret is the very one of a retired node (the control plane answers so only then): nobody
+        routes to its engines any more. Before, told the node was unknown, its agent registered again with a revoked
+        join token, was refused, and its engines ran on, holding the GPUs, tenants' weights kept on its disk."""
+        num_stopping = self.replicas.stop_unasked()
+        if num_stopping:
+            logger.warning("this node is retired: stopping its %d engine(s)", num_stopping)
+        if not self.replicas.nothing_runs():
+            return
+        num_caches = self.supervisor.remove_engine_caches()
+        evicted = self.weights.remove_unpinned()
+        if num_caches or evicted:
+            logger.warning("this node is retired: removed %d engine cache folder(s) and %d model(s) from the "
+                           "weights cache", num_caches, len(evicted))
 
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until `stop` is set, then stop every engine.

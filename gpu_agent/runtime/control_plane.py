@@ -5,14 +5,15 @@
     POST /agent/v1/watch                       -> WatchResponse     (Bearer <node secret>)
 
 The node id and secret are kept in `<data-dir>/node.json`, so a restarted agent is the same node.
-A heartbeat's 401 is answered by its `error.code` (`protocol.NODE_REFUSED`, `NODE_UNKNOWN`: what each means and does is
-noted there, in one place): `NODE_UNKNOWN` (the control plane forgot the node) registers again with the join token, at
-most once a `REREGISTER_MIN_INTERVAL_S`; `NODE_REFUSED` (its own secret accepted, the node refused) is
-`RegistrationRefused.node_refused`, as is a registration's 400 with that code; any other 401 (something between them
-dropped the secret, an older control plane) is `HeartbeatUnauthorized`, retried with back-off. A refusal of a
-registration (400, 401, 403) is `RegistrationRefused`, logged with the reason. Only a refusal of the node itself
-stops its engines (`Agent.heartbeat_once`); any other leaves them serving while the agent retries. What to report and
-what to do with the answer is the agent loop's (`agent`).
+A heartbeat's 401 is answered by its `error.code` (`protocol.NODE_REFUSED`, `NODE_UNKNOWN`, `NODE_RETIRED`: what each
+means and does is noted there, in one place): `NODE_UNKNOWN` (the control plane forgot the node) registers again with
+the join token, at most once a `REREGISTER_MIN_INTERVAL_S`; `NODE_REFUSED` (its own secret accepted, the node refused)
+is `RegistrationRefused.node_refused`, as is a registration's 400 with that code; `NODE_RETIRED` (the very secret of a
+retired node) is `RegistrationRefused.node_retired`; any other 401 (something between them dropped the secret, an
+older control plane) is `HeartbeatUnauthorized`, retried with back-off. A refusal of a registration (400, 401, 403) is
+`RegistrationRefused`, logged with the reason. Only a refusal of the node itself (refused or retired) stops its
+engines (`Agent.heartbeat_once`); any other leaves them serving while the agent retries. What to report and what to do
+with the answer is the agent loop's (`agent`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import httpx
 
 from gpu_agent.protocol import (
     NODE_REFUSED,
+    NODE_RETIRED,
     NODE_UNKNOWN,
     REREGISTER_MIN_INTERVAL_S,
     Heartbeat,
@@ -59,15 +61,17 @@ def heartbeat_interval(value) -> float:
 
 class RegistrationRefused(Exception):
     """The control plane refused the registration: `node_refused` when it refuses this node, its host or engine ports
-    (the answer's `protocol.NODE_REFUSED` code); else the join token (invalid, expired, used up, revoked), or whatever
+    (the answer's `protocol.NODE_REFUSED` code); `node_retired` when a heartbeat's secret is a retired node's
+    (`protocol.NODE_RETIRED`); else the join token (invalid, expired, used up, revoked), or whatever
     answered was no control plane that knows this fleet (a proxy's 403, another environment's 401).
 
     NOTE: a pool's machine joins with a one-use token and a rotation revokes the old one, so a token that no longer
     admits anyone is the usual state of a running node: its refusal says nothing of the node."""
 
-    def __init__(self, message: str, *, node_refused: bool = False) -> None:
+    def __init__(self, message: str, *, node_refused: bool = False, node_retired: bool = False) -> None:
         super().__init__(message)
         self.node_refused = node_refused
+        self.node_retired = node_retired
 
 
 class HeartbeatUnauthorized(httpx.HTTPError):
@@ -173,8 +177,8 @@ class ControlPlaneClient:
 
     def send_heartbeat(self, heartbeat: Heartbeat) -> HeartbeatResponse:
         """Send one heartbeat, registering again if the control plane says it forgot the node (`NODE_UNKNOWN`).
-        Raises `RegistrationRefused` (`node_refused`) when it refuses the node, `HeartbeatUnauthorized` for a 401 that
-        says neither."""
+        Raises `RegistrationRefused` (`node_refused`) when it refuses the node, (`node_retired`) when the node is
+        retired, `HeartbeatUnauthorized` for a 401 that says none of these."""
         response = self._post_heartbeat(heartbeat)
         if response.status_code == 401 and self._unknown_node_may_register(response):
             logger.warning("heartbeat refused (401, %s): registering again", NODE_UNKNOWN)
@@ -183,6 +187,8 @@ class ControlPlaneClient:
         if response.status_code == 401:
             if _error_code(response) == NODE_REFUSED:
                 raise RegistrationRefused(f"heartbeat refused (401): {response.text[:200]}", node_refused=True)
+            if _error_code(response) == NODE_RETIRED:
+                raise RegistrationRefused(f"this node is retired (401): {response.text[:200]}", node_retired=True)
             raise HeartbeatUnauthorized(f"heartbeat refused (401), retrying: {response.text[:200]}")
         response.raise_for_status()
         answer = HeartbeatResponse.from_dict(response.json())

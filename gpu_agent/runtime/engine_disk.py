@@ -24,14 +24,13 @@ decides when (`Supervisor.check_disk`).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-
-from gpu_agent.runtime.weights_index import remove_path
 
 # The defaults an operator changes with the agent's `--engine-cache-gb`, `--engine-cache-days`, `--engine-disk-gb`.
 DEFAULT_ENGINE_CACHE_BYTES = 50 * 10**9
@@ -170,29 +169,101 @@ def set_aside(folder: Path) -> Path | None:
     return aside
 
 
+# How many times a folder written to while it was emptied is emptied again before it is left.
+RESCANS = 3
+
+
 def remove_tree(path: Path | None) -> None:
     """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it.
 
-    NOTE: Landlock leaves chmod to an engine: one that took the write permission off folders inside its own made
-    a plain `rmtree` leave them, and their bytes, behind. Links are removed, never followed (`remove_path`)."""
+    NOTE: Landlock leaves chmod to an engine: one that took the permissions off folders inside its own made a plain
+    `rmtree` leave them, and their bytes, behind, so each folder is made the agent's (0o700) before it is emptied. That
+    is done on the folder opened (`_enter_folder`), never by its name: an engine's leftover child, or a tenant's model
+    code, still writing in the tree can swap a folder for a link at any moment, and a chmod by name followed it. Before,
+    between the walk's `lstat` and its `chmod`, a folder replaced by a link to one outside the tree made that folder
+    0o700 (`tests/agent/test_engine_disk.py`). Every step is relative to an open folder (`dir_fd`), the top path's
+    included; a link anywhere is removed as a name, never followed. The walk holds one descriptor per level."""
     if path is None:
         return
-    remove_path(path)
-    if path.is_symlink() or not path.exists():
-        return
+    path = Path(path)
     try:
-        os.chmod(path, 0o700)
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
-    for root, dirs, _files in os.walk(path):  # NOTE: top-down, and links to folders are not followed
-        for name in dirs:
-            child = os.path.join(root, name)
-            try:
-                if stat.S_ISDIR(os.lstat(child).st_mode):
-                    os.chmod(child, 0o700)
-            except OSError:
-                continue
-    remove_path(path)
+    try:
+        _remove_entry(parent, path.name)
+    finally:
+        os.close(parent)
+
+
+def _enter_folder(dir_fd: int, name: str) -> int | None:
+    """The folder `name` in `dir_fd` opened for listing, made 0o700 first; None when `name` is not a folder (a link to
+    one included: never followed) or is gone. The mode is set through an `O_PATH` descriptor of the folder itself
+    (`/proc/self/fd`, what glibc's `fchmodat(AT_SYMLINK_NOFOLLOW)` does): a folder the engine made 0o000 cannot be
+    opened for reading before, and whatever its name names by then is never what is changed."""
+    try:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None  # a link (ELOOP, ENOTDIR), a file, or gone
+    try:
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)
+        except OSError:
+            pass  # no /proc: a folder the agent can read is still emptied
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=handle)
+        except OSError:
+            return None
+    finally:
+        os.close(handle)
+
+
+def _remove_entry(dir_fd: int, name: str) -> None:
+    """Remove `name` in `dir_fd`: a file or link unlinked, a folder emptied depth first and removed (no recursion, so
+    no depth of folders stops it)."""
+    top = _enter_folder(dir_fd, name)
+    if top is None:
+        _unlink(dir_fd, name)
+        return
+    stack = [[dir_fd, name, top, _names_in(top), RESCANS]]
+    try:
+        while stack:
+            parent, folder_name, folder, names, rescans = level = stack[-1]
+            for child in names:
+                entered = _enter_folder(folder, child)
+                if entered is not None:
+                    stack.append([folder, child, entered, _names_in(entered), RESCANS])
+                    break
+                _unlink(folder, child)
+            else:
+                try:
+                    os.rmdir(folder_name, dir_fd=parent)
+                except NotADirectoryError:  # swapped for a link since it was entered: the link goes, as a name
+                    _unlink(parent, folder_name)
+                except OSError as exc:
+                    if exc.errno == errno.ENOTEMPTY and rescans > 0:  # written to meanwhile: emptied again
+                        level[3:] = [_names_in(folder), rescans - 1]
+                        continue
+                stack.pop()
+                os.close(folder)
+    finally:
+        for level in stack:
+            os.close(level[2])
+
+
+def _names_in(folder: int):
+    try:
+        with os.scandir(folder) as entries:
+            return iter([entry.name for entry in entries])
+    except OSError:
+        return iter(())
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 @dataclass(slots=True, frozen=True)
@@ -245,6 +316,13 @@ class CacheFolders:
             found.append(CacheFolder(entry.name, path, last_used_at,
                                      measure([path], max_bytes=max_bytes, max_files=max_files)))  # fmt: skip
         return sorted(found, key=lambda folder: folder.last_used_at)
+
+    def names(self) -> list[str]:
+        """Every cache folder's name (those set aside left out)."""
+        try:
+            return sorted(entry.name for entry in os.scandir(self.root) if not entry.name.startswith("."))
+        except OSError:
+            return []
 
     def forget(self, name: str) -> None:
         (self.root / USED_DIR / name).unlink(missing_ok=True)

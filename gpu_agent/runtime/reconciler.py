@@ -115,6 +115,17 @@ class Reconciler:
         self.reconcile([], answered=False)
         return len(stopping)
 
+    def nothing_runs(self) -> bool:
+        """Whether no engine here runs, starts or drains and no pull is in progress (after `stop_unasked`: what a
+        retired node waits for before it removes what its engines left, `Agent.heartbeat_once`). The weights of those
+        ended are unpinned (`reconcile`)."""
+        self.reconcile([], answered=False)
+        with self._lock:
+            if any(not pull.done for pull in self._pulls.values()):
+                return False
+        return all(replica is None or replica.is_final
+                   for replica in map(self.supervisor.get, self.supervisor.replica_ids()))
+
     def _forget_stopped_unasked(self, desired_by_id: dict[str, ReplicaSpec]) -> None:
         """Forget each replica stopped unasked once its engine or pull is gone, unless the answer drains or sleeps it
         (then it is reported, as any drained replica): not wanted, nothing more to say of it; wanted, `reconcile`

@@ -749,6 +749,23 @@ class Supervisor:
             engine_disk.remove_tree(path)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
+    def remove_engine_caches(self) -> int:
+        """Remove every endpoint's cache folder that no replica here uses, whatever its age (a retired node:
+        `Agent.heartbeat_once`), and what earlier removals left; how many folders went. Set aside under the lock, as
+        `check_disk` does, and deleted outside it."""
+        with self._lock:
+            in_use = self._caches_in_use()
+            removed = []
+            for name in self._caches.names():
+                if name not in in_use:
+                    removed.append(engine_disk.set_aside(self._caches.folder(name)))
+                    self._caches.forget(name)
+            num_folders = len(removed)
+            removed += self._caches.leftovers(keep=in_use)
+        for path in removed:
+            engine_disk.remove_tree(path)
+        return num_folders
+
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
         and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its

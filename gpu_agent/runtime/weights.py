@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -284,6 +285,11 @@ class WeightsCache:
         entries = self._index.entries()
         excess = sum(_charged(entry) for entry in entries) - self.budget_bytes
         return self._evict_lru(entries, excess)
+
+    def remove_unpinned(self) -> list[str]:
+        """Remove every complete model no replica pins, whatever the budget: a retired node's tenants' weights
+        (`Agent.heartbeat_once`). The keys removed."""
+        return self._evict_lru(self._index.entries(), math.inf)
 
     def read_model(self, model_dir: str | Path) -> ModelReading:
         """What a fetched model's files say, or why it is refused (read once per directory; a cached model

@@ -19,6 +19,7 @@ from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
     NODE_REFUSED,
+    NODE_RETIRED,
     NODE_UNKNOWN,
     Heartbeat,
     HeartbeatResponse,
@@ -57,6 +58,8 @@ class FakeControlPlane:
         # Set: the node is refused, as the control plane refuses one whose host it no longer allows (heartbeats
         # 401, registrations 400 with this reason, both with the `NODE_REFUSED` code).
         self.refusal = ""
+        # Set: the node is retired (heartbeats and watches 401 with the `NODE_RETIRED` code).
+        self.retired = False
         self.num_register_calls = 0
         self.num_refused = 0  # requests answered `refusal`
         self.lock = threading.Lock()
@@ -101,6 +104,9 @@ class FakeControlPlane:
                         return self.reply(201, answer.to_dict())
                     if self.path == "/agent/v1/heartbeat":
                         token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                        if plane.retired and token in plane.secrets:
+                            plane.num_refused += 1
+                            return self.reply(401, {"error": {"message": "node retired", "code": NODE_RETIRED}})
                         if token not in plane.secrets:
                             return self.reply(401, {"error": {"message": "unknown node", "code": NODE_UNKNOWN}})
                         plane.heartbeats.append(Heartbeat.from_dict(body))
@@ -366,6 +372,33 @@ def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_th
     wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY
                and len(control_plane.heartbeats) > num_beats, 15)
     assert processes_with_marker("r-a") and not set(processes_with_marker("r-a")) & set(first_engine)
+    assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
+
+
+def test_a_retired_node_stops_its_engines_removes_what_they_left_and_idles(control_plane, running_agent, s3,  # noqa: F811
+                                                                          tmp_path):
+    """The operator retired the node (its machine shut out): the control plane answers its very secret `NODE_RETIRED`.
+    Before: the agent logged the refusal and retried, its engine serving on (routed to by nobody), the endpoint's
+    cache folder and the tenant's weights left on its disk, for as long as the agent ran."""
+    upload_model(s3, "fleet-models", "tiny", num_bytes=1_000_000)
+    control_plane.desired = [make_spec("r-a", model_source="s3://fleet-models/tiny", endpoint_id="e-a")]
+    agent, _stop, thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 20)
+    caches = agent.supervisor.data_dir / "engine-caches"
+    assert processes_with_marker("r-a") and agent.weights._index.entries() and caches.is_dir() and any(
+        not path.name.startswith(".") for path in caches.iterdir())
+    with control_plane.lock:
+        control_plane.retired = True
+        num_registrations = len(control_plane.registrations)
+    wait_until(lambda: processes_with_marker("r-a") == [] and agent.supervisor.get("r-a").is_final, 15)
+    wait_until(lambda: not agent.weights._index.entries()
+               and not [path for path in caches.iterdir() if not path.name.startswith(".")], 15)
+    assert not list(agent.weights.root.glob("*/model.safetensors"))
+    # It idles: asks again at its back-off, never registers again, starts nothing, and the agent runs on.
+    with control_plane.lock:
+        num_refused = control_plane.num_refused
+    wait_until(lambda: control_plane.num_refused >= num_refused + 2, 15)
+    assert len(control_plane.registrations) == num_registrations and thread.is_alive()
     assert not control_plane.ever_reported("r-a", ReplicaState.STOPPED)
 
 

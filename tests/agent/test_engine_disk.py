@@ -9,7 +9,11 @@ failed. Real fake engines (child processes writing into their folders) and real 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtur
 from .test_weights_cache import s3_endpoint  # noqa: F401  (a fixture of running_agent's)
 
 MB = 1_000_000
+NOBODY = 65534
 DAY_S = 86400.0
 NO_CHECKS = {"check_interval_s": 3600.0, "sweep_interval_s": 3600.0}
 
@@ -276,3 +281,89 @@ def test_an_operator_sets_the_engines_disk_bounds_on_the_command_line_or_environ
     )
     with pytest.raises(SystemExit):
         parse(["run", "--control-plane", "http://cp", "--engine-disk-gb", "0"])
+
+
+def test_a_folder_swapped_for_a_link_while_its_tree_is_removed_never_changes_what_the_link_names(base):
+    """An engine's leftover child still writing in its tree swaps a folder for a link to one outside at the worst
+    moment: as the agent makes the folder its own (0o700) to empty it (the engine had locked its parent). Before, the
+    chmod went by name and followed the link: the outside folder became 0o700."""
+    outside = fill(base / "outside", 1000)
+    tree = base / "tree"
+    victim = fill(tree / "locked" / "victim", 1000)
+    (victim / "inner").mkdir()
+
+    def remove_while_swapping():
+        chmod = os.chmod
+
+        def chmod_after_a_swap(target, mode, **kwargs):
+            named = os.readlink(target) if str(target).startswith("/proc/self/fd/") else os.fspath(target)
+            if named == str(victim) and not victim.is_symlink():  # the worst moment
+                victim.rename(victim.with_name("moved"))
+                victim.symlink_to(outside, target_is_directory=True)
+            return chmod(target, mode, **kwargs)
+
+        os.chmod = chmod_after_a_swap  # NOTE: in the forked remover only
+        (tree / "locked").chmod(0o500)
+        engine_disk.remove_tree(tree)
+        assert victim.is_symlink() or not tree.exists()  # swapped, or it never reached it (it always does)
+
+    run_unprivileged(base, remove_while_swapping)
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o755
+    assert (outside / "fill.bin").stat().st_size == 1000
+    assert sorted(path.name for path in base.iterdir()) == ["outside"]
+
+
+def test_a_tree_with_folders_an_engine_made_unreadable_is_removed_whole(base):
+    """Folders at 0o000 and 0o500, a link to one outside, a link in the top's place."""
+    outside = fill(base / "outside", 1000)
+    tree = base / "tree"
+    fill(tree / "a" / "b" / "c", 1000)
+    fill(tree / "locked" / "inner", 1000)
+    (tree / "a" / "to-outside").symlink_to(outside, target_is_directory=True)
+    (base / "link-at-top").symlink_to(outside, target_is_directory=True)
+
+    def lock_and_remove():
+        (tree / "locked" / "inner").chmod(0o000)
+        (tree / "locked").chmod(0o500)
+        (tree / "a" / "b").chmod(0o000)
+        engine_disk.remove_tree(tree)
+        engine_disk.remove_tree(base / "link-at-top")
+
+    run_unprivileged(base, lock_and_remove)
+    assert sorted(path.name for path in base.iterdir()) == ["outside"]
+    assert (outside / "fill.bin").stat().st_size == 1000 and stat.S_IMODE(outside.stat().st_mode) == 0o755
+
+
+@pytest.fixture
+def base():
+    """A folder an unprivileged user may work in (pytest's own are root's, 0o700)."""
+    made = Path(tempfile.mkdtemp(prefix="engine-disk-", dir="/tmp"))
+    made.chmod(0o755)
+    yield made
+    shutil.rmtree(made, ignore_errors=True)  # NOTE: what a failed test left locked, root removes
+
+
+def run_unprivileged(base: Path, action) -> None:
+    """`action()` in a forked process as nobody, `base` and all in it nobody's (the agent is no root on a node: as
+    root, every permission admits it and no folder is left for the chmod walk). Unprivileged already: as itself."""
+    as_root = os.geteuid() == 0
+    for root, dirs, files in os.walk(base) if as_root else ():
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), NOBODY, NOBODY, follow_symlinks=False)
+    if as_root:
+        os.chown(base, NOBODY, NOBODY)
+    child = os.fork()
+    if child == 0:  # NOTE: forked, as nobody may not run this venv's interpreter (under /root)
+        code = 1
+        try:
+            if as_root:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            action()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    assert os.waitpid(child, 0)[1] == 0

@@ -11,9 +11,9 @@ import pytest
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM
-from endpoints.fleet.services import create_join_token, revoke_join_token
+from endpoints.fleet.services import create_join_token, retire_node, revoke_join_token
 from endpoints.nodes.models import Node, control_plane_service_addresses
-from gpu_agent.protocol import NODE_REFUSED, NODE_UNKNOWN
+from gpu_agent.protocol import NODE_REFUSED, NODE_RETIRED, NODE_UNKNOWN
 from gpu_agent.runtime import control_plane
 from gpu_agent.runtime.agent import Agent
 from gpu_agent.runtime.config import AgentConfig
@@ -62,6 +62,57 @@ def test_a_heartbeat_401_says_node_unknown_only_when_a_node_secret_arrived_and_n
     assert beat(client, agent_secret).status_code == 200
     watch = client.post("/agent/v1/watch", HTTP_AUTHORIZATION=f"Bearer {tokens.issue_token(Node.SECRET_KIND).plain}")
     assert watch.status_code == 401 and watch.json()["error"]["code"] == NODE_UNKNOWN
+
+
+def test_a_retired_nodes_very_secret_is_told_node_retired_and_nothing_else_is(client):
+    """Before: a retired node's secret was answered `NODE_UNKNOWN`, on which its agent registered again (its join token
+    revoked: refused without a code), and its engines ran on. The hash of its secret is kept, never the secret."""
+    created = create_join_token(SYSTEM, name="t")
+    answer = register(client, created.plain).json()
+    secret, node = answer["node_secret"], Node.objects.get(pk=answer["node_id"])
+    digest = node.secret_digest
+    retire_node(SYSTEM, node, reason="machine shut out")
+    retire_node(SYSTEM, node, reason="retired again")  # keeps the hash kept the first time
+    node.refresh_from_db()
+    assert node.secret_digest == "" and node.retired_secret_digest == digest == tokens.hash_token(secret)
+    assert secret not in str(Node.objects.filter(pk=node.pk).values().get())
+    for _ in range(2):  # sent again, answered so again: never remembered as an unknown secret
+        retired = beat(client, secret)
+        assert retired.status_code == 401 and retired.json()["error"]["code"] == NODE_RETIRED
+    # Another secret under the retired node's lookup (a guess, another environment's) is only unknown.
+    kind, lookup, _rest = secret.split("_", 2)
+    guessed = f"{kind}_{lookup}_{tokens.issue_token(Node.SECRET_KIND).plain.split('_', 2)[2]}"
+    assert beat(client, guessed).json()["error"]["code"] == NODE_UNKNOWN
+    assert "code" not in client.post("/agent/v1/heartbeat", {}, content_type="application/json").json()["error"]
+
+
+def test_an_agent_of_a_retired_node_is_told_so_and_never_registers_again(in_process_control_plane, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    """Against the real control plane: retired under a join token another node shares (left open), its agent does not
+    join again as a new node (before: told `NODE_UNKNOWN`, it registered again at once, `tests/agent/test_agent_loop.py`
+    says what it does then)."""
+    monkeypatch.setattr(control_plane, "REREGISTER_MIN_INTERVAL_S", 0.0)
+    created = create_join_token(SYSTEM, name="fleet")
+    _agent(in_process_control_plane, created.plain, tmp_path / "other").control_plane.register()  # the fleet's other
+    agent = _agent(in_process_control_plane, created.plain, tmp_path)
+    try:
+        agent.heartbeat_once()
+        retire_node(SYSTEM, Node.objects.get(pk=agent.control_plane.node_id), reason="machine shut out")
+        for _ in range(2):
+            with pytest.raises(RegistrationRefused) as refused:
+                agent.heartbeat_once()
+            assert refused.value.node_retired and not refused.value.node_refused
+        assert Node.objects.filter(join_token=created.join_token).count() == 2  # no new node
+    finally:
+        agent.shutdown()
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: the watch looks the secret up in a worker thread of its own
+def test_a_retired_nodes_watch_is_told_node_retired(client):
+    answer = register(client, create_join_token(SYSTEM, name="t").plain).json()
+    retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
+    watch = client.post("/agent/v1/watch", HTTP_AUTHORIZATION=f"Bearer {answer['node_secret']}")
+    assert watch.status_code == 401 and watch.json()["error"]["code"] == NODE_RETIRED
 
 
 @pytest.fixture
