@@ -239,8 +239,8 @@ def _put(bucket: str, key: str, data: bytes, **metadata) -> None:
 
 
 def _put_signed(bucket: str, key: str, data: bytes) -> None:
-    """`data` under `key`, signed by this platform as the shipping signs it (its key and its bytes)."""
-    _put(bucket, key, data, **{journal_shipping.SIGNATURE: journal_shipping._signature(key, data)})
+    """`data` under `key`, signed by this platform as the shipping signs it (both signatures)."""
+    _put(bucket, key, data, **journal_shipping._signatures(key, data))
 
 
 def test_a_segment_the_platform_did_not_sign_is_never_billed(outage, files_bucket):  # noqa: F811
@@ -632,7 +632,7 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
                       aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
     answer = s3.get_object(Bucket=files_bucket, Key=shipped)
     body = answer["Body"].read()
-    assert body == newer and journal_shipping._signed(shipped, body, answer["Metadata"][journal_shipping.SIGNATURE])
+    assert body == newer and journal_shipping._signed(shipped, body, answer["Metadata"])
     assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
 
 
@@ -715,10 +715,10 @@ def test_a_signed_object_copied_under_another_name_is_never_billed(outage, files
     kept = journal_shipping.REJECTED_PREFIX + "web-7-1.jsonl"
     _put_signed(files_bucket, kept, data)
     s3 = _s3()
-    signature = s3.head_object(Bucket=files_bucket, Key=kept)["Metadata"][journal_shipping.SIGNATURE]
     for copy in (journal_shipping.PREFIX + "web-7-1.jsonl", journal_shipping.REJECTED_PREFIX + "other-7-1.jsonl"):
+        # with its metadata, both signatures, as a copy keeps them (`aws s3 cp`, a bucket's replication)
         s3.copy_object(Bucket=files_bucket, Key=copy, CopySource={"Bucket": files_bucket, "Key": kept},
-                       Metadata={journal_shipping.SIGNATURE: signature}, MetadataDirective="REPLACE")
+                       MetadataDirective="COPY")
     s3.delete_object(Bucket=files_bucket, Key=kept)
     outage.end()
 
@@ -785,3 +785,68 @@ def test_a_large_set_aside_goes_in_parts_and_a_put_failing_midway_leaves_here_ex
                for key in _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX))
     outage.end()
     assert journal_shipping.replay_rejected() == (12, [])  # every part signed: each line billed once
+
+
+def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
+    """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),
+    as it was: an HMAC of the bytes alone, under the metadata name `inferplane-signature`."""
+    from django.conf import settings
+    from django.utils.crypto import constant_time_compare, salted_hmac
+
+    signature = metadata.get("inferplane-signature", "")
+    return any(constant_time_compare(signature, salted_hmac("billing.journal_shipping", body, secret=secret,
+                                                            algorithm="sha256").hexdigest())
+               for secret in (settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS))
+
+
+def test_what_this_release_ships_is_billed_by_a_worker_rolled_back_past_it(outage, files_bucket, settings):  # noqa: F811
+    """Before, this release signed its objects over their key and bytes alone, under the name the previous release
+    reads as a bytes-only signature: a worker rolled back past it refused every segment and set-aside object this one
+    shipped, and set them aside unsigned, billed by no release (the test saw the previous release's check refuse
+    both objects)."""
+    endpoint = EndpointFactory()
+    _journal_rows_while_down([usage_report(endpoint, request_id="rollback-13")], replay_for_s=0.5)
+    directory = usage_writer.journal().directory
+    (directory / REJECTED_NAME).write_bytes(line_of_a_newer_version(usage_report(endpoint, request_id="newer-13")))
+    journal_shipping.ship_set_aside(usage_writer.journal())
+    s3 = _s3()
+    keys = _bucket_keys(files_bucket, journal_shipping.PREFIX) + _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert len(keys) == 2
+    for key in keys:
+        answer = s3.get_object(Bucket=files_bucket, Key=key)
+        body, metadata = answer["Body"].read(), answer["Metadata"]
+        assert _previous_releases_check(body, metadata), key
+        assert journal_shipping._signed(key, body, metadata), key
+
+
+def test_a_copy_stripped_of_its_keyed_signature_is_read_as_the_previous_releases_and_bills_once(outage, files_bucket):  # noqa: F811
+    """What the bytes-only signature, kept for a rollback, still lets through: a deliberate copy of a shipped segment,
+    under another name, without its keyed signature. It holds rows this platform wrote, and the ledger's dedupe by
+    request id bills each once, however often it is replayed."""
+    endpoint = EndpointFactory()
+    _journal_rows_while_down([usage_report(endpoint, request_id="copied-14")], replay_for_s=0.5)
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.PREFIX)
+    s3 = _s3()
+    legacy = s3.head_object(Bucket=files_bucket, Key=shipped)["Metadata"][journal_shipping.SIGNATURE]
+    for copy in ("copy-14-1.jsonl", "copy-14-2.jsonl"):
+        s3.copy_object(Bucket=files_bucket, Key=journal_shipping.PREFIX + copy,
+                       CopySource={"Bucket": files_bucket, "Key": shipped},
+                       Metadata={journal_shipping.SIGNATURE: legacy}, MetadataDirective="REPLACE")
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 1  # the original and its two copies: one row written
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["copied-14"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX) == []
+
+
+def test_a_keyed_signature_that_does_not_match_is_refused_whatever_the_bytes_only_one_says(outage, files_bucket):  # noqa: F811
+    # The bytes-only signature counts only on an object without a keyed one (the previous release's).
+    endpoint = EndpointFactory()
+    data = encode(usage_report(endpoint, request_id="moved-15"))
+    metadata = journal_shipping._signatures(journal_shipping.REJECTED_PREFIX + "web-15-1.jsonl", data)
+    _put(files_bucket, journal_shipping.PREFIX + "web-15-1.jsonl", data, **metadata)
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 0
+    assert UsageRecord.objects.count() == 0
