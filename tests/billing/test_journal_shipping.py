@@ -4,7 +4,10 @@ and the worker replays them from there, each row once."""
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -785,6 +788,114 @@ def test_a_large_set_aside_goes_in_parts_and_a_put_failing_midway_leaves_here_ex
                for key in _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX))
     outage.end()
     assert journal_shipping.replay_rejected() == (12, [])  # every part signed: each line billed once
+
+
+def _wait_until_shipped(bucket: str, directory, num_objects: int = 1) -> None:
+    """Until the bucket's rejected prefix holds `num_objects` and `rejected.jsonl` is empty here (at most 20 s): the
+    shipper is a thread of its own."""
+    deadline = time.monotonic() + 20
+    while not (len(_bucket_keys(bucket, journal_shipping.REJECTED_PREFIX)) >= num_objects
+               and (directory / REJECTED_NAME).read_bytes() == b"") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_lines_set_aside_before_an_outage_mid_replay_are_shipped_by_the_next_replay(
+        outage, files_bucket, settings, monkeypatch):  # noqa: F811
+    """Before, a replay shipped what it set aside only after its loop: one that met an outage on a later segment
+    raised past it, and the next replay, which set nothing new aside, shipped nothing (the test saw an empty rejected
+    prefix and the line still in `rejected.jsonl` 20 s on: on the pod's emptyDir, lost with it)."""
+    settings.USAGE_JOURNAL_SHIP_AFTER_S = 30.0  # the default: a blip shorter than it ships no segment
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-10"))
+    (directory / "gone-10-1.jsonl").write_bytes(newer)  # unreadable: set aside, nothing to write
+    (directory / "gone-10-2.jsonl").write_bytes(encode(usage_report(endpoint, request_id="known-10")))
+    client = journal_shipping._client()
+    put_object, reachable = client.put_object, threading.Event()
+
+    def out_of_reach_until_set(**kwargs):
+        if not reachable.is_set():
+            raise EndpointConnectionError(endpoint_url="http://files.invalid")
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", out_of_reach_until_set)
+
+    async def replay():
+        await usage_writer.writer_for_this_loop().replay()
+
+    with pytest.raises(usage_writer.OUTAGES):
+        asyncio.run(replay())  # segment 1 set aside, segment 2 meets the outage
+    usage_writer.ship_set_aside_soon().join(20)  # tried, the bucket out of reach: the line stays here
+    assert (directory / REJECTED_NAME).read_bytes() == newer
+    reachable.set()
+    outage.end()
+    asyncio.run(replay())  # segment 2 written, nothing new set aside: what is still here is tried again
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-10"]
+    _wait_until_shipped(files_bucket, directory)
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert _s3().get_object(Bucket=files_bucket, Key=shipped)["Body"].read() == newer
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_lines_set_aside_after_the_running_shipper_read_the_file_are_shipped_too(outage, files_bucket, monkeypatch):  # noqa: F811
+    """Before, `ship_set_aside_soon` returned a running shipper as it was, though it may have read the file already:
+    a line appended after that read waited for a later trigger, maybe none (the test saw one object in the bucket
+    and the second line left in `rejected.jsonl`)."""
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    first = line_of_a_newer_version(usage_report(endpoint, request_id="newer-11-1"))
+    later = line_of_a_newer_version(usage_report(endpoint, request_id="newer-11-2"))
+    (directory / REJECTED_NAME).write_bytes(first)
+    ship_set_aside, calls = journal_shipping.ship_set_aside, []
+
+    def then_another_replay_sets_a_line_aside(journal):
+        shipped = ship_set_aside(journal)
+        calls.append(shipped)
+        if len(calls) == 1:  # the shipper has read and emptied the file, and is still alive: a replay's `done` now
+            journal.done(directory / "gone-11-1.jsonl", [], [later.rstrip(b"\n")])
+            usage_writer.ship_set_aside_soon()
+        return shipped
+
+    monkeypatch.setattr(journal_shipping, "ship_set_aside", then_another_replay_sets_a_line_aside)
+    usage_writer.ship_set_aside_soon().join(20)
+    _wait_until_shipped(files_bucket, directory, num_objects=2)
+    assert sorted(_object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)) == sorted([first, later])
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+_STOPPING_CHILD = r"""
+import asyncio, inspect, time, django
+django.setup()
+from billing import journal_shipping, usage_writer
+client = journal_shipping._client()
+put = client.put_object
+def slowly(**kwargs):
+    time.sleep(2)  # a slow bucket (boto3 retrying)
+    return put(**kwargs)
+client.put_object = slowly
+started = time.monotonic()
+# as the gateway's lifespan shutdown calls it (endpoints/gateway/app.py), the process ending right after
+stops = {"process_stops": True} if "process_stops" in inspect.signature(usage_writer.replay_before_the_loop_ends).parameters else {}
+asyncio.run(usage_writer.replay_before_the_loop_ends(0.5, **stops))
+print("returned after", round(time.monotonic() - started, 2))
+"""
+
+
+def test_a_gateway_that_stops_waits_for_its_set_aside_lines_to_reach_the_bucket(files_bucket, tmp_path):  # noqa: F811
+    """Before, a gateway's shutdown waited for the set-aside shipper only until its replay's deadline (often ~0 s
+    left), then exited, and the daemon thread died with it mid-upload (the test saw the child return after 0.5 s, an
+    empty rejected prefix, and the line still in `rejected.jsonl`, on an emptyDir that goes with the pod)."""
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / REJECTED_NAME).write_bytes(b'{"request_id": "aside-12"}\n')
+    env = {**os.environ, "INFERPLANE_USAGE_JOURNAL_DIR": str(directory), "INFERPLANE_USAGE_JOURNAL_SHIP": "1",
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", _STOPPING_CHILD], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1, done.stdout
+    assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
