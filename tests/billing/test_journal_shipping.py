@@ -898,6 +898,28 @@ def test_a_gateway_that_stops_waits_for_its_set_aside_lines_to_reach_the_bucket(
     assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
+
+def test_a_gateways_lifespan_shutdown_replays_as_a_process_that_stops(monkeypatch):
+    """The wait above is the gateway's only if its shutdown says the process stops after (before, it could not)."""
+    from controlplane.asgi import application
+    from endpoints.gateway import app
+
+    called = []
+
+    async def replay_before_the_loop_ends(timeout_s, **kwargs):
+        called.append((timeout_s, kwargs))
+
+    monkeypatch.setattr(app, "replay_before_the_loop_ends", replay_before_the_loop_ends)
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        pass
+
+    asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True})]
+
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
     """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),
     as it was: an HMAC of the bytes alone, under the metadata name `inferplane-signature`."""
