@@ -15,11 +15,22 @@ endpoint is gone) go to `usage-journal-rejected/`, signed, as the local replay's
 replay_rejected_usage` replays them (`replay_rejected`), each row once, after a release that reads them.
 
 The bucket is not trusted with money: whoever may write there could otherwise forge usage for any organisation at any
-price. Each object is shipped with an HMAC of its key and its bytes keyed by the platform's secret (`SECRET_KEY`, its
-fallbacks accepted on replay), and one whose signature does not match is never written into the ledger: it is kept
-under the rejected prefix, with an error logged. The key is signed too, so an object copied under another name (a
-set-aside object copied back under the shipped prefix, to be replayed before an operator chose to) is refused as
-well; the previous release signed the bytes alone, and those signatures are still read (`_LEGACY_SIGNATURE_SALT`).
+price. Each object is shipped with two HMACs keyed by the platform's secret (`SECRET_KEY`, its fallbacks accepted on
+replay), and one whose signature does not match is never written into the ledger: it is kept under the rejected
+prefix, with an error logged.
+- `KEYED_SIGNATURE` covers its key and its bytes: an object copied under another name with its metadata (a set-aside
+  object copied back under the shipped prefix, to be replayed before an operator chose to) is refused. This release
+  requires it on every object that carries it.
+- `SIGNATURE`, the field the previous release reads, covers the bytes alone (`_LEGACY_SIGNATURE_SALT`), as that
+  release wrote it: a worker rolled back past this release still verifies and bills what this one shipped (before,
+  it found no signature of its own and set every such object aside unsigned, billed by no release). It is accepted
+  alone only on an object without `KEYED_SIGNATURE` (one the previous release wrote).
+What this buys, truly: accidental copies (`aws s3 cp` and the like keep an object's metadata) are refused. A deliberate
+copier who strips `KEYED_SIGNATURE` is not: that copy is read as the previous release's, but it holds rows this
+platform wrote, each billed once by its request id (the ledger's unique constraint): replayed twice, it counts once.
+Nobody without `SECRET_KEY` can sign new bytes either way. The legacy field can go (written and read) once no worker
+may be rolled back past this release and every bucket has been replayed by it (`replay_shipped_usage` runs every
+minute; `replay_rejected_usage` re-signs what it moves).
 
 What a pod's replays set aside (`rejected.jsonl`) may grow large in a long outage: it goes in parts of at most
 `SET_ASIDE_PART_BYTES`, one object each, read from the file one part at a time and cut off it once the bucket has
@@ -64,11 +75,10 @@ FAILURES = (BotoCoreError, ClientError, OSError)
 # read into memory one part at a time. A single line longer than this (the journal writes none: a report is ~1 KiB)
 # goes whole, alone.
 SET_ASIDE_PART_BYTES = 8 * 1024 * 1024
-SIGNATURE = "inferplane-signature"  # the object's metadata: `_signature` of its key and bytes
+# The object's metadata. NOTE: `SIGNATURE` keeps the name and the meaning (the bytes alone) the previous release reads.
+SIGNATURE = "inferplane-signature"
+KEYED_SIGNATURE = "inferplane-keyed-signature"  # `_signature` of its key and bytes
 _SIGNATURE_SALT = "billing.journal_shipping.keyed"
-# NOTE: the previous release signed an object's bytes alone, under this salt. Its objects (shipped segments, set-aside
-# lines) are still read; once every bucket has been replayed by this release (`replay_shipped_usage` runs every
-# minute; `replay_rejected_usage` re-signs what it moves) and no pod of that release is left, this can go.
 _LEGACY_SIGNATURE_SALT = "billing.journal_shipping"
 
 
@@ -78,13 +88,23 @@ def _signature(key: str, data: bytes, secret: str | None = None) -> str:
     return salted_hmac(_SIGNATURE_SALT, named, secret=secret, algorithm="sha256").hexdigest()
 
 
-def _signed(key: str, data: bytes, signature: str) -> bool:
-    """Whether `signature` is this platform's for `data` under `key` (or, written by the previous release, for
-    `data` alone)."""
-    return any(constant_time_compare(signature, _signature(key, data, secret))
-               or constant_time_compare(signature, salted_hmac(_LEGACY_SIGNATURE_SALT, data, secret=secret,
-                                                               algorithm="sha256").hexdigest())
-               for secret in (settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS))
+def _legacy_signature(data: bytes, secret: str | None = None) -> str:
+    """The HMAC of an object's bytes alone, as the previous release signs and verifies it."""
+    return salted_hmac(_LEGACY_SIGNATURE_SALT, data, secret=secret, algorithm="sha256").hexdigest()
+
+
+def _signatures(key: str, data: bytes) -> dict[str, str]:
+    """The metadata of an object this platform writes: both signatures (see the module's docstring)."""
+    return {KEYED_SIGNATURE: _signature(key, data), SIGNATURE: _legacy_signature(data)}
+
+
+def _signed(key: str, data: bytes, metadata: dict[str, str]) -> bool:
+    """Whether `metadata` holds this platform's signature of `data` under `key`; the bytes-only one counts only on an
+    object without a keyed one (the previous release's)."""
+    secrets = (settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS)
+    if KEYED_SIGNATURE in metadata:
+        return any(constant_time_compare(metadata[KEYED_SIGNATURE], _signature(key, data, secret)) for secret in secrets)
+    return any(constant_time_compare(metadata.get(SIGNATURE, ""), _legacy_signature(data, secret)) for secret in secrets)
 
 
 @functools.cache
@@ -113,7 +133,7 @@ def ship(journal: UsageJournal) -> int:
             if data:
                 try:
                     _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=PREFIX + path.name, Body=data,
-                                         Metadata={SIGNATURE: _signature(PREFIX + path.name, data)})
+                                         Metadata=_signatures(PREFIX + path.name, data))
                 except FAILURES as exc:
                     logger.warning("usage journal: could not ship %s to the files bucket (%r); it stays here",
                                    path.name, exc)
@@ -139,7 +159,7 @@ def ship_set_aside(journal: UsageJournal) -> int:
     def upload(data: bytes) -> None:
         key = f"{REJECTED_PREFIX}{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
         _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Body=data,
-                             Metadata={SIGNATURE: _signature(key, data)})
+                             Metadata=_signatures(key, data))
         num_shipped[0] += len(data)
 
     try:
@@ -182,7 +202,7 @@ def _replay_one(key: str) -> int:
         logger.info("usage journal: the bucket's %s was replayed by another run", key)
         return 0
     body = answer["Body"].read()
-    if not _signed(key, body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
+    if not _signed(key, body, answer.get("Metadata") or {}):
         logger.error("usage journal: the bucket's %s is not signed by this platform: not written, kept in %s", key,
                      REJECTED_PREFIX)
         _set_aside(key, body, signed=False)
@@ -232,7 +252,7 @@ def _set_aside(key: str, data: bytes, *, signed: bool = True) -> None:
     """Keep `data` under the rejected prefix; signed (as a shipped segment) unless it came unsigned: only a signed one
     is ever replayed (`replay_rejected`)."""
     kept = REJECTED_PREFIX + key.removeprefix(PREFIX)
-    metadata = {SIGNATURE: _signature(kept, data)} if signed else {}
+    metadata = _signatures(kept, data) if signed else {}
     _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=kept, Body=data, Metadata=metadata)
 
 
@@ -257,14 +277,14 @@ def replay_rejected() -> tuple[int, list[str]]:
                 raise
             continue
         body = answer["Body"].read()
-        if not _signed(key, body, (answer.get("Metadata") or {}).get(SIGNATURE, "")):
+        if not _signed(key, body, answer.get("Metadata") or {}):
             unsigned.append(key)
             continue
         shipped = PREFIX + key.removeprefix(REJECTED_PREFIX)
         # NOTE: shipped before the rejected copy goes: a run stopped between the two replays it (each row once).
         # Signed again for its new key: the signature binds an object to its name.
         _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=shipped, Body=body,
-                             Metadata={SIGNATURE: _signature(shipped, body)})
+                             Metadata=_signatures(shipped, body))
         _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
         num_written += _replay_one(shipped)
     return num_written, unsigned

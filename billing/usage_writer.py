@@ -315,7 +315,21 @@ class UsageWriter:
         processes); returns how many it left to live processes. Raises while the database is down."""
         usage_journal = journal()
         await asyncio.to_thread(usage_journal.seal)
-        num_left, set_aside = 0, False
+        num_left = 0
+        try:
+            num_left = await self._replay_segments(usage_journal)
+        finally:
+            # NOTE: off the pod's volume, which dies with it, whenever it holds lines, not only those this call set
+            # aside: before, a replay that met an outage after setting lines aside raised past its ship, and the
+            # replay that followed shipped nothing it had not set aside itself (found by this stop's review). So a
+            # ship that failed, or never came, is tried again at each replay. Never awaited here.
+            if journal_shipping.enabled() and usage_journal.has_set_aside():
+                ship_set_aside_soon()
+        return num_left
+
+    async def _replay_segments(self, usage_journal) -> int:
+        """`replay`'s loop over the segments."""
+        num_left = 0
         for path in await asyncio.to_thread(usage_journal.list_segments):
             with usage_journal.claim(path) as handle:
                 if handle is None:
@@ -354,10 +368,7 @@ class UsageWriter:
                         continue
                     await _count_superseded(superseded, registered=registration is not None)
                 await asyncio.to_thread(usage_journal.done, path, rejected, segment.unreadable)
-                set_aside = set_aside or bool(rejected or segment.unreadable)
                 logger.info("usage journal: %d report(s) replayed from %s", len(reports) - len(rejected), path.name)
-        if set_aside:  # NOTE: off the pod's volume, which dies with it; never awaited here (`ship_set_aside_soon`)
-            ship_set_aside_soon()
         return num_left
 
     async def close(self) -> None:
@@ -432,10 +443,11 @@ def writer_for_this_loop() -> UsageWriter:
     return _writers.get()
 
 
-async def replay_before_the_loop_ends(timeout_s: float) -> None:
+async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool = False) -> None:
     """For an event loop about to end (a batch run's `asyncio.run`): replay this machine's journal into
     the ledger, for at most `timeout_s`; while the database is still down it waits in the journal for the
-    next loop (the next run replays it first).
+    next loop (the next run replays it first). `process_stops`: the process ends after (a gateway's shutdown), and
+    what was set aside is waited for as `ship_what_is_left` says.
 
     NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
@@ -444,46 +456,82 @@ async def replay_before_the_loop_ends(timeout_s: float) -> None:
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
-            await _wait_for(ship_set_aside_soon(), deadline)
+            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
-    await ship_what_is_left(deadline)
+    await ship_what_is_left(deadline, process_stops=process_stops)
 
 
-async def ship_what_is_left(deadline: float) -> int:
+# How long a process about to stop waits for its set-aside lines to reach the bucket, whatever its replay took: a put
+# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) with room; infra/k8s/base/web.yaml's grace period counts it.
+SET_ASIDE_STOP_WAIT_S = 30.0
+
+
+def _set_aside_deadline(deadline: float, process_stops: bool) -> float:
+    if not process_stops:
+        return deadline
+    return max(deadline, time.monotonic() + SET_ASIDE_STOP_WAIT_S)
+
+
+async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> int:
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
-    at most (`ship_set_aside_soon`)."""
+    at most (`ship_set_aside_soon`), or, when the process ends after (`process_stops`), `SET_ASIDE_STOP_WAIT_S` from
+    now at least.
+
+    NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
+    (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
+    with the pod (found by this stop's review)."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
     if not await asyncio.to_thread(usage_journal.list_segments):
         if usage_journal.has_set_aside():
-            await _wait_for(ship_set_aside_soon(), deadline)
+            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
         return 0
     return await asyncio.to_thread(journal_shipping.ship, usage_journal)
 
 
 _set_aside_shipper: threading.Thread | None = None
+_set_aside_asked = False  # asked to ship since the shipper last began to read the file
 _set_aside_shipper_lock = threading.Lock()
 
 
 def ship_set_aside_soon() -> threading.Thread:
     """Ship what this pod's replays set aside (`journal_shipping.ship_set_aside`) in a thread of its own, unless one
-    ships it now; returns that thread.
+    ships it now, which then ships once more after; returns that thread.
 
     NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~26 s) held a replay
     loop after each segment, and a loop's end past its `timeout_s`. A daemon thread, not the loop's executor, which
     `asyncio.run` waits for as it ends: a process that stops meanwhile leaves `rejected.jsonl` as it was (emptied only
-    once the bucket has it), shipped next time (replayed twice, each row counts once: its request id)."""
-    global _set_aside_shipper
+    once the bucket has it), shipped next time (replayed twice, each row counts once: its request id). It ships again
+    while it was asked meanwhile: before, a running shipper was returned as it was, though it may have read the file
+    already, and lines appended after that read waited for a later trigger, maybe none."""
+    global _set_aside_shipper, _set_aside_asked
     with _set_aside_shipper_lock:
-        if _set_aside_shipper is None or not _set_aside_shipper.is_alive():
-            _set_aside_shipper = threading.Thread(target=journal_shipping.ship_set_aside, args=(journal(),),
-                                                  name="usage-set-aside-shipper", daemon=True)
+        _set_aside_asked = True
+        if _set_aside_shipper is None or not _set_aside_shipper.is_alive():  # NOTE: dead: a forked child's copy
+            _set_aside_shipper = threading.Thread(target=_ship_set_aside_while_asked, name="usage-set-aside-shipper",
+                                                  daemon=True)
             _set_aside_shipper.start()
         return _set_aside_shipper
+
+
+def _ship_set_aside_while_asked() -> None:
+    global _set_aside_shipper, _set_aside_asked
+    try:
+        while True:
+            with _set_aside_shipper_lock:
+                if not _set_aside_asked:
+                    _set_aside_shipper = None  # NOTE: under the lock: a caller from now on starts a new one
+                    return
+                _set_aside_asked = False
+            journal_shipping.ship_set_aside(journal())
+    except BaseException:
+        with _set_aside_shipper_lock:
+            _set_aside_shipper = None
+        raise
 
 
 async def _wait_for(thread: threading.Thread, deadline: float) -> None:

@@ -313,7 +313,7 @@ class Gateway:
                 await finish_pending()  # calls cut at the graceful deadline still write their usage
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
                 # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
-                await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S)
+                await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S, process_stops=True)
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes

@@ -4,7 +4,10 @@ and the worker replays them from there, each row once."""
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -239,8 +242,8 @@ def _put(bucket: str, key: str, data: bytes, **metadata) -> None:
 
 
 def _put_signed(bucket: str, key: str, data: bytes) -> None:
-    """`data` under `key`, signed by this platform as the shipping signs it (its key and its bytes)."""
-    _put(bucket, key, data, **{journal_shipping.SIGNATURE: journal_shipping._signature(key, data)})
+    """`data` under `key`, signed by this platform as the shipping signs it (both signatures)."""
+    _put(bucket, key, data, **journal_shipping._signatures(key, data))
 
 
 def test_a_segment_the_platform_did_not_sign_is_never_billed(outage, files_bucket):  # noqa: F811
@@ -632,7 +635,7 @@ def test_what_a_gateways_replay_sets_aside_is_shipped_off_the_pod_and_counted(ou
                       aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
     answer = s3.get_object(Bucket=files_bucket, Key=shipped)
     body = answer["Body"].read()
-    assert body == newer and journal_shipping._signed(shipped, body, answer["Metadata"][journal_shipping.SIGNATURE])
+    assert body == newer and journal_shipping._signed(shipped, body, answer["Metadata"])
     assert (directory / REJECTED_NAME).read_bytes() == b""  # handed over: nothing twice
 
 
@@ -715,10 +718,10 @@ def test_a_signed_object_copied_under_another_name_is_never_billed(outage, files
     kept = journal_shipping.REJECTED_PREFIX + "web-7-1.jsonl"
     _put_signed(files_bucket, kept, data)
     s3 = _s3()
-    signature = s3.head_object(Bucket=files_bucket, Key=kept)["Metadata"][journal_shipping.SIGNATURE]
     for copy in (journal_shipping.PREFIX + "web-7-1.jsonl", journal_shipping.REJECTED_PREFIX + "other-7-1.jsonl"):
+        # with its metadata, both signatures, as a copy keeps them (`aws s3 cp`, a bucket's replication)
         s3.copy_object(Bucket=files_bucket, Key=copy, CopySource={"Bucket": files_bucket, "Key": kept},
-                       Metadata={journal_shipping.SIGNATURE: signature}, MetadataDirective="REPLACE")
+                       MetadataDirective="COPY")
     s3.delete_object(Bucket=files_bucket, Key=kept)
     outage.end()
 
@@ -785,3 +788,198 @@ def test_a_large_set_aside_goes_in_parts_and_a_put_failing_midway_leaves_here_ex
                for key in _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX))
     outage.end()
     assert journal_shipping.replay_rejected() == (12, [])  # every part signed: each line billed once
+
+
+def _wait_until_shipped(bucket: str, directory, num_objects: int = 1) -> None:
+    """Until the bucket's rejected prefix holds `num_objects` and `rejected.jsonl` is empty here (at most 20 s): the
+    shipper is a thread of its own."""
+    deadline = time.monotonic() + 20
+    while not (len(_bucket_keys(bucket, journal_shipping.REJECTED_PREFIX)) >= num_objects
+               and (directory / REJECTED_NAME).read_bytes() == b"") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_lines_set_aside_before_an_outage_mid_replay_are_shipped_by_the_next_replay(
+        outage, files_bucket, settings, monkeypatch):  # noqa: F811
+    """Before, a replay shipped what it set aside only after its loop: one that met an outage on a later segment
+    raised past it, and the next replay, which set nothing new aside, shipped nothing (the test saw an empty rejected
+    prefix and the line still in `rejected.jsonl` 20 s on: on the pod's emptyDir, lost with it)."""
+    settings.USAGE_JOURNAL_SHIP_AFTER_S = 30.0  # the default: a blip shorter than it ships no segment
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-10"))
+    (directory / "gone-10-1.jsonl").write_bytes(newer)  # unreadable: set aside, nothing to write
+    (directory / "gone-10-2.jsonl").write_bytes(encode(usage_report(endpoint, request_id="known-10")))
+    client = journal_shipping._client()
+    put_object, reachable = client.put_object, threading.Event()
+
+    def out_of_reach_until_set(**kwargs):
+        if not reachable.is_set():
+            raise EndpointConnectionError(endpoint_url="http://files.invalid")
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", out_of_reach_until_set)
+
+    async def replay():
+        await usage_writer.writer_for_this_loop().replay()
+
+    with pytest.raises(usage_writer.OUTAGES):
+        asyncio.run(replay())  # segment 1 set aside, segment 2 meets the outage
+    usage_writer.ship_set_aside_soon().join(20)  # tried, the bucket out of reach: the line stays here
+    assert (directory / REJECTED_NAME).read_bytes() == newer
+    reachable.set()
+    outage.end()
+    asyncio.run(replay())  # segment 2 written, nothing new set aside: what is still here is tried again
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["known-10"]
+    _wait_until_shipped(files_bucket, directory)
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert _s3().get_object(Bucket=files_bucket, Key=shipped)["Body"].read() == newer
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_lines_set_aside_after_the_running_shipper_read_the_file_are_shipped_too(outage, files_bucket, monkeypatch):  # noqa: F811
+    """Before, `ship_set_aside_soon` returned a running shipper as it was, though it may have read the file already:
+    a line appended after that read waited for a later trigger, maybe none (the test saw one object in the bucket
+    and the second line left in `rejected.jsonl`)."""
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    first = line_of_a_newer_version(usage_report(endpoint, request_id="newer-11-1"))
+    later = line_of_a_newer_version(usage_report(endpoint, request_id="newer-11-2"))
+    (directory / REJECTED_NAME).write_bytes(first)
+    ship_set_aside, calls = journal_shipping.ship_set_aside, []
+
+    def then_another_replay_sets_a_line_aside(journal):
+        shipped = ship_set_aside(journal)
+        calls.append(shipped)
+        if len(calls) == 1:  # the shipper has read and emptied the file, and is still alive: a replay's `done` now
+            journal.done(directory / "gone-11-1.jsonl", [], [later.rstrip(b"\n")])
+            usage_writer.ship_set_aside_soon()
+        return shipped
+
+    monkeypatch.setattr(journal_shipping, "ship_set_aside", then_another_replay_sets_a_line_aside)
+    usage_writer.ship_set_aside_soon().join(20)
+    _wait_until_shipped(files_bucket, directory, num_objects=2)
+    assert sorted(_object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)) == sorted([first, later])
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+_STOPPING_CHILD = r"""
+import asyncio, inspect, time, django
+django.setup()
+from billing import journal_shipping, usage_writer
+client = journal_shipping._client()
+put = client.put_object
+def slowly(**kwargs):
+    time.sleep(2)  # a slow bucket (boto3 retrying)
+    return put(**kwargs)
+client.put_object = slowly
+started = time.monotonic()
+# as the gateway's lifespan shutdown calls it (endpoints/gateway/app.py), the process ending right after
+stops = {"process_stops": True} if "process_stops" in inspect.signature(usage_writer.replay_before_the_loop_ends).parameters else {}
+asyncio.run(usage_writer.replay_before_the_loop_ends(0.5, **stops))
+print("returned after", round(time.monotonic() - started, 2))
+"""
+
+
+def test_a_gateway_that_stops_waits_for_its_set_aside_lines_to_reach_the_bucket(files_bucket, tmp_path):  # noqa: F811
+    """Before, a gateway's shutdown waited for the set-aside shipper only until its replay's deadline (often ~0 s
+    left), then exited, and the daemon thread died with it mid-upload (the test saw the child return after 0.5 s, an
+    empty rejected prefix, and the line still in `rejected.jsonl`, on an emptyDir that goes with the pod)."""
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / REJECTED_NAME).write_bytes(b'{"request_id": "aside-12"}\n')
+    env = {**os.environ, "INFERPLANE_USAGE_JOURNAL_DIR": str(directory), "INFERPLANE_USAGE_JOURNAL_SHIP": "1",
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", _STOPPING_CHILD], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1, done.stdout
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+
+def test_a_gateways_lifespan_shutdown_replays_as_a_process_that_stops(monkeypatch):
+    """The wait above is the gateway's only if its shutdown says the process stops after (before, it could not)."""
+    from controlplane.asgi import application
+    from endpoints.gateway import app
+
+    called = []
+
+    async def replay_before_the_loop_ends(timeout_s, **kwargs):
+        called.append((timeout_s, kwargs))
+
+    monkeypatch.setattr(app, "replay_before_the_loop_ends", replay_before_the_loop_ends)
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        pass
+
+    asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True})]
+
+def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
+    """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),
+    as it was: an HMAC of the bytes alone, under the metadata name `inferplane-signature`."""
+    from django.conf import settings
+    from django.utils.crypto import constant_time_compare, salted_hmac
+
+    signature = metadata.get("inferplane-signature", "")
+    return any(constant_time_compare(signature, salted_hmac("billing.journal_shipping", body, secret=secret,
+                                                            algorithm="sha256").hexdigest())
+               for secret in (settings.SECRET_KEY, *settings.SECRET_KEY_FALLBACKS))
+
+
+def test_what_this_release_ships_is_billed_by_a_worker_rolled_back_past_it(outage, files_bucket, settings):  # noqa: F811
+    """Before, this release signed its objects over their key and bytes alone, under the name the previous release
+    reads as a bytes-only signature: a worker rolled back past it refused every segment and set-aside object this one
+    shipped, and set them aside unsigned, billed by no release (the test saw the previous release's check refuse
+    both objects)."""
+    endpoint = EndpointFactory()
+    _journal_rows_while_down([usage_report(endpoint, request_id="rollback-13")], replay_for_s=0.5)
+    directory = usage_writer.journal().directory
+    (directory / REJECTED_NAME).write_bytes(line_of_a_newer_version(usage_report(endpoint, request_id="newer-13")))
+    journal_shipping.ship_set_aside(usage_writer.journal())
+    s3 = _s3()
+    keys = _bucket_keys(files_bucket, journal_shipping.PREFIX) + _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)
+    assert len(keys) == 2
+    for key in keys:
+        answer = s3.get_object(Bucket=files_bucket, Key=key)
+        body, metadata = answer["Body"].read(), answer["Metadata"]
+        assert _previous_releases_check(body, metadata), key
+        assert journal_shipping._signed(key, body, metadata), key
+
+
+def test_a_copy_stripped_of_its_keyed_signature_is_read_as_the_previous_releases_and_bills_once(outage, files_bucket):  # noqa: F811
+    """What the bytes-only signature, kept for a rollback, still lets through: a deliberate copy of a shipped segment,
+    under another name, without its keyed signature. It holds rows this platform wrote, and the ledger's dedupe by
+    request id bills each once, however often it is replayed."""
+    endpoint = EndpointFactory()
+    _journal_rows_while_down([usage_report(endpoint, request_id="copied-14")], replay_for_s=0.5)
+    (shipped,) = _bucket_keys(files_bucket, journal_shipping.PREFIX)
+    s3 = _s3()
+    legacy = s3.head_object(Bucket=files_bucket, Key=shipped)["Metadata"][journal_shipping.SIGNATURE]
+    for copy in ("copy-14-1.jsonl", "copy-14-2.jsonl"):
+        s3.copy_object(Bucket=files_bucket, Key=journal_shipping.PREFIX + copy,
+                       CopySource={"Bucket": files_bucket, "Key": shipped},
+                       Metadata={journal_shipping.SIGNATURE: legacy}, MetadataDirective="REPLACE")
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 1  # the original and its two copies: one row written
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == ["copied-14"]
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) == []
+    assert _bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX) == []
+
+
+def test_a_keyed_signature_that_does_not_match_is_refused_whatever_the_bytes_only_one_says(outage, files_bucket):  # noqa: F811
+    # The bytes-only signature counts only on an object without a keyed one (the previous release's).
+    endpoint = EndpointFactory()
+    data = encode(usage_report(endpoint, request_id="moved-15"))
+    metadata = journal_shipping._signatures(journal_shipping.REJECTED_PREFIX + "web-15-1.jsonl", data)
+    _put(files_bucket, journal_shipping.PREFIX + "web-15-1.jsonl", data, **metadata)
+    outage.end()
+
+    assert journal_shipping.replay_shipped() == 0
+    assert UsageRecord.objects.count() == 0

@@ -477,6 +477,7 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
     # NOTE: and then to replay its usage journal or ship it to the bucket (`billing.journal_shipping`), which the
     # grace period did not count (the review of this stop's diff): a SIGKILL there lost what was not shipped.
     from billing.journal_shipping import ONE_PUT_BOUND_S
+    from billing.usage_writer import SET_ASIDE_STOP_WAIT_S
     from endpoints.gateway.app import SHUTDOWN_REPLAY_S
     from endpoints.gateway.call import SHUTDOWN_FINISH_WAIT_S
 
@@ -489,7 +490,8 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
     values, _ = _environment(rendered, deployment)
     for drain_s in (float(values["INFERPLANE_GATEWAY_DRAIN_S"]), settings.GATEWAY_DRAIN_S):
         assert pod["terminationGracePeriodSeconds"] > (pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S
-                                                       + SHUTDOWN_REPLAY_S + ONE_PUT_BOUND_S)
+                                                       + SHUTDOWN_REPLAY_S
+                                                       + max(ONE_PUT_BOUND_S, SET_ASIDE_STOP_WAIT_S))
 
 
 def test_what_a_scheduler_first_upgrade_applies_alone_is_the_migration_job_and_every_config_map_its_pod_reads(rendered):
