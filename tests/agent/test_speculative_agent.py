@@ -40,7 +40,9 @@ def test_a_draft_model_replica_runs_on_the_fetched_draft(control_plane, running_
     model, draft = model_dir(tmp_path / "model", 1024), model_dir(tmp_path / "draft", 1024)
     control_plane.desired = [draft_spec("r-draft", model, str(draft))]
     agent, _stop, _thread = running_agent()
-    wait_until(lambda: control_plane.last_states().get("r-draft") == ReplicaState.READY, 15)
+    # NOTE: a bound for a hang, not a speed check: the model's files are read in a child before the engine starts
+    # (~4 s alone on this machine), and the whole suite on 2 loaded cores took past 15 s once.
+    wait_until(lambda: control_plane.last_states().get("r-draft") == ReplicaState.READY, 60)
     replica = agent.supervisor.get("r-draft")
     assert replica.spec.speculative.draft_source == str(draft)
 
