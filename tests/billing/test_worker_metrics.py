@@ -184,3 +184,17 @@ def test_idle_connections_neither_pile_up_threads_nor_stay_open(tmp_path, monkey
             connection.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_worker_given_a_folder_that_does_not_exist_yet_makes_it_and_serves(tmp_path):
+    """`PROMETHEUS_MULTIPROC_DIR` set (say in a manifest) to a folder not made yet. Before, the worker died as Django
+    was set up: endpoints.gateway.metrics built its multiprocess collector on a folder that did not exist."""
+    port = free_port()
+    worker = ChildProcess(_as_the_pod_starts_it("worker"),
+                          _worker_env(port, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "not-yet" / "metrics")),
+                          tmp_path / "worker.log")
+    try:
+        assert _scrape(port, 60).status_code == 200, worker.log_tail()
+        assert (tmp_path / "not-yet" / "metrics").is_dir()
+    finally:
+        worker.stop(timeout_s=30)
