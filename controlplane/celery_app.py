@@ -12,6 +12,8 @@ import os
 from celery import Celery
 from celery.signals import beat_init, before_task_publish, task_revoked, worker_ready
 
+# NOTE: imported before `Celery()` is built: its `import_modules` receiver (the folder of a worker's /metrics) must run
+# before the Django fixup's, which sets Django up and with it imports prometheus_client.
 from controlplane import clock, worker_metrics  # noqa: F401 - its signals serve a worker's /metrics
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")

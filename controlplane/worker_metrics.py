@@ -9,12 +9,17 @@ token (or with port 0) the worker listens on nothing.
 
 Tasks run in prefork children, and a child's counters die with it (a pool recycles them), so every process of the
 worker writes its counters into one folder (prometheus_client's multiprocess mode), emptied at each start of the
-worker (`celeryd_init`: in the main process, before the pool, Django's set-up and the tasks import prometheus_client);
-a scrape sums them, the children's that have gone included.
+worker. prometheus_client reads the folder's variable once, as it is first imported, and Celery's Django fixup sets
+Django up (which imports it: billing's admin, the usage journal, ...) before `celeryd_init`; so the folder is made at
+`import_modules`, the first thing `celery worker` sends, by a receiver connected before the Celery app is built (and
+with it the fixup's own receiver), for the `celery ... worker` command alone (the pods' command, as the manifests run
+it: `PROMETHEUS_MULTIPROC_DIR` unset, a private folder under /tmp; set, that folder, emptied).
 
-NOTE: a thread of the main process serves the scrapes (wsgiref, a thread each): the main process runs no task, so a
-long task never holds a scrape up. It starts once the pool has forked its children (`worker_ready`); a child the pool
-forks later inherits the listening socket, never the thread, and never accepts on it.
+NOTE: a thread of the main process serves the scrapes: the main process runs no task, so a long task never holds a
+scrape up. It starts at `worker_init`, before the broker is reached, so a worker started during a broker outage is
+scraped all through it; the pool's children, forked after, close their copy of the listening socket at once
+(`os.register_at_fork`), so none holds the port or is handed a scrape. A connection is served by a thread of its own,
+at most `MAX_CONNECTIONS` at a time (one more is closed at once), each dropped after `IDLE_TIMEOUT_S` without a byte.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from celery.signals import celeryd_init, worker_ready, worker_shutdown
+from celery.signals import import_modules, worker_init, worker_shutdown
 
 from controlplane.metrics_processes import (
     forget_dead_processes,
@@ -37,12 +42,45 @@ from controlplane.metrics_processes import (
 
 logger = logging.getLogger("inferplane.worker")
 
+# A scrape is one short request: Prometheus holds one connection to a pod at a time.
+MAX_CONNECTIONS = 8
+IDLE_TIMEOUT_S = 10.0
+
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().server_activate()
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # every slot taken: closed at once, no thread started
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a client silent past IDLE_TIMEOUT_S or gone midway: its connection closed, nothing to say
+        logger.exception("worker metrics: a scrape failed")
+
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = IDLE_TIMEOUT_S  # read at each connection: StreamRequestHandler sets it on the socket
+        super().setup()
+
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         pass  # a scrape every 15 s: no access line each
 
@@ -80,15 +118,33 @@ class _State:
     server: _Server | None = None
 
 
+def _close_in_child() -> None:
+    """In a process forked from the worker's main one (a pool child): close the listening socket it inherited."""
+    server, _State.server = _State.server, None
+    if server is not None:
+        server.socket.close()  # this process's copy only; the main process's thread serves on
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 def _wanted() -> bool:
     from django.conf import settings
 
     return bool(settings.METRICS_TOKEN and settings.WORKER_METRICS_PORT)
 
 
-@celeryd_init.connect
+def _a_worker_command() -> bool:
+    """Whether this process runs `celery ... worker` (not beat, not a shell, not a web process)."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    return context is not None and context.command.name == "worker"
+
+
+@import_modules.connect
 def _prepare_metrics_dir(**_) -> None:
-    if not _wanted():
+    if _State.directory is not None or not _a_worker_command() or not _wanted():
         return
     if "prometheus_client" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # NOTE: too late for multiprocess mode (prometheus_client read the variable as it was imported): the
@@ -98,11 +154,11 @@ def _prepare_metrics_dir(**_) -> None:
     _State.directory = str(prepare_metrics_dir(2))
 
 
-@worker_ready.connect
+@worker_init.connect
 def _serve_metrics(**_) -> None:
     from django.conf import settings
 
-    if _State.directory is None:
+    if _State.directory is None or _State.server is not None:
         return
     try:
         _State.server = serve(settings.WORKER_METRICS_PORT, settings.METRICS_TOKEN, _State.directory)

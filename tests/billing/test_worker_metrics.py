@@ -1,10 +1,15 @@
 """A Celery worker's own `/metrics`: what its prefork children count (the lines its replay of the files bucket sets
 aside) reaches the operator's Prometheus, under the web's bearer-token rule, never open."""
 
+import socket
 import sys
+import threading
+import time
 
 import httpx
+import psutil
 import pytest
+import yaml
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,7 +20,7 @@ from tests.batches.conftest import files_bucket, files_bucket_name, s3_child, s3
 from tests.billing.conftest import usage_report
 from tests.billing.test_journal_shipping import _put_signed
 from tests.billing.test_usage_journal import line_of_a_newer_version
-from tests.conftest import child_env
+from tests.conftest import REPO_ROOT, child_env
 from tests.factories import EndpointFactory
 from tests.processes import ChildProcess, free_port, wait_until
 
@@ -28,6 +33,44 @@ SET_ASIDE = "inferplane_usage_lines_set_aside_total"
 def _set_aside(text: str, reason: str) -> float:
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == SET_ASIDE and sample.labels.get("reason") == reason)
+
+
+def _as_the_pod_starts_it(deployment: str) -> list[str]:
+    """The command of a worker pod's container, as its manifest has it (`celery` run by this Python), and no
+    `PROMETHEUS_MULTIPROC_DIR` set there or in the settings' ConfigMap."""
+    manifest = REPO_ROOT / "infra" / "k8s" / "base" / f"{deployment}.yaml"
+    (container,) = next(doc for doc in yaml.safe_load_all(manifest.read_text())
+                        if doc["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "PROMETHEUS_MULTIPROC_DIR" not in {variable["name"] for variable in container.get("env", [])}
+    assert "PROMETHEUS_MULTIPROC_DIR" not in (REPO_ROOT / "infra" / "k8s" / "base" / "config.env").read_text()
+    command = container["command"] + container.get("args", [])
+    assert command[0] == "celery" and "worker" in command
+    return [sys.executable, "-m", "celery", *command[1:]]
+
+
+def _worker_env(port: int, **more: str) -> dict[str, str]:
+    env = child_env()
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # as the pods: unset, unless `more` sets it
+    return env | {"INFERPLANE_METRICS_TOKEN": TOKEN, "INFERPLANE_WORKER_METRICS_PORT": str(port), **more}
+
+
+def _scrape(port: int, within_s: float) -> httpx.Response:
+    def scraped():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"},
+                             timeout=5)
+        except httpx.TransportError:
+            return None
+
+    return wait_until(scraped, within_s, message="the worker's /metrics")
+
+
+def _listeners_on(port: int, worker: ChildProcess) -> list[int]:
+    """The processes of the worker's group that hold a listening socket on `port`."""
+    main = psutil.Process(worker.pid)
+    return [process.pid for process in [main, *main.children(recursive=True)]
+            for connection in process.net_connections(kind="tcp")
+            if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port]
 
 
 def _a_previous_runs_count(directory) -> None:
@@ -50,22 +93,13 @@ def test_what_a_workers_prefork_child_sets_aside_is_scraped_from_the_worker_with
     _a_previous_runs_count(metrics_dir)
     port = free_port()
     worker = ChildProcess(
-        [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=prefork", "--concurrency=2",
-         "--loglevel=INFO", "--without-gossip", "--without-mingle", "-n", f"metrics-{port}@%h"],
-        child_env() | {"INFERPLANE_METRICS_TOKEN": TOKEN, "INFERPLANE_WORKER_METRICS_PORT": str(port),
-                       "INFERPLANE_USAGE_JOURNAL_SHIP": "1", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+        _as_the_pod_starts_it("worker"),
+        _worker_env(port, INFERPLANE_USAGE_JOURNAL_SHIP="1", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
         tmp_path / "worker.log")
     try:
         assert replay_shipped_usage.delay().get(timeout=90) == 0  # its one line unreadable: set aside, counted
         url = f"http://127.0.0.1:{port}/metrics"
-
-        def scraped():
-            try:
-                return httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
-            except httpx.TransportError:
-                return None
-
-        answer = wait_until(scraped, 60, message="the worker's /metrics")
+        answer = _scrape(port, 60)
         assert answer.status_code == 200
         # Counted in a pool child, read through the main process; the previous run's 1000 emptied at the start.
         assert _set_aside(answer.text, "unreadable") == 1
@@ -79,3 +113,88 @@ def test_what_a_workers_prefork_child_sets_aside_is_scraped_from_the_worker_with
 def test_a_worker_without_a_metrics_token_serves_no_metrics(tmp_path):
     assert worker_metrics.serve(free_port(), "", str(tmp_path)) is None
     assert worker_metrics.serve(0, TOKEN, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("deployment", ["worker", "batch-worker"])
+def test_a_worker_pod_started_as_its_manifest_starts_it_serves_what_its_children_count(
+        deployment, files_bucket, tmp_path):  # noqa: F811
+    """The pods' command, `PROMETHEUS_MULTIPROC_DIR` unset. Before, the worker listened on nothing (the scrape was
+    refused until the test gave up; its log: "prometheus_client was imported before the worker started"): Celery's
+    Django fixup had imported prometheus_client before `celeryd_init`, where the folder was made. The pool's children
+    hold no copy of the listening socket."""
+    port = free_port()
+    if deployment == "worker":
+        endpoint = EndpointFactory()
+        data = line_of_a_newer_version(usage_report(endpoint, request_id="newer-w2"))
+        _put_signed(files_bucket, journal_shipping.PREFIX + "web-w2-1.jsonl", data)
+    worker = ChildProcess(_as_the_pod_starts_it(deployment), _worker_env(port, INFERPLANE_USAGE_JOURNAL_SHIP="1"),
+                          tmp_path / "worker.log")
+    try:
+        answer = _scrape(port, 60)
+        assert answer.status_code == 200, worker.log_tail()
+        if deployment == "worker":
+            assert replay_shipped_usage.delay().get(timeout=90) == 0  # counted in a pool child
+            assert _set_aside(_scrape(port, 10).text, "unreadable") == 1
+        assert _listeners_on(port, worker) == [worker.pid]
+    finally:
+        worker.stop(timeout_s=30)
+
+
+def test_a_worker_started_while_its_broker_is_down_serves_metrics_all_through_the_outage(tmp_path):
+    """Before, the server started at `worker_ready`, once the broker answered: the scrape of a worker whose broker
+    was down was refused until the test gave up."""
+    port = free_port()
+    worker = ChildProcess(_as_the_pod_starts_it("worker"),
+                          _worker_env(port, CELERY_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0"),
+                          tmp_path / "worker.log")
+    try:
+        wait_until(lambda: "Cannot connect" in worker.log_text(), 60, message="the worker's broker refused")
+        answer = _scrape(port, 10)
+        assert answer.status_code == 200, worker.log_tail()
+        assert " ready." not in worker.log_text()  # never connected: no `worker_ready`
+    finally:
+        worker.stop(timeout_s=30)
+
+
+def _request_threads() -> int:
+    return sum("process_request_thread" in thread.name for thread in threading.enumerate())
+
+
+def test_idle_connections_neither_pile_up_threads_nor_stay_open(tmp_path, monkeypatch):
+    """Before, each connection got a thread of its own, held with no timeout: 50 silent sockets, 50 threads, open for
+    good."""
+    monkeypatch.setattr(worker_metrics, "IDLE_TIMEOUT_S", 1.0, raising=False)
+    port = free_port()
+    server = worker_metrics.serve(port, TOKEN, str(tmp_path))
+    before = _request_threads()
+    idle = []
+    try:
+        for _ in range(50):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.5)
+        assert _request_threads() - before <= getattr(worker_metrics, "MAX_CONNECTIONS", 8)
+        for connection in idle:  # every one closed by the server: within the timeout, or at once past the cap
+            assert connection.recv(1) == b""
+        wait_until(lambda: _request_threads() == before, 5, message="the handlers' threads gone")
+        answer = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"},
+                           timeout=5)
+        assert answer.status_code == 200
+    finally:
+        for connection in idle:
+            connection.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_worker_given_a_folder_that_does_not_exist_yet_makes_it_and_serves(tmp_path):
+    """`PROMETHEUS_MULTIPROC_DIR` set (say in a manifest) to a folder not made yet. Before, the worker died as Django
+    was set up: endpoints.gateway.metrics built its multiprocess collector on a folder that did not exist."""
+    port = free_port()
+    worker = ChildProcess(_as_the_pod_starts_it("worker"),
+                          _worker_env(port, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "not-yet" / "metrics")),
+                          tmp_path / "worker.log")
+    try:
+        assert _scrape(port, 60).status_code == 200, worker.log_tail()
+        assert (tmp_path / "not-yet" / "metrics").is_dir()
+    finally:
+        worker.stop(timeout_s=30)
