@@ -197,6 +197,7 @@ class Supervisor:
         self.sandbox_mode = sandbox_mode
         self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
         self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
+        self._dropped: list[Path | None] = []  # folders of engines gone, removed outside the lock (`_drop_scratch`)
         self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
         # What engines may keep on the disk (`engine_disk.py`): their endpoints' cache folders, and when each was used.
         self.disk_bounds = disk_bounds or engine_disk.EngineDiskBounds()
@@ -501,6 +502,7 @@ class Supervisor:
                     del self._built[replica_id]
             if self.standby is not None:
                 self._step_standby(replicas)
+        self._remove_dropped()
 
     def _build_due(self) -> None:
         """Build the command of every replica due to launch, outside the lock; its `_launch` takes it.
@@ -624,8 +626,20 @@ class Supervisor:
         return dataclasses.replace(command, env=env)
 
     def _drop_scratch(self, replica_id: str) -> None:
-        for folders in (self._scratch_dirs, self._adapter_dirs):
-            engine_disk.remove_tree(folders.pop(replica_id, None))
+        """Let go of a replica's scratch and adapters folders (under the lock): removed by `_remove_dropped` once the
+        lock is let go, the adapters' set aside first (its engine's next launch takes the name again).
+
+        NOTE: before, removed here, under the lock every heartbeat and launch waits on: an engine's deep or busy tree
+        held the whole agent for as long as its walk took (`engine_disk.remove_tree`)."""
+        adapters = self._adapter_dirs.pop(replica_id, None)
+        self._dropped += [self._scratch_dirs.pop(replica_id, None), adapters and engine_disk.set_aside(adapters)]
+
+    def _remove_dropped(self) -> None:
+        """Remove the folders `_drop_scratch` let go of; never under the lock."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for path in dropped:
+            engine_disk.remove_tree(path)
 
     def _cache_dir(self, endpoint_id: str) -> Path:
         """An endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`), kept across its engines' launches."""
@@ -747,6 +761,7 @@ class Supervisor:
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
         for path in removed:
             engine_disk.remove_tree(path)
+        self._remove_dropped()
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
     def remove_engine_caches(self) -> int:
@@ -982,6 +997,7 @@ class Supervisor:
                 if not replica.is_final:
                     replica.stopped()
             self._save_state()
+        self._remove_dropped()
         self._probe.close()
 
     def detach(self) -> None:
