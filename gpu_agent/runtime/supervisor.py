@@ -374,13 +374,14 @@ class Supervisor:
         if replica is not None and replica.is_final:
             self._prune_logs(live)
 
-    def _prune_logs(self, live: set[str]) -> None:
-        """NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
+    def _prune_logs(self, live: set[str], *, keep: int = KEPT_ENDED_LOGS) -> None:
+        """The logs of ended engines past the `keep` newest go.
+        NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
         outside the weights' disk budget, until the node's disk was full."""
         try:
             ended = sorted((path for path in self.logs_dir.glob("*.log") if path.name not in live
                             and path.name not in STANDING_LOGS), key=lambda path: path.stat().st_mtime, reverse=True)
-            for path in ended[KEPT_ENDED_LOGS:]:
+            for path in ended[keep:]:
                 path.unlink(missing_ok=True)
                 path.with_name(f"{path.name}.1").unlink(missing_ok=True)  # its part kept aside (`keep_logs_within`)
                 process.being_kept_aside(path).unlink(missing_ok=True)  # what an agent killed mid-cut left
@@ -766,9 +767,11 @@ class Supervisor:
 
     def remove_engine_caches(self) -> int:
         """Remove every endpoint's cache folder that no replica here uses, whatever its age (a retired node:
-        `Agent.heartbeat_once`), and what earlier removals left; how many folders went. Set aside under the lock, as
-        `check_disk` does, and deleted outside it."""
+        `Agent.heartbeat_once`), and what earlier removals left, and the logs of every engine ended (tenants' requests
+        may be in them); how many folders went. Set aside under the lock, as `check_disk` does, and deleted outside
+        it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
         with self._lock:
+            live = {replica.log_path.name for replica in self._replicas.values() if not replica.is_final}
             in_use = self._caches_in_use()
             removed = []
             for name in self._caches.names():
@@ -779,6 +782,7 @@ class Supervisor:
             removed += self._caches.leftovers(keep=in_use)
         for path in removed:
             engine_disk.remove_tree(path)
+        self._prune_logs(live, keep=0)
         return num_folders
 
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
