@@ -8,6 +8,8 @@ import ipaddress
 
 import httpx
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM
@@ -113,6 +115,19 @@ def test_a_retired_nodes_watch_is_told_node_retired(client):
     retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
     watch = client.post("/agent/v1/watch", HTTP_AUTHORIZATION=f"Bearer {answer['node_secret']}")
     assert watch.status_code == 401 and watch.json()["error"]["code"] == NODE_RETIRED
+
+
+def test_a_retired_nodes_secret_sent_again_is_answered_node_retired_without_a_query(client):
+    """Before, each heartbeat (and watch) under a retired node's secret looked the node up again: one query a back-off
+    of its agent, or of anyone replaying its secret."""
+    answer = register(client, create_join_token(SYSTEM, name="t").plain).json()
+    retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
+    assert beat(client, answer["node_secret"]).json()["error"]["code"] == NODE_RETIRED  # looked up once
+    with CaptureQueriesContext(connection) as queries:
+        for _ in range(3):
+            retired = beat(client, answer["node_secret"])
+            assert retired.status_code == 401 and retired.json()["error"]["code"] == NODE_RETIRED
+    assert [query["sql"] for query in queries.captured_queries] == []
 
 
 @pytest.fixture
