@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM
+from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token, retire_node, revoke_join_token
 from endpoints.nodes.models import Node, control_plane_service_addresses
 from gpu_agent.protocol import NODE_REFUSED, NODE_RETIRED, NODE_UNKNOWN
@@ -107,6 +108,39 @@ def test_an_agent_of_a_retired_node_is_told_so_and_never_registers_again(in_proc
         assert Node.objects.filter(join_token=created.join_token).count() == 2  # no new node
     finally:
         agent.shutdown()
+
+
+def test_an_agent_told_retired_never_registers_again_when_an_older_web_pod_calls_it_unknown_even_restarted(
+    in_process_control_plane, tmp_path, monkeypatch  # noqa: F811
+):
+    """A rolling deploy: a web pod older than protocol 5 answers a retired node's secret `NODE_UNKNOWN`. Before, the
+    agent (told `NODE_RETIRED` a moment ago by a new pod) registered again under the fleet's shared token, left open:
+    a new node, placed on."""
+    monkeypatch.setattr(control_plane, "REREGISTER_MIN_INTERVAL_S", 0.0)
+    created = create_join_token(SYSTEM, name="fleet")
+    _agent(in_process_control_plane, created.plain, tmp_path / "other").control_plane.register()  # the fleet's other
+    agent = _agent(in_process_control_plane, created.plain, tmp_path)
+    try:
+        agent.heartbeat_once()
+        node = Node.objects.get(pk=agent.control_plane.node_id)
+        retire_node(SYSTEM, node, reason="machine shut out")
+        with pytest.raises(RegistrationRefused) as refused:
+            agent.heartbeat_once()
+        assert refused.value.node_retired
+    finally:
+        agent.shutdown()
+    # The old pod knows no retired secret's hash: to it, the secret is only unknown.
+    Node.objects.filter(pk=node.pk).update(retired_secret_digest="")
+    services.RETIRED_NODE_SECRETS.clear()
+    restarted = _agent(in_process_control_plane, created.plain, tmp_path)  # a restart: what it knows is in node.json
+    try:
+        for _ in range(2):
+            with pytest.raises(RegistrationRefused) as refused:
+                restarted.heartbeat_once()
+            assert refused.value.node_retired and not refused.value.node_refused
+        assert Node.objects.filter(join_token=created.join_token).count() == 2  # no new node
+    finally:
+        restarted.shutdown()
 
 
 @pytest.mark.django_db(transaction=True)  # NOTE: the watch looks the secret up in a worker thread of its own
