@@ -180,6 +180,40 @@ def test_an_engine_past_its_disk_bound_fails_with_the_reason_and_its_folders_are
     assert (tmp_path / "outside" / "fill.bin").stat().st_size == 5 * MB
 
 
+def test_an_exited_engines_folders_are_removed_outside_the_supervisors_lock(make_supervisor, tmp_path, monkeypatch):
+    """Before, `_drop_scratch` removed them under the lock every heartbeat and launch waits on: an engine's deep or
+    busy tree held the whole agent for as long as the walk took (another thread could not take the lock meanwhile)."""
+    import signal
+    import threading
+
+    supervisor = make_supervisor(check_interval_s=3600, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-a", endpoint_id="e-a"), tmp_path / "model")
+    wait_until(lambda: supervisor.get("r-a").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    scratch = Path(supervisor.get("r-a").command.env["TMPDIR"])
+    lock_free_during = []
+    remove_tree = engine_disk.remove_tree
+
+    def probing(path):
+        if path is not None:
+            taken = []
+
+            def take():
+                taken.append(supervisor._lock.acquire(timeout=1))
+                if taken[0]:
+                    supervisor._lock.release()
+
+            probe = threading.Thread(target=take)
+            probe.start()
+            probe.join()
+            lock_free_during.append(taken[0])
+        return remove_tree(path)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", probing)
+    os.killpg(supervisor.get("r-a").pid, signal.SIGKILL)
+    wait_until(lambda: not scratch.exists(), 30, poll=supervisor.poll)
+    assert lock_free_during and all(lock_free_during)
+
+
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
     # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
     supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)
