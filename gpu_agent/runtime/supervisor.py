@@ -374,14 +374,14 @@ class Supervisor:
         if replica is not None and replica.is_final:
             self._prune_logs(live)
 
-    def _prune_logs(self, live: set[str], *, keep: int = KEPT_ENDED_LOGS) -> None:
-        """The logs of ended engines past the `keep` newest go.
+    def _prune_logs(self, live: set[str], *, keep: int | None = None) -> None:
+        """The logs of ended engines past the `keep` newest (`KEPT_ENDED_LOGS` unless told) go.
         NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
         outside the weights' disk budget, until the node's disk was full."""
         try:
             ended = sorted((path for path in self.logs_dir.glob("*.log") if path.name not in live
                             and path.name not in STANDING_LOGS), key=lambda path: path.stat().st_mtime, reverse=True)
-            for path in ended[keep:]:
+            for path in ended[KEPT_ENDED_LOGS if keep is None else keep:]:
                 path.unlink(missing_ok=True)
                 path.with_name(f"{path.name}.1").unlink(missing_ok=True)  # its part kept aside (`keep_logs_within`)
                 process.being_kept_aside(path).unlink(missing_ok=True)  # what an agent killed mid-cut left
