@@ -45,9 +45,12 @@ PROTOCOL_VERSION = 5
 # - `NODE_RETIRED`, on a heartbeat's or watch's 401: the secret it carried is the very one of a node the operator
 #   retired (the control plane keeps its hash, never the secret, `Node.retired_secret_digest`), so no proxy and no other
 #   environment can answer it. The agent drains and stops every engine, then removes the engines' cache folders and
-#   every model in its weights cache (tenants' weights), and idles: it never registers again, and keeps asking at its
+#   logs, every model in its weights cache and every download stopped mid-way (tenants' weights), and idles: it never registers again, and keeps asking at its
 #   longest back-off (each answer the same). It does not exit: systemd's `Restart=always` and a pod's restarts would
 #   only loop. A retired node is gone for good: to rejoin, its machine is set up afresh (its `node.json` removed).
+#   Told so once, the agent takes a later `NODE_UNKNOWN` as `NODE_RETIRED` too for `RETIRED_NO_REREGISTER_S`, kept in
+#   its `node.json` across restarts: during a rolling deploy a web pod older than protocol 5 answers a retired node's
+#   secret `NODE_UNKNOWN`, and the agent registered again under a join token other nodes share, left open.
 #   Before, a retired node's agent was told `NODE_UNKNOWN`, registered again with a join token revoked, was refused
 #   without a code and kept its engines running, routed to by nobody: the GPUs busy, tenants' weights on its disk.
 # - no code (a 401 or 403 without one, any 5xx): the agent keeps its engines serving and its node secret, and retries
@@ -61,6 +64,7 @@ NODE_REFUSED = "node_refused"
 NODE_UNKNOWN = "node_unknown"
 NODE_RETIRED = "node_retired"
 REREGISTER_MIN_INTERVAL_S = 60.0
+RETIRED_NO_REREGISTER_S = 7 * 24 * 3600.0  # `NODE_RETIRED`'s note
 
 # Ports an agent's engines listen on unless the agent is told otherwise (--engine-ports).
 DEFAULT_ENGINE_PORT_MIN = 20000

@@ -17,7 +17,7 @@ from endpoints.gateway.directory import _load_replicas
 from endpoints.models import Replica
 from endpoints.nodes import models as nodes_models
 from endpoints.nodes.models import JoinToken, Node, advertise_host_problem, control_plane_service_addresses
-from endpoints.scheduler import reconcile_endpoint
+from endpoints.scheduler import move_off_unreachable_nodes, reconcile_endpoint
 from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
@@ -375,10 +375,41 @@ def test_a_failover_moving_the_databases_name_to_another_ip_is_followed_within_t
     assert "control plane's own" in advertise_host_problem("10.20.0.5")
     monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_KEPT_S", 0.0, raising=False)
     assert advertise_host_problem("10.20.0.5") == ""
-    # Unresolvable at a later look-up: nodes are refused meanwhile (fail closed), as at first use.
+    # Unresolvable at a later look-up: the last good answer is kept (the database's address still refused).
     flaky_dns["left"] = 1
-    assert "could not be resolved" in advertise_host_problem("10.20.0.9")
     assert advertise_host_problem("10.20.0.9") == ""
+    assert "control plane's own" in advertise_host_problem("10.20.0.7")
+    assert flaky_dns["left"] == 0
+
+
+def test_a_dns_failure_after_the_first_lookup_fails_no_replica_and_keeps_refusing_the_last_good_addresses(
+    client, production_networks, service_addresses, flaky_dns, monkeypatch
+):
+    """Before, one failed re-lookup after the TTL refused every host: the sweep failed every live replica fleet-wide,
+    the directory routed to none, placement found no node."""
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    service_addresses.REDIS_URL = service_addresses.CELERY_BROKER_URL = "redis://redis.internal:6379/0"
+    answer = register(client, create_join_token(SYSTEM, name="t").plain, advertise_host="10.20.0.9").json()
+    endpoint, replica = _ready_replica_on(client, answer["node_secret"], "http://10.20.0.9:20001")
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_TTL_S", 0.0, raising=False)  # every call looks up again
+    flaky_dns["left"] = 10**6  # the resolver is down from now on
+    assert move_off_unreachable_nodes() == 0
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    assert [node.advertise_host for node in Node.objects.placeable()] == ["10.20.0.9"]
+    assert beat(client, answer["node_secret"]).status_code == 200
+    # The last good answer still refuses the control plane's own addresses.
+    assert "control plane's own PostgreSQL or Redis" in advertise_host_problem("10.20.0.5")
+    assert register(client, create_join_token(SYSTEM, name="t2").plain, advertise_host="10.20.0.6").status_code == 400
+    # A process that never resolved them refuses new nodes (fail closed) but judges no admitted one by it.
+    control_plane_service_addresses.cache_clear()
+    assert "could not be resolved" in advertise_host_problem("10.20.0.10")
+    assert move_off_unreachable_nodes() == 0
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    assert [node.advertise_host for node in Node.objects.placeable()] == ["10.20.0.9"]
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.READY
 
 
 def test_a_refused_nodes_agent_registering_again_at_every_back_off_writes_one_audit_row_an_hour(

@@ -21,7 +21,7 @@ from django.utils import timezone
 from controlplane import tokens
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
-from controlplane.credential_lookups import CredentialLookups
+from controlplane.credential_lookups import CredentialLookups, ExpiringSet
 from controlplane.secrets import SecretUnreadable
 from controlplane.worker_threads import in_worker_thread
 from endpoints.adapters import adapter_specs, record_replica_adapters
@@ -132,6 +132,14 @@ MAX_AGENT_LOOKUPS = 4
 REFUSED_AGENT_CREDENTIALS_S = 60.0
 NODE_SECRET_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
 JOIN_TOKEN_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
+# The very secrets of retired nodes this process has answered `NodeRetired` (their SHA-256, as refused ones are):
+# answered so again without a query. NOTE: a retire is for good, so none is ever wrong, and only a secret that matched a
+# retired node's kept hash is added, so nobody without one can fill it. Before, each heartbeat and watch of a retired
+# node's agent, or of anyone replaying its secret, queried the database.
+RETIRED_NODE_SECRETS_KEPT_S = 3600.0
+MAX_RETIRED_NODE_SECRETS = 10_000
+RETIRED_NODE_SECRETS = ExpiringSet(RETIRED_NODE_SECRETS_KEPT_S, max_entries=MAX_RETIRED_NODE_SECRETS)
+_RETIRED = "this node is retired: stop its engines and remove what they left"
 
 
 def _find_join_token(plain: str) -> JoinToken | None:
@@ -282,19 +290,27 @@ def authenticate_node(secret: str) -> Node:
     lookup = tokens.split_token(secret, Node.SECRET_KIND)
     if lookup is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
-    if NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise NodeUnknown("invalid node secret")
+    _refuse_without_a_query(secret)
     with NODE_SECRET_LOOKUPS.slots.held():
         node = Node.objects.filter(secret_lookup=lookup).first()
     if node is not None and not node.secret_digest and node.retired_secret_digest and tokens.token_matches(
             secret, node.retired_secret_digest):
         # NOTE: never remembered as refused: sent again, it is answered so again, never `NodeUnknown` (on which the
-        # agent would register again). Only its own agent holds it: one query a back-off of that agent.
-        raise NodeRetired(f"node {node.name} is retired: stop its engines and remove what they left")
+        # agent would register again); remembered as retired instead (`RETIRED_NODE_SECRETS`).
+        RETIRED_NODE_SECRETS.add(CredentialLookups.digest(secret))
+        raise NodeRetired(_RETIRED)
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
         raise NodeUnknown("invalid node secret")
     return node
+
+
+def _refuse_without_a_query(secret: str) -> None:
+    """`NodeUnknown` for a secret refused a moment ago, `NodeRetired` for one this process knows a retired node's."""
+    if NODE_SECRET_LOOKUPS.is_refused(secret):
+        raise NodeUnknown("invalid node secret")
+    if CredentialLookups.digest(secret) in RETIRED_NODE_SECRETS:
+        raise NodeRetired(_RETIRED)
 
 
 async def authenticate_node_async(secret: str) -> Node:
@@ -307,8 +323,7 @@ async def authenticate_node_async(secret: str) -> Node:
     (`tests/test_web_database_pool.py`)."""
     if tokens.split_token(secret, Node.SECRET_KIND) is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
-    if NODE_SECRET_LOOKUPS.is_refused(secret):
-        raise NodeUnknown("invalid node secret")
+    _refuse_without_a_query(secret)
     async with NODE_SECRET_LOOKUPS.slots.held_async():
         return await in_worker_thread(authenticate_node)(secret)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import socket
 import threading
@@ -29,6 +30,8 @@ from gpu_agent.protocol import (
     ReplicaAction,
 )
 
+logger = logging.getLogger(__name__)
+
 # The node's `last_status` key that lists the replica actions its agent knows (`record_heartbeat`).
 REPLICA_ACTIONS_KNOWN = "replica_actions"
 
@@ -51,7 +54,7 @@ def engine_address_problem(address: str, host: str, port_min: int, port_max: int
     reported_host = (parts.hostname or "").lower()
     if not reported_host or reported_host != _normal_host(host):
         return "the engine's address is not on the node's registered host"
-    if advertise_host_problem(host):
+    if advertise_host_problem(host, admitting=False):
         return "the node's registered host is not one the gateway may reach"
     if port is None or not port_min <= port <= port_max or engine_ports_problem(port, port):
         return "the engine's address is outside the node's engine ports"
@@ -71,7 +74,7 @@ def engine_ports_problem(port_min: int, port_max: int) -> str:
     return f"its engine ports must lie in the platform's, {DEFAULT_ENGINE_PORT_MIN}-{DEFAULT_ENGINE_PORT_MAX}"
 
 
-def advertise_host_problem(host: str) -> str:
+def advertise_host_problem(host: str, *, admitting: bool = True) -> str:
     """Why the gateway may not send prompts to engines on `host`, a node's advertised host ("" if it may).
 
     NOTE: the one rule for a node's host, applied when it registers and again by the gateway before it routes
@@ -81,6 +84,12 @@ def advertise_host_problem(host: str) -> str:
     for GPU nodes (`NODE_NETWORKS`) and not the control plane's own PostgreSQL or Redis. A
     host name is taken only where loopback nodes are (`ALLOW_LOOPBACK_NODES`, the local stack): the gateway connects
     by name, and a name may resolve to anything, later as well as now; a fleet node advertises its IP (pod, instance).
+
+    `admitting=False` judges a node admitted already (the sweeps, the gateway's directory, placement, pool release):
+    where the control plane's own names have not resolved yet in this process (`ServiceAddressesUnresolved`), its
+    host cannot be judged, and it is kept ("") rather than refused; a new node is refused meanwhile (fail closed).
+    NOTE: before, "could not be resolved" was a refusal everywhere: the sweep failed every live replica on every node,
+    the directory routed to none, placement found no node (`tests/test_node_networks.py`).
     """
     try:
         address = ipaddress.ip_address(_normal_host(host))
@@ -97,7 +106,7 @@ def advertise_host_problem(host: str) -> str:
     try:
         service_addresses = control_plane_service_addresses()
     except ServiceAddressesUnresolved:  # NOTE: fail closed: an address of ours we cannot name yet may be this one
-        return "the control plane's own PostgreSQL or Redis addresses could not be resolved yet"
+        return "the control plane's own PostgreSQL or Redis addresses could not be resolved yet" if admitting else ""
     if address in service_addresses:
         return "it is an address of the control plane's own PostgreSQL or Redis"
     if not any(address in network for network in settings.NODE_NETWORKS):
@@ -128,9 +137,11 @@ def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipadd
     """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`): a
     node never advertises one, even inside `NODE_NETWORKS`. A host name is looked up again once its last answer is
     `SERVICE_ADDRESSES_TTL_S` old, and an address it named stays refused for `SERVICE_ADDRESSES_KEPT_S` after. Raises
-    `ServiceAddressesUnresolved` when a name does not resolve (fail closed: the callers refuse nodes and answer 503),
-    at first use as at each later look-up, for `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once
-    cached an empty set, and the check was off for the process's life).
+    `ServiceAddressesUnresolved` when a name does not resolve before the first good answer (fail closed: the callers
+    refuse new nodes and answer 503), for `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once cached
+    an empty set, and the check was off for the process's life). A later look-up that fails keeps the last good answer
+    (with the addresses kept) and logs; it is tried again `RESOLVE_RETRY_S` later.
+    NOTE: before, a failed re-lookup raised too: one DNS hiccup after the TTL refused every node's host.
 
     NOTE: before, a name was resolved once per process: after a managed database's failover moved it to another IP,
     a node registered at the new one (inside the node networks) was admitted and the gateway POSTed prompts to the
@@ -141,13 +152,22 @@ def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipadd
     if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:
         return _resolved["addresses"]
     if time.monotonic() - _last_unresolved["at"] < RESOLVE_RETRY_S:
+        if _resolved["addresses"] is not None:
+            return _resolved["addresses"]
         raise ServiceAddressesUnresolved(_last_unresolved["host"])
     if not _resolving.acquire(blocking=_resolved["addresses"] is None):
         return _resolved["addresses"]  # another thread is looking them up: the last good answer, a moment old
     try:
         if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:  # looked up while this one waited
             return _resolved["addresses"]
-        named = _resolve_service_addresses()
+        try:
+            named = _resolve_service_addresses()
+        except ServiceAddressesUnresolved as unresolved:
+            if _resolved["addresses"] is None:
+                raise
+            logger.warning("the control plane's own address %s did not resolve: the last good answer is kept",
+                           unresolved)
+            return _resolved["addresses"]
         now = time.monotonic()
         seen = {address: at for address, at in _resolved["seen"].items() if now - at < SERVICE_ADDRESSES_KEPT_S}
         seen.update(dict.fromkeys(named, now))
@@ -345,13 +365,14 @@ class Node(models.Model):
 
     def host_problem(self) -> str:
         """Why the gateway may not reach this node's engines at all ("" if it may): its registered host as
-        `advertise_host_problem` judges it now, and its engine ports as `engine_ports_problem` does.
+        `advertise_host_problem` judges it now (an admitted node: kept while our own names cannot be resolved), and its
+        engine ports as `engine_ports_problem` does.
 
         NOTE: a node registered before those rules, or before `ALLOW_LOOPBACK_NODES` was turned off, keeps a host or
         ports the gateway refuses (`engine_address_problem`): placement skips it (`placement.choose_node`) and the
         sweeps move its replicas elsewhere (`scheduler.move_off_unreachable_nodes`), rather than fail them there in a
         loop."""
-        return advertise_host_problem(self.advertise_host) or engine_ports_problem(
+        return advertise_host_problem(self.advertise_host, admitting=False) or engine_ports_problem(
             self.engine_port_min, self.engine_port_max
         )
 

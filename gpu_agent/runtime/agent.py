@@ -180,8 +180,8 @@ class Agent:
             logger.warning("the control plane refuses this node: stopping its %d engine(s)", num_stopping)
 
     def _wind_down_retired_node(self) -> None:
-        """Drain and stop every replica; once none runs, remove the engines' cache folders and every model in the
-        weights cache (tenants' weights). Each heartbeat answered `protocol.NODE_RETIRED` does what is left (a drain
+        """Drain and stop every replica; once none runs, remove the engines' cache folders and logs, every model in the
+        weights cache and every download stopped mid-way (tenants' weights). Each heartbeat answered `protocol.NODE_RETIRED` does what is left (a drain
         takes a while), and nothing more once all is gone; the agent idles, asking at its back-off, never registering
         again (`protocol.py` says why it does not exit).
 

@@ -32,6 +32,7 @@ from gpu_agent.protocol import (
     NODE_RETIRED,
     NODE_UNKNOWN,
     REREGISTER_MIN_INTERVAL_S,
+    RETIRED_NO_REREGISTER_S,
     Heartbeat,
     HeartbeatResponse,
     RegisterRequest,
@@ -48,6 +49,9 @@ AGENT_VERSION = "0.1.0"
 WATCH_TIMEOUT_S = 35.0  # the control plane answers a watch within 25 s
 DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
 MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S = 0.2, 60.0
+
+
+RETIRED_KEPT_REFRESH_S = 3600.0  # how stale `node.json`'s record of it may get while the answers say so
 
 
 def heartbeat_interval(value) -> float:
@@ -113,6 +117,7 @@ class ControlPlaneClient:
         self.node_secret: str | None = None
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         self._registered_at = -math.inf  # `time.monotonic()` of this process's last registration
+        self._retired_at: float | None = None  # `time.time()` the node was last told retired (kept in `node.json`)
         self._load_credentials()
 
     def _load_credentials(self) -> None:
@@ -124,6 +129,8 @@ class ControlPlaneClient:
                 "engine_address"
             ) == self._engine_address():
                 self.node_id, self.node_secret = data["node_id"], data["node_secret"]
+                retired_at = data.get("retired_at")
+                self._retired_at = float(retired_at) if isinstance(retired_at, (int, float)) else None
         except (OSError, ValueError, KeyError):
             pass
 
@@ -157,19 +164,38 @@ class ControlPlaneClient:
         answer = RegisterResponse.from_dict(response.json())
         self.node_id, self.node_secret = answer.node_id, answer.node_secret
         self.heartbeat_interval_s = heartbeat_interval(answer.heartbeat_interval_s)
+        self._retired_at = None
+        self._save_credentials()
+        logger.info("registered as node %s (%s)", answer.node_id, self.machine.gpu_type)
+        return answer
+
+    def _save_credentials(self) -> None:
         data = {
             "control_plane_url": self.config.control_plane_url,
-            "node_id": answer.node_id,
-            "node_secret": answer.node_secret,
+            "node_id": self.node_id,
+            "node_secret": self.node_secret,
             "engine_address": self._engine_address(),
         }
+        if self._retired_at is not None:
+            data["retired_at"] = self._retired_at
         tmp = self.credentials_path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle)
         os.replace(tmp, self.credentials_path)
-        logger.info("registered as node %s (%s)", answer.node_id, self.machine.gpu_type)
-        return answer
+
+    def _told_retired(self) -> None:
+        """Remember, in `node.json` (a restart does not forget), that the control plane said this node is retired."""
+        if self._retired_at is not None and time.time() - self._retired_at < RETIRED_KEPT_REFRESH_S:
+            return
+        self._retired_at = time.time()
+        try:
+            self._save_credentials()
+        except OSError:
+            logger.exception("could not keep in %s that this node is retired", self.credentials_path)
+
+    def _retired_recently(self) -> bool:
+        return self._retired_at is not None and time.time() - self._retired_at < RETIRED_NO_REREGISTER_S
 
     def register_if_needed(self) -> None:
         if self.node_secret is None:
@@ -180,6 +206,11 @@ class ControlPlaneClient:
         Raises `RegistrationRefused` (`node_refused`) when it refuses the node, (`node_retired`) when the node is
         retired, `HeartbeatUnauthorized` for a 401 that says none of these."""
         response = self._post_heartbeat(heartbeat)
+        if response.status_code == 401 and _error_code(response) == NODE_UNKNOWN and self._retired_recently():
+            # NOTE: a web pod older than protocol 5 (a rolling deploy) answers a retired secret `NODE_UNKNOWN`: a
+            # node told retired never registers again under a join token still open (`RETIRED_NO_REREGISTER_S`).
+            raise RegistrationRefused(f"this node was told it is retired; now unknown (401): {response.text[:200]}",
+                                      node_retired=True)
         if response.status_code == 401 and self._unknown_node_may_register(response):
             logger.warning("heartbeat refused (401, %s): registering again", NODE_UNKNOWN)
             self.register()
@@ -188,6 +219,7 @@ class ControlPlaneClient:
             if _error_code(response) == NODE_REFUSED:
                 raise RegistrationRefused(f"heartbeat refused (401): {response.text[:200]}", node_refused=True)
             if _error_code(response) == NODE_RETIRED:
+                self._told_retired()
                 raise RegistrationRefused(f"this node is retired (401): {response.text[:200]}", node_retired=True)
             raise HeartbeatUnauthorized(f"heartbeat refused (401), retrying: {response.text[:200]}")
         response.raise_for_status()

@@ -25,12 +25,16 @@ decides when (`Supervisor.check_disk`).
 from __future__ import annotations
 
 import errno
+import itertools
+import logging
 import os
 import stat
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # The defaults an operator changes with the agent's `--engine-cache-gb`, `--engine-cache-days`, `--engine-disk-gb`.
 DEFAULT_ENGINE_CACHE_BYTES = 50 * 10**9
@@ -169,12 +173,20 @@ def set_aside(folder: Path) -> Path | None:
     return aside
 
 
-# How many times a folder written to while it was emptied is emptied again before it is left.
-RESCANS = 3
+# How many times, in one removal, a folder written to while it was emptied is emptied again before it is left: one
+# budget for the whole walk (before, each folder had its own, renewed at each entry: exponential in the depth).
+RESCANS = 16
+# Running out of descriptors (the agent's, or the machine's) stops a removal: never taken as "not a folder".
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 
-def remove_tree(path: Path | None) -> None:
-    """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it.
+class _WalkStopped(Exception):
+    """The removal cannot go on (out of descriptors, or a folder moved out of the tree): the rest is left, reported."""
+
+
+def remove_tree(path: Path | None) -> bool:
+    """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it; True when
+    nothing is left (or there was nothing), False when the rest was left (logged).
 
     NOTE: Landlock leaves chmod to an engine: one that took the permissions off folders inside its own made a plain
     `rmtree` leave them, and their bytes, behind, so each folder is made the agent's (0o700) before it is emptied. That
@@ -182,28 +194,44 @@ def remove_tree(path: Path | None) -> None:
     code, still writing in the tree can swap a folder for a link at any moment, and a chmod by name followed it. Before,
     between the walk's `lstat` and its `chmod`, a folder replaced by a link to one outside the tree made that folder
     0o700 (`tests/agent/test_engine_disk.py`). Every step is relative to an open folder (`dir_fd`), the top path's
-    included; a link anywhere is removed as a name, never followed. The walk holds one descriptor per level."""
+    included; a link anywhere is removed as a name, never followed.
+
+    NOTE: the walk holds a few descriptors whatever the depth: it goes down by name and back up through `..`, checked
+    to be the very folder it came from (device and inode). Before, it held one a level: past the agent's
+    RLIMIT_NOFILE an engine's deep tree made `EMFILE` read as "not a folder", each level rescanned, and the walk
+    never ended, under the supervisor's lock: the whole agent froze. `EMFILE`/`ENFILE`, or a folder moved out from
+    under the walk, now stop it, the rest left and logged."""
     if path is None:
-        return
+        return True
     path = Path(path)
     try:
         parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
+    except FileNotFoundError:
+        return True
+    except OSError as error:
+        logger.warning("could not remove %s: %s", path, error)
+        return False
     try:
-        _remove_entry(parent, path.name)
+        if _remove_entry(parent, path.name):
+            return True
+        logger.warning("removing %s left folders written to all along", path)
+    except _WalkStopped as stopped:
+        logger.warning("removing %s stopped, the rest left: %s", path, stopped)
     finally:
         os.close(parent)
+    return False
 
 
 def _enter_folder(dir_fd: int, name: str) -> int | None:
     """The folder `name` in `dir_fd` opened for listing, made 0o700 first; None when `name` is not a folder (a link to
     one included: never followed) or is gone. The mode is set through an `O_PATH` descriptor of the folder itself
     (`/proc/self/fd`, what glibc's `fchmodat(AT_SYMLINK_NOFOLLOW)` does): a folder the engine made 0o000 cannot be
-    opened for reading before, and whatever its name names by then is never what is changed."""
+    opened for reading before, and whatever its name names by then is never what is changed. Raises `_WalkStopped`
+    when out of descriptors."""
     try:
         handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
+    except OSError as error:
+        _stop_if_out_of_descriptors(error)
         return None  # a link (ELOOP, ENOTDIR), a file, or gone
     try:
         try:
@@ -212,50 +240,89 @@ def _enter_folder(dir_fd: int, name: str) -> int | None:
             pass  # no /proc: a folder the agent can read is still emptied
         try:
             return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=handle)
-        except OSError:
+        except OSError as error:
+            _stop_if_out_of_descriptors(error)
             return None
     finally:
         os.close(handle)
 
 
-def _remove_entry(dir_fd: int, name: str) -> None:
+def _stop_if_out_of_descriptors(error: OSError) -> None:
+    if error.errno in _OUT_OF_DESCRIPTORS:
+        raise _WalkStopped(f"out of file descriptors ({error.strerror})") from error
+
+
+def _identity(folder: int) -> tuple[int, int]:
+    found = os.fstat(folder)
+    return found.st_dev, found.st_ino
+
+
+def _remove_entry(dir_fd: int, name: str) -> bool:
     """Remove `name` in `dir_fd`: a file or link unlinked, a folder emptied depth first and removed (no recursion, so
-    no depth of folders stops it)."""
-    top = _enter_folder(dir_fd, name)
-    if top is None:
-        _unlink(dir_fd, name)
-        return
-    stack = [[dir_fd, name, top, _names_in(top), RESCANS]]
+    no depth of folders stops it, and one open folder at a time: `remove_tree`). False when a folder written to
+    meanwhile was left once the walk's rescans were spent; raises `_WalkStopped`."""
+    rescans = RESCANS
+    complete = True
+    try:
+        current = os.dup(dir_fd)
+    except OSError as error:
+        _stop_if_out_of_descriptors(error)
+        raise
+    # Each level: [its name in the level above, its (device, inode), the names in it still to remove]; the first is
+    # `dir_fd`'s own, never removed.
+    stack = [["", _identity(current), iter([name])]]
     try:
         while stack:
-            parent, folder_name, folder, names, rescans = level = stack[-1]
-            for child in names:
-                entered = _enter_folder(folder, child)
+            level = stack[-1]
+            for child in level[2]:
+                entered = _enter_folder(current, child)
                 if entered is not None:
-                    stack.append([folder, child, entered, _names_in(entered), RESCANS])
+                    os.close(current)
+                    current = entered
+                    stack.append([child, _identity(current), _names_in(current)])
                     break
-                _unlink(folder, child)
+                _unlink(current, child)
             else:
+                stack.pop()
+                if not stack:
+                    return complete
+                up = _open_parent(current, stack[-1][1])
+                os.close(current)
+                current = up
                 try:
-                    os.rmdir(folder_name, dir_fd=parent)
+                    os.rmdir(level[0], dir_fd=current)
                 except NotADirectoryError:  # swapped for a link since it was entered: the link goes, as a name
-                    _unlink(parent, folder_name)
+                    _unlink(current, level[0])
                 except OSError as exc:
                     if exc.errno == errno.ENOTEMPTY and rescans > 0:  # written to meanwhile: emptied again
-                        level[3:] = [_names_in(folder), rescans - 1]
-                        continue
-                stack.pop()
-                os.close(folder)
+                        rescans -= 1
+                        stack[-1][2] = itertools.chain([level[0]], stack[-1][2])
+                    elif exc.errno != errno.ENOENT:
+                        complete = False
+        return complete
     finally:
-        for level in stack:
-            os.close(level[2])
+        os.close(current)
+
+
+def _open_parent(folder: int, expected: tuple[int, int]) -> int:
+    """The folder above `folder`, through `..`: the one the walk came down from, or `_WalkStopped`."""
+    try:
+        up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    except OSError as error:
+        _stop_if_out_of_descriptors(error)
+        raise _WalkStopped(f"its folder above could not be opened ({error.strerror})") from error
+    if _identity(up) != expected:  # moved out from under the walk: never emptied where it went
+        os.close(up)
+        raise _WalkStopped("a folder was moved out of the tree while it was removed")
+    return up
 
 
 def _names_in(folder: int):
     try:
         with os.scandir(folder) as entries:
             return iter([entry.name for entry in entries])
-    except OSError:
+    except OSError as error:
+        _stop_if_out_of_descriptors(error)
         return iter(())
 
 

@@ -197,6 +197,7 @@ class Supervisor:
         self.sandbox_mode = sandbox_mode
         self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
         self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
+        self._dropped: list[Path | None] = []  # folders of engines gone, removed outside the lock (`_drop_scratch`)
         self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
         # What engines may keep on the disk (`engine_disk.py`): their endpoints' cache folders, and when each was used.
         self.disk_bounds = disk_bounds or engine_disk.EngineDiskBounds()
@@ -373,13 +374,14 @@ class Supervisor:
         if replica is not None and replica.is_final:
             self._prune_logs(live)
 
-    def _prune_logs(self, live: set[str]) -> None:
-        """NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
+    def _prune_logs(self, live: set[str], *, keep: int | None = None) -> None:
+        """The logs of ended engines past the `keep` newest (`KEPT_ENDED_LOGS` unless told) go.
+        NOTE: every replica's log stayed: with scale-to-zero each cold start is a new replica with a log of its own,
         outside the weights' disk budget, until the node's disk was full."""
         try:
             ended = sorted((path for path in self.logs_dir.glob("*.log") if path.name not in live
                             and path.name not in STANDING_LOGS), key=lambda path: path.stat().st_mtime, reverse=True)
-            for path in ended[KEPT_ENDED_LOGS:]:
+            for path in ended[KEPT_ENDED_LOGS if keep is None else keep:]:
                 path.unlink(missing_ok=True)
                 path.with_name(f"{path.name}.1").unlink(missing_ok=True)  # its part kept aside (`keep_logs_within`)
                 process.being_kept_aside(path).unlink(missing_ok=True)  # what an agent killed mid-cut left
@@ -501,6 +503,7 @@ class Supervisor:
                     del self._built[replica_id]
             if self.standby is not None:
                 self._step_standby(replicas)
+        self._remove_dropped()
 
     def _build_due(self) -> None:
         """Build the command of every replica due to launch, outside the lock; its `_launch` takes it.
@@ -624,8 +627,20 @@ class Supervisor:
         return dataclasses.replace(command, env=env)
 
     def _drop_scratch(self, replica_id: str) -> None:
-        for folders in (self._scratch_dirs, self._adapter_dirs):
-            engine_disk.remove_tree(folders.pop(replica_id, None))
+        """Let go of a replica's scratch and adapters folders (under the lock): removed by `_remove_dropped` once the
+        lock is let go, the adapters' set aside first (its engine's next launch takes the name again).
+
+        NOTE: before, removed here, under the lock every heartbeat and launch waits on: an engine's deep or busy tree
+        held the whole agent for as long as its walk took (`engine_disk.remove_tree`)."""
+        adapters = self._adapter_dirs.pop(replica_id, None)
+        self._dropped += [self._scratch_dirs.pop(replica_id, None), adapters and engine_disk.set_aside(adapters)]
+
+    def _remove_dropped(self) -> None:
+        """Remove the folders `_drop_scratch` let go of; never under the lock."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for path in dropped:
+            engine_disk.remove_tree(path)
 
     def _cache_dir(self, endpoint_id: str) -> Path:
         """An endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`), kept across its engines' launches."""
@@ -747,13 +762,16 @@ class Supervisor:
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
         for path in removed:
             engine_disk.remove_tree(path)
+        self._remove_dropped()
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
     def remove_engine_caches(self) -> int:
         """Remove every endpoint's cache folder that no replica here uses, whatever its age (a retired node:
-        `Agent.heartbeat_once`), and what earlier removals left; how many folders went. Set aside under the lock, as
-        `check_disk` does, and deleted outside it."""
+        `Agent.heartbeat_once`), and what earlier removals left, and the logs of every engine ended (tenants' requests
+        may be in them); how many folders went. Set aside under the lock, as `check_disk` does, and deleted outside
+        it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
         with self._lock:
+            live = {replica.log_path.name for replica in self._replicas.values() if not replica.is_final}
             in_use = self._caches_in_use()
             removed = []
             for name in self._caches.names():
@@ -764,6 +782,7 @@ class Supervisor:
             removed += self._caches.leftovers(keep=in_use)
         for path in removed:
             engine_disk.remove_tree(path)
+        self._prune_logs(live, keep=0)
         return num_folders
 
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
@@ -982,6 +1001,7 @@ class Supervisor:
                 if not replica.is_final:
                     replica.stopped()
             self._save_state()
+        self._remove_dropped()
         self._probe.close()
 
     def detach(self) -> None:

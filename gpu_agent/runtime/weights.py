@@ -287,9 +287,14 @@ class WeightsCache:
         return self._evict_lru(entries, excess)
 
     def remove_unpinned(self) -> list[str]:
-        """Remove every complete model no replica pins, whatever the budget: a retired node's tenants' weights
-        (`Agent.heartbeat_once`). The keys removed."""
-        return self._evict_lru(self._index.entries(), math.inf)
+        """Remove every complete model no replica pins, whatever the budget, and every partial download no fetch is
+        resuming (`.tmp/<key>.partial` and its journal): a retired node's tenants' weights (`Agent.heartbeat_once`).
+        The keys removed. NOTE: before, the partials stayed: a tenant's model downloaded nearly whole left on a retired
+        node's disk."""
+        evicted = self._evict_lru(self._index.entries(), math.inf)
+        partials = self._idle_partials(exclude="")
+        self._drop_partials(partials, math.inf)
+        return evicted + [key for key, _, _ in partials if not (self.root / ".tmp" / f"{key}.partial").exists()]
 
     def read_model(self, model_dir: str | Path) -> ModelReading:
         """What a fetched model's files say, or why it is refused (read once per directory; a cached model

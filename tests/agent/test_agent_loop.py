@@ -394,6 +394,7 @@ def test_a_retired_node_stops_its_engines_removes_what_they_left_and_idles(contr
     wait_until(lambda: not agent.weights._index.entries()
                and not [path for path in caches.iterdir() if not path.name.startswith(".")], 15)
     assert not list(agent.weights.root.glob("*/model.safetensors"))
+    wait_until(lambda: not (agent.supervisor.logs_dir / "r-a.log").exists(), 15)  # before: the engine's log stayed
     # It idles: asks again at its back-off, never registers again, starts nothing, and the agent runs on.
     with control_plane.lock:
         num_refused = control_plane.num_refused

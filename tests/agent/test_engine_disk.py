@@ -180,6 +180,40 @@ def test_an_engine_past_its_disk_bound_fails_with_the_reason_and_its_folders_are
     assert (tmp_path / "outside" / "fill.bin").stat().st_size == 5 * MB
 
 
+def test_an_exited_engines_folders_are_removed_outside_the_supervisors_lock(make_supervisor, tmp_path, monkeypatch):
+    """Before, `_drop_scratch` removed them under the lock every heartbeat and launch waits on: an engine's deep or
+    busy tree held the whole agent for as long as the walk took (another thread could not take the lock meanwhile)."""
+    import signal
+    import threading
+
+    supervisor = make_supervisor(check_interval_s=3600, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-a", endpoint_id="e-a"), tmp_path / "model")
+    wait_until(lambda: supervisor.get("r-a").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    scratch = Path(supervisor.get("r-a").command.env["TMPDIR"])
+    lock_free_during = []
+    remove_tree = engine_disk.remove_tree
+
+    def probing(path):
+        if path is not None:
+            taken = []
+
+            def take():
+                taken.append(supervisor._lock.acquire(timeout=1))
+                if taken[0]:
+                    supervisor._lock.release()
+
+            probe = threading.Thread(target=take)
+            probe.start()
+            probe.join()
+            lock_free_during.append(taken[0])
+        return remove_tree(path)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", probing)
+    os.killpg(supervisor.get("r-a").pid, signal.SIGKILL)
+    wait_until(lambda: not scratch.exists(), 30, poll=supervisor.poll)
+    assert lock_free_during and all(lock_free_during)
+
+
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
     # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
     supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)
@@ -367,3 +401,55 @@ def run_unprivileged(base: Path, action) -> None:
         finally:
             os._exit(code)
     assert os.waitpid(child, 0)[1] == 0
+
+
+def _remove_deep_tree_with_few_descriptors(base: Path, depth: int, spare_fds: int) -> tuple[bool | None, bool]:
+    """In a forked child, `remove_tree` of a folder `depth` levels deep with `spare_fds` descriptors left under its
+    RLIMIT_NOFILE (what an engine's deep tree does to an agent holding many sockets): (its answer, whether the tree is
+    left). The child gives up after 15 s: a walk still going then is a hang."""
+    import resource
+    import signal
+
+    top = base / "cache"
+    top.mkdir()
+    folder = os.open(top, os.O_RDONLY)
+    for _ in range(depth):  # by descriptor: no path length limit
+        os.mkdir("d", dir_fd=folder)
+        deeper = os.open("d", os.O_RDONLY, dir_fd=folder)
+        os.close(folder)
+        folder = deeper
+    os.close(folder)
+    answer = base / "answer"
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
+            signal.alarm(15)
+            in_use = len(os.listdir("/proc/self/fd"))
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + spare_fds, hard))
+            answer.write_text(repr(engine_disk.remove_tree(top)))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    status = os.waitpid(child, 0)[1]
+    assert os.WEXITSTATUS(status) != 3, "still removing after 15 s"
+    assert status == 0
+    return eval(answer.read_text()), top.exists()  # noqa: S307 (the child's repr of a bool)
+
+
+def test_a_tree_deeper_than_the_agents_spare_descriptors_is_removed_whole_in_seconds(base):
+    """Before, the walk held one descriptor a level: past RLIMIT_NOFILE, EMFILE read as "not a folder", each level
+    rescanned with a budget of its own, and the walk never ended (still removing after 15 s), under the supervisor's
+    lock. Now it holds a few, whatever the depth."""
+    started = time.monotonic()
+    assert _remove_deep_tree_with_few_descriptors(base, depth=300, spare_fds=20) == (True, False)
+    assert time.monotonic() - started < 15
+
+
+def test_a_removal_out_of_descriptors_stops_at_once_and_says_the_rest_is_left(base):
+    answer, left = _remove_deep_tree_with_few_descriptors(base, depth=50, spare_fds=1)
+    assert (answer, left) == (False, True)

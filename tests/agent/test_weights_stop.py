@@ -390,3 +390,18 @@ def test_an_operator_sets_the_slowest_rate_a_store_may_send_a_part_at(monkeypatc
         assert agent.weights.transfer.min_bytes_per_s == 256 * KIB
     finally:
         agent.shutdown()
+
+
+def test_a_retired_nodes_removal_of_its_weights_takes_the_downloads_stopped_mid_way_too(store, tmp_path):
+    """Before, `remove_unpinned` removed complete models only: a tenant's model downloaded nearly whole stayed on a
+    retired node's disk (`.tmp/<key>.partial` and its journal)."""
+    root = tmp_path / "weights"
+    cache = WeightsCache(root, budget_bytes=1000 * KIB, s3_endpoint_url=store.url)
+    cache.fetch("s3://b/fast")
+    _stopped_partial(root, "tenant", 300 * KIB, age_s=1)
+
+    removed = cache.remove_unpinned()
+
+    assert "tenant" in removed and len(removed) == 2
+    assert not list((root / ".tmp").iterdir()) and not list((root / ".parts").iterdir())
+    assert not [path for path in root.rglob("*") if path.is_file() and path.name == "model.safetensors"]

@@ -8,9 +8,12 @@ import ipaddress
 
 import httpx
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from controlplane import tokens
 from controlplane.accounts.services import SYSTEM
+from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token, retire_node, revoke_join_token
 from endpoints.nodes.models import Node, control_plane_service_addresses
 from gpu_agent.protocol import NODE_REFUSED, NODE_RETIRED, NODE_UNKNOWN
@@ -107,12 +110,58 @@ def test_an_agent_of_a_retired_node_is_told_so_and_never_registers_again(in_proc
         agent.shutdown()
 
 
+def test_an_agent_told_retired_never_registers_again_when_an_older_web_pod_calls_it_unknown_even_restarted(
+    in_process_control_plane, tmp_path, monkeypatch  # noqa: F811
+):
+    """A rolling deploy: a web pod older than protocol 5 answers a retired node's secret `NODE_UNKNOWN`. Before, the
+    agent (told `NODE_RETIRED` a moment ago by a new pod) registered again under the fleet's shared token, left open:
+    a new node, placed on."""
+    monkeypatch.setattr(control_plane, "REREGISTER_MIN_INTERVAL_S", 0.0)
+    created = create_join_token(SYSTEM, name="fleet")
+    _agent(in_process_control_plane, created.plain, tmp_path / "other").control_plane.register()  # the fleet's other
+    agent = _agent(in_process_control_plane, created.plain, tmp_path)
+    try:
+        agent.heartbeat_once()
+        node = Node.objects.get(pk=agent.control_plane.node_id)
+        retire_node(SYSTEM, node, reason="machine shut out")
+        with pytest.raises(RegistrationRefused) as refused:
+            agent.heartbeat_once()
+        assert refused.value.node_retired
+    finally:
+        agent.shutdown()
+    # The old pod knows no retired secret's hash: to it, the secret is only unknown.
+    Node.objects.filter(pk=node.pk).update(retired_secret_digest="")
+    services.RETIRED_NODE_SECRETS.clear()
+    restarted = _agent(in_process_control_plane, created.plain, tmp_path)  # a restart: what it knows is in node.json
+    try:
+        for _ in range(2):
+            with pytest.raises(RegistrationRefused) as refused:
+                restarted.heartbeat_once()
+            assert refused.value.node_retired and not refused.value.node_refused
+        assert Node.objects.filter(join_token=created.join_token).count() == 2  # no new node
+    finally:
+        restarted.shutdown()
+
+
 @pytest.mark.django_db(transaction=True)  # NOTE: the watch looks the secret up in a worker thread of its own
 def test_a_retired_nodes_watch_is_told_node_retired(client):
     answer = register(client, create_join_token(SYSTEM, name="t").plain).json()
     retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
     watch = client.post("/agent/v1/watch", HTTP_AUTHORIZATION=f"Bearer {answer['node_secret']}")
     assert watch.status_code == 401 and watch.json()["error"]["code"] == NODE_RETIRED
+
+
+def test_a_retired_nodes_secret_sent_again_is_answered_node_retired_without_a_query(client):
+    """Before, each heartbeat (and watch) under a retired node's secret looked the node up again: one query a back-off
+    of its agent, or of anyone replaying its secret."""
+    answer = register(client, create_join_token(SYSTEM, name="t").plain).json()
+    retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
+    assert beat(client, answer["node_secret"]).json()["error"]["code"] == NODE_RETIRED  # looked up once
+    with CaptureQueriesContext(connection) as queries:
+        for _ in range(3):
+            retired = beat(client, answer["node_secret"])
+            assert retired.status_code == 401 and retired.json()["error"]["code"] == NODE_RETIRED
+    assert [query["sql"] for query in queries.captured_queries] == []
 
 
 @pytest.fixture
