@@ -496,21 +496,31 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> 
 _set_aside_shipper: threading.Thread | None = None
 _set_aside_asked = False  # asked to ship since the shipper last began to read the file
 _set_aside_shipper_lock = threading.Lock()
+_set_aside_wake = threading.Event()  # set by an ask: a shipper waiting to retry tries at once
+# While lines stay set aside after a ship (the bucket out of reach), the shipper tries again after this long, doubled
+# after each failure up to the most (one warning a failure, `journal_shipping.ship_set_aside`: one a minute at most).
+SET_ASIDE_RETRY_FIRST_S = 5.0
+SET_ASIDE_RETRY_MAX_S = 60.0
 
 
 def ship_set_aside_soon() -> threading.Thread:
     """Ship what this pod's replays set aside (`journal_shipping.ship_set_aside`) in a thread of its own, unless one
-    ships it now, which then ships once more after; returns that thread.
+    ships it now, which then ships once more after; returns that thread. It lives until the file is empty (or the
+    process ends): while a ship leaves lines there, it tries again after `SET_ASIDE_RETRY_FIRST_S` up to
+    `SET_ASIDE_RETRY_MAX_S` (at once when asked again), so joining it waits for the file to reach the bucket.
 
     NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~26 s) held a replay
     loop after each segment, and a loop's end past its `timeout_s`. A daemon thread, not the loop's executor, which
     `asyncio.run` waits for as it ends: a process that stops meanwhile leaves `rejected.jsonl` as it was (emptied only
     once the bucket has it), shipped next time (replayed twice, each row counts once: its request id). It ships again
     while it was asked meanwhile: before, a running shipper was returned as it was, though it may have read the file
-    already, and lines appended after that read waited for a later trigger, maybe none."""
+    already, and lines appended after that read waited for a later trigger, maybe none. It retries by itself: before,
+    lines a bucket blip left here waited for the next replay (a database outage, a process start) or stop, possibly
+    for days with the database up, on a volume that dies with the pod (found by the second review of this shipping)."""
     global _set_aside_shipper, _set_aside_asked
     with _set_aside_shipper_lock:
         _set_aside_asked = True
+        _set_aside_wake.set()
         if _set_aside_shipper is None or not _set_aside_shipper.is_alive():  # NOTE: dead: a forked child's copy
             _set_aside_shipper = threading.Thread(target=_ship_set_aside_while_asked, name="usage-set-aside-shipper",
                                                   daemon=True)
@@ -520,6 +530,7 @@ def ship_set_aside_soon() -> threading.Thread:
 
 def _ship_set_aside_while_asked() -> None:
     global _set_aside_shipper, _set_aside_asked
+    retry_s = SET_ASIDE_RETRY_FIRST_S
     try:
         while True:
             with _set_aside_shipper_lock:
@@ -527,7 +538,16 @@ def _ship_set_aside_while_asked() -> None:
                     _set_aside_shipper = None  # NOTE: under the lock: a caller from now on starts a new one
                     return
                 _set_aside_asked = False
+                _set_aside_wake.clear()
             journal_shipping.ship_set_aside(journal())
+            if not (journal_shipping.enabled() and journal().has_set_aside()):
+                retry_s = SET_ASIDE_RETRY_FIRST_S
+                continue
+            # NOTE: the bucket took not all of it (or lines came meanwhile): tried again, whatever else asks
+            _set_aside_wake.wait(retry_s)
+            retry_s = min(retry_s * 2, SET_ASIDE_RETRY_MAX_S)
+            with _set_aside_shipper_lock:
+                _set_aside_asked = True
     except BaseException:
         with _set_aside_shipper_lock:
             _set_aside_shipper = None

@@ -826,7 +826,7 @@ def test_lines_set_aside_before_an_outage_mid_replay_are_shipped_by_the_next_rep
 
     with pytest.raises(usage_writer.OUTAGES):
         asyncio.run(replay())  # segment 1 set aside, segment 2 meets the outage
-    usage_writer.ship_set_aside_soon().join(20)  # tried, the bucket out of reach: the line stays here
+    usage_writer.ship_set_aside_soon().join(1)  # tried, the bucket out of reach: the line stays here
     assert (directory / REJECTED_NAME).read_bytes() == newer
     reachable.set()
     outage.end()
@@ -862,6 +862,50 @@ def test_lines_set_aside_after_the_running_shipper_read_the_file_are_shipped_too
     usage_writer.ship_set_aside_soon().join(20)
     _wait_until_shipped(files_bucket, directory, num_objects=2)
     assert sorted(_object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)) == sorted([first, later])
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_lines_a_bucket_blip_left_here_are_shipped_with_the_database_up(files_bucket, settings, monkeypatch,  # noqa: F811
+                                                                         tmp_path):
+    """Before, only a replay (a database outage, a process start) or a stop tried the set-aside lines again: a bucket
+    blip as a replay set them aside left them on the pod's emptyDir while the database stayed up, possibly for days
+    (the test saw, after 20 writes over 4 s with the bucket back, an empty rejected prefix and the line still in
+    `rejected.jsonl`). Now the shipper retries by itself, backing off, until the file is empty."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_RETRY_FIRST_S", 0.5)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-13"))
+    (directory / "gone-13-1.jsonl").write_bytes(newer)  # a dead process's segment, one unreadable line
+    client = journal_shipping._client()
+    put_object, reachable, num_tries = client.put_object, threading.Event(), []
+
+    def blip(**kwargs):
+        num_tries.append(1)
+        if not reachable.is_set():
+            raise EndpointConnectionError(endpoint_url="http://files.invalid")
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", blip)
+
+    async def traffic():
+        writer = usage_writer.writer_for_this_loop()
+        await writer.replay()  # the database up: the line is set aside, the bucket blips
+        while not num_tries:
+            await asyncio.sleep(0.01)
+        reachable.set()  # the bucket is back
+        for i in range(20):  # normal traffic, the database up: no replay
+            await writer.write(usage_report(endpoint, request_id=f"ok-13-{i}"))
+            await asyncio.sleep(0.2)
+        await writer.close()
+
+    asyncio.run(traffic())
+    assert UsageRecord.objects.filter(request_id__startswith="ok-13-").count() == 20
+    _wait_until_shipped(files_bucket, directory)
+    assert _object_lines(files_bucket, journal_shipping.REJECTED_PREFIX) == [newer]
     assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
