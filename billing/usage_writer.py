@@ -463,8 +463,9 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
     await ship_what_is_left(deadline, process_stops=process_stops)
 
 
-# How long a process about to stop waits for its set-aside lines to reach the bucket, whatever its replay took: a put
-# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) with room; infra/k8s/base/web.yaml's grace period counts it.
+# How long a process about to stop ships what it could not replay, whatever its replay took: segments while an upload
+# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) still fits, the set-aside lines meanwhile; infra/k8s/base/web.yaml's grace
+# period counts it.
 SET_ASIDE_STOP_WAIT_S = 30.0
 
 
@@ -478,19 +479,29 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> 
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
-    at most (`ship_set_aside_soon`), or, when the process ends after (`process_stops`), `SET_ASIDE_STOP_WAIT_S` from
-    now at least.
+    at most (`ship_set_aside_soon`). When the process ends after (`process_stops`), the whole of it is bounded by
+    `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, if later): segments are shipped while an upload still fits, the
+    set-aside lines by their shipper meanwhile. What is left stays in the journal, on the pod's emptyDir: replayed
+    at the next start if only the container restarts, gone with the pod if it is deleted.
 
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
     (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
-    with the pod (found by this stop's review)."""
+    with the pod (found by this stop's review). And a stop in an outage shipped every segment, then the set-aside
+    parts inline, with no bound (26 s a put): past the pod's grace period, SIGKILL cut an upload (found by the second
+    review of this shipping)."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
-    if not await asyncio.to_thread(usage_journal.list_segments):
-        if usage_journal.has_set_aside():
-            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
-        return 0
-    return await asyncio.to_thread(journal_shipping.ship, usage_journal)
+    deadline = _set_aside_deadline(deadline, process_stops)
+    shipper = None
+    if journal_shipping.enabled() and usage_journal.has_set_aside():
+        shipper = ship_set_aside_soon()
+    num_shipped = 0
+    if await asyncio.to_thread(usage_journal.list_segments):
+        bound = deadline if process_stops else None
+        num_shipped = await asyncio.to_thread(journal_shipping.ship, usage_journal, deadline=bound)
+    if shipper is not None:
+        await _wait_for(shipper, deadline)
+    return num_shipped
 
 
 _set_aside_shipper: threading.Thread | None = None

@@ -909,6 +909,39 @@ def test_lines_a_bucket_blip_left_here_are_shipped_with_the_database_up(files_bu
     assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
+def test_a_stop_in_an_outage_ships_no_longer_than_its_budget(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
+    """Before, a process that stopped in an outage shipped every segment, then the set-aside parts inline, with no
+    bound: the grace period's SIGKILL could cut an upload (the test, a budget of 3 s and a bucket taking 1.5 s a put,
+    saw the stop take ~7.5 s, every segment shipped). Now no upload begins that could end past the budget; what is
+    left stays in the journal."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(4):  # dead processes' segments
+        (directory / f"gone-14-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-14-{number}")))
+    (directory / REJECTED_NAME).write_bytes(line_of_a_newer_version(usage_report(endpoint, request_id="newer-14")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+
+    def slowly(**kwargs):
+        time.sleep(1.5)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    started = time.monotonic()
+    num_shipped = asyncio.run(usage_writer.ship_what_is_left(time.monotonic(), process_stops=True))
+    assert time.monotonic() - started < 3.5
+    assert num_shipped == len(_bucket_keys(files_bucket, journal_shipping.PREFIX)) == 1
+    assert len(usage_writer.journal().list_segments()) == 3  # left for the next start
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1  # shipped meanwhile
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
 _STOPPING_CHILD = r"""
 import asyncio, inspect, time, django
 django.setup()
