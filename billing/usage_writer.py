@@ -565,6 +565,24 @@ def _ship_set_aside_while_asked() -> None:
         raise
 
 
+def ship_set_aside_before_exit(*, start: bool) -> None:
+    """For a process about to exit outside an event loop (a Celery worker's main process, `start`, or one of its pool
+    children): wait up to `SET_ASIDE_STOP_WAIT_S` for the set-aside lines to reach the bucket (`ship_set_aside_soon`),
+    in a child only for a shipper it runs (the main process ships the pod's file once the children are gone).
+
+    NOTE: a child exits through `os._exit`, which kills the daemon shipper mid-upload: before, nothing waited, and
+    lines a bucket blip left at a batch run's end stayed on the pod's emptyDir, lost with the pod at a rollout (found by
+    the second review of this shipping)."""
+    if not journal_shipping.enabled():
+        return
+    with _set_aside_shipper_lock:
+        shipper = _set_aside_shipper if _set_aside_shipper is not None and _set_aside_shipper.is_alive() else None
+    if start and shipper is None and journal().has_set_aside():
+        shipper = ship_set_aside_soon()
+    if shipper is not None:
+        shipper.join(SET_ASIDE_STOP_WAIT_S)
+
+
 async def _wait_for(thread: threading.Thread, deadline: float) -> None:
     """Wait for `thread` until `deadline` (`time.monotonic()`) at most; it goes on after."""
     await asyncio.to_thread(thread.join, max(0.0, deadline - time.monotonic()))

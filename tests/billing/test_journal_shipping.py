@@ -1060,3 +1060,44 @@ def test_a_keyed_signature_that_does_not_match_is_refused_whatever_the_bytes_onl
 
     assert journal_shipping.replay_shipped() == 0
     assert UsageRecord.objects.count() == 0
+
+
+_EXITING_WORKER = r"""
+import os, sys, time, django
+django.setup()
+import billing.tasks  # noqa: F401 - as the worker's autodiscovery imports it, with its receivers
+from billing import journal_shipping, usage_writer
+client = journal_shipping._client()
+put = client.put_object
+def slowly(**kwargs):
+    time.sleep(2)  # a slow bucket (boto3 retrying)
+    return put(**kwargs)
+client.put_object = slowly
+if sys.argv[1] == "child":
+    from celery.concurrency.prefork import process_destructor
+    usage_writer.ship_set_aside_soon()  # a batch run's replay set lines aside; its end did not wait
+    time.sleep(0.2)
+    process_destructor(os.getpid(), 0)  # what billiard's pool child runs as it exits (its `on_exit`)
+else:
+    from celery.signals import worker_shutdown
+    worker_shutdown.send(sender=None)  # the main process, its pool gone
+os._exit(0)  # as billiard's child exits: no atexit, daemon threads killed
+"""
+
+
+@pytest.mark.parametrize("process", ["child", "main"])
+def test_a_batch_worker_process_that_exits_waits_for_its_set_aside_lines_to_reach_the_bucket(
+        files_bucket, tmp_path, process):  # noqa: F811
+    """Before, nothing waited for the set-aside shipper as a Celery worker's process exited: a pool child's
+    `os._exit` killed it mid-upload, and the main process never shipped (the test saw an empty rejected prefix and
+    the line still in `rejected.jsonl`, on an emptyDir that goes with the pod)."""
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / REJECTED_NAME).write_bytes(b'{"request_id": "aside-15"}\n')
+    env = {**os.environ, "INFERPLANE_USAGE_JOURNAL_DIR": str(directory), "INFERPLANE_USAGE_JOURNAL_SHIP": "1",
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", _EXITING_WORKER, process], env=env, capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1, done.stderr[-2000:]
+    assert (directory / REJECTED_NAME).read_bytes() == b""
