@@ -117,14 +117,20 @@ def enabled() -> bool:
     return settings.USAGE_JOURNAL_SHIP
 
 
-def ship(journal: UsageJournal) -> int:
+def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
     """Upload every segment of `journal`'s folder this process may take (sealed: its own, and dead processes'),
-    deleting each here once the bucket has it; returns how many went. A live writer's segment is left to it.
-    Blocking I/O: call it from a worker thread."""
+    deleting each here once the bucket has it, then what was set aside (`ship_set_aside`); returns how many segments
+    went. A live writer's segment is left to it. With a `deadline` (`time.monotonic()`, a process about to stop): no
+    upload begins that could end past it (`ONE_PUT_BOUND_S`), and the set-aside lines are left to the caller
+    (`usage_writer.ship_what_is_left`). Blocking I/O: call it from a worker thread."""
     if not enabled():
         return 0
     num_shipped = 0
     for path in journal.list_segments():
+        if deadline is not None and deadline - time.monotonic() < ONE_PUT_BOUND_S:
+            logger.warning("usage journal: no time left to ship %s before this process stops; it stays here",
+                           path.name)
+            return num_shipped
         with journal.claim(path) as handle:
             if handle is None:
                 continue
@@ -142,7 +148,8 @@ def ship(journal: UsageJournal) -> int:
             num_shipped += 1
             logger.warning("usage journal: %s (%d bytes) shipped to the files bucket; the worker replays it",
                            path.name, len(data))
-    ship_set_aside(journal)
+    if deadline is None:
+        ship_set_aside(journal)
     return num_shipped
 
 

@@ -1,8 +1,9 @@
 """Thin Celery wrappers around billing services. Each is safe to run twice and at any time."""
 
 from celery import shared_task
+from celery.signals import worker_process_shutdown, worker_shutdown
 
-from billing import alerts, credits, journal_shipping, rollups, services, stripe_sync
+from billing import alerts, credits, journal_shipping, rollups, services, stripe_sync, usage_writer
 from billing.quota import sweeper
 
 
@@ -47,3 +48,13 @@ def review_payment_standing() -> int:
     if stripe_sync.is_configured():
         stripe_sync.observe_unknown_payment_methods()
     return on_hold
+
+
+@worker_process_shutdown.connect
+def _ship_a_childs_set_aside_before_it_exits(**_) -> None:
+    usage_writer.ship_set_aside_before_exit(start=False)  # its shipper, if any (a batch run's replay started it)
+
+
+@worker_shutdown.connect
+def _ship_the_pods_set_aside_before_the_worker_exits(**_) -> None:
+    usage_writer.ship_set_aside_before_exit(start=True)  # the pool is gone: what its children left

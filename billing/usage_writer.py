@@ -463,8 +463,9 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
     await ship_what_is_left(deadline, process_stops=process_stops)
 
 
-# How long a process about to stop waits for its set-aside lines to reach the bucket, whatever its replay took: a put
-# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) with room; infra/k8s/base/web.yaml's grace period counts it.
+# How long a process about to stop ships what it could not replay, whatever its replay took: segments while an upload
+# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) still fits, the set-aside lines meanwhile; infra/k8s/base/web.yaml's grace
+# period counts it.
 SET_ASIDE_STOP_WAIT_S = 30.0
 
 
@@ -478,39 +479,59 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> 
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
-    at most (`ship_set_aside_soon`), or, when the process ends after (`process_stops`), `SET_ASIDE_STOP_WAIT_S` from
-    now at least.
+    at most (`ship_set_aside_soon`). When the process ends after (`process_stops`), the whole of it is bounded by
+    `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, if later): segments are shipped while an upload still fits, the
+    set-aside lines by their shipper meanwhile. What is left stays in the journal, on the pod's emptyDir: replayed
+    at the next start if only the container restarts, gone with the pod if it is deleted.
 
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
     (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
-    with the pod (found by this stop's review)."""
+    with the pod (found by this stop's review). And a stop in an outage shipped every segment, then the set-aside
+    parts inline, with no bound (26 s a put): past the pod's grace period, SIGKILL cut an upload (found by the second
+    review of this shipping)."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
-    if not await asyncio.to_thread(usage_journal.list_segments):
-        if usage_journal.has_set_aside():
-            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
-        return 0
-    return await asyncio.to_thread(journal_shipping.ship, usage_journal)
+    deadline = _set_aside_deadline(deadline, process_stops)
+    shipper = None
+    if journal_shipping.enabled() and usage_journal.has_set_aside():
+        shipper = ship_set_aside_soon()
+    num_shipped = 0
+    if await asyncio.to_thread(usage_journal.list_segments):
+        bound = deadline if process_stops else None
+        num_shipped = await asyncio.to_thread(journal_shipping.ship, usage_journal, deadline=bound)
+    if shipper is not None:
+        await _wait_for(shipper, deadline)
+    return num_shipped
 
 
 _set_aside_shipper: threading.Thread | None = None
 _set_aside_asked = False  # asked to ship since the shipper last began to read the file
 _set_aside_shipper_lock = threading.Lock()
+_set_aside_wake = threading.Event()  # set by an ask: a shipper waiting to retry tries at once
+# While lines stay set aside after a ship (the bucket out of reach), the shipper tries again after this long, doubled
+# after each failure up to the most (one warning a failure, `journal_shipping.ship_set_aside`: one a minute at most).
+SET_ASIDE_RETRY_FIRST_S = 5.0
+SET_ASIDE_RETRY_MAX_S = 60.0
 
 
 def ship_set_aside_soon() -> threading.Thread:
     """Ship what this pod's replays set aside (`journal_shipping.ship_set_aside`) in a thread of its own, unless one
-    ships it now, which then ships once more after; returns that thread.
+    ships it now, which then ships once more after; returns that thread. It lives until the file is empty (or the
+    process ends): while a ship leaves lines there, it tries again after `SET_ASIDE_RETRY_FIRST_S` up to
+    `SET_ASIDE_RETRY_MAX_S` (at once when asked again), so joining it waits for the file to reach the bucket.
 
     NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~26 s) held a replay
     loop after each segment, and a loop's end past its `timeout_s`. A daemon thread, not the loop's executor, which
     `asyncio.run` waits for as it ends: a process that stops meanwhile leaves `rejected.jsonl` as it was (emptied only
     once the bucket has it), shipped next time (replayed twice, each row counts once: its request id). It ships again
     while it was asked meanwhile: before, a running shipper was returned as it was, though it may have read the file
-    already, and lines appended after that read waited for a later trigger, maybe none."""
+    already, and lines appended after that read waited for a later trigger, maybe none. It retries by itself: before,
+    lines a bucket blip left here waited for the next replay (a database outage, a process start) or stop, possibly
+    for days with the database up, on a volume that dies with the pod (found by the second review of this shipping)."""
     global _set_aside_shipper, _set_aside_asked
     with _set_aside_shipper_lock:
         _set_aside_asked = True
+        _set_aside_wake.set()
         if _set_aside_shipper is None or not _set_aside_shipper.is_alive():  # NOTE: dead: a forked child's copy
             _set_aside_shipper = threading.Thread(target=_ship_set_aside_while_asked, name="usage-set-aside-shipper",
                                                   daemon=True)
@@ -520,6 +541,7 @@ def ship_set_aside_soon() -> threading.Thread:
 
 def _ship_set_aside_while_asked() -> None:
     global _set_aside_shipper, _set_aside_asked
+    retry_s = SET_ASIDE_RETRY_FIRST_S
     try:
         while True:
             with _set_aside_shipper_lock:
@@ -527,11 +549,38 @@ def _ship_set_aside_while_asked() -> None:
                     _set_aside_shipper = None  # NOTE: under the lock: a caller from now on starts a new one
                     return
                 _set_aside_asked = False
+                _set_aside_wake.clear()
             journal_shipping.ship_set_aside(journal())
+            if not (journal_shipping.enabled() and journal().has_set_aside()):
+                retry_s = SET_ASIDE_RETRY_FIRST_S
+                continue
+            # NOTE: the bucket took not all of it (or lines came meanwhile): tried again, whatever else asks
+            _set_aside_wake.wait(retry_s)
+            retry_s = min(retry_s * 2, SET_ASIDE_RETRY_MAX_S)
+            with _set_aside_shipper_lock:
+                _set_aside_asked = True
     except BaseException:
         with _set_aside_shipper_lock:
             _set_aside_shipper = None
         raise
+
+
+def ship_set_aside_before_exit(*, start: bool) -> None:
+    """For a process about to exit outside an event loop (a Celery worker's main process, `start`, or one of its pool
+    children): wait up to `SET_ASIDE_STOP_WAIT_S` for the set-aside lines to reach the bucket (`ship_set_aside_soon`),
+    in a child only for a shipper it runs (the main process ships the pod's file once the children are gone).
+
+    NOTE: a child exits through `os._exit`, which kills the daemon shipper mid-upload: before, nothing waited, and
+    lines a bucket blip left at a batch run's end stayed on the pod's emptyDir, lost with the pod at a rollout (found by
+    the second review of this shipping)."""
+    if not journal_shipping.enabled():
+        return
+    with _set_aside_shipper_lock:
+        shipper = _set_aside_shipper if _set_aside_shipper is not None and _set_aside_shipper.is_alive() else None
+    if start and shipper is None and journal().has_set_aside():
+        shipper = ship_set_aside_soon()
+    if shipper is not None:
+        shipper.join(SET_ASIDE_STOP_WAIT_S)
 
 
 async def _wait_for(thread: threading.Thread, deadline: float) -> None:

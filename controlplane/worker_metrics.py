@@ -19,15 +19,19 @@ NOTE: a thread of the main process serves the scrapes: the main process runs no 
 scrape up. It starts at `worker_init`, before the broker is reached, so a worker started during a broker outage is
 scraped all through it; the pool's children, forked after, close their copy of the listening socket at once
 (`os.register_at_fork`), so none holds the port or is handed a scrape. A connection is served by a thread of its own,
-at most `MAX_CONNECTIONS` at a time (one more is closed at once), each dropped after `IDLE_TIMEOUT_S` without a byte.
+at most `MAX_CONNECTIONS` at a time (one more takes the place of the oldest still sending its request), each dropped
+after `IDLE_TIMEOUT_S` without a byte, and its request must arrive whole within `REQUEST_DEADLINE_S` (`_Server`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -44,42 +48,90 @@ logger = logging.getLogger("inferplane.worker")
 
 # A scrape is one short request: Prometheus holds one connection to a pod at a time.
 MAX_CONNECTIONS = 8
-IDLE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 10.0  # a connection silent this long (one read or write) is dropped
+# A request must arrive whole (its line and headers) this long after its connection was accepted, however it trickles.
+REQUEST_DEADLINE_S = 5.0
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """At most `MAX_CONNECTIONS` handled at a time; one more takes the place of the oldest still sending its request
+    (closed), or is closed at once if every one is past it (being answered). A request not whole `REQUEST_DEADLINE_S`
+    after its accept is closed (swept by `service_actions`, every half second of `serve_forever`'s loop).
+
+    NOTE: before, a slot was held as long as its client sent a byte per `IDLE_TIMEOUT_S` (a per-read timeout), and
+    the connection past the cap was the one closed: eight sockets trickling a byte every 9 s kept Prometheus out for
+    good (found by the second review of these metrics)."""
+
     daemon_threads = True
 
     def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._connections_lock = threading.Lock()
+        self._num_connections = 0
+        self._reading: dict[socket.socket, float] = {}  # still sending its request: its deadline, oldest first
         super().server_activate()
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # every slot taken: closed at once, no thread started
-            return
+        with self._connections_lock:
+            if self._num_connections >= MAX_CONNECTIONS:
+                if not self._reading:
+                    self.shutdown_request(request)  # every slot answering a request: closed at once, no thread
+                    return
+                oldest = next(iter(self._reading))
+                _cut_off(oldest)  # the oldest still sending: its thread reads the end and returns, freeing its slot
+                del self._reading[oldest]
+            self._num_connections += 1
+            self._reading[request] = time.monotonic() + REQUEST_DEADLINE_S
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def request_arrived(self, request) -> None:
+        """`request`'s line and headers are read: from now on only `IDLE_TIMEOUT_S` bounds it."""
+        with self._connections_lock:
+            self._reading.pop(request, None)
+
+    def _forget(self, request) -> None:
+        with self._connections_lock:
+            self._num_connections -= 1
+            self._reading.pop(request, None)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._connections_lock:
+            late = [request for request, deadline_at in self._reading.items() if deadline_at <= now]
+            for request in late:
+                _cut_off(request)
+                del self._reading[request]
 
     def handle_error(self, request, client_address) -> None:
         if isinstance(sys.exc_info()[1], OSError):
-            return  # a client silent past IDLE_TIMEOUT_S or gone midway: its connection closed, nothing to say
+            return  # a client silent past IDLE_TIMEOUT_S, cut off, or gone midway: its connection closed, nothing to say
         logger.exception("worker metrics: a scrape failed")
+
+
+def _cut_off(request: socket.socket) -> None:
+    """End a connection still sending its request: its handler reads the end of it and returns."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 class _QuietHandler(WSGIRequestHandler):
     def setup(self) -> None:
         self.timeout = IDLE_TIMEOUT_S  # read at each connection: StreamRequestHandler sets it on the socket
         super().setup()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # NOTE: reads the headers too
+        self.server.request_arrived(self.request)
+        return parsed
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         pass  # a scrape every 15 s: no access line each

@@ -826,7 +826,7 @@ def test_lines_set_aside_before_an_outage_mid_replay_are_shipped_by_the_next_rep
 
     with pytest.raises(usage_writer.OUTAGES):
         asyncio.run(replay())  # segment 1 set aside, segment 2 meets the outage
-    usage_writer.ship_set_aside_soon().join(20)  # tried, the bucket out of reach: the line stays here
+    usage_writer.ship_set_aside_soon().join(1)  # tried, the bucket out of reach: the line stays here
     assert (directory / REJECTED_NAME).read_bytes() == newer
     reachable.set()
     outage.end()
@@ -862,6 +862,83 @@ def test_lines_set_aside_after_the_running_shipper_read_the_file_are_shipped_too
     usage_writer.ship_set_aside_soon().join(20)
     _wait_until_shipped(files_bucket, directory, num_objects=2)
     assert sorted(_object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)) == sorted([first, later])
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_lines_a_bucket_blip_left_here_are_shipped_with_the_database_up(files_bucket, settings, monkeypatch,  # noqa: F811
+                                                                         tmp_path):
+    """Before, only a replay (a database outage, a process start) or a stop tried the set-aside lines again: a bucket
+    blip as a replay set them aside left them on the pod's emptyDir while the database stayed up, possibly for days
+    (the test saw, after 20 writes over 4 s with the bucket back, an empty rejected prefix and the line still in
+    `rejected.jsonl`). Now the shipper retries by itself, backing off, until the file is empty."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_RETRY_FIRST_S", 0.5)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    newer = line_of_a_newer_version(usage_report(endpoint, request_id="newer-13"))
+    (directory / "gone-13-1.jsonl").write_bytes(newer)  # a dead process's segment, one unreadable line
+    client = journal_shipping._client()
+    put_object, reachable, num_tries = client.put_object, threading.Event(), []
+
+    def blip(**kwargs):
+        num_tries.append(1)
+        if not reachable.is_set():
+            raise EndpointConnectionError(endpoint_url="http://files.invalid")
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", blip)
+
+    async def traffic():
+        writer = usage_writer.writer_for_this_loop()
+        await writer.replay()  # the database up: the line is set aside, the bucket blips
+        while not num_tries:
+            await asyncio.sleep(0.01)
+        reachable.set()  # the bucket is back
+        for i in range(20):  # normal traffic, the database up: no replay
+            await writer.write(usage_report(endpoint, request_id=f"ok-13-{i}"))
+            await asyncio.sleep(0.2)
+        await writer.close()
+
+    asyncio.run(traffic())
+    assert UsageRecord.objects.filter(request_id__startswith="ok-13-").count() == 20
+    _wait_until_shipped(files_bucket, directory)
+    assert _object_lines(files_bucket, journal_shipping.REJECTED_PREFIX) == [newer]
+    assert (directory / REJECTED_NAME).read_bytes() == b""
+
+
+def test_a_stop_in_an_outage_ships_no_longer_than_its_budget(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
+    """Before, a process that stopped in an outage shipped every segment, then the set-aside parts inline, with no
+    bound: the grace period's SIGKILL could cut an upload (the test, a budget of 3 s and a bucket taking 1.5 s a put,
+    saw the stop take ~7.5 s, every segment shipped). Now no upload begins that could end past the budget; what is
+    left stays in the journal."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(4):  # dead processes' segments
+        (directory / f"gone-14-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-14-{number}")))
+    (directory / REJECTED_NAME).write_bytes(line_of_a_newer_version(usage_report(endpoint, request_id="newer-14")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+
+    def slowly(**kwargs):
+        time.sleep(1.5)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    started = time.monotonic()
+    num_shipped = asyncio.run(usage_writer.ship_what_is_left(time.monotonic(), process_stops=True))
+    assert time.monotonic() - started < 3.5
+    assert num_shipped == len(_bucket_keys(files_bucket, journal_shipping.PREFIX)) == 1
+    assert len(usage_writer.journal().list_segments()) == 3  # left for the next start
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1  # shipped meanwhile
     assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
@@ -983,3 +1060,44 @@ def test_a_keyed_signature_that_does_not_match_is_refused_whatever_the_bytes_onl
 
     assert journal_shipping.replay_shipped() == 0
     assert UsageRecord.objects.count() == 0
+
+
+_EXITING_WORKER = r"""
+import os, sys, time, django
+django.setup()
+import billing.tasks  # noqa: F401 - as the worker's autodiscovery imports it, with its receivers
+from billing import journal_shipping, usage_writer
+client = journal_shipping._client()
+put = client.put_object
+def slowly(**kwargs):
+    time.sleep(2)  # a slow bucket (boto3 retrying)
+    return put(**kwargs)
+client.put_object = slowly
+if sys.argv[1] == "child":
+    from celery.concurrency.prefork import process_destructor
+    usage_writer.ship_set_aside_soon()  # a batch run's replay set lines aside; its end did not wait
+    time.sleep(0.2)
+    process_destructor(os.getpid(), 0)  # what billiard's pool child runs as it exits (its `on_exit`)
+else:
+    from celery.signals import worker_shutdown
+    worker_shutdown.send(sender=None)  # the main process, its pool gone
+os._exit(0)  # as billiard's child exits: no atexit, daemon threads killed
+"""
+
+
+@pytest.mark.parametrize("process", ["child", "main"])
+def test_a_batch_worker_process_that_exits_waits_for_its_set_aside_lines_to_reach_the_bucket(
+        files_bucket, tmp_path, process):  # noqa: F811
+    """Before, nothing waited for the set-aside shipper as a Celery worker's process exited: a pool child's
+    `os._exit` killed it mid-upload, and the main process never shipped (the test saw an empty rejected prefix and
+    the line still in `rejected.jsonl`, on an emptyDir that goes with the pod)."""
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    (directory / REJECTED_NAME).write_bytes(b'{"request_id": "aside-15"}\n')
+    env = {**os.environ, "INFERPLANE_USAGE_JOURNAL_DIR": str(directory), "INFERPLANE_USAGE_JOURNAL_SHIP": "1",
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", _EXITING_WORKER, process], env=env, capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(_bucket_keys(files_bucket, journal_shipping.REJECTED_PREFIX)) == 1, done.stderr[-2000:]
+    assert (directory / REJECTED_NAME).read_bytes() == b""

@@ -186,6 +186,57 @@ def test_idle_connections_neither_pile_up_threads_nor_stay_open(tmp_path, monkey
         server.server_close()
 
 
+def test_sockets_trickling_a_byte_at_a_time_neither_keep_prometheus_out_nor_hold_a_slot_past_the_deadline(
+        tmp_path, monkeypatch):
+    """Before, the idle timeout was per read and the connection past the cap was the one closed: `MAX_CONNECTIONS`
+    sockets sending a byte each second (under `IDLE_TIMEOUT_S`) kept every scrape out (the test saw "Server
+    disconnected without sending a response" for each) and stayed open past the deadline. Now a newcomer takes the
+    oldest trickler's place, and a request not whole `REQUEST_DEADLINE_S` after its accept is closed."""
+    monkeypatch.setattr(worker_metrics, "IDLE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(worker_metrics, "REQUEST_DEADLINE_S", 2.0, raising=False)
+    port = free_port()
+    server = worker_metrics.serve(port, TOKEN, str(tmp_path))
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(worker_metrics.MAX_CONNECTIONS)]
+    closed_at: dict[int, float] = {}
+    trickling_until = time.monotonic() + 6
+    started = time.monotonic()
+
+    def trickle():
+        while time.monotonic() < trickling_until:
+            for number, connection in enumerate(slow):
+                if number in closed_at:
+                    continue
+                try:
+                    connection.send(b"G")
+                except OSError:
+                    closed_at[number] = time.monotonic() - started
+            time.sleep(1)
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(3):  # Prometheus's scrapes while the slots are taken
+            scraped_at = time.monotonic()
+            answer = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"},
+                               timeout=5)
+            assert answer.status_code == 200
+            assert time.monotonic() - scraped_at < 1.0
+            time.sleep(1)
+        trickler.join(10)
+        for connection in slow:  # every trickler closed by now: within the deadline, or for a scrape
+            connection.settimeout(1)
+            try:
+                assert connection.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for connection in slow:
+            connection.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_worker_given_a_folder_that_does_not_exist_yet_makes_it_and_serves(tmp_path):
     """`PROMETHEUS_MULTIPROC_DIR` set (say in a manifest) to a folder not made yet. Before, the worker died as Django
     was set up: endpoints.gateway.metrics built its multiprocess collector on a folder that did not exist."""
