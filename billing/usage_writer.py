@@ -443,11 +443,13 @@ def writer_for_this_loop() -> UsageWriter:
     return _writers.get()
 
 
-async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool = False) -> None:
+async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool = False,
+                                      ship_until: float | None = None) -> None:
     """For an event loop about to end (a batch run's `asyncio.run`): replay this machine's journal into
     the ledger, for at most `timeout_s`; while the database is still down it waits in the journal for the
     next loop (the next run replays it first). `process_stops`: the process ends after (a gateway's shutdown), and
-    what was set aside is waited for as `ship_what_is_left` says.
+    what was set aside is waited for as `ship_what_is_left` says, until `ship_until` (`time.monotonic()`) if that
+    is later (what is left of the stop's budget).
 
     NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
@@ -456,11 +458,11 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
-            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
+            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops, ship_until))
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
-    await ship_what_is_left(deadline, process_stops=process_stops)
+    await ship_what_is_left(deadline, process_stops=process_stops, ship_until=ship_until)
 
 
 # How long a process about to stop ships what it could not replay, whatever its replay took: segments while an upload
@@ -469,18 +471,19 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
 SET_ASIDE_STOP_WAIT_S = 30.0
 
 
-def _set_aside_deadline(deadline: float, process_stops: bool) -> float:
+def _set_aside_deadline(deadline: float, process_stops: bool, ship_until: float | None = None) -> float:
     if not process_stops:
         return deadline
-    return max(deadline, time.monotonic() + SET_ASIDE_STOP_WAIT_S)
+    return max(deadline, time.monotonic() + SET_ASIDE_STOP_WAIT_S, ship_until or 0.0)
 
 
-async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> int:
+async def ship_what_is_left(deadline: float, *, process_stops: bool = False, ship_until: float | None = None) -> int:
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
     at most (`ship_set_aside_soon`). When the process ends after (`process_stops`), the whole of it is bounded by
-    `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, if later): segments are shipped while an upload still fits, the
+    `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, or `ship_until`: what is left of the stop's budget, if later):
+    segments are shipped while an upload still fits, the
     set-aside lines by their shipper meanwhile. What is left stays in the journal, on the pod's emptyDir: replayed
     at the next start if only the container restarts, gone with the pod if it is deleted.
 
@@ -488,10 +491,11 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False) -> 
     (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
     with the pod (found by this stop's review). And a stop in an outage shipped every segment, then the set-aside
     parts inline, with no bound (26 s a put): past the pod's grace period, SIGKILL cut an upload (found by the second
-    review of this shipping)."""
+    review of this shipping). And a fixed 30 s after the replay left segments unshipped, lost with the pod, while the
+    grace period still had the drain's unused time (the first version of that bound): `ship_until` gives it to them."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
-    deadline = _set_aside_deadline(deadline, process_stops)
+    deadline = _set_aside_deadline(deadline, process_stops, ship_until)
     shipper = None
     if journal_shipping.enabled() and usage_journal.has_set_aside():
         shipper = ship_set_aside_soon()

@@ -50,6 +50,16 @@ def draining() -> bool:
     return _draining_since is not None
 
 
+def stop_budget_end(after_drain_s: float) -> float | None:
+    """When a stop's steps after the drain must be done (`time.monotonic()`): `GATEWAY_DRAIN_S` and then
+    `after_drain_s` from the signal, as infra/k8s/base/web.yaml's grace period counts them; None when no signal came
+    (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call). What the drain and the steps
+    before did not use of their own bounds is left to the last one (the usage journal's shipping, in an outage)."""
+    if _draining_since is None:
+        return None
+    return _draining_since + settings.GATEWAY_DRAIN_S + after_drain_s
+
+
 class handling:  # noqa: N801 - used as a statement: `with drain.handling():`
     """Counts an inference request from its first byte to its answer, so the drain waits for it."""
 

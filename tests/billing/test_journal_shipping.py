@@ -942,6 +942,36 @@ def test_a_stop_in_an_outage_ships_no_longer_than_its_budget(files_bucket, setti
     assert (directory / REJECTED_NAME).read_bytes() == b""
 
 
+def test_a_stop_in_an_outage_gives_the_shipping_what_the_drain_left_of_the_grace_period(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
+    """A fixed bound after the replay left segments on the pod (lost with it) while the grace period still had the
+    drain's unused time: with the same 3 s bound and a bucket taking 1.5 s a put, the stop shipped 1 of 4 segments.
+    Given what is left of the stop's budget (`ship_until`, `drain.stop_budget_end`), it ships all 4, within it."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(4):  # dead processes' segments
+        (directory / f"gone-15-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-15-{number}")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+
+    def slowly(**kwargs):
+        time.sleep(1.5)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    started = time.monotonic()
+    num_shipped = asyncio.run(usage_writer.ship_what_is_left(time.monotonic(), process_stops=True,
+                                                             ship_until=started + 12))
+    assert time.monotonic() - started < 12
+    assert num_shipped == len(_bucket_keys(files_bucket, journal_shipping.PREFIX)) == 4
+    assert usage_writer.journal().list_segments() == []
+
+
 _STOPPING_CHILD = r"""
 import asyncio, inspect, time, django
 django.setup()
@@ -995,7 +1025,37 @@ def test_a_gateways_lifespan_shutdown_replays_as_a_process_that_stops(monkeypatc
         pass
 
     asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
-    assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True})]
+    assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True, "ship_until": None})]  # no signal, no drain
+
+
+def test_a_signalled_gateways_shipping_may_run_to_the_end_of_the_stops_budget(monkeypatch, settings):
+    """After a SIGTERM the shipping is given the stop's budget counted from the signal (web.yaml's grace period:
+    the drain, uvicorn's graceful shutdown, the cut calls' finishes, the replay, the shipping), not 30 s from
+    whenever the replay ended: before, a stop whose drain ended at once left segments on the pod after 30 s."""
+    from controlplane.asgi import application
+    from controlplane.serve import GRACEFUL_SHUTDOWN_S
+    from endpoints.gateway import app, call, drain
+
+    settings.GATEWAY_DRAIN_S = 100
+    signalled = time.monotonic() - 1.0
+    monkeypatch.setattr(drain, "_draining_since", signalled)
+    called = []
+
+    async def replay_before_the_loop_ends(timeout_s, **kwargs):
+        called.append((timeout_s, kwargs))
+
+    monkeypatch.setattr(app, "replay_before_the_loop_ends", replay_before_the_loop_ends)
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        pass
+
+    asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    budget = 100 + GRACEFUL_SHUTDOWN_S + call.SHUTDOWN_FINISH_WAIT_S + app.SHUTDOWN_REPLAY_S + usage_writer.SET_ASIDE_STOP_WAIT_S
+    assert budget <= 170 - 10  # the pod's grace period less its preStop sleep (infra/k8s/base/web.yaml)
+    assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True, "ship_until": signalled + budget})]
 
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
     """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),
