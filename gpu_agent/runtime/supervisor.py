@@ -781,7 +781,7 @@ class Supervisor:
             removed += self._caches.leftovers(keep=in_use)
             # NOTE: and the adapters folders of no engine here (an agent killed before removing them). Before, they
             # stayed on a retired node's disk.
-            kept = {*self._adapter_dirs.values(), *self._removals.pending()}
+            kept = set(self._adapter_dirs.values())
             for folder in sorted((self.data_dir / "engine-adapters").glob("*")):
                 if folder not in kept:
                     removed.append(folder if folder.name.startswith(engine_disk.SET_ASIDE_PREFIX)
@@ -792,8 +792,12 @@ class Supervisor:
 
     def _remove_now(self, paths: list[Path | None]) -> None:
         """Remove folders set aside on this thread (never under the lock); one left goes to the removals' thread, to
-        be tried again later (before, nothing tried again)."""
+        be tried again later (before, nothing tried again); one that thread has already is left to it (a cache folder
+        set aside, found again by the next sweep: `CacheFolders.leftovers`)."""
+        pending = set(self._removals.pending())
         for path in paths:
+            if path in pending:
+                continue
             if not engine_disk.remove_tree(path, max_entries=self._removals.max_entries):
                 self._removals.add(path)
 
