@@ -767,8 +767,8 @@ class Supervisor:
     def remove_engine_caches(self) -> int:
         """Remove every endpoint's cache folder that no replica here uses, whatever its age (a retired node:
         `Agent.heartbeat_once`), and what earlier removals left (the adapters folders of no engine here included), and
-        the logs of every engine ended (tenants' requests may be in them); how many cache folders went. Set aside under the lock, as `check_disk` does, and deleted outside
-        it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
+        the logs of every engine ended (tenants' requests may be in them); how many cache folders went. Set aside
+        under the lock, as `check_disk` does, and deleted outside it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
         with self._lock:
             live = {replica.log_path.name for replica in self._replicas.values() if not replica.is_final}
             in_use = self._caches_in_use()
