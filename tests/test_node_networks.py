@@ -375,7 +375,9 @@ def test_a_failover_moving_the_databases_name_to_another_ip_is_followed_within_t
     assert "control plane's own" in advertise_host_problem("10.20.0.5")
     monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_KEPT_S", 0.0, raising=False)
     assert advertise_host_problem("10.20.0.5") == ""
-    # Unresolvable at a later look-up: the last good answer is kept (the database's address still refused).
+    # Unresolvable at a later look-up: the last good answer is kept (the database's address still refused), while
+    # younger than SERVICE_ADDRESSES_KEPT_S (`test_a_partial_dns_failure_keeps_the_names_that_resolved_...`).
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_KEPT_S", 3600.0)
     flaky_dns["left"] = 1
     assert advertise_host_problem("10.20.0.9") == ""
     assert "control plane's own" in advertise_host_problem("10.20.0.7")
@@ -496,3 +498,61 @@ def test_link_local_decoys_hide_no_probe_of_the_metadata_service(client, product
         answer = register(client, created.plain, name="probe", advertise_host=probe)
         assert answer.status_code == 400 and "metadata" in answer.content.decode()
         assert AuditEvent.objects.filter(action="node.register_refused", details__advertise_host=probe).exists()
+
+
+def test_unresolved_dns_in_a_fresh_process_still_applies_the_node_networks_to_admitted_nodes(
+    client, production_networks, service_addresses, flaky_dns
+):
+    """Only the comparison with the control plane's own addresses is skipped while they do not resolve. Before, with
+    `admitting=False` an unresolved look-up returned "" at once: a fresh process (a rolling deploy) while the
+    cluster's DNS was down judged a node outside the narrowed networks reachable, routed prompts there and placed on
+    it."""
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    service_addresses.REDIS_URL = service_addresses.CELERY_BROKER_URL = "redis://redis.internal:6379/0"
+    answer = register(client, create_join_token(SYSTEM, name="t").plain, advertise_host="10.20.0.9").json()
+    endpoint, replica = _ready_replica_on(client, answer["node_secret"], "http://10.20.0.9:20001")
+    assert [info.id for info in _load_replicas(str(endpoint.pk))] == [str(replica.pk)]
+    production_networks.NODE_NETWORKS = (ipaddress.ip_network("10.30.0.0/16"),)  # the operator narrows them
+    control_plane_service_addresses.cache_clear()  # a fresh process, while the cluster's DNS is down
+    flaky_dns["left"] = 10**6
+    assert "outside the networks" in Node.objects.get().host_problem()
+    assert _load_replicas(str(endpoint.pk)) == []
+    assert Node.objects.placeable() == []
+    assert "outside the networks" in advertise_host_problem("8.8.8.8", admitting=False)
+    assert advertise_host_problem("10.30.0.9", admitting=False) == ""  # inside: kept, its host cannot be judged
+
+
+def test_a_partial_dns_failure_keeps_the_names_that_resolved_and_a_stale_answer_admits_no_new_node(
+    client, production_networks, service_addresses, flaky_dns, monkeypatch
+):
+    """Before, a look-up that failed on one name kept the previous answer whole (a failover of another name, seen in
+    the same look-up, was discarded: a node at the new primary was admitted), and the last good answer was kept
+    forever: with DNS down for days, new nodes were still admitted against it."""
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    service_addresses.REDIS_URL = service_addresses.CELERY_BROKER_URL = "redis://redis.internal:6379/0"
+    assert advertise_host_problem("10.20.0.7") == ""
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_TTL_S", 0.0)
+    flaky_dns["names"]["db.internal"] = "10.20.0.7"  # the database's failover, seen ...
+    real = socket.getaddrinfo
+
+    def redis_down(host, *args, **kwargs):  # ... while the name after it does not resolve
+        if host == "redis.internal":
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", redis_down)
+    assert "control plane's own" in advertise_host_problem("10.20.0.7")
+    assert "control plane's own" in advertise_host_problem("10.20.0.6")  # redis's, kept
+    token = create_join_token(SYSTEM, name="t").plain
+    assert register(client, token, name="standby", advertise_host="10.20.0.7").status_code == 400
+    answer = register(client, token, name="gpu", advertise_host="10.20.0.9")
+    assert answer.status_code == 201
+    # DNS down past SERVICE_ADDRESSES_KEPT_S: no new node is admitted; the admitted ones are judged, beat and routed.
+    flaky_dns["left"] = 10**6
+    monkeypatch.setattr(nodes_models, "SERVICE_ADDRESSES_KEPT_S", 0.0)
+    assert "could not be resolved" in advertise_host_problem("10.20.0.10")
+    response = register(client, token, name="late", advertise_host="10.20.0.10")
+    assert response.status_code == 503
+    assert Node.objects.get(name="gpu").host_problem() == ""
+    assert "control plane's own" in advertise_host_problem("10.20.0.7", admitting=False)  # still kept
+    assert beat(client, answer.json()["node_secret"], []).status_code == 200

@@ -343,7 +343,7 @@ def record_heartbeat(node: Node, heartbeat: protocol.Heartbeat) -> protocol.Hear
     A numbered heartbeat (`Heartbeat.sequence`) no newer than the last taken from the node (`Node.heartbeat_is_newer`)
     changes nothing either, and is answered with the node's desired replicas.
     """
-    control_plane_service_addresses()  # NOTE: a DNS failure of ours refuses no node (`_registration_problem`)
+    control_plane_service_addresses(admitting=False)  # NOTE: a DNS failure of ours refuses no node (`_registration_problem`)
     host_problem = node.host_problem()
     if host_problem:
         raise NodeRefused(f"the node's registered host or engine ports are refused ({host_problem}); "

@@ -86,10 +86,12 @@ def advertise_host_problem(host: str, *, admitting: bool = True) -> str:
     by name, and a name may resolve to anything, later as well as now; a fleet node advertises its IP (pod, instance).
 
     `admitting=False` judges a node admitted already (the sweeps, the gateway's directory, placement, pool release):
-    where the control plane's own names have not resolved yet in this process (`ServiceAddressesUnresolved`), its
-    host cannot be judged, and it is kept ("") rather than refused; a new node is refused meanwhile (fail closed).
+    where the control plane's own names have not resolved yet in this process (`ServiceAddressesUnresolved`), only
+    the comparison with them is skipped (against what did resolve, `ServiceAddressesUnresolved.kept`): every other
+    rule, `NODE_NETWORKS` included, still applies; a new node is refused meanwhile (fail closed).
     NOTE: before, "could not be resolved" was a refusal everywhere: the sweep failed every live replica on every node,
-    the directory routed to none, placement found no node (`tests/test_node_networks.py`).
+    the directory routed to none, placement found no node (`tests/test_node_networks.py`). And then it returned ""
+    at once, before the networks: a process whose first look-up failed routed to nodes outside narrowed networks.
     """
     try:
         address = ipaddress.ip_address(_normal_host(host))
@@ -104,9 +106,11 @@ def advertise_host_problem(host: str, *, admitting: bool = True) -> str:
             address.version == 4 and address in _THIS_NETWORK):
         return "it is an unspecified, link-local, multicast or reserved address"
     try:
-        service_addresses = control_plane_service_addresses()
-    except ServiceAddressesUnresolved:  # NOTE: fail closed: an address of ours we cannot name yet may be this one
-        return "the control plane's own PostgreSQL or Redis addresses could not be resolved yet" if admitting else ""
+        service_addresses = control_plane_service_addresses(admitting=admitting)
+    except ServiceAddressesUnresolved as unresolved:  # NOTE: fail closed: one we cannot name may be this one
+        if admitting:
+            return "the control plane's own PostgreSQL or Redis addresses could not be resolved yet"
+        service_addresses = unresolved.kept
     if address in service_addresses:
         return "it is an address of the control plane's own PostgreSQL or Redis"
     if not any(address in network for network in settings.NODE_NETWORKS):
@@ -115,7 +119,12 @@ def advertise_host_problem(host: str, *, admitting: bool = True) -> str:
 
 
 class ServiceAddressesUnresolved(Exception):
-    """A host name of the control plane's own PostgreSQL or Redis did not resolve (DNS down): try again later."""
+    """A host name of the control plane's own PostgreSQL or Redis did not resolve (DNS down): try again later.
+    `kept`: the addresses known meanwhile (those that did resolve, and those kept from earlier answers)."""
+
+    def __init__(self, host: str, kept: frozenset = frozenset()):
+        super().__init__(host)
+        self.kept = kept
 
 
 # After a failed lookup, the next is tried no sooner than this: while DNS is down, each heartbeat, registration and
@@ -124,24 +133,29 @@ RESOLVE_RETRY_S = 2.0
 _last_unresolved = {"at": -math.inf, "host": ""}
 # The control plane's own names are looked up again this long after they last resolved (a managed database's
 # failover moves its name to another IP), and an address they named is still refused this long after they last did
-# (the old primary is still ours: a replica, or the primary again at the next failover).
+# (the old primary is still ours: a replica, or the primary again at the next failover). A full answer older than
+# `SERVICE_ADDRESSES_KEPT_S` (DNS down that long) no longer admits a new node.
 SERVICE_ADDRESSES_TTL_S = 30.0
 SERVICE_ADDRESSES_KEPT_S = 3600.0
-# `addresses`: the last good answer (None before the first), with every address named within `SERVICE_ADDRESSES_KEPT_S`
-# (`seen`: address -> `time.monotonic()` it was last named); `at`: when it was made.
+# `addresses`: every address named (None before any was), `seen`: address -> `time.monotonic()` it was last named;
+# `at`: when every name last resolved (the last full answer).
 _resolved: dict = {"at": -math.inf, "addresses": None, "seen": {}}
 _resolving = threading.Lock()
 
 
-def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+def control_plane_service_addresses(*, admitting: bool = True) -> frozenset[
+        ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The IPs of the control plane's own PostgreSQL and Redis (`DATABASE_URL`, `REDIS_URL`, `CELERY_BROKER_URL`): a
     node never advertises one, even inside `NODE_NETWORKS`. A host name is looked up again once its last answer is
     `SERVICE_ADDRESSES_TTL_S` old, and an address it named stays refused for `SERVICE_ADDRESSES_KEPT_S` after. Raises
-    `ServiceAddressesUnresolved` when a name does not resolve before the first good answer (fail closed: the callers
-    refuse new nodes and answer 503), for `RESOLVE_RETRY_S` after the failure (a DNS failure at first use once cached
-    an empty set, and the check was off for the process's life). A later look-up that fails keeps the last good answer
-    (with the addresses kept) and logs; it is tried again `RESOLVE_RETRY_S` later.
-    NOTE: before, a failed re-lookup raised too: one DNS hiccup after the TTL refused every node's host.
+    `ServiceAddressesUnresolved` (with what is known, `kept`) when a name does not resolve before the first full answer
+    (fail closed: the callers refuse new nodes and answer 503), for `RESOLVE_RETRY_S` after the failure (a DNS failure
+    at first use once cached an empty set, and the check was off for the process's life). A later look-up that fails
+    keeps the last good answer, merges in the names that did resolve, and logs; it is tried again `RESOLVE_RETRY_S`
+    later. Once the last full answer is `SERVICE_ADDRESSES_KEPT_S` old it raises again for `admitting` (a new node's
+    registration), never for judging an admitted node (`admitting=False`: heartbeats, sweeps, the directory).
+    NOTE: before, a failed re-lookup raised too: one DNS hiccup after the TTL refused every node's host. Then the
+    last good answer was kept forever, and a partial failure discarded the names that had resolved.
 
     NOTE: before, a name was resolved once per process: after a managed database's failover moved it to another IP,
     a node registered at the new one (inside the node networks) was admitted and the gateway POSTed prompts to the
@@ -151,30 +165,43 @@ def control_plane_service_addresses() -> frozenset[ipaddress.IPv4Address | ipadd
     (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
     if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:
         return _resolved["addresses"]
-    if time.monotonic() - _last_unresolved["at"] < RESOLVE_RETRY_S:
-        if _resolved["addresses"] is not None:
-            return _resolved["addresses"]
-        raise ServiceAddressesUnresolved(_last_unresolved["host"])
-    if not _resolving.acquire(blocking=_resolved["addresses"] is None):
-        return _resolved["addresses"]  # another thread is looking them up: the last good answer, a moment old
-    try:
-        if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:  # looked up while this one waited
-            return _resolved["addresses"]
+    if time.monotonic() - _last_unresolved["at"] >= RESOLVE_RETRY_S and _resolving.acquire(
+            blocking=_resolved["at"] == -math.inf):  # else another thread is looking them up: the last answer
         try:
-            named = _resolve_service_addresses()
-        except ServiceAddressesUnresolved as unresolved:
-            if _resolved["addresses"] is None:
-                raise
-            logger.warning("the control plane's own address %s did not resolve: the last good answer is kept",
-                           unresolved)
-            return _resolved["addresses"]
-        now = time.monotonic()
-        seen = {address: at for address, at in _resolved["seen"].items() if now - at < SERVICE_ADDRESSES_KEPT_S}
-        seen.update(dict.fromkeys(named, now))
-        _resolved.update(at=now, addresses=frozenset(seen), seen=seen)
+            if time.monotonic() - _resolved["at"] >= SERVICE_ADDRESSES_TTL_S:  # not looked up while this one waited
+                if _look_up_service_addresses():
+                    return _resolved["addresses"]  # a full answer, just made
+        finally:
+            _resolving.release()
+    return _service_addresses_known(admitting)
+
+
+def _look_up_service_addresses() -> bool:
+    """Look the names up now and merge what resolved into `_resolved` (under `_resolving`); whether all resolved."""
+    named, unresolved_host = _resolve_service_addresses()
+    now = time.monotonic()
+    seen = dict(_resolved["seen"])
+    if not unresolved_host:  # NOTE: forgotten only after a full answer: one that failed names not all that is ours
+        seen = {address: at for address, at in seen.items() if now - at < SERVICE_ADDRESSES_KEPT_S}
+    seen.update(dict.fromkeys(named, now))
+    _resolved.update(addresses=frozenset(seen), seen=seen)
+    if unresolved_host:
+        _last_unresolved.update(at=now, host=unresolved_host)
+        logger.warning("the control plane's own address %s did not resolve: the last good answer is kept",
+                       unresolved_host)
+        return False
+    _resolved["at"] = now
+    return True
+
+
+def _service_addresses_known(admitting: bool) -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses known now, or `ServiceAddressesUnresolved` when they cannot be trusted to judge by: no full
+    answer yet, or (`admitting`) none for `SERVICE_ADDRESSES_KEPT_S`."""
+    age = time.monotonic() - _resolved["at"]
+    answered = _resolved["at"] > -math.inf
+    if age < SERVICE_ADDRESSES_TTL_S or (answered and (not admitting or age < SERVICE_ADDRESSES_KEPT_S)):
         return _resolved["addresses"]
-    finally:
-        _resolving.release()
+    raise ServiceAddressesUnresolved(_last_unresolved["host"], kept=_resolved["addresses"] or frozenset())
 
 
 def _forget_service_addresses() -> None:
@@ -185,8 +212,9 @@ def _forget_service_addresses() -> None:
 control_plane_service_addresses.cache_clear = _forget_service_addresses  # as `functools.cache` spelled it
 
 
-def _resolve_service_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """What the control plane's own service URLs name now; raises `ServiceAddressesUnresolved` (and remembers when)."""
+def _resolve_service_addresses() -> tuple[set[ipaddress.IPv4Address | ipaddress.IPv6Address], str]:
+    """What the control plane's own service URLs name now, and the first host name that did not resolve ("" if none).
+    NOTE: the look-up stops there: while DNS is down each name would wait out the resolver's timeout."""
     addresses = set()
     for url in (settings.DATABASE_URL, settings.REDIS_URL, settings.CELERY_BROKER_URL):
         try:
@@ -202,11 +230,10 @@ def _resolve_service_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Ad
             pass
         try:
             resolved = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-        except OSError as error:
-            _last_unresolved.update(at=time.monotonic(), host=host)
-            raise ServiceAddressesUnresolved(host) from error
+        except OSError:
+            return addresses, host
         addresses.update(_unmapped(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in resolved)
-    return addresses
+    return addresses, ""
 
 
 def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

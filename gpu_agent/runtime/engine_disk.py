@@ -27,8 +27,10 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import math
 import os
 import stat
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -184,9 +186,11 @@ class _WalkStopped(Exception):
     """The removal cannot go on (out of descriptors, or a folder moved out of the tree): the rest is left, reported."""
 
 
-def remove_tree(path: Path | None) -> bool:
+def remove_tree(path: Path | None, *, max_entries: int | None = None) -> bool:
     """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it; True when
-    nothing is left (or there was nothing), False when the rest was left (logged).
+    nothing is left (or there was nothing), False when the rest was left (logged): `Removals` tries it again later.
+    With `max_entries`, the walk stops after that many entries (files, links and folders it came to): a process still
+    writing in the tree (a level below each one the walk enters) kept it going as long as it wrote.
 
     NOTE: Landlock leaves chmod to an engine: one that took the permissions off folders inside its own made a plain
     `rmtree` leave them, and their bytes, behind, so each folder is made the agent's (0o700) before it is emptied. That
@@ -212,7 +216,7 @@ def remove_tree(path: Path | None) -> bool:
         logger.warning("could not remove %s: %s", path, error)
         return False
     try:
-        if _remove_entry(parent, path.name):
+        if _remove_entry(parent, path.name, max_entries=max_entries):
             return True
         logger.warning("removing %s left folders written to all along", path)
     except _WalkStopped as stopped:
@@ -220,6 +224,92 @@ def remove_tree(path: Path | None) -> bool:
     finally:
         os.close(parent)
     return False
+
+
+# A removal that left something is tried again this long after, the wait doubled at each failure up to the most.
+REMOVAL_RETRY_S = 1.0
+MAX_REMOVAL_RETRY_S = 60.0
+
+
+class Removals:
+    """Folders set aside (`set_aside`, `sandbox.set_scratch_aside`), removed one after another on a thread of its own,
+    each walk bounded (`remove_tree`'s `max_entries`); one left (a walk stopped, capped, or written to all along) is
+    tried again `REMOVAL_RETRY_S` later, then twice as late each time up to `MAX_REMOVAL_RETRY_S`.
+
+    NOTE: before, the supervisor removed them on its monitor's thread: an engine's tree of 199k nested folders took
+    23 s, and every tenant's launches, health checks and drains waited behind it; a walk stopped by a folder moved
+    under it was never tried again (`tests/agent/test_engine_disk.py`)."""
+
+    def __init__(self, *, max_entries: int | None = None) -> None:
+        self.max_entries = max_entries
+        self._changed = threading.Condition()
+        self._pending: dict[Path, tuple[float, float]] = {}  # path -> (when it is due, the wait after its next try)
+        self._busy: Path | None = None
+        self._left: list[Path] = []  # failed after `close`: left for the next agent's sweep (`Supervisor.recover`)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def add(self, *paths: Path | None) -> None:
+        """Remove these soon (None: nothing)."""
+        with self._changed:
+            for path in filter(None, paths):
+                self._pending.setdefault(Path(path), (-math.inf, REMOVAL_RETRY_S))
+            if self._pending and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="folder-removals", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def pending(self) -> list[Path]:
+        """What is still to remove (being removed included)."""
+        with self._changed:
+            return [*filter(None, [self._busy]), *self._pending, *self._left]
+
+    def close(self, timeout_s: float) -> list[Path]:
+        """Try each folder still to remove once more, waiting at most `timeout_s`; what is left (logged)."""
+        with self._changed:
+            self._closing = True
+            thread = self._thread
+            self._changed.notify_all()
+        if thread is not None:
+            thread.join(timeout_s)
+        left = self.pending()
+        if left:
+            logger.warning("%d folder(s) left to remove (the next agent's start removes them): %s", len(left),
+                           ", ".join(map(str, left)))
+        return left
+
+    def _next(self) -> Path | None:
+        """The next folder due (under `_changed`), waiting for one; None once closing and none is left."""
+        while True:
+            now = time.monotonic()
+            due = [path for path, (at, _wait) in self._pending.items() if self._closing or at <= now]
+            if due:
+                return min(due, key=lambda path: self._pending[path][0])
+            if self._closing or not self._pending:
+                self._thread = None
+                return None
+            self._changed.wait(min(at for at, _wait in self._pending.values()) - now)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                path = self._next()
+                if path is None:
+                    return
+                _at, wait = self._pending.pop(path)
+                self._busy = path
+            try:
+                done = remove_tree(path, max_entries=self.max_entries)
+            except Exception:
+                logger.exception("removing %s failed", path)
+                done = False
+            with self._changed:
+                self._busy = None
+                if not done and self._closing:
+                    self._left.append(path)
+                elif not done:
+                    self._pending.setdefault(path, (time.monotonic() + wait, min(wait * 2, MAX_REMOVAL_RETRY_S)))
+                self._changed.notify_all()
 
 
 def _enter_folder(dir_fd: int, name: str) -> int | None:
@@ -257,11 +347,15 @@ def _identity(folder: int) -> tuple[int, int]:
     return found.st_dev, found.st_ino
 
 
-def _remove_entry(dir_fd: int, name: str) -> bool:
+def _remove_entry(dir_fd: int, name: str, *, max_entries: int | None = None) -> bool:
     """Remove `name` in `dir_fd`: a file or link unlinked, a folder emptied depth first and removed (no recursion, so
     no depth of folders stops it, and one open folder at a time: `remove_tree`). False when a folder written to
-    meanwhile was left once the walk's rescans were spent; raises `_WalkStopped`."""
+    meanwhile was left once the walk's rescans were spent; raises `_WalkStopped`, also past `max_entries` entries: the
+    folder it is in then is moved up, into the top folder (`_cut`), so that the next walk removes what this one went
+    down through (a chain deeper than `max_entries` is removed in several walks, never walked again whole)."""
     rescans = RESCANS
+    entries_left = max_entries
+    top = None  # the folder being removed, open (once entered): where a walk cut short moves the rest
     complete = True
     try:
         current = os.dup(dir_fd)
@@ -275,11 +369,18 @@ def _remove_entry(dir_fd: int, name: str) -> bool:
         while stack:
             level = stack[-1]
             for child in level[2]:
+                if entries_left is not None:
+                    if entries_left <= 0:
+                        _cut(current, stack, top)
+                        raise _WalkStopped(f"more than {max_entries} entries in one walk")
+                    entries_left -= 1
                 entered = _enter_folder(current, child)
                 if entered is not None:
                     os.close(current)
                     current = entered
                     stack.append([child, _identity(current), _names_in(current)])
+                    if len(stack) == 2 and max_entries is not None:
+                        top = os.dup(current)
                     break
                 _unlink(current, child)
             else:
@@ -302,6 +403,25 @@ def _remove_entry(dir_fd: int, name: str) -> bool:
         return complete
     finally:
         os.close(current)
+        if top is not None:
+            os.close(top)
+
+
+def _cut(current: int, stack: list, top: int | None) -> None:
+    """Move the folder the walk is in (`current`, the last of `stack`) up into `top` under a name of its own, when it
+    is at least two levels below it; never raises."""
+    if top is None or len(stack) < 4:
+        return
+    try:
+        up = _open_parent(current, stack[-2][1])
+    except (_WalkStopped, OSError):
+        return
+    try:
+        os.rename(stack[-1][0], f"{SET_ASIDE_PREFIX}cut-{uuid.uuid4().hex[:8]}", src_dir_fd=up, dst_dir_fd=top)
+    except OSError:
+        pass
+    finally:
+        os.close(up)
 
 
 def _open_parent(folder: int, expected: tuple[int, int]) -> int:

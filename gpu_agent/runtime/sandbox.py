@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -666,6 +667,30 @@ def scratch_folders_of(data_dir: Path) -> list[Path]:
             if _scratch_owner(folder) == str(data_dir)]
 
 
+def _aside_prefix(data_dir: Path) -> str:
+    return f"{SCRATCH_PREFIX}removing-{hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]}-"
+
+
+def set_scratch_aside(folder: Path | None, data_dir: Path) -> Path | None:
+    """Rename an ended engine's scratch folder to a name that says which agent removes it (`scratch_set_aside_of`);
+    None when there is nothing to rename. NOTE: under the supervisor's lock, before it is removed outside it: the
+    name is the agent's, not the engine's owner file, which the engine may remove, and a walk that removed that file
+    first and then stopped (a folder moved under it) left a folder no agent's sweep found again (the review)."""
+    if folder is None:
+        return None
+    aside = folder.with_name(f"{_aside_prefix(data_dir)}{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return None
+    return aside
+
+
+def scratch_set_aside_of(data_dir: Path) -> list[Path]:
+    """The scratch folders the agent of `data_dir` set aside and did not remove (killed meanwhile), by their names."""
+    return list(Path(tempfile.gettempdir()).glob(_aside_prefix(data_dir) + "*"))
+
+
 # The most of an owner file read: a data dir's path.
 _MAX_OWNER_BYTES = 4096
 
@@ -789,9 +814,12 @@ def stage_adapter(source: Path, folder: Path, *, keep: int | None = None) -> Pat
         return target
     partial = folder / f".{source.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
+    # NOTE: never a folder above made (no `parents`): staged outside the supervisor's lock, this copy must fail
+    # (FileNotFoundError) once its engine's folder was set aside, not make the folder again, which nothing then
+    # removed (the review of the fleet fixes).
     for root, _dirs, files in os.walk(source):  # NOTE: links are not followed: the cache holds none
         into = partial / os.path.relpath(root, source)
-        into.mkdir(parents=True, exist_ok=True)
+        into.mkdir(exist_ok=True)  # NOTE: top-down: the folder above was made first
         for name in files:
             try:
                 os.link(os.path.join(root, name), into / name)

@@ -88,6 +88,9 @@ CommandFactory = Callable[[ReplicaSpec, Path, int], EngineCommand]
 # are not a replica's.
 KEPT_ENDED_LOGS = 50
 STANDING_LOGS = frozenset({"standby.log", "zygote.log"})
+# At the agent's exit, how long it waits for the folders of ended engines still to remove (`engine_disk.Removals`);
+# what is left then is logged, and removed by the next agent's start (`Supervisor.recover`).
+REMOVALS_SHUTDOWN_S = 10.0
 # Checks of an engine's shared memory in a row whose every walk a process of it was born or exited during
 # (`shared_memory.held_by_tree`) before it is stopped as one hiding what it holds, and for how long at least: a check
 # comes as often as every second near a disk bound (`engine_disk.next_check_in_s`), and an engine compiling (Triton,
@@ -197,10 +200,12 @@ class Supervisor:
         self.sandbox_mode = sandbox_mode
         self.sandbox_abi, self.sandbox_missing = sandbox.landlock_abi()
         self._scratch_dirs: dict[str, Path] = {}  # replica id -> its running engine's scratch folder
-        self._dropped: list[Path | None] = []  # folders of engines gone, removed outside the lock (`_drop_scratch`)
         self._adapter_dirs: dict[str, Path] = {}  # replica id -> where its running engine reads its adapters
         # What engines may keep on the disk (`engine_disk.py`): their endpoints' cache folders, and when each was used.
         self.disk_bounds = disk_bounds or engine_disk.EngineDiskBounds()
+        # Folders of engines gone, set aside under the lock and removed on a thread of their own (`_drop_scratch`):
+        # at most twice what one engine may hold walked at a time, the rest tried again later.
+        self._removals = engine_disk.Removals(max_entries=2 * self.disk_bounds.engine_max_files)
         self._caches = engine_disk.CacheFolders(self.data_dir / "engine-caches")
         self._caches_swept_at: float | None = None
         self.shared_memory_dir = shared_memory.SHARED_MEMORY_DIR  # what engines hold there counts in their bound
@@ -503,7 +508,6 @@ class Supervisor:
                     del self._built[replica_id]
             if self.standby is not None:
                 self._step_standby(replicas)
-        self._remove_dropped()
 
     def _build_due(self) -> None:
         """Build the command of every replica due to launch, outside the lock; its `_launch` takes it.
@@ -627,20 +631,16 @@ class Supervisor:
         return dataclasses.replace(command, env=env)
 
     def _drop_scratch(self, replica_id: str) -> None:
-        """Let go of a replica's scratch and adapters folders (under the lock): removed by `_remove_dropped` once the
-        lock is let go, the adapters' set aside first (its engine's next launch takes the name again).
+        """Let go of a replica's scratch and adapters folders (under the lock): both renamed aside here (its engine's
+        next launch takes the adapters' name again; the scratch's new name is this agent's, `sandbox.set_scratch_aside`,
+        for the next agent's sweep), and removed on the removals' thread (`engine_disk.Removals`).
 
         NOTE: before, removed here, under the lock every heartbeat and launch waits on: an engine's deep or busy tree
-        held the whole agent for as long as its walk took (`engine_disk.remove_tree`)."""
+        held the whole agent for as long as its walk took (`engine_disk.remove_tree`). Then removed on the monitor's
+        thread once the lock was let go: a tree of 199k nested folders took 23 s of every engine's polls."""
         adapters = self._adapter_dirs.pop(replica_id, None)
-        self._dropped += [self._scratch_dirs.pop(replica_id, None), adapters and engine_disk.set_aside(adapters)]
-
-    def _remove_dropped(self) -> None:
-        """Remove the folders `_drop_scratch` let go of; never under the lock."""
-        with self._lock:
-            dropped, self._dropped = self._dropped, []
-        for path in dropped:
-            engine_disk.remove_tree(path)
+        self._removals.add(sandbox.set_scratch_aside(self._scratch_dirs.pop(replica_id, None), self.data_dir),
+                           adapters and engine_disk.set_aside(adapters))
 
     def _cache_dir(self, endpoint_id: str) -> Path:
         """An endpoint's cache folder (`<data dir>/engine-caches/<endpoint>`), kept across its engines' launches."""
@@ -743,7 +743,8 @@ class Supervisor:
             for replica, reason, held_paths in over:
                 if self._replicas.get(replica.spec.replica_id) is not replica or replica.pid is None:
                     continue  # stopped or relaunched meanwhile: its next engine is measured afresh
-                removed.append(self._scratch_dirs.pop(replica.spec.replica_id, None))  # deleted once it is killed
+                removed.append(sandbox.set_scratch_aside(self._scratch_dirs.pop(replica.spec.replica_id, None),
+                                                         self.data_dir))  # deleted once it is killed
                 unheld += held_paths
                 self._fail(replica, reason)
                 name = self._cache_dir(replica.spec.endpoint_id).name
@@ -760,16 +761,14 @@ class Supervisor:
                     self._caches.forget(folder.name)
                     logger.info("pruned the engine cache of endpoint folder %s (%d bytes, last used %.0fs ago)",
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
-        for path in removed:
-            engine_disk.remove_tree(path)
-        self._remove_dropped()
+        self._remove_now(removed)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
     def remove_engine_caches(self) -> int:
         """Remove every endpoint's cache folder that no replica here uses, whatever its age (a retired node:
-        `Agent.heartbeat_once`), and what earlier removals left, and the logs of every engine ended (tenants' requests
-        may be in them); how many folders went. Set aside under the lock, as `check_disk` does, and deleted outside
-        it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
+        `Agent.heartbeat_once`), and what earlier removals left (the adapters folders of no engine here included), and
+        the logs of every engine ended (tenants' requests may be in them); how many cache folders went. Set aside
+        under the lock, as `check_disk` does, and deleted outside it. NOTE: before, the last `KEPT_ENDED_LOGS` engines' logs stayed on a retired node's disk."""
         with self._lock:
             live = {replica.log_path.name for replica in self._replicas.values() if not replica.is_final}
             in_use = self._caches_in_use()
@@ -780,10 +779,27 @@ class Supervisor:
                     self._caches.forget(name)
             num_folders = len(removed)
             removed += self._caches.leftovers(keep=in_use)
-        for path in removed:
-            engine_disk.remove_tree(path)
+            # NOTE: and the adapters folders of no engine here (an agent killed before removing them). Before, they
+            # stayed on a retired node's disk.
+            kept = set(self._adapter_dirs.values())
+            for folder in sorted((self.data_dir / "engine-adapters").glob("*")):
+                if folder not in kept:
+                    removed.append(folder if folder.name.startswith(engine_disk.SET_ASIDE_PREFIX)
+                                   else engine_disk.set_aside(folder))
+        self._remove_now(removed)
         self._prune_logs(live, keep=0)
         return num_folders
+
+    def _remove_now(self, paths: list[Path | None]) -> None:
+        """Remove folders set aside on this thread (never under the lock); one left goes to the removals' thread, to
+        be tried again later (before, nothing tried again); one that thread has already is left to it (a cache folder
+        set aside, found again by the next sweep: `CacheFolders.leftovers`)."""
+        pending = set(self._removals.pending())
+        for path in paths:
+            if path in pending:
+                continue
+            if not engine_disk.remove_tree(path, max_entries=self._removals.max_entries):
+                self._removals.add(path)
 
     def _adopt_folders(self, replica_id: str, pid: int) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
@@ -1001,7 +1017,7 @@ class Supervisor:
                 if not replica.is_final:
                     replica.stopped()
             self._save_state()
-        self._remove_dropped()
+        self._removals.close(REMOVALS_SHUTDOWN_S)
         self._probe.close()
 
     def detach(self) -> None:
@@ -1057,7 +1073,9 @@ class Supervisor:
             process.kill_orphans(self.data_dir, owned)
             # The folders of engines no longer running (a killed agent's, and those killed above) go.
             kept = {*self._adapter_dirs.values(), *self._scratch_dirs.values()}
-            for folder in [*(self.data_dir / "engine-adapters").glob("*"), *sandbox.scratch_folders_of(self.data_dir)]:
+            for folder in dict.fromkeys([*(self.data_dir / "engine-adapters").glob("*"),
+                                         *sandbox.scratch_folders_of(self.data_dir),
+                                         *sandbox.scratch_set_aside_of(self.data_dir)]):
                 if folder not in kept:
                     engine_disk.remove_tree(folder)
             self._save_state()

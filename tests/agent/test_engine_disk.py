@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime import cli, engine_disk, process
+from gpu_agent.runtime import cli, engine_disk, process, sandbox
 from gpu_agent.runtime.engine_disk import CacheFolders, EngineDiskBounds
 from gpu_agent.runtime.supervisor import Supervisor
 
@@ -193,7 +193,7 @@ def test_an_exited_engines_folders_are_removed_outside_the_supervisors_lock(make
     lock_free_during = []
     remove_tree = engine_disk.remove_tree
 
-    def probing(path):
+    def probing(path, **kwargs):
         if path is not None:
             taken = []
 
@@ -206,12 +206,47 @@ def test_an_exited_engines_folders_are_removed_outside_the_supervisors_lock(make
             probe.start()
             probe.join()
             lock_free_during.append(taken[0])
-        return remove_tree(path)
+        return remove_tree(path, **kwargs)
 
     monkeypatch.setattr(engine_disk, "remove_tree", probing)
     os.killpg(supervisor.get("r-a").pid, signal.SIGKILL)
-    wait_until(lambda: not scratch.exists(), 30, poll=supervisor.poll)
+    wait_until(lambda: not scratch.exists() and not supervisor._removals.pending(), 30, poll=supervisor.poll)
     assert lock_free_during and all(lock_free_during)
+
+
+def test_the_monitors_polls_keep_their_pace_while_an_ended_engines_folders_are_removed(make_supervisor, tmp_path,
+                                                                                        monkeypatch):
+    """Before, `poll` removed them on the monitor's own thread once the lock was let go: a tree of 199k nested
+    folders took 23 s, and every engine's launch, health check and drain waited (here: a poll took the whole 3 s of
+    the slow removal)."""
+    import signal
+    import threading
+
+    supervisor = make_supervisor(**NO_CHECKS)
+    supervisor.start(make_spec("r-a", endpoint_id="e-a"), tmp_path / "model")
+    wait_until(lambda: supervisor.get("r-a").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    scratch = Path(supervisor.get("r-a").command.env["TMPDIR"])
+    release = threading.Event()
+    remove_tree = engine_disk.remove_tree
+
+    def slow(path, **kwargs):
+        release.wait(3)  # an engine's tree that takes a while
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", slow)
+    os.killpg(supervisor.get("r-a").pid, signal.SIGKILL)
+    polls = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        supervisor.poll()
+        polls.append(time.monotonic() - started)
+        time.sleep(0.05)
+    assert supervisor.get("r-a").state != ReplicaState.READY  # its exit was seen: its folders are being removed
+    assert max(polls) < 0.5, polls
+    release.set()
+    wait_until(lambda: not supervisor._removals.pending(), 10)
+    assert not scratch.exists() and sandbox.scratch_set_aside_of(supervisor.data_dir) == []
 
 
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
@@ -453,3 +488,105 @@ def test_a_tree_deeper_than_the_agents_spare_descriptors_is_removed_whole_in_sec
 def test_a_removal_out_of_descriptors_stops_at_once_and_says_the_rest_is_left(base):
     answer, left = _remove_deep_tree_with_few_descriptors(base, depth=50, spare_fds=1)
     assert (answer, left) == (False, True)
+
+
+def test_a_removal_stopped_by_a_folder_moved_mid_walk_is_tried_again_and_found_by_name_after_a_restart(
+    tmp_path, monkeypatch
+):
+    """A tenant's process still alive moves a folder up while the walk is in it: the walk stops. Before, nothing tried
+    it again, and the walk had removed the owner file first: the next agent's sweep (`recover`, which matched that
+    tenant-writable file) never found the folder either. Now the scratch is renamed aside to a name the agent's
+    sweep matches, and the removals try it again."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    scratch = sandbox.make_scratch_folder(data_dir, "r-x")
+    (scratch / "a" / "b").mkdir(parents=True)
+    (scratch / "a" / "b" / "big.bin").write_bytes(b"x" * 4096)
+    (scratch / "z").mkdir()
+    aside = sandbox.set_scratch_aside(scratch, data_dir)
+    assert not scratch.exists() and sandbox.scratch_set_aside_of(data_dir) == [aside]
+    real_enter, real_names = engine_disk._enter_folder, engine_disk._names_in
+    moves = {"left": 1}
+
+    def racing(dir_fd, name):
+        entered = real_enter(dir_fd, name)
+        if name == "b" and moves["left"]:  # the tenant's live process moves b up while the walk is in it
+            moves["left"] -= 1
+            os.rename(aside / "a" / "b", aside / "moved")
+        return entered
+
+    monkeypatch.setattr(engine_disk, "_enter_folder", racing)
+    monkeypatch.setattr(engine_disk, "_names_in", lambda fd: iter(
+        sorted(real_names(fd), key=lambda name: name != sandbox.SCRATCH_OWNER_FILE)))  # the owner file goes first
+    assert engine_disk.remove_tree(aside) is False
+    assert (aside / "moved").exists() and not (aside / sandbox.SCRATCH_OWNER_FILE).exists()
+    assert sandbox.scratch_set_aside_of(data_dir) == [aside]  # found by its name all the same
+    Supervisor(data_dir).recover()  # the next agent's start
+    assert not aside.exists()
+    # Within the agent, the removals try it again.
+    aside = sandbox.set_scratch_aside(sandbox.make_scratch_folder(data_dir, "r-y"), data_dir)
+    (aside / "a" / "b").mkdir(parents=True)
+    moves["left"] = 1
+    monkeypatch.setattr(engine_disk, "REMOVAL_RETRY_S", 0.05)
+    removals = engine_disk.Removals(max_entries=100)
+    removals.add(aside)
+    wait_until(lambda: not removals.pending(), 10)
+    assert moves["left"] == 0 and not aside.exists()
+
+
+def test_a_live_writer_adding_levels_stops_a_walk_at_its_bound_and_the_removal_finishes_in_later_walks(
+    tmp_path, monkeypatch
+):
+    """Before, the walk had no bound on entries: a process adding a level below each folder the walk entered kept it
+    going as long as it wrote (here: one walk went down 2,000 levels). Now each walk stops at its bound, and the next
+    ones finish the tree, deeper than the bound though it is."""
+    top = tmp_path / "t"
+    (top / "d").mkdir(parents=True)
+    real = engine_disk._enter_folder
+    entered = {"n": 0}
+
+    def racing(dir_fd, name):
+        got = real(dir_fd, name)
+        if got is not None:
+            entered["n"] += 1
+            if entered["n"] < 2000:  # the tenant adds a level below each one the walk enters
+                os.mkdir(f"n{entered['n']}", dir_fd=got)
+        return got
+
+    monkeypatch.setattr(engine_disk, "_enter_folder", racing)
+    assert engine_disk.remove_tree(top, max_entries=300) is False
+    assert entered["n"] <= 301 and top.exists()
+    monkeypatch.setattr(engine_disk, "REMOVAL_RETRY_S", 0.01)
+    monkeypatch.setattr(engine_disk, "MAX_REMOVAL_RETRY_S", 0.01)
+    removals = engine_disk.Removals(max_entries=300)
+    removals.add(top)
+    wait_until(lambda: not removals.pending(), 30)
+    assert not top.exists() and entered["n"] >= 2000
+
+
+def test_an_adapter_staged_after_its_engines_folder_went_makes_no_folder_and_a_retire_removes_stray_adapters(
+    make_supervisor, tmp_path
+):
+    """Before, the copy (outside the supervisor's lock) made the folders above it again (`mkdir(parents=True)`): an
+    adapters folder `_drop_scratch` had just set aside came back, and nothing removed it; and a retired node's
+    wind-down (`remove_engine_caches`) never looked at `engine-adapters/`, so such folders stayed."""
+    supervisor = make_supervisor(**NO_CHECKS)
+    supervisor.start(make_spec("r-a", endpoint_id="e-a"), tmp_path / "model")
+    wait_until(lambda: supervisor.get("r-a").state == ReplicaState.READY, 30, poll=supervisor.poll)
+    adapter = tmp_path / "cache" / "lora-1"
+    (adapter / "sub").mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "sub" / "w.bin").write_bytes(b"x")
+    live = supervisor._adapter_dirs["r-a"]
+    gone = live.parent / "r-gone"
+    gone.mkdir()
+    engine_disk.remove_tree(engine_disk.set_aside(gone))  # its engine ended while its adapter was being copied
+    with pytest.raises(FileNotFoundError):
+        sandbox.stage_adapter(adapter, gone)
+    assert not gone.exists()
+    stray = live.parent / "r-killed-agents"  # left by an agent killed before it removed it
+    (stray / "lora-1").mkdir(parents=True)
+    assert supervisor.stage_adapter("r-a", adapter) == live / "lora-1"
+    supervisor.remove_engine_caches()
+    assert not stray.exists() and (live / "lora-1" / "sub" / "w.bin").exists()
+    assert sorted(path.name for path in live.parent.iterdir()) == ["r-a"]
