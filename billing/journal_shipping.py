@@ -117,6 +117,27 @@ def enabled() -> bool:
     return settings.USAGE_JOURNAL_SHIP
 
 
+# Set once this process stops (`stop_shipping_by`): no upload begins, in any thread, that could end past it.
+_stopping_by: float | None = None
+
+
+def stop_shipping_by(deadline: float) -> None:
+    """This process stops: from now no upload begins, in any thread, that could end past `deadline`
+    (`time.monotonic()`).
+
+    NOTE: before, a replay loop that had begun shipping an outage's segments (`UsageWriter`, after
+    `USAGE_JOURNAL_SHIP_AFTER_S`) went on in its executor thread when its task was cancelled at the gateway's stop, past
+    the stop's bound, and the loop's close waited for that thread (uvloop/asyncio join their default executor) until
+    the grace period's SIGKILL cut an upload (found by this stop's third review)."""
+    global _stopping_by
+    _stopping_by = deadline if _stopping_by is None else min(_stopping_by, deadline)
+
+
+def _no_time_for_a_put(deadline: float | None) -> bool:
+    bounds = [bound for bound in (deadline, _stopping_by) if bound is not None]
+    return bool(bounds) and min(bounds) - time.monotonic() < ONE_PUT_BOUND_S
+
+
 def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
     """Upload every segment of `journal`'s folder this process may take (sealed: its own, and dead processes'),
     deleting each here once the bucket has it, then what was set aside (`ship_set_aside`); returns how many segments
@@ -127,7 +148,7 @@ def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
         return 0
     num_shipped = 0
     for path in journal.list_segments():
-        if deadline is not None and deadline - time.monotonic() < ONE_PUT_BOUND_S:
+        if _no_time_for_a_put(deadline):
             logger.warning("usage journal: no time left to ship %s before this process stops; it stays here",
                            path.name)
             return num_shipped
@@ -148,7 +169,7 @@ def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
             num_shipped += 1
             logger.warning("usage journal: %s (%d bytes) shipped to the files bucket; the worker replays it",
                            path.name, len(data))
-    if deadline is None:
+    if deadline is None and _stopping_by is None:
         ship_set_aside(journal)
     return num_shipped
 

@@ -455,10 +455,12 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
     stayed in the worker's journal, and was lost with its pod."""
     deadline = time.monotonic() + timeout_s
+    if process_stops:  # NOTE: a replay loop's shipping in an outage, in a thread of its own, stops by then too
+        journal_shipping.stop_shipping_by(_set_aside_deadline(deadline, process_stops, ship_until))
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
-            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops, ship_until))
+            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
@@ -481,10 +483,10 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     """For a process about to stop (a gateway's shutdown, a batch run's end): what it could not replay goes to the
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
-    at most (`ship_set_aside_soon`). When the process ends after (`process_stops`), the whole of it is bounded by
-    `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, or `ship_until`: what is left of the stop's budget, if later):
-    segments are shipped while an upload still fits, the
-    set-aside lines by their shipper meanwhile. What is left stays in the journal, on the pod's emptyDir: replayed
+    at most (`ship_set_aside_soon`). When the process ends after (`process_stops`): segments are shipped while an
+    upload still fits before `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, or `ship_until`: what is left of the
+    stop's budget, if later), the set-aside lines by their shipper meanwhile, waited for `SET_ASIDE_STOP_WAIT_S` from
+    now at most (or `deadline`, if later). What is left stays in the journal, on the pod's emptyDir: replayed
     at the next start if only the container restarts, gone with the pod if it is deleted.
 
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
@@ -495,6 +497,9 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     grace period still had the drain's unused time (the first version of that bound): `ship_until` gives it to them."""
     usage_journal = journal()
     await asyncio.to_thread(usage_journal.seal)
+    # NOTE: the set-aside lines alone are waited for 30 s at most: a bucket that never takes them (a wrong name,
+    # credentials, an outage) held every signalled stop for the whole budget, an idle pod's too (the third review).
+    set_aside_deadline = _set_aside_deadline(deadline, process_stops)
     deadline = _set_aside_deadline(deadline, process_stops, ship_until)
     shipper = None
     if journal_shipping.enabled() and usage_journal.has_set_aside():
@@ -504,7 +509,7 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
         bound = deadline if process_stops else None
         num_shipped = await asyncio.to_thread(journal_shipping.ship, usage_journal, deadline=bound)
     if shipper is not None:
-        await _wait_for(shipper, deadline)
+        await _wait_for(shipper, set_aside_deadline)
     return num_shipped
 
 

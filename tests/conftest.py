@@ -73,6 +73,16 @@ def _forget_refused_credentials():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_bound_on_shipping():
+    """No test's process is stopping: a stop's bound on the usage journal's uploads (`stop_shipping_by`) ends with
+    the test that set it."""
+    from billing import journal_shipping
+
+    yield
+    journal_shipping._stopping_by = None
+
+
 @pytest.fixture
 def org():
     return OrganizationFactory()

@@ -15,7 +15,7 @@ from decimal import Decimal
 import boto3
 import psycopg
 import pytest
-from botocore.exceptions import EndpointConnectionError
+from botocore.exceptions import ClientError, EndpointConnectionError
 from django.core.management import call_command
 from django.db import OperationalError, connections
 
@@ -970,6 +970,68 @@ def test_a_stop_in_an_outage_gives_the_shipping_what_the_drain_left_of_the_grace
     assert time.monotonic() - started < 12
     assert num_shipped == len(_bucket_keys(files_bucket, journal_shipping.PREFIX)) == 4
     assert usage_writer.journal().list_segments() == []
+
+
+def test_a_stop_also_bounds_the_shipping_a_replay_loop_began_in_an_outage(outage, files_bucket, monkeypatch):  # noqa: F811
+    """A replay loop shipping an outage's segments (after `USAGE_JOURNAL_SHIP_AFTER_S`) does so in an executor
+    thread, which went on when its task was cancelled at the stop, past the stop's bound, and the loop's close waited
+    for it: the third review saw the stop's loop end 10.1 s after the stop began against a 3.5 s bound, uploads begun
+    at 2.55, 4.05, ... 8.59 s. Now no upload begins, in any thread, that could end past the stop's bound."""
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(8):
+        (directory / f"gone-77-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-77-{number}")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+    uploads = []
+
+    def slowly(**kwargs):
+        uploads.append(time.monotonic())
+        time.sleep(1.5)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    began = []
+
+    async def gateway():
+        usage_writer.writer_for_this_loop().replay_soon()  # lifespan startup: the replay meets the outage
+        await asyncio.sleep(0.5)  # ... and ships (USAGE_JOURNAL_SHIP_AFTER_S is 0 here) in an executor thread
+        began.append(time.monotonic())
+        await usage_writer.replay_before_the_loop_ends(0.5, process_stops=True)
+
+    asyncio.run(gateway())
+    assert time.monotonic() - began[0] < 3.0 + 0.5 + 1.5  # the bound, the replay's wait, one put begun before it
+    assert [round(at - began[0], 2) for at in uploads if at - began[0] > 3.5 - 2.0] == []
+    # what was not shipped is still here, each line once in all
+    shipped = len(_bucket_keys(files_bucket, journal_shipping.PREFIX))
+    assert shipped + len(usage_writer.journal().list_segments()) == 8
+
+
+def test_a_stop_waits_for_set_aside_lines_alone_no_longer_than_their_own_bound(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
+    """Set-aside lines a bucket never takes (a wrong name or credentials) held every signalled stop for the whole
+    stop's budget, an idle pod's too (the third review: ~155 s a pod, a rollout fixing the bucket paid it for each old
+    pod). With no segment to ship they are waited for `SET_ASIDE_STOP_WAIT_S`, whatever the budget left."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 1.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / REJECTED_NAME).write_bytes(line_of_a_newer_version(usage_report(endpoint, request_id="newer-16")))
+    client = journal_shipping._client()
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, "PutObject")
+
+    monkeypatch.setattr(client, "put_object", refused)
+    started = time.monotonic()
+    asyncio.run(usage_writer.replay_before_the_loop_ends(0.2, process_stops=True, ship_until=started + 20))
+    assert time.monotonic() - started < 3.0
+    assert (directory / REJECTED_NAME).read_bytes() != b""  # kept here, for the next start
 
 
 _STOPPING_CHILD = r"""
