@@ -157,7 +157,7 @@ def metrics_app(token: str, directory: str):
 
 
 def serve(port: int, token: str, directory: str) -> _Server | None:
-    """Listen on `port` (every address of the pod) in a thread of this process; None without a token or a port."""
+    """Serve `port` (every address of the pod) from a thread of this process; None without a token or a port."""
     if not token or not port:
         return None
     server = make_server("", port, metrics_app(token, directory), server_class=_Server, handler_class=_QuietHandler)
