@@ -461,9 +461,19 @@ def _remove_deep_tree_with_few_descriptors(base: Path, depth: int, spare_fds: in
         try:
             signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
             signal.alarm(15)
-            in_use = len(os.listdir("/proc/self/fd"))
+            # NOTE: RLIMIT_NOFILE bounds the numbers of new descriptors, not how many are open: a process with gaps
+            # below its highest descriptor (a whole suite's worker) had more spare than counted, and the walk that
+            # should have run out finished (the fresh-clone run's failure). The limit is set past the lowest
+            # `spare_fds` free numbers exactly.
+            free, number = [], 0
+            while len(free) < spare_fds:
+                try:
+                    os.fstat(number)
+                except OSError:
+                    free.append(number)
+                number += 1
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-            resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + spare_fds, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (free[-1] + 1, hard))
             answer.write_text(repr(engine_disk.remove_tree(top)))
             code = 0
         except BaseException:
