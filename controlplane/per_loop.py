@@ -140,6 +140,12 @@ class PerLoop(Generic[T]):
         self._latest = (weakref.ref(loop), current)
         return current
 
+    def peek(self) -> T | None:
+        """The running loop's object if it has one; none is made."""
+        loop = asyncio.get_running_loop()
+        latest_loop, latest = self._latest
+        return latest if latest_loop() is loop else self._objects.get(loop)
+
     def _forget(self, loop_ref: weakref.ref, current: T, gone: weakref.finalize | None):
         """The ending loop's object let go (so that nothing keeps the loop), and closed."""
         if gone is not None:

@@ -32,6 +32,17 @@ def test_each_loop_gets_its_own_object_and_keeps_it():
     assert first_a is not second_a
 
 
+def test_peek_gives_the_running_loops_object_and_makes_none():
+    registry = PerLoop(_Thing)
+
+    async def peek_get_peek():
+        return registry.peek(), registry.get(), registry.peek()
+
+    before, made, after = asyncio.run(peek_get_peek())
+    assert before is None and after is made
+    assert asyncio.run(peek_get_peek())[0] is None  # another loop's object is not this one's
+
+
 def test_a_loop_that_is_gone_takes_its_object_along():
     released = []
     registry = PerLoop(_Thing, on_loop_gone=released.append)

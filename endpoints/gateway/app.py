@@ -35,6 +35,7 @@ from controlplane import access_log
 from controlplane.access_log import REQUEST_ID_SCOPE_KEY, log_answer
 from controlplane.accounts.models import Role
 from controlplane.hot_settings import hot
+from controlplane.per_loop import PerLoop
 from controlplane.serve import GRACEFUL_SHUTDOWN_S
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
@@ -86,7 +87,13 @@ class Gateway:
         # (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
         # gateway, never the other way round). Uses the ORM: run in a worker thread.
         self._refuse_upload = refuse_upload
-        self._client: upstream.UpstreamClient | None = None
+        # NOTE: one client per event loop, closed as its loop ends: a connection belongs to the loop that opened it.
+        # Before, one object served whichever loop asked (the process's `application` in one test's `asyncio.run`
+        # after another's): a loop was handed the keep-alive connections of one already closed, and closing them at
+        # the lifespan's shutdown raised "Event loop is closed".
+        self._clients: PerLoop[upstream.UpstreamClient] = PerLoop(
+            lambda: upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S),
+            close=upstream.UpstreamClient.close)
         self._folding: asyncio.Task | None = None  # `metrics.fold_every_second`, from startup on
         # The console's pages whose form posts a file (the batch form, `endpoints.batches.views.batch_list`), each with
         # the largest body it takes, given by the wiring: a `POST` to one takes an upload place as `/v1/files` does
@@ -96,11 +103,9 @@ class Gateway:
 
     @property
     def client(self) -> upstream.UpstreamClient:
-        # NOTE: created lazily inside the server's event loop, one per process: the gateway's own
+        # NOTE: created lazily inside the server's event loop, one per loop (the server runs one): the gateway's own
         # HTTP/1.1 client (`upstream`), leaner per request than aiohttp's (bench/results/gateway_profile.md, round 6).
-        if self._client is None or self._client.closed:
-            self._client = upstream.UpstreamClient(read_timeout_s=settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S)
-        return self._client
+        return self._clients.get()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -328,8 +333,9 @@ class Gateway:
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes
-                if self._client is not None:
-                    await self._client.close()
+                client = self._clients.peek()
+                if client is not None:
+                    await client.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

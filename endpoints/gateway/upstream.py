@@ -435,6 +435,9 @@ class _Pool:
         self.idle: deque[_Connection] = deque()
 
     def put(self, conn: _Connection) -> None:
+        if self.client.closed:  # a call that ended after its client closed: nothing would sweep or close it
+            conn.close()
+            return
         self.idle.append(conn)
         if len(self.idle) > self.client.max_idle:
             self.idle.popleft().close()

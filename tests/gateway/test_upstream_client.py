@@ -540,3 +540,71 @@ def test_a_whole_answer_past_the_limit_that_arrives_in_one_piece_still_fails(mon
             assert client.num_idle(server.address) == 0
             await client.close()
     run(main())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gateway_run_by_one_loop_after_another_gives_each_its_own_connections_and_stops_cleanly():
+    # The same gateway object served by two event loops in turn (the process's `application` across tests, a script's
+    # `asyncio.run`s): before, the second loop was handed the first one's keep-alive connections, whose loop was
+    # closed, and its lifespan's shutdown raised "Event loop is closed" closing them (CI failed on it).
+    import threading
+
+    from endpoints.gateway.app import Gateway
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    held = []
+
+    def replica():  # outside both loops: its connection stays open as the first loop ends
+        conn, _ = listener.accept()
+        held.append(conn)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    gateway = Gateway(fallback=None)
+
+    async def first_loop():
+        response = await gateway.client.post(address, "/v1/x", b"{}", {})
+        assert await response.read() == b"{}"
+        assert gateway.client.num_idle(address) == 1
+        return gateway.client
+
+    try:
+        first_client = asyncio.run(first_loop())
+        thread.join(5)
+        sent = []
+
+        async def receive():
+            return {"type": "lifespan.shutdown"}
+
+        async def send(message):
+            sent.append(message)
+
+        async def second_loop():
+            assert gateway.client is not first_client
+            assert gateway.client.num_idle(address) == 0
+            await gateway({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send)
+
+        asyncio.run(second_loop())
+        assert sent == [{"type": "lifespan.shutdown.complete"}]
+        assert first_client.closed  # closed as its own loop ended, its sockets with it
+        assert held[0].recv(1) == b""  # the replica saw the first loop's connection closed
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def test_a_call_ending_after_its_client_closed_closes_its_connection_rather_than_keeping_it_idle():
+    async def main():
+        async with Server(_keep_alive) as server:
+            client = UpstreamClient()
+            response = await client.post(server.address, "/v1/x", b"{}", {})
+            await client.close()  # the gateway stops with this call in flight
+            assert await response.read() == b"{}"
+            assert client.num_idle(server.address) == 0
+            await asyncio.wait_for(server.closed.wait(), 5)  # nothing left open for a sweep that will not come
+
+    run(main())
