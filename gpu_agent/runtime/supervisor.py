@@ -1071,14 +1071,23 @@ class Supervisor:
             if self.standby is not None and self.standby.pid is not None:
                 owned.add(self.standby.pid)
             process.kill_orphans(self.data_dir, owned)
-            # The folders of engines no longer running (a killed agent's, and those killed above) go.
+            # The folders of engines no longer running (a killed agent's, and those killed above) go: renamed aside
+            # here, removed on the removals' thread. NOTE: before, removed here, under the lock and with no bound on a
+            # walk: a killed agent's engine that left a deep tree held the new agent's start (its first heartbeat,
+            # every launch) for as long as the walk took.
             kept = {*self._adapter_dirs.values(), *self._scratch_dirs.values()}
-            for folder in dict.fromkeys([*(self.data_dir / "engine-adapters").glob("*"),
-                                         *sandbox.scratch_folders_of(self.data_dir),
-                                         *sandbox.scratch_set_aside_of(self.data_dir)]):
+            aside_now = set(sandbox.scratch_set_aside_of(self.data_dir))
+            leftovers = []
+            for folder in sorted((self.data_dir / "engine-adapters").glob("*")):
                 if folder not in kept:
-                    engine_disk.remove_tree(folder)
+                    leftovers.append(folder if folder.name.startswith(engine_disk.SET_ASIDE_PREFIX)
+                                     else engine_disk.set_aside(folder))
+            for folder in sandbox.scratch_folders_of(self.data_dir):
+                if folder not in kept and folder not in aside_now:
+                    leftovers.append(sandbox.set_scratch_aside(folder, self.data_dir))
+            leftovers.extend(aside_now)
             self._save_state()
+        self._removals.add(*leftovers)
         if killed:
             logger.info("killed replicas left by a previous agent: %s", killed)
         return adopted, killed

@@ -249,6 +249,47 @@ def test_the_monitors_polls_keep_their_pace_while_an_ended_engines_folders_are_r
     assert not scratch.exists() and sandbox.scratch_set_aside_of(supervisor.data_dir) == []
 
 
+def test_a_killed_agents_leftover_folders_are_removed_after_the_next_agents_start_outside_its_lock(
+    tmp_path, monkeypatch
+):
+    """Before, `recover` removed a killed agent's engines' scratch and adapters folders under the lock, with no bound on
+    a walk: a deep tree left behind held the new agent's start (its first heartbeat, every launch) for the whole walk
+    (another thread could not take the lock meanwhile)."""
+    import threading
+
+    data_dir = tmp_path / "data"
+    (data_dir / "engine-adapters" / "r-old" / "a").mkdir(parents=True)
+    scratch = sandbox.make_scratch_folder(data_dir, "r-old")
+    (scratch / "deep").mkdir()
+    aside = sandbox.set_scratch_aside(sandbox.make_scratch_folder(data_dir, "r-older"), data_dir)
+    supervisor = Supervisor(data_dir)
+    lock_free_during, removed = [], []
+    remove_tree = engine_disk.remove_tree
+
+    def probing(path, **kwargs):
+        taken = []
+
+        def take():
+            taken.append(supervisor._lock.acquire(timeout=1))
+            if taken[0]:
+                supervisor._lock.release()
+
+        probe = threading.Thread(target=take)
+        probe.start()
+        probe.join()
+        lock_free_during.append(taken[0])
+        removed.append((path, kwargs.get("max_entries")))
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", probing)
+    supervisor.recover()
+    wait_until(lambda: not any((data_dir / "engine-adapters").iterdir()) and not scratch.exists()
+               and not aside.exists() and not sandbox.scratch_set_aside_of(data_dir), 10)
+    assert len(removed) == 3 and all(lock_free_during)
+    assert all(bound == supervisor._removals.max_entries for _, bound in removed)  # each walk bounded
+    supervisor._removals.close(5)
+
+
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
     # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
     supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)
@@ -531,8 +572,10 @@ def test_a_removal_stopped_by_a_folder_moved_mid_walk_is_tried_again_and_found_b
     assert engine_disk.remove_tree(aside) is False
     assert (aside / "moved").exists() and not (aside / sandbox.SCRATCH_OWNER_FILE).exists()
     assert sandbox.scratch_set_aside_of(data_dir) == [aside]  # found by its name all the same
-    Supervisor(data_dir).recover()  # the next agent's start
-    assert not aside.exists()
+    next_agent = Supervisor(data_dir)
+    next_agent.recover()  # the next agent's start: removed on its removals' thread
+    wait_until(lambda: not aside.exists(), 10)
+    next_agent._removals.close(5)
     # Within the agent, the removals try it again.
     aside = sandbox.set_scratch_aside(sandbox.make_scratch_folder(data_dir, "r-y"), data_dir)
     (aside / "a" / "b").mkdir(parents=True)
