@@ -474,9 +474,15 @@ SET_ASIDE_STOP_WAIT_S = 30.0
 
 
 def _set_aside_deadline(deadline: float, process_stops: bool, ship_until: float | None = None) -> float:
+    """The end of a stopping process's shipping: `SET_ASIDE_STOP_WAIT_S` after its replay's own `deadline`, or
+    `ship_until` if later.
+
+    NOTE: after the replay's deadline, not after the moment it is asked: the bound is set before the replay
+    (`replay_before_the_loop_ends`), which in an outage uses its whole time, and a floor counted from then left
+    25 s < `journal_shipping.ONE_PUT_BOUND_S` (26 s): no segment shipped at all (found by the fourth review)."""
     if not process_stops:
         return deadline
-    return max(deadline, time.monotonic() + SET_ASIDE_STOP_WAIT_S, ship_until or 0.0)
+    return max(deadline + SET_ASIDE_STOP_WAIT_S, ship_until or 0.0)
 
 
 async def ship_what_is_left(deadline: float, *, process_stops: bool = False, ship_until: float | None = None) -> int:
@@ -484,9 +490,9 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
     at most (`ship_set_aside_soon`). When the process ends after (`process_stops`): segments are shipped while an
-    upload still fits before `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, or `ship_until`: what is left of the
-    stop's budget, if later), the set-aside lines by their shipper meanwhile, waited for `SET_ASIDE_STOP_WAIT_S` from
-    now at most (or `deadline`, if later). What is left stays in the journal, on the pod's emptyDir: replayed
+    upload still fits before `SET_ASIDE_STOP_WAIT_S` after `deadline` (the replay's own; or `ship_until`: what is
+    left of the stop's budget, if later), the set-aside lines by their shipper meanwhile (no part begun that could end
+    past that bound either), waited for `SET_ASIDE_STOP_WAIT_S` after `deadline` at most. What is left stays in the journal, on the pod's emptyDir: replayed
     at the next start if only the container restarts, gone with the pod if it is deleted.
 
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
@@ -563,6 +569,12 @@ def _ship_set_aside_while_asked() -> None:
             if not (journal_shipping.enabled() and journal().has_set_aside()):
                 retry_s = SET_ASIDE_RETRY_FIRST_S
                 continue
+            if journal_shipping.no_time_for_a_put():
+                # NOTE: the process stops before another upload could end (`stop_shipping_by`): what is left stays
+                # in the file, for the next start. Before, this thread went on putting parts past the stop's bound.
+                with _set_aside_shipper_lock:
+                    _set_aside_shipper = None
+                return
             # NOTE: the bucket took not all of it (or lines came meanwhile): tried again, whatever else asks
             _set_aside_wake.wait(retry_s)
             retry_s = min(retry_s * 2, SET_ASIDE_RETRY_MAX_S)

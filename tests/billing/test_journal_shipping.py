@@ -1010,6 +1010,73 @@ def test_a_stop_also_bounds_the_shipping_a_replay_loop_began_in_an_outage(outage
     assert shipped + len(usage_writer.journal().list_segments()) == 8
 
 
+def test_a_stop_also_bounds_the_set_aside_parts_a_replay_loops_shipping_began(outage, files_bucket, monkeypatch):  # noqa: F811
+    """A replay loop's `ship` in an outage, past its segments and into its set-aside parts before the stop, uploaded
+    every part, each up to `ONE_PUT_BOUND_S`, with no look at the stop's bound, as did the daemon shipper; and the
+    loop's close waited for its executor thread: the fourth review saw the stop's coroutine return at +3.0 s, the loop
+    close at +10.6 s, and uploads begun after the bound in both threads. Now no part begins that could end past it,
+    and what was not shipped stays in the file, each line once in all."""
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 2.5)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gone-91-0.jsonl").write_bytes(encode(usage_report(endpoint, request_id="r-91-0")))
+    lines = [encode(usage_report(endpoint, request_id=f"aside-91-{number:02}")) for number in range(12)]
+    (directory / REJECTED_NAME).write_bytes(b"".join(lines))
+    monkeypatch.setattr(journal_shipping, "SET_ASIDE_PART_BYTES", max(map(len, lines)))  # one line a part
+    client = journal_shipping._client()
+    put_object = client.put_object
+    uploads = []
+
+    def slowly(**kwargs):
+        uploads.append((time.monotonic(), threading.current_thread().name))
+        time.sleep(1.0)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    began = []
+
+    async def gateway():
+        usage_writer.writer_for_this_loop().replay_soon()  # lifespan startup: the replay meets the outage
+        await asyncio.sleep(1.5)  # ... ships the segment and is in its inline `ship_set_aside`, in an executor thread
+        began.append(time.monotonic())
+        await usage_writer.replay_before_the_loop_ends(0.5, process_stops=True)  # the stop's bound: +3.0 s
+
+    asyncio.run(gateway())
+    bound = began[0] + 0.5 + 2.5
+    assert time.monotonic() < bound + 1.0  # one put begun before the bound's last second, and no more
+    assert [(round(at - bound, 2), thread) for at, thread in uploads if at > bound - 2.0 + 0.05] == []
+    usage_writer.ship_set_aside_soon().join(5)  # the daemon shipper, asked again, begins no part either
+    assert [(round(at - bound, 2), thread) for at, thread in uploads if at > bound - 2.0 + 0.05] == []
+    in_the_bucket = _object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)
+    left = (directory / REJECTED_NAME).read_bytes().splitlines(keepends=True)
+    assert left and sorted(in_the_bucket + left) == sorted(lines)
+
+
+def test_a_stop_in_an_outage_ships_its_segments_after_a_replay_that_used_its_whole_time(outage, files_bucket,  # noqa: F811
+                                                                                         settings, monkeypatch):
+    """The shipping's floor (`SET_ASIDE_STOP_WAIT_S`) was counted from before the replay, which in an outage uses its
+    whole time: at production's numbers / 10 (a 0.5 s replay, 3 s, a 2.6 s put) that left 2.5 s < 2.6 s, and the
+    fourth review saw no segment shipped, with no signal to give it more (`ship_until` None). Now the floor is counted
+    from the replay's deadline, as web.yaml's grace period counts the two (5 + 30 s)."""
+    settings.USAGE_JOURNAL_SHIP_AFTER_S = 3600.0  # a young outage: the replay loop has not shipped
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.6)
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"r-92-{number}") for number in range(3)]
+
+    async def calls_then_stop():
+        writer = usage_writer.writer_for_this_loop()
+        await asyncio.gather(*(writer.write(report) for report in reports))
+        await asyncio.sleep(0.2)
+        await usage_writer.replay_before_the_loop_ends(0.5, process_stops=True)
+
+    asyncio.run(calls_then_stop())
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) != []
+    assert usage_writer.journal().list_segments() == []
+
+
 def test_a_stop_waits_for_set_aside_lines_alone_no_longer_than_their_own_bound(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
     """Set-aside lines a bucket never takes (a wrong name or credentials) held every signalled stop for the whole
     stop's budget, an idle pod's too (the third review: ~155 s a pod, a rollout fixing the bucket paid it for each old
