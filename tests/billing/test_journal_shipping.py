@@ -1186,6 +1186,48 @@ def test_a_signalled_gateways_shipping_may_run_to_the_end_of_the_stops_budget(mo
     assert budget <= 170 - 10  # the pod's grace period less its preStop sleep (infra/k8s/base/web.yaml)
     assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True, "ship_until": signalled + budget})]
 
+def test_a_signalled_gateways_shipping_never_runs_past_the_pods_grace_period(monkeypatch, settings):
+    """The README's rule for `INFERPLANE_GATEWAY_DRAIN_S` counted neither the journal's replay (5 s) nor its shipping
+    (30 s): with grace 170 s it allowed a drain of 140 s, and the fourth review saw the shipping given to +195 s after
+    the signal, SIGKILL coming at +160 s. With the grace period known (`GATEWAY_STOP_GRACE_S`), the budget ends before
+    it, whatever the drain says."""
+    from endpoints.gateway import app, drain
+
+    settings.GATEWAY_DRAIN_S = 170 - 10 - 10 - 10  # the README's old rule: grace, preStop, graceful, finishes
+    settings.GATEWAY_STOP_GRACE_S = 170 - 10  # web.yaml: the grace period less the preStop sleep
+    monkeypatch.setattr(drain, "_draining_since", 1000.0)
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 <= 160 - drain.STOP_EXIT_S
+    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 10 + 10 + 5 + 30
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 0  # the grace period not known: no cap
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 140 + 10 + 10 + 5 + 30
+
+
+def test_a_signalled_gateways_budget_counts_the_graceful_wait_its_server_was_given(monkeypatch, settings):
+    """The budget counted `controlplane.serve.GRACEFUL_SHUTDOWN_S` (10 s) whatever `--timeout-graceful-shutdown` the
+    server was given: with 30 s, uvicorn's wait alone could use 20 s of the shipping's time unseen. Now the drain reads
+    it from the server it hooks (`drain.install`)."""
+    import signal
+
+    import uvicorn
+
+    from endpoints.gateway import app, drain
+
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 100, 0
+    server = uvicorn.Server(uvicorn.Config("controlplane.asgi:application", timeout_graceful_shutdown=30))
+    monkeypatch.setattr(drain, "_graceful_shutdown_s", None)
+    before = signal.signal(signal.SIGTERM, server.handle_exit)
+    try:
+        async def starts():
+            return drain.install()
+
+        assert asyncio.run(starts())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.setattr(drain, "_draining_since", 1000.0)
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 30 + 10 + 5 + 30
+
+
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
     """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),
     as it was: an HMAC of the bytes alone, under the metadata name `inferplane-signature`."""
