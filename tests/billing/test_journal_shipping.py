@@ -972,6 +972,42 @@ def test_a_stop_in_an_outage_gives_the_shipping_what_the_drain_left_of_the_grace
     assert usage_writer.journal().list_segments() == []
 
 
+def test_a_signalled_stops_shipping_ends_with_its_budget_when_that_is_shorter(files_bucket, settings, monkeypatch,  # noqa: F811
+                                                                              tmp_path):
+    """A signalled stop's budget (`ship_until`) is capped by the pod's grace period (`drain.stop_budget_end`), but
+    the shipping took the later of it and 30 s after the replay: with a cap 3.5 s away and 10 s after the replay,
+    1 s a put, it shipped on to +10 s, past the cap (as SIGKILL would come). Now no upload begins that could end past
+    `ship_until`."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 10.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(8):  # dead processes' segments
+        (directory / f"gone-93-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-93-{number}")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+    uploads = []
+
+    def slowly(**kwargs):
+        uploads.append(time.monotonic())
+        time.sleep(1.0)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    started = time.monotonic()
+    ship_until = started + 3.5
+    num_shipped = asyncio.run(usage_writer.ship_what_is_left(started, process_stops=True, ship_until=ship_until))
+    assert time.monotonic() < ship_until
+    assert [round(at - started, 2) for at in uploads if at > ship_until - 2.0 + 0.05] == []
+    assert num_shipped + len(usage_writer.journal().list_segments()) == 8
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+
+
 def test_a_stop_also_bounds_the_shipping_a_replay_loop_began_in_an_outage(outage, files_bucket, monkeypatch):  # noqa: F811
     """A replay loop shipping an outage's segments (after `USAGE_JOURNAL_SHIP_AFTER_S`) does so in an executor
     thread, which went on when its task was cancelled at the stop, past the stop's bound, and the loop's close waited
