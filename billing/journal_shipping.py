@@ -133,7 +133,8 @@ def stop_shipping_by(deadline: float) -> None:
     _stopping_by = deadline if _stopping_by is None else min(_stopping_by, deadline)
 
 
-def _no_time_for_a_put(deadline: float | None) -> bool:
+def no_time_for_a_put(deadline: float | None = None) -> bool:
+    """Whether an upload begun now could end past `deadline` or this process's stop (`stop_shipping_by`)."""
     bounds = [bound for bound in (deadline, _stopping_by) if bound is not None]
     return bool(bounds) and min(bounds) - time.monotonic() < ONE_PUT_BOUND_S
 
@@ -148,7 +149,7 @@ def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
         return 0
     num_shipped = 0
     for path in journal.list_segments():
-        if _no_time_for_a_put(deadline):
+        if no_time_for_a_put(deadline):
             logger.warning("usage journal: no time left to ship %s before this process stops; it stays here",
                            path.name)
             return num_shipped
@@ -174,17 +175,27 @@ def ship(journal: UsageJournal, *, deadline: float | None = None) -> int:
     return num_shipped
 
 
+class _NoTimeLeft(Exception):
+    """A set-aside part not begun: its upload could end past this process's stop (`stop_shipping_by`)."""
+
+
 def ship_set_aside(journal: UsageJournal) -> int:
     """Upload what this pod's replays set aside (`rejected.jsonl`, on the pod's volume, gone with it) to the rejected
     prefix, signed, in parts of at most `SET_ASIDE_PART_BYTES` each under a name of this host's, process's and time's,
     cutting each part off the file once the bucket has it; returns the bytes shipped. A put that fails leaves here
-    exactly the lines no object holds. `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a
+    exactly the lines no object holds. Once this process stops (`stop_shipping_by`), no part begins whose upload could
+    end past it: the rest stays here. `manage.py replay_rejected_usage` replays them. Blocking I/O: call it from a
     worker thread."""
     if not enabled():
         return 0
     num_shipped = [0]
 
     def upload(data: bytes) -> None:
+        # NOTE: before each part, in whichever thread ships them: before, once begun (a replay loop's `ship` in an
+        # outage, the daemon shipper) every part went, each up to `ONE_PUT_BOUND_S`, past the stop's bound, and the
+        # loop's close waited for its executor thread (found by the fourth review of this shipping).
+        if no_time_for_a_put():
+            raise _NoTimeLeft
         key = f"{REJECTED_PREFIX}{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{REJECTED_NAME}"
         _client().put_object(Bucket=settings.FILES_S3_BUCKET, Key=key, Body=data,
                              Metadata=_signatures(key, data))
@@ -192,6 +203,10 @@ def ship_set_aside(journal: UsageJournal) -> int:
 
     try:
         num_bytes = journal.hand_over_set_aside(upload, max_part_bytes=SET_ASIDE_PART_BYTES)
+    except _NoTimeLeft:
+        logger.warning("usage journal: no time left to ship the rest of %s before this process stops (%d bytes went); "
+                       "it stays here", REJECTED_NAME, num_shipped[0])
+        return num_shipped[0]
     except FAILURES as exc:
         logger.warning("usage journal: could not ship all of %s to the files bucket (%r; %d bytes went); the rest "
                        "stays here", REJECTED_NAME, exc, num_shipped[0])

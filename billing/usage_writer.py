@@ -448,19 +448,19 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
     """For an event loop about to end (a batch run's `asyncio.run`): replay this machine's journal into
     the ledger, for at most `timeout_s`; while the database is still down it waits in the journal for the
     next loop (the next run replays it first). `process_stops`: the process ends after (a gateway's shutdown), and
-    what was set aside is waited for as `ship_what_is_left` says, until `ship_until` (`time.monotonic()`) if that
-    is later (what is left of the stop's budget).
+    what is left is shipped as `ship_what_is_left` says, until `ship_until` (`time.monotonic()`, the end of a
+    signalled stop's budget) if one is given.
 
     NOTE: a writer's replay task lives on its loop, and `asyncio.run` cancels it as the loop ends. In a
     Celery worker nothing else replays: before, usage journaled during a database blip in a batch run
     stayed in the worker's journal, and was lost with its pod."""
     deadline = time.monotonic() + timeout_s
     if process_stops:  # NOTE: a replay loop's shipping in an outage, in a thread of its own, stops by then too
-        journal_shipping.stop_shipping_by(_set_aside_deadline(deadline, process_stops, ship_until))
+        journal_shipping.stop_shipping_by(_shipping_end(deadline, process_stops, ship_until))
     # NOTE: `list_segments` counts the folder again: a journal that another process replayed is not full any more.
     if not await asyncio.to_thread(journal().list_segments) and not journal().has_open_segment():
         if journal().has_set_aside():  # shipped at the set-aside, unless the bucket could not be reached then
-            await _wait_for(ship_set_aside_soon(), _set_aside_deadline(deadline, process_stops))
+            await _wait_for(ship_set_aside_soon(), _set_aside_wait_end(deadline, process_stops, ship_until))
         return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(writer_for_this_loop().replay_soon(), timeout_s)
@@ -473,10 +473,24 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
 SET_ASIDE_STOP_WAIT_S = 30.0
 
 
-def _set_aside_deadline(deadline: float, process_stops: bool, ship_until: float | None = None) -> float:
+def _shipping_end(deadline: float, process_stops: bool, ship_until: float | None = None) -> float:
+    """The end of a stopping process's shipping: a signalled stop's budget (`ship_until`, `drain.stop_budget_end`:
+    from the signal, it counts the replay and `SET_ASIDE_STOP_WAIT_S` after it, capped by the pod's grace period), else
+    `SET_ASIDE_STOP_WAIT_S` after its replay's own `deadline`.
+
+    NOTE: after the replay's deadline, not after the moment it is asked: the bound is set before the replay
+    (`replay_before_the_loop_ends`), which in an outage uses its whole time, and a floor counted from then left
+    25 s < `journal_shipping.ONE_PUT_BOUND_S` (26 s): no segment shipped at all. And no floor over a signalled stop's
+    budget: it would undo the grace period's cap (both found by the fourth review of this shipping)."""
     if not process_stops:
         return deadline
-    return max(deadline, time.monotonic() + SET_ASIDE_STOP_WAIT_S, ship_until or 0.0)
+    return deadline + SET_ASIDE_STOP_WAIT_S if ship_until is None else ship_until
+
+
+def _set_aside_wait_end(deadline: float, process_stops: bool, ship_until: float | None = None) -> float:
+    """How long a stopping process waits for its set-aside lines alone: `SET_ASIDE_STOP_WAIT_S` after its replay's
+    deadline at most, whatever its stop's budget (`ship_what_is_left`)."""
+    return min(_shipping_end(deadline, process_stops), _shipping_end(deadline, process_stops, ship_until))
 
 
 async def ship_what_is_left(deadline: float, *, process_stops: bool = False, ship_until: float | None = None) -> int:
@@ -484,10 +498,11 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     files bucket (`journal_shipping`), since the pod, and the journal on its volume, may go before the database is
     back. Returns how many segments went. What was set aside is waited for until `deadline` (`time.monotonic()`)
     at most (`ship_set_aside_soon`). When the process ends after (`process_stops`): segments are shipped while an
-    upload still fits before `SET_ASIDE_STOP_WAIT_S` from now (or `deadline`, or `ship_until`: what is left of the
-    stop's budget, if later), the set-aside lines by their shipper meanwhile, waited for `SET_ASIDE_STOP_WAIT_S` from
-    now at most (or `deadline`, if later). What is left stays in the journal, on the pod's emptyDir: replayed
-    at the next start if only the container restarts, gone with the pod if it is deleted.
+    upload still fits before `SET_ASIDE_STOP_WAIT_S` after `deadline` (the replay's own), or before `ship_until` if
+    one is given (the end of a signalled stop's budget), the set-aside lines by their shipper meanwhile (no part begun
+    that could end past that bound either), waited for `SET_ASIDE_STOP_WAIT_S` after `deadline` at most. What is left
+    stays in the journal, on the pod's emptyDir: replayed at the next start if only the container restarts, gone with
+    the pod if it is deleted.
 
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
     (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
@@ -499,8 +514,8 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     await asyncio.to_thread(usage_journal.seal)
     # NOTE: the set-aside lines alone are waited for 30 s at most: a bucket that never takes them (a wrong name,
     # credentials, an outage) held every signalled stop for the whole budget, an idle pod's too (the third review).
-    set_aside_deadline = _set_aside_deadline(deadline, process_stops)
-    deadline = _set_aside_deadline(deadline, process_stops, ship_until)
+    set_aside_deadline = _set_aside_wait_end(deadline, process_stops, ship_until)
+    deadline = _shipping_end(deadline, process_stops, ship_until)
     shipper = None
     if journal_shipping.enabled() and usage_journal.has_set_aside():
         shipper = ship_set_aside_soon()
@@ -563,6 +578,12 @@ def _ship_set_aside_while_asked() -> None:
             if not (journal_shipping.enabled() and journal().has_set_aside()):
                 retry_s = SET_ASIDE_RETRY_FIRST_S
                 continue
+            if journal_shipping.no_time_for_a_put():
+                # NOTE: the process stops before another upload could end (`stop_shipping_by`): what is left stays
+                # in the file, for the next start. Before, this thread went on putting parts past the stop's bound.
+                with _set_aside_shipper_lock:
+                    _set_aside_shipper = None
+                return
             # NOTE: the bucket took not all of it (or lines came meanwhile): tried again, whatever else asks
             _set_aside_wake.wait(retry_s)
             retry_s = min(retry_s * 2, SET_ASIDE_RETRY_MAX_S)

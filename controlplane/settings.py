@@ -408,8 +408,13 @@ GATEWAY_UPSTREAM_READ_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_UPSTREAM_READ_TI
 GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 * 3600.0, minimum=1)
 # A web process asked to stop (SIGTERM) finishes the inference calls in flight for up to this long, refusing new ones
 # (503) and not ready meanwhile, before its server stops (`endpoints.gateway.drain`): the web pod's grace period less
-# its preStop pause, uvicorn's graceful wait and the cut calls' finishes (`tests/infra/test_manifests.py` holds it).
+# its preStop pause, uvicorn's graceful wait, the cut calls' finishes and the usage journal's replay and shipping
+# (`tests/infra/test_manifests.py` holds it).
 GATEWAY_DRAIN_S = env_float("INFERPLANE_GATEWAY_DRAIN_S", 100.0, minimum=0)
+# How long a web process has from its SIGTERM before the kernel's SIGKILL (the web pod's grace period less its preStop
+# pause; 0: not known): no step of its stop is given time past it (`endpoints.gateway.drain.stop_budget_end`), whatever
+# GATEWAY_DRAIN_S says (`tests/infra/test_manifests.py` holds it to web.yaml).
+GATEWAY_STOP_GRACE_S = env_float("INFERPLANE_GATEWAY_STOP_GRACE_S", 0.0, minimum=0)
 # A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the bytes of
 # an organisation's whole answers in a gateway process (read from engines, not yet taken by its clients) are bounded:
 # past this many, its new calls are refused (429 `unread_answers`) and its answers still being read wait, but one.

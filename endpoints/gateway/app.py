@@ -36,7 +36,6 @@ from controlplane.access_log import REQUEST_ID_SCOPE_KEY, log_answer
 from controlplane.accounts.models import Role
 from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
-from controlplane.serve import GRACEFUL_SHUTDOWN_S
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     admission,
@@ -62,10 +61,11 @@ logger = logging.getLogger("inferplane.gateway")
 GC_YOUNG_THRESHOLD = 20_000
 # At shutdown, how long the usage journal may take to reach the database before what is left is shipped to the bucket.
 SHUTDOWN_REPLAY_S = 5.0
-# A stop's steps after the drain, as infra/k8s/base/web.yaml's grace period counts them: uvicorn's graceful shutdown,
-# the cut calls' finishes, the journal's replay, its shipping. The shipping may run to their end counted from the
-# signal (`drain.stop_budget_end`): what the drain did not use of its bound is left to it.
-_AFTER_DRAIN_S = GRACEFUL_SHUTDOWN_S + SHUTDOWN_FINISH_WAIT_S + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S
+# A stop's steps after uvicorn's graceful wait (the server's own `--timeout-graceful-shutdown`, `drain`), as
+# infra/k8s/base/web.yaml's grace period counts them: the cut calls' finishes, the journal's replay, its shipping. The
+# shipping may run to their end counted from the signal (`drain.stop_budget_end`): what the drain did not use of its
+# bound is left to it.
+_AFTER_GRACEFUL_S = SHUTDOWN_FINISH_WAIT_S + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 FILES_PREFIX = "/v1/files"
@@ -329,7 +329,7 @@ class Gateway:
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
                 # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
                 await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S, process_stops=True,
-                                                  ship_until=drain.stop_budget_end(_AFTER_DRAIN_S))
+                                                  ship_until=drain.stop_budget_end(_AFTER_GRACEFUL_S))
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes

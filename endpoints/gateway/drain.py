@@ -9,9 +9,10 @@ reservation left to the sweeper.
 
 So the first SIGTERM starts a drain here, and uvicorn hears it only when the drain ends: the inference calls this
 process is handling run on up to `GATEWAY_DRAIN_S` from the signal (the manifests' `terminationGracePeriodSeconds`
-less the preStop pause, uvicorn's own graceful wait for what is left and the finishes of the calls cut,
-`call.SHUTDOWN_FINISH_WAIT_S`). Meanwhile a new inference call is answered 503 `server_stopping` with its
-connection closed (a retry goes to another server) and `/readyz` says not ready. Calls still running at the bound are
+less the preStop pause, uvicorn's own graceful wait for what is left, the finishes of the calls cut,
+`call.SHUTDOWN_FINISH_WAIT_S`, and the usage journal's replay and shipping, `stop_budget_end`). Meanwhile a new
+inference call is answered 503 `server_stopping` with its connection closed (a retry goes to another server) and
+`/readyz` says not ready. Calls still running at the bound are
 stopped (`InferenceCall.stop_for_shutdown`): a stream ends with an error event and is billed for what it sent (a
 Responses stream, whose usage comes only in its last event, for the delta events it read and its prompt as its engine
 renders it, `endpoints.gateway.rendered_prompt`, an `upstream_error` row), a call not yet answered gets the 503 and is billed nothing (the client has no answer, and the engine says its usage only with
@@ -34,6 +35,8 @@ from collections.abc import Callable
 import uvicorn
 from django.conf import settings
 
+from controlplane.serve import GRACEFUL_SHUTDOWN_S
+
 logger = logging.getLogger("inferplane.requests")
 
 POLL_S = 0.1  # how often the drain looks whether the calls it waits for are done
@@ -43,6 +46,11 @@ _num_handling = 0  # inference requests being handled by this process (`handling
 # The calls running now by request id (`endpoints.gateway.call.InferenceCall`): the ones stopped at the bound.
 running: dict = {}
 _drain_task: asyncio.Task | None = None
+# The server's own `--timeout-graceful-shutdown` (`install`): None where no uvicorn server was found, or it has none.
+_graceful_shutdown_s: float | None = None
+# What a stopping process does after its last bounded step (the journal's shipping): its last counts, its clients
+# closed, its exit. Kept from the grace period's end (`stop_budget_end`).
+STOP_EXIT_S = 2.0
 
 
 def draining() -> bool:
@@ -50,14 +58,29 @@ def draining() -> bool:
     return _draining_since is not None
 
 
-def stop_budget_end(after_drain_s: float) -> float | None:
-    """When a stop's steps after the drain must be done (`time.monotonic()`): `GATEWAY_DRAIN_S` and then
-    `after_drain_s` from the signal, as infra/k8s/base/web.yaml's grace period counts them; None when no signal came
-    (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call). What the drain and the steps
-    before did not use of their own bounds is left to the last one (the usage journal's shipping, in an outage)."""
+def stop_budget_end(after_graceful_s: float) -> float | None:
+    """When a stop's steps after uvicorn's graceful wait must be done (`time.monotonic()`): `GATEWAY_DRAIN_S`, the
+    server's `--timeout-graceful-shutdown` and then `after_graceful_s` from the signal, as infra/k8s/base/web.yaml's
+    grace period counts them, but never past `GATEWAY_STOP_GRACE_S` (less `STOP_EXIT_S`) from it when that is set;
+    None when no signal came (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call). What
+    the drain and the steps before did not use of their own bounds is left to the last one (the usage journal's
+    shipping, in an outage).
+
+    NOTE: capped by the pod's grace period: before, a drain set within the README's rule of the time (which counted
+    neither the replay, 5 s, nor the shipping, 30 s) gave a stop with grace 170 s a budget to +195 s, and an upload
+    could begin that SIGKILL, at +160 s, cut (found by the fourth review of this shipping)."""
     if _draining_since is None:
         return None
-    return _draining_since + settings.GATEWAY_DRAIN_S + after_drain_s
+    end = _draining_since + settings.GATEWAY_DRAIN_S + graceful_shutdown_s() + after_graceful_s
+    if settings.GATEWAY_STOP_GRACE_S:
+        end = min(end, _draining_since + settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S)
+    return end
+
+
+def graceful_shutdown_s() -> float:
+    """uvicorn's graceful wait after the drain: the `--timeout-graceful-shutdown` of the server this process runs
+    (`install`), else `controlplane.serve`'s default."""
+    return GRACEFUL_SHUTDOWN_S if _graceful_shutdown_s is None else _graceful_shutdown_s
 
 
 class handling:  # noqa: N801 - used as a statement: `with drain.handling():`
@@ -81,6 +104,8 @@ def install() -> bool:
         getattr(server_exit, "__self__", None), uvicorn.Server
     ):
         return False
+    global _graceful_shutdown_s
+    _graceful_shutdown_s = server_exit.__self__.config.timeout_graceful_shutdown
     loop = asyncio.get_running_loop()
 
     def on_sigterm(signum, frame) -> None:

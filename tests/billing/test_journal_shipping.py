@@ -972,6 +972,42 @@ def test_a_stop_in_an_outage_gives_the_shipping_what_the_drain_left_of_the_grace
     assert usage_writer.journal().list_segments() == []
 
 
+def test_a_signalled_stops_shipping_ends_with_its_budget_when_that_is_shorter(files_bucket, settings, monkeypatch,  # noqa: F811
+                                                                              tmp_path):
+    """A signalled stop's budget (`ship_until`) is capped by the pod's grace period (`drain.stop_budget_end`), but
+    the shipping took the later of it and 30 s after the replay: with a cap 3.5 s away and 10 s after the replay,
+    1 s a put, it shipped on to +10 s, past the cap (as SIGKILL would come). Now no upload begins that could end past
+    `ship_until`."""
+    settings.USAGE_JOURNAL_DIR, settings.USAGE_JOURNAL_SHIP = str(tmp_path / "journal"), True
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 10.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for number in range(8):  # dead processes' segments
+        (directory / f"gone-93-{number}.jsonl").write_bytes(encode(usage_report(endpoint, request_id=f"r-93-{number}")))
+    client = journal_shipping._client()
+    put_object = client.put_object
+    uploads = []
+
+    def slowly(**kwargs):
+        uploads.append(time.monotonic())
+        time.sleep(1.0)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    started = time.monotonic()
+    ship_until = started + 3.5
+    num_shipped = asyncio.run(usage_writer.ship_what_is_left(started, process_stops=True, ship_until=ship_until))
+    assert time.monotonic() < ship_until
+    assert [round(at - started, 2) for at in uploads if at > ship_until - 2.0 + 0.05] == []
+    assert num_shipped + len(usage_writer.journal().list_segments()) == 8
+    usage_writer.journal.cache_clear()
+    journal_shipping._client.cache_clear()
+
+
 def test_a_stop_also_bounds_the_shipping_a_replay_loop_began_in_an_outage(outage, files_bucket, monkeypatch):  # noqa: F811
     """A replay loop shipping an outage's segments (after `USAGE_JOURNAL_SHIP_AFTER_S`) does so in an executor
     thread, which went on when its task was cancelled at the stop, past the stop's bound, and the loop's close waited
@@ -1008,6 +1044,73 @@ def test_a_stop_also_bounds_the_shipping_a_replay_loop_began_in_an_outage(outage
     # what was not shipped is still here, each line once in all
     shipped = len(_bucket_keys(files_bucket, journal_shipping.PREFIX))
     assert shipped + len(usage_writer.journal().list_segments()) == 8
+
+
+def test_a_stop_also_bounds_the_set_aside_parts_a_replay_loops_shipping_began(outage, files_bucket, monkeypatch):  # noqa: F811
+    """A replay loop's `ship` in an outage, past its segments and into its set-aside parts before the stop, uploaded
+    every part, each up to `ONE_PUT_BOUND_S`, with no look at the stop's bound, as did the daemon shipper; and the
+    loop's close waited for its executor thread: the fourth review saw the stop's coroutine return at +3.0 s, the loop
+    close at +10.6 s, and uploads begun after the bound in both threads. Now no part begins that could end past it,
+    and what was not shipped stays in the file, each line once in all."""
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 2.5)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.0)
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gone-91-0.jsonl").write_bytes(encode(usage_report(endpoint, request_id="r-91-0")))
+    lines = [encode(usage_report(endpoint, request_id=f"aside-91-{number:02}")) for number in range(12)]
+    (directory / REJECTED_NAME).write_bytes(b"".join(lines))
+    monkeypatch.setattr(journal_shipping, "SET_ASIDE_PART_BYTES", max(map(len, lines)))  # one line a part
+    client = journal_shipping._client()
+    put_object = client.put_object
+    uploads = []
+
+    def slowly(**kwargs):
+        uploads.append((time.monotonic(), threading.current_thread().name))
+        time.sleep(1.0)
+        return put_object(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", slowly)
+    began = []
+
+    async def gateway():
+        usage_writer.writer_for_this_loop().replay_soon()  # lifespan startup: the replay meets the outage
+        await asyncio.sleep(1.5)  # ... ships the segment and is in its inline `ship_set_aside`, in an executor thread
+        began.append(time.monotonic())
+        await usage_writer.replay_before_the_loop_ends(0.5, process_stops=True)  # the stop's bound: +3.0 s
+
+    asyncio.run(gateway())
+    bound = began[0] + 0.5 + 2.5
+    assert time.monotonic() < bound + 1.0  # one put begun before the bound's last second, and no more
+    assert [(round(at - bound, 2), thread) for at, thread in uploads if at > bound - 2.0 + 0.05] == []
+    usage_writer.ship_set_aside_soon().join(5)  # the daemon shipper, asked again, begins no part either
+    assert [(round(at - bound, 2), thread) for at, thread in uploads if at > bound - 2.0 + 0.05] == []
+    in_the_bucket = _object_lines(files_bucket, journal_shipping.REJECTED_PREFIX)
+    left = (directory / REJECTED_NAME).read_bytes().splitlines(keepends=True)
+    assert left and sorted(in_the_bucket + left) == sorted(lines)
+
+
+def test_a_stop_in_an_outage_ships_its_segments_after_a_replay_that_used_its_whole_time(outage, files_bucket,  # noqa: F811
+                                                                                         settings, monkeypatch):
+    """The shipping's floor (`SET_ASIDE_STOP_WAIT_S`) was counted from before the replay, which in an outage uses its
+    whole time: at production's numbers / 10 (a 0.5 s replay, 3 s, a 2.6 s put) that left 2.5 s < 2.6 s, and the
+    fourth review saw no segment shipped, with no signal to give it more (`ship_until` None). Now the floor is counted
+    from the replay's deadline, as web.yaml's grace period counts the two (5 + 30 s)."""
+    settings.USAGE_JOURNAL_SHIP_AFTER_S = 3600.0  # a young outage: the replay loop has not shipped
+    monkeypatch.setattr(usage_writer, "SET_ASIDE_STOP_WAIT_S", 3.0)
+    monkeypatch.setattr(journal_shipping, "ONE_PUT_BOUND_S", 2.6)
+    endpoint = EndpointFactory()
+    reports = [usage_report(endpoint, request_id=f"r-92-{number}") for number in range(3)]
+
+    async def calls_then_stop():
+        writer = usage_writer.writer_for_this_loop()
+        await asyncio.gather(*(writer.write(report) for report in reports))
+        await asyncio.sleep(0.2)
+        await usage_writer.replay_before_the_loop_ends(0.5, process_stops=True)
+
+    asyncio.run(calls_then_stop())
+    assert _bucket_keys(files_bucket, journal_shipping.PREFIX) != []
+    assert usage_writer.journal().list_segments() == []
 
 
 def test_a_stop_waits_for_set_aside_lines_alone_no_longer_than_their_own_bound(files_bucket, settings, monkeypatch, tmp_path):  # noqa: F811
@@ -1118,6 +1221,48 @@ def test_a_signalled_gateways_shipping_may_run_to_the_end_of_the_stops_budget(mo
     budget = 100 + GRACEFUL_SHUTDOWN_S + call.SHUTDOWN_FINISH_WAIT_S + app.SHUTDOWN_REPLAY_S + usage_writer.SET_ASIDE_STOP_WAIT_S
     assert budget <= 170 - 10  # the pod's grace period less its preStop sleep (infra/k8s/base/web.yaml)
     assert called == [(app.SHUTDOWN_REPLAY_S, {"process_stops": True, "ship_until": signalled + budget})]
+
+def test_a_signalled_gateways_shipping_never_runs_past_the_pods_grace_period(monkeypatch, settings):
+    """The README's rule for `INFERPLANE_GATEWAY_DRAIN_S` counted neither the journal's replay (5 s) nor its shipping
+    (30 s): with grace 170 s it allowed a drain of 140 s, and the fourth review saw the shipping given to +195 s after
+    the signal, SIGKILL coming at +160 s. With the grace period known (`GATEWAY_STOP_GRACE_S`), the budget ends before
+    it, whatever the drain says."""
+    from endpoints.gateway import app, drain
+
+    settings.GATEWAY_DRAIN_S = 170 - 10 - 10 - 10  # the README's old rule: grace, preStop, graceful, finishes
+    settings.GATEWAY_STOP_GRACE_S = 170 - 10  # web.yaml: the grace period less the preStop sleep
+    monkeypatch.setattr(drain, "_draining_since", 1000.0)
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 <= 160 - drain.STOP_EXIT_S
+    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 10 + 10 + 5 + 30
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 0  # the grace period not known: no cap
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 140 + 10 + 10 + 5 + 30
+
+
+def test_a_signalled_gateways_budget_counts_the_graceful_wait_its_server_was_given(monkeypatch, settings):
+    """The budget counted `controlplane.serve.GRACEFUL_SHUTDOWN_S` (10 s) whatever `--timeout-graceful-shutdown` the
+    server was given: with 30 s, uvicorn's wait alone could use 20 s of the shipping's time unseen. Now the drain reads
+    it from the server it hooks (`drain.install`)."""
+    import signal
+
+    import uvicorn
+
+    from endpoints.gateway import app, drain
+
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 100, 0
+    server = uvicorn.Server(uvicorn.Config("controlplane.asgi:application", timeout_graceful_shutdown=30))
+    monkeypatch.setattr(drain, "_graceful_shutdown_s", None)
+    before = signal.signal(signal.SIGTERM, server.handle_exit)
+    try:
+        async def starts():
+            return drain.install()
+
+        assert asyncio.run(starts())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.setattr(drain, "_draining_since", 1000.0)
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 30 + 10 + 5 + 30
+
 
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:
     """The previous release's verification (52dcf06, billing/journal_shipping.py: `_signed(body, metadata[SIGNATURE])`),

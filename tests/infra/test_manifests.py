@@ -492,6 +492,8 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
         assert pod["terminationGracePeriodSeconds"] > (pre_stop + drain_s + graceful + SHUTDOWN_FINISH_WAIT_S
                                                        + SHUTDOWN_REPLAY_S
                                                        + max(ONE_PUT_BOUND_S, SET_ASIDE_STOP_WAIT_S))
+    # NOTE: the process's own cap on its stop (`drain.stop_budget_end`) is the time SIGKILL leaves it after the signal
+    assert float(values["INFERPLANE_GATEWAY_STOP_GRACE_S"]) == pod["terminationGracePeriodSeconds"] - pre_stop
 
 
 def test_what_a_scheduler_first_upgrade_applies_alone_is_the_migration_job_and_every_config_map_its_pod_reads(rendered):
