@@ -3,7 +3,8 @@ it read of its node that a restart must not forget.
 
 Written atomically (a temporary file, then a rename) with mode 0600 after every launch, exit and
 failure, and when a reading kept here changes; read once (`StateFile.records`, by `Supervisor.recover`;
-`StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded.
+`StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded, each with its scratch folder
+(`SCRATCH_KEY`: what the next agent measures or removes, never what the engine says; an older agent ignores the key).
 
 The readings (`StateFile.save_reading`: a confirmed refusal of namespaces, the safetensors readers' back-offs) are
 stamped with the node's boot, their times on its monotonic clock: those of another boot are ignored. NOTE: a file
