@@ -356,6 +356,36 @@ def test_after_a_failed_lookup_the_next_waits_a_moment_and_nodes_are_refused_mea
     assert advertise_host_problem("10.20.0.9") == ""
 
 
+def test_callers_queued_behind_a_failed_first_lookup_wait_for_it_and_do_not_look_up_again(
+    production_networks, service_addresses, monkeypatch
+):
+    """Before, each caller waiting for the first look-up ran its own once it failed: 8 gateway threads judging
+    admitted nodes in a fresh process, behind a resolver failing in 0.5 s, made 8 look-ups in a row (4 s)."""
+    import threading
+    import time
+
+    service_addresses.DATABASE_URL = "postgres://u:p@db.internal:5432/db"
+    service_addresses.REDIS_URL = service_addresses.CELERY_BROKER_URL = "redis://redis.internal:6379/0"
+    monkeypatch.setitem(nodes_models._last_unresolved, "at", -math.inf)
+    lookups = []
+
+    def timing_out(host, *args, **kwargs):  # the resolver's timeout while the cluster's DNS is down
+        lookups.append(host)
+        time.sleep(0.5)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", timing_out)
+    problems = []
+    threads = [threading.Thread(target=lambda: problems.append(advertise_host_problem("10.20.0.9", admitting=False)))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(lookups) == 1
+    assert problems == [""] * 8  # inside the networks: admitted nodes are kept meanwhile
+
+
 def test_a_failover_moving_the_databases_name_to_another_ip_is_followed_within_the_ttl(
     client, production_networks, service_addresses, flaky_dns, monkeypatch
 ):

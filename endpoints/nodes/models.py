@@ -160,15 +160,18 @@ def control_plane_service_addresses(*, admitting: bool = True) -> frozenset[
     NOTE: before, a name was resolved once per process: after a managed database's failover moved it to another IP,
     a node registered at the new one (inside the node networks) was admitted and the gateway POSTed prompts to the
     database (`tests/test_node_networks.py`). One thread looks up at a time; the others take the last good answer
-    meanwhile (or wait, before the first). The web pods' egress NetworkPolicy (`infra/k8s/base/network-policies.yaml`)
-    is the other wall. Loopback ones matter only where loopback nodes are refused: the local stack allows them
+    meanwhile (or wait, before the first, and take its outcome: a failure too). The web pods' egress NetworkPolicy
+    (`infra/k8s/base/network-policies.yaml`) is the other wall. Loopback ones matter only where loopback nodes are refused: the local stack allows them
     (`ALLOW_LOOPBACK_NODES`) and its servers are there."""
     if time.monotonic() - _resolved["at"] < SERVICE_ADDRESSES_TTL_S:
         return _resolved["addresses"]
     if time.monotonic() - _last_unresolved["at"] >= RESOLVE_RETRY_S and _resolving.acquire(
             blocking=_resolved["at"] == -math.inf):  # else another thread is looking them up: the last answer
         try:
-            if time.monotonic() - _resolved["at"] >= SERVICE_ADDRESSES_TTL_S:  # not looked up while this one waited
+            # NOTE: not looked up, nor failed, while this one waited: before, each caller queued behind a failed first
+            # look-up ran its own (8 threads behind a resolver failing in 0.5 s: 8 look-ups in a row, 4 s).
+            if (time.monotonic() - _resolved["at"] >= SERVICE_ADDRESSES_TTL_S
+                    and time.monotonic() - _last_unresolved["at"] >= RESOLVE_RETRY_S):
                 if _look_up_service_addresses():
                     return _resolved["addresses"]  # a full answer, just made
         finally:

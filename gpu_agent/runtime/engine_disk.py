@@ -380,6 +380,11 @@ def _remove_entry(dir_fd: int, name: str, *, max_entries: int | None = None) -> 
                     current = entered
                     stack.append([child, _identity(current), _names_in(current)])
                     if len(stack) == 2 and max_entries is not None:
+                        # NOTE: entered again at each rescan of the top folder (written to meanwhile): the last one
+                        # closed first. Before, each rescan leaked a descriptor (16 a walk, for the agent's life).
+                        if top is not None:
+                            os.close(top)
+                            top = None
                         top = os.dup(current)
                     break
                 _unlink(current, child)

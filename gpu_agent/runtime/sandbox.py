@@ -659,8 +659,31 @@ def is_scratch_folder(path: Path, replica_id: str, data_dir: Path) -> bool:
             and _scratch_owner(path) == str(data_dir))
 
 
+def recorded_scratch_folder(recorded: object, replica_id: str) -> Path | None:
+    """The scratch folder an agent's state file records for `replica_id` (`state_file.recorded_scratch`), when it is a
+    name `make_scratch_folder` gives that replica: a direct child of the temporary folder with the replica's prefix
+    (None otherwise, logged). It need not exist: removed meanwhile, it is nothing to adopt or remove.
+
+    NOTE: the agent's own record, never the engine's owner file or environment block (both the engine's to rewrite).
+    Before, a restarted agent went by those: an adopted engine that removed its owner file (or rewrote its TMPDIR) had
+    its scratch unmeasured, written past every bound; one killed kept its folder for ever; and a rewritten TMPDIR had
+    the live engine's real folder swept as a leftover (the review of the engines' folders). The state file is the
+    agent's, but a path in it is taken only where this agent would have made it."""
+    if recorded is None:
+        return None
+    path = Path(recorded) if isinstance(recorded, str) and recorded else None
+    if (path is None or os.path.normpath(recorded) != recorded or path.parent != Path(tempfile.gettempdir())
+            or not path.name.startswith(_scratch_prefix(replica_id))):
+        logger.warning("replica %s: its record names %r as its scratch folder, which is not one this agent makes "
+                       "for it: ignored", replica_id, recorded)  # fmt: skip
+        return None
+    return path
+
+
 def scratch_folders_of(data_dir: Path) -> list[Path]:
-    """The scratch folders the agent of `data_dir` made: what a killed agent's engines left is removed by the next.
+    """The scratch folders the agent of `data_dir` made, by their owner files: a fallback for what no record names
+    (an older agent's records, which named none; a folder made just before its agent was killed, its engine not yet
+    recorded). What the records name goes by them (`recorded_scratch_folder`), whatever the engine did to this file.
 
     NOTE: an engine can write only its own folder's owner file; it cannot make a folder here."""
     return [folder for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*")

@@ -3,7 +3,8 @@ it read of its node that a restart must not forget.
 
 Written atomically (a temporary file, then a rename) with mode 0600 after every launch, exit and
 failure, and when a reading kept here changes; read once (`StateFile.records`, by `Supervisor.recover`;
-`StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded.
+`StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded, each with its scratch folder
+(`SCRATCH_KEY`: what the next agent measures or removes, never what the engine says; an older agent ignores the key).
 
 The readings (`StateFile.save_reading`: a confirmed refusal of namespaces, the safetensors readers' back-offs) are
 stamped with the node's boot, their times on its monotonic clock: those of another boot are ignored. NOTE: a file
@@ -28,7 +29,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
@@ -53,7 +54,13 @@ def boot_id() -> str:
         return ""
 
 
-def _records(replicas: Iterable[ManagedReplica]) -> dict[str, dict]:
+# A record's key for its engine's scratch folder (`sandbox.make_scratch_folder`): null when it has none (the sandbox off);
+# missing from an older agent's records.
+SCRATCH_KEY = "scratch_dir"
+NOT_RECORDED = object()  # `recorded_scratch` of an older agent's record
+
+
+def _records(replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path]) -> dict[str, dict]:
     records = {}
     for replica in replicas:
         if replica.pid is None or replica.command is None:
@@ -71,6 +78,9 @@ def _records(replicas: Iterable[ManagedReplica]) -> dict[str, dict]:
             "engine_api_key": replica.spec.engine_api_key,
             "num_restarts": replica.num_restarts,
             "sleeping": replica.state == ReplicaState.SLEEPING,
+            # NOTE: where the next agent finds its scratch folder, to measure it (adopted) or remove it (killed): the
+            # engine may rewrite its owner file and its environment, never this file (`sandbox.recorded_scratch_folder`)
+            SCRATCH_KEY: str(scratch_dirs[replica.spec.replica_id]) if replica.spec.replica_id in scratch_dirs else None,
         }
     return records
 
@@ -123,9 +133,10 @@ class StateFile:
             self._read_once()
             return dict(self._readings)
 
-    def save(self, replicas: Iterable[ManagedReplica]) -> None:
-        """Record the replicas with a live engine (the readings kept as they are)."""
-        records = _records(replicas)
+    def save(self, replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path] | None = None) -> None:
+        """Record the replicas with a live engine and their scratch folders (by replica id; the readings kept as they
+        are)."""
+        records = _records(replicas, scratch_dirs or {})
         with self._lock:
             self._read_once()
             self._records = records
@@ -172,6 +183,12 @@ class StateFile:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def recorded_scratch(record: dict) -> object:
+    """What a record says of its engine's scratch folder, as written (a path, or None for none); `NOT_RECORDED` when
+    an older agent wrote it, which recorded none."""
+    return record.get(SCRATCH_KEY, NOT_RECORDED) if isinstance(record, dict) else NOT_RECORDED
 
 
 def replica_from_record(replica_id: str, record: dict, logs_dir: Path, desired: dict[str, ReplicaSpec] | None) -> ManagedReplica:

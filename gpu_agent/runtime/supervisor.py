@@ -672,7 +672,7 @@ class Supervisor:
         replica of its endpoint runs here). Every `sweep_interval_s` the cache folders of endpoints with no replica
         here go when too old, or least recently used first while all of them are over the budget. The walks run
         outside the lock (thousands of files take a while); what goes is chosen again and renamed aside under it,
-        then deleted outside it. Nothing with the sandbox off: engines then get no folders of their own.
+        then deleted on the removals' thread (`engine_disk.Removals`). Nothing with the sandbox off: engines then get no folders of their own.
         """
         if self.sandbox_mode == sandbox.SandboxMode.OFF:
             return
@@ -761,7 +761,9 @@ class Supervisor:
                     self._caches.forget(folder.name)
                     logger.info("pruned the engine cache of endpoint folder %s (%d bytes, last used %.0fs ago)",
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
-        self._remove_now(removed)
+        # NOTE: on the removals' thread, never this one: before, an engine past its bound of files (200k, a walk of
+        # 23-46 s) was walked here, and every other engine's disk checks waited behind it.
+        self._removals.add(*removed)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
     def remove_engine_caches(self) -> int:
@@ -801,14 +803,23 @@ class Supervisor:
             if not engine_disk.remove_tree(path, max_entries=self._removals.max_entries):
                 self._removals.add(path)
 
-    def _adopt_folders(self, replica_id: str, pid: int) -> None:
+    def _adopt_folders(self, replica_id: str, pid: int, recorded_scratch: object) -> None:
         """Take on the folders of an engine a previous agent started: its adapters are staged there from now on,
-        and both go when it does. NOTE: only a plain launch outlives its agent, and its TMPDIR is in its
-        environment block, which the engine may rewrite: a scratch folder is taken only if this agent made it for
-        this replica (`sandbox.is_scratch_folder`)."""
+        its scratch is measured (`check_disk`), and both go when it does. The scratch folder is the one its record
+        names (`sandbox.recorded_scratch_folder`), present or not.
+
+        NOTE: only for an older agent's record, which names none, the path is the TMPDIR of the engine's environment
+        block, which the engine may rewrite, taken only if its owner file (the engine's too) says this agent made it
+        for this replica (`sandbox.is_scratch_folder`): an engine that removed that file, or rewrote its TMPDIR, is
+        then measured only in its cache folder, until it ends."""
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(replica_id)
         if adapter_dir.is_dir():
             self._adapter_dirs[replica_id] = adapter_dir
+        if recorded_scratch is not state_file.NOT_RECORDED:
+            scratch_dir = sandbox.recorded_scratch_folder(recorded_scratch, replica_id)
+            if scratch_dir is not None:
+                self._scratch_dirs[replica_id] = scratch_dir
+            return
         try:
             scratch_dir = Path(psutil.Process(pid).environ().get("TMPDIR", ""))
         except (psutil.Error, OSError):
@@ -1037,9 +1048,13 @@ class Supervisor:
         adopted, killed = [], []
         records = self.state.records()
         with self._lock:
+            ended_scratch = []  # the scratch folders the records name of engines not adopted: removed below
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
                     continue
+                recorded_scratch = state_file.recorded_scratch(record)
+                if recorded_scratch is not state_file.NOT_RECORDED:
+                    ended_scratch.append(sandbox.recorded_scratch_folder(recorded_scratch, replica_id))
                 try:
                     replica = state_file.replica_from_record(replica_id, record, self.logs_dir, desired)
                 except (ValueError, KeyError, TypeError, AttributeError):
@@ -1059,7 +1074,7 @@ class Supervisor:
                         # woken (a RUN found it READY already).
                         replica.fell_asleep()
                     self._replicas[replica_id] = replica
-                    self._adopt_folders(replica_id, pid)
+                    self._adopt_folders(replica_id, pid, recorded_scratch)
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
                 else:
@@ -1082,7 +1097,9 @@ class Supervisor:
                 if folder not in kept:
                     leftovers.append(folder if folder.name.startswith(engine_disk.SET_ASIDE_PREFIX)
                                      else engine_disk.set_aside(folder))
-            for folder in sandbox.scratch_folders_of(self.data_dir):
+            # NOTE: by the records first (an engine may have removed its owner file), then by owner files, for what no
+            # record names (`sandbox.scratch_folders_of`). A folder named twice is renamed once (then it is gone).
+            for folder in dict.fromkeys([*filter(None, ended_scratch), *sandbox.scratch_folders_of(self.data_dir)]):
                 if folder not in kept and folder not in aside_now:
                     leftovers.append(sandbox.set_scratch_aside(folder, self.data_dir))
             leftovers.extend(aside_now)
@@ -1098,4 +1115,4 @@ class Supervisor:
                 self.standby.stop()
 
     def _save_state(self) -> None:
-        self.state.save(self._replicas.values())
+        self.state.save(self._replicas.values(), self._scratch_dirs)

@@ -540,6 +540,91 @@ def test_a_new_agent_adopts_no_scratch_folder_an_engine_names_but_its_own(make_s
             subprocess.run(["rm", "-rf", str(folder)], check=True)
 
 
+def _vanish(agent: Supervisor) -> None:
+    """The agent is killed: its engines run on, and its state file stays as it last wrote it."""
+    agent._probe.close()
+    agent._replicas.clear()
+
+
+@pytest.mark.parametrize("engine_hides", ["its owner file removed", "its TMPDIR rewritten"])
+def test_an_adopted_engine_that_hides_its_scratch_folder_is_measured_there_and_it_goes_with_it(
+    make_supervisor, tmp_path, monkeypatch, engine_hides
+):
+    """Before, the new agent found an adopted engine's scratch by the engine's owner file and environment, both the
+    engine's to rewrite: with the file removed the engine wrote 5 MB past a 1 MB bound and stayed READY, its folder
+    left after the agent's exit; with its TMPDIR rewritten, the new agent's start removed its live folder as a killed
+    agent's leftover. Now the folder is the one the agent's own state file records."""
+    from gpu_agent.runtime import supervisor as supervisor_module
+    from gpu_agent.runtime.engine_disk import EngineDiskBounds
+
+    data_dir = tmp_path / "agent"
+    bounds = EngineDiskBounds(engine_max_bytes=1_000_000, check_interval_s=0.01)
+    first = make_supervisor(data_dir, disk_bounds=bounds)
+    first.start(make_spec("r-kept"), tmp_path / "model")
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
+    scratch = Path(first.get("r-kept").command.env["TMPDIR"])
+    _vanish(first)
+    if engine_hides == "its owner file removed":
+        (scratch / sandbox.SCRATCH_OWNER_FILE).unlink()  # the engine's own folder: its to write
+    else:  # as the new agent reads the engine's environment block, which the engine rewrote
+        decoy = sandbox.make_scratch_folder(data_dir, "r-kept")
+        shutil.rmtree(decoy)
+        environ = psutil.Process.environ
+        monkeypatch.setattr(supervisor_module.psutil.Process, "environ",
+                            lambda self: {**environ(self), "TMPDIR": str(decoy)})
+
+    second = make_supervisor(data_dir, disk_bounds=bounds)
+    assert second.recover({"r-kept": make_spec("r-kept")}) == (["r-kept"], [])
+    wait_until(lambda: not second._removals.pending(), 10)
+    assert scratch.is_dir() and second.get("r-kept").state == ReplicaState.READY  # its live folder kept
+    (scratch / "fill.bin").write_bytes(os.urandom(5_000_000))  # the engine writes 5x its bound there
+    second.check_disk()
+    assert second.get("r-kept").state == ReplicaState.FAILED
+    second.shutdown(timeout_s=5)
+    assert not scratch.exists()
+
+
+def test_a_killed_engine_that_removed_its_owner_file_has_its_scratch_folder_removed_by_the_next_agent(
+    make_supervisor, tmp_path
+):
+    """Before, the next agent found a killed agent's engines' folders by their owner files (or names set aside): an
+    engine that removed its file kept its folder on the node's disk past both agents. Now its record names it."""
+    data_dir = tmp_path / "agent"
+    first = make_supervisor(data_dir)
+    first.start(make_spec("r-gone"), tmp_path / "model")
+    wait_until(lambda: {r.state for r in first.statuses()} == {ReplicaState.READY}, 30, poll=first.poll)
+    scratch = Path(first.get("r-gone").command.env["TMPDIR"])
+    _vanish(first)
+    (scratch / sandbox.SCRATCH_OWNER_FILE).unlink()
+    (scratch / "fill.bin").write_bytes(b"x" * 1000)
+
+    second = make_supervisor(data_dir)
+    try:
+        assert second.recover({}) == ([], ["r-gone"])
+        wait_until(lambda: not scratch.exists() and not sandbox.scratch_set_aside_of(data_dir), 10)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_scratch_folder_a_record_names_is_taken_only_where_the_agent_makes_that_replicas(tmp_path):
+    # The state file is the agent's own, but a path read back from it never names a folder outside the temporary
+    # folder, another replica's, or one set aside.
+    own = sandbox.make_scratch_folder(tmp_path / "agent", "r-a")
+    try:
+        assert sandbox.recorded_scratch_folder(str(own), "r-a") == own
+        gone = own.with_name(own.name + "x")  # not there: nothing to adopt or remove, and no error
+        assert sandbox.recorded_scratch_folder(str(gone), "r-a") == gone
+        for recorded in [str(tmp_path / own.name), f"{own.parent}/../{own.parent.name}/{own.name}", f"{own}/sub",
+                         f"{own.parent}//{own.name}", str(own.parent), own.name, "", 7, [str(own)]]:
+            assert sandbox.recorded_scratch_folder(recorded, "r-a") is None, recorded
+        assert sandbox.recorded_scratch_folder(str(own), "r-b") is None
+        aside = sandbox.set_scratch_aside(sandbox.make_scratch_folder(tmp_path / "agent", "r-a"), tmp_path / "agent")
+        assert sandbox.recorded_scratch_folder(str(aside), "r-a") is None
+        shutil.rmtree(aside)
+    finally:
+        shutil.rmtree(own)
+
+
 # A new agent looking for what a killed one's engines left (`scratch_folders_of`, at its start, under the supervisor's
 # lock) and adopting a live engine's folder (`is_scratch_folder`, the path from the engine's own environment), in a
 # child held to this much memory: what it reads of an owner file is a path.
