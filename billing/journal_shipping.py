@@ -66,8 +66,12 @@ PREFIX = "usage-journal/"
 REJECTED_PREFIX = "usage-journal-rejected/"
 REPLAY_BATCH = 500  # rows a statement, as the gateway's writer (`usage_writer.MAX_BATCH`)
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 3, 10, 2
-# The longest one upload may take before it fails (a pod's grace period leaves room for it: infra/k8s/base/web.yaml).
-ONE_PUT_BOUND_S = ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S)
+# The longest one upload is taken to run before it fails (a pod's grace period leaves room for it:
+# infra/k8s/base/web.yaml): its attempts' connect and read timeouts and the standard retry mode's pause between them
+# (at most 1 s). NOTE: an assumption, not a bound: botocore's timeouts bound each socket operation (a connect is tried
+# per address the bucket's name resolves to), not a whole put; the README says what a slower bucket does.
+RETRY_PAUSE_MAX_S = 1
+ONE_PUT_BOUND_S = ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + (ATTEMPTS - 1) * RETRY_PAUSE_MAX_S
 _CLIENT_CONFIG = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                         retries={"max_attempts": ATTEMPTS, "mode": "standard"})
 FAILURES = (BotoCoreError, ClientError, OSError)

@@ -412,8 +412,9 @@ GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 
 # (`tests/infra/test_manifests.py` holds it).
 GATEWAY_DRAIN_S = env_float("INFERPLANE_GATEWAY_DRAIN_S", 100.0, minimum=0)
 # How long a web process has from its SIGTERM before the kernel's SIGKILL (the web pod's grace period less its preStop
-# pause; 0: not known): no step of its stop is given time past it (`endpoints.gateway.drain.stop_budget_end`), whatever
-# GATEWAY_DRAIN_S says (`tests/infra/test_manifests.py` holds it to web.yaml).
+# pause; 0: not known): the journal's shipping runs up to it less the exit's 2 s, and the drain is cut short where
+# GATEWAY_DRAIN_S would leave the steps after it no room (`endpoints.gateway.drain.stop_budget_end`, `drain_bound_s`;
+# `tests/infra/test_manifests.py` holds it to web.yaml).
 GATEWAY_STOP_GRACE_S = env_float("INFERPLANE_GATEWAY_STOP_GRACE_S", 0.0, minimum=0)
 # A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the bytes of
 # an organisation's whole answers in a gateway process (read from engines, not yet taken by its clients) are bounded:

@@ -319,7 +319,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 access_log.prepare()  # the URL conf, read now rather than by the first request logged
                 _freeze_startup_objects()
-                drain.install()  # the first SIGTERM drains the calls in flight before the server hears it
+                drain.install(after_graceful_s=_AFTER_GRACEFUL_S)  # the first SIGTERM drains the calls in flight before the server hears it
                 await presence.start(web=True)
                 self._folding = asyncio.ensure_future(metrics.fold_every_second())
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
@@ -328,8 +328,9 @@ class Gateway:
                 await finish_pending()  # calls cut at the graceful deadline still write their usage
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
                 # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
-                await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S, process_stops=True,
-                                                  ship_until=drain.stop_budget_end(_AFTER_GRACEFUL_S))
+                ship_until = drain.stop_budget_end(
+                    _AFTER_GRACEFUL_S, at_least=time.monotonic() + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S)
+                await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S, process_stops=True, ship_until=ship_until)
                 if self._folding is not None:
                     self._folding.cancel()
                 metrics.fold()  # the last counts, before the process goes

@@ -48,6 +48,8 @@ running: dict = {}
 _drain_task: asyncio.Task | None = None
 # The server's own `--timeout-graceful-shutdown` (`install`): None where no uvicorn server was found, or it has none.
 _graceful_shutdown_s: float | None = None
+# What the stop does after uvicorn's graceful wait (`install`): the drain leaves it room within the grace period.
+_after_graceful_s = 0.0
 # What a stopping process does after its last bounded step (the journal's shipping): its last counts, its clients
 # closed, its exit. Kept from the grace period's end (`stop_budget_end`).
 STOP_EXIT_S = 2.0
@@ -58,23 +60,41 @@ def draining() -> bool:
     return _draining_since is not None
 
 
-def stop_budget_end(after_graceful_s: float) -> float | None:
-    """When a stop's steps after uvicorn's graceful wait must be done (`time.monotonic()`): `GATEWAY_DRAIN_S`, the
+def stop_budget_end(after_graceful_s: float, *, at_least: float | None = None) -> float | None:
+    """When a stop's last step (the usage journal's shipping, in an outage) must be done (`time.monotonic()`); None
+    when no signal came (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call).
+
+    With the pod's grace period known (`GATEWAY_STOP_GRACE_S`): that from the signal, less `STOP_EXIT_S`, whatever the
+    steps before used (the drain's own bound is kept within it, `drain_bound_s`). Otherwise: `GATEWAY_DRAIN_S`, the
     server's `--timeout-graceful-shutdown` and then `after_graceful_s` from the signal, as infra/k8s/base/web.yaml's
-    grace period counts them, but never past `GATEWAY_STOP_GRACE_S` (less `STOP_EXIT_S`) from it when that is set;
-    None when no signal came (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call). What
-    the drain and the steps before did not use of their own bounds is left to the last one (the usage journal's
-    shipping, in an outage).
+    grace period counts them, or `at_least` if that is later (the shipping's own floor: steps before that overran).
+    What the drain and the steps before did not use of their own bounds is left to the last one.
 
     NOTE: capped by the pod's grace period: before, a drain set within the README's rule of the time (which counted
     neither the replay, 5 s, nor the shipping, 30 s) gave a stop with grace 170 s a budget to +195 s, and an upload
-    could begin that SIGKILL, at +160 s, cut (found by the fourth review of this shipping)."""
+    could begin that SIGKILL, at +160 s, cut (the fourth review of this shipping). And the cap is the end, not the
+    sum of the steps' bounds within it: steps that overran by 4.4 s ended the shipping before its first 26 s put could
+    begin though SIGKILL was 29.5 s away, and with no cap the 30 s floor was gone (the fifth)."""
     if _draining_since is None:
         return None
-    end = _draining_since + settings.GATEWAY_DRAIN_S + graceful_shutdown_s() + after_graceful_s
     if settings.GATEWAY_STOP_GRACE_S:
-        end = min(end, _draining_since + settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S)
-    return end
+        return _draining_since + settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S
+    end = _draining_since + settings.GATEWAY_DRAIN_S + graceful_shutdown_s() + after_graceful_s
+    return end if at_least is None else max(end, at_least)
+
+
+def drain_bound_s() -> float:
+    """How long the drain waits for the calls in flight, from the signal: `GATEWAY_DRAIN_S`, but with the pod's grace
+    period known (`GATEWAY_STOP_GRACE_S`) never so long that the steps after it (uvicorn's graceful wait and what
+    `install` was told follows: the cut calls' finishes, the journal's replay and shipping) would not fit before it.
+
+    NOTE: before, a drain set past that (the README's rule of the time allowed 140 s with grace 170 s) ran the cut
+    calls' finishes into SIGKILL: the journal was never replayed nor shipped, and in an outage left with the pod."""
+    bound = settings.GATEWAY_DRAIN_S
+    if settings.GATEWAY_STOP_GRACE_S:
+        room = settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S - graceful_shutdown_s() - _after_graceful_s
+        bound = min(bound, max(0.0, room))
+    return bound
 
 
 def graceful_shutdown_s() -> float:
@@ -97,15 +117,17 @@ class handling:  # noqa: N801 - used as a statement: `with drain.handling():`
         _num_handling -= 1
 
 
-def install() -> bool:
-    """Drain on the first SIGTERM before the uvicorn server running this loop hears it; whether it was installed."""
+def install(*, after_graceful_s: float = 0.0) -> bool:
+    """Drain on the first SIGTERM before the uvicorn server running this loop hears it; whether it was installed.
+    `after_graceful_s`: what the stop does after uvicorn's graceful wait, kept within the grace period (`drain_bound_s`)."""
     server_exit = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not isinstance(
         getattr(server_exit, "__self__", None), uvicorn.Server
     ):
         return False
-    global _graceful_shutdown_s
+    global _graceful_shutdown_s, _after_graceful_s
     _graceful_shutdown_s = server_exit.__self__.config.timeout_graceful_shutdown
+    _after_graceful_s = after_graceful_s
     loop = asyncio.get_running_loop()
 
     def on_sigterm(signum, frame) -> None:
@@ -127,11 +149,13 @@ def _start(stop_server: Callable[[], None]) -> None:
 
 
 async def _drain(stop_server: Callable[[], None]) -> None:
-    deadline = _draining_since + settings.GATEWAY_DRAIN_S
+    bound_s = drain_bound_s()
+    deadline = _draining_since + bound_s
+    if bound_s < settings.GATEWAY_DRAIN_S:
+        logger.warning("stopping: the drain waits %.0f s, not INFERPLANE_GATEWAY_DRAIN_S's %.0f s: the steps after it "
+                       "would not fit the grace period (INFERPLANE_GATEWAY_STOP_GRACE_S)", bound_s, settings.GATEWAY_DRAIN_S)
     if _num_handling:
-        logger.warning(
-            "stopping: %d call(s) in flight, waited for up to %.0f s", _num_handling, settings.GATEWAY_DRAIN_S
-        )
+        logger.warning("stopping: %d call(s) in flight, waited for up to %.0f s", _num_handling, bound_s)
     try:
         while _num_handling and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)

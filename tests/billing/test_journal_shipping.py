@@ -1233,10 +1233,51 @@ def test_a_signalled_gateways_shipping_never_runs_past_the_pods_grace_period(mon
     settings.GATEWAY_STOP_GRACE_S = 170 - 10  # web.yaml: the grace period less the preStop sleep
     monkeypatch.setattr(drain, "_draining_since", 1000.0)
     assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 <= 160 - drain.STOP_EXIT_S
-    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 10 + 10 + 5 + 30
+    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap; the shipping may use the rest
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 160 - drain.STOP_EXIT_S
     settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 0  # the grace period not known: no cap
     assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 140 + 10 + 10 + 5 + 30
+    # ... but steps that overran keep the shipping's own 30 s after the replay
+    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S, at_least=1200.0) == 1200.0
+
+
+def test_a_drain_set_past_the_grace_periods_room_is_cut_short_for_the_steps_after_it(monkeypatch, settings):
+    """`GATEWAY_STOP_GRACE_S` capped the shipping alone: a drain set by the README's old rule (140 s with grace 170 s)
+    ran the graceful wait and the cut calls' finishes into SIGKILL, and the journal's replay and shipping never ran
+    (the fifth review). Now the drain leaves them their room."""
+    from endpoints.gateway import app, drain
+
+    monkeypatch.setattr(drain, "_graceful_shutdown_s", 10)
+    monkeypatch.setattr(drain, "_after_graceful_s", app._AFTER_GRACEFUL_S)
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 160
+    assert drain.drain_bound_s() == 160 - drain.STOP_EXIT_S - 10 - (10 + 5 + 30)
+    settings.GATEWAY_DRAIN_S = 100  # web.yaml's fits: kept
+    assert drain.drain_bound_s() == 100
+    settings.GATEWAY_STOP_GRACE_S = 0  # not known: as configured
+    settings.GATEWAY_DRAIN_S = 140
+    assert drain.drain_bound_s() == 140
+
+
+def test_a_stop_whose_steps_overran_still_ships_what_fits_before_the_grace_periods_end(
+    outage, files_bucket, settings, monkeypatch  # noqa: F811
+):
+    """Production numbers (drain 100, graceful 10, grace 160): the steps before the shipping overran by 4 s, the
+    replay's deadline at signal + 129. SIGKILL comes 31 s later, room for one 27 s put; before, the shipping ended at
+    the steps' summed bounds (signal + 155, 26 s after the replay) and shipped nothing (the fifth review's test, which
+    overran by 5.5 s)."""
+    from endpoints.gateway import app, drain
+
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 100, 160
+    endpoint = EndpointFactory()
+    directory = usage_writer.journal().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "gone-5-0.jsonl").write_bytes(encode(usage_report(endpoint, request_id="r-5-0")))
+    replay_deadline = time.monotonic()
+    monkeypatch.setattr(drain, "_draining_since", replay_deadline - 129)
+    monkeypatch.setattr(drain, "_graceful_shutdown_s", 10)
+    ship_until = drain.stop_budget_end(app._AFTER_GRACEFUL_S, at_least=replay_deadline + 30)
+    assert ship_until - replay_deadline == pytest.approx(160 - 129 - drain.STOP_EXIT_S)
+    assert asyncio.run(usage_writer.ship_what_is_left(replay_deadline, process_stops=True, ship_until=ship_until)) == 1
 
 
 def test_a_signalled_gateways_budget_counts_the_graceful_wait_its_server_was_given(monkeypatch, settings):
