@@ -32,7 +32,6 @@ from django.db.models import (
     F,
     FloatField,
     Func,
-    Min,
     Q,
     Sum,
     Value,
@@ -63,6 +62,10 @@ REPORT_TIMES = ("started_at", "first_token_at", "finished_at")
 REPORT_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                 "price_fraction")
 _MINUTE = timedelta(minutes=1)
+# Readers that find rows by `recorded_at` (the rollups, the credit draw) read this far back before their previous run's
+# start (the database's clock), so a row whose transaction committed after that run had started is never missed
+# (single-statement inserts take milliseconds).
+RECORDED_AT_MARGIN = timedelta(minutes=5)
 
 
 @dataclass(slots=True)
@@ -601,16 +604,44 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
     return others + sum(pending.values(), Decimal(0)), pending
 
 
-def undrawn_usage_began(account: BillingAccount) -> datetime | None:
-    """When the prepaid usage not drawn yet began: the earliest start of the prepaid rows that finished since the last
-    draw (all of them if there was none); None when there are none.
+def undrawn_prepaid_usage(account: BillingAccount, undrawn: Decimal) -> list[tuple[datetime, Decimal]]:
+    """The prepaid usage not drawn yet, `undrawn` of cost in all (`undrawn_prepaid_spend`), as the start and the cost
+    of each part of it, earliest start first: the rows last recorded (`recorded_at`, the database's clock) among those
+    recorded since the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they
+    make `undrawn`. What they do not make (a row committed later than the margin after it was stamped) is dated at
+    that draw.
 
-    NOTE: not the last draw's time: draws run only for usage, so an account idle for months was last drawn months ago,
-    and every grant that expired meanwhile, unused, would have paid for its next usage."""
-    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
+    NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
+    (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
+    a row committed a moment after the draw read the ledger) is drawn by the next draw from the grants it was made
+    under (`billing.models.credit_shares`). Before, only rows finished since the last draw dated the usage: such a row
+    was drawn from a later grant (paid twice) or, with none left, from nothing. The amount stays
+    `undrawn_prepaid_spend` (exactly once); the margin's rows drawn already only make the search longer, and a row
+    among them that committed after the last draw read the ledger may lend its start to one that did not."""
+    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID,
+                                      cost__gt=0)
     if account.credit_drawn_at is not None:
-        rows = rows.filter(finished_at__gte=account.credit_drawn_at)
-    return rows.aggregate(began=Min("started_at"))["began"]
+        rows = rows.filter(recorded_at__gte=account.credit_drawn_at - RECORDED_AT_MARGIN)
+    rows = rows.order_by("-recorded_at", "-id").values_list("id", "recorded_at", "started_at", "cost")
+    parts: list[tuple[datetime, Decimal]] = []
+    left, after = undrawn, None
+    while left > 0:
+        page = rows if after is None else rows.filter(Q(recorded_at__lt=after[1]) | Q(recorded_at=after[1], id__lt=after[0]))
+        page = list(page[:_UNDRAWN_PAGE])
+        for row_id, recorded_at, started_at, cost in page:
+            parts.append((started_at, min(cost, left)))
+            left -= cost
+            after = (row_id, recorded_at)
+            if left <= 0:
+                break
+        if len(page) < _UNDRAWN_PAGE:
+            break
+    if left > 0:
+        parts.append((account.credit_drawn_at or timezone.now(), left))
+    return sorted(parts, key=lambda part: part[0])
+
+
+_UNDRAWN_PAGE = 2000
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:
