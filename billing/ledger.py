@@ -604,44 +604,44 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
     return others + sum(pending.values(), Decimal(0)), pending
 
 
+# The undrawn prepaid rows, newest recorded first until they make the amount not drawn yet, summed per minute of their
+# start (`undrawn_prepaid_usage`): the part of the last of them that the amount takes, and no more.
+_UNDRAWN_BY_MINUTE = f"""
+SELECT min(started_at), sum(least(cost, %(undrawn)s - (running - cost)))
+FROM (SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC) AS running
+      FROM {_TABLE}
+      WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}' AND cost > 0{{since}}) undrawn_rows
+WHERE running - cost < %(undrawn)s
+GROUP BY date_trunc('minute', started_at, 'UTC')
+ORDER BY 1
+"""
+
+
 def undrawn_prepaid_usage(account: BillingAccount, undrawn: Decimal) -> list[tuple[datetime, Decimal]]:
-    """The prepaid usage not drawn yet, `undrawn` of cost in all (`undrawn_prepaid_spend`), as the start and the cost
-    of each part of it, earliest start first: the rows last recorded (`recorded_at`, the database's clock) among those
+    """The prepaid usage not drawn yet, `undrawn` of cost in all (`undrawn_prepaid_spend`), as when each part of it
+    began and its cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those
     recorded since the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they
-    make `undrawn`. What they do not make (a row committed later than the margin after it was stamped) is dated at
-    that draw.
+    make `undrawn`, summed per minute of their start (each part dated at its earliest: a grant that expired within that
+    minute pays for it, by less than a minute of usage made after). What they do not make (a row committed later than
+    the margin after it was stamped) is dated at that draw.
 
     NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
     (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
     a row committed a moment after the draw read the ledger) is drawn by the next draw from the grants it was made
     under (`billing.models.credit_shares`). Before, only rows finished since the last draw dated the usage: such a row
     was drawn from a later grant (paid twice) or, with none left, from nothing. The amount stays
-    `undrawn_prepaid_spend` (exactly once); the margin's rows drawn already only make the search longer, and a row
+    `undrawn_prepaid_spend` (exactly once); the margin's rows drawn already only make the read longer, and a row
     among them that committed after the last draw read the ledger may lend its start to one that did not."""
-    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID,
-                                      cost__gt=0)
-    if account.credit_drawn_at is not None:
-        rows = rows.filter(recorded_at__gte=account.credit_drawn_at - RECORDED_AT_MARGIN)
-    rows = rows.order_by("-recorded_at", "-id").values_list("id", "recorded_at", "started_at", "cost")
-    parts: list[tuple[datetime, Decimal]] = []
-    left, after = undrawn, None
-    while left > 0:
-        page = rows if after is None else rows.filter(Q(recorded_at__lt=after[1]) | Q(recorded_at=after[1], id__lt=after[0]))
-        page = list(page[:_UNDRAWN_PAGE])
-        for row_id, recorded_at, started_at, cost in page:
-            parts.append((started_at, min(cost, left)))
-            left -= cost
-            after = (row_id, recorded_at)
-            if left <= 0:
-                break
-        if len(page) < _UNDRAWN_PAGE:
-            break
+    recorded_since = account.credit_drawn_at - RECORDED_AT_MARGIN if account.credit_drawn_at is not None else None
+    with connection.cursor() as cursor:
+        since = "" if recorded_since is None else " AND recorded_at >= %(recorded_since)s"
+        cursor.execute(_UNDRAWN_BY_MINUTE.format(since=since), {
+            "undrawn": undrawn, "organization_id": account.organization_id, "recorded_since": recorded_since})
+        parts = [(began, cost) for began, cost in cursor.fetchall()]
+    left = undrawn - sum((cost for _, cost in parts), Decimal(0))
     if left > 0:
-        parts.append((account.credit_drawn_at or timezone.now(), left))
-    return sorted(parts, key=lambda part: part[0])
-
-
-_UNDRAWN_PAGE = 2000
+        parts = sorted([*parts, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
+    return parts
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:

@@ -655,6 +655,32 @@ def test_usage_that_reaches_the_ledger_after_a_draw_it_finished_before_is_drawn_
         assert credit_available(organization.pk)[0] == Decimal("10")
 
 
+def test_a_late_row_after_a_draw_is_told_from_the_rows_that_draw_took_within_its_margin():
+    # The next draw reads the rows recorded since the last one's start less a margin (commits may land after a draw
+    # read the ledger): those it took already are in that window too, and must lend neither their amount nor their
+    # start to the late row that follows.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=2)
+    expired = grant_credits(SYSTEM, organization, amount=Decimal("5"), expires_at=started + timedelta(hours=1),
+                            granted_at=started)
+    lasting = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60),
+                            granted_at=started)
+    record_usage(usage_report(endpoint, prompt_tokens=1_000_000, completion_tokens=0))  # $1 now, after the expiry
+    assert draw_credits(organization.pk) == Decimal("1")
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=2_000_000,
+                              completion_tokens=0))  # $2 made before the expiry, recorded late
+
+    assert credit_available(organization.pk)[0] == Decimal("9")
+    assert draw_credits(organization.pk) == Decimal("2")
+    expired.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expired.consumed, lasting.consumed) == (Decimal("2"), Decimal("1"))
+    assert draw_credits(organization.pk) == 0
+
+
 def test_a_draw_committed_while_the_credit_left_is_read_is_counted_once(monkeypatch):
     # The figure was read in three statements: the account's `credit_drawn`, the grants, the ledger. A draw committed
     # between the first two was subtracted twice (the grants had taken it, `credit_drawn` still left it undrawn): an
