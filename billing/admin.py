@@ -82,7 +82,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
     list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
                     "closed_at", "pushed_at", "push_held_at", "push_error"]
     list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
-    actions = ["release_held", "confirm_held", "send_held_again", "keep_held"]
+    actions = ["release_held", "confirm_held", "send_held_as_new", "send_held_again", "keep_held"]
 
     def has_add_permission(self, request):
         return False  # NOTE: made by the rollups alone; one added here was pushed to Stripe and billed
@@ -116,6 +116,15 @@ class UsageRollupAdmin(admin.ModelAdmin):
             self.message_user(request, f"Rollups {skipped} were not confirmed: their push error names no meter event "
                                        "Stripe may have (held for an invoice line whose price cannot be told). Nothing "
                                        "of them was sent; send them again once Stripe can tell.", messages.ERROR)
+
+    @admin.action(description="Held as a duplicate: Stripe has LESS than its push error names; you cancelled its "
+                              "events in Stripe: send it again under new identifiers", permissions=["release_held"])
+    def send_held_as_new(self, request, queryset):
+        held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
+        num_sent = stripe_sync.send_held_as_new(queryset)
+        for rollup in UsageRollup.objects.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True):
+            self.log_change(request, rollup, "Sent a rollup held as a duplicate again under new identifiers")
+        self.message_user(request, f"Sent {num_sent} held rollup(s) again as new events.", messages.SUCCESS)
 
     @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
                               "send it to the organisation's customer of now", permissions=["release_held"])

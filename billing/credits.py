@@ -6,11 +6,11 @@ import logging
 from datetime import datetime
 from decimal import Decimal
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
-from billing.ledger import undrawn_prepaid_spend, undrawn_usage_began
-from billing.models import BillingAccount, CreditGrant
+from billing.ledger import undrawn_prepaid_spend, undrawn_prepaid_usage
+from billing.models import BillingAccount, CreditGrant, credit_shares
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
 
@@ -50,30 +50,31 @@ def draw_due_credits() -> int:
 
 
 def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
-    """Draw the ledger's prepaid spend not yet drawn from the grants it was made under (`CreditGrantQuerySet.paying_for`),
-    soonest expiry first.
+    """Draw the ledger's prepaid spend not yet drawn from the grants it was made under (`billing.models.credit_shares`:
+    each part of it from the grants not expired when it started, soonest expiry first).
 
     Only usage rows written in prepaid mode draw credit (postpaid rows are metered to Stripe).
-    Idempotent: the account remembers how much of the prepaid ledger it has drawn. The gateway never
-    settles more than it reserved against the credit left, so spend beyond it can only come from a
-    grant expiring while a request ran; it is drawn as nothing. Returns the amount taken from grants now.
+    Idempotent: the account remembers how much of the prepaid ledger it has drawn, and from when on the database's
+    clock its rows are new (`ledger.undrawn_prepaid_usage`). The gateway never settles more than it reserved against
+    the credit left, so spend beyond it can only come from a grant expiring while a request ran; it is drawn as
+    nothing. Returns the amount taken from grants now.
     """
     now = now or timezone.now()
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization_id)
-        BillingAccount.objects.filter(pk=account.pk).update(credit_draw_due=False, credit_drawn_at=now)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")
+            drawn_at = cursor.fetchone()[0]
+        BillingAccount.objects.filter(pk=account.pk).update(credit_draw_due=False, credit_drawn_at=drawn_at)
         undrawn = undrawn_prepaid_spend(account)
         if undrawn <= 0:
             return Decimal(0)
-        taken = Decimal(0)
-        since = undrawn_usage_began(account) or now
-        for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now).select_for_update():
-            share = min(grant.remaining, undrawn - taken)
-            if share > 0:
-                CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + share)
-                taken += share
-            if taken >= undrawn:
-                break
+        usage = undrawn_prepaid_usage(account, undrawn)
+        grants = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now).select_for_update())
+        shares = credit_shares(grants, usage)
+        for grant in grants:
+            if grant.pk in shares:
+                CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + shares[grant.pk])
         BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn + undrawn)
     # The Redis figure already counted this spend; it stays right. A new figure comes from the grants.
-    return taken
+    return sum(shares.values(), Decimal(0))

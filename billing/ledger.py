@@ -32,7 +32,6 @@ from django.db.models import (
     F,
     FloatField,
     Func,
-    Min,
     Q,
     Sum,
     Value,
@@ -63,6 +62,10 @@ REPORT_TIMES = ("started_at", "first_token_at", "finished_at")
 REPORT_MONEY = ("max_cost", "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                 "price_fraction")
 _MINUTE = timedelta(minutes=1)
+# Readers that find rows by `recorded_at` (the rollups, the credit draw) read this far back before their previous run's
+# start (the database's clock), so a row whose transaction committed after that run had started is never missed
+# (single-statement inserts take milliseconds).
+RECORDED_AT_MARGIN = timedelta(minutes=5)
 
 
 @dataclass(slots=True)
@@ -601,16 +604,44 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
     return others + sum(pending.values(), Decimal(0)), pending
 
 
-def undrawn_usage_began(account: BillingAccount) -> datetime | None:
-    """When the prepaid usage not drawn yet began: the earliest start of the prepaid rows that finished since the last
-    draw (all of them if there was none); None when there are none.
+# The undrawn prepaid rows, newest recorded first until they make the amount not drawn yet, summed per minute of their
+# start (`undrawn_prepaid_usage`): the part of the last of them that the amount takes, and no more.
+_UNDRAWN_BY_MINUTE = f"""
+SELECT min(started_at), sum(least(cost, %(undrawn)s - (running - cost)))
+FROM (SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC) AS running
+      FROM {_TABLE}
+      WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}' AND cost > 0{{since}}) undrawn_rows
+WHERE running - cost < %(undrawn)s
+GROUP BY date_trunc('minute', started_at, 'UTC')
+ORDER BY 1
+"""
 
-    NOTE: not the last draw's time: draws run only for usage, so an account idle for months was last drawn months ago,
-    and every grant that expired meanwhile, unused, would have paid for its next usage."""
-    rows = UsageRecord.objects.filter(organization_id=account.organization_id, billing_mode=BillingMode.PREPAID)
-    if account.credit_drawn_at is not None:
-        rows = rows.filter(finished_at__gte=account.credit_drawn_at)
-    return rows.aggregate(began=Min("started_at"))["began"]
+
+def undrawn_prepaid_usage(account: BillingAccount, undrawn: Decimal) -> list[tuple[datetime, Decimal]]:
+    """The prepaid usage not drawn yet, `undrawn` of cost in all (`undrawn_prepaid_spend`), as when each part of it
+    began and its cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those
+    recorded since the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they
+    make `undrawn`, summed per minute of their start (each part dated at its earliest: a grant that expired within that
+    minute pays for it, by less than a minute of usage made after). What they do not make (a row committed later than
+    the margin after it was stamped) is dated at that draw.
+
+    NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
+    (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
+    a row committed a moment after the draw read the ledger) is drawn by the next draw from the grants it was made
+    under (`billing.models.credit_shares`). Before, only rows finished since the last draw dated the usage: such a row
+    was drawn from a later grant (paid twice) or, with none left, from nothing. The amount stays
+    `undrawn_prepaid_spend` (exactly once); the margin's rows drawn already only make the read longer, and a row
+    among them that committed after the last draw read the ledger may lend its start to one that did not."""
+    recorded_since = account.credit_drawn_at - RECORDED_AT_MARGIN if account.credit_drawn_at is not None else None
+    with connection.cursor() as cursor:
+        since = "" if recorded_since is None else " AND recorded_at >= %(recorded_since)s"
+        cursor.execute(_UNDRAWN_BY_MINUTE.format(since=since), {
+            "undrawn": undrawn, "organization_id": account.organization_id, "recorded_since": recorded_since})
+        parts = [(began, cost) for began, cost in cursor.fetchall()]
+    left = undrawn - sum((cost for _, cost in parts), Decimal(0))
+    if left > 0:
+        parts = sorted([*parts, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
+    return parts
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:

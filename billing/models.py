@@ -7,6 +7,7 @@ which is also the unit of the Redis counters in `billing.quota`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 
@@ -241,7 +242,8 @@ class BillingAccount(models.Model):
     credit_drawn = MoneyField(default=Decimal(0))
     # Its prepaid usage changed and has not been drawn since: set with the rollups, cleared by the draw.
     credit_draw_due = models.BooleanField(default=False, db_default=False)
-    # When credit was last drawn: the usage not drawn yet finished after it (`ledger.undrawn_usage_began`). None: never.
+    # When credit was last drawn, on the database's clock (the transaction's `now()`; the worker's, before): the usage
+    # not drawn yet was recorded after it, less `ledger.RECORDED_AT_MARGIN` (`ledger.undrawn_prepaid_usage`). None: never.
     credit_drawn_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     # Payment standing (`billing.standing`): whether the Stripe customer has a default payment method, as
@@ -355,18 +357,39 @@ class CreditGrantQuerySet(models.QuerySet):
         return self.filter(granted_at__lte=now).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now))
 
     def paying_for(self, organization_id: int, *, since, now):
-        """The grants the organisation's usage not drawn yet is drawn from, soonest expiry first: those active now, and
-        those that expired after `since`, when that usage began (`ledger.undrawn_usage_began`): it was made while they
-        were active, in part at least.
-
-        NOTE: draws follow the rollups (every minute, later with the worker down). Usage made just before a grant
-        expired but drawn after was drawn from the next grant while the expired one kept that amount as unspent: the
-        customer paid for it twice. Usage made after the expiry but before the draw is drawn from the expired grant
-        too (at most one draw's delay, of credit the customer bought); the credit left (`quota.rebuild`) never counts
-        an expired grant's remainder beyond the usage not drawn yet."""
+        """The grants the organisation's usage not drawn yet may be drawn from, soonest expiry first: those granted by
+        `now` and active then, and those that expired after `since`, when the first of that usage began
+        (`ledger.undrawn_prepaid_usage`). Which of them pays for each part of it: `credit_shares`."""
         return (self.filter(organization_id=organization_id, granted_at__lte=now)
                 .filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=min(since, now)))
                 .order_by(models.F("expires_at").asc(nulls_last=True), "granted_at", "pk"))
+
+
+def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
+    """How much each of `grants` (`CreditGrantQuerySet.paying_for`, soonest expiry first) pays, by id, of `usage` (the
+    start and the cost of each part of the usage not drawn yet, earliest first: `ledger.undrawn_prepaid_usage`): each
+    part from the grants it was made under, those not expired when it started, soonest expiry first, within what each
+    has left. What none of them can pay is paid by none (`billing.credits.draw_credits` draws it as nothing).
+
+    NOTE: each part by its own start: usage made just before a grant expired but drawn after (draws follow the
+    rollups, every minute, later with the worker down, and a row may reach the ledger hours late) is drawn from that
+    grant, not from the next one while the expired one kept it as unspent (paid for twice); usage made after the
+    expiry is never drawn from it, nor is usage of an account idle for months from every grant that expired unused
+    meanwhile."""
+    left = {grant.pk: grant.remaining for grant in grants}
+    shares: dict[int, Decimal] = {}
+    for started_at, cost in usage:
+        for grant in grants:
+            if cost <= 0:
+                break
+            if grant.expires_at is not None and grant.expires_at <= started_at:
+                continue
+            share = min(left[grant.pk], cost)
+            if share > 0:
+                left[grant.pk] -= share
+                shares[grant.pk] = shares.get(grant.pk, Decimal(0)) + share
+                cost -= share
+    return shares
 
 
 class CreditGrant(models.Model):

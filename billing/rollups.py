@@ -21,15 +21,12 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from billing.ledger import HOURLY_TOTAL_FIELDS, hourly_totals
+from billing.ledger import HOURLY_TOTAL_FIELDS, RECORDED_AT_MARGIN, hourly_totals
 from billing.models import BillingAccount, BillingMode, RollupCursor, RollupKind, UsageRollup
 
 logger = logging.getLogger(__name__)
 
 ROLLUP_LOCK_ID = 0x1B111_0001
-# Rows are found by recorded_at; a run re-reads this far back so a row whose transaction
-# committed after a run had started is never missed (single-statement inserts take milliseconds).
-RECORDED_AT_MARGIN = timedelta(minutes=5)
 
 
 @dataclass(slots=True)

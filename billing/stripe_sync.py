@@ -787,6 +787,8 @@ def push_rollup(rollup_id: int) -> bool:
         for meter in due:
             generation = _push_meter_event(rollup, meter, getattr(rollup, meter.rollup_field), customer_id, timestamp,
                                            generation)
+    except HeldAsDuplicate:
+        return False
     except Exception as exc:
         UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None, push_error=str(exc)[:300])
         raise
@@ -819,6 +821,45 @@ def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
         push_error=f"held: is {identifier} in Stripe? unanswered since {rollup.push_first_tried_at:%Y-%m-%d %H:%M} UTC"[:300])
 
 
+class HeldAsDuplicate(Exception):
+    """Stripe refused a meter event as a duplicate of one this database never sent (`hold_duplicate`)."""
+
+
+def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
+    """Stop pushing `rollup`: Stripe refused its event for `meter` as a duplicate, yet this database remembers no
+    earlier try of it (`_push_meter_event`). The database went back in time (a point-in-time restore, a failover to a
+    replica that was behind) past a push of the rollup, which was made again since, from the usage there now; what
+    Stripe holds under its identifiers is what was sent then, which may be less (rows of the hour that reached the
+    ledger again after the rewind). Its `push_error` names its events not recorded yet and their values: an operator
+    compares them with Stripe's, then confirms the rollup (`confirm_held`: the same; every event named is recorded as
+    accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less).
+
+    NOTE: before, the refusal was recorded as Stripe accepting the rollup's value and the rollup marked pushed: what it
+    held beyond the events of before the rewind was billed by nobody (the rollups sum to the ledger, so no adjustment
+    ever came)."""
+    values = ", ".join(f"{due.event_name.removeprefix('inferplane_')} {getattr(rollup, due.rollup_field)}"
+                       for due in _unconfirmed(rollup))
+    events = meter_event_identifier(rollup, "*")
+    logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
+                 "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
+                 "rollup, or cancel its events in Stripe and send it as new, in the admin",
+                 rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
+    UsageRollup.objects.filter(pk=rollup.pk).update(
+        push_claimed_at=None, push_held_at=timezone.now(),
+        push_error=f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300])
+
+
+def send_held_as_new(rollups) -> int:
+    """Push these rollups, held as duplicates (`hold_duplicate`), again from the start under new identifiers
+    (`services.push_again`), once an operator has cancelled their events in Stripe (a meter event adjustment, within
+    a day of Stripe's receipt): Stripe held less than them. Returns how many."""
+    return services.push_again(rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True,
+                                              push_error__contains=_DUPLICATE_HOLD))
+
+
+_DUPLICATE_HOLD = "refused as a duplicate of a send this database does not remember"
+
+
 def release_held(rollups) -> int:
     """Push these held rollups on: Stripe does not have the event each was held for (it is sent again, its
     duplicate window begins anew)."""
@@ -838,12 +879,13 @@ def confirm_held(rollups) -> int:
     for rollup in rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True,
                                  num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER):
         due = _unconfirmed(rollup)
-        if due and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
+        duplicate = _DUPLICATE_HOLD in rollup.push_error  # `hold_duplicate`: every event it names
+        if due and not duplicate and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
             continue  # not held for an answer to this event: nothing of it is known to be in Stripe
-        if due:
+        for meter in due if duplicate else due[:1]:
             MeterEventPush.objects.get_or_create(
-                identifier=meter_event_identifier(rollup, due[0].event_name),
-                defaults={"rollup": rollup, "event_name": due[0].event_name, "value": getattr(rollup, due[0].rollup_field),
+                identifier=meter_event_identifier(rollup, meter.event_name),
+                defaults={"rollup": rollup, "event_name": meter.event_name, "value": getattr(rollup, meter.rollup_field),
                           "push_generation": rollup.push_generation,
                           "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
                           .values_list("stripe_customer_id", flat=True).first() or ""})
@@ -886,6 +928,9 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     started_clock = UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at__isnull=True).update(
         push_first_tried_at=first_tried_at) == 1
     refusals: list[bool] = []  # for each try that failed: whether Stripe refused it outright
+    # For each try that failed: whether it did nothing in Stripe (refused outright, or its key refused as another
+    # request's: sent before with other parameters, or in use by a try that started after this call's clock).
+    did_nothing: list[bool] = []
 
     def send(options):
         try:
@@ -900,6 +945,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             )
         except BaseException as exc:
             refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
+            did_nothing.append(refusals[-1] or isinstance(exc, stripe.IdempotencyError))
             raise
 
     created = None  # when Stripe received it, as it answers: unknown when it refuses it as a duplicate
@@ -911,6 +957,12 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
                 UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at=first_tried_at).update(
                     push_first_tried_at=None)
             raise
+        if started_clock and all(did_nothing[:-1]):
+            # NOTE: no earlier try is recorded, nor did one of this call's reach Stripe: not a try of ours whose answer
+            # was lost. (A key Stripe refused as sent before with other parameters says the same: an earlier push of
+            # this rollup's event, of other content, that this database does not remember.)
+            hold_duplicate(rollup, meter)
+            raise HeldAsDuplicate(identifier) from exc
         logger.info("stripe already has meter event %s", identifier)
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,

@@ -17,8 +17,16 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from django.utils import timezone
 from psycopg.errors import QueryCanceled
 
-from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_usage_began
-from billing.models import ApiKeySpendCap, BillingAccount, BillingMode, CreditGrant, UsageRecord, UsageStatus
+from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_prepaid_usage
+from billing.models import (
+    ApiKeySpendCap,
+    BillingAccount,
+    BillingMode,
+    CreditGrant,
+    UsageRecord,
+    UsageStatus,
+    credit_shares,
+)
 from billing.periods import Period, period_containing
 from billing.quota import replayed
 from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
@@ -452,13 +460,14 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         grants = list(CreditGrant.objects.filter(organization_id=organization_id))
         undrawn, pending = undrawn_prepaid_spend_and_pending(account, {*reserved_ids, *held_again})
         present = (*present, *(request_id for request_id in pending if request_id not in present))
-        # NOTE: what expired after the usage not drawn yet began pays first for it, as the draw will take it
-        # (`CreditGrantQuerySet.paying_for`), and never for anything more.
-        since = undrawn_usage_began(account) or now
-        lapsed = [grant for grant in CreditGrant.objects.paying_for(organization_id, since=since, now=now)
-                  if not grant.is_active(now)]
+        # NOTE: a grant expired since pays for the usage not drawn yet made while it was active, as the draw will
+        # take it (`billing.models.credit_shares`), and never for anything more.
+        usage = undrawn_prepaid_usage(account, undrawn) if undrawn > 0 else []
+        paying = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now)) if usage else []
+    shares = credit_shares(paying, usage)
+    undrawn_on_lapsed = sum((shares.get(grant.pk, Decimal(0)) for grant in paying if not grant.is_active(now)), Decimal(0))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn_on_active = max(undrawn - sum((grant.remaining for grant in lapsed), Decimal(0)), Decimal(0))
+    undrawn_on_active = max(undrawn - undrawn_on_lapsed, Decimal(0))
     available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
     ttl_s = CREDIT_FIGURE_MAX_TTL_S

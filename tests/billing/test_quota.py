@@ -624,6 +624,63 @@ def test_a_grant_that_expired_unused_while_an_account_was_idle_pays_for_none_of_
     assert (unused.consumed, lasting.consumed) == (Decimal("0"), Decimal("1"))
 
 
+@pytest.mark.parametrize("other_grant", [True, False], ids=["another grant active", "only the expired grant"])
+def test_usage_that_reaches_the_ledger_after_a_draw_it_finished_before_is_drawn_from_the_grant_it_was_made_under(
+        other_grant):
+    # A row recorded after a draw but finished before it (a journal replayed after an outage, the sweeper's
+    # `gateway_lost` row, a superseded row keeping its `finished_at`, a row committed a moment after the draw read the
+    # ledger). Before, only rows finished since the last draw dated the usage not drawn yet: with another grant active
+    # it paid (0, 3) while the expired grant kept the $3 as unspent; with none, the draw took 0 and wrote the $3 off.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=2)
+    expiring = grant_credits(SYSTEM, organization, amount=Decimal("5"), expires_at=started + timedelta(hours=1),
+                             granted_at=started)
+    lasting = (grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60),
+                             granted_at=started) if other_grant else None)
+    assert draw_credits(organization.pk, now=started + timedelta(minutes=50)) == 0  # nothing to draw yet
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=45), prompt_tokens=3_000_000,
+                              completion_tokens=0))  # $3, made while both grants were active, recorded now
+
+    if other_grant:
+        assert credit_available(organization.pk)[0] == Decimal("10"), "the expired grant pays for it"
+    assert draw_credits(organization.pk) == Decimal("3")
+    expiring.refresh_from_db()
+    assert expiring.consumed == Decimal("3")
+    if other_grant:
+        lasting.refresh_from_db()
+        assert lasting.consumed == 0
+        assert credit_available(organization.pk)[0] == Decimal("10")
+
+
+def test_a_late_row_after_a_draw_is_told_from_the_rows_that_draw_took_within_its_margin():
+    # The next draw reads the rows recorded since the last one's start less a margin (commits may land after a draw
+    # read the ledger): those it took already are in that window too, and must lend neither their amount nor their
+    # start to the late row that follows.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=2)
+    expired = grant_credits(SYSTEM, organization, amount=Decimal("5"), expires_at=started + timedelta(hours=1),
+                            granted_at=started)
+    lasting = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60),
+                            granted_at=started)
+    record_usage(usage_report(endpoint, prompt_tokens=1_000_000, completion_tokens=0))  # $1 now, after the expiry
+    assert draw_credits(organization.pk) == Decimal("1")
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=2_000_000,
+                              completion_tokens=0))  # $2 made before the expiry, recorded late
+
+    assert credit_available(organization.pk)[0] == Decimal("9")
+    assert draw_credits(organization.pk) == Decimal("2")
+    expired.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expired.consumed, lasting.consumed) == (Decimal("2"), Decimal("1"))
+    assert draw_credits(organization.pk) == 0
+
+
 def test_a_draw_committed_while_the_credit_left_is_read_is_counted_once(monkeypatch):
     # The figure was read in three statements: the account's `credit_drawn`, the grants, the ledger. A draw committed
     # between the first two was subtracted twice (the grants had taken it, `credit_drawn` still left it undrawn): an

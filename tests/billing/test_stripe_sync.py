@@ -138,9 +138,12 @@ def test_a_push_that_died_after_stripe_accepted_is_finished_without_double_billi
     settings.BILLING_CLAIM_TIMEOUT_S = 0.1
     rollup = _closed_rollup(EndpointFactory())
     stripe_sync.push_pending_rollups()
-    # Forget locally that it was pushed, as if the worker died after Stripe answered.
-    MeterEventPush.objects.filter(rollup=rollup).delete()
-    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1))
+    # Forget locally that it was pushed, as if the worker died after Stripe answered its last event (events go one by
+    # one, each recorded before the next is sent; its try's clock still running: without it, the duplicate would be of
+    # a send this database does not remember, as after a rewind, and held).
+    MeterEventPush.objects.filter(rollup=rollup, event_name=stripe_sync.COST_METER.event_name).delete()
+    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1),
+                                                    push_first_tried_at=timezone.now())
 
     assert stripe_sync.push_pending_rollups() == 1
     assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens
@@ -158,14 +161,17 @@ def test_a_meter_event_sent_again_with_another_date_under_its_earlier_key_is_not
     rollup_usage()
     rollup = UsageRollup.objects.get(endpoint=endpoint)
     assert stripe_sync.push_pending_rollups() == 1
-    # Forget locally that it was pushed, as if the worker died after Stripe answered.
-    MeterEventPush.objects.filter(rollup=rollup).delete()
-    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1))
+    # Forget locally that it was pushed, as if the worker died after Stripe answered its last event (events go one by
+    # one, each recorded before the next is sent; its try's clock still running: without it, the duplicate would be of
+    # a send this database does not remember, as after a rewind, and held).
+    MeterEventPush.objects.filter(rollup=rollup, event_name=stripe_sync.COST_METER.event_name).delete()
+    UsageRollup.objects.filter(pk=rollup.pk).update(pushed_at=None, push_claimed_at=timezone.now() - timedelta(seconds=1),
+                                                    push_first_tried_at=timezone.now())
     time.sleep(1.1)  # the oldest time Stripe takes is a second later
 
     assert stripe_sync.push_pending_rollups() == 1
     assert _token_total(fake_stripe) == rollup.prompt_tokens + rollup.completion_tokens  # once
-    assert fake_stripe.num_duplicate_identifiers == 4  # found under the new keys, not sent twice
+    assert fake_stripe.num_duplicate_identifiers == 1  # found under the new key, not sent twice
 
 
 def test_an_open_hour_is_not_pushed(fake_stripe):
@@ -351,6 +357,80 @@ def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_
 
     assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # once
     assert len(fake_stripe.meter_events) == 4  # Stripe took each event once (the same idempotency key, or identifier)
+
+
+@pytest.mark.parametrize("keys", ["kept", "forgotten"])
+def test_a_rollup_made_again_with_more_usage_after_the_database_went_back_in_time_is_held_then_billed_whole(
+        fake_stripe, keys, client):
+    from django.contrib.auth import get_user_model
+
+    # After a rewind past an hour's close (within a day of its push), rows of the hour that reach the ledger again
+    # (a journal's late rows) make its rollup again larger than what Stripe holds under its identifiers. Before,
+    # Stripe's `duplicate_meter_event` was recorded as our value accepted and the rollup marked pushed (the push
+    # returned 1): Stripe had 150 tokens / 20 µ$ while the ledger and the rollup had 1650 / 270 µ$, billed by nobody.
+    # Stripe refuses the first event's idempotency key as sent with other parameters while it keeps it (a day), and
+    # its identifier as a duplicate after.
+    endpoint = EndpointFactory()
+    first = _closed_rollup(endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    MeterEventPush.objects.filter(rollup=first).delete()  # the rewind: the rollup and its pushes are gone...
+    UsageRollup.objects.filter(pk=first.pk).delete()
+    record_usage(usage_report(endpoint, finished_at=first.hour_start + timedelta(minutes=10), prompt_tokens=1000,
+                              cached_tokens=0, completion_tokens=500))  # ...and a late row of the hour is back
+    rollup_usage(full=True)
+    again = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+    assert again.push_uid == first.push_uid and again.completion_tokens == 530
+    if keys == "forgotten":
+        fake_stripe.forget_idempotency_keys()
+
+    assert stripe_sync.push_pending_rollups() == 0
+    assert stripe_sync.push_pending_rollups() == 0  # and not claimed again while held
+    again.refresh_from_db()
+    assert again.pushed_at is None and again.push_held_at is not None
+    assert again.push_error == (f"held: rollup-{again.push_uid}-* refused as a duplicate of a send this database does "
+                                f"not remember: does Stripe have input_tokens {again.input_tokens}, cached_input_tokens "
+                                f"20, output_tokens 530, usage_cost {again.cost_micro_dollars}?")
+    assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # Stripe's, unchanged
+
+    # The operator finds less in Stripe, cancels the rollup's events there (a meter event adjustment), and sends it as new.
+    for identifier in [identifier for identifier in fake_stripe.meter_events if str(again.push_uid) in identifier]:
+        del fake_stripe.meter_events[identifier]
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase"))
+    sent = client.post("/django-admin/billing/usagerollup/", {"action": "send_held_as_new", "_selected_action": [again.pk]})
+    assert sent.status_code == 302
+    again.refresh_from_db()
+    assert (again.push_held_at, again.push_generation) == (None, 1)  # new identifiers: rollup-<uuid>-g1-…
+    assert stripe_sync.push_pending_rollups() == 1
+
+    billed_cost = sum(value for (_, name), value in fake_stripe.meter_totals().items()
+                      if name == stripe_sync.COST_METER.event_name)
+    assert (_token_total(fake_stripe), billed_cost) == (again.prompt_tokens + again.completion_tokens,
+                                                       again.cost_micro_dollars)
+
+
+def test_a_rollup_made_again_the_same_after_stripe_forgot_its_keys_is_held_and_confirmed_whole(fake_stripe):
+    # Stripe keeps idempotency keys for a day and refuses identifiers for "at least" that long: the same rollup made
+    # again after a rewind, once the keys are gone, is refused as a duplicate that this database never sent, whose
+    # value it cannot read. Held; the operator finds the same values in Stripe and confirms every event named.
+    endpoint = EndpointFactory()
+    first = _closed_rollup(endpoint)
+    assert stripe_sync.push_pending_rollups() == 1
+    MeterEventPush.objects.filter(rollup=first).delete()
+    UsageRollup.objects.filter(pk=first.pk).delete()
+    rollup_usage(full=True)
+    again = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+    fake_stripe.forget_idempotency_keys()
+
+    assert stripe_sync.push_pending_rollups() == 0
+    assert stripe_sync.confirm_held(UsageRollup.objects.filter(pk=again.pk)) == 1
+    assert stripe_sync.push_pending_rollups() == 1  # nothing left to send
+
+    again.refresh_from_db()
+    assert again.pushed_at is not None and again.push_held_at is None
+    assert sorted(MeterEventPush.objects.filter(rollup=again).values_list("value", flat=True)) == sorted(
+        [again.input_tokens, again.cached_tokens, again.completion_tokens, again.cost_micro_dollars])
+    assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # once
+    assert len(fake_stripe.meter_events) == 4
 
 
 def test_a_rollup_made_before_push_uids_keeps_the_identifiers_made_of_its_id(fake_stripe):

@@ -312,6 +312,11 @@ class FakeStripe:
         with self._lock:
             self.revoked_keys.discard(secret_key)
 
+    def forget_idempotency_keys(self) -> None:
+        """What Stripe does with an idempotency key a day after its first use: a request under it is new again."""
+        with self._lock:
+            self._idempotent.clear()
+
     def age_meter_events(self, seconds: int) -> None:
         """Make every meter event received so far `seconds` older (for Stripe's duplicate window)."""
         with self._lock:
