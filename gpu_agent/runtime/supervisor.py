@@ -611,6 +611,10 @@ class Supervisor:
         self._drop_scratch(spec.replica_id)
         scratch_dir = sandbox.make_scratch_folder(self.data_dir, spec.replica_id)
         self._scratch_dirs[spec.replica_id] = scratch_dir
+        # NOTE: recorded before its engine starts (or the zygote forks it): before, only with its engine's record at
+        # the end of `_launch`, and an agent killed in between left a folder only its owner file named, which the
+        # engine may remove.
+        self._save_state()
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
@@ -1052,7 +1056,10 @@ class Supervisor:
         adopted, killed = [], []
         records = self.state.records()
         with self._lock:
-            ended_scratch = []  # the scratch folders the records name of engines not adopted: removed below
+            # the scratch folders the records name of engines not adopted, and those made for launches whose engines
+            # were never recorded: removed below
+            ended_scratch = [sandbox.recorded_scratch_folder(path, replica_id)
+                             for replica_id, path in self.state.made_scratch()]
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
                     continue
