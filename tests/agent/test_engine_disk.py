@@ -365,6 +365,33 @@ def test_a_killed_agents_leftover_folders_are_removed_after_the_next_agents_star
     supervisor._removals.close(5)
 
 
+def test_a_folder_queued_for_removal_moves_to_the_urgent_thread_and_is_never_walked_by_both_at_once(tmp_path, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    walks = []  # (folder name, thread name)
+    remove_tree = engine_disk.remove_tree
+
+    def slow(path, **kwargs):
+        walks.append((Path(path).name, threading.current_thread().name))
+        release.wait(5)
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", slow)
+    removals = engine_disk.Removals()
+    busy, queued = fill(tmp_path / "busy", 1000), fill(tmp_path / "queued", 1000)
+    removals.add(busy, queued)
+    wait_until(lambda: walks, 5)  # the routine thread walks "busy"; "queued" waits behind it
+    removals.add(queued, busy, urgent=True)  # "busy" is left to the walk under way
+    wait_until(lambda: len(walks) == 2, 5)
+    removals.add(queued, busy)  # both being walked: neither walked again
+    release.set()
+    wait_until(lambda: not removals.pending(), 10)
+    assert walks == [("busy", "folder-removals"), ("queued", "folder-removals-urgent")]
+    assert not busy.exists() and not queued.exists()
+    assert removals.close(5) == []
+
+
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
     # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
     supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)
