@@ -231,84 +231,106 @@ REMOVAL_RETRY_S = 1.0
 MAX_REMOVAL_RETRY_S = 60.0
 
 
+class _Lane:
+    """One thread's queue of `Removals` (under its condition)."""
+
+    __slots__ = ("pending", "busy", "thread", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pending: dict[Path, tuple[float, float]] = {}  # path -> (when it is due, the wait after its next try)
+        self.busy: Path | None = None
+        self.thread: threading.Thread | None = None
+
+
 class Removals:
     """Folders set aside (`set_aside`, `sandbox.set_scratch_aside`), removed one after another on a thread of its own,
     each walk bounded (`remove_tree`'s `max_entries`); one left (a walk stopped, capped, or written to all along) is
-    tried again `REMOVAL_RETRY_S` later, then twice as late each time up to `MAX_REMOVAL_RETRY_S`.
+    tried again `REMOVAL_RETRY_S` later, then twice as late each time up to `MAX_REMOVAL_RETRY_S`. Those added
+    `urgent` (the folders of an engine stopped past its disk bound) have a thread of their own, never behind the
+    others' walks.
 
     NOTE: before, the supervisor removed them on its monitor's thread: an engine's tree of 199k nested folders took
     23 s, and every tenant's launches, health checks and drains waited behind it; a walk stopped by a folder moved
-    under it was never tried again (`tests/agent/test_engine_disk.py`)."""
+    under it was never tried again (`tests/agent/test_engine_disk.py`). Then with one thread for all: an engine
+    stopped for filling the disk kept its bytes there until every removal queued before it was done (each walk up to
+    2 x `engine_max_files` entries, 23-46 s), and a tenant whose replicas crashed with such trees kept that queue
+    long (the review of fix-fleet7)."""
 
     def __init__(self, *, max_entries: int | None = None) -> None:
         self.max_entries = max_entries
         self._changed = threading.Condition()
-        self._pending: dict[Path, tuple[float, float]] = {}  # path -> (when it is due, the wait after its next try)
-        self._busy: Path | None = None
+        self._lanes = {False: _Lane("folder-removals"), True: _Lane("folder-removals-urgent")}
         self._left: list[Path] = []  # failed after `close`: left for the next agent's sweep (`Supervisor.recover`)
-        self._thread: threading.Thread | None = None
         self._closing = False
 
-    def add(self, *paths: Path | None) -> None:
-        """Remove these soon (None: nothing)."""
+    def add(self, *paths: Path | None, urgent: bool = False) -> None:
+        """Remove these soon (None: nothing); `urgent`: on the thread that removes nothing else. A folder already being
+        removed is left to that walk (tried again if it fails); one waiting in the other lane moves to the urgent one."""
+        lane, other = self._lanes[urgent], self._lanes[not urgent]
         with self._changed:
-            for path in filter(None, paths):
-                self._pending.setdefault(Path(path), (-math.inf, REMOVAL_RETRY_S))
-            if self._pending and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="folder-removals", daemon=True)
-                self._thread.start()
+            for path in map(Path, filter(None, paths)):
+                if path in (lane.busy, other.busy) or (not urgent and path in other.pending):
+                    continue  # NOTE: never two walks of one tree at once
+                lane.pending.setdefault(path, other.pending.pop(path, (-math.inf, REMOVAL_RETRY_S)))
+            if lane.pending and lane.thread is None:
+                lane.thread = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
+                lane.thread.start()
             self._changed.notify_all()
 
     def pending(self) -> list[Path]:
         """What is still to remove (being removed included)."""
         with self._changed:
-            return [*filter(None, [self._busy]), *self._pending, *self._left]
+            lanes = self._lanes.values()
+            return [*filter(None, [lane.busy for lane in lanes]), *(path for lane in lanes for path in lane.pending),
+                    *self._left]  # fmt: skip
 
     def close(self, timeout_s: float) -> list[Path]:
         """Try each folder still to remove once more, waiting at most `timeout_s`; what is left (logged)."""
         with self._changed:
             self._closing = True
-            thread = self._thread
+            threads = [lane.thread for lane in self._lanes.values() if lane.thread is not None]
             self._changed.notify_all()
-        if thread is not None:
-            thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         left = self.pending()
         if left:
             logger.warning("%d folder(s) left to remove (the next agent's start removes them): %s", len(left),
                            ", ".join(map(str, left)))
         return left
 
-    def _next(self) -> Path | None:
-        """The next folder due (under `_changed`), waiting for one; None once closing and none is left."""
+    def _next(self, lane: _Lane) -> Path | None:
+        """The lane's next folder due (under `_changed`), waiting for one; None once closing and none is left."""
         while True:
             now = time.monotonic()
-            due = [path for path, (at, _wait) in self._pending.items() if self._closing or at <= now]
+            due = [path for path, (at, _wait) in lane.pending.items() if self._closing or at <= now]
             if due:
-                return min(due, key=lambda path: self._pending[path][0])
-            if self._closing or not self._pending:
-                self._thread = None
+                return min(due, key=lambda path: lane.pending[path][0])
+            if self._closing or not lane.pending:
+                lane.thread = None
                 return None
-            self._changed.wait(min(at for at, _wait in self._pending.values()) - now)
+            self._changed.wait(min(at for at, _wait in lane.pending.values()) - now)
 
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
         while True:
             with self._changed:
-                path = self._next()
+                path = self._next(lane)
                 if path is None:
                     return
-                _at, wait = self._pending.pop(path)
-                self._busy = path
+                _at, wait = lane.pending.pop(path)
+                lane.busy = path
             try:
                 done = remove_tree(path, max_entries=self.max_entries)
             except Exception:
                 logger.exception("removing %s failed", path)
                 done = False
             with self._changed:
-                self._busy = None
+                lane.busy = None
                 if not done and self._closing:
                     self._left.append(path)
                 elif not done:
-                    self._pending.setdefault(path, (time.monotonic() + wait, min(wait * 2, MAX_REMOVAL_RETRY_S)))
+                    lane.pending.setdefault(path, (time.monotonic() + wait, min(wait * 2, MAX_REMOVAL_RETRY_S)))
                 self._changed.notify_all()
 
 

@@ -682,8 +682,10 @@ def recorded_scratch_folder(recorded: object, replica_id: str) -> Path | None:
 
 def scratch_folders_of(data_dir: Path) -> list[Path]:
     """The scratch folders the agent of `data_dir` made, by their owner files: a fallback for what no record names
-    (an older agent's records, which named none; a folder made just before its agent was killed, its engine not yet
-    recorded). What the records name goes by them (`recorded_scratch_folder`), whatever the engine did to this file.
+    (an older agent's records, which named none; a folder made just before its agent was killed, before the agent's
+    state file named it, no engine started in it yet). What the state file names (its engines' records, and the
+    folders made for launches not yet recorded: `state_file.MADE_SCRATCH_KEY`) goes by it (`recorded_scratch_folder`),
+    whatever the engine did to this file.
 
     NOTE: an engine can write only its own folder's owner file; it cannot make a folder here."""
     return [folder for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*")

@@ -5,6 +5,8 @@ Written atomically (a temporary file, then a rename) with mode 0600 after every 
 failure, and when a reading kept here changes; read once (`StateFile.records`, by `Supervisor.recover`;
 `StateFile.readings`, by `Agent`). Only replicas with a live engine are recorded, each with its scratch folder
 (`SCRATCH_KEY`: what the next agent measures or removes, never what the engine says; an older agent ignores the key).
+A scratch folder made for a launch is recorded before its engine starts (`MADE_SCRATCH_KEY`, until its engine is
+recorded): an agent killed in between leaves none that only the engine's owner file names.
 
 The readings (`StateFile.save_reading`: a confirmed refusal of namespaces, the safetensors readers' back-offs) are
 stamped with the node's boot, their times on its monotonic clock: those of another boot are ignored. NOTE: a file
@@ -58,6 +60,16 @@ def boot_id() -> str:
 # missing from an older agent's records.
 SCRATCH_KEY = "scratch_dir"
 NOT_RECORDED = object()  # `recorded_scratch` of an older agent's record
+
+
+# NOTE: the scratch folders made for launches whose engines are not recorded yet (`StateFile.made_scratch`), as a list
+# of [replica id, path]: the key is longer than any replica id (`protocol.MAX_REPLICA_ID_CHARS`), and a list is no
+# record (an agent from before it skips it).
+MADE_SCRATCH_KEY = "scratch folders made for engines not yet recorded"
+
+
+def _made_scratch(records: Mapping[str, dict], scratch_dirs: Mapping[str, Path]) -> list[list[str]]:
+    return [[replica_id, str(path)] for replica_id, path in scratch_dirs.items() if replica_id not in records]
 
 
 def _records(replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path]) -> dict[str, dict]:
@@ -119,6 +131,7 @@ class StateFile:
         self._lock = threading.Lock()  # a leaf: nothing is called under it
         self._records: dict[str, dict] | None = None  # None: not read yet
         self._readings: dict[str, object] = {}
+        self._made_scratch: list[list[str]] = []
 
     def records(self) -> dict[str, dict]:
         """The records by replica id, as read from the file; none when it is missing, unreadable or not the agent's
@@ -133,13 +146,22 @@ class StateFile:
             self._read_once()
             return dict(self._readings)
 
+    def made_scratch(self) -> list[tuple[str, object]]:
+        """The scratch folders made for launches whose engines the file does not record, as (replica id, path as
+        written): what an agent killed between making one and starting its engine left."""
+        with self._lock:
+            self._read_once()
+            return [(pair[0], pair[1]) for pair in self._made_scratch]
+
     def save(self, replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path] | None = None) -> None:
-        """Record the replicas with a live engine and their scratch folders (by replica id; the readings kept as they
-        are)."""
+        """Record the replicas with a live engine and their scratch folders (by replica id), and the scratch folders of
+        the others (made for a launch, its engine not started yet); the readings kept as they are."""
         records = _records(replicas, scratch_dirs or {})
+        made = _made_scratch(records, scratch_dirs or {})
         with self._lock:
             self._read_once()
             self._records = records
+            self._made_scratch = made
             self._write()
 
     def save_reading(self, name: str, value) -> None:
@@ -161,6 +183,10 @@ class StateFile:
             return
         data = _read_own(self.path) or {}
         readings = data.pop(READINGS_KEY, None)
+        made = data.pop(MADE_SCRATCH_KEY, None)
+        if isinstance(made, list):
+            self._made_scratch = [pair for pair in made
+                                  if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)]
         self._records = {key: record for key, record in data.items() if isinstance(record, dict)}
         if readings is None:
             return
@@ -172,6 +198,8 @@ class StateFile:
 
     def _write(self) -> None:
         data = dict(self._records)
+        if self._made_scratch:
+            data[MADE_SCRATCH_KEY] = self._made_scratch
         if self._readings:
             data[READINGS_KEY] = {"boot_id": boot_id(), **self._readings}
         # NOTE: a file of its own each time (0600, O_EXCL): never written through one someone else made there

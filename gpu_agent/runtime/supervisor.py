@@ -611,6 +611,10 @@ class Supervisor:
         self._drop_scratch(spec.replica_id)
         scratch_dir = sandbox.make_scratch_folder(self.data_dir, spec.replica_id)
         self._scratch_dirs[spec.replica_id] = scratch_dir
+        # NOTE: recorded before its engine starts (or the zygote forks it): before, only with its engine's record at
+        # the end of `_launch`, and an agent killed in between left a folder only its owner file named, which the
+        # engine may remove.
+        self._save_state()
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
@@ -672,7 +676,7 @@ class Supervisor:
         replica of its endpoint runs here). Every `sweep_interval_s` the cache folders of endpoints with no replica
         here go when too old, or least recently used first while all of them are over the budget. The walks run
         outside the lock (thousands of files take a while); what goes is chosen again and renamed aside under it,
-        then deleted on the removals' thread (`engine_disk.Removals`). Nothing with the sandbox off: engines then get no folders of their own.
+        then deleted on the removals' threads (`engine_disk.Removals`; an engine's past its bound on the urgent one). Nothing with the sandbox off: engines then get no folders of their own.
         """
         if self.sandbox_mode == sandbox.SandboxMode.OFF:
             return
@@ -737,19 +741,20 @@ class Supervisor:
                                                    older_than_s=bounds.shared_memory_orphan_age_s)
             if orphans:
                 logger.info("removed %d files from %s that no process held", len(orphans), self.shared_memory_dir)
+        over_bound = []  # the folders of engines stopped past their bound
         removed = []
         unheld = []
         with self._lock:
             for replica, reason, held_paths in over:
                 if self._replicas.get(replica.spec.replica_id) is not replica or replica.pid is None:
                     continue  # stopped or relaunched meanwhile: its next engine is measured afresh
-                removed.append(sandbox.set_scratch_aside(self._scratch_dirs.pop(replica.spec.replica_id, None),
-                                                         self.data_dir))  # deleted once it is killed
+                over_bound.append(sandbox.set_scratch_aside(self._scratch_dirs.pop(replica.spec.replica_id, None),
+                                                            self.data_dir))  # deleted once it is killed
                 unheld += held_paths
                 self._fail(replica, reason)
                 name = self._cache_dir(replica.spec.endpoint_id).name
                 if name not in self._caches_in_use():
-                    removed.append(engine_disk.set_aside(self._caches.folder(name)))
+                    over_bound.append(engine_disk.set_aside(self._caches.folder(name)))
                     self._caches.forget(name)
             if sweep:
                 in_use = self._caches_in_use()
@@ -761,8 +766,11 @@ class Supervisor:
                     self._caches.forget(folder.name)
                     logger.info("pruned the engine cache of endpoint folder %s (%d bytes, last used %.0fs ago)",
                                 folder.name, folder.usage.num_bytes, time.time() - folder.last_used_at)  # fmt: skip
-        # NOTE: on the removals' thread, never this one: before, an engine past its bound of files (200k, a walk of
-        # 23-46 s) was walked here, and every other engine's disk checks waited behind it.
+        # NOTE: on the removals' threads, never this one: before, an engine past its bound of files (200k, a walk of
+        # 23-46 s) was walked here, and every other engine's disk checks waited behind it. Those of an engine past its
+        # bound on the urgent one: behind the routine removals, its bytes stayed on the disk for as long as every
+        # ended engine's tree queued before them took.
+        self._removals.add(*over_bound, urgent=True)
         self._removals.add(*removed)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
 
@@ -1048,7 +1056,10 @@ class Supervisor:
         adopted, killed = [], []
         records = self.state.records()
         with self._lock:
-            ended_scratch = []  # the scratch folders the records name of engines not adopted: removed below
+            # the scratch folders the records name of engines not adopted, and those made for launches whose engines
+            # were never recorded: removed below
+            ended_scratch = [sandbox.recorded_scratch_folder(path, replica_id)
+                             for replica_id, path in self.state.made_scratch()]
             for replica_id, record in records.items():
                 if replica_id in self._replicas:
                     continue

@@ -215,8 +215,44 @@ def test_the_folders_of_an_engine_past_its_bound_and_pruned_caches_are_removed_o
     assert threading.current_thread().name not in walked_on and took < 1, (walked_on, took)
     release.set()
     wait_until(lambda: not supervisor._removals.pending(), 10)
-    assert walked_on and set(walked_on) == {"folder-removals"}
+    assert walked_on and {name.removesuffix("-urgent") for name in walked_on} == {"folder-removals"}
     assert not scratch.exists() and not cache.exists() and cache_names(caches) == set()
+
+
+def test_the_folders_of_an_engine_past_its_bound_are_removed_without_waiting_behind_ended_engines_folders(
+    make_supervisor, tmp_path, monkeypatch
+):
+    """Before, they went to the one removals' thread, behind every folder queued there: an engine stopped for filling
+    the disk kept its bytes on it while other tenants' ended engines' trees (200k files, 23-46 s each) were walked
+    (here: the 3 MB still there 5.9 s after the check that stopped it, behind three removals of 2 s)."""
+    supervisor = make_supervisor(engine_max_bytes=2 * MB, check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-big", endpoint_id="e-big"), tmp_path / "model")
+    wait_for_state(supervisor, "r-big", ReplicaState.READY, timeout_s=30)
+    cache_root = supervisor.data_dir / "engine-caches"
+    remove_tree = engine_disk.remove_tree
+
+    def slow(path, **kwargs):  # another tenant's ended engine's tree of 200k files
+        if path is not None and Path(path).name.startswith("slow"):
+            time.sleep(2)
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", slow)
+    slow_trees = [fill(tmp_path / f"slow{i}", 1000) for i in range(3)]
+    supervisor._removals.add(*slow_trees)  # three ended engines' folders, queued just before
+    time.sleep(0.1)  # the first of them being walked
+
+    def big_bytes_left():
+        return sum(path.stat().st_size for path in cache_root.rglob("fill.bin"))
+
+    assert big_bytes_left() == 3 * MB
+    supervisor.check_disk()
+    checked = time.monotonic()
+    assert supervisor.get("r-big").state == ReplicaState.FAILED
+    wait_until(lambda: big_bytes_left() == 0, 20)
+    assert time.monotonic() - checked < 1
+    assert any(tree.exists() for tree in slow_trees)  # the ended engines' folders still being removed meanwhile
+    wait_until(lambda: not supervisor._removals.pending(), 20)
+    assert not any(tree.exists() for tree in slow_trees)
 
 
 def test_an_exited_engines_folders_are_removed_outside_the_supervisors_lock(make_supervisor, tmp_path, monkeypatch):
@@ -327,6 +363,33 @@ def test_a_killed_agents_leftover_folders_are_removed_after_the_next_agents_star
     assert len(removed) == 3 and all(lock_free_during)
     assert all(bound == supervisor._removals.max_entries for _, bound in removed)  # each walk bounded
     supervisor._removals.close(5)
+
+
+def test_a_folder_queued_for_removal_moves_to_the_urgent_thread_and_is_never_walked_by_both_at_once(tmp_path, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    walks = []  # (folder name, thread name)
+    remove_tree = engine_disk.remove_tree
+
+    def slow(path, **kwargs):
+        walks.append((Path(path).name, threading.current_thread().name))
+        release.wait(5)
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", slow)
+    removals = engine_disk.Removals()
+    busy, queued = fill(tmp_path / "busy", 1000), fill(tmp_path / "queued", 1000)
+    removals.add(busy, queued)
+    wait_until(lambda: walks, 5)  # the routine thread walks "busy"; "queued" waits behind it
+    removals.add(queued, busy, urgent=True)  # "busy" is left to the walk under way
+    wait_until(lambda: len(walks) == 2, 5)
+    removals.add(queued, busy)  # both being walked: neither walked again
+    release.set()
+    wait_until(lambda: not removals.pending(), 10)
+    assert walks == [("busy", "folder-removals"), ("queued", "folder-removals-urgent")]
+    assert not busy.exists() and not queued.exists()
+    assert removals.close(5) == []
 
 
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):

@@ -606,6 +606,52 @@ def test_a_killed_engine_that_removed_its_owner_file_has_its_scratch_folder_remo
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class _AgentKilled(BaseException):
+    """The agent is killed here: nothing of it runs after (no handler of its own catches this)."""
+
+
+@pytest.mark.parametrize("sent_to", ["a plain launch", "the zygote"])
+def test_a_scratch_folder_made_before_its_agent_was_killed_is_removed_by_the_next_agent_whatever_its_owner_file(
+    make_supervisor, tmp_path, monkeypatch, sent_to
+):
+    """Before, a launch's scratch folder was named in the state file only with its engine's record, at the end of the
+    launch: an agent killed after making it (on the zygote's path the engine forks at once) left a folder only the
+    engine-writable owner file named, and with that file removed the next agent's start kept it for ever (the folder
+    was still there after its removals were done). Now the state file names it before any engine starts."""
+    data_dir = tmp_path / "agent"
+    first = make_supervisor(data_dir)
+    made = []
+    confined = first._confined
+
+    def killed_after(replica, command):
+        command = confined(replica, command)
+        made.append(Path(command.env["TMPDIR"]))
+        raise _AgentKilled
+
+    monkeypatch.setattr(first, "_confined", killed_after)
+    first.start(make_spec("r-made"), tmp_path / "model")
+    if sent_to == "the zygote":  # as `_send_due_to_zygote` does with each replica due, before the fork
+        first._build_due()
+        with pytest.raises(_AgentKilled):
+            first._confined(first.get("r-made"), first._built["r-made"][1])
+    else:
+        with pytest.raises(_AgentKilled):
+            wait_until(lambda: False, 10, poll=first.poll)
+    scratch = made[0]
+    assert scratch.is_dir() and first.get("r-made").pid is None  # made, no engine
+    _vanish(first)
+    (scratch / sandbox.SCRATCH_OWNER_FILE).unlink()  # an engine started in it may remove it
+
+    second = make_supervisor(data_dir)
+    try:
+        assert second.recover({}) == ([], [])
+        wait_until(lambda: not second._removals.pending(), 10)
+        assert not scratch.exists() and not sandbox.scratch_set_aside_of(data_dir)
+        assert "scratch folders made for engines not yet recorded" not in json.loads(second.state_path.read_text())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def test_a_scratch_folder_a_record_names_is_taken_only_where_the_agent_makes_that_replicas(tmp_path):
     # The state file is the agent's own, but a path read back from it never names a folder outside the temporary
     # folder, another replica's, or one set aside.
