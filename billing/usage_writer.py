@@ -468,7 +468,7 @@ async def replay_before_the_loop_ends(timeout_s: float, *, process_stops: bool =
 
 
 # How long a process about to stop ships what it could not replay, whatever its replay took: segments while an upload
-# (`journal_shipping.ONE_PUT_BOUND_S`, 26 s) still fits, the set-aside lines meanwhile; infra/k8s/base/web.yaml's grace
+# (`journal_shipping.ONE_PUT_BOUND_S`, 27 s) still fits, the set-aside lines meanwhile; infra/k8s/base/web.yaml's grace
 # period counts it.
 SET_ASIDE_STOP_WAIT_S = 30.0
 
@@ -480,7 +480,7 @@ def _shipping_end(deadline: float, process_stops: bool, ship_until: float | None
 
     NOTE: after the replay's deadline, not after the moment it is asked: the bound is set before the replay
     (`replay_before_the_loop_ends`), which in an outage uses its whole time, and a floor counted from then left
-    25 s < `journal_shipping.ONE_PUT_BOUND_S` (26 s): no segment shipped at all. And no floor over a signalled stop's
+    25 s < `journal_shipping.ONE_PUT_BOUND_S` (26 s then): no segment shipped at all. And no floor over a signalled stop's
     budget: it would undo the grace period's cap (both found by the fourth review of this shipping)."""
     if not process_stops:
         return deadline
@@ -507,7 +507,7 @@ async def ship_what_is_left(deadline: float, *, process_stops: bool = False, shi
     NOTE: the shipper is a daemon thread, gone with the process: before, a gateway whose replay had used its time
     (`replay_before_the_loop_ends`) waited ~0 s for it and exited, and the lines stayed on the pod's emptyDir, lost
     with the pod (found by this stop's review). And a stop in an outage shipped every segment, then the set-aside
-    parts inline, with no bound (26 s a put): past the pod's grace period, SIGKILL cut an upload (found by the second
+    parts inline, with no bound (27 s a put): past the pod's grace period, SIGKILL cut an upload (found by the second
     review of this shipping). And a fixed 30 s after the replay left segments unshipped, lost with the pod, while the
     grace period still had the drain's unused time (the first version of that bound): `ship_until` gives it to them."""
     usage_journal = journal()
@@ -544,7 +544,7 @@ def ship_set_aside_soon() -> threading.Thread:
     process ends): while a ship leaves lines there, it tries again after `SET_ASIDE_RETRY_FIRST_S` up to
     `SET_ASIDE_RETRY_MAX_S` (at once when asked again), so joining it waits for the file to reach the bucket.
 
-    NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~26 s) held a replay
+    NOTE: never awaited whole: a slow or unreachable bucket (its attempts and timeouts, up to ~27 s) held a replay
     loop after each segment, and a loop's end past its `timeout_s`. A daemon thread, not the loop's executor, which
     `asyncio.run` waits for as it ends: a process that stops meanwhile leaves `rejected.jsonl` as it was (emptied only
     once the bucket has it), shipped next time (replayed twice, each row counts once: its request id). It ships again

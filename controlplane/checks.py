@@ -7,7 +7,7 @@ from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from controlplane.serve import num_workers
+from controlplane.serve import GRACEFUL_SHUTDOWN_S, num_workers
 
 
 @checks.register()
@@ -61,3 +61,29 @@ def database_connections_fit(app_configs=None, databases=None, **kwargs) -> list
             id="inferplane.W001",
         )
     ]
+
+
+@checks.register()
+def gateway_drain_fits_the_grace_period(app_configs=None, **kwargs) -> list[checks.CheckMessage]:
+    """A web process's drain must leave the steps after it room before the pod's grace period ends
+    (`INFERPLANE_GATEWAY_STOP_GRACE_S`): past it, every stop cuts its drain short (`endpoints.gateway.drain.drain_bound_s`,
+    to nothing with a short grace period: every call in flight cut at the signal), and nothing said so before the first
+    stop (the sixth review of the gateway's stop)."""
+    from endpoints.gateway.app import AFTER_GRACEFUL_S
+    from endpoints.gateway.drain import room_for_the_drain_s
+
+    room = room_for_the_drain_s(GRACEFUL_SHUTDOWN_S, AFTER_GRACEFUL_S)
+    if room is None or settings.GATEWAY_DRAIN_S <= room:
+        return []
+    return [
+        checks.Warning(
+            f"INFERPLANE_GATEWAY_DRAIN_S ({settings.GATEWAY_DRAIN_S:g} s) does not fit INFERPLANE_GATEWAY_STOP_GRACE_S "
+            f"({settings.GATEWAY_STOP_GRACE_S:g} s) less uvicorn's graceful wait ({GRACEFUL_SHUTDOWN_S:g} s), the cut "
+            f"calls' finishes, the usage journal's replay and shipping ({AFTER_GRACEFUL_S:g} s) and the exit: every "
+            f"stop's drain will wait {room:g} s.",
+            hint="Lower INFERPLANE_GATEWAY_DRAIN_S, or raise the web pod's terminationGracePeriodSeconds with "
+            "INFERPLANE_GATEWAY_STOP_GRACE_S (README, Configuration).",
+            id="inferplane.W002",
+        )
+    ]
+

@@ -62,3 +62,16 @@ def test_the_default_per_organisation_answer_bound_is_a_quarter_of_the_process_b
     (`tests/gateway/test_slow_clients.py` shows another organisation served meanwhile)."""
     assert _bounds() == (24 * MiB, 96 * MiB)
     assert _bounds(INFERPLANE_GATEWAY_ANSWER_BYTES_PER_PROCESS=str(32 * MiB)) == (8 * MiB, 32 * MiB)
+
+
+def test_a_drain_that_leaves_the_steps_after_it_no_room_in_the_grace_period_is_a_warning(settings):
+    # Before (the sixth review of the gateway's stop): a grace period of 50 s with the default 100 s drain cut every
+    # call in flight at the signal, and nothing said so before the first stop.
+    settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 100, 50
+    [warning] = [message for message in checks.run_checks() if message.id == "inferplane.W002"]
+    assert warning.level == checks.WARNING
+    assert "every stop's drain will wait 0 s" in warning.msg
+    settings.GATEWAY_STOP_GRACE_S = 160  # the manifests': 160 - 3 - 10 - 45 = 102 >= 100
+    assert [message for message in checks.run_checks() if message.id == "inferplane.W002"] == []
+    settings.GATEWAY_STOP_GRACE_S = 0  # not known: nothing to say
+    assert [message for message in checks.run_checks() if message.id == "inferplane.W002"] == []

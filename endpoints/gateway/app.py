@@ -65,7 +65,7 @@ SHUTDOWN_REPLAY_S = 5.0
 # infra/k8s/base/web.yaml's grace period counts them: the cut calls' finishes, the journal's replay, its shipping. The
 # shipping may run to their end counted from the signal (`drain.stop_budget_end`): what the drain did not use of its
 # bound is left to it.
-_AFTER_GRACEFUL_S = SHUTDOWN_FINISH_WAIT_S + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S
+AFTER_GRACEFUL_S = SHUTDOWN_FINISH_WAIT_S + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S
 # Served by Django (`endpoints.batches.api`): uploads and bookkeeping, not the inference hot path.
 DJANGO_V1_PREFIXES = ("/v1/files", "/v1/batches")
 FILES_PREFIX = "/v1/files"
@@ -87,7 +87,8 @@ class Gateway:
         # (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
         # gateway, never the other way round). Uses the ORM: run in a worker thread.
         self._refuse_upload = refuse_upload
-        # NOTE: one client per event loop, closed as its loop ends: a connection belongs to the loop that opened it.
+        # NOTE: one client per event loop, closed as its loop ends (and by the lifespan's shutdown: uvicorn re-raises a
+        # SIGTERM after it, and the loop's end never runs then): a connection belongs to the loop that opened it.
         # Before, one object served whichever loop asked (the process's `application` in one test's `asyncio.run`
         # after another's): a loop was handed the keep-alive connections of one already closed, and closing them at
         # the lifespan's shutdown raised "Event loop is closed".
@@ -319,7 +320,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 access_log.prepare()  # the URL conf, read now rather than by the first request logged
                 _freeze_startup_objects()
-                drain.install(after_graceful_s=_AFTER_GRACEFUL_S)  # the first SIGTERM drains the calls in flight before the server hears it
+                drain.install(after_graceful_s=AFTER_GRACEFUL_S)  # the first SIGTERM drains the calls in flight before the server hears it
                 await presence.start(web=True)
                 self._folding = asyncio.ensure_future(metrics.fold_every_second())
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
@@ -329,7 +330,7 @@ class Gateway:
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
                 # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
                 ship_until = drain.stop_budget_end(
-                    _AFTER_GRACEFUL_S, at_least=time.monotonic() + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S)
+                    AFTER_GRACEFUL_S, at_least=time.monotonic() + SHUTDOWN_REPLAY_S + SET_ASIDE_STOP_WAIT_S)
                 await replay_before_the_loop_ends(SHUTDOWN_REPLAY_S, process_stops=True, ship_until=ship_until)
                 if self._folding is not None:
                     self._folding.cancel()

@@ -52,7 +52,9 @@ _graceful_shutdown_s: float | None = None
 _after_graceful_s = 0.0
 # What a stopping process does after its last bounded step (the journal's shipping): its last counts, its clients
 # closed, its exit. Kept from the grace period's end (`stop_budget_end`).
-STOP_EXIT_S = 2.0
+# NOTE: 3 s: a worker of several hears its SIGTERM from uvicorn's supervisor up to half a second after the pod's signal
+# (the supervisor's poll), and the grace period counts from the pod's (the sixth review of this stop).
+STOP_EXIT_S = 3.0
 
 
 def draining() -> bool:
@@ -64,37 +66,47 @@ def stop_budget_end(after_graceful_s: float, *, at_least: float | None = None) -
     """When a stop's last step (the usage journal's shipping, in an outage) must be done (`time.monotonic()`); None
     when no signal came (a stop without a drain: a test's lifespan, `make run`'s Ctrl-C before any call).
 
-    With the pod's grace period known (`GATEWAY_STOP_GRACE_S`): that from the signal, less `STOP_EXIT_S`, whatever the
-    steps before used (the drain's own bound is kept within it, `drain_bound_s`). Otherwise: `GATEWAY_DRAIN_S`, the
-    server's `--timeout-graceful-shutdown` and then `after_graceful_s` from the signal, as infra/k8s/base/web.yaml's
-    grace period counts them, or `at_least` if that is later (the shipping's own floor: steps before that overran).
-    What the drain and the steps before did not use of their own bounds is left to the last one.
+    `GATEWAY_DRAIN_S`, the server's `--timeout-graceful-shutdown` and then `after_graceful_s` from the signal, as
+    infra/k8s/base/web.yaml's grace period counts them, or `at_least` if that is later (the shipping's own floor, for
+    steps before it that overran), but never past the pod's grace period when it is known (`GATEWAY_STOP_GRACE_S`,
+    less `STOP_EXIT_S`). What the drain and the steps before did not use of their own bounds is left to the last one.
 
     NOTE: capped by the pod's grace period: before, a drain set within the README's rule of the time (which counted
     neither the replay, 5 s, nor the shipping, 30 s) gave a stop with grace 170 s a budget to +195 s, and an upload
-    could begin that SIGKILL, at +160 s, cut (the fourth review of this shipping). And the cap is the end, not the
-    sum of the steps' bounds within it: steps that overran by 4.4 s ended the shipping before its first 26 s put could
-    begin though SIGKILL was 29.5 s away, and with no cap the 30 s floor was gone (the fifth)."""
+    could begin that SIGKILL, at +160 s, cut (the fourth review of this shipping). And the floor within that cap:
+    steps that overran by 4.4 s ended the shipping at the sum of their bounds, before its first put could begin though
+    SIGKILL was 29.5 s away (the fifth). The cap is not the end itself: a grace period stated longer than the pod's (an
+    overlay that shortened terminationGracePeriodSeconds) would have the shipping begin uploads SIGKILL cuts (the
+    sixth)."""
     if _draining_since is None:
         return None
-    if settings.GATEWAY_STOP_GRACE_S:
-        return _draining_since + settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S
     end = _draining_since + settings.GATEWAY_DRAIN_S + graceful_shutdown_s() + after_graceful_s
-    return end if at_least is None else max(end, at_least)
+    if at_least is not None:
+        end = max(end, at_least)
+    if settings.GATEWAY_STOP_GRACE_S:
+        end = min(end, _draining_since + settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S)
+    return end
+
+
+def room_for_the_drain_s(graceful_s: float, after_graceful_s: float) -> float | None:
+    """The longest drain that leaves the steps after it (uvicorn's graceful wait, `graceful_s`, and `after_graceful_s`:
+    the cut calls' finishes, the journal's replay and shipping) room before the pod's grace period ends; None when
+    that is not known (`GATEWAY_STOP_GRACE_S` 0)."""
+    if not settings.GATEWAY_STOP_GRACE_S:
+        return None
+    return max(0.0, settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S - graceful_s - after_graceful_s)
 
 
 def drain_bound_s() -> float:
-    """How long the drain waits for the calls in flight, from the signal: `GATEWAY_DRAIN_S`, but with the pod's grace
-    period known (`GATEWAY_STOP_GRACE_S`) never so long that the steps after it (uvicorn's graceful wait and what
-    `install` was told follows: the cut calls' finishes, the journal's replay and shipping) would not fit before it.
+    """How long the drain waits for the calls in flight, from the signal: `GATEWAY_DRAIN_S`, but never longer than
+    leaves the steps after it room within the pod's grace period when that is known (`room_for_the_drain_s`, with
+    what `install` was told follows). `manage.py check` warns of a drain cut so (`controlplane.checks`), and so does
+    the process as it starts.
 
     NOTE: before, a drain set past that (the README's rule of the time allowed 140 s with grace 170 s) ran the cut
     calls' finishes into SIGKILL: the journal was never replayed nor shipped, and in an outage left with the pod."""
-    bound = settings.GATEWAY_DRAIN_S
-    if settings.GATEWAY_STOP_GRACE_S:
-        room = settings.GATEWAY_STOP_GRACE_S - STOP_EXIT_S - graceful_shutdown_s() - _after_graceful_s
-        bound = min(bound, max(0.0, room))
-    return bound
+    room = room_for_the_drain_s(graceful_shutdown_s(), _after_graceful_s)
+    return settings.GATEWAY_DRAIN_S if room is None else min(settings.GATEWAY_DRAIN_S, room)
 
 
 def graceful_shutdown_s() -> float:
@@ -128,6 +140,10 @@ def install(*, after_graceful_s: float = 0.0) -> bool:
     global _graceful_shutdown_s, _after_graceful_s
     _graceful_shutdown_s = server_exit.__self__.config.timeout_graceful_shutdown
     _after_graceful_s = after_graceful_s
+    if drain_bound_s() < settings.GATEWAY_DRAIN_S:
+        logger.warning("a stop's drain will wait %.0f s, not INFERPLANE_GATEWAY_DRAIN_S's %.0f s: the steps after it "
+                       "would not fit INFERPLANE_GATEWAY_STOP_GRACE_S (%.0f s)", drain_bound_s(),
+                       settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S)
     loop = asyncio.get_running_loop()
 
     def on_sigterm(signum, frame) -> None:

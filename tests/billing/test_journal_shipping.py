@@ -1232,13 +1232,15 @@ def test_a_signalled_gateways_shipping_never_runs_past_the_pods_grace_period(mon
     settings.GATEWAY_DRAIN_S = 170 - 10 - 10 - 10  # the README's old rule: grace, preStop, graceful, finishes
     settings.GATEWAY_STOP_GRACE_S = 170 - 10  # web.yaml: the grace period less the preStop sleep
     monkeypatch.setattr(drain, "_draining_since", 1000.0)
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 <= 160 - drain.STOP_EXIT_S
-    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap; the shipping may use the rest
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 160 - drain.STOP_EXIT_S
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S) - 1000.0 <= 160 - drain.STOP_EXIT_S
+    settings.GATEWAY_DRAIN_S = 100  # web.yaml's: the steps' bounds, within the cap
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S) - 1000.0 == 100 + 10 + 10 + 5 + 30
+    settings.GATEWAY_STOP_GRACE_S = 600  # stated longer than the pod's: never lengthens the shipping
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S) - 1000.0 == 100 + 10 + 10 + 5 + 30
     settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 0  # the grace period not known: no cap
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 140 + 10 + 10 + 5 + 30
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S) - 1000.0 == 140 + 10 + 10 + 5 + 30
     # ... but steps that overran keep the shipping's own 30 s after the replay
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S, at_least=1200.0) == 1200.0
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S, at_least=1200.0) == 1200.0
 
 
 def test_a_drain_set_past_the_grace_periods_room_is_cut_short_for_the_steps_after_it(monkeypatch, settings):
@@ -1248,7 +1250,7 @@ def test_a_drain_set_past_the_grace_periods_room_is_cut_short_for_the_steps_afte
     from endpoints.gateway import app, drain
 
     monkeypatch.setattr(drain, "_graceful_shutdown_s", 10)
-    monkeypatch.setattr(drain, "_after_graceful_s", app._AFTER_GRACEFUL_S)
+    monkeypatch.setattr(drain, "_after_graceful_s", app.AFTER_GRACEFUL_S)
     settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 140, 160
     assert drain.drain_bound_s() == 160 - drain.STOP_EXIT_S - 10 - (10 + 5 + 30)
     settings.GATEWAY_DRAIN_S = 100  # web.yaml's fits: kept
@@ -1261,10 +1263,10 @@ def test_a_drain_set_past_the_grace_periods_room_is_cut_short_for_the_steps_afte
 def test_a_stop_whose_steps_overran_still_ships_what_fits_before_the_grace_periods_end(
     outage, files_bucket, settings, monkeypatch  # noqa: F811
 ):
-    """Production numbers (drain 100, graceful 10, grace 160): the steps before the shipping overran by 4 s, the
-    replay's deadline at signal + 129. SIGKILL comes 31 s later, room for one 27 s put; before, the shipping ended at
-    the steps' summed bounds (signal + 155, 26 s after the replay) and shipped nothing (the fifth review's test, which
-    overran by 5.5 s)."""
+    """Production numbers (drain 100, graceful 10, grace 160): the steps before the shipping overran by 3 s, the
+    replay's deadline at signal + 128. SIGKILL comes 32 s later, room for one 27 s put before the exit's 3 s; before,
+    the shipping ended at the steps' summed bounds (signal + 155, 27 s after the replay, no room for a put begun after
+    it) and shipped nothing (the fifth review's test, which overran by 5.5 s)."""
     from endpoints.gateway import app, drain
 
     settings.GATEWAY_DRAIN_S, settings.GATEWAY_STOP_GRACE_S = 100, 160
@@ -1273,10 +1275,10 @@ def test_a_stop_whose_steps_overran_still_ships_what_fits_before_the_grace_perio
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "gone-5-0.jsonl").write_bytes(encode(usage_report(endpoint, request_id="r-5-0")))
     replay_deadline = time.monotonic()
-    monkeypatch.setattr(drain, "_draining_since", replay_deadline - 129)
+    monkeypatch.setattr(drain, "_draining_since", replay_deadline - 128)
     monkeypatch.setattr(drain, "_graceful_shutdown_s", 10)
-    ship_until = drain.stop_budget_end(app._AFTER_GRACEFUL_S, at_least=replay_deadline + 30)
-    assert ship_until - replay_deadline == pytest.approx(160 - 129 - drain.STOP_EXIT_S)
+    ship_until = drain.stop_budget_end(app.AFTER_GRACEFUL_S, at_least=replay_deadline + 30)
+    assert ship_until - replay_deadline == pytest.approx(160 - 128 - drain.STOP_EXIT_S)
     assert asyncio.run(usage_writer.ship_what_is_left(replay_deadline, process_stops=True, ship_until=ship_until)) == 1
 
 
@@ -1302,7 +1304,7 @@ def test_a_signalled_gateways_budget_counts_the_graceful_wait_its_server_was_giv
     finally:
         signal.signal(signal.SIGTERM, before)
     monkeypatch.setattr(drain, "_draining_since", 1000.0)
-    assert drain.stop_budget_end(app._AFTER_GRACEFUL_S) - 1000.0 == 100 + 30 + 10 + 5 + 30
+    assert drain.stop_budget_end(app.AFTER_GRACEFUL_S) - 1000.0 == 100 + 30 + 10 + 5 + 30
 
 
 def _previous_releases_check(body: bytes, metadata: dict[str, str]) -> bool:

@@ -478,8 +478,9 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
     # grace period did not count (the review of this stop's diff): a SIGKILL there lost what was not shipped.
     from billing.journal_shipping import ONE_PUT_BOUND_S
     from billing.usage_writer import SET_ASIDE_STOP_WAIT_S
-    from endpoints.gateway.app import SHUTDOWN_REPLAY_S
+    from endpoints.gateway.app import AFTER_GRACEFUL_S, SHUTDOWN_REPLAY_S
     from endpoints.gateway.call import SHUTDOWN_FINISH_WAIT_S
+    from endpoints.gateway.drain import room_for_the_drain_s
 
     deployment = rendered.get("Deployment", "inferplane-web")
     pod = _pod_spec(deployment)
@@ -494,6 +495,9 @@ def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain
                                                        + max(ONE_PUT_BOUND_S, SET_ASIDE_STOP_WAIT_S))
     # NOTE: the process's own cap on its stop (`drain.stop_budget_end`) is the time SIGKILL leaves it after the signal
     assert float(values["INFERPLANE_GATEWAY_STOP_GRACE_S"]) == pod["terminationGracePeriodSeconds"] - pre_stop
+    # ... and the drain configured fits it with the steps after it and the exit: never cut short at a stop
+    settings.GATEWAY_STOP_GRACE_S = float(values["INFERPLANE_GATEWAY_STOP_GRACE_S"])
+    assert float(values["INFERPLANE_GATEWAY_DRAIN_S"]) <= room_for_the_drain_s(graceful, AFTER_GRACEFUL_S)
 
 
 def test_what_a_scheduler_first_upgrade_applies_alone_is_the_migration_job_and_every_config_map_its_pod_reads(rendered):
