@@ -241,6 +241,7 @@ class Supervisor:
             if replica is None or replica.is_final or replica.state == ReplicaState.DRAINING:
                 return
             if replica.pid is None:  # never launched or waiting for a restart: nothing to drain
+                self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 replica.stopped()
                 return
             timeout = replica.spec.drain_timeout_s if timeout_s is None else timeout_s
@@ -352,6 +353,9 @@ class Supervisor:
                         except Exception:  # noqa: BLE001 - killed with SIGKILL: reaped or gone
                             pass
                     replica.exited()
+                    # NOTE: before, its folders stayed held: a drain before the relaunch stopped the replica, `forget`
+                    # dropped it, and its scratch stayed on the disk, unqueued and still recorded as made
+                    self._drop_scratch(replica_id)
                     replica.restart_after_crash(reason, 0.0, time.monotonic())
                     self._save_state()
                 else:
@@ -374,6 +378,7 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
+                self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 self._save_state()
                 live = {replica.log_path.name for replica in self._replicas.values()}
         if replica is not None and replica.is_final:
