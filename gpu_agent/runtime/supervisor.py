@@ -618,8 +618,12 @@ class Supervisor:
         self._scratch_dirs[spec.replica_id] = scratch_dir
         # NOTE: recorded before its engine starts (or the zygote forks it): before, only with its engine's record at
         # the end of `_launch`, and an agent killed in between left a folder only its owner file named, which the
-        # engine may remove.
-        self._save_state()
+        # engine may remove. Not recorded (the disk full), no engine starts with it: the folder goes (set aside under
+        # the agent's own name, which the next agent's start finds whatever is recorded) and the launch fails.
+        if not self._save_state():
+            self._drop_scratch(spec.replica_id)
+            raise OSError(f"the agent's state file {self.state_path} could not be written: no engine starts with a "
+                          "scratch folder it does not record")
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
@@ -1130,5 +1134,6 @@ class Supervisor:
             if self.standby is not None:
                 self.standby.stop()
 
-    def _save_state(self) -> None:
-        self.state.save(self._replicas.values(), self._scratch_dirs)
+    def _save_state(self) -> bool:
+        """Write the state file (`StateFile.save`): False when it could not be (logged), never raises."""
+        return self.state.save(self._replicas.values(), self._scratch_dirs)
