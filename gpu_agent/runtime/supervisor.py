@@ -778,7 +778,8 @@ class Supervisor:
         # NOTE: on the removals' threads, never this one: before, an engine past its bound of files (200k, a walk of
         # 23-46 s) was walked here, and every other engine's disk checks waited behind it. Those of an engine past its
         # bound on the urgent one: behind the routine removals, its bytes stayed on the disk for as long as every
-        # ended engine's tree queued before them took.
+        # ended engine's tree queued before them took. There they take turns with the other urgent folders
+        # (`engine_disk.URGENT_SLICE_ENTRIES` entries a turn): one folder's tree never holds another's bytes long.
         self._removals.add(*over_bound, urgent=True)
         self._removals.add(*removed)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
