@@ -186,11 +186,16 @@ class _WalkStopped(Exception):
     """The removal cannot go on (out of descriptors, or a folder moved out of the tree): the rest is left, reported."""
 
 
-def remove_tree(path: Path | None, *, max_entries: int | None = None) -> bool:
+class _WalkCapped(_WalkStopped):
+    """The walk came to its `max_entries`: the rest is left for the next walk."""
+
+
+def remove_tree(path: Path | None, *, max_entries: int | None = None, slice_only: bool = False) -> bool | None:
     """Remove a folder an engine wrote (or a link there, never what it names), however the engine left it; True when
     nothing is left (or there was nothing), False when the rest was left (logged): `Removals` tries it again later.
     With `max_entries`, the walk stops after that many entries (files, links and folders it came to): a process still
-    writing in the tree (a level below each one the walk enters) kept it going as long as it wrote.
+    writing in the tree (a level below each one the walk enters) kept it going as long as it wrote. With `slice_only`
+    (the urgent removals' turns), a walk that came to `max_entries` returns None, unlogged: the rest is for its next turn.
 
     NOTE: Landlock leaves chmod to an engine: one that took the permissions off folders inside its own made a plain
     `rmtree` leave them, and their bytes, behind, so each folder is made the agent's (0o700) before it is emptied. That
@@ -205,40 +210,59 @@ def remove_tree(path: Path | None, *, max_entries: int | None = None) -> bool:
     RLIMIT_NOFILE an engine's deep tree made `EMFILE` read as "not a folder", each level rescanned, and the walk
     never ended, under the supervisor's lock: the whole agent froze. `EMFILE`/`ENFILE`, or a folder moved out from
     under the walk, now stop it, the rest left and logged."""
+    outcome = _remove(path, max_entries=max_entries, slice_only=slice_only)
+    return None if slice_only and outcome == _CAPPED else outcome == _DONE
+
+
+# What one walk of `_remove` did: removed all, came to its `max_entries` (a slice), or left the rest (logged).
+_DONE, _CAPPED, _LEFT = "done", "capped", "left"
+
+
+def _remove(path: Path | None, *, max_entries: int | None, slice_only: bool = False) -> str:
+    """`remove_tree`'s walk, saying whether a walk that left something came to its cap (`_CAPPED`: logged only
+    unless `slice_only`, a walk meant to stop there) or was stopped or written to all along (`_LEFT`)."""
     if path is None:
-        return True
+        return _DONE
     path = Path(path)
     try:
         parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        return _DONE
     except OSError as error:
         logger.warning("could not remove %s: %s", path, error)
-        return False
+        return _LEFT
     try:
         if _remove_entry(parent, path.name, max_entries=max_entries):
-            return True
+            return _DONE
         logger.warning("removing %s left folders written to all along", path)
+    except _WalkCapped as capped:
+        if not slice_only:
+            logger.warning("removing %s stopped, the rest left: %s", path, capped)
+        return _CAPPED
     except _WalkStopped as stopped:
         logger.warning("removing %s stopped, the rest left: %s", path, stopped)
     finally:
         os.close(parent)
-    return False
+    return _LEFT
 
 
 # A removal that left something is tried again this long after, the wait doubled at each failure up to the most.
 REMOVAL_RETRY_S = 1.0
 MAX_REMOVAL_RETRY_S = 60.0
+# The urgent thread walks a folder this many entries at a turn (about 1 s of walking), the rest queued again behind
+# the other urgent folders (`Removals`).
+URGENT_SLICE_ENTRIES = 10_000
 
 
 class _Lane:
     """One thread's queue of `Removals` (under its condition)."""
 
-    __slots__ = ("pending", "busy", "thread", "name")
+    __slots__ = ("pending", "busy", "thread", "name", "walked")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.pending: dict[Path, tuple[float, float]] = {}  # path -> (when it is due, the wait after its next try)
+        self.walked: dict[Path, int] = {}  # urgent: entries walked in a folder's slices since its last wait
         self.busy: Path | None = None
         self.thread: threading.Thread | None = None
 
@@ -248,14 +272,20 @@ class Removals:
     each walk bounded (`remove_tree`'s `max_entries`); one left (a walk stopped, capped, or written to all along) is
     tried again `REMOVAL_RETRY_S` later, then twice as late each time up to `MAX_REMOVAL_RETRY_S`. Those added
     `urgent` (the folders of an engine stopped past its disk bound) have a thread of their own, never behind the
-    others' walks.
+    routine walks, and take turns on it: each turn walks one folder at most `URGENT_SLICE_ENTRIES` entries, and a
+    folder with more left goes to the back of the urgent queue at once (no wait) until it has been walked
+    `max_entries` in all (then it waits like any folder left). A folder added is walked before those queued again,
+    so an urgent folder waits for at most one turn of each urgent folder before it: a folder of a few large files
+    (an engine stopped for its bytes) goes in its first turn, however many trees of many files were queued before.
 
     NOTE: before, the supervisor removed them on its monitor's thread: an engine's tree of 199k nested folders took
     23 s, and every tenant's launches, health checks and drains waited behind it; a walk stopped by a folder moved
     under it was never tried again (`tests/agent/test_engine_disk.py`). Then with one thread for all: an engine
     stopped for filling the disk kept its bytes there until every removal queued before it was done (each walk up to
     2 x `engine_max_files` entries, 23-46 s), and a tenant whose replicas crashed with such trees kept that queue
-    long (the review of fix-fleet7)."""
+    long (the review of fix-fleet7). Then with the urgent folders walked whole, one after another: a tenant getting
+    its engines stopped on purpose queued trees of up to 2 x 200k entries each, and another tenant's engine stopped
+    for 20 GB of bytes waited behind all of them (the review of fix-fleet8)."""
 
     def __init__(self, *, max_entries: int | None = None) -> None:
         self.max_entries = max_entries
@@ -320,16 +350,27 @@ class Removals:
                     return
                 _at, wait = lane.pending.pop(path)
                 lane.busy = path
+                urgent = lane is self._lanes[True]
+                walk = self.max_entries
+                if urgent and not self._closing:
+                    walk = min(walk or URGENT_SLICE_ENTRIES, URGENT_SLICE_ENTRIES)
             try:
-                done = remove_tree(path, max_entries=self.max_entries)
+                done = remove_tree(path, max_entries=walk, slice_only=walk != self.max_entries)
             except Exception:
                 logger.exception("removing %s failed", path)
                 done = False
             with self._changed:
                 lane.busy = None
-                if not done and self._closing:
+                walked = lane.walked.pop(path, 0) + (walk or 0)
+                if done:
+                    pass
+                elif self._closing:
                     self._left.append(path)
-                elif not done:
+                elif done is None and (self.max_entries is None or walked < self.max_entries):
+                    # NOTE: its next slice behind the other urgent folders, at once (`URGENT_SLICE_ENTRIES`)
+                    lane.pending.setdefault(path, (time.monotonic(), wait))
+                    lane.walked[path] = walked
+                else:
                     lane.pending.setdefault(path, (time.monotonic() + wait, min(wait * 2, MAX_REMOVAL_RETRY_S)))
                 self._changed.notify_all()
 
@@ -394,7 +435,7 @@ def _remove_entry(dir_fd: int, name: str, *, max_entries: int | None = None) -> 
                 if entries_left is not None:
                     if entries_left <= 0:
                         _cut(current, stack, top)
-                        raise _WalkStopped(f"more than {max_entries} entries in one walk")
+                        raise _WalkCapped(f"more than {max_entries} entries in one walk")
                     entries_left -= 1
                 entered = _enter_folder(current, child)
                 if entered is not None:

@@ -153,16 +153,26 @@ class StateFile:
             self._read_once()
             return [(pair[0], pair[1]) for pair in self._made_scratch]
 
-    def save(self, replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path] | None = None) -> None:
+    def save(self, replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path] | None = None) -> bool:
         """Record the replicas with a live engine and their scratch folders (by replica id), and the scratch folders of
-        the others (made for a launch, its engine not started yet); the readings kept as they are."""
+        the others (made for a launch, its engine not started yet); the readings kept as they are. False when the file
+        could not be written (the disk full: logged; the next save writes all of it), never raises.
+
+        NOTE: before, the OSError went up: on a full disk a launch's save raised, the poll failed the replica, whose own
+        save raised again, and the rest of the poll (the other replicas' steps, the standby) was skipped. A caller that
+        must not go on unrecorded looks at the answer (`Supervisor._confined`)."""
         records = _records(replicas, scratch_dirs or {})
         made = _made_scratch(records, scratch_dirs or {})
         with self._lock:
             self._read_once()
             self._records = records
             self._made_scratch = made
-            self._write()
+            try:
+                self._write()
+            except OSError as exc:
+                logger.warning("the agent's state file %s could not be written (%s)", self.path, exc.strerror)
+                return False
+        return True
 
     def save_reading(self, name: str, value) -> None:
         """Keep a reading (JSON) across restarts, or forget it (None). Never raises: a reading not written (the disk

@@ -241,6 +241,7 @@ class Supervisor:
             if replica is None or replica.is_final or replica.state == ReplicaState.DRAINING:
                 return
             if replica.pid is None:  # never launched or waiting for a restart: nothing to drain
+                self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 replica.stopped()
                 return
             timeout = replica.spec.drain_timeout_s if timeout_s is None else timeout_s
@@ -352,6 +353,9 @@ class Supervisor:
                         except Exception:  # noqa: BLE001 - killed with SIGKILL: reaped or gone
                             pass
                     replica.exited()
+                    # NOTE: before, its folders stayed held: a drain before the relaunch stopped the replica, `forget`
+                    # dropped it, and its scratch stayed on the disk, unqueued and still recorded as made
+                    self._drop_scratch(replica_id)
                     replica.restart_after_crash(reason, 0.0, time.monotonic())
                     self._save_state()
                 else:
@@ -374,6 +378,7 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
+                self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 self._save_state()
                 live = {replica.log_path.name for replica in self._replicas.values()}
         if replica is not None and replica.is_final:
@@ -613,8 +618,12 @@ class Supervisor:
         self._scratch_dirs[spec.replica_id] = scratch_dir
         # NOTE: recorded before its engine starts (or the zygote forks it): before, only with its engine's record at
         # the end of `_launch`, and an agent killed in between left a folder only its owner file named, which the
-        # engine may remove.
-        self._save_state()
+        # engine may remove. Not recorded (the disk full), no engine starts with it: the folder goes (set aside under
+        # the agent's own name, which the next agent's start finds whatever is recorded) and the launch fails.
+        if not self._save_state():
+            self._drop_scratch(spec.replica_id)
+            raise OSError(f"the agent's state file {self.state_path} could not be written: no engine starts with a "
+                          "scratch folder it does not record")
         adapter_dir = self.data_dir / "engine-adapters" / sandbox.folder_name(spec.replica_id)
         shutil.rmtree(adapter_dir, ignore_errors=True)  # NOTE: left behind by an agent that was killed
         adapter_dir.mkdir(parents=True)
@@ -769,7 +778,8 @@ class Supervisor:
         # NOTE: on the removals' threads, never this one: before, an engine past its bound of files (200k, a walk of
         # 23-46 s) was walked here, and every other engine's disk checks waited behind it. Those of an engine past its
         # bound on the urgent one: behind the routine removals, its bytes stayed on the disk for as long as every
-        # ended engine's tree queued before them took.
+        # ended engine's tree queued before them took. There they take turns with the other urgent folders
+        # (`engine_disk.URGENT_SLICE_ENTRIES` entries a turn): one folder's tree never holds another's bytes long.
         self._removals.add(*over_bound, urgent=True)
         self._removals.add(*removed)
         shared_memory.unlink(unheld)  # their memory is freed as the stopped engine's processes exit
@@ -1125,5 +1135,6 @@ class Supervisor:
             if self.standby is not None:
                 self.standby.stop()
 
-    def _save_state(self) -> None:
-        self.state.save(self._replicas.values(), self._scratch_dirs)
+    def _save_state(self) -> bool:
+        """Write the state file (`StateFile.save`): False when it could not be (logged), never raises."""
+        return self.state.save(self._replicas.values(), self._scratch_dirs)

@@ -392,6 +392,65 @@ def test_a_folder_queued_for_removal_moves_to_the_urgent_thread_and_is_never_wal
     assert removals.close(5) == []
 
 
+def test_an_urgent_folder_of_few_files_waits_for_one_turn_of_each_urgent_tree_queued_before_it_not_their_whole_walks(
+    tmp_path, monkeypatch
+):
+    """Before (the review of fix-fleet8), the urgent thread walked its folders whole, one after another: a tenant
+    getting its engines stopped on purpose queued trees of up to 400k entries each (23-46 s a walk), and another
+    tenant's engine stopped for 20 GB of bytes waited behind all of them (here: all 6 x 1500 files of the hostile
+    trees were gone before the victim's folder was first walked). Now each urgent turn walks `URGENT_SLICE_ENTRIES`
+    (here 100) and a folder with more goes to the back at once."""
+    monkeypatch.setattr(engine_disk, "URGENT_SLICE_ENTRIES", 100, raising=False)
+    hostile = []
+    for i in range(6):
+        tree = tmp_path / f"hostile-{i}"
+        tree.mkdir()
+        for j in range(1500):
+            (tree / f"f{j}").touch()
+        hostile.append(tree)
+    victim = fill(tmp_path / "victim-bytes", 3 * MB)
+    hostile_left_at_victim = []
+    remove_tree = engine_disk.remove_tree
+
+    def watching(path, **kwargs):
+        if Path(path).name == "victim-bytes":
+            hostile_left_at_victim.append(sum(len(os.listdir(tree)) for tree in hostile if tree.exists()))
+        return remove_tree(path, **kwargs)
+
+    monkeypatch.setattr(engine_disk, "remove_tree", watching)
+    removals = engine_disk.Removals(max_entries=2 * 1500)
+    removals.add(*hostile, urgent=True)
+    removals.add(victim, urgent=True)
+    wait_until(lambda: not removals.pending(), 60)
+    assert removals.close(5) == []
+    assert not victim.exists() and not any(tree.exists() for tree in hostile)
+    # at most one turn (100 entries, its folder's own included) of each hostile tree before the victim's first turn,
+    # which removed it whole
+    assert len(hostile_left_at_victim) == 1 and 6 * 1400 <= hostile_left_at_victim[0] < 6 * 1500
+
+
+def test_an_urgent_tree_written_to_all_along_waits_like_any_folder_left_once_walked_max_entries_in_turns(
+    tmp_path, monkeypatch
+):
+    """Turns come back at once only until a folder has been walked `max_entries` in all: then it waits
+    `REMOVAL_RETRY_S` like a folder left, so a writer that never stops costs no more than before."""
+    monkeypatch.setattr(engine_disk, "URGENT_SLICE_ENTRIES", 100)
+    walks = []
+
+    def never_done(path, **kwargs):
+        walks.append((time.monotonic(), kwargs))
+        return None if kwargs.get("slice_only") else False
+
+    monkeypatch.setattr(engine_disk, "remove_tree", never_done)
+    removals = engine_disk.Removals(max_entries=300)
+    removals.add(tmp_path / "busy", urgent=True)
+    wait_until(lambda: len(walks) >= 4, 10)
+    removals.close(0)
+    assert [kwargs for _, kwargs in walks[:3]] == [{"max_entries": 100, "slice_only": True}] * 3
+    assert walks[2][0] - walks[0][0] < engine_disk.REMOVAL_RETRY_S / 2  # three turns at once
+    assert walks[3][0] - walks[2][0] >= engine_disk.REMOVAL_RETRY_S * 0.9  # then a wait
+
+
 def test_an_engine_near_its_disk_bound_is_measured_sooner_and_fails_soon_after_it_passes_it(make_supervisor, tmp_path):
     # Measured every 30 s whatever it held: an engine at 90% of its bound wrote for half a minute past it unseen.
     supervisor = make_supervisor(engine_max_bytes=int(3.5 * MB), check_interval_s=20, sweep_interval_s=3600)

@@ -652,6 +652,50 @@ def test_a_scratch_folder_made_before_its_agent_was_killed_is_removed_by_the_nex
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def test_a_full_disk_fails_each_launch_whose_scratch_cannot_be_recorded_removes_that_folder_and_the_poll_goes_on(
+    make_supervisor, tmp_path, monkeypatch
+):
+    """Before (the review of fix-fleet8), `StateFile.save` let the OSError through: the save before a launch raised,
+    the poll failed the replica, whose own save raised again out of `poll`: the replicas after it were never stepped
+    (here: `poll` raised ENOSPC, the second launch never came). Now a save that fails is logged; a launch whose
+    scratch folder could not be recorded fails and that folder goes (no engine ever runs with a folder no record
+    names), and the rest of the poll goes on."""
+    import errno
+
+    from gpu_agent.runtime import state_file
+
+    supervisor = make_supervisor(tmp_path / "agent")
+    if supervisor.sandbox_mode == SandboxMode.OFF:
+        pytest.skip("engines get no scratch folder with the sandbox off")
+    supervisor.start(make_spec("r-up"), tmp_path / "model")
+    wait_for_state(supervisor, "r-up", ReplicaState.READY, timeout_s=30)
+    made = []
+    make_scratch_folder = sandbox.make_scratch_folder
+
+    def recorded(data_dir, replica_id):
+        made.append(make_scratch_folder(data_dir, replica_id))
+        return made[-1]
+
+    def disk_full(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sandbox, "make_scratch_folder", recorded)
+    monkeypatch.setattr(state_file.StateFile, "_write", disk_full)
+    supervisor.start(make_spec("r-new"), tmp_path / "model")
+    supervisor.start(make_spec("r-later"), tmp_path / "model")
+    wait_until(lambda: all(supervisor.get(replica_id).state == ReplicaState.FAILED for replica_id in ("r-new", "r-later")),
+               30, poll=supervisor.poll)  # fmt: skip
+    for replica_id in ("r-new", "r-later"):
+        assert "could not be written" in supervisor.get(replica_id).failure_reason
+        assert not processes_with_marker(replica_id)  # no engine started with an unrecorded folder
+    assert len(made) >= 2 and not supervisor._scratch_dirs.keys() & {"r-new", "r-later"}
+    wait_until(lambda: not supervisor._removals.pending(), 10)
+    assert not any(folder.exists() for folder in made)
+    assert not sandbox.scratch_set_aside_of(supervisor.data_dir)
+    supervisor.poll()
+    assert supervisor.get("r-up").state == ReplicaState.READY  # the running engine is still stepped
+
+
 def test_a_scratch_folder_a_record_names_is_taken_only_where_the_agent_makes_that_replicas(tmp_path):
     # The state file is the agent's own, but a path read back from it never names a folder outside the temporary
     # folder, another replica's, or one set aside.

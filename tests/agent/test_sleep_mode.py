@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from gpu_agent.protocol import ReplicaAction, ReplicaState
+from gpu_agent.runtime import state_file
 from gpu_agent.runtime.engine import DEVICE_CPU, DEVICE_CUDA, build_engine_command
 from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.sleep_mode import (
@@ -221,6 +222,28 @@ def test_a_failed_wake_restarts_the_engine_with_the_reason(sleepy_supervisor):
     assert replica.pid != pid
     assert "wake up failed" in replica.failure_reason and "HTTP 500" in replica.failure_reason
     assert pid not in {process.pid for process in processes_with_marker("r-wake")}  # the old engine is gone
+
+
+def test_a_failed_wake_drained_before_its_relaunch_leaves_no_scratch_folder_on_disk_nor_in_the_record(sleepy_supervisor):
+    """Before (the review of fix-fleet8), the failed wake killed the engine but kept its scratch folder held: a drain
+    before the next poll's relaunch stopped the replica, `forget` dropped it, and the folder stayed on the disk,
+    queued for no removal and still listed as made in the state file (until the next agent's start)."""
+    supervisor = sleepy_supervisor("--wake-fails")
+    _ready(supervisor, "r-wake")
+    scratch = supervisor._scratch_dirs.get("r-wake")
+    if scratch is None:
+        pytest.skip("engines get no scratch folder here (the sandbox is off)")
+    supervisor.sleep("r-wake")
+    _poll_until(supervisor, lambda: supervisor.get("r-wake").state == ReplicaState.SLEEPING)
+    supervisor.wake("r-wake")
+    wait_until(lambda: supervisor.get("r-wake").num_restarts == 1, 15)  # no poll: the relaunch has not come
+    supervisor.drain("r-wake")  # the control plane scales it away first
+    assert supervisor.get("r-wake").state == ReplicaState.STOPPED
+    supervisor.forget("r-wake")
+    wait_until(lambda: not supervisor._removals.pending(), 15)
+    assert not scratch.exists()
+    made = json.loads(supervisor.state_path.read_text()).get(state_file.MADE_SCRATCH_KEY) or []
+    assert [replica_id for replica_id, _path in made if replica_id == "r-wake"] == []
 
 
 @pytest.mark.parametrize(("device", "sleep_mode", "why"), [
