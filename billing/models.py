@@ -85,6 +85,10 @@ class UsageRecord(models.Model):
     # (`billing.ledger.supersede_lost_rows`): counted already, so the supersede's count adds the difference, and a
     # replay finishes the count of one killed between its commit and its count (`billing.quota.replayed`).
     lost_cost = MoneyField(null=True, blank=True)
+    # When the sweeper's row reached the ledger, for one superseded since: its `lost_cost` was drawn from credit as of
+    # then, the difference as of `recorded_at` (the supersede's: `billing.ledger.undrawn_prepaid_usage`). None for a
+    # row not superseded, or superseded before the column existed (its `lost_cost` long drawn).
+    lost_recorded_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["request_id"], name="usage_record_unique_request_id")]
