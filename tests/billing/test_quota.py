@@ -724,6 +724,33 @@ def test_a_superseded_row_is_drawn_as_its_lost_cost_then_and_its_difference_at_t
     assert draw_credits(organization.pk) == 0
 
 
+def test_a_grant_made_after_the_usage_began_pays_for_none_of_it():
+    # A late row (a journal replayed after an outage) made 2.5 h ago, when only a $1 grant was there. Before, a $50 grant
+    # made a minute ago paid $3 of it: drawn before that grant existed, the $3 was written off, so what paid hung on
+    # when the draw ran.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=3)
+    early = grant_credits(SYSTEM, organization, amount=Decimal("1"), expires_at=started + timedelta(hours=1),
+                          granted_at=started)
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=4_000_000,
+                              completion_tokens=0))
+    later = grant_credits(SYSTEM, organization, amount=Decimal("50"), granted_at=timezone.now() - timedelta(minutes=1))
+
+    assert credit_available(organization.pk)[0] == Decimal("47"), "the $3 unpaid counts against the credit till drawn"
+    assert draw_credits(organization.pk) == Decimal("1")
+    early.refresh_from_db()
+    later.refresh_from_db()
+    assert (early.consumed, later.consumed) == (Decimal("1"), Decimal("0"))
+    assert credit_available(organization.pk)[0] == Decimal("50")
+    record_usage(usage_report(endpoint, prompt_tokens=2_000_000, completion_tokens=0))  # made now: the new grant's
+    assert draw_credits(organization.pk) == Decimal("2")
+    later.refresh_from_db()
+    assert later.consumed == Decimal("2")
+
+
 def test_a_row_committed_while_a_draw_reads_the_ledger_pushes_out_no_older_row():
     # The draw read the amount not drawn yet and its dated parts in two statements. Before, a row of now committed
     # between them was in the parts alone, the newest: it pushed out the late row made under the expired grant, whose
