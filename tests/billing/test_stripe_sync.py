@@ -15,6 +15,7 @@ from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import BillingAccount, MeterEventPush, UsageRecord, UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.accounts.models import AuditEvent
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 from tests.billing.conftest import usage_report
@@ -404,6 +405,10 @@ def test_a_rollup_made_again_with_more_usage_after_the_database_went_back_in_tim
                                 f"not remember: does Stripe have input_tokens {again.input_tokens}, cached_input_tokens "
                                 f"20, output_tokens 530, usage_cost {again.cost_micro_dollars}?")
     assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # Stripe's, unchanged
+    # Audited, as the unknown-lines hold is: before, only a log line and `push_held_at` told of it.
+    [audited] = AuditEvent.objects.filter(action="billing.push_held_duplicate")
+    assert audited.organization_id == again.organization_id and audited.details == {
+        "rollups": [again.pk], "reason": again.push_error}
 
     # The operator finds less in Stripe, cancels the rollup's events there (a meter event adjustment), and sends it as new.
     for identifier in [identifier for identifier in fake_stripe.meter_events if str(again.push_uid) in identifier]:
