@@ -9,7 +9,7 @@ from decimal import Decimal
 from django.db import connection, transaction
 from django.utils import timezone
 
-from billing.ledger import undrawn_prepaid_spend, undrawn_prepaid_usage
+from billing.ledger import undrawn_prepaid_usage
 from billing.models import BillingAccount, CreditGrant, credit_shares
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
@@ -66,10 +66,11 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
             cursor.execute("SELECT now()")
             drawn_at = cursor.fetchone()[0]
         BillingAccount.objects.filter(pk=account.pk).update(credit_draw_due=False, credit_drawn_at=drawn_at)
-        undrawn = undrawn_prepaid_spend(account)
+        # NOTE: the amount and its parts in one statement: read in two, a row committed between them was in the
+        # parts alone, the newest, and pushed out an older row not drawn yet (dated at the draw: paid twice).
+        undrawn, usage = undrawn_prepaid_usage(account)
         if undrawn <= 0:
             return Decimal(0)
-        usage = undrawn_prepaid_usage(account, undrawn)
         grants = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now).select_for_update())
         shares = credit_shares(grants, usage)
         for grant in grants:

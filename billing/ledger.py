@@ -305,11 +305,12 @@ RETURNING request_id
 # row that is not one, and only once: the row is no longer `gateway_lost` after it (concurrent writes: PostgreSQL
 # rechecks the condition on the row it locked).
 # `lost` is the row as the statement found it: its cost, already counted, kept as `lost_cost` (a replay finishes the
-# count of a supersede killed before it: `billing.quota.replayed.count_replayed`).
+# count of a supersede killed before it: `billing.quota.replayed.count_replayed`), and when it reached the ledger,
+# `lost_recorded_at` (the credit draw dates `lost_cost` then, the difference now: `undrawn_prepaid_usage`).
 _SUPERSEDE_SQL = f"""
 UPDATE {_TABLE} u
 SET prompt_tokens = p.prompt_tokens, cached_tokens = p.cached_tokens, completion_tokens = p.completion_tokens,
-    cost = p.cost, status = p.status, recorded_at = now(), lost_cost = lost.cost
+    cost = p.cost, status = p.status, recorded_at = now(), lost_cost = lost.cost, lost_recorded_at = lost.recorded_at
 FROM ({_PRICED_SQL}) p, {_TABLE} lost
 WHERE u.request_id = p.request_id AND u.organization_id = p.organization_id AND u.endpoint_id = p.endpoint_id
   AND lost.id = u.id AND u.status = '{UsageStatus.GATEWAY_LOST}' AND p.status <> '{UsageStatus.GATEWAY_LOST}'
@@ -604,26 +605,48 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
     return others + sum(pending.values(), Decimal(0)), pending
 
 
-# The undrawn prepaid rows, newest recorded first until they make the amount not drawn yet, summed per minute of their
-# start (`undrawn_prepaid_usage`): the part of the last of them that the amount takes, and no more.
+# The prepaid usage not drawn yet (`amount`: the ledger's prepaid cost less the account's `credit_drawn`), and its
+# parts, newest recorded first until they make that amount, summed per minute of their start (`undrawn_prepaid_usage`):
+# the part of the last of them that the amount takes, and no more. A superseded row (`_SUPERSEDE_SQL`) is two parts of
+# one start: its `lost_cost` recorded when the sweeper's row was (`lost_recorded_at`), the difference when the call's
+# own row superseded it (`recorded_at`); a part of 0 or less is none. One statement, so one snapshot: a row committed
+# while the draw read is in the amount and the parts both, or in neither.
+# NOTE: before, a superseded row was one part, its whole cost recorded at the supersede: its `lost_cost`, drawn
+# already, pushed out as much of the rows really not drawn yet, and that amount was dated at the superseded call's
+# start (expired credit spent, or a late row made under an expired grant paid by the next: paid twice). And the amount
+# was read in a statement before the parts': a row committed between them was "newest" and pushed out an older one.
+# Rows (`u`) recorded before `recorded_since` have no part recorded since: a superseded row's `recorded_at` is its
+# later part's.
 _UNDRAWN_BY_MINUTE = f"""
-SELECT min(started_at), sum(least(cost, %(undrawn)s - (running - cost)))
-FROM (SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC) AS running
-      FROM {_TABLE}
-      WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}' AND cost > 0{{since}}) undrawn_rows
-WHERE running - cost < %(undrawn)s
+WITH undrawn AS (
+    SELECT coalesce(sum(cost), 0) - %(drawn)s AS amount FROM {_TABLE}
+    WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}'),
+parts AS (
+    SELECT u.id, u.started_at, part.recorded_at, part.cost, part.n
+    FROM {_TABLE} u CROSS JOIN LATERAL (VALUES (u.recorded_at, u.cost - coalesce(u.lost_cost, 0), 1),
+                                               (u.lost_recorded_at, u.lost_cost, 0)) part (recorded_at, cost, n)
+    WHERE u.organization_id = %(organization_id)s AND u.billing_mode = '{BillingMode.PREPAID}'{{row_since}}),
+undrawn_parts AS (
+    SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC, n DESC) AS running
+    FROM parts WHERE cost > 0{{part_since}})
+SELECT 0, NULL::timestamptz, amount FROM undrawn
+UNION ALL
+SELECT 1, min(started_at), sum(least(cost, amount - (running - cost)))
+FROM undrawn_parts, undrawn
+WHERE running - cost < amount
 GROUP BY date_trunc('minute', started_at, 'UTC')
-ORDER BY 1
+ORDER BY 1, 2
 """
 
 
-def undrawn_prepaid_usage(account: BillingAccount, undrawn: Decimal) -> list[tuple[datetime, Decimal]]:
-    """The prepaid usage not drawn yet, `undrawn` of cost in all (`undrawn_prepaid_spend`), as when each part of it
-    began and its cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those
-    recorded since the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they
-    make `undrawn`, summed per minute of their start (each part dated at its earliest: a grant that expired within that
-    minute pays for it, by less than a minute of usage made after). What they do not make (a row committed later than
-    the margin after it was stamped) is dated at that draw.
+def undrawn_prepaid_usage(account: BillingAccount) -> tuple[Decimal, list[tuple[datetime, Decimal]]]:
+    """The prepaid usage not drawn yet (`undrawn_prepaid_spend`), and the same amount as when each part of it began and
+    its cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those recorded since
+    the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they make the
+    amount, summed per minute of their start (each part dated at its earliest: a grant that expired within that minute
+    pays for it, by less than a minute of usage made after; a superseded row is two parts, `_UNDRAWN_BY_MINUTE`). What
+    they do not make (a row committed later than the margin after it was stamped) is dated at that draw. Both read in
+    one statement (one snapshot). Nothing not drawn (0 or less): no parts.
 
     NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
     (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
@@ -634,14 +657,19 @@ def undrawn_prepaid_usage(account: BillingAccount, undrawn: Decimal) -> list[tup
     among them that committed after the last draw read the ledger may lend its start to one that did not."""
     recorded_since = account.credit_drawn_at - RECORDED_AT_MARGIN if account.credit_drawn_at is not None else None
     with connection.cursor() as cursor:
-        since = "" if recorded_since is None else " AND recorded_at >= %(recorded_since)s"
-        cursor.execute(_UNDRAWN_BY_MINUTE.format(since=since), {
-            "undrawn": undrawn, "organization_id": account.organization_id, "recorded_since": recorded_since})
-        parts = [(began, cost) for began, cost in cursor.fetchall()]
+        since = "" if recorded_since is None else " AND {}recorded_at >= %(recorded_since)s"
+        cursor.execute(_UNDRAWN_BY_MINUTE.format(row_since=since.format("u."), part_since=since.format("")), {
+            "drawn": account.credit_drawn, "organization_id": account.organization_id,
+            "recorded_since": recorded_since})
+        rows = cursor.fetchall()
+    undrawn = rows[0][2]
+    if undrawn <= 0:
+        return undrawn, []
+    parts = [(began, cost) for _, began, cost in rows[1:]]
     left = undrawn - sum((cost for _, cost in parts), Decimal(0))
     if left > 0:
         parts = sorted([*parts, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
-    return parts
+    return undrawn, parts
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
@@ -85,6 +85,10 @@ class UsageRecord(models.Model):
     # (`billing.ledger.supersede_lost_rows`): counted already, so the supersede's count adds the difference, and a
     # replay finishes the count of one killed between its commit and its count (`billing.quota.replayed`).
     lost_cost = MoneyField(null=True, blank=True)
+    # When the sweeper's row reached the ledger, for one superseded since: its `lost_cost` was drawn from credit as of
+    # then, the difference as of `recorded_at` (the supersede's: `billing.ledger.undrawn_prepaid_usage`). None for a
+    # row not superseded, or superseded before the column existed (its `lost_cost` long drawn).
+    lost_recorded_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["request_id"], name="usage_record_unique_request_id")]
@@ -365,11 +369,19 @@ class CreditGrantQuerySet(models.QuerySet):
                 .order_by(models.F("expires_at").asc(nulls_last=True), "granted_at", "pk"))
 
 
+# A part of the usage not drawn yet is dated at the earliest start of its minute (`ledger.undrawn_prepaid_usage`): what
+# it holds began within this much of that date. A grant made by then may have been there for some of it.
+_PART_SPAN = timedelta(minutes=1)
+
+
 def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
     """How much each of `grants` (`CreditGrantQuerySet.paying_for`, soonest expiry first) pays, by id, of `usage` (the
     start and the cost of each part of the usage not drawn yet, earliest first: `ledger.undrawn_prepaid_usage`): each
-    part from the grants it was made under, those not expired when it started, soonest expiry first, within what each
-    has left. What none of them can pay is paid by none (`billing.credits.draw_credits` draws it as nothing).
+    part from the grants it was made under, those granted by and not expired when it started, soonest expiry first,
+    within what each has left (granted by: within `_PART_SPAN` after the part's date, as its usage may have begun
+    then). What none of them can pay is paid by none (`billing.credits.draw_credits` draws it as nothing).
+    NOTE: before, a grant made after the usage began paid for it (a late row drawn after a top-up): whether it did
+    hung on when the draw ran, not on what the usage was made under.
 
     NOTE: each part by its own start: usage made just before a grant expired but drawn after (draws follow the
     rollups, every minute, later with the worker down, and a row may reach the ledger hours late) is drawn from that
@@ -382,7 +394,8 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
         for grant in grants:
             if cost <= 0:
                 break
-            if grant.expires_at is not None and grant.expires_at <= started_at:
+            if grant.granted_at >= started_at + _PART_SPAN or (
+                    grant.expires_at is not None and grant.expires_at <= started_at):
                 continue
             share = min(left[grant.pk], cost)
             if share > 0:

@@ -844,9 +844,12 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
                  "rollup, or cancel its events in Stripe and send it as new, in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
-    UsageRollup.objects.filter(pk=rollup.pk).update(
-        push_claimed_at=None, push_held_at=timezone.now(),
-        push_error=f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300])
+    error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
+    # NOTE: audited as the unknown-lines hold is (`_count_unknown_lines`): before, only the log line and `push_held_at`
+    # told of it, and a rewind holding dozens of rollups was easy to miss.
+    record_audit(SYSTEM, Organization.objects.get(pk=rollup.organization_id), "billing.push_held_duplicate", None,
+                 rollups=[rollup.pk], reason=error)
 
 
 def send_held_as_new(rollups) -> int:

@@ -462,7 +462,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         present = (*present, *(request_id for request_id in pending if request_id not in present))
         # NOTE: a grant expired since pays for the usage not drawn yet made while it was active, as the draw will
         # take it (`billing.models.credit_shares`), and never for anything more.
-        usage = undrawn_prepaid_usage(account, undrawn) if undrawn > 0 else []
+        usage = undrawn_prepaid_usage(account)[1] if undrawn > 0 else []  # the same amount: one snapshot
         paying = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now)) if usage else []
     shares = credit_shares(paying, usage)
     undrawn_on_lapsed = sum((shares.get(grant.pk, Decimal(0)) for grant in paying if not grant.is_active(now)), Decimal(0))

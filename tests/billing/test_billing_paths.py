@@ -40,10 +40,12 @@ def _customer_usage_cost(fake_stripe, organization) -> int:
     return fake_stripe.meter_totals().get((customer_id, "inferplane_usage_cost"), 0)
 
 
+# NOTE: a grant pays only for usage begun once it was made (`billing.models.credit_shares`): those below are dated
+# before the usage they pay for, made hours ago.
 def test_a_prepaid_organisations_usage_draws_credit_and_is_never_pushed_to_stripe(fake_stripe):
     prepaid, postpaid = EndpointFactory(), EndpointFactory()
     set_billing_mode(SYSTEM, prepaid.organization, mode=BillingMode.PREPAID)
-    grant_credits(SYSTEM, prepaid.organization, amount=Decimal("10"))
+    grant_credits(SYSTEM, prepaid.organization, amount=Decimal("10"), granted_at=_hours_ago(4))
     for endpoint in (prepaid, postpaid):
         record_usage(usage_report(endpoint, finished_at=_hours_ago(3)))
     rollup_usage()
@@ -62,7 +64,7 @@ def test_a_prepaid_organisations_usage_draws_credit_and_is_never_pushed_to_strip
 def test_switching_mode_mid_period_bills_usage_before_the_switch_one_way_and_after_it_the_other(fake_stripe):
     endpoint = EndpointFactory()
     organization = endpoint.organization
-    grant_credits(SYSTEM, organization, amount=Decimal("10"))
+    grant_credits(SYSTEM, organization, amount=Decimal("10"), granted_at=_hours_ago(4))
     hour = _hours_ago(3)
     invoiced = [usage_report(endpoint, finished_at=hour + timedelta(minutes=5), prompt_tokens=1000) for _ in range(2)]
     for report in invoiced:
@@ -134,7 +136,7 @@ def test_prepaid_usage_recorded_before_a_switch_to_postpaid_is_drawn_from_credit
     endpoint = EndpointFactory(price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
     organization = endpoint.organization
     set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
-    grant_credits(SYSTEM, organization, amount=Decimal("10"))
+    grant_credits(SYSTEM, organization, amount=Decimal("10"), granted_at=_hours_ago(4))
     record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
     set_billing_mode(SYSTEM, organization, mode=BillingMode.POSTPAID)
 
@@ -157,7 +159,7 @@ def test_the_migration_flags_for_a_draw_the_prepaid_usage_a_switch_to_postpaid_l
                    for _ in range(2))
     for endpoint in (left, drawn):
         set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
-        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"))
+        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"), granted_at=_hours_ago(4))
         record_usage(usage_report(endpoint, finished_at=_hours_ago(3), prompt_tokens=100_000, completion_tokens=0))
     draw_credits(drawn.organization_id)
     set_billing_mode(SYSTEM, left.organization, mode=BillingMode.POSTPAID)
@@ -300,7 +302,7 @@ def test_a_draw_that_failed_after_its_rollups_committed_is_made_by_the_next_run(
     first, second = EndpointFactory(), EndpointFactory()
     for endpoint in (first, second):
         set_billing_mode(SYSTEM, endpoint.organization, mode=BillingMode.PREPAID)
-        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"))
+        grant_credits(SYSTEM, endpoint.organization, amount=Decimal("10"), granted_at=_hours_ago(4))
         record_usage(usage_report(endpoint, finished_at=_hours_ago(3)))
     draw = credits.draw_credits
     failed = []

@@ -681,6 +681,103 @@ def test_a_late_row_after_a_draw_is_told_from_the_rows_that_draw_took_within_its
     assert draw_credits(organization.pk) == 0
 
 
+def _expired_and_lasting_grants():
+    """A prepaid organisation at $1 a million input tokens, with $100 granted 2 h ago that expired an hour after, and
+    $10 granted then that lasts."""
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=2)
+    expired = grant_credits(SYSTEM, organization, amount=Decimal("100"), expires_at=started + timedelta(hours=1),
+                            granted_at=started)
+    lasting = grant_credits(SYSTEM, organization, amount=Decimal("10"), expires_at=started + timedelta(days=60),
+                            granted_at=started)
+    return organization, endpoint, started, expired, lasting
+
+
+@pytest.mark.parametrize("lost_made", ["before the expiry", "after the expiry"])
+def test_a_superseded_row_is_drawn_as_its_lost_cost_then_and_its_difference_at_the_supersede(lost_made):
+    # The supersede gives the sweeper's row the call's whole cost and `recorded_at = now()`; its `lost_cost` was drawn
+    # already. Before, the draw took the whole cost as the newest row not drawn yet: it pushed out the rows really not
+    # drawn, and dated their amount at the superseded call's start. Lost row made before the expiry: the expired grant
+    # paid (12, 0), the tenant spent $4 of expired credit, and the credit left read 10. Made after it, with a late row
+    # made before it: (0, 12), the late row paid by the lasting grant while the expired one kept it (paid twice).
+    organization, endpoint, started, expired, lasting = _expired_and_lasting_grants()
+    before = lost_made == "before the expiry"
+    lost = usage_report(endpoint, finished_at=started + timedelta(minutes=30) if before else None,
+                        prompt_tokens=5_000_000, completion_tokens=0, status="gateway_lost",
+                        request_id=f"req-lost-{organization.pk}")
+    record_usage(lost)  # the sweeper's row: $5
+    assert draw_credits(organization.pk) == Decimal("5")
+    record_usage(usage_report(endpoint, finished_at=None if before else started + timedelta(minutes=30),
+                              prompt_tokens=4_000_000, completion_tokens=0))  # $4, made on the other side of the expiry
+    supersede_lost_rows([dataclasses.replace(lost, prompt_tokens=8_000_000, status="ok")])  # the call's own: $8 (+$3)
+
+    if before:
+        assert credit_available(organization.pk)[0] == Decimal("6"), "the expired grant pays the $3, the lasting $4"
+    assert draw_credits(organization.pk) == Decimal("7")
+    expired.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expired.consumed, lasting.consumed) == ((Decimal("8"), Decimal("4")) if before
+                                                    else (Decimal("4"), Decimal("8")))
+    assert draw_credits(organization.pk) == 0
+
+
+def test_a_grant_made_after_the_usage_began_pays_for_none_of_it():
+    # A late row (a journal replayed after an outage) made 2.5 h ago, when only a $1 grant was there. Before, a $50 grant
+    # made a minute ago paid $3 of it: drawn before that grant existed, the $3 was written off, so what paid hung on
+    # when the draw ran.
+    organization = OrganizationFactory()
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    started = timezone.now() - timedelta(hours=3)
+    early = grant_credits(SYSTEM, organization, amount=Decimal("1"), expires_at=started + timedelta(hours=1),
+                          granted_at=started)
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=4_000_000,
+                              completion_tokens=0))
+    later = grant_credits(SYSTEM, organization, amount=Decimal("50"), granted_at=timezone.now() - timedelta(minutes=1))
+
+    assert credit_available(organization.pk)[0] == Decimal("47"), "the $3 unpaid counts against the credit till drawn"
+    assert draw_credits(organization.pk) == Decimal("1")
+    early.refresh_from_db()
+    later.refresh_from_db()
+    assert (early.consumed, later.consumed) == (Decimal("1"), Decimal("0"))
+    assert credit_available(organization.pk)[0] == Decimal("50")
+    record_usage(usage_report(endpoint, prompt_tokens=2_000_000, completion_tokens=0))  # made now: the new grant's
+    assert draw_credits(organization.pk) == Decimal("2")
+    later.refresh_from_db()
+    assert later.consumed == Decimal("2")
+
+
+def test_a_row_committed_while_a_draw_reads_the_ledger_pushes_out_no_older_row():
+    # The draw read the amount not drawn yet and its dated parts in two statements. Before, a row of now committed
+    # between them was in the parts alone, the newest: it pushed out the late row made under the expired grant, whose
+    # $4 the lasting grant paid (0, 4) while the expired one kept it (paid twice; the next draw took the new row's $4
+    # from the lasting grant again: (0, 8)).
+    organization, endpoint, started, expired, lasting = _expired_and_lasting_grants()
+    assert draw_credits(organization.pk) == 0
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=4_000_000,
+                              completion_tokens=0))  # late: made under the expired grant
+    reads = []
+
+    def a_commit_after_the_first_read_of_the_ledger(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if UsageRecord._meta.db_table in sql and not reads:
+            reads.append(sql)  # the gateway commits a row of now meanwhile, on its own connection
+            _in_another_connection(record_usage, usage_report(endpoint, prompt_tokens=4_000_000, completion_tokens=0))
+        return result
+
+    with connections["default"].execute_wrapper(a_commit_after_the_first_read_of_the_ledger):
+        draw_credits(organization.pk)
+    assert reads, "a row was committed while the draw read"
+    draw_credits(organization.pk)
+    expired.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expired.consumed, lasting.consumed) == (Decimal("4"), Decimal("4"))
+
+
 def test_a_draw_committed_while_the_credit_left_is_read_is_counted_once(monkeypatch):
     # The figure was read in three statements: the account's `credit_drawn`, the grants, the ledger. A draw committed
     # between the first two was subtracted twice (the grants had taken it, `credit_drawn` still left it undrawn): an

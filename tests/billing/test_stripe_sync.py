@@ -15,6 +15,7 @@ from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import BillingAccount, MeterEventPush, UsageRecord, UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.accounts.models import AuditEvent
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 from tests.billing.conftest import usage_report
@@ -338,12 +339,20 @@ def test_a_rollup_id_handed_out_again_after_the_database_went_back_in_time_is_bi
     assert fake_stripe.num_duplicate_identifiers == 0
 
 
-def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_twice(fake_stripe):
+@pytest.mark.parametrize("pushed_again", ["within the second", "a minute later"])
+def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_twice(fake_stripe, monkeypatch,
+                                                                                      pushed_again):
     # The other side of a rewind: a rollup pushed after the point the database went back to is gone with its pushes,
     # but the usage it summed was recorded before that point and is still there, so the next run makes the rollup
     # again. With a random push_uid its events were new to Stripe, and the hour was billed twice (found by the review
     # of this change). Made of what the rollup is (its endpoint, hour, billing mode and sequence), the identifier is
-    # the same, and Stripe refuses the events it has.
+    # the same, and Stripe refuses the events it has. Pushed again within the second, the requests are the same and
+    # Stripe replays its answers; later, its events are dated otherwise (`stripe_sync.event_timestamp`: at most
+    # `LATEST_PERIOD_GRACE` back, from the push's clock), so Stripe refuses the first key as sent with other
+    # parameters, and the identifier as a duplicate: held for an operator to confirm, though equal. NOTE: the clock
+    # is frozen: before, the test passed only while both pushes fell within the same second.
+    frozen = timezone.now()
+    monkeypatch.setattr(timezone, "now", lambda: frozen)
     endpoint = EndpointFactory()
     first = _closed_rollup(endpoint)
     assert stripe_sync.push_pending_rollups() == 1
@@ -353,10 +362,15 @@ def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_
     rollup_usage(full=True)
     again = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
     assert again.pk != first.pk and again.push_uid == first.push_uid
-    assert stripe_sync.push_pending_rollups() == 1
+    if pushed_again == "a minute later":
+        monkeypatch.setattr(timezone, "now", lambda: frozen + timedelta(minutes=1))
+    assert stripe_sync.push_pending_rollups() == (1 if pushed_again == "within the second" else 0)
 
     assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # once
     assert len(fake_stripe.meter_events) == 4  # Stripe took each event once (the same idempotency key, or identifier)
+    again.refresh_from_db()
+    if pushed_again == "a minute later":
+        assert again.push_held_at is not None and stripe_sync._DUPLICATE_HOLD in again.push_error
 
 
 @pytest.mark.parametrize("keys", ["kept", "forgotten"])
@@ -391,6 +405,10 @@ def test_a_rollup_made_again_with_more_usage_after_the_database_went_back_in_tim
                                 f"not remember: does Stripe have input_tokens {again.input_tokens}, cached_input_tokens "
                                 f"20, output_tokens 530, usage_cost {again.cost_micro_dollars}?")
     assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # Stripe's, unchanged
+    # Audited, as the unknown-lines hold is: before, only a log line and `push_held_at` told of it.
+    [audited] = AuditEvent.objects.filter(action="billing.push_held_duplicate")
+    assert audited.organization_id == again.organization_id and audited.details == {
+        "rollups": [again.pk], "reason": again.push_error}
 
     # The operator finds less in Stripe, cancels the rollup's events there (a meter event adjustment), and sends it as new.
     for identifier in [identifier for identifier in fake_stripe.meter_events if str(again.push_uid) in identifier]:
