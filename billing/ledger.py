@@ -616,15 +616,20 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
 # start (expired credit spent, or a late row made under an expired grant paid by the next: paid twice). And the amount
 # was read in a statement before the parts': a row committed between them was "newest" and pushed out an older one.
 # Rows (`u`) recorded before `recorded_since` have no part recorded since: a superseded row's `recorded_at` is its
-# later part's.
+# later part's. A row superseded with no `lost_recorded_at` (by code from before billing/0028, in a rolling deploy) is
+# one part, its whole cost recorded at the supersede, as before: NOTE: split with a NULL date, its `lost_cost` part was
+# dropped as drawn long ago although the sweeper's row may have come after the last draw, and older rows filled its
+# place, dated under an expired grant (the review of this split: expired credit paid $4 of usage made after it).
 _UNDRAWN_BY_MINUTE = f"""
 WITH undrawn AS (
     SELECT coalesce(sum(cost), 0) - %(drawn)s AS amount FROM {_TABLE}
     WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}'),
 parts AS (
     SELECT u.id, u.started_at, part.recorded_at, part.cost, part.n
-    FROM {_TABLE} u CROSS JOIN LATERAL (VALUES (u.recorded_at, u.cost - coalesce(u.lost_cost, 0), 1),
-                                               (u.lost_recorded_at, u.lost_cost, 0)) part (recorded_at, cost, n)
+    FROM {_TABLE} u CROSS JOIN LATERAL (
+        VALUES (u.recorded_at, u.cost - CASE WHEN u.lost_recorded_at IS NULL THEN 0 ELSE u.lost_cost END, 1),
+               (u.lost_recorded_at, CASE WHEN u.lost_recorded_at IS NULL THEN 0 ELSE u.lost_cost END, 0)
+    ) part (recorded_at, cost, n)
     WHERE u.organization_id = %(organization_id)s AND u.billing_mode = '{BillingMode.PREPAID}'{{row_since}}),
 undrawn_parts AS (
     SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC, n DESC) AS running

@@ -364,6 +364,11 @@ class Removals:
                 walked = lane.walked.pop(path, 0) + (walk or 0)
                 if done:
                     pass
+                elif done is None and self._closing:
+                    # NOTE: a slice cut short by its cap as the agent stops: tried once more whole, as every folder
+                    # waiting is at close. Before, it was left for the next agent, whose start queued it behind every
+                    # routine removal (the review of these turns).
+                    lane.pending.setdefault(path, (-math.inf, wait))
                 elif self._closing:
                     self._left.append(path)
                 elif done is None and (self.max_entries is None or walked < self.max_entries):

@@ -829,3 +829,32 @@ def test_an_adapter_staged_after_its_engines_folder_went_makes_no_folder_and_a_r
     supervisor.remove_engine_caches()
     assert not stray.exists() and (live / "lora-1" / "sub" / "w.bin").exists()
     assert sorted(path.name for path in live.parent.iterdir()) == ["r-a"]
+
+
+def test_an_urgent_folder_mid_slice_as_the_agent_stops_is_tried_once_more_whole(tmp_path, monkeypatch):
+    """`close` tries every folder still waiting once more whole; before, the one in a slice as it was called was left
+    (with the rest of its files) for the next agent, whose start queued it behind every routine removal."""
+    import threading
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    for i in range(300):
+        (folder / f"f{i}").touch()
+    monkeypatch.setattr(engine_disk, "URGENT_SLICE_ENTRIES", 50)
+    in_slice, go = threading.Event(), threading.Event()
+    remove_tree = engine_disk.remove_tree
+
+    def held_slice(path, **kwargs):
+        answer = remove_tree(path, **kwargs)
+        if kwargs.get("slice_only"):
+            in_slice.set()
+            go.wait(5)
+        return answer
+
+    monkeypatch.setattr(engine_disk, "remove_tree", held_slice)
+    removals = engine_disk.Removals(max_entries=100_000)
+    removals.add(folder, urgent=True)
+    assert in_slice.wait(5)
+    threading.Timer(0.2, go.set).start()
+    assert removals.close(10) == []
+    assert not folder.exists()

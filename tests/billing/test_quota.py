@@ -724,6 +724,28 @@ def test_a_superseded_row_is_drawn_as_its_lost_cost_then_and_its_difference_at_t
     assert draw_credits(organization.pk) == 0
 
 
+def test_a_row_superseded_by_code_from_before_its_lost_time_is_drawn_whole_at_the_supersede():
+    # In a rolling deploy, code from before billing/0028 supersedes a sweeper's row without `lost_recorded_at`. Before,
+    # its `lost_cost` part, dated NULL, was dropped as drawn long ago although the sweeper's row came after the last
+    # draw: older rows filled its place, dated under the expired grant, which paid $4 of usage made after it expired
+    # (expired, lasting) = (8, 4), and the credit left read 6 (the review's test).
+    organization, endpoint, started, expired, lasting = _expired_and_lasting_grants()
+    record_usage(usage_report(endpoint, finished_at=started + timedelta(minutes=30), prompt_tokens=4_000_000,
+                              completion_tokens=0))  # a late row made under the expired grant: $4
+    assert draw_credits(organization.pk) == Decimal("4")
+    lost = usage_report(endpoint, prompt_tokens=5_000_000, completion_tokens=0, status="gateway_lost",
+                        request_id=f"req-lost-{organization.pk}")
+    record_usage(lost)  # made now, after the expiry: the sweeper's $5
+    supersede_lost_rows([dataclasses.replace(lost, prompt_tokens=8_000_000, status="ok")])  # the call's own: $8
+    UsageRecord.objects.filter(request_id=lost.request_id).update(lost_recorded_at=None)  # as the older code leaves it
+
+    assert credit_available(organization.pk)[0] == Decimal("2")
+    assert draw_credits(organization.pk) == Decimal("8")
+    expired.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (expired.consumed, lasting.consumed) == (Decimal("4"), Decimal("8"))
+
+
 def test_a_grant_made_after_the_usage_began_pays_for_none_of_it():
     # A late row (a journal replayed after an outage) made 2.5 h ago, when only a $1 grant was there. Before, a $50 grant
     # made a minute ago paid $3 of it: drawn before that grant existed, the $3 was written off, so what paid hung on
