@@ -271,3 +271,19 @@ def test_two_web_processes_with_clocks_40_s_apart_count_in_one_window(monkeypatc
         asyncio.run(_read_offset())  # its heartbeat's reading
         second = throttle.take(limits, {"ip": ip})
     assert first.retry_after_s is None and second.retry_after_s is not None
+
+
+def test_resets_refused_by_a_clients_own_limit_spend_no_accounts_budget(victim):
+    """Before (the tenancy review): a client already past its own address's limit still counted each refused reset
+    against the account's: three an hour locked the account's owner out of its own first reset, from anywhere, with no
+    mail sent to anyone."""
+    attacker = Client(REMOTE_ADDR="203.0.113.9")
+    for n in range(10):  # the attacker's own address: 10 an hour
+        attacker.post(reverse("password_reset"), {"email": f"x{n}@junk.example"})
+    for _ in range(3):
+        _assert_throttled(attacker.post(reverse("password_reset"), {"email": victim.email}))
+    before = len(mail.outbox)
+    owner = Client(REMOTE_ADDR="198.51.100.7")
+    assert owner.post(reverse("password_reset"), {"email": victim.email}).status_code != 429
+    assert len(mail.outbox) == before + 1
+    _assert_throttled(attacker.post(reverse("password_reset"), {"email": victim.email}))  # its own limit still holds

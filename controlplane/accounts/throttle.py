@@ -160,5 +160,20 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
         if next(replies) > limit.num_attempts:  # this attempt counted with the others: past the limit
             waits.append(int((window + 1) * limit.window_s - now) + 1)
         next(replies)  # EXPIRE's reply
-    return Attempt(max(waits) if waits else None,
-                   [key for (limit, _, _), key in zip(counted, keys, strict=True) if limit.failures_only])
+    if waits:
+        # NOTE: refused, it did nothing: out of every counter again. Before, it stayed counted against each subject,
+        # and a client past its own address's limit spent any account's budget: three refused resets an hour locked
+        # the account's owner out of its own reset (the tenancy review). Its own limits still refuse the next.
+        _uncount(keys)
+        return Attempt(max(waits), [])
+    return Attempt(None, [key for (limit, _, _), key in zip(counted, keys, strict=True) if limit.failures_only])
+
+
+def _uncount(keys: list[str]) -> None:
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for key in keys:
+            pipe.decr(key)
+        pipe.execute()
+    except redis.RedisError:
+        logger.warning("throttle counters unavailable; a refused attempt stays counted", exc_info=True)
