@@ -689,3 +689,16 @@ def test_an_invitation_accepted_while_an_owner_revokes_it_is_revoked_and_neither
     assert [type(failure) for failure in failures] == [invitations.InvitationRefused]
     assert Invitation.objects.get(pk=invitation.pk).status == "revoked"
     assert not Membership.objects.filter(organization=organization, user=invitee).exists()
+
+
+def test_repeats_refused_as_pending_spend_no_part_of_the_addresss_budget_shared_by_every_organisation(
+    org, member_client_factory
+):
+    """Before (the tenancy review): one invitation and two repeats refused as pending, from a throwaway organisation,
+    spent the address's 3 a day, and every other organisation was refused inviting it until the next day."""
+    hostile = signed_in_api_client(member_client_factory(OrganizationFactory(), Role.OWNER).user)
+    for _ in range(3):
+        hostile.post("/api/v1/invitations/", {"email": "wanted@example.test", "role": "viewer"}, format="json")
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    answer = owner.post("/api/v1/invitations/", {"email": "wanted@example.test", "role": "viewer"}, format="json")
+    assert answer.status_code == 201

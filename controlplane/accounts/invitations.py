@@ -99,6 +99,11 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
         raise AlreadyInvited("email", "This person is already a member; change their role in the table.")
+    # NOTE: also before the throttle (and again under the lock below): a refusal sends nothing, and counted it spent the
+    # address's budget, shared by every organisation: one invitation and two refused repeats from a throwaway
+    # organisation kept every other from inviting that address for the day (the tenancy review).
+    if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
+        raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
     retry_after_s = throttle.take(throttle.INVITATIONS, {
         "organization": str(organization.pk), "email": email, "user": str(actor.user.pk) if actor.user else "",
         "ip": actor.source_ip or "",
