@@ -28,6 +28,7 @@ from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
 
 from billing import usage_writer
+from billing.models import UsageRecord, UsageStatus
 from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.redis_client import get_redis
@@ -863,14 +864,37 @@ def sweep_ended_results(now=None) -> int:
     return sum(_delete_results(batch) for batch in ended)
 
 
-def _unrun_rows(batch: Batch, done: Container[int]) -> Iterator[bytes]:
-    """The error file's row of each line an expired batch never ran, read from its input as the file is written."""
+def _billed_unstored(batch: Batch, done: Container[int]) -> set[int]:
+    """The indexes of the batch's lines that ran and were billed (a usage row under `runner.line_request_id`) but
+    whose result is not among `done`: S3 refused its put, and the batch ended before a run ran it again."""
+    prefix = runner.line_request_id(batch.pk, 0).removesuffix("0")
+    billed = (UsageRecord.objects.filter(batch_id=batch.pk).filter(Q(status=UsageStatus.OK) | Q(cost__gt=0))
+              .values_list("request_id", flat=True))
+    indexes = (int(request_id.removeprefix(prefix)) for request_id in billed.iterator()
+               if request_id.startswith(prefix) and request_id.removeprefix(prefix).isdigit())
+    return {index for index in indexes if index not in done}
+
+
+def _unrun_rows(batch: Batch, done: Container[int], lost: Container[int], *, expired: bool) -> Iterator[bytes]:
+    """The error file's row of each line an ended batch has no result for, read from its input as the file is
+    written: a line that ran and was billed but whose answer could not be stored (`result_not_stored`, whatever
+    ended the batch: `lost`, from `_billed_unstored`), and, once it expired, each line it never ran (`batch_expired`).
+
+    NOTE: a line billed whose result S3 refused to store is run again by the next run; a batch cancelled, expired or
+    failed before that had it in neither file, or listed it as never run (`batch_expired`), though it was billed."""
+    if not lost and not expired:
+        return
     try:
         for line in _input_lines(batch, skip=done):
-            yield runner.error_row(batch.pk, line.index, line.custom_id, code="batch_expired",
-                                   message="This request could not be executed before the completion window expired.")
+            if line.index in lost:
+                yield runner.error_row(batch.pk, line.index, line.custom_id, code="result_not_stored",
+                                       message="This request ran and was billed, but its answer could not be stored.")
+            elif expired:
+                yield runner.error_row(batch.pk, line.index, line.custom_id, code="batch_expired",
+                                       message="This request could not be executed before the completion window "
+                                               "expired.")
     except storage.ObjectGone:  # their custom ids went with it: the batch still ends
-        logger.warning("batch %s expired with its input file gone: its unrun lines are not all listed", batch.pk)
+        logger.warning("batch %s ended with its input file gone: its unrun lines are not all listed", batch.pk)
 
 
 def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:
@@ -886,7 +910,9 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     # other tenants' runs in it) at every try, its lines billed and its files never written.
     keys = storage.result_keys(batch.organization_id, batch.pk)
     num_ok = sum(1 for result in keys.values() if result.ok)
-    unrun = _unrun_rows(batch, keys) if final == BatchStatus.EXPIRED else iter(())
+    # counted failed; a completed batch has every line's result
+    lost = _billed_unstored(batch, keys) if final != BatchStatus.COMPLETED else set()
+    unrun = _unrun_rows(batch, keys, lost, expired=final == BatchStatus.EXPIRED)
     first_unrun = next(unrun, None)
     if first_unrun is not None:
         unrun = itertools.chain((first_unrun,), unrun)
@@ -906,7 +932,8 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                    for file in files) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
-                status=final, output_file=output, error_file=error, num_completed=num_ok, num_failed=len(keys) - num_ok,
+                status=final, output_file=output, error_file=error, num_completed=num_ok,
+                num_failed=len(keys) - num_ok + len(lost),
                 **{stamp: now},
                 **({"errors": errors} if errors is not None else {}))
     if ended_first:  # another run finished it first: its files stand, these go

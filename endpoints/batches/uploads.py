@@ -18,13 +18,11 @@ from django.core.files.uploadhandler import FileUploadHandler
 
 from endpoints.batches import idempotency, renewal, services, storage
 from endpoints.batches.models import File
+from endpoints.gateway.upload_places import MULTIPART_OVERHEAD_BYTES  # noqa: F401  (the gateway's, used by api, views)
 
 logger = logging.getLogger("inferplane.batches")
 
 FILE_FIELD = "file"
-# What a multipart body adds to its file (boundaries, part headers, the other fields) at most: a body declaring more
-# than a size limit plus this is refused before it is read.
-MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def counted_bytes(declared: int) -> int:

@@ -54,7 +54,7 @@ from endpoints.gateway import (
 from endpoints.gateway.call import SHUTDOWN_FINISH_WAIT_S, ClientGone, InferenceCall, finish_pending
 from endpoints.gateway.ratelimit_headers import RateLimitReport
 from endpoints.gateway.request import MAX_BODY_BYTES, InferenceRequest, is_model_name, new_request_id
-from endpoints.gateway.upload_places import REFUSAL_SCOPE_KEY, Place, UploadPlaces
+from endpoints.gateway.upload_places import MULTIPART_OVERHEAD_BYTES, REFUSAL_SCOPE_KEY, Place, UploadPlaces
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -164,14 +164,15 @@ class Gateway:
 
     async def _upload(self, scope, receive, send) -> None:
         """An upload to `/v1/files`, handed to Django once `_upload_may_start` lets it, counted until Django answers;
-        its body cut at `FILES_MAX_BYTES` whatever it declared (a chunked one declares nothing), with a 413, and when
+        its body cut at `FILES_MAX_BYTES` plus the multipart overhead (`MULTIPART_OVERHEAD_BYTES`) whatever it declared (a chunked one declares nothing), with a 413, and when
         it comes too slowly (`_BodyCut`), with a 408."""
         request_id = new_request_id()
         place = await self._upload_may_start(scope, receive, send, request_id)
         if place is None:
             return
         try:
-            await self._to_django(scope, receive, send, settings.FILES_MAX_BYTES, place=place,  # endpoints.batches.api
+            max_bytes = settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES  # the view holds the file to the limit
+            await self._to_django(scope, receive, send, max_bytes, place=place,  # endpoints.batches.api
                                   request_id=request_id)
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
@@ -286,7 +287,7 @@ class Gateway:
         try:
             caller = await auth.authenticate(headers)
             declared_bytes = _declared_bytes(headers)
-            if declared_bytes > settings.FILES_MAX_BYTES:
+            if declared_bytes > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:  # the view holds the file to the limit
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
             if self._refuse_upload is not None:
                 await in_worker_thread(self._refuse_upload)(caller.organization_id, declared_bytes, headers=headers)

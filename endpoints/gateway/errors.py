@@ -89,6 +89,15 @@ def rate_limited(message: str, retry_after_s: int) -> OpenAIError:
     return OpenAIError(429, message, type="requests", code="rate_limit_exceeded", headers={"retry-after": str(max(1, retry_after_s))})
 
 
+def request_too_large(message: str) -> OpenAIError:
+    """A request whose worst case (prompt and `max_tokens`) passes its key's whole minute of tokens: retrying cannot
+    admit it, so it is no 429 (which OpenAI's clients and the batch runner retry), but a 400 naming `max_tokens`.
+
+    NOTE: it was a 429 `rate_limit_exceeded` with `retry-after: 60`: a batch line so large was tried again, pausing
+    its run's starts each time, until the batch expired; an online client's retries could never succeed either."""
+    return OpenAIError(400, message, param="max_tokens", code="request_too_large")
+
+
 def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="no_capacity", headers={"retry-after": str(retry_after_s)})
 

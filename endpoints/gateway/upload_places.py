@@ -26,6 +26,10 @@ CLOSING_WAIT_S = 5
 # The scope key under which the gateway hands Django the refusal of a console upload (its body dropped), for the
 # form to say why (`refusal_in`).
 REFUSAL_SCOPE_KEY = "inferplane.upload_refusal"
+# What a multipart body adds to its file (boundaries, part headers, the other fields) at most: a body declaring more
+# than a size limit plus this is refused before it is read (the gateway and `endpoints.batches.api` alike; the view
+# still holds the file itself to the limit).
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 @dataclass(eq=False)

@@ -4,6 +4,7 @@ reached no engine: `tests/billing/test_quota.py`)."""
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 
 import httpx
@@ -14,7 +15,7 @@ from billing.periods import period_containing
 from billing.quota import counters
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import org_period_key
-from endpoints.batches import runner, services
+from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import new_batch, one_chat_line
 from tests.gateway.conftest import serve_endpoint
@@ -73,3 +74,27 @@ def test_a_run_whose_endpoint_changed_configuration_meanwhile_goes_on_with_the_n
 
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (1, 0)
+
+
+def test_a_line_larger_than_its_keys_whole_minute_of_tokens_fails_for_good_and_the_others_are_answered(
+        files_bucket, tenant, start_mock_upstream, settings):
+    # It was refused as a 429 `rate_limit_exceeded` (retry-after 60), which the runner tries again, pausing its starts
+    # each time: two runs ended with the batch still in progress, 1 completed and 0 failed, until it expired.
+    settings.DEFAULT_KEY_TOKENS_PER_MINUTE = 300
+    settings.BATCH_RUN_SLICE_S = 6
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    small, huge = (one_chat_line(endpoint, max_tokens=n).replace(b'"only"', name) for n, name in ((8, b'"small"'),
+                                                                                                   (1000, b'"huge"')))
+    batch = new_batch(endpoint, small + huge)
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 1)
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+    [error_row] = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert error_row["custom_id"] == "huge" and error_row["response"]["status_code"] == 400
+    error = error_row["response"]["body"]["error"]
+    assert (error["code"], error["param"]) == ("request_too_large", "max_tokens")
+    assert error["message"].startswith("Request too large")

@@ -16,7 +16,7 @@ from controlplane.accounts.services import SYSTEM
 from endpoints import services as endpoint_services
 from endpoints.batches import answer_bytes, services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
+from tests.batches.conftest import lose_a_result_once, new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -78,3 +78,36 @@ def test_a_store_that_fails_otherwise_ends_the_run_and_gives_its_answers_bytes_b
         services.run_batch(batch.pk)
 
     assert answer_bytes.held_bytes() == 0
+
+
+@pytest.mark.parametrize("then", ["cancel", "expire"])
+def test_a_line_billed_whose_result_s3_refused_is_in_the_error_file_once_the_batch_ends_before_it_runs_again(
+        files_bucket, tenant, start_mock_upstream, monkeypatch, then):
+    # A put S3 refused ends the run (the next runs the line again), but the batch cancelled or expired first: the line,
+    # billed, was in neither file (cancelled: 0 completed, 0 failed, no file), or said `batch_expired` (never run).
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, one_chat_line(endpoint))
+    lost = lose_a_result_once(monkeypatch, 0)
+    with pytest.raises(RuntimeError):
+        services.run_batch(batch.pk)
+    assert lost == [0]
+    billed = UsageRecord.objects.get(batch_id=batch.pk)
+    assert billed.cost > 0
+    if then == "cancel":
+        services.cancel_batch(Batch.objects.get(pk=batch.pk))
+    else:
+        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == (BatchStatus.CANCELLED if then == "cancel" else BatchStatus.EXPIRED)
+    assert batch.output_file is None and (batch.num_completed, batch.num_failed) == (0, 1)
+    [row] = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert row["custom_id"] == "only" and row["response"] is None
+    assert row["error"]["code"] == "result_not_stored" and "billed" in row["error"]["message"]
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1  # nothing billed twice

@@ -83,6 +83,20 @@ def test_an_upload_past_the_size_limit_is_refused_with_413_and_stores_nothing(we
     assert bucket_objects(files_bucket) == {}
 
 
+def test_a_file_of_exactly_the_size_limit_is_stored_and_one_byte_more_is_refused(web, tenant, files_bucket):
+    # NOTE: the gateway held the whole multipart body (the file, its boundaries and part headers) to the file's limit:
+    # a file of exactly 4096 bytes was refused with 413 by the gateway, before the view (which allows the overhead).
+    client = tenant.client(web)
+    exact = (LINES * 100)[:4095] + b"\n"
+    created = client.files.create(file=("r.jsonl", io.BytesIO(exact)), purpose="batch")
+    assert created.bytes == 4096
+    assert client.files.content(created.id).read() == exact
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("r.jsonl", io.BytesIO(exact + b"\n")), purpose="batch")
+    assert refused.value.status_code == 413
+    assert "larger than 4096 bytes" in refused.value.message
+
+
 def test_another_organisations_file_is_a_404_as_if_it_did_not_exist(web, tenant):
     created = tenant.client(web).files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
     stranger = _other_tenant_client(web)

@@ -135,7 +135,10 @@ def test_a_request_larger_than_a_whole_minute_of_tokens_is_refused_with_the_reas
     with pytest.raises(errors.OpenAIError) as refused:
         asyncio.run(_admit(caller, "huge", num_tokens=4_096))
 
-    assert refused.value.status == 429 and "Request too large" in refused.value.message
+    # NOTE: it was a 429 with retry-after 60, which no retry could ever pass
+    assert refused.value.status == 400 and "Request too large" in refused.value.message
+    assert (refused.value.code, refused.value.param) == ("request_too_large", "max_tokens")
+    assert "retry-after" not in refused.value.headers
     assert _state(caller)["tokens_this_minute"] == 0 and _state(caller)["in_flight"] == 0
 
 

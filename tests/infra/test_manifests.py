@@ -190,7 +190,7 @@ def _tmp_size_limit(deployment: dict) -> int:
 def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_once_and_a_full_usage_journal(
         rendered, settings):
     """Past its size limit the pod is evicted, every tenant's calls on it cut. An upload holds one copy of its body
-    there, cut at INFERPLANE_FILES_MAX_BYTES (Django spools it; the file part goes on to S3), and each gateway process
+    there, cut at INFERPLANE_FILES_MAX_BYTES plus the multipart overhead (Django spools it; the file part goes on to S3), and each gateway process
     reads at most INFERPLANE_FILES_UPLOADS_PER_PROCESS at once. Before, two copies of one upload of 130 MiB passed the
     volume's 256 MiB.
 
@@ -199,6 +199,7 @@ def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_on
     Before, the journal had no bound: a database refusing writes for half an hour filled the volume, and the pod's
     eviction deleted every usage row of the outage."""
     from billing.usage_journal import ADMITTED_HEADROOM_BYTES
+    from endpoints.gateway.upload_places import MULTIPART_OVERHEAD_BYTES
 
     deployment = rendered.get("Deployment", "inferplane-web")
     web = _pod_spec(deployment)["containers"][0]
@@ -208,7 +209,7 @@ def test_the_web_pods_tmp_volume_holds_every_upload_its_processes_may_read_at_on
     size_limit = _tmp_size_limit(deployment)
 
     uploads_bytes = (_gateway_processes(web, values) * int(values["INFERPLANE_FILES_UPLOADS_PER_PROCESS"])
-                     * int(values["INFERPLANE_FILES_MAX_BYTES"]))
+                     * (int(values["INFERPLANE_FILES_MAX_BYTES"]) + MULTIPART_OVERHEAD_BYTES))
     for source, journal_max_bytes in (("config.env", int(values["INFERPLANE_USAGE_JOURNAL_MAX_BYTES"])),
                                       ("the default", settings.USAGE_JOURNAL_MAX_BYTES)):
         journal_bytes = journal_max_bytes + ADMITTED_HEADROOM_BYTES
