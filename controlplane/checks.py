@@ -69,6 +69,8 @@ def gateway_drain_fits_the_grace_period(app_configs=None, **kwargs) -> list[chec
     (`INFERPLANE_GATEWAY_STOP_GRACE_S`): past it, every stop cuts its drain short (`endpoints.gateway.drain.drain_bound_s`,
     to nothing with a short grace period: every call in flight cut at the signal), and nothing said so before the first
     stop (the sixth review of the gateway's stop)."""
+    # NOTE: imported here, not at the top: this module is loaded by the control plane's app config (`ready`), and a worker
+    # or `manage.py` process would load the whole gateway with it. No cycle: nothing of the gateway imports this module.
     from endpoints.gateway.app import AFTER_GRACEFUL_S
     from endpoints.gateway.drain import room_for_the_drain_s
 

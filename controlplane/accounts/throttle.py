@@ -122,13 +122,7 @@ class Attempt:
         if not self.provisional:
             return
         keys, self.provisional = self.provisional, []
-        try:
-            pipe = get_redis().pipeline(transaction=False)
-            for key in keys:
-                pipe.decr(key)
-            pipe.execute()
-        except redis.RedisError:
-            logger.warning("throttle counters unavailable; an attempt stays counted as failed", exc_info=True)
+        _uncount(keys)
 
 
 def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
@@ -170,10 +164,11 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
 
 
 def _uncount(keys: list[str]) -> None:
+    """Take one attempt out of each of these counters (`Attempt.refund`, a refused `take`)."""
     try:
         pipe = get_redis().pipeline(transaction=False)
         for key in keys:
             pipe.decr(key)
         pipe.execute()
     except redis.RedisError:
-        logger.warning("throttle counters unavailable; a refused attempt stays counted", exc_info=True)
+        logger.warning("throttle counters unavailable; an attempt stays counted", exc_info=True)
