@@ -1,0 +1,68 @@
+"""What a tenant reads of an endpoint waiting for capacity says what its replica needs, never what the fleet's nodes
+have free (other tenants' use of them); staff's log keeps that figure. Before, the endpoint's status, its events (API
+and console) read "the most free on a l4 node is 3500 MB", and a sleeper that could not wake "its node has N MB of GPU
+memory free": any tenant could watch the fleet's free memory, and so its neighbours' load."""
+
+import pytest
+from django.utils import timezone
+
+from endpoints import scheduler
+from endpoints.autoscaler import Load
+from endpoints.models import Replica
+from endpoints.placement import GpuHold, memory_needed_mb, room_to_wake
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+NODE_MB, NEIGHBOUR_MB = 24_000, 20_500
+FREE_MB = NODE_MB - NEIGHBOUR_MB  # 3500: what the fleet has free, staff's
+
+
+def _waiting_endpoint(org, caplog):
+    node = make_node(memory_mb=NODE_MB)
+    neighbour = EndpointFactory(gpu_type="l4", model_source="hf:org/model-1B")  # another organisation's
+    Replica.objects.create(endpoint=neighbour, node=node, state=ReplicaState.READY, reserved_memory_mb=NEIGHBOUR_MB,
+                           ready_at=timezone.now())
+    endpoint = EndpointFactory(organization=org, gpu_type="l4", model_source="hf:org/model-7B", min_replicas=1)
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, None, 0))
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def test_a_tenant_reads_what_its_replica_needs_and_no_node_memory_figure(owner, org, caplog):
+    endpoint = _waiting_endpoint(org, caplog)
+    needed_mb = memory_needed_mb(endpoint)
+    assert str(FREE_MB) not in str(needed_mb) and str(NODE_MB) not in str(needed_mb)
+    assert endpoint.status_message == f"waiting for capacity: no l4 node has {needed_mb} MB of GPU memory free now"
+
+    seen = {
+        "endpoint API": owner.get(f"/api/v1/endpoints/{endpoint.pk}/").content.decode(),
+        "events API": owner.get(f"/api/v1/endpoints/{endpoint.pk}/events/").content.decode(),
+        "endpoints list API": owner.get("/api/v1/endpoints/").content.decode(),
+        "console page": owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode(),
+        "console list": owner.get("/console/endpoints/").content.decode(),
+    }
+    assert f"{needed_mb} MB of GPU memory free now" in seen["events API"]
+    assert f"{needed_mb} MB of GPU memory free now" in seen["console page"]
+    for where, text in seen.items():
+        assert f"{FREE_MB} MB" not in text and str(FREE_MB) not in text, where
+        assert "the most free" not in text, where
+    # Staff keep the figure: the log says what the fleet had free.
+    assert f"the most free on a l4 node is {FREE_MB} MB" in caplog.text
+
+
+def test_the_staff_log_line_is_written_once_per_change_of_what_the_tenant_reads(org, caplog):
+    endpoint = _waiting_endpoint(org, caplog)
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, None, 0))
+    assert caplog.text.count("the most free on a l4 node") == 1
+
+
+def test_a_sleeper_that_cannot_wake_on_a_pooled_node_is_told_no_figure_of_the_node():
+    node = make_node(memory_mb=NODE_MB)
+    why_not = room_to_wake(node, [GpuHold((), NEIGHBOUR_MB, shared=False)], NEIGHBOUR_MB, GpuHold((), 8_000, shared=False))
+    assert why_not == "its node no longer has the 8000 MB it needs free"
+    assert str(FREE_MB) not in why_not
