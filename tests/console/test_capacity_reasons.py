@@ -10,8 +10,10 @@ from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from endpoints.placement import GpuHold, memory_needed_mb, room_to_wake
+from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
+from tests.test_gpu_placement import make_gpu_node, small_endpoint
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -66,3 +68,14 @@ def test_a_sleeper_that_cannot_wake_on_a_pooled_node_is_told_no_figure_of_the_no
     why_not = room_to_wake(node, [GpuHold((), NEIGHBOUR_MB, shared=False)], NEIGHBOUR_MB, GpuHold((), 8_000, shared=False))
     assert why_not == "its node no longer has the 8000 MB it needs free"
     assert str(FREE_MB) not in why_not
+
+
+def test_a_sharing_replica_that_finds_no_room_is_told_what_it_needs_and_staff_what_the_gpu_has(caplog):
+    make_gpu_node(1)
+    sharing = small_endpoint(allow_gpu_sharing=True, max_replicas=50)
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        while (placed := place_replica(sharing))[0] is not None:
+            pass
+    reason = placed[1]
+    assert reason == f"no h100-80gb GPU has {memory_needed_mb(sharing)} MB free to share now"
+    assert "the most free on one h100-80gb GPU is " in caplog.text
