@@ -121,9 +121,24 @@ def test_a_session_that_never_chose_acts_in_the_first_organisation(two_organisat
     user, chosen, other = two_organisations
     client = APIClient()
     client.force_login(user)
-    assert SESSION_KEY not in client.session
+    session = client.session
+    del session[SESSION_KEY]  # a session signed in before sign-ins chose
+    session.save()
     assert client.get("/api/v1/organization/").json()["id"] == other.pk
     assert _playground(client) == (200, {"organization_id": other.pk})
+
+
+def test_a_sign_in_chooses_the_first_organisation_so_a_removal_from_it_moves_the_session_nowhere(two_organisations):
+    user, chosen, other = two_organisations
+    client = APIClient()
+    client.force_login(user)
+    assert client.session[SESSION_KEY] == other.pk  # "Other" is the first membership
+    _removed(user, other)
+    minted = client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json")
+    # Before: 201, a key minted in "Chosen", where the user never chose to act.
+    assert minted.status_code == 403 and minted.json() == {"detail": NO_LONGER_MEMBER}
+    assert not ApiKey.objects.filter(organization=chosen).exists()
+    assert _playground(client)[0] == 403
 
 
 def test_playground_refuses_a_session_removed_from_its_chosen_organisation(two_organisations):

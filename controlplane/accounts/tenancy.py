@@ -46,6 +46,18 @@ def chosen_membership(user, session) -> Membership | None:
     return membership
 
 
+def choose_first_at_login(sender, request, user, **kwargs) -> None:
+    """A new sign-in chooses the user's first organisation, as the console then shows it (`user_logged_in`).
+
+    NOTE: a session that never chose followed the user's first membership wherever it went: removed from it, they
+    acted in the next one without a word, as a removed member's chosen organisation did (`chosen_membership`)."""
+    if request is None or not hasattr(request, "session") or SESSION_KEY in request.session:
+        return
+    first = memberships_of(user).first()
+    if first is not None:
+        request.session[SESSION_KEY] = first.organization_id
+
+
 def session_membership(request) -> Membership | None:
     """The console's membership: None when signed out, in no organisation, or no longer in the chosen one
     (`no_longer_member` tells which)."""
