@@ -155,3 +155,20 @@ def test_playground_refuses_a_session_removed_from_its_chosen_organisation(two_o
 
     client.post(reverse("switch-organization"), {"organization": other.pk})
     assert _playground(client) == (200, {"organization_id": other.pk})
+
+
+def test_files_and_batches_on_v1_refuse_a_session_removed_from_its_chosen_organisation_in_openais_shape(
+        two_organisations):
+    user, chosen, other = two_organisations
+    client = Client()
+    _session(client, user, chosen)
+    csrf = _get_new_csrf_string()
+    client.cookies[settings.CSRF_COOKIE_NAME] = csrf
+    assert client.get("/v1/batches", HTTP_X_CSRFTOKEN=csrf).status_code == 200
+
+    _removed(user, chosen)
+    listed = client.get("/v1/batches", HTTP_X_CSRFTOKEN=csrf)
+    # Before: 200, the batches of "Other".
+    assert listed.status_code == 403
+    assert listed.json()["error"] == {"message": NO_LONGER_MEMBER, "type": "permission_error", "param": None,
+                                      "code": "insufficient_permissions"}
