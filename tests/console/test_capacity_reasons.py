@@ -3,12 +3,16 @@ have free (other tenants' use of them); staff's log keeps that figure. Before, t
 and console) read "the most free on a l4 node is 3500 MB", and a sleeper that could not wake "its node has N MB of GPU
 memory free": any tenant could watch the fleet's free memory, and so its neighbours' load."""
 
+import importlib
+
 import pytest
+from django.apps import apps
 from django.utils import timezone
 
 from endpoints import scheduler
 from endpoints.autoscaler import Load
-from endpoints.models import Replica
+from endpoints.events import record_event
+from endpoints.models import Endpoint, EventKind, Replica
 from endpoints.placement import GpuHold, memory_needed_mb, room_to_wake
 from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
@@ -79,3 +83,31 @@ def test_a_sharing_replica_that_finds_no_room_is_told_what_it_needs_and_staff_wh
     reason = placed[1]
     assert reason == f"no h100-80gb GPU has {memory_needed_mb(sharing)} MB free to share now"
     assert "the most free on one h100-80gb GPU is " in caplog.text
+
+
+def test_the_figures_kept_in_old_events_and_statuses_are_scrubbed_by_the_migration(owner, org):
+    endpoint = EndpointFactory(organization=org, gpu_type="l4")
+    old = ["waiting for capacity: needs 2816 MB of GPU memory, the most free on a l4 node is 1024 MB",
+           "Provisioning a node (pool p): needs 4298 MB of a shared GPU, the most free on one l4 GPU is 337 MB",
+           "waiting for capacity: needs a free GPU with 4298 MB each, the most on one l4 node is 0 free GPUs",
+           "Replica 1234abcd STOPPED: could not wake: its node has 1024 MB of GPU memory free, it needs 8000 MB; a new "
+           "replica starts instead",
+           "Scale up 0 → 1: floor 1"]
+    for message in old:
+        record_event(endpoint, EventKind.CAPACITY, message)
+    Endpoint.objects.filter(pk=endpoint.pk).update(status_message=old[0])
+
+    importlib.import_module("endpoints.migrations.0028_scrub_fleet_memory_from_tenant_reasons").scrub_fleet_memory(
+        apps, None)
+
+    messages = set(endpoint.events.values_list("message", flat=True))
+    assert messages == {
+        "waiting for capacity: needs 2816 MB of GPU memory",
+        "Provisioning a node (pool p): needs 4298 MB of a shared GPU",
+        "waiting for capacity: needs a free GPU with 4298 MB each",
+        "Replica 1234abcd STOPPED: could not wake: its node no longer has the 8000 MB it needs free; a new replica "
+        "starts instead",
+        "Scale up 0 → 1: floor 1"}
+    assert Endpoint.objects.get(pk=endpoint.pk).status_message == "waiting for capacity: needs 2816 MB of GPU memory"
+    events_page = owner.get(f"/api/v1/endpoints/{endpoint.pk}/events/").content.decode()
+    assert "1024" not in events_page and "337" not in events_page
