@@ -148,9 +148,13 @@ class GpuAssignment:
 @dataclass(slots=True, frozen=True)
 class PlacementDecision:
     node: Node | None
-    reason: str  # why this node, or why none
+    reason: str  # why this node, or why none: the tenant reads it (events, `status_message`)
     gpu_indices: tuple[int, ...] = ()
     gpu_memory_fraction: float | None = None
+    # NOTE: what the fleet has free (the most on one node or GPU) is staff's only (`place_replica` logs it): a tenant's
+    # `reason` carries no figure of other tenants' or the fleet's memory, only what its own replica needs. Before, it
+    # read "the most free on a l4 node is 1024 MB": any tenant could watch the fleet's capacity through its events.
+    fleet_detail: str = ""
 
 
 def nodes_holding_weights(endpoint: Endpoint, candidates: list[Node]) -> set:
@@ -231,19 +235,24 @@ def assign_gpus(node: Node, holds: list[GpuHold], *, num_gpus: int, needed_mb: i
     return GpuAssignment(tuple(sorted(room.index for room in chosen)), None, left)
 
 
-def _no_gpus_reason(endpoint: Endpoint, needed_mb: int, nodes: list[Node], holds: dict) -> str:
+def _no_gpus_decision(endpoint: Endpoint, needed_mb: int, nodes: list[Node], holds: dict) -> PlacementDecision:
     num_gpus = endpoint.gpus_per_replica
     if endpoint.allow_gpu_sharing and num_gpus == 1:
         most = max((room.memory_mb * WHOLE_GPU_MEMORY_FRACTION - room.used_mb
                     for node in nodes for room in _gpu_rooms(node, holds.get(node.pk, [])).values() if not room.exclusive),
                    default=0)
-        return f"needs {needed_mb} MB of a shared GPU, the most free on one {endpoint.gpu_type} GPU is {max(0, int(most))} MB"
+        return PlacementDecision(
+            None, f"no {endpoint.gpu_type} GPU has {needed_mb} MB free to share now",
+            fleet_detail=f"needs {needed_mb} MB of a shared GPU, the most free on one {endpoint.gpu_type} GPU is "
+                         f"{max(0, int(most))} MB")
     per_gpu_mb = math.ceil(needed_mb / num_gpus)
     most = max((sum(room.num_holders == 0 and room.memory_mb >= per_gpu_mb for room in _gpu_rooms(node, holds.get(node.pk, [])).values())
                 for node in nodes), default=0)
-    gpus = "a free GPU" if num_gpus == 1 else f"{num_gpus} free GPUs on one node"
-    return (f"needs {gpus} with {per_gpu_mb} MB each, the most on one {endpoint.gpu_type} node is "
-            f"{most} free GPU{'' if most == 1 else 's'}")
+    gpus = "a free GPU" if num_gpus == 1 else f"{num_gpus} free GPUs"
+    return PlacementDecision(
+        None, f"no {endpoint.gpu_type} node has {gpus} with {per_gpu_mb} MB each now",
+        fleet_detail=f"needs {gpus}{'' if num_gpus == 1 else ' on one node'} with {per_gpu_mb} MB each, the most on one "
+                     f"{endpoint.gpu_type} node is {most} free GPU{'' if most == 1 else 's'}")
 
 
 def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict,
@@ -281,12 +290,14 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
     if not options:
         per_gpu_nodes = [n for n in supported if n.gpus]
         if per_gpu_nodes:
-            return PlacementDecision(None, _no_gpus_reason(endpoint, needed_mb, per_gpu_nodes, holds))
+            return _no_gpus_decision(endpoint, needed_mb, per_gpu_nodes, holds)
         pooled = [n for n in supported if max(n.num_gpus, 1) >= num_gpus]
         if not pooled:
             return PlacementDecision(None, f"needs {num_gpus} GPUs on one node, no {endpoint.gpu_type} node has that many")
         largest = max(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in pooled)
-        return PlacementDecision(None, f"needs {needed_mb} MB of GPU memory, the most free on a {endpoint.gpu_type} node is {largest} MB")
+        return PlacementDecision(None, f"no {endpoint.gpu_type} node has {needed_mb} MB of GPU memory free now",
+                                 fleet_detail=f"needs {needed_mb} MB of GPU memory, the most free on a "
+                                              f"{endpoint.gpu_type} node is {largest} MB")
 
     def preference(option):
         node, _, free_after = option
@@ -301,7 +312,8 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
 
 
 def room_to_wake(node: Node, holds: list[GpuHold], used_mb: int, sleeper: GpuHold) -> str:
-    """Why a sleeping replica cannot wake on its own GPUs of `node`; "" when they have room for it again.
+    """Why a sleeping replica cannot wake on its own GPUs of `node`; "" when they have room for it again. Said to its
+    tenant: no figure of what the node has free (`wake_replica` logs it for staff).
 
     A sleeping replica holds none of its GPUs' memory (its weights are in host memory), so placement may
     have given that memory to another replica meanwhile; the engine wakes on the GPUs it was started on
@@ -310,7 +322,7 @@ def room_to_wake(node: Node, holds: list[GpuHold], used_mb: int, sleeper: GpuHol
     """
     if not node.gpus:
         free = node.total_gpu_memory_mb - used_mb
-        return "" if free >= sleeper.reserved_mb else f"its node has {free} MB of GPU memory free, it needs {sleeper.reserved_mb} MB"
+        return "" if free >= sleeper.reserved_mb else f"its node no longer has the {sleeper.reserved_mb} MB it needs free"
     rooms = _gpu_rooms(node, holds)
     indices = sleeper.gpu_indices or (0,)
     per_gpu_mb = math.ceil(sleeper.reserved_mb / len(indices))

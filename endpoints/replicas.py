@@ -104,6 +104,9 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds,
                                nodes_holding_weights(endpoint, candidates))
         if decision.node is None:
+            if decision.fleet_detail and decision.reason not in endpoint.status_message:
+                # Staff's detail (the fleet's free memory), once per change of what its tenant reads.
+                logger.info("endpoint %s not placed: %s", endpoint.pk, decision.fleet_detail)
             return None, decision.reason
         replica = Replica.objects.create(
             endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb, engine_generation=endpoint.engine_generation,
@@ -235,6 +238,9 @@ def wake_replica(replica: Replica) -> str:
             used_mb = sum(hold.reserved_mb for hold in holds)
             why_not = room_to_wake(node, holds, used_mb, GpuHold(tuple(current.gpu_indices), current.reserved_memory_mb,
                                                                  shared=current.gpu_memory_fraction is not None))
+            if why_not:  # staff's detail: what the node holds (its tenant reads `why_not` alone)
+                logger.info("replica %s could not wake on node %s: %s (its active replicas hold %d of its %d MB)",
+                            replica.pk, node.name, why_not, used_mb, node.total_gpu_memory_mb)
         if not why_not:
             Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STARTING, state_changed_at=now, woken_at=now,
                                                          progress="waking (sleep mode)")

@@ -57,7 +57,7 @@ def small_endpoint(**fields):
     return EndpointFactory(model_source="hf:org/model-1B", gpu_type="h100-80gb", max_model_len=4096, **fields)
 
 
-def test_eight_one_gpu_replicas_on_an_eight_gpu_node_each_run_on_their_own_gpu_and_a_ninth_waits_saying_why():
+def test_eight_one_gpu_replicas_on_an_eight_gpu_node_each_run_on_their_own_gpu_and_a_ninth_waits_saying_why(caplog):
     node = make_gpu_node(8)
     organization = OrganizationFactory()
     replicas = [place_replica(small_endpoint(organization=organization))[0] for _ in range(8)]
@@ -66,9 +66,12 @@ def test_eight_one_gpu_replicas_on_an_eight_gpu_node_each_run_on_their_own_gpu_a
     assert sorted(engine.env["CUDA_VISIBLE_DEVICES"] for engine in engines) == [str(index) for index in range(8)]
     assert all(flag(engine.argv, "--gpu-memory-utilization") == str(WHOLE_GPU_MEMORY_FRACTION) for engine in engines)
 
-    ninth, reason = place_replica(small_endpoint(organization=organization))
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        ninth, reason = place_replica(small_endpoint(organization=organization))
     assert ninth is None
-    assert reason.startswith("needs a free GPU with ") and reason.endswith("the most on one h100-80gb node is 0 free GPUs")
+    # The tenant reads what its replica needs; staff's log, what the fleet has free.
+    assert reason.startswith("no h100-80gb node has a free GPU with ") and reason.endswith(" MB each now")
+    assert "the most on one h100-80gb node is 0 free GPUs" in caplog.text
 
 
 def test_a_two_gpu_replica_on_a_two_gpu_node_runs_tensor_parallel_over_both():
@@ -88,15 +91,17 @@ def test_an_eight_gpu_replica_takes_the_whole_node():
     assert engine.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and flag(engine.argv, "--tensor-parallel-size") == "8"
 
 
-def test_a_tensor_parallel_replica_never_spans_nodes():
+def test_a_tensor_parallel_replica_never_spans_nodes(caplog):
     first, second = make_gpu_node(2), make_gpu_node(2)
     spread = small_endpoint(max_replicas=2)
     for _ in (first, second):  # one GPU of each node taken: one endpoint's replicas spread over nodes
         assert place_replica(spread)[0] is not None
     assert sorted(Replica.objects.values_list("node", flat=True)) == sorted([first.pk, second.pk])
-    replica, reason = place_replica(small_endpoint(gpus_per_replica=2))
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        replica, reason = place_replica(small_endpoint(gpus_per_replica=2))
     assert replica is None
-    assert "needs 2 free GPUs on one node" in reason and "the most on one h100-80gb node is 1 free GPU" in reason
+    assert reason.startswith("no h100-80gb node has 2 free GPUs with ") and reason.endswith(" MB each now")
+    assert "needs 2 free GPUs on one node" in caplog.text and "the most on one h100-80gb node is 1 free GPU" in caplog.text
 
 
 def test_replicas_that_allow_sharing_share_one_gpu_with_fractions_that_sum_to_at_most_one():

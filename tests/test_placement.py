@@ -72,11 +72,13 @@ def test_skips_a_node_whose_registered_host_the_gateway_refuses(settings):
     assert place_replica(endpoint)[0].node == reachable
 
 
-def test_says_how_much_memory_is_missing():
+def test_says_how_much_memory_it_needs_and_logs_what_the_fleet_has_free_for_staff(caplog):
     endpoint = EndpointFactory(model_source="hf:org/big-70B", gpu_type="l4")
     make_node(memory_mb=24_000)
-    replica, reason = place_replica(endpoint)
-    assert replica is None and reason.startswith("needs ") and "the most free on a l4 node is 24000 MB" in reason
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        replica, reason = place_replica(endpoint)
+    assert replica is None and reason == f"no l4 node has {memory_needed_mb(endpoint)} MB of GPU memory free now"
+    assert "the most free on a l4 node is 24000 MB" in caplog.text
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -211,7 +213,7 @@ def test_a_heartbeat_cannot_give_a_node_more_gpus_or_memory_than_it_registered()
     assert node.last_status["gpus_ignored"] == "63 GPU(s) past the 1 it may have; memory past 23034 MiB per GPU"
     assert AuditEvent.objects.filter(action="node.gpus_ignored", target_id=str(node.pk)).count() == 1  # once, not per beat
     replica, reason = place_replica(seventy_b)
-    assert replica is None and "needs 8 free GPUs on one node" in reason
+    assert replica is None and reason.startswith("no l4 node has 8 free GPUs with ")
 
 
 def test_a_pool_nodes_gpus_are_bounded_by_its_pools_shape():

@@ -17,6 +17,13 @@ class AccountsConfig(AppConfig):
     verbose_name = "Accounts and organisations"
     default_auto_field = "django.db.models.BigAutoField"
 
+    def ready(self):
+        from django.contrib.auth.signals import user_logged_in
+
+        from controlplane.accounts.tenancy import choose_first_at_login
+
+        user_logged_in.connect(choose_first_at_login, dispatch_uid="inferplane-choose-first-organization")
+
 
 class StaffAdminConfig(admin_apps.AdminConfig):
     """Django's admin, whose site lets in staff only in a session that passed the second factor."""

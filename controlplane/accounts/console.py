@@ -18,6 +18,7 @@ from django.shortcuts import render
 
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
+from controlplane.accounts.tenancy import no_longer_member
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -29,7 +30,10 @@ def member_required(write: str = Role.MEMBER):
         def wrapper(request, *args, **kwargs):
             membership = request.membership
             if not membership:
-                return render(request, "controlplane/no_organization.html", status=403)
+                # NOTE: a session whose chosen organisation is no longer the user's gets the chooser, never a page of
+                # another organisation (`tenancy.chosen_membership`).
+                return render(request, "controlplane/no_organization.html",
+                              {"no_longer_member": no_longer_member(request)}, status=403)
             if request.method not in READ_METHODS and not membership.can(write):
                 raise PermissionDenied(f"This needs the {Role(write).label.lower()} role or higher.")
             request.organization = membership.organization

@@ -3,7 +3,7 @@
 from rest_framework import permissions
 
 from controlplane.accounts.models import ApiKey, Role, Scope
-from controlplane.accounts.tenancy import request_membership
+from controlplane.accounts.tenancy import NO_LONGER_MEMBER, no_longer_member, request_membership
 
 
 class IsOrganizationMember(permissions.BasePermission):
@@ -22,6 +22,8 @@ class IsOrganizationMember(permissions.BasePermission):
             return False
         membership = request_membership(request)
         if membership is None:
+            if no_longer_member(request):
+                self.message = NO_LONGER_MEMBER
             return False
         if request.method in permissions.SAFE_METHODS:
             needed = getattr(view, "required_read_role", Role.VIEWER)

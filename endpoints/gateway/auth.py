@@ -30,8 +30,7 @@ from django.utils.crypto import constant_time_compare
 from controlplane import tokens
 from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
-from controlplane.accounts.tenancy import SESSION_KEY as ORG_SESSION_KEY
-from controlplane.accounts.tenancy import memberships_of
+from controlplane.accounts.tenancy import NoLongerMember, chosen_membership
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
@@ -124,9 +123,10 @@ def _lookup_session(session_key: str) -> Caller | None:
         return None
     if not email_is_verified(user):
         return None
-    memberships = memberships_of(user)
-    chosen = session.get(ORG_SESSION_KEY)
-    membership = (memberships.filter(organization_id=chosen).first() if chosen else None) or memberships.first()
+    try:
+        membership = chosen_membership(user, session)
+    except NoLongerMember as exc:
+        raise errors.no_longer_member(str(exc)) from None
     if membership is None:
         return None
     return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk,

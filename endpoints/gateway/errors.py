@@ -68,6 +68,12 @@ def role_forbids_inference() -> OpenAIError:
                        type="permission_error", code="insufficient_permissions")
 
 
+def no_longer_member(message: str) -> OpenAIError:
+    """A console session (the playground) whose chosen organisation is no longer its user's: it acts in none until
+    they choose again (`controlplane.accounts.tenancy.chosen_membership`), never in another they belong to."""
+    return OpenAIError(403, message, type="permission_error", code="insufficient_permissions")
+
+
 def model_not_found(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", param="model", code="model_not_found")
 

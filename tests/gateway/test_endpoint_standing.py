@@ -17,7 +17,7 @@ from tests.gateway.conftest import serve_endpoint
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
-NO_ROOM = "waiting for capacity: needs 2816 MB of GPU memory, the most free on a l4 node is 1024 MB"
+NO_ROOM = "waiting for capacity: no l4 node has 2816 MB of GPU memory free now"
 # Long enough that a held call would outlast the client's own timeout: only a fast answer passes.
 HOLD_S = 600
 
