@@ -13,7 +13,8 @@ every key a script call may touch together carries its organisation's tag, `{org
 - the autoscaler's load script (`endpoints.autoscaler.read_load`) runs once per slot.
 
 Keys no script touches with another stay global: the gateways set, a gateway's alive key, the set of
-recently used endpoints, the wake dedupe, the tick lock, the form throttles.
+recently used endpoints, the wake dedupe, the tick lock. The form throttles' counters share one tag of their own
+(`THROTTLE_TAG`): an attempt's are read and counted by one script.
 
 NOTE: a key's name is its contract with every process that reads it: a renamed key is a key lost on
 deploy (the counters rebuild from PostgreSQL, the traffic counts from the gateways' heartbeats).
@@ -215,10 +216,15 @@ def wake_key(endpoint_id: str) -> str:
     return f"gw:wake:{endpoint_id}"
 
 
-# --- form throttles (`controlplane.accounts.throttle`: a pipeline, no script) --------------------------
+# --- form throttles (`controlplane.accounts.throttle`: one script reads and counts an attempt's every counter) -----
+
+# NOTE: one hash tag for them all, so that one script may touch an attempt's counters together on Redis Cluster
+# (an address's and an account's): one slot, for the little traffic forms make.
+THROTTLE_TAG = "{forms}"
+
 
 def throttle_key(limit_name: str, subject_digest: str, window: int) -> str:
-    return f"throttle:{limit_name}:{subject_digest}:{window}"
+    return f"throttle:{THROTTLE_TAG}:{limit_name}:{subject_digest}:{window}"
 
 
 # --- autoscaler ------------------------------------------------------------------------------------

@@ -702,3 +702,46 @@ def test_repeats_refused_as_pending_spend_no_part_of_the_addresss_budget_shared_
     owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
     answer = owner.post("/api/v1/invitations/", {"email": "wanted@example.test", "role": "viewer"}, format="json")
     assert answer.status_code == 201
+
+
+@pytest.mark.django_db(transaction=True)
+def test_repeats_sent_at_once_refused_as_pending_spend_no_part_of_the_addresss_budget(monkeypatch):
+    """Before (a review's probe): the pending check before the throttle did not cover repeats sent at once: all three
+    passed it, all three counted, two were refused under the lock, and the victim organisation's invitation to that
+    address was refused (TooManyInvitations) for the day. Here all three pass the first check before any takes the
+    lock, every time."""
+    hostile_org, victim_org = OrganizationFactory(), OrganizationFactory()
+    hostile, victim = UserFactory(), UserFactory()
+    MembershipFactory(organization=hostile_org, user=hostile, role=Role.OWNER)
+    MembershipFactory(organization=victim_org, user=victim, role=Role.OWNER)
+    lock = invitations.lock_organizations
+    all_past_the_first_check = threading.Barrier(3)
+
+    def lock_once_all_checked(organization_ids):
+        all_past_the_first_check.wait(timeout=20)
+        return lock(organization_ids)
+
+    monkeypatch.setattr(invitations, "lock_organizations", lock_once_all_checked)
+    outcomes = []
+
+    def send():
+        try:
+            invitations.invite_member(services.Actor(user=hostile, source_ip="203.0.113.5"), hostile_org,
+                                      email="wanted@example.test", role=Role.VIEWER)
+            outcomes.append("sent")
+        except Exception as exc:  # noqa: BLE001 - what each caller got
+            outcomes.append(type(exc).__name__)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    monkeypatch.setattr(invitations, "lock_organizations", lock)
+
+    assert sorted(outcomes) == ["AlreadyInvited", "AlreadyInvited", "sent"]
+    invitations.invite_member(services.Actor(user=victim, source_ip="198.51.100.7"), victim_org,
+                              email="wanted@example.test", role=Role.VIEWER)  # the address's second of 3 today
+    assert Invitation.objects.filter(email="wanted@example.test").count() == 2

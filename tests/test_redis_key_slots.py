@@ -3,8 +3,8 @@
 The real code paths run here (on the test run's plain Redis) with every script call recorded: the
 gateway's admission and finish (with and without an API key, in flight and waiting), the balancer's
 pick and release, an unknown model's count, cold-start places, the heartbeat's restore (requests and reservations) and release,
-the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds (one cancelled at its window) and refreshes, the counters' drop once Redis is another server, and the autoscaler's
-load read, for two organisations at once. Each call's keys must hash to one slot, and every script the
+the dead-gateway sweep, the reservation sweep, the journal replay's registration and count, counter rebuilds (one cancelled at its window) and refreshes, the counters' drop once Redis is another server, the autoscaler's
+load read, and a form throttle's count, for two organisations at once. Each call's keys must hash to one slot, and every script the
 project defines must have been called.
 """
 
@@ -25,6 +25,7 @@ from billing.models import BillingAccount, UsageRecord
 from billing.periods import period_containing
 from billing.quota import counters, rebuild, replayed, server_change, sweeper
 from controlplane import redis_keys
+from controlplane.accounts import throttle
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_scripts import Script
 from controlplane.script_parts import ComposedScript
@@ -199,6 +200,9 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         counters.refresh_key_limit(with_key.pk, 4242, Decimal("5"))
         autoscaler.read_load([str(e.pk) for e in endpoints])
         scheduler.forget_past_recent_endpoints(time.time() + traffic.RECENT_WINDOW_S + 10)  # a tick a day later
+        # a form's attempt, counted against its address and the account it names together
+        assert throttle.take(throttle.PASSWORD_RESET, {"ip": "203.0.113.8",
+                                                       "email": f"{uuid.uuid4()}@example.test"}).retry_after_s is None
     finally:
         presence.serving.clear()
         presence.unfinished.clear()

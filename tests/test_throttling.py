@@ -7,11 +7,12 @@ import asyncio
 import time
 
 import pytest
+import redis
 from django.core import mail
 from django.test import Client
 from django.urls import reverse
 
-from controlplane import clock
+from controlplane import clock, redis_scripts
 from controlplane.accounts import throttle
 from controlplane.accounts.models import Membership, Role
 from controlplane.redis_client import get_async_redis, get_redis, redis_time
@@ -236,8 +237,6 @@ def test_counters_hold_no_email_addresses(client, victim):
 
 
 def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
-    import redis
-
     from controlplane.redis_client import connection_options
     from tests.conftest import free_port
 
@@ -245,6 +244,7 @@ def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     unreachable = redis.Redis(port=free_port(), retry=retry, **connection_options())
     monkeypatch.setattr(throttle, "get_redis", lambda: unreachable)
+    monkeypatch.setattr(redis_scripts, "get_redis", lambda: unreachable)  # the counting script's client
     for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
         response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
         assert response.status_code == 200
@@ -287,3 +287,46 @@ def test_resets_refused_by_a_clients_own_limit_spend_no_accounts_budget(victim):
     assert owner.post(reverse("password_reset"), {"email": victim.email}).status_code != 429
     assert len(mail.outbox) == before + 1
     _assert_throttled(attacker.post(reverse("password_reset"), {"email": victim.email}))  # its own limit still holds
+
+
+def test_an_attempt_refused_never_counts_against_the_account_it_names_not_even_for_a_moment(monkeypatch):
+    """Before (a review's probe), a refused attempt was counted in every counter and taken out again in a second round
+    trip: between the two it counted, and an attacker past its own address's limit flooding resets that named an
+    account kept its counter at the limit, refusing 88% of the owner's own first resets. Each reply Redis sends the
+    throttle is watched here, and the account's counter read after it: the refused attempt must never show in it."""
+    limits = (throttle.Limit("refused-ip", "ip", 10, 3600), throttle.Limit("refused-email", "email", 3, 3600))
+    victim = f"victim-{time.time_ns()}@example.test"
+    for n in range(10):  # the attacker's own address at its limit
+        assert throttle.take(limits, {"ip": "203.0.113.9", "email": f"x{n}-{victim}"}).retry_after_s is None
+    for n in range(2):  # the owner's first two of three
+        assert throttle.take(limits, {"ip": f"198.51.100.{n + 1}", "email": victim}).retry_after_s is None
+    victim_key = throttle._redis_key(limits[1], victim, int(clock.redis_now() // 3600))
+    watcher = get_redis()
+    seen, num_round_trips, watching = [], [], []
+    read_response = redis.connection.AbstractConnection.read_response
+    send_packed_command = redis.connection.AbstractConnection.send_packed_command
+
+    def counted_send(self, *args, **kwargs):
+        if not watching:
+            num_round_trips.append(1)
+        return send_packed_command(self, *args, **kwargs)
+
+    def read_then_look(self, *args, **kwargs):
+        reply = read_response(self, *args, **kwargs)
+        if not watching:
+            watching.append(1)
+            try:
+                seen.append(int(watcher.get(victim_key)))
+            finally:
+                watching.clear()
+        return reply
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted_send)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", read_then_look)
+    attempt = throttle.take(limits, {"ip": "203.0.113.9", "email": victim})
+    monkeypatch.undo()
+
+    assert attempt.retry_after_s is not None
+    assert seen and set(seen) == {2}, f"the account's counter after each of Redis's replies: {seen}"
+    assert len(num_round_trips) == 1, "read and refused in one round trip"
+    assert throttle.take(limits, {"ip": "198.51.100.3", "email": victim}).retry_after_s is None  # the owner's third

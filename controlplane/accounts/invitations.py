@@ -99,17 +99,8 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_may_touch_owner_role(actor, organization, role)
     if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
         raise AlreadyInvited("email", "This person is already a member; change their role in the table.")
-    # NOTE: also before the throttle (and again under the lock below): a refusal sends nothing, and counted it spent the
-    # address's budget, shared by every organisation: one invitation and two refused repeats from a throwaway
-    # organisation kept every other from inviting that address for the day (the tenancy review).
     if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
         raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
-    retry_after_s = throttle.take(throttle.INVITATIONS, {
-        "organization": str(organization.pk), "email": email, "user": str(actor.user.pk) if actor.user else "",
-        "ip": actor.source_ip or "",
-    }).retry_after_s
-    if retry_after_s is not None:
-        raise TooManyInvitations(retry_after_s)
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         lock_organizations([organization.pk])
@@ -120,6 +111,16 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         ensure_may_touch_owner_role(actor, organization, role)
         if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
             raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
+        # NOTE: counted only here, past every refusal, under the lock: a refusal sends nothing, and counted it spent the
+        # address's budget, shared by every organisation. One invitation and two refused repeats from a throwaway
+        # organisation kept every other from inviting that address for the day (the tenancy review); counted before
+        # the lock, repeats sent at once all passed the check above, all counted, and all but one were refused here.
+        retry_after_s = throttle.take(throttle.INVITATIONS, {
+            "organization": str(organization.pk), "email": email, "user": str(actor.user.pk) if actor.user else "",
+            "ip": actor.source_ip or "",
+        }).retry_after_s
+        if retry_after_s is not None:
+            raise TooManyInvitations(retry_after_s)
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
                                                from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)

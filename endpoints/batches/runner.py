@@ -18,7 +18,7 @@ A line's result is written to S3 as it finishes (`storage.put_result`); a run th
 skips the lines already there. Its answer counts against the worker process's bound on the bytes of answers its lines
 hold in memory (`answer_bytes`), from before its first byte is read until its row is stored; one larger than a line may
 hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try,
-but an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times over `ENGINE_FAILURES_MIN_SPAN_S`
+but a 429 for a line past its key's whole minute of tokens (`errors.RequestTooLarge`) and an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times over `ENGINE_FAILURES_MIN_SPAN_S`
 (counted across runs); anything else is the line's answer, kept in the error file.
 """
 
@@ -323,7 +323,9 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
                              answer_holding=answer, adapter=adapter)
         await call.run()
     except errors.OpenAIError as exc:
-        status, body, retry = exc.status, exc.body(), exc.status in RETRY_STATUSES
+        # NOTE: a request past its key's whole minute of tokens is OpenAI's 429, which no retry admits: failed for good
+        status, body = exc.status, exc.body()
+        retry = exc.status in RETRY_STATUSES and not isinstance(exc, errors.RequestTooLarge)
         engine_failed = isinstance(exc, errors.EngineFailed)
     except Exception as exc:
         if not errors.is_outage(exc):

@@ -172,8 +172,9 @@ class Gateway:
             return
         try:
             max_bytes = settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES  # the view holds the file to the limit
-            await self._to_django(scope, receive, send, max_bytes, place=place,  # endpoints.batches.api
-                                  request_id=request_id)
+            # NOTE: its 413 states the file's limit, as every other refusal does: the overhead is the body's allowance
+            await self._to_django(scope, receive, send, max_bytes, stated_bytes=settings.FILES_MAX_BYTES,
+                                  place=place, request_id=request_id)  # endpoints.batches.api
         finally:
             # Django has closed the body's temporary file: its bytes are off the disk.
             self.upload_places.give_back(place)
@@ -219,9 +220,9 @@ class Gateway:
             self.upload_places.give_back(place)
 
     async def _to_django(self, scope, receive, send, max_bytes: int, *, what: str = "file",
-                         place: Place | None = None, request_id: str = "") -> None:
-        """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413) or when it comes too
-        slowly (408, `_BodyCut`); the upload's `place`, if any, marked answered as the answer's last byte goes
+                         stated_bytes: int | None = None, place: Place | None = None, request_id: str = "") -> None:
+        """Hand a request of the Files or Batch API to Django, its body cut past `max_bytes` (413, stating
+        `stated_bytes` if given) or when it comes too slowly (408, `_BodyCut`); the upload's `place`, if any, marked answered as the answer's last byte goes
         (`UploadPlaces.take`); its answer named `request_id`, if any, as every other `/v1` answer is (`x-request-id`)."""
         if request_id:
             send = _naming_request(send, request_id)
@@ -229,7 +230,7 @@ class Gateway:
         if place is not None:
             send = self._marking_answered(send, place)
         body = _BodyCut(receive, max_bytes, idle_s=settings.FILES_UPLOAD_IDLE_S,
-                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what=what)
+                        min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what=what, stated_bytes=stated_bytes)
         await self.fallback(scope, body.receive, send)
         if body.cut is not None:  # Django took it for a client gone and answered nothing
             # NOTE: the connection closes after the answer: a dripping client's body is not read on to its end.
@@ -489,12 +490,16 @@ class _BodyCut:
     when its next message has not come by `_deadline`: none for `idle_s`, or fewer than `min_bytes_per_s` a second on
     average after the first `idle_s`. `cut` is then the error to answer with (413, or 408). Django spools a body whole
     before any view runs, and never stops one that declared no length, or one that comes a byte at a time.
+    `stated_bytes`: the limit the 413 states, where the body's bound allows more than its limit (an upload's file, its
+    multipart overhead on top); `max_bytes` otherwise.
 
     NOTE: a body cut here never reached S3: Django parses a body, its file going to S3, only once it has it whole. Once
     the body has ended, what comes (Django waits for the client's going as it answers) is passed on untimed."""
 
-    def __init__(self, receive, max_bytes: int, *, idle_s: float, min_bytes_per_s: int, what: str = "file"):
+    def __init__(self, receive, max_bytes: int, *, idle_s: float, min_bytes_per_s: int, what: str = "file",
+                 stated_bytes: int | None = None):
         self._receive, self._max_bytes, self._what = receive, max_bytes, what
+        self._stated_bytes = max_bytes if stated_bytes is None else stated_bytes
         self._param = "file" if what == "file" else None
         self._idle_s, self._min_bytes_per_s = idle_s, min_bytes_per_s
         self._started = time.monotonic()
@@ -512,7 +517,7 @@ class _BodyCut:
             headers={"connection": "close"})
 
     def _too_large(self) -> errors.OpenAIError:
-        return errors.OpenAIError(413, f"The {self._what} is larger than {self._max_bytes} bytes.", param=self._param,
+        return errors.OpenAIError(413, f"The {self._what} is larger than {self._stated_bytes} bytes.", param=self._param,
                                   headers={"connection": "close"})
 
     async def receive(self):

@@ -95,13 +95,19 @@ def rate_limited(message: str, retry_after_s: int) -> OpenAIError:
     return OpenAIError(429, message, type="requests", code="rate_limit_exceeded", headers={"retry-after": str(max(1, retry_after_s))})
 
 
-def request_too_large(message: str) -> OpenAIError:
-    """A request whose worst case (prompt and `max_tokens`) passes its key's whole minute of tokens: retrying cannot
-    admit it, so it is no 429 (which OpenAI's clients and the batch runner retry), but a 400 naming `max_tokens`.
+class RequestTooLarge(OpenAIError):
+    """A request whose worst case (prompt and `max_tokens`) passes its key's whole minute of tokens, in OpenAI's shape
+    for it: 429, type `tokens`, code `rate_limit_exceeded`, no `param`, and no `retry-after` (waiting admits it no
+    sooner). OpenAI's clients raise their rate-limit error for it, as for OpenAI's own, and routers that fall back to a
+    deployment with more tokens per minute on that error do so; `x-should-retry: false` keeps openai-python from
+    retrying it.
 
-    NOTE: it was a 429 `rate_limit_exceeded` with `retry-after: 60`: a batch line so large was tried again, pausing
-    its run's starts each time, until the batch expired; an online client's retries could never succeed either."""
-    return OpenAIError(400, message, param="max_tokens", code="request_too_large")
+    NOTE: retrying cannot admit it, so the batch runner fails such a line for good by this class (`runner.run_line`),
+    not by its status (a 429 it would try again until the batch expired). It was a 400 `request_too_large` naming
+    `max_tokens` for a while: not OpenAI's shape (openai-python raised BadRequestError), and wrong for embeddings."""
+
+    def __init__(self, message: str):
+        super().__init__(429, message, type="tokens", code="rate_limit_exceeded", headers={"x-should-retry": "false"})
 
 
 def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:

@@ -158,16 +158,16 @@ class Window:
                 [self.tokens_per_minute, max(0, num_tokens_used), call_token])
 
     def refusal(self, verdict: int, why_so_many: str = "") -> errors.OpenAIError:
-        """The 429 for a `limits_check` verdict (the 400 `request_too_large` for a request past a whole minute's
-        tokens: no retry admits it); `why_so_many` follows a refusal for the request's tokens
-        (`errors.prompt_factor_note`)."""
+        """The 429 for a `limits_check` verdict (`errors.RequestTooLarge` for a request past a whole minute's tokens:
+        no retry admits it); `why_so_many` follows a refusal for the request's tokens (`errors.prompt_factor_note`)."""
         if verdict == 1:
             return errors.rate_limited(f"Rate limit reached: {self.requests_per_minute} requests per minute.",
                                        self.retry_after_s)
         if verdict == 3:
-            return errors.request_too_large(
-                f"Request too large: it may use up to {self.num_tokens} tokens (prompt and max_tokens), more than "
-                f"this key's limit of {self.tokens_per_minute} tokens per minute. Lower max_tokens.{why_so_many}")
+            return errors.RequestTooLarge(
+                f"Request too large for this API key on tokens per min (TPM): Limit {self.tokens_per_minute}, "
+                f"Requested {self.num_tokens}. The input or output tokens must be reduced in order to run "
+                f"successfully (the prompt, or max_tokens).{why_so_many}")
         return errors.rate_limited(
             f"Rate limit reached: {self.tokens_per_minute} tokens per minute (this request may use up to "
             f"{self.num_tokens}, reserved until it ends).{why_so_many}", self.retry_after_s)

@@ -79,7 +79,9 @@ def test_a_run_whose_endpoint_changed_configuration_meanwhile_goes_on_with_the_n
 def test_a_line_larger_than_its_keys_whole_minute_of_tokens_fails_for_good_and_the_others_are_answered(
         files_bucket, tenant, start_mock_upstream, settings):
     # It was refused as a 429 `rate_limit_exceeded` (retry-after 60), which the runner tries again, pausing its starts
-    # each time: two runs ended with the batch still in progress, 1 completed and 0 failed, until it expired.
+    # each time: two runs ended with the batch still in progress, 1 completed and 0 failed, until it expired. It is
+    # OpenAI's 429 of type `tokens` again (no retry-after), which the runner knows by its class
+    # (`errors.RequestTooLarge`), not its status: failed once, never tried again.
     settings.DEFAULT_KEY_TOKENS_PER_MINUTE = 300
     settings.BATCH_RUN_SLICE_S = 6
     upstream = start_mock_upstream()
@@ -94,7 +96,7 @@ def test_a_line_larger_than_its_keys_whole_minute_of_tokens_fails_for_good_and_t
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 1)
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
     [error_row] = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
-    assert error_row["custom_id"] == "huge" and error_row["response"]["status_code"] == 400
+    assert error_row["custom_id"] == "huge" and error_row["response"]["status_code"] == 429
     error = error_row["response"]["body"]["error"]
-    assert (error["code"], error["param"]) == ("request_too_large", "max_tokens")
+    assert (error["type"], error["code"], error["param"]) == ("tokens", "rate_limit_exceeded", None)
     assert error["message"].startswith("Request too large")

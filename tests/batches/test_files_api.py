@@ -97,6 +97,23 @@ def test_a_file_of_exactly_the_size_limit_is_stored_and_one_byte_more_is_refused
     assert "larger than 4096 bytes" in refused.value.message
 
 
+def test_a_chunked_upload_past_the_size_limit_is_refused_stating_the_files_limit(web, tenant, files_bucket):
+    """A body that declares no length is cut at the file's limit plus the multipart overhead; before, its 413 stated
+    that sum ("larger than 69632 bytes"), not the limit stated everywhere else (4096 here)."""
+    def body():
+        yield b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+        yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"r.jsonl\"\r\n\r\n"
+        for _ in range(33):  # 2 KiB past the cut (4096 + 64 KiB): little left unread as the server closes
+            yield LINES * 20
+
+    answer = httpx.post(f"{web}/v1/files", content=body(), timeout=30, headers={
+        "authorization": f"Bearer {tenant.key}", "content-type": "multipart/form-data; boundary=b"})
+    assert "content-length" not in answer.request.headers  # chunked: only the cut refuses it
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"]["message"] == "The file is larger than 4096 bytes."
+    assert bucket_objects(files_bucket) == {}
+
+
 def test_another_organisations_file_is_a_404_as_if_it_did_not_exist(web, tenant):
     created = tenant.client(web).files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
     stranger = _other_tenant_client(web)

@@ -135,9 +135,13 @@ def test_a_request_larger_than_a_whole_minute_of_tokens_is_refused_with_the_reas
     with pytest.raises(errors.OpenAIError) as refused:
         asyncio.run(_admit(caller, "huge", num_tokens=4_096))
 
-    # NOTE: it was a 429 with retry-after 60, which no retry could ever pass
-    assert refused.value.status == 400 and "Request too large" in refused.value.message
-    assert (refused.value.code, refused.value.param) == ("request_too_large", "max_tokens")
+    # NOTE: it was a 429 with retry-after 60, which no retry could ever pass; then a 400 `request_too_large`, not
+    # OpenAI's shape. OpenAI's 429 of type `tokens` now, with no retry-after, and its own class (the batch runner's
+    # cue that no retry admits it)
+    assert isinstance(refused.value, errors.RequestTooLarge)
+    assert refused.value.status == 429 and refused.value.message.startswith(
+        "Request too large for this API key on tokens per min (TPM): Limit 1000, Requested 4096.")
+    assert (refused.value.type, refused.value.code, refused.value.param) == ("tokens", "rate_limit_exceeded", None)
     assert "retry-after" not in refused.value.headers
     assert _state(caller)["tokens_this_minute"] == 0 and _state(caller)["in_flight"] == 0
 

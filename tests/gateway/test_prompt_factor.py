@@ -471,9 +471,10 @@ def test_a_request_too_large_for_the_keys_tokens_per_minute_says_the_learned_fac
 
     response = _refused(gateway, tenant, endpoint)
 
-    assert response.status_code == 400 and "retry-after" not in response.headers
+    assert response.status_code == 429 and "retry-after" not in response.headers
     error = response.json()["error"]
-    assert error["code"] == "request_too_large" and error["message"].startswith("Request too large")
+    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+    assert error["message"].startswith("Request too large")
     assert error["message"].endswith(FACTOR_NOTE)
 
 
