@@ -875,26 +875,51 @@ def _billed_unstored(batch: Batch, done: Container[int]) -> set[int]:
     return {index for index in indexes if index not in done}
 
 
+# The error file's message for a line an ended batch has no result for (`_unrun_rows`), by its code.
+UNRUN_MESSAGES = {
+    "result_not_stored": "This request ran and was billed, but its answer could not be stored.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+}
+
+
+def _unrun_row(batch_id: str, index: int, custom_id: str | None, *, code: str) -> bytes:
+    """The error file's row of line `index`, which has no result (`UNRUN_MESSAGES`); one whose input is gone has no
+    `custom_id` (None), and its message names the line by its place in the input."""
+    message = UNRUN_MESSAGES[code]
+    if custom_id is None:
+        message += (f" Its custom_id is unknown: the input file was deleted or can no longer be read. It is request "
+                    f"{index + 1} of the input file (blank lines not counted).")
+    return runner.error_row(batch_id, index, custom_id, code=code, message=message)
+
+
 def _unrun_rows(batch: Batch, done: Container[int], lost: Container[int], *, expired: bool) -> Iterator[bytes]:
     """The error file's row of each line an ended batch has no result for, read from its input as the file is
     written: a line that ran and was billed but whose answer could not be stored (`result_not_stored`, whatever
     ended the batch: `lost`, from `_billed_unstored`), and, once it expired, each line it never ran (`batch_expired`).
+    Once its input is gone, the lines not yet read have their rows all the same, without their custom ids.
 
     NOTE: a line billed whose result S3 refused to store is run again by the next run; a batch cancelled, expired or
-    failed before that had it in neither file, or listed it as never run (`batch_expired`), though it was billed."""
+    failed before that had it in neither file, or listed it as never run (`batch_expired`), though it was billed.
+    NOTE: a line whose input was gone (deleted, or its object lost, after the batch began) was counted failed with no
+    row: counts and files disagreed."""
     if not lost and not expired:
         return
+    num_read = 0  # the lines read from the input so far (each with its row, or done)
     try:
         for line in _input_lines(batch, skip=done):
+            num_read = line.index + 1
             if line.index in lost:
-                yield runner.error_row(batch.pk, line.index, line.custom_id, code="result_not_stored",
-                                       message="This request ran and was billed, but its answer could not be stored.")
+                yield _unrun_row(batch.pk, line.index, line.custom_id, code="result_not_stored")
             elif expired:
-                yield runner.error_row(batch.pk, line.index, line.custom_id, code="batch_expired",
-                                       message="This request could not be executed before the completion window "
-                                               "expired.")
-    except storage.ObjectGone:  # their custom ids went with it: the batch still ends
-        logger.warning("batch %s ended with its input file gone: its unrun lines are not all listed", batch.pk)
+                yield _unrun_row(batch.pk, line.index, line.custom_id, code="batch_expired")
+    except storage.ObjectGone:
+        logger.warning("batch %s ended with its input file gone: its lines without results from request %d on are "
+                       "listed without their custom ids", batch.pk, num_read + 1)
+        for index in range(num_read, batch.num_total):
+            if index in lost:
+                yield _unrun_row(batch.pk, index, None, code="result_not_stored")
+            elif expired and index not in done:
+                yield _unrun_row(batch.pk, index, None, code="batch_expired")
 
 
 def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:
