@@ -56,6 +56,7 @@ class Checked:
     num_lines: int  # the requests of a file without errors (0 with any)
     errors: list[LineError]
     model: str | None  # the endpoint every line names (itself, or one of its adapters)
+    num_custom_id_bytes: int = 0  # its requests' custom ids as JSON strings (ASCII, as the error file writes them)
 
 
 # A line's `body.model` checked (`parse_lines`): the refusal (OpenAI's error: `model_not_found`, a model of the other
@@ -131,6 +132,7 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
     # most `MAX_ERRORS` of them and the endpoint's own names are ever looked up, however many lines name others.
     checked_models: dict[str, gateway_errors.OpenAIError | None] = {}
     served: str | None = None  # the endpoint the first line with a known model names
+    num_custom_id_bytes = 0
 
     def refuse(number: int, code: str, message: str, param: str | None = None) -> None:
         if len(problems) < MAX_ERRORS:
@@ -172,6 +174,7 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
             refuse(number, "duplicate_custom_id", f"The custom_id '{custom_id}' appears more than once.", "custom_id")
             continue
         seen.add(custom_id)
+        num_custom_id_bytes += len(json.dumps(custom_id))
         if request.get("method") != "POST":
             refuse(number, "invalid_method", "The method must be POST.", "method")
             continue
@@ -214,7 +217,7 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
                                                f"one of its adapters, as '{served}:<adapter>').", "body.model")
     if not num_lines:
         return Checked(0, [LineError(1, "empty_file", "The input file has no requests.")], None)
-    return Checked(num_lines if not problems else 0, problems, served)
+    return Checked(num_lines if not problems else 0, problems, served, num_custom_id_bytes)
 
 
 
