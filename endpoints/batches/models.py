@@ -162,6 +162,10 @@ class Batch(models.Model):
     # Bytes of its line results stored so far (each row and its line's end: what its output and error files will
     # hold), counted against the organisation's `max_file_bytes` before each is stored (`services._take_result_room`).
     num_result_bytes = models.PositiveBigIntegerField(default=0, db_default=0)
+    # The most bytes the error rows of its lines without a result may take in its error file as it ends (each line's
+    # longest such row, `services._unrun_rows_bytes`), set as its check ends: room it keeps beside its results, so that
+    # an expiry's rows never take the organisation past its `max_file_bytes`. 0: a batch checked before it was kept.
+    num_unrun_row_bytes = models.PositiveBigIntegerField(default=0, db_default=0)
     # When its line results (`storage.put_result`) were deleted, once it ended; None while they may be in
     # S3: `services.sweep_ended_results` deletes those of batches ended a while ago (a run that died first).
     results_deleted_at = models.DateTimeField(null=True, blank=True)

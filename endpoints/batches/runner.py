@@ -165,9 +165,9 @@ class LineOutcome:
     engine_failed: bool = False  # its call failed at the engine itself (`errors.EngineFailed`)
 
 
-def error_row(batch_id: str, index: int, custom_id: str, *, code: str, message: str) -> bytes:
+def error_row(batch_id: str, index: int, custom_id: str | None, *, code: str, message: str) -> bytes:
     """The error file's row of a line that has no answer to give (never run, or its answer not kept), as OpenAI
-    writes one."""
+    writes one (`custom_id` None: unknown, its input gone)."""
     return json.dumps({"id": f"batch_req_{batch_id.removeprefix('batch_')}_{index}", "custom_id": custom_id,
                        "response": None, "error": {"code": code, "message": message}}).encode()
 

@@ -219,14 +219,16 @@ def refuse_upload_past_storage_quota(organization_id: int, size: int) -> None:
 
 def _storage_use(organization_id: int, *, lock: bool = True) -> tuple[int, int, int]:
     """The organisation's `max_file_bytes`, the bytes of its files (uploads in progress too), and the room its open
-    batches keep for their outputs (each its input's size, or its results' so far when larger: `num_result_bytes`).
+    batches keep for their outputs (each its input's size, or when larger its results' so far, `num_result_bytes`,
+    with the most its error rows of lines without results may take, `num_unrun_row_bytes`).
     Takes the organisation's row lock (unless not `lock`), held by the caller's transaction until what it counts is
     written."""
     organizations = Organization.objects.select_for_update(of=("self",)) if lock else Organization.objects
     organization = organizations.select_related("plan").get(pk=organization_id)
     used = File.objects.held_by(organization_id).aggregate(total=Sum("bytes"))["total"] or 0
     room = Batch.objects.open().filter(organization_id=organization_id).aggregate(
-        total=Sum(Greatest("input_file__bytes", "num_result_bytes", output_field=BigIntegerField())))["total"] or 0
+        total=Sum(Greatest("input_file__bytes", F("num_result_bytes") + F("num_unrun_row_bytes"),
+                           output_field=BigIntegerField())))["total"] or 0
     return organization.quotas.max_file_bytes, used, room
 
 
@@ -599,8 +601,21 @@ def validate_batch(batch: Batch) -> Batch:
             endpoint = models.endpoint(checked.model)
     if checked_errors:
         return _fail_validation(batch, checked_errors)
-    Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-        status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint, num_total=checked.num_lines)
+    num_unrun_row_bytes = _unrun_rows_bytes(batch.pk, checked.num_lines, checked.num_custom_id_bytes)
+    try:
+        with transaction.atomic():
+            # NOTE: the room its error file may take should it expire before any line runs, kept from now on beside its
+            # results (`_storage_use`) or refused now: those rows were written past the quota, and a file of many short
+            # lines, each an error row longer than itself, left ~2.1 times its size past it (200 lines: 41,780 for 19,490)
+            _refuse_past_storage_quota(
+                batch.organization_id, max(0, num_unrun_row_bytes - batch.input_file.bytes), param="input_file_id",
+                doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each of "
+                      f"its {checked.num_lines:,} requests, should it expire before they run)")
+            Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+                status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint,
+                num_total=checked.num_lines, num_unrun_row_bytes=num_unrun_row_bytes)
+    except Refused as refused:
+        return _fail_validation(batch, [LineError(1, "storage_quota_exceeded", refused.message)])
     batch.refresh_from_db()
     return batch
 
@@ -802,7 +817,8 @@ def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: b
     """Count `num_bytes` more of the batch's results (`num_result_bytes`) against its organisation's `max_file_bytes`,
     under its row lock; False, counting nothing, when they would take it past the quota (unless `past_quota`: a line's
     error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
-    fit. `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
+    fit, and so do the rows its end writes for lines without results (room kept beside them, `num_unrun_row_bytes`).
+    `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
     its output equal to its input only, and its outputs were stored unchecked: a 300-byte line's answer may be 64 MiB,
     and 50,000 such lines took an organisation's S3 use far past its quota.
 
@@ -814,10 +830,11 @@ def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: b
         with connection.cursor() as cursor:
             cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(STORE_LOCK_WAIT_S * 1000)}ms"])
         limit, used, room = _storage_use(batch.organization_id)
-        num_input_bytes, num_result_bytes, lease_token = Batch.objects.filter(pk=batch.pk).values_list(
-            "input_file__bytes", "num_result_bytes", "lease_token").get()
+        num_input_bytes, num_result_bytes, num_unrun_row_bytes, lease_token = Batch.objects.filter(
+            pk=batch.pk).values_list("input_file__bytes", "num_result_bytes", "num_unrun_row_bytes", "lease_token").get()
         if lease_token != token:
             raise LeaseLost(batch.pk)
+        num_result_bytes += num_unrun_row_bytes  # kept for the rows of the lines an expiry finds without results
         kept, wanted = max(num_input_bytes, num_result_bytes), max(num_input_bytes, num_result_bytes + num_bytes)
         if not past_quota and wanted > kept and used + room - kept + wanted > limit:
             return False
@@ -885,26 +902,67 @@ def _billed_unstored(batch: Batch, done: Container[int]) -> set[int]:
     return {index for index in indexes if index not in done}
 
 
+# The error file's message for a line an ended batch has no result for (`_unrun_rows`), by its code.
+UNRUN_MESSAGES = {
+    "result_not_stored": "This request ran and was billed, but its answer could not be stored.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+}
+
+
+def _unrun_row(batch_id: str, index: int, custom_id: str | None, *, code: str) -> bytes:
+    """The error file's row of line `index`, which has no result (`UNRUN_MESSAGES`); one whose input is gone has no
+    `custom_id` (None), and its message names the line by its place in the input (its requests: blank lines are
+    none)."""
+    message = UNRUN_MESSAGES[code]
+    if custom_id is None:
+        message += f" Its custom_id is unknown (the input file is gone): request {index + 1} of the input file."
+    return runner.error_row(batch_id, index, custom_id, code=code, message=message)
+
+
+def _unrun_rows_bytes(batch_id: str, num_lines: int, num_custom_id_bytes: int) -> int:
+    """The most bytes the rows `_unrun_rows` may write for a batch of `num_lines` requests whose custom ids take
+    `num_custom_id_bytes` as JSON (`Checked`), each with its line's end: each line's longest row, with its custom id
+    or with none (`null`, its input gone: no longer than a custom id of one character and a byte). A row's length
+    changes with its line's index by its number of digits alone: computed once for each."""
+    total, first = num_custom_id_bytes + num_lines, 0
+    while first < num_lines:
+        last = min(num_lines, 10 * first if first else 10) - 1  # the indexes with as many digits as `first`
+        longest = max(max(len(_unrun_row(batch_id, last, "", code=code)) - len('""'),
+                          len(_unrun_row(batch_id, last, None, code=code)) - len('"x"'))
+                      for code in UNRUN_MESSAGES)
+        total += (last - first + 1) * longest
+        first = last + 1
+    return total
+
+
 def _unrun_rows(batch: Batch, done: Container[int], lost: Container[int], *, expired: bool) -> Iterator[bytes]:
     """The error file's row of each line an ended batch has no result for, read from its input as the file is
     written: a line that ran and was billed but whose answer could not be stored (`result_not_stored`, whatever
     ended the batch: `lost`, from `_billed_unstored`), and, once it expired, each line it never ran (`batch_expired`).
+    Once its input is gone, the lines not yet read have their rows all the same, without their custom ids.
 
     NOTE: a line billed whose result S3 refused to store is run again by the next run; a batch cancelled, expired or
-    failed before that had it in neither file, or listed it as never run (`batch_expired`), though it was billed."""
+    failed before that had it in neither file, or listed it as never run (`batch_expired`), though it was billed.
+    NOTE: a line whose input was gone (deleted, or its object lost, after the batch began) was counted failed with no
+    row: counts and files disagreed."""
     if not lost and not expired:
         return
+    num_read = 0  # the lines read from the input so far (each with its row, or done)
     try:
         for line in _input_lines(batch, skip=done):
+            num_read = line.index + 1
             if line.index in lost:
-                yield runner.error_row(batch.pk, line.index, line.custom_id, code="result_not_stored",
-                                       message="This request ran and was billed, but its answer could not be stored.")
+                yield _unrun_row(batch.pk, line.index, line.custom_id, code="result_not_stored")
             elif expired:
-                yield runner.error_row(batch.pk, line.index, line.custom_id, code="batch_expired",
-                                       message="This request could not be executed before the completion window "
-                                               "expired.")
-    except storage.ObjectGone:  # their custom ids went with it: the batch still ends
-        logger.warning("batch %s ended with its input file gone: its unrun lines are not all listed", batch.pk)
+                yield _unrun_row(batch.pk, line.index, line.custom_id, code="batch_expired")
+    except storage.ObjectGone:
+        logger.warning("batch %s ended with its input file gone: its lines without results from request %d on are "
+                       "listed without their custom ids", batch.pk, num_read + 1)
+        for index in range(num_read, batch.num_total):
+            if index in lost:
+                yield _unrun_row(batch.pk, index, None, code="result_not_stored")
+            elif expired and index not in done:
+                yield _unrun_row(batch.pk, index, None, code="batch_expired")
 
 
 def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:

@@ -13,10 +13,13 @@ import pytest
 from botocore.exceptions import EndpointConnectionError
 from django.utils import timezone
 
+from billing.models import UsageRecord
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus
-from tests.batches.conftest import new_batch
+from endpoints.batches.validation import Line
+from tests.batches.conftest import lose_a_result_once, new_batch
 from tests.factories import EndpointFactory
+from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -91,3 +94,56 @@ def test_s3_failing_while_a_batch_is_checked_fails_that_attempt_alone(files_buck
     monkeypatch.setattr(storage, "read_parts", read_parts)
     services.run_batch(batch.pk)
     assert Batch.objects.get(pk=batch.pk).status == BatchStatus.IN_PROGRESS
+
+
+@pytest.mark.parametrize("ending", ["input gone", "expired"])
+def test_a_line_billed_but_not_stored_whose_input_is_gone_has_its_row_in_the_error_file(
+        files_bucket, tenant, start_mock_upstream, monkeypatch, ending):
+    # Before: `request_counts.failed` counted the lost line, yet the error file had no row for it (nor, expired, for
+    # the lines never run): the custom ids went with the input, and so did the rows.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, _input(endpoint, num_lines=3))
+    lost = lose_a_result_once(monkeypatch, 1)
+    with pytest.raises(RuntimeError):
+        services.run_batch(batch.pk)
+    done = storage.result_indices(batch.organization_id, batch.pk)
+    billed = {int(request_id.rsplit("-", 1)[1])
+              for request_id in UsageRecord.objects.filter(batch_id=batch.pk).values_list("request_id", flat=True)}
+    unstored = billed - set(done)
+    assert lost == [1] and 1 in unstored and all(done.values())
+    storage.delete(batch.input_file.s3_key)
+    if ending == "expired":
+        Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+        monkeypatch.setattr(services, "_run_lines", lambda *args, **kwargs: "full")  # its input not read by the run
+        services.run_batch(batch.pk)
+    else:
+        assert services.run_batch(batch.pk) == "input gone"
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == (BatchStatus.FAILED if ending == "input gone" else BatchStatus.EXPIRED)
+    rows = {int(row["id"].rsplit("_", 1)[1]): row for row in
+            map(json.loads, storage.read_bytes(batch.error_file.s3_key).splitlines())}
+    for index in unstored:
+        assert rows[index]["custom_id"] is None and rows[index]["error"]["code"] == "result_not_stored"
+        assert f"request {index + 1} of the input file" in rows[index]["error"]["message"]
+    assert (batch.num_completed, batch.num_failed) == (len(done), len(unstored)), "one row for each failed line"
+    never_run = {0, 1, 2} - set(done) - unstored
+    assert set(rows) == unstored | (never_run if ending == "expired" else set())
+    assert all((rows[index]["custom_id"], rows[index]["error"]["code"]) == (None, "batch_expired")
+               for index in never_run if ending == "expired")
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == len(billed)  # nothing billed twice
+
+
+def test_an_input_gone_midway_through_the_rows_lists_the_lines_after_it_by_their_index(monkeypatch):
+    batch = Batch(pk="batch_x", num_total=4)
+
+    def read_then_gone(batch, *, skip):
+        yield Line(0, "a", {})
+        raise storage.ObjectGone("in")
+
+    monkeypatch.setattr(services, "_input_lines", read_then_gone)
+    rows = [json.loads(row) for row in services._unrun_rows(batch, {2: True}, {0, 3}, expired=True)]
+
+    assert [(row["id"], row["custom_id"], row["error"]["code"]) for row in rows] == [
+        ("batch_req_x_0", "a", "result_not_stored"), ("batch_req_x_1", None, "batch_expired"),
+        ("batch_req_x_3", None, "result_not_stored")]

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import io
 import json
+from datetime import timedelta
 
 import pytest
 from django.db.models import Sum
+from django.utils import timezone
 
 from controlplane.accounts.models import Plan
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus, File
 from tests.batches.conftest import new_batch
+from tests.factories import EndpointFactory
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -83,3 +86,55 @@ def test_a_batch_whose_answers_fit_the_quota_completes_and_counts_them_while_it_
     with pytest.raises(services.Refused):
         services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="more.jsonl",
                              stream=io.BytesIO(b"x" * (left + 1)), size=left + 1)
+
+
+def _batch_of_short_lines(tenant, *, max_file_bytes_past_twice_the_input: int, num_lines: int = 200):
+    """A batch of many short lines on an endpoint with no replica (no line runs by itself), its organisation's quota
+    twice its input (the input, and the room a batch keeps for its output) and `max_file_bytes_past_twice_the_input`."""
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048)
+    data = b"".join(json.dumps({"custom_id": f"{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": endpoint.name, "input": "x"}}, separators=(",", ":")).encode() + b"\n"
+                    for i in range(num_lines))
+    quota = 2 * len(data) + max_file_bytes_past_twice_the_input
+    _on_plan(tenant.org, max_file_bytes=quota)
+    return new_batch(endpoint, data, request_path="/v1/embeddings"), quota
+
+
+def _expire(batch) -> Batch:
+    Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
+        expires_at=timezone.now() - timedelta(seconds=1))
+    services.run_batch(batch.pk)
+    return Batch.objects.get(pk=batch.pk)
+
+
+def test_a_batch_whose_expiry_rows_would_pass_the_quota_fails_its_check_and_nothing_runs(files_bucket, tenant):
+    # Before: it ran, and expired with a row for each line never run (each longer than its line) written past the
+    # quota: 200 lines, an input of 19,490 bytes and an error file of 41,780, 61,270 bytes kept for a quota of 39,980.
+    batch, quota = _batch_of_short_lines(tenant, max_file_bytes_past_twice_the_input=1000)
+
+    services.run_batch(batch.pk)
+    batch = _expire(batch)
+
+    assert batch.status == BatchStatus.FAILED and batch.error_file is None
+    assert [error["code"] for error in batch.errors] == ["storage_quota_exceeded"]
+    assert "max_file_bytes" in batch.errors[0]["message"] and "error file" in batch.errors[0]["message"]
+    assert _stored_bytes(tenant.org.pk) <= quota
+
+
+def test_an_open_batch_keeps_room_for_the_rows_of_its_lines_an_expiry_would_find_without_results(files_bucket, tenant):
+    batch, quota = _batch_of_short_lines(tenant, max_file_bytes_past_twice_the_input=64 * 1024)
+    services.run_batch(batch.pk)
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.IN_PROGRESS and batch.num_unrun_row_bytes > batch.input_file.bytes
+    left = quota - _stored_bytes(tenant.org.pk) - batch.num_unrun_row_bytes
+    with pytest.raises(services.Refused):  # its room is its rows', not its input's
+        services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="more.jsonl",
+                             stream=io.BytesIO(b"x" * (left + 1)), size=left + 1)
+
+    batch = _expire(batch)
+
+    assert batch.status == BatchStatus.EXPIRED and batch.num_failed == 0
+    rows = storage.read_bytes(batch.error_file.s3_key).splitlines()
+    assert len(rows) == 200 and json.loads(rows[0])["error"]["code"] == "batch_expired"
+    assert batch.error_file.bytes <= batch.num_unrun_row_bytes
+    assert _stored_bytes(tenant.org.pk) <= quota

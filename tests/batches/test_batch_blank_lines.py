@@ -1,0 +1,64 @@
+"""Blank lines in a batch's input (ASCII whitespace alone, `\\r` included) are skipped, a run of them in one scan: they
+are no requests, and the line numbers of the others stay the file's. A line of other whitespace alone (U+3000) is a
+request that is not JSON.
+
+Before: each blank line was split out, decoded and stripped a line at a time, and blank lines count towards no limit
+(`BATCH_MAX_LINES` counts requests): a 32 MiB file of `\\n` took ~11 s of a worker's CPU at its validation, and again
+at each run as it read the input for its next lines (0.05 s now, on the same machine)."""
+
+from __future__ import annotations
+
+import json
+
+from endpoints.batches.validation import parse_lines, read_lines, split_lines
+
+MiB = 1024 * 1024
+
+
+class _CountedFinds(bytes):
+    """A part of an input that counts the line ends looked for in it: one look a line, when lines are split one at a
+    time."""
+
+    num_finds = 0
+
+    def find(self, *args) -> int:
+        _CountedFinds.num_finds += 1
+        return super().find(*args)
+
+
+def _request(custom_id: str) -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}).encode()
+
+
+def test_a_file_of_blank_lines_alone_is_empty_and_read_in_a_few_scans_not_a_line_at_a_time():
+    _CountedFinds.num_finds = 0
+    parts = [_CountedFinds(b"\n" * MiB), _CountedFinds(b" \r\n\t\n" * 1000 + b"  "), _CountedFinds(b"\r\n" * MiB)]
+
+    checked = parse_lines(parts, request_path="/v1/chat/completions", kind="chat", max_lines=10)
+
+    assert checked.num_lines == 0 and [error.code for error in checked.errors] == ["empty_file"]
+    assert list(read_lines(parts)) == []
+    assert _CountedFinds.num_finds <= 2 * 2 * len(parts), "one look for a line's end a part, not one a line"
+
+
+def test_requests_among_blank_lines_keep_the_files_line_numbers_and_their_own_indexes():
+    data = (b"\n" * 1000 + _request("a") + b"\r\n" + b" \n" * 500 + b"  " + _request("b") + b"\n\n"
+            + b"{not json}\n" + b"\t\n" * 3 + _request("c"))
+
+    for size in (1, 7, 64, 4096, len(data)):
+        parts = [_CountedFinds(data[i:i + size]) for i in range(0, len(data), size)]
+        assert [number for number, _ in split_lines(parts)] == [1001, 1502, 1504, 1508]
+        checked = parse_lines(parts, request_path="/v1/chat/completions", kind="chat", max_lines=10)
+        assert [(error.line, error.code) for error in checked.errors] == [(1504, "invalid_json")]
+        assert [(line.index, line.custom_id) for line in read_lines(parts)] == [(0, "a"), (1, "b"), (2, ""), (3, "c")]
+
+
+def test_a_blank_line_longer_than_a_request_is_still_blank_and_a_line_of_other_whitespace_is_not_json():
+    assert list(split_lines([b"  " * 10, b" \n", b"x\n"], max_line_bytes=8)) == [(2, b"x")]
+    assert list(split_lines([b" " * 20 + b"\nx"], max_line_bytes=8)) == [(2, b"x")]
+
+    checked = parse_lines([_request("a") + b"\n" + "\u3000".encode() + b"\n"], request_path="/v1/chat/completions",
+                          kind="chat", max_lines=10)
+
+    assert [(error.line, error.code) for error in checked.errors] == [(2, "invalid_json")]
