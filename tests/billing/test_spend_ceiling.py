@@ -220,3 +220,21 @@ def test_the_default_spend_ceilings_read_as_documented_and_a_bad_one_stops_djang
     started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], capture_output=True, text=True,
                              env=os.environ | {"INFERPLANE_SPEND_CEILINGS": "0:100,50:20"}, timeout=60)
     assert started.returncode != 0 and "INFERPLANE_SPEND_CEILINGS must not lower a ceiling" in started.stderr
+
+
+def test_spend_alerts_warn_before_the_spending_ceiling_of_an_organisation_with_a_card(carded):
+    """Before, an organisation with a card and no cap was looked at by no alert: it had nothing to reach."""
+    from django.core import mail
+
+    from billing.alerts import check_all_spend_alerts
+    from billing.ledger import record_usage
+    from tests.billing.conftest import usage_report
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=carded.org, price_input_per_million=Decimal("100"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=850_000, completion_tokens=0))  # $85 of the $100 ceiling
+
+    assert check_all_spend_alerts() == 2  # 50 % and 80 %
+    assert mail.outbox[-1].subject.endswith("used 80% of its monthly spending ceiling for its payment history")
+    assert "rises as invoices are paid" in mail.outbox[-1].body and "$100.00 ceiling" in mail.outbox[-1].body
