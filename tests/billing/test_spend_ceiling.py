@@ -34,11 +34,17 @@ WEBHOOK = "/api/v1/billing/stripe/webhook"
 DEFAULT = "0:100,50:500,500:5000,5000:none"
 
 
+def _ceilings(value: str, monkeypatch) -> tuple:
+    """`value` read as the setting is at startup (its variable unset, so the value is the default)."""
+    monkeypatch.delenv("INFERPLANE_SPEND_CEILINGS", raising=False)
+    return env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", value)
+
+
 @pytest.fixture
-def carded(settings, fake_stripe):
+def carded(settings, fake_stripe, monkeypatch):
     """Stripe configured (the fake), the documented default ceilings, and a postpaid organisation with an owner, a
     Stripe customer, a card on file and no cap of its own."""
-    settings.SPEND_CEILINGS = env_spend_ceilings("INFERPLANE_TEST_UNSET_CEILINGS", DEFAULT)
+    settings.SPEND_CEILINGS = _ceilings(DEFAULT, monkeypatch)
     organization = OrganizationFactory()
     MembershipFactory(organization=organization, user=UserFactory(email="owner@example.com"), role=Role.OWNER)
     customer_id = stripe_sync.ensure_customer(organization.pk)
@@ -209,13 +215,15 @@ def test_the_billing_api_shows_the_ceiling_what_it_is_from_and_the_next_step(car
     "0:none,50:500",  # none before the last
     "0:abc", "0:-1", "0:nan", "0:100,,50:500",
 ])
-def test_a_bad_spend_ceilings_value_is_refused_at_startup(value):
+def test_a_bad_spend_ceilings_value_is_refused_at_startup(value, monkeypatch):
     with pytest.raises(ImproperlyConfiguredEnv, match="INFERPLANE_SPEND_CEILINGS"):
-        env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", value)
+        _ceilings(value, monkeypatch)
 
 
-def test_the_default_spend_ceilings_read_as_documented_and_a_bad_one_stops_django_from_starting():
-    assert env_spend_ceilings("INFERPLANE_TEST_UNSET_CEILINGS", DEFAULT) == (
+def test_the_default_spend_ceilings_are_the_documented_ones_and_a_bad_one_stops_django_from_starting(monkeypatch):
+    from django.conf import settings
+
+    assert settings.SPEND_CEILINGS == _ceilings(DEFAULT, monkeypatch) == (
         (Decimal(0), Decimal(100)), (Decimal(50), Decimal(500)), (Decimal(500), Decimal(5000)), (Decimal(5000), None))
     started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], capture_output=True, text=True,
                              env=os.environ | {"INFERPLANE_SPEND_CEILINGS": "0:100,50:20"}, timeout=60)
