@@ -83,7 +83,7 @@ class SpendLimit:
 @dataclass(slots=True, frozen=True)
 class SpendCeiling:
     """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY` or
-    `STAFF`), what it has paid (`net_paid`), and the paid total at which its history gives the next, higher one
+    `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
     (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more)."""
 
     amount: Decimal | None
@@ -129,7 +129,9 @@ def net_paid(organization_id: int) -> Decimal:
 
     NOTE: money that came back raises no ceiling: a card that paid $50, had it refunded or charged back, and ran
     on under the ceiling $50 bought was the hole this closes. A dispute staff settled stays out (the organisation
-    repaid it outside Stripe, which Stripe does not show): staff set its ceiling if they want it back."""
+    repaid it outside Stripe, which Stripe does not show): staff set its ceiling if they want it back. A charge both
+    refunded and disputed (Stripe refuses to dispute what it refunded in full, not a part) counts out twice: lower,
+    never higher, than its money allows."""
     def cents(queryset, field: str) -> int:
         return queryset.filter(organization_id=organization_id, currency="usd").aggregate(
             total=Sum(field))["total"] or 0
