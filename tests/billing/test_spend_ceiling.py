@@ -5,8 +5,6 @@ Before, an organisation with a card on file had no limit at all until 7 days aft
 empty card added, the cap removed, ran our GPUs for a month and the grace period. Reserved as the gateway does, in
 its admission script (`tests/billing/test_quota.py`); through a real gateway in `tests/gateway/test_spend_caps.py`."""
 
-import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -15,22 +13,18 @@ from decimal import Decimal
 
 import pytest
 from django.contrib.auth import get_user_model
-from rest_framework.test import APIClient
 
 from billing import services, standing, stripe_sync
 from billing.models import BillingAccount, BillingMode, Dispute
-from billing.quota.counters import QuotaExceeded
 from controlplane.accounts.models import AuditEvent, Role
 from controlplane.accounts.services import SYSTEM
 from controlplane.env import ImproperlyConfiguredEnv, env_spend_ceilings
-from tests.billing.test_quota import reserve
+from tests.billing.test_payment_standing import _refusal, _spend, _webhook
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
-from tests.fakes.stripe_server import sign_webhook
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-WEBHOOK = "/api/v1/billing/stripe/webhook"
 DEFAULT = "0:100,50:500,500:5000,5000:none"
 
 
@@ -57,30 +51,6 @@ def carded(settings, fake_stripe, monkeypatch):
         stripe = fake_stripe
 
     return Carded
-
-
-_request_ids = iter(range(10**9))
-
-
-def _spend(organization, amount: str) -> None:
-    """Reserve `amount` as a call would (held until settled: it counts against the ceiling)."""
-    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal(amount),
-                        request_id=f"ceiling-call-{next(_request_ids)}"))
-
-
-def _refusal(organization, amount: str) -> QuotaExceeded:
-    with pytest.raises(QuotaExceeded) as refused:
-        _spend(organization, amount)
-    return refused.value
-
-
-def _webhook(kind: str, data: dict, *, created: int | None = None) -> None:
-    event = {"id": f"evt_{time.time_ns()}", "object": "event", "type": kind, "created": created or int(time.time()),
-             "data": {"object": data}}
-    body = json.dumps(event).encode()
-    response = APIClient().post(WEBHOOK, body, content_type="application/json",
-                                HTTP_STRIPE_SIGNATURE=sign_webhook(body, "whsec_test_secret"))
-    assert response.status_code == 200, response.content
 
 
 def _paid(carded, invoice_id: str, cents: int) -> None:
