@@ -1,25 +1,55 @@
 """Staff pages for billing. Caps, billing modes and credit change only through `billing.services`
 and `billing.credits`, as in the API: each change is audited and the gateway's limits refreshed."""
 
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 
 from django import forms
 from django.contrib import admin, messages
 
-from billing import credits, services, stripe_sync
+from billing import credits, services, standing, stripe_sync
 from billing.models import BillingAccount, CreditGrant, Dispute, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
 
+NO_CEILING = "none"
+
+
+class SpendCeilingField(forms.CharField):
+    """Staff's spending ceiling: empty (the one its paid history gives), an amount in USD, or "none"."""
+
+    def clean(self, value):
+        value = super().clean(value).strip().lower()
+        if value in ("", NO_CEILING):
+            return value
+        try:
+            amount = Decimal(value)
+        except InvalidOperation:
+            raise forms.ValidationError('Enter an amount in USD, "none" or nothing.') from None
+        if not amount.is_finite() or amount < 0 or amount > MAX_SPEND_CAP or amount != amount.quantize(Decimal("0.01")):
+            raise forms.ValidationError(f"Enter an amount from 0 to {MAX_SPEND_CAP} with at most two decimal places.")
+        return amount
+
 
 class BillingAccountForm(forms.ModelForm):
     spend_cap = forms.DecimalField(required=False, min_value=Decimal(0), max_value=MAX_SPEND_CAP, decimal_places=2,
                                    help_text="Monthly hard cap in USD; empty for none.")
+    spend_ceiling = SpendCeilingField(
+        required=False, label="Spending ceiling (staff)",
+        help_text='Monthly ceiling in USD in place of the one its paid history gives; "none" for no ceiling; empty: '
+                  "its paid history's (INFERPLANE_SPEND_CEILINGS). Audited; the gateway sees it at once.")
 
     class Meta:
         model = BillingAccount
-        fields = ["mode", "spend_cap", "invoiced_without_card"]
+        fields = ["mode", "spend_cap", "spend_ceiling", "invoiced_without_card"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        account = self.instance
+        if account.staff_lifted_spend_ceiling:
+            self.initial["spend_ceiling"] = NO_CEILING
+        elif account.staff_spend_ceiling is not None:
+            self.initial["spend_ceiling"] = f"{account.staff_spend_ceiling:.2f}"
 
 
 class CreditGrantForm(forms.ModelForm):
@@ -37,10 +67,20 @@ class BillingAccountAdmin(admin.ModelAdmin):
                     "stripe_customer_id"]
     list_filter = ["mode", "payment_method_on_file", "invoiced_without_card"]
     search_fields = ["organization__slug", "stripe_customer_id"]
-    fields = ["organization", "mode", "spend_cap", "payment_method_on_file", "invoiced_without_card", "past_due_since",
-              "hold_reason", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
-    readonly_fields = ["organization", "payment_method_on_file", "past_due_since", "hold_reason", "stripe_customer_id",
-                       "stripe_subscription_id", "credit_drawn", "created_at"]
+    fields = ["organization", "mode", "spend_cap", "spend_ceiling", "spend_ceiling_in_effect", "payment_method_on_file",
+              "invoiced_without_card", "past_due_since", "hold_reason", "stripe_customer_id", "stripe_subscription_id",
+              "credit_drawn", "created_at"]
+    readonly_fields = ["organization", "spend_ceiling_in_effect", "payment_method_on_file", "past_due_since",
+                       "hold_reason", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+
+    @admin.display(description="Spending ceiling in effect")
+    def spend_ceiling_in_effect(self, obj) -> str:
+        ceiling = standing.spend_ceiling(obj)
+        if ceiling is None:
+            return "none applies (prepaid, invoiced without card, or no Stripe)"
+        amount = "no ceiling" if ceiling.amount is None else f"${ceiling.amount:,.2f} a month"
+        source = "set by staff" if ceiling.source == standing.STAFF else "from its paid history"
+        return f"{amount}, {source} (paid ${ceiling.paid:,.2f} net)"
 
     def has_add_permission(self, request):
         return False  # NOTE: an organisation's account is made when first needed (`BillingAccount.objects.for_organization`)
@@ -52,6 +92,10 @@ class BillingAccountAdmin(admin.ModelAdmin):
         actor = Actor.from_request(request)
         if "spend_cap" in form.changed_data:
             services.set_spend_cap(actor, obj.organization, spend_cap=form.cleaned_data["spend_cap"])
+        if "spend_ceiling" in form.changed_data:
+            ceiling = form.cleaned_data["spend_ceiling"]
+            services.set_spend_ceiling(actor, obj.organization, ceiling=ceiling if isinstance(ceiling, Decimal) else None,
+                                       lifted=ceiling == NO_CEILING)
         if "mode" in form.changed_data:
             services.set_billing_mode(actor, obj.organization, mode=form.cleaned_data["mode"])
         if "invoiced_without_card" in form.changed_data:

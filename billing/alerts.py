@@ -18,7 +18,7 @@ from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
-from billing.standing import SpendLimit, limit_without_payment_method_applies, spend_limit
+from billing.standing import PAYMENT_METHOD, SPEND_CEILING, SpendLimit, bills_through_stripe, spend_limit
 from controlplane.accounts.models import Membership, Role
 
 logger = logging.getLogger(__name__)
@@ -124,17 +124,21 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
     recipients = _recipients(organization)
     if not recipients:
         return
-    without_card = limit.reason == "payment_method"
-    what = "the monthly limit of accounts without a payment method" if without_card else "its monthly spend cap"
-    remedy = "a payment method is added" if without_card else "the cap is raised"
+    what, remedy, noun, lift = {
+        PAYMENT_METHOD: ("the monthly limit of accounts without a payment method", "a payment method is added", "limit",
+                         " Add a payment method to lift it."),
+        SPEND_CEILING: ("its monthly spending ceiling for its payment history",
+                        "invoices are paid or support raises it", "ceiling",
+                        " It rises as invoices are paid; contact support to raise it sooner."),
+    }.get(limit.reason, ("its monthly spend cap", "the cap is raised", "cap", ""))
     if threshold >= 100:
         subject = f"{organization.name} reached {what}"
         consequence = f"Inference calls are refused (HTTP 402) until {remedy} or the month ends."
     else:
         subject = f"{organization.name} used {threshold}% of {what}"
-        consequence = "Calls are refused once it is reached." + (" Add a payment method to lift it." if without_card else "")
+        consequence = "Calls are refused once it is reached." + lift
     body = (
-        f"Spend this month: ${spend:.2f} of a ${limit.cap:.2f} {'limit' if without_card else 'cap'}.\n{consequence}\n\n"
+        f"Spend this month: ${spend:.2f} of a ${limit.cap:.2f} {noun}.\n{consequence}\n\n"
         f"Billing settings: {settings.PUBLIC_URL}{reverse('console:billing')}\n"
     )
     send_mail(subject, body, None, recipients)
@@ -143,11 +147,12 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
 def check_all_spend_alerts() -> int:
     num_sent = 0
     capped = Q(spend_cap__gt=0)
-    if limit_without_payment_method_applies():
-        # NOTE: of the (many) accounts without a card, only those that spent this month.
+    if bills_through_stripe():
+        # NOTE: of the (many) postpaid accounts held to the limit without a card or to a spending ceiling
+        # (`billing.standing`), only those that spent this month.
         spent = UsageRecord.objects.filter(organization_id=OuterRef("organization_id"),
                                            finished_at__gte=period_containing().start)
-        capped |= Q(Exists(spent), mode=BillingMode.POSTPAID, payment_method_on_file=False, invoiced_without_card=False)
+        capped |= Q(Exists(spent), mode=BillingMode.POSTPAID, invoiced_without_card=False)
     for organization_id in BillingAccount.objects.filter(capped).values_list("organization_id", flat=True):
         try:
             num_sent += len(check_spend_alerts(organization_id))

@@ -106,11 +106,21 @@ def _standing_fields(account: BillingAccount) -> dict:
     return {
         "payment_method_on_file": shown["payment_method_on_file"],
         "limit_without_payment_method": _money_or_none(shown["limit_without_payment_method"]),
+        "spend_ceiling": _ceiling_fields(shown["spend_ceiling"]),
         "effective_spend_cap": _money_or_none(shown["effective_spend_cap"]),
+        "limit_reason": shown["limit_reason"] or None,
         "past_due_since": shown["past_due_since"].isoformat() if shown["past_due_since"] else None,
         "hold_reason": shown["hold_reason"] or None,
         "num_unpaid_invoices_without_card": shown["num_unpaid_invoices_without_card"],
     }
+
+
+def _ceiling_fields(ceiling: standing.SpendCeiling | None) -> dict | None:
+    if ceiling is None:
+        return None
+    return {"amount": _money_or_none(ceiling.amount), "source": ceiling.source, "net_paid": format_money(ceiling.paid),
+            "next_paid": _money_or_none(ceiling.next_paid),
+            "next_amount": _money_or_none(ceiling.next_amount) if ceiling.next_paid is not None else None}
 
 
 def _money_or_none(amount: Decimal | None) -> str | None:
@@ -137,8 +147,25 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
         "payment_method_on_file": serializers.BooleanField(),
         "limit_without_payment_method": serializers.CharField(
             allow_null=True, help_text="The monthly limit that applies for want of a payment method (USD); null: none"),
+        "spend_ceiling": inline_serializer("SpendCeiling", {
+            "amount": serializers.CharField(allow_null=True, help_text="The monthly spending ceiling (USD); null: none"),
+            "source": serializers.ChoiceField(
+                choices=[standing.PAID_HISTORY, standing.STAFF],
+                help_text="paid_history (what the organisation has paid gives it) or staff (set by support)"),
+            "net_paid": serializers.CharField(
+                help_text="What its paid invoices paid, less refunds and payments disputed and not won (USD)"),
+            "next_paid": serializers.CharField(
+                allow_null=True, help_text="The paid total at which its history gives the next ceiling (USD); null: "
+                                           "paying raises it no more (or staff set it)"),
+            "next_amount": serializers.CharField(
+                allow_null=True, help_text="That next ceiling (USD); null: none, or no next step"),
+        }, allow_null=True, help_text="Null where none applies: prepaid, invoiced without card, or no Stripe"),
         "effective_spend_cap": serializers.CharField(
-            allow_null=True, help_text="The lower of the cap and that limit: where calls stop (USD); null: none"),
+            allow_null=True, help_text="The lowest of the cap, the spending ceiling and that limit: where calls stop "
+                                       "(USD); null: none"),
+        "limit_reason": serializers.ChoiceField(
+            choices=[standing.ORG_CAP, standing.SPEND_CEILING, standing.PAYMENT_METHOD], allow_null=True,
+            help_text="Which of them it is: org_cap, spend_ceiling or payment_method; null: no limit"),
         "past_due_since": serializers.DateTimeField(
             allow_null=True,
             help_text="Since when an unpaid invoice or a disputed payment stops inference; null: in good standing"),

@@ -264,6 +264,10 @@ class BillingAccount(models.Model):
     # stored, which is `past_due`).
     past_due_since = models.DateTimeField(null=True, blank=True)
     hold_reason = models.CharField(max_length=16, blank=True, default="", db_default="")
+    # Staff's spending ceiling of the organisation in place of the one its paid history gives
+    # (`billing.standing.spend_ceiling`): an amount, or `staff_lifted_spend_ceiling` for none; neither: its history's.
+    staff_spend_ceiling = MoneyField(null=True, blank=True)
+    staff_lifted_spend_ceiling = models.BooleanField(default=False, db_default=False)
     # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
     limits_stale = models.BooleanField(default=False, db_default=False)
     # Part of the idempotency keys that create its customer and subscription, raised after a Stripe server
@@ -271,6 +275,12 @@ class BillingAccount(models.Model):
     stripe_key_generation = models.PositiveIntegerField(default=0, db_default=0)
 
     objects = BillingAccountQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=~models.Q(staff_lifted_spend_ceiling=True, staff_spend_ceiling__isnull=False),
+                                   name="staff_spend_ceiling_amount_or_lifted"),
+        ]
 
     def __str__(self) -> str:
         return f"billing of {self.organization_id}"
@@ -610,6 +620,21 @@ class Dispute(models.Model):
 
     def __str__(self) -> str:
         return self.stripe_dispute_id
+
+
+class RefundedCharge(models.Model):
+    """Our mirror of what Stripe refunded of one of the organisation's payments (`charge.refunded`,
+    `charge.refund.updated`): money that came back counts out of its paid history (`billing.standing.net_paid`)."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    stripe_charge_id = models.CharField(max_length=64, unique=True)
+    currency = models.CharField(max_length=8, default="usd")
+    amount_refunded = models.BigIntegerField(default=0)  # the charge's refunds in all, minor unit, as Stripe sends it
+    # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
+    stripe_event_created = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return self.stripe_charge_id
 
 
 class InvoiceLine(models.Model):

@@ -166,6 +166,39 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
     return _review_can_pay_now_changed(account)
 
 
+def set_spend_ceiling(actor: Actor, organization, *, ceiling: Decimal | None, lifted: bool = False) -> BillingAccount:
+    """Staff: the organisation's monthly spending ceiling in place of the one its paid history gives
+    (`billing.standing.spend_ceiling`): `ceiling` USD, or with `lifted` none at all; neither: its history's again.
+    Audited, and the gateway sees it at once (`limits_stale` with it, for the beat task if the refresh is lost)."""
+    if lifted and ceiling is not None:
+        raise ValueError("a ceiling is either an amount or lifted, not both")
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().for_organization(organization)
+        previous = _ceiling_text(account.staff_spend_ceiling, lifted=account.staff_lifted_spend_ceiling)
+        account.staff_spend_ceiling = ceiling
+        account.staff_lifted_spend_ceiling = lifted
+        account.limits_stale = True
+        account.save(update_fields=["staff_spend_ceiling", "staff_lifted_spend_ceiling", "limits_stale"])
+        record_audit(actor, organization, "billing.set_spend_ceiling", account,
+                     spend_ceiling=_ceiling_text(ceiling, lifted=lifted), previous=previous)
+    refresh_limits(account)
+    return account
+
+
+def _ceiling_text(ceiling: Decimal | None, *, lifted: bool) -> str | None:
+    """Staff's ceiling as audited: "none" (lifted), the amount (USD, two places), or None (its paid history's)."""
+    return "none" if lifted else None if ceiling is None else f"{ceiling:.2f}"
+
+
+def paid_history_changed(organization_id: int) -> None:
+    """An invoice paid, a refund or a dispute changed what the organisation has paid (`billing.standing.net_paid`),
+    so its spending ceiling may have: marked `limits_stale` in the change's own transaction, and its standing reviewed
+    once that commits (which writes its limits to Redis). A process killed between the two leaves it to the beat task
+    (`review_all_payment_standing`)."""
+    BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
+    transaction.on_commit(lambda: review_payment_standing(organization_id), robust=True)
+
+
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
     """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method;
     a reading older than the one recorded changes nothing. The gateway sees a change at once, and its hold too: the

@@ -24,7 +24,16 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   closed without a chargeback, or one prevented releases it; staff lift the hold of a lost one once it is
   settled (`billing.services.lift_dispute_hold`, audited).
 
-Without Stripe, nothing is invoiced, so neither rule applies (caps and credit still do).
+- **Spending ceiling.** A postpaid organisation spends at most, a month, the ceiling its paid history gives
+  (`SPEND_CEILINGS`: the total its paid invoices paid, less refunds and payments disputed and not won, `net_paid`),
+  whatever cap it sets itself: a stolen or empty card added, the cap removed, ran our GPUs for a month and the grace
+  period before anything stopped it. An invoice paid raises it at once (its webhook's review writes the limits
+  again); a refund or a dispute lowers it. Staff may set an organisation's own (`staff_spend_ceiling`, or none).
+  Prepaid accounts (credit bounds them) and those staff mark `invoiced_without_card` (staff vouch for them) are not
+  held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
+  (`Disputed`) and takes it out of the paid total.
+
+Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
 
 from __future__ import annotations
@@ -34,10 +43,10 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import F, OuterRef, Subquery
+from django.db.models import F, OuterRef, Subquery, Sum
 from django.utils import timezone
 
-from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice
+from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice, RefundedCharge
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -48,15 +57,44 @@ HOLDING_DISPUTE_STATUSES = ("warning_needs_response", "warning_under_review", "n
 # The gateway's refusal reasons for a hold (`billing.quota.counters.QuotaExceeded`).
 PAST_DUE = "past_due"
 DISPUTED = "disputed"
+# The gateway's refusal reasons at a spend limit (`SpendLimit.reason`).
+ORG_CAP = "org_cap"
+PAYMENT_METHOD = "payment_method"
+SPEND_CEILING = "spend_ceiling"
+# Where an organisation's spending ceiling comes from (`SpendCeiling.source`).
+PAID_HISTORY = "paid_history"
+STAFF = "staff"
+CENTS_PER_DOLLAR = 100
 
 
 @dataclass(slots=True, frozen=True)
 class SpendLimit:
     """The most an organisation may spend this month (None: no limit) and why, as the gateway's
-    refusal names it: `org_cap` (its own cap) or `payment_method` (the limit without one)."""
+    refusal names it: `org_cap` (its own cap), `payment_method` (the limit without one) or `spend_ceiling`."""
 
     cap: Decimal | None
     reason: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in (ORG_CAP, PAYMENT_METHOD, SPEND_CEILING):
+            raise ValueError(f"not a spend limit reason: {self.reason}")
+
+
+@dataclass(slots=True, frozen=True)
+class SpendCeiling:
+    """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY` or
+    `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
+    (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more)."""
+
+    amount: Decimal | None
+    source: str
+    paid: Decimal
+    next_paid: Decimal | None = None
+    next_amount: Decimal | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in (PAID_HISTORY, STAFF):
+            raise ValueError(f"not a spend ceiling source: {self.source}")
 
 
 def bills_through_stripe() -> bool:
@@ -80,13 +118,57 @@ def limit_without_payment_method(account: BillingAccount) -> Decimal | None:
     return limit
 
 
+def spend_ceiling_applies(account: BillingAccount) -> bool:
+    """Whether `account` is held to a spending ceiling: postpaid, invoiced through Stripe, not vouched for by staff."""
+    return bills_through_stripe() and not account.is_prepaid and not account.invoiced_without_card
+
+
+def net_paid(organization_id: int) -> Decimal:
+    """What the organisation has paid (USD): its paid invoices' `amount_paid`, less what was refunded of its payments
+    and what is disputed of them and not won (open, or lost: the bank took it back), never below zero.
+
+    NOTE: money that came back raises no ceiling: a card that paid $50, had it refunded or charged back, and ran
+    on under the ceiling $50 bought was the hole this closes. A dispute staff settled stays out (the organisation
+    repaid it outside Stripe, which Stripe does not show): staff set its ceiling if they want it back. A charge both
+    refunded and disputed (Stripe refuses to dispute what it refunded in full, not a part) counts out twice: lower,
+    never higher, than its money allows."""
+    def cents(queryset, field: str) -> int:
+        return queryset.filter(organization_id=organization_id, currency="usd").aggregate(
+            total=Sum(field))["total"] or 0
+
+    total = (cents(Invoice.objects.filter(status="paid"), "amount_paid") - cents(RefundedCharge.objects, "amount_refunded")
+             - cents(Dispute.objects.filter(status__in=HOLDING_DISPUTE_STATUSES), "amount"))
+    return Decimal(max(total, 0)) / CENTS_PER_DOLLAR
+
+
+def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
+    """The organisation's spending ceiling (`SPEND_CEILINGS` by `net_paid`, or staff's), or None where none applies
+    (`spend_ceiling_applies`)."""
+    if not spend_ceiling_applies(account):
+        return None
+    paid = net_paid(account.organization_id)
+    if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
+        return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
+    steps = settings.SPEND_CEILINGS
+    reached = [step for step in steps if step[0] <= paid]
+    amount = reached[-1][1]  # NOTE: the first step is at 0 paid (`controlplane.env.env_spend_ceilings`)
+    if len(reached) == len(steps):
+        return SpendCeiling(amount, PAID_HISTORY, paid)
+    next_paid, next_amount = steps[len(reached)]
+    return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount)
+
+
 def spend_limit(account: BillingAccount) -> SpendLimit:
-    """The lower of the organisation's own cap and the limit without a payment method."""
-    own = account.spend_cap
-    limit = limit_without_payment_method(account)
-    if limit is not None and (own is None or limit < own):
-        return SpendLimit(limit, "payment_method")
-    return SpendLimit(own, "org_cap")
+    """The lowest of the organisation's own cap, its spending ceiling and the limit without a payment method (at a
+    tie, the one that a change of the cap would not lift names it)."""
+    limit = SpendLimit(account.spend_cap, ORG_CAP)
+    ceiling = spend_ceiling(account)
+    if ceiling is not None and ceiling.amount is not None and (limit.cap is None or ceiling.amount <= limit.cap):
+        limit = SpendLimit(ceiling.amount, SPEND_CEILING)
+    without_card = limit_without_payment_method(account)
+    if without_card is not None and (limit.cap is None or without_card < limit.cap):
+        limit = SpendLimit(without_card, PAYMENT_METHOD)
+    return limit
 
 
 def can_pay_now(account: BillingAccount) -> bool:
@@ -191,7 +273,9 @@ def standing(account: BillingAccount) -> dict:
     return {
         "payment_method_on_file": account.payment_method_on_file,
         "limit_without_payment_method": limit_without_payment_method(account),
+        "spend_ceiling": spend_ceiling(account),
         "effective_spend_cap": limit.cap,
+        "limit_reason": limit.reason if limit.cap is not None else "",
         "past_due_since": account.past_due_since,
         "hold_reason": hold_reason(account),
         "num_unpaid_invoices_without_card": unpaid_invoices_without_card(account.organization_id).count(),

@@ -1,9 +1,9 @@
-"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices (all their lines), disputed payments
-and whether a customer has a payment method (`billing.standing`), and forgetting subscriptions and customers
-that Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
+"""Stripe webhooks: verified by signature, applied once per event id, mirroring invoices (all their lines), disputed
+and refunded payments and whether a customer has a payment method (`billing.standing`), and forgetting subscriptions
+and customers that Stripe ended (`billing.services.record_subscription_ended`, `record_customer_deleted`).
 
 The Stripe webhook endpoint must send: invoice.*, customer.created, customer.updated, customer.deleted,
-customer.subscription.updated, customer.subscription.deleted and charge.dispute.*."""
+customer.subscription.updated, customer.subscription.deleted, charge.dispute.* and charge.refunded."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from billing.models import (
     Dispute,
     Invoice,
     InvoiceLine,
+    RefundedCharge,
     StripeEvent,
 )
 
@@ -39,6 +40,8 @@ DISPUTE_EVENTS = {
     "charge.dispute.created", "charge.dispute.updated", "charge.dispute.closed", "charge.dispute.funds_withdrawn",
     "charge.dispute.funds_reinstated",
 }
+# A charge refunded, in part or in full (its `amount_refunded` is the running total): its paid history lowered.
+REFUND_EVENTS = {"charge.refunded"}
 # Dispute states that end it: at the same second as one of them, an event that says it is open is the older.
 CLOSED_DISPUTE_STATUSES = ("won", "lost", "warning_closed", "prevented")
 # Invoice states (Stripe's `status`) in the order Stripe moves through them: at the same second, an event that says a
@@ -92,12 +95,18 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
                     services.decide_held_by_final_invoice(invoice.stripe_customer_id, invoice.stripe_invoice_id,
                                                           final_quantity)
                 organization_id = invoice.organization_id
-                transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
+                if invoice.status == "paid":  # its spending ceiling may rise (`billing.standing.net_paid`)
+                    services.paid_history_changed(organization_id)
+                else:
+                    transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
         elif event["type"] in DISPUTE_EVENTS:
             dispute = mirror_dispute(event["data"]["object"], payer=payer, event_created=event.get("created", 0))
             if dispute is not None:
-                organization_id = dispute.organization_id
-                transaction.on_commit(lambda: services.review_payment_standing(organization_id), robust=True)
+                services.paid_history_changed(dispute.organization_id)
+        elif event["type"] in REFUND_EVENTS:
+            refunded = mirror_refund(event["data"]["object"], event_created=event.get("created", 0))
+            if refunded is not None:
+                services.paid_history_changed(refunded.organization_id)
         elif event["type"] in SUBSCRIPTION_EVENTS:
             # NOTE: an ended subscription is final, so the event itself is enough, in whatever order it comes.
             subscription = event["data"]["object"]
@@ -298,3 +307,30 @@ def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) ->
     dispute.stripe_event_created = event_created
     dispute.save()
     return dispute
+
+
+def mirror_refund(data: dict, *, event_created: int) -> RefundedCharge | None:
+    """Mirror what is refunded of the charge of a `charge.refunded` event (its `amount_refunded`, all its refunds so
+    far). Its organisation is its customer's, the account's or one Stripe deleted since; a charge of no known customer
+    is logged and left.
+
+    NOTE: a refund that fails after (`refund.failed`) sends no `charge.refunded`: the charge stays counted as
+    refunded, which keeps its organisation's ceiling lower, never higher, than its money allows."""
+    refunded = RefundedCharge.objects.select_for_update().filter(stripe_charge_id=data["id"]).first()
+    if refunded is None:
+        organization_id = _organization_of_customer(stripe_sync.reference_id(data.get("customer")) or "-")
+        if organization_id is None:
+            logger.warning("stripe refund of charge %s for unknown customer %s", data.get("id"), data.get("customer"))
+            return None
+        refunded, _ = RefundedCharge.objects.get_or_create(stripe_charge_id=data["id"],
+                                                           defaults={"organization_id": organization_id})
+        refunded = RefundedCharge.objects.select_for_update().get(pk=refunded.pk)
+    amount = data.get("amount_refunded") or 0
+    if refunded.stripe_event_created > event_created or (
+            refunded.stripe_event_created == event_created and refunded.amount_refunded >= amount):
+        return refunded  # an older event arriving late never overwrites newer state (refunds only add up)
+    refunded.currency = data.get("currency") or "usd"
+    refunded.amount_refunded = amount
+    refunded.stripe_event_created = event_created
+    refunded.save()
+    return refunded

@@ -135,6 +135,36 @@ def env_counts(name: str) -> dict[str, int]:
     return counts
 
 
+def env_spend_ceilings(name: str, default: str) -> tuple[tuple[Decimal, Decimal | None], ...]:
+    """`paid:ceiling,...` in USD (e.g. `0:100,50:500,5000:none`): an organisation that has paid at least `paid` in total
+    may spend at most `ceiling` a month (`none`: no ceiling; `billing.standing.spend_ceiling`). The first step starts
+    at 0, steps rise strictly, and a ceiling never falls as the paid total rises: `none` only last."""
+    value = _raw(name) or default
+    steps: list[tuple[Decimal, Decimal | None]] = []
+    for item in value.split(","):
+        paid_text, separator, ceiling_text = item.strip().partition(":")
+        try:
+            paid = Decimal(paid_text.strip())
+            ceiling = None if ceiling_text.strip().lower() == "none" else Decimal(ceiling_text.strip())
+        except InvalidOperation:
+            paid = ceiling = Decimal("NaN")
+        if not separator or not paid.is_finite() or paid < 0 or (ceiling is not None and (
+                not ceiling.is_finite() or ceiling < 0)):
+            raise ImproperlyConfiguredEnv(f"{name} must read like '0:100,50:500,5000:none' (paid USD:monthly ceiling "
+                                          f"USD or none), not {item.strip()!r} in {value!r}")
+        steps.append((paid, ceiling))
+    if steps[0][0] != 0:
+        raise ImproperlyConfiguredEnv(f"{name} must start at 0 paid (the ceiling of an organisation that paid nothing), "
+                                      f"not {value!r}")
+    for (paid_before, ceiling_before), (paid, ceiling) in zip(steps, steps[1:], strict=False):
+        if paid <= paid_before:
+            raise ImproperlyConfiguredEnv(f"{name} must list its paid totals rising, not {value!r}")
+        if ceiling_before is None or (ceiling is not None and ceiling < ceiling_before):
+            raise ImproperlyConfiguredEnv(f"{name} must not lower a ceiling as the paid total rises (none: last), "
+                                          f"not {value!r}")
+    return tuple(steps)
+
+
 # libpq's options every PostgreSQL connection gets unless `DATABASE_URL` sets them (README, "Configuration"): a connect
 # gives up after `connect_timeout` s, and an established TCP session whose peer went silent (a failover, a partition:
 # no RST) is found dead by keepalives after ~60 s idle, or after `tcp_user_timeout` ms of unacknowledged data, instead

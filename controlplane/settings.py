@@ -33,6 +33,7 @@ from controlplane.env import (
     env_int,
     env_list,
     env_networks,
+    env_spend_ceilings,
     env_str,
     parse_database_url,
 )
@@ -442,6 +443,9 @@ DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")
 # an invoice left unpaid this many days after its payment failed stops inference (uncollectible: at once).
 SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = env_decimal("INFERPLANE_SPEND_LIMIT_WITHOUT_CARD", "5")
 PAST_DUE_GRACE_DAYS = env_float("INFERPLANE_PAST_DUE_GRACE_DAYS", 7.0, minimum=0)
+# A postpaid organisation's monthly spending ceiling, by the total its paid invoices paid, less refunds and disputed
+# payments (`billing.standing.spend_ceiling`; staff may set one of an organisation's own in the admin).
+SPEND_CEILINGS = env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", "0:100,50:500,500:5000,5000:none")
 # Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
 DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)

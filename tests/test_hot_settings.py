@@ -31,9 +31,10 @@ def test_a_hot_setting_follows_the_settings_fixture(settings):
 
 def test_a_hot_setting_follows_override_settings_and_its_undoing():
     before = hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD
-    with override_settings(SPEND_LIMIT_WITHOUT_PAYMENT_METHOD=Decimal("12.5"), STRIPE_SECRET_KEY="sk_test_x"):
+    with override_settings(SPEND_LIMIT_WITHOUT_PAYMENT_METHOD=Decimal("12.5"), STRIPE_SECRET_KEY="sk_test_x",
+                           SPEND_CEILINGS=((Decimal(0), Decimal(100)), (Decimal(50), None))):
         assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == Decimal("12.5")
-        assert counters.limits_version() == "2:12.5:1"
+        assert counters.limits_version() == "3:12.5:1:0:100,50:none"
     assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == before
 
 
@@ -76,6 +77,7 @@ def test_the_warm_paths_settings_are_read_without_djangos_lazy_look_up(monkeypat
     names = {
         "BILLING_RESERVATION_TTL_S",
         "SPEND_LIMIT_WITHOUT_PAYMENT_METHOD",
+        "SPEND_CEILINGS",
         "STRIPE_SECRET_KEY",
         "GATEWAY_ANSWER_BYTES_PER_ORG",
         "GATEWAY_ANSWER_BYTES_PER_PROCESS",

@@ -63,6 +63,10 @@ class QuotaExceeded(Exception):
             "payment_method": (
                 f"Your organisation has reached the ${settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD:,.2f} a month that "
                 "accounts without a payment method may spend. Add one in the console (Billing) to continue."),
+            "spend_ceiling": (
+                "Your organisation has reached its monthly spending ceiling for its payment history: new accounts "
+                "may spend a bounded amount a month, and the ceiling rises as invoices are paid (Billing in the "
+                "console shows it and the next step). To raise it sooner, contact support."),
             "past_due": "Your organisation has an unpaid invoice. Pay it in the console (Billing) to continue.",
             "disputed": (
                 "A payment of your organisation is disputed with its card's bank (a chargeback). If that was a "
@@ -624,7 +628,13 @@ def _held_since(lapsed_at: float | None) -> str:
 def limits_version() -> str:
     """What the organisation counters' limits were worked out under, beyond the account: this code's
     fields and the settings of payment standing. A counter of another version is rebuilt."""
-    return f"2:{hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}"
+    return f"3:{hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}:{_ceilings_version(hot.SPEND_CEILINGS)}"
+
+
+@functools.lru_cache(maxsize=4)
+def _ceilings_version(steps: tuple[tuple[Decimal, Decimal | None], ...]) -> str:
+    """`SPEND_CEILINGS` as a short part of `limits_version` (made once per value: it is read on every call)."""
+    return ",".join(f"{paid}:{'none' if ceiling is None else ceiling}" for paid, ceiling in steps)
 
 
 def limit_fields(account: BillingAccount) -> dict[str, str]:

@@ -108,7 +108,7 @@ class ReservationSpent(errors.OpenAIError):
 
 
 # The 402s a call's reserved cost causes (`QuotaExceeded.reason`): a learned prompt factor says so after them.
-_COST_REFUSALS = frozenset({"credit", "org_cap", "key_cap", "payment_method"})
+_COST_REFUSALS = frozenset({"credit", "org_cap", "key_cap", "payment_method", "spend_ceiling"})
 
 
 @dataclass(slots=True)

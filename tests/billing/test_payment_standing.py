@@ -644,8 +644,10 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     client = member_client_factory(billed.org, Role.ADMIN)
     standing = client.get("/api/v1/billing/").json()["standing"]
     assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
-                        "effective_spend_cap": "1.00", "past_due_since": None, "hold_reason": None,
-                        "num_unpaid_invoices_without_card": 0}
+                        "spend_ceiling": {"amount": "100.00", "source": "paid_history", "net_paid": "0.00",
+                                          "next_paid": "50.00", "next_amount": "500.00"},
+                        "effective_spend_cap": "1.00", "limit_reason": "payment_method", "past_due_since": None,
+                        "hold_reason": None, "num_unpaid_invoices_without_card": 0}
 
     console = Client()
     console.force_login(client.user)
@@ -658,7 +660,9 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     billed.stripe.set_default_payment_method(billed.customer, "pm_card_visa")  # added in the portal, webhook not yet here
     page = console.get("/console/billing/?from=portal").content.decode()
     assert 'data-testid="payment-method-limit"' not in page
-    assert client.get("/api/v1/billing/").json()["standing"]["effective_spend_cap"] is None
+    shown = client.get("/api/v1/billing/").json()["standing"]
+    # the card lifts the limit without one; its spending ceiling for its payment history stays (test_spend_ceiling.py)
+    assert (shown["limit_without_payment_method"], shown["effective_spend_cap"]) == (None, "100.00")
     _spend(billed.org, "2.00")
     # A loop on the return address asks Stripe once per 30 s, and only for owners and admins.
     reads = lambda: len(billed.stripe.calls_to(f"/v1/customers/{billed.customer}", "GET"))  # noqa: E731

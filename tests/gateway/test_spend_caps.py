@@ -182,6 +182,68 @@ def test_without_a_card_calls_stop_at_the_limit_and_an_unpaid_invoice_stops_them
         fake.stop()
 
 
+def _post_webhook(gateway: str, kind: str, data: dict) -> None:
+    """A Stripe webhook posted to the gateway's server as Stripe would (signed)."""
+    event = json.dumps({"id": f"evt_{time.time_ns()}", "object": "event", "type": kind, "created": int(time.time()),
+                        "data": {"object": data}}).encode()
+    response = httpx.post(f"{gateway}/api/v1/billing/stripe/webhook", content=event, headers={
+        "Content-Type": "application/json", "Stripe-Signature": sign_webhook(event, "whsec_test_secret")})
+    assert response.status_code == 200, response.text
+
+
+def test_a_new_organisation_with_a_card_and_no_cap_stops_at_its_spending_ceiling_which_paid_invoices_raise(
+        tmp_path, settings, tenant, start_mock_upstream):
+    """The default `INFERPLANE_SPEND_CEILINGS` (`billing.standing.spend_ceiling`) through a gateway that bills through
+    Stripe (the fake). Before, a postpaid organisation with a card and no cap had no limit at all: a stolen card
+    added ran our GPUs for a month and the grace period (this loop never stopped)."""
+    fake = FakeStripe().start()
+    env = {"STRIPE_SECRET_KEY": "sk_test_inferplane", "STRIPE_API_BASE": fake.base_url,
+           "STRIPE_WEBHOOK_SECRET": "whsec_test_secret"}
+    settings.STRIPE_SECRET_KEY, settings.STRIPE_API_BASE = env["STRIPE_SECRET_KEY"], fake.base_url
+    child, gateway = start_web_server(tmp_path, name="billed-gateway", extra_env=env)
+    try:
+        # ~$4.60 a call, ~$20 reserved: the default's $100 a month for an organisation that has paid nothing
+        price = Decimal(200_000)
+        endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=price,
+                                  price_cached_input_per_million=price, price_output_per_million=price)
+        customer = stripe_sync.ensure_customer(tenant.org.pk)
+        _post_webhook(gateway, "customer.updated", fake.set_default_payment_method(customer, "pm_card_visa"))
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        assert httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()["spend_cap"] is None  # no cap of its own
+        body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 16}
+
+        def call() -> httpx.Response:
+            return httpx.post(f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+        statuses = []
+        while not statuses or statuses[-1].status_code == 200:
+            statuses.append(call())
+            assert len(statuses) < 60, "never stopped: no ceiling for an organisation with a card"
+        refused = statuses[-1].json()["error"]
+        assert statuses[-1].status_code == 402 and refused["code"] == "insufficient_quota"
+        assert "spending ceiling for its payment history" in refused["message"]
+        assert "contact support" in refused["message"]
+        wait_until(lambda: UsageRecord.objects.count() == len(statuses) - 1, 15, message="one usage row per served call")
+        assert Decimal(80) < UsageRecord.objects.aggregate(total=Sum("cost"))["total"] <= Decimal(100)
+
+        invoice = {"id": "in_first", "object": "invoice", "customer": customer, "status": "paid", "currency": "usd",
+                   "amount_due": 5000, "amount_paid": 5000, "lines": {"object": "list", "data": []}}
+        _post_webhook(gateway, "invoice.paid", invoice)  # $50 paid: $500 a month, at once
+        assert call().status_code == 200
+        shown = httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()["standing"]
+        assert shown["spend_ceiling"] == {"amount": "500.00", "source": "paid_history", "net_paid": "50.00",
+                                          "next_paid": "500.00", "next_amount": "5000.00"}
+        assert shown["limit_reason"] == "spend_ceiling"
+
+        _post_webhook(gateway, "charge.refunded", {"id": "ch_first", "object": "charge", "customer": customer,
+                                                   "currency": "usd", "amount": 5000, "amount_refunded": 5000})
+        lowered = call()  # the money came back: $100 again, already spent
+        assert lowered.status_code == 402 and "spending ceiling" in lowered.json()["error"]["message"]
+    finally:
+        child.stop()
+        fake.stop()
+
+
 def _metrics_after_a_call_past_its_reservation(tenant, endpoint, tmp_path, *, stream: bool) -> str:
     """One overlong completion through a gateway of its own (its log and metrics this call's alone): its metrics once
     the loss's warning is logged."""

@@ -1,0 +1,218 @@
+"""A postpaid organisation's spending ceiling (`billing.standing.spend_ceiling`): what it may spend a month is bounded
+by what it has paid (`INFERPLANE_SPEND_CEILINGS`), whatever its own cap, and staff may set its own.
+
+Before, an organisation with a card on file had no limit at all until 7 days after an invoice failed: a stolen or
+empty card added, the cap removed, ran our GPUs for a month and the grace period. Reserved as the gateway does, in
+its admission script (`tests/billing/test_quota.py`); through a real gateway in `tests/gateway/test_spend_caps.py`."""
+
+import os
+import subprocess
+import sys
+import time
+from decimal import Decimal
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from billing import services, standing, stripe_sync
+from billing.models import BillingAccount, BillingMode, Dispute
+from controlplane.accounts.models import AuditEvent, Role
+from controlplane.accounts.services import SYSTEM
+from controlplane.env import ImproperlyConfiguredEnv, env_spend_ceilings
+from tests.billing.test_payment_standing import _refusal, _spend, _webhook
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DEFAULT = "0:100,50:500,500:5000,5000:none"
+
+
+def _ceilings(value: str, monkeypatch) -> tuple:
+    """`value` read as the setting is at startup (its variable unset, so the value is the default)."""
+    monkeypatch.delenv("INFERPLANE_SPEND_CEILINGS", raising=False)
+    return env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", value)
+
+
+@pytest.fixture
+def carded(settings, fake_stripe, monkeypatch):
+    """Stripe configured (the fake), the documented default ceilings, and a postpaid organisation with an owner, a
+    Stripe customer, a card on file and no cap of its own."""
+    settings.SPEND_CEILINGS = _ceilings(DEFAULT, monkeypatch)
+    organization = OrganizationFactory()
+    MembershipFactory(organization=organization, user=UserFactory(email="owner@example.com"), role=Role.OWNER)
+    customer_id = stripe_sync.ensure_customer(organization.pk)
+    _webhook("customer.updated", fake_stripe.set_default_payment_method(customer_id, "pm_card_visa"))
+    assert BillingAccount.objects.get(organization=organization).spend_cap is None
+
+    class Carded:
+        org = organization
+        customer = customer_id
+        stripe = fake_stripe
+
+    return Carded
+
+
+def _paid(carded, invoice_id: str, cents: int) -> None:
+    _webhook("invoice.paid", {"id": invoice_id, "object": "invoice", "customer": carded.customer, "status": "paid",
+                              "currency": "usd", "amount_due": cents, "amount_paid": cents,
+                              "lines": {"object": "list", "data": []}})
+
+
+def test_an_organisation_with_a_card_and_no_cap_is_refused_past_100_and_each_paid_invoice_raises_it_at_once(carded):
+    _spend(carded.org, "99.00")
+    refused = _refusal(carded.org, "2.00")
+    assert refused.reason == "spend_ceiling"
+    assert "spending ceiling for its payment history" in refused.message and "contact support" in refused.message
+
+    _paid(carded, "in_1", 3000)  # $30 paid: not yet $50
+    assert _refusal(carded.org, "2.00").reason == "spend_ceiling"
+    _paid(carded, "in_2", 2000)  # $50 in all: $500 a month, the webhook's review writes it to Redis at once
+    _spend(carded.org, "400.00")
+    assert _refusal(carded.org, "2.00").reason == "spend_ceiling"
+
+    _paid(carded, "in_3", 500_000)  # $5,050 paid: no ceiling
+    _spend(carded.org, "100000.00")
+    assert standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org)) == standing.SpendCeiling(
+        None, standing.PAID_HISTORY, Decimal("5050"))
+
+
+def test_its_own_lower_cap_still_names_the_refusal_and_the_ceiling_holds_over_a_higher_one(carded):
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("10.00"))
+    _spend(carded.org, "9.00")
+    assert _refusal(carded.org, "2.00").reason == "org_cap"
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("100000.00"))  # the owner raises its own cap
+    _spend(carded.org, "90.00")
+    assert _refusal(carded.org, "2.00").reason == "spend_ceiling"
+
+
+def test_a_refund_or_a_payment_disputed_lowers_the_ceiling_the_money_had_raised(carded, monkeypatch):
+    _paid(carded, "in_1", 5000)
+    _spend(carded.org, "450.00")
+    _webhook("charge.refunded", {"id": "ch_1", "object": "charge", "customer": carded.customer, "currency": "usd",
+                                 "amount": 5000, "amount_refunded": 2000})
+    assert standing.net_paid(carded.org.pk) == Decimal(30)  # $100 again
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"
+    # An older event of the same charge, arriving late, changes nothing.
+    _webhook("charge.refunded", {"id": "ch_1", "object": "charge", "customer": carded.customer, "currency": "usd",
+                                 "amount": 5000, "amount_refunded": 1000}, created=int(time.time()) - 60)
+    assert standing.net_paid(carded.org.pk) == Decimal(30)
+
+    # A second payment, then a dispute of it lost and settled by staff: the bank took the money back.
+    _paid(carded, "in_2", 4000)  # $70 net
+    assert standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org)).amount == Decimal(500)
+    monkeypatch.setattr(stripe_sync, "charge_payer", lambda charge_id, attempts: (carded.customer, "in_2"))
+    _webhook("charge.dispute.closed", {"id": "dp_1", "object": "dispute", "charge": "ch_2", "status": "lost",
+                                       "amount": 4000, "currency": "usd", "reason": "fraudulent"})
+    services.lift_dispute_hold(SYSTEM, Dispute.objects.get(stripe_dispute_id="dp_1"))
+    assert standing.net_paid(carded.org.pk) == Decimal(30)  # $50 + $40 paid, $20 refunded, $40 taken back
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"
+
+
+def test_staff_set_an_organisations_ceiling_in_the_admin_either_way_audited_and_seen_at_once(carded, client):
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    sign_in_staff(client, staff)
+    account = BillingAccount.objects.get(organization=carded.org)
+    url = f"/django-admin/billing/billingaccount/{account.pk}/change/"
+
+    def change(ceiling: str):
+        return client.post(url, {"mode": account.mode, "spend_cap": "", "spend_ceiling": ceiling})
+
+    _spend(carded.org, "95.00")
+    assert change("none").status_code == 302  # in the admin's transaction: the refresh runs once it commits
+    _spend(carded.org, "10000.00")
+    assert change("20").status_code == 302  # lowered below what it spent: refused at once
+    assert _refusal(carded.org, "0.01").reason == "spend_ceiling"
+    shown = standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org))
+    assert (shown.amount, shown.source) == (Decimal(20), standing.STAFF)
+    assert change("").status_code == 302  # its paid history's again
+    assert standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org)).source == standing.PAID_HISTORY
+
+    refused = change("-5")
+    assert refused.status_code == 200 and b"Enter an amount from 0" in refused.content
+    assert list(AuditEvent.objects.filter(action="billing.set_spend_ceiling").order_by("pk")
+                .values_list("details__spend_ceiling", "details__previous")) == [
+        ("none", None), ("20.00", "none"), (None, "20.00")]
+
+
+def test_an_invoice_paid_whose_review_was_lost_raises_the_ceiling_at_the_beat_tasks_review(carded, monkeypatch):
+    """The webhook marks the account `limits_stale` in its own transaction: a process killed before its review leaves
+    the raise to the beat task, not to the next month."""
+    _spend(carded.org, "99.00")
+    monkeypatch.setattr(services, "review_payment_standing", lambda *args, **kwargs: None)  # killed after the commit
+    _paid(carded, "in_1", 5000)
+    assert _refusal(carded.org, "2.00").reason == "spend_ceiling"
+    monkeypatch.undo()
+    services.review_all_payment_standing()
+    _spend(carded.org, "2.00")
+
+
+def test_prepaid_and_invoiced_without_card_accounts_are_not_held_to_a_ceiling(carded, settings):
+    services.set_invoiced_without_card(SYSTEM, carded.org, allowed=True)
+    _spend(carded.org, "1000.00")
+    assert standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org)) is None
+
+    other = OrganizationFactory()
+    services.set_billing_mode(SYSTEM, other, mode=BillingMode.PREPAID)
+    assert standing.spend_ceiling(BillingAccount.objects.get(organization=other)) is None
+    assert standing.spend_limit(BillingAccount.objects.get(organization=other)).cap is None
+
+
+def test_the_billing_api_shows_the_ceiling_what_it_is_from_and_the_next_step(carded, member_client_factory):
+    client = member_client_factory(carded.org, Role.ADMIN)
+    shown = client.get("/api/v1/billing/").json()["standing"]
+    assert shown["spend_ceiling"] == {"amount": "100.00", "source": "paid_history", "net_paid": "0.00",
+                                      "next_paid": "50.00", "next_amount": "500.00"}
+    assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("100.00", "spend_ceiling")
+
+    from django.test import Client
+
+    from controlplane.accounts.tenancy import SESSION_KEY
+    console = Client()
+    console.force_login(client.user)
+    session = console.session
+    session[SESSION_KEY] = carded.org.pk
+    session.save()
+    page = console.get("/console/billing/").content.decode()
+    assert 'data-testid="spend-ceiling"' in page and "$500.00 a month once $50.00 of invoices are paid" in page
+
+
+@pytest.mark.parametrize("value", [
+    "100",  # no paid total
+    "10:100,50:500",  # not starting at 0
+    "0:100,50:50",  # a ceiling lowered as the paid total rises
+    "0:100,0:500",  # paid totals not rising
+    "0:none,50:500",  # none before the last
+    "0:abc", "0:-1", "0:nan", "0:100,,50:500",
+])
+def test_a_bad_spend_ceilings_value_is_refused_at_startup(value, monkeypatch):
+    with pytest.raises(ImproperlyConfiguredEnv, match="INFERPLANE_SPEND_CEILINGS"):
+        _ceilings(value, monkeypatch)
+
+
+def test_the_default_spend_ceilings_are_the_documented_ones_and_a_bad_one_stops_django_from_starting(monkeypatch):
+    from django.conf import settings
+
+    assert settings.SPEND_CEILINGS == _ceilings(DEFAULT, monkeypatch) == (
+        (Decimal(0), Decimal(100)), (Decimal(50), Decimal(500)), (Decimal(500), Decimal(5000)), (Decimal(5000), None))
+    started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], capture_output=True, text=True,
+                             env=os.environ | {"INFERPLANE_SPEND_CEILINGS": "0:100,50:20"}, timeout=60)
+    assert started.returncode != 0 and "INFERPLANE_SPEND_CEILINGS must not lower a ceiling" in started.stderr
+
+
+def test_spend_alerts_warn_before_the_spending_ceiling_of_an_organisation_with_a_card(carded):
+    """Before, an organisation with a card and no cap was looked at by no alert: it had nothing to reach."""
+    from django.core import mail
+
+    from billing.alerts import check_all_spend_alerts
+    from billing.ledger import record_usage
+    from tests.billing.conftest import usage_report
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=carded.org, price_input_per_million=Decimal("100"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=850_000, completion_tokens=0))  # $85 of the $100 ceiling
+
+    assert check_all_spend_alerts() == 2  # 50 % and 80 %
+    assert mail.outbox[-1].subject.endswith("used 80% of its monthly spending ceiling for its payment history")
+    assert "rises as invoices are paid" in mail.outbox[-1].body and "$100.00 ceiling" in mail.outbox[-1].body
