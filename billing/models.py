@@ -192,6 +192,8 @@ class UsageRollup(models.Model):
         indexes = [
             models.Index(fields=["closed_at", "pushed_at"], name="rollup_push_queue"),
             models.Index(fields=["organization", "hour_start"], name="rollup_org_hour"),
+            # The few held for an operator, counted every minute (`billing.held_rollups`) and listed in the admin.
+            models.Index(fields=["push_held_at"], name="rollup_held", condition=models.Q(push_held_at__isnull=False)),
         ]
 
     def __str__(self) -> str:
