@@ -843,7 +843,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     events = meter_event_identifier(rollup, "*")
     logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
-                 "rollup, or cancel its events in Stripe and send it as new, in the admin",
+                 "rollup, cancel its events in Stripe and send it as new (within a day), or send the difference, "
+                 "in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
     UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
@@ -962,19 +963,13 @@ def _send_difference(rollup: UsageRollup, meter: Meter, value: int, customer_id:
     try:
         created = call_stripe(
             lambda options: stripe_client().v1.billing.meter_events.create(
-                params={"event_name": meter.event_name, "identifier": identifier, "timestamp": timestamp,
-                        "payload": {"stripe_customer_id": customer_id, "value": str(value)}},
-                options=options),
+                params=_meter_event_params(meter, identifier, value, customer_id, timestamp), options=options),
             what="meter event (difference)", key=IdempotencyKey(identifier)).to_dict().get("created")
     except stripe.InvalidRequestError as exc:
         if exc.code not in DUPLICATE_EVENT_CODES:
             raise
         logger.info("stripe already has meter event %s", identifier)
-    MeterEventPush.objects.get_or_create(
-        identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
-                                         "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
-                                         "event_at": datetime.fromtimestamp(timestamp, tz=UTC),
-                                         "stripe_created_at": datetime.fromtimestamp(created, tz=UTC) if created else None})
+    _record_accepted(rollup, meter, identifier, value, customer_id, timestamp, created)
 
 
 def release_held(rollups) -> int:
@@ -1052,14 +1047,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     def send(options):
         try:
             return stripe_client().v1.billing.meter_events.create(
-                params={
-                    "event_name": meter.event_name,
-                    "identifier": identifier,
-                    "timestamp": timestamp,
-                    "payload": {"stripe_customer_id": customer_id, "value": str(value)},
-                },
-                options=options,
-            )
+                params=_meter_event_params(meter, identifier, value, customer_id, timestamp), options=options)
         except BaseException as exc:
             refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
             did_nothing.append(refusals[-1] or isinstance(exc, stripe.IdempotencyError))
@@ -1081,13 +1069,25 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             hold_duplicate(rollup, meter)
             raise HeldAsDuplicate(identifier) from exc
         logger.info("stripe already has meter event %s", identifier)
+    _record_accepted(rollup, meter, identifier, value, customer_id, timestamp, created)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
+    return int(key.suffix or 0)
+
+
+def _meter_event_params(meter: Meter, identifier: str, value: int, customer_id: str, timestamp: int) -> dict:
+    return {"event_name": meter.event_name, "identifier": identifier, "timestamp": timestamp,
+            "payload": {"stripe_customer_id": customer_id, "value": str(value)}}
+
+
+def _record_accepted(rollup: UsageRollup, meter: Meter, identifier: str, value: int, customer_id: str, timestamp: int,
+                     created: int | None) -> None:
+    """Record the meter event `identifier` as in Stripe (`MeterEventPush`), received at `created` (Stripe's clock; None:
+    refused as a duplicate, when is not known)."""
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
                                          "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
                                          "event_at": datetime.fromtimestamp(timestamp, tz=UTC),
                                          "stripe_created_at": datetime.fromtimestamp(created, tz=UTC) if created else None})
-    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
-    return int(key.suffix or 0)
 
 
 def _refused_outright(exc: stripe.StripeError) -> bool:
