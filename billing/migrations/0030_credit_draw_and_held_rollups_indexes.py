@@ -16,7 +16,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
     dependencies = [
-        ("billing", "0028_usage_lost_recorded_at"),
+        ("billing", "0029_spend_ceiling"),
     ]
 
     operations = [
