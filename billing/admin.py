@@ -3,8 +3,11 @@ and `billing.credits`, as in the API: each change is audited and the gateway's l
 
 from decimal import Decimal, InvalidOperation
 
+import stripe
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.template.response import TemplateResponse
 
 from billing import credits, services, standing, stripe_sync
 from billing.models import BillingAccount, CreditGrant, Dispute, Invoice, SpendAlert, UsageRollup
@@ -58,6 +61,22 @@ class CreditGrantForm(forms.ModelForm):
     class Meta:
         model = CreditGrant
         fields = ["organization", "amount", "granted_at", "expires_at", "note"]
+
+
+class HeldDifferenceForm(forms.Form):
+    """What Stripe has of each event a rollup held as a duplicate names (`stripe_sync.send_held_difference`)."""
+
+    def __init__(self, *args, rollup: UsageRollup, meters: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.meters = meters
+        for meter in meters:
+            self.fields[meter.event_name] = forms.IntegerField(
+                min_value=0, max_value=2**63 - 1,
+                label=f"Stripe's value of {stripe_sync.meter_event_identifier(rollup, meter.event_name)}",
+                help_text=f"The ledger's: {getattr(rollup, meter.rollup_field)}. 0 if Stripe has no such event.")
+
+    def stripe_has(self) -> dict[str, int]:
+        return {meter.event_name: self.cleaned_data[meter.event_name] for meter in self.meters}
 
 
 @admin.register(BillingAccount)
@@ -126,7 +145,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
     list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
                     "closed_at", "pushed_at", "push_held_at", "push_error"]
     list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
-    actions = ["release_held", "confirm_held", "send_held_as_new", "send_held_again", "keep_held"]
+    actions = ["release_held", "confirm_held", "send_held_as_new", "send_held_difference", "send_held_again",
+               "keep_held"]
 
     def has_add_permission(self, request):
         return False  # NOTE: made by the rollups alone; one added here was pushed to Stripe and billed
@@ -165,10 +185,47 @@ class UsageRollupAdmin(admin.ModelAdmin):
                               "events in Stripe: send it again under new identifiers", permissions=["release_held"])
     def send_held_as_new(self, request, queryset):
         held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
+        too_late = sorted(stripe_sync.held_past_cancel_window(queryset).values_list("pk", flat=True))
         num_sent = stripe_sync.send_held_as_new(queryset)
         for rollup in UsageRollup.objects.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True):
             self.log_change(request, rollup, "Sent a rollup held as a duplicate again under new identifiers")
         self.message_user(request, f"Sent {num_sent} held rollup(s) again as new events.", messages.SUCCESS)
+        if too_late:
+            hours = int(stripe_sync.METER_EVENT_CANCEL_WINDOW.total_seconds() // 3600)
+            self.message_user(request, f"Rollups {too_late} were NOT sent: held over {hours} hours ago, so Stripe "
+                                       f"received their events over {hours} hours ago and cannot have cancelled them; "
+                                       "sent whole, they would bill what Stripe has twice. Use \"send the difference\" "
+                                       "instead, with what Stripe has of each event.", messages.ERROR)
+
+    @admin.action(description="Held as a duplicate: Stripe has LESS than its push error names and its events stay: "
+                              "send the difference (enter Stripe's values)", permissions=["release_held"])
+    def send_held_difference(self, request, queryset):
+        """An intermediate page: what Stripe has of each event the rollup's hold names, then
+        `stripe_sync.send_held_difference`; one rollup at a time."""
+        held = list(stripe_sync.held_as_duplicate(queryset)[:2])
+        if len(held) != 1 or queryset.count() != 1:
+            self.message_user(request, "Select exactly one rollup held as a duplicate to send its difference.",
+                              messages.ERROR)
+            return None
+        [rollup] = held
+        meters = stripe_sync.held_difference_meters(rollup)
+        form = HeldDifferenceForm(request.POST if "apply" in request.POST else None, rollup=rollup, meters=meters)
+        if form.is_valid():
+            try:
+                stripe_sync.send_held_difference(Actor.from_request(request), rollup.pk, form.stripe_has())
+            except stripe_sync.DifferenceRefused as refused:
+                form.add_error(None, str(refused))
+            except stripe.StripeError as exc:
+                form.add_error(None, f"Stripe failed ({exc.__class__.__name__}: {exc}); what was sent is recorded: "
+                                     "submit again to send the rest")
+            else:
+                self.log_change(request, rollup, "Sent the difference of a rollup held as a duplicate")
+                self.message_user(request, f"Sent the difference of rollup {rollup.pk}; it is pushed.",
+                                  messages.SUCCESS)
+                return None
+        return TemplateResponse(request, "billing/send_held_difference.html", {
+            **self.admin_site.each_context(request), "title": "Send the difference to Stripe", "rollup": rollup,
+            "form": form, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME, "opts": self.model._meta})
 
     @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
                               "send it to the organisation's customer of now", permissions=["release_held"])

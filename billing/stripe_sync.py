@@ -832,7 +832,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     Stripe holds under its identifiers is what was sent then, which may be less (rows of the hour that reached the
     ledger again after the rewind). Its `push_error` names its events not recorded yet and their values: an operator
     compares them with Stripe's, then confirms the rollup (`confirm_held`: the same; every event named is recorded as
-    accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less).
+    accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less,
+    within `METER_EVENT_CANCEL_WINDOW` of the hold), or sends what Stripe lacks (`send_held_difference`).
 
     NOTE: before, the refusal was recorded as Stripe accepting the rollup's value and the rollup marked pushed: what it
     held beyond the events of before the rewind was billed by nobody (the rollups sum to the ledger, so no adjustment
@@ -842,7 +843,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     events = meter_event_identifier(rollup, "*")
     logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
-                 "rollup, or cancel its events in Stripe and send it as new, in the admin",
+                 "rollup, cancel its events in Stripe and send it as new (within a day), or send the difference, "
+                 "in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
     UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
@@ -852,15 +854,122 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
                  rollups=[rollup.pk], reason=error)
 
 
+# Stripe cancels a meter event (a meter event adjustment) only within this long of receiving it.
+METER_EVENT_CANCEL_WINDOW = timedelta(hours=24)
+_DUPLICATE_HOLD = "refused as a duplicate of a send this database does not remember"
+
+
+def held_as_duplicate(rollups):
+    """Those of `rollups` held as duplicates (`hold_duplicate`) and not pushed since."""
+    return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True, push_error__contains=_DUPLICATE_HOLD)
+
+
+def held_past_cancel_window(rollups, *, now: datetime | None = None):
+    """Those of `rollups` held as duplicates (`hold_duplicate`) whose events in Stripe can no longer be cancelled:
+    Stripe received them before the hold (`push_held_at`), and that is over `METER_EVENT_CANCEL_WINDOW` ago."""
+    return held_as_duplicate(rollups).filter(push_held_at__lte=(now or timezone.now()) - METER_EVENT_CANCEL_WINDOW)
+
+
 def send_held_as_new(rollups) -> int:
     """Push these rollups, held as duplicates (`hold_duplicate`), again from the start under new identifiers
     (`services.push_again`), once an operator has cancelled their events in Stripe (a meter event adjustment, within
-    a day of Stripe's receipt): Stripe held less than them. Returns how many."""
-    return services.push_again(rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True,
-                                              push_error__contains=_DUPLICATE_HOLD))
+    `METER_EVENT_CANCEL_WINDOW` of Stripe's receipt): Stripe held less than them. Returns how many.
+
+    NOTE: never one held longer ago than that window (`held_past_cancel_window`): its events in Stripe were received
+    before the hold, so no cancel of them was possible, and its whole value sent again billed what Stripe had twice.
+    Stripe's part of such a rollup stays; the rest goes as its difference (`send_held_difference`)."""
+    now = timezone.now()
+    return services.push_again(held_as_duplicate(rollups).exclude(
+        pk__in=held_past_cancel_window(rollups, now=now).values("pk")))
 
 
-_DUPLICATE_HOLD = "refused as a duplicate of a send this database does not remember"
+DIFFERENCE_AUDIT_ACTION = "billing.push_held_difference"
+
+
+class DifferenceRefused(ValueError):
+    """`send_held_difference` sent nothing: its message says why and what to do instead."""
+
+
+def difference_identifier(rollup: UsageRollup, event_name: str) -> str:
+    """The `identifier` of the event that sends what Stripe lacks of `rollup`'s event for `event_name`
+    (`send_held_difference`): `rollup-<uuid>[-g<n>]-difference-<meter>`, never one of a push's."""
+    return meter_event_identifier(rollup, f"difference-{event_name.removeprefix('inferplane_')}")
+
+
+def held_difference_meters(rollup: UsageRollup) -> list[Meter]:
+    """The meters an operator reads Stripe's value of for a rollup held as a duplicate: those its hold names
+    (`hold_duplicate`: its events not recorded as accepted)."""
+    return _unconfirmed(rollup)
+
+
+def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int]) -> int:
+    """Staff: bill what Stripe lacks of a rollup held as a duplicate (`hold_duplicate`), once an operator has read, in
+    Stripe, the value of each event its hold names (`stripe_has`: event name -> value; 0 for one Stripe does not
+    have). For each meter, ours less Stripe's goes as one new meter event (`difference_identifier`, the same on every
+    run: Stripe refuses it twice, and one recorded is not sent again), Stripe's own events are recorded as accepted at
+    Stripe's values (`MeterEventPush`), the rollup is marked pushed, and it is audited (`DIFFERENCE_AUDIT_ACTION`).
+    Returns 1, or 0 when another run marked it first.
+
+    For a rollup held past `METER_EVENT_CANCEL_WINDOW` (its events in Stripe can no longer be cancelled, so
+    `send_held_as_new` refuses it), or any whose events an operator would rather not cancel. Raises
+    `DifferenceRefused`, sending nothing, for a rollup not held as a duplicate, a value missing or negative, or one
+    above ours: Stripe billed more than the ledger, which is a credit note in Stripe for the excess, then `confirm_held`.
+    A Stripe failure raises as it is; what was sent is recorded, and running it again sends only the rest."""
+    rollup = held_as_duplicate(UsageRollup.objects.filter(pk=rollup_id)).first()
+    if rollup is None:
+        raise DifferenceRefused(f"rollup {rollup_id} is not held as a duplicate (sent, confirmed or released since?)")
+    due = held_difference_meters(rollup)
+    ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
+    missing = [name for name in ours if not isinstance(stripe_has.get(name), int) or stripe_has[name] < 0]
+    if missing:
+        raise DifferenceRefused(f"Stripe's value of {', '.join(missing)} is missing or negative")
+    more = [f"{name.removeprefix('inferplane_')} {stripe_has[name]} > {value}" for name, value in ours.items()
+            if stripe_has[name] > value]
+    if more:
+        raise DifferenceRefused(f"Stripe has more than the ledger ({', '.join(more)}): nothing sent. The excess is billed "
+                                "already: issue the customer a credit note for it in Stripe, then confirm the rollup")
+    customer_id = ensure_customer(rollup.organization_id)
+    subscription_id = ensure_subscription(rollup.organization_id)
+    timestamp = event_timestamp(rollup.hour_start, _subscription_start(rollup.organization_id, subscription_id))
+    sent = set(MeterEventPush.objects.filter(
+        identifier__in=[difference_identifier(rollup, name) for name in ours]).values_list("identifier", flat=True))
+    for meter in due:
+        difference = ours[meter.event_name] - stripe_has[meter.event_name]
+        if difference > 0 and difference_identifier(rollup, meter.event_name) not in sent:
+            _send_difference(rollup, meter, difference, customer_id, timestamp)
+    with transaction.atomic():
+        BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id).first()
+        for meter in due:
+            if stripe_has[meter.event_name] > 0:
+                MeterEventPush.objects.get_or_create(
+                    identifier=meter_event_identifier(rollup, meter.event_name),
+                    defaults={"rollup": rollup, "event_name": meter.event_name, "value": stripe_has[meter.event_name],
+                              "push_generation": rollup.push_generation, "stripe_customer_id": customer_id})
+        marked = held_as_duplicate(UsageRollup.objects.filter(pk=rollup.pk)).update(
+            pushed_at=timezone.now(), push_held_at=None, push_claimed_at=None, push_first_tried_at=None, push_error="",
+            num_unknown_lines_failures=0)
+        if marked:
+            record_audit(actor, Organization.objects.get(pk=rollup.organization_id), DIFFERENCE_AUDIT_ACTION, None,
+                         rollups=[rollup.pk], stripe_has={name: stripe_has[name] for name in ours},
+                         sent={name: value - stripe_has[name] for name, value in ours.items()})
+    return marked
+
+
+def _send_difference(rollup: UsageRollup, meter: Meter, value: int, customer_id: str, timestamp: int) -> None:
+    """Send one difference event (`send_held_difference`) and record it. Stripe refusing its identifier as a duplicate
+    says an earlier run sent it: recorded as accepted, not sent again."""
+    identifier = difference_identifier(rollup, meter.event_name)
+    created = None
+    try:
+        created = call_stripe(
+            lambda options: stripe_client().v1.billing.meter_events.create(
+                params=_meter_event_params(meter, identifier, value, customer_id, timestamp), options=options),
+            what="meter event (difference)", key=IdempotencyKey(identifier)).to_dict().get("created")
+    except stripe.InvalidRequestError as exc:
+        if exc.code not in DUPLICATE_EVENT_CODES:
+            raise
+        logger.info("stripe already has meter event %s", identifier)
+    _record_accepted(rollup, meter, identifier, value, customer_id, timestamp, created)
 
 
 def release_held(rollups) -> int:
@@ -938,14 +1047,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     def send(options):
         try:
             return stripe_client().v1.billing.meter_events.create(
-                params={
-                    "event_name": meter.event_name,
-                    "identifier": identifier,
-                    "timestamp": timestamp,
-                    "payload": {"stripe_customer_id": customer_id, "value": str(value)},
-                },
-                options=options,
-            )
+                params=_meter_event_params(meter, identifier, value, customer_id, timestamp), options=options)
         except BaseException as exc:
             refusals.append(isinstance(exc, stripe.StripeError) and _refused_outright(exc))
             did_nothing.append(refusals[-1] or isinstance(exc, stripe.IdempotencyError))
@@ -967,13 +1069,25 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
             hold_duplicate(rollup, meter)
             raise HeldAsDuplicate(identifier) from exc
         logger.info("stripe already has meter event %s", identifier)
+    _record_accepted(rollup, meter, identifier, value, customer_id, timestamp, created)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
+    return int(key.suffix or 0)
+
+
+def _meter_event_params(meter: Meter, identifier: str, value: int, customer_id: str, timestamp: int) -> dict:
+    return {"event_name": meter.event_name, "identifier": identifier, "timestamp": timestamp,
+            "payload": {"stripe_customer_id": customer_id, "value": str(value)}}
+
+
+def _record_accepted(rollup: UsageRollup, meter: Meter, identifier: str, value: int, customer_id: str, timestamp: int,
+                     created: int | None) -> None:
+    """Record the meter event `identifier` as in Stripe (`MeterEventPush`), received at `created` (Stripe's clock; None:
+    refused as a duplicate, when is not known)."""
     MeterEventPush.objects.get_or_create(
         identifier=identifier, defaults={"rollup": rollup, "event_name": meter.event_name, "value": value,
                                          "stripe_customer_id": customer_id, "push_generation": rollup.push_generation,
                                          "event_at": datetime.fromtimestamp(timestamp, tz=UTC),
                                          "stripe_created_at": datetime.fromtimestamp(created, tz=UTC) if created else None})
-    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=None)  # confirmed: the next one's clock
-    return int(key.suffix or 0)
 
 
 def _refused_outright(exc: stripe.StripeError) -> bool:

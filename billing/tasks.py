@@ -3,7 +3,16 @@
 from celery import shared_task
 from celery.signals import worker_process_shutdown, worker_shutdown
 
-from billing import alerts, credits, journal_shipping, rollups, services, stripe_sync, usage_writer
+from billing import (
+    alerts,
+    credits,
+    held_rollups,
+    journal_shipping,
+    rollups,
+    services,
+    stripe_sync,
+    usage_writer,
+)
 from billing.quota import sweeper
 
 
@@ -19,7 +28,12 @@ def rollup_usage(full: bool = False) -> dict:
 
 @shared_task(name="billing.push_pending_rollups", acks_late=True, time_limit=600, soft_time_limit=570)
 def push_pending_rollups() -> int:
-    return stripe_sync.push_pending_rollups()
+    try:
+        return stripe_sync.push_pending_rollups()
+    finally:
+        # NOTE: every minute, a run that found another still going included: the gauge of held rollups
+        # (`billing.held_rollups`) stays fresh however long a run takes.
+        held_rollups.record_held_counts()
 
 
 @shared_task(name="billing.replay_shipped_usage", acks_late=True, time_limit=600, soft_time_limit=570)

@@ -242,6 +242,8 @@ WEB_BEATS_KEY = "web:beats"
 WEB_BEATS_SEEN_KEY = "sweep:web-beats-seen"
 # What each Celery process (beat, a worker) found its clock ahead of Redis's, when it last checked (`controlplane.clock`).
 CLOCK_SKEWS_KEY = "clock:skews"
+# The rollups held for an operator, by reason, as the push task last counted them (`billing.held_rollups`).
+HELD_ROLLUPS_KEY = "billing:held-rollups"
 
 
 def idle_deadline_key(endpoint_id: str, deadline: float) -> str:

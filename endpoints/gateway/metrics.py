@@ -11,7 +11,8 @@ set, each process writes its request metrics to its own files there (prometheus_
 multiprocess mode) and a scrape, answered by any one process, reports them merged: counters and
 histograms summed over every process that ever ran in the pod, in-flight gauges summed over the
 live ones. The fleet series are read from the database at each scrape by the process answering it,
-never stored per process.
+never stored per process; the clock skews and the held rollups' counts (`billing.held_rollups`), from Redis, where
+the processes that measure them keep them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from django.db.models import Count
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from billing import usage_journal
+from billing import held_rollups, usage_journal
 from controlplane import clock
 from controlplane.metrics_processes import forget_dead_processes, multiprocess_registry, token_granted
 from endpoints.fleet.pool_costs import usage_by_pool
@@ -308,7 +309,8 @@ def refresh_fleet_gauges() -> None:
         for gpu in (status or {}).get("gpus", []):
             node_gpu_utilization.add_metric([str(node_id), str(gpu.get("index", 0))],
                                             float(gpu.get("utilization_percent", 0)) / 100)
-    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info, *pool_families(), *clock_families()]
+    fleet.families = [replicas, node_gpu_utilization, endpoint_info, node_info, *pool_families(), *clock_families(),
+                      *held_rollups.held_families()]
 
 
 def clock_families() -> list[GaugeMetricFamily]:

@@ -30,13 +30,14 @@ EXPORTED_SERIES = {
     "inferplane_clock_skew_seconds",
     "inferplane_prompt_render_refusals_total",
     "inferplane_usage_lines_set_aside_total",
+    "inferplane_usage_rollups_held",
 }
 # The only series that carry names; every other one is labelled by ids.
 INFO_SERIES = {"inferplane_endpoint_info", "inferplane_node_info"}
 # Fleet-wide series: labelled by neither endpoint nor node, so a panel of them selects neither.
 FLEET_SERIES = {"inferplane_cold_start_phase_seconds_bucket", "inferplane_pool_nodes", "inferplane_pool_node_hours",
                 "inferplane_pool_cost", "inferplane_clock_skew_seconds", "inferplane_prompt_render_refusals_total",
-                "inferplane_usage_lines_set_aside_total"}
+                "inferplane_usage_lines_set_aside_total", "inferplane_usage_rollups_held"}
 
 
 def _dashboard() -> dict:

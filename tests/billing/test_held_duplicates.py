@@ -1,0 +1,158 @@
+"""A rollup held as a duplicate (`stripe_sync.hold_duplicate`: the database went back past its push) and what staff do
+with it: send it as new only while Stripe can still cancel its events, else send the difference."""
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from billing import stripe_sync
+from billing.ledger import record_usage
+from billing.models import MeterEventPush, UsageRollup
+from billing.rollups import rollup_usage
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import SYSTEM
+from tests.billing.conftest import usage_report
+from tests.factories import EndpointFactory, sign_in_staff
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "/django-admin/billing/usagerollup/"
+
+
+def _held_with_more_than_stripe(fake_stripe) -> tuple[UsageRollup, dict[str, int]]:
+    """A rollup pushed, rewound away with its pushes, made again with a late row more, and held as a duplicate; and
+    what Stripe holds of each of its meters (what was pushed before the rewind)."""
+    endpoint = EndpointFactory()
+    finished_at = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    record_usage(usage_report(endpoint, finished_at=finished_at, prompt_tokens=120, cached_tokens=20,
+                              completion_tokens=30))
+    rollup_usage()
+    first = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+    assert stripe_sync.push_pending_rollups() == 1
+    stripe_has = {meter.event_name: getattr(first, meter.rollup_field) for meter in stripe_sync.METERS}
+    MeterEventPush.objects.filter(rollup=first).delete()
+    UsageRollup.objects.filter(pk=first.pk).delete()
+    record_usage(usage_report(endpoint, finished_at=first.hour_start + timedelta(minutes=10), prompt_tokens=1000,
+                              cached_tokens=0, completion_tokens=500))
+    rollup_usage(full=True)
+    fake_stripe.forget_idempotency_keys()
+    assert stripe_sync.push_pending_rollups() == 0
+    again = UsageRollup.objects.get(endpoint=endpoint, sequence=0)
+    assert again.push_held_at is not None and stripe_sync._DUPLICATE_HOLD in again.push_error
+    return again, stripe_has
+
+
+def _billed(fake_stripe, rollup, meter) -> int:
+    return sum(int(event["payload"]["value"]) for identifier, event in fake_stripe.meter_events.items()
+               if str(rollup.push_uid) in identifier and event["event_name"] == meter.event_name)
+
+
+def _superuser_client(client):
+    sign_in_staff(client, get_user_model().objects.create_superuser("ops@example.test", "ops@example.test",
+                                                                    "a long passphrase"))
+    return client
+
+
+def test_a_rollup_held_longer_than_stripes_cancel_window_is_not_sent_as_new(fake_stripe, client):
+    # Its events reached Stripe before the hold, so a day after the hold none of them can be cancelled (Stripe
+    # cancels a meter event only within 24 h of receiving it). Before, "send as new" sent it whole under new
+    # identifiers all the same (the test saw its push generation raised to 1): what Stripe had was billed twice.
+    rollup, _ = _held_with_more_than_stripe(fake_stripe)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_held_at=timezone.now() - timedelta(hours=24, minutes=1))
+    answer = _superuser_client(client).post(CHANGELIST, {"action": "send_held_as_new", "_selected_action": [rollup.pk]},
+                                            follow=True)
+
+    rollup.refresh_from_db()
+    assert (rollup.push_generation, rollup.pushed_at) == (0, None) and rollup.push_held_at is not None
+    assert stripe_sync.push_pending_rollups() == 0
+    shown = [str(message) for message in answer.context["messages"]]
+    assert any(f"Rollups [{rollup.pk}] were NOT sent" in message and "send the difference" in message
+               for message in shown), shown
+
+
+def test_a_rollup_held_within_the_window_is_still_sent_as_new(fake_stripe):
+    rollup, _ = _held_with_more_than_stripe(fake_stripe)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_held_at=timezone.now() - timedelta(hours=23))
+    assert stripe_sync.send_held_as_new(UsageRollup.objects.filter(pk=rollup.pk)) == 1
+
+
+def _post_difference(client, rollup, values: dict[str, object]):
+    return client.post(CHANGELIST, {"action": "send_held_difference", "_selected_action": [rollup.pk], "apply": "1",
+                                    **values})
+
+
+def test_the_difference_is_sent_once_and_the_rollup_is_pushed_and_audited(fake_stripe, client):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_held_at=timezone.now() - timedelta(days=2))
+    client = _superuser_client(client)
+    shown = client.post(CHANGELIST, {"action": "send_held_difference", "_selected_action": [rollup.pk]})
+    assert shown.status_code == 200 and b"Send the difference" in shown.content  # the intermediate form
+
+    answer = _post_difference(client, rollup, stripe_has)
+    assert answer.status_code == 302
+    for meter in stripe_sync.METERS:  # Stripe now bills the rollup's whole value, once
+        assert _billed(fake_stripe, rollup, meter) == getattr(rollup, meter.rollup_field), meter
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is not None and rollup.push_held_at is None and rollup.push_error == ""
+    assert sum(MeterEventPush.objects.filter(rollup=rollup, event_name=stripe_sync.COST_METER.event_name)
+               .values_list("value", flat=True)) == rollup.cost_micro_dollars
+    [audited] = AuditEvent.objects.filter(action=stripe_sync.DIFFERENCE_AUDIT_ACTION)
+    assert audited.details["rollups"] == [rollup.pk] and audited.details["stripe_has"] == stripe_has
+    assert audited.details["sent"]["inferplane_output_tokens"] == 500
+
+    # Twice-run safe: the form again, the service again (and its Stripe call again, under the same identifiers).
+    num_events = len(fake_stripe.meter_events)
+    assert _post_difference(client, rollup, stripe_has).status_code == 302
+    with pytest.raises(stripe_sync.DifferenceRefused):
+        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has)
+    assert len(fake_stripe.meter_events) == num_events
+    assert stripe_sync.push_pending_rollups() == 0
+
+
+def test_a_difference_cut_short_by_stripe_sends_only_the_rest_when_run_again(fake_stripe, monkeypatch):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    original, sent = stripe_sync._send_difference, []
+
+    def send_then_lose_stripe(*args):
+        sent.append(args[1].event_name)
+        if len(sent) == 2:
+            raise stripe_sync.stripe.APIConnectionError("lost")
+        return original(*args)
+
+    monkeypatch.setattr(stripe_sync, "_send_difference", send_then_lose_stripe)
+    with pytest.raises(stripe_sync.stripe.APIConnectionError):
+        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has)
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is None and rollup.push_held_at is not None
+    monkeypatch.setattr(stripe_sync, "_send_difference", original)
+    assert stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has) == 1
+    assert sent[0] == "inferplane_input_tokens"
+    for meter in stripe_sync.METERS:  # the difference sent before the failure is not sent again
+        assert _billed(fake_stripe, rollup, meter) == getattr(rollup, meter.rollup_field), meter
+
+
+def test_stripe_holding_more_than_the_ledger_is_refused_as_a_credit_note(fake_stripe, client):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    too_much = {**stripe_has, "inferplane_output_tokens": rollup.completion_tokens + 1}
+    num_events = len(fake_stripe.meter_events)
+    answer = _post_difference(_superuser_client(client), rollup, too_much)
+
+    assert answer.status_code == 200 and b"credit note" in answer.content
+    assert len(fake_stripe.meter_events) == num_events
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is None and rollup.push_held_at is not None
+
+
+@pytest.mark.parametrize("bad", ["-5", "many", ""])
+def test_a_bad_value_is_a_form_error_and_sends_nothing(fake_stripe, client, bad):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    num_events = len(fake_stripe.meter_events)
+    answer = _post_difference(_superuser_client(client), rollup, {**stripe_has, "inferplane_usage_cost": bad})
+
+    assert answer.status_code == 200
+    assert answer.context["form"].errors["inferplane_usage_cost"]
+    assert len(fake_stripe.meter_events) == num_events
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is None
