@@ -6,7 +6,7 @@ mixed, recorded over 90 days; the draw of the largest organisation, last drawn 1
 
 Seeds the ledger of the database it runs against once (not the test suite's: run it against a scratch data folder).
 `--without-index` runs the same in a transaction that drops `usage_org_prepaid_recorded` first and is rolled back:
-the plan as it was before that index (`billing/0029`). The record is in that migration's commit message.
+the plan as it was before that index (`billing/0030`). The record is in that migration's commit message.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def _plan(sql: str, params: dict) -> str:
 
 @pytest.mark.parametrize("drawn_before", [False, True])
 def test_the_credit_draw_reads_the_organisations_prepaid_rows_by_their_index(drawn_before):
-    # Before billing/0029 the draw's total (every prepaid row of the organisation) had no index that held it: the test
+    # Before billing/0030 the draw's total (every prepaid row of the organisation) had no index that held it: the test
     # saw an Index Scan of `usage_org_endpoint_finished` and the heap (on 200,000 rows, a sequential scan of every
     # organisation's rows), and no `usage_org_prepaid_recorded`.
     account = BillingAccount(organization_id=1, credit_drawn=0,
