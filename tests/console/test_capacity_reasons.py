@@ -16,7 +16,9 @@ from controlplane.management.commands.migrate import LockTimeout
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.events import record_event
+from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
 from endpoints.models import Endpoint, EventKind, Replica
+from endpoints.nodes.models import NodePool
 from endpoints.placement import GpuHold, choose_node, memory_needed_mb, room_to_wake
 from endpoints.replicas import place_replica
 from gpu_agent.protocol import ReplicaState
@@ -70,6 +72,18 @@ def test_the_staff_log_line_is_written_once_per_change_of_what_the_tenant_reads(
     endpoint = _waiting_endpoint(org, caplog)
     with caplog.at_level("INFO", logger="endpoints.replicas"):
         scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, None, 0))
+    assert caplog.text.count("the most free on a l4 node") == 1
+
+
+def test_the_staff_log_line_is_written_once_while_a_pool_provisions_a_node_not_every_tick(org, caplog):
+    NodePool.objects.create(name="l4-pool", gpu_type="l4", provider="local", gpus_per_node=1, gpu_memory_mb=80_000,
+                            max_nodes=1)
+    endpoint = _waiting_endpoint(org, caplog)
+    assert endpoint.status_message == PROVISIONING_MESSAGE  # what the tenant reads names no reason to compare with
+    with caplog.at_level("INFO", logger="endpoints.replicas"):
+        for _ in range(3):
+            scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, None, 0))
+    # Before: 4, one per tick.
     assert caplog.text.count("the most free on a l4 node") == 1
 
 
