@@ -23,7 +23,7 @@ SCRUBS = (
     (r", the most on one \S+ node is -?\d+ free GPUs?", ""),
     (r"its node has -?\d+ MB of GPU memory free, it needs (\d+) MB", r"its node no longer has the \1 MB it needs free"),
 )
-# Every old message with a figure says "MB" (a GPU count's names the MB each GPU needed).
+# Every old message with a figure says "MB" (the GPU-count reasons name the MB each GPU needs).
 PREFILTER = "%MB%"
 EVENT_IDS_PER_BATCH = 10_000
 
