@@ -37,7 +37,7 @@ NOT_CHOSEN = ("This session has not chosen an organisation yet. Open the console
 
 
 class NotChosen(Exception):
-    """The session never chose an organisation and the user has some: only the console pins one
+    """The session never chose an organisation and the user has some: sign-ins and the console pin one
     (`pin_first_membership`); the gateway, which writes no session, acts in none rather than guess."""
 
     def __init__(self):
