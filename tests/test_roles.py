@@ -432,10 +432,10 @@ def test_a_key_revoked_while_its_creator_is_removed_or_demoted_is_revoked_once_a
     assert AuditEvent.objects.filter(action="api_key.revoke", target_id=str(created.api_key.pk)).count() == 1
 
 
-def data_migrations_after(app_label: str, name: str):
-    """The data operations of `app_label`'s migrations after `name` on disk: what the next release's `migrate` runs."""
+def _accounts_data_migrations_after(name: str):
+    """The data operations of the accounts migrations after `name` on disk: what the next release's `migrate` runs."""
     loader = MigrationLoader(None, ignore_no_migrations=True)
-    later = sorted(key for key in loader.disk_migrations if key[0] == app_label and key[1] > name)
+    later = sorted(key for key in loader.disk_migrations if key[0] == "controlplane" and key[1] > name)
     return [operation for key in later for operation in loader.disk_migrations[key].operations
             if isinstance(operation, RunPython)]
 
@@ -458,7 +458,7 @@ def test_what_an_older_pod_let_a_member_keep_while_the_revoking_migration_rolled
     Membership.objects.filter(pk=seats[demoted].pk).update(role=Role.MEMBER)
     Membership.objects.filter(pk=seats[removed].pk).delete()
 
-    for operation in data_migrations_after("controlplane", "0014_revoke_what_roles_may_not_hold"):
+    for operation in _accounts_data_migrations_after("0014_revoke_what_roles_may_not_hold"):
         operation.code(apps, None)
 
     # Before: no later migration: both keys live, the invitation pending.

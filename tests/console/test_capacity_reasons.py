@@ -25,7 +25,6 @@ from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_gpu_placement import make_gpu_node, small_endpoint
 from tests.test_placement import make_node
-from tests.test_roles import data_migrations_after
 
 pytestmark = pytest.mark.django_db
 
@@ -193,22 +192,4 @@ def test_the_migration_keeps_what_it_scrubbed_when_an_endpoint_row_is_held_past_
     # Before: the whole migration rolled back (one transaction): the event kept its figure until a retry got every lock.
     assert endpoint.events.get().message == "waiting for capacity: needs 2816 MB of GPU memory"
     SCRUB.scrub_fleet_memory(apps, None)  # `migrate`'s next run
-    assert Endpoint.objects.get(pk=endpoint.pk).status_message == "waiting for capacity: needs 2816 MB of GPU memory"
-
-
-def test_what_an_older_pod_wrote_while_the_scrubbing_migration_rolled_out_is_scrubbed_by_the_next_release(org):
-    """Migration 0028 runs first in its deploy, while pods of the code before it still place and wake replicas: their
-    reasons kept the fleet's free memory in the events for good."""
-    endpoint = EndpointFactory(organization=org, gpu_type="l4")
-    SCRUB.scrub_fleet_memory(apps, None)  # nothing to scrub yet
-    # Then, on a worker of the code before 0028:
-    old = "waiting for capacity: needs 2816 MB of GPU memory, the most free on a l4 node is 1024 MB"
-    record_event(endpoint, EventKind.CAPACITY, old)
-    Endpoint.objects.filter(pk=endpoint.pk).update(status_message=old)
-
-    for operation in data_migrations_after("endpoints", "0028_scrub_fleet_memory_from_tenant_reasons"):
-        operation.code(apps, None)
-
-    # Before: no later migration: the event and the status kept "… is 1024 MB".
-    assert endpoint.events.get().message == "waiting for capacity: needs 2816 MB of GPU memory"
     assert Endpoint.objects.get(pk=endpoint.pk).status_message == "waiting for capacity: needs 2816 MB of GPU memory"
