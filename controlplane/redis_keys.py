@@ -246,6 +246,12 @@ CLOCK_SKEWS_KEY = "clock:skews"
 HELD_ROLLUPS_KEY = "billing:held-rollups"
 
 
+def unplaced_logged_key(endpoint_id: str) -> str:
+    """The reason staff's log last gave for not placing a replica of the endpoint (`endpoints.replicas.place_replica`):
+    its fleet figure is logged once per change of it, not every tick."""
+    return f"as:unplaced-logged:{endpoint_id}"
+
+
 def idle_deadline_key(endpoint_id: str, deadline: float) -> str:
     """Set once the reconcile at this idle deadline is scheduled (`endpoints.scheduler.schedule_idle_deadlines`)."""
     return f"as:idle-deadline:{endpoint_id}:{deadline:.3f}"

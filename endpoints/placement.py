@@ -294,7 +294,9 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
         pooled = [n for n in supported if max(n.num_gpus, 1) >= num_gpus]
         if not pooled:
             return PlacementDecision(None, f"needs {num_gpus} GPUs on one node, no {endpoint.gpu_type} node has that many")
-        largest = max(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in pooled)
+        # NOTE: clamped, as the sharing figure is: an overcommitted node (its reservations past its memory, after a
+        # heartbeat lowered it) has none free, not a negative amount.
+        largest = max(0, *(n.total_gpu_memory_mb - used_mb.get(n.pk, 0) for n in pooled))
         return PlacementDecision(None, f"no {endpoint.gpu_type} node has {needed_mb} MB of GPU memory free now",
                                  fleet_detail=f"needs {needed_mb} MB of GPU memory, the most free on a "
                                               f"{endpoint.gpu_type} node is {largest} MB")

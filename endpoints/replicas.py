@@ -28,11 +28,14 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
+from controlplane import redis_keys
+from controlplane.redis_client import as_text, get_redis
 from controlplane.tasks import send_task
 from endpoints.events import record_event
 from endpoints.models import (
@@ -67,6 +70,8 @@ MEMORY_ESTIMATE_MARGIN = 0.25
 MEMORY_ESTIMATE_SLACK_MB = 256
 
 logger = logging.getLogger(__name__)
+# How long staff's log remembers the last reason it gave for an endpoint's unplaced replica (`_not_yet_logged`).
+UNPLACED_LOGGED_FOR_S = 24 * 3600
 
 
 def request_reconcile(endpoint_id) -> None:
@@ -104,8 +109,8 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds,
                                nodes_holding_weights(endpoint, candidates))
         if decision.node is None:
-            if decision.fleet_detail and decision.reason not in endpoint.status_message:
-                # Staff's detail (the fleet's free memory), once per change of what its tenant reads.
+            if decision.fleet_detail and _not_yet_logged(endpoint, decision.reason):
+                # Staff's detail (the fleet's free memory), once per change of what its tenant is told.
                 logger.info("endpoint %s not placed: %s", endpoint.pk, decision.fleet_detail)
             return None, decision.reason
         replica = Replica.objects.create(
@@ -116,6 +121,19 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         # NOTE: no node name: this reason becomes an event every member reads, and a node's name is a host name of the
         # fleet; owners and admins see the replica's node on the replica itself.
         return replica, f"placed ({decision.reason}, {needed_mb} MB)"
+
+
+def _not_yet_logged(endpoint: Endpoint, reason: str) -> bool:
+    """Whether `reason` is not the one staff's log last gave for the endpoint, which it becomes (kept a day).
+
+    NOTE: kept apart from what the tenant reads: while a node pool provisions one, the endpoint's `status_message` is
+    "provisioning a node", which names no reason, and the comparison with it logged the figure every tick."""
+    try:
+        last = get_redis().set(redis_keys.unplaced_logged_key(str(endpoint.pk)), reason, ex=UNPLACED_LOGGED_FOR_S,
+                               get=True)
+    except redis.RedisError:
+        return True  # a line too many in staff's log, rather than a tick lost
+    return last is None or as_text(last) != reason
 
 
 def drain_replica(replica: Replica, *, reason: str) -> bool:

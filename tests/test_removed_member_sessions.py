@@ -16,7 +16,7 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import ApiKey, Membership, Role
-from controlplane.accounts.tenancy import NO_LONGER_MEMBER, SESSION_KEY
+from controlplane.accounts.tenancy import NO_LONGER_MEMBER, NOT_CHOSEN, SESSION_KEY
 from endpoints.gateway.auth import authenticate
 from endpoints.gateway.errors import OpenAIError
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
@@ -117,14 +117,66 @@ def test_console_and_api_answer_a_user_left_in_no_organisation_with_no_loop(two_
     assert client.get("/api/v1/keys/").status_code == 403
 
 
+def _unchosen(client) -> None:
+    """As a session signed in before sign-ins chose an organisation (or while its user was in none) is."""
+    session = client.session
+    del session[SESSION_KEY]
+    session.save()
+
+
 def test_a_session_that_never_chose_acts_in_the_first_organisation(two_organisations):
     user, chosen, other = two_organisations
     client = APIClient()
     client.force_login(user)
-    session = client.session
-    del session[SESSION_KEY]  # a session signed in before sign-ins chose
-    session.save()
+    _unchosen(client)
     assert client.get("/api/v1/organization/").json()["id"] == other.pk
+    assert _playground(client) == (200, {"organization_id": other.pk})
+
+
+def test_a_session_signed_in_before_sign_ins_chose_is_pinned_by_its_next_request_so_a_removal_moves_it_nowhere(
+        two_organisations):
+    user, chosen, other = two_organisations
+    client = APIClient()
+    client.force_login(user)
+    _unchosen(client)
+    assert client.get("/api/v1/organization/").json()["id"] == other.pk  # "Other" is the first membership
+
+    _removed(user, other)
+    minted = client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json")
+    # Before: 201, a key minted in "Chosen" without a word (the session followed the first membership).
+    assert minted.status_code == 403 and minted.json() == {"detail": NO_LONGER_MEMBER}
+    assert not ApiKey.objects.filter(organization=chosen).exists()
+    assert _playground(client)[0] == 403
+
+
+def test_a_session_signed_in_with_no_organisation_is_pinned_to_the_one_it_joins_elsewhere(two_organisations):
+    user, chosen, other = two_organisations
+    Membership.objects.filter(user=user).delete()
+    client = Client()
+    client.force_login(user)  # in no organisation: nothing to choose
+    assert SESSION_KEY not in client.session
+    assert client.get(reverse("console:dashboard")).status_code == 403
+    MembershipFactory(organization=chosen, user=user, role=Role.MEMBER)  # accepted in another browser
+    assert client.get(reverse("console:dashboard")).status_code == 200
+    MembershipFactory(organization=other, user=user, role=Role.OWNER)
+
+    _removed(user, chosen)
+    page = client.get(reverse("console:dashboard"))
+    # Before: 200, the dashboard of "Other".
+    assert page.status_code == 403 and "no longer a member" in page.content.decode()
+
+
+def test_the_playground_acts_in_no_organisation_for_a_session_that_never_chose(two_organisations):
+    user, chosen, other = two_organisations
+    client = Client()
+    client.force_login(user)
+    _unchosen(client)
+    status, body = _playground(client)
+    # Before: 200, the call made (and billed) in the first membership's organisation, whichever it was by then.
+    assert status == 403
+    assert body["error"] == {"message": NOT_CHOSEN, "type": "permission_error", "param": None,
+                             "code": "insufficient_permissions"}
+    assert client.get(reverse("console:dashboard")).status_code == 200  # the console pins the first
     assert _playground(client) == (200, {"organization_id": other.pk})
 
 

@@ -1,8 +1,8 @@
 """Which organisation a request acts in, and with which role.
 
-A session user acts in the organisation chosen in the console (kept in the
-session, defaulting to their first while they never chose); an API key acts in its own organisation
-with its creator's current role there.
+A session user acts in the organisation chosen in the console (kept in the session; a sign-in, or the first console
+or API request of a session that has none, chooses their first); an API key acts in its own organisation with its
+creator's current role there.
 
 NOTE: a session whose chosen organisation is no longer the user's (they were removed, or it was deleted) acts in
 none until they choose again (`NoLongerMember`): the console shows the chooser, `/api/` and the playground answer 403.
@@ -32,30 +32,51 @@ class NoLongerMember(Exception):
         super().__init__(NO_LONGER_MEMBER)
 
 
+NOT_CHOSEN = ("This session has not chosen an organisation yet. Open the console (it chooses your first) and "
+              "call again.")
+
+
+class NotChosen(Exception):
+    """The session never chose an organisation and the user has some: sign-ins and the console pin one
+    (`pin_first_membership`); the gateway, which writes no session, acts in none rather than guess."""
+
+    def __init__(self):
+        super().__init__(NOT_CHOSEN)
+
+
 def chosen_membership(user, session) -> Membership | None:
     """The user's membership in the organisation chosen in `session` (any mapping: the console's, or the one the
-    gateway loads): their first membership while they never chose, None when they have none; `NoLongerMember` when
-    the chosen organisation is no longer theirs, never another in its place. The one rule, for both paths."""
+    gateway loads); None when they have none. `NoLongerMember` when the chosen organisation is no longer theirs,
+    `NotChosen` when the session never chose: never another in its place. The one rule, for both paths.
+
+    NOTE: a session that never chose once followed the user's first membership wherever it went: removed from it,
+    they acted in the next one without a word. Sign-ins and the console pin the first (`pin_first_membership`)."""
     memberships = memberships_of(user)
     chosen = session.get(SESSION_KEY)
     if chosen is None:
-        return memberships.first()
+        if memberships.exists():
+            raise NotChosen()
+        return None
     membership = memberships.filter(organization_id=chosen).first()
     if membership is None:
         raise NoLongerMember()
     return membership
 
 
-def choose_first_at_login(sender, request, user, **kwargs) -> None:
-    """A new sign-in chooses the user's first organisation, as the console then shows it (`user_logged_in`).
-
-    NOTE: a session that never chose followed the user's first membership wherever it went: removed from it, they
-    acted in the next one without a word, as a removed member's chosen organisation did (`chosen_membership`)."""
-    if request is None or not hasattr(request, "session") or SESSION_KEY in request.session:
+def pin_first_membership(user, session) -> None:
+    """Writes the user's first organisation into a session that never chose one (`session` is saved with the
+    response), as the console then shows it; a session in no organisation stays unchosen until it has one."""
+    if SESSION_KEY in session:
         return
     first = memberships_of(user).first()
     if first is not None:
-        request.session[SESSION_KEY] = first.organization_id
+        session[SESSION_KEY] = first.organization_id
+
+
+def choose_first_at_login(sender, request, user, **kwargs) -> None:
+    """A new sign-in chooses the user's first organisation (`user_logged_in`)."""
+    if request is not None and hasattr(request, "session"):
+        pin_first_membership(user, request.session)
 
 
 def session_membership(request) -> Membership | None:
@@ -64,9 +85,12 @@ def session_membership(request) -> Membership | None:
     user = getattr(request, "user", None)
     if user is None or not user.is_authenticated:
         return None
+    # NOTE: a session signed in before sign-ins chose (or while the user was in no organisation) is pinned by its
+    # first console or API request, so a later removal from that organisation moves it nowhere.
+    pin_first_membership(user, request.session)
     try:
         return chosen_membership(user, request.session)
-    except NoLongerMember:
+    except (NoLongerMember, NotChosen):
         return None
 
 
@@ -79,6 +103,8 @@ def no_longer_member(request) -> bool:
         chosen_membership(user, request.session)
     except NoLongerMember:
         return True
+    except NotChosen:
+        pass
     return False
 
 

@@ -30,7 +30,7 @@ from django.utils.crypto import constant_time_compare
 from controlplane import tokens
 from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
-from controlplane.accounts.tenancy import NoLongerMember, chosen_membership
+from controlplane.accounts.tenancy import NoLongerMember, NotChosen, chosen_membership
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
@@ -125,7 +125,7 @@ def _lookup_session(session_key: str) -> Caller | None:
         return None
     try:
         membership = chosen_membership(user, session)
-    except NoLongerMember as exc:
+    except (NoLongerMember, NotChosen) as exc:
         raise errors.no_longer_member(str(exc)) from None
     if membership is None:
         return None

@@ -69,8 +69,9 @@ def role_forbids_inference() -> OpenAIError:
 
 
 def no_longer_member(message: str) -> OpenAIError:
-    """A console session (the playground) whose chosen organisation is no longer its user's: it acts in none until
-    they choose again (`controlplane.accounts.tenancy.chosen_membership`), never in another they belong to."""
+    """A console session (the playground) whose chosen organisation is no longer its user's, or that never chose one
+    (the gateway writes no session: the console pins one): it acts in none until they choose
+    (`controlplane.accounts.tenancy.chosen_membership`), never in another they belong to."""
     return OpenAIError(403, message, type="permission_error", code="insufficient_permissions")
 
 
