@@ -203,6 +203,10 @@ def test_every_script_call_touches_keys_of_one_cluster_slot_and_every_script_is_
         # a form's attempt, counted against its address and the account it names together
         assert throttle.take(throttle.PASSWORD_RESET, {"ip": "203.0.113.8",
                                                        "email": f"{uuid.uuid4()}@example.test"}).retry_after_s is None
+        # a right password: taken out of the failure counters again
+        right = throttle.take(throttle.LOGIN, {"ip": "203.0.113.8", "username": f"{uuid.uuid4()}@example.test"})
+        assert right.retry_after_s is None and right.provisional
+        right.refund()
     finally:
         presence.serving.clear()
         presence.unfinished.clear()
@@ -225,5 +229,6 @@ def test_keys_of_different_organisations_carry_different_tags():
 
 def test_a_once_scripts_token_is_in_the_slot_of_its_first_key():
     # `Script(once=True)` adds the call's token as its last key (`controlplane.redis_scripts`).
-    for key in (redis_keys.credit_key(7), redis_keys.replaying_key(7), redis_keys.settled_key(7, "r{1}"), "plain"):
+    for key in (redis_keys.credit_key(7), redis_keys.replaying_key(7), redis_keys.settled_key(7, "r{1}"),
+                redis_keys.throttle_key("login-account", "d" * 32, 1), "plain"):
         assert redis_keys.key_slot(redis_keys.once_key(key, "token")) == redis_keys.key_slot(key)

@@ -243,8 +243,7 @@ def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
     # As production's client (one retry, no backoff), at an address where nothing listens.
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     unreachable = redis.Redis(port=free_port(), retry=retry, **connection_options())
-    monkeypatch.setattr(throttle, "get_redis", lambda: unreachable)
-    monkeypatch.setattr(redis_scripts, "get_redis", lambda: unreachable)  # the counting script's client
+    monkeypatch.setattr(redis_scripts, "get_redis", lambda: unreachable)  # the counting (and refunding) scripts' client
     for _ in range(_limit(throttle.LOGIN, "username").num_attempts + 1):
         response = client.post(reverse("login"), {"username": victim.email, "password": "guess"})
         assert response.status_code == 200
@@ -330,3 +329,50 @@ def test_an_attempt_refused_never_counts_against_the_account_it_names_not_even_f
     assert seen and set(seen) == {2}, f"the account's counter after each of Redis's replies: {seen}"
     assert len(num_round_trips) == 1, "read and refused in one round trip"
     assert throttle.take(limits, {"ip": "198.51.100.3", "email": victim}).retry_after_s is None  # the owner's third
+
+
+def test_an_attempt_whose_reply_is_lost_counts_once_and_is_not_refused_by_its_own_retry(monkeypatch):
+    """redis-py sends a command again after a lost connection (`controlplane.redis_client`). Before (a review's probe),
+    the counting script ran twice for one attempt: the owner's third reset of three was counted by the first run and
+    refused by the second, a 429 for an attempt that had counted."""
+    limits = (throttle.Limit("lost-reply-email", "email", 3, 3600),)
+    subject = {"email": f"owner-{time.time_ns()}@example.test"}
+    for _ in range(2):
+        assert throttle.take(limits, subject).retry_after_s is None
+    read_response = redis.connection.AbstractConnection.read_response
+    lost = []
+
+    def reply_lost_once(self, *args, **kwargs):
+        if not lost:
+            lost.append(1)
+            time.sleep(0.2)  # the script ran on the server; its reply is lost with the connection
+            raise redis.exceptions.ConnectionError("connection reset (the test's)")
+        return read_response(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", reply_lost_once)
+    third = throttle.take(limits, subject)
+    monkeypatch.undo()
+
+    key = throttle._redis_key(limits[0], subject["email"], int(clock.redis_now() // 3600))
+    assert lost, "the reply was not lost: the test saw no retry"
+    assert third.retry_after_s is None
+    assert get_redis().get(key) == "3"
+    assert throttle.take(limits, subject).retry_after_s is not None  # the fourth
+
+
+def test_a_refund_after_redis_lost_the_counter_leaves_no_counter_below_zero(monkeypatch):
+    """Redis restarted without its data (or failed over to a replica that lagged) between the count and the refund.
+    Before (a review's probe), the refund's DECR made the counter -1 with no expiry: one attempt more than the limit,
+    in its window and in every window after it while the key lived on."""
+    limits = (throttle.Limit("lost-counter", "username", 3, 600, failures_only=True),)
+    subject = {"username": f"user-{time.time_ns()}@example.test"}
+    attempt = throttle.take(limits, subject)
+    assert attempt.retry_after_s is None and attempt.provisional
+    [key] = attempt.provisional
+    get_redis().delete(key)  # the counter is gone with the server's data
+
+    attempt.refund()
+
+    assert get_redis().get(key) is None
+    passed = sum(throttle.take(limits, subject).retry_after_s is None for _ in range(6))
+    assert passed == limits[0].num_attempts

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import redis
 
 from controlplane import clock
-from controlplane.redis_client import get_redis
 from controlplane.redis_keys import throttle_key
 from controlplane.redis_scripts import Script
 
@@ -130,20 +129,36 @@ class Attempt:
 # touches a counter. Before, it was counted with the others and taken out again in a second round trip, and until then
 # it counted: an attacker past its own address's limit, flooding resets that named an account, kept that account's
 # counter at its limit and refused most of the owner's own first resets (a review's probe: 88% over 8 s).
-# KEYS: the counters; ARGV: each counter's limit, then its time to live (s). Replies the 1-based positions of the
-# counters already at their limit (nothing counted), or an empty array (counted in every one).
+# KEYS: the counters (then the call's token: `once`); ARGV: each counter's limit, then its time to live (s). Replies
+# the 1-based positions of the counters already at their limit (nothing counted), or an empty array (counted in every
+# one).
+# NOTE: `once`: redis-py sends a command again after a lost connection (`controlplane.redis_client`), and a second run
+# of the same attempt counted it twice, and could refuse the attempt its first run had counted (a review's probe: the
+# owner's third reset of three, answered 429 and counted all the same).
 _TAKE = Script("""
 local refused = {}
-for i = 1, #KEYS do
+local counters = #KEYS - 1
+for i = 1, counters do
   if tonumber(redis.call('GET', KEYS[i]) or '0') >= tonumber(ARGV[2 * i - 1]) then refused[#refused + 1] = i end
 end
 if #refused > 0 then return refused end
-for i = 1, #KEYS do
+for i = 1, counters do
   redis.call('INCR', KEYS[i])
   redis.call('EXPIRE', KEYS[i], ARGV[2 * i])
 end
 return refused
-""")
+""", once=True)
+
+# KEYS: the counters an attempt is taken out of (then the call's token: `once`, as `_TAKE`). Only a counter above 0:
+# one Redis lost since the attempt was counted (a restart without persistence, a failover to a lagging replica) is
+# gone, and DECR made it -1, with no expiry: one attempt more, in its window and every window after it, as its key
+# lives on.
+_UNCOUNT = Script("""
+for i = 1, #KEYS - 1 do
+  if tonumber(redis.call('GET', KEYS[i]) or '0') > 0 then redis.call('DECR', KEYS[i]) end
+end
+return 0
+""", once=True)
 
 
 def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
@@ -181,9 +196,6 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
 def _uncount(keys: list[str]) -> None:
     """Take one attempt out of each of these counters (`Attempt.refund`)."""
     try:
-        pipe = get_redis().pipeline(transaction=False)
-        for key in keys:
-            pipe.decr(key)
-        pipe.execute()
+        _UNCOUNT.run_sync(keys=keys, args=[])
     except redis.RedisError:
         logger.warning("throttle counters unavailable; an attempt stays counted", exc_info=True)

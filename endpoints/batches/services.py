@@ -885,17 +885,15 @@ def _billed_unstored(batch: Batch, done: Container[int]) -> set[int]:
     """The indexes of the batch's lines that ran and were billed (a usage row under `runner.line_request_id`) but
     whose result is not among `done`: S3 refused its put, and the batch ended before a run ran it again.
 
-    NOTE: read through `usage_org_finished` (the organisation's rows since the batch started): `batch_id` has no index
-    of its own (one more B-tree insert per row of the ledger's hottest write), and a filter on it alone read the whole
-    ledger, every tenant's, at each cancel or expiry, which any tenant could repeat at will. A gateway stamps its rows
-    on its own clock, the batch's start is a worker's: an hour's margin is far past any skew `controlplane.clock`
-    tolerates. A batch that never reached in_progress ran no line."""
+    NOTE: read through `usage_org_batch` (the organisation's rows of this batch, an index of batch rows alone), with no
+    clock window: before, a filter on `batch_id` alone read the whole ledger, every tenant's, at each cancel or expiry,
+    which any tenant could repeat at will; then the organisation's rows from an hour before the batch started, which
+    read all of them in that range and missed a billed line when the worker that started the batch (its clock) was over
+    an hour ahead of the process that wrote the row (its own). A batch that never reached in_progress ran no line."""
     if batch.in_progress_at is None:
         return set()
-    since = batch.in_progress_at - timedelta(hours=1)
     prefix = runner.line_request_id(batch.pk, 0).removesuffix("0")
-    billed = (UsageRecord.objects.filter(organization_id=batch.organization_id, finished_at__gte=since,
-                                         batch_id=batch.pk)
+    billed = (UsageRecord.objects.filter(organization_id=batch.organization_id, batch_id=batch.pk)
               .filter(Q(status=UsageStatus.OK) | Q(cost__gt=0)).values_list("request_id", flat=True))
     indexes = (int(request_id.removeprefix(prefix)) for request_id in billed.iterator()
                if request_id.startswith(prefix) and request_id.removeprefix(prefix).isdigit())

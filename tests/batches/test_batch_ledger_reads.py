@@ -48,9 +48,10 @@ def test_an_ended_batchs_billed_lines_are_read_through_an_index_not_the_whole_le
             cursor.execute("SET enable_seqscan = on")
     assert "Seq Scan on billing_usagerecord" not in plan, plan
     assert "Disabled" not in plan, plan
-    # the organisation's rows since the batch started (`usage_org_finished`, or the planner's pick of the
-    # organisation-and-endpoint one that leads the same way)
-    assert "Index Cond: ((organization_id = " in plan and "finished_at >= " in plan, plan
+    # the organisation's rows of this batch (`usage_org_batch`), not every row of the organisation in a time range
+    [condition] = [line for line in plan.splitlines() if "Index Cond:" in line]
+    assert "using usage_org_batch " in plan and "organization_id = " in condition and "batch_id" in condition, plan
+    assert "finished_at" not in sql, sql
 
 
 def test_the_lines_billed_but_unstored_are_still_found_and_only_the_batchs_own():
@@ -74,3 +75,15 @@ def test_a_batch_that_never_ran_reads_nothing_of_the_ledger():
     lost, ledger_reads = _ledger_queries(batch)
 
     assert lost == set() and ledger_reads == []
+
+
+def test_a_billed_line_is_found_whatever_the_clock_of_the_worker_that_started_the_batch():
+    """The batch's start is the validating worker's clock, a row's end the clock of the process that ran the line.
+    Before (a review's probe), the read took the organisation's rows from an hour before the batch started: a worker
+    61 minutes fast hid a billed line whose result S3 refused (an expiry listed it as never run, a cancel left it out)."""
+    endpoint = EndpointFactory(organization=OrganizationFactory())
+    now = timezone.now()
+    batch = Batch(id="batch_skew", organization_id=endpoint.organization_id, in_progress_at=now + timedelta(minutes=61))
+    _usage_row(endpoint, runner.line_request_id(batch.pk, 0), batch_id=batch.pk, finished_at=now)
+
+    assert services._billed_unstored(batch, set()) == {0}

@@ -1,0 +1,50 @@
+"""`usage_org_batch`: an organisation's usage rows by the batch they were lines of, batch rows only (`batch_id` not "").
+An ended batch's billed but unstored lines are read through it (`endpoints.batches.services._billed_unstored`) with no
+clock window: before, the read took the organisation's rows from an hour before the batch started, and missed a
+billed line when the worker that started the batch had a clock more than an hour fast.
+
+Built CONCURRENTLY: the ledger takes the gateway's usage rows all the time, and a plain CREATE INDEX would stop those
+writes for as long as it builds. Each step may run again after a migration that was interrupted (as 0016).
+"""
+
+from django.db import migrations, models
+
+_TABLE = "billing_usagerecord"
+_INDEX = "usage_org_batch"
+
+
+class Migration(migrations.Migration):
+    atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
+
+    dependencies = [
+        ("billing", "0030_credit_draw_and_held_rollups_indexes"),
+    ]
+
+    operations = [
+        migrations.SeparateDatabaseAndState(
+            state_operations=[
+                migrations.AddIndex(
+                    model_name="usagerecord",
+                    index=models.Index(condition=models.Q(("batch_id", ""), _negated=True),
+                                       fields=["organization", "batch_id"], name=_INDEX),
+                ),
+            ],
+            database_operations=[
+                # NOTE: a build that was interrupted leaves an invalid index, which IF NOT EXISTS would keep.
+                migrations.RunSQL(
+                    f"""DO $$ BEGIN
+                        IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"{_INDEX}"')
+                                   AND NOT indisvalid) THEN
+                            DROP INDEX "{_INDEX}";
+                        END IF;
+                    END $$""",
+                    reverse_sql=migrations.RunSQL.noop,
+                ),
+                migrations.RunSQL(
+                    f"""CREATE INDEX CONCURRENTLY IF NOT EXISTS "{_INDEX}" ON "{_TABLE}" ("organization_id", "batch_id")
+                        WHERE NOT ("batch_id" = '')""",
+                    reverse_sql=f'DROP INDEX CONCURRENTLY IF EXISTS "{_INDEX}"',
+                ),
+            ],
+        ),
+    ]
