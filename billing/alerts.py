@@ -18,7 +18,14 @@ from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
-from billing.standing import PAYMENT_METHOD, SPEND_CEILING, SpendLimit, bills_through_stripe, spend_limit
+from billing.standing import (
+    PAYMENT_METHOD,
+    SPEND_CEILING,
+    SPEND_CEILING_STAFF,
+    SpendLimit,
+    bills_through_stripe,
+    spend_limit,
+)
 from controlplane.accounts.models import Membership, Role
 
 logger = logging.getLogger(__name__)
@@ -130,6 +137,8 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
         SPEND_CEILING: ("its monthly spending ceiling for its payment history",
                         "invoices are paid or support raises it", "ceiling",
                         " It rises as invoices are paid; contact support to raise it sooner."),
+        SPEND_CEILING_STAFF: ("the monthly spending ceiling Inferplane staff set for it", "support changes it", "ceiling",
+                              " It was set by Inferplane staff: contact support to change it."),
     }.get(limit.reason, ("its monthly spend cap", "the cap is raised", "cap", ""))
     if threshold >= 100:
         subject = f"{organization.name} reached {what}"

@@ -122,7 +122,7 @@ def test_staff_set_an_organisations_ceiling_in_the_admin_either_way_audited_and_
     assert change("none").status_code == 302  # in the admin's transaction: the refresh runs once it commits
     _spend(carded.org, "10000.00")
     assert change("20").status_code == 302  # lowered below what it spent: refused at once
-    assert _refusal(carded.org, "0.01").reason == "spend_ceiling"
+    assert _refusal(carded.org, "0.01").reason == "spend_ceiling_staff"
     shown = standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org))
     assert (shown.amount, shown.source) == (Decimal(20), standing.STAFF)
     assert change("").status_code == 302  # its paid history's again
@@ -216,3 +216,37 @@ def test_spend_alerts_warn_before_the_spending_ceiling_of_an_organisation_with_a
     assert check_all_spend_alerts() == 2  # 50 % and 80 %
     assert mail.outbox[-1].subject.endswith("used 80% of its monthly spending ceiling for its payment history")
     assert "rises as invoices are paid" in mail.outbox[-1].body and "$100.00 ceiling" in mail.outbox[-1].body
+
+
+def _usage(organization, dollars: str, *, finished_at=None) -> None:
+    """A call of `dollars` recorded in the ledger (finished now, or at `finished_at`)."""
+    from billing.ledger import record_usage
+    from tests.billing.conftest import usage_report
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=int(Decimal(dollars) * 1_000_000), completion_tokens=0,
+                              finished_at=finished_at))
+
+
+def test_a_ceiling_staff_set_is_named_as_staffs_in_the_402_the_alerts_and_the_api(carded, member_client_factory):
+    """Before, a staff ceiling's 402 (reason `spend_ceiling`) and email said it rises as invoices are paid: it never
+    does, and a ceiling of 0 staff set to stop an organisation told it to pay its invoices."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("20"))
+    _spend(carded.org, "19.00")
+    refused = _refusal(carded.org, "2.00")
+    assert refused.reason == "spend_ceiling_staff"
+    assert "set for it by Inferplane staff" in refused.message and "Contact support" in refused.message
+    assert "invoices are paid" not in refused.message and "payment history" not in refused.message
+
+    _usage(carded.org, "17")  # 85 % of $20
+    assert check_spend_alerts(carded.org.pk) == [50, 80]
+    assert mail.outbox[-1].subject.endswith("used 80% of the monthly spending ceiling Inferplane staff set for it")
+    assert "invoices are paid" not in mail.outbox[-1].body and "contact support" in mail.outbox[-1].body
+    shown = member_client_factory(carded.org, Role.OWNER).get("/api/v1/billing/").json()["standing"]
+    assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("20.00", "spend_ceiling_staff")
