@@ -453,7 +453,8 @@ class CreditGrant(models.Model):
 
 
 class SpendAlert(models.Model):
-    """A spend alert sent (or being sent) for one threshold of one period: at most one each."""
+    """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap`): at most one
+    each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     period_start = models.DateTimeField()
@@ -465,7 +466,8 @@ class SpendAlert(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent"], name="one_alert_per_threshold_and_period"),
+            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent", "spend_cap"],
+                                    name="one_alert_per_threshold_period_and_cap"),
         ]
 
 

@@ -250,3 +250,24 @@ def test_a_ceiling_staff_set_is_named_as_staffs_in_the_402_the_alerts_and_the_ap
     assert "invoices are paid" not in mail.outbox[-1].body and "contact support" in mail.outbox[-1].body
     shown = member_client_factory(carded.org, Role.OWNER).get("/api/v1/billing/").json()["standing"]
     assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("20.00", "spend_ceiling_staff")
+
+
+def test_a_ceiling_raised_in_the_month_warns_again_at_50_80_and_100_percent_of_the_new_one(carded):
+    """Before, the claims of the first ceiling's alerts stood for the month: at $500 of a $500 ceiling (raised by a
+    paid invoice from $100) no alert went, and the organisation was refused unwarned."""
+    from billing.alerts import check_spend_alerts
+    from billing.models import SpendAlert
+
+    _usage(carded.org, "100")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    _paid(carded, "in_x", 5000)  # $50 paid: $500 a month
+    assert standing.spend_limit(BillingAccount.objects.get(organization=carded.org)).cap == Decimal("500")
+    assert check_spend_alerts(carded.org.pk) == []  # 20 % of the new one
+    _usage(carded.org, "160")  # $260: 52 %
+    assert check_spend_alerts(carded.org.pk) == [50]
+    _usage(carded.org, "240")  # $500
+    assert check_spend_alerts(carded.org.pk) == [80, 100]
+    assert check_spend_alerts(carded.org.pk) == []  # once each
+    assert sorted(SpendAlert.objects.filter(organization=carded.org).values_list("spend_cap", "threshold_percent")) == [
+        (Decimal(100), 50), (Decimal(100), 80), (Decimal(100), 100),
+        (Decimal(500), 50), (Decimal(500), 80), (Decimal(500), 100)]
