@@ -634,8 +634,9 @@ class Dispute(models.Model):
 
 
 class RefundedCharge(models.Model):
-    """Our mirror of what Stripe refunded of one of the organisation's payments (`charge.refunded`,
-    `charge.refund.updated`): money that came back counts out of its paid history (`billing.standing.net_paid`)."""
+    """Our mirror of what Stripe refunded of one of the organisation's payments (`charge.refunded`; those refunded
+    before it was sent, read back by `manage.py backfill_refunds`): money that came back counts out of its paid history
+    (`billing.standing.net_paid`)."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     stripe_charge_id = models.CharField(max_length=64, unique=True)

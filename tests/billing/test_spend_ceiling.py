@@ -271,3 +271,33 @@ def test_a_ceiling_raised_in_the_month_warns_again_at_50_80_and_100_percent_of_t
     assert sorted(SpendAlert.objects.filter(organization=carded.org).values_list("spend_cap", "threshold_percent")) == [
         (Decimal(100), 50), (Decimal(100), 80), (Decimal(100), 100),
         (Decimal(500), 50), (Decimal(500), 80), (Decimal(500), 100)]
+
+
+def test_refunds_stripe_made_before_charge_refunded_reached_us_are_read_back_once_and_lower_the_ceiling(carded):
+    """Before, a payment refunded before the deploy (or before the endpoint sent `charge.refunded`, or its event
+    dropped by an older pod) was never counted: $50 paid and all refunded kept a $500 ceiling for good."""
+    from django.core.management import call_command
+
+    from billing.models import DeletedStripeCustomer, RefundedCharge
+
+    _paid(carded, "in_1", 5000)
+    refunded = carded.stripe.charge(carded.customer, amount=5000)
+    carded.stripe.refund(refunded["id"], amount=3000)  # no webhook: before the deploy
+    kept = carded.stripe.charge(carded.customer, amount=1000)
+    gone = DeletedStripeCustomer.objects.create(stripe_customer_id="cus_deleted_before", organization=carded.org)
+    carded.stripe.refund(carded.stripe.charge(gone.stripe_customer_id, amount=700)["id"])  # a deleted customer's
+    _spend(carded.org, "150.00")
+    assert standing.net_paid(carded.org.pk) == Decimal(50)
+
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(13)  # $50 less $30 and $7 refunded
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"  # $100 again, written to Redis at once
+    assert not RefundedCharge.objects.filter(stripe_charge_id=kept["id"]).exists()
+
+    # A later refund's webhook still applies; a second run changes nothing, and never lowers what a webhook recorded.
+    _webhook("charge.refunded", {**carded.stripe.refund(refunded["id"], amount=1000), "object": "charge"})
+    assert standing.net_paid(carded.org.pk) == Decimal(3)
+    RefundedCharge.objects.filter(stripe_charge_id=refunded["id"]).update(amount_refunded=4500)  # newer than Stripe's
+    call_command("backfill_refunds")
+    assert RefundedCharge.objects.get(stripe_charge_id=refunded["id"]).amount_refunded == 4500
+    assert RefundedCharge.objects.count() == 2
