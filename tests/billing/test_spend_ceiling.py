@@ -301,3 +301,55 @@ def test_refunds_stripe_made_before_charge_refunded_reached_us_are_read_back_onc
     call_command("backfill_refunds")
     assert RefundedCharge.objects.get(stripe_charge_id=refunded["id"]).amount_refunded == 4500
     assert RefundedCharge.objects.count() == 2
+
+
+def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceiling_and_lists_who_is_over(
+        carded, settings):
+    """`billing/0032`. Before, an organisation spending $150 this month with nothing paid was refused from the deploy
+    on (its $100 ceiling), and staff could not set one first; nothing listed who was over."""
+    import importlib
+    from datetime import UTC, datetime
+    from io import StringIO
+
+    from django.apps import apps
+    from django.core.management import call_command
+
+    from billing.models import BillingMode
+
+    migration = importlib.import_module("billing.migrations.0032_grandfather_spend_ceilings")
+    now = datetime.now(UTC)
+    _usage(carded.org, "150.10")  # this month: $150.10
+    _usage(carded.org, "200.20", finished_at=migration.months_back(now, 1).replace(day=5))  # last month: the highest
+    _usage(carded.org, "900", finished_at=migration.months_back(now, 3).replace(day=5))  # before the three months
+    paid = OrganizationFactory()  # $50 paid: $500 a month, above twice its highest month ($200)
+    BillingAccount.objects.for_organization(paid)
+    _paid_by(paid, "in_p", 5000)
+    _usage(paid, "100")
+    prepaid = OrganizationFactory()
+    BillingAccount.objects.for_organization(prepaid)
+    BillingAccount.objects.filter(organization=prepaid).update(mode=BillingMode.PREPAID)
+    _usage(prepaid, "300")
+    services.review_all_payment_standing()
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert f"{carded.org.pk}\t{carded.org.slug}\tspent $150.10\tceiling $100.00 (paid_history)" in listed.getvalue()
+    assert "1 organisation(s) at or past" in listed.getvalue()
+
+    migration.grandfather_spend_ceilings(apps, None)
+    migration.grandfather_spend_ceilings(apps, None)  # a second run changes nothing
+    services.review_all_payment_standing()  # marked stale: the gateway sees it (a deploy rebuilds every counter too)
+    assert (BillingAccount.objects.filter(organization__in=[carded.org, paid, prepaid]).order_by("organization_id")
+            .values_list("staff_spend_ceiling", flat=True)[::1]) == [Decimal(401), None, None]  # $400.40 rounded up
+    _spend(carded.org, "240.00")  # $390.10 of $401
+    assert _refusal(carded.org, "11.00").reason == "spend_ceiling_staff"
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert "0 organisation(s) at or past" in listed.getvalue()
+
+
+def _paid_by(organization, invoice_id: str, cents: int) -> None:
+    from billing.models import Invoice
+
+    Invoice.objects.create(organization=organization, stripe_invoice_id=invoice_id, status="paid", currency="usd",
+                           amount_due=cents, amount_paid=cents)
