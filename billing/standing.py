@@ -152,6 +152,11 @@ def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
     paid = net_paid(account.organization_id)
     if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
         return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
+    return paid_history_ceiling(paid)
+
+
+def paid_history_ceiling(paid: Decimal) -> SpendCeiling:
+    """The ceiling `SPEND_CEILINGS` gives an organisation that has paid `paid`, and its next step."""
     steps = settings.SPEND_CEILINGS
     reached = [step for step in steps if step[0] <= paid]
     amount = reached[-1][1]  # NOTE: the first step is at 0 paid (`controlplane.env.env_spend_ceilings`)

@@ -346,6 +346,13 @@ def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceili
     listed = StringIO()
     call_command("spend_over_ceiling", stdout=listed)
     assert "0 organisation(s) at or past" in listed.getvalue()
+    assert "0 staff ceiling(s) below" in listed.getvalue()
+
+    _paid(carded, "in_big", 60_000)  # $600 paid: its history's $5,000 passes the $401 paying does not raise
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert f"{carded.org.pk}\t{carded.org.slug}\tstaff ceiling $401.00 below its paid history's ($5,000.00)" in (
+        listed.getvalue())
 
 
 def _paid_by(organization, invoice_id: str, cents: int) -> None:
