@@ -1,5 +1,5 @@
 """Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per
-period; and one when an unpaid invoice or a disputed payment stops inference (`billing.standing`)."""
+period and limit; and one when an unpaid invoice or a disputed payment stops inference (`billing.standing`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
-from billing.standing import PAYMENT_METHOD, SPEND_CEILING, SpendLimit, bills_through_stripe, spend_limit
+from billing.standing import (
+    PAYMENT_METHOD,
+    SPEND_CEILING,
+    SPEND_CEILING_STAFF,
+    SpendLimit,
+    bills_through_stripe,
+    spend_limit,
+)
 from controlplane.accounts.models import Membership, Role
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,9 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
 
 
 def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, spend_cap: Decimal) -> SpendAlert | None:
-    """The alert's row, claimed by this run to send it; None when it was sent or another run is sending it.
+    """The alert's row, claimed by this run to send it; None when it was sent or another run is sending it. One per
+    limit (`spend_cap`): a ceiling that rose in the month warns again at 50, 80 and 100 % of the new one (before, the
+    first limit's claims stood for the month and nobody was warned before the higher one).
 
     NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips. A claim left unsent for
     `CLAIM_LEFT_AFTER` (its worker was killed between the claim and the email: SIGKILL, OOM, the task's hard time
@@ -74,13 +83,12 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, s
     except IntegrityError:
         pass
     now = timezone.now()
-    left = SpendAlert.objects.filter(organization_id=organization_id, period_start=period_start,
-                                     threshold_percent=threshold, sent_at__isnull=True,
-                                     created_at__lt=now - CLAIM_LEFT_AFTER)
-    if left.update(created_at=now, spend=spend, spend_cap=spend_cap) != 1:
+    claim = {"organization_id": organization_id, "period_start": period_start, "threshold_percent": threshold,
+             "spend_cap": spend_cap}
+    left = SpendAlert.objects.filter(**claim, sent_at__isnull=True, created_at__lt=now - CLAIM_LEFT_AFTER)
+    if left.update(created_at=now, spend=spend) != 1:
         return None
-    return SpendAlert.objects.get(organization_id=organization_id, period_start=period_start,
-                                  threshold_percent=threshold)
+    return SpendAlert.objects.get(**claim)
 
 
 def _recipients(organization) -> list[str]:
@@ -130,6 +138,8 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
         SPEND_CEILING: ("its monthly spending ceiling for its payment history",
                         "invoices are paid or support raises it", "ceiling",
                         " It rises as invoices are paid; contact support to raise it sooner."),
+        SPEND_CEILING_STAFF: ("the monthly spending ceiling Inferplane staff set for it", "support changes it", "ceiling",
+                              " It was set by Inferplane staff: contact support to change it."),
     }.get(limit.reason, ("its monthly spend cap", "the cap is raised", "cap", ""))
     if threshold >= 100:
         subject = f"{organization.name} reached {what}"

@@ -164,8 +164,9 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
             allow_null=True, help_text="The lowest of the cap, the spending ceiling and that limit: where calls stop "
                                        "(USD); null: none"),
         "limit_reason": serializers.ChoiceField(
-            choices=[standing.ORG_CAP, standing.SPEND_CEILING, standing.PAYMENT_METHOD], allow_null=True,
-            help_text="Which of them it is: org_cap, spend_ceiling or payment_method; null: no limit"),
+            choices=list(standing.SPEND_LIMIT_REASONS), allow_null=True,
+            help_text="Which of them it is: org_cap, payment_method, spend_ceiling (its paid history's) or "
+                      "spend_ceiling_staff (set by support); null: no limit"),
         "past_due_since": serializers.DateTimeField(
             allow_null=True,
             help_text="Since when an unpaid invoice or a disputed payment stops inference; null: in good standing"),

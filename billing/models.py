@@ -459,7 +459,8 @@ class CreditGrant(models.Model):
 
 
 class SpendAlert(models.Model):
-    """A spend alert sent (or being sent) for one threshold of one period: at most one each."""
+    """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap`): at most one
+    each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     period_start = models.DateTimeField()
@@ -471,7 +472,8 @@ class SpendAlert(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent"], name="one_alert_per_threshold_and_period"),
+            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent", "spend_cap"],
+                                    name="one_alert_per_threshold_period_and_cap"),
         ]
 
 
@@ -638,8 +640,9 @@ class Dispute(models.Model):
 
 
 class RefundedCharge(models.Model):
-    """Our mirror of what Stripe refunded of one of the organisation's payments (`charge.refunded`,
-    `charge.refund.updated`): money that came back counts out of its paid history (`billing.standing.net_paid`)."""
+    """Our mirror of what Stripe refunded of one of the organisation's payments (`charge.refunded`; those refunded
+    before it was sent, read back by `manage.py backfill_refunds`): money that came back counts out of its paid history
+    (`billing.standing.net_paid`)."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     stripe_charge_id = models.CharField(max_length=64, unique=True)

@@ -60,7 +60,9 @@ DISPUTED = "disputed"
 # The gateway's refusal reasons at a spend limit (`SpendLimit.reason`).
 ORG_CAP = "org_cap"
 PAYMENT_METHOD = "payment_method"
-SPEND_CEILING = "spend_ceiling"
+SPEND_CEILING = "spend_ceiling"  # the one its paid history gives
+SPEND_CEILING_STAFF = "spend_ceiling_staff"  # one staff set: paying does not raise it
+SPEND_LIMIT_REASONS = (ORG_CAP, PAYMENT_METHOD, SPEND_CEILING, SPEND_CEILING_STAFF)
 # Where an organisation's spending ceiling comes from (`SpendCeiling.source`).
 PAID_HISTORY = "paid_history"
 STAFF = "staff"
@@ -70,13 +72,14 @@ CENTS_PER_DOLLAR = 100
 @dataclass(slots=True, frozen=True)
 class SpendLimit:
     """The most an organisation may spend this month (None: no limit) and why, as the gateway's
-    refusal names it: `org_cap` (its own cap), `payment_method` (the limit without one) or `spend_ceiling`."""
+    refusal names it: `org_cap` (its own cap), `payment_method` (the limit without one), `spend_ceiling` (the
+    ceiling its paid history gives) or `spend_ceiling_staff` (a ceiling staff set)."""
 
     cap: Decimal | None
     reason: str
 
     def __post_init__(self) -> None:
-        if self.reason not in (ORG_CAP, PAYMENT_METHOD, SPEND_CEILING):
+        if self.reason not in SPEND_LIMIT_REASONS:
             raise ValueError(f"not a spend limit reason: {self.reason}")
 
 
@@ -149,6 +152,11 @@ def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
     paid = net_paid(account.organization_id)
     if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
         return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
+    return paid_history_ceiling(paid)
+
+
+def paid_history_ceiling(paid: Decimal) -> SpendCeiling:
+    """The ceiling `SPEND_CEILINGS` gives an organisation that has paid `paid`, and its next step."""
     steps = settings.SPEND_CEILINGS
     reached = [step for step in steps if step[0] <= paid]
     amount = reached[-1][1]  # NOTE: the first step is at 0 paid (`controlplane.env.env_spend_ceilings`)
@@ -164,7 +172,7 @@ def spend_limit(account: BillingAccount) -> SpendLimit:
     limit = SpendLimit(account.spend_cap, ORG_CAP)
     ceiling = spend_ceiling(account)
     if ceiling is not None and ceiling.amount is not None and (limit.cap is None or ceiling.amount <= limit.cap):
-        limit = SpendLimit(ceiling.amount, SPEND_CEILING)
+        limit = SpendLimit(ceiling.amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
     without_card = limit_without_payment_method(account)
     if without_card is not None and (limit.cap is None or without_card < limit.cap):
         limit = SpendLimit(without_card, PAYMENT_METHOD)

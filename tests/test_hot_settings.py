@@ -34,7 +34,7 @@ def test_a_hot_setting_follows_override_settings_and_its_undoing():
     with override_settings(SPEND_LIMIT_WITHOUT_PAYMENT_METHOD=Decimal("12.5"), STRIPE_SECRET_KEY="sk_test_x",
                            SPEND_CEILINGS=((Decimal(0), Decimal(100)), (Decimal(50), None))):
         assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == Decimal("12.5")
-        assert counters.limits_version() == "3:12.5:1:0:100,50:none"
+        assert counters.limits_version() == "4:12.5:1:0:100,50:none"
     assert hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD == before
 
 

@@ -18,7 +18,7 @@ any number of gateway processes can never overshoot a cap.
 
 Redis holds, in nano-dollars (integers, exact in Lua's doubles up to $9M):
   billing:{org:<id>}:period:<YYYYMM>              hash {spent, cap (-1 = none), capr (the refusal at the cap:
-                                                   org_cap, spend_ceiling or payment_method), prepaid (0/1),
+                                                   `billing.standing.SPEND_LIMIT_REASONS`), prepaid (0/1),
                                                    hold (past_due, disputed or empty)}
   billing:{org:<id>}:key:<key id>:period:<YYYYMM>  hash {spent, cap}
   billing:{org:<id>}:reserved, billing:{org:<id>}:key:<key id>:reserved   sums of outstanding reservations

@@ -67,6 +67,9 @@ class QuotaExceeded(Exception):
                 "Your organisation has reached its monthly spending ceiling for its payment history: new accounts "
                 "may spend a bounded amount a month, and the ceiling rises as invoices are paid (Billing in the "
                 "console shows it and the next step). To raise it sooner, contact support."),
+            "spend_ceiling_staff": (
+                "Your organisation has reached the monthly spending ceiling set for it by Inferplane staff. Contact "
+                "support to change it."),
             "past_due": "Your organisation has an unpaid invoice. Pay it in the console (Billing) to continue.",
             "disputed": (
                 "A payment of your organisation is disputed with its card's bank (a chargeback). If that was a "
@@ -628,7 +631,7 @@ def _held_since(lapsed_at: float | None) -> str:
 def limits_version() -> str:
     """What the organisation counters' limits were worked out under, beyond the account: this code's
     fields and the settings of payment standing. A counter of another version is rebuilt."""
-    return f"3:{hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}:{_ceilings_version(hot.SPEND_CEILINGS)}"
+    return f"4:{hot.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD}:{int(bills_through_stripe())}:{_ceilings_version(hot.SPEND_CEILINGS)}"
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,6 +23,7 @@ from django.db import DatabaseError, InterfaceError
 from billing import ledger, usage_writer
 from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
+from billing.standing import SPEND_LIMIT_REASONS
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     adapter_hold,
@@ -108,7 +109,7 @@ class ReservationSpent(errors.OpenAIError):
 
 
 # The 402s a call's reserved cost causes (`QuotaExceeded.reason`): a learned prompt factor says so after them.
-_COST_REFUSALS = frozenset({"credit", "org_cap", "key_cap", "payment_method", "spend_ceiling"})
+_COST_REFUSALS = frozenset({"credit", "key_cap", *SPEND_LIMIT_REASONS})
 
 
 @dataclass(slots=True)

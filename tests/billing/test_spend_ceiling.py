@@ -122,7 +122,7 @@ def test_staff_set_an_organisations_ceiling_in_the_admin_either_way_audited_and_
     assert change("none").status_code == 302  # in the admin's transaction: the refresh runs once it commits
     _spend(carded.org, "10000.00")
     assert change("20").status_code == 302  # lowered below what it spent: refused at once
-    assert _refusal(carded.org, "0.01").reason == "spend_ceiling"
+    assert _refusal(carded.org, "0.01").reason == "spend_ceiling_staff"
     shown = standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org))
     assert (shown.amount, shown.source) == (Decimal(20), standing.STAFF)
     assert change("").status_code == 302  # its paid history's again
@@ -216,3 +216,147 @@ def test_spend_alerts_warn_before_the_spending_ceiling_of_an_organisation_with_a
     assert check_all_spend_alerts() == 2  # 50 % and 80 %
     assert mail.outbox[-1].subject.endswith("used 80% of its monthly spending ceiling for its payment history")
     assert "rises as invoices are paid" in mail.outbox[-1].body and "$100.00 ceiling" in mail.outbox[-1].body
+
+
+def _usage(organization, dollars: str, *, finished_at=None) -> None:
+    """A call of `dollars` recorded in the ledger (finished now, or at `finished_at`)."""
+    from billing.ledger import record_usage
+    from tests.billing.conftest import usage_report
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=int(Decimal(dollars) * 1_000_000), completion_tokens=0,
+                              finished_at=finished_at))
+
+
+def test_a_ceiling_staff_set_is_named_as_staffs_in_the_402_the_alerts_and_the_api(carded, member_client_factory):
+    """Before, a staff ceiling's 402 (reason `spend_ceiling`) and email said it rises as invoices are paid: it never
+    does, and a ceiling of 0 staff set to stop an organisation told it to pay its invoices."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("20"))
+    _spend(carded.org, "19.00")
+    refused = _refusal(carded.org, "2.00")
+    assert refused.reason == "spend_ceiling_staff"
+    assert "set for it by Inferplane staff" in refused.message and "Contact support" in refused.message
+    assert "invoices are paid" not in refused.message and "payment history" not in refused.message
+
+    _usage(carded.org, "17")  # 85 % of $20
+    assert check_spend_alerts(carded.org.pk) == [50, 80]
+    assert mail.outbox[-1].subject.endswith("used 80% of the monthly spending ceiling Inferplane staff set for it")
+    assert "invoices are paid" not in mail.outbox[-1].body and "contact support" in mail.outbox[-1].body
+    shown = member_client_factory(carded.org, Role.OWNER).get("/api/v1/billing/").json()["standing"]
+    assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("20.00", "spend_ceiling_staff")
+
+
+def test_a_ceiling_raised_in_the_month_warns_again_at_50_80_and_100_percent_of_the_new_one(carded):
+    """Before, the claims of the first ceiling's alerts stood for the month: at $500 of a $500 ceiling (raised by a
+    paid invoice from $100) no alert went, and the organisation was refused unwarned."""
+    from billing.alerts import check_spend_alerts
+    from billing.models import SpendAlert
+
+    _usage(carded.org, "100")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    _paid(carded, "in_x", 5000)  # $50 paid: $500 a month
+    assert standing.spend_limit(BillingAccount.objects.get(organization=carded.org)).cap == Decimal("500")
+    assert check_spend_alerts(carded.org.pk) == []  # 20 % of the new one
+    _usage(carded.org, "160")  # $260: 52 %
+    assert check_spend_alerts(carded.org.pk) == [50]
+    _usage(carded.org, "240")  # $500
+    assert check_spend_alerts(carded.org.pk) == [80, 100]
+    assert check_spend_alerts(carded.org.pk) == []  # once each
+    assert sorted(SpendAlert.objects.filter(organization=carded.org).values_list("spend_cap", "threshold_percent")) == [
+        (Decimal(100), 50), (Decimal(100), 80), (Decimal(100), 100),
+        (Decimal(500), 50), (Decimal(500), 80), (Decimal(500), 100)]
+
+
+def test_refunds_stripe_made_before_charge_refunded_reached_us_are_read_back_once_and_lower_the_ceiling(carded):
+    """Before, a payment refunded before the deploy (or before the endpoint sent `charge.refunded`, or its event
+    dropped by an older pod) was never counted: $50 paid and all refunded kept a $500 ceiling for good."""
+    from django.core.management import call_command
+
+    from billing.models import DeletedStripeCustomer, RefundedCharge
+
+    _paid(carded, "in_1", 5000)
+    refunded = carded.stripe.charge(carded.customer, amount=5000)
+    carded.stripe.refund(refunded["id"], amount=3000)  # no webhook: before the deploy
+    kept = carded.stripe.charge(carded.customer, amount=1000)
+    gone = DeletedStripeCustomer.objects.create(stripe_customer_id="cus_deleted_before", organization=carded.org)
+    carded.stripe.refund(carded.stripe.charge(gone.stripe_customer_id, amount=700)["id"])  # a deleted customer's
+    _spend(carded.org, "150.00")
+    assert standing.net_paid(carded.org.pk) == Decimal(50)
+
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(13)  # $50 less $30 and $7 refunded
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"  # $100 again, written to Redis at once
+    assert not RefundedCharge.objects.filter(stripe_charge_id=kept["id"]).exists()
+
+    # A later refund's webhook still applies; a second run changes nothing, and never lowers what a webhook recorded.
+    _webhook("charge.refunded", {**carded.stripe.refund(refunded["id"], amount=1000), "object": "charge"})
+    assert standing.net_paid(carded.org.pk) == Decimal(3)
+    RefundedCharge.objects.filter(stripe_charge_id=refunded["id"]).update(amount_refunded=4500)  # newer than Stripe's
+    call_command("backfill_refunds")
+    assert RefundedCharge.objects.get(stripe_charge_id=refunded["id"]).amount_refunded == 4500
+    assert RefundedCharge.objects.count() == 2
+
+
+def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceiling_and_lists_who_is_over(
+        carded, settings):
+    """`billing/0032`. Before, an organisation spending $150 this month with nothing paid was refused from the deploy
+    on (its $100 ceiling), and staff could not set one first; nothing listed who was over."""
+    import importlib
+    from datetime import UTC, datetime
+    from io import StringIO
+
+    from django.apps import apps
+    from django.core.management import call_command
+
+    from billing.models import BillingMode
+
+    migration = importlib.import_module("billing.migrations.0032_grandfather_spend_ceilings")
+    now = datetime.now(UTC)
+    _usage(carded.org, "150.10")  # this month: $150.10
+    _usage(carded.org, "200.20", finished_at=migration.months_back(now, 1).replace(day=5))  # last month: the highest
+    _usage(carded.org, "900", finished_at=migration.months_back(now, 3).replace(day=5))  # before the three months
+    paid = OrganizationFactory()  # $50 paid: $500 a month, above twice its highest month ($200)
+    BillingAccount.objects.for_organization(paid)
+    _paid_by(paid, "in_p", 5000)
+    _usage(paid, "100")
+    prepaid = OrganizationFactory()
+    BillingAccount.objects.for_organization(prepaid)
+    BillingAccount.objects.filter(organization=prepaid).update(mode=BillingMode.PREPAID)
+    _usage(prepaid, "300")
+    services.review_all_payment_standing()
+    assert _refusal(carded.org, "1.00").reason == "spend_ceiling"
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert f"{carded.org.pk}\t{carded.org.slug}\tspent $150.10\tceiling $100.00 (paid_history)" in listed.getvalue()
+    assert "1 organisation(s) at or past" in listed.getvalue()
+
+    migration.grandfather_spend_ceilings(apps, None)
+    migration.grandfather_spend_ceilings(apps, None)  # a second run changes nothing
+    services.review_all_payment_standing()  # marked stale: the gateway sees it (a deploy rebuilds every counter too)
+    assert (BillingAccount.objects.filter(organization__in=[carded.org, paid, prepaid]).order_by("organization_id")
+            .values_list("staff_spend_ceiling", flat=True)[::1]) == [Decimal(401), None, None]  # $400.40 rounded up
+    _spend(carded.org, "240.00")  # $390.10 of $401
+    assert _refusal(carded.org, "11.00").reason == "spend_ceiling_staff"
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert "0 organisation(s) at or past" in listed.getvalue()
+    assert "0 staff ceiling(s) below" in listed.getvalue()
+
+    _paid(carded, "in_big", 60_000)  # $600 paid: its history's $5,000 passes the $401 paying does not raise
+    listed = StringIO()
+    call_command("spend_over_ceiling", stdout=listed)
+    assert f"{carded.org.pk}\t{carded.org.slug}\tstaff ceiling $401.00 below its paid history's ($5,000.00)" in (
+        listed.getvalue())
+
+
+def _paid_by(organization, invoice_id: str, cents: int) -> None:
+    from billing.models import Invoice
+
+    Invoice.objects.create(organization=organization, stripe_invoice_id=invoice_id, status="paid", currency="usd",
+                           amount_due=cents, amount_paid=cents)

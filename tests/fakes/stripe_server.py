@@ -336,10 +336,19 @@ class FakeStripe:
         with self._lock:
             charge = {"id": _id("ch"), "object": "charge", "created": int(time.time()), "customer": customer_id,
                       "amount": amount, "currency": "usd", "payment_intent": _id("pi"), "disputed": False,
-                      "status": "succeeded", "livemode": False}
+                      "status": "succeeded", "livemode": False, "amount_refunded": 0, "refunded": False}
             if invoice is not None:
                 charge["invoice"] = invoice
             self.charges[charge["id"]] = charge
+            return dict(charge)
+
+    def refund(self, charge_id: str, *, amount: int | None = None) -> dict:
+        """Refund `amount` (all that is left by default) of the charge: its `amount_refunded` is the running total,
+        `refunded` once it is all back (what `charge.refunded` carries)."""
+        with self._lock:
+            charge = self.charges[charge_id]
+            charge["amount_refunded"] += charge["amount"] - charge["amount_refunded"] if amount is None else amount
+            charge["refunded"] = charge["amount_refunded"] >= charge["amount"]
             return dict(charge)
 
     def dispute(self, charge_id: str, *, status: str = "needs_response", reason: str = "fraudulent") -> dict:
@@ -475,6 +484,10 @@ class FakeStripe:
             if customer is None:
                 return 404, _error("invalid_request_error", "No such customer", code="resource_missing")
             return 200, customer
+        if (method, path) == ("GET", "/v1/charges"):  # newest first, as Stripe lists them
+            found = [charge for charge in reversed(self.charges.values())
+                     if params.get("customer") in (None, charge["customer"])]
+            return 200, _page(found, params, url=path)
         if method == "GET" and path.startswith("/v1/charges/"):
             charge = self.charges.get(path.removeprefix("/v1/charges/"))
             if charge is None:

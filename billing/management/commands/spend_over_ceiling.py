@@ -1,0 +1,53 @@
+"""`spend_over_ceiling`: list the postpaid organisations whose spend this month has reached their spending ceiling
+(`billing.standing.spend_ceiling`), so refused calls at the ceiling: what an operator checks after an upgrade
+(`billing/0032` grandfathers those that used the platform), or after changing `INFERPLANE_SPEND_CEILINGS`; and the
+ceilings staff set (0032's too) that their paid history now passes, which paying does not raise. It changes
+nothing."""
+
+from django.core.management.base import BaseCommand
+
+from billing import standing
+from billing.ledger import period_spend
+from billing.models import BillingAccount, BillingMode, UsageRecord
+from billing.periods import period_containing
+
+
+class Command(BaseCommand):
+    help = "List the organisations whose spend this month is at or past their spending ceiling (changes nothing)."
+
+    def handle(self, *args, **options):
+        period = period_containing()
+        spent = UsageRecord.objects.filter(finished_at__gte=period.start, finished_at__lt=period.end)
+        accounts = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False,
+                                                  organization_id__in=spent.values("organization_id"))
+                    .select_related("organization").order_by("organization_id"))
+        num_over = 0
+        for account in accounts:
+            ceiling = standing.spend_ceiling(account)
+            if ceiling is None or ceiling.amount is None:
+                continue
+            spend = period_spend(account.organization_id, period)
+            if spend < ceiling.amount:
+                continue
+            num_over += 1
+            self.stdout.write(f"{account.organization_id}\t{account.organization.slug}\tspent ${spend:,.2f}\t"
+                              f"ceiling ${ceiling.amount:,.2f} ({ceiling.source})\tnet paid ${ceiling.paid:,.2f}")
+        self.stdout.write(f"{num_over} organisation(s) at or past their spending ceiling in {period.key}.")
+        self._staff_ceilings_below_history()
+
+    def _staff_ceilings_below_history(self) -> None:
+        """Staff's ceilings (those `billing/0032` set too) that paying no longer raises and its paid history now
+        gives more than: clear them in the admin (empty) to let the history's apply."""
+        num_below = 0
+        accounts = (BillingAccount.objects.filter(staff_spend_ceiling__isnull=False, mode=BillingMode.POSTPAID,
+                                                  invoiced_without_card=False)
+                    .select_related("organization").order_by("organization_id"))
+        for account in accounts:
+            history = standing.paid_history_ceiling(standing.net_paid(account.organization_id))
+            if history.amount is not None and history.amount <= account.staff_spend_ceiling:
+                continue
+            num_below += 1
+            shown = "none" if history.amount is None else f"${history.amount:,.2f}"
+            self.stdout.write(f"{account.organization_id}\t{account.organization.slug}\tstaff ceiling "
+                              f"${account.staff_spend_ceiling:,.2f} below its paid history's ({shown})")
+        self.stdout.write(f"{num_below} staff ceiling(s) below what their paid history gives.")
