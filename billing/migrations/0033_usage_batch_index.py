@@ -17,7 +17,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
     dependencies = [
-        ("billing", "0030_credit_draw_and_held_rollups_indexes"),
+        ("billing", "0032_grandfather_spend_ceilings"),
     ]
 
     operations = [
