@@ -843,8 +843,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     events = meter_event_identifier(rollup, "*")
     logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
-                 "rollup, cancel its events in Stripe and send it as new (within a day), or send the difference, "
-                 "in the admin",
+                 "rollup, cancel its events in Stripe and send it as new (within a day of its hour's end), or send "
+                 "the difference, in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
     UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)

@@ -210,3 +210,19 @@ def test_the_admin_refuses_to_release_confirm_or_send_as_new_a_rollup_whose_diff
     shown = [str(message) for message in answer.context["messages"]]
     assert any(f"Rollups [{rollup.pk}] were NOT" in message and "send the difference" in message
                for message in shown), shown
+
+
+def test_the_admin_asks_about_the_lost_difference_event_and_takes_the_answer(fake_stripe, monkeypatch, client):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    _run_killed_before_recording(monkeypatch, rollup, stripe_has)
+    fake_stripe.forget_idempotency_keys()
+    UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=timezone.now() - timedelta(hours=25))
+    client = _superuser_client(client)
+
+    asked = _post_difference(client, rollup, stripe_has)
+    assert asked.status_code == 200 and b"look it up in Stripe" in asked.content
+    answered = _post_difference(client, rollup, {**stripe_has, "pending_in_stripe": "yes"})
+    assert answered.status_code == 302
+    assert _billed_as_the_ledger(fake_stripe, rollup) == {}
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is not None
