@@ -833,7 +833,7 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     ledger again after the rewind). Its `push_error` names its events not recorded yet and their values: an operator
     compares them with Stripe's, then confirms the rollup (`confirm_held`: the same; every event named is recorded as
     accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less,
-    within `METER_EVENT_CANCEL_WINDOW` of the hold), or sends what Stripe lacks (`send_held_difference`).
+    within `METER_EVENT_CANCEL_WINDOW` of its hour's end: `held_past_cancel_window`), or sends what Stripe lacks (`send_held_difference`).
 
     NOTE: before, the refusal was recorded as Stripe accepting the rollup's value and the rollup marked pushed: what it
     held beyond the events of before the rewind was billed by nobody (the rollups sum to the ledger, so no adjustment
