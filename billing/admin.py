@@ -75,6 +75,15 @@ class HeldDifferenceForm(forms.Form):
                 label=f"Stripe's value of {stripe_sync.meter_event_identifier(rollup, meter.event_name)}",
                 help_text=f"The ledger's: {getattr(rollup, meter.rollup_field)}. 0 if Stripe has no such event.")
 
+    stripe_customer_id = forms.CharField(
+        required=False, max_length=64, label="The Stripe customer those events are on",
+        help_text="As Stripe shows it (cus_…); may be empty only if Stripe has none of them. It must be the "
+                  "organisation's customer now.")
+    pending_in_stripe = forms.TypedChoiceField(
+        required=False, label="Only when asked: does Stripe have the difference event named above?",
+        choices=[("", "not asked"), ("yes", "yes: record it as sent"), ("no", "no: send it")],
+        coerce=lambda answer: {"yes": True, "no": False}.get(answer), empty_value=None)
+
     def stripe_has(self) -> dict[str, int]:
         return {meter.event_name: self.cleaned_data[meter.event_name] for meter in self.meters}
 
@@ -160,9 +169,14 @@ class UsageRollupAdmin(admin.ModelAdmin):
     @admin.action(description="Held: Stripe does NOT have the meter event named in its push error: send it again",
                   permissions=["release_held"])
     def release_held(self, request, queryset):
-        for rollup in queryset.filter(push_held_at__isnull=False):
+        in_difference = sorted(queryset.filter(push_held_at__isnull=False, difference_started_at__isnull=False)
+                               .values_list("pk", flat=True))
+        for rollup in queryset.filter(push_held_at__isnull=False, difference_started_at__isnull=True):
             self.log_change(request, rollup, "Released a held Stripe push")
         self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
+        if in_difference:
+            self.message_user(request, f"Rollups {in_difference} were NOT released: a \"send the difference\" has "
+                                       "begun on them; finish it (the same values again).", messages.ERROR)
 
     @admin.action(description="Held: Stripe HAS the meter event named in its push error: record it, push the rest",
                   permissions=["confirm_held"])
@@ -175,7 +189,11 @@ class UsageRollupAdmin(admin.ModelAdmin):
             if rollup.pk in confirmed:
                 self.log_change(request, rollup, "Confirmed a held Stripe meter event as in Stripe")
         self.message_user(request, f"Confirmed the held event of {num_confirmed} rollup(s).", messages.SUCCESS)
-        skipped = sorted(rollup.pk for rollup in held if rollup.pk not in confirmed)
+        in_difference = sorted(rollup.pk for rollup in held if rollup.difference_started_at is not None)
+        if in_difference:
+            self.message_user(request, f"Rollups {in_difference} were NOT confirmed: a \"send the difference\" has "
+                                       "begun on them; finish it (the same values again).", messages.ERROR)
+        skipped = sorted(rollup.pk for rollup in held if rollup.pk not in confirmed and rollup.pk not in in_difference)
         if skipped:
             self.message_user(request, f"Rollups {skipped} were not confirmed: their push error names no meter event "
                                        "Stripe may have (held for an invoice line whose price cannot be told). Nothing "
@@ -186,16 +204,22 @@ class UsageRollupAdmin(admin.ModelAdmin):
     def send_held_as_new(self, request, queryset):
         held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
         too_late = sorted(stripe_sync.held_past_cancel_window(queryset).values_list("pk", flat=True))
+        in_difference = sorted(rollup.pk for rollup in held
+                               if rollup.difference_started_at is not None and rollup.pk not in too_late)
         num_sent = stripe_sync.send_held_as_new(queryset)
         for rollup in UsageRollup.objects.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True):
             self.log_change(request, rollup, "Sent a rollup held as a duplicate again under new identifiers")
         self.message_user(request, f"Sent {num_sent} held rollup(s) again as new events.", messages.SUCCESS)
         if too_late:
             hours = int(stripe_sync.METER_EVENT_CANCEL_WINDOW.total_seconds() // 3600)
-            self.message_user(request, f"Rollups {too_late} were NOT sent: held over {hours} hours ago, so Stripe "
-                                       f"received their events over {hours} hours ago and cannot have cancelled them; "
-                                       "sent whole, they would bill what Stripe has twice. Use \"send the difference\" "
-                                       "instead, with what Stripe has of each event.", messages.ERROR)
+            self.message_user(request, f"Rollups {too_late} were NOT sent: their hour ended over {hours} hours ago, "
+                                       f"and Stripe may have received their events as early as that, so it may no "
+                                       "longer cancel them; sent whole, they would bill what Stripe has twice. Use "
+                                       "\"send the difference\" instead, with what Stripe has of each event.",
+                              messages.ERROR)
+        if in_difference:
+            self.message_user(request, f"Rollups {in_difference} were NOT sent: a \"send the difference\" has begun "
+                                       "on them; finish it (the same values again).", messages.ERROR)
 
     @admin.action(description="Held as a duplicate: Stripe has LESS than its push error names and its events stay: "
                               "send the difference (enter Stripe's values)", permissions=["release_held"])
@@ -212,13 +236,22 @@ class UsageRollupAdmin(admin.ModelAdmin):
         form = HeldDifferenceForm(request.POST if "apply" in request.POST else None, rollup=rollup, meters=meters)
         if form.is_valid():
             try:
-                stripe_sync.send_held_difference(Actor.from_request(request), rollup.pk, form.stripe_has())
+                marked = stripe_sync.send_held_difference(
+                    Actor.from_request(request), rollup.pk, form.stripe_has(),
+                    stripe_customer_id=form.cleaned_data["stripe_customer_id"],
+                    pending_in_stripe=form.cleaned_data["pending_in_stripe"])
             except stripe_sync.DifferenceRefused as refused:
                 form.add_error(None, str(refused))
             except stripe.StripeError as exc:
                 form.add_error(None, f"Stripe failed ({exc.__class__.__name__}: {exc}); what was sent is recorded: "
-                                     "submit again to send the rest")
+                                     "submit again, with the same values, to send the rest")
             else:
+                if not marked:
+                    # NOTE: another run marked it first (it recorded and audited its own); before, this showed success.
+                    self.message_user(request, f"Rollup {rollup.pk} was NOT marked by this run: another run sent its "
+                                               "difference or it was released first. Look at its audit log.",
+                                      messages.ERROR)
+                    return None
                 self.log_change(request, rollup, "Sent the difference of a rollup held as a duplicate")
                 self.message_user(request, f"Sent the difference of rollup {rollup.pk}; it is pushed.",
                                   messages.SUCCESS)

@@ -61,8 +61,16 @@ def record_held_counts() -> dict[str, int] | None:
 
 
 def recorded_held_counts() -> dict[str, int]:
-    """The counts the push task last kept, by reason; empty when none are fresh (`COUNTS_TTL_S`)."""
-    return {reason: int(num) for reason, num in get_redis().hgetall(HELD_ROLLUPS_KEY).items()}
+    """The counts the push task last kept, by reason; empty when none are fresh (`COUNTS_TTL_S`). A field that is not a
+    count is left out, with a warning. NOTE: before, it raised out of the scrape, and `/metrics` answered 500: every
+    series lost for one bad value."""
+    counts = {}
+    for reason, num in get_redis().hgetall(HELD_ROLLUPS_KEY).items():
+        try:
+            counts[reason] = int(num)
+        except ValueError:
+            logger.warning("the held rollups' count %r in Redis is %r, not a count; left out", reason, num)
+    return counts
 
 
 def held_families() -> list:

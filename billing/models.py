@@ -180,6 +180,11 @@ class UsageRollup(models.Model):
     # before invoicing them (`billing.services.push_again`), so that they go again, to the next customer, as new
     # events (Stripe would drop a known identifier as a duplicate).
     push_generation = models.PositiveIntegerField(default=0, db_default=0)
+    # A held duplicate's "send the difference" begun (`stripe_sync.send_held_difference`): when its first run claimed
+    # it, committed before any of its events was sent, and what that run sends (Stripe's values as entered, the
+    # customer, the events' date), fixed for every run after it. Cleared when the rollup is marked pushed.
+    difference_started_at = models.DateTimeField(null=True, blank=True)
+    difference_pending = models.JSONField(null=True, blank=True)
 
     objects = UsageRollupQuerySet.as_manager()
 

@@ -833,7 +833,7 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     ledger again after the rewind). Its `push_error` names its events not recorded yet and their values: an operator
     compares them with Stripe's, then confirms the rollup (`confirm_held`: the same; every event named is recorded as
     accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less,
-    within `METER_EVENT_CANCEL_WINDOW` of the hold), or sends what Stripe lacks (`send_held_difference`).
+    within `METER_EVENT_CANCEL_WINDOW` of its hour's end: `held_past_cancel_window`), or sends what Stripe lacks (`send_held_difference`).
 
     NOTE: before, the refusal was recorded as Stripe accepting the rollup's value and the rollup marked pushed: what it
     held beyond the events of before the rewind was billed by nobody (the rollups sum to the ledger, so no adjustment
@@ -843,8 +843,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     events = meter_event_identifier(rollup, "*")
     logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
-                 "rollup, cancel its events in Stripe and send it as new (within a day), or send the difference, "
-                 "in the admin",
+                 "rollup, cancel its events in Stripe and send it as new (within a day of its hour's end), or send "
+                 "the difference, in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
     UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
@@ -856,6 +856,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
 
 # Stripe cancels a meter event (a meter event adjustment) only within this long of receiving it.
 METER_EVENT_CANCEL_WINDOW = timedelta(hours=24)
+# How long a rollup's hour is: Stripe receives its events no earlier than its `hour_start` and this.
+ROLLUP_HOUR = timedelta(hours=1)
 _DUPLICATE_HOLD = "refused as a duplicate of a send this database does not remember"
 
 
@@ -865,9 +867,21 @@ def held_as_duplicate(rollups):
 
 
 def held_past_cancel_window(rollups, *, now: datetime | None = None):
-    """Those of `rollups` held as duplicates (`hold_duplicate`) whose events in Stripe can no longer be cancelled:
-    Stripe received them before the hold (`push_held_at`), and that is over `METER_EVENT_CANCEL_WINDOW` ago."""
-    return held_as_duplicate(rollups).filter(push_held_at__lte=(now or timezone.now()) - METER_EVENT_CANCEL_WINDOW)
+    """Those of `rollups` held as duplicates (`hold_duplicate`) whose events in Stripe may no longer be cancelled:
+    Stripe received them no earlier than their rollup's hour ended (`hour_start` + `ROLLUP_HOUR`), and that is over
+    `METER_EVENT_CANCEL_WINDOW` ago.
+
+    NOTE: not the hold's time (`push_held_at`), as before: Stripe received them at the push before the database went
+    back, hours or days before the hold, so the window may have closed long before a day after the hold. The end of
+    the hour is a lower bound of the receipt: the window is certainly open only before it is a day old."""
+    return held_as_duplicate(rollups).filter(
+        hour_start__lte=(now or timezone.now()) - METER_EVENT_CANCEL_WINDOW - ROLLUP_HOUR)
+
+
+def _not_in_difference(rollups):
+    """Those of `rollups` no "send the difference" has begun on (`difference_started_at`): what such a run sends, or
+    may have sent, is in no record yet, and sending it as new, again, or confirming it billed that twice or never."""
+    return rollups.filter(difference_started_at__isnull=True)
 
 
 def send_held_as_new(rollups) -> int:
@@ -875,11 +889,12 @@ def send_held_as_new(rollups) -> int:
     (`services.push_again`), once an operator has cancelled their events in Stripe (a meter event adjustment, within
     `METER_EVENT_CANCEL_WINDOW` of Stripe's receipt): Stripe held less than them. Returns how many.
 
-    NOTE: never one held longer ago than that window (`held_past_cancel_window`): its events in Stripe were received
-    before the hold, so no cancel of them was possible, and its whole value sent again billed what Stripe had twice.
-    Stripe's part of such a rollup stays; the rest goes as its difference (`send_held_difference`)."""
+    NOTE: never one whose hour ended longer ago than that window (`held_past_cancel_window`): its events in Stripe may
+    no longer be cancelled, and its whole value sent again billed what Stripe had twice; nor one a "send the
+    difference" has begun on (`_not_in_difference`). Stripe's part of such a rollup stays; the rest goes as its
+    difference (`send_held_difference`)."""
     now = timezone.now()
-    return services.push_again(held_as_duplicate(rollups).exclude(
+    return services.push_again(_not_in_difference(held_as_duplicate(rollups)).exclude(
         pk__in=held_past_cancel_window(rollups, now=now).values("pk")))
 
 
@@ -902,62 +917,152 @@ def held_difference_meters(rollup: UsageRollup) -> list[Meter]:
     return _unconfirmed(rollup)
 
 
-def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int]) -> int:
+@dataclass(slots=True, frozen=True)
+class _Difference:
+    """What a "send the difference" sends (`UsageRollup.difference_pending`), fixed by its first run."""
+
+    stripe_has: dict[str, int]  # event name -> Stripe's value, as the operator entered it
+    customer_id: str  # the customer Stripe's events are on, and the difference goes to
+    timestamp: int  # the events' date (`event_timestamp`): the same parameters under the same idempotency keys
+
+
+def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, stripe_customer_id: str,
+                         pending_in_stripe: bool | None = None) -> int:
     """Staff: bill what Stripe lacks of a rollup held as a duplicate (`hold_duplicate`), once an operator has read, in
     Stripe, the value of each event its hold names (`stripe_has`: event name -> value; 0 for one Stripe does not
-    have). For each meter, ours less Stripe's goes as one new meter event (`difference_identifier`, the same on every
-    run: Stripe refuses it twice, and one recorded is not sent again), Stripe's own events are recorded as accepted at
-    Stripe's values (`MeterEventPush`), the rollup is marked pushed, and it is audited (`DIFFERENCE_AUDIT_ACTION`).
-    Returns 1, or 0 when another run marked it first.
+    have) and the customer they are on (`stripe_customer_id`). For each meter, ours less Stripe's goes as one new
+    meter event (`difference_identifier`, the same on every run: Stripe refuses it twice, and one recorded is not sent
+    again), Stripe's own events are recorded as accepted at Stripe's values (`MeterEventPush`), the rollup is marked
+    pushed, and it is audited (`DIFFERENCE_AUDIT_ACTION`). Returns 1, or 0 when another run marked it first.
 
-    For a rollup held past `METER_EVENT_CANCEL_WINDOW` (its events in Stripe can no longer be cancelled, so
-    `send_held_as_new` refuses it), or any whose events an operator would rather not cancel. Raises
-    `DifferenceRefused`, sending nothing, for a rollup not held as a duplicate, a value missing or negative, or one
-    above ours: Stripe billed more than the ledger, which is a credit note in Stripe for the excess, then `confirm_held`.
-    A Stripe failure raises as it is; what was sent is recorded, and running it again sends only the rest."""
-    rollup = held_as_duplicate(UsageRollup.objects.filter(pk=rollup_id)).first()
-    if rollup is None:
-        raise DifferenceRefused(f"rollup {rollup_id} is not held as a duplicate (sent, confirmed or released since?)")
-    due = held_difference_meters(rollup)
+    The first run claims the rollup under its row lock and commits what it sends (`UsageRollup.difference_started_at`,
+    `difference_pending`) before calling Stripe: "send as new", "send it again" and "confirm" refuse it from then on,
+    and every later run sends the same (other values are refused). Events go one by one and a run stops at the first
+    that fails, so at most one (the first not recorded) may be in Stripe without a record. A run again within
+    `IDENTIFIER_TRUSTED_FOR` of the claim sends it again (Stripe refuses its identifier if it has it); later Stripe may
+    not, and the run is refused until the operator says whether Stripe has that event (`pending_in_stripe`: True, it
+    is recorded as sent; False, it is sent again, under a claim begun anew).
+
+    For a rollup whose events in Stripe can no longer be cancelled (`held_past_cancel_window`), or any whose events an
+    operator would rather not cancel. Raises `DifferenceRefused`, sending nothing, for a rollup not held as a duplicate,
+    a value missing or negative, one above ours (Stripe billed more than the ledger, which is a credit note in Stripe
+    for the excess, then `confirm_held`), or Stripe's events on a customer that is not the organisation's now (they
+    were billed, or not, by that customer's invoices: the difference sent to today's is billed by nobody, or by
+    another). A Stripe failure raises as it is; what was sent is recorded, and running it again sends only the rest."""
+    customer_id = BillingAccount.objects.for_organization(
+        UsageRollup.objects.values_list("organization_id", flat=True).get(pk=rollup_id)).stripe_customer_id
+    if not customer_id:
+        raise DifferenceRefused("the organisation has no Stripe customer: Stripe's events of this rollup are on one it "
+                                "no longer has; nothing sent")
+    subscription_id = ensure_subscription(
+        UsageRollup.objects.values_list("organization_id", flat=True).get(pk=rollup_id))
+    rollup, due, difference = _claim_difference(rollup_id, stripe_has, stripe_customer_id.strip(), customer_id,
+                                                subscription_id, pending_in_stripe)
     ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
-    missing = [name for name in ours if not isinstance(stripe_has.get(name), int) or stripe_has[name] < 0]
-    if missing:
-        raise DifferenceRefused(f"Stripe's value of {', '.join(missing)} is missing or negative")
-    more = [f"{name.removeprefix('inferplane_')} {stripe_has[name]} > {value}" for name, value in ours.items()
-            if stripe_has[name] > value]
-    if more:
-        raise DifferenceRefused(f"Stripe has more than the ledger ({', '.join(more)}): nothing sent. The excess is billed "
-                                "already: issue the customer a credit note for it in Stripe, then confirm the rollup")
-    customer_id = ensure_customer(rollup.organization_id)
-    subscription_id = ensure_subscription(rollup.organization_id)
-    timestamp = event_timestamp(rollup.hour_start, _subscription_start(rollup.organization_id, subscription_id))
     sent = set(MeterEventPush.objects.filter(
         identifier__in=[difference_identifier(rollup, name) for name in ours]).values_list("identifier", flat=True))
     for meter in due:
-        difference = ours[meter.event_name] - stripe_has[meter.event_name]
-        if difference > 0 and difference_identifier(rollup, meter.event_name) not in sent:
-            _send_difference(rollup, meter, difference, customer_id, timestamp)
+        value = ours[meter.event_name] - difference.stripe_has[meter.event_name]
+        if value > 0 and difference_identifier(rollup, meter.event_name) not in sent:
+            _send_difference(rollup, meter, value, difference.customer_id, difference.timestamp)
     with transaction.atomic():
         BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id).first()
+        marked = held_as_duplicate(UsageRollup.objects.filter(pk=rollup.pk, difference_started_at__isnull=False)).update(
+            pushed_at=timezone.now(), push_held_at=None, push_claimed_at=None, push_first_tried_at=None, push_error="",
+            num_unknown_lines_failures=0, difference_started_at=None, difference_pending=None)
+        if not marked:  # NOTE: nothing recorded of a rollup another run marked (it recorded its own)
+            return 0
         for meter in due:
-            if stripe_has[meter.event_name] > 0:
+            if difference.stripe_has[meter.event_name] > 0:
                 MeterEventPush.objects.get_or_create(
                     identifier=meter_event_identifier(rollup, meter.event_name),
-                    defaults={"rollup": rollup, "event_name": meter.event_name, "value": stripe_has[meter.event_name],
-                              "push_generation": rollup.push_generation, "stripe_customer_id": customer_id})
-        marked = held_as_duplicate(UsageRollup.objects.filter(pk=rollup.pk)).update(
-            pushed_at=timezone.now(), push_held_at=None, push_claimed_at=None, push_first_tried_at=None, push_error="",
-            num_unknown_lines_failures=0)
-        if marked:
-            record_audit(actor, Organization.objects.get(pk=rollup.organization_id), DIFFERENCE_AUDIT_ACTION, None,
-                         rollups=[rollup.pk], stripe_has={name: stripe_has[name] for name in ours},
-                         sent={name: value - stripe_has[name] for name, value in ours.items()})
+                    defaults={"rollup": rollup, "event_name": meter.event_name,
+                              "value": difference.stripe_has[meter.event_name],
+                              "push_generation": rollup.push_generation, "stripe_customer_id": difference.customer_id})
+        record_audit(actor, Organization.objects.get(pk=rollup.organization_id), DIFFERENCE_AUDIT_ACTION, None,
+                     rollups=[rollup.pk], stripe_has=difference.stripe_has, stripe_customer_id=difference.customer_id,
+                     sent={name: value - difference.stripe_has[name] for name, value in ours.items()})
     return marked
+
+
+def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_customer_id: str, customer_id: str,
+                      subscription_id: str, pending_in_stripe: bool | None) -> tuple[UsageRollup, list[Meter], _Difference]:
+    """Claim the rollup for `send_held_difference`, in a transaction of its own under its row lock, committed before
+    any of its events is sent; the rollup, its meters and what the run sends (fixed by the first run). Raises
+    `DifferenceRefused`."""
+    with transaction.atomic():
+        rollup = held_as_duplicate(UsageRollup.objects.select_for_update().filter(pk=rollup_id)).first()
+        if rollup is None:
+            raise DifferenceRefused(f"rollup {rollup_id} is not held as a duplicate (sent, confirmed or released "
+                                    "since?)")
+        due = held_difference_meters(rollup)
+        ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
+        missing = [name for name in ours if not isinstance(stripe_has.get(name), int) or stripe_has[name] < 0]
+        if missing:
+            raise DifferenceRefused(f"Stripe's value of {', '.join(missing)} is missing or negative")
+        more = [f"{name.removeprefix('inferplane_')} {stripe_has[name]} > {value}" for name, value in ours.items()
+                if stripe_has[name] > value]
+        if more:
+            raise DifferenceRefused(f"Stripe has more than the ledger ({', '.join(more)}): nothing sent. The excess is "
+                                    "billed already: issue the customer a credit note for it in Stripe, then confirm "
+                                    "the rollup")
+        entered = {name: stripe_has[name] for name in ours}
+        if any(entered.values()) and stripe_customer_id != customer_id:
+            raise DifferenceRefused(
+                f"Stripe's events of this rollup are on the customer {stripe_customer_id or '(none entered)'}, and the "
+                f"organisation's customer is {customer_id}: the difference would go to another customer than the "
+                "events it completes, billed by neither's invoices as one. Nothing sent; settle it in Stripe by hand")
+        recorded_on = set(MeterEventPush.objects.filter(rollup=rollup, push_generation=rollup.push_generation)
+                          .exclude(stripe_customer_id="").values_list("stripe_customer_id", flat=True))
+        if recorded_on - {customer_id}:
+            raise DifferenceRefused(f"this rollup's events were sent to the customer {', '.join(sorted(recorded_on))}, "
+                                    f"not the organisation's now ({customer_id}): nothing sent; settle it in Stripe")
+        now = timezone.now()
+        if rollup.difference_started_at is None:
+            difference = _Difference(entered, customer_id, event_timestamp(
+                rollup.hour_start, _subscription_start(rollup.organization_id, subscription_id)))
+            UsageRollup.objects.filter(pk=rollup.pk).update(
+                difference_started_at=now, difference_pending={"stripe_has": difference.stripe_has,
+                                                               "customer_id": customer_id,
+                                                               "timestamp": difference.timestamp})
+            return rollup, due, difference
+        difference = _Difference(**rollup.difference_pending)
+        if entered != difference.stripe_has or difference.customer_id != customer_id:
+            raise DifferenceRefused(
+                f"a run begun at {rollup.difference_started_at:%Y-%m-%d %H:%M} UTC sends the difference from Stripe's "
+                f"values {difference.stripe_has} to the customer {difference.customer_id}, and may have sent some of "
+                "it: enter the same values (what a difference sends is fixed once begun); nothing sent")
+        unanswered = _first_unrecorded_difference(rollup, due, difference)
+        if unanswered is not None and now - rollup.difference_started_at > IDENTIFIER_TRUSTED_FOR:
+            identifier, value, meter = unanswered
+            if pending_in_stripe is None:
+                raise DifferenceRefused(
+                    f"a run begun at {rollup.difference_started_at:%Y-%m-%d %H:%M} UTC may have sent {identifier} "
+                    f"(value {value}) without recording Stripe's answer, and Stripe may no longer refuse it as a "
+                    "duplicate (a day on): look it up in Stripe, then say whether Stripe has it; nothing sent")
+            if pending_in_stripe:
+                _record_accepted(rollup, meter, identifier, value, difference.customer_id, difference.timestamp, None)
+            # NOTE: the clock begins anew: the next event sent is first sent now.
+            UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=now)
+        return rollup, due, difference
+
+
+def _first_unrecorded_difference(rollup: UsageRollup, due: list[Meter],
+                                 difference: _Difference) -> tuple[str, int, Meter] | None:
+    """(identifier, value, meter) of the first difference event of `rollup` with a value and no record: the one a run
+    may have sent without its answer recorded (a run sends them in order and stops at the first that fails)."""
+    for meter in due:
+        value = getattr(rollup, meter.rollup_field) - difference.stripe_has[meter.event_name]
+        identifier = difference_identifier(rollup, meter.event_name)
+        if value > 0 and not MeterEventPush.objects.filter(identifier=identifier).exists():
+            return identifier, value, meter
+    return None
 
 
 def _send_difference(rollup: UsageRollup, meter: Meter, value: int, customer_id: str, timestamp: int) -> None:
     """Send one difference event (`send_held_difference`) and record it. Stripe refusing its identifier as a duplicate
-    says an earlier run sent it: recorded as accepted, not sent again."""
+    says an earlier run sent it (with the same value: a difference's values are fixed once begun): recorded as
+    accepted, not sent again."""
     identifier = difference_identifier(rollup, meter.event_name)
     created = None
     try:
@@ -974,8 +1079,8 @@ def _send_difference(rollup: UsageRollup, meter: Meter, value: int, customer_id:
 
 def release_held(rollups) -> int:
     """Push these held rollups on: Stripe does not have the event each was held for (it is sent again, its
-    duplicate window begins anew)."""
-    return rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True).update(
+    duplicate window begins anew). Never one a "send the difference" has begun on (`_not_in_difference`)."""
+    return _not_in_difference(rollups).filter(push_held_at__isnull=False, pushed_at__isnull=True).update(
         push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
 
 
@@ -988,8 +1093,8 @@ def confirm_held(rollups) -> int:
     NOTE: before, such a rollup was confirmed too: a meter event Stripe never received was recorded as accepted (its
     usage billed by nobody), and its failure counter, kept, held it again after one more run."""
     num_confirmed = 0
-    for rollup in rollups.filter(push_held_at__isnull=False, pushed_at__isnull=True,
-                                 num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER):
+    for rollup in _not_in_difference(rollups).filter(push_held_at__isnull=False, pushed_at__isnull=True,
+                                                     num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER):
         due = _unconfirmed(rollup)
         duplicate = _DUPLICATE_HOLD in rollup.push_error  # `hold_duplicate`: every event it names
         if due and not duplicate and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
@@ -1001,7 +1106,7 @@ def confirm_held(rollups) -> int:
                           "push_generation": rollup.push_generation,
                           "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
                           .values_list("stripe_customer_id", flat=True).first() or ""})
-        num_confirmed += UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False).update(
+        num_confirmed += _not_in_difference(UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False)).update(
             push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
     return num_confirmed
 

@@ -144,5 +144,12 @@ def check_now_and_then(role: str, *, reason: str = "") -> float | None:
 
 
 def recorded_skews() -> dict[str, float]:
-    """What each process found when it last checked ("<role>:<host>-<pid>" -> seconds ahead of Redis)."""
-    return {name: json.loads(value)["s"] for name, value in get_redis().hgetall(CLOCK_SKEWS_KEY).items()}
+    """What each process found when it last checked ("<role>:<host>-<pid>" -> seconds ahead of Redis). A value that
+    is not such a record is left out, with a warning. NOTE: before, it raised out of the scrape (`/metrics` 500)."""
+    skews = {}
+    for name, value in get_redis().hgetall(CLOCK_SKEWS_KEY).items():
+        try:
+            skews[name] = float(json.loads(value)["s"])
+        except (ValueError, TypeError, KeyError):
+            logger.warning("the clock skew of %r in Redis is %r, not a record of one; left out", name, value)
+    return skews

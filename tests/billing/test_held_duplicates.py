@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from billing import stripe_sync
 from billing.ledger import record_usage
-from billing.models import MeterEventPush, UsageRollup
+from billing.models import BillingAccount, MeterEventPush, UsageRollup
 from billing.rollups import rollup_usage
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
@@ -44,6 +44,15 @@ def _held_with_more_than_stripe(fake_stripe) -> tuple[UsageRollup, dict[str, int
     return again, stripe_has
 
 
+def _customer(rollup) -> str:
+    """The organisation's Stripe customer, which Stripe's events of `rollup` are on."""
+    return BillingAccount.objects.get(organization_id=rollup.organization_id).stripe_customer_id
+
+
+def _send_difference(rollup, stripe_has: dict[str, int], **kwargs) -> int:
+    return stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has, stripe_customer_id=_customer(rollup), **kwargs)
+
+
 def _billed(fake_stripe, rollup, meter) -> int:
     return sum(int(event["payload"]["value"]) for identifier, event in fake_stripe.meter_events.items()
                if str(rollup.push_uid) in identifier and event["event_name"] == meter.event_name)
@@ -60,7 +69,8 @@ def test_a_rollup_held_longer_than_stripes_cancel_window_is_not_sent_as_new(fake
     # cancels a meter event only within 24 h of receiving it). Before, "send as new" sent it whole under new
     # identifiers all the same (the test saw its push generation raised to 1): what Stripe had was billed twice.
     rollup, _ = _held_with_more_than_stripe(fake_stripe)
-    UsageRollup.objects.filter(pk=rollup.pk).update(push_held_at=timezone.now() - timedelta(hours=24, minutes=1))
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_held_at=timezone.now() - timedelta(hours=24, minutes=1),
+                                                    hour_start=timezone.now() - timedelta(hours=26))
     answer = _superuser_client(client).post(CHANGELIST, {"action": "send_held_as_new", "_selected_action": [rollup.pk]},
                                             follow=True)
 
@@ -80,7 +90,7 @@ def test_a_rollup_held_within_the_window_is_still_sent_as_new(fake_stripe):
 
 def _post_difference(client, rollup, values: dict[str, object]):
     return client.post(CHANGELIST, {"action": "send_held_difference", "_selected_action": [rollup.pk], "apply": "1",
-                                    **values})
+                                    "stripe_customer_id": _customer(rollup), **values})
 
 
 def test_the_difference_is_sent_once_and_the_rollup_is_pushed_and_audited(fake_stripe, client):
@@ -100,13 +110,14 @@ def test_the_difference_is_sent_once_and_the_rollup_is_pushed_and_audited(fake_s
                .values_list("value", flat=True)) == rollup.cost_micro_dollars
     [audited] = AuditEvent.objects.filter(action=stripe_sync.DIFFERENCE_AUDIT_ACTION)
     assert audited.details["rollups"] == [rollup.pk] and audited.details["stripe_has"] == stripe_has
+    assert audited.details["stripe_customer_id"] == _customer(rollup)
     assert audited.details["sent"]["inferplane_output_tokens"] == 500
 
     # Twice-run safe: the form again, the service again (and its Stripe call again, under the same identifiers).
     num_events = len(fake_stripe.meter_events)
     assert _post_difference(client, rollup, stripe_has).status_code == 302
     with pytest.raises(stripe_sync.DifferenceRefused):
-        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has)
+        _send_difference(rollup, stripe_has)
     assert len(fake_stripe.meter_events) == num_events
     assert stripe_sync.push_pending_rollups() == 0
 
@@ -123,11 +134,11 @@ def test_a_difference_cut_short_by_stripe_sends_only_the_rest_when_run_again(fak
 
     monkeypatch.setattr(stripe_sync, "_send_difference", send_then_lose_stripe)
     with pytest.raises(stripe_sync.stripe.APIConnectionError):
-        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has)
+        _send_difference(rollup, stripe_has)
     rollup.refresh_from_db()
     assert rollup.pushed_at is None and rollup.push_held_at is not None
     monkeypatch.setattr(stripe_sync, "_send_difference", original)
-    assert stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has) == 1
+    assert _send_difference(rollup, stripe_has) == 1
     assert sent[0] == "inferplane_input_tokens"
     for meter in stripe_sync.METERS:  # the difference sent before the failure is not sent again
         assert _billed(fake_stripe, rollup, meter) == getattr(rollup, meter.rollup_field), meter

@@ -12,7 +12,7 @@ from billing.ledger import record_usage
 from billing.models import BillingAccount, UsageRollup
 from billing.rollups import rollup_usage
 from controlplane.redis_client import get_redis
-from controlplane.redis_keys import HELD_ROLLUPS_KEY
+from controlplane.redis_keys import CLOCK_SKEWS_KEY, HELD_ROLLUPS_KEY
 from endpoints.gateway import metrics
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
@@ -69,3 +69,21 @@ def test_held_rollups_are_counted_by_reason_for_the_scrape_by_the_push_task_not_
 def test_the_held_rollups_are_counted_in_one_query(django_assert_num_queries):
     with django_assert_num_queries(1):
         assert held_rollups.count_held() == dict.fromkeys(held_rollups.REASONS, 0)
+
+
+def test_a_count_in_redis_that_is_not_a_number_is_left_out_and_the_scrape_goes_on(caplog):
+    # Before, int("x") raised out of the fleet gauges' refresh, and `/metrics` answered 500: every series lost. The same
+    # for a clock skew that is not the JSON record a process writes.
+    get_redis().delete(HELD_ROLLUPS_KEY)
+    get_redis().hset(HELD_ROLLUPS_KEY, mapping={"duplicate": "x", "unanswered": "2"})
+    get_redis().expire(HELD_ROLLUPS_KEY, held_rollups.COUNTS_TTL_S)
+    get_redis().hset(CLOCK_SKEWS_KEY, "worker:hostile-1", "not json")
+    try:
+        scraped = _scraped()
+    finally:
+        get_redis().delete(HELD_ROLLUPS_KEY)
+        get_redis().hdel(CLOCK_SKEWS_KEY, "worker:hostile-1")
+    assert scraped == {"unanswered": 2.0, "duplicate": 0.0, "unknown_lines": 0.0, "customer_deleted": 0.0}
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("'duplicate'" in message and "not a count" in message for message in warned), warned
+    assert any("worker:hostile-1" in message for message in warned), warned
