@@ -663,8 +663,13 @@ def _end_without_endpoint(batch: Batch) -> None:
 
 def _input_lines(batch: Batch, *, skip: Container[int] = ()) -> Iterator[Line]:
     """The batch's lines but those in `skip`, read from its input a part at a time as they are asked for
-    (`storage.ObjectGone` once it is gone)."""
-    return read_lines(storage.read_parts(batch.input_file.s3_key), skip=skip)
+    (`storage.ObjectGone` once it is gone), its first `num_total` alone: the requests its check counted.
+
+    NOTE: a line past them is never run: a release that counted one more line as a request (a line of whitespace
+    alone) shifted the indexes of a batch checked by the one before, and its run read every line it was given, a line
+    already answered ran and was billed again, and the batch ended with more lines completed than it had."""
+    return itertools.takewhile(lambda line: line.index < batch.num_total,
+                               read_lines(storage.read_parts(batch.input_file.s3_key), skip=skip))
 
 
 def caller_of(batch: Batch) -> Caller | None:
