@@ -920,7 +920,8 @@ def _unrun_row(batch_id: str, index: int, custom_id: str | None, *, code: str) -
     none)."""
     message = UNRUN_MESSAGES[code]
     if custom_id is None:
-        message += f" Its custom_id is unknown (the input file is gone): request {index + 1} of the input file."
+        message += (f" Its custom_id is unknown (the input file is gone): request {index + 1} of the input file (blank "
+                    "lines not counted).")
     return runner.error_row(batch_id, index, custom_id, code=code, message=message)
 
 
