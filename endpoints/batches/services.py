@@ -607,10 +607,13 @@ def validate_batch(batch: Batch) -> Batch:
             # NOTE: the room its error file may take should it expire before any line runs, kept from now on beside its
             # results (`_storage_use`) or refused now: those rows were written past the quota, and a file of many short
             # lines, each an error row longer than itself, left ~2.1 times its size past it (200 lines: 41,780 for 19,490)
-            _refuse_past_storage_quota(
-                batch.organization_id, max(0, num_unrun_row_bytes - batch.input_file.bytes), param="input_file_id",
-                doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each of "
-                      f"its {checked.num_lines:,} requests, should it expire before they run)")
+            # NOTE: only the room past what it keeps already (its input's size, `_storage_use`), and only when there is
+            # some: an organisation already past its quota (a smaller plan since) failed a batch that wanted none
+            if num_unrun_row_bytes > batch.input_file.bytes:
+                _refuse_past_storage_quota(
+                    batch.organization_id, num_unrun_row_bytes - batch.input_file.bytes, param="input_file_id",
+                    doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each "
+                          f"of its {checked.num_lines:,} requests, should it expire before they run)")
             Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
                 status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint,
                 num_total=checked.num_lines, num_unrun_row_bytes=num_unrun_row_bytes)

@@ -138,3 +138,26 @@ def test_an_open_batch_keeps_room_for_the_rows_of_its_lines_an_expiry_would_find
     assert len(rows) == 200 and json.loads(rows[0])["error"]["code"] == "batch_expired"
     assert batch.error_file.bytes <= batch.num_unrun_row_bytes
     assert _stored_bytes(tenant.org.pk) <= quota
+
+
+def _set_quota(organization, max_file_bytes: int) -> None:
+    Plan.objects.filter(pk=organization.plan_id).update(max_file_bytes=max_file_bytes)
+
+
+def test_an_organisation_past_its_quota_still_runs_a_batch_whose_rows_need_no_more_room_than_its_input(
+        files_bucket, tenant):
+    # Before: the check refused 0 bytes more past a quota already passed (a smaller plan since the batch's creation):
+    # the batch failed `storage_quota_exceeded`, blaming "this batch's error file", which its input's room held.
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048)  # no replica: no line runs by itself
+    data = b"".join(json.dumps({"custom_id": f"{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": endpoint.name, "input": "x" * 1000}}).encode() + b"\n"
+                    for i in range(20))
+    _on_plan(tenant.org, max_file_bytes=10**9)
+    batch = new_batch(endpoint, data, request_path="/v1/embeddings")
+    _set_quota(tenant.org, len(data) // 2)
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.errors) == (BatchStatus.IN_PROGRESS, None)
+    assert 0 < batch.num_unrun_row_bytes <= batch.input_file.bytes
