@@ -14,6 +14,7 @@ batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -607,10 +608,13 @@ def validate_batch(batch: Batch) -> Batch:
             # NOTE: the room its error file may take should it expire before any line runs, kept from now on beside its
             # results (`_storage_use`) or refused now: those rows were written past the quota, and a file of many short
             # lines, each an error row longer than itself, left ~2.1 times its size past it (200 lines: 41,780 for 19,490)
-            _refuse_past_storage_quota(
-                batch.organization_id, max(0, num_unrun_row_bytes - batch.input_file.bytes), param="input_file_id",
-                doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each of "
-                      f"its {checked.num_lines:,} requests, should it expire before they run)")
+            # NOTE: only the room past what it keeps already (its input's size, `_storage_use`), and only when there is
+            # some: an organisation already past its quota (a smaller plan since) failed a batch that wanted none
+            if num_unrun_row_bytes > batch.input_file.bytes:
+                _refuse_past_storage_quota(
+                    batch.organization_id, num_unrun_row_bytes - batch.input_file.bytes, param="input_file_id",
+                    doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each "
+                          f"of its {checked.num_lines:,} requests, should it expire before they run)")
             Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
                 status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint,
                 num_total=checked.num_lines, num_unrun_row_bytes=num_unrun_row_bytes)
@@ -663,8 +667,13 @@ def _end_without_endpoint(batch: Batch) -> None:
 
 def _input_lines(batch: Batch, *, skip: Container[int] = ()) -> Iterator[Line]:
     """The batch's lines but those in `skip`, read from its input a part at a time as they are asked for
-    (`storage.ObjectGone` once it is gone)."""
-    return read_lines(storage.read_parts(batch.input_file.s3_key), skip=skip)
+    (`storage.ObjectGone` once it is gone), its first `num_total` alone: the requests its check counted.
+
+    NOTE: a line past them is never run: a release that counted one more line as a request (a line of whitespace
+    alone) shifted the indexes of a batch checked by the one before, and its run read every line it was given, a line
+    already answered ran and was billed again, and the batch ended with more lines completed than it had."""
+    return itertools.takewhile(lambda line: line.index < batch.num_total,
+                               read_lines(storage.read_parts(batch.input_file.s3_key), skip=skip))
 
 
 def caller_of(batch: Batch) -> Caller | None:
@@ -764,11 +773,13 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     # NOTE: its ORM on the run's database threads (`BATCH_DB_SESSIONS`), its S3 put where it is called (`runner.run`'s
     # worker thread): a slow put holds none of the few threads the lease's checks need
     take_result_room = on_database_thread(_take_result_room)
+    give_back_unrun_row_room = on_database_thread(_give_back_unrun_row_room)
 
     def _store(outcome: runner.LineOutcome) -> runner.Stored:
         row = outcome.row
-        if take_result_room(batch, len(row) + 1, token=token):
-            storage.put_result(batch.organization_id, batch.pk, outcome.line.index, row, ok=outcome.status_code == 200)
+        unrun_row_room = _unrun_row_room(batch.pk, outcome.line) if batch.num_unrun_row_bytes else 0
+        if take_result_room(batch, len(row) + 1, token=token, num_unrun_row_bytes_freed=unrun_row_room):
+            put_result(outcome.line.index, row, ok=outcome.status_code == 200, unrun_row_room=unrun_row_room)
             return runner.Stored(ok=outcome.status_code == 200)
         # NOTE: its answer is dropped, not stored past the quota: the run stops starting lines (each would be billed
         # for an answer it could not keep) and the batch fails with the lines that ran (`_fail_past_storage_quota`).
@@ -777,10 +788,23 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                                          "organisation's files past its storage quota (max_file_bytes). It ran, and is "
                                          "billed as any request that ran. Delete files the organisation no longer "
                                          "needs, or ask for a larger plan, and send the request again.")
-        take_result_room(batch, len(error) + 1, past_quota=True, token=token)
-        storage.put_result(batch.organization_id, batch.pk, outcome.line.index, error, ok=False)
+        take_result_room(batch, len(error) + 1, past_quota=True, token=token, num_unrun_row_bytes_freed=unrun_row_room)
+        put_result(outcome.line.index, error, ok=False, unrun_row_room=unrun_row_room)
         refused.append(outcome.line.index)
         return runner.Stored(ok=False, stop="quota")
+
+    def put_result(index: int, row: bytes, *, ok: bool, unrun_row_room: int) -> None:
+        try:
+            storage.put_result(batch.organization_id, batch.pk, index, row, ok=ok)
+        except Exception:
+            try:
+                if unrun_row_room:
+                    give_back_unrun_row_room(batch, unrun_row_room)
+            except Exception:
+                # NOTE: the put's error is the one the run acts on, not this one (PostgreSQL away: the store tried
+                # again would give up the line's room once more)
+                logger.exception("batch %s: line %d's error row room could not be kept again", batch.pk, index)
+            raise
 
     try:
         progress = run_briefly(runner.run(work, todo, progress, slice_s=settings.BATCH_RUN_SLICE_S,
@@ -813,11 +837,16 @@ class LeaseLost(Exception):
     """The batch's lease is no longer the run's (`lease_token`): another run holds it."""
 
 
-def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: bool = False) -> bool:
+def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: bool = False,
+                      num_unrun_row_bytes_freed: int = 0) -> bool:
     """Count `num_bytes` more of the batch's results (`num_result_bytes`) against its organisation's `max_file_bytes`,
     under its row lock; False, counting nothing, when they would take it past the quota (unless `past_quota`: a line's
     error row, a few hundred bytes). Results within the room the batch kept at its creation (its input's size) always
     fit, and so do the rows its end writes for lines without results (room kept beside them, `num_unrun_row_bytes`).
+    The result of a line gives back the room its row kept there (`num_unrun_row_bytes_freed`, `_unrun_row_room`), in
+    the same update: a line with a result has no such row (a put that fails keeps it again,
+    `_give_back_unrun_row_room`). NOTE: each line's room was kept beside its result too, and a batch whose results fit
+    the quota was refused answers it had been billed for, and failed.
     `LeaseLost`, counting nothing, once the batch's lease is not `token` (the run's). NOTE: a batch kept room for
     its output equal to its input only, and its outputs were stored unchecked: a 300-byte line's answer may be 64 MiB,
     and 50,000 such lines took an organisation's S3 use far past its quota.
@@ -834,14 +863,24 @@ def _take_result_room(batch: Batch, num_bytes: int, *, token: str, past_quota: b
             pk=batch.pk).values_list("input_file__bytes", "num_result_bytes", "num_unrun_row_bytes", "lease_token").get()
         if lease_token != token:
             raise LeaseLost(batch.pk)
-        num_result_bytes += num_unrun_row_bytes  # kept for the rows of the lines an expiry finds without results
-        kept, wanted = max(num_input_bytes, num_result_bytes), max(num_input_bytes, num_result_bytes + num_bytes)
+        freed = min(num_unrun_row_bytes, num_unrun_row_bytes_freed)
+        # the room kept for the rows of the lines an expiry finds without results, beside the results so far
+        kept = max(num_input_bytes, num_result_bytes + num_unrun_row_bytes)
+        wanted = max(num_input_bytes, num_result_bytes + num_bytes + num_unrun_row_bytes - freed)
         if not past_quota and wanted > kept and used + room - kept + wanted > limit:
             return False
         if not Batch.objects.filter(pk=batch.pk, lease_token=token).update(
-                num_result_bytes=F("num_result_bytes") + num_bytes):
+                num_result_bytes=F("num_result_bytes") + num_bytes,
+                num_unrun_row_bytes=Greatest(F("num_unrun_row_bytes") - freed, 0)):
             raise LeaseLost(batch.pk)
     return True
+
+
+def _give_back_unrun_row_room(batch: Batch, num_bytes: int) -> None:
+    """The room a line's row kept (`_unrun_row_room`), given up as its result was counted (`_take_result_room`), kept
+    again: its result's put failed, and the batch's end may write its row (`result_not_stored`, billed) unless a
+    later run stores it. The batch ended meanwhile keeps none."""
+    Batch.objects.open().filter(pk=batch.pk).update(num_unrun_row_bytes=F("num_unrun_row_bytes") + num_bytes)
 
 
 def _fail_past_storage_quota(batch: Batch, index: int) -> None:
@@ -913,22 +952,36 @@ def _unrun_row(batch_id: str, index: int, custom_id: str | None, *, code: str) -
     none)."""
     message = UNRUN_MESSAGES[code]
     if custom_id is None:
-        message += f" Its custom_id is unknown (the input file is gone): request {index + 1} of the input file."
+        message += (f" Its custom_id is unknown (the input file is gone): request {index + 1} of the input file (blank "
+                    "lines not counted).")
     return runner.error_row(batch_id, index, custom_id, code=code, message=message)
+
+
+def _longest_unrun_row(batch_id: str, index: int) -> int:
+    """The bytes of line `index`'s longest row `_unrun_rows` may write, but its custom id's and its line's end: with its
+    custom id, or with none (`null`, its input gone: no longer than a custom id of one character and a byte). It
+    changes with the index by the number of digits of the index (its `id`) and of the index + 1 (its message) alone."""
+    return max(max(len(_unrun_row(batch_id, index, "", code=code)) - len('""'),
+                   len(_unrun_row(batch_id, index, None, code=code)) - len('"x"'))
+               for code in UNRUN_MESSAGES)
+
+
+def _unrun_row_room(batch_id: str, line: Line) -> int:
+    """The room `line` keeps in its batch's `num_unrun_row_bytes` (`_unrun_rows_bytes`) until it has a result: its
+    longest row, its custom id as JSON (as `Checked` counted it) and its line's end."""
+    return _longest_unrun_row(batch_id, line.index) + len(json.dumps(line.custom_id)) + 1
 
 
 def _unrun_rows_bytes(batch_id: str, num_lines: int, num_custom_id_bytes: int) -> int:
     """The most bytes the rows `_unrun_rows` may write for a batch of `num_lines` requests whose custom ids take
-    `num_custom_id_bytes` as JSON (`Checked`), each with its line's end: each line's longest row, with its custom id
-    or with none (`null`, its input gone: no longer than a custom id of one character and a byte). A row's length
-    changes with its line's index by its number of digits alone: computed once for each."""
+    `num_custom_id_bytes` as JSON (`Checked`): the sum of each line's `_unrun_row_room` (given back one by one as their
+    results are counted, to 0 once each has one), its longest row computed once for each run of indexes whose rows are
+    as long (0-8, 9, 10-98, 99, ...)."""
     total, first = num_custom_id_bytes + num_lines, 0
     while first < num_lines:
-        last = min(num_lines, 10 * first if first else 10) - 1  # the indexes with as many digits as `first`
-        longest = max(max(len(_unrun_row(batch_id, last, "", code=code)) - len('""'),
-                          len(_unrun_row(batch_id, last, None, code=code)) - len('"x"'))
-                      for code in UNRUN_MESSAGES)
-        total += (last - first + 1) * longest
+        # the indexes with as many digits as `first`, whose number (index + 1) has as many as its
+        last = min(num_lines - 1, 10 ** len(str(first)) - 1, 10 ** len(str(first + 1)) - 2)
+        total += (last - first + 1) * _longest_unrun_row(batch_id, first)
         first = last + 1
     return total
 

@@ -33,7 +33,7 @@ MAX_CUSTOM_ID = 512
 
 @dataclass(slots=True, frozen=True)
 class Line:
-    index: int  # 0-based line number among the file's lines that are not blank (`split_lines`)
+    index: int  # 0-based line number among the file's lines that are not blank (`_requests`)
     custom_id: str
     body: dict  # the request's body as the file has it (the gateway's checks run on it again as it runs)
 
@@ -109,14 +109,22 @@ def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES)
 
 def _requests(parts: Iterable[bytes]) -> Iterator[tuple[int, bytes | None, str | None]]:
     """Each line of a file but the blank ones (its requests, as `Line.index` counts them): its number, its bytes (None:
-    too large) and its text (None: too large, or not UTF-8). NOTE: a line of other whitespace alone (U+3000, NBSP) is
-    a request, and not JSON: it was skipped as blank (`str.strip`), a line at a time whatever their number."""
+    too large) and its text (None: too large, or not UTF-8). A blank line is whitespace alone as `str.strip` finds it:
+    those `bytes.strip` strips are skipped by `split_lines` a run at a time, the others (\\x1c-\\x1f, U+0085, U+00A0,
+    U+3000, ...) here, a line at a time.
+
+    NOTE: which lines are blank decides every request's index (`Line.index`: its result's key, its row's `id`, its
+    usage row's request id), and a batch checked by one release is run by the next: a line of other whitespace alone
+    counted as a request shifted the indexes of the lines after it in a batch checked before, which then ran (and were
+    billed) again under the index of the line before them. `str.isspace` is `str.strip`'s whitespace, and reads a line
+    only up to its first other character."""
     for number, raw in split_lines(parts):
         try:
             text = raw.decode("utf-8") if raw is not None else None
         except UnicodeDecodeError:
             text = None
-        yield number, raw, text
+        if text is None or (text and not text.isspace()):
+            yield number, raw, text
 
 
 def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lines: int,

@@ -125,7 +125,8 @@ def test_a_line_billed_but_not_stored_whose_input_is_gone_has_its_row_in_the_err
             map(json.loads, storage.read_bytes(batch.error_file.s3_key).splitlines())}
     for index in unstored:
         assert rows[index]["custom_id"] is None and rows[index]["error"]["code"] == "result_not_stored"
-        assert f"request {index + 1} of the input file" in rows[index]["error"]["message"]
+        # Before (the message's last change): "request 2 of the input file.", without what the README says it counts
+        assert f"request {index + 1} of the input file (blank lines not counted)" in rows[index]["error"]["message"]
     assert (batch.num_completed, batch.num_failed) == (len(done), len(unstored)), "one row for each failed line"
     never_run = {0, 1, 2} - set(done) - unstored
     assert set(rows) == unstored | (never_run if ending == "expired" else set())

@@ -15,10 +15,12 @@ import pytest
 from django.db.models import Sum
 from django.utils import timezone
 
+from billing.models import UsageRecord
 from controlplane.accounts.models import Plan
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus, File
-from tests.batches.conftest import new_batch
+from endpoints.batches.validation import read_lines
+from tests.batches.conftest import lose_a_result_once, new_batch
 from tests.factories import EndpointFactory
 from tests.gateway.conftest import serve_endpoint
 
@@ -138,3 +140,81 @@ def test_an_open_batch_keeps_room_for_the_rows_of_its_lines_an_expiry_would_find
     assert len(rows) == 200 and json.loads(rows[0])["error"]["code"] == "batch_expired"
     assert batch.error_file.bytes <= batch.num_unrun_row_bytes
     assert _stored_bytes(tenant.org.pk) <= quota
+
+
+def _short_chat_lines(endpoint, num_lines: int) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}},
+                               separators=(",", ":")).encode() + b"\n" for i in range(num_lines))
+
+
+def _set_quota(organization, max_file_bytes: int) -> None:
+    Plan.objects.filter(pk=organization.plan_id).update(max_file_bytes=max_file_bytes)
+
+
+def test_a_line_with_its_result_gives_back_the_room_its_error_row_kept_and_answers_that_fit_are_kept(
+        files_bucket, tenant, start_mock_upstream):
+    # Before: each line's error-row room (`num_unrun_row_bytes`) was kept beside its result to the end: 40 lines whose
+    # answers fit the quota with 5% to spare failed at line 21 (`storage_quota_exceeded`), 8 billed answers dropped
+    # with ~8 KB of the quota unused.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    data = _short_chat_lines(endpoint, 40)
+    _on_plan(tenant.org, max_file_bytes=10**9)
+    measured = new_batch(endpoint, data)
+    services.run_batch(measured.pk)
+    measured = Batch.objects.get(pk=measured.pk)
+    assert measured.status == BatchStatus.COMPLETED
+    num_output_bytes = measured.output_file.bytes
+    # room for another batch of it and its output (5% to spare), not for its output and its rows' room beside it
+    quota = _stored_bytes(tenant.org.pk) + len(data) + max(len(data), num_output_bytes) + num_output_bytes // 20
+    _set_quota(tenant.org, quota)
+
+    batch = new_batch(endpoint, data)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed, batch.errors) == (BatchStatus.COMPLETED, 40, 0, None)
+    assert batch.num_unrun_row_bytes == 0, "each line's room given back as its result was counted"
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 40
+    assert _stored_bytes(tenant.org.pk) <= quota
+
+
+def test_a_line_billed_whose_result_was_not_stored_keeps_the_room_of_its_row(files_bucket, tenant, start_mock_upstream,
+                                                                             monkeypatch):
+    # Before: no line gave its room back (all of `num_unrun_row_bytes` kept to the end, whatever was stored)
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    data = _short_chat_lines(endpoint, 3)
+    batch = new_batch(endpoint, data)
+    lost = lose_a_result_once(monkeypatch, 1)
+    with pytest.raises(RuntimeError):
+        services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    done = storage.result_indices(batch.organization_id, batch.pk)
+    assert lost == [1] and 1 not in done
+    assert batch.num_unrun_row_bytes == sum(services._unrun_row_room(batch.pk, line) for line in read_lines([data])
+                                            if line.index not in done), "the room of the rows its end may write"
+
+    services.run_batch(batch.pk)  # line 1 again: stored, billed once
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_unrun_row_bytes) == (BatchStatus.COMPLETED, 3, 0)
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 3
+
+
+def test_an_organisation_past_its_quota_still_runs_a_batch_whose_rows_need_no_more_room_than_its_input(
+        files_bucket, tenant):
+    # Before: the check refused 0 bytes more past a quota already passed (a smaller plan since the batch's creation):
+    # the batch failed `storage_quota_exceeded`, blaming "this batch's error file", which its input's room held.
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048)  # no replica: no line runs by itself
+    data = b"".join(json.dumps({"custom_id": f"{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": endpoint.name, "input": "x" * 1000}}).encode() + b"\n"
+                    for i in range(20))
+    _on_plan(tenant.org, max_file_bytes=10**9)
+    batch = new_batch(endpoint, data, request_path="/v1/embeddings")
+    _set_quota(tenant.org, len(data) // 2)
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.errors) == (BatchStatus.IN_PROGRESS, None)
+    assert 0 < batch.num_unrun_row_bytes <= batch.input_file.bytes
