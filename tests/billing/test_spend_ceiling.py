@@ -303,6 +303,57 @@ def test_refunds_stripe_made_before_charge_refunded_reached_us_are_read_back_onc
     assert RefundedCharge.objects.count() == 2
 
 
+def test_a_late_older_refund_event_never_lowers_what_the_backfill_read_from_stripe(carded):
+    """Refunds only add up. Before, a `charge.refunded` that Stripe retried after `backfill_refunds` read the charge's
+    newer total overwrote it (the backfill left the event time at 0): $10 then $40 refunded of $50 counted $10, net
+    paid $40 again and the $500 ceiling back."""
+    from django.core.management import call_command
+
+    from billing.models import RefundedCharge
+
+    _paid(carded, "in_1", 5000)
+    charge = carded.stripe.charge(carded.customer, amount=5000)
+    first = {**carded.stripe.refund(charge["id"], amount=1000), "object": "charge"}  # its event failed: retried later
+    carded.stripe.refund(charge["id"], amount=4000)  # its event dropped by an older pod
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(0)
+    _webhook("charge.refunded", first, created=int(time.time()) - 3600)  # Stripe's retry of the first refund's
+    assert RefundedCharge.objects.get(stripe_charge_id=charge["id"]).amount_refunded == 5000
+    assert standing.net_paid(carded.org.pk) == Decimal(0)
+
+
+def test_the_refund_backfill_reads_every_other_customer_past_one_that_fails_and_retries_each_page(
+        carded, monkeypatch):
+    """Before, the first customer whose charges failed (a deleted one Stripe no longer knows, a 5xx past the retries)
+    stopped the run, leaving every customer after it unread; and a page after the first was read without retries."""
+    from django.core.management import CommandError, call_command
+
+    from billing import refund_backfill
+    from billing.models import DeletedStripeCustomer
+
+    _paid(carded, "in_1", 9000)
+    gone = DeletedStripeCustomer.objects.create(stripe_customer_id="cus_deleted_before", organization=carded.org)
+    carded.stripe.refund(carded.stripe.charge(gone.stripe_customer_id, amount=700)["id"])
+    carded.stripe.fail_next("400", path="/v1/charges", method="GET")  # the account's customer, read first
+    with pytest.raises(CommandError, match=f"1 customer\\(s\\) could not be read.*{carded.customer}"):
+        call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(83)  # the deleted customer's $7 read all the same
+
+    for cents in (1000, 2000):  # two pages of one
+        carded.stripe.refund(carded.stripe.charge(carded.customer, amount=cents)["id"])
+    monkeypatch.setattr(refund_backfill, "PAGE_SIZE", 1)
+    record = refund_backfill.record_refunded_charge
+
+    def failing_the_next_page(organization_id, charge):  # a transient 5xx on the second page
+        carded.stripe.fail_next("500", path="/v1/charges", method="GET")
+        monkeypatch.setattr(refund_backfill, "record_refunded_charge", record)
+        return record(organization_id, charge)
+
+    monkeypatch.setattr(refund_backfill, "record_refunded_charge", failing_the_next_page)
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(53)  # $90 less $7, $10 and $20
+
+
 def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceiling_and_lists_who_is_over(
         carded, settings):
     """`billing/0032`. Before, an organisation spending $150 this month with nothing paid was refused from the deploy
