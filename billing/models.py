@@ -288,6 +288,9 @@ class BillingAccount(models.Model):
     # (`billing.standing.spend_ceiling`): an amount, or `staff_lifted_spend_ceiling` for none; neither: its history's.
     staff_spend_ceiling = MoneyField(null=True, blank=True)
     staff_lifted_spend_ceiling = models.BooleanField(default=False, db_default=False)
+    # The ceiling the upgrade gave an organisation already spending past its paid history's (`billing/0032`): a floor,
+    # not staff's; its paid history's applies once higher (`billing.standing.spend_ceiling`).
+    grandfathered_spend_ceiling = MoneyField(null=True, blank=True)
     # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
     limits_stale = models.BooleanField(default=False, db_default=False)
     # Part of the idempotency keys that create its customer and subscription, raised after a Stripe server
