@@ -238,3 +238,20 @@ def test_pushing_a_rollup_again_clears_a_difference_begun_on_its_old_generation(
     assert services.push_again(UsageRollup.objects.filter(pk=rollup.pk)) == 1
     rollup.refresh_from_db()
     assert rollup.difference_started_at is None and rollup.difference_pending is None
+
+
+def test_a_difference_begun_before_the_customer_changed_is_abandoned_then_the_rollup_confirmed(fake_stripe):
+    # Before, the claim's customer was enforced for good ("settle it in Stripe by hand"), and no action could then
+    # mark the rollup settled: it stayed held.
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    fake_stripe.fail_next("400", path="/v1/billing/meter_events", method="POST")
+    with pytest.raises(stripe_sync.stripe.InvalidRequestError):
+        _send_difference(rollup, stripe_has)
+    BillingAccount.objects.filter(organization_id=rollup.organization_id).update(stripe_customer_id="cus_recreated")
+    with pytest.raises(stripe_sync.DifferenceRefused):
+        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has, stripe_customer_id="cus_recreated")
+    assert stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False) == 1
+    assert stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False) == 0  # once
+    assert stripe_sync.confirm_held(UsageRollup.objects.filter(pk=rollup.pk)) == 1  # settled by hand in Stripe
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.difference_started_at is None
