@@ -88,6 +88,15 @@ class HeldDifferenceForm(forms.Form):
         return {meter.event_name: self.cleaned_data[meter.event_name] for meter in self.meters}
 
 
+class AbandonDifferenceForm(forms.Form):
+    """The operator's answer to `stripe_sync.abandon_held_difference`'s question, when it asks."""
+
+    difference_in_stripe = forms.TypedChoiceField(
+        required=False, label="Only when asked: does Stripe have the difference event named above?",
+        choices=[("", "not asked"), ("yes", "yes"), ("no", "no: none of this rollup's difference events")],
+        coerce=lambda answer: {"yes": True, "no": False}.get(answer), empty_value=None)
+
+
 @admin.register(BillingAccount)
 class BillingAccountAdmin(admin.ModelAdmin):
     form = BillingAccountForm
@@ -154,8 +163,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
     list_display = ["organization", "endpoint", "hour_start", "billing_mode", "sequence", "kind", "num_requests", "cost",
                     "closed_at", "pushed_at", "push_held_at", "push_error"]
     list_filter = ["kind", "billing_mode", ("push_held_at", admin.EmptyFieldListFilter)]
-    actions = ["release_held", "confirm_held", "send_held_as_new", "send_held_difference", "send_held_again",
-               "keep_held"]
+    actions = ["release_held", "confirm_held", "send_held_as_new", "send_held_difference", "abandon_held_difference",
+               "send_held_again", "keep_held"]
 
     def has_add_permission(self, request):
         return False  # NOTE: made by the rollups alone; one added here was pushed to Stripe and billed
@@ -176,7 +185,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
         self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
         if in_difference:
             self.message_user(request, f"Rollups {in_difference} were NOT released: a \"send the difference\" has "
-                                       "begun on them; finish it (the same values again).", messages.ERROR)
+                                       "begun on them; finish it (the same values again), or abandon it if it "
+                                       "sent nothing.", messages.ERROR)
 
     @admin.action(description="Held: Stripe HAS the meter event named in its push error: record it, push the rest",
                   permissions=["confirm_held"])
@@ -192,7 +202,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
         in_difference = sorted(rollup.pk for rollup in held if rollup.difference_started_at is not None)
         if in_difference:
             self.message_user(request, f"Rollups {in_difference} were NOT confirmed: a \"send the difference\" has "
-                                       "begun on them; finish it (the same values again).", messages.ERROR)
+                                       "begun on them; finish it (the same values again), or abandon it if it "
+                                       "sent nothing.", messages.ERROR)
         skipped = sorted(rollup.pk for rollup in held if rollup.pk not in confirmed and rollup.pk not in in_difference)
         if skipped:
             self.message_user(request, f"Rollups {skipped} were not confirmed: their push error names no meter event "
@@ -219,7 +230,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
                               messages.ERROR)
         if in_difference:
             self.message_user(request, f"Rollups {in_difference} were NOT sent: a \"send the difference\" has begun "
-                                       "on them; finish it (the same values again).", messages.ERROR)
+                                       "on them; finish it (the same values again), or abandon it if it sent "
+                                       "nothing.", messages.ERROR)
 
     @admin.action(description="Held as a duplicate: Stripe has LESS than its push error names and its events stay: "
                               "send the difference (enter Stripe's values)", permissions=["release_held"])
@@ -259,6 +271,40 @@ class UsageRollupAdmin(admin.ModelAdmin):
         return TemplateResponse(request, "billing/send_held_difference.html", {
             **self.admin_site.each_context(request), "title": "Send the difference to Stripe", "rollup": rollup,
             "form": form, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME, "opts": self.model._meta})
+
+    @admin.action(description="Held as a duplicate, a \"send the difference\" begun that sent nothing (a value "
+                              "entered wrong, its customer changed): abandon it", permissions=["release_held"])
+    def abandon_held_difference(self, request, queryset):
+        """An intermediate page, for the operator's answer when asked; `stripe_sync.abandon_held_difference`; one
+        rollup at a time."""
+        begun = list(queryset.filter(difference_started_at__isnull=False, pushed_at__isnull=True)[:2])
+        if len(begun) != 1 or queryset.count() != 1:
+            self.message_user(request, "Select exactly one rollup a \"send the difference\" has begun on.",
+                              messages.ERROR)
+            return None
+        [rollup] = begun
+        form = AbandonDifferenceForm(request.POST if "apply" in request.POST else None)
+        if form.is_valid():
+            try:
+                abandoned = stripe_sync.abandon_held_difference(
+                    Actor.from_request(request), rollup.pk,
+                    difference_in_stripe=form.cleaned_data["difference_in_stripe"])
+            except stripe_sync.DifferenceRefused as refused:
+                form.add_error(None, str(refused))
+            else:
+                if not abandoned:
+                    self.message_user(request, f"Rollup {rollup.pk} had no \"send the difference\" begun any more "
+                                               "(finished or abandoned since). Look at its audit log.", messages.ERROR)
+                    return None
+                self.log_change(request, rollup, "Abandoned the \"send the difference\" begun on a held rollup")
+                self.message_user(request, f"Abandoned the difference of rollup {rollup.pk}; it is still held: "
+                                           "send the difference with the right values, or another held action.",
+                                  messages.SUCCESS)
+                return None
+        return TemplateResponse(request, "billing/abandon_held_difference.html", {
+            **self.admin_site.each_context(request), "title": "Abandon the difference", "rollup": rollup,
+            "pending": rollup.difference_pending, "form": form, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "opts": self.model._meta})
 
     @admin.action(description="Held for an operator (its customer deleted): NOT billed by that customer's invoices: "
                               "send it to the organisation's customer of now", permissions=["release_held"])

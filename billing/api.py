@@ -150,8 +150,10 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
         "spend_ceiling": inline_serializer("SpendCeiling", {
             "amount": serializers.CharField(allow_null=True, help_text="The monthly spending ceiling (USD); null: none"),
             "source": serializers.ChoiceField(
-                choices=[standing.PAID_HISTORY, standing.STAFF],
-                help_text="paid_history (what the organisation has paid gives it) or staff (set by support)"),
+                choices=[standing.PAID_HISTORY, standing.GRANDFATHERED, standing.STAFF],
+                help_text="paid_history (what the organisation has paid gives it), grandfathered (the floor its usage "
+                          "before spending ceilings gave it, until its paid history gives more) or staff (set by "
+                          "support)"),
             "net_paid": serializers.CharField(
                 help_text="What its paid invoices paid, less refunds and payments disputed and not won (USD)"),
             "next_paid": serializers.CharField(

@@ -288,6 +288,9 @@ class BillingAccount(models.Model):
     # (`billing.standing.spend_ceiling`): an amount, or `staff_lifted_spend_ceiling` for none; neither: its history's.
     staff_spend_ceiling = MoneyField(null=True, blank=True)
     staff_lifted_spend_ceiling = models.BooleanField(default=False, db_default=False)
+    # The ceiling the upgrade gave an organisation already spending past its paid history's (`billing/0032`): a floor,
+    # not staff's; its paid history's applies once higher (`billing.standing.spend_ceiling`).
+    grandfathered_spend_ceiling = MoneyField(null=True, blank=True)
     # A change of its limits has not reached Redis yet (set with the change, cleared by the refresh).
     limits_stale = models.BooleanField(default=False, db_default=False)
     # Part of the idempotency keys that create its customer and subscription, raised after a Stripe server
@@ -653,11 +656,24 @@ class RefundedCharge(models.Model):
     stripe_charge_id = models.CharField(max_length=64, unique=True)
     currency = models.CharField(max_length=8, default="usd")
     amount_refunded = models.BigIntegerField(default=0)  # the charge's refunds in all, minor unit, as Stripe sends it
-    # Stripe's `created` of the newest event applied: an older event never overwrites a newer one.
-    stripe_event_created = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
         return self.stripe_charge_id
+
+    def raise_refunded(self, amount: int, currency: str) -> bool:
+        """Record that Stripe has refunded `amount` (the charge's running total, minor unit) as read now, from a
+        `charge.refunded` event or read back from Stripe; whether that changed anything. The caller holds the row's
+        lock.
+
+        NOTE: a charge's refunds only add up (a failed refund sends no `charge.refunded`), so the larger of what is
+        recorded and `amount` is the truth, whatever the order things arrive in: an older event that Stripe retries
+        after `manage.py backfill_refunds` read a newer total never lowers it."""
+        if amount <= self.amount_refunded:
+            return False
+        self.amount_refunded = amount
+        self.currency = currency or "usd"
+        self.save(update_fields=["amount_refunded", "currency"])
+        return True
 
 
 class InvoiceLine(models.Model):

@@ -733,9 +733,13 @@ def push_again(rollups) -> int:
     """Push `rollups` again from the start, under their next push generation: new meter-event identifiers (Stripe
     would drop the old ones as duplicates), no clock or hold of a try made under the old ones (`stripe_sync`'s
     23 h hold is for an answer that never came to an identifier of its own). For usage whose events went to a
-    customer deleted since; the next push sends it to the account's customer of then. Returns how many."""
+    customer deleted since; the next push sends it to the account's customer of then. Returns how many.
+
+    NOTE: a "send the difference" begun on one (`stripe_sync.send_held_difference`) goes too: it completed the old
+    generation's events, and kept, its values and customer would be enforced on a hold of the new one."""
     return rollups.update(push_generation=F("push_generation") + 1, pushed_at=None, push_claimed_at=None,
-                          push_first_tried_at=None, push_held_at=None, push_error="", num_unknown_lines_failures=0)
+                          push_first_tried_at=None, push_held_at=None, push_error="", num_unknown_lines_failures=0,
+                          difference_started_at=None, difference_pending=None)
 
 
 def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:

@@ -29,6 +29,7 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   whatever cap it sets itself: a stolen or empty card added, the cap removed, ran our GPUs for a month and the grace
   period before anything stopped it. An invoice paid raises it at once (its webhook's review writes the limits
   again); a refund or a dispute lowers it. Staff may set an organisation's own (`staff_spend_ceiling`, or none).
+  The upgrade gave those already spending past it a floor (`grandfathered_spend_ceiling`) that paying rises past.
   Prepaid accounts (credit bounds them) and those staff mark `invoiced_without_card` (staff vouch for them) are not
   held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
   (`Disputed`) and takes it out of the paid total.
@@ -65,6 +66,7 @@ SPEND_CEILING_STAFF = "spend_ceiling_staff"  # one staff set: paying does not ra
 SPEND_LIMIT_REASONS = (ORG_CAP, PAYMENT_METHOD, SPEND_CEILING, SPEND_CEILING_STAFF)
 # Where an organisation's spending ceiling comes from (`SpendCeiling.source`).
 PAID_HISTORY = "paid_history"
+GRANDFATHERED = "grandfathered"  # the upgrade's floor (`billing/0032`), above its paid history's for now
 STAFF = "staff"
 CENTS_PER_DOLLAR = 100
 
@@ -85,8 +87,8 @@ class SpendLimit:
 
 @dataclass(slots=True, frozen=True)
 class SpendCeiling:
-    """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY` or
-    `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
+    """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY`,
+    `GRANDFATHERED` or `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
     (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more)."""
 
     amount: Decimal | None
@@ -96,7 +98,7 @@ class SpendCeiling:
     next_amount: Decimal | None = None
 
     def __post_init__(self) -> None:
-        if self.source not in (PAID_HISTORY, STAFF):
+        if self.source not in (PAID_HISTORY, GRANDFATHERED, STAFF):
             raise ValueError(f"not a spend ceiling source: {self.source}")
 
 
@@ -145,14 +147,23 @@ def net_paid(organization_id: int) -> Decimal:
 
 
 def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
-    """The organisation's spending ceiling (`SPEND_CEILINGS` by `net_paid`, or staff's), or None where none applies
-    (`spend_ceiling_applies`)."""
+    """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
+    set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by `net_paid`) and the upgrade's floor
+    (`grandfathered_spend_ceiling`, `billing/0032`).
+
+    NOTE: the floor is not staff's: paying raises a grandfathered organisation as it does any other, once its paid
+    history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good)."""
     if not spend_ceiling_applies(account):
         return None
     paid = net_paid(account.organization_id)
     if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
         return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
-    return paid_history_ceiling(paid)
+    history = paid_history_ceiling(paid)
+    floor = account.grandfathered_spend_ceiling
+    if floor is None or history.amount is None or history.amount >= floor:
+        return history
+    above = [(step, amount) for step, amount in settings.SPEND_CEILINGS if amount is None or amount > floor]
+    return SpendCeiling(floor, GRANDFATHERED, paid, *(above[0] if above else (None, None)))
 
 
 def paid_history_ceiling(paid: Decimal) -> SpendCeiling:

@@ -1047,6 +1047,49 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
         return rollup, due, difference
 
 
+ABANDON_DIFFERENCE_AUDIT_ACTION = "billing.abandon_held_difference"
+
+
+def abandon_held_difference(actor, rollup_id: int, *, difference_in_stripe: bool | None = None) -> int:
+    """Staff: clear a "send the difference" begun on a rollup held as a duplicate that cannot be finished (begun with
+    a value entered wrong, or its organisation's customer changed since): its claim (`difference_started_at`,
+    `difference_pending`) goes, audited (`ABANDON_DIFFERENCE_AUDIT_ACTION`), and the rollup stays held as before the
+    run began, for any held action again ("send the difference" with the right values, confirm, release, send as
+    new). Returns 1, or 0 when none is begun on it (finished or abandoned since).
+
+    NOTE: only where no difference event was sent: a difference event's identifier is the same whatever its value
+    (`difference_identifier`), so one in Stripe would be taken, by the next run, as having sent that run's value.
+    Raises `DifferenceRefused` where one is recorded, and where one may be in Stripe without its answer recorded (a
+    run stops at the first that fails: `_first_unrecorded_difference`) until the operator, having looked it up in
+    Stripe, says it is not (`difference_in_stripe` False)."""
+    with transaction.atomic():
+        rollup = UsageRollup.objects.select_for_update().filter(pk=rollup_id, difference_started_at__isnull=False,
+                                                                 pushed_at__isnull=True).first()
+        if rollup is None:
+            return 0
+        recorded = sorted(MeterEventPush.objects.filter(identifier__in=[
+            difference_identifier(rollup, meter.event_name) for meter in METERS]).values_list("identifier", flat=True))
+        if recorded:
+            raise DifferenceRefused(f"Stripe has this rollup's difference event {', '.join(recorded)}: the difference "
+                                    "cannot be abandoned; finish it (the same values again)")
+        unanswered = _first_unrecorded_difference(rollup, held_difference_meters(rollup),
+                                                  _Difference(**rollup.difference_pending))
+        if unanswered is not None and difference_in_stripe is not False:
+            identifier, value, _meter = unanswered
+            if difference_in_stripe is None:
+                raise DifferenceRefused(
+                    f"the run begun at {rollup.difference_started_at:%Y-%m-%d %H:%M} UTC may have sent {identifier} "
+                    f"(value {value}) without recording Stripe's answer: look it up in Stripe, then say whether "
+                    "Stripe has it; nothing changed")
+            raise DifferenceRefused(f"Stripe has {identifier}: the difference cannot be abandoned; finish it (the "
+                                    "same values again, answering that Stripe has it)")
+        UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=None, difference_pending=None)
+        record_audit(actor, Organization.objects.get(pk=rollup.organization_id), ABANDON_DIFFERENCE_AUDIT_ACTION,
+                     None, rollups=[rollup.pk], begun_at=rollup.difference_started_at.isoformat(),
+                     abandoned=rollup.difference_pending, difference_in_stripe=difference_in_stripe)
+    return 1
+
+
 def _first_unrecorded_difference(rollup: UsageRollup, due: list[Meter],
                                  difference: _Difference) -> tuple[str, int, Meter] | None:
     """(identifier, value, meter) of the first difference event of `rollup` with a value and no record: the one a run

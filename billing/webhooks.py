@@ -104,7 +104,7 @@ def handle_stripe_webhook(payload: bytes, signature: str | None) -> bool:
             if dispute is not None:
                 services.paid_history_changed(dispute.organization_id)
         elif event["type"] in REFUND_EVENTS:
-            refunded = mirror_refund(event["data"]["object"], event_created=event.get("created", 0))
+            refunded = mirror_refund(event["data"]["object"])
             if refunded is not None:
                 services.paid_history_changed(refunded.organization_id)
         elif event["type"] in SUBSCRIPTION_EVENTS:
@@ -309,9 +309,10 @@ def mirror_dispute(data: dict, *, payer: tuple[str, str], event_created: int) ->
     return dispute
 
 
-def mirror_refund(data: dict, *, event_created: int) -> RefundedCharge | None:
+def mirror_refund(data: dict) -> RefundedCharge | None:
     """Mirror what is refunded of the charge of a `charge.refunded` event (its `amount_refunded`, all its refunds so
-    far). Its organisation is its customer's, the account's or one Stripe deleted since; a charge of no known customer
+    far, kept only where larger than recorded: `RefundedCharge.raise_refunded`); the charge's row where that changed
+    it. Its organisation is its customer's, the account's or one Stripe deleted since; a charge of no known customer
     is logged and left.
 
     NOTE: a refund that fails after (`refund.failed`) sends no `charge.refunded`: the charge stays counted as
@@ -325,12 +326,6 @@ def mirror_refund(data: dict, *, event_created: int) -> RefundedCharge | None:
         refunded, _ = RefundedCharge.objects.get_or_create(stripe_charge_id=data["id"],
                                                            defaults={"organization_id": organization_id})
         refunded = RefundedCharge.objects.select_for_update().get(pk=refunded.pk)
-    amount = data.get("amount_refunded") or 0
-    if refunded.stripe_event_created > event_created or (
-            refunded.stripe_event_created == event_created and refunded.amount_refunded >= amount):
-        return refunded  # an older event arriving late never overwrites newer state (refunds only add up)
-    refunded.currency = data.get("currency") or "usd"
-    refunded.amount_refunded = amount
-    refunded.stripe_event_created = event_created
-    refunded.save()
+    if not refunded.raise_refunded(data.get("amount_refunded") or 0, data.get("currency") or "usd"):
+        return None  # nothing new: an older event arriving late, or one seen before
     return refunded

@@ -19,7 +19,6 @@ class Migration(migrations.Migration):
                 ('stripe_charge_id', models.CharField(max_length=64, unique=True)),
                 ('currency', models.CharField(default='usd', max_length=8)),
                 ('amount_refunded', models.BigIntegerField(default=0)),
-                ('stripe_event_created', models.BigIntegerField(default=0)),
                 ('organization', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to='controlplane.organization')),
             ],
         ),

@@ -167,3 +167,91 @@ def test_a_bad_value_is_a_form_error_and_sends_nothing(fake_stripe, client, bad)
     assert len(fake_stripe.meter_events) == num_events
     rollup.refresh_from_db()
     assert rollup.pushed_at is None
+
+
+def _begun_with_a_typo(fake_stripe) -> tuple[UsageRollup, dict[str, int]]:
+    """A rollup held as a duplicate whose "send the difference" was begun with input tokens entered wrong, which
+    Stripe refused (400): nothing sent, the claim committed. And Stripe's true values."""
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    typo = {**stripe_has, "inferplane_input_tokens": min(stripe_has["inferplane_input_tokens"] * 10, rollup.input_tokens)}
+    fake_stripe.fail_next("400", path="/v1/billing/meter_events", method="POST")  # not retried
+    with pytest.raises(stripe_sync.stripe.InvalidRequestError):
+        _send_difference(rollup, typo)
+    rollup.refresh_from_db()
+    assert rollup.difference_started_at is not None
+    with pytest.raises(stripe_sync.DifferenceRefused, match="enter the same values"):
+        _send_difference(rollup, stripe_has)
+    return rollup, stripe_has
+
+
+def test_a_difference_begun_with_a_wrong_value_that_sent_nothing_is_abandoned_by_staff_then_sent_right(
+        fake_stripe, client):
+    # Before, nothing cleared the claim but a finish: the right values were refused ("enter the same values"),
+    # confirm, release and send-as-new all refused it, and the rollup stayed held until someone edited it in SQL.
+    rollup, stripe_has = _begun_with_a_typo(fake_stripe)
+    client = _superuser_client(client)
+    abandon = {"action": "abandon_held_difference", "_selected_action": [rollup.pk]}
+    shown = client.post(CHANGELIST, abandon)
+    assert shown.status_code == 200 and b"Abandon the difference" in shown.content
+    asked = client.post(CHANGELIST, {**abandon, "apply": "1"})  # its first event may be in Stripe: asked
+    assert asked.status_code == 200 and b"look it up in Stripe" in asked.content
+    assert client.post(CHANGELIST, {**abandon, "apply": "1", "difference_in_stripe": "yes"}).status_code == 200
+    rollup.refresh_from_db()
+    assert rollup.difference_started_at is not None  # nothing changed yet
+
+    assert client.post(CHANGELIST, {**abandon, "apply": "1", "difference_in_stripe": "no"}).status_code == 302
+    rollup.refresh_from_db()
+    assert rollup.difference_started_at is None and rollup.difference_pending is None
+    assert rollup.push_held_at is not None  # still held, for any held action
+    [audited] = AuditEvent.objects.filter(action=stripe_sync.ABANDON_DIFFERENCE_AUDIT_ACTION)
+    assert audited.details["rollups"] == [rollup.pk] and audited.details["difference_in_stripe"] is False
+    assert _send_difference(rollup, stripe_has) == 1
+    for meter in stripe_sync.METERS:  # the right difference, once
+        assert _billed(fake_stripe, rollup, meter) == getattr(rollup, meter.rollup_field), meter
+
+
+def test_a_difference_that_sent_an_event_cannot_be_abandoned(fake_stripe, monkeypatch):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    original, sent = stripe_sync._send_difference, []
+
+    def send_then_lose_stripe(*args):
+        sent.append(args[1].event_name)
+        if len(sent) == 2:
+            raise stripe_sync.stripe.APIConnectionError("lost")
+        return original(*args)
+
+    monkeypatch.setattr(stripe_sync, "_send_difference", send_then_lose_stripe)
+    with pytest.raises(stripe_sync.stripe.APIConnectionError):
+        _send_difference(rollup, stripe_has)
+    with pytest.raises(stripe_sync.DifferenceRefused, match="cannot be abandoned"):
+        stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False)
+    rollup.refresh_from_db()
+    assert rollup.difference_started_at is not None
+
+
+def test_pushing_a_rollup_again_clears_a_difference_begun_on_its_old_generation(fake_stripe):
+    # Before, `services.push_again` kept the claim: held as a duplicate again, the new generation was held to the old
+    # one's values and customer, and its difference refused for good.
+    from billing import services
+
+    rollup, _ = _begun_with_a_typo(fake_stripe)
+    assert services.push_again(UsageRollup.objects.filter(pk=rollup.pk)) == 1
+    rollup.refresh_from_db()
+    assert rollup.difference_started_at is None and rollup.difference_pending is None
+
+
+def test_a_difference_begun_before_the_customer_changed_is_abandoned_then_the_rollup_confirmed(fake_stripe):
+    # Before, the claim's customer was enforced for good ("settle it in Stripe by hand"), and no action could then
+    # mark the rollup settled: it stayed held.
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    fake_stripe.fail_next("400", path="/v1/billing/meter_events", method="POST")
+    with pytest.raises(stripe_sync.stripe.InvalidRequestError):
+        _send_difference(rollup, stripe_has)
+    BillingAccount.objects.filter(organization_id=rollup.organization_id).update(stripe_customer_id="cus_recreated")
+    with pytest.raises(stripe_sync.DifferenceRefused):
+        stripe_sync.send_held_difference(SYSTEM, rollup.pk, stripe_has, stripe_customer_id="cus_recreated")
+    assert stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False) == 1
+    assert stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False) == 0  # once
+    assert stripe_sync.confirm_held(UsageRollup.objects.filter(pk=rollup.pk)) == 1  # settled by hand in Stripe
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is None and rollup.difference_started_at is None

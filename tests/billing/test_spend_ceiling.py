@@ -303,10 +303,62 @@ def test_refunds_stripe_made_before_charge_refunded_reached_us_are_read_back_onc
     assert RefundedCharge.objects.count() == 2
 
 
+def test_a_late_older_refund_event_never_lowers_what_the_backfill_read_from_stripe(carded):
+    """Refunds only add up. Before, a `charge.refunded` that Stripe retried after `backfill_refunds` read the charge's
+    newer total overwrote it (the backfill left the event time at 0): $10 then $40 refunded of $50 counted $10, net
+    paid $40 again and the $500 ceiling back."""
+    from django.core.management import call_command
+
+    from billing.models import RefundedCharge
+
+    _paid(carded, "in_1", 5000)
+    charge = carded.stripe.charge(carded.customer, amount=5000)
+    first = {**carded.stripe.refund(charge["id"], amount=1000), "object": "charge"}  # its event failed: retried later
+    carded.stripe.refund(charge["id"], amount=4000)  # its event dropped by an older pod
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(0)
+    _webhook("charge.refunded", first, created=int(time.time()) - 3600)  # Stripe's retry of the first refund's
+    assert RefundedCharge.objects.get(stripe_charge_id=charge["id"]).amount_refunded == 5000
+    assert standing.net_paid(carded.org.pk) == Decimal(0)
+
+
+def test_the_refund_backfill_reads_every_other_customer_past_one_that_fails_and_retries_each_page(
+        carded, monkeypatch):
+    """Before, the first customer whose charges failed (a deleted one Stripe no longer knows, a 5xx past the retries)
+    stopped the run, leaving every customer after it unread; and a page after the first was read without retries."""
+    from django.core.management import CommandError, call_command
+
+    from billing import refund_backfill
+    from billing.models import DeletedStripeCustomer
+
+    _paid(carded, "in_1", 9000)
+    gone = DeletedStripeCustomer.objects.create(stripe_customer_id="cus_deleted_before", organization=carded.org)
+    carded.stripe.refund(carded.stripe.charge(gone.stripe_customer_id, amount=700)["id"])
+    carded.stripe.fail_next("400", path="/v1/charges", method="GET")  # the account's customer, read first
+    with pytest.raises(CommandError, match=f"1 customer\\(s\\) could not be read.*{carded.customer}"):
+        call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(83)  # the deleted customer's $7 read all the same
+
+    for cents in (1000, 2000):  # two pages of one
+        carded.stripe.refund(carded.stripe.charge(carded.customer, amount=cents)["id"])
+    monkeypatch.setattr(refund_backfill, "PAGE_SIZE", 1)
+    record = refund_backfill.record_refunded_charge
+
+    def failing_the_next_page(organization_id, charge):  # a transient 5xx on the second page
+        carded.stripe.fail_next("500", path="/v1/charges", method="GET")
+        monkeypatch.setattr(refund_backfill, "record_refunded_charge", record)
+        return record(organization_id, charge)
+
+    monkeypatch.setattr(refund_backfill, "record_refunded_charge", failing_the_next_page)
+    call_command("backfill_refunds")
+    assert standing.net_paid(carded.org.pk) == Decimal(53)  # $90 less $7, $10 and $20
+
+
 def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceiling_and_lists_who_is_over(
         carded, settings):
     """`billing/0032`. Before, an organisation spending $150 this month with nothing paid was refused from the deploy
-    on (its $100 ceiling), and staff could not set one first; nothing listed who was over."""
+    on (its $100 ceiling), and staff could not set one first; nothing listed who was over. And the ceiling it gave was
+    staff's, which paying never raised: $600 paid still met a 402 at twice its highest month for good."""
     import importlib
     from datetime import UTC, datetime
     from io import StringIO
@@ -315,6 +367,7 @@ def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceili
     from django.core.management import call_command
 
     from billing.models import BillingMode
+    from billing.rollups import rollup_usage
 
     migration = importlib.import_module("billing.migrations.0032_grandfather_spend_ceilings")
     now = datetime.now(UTC)
@@ -329,6 +382,7 @@ def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceili
     BillingAccount.objects.for_organization(prepaid)
     BillingAccount.objects.filter(organization=prepaid).update(mode=BillingMode.PREPAID)
     _usage(prepaid, "300")
+    rollup_usage()
     services.review_all_payment_standing()
     assert _refusal(carded.org, "1.00").reason == "spend_ceiling"
     listed = StringIO()
@@ -339,20 +393,43 @@ def test_the_upgrade_grandfathers_organisations_already_past_their_history_ceili
     migration.grandfather_spend_ceilings(apps, None)
     migration.grandfather_spend_ceilings(apps, None)  # a second run changes nothing
     services.review_all_payment_standing()  # marked stale: the gateway sees it (a deploy rebuilds every counter too)
-    assert (BillingAccount.objects.filter(organization__in=[carded.org, paid, prepaid]).order_by("organization_id")
-            .values_list("staff_spend_ceiling", flat=True)[::1]) == [Decimal(401), None, None]  # $400.40 rounded up
+    accounts = BillingAccount.objects.filter(organization__in=[carded.org, paid, prepaid]).order_by("organization_id")
+    assert list(accounts.values_list("grandfathered_spend_ceiling", "staff_spend_ceiling")) == [
+        (Decimal(401), None), (None, None), (None, None)]  # $400.40 rounded up, a floor, not staff's
+    ceiling = standing.spend_ceiling(BillingAccount.objects.get(organization=carded.org))
+    assert (ceiling.amount, ceiling.source, ceiling.next_paid, ceiling.next_amount) == (
+        Decimal(401), standing.GRANDFATHERED, Decimal(50), Decimal(500))
     _spend(carded.org, "240.00")  # $390.10 of $401
-    assert _refusal(carded.org, "11.00").reason == "spend_ceiling_staff"
+    assert _refusal(carded.org, "11.00").reason == "spend_ceiling"
     listed = StringIO()
     call_command("spend_over_ceiling", stdout=listed)
     assert "0 organisation(s) at or past" in listed.getvalue()
-    assert "0 staff ceiling(s) below" in listed.getvalue()
 
-    _paid(carded, "in_big", 60_000)  # $600 paid: its history's $5,000 passes the $401 paying does not raise
-    listed = StringIO()
-    call_command("spend_over_ceiling", stdout=listed)
-    assert f"{carded.org.pk}\t{carded.org.slug}\tstaff ceiling $401.00 below its paid history's ($5,000.00)" in (
-        listed.getvalue())
+    _paid(carded, "in_big", 60_000)  # $600 paid: its history's $5,000 passes the floor, as for anyone
+    assert standing.spend_limit(BillingAccount.objects.get(organization=carded.org)).cap == Decimal(5000)
+
+
+def test_the_upgrade_and_the_over_ceiling_list_read_no_organisations_usage_but_by_an_index_that_leads_with_it(carded):
+    """Before, `billing/0032` and `spend_over_ceiling` filtered the whole usage ledger on `finished_at` (no index
+    leads with it: a sequential scan of the biggest table, inside the migrate Job's transaction)."""
+    import importlib
+    from io import StringIO
+
+    from django.apps import apps
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    migration = importlib.import_module("billing.migrations.0032_grandfather_spend_ceilings")
+    _usage(carded.org, "150")
+    with CaptureQueriesContext(connection) as queries:
+        migration.grandfather_spend_ceilings(apps, None)
+        call_command("spend_over_ceiling", stdout=StringIO())
+    read = [query["sql"] for query in queries if "billing_usagerecord" in query["sql"]
+            or "billing_usagerollup" in query["sql"]]
+    assert read
+    for sql in read:
+        assert '"organization_id" = ' in sql, sql
 
 
 def _paid_by(organization, invoice_id: str, cents: int) -> None:

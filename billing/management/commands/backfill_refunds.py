@@ -1,6 +1,7 @@
 """`backfill_refunds`: record the refunds Stripe made before `charge.refunded` reached us (`billing.refund_backfill`),
 so that money refunded then no longer raises a spending ceiling. Run it once the webhook endpoint sends
-`charge.refunded` and every web pod runs this version; safe to run again."""
+`charge.refunded` and every web pod runs this version; safe to run again. A customer whose charges cannot be read
+is logged and the others still are; the run then ends non-zero, naming them: run it again."""
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -16,3 +17,6 @@ class Command(BaseCommand):
         done = refund_backfill.backfill_refunds()
         self.stdout.write(f"{done.num_customers} customer(s) read, {done.num_charges_recorded} refunded charge(s) "
                           f"recorded; organisations whose ceiling may fall: {list(done.organization_ids)}.")
+        if done.failed_customer_ids:
+            raise CommandError(f"{len(done.failed_customer_ids)} customer(s) could not be read (logged), run it "
+                               f"again: {', '.join(done.failed_customer_ids)}")

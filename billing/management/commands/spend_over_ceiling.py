@@ -1,14 +1,17 @@
 """`spend_over_ceiling`: list the postpaid organisations whose spend this month has reached their spending ceiling
 (`billing.standing.spend_ceiling`), so refused calls at the ceiling: what an operator checks after an upgrade
-(`billing/0032` grandfathers those that used the platform), or after changing `INFERPLANE_SPEND_CEILINGS`; and the
-ceilings staff set (0032's too) that their paid history now passes, which paying does not raise. It changes
-nothing."""
+(`billing/0032` gives those that used the platform a floor), or after changing `INFERPLANE_SPEND_CEILINGS`; and the
+ceilings staff set that their paid history now passes, which paying does not raise. It changes nothing.
+
+NOTE: one organisation at a time, each read through an index that leads with it (the ledger's
+`usage_org_finished`): before, it picked the organisations that spent this month from the whole usage ledger, which
+no index of `finished_at` alone serves (a sequential scan of the biggest table on every run)."""
 
 from django.core.management.base import BaseCommand
 
 from billing import standing
 from billing.ledger import period_spend
-from billing.models import BillingAccount, BillingMode, UsageRecord
+from billing.models import BillingAccount, BillingMode
 from billing.periods import period_containing
 
 
@@ -17,12 +20,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         period = period_containing()
-        spent = UsageRecord.objects.filter(finished_at__gte=period.start, finished_at__lt=period.end)
-        accounts = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False,
-                                                  organization_id__in=spent.values("organization_id"))
+        accounts = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False)
                     .select_related("organization").order_by("organization_id"))
         num_over = 0
-        for account in accounts:
+        for account in accounts.iterator():
             ceiling = standing.spend_ceiling(account)
             if ceiling is None or ceiling.amount is None:
                 continue
@@ -36,8 +37,8 @@ class Command(BaseCommand):
         self._staff_ceilings_below_history()
 
     def _staff_ceilings_below_history(self) -> None:
-        """Staff's ceilings (those `billing/0032` set too) that paying no longer raises and its paid history now
-        gives more than: clear them in the admin (empty) to let the history's apply."""
+        """Staff's ceilings, which paying does not raise, that its paid history now gives more than: clear them in
+        the admin (empty) to let the history's apply."""
         num_below = 0
         accounts = (BillingAccount.objects.filter(staff_spend_ceiling__isnull=False, mode=BillingMode.POSTPAID,
                                                   invoiced_without_card=False)
