@@ -184,9 +184,13 @@ class UsageRollupAdmin(admin.ModelAdmin):
             self.log_change(request, rollup, "Released a held Stripe push")
         self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
         if in_difference:
-            self.message_user(request, f"Rollups {in_difference} were NOT released: a \"send the difference\" has "
-                                       "begun on them; finish it (the same values again), or abandon it if it "
-                                       "sent nothing.", messages.ERROR)
+            self._refused_in_difference(request, in_difference, "released")
+
+    def _refused_in_difference(self, request, pks: list[int], verb: str) -> None:
+        """The one message for held rollups an action left alone because a "send the difference" has begun on them."""
+        self.message_user(request, f"Rollups {pks} were NOT {verb}: a \"send the difference\" has begun on them; "
+                                   "finish it (the same values again), or abandon it if it sent nothing.",
+                          messages.ERROR)
 
     @admin.action(description="Held: Stripe HAS the meter event named in its push error: record it, push the rest",
                   permissions=["confirm_held"])
@@ -201,9 +205,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
         self.message_user(request, f"Confirmed the held event of {num_confirmed} rollup(s).", messages.SUCCESS)
         in_difference = sorted(rollup.pk for rollup in held if rollup.difference_started_at is not None)
         if in_difference:
-            self.message_user(request, f"Rollups {in_difference} were NOT confirmed: a \"send the difference\" has "
-                                       "begun on them; finish it (the same values again), or abandon it if it "
-                                       "sent nothing.", messages.ERROR)
+            self._refused_in_difference(request, in_difference, "confirmed")
         skipped = sorted(rollup.pk for rollup in held if rollup.pk not in confirmed and rollup.pk not in in_difference)
         if skipped:
             self.message_user(request, f"Rollups {skipped} were not confirmed: their push error names no meter event "
@@ -229,9 +231,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
                                        "\"send the difference\" instead, with what Stripe has of each event.",
                               messages.ERROR)
         if in_difference:
-            self.message_user(request, f"Rollups {in_difference} were NOT sent: a \"send the difference\" has begun "
-                                       "on them; finish it (the same values again), or abandon it if it sent "
-                                       "nothing.", messages.ERROR)
+            self._refused_in_difference(request, in_difference, "sent")
 
     @admin.action(description="Held as a duplicate: Stripe has LESS than its push error names and its events stay: "
                               "send the difference (enter Stripe's values)", permissions=["release_held"])
