@@ -122,8 +122,9 @@ def test_the_difference_is_sent_once_and_the_rollup_is_pushed_and_audited(fake_s
     assert stripe_sync.push_pending_rollups() == 0
 
 
-def test_a_difference_cut_short_by_stripe_sends_only_the_rest_when_run_again(fake_stripe, monkeypatch):
-    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+def _cut_short_after_one_event(rollup, stripe_has, monkeypatch):
+    """Runs "send the difference" with Stripe lost at its second event (the first one sent); returns the real sender
+    and the events it was asked to send."""
     original, sent = stripe_sync._send_difference, []
 
     def send_then_lose_stripe(*args):
@@ -135,6 +136,12 @@ def test_a_difference_cut_short_by_stripe_sends_only_the_rest_when_run_again(fak
     monkeypatch.setattr(stripe_sync, "_send_difference", send_then_lose_stripe)
     with pytest.raises(stripe_sync.stripe.APIConnectionError):
         _send_difference(rollup, stripe_has)
+    return original, sent
+
+
+def test_a_difference_cut_short_by_stripe_sends_only_the_rest_when_run_again(fake_stripe, monkeypatch):
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    original, sent = _cut_short_after_one_event(rollup, stripe_has, monkeypatch)
     rollup.refresh_from_db()
     assert rollup.pushed_at is None and rollup.push_held_at is not None
     monkeypatch.setattr(stripe_sync, "_send_difference", original)
@@ -212,17 +219,7 @@ def test_a_difference_begun_with_a_wrong_value_that_sent_nothing_is_abandoned_by
 
 def test_a_difference_that_sent_an_event_cannot_be_abandoned(fake_stripe, monkeypatch):
     rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
-    original, sent = stripe_sync._send_difference, []
-
-    def send_then_lose_stripe(*args):
-        sent.append(args[1].event_name)
-        if len(sent) == 2:
-            raise stripe_sync.stripe.APIConnectionError("lost")
-        return original(*args)
-
-    monkeypatch.setattr(stripe_sync, "_send_difference", send_then_lose_stripe)
-    with pytest.raises(stripe_sync.stripe.APIConnectionError):
-        _send_difference(rollup, stripe_has)
+    _cut_short_after_one_event(rollup, stripe_has, monkeypatch)
     with pytest.raises(stripe_sync.DifferenceRefused, match="cannot be abandoned"):
         stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False)
     rollup.refresh_from_db()
