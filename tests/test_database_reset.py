@@ -6,9 +6,9 @@ from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.test import TransactionTestCase
 
-from controlplane.accounts.models import Organization
+from controlplane.accounts.models import Membership, Organization
 from tests import database_reset
-from tests.factories import OrganizationFactory
+from tests.factories import MembershipFactory, OrganizationFactory
 
 
 def _made_by_post_migrate() -> tuple[set, set]:
@@ -53,3 +53,17 @@ def test_the_content_types_cache_is_cleared_when_their_rows_are_kept():
     TransactionTestCase()._fixture_teardown()
 
     assert ContentType.objects.get_for_id(content_type.pk).model == "organization"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reset_empties_every_table_that_holds_a_row_and_those_referencing_it():
+    from django.db import connection
+
+    TransactionTestCase()._fixture_teardown()  # the rows' fingerprint is known from here on
+    MembershipFactory()  # a user and an organisation, and a row referencing both
+    assert set(database_reset._tables_with_rows(connection)) >= {Membership._meta.db_table, Organization._meta.db_table}
+
+    TransactionTestCase()._fixture_teardown()
+
+    assert database_reset._tables_with_rows(connection) == []
+    assert _made_by_post_migrate()[0]

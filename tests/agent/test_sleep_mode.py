@@ -80,7 +80,7 @@ def engine_address():
     FakeSleepingEngine.calls = []
     FakeSleepingEngine.sleeping_level = 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeSleepingEngine)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -164,7 +164,7 @@ class FakeStripe:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="fake-stripe", daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="fake-stripe", daemon=True).start()
         return self
 
     def stop(self) -> None:
