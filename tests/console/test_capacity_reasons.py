@@ -193,3 +193,28 @@ def test_the_migration_keeps_what_it_scrubbed_when_an_endpoint_row_is_held_past_
     assert endpoint.events.get().message == "waiting for capacity: needs 2816 MB of GPU memory"
     SCRUB.scrub_fleet_memory(apps, None)  # `migrate`'s next run
     assert Endpoint.objects.get(pk=endpoint.pk).status_message == "waiting for capacity: needs 2816 MB of GPU memory"
+
+
+def test_what_pods_before_0028_wrote_while_it_rolled_out_is_scrubbed_by_a_later_migration(org):
+    """0028 runs first in its deploy while pods of the code before it still serve: what they wrote after it stays
+    unless a later migration repeats it (README, *What a release may assume*). Before endpoints/0029, nothing did."""
+    from django.db.migrations.loader import MigrationLoader
+    from django.db.migrations.operations import RunPython
+
+    endpoint = EndpointFactory(organization=org, gpu_type="l4")
+    SCRUB.scrub_fleet_memory(apps, None)  # 0028, at the start of its deploy
+    old = "waiting for capacity: needs 2816 MB of GPU memory, the most free on a l4 node is 1024 MB"
+    record_event(endpoint, EventKind.CAPACITY, old)  # an old pod's placement, minutes later
+    Endpoint.objects.filter(pk=endpoint.pk).update(status_message=old)
+
+    graph = MigrationLoader(connection).graph
+    (leaf,) = graph.leaf_nodes("endpoints")
+    after_0028 = graph.forwards_plan(leaf)
+    after_0028 = after_0028[after_0028.index(("endpoints", SCRUB.__name__.rsplit(".", 1)[1])) + 1:]
+    for key in after_0028:
+        for operation in graph.nodes[key].operations:
+            if isinstance(operation, RunPython):
+                operation.code(apps, None)
+
+    assert endpoint.events.get().message == "waiting for capacity: needs 2816 MB of GPU memory"
+    assert Endpoint.objects.get(pk=endpoint.pk).status_message == "waiting for capacity: needs 2816 MB of GPU memory"
