@@ -13,6 +13,8 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from gpu_agent.protocol import ModelTask
 from gpu_agent.runtime import engine, model_info, safetensors_headers
 from gpu_agent.runtime.model_info import read_model
@@ -54,6 +56,13 @@ def padded_with_tensor_keys(num_bytes: int) -> bytes:
     keys = b",".join([b'"data_offsets":0'] * (num_lists // 3 + 1))
     lists = b",".join([b"[]"] * num_lists)
     return b'{"__metadata__":{' + keys + b'},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"z":[' + lists + b"]}}"
+
+
+@pytest.fixture(autouse=True)
+def headers_alone(monkeypatch):
+    """Every model's reading here without its tokenizer's description, a child of its own (transformers' import, ~4.5 s of
+    CPU) bounded by tests/agent/test_tokenizer_normalizer.py: what these tests assert is the headers' cost and count."""
+    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
 
 
 def test_a_heartbeat_after_a_restart_reads_no_tenants_headers(tmp_path):
@@ -190,12 +199,9 @@ def test_a_header_padded_with_tensor_keys_is_still_bounded(tmp_path):
     assert "holds more values than its tensors" in reading.problem
 
 
-def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path, tiny_model_dir, monkeypatch):
+def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path, tiny_model_dir):
     header = many_tensors_header(90_000)  # DeepSeek-V3's count: ~12 MB of headers
     model = write_model(tmp_path / "big", header)
-    # NOTE: the headers' cost alone: the tokenizer's description is a child of its own (transformers' import, ~4.5 s
-    # of CPU), bounded by tests/agent/test_tokenizer_normalizer.py.
-    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
     started = cpu_used_s()  # the reader's child included
     reading = read_model(model)
     assert reading.problem == ""
