@@ -27,6 +27,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture
+def tokenizer_not_described(monkeypatch):
+    """A model's reading without its tokenizer's description: that is a child of its own (transformers' import, ~4.5 s
+    of CPU for each new folder), bounded by test_tokenizer_normalizer.py, for the tests whose claims lie elsewhere."""
+    from gpu_agent.runtime import model_info
+
+    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
+
+
 def write_json_of_empty_objects(path: Path, fields: dict, num_bytes: int = 30 * 1024 * 1024) -> None:
     """`fields` and a list of empty objects, `num_bytes` of JSON in all: what a tenant may write in its model's
     metadata files. Parsed whole it takes ~25 times its size (~760 MB for these 30 MB)."""

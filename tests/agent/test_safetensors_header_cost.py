@@ -16,12 +16,15 @@ import time
 import pytest
 
 from gpu_agent.protocol import ModelTask
-from gpu_agent.runtime import engine, model_info, safetensors_headers
+from gpu_agent.runtime import engine, safetensors_headers
 from gpu_agent.runtime.model_info import read_model
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
 
 from .conftest import cpu_used_s, fake_engine_factory, make_spec, with_peak_memory
+
+# NOTE: what these tests assert is the headers' cost and count, not the tokenizer's description.
+pytestmark = pytest.mark.usefixtures("tokenizer_not_described")
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}
 
@@ -56,13 +59,6 @@ def padded_with_tensor_keys(num_bytes: int) -> bytes:
     keys = b",".join([b'"data_offsets":0'] * (num_lists // 3 + 1))
     lists = b",".join([b"[]"] * num_lists)
     return b'{"__metadata__":{' + keys + b'},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"z":[' + lists + b"]}}"
-
-
-@pytest.fixture(autouse=True)
-def headers_alone(monkeypatch):
-    """Every model's reading here without its tokenizer's description, a child of its own (transformers' import, ~4.5 s of
-    CPU) bounded by tests/agent/test_tokenizer_normalizer.py: what these tests assert is the headers' cost and count."""
-    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
 
 
 def test_a_heartbeat_after_a_restart_reads_no_tenants_headers(tmp_path):
