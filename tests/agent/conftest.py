@@ -17,6 +17,8 @@ from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.reaper import REAPER_MODULE
 
+from .tokenizer_loader_fork_server import LoaderForks
+
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
 
@@ -34,6 +36,15 @@ def tokenizer_not_described(monkeypatch):
     from gpu_agent.runtime import model_info
 
     monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
+
+
+@pytest.fixture(scope="module")
+def loader_forks(tmp_path_factory):
+    """`subprocess.run` for the tokenizer loader's command through a fork server
+    (`tests.agent.tokenizer_loader_fork_server`): the module's loader children without transformers' import each."""
+    forks = LoaderForks(tmp_path_factory.mktemp("loader-forks"))
+    yield forks
+    forks.close()
 
 
 def write_json_of_empty_objects(path: Path, fields: dict, num_bytes: int = 30 * 1024 * 1024) -> None:

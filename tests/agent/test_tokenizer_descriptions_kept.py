@@ -4,15 +4,13 @@ started again only for files it has not described, and a description is never ha
 
 The child is the agent's: its command, run by `tests.agent.tokenizer_loader_fork_server` in a process forked from one that
 imported transformers (~4.5 s of CPU saved at each of ~20 starts); the tests count its starts by wrapping
-`subprocess.run`, which still runs it. `test_tokenizer_normalizer.py` runs the loader as the agent does."""
+`subprocess.run`, which still runs it. The agents of the upgrade tests below start the loader as the agent does."""
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 from collections import OrderedDict
@@ -27,69 +25,6 @@ from gpu_agent.runtime.tokenizer_normalizer import read_tokenizer_normalizer
 from .conftest import bytes_read_by_this_process
 
 HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
-
-
-_REAL_RUN = subprocess.run
-
-
-class LoaderForks:
-    """`subprocess.run` for the agent's loader command, run by the fork server, started in the environment of the
-    command (its imports read it; pytest's own variable naming the test aside), again when that changes; any other
-    command runs as it is."""
-
-    TIMEOUT_S = 300
-
-    def __init__(self, folder: Path):
-        self.folder, self.server, self.env = folder, None, None
-
-    def run(self, command, *args, cwd=None, env=None, timeout=None, **kwargs):
-        loader = [sys.executable, "-E", "-s", "-m", tokenizer_normalizer.__name__]
-        if command[:5] != loader or args or set(kwargs) - {"stdin", "capture_output"}:
-            return _REAL_RUN(command, *args, cwd=cwd, env=env, timeout=timeout, **kwargs)
-        if self.server is not None and _but_pytests(env) != _but_pytests(self.env):
-            self.close()
-        if self.server is None:
-            self.env = env
-            self.server = subprocess.Popen(
-                [sys.executable, "-m", "tests.agent.tokenizer_loader_fork_server"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
-            )  # fmt: skip
-            assert self._answer(self.TIMEOUT_S) == "ready"
-        stdout_path, stderr_path = self.folder / "stdout", self.folder / "stderr"
-        request = {"module": command[4], "args": command[5:], "cwd": os.fspath(cwd or os.getcwd()), "env": env,
-                   "stdout_path": os.fspath(stdout_path), "stderr_path": os.fspath(stderr_path)}  # fmt: skip
-        self.server.stdin.write(json.dumps(request) + "\n")
-        self.server.stdin.flush()
-        pid = int(self._answer(self.TIMEOUT_S))
-        try:
-            code = int(self._answer(timeout))
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)  # as `subprocess.run` kills its child at the timeout
-            self._answer(self.TIMEOUT_S)
-            raise subprocess.TimeoutExpired(command, timeout) from None
-        return subprocess.CompletedProcess(command, code, stdout_path.read_bytes(), stderr_path.read_bytes())
-
-    def _answer(self, timeout_s: float | None) -> str:
-        if not select.select([self.server.stdout], [], [], timeout_s)[0]:
-            raise TimeoutError(f"no answer from the loader's fork server in {timeout_s} s")
-        return self.server.stdout.readline().strip()
-
-    def close(self) -> None:
-        if self.server is not None:
-            os.killpg(self.server.pid, signal.SIGKILL)
-            self.server.wait()
-            self.server = None
-
-
-def _but_pytests(env: dict | None) -> dict | None:
-    return None if env is None else {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
-
-
-@pytest.fixture(scope="module")
-def loader_forks(tmp_path_factory):
-    forks = LoaderForks(tmp_path_factory.mktemp("loader-forks"))
-    yield forks
-    forks.close()
 
 
 @pytest.fixture(scope="module")

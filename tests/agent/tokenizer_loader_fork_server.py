@@ -17,8 +17,14 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
+import signal
+import subprocess
 import sys
 import traceback
+from pathlib import Path
+
+LOADER_MODULE = "gpu_agent.runtime.tokenizer_normalizer"  # NOTE: not imported here: the children import it
 
 
 def main() -> None:
@@ -64,6 +70,62 @@ def _run(request: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_REAL_RUN = subprocess.run
+
+
+class LoaderForks:
+    """`subprocess.run` for the agent's loader command, run by the fork server, started in the environment of the
+    command (its imports read it; pytest's own variable naming the test aside), again when that changes; any other
+    command runs as it is."""
+
+    TIMEOUT_S = 300
+
+    def __init__(self, folder: Path):
+        self.folder, self.server, self.env = folder, None, None
+
+    def run(self, command, *args, cwd=None, env=None, timeout=None, **kwargs):
+        loader = [sys.executable, "-E", "-s", "-m", LOADER_MODULE]
+        if command[:5] != loader or args or set(kwargs) - {"stdin", "capture_output"}:
+            return _REAL_RUN(command, *args, cwd=cwd, env=env, timeout=timeout, **kwargs)
+        if self.server is not None and _but_pytests(env) != _but_pytests(self.env):
+            self.close()
+        if self.server is None:
+            self.env = env
+            self.server = subprocess.Popen(
+                [sys.executable, "-m", "tests.agent.tokenizer_loader_fork_server"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
+            )  # fmt: skip
+            assert self._answer(self.TIMEOUT_S) == "ready"
+        stdout_path, stderr_path = self.folder / "stdout", self.folder / "stderr"
+        request = {"module": command[4], "args": command[5:], "cwd": os.fspath(cwd or os.getcwd()), "env": env,
+                   "stdout_path": os.fspath(stdout_path), "stderr_path": os.fspath(stderr_path)}  # fmt: skip
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        pid = int(self._answer(self.TIMEOUT_S))
+        try:
+            code = int(self._answer(timeout))
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)  # as `subprocess.run` kills its child at the timeout
+            self._answer(self.TIMEOUT_S)
+            raise subprocess.TimeoutExpired(command, timeout) from None
+        return subprocess.CompletedProcess(command, code, stdout_path.read_bytes(), stderr_path.read_bytes())
+
+    def _answer(self, timeout_s: float | None) -> str:
+        if not select.select([self.server.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"no answer from the loader's fork server in {timeout_s} s")
+        return self.server.stdout.readline().strip()
+
+    def close(self) -> None:
+        if self.server is not None:
+            os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait()
+            self.server = None
+
+
+def _but_pytests(env: dict | None) -> dict | None:
+    return None if env is None else {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 if __name__ == "__main__":
