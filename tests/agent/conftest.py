@@ -17,6 +17,8 @@ from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.reaper import REAPER_MODULE
 
+from .tokenizer_loader_fork_server import LoaderForks
+
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
 
@@ -25,6 +27,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from gpu_agent.runtime.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def tokenizer_not_described(monkeypatch):
+    """A model's reading without its tokenizer's description: that is a child of its own (transformers' import, ~4.5 s
+    of CPU for each new folder), bounded by test_tokenizer_normalizer.py, for the tests whose claims lie elsewhere."""
+    from gpu_agent.runtime import model_info
+
+    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
+
+
+@pytest.fixture(scope="module")
+def loader_forks(tmp_path_factory):
+    """`subprocess.run` for the tokenizer loader's command through a fork server
+    (`tests.agent.tokenizer_loader_fork_server`): the module's loader children without transformers' import each."""
+    forks = LoaderForks(tmp_path_factory.mktemp("loader-forks"))
+    yield forks
+    forks.close()
 
 
 def write_json_of_empty_objects(path: Path, fields: dict, num_bytes: int = 30 * 1024 * 1024) -> None:

@@ -376,7 +376,7 @@ def test_a_refused_node_taken_back_while_its_replicas_are_still_wanted_starts_th
 
 
 def test_a_retired_node_stops_its_engines_removes_what_they_left_and_idles(control_plane, running_agent, s3,  # noqa: F811
-                                                                          tmp_path):
+                                                                          tmp_path, tokenizer_not_described):
     """The operator retired the node (its machine shut out): the control plane answers its very secret `NODE_RETIRED`.
     Before: the agent logged the refusal and retried, its engine serving on (routed to by nobody), the endpoint's
     cache folder and the tenant's weights left on its disk, for as long as the agent ran."""
@@ -431,7 +431,9 @@ def test_a_heartbeat_401_with_a_join_token_no_longer_usable_leaves_the_engines_s
     assert control_plane.last_states().get("r-a") == ReplicaState.READY and processes_with_marker("r-a") == engine
 
 
-def test_two_replicas_of_one_s3_model_download_once(control_plane, running_agent, s3, s3_endpoint):  # noqa: F811
+def test_two_replicas_of_one_s3_model_download_once(  # noqa: F811
+    control_plane, running_agent, s3, s3_endpoint, tokenizer_not_described  # noqa: F811
+):
     upload_model(s3, "fleet-models", "tiny", num_bytes=4_000_000)
     source = "s3://fleet-models/tiny"
     control_plane.desired = [make_spec("r-1", model_source=source), make_spec("r-2", model_source=source)]

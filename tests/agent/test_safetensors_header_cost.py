@@ -13,13 +13,18 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from gpu_agent.protocol import ModelTask
-from gpu_agent.runtime import engine, model_info, safetensors_headers
+from gpu_agent.runtime import engine, safetensors_headers
 from gpu_agent.runtime.model_info import read_model
 from gpu_agent.runtime.supervisor import Supervisor
 from gpu_agent.runtime.weights import WeightsCache
 
 from .conftest import cpu_used_s, fake_engine_factory, make_spec, with_peak_memory
+
+# NOTE: what these tests assert is the headers' cost and count, not the tokenizer's description.
+pytestmark = pytest.mark.usefixtures("tokenizer_not_described")
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}
 
@@ -190,12 +195,9 @@ def test_a_header_padded_with_tensor_keys_is_still_bounded(tmp_path):
     assert "holds more values than its tensors" in reading.problem
 
 
-def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path, tiny_model_dir, monkeypatch):
+def test_real_headers_of_many_tensors_and_tiny_models_are_still_counted(tmp_path, tiny_model_dir):
     header = many_tensors_header(90_000)  # DeepSeek-V3's count: ~12 MB of headers
     model = write_model(tmp_path / "big", header)
-    # NOTE: the headers' cost alone: the tokenizer's description is a child of its own (transformers' import, ~4.5 s
-    # of CPU), bounded by tests/agent/test_tokenizer_normalizer.py.
-    monkeypatch.setattr(model_info, "read_tokenizer_normalizer", lambda model_dir: None)
     started = cpu_used_s()  # the reader's child included
     reading = read_model(model)
     assert reading.problem == ""

@@ -85,7 +85,7 @@ def test_a_ready_engine_is_scraped_at_most_once_a_metrics_interval_however_fast_
 
 
 def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supervisor):
-    policy = SupervisorPolicy(restart_backoff_s=1.0, max_consecutive_crashes=4, stop_timeout_s=2.0)
+    policy = SupervisorPolicy(restart_backoff_s=0.5, max_consecutive_crashes=4, stop_timeout_s=2.0)
     supervisor = make_supervisor("--exit-after-s", "0.3", policy=policy)
     supervisor.start(make_spec("r-crash"), "/models/x")
     wait_until(lambda: state_of(supervisor, "r-crash") == ReplicaState.FAILED, 30, poll=supervisor.poll)
@@ -96,13 +96,13 @@ def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supe
     states = [state for state, _ in replica.state_history]
     assert states[0] == ReplicaState.STARTING and states[-1] == ReplicaState.FAILED
     assert processes_with_marker("r-crash") == []
-    # The backoff, measured: from each crash to the next engine's start, at least 1 s, then 2 s, then 4 s.
+    # The backoff, measured: from each crash to the next engine's start, at least 0.5 s, then 1 s, then 2 s.
     log = replica.log_path.read_text()
     started = [float(at) for at in re.findall(r"==> fake engine started at ([0-9.]+)", log)]
     exited = [float(at) for at in re.findall(r"==> fake engine exits at ([0-9.]+)", log)]
     assert len(started) == len(exited) == 4
     waits = [start - crash for crash, start in zip(exited[:-1], started[1:], strict=True)]
-    assert [wait >= 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
+    assert [wait >= 0.5 * 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
 
 
 def test_drain_waits_for_running_requests_then_stops_every_process(make_supervisor, tmp_path):

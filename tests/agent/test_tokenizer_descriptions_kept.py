@@ -2,7 +2,9 @@
 started again only for files it has not described, and a description is never handed to other files
 (`gpu_agent.runtime.tokenizer_normalizer._content_key`).
 
-The child is the real one; the tests count its starts by wrapping `subprocess.run`, which still runs it."""
+The child is the agent's: its command, run by `tests.agent.tokenizer_loader_fork_server` in a process forked from one that
+imported transformers (~4.5 s of CPU saved at each of ~20 starts); the tests count its starts by wrapping
+`subprocess.run`, which still runs it. The agents of the upgrade tests below start the loader as the agent does."""
 
 from __future__ import annotations
 
@@ -26,21 +28,22 @@ HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u
 
 
 @pytest.fixture(scope="module")
-def tiny_models_answers(tiny_model_dir) -> OrderedDict:
+def tiny_models_answers(tiny_model_dir, loader_forks) -> OrderedDict:
     """What the agent keeps once it has described the tiny model's files (one child, shared by this module's tests)."""
     kept = OrderedDict()
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(tokenizer_normalizer, "_remembered", kept, raising=False)
+        monkeypatch.setattr(tokenizer_normalizer.subprocess, "run", loader_forks.run)
         read_tokenizer_normalizer(tiny_model_dir)
     return kept
 
 
 @pytest.fixture
-def loader_starts(monkeypatch, tiny_models_answers) -> list[str]:
+def loader_starts(monkeypatch, tiny_models_answers, loader_forks) -> list[str]:
     """The folders the loader child is started for, by an agent that has described the tiny model's files alone."""
     monkeypatch.setattr(tokenizer_normalizer, "_remembered", OrderedDict(tiny_models_answers), raising=False)
     starts = []
-    real_run = subprocess.run
+    real_run = loader_forks.run
 
     def counting_run(command, *args, **kwargs):
         starts.append(command[5])  # [python, -E, -s, -m, module, folder, ...]
@@ -159,12 +162,12 @@ def test_a_loader_that_gave_no_answer_is_started_again_next_time(
     assert len(loader_starts) == 2
 
 
-def test_files_changed_while_the_loader_read_them_are_not_kept(tiny_model_dir, tmp_path, monkeypatch):
+def test_files_changed_while_the_loader_read_them_are_not_kept(tiny_model_dir, tmp_path, monkeypatch, loader_forks):
     # The answer was of the files before the change, or after, or of a mix: kept under neither content.
     monkeypatch.setattr(tokenizer_normalizer, "_remembered", OrderedDict(), raising=False)
     model_dir = _with_normalizer(_copy(tiny_model_dir, tmp_path / "model"), {"type": "NFKC"})
     starts = []
-    real_run = subprocess.run
+    real_run = loader_forks.run
 
     def run_then_change_the_files(command, *args, **kwargs):
         starts.append(command)

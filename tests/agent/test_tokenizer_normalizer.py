@@ -4,7 +4,8 @@ and a hostile file makes it "unknown", never a crash, a long read or anything ru
 
 The descriptions of each normalizer and pre-tokenizer are checked on the parsed file (`describe_tokenizer`, in this
 process); what the loader child does with the folder (transformers' choice of file and class, a duplicate key, the
-limits) through `read_tokenizer_normalizer`, a few seconds each."""
+limits) through `read_tokenizer_normalizer`: the loader's command run in a child forked from a process that imported
+transformers (`forked_loader`), but for the model's reading, which starts it as the agent does, a few seconds."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.protocol import ModelInfo, NormalizerStep, TokenizerNormalizer, WeightsStatus
+from gpu_agent.runtime import tokenizer_normalizer
 from gpu_agent.runtime.model_info import read_model
 from gpu_agent.runtime.tokenizer_normalizer import (
     describe_normalizer,
@@ -30,6 +32,12 @@ LLAMA = {
         {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
     ],
 }
+
+
+@pytest.fixture
+def forked_loader(monkeypatch, loader_forks):
+    """The loader's children forked by `tests.agent.tokenizer_loader_fork_server` (~4.5 s of CPU each saved)."""
+    monkeypatch.setattr(tokenizer_normalizer.subprocess, "run", loader_forks.run)
 
 
 @pytest.fixture
@@ -54,7 +62,7 @@ def _kinds(normalizer: TokenizerNormalizer) -> list[str]:
     return [step.kind for step in normalizer.steps]
 
 
-def test_a_tokenizer_without_a_normalizer_is_known_to_add_nothing(model_copy):
+def test_a_tokenizer_without_a_normalizer_is_known_to_add_nothing(model_copy, forked_loader):
     # The tiny model's post-processor adds its BOS to each sequence.
     assert read_tokenizer_normalizer(model_copy) == TokenizerNormalizer(num_special_tokens=1)
 
@@ -184,7 +192,7 @@ def test_a_normalizer_of_an_unknown_type_or_wrong_shape_is_unknown(model_copy, n
     assert described.unknown and described.steps == []
 
 
-def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy):
+def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy, forked_loader):
     nested = '{"type": "Sequence", "normalizers": [' * 10_000 + "]}" * 10_000
     text = (model_copy / "tokenizer.json").read_text()
     (model_copy / "tokenizer.json").write_text('{"normalizer": ' + nested + ", " + text[1:])
@@ -193,13 +201,13 @@ def test_a_normalizer_nested_ten_thousand_deep_is_unknown(model_copy):
 
 
 @pytest.mark.parametrize("content", ["not json", '{"normalizer": '])
-def test_a_tokenizer_file_that_is_not_a_tokenizer_is_unknown(model_copy, content):
+def test_a_tokenizer_file_that_is_not_a_tokenizer_is_unknown(model_copy, content, forked_loader):
     (model_copy / "tokenizer.json").write_text(content)
 
     assert read_tokenizer_normalizer(model_copy).unknown
 
 
-def test_a_model_without_a_tokenizer_file_has_an_unknown_normalizer(model_copy):
+def test_a_model_without_a_tokenizer_file_has_an_unknown_normalizer(model_copy, forked_loader):
     # The engine would convert a SentencePiece model, which may add Replace and Prepend steps.
     (model_copy / "tokenizer.json").unlink()
 
@@ -249,7 +257,7 @@ def test_an_older_agents_report_says_nothing_of_the_normalizer():
 HOSTILE_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581" * 9}
 
 
-def test_of_two_normalizer_keys_the_one_the_tokenizers_library_keeps_is_reported(model_copy):
+def test_of_two_normalizer_keys_the_one_the_tokenizers_library_keeps_is_reported(model_copy, forked_loader):
     # The agent's own parser kept the first (null: nothing added); `tokenizers`, and so vLLM, keeps the last.
     path = model_copy / "tokenizer.json"
     text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
@@ -260,7 +268,7 @@ def test_of_two_normalizer_keys_the_one_the_tokenizers_library_keeps_is_reported
     assert described.steps == [NormalizerStep(kind="replace", pattern=" ", content="\u2581" * 9)]
 
 
-def test_the_file_fast_tokenizer_files_names_is_the_one_reported(model_copy):
+def test_the_file_fast_tokenizer_files_names_is_the_one_reported(model_copy, forked_loader):
     # transformers (and so vLLM) loads tokenizer.4.0.0.json in place of tokenizer.json.
     tokenizer = json.loads((model_copy / "tokenizer.json").read_text())
     (model_copy / "tokenizer.4.0.0.json").write_text(json.dumps(tokenizer | {"normalizer": HOSTILE_REPLACE}))
@@ -272,7 +280,7 @@ def test_the_file_fast_tokenizer_files_names_is_the_one_reported(model_copy):
     assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace"]
 
 
-def test_a_tokenizer_class_that_builds_its_own_pipeline_is_reported_as_it_builds_it(model_copy):
+def test_a_tokenizer_class_that_builds_its_own_pipeline_is_reported_as_it_builds_it(model_copy, forked_loader):
     # transformers' LlamaTokenizer keeps tokenizer.json's vocabulary and sets its own Metaspace: the file's
     # normalizer (NFD here) is not what the engine runs.
     _with_normalizer(model_copy, {"type": "NFD"})
@@ -284,7 +292,7 @@ def test_a_tokenizer_class_that_builds_its_own_pipeline_is_reported_as_it_builds
     assert _kinds(read_tokenizer_normalizer(model_copy)) == ["replace", "prepend"]
 
 
-def test_a_tokenizer_with_a_lone_surrogate_is_unknown(model_copy):
+def test_a_tokenizer_with_a_lone_surrogate_is_unknown(model_copy, forked_loader):
     path = model_copy / "tokenizer.json"
     text = json.dumps(json.loads(path.read_text()) | {"normalizer": None})
     replace = '{"type": "Replace", "pattern": {"String": "a"}, "content": "\\ud800"}'
@@ -321,7 +329,7 @@ def test_berts_clean_up_is_described_as_making_spaces_of_whitespace():
     assert described.steps[1].kind == "spaces" and {"\n", "\t", "\u3000"} <= set(described.steps[1].pattern)
 
 
-def test_a_sentencepiece_only_folder_is_described_as_transformers_converts_it(tiny_model_dir, tmp_path):
+def test_a_sentencepiece_only_folder_is_described_as_transformers_converts_it(tiny_model_dir, tmp_path, forked_loader):
     # No tokenizer.json: the engine converts tokenizer.model; before, such a folder reserved the whole context.
     import sentencepiece
 

@@ -1,12 +1,16 @@
 """The zygote's per-model look-ups (`gpu_agent/runtime/zygote_models.py`) with vLLM's real functions and the tiny model.
 
-Each test runs in a fresh interpreter (the wrappers patch vLLM's modules) on its own copy of the tiny model.
+Each test runs in a fresh process (the wrappers patch vLLM's modules) on its own copy of the tiny model: forked from
+one that imported vLLM's look-up modules and nothing else (`tests.agent.vllm_fork_server`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -57,15 +61,46 @@ IN_CHILD = (
 )
 
 
-def run(code: str, model_dir, env: dict | None = None) -> None:
-    import os
-
-    subprocess.run(
-        [sys.executable, "-c", PRELUDE + code, str(model_dir)],
-        check=True,
-        timeout=TIMEOUT_S,
-        env={**os.environ, **(env or {})},
+@pytest.fixture(scope="module")
+def fork_server():
+    """`python -m tests.agent.vllm_fork_server`, ready; stopped, with whatever it forked, after the module."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.agent.vllm_fork_server"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        assert _answer(server) == "ready"
+        yield server
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _answer(server: subprocess.Popen) -> str:
+    if not select.select([server.stdout], [], [], TIMEOUT_S)[0]:
+        raise TimeoutError(f"no answer from the fork server in {TIMEOUT_S} s")
+    return server.stdout.readline().strip()
+
+
+@pytest.fixture
+def run(fork_server, tmp_path):
+    """Runs `code` with the model folder as its argument in a process of its own (as `python -c`); fails with its
+    output unless it exits 0."""
+    log_path = tmp_path / "script.log"
+
+    def run(code: str, model_dir, env: dict | None = None) -> None:
+        request = {"code": PRELUDE + code, "argv": [str(model_dir)], "env": env or {}, "log_path": str(log_path)}
+        fork_server.stdin.write(json.dumps(request) + "\n")
+        fork_server.stdin.flush()
+        code = int(_answer(fork_server))
+        output = log_path.read_text()
+        sys.stderr.write(output)
+        assert code == 0, f"the script exited {code}:\n{output[-4000:]}"
+
+    return run
 
 
 @pytest.fixture
@@ -73,7 +108,7 @@ def model_copy(tiny_model_dir, tmp_path):
     return shutil.copytree(tiny_model_dir, tmp_path / "model")
 
 
-def test_a_changed_tokenizer_or_config_file_misses_the_cache(model_copy):
+def test_a_changed_tokenizer_or_config_file_misses_the_cache(model_copy, run):
     # vLLM's own cache (`lru_cache` by name) keeps answering from the files it first read: a node whose weights
     # directory was replaced in place would serve the old tokenizer. The look-ups here key on the files too.
     code = (
@@ -95,7 +130,7 @@ def test_a_changed_tokenizer_or_config_file_misses_the_cache(model_copy):
     run(code, model_copy)
 
 
-def test_forked_engines_reuse_what_the_zygote_loaded_from_the_record_and_never_a_stale_answer(model_copy, tmp_path):
+def test_forked_engines_reuse_what_the_zygote_loaded_from_the_record_and_never_a_stale_answer(model_copy, run, tmp_path):
     # An engine's misses go to the node's record; the zygote loads them between handoffs; the next engine forked
     # answers from memory (its vLLM function is never called), until a file of the model changes.
     code = (
@@ -169,7 +204,7 @@ def test_a_recorded_call_with_any_trust_remote_code_but_false_is_never_repeated_
     assert lookup.warm(honest) and len(loaded) == 1
 
 
-def test_a_huge_chat_template_or_a_slow_look_up_never_holds_the_zygote_past_its_budget(model_copy, tmp_path):
+def test_a_huge_chat_template_or_a_slow_look_up_never_holds_the_zygote_past_its_budget(model_copy, run, tmp_path):
     # A tenant's tokenizer_config.json with a 2 MB chat template took the zygote ~30 s to compile between
     # handoffs: every handoff of the node meanwhile timed out, holding the agent's supervisor lock, and its
     # heartbeats stopped. Its template is now left to its engines, and any look-up repeated here has a budget.
@@ -210,7 +245,7 @@ def test_a_huge_chat_template_or_a_slow_look_up_never_holds_the_zygote_past_its_
 
 
 def test_a_config_that_sets_a_variable_while_loading_leaves_no_trace_in_engines_forked_after_the_zygote_loaded_it(
-    model_copy, tmp_path
+    model_copy, run, tmp_path
 ):
     # vLLM's `get_config` sets VLLM_USE_DEEP_GEMM_E8M0=1 in `os.environ` for a config asking for UE8M0 scales: the
     # zygote loading tenant A's config ahead put it in the environment of every engine forked after, any tenant's.
@@ -232,7 +267,7 @@ def test_a_config_that_sets_a_variable_while_loading_leaves_no_trace_in_engines_
 
 
 def test_one_tenants_config_loaded_ahead_never_changes_the_model_type_another_tenants_engine_sees(
-    model_copy, tmp_path
+    model_copy, run, tmp_path
 ):
     # vLLM registers its own config classes for some model types and sets the class's `model_type` to the
     # checkpoint's: "deepseek_v32" and "kimi_k2" share transformers' DeepseekV3Config. Loaded ahead one after the
