@@ -105,8 +105,9 @@ def test_a_run_goes_on_starting_lines_after_a_brief_outage_and_stops_after_a_lon
     # then twice as long, at most `CHECK_EVERY_S`, apart), within the 6 s outage; the blip's check at 2.75 s finds
     # PostgreSQL back
     settings.BATCH_OUTAGE_RETRY_S = 3
+    # each line answers in ~2.8 s: the first still in flight as the blip ends
     batch, runs, num_engine_requests = _run_through_an_outage(
-        tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=outage_s, num_lines=2
+        tenant, start_mock_upstream, token_delay_ms=350, num_tokens=NUM_TOKENS, outage_s=outage_s, num_lines=2
     )
     assert runs == (["ran"] if outage_s < settings.BATCH_OUTAGE_RETRY_S else ["outage"])
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (2, 0)
