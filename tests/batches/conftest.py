@@ -159,7 +159,7 @@ ENDED_STATUSES = ("completed", "failed", "expired", "cancelled")
 
 def ended_batch(client, batch_id: str, timeout_s: float = 300):
     """The batch, read with the `openai` `client`, once it has ended."""
-    wait_until(lambda: client.batches.retrieve(batch_id).status in ENDED_STATUSES, timeout_s, interval_s=1,
+    wait_until(lambda: client.batches.retrieve(batch_id).status in ENDED_STATUSES, timeout_s, interval_s=0.2,
                message="the batch to end")
     return client.batches.retrieve(batch_id)
 

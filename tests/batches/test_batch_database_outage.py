@@ -83,9 +83,9 @@ def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_ru
     settings.BATCH_OUTAGE_RETRY_S = 2  # past it the run starts no line for the rest of its slice
     # NOTE: 10 s, past the directory's cached endpoint and its stale grace (7 s): its once-a-second read of the
     # endpoint raised, the run ended with its line cut mid-answer, and the next run ran it again
-    num_tokens = 12  # the line answers in ~18 s: in flight through the whole outage
+    num_tokens = 12  # the line answers in ~12 s: in flight through the whole outage
     batch, runs, num_engine_requests = _run_through_an_outage(
-        tenant, start_mock_upstream, token_delay_ms=1500, num_tokens=num_tokens, outage_s=10
+        tenant, start_mock_upstream, token_delay_ms=1000, num_tokens=num_tokens, outage_s=10
     )
     assert runs == ["outage"], "the run went through the outage"
     assert num_engine_requests == 1, "the line ran once: its first answer was kept"
@@ -94,17 +94,22 @@ def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_ru
     assert row.completion_tokens == num_tokens
 
 
-@pytest.mark.parametrize("outage_s", [1.0, 12.0], ids=["a-blip", "past-the-retries"])
+@pytest.mark.parametrize("outage_s", [1.0, 6.0], ids=["a-blip", "past-the-retries"])
 def test_a_run_goes_on_starting_lines_after_a_brief_outage_and_stops_after_a_long_one(
-    files_bucket, tenant, start_mock_upstream, outage_s
+    files_bucket, tenant, start_mock_upstream, settings, outage_s
 ):
     # NOTE: a blip of a second ended the run's starts for the rest of its slice: the batch's next line waited for the
-    # next tick and a free worker. Retried for `BATCH_OUTAGE_RETRY_S` (8 s), the same run starts it; a longer outage
+    # next tick and a free worker. Retried for `BATCH_OUTAGE_RETRY_S`, the same run starts it; a longer outage
     # still ends the slice's starts, its line in flight kept.
+    # 3 s (8 by default): the run gives up at most 3.75 s after its first check that met the outage (checks 0.25 s,
+    # then twice as long, at most `CHECK_EVERY_S`, apart), within the 6 s outage; the blip's check at 2.75 s finds
+    # PostgreSQL back
+    settings.BATCH_OUTAGE_RETRY_S = 3
+    # each line answers in ~2.8 s: the first still in flight as the blip ends
     batch, runs, num_engine_requests = _run_through_an_outage(
-        tenant, start_mock_upstream, token_delay_ms=500, num_tokens=NUM_TOKENS, outage_s=outage_s, num_lines=2
+        tenant, start_mock_upstream, token_delay_ms=350, num_tokens=NUM_TOKENS, outage_s=outage_s, num_lines=2
     )
-    assert runs == (["ran"] if outage_s < 8 else ["outage"])
+    assert runs == (["ran"] if outage_s < settings.BATCH_OUTAGE_RETRY_S else ["outage"])
     assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (2, 0)
     assert num_engine_requests == 2, "each line ran once"
     assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 2
@@ -141,7 +146,7 @@ def test_a_run_whose_lease_lapsed_in_an_outage_stores_nothing_once_another_run_h
     # NOTE: an outage longer than the lease: as PostgreSQL came back, the next run claimed the lapsed lease and ran the
     # line again, and both runs counted its answer against the storage quota (num_result_bytes twice the file's)
     settings.BATCH_LEASE_S = 2.0
-    upstream = start_mock_upstream(token_delay_ms=1000)  # the line answers in ~10 s
+    upstream = start_mock_upstream(token_delay_ms=700)  # the line answers in ~7 s: after the next run claimed it
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, one_chat_line(endpoint, 10))
     worker, runs = run_in_a_thread(batch.pk)

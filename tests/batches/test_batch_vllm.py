@@ -59,7 +59,7 @@ def test_a_200_line_batch_survives_a_worker_kill_and_bills_each_line_once_at_the
         def finished():
             return client.batches.retrieve(batch.id).status in ("completed", "failed", "expired", "cancelled")
 
-        wait_until(finished, 900, interval_s=1, message="the batch to finish after the kill")
+        wait_until(finished, 900, interval_s=0.2, message="the batch to finish after the kill")
     finally:
         worker.stop()
 

@@ -38,7 +38,7 @@ def test_a_batch_killed_mid_run_finishes_on_another_worker_with_each_line_billed
         _kill_whole_worker(worker)
         assert UsageRecord.objects.filter(batch_id=batch.id).count() < NUM_LINES
         worker = start_batch_worker(tmp_path, name="second")
-        wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", 180, interval_s=0.5,
+        wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", 180, interval_s=0.1,
                    message=f"the batch to complete after the kill: {Batch.objects.filter(pk=batch.id).values().first()}")
     finally:
         worker.stop()

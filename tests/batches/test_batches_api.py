@@ -42,7 +42,7 @@ def _wait_for(client, batch_id: str, statuses=FINAL, timeout_s: float = 180):
         found["batch"] = client.batches.retrieve(batch_id)
         return found["batch"].status in statuses
 
-    wait_until(reached, timeout_s, interval_s=0.5, message=f"batch {batch_id} to reach {statuses}")
+    wait_until(reached, timeout_s, interval_s=0.1, message=f"batch {batch_id} to reach {statuses}")
     return found["batch"]
 
 

@@ -242,11 +242,12 @@ def test_keys_are_swept_a_day_after_their_first_use_by_the_batch_tick(gateway, t
     assert _create(client, input_file.id, "daily").parse().id not in {first.id, second.id}
 
 
-# The web servers of the tests of a creation's lease: a key leased for 3 s, renewed every second.
-LEASE_S = 3
+# The web servers of the tests of a creation's lease: a key leased for 2 s, renewed every 0.67 s.
+LEASE_S = 2
 
 
-def _leased_web(tmp_path, name: str):
+def _leased_web(tmp_path, name: str, web_zygote):
+    """Forked from the zygote of this environment (one import for the module's three servers, not one each)."""
     child, child.base_url = start_web_server(
         tmp_path,
         name=name,
@@ -254,6 +255,7 @@ def _leased_web(tmp_path, name: str):
             "INFERPLANE_IDEMPOTENCY_LEASE_S": str(LEASE_S),
             "INFERPLANE_FILES_UPLOADS_PER_PROCESS": "4",
         },
+        zygote=web_zygote,
     )
     return child
 
@@ -273,11 +275,11 @@ def _claimed(key: str) -> bool:
 
 
 def test_an_uploads_key_is_free_again_soon_after_its_web_process_dies_mid_upload(
-    files_bucket, s3_child, tenant, tmp_path
+    files_bucket, s3_child, tenant, tmp_path, web_zygote
 ):
     """Before, an upload's claim was held an hour: the retry of an upload whose web process died mid-upload got a
     409 for an hour. Here the process is killed (SIGKILL) while it stores the file (S3 stalled)."""
-    dying, other = _leased_web(tmp_path, "dying"), _leased_web(tmp_path, "other")
+    dying, other = _leased_web(tmp_path, "dying", web_zygote), _leased_web(tmp_path, "other", web_zygote)
     try:
         with ThreadPoolExecutor(1) as pool:
             with s3_stalled(s3_child):
@@ -292,7 +294,7 @@ def test_an_uploads_key_is_free_again_soon_after_its_web_process_dies_mid_upload
         while (retried := _upload_to(other, tenant, "crash-1")).status_code == 409:
             refusals.append(retried.json()["error"]["code"])
             assert time.monotonic() - killed_at < 30, "the dead process's key is still held"
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert retried.status_code == 200, retried.text
         assert time.monotonic() - killed_at < LEASE_S + 10
         assert set(refusals) <= {"idempotency_key_in_use"}
@@ -306,11 +308,11 @@ def test_an_uploads_key_is_free_again_soon_after_its_web_process_dies_mid_upload
 
 
 def test_a_retry_while_the_upload_with_its_key_still_goes_on_is_a_409_however_long_it_takes(
-    files_bucket, s3_child, tenant, tmp_path
+    files_bucket, s3_child, tenant, tmp_path, web_zygote
 ):
     """The lease is renewed while the upload goes on: with S3 stalled for three leases, its retry is still refused;
     once it is stored, the retry is answered with it."""
-    web = _leased_web(tmp_path, "web")
+    web = _leased_web(tmp_path, "web", web_zygote)
     try:
         with ThreadPoolExecutor(1) as pool:
             with s3_stalled(s3_child):

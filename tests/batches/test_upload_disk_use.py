@@ -278,8 +278,8 @@ def test_ordinary_pages_still_take_their_bodies(web):
 
 @pytest.fixture
 def impatient(files_bucket, transactional_db, tmp_path, web_zygote):
-    """A web server that stops reading a body after 2 s without a byte."""
-    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_UPLOAD_IDLE_S": "2"},
+    """A web server that stops reading a body after 0.5 s without a byte."""
+    child, base_url = start_web_server(tmp_path, name="web", extra_env={"INFERPLANE_FILES_UPLOAD_IDLE_S": "0.5"},
                                        zygote=web_zygote)
     child.base_url = base_url
     yield child

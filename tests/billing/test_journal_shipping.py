@@ -75,18 +75,20 @@ def _bucket_keys(bucket: str, prefix: str) -> list[str]:
 
 def _journal_rows_while_down(reports, *, replay_for_s: float, shipped: bool = True) -> None:
     """`reports` journaled while PostgreSQL takes no writes, and the writer's replay loop left to meet the outage for
-    `replay_for_s`; then (`shipped`, a reachable bucket), until it shipped every segment off the pod (at most 20 s).
+    `replay_for_s`; or (`shipped`, a reachable bucket) until it shipped every segment off the pod (at most 20 s).
 
-    NOTE: waited for, not timed: on a loaded machine a fixed 0.5 s once ended before the segment reached the bucket."""
+    NOTE: waited for, not timed: on a loaded machine a fixed 0.5 s once ended before the segment reached the bucket
+    (and where it came sooner, the rest of the 0.5 s was time lost)."""
     async def calls():
         writer = usage_writer.writer_for_this_loop()
         assert await asyncio.gather(*(writer.write(report) for report in reports)) == [usage_writer.Recorded.JOURNALED] * len(reports)
         # The writer's replay loop meets the outage again and again meanwhile.
-        await asyncio.sleep(replay_for_s)
         if shipped and replay_for_s:
             deadline = time.monotonic() + 20
             while usage_writer.journal().backlog() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+        else:
+            await asyncio.sleep(replay_for_s)
 
     asyncio.run(calls())
 

@@ -80,7 +80,9 @@ def test_a_pushed_rollup_is_never_pushed_again(fake_stripe):
 
 
 @pytest.mark.parametrize("failure", ["500", "429", "timeout"])
-def test_stripe_failures_are_retried_and_never_duplicated(fake_stripe, failure):
+def test_stripe_failures_are_retried_and_never_duplicated(fake_stripe, failure, settings):
+    # an injected timeout costs `STRIPE_TIMEOUT_S`: 1 s here (3 s in the fixture), still past any answer of the fake's
+    settings.STRIPE_TIMEOUT_S = 1.0
     rollup = _closed_rollup(EndpointFactory())
     fake_stripe.fail_next(failure, times=2, path="/v1/billing/meter_events")
 

@@ -156,6 +156,17 @@ def test_a_worker_started_while_its_broker_is_down_serves_metrics_all_through_th
         worker.stop(timeout_s=30)
 
 
+def _connect(port: int, num: int, timeout_s: float) -> list[socket.socket]:
+    """`num` connections to the server on `port`, each given a moment to be accepted before the next. NOTE: opened at
+    once, the seventh overflowed the listen backlog (5) before the server's thread had accepted any, and its SYN was
+    sent again only a second later: 50 connections took 8 s."""
+    connections = []
+    for _ in range(num):
+        connections.append(socket.create_connection(("127.0.0.1", port), timeout=timeout_s))
+        time.sleep(0.02)
+    return connections
+
+
 def _request_threads() -> int:
     return sum("process_request_thread" in thread.name for thread in threading.enumerate())
 
@@ -169,8 +180,7 @@ def test_idle_connections_neither_pile_up_threads_nor_stay_open(tmp_path, monkey
     before = _request_threads()
     idle = []
     try:
-        for _ in range(50):
-            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        idle.extend(_connect(port, 50, timeout_s=5))
         time.sleep(0.5)
         assert _request_threads() - before <= getattr(worker_metrics, "MAX_CONNECTIONS", 8)
         for connection in idle:  # every one closed by the server: within the timeout, or at once past the cap
@@ -196,7 +206,7 @@ def test_sockets_trickling_a_byte_at_a_time_neither_keep_prometheus_out_nor_hold
     monkeypatch.setattr(worker_metrics, "REQUEST_DEADLINE_S", 2.0, raising=False)
     port = free_port()
     server = worker_metrics.serve(port, TOKEN, str(tmp_path))
-    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(worker_metrics.MAX_CONNECTIONS)]
+    slow = _connect(port, worker_metrics.MAX_CONNECTIONS, timeout_s=10)
     closed_at: dict[int, float] = {}
     trickling_until = time.monotonic() + 6
     started = time.monotonic()
