@@ -537,6 +537,24 @@ def observe_unknown_payment_methods(*, limit: int = 10) -> int:
     return num_observed
 
 
+def observe_card_fingerprints() -> tuple[int, list[str]]:
+    """`observe_payment_method` for every postpaid customer with a card on file and no fingerprint recorded (those read
+    before fingerprints were kept, `billing/0034`), so that organisations sharing a card share its ceiling now, not at
+    their next reading. Returns how many were read and the customers that could not be (logged; the others are
+    still read). Safe to run again: a reading older than the one recorded changes nothing."""
+    unread = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_on_file=True, card_fingerprint="")
+              .exclude(stripe_customer_id="").order_by("pk").values_list("stripe_customer_id", flat=True))
+    num_read, failed = 0, []
+    for customer_id in unread.iterator():
+        try:
+            observe_payment_method(customer_id)
+            num_read += 1
+        except Exception:
+            logger.exception("could not read the Stripe customer %s's card", customer_id)
+            failed.append(customer_id)
+    return num_read, failed
+
+
 def _find_or_create(find, create, *, key: IdempotencyKey, what: str):
     """What `find()` (a read) finds, or else `create(options)` under `key`. After a server error the create
     goes on under a new key and may have been done already (`IdempotencyKey`): each try looks first."""

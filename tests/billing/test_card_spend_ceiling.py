@@ -140,3 +140,22 @@ def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default
                                                       "card": {"fingerprint": "fp_src"}})) == "fp_src"
     assert standing.card_fingerprint(customer(source={"object": "bank_account", "fingerprint": "fp_bank"})) == ""
     assert standing.card_fingerprint(customer()) == ""
+
+
+def test_the_backfill_reads_the_cards_of_customers_read_before_fingerprints_were_kept_past_one_that_fails(one_card):
+    """Before `billing/0034` no fingerprint was kept: without the backfill, those organisations shared nothing until
+    their card was read again."""
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    first, second = one_card
+    third = _Org(first.stripe, "Third Sign-up Ltd")
+    third.add_card("fp_stolen")
+    BillingAccount.objects.update(card_fingerprint="")  # as the upgrade leaves them
+    first.stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path=f"/v1/customers/{third.customer}", method="GET")
+    with pytest.raises(CommandError, match=third.customer):
+        call_command("backfill_card_fingerprints", stdout=StringIO())
+    assert second.ceiling().num_other_organizations_on_card == 1  # the two it read share the card again
+    call_command("backfill_card_fingerprints", stdout=StringIO())  # run again: the one that failed
+    assert second.ceiling().num_other_organizations_on_card == 2
