@@ -128,6 +128,19 @@ def test_a_tenants_standing_counts_the_other_organisations_on_its_card_and_never
         for name in (first.org.name, first.org.slug, first.customer):
             assert name not in shown
 
+    # Staff see the card in the Django admin, and find its organisations by it.
+    from django.contrib.auth import get_user_model
+
+    from tests.factories import sign_in_staff
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    admin = Client()
+    sign_in_staff(admin, staff)
+    account = BillingAccount.objects.get(organization=second.org)
+    shown = admin.get(f"/django-admin/billing/billingaccount/{account.pk}/change/").content.decode()
+    assert "fp_stolen" in shown and "with the 1 other organisation(s) on its card" in shown
+    found = admin.get("/django-admin/billing/billingaccount/", {"q": "fp_stolen"}).content.decode()
+    assert first.org.slug in found and second.org.slug in found
+
 
 def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default_source():
     def customer(method=None, source=None):
