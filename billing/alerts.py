@@ -44,20 +44,25 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     if account is None:
         return []
     limit = spend_limit(account)
-    if not limit.cap:
+    cap = limit.cap if limit.card_ceiling is None else limit.card_ceiling
+    if not cap:
         return []
     period = period_containing(now)
     spend = period_spend(organization_id, period)
-    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
+    if limit.card_ceiling is not None:
+        # NOTE: a ceiling the card's organisations share: their spend together against the card's ceiling, figures
+        # that do not move as the others spend (its own room does, and each value of it warned again).
+        spend += limit.spent_by_others
+    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= cap * t]
     if not crossed:
         return []
     sent_now = []
     for threshold in crossed:
-        alert = _claim(organization_id, period.start, threshold, spend, limit.cap)
+        alert = _claim(organization_id, period.start, threshold, spend, cap)
         if alert is None:
             continue
         try:
-            _send(account, limit, threshold, spend)
+            _send(account, limit, threshold, spend, cap)
         except Exception:
             SpendAlert.objects.filter(pk=alert.pk).delete()  # unclaimed, so the next run tries again
             raise
@@ -127,7 +132,7 @@ def send_hold(account: BillingAccount) -> None:
     )
 
 
-def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal) -> None:
+def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal, cap: Decimal) -> None:
     organization = account.organization
     recipients = _recipients(organization)
     if not recipients:
@@ -147,8 +152,10 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
     else:
         subject = f"{organization.name} used {threshold}% of {what}"
         consequence = "Calls are refused once it is reached." + lift
+    shared = " (with the other organisations that have the same card on file: the ceiling is the card's)"
     body = (
-        f"Spend this month: ${spend:.2f} of a ${limit.cap:.2f} {noun}.\n{consequence}\n\n"
+        f"Spend this month: ${spend:.2f} of a ${cap:.2f} {noun}{shared if limit.card_ceiling is not None else ''}.\n"
+        f"{consequence}\n\n"
         f"Billing settings: {settings.PUBLIC_URL}{reverse('console:billing')}\n"
     )
     send_mail(subject, body, None, recipients)

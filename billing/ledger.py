@@ -582,6 +582,13 @@ def period_spend(organization_id: int, period: Period, *, api_key_id: int | None
     return _period_rows(organization_id, period, api_key_id).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
 
 
+def organizations_period_spend(organization_ids: Collection[int], period: Period) -> Decimal:
+    """`period_spend` of several organisations together (a card's others: `billing.standing.card_sharers`)."""
+    rows = UsageRecord.objects.filter(organization_id__in=organization_ids, finished_at__gte=period.start,
+                                      finished_at__lt=period.end)
+    return rows.aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
+
+
 def _period_rows(organization_id: int, period: Period, api_key_id: int | None):
     """The rows a period bills: those that finished in it (`finished_at`)."""
     rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=period.start, finished_at__lt=period.end)

@@ -276,6 +276,10 @@ class BillingAccount(models.Model):
     # NOTE: database defaults too: code of the previous version, during a deploy, writes rows without them.
     payment_method_on_file = models.BooleanField(default=False, db_default=False)
     payment_method_observed_ms = models.BigIntegerField(default=0, db_default=0)
+    # The fingerprint Stripe gives the card of that default payment method (the same card number has the same one in
+    # every customer and payment method), read with it; empty: no card (none, or not a card), or not read since this
+    # was kept. Organisations with the same one share one spending ceiling (`billing.standing.spend_ceiling`).
+    card_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")
     invoiced_without_card = models.BooleanField(
         default=False, db_default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
                                  "it is not held to the limit of accounts without a payment method.")
@@ -303,6 +307,10 @@ class BillingAccount(models.Model):
         constraints = [
             models.CheckConstraint(condition=~models.Q(staff_lifted_spend_ceiling=True, staff_spend_ceiling__isnull=False),
                                    name="staff_spend_ceiling_amount_or_lifted"),
+        ]
+        indexes = [
+            models.Index(fields=["card_fingerprint"], name="billing_account_card",
+                         condition=~models.Q(card_fingerprint="")),
         ]
 
     def __str__(self) -> str:

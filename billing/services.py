@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import F, Max, Q, QuerySet, Value
+from django.db.models import Count, F, Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -197,27 +197,79 @@ def paid_history_changed(organization_id: int) -> None:
     (`review_all_payment_standing`)."""
     BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
     transaction.on_commit(lambda: review_payment_standing(organization_id), robust=True)
+    fingerprint = BillingAccount.objects.filter(organization_id=organization_id).values_list(
+        "card_fingerprint", flat=True).first()
+    card_ceiling_changed([fingerprint or ""], organization_id=organization_id)
 
 
-def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
-    """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method;
-    a reading older than the one recorded changes nothing. The gateway sees a change at once, and its hold too: the
-    organisation's standing is reviewed then (`review_payment_standing`), as a card decides whether an invoice its
-    deleted customer left unpaid holds it (`billing.standing.can_pay_now`). Before, a held organisation that added a
-    card was refused until the beat task's next review, minutes later."""
+def card_ceiling_changed(fingerprints: Collection[str], *, organization_id: int) -> None:
+    """The ceiling shared by the organisations of these cards' fingerprints (`billing.standing.card_sharers`) changed
+    for the others than `organization_id`: one of them joined or left, or paid. Their limits are marked
+    `limits_stale` in the change's transaction and written again once it commits (a process killed in between leaves
+    them to the beat task)."""
+    fingerprints = [fingerprint for fingerprint in fingerprints if fingerprint]
+    if not fingerprints:
+        return
+    others = BillingAccount.objects.filter(card_fingerprint__in=fingerprints).exclude(organization_id=organization_id)
+    account_ids = list(others.values_list("pk", flat=True))
+    if not account_ids:
+        return
+    BillingAccount.objects.filter(pk__in=account_ids).update(limits_stale=True)
+    transaction.on_commit(lambda: _refresh_accounts_quietly(account_ids), robust=True)
+
+
+def _refresh_accounts_quietly(account_ids: Collection[int]) -> None:
+    for account in BillingAccount.objects.filter(pk__in=account_ids):
+        _refresh_quietly(account)
+
+
+def refresh_shared_card_ceilings() -> int:
+    """Write again the limits of every organisation that shares its card's ceiling with another
+    (`billing.standing.card_sharers`): each one's room is the ceiling less what the others spent, read when its limits
+    are written, so the others' spend since reaches the gateway here (the beat task `billing.refresh_card_ceilings`,
+    every minute). Returns how many were written."""
+    held = BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False).exclude(card_fingerprint="")
+    shared = held.values("card_fingerprint").annotate(num_accounts=Count("pk")).filter(num_accounts__gt=1)
+    num_written = 0
+    for account in held.filter(card_fingerprint__in=shared.values("card_fingerprint")).order_by("pk"):
+        _refresh_quietly(account)
+        num_written += 1
+    return num_written
+
+
+def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
+                          card_fingerprint: str = "") -> BillingAccount | None:
+    """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method, a card
+    of `card_fingerprint` (empty: not a card); a reading older than the one recorded changes nothing. The gateway sees
+    a change at once, and its hold too: the organisation's standing is reviewed then (`review_payment_standing`), as a
+    card decides whether an invoice its deleted customer left unpaid holds it (`billing.standing.can_pay_now`).
+    Before, a held organisation that added a card was refused until the beat task's next review, minutes later. A
+    card of another fingerprint moves it to that card's ceiling, and the organisations of both cards have their
+    limits written again (`card_ceiling_changed`).
+
+    NOTE: a reading with no payment method keeps the fingerprint: the organisation stays with the card it last had,
+    so removing a card (or deleting the customer) frees none of the card's ceiling for its other organisations."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None or account.payment_method_observed_ms >= observed_ms:
             return account
         # NOTE: a customer never read before was not limited (`billing.standing`): its limits change too.
         flipped = account.payment_method_on_file != on_file
-        changed = flipped or not account.payment_method_observed_ms
+        fingerprint = card_fingerprint if on_file else account.card_fingerprint
+        previous_fingerprint = account.card_fingerprint
+        moved = fingerprint != previous_fingerprint
+        changed = flipped or moved or not account.payment_method_observed_ms
         account.payment_method_on_file = on_file
         account.payment_method_observed_ms = observed_ms
+        account.card_fingerprint = fingerprint
         account.limits_stale = account.limits_stale or changed
-        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms", "limits_stale"])
-        if flipped:
-            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
+        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms", "card_fingerprint",
+                                    "limits_stale"])
+        if flipped or moved:
+            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file,
+                         card_changed=moved)
+        if moved:
+            card_ceiling_changed([previous_fingerprint, fingerprint], organization_id=account.organization_id)
     if changed:
         account = _review_can_pay_now_changed(account)
     return account

@@ -33,6 +33,11 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   Prepaid accounts (credit bounds them) and those staff mark `invoiced_without_card` (staff vouch for them) are not
   held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
   (`Disputed`) and takes it out of the paid total.
+- **One ceiling per card.** Organisations whose card has one fingerprint (`BillingAccount.card_fingerprint`, Stripe's
+  mark of a card number) share one ceiling: what they have paid is summed, and so is what they spent this month
+  (`card_sharers`). Each may spend, of the ceiling that summed history gives, what the others have not spent this
+  month (`SpendCeiling.room`): before, a stolen card behind N sign-ups had N ceilings. A ceiling staff set, and the
+  upgrade's floor, stay the organisation's own.
 
 Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
@@ -47,7 +52,16 @@ from django.conf import settings
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.utils import timezone
 
-from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice, RefundedCharge
+from billing.ledger import organizations_period_spend
+from billing.models import (
+    BillingAccount,
+    BillingMode,
+    DeletedStripeCustomer,
+    Dispute,
+    Invoice,
+    RefundedCharge,
+)
+from billing.periods import period_containing
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -75,10 +89,15 @@ CENTS_PER_DOLLAR = 100
 class SpendLimit:
     """The most an organisation may spend this month (None: no limit) and why, as the gateway's
     refusal names it: `org_cap` (its own cap), `payment_method` (the limit without one), `spend_ceiling` (the
-    ceiling its paid history gives) or `spend_ceiling_staff` (a ceiling staff set)."""
+    ceiling its paid history gives) or `spend_ceiling_staff` (a ceiling staff set). A paid history's ceiling shared
+    with the card's other organisations (`SpendCeiling.room`) keeps the card's ceiling (`card_ceiling`) and what the
+    others spent of it (`spent_by_others`): the alerts count the card's spend against the card's ceiling, a figure
+    that does not move as the others spend."""
 
     cap: Decimal | None
     reason: str
+    card_ceiling: Decimal | None = None
+    spent_by_others: Decimal = Decimal(0)
 
     def __post_init__(self) -> None:
         if self.reason not in SPEND_LIMIT_REASONS:
@@ -89,17 +108,34 @@ class SpendLimit:
 class SpendCeiling:
     """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY`,
     `GRANDFATHERED` or `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
-    (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more)."""
+    (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more).
+
+    A paid history's ceiling is its card's (`card_sharers`): `num_other_organizations_on_card` organisations share
+    it, `paid` is what all of them paid, and `spent_by_others` what the others spent this month. NOTE: never their
+    names or ids: this is shown to the tenant, and the others are other tenants."""
 
     amount: Decimal | None
     source: str
     paid: Decimal
     next_paid: Decimal | None = None
     next_amount: Decimal | None = None
+    num_other_organizations_on_card: int = 0
+    spent_by_others: Decimal = Decimal(0)
 
     def __post_init__(self) -> None:
         if self.source not in (PAID_HISTORY, GRANDFATHERED, STAFF):
             raise ValueError(f"not a spend ceiling source: {self.source}")
+        if self.num_other_organizations_on_card < 0 or self.spent_by_others < 0:
+            raise ValueError("a card's other organisations and their spend are never negative")
+
+    @property
+    def room(self) -> Decimal | None:
+        """What the organisation itself may spend this month under it (None: no limit): a paid history's ceiling less
+        what the card's other organisations spent, never below zero; a ceiling staff set, or the upgrade's floor, is
+        the organisation's own."""
+        if self.amount is None or self.source != PAID_HISTORY:
+            return self.amount
+        return max(self.amount - self.spent_by_others, Decimal(0))
 
 
 def bills_through_stripe() -> bool:
@@ -128,9 +164,10 @@ def spend_ceiling_applies(account: BillingAccount) -> bool:
     return bills_through_stripe() and not account.is_prepaid and not account.invoiced_without_card
 
 
-def net_paid(organization_id: int) -> Decimal:
-    """What the organisation has paid (USD): its paid invoices' `amount_paid`, less what was refunded of its payments
-    and what is disputed of them and not won (open, or lost: the bank took it back), never below zero.
+def net_paid(*organization_ids: int) -> Decimal:
+    """What the organisations have paid together (USD; one, or a card's: `card_sharers`): their paid invoices'
+    `amount_paid`, less what was refunded of their payments and what is disputed of them and not won (open, or lost:
+    the bank took it back), never below zero.
 
     NOTE: money that came back raises no ceiling: a card that paid $50, had it refunded or charged back, and ran
     on under the ceiling $50 bought was the hole this closes. A dispute staff settled stays out (the organisation
@@ -138,7 +175,7 @@ def net_paid(organization_id: int) -> Decimal:
     refunded and disputed (Stripe refuses to dispute what it refunded in full, not a part) counts out twice: lower,
     never higher, than its money allows."""
     def cents(queryset, field: str) -> int:
-        return queryset.filter(organization_id=organization_id, currency="usd").aggregate(
+        return queryset.filter(organization_id__in=organization_ids, currency="usd").aggregate(
             total=Sum(field))["total"] or 0
 
     total = (cents(Invoice.objects.filter(status="paid"), "amount_paid") - cents(RefundedCharge.objects, "amount_refunded")
@@ -146,35 +183,52 @@ def net_paid(organization_id: int) -> Decimal:
     return Decimal(max(total, 0)) / CENTS_PER_DOLLAR
 
 
+def card_sharers(account: BillingAccount):
+    """The other accounts held to a spending ceiling whose card has the account's fingerprint (none without one).
+
+    NOTE: the fingerprint is the card last seen on file (`services.record_payment_method`): an organisation that
+    removes its card stays with it, so removing it frees no room for the others."""
+    if not account.card_fingerprint:
+        return BillingAccount.objects.none()
+    return BillingAccount.objects.filter(card_fingerprint=account.card_fingerprint, mode=BillingMode.POSTPAID,
+                                         invoiced_without_card=False).exclude(pk=account.pk)
+
+
 def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
     """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
-    set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by `net_paid`) and the upgrade's floor
+    set one, else the higher of what its card's paid history gives (`SPEND_CEILINGS` by `net_paid` of the organisation
+    and its `card_sharers`), less what the others spent this month (`SpendCeiling.room`), and the upgrade's floor
     (`grandfathered_spend_ceiling`, `billing/0032`).
 
     NOTE: the floor is not staff's: paying raises a grandfathered organisation as it does any other, once its paid
-    history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good)."""
+    history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good).
+    The others' spend is the ledger's when this is read: the gateway has it as of the last refresh of the limits."""
     if not spend_ceiling_applies(account):
         return None
-    paid = net_paid(account.organization_id)
+    others = list(card_sharers(account).values_list("organization_id", flat=True))
+    paid = net_paid(account.organization_id, *others)
     if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
-        return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
-    history = paid_history_ceiling(paid)
+        return SpendCeiling(account.staff_spend_ceiling, STAFF, paid, num_other_organizations_on_card=len(others))
+    spent_by_others = organizations_period_spend(others, period_containing()) if others else Decimal(0)
+    history = paid_history_ceiling(paid, num_other_organizations_on_card=len(others), spent_by_others=spent_by_others)
     floor = account.grandfathered_spend_ceiling
-    if floor is None or history.amount is None or history.amount >= floor:
+    if floor is None or history.room is None or history.room >= floor:
         return history
     above = [(step, amount) for step, amount in settings.SPEND_CEILINGS if amount is None or amount > floor]
-    return SpendCeiling(floor, GRANDFATHERED, paid, *(above[0] if above else (None, None)))
+    return SpendCeiling(floor, GRANDFATHERED, paid, *(above[0] if above else (None, None)),
+                        num_other_organizations_on_card=len(others))
 
 
-def paid_history_ceiling(paid: Decimal) -> SpendCeiling:
-    """The ceiling `SPEND_CEILINGS` gives an organisation that has paid `paid`, and its next step."""
+def paid_history_ceiling(paid: Decimal, **shared) -> SpendCeiling:
+    """The ceiling `SPEND_CEILINGS` gives an organisation (or a card's) that has paid `paid`, and its next step;
+    `shared`: how many others share it and what they spent (`SpendCeiling`)."""
     steps = settings.SPEND_CEILINGS
     reached = [step for step in steps if step[0] <= paid]
     amount = reached[-1][1]  # NOTE: the first step is at 0 paid (`controlplane.env.env_spend_ceilings`)
     if len(reached) == len(steps):
-        return SpendCeiling(amount, PAID_HISTORY, paid)
+        return SpendCeiling(amount, PAID_HISTORY, paid, **shared)
     next_paid, next_amount = steps[len(reached)]
-    return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount)
+    return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount, **shared)
 
 
 def spend_limit(account: BillingAccount) -> SpendLimit:
@@ -182,8 +236,10 @@ def spend_limit(account: BillingAccount) -> SpendLimit:
     tie, the one that a change of the cap would not lift names it)."""
     limit = SpendLimit(account.spend_cap, ORG_CAP)
     ceiling = spend_ceiling(account)
-    if ceiling is not None and ceiling.amount is not None and (limit.cap is None or ceiling.amount <= limit.cap):
-        limit = SpendLimit(ceiling.amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
+    if ceiling is not None and ceiling.room is not None and (limit.cap is None or ceiling.room <= limit.cap):
+        limit = SpendLimit(ceiling.room, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
+        if ceiling.source == PAID_HISTORY and ceiling.num_other_organizations_on_card:
+            limit = SpendLimit(ceiling.room, SPEND_CEILING, ceiling.amount, ceiling.spent_by_others)
     without_card = limit_without_payment_method(account)
     if without_card is not None and (limit.cap is None or without_card < limit.cap):
         limit = SpendLimit(without_card, PAYMENT_METHOD)
@@ -277,6 +333,25 @@ def hold_reason(account: BillingAccount) -> str:
     if account.past_due_since is None:
         return ""
     return account.hold_reason or PAST_DUE  # NOTE: a hold kept before its reason was stored is an unpaid invoice's
+
+
+def card_fingerprint(customer) -> str:
+    """The fingerprint of the card Stripe charges this customer's invoices with (a customer read with
+    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or not a card. The
+    default payment method comes first, as Stripe charges it first; an older default source is a card (`card`
+    object) or a card source (`source` of type `card`)."""
+    method = (customer.get("invoice_settings") or {}).get("default_payment_method")
+    if method:
+        is_card = isinstance(method, dict) and method.get("type") == "card"
+        return str((method.get("card") or {}).get("fingerprint") or "") if is_card else ""
+    source = customer.get("default_source")
+    if not isinstance(source, dict):
+        return ""
+    if source.get("object") == "card":
+        return str(source.get("fingerprint") or "")
+    if source.get("object") == "source" and source.get("type") == "card":
+        return str((source.get("card") or {}).get("fingerprint") or "")
+    return ""
 
 
 def has_payment_method(customer) -> bool:
