@@ -121,8 +121,10 @@ class BillingAccountAdmin(admin.ModelAdmin):
         if not ceiling.num_other_organizations_on_card:
             return f"{amount}, {source} (paid ${ceiling.paid:,.2f} net)"
         room = "" if ceiling.room is None else f"; ${ceiling.room:,.2f} left to it"
-        return (f"{amount}, {source} (paid ${ceiling.paid:,.2f} net with the {ceiling.num_other_organizations_on_card} "
-                f"other organisation(s) on its card, which spent ${ceiling.spent_by_others:,.2f} this month{room})")
+        return (f"{amount}, {source} (paid ${ceiling.paid:,.2f} net with the organisations of its card that share a "
+                f"member with it, ${ceiling.paid_by_itself:,.2f} by itself; its card held this month by "
+                f"{ceiling.num_other_organizations_on_card} other organisation(s), which spent "
+                f"${ceiling.spent_by_others:,.2f}{room})")
 
     def has_add_permission(self, request):
         return False  # NOTE: an organisation's account is made when first needed (`BillingAccount.objects.for_organization`)

@@ -321,6 +321,25 @@ class BillingAccount(models.Model):
         return self.mode == BillingMode.PREPAID
 
 
+class CardHolding(models.Model):
+    """An organisation had the card of `fingerprint` (`BillingAccount.card_fingerprint`) on file from `first_seen_at`
+    to `last_seen_at` (stamped when it leaves the card: another card, or none that is a card). A card's spending
+    ceiling counts the month's spend of every organisation that held it in the month (`billing.standing.card_spend`),
+    so leaving a card after spending frees none of its room."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    fingerprint = models.CharField(max_length=64)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["organization", "fingerprint"], name="one_card_holding_per_card")]
+        indexes = [models.Index(fields=["fingerprint", "last_seen_at"], name="card_holding_card")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} held {self.fingerprint}"
+
+
 class DeletedStripeCustomer(models.Model):
     """A Stripe customer of the organisation that Stripe deleted (`billing.services.record_customer_deleted`): the
     account forgets it, this keeps whose it was and up to when its invoices bill its usage. An invoice's webhook that

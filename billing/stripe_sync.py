@@ -538,11 +538,12 @@ def observe_unknown_payment_methods(*, limit: int = 10) -> int:
 
 
 def observe_card_fingerprints() -> tuple[int, list[str]]:
-    """`observe_payment_method` for every postpaid customer with a card on file and no fingerprint recorded (those read
-    before fingerprints were kept, `billing/0034`), so that organisations sharing a card share its ceiling now, not at
-    their next reading. Returns how many were read and the customers that could not be (logged; the others are
-    still read). Safe to run again: a reading older than the one recorded changes nothing."""
-    unread = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_on_file=True, card_fingerprint="")
+    """`observe_payment_method` for every postpaid customer with a payment method on file, so that organisations
+    sharing a card share its month now, not at their next reading. Every one, not only those with no fingerprint: a
+    pod of the version before `billing/0034`, during the deploy, recorded a change of card without its fingerprint
+    (the old one kept). Returns how many were read and the customers that could not be (logged; the others are still
+    read). Safe to run again: a reading older than the one recorded changes nothing."""
+    unread = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_on_file=True)
               .exclude(stripe_customer_id="").order_by("pk").values_list("stripe_customer_id", flat=True))
     num_read, failed = 0, []
     for customer_id in unread.iterator():

@@ -235,7 +235,7 @@ def test_a_new_organisation_with_a_card_and_no_cap_stops_at_its_spending_ceiling
         shown = httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()["standing"]
         assert shown["spend_ceiling"] == {"amount": "500.00", "source": "paid_history", "net_paid": "50.00",
                                           "next_paid": "500.00", "next_amount": "5000.00",
-                                          "num_other_organizations_on_card": 0}
+                                          "shared_with_other_organizations": False}
         assert shown["limit_reason"] == "spend_ceiling"
 
         _post_webhook(gateway, "charge.refunded", {"id": "ch_first", "object": "charge", "customer": customer,
@@ -255,9 +255,10 @@ def test_a_new_organisation_with_a_card_and_no_cap_stops_at_its_spending_ceiling
         shared = httpx.post(f"{gateway}/v1/chat/completions", json={**body, "model": other.name},
                             headers=second_headers, timeout=30)
         assert shared.status_code == 402 and shared.json()["error"]["code"] == "insufficient_quota"
-        assert "spending ceiling for its payment history" in shared.json()["error"]["message"]
+        assert "other organisations have the same card on file" in shared.json()["error"]["message"]
         shown = httpx.get(f"{gateway}/api/v1/billing/", headers=second_headers).json()["standing"]
-        assert shown["spend_ceiling"]["num_other_organizations_on_card"] == 1
+        assert shown["spend_ceiling"]["shared_with_other_organizations"] is True
+        assert shown["effective_spend_cap"] == "100.00"  # its ceiling, not the room the first's spend left it
     finally:
         child.stop()
         fake.stop()
