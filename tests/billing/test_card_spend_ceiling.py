@@ -250,6 +250,7 @@ def test_a_cards_spend_is_read_once_for_its_organisations_and_the_billing_page_r
     with CaptureQueriesContext(connection) as refresh:
         assert services.refresh_shared_card_ceilings() == 4
     assert len(ledger_reads(refresh.captured_queries)) == 1  # before: 4
+    assert services.refresh_shared_card_ceilings(budget_s=0) == 0  # out of time: left to the next run, not past it
     with CaptureQueriesContext(connection) as page:
         client.get("/api/v1/billing/")
     others = [sql for sql in ledger_reads(page.captured_queries) if '"organization_id" IN (' in sql]
