@@ -103,12 +103,13 @@ class BillingAccountAdmin(admin.ModelAdmin):
     list_display = ["organization", "mode", "spend_cap", "payment_method_on_file", "past_due_since", "hold_reason",
                     "stripe_customer_id"]
     list_filter = ["mode", "payment_method_on_file", "invoiced_without_card"]
-    search_fields = ["organization__slug", "stripe_customer_id"]
+    search_fields = ["organization__slug", "stripe_customer_id", "=card_fingerprint"]  # a card's organisations
     fields = ["organization", "mode", "spend_cap", "spend_ceiling", "spend_ceiling_in_effect", "payment_method_on_file",
-              "invoiced_without_card", "past_due_since", "hold_reason", "stripe_customer_id", "stripe_subscription_id",
-              "credit_drawn", "created_at"]
-    readonly_fields = ["organization", "spend_ceiling_in_effect", "payment_method_on_file", "past_due_since",
-                       "hold_reason", "stripe_customer_id", "stripe_subscription_id", "credit_drawn", "created_at"]
+              "card_fingerprint", "invoiced_without_card", "past_due_since", "hold_reason", "stripe_customer_id",
+              "stripe_subscription_id", "credit_drawn", "created_at"]
+    readonly_fields = ["organization", "spend_ceiling_in_effect", "payment_method_on_file", "card_fingerprint",
+                       "past_due_since", "hold_reason", "stripe_customer_id", "stripe_subscription_id", "credit_drawn",
+                       "created_at"]
 
     @admin.display(description="Spending ceiling in effect")
     def spend_ceiling_in_effect(self, obj) -> str:
@@ -117,7 +118,13 @@ class BillingAccountAdmin(admin.ModelAdmin):
             return "none applies (prepaid, invoiced without card, or no Stripe)"
         amount = "no ceiling" if ceiling.amount is None else f"${ceiling.amount:,.2f} a month"
         source = "set by staff" if ceiling.source == standing.STAFF else "from its paid history"
-        return f"{amount}, {source} (paid ${ceiling.paid:,.2f} net)"
+        if not ceiling.num_other_organizations_on_card:
+            return f"{amount}, {source} (paid ${ceiling.paid:,.2f} net)"
+        room = "" if ceiling.room is None else f"; ${ceiling.room:,.2f} left to it"
+        return (f"{amount}, {source} (paid ${ceiling.paid:,.2f} net with the organisations of its card that share a "
+                f"member with it, ${ceiling.paid_by_itself:,.2f} by itself; its card held this month by "
+                f"{ceiling.num_other_organizations_on_card} other organisation(s), which spent "
+                f"${ceiling.spent_by_others:,.2f}{room})")
 
     def has_add_permission(self, request):
         return False  # NOTE: an organisation's account is made when first needed (`BillingAccount.objects.for_organization`)

@@ -24,7 +24,8 @@ from billing.standing import (
     SPEND_CEILING_STAFF,
     SpendLimit,
     bills_through_stripe,
-    spend_limit,
+    shown_spend_limit,
+    spend_ceiling,
 )
 from controlplane.accounts.models import Membership, Role
 
@@ -43,7 +44,10 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     account = BillingAccount.objects.filter(organization_id=organization_id).select_related("organization").first()
     if account is None:
         return []
-    limit = spend_limit(account)
+    # NOTE: the organisation's own spend against the limit it is shown (a card's ceiling's amount, not the room its
+    # other organisations leave it): their spend is theirs, and mailed here it was another tenant's, to the cent.
+    ceiling = spend_ceiling(account, others_spend=False)
+    limit = shown_spend_limit(account, ceiling)
     if not limit.cap:
         return []
     period = period_containing(now)
@@ -57,7 +61,7 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
         if alert is None:
             continue
         try:
-            _send(account, limit, threshold, spend)
+            _send(account, limit, threshold, spend, shared=ceiling is not None and ceiling.is_shared)
         except Exception:
             SpendAlert.objects.filter(pk=alert.pk).delete()  # unclaimed, so the next run tries again
             raise
@@ -127,7 +131,7 @@ def send_hold(account: BillingAccount) -> None:
     )
 
 
-def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal) -> None:
+def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Decimal, *, shared: bool) -> None:
     organization = account.organization
     recipients = _recipients(organization)
     if not recipients:
@@ -147,6 +151,9 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
     else:
         subject = f"{organization.name} used {threshold}% of {what}"
         consequence = "Calls are refused once it is reached." + lift
+    if shared and limit.reason == SPEND_CEILING:
+        consequence += (" The ceiling is shared with other organisations using the same card: what they spend this "
+                        "month counts against it too, so calls may be refused sooner.")
     body = (
         f"Spend this month: ${spend:.2f} of a ${limit.cap:.2f} {noun}.\n{consequence}\n\n"
         f"Billing settings: {settings.PUBLIC_URL}{reverse('console:billing')}\n"

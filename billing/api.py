@@ -118,9 +118,12 @@ def _standing_fields(account: BillingAccount) -> dict:
 def _ceiling_fields(ceiling: standing.SpendCeiling | None) -> dict | None:
     if ceiling is None:
         return None
-    return {"amount": _money_or_none(ceiling.amount), "source": ceiling.source, "net_paid": format_money(ceiling.paid),
+    # NOTE: the organisation's own figures only: never what others of its card paid, spent, or how many they are.
+    return {"amount": _money_or_none(ceiling.amount), "source": ceiling.source,
+            "net_paid": format_money(ceiling.paid_by_itself),
             "next_paid": _money_or_none(ceiling.next_paid),
-            "next_amount": _money_or_none(ceiling.next_amount) if ceiling.next_paid is not None else None}
+            "next_amount": _money_or_none(ceiling.next_amount) if ceiling.next_paid is not None else None,
+            "shared_with_other_organizations": ceiling.is_shared}
 
 
 def _money_or_none(amount: Decimal | None) -> str | None:
@@ -161,6 +164,10 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
                                            "paying raises it no more (or staff set it)"),
             "next_amount": serializers.CharField(
                 allow_null=True, help_text="That next ceiling (USD); null: none, or no next step"),
+            "shared_with_other_organizations": serializers.BooleanField(
+                help_text="Whether other organisations used the same card this month: what they spend counts against "
+                          "the ceiling too, so calls may be refused before this organisation's own spend reaches it "
+                          "(their number and figures are not shown)"),
         }, allow_null=True, help_text="Null where none applies: prepaid, invoiced without card, or no Stripe"),
         "effective_spend_cap": serializers.CharField(
             allow_null=True, help_text="The lowest of the cap, the spending ceiling and that limit: where calls stop "

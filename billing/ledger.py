@@ -582,6 +582,16 @@ def period_spend(organization_id: int, period: Period, *, api_key_id: int | None
     return _period_rows(organization_id, period, api_key_id).aggregate(total=Coalesce(Sum("cost"), Decimal(0)))["total"]
 
 
+def organizations_period_spends(organization_ids: Collection[int], period: Period) -> dict[int, Decimal]:
+    """`period_spend` of each of several organisations (a card's: `billing.standing.card_spend`), in one grouped read
+    (the `usage_org_finished` index); one with no usage is not in it."""
+    if not organization_ids:
+        return {}
+    rows = UsageRecord.objects.filter(organization_id__in=organization_ids, finished_at__gte=period.start,
+                                      finished_at__lt=period.end).order_by()
+    return dict(rows.values("organization_id").annotate(total=Sum("cost")).values_list("organization_id", "total"))
+
+
 def _period_rows(organization_id: int, period: Period, api_key_id: int | None):
     """The rows a period bills: those that finished in it (`finished_at`)."""
     rows = UsageRecord.objects.filter(organization_id=organization_id, finished_at__gte=period.start, finished_at__lt=period.end)

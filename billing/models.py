@@ -276,6 +276,10 @@ class BillingAccount(models.Model):
     # NOTE: database defaults too: code of the previous version, during a deploy, writes rows without them.
     payment_method_on_file = models.BooleanField(default=False, db_default=False)
     payment_method_observed_ms = models.BigIntegerField(default=0, db_default=0)
+    # The fingerprint Stripe gives the card of that default payment method (the same card number has the same one in
+    # every customer and payment method), read with it; empty: no card (none, or not a card), or not read since this
+    # was kept. Organisations with the same one share one spending ceiling (`billing.standing.spend_ceiling`).
+    card_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")
     invoiced_without_card = models.BooleanField(
         default=False, db_default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "
                                  "it is not held to the limit of accounts without a payment method.")
@@ -304,6 +308,10 @@ class BillingAccount(models.Model):
             models.CheckConstraint(condition=~models.Q(staff_lifted_spend_ceiling=True, staff_spend_ceiling__isnull=False),
                                    name="staff_spend_ceiling_amount_or_lifted"),
         ]
+        indexes = [
+            models.Index(fields=["card_fingerprint"], name="billing_account_card",
+                         condition=~models.Q(card_fingerprint="")),
+        ]
 
     def __str__(self) -> str:
         return f"billing of {self.organization_id}"
@@ -311,6 +319,25 @@ class BillingAccount(models.Model):
     @property
     def is_prepaid(self) -> bool:
         return self.mode == BillingMode.PREPAID
+
+
+class CardHolding(models.Model):
+    """An organisation had the card of `fingerprint` (`BillingAccount.card_fingerprint`) on file from `first_seen_at`
+    to `last_seen_at` (stamped when it leaves the card: another card, or none that is a card). A card's spending
+    ceiling counts the month's spend of every organisation that held it in the month (`billing.standing.card_spend`),
+    so leaving a card after spending frees none of its room."""
+
+    organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
+    fingerprint = models.CharField(max_length=64)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["organization", "fingerprint"], name="one_card_holding_per_card")]
+        indexes = [models.Index(fields=["fingerprint", "last_seen_at"], name="card_holding_card")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} held {self.fingerprint}"
 
 
 class DeletedStripeCustomer(models.Model):

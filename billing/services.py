@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import random
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.db.models import F, Max, Q, QuerySet, Value
+from django.db.models import Count, F, Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -21,6 +23,7 @@ from billing.models import (
     ApiKeySpendCap,
     BillingAccount,
     BillingMode,
+    CardHolding,
     DeletedStripeCustomer,
     Dispute,
     Invoice,
@@ -30,6 +33,7 @@ from billing.models import (
     voided_after_deletion,
     voided_in_deletions_second,
 )
+from billing.periods import period_containing
 from billing.quota.counters import refresh_limits
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
@@ -149,6 +153,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.limits_stale = True
         account.save(update_fields=["mode", "limits_stale"])
         record_audit(actor, organization, SET_MODE_AUDIT_ACTION, account, mode=mode, previous=previous)
+        card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
     refresh_limits(account)
     return account
 
@@ -163,6 +168,7 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
         account.limits_stale = True
         account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
+        card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
     return _review_can_pay_now_changed(account)
 
 
@@ -194,30 +200,115 @@ def paid_history_changed(organization_id: int) -> None:
     """An invoice paid, a refund or a dispute changed what the organisation has paid (`billing.standing.net_paid`),
     so its spending ceiling may have: marked `limits_stale` in the change's own transaction, and its standing reviewed
     once that commits (which writes its limits to Redis). A process killed between the two leaves it to the beat task
-    (`review_all_payment_standing`)."""
+    (`review_all_payment_standing`). The organisations of its card that share a member with it count its history
+    (`billing.standing.trusted_history`): written again too (`card_ceiling_changed`)."""
     BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
     transaction.on_commit(lambda: review_payment_standing(organization_id), robust=True)
+    fingerprint = BillingAccount.objects.filter(organization_id=organization_id).values_list(
+        "card_fingerprint", flat=True).first()
+    card_ceiling_changed([fingerprint or ""], organization_id=organization_id)
 
 
-def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int) -> BillingAccount | None:
-    """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method;
-    a reading older than the one recorded changes nothing. The gateway sees a change at once, and its hold too: the
-    organisation's standing is reviewed then (`review_payment_standing`), as a card decides whether an invoice its
-    deleted customer left unpaid holds it (`billing.standing.can_pay_now`). Before, a held organisation that added a
-    card was refused until the beat task's next review, minutes later."""
+def card_ceiling_changed(fingerprints: Collection[str], *, organization_id: int) -> None:
+    """What the other organisations of these cards may spend changed with `organization_id`: it joined or left one,
+    paid, or staff changed its billing mode or vouched for it. Once the change commits, the others of each card
+    (`billing.standing.card_holders`) are marked `limits_stale` and written again (`refresh_cards`).
+
+    NOTE: outside the change's transaction, which locks only its own account: two changes of one card's organisations
+    (two invoices paid at once) each locked its own row and then the other's, and PostgreSQL killed one as a deadlock.
+    A process killed after the commit leaves a shared card to the beat task (`refresh_shared_card_ceilings`)."""
+    fingerprints = sorted({fingerprint for fingerprint in fingerprints if fingerprint})
+    if fingerprints:
+        transaction.on_commit(lambda: refresh_cards(fingerprints, but=organization_id), robust=True)
+
+
+def refresh_cards(fingerprints: Collection[str], *, but: int | None = None) -> int:
+    """Write again the limits of every organisation that held these cards this month (but `but`): the card's spend
+    read once for all of them (`billing.standing.card_spend`). A Redis failure is logged and leaves the account
+    `limits_stale` for the beat task. Returns how many were written."""
+    num_written = 0
+    for card in standing.card_spend(fingerprints).values():
+        organization_ids = sorted(pk for pk in card.spend if pk != but)
+        if not organization_ids:
+            continue
+        BillingAccount.objects.filter(organization_id__in=organization_ids).update(limits_stale=True)
+        for account in BillingAccount.objects.filter(organization_id__in=organization_ids).order_by("pk"):
+            _refresh_quietly(account, card=card)
+            num_written += 1
+    return num_written
+
+
+# Cards read and written together by the beat task (`refresh_shared_card_ceilings`), and its time: under the task's
+# soft time limit (`billing.tasks.refresh_card_ceilings`), whatever the number of cards and organisations.
+CARDS_PER_BATCH = 50
+CARD_REFRESH_BUDGET_S = 40.0
+
+
+def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> int:
+    """Write again the limits of every organisation of a card held by more than one this month
+    (`billing.standing.card_holders`): each one's room is its ceiling less what the others spent, read when its limits
+    are written, so the others' spend since reaches the gateway here (the beat task `billing.refresh_card_ceilings`,
+    every minute). Each card's spend is read once for its organisations, `CARDS_PER_BATCH` cards at a time, the
+    cards in a random order and the run stopped after `budget_s`: a card of many organisations, or many cards, take
+    turns, and none is left out run after run. Returns how many limits were written."""
+    period = period_containing()
+    held = standing.held_to_a_ceiling().exclude(card_fingerprint="")
+    several = (held.values("card_fingerprint").annotate(num_accounts=Count("pk")).filter(num_accounts__gt=1)
+               .values_list("card_fingerprint", flat=True))
+    left = CardHolding.objects.filter(last_seen_at__gte=period.start).values_list("fingerprint", flat=True)
+    candidates = sorted({*several, *left.distinct()})
+    random.shuffle(candidates)
+    deadline = time.monotonic() + budget_s
+    num_written = 0
+    for start in range(0, len(candidates), CARDS_PER_BATCH):
+        if time.monotonic() >= deadline:
+            logger.warning("card ceilings: %s card(s) left to the next run", len(candidates) - start)
+            break
+        for card in standing.card_spend(candidates[start:start + CARDS_PER_BATCH], period).values():
+            if len(card.spend) < 2:
+                continue
+            for account in BillingAccount.objects.filter(organization_id__in=card.spend).order_by("pk"):
+                _refresh_quietly(account, card=card)
+                num_written += 1
+    return num_written
+
+
+def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
+                          card_fingerprint: str = "") -> BillingAccount | None:
+    """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method, a card
+    of `card_fingerprint` (empty: not a card); a reading older than the one recorded changes nothing. The gateway sees
+    a change at once, and its hold too: the organisation's standing is reviewed then (`review_payment_standing`), as a
+    card decides whether an invoice its deleted customer left unpaid holds it (`billing.standing.can_pay_now`).
+    Before, a held organisation that added a card was refused until the beat task's next review, minutes later. A
+    card of another fingerprint moves it to that card's ceiling, and the organisations of both cards have their
+    limits written again (`card_ceiling_changed`).
+
+    NOTE: a reading with no payment method keeps the fingerprint: the organisation stays with the card it last had,
+    so removing a card (or deleting the customer) frees none of the card's ceiling for its other organisations; one
+    that moves to another card, or to a method that is not a card, leaves its month's spend counted on the card it
+    left (`CardHolding`)."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().filter(stripe_customer_id=customer_id).first()
         if account is None or account.payment_method_observed_ms >= observed_ms:
             return account
         # NOTE: a customer never read before was not limited (`billing.standing`): its limits change too.
         flipped = account.payment_method_on_file != on_file
-        changed = flipped or not account.payment_method_observed_ms
+        fingerprint = card_fingerprint if on_file else account.card_fingerprint
+        previous_fingerprint = account.card_fingerprint
+        moved = fingerprint != previous_fingerprint
+        changed = flipped or moved or not account.payment_method_observed_ms
         account.payment_method_on_file = on_file
         account.payment_method_observed_ms = observed_ms
+        account.card_fingerprint = fingerprint
         account.limits_stale = account.limits_stale or changed
-        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms", "limits_stale"])
-        if flipped:
-            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file)
+        account.save(update_fields=["payment_method_on_file", "payment_method_observed_ms", "card_fingerprint",
+                                    "limits_stale"])
+        if flipped or moved:
+            record_audit(SYSTEM, account.organization, "billing.payment_method", account, on_file=on_file,
+                         card_changed=moved)
+        if moved:
+            _record_card_holding(account.organization_id, left=previous_fingerprint, joined=fingerprint)
+            card_ceiling_changed([previous_fingerprint, fingerprint], organization_id=account.organization_id)
     if changed:
         account = _review_can_pay_now_changed(account)
     return account
@@ -742,11 +833,22 @@ def push_again(rollups) -> int:
                           difference_started_at=None, difference_pending=None)
 
 
-def _refresh_quietly(account: BillingAccount, *, credit: bool = False) -> None:
+def _record_card_holding(organization_id: int, *, left: str, joined: str) -> None:
+    """The organisation left the card `left` now (if any) and holds `joined` (if any): `CardHolding`."""
+    now = timezone.now()
+    if left:
+        CardHolding.objects.update_or_create(organization_id=organization_id, fingerprint=left,
+                                             defaults={"last_seen_at": now})
+    if joined:
+        CardHolding.objects.get_or_create(organization_id=organization_id, fingerprint=joined,
+                                          defaults={"first_seen_at": now, "last_seen_at": now})
+
+
+def _refresh_quietly(account: BillingAccount, *, credit: bool = False, card: standing.CardSpend | None = None) -> None:
     """`refresh_limits` after a change that is already committed (and marked `limits_stale` with it): a
     Redis failure is logged, not raised; the payment-standing beat task refreshes the account again."""
     try:
-        refresh_limits(account, credit=credit)
+        refresh_limits(account, credit=credit, card=card)
     except Exception:
         logger.exception("could not refresh the gateway's limits of organisation %s", account.organization_id)
 

@@ -33,12 +33,22 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   Prepaid accounts (credit bounds them) and those staff mark `invoiced_without_card` (staff vouch for them) are not
   held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
   (`Disputed`) and takes it out of the paid total.
+- **Spend is shared per card; history is not borrowed.** Organisations whose card has one fingerprint
+  (`BillingAccount.card_fingerprint`, Stripe's mark of a card number) share its month: each may spend, of its own
+  ceiling, what every other organisation that held the card this month (`card_spend`, `CardHolding`: leaving the card
+  frees nothing) has not spent (`SpendCeiling.room`): before, a stolen card behind N sign-ups had N ceilings. The
+  ceiling's amount comes from the paid history of the organisation and of those on its card that share a member with
+  it (`trusted_history`), never from an unrelated tenant's payments: a thief adding a customer's card number
+  inherits nothing. A ceiling staff set, and the upgrade's floor, stay the organisation's own. NOTE: what a tenant is
+  shown (`standing`, the alerts) is its own: its own paid total and spend, the ceiling's amount and whether it is
+  shared, never the others' figures, their number, or the room their spend leaves (from which it could read it).
 
 Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -47,7 +57,18 @@ from django.conf import settings
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.utils import timezone
 
-from billing.models import BillingAccount, DeletedStripeCustomer, Dispute, Invoice, RefundedCharge
+from billing.ledger import organizations_period_spends
+from billing.models import (
+    BillingAccount,
+    BillingMode,
+    CardHolding,
+    DeletedStripeCustomer,
+    Dispute,
+    Invoice,
+    RefundedCharge,
+)
+from billing.periods import Period, period_containing
+from controlplane.accounts.models import Membership
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -89,17 +110,46 @@ class SpendLimit:
 class SpendCeiling:
     """An organisation's monthly spending ceiling (`amount`, None: none), where it comes from (`PAID_HISTORY`,
     `GRANDFATHERED` or `STAFF`), what it has paid (`paid`: `net_paid`), and the paid total at which its history gives the next, higher one
-    (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more)."""
+    (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more).
+
+    `paid` is the paid history the amount comes from (`trusted_history`: its own and that of the organisations on its
+    card that share a member with it); `own_paid` the organisation's own. A card held this month by
+    `num_other_organizations_on_card` others, which spent `spent_by_others` this month, shares its room with them.
+    NOTE: staff's figures: a tenant is shown `own_paid`, `amount` and `is_shared` only (`standing`), never the others'
+    number or spend, nor `paid`, which sums payments of organisations it may not see."""
 
     amount: Decimal | None
     source: str
     paid: Decimal
     next_paid: Decimal | None = None
     next_amount: Decimal | None = None
+    num_other_organizations_on_card: int = 0
+    spent_by_others: Decimal = Decimal(0)
+    own_paid: Decimal | None = None  # None: `paid`
 
     def __post_init__(self) -> None:
         if self.source not in (PAID_HISTORY, GRANDFATHERED, STAFF):
             raise ValueError(f"not a spend ceiling source: {self.source}")
+        if self.num_other_organizations_on_card < 0 or self.spent_by_others < 0:
+            raise ValueError("a card's other organisations and their spend are never negative")
+
+    @property
+    def room(self) -> Decimal | None:
+        """What the organisation itself may spend this month under it (None: no limit): a paid history's ceiling less
+        what the card's other organisations spent, never below zero; a ceiling staff set, or the upgrade's floor, is
+        the organisation's own."""
+        if self.amount is None or self.source != PAID_HISTORY:
+            return self.amount
+        return max(self.amount - self.spent_by_others, Decimal(0))
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether other organisations held its card this month: their spend leaves it less (`room`)."""
+        return self.num_other_organizations_on_card > 0
+
+    @property
+    def paid_by_itself(self) -> Decimal:
+        return self.paid if self.own_paid is None else self.own_paid
 
 
 def bills_through_stripe() -> bool:
@@ -128,9 +178,10 @@ def spend_ceiling_applies(account: BillingAccount) -> bool:
     return bills_through_stripe() and not account.is_prepaid and not account.invoiced_without_card
 
 
-def net_paid(organization_id: int) -> Decimal:
-    """What the organisation has paid (USD): its paid invoices' `amount_paid`, less what was refunded of its payments
-    and what is disputed of them and not won (open, or lost: the bank took it back), never below zero.
+def net_paid(*organization_ids: int) -> Decimal:
+    """What the organisations have paid together (USD; one, or those of `trusted_history`): their paid invoices'
+    `amount_paid`, less what was refunded of their payments and what is disputed of them and not won (open, or lost:
+    the bank took it back), never below zero.
 
     NOTE: money that came back raises no ceiling: a card that paid $50, had it refunded or charged back, and ran
     on under the ceiling $50 bought was the hole this closes. A dispute staff settled stays out (the organisation
@@ -138,7 +189,7 @@ def net_paid(organization_id: int) -> Decimal:
     refunded and disputed (Stripe refuses to dispute what it refunded in full, not a part) counts out twice: lower,
     never higher, than its money allows."""
     def cents(queryset, field: str) -> int:
-        return queryset.filter(organization_id=organization_id, currency="usd").aggregate(
+        return queryset.filter(organization_id__in=organization_ids, currency="usd").aggregate(
             total=Sum(field))["total"] or 0
 
     total = (cents(Invoice.objects.filter(status="paid"), "amount_paid") - cents(RefundedCharge.objects, "amount_refunded")
@@ -146,44 +197,132 @@ def net_paid(organization_id: int) -> Decimal:
     return Decimal(max(total, 0)) / CENTS_PER_DOLLAR
 
 
-def spend_ceiling(account: BillingAccount) -> SpendCeiling | None:
+def held_to_a_ceiling():
+    """The accounts a spending ceiling may hold (`spend_ceiling_applies`, but for Stripe's set-up)."""
+    return BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False)
+
+
+def card_holders(fingerprints: Collection[str], period: Period) -> dict[str, set[int]]:
+    """The organisations held to a ceiling that had each card in `period`: those with it on file now
+    (`BillingAccount.card_fingerprint`: removing a card keeps it) and those that left it during the period
+    (`CardHolding.last_seen_at`). Two indexed queries for any number of cards."""
+    fingerprints = [fingerprint for fingerprint in fingerprints if fingerprint]
+    holders: dict[str, set[int]] = {fingerprint: set() for fingerprint in fingerprints}
+    if not fingerprints:
+        return holders
+    held = held_to_a_ceiling()
+    for fingerprint, organization_id in held.filter(card_fingerprint__in=fingerprints).values_list(
+            "card_fingerprint", "organization_id"):
+        holders[fingerprint].add(organization_id)
+    left = CardHolding.objects.filter(fingerprint__in=fingerprints, last_seen_at__gte=period.start,
+                                      organization_id__in=held.values("organization_id"))
+    for fingerprint, organization_id in left.values_list("fingerprint", "organization_id"):
+        holders[fingerprint].add(organization_id)
+    return holders
+
+
+@dataclass(slots=True, frozen=True)
+class CardSpend:
+    """The month's spend of every organisation that held one card in it (`card_holders`), read once for all of them
+    (`card_spend`): each one's ceiling leaves it what the others have not spent."""
+
+    fingerprint: str
+    spend: dict[int, Decimal]  # organisation id: its spend this month
+
+    def others(self, organization_id: int) -> list[int]:
+        return [other for other in self.spend if other != organization_id]
+
+    def spent_by_others(self, organization_id: int) -> Decimal:
+        return sum((spent for other, spent in self.spend.items() if other != organization_id), Decimal(0))
+
+
+def card_spend(fingerprints: Collection[str], period: Period | None = None, *, spend: bool = True
+               ) -> dict[str, CardSpend]:
+    """`CardSpend` of each card: who held it in the period (this month's by default) and what each spent (one
+    grouped, indexed read of the ledger for all of them, `organizations_period_spends`; not read without `spend`:
+    what a tenant is shown needs none, `standing`; nor for a card held by one)."""
+    period = period or period_containing()
+    holders = card_holders(fingerprints, period)
+    shared = {pk for ids in holders.values() if len(ids) > 1 for pk in ids}  # a card of one: no others' spend
+    spends = organizations_period_spends(shared, period) if spend else {}
+    return {fingerprint: CardSpend(fingerprint, {pk: spends.get(pk, Decimal(0)) for pk in ids})
+            for fingerprint, ids in holders.items()}
+
+
+def trusted_history(organization_id: int, others: Collection[int]) -> list[int]:
+    """Those of `others` (the organisations of its card) whose paid history counts for the organisation's ceiling:
+    those that share a member with it (a user in both). NOTE: a customer's second organisation, same owner, keeps its
+    trust; a thief's sign-ups, one user, share their own (nothing); a stranger's payments never count."""
+    if not others:
+        return []
+    members = Membership.objects.filter(organization_id=organization_id).values("user_id")
+    return sorted(set(Membership.objects.filter(organization_id__in=others, user_id__in=members)
+                      .values_list("organization_id", flat=True)))
+
+
+def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, others_spend: bool = True
+                  ) -> SpendCeiling | None:
     """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
-    set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by `net_paid`) and the upgrade's floor
+    set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by the `net_paid` of the organisation
+    and those of its card it shares a member with, `trusted_history`), less what the card's other organisations spent
+    this month (`SpendCeiling.room`, `card_spend`; `card`: read already, for the card's every organisation; not read
+    without `others_spend`: the room is then the amount, as a tenant is shown it), and the upgrade's floor
     (`grandfathered_spend_ceiling`, `billing/0032`).
 
     NOTE: the floor is not staff's: paying raises a grandfathered organisation as it does any other, once its paid
-    history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good)."""
+    history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good).
+    The others' spend is the ledger's when this is read: the gateway has it as of the last refresh of the limits."""
     if not spend_ceiling_applies(account):
         return None
-    paid = net_paid(account.organization_id)
+    if account.card_fingerprint and (card is None or card.fingerprint != account.card_fingerprint):
+        card = card_spend([account.card_fingerprint], spend=others_spend)[account.card_fingerprint]
+    others = card.others(account.organization_id) if account.card_fingerprint else []
+    spent_by_others = card.spent_by_others(account.organization_id) if account.card_fingerprint else Decimal(0)
+    own_paid = net_paid(account.organization_id)
+    trusted = trusted_history(account.organization_id, others)
+    paid = net_paid(account.organization_id, *trusted) if trusted else own_paid
+    shared = {"num_other_organizations_on_card": len(others), "spent_by_others": spent_by_others,
+              "own_paid": own_paid if trusted else None}
     if account.staff_lifted_spend_ceiling or account.staff_spend_ceiling is not None:
-        return SpendCeiling(account.staff_spend_ceiling, STAFF, paid)
-    history = paid_history_ceiling(paid)
+        return SpendCeiling(account.staff_spend_ceiling, STAFF, paid, **shared)
+    history = paid_history_ceiling(paid, **shared)
     floor = account.grandfathered_spend_ceiling
-    if floor is None or history.amount is None or history.amount >= floor:
+    if floor is None or history.room is None or history.room >= floor:
         return history
     above = [(step, amount) for step, amount in settings.SPEND_CEILINGS if amount is None or amount > floor]
-    return SpendCeiling(floor, GRANDFATHERED, paid, *(above[0] if above else (None, None)))
+    return SpendCeiling(floor, GRANDFATHERED, paid, *(above[0] if above else (None, None)), **shared)
 
 
-def paid_history_ceiling(paid: Decimal) -> SpendCeiling:
-    """The ceiling `SPEND_CEILINGS` gives an organisation that has paid `paid`, and its next step."""
+def paid_history_ceiling(paid: Decimal, **shared) -> SpendCeiling:
+    """The ceiling `SPEND_CEILINGS` gives an organisation whose history has paid `paid`, and its next step;
+    `shared`: its card's others (`SpendCeiling`)."""
     steps = settings.SPEND_CEILINGS
     reached = [step for step in steps if step[0] <= paid]
     amount = reached[-1][1]  # NOTE: the first step is at 0 paid (`controlplane.env.env_spend_ceilings`)
     if len(reached) == len(steps):
-        return SpendCeiling(amount, PAID_HISTORY, paid)
+        return SpendCeiling(amount, PAID_HISTORY, paid, **shared)
     next_paid, next_amount = steps[len(reached)]
-    return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount)
+    return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount, **shared)
 
 
-def spend_limit(account: BillingAccount) -> SpendLimit:
-    """The lowest of the organisation's own cap, its spending ceiling and the limit without a payment method (at a
-    tie, the one that a change of the cap would not lift names it)."""
+def spend_limit(account: BillingAccount, *, card: CardSpend | None = None) -> SpendLimit:
+    """The lowest of the organisation's own cap, its spending ceiling's room (`SpendCeiling.room`) and the limit
+    without a payment method (at a tie, the one that a change of the cap would not lift names it): where the gateway
+    stops its calls."""
+    return limit_of(account, spend_ceiling(account, card=card))
+
+
+def shown_spend_limit(account: BillingAccount, ceiling: SpendCeiling | None) -> SpendLimit:
+    """`spend_limit` as the tenant is shown it (`standing`, the alerts): with the ceiling's amount, not the room the
+    card's other organisations leave it. NOTE: the room less the amount is the others' spend to the cent."""
+    return limit_of(account, ceiling, room=False)
+
+
+def limit_of(account: BillingAccount, ceiling: SpendCeiling | None, *, room: bool = True) -> SpendLimit:
     limit = SpendLimit(account.spend_cap, ORG_CAP)
-    ceiling = spend_ceiling(account)
-    if ceiling is not None and ceiling.amount is not None and (limit.cap is None or ceiling.amount <= limit.cap):
-        limit = SpendLimit(ceiling.amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
+    amount = None if ceiling is None else ceiling.room if room else ceiling.amount
+    if amount is not None and (limit.cap is None or amount <= limit.cap):
+        limit = SpendLimit(amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
     without_card = limit_without_payment_method(account)
     if without_card is not None and (limit.cap is None or without_card < limit.cap):
         limit = SpendLimit(without_card, PAYMENT_METHOD)
@@ -279,6 +418,25 @@ def hold_reason(account: BillingAccount) -> str:
     return account.hold_reason or PAST_DUE  # NOTE: a hold kept before its reason was stored is an unpaid invoice's
 
 
+def card_fingerprint(customer) -> str:
+    """The fingerprint of the card Stripe charges this customer's invoices with (a customer read with
+    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or not a card. The
+    default payment method comes first, as Stripe charges it first; an older default source is a card (`card`
+    object) or a card source (`source` of type `card`)."""
+    method = (customer.get("invoice_settings") or {}).get("default_payment_method")
+    if method:
+        is_card = isinstance(method, dict) and method.get("type") == "card"
+        return str((method.get("card") or {}).get("fingerprint") or "") if is_card else ""
+    source = customer.get("default_source")
+    if not isinstance(source, dict):
+        return ""
+    if source.get("object") == "card":
+        return str(source.get("fingerprint") or "")
+    if source.get("object") == "source" and source.get("type") == "card":
+        return str((source.get("card") or {}).get("fingerprint") or "")
+    return ""
+
+
 def has_payment_method(customer) -> bool:
     """Whether Stripe will charge this customer's invoices (a Stripe customer object, or its webhook
     JSON): a default payment method, what the Customer Portal sets when a card is added, or a default
@@ -287,12 +445,13 @@ def has_payment_method(customer) -> bool:
 
 
 def standing(account: BillingAccount) -> dict:
-    """What the billing page and API show of it."""
-    limit = spend_limit(account)
+    """What the billing page and API show of it: the organisation's own figures (`shown_spend_limit`)."""
+    ceiling = spend_ceiling(account, others_spend=False)
+    limit = shown_spend_limit(account, ceiling)
     return {
         "payment_method_on_file": account.payment_method_on_file,
         "limit_without_payment_method": limit_without_payment_method(account),
-        "spend_ceiling": spend_ceiling(account),
+        "spend_ceiling": ceiling,
         "effective_spend_cap": limit.cap,
         "limit_reason": limit.reason if limit.cap is not None else "",
         "past_due_since": account.past_due_since,

@@ -273,21 +273,27 @@ def ensure_customer(organization_id: int) -> str:
     return BillingAccount.objects.values_list("stripe_customer_id", flat=True).get(pk=account.pk)
 
 
+# The customer read with what its card's fingerprint is on (`billing.standing.card_fingerprint`).
+CUSTOMER_EXPAND = ["invoice_settings.default_payment_method", "default_source"]
+
+
 def observe_payment_method(customer_id: str, *, attempts: int = MAX_ATTEMPTS) -> bool:
-    """Read from Stripe whether `customer_id` has a default payment method now, and record it. Stripe's
-    `customer.*` webhooks are only the cue: they may arrive late and out of order, the customer as
-    read decides (stamped before the read, so an older reading never wins). A customer deleted in
+    """Read from Stripe whether `customer_id` has a default payment method now, and its card's fingerprint, and
+    record them. Stripe's `customer.*` webhooks are only the cue: they may arrive late and out of order, the customer
+    as read decides (stamped before the read, so an older reading never wins). A customer deleted in
     Stripe has none."""
     observed_ms = time.time_ns() // 1_000_000
+    fingerprint = ""
     try:
-        customer = call_stripe(lambda options: stripe_client().v1.customers.retrieve(customer_id, options=options),
-                               what="customer read", attempts=attempts)
+        customer = call_stripe(lambda options: stripe_client().v1.customers.retrieve(
+            customer_id, params={"expand": CUSTOMER_EXPAND}, options=options), what="customer read", attempts=attempts)
         on_file = standing.has_payment_method(customer.to_dict())
+        fingerprint = standing.card_fingerprint(customer.to_dict())
     except stripe.InvalidRequestError as exc:
         if exc.code != "resource_missing":
             raise
         on_file = False
-    services.record_payment_method(customer_id, on_file=on_file, observed_ms=observed_ms)
+    services.record_payment_method(customer_id, on_file=on_file, observed_ms=observed_ms, card_fingerprint=fingerprint)
     return on_file
 
 
@@ -529,6 +535,25 @@ def observe_unknown_payment_methods(*, limit: int = 10) -> int:
         except Exception:
             logger.exception("could not read the Stripe customer %s; the next run asks again", customer_id)
     return num_observed
+
+
+def observe_card_fingerprints() -> tuple[int, list[str]]:
+    """`observe_payment_method` for every postpaid customer with a payment method on file, so that organisations
+    sharing a card share its month now, not at their next reading. Every one, not only those with no fingerprint: a
+    pod of the version before `billing/0034`, during the deploy, recorded a change of card without its fingerprint
+    (the old one kept). Returns how many were read and the customers that could not be (logged; the others are still
+    read). Safe to run again: a reading older than the one recorded changes nothing."""
+    unread = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_on_file=True)
+              .exclude(stripe_customer_id="").order_by("pk").values_list("stripe_customer_id", flat=True))
+    num_read, failed = 0, []
+    for customer_id in unread.iterator():
+        try:
+            observe_payment_method(customer_id)
+            num_read += 1
+        except Exception:
+            logger.exception("could not read the Stripe customer %s's card", customer_id)
+            failed.append(customer_id)
+    return num_read, failed
 
 
 def _find_or_create(find, create, *, key: IdempotencyKey, what: str):

@@ -56,6 +56,11 @@ def check_spend_alerts() -> int:
     return alerts.check_all_spend_alerts()
 
 
+@shared_task(name="billing.refresh_card_ceilings", acks_late=True, time_limit=60, soft_time_limit=50)
+def refresh_card_ceilings() -> int:
+    return services.refresh_shared_card_ceilings()
+
+
 @shared_task(name="billing.review_payment_standing", acks_late=True, time_limit=300, soft_time_limit=270)
 def review_payment_standing() -> int:
     on_hold = services.review_all_payment_standing()

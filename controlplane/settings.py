@@ -357,6 +357,8 @@ CELERY_BEAT_SCHEDULE = {
     "billing-spend-alerts": {"task": "billing.check_spend_alerts", "schedule": 60.0, "options": {"expires": 60}},
     "billing-payment-standing": {"task": "billing.review_payment_standing", "schedule": 300.0,
                                  "options": {"expires": 300}},
+    # NOTE: the period bounds how stale a card's shared spending ceiling is in the gateway (README, Payment standing).
+    "billing-card-ceilings": {"task": "billing.refresh_card_ceilings", "schedule": 60.0, "options": {"expires": 60}},
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},

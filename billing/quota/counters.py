@@ -20,7 +20,7 @@ from django.db import transaction
 from billing.ledger import UsageReport
 from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, BillingMode
 from billing.periods import period_containing
-from billing.standing import bills_through_stripe, hold_reason, spend_limit
+from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend_limit
 from billing.usage_journal import encode
 from controlplane.accounts.models import ApiKey
 from controlplane.hot_settings import hot
@@ -66,7 +66,8 @@ class QuotaExceeded(Exception):
             "spend_ceiling": (
                 "Your organisation has reached its monthly spending ceiling for its payment history: new accounts "
                 "may spend a bounded amount a month, and the ceiling rises as invoices are paid (Billing in the "
-                "console shows it and the next step). To raise it sooner, contact support."),
+                "console shows it and the next step). Where other organisations have the same card on file, what "
+                "they spent this month counts against it too. To raise it sooner, contact support."),
             "spend_ceiling_staff": (
                 "Your organisation has reached the monthly spending ceiling set for it by Inferplane staff. Contact "
                 "support to change it."),
@@ -640,11 +641,11 @@ def _ceilings_version(steps: tuple[tuple[Decimal, Decimal | None], ...]) -> str:
     return ",".join(f"{paid}:{'none' if ceiling is None else ceiling}" for paid, ceiling in steps)
 
 
-def limit_fields(account: BillingAccount) -> dict[str, str]:
+def limit_fields(account: BillingAccount, *, card: CardSpend | None = None) -> dict[str, str]:
     """The organisation counter's limits: `lv` (`limits_version`), `cap` (units, -1: none) and `capr`,
     the refusal reason when it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold`
     (a refusal reason for every call, or empty)."""
-    limit = spend_limit(account)
+    limit = spend_limit(account, card=card)
     return {
         "lv": limits_version(), "cap": str(to_units(limit.cap) if limit.cap is not None else -1),
         "capr": limit.reason, "prepaid": "1" if account.is_prepaid else "0",
@@ -652,7 +653,7 @@ def limit_fields(account: BillingAccount) -> dict[str, str]:
     }
 
 
-def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
+def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:
     """Make Redis see the organisation's changed cap, billing mode, payment standing or (`credit`)
     credit grants at once (counters stay as they are). Inside a transaction (the Django admin's), once
     it commits: Redis never runs ahead of what a rollback could undo.
@@ -662,14 +663,14 @@ def refresh_limits(account: BillingAccount, *, credit: bool = True) -> None:
     A refresh that fails leaves `limits_stale` set, and the payment-standing beat task refreshes again.
     """
     if transaction.get_connection().in_atomic_block:
-        transaction.on_commit(lambda: refresh_limits(account, credit=credit), robust=True)
+        transaction.on_commit(lambda: refresh_limits(account, credit=credit, card=card), robust=True)
         return
     try:
         with transaction.atomic():
             account = BillingAccount.objects.select_for_update().get(pk=account.pk)
             _UPDATE_HASH.run_sync(
                 keys=[org_period_key(account.organization_id, period_containing().key)],
-                args=[item for pair in limit_fields(account).items() for item in pair],
+                args=[item for pair in limit_fields(account, card=card).items() for item in pair],
             )
             if credit:
                 get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants when next needed

@@ -645,7 +645,8 @@ def test_the_billing_api_and_page_show_the_standing_and_a_card_added_in_the_port
     standing = client.get("/api/v1/billing/").json()["standing"]
     assert standing == {"payment_method_on_file": False, "limit_without_payment_method": "1.00",
                         "spend_ceiling": {"amount": "100.00", "source": "paid_history", "net_paid": "0.00",
-                                          "next_paid": "50.00", "next_amount": "500.00"},
+                                          "next_paid": "50.00", "next_amount": "500.00",
+                                          "shared_with_other_organizations": False},
                         "effective_spend_cap": "1.00", "limit_reason": "payment_method", "past_due_since": None,
                         "hold_reason": None, "num_unpaid_invoices_without_card": 0}
 

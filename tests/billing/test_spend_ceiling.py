@@ -162,7 +162,8 @@ def test_the_billing_api_shows_the_ceiling_what_it_is_from_and_the_next_step(car
     client = member_client_factory(carded.org, Role.ADMIN)
     shown = client.get("/api/v1/billing/").json()["standing"]
     assert shown["spend_ceiling"] == {"amount": "100.00", "source": "paid_history", "net_paid": "0.00",
-                                      "next_paid": "50.00", "next_amount": "500.00"}
+                                      "next_paid": "50.00", "next_amount": "500.00",
+                                      "shared_with_other_organizations": False}
     assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("100.00", "spend_ceiling")
 
     from django.test import Client

@@ -17,6 +17,7 @@
     fake.line_prices_shown = False                            # subscription items' lines state no price (`pricing` null)
     fake.cancel_in_portal(session id, subscription id)        # the customer's click, as the session's configuration says
     fake.charge(customer id), fake.dispute(charge id), fake.close_dispute(id, "won")   # a payment, and its chargeback
+    fake.add_card(fingerprint="fp_x")                         # a card PaymentMethod (the same number: one fingerprint)
     fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
@@ -110,6 +111,7 @@ class FakeStripe:
     subscriptions: dict[str, dict] = field(default_factory=dict)
     deleted_customers: set[str] = field(default_factory=set)
     charges: dict[str, dict] = field(default_factory=dict)
+    payment_methods: dict[str, dict] = field(default_factory=dict)  # by id, as `add_card` made them
     disputes: dict[str, dict] = field(default_factory=dict)
     revoked_keys: set[str] = field(default_factory=set)
     invoices: dict[str, dict] = field(default_factory=dict)  # with all their lines (an answer shows the first 10)
@@ -323,6 +325,24 @@ class FakeStripe:
             for event in self.meter_events.values():
                 event["created"] -= seconds
 
+    def add_card(self, *, fingerprint: str, last4: str = "4242") -> str:
+        """A card PaymentMethod as Stripe shapes one (its `card.fingerprint` is the card number's: the same in every
+        customer); its id, for `set_default_payment_method`."""
+        with self._lock:
+            method = {"id": _id("pm"), "object": "payment_method", "type": "card", "created": self._now(),
+                      "customer": None, "livemode": False,
+                      "card": {"brand": "visa", "last4": last4, "exp_month": 12, "exp_year": 2030,
+                               "fingerprint": fingerprint, "funding": "credit", "country": "US"}}
+            self.payment_methods[method["id"]] = method
+            return method["id"]
+
+    def _expanded_payment_method(self, customer_id: str, payment_method: str) -> dict:
+        """The PaymentMethod `payment_method` expanded; one not made by `add_card` (a test's bare id) is a card of the
+        customer's own, one fingerprint per customer."""
+        return self.payment_methods.get(payment_method) or {
+            "id": payment_method, "object": "payment_method", "type": "card", "customer": customer_id,
+            "card": {"brand": "visa", "last4": "4242", "fingerprint": f"fp_own_{customer_id}"}}
+
     def set_default_payment_method(self, customer_id: str, payment_method: str | None) -> dict:
         """What the Customer Portal does when a card is added (or removed): the customer as it is now."""
         with self._lock:
@@ -483,6 +503,12 @@ class FakeStripe:
             customer = self.customers.get(customer_id)
             if customer is None:
                 return 404, _error("invalid_request_error", "No such customer", code="resource_missing")
+            if "invoice_settings.default_payment_method" in (params.get("expand") or {}).values():
+                method = (customer.get("invoice_settings") or {}).get("default_payment_method")
+                if method:
+                    customer = {**customer, "invoice_settings": {
+                        **customer["invoice_settings"], "default_payment_method": self._expanded_payment_method(
+                            customer_id, method)}}
             return 200, customer
         if (method, path) == ("GET", "/v1/charges"):  # newest first, as Stripe lists them
             found = [charge for charge in reversed(self.charges.values())

@@ -22,7 +22,7 @@ from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ChatTemplateTokens, ReplicaState, ReplicaStatus
 from tests.conftest import start_web_server, wait_until
 from tests.fakes.stripe_server import FakeStripe, sign_webhook
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import new_tenant, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -207,7 +207,8 @@ def test_a_new_organisation_with_a_card_and_no_cap_stops_at_its_spending_ceiling
         endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=price,
                                   price_cached_input_per_million=price, price_output_per_million=price)
         customer = stripe_sync.ensure_customer(tenant.org.pk)
-        _post_webhook(gateway, "customer.updated", fake.set_default_payment_method(customer, "pm_card_visa"))
+        card = fake.add_card(fingerprint="fp_one_card")
+        _post_webhook(gateway, "customer.updated", fake.set_default_payment_method(customer, card))
         headers = {"Authorization": f"Bearer {tenant.key}"}
         assert httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()["spend_cap"] is None  # no cap of its own
         body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 16}
@@ -230,15 +231,34 @@ def test_a_new_organisation_with_a_card_and_no_cap_stops_at_its_spending_ceiling
                    "amount_due": 5000, "amount_paid": 5000, "lines": {"object": "list", "data": []}}
         _post_webhook(gateway, "invoice.paid", invoice)  # $50 paid: $500 a month, at once
         assert call().status_code == 200
+        wait_until(lambda: UsageRecord.objects.count() == len(statuses), 15, message="its usage row")
         shown = httpx.get(f"{gateway}/api/v1/billing/", headers=headers).json()["standing"]
         assert shown["spend_ceiling"] == {"amount": "500.00", "source": "paid_history", "net_paid": "50.00",
-                                          "next_paid": "500.00", "next_amount": "5000.00"}
+                                          "next_paid": "500.00", "next_amount": "5000.00",
+                                          "shared_with_other_organizations": False}
         assert shown["limit_reason"] == "spend_ceiling"
 
         _post_webhook(gateway, "charge.refunded", {"id": "ch_first", "object": "charge", "customer": customer,
                                                    "currency": "usd", "amount": 5000, "amount_refunded": 5000})
         lowered = call()  # the money came back: $100 again, already spent
         assert lowered.status_code == 402 and "spending ceiling" in lowered.json()["error"]["message"]
+
+        # A second sign-up with the same card: the card's $100, which the first spent, is the second's ceiling too
+        # (before, it had $100 of its own).
+        second = new_tenant()
+        other = serve_endpoint(second.org, start_mock_upstream(), price_input_per_million=price,
+                               price_cached_input_per_million=price, price_output_per_million=price)
+        second_customer = stripe_sync.ensure_customer(second.org.pk)
+        _post_webhook(gateway, "customer.updated", fake.set_default_payment_method(
+            second_customer, fake.add_card(fingerprint="fp_one_card")))
+        second_headers = {"Authorization": f"Bearer {second.key}"}
+        shared = httpx.post(f"{gateway}/v1/chat/completions", json={**body, "model": other.name},
+                            headers=second_headers, timeout=30)
+        assert shared.status_code == 402 and shared.json()["error"]["code"] == "insufficient_quota"
+        assert "other organisations have the same card on file" in shared.json()["error"]["message"]
+        shown = httpx.get(f"{gateway}/api/v1/billing/", headers=second_headers).json()["standing"]
+        assert shown["spend_ceiling"]["shared_with_other_organizations"] is True
+        assert shown["effective_spend_cap"] == "100.00"  # its ceiling, not the room the first's spend left it
     finally:
         child.stop()
         fake.stop()

@@ -25,14 +25,16 @@ class Command(BaseCommand):
         num_over = 0
         for account in accounts.iterator():
             ceiling = standing.spend_ceiling(account)
-            if ceiling is None or ceiling.amount is None:
+            if ceiling is None or ceiling.room is None:
                 continue
             spend = period_spend(account.organization_id, period)
-            if spend < ceiling.amount:
+            if spend < ceiling.room:
                 continue
             num_over += 1
+            shared = (f"\tshared by {ceiling.num_other_organizations_on_card + 1} organisations on its card, the others "
+                      f"spent ${ceiling.spent_by_others:,.2f}" if ceiling.num_other_organizations_on_card else "")
             self.stdout.write(f"{account.organization_id}\t{account.organization.slug}\tspent ${spend:,.2f}\t"
-                              f"ceiling ${ceiling.amount:,.2f} ({ceiling.source})\tnet paid ${ceiling.paid:,.2f}")
+                              f"ceiling ${ceiling.amount:,.2f} ({ceiling.source})\tnet paid ${ceiling.paid:,.2f}{shared}")
         self.stdout.write(f"{num_over} organisation(s) at or past their spending ceiling in {period.key}.")
         self._staff_ceilings_below_history()
 

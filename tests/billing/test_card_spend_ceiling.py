@@ -1,0 +1,295 @@
+"""One card's month is shared (`billing.standing.card_spend`), its history is not (`billing.standing.trusted_history`):
+each organisation's ceiling comes from its own paid history and that of the organisations of its card that share a
+member with it, and it may spend of it what every other organisation that held the card this month has not spent.
+
+Before the card was kept, a thief with one stolen card signed up N organisations, attached the card to each, and had
+N x $100 a month. The first redesign (a hostile review's findings, each a test here) summed every paid history on the
+card: a thief adding a customer's card number inherited its ceiling; switching card freed the old card's room; a
+tenant read another's month spend; two payments on one card deadlocked. Reserved as the gateway does, in its
+admission script, as `tests/billing/test_spend_ceiling.py` does."""
+
+import threading
+from decimal import Decimal
+
+import pytest
+from django.core import mail
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from billing import services, standing, stripe_sync, tasks
+from billing.models import BillingAccount, BillingMode
+from controlplane.accounts.models import Role
+from controlplane.accounts.services import SYSTEM
+from tests.billing.test_payment_standing import _refusal, _spend, _webhook
+from tests.billing.test_spend_ceiling import DEFAULT, _ceilings, _usage
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class _Org:
+    def __init__(self, fake_stripe, name: str, *, owner=None):
+        self.stripe = fake_stripe
+        self.org = OrganizationFactory(name=name)
+        self.owner = owner or UserFactory()
+        MembershipFactory(organization=self.org, user=self.owner, role=Role.OWNER)
+        self.customer = stripe_sync.ensure_customer(self.org.pk)
+
+    def add_card(self, fingerprint: str) -> None:
+        """The card added in the Customer Portal, and its webhook."""
+        method = self.stripe.add_card(fingerprint=fingerprint)
+        _webhook("customer.updated", self.stripe.set_default_payment_method(self.customer, method))
+
+    def pay(self, invoice_id: str, cents: int) -> None:
+        _webhook("invoice.paid", {"id": invoice_id, "object": "invoice", "customer": self.customer, "status": "paid",
+                                  "currency": "usd", "amount_due": cents, "amount_paid": cents,
+                                  "lines": {"object": "list", "data": []}})
+
+    def ceiling(self) -> standing.SpendCeiling:
+        return standing.spend_ceiling(BillingAccount.objects.get(organization=self.org))
+
+
+@pytest.fixture
+def ceilings(settings, monkeypatch):
+    settings.SPEND_CEILINGS = _ceilings(DEFAULT, monkeypatch)
+
+
+@pytest.fixture
+def one_card(ceilings, fake_stripe):
+    """The documented default ceilings, and two postpaid organisations with the same card (one fingerprint)."""
+    first, second = _Org(fake_stripe, "First Sign-up Ltd"), _Org(fake_stripe, "Second Sign-up Ltd")
+    first.add_card("fp_stolen")
+    second.add_card("fp_stolen")
+    return first, second
+
+
+def test_two_organisations_on_one_card_share_one_ceiling_and_another_card_keeps_its_own(one_card, fake_stripe):
+    first, second = one_card
+    other = _Org(fake_stripe, "Other Card Ltd")
+    other.add_card("fp_other")
+    _spend(second.org, "1.00")  # its counter exists, with the ceiling as it was
+    _usage(first.org, "100")  # the first spent the card's $100
+    assert tasks.refresh_card_ceilings() == 2  # the beat task writes the shared limits again (not the other card)
+    refused = _refusal(second.org, "1.00")
+    assert refused.reason == "spend_ceiling"  # before the card was kept: the second had $100 of its own
+    assert "other organisations have the same card on file" in refused.message  # review: it blamed payment history
+    shown = second.ceiling()
+    assert (shown.amount, shown.room, shown.num_other_organizations_on_card) == (Decimal(100), Decimal(0), 1)
+    _spend(other.org, "99.00")  # another card: its own $100
+    assert other.ceiling().num_other_organizations_on_card == 0
+
+
+def test_a_thief_adding_a_customers_card_inherits_none_of_its_history_and_the_customers_own_second_org_does(
+        ceilings, fake_stripe, member_client_factory):
+    """Review finding 1: the paid history of every organisation of the card was summed: a new sign-up adding a
+    customer's card number (the customer had paid $5,000) had no ceiling at all, and its API showed the customer's
+    paid total."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_customer")
+    customer.pay("in_customer", 500_000)
+    assert customer.ceiling().amount is None
+    thief = _Org(fake_stripe, "Thief Ltd")
+    thief.add_card("fp_customer")
+    assert (thief.ceiling().amount, thief.ceiling().paid) == (Decimal(100), Decimal(0))  # before: None, $5,000
+    assert _refusal(thief.org, "4000.00").reason == "spend_ceiling"  # before: admitted
+    body = member_client_factory(thief.org, Role.ADMIN).get("/api/v1/billing/").json()["standing"]["spend_ceiling"]
+    assert body["net_paid"] == "0.00"  # before: "5000.00"
+
+    second = _Org(fake_stripe, "Customer Labs", owner=customer.owner)  # the customer's own: same owner, same card
+    second.add_card("fp_customer")
+    assert second.ceiling().amount is None  # its owner's paid history counts for it
+    assert thief.ceiling().amount == Decimal(100)
+
+
+def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_the_month_counted_on_it(
+        ceilings, fake_stripe):
+    """Review finding 2: the card an organisation left took its month's spend with it: four sign-ups each spent $99
+    on card X and moved to card Y, all four admitted ($396 on X), and a move to a bank debit freed X the same way."""
+    first = _Org(fake_stripe, "Sign-up 0")
+    first.add_card("fp_X")
+    _spend(first.org, "99.00")
+    _usage(first.org, "99")
+    first.add_card("fp_Y")  # its $99 stays counted on X, this month
+    second = _Org(fake_stripe, "Sign-up 1")
+    second.add_card("fp_X")
+    assert second.ceiling().room == Decimal(1)  # before: $100, the first's $99 gone with it to Y
+    assert _refusal(second.org, "2.00").reason == "spend_ceiling"
+
+    fake_stripe.payment_methods["pm_sepa"] = {"id": "pm_sepa", "object": "payment_method", "type": "sepa_debit",
+                                              "sepa_debit": {"fingerprint": "sx"}}
+    _webhook("customer.updated", fake_stripe.set_default_payment_method(second.customer, "pm_sepa"))
+    assert BillingAccount.objects.get(organization=second.org).card_fingerprint == ""
+    third = _Org(fake_stripe, "Sign-up 2")
+    third.add_card("fp_X")
+    assert third.ceiling().num_other_organizations_on_card == 2  # before: 0, X had no holder left
+    assert third.ceiling().room == Decimal(1)
+
+
+def test_removing_the_card_keeps_the_organisation_on_it(one_card):
+    first, second = one_card
+    _webhook("customer.updated", first.stripe.set_default_payment_method(first.customer, None))
+    account = BillingAccount.objects.get(organization=first.org)
+    assert (account.payment_method_on_file, account.card_fingerprint) == (False, "fp_stolen")
+    _usage(first.org, "60")
+    services.refresh_shared_card_ceilings()
+    assert second.ceiling().room == Decimal(40)
+    assert _refusal(second.org, "41.00").reason == "spend_ceiling"
+
+
+def test_a_tenant_is_shown_its_own_figures_and_that_the_ceiling_is_shared_never_the_others(
+        ceilings, fake_stripe, member_client_factory):
+    """Review finding 3: a tenant read another's month spend, live, to the cent (effective_spend_cap = ceiling less
+    the others' spend: 376.55 for a victim's 123.45 of $500), their paid total and their number (a card-testing
+    oracle); its alerts mailed the others' spend ("Spend this month: $99.01" to an organisation that spent $0.01)."""
+    victim = _Org(fake_stripe, "Victim Ltd")
+    victim.add_card("fp_victim")
+    thief = _Org(fake_stripe, "Thief Ltd")
+    thief.add_card("fp_victim")
+    client = member_client_factory(thief.org, Role.ADMIN)
+    _usage(victim.org, "99")
+    _usage(thief.org, "0.01")
+    response = client.get("/api/v1/billing/")
+    shown = response.json()["standing"]
+    assert shown["effective_spend_cap"] == "100.00"  # before: "1.00", the victim's $99 to the cent
+    assert shown["spend_ceiling"]["shared_with_other_organizations"] is True
+    assert "num_other_organizations_on_card" not in shown["spend_ceiling"]
+    mail.outbox.clear()
+    from billing.alerts import check_spend_alerts
+    assert check_spend_alerts(thief.org.pk) == []  # before: [50, 80], "Spend this month: $99.01"
+    assert check_spend_alerts(victim.org.pk) == [50, 80]
+    assert "Spend this month: $99.00 of a $100.00 ceiling" in mail.outbox[-1].body
+    assert "shared with other organisations using the same card" in mail.outbox[-1].body
+
+    from django.test import Client
+
+    from controlplane.accounts.tenancy import SESSION_KEY
+    console = Client()
+    console.force_login(client.user)
+    session = console.session
+    session[SESSION_KEY] = thief.org.pk
+    session.save()
+    page = console.get("/console/billing/").content.decode()
+    assert "It is shared with other organisations using the same card" in page
+    for text in (response.content.decode(), page):
+        for name in (victim.org.name, victim.org.slug, victim.customer, "99.00"):
+            assert name not in text
+
+    # Staff see the full figures in the Django admin, and find a card's organisations by its fingerprint.
+    from django.contrib.auth import get_user_model
+
+    from tests.factories import sign_in_staff
+    staff = get_user_model().objects.create_superuser("ops@example.test", "ops@example.test", "a long passphrase")
+    admin = Client()
+    sign_in_staff(admin, staff)
+    account = BillingAccount.objects.get(organization=thief.org)
+    shown = admin.get(f"/django-admin/billing/billingaccount/{account.pk}/change/").content.decode()
+    assert "fp_victim" in shown and "held this month by 1 other organisation(s), which spent $99.00" in shown
+    found = admin.get("/django-admin/billing/billingaccount/", {"q": "fp_victim"}).content.decode()
+    assert victim.org.slug in found and thief.org.slug in found
+
+
+@pytest.mark.parametrize("how", ["invoiced_without_card", "prepaid"])
+def test_staff_taking_one_of_two_off_the_ceiling_frees_the_others_room_at_once(one_card, how):
+    """Review finding 5: staff's change of billing mode (or `invoiced_without_card`) wrote no other organisation's
+    limits, and the one left alone on the card was refreshed by no beat task: refused for the rest of the month."""
+    first, second = one_card
+    _spend(second.org, "1.00")
+    _usage(first.org, "100")
+    tasks.refresh_card_ceilings()
+    assert _refusal(second.org, "1.00").reason == "spend_ceiling"
+    if how == "prepaid":
+        services.set_billing_mode(SYSTEM, first.org, mode=BillingMode.PREPAID)
+    else:
+        services.set_invoiced_without_card(SYSTEM, first.org, allowed=True)
+    _spend(second.org, "98.00")  # before: refused, Redis kept the room of 0
+
+
+def test_two_payments_on_one_card_at_once_do_not_deadlock(one_card, monkeypatch):
+    """Review finding 6: each payment's transaction locked its own account, then the card's others: two at once
+    locked in opposite orders, and PostgreSQL killed one ("deadlock detected")."""
+    barrier = threading.Barrier(2, timeout=10)
+    original = services.card_ceiling_changed
+
+    def both_own_rows_locked(*args, **kwargs):
+        barrier.wait()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(services, "card_ceiling_changed", both_own_rows_locked)
+    errors = []
+
+    def pay(organization):
+        try:
+            with transaction.atomic():
+                services.paid_history_changed(organization.pk)
+        except Exception as exc:
+            errors.append(repr(exc))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=pay, args=(sign_up.org,)) for sign_up in one_card]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []  # before: one DeadlockDetected
+
+
+def test_a_cards_spend_is_read_once_for_its_organisations_and_the_billing_page_reads_none_of_the_others(
+        ceilings, fake_stripe, member_client_factory):
+    """Review finding 7: every account's refresh summed the month's ledger of all the others (K sums of K-1
+    organisations each minute), and every billing GET summed the others' twice."""
+    sign_ups = [_Org(fake_stripe, f"Sign-up {i}") for i in range(4)]
+    for sign_up in sign_ups:
+        sign_up.add_card("fp_X")
+    client = member_client_factory(sign_ups[0].org, Role.ADMIN)
+
+    def ledger_reads(queries):
+        return [q["sql"] for q in queries if 'FROM "billing_usagerecord"' in q["sql"] and "SUM(" in q["sql"]]
+
+    with CaptureQueriesContext(connection) as refresh:
+        assert services.refresh_shared_card_ceilings() == 4
+    assert len(ledger_reads(refresh.captured_queries)) == 1  # before: 4
+    assert services.refresh_shared_card_ceilings(budget_s=0) == 0  # out of time: left to the next run, not past it
+    with CaptureQueriesContext(connection) as page:
+        client.get("/api/v1/billing/")
+    others = [sql for sql in ledger_reads(page.captured_queries) if '"organization_id" IN (' in sql]
+    assert others == []  # before: 2
+
+
+def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default_source():
+    def customer(method=None, source=None):
+        return {"object": "customer", "invoice_settings": {"default_payment_method": method}, "default_source": source}
+
+    assert standing.card_fingerprint(customer({"type": "card", "card": {"fingerprint": "fp_pm"}})) == "fp_pm"
+    assert standing.card_fingerprint(customer({"type": "sepa_debit", "sepa_debit": {"fingerprint": "x"}})) == ""
+    assert standing.card_fingerprint(customer(source={"object": "card", "fingerprint": "fp_card"})) == "fp_card"
+    assert standing.card_fingerprint(customer(source={"object": "source", "type": "card",
+                                                      "card": {"fingerprint": "fp_src"}})) == "fp_src"
+    assert standing.card_fingerprint(customer(source={"object": "bank_account", "fingerprint": "fp_bank"})) == ""
+    assert standing.card_fingerprint(customer()) == ""
+
+
+def test_the_backfill_reads_the_cards_of_customers_read_before_fingerprints_were_kept_past_one_that_fails(one_card):
+    """Before `billing/0034` no fingerprint was kept: without the backfill, those organisations shared nothing until
+    their card was read again. Review: it read only the accounts with none, not one whose card an old pod changed."""
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    first, second = one_card
+    third = _Org(first.stripe, "Third Sign-up Ltd")
+    third.add_card("fp_stolen")
+    BillingAccount.objects.exclude(organization=second.org).update(card_fingerprint="")  # as the upgrade leaves them
+    # A pod of the previous version recorded the second's change of card without its fingerprint: the old one stays.
+    BillingAccount.objects.filter(organization=second.org).update(card_fingerprint="fp_before")
+    first.stripe.fail_next("500", times=stripe_sync.MAX_ATTEMPTS, path=f"/v1/customers/{third.customer}", method="GET")
+    with pytest.raises(CommandError, match=third.customer):
+        call_command("backfill_card_fingerprints", stdout=StringIO())
+
+    def fingerprints():
+        return [BillingAccount.objects.get(organization=sign_up.org).card_fingerprint for sign_up in (first, second, third)]
+    assert fingerprints() == ["fp_stolen", "fp_stolen", ""]  # before: the second's stayed "fp_before"
+    call_command("backfill_card_fingerprints", stdout=StringIO())  # run again: the one that failed
+    assert fingerprints() == ["fp_stolen"] * 3
+    assert second.ceiling().num_other_organizations_on_card == 2
