@@ -330,12 +330,13 @@ def test_a_stream_still_running_at_the_drains_bound_is_billed_its_rendered_promp
     assert received <= row.completion_tokens < responses_engine.NUM_SLOW_DELTAS
 
 
-def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path):
+def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path,
+                                                                                    web_zygote):
     # Before: its calls' progress had no tokens (a Responses stream's usage comes only in its last event), so the
     # sweeper released its hold and billed nothing. Its prompt is still free: no process is left to ask its count.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     child, gateway = start_web_server(
-        tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}
+        tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}, zygote=web_zygote
     )
     received = b""
     try:
