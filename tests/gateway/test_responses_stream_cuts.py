@@ -270,8 +270,9 @@ def test_a_stream_whose_client_leaves_after_its_first_delta_is_read_on_and_bille
     gateway, tenant, engine
 ):
     # As before: the gateway reads on to `response.completed`, relaying nothing, and bills its usage.
+    # NOTE: `paced` (2.5 s), not `slow` (15 s): the client leaves at its first delta, the rest is the reading on.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
-    with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
+    with _open(gateway, tenant.key, _body(endpoint, "paced")) as response:
         request_id = response.headers["x-request-id"]
         for chunk in response.iter_bytes():
             if DELTA in chunk:
