@@ -56,6 +56,7 @@ def _start_engine(tmp_path, name: str) -> tuple[ChildProcess, str]:
 def engine(tmp_path):
     child, address = _start_engine(tmp_path, "responses-engine")
     yield address
+    child.kill()  # a test double: nothing to finish (`start_mock_upstream`)
     child.stop()
 
 
@@ -63,6 +64,7 @@ def engine(tmp_path):
 def second_engine(tmp_path):
     child, address = _start_engine(tmp_path, "second-engine")
     yield address
+    child.kill()  # a test double: nothing to finish (`start_mock_upstream`)
     child.stop()
 
 
