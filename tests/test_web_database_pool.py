@@ -75,8 +75,8 @@ def table_locked_by_another_session(model) -> psycopg.Connection:
 
 
 @pytest.fixture
-def pooled_web(tmp_path):
-    child, base_url = start_web_server(tmp_path, extra_env=POOL_ENV)
+def pooled_web(tmp_path, web_zygote):
+    child, base_url = start_web_server(tmp_path, extra_env=POOL_ENV, zygote=web_zygote)
     yield base_url
     child.stop()
 

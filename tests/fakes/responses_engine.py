@@ -10,6 +10,7 @@ after the deltas: a replica lost mid-stream), `slow` (300 deltas, 50 ms apart), 
 its `response.completed` carrying the same logprobs, as vLLM's does, and its first `metadata.split` bytes written
 apart: a read boundary inside the event's name), `error_first` (vLLM's `event: error` before any delta),
 `slow_dies` (150 deltas 50 ms apart, longer than the gateway trusts a replica list it read, then the process exits),
+`paced` (the `ok` stream, its deltas 50 ms apart: a client has time to leave it mid-way),
 `error_after_call` (a function call announced, `response.output_item.added` as vLLM writes it once its parser has the
 name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
 answered). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`.
@@ -130,7 +131,7 @@ async def app(scope, receive, send):
         "slow_dies": NUM_SLOW_DIES_DELTAS,
     }.get(scenario, NUM_DELTAS)
     for index in range(num_deltas):
-        if scenario in ("slow", "slow_dies"):
+        if scenario in ("slow", "slow_dies", "paced"):
             await asyncio.sleep(0.05)
         await out(
             _event(

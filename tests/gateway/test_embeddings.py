@@ -7,17 +7,35 @@ The real engine's answers are `test_embeddings_vllm`.
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import openai
 import pytest
 
 from billing.models import UsageRecord
 from endpoints.models import ModelFacts
-from tests.gateway.conftest import serve_endpoint
+from tests.conftest import ChildProcess, child_env, free_port
+from tests.gateway.conftest import serve_endpoint, wait_until_healthy
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def unreached_upstream(tmp_path_factory):
+    """One mock engine for the module's refused calls: none reaches it (a call that did would be answered, not a 400),
+    so each test finds it as the last left it. NOTE: one per test was ~0.5 s of each test's ~1 s."""
+    port = free_port()
+    child = ChildProcess([sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port)], child_env(),
+                         tmp_path_factory.mktemp("unreached-upstream") / "mock.log")
+    address = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(address, "mock upstream")
+        yield address
+    finally:
+        child.stop()
 
 
 def _raw(gateway, tenant) -> httpx.Client:
@@ -41,8 +59,8 @@ def _raw(gateway, tenant) -> httpx.Client:
     ({"input": "a", "dimensions": "64"}, "dimensions"),
     ({"input": "a", "user": 7}, "user"),
 ])
-def test_a_malformed_embeddings_request_is_a_400_naming_the_parameter(gateway, tenant, start_mock_upstream, body, param):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), task="embed")
+def test_a_malformed_embeddings_request_is_a_400_naming_the_parameter(gateway, tenant, unreached_upstream, body, param):
+    endpoint = serve_endpoint(tenant.org, unreached_upstream, task="embed")
     with _raw(gateway, tenant) as client:
         response = client.post("/v1/embeddings", json={"model": endpoint.name} | body)
     assert response.status_code == 400

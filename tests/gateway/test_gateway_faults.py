@@ -123,20 +123,21 @@ def test_a_non_streamed_answer_past_the_size_limit_is_refused_and_billed_for_wha
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
 
 
-def _slow_gateway(tmp_path, **env):
+def _slow_gateway(tmp_path, web_zygote, **env):
     """A gateway giving up on a silent replica after 1 s (production: 600 s)."""
-    return start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "1"} | env)
+    return start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": "1"} | env,
+                            zygote=web_zygote)
 
 
 def test_a_non_streamed_answer_longer_than_the_read_timeout_is_waited_for_while_its_engine_generates_and_billed(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     # A non-streamed answer comes whole when the engine is done. One asked to take longer than the read timeout
     # (a large max_tokens or n on a slow model) was given up on: its connection closed, the engine's request
     # aborted after all that generating, nothing billed, and the call sent again to another replica.
     upstream = start_mock_upstream(token_delay_ms=20)
     endpoint = serve_endpoint(tenant.org, upstream)
     Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=50.0)  # its agent's last report: generating
-    child, gateway = _slow_gateway(tmp_path)
+    child, gateway = _slow_gateway(tmp_path, web_zygote)
     try:
         response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
                               json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150}, timeout=60)
@@ -153,7 +154,7 @@ def test_a_non_streamed_answer_longer_than_the_read_timeout_is_waited_for_while_
 @pytest.mark.parametrize(("why", "status", "code"), [("engine stopped generating", 504, "upstream_timeout"),
                                                      ("longest wait passed", 400, "answer_wait_exceeded")])
 def test_a_replica_silent_past_the_read_timeout_is_refused_and_the_call_is_never_sent_again(
-        tenant, start_mock_upstream, tmp_path, why, status, code):
+        tenant, start_mock_upstream, tmp_path, web_zygote, why, status, code):
     # Given up on, a call is never sent to another replica: the first has it (and may be computing it).
     first, second = start_mock_upstream(token_delay_ms=20), start_mock_upstream(token_delay_ms=20)
     endpoint = serve_endpoint(tenant.org, first, second)
@@ -161,7 +162,7 @@ def test_a_replica_silent_past_the_read_timeout_is_refused_and_the_call_is_never
     if why == "longest wait passed":
         Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=50.0)
         env = {"INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S": "1"}
-    child, gateway = _slow_gateway(tmp_path, **env)
+    child, gateway = _slow_gateway(tmp_path, web_zygote, **env)
     try:
         response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
                               json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150}, timeout=60)
@@ -177,12 +178,13 @@ def test_a_replica_silent_past_the_read_timeout_is_refused_and_the_call_is_never
 
 
 def test_a_call_that_runs_past_its_reservation_deadline_keeps_its_hold_until_its_own_end(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     # A reservation's deadline is how long a dead gateway's hold lasts. A live gateway's call that ran longer (a
     # long stream, a long non-streamed answer) had its hold released by the sweeper while it still ran: as much
     # again could be admitted against the same credit and caps.
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=40))
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"},
+                                      zygote=web_zygote)
     received = 0
     try:
         with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=150) as response:  # ~6 s
@@ -270,12 +272,13 @@ def test_ledger_sums_equal_the_usage_clients_saw(gateway, tenant, start_mock_ups
     assert (totals["prompt"], totals["completion"]) == (seen_prompt, seen_completion)
 
 
-def test_the_request_limit_is_exact_across_two_gateway_processes(gateway, tenant, start_mock_upstream, tmp_path):
+def test_the_request_limit_is_exact_across_two_gateway_processes(gateway, tenant, start_mock_upstream, tmp_path,
+                                                                 web_zygote):
     from controlplane.accounts.models import ApiKey
 
     ApiKey.objects.filter(pk=tenant.api_key.pk).update(requests_per_minute=5)
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    second, second_url = start_web_server(tmp_path, name="gateway-2")
+    second, second_url = start_web_server(tmp_path, name="gateway-2", zygote=web_zygote)
     try:
         statuses, retry_after = [], None
         first_minute = int(time.time() // 60)

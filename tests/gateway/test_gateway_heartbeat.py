@@ -67,10 +67,10 @@ def counts(endpoint, replica) -> tuple[int, int]:
 
 
 def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoint_scales_to_zero(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=200), min_replicas=0, idle_timeout_s=1)
     replica = Replica.objects.get(endpoint=endpoint)
-    child, gateway = start_web_server(tmp_path, name="gateway")
+    child, gateway = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     try:
         start_streams(gateway, tenant.key, endpoint.name, 3)
         wait_until(lambda: counts(endpoint, replica) == (3, 3), 30, message="three streams in flight")
@@ -88,10 +88,10 @@ def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoin
 
 
 def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_releases_them_once(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100))
     replica = Replica.objects.get(endpoint=endpoint)
-    child, gateway = start_web_server(tmp_path, name="gateway")
+    child, gateway = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     try:
         streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=80)
         wait_until(lambda: counts(endpoint, replica) == (2, 2), 30, message="two streams in flight")
@@ -126,13 +126,13 @@ def held(organization_id: int, api_key_id: int) -> tuple[int, int, int]:
 
 
 def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_them_and_settles_each_once(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     """Before, Redis losing its memory lost the running calls' reservations for good: the counters were rebuilt from
     the ledger with nothing reserved, and new calls were admitted against the cap their running calls still held."""
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100))
     replica = Replica.objects.get(endpoint=endpoint)
     org, key = tenant.org.pk, tenant.api_key.pk
-    child, gateway = start_web_server(tmp_path, name="gateway")
+    child, gateway = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     try:
         streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=80)
         wait_until(lambda: counts(endpoint, replica) == (2, 2) and held(org, key)[0] == 2, 30,

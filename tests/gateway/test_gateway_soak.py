@@ -35,10 +35,10 @@ IDLE_S, UPSTREAM_READ_TIMEOUT_S = 1, 0.5
 
 
 @pytest.fixture
-def soak_gateway(transactional_db, tmp_path):
+def soak_gateway(transactional_db, tmp_path, web_zygote):
     child, base_url = start_web_server(tmp_path, name="gateway", extra_env={
         "INFERPLANE_FILES_UPLOAD_IDLE_S": str(IDLE_S),
-        "INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": str(UPSTREAM_READ_TIMEOUT_S)})
+        "INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S": str(UPSTREAM_READ_TIMEOUT_S)}, zygote=web_zygote)
     yield child, base_url
     child.stop()
 

@@ -42,19 +42,20 @@ def _holds(organization_id: int, api_key_id: int) -> tuple[int, int, int, int]:
             redis.hlen(redis_keys.progress_key(organization_id)))
 
 
-def _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path):
+def _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path, web_zygote):
     """An endpoint whose engine streams at `TOKEN_DELAY_MS`, and a gateway process whose calls' holds last 3 s past
     its last beat."""
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=TOKEN_DELAY_MS))
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"})
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"},
+                                      zygote=web_zygote)
     return endpoint, child, gateway
 
 
 def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sweeper(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     # Before, a gateway killed mid-stream wrote no usage row: its call's hold lapsed at its deadline and the sweeper,
     # finding no row, released it. Every token the stream had delivered (up to 6 h of them) was never billed.
-    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path, web_zygote)
     org, key = tenant.org.pk, tenant.api_key.pk
     received = 0
     try:
@@ -71,7 +72,7 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     assert _spent_counted(org) == 0
 
     # Its hold lapses a reservation's time (3 s here) after the dead gateway's last push.
-    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5, message="the lapsed hold swept")
+    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.1, message="the lapsed hold swept")
     row = UsageRecord.objects.get()
     assert (row.request_id, row.status, row.api_key_id) == (request_id, "gateway_lost", key)
     assert row.prompt_tokens == 7
@@ -104,7 +105,7 @@ def _frozen_past_its_hold(gateway: str, child, tenant, endpoint, while_frozen=la
             if received == 60:
                 child.kill(signal.SIGSTOP)  # a stop-the-world pause, a VM paused: its beats stop
                 try:
-                    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.5,
+                    wait_until(lambda: sweep_expired_reservations() == 1, 15, interval_s=0.1,
                                message="the frozen gateway's lapsed hold swept")
                     lost = UsageRecord.objects.get()
                     while_frozen(request_id)
@@ -116,10 +117,10 @@ def _frozen_past_its_hold(gateway: str, child, tenant, endpoint, while_frozen=la
 
 
 def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_row_once_it_wakes(
-        tenant, start_mock_upstream, tmp_path):
+        tenant, start_mock_upstream, tmp_path, web_zygote):
     # Before, the woken gateway's row was refused as a duplicate of the sweeper's: the call stayed gateway_lost, billed
     # from its last beat, and the rest of what it streamed was never billed.
-    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path, web_zygote)
     org, key = tenant.org.pk, tenant.api_key.pk
 
     def swept(request_id):
@@ -143,8 +144,8 @@ def test_a_gateway_frozen_past_its_calls_hold_bills_the_whole_call_by_its_own_ro
 
 
 def test_a_call_that_ended_normally_leaves_no_progress_and_a_later_sweep_writes_no_second_row(
-        tenant, start_mock_upstream, tmp_path):
-    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path)
+        tenant, start_mock_upstream, tmp_path, web_zygote):
+    endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path, web_zygote)
     org, key = tenant.org.pk, tenant.api_key.pk
     received, progress_seen = 0, False
     try:

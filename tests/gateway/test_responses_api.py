@@ -314,14 +314,17 @@ def test_any_responses_body_is_taken_or_refused_with_a_400_never_an_error(body):
 
 
 def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_usage(
-    tenant, endpoint, tmp_path
+    tenant, endpoint, tmp_path, web_zygote
 ):
-    # NOTE: ~2,000 tokens with 20 top logprobs each make several MB of events, past what the loopback's socket
-    # buffers hold for a client reading nothing: the send waits, and the send deadline (2 s) cuts the call off.
+    # NOTE: 1,200 tokens with 20 top logprobs each: ~1.2 MB of deltas, then the last three events each repeat every
+    # token's logprobs (~1.4 MB each), ~5.4 MB in all, past what the loopback's socket buffers hold for a client reading
+    # nothing (the send buffer grows to 4 MiB, `tcp_wmem`; 2.4 MB were all taken): the send waits, and the send deadline
+    # (2 s) cuts the call off. The context's 2,000 tokens took 50-70 s: past ~2.5 MB the full buffers let the deltas
+    # out a little at a time, each send shorter than the deadline, and the cut came only at the last events.
     child, gateway = start_web_server(
-        tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_SEND_TIMEOUT_S": "2"}
+        tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_SEND_TIMEOUT_S": "2"}, zygote=web_zygote
     )
-    max_output_tokens = ENGINE_CONTEXT - 48
+    max_output_tokens = 1200
     body = json.dumps(
         {
             "model": NAME,

@@ -56,6 +56,7 @@ def _start_engine(tmp_path, name: str) -> tuple[ChildProcess, str]:
 def engine(tmp_path):
     child, address = _start_engine(tmp_path, "responses-engine")
     yield address
+    child.kill()  # a test double: nothing to finish (`start_mock_upstream`)
     child.stop()
 
 
@@ -63,6 +64,7 @@ def engine(tmp_path):
 def second_engine(tmp_path):
     child, address = _start_engine(tmp_path, "second-engine")
     yield address
+    child.kill()  # a test double: nothing to finish (`start_mock_upstream`)
     child.stop()
 
 
@@ -270,8 +272,9 @@ def test_a_stream_whose_client_leaves_after_its_first_delta_is_read_on_and_bille
     gateway, tenant, engine
 ):
     # As before: the gateway reads on to `response.completed`, relaying nothing, and bills its usage.
+    # NOTE: `paced` (2.5 s), not `slow` (15 s): the client leaves at its first delta, the rest is the reading on.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
-    with _open(gateway, tenant.key, _body(endpoint, "slow")) as response:
+    with _open(gateway, tenant.key, _body(endpoint, "paced")) as response:
         request_id = response.headers["x-request-id"]
         for chunk in response.iter_bytes():
             if DELTA in chunk:
@@ -330,12 +333,13 @@ def test_a_stream_still_running_at_the_drains_bound_is_billed_its_rendered_promp
     assert received <= row.completion_tokens < responses_engine.NUM_SLOW_DELTAS
 
 
-def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path):
+def test_a_gateway_lost_mid_stream_has_the_deltas_it_relayed_billed_by_the_sweeper(tenant, engine, tmp_path,
+                                                                                    web_zygote):
     # Before: its calls' progress had no tokens (a Responses stream's usage comes only in its last event), so the
     # sweeper released its hold and billed nothing. Its prompt is still free: no process is left to ask its count.
     endpoint = serve_endpoint(tenant.org, engine, **PRICES)
     child, gateway = start_web_server(
-        tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}
+        tmp_path, name="gateway", extra_env={"INFERPLANE_RESERVATION_TTL_S": "3"}, zygote=web_zygote
     )
     received = b""
     try:

@@ -46,12 +46,13 @@ def _unread_call(gateway_url: str, key: str, model: str, *, stream: bool = False
 
 
 @pytest.fixture
-def gateway_with(tmp_path):
-    """`gateway_with(**env)`: a gateway started with these settings, stopped at the test's end."""
+def gateway_with(tmp_path, web_zygote):
+    """`gateway_with(**env)`: a gateway started with these settings, stopped at the test's end (forked from the
+    zygote of these settings: the first pays the imports, the next ones of the same settings fork)."""
     started = []
 
     def start(**env) -> str:
-        child, base_url = start_web_server(tmp_path, name="gateway", extra_env=env)
+        child, base_url = start_web_server(tmp_path, name="gateway", extra_env=env, zygote=web_zygote)
         started.append(child)
         start.pid = child.pid
         return base_url
