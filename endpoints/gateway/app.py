@@ -13,7 +13,6 @@ A call whose usage row could not be recorded (the usage journal at its limit: `u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import json
@@ -212,8 +211,9 @@ class Gateway:
             logger.warning("console upload to %s: %r", scope["path"], exc)
             refusal = errors.service_unavailable()
         if place is None:
-            await _discard_body(receive)
-            return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive), send)
+            await _discard_body(receive, scope)
+            return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive),
+                                       _closing_after(send) if _closing(scope) else send)
         try:
             await self._to_django(scope, receive, send, max_bytes, place=place)  # endpoints.batches.views
         finally:
@@ -368,17 +368,17 @@ class Gateway:
             if method != "POST":
                 raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
             if drain.draining():
-                await _discard_body(receive)
+                await _discard_body(receive, scope)
                 raise errors.server_stopping()
             # NOTE: a flag, no I/O: its row could only go to a journal already at its limit. Calls admitted before
             # still write theirs (into the journal's headroom); this one is never proxied.
             if not usage_recordable():
-                await _discard_body(receive)
+                await _discard_body(receive, scope)
                 raise errors.usage_unrecordable()
             try:
                 caller = await auth.authenticate(headers)
             except Exception:
-                await _discard_body(receive)
+                await _discard_body(receive, scope)
                 raise
             body = await _read_body(receive)
             ratelimit.for_caller(caller)
@@ -401,14 +401,14 @@ class Gateway:
         except errors.OpenAIError as exc:
             await ratelimit.read_counts()
             await _respond(send, exc.status, exc.body(), headers=exc.headers | {"x-request-id": request_id},
-                           raw_headers=_ratelimit_headers(ratelimit))
+                           raw_headers=_ratelimit_headers(ratelimit) + _closing(scope))
             log_answer(scope, exc.status, started, request_id)
         except Exception as exc:  # noqa: BLE001 - never leak a traceback to a client; log it
             if errors.is_outage(exc):
                 logger.warning("gateway request %s: %r", request_id, exc)
                 failure = errors.service_unavailable()
                 await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id},
-                               raw_headers=_ratelimit_headers(ratelimit))
+                               raw_headers=_ratelimit_headers(ratelimit) + _closing(scope))
                 log_answer(scope, failure.status, started, request_id)
                 return
             logger.exception("gateway request %s failed", request_id)
@@ -588,9 +588,9 @@ def _declared_bytes(headers: dict[str, str]) -> int:
 
 async def _refuse(scope, receive, send, refusal: errors.OpenAIError, started: float, request_id: str) -> None:
     """Answer a Files or Batch API request here, in OpenAI's shape, its body dropped unread or read and dropped."""
-    await _discard_body(receive)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
+    await _discard_body(receive, scope)  # at most `MAX_BODY_BYTES` of it: past that the connection closes
     await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
-                   raw_headers=RateLimitReport.unauthenticated().headers())
+                   raw_headers=RateLimitReport.unauthenticated().headers() + _closing(scope))
     log_answer(scope, refusal.status, started, request_id)
 
 
@@ -634,18 +634,44 @@ def _after_an_empty_body(receive):
     return receive_without_body
 
 
-async def _discard_body(receive) -> None:
+# Set in a request's scope by `_discard_body` when it stopped reading the body: its answer closes the connection.
+BODY_CUT_SCOPE_KEY = "inferplane.body_cut"
+_CONNECTION_CLOSE = [(b"connection", b"close")]
+
+
+def _closing(scope) -> list[tuple[bytes, bytes]]:
+    """`connection: close`, for the answer of a request whose body `_discard_body` cut (none otherwise)."""
+    return _CONNECTION_CLOSE if scope.get(BODY_CUT_SCOPE_KEY) else []
+
+
+def _closing_after(send):
+    """`send` whose answer closes the connection (`connection: close`: uvicorn closes it once the answer is sent)."""
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = message | {"headers": [*message.get("headers", ()), *_CONNECTION_CLOSE]}
+        await send(message)
+
+    return sending
+
+
+async def _discard_body(receive, scope) -> None:
     """Read a refused caller's body to its end keeping none of it, so that its client reads the answer rather than
     a connection reset mid-upload; past `MAX_BODY_BYTES` the answer goes and the server closes the connection.
 
     NOTE: the key is checked before the body is kept: a caller without one held up to 8 MiB per connection. A body
     that pauses for `FILES_UPLOAD_IDLE_S`, or comes slower than an upload may (`_BodyCut`), is read no further (the
     answer goes, the connection closes): a client that sent a few bytes and then nothing held its connection for as
-    long as it liked, and one that dripped a byte every 29 s did still (found by the review of the gateway's soak)."""
+    long as it liked, and one that dripped a byte every 29 s did still (found by the review of the gateway's soak).
+    A cut is marked in `scope` (`BODY_CUT_SCOPE_KEY`): its answer says `connection: close`, and the server closes
+    the connection once it is sent. NOTE: without it, uvicorn kept reading the rest of the body (it drops it) while
+    the client went on dripping, each byte putting off its keep-alive timeout: the connection stayed for as long as
+    the client liked, after the answer."""
     body = _BodyCut(receive, MAX_BODY_BYTES, idle_s=settings.FILES_UPLOAD_IDLE_S,
                     min_bytes_per_s=settings.FILES_UPLOAD_MIN_BYTES_PER_S, what="request body")
-    with contextlib.suppress(errors.OpenAIError):  # cut (too slow, too large): the answer goes, the connection closes
+    try:
         await body.whole(keep=False)
+    except errors.OpenAIError:  # cut (too slow, too large): the answer goes, the connection closes
+        scope[BODY_CUT_SCOPE_KEY] = True
 
 
 async def _respond(send, status: int, body: bytes, *, content_type: str = "application/json", headers: dict | None = None,
