@@ -200,7 +200,7 @@ def paid_history_changed(organization_id: int) -> None:
     """An invoice paid, a refund or a dispute changed what the organisation has paid (`billing.standing.net_paid`),
     so its spending ceiling may have: marked `limits_stale` in the change's own transaction, and its standing reviewed
     once that commits (which writes its limits to Redis). A process killed between the two leaves it to the beat task
-    (`review_all_payment_standing`). The organisations of its card that share a member with it count its history
+    (`review_all_payment_standing`). The organisations of its card one of its owners owns too count its history
     (`billing.standing.trusted_history`): written again too (`card_ceiling_changed`)."""
     BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
     transaction.on_commit(lambda: review_payment_standing(organization_id), robust=True)

@@ -37,8 +37,8 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   (`BillingAccount.card_fingerprint`, Stripe's mark of a card number) share its month: each may spend, of its own
   ceiling, what every other organisation that held the card this month (`card_spend`, `CardHolding`: leaving the card
   frees nothing) has not spent (`SpendCeiling.room`): before, a stolen card behind N sign-ups had N ceilings. The
-  ceiling's amount comes from the paid history of the organisation and of those on its card that share a member with
-  it (`trusted_history`), never from an unrelated tenant's payments: a thief adding a customer's card number
+  ceiling's amount comes from the paid history of the organisation and of those on its card with an active owner
+  who owns it too (`trusted_history`), never from an unrelated tenant's payments: a thief adding a customer's card number
   inherits nothing. A ceiling staff set, and the upgrade's floor, stay the organisation's own. NOTE: what a tenant is
   shown (`standing`, the alerts) is its own: its own paid total and spend, the ceiling's amount and whether it is
   shared, never the others' figures, their number, or the room their spend leaves (from which it could read it).
@@ -68,7 +68,7 @@ from billing.models import (
     RefundedCharge,
 )
 from billing.periods import Period, period_containing
-from controlplane.accounts.models import Membership
+from controlplane.accounts.models import Membership, Role
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -113,7 +113,7 @@ class SpendCeiling:
     (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more).
 
     `paid` is the paid history the amount comes from (`trusted_history`: its own and that of the organisations on its
-    card that share a member with it); `own_paid` the organisation's own. A card held this month by
+    card with an owner who owns it too); `own_paid` the organisation's own. A card held this month by
     `num_other_organizations_on_card` others, which spent `spent_by_others` this month, shares its room with them.
     NOTE: staff's figures: a tenant is shown `own_paid`, `amount` and `is_shared` only (`standing`), never the others'
     number or spend, nor `paid`, which sums payments of organisations it may not see."""
@@ -251,12 +251,15 @@ def card_spend(fingerprints: Collection[str], period: Period | None = None, *, s
 
 def trusted_history(organization_id: int, others: Collection[int]) -> list[int]:
     """Those of `others` (the organisations of its card) whose paid history counts for the organisation's ceiling:
-    those that share a member with it (a user in both). NOTE: a customer's second organisation, same owner, keeps its
-    trust; a thief's sign-ups, one user, share their own (nothing); a stranger's payments never count."""
+    those with an active user who is an OWNER of both. NOTE: a customer's second organisation, same owner, keeps its
+    trust; a thief's sign-ups, one user, share their own (nothing); a stranger's payments never count, nor do those of
+    an organisation where the user is only an admin, member or viewer (before, any shared member: a contractor invited
+    as a viewer took the customer's history to its own organisation on the company card)."""
     if not others:
         return []
-    members = Membership.objects.filter(organization_id=organization_id).values("user_id")
-    return sorted(set(Membership.objects.filter(organization_id__in=others, user_id__in=members)
+    owners = Membership.objects.filter(role=Role.OWNER, user__is_active=True)
+    mine = owners.filter(organization_id=organization_id).values("user_id")
+    return sorted(set(owners.filter(organization_id__in=others, user_id__in=mine)
                       .values_list("organization_id", flat=True)))
 
 
@@ -264,7 +267,7 @@ def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, oth
                   ) -> SpendCeiling | None:
     """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
     set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by the `net_paid` of the organisation
-    and those of its card it shares a member with, `trusted_history`), less what the card's other organisations spent
+    and those of its card one of its owners owns too, `trusted_history`), less what the card's other organisations spent
     this month (`SpendCeiling.room`, `card_spend`; `card`: read already, for the card's every organisation; not read
     without `others_spend`: the room is then the amount, as a tenant is shown it), and the upgrade's floor
     (`grandfathered_spend_ceiling`, `billing/0032`).

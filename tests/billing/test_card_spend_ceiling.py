@@ -1,6 +1,6 @@
 """One card's month is shared (`billing.standing.card_spend`), its history is not (`billing.standing.trusted_history`):
-each organisation's ceiling comes from its own paid history and that of the organisations of its card that share a
-member with it, and it may spend of it what every other organisation that held the card this month has not spent.
+each organisation's ceiling comes from its own paid history and that of the organisations of its card one of its
+owners owns too, and it may spend of it what every other organisation that held the card this month has not spent.
 
 Before the card was kept, a thief with one stolen card signed up N organisations, attached the card to each, and had
 N x $100 a month. The first redesign (a hostile review's findings, each a test here) summed every paid history on the
@@ -100,6 +100,25 @@ def test_a_thief_adding_a_customers_card_inherits_none_of_its_history_and_the_cu
     second.add_card("fp_customer")
     assert second.ceiling().amount is None  # its owner's paid history counts for it
     assert thief.ceiling().amount == Decimal(100)
+
+
+@pytest.mark.parametrize("role", [Role.VIEWER, Role.ADMIN])
+def test_a_member_who_is_not_an_owner_of_both_brings_no_history(ceilings, fake_stripe, role):
+    """Second review, A: any shared member was trusted: a contractor invited to a customer (paid $5,000) as a viewer
+    made an organisation of their own, added the company card, and had no ceiling at all ($20,000 admitted)."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_corp")
+    customer.pay("in_customer", 500_000)
+    contractor = UserFactory()
+    MembershipFactory(organization=customer.org, user=contractor, role=role)
+    side = _Org(fake_stripe, "Contractor's Own", owner=contractor)
+    side.add_card("fp_corp")
+    assert side.ceiling().amount == Decimal(100)  # before: None
+    assert _refusal(side.org, "20000.00").reason == "spend_ceiling"  # before: admitted
+    customer.owner.is_active = False  # an owner of both who is no longer active brings none either
+    customer.owner.save(update_fields=["is_active"])
+    MembershipFactory(organization=side.org, user=customer.owner, role=Role.OWNER)
+    assert standing.trusted_history(side.org.pk, [customer.org.pk]) == []
 
 
 def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_the_month_counted_on_it(
