@@ -145,6 +145,25 @@ def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_th
     assert third.ceiling().room == Decimal(1)
 
 
+def test_sign_ups_on_a_customers_card_eat_its_room_each_up_to_its_own_ceiling_as_the_readme_says(ceilings, fake_stripe):
+    """Second review, B: the README said a customer's room could be eaten only by one thief's $100; five sign-ups each
+    spent $100 of a customer's $500. Each is held to its own ceiling, whatever room the others leave: N x $100."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_customer")
+    customer.pay("in_customer", 10_000)  # $500 a month
+    thieves = [_Org(fake_stripe, f"Sign-up {i}") for i in range(2)]
+    for thief in thieves:
+        thief.add_card("fp_customer")
+    for thief in thieves:
+        _spend(thief.org, "100.00")  # each its own $100: the other's reservation is not in the ledger
+        assert _refusal(thief.org, "0.01").reason == "spend_ceiling"  # never past its own ceiling
+    for thief in thieves:
+        _usage(thief.org, "100")
+    tasks.refresh_card_ceilings()
+    assert customer.ceiling().room == Decimal(300)  # $500 less 2 x $100
+    assert _refusal(customer.org, "300.01").reason == "spend_ceiling"
+
+
 def test_removing_the_card_keeps_the_organisation_on_it(one_card):
     first, second = one_card
     _webhook("customer.updated", first.stripe.set_default_payment_method(first.customer, None))
