@@ -42,6 +42,8 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   inherits nothing. A ceiling staff set, and the upgrade's floor, stay the organisation's own. NOTE: what a tenant is
   shown (`standing`, the alerts) is its own: its own paid total and spend, the ceiling's amount and whether it is
   shared, never the others' figures, their number, or the room their spend leaves (from which it could read it).
+  Where the gateway refuses it (at the room) tells it the others' spend in whole steps of the ceiling
+  (`shared_room_step`: 5 %, at least $1), never to the cent.
 
 Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
@@ -51,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_CEILING, ROUND_DOWN, Decimal
 
 from django.conf import settings
 from django.db.models import F, OuterRef, Subquery, Sum
@@ -90,6 +92,10 @@ PAID_HISTORY = "paid_history"
 GRANDFATHERED = "grandfathered"  # the upgrade's floor (`billing/0032`), above its paid history's for now
 STAFF = "staff"
 CENTS_PER_DOLLAR = 100
+# A shared card's others' spend is counted in whole steps of the ceiling (`SpendCeiling.room`): 5 % of it, at least
+# $1, so where the gateway refuses tells a tenant the others' spend to a step, never to the cent.
+SHARED_ROOM_STEP_PERCENT = 5
+SHARED_ROOM_MIN_STEP = Decimal(1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,11 +142,17 @@ class SpendCeiling:
     @property
     def room(self) -> Decimal | None:
         """What the organisation itself may spend this month under it (None: no limit): a paid history's ceiling less
-        what the card's other organisations spent, never below zero; a ceiling staff set, or the upgrade's floor, is
-        the organisation's own."""
+        what the card's other organisations spent, rounded up to a whole step (`shared_room_step`), never below zero;
+        a ceiling staff set, or the upgrade's floor, is the organisation's own. NOTE: the gateway refuses at the room,
+        so a tenant learns from where it is refused what the others spent; to the step, not the cent (before, a
+        thief's probes read a customer's spend to the cent: refused at 76.56, admitted at 76.55, so it spent 23.45)."""
         if self.amount is None or self.source != PAID_HISTORY:
             return self.amount
-        return max(self.amount - self.spent_by_others, Decimal(0))
+        if not self.spent_by_others:
+            return self.amount
+        step = shared_room_step(self.amount)
+        counted = (self.spent_by_others / step).to_integral_value(rounding=ROUND_CEILING) * step
+        return max(self.amount - counted, Decimal(0))
 
     @property
     def is_shared(self) -> bool:
@@ -150,6 +162,13 @@ class SpendCeiling:
     @property
     def paid_by_itself(self) -> Decimal:
         return self.paid if self.own_paid is None else self.own_paid
+
+
+def shared_room_step(amount: Decimal) -> Decimal:
+    """The step in which a shared card's others' spend counts against a ceiling of `amount` (`SpendCeiling.room`):
+    `SHARED_ROOM_STEP_PERCENT` of it in cents, at least `SHARED_ROOM_MIN_STEP`."""
+    step = (amount * SHARED_ROOM_STEP_PERCENT / 100).quantize(Decimal("0.01"), rounding=ROUND_DOWN)
+    return max(step, SHARED_ROOM_MIN_STEP)
 
 
 def bills_through_stripe() -> bool:

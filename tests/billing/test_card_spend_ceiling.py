@@ -132,7 +132,7 @@ def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_th
     first.add_card("fp_Y")  # its $99 stays counted on X, this month
     second = _Org(fake_stripe, "Sign-up 1")
     second.add_card("fp_X")
-    assert second.ceiling().room == Decimal(1)  # before: $100, the first's $99 gone with it to Y
+    assert second.ceiling().room == Decimal(0)  # before: $100, the first's $99 gone with it to Y (counted as $100)
     assert _refusal(second.org, "2.00").reason == "spend_ceiling"
 
     fake_stripe.payment_methods["pm_sepa"] = {"id": "pm_sepa", "object": "payment_method", "type": "sepa_debit",
@@ -142,7 +142,7 @@ def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_th
     third = _Org(fake_stripe, "Sign-up 2")
     third.add_card("fp_X")
     assert third.ceiling().num_other_organizations_on_card == 2  # before: 0, X had no holder left
-    assert third.ceiling().room == Decimal(1)
+    assert third.ceiling().room == Decimal(0)  # $99 counted in whole $5 steps
 
 
 def test_sign_ups_on_a_customers_card_eat_its_room_each_up_to_its_own_ceiling_as_the_readme_says(ceilings, fake_stripe):
@@ -162,6 +162,20 @@ def test_sign_ups_on_a_customers_card_eat_its_room_each_up_to_its_own_ceiling_as
     tasks.refresh_card_ceilings()
     assert customer.ceiling().room == Decimal(300)  # $500 less 2 x $100
     assert _refusal(customer.org, "300.01").reason == "spend_ceiling"
+
+
+def test_where_a_tenant_on_a_shared_card_is_refused_tells_the_others_spend_to_a_step_not_the_cent(one_card):
+    """Second review, C: the gateway refused at the ceiling less the others' spend: a thief's probes (refused ones
+    cost nothing) read a customer's $23.45 to the cent (76.56 refused, 76.55 admitted)."""
+    customer, thief = one_card
+    _usage(customer.org, "23.45")
+    tasks.refresh_card_ceilings()
+    assert _refusal(thief.org, "75.01").reason == "spend_ceiling"
+    _spend(thief.org, "75.00")  # $23.45 counted as $25: 5 % of the $100 ceiling a step (before: 76.55 admitted)
+    _usage(customer.org, "1.55")  # $25.00: the same step, the same room
+    assert thief.ceiling().room == Decimal(75)
+    assert standing.SpendCeiling(Decimal(10), standing.PAID_HISTORY, Decimal(0), num_other_organizations_on_card=1,
+                                 spent_by_others=Decimal("0.01")).room == Decimal(9)  # at least a $1 step
 
 
 def test_removing_the_card_keeps_the_organisation_on_it(one_card):
