@@ -440,15 +440,25 @@ def hold_reason(account: BillingAccount) -> str:
     return account.hold_reason or PAST_DUE  # NOTE: a hold kept before its reason was stored is an unpaid invoice's
 
 
+# Payment methods that are not cards but that Stripe gives a fingerprint of the account behind them (the same account:
+# the same fingerprint, in every customer), shared as a card is (`card_fingerprint`).
+SHARED_METHOD_TYPES = ("sepa_debit", "us_bank_account", "bacs_debit", "au_becs_debit")
+
+
 def card_fingerprint(customer) -> str:
     """The fingerprint of the card Stripe charges this customer's invoices with (a customer read with
-    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or not a card. The
-    default payment method comes first, as Stripe charges it first; an older default source is a card (`card`
-    object) or a card source (`source` of type `card`)."""
+    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or a method Stripe
+    gives none (Link: not shared). The default payment method comes first, as Stripe charges it first; a bank debit
+    (`SHARED_METHOD_TYPES`) gives its account's fingerprint namespaced by its type (`sepa_debit:...`), so it never
+    matches a card's; an older default source is a card (`card` object) or a card source (`source` of type `card`)."""
     method = (customer.get("invoice_settings") or {}).get("default_payment_method")
     if method:
-        is_card = isinstance(method, dict) and method.get("type") == "card"
-        return str((method.get("card") or {}).get("fingerprint") or "") if is_card else ""
+        kind = method.get("type") if isinstance(method, dict) else None
+        details = method.get(kind) if isinstance(kind, str) else None
+        fingerprint = str(details.get("fingerprint") or "") if isinstance(details, dict) else ""
+        if kind == "card" or not fingerprint:
+            return fingerprint
+        return f"{kind}:{fingerprint}" if kind in SHARED_METHOD_TYPES else ""
     source = customer.get("default_source")
     if not isinstance(source, dict):
         return ""

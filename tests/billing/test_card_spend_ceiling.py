@@ -138,11 +138,15 @@ def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_th
     fake_stripe.payment_methods["pm_sepa"] = {"id": "pm_sepa", "object": "payment_method", "type": "sepa_debit",
                                               "sepa_debit": {"fingerprint": "sx"}}
     _webhook("customer.updated", fake_stripe.set_default_payment_method(second.customer, "pm_sepa"))
-    assert BillingAccount.objects.get(organization=second.org).card_fingerprint == ""
+    assert BillingAccount.objects.get(organization=second.org).card_fingerprint == "sepa_debit:sx"  # not X's
     third = _Org(fake_stripe, "Sign-up 2")
     third.add_card("fp_X")
     assert third.ceiling().num_other_organizations_on_card == 2  # before: 0, X had no holder left
     assert third.ceiling().room == Decimal(0)  # $99 counted in whole $5 steps
+    fourth = _Org(fake_stripe, "Sign-up 3")  # the same bank account as the second: shared as a card is
+    fake_stripe.payment_methods["pm_sepa4"] = {**fake_stripe.payment_methods["pm_sepa"], "id": "pm_sepa4"}
+    _webhook("customer.updated", fake_stripe.set_default_payment_method(fourth.customer, "pm_sepa4"))
+    assert fourth.ceiling().num_other_organizations_on_card == 1  # review D, before: 0
 
 
 def test_sign_ups_on_a_customers_card_eat_its_room_each_up_to_its_own_ceiling_as_the_readme_says(ceilings, fake_stripe):
@@ -314,7 +318,12 @@ def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default
         return {"object": "customer", "invoice_settings": {"default_payment_method": method}, "default_source": source}
 
     assert standing.card_fingerprint(customer({"type": "card", "card": {"fingerprint": "fp_pm"}})) == "fp_pm"
-    assert standing.card_fingerprint(customer({"type": "sepa_debit", "sepa_debit": {"fingerprint": "x"}})) == ""
+    assert standing.card_fingerprint(customer({"type": "card", "card": {"fingerprint": "x"}})) == "x"
+    # Second review, D: a bank debit's fingerprint was dropped (""): N sign-ups on one account shared nothing.
+    for kind in ("sepa_debit", "us_bank_account", "bacs_debit", "au_becs_debit"):
+        assert standing.card_fingerprint(customer({"type": kind, kind: {"fingerprint": "x"}})) == f"{kind}:x"
+    assert standing.card_fingerprint(customer({"type": "link", "link": {"email": "a@example.test"}})) == ""  # none
+    assert standing.card_fingerprint(customer({"type": "sepa_debit", "sepa_debit": None})) == ""
     assert standing.card_fingerprint(customer(source={"object": "card", "fingerprint": "fp_card"})) == "fp_card"
     assert standing.card_fingerprint(customer(source={"object": "source", "type": "card",
                                                       "card": {"fingerprint": "fp_src"}})) == "fp_src"
