@@ -313,6 +313,37 @@ def test_a_cards_spend_is_read_once_for_its_organisations_and_the_billing_page_r
     assert others == []  # before: 2
 
 
+def test_the_beat_checks_its_time_before_each_card_and_lets_celerys_soft_time_limit_through(ceilings, fake_stripe,
+                                                                                             monkeypatch):
+    """Second review, E: the time was checked only between batches of 50 cards (a batch of large cards outlasted the
+    soft time limit), and `SoftTimeLimitExceeded` raised in a refresh was logged as a Redis failure and swallowed,
+    the run going on to the hard kill."""
+    from types import SimpleNamespace
+
+    from celery.exceptions import SoftTimeLimitExceeded
+    for fingerprint in ("fp_A", "fp_B"):
+        for i in range(2):
+            _Org(fake_stripe, f"{fingerprint} {i}").add_card(fingerprint)
+    clock = [0.0]
+    monkeypatch.setattr(services, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    written = []
+
+    def slow_refresh(account, **kwargs):
+        written.append(account.organization_id)
+        clock[0] += 30  # one card's two organisations: past the budget of 40 s
+
+    monkeypatch.setattr(services, "refresh_limits", slow_refresh)
+    assert services.refresh_shared_card_ceilings(budget_s=40) == 2  # before: 4, both cards of the batch
+    assert written and services.refresh_shared_card_ceilings(budget_s=0) == 0
+
+    def soft_limit(account, **kwargs):
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(services, "refresh_limits", soft_limit)
+    with pytest.raises(SoftTimeLimitExceeded):  # before: logged, and the run went on
+        services.refresh_shared_card_ceilings()
+
+
 def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default_source():
     def customer(method=None, source=None):
         return {"object": "customer", "invoice_settings": {"default_payment_method": method}, "default_source": source}
