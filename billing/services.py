@@ -223,6 +223,17 @@ def card_ceiling_changed(fingerprints: Collection[str], *, organization_id: int)
         transaction.on_commit(lambda: refresh_cards(fingerprints, but=organization_id), robust=True)
 
 
+def membership_changed(sender, instance, **kwargs) -> None:
+    """A membership was saved or deleted (Django's `post_save`, `post_delete` of `Membership`): who owns the
+    organisation may have changed, and with it whose paid history counts on its card (`billing.standing.
+    trusted_history`), so once that commits the card's organisations, its own too, are written again (`refresh_cards`).
+    Before, the gateway kept the old ceiling (none, for an owner's second organisation) until the beat task."""
+    fingerprint = (BillingAccount.objects.filter(organization_id=instance.organization_id)
+                   .values_list("card_fingerprint", flat=True).first())
+    if fingerprint:
+        transaction.on_commit(lambda: refresh_cards([fingerprint]), robust=True)
+
+
 def refresh_cards(fingerprints: Collection[str], *, but: int | None = None) -> int:
     """Write again the limits of every organisation that held these cards this month (but `but`): the card's spend
     read once for all of them (`billing.standing.card_spend`). A Redis failure is logged and leaves the account

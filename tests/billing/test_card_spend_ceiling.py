@@ -100,6 +100,14 @@ def test_a_thief_adding_a_customers_card_inherits_none_of_its_history_and_the_cu
     second.add_card("fp_customer")
     assert second.ceiling().amount is None  # its owner's paid history counts for it
     assert thief.ceiling().amount == Decimal(100)
+    _spend(second.org, "200.00")  # no ceiling in the gateway either
+
+    # Second review, F: a change of owner wrote no limits: the gateway kept "none" until the beat task.
+    from controlplane.accounts.models import Membership
+    membership = Membership.objects.get(organization=second.org, user=customer.owner)
+    membership.role = Role.ADMIN
+    membership.save(update_fields=["role"])  # as `controlplane.accounts.members` changes a role
+    assert _refusal(second.org, "0.01").reason == "spend_ceiling"  # before: admitted, Redis still had none
 
 
 @pytest.mark.parametrize("role", [Role.VIEWER, Role.ADMIN])
