@@ -289,7 +289,7 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
                           card_fingerprint: str = "") -> BillingAccount | None:
     """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method, a card
-    of `card_fingerprint` (empty: not a card); a reading older than the one recorded changes nothing. The gateway sees
+    of `card_fingerprint` (empty: none, or Link; a bank debit's: `standing.card_fingerprint`); a reading older than the one recorded changes nothing. The gateway sees
     a change at once, and its hold too: the organisation's standing is reviewed then (`review_payment_standing`), as a
     card decides whether an invoice its deleted customer left unpaid holds it (`billing.standing.can_pay_now`).
     Before, a held organisation that added a card was refused until the beat task's next review, minutes later. A

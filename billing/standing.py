@@ -34,7 +34,7 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
   (`Disputed`) and takes it out of the paid total.
 - **Spend is shared per card; history is not borrowed.** Organisations whose card has one fingerprint
-  (`BillingAccount.card_fingerprint`, Stripe's mark of a card number) share its month: each may spend, of its own
+  (`BillingAccount.card_fingerprint`, Stripe's mark of a card number, or of a bank debit's account) share its month: each may spend, of its own
   ceiling, what every other organisation that held the card this month (`card_spend`, `CardHolding`: leaving the card
   frees nothing) has not spent (`SpendCeiling.room`): before, a stolen card behind N sign-ups had N ceilings. The
   ceiling's amount comes from the paid history of the organisation and of those on its card with an active owner
