@@ -277,8 +277,9 @@ class BillingAccount(models.Model):
     payment_method_on_file = models.BooleanField(default=False, db_default=False)
     payment_method_observed_ms = models.BigIntegerField(default=0, db_default=0)
     # The fingerprint Stripe gives the card of that default payment method (the same card number has the same one in
-    # every customer and payment method), read with it; empty: no card (none, or not a card), or not read since this
-    # was kept. Organisations with the same one share one spending ceiling (`billing.standing.spend_ceiling`).
+    # every customer and payment method), read with it; a bank debit's account's as `<type>:<fingerprint>`
+    # (`billing.standing.card_fingerprint`); empty: none (no method, or one Stripe gives none: Link), or not read since
+    # this was kept. Organisations with the same one share one spending ceiling (`billing.standing.spend_ceiling`).
     card_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")
     invoiced_without_card = models.BooleanField(
         default=False, db_default=False, help_text="Staff: this organisation pays its invoices without a card on file (bank transfer); "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
 from django.db.models import Count, F, Max, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
@@ -200,7 +201,7 @@ def paid_history_changed(organization_id: int) -> None:
     """An invoice paid, a refund or a dispute changed what the organisation has paid (`billing.standing.net_paid`),
     so its spending ceiling may have: marked `limits_stale` in the change's own transaction, and its standing reviewed
     once that commits (which writes its limits to Redis). A process killed between the two leaves it to the beat task
-    (`review_all_payment_standing`). The organisations of its card that share a member with it count its history
+    (`review_all_payment_standing`). The organisations of its card one of its owners owns too count its history
     (`billing.standing.trusted_history`): written again too (`card_ceiling_changed`)."""
     BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
     transaction.on_commit(lambda: review_payment_standing(organization_id), robust=True)
@@ -220,6 +221,17 @@ def card_ceiling_changed(fingerprints: Collection[str], *, organization_id: int)
     fingerprints = sorted({fingerprint for fingerprint in fingerprints if fingerprint})
     if fingerprints:
         transaction.on_commit(lambda: refresh_cards(fingerprints, but=organization_id), robust=True)
+
+
+def membership_changed(sender, instance, **kwargs) -> None:
+    """A membership was saved or deleted (Django's `post_save`, `post_delete` of `Membership`): who owns the
+    organisation may have changed, and with it whose paid history counts on its card (`billing.standing.
+    trusted_history`), so once that commits the card's organisations, its own too, are written again (`refresh_cards`).
+    Before, the gateway kept the old ceiling (none, for an owner's second organisation) until the beat task."""
+    fingerprint = (BillingAccount.objects.filter(organization_id=instance.organization_id)
+                   .values_list("card_fingerprint", flat=True).first())
+    if fingerprint:
+        transaction.on_commit(lambda: refresh_cards([fingerprint]), robust=True)
 
 
 def refresh_cards(fingerprints: Collection[str], *, but: int | None = None) -> int:
@@ -249,8 +261,9 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
     (`billing.standing.card_holders`): each one's room is its ceiling less what the others spent, read when its limits
     are written, so the others' spend since reaches the gateway here (the beat task `billing.refresh_card_ceilings`,
     every minute). Each card's spend is read once for its organisations, `CARDS_PER_BATCH` cards at a time, the
-    cards in a random order and the run stopped after `budget_s`: a card of many organisations, or many cards, take
-    turns, and none is left out run after run. Returns how many limits were written."""
+    cards in a random order and the run stopped after `budget_s` (checked before each card): a card of many
+    organisations, or many cards, take turns, and none is left out run after run. NOTE: one card's organisations are
+    written together, about 7 queries each, so a card of thousands outlasts the budget on its own. Returns how many limits were written."""
     period = period_containing()
     held = standing.held_to_a_ceiling().exclude(card_fingerprint="")
     several = (held.values("card_fingerprint").annotate(num_accounts=Count("pk")).filter(num_accounts__gt=1)
@@ -261,10 +274,10 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
     deadline = time.monotonic() + budget_s
     num_written = 0
     for start in range(0, len(candidates), CARDS_PER_BATCH):
-        if time.monotonic() >= deadline:
-            logger.warning("card ceilings: %s card(s) left to the next run", len(candidates) - start)
-            break
-        for card in standing.card_spend(candidates[start:start + CARDS_PER_BATCH], period).values():
+        for done, card in enumerate(standing.card_spend(candidates[start:start + CARDS_PER_BATCH], period).values()):
+            if time.monotonic() >= deadline:  # NOTE: per card: a batch of large cards outlasted the soft time limit
+                logger.warning("card ceilings: %s card(s) left to the next run", len(candidates) - start - done)
+                return num_written
             if len(card.spend) < 2:
                 continue
             for account in BillingAccount.objects.filter(organization_id__in=card.spend).order_by("pk"):
@@ -276,7 +289,7 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
                           card_fingerprint: str = "") -> BillingAccount | None:
     """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method, a card
-    of `card_fingerprint` (empty: not a card); a reading older than the one recorded changes nothing. The gateway sees
+    of `card_fingerprint` (empty: none, or Link; a bank debit's: `standing.card_fingerprint`); a reading older than the one recorded changes nothing. The gateway sees
     a change at once, and its hold too: the organisation's standing is reviewed then (`review_payment_standing`), as a
     card decides whether an invoice its deleted customer left unpaid holds it (`billing.standing.can_pay_now`).
     Before, a held organisation that added a card was refused until the beat task's next review, minutes later. A
@@ -846,9 +859,12 @@ def _record_card_holding(organization_id: int, *, left: str, joined: str) -> Non
 
 def _refresh_quietly(account: BillingAccount, *, credit: bool = False, card: standing.CardSpend | None = None) -> None:
     """`refresh_limits` after a change that is already committed (and marked `limits_stale` with it): a
-    Redis failure is logged, not raised; the payment-standing beat task refreshes the account again."""
+    Redis failure is logged, not raised; the payment-standing beat task refreshes the account again. Celery's soft
+    time limit is raised (before, logged as a Redis failure, and the beat task ran on to the hard kill)."""
     try:
         refresh_limits(account, credit=credit, card=card)
+    except SoftTimeLimitExceeded:
+        raise
     except Exception:
         logger.exception("could not refresh the gateway's limits of organisation %s", account.organization_id)
 
@@ -858,6 +874,8 @@ def _review_quietly(account: BillingAccount) -> BillingAccount:
     limits refreshed all the same; the beat task reviews a held organisation, or one with a failed invoice, again."""
     try:
         return review_payment_standing(account.organization_id)
+    except SoftTimeLimitExceeded:
+        raise
     except Exception:
         logger.exception("could not review the payment standing of organisation %s", account.organization_id)
         _refresh_quietly(account)

@@ -34,14 +34,16 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   held to it. Only money paid counts, not days since it was: a chargeback of it stops the organisation at once
   (`Disputed`) and takes it out of the paid total.
 - **Spend is shared per card; history is not borrowed.** Organisations whose card has one fingerprint
-  (`BillingAccount.card_fingerprint`, Stripe's mark of a card number) share its month: each may spend, of its own
+  (`BillingAccount.card_fingerprint`, Stripe's mark of a card number, or of a bank debit's account) share its month: each may spend, of its own
   ceiling, what every other organisation that held the card this month (`card_spend`, `CardHolding`: leaving the card
   frees nothing) has not spent (`SpendCeiling.room`): before, a stolen card behind N sign-ups had N ceilings. The
-  ceiling's amount comes from the paid history of the organisation and of those on its card that share a member with
-  it (`trusted_history`), never from an unrelated tenant's payments: a thief adding a customer's card number
+  ceiling's amount comes from the paid history of the organisation and of those on its card with an active owner
+  who owns it too (`trusted_history`), never from an unrelated tenant's payments: a thief adding a customer's card number
   inherits nothing. A ceiling staff set, and the upgrade's floor, stay the organisation's own. NOTE: what a tenant is
   shown (`standing`, the alerts) is its own: its own paid total and spend, the ceiling's amount and whether it is
   shared, never the others' figures, their number, or the room their spend leaves (from which it could read it).
+  Where the gateway refuses it (at the room) tells it the others' spend in whole steps of the ceiling
+  (`shared_room_step`: 5 %, at least $1), never to the cent.
 
 Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
@@ -51,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_CEILING, ROUND_DOWN, Decimal
 
 from django.conf import settings
 from django.db.models import F, OuterRef, Subquery, Sum
@@ -68,7 +70,7 @@ from billing.models import (
     RefundedCharge,
 )
 from billing.periods import Period, period_containing
-from controlplane.accounts.models import Membership
+from controlplane.accounts.models import Membership, Role
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -90,6 +92,10 @@ PAID_HISTORY = "paid_history"
 GRANDFATHERED = "grandfathered"  # the upgrade's floor (`billing/0032`), above its paid history's for now
 STAFF = "staff"
 CENTS_PER_DOLLAR = 100
+# A shared card's others' spend is counted in whole steps of the ceiling (`SpendCeiling.room`): 5 % of it, at least
+# $1, so where the gateway refuses tells a tenant the others' spend to a step, never to the cent.
+SHARED_ROOM_STEP_PERCENT = 5
+SHARED_ROOM_MIN_STEP = Decimal(1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,7 +119,7 @@ class SpendCeiling:
     (`next_paid`, `next_amount`: None for none; `next_paid` None: paying raises it no more).
 
     `paid` is the paid history the amount comes from (`trusted_history`: its own and that of the organisations on its
-    card that share a member with it); `own_paid` the organisation's own. A card held this month by
+    card with an owner who owns it too); `own_paid` the organisation's own. A card held this month by
     `num_other_organizations_on_card` others, which spent `spent_by_others` this month, shares its room with them.
     NOTE: staff's figures: a tenant is shown `own_paid`, `amount` and `is_shared` only (`standing`), never the others'
     number or spend, nor `paid`, which sums payments of organisations it may not see."""
@@ -136,11 +142,17 @@ class SpendCeiling:
     @property
     def room(self) -> Decimal | None:
         """What the organisation itself may spend this month under it (None: no limit): a paid history's ceiling less
-        what the card's other organisations spent, never below zero; a ceiling staff set, or the upgrade's floor, is
-        the organisation's own."""
+        what the card's other organisations spent, rounded up to a whole step (`shared_room_step`), never below zero;
+        a ceiling staff set, or the upgrade's floor, is the organisation's own. NOTE: the gateway refuses at the room,
+        so a tenant learns from where it is refused what the others spent; to the step, not the cent (before, a
+        thief's probes read a customer's spend to the cent: refused at 76.56, admitted at 76.55, so it spent 23.45)."""
         if self.amount is None or self.source != PAID_HISTORY:
             return self.amount
-        return max(self.amount - self.spent_by_others, Decimal(0))
+        if not self.spent_by_others:
+            return self.amount
+        step = shared_room_step(self.amount)
+        counted = (self.spent_by_others / step).to_integral_value(rounding=ROUND_CEILING) * step
+        return max(self.amount - counted, Decimal(0))
 
     @property
     def is_shared(self) -> bool:
@@ -150,6 +162,13 @@ class SpendCeiling:
     @property
     def paid_by_itself(self) -> Decimal:
         return self.paid if self.own_paid is None else self.own_paid
+
+
+def shared_room_step(amount: Decimal) -> Decimal:
+    """The step in which a shared card's others' spend counts against a ceiling of `amount` (`SpendCeiling.room`):
+    `SHARED_ROOM_STEP_PERCENT` of it in cents, at least `SHARED_ROOM_MIN_STEP`."""
+    step = (amount * SHARED_ROOM_STEP_PERCENT / 100).quantize(Decimal("0.01"), rounding=ROUND_DOWN)
+    return max(step, SHARED_ROOM_MIN_STEP)
 
 
 def bills_through_stripe() -> bool:
@@ -251,12 +270,15 @@ def card_spend(fingerprints: Collection[str], period: Period | None = None, *, s
 
 def trusted_history(organization_id: int, others: Collection[int]) -> list[int]:
     """Those of `others` (the organisations of its card) whose paid history counts for the organisation's ceiling:
-    those that share a member with it (a user in both). NOTE: a customer's second organisation, same owner, keeps its
-    trust; a thief's sign-ups, one user, share their own (nothing); a stranger's payments never count."""
+    those with an active user who is an OWNER of both. NOTE: a customer's second organisation, same owner, keeps its
+    trust; a thief's sign-ups, one user, share their own (nothing); a stranger's payments never count, nor do those of
+    an organisation where the user is only an admin, member or viewer (before, any shared member: a contractor invited
+    as a viewer took the customer's history to its own organisation on the company card)."""
     if not others:
         return []
-    members = Membership.objects.filter(organization_id=organization_id).values("user_id")
-    return sorted(set(Membership.objects.filter(organization_id__in=others, user_id__in=members)
+    owners = Membership.objects.filter(role=Role.OWNER, user__is_active=True)
+    mine = owners.filter(organization_id=organization_id).values("user_id")
+    return sorted(set(owners.filter(organization_id__in=others, user_id__in=mine)
                       .values_list("organization_id", flat=True)))
 
 
@@ -264,7 +286,7 @@ def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, oth
                   ) -> SpendCeiling | None:
     """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
     set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by the `net_paid` of the organisation
-    and those of its card it shares a member with, `trusted_history`), less what the card's other organisations spent
+    and those of its card one of its owners owns too, `trusted_history`), less what the card's other organisations spent
     this month (`SpendCeiling.room`, `card_spend`; `card`: read already, for the card's every organisation; not read
     without `others_spend`: the room is then the amount, as a tenant is shown it), and the upgrade's floor
     (`grandfathered_spend_ceiling`, `billing/0032`).
@@ -418,15 +440,25 @@ def hold_reason(account: BillingAccount) -> str:
     return account.hold_reason or PAST_DUE  # NOTE: a hold kept before its reason was stored is an unpaid invoice's
 
 
+# Payment methods that are not cards but that Stripe gives a fingerprint of the account behind them (the same account:
+# the same fingerprint, in every customer), shared as a card is (`card_fingerprint`).
+SHARED_METHOD_TYPES = ("sepa_debit", "us_bank_account", "bacs_debit", "au_becs_debit")
+
+
 def card_fingerprint(customer) -> str:
     """The fingerprint of the card Stripe charges this customer's invoices with (a customer read with
-    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or not a card. The
-    default payment method comes first, as Stripe charges it first; an older default source is a card (`card`
-    object) or a card source (`source` of type `card`)."""
+    `invoice_settings.default_payment_method` and `default_source` expanded), or empty: none, or a method Stripe
+    gives none (Link: not shared). The default payment method comes first, as Stripe charges it first; a bank debit
+    (`SHARED_METHOD_TYPES`) gives its account's fingerprint namespaced by its type (`sepa_debit:...`), so it never
+    matches a card's; an older default source is a card (`card` object) or a card source (`source` of type `card`)."""
     method = (customer.get("invoice_settings") or {}).get("default_payment_method")
     if method:
-        is_card = isinstance(method, dict) and method.get("type") == "card"
-        return str((method.get("card") or {}).get("fingerprint") or "") if is_card else ""
+        kind = method.get("type") if isinstance(method, dict) else None
+        details = method.get(kind) if isinstance(kind, str) else None
+        fingerprint = str(details.get("fingerprint") or "") if isinstance(details, dict) else ""
+        if kind == "card" or not fingerprint:
+            return fingerprint
+        return f"{kind}:{fingerprint}" if kind in SHARED_METHOD_TYPES else ""
     source = customer.get("default_source")
     if not isinstance(source, dict):
         return ""

@@ -1,6 +1,6 @@
 """One card's month is shared (`billing.standing.card_spend`), its history is not (`billing.standing.trusted_history`):
-each organisation's ceiling comes from its own paid history and that of the organisations of its card that share a
-member with it, and it may spend of it what every other organisation that held the card this month has not spent.
+each organisation's ceiling comes from its own paid history and that of the organisations of its card one of its
+owners owns too, and it may spend of it what every other organisation that held the card this month has not spent.
 
 Before the card was kept, a thief with one stolen card signed up N organisations, attached the card to each, and had
 N x $100 a month. The first redesign (a hostile review's findings, each a test here) summed every paid history on the
@@ -100,6 +100,33 @@ def test_a_thief_adding_a_customers_card_inherits_none_of_its_history_and_the_cu
     second.add_card("fp_customer")
     assert second.ceiling().amount is None  # its owner's paid history counts for it
     assert thief.ceiling().amount == Decimal(100)
+    _spend(second.org, "200.00")  # no ceiling in the gateway either
+
+    # Second review, F: a change of owner wrote no limits: the gateway kept "none" until the beat task.
+    from controlplane.accounts.models import Membership
+    membership = Membership.objects.get(organization=second.org, user=customer.owner)
+    membership.role = Role.ADMIN
+    membership.save(update_fields=["role"])  # as `controlplane.accounts.members` changes a role
+    assert _refusal(second.org, "0.01").reason == "spend_ceiling"  # before: admitted, Redis still had none
+
+
+@pytest.mark.parametrize("role", [Role.VIEWER, Role.ADMIN])
+def test_a_member_who_is_not_an_owner_of_both_brings_no_history(ceilings, fake_stripe, role):
+    """Second review, A: any shared member was trusted: a contractor invited to a customer (paid $5,000) as a viewer
+    made an organisation of their own, added the company card, and had no ceiling at all ($20,000 admitted)."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_corp")
+    customer.pay("in_customer", 500_000)
+    contractor = UserFactory()
+    MembershipFactory(organization=customer.org, user=contractor, role=role)
+    side = _Org(fake_stripe, "Contractor's Own", owner=contractor)
+    side.add_card("fp_corp")
+    assert side.ceiling().amount == Decimal(100)  # before: None
+    assert _refusal(side.org, "20000.00").reason == "spend_ceiling"  # before: admitted
+    customer.owner.is_active = False  # an owner of both who is no longer active brings none either
+    customer.owner.save(update_fields=["is_active"])
+    MembershipFactory(organization=side.org, user=customer.owner, role=Role.OWNER)
+    assert standing.trusted_history(side.org.pk, [customer.org.pk]) == []
 
 
 def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_the_month_counted_on_it(
@@ -113,17 +140,54 @@ def test_leaving_a_card_for_another_or_for_a_method_that_is_not_a_card_leaves_th
     first.add_card("fp_Y")  # its $99 stays counted on X, this month
     second = _Org(fake_stripe, "Sign-up 1")
     second.add_card("fp_X")
-    assert second.ceiling().room == Decimal(1)  # before: $100, the first's $99 gone with it to Y
+    assert second.ceiling().room == Decimal(0)  # before: $100, the first's $99 gone with it to Y (counted as $100)
     assert _refusal(second.org, "2.00").reason == "spend_ceiling"
 
     fake_stripe.payment_methods["pm_sepa"] = {"id": "pm_sepa", "object": "payment_method", "type": "sepa_debit",
                                               "sepa_debit": {"fingerprint": "sx"}}
     _webhook("customer.updated", fake_stripe.set_default_payment_method(second.customer, "pm_sepa"))
-    assert BillingAccount.objects.get(organization=second.org).card_fingerprint == ""
+    assert BillingAccount.objects.get(organization=second.org).card_fingerprint == "sepa_debit:sx"  # not X's
     third = _Org(fake_stripe, "Sign-up 2")
     third.add_card("fp_X")
     assert third.ceiling().num_other_organizations_on_card == 2  # before: 0, X had no holder left
-    assert third.ceiling().room == Decimal(1)
+    assert third.ceiling().room == Decimal(0)  # $99 counted in whole $5 steps
+    fourth = _Org(fake_stripe, "Sign-up 3")  # the same bank account as the second: shared as a card is
+    fake_stripe.payment_methods["pm_sepa4"] = {**fake_stripe.payment_methods["pm_sepa"], "id": "pm_sepa4"}
+    _webhook("customer.updated", fake_stripe.set_default_payment_method(fourth.customer, "pm_sepa4"))
+    assert fourth.ceiling().num_other_organizations_on_card == 1  # review D, before: 0
+
+
+def test_sign_ups_on_a_customers_card_eat_its_room_each_up_to_its_own_ceiling_as_the_readme_says(ceilings, fake_stripe):
+    """Second review, B: the README said a customer's room could be eaten only by one thief's $100; five sign-ups each
+    spent $100 of a customer's $500. Each is held to its own ceiling, whatever room the others leave: N x $100."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_customer")
+    customer.pay("in_customer", 10_000)  # $500 a month
+    thieves = [_Org(fake_stripe, f"Sign-up {i}") for i in range(2)]
+    for thief in thieves:
+        thief.add_card("fp_customer")
+    for thief in thieves:
+        _spend(thief.org, "100.00")  # each its own $100: the other's reservation is not in the ledger
+        assert _refusal(thief.org, "0.01").reason == "spend_ceiling"  # never past its own ceiling
+    for thief in thieves:
+        _usage(thief.org, "100")
+    tasks.refresh_card_ceilings()
+    assert customer.ceiling().room == Decimal(300)  # $500 less 2 x $100
+    assert _refusal(customer.org, "300.01").reason == "spend_ceiling"
+
+
+def test_where_a_tenant_on_a_shared_card_is_refused_tells_the_others_spend_to_a_step_not_the_cent(one_card):
+    """Second review, C: the gateway refused at the ceiling less the others' spend: a thief's probes (refused ones
+    cost nothing) read a customer's $23.45 to the cent (76.56 refused, 76.55 admitted)."""
+    customer, thief = one_card
+    _usage(customer.org, "23.45")
+    tasks.refresh_card_ceilings()
+    assert _refusal(thief.org, "75.01").reason == "spend_ceiling"
+    _spend(thief.org, "75.00")  # $23.45 counted as $25: 5 % of the $100 ceiling a step (before: 76.55 admitted)
+    _usage(customer.org, "1.55")  # $25.00: the same step, the same room
+    assert thief.ceiling().room == Decimal(75)
+    assert standing.SpendCeiling(Decimal(10), standing.PAID_HISTORY, Decimal(0), num_other_organizations_on_card=1,
+                                 spent_by_others=Decimal("0.01")).room == Decimal(9)  # at least a $1 step
 
 
 def test_removing_the_card_keeps_the_organisation_on_it(one_card):
@@ -257,12 +321,48 @@ def test_a_cards_spend_is_read_once_for_its_organisations_and_the_billing_page_r
     assert others == []  # before: 2
 
 
+def test_the_beat_checks_its_time_before_each_card_and_lets_celerys_soft_time_limit_through(ceilings, fake_stripe,
+                                                                                             monkeypatch):
+    """Second review, E: the time was checked only between batches of 50 cards (a batch of large cards outlasted the
+    soft time limit), and `SoftTimeLimitExceeded` raised in a refresh was logged as a Redis failure and swallowed,
+    the run going on to the hard kill."""
+    from types import SimpleNamespace
+
+    from celery.exceptions import SoftTimeLimitExceeded
+    for fingerprint in ("fp_A", "fp_B"):
+        for i in range(2):
+            _Org(fake_stripe, f"{fingerprint} {i}").add_card(fingerprint)
+    clock = [0.0]
+    monkeypatch.setattr(services, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    written = []
+
+    def slow_refresh(account, **kwargs):
+        written.append(account.organization_id)
+        clock[0] += 30  # one card's two organisations: past the budget of 40 s
+
+    monkeypatch.setattr(services, "refresh_limits", slow_refresh)
+    assert services.refresh_shared_card_ceilings(budget_s=40) == 2  # before: 4, both cards of the batch
+    assert written and services.refresh_shared_card_ceilings(budget_s=0) == 0
+
+    def soft_limit(account, **kwargs):
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(services, "refresh_limits", soft_limit)
+    with pytest.raises(SoftTimeLimitExceeded):  # before: logged, and the run went on
+        services.refresh_shared_card_ceilings()
+
+
 def test_the_cards_fingerprint_is_read_from_a_payment_method_or_an_older_default_source():
     def customer(method=None, source=None):
         return {"object": "customer", "invoice_settings": {"default_payment_method": method}, "default_source": source}
 
     assert standing.card_fingerprint(customer({"type": "card", "card": {"fingerprint": "fp_pm"}})) == "fp_pm"
-    assert standing.card_fingerprint(customer({"type": "sepa_debit", "sepa_debit": {"fingerprint": "x"}})) == ""
+    assert standing.card_fingerprint(customer({"type": "card", "card": {"fingerprint": "x"}})) == "x"
+    # Second review, D: a bank debit's fingerprint was dropped (""): N sign-ups on one account shared nothing.
+    for kind in ("sepa_debit", "us_bank_account", "bacs_debit", "au_becs_debit"):
+        assert standing.card_fingerprint(customer({"type": kind, kind: {"fingerprint": "x"}})) == f"{kind}:x"
+    assert standing.card_fingerprint(customer({"type": "link", "link": {"email": "a@example.test"}})) == ""  # none
+    assert standing.card_fingerprint(customer({"type": "sepa_debit", "sepa_debit": None})) == ""
     assert standing.card_fingerprint(customer(source={"object": "card", "fingerprint": "fp_card"})) == "fp_card"
     assert standing.card_fingerprint(customer(source={"object": "source", "type": "card",
                                                       "card": {"fingerprint": "fp_src"}})) == "fp_src"
