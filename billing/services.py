@@ -36,10 +36,13 @@ from billing.models import (
 )
 from billing.periods import period_containing
 from billing.quota.counters import refresh_limits
+from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from controlplane.redis_client import get_redis
+from controlplane.tasks import send_task
 
 logger = logging.getLogger(__name__)
 
@@ -223,15 +226,46 @@ def card_ceiling_changed(fingerprints: Collection[str], *, organization_id: int)
         transaction.on_commit(lambda: refresh_cards(fingerprints, but=organization_id), robust=True)
 
 
+# The task that writes one card's organisations' limits again (`billing.tasks.refresh_card`), and how long its
+# queued marker stops another being queued for the card (it is dropped as the task starts).
+CARD_REFRESH_TASK = "billing.refresh_card"
+CARD_REFRESH_QUEUED_S = 60
+
+
 def membership_changed(sender, instance, **kwargs) -> None:
     """A membership was saved or deleted (Django's `post_save`, `post_delete` of `Membership`): who owns the
     organisation may have changed, and with it whose paid history counts on its card (`billing.standing.
-    trusted_history`), so once that commits the card's organisations, its own too, are written again (`refresh_cards`).
-    Before, the gateway kept the old ceiling (none, for an owner's second organisation) until the beat task."""
-    fingerprint = (BillingAccount.objects.filter(organization_id=instance.organization_id)
-                   .values_list("card_fingerprint", flat=True).first())
-    if fingerprint:
-        transaction.on_commit(lambda: refresh_cards([fingerprint]), robust=True)
+    trusted_history`), so once that commits a worker writes the limits of every organisation of each card it held this
+    month (its own too) again (`queue_card_refresh`). Before, the gateway kept the old ceiling (none, for an owner's
+    second organisation) until the beat task.
+
+    NOTE: queued, at most one a card at a time, not run here: run in the request, a no-op role change (the members
+    API) rewrote every organisation of the card, a user's removal from K organisations of one card K × K, and with
+    Redis away each held the request ~5-10 s an organisation (third review). A card it left this month counts too: its
+    history may still count there (`card_holders`)."""
+    organization_id = instance.organization_id
+    current = (BillingAccount.objects.filter(organization_id=organization_id)
+               .values_list("card_fingerprint", flat=True).first())
+    left = CardHolding.objects.filter(organization_id=organization_id,
+                                      last_seen_at__gte=period_containing().start).values_list("fingerprint", flat=True)
+    fingerprints = sorted({current, *left} - {"", None})
+    if fingerprints:
+        transaction.on_commit(lambda: queue_card_refresh(fingerprints), robust=True)
+
+
+def queue_card_refresh(fingerprints: Collection[str]) -> None:
+    """Queue `CARD_REFRESH_TASK` for each card that has none queued (a Redis marker, dropped as the task starts: a
+    change committed after that queues another)."""
+    redis = get_redis()
+    for fingerprint in fingerprints:
+        if redis.set(redis_keys.card_refresh_queued_key(fingerprint), 1, nx=True, ex=CARD_REFRESH_QUEUED_S):
+            send_task(CARD_REFRESH_TASK, args=[fingerprint])
+
+
+def refresh_card(fingerprint: str) -> int:
+    """`CARD_REFRESH_TASK`: the card's queued marker dropped first, then its organisations' limits written again."""
+    get_redis().delete(redis_keys.card_refresh_queued_key(fingerprint))
+    return refresh_cards([fingerprint])
 
 
 def refresh_cards(fingerprints: Collection[str], *, but: int | None = None) -> int:

@@ -61,6 +61,12 @@ def refresh_card_ceilings() -> int:
     return services.refresh_shared_card_ceilings()
 
 
+@shared_task(name=services.CARD_REFRESH_TASK, acks_late=True, time_limit=60, soft_time_limit=50)
+def refresh_card(fingerprint: str) -> int:
+    """One card's organisations' limits written again after a change of who owns one of them (`services.refresh_card`)."""
+    return services.refresh_card(fingerprint)
+
+
 @shared_task(name="billing.review_payment_standing", acks_late=True, time_limit=300, soft_time_limit=270)
 def review_payment_standing() -> int:
     on_hold = services.review_all_payment_standing()

@@ -154,6 +154,11 @@ SWEEP_DUE_BUILT_KEY = "billing:{sweep}:due-built"
 SWEEP_AUDIT_CURSOR_KEY = "billing:{sweep}:audit-cursor"
 
 
+def card_refresh_queued_key(fingerprint: str) -> str:
+    """String: a refresh of the card's organisations' limits is queued (`billing.services.queue_card_refresh`)."""
+    return f"billing:card-refresh-queued:{fingerprint}"
+
+
 def deadlines_key(organization_id: int) -> str:
     """Sorted set: request id scored by the time its reservation lapses."""
     return f"billing:{org_tag(organization_id)}:reservation_deadlines"

@@ -8,6 +8,7 @@ card: a thief adding a customer's card number inherited its ceiling; switching c
 tenant read another's month spend; two payments on one card deadlocked. Reserved as the gateway does, in its
 admission script, as `tests/billing/test_spend_ceiling.py` does."""
 
+import base64
 import threading
 from decimal import Decimal
 
@@ -107,7 +108,45 @@ def test_a_thief_adding_a_customers_card_inherits_none_of_its_history_and_the_cu
     membership = Membership.objects.get(organization=second.org, user=customer.owner)
     membership.role = Role.ADMIN
     membership.save(update_fields=["role"])  # as `controlplane.accounts.members` changes a role
+    _run_queued_card_refreshes()
     assert _refusal(second.org, "0.01").reason == "spend_ceiling"  # before: admitted, Redis still had none
+
+
+def _run_queued_card_refreshes() -> list[str]:
+    """Run the card refreshes queued for a worker (`services.CARD_REFRESH_TASK`), as one would; their cards."""
+    import json
+
+    from controlplane.redis_client import get_redis
+
+    redis, cards = get_redis(), []
+    for raw in redis.lrange("celery", 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["task"] == services.CARD_REFRESH_TASK:
+            redis.lrem("celery", 1, raw)
+            cards += json.loads(base64.b64decode(message["body"]))[0]
+    for fingerprint in cards:
+        services.refresh_card(fingerprint)
+    return cards
+
+
+def test_member_changes_queue_one_refresh_of_their_card_for_a_worker_and_hold_no_request(ceilings, fake_stripe):
+    """Third review, 2: each save or delete of a membership rewrote every organisation of its card in the request:
+    a no-op role change through the members API, repeated, cost ~10 queries an organisation each time (and with Redis
+    away ~5-10 s an organisation), a user's removal from K organisations of one card K × K."""
+    customer = _Org(fake_stripe, "Customer Ltd")
+    customer.add_card("fp_queued")
+    others = [_Org(fake_stripe, f"Sign-up {number}") for number in range(3)]
+    for other in others:
+        other.add_card("fp_queued")
+    _run_queued_card_refreshes()
+    from controlplane.accounts.models import Membership
+    membership = Membership.objects.get(organization=customer.org, user=customer.owner)
+
+    with CaptureQueriesContext(connection) as queries:
+        for _ in range(5):
+            membership.save(update_fields=["role"])  # unchanged, as a repeated no-op PATCH saves it
+    assert len(queries) <= 5 * 4  # before: ~10 a save for each of the card's four organisations
+    assert _run_queued_card_refreshes() == ["fp_queued"]  # one queued, run by a worker
 
 
 @pytest.mark.parametrize("role", [Role.VIEWER, Role.ADMIN])
