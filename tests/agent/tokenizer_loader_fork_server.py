@@ -24,6 +24,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from tests.agent.fork_server import serve
+
 LOADER_MODULE = "gpu_agent.runtime.tokenizer_normalizer"  # NOTE: not imported here: the children import it
 
 
@@ -31,20 +33,7 @@ def main() -> None:
     import transformers.models.auto.tokenization_auto  # noqa: F401 - the point: imported before any fork
     from transformers import AutoTokenizer  # noqa: F401
 
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # NOTE: a line printed by the imports never reaches the test as an answer
-    answers.write("ready\n")
-    answers.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            answers.close()
-            _run(request)
-        answers.write(f"{pid}\n")
-        answers.flush()
-        answers.write(f"{os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}\n")
-        answers.flush()
+    serve(_run, answer_pid=True)
 
 
 def _run(request: dict) -> None:

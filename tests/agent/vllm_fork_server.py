@@ -11,28 +11,18 @@ child's exit code on a line of its own; the child's output goes to the request's
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
+
+from tests.agent.fork_server import serve
 
 
 def main() -> None:
     from vllm.tokenizers import registry  # noqa: F401 - the point: imported before any fork
     from vllm.transformers_utils import config  # noqa: F401
 
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # NOTE: a line printed by the imports never reaches the test as an answer
-    answers.write("ready\n")
-    answers.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            answers.close()
-            _run(request)
-        answers.write(f"{os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}\n")
-        answers.flush()
+    serve(_run)
 
 
 def _run(request: dict) -> None:
