@@ -121,8 +121,8 @@ class BillingAccountAdmin(admin.ModelAdmin):
         if not ceiling.num_other_organizations_on_card:
             return f"{amount}, {source} (paid ${ceiling.paid:,.2f} net)"
         room = "" if ceiling.room is None else f"; ${ceiling.room:,.2f} left to it"
-        return (f"{amount}, {source} (paid ${ceiling.paid:,.2f} net with the organisations of its card that share a "
-                f"member with it, ${ceiling.paid_by_itself:,.2f} by itself; its card held this month by "
+        return (f"{amount}, {source} (paid ${ceiling.paid:,.2f} net with the organisations of its card one of its "
+                f"owners owns too, ${ceiling.paid_by_itself:,.2f} by itself; its card held this month by "
                 f"{ceiling.num_other_organizations_on_card} other organisation(s), which spent "
                 f"${ceiling.spent_by_others:,.2f}{room})")
 

@@ -278,10 +278,16 @@ def refresh_cards(fingerprints: Collection[str], *, but: int | None = None) -> i
         if not organization_ids:
             continue
         BillingAccount.objects.filter(organization_id__in=organization_ids).update(limits_stale=True)
-        for account in BillingAccount.objects.filter(organization_id__in=organization_ids).order_by("pk"):
-            _refresh_quietly(account, card=card)
-            num_written += 1
+        num_written += _write_card_limits(card, organization_ids)
     return num_written
+
+
+def _write_card_limits(card: standing.CardSpend, organization_ids: Collection[int]) -> int:
+    """Write these organisations' limits with their card's spend read once (`card`); how many."""
+    accounts = list(BillingAccount.objects.filter(organization_id__in=organization_ids).order_by("pk"))
+    for account in accounts:
+        _refresh_quietly(account, card=card)
+    return len(accounts)
 
 
 # Cards read and written together by the beat task (`refresh_shared_card_ceilings`), and its time: under the task's
@@ -314,9 +320,7 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
                 return num_written
             if len(card.spend) < 2:
                 continue
-            for account in BillingAccount.objects.filter(organization_id__in=card.spend).order_by("pk"):
-                _refresh_quietly(account, card=card)
-                num_written += 1
+            num_written += _write_card_limits(card, card.spend)
     return num_written
 
 

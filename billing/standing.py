@@ -43,7 +43,8 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   shown (`standing`, the alerts) is its own: its own paid total and spend, the ceiling's amount and whether it is
   shared, never the others' figures, their number, or the room their spend leaves (from which it could read it).
   Where the gateway refuses it (at the room) tells it the others' spend in whole steps of the ceiling
-  (`shared_room_step`: 5 %, at least $1), never to the cent.
+  (`shared_room_step`: 5 %, at least $1); a tenant with a second sign-up on the card, moving the others' total a cent
+  at a time, still reads it to the cent (README, Payment standing).
 
 Without Stripe, nothing is invoiced, so no rule applies (caps and credit still do).
 """
@@ -145,7 +146,8 @@ class SpendCeiling:
         what the card's other organisations spent, rounded up to a whole step (`shared_room_step`), never below zero;
         a ceiling staff set, or the upgrade's floor, is the organisation's own. NOTE: the gateway refuses at the room,
         so a tenant learns from where it is refused what the others spent; to the step, not the cent (before, a
-        thief's probes read a customer's spend to the cent: refused at 76.56, admitted at 76.55, so it spent 23.45)."""
+        thief's probes read a customer's spend to the cent: refused at 76.56, admitted at 76.55, so it spent 23.45),
+        unless it moves the others' total itself through a second sign-up on the card (README, Payment standing)."""
         if self.amount is None or self.source != PAID_HISTORY:
             return self.amount
         if not self.spent_by_others:

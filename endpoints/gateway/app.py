@@ -213,7 +213,7 @@ class Gateway:
         if place is None:
             await _discard_body(receive, scope)
             return await self.fallback(_without_body(scope, refusal), _after_an_empty_body(receive),
-                                       _closing_after(send) if _closing(scope) else send)
+                                       _adding_headers(send, _CONNECTION_CLOSE) if _closing(scope) else send)
         try:
             await self._to_django(scope, receive, send, max_bytes, place=place)  # endpoints.batches.views
         finally:
@@ -598,11 +598,14 @@ def _naming_request(send, request_id: str):
     """`send` whose answer carries `x-request-id` (what the openai client reads as `_request_id`).
 
     NOTE: the Files and Batch APIs' answers, Django's, carried none: only the gateway's own refusals of them did."""
-    header = (b"x-request-id", request_id.encode())
+    return _adding_headers(send, [(b"x-request-id", request_id.encode())])
 
+
+def _adding_headers(send, headers: list[tuple[bytes, bytes]]):
+    """`send` whose answer carries `headers` too."""
     async def sending(message):
         if message["type"] == "http.response.start":
-            message = message | {"headers": [*message.get("headers", ()), header]}
+            message = message | {"headers": [*message.get("headers", ()), *headers]}
         await send(message)
 
     return sending
@@ -640,18 +643,9 @@ _CONNECTION_CLOSE = [(b"connection", b"close")]
 
 
 def _closing(scope) -> list[tuple[bytes, bytes]]:
-    """`connection: close`, for the answer of a request whose body `_discard_body` cut (none otherwise)."""
+    """`connection: close`, for the answer of a request whose body `_discard_body` cut (none otherwise): uvicorn
+    closes the connection once that answer is sent."""
     return _CONNECTION_CLOSE if scope.get(BODY_CUT_SCOPE_KEY) else []
-
-
-def _closing_after(send):
-    """`send` whose answer closes the connection (`connection: close`: uvicorn closes it once the answer is sent)."""
-    async def sending(message):
-        if message["type"] == "http.response.start":
-            message = message | {"headers": [*message.get("headers", ()), *_CONNECTION_CLOSE]}
-        await send(message)
-
-    return sending
 
 
 async def _discard_body(receive, scope) -> None:
