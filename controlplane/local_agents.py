@@ -6,7 +6,7 @@ Standard library only, and in the shared layer, so `python -m controlplane.embed
 `endpoints.fleet.providers.local` starts them and writes the files.
 
 One JSON file per launch, `<dir>/<launch_id>.json`: the pid, the process group, the process's
-start time, its engine port range and node name.
+start time, its engine port range, node name and the fleet that launched it.
 
 NOTE: a pid alone can name another process once the agent has died and the number was reused; a
 record is live only while its pid's start time (from /proc) is still the one recorded at launch, so
@@ -36,6 +36,7 @@ class LocalAgent:
     started: str  # the process's start time in clock ticks since boot (/proc/<pid>/stat field 22)
     engine_port_min: int
     engine_port_max: int
+    fleet_id: str = ""  # the launching control plane's `INFERPLANE_FLEET_ID` ("": recorded before it was kept)
 
     @classmethod
     def load(cls, path: Path) -> LocalAgent | None:

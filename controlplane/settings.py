@@ -367,6 +367,8 @@ CELERY_BEAT_SCHEDULE = {
                                          "options": {"expires": 3600}},
     "provision-nodes": {"task": "endpoints.provision_nodes", "schedule": NODE_POOLS_TICK_S,
                         "options": {"expires": NODE_POOLS_TICK_S * 2}},
+    # NOTE: a stray machine is terminated only once seen for endpoints.fleet.pool_strays.STRAY_GRACE_S (10 min).
+    "sweep-stray-machines": {"task": "endpoints.sweep_stray_machines", "schedule": 60.0, "options": {"expires": 60}},
 }
 
 # --- platform behaviour ------------------------------------------------------------

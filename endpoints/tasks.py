@@ -4,7 +4,7 @@ constants their senders use (`RECONCILE_TASK`, `WAKE_TASK`, `PROVISION_TASK`), s
 from celery import shared_task
 
 from endpoints import scheduler
-from endpoints.fleet import pools
+from endpoints.fleet import pool_strays, pools
 from endpoints.fleet.pool_demand import PROVISION_TASK
 from endpoints.gateway.wake import WAKE_TASK
 from endpoints.replicas import RECONCILE_TASK
@@ -35,3 +35,9 @@ def wake_endpoint(endpoint_id: str) -> None:
 def provision_nodes() -> None:
     """Launch machines for replicas with nowhere to go; release idle and dead ones (`endpoints.fleet.pools`)."""
     pools.provision_tick()
+
+
+@shared_task(name="endpoints.sweep_stray_machines", acks_late=True, time_limit=240, soft_time_limit=220, ignore_result=True)
+def sweep_stray_machines() -> None:
+    """Terminate pool machines no launch record knows, once past the grace (`endpoints.fleet.pool_strays`)."""
+    pool_strays.sweep_stray_machines()

@@ -593,6 +593,30 @@ class NodeLaunch(models.Model):
         return total, min(idle, total)
 
 
+class StrayMachine(models.Model):
+    """A machine a pool's provider lists, carrying this fleet's marking, whose launch id no `NodeLaunch` knows: its
+    record was lost (PostgreSQL failed over to a replica without the commit, or restored to an earlier point) after the
+    launch was sent. The stray sweep (`endpoints.fleet.pool_strays`) terminates it once it has been seen so for
+    `STRAY_GRACE_S`.
+
+    NOTE: `first_seen_at` and `claimed_at` are PostgreSQL's clock, never a worker's or the provider's: a skewed clock
+    cannot shorten the grace. `claimed_at` is the conditional-update claim of the sweep that terminates it (two sweeps
+    at once: one terminates and audits); `terminated_at` the first termination the provider accepted."""
+
+    pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="strays")
+    provider_id = models.CharField(max_length=255)
+    launch_id = models.CharField(max_length=255)
+    first_seen_at = models.DateTimeField()
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    terminated_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["pool", "provider_id"], name="stray_machine_once_per_pool")]
+
+    def __str__(self) -> str:
+        return f"{self.pool.name}/{self.provider_id}"
+
+
 class NodeSweep(models.Model):
     """When the node sweeps (`endpoints.scheduler.sweep_stuck`) last ended, by PostgreSQL's clock: one row.
 

@@ -157,6 +157,7 @@ def test_list_shows_the_pools_live_instances_with_their_launch_ids(aws):
     assert [(m.provider_id, m.launch_id, m.state) for m in machines] == [
         (r.provider_id, r.launch_id, "running") for r in results[1:]]
     assert machines[0].node_name == "a10g-5f0c2b8e"
+    assert all(m.fleet_marked for m in machines)  # the stray sweep's condition: this fleet's tags
 
 
 def test_a_capacity_refusal_is_a_clear_error_for_that_launch(aws, monkeypatch):

@@ -54,6 +54,9 @@ def test_the_placeholder_pod_requests_the_pools_gpus_on_its_nodes_and_is_never_e
     assert pod["metadata"]["name"] == f"inferplane-capacity-{LAUNCH_ID}"
     assert pod["metadata"]["labels"]["inferplane.dev/pool"] == "5"
     assert pod["metadata"]["labels"]["inferplane.dev/launch"] == LAUNCH_ID
+    assert "inferplane.dev/fleet" not in pod["metadata"]["labels"]  # no fleet named
+    fleet_pod = placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id="prod/eu 1")
+    assert fleet_pod["metadata"]["labels"]["inferplane.dev/fleet"] == "prod-eu-1"  # a label value
     assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     spec = pod["spec"]
@@ -107,6 +110,8 @@ class _ApiServer:
         self.pods: dict[str, dict] = {}
         self.requests: list[tuple[str, str, str]] = []
         self.time_out_creates = False
+        self.page_size = 0  # pods per page of a list (0: the client's limit), as an API server may answer fewer
+        self.fail_continued_pages = False  # every page after the first answers 410: the continue token expired
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -159,7 +164,13 @@ class _ApiServer:
                 wanted = dict(pair.split("=") for pair in query["labelSelector"][0].split(","))
                 items = [pod for pod in server.pods.values()
                          if all(pod["metadata"]["labels"].get(key) == value for key, value in wanted.items())]
-                self._answer(200, {"kind": "PodList", "metadata": {}, "items": items})
+                start = int(query.get("continue", ["0"])[0])
+                if start and server.fail_continued_pages:
+                    return self._answer(410, {"kind": "Status", "reason": "Expired", "message": (
+                        "The provided continue parameter is too old to display a consistent list result.")})
+                size = server.page_size or int(query["limit"][0])
+                more = {"continue": str(start + size)} if start + size < len(items) else {}
+                self._answer(200, {"kind": "PodList", "metadata": more, "items": items[start:start + size]})
 
             def do_DELETE(self):
                 _, name, _ = self._route()
@@ -248,10 +259,12 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
     provider.launch(other_pool, [_spec("9a1b2c3d-0000-4000-8000-000000000004")])
 
     machines = sorted(provider.list(POOL), key=lambda machine: machine.launch_id)
-    assert [(m.provider_id, m.launch_id, m.state, m.node_name) for m in machines] == [
-        (scheduled.provider_id, LAUNCH_ID, "running", "ip-10-0-3-17.ec2.internal"),
-        (waiting.provider_id, "9a1b2c3d-0000-4000-8000-000000000003", "pending", ""),
+    assert [(m.provider_id, m.launch_id, m.state, m.node_name, m.fleet_marked) for m in machines] == [
+        (scheduled.provider_id, LAUNCH_ID, "running", "ip-10-0-3-17.ec2.internal", True),
+        (waiting.provider_id, "9a1b2c3d-0000-4000-8000-000000000003", "pending", "", True),
     ]
+    del pod["metadata"]["labels"]["inferplane.dev/fleet"]  # a placeholder made before the fleet label, or another's
+    assert [m.fleet_marked for m in sorted(provider.list(POOL), key=lambda m: m.launch_id)] == [False, True]
 
 
 def test_terminate_deletes_only_the_pools_own_placeholders_and_may_be_repeated(api_server):

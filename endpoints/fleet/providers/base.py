@@ -59,6 +59,10 @@ class Machine:
     launch_id: str
     state: str  # "pending", "running" or "stopping"; terminated machines are not listed
     node_name: str = ""  # the name its agent registers under, where the provider knows it (Kubernetes)
+    # NOTE: it carries the marking this fleet's launches set (`INFERPLANE_FLEET_ID`: EC2's managed-by tag, the
+    # placeholder's fleet label, the local agent's record). Only such a machine may be terminated for having no launch
+    # record (`endpoints.fleet.pool_strays`); False for one launched before the marking existed, or by another fleet.
+    fleet_marked: bool = False
 
 
 class Provider(Protocol):
@@ -77,4 +81,5 @@ class Provider(Protocol):
         """Stop and release the machine; nothing happens if it is already gone."""
 
     def list(self, pool: PoolSpec) -> list[Machine]:
-        """The pool's machines that are not terminated."""
+        """The pool's machines that are not terminated: every page of the provider's listing, or an error (never a
+        part of it: the stray sweep terminates what the list shows and no record knows)."""

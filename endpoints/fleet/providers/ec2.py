@@ -190,6 +190,7 @@ class Ec2Provider:
             machines.append(Machine(
                 provider_id=instance["InstanceId"], launch_id=tags.get(TAG_LAUNCH, ""),
                 state=_STATES.get(instance["State"]["Name"], "pending"), node_name=tags.get("inferplane:node", ""),
+                fleet_marked=tags.get(TAG_MANAGED_BY) == settings.FLEET_ID and tags.get(TAG_POOL) == str(pool.id),
             ))
         return machines
 

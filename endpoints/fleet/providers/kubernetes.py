@@ -34,10 +34,12 @@ from endpoints.fleet.providers.base import (
 )
 from endpoints.fleet.providers.k8s_api import KubernetesApi, service_account_namespace
 from endpoints.fleet.providers.k8s_placeholder import (
+    LABEL_FLEET,
     LABEL_LAUNCH,
     LABEL_POOL,
     LABEL_ROLE,
     ROLE,
+    fleet_label,
     placeholder_pod,
     pool_selector,
 )
@@ -121,7 +123,8 @@ class KubernetesProvider:
         api, namespace = _api(), _namespace()
         results = []
         for spec in specs:
-            pod = placeholder_pod(pool, spec, namespace=namespace, image=settings.K8S_PLACEHOLDER_IMAGE)
+            pod = placeholder_pod(pool, spec, namespace=namespace, image=settings.K8S_PLACEHOLDER_IMAGE,
+                                  fleet_id=settings.FLEET_ID)
             try:
                 found, _ = api.create_pod(namespace, pod)  # NOTE: a second create answers 409: the same pod
                 _check_ours(found, pool)
@@ -154,9 +157,10 @@ class KubernetesProvider:
                 state = "stopping"
             else:
                 state = "running" if node_name and status.get("phase") == "Running" else "pending"
-            machines.append(Machine(provider_id=pod["metadata"]["name"],
-                                    launch_id=pod["metadata"].get("labels", {}).get(LABEL_LAUNCH, ""),
-                                    state=state, node_name=node_name))
+            labels = pod["metadata"].get("labels", {})
+            machines.append(Machine(provider_id=pod["metadata"]["name"], launch_id=labels.get(LABEL_LAUNCH, ""),
+                                    state=state, node_name=node_name,
+                                    fleet_marked=labels.get(LABEL_FLEET) == fleet_label(settings.FLEET_ID)))
         return machines
 
 
