@@ -73,13 +73,14 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
         current = ApiKeySpendCap.objects.filter(api_key=api_key).first()  # NOTE: read under the account's lock
-        ensure_may_set_key_spend_cap(actor, api_key, current=current, spend_cap=spend_cap)
+        roles = keys.member_roles(api_key.organization)
+        ensure_may_set_key_spend_cap(actor, api_key, current=current, spend_cap=spend_cap, roles=roles)
         if spend_cap is None:
             ApiKeySpendCap.objects.filter(api_key=api_key).delete()
             cap = None
         else:
-            cap, _ = ApiKeySpendCap.objects.update_or_create(
-                api_key=api_key, defaults={"spend_cap": spend_cap, "set_by": actor.user})
+            cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={
+                "spend_cap": spend_cap, "set_by_id": _cap_setter(current, actor.user.pk if actor.user else None, roles)})
         account.limits_stale = True
         account.save(update_fields=["limits_stale"])
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
@@ -88,7 +89,7 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
 
 
 def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendCap | None,
-                                 spend_cap: Decimal | None) -> None:
+                                 spend_cap: Decimal | None, roles: dict[int, str]) -> None:
     """Who may set a key's cap: whoever may revoke it (`keys.may_revoke_api_key`: an admin not an owner's key);
     only an owner may raise or remove a cap an owner set; and a key with a cap may set no key's cap above its own.
 
@@ -102,7 +103,6 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     """
     if actor.user is None:
         return
-    roles = keys.member_roles(api_key.organization)
     actor_role = roles.get(actor.user.pk)
     if not keys.may_revoke_api_key(actor, api_key, actor_role=actor_role, creator_role=roles.get(api_key.created_by_id)):
         raise NotPermitted("spend_cap", "Only owners may set the spend cap of an owner's key.")
@@ -114,6 +114,18 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     if own_cap is not None and (spend_cap is None or spend_cap > own_cap.spend_cap):
         raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may set no key's cap "
                                         "above that, nor remove one.")
+
+
+def _cap_setter(current: ApiKeySpendCap | None, setter_id: int | None, roles: dict[int, str]) -> int | None:
+    """Who a key's cap counts as set by once `setter_id` sets it: an owner's cap stays the owner's when anyone else
+    changes it (whom `ensure_may_set_key_spend_cap` lets only tighten it, the platform aside).
+
+    NOTE: `set_by` decides who may raise or remove the cap. An admin who lowered an owner's $5.00 cap to $4.99 became
+    its setter and then removed it, two steps past the rule that only an owner lifts an owner's cap (a review's
+    finding)."""
+    if current is not None and roles.get(current.set_by_id) == Role.OWNER and roles.get(setter_id) != Role.OWNER:
+        return current.set_by_id
+    return setter_id
 
 
 def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:
