@@ -52,10 +52,20 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
     Every change of an account's limits is marked `limits_stale` in its own transaction: a process
     killed between the commit and `refresh_limits` leaves it for the payment-standing beat task
-    (`review_all_payment_standing`), not Redis with the old limits for the rest of the month."""
+    (`review_all_payment_standing`), not Redis with the old limits for the rest of the month.
+
+    Raises `NotPermitted` where an API key with a cap of its own would raise or remove it."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.spend_cap
+        loosens = previous is not None and (spend_cap is None or spend_cap > previous)
+        own_cap = _calling_keys_cap(actor)
+        # NOTE: the organisation's cap bounds every key and session together; a key with a cap sets no key's cap above
+        # its own and removes none, and the same key removed the organisation's (a review's finding).
+        if loosens and own_cap is not None:
+            raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may lower the "
+                                            "organisation's spend cap, not raise or remove it. Do that signed in, or "
+                                            "with a key without a spend cap.")
         account.spend_cap = spend_cap
         account.limits_stale = True  # NOTE: with the change, until `refresh_limits` has written it to Redis
         account.save(update_fields=["spend_cap", "limits_stale"])
@@ -110,10 +120,15 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     if loosens and actor_role != Role.OWNER and roles.get(current.set_by_id) == Role.OWNER:
         raise NotPermitted("spend_cap", f"An owner capped this key at {_plain(current.spend_cap)}: only owners may "
                                         "raise or remove that cap.")
-    own_cap = ApiKeySpendCap.objects.filter(api_key_id=actor.api_key.pk).first() if actor.api_key is not None else None
+    own_cap = _calling_keys_cap(actor)
     if own_cap is not None and (spend_cap is None or spend_cap > own_cap.spend_cap):
         raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may set no key's cap "
                                         "above that, nor remove one.")
+
+
+def _calling_keys_cap(actor: Actor) -> ApiKeySpendCap | None:
+    """The spend cap of the API key the actor calls with (None: a session, the platform, or a key without one)."""
+    return ApiKeySpendCap.objects.filter(api_key_id=actor.api_key.pk).first() if actor.api_key is not None else None
 
 
 def _cap_setter(current: ApiKeySpendCap | None, setter_id: int | None, roles: dict[int, str]) -> int | None:
