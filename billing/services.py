@@ -39,7 +39,7 @@ from billing.quota.counters import refresh_limits
 from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
-from controlplane.accounts.models import AuditEvent, Role, Scope
+from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.redis_client import get_redis
 from controlplane.tasks import send_task
@@ -76,11 +76,16 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
 
 def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> ApiKeySpendCap | None:
-    """Set (or with None remove) a key's monthly cap; marked `limits_stale` with it, so the refresh (now,
-    or the beat task's after a process killed meanwhile) writes every key's cap of the organisation.
+    """Set (or with None remove) a key's monthly cap, and cap every live key it minted (and those minted in turn)
+    at most at the same (`_cap_minted_keys`); marked `limits_stale` with it, so the refresh (now, or the beat task's
+    after a process killed meanwhile) writes every key's cap of the organisation.
 
     Raises `NotPermitted` where the actor may not (`ensure_may_set_key_spend_cap`)."""
     with transaction.atomic():
+        # NOTE: the organisation's row first, as minting a key takes it (`keys.create_api_key`): a key this key mints
+        # meanwhile is committed before the walk of its minted keys reads them, or its minting reads this cap
+        # (`inherit_key_spend_cap`), never neither.
+        lock_organizations([api_key.organization_id])
         account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
         current = ApiKeySpendCap.objects.filter(api_key=api_key).first()  # NOTE: read under the account's lock
         roles = keys.member_roles(api_key.organization)
@@ -91,6 +96,7 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
         else:
             cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={
                 "spend_cap": spend_cap, "set_by_id": _cap_setter(current, actor.user.pk if actor.user else None, roles)})
+            _cap_minted_keys(actor, api_key, cap, roles=roles)
         account.limits_stale = True
         account.save(update_fields=["limits_stale"])
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
@@ -124,6 +130,27 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     if own_cap is not None and (spend_cap is None or spend_cap > own_cap.spend_cap):
         raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may set no key's cap "
                                         "above that, nor remove one.")
+
+
+def _cap_minted_keys(actor: Actor, api_key, cap: ApiKeySpendCap, *, roles: dict[int, str]) -> None:
+    """Every live key `api_key` minted, and every one those minted, capped at most at `cap` (a lower cap of its own
+    stays), as `inherit_key_spend_cap` caps the keys it mints from now on; one audit event each.
+
+    NOTE: "a key's cap bounds that key and the keys it mints", and a cap of 0 stops a key as revoking does; but the
+    cap was copied only when a key was minted, so capping a leaked key left the keys minted with it before spending
+    as before (a review's finding). Each key's cap is its own: a key that runs inference, minted before its parent was
+    capped, may spend as much again (`inherit_key_spend_cap` refuses such keys to a capped key from now on). Raising or
+    removing `api_key`'s cap later leaves theirs as they are."""
+    for children in keys.minted_generations(api_key):
+        caps = {own.api_key_id: own for own in ApiKeySpendCap.objects.filter(api_key__in=children)}
+        for child in children:
+            current = caps.get(child.pk)
+            if child.revoked_at is not None or (current is not None and current.spend_cap <= cap.spend_cap):
+                continue
+            ApiKeySpendCap.objects.update_or_create(api_key=child, defaults={
+                "spend_cap": cap.spend_cap, "set_by_id": _cap_setter(current, cap.set_by_id, roles)})
+            record_audit(actor, api_key.organization, "billing.set_key_spend_cap", child, spend_cap=_plain(cap.spend_cap),
+                         reason="minted by a capped key", minted_by=child.minted_by_id)
 
 
 def _calling_keys_cap(actor: Actor) -> ApiKeySpendCap | None:
