@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from decimal import Decimal
 
 import pytest
+from django.db import connection
 
 from billing.models import ApiKeySpendCap
 from billing.quota.counters import QuotaExceeded
 from billing.services import set_key_spend_cap
+from controlplane.accounts import keys
 from controlplane.accounts.keys import create_api_key, revoke_api_key
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import ApiKey, AuditEvent, Role, Scope
 from controlplane.accounts.services import Actor
 from tests.billing.test_quota import reserve
+from tests.conftest import wait_until
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.test_roles import _waiting_on_a_lock
 
 _request_ids = itertools.count()
 
@@ -95,3 +100,44 @@ def test_a_cap_an_owner_put_on_a_key_binds_its_minted_keys_as_the_owners():
         set_key_spend_cap(Actor(user=admin), child, spend_cap=None)
     set_key_spend_cap(Actor(user=owner), child, spend_cap=None)
     assert _cap_of(child) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_minted_while_its_parents_cap_is_lowered_gets_the_lower_cap(monkeypatch):
+    """Before the lowering took the organisation's row first, as minting does, a key minted while it ran (after its
+    walk of the minted keys, before its commit) copied the old cap: the child kept $5.00 under a parent capped at 0."""
+    organization, owner, admin = _organisation()
+    parent = _mint(admin, organization, by=None)
+    set_key_spend_cap(Actor(user=owner), parent, spend_cap=Decimal("5.00"))
+    walked, released = threading.Event(), threading.Event()
+    generations = keys.minted_generations
+
+    def walked_then_held(api_key):
+        yield from generations(api_key)
+        walked.set()
+        released.wait(60)
+
+    monkeypatch.setattr(keys, "minted_generations", walked_then_held)
+    minted: list[ApiKey] = []
+
+    def lower():
+        try:
+            set_key_spend_cap(Actor(user=owner), parent, spend_cap=Decimal("0"))
+        finally:
+            connection.close()
+
+    def mint():
+        try:
+            minted.append(_mint(admin, organization, by=parent, scopes=[Scope.MANAGE]))
+        finally:
+            connection.close()
+
+    lowering, minting = threading.Thread(target=lower), threading.Thread(target=mint)
+    lowering.start()
+    assert walked.wait(60)
+    minting.start()
+    wait_until(_waiting_on_a_lock, 60, message="the minting to wait on the lowering")
+    released.set()
+    for thread in (lowering, minting):
+        thread.join(timeout=60)
+    assert _cap_of(parent) == Decimal("0") and [_cap_of(child) for child in minted] == [Decimal("0")]
