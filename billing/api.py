@@ -194,7 +194,7 @@ BILLING_OVERVIEW = inline_serializer("BillingOverview", {
 
 class BillingView(OrganizationScopedMixin, GenericAPIView):
     """GET: the period's spend, cap, payment standing, credits and invoices. PATCH `{"spend_cap": "12.50"}`:
-    owners and admins."""
+    owners and admins (403 for an API key with a cap of its own raising or removing it)."""
 
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
@@ -203,9 +203,14 @@ class BillingView(OrganizationScopedMixin, GenericAPIView):
     def get(self, request):
         return Response(billing_overview(self.organization))
 
-    @extend_schema(request=SpendCapSerializer, responses=BILLING_OVERVIEW)
+    @extend_schema(request=SpendCapSerializer, responses={200: BILLING_OVERVIEW, 403: OpenApiResponse(description=(
+        "The caller may not set the cap: its role (members and viewers), or the API key it calls with (a key with a "
+        "spend cap of its own lowers the organisation's cap, never raises or removes it)."))})
     def patch(self, request):
-        services.set_spend_cap(self.actor, self.organization, spend_cap=_spend_cap_of(request))
+        try:
+            services.set_spend_cap(self.actor, self.organization, spend_cap=_spend_cap_of(request))
+        except NotPermitted as exc:
+            raise PermissionDenied(str(exc)) from None
         return Response(billing_overview(self.organization))
 
 

@@ -408,7 +408,8 @@ class ApiKeySpendCap(models.Model):
 
     api_key = models.OneToOneField("controlplane.ApiKey", on_delete=models.CASCADE, related_name="spend_cap")
     spend_cap = MoneyField()
-    # Who set it: while they are an owner, only owners may raise or remove it (`services.set_key_spend_cap`).
+    # Who set it: while they are an owner, only owners may raise or remove it, and it stays theirs when someone
+    # else lowers it (`services.set_key_spend_cap`).
     set_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     updated_at = models.DateTimeField(auto_now=True)
 

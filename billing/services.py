@@ -39,7 +39,7 @@ from billing.quota.counters import refresh_limits
 from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
-from controlplane.accounts.models import AuditEvent, Role, Scope
+from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.redis_client import get_redis
 from controlplane.tasks import send_task
@@ -52,10 +52,20 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
     Every change of an account's limits is marked `limits_stale` in its own transaction: a process
     killed between the commit and `refresh_limits` leaves it for the payment-standing beat task
-    (`review_all_payment_standing`), not Redis with the old limits for the rest of the month."""
+    (`review_all_payment_standing`), not Redis with the old limits for the rest of the month.
+
+    Raises `NotPermitted` where an API key with a cap of its own would raise or remove it."""
     with transaction.atomic():
         account = BillingAccount.objects.select_for_update().for_organization(organization)
         previous = account.spend_cap
+        loosens = previous is not None and (spend_cap is None or spend_cap > previous)
+        own_cap = _calling_keys_cap(actor)
+        # NOTE: the organisation's cap bounds every key and session together; a key with a cap sets no key's cap above
+        # its own and removes none, and the same key removed the organisation's (a review's finding).
+        if loosens and own_cap is not None:
+            raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may lower the "
+                                            "organisation's spend cap, not raise or remove it. Do that signed in, or "
+                                            "with a key without a spend cap.")
         account.spend_cap = spend_cap
         account.limits_stale = True  # NOTE: with the change, until `refresh_limits` has written it to Redis
         account.save(update_fields=["spend_cap", "limits_stale"])
@@ -66,20 +76,27 @@ def set_spend_cap(actor: Actor, organization, *, spend_cap: Decimal | None) -> B
 
 
 def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> ApiKeySpendCap | None:
-    """Set (or with None remove) a key's monthly cap; marked `limits_stale` with it, so the refresh (now,
-    or the beat task's after a process killed meanwhile) writes every key's cap of the organisation.
+    """Set (or with None remove) a key's monthly cap, and cap every live key it minted (and those minted in turn)
+    at most at the same (`_cap_minted_keys`); marked `limits_stale` with it, so the refresh (now, or the beat task's
+    after a process killed meanwhile) writes every key's cap of the organisation.
 
     Raises `NotPermitted` where the actor may not (`ensure_may_set_key_spend_cap`)."""
     with transaction.atomic():
+        # NOTE: the organisation's row first, as minting a key takes it (`keys.create_api_key`): a key this key mints
+        # meanwhile is committed before the walk of its minted keys reads them, or its minting reads this cap
+        # (`inherit_key_spend_cap`), never neither.
+        lock_organizations([api_key.organization_id])
         account = BillingAccount.objects.select_for_update().for_organization(api_key.organization_id)
         current = ApiKeySpendCap.objects.filter(api_key=api_key).first()  # NOTE: read under the account's lock
-        ensure_may_set_key_spend_cap(actor, api_key, current=current, spend_cap=spend_cap)
+        roles = keys.member_roles(api_key.organization)
+        ensure_may_set_key_spend_cap(actor, api_key, current=current, spend_cap=spend_cap, roles=roles)
         if spend_cap is None:
             ApiKeySpendCap.objects.filter(api_key=api_key).delete()
             cap = None
         else:
-            cap, _ = ApiKeySpendCap.objects.update_or_create(
-                api_key=api_key, defaults={"spend_cap": spend_cap, "set_by": actor.user})
+            cap, _ = ApiKeySpendCap.objects.update_or_create(api_key=api_key, defaults={
+                "spend_cap": spend_cap, "set_by_id": _cap_setter(current, actor.user.pk if actor.user else None, roles)})
+            _cap_minted_keys(actor, api_key, cap, roles=roles)
         account.limits_stale = True
         account.save(update_fields=["limits_stale"])
         record_audit(actor, api_key.organization, "billing.set_key_spend_cap", api_key, spend_cap=_plain(spend_cap))
@@ -88,7 +105,7 @@ def set_key_spend_cap(actor: Actor, api_key, *, spend_cap: Decimal | None) -> Ap
 
 
 def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendCap | None,
-                                 spend_cap: Decimal | None) -> None:
+                                 spend_cap: Decimal | None, roles: dict[int, str]) -> None:
     """Who may set a key's cap: whoever may revoke it (`keys.may_revoke_api_key`: an admin not an owner's key);
     only an owner may raise or remove a cap an owner set; and a key with a cap may set no key's cap above its own.
 
@@ -102,7 +119,6 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     """
     if actor.user is None:
         return
-    roles = keys.member_roles(api_key.organization)
     actor_role = roles.get(actor.user.pk)
     if not keys.may_revoke_api_key(actor, api_key, actor_role=actor_role, creator_role=roles.get(api_key.created_by_id)):
         raise NotPermitted("spend_cap", "Only owners may set the spend cap of an owner's key.")
@@ -110,10 +126,48 @@ def ensure_may_set_key_spend_cap(actor: Actor, api_key, *, current: ApiKeySpendC
     if loosens and actor_role != Role.OWNER and roles.get(current.set_by_id) == Role.OWNER:
         raise NotPermitted("spend_cap", f"An owner capped this key at {_plain(current.spend_cap)}: only owners may "
                                         "raise or remove that cap.")
-    own_cap = ApiKeySpendCap.objects.filter(api_key_id=actor.api_key.pk).first() if actor.api_key is not None else None
+    own_cap = _calling_keys_cap(actor)
     if own_cap is not None and (spend_cap is None or spend_cap > own_cap.spend_cap):
         raise NotPermitted("spend_cap", f"This key is capped at {_plain(own_cap.spend_cap)}: it may set no key's cap "
                                         "above that, nor remove one.")
+
+
+def _cap_minted_keys(actor: Actor, api_key, cap: ApiKeySpendCap, *, roles: dict[int, str]) -> None:
+    """Every live key `api_key` minted, and every one those minted, capped at most at `cap` (a lower cap of its own
+    stays), as `inherit_key_spend_cap` caps the keys it mints from now on; one audit event each.
+
+    NOTE: "a key's cap bounds that key and the keys it mints", and a cap of 0 stops a key as revoking does; but the
+    cap was copied only when a key was minted, so capping a leaked key left the keys minted with it before spending
+    as before (a review's finding). Each key's cap is its own: a key that runs inference, minted before its parent was
+    capped, may spend as much again (`inherit_key_spend_cap` refuses such keys to a capped key from now on). Raising or
+    removing `api_key`'s cap later leaves theirs as they are."""
+    for children in keys.minted_generations(api_key):
+        caps = {own.api_key_id: own for own in ApiKeySpendCap.objects.filter(api_key__in=children)}
+        for child in children:
+            current = caps.get(child.pk)
+            if child.revoked_at is not None or (current is not None and current.spend_cap <= cap.spend_cap):
+                continue
+            ApiKeySpendCap.objects.update_or_create(api_key=child, defaults={
+                "spend_cap": cap.spend_cap, "set_by_id": _cap_setter(current, cap.set_by_id, roles)})
+            record_audit(actor, api_key.organization, "billing.set_key_spend_cap", child, spend_cap=_plain(cap.spend_cap),
+                         reason="minted by a capped key", minted_by=child.minted_by_id)
+
+
+def _calling_keys_cap(actor: Actor) -> ApiKeySpendCap | None:
+    """The spend cap of the API key the actor calls with (None: a session, the platform, or a key without one)."""
+    return ApiKeySpendCap.objects.filter(api_key_id=actor.api_key.pk).first() if actor.api_key is not None else None
+
+
+def _cap_setter(current: ApiKeySpendCap | None, setter_id: int | None, roles: dict[int, str]) -> int | None:
+    """Who a key's cap counts as set by once `setter_id` sets it: an owner's cap stays the owner's when anyone else
+    changes it (whom `ensure_may_set_key_spend_cap` lets only tighten it, the platform aside).
+
+    NOTE: `set_by` decides who may raise or remove the cap. An admin who lowered an owner's $5.00 cap to $4.99 became
+    its setter and then removed it, two steps past the rule that only an owner lifts an owner's cap (a review's
+    finding)."""
+    if current is not None and roles.get(current.set_by_id) == Role.OWNER and roles.get(setter_id) != Role.OWNER:
+        return current.set_by_id
+    return setter_id
 
 
 def inherit_key_spend_cap(sender, *, api_key, minting_key, **kwargs) -> None:

@@ -5,6 +5,7 @@ secret, with its creator's current role."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -265,19 +266,28 @@ def _revoke_with_minted(actor: Actor, api_key: ApiKey, *, now, **details) -> int
     num_revoked = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
     if num_revoked:
         record_audit(actor, api_key.organization, "api_key.revoke", api_key, **details)
-    seen, generation = {api_key.pk}, [api_key.pk]
-    while generation:
-        # NOTE: each generation is read after the one before it is updated: a child being minted by one of those
-        # (its row locked by `create_api_key`) made that update wait for its commit, so it is read here.
-        children = list(ApiKey.objects.filter(minted_by_id__in=generation).exclude(pk__in=seen).order_by("pk"))
+    # NOTE: each generation is read after the one before it is updated: a child being minted by one of those
+    # (its row locked by `create_api_key`) made that update wait for its commit, so it is read here.
+    for children in minted_generations(api_key):
         for child in children:
             if ApiKey.objects.filter(pk=child.pk, revoked_at__isnull=True).update(revoked_at=now):
                 num_revoked += 1
                 record_audit(actor, api_key.organization, "api_key.revoke", child,
                              **(details or {"reason": "minted by a revoked key"}), minted_by=child.minted_by_id)
+    return num_revoked
+
+
+def minted_generations(api_key: ApiKey) -> Iterator[list[ApiKey]]:
+    """The keys `api_key` minted (`ApiKey.minted_by`), revoked ones too, then the keys those minted, and so on: one
+    generation at a time, each read only once the caller has handled the one before."""
+    seen, generation = {api_key.pk}, [api_key.pk]
+    while generation:
+        children = list(ApiKey.objects.filter(minted_by_id__in=generation).exclude(pk__in=seen).order_by("pk"))
+        if not children:
+            return
+        yield children
         seen.update(child.pk for child in children)
         generation = [child.pk for child in children]
-    return num_revoked
 
 
 def find_api_key(plain: str) -> ApiKey | None:

@@ -6,6 +6,7 @@ from decimal import Decimal
 import pytest
 from django.core import mail
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from billing import alerts
 from billing.alerts import check_spend_alerts
@@ -69,6 +70,29 @@ def test_members_and_viewers_may_read_billing_but_not_set_the_cap(owner_client, 
     assert client.get("/api/v1/billing/").status_code == 200
     assert client.patch("/api/v1/billing/", {"spend_cap": "1.00"}, format="json").status_code == 403
     assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap is None
+
+
+def test_a_key_with_a_cap_lowers_the_organisations_cap_but_never_raises_or_removes_it(owner_client):
+    """Before, a key capped at $5.00 (refused when it raised its own cap) removed the organisation's $100.00 (200)."""
+    own_key = ApiKey.objects.get(created_by=owner_client.user)
+    assert owner_client.patch("/api/v1/billing/", {"spend_cap": "100.00"}, format="json").status_code == 200
+    assert owner_client.patch(f"/api/v1/billing/keys/{own_key.pk}/", {"spend_cap": "5.00"},
+                              format="json").status_code == 200
+    for cap in (None, "100.01"):
+        refused = owner_client.patch("/api/v1/billing/", {"spend_cap": cap}, format="json")
+        assert refused.status_code == 403 and "capped at 5.00" in refused.json()["detail"]
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap == Decimal("100.00")
+    assert owner_client.patch("/api/v1/billing/", {"spend_cap": "80.00"}, format="json").status_code == 200
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap == Decimal("80.00")
+    # Signed in, the owner may lift it.
+    assert _signed_in(owner_client).patch("/api/v1/billing/", {"spend_cap": None}, format="json").status_code == 200
+    assert BillingAccount.objects.for_organization(owner_client.organization.pk).spend_cap is None
+
+
+def _signed_in(client) -> APIClient:
+    session = APIClient()
+    session.force_login(client.user)
+    return session
 
 
 @pytest.mark.parametrize("body, field", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+from rest_framework.test import APIClient
 
 from billing.models import ApiKeySpendCap
 from controlplane.accounts.models import ApiKey, Role
@@ -59,3 +60,20 @@ def test_a_capped_key_sets_no_cap_above_its_own(owner_client):
         refused = owner_client.patch(f"/api/v1/billing/keys/{own_key.pk}/", {"spend_cap": cap}, format="json")
         assert refused.status_code == 403 and "capped at 5.00" in refused.json()["detail"]
     assert ApiKeySpendCap.objects.get(api_key=own_key).spend_cap == Decimal("5.00")
+
+
+def test_an_admin_who_lowers_an_owners_cap_still_cannot_lift_it(owner_client, member_client_factory):
+    """Before, lowering made the admin the cap's setter (`set_by`): the admin lowered the owner's $5.00 to $4.99
+    (200), then removed it (200)."""
+    admin = member_client_factory(owner_client.organization, Role.ADMIN)
+    admins_key = _key_of(admin)
+    url = f"/api/v1/billing/keys/{admins_key.pk}/"
+    assert owner_client.patch(url, {"spend_cap": "5.00"}, format="json").status_code == 200
+    signed_in = APIClient()  # a session: no key's own cap stands in the way, only the owner's
+    signed_in.force_login(admin.user)
+    assert signed_in.patch(url, {"spend_cap": "4.99"}, format="json").status_code == 200
+    for cap in (None, "5.00"):
+        refused = signed_in.patch(url, {"spend_cap": cap}, format="json")
+        assert refused.status_code == 403 and "only owners may raise or remove" in refused.json()["detail"]
+    assert ApiKeySpendCap.objects.get(api_key=admins_key).spend_cap == Decimal("4.99")
+    assert owner_client.patch(url, {"spend_cap": None}, format="json").status_code == 200
