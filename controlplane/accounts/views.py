@@ -118,7 +118,7 @@ def _sign_in_again(request, next_url: str):
     passes no second factor: its owner signs in again (`staff_sessions.may_become_staff`)."""
     logout(request)
     messages.info(request, f"Sign in again: a staff session lasts {settings.STAFF_SESSION_HOURS:g} hours from its "
-                           "sign-in, and this one's was earlier.")
+                           "sign-in, and this session's sign-in is older.")
     return redirect(_with_next("login", next_url))
 
 
