@@ -38,3 +38,12 @@ def test_create_org_refuses_bad_input():
     with pytest.raises(CommandError):
         call_command("create_org", "acme", "--owner", "not-an-email")
     assert not Organization.objects.exists()
+
+
+def test_create_org_refuses_an_owner_address_past_the_username_column():
+    """The owner's address is also their username (150 characters), checked as stored: lower-cased, which lengthens
+    "\u0130" (a `DataError` at the insert before)."""
+    for owner in ("a" * 141 + "@acme.test", "a" * 120 + "@" + "\u0130" * 20 + ".com"):
+        with pytest.raises(CommandError, match="at most 150 characters"):
+            call_command("create_org", "acme", "--owner", owner)
+    assert not Organization.objects.exists()

@@ -315,6 +315,30 @@ def test_users_staff_create_in_the_django_admin_are_verified(client):
     assert colleague.email == "colleague@example.test" and email_is_verified(colleague)
 
 
+def test_an_address_staff_type_in_the_django_admin_is_stored_lower_cased_its_length_checked_so(client):
+    # Lower-casing lengthens "\u0130" (two code points): 232 characters typed, 392 stored; the verification's insert
+    # was a 500 (varchar(254)).
+    staff = UserFactory(username="root@example.test", is_staff=True, is_superuser=True)
+    MembershipFactory(user=staff, role=Role.OWNER)
+    sign_in_staff(client, staff)
+    colleague = UserFactory(username="colleague", email="")
+    change = client.get(f"/django-admin/auth/user/{colleague.pk}/change/")
+    form = change.context["adminform"].form
+    data = {name: value for name, value in form.initial.items() if value is not None and not isinstance(value, (list, tuple))}
+    data.update({"username": "colleague", "date_joined_0": "2026-01-01", "date_joined_1": "00:00:00", "is_active": "on"})
+    for name in ("password", "last_login", "date_joined"):
+        data.pop(name, None)
+    client.raise_request_exception = False
+
+    lengthening = client.post(f"/django-admin/auth/user/{colleague.pk}/change/",
+                              data | {"email": "a" * 60 + "@" + ("\u0130" * 20 + ".") * 8 + "com"})
+    assert lengthening.status_code == 200 and "once lower-cased" in str(lengthening.context["adminform"].form.errors)
+    assert client.post(f"/django-admin/auth/user/{colleague.pk}/change/",
+                       data | {"email": "Colleague@Example.test"}).status_code == 302
+    colleague.refresh_from_db()
+    assert colleague.email == "colleague@example.test" and email_is_verified(colleague)
+
+
 def test_the_demo_login_that_make_run_prints_opens_the_console(client, tmp_path, monkeypatch):
     from controlplane import demo
 

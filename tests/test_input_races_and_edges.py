@@ -16,12 +16,12 @@ from django.test import Client
 
 from controlplane.accounts import services as account_services
 from controlplane.accounts import signup as account_signup
-from controlplane.accounts.models import Organization
+from controlplane.accounts.models import Invitation, Organization, Role
 from controlplane.accounts.tenancy import SESSION_KEY
 from controlplane.plain_numbers import plain_int
 from endpoints import serializers as endpoint_serializers
 from endpoints.models import Adapter, Endpoint, ModelCredential
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -132,6 +132,36 @@ def test_an_email_longer_than_its_column_is_a_form_error(org, owner_client, clie
     assert signed_up.status_code == 200 and "email" in signed_up.context["form"].errors
     assert invited.status_code in (200, 400) and "email" in invited.context["invite_form"].errors
     assert not get_user_model().objects.filter(email__startswith="a" * 140).exists()
+
+
+# Lower-casing lengthens some characters ("\u0130", one code point, is two lowered): these fit the form's and the
+# serializer's max_length as typed and are past their column's once lowered (the tenancy review).
+SIGN_UP_LONG_WHEN_LOWERED = "a" * 120 + "@" + "\u0130" * 20 + ".com"  # 145 characters, 165 lowered (username: 150)
+INVITE_LONG_WHEN_LOWERED = "a" * 60 + "@" + ("\u0130" * 20 + ".") * 8 + "com"  # 232 characters, 392 lowered (254)
+
+
+def test_a_sign_up_with_an_address_past_its_column_once_lowered_is_a_form_error():
+    assert len(SIGN_UP_LONG_WHEN_LOWERED) <= 150 < len(SIGN_UP_LONG_WHEN_LOWERED.lower())
+    anonymous = Client(raise_request_exception=False)
+    response = anonymous.post("/signup/", {"email": SIGN_UP_LONG_WHEN_LOWERED, "password": "a long passphrase 1",
+                                           "organization_name": "Acme"})
+
+    assert response.status_code == 200 and "once lower-cased" in str(response.context["form"].errors["email"])
+    assert not get_user_model().objects.exists() and not Organization.objects.exists()
+
+
+def test_an_invitation_to_an_address_past_its_column_once_lowered_is_a_400_or_a_form_error(org):
+    assert len(INVITE_LONG_WHEN_LOWERED) <= 254 < len(INVITE_LONG_WHEN_LOWERED.lower())
+    owner = UserFactory()
+    MembershipFactory(organization=org, user=owner, role=Role.OWNER)
+    console = _console(owner, org)
+    api = console.post("/api/v1/invitations/", {"email": INVITE_LONG_WHEN_LOWERED, "role": "member"},
+                       content_type="application/json")
+    page = console.post("/console/members/", {"email": INVITE_LONG_WHEN_LOWERED, "role": "member"})
+
+    assert api.status_code == 400 and "once lower-cased" in api.json()["email"][0], api.content[:300]
+    assert page.status_code == 400 and "once lower-cased" in str(page.context["invite_form"].errors["email"])
+    assert not Invitation.objects.exists()
 
 
 def test_a_sign_up_that_lost_the_race_for_its_email_answers_as_any_sign_up_and_mails_the_address(client, monkeypatch):

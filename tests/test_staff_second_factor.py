@@ -3,7 +3,9 @@ a code from its confirmed TOTP device, entered in this session, does (`controlpl
 
 from __future__ import annotations
 
+import time
 from base64 import b32encode
+from datetime import timedelta
 from io import StringIO
 
 import pytest
@@ -14,6 +16,7 @@ from django.utils import timezone
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane import demo
+from controlplane.accounts import staff_sessions
 from controlplane.accounts.models import AuditEvent, Role
 from tests.factories import (
     MembershipFactory,
@@ -21,6 +24,7 @@ from tests.factories import (
     UserFactory,
     enrolment_code_for,
     sign_in_staff,
+    signed_in_with_the_password,
     staff_member,
     totp_code,
 )
@@ -230,6 +234,69 @@ def test_a_verified_staff_session_logged_out_and_signed_in_again_needs_a_new_cod
     client.post("/login/", {"username": staff.email, "password": PASSWORD})
 
     assert staff_powers(client) == SHUT
+
+
+def _customer_made_staff_while_signed_in():
+    """A customer signed in with the password (a two-week session), then made staff in the admin."""
+    customer = UserFactory(username="later-staff@example.test")
+    MembershipFactory(organization=OrganizationFactory(), user=customer, role=Role.OWNER)
+    client = signed_in_with_the_password(customer)
+    customer.is_staff = customer.is_superuser = True
+    customer.save(update_fields=["is_staff", "is_superuser"])
+    return client, customer
+
+
+def test_a_customer_made_staff_while_signed_in_has_staff_powers_that_end_hours_after_its_sign_in(settings):
+    # The fixed end was set only at a staff account's sign-in: the code, entered in the customer's session, made a
+    # staff session that lasted two weeks from its last request (the tenancy review).
+    signed_in_before = timezone.now()
+    client, customer = _customer_made_staff_while_signed_in()
+    signed_in_after = timezone.now()
+    device = TOTPDevice.objects.create(user=customer, name="phone", confirmed=True)
+
+    assert client.post(CODE_PAGE, {"code": totp_code(device)}).status_code == 302
+    assert staff_powers(client) == OPEN
+    hours = timedelta(hours=settings.STAFF_SESSION_HOURS)
+    assert signed_in_before + hours <= client.session.get_expiry_date() <= signed_in_after + hours
+
+
+def test_a_session_signed_in_longer_ago_than_a_staff_session_lasts_signs_in_again_before_its_code(settings):
+    settings.STAFF_SESSION_HOURS = 1 / 3600  # one second
+    client, customer = _customer_made_staff_while_signed_in()
+    device = TOTPDevice.objects.create(user=customer, name="phone", confirmed=True)
+    time.sleep(1.1)
+
+    assert client.post(CODE_PAGE, {"code": totp_code(device)})["Location"].startswith("/login/?next=")
+    assert TOTPDevice.objects.get(pk=device.pk).last_t == device.last_t  # the code was not taken
+    assert client.get(FLEET)["Location"].startswith("/login/")  # signed out: it signs in again
+    assert staff_powers(client) != OPEN
+
+
+def test_a_session_signed_in_longer_ago_than_a_staff_session_lasts_signs_in_again_before_it_enrols(settings):
+    hours, settings.STAFF_SESSION_HOURS = settings.STAFF_SESSION_HOURS, 1 / 3600  # one second
+    client, customer = _customer_made_staff_while_signed_in()
+    time.sleep(1.1)
+
+    code = enrolment_code_for(customer)
+    assert client.post(ENROL_PAGE, {"enrolment_code": code})["Location"].startswith("/login/?next=")
+    assert client.get(FLEET)["Location"].startswith("/login/")
+    # Signed in again, the same enrolment code still works: the old session took none.
+    settings.STAFF_SESSION_HOURS = hours
+    client = signed_in_with_the_password(customer)
+    assert client.post(ENROL_PAGE, {"enrolment_code": code}).status_code == 302
+    assert TOTPDevice.objects.filter(user=customer, confirmed=False).exists()
+
+
+def test_a_session_that_holds_no_sign_in_time_signs_in_again_before_its_code():
+    """A session signed in before sign-in times were kept: how old it is, nobody knows."""
+    client, customer = _customer_made_staff_while_signed_in()
+    device = TOTPDevice.objects.create(user=customer, name="phone", confirmed=True)
+    session = client.session
+    del session[staff_sessions.SIGNED_IN_AT_KEY]
+    session.save()
+
+    assert client.post(CODE_PAGE, {"code": totp_code(device)})["Location"].startswith("/login/?next=")
+    assert staff_powers(client) != OPEN
 
 
 def test_the_demo_admin_signs_in_with_the_password_and_the_code_demo_code_prints_and_keeps_it_across_runs(

@@ -16,6 +16,7 @@ from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.template.response import TemplateResponse
 
+from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
@@ -31,7 +32,15 @@ from controlplane.accounts.signup import mark_email_verified
 User = get_user_model()
 
 
+class UserChangeForm(auth_admin.UserChangeForm):
+    def clean_email(self):
+        # NOTE: stored as sign-up and invitations store it (`backends.normalize_email`), its length checked so:
+        # a typed address that lengthens once lowered was a 500 at its verification's insert (`mark_email_verified`).
+        return normalize_email(self.cleaned_data["email"])
+
+
 class UserAdmin(auth_admin.UserAdmin):
+    form = UserChangeForm
     actions = ["issue_enrolment_code"]
 
     def save_model(self, request, obj, form, change):

@@ -10,7 +10,29 @@ from __future__ import annotations
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
+from django.core.exceptions import ValidationError
 from django.db.models import Q
+
+# The address columns (`User.email`, `Invitation.email`, `EmailVerification.email`: Django's EmailField).
+EMAIL_MAX_LENGTH = 254
+# An account's address is also its username (`User.username`, 150 characters): sign-up, `bootstrap_organization`.
+ACCOUNT_EMAIL_MAX_LENGTH = 150
+
+
+def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
+    """The form an address is stored and compared in (stripped, lower-cased), at most `max_length` characters in
+    that form: a `ValidationError` (the field's error: forms and serializers show it) where it is longer.
+
+    NOTE: lower-casing can lengthen text ("\u0130", one code point, is two lowered): an address within a form's or a
+    serializer's max_length was past its column's once lowered, and the insert was a 500 (sign-up, invitations:
+    the tenancy review). Every path that stores an address takes it from here, so the length checked is the one
+    stored.
+    """
+    normalized = address.strip().lower()
+    if len(normalized) > max_length:
+        raise ValidationError(f"Ensure this address has at most {max_length} characters once lower-cased "
+                              f"(it has {len(normalized)}).", code="max_length")
+    return normalized
 
 
 def accounts_with_email(email: str):

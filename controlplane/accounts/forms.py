@@ -10,12 +10,13 @@ from django.forms.utils import ErrorDict
 from django.http import QueryDict
 from django.utils import timezone
 
+from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.models import Role, Scope
 
 
 class SignUpForm(forms.Form):
     # NOTE: an account's email is also its username (150 characters); a longer one was a 500 at the insert.
-    email = forms.EmailField(label="Work email", max_length=150, widget=forms.EmailInput(attrs={"autocomplete": "email"}))
+    email = forms.EmailField(label="Work email", max_length=ACCOUNT_EMAIL_MAX_LENGTH, widget=forms.EmailInput(attrs={"autocomplete": "email"}))
     password = forms.CharField(
         label="Password", widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}),
         help_text="At least 10 characters, not entirely numeric.",
@@ -31,7 +32,7 @@ class SignUpForm(forms.Form):
     def clean_email(self):
         # NOTE: an address in use is no error here: the answer would tell a stranger who has an account
         # (`signup.sign_up_user` mails the address instead).
-        return self.cleaned_data["email"].lower()
+        return normalize_email(self.cleaned_data["email"], max_length=ACCOUNT_EMAIL_MAX_LENGTH)
 
     def clean(self):
         cleaned = super().clean()
@@ -73,8 +74,12 @@ class SerializerBackedForm(forms.Form):
 
 
 class MemberInviteForm(forms.Form):
-    email = forms.EmailField(label="Email", max_length=254, widget=forms.EmailInput(attrs={"autocomplete": "off"}))
+    email = forms.EmailField(label="Email", max_length=EMAIL_MAX_LENGTH,
+                             widget=forms.EmailInput(attrs={"autocomplete": "off"}))
     role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
+
+    def clean_email(self):
+        return normalize_email(self.cleaned_data["email"])
 
 
 EXPIRY_CHOICES = [("", "Never"), ("7", "In 7 days"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In a year")]

@@ -14,6 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
+from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.members import (
     NotPermitted,
     actor_role,
@@ -91,9 +92,10 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     (`members.ensure_in_a_session`): a seat would outlive the key's bounds and its revocation.
 
     Raises `NotPermitted` where the actor's role does not allow it, `AlreadyInvited` where the address is a member's
-    or has one pending, `TooManyInvitations` past the throttle.
+    or has one pending, `TooManyInvitations` past the throttle; a `ValidationError` where the address is too long once
+    normalised (`backends.normalize_email`: forms and serializers take it from there first).
     """
-    email = email.strip().lower()
+    email = normalize_email(email)
     ensure_in_a_session(actor, "email")
     _ensure_admin(actor, organization, "email")
     ensure_may_touch_owner_role(actor, organization, role)

@@ -34,7 +34,7 @@ from django_otp.models import Device
 from django_otp.plugins.otp_static.models import StaticDevice
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from controlplane.accounts import enrolment_codes, recovery_codes
+from controlplane.accounts import enrolment_codes, recovery_codes, staff_sessions
 from controlplane.accounts.services import Actor, record_audit
 
 # The session's proof that it took an enrolment code: {"device": the pending device's pk, "until": epoch seconds}.
@@ -125,9 +125,13 @@ def _elevate_session(request, device: Device) -> None:
     """Marks this session as past the second factor, under a new session key.
 
     NOTE: the key changes as it does at the password step (`login()`): a cookie copied from this browser before
-    the code was entered (a shared machine, a proxy's log) does not become a staff session with it.
+    the code was entered (a shared machine, a proxy's log) does not become a staff session with it. And the session
+    ends `INFERPLANE_STAFF_SESSION_HOURS` after its sign-in from here, whatever it was before: one signed in before
+    the account was made staff kept its two weeks (`staff_sessions.end_as_staff_session`; the code pages send one
+    older than the hours to sign in again first).
     """
     otp_login(request, device)
+    staff_sessions.end_as_staff_session(request.session)
     request.session.cycle_key()
 
 

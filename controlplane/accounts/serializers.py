@@ -3,6 +3,7 @@
 from django.utils import timezone
 from rest_framework import serializers
 
+from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.models import (
     MAX_PRIORITY_BOOST,
     ApiKey,
@@ -57,6 +58,9 @@ class InvitationSerializer(StrictModelSerializer):
         fields = ["id", "email", "role", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
         read_only_fields = ["id", "status", "invited_by", "created_at", "expires_at", "accepted_at", "revoked_at"]
         extra_kwargs = {"role": {"required": True}}  # an invitation always says which role it offers
+
+    def validate_email(self, value: str) -> str:
+        return normalize_email(value)
 
 
 class ApiKeySerializer(StrictModelSerializer):

@@ -18,7 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
-from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, email_in_use, normalize_email
 from controlplane.accounts.invitations import remove_members_invited_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.members import add_member, revoke_invitations_sent_by
@@ -44,15 +44,17 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     most of a new account's time; before, an address with an account was answered without one, at once). What it
     cannot hide is that the new account logs in with the password given, and an existing one does not. The account
     is unverified: the console shows it nothing but the verify-email page, and it may join nothing, until its owner
-    follows the link signed in as it.
+    follows the link signed in as it. A `ValidationError` where the address is too long once normalised
+    (`backends.normalize_email`: the sign-up form takes it from there first).
     """
+    email = normalize_email(email, max_length=ACCOUNT_EMAIL_MAX_LENGTH)
     if email_in_use(email):
         make_password(password)  # NOTE: the work a new account's hash costs, thrown away (see above)
         send_account_exists_email(email)
         return None
     try:
         with transaction.atomic():
-            user = User.objects.create_user(username=email.lower(), email=email.lower(), password=password)
+            user = User.objects.create_user(username=email, email=email, password=password)
             create_organization(Actor(user=user, source_ip=source_ip), name=organization_name, owner=user)
     except IntegrityError:
         if email_in_use(email):  # a concurrent sign-up with the same address won
@@ -185,10 +187,9 @@ def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetS
 
 def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):
     """Operators' and tests' one-shot set-up: org, owner (created if new) and a manage+inference key."""
+    owner_email = normalize_email(owner_email, max_length=ACCOUNT_EMAIL_MAX_LENGTH)
     with transaction.atomic():
-        owner, created = User.objects.get_or_create(
-            username=owner_email.lower(), defaults={"email": owner_email.lower()}
-        )
+        owner, created = User.objects.get_or_create(username=owner_email, defaults={"email": owner_email})
         if created or password:
             if password:
                 owner.set_password(password)

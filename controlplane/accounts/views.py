@@ -5,7 +5,7 @@ from urllib.parse import urlencode, urlsplit
 
 from django.conf import settings
 from django.contrib import messages
-from django.contrib.auth import REDIRECT_FIELD_NAME
+from django.contrib.auth import REDIRECT_FIELD_NAME, logout
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.http import Http404
@@ -15,7 +15,15 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts import enrolment_codes, invitations, keys, recovery_codes, second_factor, services
+from controlplane.accounts import (
+    enrolment_codes,
+    invitations,
+    keys,
+    recovery_codes,
+    second_factor,
+    services,
+    staff_sessions,
+)
 from controlplane.accounts.console import member_required
 from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
@@ -105,6 +113,15 @@ def _code_refused(request, check, template: str, context: dict):
     return response
 
 
+def _sign_in_again(request, next_url: str):
+    """A session whose sign-in is older than a staff session lasts (one signed in before the account was made staff)
+    passes no second factor: its owner signs in again (`staff_sessions.may_become_staff`)."""
+    logout(request)
+    messages.info(request, f"Sign in again: a staff session lasts {settings.STAFF_SESSION_HOURS:g} hours from its "
+                           "sign-in, and this session's sign-in is older.")
+    return redirect(_with_next("login", next_url))
+
+
 @login_required
 def second_factor_verify(request):
     """After the password, a staff account enters a code from its device, or a recovery code; the session is then
@@ -112,6 +129,8 @@ def second_factor_verify(request):
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
+    if not staff_sessions.may_become_staff(request.session):
+        return _sign_in_again(request, next_url)
     if second_factor.confirmed_device(request.user) is None:
         return redirect(_with_next("second-factor-enrol", next_url))
     context = {"next": next_url}
@@ -140,6 +159,8 @@ def second_factor_enrol(request):
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
         return redirect(next_url)
+    if not staff_sessions.may_become_staff(request.session):
+        return _sign_in_again(request, next_url)
     if second_factor.confirmed_device(request.user) is not None:
         return redirect(_with_next("second-factor", next_url))
     device = second_factor.enrolling_device(request)

@@ -4,6 +4,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.core.validators import validate_email, validate_slug
 
+from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.signup import bootstrap_organization
 
 
@@ -21,6 +22,7 @@ class Command(BaseCommand):
         try:
             validate_slug(slug)
             validate_email(owner)
+            owner = normalize_email(owner, max_length=ACCOUNT_EMAIL_MAX_LENGTH)  # also its username
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
         organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name, password=password)

@@ -14,7 +14,7 @@ from django.contrib.auth.management.commands import createsuperuser
 from django.core import exceptions
 from django.core.management.base import CommandError
 
-from controlplane.accounts.backends import email_in_use
+from controlplane.accounts.backends import email_in_use, normalize_email
 from controlplane.accounts.signup import mark_email_verified
 
 
@@ -53,7 +53,7 @@ class Command(createsuperuser.Command):
     def _clean_email(self, value: str) -> str:
         field = self.UserModel._meta.get_field("email")
         try:
-            email = field.clean(value.strip(), None).lower()
+            email = normalize_email(field.clean(value.strip(), None), max_length=field.max_length)
         except exceptions.ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
         if not email:
