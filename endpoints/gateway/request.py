@@ -488,22 +488,22 @@ def _check_content_parts(parts: list, param: str, *, may_name_media: bool = True
             raise _wrong_type(f"{part_param}.type", "a string")
         if (part["type"] == "text" or "text" in part) and not isinstance(part.get("text"), str):
             raise _wrong_type(f"{part_param}.text", "a string")
-        media_uuids.check_part(part, part_param)
-        if not MEDIA_URL_FIELDS.isdisjoint(part):  # one test in C for the common part, text (issue #20)
-            for name in sorted(MEDIA_URL_FIELDS & part.keys()):
-                _check_media_url(part[name], f"{part_param}.{name}")
+        names_media = media_uuids.check_part(part, part_param)
         if not may_name_media and "uuid" in part:
             raise errors.invalid_request(f"'{part_param}.uuid' is not supported on /v1/responses.",
                                          param=f"{part_param}.uuid", code="unsupported_parameter")
-        if (why := content_parts.mismatch(part)) is not None:
-            # NOTE: never priced instead: a 'text' part with a 'uuid' and an image was reserved as its text while
-            # the engine prefilled the image, unbilled past the reservation
-            raise errors.invalid_request(
-                f"'{part_param}' is a {part['type']!r} part, but {why}: a content part carries the one kind of "
-                "content its 'type' names.",
-                param=part_param,
-                code="invalid_value",
-            )
+        if names_media or not content_parts.MEDIA_KEYS.isdisjoint(part):  # one test in C for text (issue #20)
+            for name in sorted(MEDIA_URL_FIELDS & part.keys()):
+                _check_media_url(part[name], f"{part_param}.{name}")
+            if (why := content_parts.mismatch(part)) is not None:
+                # NOTE: never priced instead: a 'text' part with a 'uuid' and an image was reserved as its text
+                # while the engine prefilled the image, unbilled past the reservation
+                raise errors.invalid_request(
+                    f"'{part_param}' is a {part['type']!r} part, but {why}: a content part carries the one kind of "
+                    "content its 'type' names.",
+                    param=part_param,
+                    code="invalid_value",
+                )
 
 
 def _check_media_url(value, param: str) -> None:
