@@ -53,6 +53,7 @@ import unicodedata
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
+from endpoints.gateway import content_parts
 from endpoints.gateway.normalizers import TOKENS_PER_PROMPT, PromptNormalizer
 from gpu_agent.protocol import REASONING_EFFORTS, TEMPLATE_KWARG_VARIANTS
 
@@ -429,11 +430,10 @@ _NOT_TEXT = object()  # a content part that is not text (an image): unbounded
 
 
 def _chat_part_text(part):
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict) and part.get("type", "text") == "text":
-        return part.get("text")
-    return _NOT_TEXT
+    # NOTE: its kind as the engine reads it, not its `type`: a 'text' part with a `uuid` and an image is an image
+    if content_parts.kind_of(part) != "text":
+        return _NOT_TEXT
+    return part if isinstance(part, str) else part.get("text")
 
 
 def _responses_part_text(part):

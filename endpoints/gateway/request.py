@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from endpoints.gateway import embeddings, errors, estimate, fields, media_uuids, responses, sse
+from endpoints.gateway import content_parts, embeddings, errors, estimate, fields, media_uuids, responses, sse
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Objects, arrays and separators (`{`, `[`, `,`, counted in the raw bytes, strings included) a body may hold.
@@ -469,17 +469,17 @@ def _check_input_items(value) -> None:
 
 
 def _check_responses_parts(parts: list, param: str) -> None:
-    _check_content_parts(parts, param)
+    _check_content_parts(parts, param, may_name_media=False)
     for part_index, part in enumerate(parts):
-        if "uuid" in part:
-            raise errors.invalid_request(f"'{param}[{part_index}].uuid' is not supported on /v1/responses.",
-                                         param=f"{param}[{part_index}].uuid", code="unsupported_parameter")
         if "file_url" in part or "file_id" in part:
             raise errors.invalid_request(f"'{param}[{part_index}]': files are not fetched or stored here; send the text.",
                                          param=f"{param}[{part_index}]", code="unsupported_value")
 
 
-def _check_content_parts(parts: list, param: str) -> None:
+def _check_content_parts(parts: list, param: str, *, may_name_media: bool = True) -> None:
+    """Each part: an object of one kind of content, the one its `type` names as the engine reads it
+    (`content_parts.mismatch`), with media only in `data:` URLs; a `uuid` naming media only where `may_name_media`
+    (chat's, scoped to the caller: `endpoints.gateway.media_uuids`)."""
     for index, part in enumerate(parts):
         part_param = f"{param}[{index}]"
         if not isinstance(part, dict):
@@ -488,10 +488,22 @@ def _check_content_parts(parts: list, param: str) -> None:
             raise _wrong_type(f"{part_param}.type", "a string")
         if (part["type"] == "text" or "text" in part) and not isinstance(part.get("text"), str):
             raise _wrong_type(f"{part_param}.text", "a string")
-        media_uuids.check_part(part, part_param)
-        if not MEDIA_URL_FIELDS.isdisjoint(part):  # one test in C for the common part, text (issue #20)
+        names_media = media_uuids.check_part(part, part_param)
+        if not may_name_media and "uuid" in part:
+            raise errors.invalid_request(f"'{part_param}.uuid' is not supported on /v1/responses.",
+                                         param=f"{part_param}.uuid", code="unsupported_parameter")
+        if names_media or not content_parts.MEDIA_KEYS.isdisjoint(part):  # one test in C for text (issue #20)
             for name in sorted(MEDIA_URL_FIELDS & part.keys()):
                 _check_media_url(part[name], f"{part_param}.{name}")
+            if (why := content_parts.mismatch(part)) is not None:
+                # NOTE: never priced instead: a 'text' part with a 'uuid' and an image was reserved as its text
+                # while the engine prefilled the image, unbilled past the reservation
+                raise errors.invalid_request(
+                    f"'{part_param}' is a {part['type']!r} part, but {why}: a content part carries the one kind of "
+                    "content its 'type' names.",
+                    param=part_param,
+                    code="invalid_value",
+                )
 
 
 def _check_media_url(value, param: str) -> None:

@@ -3,6 +3,7 @@
 The package's shared engine (`vllm_engine`, slow to start on CPU) serves the module, with prefix
 caching on as the agent starts it.
 - The engine's own refusal (a 400 with its message) reaches the client in OpenAI's shape.
+- A "text" part with a `uuid` and an `image_url` is an image to the engine; the gateway refuses it itself.
 - A client that leaves mid-stream aborts the engine's request: the engine stops generating for it
   (its own metrics say so), long before the request's `max_tokens`.
 - A prompt that shares a long prefix with an earlier one is a prefix-cache hit: the engine reports
@@ -80,6 +81,35 @@ def test_the_engines_own_refusal_reaches_the_client_in_openais_shape(engine, gat
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] == engine_message and str(CONTEXT) in error["message"]
     assert set(response.json()) == {"error"}
+
+
+def test_a_text_part_the_engine_reads_as_an_image_is_refused_before_the_engine_is_asked(engine, gateway, tenant,
+                                                                                        endpoint):
+    # With a `uuid`, vLLM reads a part by its keys, not its `type`: this "text" part is the caller's cached image to
+    # the engine, which (the tiny model is text-only) refuses it as it refuses a genuine image part. The gateway took
+    # it for one character of text and passed it on (a 200 from a vision model, its images billed as that character).
+    disguised = {"type": "text", "text": "x", "uuid": "u1", "image_url": None}
+    payload = {"model": NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [disguised]}]}
+    with _client(engine, ENGINE_KEY) as direct:
+        as_text = direct.post("/v1/chat/completions", json=payload | {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+        as_image = direct.post("/v1/chat/completions", json=payload)
+        genuine = direct.post("/v1/chat/completions", json=payload | {"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": None, "uuid": "u1"}]}]})
+    assert (as_text.status_code, as_image.status_code) == (200, 400)
+    assert as_image.json()["error"]["message"] == genuine.json()["error"]["message"]
+    assert "multimodal" in as_image.json()["error"]["message"]
+
+    with _client(gateway, tenant.key) as client:
+        response = client.post("/v1/chat/completions", json=payload)
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == ("messages[0].content[0]", "invalid_value",
+                                                              "invalid_request_error")
+    # the gateway's own answer, before any reservation: the engine's would be passed on with its message
+    assert "multimodal" not in error["message"] and "'image_url'" in error["message"]
+    assert not UsageRecord.objects.filter(organization=tenant.org).exists()
 
 
 # --- a client that leaves ----------------------------------------------------------------------------
