@@ -58,6 +58,9 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
     clock its rows are new (`ledger.undrawn_prepaid_usage`). The gateway never settles more than it reserved against
     the credit left, so spend beyond it can only come from a grant expiring while a request ran; it is drawn as
     nothing. Returns the amount taken from grants now.
+
+    Less in the ledger than drawn (a superseding row cheaper than the row it replaced: `billing.rollups`) gives the
+    difference back (`_give_back`; returned negative), once: `credit_drawn` goes down by what was given back.
     """
     now = now or timezone.now()
     with transaction.atomic():
@@ -69,7 +72,11 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
         # NOTE: the amount and its parts in one statement: read in two, a row committed between them was in the
         # parts alone, the newest, and pushed out an older row not drawn yet (dated at the draw: paid twice).
         undrawn, usage = undrawn_prepaid_usage(account)
-        if undrawn <= 0:
+        if undrawn < 0:
+            given_back = _give_back(organization_id, -undrawn, now=now)
+            BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn - given_back)
+            return -given_back
+        if undrawn == 0:
             return Decimal(0)
         grants = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now).select_for_update())
         shares = credit_shares(grants, usage)
@@ -79,3 +86,21 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
         BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn + undrawn)
     # The Redis figure already counted this spend; it stays right. A new figure comes from the grants.
     return sum(shares.values(), Decimal(0))
+
+
+def _give_back(organization_id: int, amount: Decimal, *, now: datetime) -> Decimal:
+    """Give `amount` of drawn credit back to the organisation's grants, under the account's lock (`draw_credits`): to
+    those still active that have paid for usage, in the order draws take from them (soonest expiry first), each up to
+    what it paid. Returns what was given back.
+
+    NOTE: what no active grant paid (the overcharge was drawn from a grant expired since) is not given back: it stays
+    drawn beyond the ledger, and the next usage's draw takes that much less (`undrawn_prepaid_usage` nets it)."""
+    left = amount
+    for grant in CreditGrant.objects.active(now).filter(organization_id=organization_id, consumed__gt=0).order_by(
+            "expires_at", "granted_at", "pk").select_for_update():
+        share = min(left, grant.consumed)
+        CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed - share)
+        left -= share
+        if left == 0:
+            break
+    return amount - left

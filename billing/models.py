@@ -148,10 +148,13 @@ class UsageRollup(models.Model):
     billing_mode = models.CharField(max_length=16, choices=BillingMode.choices, default=BillingMode.POSTPAID)
     sequence = models.PositiveIntegerField(default=0)
     kind = models.CharField(max_length=16, choices=RollupKind.choices, default=RollupKind.HOURLY)
-    num_requests = models.PositiveBigIntegerField(default=0)
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    cached_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
+    # NOTE: signed: an ADJUSTMENT carries the whole difference, and a superseding row (`billing.ledger`) may lower a
+    # field of a closed hour while it raises another (a lost row's progress priced a prefix-cached prompt at the full
+    # input price; the call's own row, replayed late, says it was cached: less input and cost, more cached tokens).
+    num_requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
     cost = MoneyField(default=Decimal(0))
     computed_at = models.DateTimeField(default=timezone.now)
     closed_at = models.DateTimeField(null=True, blank=True)
@@ -528,7 +531,7 @@ class MeterEventPush(models.Model):
     rollup = models.ForeignKey(UsageRollup, on_delete=models.PROTECT, related_name="meter_events")
     event_name = models.CharField(max_length=100)
     identifier = models.CharField(max_length=100, unique=True)
-    value = models.PositiveBigIntegerField()
+    value = models.BigIntegerField()  # negative for an adjustment that lowers its meter (`UsageRollup`)
     pushed_at = models.DateTimeField(default=timezone.now)
     # The customer it went to and the time it was dated at (what decides which invoice bills it); blank and null for
     # events recorded before they were kept (`billing/0017`).

@@ -6,8 +6,11 @@ pushed to Stripe, its postpaid part is pushed.
 
 A run recomputes, from the ledger itself, every hour that received rows since the previous run
 (so running it twice changes nothing), then closes hours older than the close delay. An open hour
-simply takes its new totals. A closed hour never changes: if late rows arrive for it, the
-difference becomes an ADJUSTMENT rollup with the next sequence, pushed to Stripe on its own.
+simply takes its new totals. A closed hour never changes: if late rows arrive for it, or a row of it is
+superseded (`billing.ledger`), the difference becomes an ADJUSTMENT rollup with the next sequence, pushed to Stripe
+on its own; its fields are negative where the ledger's went down (a superseding row cheaper than the one it replaced),
+and go to Stripe as negative meter events. Fewer rows than the closed rollups count is usage deleted: logged as an
+ERROR, never adjusted.
 One run at a time (a transaction-scoped advisory lock); a run killed midway rolls back whole.
 """
 
@@ -115,10 +118,14 @@ def _apply(totals: dict, now: datetime, result: RollupResult) -> None:
         difference = {name: total[name] - sum(getattr(r, name) for r in rollups) for name in HOURLY_TOTAL_FIELDS}
         if not any(difference.values()):
             continue
-        if any(value < 0 for value in difference.values()):
-            # The ledger is append-only, so this means someone deleted usage: never bill it backwards silently.
-            logger.error("ledger shrank under closed rollup %s: %s", primary, difference)
+        if difference["num_requests"] < 0:
+            # NOTE: rows are only added or superseded (`billing.ledger`: a superseding row replaces one, the count
+            # stays), so fewer rows means someone deleted usage: never bill it backwards silently.
+            logger.error("ledger lost rows under closed rollup %s: %s", primary, difference)
             continue
+        # NOTE: the whole difference, negative fields too: a superseding row may cost less than the one it replaced
+        # (a lost row's progress knew no prefix-cache hits). Before, any negative field skipped the group: Stripe kept
+        # the overcharge, and later rows of that hour were swallowed until they outweighed it.
         sequence = rollups[-1].sequence + 1
         to_create.append(UsageRollup(
             organization_id=org, endpoint_id=endpoint, hour_start=hour, billing_mode=mode, sequence=sequence,

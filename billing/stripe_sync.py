@@ -783,10 +783,11 @@ def claim_rollup(rollup_id: int) -> bool:
 
 def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
     """The meters of `rollup` with a value whose event of its push generation Stripe has not confirmed
-    (`MeterEventPush`)."""
+    (`MeterEventPush`). A value may be negative (an adjustment that lowers a closed hour: `billing.rollups`): Stripe
+    takes negative meter events and sums them with the rest of the period, reporting a negative total as 0."""
     identifiers = [meter_event_identifier(rollup, meter.event_name) for meter in METERS]
     done = set(MeterEventPush.objects.filter(rollup=rollup, identifier__in=identifiers).values_list("event_name", flat=True))
-    return [meter for meter in METERS if getattr(rollup, meter.rollup_field) > 0 and meter.event_name not in done]
+    return [meter for meter in METERS if getattr(rollup, meter.rollup_field) != 0 and meter.event_name not in done]
 
 
 def push_rollup(rollup_id: int) -> bool:

@@ -9,6 +9,7 @@ with nothing pushed twice.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -17,13 +18,14 @@ import sys
 import time
 from collections import Counter
 from datetime import timedelta
+from decimal import Decimal
 
 import psutil
 import pytest
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from billing.ledger import record_usage_batch
+from billing.ledger import record_usage_batch, supersede_lost_rows
 from billing.models import BillingAccount, MeterEventPush, RollupKind, UsageRecord, UsageRollup
 from controlplane.celery_app import app as celery_app
 from controlplane.redis_client import get_redis
@@ -85,6 +87,19 @@ def _late_usage(endpoints, rng, count: int):
     record_usage_batch(reports)
 
 
+def _lost_then_superseded(endpoints, rng, lost: list, count: int):
+    """Supersede the `gateway_lost` rows written before by their calls' own rows, which say every prompt token was a
+    prefix-cache hit (cheaper: an adjustment of negative cost and input tokens where the hour closed), and write
+    `count` new ones (a lost gateway's progress knows no cache hits)."""
+    supersede_lost_rows([dataclasses.replace(report, status="ok", cached_tokens=report.prompt_tokens,
+                                             completion_tokens=report.completion_tokens + 1) for report in lost])
+    now = timezone.now().replace(minute=0, second=0, microsecond=0)
+    lost[:] = [usage_report(rng.choice(endpoints), status="gateway_lost", prompt_tokens=rng.randint(1000, 2000),
+                            finished_at=now - timedelta(hours=rng.randint(1, 30), minutes=rng.randint(0, 59)))
+               for _ in range(count)]
+    record_usage_batch(lost)
+
+
 def _feed(*, full_rollup: bool, queue_depth: int = 2):
     if get_redis().llen("celery") < queue_depth:
         # A full rollup recomputes every hour from the ledger: long enough for kills to land inside.
@@ -107,9 +122,14 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
         "INFERPLANE_BILLING_PUSH_RUN_LOCK_S": "3",
     }
     organizations = [OrganizationFactory(), OrganizationFactory()]
-    endpoints = [EndpointFactory(organization=org) for org in organizations for _ in range(2)]
+    # A cached input token cheaper than an uncached one: a superseding row that says so costs less.
+    endpoints = [EndpointFactory(organization=org, price_input_per_million=Decimal("1"),
+                                 price_cached_input_per_million=Decimal("0.1"), price_output_per_million=Decimal("2"))
+                 for org in organizations for _ in range(2)]
     for _ in range(30):  # enough that a full rollup takes a while
         _late_usage(endpoints, rng, 2000)
+    lost: list = []
+    _lost_then_superseded(endpoints, rng, lost, 20)
 
     # NOTE: several workers at once: a master notices a killed pool process only at its next
     # pool check (up to 5 s), and the others work meanwhile; they also race for the same rollups.
@@ -127,6 +147,7 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
             _feed(full_rollup=num_rounds % 2 == 0, queue_depth=2 * NUM_WORKERS)
             if num_rounds % 2 == 0:
                 _late_usage(endpoints, rng, 20)  # late rows for closed hours: adjustments to push
+                _lost_then_superseded(endpoints, rng, lost, 5)  # and cheaper supersedes: negative adjustments
             if num_rounds % 9 == 0:
                 fake.fail_next(rng.choice(["500", "429", "timeout"]), times=rng.randint(1, 3))
             time.sleep(rng.uniform(0.02, 0.2))
@@ -177,6 +198,7 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
         # NOTE: late rows for hours now closed are adjustments, pushed like any rollup. The chaos adds such rows
         # too, but a short chaos (its kills land fast on a quiet machine) may end before any hour it fed closed.
         _late_usage(endpoints, rng, 20)
+        _lost_then_superseded(endpoints, rng, lost, 0)
         wait_until(finished, 600, interval_s=0.5, message="the fresh worker to push the adjustments")
     finally:
         final.stop()
@@ -206,6 +228,8 @@ def test_killing_workers_during_rollups_and_pushes_loses_nothing_and_bills_nothi
             rollup.cost_micro_dollars for rollup in UsageRollup.objects.filter(organization=organization))
     assert UsageRecord.objects.count() == UsageRollup.objects.aggregate(n=Sum("num_requests"))["n"]
     assert UsageRollup.objects.filter(kind=RollupKind.ADJUSTMENT).exists()
+    assert UsageRollup.objects.filter(kind=RollupKind.ADJUSTMENT, cost__lt=0).exists()
+    assert not UsageRecord.objects.filter(status="gateway_lost").exists()
     # Every accepted meter event is recorded once, and Stripe accepted nothing we do not know of.
     assert MeterEventPush.objects.count() == len(fake.meter_events)
     assert set(MeterEventPush.objects.values_list("identifier", flat=True)) == set(fake.meter_events)

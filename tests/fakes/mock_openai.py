@@ -35,9 +35,16 @@ def _dumps(data) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _usage(completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion_tokens,
-            "total_tokens": PROMPT_TOKENS + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def _usage(completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """A `usage` object; `prompt_tokens_details` only with `cached_tokens`. NOTE: as vLLM (`--enable-prompt-tokens-details`)
+    writes them: a whole answer's and a stream's final usage chunk carry it; a stream's per-chunk continuous usage
+    (`stream_options.continuous_usage_stats`) carries only the three counts (vLLM's `chat_completion/serving.py`).
+    Before, every chunk carried it, and the suite tested a gateway whose progress knew prefix-cache hits."""
+    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": completion_tokens,
+             "total_tokens": PROMPT_TOKENS + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def _prefix(payload: dict) -> str:
@@ -160,7 +167,7 @@ class MockOpenAI:
                                       * max(1, self.whole_answer_bytes // num_tokens // 1030)}
             chunk = base | {"choices": [choice]}
             if include_usage and continuous:
-                chunk["usage"] = _usage(index + 1, cached)
+                chunk["usage"] = _usage(index + 1)
             await emit(b"data: " + _dumps(chunk) + b"\n\n")
         if include_usage:
             final = base | {"choices": [], "usage": _usage(num_tokens, cached)}

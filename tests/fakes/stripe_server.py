@@ -21,7 +21,8 @@
     fake.revoke_key(key), fake.restore_key(key)              # a secret key rolled or revoked: 401 to every call
 
 It records every call, replays the stored response for a repeated `Idempotency-Key` (as Stripe
-does for 24 h; a key sent again with other parameters is refused), refuses a meter event whose
+does for 24 h; a key sent again with other parameters is refused), takes a meter event's negative
+value as Stripe does (a period whose events sum below 0 is billed as 0), refuses a meter event whose
 `identifier` it accepted in the last 24 h (`age_meter_events` moves them back in time; an older one's
 identifier is taken again, as a second event), and bills as Stripe documents a subscription to a metered price
 does: each invoice of a subscription bills the sum of its price's meter events for the customer dated from where
@@ -681,11 +682,12 @@ class FakeStripe:
             event_name = self.meter_of(line)
             if event_name is None:  # an invoice item: a fixed amount
                 continue
-            line["quantity"] = sum(
+            # A period's negative total (negative events outweighing the rest) is billed as 0, as Stripe documents.
+            line["quantity"] = max(0, sum(
                 int(event["payload"]["value"]) for event in self.meter_events.values()
                 if event["event_name"] == event_name and event["payload"]["stripe_customer_id"] == invoice["customer"]
                 and line["period"]["start"] <= event["timestamp"] < line["period"]["end"]
-                and (deleted_as is None or self._received_as.get(id(event), 0) < deleted_as))
+                and (deleted_as is None or self._received_as.get(id(event), 0) < deleted_as)))
             line["amount"] = round(line["quantity"] * float(self.prices[self._price_id_of(line)]["unit_amount_decimal"]))
         invoice["amount_due"] = sum(line["amount"] for line in invoice["lines"]["data"])
 
@@ -703,7 +705,7 @@ class FakeStripe:
         # NOTE: Stripe processes meter events later: one for a deleted customer is accepted, and billed by nothing.
         if payload.get("stripe_customer_id") not in self.customers.keys() | self.deleted_customers:
             return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
-        if not re.fullmatch(r"\d+", str(payload.get("value", ""))):
+        if not re.fullmatch(r"-?\d+", str(payload.get("value", ""))):  # Stripe takes negative values
             return 400, _error("invalid_request_error", "value must be a whole number", code="parameter_invalid_integer")
         identifier = params.get("identifier") or _id("ident")
         earlier = self.meter_events.get(identifier)
