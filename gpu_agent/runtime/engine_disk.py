@@ -14,9 +14,9 @@ disk, and then weights downloads and other tenants' engines failed. Now:
 - the cache folders of endpoints with no replica on the node go when their last use is older than `cache_max_age_s`,
   and least recently used first while all cache folders together are past `cache_budget_bytes`.
 
-A folder is measured by what it holds on disk (blocks; a file with several names once, and only when all of them are
-inside), never following a link, and the walk stops once past its bound: an engine cannot make the agent count, walk
-or delete anything outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
+A folder is measured by what it holds on disk (blocks; a file with several names once, wherever its other names are),
+never following a link, and the walk stops once past its bound: an engine cannot make the agent count, walk or delete
+anything outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
 lock, which every launch holds) and deleting the renamed copy after: a replica of the endpoint starting meanwhile
 makes a new folder, never one half deleted. `CacheFolders` is the record of the cache folders; the supervisor
 decides when (`Supervisor.check_disk`).
@@ -119,11 +119,14 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
     `max_files` (then `complete` is False).
 
     NOTE: no link is followed (a symbolic link counts as itself: one to `/` or to another tenant's weights counts a
-    few bytes, not what it names), and a file with several names counts once, when all of them are in `folders`: one
-    whose other names are outside is not theirs (removing the folders removes only their names). The walk holds no
-    recursion, so no depth of folders stops it."""
+    few bytes, not what it names), and a file with several names counts once, at the first of them met in `folders`,
+    wherever its others are: before, only when all of them were inside, and a file with a name in each of two
+    replicas' scratch folders and one in their endpoint's shared cache was counted by neither engine (the review of
+    the weights: 20 MB counted 16 kB). A confined engine can only name there a file of folders it may write (Landlock's
+    REFER, which its scratch and cache need for the compilers' renames, is on no other), so what it counts is its
+    own; an engine left unconfined that links another's file there makes only itself fail.
+    The walk holds no recursion, so no depth of folders stops it."""
     seen: set[tuple[int, int]] = set()
-    names_left: dict[tuple[int, int], int] = {}  # a file with several names -> those not met yet
     num_bytes = num_files = 0
     pending = []
     for folder in folders:
@@ -144,18 +147,15 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
                     except OSError:
                         continue  # removed meanwhile
                     num_files += 1
+                    is_folder = stat.S_ISDIR(info.st_mode)
+                    met_again = is_folder or info.st_nlink > 1  # what may be met again: counted the first time
                     inode = (info.st_dev, info.st_ino)
-                    if stat.S_ISDIR(info.st_mode):
-                        if inode not in seen:
+                    if not (met_again and inode in seen):
+                        if met_again:
                             seen.add(inode)
-                            num_bytes += info.st_blocks * 512
-                            pending.append(entry.path)
-                    elif info.st_nlink <= 1:
                         num_bytes += info.st_blocks * 512
-                    else:
-                        names_left[inode] = names_left.get(inode, info.st_nlink) - 1
-                        if names_left[inode] == 0:  # its last name met here: all of them are inside
-                            num_bytes += info.st_blocks * 512
+                        if is_folder:
+                            pending.append(entry.path)
                     if (max_bytes is not None and num_bytes > max_bytes) or num_files > max_files:
                         return DiskUsage(num_bytes, num_files, complete=False)
         except OSError:
