@@ -863,6 +863,65 @@ def test_an_urgent_folder_mid_slice_as_the_agent_stops_is_tried_once_more_whole(
 # --- What an engine hides from its bound ---------------------------------------------------------------------
 
 
+def test_a_folder_an_engine_made_unreadable_stops_the_walk_as_hidden_never_as_measured(base):
+    """The agent is the engines' own user, no root: a folder an engine made 0o000 (Landlock leaves chmod to it) or
+    0o400 (listed, never searched) refuses it. Before, the walk skipped it and took the folders as measured: 20 MB
+    hidden, 8 kB counted, `complete`. Once readable again, the same folders measure as before."""
+    scratch = base / "scratch"
+    fill(scratch / "locked", 20 * MB)
+    fill(scratch / "unsearchable", 20 * MB)
+    answers = base / "answers"
+
+    def lock_and_measure():
+        lines = []
+        for name, mode in (("locked", 0o000), ("unsearchable", 0o400)):
+            (scratch / name).chmod(mode)  # what a confined engine may do in its own folder
+            usage = engine_disk.measure([scratch])  # as the agent (the same user) measures it
+            lines.append(f"{name}: {usage.complete} {usage.unreadable}")
+            (scratch / name).chmod(0o700)
+        usage = engine_disk.measure([scratch])
+        lines.append(f"readable: {usage.complete} {usage.num_bytes >= 40 * MB} {usage.unreadable!r}")
+        answers.write_text("\n".join(lines))
+
+    run_unprivileged(base, lock_and_measure)
+    assert answers.read_text().splitlines() == [
+        f"locked: False {scratch}/locked",
+        f"unsearchable: False {scratch}/unsearchable/fill.bin",
+        "readable: True True ''",
+    ]
+
+
+def test_an_engine_that_made_a_folder_of_its_own_unreadable_fails_and_its_folders_are_emptied(
+    make_supervisor, tmp_path, monkeypatch
+):
+    """The verdict on `measure`'s `unreadable` (the tests run as root, whom no permission refuses: the walk's part is
+    `test_a_folder_an_engine_made_unreadable_...`, as nobody)."""
+    supervisor = make_supervisor(check_interval_s=0, sweep_interval_s=3600)
+    supervisor.start(make_spec("r-hides", endpoint_id="e-hides"), tmp_path / "model")
+    supervisor.start(make_spec("r-plain", endpoint_id="e-plain"), tmp_path / "model")
+    wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
+    hides = Path(supervisor.get("r-hides").command.env["TMPDIR"])
+    measure = engine_disk.measure
+
+    def measure_as_the_agent(folders, **bounds):
+        usage = measure(folders, **bounds)
+        if hides in folders:  # what nobody's walk gets there (a folder at 0o000)
+            return engine_disk.DiskUsage(usage.num_bytes, usage.num_files, False, unreadable=str(hides / "locked"))
+        return usage
+
+    monkeypatch.setattr(engine_disk, "measure", measure_as_the_agent)
+    supervisor.check_disk()
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == "r-hides")
+    assert status.state == ReplicaState.FAILED
+    assert "its engine hid what it wrote from the agent (a folder in its own folders made unreadable)" in (
+        status.failure_reason
+    )
+    wait_until(lambda: processes_with_marker("r-hides") == [] and not supervisor._removals.pending(), 10)
+    assert not hides.exists()
+    assert supervisor.get("r-plain").state == ReplicaState.READY
+
+
 def test_a_file_two_replicas_of_one_endpoint_link_through_their_shared_cache_counts_in_both(tmp_path):
     """Two replicas of one endpoint on a node share its cache folder (READ_WRITE with REFER in both): a file with a
     name in each scratch and one in the cache. Before, a file counted only when all its names were inside, so
