@@ -7,7 +7,8 @@ tenant's engine writing without end, or a node that served thousands of endpoint
 disk, and then weights downloads and other tenants' engines failed. Now:
 
 - a live engine's scratch and cache folders together, with what its processes hold in /dev/shm (RAM, which it may
-  write but not list: `shared_memory.held_by`), are measured every `EngineDiskBounds.check_interval_s`, sooner
+  write but not list: `shared_memory.held_by`) and what they hold of those folders' disks with no name left (a file
+  unlinked while open or mapped, which no walk meets), are measured every `EngineDiskBounds.check_interval_s`, sooner
   the nearer they are to their bound (`next_check_in_s`), and its replica fails past `engine_max_bytes` or
   `engine_max_files` (the supervisor empties both, and removes the /dev/shm files it held); a /dev/shm file of the
   agent's user that no process held at the sweeps of `shared_memory_orphan_age_s` goes;
@@ -177,6 +178,18 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
         except OSError:
             continue  # a folder removed meanwhile
     return DiskUsage(num_bytes, num_files, complete=True)
+
+
+def devices_of(folders) -> frozenset[int]:
+    """The devices (file systems) `folders` are on: where what an engine holds with no name left is counted
+    (`shared_memory.held_by`'s `disk_devices`)."""
+    found = set()
+    for folder in folders:
+        try:
+            found.add(os.lstat(folder).st_dev)
+        except OSError:
+            continue
+    return frozenset(found)
 
 
 def set_aside(folder: Path) -> Path | None:

@@ -708,8 +708,9 @@ class Supervisor:
             walk_started = time.monotonic()
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
             # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`); in
-            # namespaces of its own, the whole of its own /dev/shm, closed files too.
-            held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir)
+            # namespaces of its own, the whole of its own /dev/shm, closed files too. And what they hold of their
+            # folders' disks with no name left (unlinked while open), which no walk of the folders meets.
+            held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir, engine_disk.devices_of(folders))
             usage = dataclasses.replace(usage, num_bytes=usage.num_bytes + held.num_bytes,
                                         num_files=usage.num_files + held.num_files)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
@@ -742,8 +743,9 @@ class Supervisor:
                                       "its mappings): stopped, and its folders emptied", held.paths))  # fmt: skip
             elif why:
                 over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
-                                      "its endpoint's cache and the shared memory its processes hold, this node's "
-                                      "bound for one engine): stopped, and its folders emptied", held.paths))
+                                      "its endpoint's cache, the files its processes hold there after removing them "
+                                      "and the shared memory they hold, this node's bound for one engine): stopped, "
+                                      "and its folders emptied", held.paths))
             else:
                 walked = time.monotonic()
                 # sooner when near, never sooner than its walk's cost allows, from the walk's end

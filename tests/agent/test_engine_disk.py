@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime import cli, engine_disk, process, sandbox
+from gpu_agent.runtime import cli, engine_disk, process, sandbox, shared_memory
 from gpu_agent.runtime.engine_disk import CacheFolders, EngineDiskBounds
 from gpu_agent.runtime.supervisor import Supervisor
 
@@ -44,9 +47,9 @@ def make_supervisor(tmp_path):
     def factory(spec, model_path, port):
         return (filling if spec.replica_id == "r-big" else plain)(spec, model_path, port)
 
-    def make(**bounds) -> Supervisor:
+    def make(command_factory=factory, **bounds) -> Supervisor:
         made.append(
-            Supervisor(tmp_path / "agent", command_factory=factory, disk_bounds=EngineDiskBounds(**bounds))
+            Supervisor(tmp_path / "agent", command_factory=command_factory, disk_bounds=EngineDiskBounds(**bounds))
         )
         return made[-1]
 
@@ -920,6 +923,69 @@ def test_an_engine_that_made_a_folder_of_its_own_unreadable_fails_and_its_folder
     wait_until(lambda: processes_with_marker("r-hides") == [] and not supervisor._removals.pending(), 10)
     assert not hides.exists()
     assert supervisor.get("r-plain").state == ReplicaState.READY
+
+
+@pytest.mark.parametrize("held", ["open", "mapped"])
+def test_what_an_engine_holds_in_its_folders_after_removing_it_counts_in_its_bound(make_supervisor, tmp_path, held):
+    """A file an engine unlinked while it holds it (open, or only mapped) keeps its blocks on the disk where no walk
+    of its folders meets it. Before, an engine holding 3 MB so, past a bound of 2 MB, stayed READY (counted 4 kB);
+    an honest engine's count is the same as before."""
+    hiding = fake_engine_factory("--fill-scratch-bytes", str(3 * MB), "--unlink-scratch-fill", held)
+    honest = fake_engine_factory("--fill-scratch-bytes", str(MB))
+
+    def factory(spec, model_path, port):
+        return (hiding if spec.replica_id == "r-hides" else honest)(spec, model_path, port)
+
+    supervisor = make_supervisor(command_factory=factory, engine_max_bytes=2 * MB, check_interval_s=0,
+                                 sweep_interval_s=3600)  # fmt: skip
+    supervisor.start(make_spec("r-hides", endpoint_id="e-hides"), tmp_path / "model")
+    supervisor.start(make_spec("r-honest", endpoint_id="e-honest"), tmp_path / "model")
+    wait_until(lambda: {s.state for s in supervisor.statuses()} == {ReplicaState.READY}, 30, poll=supervisor.poll)
+    hides = Path(supervisor.get("r-hides").command.env["TMPDIR"])
+    assert engine_disk.measure([hides]).num_bytes < MB  # its name is gone: no walk meets it
+    honest_replica = supervisor.get("r-honest")
+    honest_folders = [Path(honest_replica.command.env[name]) for name in ("TMPDIR", "XDG_CACHE_HOME")]
+
+    supervisor.check_disk()
+
+    status = next(status for status in supervisor.statuses() if status.replica_id == "r-hides")
+    assert status.state == ReplicaState.FAILED
+    assert "wrote more than 0.002 GB to its own folders" in status.failure_reason
+    assert supervisor.get("r-honest").state == ReplicaState.READY
+    with_disks = shared_memory.held_by_tree(honest_replica.pid, supervisor.shared_memory_dir,
+                                            engine_disk.devices_of(honest_folders))  # fmt: skip
+    assert with_disks.num_bytes == shared_memory.held_by_tree(honest_replica.pid, supervisor.shared_memory_dir).num_bytes
+
+
+# Writes 5 MB at argv[1], forks (the child holds it too), removes its name and says the child's pid.
+HOLD_UNLINKED = """
+import os, sys, time
+with open(sys.argv[1], "wb") as fill:
+    fill.write(os.urandom(5_000_000))
+held = os.open(sys.argv[1], os.O_RDONLY)
+child = os.fork()
+if child:
+    os.unlink(sys.argv[1])
+    print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_file_unlinked_and_held_by_several_processes_of_an_engine_counts_once(tmp_path):
+    # NOTE: stdin and stderr never pytest's capture file, itself a file unlinked and open
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_UNLINKED, str(tmp_path / "fill.bin")], text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    child = None
+    try:
+        child = int(holder.stdout.readline())
+        held = shared_memory.held_by({holder.pid, child}, disk_devices=engine_disk.devices_of([tmp_path]))
+        assert held.num_files == 1 and 5 * MB <= held.num_bytes < 5 * MB + 100_000
+        assert shared_memory.held_by({holder.pid, child}).num_bytes == 0  # of no device of its folders: not counted
+    finally:
+        holder.kill()
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        holder.wait()
 
 
 def test_a_file_two_replicas_of_one_endpoint_link_through_their_shared_cache_counts_in_both(tmp_path):
