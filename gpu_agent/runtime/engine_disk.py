@@ -7,16 +7,18 @@ tenant's engine writing without end, or a node that served thousands of endpoint
 disk, and then weights downloads and other tenants' engines failed. Now:
 
 - a live engine's scratch and cache folders together, with what its processes hold in /dev/shm (RAM, which it may
-  write but not list: `shared_memory.held_by`), are measured every `EngineDiskBounds.check_interval_s`, sooner
+  write but not list: `shared_memory.held_by`) and what they hold of those folders' disks with no name left (a file
+  unlinked while open or mapped, which no walk meets), are measured every `EngineDiskBounds.check_interval_s`, sooner
   the nearer they are to their bound (`next_check_in_s`), and its replica fails past `engine_max_bytes` or
   `engine_max_files` (the supervisor empties both, and removes the /dev/shm files it held); a /dev/shm file of the
   agent's user that no process held at the sweeps of `shared_memory_orphan_age_s` goes;
 - the cache folders of endpoints with no replica on the node go when their last use is older than `cache_max_age_s`,
   and least recently used first while all cache folders together are past `cache_budget_bytes`.
 
-A folder is measured by what it holds on disk (blocks; a file with several names once, and only when all of them are
-inside), never following a link, and the walk stops once past its bound: an engine cannot make the agent count, walk
-or delete anything outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
+A folder is measured by what it holds on disk (blocks; a file with several names once, wherever its other names are),
+never following a link, and the walk stops once past its bound, or at a folder its engine made unreadable to the agent
+(its replica then fails: what it holds is unknown): an engine cannot make the agent count, walk or delete anything
+outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
 lock, which every launch holds) and deleting the renamed copy after: a replica of the endpoint starting meanwhile
 makes a new folder, never one half deleted. `CacheFolders` is the record of the cache folders; the supervisor
 decides when (`Supervisor.check_disk`).
@@ -79,6 +81,9 @@ class DiskUsage:
     num_bytes: int
     num_files: int
     complete: bool  # False: the walk stopped at its bound, and there is more
+    # a folder (or a file in one) its engine made unreadable to the agent, where the walk stopped: what it holds is
+    # unknown ("" when none)
+    unreadable: str = ""
 
     def over(self, max_bytes: int | None, max_files: int) -> str:
         """Why this usage is past the bounds ("" when it is not)."""
@@ -116,14 +121,24 @@ def next_check_in_s(usage: DiskUsage, bounds: EngineDiskBounds, *, walked_s: flo
 
 def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_ENGINE_MAX_FILES) -> DiskUsage:
     """The blocks `folders` hold on disk, and their files and folders, counted until past `max_bytes` or
-    `max_files` (then `complete` is False).
+    `max_files` (then `complete` is False), or until a folder or file the agent may not read (then `unreadable` names
+    it, and `complete` is False).
 
     NOTE: no link is followed (a symbolic link counts as itself: one to `/` or to another tenant's weights counts a
-    few bytes, not what it names), and a file with several names counts once, when all of them are in `folders`: one
-    whose other names are outside is not theirs (removing the folders removes only their names). The walk holds no
-    recursion, so no depth of folders stops it."""
+    few bytes, not what it names), and a file with several names counts once, at the first of them met in `folders`,
+    wherever its others are: before, only when all of them were inside, and a file with a name in each of two
+    replicas' scratch folders and one in their endpoint's shared cache was counted by neither engine (the review of
+    the weights: 20 MB counted 16 kB). A confined engine can only name there a file of folders it may write (Landlock's
+    REFER, which its scratch and cache need for the compilers' renames, is on no other), so what it counts is its
+    own; an engine left unconfined that links another's file there makes only itself fail.
+    The walk holds no recursion, so no depth of folders stops it.
+
+    NOTE: a folder its engine made unreadable (Landlock leaves chmod to it) stops the walk as `unreadable`, which its
+    replica fails for: before, the walk skipped it and reported its folders complete (20 MB counted 8 kB). Not made
+    readable again here as `_enter_folder` does for a removal: the engine may take the permission away again between
+    the chmod and the open, so a refused folder would still have to be taken as hidden; and a live engine's files are
+    never changed by a measure."""
     seen: set[tuple[int, int]] = set()
-    names_left: dict[tuple[int, int], int] = {}  # a file with several names -> those not met yet
     num_bytes = num_files = 0
     pending = []
     for folder in folders:
@@ -136,31 +151,45 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
             num_bytes += info.st_blocks * 512
             pending.append(os.fspath(folder))
     while pending:
+        path = pending.pop()
         try:
-            with os.scandir(pending.pop()) as entries:
+            with os.scandir(path) as entries:
                 for entry in entries:
                     try:
                         info = entry.stat(follow_symlinks=False)
+                    except PermissionError:  # a folder it may list but not search (0o400)
+                        return DiskUsage(num_bytes, num_files, complete=False, unreadable=entry.path)
                     except OSError:
                         continue  # removed meanwhile
                     num_files += 1
+                    is_folder = stat.S_ISDIR(info.st_mode)
+                    met_again = is_folder or info.st_nlink > 1  # what may be met again: counted the first time
                     inode = (info.st_dev, info.st_ino)
-                    if stat.S_ISDIR(info.st_mode):
-                        if inode not in seen:
+                    if not (met_again and inode in seen):
+                        if met_again:
                             seen.add(inode)
-                            num_bytes += info.st_blocks * 512
-                            pending.append(entry.path)
-                    elif info.st_nlink <= 1:
                         num_bytes += info.st_blocks * 512
-                    else:
-                        names_left[inode] = names_left.get(inode, info.st_nlink) - 1
-                        if names_left[inode] == 0:  # its last name met here: all of them are inside
-                            num_bytes += info.st_blocks * 512
+                        if is_folder:
+                            pending.append(entry.path)
                     if (max_bytes is not None and num_bytes > max_bytes) or num_files > max_files:
                         return DiskUsage(num_bytes, num_files, complete=False)
+        except PermissionError:
+            return DiskUsage(num_bytes, num_files, complete=False, unreadable=path)
         except OSError:
-            continue  # a folder removed or unreadable meanwhile
+            continue  # a folder removed meanwhile
     return DiskUsage(num_bytes, num_files, complete=True)
+
+
+def devices_of(folders) -> frozenset[int]:
+    """The devices (file systems) `folders` are on: where what an engine holds with no name left is counted
+    (`shared_memory.held_by`'s `disk_devices`)."""
+    found = set()
+    for folder in folders:
+        try:
+            found.add(os.lstat(folder).st_dev)
+        except OSError:
+            continue
+    return frozenset(found)
 
 
 def set_aside(folder: Path) -> Path | None:
@@ -599,9 +628,10 @@ class CacheFolders:
 def to_prune(
     folders: list[CacheFolder], in_use: set[str], bounds: EngineDiskBounds, now: float
 ) -> list[CacheFolder]:
-    """Which cache folders go: of those no replica uses (`in_use`: names), any whose walk stopped at its bound, any
-    last used more than `cache_max_age_s` ago, then the least recently used while all of them together are past
-    `cache_budget_bytes`. `folders` is least recently used first."""
+    """Which cache folders go: of those no replica uses (`in_use`: names), any whose walk stopped at its bound (or at
+    a folder it could not read: `DiskUsage.unreadable`), any last used more than `cache_max_age_s` ago, then the
+    least recently used while all of them together are past `cache_budget_bytes`. `folders` is least recently used
+    first."""
     chosen = []
     total = sum(folder.usage.num_bytes for folder in folders)
     for folder in folders:

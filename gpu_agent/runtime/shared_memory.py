@@ -95,9 +95,10 @@ class HeldMemory:
     """What some processes hold in the shared-memory folder."""
 
     # each file once: its blocks, or for one unlinked and only mapped, its largest mapping; and each tmpfs not mounted
-    # here (their own /dev/shm, another engine's they hold a file of) whole, once
+    # here (their own /dev/shm, another engine's they hold a file of) whole, once; and each file of `disk_devices`
+    # they hold with no name left (`held_by`), the same way
     num_bytes: int
-    num_files: int  # the files of those tmpfs, held or not; 0 for the node's /dev/shm
+    num_files: int  # the files of those tmpfs, held or not, and the unnamed files of `disk_devices`; 0 for /dev/shm
     paths: frozenset[Path]  # the names they hold that still exist (removed when their engine is stopped)
     inodes: frozenset[tuple[int, int]]  # (device, inode) of every file they hold
     hidden: bool  # a process of theirs would not show its files (not dumpable): what it holds is unknown
@@ -390,8 +391,9 @@ def _mounts(pid: int) -> dict[int, tuple[str, str]]:
     return found
 
 
-def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
-    """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there).
+def held_by(pids, folder: Path = SHARED_MEMORY_DIR, disk_devices=frozenset()) -> HeldMemory:
+    """What `pids` hold open or mapped in `folder` (files directly in it: an engine may make no folder there), and
+    the files of `disk_devices` (those of an engine's own folders) they hold open or mapped that have no name left.
 
     A process in a mount namespace of its own (`namespaces.py`) has a `folder` of its own, a tmpfs: all of it is
     counted, held or not (its blocks and files: `statvfs` through `/proc/<pid>/root`), and the names of its files are
@@ -399,7 +401,13 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     file of, whatever its path (another engine's /dev/shm: `_PrivateTmpfs`), measured through the open file itself
     (`/proc/<pid>/fd/<n>`, and `/proc/<pid>/map_files/<range>` for a file only mapped, which the kernel shows only
     to an agent with CAP_CHECKPOINT_RESTORE: without, a file only mapped counts only by its path, as in `folder`,
-    and one of another tmpfs that no link of theirs measures, mounted nowhere they see, is `unmeasured`)."""
+    and one of another tmpfs that no link of theirs measures, mounted nowhere they see, is `unmeasured`).
+
+    NOTE: a file an engine unlinked in its folders while it holds it keeps its blocks on the disk, and no walk of the
+    folders meets it: before, its engine wrote on through it past its bound (20 MB held, 4 kB counted: the review of
+    the weights). Each one of `disk_devices` counts, once however many of `pids` hold it, by its blocks (`fstat`
+    through `/proc/<pid>/fd/<n>`, `st_nlink` 0), or, held only mapped (its descriptor closed), by its largest
+    mapping: the kernel lets no agent without CAP_CHECKPOINT_RESTORE `stat` a mapping's file."""
     own_folders: dict[int, tuple[int, int]] = {}  # device -> (bytes, files) of the processes' own `folder`s
     private = _PrivateTmpfs()
     try:
@@ -409,6 +417,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
         node_device = None
     sizes: dict[tuple[int, int], int] = {}
     mapped: dict[tuple[int, int], int] = {}  # unlinked files known only by their mappings: the largest
+    unnamed: dict[tuple[int, int], int] = {}  # files of `disk_devices` with no name left: blocks, or largest mapping
+    unnamed_open: set[tuple[int, int]] = set()  # those measured by their blocks
     paths = set()
     hidden = False
     vanished = False  # a process gone while it was asked
@@ -445,6 +455,9 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
                 continue
             private.measure(info.st_dev, f"{fd_dir}/{fd}")
             if not target.startswith(prefix):
+                if info.st_dev in disk_devices and info.st_nlink == 0 and stat.S_ISREG(info.st_mode):
+                    unnamed[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+                    unnamed_open.add((info.st_dev, info.st_ino))
                 continue
             sizes[(info.st_dev, info.st_ino)] = info.st_blocks * 512
             if own_view and not target.endswith(" (deleted)"):
@@ -453,7 +466,8 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 # a file of `folder`, or of a file system with an anonymous device (a tmpfs's: `_PrivateTmpfs`)
                 lines = [parts for parts in (line.split(maxsplit=5) for line in maps)
-                         if len(parts) == 6 and parts[4] != "0" and (parts[3].startswith("00:") or prefix in parts[5])]  # fmt: skip
+                         if len(parts) == 6 and parts[4] != "0" and (parts[3].startswith("00:") or prefix in parts[5]
+                                                                     or (disk_devices and " (deleted)" in parts[5]))]  # fmt: skip
         except PermissionError:
             hidden = True
             continue
@@ -464,6 +478,10 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
             start, end = (int(value, 16) for value in parts[0].split("-"))
             major, minor = (int(value, 16) for value in parts[3].split(":"))
             inode = (os.makedev(major, minor), int(parts[4]))
+            if inode[0] in disk_devices and not parts[5].startswith(prefix):
+                if inode not in unnamed_open and parts[5].rstrip("\n").endswith(" (deleted)"):
+                    unnamed[inode] = max(unnamed.get(inode, 0), end - start)
+                continue
             link = f"/proc/{pid}/map_files/{start:x}-{end:x}"
             private.measure(inode[0], link, mapped_as=parts[5].rstrip("\n"), pid=pid)
             if not parts[5].startswith(prefix):
@@ -489,13 +507,15 @@ def held_by(pids, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     num_bytes = sum(size for (device, _), size in counted.items() if device not in whole)
     num_bytes += sum(num_bytes for num_bytes, _ in whole.values())
     num_files = sum(num_files for _, num_files in whole.values())
+    num_bytes += sum(unnamed.values())
+    num_files += len(unnamed)
     # NOTE: a whole tree gone meanwhile (its engine exited) holds nothing; one living on may hold what the gone held
     incomplete = (vanished or private.vanished) and any(os.path.exists(f"/proc/{pid}") for pid in set(pids))
     return HeldMemory(num_bytes, num_files, frozenset(paths), frozenset(sizes) | frozenset(mapped), hidden,
                       private.unmeasured(known=own_folders), incomplete)  # fmt: skip
 
 
-def held_by_tree(pid: int, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
+def held_by_tree(pid: int, folder: Path = SHARED_MEMORY_DIR, disk_devices=frozenset()) -> HeldMemory:
     """`held_by` the processes of `pid`'s tree (`process_tree`: an engine's), `incomplete` too when the tree has a
     process after the walk that it did not have before: one born meanwhile, which may hold what one walked gave it.
 
@@ -506,7 +526,7 @@ def held_by_tree(pid: int, folder: Path = SHARED_MEMORY_DIR) -> HeldMemory:
     born after the tree was listed: 31 walks in 40 found neither its memory nor anything unmeasured."""
     for _ in range(MAX_TREE_WALKS):
         tree, complete = _scan_tree(pid)
-        held = held_by(tree, folder)
+        held = held_by(tree, folder, disk_devices)
         after, complete_after = _scan_tree(pid)
         if not held.incomplete and complete and complete_after and not after - tree:
             return held

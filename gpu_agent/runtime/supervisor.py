@@ -708,10 +708,11 @@ class Supervisor:
             walk_started = time.monotonic()
             usage = engine_disk.measure(folders, max_bytes=bounds.engine_max_bytes, max_files=bounds.engine_max_files)
             # NOTE: what its processes hold in /dev/shm is RAM it may write but not list (`sandbox.SHARED_MEMORY`); in
-            # namespaces of its own, the whole of its own /dev/shm, closed files too.
-            held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir)
-            usage = engine_disk.DiskUsage(usage.num_bytes + held.num_bytes, usage.num_files + held.num_files,
-                                          usage.complete)  # fmt: skip
+            # namespaces of its own, the whole of its own /dev/shm, closed files too. And what they hold of their
+            # folders' disks with no name left (unlinked while open), which no walk of the folders meets.
+            held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir, engine_disk.devices_of(folders))
+            usage = dataclasses.replace(usage, num_bytes=usage.num_bytes + held.num_bytes,
+                                        num_files=usage.num_files + held.num_files)  # fmt: skip
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
             replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
@@ -719,7 +720,12 @@ class Supervisor:
                 replica.incomplete_shm_since = None
             elif replica.incomplete_shm_since is None:
                 replica.incomplete_shm_since = now
-            if held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
+            if usage.unreadable:  # a folder it made unreadable: what it holds is unknown, so it is no engine to keep
+                logger.warning("replica %s: its engine made %s unreadable to the agent", replica.spec.replica_id,
+                               usage.unreadable)
+                over.append((replica, "its engine hid what it wrote from the agent (a folder in its own folders made "
+                                      "unreadable): stopped, and its folders emptied", held.paths))
+            elif held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
             elif (replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS
@@ -737,8 +743,9 @@ class Supervisor:
                                       "its mappings): stopped, and its folders emptied", held.paths))  # fmt: skip
             elif why:
                 over.append((replica, f"its engine wrote {why} to its own folders and /dev/shm (its scratch folder, "
-                                      "its endpoint's cache and the shared memory its processes hold, this node's "
-                                      "bound for one engine): stopped, and its folders emptied", held.paths))
+                                      "its endpoint's cache, the files its processes hold there after removing them "
+                                      "and the shared memory they hold, this node's bound for one engine): stopped, "
+                                      "and its folders emptied", held.paths))
             else:
                 walked = time.monotonic()
                 # sooner when near, never sooner than its walk's cost allows, from the walk's end

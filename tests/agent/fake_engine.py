@@ -4,7 +4,8 @@ Serves /health, /metrics (running requests read from --running-file),
 /tokenize (a chat template adding 3 tokens a conversation and 4 a message) and /v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
-cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --fill-shm-bytes holds a file that
+cache folder (XDG_CACHE_HOME) and scratch folder (TMPDIR) before it answers /health (with --unlink-scratch-fill removes
+the scratch's file's name and holds it, open or only mapped; with --fill-shm-bytes holds a file that
 big in /dev/shm, open and mapped, or with --shm-unlinked only mapped, or with --shm-closed neither); spawns a worker child like vLLM's EngineCore so that tests see
 whether the whole process group goes away. With --give-shm-fd and --keep-shm-fds, one engine passes another a file
 of its /dev/shm over a Unix socket, as a hostile tenant's two replicas would.
@@ -34,6 +35,8 @@ parser.add_argument("--log-line", action="append", default=[], help="a line to w
 parser.add_argument("--tokenize-fails", type=int, default=0, help="the first N /tokenize calls answer 503")
 parser.add_argument("--fill-cache-bytes", type=int, default=0, help="write this many bytes to its cache folder")
 parser.add_argument("--fill-scratch-bytes", type=int, default=0, help="write this many bytes to its scratch folder")
+parser.add_argument("--unlink-scratch-fill", choices=["open", "mapped"], default=None,
+                    help="then remove its name, held open or only mapped")
 parser.add_argument("--fill-shm-bytes", type=int, default=0, help="write and hold (open, mapped) a file this big in --shm-dir")
 parser.add_argument("--shm-dir", default="/dev/shm")
 parser.add_argument("--shm-unlinked", action="store_true", help="then remove its name: only the mapping holds it")
@@ -162,6 +165,14 @@ for folder_env, num_bytes in (("XDG_CACHE_HOME", args.fill_cache_bytes), ("TMPDI
     if num_bytes:  # what an engine's compile caches and temporary files take, on disk (not sparse)
         with open(os.path.join(os.environ[folder_env], "fill.bin"), "wb") as fill:
             fill.write(os.urandom(num_bytes))
+held_unlinked = []
+if args.unlink_scratch_fill:  # a hostile engine's way to write past its disk bound where no walk of its folders looks
+    scratch_fill = os.path.join(os.environ["TMPDIR"], "fill.bin")
+    held_unlinked.append(open(scratch_fill, "rb"))  # noqa: SIM115 - held for the engine's life
+    if args.unlink_scratch_fill == "mapped":
+        held_unlinked.append(mmap.mmap(held_unlinked[0].fileno(), 0, prot=mmap.PROT_READ))
+        held_unlinked.pop(0).close()
+    os.unlink(scratch_fill)
 held_shm = []
 if args.fill_shm_bytes:  # what vLLM's ring buffers and NCCL's segments take, in RAM
     shm_path = os.path.join(args.shm_dir, f"inferplane-test-{os.getpid()}-{os.urandom(4).hex()}")

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import RegisterRequest, ReplicaState, engine_sandbox_weakened
-from gpu_agent.runtime import process, sandbox
+from gpu_agent.runtime import engine_disk, process, sandbox, shared_memory
 from gpu_agent.runtime.adapters import AdapterLoadError, AdapterSlots
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
@@ -874,8 +874,18 @@ def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_di
         assert len(engines) >= 2 and all(no_new_privileges(found.pid) for found in engines)
         if LANDLOCK_ABI >= 6:
             assert_only_abstract_sockets_of_its_own(replica)
+        assert_holds_nothing_of_its_folders_unlinked(supervisor, replica)
     finally:
         supervisor.shutdown(timeout_s=20)
+
+
+def assert_holds_nothing_of_its_folders_unlinked(node: Supervisor, replica) -> None:
+    """A real engine holds no file of its folders' disks with no name left: its disk bound counts what it did before
+    (`shared_memory.held_by`'s `disk_devices`)."""
+    folders = [Path(replica.command.env[name]) for name in ("TMPDIR", "XDG_CACHE_HOME")]
+    with_disks = shared_memory.held_by_tree(replica.pid, node.shared_memory_dir, engine_disk.devices_of(folders))
+    held = shared_memory.held_by_tree(replica.pid, node.shared_memory_dir)
+    assert (with_disks.num_bytes, with_disks.num_files) == (held.num_bytes, held.num_files)
 
 
 @pytest.mark.vllm
@@ -893,6 +903,7 @@ def test_an_engine_forked_by_the_zygote_serves_confined_and_reads_no_adapter_out
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
         if LANDLOCK_ABI >= 6:
             assert_only_abstract_sockets_of_its_own(replica)
+        assert_holds_nothing_of_its_folders_unlinked(engine_node, replica)
         slots = AdapterSlots(replica.address, spec.engine_api_key, max_loras=1)
         # NOTE: what the agent's own loads go through (`ReplicaAdapters`): a copy in the engine's folder.
         slots.ensure("staged", engine_node.stage_adapter(spec.replica_id, outside))
