@@ -97,3 +97,24 @@ def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
         assert "did not say the context it serves" in supervisor.get("r-silent").failure_reason
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+@pytest.mark.vllm
+def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_derive(engine_node, tiny_model_dir,
+                                                                                    tmp_path):
+    """A model of absolute positions whose tokenizer allows 1,024 of its 2,048: described as 1,024 (vLLM's bound on
+    its pooling runner, taken by the agent for any such model), which a generating vLLM left to itself would not
+    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by."""
+    import httpx
+
+    from tests.engines import serve_engine, tiny_model_copy
+
+    model = tiny_model_copy(tiny_model_dir, tmp_path, {"config.json": {"position_embedding_type": "absolute"},
+                                                       "tokenizer_config.json": {"model_max_length": 1024}})
+    assert read_config_info(model).max_model_len == 1024
+    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4)
+    with serve_engine(engine_node, spec, model) as replica:
+        listed = httpx.get(f"{replica.address}/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {spec.engine_api_key}"}).json()["data"]
+        assert [card["max_model_len"] for card in listed] == [1024]
+        assert flag(replica.command.argv, "--max-model-len") == "1024"
