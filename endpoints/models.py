@@ -19,6 +19,7 @@ from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
     MAX_DIFFERING_TOKENIZERS,
+    UNKNOWN_CONTEXT_TOKENS,
     CheckpointQuantization,
     ModelTask,
     ReplicaState,
@@ -400,8 +401,9 @@ class Endpoint(models.Model):
         return ModelFacts.context_length_of(self.model_source, self.weights_scope) or UNKNOWN_CONTEXT_LENGTH
 
 
-# Until an agent has read a model's config, estimates (placement, the gateway's checks) assume this.
-UNKNOWN_CONTEXT_LENGTH = 4096
+# Until an agent has read a model's config, estimates (placement, the gateway's checks) assume this; so does an engine
+# whose agent cannot read it either.
+UNKNOWN_CONTEXT_LENGTH = UNKNOWN_CONTEXT_TOKENS
 
 
 # NOTE: what a node reports of a model is what its machine says, and a machine holding one node's secret is trusted

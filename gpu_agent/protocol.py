@@ -590,6 +590,9 @@ class CheckpointQuantization(Message):
 # carries at most what the control plane's columns hold (a 32-bit context, a 64-bit count), clamped here on
 # both sides, so a heartbeat from any agent, older ones included, is always taken with its replica reports.
 MAX_MODEL_CONTEXT_TOKENS = 2**31 - 1
+# The context the control plane assumes of a model no agent has described yet (placement, the gateway's bounds), and
+# so the one an engine is launched with when its agent cannot describe the model either (`engine.engine_context_length`).
+UNKNOWN_CONTEXT_TOKENS = 4096
 MAX_ENGINE_MEMORY_MB = 2**31 - 1
 MAX_MODEL_NUM_PARAMS = 2**62
 MAX_ARCHITECTURE_CHARS = 200

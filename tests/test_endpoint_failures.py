@@ -60,7 +60,7 @@ def test_an_endpoint_made_with_the_apis_defaults_leaves_the_context_length_to_th
     assert body["max_model_len"] is None and body["context_length"] == 4096  # not known yet: a cautious estimate
     scheduler.reconcile_endpoint(body["id"], IDLE)
     [spec] = beat(client, node_secret)["desired"]
-    assert spec["max_model_len"] is None  # the engine gets no --max-model-len: vLLM takes the model's own
+    assert spec["max_model_len"] is None  # the agent launches its engine with the context it describes
 
 
 def test_what_an_agent_reads_from_the_model_becomes_its_limit_at_create_and_update(owner_client, client, node_secret):

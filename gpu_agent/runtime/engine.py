@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_agent.protocol import ModelTask, ReplicaSpec
+from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ModelTask, ReplicaSpec
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.model_info import kv_cache_bytes_per_token, model_task, read_config_info
 from gpu_agent.runtime.reaper import REAPER_MODULE
@@ -217,6 +217,9 @@ class EngineCommand:
     host: str = "127.0.0.1"  # where the engine listens
     port: int = 0
     advertise_host: str = ""  # where others reach it (the node's address); defaults to `host`
+    # The context it is launched with (`engine_context_length`); the supervisor checks the engine serves no more.
+    # None: a command built otherwise (a test's stand-in engine), not checked.
+    max_model_len: int | None = None
 
     @property
     def address(self) -> str:
@@ -271,8 +274,8 @@ def build_engine_command(
     task = model_task(model_path) if spec.task == ModelTask.AUTO else spec.task
     if task == ModelTask.EMBED:
         argv += EMBEDDING_FLAGS
-    if spec.max_model_len is not None:  # else vLLM takes the model's own context length
-        argv += ["--max-model-len", str(spec.max_model_len)]
+    max_model_len = engine_context_length(spec, model_path)
+    argv += ["--max-model-len", str(max_model_len)]
     if spec.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if plan.hf_overrides:
@@ -313,7 +316,26 @@ def build_engine_command(
         sleep_args, sleep_env = sleep_mode_flags(spec.sleep_mode)  # NOTE: CUDA only: vLLM's sleep needs CuMemAllocator
         argv += sleep_args
         env.update(sleep_env)
-    return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host)
+    return EngineCommand(argv=argv, env=env, host=host, port=port, advertise_host=advertise_host,
+                         max_model_len=max_model_len)
+
+
+def engine_context_length(spec: ReplicaSpec, model_path: str | Path) -> int:
+    """The context an engine is launched with: the spec's `max_model_len`, else the model's as the agent describes it
+    to the control plane (`model_info.read_config_info`), else what the control plane assumes of a model not read yet.
+
+    NOTE: the gateway reserves, bounds and bills every call by the context the control plane believes
+    (`Endpoint.context_length`: the spec's, else the agent's description). Left to itself vLLM serves what it derives
+    from the files, and a tenant's files can make that larger (a 2,048-token reservation billed for a 60,000-token
+    prompt). Given the figure, vLLM serves no more; where it derives less it refuses to start (past
+    `VLLM_ALLOW_LONG_MAX_MODEL_LEN`, which no engine inherits), and the replica fails with vLLM's reason.
+    """
+    if spec.max_model_len is not None:
+        return spec.max_model_len
+    info = read_config_info(model_path)  # NOTE: a few small JSON files: no safetensors header is parsed here
+    if info is not None and info.max_model_len is not None:
+        return info.max_model_len
+    return UNKNOWN_CONTEXT_TOKENS
 
 
 def cpu_kv_cache_bytes(
@@ -327,10 +349,9 @@ def cpu_kv_cache_bytes(
     if "VLLM_CPU_KVCACHE_SPACE" in os.environ or spec.speculative is not None or task == ModelTask.EMBED:
         return None
     bytes_per_token = kv_cache_bytes_per_token(model_path, dtype)
-    info = read_config_info(model_path)  # NOTE: config.json alone: no safetensors header is parsed here
-    max_model_len = spec.max_model_len or (info.max_model_len if info else None)
-    if bytes_per_token is None or not max_model_len:
+    if bytes_per_token is None:
         return None
+    max_model_len = engine_context_length(spec, model_path)
     wanted = CPU_KV_CACHE_HEADROOM * spec.max_num_seqs * max_model_len * bytes_per_token
     return wanted if wanted < cap_gib * 1024**3 else None
 

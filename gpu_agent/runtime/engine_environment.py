@@ -54,6 +54,10 @@ ENGINE_ENV_LEFT_OUT = frozenset({
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     "VLLM_LORA_RESOLVER_CACHE_DIR",  # ... from a folder of the node: every tenant's adapters, if shared
     "VLLM_LORA_RESOLVER_HF_REPO_LIST",  # ... downloaded from these hub repositories
+    # Lets an engine serve a `--max-model-len` past what it derives from the model's files: the engine is launched
+    # with the context the control plane bills by (`engine.engine_context_length`), and one that cannot serve it
+    # fails, never serves positions its model has none for.
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
     # A file that maps a model's name to another folder on the node than the replica's own.
     "VLLM_MODEL_REDIRECT_PATH",
     # Models from ModelScope, which `HF_HUB_OFFLINE` does not stop.

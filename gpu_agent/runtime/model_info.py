@@ -22,8 +22,10 @@ without Django).
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +45,30 @@ from gpu_agent.runtime.tokenizer_normalizer import FAST_TOKENIZER_FILES_KEY, rea
 
 logger = logging.getLogger(__name__)
 
-# The config keys vLLM reads for the context length (`_get_and_verify_max_len`); the smallest wins.
+# The config keys vLLM 0.32 reads for the context length (`derive_max_model_len_and_key`): the smallest wins, but
+# Command-R's `model_max_length` replaces the others when it is set.
 CONTEXT_LENGTH_KEYS = (
-    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-    "max_sequence_length", "max_seq_length", "seq_len", "model_max_length",
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len",
 )
-# RoPE scalings whose factor is already part of max_position_embeddings (as vLLM treats them).
-ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "mrope", "default")
+# RoPE scalings whose factor vLLM does not multiply the context by (`_get_and_verify_max_len`): the figure already
+# holds it (YaRN's too, as transformers' `_compute_yarn_parameters` assumes). Every other type's factor multiplies it,
+# "default" and "linear" included.
+ROPE_TYPES_WITHOUT_EXTENSION = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+# What vLLM assumes of a config that names no context at all.
+VLLM_DEFAULT_CONTEXT_TOKENS = 2048
+# sentence-transformers' own config files, in vLLM's order (`get_sentence_transformer_tokenizer_config`): the first
+# that holds anything sets the context by its `max_seq_length`, whatever config.json says.
+SENTENCE_TRANSFORMERS_CONFIG_FILES = (
+    "sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+    "sentence_camembert_config.json", "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+# Mistral's own format: with a `consolidated*.safetensors` in the folder, vLLM reads `params.json` in place of
+# config.json (`get_config`, config format "auto"), with its defaults (`configs.mistral._remap_general_mistral_args`).
+MISTRAL_CONFIG_FILE = "params.json"
+MISTRAL_WEIGHTS_PATTERN = "consolidated*.safetensors"
+MISTRAL_DEFAULT_CONTEXT_TOKENS = 128_000
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -82,7 +101,7 @@ def read_model(model_dir: str | Path) -> ModelReading:
     if not model_dir.is_dir():
         return ModelReading(problem="the model's files are not on this node (its folder is gone)")
     try:
-        config = load_config(model_dir)
+        config = load_served_config(model_dir)
         refuse_paths_outside_model(model_dir)
     except (ModelJsonTooLarge, MalformedModel) as exc:
         logger.warning("model %s refused: %s", model_dir.name, exc)
@@ -95,7 +114,7 @@ def read_model(model_dir: str | Path) -> ModelReading:
     try:
         refuse_model_redirect(config)
         info = ModelInfo(
-            max_model_len=context_length(config),
+            max_model_len=described_context(model_dir, config),
             architecture=architecture(config),
             num_params=count_parameters(model_dir),
             quantization=checkpoint_quantization(config),
@@ -119,18 +138,19 @@ def read_model_info(model_dir: str | Path) -> ModelInfo | None:
 
 
 def read_config_info(model_dir: str | Path) -> ModelInfo | None:
-    """What config.json alone says (context length, architecture, quantization; no parameter count), or None
-    when it is missing, unreadable or refused. Never raises.
+    """What the config says (context length, architecture, quantization; no parameter count), or None when it is
+    missing, unreadable or refused. Never raises. The config is the one vLLM reads (`load_served_config`), the context
+    as vLLM derives it (`described_context`: a few small JSON files beside it).
 
     NOTE: for what an engine's command needs (`engine.build_engine_command`, under the supervisor's lock that every
     heartbeat waits on): no safetensors header is parsed. A refused model is never launched (`read_model`, before).
     """
     try:
-        config = load_config(model_dir)
+        config = load_served_config(model_dir)
         if config is None:
             return None
         return ModelInfo(
-            max_model_len=context_length(config),
+            max_model_len=described_context(Path(model_dir), config),
             architecture=architecture(config),
             quantization=checkpoint_quantization(config),
         )
@@ -336,10 +356,15 @@ def checkpoint_quantization(config: dict) -> CheckpointQuantization:
     )
 
 
-def context_length(config: dict) -> int | None:
-    """The longest sequence vLLM would accept for this config, or None when it does not say.
+def context_length(config: dict, *, tokenizer_limit: int | None = None) -> int:
+    """The context vLLM 0.32 derives from this config (`_get_and_verify_max_len` with no `--max-model-len`), which the
+    engine is then launched with (`engine.engine_context_length`).
 
-    Raises `MalformedModel` for a RoPE scaling vLLM could not compute with (at most
+    The smallest of `CONTEXT_LENGTH_KEYS` (a `model_max_length` replaces them), else vLLM's 2,048; at most
+    `tokenizer_limit` (a pooling model's tokenizer_config, `described_context`); times the RoPE factor of every
+    scaling that is not already in the figure (`ROPE_TYPES_WITHOUT_EXTENSION`).
+
+    Raises `MalformedModel` for a RoPE scaling vLLM could not compute with, or a context of no token (at most
     `MAX_MODEL_CONTEXT_TOKENS` otherwise, as the control plane keeps it).
     """
     # Multimodal configs keep the language model's figures in `text_config`.
@@ -349,26 +374,147 @@ def context_length(config: dict) -> int | None:
         for value in (text_config.get(key), config.get(key))
         if _is_count(value) and value > 0
     ]
-    if not lengths:
+    derived = min(lengths) if lengths else math.inf
+    # NOTE: Command-R's key replaces the others (vLLM takes it as it is, larger or smaller).
+    override = (text_config or config).get("model_max_length")
+    if _is_count(override) and override > 0:
+        derived = override
+    if tokenizer_limit is not None:
+        derived = min(derived, tokenizer_limit)
+    if derived == math.inf:
+        derived = VLLM_DEFAULT_CONTEXT_TOKENS
+    model_type = (text_config or config).get("model_type")
+    if "gemma3" not in (model_type if isinstance(model_type, str) else ""):  # vLLM: Gemma 3's figure holds its factor
+        derived *= _rope_factor(text_config or config)
+    if derived < 1:
+        raise MalformedModel("its config.json gives a context of no token (a RoPE factor below 1)")
+    return int(min(derived, MAX_MODEL_CONTEXT_TOKENS))
+
+
+def _rope_factor(config: dict) -> float:
+    """What vLLM multiplies the context by: the factor of the last RoPE scaling (of any layer type) whose figure does
+    not already hold it, else 1: the older `rope_scaling` when it holds any (transformers takes it in place of
+    `rope_parameters`, `convert_rope_params_to_dict`), else `rope_parameters`."""
+    rope = config.get("rope_scaling")
+    if not isinstance(rope, dict) or not rope:
+        rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or not rope:
+        return 1.0
+    nested = "rope_type" not in rope and "type" not in rope and all(isinstance(value, dict) for value in rope.values())
+    factor = 1.0
+    for parameters in rope.values() if nested else (rope,):
+        if not parameters:
+            continue
+        rope_type = parameters.get("rope_type") or parameters.get("type") or "default"
+        window = parameters.get("original_max_position_embeddings")
+        if rope_type in ("yarn", "deepseek_yarn") and window is not None and (not _is_count(window) or window <= 0):
+            # NOTE: transformers divides by it (YaRN's attention factor): the engine would refuse the model
+            raise MalformedModel(
+                "rope_scaling's original_max_position_embeddings in its config.json is not a positive integer"
+            )
+        if rope_type in ROPE_TYPES_WITHOUT_EXTENSION:
+            continue
+        factor = parameters.get("factor", factor)
+        if factor is None:
+            factor = 1.0  # vLLM: a null factor is taken as 1
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor) or factor <= 0:
+            raise MalformedModel("rope_scaling's factor in its config.json is not a finite number above 0")
+    return factor
+
+
+def described_context(model_dir: Path, config: dict) -> int:
+    """The context vLLM derives for the model in `model_dir` whose config (as vLLM reads it: `load_served_config`)
+    is `config`: `context_length`, at most a pooling tokenizer's `model_max_length`, and replaced by a
+    sentence-transformers config's `max_seq_length`.
+
+    NOTE: vLLM bounds a context by tokenizer_config.json's `model_max_length` only on its pooling runner, for a model
+    of absolute position embeddings; the agent does for any such model (a shorter context, never a refused one).
+    """
+    tokenizer_limit = None
+    if config.get("position_embedding_type") == "absolute":
+        tokenizer_limit = _json_count(model_dir / "tokenizer_config.json", "model_max_length")
+    derived = context_length(config, tokenizer_limit=tokenizer_limit)
+    for name in SENTENCE_TRANSFORMERS_CONFIG_FILES:
+        try:
+            encoder = read_model_json(model_dir / name)
+        except (OSError, ValueError, RecursionError, ModelJsonTooLarge):
+            continue
+        if not encoder:
+            continue  # vLLM looks on to the next file
+        if isinstance(encoder, dict) and "max_seq_length" in encoder:
+            length = encoder["max_seq_length"]
+            if not _is_count(length) or length <= 0:
+                raise MalformedModel(f"max_seq_length in its {name} is not a positive integer")
+            derived = min(length, MAX_MODEL_CONTEXT_TOKENS)
+        break
+    return derived
+
+
+def _json_count(path: Path, key: str) -> int | None:
+    """A positive integer under `key` of a JSON object file; None when it holds none (or cannot be read)."""
+    try:
+        content = read_model_json(path)
+    except (OSError, ValueError, RecursionError, ModelJsonTooLarge):
         return None
-    derived = min(lengths)
-    rope = config.get("rope_scaling") or text_config.get("rope_scaling")
-    if isinstance(rope, dict):
-        rope_type = rope.get("rope_type") or rope.get("type") or ""
-        factor = rope.get("factor")
-        if factor is not None and (
-            isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor)
-        ):
-            raise MalformedModel("rope_scaling's factor in its config.json is not a finite number")
-        if rope_type not in ROPE_TYPES_WITHOUT_EXTENSION and factor is not None and factor > 1:
-            if rope_type == "yarn":
-                derived = rope.get("original_max_position_embeddings", derived)
-                if not _is_count(derived) or derived <= 0:
-                    raise MalformedModel(
-                        "rope_scaling's original_max_position_embeddings in its config.json is not a positive integer"
-                    )
-            derived = int(min(derived * factor, MAX_MODEL_CONTEXT_TOKENS))
-    return min(derived, MAX_MODEL_CONTEXT_TOKENS)
+    value = content.get(key) if isinstance(content, dict) else None
+    return value if _is_count(value) and value > 0 else None
+
+
+def load_served_config(model_dir: str | Path) -> dict | None:
+    """The config vLLM reads for the model in `model_dir`: a Mistral-format folder's params.json (as vLLM adapts it,
+    `mistral_config`), else config.json (`load_config`). None when there is none, or it is not a JSON object.
+
+    Raises `ModelJsonTooLarge` past `model_json.MAX_MODEL_JSON_BYTES`.
+    """
+    model_dir = Path(model_dir)
+    if is_mistral_format(model_dir):
+        try:
+            params = read_model_json(model_dir / MISTRAL_CONFIG_FILE)
+        except (OSError, ValueError, RecursionError):
+            return None
+        return mistral_config(params, load_config(model_dir) or {}) if isinstance(params, dict) else None
+    return load_config(model_dir)
+
+
+def is_mistral_format(model_dir: Path) -> bool:
+    """Whether vLLM reads this folder as Mistral's own format (`is_mistral_model_repo` and a params.json)."""
+    if not (model_dir / MISTRAL_CONFIG_FILE).is_file():
+        return False
+    try:
+        with os.scandir(model_dir) as entries:
+            return any(fnmatch.fnmatchcase(entry.name, MISTRAL_WEIGHTS_PATTERN) for entry in entries)
+    except OSError:
+        return False
+
+
+def mistral_config(params: dict, hf_config: dict) -> dict:
+    """A Mistral params.json as vLLM turns it into a config (`MistralConfigParser`, `configs.mistral.adapt_config_dict`),
+    as far as the context and the architecture go: its window, else config.json's (`hf_config`), else 128,000 tokens;
+    its YaRN already in it; and what it leaves out taken from config.json."""
+    config = dict(params)
+    window = params.get("max_position_embeddings")
+    if window is None:
+        text_config = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+        window = text_config.get("max_position_embeddings") or MISTRAL_DEFAULT_CONTEXT_TOKENS
+    config["max_seq_len"] = params.get("max_seq_len", window)
+    config["max_position_embeddings"] = window
+    if params.get("yarn"):
+        config["rope_parameters"] = {"rope_type": "yarn"}
+    moe = params.get("moe")
+    if params.get("model_type") == "mamba":
+        config["architectures"] = ["Mamba2ForCausalLM"]
+    elif moe and isinstance(moe, dict) and (moe.get("num_shared_experts") or 0) > 0:
+        config["architectures"] = ["MistralLarge3ForCausalLM"]
+    elif moe:
+        config["architectures"] = ["MixtralForCausalLM"]
+    else:
+        config["architectures"] = ["MistralForCausalLM"]
+    multimodal = params.get("multimodal") if isinstance(params.get("multimodal"), dict) else {}
+    if multimodal.get("vision_encoder_args") or params.get("vision_encoder"):
+        config["architectures"] = ["PixtralForConditionalGeneration"]
+    for key, value in hf_config.items():
+        config.setdefault(key, value)
+    return config
 
 
 def kv_cache_bytes_per_token(model_dir: str | Path, dtype: str) -> int | None:

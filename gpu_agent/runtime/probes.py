@@ -1,7 +1,7 @@
 """Probes of a running engine: its health check, its Prometheus metrics and its chat template's size.
 
 The supervisor asks `healthy()` to turn a STARTING replica READY (and to adopt an engine a previous
-agent left running), `metrics()` for the load each heartbeat reports and to tell a draining
+agent left running), `served_context()` whether it serves no more context than it was launched with, `metrics()` for the load each heartbeat reports and to tell a draining
 engine is idle, and `chat_template_tokens()` once, at READY. Each answers quickly or not at all: a
 timeout is "not healthy", "no metrics", "not measured".
 """
@@ -59,6 +59,25 @@ class EngineProbe:
         except httpx.HTTPError:
             return None
         return parse_engine_metrics(response.text)
+
+    def served_context(self, address: str, engine_api_key: str) -> int | None:
+        """The longest context the engine serves: the largest `max_model_len` of the models its `/v1/models` lists.
+        None when it did not answer in time; `ValueError` when it answered without one."""
+        try:
+            response = self._http.get(f"{address}/v1/models", headers={"Authorization": f"Bearer {engine_api_key}"})
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            raise ValueError(f"its /v1/models answered {response.status_code}")
+        try:
+            listed = response.json().get("data")
+        except (ValueError, AttributeError):
+            raise ValueError("its /v1/models answer is not a list of models") from None
+        lengths = [card.get("max_model_len") for card in listed if isinstance(card, dict)] if isinstance(
+            listed, list) else []
+        if not lengths or not all(isinstance(length, int) and not isinstance(length, bool) for length in lengths):
+            raise ValueError("its /v1/models answer does not say the context of every model it serves")
+        return max(lengths)
 
     def chat_template_tokens(self, address: str, engine_api_key: str, model: str) -> ChatTemplateTokens | None:
         """What the model's chat template adds to a conversation, as the engine itself counts it (`/tokenize`

@@ -873,6 +873,12 @@ class Supervisor:
             return
         if replica.state == ReplicaState.STARTING:
             if self._probe.healthy(replica.address):
+                problem = self._served_context_problem(replica)
+                if problem is None:
+                    return  # NOTE: not answered yet: asked again next poll, within the start's timeout
+                if problem:
+                    self._fail(replica, problem)
+                    return
                 # The engine's own figures for what it allocated, for the control plane to check its estimate.
                 replica.became_ready(now, read_engine_memory(replica.log_path))
                 self._measure_chat_template_soon(replica, now)
@@ -912,6 +918,27 @@ class Supervisor:
                     "replica %s: still running %.1fs after SIGTERM, SIGKILL",
                     replica.spec.replica_id, now - replica.terminated_at,
                 )  # fmt: skip
+
+    def _served_context_problem(self, replica: ManagedReplica) -> str | None:
+        """Why a healthy engine may not turn READY: it serves more context than it was launched with, the context the
+        control plane reserves and bills its calls by (`engine.engine_context_length`); "" when it does not, None when
+        it has not said yet.
+
+        NOTE: defence in depth. vLLM serves no more than `--max-model-len`; a way past it nobody listed (a vLLM
+        upgrade, a model format read otherwise) would bill each call by a smaller context than it was served with."""
+        command = replica.command
+        if command is None or command.max_model_len is None:
+            return ""  # a stand-in engine's command: nothing was launched with a context to check
+        try:
+            served = self._probe.served_context(replica.address, replica.spec.engine_api_key)
+        except ValueError as exc:
+            return f"its engine did not say the context it serves ({exc}); it may serve more than its calls are billed by"
+        if served is None:
+            return None
+        if served > command.max_model_len:
+            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} it was "
+                    "launched with and its calls are billed by")
+        return ""
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec

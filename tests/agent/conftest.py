@@ -87,9 +87,10 @@ def make_spec(replica_id: str = "r-1", **overrides) -> ReplicaSpec:
     return ReplicaSpec(**values)
 
 
-def fake_engine_factory(*extra_args: str, under_reaper: bool = False):
+def fake_engine_factory(*extra_args: str, under_reaper: bool = False, max_model_len: int | None = None):
     """A command factory for Supervisor/Agent that launches tests/agent/fake_engine.py (under the reaper, as
-    every vLLM engine is, if `under_reaper`)."""
+    every vLLM engine is, if `under_reaper`), its command saying it was launched with `max_model_len` (as
+    `engine.build_engine_command`'s do) when one is given."""
 
     def factory(spec: ReplicaSpec, model_path: Path, port: int) -> EngineCommand:
         argv = [
@@ -102,7 +103,8 @@ def fake_engine_factory(*extra_args: str, under_reaper: bool = False):
             spec.served_model_name,
         ]
         return EngineCommand(
-            argv=[*argv, *extra_args], port=port, env={ENGINE_API_KEY_ENV: spec.engine_api_key}
+            argv=[*argv, *extra_args], port=port, env={ENGINE_API_KEY_ENV: spec.engine_api_key},
+            max_model_len=max_model_len,
         )
 
     return factory

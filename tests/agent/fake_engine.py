@@ -1,6 +1,6 @@
 """A stand-in for `vllm serve` that starts in milliseconds (supervisor and agent tests).
 
-Serves /health, /metrics (running requests read from --running-file),
+Serves /health, /metrics (running requests read from --running-file), with --served-context /v1/models (that context),
 /tokenize (a chat template adding 3 tokens a conversation and 4 a message) and /v1/completions, and with --sleep-mode vLLM's sleep routes (`/sleep?level=N`, `/wake_up`, `/is_sleeping`:
 --wake-fails answers `/wake_up` with 500, as an engine whose GPU memory was taken meanwhile); like a real engine under `EngineKeyGuard`, everything but /health needs the
 replica's key from INFERPLANE_ENGINE_API_KEY; with --fill-cache-bytes/--fill-scratch-bytes writes that much into its
@@ -51,6 +51,7 @@ parser.add_argument("--try-shm-files", type=int, default=0, help="log how many o
 parser.add_argument("--try-namespaces", action="store_true", help="log whether it could make a user namespace")
 parser.add_argument("--chatter-bytes", type=int, default=0, help="write this many bytes of numbered log lines")
 parser.add_argument("--chatter-bytes-per-s", type=int, default=0, help="... at this rate (0: as fast as it can)")
+parser.add_argument("--served-context", type=int, default=None, help="the max_model_len its /v1/models answers")
 parser.add_argument("--relay-processes", action="store_true", help="a process forking and exiting, its child too")
 args, _ = parser.parse_known_args()
 
@@ -118,6 +119,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 f'vllm:generation_tokens_total{{engine="0"}} {int((time.monotonic() - started_at) * 10)}.0\n'
             )
             self._send(200, text, "text/plain")
+        elif self.path == "/v1/models" and args.served_context is not None:
+            card = {"id": args.served_model_name, "object": "model", "max_model_len": args.served_context}
+            self._send(200, json.dumps({"object": "list", "data": [card]}))
         else:
             self._send(404, "{}")
 

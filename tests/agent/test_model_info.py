@@ -43,13 +43,17 @@ def test_the_tiny_models_context_architecture_and_size_come_from_its_files(tiny_
 def test_context_length_follows_vllms_reading_of_the_config():
     assert context_length({"max_position_embeddings": 4096, "n_positions": 1024}) == 1024
     assert context_length({"text_config": {"max_position_embeddings": 8192}}) == 8192
-    # YaRN extends the original window by its factor; Llama 3's scaling is already in the figure.
+    # vLLM 0.32 takes YaRN's and Llama 3's figure as it stands (the factor is in it); before, the agent multiplied the
+    # original window by YaRN's factor: 131,072 described for 32,768 served. Any other type's factor multiplies it.
     yarn = {"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                                 "original_max_position_embeddings": 32768}}
-    assert context_length(yarn) == 131072
+    assert context_length(yarn) == 32768
     llama3 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert context_length(llama3) == 131072
-    assert context_length({"hidden_size": 64}) is None
+    assert context_length({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "linear", "factor": 2}}) == 8192
+    # Command-R's model_max_length replaces the others; a config naming none is vLLM's 2,048.
+    assert context_length({"max_position_embeddings": 8192, "model_max_length": 131072}) == 131072
+    assert context_length({"hidden_size": 64}) == 2048
 
 
 def test_kv_cache_bytes_per_token_come_from_the_attention_geometry(tiny_model_dir, tmp_path):

@@ -1,0 +1,120 @@
+"""No engine serves more context than the control plane reserves and bills its calls by.
+
+The gateway reserves, bounds and bills each call by `Endpoint.context_length`: the endpoint's `max_model_len`, else the
+context the agent describes (`model_info.read_config_info`). Before, an endpoint that set none launched its engine
+with no `--max-model-len`, and vLLM served what it derived itself from the tenant's files: 16,384 tokens for a config
+the agent described as 2,048 (a RoPE "default" with a factor), so a 60k-token prompt was billed as about 2k.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaState
+from gpu_agent.runtime.engine import build_engine_command
+from gpu_agent.runtime.engine_environment import engine_environment
+from gpu_agent.runtime.model_info import read_config_info
+from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+
+from .conftest import fake_engine_factory, make_spec, wait_until
+
+FAST = SupervisorPolicy(restart_backoff_s=0.2, max_consecutive_crashes=3, stop_timeout_s=2.0)
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.fixture
+def stretched_model(tiny_model_dir, tmp_path):
+    """The tiny model, its config stretched by a RoPE factor vLLM multiplies its 2,048 positions by."""
+    model = tmp_path / "stretched"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "default", "factor": 8.0}
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_engine_is_launched_with_the_context_the_agent_describes_when_the_endpoint_sets_none(
+        stretched_model, tmp_path, device):
+    described = read_config_info(stretched_model).max_model_len
+    assert described == 16384
+    command = build_engine_command(make_spec(max_model_len=None), stretched_model, port=1, device=device)
+    assert flag(command.argv, "--max-model-len") == "16384" and command.max_model_len == 16384
+    # The endpoint's own limit, when it sets one; a model no agent can describe: what the control plane assumes.
+    command = build_engine_command(make_spec(max_model_len=1024), stretched_model, port=1, device=device)
+    assert flag(command.argv, "--max-model-len") == "1024" and command.max_model_len == 1024
+    command = build_engine_command(make_spec(max_model_len=None), tmp_path / "no-config", port=1, device=device)
+    assert flag(command.argv, "--max-model-len") == str(UNKNOWN_CONTEXT_TOKENS)
+
+
+def test_no_engine_inherits_the_switch_that_lets_vllm_serve_past_what_it_derives():
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in engine_environment({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    assert engine_environment({"VLLM_LOGGING_LEVEL": "INFO"})["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+@pytest.mark.vllm
+def test_vllm_refuses_a_context_past_what_it_derives_so_a_replica_fails_rather_than_serves_it(tiny_model_dir):
+    """What an engine launched with more than vLLM derives does (the agent's description ahead of vLLM): it stops at
+    its configuration, with the reason in its log, which the replica fails with."""
+    from vllm.config import ModelConfig
+
+    described = read_config_info(tiny_model_dir).max_model_len
+    assert ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=described).max_model_len == described
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=described * 2)
+
+
+@pytest.mark.parametrize(("served", "state"), [(4096, ReplicaState.FAILED), (512, ReplicaState.READY)])
+def test_an_engine_serving_more_context_than_it_was_launched_with_fails_with_the_reason(tmp_path, served, state):
+    supervisor = Supervisor(tmp_path / "agent", policy=FAST,
+                            command_factory=fake_engine_factory("--served-context", str(served), max_model_len=512))
+    try:
+        supervisor.start(make_spec("r-context"), "/models/x")
+        wait_until(lambda: supervisor.get("r-context").state in (ReplicaState.READY, ReplicaState.FAILED), 10,
+                   poll=supervisor.poll)
+        replica = supervisor.get("r-context")
+        assert replica.state == state
+        if state == ReplicaState.FAILED:
+            assert "serves a context of 4096 tokens, more than the 512 it was launched with" in replica.failure_reason
+            assert replica.num_restarts == 0  # failed at once: a restart would serve the same
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
+    """One whose /v1/models answers without a context fails (one that does not answer in time stays STARTING, asked
+    again at the next poll, until its start's timeout ends it)."""
+    supervisor = Supervisor(tmp_path / "agent", policy=FAST, command_factory=fake_engine_factory(max_model_len=512))
+    try:
+        supervisor.start(make_spec("r-silent"), "/models/x")
+        wait_until(lambda: supervisor.get("r-silent").state == ReplicaState.FAILED, 10, poll=supervisor.poll)
+        assert "did not say the context it serves" in supervisor.get("r-silent").failure_reason
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
+@pytest.mark.vllm
+def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_derive(engine_node, tiny_model_dir,
+                                                                                    tmp_path):
+    """A model of absolute positions whose tokenizer allows 1,024 of its 2,048: described as 1,024 (vLLM's bound on
+    its pooling runner, taken by the agent for any such model), which a generating vLLM left to itself would not
+    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by."""
+    import httpx
+
+    from tests.engines import serve_engine, tiny_model_copy
+
+    model = tiny_model_copy(tiny_model_dir, tmp_path, {"config.json": {"position_embedding_type": "absolute"},
+                                                       "tokenizer_config.json": {"model_max_length": 1024}})
+    assert read_config_info(model).max_model_len == 1024
+    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4)
+    with serve_engine(engine_node, spec, model) as replica:
+        listed = httpx.get(f"{replica.address}/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {spec.engine_api_key}"}).json()["data"]
+        assert [card["max_model_len"] for card in listed] == [1024]
+        assert flag(replica.command.argv, "--max-model-len") == "1024"
