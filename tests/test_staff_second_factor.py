@@ -9,10 +9,13 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.contrib.auth import login
+from django.contrib.sessions.backends.db import SessionStore
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client
 from django.utils import timezone
+from django_otp import DEVICE_ID_SESSION_KEY
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane import demo
@@ -234,6 +237,61 @@ def test_a_verified_staff_session_logged_out_and_signed_in_again_needs_a_new_cod
     client.post("/login/", {"username": staff.email, "password": PASSWORD})
 
     assert staff_powers(client) == SHUT
+
+
+def test_a_verified_staff_session_that_posts_the_password_again_at_the_admins_log_in_needs_a_new_code(staff, device):
+    # Django's `login()` keeps a same-user, same-password session as it is: django-otp's proof stayed in it while its
+    # sign-in time and end moved to now, so the password alone renewed staff powers for ever, under the same key.
+    client = Client()
+    sign_in_staff(client, staff)
+    signed_in_at = client.session[staff_sessions.SIGNED_IN_AT_KEY]
+    copied = Client()
+    copied.cookies["sessionid"] = client.cookies["sessionid"].value
+
+    response = client.post(f"{ADMIN}login/", {"username": staff.email, "password": PASSWORD, "next": ADMIN})
+
+    assert response.status_code == 302
+    assert staff_powers(client) == SHUT  # was OPEN
+    assert client.cookies["sessionid"].value != copied.cookies["sessionid"].value
+    assert client.get(FLEET).status_code == 404  # signed in still, as an ordinary user
+    assert copied.get(FLEET)["Location"].startswith("/login/")  # the key from before signs nobody in
+    assert client.session[staff_sessions.SIGNED_IN_AT_KEY] >= signed_in_at
+    sign_in_staff(client, staff)  # a new code makes it staff again
+    assert staff_powers(client) == OPEN
+
+
+def test_a_verified_staff_session_that_posts_the_password_at_the_consoles_log_in_renews_nothing(staff, device):
+    # The console's log-in sends a signed-in session on (`redirect_authenticated_user`) before any `login()`: the
+    # session, its sign-in time and its end stay as they were.
+    client = Client()
+    sign_in_staff(client, staff)
+    key, signed_in_at, end = (client.cookies["sessionid"].value, client.session[staff_sessions.SIGNED_IN_AT_KEY],
+                              client.session.get_expiry_date())
+
+    response = client.post("/login/", {"username": staff.email, "password": PASSWORD})
+
+    assert response.status_code == 302 and response["Location"] == "/console/"
+    assert client.cookies["sessionid"].value == key
+    assert client.session[staff_sessions.SIGNED_IN_AT_KEY] == signed_in_at
+    assert client.session.get_expiry_date() == end
+
+
+def test_a_sign_in_with_a_user_that_carries_a_verified_device_still_needs_a_new_code(staff, device, rf):
+    # django-otp's own `user_logged_in` receiver (run after the project's) puts a user's `otp_device` in the session:
+    # an OTP-aware log-in form, or `login(request, request.user)` in a verified request, would verify the sign-in.
+    request = rf.post("/login/")
+    request.session = SessionStore()
+    request.session[DEVICE_ID_SESSION_KEY] = device.persistent_id
+    request.session.save()
+    key_before = request.session.session_key
+    request.user = staff
+    staff.otp_device = device
+
+    login(request, staff)
+
+    assert DEVICE_ID_SESSION_KEY not in request.session
+    assert staff.otp_device is None
+    assert request.session.session_key != key_before
 
 
 def _customer_made_staff_while_signed_in():

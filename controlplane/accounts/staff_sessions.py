@@ -10,6 +10,9 @@ session, staff now, kept its two weeks (the tenancy review). A session gets staf
 (`second_factor._elevate_session`), which caps its expiry here (`end_as_staff_session`); one whose sign-in is older
 than the hours, or that holds no sign-in time (signed in before it was kept), signs in again first
 (`may_become_staff`).
+
+A password sign-in starts the session over as far as staff powers go (`start_a_new_sign_in`): the second factor's
+proof goes and the session key changes, so the sign-in needs a new code whatever the session had passed before.
 """
 
 from __future__ import annotations
@@ -20,15 +23,29 @@ from django.conf import settings
 from django.contrib.auth.signals import user_logged_in
 from django.dispatch import receiver
 from django.utils import timezone
+from django_otp import DEVICE_ID_SESSION_KEY
 
 # When the session's password sign-in was: epoch seconds.
 SIGNED_IN_AT_KEY = "signed_in_at"
 
 
 @receiver(user_logged_in, dispatch_uid="inferplane-staff-session-expiry")
-def end_staff_sessions_sooner(sender, request, user, **kwargs) -> None:
+def start_a_new_sign_in(sender, request, user, **kwargs) -> None:
+    """Every `login()` (the console's and the admin's log-in forms): a new sign-in, with no staff powers until a new
+    code, under a new session key, whose hours count from now.
+
+    NOTE: Django's `login()` keeps the session as it is (no flush, the same key) for the same user with the same
+    password: a verified staff session that posted the password again at the admin's log-in kept django-otp's
+    proof while its sign-in time and end moved to now, staff powers renewed with no code, for ever, by whoever
+    held the cookie and the password. The user's `otp_device` goes too: django-otp's own `user_logged_in`
+    receiver (after this one) would put a user's device back in the session.
+    """
     if request is None or not hasattr(request, "session"):
         return
+    request.session.pop(DEVICE_ID_SESSION_KEY, None)
+    if getattr(user, "otp_device", None) is not None:
+        user.otp_device = None
+    request.session.cycle_key()
     request.session[SIGNED_IN_AT_KEY] = timezone.now().timestamp()
     if user.is_staff or user.is_superuser:
         request.session.set_expiry(staff_session_end(request.session))

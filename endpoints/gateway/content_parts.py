@@ -5,7 +5,8 @@ while the part has no `uuid`. A part with a `uuid` (or with no `type`) is read b
 it has decides its kind, whatever its `type` says, and with none of them the engine refuses it. So
 `{"type": "text", "text": "x", "uuid": "u1", "image_url": ...}` is an image to the engine (with `"image_url": null`,
 the caller's cached image of that uuid); it was reserved as its one character of text, the image prefilled unbilled
-(found by a review). OpenAI's API has no part that carries two kinds of content or names a kind its `type` does not,
+(found by a review). Without a `uuid`, `{"type": "text", "text": "x", "image_url": null}` is text to the engine, and
+passes: a null carries no media. OpenAI's API has no part that carries two kinds of content or names a kind its `type` does not,
 so the gateway refuses such a part (`mismatch`) rather than pricing it, and the estimate reads a part's text only when
 `kind_of` says it is text.
 """
@@ -47,11 +48,15 @@ def kind_of(part) -> str | None:
 def mismatch(part: dict) -> str | None:
     """Why vLLM would not read `part` (whose `type` is a string) as the one kind its `type` names: what it carries
     or names besides (a sentence's end), or None."""
-    if part.get("uuid") is None and MEDIA_KEYS.isdisjoint(part):  # text, the common part: read by its `type`
+    has_uuid = part.get("uuid") is not None
+    if not has_uuid and MEDIA_KEYS.isdisjoint(part):  # text, the common part: read by its `type`
         return None
     declared = part["type"]
     carried = _CARRIER_KEYS.get(declared, declared)
-    stray = sorted(key for key in MEDIA_KEYS & part.keys() if key != carried)
+    # NOTE: without a `uuid` the engine reads the part by its `type` alone, and a media key set to null carries
+    # nothing (clients generated from OpenAI's schema send every optional field, nulls included); with one, it reads
+    # the part by which keys it has, null or not.
+    stray = sorted(key for key in MEDIA_KEYS & part.keys() if key != carried and (has_uuid or part[key] is not None))
     if stray:
         return f"it also carries {', '.join(repr(key) for key in stray)}"
     kind = kind_of(part)

@@ -39,6 +39,8 @@ PARTS = [
     ({"type": "text", "text": "x", "uuid": "u1", "tool_reference": "t"}, "tool_reference"),
     ({"type": "image_url", "uuid": "u1", "image_url": None, "audio_url": None}, "image_url"),
     ({"type": "text", "text": "x", "image_url": {"url": PNG}}, "text"),  # no uuid: read by its type
+    ({"type": "text", "text": "x", "image_url": None}, "text"),  # a null media key, as generated clients send
+    ({"type": "input_text", "text": "x", "video_url": None, "uuid": None}, "input_text"),
     ({"type": "image_url", "image_url": {"url": PNG}}, "image_url"),
     ({"type": "image_url", "image_url": None, "uuid": "u1"}, "image_url"),
     ({"type": "input_image", "image_url": PNG, "detail": "auto"}, "input_image"),
@@ -55,6 +57,8 @@ PLAIN = [
     {"type": "image_url", "image_url": None, "uuid": "seen-before"},
     {"type": "video_url", "video_url": None, "uuid": "seen-before"},
     {"type": "input_image", "image_url": PNG},
+    {"type": "text", "text": "hi", "image_url": None},  # clients generated from OpenAI's schema send every field
+    {"type": "image_url", "image_url": {"url": PNG}, "input_audio": None, "video_url": None},
 ]
 # Parts that carry another kind than their type names, or name media they do not carry.
 REFUSED = [part for part, kind in PARTS if kind not in (part["type"], "sticker")]
@@ -99,6 +103,21 @@ def test_a_text_part_carrying_media_without_a_uuid_is_refused_too():
     refusal = _refusal(_chat({"type": "text", "text": "x", "image_url": {"url": PNG}}))
 
     assert (refusal.param, "'image_url'" in refusal.message) == ("messages[0].content[1]", True)
+
+
+def test_a_text_part_with_a_media_key_set_to_null_is_its_text_and_a_uuid_makes_it_the_media_again():
+    # vLLM reads a part without a `uuid` by its `type`: the null carries nothing; it was a 400 ("it also carries
+    # 'image_url'"). With a `uuid` the engine reads the null as the caller's cached image: still refused.
+    text = {"type": "text", "text": "hi", "image_url": None}
+    batch_line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": _chat(text)}
+
+    assert parse_payload(json.dumps(_chat(text)).encode(), "chat") == _chat(text)
+    assert parse_payload(json.dumps({"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi", "image_url": None}]}]}).encode(), "responses")
+    assert parse_lines([json.dumps(batch_line).encode() + b"\n"], request_path="/v1/chat/completions", kind="chat",
+                       max_lines=10).num_lines == 1
+    assert estimate.worst_case(_chat(text), "chat", CONTEXT).num_prompt_tokens < CONTEXT  # priced as its text
+    assert _refusal(_chat(text | {"uuid": "u1"})).param == "messages[0].content[1]"
 
 
 def test_parts_of_one_kind_each_pass():
