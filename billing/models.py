@@ -459,8 +459,7 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
         for grant in grants:
             if cost <= 0:
                 break
-            if grant.granted_at >= started_at + _PART_SPAN or (
-                    grant.expires_at is not None and grant.expires_at <= started_at):
+            if not _made_under(grant, started_at):
                 continue
             share = min(left[grant.pk], cost)
             if share > 0:
@@ -468,6 +467,39 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
                 shares[grant.pk] = shares.get(grant.pk, Decimal(0)) + share
                 cost -= share
     return shares
+
+
+def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
+    """How much each of `grants` (`CreditGrantQuerySet.paying_for`, soonest expiry first) takes back, by id, of
+    `overcharge` (the start of each part of usage drawn for more than the ledger now holds, and by how much, earliest
+    first: `ledger.undrawn_prepaid_usage` with less in the ledger than drawn): `credit_shares` run backwards, each part
+    to the grants it was drawn from, those granted by and not expired when it started, latest expiry first (the last a
+    draw took from), within what each has consumed. A grant expired since takes its share back all the same: that
+    credit expired unused, as it would have had the usage been priced right when drawn. What none of them holds is
+    taken back by none (`billing.credits._give_back`).
+    NOTE: draws record no grant per row, so which of the grants a part was made under paid for it is not known where
+    several were: latest expiry first never gives back credit shorter-lived than what paid. Before, the overcharge went
+    to whichever active grant had consumed any, soonest expiry first: non-expiring credit bought came back as a promo
+    grant's, and expired unused with it."""
+    left = {grant.pk: grant.consumed for grant in grants}
+    returns: dict[int, Decimal] = {}
+    for started_at, cost in overcharge:
+        for grant in reversed(grants):
+            if cost <= 0:
+                break
+            if not _made_under(grant, started_at):
+                continue
+            share = min(left[grant.pk], cost)
+            if share > 0:
+                left[grant.pk] -= share
+                returns[grant.pk] = returns.get(grant.pk, Decimal(0)) + share
+                cost -= share
+    return returns
+
+
+def _made_under(grant: CreditGrant, started_at: datetime) -> bool:
+    """Whether usage begun at `started_at` (a part's date: within `_PART_SPAN` after it) was made under `grant`."""
+    return grant.granted_at < started_at + _PART_SPAN and (grant.expires_at is None or grant.expires_at > started_at)
 
 
 class CreditGrant(models.Model):
