@@ -453,20 +453,7 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
     grant, not from the next one while the expired one kept it as unspent (paid for twice); usage made after the
     expiry is never drawn from it, nor is usage of an account idle for months from every grant that expired unused
     meanwhile."""
-    left = {grant.pk: grant.remaining for grant in grants}
-    shares: dict[int, Decimal] = {}
-    for started_at, cost in usage:
-        for grant in grants:
-            if cost <= 0:
-                break
-            if not _made_under(grant, started_at):
-                continue
-            share = min(left[grant.pk], cost)
-            if share > 0:
-                left[grant.pk] -= share
-                shares[grant.pk] = shares.get(grant.pk, Decimal(0)) + share
-                cost -= share
-    return shares
+    return _allocate(grants, usage, {grant.pk: grant.remaining for grant in grants})
 
 
 def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
@@ -481,24 +468,32 @@ def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[dat
     several were: latest expiry first never gives back credit shorter-lived than what paid. Before, the overcharge went
     to whichever active grant had consumed any, soonest expiry first: non-expiring credit bought came back as a promo
     grant's, and expired unused with it."""
-    left = {grant.pk: grant.consumed for grant in grants}
-    returns: dict[int, Decimal] = {}
-    for started_at, cost in overcharge:
-        for grant in reversed(grants):
-            if cost <= 0:
+    return _allocate(list(reversed(grants)), overcharge, {grant.pk: grant.consumed for grant in grants})
+
+
+def _allocate(grants: Sequence[CreditGrant], parts: Sequence[tuple[datetime, Decimal]],
+              room: dict[int, Decimal]) -> dict[int, Decimal]:
+    """Each of `parts` (a start and an amount) to the `grants` it was made under, in their order, within each's `room`
+    (by id; what it may take of all the parts): how much each takes, by id."""
+    left = dict(room)
+    taken: dict[int, Decimal] = {}
+    for started_at, amount in parts:
+        for grant in grants:
+            if amount <= 0:
                 break
             if not _made_under(grant, started_at):
                 continue
-            share = min(left[grant.pk], cost)
+            share = min(left[grant.pk], amount)
             if share > 0:
                 left[grant.pk] -= share
-                returns[grant.pk] = returns.get(grant.pk, Decimal(0)) + share
-                cost -= share
-    return returns
+                taken[grant.pk] = taken.get(grant.pk, Decimal(0)) + share
+                amount -= share
+    return taken
 
 
 def _made_under(grant: CreditGrant, started_at: datetime) -> bool:
-    """Whether usage begun at `started_at` (a part's date: within `_PART_SPAN` after it) was made under `grant`."""
+    """Whether usage begun at `started_at` (a part's date: within `_PART_SPAN` after it) was made under `grant`: granted
+    by then and not expired."""
     return grant.granted_at < started_at + _PART_SPAN and (grant.expires_at is None or grant.expires_at > started_at)
 
 

@@ -36,6 +36,13 @@ def _lost_row_drawn(endpoint, finished_at):
     return lost
 
 
+def _new_usage_drawn(endpoint, finished_at):
+    """Another call ($0.20: 100k output tokens), drawn."""
+    ledger.record_usage(usage_report(endpoint, request_id="y", prompt_tokens=0, completion_tokens=100_000,
+                                     finished_at=finished_at))
+    credits.draw_credits(endpoint.organization_id)
+
+
 def _superseded_cheaper(lost):
     """The call's own row: the prompt all cache hits, $0.052, $0.088 less than the lost row."""
     ledger.supersede_lost_rows([dataclasses.replace(lost, status="ok", cached_tokens=100_000,
@@ -56,9 +63,7 @@ def test_the_overcharge_goes_back_to_the_bought_grant_that_paid_not_to_a_later_p
     # A promo grant arrives later, expiring tomorrow; new usage ($0.20) is drawn from it (soonest expiry first).
     credits.grant_credits(SYSTEM, org, amount=Decimal("1.00"), granted_at=now - timedelta(hours=1),
                           expires_at=now + timedelta(days=1), note="promo")
-    ledger.record_usage(usage_report(endpoint, request_id="y", prompt_tokens=0, completion_tokens=100_000,
-                                     finished_at=now - timedelta(minutes=5)))
-    credits.draw_credits(org.pk)
+    _new_usage_drawn(endpoint, now - timedelta(minutes=5))
     assert _consumed() == {"bought": Decimal("0.14"), "promo": Decimal("0.2")}
 
     _superseded_cheaper(lost)
@@ -77,9 +82,7 @@ def test_an_overcharge_paid_by_a_grant_expired_since_goes_back_to_it_not_to_anot
                           expires_at=now - timedelta(hours=1), note="expired")
     lost = _lost_row_drawn(endpoint, now - timedelta(hours=2))
     credits.grant_credits(SYSTEM, org, amount=Decimal("2.00"), granted_at=now - timedelta(minutes=30), note="bought")
-    ledger.record_usage(usage_report(endpoint, request_id="y", prompt_tokens=0, completion_tokens=100_000,
-                                     finished_at=now - timedelta(minutes=5)))
-    credits.draw_credits(org.pk)
+    _new_usage_drawn(endpoint, now - timedelta(minutes=5))
     assert _consumed() == {"expired": Decimal("0.14"), "bought": Decimal("0.2")}
 
     _superseded_cheaper(lost)
