@@ -71,9 +71,10 @@ class HeldDifferenceForm(forms.Form):
         self.meters = meters
         for meter in meters:
             self.fields[meter.event_name] = forms.IntegerField(
-                min_value=0, max_value=2**63 - 1,
+                min_value=-stripe_sync.MAX_METER_EVENT_VALUE, max_value=stripe_sync.MAX_METER_EVENT_VALUE,
                 label=f"Stripe's value of {stripe_sync.meter_event_identifier(rollup, meter.event_name)}",
-                help_text=f"The ledger's: {getattr(rollup, meter.rollup_field)}. 0 if Stripe has no such event.")
+                help_text=f"The ledger's: {getattr(rollup, meter.rollup_field)}. 0 if Stripe has no such event; "
+                          "negative as Stripe shows it (an adjustment that lowers its meter).")
 
     stripe_customer_id = forms.CharField(
         required=False, max_length=64, label="The Stripe customer those events are on",

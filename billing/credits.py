@@ -10,7 +10,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from billing.ledger import undrawn_prepaid_usage
-from billing.models import BillingAccount, CreditGrant, credit_shares
+from billing.models import BillingAccount, CreditGrant, credit_returns, credit_shares
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
 
@@ -73,7 +73,7 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
         # parts alone, the newest, and pushed out an older row not drawn yet (dated at the draw: paid twice).
         undrawn, usage = undrawn_prepaid_usage(account)
         if undrawn < 0:
-            given_back = _give_back(organization_id, -undrawn, now=now)
+            given_back = _give_back(organization_id, -undrawn, usage, now=now)
             BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn - given_back)
             return -given_back
         if undrawn == 0:
@@ -88,19 +88,32 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
     return sum(shares.values(), Decimal(0))
 
 
-def _give_back(organization_id: int, amount: Decimal, *, now: datetime) -> Decimal:
-    """Give `amount` of drawn credit back to the organisation's grants, under the account's lock (`draw_credits`): to
-    those still active that have paid for usage, in the order draws take from them (soonest expiry first), each up to
-    what it paid. Returns what was given back.
+def _give_back(organization_id: int, amount: Decimal, overcharge: list[tuple[datetime, Decimal]], *,
+               now: datetime) -> Decimal:
+    """Give `amount` of drawn credit back to the organisation's grants, under the account's lock (`draw_credits`): each
+    part of `overcharge` (when it began and by how much: `ledger.undrawn_prepaid_usage`) to the grants it was drawn
+    from, latest expiry first, within what each has consumed (`billing.models.credit_returns`); what they do not hold
+    (usage dated at a draw rather than at its start paid by a grant made later) to the grants active now that have
+    paid for usage, latest expiry first too. Returns what was given back.
 
-    NOTE: what no active grant paid (the overcharge was drawn from a grant expired since) is not given back: it stays
-    drawn beyond the ledger, and the next usage's draw takes that much less (`undrawn_prepaid_usage` nets it)."""
-    left = amount
-    for grant in CreditGrant.objects.active(now).filter(organization_id=organization_id, consumed__gt=0).order_by(
-            "expires_at", "granted_at", "pk").select_for_update():
-        share = min(left, grant.consumed)
-        CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed - share)
-        left -= share
-        if left == 0:
+    NOTE: a grant that paid and has expired since takes its share back: that credit expired unused, as it would have
+    had the usage been priced right when drawn (the customer gains no credit that outlives what paid). What no grant
+    holds (the usage was drawn as nothing: `credit_shares`) is not given back: it stays drawn beyond the ledger, and
+    the next usage's draw takes that much less (`undrawn_prepaid_usage` nets it)."""
+    since = overcharge[0][0] if overcharge else now
+    grants = list(CreditGrant.objects.paying_for(organization_id, since=since, now=now).filter(consumed__gt=0)
+                  .select_for_update())
+    returns = credit_returns(grants, overcharge)
+    left = amount - sum(returns.values(), Decimal(0))
+    for grant in reversed(grants):
+        if left <= 0:
             break
-    return amount - left
+        if grant.is_active(now):
+            share = min(left, grant.consumed - returns.get(grant.pk, Decimal(0)))
+            if share > 0:
+                returns[grant.pk] = returns.get(grant.pk, Decimal(0)) + share
+                left -= share
+    for grant in grants:
+        if grant.pk in returns:
+            CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed - returns[grant.pk])
+    return sum(returns.values(), Decimal(0))

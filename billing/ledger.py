@@ -619,7 +619,9 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
 # parts, newest recorded first until they make that amount, summed per minute of their start (`undrawn_prepaid_usage`):
 # the part of the last of them that the amount takes, and no more. A superseded row (`_SUPERSEDE_SQL`) is two parts of
 # one start: its `lost_cost` recorded when the sweeper's row was (`lost_recorded_at`), the difference when the call's
-# own row superseded it (`recorded_at`); a part of 0 or less is none. One statement, so one snapshot: a row committed
+# own row superseded it (`recorded_at`); a part of 0 or less is none. An amount below 0 (drawn more than the ledger
+# holds: a superseding row cheaper than the one it replaced) has the parts below 0 instead, as much as each was
+# overcharged, newest first until they make what is given back (`billing.credits._give_back`): the same reading. One statement, so one snapshot: a row committed
 # while the draw read is in the amount and the parts both, or in neither.
 # NOTE: before, a superseded row was one part, its whole cost recorded at the supersede: its `lost_cost`, drawn
 # already, pushed out as much of the rows really not drawn yet, and that amount was dated at the superseded call's
@@ -642,13 +644,14 @@ parts AS (
     ) part (recorded_at, cost, n)
     WHERE u.organization_id = %(organization_id)s AND u.billing_mode = '{BillingMode.PREPAID}'{{row_since}}),
 undrawn_parts AS (
-    SELECT started_at, cost, sum(cost) OVER (ORDER BY recorded_at DESC, id DESC, n DESC) AS running
-    FROM parts WHERE cost > 0{{part_since}})
+    SELECT started_at, sign(amount) * cost AS cost,
+           sum(sign(amount) * cost) OVER (ORDER BY recorded_at DESC, id DESC, n DESC) AS running
+    FROM parts, undrawn WHERE sign(amount) * cost > 0{{part_since}})
 SELECT 0, NULL::timestamptz, amount FROM undrawn
 UNION ALL
-SELECT 1, min(started_at), sum(least(cost, amount - (running - cost)))
+SELECT 1, min(started_at), sum(least(cost, abs(amount) - (running - cost)))
 FROM undrawn_parts, undrawn
-WHERE running - cost < amount
+WHERE running - cost < abs(amount)
 GROUP BY date_trunc('minute', started_at, 'UTC')
 ORDER BY 1, 2
 """
@@ -661,7 +664,9 @@ def undrawn_prepaid_usage(account: BillingAccount) -> tuple[Decimal, list[tuple[
     amount, summed per minute of their start (each part dated at its earliest: a grant that expired within that minute
     pays for it, by less than a minute of usage made after; a superseded row is two parts, `_UNDRAWN_BY_MINUTE`). What
     they do not make (a row committed later than the margin after it was stamped) is dated at that draw. Both read in
-    one statement (one snapshot). Nothing not drawn (0 or less): no parts.
+    one statement (one snapshot). Nothing not drawn (0): no parts. Drawn more than the ledger holds (the amount below
+    0): the parts are where that overcharge was made, as much as each was overcharged (above 0), read the same way,
+    for `billing.credits._give_back` to give back to the grants that paid for them; what they do not make has none.
 
     NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
     (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
@@ -678,11 +683,9 @@ def undrawn_prepaid_usage(account: BillingAccount) -> tuple[Decimal, list[tuple[
             "recorded_since": recorded_since})
         rows = cursor.fetchall()
     undrawn = rows[0][2]
-    if undrawn <= 0:
-        return undrawn, []
     parts = [(began, cost) for _, began, cost in rows[1:]]
     left = undrawn - sum((cost for _, cost in parts), Decimal(0))
-    if left > 0:
+    if undrawn > 0 and left > 0:
         parts = sorted([*parts, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
     return undrawn, parts
 

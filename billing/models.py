@@ -453,21 +453,48 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
     grant, not from the next one while the expired one kept it as unspent (paid for twice); usage made after the
     expiry is never drawn from it, nor is usage of an account idle for months from every grant that expired unused
     meanwhile."""
-    left = {grant.pk: grant.remaining for grant in grants}
-    shares: dict[int, Decimal] = {}
-    for started_at, cost in usage:
+    return _allocate(grants, usage, {grant.pk: grant.remaining for grant in grants})
+
+
+def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
+    """How much each of `grants` (`CreditGrantQuerySet.paying_for`, soonest expiry first) takes back, by id, of
+    `overcharge` (the start of each part of usage drawn for more than the ledger now holds, and by how much, earliest
+    first: `ledger.undrawn_prepaid_usage` with less in the ledger than drawn): `credit_shares` run backwards, each part
+    to the grants it was drawn from, those granted by and not expired when it started, latest expiry first (the last a
+    draw took from), within what each has consumed. A grant expired since takes its share back all the same: that
+    credit expired unused, as it would have had the usage been priced right when drawn. What none of them holds is
+    taken back by none (`billing.credits._give_back`).
+    NOTE: draws record no grant per row, so which of the grants a part was made under paid for it is not known where
+    several were: latest expiry first never gives back credit shorter-lived than what paid. Before, the overcharge went
+    to whichever active grant had consumed any, soonest expiry first: non-expiring credit bought came back as a promo
+    grant's, and expired unused with it."""
+    return _allocate(list(reversed(grants)), overcharge, {grant.pk: grant.consumed for grant in grants})
+
+
+def _allocate(grants: Sequence[CreditGrant], parts: Sequence[tuple[datetime, Decimal]],
+              room: dict[int, Decimal]) -> dict[int, Decimal]:
+    """Each of `parts` (a start and an amount) to the `grants` it was made under, in their order, within each's `room`
+    (by id; what it may take of all the parts): how much each takes, by id."""
+    left = dict(room)
+    taken: dict[int, Decimal] = {}
+    for started_at, amount in parts:
         for grant in grants:
-            if cost <= 0:
+            if amount <= 0:
                 break
-            if grant.granted_at >= started_at + _PART_SPAN or (
-                    grant.expires_at is not None and grant.expires_at <= started_at):
+            if not _made_under(grant, started_at):
                 continue
-            share = min(left[grant.pk], cost)
+            share = min(left[grant.pk], amount)
             if share > 0:
                 left[grant.pk] -= share
-                shares[grant.pk] = shares.get(grant.pk, Decimal(0)) + share
-                cost -= share
-    return shares
+                taken[grant.pk] = taken.get(grant.pk, Decimal(0)) + share
+                amount -= share
+    return taken
+
+
+def _made_under(grant: CreditGrant, started_at: datetime) -> bool:
+    """Whether usage begun at `started_at` (a part's date: within `_PART_SPAN` after it) was made under `grant`: granted
+    by then and not expired."""
+    return grant.granted_at < started_at + _PART_SPAN and (grant.expires_at is None or grant.expires_at > started_at)
 
 
 class CreditGrant(models.Model):

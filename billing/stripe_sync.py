@@ -859,7 +859,8 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     ledger again after the rewind). Its `push_error` names its events not recorded yet and their values: an operator
     compares them with Stripe's, then confirms the rollup (`confirm_held`: the same; every event named is recorded as
     accepted) or cancels its events in Stripe and sends it under new identifiers (`send_held_as_new`: Stripe has less,
-    within `METER_EVENT_CANCEL_WINDOW` of its hour's end: `held_past_cancel_window`), or sends what Stripe lacks (`send_held_difference`).
+    within `METER_EVENT_CANCEL_WINDOW` of its hour's end: `held_past_cancel_window`), or sends the difference between
+    the ledger's values and Stripe's, either way, negative ones included (`send_held_difference`).
 
     NOTE: before, the refusal was recorded as Stripe accepting the rollup's value and the rollup marked pushed: what it
     held beyond the events of before the rewind was billed by nobody (the rollups sum to the ledger, so no adjustment
@@ -870,7 +871,7 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
     logger.error("rollup %s held: Stripe refused its meter event %s as a duplicate of one this database has no record "
                  "of sending (restored or failed over past its push?). Compare %s with Stripe's %s, then confirm the "
                  "rollup, cancel its events in Stripe and send it as new (within a day of its hour's end), or send "
-                 "the difference, in the admin",
+                 "the difference (Stripe's values as they are, negative ones too), in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
     UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
@@ -937,6 +938,10 @@ def difference_identifier(rollup: UsageRollup, event_name: str) -> str:
     return meter_event_identifier(rollup, f"difference-{event_name.removeprefix('inferplane_')}")
 
 
+# The largest value, either way, of a meter event this database records (`MeterEventPush.value`, a bigint).
+MAX_METER_EVENT_VALUE = 2**63 - 1
+
+
 def held_difference_meters(rollup: UsageRollup) -> list[Meter]:
     """The meters an operator reads Stripe's value of for a rollup held as a duplicate: those its hold names
     (`hold_duplicate`: its events not recorded as accepted)."""
@@ -954,12 +959,16 @@ class _Difference:
 
 def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, stripe_customer_id: str,
                          pending_in_stripe: bool | None = None) -> int:
-    """Staff: bill what Stripe lacks of a rollup held as a duplicate (`hold_duplicate`), once an operator has read, in
-    Stripe, the value of each event its hold names (`stripe_has`: event name -> value; 0 for one Stripe does not
-    have) and the customer they are on (`stripe_customer_id`). For each meter, ours less Stripe's goes as one new
-    meter event (`difference_identifier`, the same on every run: Stripe refuses it twice, and one recorded is not sent
-    again), Stripe's own events are recorded as accepted at Stripe's values (`MeterEventPush`), the rollup is marked
-    pushed, and it is audited (`DIFFERENCE_AUDIT_ACTION`). Returns 1, or 0 when another run marked it first.
+    """Staff: bill what Stripe lacks of a rollup held as a duplicate (`hold_duplicate`), or take back what it has
+    beyond the ledger, once an operator has read, in Stripe, the value of each event its hold names (`stripe_has`:
+    event name -> value; 0 for one Stripe does not have) and the customer they are on (`stripe_customer_id`). For
+    each meter, ours less Stripe's, where not 0, goes as one new meter event (`difference_identifier`, the same on
+    every run: Stripe refuses it twice, and one recorded is not sent again), Stripe's own events are recorded as
+    accepted at Stripe's values (`MeterEventPush`), the rollup is marked pushed, and it is audited
+    (`DIFFERENCE_AUDIT_ACTION`). Returns 1, or 0 when another run marked it first.
+    Values are signed both ways: an adjustment rollup's are negative where it lowers a meter (`billing.rollups`), and
+    so is what Stripe has of it; Stripe holding more than the ledger sends a negative difference, a meter event that
+    Stripe takes and sums with the period like an adjustment's (`push_pending_rollups`).
 
     The first run claims the rollup under its row lock and commits what it sends (`UsageRollup.difference_started_at`,
     `difference_pending`) before calling Stripe: "send as new", "send it again" and "confirm" refuse it from then on,
@@ -971,10 +980,15 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
 
     For a rollup whose events in Stripe can no longer be cancelled (`held_past_cancel_window`), or any whose events an
     operator would rather not cancel. Raises `DifferenceRefused`, sending nothing, for a rollup not held as a duplicate,
-    a value missing or negative, one above ours (Stripe billed more than the ledger, which is a credit note in Stripe
-    for the excess, then `confirm_held`), or Stripe's events on a customer that is not the organisation's now (they
+    a value missing or not a whole number, or Stripe's events on a customer that is not the organisation's now (they
     were billed, or not, by that customer's invoices: the difference sent to today's is billed by nobody, or by
-    another). A Stripe failure raises as it is; what was sent is recorded, and running it again sends only the rest."""
+    another). A Stripe failure raises as it is; what was sent is recorded, and running it again sends only the rest.
+
+    NOTE: before, a negative value and one above ours were refused, the latter with advice to issue a credit note in
+    Stripe for the excess, then confirm: a negative adjustment held after a rewind (its values below 0, Stripe's too)
+    had no way out past the cancel window but "confirm", which recorded the ledger's values as Stripe's (a late row's
+    usage billed by nobody); and an excess went to a credit note by hand, outside the meters, where a negative meter
+    event now takes it back in the customer's open period, as an adjustment's does (`tests/billing/test_held_negative_difference.py`)."""
     customer_id = BillingAccount.objects.for_organization(
         UsageRollup.objects.values_list("organization_id", flat=True).get(pk=rollup_id)).stripe_customer_id
     if not customer_id:
@@ -989,7 +1003,7 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
         identifier__in=[difference_identifier(rollup, name) for name in ours]).values_list("identifier", flat=True))
     for meter in due:
         value = ours[meter.event_name] - difference.stripe_has[meter.event_name]
-        if value > 0 and difference_identifier(rollup, meter.event_name) not in sent:
+        if value != 0 and difference_identifier(rollup, meter.event_name) not in sent:
             _send_difference(rollup, meter, value, difference.customer_id, difference.timestamp)
     with transaction.atomic():
         BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id).first()
@@ -999,7 +1013,7 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
         if not marked:  # NOTE: nothing recorded of a rollup another run marked (it recorded its own)
             return 0
         for meter in due:
-            if difference.stripe_has[meter.event_name] > 0:
+            if difference.stripe_has[meter.event_name] != 0:
                 MeterEventPush.objects.get_or_create(
                     identifier=meter_event_identifier(rollup, meter.event_name),
                     defaults={"rollup": rollup, "event_name": meter.event_name,
@@ -1023,15 +1037,11 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
                                     "since?)")
         due = held_difference_meters(rollup)
         ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
-        missing = [name for name in ours if not isinstance(stripe_has.get(name), int) or stripe_has[name] < 0]
+        missing = [name for name, value in ours.items() if type(stripe_has.get(name)) is not int
+                   or max(abs(stripe_has[name]), abs(value - stripe_has[name])) > MAX_METER_EVENT_VALUE]
         if missing:
-            raise DifferenceRefused(f"Stripe's value of {', '.join(missing)} is missing or negative")
-        more = [f"{name.removeprefix('inferplane_')} {stripe_has[name]} > {value}" for name, value in ours.items()
-                if stripe_has[name] > value]
-        if more:
-            raise DifferenceRefused(f"Stripe has more than the ledger ({', '.join(more)}): nothing sent. The excess is "
-                                    "billed already: issue the customer a credit note for it in Stripe, then confirm "
-                                    "the rollup")
+            raise DifferenceRefused(f"Stripe's value of {', '.join(missing)} is missing, not a whole number, or it "
+                                    f"or its difference from the ledger's is beyond ±{MAX_METER_EVENT_VALUE}")
         entered = {name: stripe_has[name] for name in ours}
         if any(entered.values()) and stripe_customer_id != customer_id:
             raise DifferenceRefused(
@@ -1123,7 +1133,7 @@ def _first_unrecorded_difference(rollup: UsageRollup, due: list[Meter],
     for meter in due:
         value = getattr(rollup, meter.rollup_field) - difference.stripe_has[meter.event_name]
         identifier = difference_identifier(rollup, meter.event_name)
-        if value > 0 and not MeterEventPush.objects.filter(identifier=identifier).exists():
+        if value != 0 and not MeterEventPush.objects.filter(identifier=identifier).exists():
             return identifier, value, meter
     return None
 
