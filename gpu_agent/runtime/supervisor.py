@@ -936,9 +936,22 @@ class Supervisor:
         if served is None:
             return None
         if served > command.max_model_len:
-            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} it was "
-                    "launched with and its calls are billed by")
+            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} its "
+                    "calls are billed by")
         return ""
+
+    def _adopted_context_problem(self, replica: ManagedReplica, record: dict) -> str | None:
+        """`_served_context_problem` of a healthy engine a previous agent left running, against the context its calls
+        are billed by now (`engine.engine_context_length` of its desired spec): "" when it serves no more, None when it
+        did not say in time (not adopted, as one not healthy).
+
+        NOTE: before, an adopted engine was READY unchecked: one an older agent had launched with no
+        `--max-model-len` served what vLLM derived, past the figure its calls were reserved and billed by."""
+        command = replica.command
+        if command is None or (state_file.LAUNCHED_CONTEXT_KEY in record and command.max_model_len is None):
+            return ""  # a stand-in engine's command: nothing was launched with a context to check
+        command.max_model_len = engine.engine_context_length(replica.spec, replica.model_path)
+        return self._served_context_problem(replica)
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
@@ -1121,7 +1134,10 @@ class Supervisor:
                 pid = replica.pid
                 wanted = desired is None or replica_id in desired
                 alive = pid is not None and process.is_replica_process(pid, replica_id)
+                problem = None
                 if wanted and alive and self._probe.healthy(replica.address):
+                    problem = self._adopted_context_problem(replica, record)
+                if problem is not None:
                     replica.became_ready(time.monotonic())
                     replica.started_at = time.monotonic()
                     if record.get("sleeping"):
@@ -1132,6 +1148,8 @@ class Supervisor:
                     self._adopt_folders(replica_id, pid, recorded_scratch)
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
+                    if problem:
+                        self._fail(replica, problem)  # NOTE: reported FAILED with the reason, not silently replaced
                 else:
                     killed.append(replica_id)
                     if alive:

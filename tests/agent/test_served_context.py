@@ -19,7 +19,7 @@ from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.model_info import read_config_info
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
-from .conftest import fake_engine_factory, make_spec, wait_until
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
 FAST = SupervisorPolicy(restart_backoff_s=0.2, max_consecutive_crashes=3, stop_timeout_s=2.0)
 
@@ -81,7 +81,7 @@ def test_an_engine_serving_more_context_than_it_was_launched_with_fails_with_the
         replica = supervisor.get("r-context")
         assert replica.state == state
         if state == ReplicaState.FAILED:
-            assert "serves a context of 4096 tokens, more than the 512 it was launched with" in replica.failure_reason
+            assert "serves a context of 4096 tokens, more than the 512 its calls are billed by" in replica.failure_reason
             assert replica.num_restarts == 0  # failed at once: a restart would serve the same
     finally:
         supervisor.shutdown(timeout_s=1)
@@ -97,6 +97,41 @@ def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
         assert "did not say the context it serves" in supervisor.get("r-silent").failure_reason
     finally:
         supervisor.shutdown(timeout_s=1)
+
+
+@pytest.mark.parametrize(("served", "older_record", "state"), [
+    (4096, False, ReplicaState.FAILED), (4096, True, ReplicaState.FAILED), (1024, False, ReplicaState.READY)])
+def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_billed_by_fails_with_the_reason(
+        tmp_path, served, older_record, state):
+    """A previous agent's engine, launched with `served` tokens, adopted where its calls are now billed by 1,024 (its
+    desired spec's). Before, an adopted engine turned READY unchecked; an older agent's record (no launch figure: its
+    engine may have had no --max-model-len) is checked alike."""
+    data_dir = tmp_path / "agent"
+    first = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory(
+        "--served-context", str(served), max_model_len=served))
+    second = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory())
+    try:
+        first.start(make_spec("r-adopted", max_model_len=None, billed_context_tokens=served), "/models/x")
+        wait_until(lambda: first.get("r-adopted").state == ReplicaState.READY, 10, poll=first.poll)
+        first._probe.close()  # the old agent vanishes without stopping its engine
+        first._replicas.clear()
+        if older_record:
+            records = json.loads((data_dir / "replicas.json").read_text())
+            records["r-adopted"].pop("max_model_len", None)
+            (data_dir / "replicas.json").write_text(json.dumps(records))
+
+        adopted, killed = second.recover(
+            {"r-adopted": make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)})
+
+        replica = second.get("r-adopted")
+        assert (adopted, killed, replica.state) == (["r-adopted"], [], state)
+        if state == ReplicaState.FAILED:
+            assert replica.failure_reason == (
+                "its engine serves a context of 4096 tokens, more than the 1024 its calls are billed by")
+            wait_until(lambda: processes_with_marker("r-adopted") == [], 5)
+    finally:
+        second.shutdown(timeout_s=1)
+        first.shutdown(timeout_s=1)
 
 
 @pytest.mark.vllm
