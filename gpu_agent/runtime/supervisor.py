@@ -174,6 +174,9 @@ class Supervisor:
         # Engines listen only inside the range this node registered (the control plane checks it).
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
+        # Engines adopted by `recover` (against the spec recorded with them) not yet checked against a desired spec
+        # (`check_adopted_context`).
+        self._adopted_unchecked: set[str] = set()
         self._prepared: dict[str, EngineCommand] = {}  # replica id -> command already sent to the zygote
         # Replica id -> (the replica, its command or why none could be built): built outside the lock (`_build_due`).
         self._built: dict[str, tuple[ManagedReplica, EngineCommand | Exception]] = {}
@@ -410,6 +413,34 @@ class Supervisor:
                 replica.spec = dataclasses.replace(
                     replica.spec, engine_api_key=spec.engine_api_key, credentials=spec.credentials
                 )
+
+    def check_adopted_context(self, spec: ReplicaSpec) -> None:
+        """Check an engine adopted from a previous agent against the first desired spec the control plane gives it
+        (`_served_context_problem` with the context its calls are billed by now), failing it with the reason if it
+        serves more; its restarts take that figure.
+
+        NOTE: `recover` runs before the first heartbeat, with the spec recorded with the engine: an engine an older
+        agent launched with no `--max-model-len` serves what vLLM derives, and only the control plane's spec says
+        that its calls are billed by less (the model's context kept from another description)."""
+        with self._lock:
+            replica = self._replicas.get(spec.replica_id)
+            if spec.replica_id not in self._adopted_unchecked or replica is None:
+                return
+            if replica.is_final or replica.pid is None or replica.command is None:
+                self._adopted_unchecked.discard(spec.replica_id)
+                return
+            replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
+            believed = engine.engine_context_length(replica.spec, replica.model_path)
+            if believed >= (replica.command.max_model_len or 0):
+                self._adopted_unchecked.discard(spec.replica_id)  # checked at adoption against as much or less
+                return
+            replica.command.max_model_len = believed
+            problem = self._served_context_problem(replica)
+            if problem is None:
+                return  # not answered in time: asked again with the next desired spec
+            self._adopted_unchecked.discard(spec.replica_id)
+            if problem:
+                self._fail(replica, problem)
 
     def get(self, replica_id: str) -> ManagedReplica | None:
         with self._lock:
@@ -1150,6 +1181,8 @@ class Supervisor:
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
                     if problem:
                         self._fail(replica, problem)  # NOTE: reported FAILED with the reason, not silently replaced
+                    elif replica.command is not None and replica.command.max_model_len is not None:
+                        self._adopted_unchecked.add(replica_id)
                 else:
                     killed.append(replica_id)
                     if alive:

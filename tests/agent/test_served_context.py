@@ -99,13 +99,16 @@ def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
         supervisor.shutdown(timeout_s=1)
 
 
-@pytest.mark.parametrize(("served", "older_record", "state"), [
-    (4096, False, ReplicaState.FAILED), (4096, True, ReplicaState.FAILED), (1024, False, ReplicaState.READY)])
+@pytest.mark.parametrize(("served", "older_record", "desired_at", "state"), [
+    (4096, False, "recover", ReplicaState.FAILED), (4096, True, "recover", ReplicaState.FAILED),
+    (4096, True, "first heartbeat", ReplicaState.FAILED), (1024, False, "recover", ReplicaState.READY),
+    (1024, True, "first heartbeat", ReplicaState.READY)])
 def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_billed_by_fails_with_the_reason(
-        tmp_path, served, older_record, state):
+        tmp_path, served, older_record, desired_at, state):
     """A previous agent's engine, launched with `served` tokens, adopted where its calls are now billed by 1,024 (its
-    desired spec's). Before, an adopted engine turned READY unchecked; an older agent's record (no launch figure: its
-    engine may have had no --max-model-len) is checked alike."""
+    desired spec's: handed to `recover`, or, as the agent does, with its first heartbeat's answer after adopting it
+    by its recorded spec). Before, an adopted engine turned READY unchecked; an older agent's record (no launch
+    figure: its engine may have had no --max-model-len) is checked alike."""
     data_dir = tmp_path / "agent"
     first = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory(
         "--served-context", str(served), max_model_len=served))
@@ -120,8 +123,13 @@ def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_
             records["r-adopted"].pop("max_model_len", None)
             (data_dir / "replicas.json").write_text(json.dumps(records))
 
-        adopted, killed = second.recover(
-            {"r-adopted": make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)})
+        desired = make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)
+        if desired_at == "recover":
+            adopted, killed = second.recover({"r-adopted": desired})
+        else:
+            adopted, killed = second.recover(None)
+            assert second.get("r-adopted").state == ReplicaState.READY  # as recorded: its calls billed by `served`
+            second.check_adopted_context(desired)
 
         replica = second.get("r-adopted")
         assert (adopted, killed, replica.state) == (["r-adopted"], [], state)
