@@ -143,11 +143,13 @@ def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize(("billed", "served"), [(None, 1024), (512, 512)])
 def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_derive(engine_node, tiny_model_dir,
-                                                                                    tmp_path):
+                                                                                    tmp_path, billed, served):
     """A model of absolute positions whose tokenizer allows 1,024 of its 2,048: described as 1,024 (vLLM's bound on
     its pooling runner, taken by the agent for any such model), which a generating vLLM left to itself would not
-    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by."""
+    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by; or 512 where the
+    control plane bills by 512 (a catalogue copy another node described first with less)."""
     import httpx
 
     from tests.engines import serve_engine, tiny_model_copy
@@ -155,9 +157,10 @@ def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_deriv
     model = tiny_model_copy(tiny_model_dir, tmp_path, {"config.json": {"position_embedding_type": "absolute"},
                                                        "tokenizer_config.json": {"model_max_length": 1024}})
     assert read_config_info(model).max_model_len == 1024
-    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4)
+    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4,
+                     billed_context_tokens=billed)
     with serve_engine(engine_node, spec, model) as replica:
         listed = httpx.get(f"{replica.address}/v1/models", timeout=30,
                            headers={"Authorization": f"Bearer {spec.engine_api_key}"}).json()["data"]
-        assert [card["max_model_len"] for card in listed] == [1024]
-        assert flag(replica.command.argv, "--max-model-len") == "1024"
+        assert [card["max_model_len"] for card in listed] == [served]
+        assert flag(replica.command.argv, "--max-model-len") == str(served)
