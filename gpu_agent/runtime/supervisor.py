@@ -65,6 +65,7 @@ from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
     ModelTask,
+    ReplicaAction,
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
@@ -381,6 +382,7 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
+                self._adopted_unchecked.discard(replica_id)
                 self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 self._save_state()
                 live = {replica.log_path.name for replica in self._replicas.values()}
@@ -429,6 +431,8 @@ class Supervisor:
             if replica.is_final or replica.pid is None or replica.command is None:
                 self._adopted_unchecked.discard(spec.replica_id)
                 return
+            if replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
+                return  # NOTE: a draining engine is sent no more calls; failing it would end those it is finishing
             replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
             believed = engine.engine_context_length(replica.spec, replica.model_path)
             if believed >= (replica.command.max_model_len or 0):
@@ -973,8 +977,9 @@ class Supervisor:
 
     def _adopted_context_problem(self, replica: ManagedReplica, record: dict) -> str | None:
         """`_served_context_problem` of a healthy engine a previous agent left running, against the context its calls
-        are billed by now (`engine.engine_context_length` of its desired spec): "" when it serves no more, None when it
-        did not say in time (not adopted, as one not healthy).
+        are billed by (`engine.engine_context_length` of its spec: the desired one handed to `recover`, else the one
+        recorded with it): "" when it serves no more, None when it did not say in time (not adopted, as one not
+        healthy).
 
         NOTE: before, an adopted engine was READY unchecked: one an older agent had launched with no
         `--max-model-len` served what vLLM derived, past the figure its calls were reserved and billed by."""

@@ -8,12 +8,13 @@ the agent described as 2,048 (a RoPE "default" with a factor), so a 60k-token pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 
-from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaState
+from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaAction, ReplicaState
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.model_info import read_config_info
@@ -129,6 +130,8 @@ def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_
         else:
             adopted, killed = second.recover(None)
             assert second.get("r-adopted").state == ReplicaState.READY  # as recorded: its calls billed by `served`
+            second.check_adopted_context(dataclasses.replace(desired, action=ReplicaAction.DRAIN))
+            assert second.get("r-adopted").state == ReplicaState.READY  # a draining one finishes its calls
             second.check_adopted_context(desired)
 
         replica = second.get("r-adopted")
