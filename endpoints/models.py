@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
+from collections.abc import Iterable
 from decimal import Decimal
 
 from django.conf import settings
@@ -396,9 +397,17 @@ class Endpoint(models.Model):
     @property
     def context_length(self) -> int:
         """The context the engine serves: the endpoint's own limit, else the model's, else a cautious guess."""
+        return self.known_context_length() or UNKNOWN_CONTEXT_LENGTH
+
+    def known_context_length(self, model_contexts: dict[tuple[str, str], int] | None = None) -> int | None:
+        """`context_length` once it is known: the endpoint's own limit, else its model's as an agent described it;
+        None before any did. `model_contexts`: `ModelFacts.context_lengths_of` read already for its copy."""
         if self.max_model_len is not None:
             return self.max_model_len
-        return ModelFacts.context_length_of(self.model_source, self.weights_scope) or UNKNOWN_CONTEXT_LENGTH
+        copy = (self.model_source, self.weights_scope)
+        if model_contexts is None:
+            model_contexts = ModelFacts.context_lengths_of([copy])
+        return model_contexts.get(copy)
 
 
 # Until an agent has read a model's config, estimates (placement, the gateway's checks) assume this; so does an engine
@@ -636,7 +645,20 @@ class ModelFacts(models.Model):
 
     @classmethod
     def context_length_of(cls, source: str, scope: str) -> int | None:
-        return cls.of(source, scope).exclude(max_model_len=None).values_list("max_model_len", flat=True).first()
+        return cls.context_lengths_of([(source, scope)]).get((source, scope))
+
+    @classmethod
+    def context_lengths_of(cls, copies: Iterable[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """The context of each copy (source, scope) as `of` finds it, in one query; a copy no agent described is
+        left out."""
+        copies = set(copies)
+        if not copies:
+            return {}
+        kept = {(source, scope): context for source, scope, context in cls.objects.filter(
+            source__in={source for source, _ in copies}, scope__in={scope for _, scope in copies} | {""},
+        ).exclude(max_model_len=None).values_list("source", "scope", "max_model_len")}
+        found = {(source, scope): kept.get((source, scope)) or kept.get((source, "")) for source, scope in copies}
+        return {copy: context for copy, context in found.items() if context is not None}
 
     @classmethod
     def chat_template_tokens_of(cls, source: str, scope: str) -> tuple[int, int]:

@@ -934,8 +934,12 @@ class ReplicaSpec(Message):
     sleep_mode: bool = False
     quantization: str = "none"  # the endpoint's value; the agent maps it to engine flags per device
     dtype: str = "auto"
-    # None: the model's own context length (the engine gets no --max-model-len).
+    # The endpoint's own limit; None: the model's own context length (`engine.engine_context_length`).
     max_model_len: int | None = None
+    # The context the control plane reserves and bills the endpoint's calls by (`Endpoint.context_length`) once it
+    # knows it (the endpoint's limit, else its model's as the first agent to describe it did); the engine is launched
+    # with no more. None: no agent has described the model yet (the control plane assumes `UNKNOWN_CONTEXT_TOKENS`).
+    billed_context_tokens: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -979,6 +983,8 @@ class ReplicaSpec(Message):
         _require(all(_PARSER_NAME.match(name) for name in (self.tool_call_parser, self.reasoning_parser)),
                  "tool_call_parser and reasoning_parser must be parser names")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be > 0")
+        _require(self.billed_context_tokens is None or self.billed_context_tokens > 0,
+                 "billed_context_tokens must be > 0")
         _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be within (0, 1]")
         _require(self.num_gpus >= 1, "num_gpus must be >= 1")

@@ -647,9 +647,11 @@ def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
         return []
     replicas = Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint", "endpoint__credential", "node")
     specs = []
+    model_contexts = ModelFacts.context_lengths_of({(replica.endpoint.model_source, replica.endpoint.weights_scope)
+                                                    for replica in replicas if replica.endpoint.max_model_len is None})
     for replica in replicas:
         try:
-            specs.append(replica_spec(replica))
+            specs.append(replica_spec(replica, model_contexts))
         except (ValueError, SecretUnreadable) as exc:
             logger.warning("replica %s of endpoint %s: its spec cannot be built: %s", replica.pk, replica.endpoint_id, exc)
             reason = f"its configuration cannot run: {exc}"
@@ -658,7 +660,8 @@ def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
     return specs
 
 
-def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
+def replica_spec(replica: Replica, model_contexts: dict[tuple[str, str], int] | None = None) -> protocol.ReplicaSpec:
+    """`model_contexts`: the contexts of its endpoint's model copy read already (`Endpoint.known_context_length`)."""
     endpoint = replica.endpoint
     access = source_access(endpoint)  # NOTE: answered only to the replica's own node (desired_replicas)
     return protocol.ReplicaSpec(
@@ -672,6 +675,9 @@ def replica_spec(replica: Replica) -> protocol.ReplicaSpec:
         sleep_mode=endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE,
         quantization=endpoint.quantization,
         max_model_len=endpoint.max_model_len,
+        # NOTE: a catalogue copy's context is the first node's to describe it; a node reading more launched its engine
+        # with its own, larger figure while the gateway reserved and billed by the kept one.
+        billed_context_tokens=endpoint.known_context_length(model_contexts),
         max_num_seqs=endpoint.max_num_seqs,
         max_num_batched_tokens=endpoint.max_num_batched_tokens,
         enable_prefix_caching=endpoint.enable_prefix_caching,

@@ -322,20 +322,26 @@ def build_engine_command(
 
 def engine_context_length(spec: ReplicaSpec, model_path: str | Path) -> int:
     """The context an engine is launched with: the spec's `max_model_len`, else the model's as the agent describes it
-    to the control plane (`model_info.read_config_info`), else what the control plane assumes of a model not read yet.
+    to the control plane (`model_info.read_config_info`), else what the control plane assumes of a model not read yet;
+    at most the context the control plane bills by (`spec.billed_context_tokens`), when it knows one.
 
     NOTE: the gateway reserves, bounds and bills every call by the context the control plane believes
-    (`Endpoint.context_length`: the spec's, else the agent's description). Left to itself vLLM serves what it derives
-    from the files, and a tenant's files can make that larger (a 2,048-token reservation billed for a 60,000-token
-    prompt). Given the figure, vLLM serves no more; where it derives less it refuses to start (past
-    `VLLM_ALLOW_LONG_MAX_MODEL_LEN`, which no engine inherits), and the replica fails with vLLM's reason.
+    (`Endpoint.context_length`: the spec's, else the first description an agent gave of the model). Left to itself
+    vLLM serves what it derives from the files, and a tenant's files can make that larger (a 2,048-token reservation
+    billed for a 60,000-token prompt); so can this node's reading of a catalogue model another node described first
+    with less. Given the figure, vLLM serves no more. Where this node reads less than the control plane bills by, its
+    own reading is taken (vLLM would refuse more): the engine serves less than its calls are reserved, and a prompt
+    past it is the engine's 400. The endpoint's own `max_model_len` past what vLLM derives is still refused by vLLM
+    (`VLLM_ALLOW_LONG_MAX_MODEL_LEN` is inherited by no engine), and the replica fails with vLLM's reason.
     """
     if spec.max_model_len is not None:
-        return spec.max_model_len
-    info = read_config_info(model_path)  # NOTE: a few small JSON files: no safetensors header is parsed here
-    if info is not None and info.max_model_len is not None:
-        return info.max_model_len
-    return UNKNOWN_CONTEXT_TOKENS
+        context = spec.max_model_len
+    else:
+        info = read_config_info(model_path)  # NOTE: a few small JSON files: no safetensors header is parsed here
+        context = info.max_model_len if info is not None and info.max_model_len is not None else UNKNOWN_CONTEXT_TOKENS
+    if spec.billed_context_tokens is not None:
+        return min(context, spec.billed_context_tokens)
+    return context
 
 
 def cpu_kv_cache_bytes(

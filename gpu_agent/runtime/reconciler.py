@@ -165,6 +165,7 @@ class Reconciler:
                 self._begin_start(spec)
             elif spec.replica_id in known:
                 self.supervisor.refresh_secrets(spec)
+                self.supervisor.check_adopted_context(spec)
                 replica = self.supervisor.get(spec.replica_id)
                 if replica is not None and replica.state == ReplicaState.READY:
                     if spec.action == ReplicaAction.SLEEP:

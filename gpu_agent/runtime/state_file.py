@@ -60,6 +60,9 @@ def boot_id() -> str:
 # missing from an older agent's records.
 SCRATCH_KEY = "scratch_dir"
 NOT_RECORDED = object()  # `recorded_scratch` of an older agent's record
+# A record's key for the context its engine was launched with (`EngineCommand.max_model_len`): null for a stand-in
+# engine's command (a test's); missing from an older agent's records, whose engines may have been launched with none.
+LAUNCHED_CONTEXT_KEY = "max_model_len"
 
 
 # NOTE: the scratch folders made for launches whose engines are not recorded yet (`StateFile.made_scratch`), as a list
@@ -83,6 +86,8 @@ def _records(replicas: Iterable[ManagedReplica], scratch_dirs: Mapping[str, Path
             "advertise_host": replica.command.advertise_host,
             "port": replica.command.port,
             "argv": replica.command.argv,
+            # NOTE: None for a stand-in engine's command (a test's), which is not checked (`Supervisor.recover`).
+            LAUNCHED_CONTEXT_KEY: replica.command.max_model_len,
             "model_path": str(replica.model_path),
             # NOTE: source credentials never go to disk. The engine key does (this file is 0600,
             # like node.json): the next agent must reach an engine it adopts to drain it.
@@ -233,7 +238,8 @@ def replica_from_record(replica_id: str, record: dict, logs_dir: Path, desired: 
     """The replica a record describes, with its desired spec when there is one (for adoption)."""
     spec = dataclasses.replace(ReplicaSpec.from_dict(record["spec"]), engine_api_key=record.get("engine_api_key", ""))
     command = EngineCommand(argv=record.get("argv", []), host=record["host"], port=record["port"],
-                            advertise_host=record.get("advertise_host", ""))
+                            advertise_host=record.get("advertise_host", ""),
+                            max_model_len=record.get(LAUNCHED_CONTEXT_KEY))
     wanted_spec = desired.get(replica_id, spec) if desired else spec
     if not wanted_spec.engine_api_key:  # the running engine holds the key it was started with
         wanted_spec = dataclasses.replace(wanted_spec, engine_api_key=spec.engine_api_key)

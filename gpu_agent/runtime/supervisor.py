@@ -65,6 +65,7 @@ from gpu_agent.protocol import (
     DEFAULT_ENGINE_PORT_MAX,
     DEFAULT_ENGINE_PORT_MIN,
     ModelTask,
+    ReplicaAction,
     ReplicaSpec,
     ReplicaState,
     ReplicaStatus,
@@ -174,6 +175,9 @@ class Supervisor:
         # Engines listen only inside the range this node registered (the control plane checks it).
         self.engine_ports = engine_ports
         self._replicas: dict[str, ManagedReplica] = {}
+        # Engines adopted by `recover` (against the spec recorded with them) not yet checked against a desired spec
+        # (`check_adopted_context`).
+        self._adopted_unchecked: set[str] = set()
         self._prepared: dict[str, EngineCommand] = {}  # replica id -> command already sent to the zygote
         # Replica id -> (the replica, its command or why none could be built): built outside the lock (`_build_due`).
         self._built: dict[str, tuple[ManagedReplica, EngineCommand | Exception]] = {}
@@ -378,6 +382,7 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
+                self._adopted_unchecked.discard(replica_id)
                 self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 self._save_state()
                 live = {replica.log_path.name for replica in self._replicas.values()}
@@ -410,6 +415,36 @@ class Supervisor:
                 replica.spec = dataclasses.replace(
                     replica.spec, engine_api_key=spec.engine_api_key, credentials=spec.credentials
                 )
+
+    def check_adopted_context(self, spec: ReplicaSpec) -> None:
+        """Check an engine adopted from a previous agent against the first desired spec the control plane gives it
+        (`_served_context_problem` with the context its calls are billed by now), failing it with the reason if it
+        serves more; its restarts take that figure.
+
+        NOTE: `recover` runs before the first heartbeat, with the spec recorded with the engine: an engine an older
+        agent launched with no `--max-model-len` serves what vLLM derives, and only the control plane's spec says
+        that its calls are billed by less (the model's context kept from another description)."""
+        with self._lock:
+            replica = self._replicas.get(spec.replica_id)
+            if spec.replica_id not in self._adopted_unchecked or replica is None:
+                return
+            if replica.is_final or replica.pid is None or replica.command is None:
+                self._adopted_unchecked.discard(spec.replica_id)
+                return
+            if replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
+                return  # NOTE: a draining engine is sent no more calls; failing it would end those it is finishing
+            replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
+            believed = engine.engine_context_length(replica.spec, replica.model_path)
+            if believed >= (replica.command.max_model_len or 0):
+                self._adopted_unchecked.discard(spec.replica_id)  # checked at adoption against as much or less
+                return
+            replica.command.max_model_len = believed
+            problem = self._served_context_problem(replica)
+            if problem is None:
+                return  # not answered in time: asked again with the next desired spec
+            self._adopted_unchecked.discard(spec.replica_id)
+            if problem:
+                self._fail(replica, problem)
 
     def get(self, replica_id: str) -> ManagedReplica | None:
         with self._lock:
@@ -936,9 +971,23 @@ class Supervisor:
         if served is None:
             return None
         if served > command.max_model_len:
-            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} it was "
-                    "launched with and its calls are billed by")
+            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} its "
+                    "calls are billed by")
         return ""
+
+    def _adopted_context_problem(self, replica: ManagedReplica, record: dict) -> str | None:
+        """`_served_context_problem` of a healthy engine a previous agent left running, against the context its calls
+        are billed by (`engine.engine_context_length` of its spec: the desired one handed to `recover`, else the one
+        recorded with it): "" when it serves no more, None when it did not say in time (not adopted, as one not
+        healthy).
+
+        NOTE: before, an adopted engine was READY unchecked: one an older agent had launched with no
+        `--max-model-len` served what vLLM derived, past the figure its calls were reserved and billed by."""
+        command = replica.command
+        if command is None or (state_file.LAUNCHED_CONTEXT_KEY in record and command.max_model_len is None):
+            return ""  # a stand-in engine's command: nothing was launched with a context to check
+        command.max_model_len = engine.engine_context_length(replica.spec, replica.model_path)
+        return self._served_context_problem(replica)
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
@@ -1121,7 +1170,10 @@ class Supervisor:
                 pid = replica.pid
                 wanted = desired is None or replica_id in desired
                 alive = pid is not None and process.is_replica_process(pid, replica_id)
+                problem = None
                 if wanted and alive and self._probe.healthy(replica.address):
+                    problem = self._adopted_context_problem(replica, record)
+                if problem is not None:
                     replica.became_ready(time.monotonic())
                     replica.started_at = time.monotonic()
                     if record.get("sleeping"):
@@ -1132,6 +1184,10 @@ class Supervisor:
                     self._adopt_folders(replica_id, pid, recorded_scratch)
                     adopted.append(replica_id)
                     logger.info("adopted replica %s (pid %s)", replica_id, pid)
+                    if problem:
+                        self._fail(replica, problem)  # NOTE: reported FAILED with the reason, not silently replaced
+                    elif replica.command is not None and replica.command.max_model_len is not None:
+                        self._adopted_unchecked.add(replica_id)
                 else:
                     killed.append(replica_id)
                     if alive:

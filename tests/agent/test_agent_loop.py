@@ -645,3 +645,26 @@ def test_cli_agent_serves_a_real_engine_and_sigterm_leaves_no_process(
         agent.kill()
         for process in processes_with_marker("r-cli"):
             process.kill()
+
+
+def test_a_new_models_reading_is_in_every_heartbeat_from_before_its_replica_is_ready(
+        control_plane, running_agent, tmp_path):
+    """The agent reads a model before it starts its engine, and from then on each heartbeat carries the reading; the
+    control plane takes a heartbeat's readings before its replica reports, so by the time it hears READY it bills by
+    the context the engine is launched with, never a brand-new model's 4,096 default while the engine serves more.
+    (Heartbeats while the weights load report the replica STARTING with no reading yet.)"""
+    model = tmp_path / "long-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                   "max_position_embeddings": 32768}))
+    control_plane.desired = [make_spec("r-new", model_source=str(model), max_model_len=None)]
+    running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-new") == ReplicaState.READY, 15)
+    with control_plane.lock:
+        reports = [(status.state, [w.model_info.max_model_len if w.model_info else None
+                                   for w in beat.weights if w.source == str(model)])
+                   for beat in control_plane.heartbeats for status in beat.replicas if status.replica_id == "r-new"]
+    first_read = next(index for index, (_, readings) in enumerate(reports) if readings != [None])
+    assert {state for state, _ in reports[:first_read]} <= {ReplicaState.STARTING}
+    assert all(readings == [32768] for _, readings in reports[first_read:])
+    assert reports[-1][0] == ReplicaState.READY

@@ -8,18 +8,19 @@ the agent described as 2,048 (a RoPE "default" with a factor), so a 60k-token pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 
-from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaState
+from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaAction, ReplicaState
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.model_info import read_config_info
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
-from .conftest import fake_engine_factory, make_spec, wait_until
+from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
 
 FAST = SupervisorPolicy(restart_backoff_s=0.2, max_consecutive_crashes=3, stop_timeout_s=2.0)
 
@@ -81,7 +82,7 @@ def test_an_engine_serving_more_context_than_it_was_launched_with_fails_with_the
         replica = supervisor.get("r-context")
         assert replica.state == state
         if state == ReplicaState.FAILED:
-            assert "serves a context of 4096 tokens, more than the 512 it was launched with" in replica.failure_reason
+            assert "serves a context of 4096 tokens, more than the 512 its calls are billed by" in replica.failure_reason
             assert replica.num_restarts == 0  # failed at once: a restart would serve the same
     finally:
         supervisor.shutdown(timeout_s=1)
@@ -99,12 +100,59 @@ def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
         supervisor.shutdown(timeout_s=1)
 
 
+@pytest.mark.parametrize(("served", "older_record", "desired_at", "state"), [
+    (4096, False, "recover", ReplicaState.FAILED), (4096, True, "recover", ReplicaState.FAILED),
+    (4096, True, "first heartbeat", ReplicaState.FAILED), (1024, False, "recover", ReplicaState.READY),
+    (1024, True, "first heartbeat", ReplicaState.READY)])
+def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_billed_by_fails_with_the_reason(
+        tmp_path, served, older_record, desired_at, state):
+    """A previous agent's engine, launched with `served` tokens, adopted where its calls are now billed by 1,024 (its
+    desired spec's: handed to `recover`, or, as the agent does, with its first heartbeat's answer after adopting it
+    by its recorded spec). Before, an adopted engine turned READY unchecked; an older agent's record (no launch
+    figure: its engine may have had no --max-model-len) is checked alike."""
+    data_dir = tmp_path / "agent"
+    first = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory(
+        "--served-context", str(served), max_model_len=served))
+    second = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory())
+    try:
+        first.start(make_spec("r-adopted", max_model_len=None, billed_context_tokens=served), "/models/x")
+        wait_until(lambda: first.get("r-adopted").state == ReplicaState.READY, 10, poll=first.poll)
+        first._probe.close()  # the old agent vanishes without stopping its engine
+        first._replicas.clear()
+        if older_record:
+            records = json.loads((data_dir / "replicas.json").read_text())
+            records["r-adopted"].pop("max_model_len", None)
+            (data_dir / "replicas.json").write_text(json.dumps(records))
+
+        desired = make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)
+        if desired_at == "recover":
+            adopted, killed = second.recover({"r-adopted": desired})
+        else:
+            adopted, killed = second.recover(None)
+            assert second.get("r-adopted").state == ReplicaState.READY  # as recorded: its calls billed by `served`
+            second.check_adopted_context(dataclasses.replace(desired, action=ReplicaAction.DRAIN))
+            assert second.get("r-adopted").state == ReplicaState.READY  # a draining one finishes its calls
+            second.check_adopted_context(desired)
+
+        replica = second.get("r-adopted")
+        assert (adopted, killed, replica.state) == (["r-adopted"], [], state)
+        if state == ReplicaState.FAILED:
+            assert replica.failure_reason == (
+                "its engine serves a context of 4096 tokens, more than the 1024 its calls are billed by")
+            wait_until(lambda: processes_with_marker("r-adopted") == [], 5)
+    finally:
+        second.shutdown(timeout_s=1)
+        first.shutdown(timeout_s=1)
+
+
 @pytest.mark.vllm
+@pytest.mark.parametrize(("billed", "served"), [(None, 1024), (512, 512)])
 def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_derive(engine_node, tiny_model_dir,
-                                                                                    tmp_path):
+                                                                                    tmp_path, billed, served):
     """A model of absolute positions whose tokenizer allows 1,024 of its 2,048: described as 1,024 (vLLM's bound on
     its pooling runner, taken by the agent for any such model), which a generating vLLM left to itself would not
-    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by."""
+    apply. Launched with the figure, the engine serves 1,024, the context its calls are billed by; or 512 where the
+    control plane bills by 512 (a catalogue copy another node described first with less)."""
     import httpx
 
     from tests.engines import serve_engine, tiny_model_copy
@@ -112,9 +160,10 @@ def test_a_real_engine_serves_the_context_described_not_the_one_vllm_would_deriv
     model = tiny_model_copy(tiny_model_dir, tmp_path, {"config.json": {"position_embedding_type": "absolute"},
                                                        "tokenizer_config.json": {"model_max_length": 1024}})
     assert read_config_info(model).max_model_len == 1024
-    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4)
+    spec = make_spec("r-described", model_source=str(model), max_model_len=None, max_num_seqs=4,
+                     billed_context_tokens=billed)
     with serve_engine(engine_node, spec, model) as replica:
         listed = httpx.get(f"{replica.address}/v1/models", timeout=30,
                            headers={"Authorization": f"Bearer {spec.engine_api_key}"}).json()["data"]
-        assert [card["max_model_len"] for card in listed] == [1024]
-        assert flag(replica.command.argv, "--max-model-len") == "1024"
+        assert [card["max_model_len"] for card in listed] == [served]
+        assert flag(replica.command.argv, "--max-model-len") == str(served)
