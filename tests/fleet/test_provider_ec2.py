@@ -4,6 +4,7 @@ idempotency, ownership tags, the user-data boot script, terminating only the fle
 from __future__ import annotations
 
 import base64
+import uuid
 from types import SimpleNamespace
 
 import boto3
@@ -11,7 +12,13 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 from endpoints.fleet.providers import ec2, get_provider
-from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
+from endpoints.fleet.providers.base import (
+    LaunchSpec,
+    NotThisFleets,
+    PoolSpec,
+    ProviderError,
+    ProviderUnreachable,
+)
 from tests.processes import free_port
 
 TOKEN = "jt_ec2-one-use-join-token-0123456789"
@@ -40,8 +47,10 @@ def network(moto_endpoint):
         for index, zone in enumerate("ab")
     ]
     image = client.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    client.create_launch_template(LaunchTemplateName="gpu-nodes", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
-    return client, subnets, "gpu-nodes"
+    # NOTE: moto's state is the process's: another module using this fixture (`test_fleet_marking`) needs its own name
+    name = f"gpu-nodes-{uuid.uuid4().hex[:8]}"
+    client.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
+    return client, subnets, name
 
 
 @pytest.fixture
@@ -158,6 +167,20 @@ def test_list_shows_the_pools_live_instances_with_their_launch_ids(aws):
         (r.provider_id, r.launch_id, "running") for r in results[1:]]
     assert machines[0].node_name == "a10g-5f0c2b8e"
     assert all(m.fleet_marked for m in machines)  # the stray sweep's condition: this fleet's tags
+
+
+def test_an_instance_launched_under_another_fleet_id_is_refused_as_not_this_fleets(aws, settings):
+    """What a changed `INFERPLANE_FLEET_ID` does to the running instances: `NotThisFleets`, which the release gives up
+    on (`pool_release.give_up_release`) instead of retrying every tick."""
+    client, subnets, name = aws
+    pool = _pool(subnets, name)
+    provider = get_provider("ec2")
+    [result] = provider.launch(pool, [_spec(str(uuid.uuid4()))])
+    settings.FLEET_ID = settings.FLEET_ID + "-renamed"
+    assert provider.list(pool) == []
+    with pytest.raises(NotThisFleets, match="not launched by this fleet"):
+        provider.terminate(pool, result.provider_id)
+    assert _instance(client, result.provider_id)["State"]["Name"] == "running"
 
 
 def test_a_capacity_refusal_is_a_clear_error_for_that_launch(aws, monkeypatch):

@@ -19,6 +19,11 @@ class ProviderUnreachable(ProviderError):
     """No answer came (a timeout, a connection lost): the provider may have done what it was asked or not."""
 
 
+class NotThisFleets(ProviderError):
+    """The machine does not carry this fleet's pool marking, so it is never touched: asking again cannot change that
+    (the machine is another fleet's, or `INFERPLANE_FLEET_ID` changed since it was launched)."""
+
+
 @dataclass(slots=True, frozen=True)
 class PoolSpec:
     """What a provider needs of a pool (a plain copy of `NodePool`, so providers test without a database)."""

@@ -31,6 +31,7 @@ from endpoints.fleet.providers.base import (
     LaunchResult,
     LaunchSpec,
     Machine,
+    NotThisFleets,
     PoolSpec,
     ProviderError,
     ProviderUnreachable,
@@ -173,7 +174,7 @@ class Ec2Provider:
         for instance in (i for r in reservations for i in r["Instances"]):
             tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
             if tags.get(TAG_MANAGED_BY) != settings.FLEET_ID or tags.get(TAG_POOL) != str(pool.id):
-                raise ProviderError(
+                raise NotThisFleets(
                     f"instance {provider_id} was not launched by this fleet's pool {pool.name}: refusing to terminate it")
             if instance["State"]["Name"] in ("shutting-down", "terminated"):
                 return

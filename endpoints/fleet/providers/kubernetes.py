@@ -28,6 +28,7 @@ from endpoints.fleet.providers.base import (
     LaunchResult,
     LaunchSpec,
     Machine,
+    NotThisFleets,
     PoolSpec,
     ProviderError,
     ProviderUnreachable,
@@ -169,7 +170,7 @@ def _check_ours(pod: dict, pool: PoolSpec) -> None:
     labels = pod.get("metadata", {}).get("labels", {})
     if labels.get(LABEL_ROLE) != ROLE or labels.get(LABEL_POOL) != str(pool.id):
         name = pod.get("metadata", {}).get("name", "?")
-        raise ProviderError(f"pod {name} is not a placeholder of pool {pool.name}: refusing to touch it")
+        raise NotThisFleets(f"pod {name} is not a placeholder of pool {pool.name}: refusing to touch it")
 
 
 def _api() -> KubernetesApi:
