@@ -608,6 +608,9 @@ class StrayMachine(models.Model):
     launch_id = models.CharField(max_length=255)
     first_seen_at = models.DateTimeField()
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # NOTE: set with the claim, before the provider is asked: a termination whose answer was lost (a timeout, the
+    # worker killed) is still audited when the machine is gone at a later sweep.
+    terminate_sent_at = models.DateTimeField(null=True, blank=True)
     terminated_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -15,6 +15,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 from django.db.models import F
 from django.utils import timezone
@@ -247,3 +248,57 @@ def test_a_kubernetes_stray_on_a_later_page_is_found_and_a_page_that_fails_termi
     assert sweep(provider) == [] and set(api_server.pods) == {f"inferplane-capacity-{recorded.pk}", lost_pod}
     api_server.fail_continued_pages = False
     assert sweep(provider) == [lost_pod] and set(api_server.pods) == {f"inferplane-capacity-{recorded.pk}"}
+
+
+@pytest.mark.django_db
+def test_a_termination_whose_answer_is_lost_is_audited_once_when_its_machine_is_gone():
+    """Before, the claim was given back and the next sweep, no longer listing the machine, deleted its row: a machine
+    the sweep destroyed with no `node_launch.stray_terminate` audit and no WARNING."""
+    make_pool()
+    provider = ListingProvider()
+    lost = provider.lose_record()
+    sweep(provider)
+    past_the_grace()
+    real_terminate = provider.terminate
+
+    def terminate_then_time_out(pool, provider_id):
+        real_terminate(pool, provider_id)  # the provider did it ...
+        raise ProviderUnreachable("Kubernetes API read timeout")  # ... but the answer was lost
+
+    provider.terminate = terminate_then_time_out
+    assert sweep(provider) == [] and provider.terminated == [lost.provider_id]
+    assert stray_audits() == []  # not known yet: the machine may still be there
+    provider.terminate = real_terminate
+    sweep(provider)  # the machine is gone
+    sweep(provider)
+    assert not StrayMachine.objects.exists()
+    [audit] = stray_audits()
+    assert audit.details["provider_id"] == lost.provider_id and "answer to its termination was lost" in \
+        audit.details["reason"]
+
+
+@pytest.mark.django_db
+def test_a_refused_termination_of_a_machine_that_goes_later_is_not_audited_as_the_sweeps():
+    make_pool()
+    provider = ListingProvider()
+    lost = provider.lose_record()
+    sweep(provider)
+    past_the_grace()
+    provider.terminate_error = ProviderError("EC2 refused (UnauthorizedOperation): not allowed")
+    assert sweep(provider) == []
+    del provider.machines[lost.launch_id]  # an operator terminated it by hand
+    sweep(provider)
+    assert not StrayMachine.objects.exists() and stray_audits() == []
+
+
+@pytest.mark.django_db
+def test_celerys_soft_time_limit_ends_the_sweep_instead_of_being_logged_as_one_pools_failure():
+    """Before, `SoftTimeLimitExceeded` was caught with the per-pool errors: the sweep went on into the other pools until
+    the hard kill."""
+    make_pool()
+    make_pool(name="ec2-pool", provider="ec2")
+    provider, other = ListingProvider(), ListingProvider()
+    provider.list_error = SoftTimeLimitExceeded()
+    with pytest.raises(SoftTimeLimitExceeded):
+        sweep(provider, ec2=other)
+    assert other.num_lists == 0

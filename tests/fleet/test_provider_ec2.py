@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from endpoints.fleet.providers import ec2, get_provider
 from endpoints.fleet.providers.base import (
@@ -167,6 +167,25 @@ def test_list_shows_the_pools_live_instances_with_their_launch_ids(aws):
         (r.provider_id, r.launch_id, "running") for r in results[1:]]
     assert machines[0].node_name == "a10g-5f0c2b8e"
     assert all(m.fleet_marked for m in machines)  # the stray sweep's condition: this fleet's tags
+
+
+def test_a_termination_ec2_does_not_answer_is_an_unreachable_provider_not_a_raw_error(aws, monkeypatch):
+    """Before, only ClientError was caught around `terminate_instances`: a read timeout escaped as botocore's own
+    exception, and the stray sweep's claim was never given back nor the pool's other strays reached."""
+    client, subnets, name = aws
+    pool = _pool(subnets, name)
+    provider = get_provider("ec2")
+    [result] = provider.launch(pool, [_spec(str(uuid.uuid4()))])
+    ec2_client, real = ec2._client(REGION), ec2._client(REGION).terminate_instances
+
+    def terminate_then_time_out(**kwargs):
+        real(**kwargs)  # EC2 did it; the answer was lost
+        raise ReadTimeoutError(endpoint_url="https://ec2.us-east-1.amazonaws.com")
+
+    monkeypatch.setattr(ec2_client, "terminate_instances", terminate_then_time_out)
+    with pytest.raises(ProviderUnreachable, match="did not answer a termination"):
+        provider.terminate(pool, result.provider_id)
+    assert _instance(client, result.provider_id)["State"]["Name"] in ("shutting-down", "terminated")
 
 
 def test_an_instance_launched_under_another_fleet_id_is_refused_as_not_this_fleets(aws, settings):

@@ -170,7 +170,7 @@ class Ec2Provider:
                 return
             raise ProviderError(_refusal(error, pool.template, "")) from error
         except BotoCoreError as error:
-            raise ProviderError(f"EC2 is unreachable: {error}") from error
+            raise ProviderUnreachable(f"EC2 is unreachable: {error}") from error
         for instance in (i for r in reservations for i in r["Instances"]):
             tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
             if tags.get(TAG_MANAGED_BY) != settings.FLEET_ID or tags.get(TAG_POOL) != str(pool.id):
@@ -181,7 +181,10 @@ class Ec2Provider:
             try:
                 client.terminate_instances(InstanceIds=[provider_id])
             except ClientError as error:
-                raise ProviderError(_refusal(error, pool.template, "")) from error
+                unanswered = ProviderUnreachable if _no_answer(error) else ProviderError
+                raise unanswered(_refusal(error, pool.template, "")) from error
+            except BotoCoreError as error:  # NOTE: a read timeout too: EC2 may have terminated it
+                raise ProviderUnreachable(f"EC2 did not answer a termination: {error}") from error
 
     def list(self, pool: PoolSpec) -> list[Machine]:
         client = _client(pool.template.get("region"))
