@@ -8,9 +8,9 @@ other step looks for it: joins, deadlines and releases all start from a record.
 Every minute (the beat's `sweep-stray-machines`, task `endpoints.sweep_stray_machines`), per pool:
 1. the provider's whole list (`Provider.list`: every page). A list that fails or times out ends the pool's sweep:
    nothing is terminated on part of the picture, and no stray is forgotten;
-2. a listed machine is a stray when it carries this fleet's marking (`Machine.fleet_marked`: EC2's managed-by tag, the
-   placeholder's fleet label, the local agent's record), its launch id is one the fleet makes (a UUID), and no
-   `NodeLaunch` of any pool, in any state, has that id;
+2. a listed machine is a stray when it carries this installation's marking (`Machine.fleet_marked`: the fleet id, the
+   pool and `FleetInstallation`'s random id, as EC2's tags, the placeholder's labels, the local agent's record), its
+   launch id is one the fleet makes (a UUID), and no `NodeLaunch` of any pool, in any state, has that id;
 3. a stray is remembered from the sweep that first saw it (`StrayMachine.first_seen_at`, PostgreSQL's clock); one that
    is no longer a stray (gone, or its record found) is forgotten;
 4. a stray seen for `STRAY_GRACE_S` is claimed with a conditional update (of two sweeps at once, one terminates it),
@@ -21,7 +21,9 @@ Every minute (the beat's `sweep-stray-machines`, task `endpoints.sweep_stray_mac
 
 NOTE: the list is read before the records, so a launch committed meanwhile is known; the grace covers the rest (a
 provider's listing that lags, a clock that is off). A machine of a pool whose own row was lost is not listed: the
-pool's template (region, namespace) went with it.
+pool's template (region, namespace) went with it. A machine without the installation id (launched before it existed,
+or by another installation sharing the account, namespace or folder under the same fleet id and pool id) is never a
+stray.
 """
 
 from __future__ import annotations

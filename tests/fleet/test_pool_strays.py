@@ -25,7 +25,7 @@ from controlplane.accounts.models import AuditEvent
 from endpoints.fleet import pool_strays
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Machine, ProviderError, ProviderUnreachable
-from endpoints.nodes.models import LaunchState, NodeLaunch, StrayMachine
+from endpoints.nodes.models import FleetInstallation, LaunchState, NodeLaunch, StrayMachine
 from tests.fleet.test_pool_policy import RecordingProvider, make_pool, tick
 from tests.fleet.test_provider_kubernetes import api_server  # noqa: F401 - the fixture
 
@@ -207,25 +207,33 @@ def test_two_sweeps_at_once_terminate_and_audit_a_stray_once():
 def test_the_local_providers_agent_whose_launch_record_was_lost_is_stopped_and_an_unmarked_one_is_not(settings, tmp_path):
     settings.LOCAL_POOL_DIR = str(tmp_path)
     pool = make_pool()
-    agents = {}
-    for fleet_id in (settings.FLEET_ID, ""):  # "": an agent recorded before its fleet was kept
+    agents, processes = {}, []
+    markings = {
+        "ours": (settings.FLEET_ID, FleetInstallation.current_id()),
+        "before its fleet was kept": ("", ""),
+        "before its installation was kept": (settings.FLEET_ID, ""),
+        "another installation's, sharing the folder": (settings.FLEET_ID, str(uuid.uuid4())),
+    }
+    for kind, (fleet_id, installation_id) in markings.items():
         process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         threading.Thread(target=process.wait, daemon=True).start()
+        processes.append(process)
         launch_id = str(uuid.uuid4())
         local_agents.LocalAgent(launch_id=launch_id, pool_id=pool.pk, name=f"cpu-pool-{launch_id[:8]}", pid=process.pid,
                                 pgid=process.pid, started=local_agents.process_start_time(process.pid),
-                                engine_port_min=10000, engine_port_max=10099, fleet_id=fleet_id).save(tmp_path)
-        agents[fleet_id] = (launch_id, process)
+                                engine_port_min=10000, engine_port_max=10099, fleet_id=fleet_id,
+                                installation_id=installation_id).save(tmp_path)
+        agents[kind] = (launch_id, process)
     try:
         sweep(get_provider("local"))
         past_the_grace()
-        lost_id, lost = agents[settings.FLEET_ID]
+        lost_id, lost = agents.pop("ours")
         assert sweep(get_provider("local")) == [lost_id]
         lost.wait(timeout=15)
         assert not local_agents.state_path(tmp_path, lost_id).exists() and len(stray_audits()) == 1
-        assert agents[""][1].poll() is None
+        assert all(process.poll() is None for _, process in agents.values())
     finally:
-        for _, process in agents.values():
+        for process in processes:
             process.kill()
 
 
