@@ -37,6 +37,7 @@ class LocalAgent:
     engine_port_min: int
     engine_port_max: int
     fleet_id: str = ""  # the launching control plane's `INFERPLANE_FLEET_ID` ("": recorded before it was kept)
+    installation_id: str = ""  # its `FleetInstallation` id ("": recorded before it was kept)
 
     @classmethod
     def load(cls, path: Path) -> LocalAgent | None:

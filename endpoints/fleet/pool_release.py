@@ -7,7 +7,10 @@ say: `pool_demand.spare_launches`). Each is cordoned under its row lock after ch
 again that it holds no replica (placement locks READY node rows too: a replica placed meanwhile keeps
 the node), marked RELEASING and committed; the provider terminates it outside the transaction; its
 node then goes OFFLINE with its secret void and the launch TERMINATED. A RELEASING launch whose
-termination failed is tried again every tick.
+termination failed is tried again every tick, unless the provider refused it as not this fleet's machine
+(`NotThisFleets`: `INFERPLANE_FLEET_ID` changed since its launch, or its tags were edited): asking again cannot change
+that, so the launch FAILS, audited (`node_launch.terminate_refused`) and logged as an ERROR, its machine left for an
+operator to terminate by hand.
 
 A joined node OFFLINE past another heartbeat grace period (the machine died) is terminated and
 finished the same way, the reason saying so; its demand, if any, brings a replacement. `make run`
@@ -28,7 +31,7 @@ from endpoints.fleet import launches
 from endpoints.fleet.pool_demand import pool_counts
 from endpoints.fleet.pool_plan import IdleNode, nodes_to_release
 from endpoints.fleet.providers import pool_spec
-from endpoints.fleet.providers.base import Provider, ProviderError
+from endpoints.fleet.providers.base import NotThisFleets, Provider, ProviderError
 from endpoints.fleet.providers.local import LocalProvider
 from endpoints.fleet.services import retire_node, set_node_state
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
@@ -106,6 +109,9 @@ def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[s
         try:
             if launch.provider_id:
                 provider.terminate(pool_spec(pool), launch.provider_id)
+        except NotThisFleets as error:
+            give_up_release(pool, launch, str(error), now)
+            continue
         except ProviderError as error:
             logger.warning("node pool %s: terminating %s failed, trying again next tick: %s", pool.name, launch.pk, error)
             continue
@@ -115,3 +121,16 @@ def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[s
             record_audit(SYSTEM, None, "node_launch.terminate", launch, pool=pool.name, reason=launch.reason)
             finished.append(str(launch.pk))
     return finished
+
+
+def give_up_release(pool: NodePool, launch: NodeLaunch, refusal: str, now: datetime) -> None:
+    """The provider refuses to terminate the launch's machine as not this fleet's: its node is retired (its agent
+    turned away), the launch FAILED, audited and logged once, and the machine left running for an operator."""
+    reason = (f"the provider refused to terminate machine {launch.provider_id}: {refusal}. Was INFERPLANE_FLEET_ID "
+              f"changed since its launch? Terminate the machine by hand.")
+    if launch.node is not None:
+        retire_node(SYSTEM, launch.node, reason=reason)
+    if launches.finish_launch(launch, LaunchState.FAILED, reason, now=now):
+        logger.error("node pool %s: launch %s: %s", pool.name, launch.pk, reason)
+        record_audit(SYSTEM, None, "node_launch.terminate_refused", launch, pool=pool.name,
+                     provider_id=launch.provider_id, reason=reason)

@@ -608,6 +608,9 @@ class StrayMachine(models.Model):
     launch_id = models.CharField(max_length=255)
     first_seen_at = models.DateTimeField()
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # NOTE: set with the claim, before the provider is asked: a termination whose answer was lost (a timeout, the
+    # worker killed) is still audited when the machine is gone at a later sweep.
+    terminate_sent_at = models.DateTimeField(null=True, blank=True)
     terminated_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -615,6 +618,26 @@ class StrayMachine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pool.name}/{self.provider_id}"
+
+
+class FleetInstallation(models.Model):
+    """This installation's own random id, one row: every machine a node pool launches carries it (EC2's
+    `inferplane:installation` tag, the placeholder's `inferplane.dev/installation` label, the local agent's record).
+
+    NOTE: only a machine carrying it may be terminated as a stray (`endpoints.fleet.pool_strays`). `INFERPLANE_FLEET_ID`
+    and pool ids are alike in every deployment left on the defaults (staging and production in one AWS account, two
+    control planes sharing a local-pool folder): each would take the other's machines for its own lost launches. Kept
+    in PostgreSQL, so it survives restarts and restores; made by the migration, or by the first caller on a database
+    without the row."""
+
+    ROW = 1
+
+    installation_id = models.UUIDField(default=uuid.uuid4, unique=True)
+
+    @classmethod
+    def current_id(cls) -> str:
+        installation, _ = cls.objects.get_or_create(pk=cls.ROW)  # NOTE: two first callers: the pk makes one row
+        return str(installation.installation_id)
 
 
 class NodeSweep(models.Model):

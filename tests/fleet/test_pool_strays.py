@@ -15,6 +15,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 from django.db.models import F
 from django.utils import timezone
@@ -24,7 +25,7 @@ from controlplane.accounts.models import AuditEvent
 from endpoints.fleet import pool_strays
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Machine, ProviderError, ProviderUnreachable
-from endpoints.nodes.models import LaunchState, NodeLaunch, StrayMachine
+from endpoints.nodes.models import FleetInstallation, LaunchState, NodeLaunch, StrayMachine
 from tests.fleet.test_pool_policy import RecordingProvider, make_pool, tick
 from tests.fleet.test_provider_kubernetes import api_server  # noqa: F401 - the fixture
 
@@ -206,25 +207,33 @@ def test_two_sweeps_at_once_terminate_and_audit_a_stray_once():
 def test_the_local_providers_agent_whose_launch_record_was_lost_is_stopped_and_an_unmarked_one_is_not(settings, tmp_path):
     settings.LOCAL_POOL_DIR = str(tmp_path)
     pool = make_pool()
-    agents = {}
-    for fleet_id in (settings.FLEET_ID, ""):  # "": an agent recorded before its fleet was kept
+    agents, processes = {}, []
+    markings = {
+        "ours": (settings.FLEET_ID, FleetInstallation.current_id()),
+        "before its fleet was kept": ("", ""),
+        "before its installation was kept": (settings.FLEET_ID, ""),
+        "another installation's, sharing the folder": (settings.FLEET_ID, str(uuid.uuid4())),
+    }
+    for kind, (fleet_id, installation_id) in markings.items():
         process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         threading.Thread(target=process.wait, daemon=True).start()
+        processes.append(process)
         launch_id = str(uuid.uuid4())
         local_agents.LocalAgent(launch_id=launch_id, pool_id=pool.pk, name=f"cpu-pool-{launch_id[:8]}", pid=process.pid,
                                 pgid=process.pid, started=local_agents.process_start_time(process.pid),
-                                engine_port_min=10000, engine_port_max=10099, fleet_id=fleet_id).save(tmp_path)
-        agents[fleet_id] = (launch_id, process)
+                                engine_port_min=10000, engine_port_max=10099, fleet_id=fleet_id,
+                                installation_id=installation_id).save(tmp_path)
+        agents[kind] = (launch_id, process)
     try:
         sweep(get_provider("local"))
         past_the_grace()
-        lost_id, lost = agents[settings.FLEET_ID]
+        lost_id, lost = agents.pop("ours")
         assert sweep(get_provider("local")) == [lost_id]
         lost.wait(timeout=15)
         assert not local_agents.state_path(tmp_path, lost_id).exists() and len(stray_audits()) == 1
-        assert agents[""][1].poll() is None
+        assert all(process.poll() is None for _, process in agents.values())
     finally:
-        for _, process in agents.values():
+        for process in processes:
             process.kill()
 
 
@@ -247,3 +256,57 @@ def test_a_kubernetes_stray_on_a_later_page_is_found_and_a_page_that_fails_termi
     assert sweep(provider) == [] and set(api_server.pods) == {f"inferplane-capacity-{recorded.pk}", lost_pod}
     api_server.fail_continued_pages = False
     assert sweep(provider) == [lost_pod] and set(api_server.pods) == {f"inferplane-capacity-{recorded.pk}"}
+
+
+@pytest.mark.django_db
+def test_a_termination_whose_answer_is_lost_is_audited_once_when_its_machine_is_gone():
+    """Before, the claim was given back and the next sweep, no longer listing the machine, deleted its row: a machine
+    the sweep destroyed with no `node_launch.stray_terminate` audit and no WARNING."""
+    make_pool()
+    provider = ListingProvider()
+    lost = provider.lose_record()
+    sweep(provider)
+    past_the_grace()
+    real_terminate = provider.terminate
+
+    def terminate_then_time_out(pool, provider_id):
+        real_terminate(pool, provider_id)  # the provider did it ...
+        raise ProviderUnreachable("Kubernetes API read timeout")  # ... but the answer was lost
+
+    provider.terminate = terminate_then_time_out
+    assert sweep(provider) == [] and provider.terminated == [lost.provider_id]
+    assert stray_audits() == []  # not known yet: the machine may still be there
+    provider.terminate = real_terminate
+    sweep(provider)  # the machine is gone
+    sweep(provider)
+    assert not StrayMachine.objects.exists()
+    [audit] = stray_audits()
+    assert audit.details["provider_id"] == lost.provider_id and "answer to its termination was lost" in \
+        audit.details["reason"]
+
+
+@pytest.mark.django_db
+def test_a_refused_termination_of_a_machine_that_goes_later_is_not_audited_as_the_sweeps():
+    make_pool()
+    provider = ListingProvider()
+    lost = provider.lose_record()
+    sweep(provider)
+    past_the_grace()
+    provider.terminate_error = ProviderError("EC2 refused (UnauthorizedOperation): not allowed")
+    assert sweep(provider) == []
+    del provider.machines[lost.launch_id]  # an operator terminated it by hand
+    sweep(provider)
+    assert not StrayMachine.objects.exists() and stray_audits() == []
+
+
+@pytest.mark.django_db
+def test_celerys_soft_time_limit_ends_the_sweep_instead_of_being_logged_as_one_pools_failure():
+    """Before, `SoftTimeLimitExceeded` was caught with the per-pool errors: the sweep went on into the other pools until
+    the hard kill."""
+    make_pool()
+    make_pool(name="ec2-pool", provider="ec2")
+    provider, other = ListingProvider(), ListingProvider()
+    provider.list_error = SoftTimeLimitExceeded()
+    with pytest.raises(SoftTimeLimitExceeded):
+        sweep(provider, ec2=other)
+    assert other.num_lists == 0

@@ -4,14 +4,22 @@ idempotency, ownership tags, the user-data boot script, terminating only the fle
 from __future__ import annotations
 
 import base64
+import dataclasses
+import uuid
 from types import SimpleNamespace
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from endpoints.fleet.providers import ec2, get_provider
-from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
+from endpoints.fleet.providers.base import (
+    LaunchSpec,
+    NotThisFleets,
+    PoolSpec,
+    ProviderError,
+    ProviderUnreachable,
+)
 from tests.processes import free_port
 
 TOKEN = "jt_ec2-one-use-join-token-0123456789"
@@ -40,8 +48,10 @@ def network(moto_endpoint):
         for index, zone in enumerate("ab")
     ]
     image = client.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    client.create_launch_template(LaunchTemplateName="gpu-nodes", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
-    return client, subnets, "gpu-nodes"
+    # NOTE: moto's state is the process's: another module using this fixture (`test_fleet_marking`) needs its own name
+    name = f"gpu-nodes-{uuid.uuid4().hex[:8]}"
+    client.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
+    return client, subnets, name
 
 
 @pytest.fixture
@@ -53,12 +63,16 @@ def aws(network, moto_endpoint, monkeypatch, settings):
     return network
 
 
+INSTALLATION_ID = "6b1d4a0e-3c2f-4e8a-9d7b-5a4c3b2a1f00"  # `FleetInstallation.current_id()` of this control plane
+
+
 def _pool(subnets, template_name, **extra) -> PoolSpec:
     template = {"region": REGION, "launch_template": {"name": template_name, "version": "$Latest"},
                 "subnets": subnets, "agent_image": "registry.example.com/inferplane/agent:0.1.0",
                 "instance_type": "g5.xlarge", "agent_args": ["--no-zygote"], **extra}
     assert get_provider("ec2").template_errors(template) == {}
-    return PoolSpec(id=3, name="a10g", gpu_type="a10g-24gb", gpus_per_node=1, gpu_memory_mb=24576, template=template)
+    return PoolSpec(id=3, name="a10g", gpu_type="a10g-24gb", gpus_per_node=1, gpu_memory_mb=24576, template=template,
+                    installation_id=INSTALLATION_ID)
 
 
 def _spec(launch_id: str, zone: str = "") -> LaunchSpec:
@@ -158,6 +172,57 @@ def test_list_shows_the_pools_live_instances_with_their_launch_ids(aws):
         (r.provider_id, r.launch_id, "running") for r in results[1:]]
     assert machines[0].node_name == "a10g-5f0c2b8e"
     assert all(m.fleet_marked for m in machines)  # the stray sweep's condition: this fleet's tags
+
+
+def test_an_instance_another_installation_launched_under_the_same_fleet_id_and_pool_id_is_never_marked(aws, settings):
+    """Staging and production in one account and region, both on the default fleet id, each with its pool 1.
+
+    Before, the marking was the fleet id and the pool id alone: the other installation's instance was listed as
+    `fleet_marked`, and its stray sweep terminated it (a JOINED node running customers' replicas)."""
+    client, subnets, name = aws
+    ours, theirs = _pool(subnets, name), dataclasses.replace(_pool(subnets, name), installation_id=str(uuid.uuid4()))
+    provider = get_provider("ec2")
+    [mine, legacy] = provider.launch(ours, [_spec(str(uuid.uuid4())), _spec(str(uuid.uuid4()))])
+    [other] = provider.launch(theirs, [_spec(str(uuid.uuid4()))])
+    client.delete_tags(Resources=[legacy.provider_id], Tags=[{"Key": ec2.TAG_INSTALLATION}])  # launched before it
+
+    assert {tag["Key"]: tag["Value"] for tag in _instance(client, mine.provider_id)["Tags"]}[ec2.TAG_INSTALLATION] == \
+        INSTALLATION_ID
+    marked = {machine.provider_id: machine.fleet_marked for machine in provider.list(ours)}
+    assert marked == {mine.provider_id: True, other.provider_id: False, legacy.provider_id: False}
+
+
+def test_a_termination_ec2_does_not_answer_is_an_unreachable_provider_not_a_raw_error(aws, monkeypatch):
+    """Before, only ClientError was caught around `terminate_instances`: a read timeout escaped as botocore's own
+    exception, and the stray sweep's claim was never given back nor the pool's other strays reached."""
+    client, subnets, name = aws
+    pool = _pool(subnets, name)
+    provider = get_provider("ec2")
+    [result] = provider.launch(pool, [_spec(str(uuid.uuid4()))])
+    ec2_client, real = ec2._client(REGION), ec2._client(REGION).terminate_instances
+
+    def terminate_then_time_out(**kwargs):
+        real(**kwargs)  # EC2 did it; the answer was lost
+        raise ReadTimeoutError(endpoint_url="https://ec2.us-east-1.amazonaws.com")
+
+    monkeypatch.setattr(ec2_client, "terminate_instances", terminate_then_time_out)
+    with pytest.raises(ProviderUnreachable, match="did not answer a termination"):
+        provider.terminate(pool, result.provider_id)
+    assert _instance(client, result.provider_id)["State"]["Name"] in ("shutting-down", "terminated")
+
+
+def test_an_instance_launched_under_another_fleet_id_is_refused_as_not_this_fleets(aws, settings):
+    """What a changed `INFERPLANE_FLEET_ID` does to the running instances: `NotThisFleets`, which the release gives up
+    on (`pool_release.give_up_release`) instead of retrying every tick."""
+    client, subnets, name = aws
+    pool = _pool(subnets, name)
+    provider = get_provider("ec2")
+    [result] = provider.launch(pool, [_spec(str(uuid.uuid4()))])
+    settings.FLEET_ID = settings.FLEET_ID + "-renamed"
+    assert provider.list(pool) == []
+    with pytest.raises(NotThisFleets, match="not launched by this fleet"):
+        provider.terminate(pool, result.provider_id)
+    assert _instance(client, result.provider_id)["State"]["Name"] == "running"
 
 
 def test_a_capacity_refusal_is_a_clear_error_for_that_launch(aws, monkeypatch):

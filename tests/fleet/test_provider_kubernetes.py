@@ -4,6 +4,7 @@ offline, and the provider's calls against a small HTTPS server in the test that 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import ipaddress
 import json
@@ -31,7 +32,9 @@ TEMPLATE = {
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "zones": ["us-east-1a", "us-east-1b"],
 }
-POOL = PoolSpec(id=5, name="a10g", gpu_type="a10g-24gb", gpus_per_node=2, gpu_memory_mb=24576, template=TEMPLATE)
+INSTALLATION_ID = "6b1d4a0e-3c2f-4e8a-9d7b-5a4c3b2a1f00"  # `FleetInstallation.current_id()` of this control plane
+POOL = PoolSpec(id=5, name="a10g", gpu_type="a10g-24gb", gpus_per_node=2, gpu_memory_mb=24576, template=TEMPLATE,
+                installation_id=INSTALLATION_ID)
 LAUNCH_ID = "0d6f3c1a-8e2b-4c55-9a57-7f1e2d3c4b5a"
 
 
@@ -54,9 +57,10 @@ def test_the_placeholder_pod_requests_the_pools_gpus_on_its_nodes_and_is_never_e
     assert pod["metadata"]["name"] == f"inferplane-capacity-{LAUNCH_ID}"
     assert pod["metadata"]["labels"]["inferplane.dev/pool"] == "5"
     assert pod["metadata"]["labels"]["inferplane.dev/launch"] == LAUNCH_ID
+    assert pod["metadata"]["labels"]["inferplane.dev/installation"] == INSTALLATION_ID
     assert "inferplane.dev/fleet" not in pod["metadata"]["labels"]  # no fleet named
-    fleet_pod = placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id="prod/eu 1")
-    assert fleet_pod["metadata"]["labels"]["inferplane.dev/fleet"] == "prod-eu-1"  # a label value
+    fleet_pod = placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id="prod.eu-1")
+    assert fleet_pod["metadata"]["labels"]["inferplane.dev/fleet"] == "prod.eu-1"  # as it is: settings refuse others
     assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     spec = pod["spec"]
@@ -265,6 +269,12 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
     ]
     del pod["metadata"]["labels"]["inferplane.dev/fleet"]  # a placeholder made before the fleet label, or another's
     assert [m.fleet_marked for m in sorted(provider.list(POOL), key=lambda m: m.launch_id)] == [False, True]
+    # another installation's, in the same namespace under the same fleet id and pool id (before: marked, and swept)
+    another = "9a1b2c3d-0000-4000-8000-000000000005"
+    provider.launch(dataclasses.replace(POOL, installation_id="0f0e0d0c-0000-4000-8000-00000000000a"), [_spec(another)])
+    api_server.pods[waiting.provider_id]["metadata"]["labels"].pop("inferplane.dev/installation")  # made before it
+    assert {m.launch_id: m.fleet_marked for m in provider.list(POOL)} == {
+        LAUNCH_ID: False, "9a1b2c3d-0000-4000-8000-000000000003": False, another: False}
 
 
 def test_terminate_deletes_only_the_pools_own_placeholders_and_may_be_repeated(api_server):

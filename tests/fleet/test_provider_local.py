@@ -8,6 +8,7 @@ which the end-to-end node-pool tests cover.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from controlplane import local_agents
 from controlplane.local_agents import LocalAgent
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec
-from endpoints.nodes.models import NodePool, PoolProvider
+from endpoints.nodes.models import FleetInstallation, NodePool, PoolProvider
 from tests.processes import REPO_ROOT, free_port, wait_until
 
 TOKEN = "jt_local-provider-secret-0123456789"
@@ -36,9 +37,13 @@ def pool_dir(tmp_path, settings):
     local_agents.stop_all(directory, wait_s=5)
 
 
+INSTALLATION_ID = "6b1d4a0e-3c2f-4e8a-9d7b-5a4c3b2a1f00"  # `FleetInstallation.current_id()` of this control plane
+
+
 def _pool(**template) -> PoolSpec:
     template.setdefault("agent_args", ["--no-standby"])
-    return PoolSpec(id=7, name="cpu-local", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=4096, template=template)
+    return PoolSpec(id=7, name="cpu-local", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=4096, template=template,
+                    installation_id=INSTALLATION_ID)
 
 
 def _spec(launch_id: str, name: str = "") -> LaunchSpec:
@@ -90,6 +95,9 @@ def test_launch_starts_a_detached_cpu_agent_with_the_join_token_only_in_its_envi
     [machine] = provider.list(_pool())
     assert (machine.provider_id, machine.launch_id, machine.state, machine.node_name) == (
         "6b1d0a4e-launch-one", "6b1d0a4e-launch-one", "running", "cpu-local-1")
+    assert machine.fleet_marked  # its record names this installation
+    another_installation = dataclasses.replace(_pool(), installation_id="0f0e0d0c-0000-4000-8000-00000000000a")
+    assert [machine.fleet_marked for machine in provider.list(another_installation)] == [False]
     assert provider.list(PoolSpec(id=8, name="other", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=1)) == []
 
 
@@ -229,6 +237,7 @@ def test_an_agent_outlives_the_process_that_launched_it_and_make_stop_stops_it(p
     assert _group_members(agent.pgid) == []
 
 
+@pytest.mark.django_db
 def test_providers_are_found_by_the_pools_provider_name_and_see_a_plain_copy_of_the_pool():
     assert {get_provider(choice).name for choice in PoolProvider.values} == {"local", "ec2", "kubernetes"}
     with pytest.raises(KeyError):
@@ -239,3 +248,4 @@ def test_providers_are_found_by_the_pools_provider_name_and_see_a_plain_copy_of_
     assert (spec.id, spec.name, spec.gpus_per_node, spec.gpu_memory_mb, spec.template) == (4, "cpu", 0, 8192, {"ports_per_node": 10})
     spec.template["ports_per_node"] = 20
     assert pool.template == {"ports_per_node": 10}  # a copy: a provider never changes the row
+    assert spec.installation_id == FleetInstallation.current_id() == pool_spec(pool).installation_id  # made once

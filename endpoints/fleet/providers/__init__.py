@@ -1,7 +1,7 @@
 """Machine providers for node pools (`base.Provider`): `local`, `ec2`, `kubernetes`.
 
 `get_provider(pool.provider)` is the one way to reach them; `pool_spec(pool)` copies what they need
-of a `NodePool`, so they never see the database.
+of a `NodePool` (and this installation's id), so they never see the database.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from endpoints.fleet.providers.base import PoolSpec, Provider
 from endpoints.fleet.providers.ec2 import Ec2Provider
 from endpoints.fleet.providers.kubernetes import KubernetesProvider
 from endpoints.fleet.providers.local import LocalProvider
-from endpoints.nodes.models import NodePool, PoolProvider
+from endpoints.nodes.models import FleetInstallation, NodePool, PoolProvider
 
 _PROVIDERS: dict[str, Provider] = {
     PoolProvider.LOCAL.value: LocalProvider(),
@@ -32,4 +32,5 @@ def pool_spec(pool: NodePool) -> PoolSpec:
         gpus_per_node=pool.gpus_per_node,
         gpu_memory_mb=pool.gpu_memory_mb,
         template=dict(pool.template or {}),
+        installation_id=FleetInstallation.current_id(),
     )

@@ -19,6 +19,11 @@ class ProviderUnreachable(ProviderError):
     """No answer came (a timeout, a connection lost): the provider may have done what it was asked or not."""
 
 
+class NotThisFleets(ProviderError):
+    """The machine does not carry this fleet's pool marking, so it is never touched: asking again cannot change that
+    (the machine is another fleet's, or `INFERPLANE_FLEET_ID` changed since it was launched)."""
+
+
 @dataclass(slots=True, frozen=True)
 class PoolSpec:
     """What a provider needs of a pool (a plain copy of `NodePool`, so providers test without a database)."""
@@ -29,6 +34,8 @@ class PoolSpec:
     gpus_per_node: int
     gpu_memory_mb: int
     template: dict = field(default_factory=dict)
+    # `FleetInstallation.current_id()`: put on every machine launched, and required of a stray ("": never a stray).
+    installation_id: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,9 +66,10 @@ class Machine:
     launch_id: str
     state: str  # "pending", "running" or "stopping"; terminated machines are not listed
     node_name: str = ""  # the name its agent registers under, where the provider knows it (Kubernetes)
-    # NOTE: it carries the marking this fleet's launches set (`INFERPLANE_FLEET_ID`: EC2's managed-by tag, the
-    # placeholder's fleet label, the local agent's record). Only such a machine may be terminated for having no launch
-    # record (`endpoints.fleet.pool_strays`); False for one launched before the marking existed, or by another fleet.
+    # NOTE: it carries the marking this installation's launches set: `INFERPLANE_FLEET_ID` and the pool, and
+    # `PoolSpec.installation_id` (EC2's tags, the placeholder's labels, the local agent's record). Only such a machine
+    # may be terminated for having no launch record (`endpoints.fleet.pool_strays`); False for one launched before the
+    # installation id was put on machines, or by another installation (whatever its fleet id and pool ids).
     fleet_marked: bool = False
 
 

@@ -2,7 +2,8 @@
 
 `run_instances` with the launch's id as `ClientToken` (a retry after a lost answer returns the
 same instance, never a second one), tags that mark the instance as this fleet's
-(`inferplane:managed-by`, `inferplane:pool`, `inferplane:launch`), and user-data (`ec2_user_data`)
+(`inferplane:managed-by`, `inferplane:pool`, `inferplane:launch`, and `inferplane:installation`: this installation's
+own random id, which the stray sweep requires), and user-data (`ec2_user_data`)
 that runs the agent image with the machine's GPUs and its one-use join token.
 
 NOTE: only instances carrying this fleet's `inferplane:managed-by` tag and the pool's tag are ever
@@ -31,6 +32,7 @@ from endpoints.fleet.providers.base import (
     LaunchResult,
     LaunchSpec,
     Machine,
+    NotThisFleets,
     PoolSpec,
     ProviderError,
     ProviderUnreachable,
@@ -43,6 +45,7 @@ TEMPLATE_FIELDS = (
     "agent_args", "control_plane_url",
 )
 TAG_MANAGED_BY, TAG_POOL, TAG_LAUNCH = "inferplane:managed-by", "inferplane:pool", "inferplane:launch"
+TAG_INSTALLATION = "inferplane:installation"
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
 _INSTANCE_TYPE = re.compile(r"^[a-z0-9-]+\.[a-z0-9-]+$")
 _SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
@@ -169,18 +172,21 @@ class Ec2Provider:
                 return
             raise ProviderError(_refusal(error, pool.template, "")) from error
         except BotoCoreError as error:
-            raise ProviderError(f"EC2 is unreachable: {error}") from error
+            raise ProviderUnreachable(f"EC2 is unreachable: {error}") from error
         for instance in (i for r in reservations for i in r["Instances"]):
             tags = {tag["Key"]: tag["Value"] for tag in instance.get("Tags", [])}
             if tags.get(TAG_MANAGED_BY) != settings.FLEET_ID or tags.get(TAG_POOL) != str(pool.id):
-                raise ProviderError(
+                raise NotThisFleets(
                     f"instance {provider_id} was not launched by this fleet's pool {pool.name}: refusing to terminate it")
             if instance["State"]["Name"] in ("shutting-down", "terminated"):
                 return
             try:
                 client.terminate_instances(InstanceIds=[provider_id])
             except ClientError as error:
-                raise ProviderError(_refusal(error, pool.template, "")) from error
+                unanswered = ProviderUnreachable if _no_answer(error) else ProviderError
+                raise unanswered(_refusal(error, pool.template, "")) from error
+            except BotoCoreError as error:  # NOTE: a read timeout too: EC2 may have terminated it
+                raise ProviderUnreachable(f"EC2 did not answer a termination: {error}") from error
 
     def list(self, pool: PoolSpec) -> list[Machine]:
         client = _client(pool.template.get("region"))
@@ -190,7 +196,8 @@ class Ec2Provider:
             machines.append(Machine(
                 provider_id=instance["InstanceId"], launch_id=tags.get(TAG_LAUNCH, ""),
                 state=_STATES.get(instance["State"]["Name"], "pending"), node_name=tags.get("inferplane:node", ""),
-                fleet_marked=tags.get(TAG_MANAGED_BY) == settings.FLEET_ID and tags.get(TAG_POOL) == str(pool.id),
+                fleet_marked=(tags.get(TAG_MANAGED_BY) == settings.FLEET_ID and tags.get(TAG_POOL) == str(pool.id)
+                              and bool(pool.installation_id) and tags.get(TAG_INSTALLATION) == pool.installation_id),
             ))
         return machines
 
@@ -218,6 +225,7 @@ def _tags(pool: PoolSpec, spec: LaunchSpec) -> list[dict[str, str]]:
         {"Key": TAG_MANAGED_BY, "Value": settings.FLEET_ID},
         {"Key": TAG_POOL, "Value": str(pool.id)},
         {"Key": TAG_LAUNCH, "Value": spec.launch_id},
+        *([{"Key": TAG_INSTALLATION, "Value": pool.installation_id}] if pool.installation_id else []),
         {"Key": "inferplane:node", "Value": spec.name},
         {"Key": "Name", "Value": spec.name},
     ]

@@ -24,10 +24,12 @@ import re
 
 from django.conf import settings
 
+from controlplane.env import KUBERNETES_LABEL_VALUE
 from endpoints.fleet.providers.base import (
     LaunchResult,
     LaunchSpec,
     Machine,
+    NotThisFleets,
     PoolSpec,
     ProviderError,
     ProviderUnreachable,
@@ -35,11 +37,11 @@ from endpoints.fleet.providers.base import (
 from endpoints.fleet.providers.k8s_api import KubernetesApi, service_account_namespace
 from endpoints.fleet.providers.k8s_placeholder import (
     LABEL_FLEET,
+    LABEL_INSTALLATION,
     LABEL_LAUNCH,
     LABEL_POOL,
     LABEL_ROLE,
     ROLE,
-    fleet_label,
     placeholder_pod,
     pool_selector,
 )
@@ -47,7 +49,7 @@ from endpoints.fleet.providers.template_fields import unknown_field_errors
 
 TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+_LABEL_VALUE = KUBERNETES_LABEL_VALUE
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -160,8 +162,14 @@ class KubernetesProvider:
             labels = pod["metadata"].get("labels", {})
             machines.append(Machine(provider_id=pod["metadata"]["name"], launch_id=labels.get(LABEL_LAUNCH, ""),
                                     state=state, node_name=node_name,
-                                    fleet_marked=labels.get(LABEL_FLEET) == fleet_label(settings.FLEET_ID)))
+                                    fleet_marked=_marked(labels, pool)))
         return machines
+
+
+def _marked(labels: dict, pool: PoolSpec) -> bool:
+    """This fleet's and this installation's placeholder (the pool's selector chose the rest): a stray candidate."""
+    return (labels.get(LABEL_FLEET) == settings.FLEET_ID and bool(pool.installation_id)
+            and labels.get(LABEL_INSTALLATION) == pool.installation_id)
 
 
 def _check_ours(pod: dict, pool: PoolSpec) -> None:
@@ -169,7 +177,7 @@ def _check_ours(pod: dict, pool: PoolSpec) -> None:
     labels = pod.get("metadata", {}).get("labels", {})
     if labels.get(LABEL_ROLE) != ROLE or labels.get(LABEL_POOL) != str(pool.id):
         name = pod.get("metadata", {}).get("name", "?")
-        raise ProviderError(f"pod {name} is not a placeholder of pool {pool.name}: refusing to touch it")
+        raise NotThisFleets(f"pod {name} is not a placeholder of pool {pool.name}: refusing to touch it")
 
 
 def _api() -> KubernetesApi:

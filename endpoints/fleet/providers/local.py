@@ -110,7 +110,8 @@ class LocalProvider:
     def list(self, pool: PoolSpec) -> list[Machine]:
         return [
             Machine(provider_id=agent.launch_id, launch_id=agent.launch_id, state="running", node_name=agent.name,
-                    fleet_marked=agent.fleet_id == settings.FLEET_ID)
+                    fleet_marked=(agent.fleet_id == settings.FLEET_ID and bool(pool.installation_id)
+                                  and agent.installation_id == pool.installation_id))
             for agent in local_agents.read_agents(_pool_dir())
             if agent.pool_id == pool.id and local_agents.is_alive(agent)
         ]
@@ -206,6 +207,7 @@ def _start(directory: Path, pool: PoolSpec, spec: LaunchSpec) -> LocalAgent:
     agent = LocalAgent(
         launch_id=spec.launch_id, pool_id=pool.id, name=spec.name, pid=process.pid, pgid=process.pid,
         started=started, engine_port_min=ports[0], engine_port_max=ports[1], fleet_id=settings.FLEET_ID,
+        installation_id=pool.installation_id,
     )
     agent.save(directory)
     return agent
