@@ -126,7 +126,9 @@ def next_check_in_s(usage: DiskUsage, bounds: EngineDiskBounds, *, walked_s: flo
 MAX_PASSES = 3
 # A folder whose change time is this close before its listing, or later, counts as changing: the kernel dates a
 # folder's changes by a clock that may lag a tick (up to 10 ms), so a change in the tick of its listing could leave its
-# times as they were. A folder is read again no sooner than this after the walk that found it changed.
+# times as they were. A folder is read again no sooner than this after the walk that found it changed, and one whose
+# times were the same then and at that listing holds still since (whatever the clock of the file system that dated it:
+# a network file system's server ahead of this node's clock made every folder look just changed).
 SETTLE_MARGIN_NS = 20_000_000
 
 
@@ -182,12 +184,13 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
 
 @dataclass(slots=True)
 class _Listed:
-    """A folder as `_Walk` listed it last: where, its change times then, and when (wall clock, ns)."""
+    """A folder as `_Walk` listed it last: where, its change times then, and whether they were older than its
+    listing by `SETTLE_MARGIN_NS` at least (else a change in the tick of its listing might not show)."""
 
     path: str
     ctime_ns: int
     mtime_ns: int
-    listed_at_ns: int
+    old: bool
 
 
 class _Walk:
@@ -202,6 +205,8 @@ class _Walk:
         self.counted: set[int] = set()  # every file and folder met (device and inode, as one number)
         self.listed: dict[int, _Listed] = {}  # the folders whose last listing still holds
         self.names: dict[int, int] = {}  # each folder's most entries at any of its listings: its part of num_files
+        # each folder found changed: its change times then, and when (monotonic, ns)
+        self.stamps: dict[int, tuple[int, int, int]] = {}
 
     def count(self, info: os.stat_result) -> bool:
         """Count a file or folder met; False when it was met before."""
@@ -225,6 +230,7 @@ class _Walk:
         while pending:
             path = pending.pop()
             listed_at_ns = time.time_ns()
+            listed_at_monotonic_ns = time.monotonic_ns()
             try:
                 before = os.lstat(path)
             except OSError:
@@ -258,7 +264,11 @@ class _Walk:
             except OSError:
                 continue  # a folder removed meanwhile
             self.names[folder] = max(num_names, known_names)
-            self.listed[folder] = _Listed(path, before.st_ctime_ns, before.st_mtime_ns, listed_at_ns)
+            times = (before.st_ctime_ns, before.st_mtime_ns)
+            stamp = self.stamps.get(folder)
+            old = before.st_ctime_ns < listed_at_ns - SETTLE_MARGIN_NS or (
+                stamp is not None and stamp[:2] == times and listed_at_monotonic_ns - stamp[2] >= SETTLE_MARGIN_NS)
+            self.listed[folder] = _Listed(path, *times, old)
         return None
 
     def changed(self) -> list[str] | None:
@@ -274,10 +284,11 @@ class _Walk:
                 now = None
             same = now is not None and (now.st_dev << 64 | now.st_ino) == folder
             if (same and now.st_ctime_ns == listed.ctime_ns and now.st_mtime_ns == listed.mtime_ns
-                    and listed.ctime_ns < listed.listed_at_ns - SETTLE_MARGIN_NS):
+                    and listed.old):
                 continue
             del self.listed[folder]
             if same:
+                self.stamps[folder] = (now.st_ctime_ns, now.st_mtime_ns, time.monotonic_ns())
                 again.append(listed.path)
             else:
                 moved = True

@@ -222,6 +222,17 @@ def test_a_file_renamed_between_folders_during_a_walk_is_counted_once_across_its
     assert quiet.settled and MB <= quiet.num_bytes < 2 * MB
 
 
+def test_quiet_folders_settle_though_the_file_systems_clock_is_ahead_of_the_nodes(tmp_path, monkeypatch):
+    """A network file system dates changes by its server's clock: one 10 s ahead of the node's made every folder look
+    changed just before its listing, at every read, and every engine would have been failed as hiding."""
+    (tmp_path / "cache" / "triton").mkdir(parents=True)
+    (tmp_path / "cache" / "triton" / "kernel.so").write_bytes(os.urandom(4096))
+    node_clock = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: node_clock() - 10 * 10**9)
+    usage = engine_disk.measure([tmp_path / "cache"])
+    assert usage.settled and usage.num_files == 2
+
+
 class UnsettledRuns:
     """The runs of unsettled measures in a row among those given: how long each lasted, and how many measures."""
 
