@@ -18,7 +18,8 @@ disk, and then weights downloads and other tenants' engines failed. Now:
 A folder is measured by what it holds on disk (blocks; a file with several names once, wherever its other names are),
 never following a link, and the walk stops once past its bound, or at a folder its engine made unreadable to the agent
 (its replica then fails: what it holds is unknown): an engine cannot make the agent count, walk or delete anything
-outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
+outside its folders. The folders that changed under a walk are read again (an engine moved files ahead of it), and
+an engine whose folders never settle under the reads fails after a while (`measure`, `Supervisor.check_disk`). A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
 lock, which every launch holds) and deleting the renamed copy after: a replica of the endpoint starting meanwhile
 makes a new folder, never one half deleted. `CacheFolders` is the record of the cache folders; the supervisor
 decides when (`Supervisor.check_disk`).
