@@ -18,7 +18,8 @@ disk, and then weights downloads and other tenants' engines failed. Now:
 A folder is measured by what it holds on disk (blocks; a file with several names once, wherever its other names are),
 never following a link, and the walk stops once past its bound, or at a folder its engine made unreadable to the agent
 (its replica then fails: what it holds is unknown): an engine cannot make the agent count, walk or delete anything
-outside its folders. A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
+outside its folders. The folders that changed under a walk are read again (an engine moved files ahead of it), and
+an engine whose folders never settle under the reads fails after a while (`measure`, `Supervisor.check_disk`). A folder is removed by renaming it aside first (`set_aside`, under the supervisor's
 lock, which every launch holds) and deleting the renamed copy after: a replica of the endpoint starting meanwhile
 makes a new folder, never one half deleted. `CacheFolders` is the record of the cache folders; the supervisor
 decides when (`Supervisor.check_disk`).
@@ -84,6 +85,8 @@ class DiskUsage:
     # a folder (or a file in one) its engine made unreadable to the agent, where the walk stopped: what it holds is
     # unknown ("" when none)
     unreadable: str = ""
+    # False: its folders changed under every read of the walk (`measure`): what it counted is what its reads met
+    settled: bool = True
 
     def over(self, max_bytes: int | None, max_files: int) -> str:
         """Why this usage is past the bounds ("" when it is not)."""
@@ -119,10 +122,21 @@ def next_check_in_s(usage: DiskUsage, bounds: EngineDiskBounds, *, walked_s: flo
     return max(sooner, min(bounds.check_interval_s, WALKS_APART * walked_s))
 
 
+# How many times one measure reads its folders at most: once whole, then again those that changed while it read
+# (`measure`), and what it had to read again the last time makes it unsettled.
+MAX_PASSES = 3
+# A folder whose change time is this close before its listing, or later, counts as changing: the kernel dates a
+# folder's changes by a clock that may lag a tick (up to 10 ms), so a change in the tick of its listing could leave its
+# times as they were. A folder is read again no sooner than this after the walk that found it changed, and one whose
+# times were the same then and at that listing holds still since (whatever the clock of the file system that dated it:
+# a network file system's server ahead of this node's clock made every folder look just changed).
+SETTLE_MARGIN_NS = 20_000_000
+
+
 def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_ENGINE_MAX_FILES) -> DiskUsage:
     """The blocks `folders` hold on disk, and their files and folders, counted until past `max_bytes` or
     `max_files` (then `complete` is False), or until a folder or file the agent may not read (then `unreadable` names
-    it, and `complete` is False).
+    it, and `complete` is False); `settled` False when its folders kept changing under every read (`MAX_PASSES`).
 
     NOTE: no link is followed (a symbolic link counts as itself: one to `/` or to another tenant's weights counts a
     few bytes, not what it names), and a file with several names counts once, at the first of them met in `folders`,
@@ -133,51 +147,153 @@ def measure(folders, *, max_bytes: int | None = None, max_files: int = DEFAULT_E
     own; an engine left unconfined that links another's file there makes only itself fail.
     The walk holds no recursion, so no depth of folders stops it.
 
+    NOTE: a walk lists one folder at a time, and an engine that watches its own folders (inotify: the agent's listing
+    opens and closes each) moved a file into a folder already listed each time, and back before the next walk: 64 MB
+    counted by none of 20 walks against a 32 MB bound (the review of the disk bound). No walk can be a snapshot of
+    folders written meanwhile, so every folder's identity and change time are noted as it is listed and looked at
+    again after the walk: one that changed (or was changed just before its listing) is read again, and what each read
+    met counts, every file once across the reads (never only the last state). What still changed after `MAX_PASSES`
+    reads is `settled` False: the supervisor takes folders never settled for long as a hiding engine
+    (`Supervisor.check_disk`). A folder's change time is the kernel's (no process sets it), and a rename, link, unlink
+    or new entry changes it in both folders it touches.
+
     NOTE: a folder its engine made unreadable (Landlock leaves chmod to it) stops the walk as `unreadable`, which its
     replica fails for: before, the walk skipped it and reported its folders complete (20 MB counted 8 kB). Not made
     readable again here as `_enter_folder` does for a removal: the engine may take the permission away again between
     the chmod and the open, so a refused folder would still have to be taken as hidden; and a live engine's files are
     never changed by a measure."""
-    seen: set[tuple[int, int]] = set()
-    num_bytes = num_files = 0
+    walk = _Walk(max_bytes, max_files)
     pending = []
     for folder in folders:
         try:
             info = os.lstat(folder)
         except OSError:
             continue
-        if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
-            seen.add((info.st_dev, info.st_ino))
-            num_bytes += info.st_blocks * 512
+        if stat.S_ISDIR(info.st_mode) and walk.count(info):
             pending.append(os.fspath(folder))
-    while pending:
-        path = pending.pop()
-        try:
-            with os.scandir(path) as entries:
-                for entry in entries:
-                    try:
-                        info = entry.stat(follow_symlinks=False)
-                    except PermissionError:  # a folder it may list but not search (0o400)
-                        return DiskUsage(num_bytes, num_files, complete=False, unreadable=entry.path)
-                    except OSError:
-                        continue  # removed meanwhile
-                    num_files += 1
-                    is_folder = stat.S_ISDIR(info.st_mode)
-                    met_again = is_folder or info.st_nlink > 1  # what may be met again: counted the first time
-                    inode = (info.st_dev, info.st_ino)
-                    if not (met_again and inode in seen):
-                        if met_again:
-                            seen.add(inode)
-                        num_bytes += info.st_blocks * 512
-                        if is_folder:
+    for num_pass in range(MAX_PASSES):
+        if num_pass:
+            time.sleep(SETTLE_MARGIN_NS / 1e9)  # a folder changed just before its listing is not read again at once
+        stopped = walk.read(pending)
+        if stopped is not None:
+            return stopped
+        pending = walk.changed()
+        if pending is None:
+            return walk.usage(settled=True)
+    return walk.usage(settled=False)
+
+
+@dataclass(slots=True)
+class _Listed:
+    """A folder as `_Walk` listed it last: where, its change times then, and whether they were older than its
+    listing by `SETTLE_MARGIN_NS` at least (else a change in the tick of its listing might not show)."""
+
+    path: str
+    ctime_ns: int
+    mtime_ns: int
+    old: bool
+
+
+class _Walk:
+    """One `measure`'s reads of an engine's folders: what they met (every file once, across the reads), and each
+    folder as listed last."""
+
+    def __init__(self, max_bytes: int | None, max_files: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self.num_bytes = 0
+        self.num_files = 0
+        self.counted: set[int] = set()  # every file and folder met (device and inode, as one number)
+        self.listed: dict[int, _Listed] = {}  # the folders whose last listing still holds
+        self.names: dict[int, int] = {}  # each folder's most entries at any of its listings: its part of num_files
+        # each folder found changed: its change times then, and when (monotonic, ns)
+        self.stamps: dict[int, tuple[int, int, int]] = {}
+
+    def count(self, info: os.stat_result) -> bool:
+        """Count a file or folder met; False when it was met before."""
+        key = info.st_dev << 64 | info.st_ino
+        if key in self.counted:
+            return False
+        self.counted.add(key)
+        self.num_bytes += info.st_blocks * 512
+        return True
+
+    def usage(self, *, complete: bool = True, unreadable: str = "", settled: bool = True) -> DiskUsage:
+        return DiskUsage(self.num_bytes, self.num_files, complete, unreadable, settled)
+
+    def past_bounds(self) -> bool:
+        return (self.max_bytes is not None and self.num_bytes > self.max_bytes) or self.num_files > self.max_files
+
+    def read(self, pending: list[str]) -> DiskUsage | None:
+        """List the folders `pending` and every folder below them not listed yet (depth first); a usage when the walk
+        stopped (its bound, or a folder it may not read), else None."""
+        queued = set()
+        while pending:
+            path = pending.pop()
+            listed_at_ns = time.time_ns()
+            listed_at_monotonic_ns = time.monotonic_ns()
+            try:
+                before = os.lstat(path)
+            except OSError:
+                continue  # removed meanwhile (its folder above changed: read again if it was listed)
+            if not stat.S_ISDIR(before.st_mode):
+                continue
+            folder = before.st_dev << 64 | before.st_ino
+            num_names = 0
+            known_names = self.names.get(folder, 0)
+            try:
+                with os.scandir(path) as entries:
+                    for entry in entries:
+                        try:
+                            info = entry.stat(follow_symlinks=False)
+                        except PermissionError:  # a folder it may list but not search (0o400)
+                            return self.usage(complete=False, unreadable=entry.path)
+                        except OSError:
+                            continue  # removed meanwhile
+                        num_names += 1
+                        if num_names > known_names:  # a name more than this folder held at any listing before
+                            self.num_files += 1
+                        self.count(info)
+                        key = info.st_dev << 64 | info.st_ino
+                        if stat.S_ISDIR(info.st_mode) and key not in self.listed and key not in queued:
+                            queued.add(key)
                             pending.append(entry.path)
-                    if (max_bytes is not None and num_bytes > max_bytes) or num_files > max_files:
-                        return DiskUsage(num_bytes, num_files, complete=False)
-        except PermissionError:
-            return DiskUsage(num_bytes, num_files, complete=False, unreadable=path)
-        except OSError:
-            continue  # a folder removed meanwhile
-    return DiskUsage(num_bytes, num_files, complete=True)
+                        if self.past_bounds():
+                            return self.usage(complete=False)
+            except PermissionError:
+                return self.usage(complete=False, unreadable=path)
+            except OSError:
+                continue  # a folder removed meanwhile
+            self.names[folder] = max(num_names, known_names)
+            times = (before.st_ctime_ns, before.st_mtime_ns)
+            stamp = self.stamps.get(folder)
+            old = before.st_ctime_ns < listed_at_ns - SETTLE_MARGIN_NS or (
+                stamp is not None and stamp[:2] == times and listed_at_monotonic_ns - stamp[2] >= SETTLE_MARGIN_NS)
+            self.listed[folder] = _Listed(path, *times, old)
+        return None
+
+    def changed(self) -> list[str] | None:
+        """The folders to read again: those changed since their listing (or just before it), which are forgotten as
+        listed; None when none changed. One moved or replaced is found again through the folders it left and went
+        to, which changed too."""
+        again = []
+        moved = False
+        for folder, listed in list(self.listed.items()):
+            try:
+                now = os.lstat(listed.path)
+            except OSError:
+                now = None
+            same = now is not None and (now.st_dev << 64 | now.st_ino) == folder
+            if (same and now.st_ctime_ns == listed.ctime_ns and now.st_mtime_ns == listed.mtime_ns
+                    and listed.old):
+                continue
+            del self.listed[folder]
+            if same:
+                self.stamps[folder] = (now.st_ctime_ns, now.st_mtime_ns, time.monotonic_ns())
+                again.append(listed.path)
+            else:
+                moved = True
+        return again if again or moved else None
 
 
 def devices_of(folders) -> frozenset[int]:

@@ -60,6 +60,11 @@ class ManagedReplica:
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
     num_incomplete_shm_checks: int = 0
     incomplete_shm_since: float | None = None  # the first of those checks (monotonic)
+    # its engine's disk checks in a row whose folders never settled (`engine_disk.measure`), since when (monotonic),
+    # and the most bytes one of them counted
+    num_unsettled_disk_checks: int = 0
+    unsettled_disk_since: float | None = None
+    unsettled_disk_max_bytes: int = 0
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
     avoid_standby: bool = False  # a standby start never got READY: launch naively from now on

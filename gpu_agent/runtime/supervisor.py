@@ -99,6 +99,15 @@ REMOVALS_SHUTDOWN_S = 10.0
 # though it hides nothing; a relaying engine is incomplete at every check, for as long as it relays.
 MAX_INCOMPLETE_SHM_CHECKS = 3
 MIN_INCOMPLETE_SHM_S = 120.0
+# Disk checks in a row whose folders never held still under the walk's reads (`engine_disk.measure`: `settled`), and
+# for how long at least, before its engine is stopped as one hiding what it wrote (moving files ahead of the walk);
+# meanwhile the most any of those checks counted is what counts. An honest engine changes its folders only while it
+# compiles (vLLM's, inductor's and Triton's caches, in its warm-up), and a check is unsettled only when they changed
+# under each of its reads: a warm-up that long for so many checks in a row is not one (measured every 0.2 s: real
+# inductor compiling for 69 s and a real vLLM warm-up, never unsettled once: `tests/agent/test_engine_disk_walk.py`);
+# an engine hiding files is unsettled at every check.
+MAX_UNSETTLED_DISK_CHECKS = 3
+MIN_UNSETTLED_DISK_S = 120.0
 
 
 @dataclass(slots=True)
@@ -748,6 +757,15 @@ class Supervisor:
             held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir, engine_disk.devices_of(folders))
             usage = dataclasses.replace(usage, num_bytes=usage.num_bytes + held.num_bytes,
                                         num_files=usage.num_files + held.num_files)  # fmt: skip
+            if usage.settled:
+                replica.num_unsettled_disk_checks = replica.unsettled_disk_max_bytes = 0
+                replica.unsettled_disk_since = None
+            else:  # what its reads met, and the most a check of this unsettled run counted
+                replica.num_unsettled_disk_checks += 1
+                if replica.unsettled_disk_since is None:
+                    replica.unsettled_disk_since = now
+                replica.unsettled_disk_max_bytes = max(replica.unsettled_disk_max_bytes, usage.num_bytes)
+                usage = dataclasses.replace(usage, num_bytes=replica.unsettled_disk_max_bytes)
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
             replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
@@ -781,6 +799,13 @@ class Supervisor:
                                       "its endpoint's cache, the files its processes hold there after removing them "
                                       "and the shared memory they hold, this node's bound for one engine): stopped, "
                                       "and its folders emptied", held.paths))
+            elif (replica.num_unsettled_disk_checks >= MAX_UNSETTLED_DISK_CHECKS
+                  and now - replica.unsettled_disk_since >= MIN_UNSETTLED_DISK_S):
+                over.append((replica, "its engine hid what it wrote from the agent (its folders kept changing under "
+                                      "every measurement of "
+                                      f"{replica.num_unsettled_disk_checks} checks in a row, "
+                                      f"{now - replica.unsettled_disk_since:.0f} s): "
+                                      "stopped, and its folders emptied", held.paths))  # fmt: skip
             else:
                 walked = time.monotonic()
                 # sooner when near, never sooner than its walk's cost allows, from the walk's end
