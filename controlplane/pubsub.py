@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio
@@ -33,10 +34,13 @@ RECONNECT_DELAY_S = 0.5
 class Signal:
     """What one waiter holds: set when a message arrives on its channel."""
 
-    __slots__ = ("_arrived",)
+    __slots__ = ("_arrived", "arrived_at")
 
     def __init__(self) -> None:
         self._arrived = asyncio.Event()
+        # When (monotonic) the last message came: a read begun after it sees what it announced (`Memo.get`'s
+        # `fresh_since`), so the waiters one message woke share one read.
+        self.arrived_at = 0.0
 
     async def wait(self, timeout_s: float) -> bool:
         """Whether a message arrived within `timeout_s` (or since the last wait); consumes it."""
@@ -49,6 +53,7 @@ class Signal:
         return True
 
     def _set(self) -> None:
+        self.arrived_at = time.monotonic()
         self._arrived.set()
 
 

@@ -30,7 +30,7 @@ from endpoints.models import (
     organization_scope,
 )
 from endpoints.nodes.models import Node
-from endpoints.nodes.notify import notify_node
+from endpoints.nodes.notify import notify_endpoint_ready, notify_node
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
     MAX_ADAPTERS_PER_REPLICA,
@@ -189,6 +189,9 @@ def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str
             return
         if replica.adapters != loaded:
             Replica.objects.filter(pk=replica.pk).update(adapters=loaded)
+            if set(loaded) - set(replica.adapters):
+                # NOTE: calls held for an adapter wait on the endpoint's READY channel (`gateway.adapter_hold`)
+                notify_endpoint_ready(replica.endpoint_id)
 
     def while_last(rows):
         return rows if heartbeat is None else rows.filter(Exists(Node.objects.last_heartbeat_is(node.pk, heartbeat)))
@@ -197,10 +200,13 @@ def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str
     if loaded:
         while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name__in=loaded).exclude(
             state=AdapterState.READY)).update(state=AdapterState.READY, status_message="")
+    num_failed = 0
     for name, reason in failures.items():
-        while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
+        num_failed += while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
             state=AdapterState.FAILED, status_message=reason[:300]
         )).update(state=AdapterState.FAILED, status_message=reason[:300])
+    if num_failed:
+        notify_endpoint_ready(endpoint_id)  # the calls held for them are refused now (`gateway.adapter_hold`)
 
 
 def adapters_with_holders(endpoint: Endpoint) -> list[Adapter]:

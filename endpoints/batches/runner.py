@@ -43,14 +43,13 @@ from billing import usage_writer
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
 from controlplane.worker_threads import connections_checked, in_worker_thread
-from endpoints.adapters import parse_model_name, want_adapter
+from endpoints.adapters import parse_model_name
 from endpoints.batches import answer_bytes, scheduling, spool
 from endpoints.batches.validation import Line
-from endpoints.gateway import directory, errors, presence, upstream
+from endpoints.gateway import adapter_hold, directory, errors, presence, upstream
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.call import InferenceCall
 from endpoints.gateway.request import InferenceRequest
-from endpoints.models import AdapterState
 
 logger = logging.getLogger("inferplane.batches")
 
@@ -285,19 +284,15 @@ async def _route(work: Work, endpoint: directory.EndpointInfo, request: Inferenc
 async def _refuse_unless_held(endpoint: directory.EndpointInfo, adapter: directory.AdapterInfo) -> None:
     """Nothing if a READY replica holds `adapter`; else the line's refusal before it is admitted (no reservation, no
     slot, no hold: a batch line is never held through a load, as through a cold start): an adapter an engine refused
-    (FAILED, read again to be sure) fails the line (400 `adapter_failed`, its reason); one not loaded yet is asked for
-    and the line tried again later (503, as no slot now). NOTE: before, each line waited `cold_start_timeout_s`
-    holding its reservation and a slot, then was tried again until the batch expired, a FAILED adapter's for ever."""
+    fails the line (400 `adapter_failed`, its reason: `adapter_hold.refuse_if_failed`, the gateway's rule); one not
+    loaded yet is asked for and the line tried again later (503, as no slot now). NOTE: before, each line waited
+    `cold_start_timeout_s` holding its reservation and a slot, then was tried again until the batch expired, a FAILED
+    adapter's for ever."""
     replicas = await directory.ready_replicas(endpoint.id, generation=endpoint.engine_generation)
-    if any(adapter.name in replica.adapters for replica in replicas):
+    if adapter_hold.held_by(adapter, replicas):
         return
-    if adapter.state == AdapterState.FAILED:
-        adapter = (await directory.endpoint_adapters(endpoint.id, fresh=True)).get(adapter.name) or adapter
-        if adapter.state == AdapterState.FAILED:
-            raise errors.OpenAIError(
-                400, f"The adapter '{adapter.name}' could not be loaded: {adapter.status_message or 'its engine refused it'}.",
-                param="model", code="adapter_failed")
-    await in_worker_thread(want_adapter)(adapter.id)
+    await adapter_hold.refuse_if_failed(endpoint, adapter)
+    await adapter_hold.want(adapter)
     raise errors.OpenAIError(503, f"The adapter '{adapter.name}' is not loaded yet.", type="server_error",
                              code="adapter_loading")
 

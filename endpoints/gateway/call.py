@@ -189,17 +189,22 @@ class InferenceCall:
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
         if not replicas:  # a FAILED endpoint, or one waiting for capacity, says so now instead of holding the call
             standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
-        # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes
-        # first; `cold_start.hold` gives it up, or the refusal below.
-        place = None if replicas else await cold_start.take_place(self.endpoint, self.caller.organization_id,
-                                                                  self.request_id, call_token=self.call_token)
+        waits_for_adapter = self.adapter is not None and not adapter_hold.held_by(self.adapter, replicas)
+        if waits_for_adapter:
+            await self._refuse_unless_loadable()
+        # NOTE: a cold start's place in line (bounded per process, endpoint and organisation) comes first, and so does
+        # an adapter load's (held alike); `cold_start.hold` (`adapter_hold.hold`) gives it up, or the refusal below.
+        place = None if replicas and not waits_for_adapter else await cold_start.take_place(
+            self.endpoint, self.caller.organization_id, self.request_id, call_token=self.call_token)
         presence.ensure_started()
         try:
             # NOTE: one round trip checks the rate limits, reserves the largest cost, counts the
             # request in flight (or waiting) and picks its replica; `_finish` undoes it in one more.
             admitted = await admission.admit(
                 caller=self.caller, endpoint_id=self.endpoint.id, request_id=self.request_id, amount=self.reserved,
-                num_tokens=worst_case.num_tokens, candidates=[r.id for r in replicas], report=self.ratelimit,
+                # a call held for its adapter is counted waiting, as for a cold start: no replica is picked yet
+                num_tokens=worst_case.num_tokens, candidates=[] if waits_for_adapter else [r.id for r in replicas],
+                report=self.ratelimit,
                 prefix_key=routing.prefix_key(self.request.kind, self.request.payload),
                 margin=self.endpoint.target_concurrency, prefer=self._adapter_preference(replicas),
                 call_token=self.call_token, why_so_many=errors.prompt_factor_note(self.endpoint.prompt_factor))
@@ -235,9 +240,10 @@ class InferenceCall:
                 self.held_at = datetime.now(UTC) - timedelta(seconds=self.cold_start_s)
                 if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
                     await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
+                place = None  # given up by the hold
 
             if self.adapter is not None:
-                replicas = await self._adapter_holders(replicas)
+                replicas = await self._adapter_holders(replicas, place)
             await self._proxy(replicas)
         except asyncio.CancelledError:
             if self._stopped_for_shutdown and not self._cancelled_for_client:
@@ -296,13 +302,27 @@ class InferenceCall:
             return frozenset()
         return frozenset(r.id for r in replicas if self.adapter.name in r.adapters)
 
-    async def _adapter_holders(self, replicas: list[ReplicaInfo]) -> list[ReplicaInfo]:
-        """The replicas holding the call's adapter (waiting for one to load it); the replica admission
-        picked is given back if it does not hold it."""
-        # NOTE: a batch line is never held through an adapter's load (as through a cold start): it holds a reservation
-        # and a replica slot meanwhile; its runner checks a replica holds it first, and a 503 tries the line again later
-        timeout_s = 0 if self.batch_id else self.endpoint.cold_start_timeout_s
-        holding = await adapter_hold.holders(self.endpoint, self.adapter, replicas, timeout_s)
+    async def _refuse_unless_loadable(self) -> None:
+        """Before the call is admitted, when no READY replica holds its adapter: the 400 of an adapter an engine
+        refused; a batch line's 503, to be tried again later (it is never held through a load, as through a cold
+        start: it would hold a reservation meanwhile; its runner checks a replica holds the adapter first)."""
+        await adapter_hold.refuse_if_failed(self.endpoint, self.adapter)
+        if self.batch_id:
+            raise adapter_hold.not_loaded(self.adapter)
+
+    async def _adapter_holders(self, replicas: list[ReplicaInfo], place: cold_start.Place | None) -> list[ReplicaInfo]:
+        """The replicas holding the call's adapter, holding the call in `place` until one loads it (a place taken
+        now after a cold start: its hold gave its own up); the replica admission picked is given back if it does
+        not hold it."""
+        holding = adapter_hold.held_by(self.adapter, replicas)
+        if not holding:
+            if place is None:
+                await self._refuse_unless_loadable()
+                place = await cold_start.take_place(self.endpoint, self.caller.organization_id, self.request_id,
+                                                    call_token=self.call_token)
+            holding = await adapter_hold.hold(self, self.adapter, place)
+            if holding is None:
+                raise ClientGone()
         if self.outstanding_replica_id is not None and self.outstanding_replica_id not in {r.id for r in holding}:
             await traffic.release_replica(self.caller.organization_id, self.outstanding_replica_id,
                                           request_id=self.request_id, endpoint_id=self.endpoint.id,

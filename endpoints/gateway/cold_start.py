@@ -11,6 +11,8 @@ Then `hold` wakes the endpoint's reconcile and waits for the READY message on th
 pub/sub connection (`controlplane.pubsub.subscribe`), however many requests wait, polling the
 database as a fallback; streaming clients get progress as SSE comments meanwhile. So held requests never take connections from the shared Redis pool, and
 other tenants' cold starts and the agents' long polls keep working whatever one tenant holds.
+
+A call held for a LoRA adapter's load (`adapter_hold.hold`) takes its place here too, under the same bounds.
 """
 
 from __future__ import annotations

@@ -283,10 +283,11 @@ def _load_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
 _adapters = Memo(_load_adapters, ENDPOINT_CACHE_S)
 
 
-async def endpoint_adapters(endpoint_id: str, *, fresh: bool = False) -> dict[str, AdapterInfo]:
+async def endpoint_adapters(endpoint_id: str, *, fresh: bool = False,
+                            fresh_since: float | None = None) -> dict[str, AdapterInfo]:
     """The endpoint's adapters by name; `fresh` reads the database now (an adapter created or changed since the
-    cached list was read)."""
-    return await _adapters.get(endpoint_id, endpoint_id, fresh=fresh)
+    cached list was read), `fresh_since` as `Memo.get`'s."""
+    return await _adapters.get(endpoint_id, endpoint_id, fresh=fresh, fresh_since=fresh_since)
 
 
 def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
@@ -314,15 +315,17 @@ def _load_replicas(endpoint_id: str) -> list[ReplicaInfo]:
 _replicas = Memo(_load_replicas, REPLICA_CACHE_S, wait_when_empty=True)
 
 
-async def ready_replicas(endpoint_id: str, *, fresh: bool = False, generation: int | None = None) -> list[ReplicaInfo]:
-    """READY replicas of an endpoint; `fresh` reads the database now (a cold start's wait). With `generation` (the
+async def ready_replicas(endpoint_id: str, *, fresh: bool = False, fresh_since: float | None = None,
+                         generation: int | None = None) -> list[ReplicaInfo]:
+    """READY replicas of an endpoint; `fresh` reads the database now (a cold start's wait), `fresh_since` as
+    `Memo.get`'s (an adapter load's wait). With `generation` (the
     `engine_generation` a call was checked and reserved by), only replicas started with that configuration.
 
     NOTE: a cached list may still name a replica drained by a change of configuration a moment ago: a call checked
     by the new one went to an engine of the old one (a context length lowered to 16 reserved a 30k-token prompt on
     a 32k engine as 16 tokens). A replica of a newer configuration than the call's means the call's endpoint was
     read before a change: a 503 to retry, rather than a wait for replicas of a configuration that is gone."""
-    replicas = await _replicas.get(endpoint_id, fresh=fresh)
+    replicas = await _replicas.get(endpoint_id, fresh=fresh, fresh_since=fresh_since)
     if generation is None:
         return replicas
     current = [r for r in replicas if r.generation == generation]

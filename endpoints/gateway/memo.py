@@ -44,6 +44,7 @@ class Memo:
         self.max_entries = max_entries
         self.entries: OrderedDict = OrderedDict()  # key -> (load started at, value), least recently used first
         self._loading: dict = {}  # key -> task
+        self._load_began: dict = {}  # key -> when (monotonic) its task in `_loading` was started
 
     @property
     def ttl_s(self) -> float:
@@ -69,9 +70,21 @@ class Memo:
             return self._loader(key, load_args)
         return None
 
-    async def get(self, key: Hashable, *load_args, fresh: bool = False):
-        """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`)."""
+    async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None):
+        """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`).
+
+        `fresh` reads it now; `fresh_since` (monotonic) takes a load begun at or after then, the one running or the last
+        that landed, else reads it now: callers woken by one message share one read (`adapter_hold`)."""
         entry = self.entries.get(key)
+        if fresh_since is not None:
+            if entry is not None and entry[0] >= fresh_since:
+                self.entries.move_to_end(key)
+                return entry[1]
+            task = self._loading.get(key)
+            if (task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop()
+                    and self._load_began.get(key, 0.0) >= fresh_since):
+                return await asyncio.shield(task)
+            fresh = True
         if entry is not None and not fresh:
             self.entries.move_to_end(key)
             age, ttl_s = time.monotonic() - entry[0], self.ttl_s
@@ -86,6 +99,7 @@ class Memo:
         task = self._loading.get(key)
         # NOTE: a fresh read must not take a load that began before it was asked for.
         if fresh or task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            self._load_began[key] = time.monotonic()
             task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,)))
             task.add_done_callback(_note_failure)
         return task
@@ -103,6 +117,7 @@ class Memo:
         finally:
             if self._loading.get(key) is asyncio.current_task():
                 del self._loading[key]
+                self._load_began.pop(key, None)
         current = self.entries.get(key)
         if current is None or current[0] <= started:
             if self._merge is not None and current is not None:

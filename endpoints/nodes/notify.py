@@ -3,6 +3,8 @@
 - A node's desired replicas changed → its agent, long-polling `/agent/v1/watch`,
   heartbeats at once instead of at its next interval.
 - A replica turned READY → requests the gateway holds for that endpoint go at once.
+  So too when a replica loaded an adapter, or an engine refused one: calls held for it
+  (`endpoints.gateway.adapter_hold`) go, or are refused, at once.
 
 Messages are published after the transaction commits, so a listener that reacts
 always reads the new state. A lost message costs only the old polling delay.

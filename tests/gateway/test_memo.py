@@ -251,3 +251,30 @@ def test_listing_models_reads_the_database_once_per_organisation_and_ttl(monkeyp
 
     assert asyncio.run(list_often()) == [[]] * 20
     assert loads == [7]
+
+
+def test_callers_woken_by_one_message_share_one_fresh_read_and_never_take_an_older_one():
+    # The calls held for an adapter's load (`adapter_hold`): each woken by the endpoint's message read the replicas
+    # fresh, one read per call per message; a read begun before the message may miss what it announced.
+    loader = Loader()
+    cache = Memo(loader, ttl_s=60)
+
+    async def scenario():
+        await cache.get("k")
+        loader.gate.clear()
+        older = asyncio.ensure_future(cache.get("k", fresh=True))  # begun before the message: not taken
+        await until(lambda: loader.calls == 2)
+        loader.answer = "announced"
+        arrived_at = time.monotonic()
+        woken = asyncio.gather(*(cache.get("k", fresh_since=arrived_at) for _ in range(20)))
+        await until(lambda: loader.calls == 3)
+        await asyncio.sleep(0.05)  # every woken caller has asked by now
+        loader.gate.set()
+        answers = await woken
+        await older
+        return answers, await cache.get("k", fresh_since=arrived_at)
+
+    answers, after = asyncio.run(scenario())
+
+    assert answers == ["k:announced"] * 20 and after == "k:announced"
+    assert loader.calls == 3  # the first load, the older fresh read, then one for the twenty woken and the one after

@@ -1,0 +1,167 @@
+"""Calls held while a LoRA adapter loads (`endpoints.gateway.adapter_hold`), against mock engines: held as a cold
+start is, within the same bounds (the plan's `max_held_requests`, the process's), counted waiting, on the process's
+one wait for the endpoint, and answered once a replica reports the adapter loaded; an adapter an engine refused is a
+400 `adapter_failed` with the engine's reason at once, holding and billing nothing.
+
+Before, an adapter call on a READY endpoint took no place (12 calls on a plan of 1: all held), each polled PostgreSQL
+itself (5 commits/s idle, 140-185 with 12 held), and one naming a FAILED adapter was held the endpoint's whole cold
+start timeout, then answered 503 "not loaded yet"."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from django.db import connection
+
+from billing.models import UsageRecord
+from controlplane.accounts.models import Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import reservations_key, waiting_key
+from endpoints.adapters import record_replica_adapters
+from endpoints.models import Adapter, AdapterState, Replica
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
+from tests.conftest import start_web_server
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PROCESS_BOUND = 2
+
+
+@pytest.fixture
+def bounded_gateway(transactional_db, tmp_path):
+    child, base_url = start_web_server(tmp_path, name="gateway",
+                                       extra_env={"INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS": str(PROCESS_BOUND)})
+    yield base_url
+    child.stop()
+
+
+def _lora_endpoint(tenant, upstream, *, cold_start_timeout_s: int = 30, **adapter):
+    endpoint = serve_endpoint(tenant.org, upstream, name="base", max_loras=2, max_lora_rank=16,
+                              cold_start_timeout_s=cold_start_timeout_s)
+    Adapter.objects.create(endpoint=endpoint, name="slow", source="hf:acme/slow", **adapter)  # no replica holds it
+    return endpoint
+
+
+def _call(base_url: str, tenant) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/chat/completions", headers={"authorization": f"Bearer {tenant.key}"},
+                      json={"model": "base:slow", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5},
+                      timeout=60)
+
+
+def _calls_in_background(base_url: str, tenant, num_calls: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
+    answers: list[httpx.Response] = []
+
+    def call():
+        answers.append(_call(base_url, tenant))
+        connection.close()
+
+    threads = [threading.Thread(target=call, daemon=True) for _ in range(num_calls)]
+    for thread in threads:
+        thread.start()
+    return threads, answers
+
+
+def _report(endpoint, **status) -> None:
+    """The endpoint's replica's agent reports its adapters (loaded, or refused)."""
+    replica = Replica.objects.get(endpoint=endpoint)
+    record_replica_adapters(replica.node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY, **status))
+
+
+def _commits() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+        return cursor.fetchone()[0]
+
+
+def _wait_until(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_calls_held_for_an_adapter_take_the_plans_places_and_go_once_it_loads(
+        bounded_gateway, tenant, start_mock_upstream):
+    set_organization_plan(SYSTEM, tenant.org, save_plan(SYSTEM, Plan(name="one-held", max_held_requests=1)))
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream)
+    threads, answers = _calls_in_background(bounded_gateway, tenant, 5)
+    _wait_until(lambda: len(answers) >= 4)  # before: all 5 held
+    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(429, "rate_limit_exceeded")] * 4
+    assert get_redis().zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 1  # counted waiting, as a cold start
+
+    _report(endpoint, adapters=["slow"])
+    for thread in threads:
+        thread.join(30)
+    assert sorted(a.status_code for a in answers) == [200, 429, 429, 429, 429]
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+    assert get_redis().zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 0
+
+
+def test_calls_held_for_an_adapter_count_against_the_processs_bound(bounded_gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=3)
+    threads, answers = _calls_in_background(bounded_gateway, tenant, PROCESS_BOUND + 2)
+    _wait_until(lambda: len(answers) >= 2)  # before: all 4 held
+    assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(503, "no_capacity")] * 2
+    for thread in threads:
+        thread.join(30)
+    assert sorted(a.json()["error"]["code"] for a in answers) == ["adapter_loading"] * 2 + ["no_capacity"] * 2
+    assert Adapter.objects.get(endpoint=endpoint).last_requested_at is not None  # asked for
+
+
+def test_calls_held_for_an_adapter_share_one_wait_and_leave_the_database_quiet(gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    _lora_endpoint(tenant, upstream, cold_start_timeout_s=8)
+    time.sleep(1.0)
+    before = _commits()
+    time.sleep(3.0)
+    idle_rate = (_commits() - before) / 3.0
+    threads, answers = _calls_in_background(gateway, tenant, 12)
+    time.sleep(2.0)
+    before = _commits()
+    time.sleep(3.0)
+    held_rate = (_commits() - before) / 3.0
+    assert not answers
+    for thread in threads:
+        thread.join(30)
+    assert [a.json()["error"]["code"] for a in answers] == ["adapter_loading"] * 12
+    # before: 140 commits/s more with the 12 held (each read the replicas and marked the adapter 4 times a second)
+    assert held_rate - idle_rate < 20, (idle_rate, held_rate)
+
+
+def test_a_call_naming_an_adapter_its_engine_refused_is_a_400_at_once_holding_and_billing_nothing(
+        gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    _lora_endpoint(tenant, upstream, cold_start_timeout_s=20, state=AdapterState.FAILED,
+                   status_message="target modules do not match the base model")
+    started = time.monotonic()
+    answer = _call(gateway, tenant)
+    took_s = time.monotonic() - started
+    # before: held the endpoint's 20 s, then 503 adapter_loading with retry-after
+    assert answer.status_code == 400 and took_s < 5, (answer.status_code, took_s)
+    error = answer.json()["error"]
+    assert error["code"] == "adapter_failed" and error["param"] == "model"
+    assert "target modules do not match the base model" in error["message"]
+    assert get_redis().hlen(reservations_key(tenant.org.pk)) == 0
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
+
+
+def test_a_call_held_for_an_adapter_the_engine_then_refuses_is_a_400_once_it_is_reported(
+        gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=30)
+    threads, answers = _calls_in_background(gateway, tenant, 1)
+    _wait_until(lambda: Adapter.objects.get(endpoint=endpoint).last_requested_at is not None)
+    _report(endpoint, adapter_failures={"slow": "LoRA rank 64 is greater than max_lora_rank 16."})
+    reported = time.monotonic()
+    threads[0].join(30)
+    assert answers[0].status_code == 400 and time.monotonic() - reported < 5  # before: held the 30 s, then a 503
+    assert answers[0].json()["error"]["code"] == "adapter_failed"
+    assert "greater than max_lora_rank" in answers[0].json()["error"]["message"]
+    assert get_redis().hlen(reservations_key(tenant.org.pk)) == 0 and not UsageRecord.objects.exists()
