@@ -6,8 +6,8 @@ folder just listed, and back once the next was, so no walk ever met it (the revi
 against a 32 MB bound, missed by 20 of 20 measures), and it wrote without limit to the node's disk. Now the folders
 that changed under a walk are read again, and folders that never held still under a check's reads for long fail the
 replica; an honest engine, whose caches change only while it compiles, is never failed for it. Real folders, real
-inotify, real fake engines and real inductor compiling; a real vLLM engine's warm-up is measured in
-`test_engine_sandbox.py` (its confined engine).
+inotify and real fake engines; a real vLLM engine's warm-up is measured in `test_engine_sandbox.py` (its confined
+engine), real inductor compiling in `bench/bench_engine_disk_settle.py`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from gpu_agent.protocol import ReplicaState
 from gpu_agent.runtime import engine_disk
 from gpu_agent.runtime import supervisor as supervisor_module
-from gpu_agent.runtime.supervisor import MAX_UNSETTLED_DISK_CHECKS, MIN_UNSETTLED_DISK_S
+from gpu_agent.runtime.supervisor import MAX_UNSETTLED_DISK_CHECKS
 
-from .conftest import UnsettledRuns, make_spec, wait_for_state, wait_until
+from .conftest import make_spec, wait_for_state, wait_until
 from .test_engine_disk import make_supervisor  # noqa: F401  (a fixture)
 
 MB = 1 << 20
@@ -227,41 +225,3 @@ def test_quiet_folders_settle_though_the_file_systems_clock_is_ahead_of_the_node
     monkeypatch.setattr(time, "time_ns", lambda: node_clock() - 10 * 10**9)
     usage = engine_disk.measure([tmp_path / "cache"])
     assert usage.settled and usage.num_files == 2
-
-
-COMPILES = """
-import torch
-for width in (64, 128, 192):
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
-                                                      torch.nn.LayerNorm(width)) for _ in range(6)])
-    compiled = torch.compile(model, dynamic=False)
-    for batch in (1, 3):
-        compiled(torch.randn(batch, width))
-"""
-
-
-@pytest.mark.heavy
-def test_real_torch_inductor_compiling_into_an_engines_cache_never_leaves_its_folders_unsettled_for_long(tmp_path):
-    """The bound's ground, for the compile caches an engine writes in its warm-up: real inductor kernels compiled
-    into the cache folder (its C++ sources, objects and graphs, as vLLM's torch.compile writes them), measured every
-    0.2 s. Measured on the 2-core test machine (6 widths, 3 batches): 69 s of compiling, 158 MB in 104 files, 338
-    measures, none unsettled."""
-    scratch, cache = tmp_path / "scratch", tmp_path / "cache"
-    scratch.mkdir()
-    cache.mkdir()
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-               TMPDIR=str(scratch), HOME=str(scratch), XDG_CACHE_HOME=str(cache))  # fmt: skip
-    runs = UnsettledRuns()
-    compiler = subprocess.Popen([sys.executable, "-c", COMPILES], env=env)
-    try:
-        while compiler.poll() is None:
-            runs.add(engine_disk.measure([scratch, cache]))
-            time.sleep(0.2)
-    finally:
-        compiler.kill()
-        compiler.wait()
-    usage = engine_disk.measure([scratch, cache])
-    longest = runs.longest()
-    print(f"COMPILE measures {runs.num_measures}, unsettled runs {len(runs.runs)}, longest {longest}; last {usage}")
-    assert compiler.returncode == 0 and usage.settled and usage.num_files > 10  # it compiled, into the cache
-    assert longest[0] < MIN_UNSETTLED_DISK_S / 4
