@@ -104,8 +104,8 @@ MIN_INCOMPLETE_SHM_S = 120.0
 # meanwhile the most any of those checks counted is what counts. An honest engine changes its folders only while it
 # compiles (vLLM's, inductor's and Triton's caches, in its warm-up), and a check is unsettled only when they changed
 # under each of its reads: a warm-up that long for so many checks in a row is not one (measured every 0.2 s: real
-# inductor compiling for 69 s and a real vLLM warm-up, never unsettled once: `tests/agent/test_engine_disk_walk.py`);
-# an engine hiding files is unsettled at every check.
+# inductor compiling for 59 s, `bench/bench_engine_disk_settle.py`, and a real confined vLLM warm-up,
+# `tests/agent/test_engine_sandbox.py`, never unsettled once); an engine hiding files is unsettled at every check.
 MAX_UNSETTLED_DISK_CHECKS = 3
 MIN_UNSETTLED_DISK_S = 120.0
 

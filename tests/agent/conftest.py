@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
+from gpu_agent.runtime import engine_disk
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.engine_guard import ENGINE_API_KEY_ENV
 from gpu_agent.runtime.reaper import REAPER_MODULE
@@ -151,6 +155,62 @@ def processes_with_marker(replica_id: str) -> list[psutil.Process]:
         except (psutil.Error, OSError):
             continue
     return found
+
+
+class UnsettledRuns:
+    """The runs of unsettled measures in a row (`engine_disk.DiskUsage.settled`) among those given: how long each
+    lasted, and how many measures."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[float, int]] = []
+        self.num_measures = 0
+        self.last: engine_disk.DiskUsage | None = None
+        self.since: float | None = None
+        self.count = 0
+
+    def add(self, usage: engine_disk.DiskUsage) -> None:
+        self.num_measures += 1
+        self.last = usage
+        if not usage.settled:
+            self.since, self.count = self.since or time.monotonic(), self.count + 1
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.since is not None:
+            self.runs.append((time.monotonic() - self.since, self.count))
+        self.since, self.count = None, 0
+
+    def longest(self) -> tuple[float, int]:
+        self.close()
+        return max(self.runs, default=(0.0, 0))
+
+
+@contextmanager
+def measuring_folders(folders, every_s: float = 0.2) -> Iterator[UnsettledRuns]:
+    """Measure `folders()` (the folders as they are now: `engine_disk.measure`) every `every_s` on a thread of its own
+    while the block runs, as `Supervisor.check_disk` does; the runs of unsettled measures among them. A measure that
+    raised is raised again when the block ends."""
+    runs, stop, errors = UnsettledRuns(), threading.Event(), []
+
+    def measure():
+        while not stop.is_set():
+            try:
+                runs.add(engine_disk.measure(folders()))
+            except Exception as error:  # noqa: BLE001 - raised again on the test's thread
+                errors.append(error)
+                return
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=measure, daemon=True)
+    thread.start()
+    try:
+        yield runs
+    finally:
+        stop.set()
+        thread.join(30)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ folder just listed, and back once the next was, so no walk ever met it (the revi
 against a 32 MB bound, missed by 20 of 20 measures), and it wrote without limit to the node's disk. Now the folders
 that changed under a walk are read again, and folders that never held still under a check's reads for long fail the
 replica; an honest engine, whose caches change only while it compiles, is never failed for it. Real folders, real
-inotify, real fake engines and a real vLLM engine.
+inotify and real fake engines; a real vLLM engine's warm-up is measured in `test_engine_sandbox.py` (its confined
+engine), real inductor compiling in `bench/bench_engine_disk_settle.py`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime import engine_disk, sandbox
+from gpu_agent.runtime import engine_disk
 from gpu_agent.runtime import supervisor as supervisor_module
-from gpu_agent.runtime.supervisor import (
-    MAX_UNSETTLED_DISK_CHECKS,
-    MIN_UNSETTLED_DISK_S,
-    Supervisor,
-    SupervisorPolicy,
-)
+from gpu_agent.runtime.supervisor import MAX_UNSETTLED_DISK_CHECKS
 
 from .conftest import make_spec, wait_for_state, wait_until
 from .test_engine_disk import make_supervisor  # noqa: F401  (a fixture)
@@ -231,99 +225,3 @@ def test_quiet_folders_settle_though_the_file_systems_clock_is_ahead_of_the_node
     monkeypatch.setattr(time, "time_ns", lambda: node_clock() - 10 * 10**9)
     usage = engine_disk.measure([tmp_path / "cache"])
     assert usage.settled and usage.num_files == 2
-
-
-class UnsettledRuns:
-    """The runs of unsettled measures in a row among those given: how long each lasted, and how many measures."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[float, int]] = []
-        self.num_measures = 0
-        self.since: float | None = None
-        self.count = 0
-
-    def add(self, usage: engine_disk.DiskUsage) -> None:
-        self.num_measures += 1
-        if not usage.settled:
-            self.since, self.count = self.since or time.monotonic(), self.count + 1
-        else:
-            self.close()
-
-    def close(self) -> None:
-        if self.since is not None:
-            self.runs.append((time.monotonic() - self.since, self.count))
-        self.since, self.count = None, 0
-
-    def longest(self) -> tuple[float, int]:
-        self.close()
-        return max(self.runs, default=(0.0, 0))
-
-
-COMPILES = """
-import torch
-for width in (64, 128, 192):
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
-                                                      torch.nn.LayerNorm(width)) for _ in range(6)])
-    compiled = torch.compile(model, dynamic=False)
-    for batch in (1, 3):
-        compiled(torch.randn(batch, width))
-"""
-
-
-@pytest.mark.heavy
-def test_real_torch_inductor_compiling_into_an_engines_cache_never_leaves_its_folders_unsettled_for_long(tmp_path):
-    """The bound's ground, for the compile caches an engine writes in its warm-up: real inductor kernels compiled
-    into the cache folder (its C++ sources, objects and graphs, as vLLM's torch.compile writes them), measured every
-    0.2 s. Measured on the 2-core test machine (6 widths, 3 batches): 69 s of compiling, 158 MB in 104 files, 338
-    measures, none unsettled."""
-    scratch, cache = tmp_path / "scratch", tmp_path / "cache"
-    scratch.mkdir()
-    cache.mkdir()
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-               TMPDIR=str(scratch), HOME=str(scratch), XDG_CACHE_HOME=str(cache))  # fmt: skip
-    runs = UnsettledRuns()
-    compiler = subprocess.Popen([sys.executable, "-c", COMPILES], env=env)
-    try:
-        while compiler.poll() is None:
-            runs.add(engine_disk.measure([scratch, cache]))
-            time.sleep(0.2)
-    finally:
-        compiler.kill()
-        compiler.wait()
-    usage = engine_disk.measure([scratch, cache])
-    longest = runs.longest()
-    print(f"COMPILE measures {runs.num_measures}, unsettled runs {len(runs.runs)}, longest {longest}; last {usage}")
-    assert compiler.returncode == 0 and usage.settled and usage.num_files > 10  # it compiled, into the cache
-    assert longest[0] < MIN_UNSETTLED_DISK_S / 4
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not sandbox.landlock_abi()[0], reason="this kernel has no Landlock")
-def test_a_real_vllm_engines_warm_up_never_leaves_its_folders_unsettled_for_the_bound(tmp_path, tiny_model_dir):
-    """The bound's ground: a real confined vLLM engine, measured every 0.2 s from its launch to READY and for 10 s
-    after; its longest run of unsettled measures is far below `MIN_UNSETTLED_DISK_S`. Measured here (CPU, so eager:
-    no compile cache): READY in 38 s, no unsettled measure."""
-    supervisor = Supervisor(tmp_path / "agent", policy=SupervisorPolicy(stop_timeout_s=20))
-    spec = make_spec("r-warm", endpoint_id="e-warm", served_model_name="tiny", max_num_seqs=4)
-    runs = UnsettledRuns()
-    started = time.monotonic()
-    try:
-        supervisor.start(spec, tiny_model_dir)
-        ready_at = None
-        while time.monotonic() - started < 600 and (ready_at is None or time.monotonic() - ready_at < 10):
-            supervisor.poll()
-            # the folders `Supervisor.check_disk` measures (the scratch folder once its launch made it)
-            folders = [*filter(None, [supervisor._scratch_dirs.get("r-warm")]), supervisor._cache_dir("e-warm")]
-            usage = engine_disk.measure(folders)
-            runs.add(usage)
-            if ready_at is None and supervisor.get("r-warm").state == ReplicaState.READY:
-                ready_at = time.monotonic()
-            assert supervisor.get("r-warm").state != ReplicaState.FAILED
-            time.sleep(0.2)
-        assert ready_at is not None
-        longest = runs.longest()
-        print(f"WARMUP launch to READY {ready_at - started:.1f} s; measures {runs.num_measures}, unsettled runs "
-              f"{len(runs.runs)}, longest {longest}; last {usage}")  # fmt: skip
-        assert longest[0] < MIN_UNSETTLED_DISK_S / 4
-    finally:
-        supervisor.shutdown(timeout_s=20)
