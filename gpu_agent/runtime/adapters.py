@@ -26,13 +26,15 @@ import httpx
 from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime import weights_formats
 from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
-from gpu_agent.runtime.weights_access import WeightsError
+from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
 
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
-# A load that failed for want of an answer (the engine unreachable, or slower than `LOAD_TIMEOUT_S`) is tried again
-# after this long; a refusal (the engine's own reason) is not tried again while the adapter stands.
+# A load that failed for a passing reason is tried again after this long: no answer from the engine (unreachable, or
+# slower than `LOAD_TIMEOUT_S`), the store unreachable (a Hub 5xx, an S3 timeout) or an I/O error fetching or staging
+# the files (a disk full for a moment). A refusal (the engine's own reason, or the adapter's files) stands while the
+# adapter does.
 TRANSIENT_RETRY_S = 60.0
 
 
@@ -42,6 +44,10 @@ class AdapterLoadError(Exception):
 
 class AdapterUnanswered(AdapterLoadError):
     """No answer came (unreachable, or past the timeout): the engine may have loaded it or not."""
+
+
+# What fails a load for a passing reason (`TRANSIENT_RETRY_S`).
+_TRANSIENT = (AdapterUnanswered, StoreUnreachable, OSError)
 
 
 class AdapterSlots:
@@ -110,16 +116,25 @@ class AdapterSlots:
             try:
                 self.ensure(adapter.name, resolve(adapter))
                 self._retry_at.pop(adapter.name, None)
-            except (AdapterLoadError, WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
-                self.failures[adapter.name] = str(exc)[:300]
-                if isinstance(exc, AdapterUnanswered):
+            except (AdapterLoadError, WeightsError, ValueError, OSError) as exc:
+                # NOTE: the messages of the first three carry no secrets; an OSError's may name a path, so only its
+                # reason is shown
+                reason = (f"reading the adapter failed: {exc.strerror or 'I/O error'}" if isinstance(exc, OSError)
+                          else str(exc))
+                if isinstance(exc, _TRANSIENT):
+                    # NOTE: before, only a load left unanswered was: a Hub 5xx or a disk full for a moment failed the
+                    # adapter endpoint-wide until its engine restarted
                     self._retry_at[adapter.name] = now + TRANSIENT_RETRY_S
+                    reason = f"{reason} (tried again in {TRANSIENT_RETRY_S:.0f} s)"
                 else:
                     self._retry_at.pop(adapter.name, None)
+                self.failures[adapter.name] = reason[:300]
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
-            except OSError as exc:
-                self.failures[adapter.name] = f"reading the adapter failed: {exc.strerror or 'I/O error'}"
-                logger.warning("adapter %s not loaded: %s", adapter.name, exc)
+
+    def settled(self) -> set[str]:
+        """The adapters a sync has nothing to do for now: loaded, or failed and not due to be tried again."""
+        now = time.monotonic()
+        return set(self._loaded) | {name for name in self.failures if now < self._retry_at.get(name, float("inf"))}
 
     def _post(self, path: str, body: dict) -> None:
         try:
@@ -212,7 +227,8 @@ class ReplicaAdapters:
             wanted = {a.name: a.wanted_at for a in spec.adapters if a.wanted_at > 0}
             loaded = set(slots.names())
             top = set(sorted(wanted, key=wanted.get, reverse=True)[: slots.max_loras])
-            if top <= loaded | set(slots.failures) and loaded <= {a.name for a in spec.adapters}:
+            # NOTE: a failure due to be tried again is not settled: before, no thread ran for it, so it stood
+            if top <= slots.settled() and loaded <= {a.name for a in spec.adapters}:
                 return  # nothing to do: no thread
             self._syncing.add(spec.replica_id)
         threading.Thread(target=self._run, args=(spec, slots), name=f"adapters-{spec.replica_id}", daemon=True).start()
