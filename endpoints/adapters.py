@@ -66,6 +66,10 @@ def parse_model_name(model: str) -> tuple[str, str] | None:
 
 
 ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
+# NOTE: the endpoint's name is its engines' served model name (`--served-model-name`), which vLLM refuses as an
+# adapter's ("conflicts with a served base model"): an adapter so named could never load.
+ADAPTER_NAMED_AS_ENDPOINT = "An adapter cannot bear its endpoint's name: the endpoint's engines serve the base model under it."
+ENDPOINT_NAMED_AS_ADAPTER = "This endpoint has an adapter with this name: its engines could not load the adapter."
 
 
 @transaction.atomic

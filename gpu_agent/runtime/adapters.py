@@ -9,7 +9,8 @@ named one); `sync` keeps the `max_loras` most recently wanted ones loaded and re
 engine holds (`names`), most recently used first, for the heartbeat.
 
 NOTE: the engine's own slot count (`--max-loras`) is the limit: we unload before we load, so the
-engine never refuses a load for lack of a slot.
+engine never refuses a load for lack of a slot; and a load it refuses anyway (its shapes, its target
+modules, a name it serves as its base model) loads what was unloaded for it again.
 """
 
 from __future__ import annotations
@@ -72,22 +73,43 @@ class AdapterSlots:
         return list(reversed(self._loaded))
 
     def ensure(self, name: str, path: str | Path) -> None:
-        """Make `name` loaded from `path` and the most recently used, unloading the least recently used if full."""
+        """Make `name` loaded from `path` and the most recently used, unloading the least recently used if full.
+
+        A load the engine refuses loads what was unloaded for it again, in its place in the LRU order."""
         path = str(path)
         if self._loaded.get(name) == path:
             self._loaded.move_to_end(name)
             return
+        evicted: list[tuple[str, str]] = []  # least recently used first
         if name not in self._loaded:
             while len(self._loaded) >= self.max_loras:
-                self.unload(next(iter(self._loaded)))
-        # NOTE: in place. The engine may hold the name already: adopted from a previous agent, or a load that outlived
-        # its timeout; it answered 400 "already been loaded", kept as a failure until the engine restarted. Or it
-        # holds another source under the name (an adapter deleted and created again), which it kept serving.
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+                evicted.append(next(iter(self._loaded.items())))
+                self.unload(evicted[-1][0])
+        try:
+            # NOTE: in place. The engine may hold the name already: adopted from a previous agent, or a load that
+            # outlived its timeout; it answered 400 "already been loaded", kept as a failure until the engine
+            # restarted. Or it holds another source under the name (an adapter deleted and created again).
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        except AdapterUnanswered:
+            raise  # the engine may hold it now: its slots are full again, and the next sync reloads what is wanted
+        except AdapterLoadError:
+            # NOTE: before, any refusal the agent could not foresee cost the least recently used adapter its slot
+            self._restore(evicted)
+            raise
         self._loaded[name] = path
         self._loaded.move_to_end(name)
         self.failures.pop(name, None)
         logger.info("loaded adapter %s into %s", name, self.address)
+
+    def _restore(self, evicted: list[tuple[str, str]]) -> None:
+        for name, path in reversed(evicted):
+            try:
+                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+            except AdapterLoadError as exc:
+                logger.warning("adapter %s not loaded again into %s: %s", name, self.address, exc)
+                continue  # the next sync loads it if it is still wanted
+            self._loaded[name] = path
+            self._loaded.move_to_end(name, last=False)
 
     def unload(self, name: str) -> None:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
@@ -159,8 +181,8 @@ def _engine_reason(response: httpx.Response) -> str:
 def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     """Why the engine would refuse this adapter folder, read from its files first ("" if none found).
 
-    NOTE: checked before loading, because a load the engine refuses costs a slot: we unload the
-    least recently used one to make room before the engine reads the files.
+    NOTE: checked before loading, because a load the engine refuses costs a reload: we unload the
+    least recently used one to make room before the engine reads the files, and load it again after.
     """
     try:
         config = read_model_json(Path(path) / weights_formats.ADAPTER_CONFIG)
@@ -174,7 +196,7 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     if not isinstance(rank, int) or rank < 1:
         return "adapter_config.json declares no rank (r)"
     # NOTE: vLLM (`PEFTHelper.validate_legal`) refuses the largest of `r` and the per-module ranks of `rank_pattern`
-    # past max_lora_rank; `alpha_pattern` scales, it sizes nothing. Checked here, or a load it refuses costs a slot.
+    # past max_lora_rank; `alpha_pattern` scales, it sizes nothing. Checked here, before a slot is emptied for it.
     rank_pattern = config.get("rank_pattern") or {}
     if not isinstance(rank_pattern, dict) or not all(
         isinstance(value, int) and value >= 1 for value in rank_pattern.values()

@@ -215,6 +215,28 @@ def _reported_failures(keeper: ReplicaAdapters, replica_id: str) -> dict[str, st
     return statuses[0].adapter_failures
 
 
+def test_a_load_the_engine_refuses_costs_no_other_adapter_its_slot():
+    # The least recently used adapter was unloaded to make room, then the engine refused the new one (its shapes or
+    # target modules, or the name it serves its base model under): the working adapter was gone, and a caller of it
+    # waited for a load.
+    def answer(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["lora_name"] == "llama":
+            return httpx.Response(400, json={"error": {"message": "The lora adapter 'llama' conflicts with a served "
+                                                                  "base model."}})
+        return engine(request)
+
+    engine = _LoRAEngine()
+    slots = AdapterSlots("http://engine", "key", max_loras=2, client=httpx.Client(transport=httpx.MockTransport(answer)))
+    tone, terse = (AdapterSpec(name=name, source=f"s3://b/{name}", wanted_at=1.0) for name in ("tone", "terse"))
+    slots.sync([tone, terse], lambda adapter: f"/cache/{adapter.name}")
+    # llama and tone are the two most recently wanted: terse is unloaded for llama
+    slots.sync([tone, terse, AdapterSpec(name="llama", source="s3://b/llama", wanted_at=2.0)],
+               lambda adapter: f"/cache/{adapter.name}")
+    assert "conflicts with a served base model" in slots.failures["llama"]
+    assert engine.loaded == {"tone": "/cache/tone", "terse": "/cache/terse"}
+    assert slots.names() == ["tone", "terse"]  # terse is back, still the first out
+
+
 def test_the_adapters_of_engines_that_restarted_or_ended_leave_no_connection_open(tmp_path):
     """Each replica's loads go through a client of its own, replaced when its engine restarts and dropped when the
     replica ends. Let go unclosed, it kept its connections to the engine open until the cycle collector ran: one more
