@@ -147,10 +147,11 @@ class AdapterSlots:
                     # NOTE: before, only a load left unanswered was: a Hub 5xx or a disk full for a moment failed the
                     # adapter endpoint-wide until its engine restarted
                     self._retry_at[adapter.name] = now + TRANSIENT_RETRY_S
-                    reason = f"{reason} (tried again in {TRANSIENT_RETRY_S:.0f} s)"
+                    retry = f" (tried again in {TRANSIENT_RETRY_S:.0f} s)"
+                    self.failures[adapter.name] = reason[: 300 - len(retry)] + retry
                 else:
                     self._retry_at.pop(adapter.name, None)
-                self.failures[adapter.name] = reason[:300]
+                    self.failures[adapter.name] = reason[:300]
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
 
     def settled(self) -> set[str]:
