@@ -28,6 +28,7 @@ from endpoints.models import (
     EventKind,
     Replica,
     organization_scope,
+    same_source,
 )
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import notify_endpoint_ready, notify_node
@@ -66,6 +67,10 @@ def parse_model_name(model: str) -> tuple[str, str] | None:
 
 
 ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
+# NOTE: the endpoint's name is its engines' served model name (`--served-model-name`), which vLLM refuses as an
+# adapter's ("conflicts with a served base model"): an adapter so named could never load.
+ADAPTER_NAMED_AS_ENDPOINT = "An adapter cannot bear its endpoint's name: the endpoint's engines serve the base model under it."
+ENDPOINT_NAMED_AS_ADAPTER = "This endpoint has an adapter with this name: its engines could not load the adapter."
 
 
 @transaction.atomic
@@ -101,12 +106,22 @@ def staff_prices(endpoint: Endpoint, name: str, source: str) -> dict | None:
 
     NOTE: a staff price on an adapter name is the contract: deleting the adapter and creating it again keeps it (it
     was the endpoint's prices after, 40 times less for one priced 40/80 on an endpoint at 1/2), and so does the same
-    source under another name. A new name with a new source starts at the endpoint's prices until staff price it."""
-    kept = AdapterPrice.objects.filter(endpoint=endpoint, name=name).first() or AdapterPrice.objects.filter(
-        endpoint=endpoint, source=source).exclude(source="").order_by("-updated_at").first()
+    source under another name, however spelled (`models.same_source`: before, a trailing slash on the S3 prefix lost
+    them). A new name with a new source starts at the endpoint's prices until staff price it."""
+    kept = AdapterPrice.objects.filter(endpoint=endpoint, name=name).first() or _priced_with_source(endpoint, source)
     if kept is None or all(getattr(kept, field) is None for field in ADAPTER_PRICE_FIELDS):
         return None
     return {field: getattr(kept, field) for field in ADAPTER_PRICE_FIELDS}
+
+
+def _priced_with_source(endpoint: Endpoint, source: str) -> AdapterPrice | None:
+    """The last priced of `endpoint`'s adapters with `source`, spelled as it may have been (`same_source`)."""
+    wanted = same_source(source)
+    if not wanted:
+        return None
+    # NOTE: every spelling of `wanted` starts with its repo id or prefix, in some case: only those rows are read
+    candidates = AdapterPrice.objects.filter(endpoint=endpoint, source__istartswith=wanted.partition("@")[0])
+    return next((price for price in candidates.order_by("-updated_at") if same_source(price.source) == wanted), None)
 
 
 @transaction.atomic

@@ -156,6 +156,22 @@ def source_kind(model_source: str) -> str | None:
     return None
 
 
+def same_source(model_source: str) -> str:
+    """One spelling for each object a model source names, as the agent fetches it (`weights_sources.ModelSource.parse`):
+    an S3 prefix without slashes at its ends (the same objects are listed), a Hub repo id in lower case (the Hub
+    resolves it so) without its default revision `@main`, a local path without a trailing slash.
+
+    NOTE: for comparing only (staff's prices by source, `adapters.staff_prices`); a source is stored as given. Before,
+    `s3://bucket/french/` under a new name started at the endpoint's prices, not at those staff set for `.../french`."""
+    source = model_source.strip()
+    if source.startswith("s3://"):
+        return "s3://" + source[len("s3://"):].strip("/")
+    if source.startswith("hf:"):
+        repo_id, _, revision = source[len("hf:"):].partition("@")
+        return f"hf:{repo_id.lower()}" + (f"@{revision}" if revision not in ("", "main") else "")
+    return source.rstrip("/") or source
+
+
 def organization_scope(organization_id) -> str:
     """The weights scope of an organisation's private sources: its cached copies are its own."""
     return f"{_ORGANIZATION_SCOPE_PREFIX}{organization_id}"

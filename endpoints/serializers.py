@@ -14,7 +14,13 @@ from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.tenancy import request_membership
 from endpoints import prewarm, quotas, speculative
-from endpoints.adapters import ADAPTER_NAME_TAKEN, MAX_ADAPTERS, TOO_MANY_ADAPTERS
+from endpoints.adapters import (
+    ADAPTER_NAME_TAKEN,
+    ADAPTER_NAMED_AS_ENDPOINT,
+    ENDPOINT_NAMED_AS_ADAPTER,
+    MAX_ADAPTERS,
+    TOO_MANY_ADAPTERS,
+)
 from endpoints.catalogue import (
     AUTO_PARSER,
     GPU_TYPES,
@@ -324,8 +330,11 @@ class EndpointSerializer(StrictModelSerializer):
             self.fields["credential"].queryset = ModelCredential.objects.filter(organization=organization)
 
     def validate_name(self, value: str) -> str:
-        return validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance,
-                                    ENDPOINT_NAME_TAKEN)
+        value = validate_unique_name(value, Endpoint.objects.for_org(self.context["organization"]), self.instance,
+                                     ENDPOINT_NAME_TAKEN)
+        if self.instance is not None and self.instance.adapters.filter(name=value).exists():
+            raise serializers.ValidationError(ENDPOINT_NAMED_AS_ADAPTER)
+        return value
 
     def validate(self, attrs):
         def current(name):
@@ -591,6 +600,8 @@ class AdapterSerializer(StrictModelSerializer):
             raise serializers.ValidationError(
                 "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit."
             )
+        if value == self.context["endpoint"].name:
+            raise serializers.ValidationError(ADAPTER_NAMED_AS_ENDPOINT)
         if self.context["endpoint"].adapters.filter(name=value).exists():
             raise serializers.ValidationError(ADAPTER_NAME_TAKEN)
         return value

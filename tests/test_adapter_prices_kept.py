@@ -26,8 +26,12 @@ FRENCH = {"name": "french", "source": "s3://tuned-adapters/french", "rank": 8}
 @pytest.fixture
 def priced_adapter(owner_client, client):
     """An endpoint and its adapter `french`, priced 40/80 per million by staff in the admin."""
+    return _price_adapter(owner_client, client, FRENCH)
+
+
+def _price_adapter(owner_client, client, spec: dict) -> tuple[str, str]:
     endpoint_id = owner_client.post("/api/v1/endpoints/", ENDPOINT, format="json").json()["id"]
-    adapter = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/adapters/", FRENCH, format="json").json()
+    adapter = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/adapters/", spec, format="json").json()
     sign_in_staff(
         client,
         get_user_model().objects.create_superuser(
@@ -72,3 +76,36 @@ def test_the_same_source_under_another_name_starts_at_the_prices_staff_set_and_a
         adapters_url, {"name": "german", "source": "s3://tuned-adapters/german"}, format="json"
     ).json()
     assert _prices(other) == (None, None)
+
+
+@pytest.mark.parametrize(("priced", "again"), [
+    ("s3://tuned-adapters/french", "s3://tuned-adapters/french/"),
+    ("s3://tuned-adapters/french/", " s3://tuned-adapters/french"),
+    ("hf:Acme/French-LoRA", "hf:acme/french-lora@main"),
+    ("hf:acme/french-lora@main", "hf:ACME/French-LoRA"),
+])
+def test_the_same_source_spelled_otherwise_under_another_name_starts_at_the_prices_staff_set(
+    owner_client, client, priced, again
+):
+    # The sources were compared character by character: the same objects under a trailing slash, or the same Hub repo
+    # in another case or at its default revision named explicitly, started at the endpoint's prices (1/2, not 40/80).
+    endpoint_id, adapter_id = _price_adapter(owner_client, client, FRENCH | {"source": priced})
+    adapters_url = f"/api/v1/endpoints/{endpoint_id}/adapters/"
+    assert owner_client.delete(f"{adapters_url}{adapter_id}/").status_code == 204
+    renamed = owner_client.post(adapters_url, FRENCH | {"name": "francais", "source": again}, format="json")
+    assert renamed.status_code == 201, renamed.json()
+    assert _prices(renamed.json()) == ("40.000000", "80.000000")
+
+
+@pytest.mark.parametrize("other", [
+    "s3://tuned-adapters/French", "s3://tuned-adapters/french-v2", "s3://tuned-adapters//french",
+    "hf:tuned-adapters/french@v2",
+])
+def test_another_source_that_only_looks_alike_starts_at_the_endpoints_prices(owner_client, client, other):
+    # S3 keys are case-sensitive, a longer prefix or a doubled slash lists other objects, a revision is another commit
+    priced = "hf:tuned-adapters/french" if other.startswith("hf:") else FRENCH["source"]
+    endpoint_id, _ = _price_adapter(owner_client, client, FRENCH | {"source": priced})
+    created = owner_client.post(f"/api/v1/endpoints/{endpoint_id}/adapters/",
+                                FRENCH | {"name": "francais", "source": other}, format="json")
+    assert created.status_code == 201, created.json()
+    assert _prices(created.json()) == (None, None)

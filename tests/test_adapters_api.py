@@ -37,6 +37,17 @@ def test_an_adapter_created_through_the_api_is_listed_with_the_model_name_calls_
     assert deleted.status_code == 204 and not Adapter.objects.exists()
 
 
+def test_an_adapter_cannot_bear_its_endpoints_name_nor_an_endpoint_one_of_its_adapters(owner_client, lora_endpoint):
+    # The endpoint's name is its engines' served model name: vLLM refuses an adapter so named ("conflicts with a served
+    # base model"), so it could never load. Before, the API answered 201.
+    refused = owner_client.post(url(lora_endpoint), ADAPTER | {"name": lora_endpoint.name}, format="json")
+    assert refused.status_code == 400 and "endpoint's name" in refused.json()["name"][0]
+    assert owner_client.post(url(lora_endpoint), ADAPTER, format="json").status_code == 201
+    renamed = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/", {"name": ADAPTER["name"]}, format="json")
+    assert renamed.status_code == 400 and "adapter with this name" in renamed.json()["name"][0]
+    assert not Adapter.objects.filter(name=lora_endpoint.name).exists()
+
+
 def test_an_adapter_above_the_endpoints_rank_limit_is_refused_with_a_field_error(owner_client, lora_endpoint):
     refused = owner_client.post(url(lora_endpoint), ADAPTER | {"rank": 64}, format="json")
     assert refused.status_code == 400

@@ -9,7 +9,8 @@ named one); `sync` keeps the `max_loras` most recently wanted ones loaded and re
 engine holds (`names`), most recently used first, for the heartbeat.
 
 NOTE: the engine's own slot count (`--max-loras`) is the limit: we unload before we load, so the
-engine never refuses a load for lack of a slot.
+engine never refuses a load for lack of a slot; and a load it refuses anyway (its shapes, its target
+modules, a name it serves as its base model) loads what was unloaded for it again.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ import httpx
 from gpu_agent.protocol import AdapterSpec, ReplicaSpec, ReplicaState, ReplicaStatus
 from gpu_agent.runtime import weights_formats
 from gpu_agent.runtime.model_json import ModelJsonTooLarge, read_model_json
-from gpu_agent.runtime.weights_access import WeightsError
+from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
 
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
-# A load that failed for want of an answer (the engine unreachable, or slower than `LOAD_TIMEOUT_S`) is tried again
-# after this long; a refusal (the engine's own reason) is not tried again while the adapter stands.
+# A load that failed for a passing reason is tried again after this long: no answer from the engine (unreachable, or
+# slower than `LOAD_TIMEOUT_S`), the store unreachable (a Hub 5xx, an S3 timeout) or an I/O error fetching or staging
+# the files (a disk full for a moment). A refusal (the engine's own reason, or the adapter's files) stands while the
+# adapter does.
 TRANSIENT_RETRY_S = 60.0
 
 
@@ -42,6 +45,10 @@ class AdapterLoadError(Exception):
 
 class AdapterUnanswered(AdapterLoadError):
     """No answer came (unreachable, or past the timeout): the engine may have loaded it or not."""
+
+
+# What fails a load for a passing reason (`TRANSIENT_RETRY_S`).
+_TRANSIENT = (AdapterUnanswered, StoreUnreachable, OSError)
 
 
 class AdapterSlots:
@@ -66,22 +73,43 @@ class AdapterSlots:
         return list(reversed(self._loaded))
 
     def ensure(self, name: str, path: str | Path) -> None:
-        """Make `name` loaded from `path` and the most recently used, unloading the least recently used if full."""
+        """Make `name` loaded from `path` and the most recently used, unloading the least recently used if full.
+
+        A load the engine refuses loads what was unloaded for it again, in its place in the LRU order."""
         path = str(path)
         if self._loaded.get(name) == path:
             self._loaded.move_to_end(name)
             return
+        evicted: list[tuple[str, str]] = []  # least recently used first
         if name not in self._loaded:
             while len(self._loaded) >= self.max_loras:
-                self.unload(next(iter(self._loaded)))
-        # NOTE: in place. The engine may hold the name already: adopted from a previous agent, or a load that outlived
-        # its timeout; it answered 400 "already been loaded", kept as a failure until the engine restarted. Or it
-        # holds another source under the name (an adapter deleted and created again), which it kept serving.
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+                evicted.append(next(iter(self._loaded.items())))
+                self.unload(evicted[-1][0])
+        try:
+            # NOTE: in place. The engine may hold the name already: adopted from a previous agent, or a load that
+            # outlived its timeout; it answered 400 "already been loaded", kept as a failure until the engine
+            # restarted. Or it holds another source under the name (an adapter deleted and created again).
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        except AdapterUnanswered:
+            raise  # the engine may hold it now: its slots are full again, and the next sync reloads what is wanted
+        except AdapterLoadError:
+            # NOTE: before, any refusal the agent could not foresee cost the least recently used adapter its slot
+            self._restore(evicted)
+            raise
         self._loaded[name] = path
         self._loaded.move_to_end(name)
         self.failures.pop(name, None)
         logger.info("loaded adapter %s into %s", name, self.address)
+
+    def _restore(self, evicted: list[tuple[str, str]]) -> None:
+        for name, path in reversed(evicted):
+            try:
+                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+            except AdapterLoadError as exc:
+                logger.warning("adapter %s not loaded again into %s: %s", name, self.address, exc)
+                continue  # the next sync loads it if it is still wanted
+            self._loaded[name] = path
+            self._loaded.move_to_end(name, last=False)
 
     def unload(self, name: str) -> None:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
@@ -110,16 +138,26 @@ class AdapterSlots:
             try:
                 self.ensure(adapter.name, resolve(adapter))
                 self._retry_at.pop(adapter.name, None)
-            except (AdapterLoadError, WeightsError, ValueError) as exc:  # NOTE: their messages carry no secrets
-                self.failures[adapter.name] = str(exc)[:300]
-                if isinstance(exc, AdapterUnanswered):
+            except (AdapterLoadError, WeightsError, ValueError, OSError) as exc:
+                # NOTE: the messages of the first three carry no secrets; an OSError's may name a path, so only its
+                # reason is shown
+                reason = (f"reading the adapter failed: {exc.strerror or 'I/O error'}" if isinstance(exc, OSError)
+                          else str(exc))
+                if isinstance(exc, _TRANSIENT):
+                    # NOTE: before, only a load left unanswered was: a Hub 5xx or a disk full for a moment failed the
+                    # adapter endpoint-wide until its engine restarted
                     self._retry_at[adapter.name] = now + TRANSIENT_RETRY_S
+                    retry = f" (tried again in {TRANSIENT_RETRY_S:.0f} s)"
+                    self.failures[adapter.name] = reason[: 300 - len(retry)] + retry
                 else:
                     self._retry_at.pop(adapter.name, None)
+                    self.failures[adapter.name] = reason[:300]
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
-            except OSError as exc:
-                self.failures[adapter.name] = f"reading the adapter failed: {exc.strerror or 'I/O error'}"
-                logger.warning("adapter %s not loaded: %s", adapter.name, exc)
+
+    def settled(self) -> set[str]:
+        """The adapters a sync has nothing to do for now: loaded, or failed and not due to be tried again."""
+        now = time.monotonic()
+        return set(self._loaded) | {name for name in self.failures if now < self._retry_at.get(name, float("inf"))}
 
     def _post(self, path: str, body: dict) -> None:
         try:
@@ -144,8 +182,8 @@ def _engine_reason(response: httpx.Response) -> str:
 def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     """Why the engine would refuse this adapter folder, read from its files first ("" if none found).
 
-    NOTE: checked before loading, because a load the engine refuses costs a slot: we unload the
-    least recently used one to make room before the engine reads the files.
+    NOTE: checked before loading, because a load the engine refuses costs a reload: we unload the
+    least recently used one to make room before the engine reads the files, and load it again after.
     """
     try:
         config = read_model_json(Path(path) / weights_formats.ADAPTER_CONFIG)
@@ -159,7 +197,7 @@ def adapter_problem(path: str | Path, max_lora_rank: int) -> str:
     if not isinstance(rank, int) or rank < 1:
         return "adapter_config.json declares no rank (r)"
     # NOTE: vLLM (`PEFTHelper.validate_legal`) refuses the largest of `r` and the per-module ranks of `rank_pattern`
-    # past max_lora_rank; `alpha_pattern` scales, it sizes nothing. Checked here, or a load it refuses costs a slot.
+    # past max_lora_rank; `alpha_pattern` scales, it sizes nothing. Checked here, before a slot is emptied for it.
     rank_pattern = config.get("rank_pattern") or {}
     if not isinstance(rank_pattern, dict) or not all(
         isinstance(value, int) and value >= 1 for value in rank_pattern.values()
@@ -212,7 +250,8 @@ class ReplicaAdapters:
             wanted = {a.name: a.wanted_at for a in spec.adapters if a.wanted_at > 0}
             loaded = set(slots.names())
             top = set(sorted(wanted, key=wanted.get, reverse=True)[: slots.max_loras])
-            if top <= loaded | set(slots.failures) and loaded <= {a.name for a in spec.adapters}:
+            # NOTE: a failure due to be tried again is not settled: before, no thread ran for it, so it stood
+            if top <= slots.settled() and loaded <= {a.name for a in spec.adapters}:
                 return  # nothing to do: no thread
             self._syncing.add(spec.replica_id)
         threading.Thread(target=self._run, args=(spec, slots), name=f"adapters-{spec.replica_id}", daemon=True).start()

@@ -2,12 +2,14 @@
 CPU and on the CUDA path alike), the checks read from an adapter's files before a load, and the
 reports an engine that restarted (and so lost its adapters) gives."""
 
+import errno
 import gc
 import http.server
 import json
 import threading
 
 import httpx
+import pytest
 
 from gpu_agent.protocol import AdapterSpec, ModelTask, ReplicaState, ReplicaStatus
 from gpu_agent.runtime import adapters as adapters_module
@@ -15,6 +17,7 @@ from gpu_agent.runtime.adapters import AdapterSlots, ReplicaAdapters, adapter_pr
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.model_json import MAX_MODEL_JSON_BYTES
 from gpu_agent.runtime.tiny_model import build_tiny_lora_adapter
+from gpu_agent.runtime.weights_access import StoreUnreachable
 
 from .conftest import make_spec, wait_until, with_peak_memory, write_json_of_empty_objects
 
@@ -149,6 +152,91 @@ def test_a_load_left_unanswered_is_tried_again_and_a_refusal_is_not(monkeypatch)
     clock[0] += adapters_module.TRANSIENT_RETRY_S + 1
     slots.sync(wanted, lambda adapter: f"/cache/{adapter.name}")
     assert slots.names() == ["slow"] and set(slots.failures) == {"bad"} and refused == ["bad"]
+
+
+@pytest.mark.parametrize("transient", [
+    StoreUnreachable("cannot reach the Hub for hf:acme/tone (it answered 503)"),
+    OSError(errno.ENOSPC, "No space left on device"),
+    StoreUnreachable(f"cannot reach the store of s3://{'b' * 63}/{'tone/' * 80}"),
+], ids=["store-unreachable", "disk-full", "long-reason"])
+def test_a_fetch_that_failed_for_a_passing_reason_is_tried_again_with_the_reason_shown_meanwhile(monkeypatch, transient):
+    # A Hub 5xx or an S3 timeout, or a disk full for a moment while staging, was kept as an engine's refusal is: the
+    # adapter FAILED endpoint-wide until its engine restarted, its batch lines 400 adapter_failed.
+    clock = [1000.0]
+    monkeypatch.setattr(adapters_module.time, "monotonic", lambda: clock[0])
+    engine = _LoRAEngine()
+    slots = AdapterSlots("http://engine", "key", max_loras=2, client=httpx.Client(transport=httpx.MockTransport(engine)))
+    wanted = [AdapterSpec(name="tone", source="hf:acme/tone", wanted_at=1.0)]
+    failures = [transient]
+
+    def resolve(adapter):
+        if failures:
+            raise failures.pop()
+        return "/cache/tone"
+
+    slots.sync(wanted, resolve)
+    assert slots.names() == [] and slots.failures["tone"].endswith("(tried again in 60 s)")
+    assert len(slots.failures["tone"]) <= 300
+    assert "tone" in slots.settled()  # not before its time: a failing store is not asked at every heartbeat
+    clock[0] += adapters_module.TRANSIENT_RETRY_S + 1
+    assert "tone" not in slots.settled()
+    slots.sync(wanted, resolve)
+    assert slots.names() == ["tone"] and slots.failures == {} and engine.loaded == {"tone": "/cache/tone"}
+
+
+def test_a_node_tries_a_passing_failure_again_at_a_later_heartbeat(monkeypatch, tmp_path):
+    # The heartbeat's sync started no load while every wanted adapter was loaded or failed: a failure due to be tried
+    # again stood all the same.
+    monkeypatch.setattr(adapters_module, "TRANSIENT_RETRY_S", 0.0)
+    engine = _KeepAliveLoRAEngine()
+    adapter = build_tiny_lora_adapter(tmp_path / "tone", rank=8)
+    failures = [StoreUnreachable("cannot reach the store of s3://b/tone")]
+
+    def fetch(_adapter):
+        if failures:
+            raise failures.pop()
+        return adapter
+
+    synced = threading.Event()  # set as each sync's thread ends
+    keeper = ReplicaAdapters(fetch, wake=synced)
+    spec = make_spec(max_loras=1, adapters=[AdapterSpec(name="tone", source="s3://b/tone", wanted_at=1.0)])
+    try:
+        keeper.sync(spec, engine.address, 0)
+        assert synced.wait(10) and _reported_failures(keeper, spec.replica_id)
+        keeper.sync(spec, engine.address, 0)  # the next heartbeat
+        wait_until(lambda: _reported_adapters(keeper, spec.replica_id) == ["tone"], 10)
+        assert _reported_failures(keeper, spec.replica_id) == {}
+    finally:
+        keeper.report([])
+        engine.stop()
+
+
+def _reported_failures(keeper: ReplicaAdapters, replica_id: str) -> dict[str, str]:
+    statuses = [ReplicaStatus(replica_id=replica_id, state=ReplicaState.READY)]
+    keeper.report(statuses)
+    return statuses[0].adapter_failures
+
+
+def test_a_load_the_engine_refuses_costs_no_other_adapter_its_slot():
+    # The least recently used adapter was unloaded to make room, then the engine refused the new one (its shapes or
+    # target modules, or the name it serves its base model under): the working adapter was gone, and a caller of it
+    # waited for a load.
+    def answer(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["lora_name"] == "llama":
+            return httpx.Response(400, json={"error": {"message": "The lora adapter 'llama' conflicts with a served "
+                                                                  "base model."}})
+        return engine(request)
+
+    engine = _LoRAEngine()
+    slots = AdapterSlots("http://engine", "key", max_loras=2, client=httpx.Client(transport=httpx.MockTransport(answer)))
+    tone, terse = (AdapterSpec(name=name, source=f"s3://b/{name}", wanted_at=1.0) for name in ("tone", "terse"))
+    slots.sync([tone, terse], lambda adapter: f"/cache/{adapter.name}")
+    # llama and tone are the two most recently wanted: terse is unloaded for llama
+    slots.sync([tone, terse, AdapterSpec(name="llama", source="s3://b/llama", wanted_at=2.0)],
+               lambda adapter: f"/cache/{adapter.name}")
+    assert "conflicts with a served base model" in slots.failures["llama"]
+    assert engine.loaded == {"tone": "/cache/tone", "terse": "/cache/terse"}
+    assert slots.names() == ["tone", "terse"]  # terse is back, still the first out
 
 
 def test_the_adapters_of_engines_that_restarted_or_ended_leave_no_connection_open(tmp_path):

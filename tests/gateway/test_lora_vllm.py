@@ -90,6 +90,19 @@ def test_the_engine_refuses_an_adapter_above_its_max_lora_rank_with_its_own_reas
         slots.ensure("rank16", adapters_dir / "rank16")
 
 
+def test_a_load_the_engine_refuses_leaves_the_adapters_it_held_loaded(lora_engine, adapters_dir):
+    # An adapter named as the engine's served model name is refused ("conflicts with a served base model"): before, the
+    # least recently used adapter was unloaded first and stayed so.
+    slots = AdapterSlots(lora_engine, ENGINE_KEY, max_loras=2)
+    slots.ensure("a1", adapters_dir / "a1")
+    slots.ensure("a2", adapters_dir / "a2")
+    with pytest.raises(AdapterLoadError, match="conflicts with a served base model"):
+        slots.ensure("tiny-lora", adapters_dir / "a3")
+    assert slots.names() == ["a2", "a1"] and engine_models(lora_engine) >= {"a1", "a2"}
+    for name in slots.names():
+        slots.unload(name)
+
+
 def test_an_adapter_created_through_the_api_answers_the_openai_client_on_the_base_endpoints_replica(
     gateway, tenant, lora_engine, adapters_dir
 ):
