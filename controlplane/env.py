@@ -11,15 +11,12 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-import re
 from decimal import Decimal, InvalidOperation
 from urllib.parse import parse_qs, unquote, urlparse
 
 from django.core.exceptions import ImproperlyConfigured
 
 SETTINGS_ENV_VARS: set[str] = set()
-# A Kubernetes label value: at most 63 of `[A-Za-z0-9_.-]`, alphanumeric at both ends (or empty).
-KUBERNETES_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 
 
 class ImproperlyConfiguredEnv(ImproperlyConfigured, ValueError):
@@ -37,16 +34,6 @@ def _raw(name: str) -> str | None:
 def env_str(name: str, default: str | None = None) -> str | None:
     value = _raw(name)
     return default if value is None else value
-
-
-def env_label(name: str, default: str) -> str:
-    """A name that is already a Kubernetes label value (so also an EC2 tag value), used as it is: never rewritten into
-    one, where two names could become the same label."""
-    value = env_str(name, default)
-    if not KUBERNETES_LABEL_VALUE.match(value):
-        raise ImproperlyConfiguredEnv(
-            f"{name} must be at most 63 letters, digits, '-', '_' or '.', a letter or digit at both ends, not {value!r}")
-    return value
 
 
 def env_bool(name: str, default: bool = False) -> bool:

@@ -31,7 +31,6 @@ from controlplane.env import (
     env_decimal,
     env_float,
     env_int,
-    env_label,
     env_list,
     env_networks,
     env_spend_ceilings,
@@ -337,9 +336,10 @@ AGENT_CONTROL_PLANE_URL = (env_str("INFERPLANE_AGENT_CONTROL_PLANE_URL", PUBLIC_
 # Node-pool providers (endpoints.fleet.providers). `local`: agent processes on this machine, their
 # folders and state files here (`make stop` stops them: controlplane.embedded reads the same variable).
 LOCAL_POOL_DIR = env_str("INFERPLANE_LOCAL_POOL_DIR") or str(embedded.local_pool_dir())
-# `ec2`: instances are tagged `inferplane:managed-by=<FLEET_ID>`; only those are ever listed or terminated. Set before
-# the first launch and never changed (machines launched under another id are no longer this fleet's).
-FLEET_ID = env_label("INFERPLANE_FLEET_ID", "inferplane")
+# `ec2`: instances are tagged `inferplane:managed-by=<FLEET_ID>`; only those are ever listed or terminated. Any text:
+# placeholder pods carry its label form (`k8s_placeholder.fleet_label`). Set before the first launch and never changed
+# (machines launched under another id are no longer this fleet's).
+FLEET_ID = env_str("INFERPLANE_FLEET_ID", "inferplane")
 EC2_ENDPOINT_URL = env_str("INFERPLANE_EC2_ENDPOINT_URL")  # unset: AWS itself (moto in the tests)
 # `kubernetes`: placeholder pods in this namespace (empty: the control plane's own), through the API
 # server of the pod's service account (or this URL), running this image (any image that only sleeps).

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from datetime import timedelta
 
 import pytest
 from botocore.exceptions import ReadTimeoutError
 from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent
-from endpoints.fleet import pool_release, pool_strays
+from endpoints.fleet import pool_release, pool_strays, pools
 from endpoints.fleet.providers import ec2, get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, StrayMachine
+from endpoints.nodes.models import FleetInstallation, LaunchState, Node, NodeLaunch, StrayMachine
 from gpu_agent.protocol import NodeState
 from tests.fleet.test_pool_policy import make_pool
 from tests.fleet.test_pool_strays import past_the_grace, stray_audits
@@ -111,3 +112,60 @@ def test_a_release_refused_as_not_this_fleets_machine_fails_once_audited_instead
     [audit] = AuditEvent.objects.filter(action="node_launch.terminate_refused")
     assert audit.details["provider_id"] == result.provider_id
     assert _instance(client, result.provider_id)["State"]["Name"] == "running"  # an operator's to terminate
+
+
+@pytest.mark.django_db
+def test_two_fleet_ids_of_one_label_in_one_namespace_never_sweep_release_fail_or_join_each_others_placeholders(
+        api_server, settings):  # noqa: F811
+    """"acme:prod" and "acme/prod" both label their placeholders "acme-prod", and share the pool id and the namespace:
+    each lists the other's placeholders too. Each deployment in turn, with only its own launch records (its own
+    database): its tick finds machines by launch id (joins, late launches, releases) and its stray sweep requires its
+    installation id, so only its own placeholders go. Before, neither could start with such an id (settings refused it;
+    forced, the placeholder carried it as it is, and the API server refused every one: 422)."""
+    pool = make_pool(name="k8s-pool", provider="kubernetes")
+    provider = get_provider("kubernetes")
+    roles = ("joining", "releasing", "late", "stray")
+    fleets = {fleet_id: ({role: str(uuid.uuid4()) for role in roles}, str(uuid.uuid4()))
+              for fleet_id in ("acme:prod", "acme/prod")}
+    for fleet_id, (launch_ids, installation_id) in fleets.items():
+        settings.FLEET_ID = fleet_id
+        spec = dataclasses.replace(pool_spec(pool), installation_id=installation_id)
+        assert [result.error for result in provider.launch(spec, [_placeholder(i) for i in launch_ids.values()])] == [
+            ""] * len(roles)
+    assert {pod["metadata"]["labels"]["inferplane.dev/fleet"] for pod in api_server.pods.values()} == {"acme-prod"}
+
+    def pod(launch_id: str) -> str:
+        return f"inferplane-capacity-{launch_id}"
+
+    (ids_a, _), (ids_b, _) = fleets.values()
+    left_after = [{pod(ids_a["joining"])} | {pod(launch_id) for launch_id in ids_b.values()},  # the first's turn
+                  {pod(ids_a["joining"]), pod(ids_b["joining"])}]  # the second's
+    for number, (fleet_id, (launch_ids, installation_id)) in enumerate(fleets.items()):
+        settings.FLEET_ID = fleet_id
+        FleetInstallation.objects.update_or_create(pk=FleetInstallation.ROW, defaults={"installation_id": installation_id})
+        NodeLaunch.objects.all().delete()  # the other deployment's records are in its own database
+        StrayMachine.objects.all().delete()
+        now = timezone.now()
+        node_name = f"ip-10-0-0-{number}.ec2.internal"
+        placed = api_server.pods[pod(launch_ids["joining"])]
+        placed["spec"]["nodeName"], placed["status"]["phase"] = node_name, "Running"
+        node = Node.objects.create(name=node_name, gpu_type="cpu", secret_lookup=f"gpu-k8s-{number}000",
+                                   secret_digest="x")
+        NodeLaunch.objects.create(pk=launch_ids["joining"], pool=pool, state=LaunchState.LAUNCHING,
+                                  provider_id=pod(launch_ids["joining"]), requested_at=now - timedelta(minutes=1),
+                                  deadline_at=now + timedelta(hours=1))
+        NodeLaunch.objects.create(pk=launch_ids["releasing"], pool=pool, state=LaunchState.RELEASING,
+                                  provider_id=pod(launch_ids["releasing"]), deadline_at=now)
+        NodeLaunch.objects.create(pk=launch_ids["late"], pool=pool, state=LaunchState.LAUNCHING,
+                                  deadline_at=now - timedelta(seconds=1))  # its answer was lost: found by its id
+
+        pool_strays.sweep_stray_machines()
+        pools.tick_pool(pool, [], provider)
+        past_the_grace()
+        assert pool_strays.sweep_stray_machines() == [pod(launch_ids["stray"])]
+
+        states = dict(NodeLaunch.objects.values_list("pk", "state"))
+        assert {role: states[uuid.UUID(launch_ids[role])] for role in ("joining", "releasing", "late")} == {
+            "joining": LaunchState.JOINED, "releasing": LaunchState.TERMINATED, "late": LaunchState.FAILED}
+        assert NodeLaunch.objects.get(pk=launch_ids["joining"]).node == node
+        assert set(api_server.pods) == left_after[number]

@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import ipaddress
 import json
+import re
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,7 @@ INSTALLATION_ID = "6b1d4a0e-3c2f-4e8a-9d7b-5a4c3b2a1f00"  # `FleetInstallation.c
 POOL = PoolSpec(id=5, name="a10g", gpu_type="a10g-24gb", gpus_per_node=2, gpu_memory_mb=24576, template=TEMPLATE,
                 installation_id=INSTALLATION_ID)
 LAUNCH_ID = "0d6f3c1a-8e2b-4c55-9a57-7f1e2d3c4b5a"
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")  # Kubernetes' own rule
 
 
 def _spec(launch_id: str = LAUNCH_ID, zone: str = "") -> LaunchSpec:
@@ -59,8 +61,12 @@ def test_the_placeholder_pod_requests_the_pools_gpus_on_its_nodes_and_is_never_e
     assert pod["metadata"]["labels"]["inferplane.dev/launch"] == LAUNCH_ID
     assert pod["metadata"]["labels"]["inferplane.dev/installation"] == INSTALLATION_ID
     assert "inferplane.dev/fleet" not in pod["metadata"]["labels"]  # no fleet named
-    fleet_pod = placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id="prod.eu-1")
-    assert fleet_pod["metadata"]["labels"]["inferplane.dev/fleet"] == "prod.eu-1"  # as it is: settings refuse others
+    for fleet_id, label in (("prod.eu-1", "prod.eu-1"), ("acme:prod", "acme-prod"), ("prod/eu 1", "prod-eu-1"),
+                            ("-acme.", "acme"), ("x" * 62 + ".y", "x" * 62)):
+        fleet_pod = placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id=fleet_id)
+        assert fleet_pod["metadata"]["labels"]["inferplane.dev/fleet"] == label  # a label value, as always written
+    assert "inferplane.dev/fleet" not in placeholder_pod(POOL, _spec(), namespace="n", image="p", fleet_id="//")[
+        "metadata"]["labels"]  # nothing of it is a label value
     assert pod["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     spec = pod["spec"]
@@ -152,6 +158,11 @@ class _ApiServer:
                     return
                 pod = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 name = pod["metadata"]["name"]
+                for value in pod["metadata"].get("labels", {}).values():
+                    if not LABEL_VALUE.match(value):  # as the API server's validation answers
+                        return self._answer(422, {"kind": "Status", "reason": "Invalid", "message": (
+                            f'Pod "{name}" is invalid: metadata.labels: Invalid value: "{value}": a valid label must '
+                            f"be an empty string or consist of alphanumeric characters, '-', '_' or '.'")})
                 if name in server.pods:
                     return self._answer(409, {"kind": "Status", "reason": "AlreadyExists", "message": f"pods \"{name}\" already exists"})
                 pod["metadata"]["namespace"] = namespace
@@ -275,6 +286,21 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
     api_server.pods[waiting.provider_id]["metadata"]["labels"].pop("inferplane.dev/installation")  # made before it
     assert {m.launch_id: m.fleet_marked for m in provider.list(POOL)} == {
         LAUNCH_ID: False, "9a1b2c3d-0000-4000-8000-000000000003": False, another: False}
+
+
+def test_a_fleet_id_that_is_no_label_value_labels_its_placeholders_with_its_label_form_and_lists_them_as_ours(
+        api_server, settings):
+    """Before, the id went on the pod as it is: the API server refused "acme:prod" as a label value (422), so no
+    placeholder could be made under it (settings refused such an id at start-up instead). An id with nothing of a label
+    value in it ("Ü") puts no fleet label on, and its placeholder is still its own (marked, so swept if stray)."""
+    provider = get_provider("kubernetes")
+    for fleet_id, label in (("acme:prod", "acme-prod"), ("Ü", None)):
+        settings.FLEET_ID = fleet_id
+        [result] = provider.launch(POOL, [_spec()])
+        assert result.error == "" and api_server.pods[result.provider_id]["metadata"]["labels"].get(
+            "inferplane.dev/fleet") == label
+        assert [(m.launch_id, m.fleet_marked) for m in provider.list(POOL)] == [(LAUNCH_ID, True)]
+        provider.terminate(POOL, result.provider_id)
 
 
 def test_terminate_deletes_only_the_pools_own_placeholders_and_may_be_repeated(api_server):

@@ -19,7 +19,8 @@ from endpoints.fleet.providers.base import LaunchSpec, PoolSpec
 LABEL_POOL = "inferplane.dev/pool"
 LABEL_LAUNCH = "inferplane.dev/launch"
 LABEL_ROLE = "app.kubernetes.io/component"
-# `INFERPLANE_FLEET_ID` as it is (settings refuse one that is not a label value: two ids never share a label)
+# `INFERPLANE_FLEET_ID` as a label value (`fleet_label`). NOTE: two ids may share one ("acme:prod", "acme/prod"): no
+# step tells fleets apart by it (each finds its machine by launch id, the stray sweep by `LABEL_INSTALLATION` too).
 LABEL_FLEET = "inferplane.dev/fleet"
 LABEL_INSTALLATION = "inferplane.dev/installation"  # `PoolSpec.installation_id`: required of a stray
 ROLE = "node-pool-placeholder"
@@ -35,6 +36,12 @@ def pod_name(launch_id: str) -> str:
     return f"inferplane-capacity-{slug}"
 
 
+def fleet_label(fleet_id: str) -> str:
+    """`fleet_id` as a label value (at most 63 of `[A-Za-z0-9_.-]`, alphanumeric at both ends; "" when none is left):
+    every other character becomes "-", as the label was always written, so placeholders already running still match."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", fleet_id)[:63].strip("-_.")
+
+
 def pool_selector(pool: PoolSpec) -> str:
     """The label selector of a pool's placeholders."""
     return f"{LABEL_ROLE}={ROLE},{LABEL_POOL}={pool.id}"
@@ -43,8 +50,8 @@ def pool_selector(pool: PoolSpec) -> str:
 def placeholder_pod(pool: PoolSpec, spec: LaunchSpec, *, namespace: str, image: str, fleet_id: str = "") -> dict:
     template = pool.template
     labels = {LABEL_ROLE: ROLE, LABEL_POOL: str(pool.id), LABEL_LAUNCH: re.sub(r"[^A-Za-z0-9_.-]", "-", spec.launch_id)[:63]}
-    if fleet_id:
-        labels[LABEL_FLEET] = fleet_id
+    if fleet_label(fleet_id):
+        labels[LABEL_FLEET] = fleet_label(fleet_id)
     if pool.installation_id:
         labels[LABEL_INSTALLATION] = pool.installation_id
     gpus = {template.get("gpu_resource", DEFAULT_GPU_RESOURCE): pool.gpus_per_node} if pool.gpus_per_node else {}

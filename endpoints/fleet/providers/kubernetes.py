@@ -24,7 +24,6 @@ import re
 
 from django.conf import settings
 
-from controlplane.env import KUBERNETES_LABEL_VALUE
 from endpoints.fleet.providers.base import (
     LaunchResult,
     LaunchSpec,
@@ -42,6 +41,7 @@ from endpoints.fleet.providers.k8s_placeholder import (
     LABEL_POOL,
     LABEL_ROLE,
     ROLE,
+    fleet_label,
     placeholder_pod,
     pool_selector,
 )
@@ -49,7 +49,7 @@ from endpoints.fleet.providers.template_fields import unknown_field_errors
 
 TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_LABEL_VALUE = KUBERNETES_LABEL_VALUE
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -168,7 +168,7 @@ class KubernetesProvider:
 
 def _marked(labels: dict, pool: PoolSpec) -> bool:
     """This fleet's and this installation's placeholder (the pool's selector chose the rest): a stray candidate."""
-    return (labels.get(LABEL_FLEET) == settings.FLEET_ID and bool(pool.installation_id)
+    return (labels.get(LABEL_FLEET, "") == fleet_label(settings.FLEET_ID) and bool(pool.installation_id)
             and labels.get(LABEL_INSTALLATION) == pool.installation_id)
 
 
