@@ -543,12 +543,13 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
         num_failures = endpoint.num_failures_since_ready + 1
         short = reason.splitlines()[-1][-200:]
-        fields = {"num_identical_failures": repeats, "num_failures_since_ready": num_failures, "last_failure_reason": signature}
+        fields = {"num_identical_failures": repeats, "num_failures_since_ready": num_failures, "last_failure_reason": signature,
+                  # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
+                  "unplaced_replicas": 0, "waiting_for_capacity": False}
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
                       else "many" if num_failures >= max_failures_since_ready() else "")
         if stopped_by:
-            fields.update(failed_at=now, next_attempt_at=None, waiting_for_capacity=False, unplaced_replicas=0,
-                          status_message=f"failed: {short}"[:300])
+            fields.update(failed_at=now, next_attempt_at=None, status_message=f"failed: {short}"[:300])
             message = {
                 "permanent": f"Endpoint failed: {short}",
                 "identical": f"Endpoint failed: {repeats} replicas in a row failed with the same reason ({short})",
