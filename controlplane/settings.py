@@ -439,8 +439,9 @@ GATEWAY_ANSWER_BYTES_PER_ORG = env_int("INFERPLANE_GATEWAY_ANSWER_BYTES_PER_ORG"
                                        minimum=2**20)
 REPLICA_DRAIN_TIMEOUT_S = env_float("INFERPLANE_REPLICA_DRAIN_TIMEOUT_S", 120.0, minimum=1)
 REPLICA_START_TIMEOUT_S = env_float("INFERPLANE_REPLICA_START_TIMEOUT_S", 900.0, minimum=5)
-# Identical replica failures of one endpoint back off (base, doubling) and, after this many, stop it
-# as FAILED with the reason until its spec changes or it is resumed: no placement loop.
+# Replica failures of one endpoint with none READY in between back off (base, doubling, at most an hour); this
+# many identical ones in a row, or twice as many of any reasons, stop it as FAILED with the reason until its
+# spec changes or it is resumed: no placement loop (`endpoints.replicas.record_replica_failure`).
 REPLICA_RETRY_BASE_S = env_float("INFERPLANE_REPLICA_RETRY_BASE_S", 30.0, minimum=0)
 REPLICA_MAX_IDENTICAL_FAILURES = env_int("INFERPLANE_REPLICA_MAX_IDENTICAL_FAILURES", 4, minimum=1)
 DEFAULT_MONTHLY_SPEND_CAP = env_decimal("INFERPLANE_DEFAULT_SPEND_CAP", "0")

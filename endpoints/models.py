@@ -318,6 +318,9 @@ class Endpoint(models.Model):
     unplaced_replicas = models.PositiveIntegerField(default=0, db_default=0)
     # Replica failures in a row with the same reason; they back off, then stop the endpoint (FAILED).
     num_identical_failures = models.PositiveIntegerField(default=0, db_default=0)
+    # Replica failures in a row, whatever their reasons, since one was last READY: the backoff grows with these,
+    # and too many stop the endpoint too (reasons that vary or alternate never reach the identical rule).
+    num_failures_since_ready = models.PositiveIntegerField(default=0, db_default=0)
     last_failure_reason = models.CharField(max_length=300, blank=True, default="", db_default="")
     next_attempt_at = models.DateTimeField(null=True, blank=True)  # no new replica before this (backoff)
     failed_at = models.DateTimeField(null=True, blank=True)  # gave up: no replicas until a spec change or resume

@@ -502,18 +502,36 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
                      **details, **reason)
 
 
+# What varies between two crashes of one cause: hex addresses (`object at 0x7fab12cd`), temporary names
+# (`/tmp/tmpk3j_x9z2`), hashes and ids (hex runs, alone or with digits), and numbers.
+VARYING_IN_A_REASON = re.compile(r"0x[0-9a-f]+|\btmp[a-z0-9_]{6,}|\b[0-9a-f]*\d[0-9a-f]*\b|\b[0-9a-f]{8,}\b|\d+", re.IGNORECASE)
+# The longest wait between two replicas of a crash-looping endpoint, however many failed in a row.
+REPLICA_RETRY_MAX_S = 3600.0
+
+
 def failure_signature(reason: str) -> str:
-    """A failure reason with its varying parts (numbers, addresses, ids) blanked, to tell repeats apart."""
-    return re.sub(r"\d+", "#", reason.strip().splitlines()[-1] if reason.strip() else "")[-300:]
+    """A failure reason with its varying parts (numbers, addresses, temp names, ids) blanked, to tell repeats apart."""
+    return VARYING_IN_A_REASON.sub("#", reason.strip().splitlines()[-1] if reason.strip() else "")[-300:]
+
+
+def max_failures_since_ready() -> int:
+    """Failures in a row, whatever their reasons, that stop an endpoint: twice the identical ones allowed."""
+    return 2 * settings.REPLICA_MAX_IDENTICAL_FAILURES
 
 
 def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False) -> None:
     """Count a replica's failure against its endpoint: back off, and stop the endpoint when it repeats.
 
-    The n-th identical failure in a row delays the next placement by base × 2^(n-1); the
-    `REPLICA_MAX_IDENTICAL_FAILURES`-th (or one the agent calls permanent: the spec cannot run on
-    this model) stops the endpoint as FAILED, with the reason as its status, until a spec change or
-    a resume. A replica turning READY starts the count again (`record_replica_ready`).
+    The n-th failure in a row with no replica READY in between, whatever its reason, delays the next
+    placement by base × 2^(n-1) (at most `REPLICA_RETRY_MAX_S`); the `REPLICA_MAX_IDENTICAL_FAILURES`-th
+    identical one in a row, the `max_failures_since_ready()`-th of any reasons, or one the agent calls
+    permanent (the spec cannot run on this model) stops the endpoint as FAILED, with the reason as its
+    status, until a spec change or a resume. A replica turning READY starts the counts again
+    (`record_replica_ready`).
+
+    NOTE: counting identical reasons alone let a reason that varied (an address in the last line) or
+    alternated (a tenant's weights swapped between two broken versions) place a replica every
+    `REPLICA_RETRY_BASE_S` for ever, each holding a GPU nobody paid for (a review's finding).
     """
     now = timezone.now()
     reason = (reason.strip() or "engine failed")[-2000:]
@@ -523,26 +541,32 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
             return
         signature = failure_signature(reason)
         repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
+        num_failures = endpoint.num_failures_since_ready + 1
         short = reason.splitlines()[-1][-200:]
-        fields = {"num_identical_failures": repeats, "last_failure_reason": signature}
-        if permanent or repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES:
-            fields.update(failed_at=now, next_attempt_at=None, waiting_for_capacity=False, unplaced_replicas=0,
-                          status_message=f"failed: {short}"[:300])
-            message = (f"Endpoint failed: {short}; it stays stopped until its configuration changes or it is resumed"
-                       if permanent else
-                       f"Endpoint failed: {repeats} replicas in a row failed with the same reason ({short}); "
-                       "it stays stopped until its configuration changes or it is resumed")
+        fields = {"num_identical_failures": repeats, "num_failures_since_ready": num_failures, "last_failure_reason": signature,
+                  # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
+                  "unplaced_replicas": 0, "waiting_for_capacity": False}
+        stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
+                      else "many" if num_failures >= max_failures_since_ready() else "")
+        if stopped_by:
+            fields.update(failed_at=now, next_attempt_at=None, status_message=f"failed: {short}"[:300])
+            message = {
+                "permanent": f"Endpoint failed: {short}",
+                "identical": f"Endpoint failed: {repeats} replicas in a row failed with the same reason ({short})",
+                "many": f"Endpoint failed: {num_failures} replicas in a row failed, none served (last: {short})",
+            }[stopped_by] + "; it stays stopped until its configuration changes or it is resumed"
         else:
-            delay_s = settings.REPLICA_RETRY_BASE_S * 2 ** (repeats - 1)
+            delay_s = min(settings.REPLICA_RETRY_BASE_S * 2 ** min(num_failures - 1, 20), REPLICA_RETRY_MAX_S)
             fields.update(next_attempt_at=now + timedelta(seconds=delay_s),
                           status_message=f"replica failed ({short}); retrying in {delay_s:.0f} s"[:300])
-            message = f"Next replica in {delay_s:.0f} s (failure {repeats} of {settings.REPLICA_MAX_IDENTICAL_FAILURES} allowed in a row)"
+            message = (f"Next replica in {delay_s:.0f} s (failure {num_failures} of {max_failures_since_ready()} allowed in a row, "
+                       f"{repeats} of {settings.REPLICA_MAX_IDENTICAL_FAILURES} with this reason)")
         Endpoint.objects.filter(pk=endpoint.pk).update(**fields)
-        record_event(endpoint, EventKind.FAILURE, message, reason=short, repeats=repeats)
+        record_event(endpoint, EventKind.FAILURE, message, reason=short, repeats=repeats, num_failures=num_failures)
 
 
 def record_replica_ready(endpoint_id) -> None:
     """A replica served: earlier failures no longer predict the next one."""
     Endpoint.objects.filter(pk=endpoint_id).filter(
-        Q(num_identical_failures__gt=0) | Q(next_attempt_at__isnull=False)
-    ).update(num_identical_failures=0, last_failure_reason="", next_attempt_at=None, status_message="")
+        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(next_attempt_at__isnull=False)
+    ).update(num_identical_failures=0, num_failures_since_ready=0, last_failure_reason="", next_attempt_at=None, status_message="")

@@ -158,7 +158,7 @@ def delete_endpoint(actor: Actor, endpoint: Endpoint) -> None:
 
 # What a spec change or a resume resets: failures counted, backoff, giving up.
 FRESH_START = {
-    "num_identical_failures": 0, "last_failure_reason": "", "next_attempt_at": None, "failed_at": None,
+    "num_identical_failures": 0, "num_failures_since_ready": 0, "last_failure_reason": "", "next_attempt_at": None, "failed_at": None,
     "status_message": "", "waiting_for_capacity": False, "unplaced_replicas": 0,
 }
 

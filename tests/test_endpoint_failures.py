@@ -11,6 +11,7 @@ from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import create_join_token, desired_replicas
 from endpoints.models import Endpoint, ModelFacts, Replica
+from endpoints.replicas import failure_signature
 from gpu_agent.protocol import Heartbeat, ModelInfo, ReplicaState, ReplicaStatus, WeightsStatus
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
@@ -125,6 +126,90 @@ def test_identical_engine_failures_back_off_then_stop_the_endpoint(client, node_
     assert delays == [30, 60]
     assert endpoint.state == "FAILED"
     assert endpoint.status_message == "failed: engine exited with code 1 (pid 4003)"
+
+
+def fail_in_turn(client, node_secret, endpoint, reasons) -> list[int]:
+    """Each reason fails the replica the scheduler places next (each backoff skipped); the delays, in seconds."""
+    delays = []
+    for reason in reasons:
+        scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+        placed = Replica.objects.filter(endpoint=endpoint, state=ReplicaState.PENDING).first()
+        if placed is None:
+            break
+        beat(client, node_secret, replicas=[failed(placed, reason)])
+        endpoint.refresh_from_db()
+        if endpoint.next_attempt_at is not None:
+            delays.append(round((endpoint.next_attempt_at - timezone.now()).total_seconds() / 10) * 10)
+            Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    endpoint.refresh_from_db()
+    return delays
+
+
+@override_settings(REPLICA_MAX_IDENTICAL_FAILURES=3, REPLICA_RETRY_BASE_S=30)
+def test_a_crash_whose_last_line_carries_a_hex_address_counts_as_the_same_failure(client, node_secret):
+    """Before: the address's letters survived the blanking (`#x#fab#cd`), each crash was a new reason, and
+    8 replicas were placed, 30 s apart, the endpoint never FAILED."""
+    endpoint = EndpointFactory(model_source=TINY, gpu_type="cpu", min_replicas=1)
+    reasons = [f"RuntimeError: <vllm.engine.AsyncLLM object at 0x7f{h}> in /tmp/tmp{h}_q/model"
+               for h in ("ab12cd", "ef34ab", "cd56ef", "ba78dc", "fe90ba", "dcabef", "aabbcc", "ccddee")]
+    delays = fail_in_turn(client, node_secret, endpoint, reasons)
+    assert Replica.objects.filter(endpoint=endpoint).count() == 3
+    assert delays == [30, 60]
+    assert endpoint.state == "FAILED" and endpoint.num_identical_failures == 3
+    assert endpoint.status_message == f"failed: {reasons[2]}"
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("<AsyncLLM object at 0x7fab12cd>", "<AsyncLLM object at 0x7fef34ab>"),
+    ("OSError: /tmp/tmpk3j_x9z2/config.json", "OSError: /tmp/tmpq8wm_ab1/config.json"),
+    ("shard 9f86d081884c7d65 is corrupt", "shard e3b0c44298fc1c14 is corrupt"),
+    ("request 3f2a9c1e-77ab-4c2d-9e0f-1a2b3c4d5e6f died", "request 8d1e2f3a-1bcd-4ef0-8a9b-0c1d2e3f4a5b died"),
+])
+def test_reasons_that_differ_only_in_addresses_temp_names_and_ids_are_the_same_failure(first, second):
+    assert failure_signature(first) == failure_signature(second)
+    assert failure_signature("OSError: config.json not found") != failure_signature("ValueError: bad safetensors header")
+
+
+@override_settings(REPLICA_MAX_IDENTICAL_FAILURES=3, REPLICA_RETRY_BASE_S=30)
+def test_failures_whose_reasons_alternate_back_off_then_stop_the_endpoint(client, node_secret):
+    """Before: two broken weight versions swapped in turn reset the count at each failure: a replica every
+    30 s for ever (8 placed for 8 failures, delays all 30 s), the endpoint never FAILED."""
+    endpoint = EndpointFactory(model_source=TINY, gpu_type="cpu", min_replicas=1)
+    reasons = ["OSError: config.json not found", "ValueError: bad safetensors header"] * 5
+    delays = fail_in_turn(client, node_secret, endpoint, reasons)
+    assert Replica.objects.filter(endpoint=endpoint).count() == 6  # 2 x REPLICA_MAX_IDENTICAL_FAILURES
+    assert delays == [30, 60, 120, 240, 480]
+    assert endpoint.state == "FAILED" and endpoint.failed_at is not None
+    assert endpoint.status_message == "failed: ValueError: bad safetensors header"
+    for _ in range(3):  # ticks and calls keep coming: nothing more is placed
+        scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 3, timezone.now().timestamp(), 3))
+    assert Replica.objects.filter(endpoint=endpoint).count() == 6
+
+
+@override_settings(REPLICA_MAX_IDENTICAL_FAILURES=50, REPLICA_RETRY_BASE_S=30)
+def test_the_backoff_between_failures_is_capped(client, node_secret):
+    endpoint = EndpointFactory(model_source=TINY, gpu_type="cpu", min_replicas=1)
+    delays = fail_in_turn(client, node_secret, endpoint, ["engine exited"] * 9)
+    assert delays == [30, 60, 120, 240, 480, 960, 1920, 3600, 3600]
+
+
+@override_settings(REPLICA_MAX_IDENTICAL_FAILURES=2)
+def test_a_replica_that_serves_starts_the_count_of_varied_failures_again(client, node_secret):
+    endpoint = EndpointFactory(model_source=TINY, gpu_type="cpu", min_replicas=1)
+    for state, reason in ((ReplicaState.FAILED, "out of memory"), (ReplicaState.FAILED, "bad header"),
+                          (ReplicaState.FAILED, "out of memory"), (ReplicaState.READY, "")):
+        Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=None)
+        scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+        replica = Replica.objects.get(endpoint=endpoint, state=ReplicaState.PENDING)
+        report = failed(replica, reason) if state == ReplicaState.FAILED else ReplicaStatus(
+            replica_id=str(replica.pk), state=ReplicaState.READY, address="http://127.0.0.1:20001")
+        beat(client, node_secret, replicas=[report])
+        if state == ReplicaState.READY:
+            break
+        endpoint.refresh_from_db()
+        assert endpoint.failed_at is None
+    endpoint.refresh_from_db()
+    assert (endpoint.num_failures_since_ready, endpoint.num_identical_failures, endpoint.next_attempt_at) == (0, 0, None)
 
 
 @override_settings(REPLICA_MAX_IDENTICAL_FAILURES=2)

@@ -28,6 +28,7 @@ from endpoints.fleet.services import create_join_token
 from endpoints.gateway import directory
 from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from endpoints.replicas import fail_replica, record_replica_failure
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory
@@ -700,3 +701,27 @@ def test_a_replica_placed_on_a_machine_before_it_is_linked_by_name_is_drained_wh
 
     assert node.gpu_type == "l4"
     assert not Replica.objects.filter(endpoint=endpoint, node=node, state__in=[ReplicaState.PENDING]).exists()
+
+
+@pytest.mark.django_db
+def test_an_endpoint_backing_off_after_a_replica_failure_launches_no_machine():
+    """Before: the failure left the endpoint's other unplaced replica as demand until its next reconcile, and
+    the pool tick launched a machine for an endpoint that waits out a backoff (1 launch)."""
+    pool, provider = make_pool(), RecordingProvider()
+    issued = tokens.issue_token(Node.SECRET_KIND)
+    Node.objects.create(name="room-for-one", gpu_type="cpu", num_gpus=0, gpu_memory_mb=5000, quantizations=["none"],
+                        secret_lookup=issued.lookup, secret_digest=issued.digest, last_heartbeat_at=timezone.now(),
+                        advertise_host="127.0.0.1")
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="none", min_replicas=2, max_replicas=2)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    [replica] = Replica.objects.filter(endpoint=endpoint)
+    assert endpoint.unplaced_replicas == 1
+    reason = "did not become READY within 600 s"  # as the stuck-replica sweep fails one
+    fail_replica(replica, reason)
+    record_replica_failure(endpoint.pk, reason)
+    assert tick(provider) == 0 and not NodeLaunch.objects.filter(pool=pool).exists()
+    reconcile_endpoint(str(endpoint.pk))  # still backing off: no demand either
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 0 and endpoint.next_attempt_at is not None
+    assert tick(provider) == 0
