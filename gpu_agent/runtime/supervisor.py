@@ -466,6 +466,32 @@ class Supervisor:
             if problem:
                 self._fail(replica, problem)
 
+    def replace_if_billed_less(self, spec: ReplicaSpec) -> bool:
+        """Take a desired spec's context (`ReplicaSpec.billed_context_tokens`) for a replica we run: its restarts launch
+        with it, and an engine launched with more (`engine.engine_context_length` dropped since: a disputed catalogue
+        context replaced) is drained, as the control plane replaces the replicas of a changed spec: its calls in flight
+        finish, and once it reports STOPPED the control plane places a replica launched with the figure. True when
+        this drained it.
+
+        NOTE: before, a figure that dropped reached no engine running: each served the context it was launched with to
+        calls reserved and billed by the lower one. An adopted engine not checked yet is `check_adopted_context`'s."""
+        with self._lock:
+            replica = self._replicas.get(spec.replica_id)
+            if replica is None or replica.is_final or spec.replica_id in self._adopted_unchecked:
+                return False
+            if replica.spec.billed_context_tokens != spec.billed_context_tokens:
+                replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
+            launched = replica.command.max_model_len if replica.pid is not None and replica.command else None
+            if launched is None or replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
+                return False
+            billed = engine.engine_context_length(replica.spec, replica.model_path)
+            if billed >= launched:
+                return False
+            logger.warning("replica %s: launched with a context of %d tokens, its calls are now billed by %d; drained "
+                           "to be replaced", spec.replica_id, launched, billed)
+            self.drain(spec.replica_id)
+            return True
+
     def get(self, replica_id: str) -> ManagedReplica | None:
         with self._lock:
             return self._replicas.get(replica_id)

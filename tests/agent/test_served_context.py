@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import threading
 
 import pytest
 
@@ -18,6 +19,7 @@ from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaAction, ReplicaSta
 from gpu_agent.runtime.engine import build_engine_command, engine_context_length
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.model_info import read_config_info
+from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
@@ -209,6 +211,33 @@ def test_an_adopted_engine_that_never_says_its_context_is_restarted_with_the_fig
     finally:
         second.shutdown(timeout_s=1)
         first.shutdown(timeout_s=1)
+
+
+@pytest.mark.parametrize(("billed_now", "state"), [(1024, ReplicaState.STOPPED), (4096, ReplicaState.READY),
+                                                   (None, ReplicaState.READY)])
+def test_a_running_engine_whose_billed_context_drops_below_its_launch_is_drained_to_be_replaced(
+        tmp_path, billed_now, state):
+    """A replica launched with 4,096 tokens whose desired spec now bills its calls by `billed_now` (the control plane
+    replaced a disputed catalogue context). Before, no running engine took a figure that dropped: it served 4,096
+    tokens to calls billed by 1,024 until it stopped. Now it drains (its calls finish; the control plane places
+    another, launched with the figure, once it is STOPPED); its restarts take the figure either way."""
+    fake = fake_engine_factory("--served-context", "4096")
+
+    def launched_as_the_agent_does(spec, model_path, port):
+        return dataclasses.replace(fake(spec, model_path, port), max_model_len=engine_context_length(spec, model_path))
+    supervisor = Supervisor(tmp_path / "agent", policy=FAST, command_factory=launched_as_the_agent_does)
+    reconciler = Reconciler(supervisor, weights=None, wake=threading.Event())
+    try:
+        spec = make_spec("r-run", max_model_len=None, billed_context_tokens=4096)
+        supervisor.start(spec, "/models/x")
+        wait_until(lambda: supervisor.get("r-run").state == ReplicaState.READY, 10, poll=supervisor.poll)
+        reconciler.reconcile([dataclasses.replace(spec, billed_context_tokens=billed_now)])
+        wait_until(lambda: supervisor.get("r-run").state == state, 10, poll=supervisor.poll)
+        assert supervisor.get("r-run").spec.billed_context_tokens == billed_now
+        if state == ReplicaState.STOPPED:
+            wait_until(lambda: processes_with_marker("r-run") == [], 5)
+    finally:
+        supervisor.shutdown(timeout_s=1)
 
 
 @pytest.mark.vllm
