@@ -484,6 +484,8 @@ class Supervisor:
             launched = replica.command.max_model_len if replica.pid is not None and replica.command else None
             if launched is None or replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
                 return False
+            if spec.billed_context_tokens is None or spec.billed_context_tokens >= launched:
+                return False  # NOTE: the launch took the smaller of it and the node's reading: no file read per beat
             billed = engine.engine_context_length(replica.spec, replica.model_path)
             if billed >= launched:
                 return False
