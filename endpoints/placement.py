@@ -255,6 +255,17 @@ def _no_gpus_decision(endpoint: Endpoint, needed_mb: int, nodes: list[Node], hol
                      f"{endpoint.gpu_type} node is {most} free GPU{'' if most == 1 else 's'}")
 
 
+def bills_by_catalogue_context(endpoint: Endpoint) -> bool:
+    """Whether its calls are billed by a catalogue copy's context as the control plane keeps it (the first node's
+    description: `ModelFacts.learn`), which its replicas' specs carry (`ReplicaSpec.billed_context_tokens`).
+
+    NOTE: an agent older than that field launched with its own reading of the copy, which may be larger: such an
+    endpoint's replicas go to nodes whose agents say they launch within it (`Node.launches_within_billed_context`).
+    Its own `max_model_len`, or a tenant's own copy's (the largest its running nodes read: `merged_claims`), is any
+    agent's to launch with; so is a context not known yet, which the spec does not carry."""
+    return endpoint.max_model_len is None and endpoint.weights_scope == "" and endpoint.known_context_length() is not None
+
+
 def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict,
                 holds: dict | None = None, holding_weights: set | None = None) -> PlacementDecision:
     """The node (and on nodes that reported their GPUs, the GPUs) for a new replica of `endpoint`.
@@ -275,6 +286,12 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
     supported = [n for n in reachable if endpoint.quantization in n.quantizations]
     if not supported:
         return PlacementDecision(None, f"no {endpoint.gpu_type} node supports quantization {endpoint.quantization}")
+    if bills_by_catalogue_context(endpoint):
+        within = [n for n in supported if n.launches_within_billed_context()]
+        if not within:
+            return PlacementDecision(None, f"no {endpoint.gpu_type} node runs an agent that launches engines within "
+                                           "the context its calls are billed by (their agents are older)")
+        supported = within
     num_gpus = endpoint.gpus_per_replica
     options = []  # (node, assignment or None for a pooled node, free memory after)
     for node in supported:

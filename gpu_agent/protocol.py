@@ -755,9 +755,14 @@ class Heartbeat(Message):
     # The replica actions this agent carries out (`ReplicaAction` values): the control plane sends it no other
     # (`understood_actions`). None from agents older than this field.
     replica_actions: list[str] | None = None
+    # The agent launches each engine with no more context than its spec's `billed_context_tokens`. False from agents
+    # older than that field, which ignore it (a message's unknown keys are): placement gives them no replica whose
+    # context the control plane keeps from a catalogue copy's description (`Node.launches_within_billed_context`).
+    launches_within_billed_context: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.boot_id, str), "boot_id must be a string")
+        _require(isinstance(self.launches_within_billed_context, bool), "launches_within_billed_context must be a boolean")
         _require((self.sequence is None) == (not self.boot_id), "boot_id and sequence come together")
         _require(len(self.boot_id) <= MAX_BOOT_ID_CHARS and self.boot_id.isprintable(),
                  f"boot_id must be at most {MAX_BOOT_ID_CHARS} printable characters")

@@ -19,6 +19,7 @@ from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import create_join_token
 from endpoints.models import AllowedSource, Endpoint, ModelFacts, Replica
+from endpoints.replicas import place_replica
 from gpu_agent.protocol import Heartbeat, ModelInfo, ReplicaSpec, ReplicaState, ReplicaStatus, WeightsStatus
 from gpu_agent.runtime.engine import build_engine_command
 from gpu_agent.runtime.model_info import read_config_info
@@ -48,9 +49,12 @@ def long_model(tmp_path):
     return tmp_path
 
 
-def beat(client, secret, replicas=(), weights=()) -> list[ReplicaSpec]:
+def beat(client, secret, replicas=(), weights=(), *, older_agent=False) -> list[ReplicaSpec]:
+    """A heartbeat of this release's agent, or of one older than `billed_context_tokens` (`older_agent`)."""
     body = Heartbeat(agent_version="0.1.0", num_cpus=2, memory_mb=24000, memory_used_mb=1000,
-                     replicas=list(replicas), weights=list(weights)).to_dict()
+                     replicas=list(replicas), weights=list(weights), launches_within_billed_context=True).to_dict()
+    if older_agent:
+        del body["launches_within_billed_context"]  # that agent's `Heartbeat.to_dict()` had no such key
     response = client.post("/agent/v1/heartbeat", body, content_type="application/json",
                            HTTP_AUTHORIZATION=f"Bearer {secret}")
     assert response.status_code == 200, response.content
@@ -128,3 +132,25 @@ def test_a_new_models_first_reading_is_learnt_before_the_ready_it_comes_with(cli
     assert replica.state == ReplicaState.READY
     assert Endpoint.objects.get(pk=endpoint.pk).context_length == 32768
     assert spec.billed_context_tokens == 32768
+
+
+def test_a_catalogue_endpoint_goes_only_to_nodes_whose_agent_launches_within_its_billed_context(client, node_secret):
+    """An agent older than `billed_context_tokens` ignores it (a message's unknown keys are) and launches a catalogue
+    copy's engine with its own reading, 16,384 where calls are billed by 2,048. Before, placement gave it the replica
+    as any other node; now such an endpoint waits for a node whose heartbeat says its agent launches within the figure,
+    and an endpoint with its own `max_model_len` (any agent launches with it) or a context not known yet still goes
+    to the older one."""
+    AllowedSource.objects.create(pattern=CATALOGUE_MODEL)
+    catalogue = EndpointFactory(model_source=CATALOGUE_MODEL, gpu_type="cpu", min_replicas=0)
+    limited = EndpointFactory(model_source=CATALOGUE_MODEL, gpu_type="cpu", min_replicas=0, max_model_len=1024)
+    beat(client, node_secret, older_agent=True)
+    assert place_replica(catalogue)[0] is not None  # its context not known yet: the spec carries none
+    Replica.objects.all().delete()
+
+    assert not ModelFacts.learn(CATALOGUE_MODEL, "", "first-node", {"max_model_len": 2048})
+    assert place_replica(catalogue) == (None, "no cpu node runs an agent that launches engines within the context "
+                                              "its calls are billed by (their agents are older)")
+    assert place_replica(limited)[0] is not None
+
+    beat(client, node_secret)  # the node's agent upgraded
+    assert place_replica(catalogue)[0] is not None

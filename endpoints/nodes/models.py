@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 # The node's `last_status` key that lists the replica actions its agent knows (`record_heartbeat`).
 REPLICA_ACTIONS_KNOWN = "replica_actions"
+# The node's `last_status` key that says its agent launches engines within their billed context (`record_heartbeat`
+# keeps the heartbeat's fields there: `Heartbeat.launches_within_billed_context`).
+LAUNCHES_WITHIN_BILLED_CONTEXT = "launches_within_billed_context"
 
 
 def engine_address_problem(address: str, host: str, port_min: int, port_max: int) -> str:
@@ -430,6 +433,13 @@ class Node(models.Model):
         A node with no heartbeat since the control plane kept it is taken to, as before; its next heartbeat says."""
         known = (self.last_status or {}).get(REPLICA_ACTIONS_KNOWN)
         return not isinstance(known, list) or action.value in known
+
+    def launches_within_billed_context(self) -> bool:
+        """Whether the node's agent, as its last heartbeat said, launches each engine with no more context than its
+        spec's `billed_context_tokens`; an older agent ignores it and launches with its own reading of the model. A
+        node with no heartbeat since the control plane kept it is taken to, as `knows_action` does; its next heartbeat
+        says."""
+        return (self.last_status or {}).get(LAUNCHES_WITHIN_BILLED_CONTEXT) is not False
 
     def gpu_shape(self) -> tuple[int, int]:
         """(GPUs, MiB per GPU) this node may hold at most: what it registered with its join token, within its

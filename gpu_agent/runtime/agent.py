@@ -136,6 +136,7 @@ class Agent:
             sequence=next(self._heartbeat_numbers),
             # NOTE: what the reconciler carries out: the control plane sends no other action (`understood_actions`).
             replica_actions=[action.value for action in ReplicaAction],
+            launches_within_billed_context=True,  # `engine.engine_context_length`
         )
 
     def heartbeat_once(self) -> HeartbeatResponse:

@@ -166,6 +166,7 @@ class Reconciler:
             elif spec.replica_id in known:
                 self.supervisor.refresh_secrets(spec)
                 self.supervisor.check_adopted_context(spec)
+                self.supervisor.replace_if_billed_less(spec)
                 replica = self.supervisor.get(spec.replica_id)
                 if replica is not None and replica.state == ReplicaState.READY:
                     if spec.action == ReplicaAction.SLEEP:

@@ -124,6 +124,9 @@ class SupervisorPolicy:
     # precision"); SIGKILL leaves no process behind either (the group, then strays by marker).
     idle_stop_grace_s: float = 1.0
     health_timeout_s: float = 2.0
+    # An adopted engine that leaves this many asks in a row for the context it serves unanswered (one a desired spec,
+    # `Supervisor.check_adopted_context`) is killed as unhealthy, and restarted as after a crash.
+    max_unanswered_context_checks: int = 3
     # A chat template's measure that failed (an engine slow to answer at first) is tried again after each of these.
     template_measure_retry_s: tuple[float, ...] = (10.0, 60.0, 300.0)
     # A READY engine's /metrics at most this often. NOTE: the loop polls every 0.1 s while any engine starts,
@@ -186,7 +189,8 @@ class Supervisor:
         self._replicas: dict[str, ManagedReplica] = {}
         # Engines adopted by `recover` (against the spec recorded with them) not yet checked against a desired spec
         # (`check_adopted_context`).
-        self._adopted_unchecked: set[str] = set()
+        # The number of asks each has gone unanswered.
+        self._adopted_unchecked: dict[str, int] = {}
         self._prepared: dict[str, EngineCommand] = {}  # replica id -> command already sent to the zygote
         # Replica id -> (the replica, its command or why none could be built): built outside the lock (`_build_due`).
         self._built: dict[str, tuple[ManagedReplica, EngineCommand | Exception]] = {}
@@ -391,7 +395,7 @@ class Supervisor:
             replica = self._replicas.get(replica_id)
             if replica is not None and replica.is_final:
                 del self._replicas[replica_id]
-                self._adopted_unchecked.discard(replica_id)
+                self._adopted_unchecked.pop(replica_id, None)
                 self._drop_scratch(replica_id)  # NOTE: a safety net: each way an engine ends drops its own
                 self._save_state()
                 live = {replica.log_path.name for replica in self._replicas.values()}
@@ -437,23 +441,58 @@ class Supervisor:
             replica = self._replicas.get(spec.replica_id)
             if spec.replica_id not in self._adopted_unchecked or replica is None:
                 return
-            if replica.is_final or replica.pid is None or replica.command is None:
-                self._adopted_unchecked.discard(spec.replica_id)
+            if replica.is_final or replica.pid is None or replica.command is None or replica.command.max_model_len is None:
+                self._adopted_unchecked.pop(spec.replica_id, None)
                 return
             if replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
                 return  # NOTE: a draining engine is sent no more calls; failing it would end those it is finishing
             replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
             believed = engine.engine_context_length(replica.spec, replica.model_path)
-            if believed >= (replica.command.max_model_len or 0):
-                self._adopted_unchecked.discard(spec.replica_id)  # checked at adoption against as much or less
+            if believed >= replica.command.max_model_len:
+                del self._adopted_unchecked[spec.replica_id]  # checked at adoption against as much or less
                 return
-            replica.command.max_model_len = believed
-            problem = self._served_context_problem(replica)
-            if problem is None:
-                return  # not answered in time: asked again with the next desired spec
-            self._adopted_unchecked.discard(spec.replica_id)
+            # NOTE: checked against the figure believed now, the launched one kept: before, the believed figure
+            # replaced the launched one before the engine answered, and the next spec found nothing left to check.
+            problem = self._served_context_problem(replica, believed)
+            if problem is None:  # not answered in time: asked again with the next desired spec, a few times at most
+                self._adopted_unchecked[spec.replica_id] += 1
+                if self._adopted_unchecked[spec.replica_id] >= self.policy.max_unanswered_context_checks:
+                    del self._adopted_unchecked[spec.replica_id]
+                    logger.warning("replica %s: its adopted engine did not say the context it serves after %d asks; "
+                                   "killed as unhealthy", spec.replica_id, self.policy.max_unanswered_context_checks)
+                    self._kill_group(replica, signal.SIGKILL)  # restarted with the spec's figure, as a crash
+                return
+            del self._adopted_unchecked[spec.replica_id]
             if problem:
                 self._fail(replica, problem)
+
+    def replace_if_billed_less(self, spec: ReplicaSpec) -> bool:
+        """Take a desired spec's context (`ReplicaSpec.billed_context_tokens`) for a replica we run: its restarts launch
+        with it, and an engine launched with more (`engine.engine_context_length` dropped since: a disputed catalogue
+        context replaced) is drained, as the control plane replaces the replicas of a changed spec: its calls in flight
+        finish, and once it reports STOPPED the control plane places a replica launched with the figure. True when
+        this drained it.
+
+        NOTE: before, a figure that dropped reached no engine running: each served the context it was launched with to
+        calls reserved and billed by the lower one. An adopted engine not checked yet is `check_adopted_context`'s."""
+        with self._lock:
+            replica = self._replicas.get(spec.replica_id)
+            if replica is None or replica.is_final or spec.replica_id in self._adopted_unchecked:
+                return False
+            if replica.spec.billed_context_tokens != spec.billed_context_tokens:
+                replica.spec = dataclasses.replace(replica.spec, billed_context_tokens=spec.billed_context_tokens)
+            launched = replica.command.max_model_len if replica.pid is not None and replica.command else None
+            if launched is None or replica.state == ReplicaState.DRAINING or spec.action == ReplicaAction.DRAIN:
+                return False
+            if spec.billed_context_tokens is None or spec.billed_context_tokens >= launched:
+                return False  # NOTE: the launch took the smaller of it and the node's reading: no file read per beat
+            billed = engine.engine_context_length(replica.spec, replica.model_path)
+            if billed >= launched:
+                return False
+            logger.warning("replica %s: launched with a context of %d tokens, its calls are now billed by %d; drained "
+                           "to be replaced", spec.replica_id, launched, billed)
+            self.drain(spec.replica_id)
+            return True
 
     def get(self, replica_id: str) -> ManagedReplica | None:
         with self._lock:
@@ -933,7 +972,7 @@ class Supervisor:
             return
         if replica.state == ReplicaState.STARTING:
             if self._probe.healthy(replica.address):
-                problem = self._served_context_problem(replica)
+                problem = self._served_context_problem(replica, replica.command.max_model_len if replica.command else None)
                 if problem is None:
                     return  # NOTE: not answered yet: asked again next poll, within the start's timeout
                 if problem:
@@ -979,15 +1018,14 @@ class Supervisor:
                     replica.spec.replica_id, now - replica.terminated_at,
                 )  # fmt: skip
 
-    def _served_context_problem(self, replica: ManagedReplica) -> str | None:
-        """Why a healthy engine may not turn READY: it serves more context than it was launched with, the context the
-        control plane reserves and bills its calls by (`engine.engine_context_length`); "" when it does not, None when
-        it has not said yet.
+    def _served_context_problem(self, replica: ManagedReplica, billed: int | None) -> str | None:
+        """Why a healthy engine may not turn READY: it serves more context than `billed`, the context the control plane
+        reserves and bills its calls by (`engine.engine_context_length`: what it was launched with, for a launch); ""
+        when it does not, None when it has not said yet.
 
         NOTE: defence in depth. vLLM serves no more than `--max-model-len`; a way past it nobody listed (a vLLM
         upgrade, a model format read otherwise) would bill each call by a smaller context than it was served with."""
-        command = replica.command
-        if command is None or command.max_model_len is None:
+        if billed is None:
             return ""  # a stand-in engine's command: nothing was launched with a context to check
         try:
             served = self._probe.served_context(replica.address, replica.spec.engine_api_key)
@@ -995,8 +1033,8 @@ class Supervisor:
             return f"its engine did not say the context it serves ({exc}); it may serve more than its calls are billed by"
         if served is None:
             return None
-        if served > command.max_model_len:
-            return (f"its engine serves a context of {served} tokens, more than the {command.max_model_len} its "
+        if served > billed:
+            return (f"its engine serves a context of {served} tokens, more than the {billed} its "
                     "calls are billed by")
         return ""
 
@@ -1012,7 +1050,7 @@ class Supervisor:
         if command is None or (state_file.LAUNCHED_CONTEXT_KEY in record and command.max_model_len is None):
             return ""  # a stand-in engine's command: nothing was launched with a context to check
         command.max_model_len = engine.engine_context_length(replica.spec, replica.model_path)
-        return self._served_context_problem(replica)
+        return self._served_context_problem(replica, command.max_model_len)
 
     def _launch(self, replica: ManagedReplica) -> None:
         spec = replica.spec
@@ -1212,7 +1250,7 @@ class Supervisor:
                     if problem:
                         self._fail(replica, problem)  # NOTE: reported FAILED with the reason, not silently replaced
                     elif replica.command is not None and replica.command.max_model_len is not None:
-                        self._adopted_unchecked.add(replica_id)
+                        self._adopted_unchecked[replica_id] = 0
                 else:
                     killed.append(replica_id)
                     if alive:

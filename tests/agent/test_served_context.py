@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import threading
 
 import pytest
 
 from gpu_agent.protocol import UNKNOWN_CONTEXT_TOKENS, ReplicaAction, ReplicaState
-from gpu_agent.runtime.engine import build_engine_command
+from gpu_agent.runtime.engine import build_engine_command, engine_context_length
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.model_info import read_config_info
+from gpu_agent.runtime.reconciler import Reconciler
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 
 from .conftest import fake_engine_factory, make_spec, processes_with_marker, wait_until
@@ -143,6 +145,99 @@ def test_an_engine_adopted_by_a_restarted_agent_serving_more_than_its_calls_are_
     finally:
         second.shutdown(timeout_s=1)
         first.shutdown(timeout_s=1)
+
+
+def _adopted_with_late_answers(tmp_path, num_unanswered: int):
+    """A previous agent's engine serving 4,096 tokens, adopted by its recorded spec; its first `num_unanswered` asks
+    for the context it serves get no answer (a busy engine). Returns the new supervisor, the old, the asks made and
+    the probe's own answer; the new supervisor launches as the agent does, its engines serving 1,024 tokens."""
+    data_dir = tmp_path / "agent"
+    first = Supervisor(data_dir, policy=FAST, command_factory=fake_engine_factory(
+        "--served-context", "4096", max_model_len=4096))
+    fake = fake_engine_factory("--served-context", "1024")
+
+    def launched_as_the_agent_does(spec, model_path, port):  # with the context `build_engine_command` gives
+        return dataclasses.replace(fake(spec, model_path, port), max_model_len=engine_context_length(spec, model_path))
+    second = Supervisor(data_dir, policy=FAST, command_factory=launched_as_the_agent_does)
+    first.start(make_spec("r-adopted", max_model_len=None, billed_context_tokens=4096), "/models/x")
+    wait_until(lambda: first.get("r-adopted").state == ReplicaState.READY, 10, poll=first.poll)
+    first._probe.close()  # the old agent vanishes without stopping its engine
+    first._replicas.clear()
+    second.recover(None)
+    answer = second._probe.served_context
+    asks = []
+
+    def late_at_first(address, key):
+        asks.append(address)
+        return None if len(asks) <= num_unanswered else answer(address, key)
+    second._probe.served_context = late_at_first
+    return second, first, asks, answer
+
+
+def test_an_adopted_engine_whose_first_context_check_gets_no_answer_is_asked_again(tmp_path):
+    """Before, the figure believed replaced the launched one before the engine answered: the next desired spec found
+    4,096 >= 1,024 "checked" and never asked again, so the engine served 4,096 tokens to calls billed by 1,024."""
+    second, first, asks, _ = _adopted_with_late_answers(tmp_path, num_unanswered=1)
+    try:
+        desired = make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)
+        second.check_adopted_context(desired)  # first heartbeat's answer: no answer in time
+        assert second.get("r-adopted").state == ReplicaState.READY
+        second.check_adopted_context(desired)
+        assert len(asks) == 2
+        assert second.get("r-adopted").failure_reason == (
+            "its engine serves a context of 4096 tokens, more than the 1024 its calls are billed by")
+    finally:
+        second.shutdown(timeout_s=1)
+        first.shutdown(timeout_s=1)
+
+
+def test_an_adopted_engine_that_never_says_its_context_is_restarted_with_the_figure_billed(tmp_path):
+    """Asked once per desired spec, an engine that never answers is killed as unhealthy after
+    `max_unanswered_context_checks` asks and launched again, as after a crash, with the context its calls are billed by."""
+    second, first, asks, answer = _adopted_with_late_answers(tmp_path, num_unanswered=10**6)
+    try:
+        desired = make_spec("r-adopted", max_model_len=None, billed_context_tokens=1024)
+        old_pid = second.get("r-adopted").pid
+        for _ in range(FAST.max_unanswered_context_checks):
+            assert second.get("r-adopted").pid == old_pid
+            second.check_adopted_context(desired)
+        second.check_adopted_context(desired)  # no longer asked: it is restarting
+        assert len(asks) == FAST.max_unanswered_context_checks
+        second._probe.served_context = answer  # the new engine answers
+        wait_until(lambda: second.get("r-adopted").state == ReplicaState.READY and second.get("r-adopted").pid != old_pid,
+                   10, poll=second.poll)
+        replica = second.get("r-adopted")
+        assert (replica.num_restarts, replica.command.max_model_len) == (1, 1024)
+    finally:
+        second.shutdown(timeout_s=1)
+        first.shutdown(timeout_s=1)
+
+
+@pytest.mark.parametrize(("billed_now", "state"), [(1024, ReplicaState.STOPPED), (4096, ReplicaState.READY),
+                                                   (None, ReplicaState.READY)])
+def test_a_running_engine_whose_billed_context_drops_below_its_launch_is_drained_to_be_replaced(
+        tmp_path, billed_now, state):
+    """A replica launched with 4,096 tokens whose desired spec now bills its calls by `billed_now` (the control plane
+    replaced a disputed catalogue context). Before, no running engine took a figure that dropped: it served 4,096
+    tokens to calls billed by 1,024 until it stopped. Now it drains (its calls finish; the control plane places
+    another, launched with the figure, once it is STOPPED); its restarts take the figure either way."""
+    fake = fake_engine_factory("--served-context", "4096")
+
+    def launched_as_the_agent_does(spec, model_path, port):
+        return dataclasses.replace(fake(spec, model_path, port), max_model_len=engine_context_length(spec, model_path))
+    supervisor = Supervisor(tmp_path / "agent", policy=FAST, command_factory=launched_as_the_agent_does)
+    reconciler = Reconciler(supervisor, weights=None, wake=threading.Event())
+    try:
+        spec = make_spec("r-run", max_model_len=None, billed_context_tokens=4096)
+        supervisor.start(spec, "/models/x")
+        wait_until(lambda: supervisor.get("r-run").state == ReplicaState.READY, 10, poll=supervisor.poll)
+        reconciler.reconcile([dataclasses.replace(spec, billed_context_tokens=billed_now)])
+        wait_until(lambda: supervisor.get("r-run").state == state, 10, poll=supervisor.poll)
+        assert supervisor.get("r-run").spec.billed_context_tokens == billed_now
+        if state == ReplicaState.STOPPED:
+            wait_until(lambda: processes_with_marker("r-run") == [], 5)
+    finally:
+        supervisor.shutdown(timeout_s=1)
 
 
 @pytest.mark.vllm
