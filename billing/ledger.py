@@ -643,7 +643,7 @@ WITH ledger AS MATERIALIZED (
             WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}'
               AND lost_recorded_at IS NOT NULL AND lost_cost > cost) AS overcharged),
 undrawn AS (
-    SELECT net, overcharged, coalesce(overcharged - %(given_back)s::numeric, greatest(-net, 0)) AS returned FROM ledger),
+    SELECT net, overcharged, greatest(coalesce(overcharged - %(given_back)s::numeric, -net), 0) AS returned FROM ledger),
 amounts AS (
     SELECT 1 AS sign, net + returned AS amount FROM undrawn UNION ALL SELECT -1, returned FROM undrawn),
 parts AS (

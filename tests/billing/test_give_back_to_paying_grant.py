@@ -1,7 +1,9 @@
 """A cheaper supersede's overcharge, drawn from prepaid credit, goes back to the grant that paid for the superseded
-row (`billing.credits._give_back`, `billing.models.credit_returns`). Found by the rv2money review: before, it went to
+row (`billing.models.credit_draw`, `billing.models.credit_returns`). Found by the rv2money review: before, it went to
 the soonest-expiring active grant that had consumed anything, whoever paid: credit bought, never expiring, came back
-as a promo grant's, which then expired unused (the customer lost the overcharge)."""
+as a promo grant's, which then expired unused (the customer lost the overcharge). The rv3 review: the draw netted a
+cheaper supersede with new usage in one window (the give-back never ran), and gave back to a grant usage it had drawn
+as nothing (credit from nothing)."""
 
 import dataclasses
 from datetime import timedelta
