@@ -210,3 +210,16 @@ def test_an_account_drawn_before_the_overcharges_were_kept_apart_nets_them_once_
     assert BillingAccount.objects.get(organization=org).credit_given_back == Decimal("0.088")
     _new_usage_drawn(endpoint, now - timedelta(minutes=1))
     assert _consumed() == {"bought": Decimal("0.252")}
+
+
+def test_an_account_that_gave_back_more_than_the_ledger_holds_still_draws_new_usage_whole():
+    """`credit_given_back` above the ledger's overcharges (a superseded row removed from the ledger by hand): nothing is
+    given back, and new usage is drawn whole, not short by the difference."""
+    endpoint = _prepaid_endpoint()
+    org = endpoint.organization
+    now = timezone.now()
+    credits.grant_credits(SYSTEM, org, amount=Decimal("2.00"), granted_at=now - timedelta(hours=3), note="bought")
+    credits.draw_credits(org.pk)
+    BillingAccount.objects.filter(organization=org).update(credit_given_back=Decimal("0.5"))
+    _new_usage_drawn(endpoint, now - timedelta(minutes=1))
+    assert _consumed() == {"bought": Decimal("0.2")}
