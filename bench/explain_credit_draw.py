@@ -72,9 +72,10 @@ def explain(organization_id: int) -> None:
     sql = ledger._UNDRAWN_BY_MINUTE.format(row_since=since.format("u."), part_since=since.format(""))
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, {
-            "drawn": account.credit_drawn, "organization_id": organization_id, "recorded_since": recorded_since})
+            "drawn": account.credit_drawn, "given_back": account.credit_given_back, "organization_id": organization_id,
+            "recorded_since": recorded_since})
         print("\n".join(row[0] for row in cursor.fetchall()))
-    print("undrawn:", ledger.undrawn_prepaid_usage(account)[0])
+    print("undrawn:", ledger.undrawn_prepaid_usage(account).amount)
 
 
 def main() -> None:

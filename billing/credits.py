@@ -10,7 +10,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from billing.ledger import undrawn_prepaid_usage
-from billing.models import BillingAccount, CreditGrant, credit_returns, credit_shares
+from billing.models import BillingAccount, CreditDraw, CreditGrant, credit_draw
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
 
@@ -50,17 +50,19 @@ def draw_due_credits() -> int:
 
 
 def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decimal:
-    """Draw the ledger's prepaid spend not yet drawn from the grants it was made under (`billing.models.credit_shares`:
-    each part of it from the grants not expired when it started, soonest expiry first).
+    """Draw the ledger's prepaid spend not yet drawn from the grants it was made under, and give back the overcharges
+    made since the last draw (a superseding row cheaper than the row it replaced: `billing.rollups`) to the grants
+    that paid for them: both in one transaction under the account's lock, apart (`billing.models.credit_draw`: the
+    overcharges first, each to the grants it was drawn from, latest expiry first; then each part of the usage from the
+    grants not expired when it started, soonest expiry first).
 
     Only usage rows written in prepaid mode draw credit (postpaid rows are metered to Stripe).
-    Idempotent: the account remembers how much of the prepaid ledger it has drawn, and from when on the database's
-    clock its rows are new (`ledger.undrawn_prepaid_usage`). The gateway never settles more than it reserved against
+    Idempotent: the account remembers how much of the prepaid ledger it has drawn (`credit_drawn`, the net of the two)
+    and given back (`credit_given_back`), and from when on the database's clock its rows are new
+    (`ledger.undrawn_prepaid_usage`); a rerun finds nothing. The gateway never settles more than it reserved against
     the credit left, so spend beyond it can only come from a grant expiring while a request ran; it is drawn as
-    nothing. Returns the amount taken from grants now.
-
-    Less in the ledger than drawn (a superseding row cheaper than the row it replaced: `billing.rollups`) gives the
-    difference back (`_give_back`; returned negative), once: `credit_drawn` goes down by what was given back.
+    nothing (`credit_unpaid`: an overcharge of it later gives no grant credit back). Returns what the grants took now
+    less what they got back.
     """
     now = now or timezone.now()
     with transaction.atomic():
@@ -68,52 +70,22 @@ def draw_credits(organization_id: int, *, now: datetime | None = None) -> Decima
         with connection.cursor() as cursor:
             cursor.execute("SELECT now()")
             drawn_at = cursor.fetchone()[0]
-        BillingAccount.objects.filter(pk=account.pk).update(credit_draw_due=False, credit_drawn_at=drawn_at)
-        # NOTE: the amount and its parts in one statement: read in two, a row committed between them was in the
+        # NOTE: the amounts and their parts in one statement: read in two, a row committed between them was in the
         # parts alone, the newest, and pushed out an older row not drawn yet (dated at the draw: paid twice).
-        undrawn, usage = undrawn_prepaid_usage(account)
-        if undrawn < 0:
-            given_back = _give_back(organization_id, -undrawn, usage, now=now)
-            BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn - given_back)
-            return -given_back
-        if undrawn == 0:
-            return Decimal(0)
-        grants = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now).select_for_update())
-        shares = credit_shares(grants, usage)
-        for grant in grants:
-            if grant.pk in shares:
-                CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + shares[grant.pk])
-        BillingAccount.objects.filter(pk=account.pk).update(credit_drawn=account.credit_drawn + undrawn)
+        undrawn = undrawn_prepaid_usage(account)
+        draw = CreditDraw({}, {}, account.credit_unpaid)
+        if undrawn.drawn > 0 or undrawn.returned > 0:
+            dates = [started_at for started_at, _ in (*undrawn.usage, *undrawn.overcharge)]
+            grants = list(CreditGrant.objects.paying_for(organization_id, since=min(dates, default=now), now=now)
+                          .select_for_update())
+            draw = credit_draw(grants, undrawn.usage, undrawn.overcharge, returned=undrawn.returned,
+                               unpaid=account.credit_unpaid, now=now)
+            for grant in grants:
+                change = draw.taken.get(grant.pk, Decimal(0)) - draw.returned.get(grant.pk, Decimal(0))
+                if change:
+                    CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed + change)
+        BillingAccount.objects.filter(pk=account.pk).update(
+            credit_draw_due=False, credit_drawn_at=drawn_at, credit_drawn=account.credit_drawn + undrawn.amount,
+            credit_given_back=undrawn.overcharged, credit_unpaid=draw.unpaid)
     # The Redis figure already counted this spend; it stays right. A new figure comes from the grants.
-    return sum(shares.values(), Decimal(0))
-
-
-def _give_back(organization_id: int, amount: Decimal, overcharge: list[tuple[datetime, Decimal]], *,
-               now: datetime) -> Decimal:
-    """Give `amount` of drawn credit back to the organisation's grants, under the account's lock (`draw_credits`): each
-    part of `overcharge` (when it began and by how much: `ledger.undrawn_prepaid_usage`) to the grants it was drawn
-    from, latest expiry first, within what each has consumed (`billing.models.credit_returns`); what they do not hold
-    (usage dated at a draw rather than at its start paid by a grant made later) to the grants active now that have
-    paid for usage, latest expiry first too. Returns what was given back.
-
-    NOTE: a grant that paid and has expired since takes its share back: that credit expired unused, as it would have
-    had the usage been priced right when drawn (the customer gains no credit that outlives what paid). What no grant
-    holds (the usage was drawn as nothing: `credit_shares`) is not given back: it stays drawn beyond the ledger, and
-    the next usage's draw takes that much less (`undrawn_prepaid_usage` nets it)."""
-    since = overcharge[0][0] if overcharge else now
-    grants = list(CreditGrant.objects.paying_for(organization_id, since=since, now=now).filter(consumed__gt=0)
-                  .select_for_update())
-    returns = credit_returns(grants, overcharge)
-    left = amount - sum(returns.values(), Decimal(0))
-    for grant in reversed(grants):
-        if left <= 0:
-            break
-        if grant.is_active(now):
-            share = min(left, grant.consumed - returns.get(grant.pk, Decimal(0)))
-            if share > 0:
-                returns[grant.pk] = returns.get(grant.pk, Decimal(0)) + share
-                left -= share
-    for grant in grants:
-        if grant.pk in returns:
-            CreditGrant.objects.filter(pk=grant.pk).update(consumed=grant.consumed - returns[grant.pk])
-    return sum(returns.values(), Decimal(0))
+    return sum(draw.taken.values(), Decimal(0)) - sum(draw.returned.values(), Decimal(0))

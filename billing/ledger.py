@@ -21,6 +21,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import ROUND_HALF_UP, Decimal
+from typing import NamedTuple
 
 import msgspec
 from django.db import connection
@@ -619,10 +620,12 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
 # parts, newest recorded first until they make that amount, summed per minute of their start (`undrawn_prepaid_usage`):
 # the part of the last of them that the amount takes, and no more. A superseded row (`_SUPERSEDE_SQL`) is two parts of
 # one start: its `lost_cost` recorded when the sweeper's row was (`lost_recorded_at`), the difference when the call's
-# own row superseded it (`recorded_at`); a part of 0 or less is none. An amount below 0 (drawn more than the ledger
-# holds: a superseding row cheaper than the one it replaced) has the parts below 0 instead, as much as each was
-# overcharged, newest first until they make what is given back (`billing.credits._give_back`): the same reading. One statement, so one snapshot: a row committed
-# while the draw read is in the amount and the parts both, or in neither.
+# own row superseded it (`recorded_at`); a part of 0 or less is none. The overcharges (parts below 0: a superseding row
+# cheaper than the one it replaced) are read apart, the same way: the ledger's all (`overcharged`, from the partial
+# index `usage_org_prepaid_overcharged`) less those given back already (`credit_given_back`) is what is given back
+# (`returned`; the amount less than 0 for an account whose draws never kept that figure), newest first until they make
+# it; the usage to draw is the amount plus that. One statement, so one snapshot: a row committed while the draw read is
+# in the amounts and the parts both, or in neither.
 # NOTE: before, a superseded row was one part, its whole cost recorded at the supersede: its `lost_cost`, drawn
 # already, pushed out as much of the rows really not drawn yet, and that amount was dated at the superseded call's
 # start (expired credit spent, or a late row made under an expired grant paid by the next: paid twice). And the amount
@@ -633,9 +636,16 @@ def _total_and_pending(rows, request_ids: Collection[str]) -> tuple[Decimal, dic
 # dropped as drawn long ago although the sweeper's row may have come after the last draw, and older rows filled its
 # place, dated under an expired grant (the review of this split: expired credit paid $4 of usage made after it).
 _UNDRAWN_BY_MINUTE = f"""
-WITH undrawn AS (
-    SELECT coalesce(sum(cost), 0) - %(drawn)s AS amount FROM {_TABLE}
-    WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}'),
+WITH ledger AS MATERIALIZED (
+    SELECT (SELECT coalesce(sum(cost), 0) FROM {_TABLE}
+            WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}') - %(drawn)s AS net,
+           (SELECT coalesce(sum(lost_cost - cost), 0) FROM {_TABLE}
+            WHERE organization_id = %(organization_id)s AND billing_mode = '{BillingMode.PREPAID}'
+              AND lost_recorded_at IS NOT NULL AND lost_cost > cost) AS overcharged),
+undrawn AS (
+    SELECT net, overcharged, greatest(coalesce(overcharged - %(given_back)s::numeric, -net), 0) AS returned FROM ledger),
+amounts AS (
+    SELECT 1 AS sign, net + returned AS amount FROM undrawn UNION ALL SELECT -1, returned FROM undrawn),
 parts AS (
     SELECT u.id, u.started_at, part.recorded_at, part.cost, part.n
     FROM {_TABLE} u CROSS JOIN LATERAL (
@@ -644,50 +654,68 @@ parts AS (
     ) part (recorded_at, cost, n)
     WHERE u.organization_id = %(organization_id)s AND u.billing_mode = '{BillingMode.PREPAID}'{{row_since}}),
 undrawn_parts AS (
-    SELECT started_at, sign(amount) * cost AS cost,
-           sum(sign(amount) * cost) OVER (ORDER BY recorded_at DESC, id DESC, n DESC) AS running
-    FROM parts, undrawn WHERE sign(amount) * cost > 0{{part_since}})
-SELECT 0, NULL::timestamptz, amount FROM undrawn
+    SELECT a.sign, a.amount, started_at, abs(cost) AS cost,
+           sum(abs(cost)) OVER (PARTITION BY a.sign ORDER BY recorded_at DESC, id DESC, n DESC) AS running
+    FROM parts JOIN amounts a ON a.sign = sign(cost) WHERE cost <> 0{{part_since}})
+SELECT 0, NULL::timestamptz, net, returned, overcharged FROM undrawn
 UNION ALL
-SELECT 1, min(started_at), sum(least(cost, abs(amount) - (running - cost)))
-FROM undrawn_parts, undrawn
-WHERE running - cost < abs(amount)
-GROUP BY date_trunc('minute', started_at, 'UTC')
+SELECT CASE WHEN sign > 0 THEN 1 ELSE 2 END, min(started_at), sum(least(cost, amount - (running - cost))), NULL, NULL
+FROM undrawn_parts
+WHERE running - cost < amount
+GROUP BY sign, date_trunc('minute', started_at, 'UTC')
 ORDER BY 1, 2
 """
 
 
-def undrawn_prepaid_usage(account: BillingAccount) -> tuple[Decimal, list[tuple[datetime, Decimal]]]:
-    """The prepaid usage not drawn yet (`undrawn_prepaid_spend`), and the same amount as when each part of it began and
-    its cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those recorded since
-    the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they make the
-    amount, summed per minute of their start (each part dated at its earliest: a grant that expired within that minute
-    pays for it, by less than a minute of usage made after; a superseded row is two parts, `_UNDRAWN_BY_MINUTE`). What
-    they do not make (a row committed later than the margin after it was stamped) is dated at that draw. Both read in
-    one statement (one snapshot). Nothing not drawn (0): no parts. Drawn more than the ledger holds (the amount below
-    0): the parts are where that overcharge was made, as much as each was overcharged (above 0), read the same way,
-    for `billing.credits._give_back` to give back to the grants that paid for them; what they do not make has none.
+class UndrawnUsage(NamedTuple):
+    """The prepaid usage not drawn yet (`undrawn_prepaid_usage`)."""
 
-    NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished before it
-    (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its `finished_at`,
-    a row committed a moment after the draw read the ledger) is drawn by the next draw from the grants it was made
-    under (`billing.models.credit_shares`). Before, only rows finished since the last draw dated the usage: such a row
-    was drawn from a later grant (paid twice) or, with none left, from nothing. The amount stays
+    amount: Decimal  # the ledger's prepaid total less `BillingAccount.credit_drawn`: `returned` less than `drawn`
+    drawn: Decimal  # the usage to draw: `usage`'s parts make it
+    usage: list[tuple[datetime, Decimal]]
+    returned: Decimal  # the overcharges (cheaper supersedes) to give back: `overcharge`'s parts make it or less
+    overcharge: list[tuple[datetime, Decimal]]
+    overcharged: Decimal  # every overcharge in the ledger: `BillingAccount.credit_given_back` once this is drawn
+
+
+def undrawn_prepaid_usage(account: BillingAccount) -> UndrawnUsage:
+    """The prepaid usage not drawn yet (`undrawn_prepaid_spend`, `amount`) in its two signs: the usage to draw
+    (`drawn`) and the overcharges to give back (`returned`: the cheaper supersedes', `lost_cost` less `cost`, made
+    since the last draw: those of the ledger less `BillingAccount.credit_given_back`), and each as when its parts began
+    and their cost, earliest first: the rows last recorded (`recorded_at`, the database's clock) among those recorded
+    since the last draw (`BillingAccount.credit_drawn_at`) less `RECORDED_AT_MARGIN`, newest first until they make the
+    amount of their sign, summed per minute of their start (each part dated at its earliest: a grant that expired within
+    that minute pays for it, by less than a minute of usage made after; a superseded row is two parts,
+    `_UNDRAWN_BY_MINUTE`). What the usage's parts do not make (a row committed later than the margin after it was
+    stamped) is dated at that draw; what the overcharge's do not make has no date (`billing.models.credit_draw`). All
+    read in one statement (one snapshot). `credit_given_back` not kept yet (an account drawn by code from before it):
+    only what the ledger holds less than was drawn is given back, as that code did.
+
+    NOTE: the two signs apart: before, the draw had their sum alone. A new call and a cheaper supersede in one draw
+    window (an active prepaid customer's normal case) netted: the new call was drawn short from its grants and the
+    overcharge stayed with the grant that paid it (a promo expiring unused paid less, a grant expired since made bought
+    credit). NOTE: by when rows reached the ledger, not when they finished: a row recorded after a draw but finished
+    before it (a journal replayed after an outage, the sweeper's `gateway_lost` row, a superseded row keeping its
+    `finished_at`, a row committed a moment after the draw read the ledger) is drawn by the next draw from the grants it
+    was made under (`billing.models.credit_shares`). Before, only rows finished since the last draw dated the usage:
+    such a row was drawn from a later grant (paid twice) or, with none left, from nothing. The amount stays
     `undrawn_prepaid_spend` (exactly once); the margin's rows drawn already only make the read longer, and a row
     among them that committed after the last draw read the ledger may lend its start to one that did not."""
     recorded_since = account.credit_drawn_at - RECORDED_AT_MARGIN if account.credit_drawn_at is not None else None
     with connection.cursor() as cursor:
         since = "" if recorded_since is None else " AND {}recorded_at >= %(recorded_since)s"
         cursor.execute(_UNDRAWN_BY_MINUTE.format(row_since=since.format("u."), part_since=since.format("")), {
-            "drawn": account.credit_drawn, "organization_id": account.organization_id,
-            "recorded_since": recorded_since})
+            "drawn": account.credit_drawn, "given_back": account.credit_given_back,
+            "organization_id": account.organization_id, "recorded_since": recorded_since})
         rows = cursor.fetchall()
-    undrawn = rows[0][2]
-    parts = [(began, cost) for _, began, cost in rows[1:]]
-    left = undrawn - sum((cost for _, cost in parts), Decimal(0))
-    if undrawn > 0 and left > 0:
-        parts = sorted([*parts, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
-    return undrawn, parts
+    _, _, amount, returned, overcharged = rows[0]
+    drawn = amount + returned
+    usage = [(began, cost) for kind, began, cost, *_ in rows[1:] if kind == 1]
+    overcharge = [(began, cost) for kind, began, cost, *_ in rows[1:] if kind == 2]
+    left = drawn - sum((cost for _, cost in usage), Decimal(0))
+    if drawn > 0 and left > 0:
+        usage = sorted([*usage, (recorded_since or timezone.now(), left)], key=lambda part: part[0])
+    return UndrawnUsage(amount, drawn, usage, returned, overcharge, overcharged)
 
 
 def undrawn_prepaid_spend(account: BillingAccount) -> Decimal:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
+from typing import NamedTuple
 
 from django.conf import settings
 from django.contrib.postgres.indexes import BrinIndex
@@ -105,6 +106,12 @@ class UsageRecord(models.Model):
             # most of the ledger's writes, pay no insert into it.
             models.Index(fields=["organization", "recorded_at"], include=["cost"], name="usage_org_prepaid_recorded",
                          condition=models.Q(billing_mode=BillingMode.PREPAID)),
+            # The overcharges in an organisation's prepaid ledger (cheaper supersedes: `lost_cost` above `cost`), summed
+            # by the credit draw to give back those not given back yet (`billing.ledger.undrawn_prepaid_usage`): from
+            # this index alone. Partial: rows superseded by a cheaper one are few.
+            models.Index(fields=["organization"], include=["cost", "lost_cost"], name="usage_org_prepaid_overcharged",
+                         condition=models.Q(billing_mode=BillingMode.PREPAID, lost_recorded_at__isnull=False,
+                                            lost_cost__gt=models.F("cost"))),
             # An ended batch's billed lines (`endpoints.batches.services._billed_unstored`): its own rows, and no clock
             # window. Partial: interactive calls ("" here), most of the ledger's writes, pay no insert into it.
             # NOTE: before, the read took the organisation's rows from an hour before the batch started, which trusted
@@ -267,6 +274,14 @@ class BillingAccount(models.Model):
     stripe_subscription_started_at = models.DateTimeField(null=True, blank=True)
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
+    # How much of the prepaid ledger's overcharges (cheaper supersedes: `lost_cost` less `cost`) the draws have given
+    # back, the ledger's others drawn (`credit_drawn`, their net): the draw gives back those made since and draws the
+    # usage made since, each apart (`ledger.undrawn_prepaid_usage`). None: not kept yet (drawn by code from before
+    # billing/0037); the next draw sets it.
+    credit_given_back = MoneyField(null=True, blank=True)
+    # Prepaid usage drawn as nothing (no grant could pay it: `credit_shares`) and not offset since by an overcharge given
+    # back: an overcharge is offset against it before any goes back to a grant (`credit_draw`).
+    credit_unpaid = MoneyField(default=Decimal(0), db_default=Decimal(0))
     # Its prepaid usage changed and has not been drawn since: set with the rollups, cleared by the draw.
     credit_draw_due = models.BooleanField(default=False, db_default=False)
     # When credit was last drawn, on the database's clock (the transaction's `now()`; the worker's, before): the usage
@@ -463,12 +478,66 @@ def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[dat
     to the grants it was drawn from, those granted by and not expired when it started, latest expiry first (the last a
     draw took from), within what each has consumed. A grant expired since takes its share back all the same: that
     credit expired unused, as it would have had the usage been priced right when drawn. What none of them holds is
-    taken back by none (`billing.credits._give_back`).
+    taken back by none (`credit_draw`).
     NOTE: draws record no grant per row, so which of the grants a part was made under paid for it is not known where
     several were: latest expiry first never gives back credit shorter-lived than what paid. Before, the overcharge went
     to whichever active grant had consumed any, soonest expiry first: non-expiring credit bought came back as a promo
     grant's, and expired unused with it."""
     return _allocate(list(reversed(grants)), overcharge, {grant.pk: grant.consumed for grant in grants})
+
+
+class CreditDraw(NamedTuple):
+    """What a credit draw does (`credit_draw`): how much each grant takes of the usage and gives back of the
+    overcharges, by id, and what the account has drawn as nothing after it (`BillingAccount.credit_unpaid`)."""
+
+    taken: dict[int, Decimal]
+    returned: dict[int, Decimal]
+    unpaid: Decimal
+
+
+def credit_draw(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime, Decimal]],
+                overcharge: Sequence[tuple[datetime, Decimal]], *, returned: Decimal, unpaid: Decimal,
+                now: datetime) -> CreditDraw:
+    """What a draw does to `grants` (`CreditGrantQuerySet.paying_for` since the earliest part of either, soonest expiry
+    first) for the usage not drawn yet (`ledger.undrawn_prepaid_usage`): first it gives back `returned` (the
+    overcharges made since the last draw, dated by `overcharge`'s parts, which make it or less), then draws `usage`
+    from what the grants hold after that (`credit_shares`). The same draw `billing.credits.draw_credits` writes and
+    `billing.quota.rebuild` counts.
+
+    The overcharge is first offset against what the account drew as nothing (`unpaid`: its usage was paid by no grant,
+    and an overcharge of it gives no grant credit back), the undated rest of it then its latest parts; the rest goes
+    back to the grants that paid for it (`credit_returns`); what they do not hold (usage dated at a draw rather than at
+    its start, paid by a grant made later) to the grants active at `now` that have consumed any, latest expiry first.
+    What none holds was paid by none: not given back. Usage no grant can pay adds to what is drawn as nothing.
+    NOTE: before, the two were netted (the draw had their sum alone): a new call and a cheaper supersede in one draw
+    window drew the call short and left the overcharge with the grant that paid it; and an overcharge of usage drawn as
+    nothing went back to a grant as if it had paid it (credit from nothing)."""
+    offset = min(unpaid, returned)
+    parts = _less_latest(overcharge, offset - min(offset, returned - sum((cost for _, cost in overcharge), Decimal(0))))
+    back = credit_returns(grants, parts)
+    left = returned - offset - sum(back.values(), Decimal(0))
+    for grant in reversed(grants):
+        if left <= 0:
+            break
+        if grant.is_active(now):
+            share = min(left, grant.consumed - back.get(grant.pk, Decimal(0)))
+            if share > 0:
+                back[grant.pk] = back.get(grant.pk, Decimal(0)) + share
+                left -= share
+    taken = _allocate(grants, usage, {grant.pk: grant.remaining + back.get(grant.pk, Decimal(0)) for grant in grants})
+    drawn_as_nothing = sum((cost for _, cost in usage), Decimal(0)) - sum(taken.values(), Decimal(0))
+    return CreditDraw(taken, back, unpaid - offset + drawn_as_nothing)
+
+
+def _less_latest(parts: Sequence[tuple[datetime, Decimal]], amount: Decimal) -> list[tuple[datetime, Decimal]]:
+    """`parts` (earliest first) less `amount`, taken from the latest."""
+    kept = []
+    for started_at, cost in reversed(parts):
+        less = min(cost, amount)
+        amount -= less
+        if cost > less:
+            kept.append((started_at, cost - less))
+    return kept[::-1]
 
 
 def _allocate(grants: Sequence[CreditGrant], parts: Sequence[tuple[datetime, Decimal]],

@@ -25,7 +25,7 @@ from billing.models import (
     CreditGrant,
     UsageRecord,
     UsageStatus,
-    credit_shares,
+    credit_draw,
 )
 from billing.periods import Period, period_containing
 from billing.quota import replayed
@@ -462,13 +462,20 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
         present = (*present, *(request_id for request_id in pending if request_id not in present))
         # NOTE: a grant expired since pays for the usage not drawn yet made while it was active, as the draw will
         # take it (`billing.models.credit_shares`), and never for anything more.
-        usage = undrawn_prepaid_usage(account)[1] if undrawn > 0 else []  # the same amount: one snapshot
-        paying = list(CreditGrant.objects.paying_for(organization_id, since=usage[0][0], now=now)) if usage else []
-    shares = credit_shares(paying, usage)
-    undrawn_on_lapsed = sum((shares.get(grant.pk, Decimal(0)) for grant in paying if not grant.is_active(now)), Decimal(0))
+        # NOTE: and an overcharge given back to a grant counts as the draw will give it (`credit_draw`), apart from
+        # the usage: netted, the usage was counted short and the credit given back to a lapsed grant as active.
+        drawing = undrawn_prepaid_usage(account)  # the same amount: one snapshot
+        dates = [started_at for started_at, _ in (*drawing.usage, *drawing.overcharge)]
+        paying = (list(CreditGrant.objects.paying_for(organization_id, since=min(dates, default=now), now=now))
+                  if drawing.drawn > 0 or drawing.returned > 0 else [])
+    draw = credit_draw(paying, drawing.usage, drawing.overcharge, returned=drawing.returned,
+                       unpaid=account.credit_unpaid, now=now)
+    lapsed = [grant.pk for grant in paying if not grant.is_active(now)]
+    undrawn_on_lapsed = sum((draw.taken.get(pk, Decimal(0)) for pk in lapsed), Decimal(0))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn_on_active = max(undrawn - undrawn_on_lapsed, Decimal(0))
-    available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active
+    undrawn_on_active = max(undrawn + drawing.returned - undrawn_on_lapsed, Decimal(0))
+    given_back_to_active = sum((draw.returned.get(grant.pk, Decimal(0)) for grant in active), Decimal(0))
+    available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active + given_back_to_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:

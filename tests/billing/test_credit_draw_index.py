@@ -2,6 +2,7 @@
 the whole ledger (`billing.ledger.undrawn_prepaid_usage`; the plan on 200,000 rows: bench/explain_credit_draw.py)."""
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
@@ -31,9 +32,11 @@ def test_the_credit_draw_reads_the_organisations_prepaid_rows_by_their_index(dra
                              credit_drawn_at=timezone.now() - timedelta(minutes=10) if drawn_before else None)
     since = " AND {}recorded_at >= %(recorded_since)s" if drawn_before else ""
     plan = _plan(ledger._UNDRAWN_BY_MINUTE.format(row_since=since.format("u."), part_since=since.format("")), {
-        "drawn": account.credit_drawn, "organization_id": account.organization_id,
+        "drawn": account.credit_drawn, "given_back": Decimal(0), "organization_id": account.organization_id,
         "recorded_since": account.credit_drawn_at})
 
     assert "Index Only Scan using usage_org_prepaid_recorded" in plan, plan
+    # The overcharges given back apart from the usage (billing/0037): their sum from their own partial index.
+    assert plan.count("Index Only Scan using usage_org_prepaid_overcharged") == 1, plan
     if drawn_before:
         assert plan.count("usage_org_prepaid_recorded") == 2, plan  # the parts too, by their range of it
