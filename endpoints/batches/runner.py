@@ -228,6 +228,17 @@ class Progress:
     # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end),
     # "no_room" (the process's answer bytes held by its other runs for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
     stopped: str = ""
+    # unix times: since when every try has been refused (a transient refusal, left pending), None once a line finished
+    # after it; and the last refusal (`Batch.refused_since`, `Batch.last_refused_at`: `scheduling.stalled`)
+    refused_since: float | None = None
+    last_refused_at: float | None = None
+
+    def refused(self) -> None:
+        self.last_refused_at = time.time()
+        self.refused_since = self.last_refused_at if self.refused_since is None else self.refused_since
+
+    def finished(self) -> None:
+        self.refused_since = None
 
 
 class _Capture:
@@ -640,6 +651,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         progress.num_completed += 1
                     elif stored.kept:
                         progress.num_failed += 1
+                    if stored.kept:
+                        progress.finished()
                     if stored.stop and not progress.stopped:
                         progress.stopped = stored.stop
                     continue
@@ -662,6 +675,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         not_before = time.monotonic() + engine_failure_pause_s(num_failures)
                 if outcome.retry:
                     answer.release()
+                    progress.refused()
                     pending.again(line, not_before=not_before)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue

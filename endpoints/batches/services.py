@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Container, Iterable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
@@ -697,6 +697,14 @@ def caller_of(batch: Batch) -> Caller | None:
                   tokens_per_minute=key.tokens_per_minute if key else None)
 
 
+def _unix(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
+def _moment(unix: float | None) -> datetime | None:
+    return None if unix is None else datetime.fromtimestamp(unix, UTC)
+
+
 def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
     """End the batch as a cancel does (lines in flight finish; what finished is kept, billed and written)."""
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.CANCELLING,
@@ -729,7 +737,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     num_todo = max(0, batch.num_total - len(done))
     lines_end_by = started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
-                               num_failed=sum(1 for ok in done.values() if not ok))
+                               num_failed=sum(1 for ok in done.values() if not ok),
+                               refused_since=_unix(batch.refused_since), last_refused_at=_unix(batch.last_refused_at))
     endpoint = batch.endpoint
     work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, endpoint_id=str(endpoint.pk),
                        model=endpoint.name,
@@ -746,7 +755,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     def keep_going(progress: runner.Progress) -> str:
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
             lease_until=_lease_for(settings.BATCH_LEASE_S),
-            num_completed=progress.num_completed, num_failed=progress.num_failed)
+            num_completed=progress.num_completed, num_failed=progress.num_failed,
+            refused_since=_moment(progress.refused_since), last_refused_at=_moment(progress.last_refused_at))
         if not renewed:
             return "lease"
         status, endpoint_deleted_at = Batch.objects.filter(pk=batch.pk).values_list(
