@@ -174,6 +174,10 @@ class Batch(models.Model):
     # `scheduling.STALL_S` holds and wakes no replica (`demand.read_demand`).
     refused_since = models.DateTimeField(null=True, blank=True)
     last_refused_at = models.DateTimeField(null=True, blank=True)
+    # The lines its last run kept in flight over the minute before `line_concurrency_at`, none refused
+    # (`scheduling.LineUse`): the most READY replicas its work holds (/ target concurrency, one at least).
+    line_concurrency = models.FloatField(null=True, blank=True)
+    line_concurrency_at = models.DateTimeField(null=True, blank=True)
 
     objects = BatchQuerySet.as_manager()
 

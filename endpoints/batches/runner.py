@@ -232,6 +232,10 @@ class Progress:
     # after it; and the last refusal (`Batch.refused_since`, `Batch.last_refused_at`: `scheduling.stalled`)
     refused_since: float | None = None
     last_refused_at: float | None = None
+    # the lines this run kept in flight over the last `scheduling.USE_WINDOW_S`, none refused (`scheduling.LineUse`),
+    # at the unix time `line_concurrency_at`; None until it started a line (`Batch.line_concurrency`)
+    line_concurrency: float | None = None
+    line_concurrency_at: float | None = None
 
     def refused(self) -> None:
         self.last_refused_at = time.time()
@@ -513,6 +517,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
     answer_bytes.run_started(work.batch_id)
+    line_use: scheduling.LineUse | None = None  # from the first line's start
+    started_at: dict[asyncio.Task, float] = {}  # each running line's start (monotonic)
+
+    def measure() -> None:  # what each check writes: the lines kept in flight of late
+        if line_use is not None:
+            progress.line_concurrency = line_use.concurrency(time.monotonic(), list(started_at.values()))
+            progress.line_concurrency_at = time.time()
+
     try:
         while pending or running or storing or unstored:
             pending.read_ahead()
@@ -520,6 +532,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             if now - last_check >= (CHECK_EVERY_S if away_since is None else outage_retry_pause_s(num_away_checks)):
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
+                measure()
                 reason = await check(progress)  # "outage" while PostgreSQL is away
                 if reason != "outage":
                     renewed_at = now
@@ -601,8 +614,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
                     line, answer = pending.take(), answer_bytes.LineAnswer()
-                    running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
-                        line, answer)
+                    task = asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))
+                    running[task], started_at[task] = (line, answer), now
+                    line_use = line_use or scheduling.LineUse(began_at=now)
             if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
                 no_room_since = None
             elif no_room_since is None:
@@ -657,6 +671,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         progress.stopped = stored.stop
                     continue
                 line, answer = running.pop(task)
+                line_started_at = started_at.pop(task)
                 try:
                     outcome = task.result()
                 except BaseException:
@@ -679,6 +694,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     pending.again(line, not_before=not_before)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
+                line_use.ended(line_started_at, time.monotonic())
                 # NOTE: its thread's connection checked before and after (`connections_checked`): Django checks them
                 # only around requests, and one a PostgreSQL restart cut stayed in its thread, broken
                 storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
@@ -698,6 +714,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             progress.stopped = "unstored"
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
+    measure()
     await check(progress)  # the last counts
     pending.raise_failure()
     return progress

@@ -9,7 +9,8 @@ autoscaler, the runner, the tests and the benchmark all drive the same functions
   autoscaler keeps up to ceil(lines the batches can keep in flight / target concurrency) of its READY
   replicas (`apply`, rule "hold"): the replica it would scale down drains the queue first, and goes
   once the queue is empty. The lines in flight are the pending ones, at most what the batches' keys
-  may send (`BatchDemand.max_lines_per_s` × `INFERPLANE_BATCH_SECONDS_PER_LINE`).
+  may send (`BatchDemand.max_lines_per_s` × `INFERPLANE_BATCH_SECONDS_PER_LINE`), and at most what its
+  runs kept in flight over the last minute (`LineUse`, refused lines not counted), one replica at least.
 - **Wake only for the deadline.** An endpoint with nothing serving is started for batch work only
   once `now ≥ wake_at` = deadline − 2 × (cold start allowance + estimated work), the estimate being
   pending lines × `INFERPLANE_BATCH_SECONDS_PER_LINE` / target concurrency, or pending lines / the
@@ -26,7 +27,8 @@ autoscaler, the runner, the tests and the benchmark all drive the same functions
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 BATCH_ENGINE_PRIORITY = 100  # vLLM priority of batch lines: after every interactive request (priority 0)
 WAKE_SAFETY_FACTOR = 2.0
@@ -35,6 +37,7 @@ WAKE_SAFETY_FACTOR = 2.0
 MIN_REPLICA_USE = 0.25
 STALL_S = 300.0  # a batch whose tries have all been refused for this long is stalled: it holds and wakes nothing
 STALL_FORGOTTEN_S = 3600.0  # a stalled batch not tried since its last refusal this long ago may wake again
+USE_WINDOW_S = 60.0  # a run measures the lines it keeps in flight over this long (`LineUse`), and it counts this long
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,12 +48,38 @@ class BatchDemand:
     num_pending: int
     deadline_at: float  # unix time
     max_lines_per_s: float | None = None
+    # the lines its runs kept in flight of late, on average, none refused (`LineUse`); None: not measured lately
+    line_concurrency: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_pending < 0:
             raise ValueError("num_pending cannot be negative")
         if self.max_lines_per_s is not None and self.max_lines_per_s <= 0:
             raise ValueError("max_lines_per_s must be positive (None: no limit)")
+        if self.line_concurrency is not None and self.line_concurrency < 0:
+            raise ValueError("line_concurrency cannot be negative")
+
+
+@dataclass(slots=True)
+class LineUse:
+    """The lines a run keeps in flight on average over the last `USE_WINDOW_S` (monotonic times): each line from its
+    start to its end, but a line that was refused (tried again later) not at all. Little's law: the slots its work
+    uses, whatever a line takes, where `INFERPLANE_BATCH_SECONDS_PER_LINE` is a guess."""
+
+    began_at: float
+    spans: deque = field(default_factory=deque)  # (started_at, ended_at) of lines ended, oldest first
+
+    def ended(self, started_at: float, ended_at: float) -> None:
+        self.spans.append((started_at, ended_at))
+
+    def concurrency(self, now: float, running_since: list[float]) -> float:
+        """The average over the window (from `began_at` if later) with lines `running_since` still in flight."""
+        window_start = now - USE_WINDOW_S
+        while self.spans and self.spans[0][1] <= window_start:
+            self.spans.popleft()
+        busy_s = sum(end - max(start, window_start) for start, end in self.spans if end > window_start)
+        busy_s += sum(now - max(start, window_start) for start in running_since)
+        return busy_s / max(now - max(window_start, self.began_at), 1.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,6 +147,9 @@ def apply(desired: int, reason: str, *, demand: BatchDemand | None, num_ready: i
                                      "keep a replica busy", "wait")
     if num_ready > 0:
         in_flight = lines_in_flight(demand, seconds_per_line=seconds_per_line)
+        if demand.line_concurrency is not None:
+            # NOTE: at least one: a replica kept while the work may use it, measured or not (else no run could measure)
+            in_flight = max(1.0, min(in_flight, demand.line_concurrency))
         hold = min(num_ready, math.ceil(in_flight / target), max_replicas)
         if desired < hold:
             return BatchVerdict(hold, f"holding {hold} warm replica(s) for batch work: {demand.num_pending} "

@@ -753,10 +753,13 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                              f"(engine priority {scheduling.BATCH_ENGINE_PRIORITY})", batch_id=batch.pk)
 
     def keep_going(progress: runner.Progress) -> str:
+        measured = {} if progress.line_concurrency is None else {
+            "line_concurrency": progress.line_concurrency, "line_concurrency_at": _moment(progress.line_concurrency_at)}
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
             lease_until=_lease_for(settings.BATCH_LEASE_S),
             num_completed=progress.num_completed, num_failed=progress.num_failed,
-            refused_since=_moment(progress.refused_since), last_refused_at=_moment(progress.last_refused_at))
+            refused_since=_moment(progress.refused_since), last_refused_at=_moment(progress.last_refused_at),
+            **measured)
         if not renewed:
             return "lease"
         status, endpoint_deleted_at = Batch.objects.filter(pk=batch.pk).values_list(

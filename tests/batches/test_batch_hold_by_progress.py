@@ -18,7 +18,14 @@ from endpoints.batches import runner, services
 from endpoints.batches.demand import read_demand
 from endpoints.batches.models import Batch, BatchStatus, File
 from endpoints.batches.runner import RETRY_STATUSES
-from endpoints.batches.scheduling import STALL_FORGOTTEN_S, STALL_S, BatchDemand, wake_at
+from endpoints.batches.scheduling import (
+    STALL_FORGOTTEN_S,
+    STALL_S,
+    USE_WINDOW_S,
+    BatchDemand,
+    LineUse,
+    wake_at,
+)
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.batches.conftest import new_batch, one_chat_line
@@ -61,6 +68,31 @@ def test_the_hold_keeps_only_the_replicas_the_keys_can_keep_busy():
     assert unlimited.desired == 4
 
 
+def test_a_run_measures_the_lines_it_keeps_in_flight_and_not_those_refused():
+    use = LineUse(began_at=0.0)
+    for n in range(600):  # 10 one-token lines a second for a minute, 0.05 s each
+        use.ended(n / 10, n / 10 + 0.05)
+    assert use.concurrency(60.0, []) == pytest.approx(0.5)
+    # refused lines are never `ended`; a line still running counts from its start
+    assert use.concurrency(60.0, [30.0]) == pytest.approx(1.0)
+    assert use.concurrency(200.0, []) == 0  # nothing in the last minute
+
+
+def test_the_hold_keeps_no_more_replicas_than_the_lines_its_runs_kept_in_flight():
+    # Before: the default key's 600 requests a minute (10 lines a second x 2 s: 20 in flight) held all 4 READY
+    # replicas at target 1 for one-token lines that kept half a slot busy.
+    endpoint = _endpoint()
+    held = autoscaler.decide(endpoint, IDLE, now=NOW, batch=BatchDemand(48_600, NOW + DAY, 10.0, 0.5), num_ready=4,
+                             num_serving=4)
+    assert held.desired == 1 and held.batch_rule == "hold"
+    idle_lately = autoscaler.decide(endpoint, IDLE, now=NOW, batch=BatchDemand(48_600, NOW + DAY, 10.0, 0.0),
+                                    num_ready=4, num_serving=4)
+    assert idle_lately.desired == 1  # one kept while the work may use it: a run needs a replica to measure
+    busy = autoscaler.decide(_endpoint(target_concurrency=8), IDLE, now=NOW,
+                             batch=BatchDemand(48_600, NOW + DAY, None, 30.0), num_ready=4, num_serving=4)
+    assert busy.desired == 4
+
+
 def test_the_wake_allows_for_a_key_slower_than_the_replica():
     # 80 lines at a line a second take 80 s, not the 20 s 8 slots would: woken 2 x 60 s earlier than before
     slow = BatchDemand(80, NOW + DAY, 1.0)
@@ -96,6 +128,18 @@ def test_the_demand_counts_each_callers_requests_per_minute_once(settings):
     assert read_demand([str(endpoint.pk)])[str(endpoint.pk)].max_lines_per_s == pytest.approx(601 / 60)
     settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 0  # none
     assert read_demand([str(endpoint.pk)])[str(endpoint.pk)].max_lines_per_s is None
+
+
+@pytest.mark.django_db
+def test_the_demand_sums_the_lines_in_flight_its_runs_measured_lately():
+    endpoint = EndpointFactory()
+    now = time.time()
+    moment = lambda unix: datetime.fromtimestamp(unix, UTC)  # noqa: E731
+    _batch(endpoint, line_concurrency=0.5, line_concurrency_at=moment(now - 1))
+    _batch(endpoint, line_concurrency=2.0, line_concurrency_at=moment(now - 2))
+    _batch(endpoint, line_concurrency=9.0, line_concurrency_at=moment(now - USE_WINDOW_S - 1))  # too old: not counted
+    assert read_demand([str(endpoint.pk)], now=now)[str(endpoint.pk)].line_concurrency == 2.5
+    assert read_demand([str(endpoint.pk)], now=now + USE_WINDOW_S)[str(endpoint.pk)].line_concurrency is None
 
 
 @pytest.mark.django_db
@@ -151,3 +195,4 @@ def test_a_run_records_since_when_its_lines_are_refused_and_forgets_it_once_one_
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.refused_since) == (BatchStatus.COMPLETED, 3, None)
+    assert batch.line_concurrency > 0 and batch.line_concurrency_at.timestamp() <= time.time()
