@@ -238,8 +238,12 @@ class Progress:
     line_concurrency_at: float | None = None
 
     def refused(self) -> None:
-        self.last_refused_at = time.time()
-        self.refused_since = self.last_refused_at if self.refused_since is None else self.refused_since
+        now = time.time()
+        # NOTE: refusals with no try for `STALL_S` between them are two streaks: a transient 503 hours ago, the endpoint
+        # asleep since, must not make the first refusal after its wake read as a stall (its replica let go at once)
+        if self.refused_since is None or self.last_refused_at is None or now - self.last_refused_at >= scheduling.STALL_S:
+            self.refused_since = now
+        self.last_refused_at = now
 
     def finished(self) -> None:
         self.refused_since = None

@@ -196,3 +196,15 @@ def test_a_run_records_since_when_its_lines_are_refused_and_forgets_it_once_one_
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.refused_since) == (BatchStatus.COMPLETED, 3, None)
     assert batch.line_concurrency > 0 and batch.line_concurrency_at.timestamp() <= time.time()
+
+
+def test_refusals_with_no_try_between_them_for_five_minutes_are_two_streaks():
+    # Before this rule a 503 hours ago, the endpoint asleep since, made the first refusal after its wake a stall.
+    now = time.time()
+    long_ago = runner.Progress(num_completed=0, num_failed=0, refused_since=now - 4 * STALL_S,
+                               last_refused_at=now - 3 * STALL_S)
+    long_ago.refused()
+    assert long_ago.refused_since == long_ago.last_refused_at >= now
+    going_on = runner.Progress(num_completed=0, num_failed=0, refused_since=now - 10, last_refused_at=now - 1)
+    going_on.refused()
+    assert going_on.refused_since == now - 10 and going_on.last_refused_at >= now
