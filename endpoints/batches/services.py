@@ -38,6 +38,7 @@ from controlplane.tasks import send_task
 from controlplane.worker_threads import on_database_thread, run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
+from endpoints.batches.demand import read_demand
 from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
@@ -829,14 +830,22 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         # dead connection's error in `_release` hid the run's own)
         close_old_connections()
     if progress.stopped == "cold":
-        wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
-                                                         batch.expires_at.timestamp()),
-                                  target_concurrency=endpoint.target_concurrency,
-                                  cold_start_s=endpoint.cold_start_timeout_s,
-                                  seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
-        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does not wake the endpoint "
-                             f"before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} (its deadline's need)",
-                   batch_id=batch.pk)
+        # NOTE: the endpoint's demand as the autoscaler reads it (its keys' rate, its stalled batches left out)
+        demand = read_demand([str(endpoint.pk)]).get(str(endpoint.pk))
+        if demand is None or scheduling.rate_bound(demand, target_concurrency=endpoint.target_concurrency,
+                                                   seconds_per_line=settings.BATCH_SECONDS_PER_LINE):
+            why = ("its lines' tries were all refused lately" if demand is None else
+                   "its keys may send too few lines a minute to keep a replica busy")
+            record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
+                              f"not wake the endpoint: {why}; it runs when other traffic keeps a replica warm",
+                              batch_id=batch.pk)
+        else:
+            wake = scheduling.wake_at(demand, target_concurrency=endpoint.target_concurrency,
+                                      cold_start_s=endpoint.cold_start_timeout_s,
+                                      seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
+            record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
+                              f"not wake the endpoint before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} "
+                              "(its deadline's need)", batch_id=batch.pk)
     elif progress.stopped == "quota":
         _fail_past_storage_quota(batch, min(refused))
     return progress.stopped or "ran"

@@ -208,3 +208,18 @@ def test_refusals_with_no_try_between_them_for_five_minutes_are_two_streaks():
     going_on = runner.Progress(num_completed=0, num_failed=0, refused_since=now - 10, last_refused_at=now - 1)
     going_on.refused()
     assert going_on.refused_since == now - 10 and going_on.last_refused_at >= now
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_whose_key_cannot_wake_its_endpoint_says_so_rather_than_a_wake_time(files_bucket, tenant, settings):
+    # Before: "... does not wake the endpoint before <its deadline's time>", a wake the autoscaler never makes.
+    from endpoints.models import EndpointEvent, EventKind
+
+    settings.DEFAULT_KEY_REQUESTS_PER_MINUTE = 1
+    endpoint = EndpointFactory(organization=tenant.org, target_concurrency=8)  # asleep: no replica
+    batch = new_batch(endpoint, one_chat_line(endpoint) * 1 + one_chat_line(endpoint).replace(b'"only"', b'"two"'))
+
+    assert services.run_batch(batch.pk) == "cold"
+
+    [event] = EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.BATCH, message__contains="waits")
+    assert "too few lines a minute to keep a replica busy" in event.message and "before" not in event.message
