@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
-from django.db.models import F, Min, Sum
+import time
+
+from django.conf import settings
 
 from endpoints.batches.models import Batch, BatchStatus
-from endpoints.batches.scheduling import BatchDemand
+from endpoints.batches.scheduling import USE_WINDOW_S, BatchDemand, stalled
 
 
-def read_demand(endpoint_ids: list[str] | None = None) -> dict[str, BatchDemand]:
-    """Pending lines and earliest deadline of the running batches of each endpoint (all with work if None)."""
+def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = None) -> dict[str, BatchDemand]:
+    """Pending lines, earliest deadline, the lines per second their keys may send (`requests_per_minute`: the
+    platform's default where unset; 0: none) and the lines their runs kept in flight (measured in the last
+    `USE_WINDOW_S`; None where no run measured any), of the running batches of each endpoint (all with work if None).
+    Stalled batches (`scheduling.stalled`) are left out: they hold and wake nothing."""
+    now = time.time() if now is None else now
     batches = Batch.objects.filter(status=BatchStatus.IN_PROGRESS, endpoint__isnull=False)
     if endpoint_ids is not None:
         batches = batches.filter(endpoint_id__in=endpoint_ids)
-    rows = (batches.order_by().values("endpoint_id")
-            .annotate(pending=Sum(F("num_total") - F("num_completed") - F("num_failed")), deadline=Min("expires_at")))
-    return {str(row["endpoint_id"]): BatchDemand(max(0, row["pending"] or 0), row["deadline"].timestamp())
-            for row in rows if (row["pending"] or 0) > 0}
+    rows = batches.order_by().values_list(
+        "endpoint_id", "num_total", "num_completed", "num_failed", "expires_at", "api_key_id", "created_by_id",
+        "api_key__requests_per_minute", "refused_since", "last_refused_at", "line_concurrency",
+        "line_concurrency_at")
+    pending: dict[str, int] = {}
+    deadline: dict[str, float] = {}
+    # NOTE: per caller, not per batch: a key's batches share its requests per minute (a member's, the default)
+    callers: dict[str, dict[tuple, int]] = {}
+    measured: dict[str, float] = {}
+    for (endpoint_id, num_total, num_completed, num_failed, expires_at, api_key_id, created_by_id, key_rpm,
+         refused_since, last_refused_at, line_concurrency, line_concurrency_at) in rows:
+        num_pending = max(0, num_total - num_completed - num_failed)
+        if not num_pending or stalled(refused_since=refused_since and refused_since.timestamp(),
+                                      last_refused_at=last_refused_at and last_refused_at.timestamp(), now=now):
+            continue
+        endpoint_id = str(endpoint_id)
+        pending[endpoint_id] = pending.get(endpoint_id, 0) + num_pending
+        deadline[endpoint_id] = min(deadline.get(endpoint_id, expires_at.timestamp()), expires_at.timestamp())
+        rpm = key_rpm if key_rpm is not None else settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
+        callers.setdefault(endpoint_id, {})[("key", api_key_id) if api_key_id else ("user", created_by_id)] = rpm
+        if line_concurrency_at is not None and now - line_concurrency_at.timestamp() < USE_WINDOW_S:
+            measured[endpoint_id] = measured.get(endpoint_id, 0.0) + line_concurrency
+    demand = {}
+    for endpoint_id, num_pending in pending.items():
+        limits = callers[endpoint_id].values()
+        max_lines_per_s = None if 0 in limits else sum(limits) / 60
+        demand[endpoint_id] = BatchDemand(num_pending, deadline[endpoint_id], max_lines_per_s, measured.get(endpoint_id))
+    return demand

@@ -169,6 +169,15 @@ class Batch(models.Model):
     # When its line results (`storage.put_result`) were deleted, once it ended; None while they may be in
     # S3: `services.sweep_ended_results` deletes those of batches ended a while ago (a run that died first).
     results_deleted_at = models.DateTimeField(null=True, blank=True)
+    # Written by its runs (`runner.Progress`): since when every try of its lines has been refused (429, 5xx: left
+    # pending), None once a line finished after them, and the last refusal. Batch work refused for
+    # `scheduling.STALL_S` holds and wakes no replica (`demand.read_demand`).
+    refused_since = models.DateTimeField(null=True, blank=True)
+    last_refused_at = models.DateTimeField(null=True, blank=True)
+    # The lines its last run kept in flight over the minute before `line_concurrency_at`, none refused
+    # (`scheduling.LineUse`): the most READY replicas its work holds (/ target concurrency, one at least).
+    line_concurrency = models.FloatField(null=True, blank=True)
+    line_concurrency_at = models.DateTimeField(null=True, blank=True)
 
     objects = BatchQuerySet.as_manager()
 

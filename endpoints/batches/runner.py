@@ -227,6 +227,25 @@ class Progress:
     # "outage" (PostgreSQL away: `run`), "unstored" (lines answered, their answers not stored: the batch must not end),
     # "no_room" (the process's answer bytes held by its other runs for `BATCH_NO_ROOM_GIVE_UP_S`, none by this run)
     stopped: str = ""
+    # unix times: since when every try has been refused (a transient refusal, left pending), None once a line finished
+    # after it; and the last refusal (`Batch.refused_since`, `Batch.last_refused_at`: `scheduling.stalled`)
+    refused_since: float | None = None
+    last_refused_at: float | None = None
+    # the lines this run kept in flight over the last `scheduling.USE_WINDOW_S`, none refused (`scheduling.LineUse`),
+    # at the unix time `line_concurrency_at`; None until it started a line (`Batch.line_concurrency`)
+    line_concurrency: float | None = None
+    line_concurrency_at: float | None = None
+
+    def refused(self) -> None:
+        now = time.time()
+        # NOTE: refusals with no try for `STALL_S` between them are two streaks: a transient 503 hours ago, the endpoint
+        # asleep since, must not make the first refusal after its wake read as a stall (its replica let go at once)
+        if self.refused_since is None or self.last_refused_at is None or now - self.last_refused_at >= scheduling.STALL_S:
+            self.refused_since = now
+        self.last_refused_at = now
+
+    def finished(self) -> None:
+        self.refused_since = None
 
 
 class _Capture:
@@ -497,6 +516,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     client = upstream.UpstreamClient(read_timeout_s=min(settings.GATEWAY_UPSTREAM_READ_TIMEOUT_S, LINE_MIN_WAIT_S))
     latest_end = lines_end_by if lines_end_by is not None else float("inf")
     answer_bytes.run_started(work.batch_id)
+    line_use: scheduling.LineUse | None = None  # from the first line's start
+    started_at: dict[asyncio.Task, float] = {}  # each running line's start (monotonic)
+
+    def measure() -> None:  # what each check writes: the lines kept in flight of late
+        if line_use is not None:
+            progress.line_concurrency = line_use.concurrency(time.monotonic(), list(started_at.values()))
+            progress.line_concurrency_at = time.time()
+
     try:
         while pending or running or storing or unstored:
             pending.read_ahead()
@@ -504,6 +531,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             if now - last_check >= (CHECK_EVERY_S if away_since is None else outage_retry_pause_s(num_away_checks)):
                 # NOTE: also while the last lines finish after a stop: the lease must outlive them.
                 last_check = now
+                measure()
                 reason = await check(progress)  # "outage" while PostgreSQL is away
                 if reason != "outage":
                     renewed_at = now
@@ -585,8 +613,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
                     line, answer = pending.take(), answer_bytes.LineAnswer()
-                    running[asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))] = (
-                        line, answer)
+                    task = asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))
+                    running[task], started_at[task] = (line, answer), now
+                    line_use = line_use or scheduling.LineUse(began_at=now)
             if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
                 no_room_since = None
             elif no_room_since is None:
@@ -635,10 +664,13 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         progress.num_completed += 1
                     elif stored.kept:
                         progress.num_failed += 1
+                    if stored.kept:
+                        progress.finished()
                     if stored.stop and not progress.stopped:
                         progress.stopped = stored.stop
                     continue
                 line, answer = running.pop(task)
+                line_started_at = started_at.pop(task)
                 try:
                     outcome = task.result()
                 except BaseException:
@@ -657,9 +689,11 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                         not_before = time.monotonic() + engine_failure_pause_s(num_failures)
                 if outcome.retry:
                     answer.release()
+                    progress.refused()
                     pending.again(line, not_before=not_before)
                     pause_until = time.monotonic() + RETRY_PAUSE_S
                     continue
+                line_use.ended(line_started_at, time.monotonic())
                 # NOTE: its thread's connection checked before and after (`connections_checked`): Django checks them
                 # only around requests, and one a PostgreSQL restart cut stayed in its thread, broken
                 storing[asyncio.ensure_future(asyncio.to_thread(store, outcome))] = outcome, answer
@@ -679,6 +713,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
             progress.stopped = "unstored"
         await client.close()
         await usage_writer.replay_before_the_loop_ends(REPLAY_JOURNAL_FOR_S)
+    measure()
     await check(progress)  # the last counts
     pending.raise_failure()
     return progress

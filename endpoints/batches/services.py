@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Container, Iterable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
@@ -38,6 +38,7 @@ from controlplane.tasks import send_task
 from controlplane.worker_threads import on_database_thread, run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
+from endpoints.batches.demand import read_demand
 from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
@@ -697,6 +698,14 @@ def caller_of(batch: Batch) -> Caller | None:
                   tokens_per_minute=key.tokens_per_minute if key else None)
 
 
+def _unix(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
+def _moment(unix: float | None) -> datetime | None:
+    return None if unix is None else datetime.fromtimestamp(unix, UTC)
+
+
 def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
     """End the batch as a cancel does (lines in flight finish; what finished is kept, billed and written)."""
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.CANCELLING,
@@ -729,7 +738,8 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     num_todo = max(0, batch.num_total - len(done))
     lines_end_by = started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
-                               num_failed=sum(1 for ok in done.values() if not ok))
+                               num_failed=sum(1 for ok in done.values() if not ok),
+                               refused_since=_unix(batch.refused_since), last_refused_at=_unix(batch.last_refused_at))
     endpoint = batch.endpoint
     work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, endpoint_id=str(endpoint.pk),
                        model=endpoint.name,
@@ -744,9 +754,13 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                              f"(engine priority {scheduling.BATCH_ENGINE_PRIORITY})", batch_id=batch.pk)
 
     def keep_going(progress: runner.Progress) -> str:
+        measured = {} if progress.line_concurrency is None else {
+            "line_concurrency": progress.line_concurrency, "line_concurrency_at": _moment(progress.line_concurrency_at)}
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
             lease_until=_lease_for(settings.BATCH_LEASE_S),
-            num_completed=progress.num_completed, num_failed=progress.num_failed)
+            num_completed=progress.num_completed, num_failed=progress.num_failed,
+            refused_since=_moment(progress.refused_since), last_refused_at=_moment(progress.last_refused_at),
+            **measured)
         if not renewed:
             return "lease"
         status, endpoint_deleted_at = Batch.objects.filter(pk=batch.pk).values_list(
@@ -816,14 +830,22 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
         # dead connection's error in `_release` hid the run's own)
         close_old_connections()
     if progress.stopped == "cold":
-        wake = scheduling.wake_at(scheduling.BatchDemand(batch.num_total - progress.num_completed - progress.num_failed,
-                                                         batch.expires_at.timestamp()),
-                                  target_concurrency=endpoint.target_concurrency,
-                                  cold_start_s=endpoint.cold_start_timeout_s,
-                                  seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
-        record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does not wake the endpoint "
-                             f"before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} (its deadline's need)",
-                   batch_id=batch.pk)
+        # NOTE: the endpoint's demand as the autoscaler reads it (its keys' rate, its stalled batches left out)
+        demand = read_demand([str(endpoint.pk)]).get(str(endpoint.pk))
+        if demand is None or scheduling.rate_bound(demand, target_concurrency=endpoint.target_concurrency,
+                                                   seconds_per_line=settings.BATCH_SECONDS_PER_LINE):
+            why = ("its lines' tries were all refused lately" if demand is None else
+                   "its keys may send too few lines a minute to keep a replica busy")
+            record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
+                              f"not wake the endpoint: {why}; it runs when other traffic keeps a replica warm",
+                              batch_id=batch.pk)
+        else:
+            wake = scheduling.wake_at(demand, target_concurrency=endpoint.target_concurrency,
+                                      cold_start_s=endpoint.cold_start_timeout_s,
+                                      seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
+            record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
+                              f"not wake the endpoint before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} "
+                              "(its deadline's need)", batch_id=batch.pk)
     elif progress.stopped == "quota":
         _fail_past_storage_quota(batch, min(refused))
     return progress.stopped or "ran"
