@@ -178,14 +178,16 @@ def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
 
 def _fail(adapter: Adapter, reason: str) -> None:
     reason = reason[:300]
-    if Adapter.objects.filter(pk=adapter.pk).exclude(state=AdapterState.FAILED, status_message=reason).update(
-            state=AdapterState.FAILED, status_message=reason):
+    if Adapter.objects.filter(pk=adapter.pk).exclude(state=AdapterState.FAILED, status_message=reason,
+                                                     failure_retried=False).update(
+            state=AdapterState.FAILED, status_message=reason, failure_retried=False):
         record_event(adapter.endpoint, EventKind.FAILURE, f"Adapter {adapter.name} failed: {reason}")
 
 
 def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str, int] | None = None) -> None:
     """What an agent reported of one of its replicas' adapters: the replica's `adapters` (what the
-    gateway routes on), adapters it loaded READY, refused ones FAILED with the engine's reason. Nothing of a replica
+    gateway routes on), adapters it loaded READY, failed ones FAILED with the reason, `failure_retried` where the agent
+    tries them again (`adapter_failures_retried`: held for, not refused; an older agent's stand). Nothing of a replica
     stopped or failed already (as `replicas.apply_replica_report`), nor of a numbered `heartbeat` (boot id, sequence)
     no longer the node's last taken.
 
@@ -196,6 +198,7 @@ def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str
     older's adapters landed after the newer's (`tests/fleet/test_heartbeat_order.py`)."""
     loaded = [name for name in report.adapters if isinstance(name, str)][:MAX_REPORTED_ADAPTERS]
     failures = {str(name): str(reason) for name, reason in list(report.adapter_failures.items())[:MAX_REPORTED_ADAPTERS]}
+    retried = set(report.adapter_failures_retried)
     with transaction.atomic():
         replica = (Replica.objects.select_for_update().filter(pk=report.replica_id, node=node)
                    .exclude(state__in=FINAL_REPLICA_STATES).only("pk", "endpoint_id", "adapters").first())
@@ -214,13 +217,16 @@ def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str
     endpoint_id = replica.endpoint_id
     if loaded:
         while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name__in=loaded).exclude(
-            state=AdapterState.READY)).update(state=AdapterState.READY, status_message="")
-    num_failed = 0
+            state=AdapterState.READY)).update(state=AdapterState.READY, status_message="", failure_retried=False)
+    num_refused = 0
     for name, reason in failures.items():
-        num_failed += while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
-            state=AdapterState.FAILED, status_message=reason[:300]
-        )).update(state=AdapterState.FAILED, status_message=reason[:300])
-    if num_failed:
+        # NOTE: before, a failure the agent tries again (a Hub 5xx, a disk full) was kept as a refusal: every call
+        # naming the adapter a 400 `adapter_failed` meanwhile, and its batch lines failed for good
+        num_changed = while_last(Adapter.objects.filter(endpoint_id=endpoint_id, name=name).exclude(
+            state=AdapterState.FAILED, status_message=reason[:300], failure_retried=name in retried
+        )).update(state=AdapterState.FAILED, status_message=reason[:300], failure_retried=name in retried)
+        num_refused += num_changed if name not in retried else 0
+    if num_refused:
         notify_endpoint_ready(endpoint_id)  # the calls held for them are refused now (`gateway.adapter_hold`)
 
 

@@ -927,7 +927,7 @@ class EndpointEvent(models.Model):
 class AdapterState(models.TextChoices):
     PENDING = "PENDING", "Pending"  # not yet loaded by any replica (loads on first use)
     READY = "READY", "Ready"  # a replica loaded it once: the files and the base model agree
-    FAILED = "FAILED", "Failed"  # an engine refused it; `status_message` says why
+    FAILED = "FAILED", "Failed"  # an engine refused it, or a load failed (`failure_retried`); `status_message` says why
 
 
 class Adapter(models.Model):
@@ -946,6 +946,9 @@ class Adapter(models.Model):
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
     state = models.CharField(max_length=16, choices=AdapterState.choices, default=AdapterState.PENDING)
     status_message = models.CharField(max_length=300, blank=True)
+    # FAILED for a passing reason its agent tries again (`ReplicaStatus.adapter_failures_retried`: the store
+    # unreachable, a disk full): calls are held for it as for a load. False: the failure stands (400 `adapter_failed`).
+    failure_retried = models.BooleanField(default=False, db_default=False)
     last_requested_at = models.DateTimeField(null=True, blank=True)  # the last call that named it
     created_at = models.DateTimeField(default=timezone.now)
 

@@ -535,6 +535,10 @@ class ReplicaStatus(Message):
     # and those the engine (or the agent) refused, with the reason.
     adapters: list[str] = field(default_factory=list)
     adapter_failures: dict[str, str] = field(default_factory=dict)
+    # Those of `adapter_failures` failed for a passing reason (the store unreachable, an I/O error, no answer from the
+    # engine) that the agent tries again; the others stand while the adapter does (the engine's refusal, its files).
+    # An older agent names none: its failures stand, as they did.
+    adapter_failures_retried: list[str] = field(default_factory=list)
     # Measured once the engine is READY (None until then, for an embedding model, or from an older agent).
     chat_template_tokens: ChatTemplateTokens | None = None
 
@@ -547,6 +551,11 @@ class ReplicaStatus(Message):
         for name in (*self.adapters, *self.adapter_failures):
             _require_length(name, "each adapter's name", MAX_ADAPTER_NAME_CHARS)
         self.adapter_failures = {name: reason[:MAX_ADAPTER_FAILURE_CHARS] for name, reason in self.adapter_failures.items()}
+        _require(isinstance(self.adapter_failures_retried, list)
+                 and all(isinstance(name, str) for name in self.adapter_failures_retried),
+                 "adapter_failures_retried must be a list of adapter names")
+        self.adapter_failures_retried = [name for name in dict.fromkeys(self.adapter_failures_retried)
+                                         if name in self.adapter_failures]
         self.failure_reason = self.failure_reason[-MAX_FAILURE_REASON_CHARS:]
         self.progress = self.progress[:MAX_PROGRESS_CHARS]
         _require(0.0 <= _finite(self.kv_cache_usage, "kv_cache_usage") <= 1.0, "kv_cache_usage must be within 0..1")

@@ -304,7 +304,8 @@ async def _refuse_unless_held(endpoint: directory.EndpointInfo, adapter: directo
     """Nothing if a READY replica holds `adapter`; else the line's refusal before it is admitted (no reservation, no
     slot, no hold: a batch line is never held through a load, as through a cold start): an adapter an engine refused
     fails the line (400 `adapter_failed`, its reason: `adapter_hold.refuse_if_failed`, the gateway's rule); one not
-    loaded yet is asked for and the line tried again later (503, as no slot now). NOTE: before, each line waited
+    loaded yet, or failed for a passing reason its agent tries again (`failure_retried`), is asked for and the line
+    tried again later (503, as no slot now). NOTE: before, each line waited
     `cold_start_timeout_s` holding its reservation and a slot, then was tried again until the batch expired, a FAILED
     adapter's for ever."""
     replicas = await directory.ready_replicas(endpoint.id, generation=endpoint.engine_generation)

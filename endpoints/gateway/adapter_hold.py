@@ -15,7 +15,9 @@ itself four times a second: a dozen held calls took the database from 5 to 185 c
 
 An adapter an engine refused (FAILED) held by no READY replica is a 400 `adapter_failed` with the engine's reason,
 for a call and a batch line alike (`refuse_if_failed`): it held each call the endpoint's whole cold start timeout,
-then answered 503 "not loaded yet", which clients retried without end.
+then answered 503 "not loaded yet", which clients retried without end. A failure its agent tries again
+(`failure_retried`: the store unreachable, a disk full) is held for as a load is: a call until the retry loads it or
+its hold times out (503 `adapter_loading`), a batch line tried again later.
 """
 
 from __future__ import annotations
@@ -74,13 +76,21 @@ def not_loaded(adapter: directory.AdapterInfo) -> errors.OpenAIError:
         type="server_error", code="adapter_loading", headers={"retry-after": "10"})
 
 
+def _refused(adapter: directory.AdapterInfo) -> bool:
+    """FAILED for good: an engine refused it (or its files). A failure its agent tries again is not (`failure_retried`:
+    held for as a load is)."""
+    return adapter.state == AdapterState.FAILED and not adapter.failure_retried
+
+
 async def refuse_if_failed(endpoint: directory.EndpointInfo, adapter: directory.AdapterInfo) -> None:
     """The 400 `adapter_failed` (with the engine's reason) for a call naming `adapter`, which no READY replica
-    holds, when an engine refused it: FAILED as read, and again when read fresh (a load since may have worked)."""
-    if adapter.state != AdapterState.FAILED:
+    holds, when an engine refused it: FAILED for good as read, and again when read fresh (a load since may have
+    worked). NOTE: a failure the agent tries again (a Hub 5xx, a disk full) was a 400 too, which SDKs do not retry,
+    and failed batch lines for good."""
+    if not _refused(adapter):
         return
     adapter = (await directory.endpoint_adapters(endpoint.id, fresh=True)).get(adapter.name) or adapter
-    if adapter.state == AdapterState.FAILED:
+    if _refused(adapter):
         raise errors.OpenAIError(
             400, f"The adapter '{adapter.name}' could not be loaded: {adapter.status_message or 'its engine refused it'}.",
             param="model", code="adapter_failed")

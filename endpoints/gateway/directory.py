@@ -253,6 +253,7 @@ class AdapterInfo:
     price_output_per_million: Decimal | None
     state: str = ""  # `AdapterState`: FAILED when an engine refused it (`status_message` says why)
     status_message: str = ""
+    failure_retried: bool = False  # FAILED for a passing reason its agent tries again: held for, not refused
 
     def priced(self, endpoint: EndpointInfo) -> EndpointInfo:
         """The endpoint as a call to this adapter is priced (reserved and billed).
@@ -275,9 +276,10 @@ class AdapterInfo:
 
 def _load_adapters(endpoint_id: str) -> dict[str, AdapterInfo]:
     rows = Adapter.objects.filter(endpoint_id=endpoint_id).values_list(
-        "pk", "name", "price_input_per_million", "price_output_per_million", "state", "status_message")
-    return {name: AdapterInfo(str(pk), name, price_in, price_out, state, message)
-            for pk, name, price_in, price_out, state, message in rows}
+        "pk", "name", "price_input_per_million", "price_output_per_million", "state", "status_message",
+        "failure_retried")
+    return {name: AdapterInfo(str(pk), name, price_in, price_out, state, message, retried)
+            for pk, name, price_in, price_out, state, message, retried in rows}
 
 
 _adapters = Memo(_load_adapters, ENDPOINT_CACHE_S)

@@ -154,6 +154,10 @@ class AdapterSlots:
                     self.failures[adapter.name] = reason[:300]
                 logger.warning("adapter %s not loaded: %s", adapter.name, exc)
 
+    def retried(self) -> list[str]:
+        """The failed adapters that are tried again (`TRANSIENT_RETRY_S`): their failure passes, the others stand."""
+        return [name for name in self.failures if name in self._retry_at]
+
     def settled(self) -> set[str]:
         """The adapters a sync has nothing to do for now: loaded, or failed and not due to be tried again."""
         now = time.monotonic()
@@ -289,3 +293,4 @@ class ReplicaAdapters:
                 if current is not None and status.state == ReplicaState.READY:
                     status.adapters = current[1].names()
                     status.adapter_failures = dict(current[1].failures)
+                    status.adapter_failures_retried = current[1].retried()

@@ -148,6 +148,7 @@ def test_a_load_left_unanswered_is_tried_again_and_a_refusal_is_not(monkeypatch)
               AdapterSpec(name="bad", source="s3://b/bad", wanted_at=1.0)]
     slots.sync(wanted, lambda adapter: f"/cache/{adapter.name}")
     assert set(slots.failures) == {"slow", "bad"} and slots.names() == []
+    assert slots.retried() == ["slow"]  # reported so: the control plane holds calls for it, and refuses "bad"
 
     clock[0] += adapters_module.TRANSIENT_RETRY_S + 1
     slots.sync(wanted, lambda adapter: f"/cache/{adapter.name}")
@@ -203,6 +204,9 @@ def test_a_node_tries_a_passing_failure_again_at_a_later_heartbeat(monkeypatch, 
     try:
         keeper.sync(spec, engine.address, 0)
         assert synced.wait(10) and _reported_failures(keeper, spec.replica_id)
+        statuses = [ReplicaStatus(replica_id=spec.replica_id, state=ReplicaState.READY)]
+        keeper.report(statuses)
+        assert statuses[0].adapter_failures_retried == ["tone"]  # before: not said, so the failure stood
         keeper.sync(spec, engine.address, 0)  # the next heartbeat
         wait_until(lambda: _reported_adapters(keeper, spec.replica_id) == ["tone"], 10)
         assert _reported_failures(keeper, spec.replica_id) == {}

@@ -21,11 +21,12 @@ from billing.models import UsageRecord
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
-from endpoints.adapters import create_adapter, delete_adapter
+from endpoints.adapters import create_adapter, delete_adapter, record_replica_adapters
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.models import Adapter, AdapterState, Endpoint, Replica
 from endpoints.services import set_prices
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.batches.conftest import bucket_objects, new_batch
 from tests.fakes.mock_openai import PROMPT_TOKENS
 from tests.gateway.conftest import new_tenant, serve_endpoint
@@ -207,6 +208,44 @@ def test_lines_naming_an_adapter_that_failed_to_load_fail_at_once_with_its_reaso
     assert error["status_code"] == 400 and error["body"]["error"]["code"] == "adapter_failed"
     assert "not a LoRA adapter" in error["body"]["error"]["message"]
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0 and not UsageRecord.objects.exists()
+
+
+def test_lines_naming_an_adapter_whose_load_its_agent_tries_again_wait_and_run_once_it_loads(
+    files_bucket, tenant, start_mock_upstream
+):
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    adapter = Adapter.objects.create(
+        endpoint=endpoint,
+        name="tone",
+        source="hf:tuned/tone",
+        state=AdapterState.FAILED,
+        status_message="cannot reach the Hub for hf:tuned/tone (it answered 503) (tried again in 60 s)",
+        failure_retried=True,  # a passing failure: the agent tries it again
+    )
+    batch = new_batch(endpoint, _jsonl([_line(f"l{i}", f"{endpoint.name}:tone") for i in range(3)]))
+    services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.pk))
+
+    def run():
+        services.run_batch(batch.pk)
+        connection.close()
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while runner.is_alive() and not Adapter.objects.filter(pk=adapter.pk, last_requested_at__isnull=False).exists():
+        assert time.monotonic() < deadline, "no line asked for the adapter"
+        time.sleep(0.1)  # a line asked for the adapter: the run waits for it
+    # before: every line failed at once, 400 adapter_failed, and the batch completed so
+    assert runner.is_alive(), Batch.objects.values_list("num_completed", "num_failed").get(pk=batch.pk)
+    replica = Replica.objects.get(endpoint=endpoint)
+    record_replica_adapters(replica.node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                        adapters=["tone"]))  # the retry loaded it
+    runner.join(60)
+    assert not runner.is_alive()
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.COMPLETED and (batch.num_completed, batch.num_failed) == (3, 0)
+    assert UsageRecord.objects.filter(batch_id=batch.pk, adapter="tone").count() == 3
 
 
 def test_a_batch_waiting_for_an_adapter_to_load_is_cancelled_at_once_holding_nothing(

@@ -166,3 +166,57 @@ def test_a_call_held_for_an_adapter_the_engine_then_refuses_is_a_400_once_it_is_
     assert answers[0].json()["error"]["code"] == "adapter_failed"
     assert "greater than max_lora_rank" in answers[0].json()["error"]["message"]
     assert get_redis().hlen(reservations_key(tenant.org.pk)) == 0 and not UsageRecord.objects.exists()
+
+
+HUB_DOWN = "cannot reach the Hub for hf:acme/slow (it answered 503) (tried again in 60 s)"
+
+
+def test_a_call_during_a_failure_its_agent_tries_again_is_held_and_served_once_the_retry_loads_it(
+        gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=30)
+    _report(endpoint, adapter_failures={"slow": HUB_DOWN}, adapter_failures_retried=["slow"])
+    adapter = Adapter.objects.get(endpoint=endpoint)
+    assert (adapter.state, adapter.failure_retried) == (AdapterState.FAILED, True)
+    threads, answers = _calls_in_background(gateway, tenant, 1)
+    _wait_until(lambda: get_redis().zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 1)
+    assert not answers  # before: a 400 adapter_failed at once, which SDKs do not retry
+    _report(endpoint, adapters=["slow"])
+    threads[0].join(30)
+    assert answers[0].status_code == 200, answers[0].text
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+
+
+def test_a_call_during_a_failure_its_agent_tries_again_is_a_503_to_retry_once_its_hold_times_out(
+        gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=3)
+    _report(endpoint, adapter_failures={"slow": HUB_DOWN}, adapter_failures_retried=["slow"])
+    answer = _call(gateway, tenant)
+    # before: 400 adapter_failed
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "adapter_loading", answer.text
+    assert answer.headers["retry-after"]
+    assert get_redis().hlen(reservations_key(tenant.org.pk)) == 0 and not UsageRecord.objects.exists()
+
+
+def test_a_standing_refusal_after_a_failure_tried_again_is_a_400_and_an_older_agents_failure_stands(
+        gateway, tenant, start_mock_upstream):
+    upstream = start_mock_upstream()
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=30)
+    _report(endpoint, adapter_failures={"slow": HUB_DOWN}, adapter_failures_retried=["slow"])
+    threads, answers = _calls_in_background(gateway, tenant, 1)
+    _wait_until(lambda: get_redis().zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 1)
+    # the retry fetched the files and the engine refused them: the held call is refused at once
+    _report(endpoint, adapter_failures={"slow": "LoRA rank 64 is greater than max_lora_rank 16."})
+    reported = time.monotonic()
+    threads[0].join(30)
+    assert answers[0].status_code == 400 and time.monotonic() - reported < 5
+    assert answers[0].json()["error"]["code"] == "adapter_failed"
+    assert Adapter.objects.get(endpoint=endpoint).failure_retried is False
+    # an older agent names no failure it tries again: its failures stand, as they did
+    replica = Replica.objects.get(endpoint=endpoint)
+    report = ReplicaStatus.from_dict({"replica_id": str(replica.pk), "state": "READY",
+                                      "adapter_failures": {"slow": "not a LoRA adapter"}})
+    record_replica_adapters(replica.node, report)
+    answer = _call(gateway, tenant)
+    assert answer.status_code == 400 and "not a LoRA adapter" in answer.json()["error"]["message"]
