@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('endpoints', '0029_scrub_fleet_memory_from_tenant_reasons_again'),
+        ('endpoints', '0030_count_failures_since_ready'),
     ]
 
     operations = [
