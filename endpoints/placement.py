@@ -2,8 +2,9 @@
 
 Best fit by free GPU memory on READY nodes of the endpoint's GPU type whose
 engine supports the endpoint's quantization and whose registered host the gateway may reach (`Node.host_problem`), preferring nodes that already hold
-the weights (a copy they were given: `nodes_holding_weights`) and spreading one endpoint's replicas over nodes. Never
-over-commits: a node's reservations never exceed its GPU memory.
+the weights (a copy they were given: `nodes_holding_weights`) and spreading one endpoint's replicas over nodes. A node
+where the endpoint's replicas failed since one of them was last READY ranks below the others (`failures_here`): its
+retry goes elsewhere first. Never over-commits: a node's reservations never exceed its GPU memory.
 
 GPUs are units on nodes that reported them (`Node.gpus`): a replica gets
 `gpus_per_replica` whole GPUs of one node that nobody else holds (tensor parallel
@@ -22,10 +23,12 @@ import math
 import re
 from dataclasses import dataclass
 
+from django.db.models import Count, Max
+
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
 from endpoints.models import Endpoint, ModelFacts, Replica, weights_scope_for
 from endpoints.nodes.models import Node
-from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS
+from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS, ReplicaState
 
 # Without a size from an agent's weights cache or the model's name, assume a small model; the
 # agent reports the real size after its first download and later placements use it.
@@ -178,6 +181,23 @@ def nodes_holding_weights(endpoint: Endpoint, candidates: list[Node]) -> set:
             if weights_scope_for(organization_id, credential_id, source) == scope}
 
 
+def failures_here(endpoint: Endpoint, candidates: list[Node]) -> dict:
+    """Node id -> how many of the endpoint's replicas FAILED on it since one of its replicas was last READY
+    (`Replica.ready_at`, a wake's included; every failure when none ever was), for `candidates` with any.
+
+    NOTE: placement ranks these nodes below the others, ahead of the weights they hold: a FAILED replica is not live,
+    so the node where it just failed (an ECC or driver error, a start that timed out) counted no replica of the
+    endpoint, still held its weights and stood empty, and won every retry until the endpoint was FAILED for good,
+    while a healthy node stood by (a review's finding). Still placed on when no other node fits.
+    """
+    replicas = Replica.objects.filter(endpoint=endpoint)
+    last_ready_at = replicas.aggregate(last=Max("ready_at"))["last"]
+    failed = replicas.filter(state=ReplicaState.FAILED, node__in=candidates)
+    if last_ready_at is not None:
+        failed = failed.filter(stopped_at__gt=last_ready_at)
+    return dict(failed.order_by().values_list("node").annotate(num=Count("pk")))
+
+
 @dataclass(slots=True)
 class _GpuRoom:
     index: int
@@ -267,15 +287,18 @@ def bills_by_catalogue_context(endpoint: Endpoint) -> bool:
 
 
 def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used_mb: dict, replicas_here: dict,
-                holds: dict | None = None, holding_weights: set | None = None) -> PlacementDecision:
+                holds: dict | None = None, holding_weights: set | None = None,
+                failed_here: dict | None = None) -> PlacementDecision:
     """The node (and on nodes that reported their GPUs, the GPUs) for a new replica of `endpoint`.
 
     `used_mb` and `holds` are what active replicas hold per node (`GpuHold`s). Nodes without a GPU
     list (CPU nodes, older agents) are one pool of `num_gpus` × `gpu_memory_mb`. `holding_weights`:
-    the ids of nodes that hold its weights (`nodes_holding_weights`), preferred.
+    the ids of nodes that hold its weights (`nodes_holding_weights`), preferred. `failed_here`: node id -> the
+    endpoint's replicas that failed there of late (`failures_here`), fewer preferred, before the weights.
     """
     holds = holds or {}
     holding_weights = holding_weights or set()
+    failed_here = failed_here or {}
     if not candidates:
         return PlacementDecision(None, f"no READY node of GPU type {endpoint.gpu_type}")
     # NOTE: a node whose registered host the gateway refuses (`Node.host_problem`) would fail every replica it
@@ -320,7 +343,8 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
 
     def preference(option):
         node, _, free_after = option
-        return (replicas_here.get(node.pk, 0), node.pk not in holding_weights, free_after, node.name)
+        return (replicas_here.get(node.pk, 0), failed_here.get(node.pk, 0), node.pk not in holding_weights, free_after,
+                node.name)
 
     node, assignment, _ = min(options, key=preference)
     if assignment is None:

@@ -55,6 +55,7 @@ from endpoints.placement import (
     GpuHold,
     choose_node,
     estimated_weights_mb,
+    failures_here,
     memory_needed_mb,
     nodes_holding_weights,
     room_to_wake,
@@ -107,7 +108,7 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
         for node_id in active.filter(endpoint=endpoint).values_list("node", flat=True):
             replicas_here[node_id] = replicas_here.get(node_id, 0) + 1
         decision = choose_node(endpoint, needed_mb, candidates, used_mb, replicas_here, holds,
-                               nodes_holding_weights(endpoint, candidates))
+                               nodes_holding_weights(endpoint, candidates), failures_here(endpoint, candidates))
         if decision.node is None:
             if decision.fleet_detail and _not_yet_logged(endpoint, decision.reason):
                 # Staff's detail (the fleet's free memory), once per change of what its tenant is told.

@@ -10,10 +10,10 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from endpoints.placement import memory_needed_mb, weights_size_mb
-from endpoints.replicas import place_replica
+from endpoints.replicas import fail_replica, place_replica, record_replica_failure, record_replica_ready
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.conftest import REPO_ROOT, child_env, wait_until
 from tests.factories import EndpointFactory, OrganizationFactory
@@ -51,6 +51,70 @@ def test_prefers_spreading_then_nodes_holding_the_weights_then_best_fit():
     assert second.node == snug  # spread first; then best fit leaves the big node free
     third, _ = place_replica(endpoint)
     assert third.node == roomy
+
+
+NODE_FAULTS = ["RuntimeError: CUDA error: uncorrectable ECC error encountered",
+               "engine exited with code -6 3 times in a row",
+               "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB",
+               "did not become READY within 900 s"]
+
+
+def broken_node_and_healthy_node(endpoint):
+    """A node that held the endpoint's weights (it served there yesterday) and now fails every replica, and an empty
+    healthy one."""
+    healthy = make_node(memory_mb=24_000)
+    broken = make_node(memory_mb=24_000, last_status={"weights": [{"source": endpoint.model_source, "complete": True}]})
+    Replica.objects.create(endpoint=endpoint, node=broken, state=ReplicaState.STOPPED)
+    return broken, healthy
+
+
+def fail_on_its_node(replica, attempt):
+    assert fail_replica(replica, NODE_FAULTS[attempt % len(NODE_FAULTS)])
+    record_replica_failure(replica.endpoint_id, NODE_FAULTS[attempt % len(NODE_FAULTS)])
+    Endpoint.objects.filter(pk=replica.endpoint_id).update(next_attempt_at=None)  # its back-off passed
+
+
+def test_the_retry_of_a_replica_that_failed_goes_to_another_node_before_the_one_holding_its_weights():
+    endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="l4", min_replicas=1, max_replicas=1)
+    broken, healthy = broken_node_and_healthy_node(endpoint)
+    nodes = []
+    for attempt in range(8):
+        endpoint.refresh_from_db()
+        assert endpoint.failed_at is None, f"FAILED after placements on {nodes}: {endpoint.status_message}"
+        replica, _ = place_replica(endpoint)
+        nodes.append(replica.node)
+        if replica.node == healthy:
+            break
+        fail_on_its_node(replica, attempt)
+    assert nodes == [broken, healthy]  # the weights first; after its failure there, elsewhere
+
+
+def test_a_node_where_the_endpoint_failed_less_is_preferred_and_one_that_failed_is_still_used_when_alone():
+    endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="l4", min_replicas=1, max_replicas=1)
+    broken, healthy = broken_node_and_healthy_node(endpoint)
+    nodes = []
+    for attempt in range(4):  # both fail (the tenant's model, say): the retries take turns, fewest failures first
+        replica, _ = place_replica(endpoint)
+        nodes.append(replica.node)
+        fail_on_its_node(replica, attempt)
+    assert nodes == [broken, healthy, broken, healthy]
+    Node.objects.filter(pk=healthy.pk).update(state=NodeState.CORDONED)
+    replica, _ = place_replica(endpoint)
+    assert replica.node == broken  # the only node: still placed on
+
+
+def test_failures_before_the_endpoint_was_last_ready_no_longer_steer_placement():
+    endpoint = EndpointFactory(model_source="hf:org/model-1B", gpu_type="l4", min_replicas=1, max_replicas=2)
+    broken, healthy = broken_node_and_healthy_node(endpoint)
+    failed, _ = place_replica(endpoint)
+    fail_on_its_node(failed, 0)
+    served, _ = place_replica(endpoint)
+    assert served.node == healthy
+    Replica.objects.filter(pk=served.pk).update(state=ReplicaState.STOPPED, ready_at=timezone.now(),
+                                                stopped_at=timezone.now())
+    record_replica_ready(endpoint.pk)
+    again, _ = place_replica(endpoint)
+    assert again.node == broken  # repaired since, as far as anyone knows: it holds the weights
 
 
 def test_refuses_wrong_gpu_type_cordoned_offline_and_unsupported_quantization_with_a_reason():
