@@ -525,8 +525,8 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
 
     The n-th failure in a row with no replica READY in between, whatever its reason, delays the next
     placement by base × 2^(n-1) (at most `REPLICA_RETRY_MAX_S`); the `REPLICA_MAX_IDENTICAL_FAILURES`-th
-    identical one in a row, the `max_failures_since_ready()`-th of any reasons, or one the agent calls
-    permanent (the spec cannot run on this model) stops the endpoint as FAILED, with the reason as its
+    identical one in a row, the `max_failures_since_ready()`-th of any reasons (unless a replica of it is READY), or
+    one the agent calls permanent (the spec cannot run on this model) stops the endpoint as FAILED, with the reason as its
     status, until a spec change or a resume. A replica turning READY starts the counts again
     (`record_replica_ready`).
 
@@ -547,8 +547,12 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         fields = {"num_identical_failures": repeats, "num_failures_since_ready": num_failures, "last_failure_reason": signature,
                   # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
                   "unplaced_replicas": 0, "waiting_for_capacity": False}
+        # NOTE: not while a replica of it serves: the model works, so varied failures of extra replicas are capacity or
+        # node faults (they back off, up to `REPLICA_RETRY_MAX_S`). Counted anyway, 8 of them failed the endpoint and its
+        # READY replica went on serving, held for ever (a review's finding). Identical or permanent ones still fail it.
+        serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
-                      else "many" if num_failures >= max_failures_since_ready() else "")
+                      else "many" if num_failures >= max_failures_since_ready() and not serving else "")
         if stopped_by:
             fields.update(failed_at=now, next_attempt_at=None, status_message=f"failed: {short}"[:300])
             message = {

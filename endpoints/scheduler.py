@@ -259,8 +259,10 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         try:
             decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], now=now, batch=demand.get(str(endpoint.pk)),
                                          num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
-            if endpoint.failed_at is not None:
-                continue  # stopped until a spec change or resume: nothing to place
+            if endpoint.failed_at is not None and decision.desired >= num_serving.get(endpoint.pk, 0):
+                # NOTE: stopped until a spec change or resume: nothing to place. Its surplus still drains (the reconcile
+                # places nothing for it): skipped whenever failed, a replica READY at the failure held its GPU for ever.
+                continue
             if decision.batch_rule in ("hold", "wait"):
                 changing.add(str(endpoint.pk))  # its event log says why it holds or waits (once per change)
                 continue

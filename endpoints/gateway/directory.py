@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
+from django.utils import timezone
 
 from controlplane.credential_lookups import ExpiringSet
 from controlplane.worker_threads import in_worker_thread
@@ -58,6 +59,9 @@ class EndpointInfo:
     # "" when the endpoint serves or may start. `status_message` says why, in the user's words.
     state: str = ""
     status_message: str = ""
+    # Until when (epoch seconds) it places no replica, backing off after failures (`Endpoint.next_attempt_at`), none
+    # of its replicas starting meanwhile; 0: not backing off, or one is starting (see `endpoints.gateway.standing`).
+    backing_off_until: float = 0.0
     # "generate" or "embed" (`Endpoint.serving_task`); "" while an "auto" endpoint's model is unread.
     task: str = ""
     # The endpoint's target concurrency per replica: how far above the least-loaded replica the gateway
@@ -107,6 +111,7 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         created_at=endpoint.created_at.timestamp(),
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
+        backing_off_until=_backing_off_until(endpoint) if for_calls else 0.0,
         target_concurrency=endpoint.target_concurrency, template_tokens=template_tokens,
         template_flag_tokens=template_flag_tokens, engine_generation=endpoint.engine_generation,
         prompt_normalizer=normalizer, prompt_factor=endpoint.prompt_factor if for_calls else None,
@@ -121,6 +126,16 @@ def _blocking_state(endpoint) -> str:
     if endpoint.waiting_for_capacity:
         return "WAITING_FOR_CAPACITY"
     return ""
+
+
+def _backing_off_until(endpoint) -> float:
+    """`EndpointInfo.backing_off_until`. NOTE: read as the endpoint loads (one more query, for an endpoint backing
+    off only), never per call."""
+    if endpoint.failed_at is not None or endpoint.next_attempt_at is None or endpoint.next_attempt_at <= timezone.now():
+        return 0.0
+    if Replica.objects.filter(endpoint_id=endpoint.pk, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).exists():
+        return 0.0  # one placed before the failure may still come up
+    return endpoint.next_attempt_at.timestamp()
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:

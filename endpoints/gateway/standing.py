@@ -4,7 +4,9 @@ An endpoint that FAILED (its replicas failed the same way until the scheduler ga
 model cannot run its spec) answers 503 `endpoint_failed` with its status message; one WAITING FOR
 CAPACITY (no node has room for a replica) answers 503 `capacity_unavailable` with `Retry-After`,
 unless the client asked to wait for capacity with the header `X-Inferplane-Wait-For-Capacity: true`:
-then it is held like any cold start, up to the endpoint's `cold_start_timeout_s`.
+then it is held like any cold start, up to the endpoint's `cold_start_timeout_s`. One BACKING OFF after failures
+(`Endpoint.next_attempt_at`) past its `cold_start_timeout_s`, with no replica starting, answers 503
+`endpoint_backing_off` with its status message and `Retry-After` = the time left.
 
 The gateway learns the state from its cached `EndpointInfo` (at most `ENDPOINT_CACHE_S` old): once when
 a call finds no READY replica, and again every few seconds while a call is held (the wake it sent may
@@ -12,6 +14,9 @@ be what found no room).
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from endpoints.gateway import errors
 from endpoints.gateway.directory import EndpointInfo, find_endpoint
@@ -41,6 +46,14 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
             503, f"The endpoint '{endpoint.name}' has failed and is not starting replicas: {reason}. "
                  "Change its configuration or resume it to try again.",
             type="server_error", code="endpoint_failed", headers={"retry-after": str(FAILED_RETRY_AFTER_S)},
+        )
+    backing_off_s = endpoint.backing_off_until - time.time()
+    if backing_off_s > endpoint.cold_start_timeout_s:
+        # NOTE: held, it would take a held place for its whole cold-start timeout, then get 503 "no replica became ready".
+        raise errors.OpenAIError(
+            503, f"The endpoint '{endpoint.name}' has no replica and starts none for {math.ceil(backing_off_s)} s, "
+                 f"backing off after failures: {reason}. Retry then, or change its configuration to try again now.",
+            type="server_error", code="endpoint_backing_off", headers={"retry-after": str(math.ceil(backing_off_s))},
         )
     if endpoint.state == "WAITING_FOR_CAPACITY" and not wait_for_capacity:
         raise errors.OpenAIError(
