@@ -17,8 +17,12 @@ autoscaler, the runner, the tests and the benchmark all drive the same functions
   keys' lines per second where that is slower (rule "wake"); before that the work waits for
   interactive traffic to warm the endpoint (rule "wait").
 - **Only for work that can use the GPU.** Batch work whose keys cannot keep `MIN_REPLICA_USE` of a
-  replica busy (`rate_bound`: a key of 1 request a minute) neither holds nor wakes a replica: it runs
-  on capacity interactive traffic keeps warm (rule "wait"). A batch whose every try has been refused
+  replica busy (`rate_bound`: lines a second × `INFERPLANE_BATCH_SECONDS_PER_LINE` < `MIN_REPLICA_USE` ×
+  min(pending, target concurrency); with target 8 and 2 s a line, any key under 60 requests a minute) holds
+  no replica for its own sake: it runs on capacity interactive traffic keeps warm (rule "wait"), until
+  `now ≥ deadline_wake_at` = deadline − cold start allowance − pending / the keys' lines per second; then it
+  wakes its endpoint and holds one READY replica (rules "wake", "hold"), if its keys may keep
+  `MIN_WAKE_LINES_IN_FLIGHT` line in flight (`wake_time`; else never: a key of 1 request a minute). A batch whose every try has been refused
   (429, 5xx) for `STALL_S` is left out of the demand (`stalled`) until a line of it finishes, or
   `STALL_FORGOTTEN_S` after its last refusal. NOTE: before, such work kept every READY replica (up to
   `max_replicas`) for the batch's 24 h while ~1,440 one-token lines a day were billed.
@@ -35,6 +39,8 @@ WAKE_SAFETY_FACTOR = 2.0
 # Batch work holds or wakes a replica only if its keys may keep at least this share of the replica's target concurrency
 # (or of its pending lines, if fewer) busy.
 MIN_REPLICA_USE = 0.25
+# Rate-bound work wakes (and holds) a replica for its deadline only if its keys may keep this many lines in flight.
+MIN_WAKE_LINES_IN_FLIGHT = 1.0
 STALL_S = 300.0  # a batch whose tries have all been refused for this long is stalled: it holds and wakes nothing
 STALL_FORGOTTEN_S = 3600.0  # a stalled batch not tried since its last refusal this long ago may wake again
 USE_WINDOW_S = 60.0  # a run measures the lines it keeps in flight over this long (`LineUse`), and it counts this long
@@ -132,6 +138,27 @@ def wake_at(demand: BatchDemand, *, target_concurrency: int, cold_start_s: float
     return demand.deadline_at - WAKE_SAFETY_FACTOR * (cold_start_s + work_s)
 
 
+def deadline_wake_at(demand: BatchDemand, *, target_concurrency: int, cold_start_s: float,
+                     seconds_per_line: float) -> float:
+    """When rate-bound work (`rate_bound`) wakes its sleeping endpoint, and from when it holds one READY replica: the
+    deadline less the cold start and the estimated work, no safety factor (a replica woken earlier would idle)."""
+    work_s = estimated_work_s(demand, target_concurrency=target_concurrency, seconds_per_line=seconds_per_line)
+    return demand.deadline_at - cold_start_s - work_s
+
+
+def wake_time(demand: BatchDemand, *, target_concurrency: int, cold_start_s: float,
+              seconds_per_line: float) -> float | None:
+    """When the batch work wakes its sleeping endpoint (`wake_at`, or `deadline_wake_at` for rate-bound work), or None:
+    never (rate-bound work whose keys may not keep `MIN_WAKE_LINES_IN_FLIGHT` lines in flight)."""
+    if not rate_bound(demand, target_concurrency=target_concurrency, seconds_per_line=seconds_per_line):
+        return wake_at(demand, target_concurrency=target_concurrency, cold_start_s=cold_start_s,
+                       seconds_per_line=seconds_per_line)
+    if lines_in_flight(demand, seconds_per_line=seconds_per_line) < MIN_WAKE_LINES_IN_FLIGHT:
+        return None
+    return deadline_wake_at(demand, target_concurrency=target_concurrency, cold_start_s=cold_start_s,
+                            seconds_per_line=seconds_per_line)
+
+
 def apply(desired: int, reason: str, *, demand: BatchDemand | None, num_ready: int, num_serving: int,
           target_concurrency: int, max_replicas: int, cold_start_s: float, seconds_per_line: float,
           now: float) -> BatchVerdict:
@@ -140,6 +167,20 @@ def apply(desired: int, reason: str, *, demand: BatchDemand | None, num_ready: i
         return BatchVerdict(desired, reason, "")
     target = max(target_concurrency, 1)
     if rate_bound(demand, target_concurrency=target, seconds_per_line=seconds_per_line):
+        due = wake_time(demand, target_concurrency=target, cold_start_s=cold_start_s, seconds_per_line=seconds_per_line)
+        if due is not None and now >= due:
+            # NOTE: else such work expired unrun on a scale-to-zero endpoint: the runner never starts lines through a
+            # cold start, and nothing else woke it (rvrv5: 1,000 lines of a 59 rpm key, target 8, never woken)
+            if num_ready > 0:
+                if desired >= 1:
+                    return BatchVerdict(desired, reason, "")
+                return BatchVerdict(1, f"holding 1 warm replica for batch work due soon: {demand.num_pending} "
+                                       f"line(s) pending (interactive load alone: {reason})", "hold")
+            if num_serving > 0 or desired > 0:
+                return BatchVerdict(desired, reason, "")
+            return BatchVerdict(1, f"woken for batch work: {demand.num_pending} line(s) pending at "
+                                   f"{demand.max_lines_per_s * 60:.0f} line(s) a minute and the deadline is "
+                                   f"{max(0, demand.deadline_at - now):.0f} s away", "wake")
         if num_ready > 0 or num_serving > 0 or desired > 0:
             return BatchVerdict(desired, reason, "")
         return BatchVerdict(desired, f"{reason}; batch work ({demand.num_pending} line(s)) waits for warm capacity: its "

@@ -832,17 +832,16 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     if progress.stopped == "cold":
         # NOTE: the endpoint's demand as the autoscaler reads it (its keys' rate, its stalled batches left out)
         demand = read_demand([str(endpoint.pk)]).get(str(endpoint.pk))
-        if demand is None or scheduling.rate_bound(demand, target_concurrency=endpoint.target_concurrency,
-                                                   seconds_per_line=settings.BATCH_SECONDS_PER_LINE):
+        wake = None if demand is None else scheduling.wake_time(
+            demand, target_concurrency=endpoint.target_concurrency, cold_start_s=endpoint.cold_start_timeout_s,
+            seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
+        if wake is None:
             why = ("its lines' tries were all refused lately" if demand is None else
                    "its keys may send too few lines a minute to keep a replica busy")
             record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
                               f"not wake the endpoint: {why}; it runs when other traffic keeps a replica warm",
                               batch_id=batch.pk)
         else:
-            wake = scheduling.wake_at(demand, target_concurrency=endpoint.target_concurrency,
-                                      cold_start_s=endpoint.cold_start_timeout_s,
-                                      seconds_per_line=settings.BATCH_SECONDS_PER_LINE)
             record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk} waits: no READY replica, and batch work does "
                               f"not wake the endpoint before {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(wake))} "
                               "(its deadline's need)", batch_id=batch.pk)

@@ -101,6 +101,22 @@ def test_the_wake_allows_for_a_key_slower_than_the_replica():
                    seconds_per_line=2.0) == NOW + DAY - 2 * (300 + 20)
 
 
+def test_a_batch_of_a_key_too_slow_to_keep_a_replica_busy_still_wakes_its_endpoint_for_its_deadline():
+    # Before (rvrv5): 1,000 lines of a 59 rpm key, 10 minutes before the deadline: desired 0, rule "wait" for ever (the
+    # runner starts no line through a cold start): on a scale-to-zero endpoint the batch expired with no line run.
+    endpoint = _endpoint(target_concurrency=8)  # the model's default target concurrency: any key under 60 rpm
+    demand = BatchDemand(1_000, NOW + DAY, 59 / 60)  # 1,017 s of work at the key's rate
+    due = NOW + DAY - 300 - 1_000 / (59 / 60)  # deadline - cold start - work
+    early = autoscaler.decide(endpoint, IDLE, now=due - 1, batch=demand)
+    assert (early.desired, early.batch_rule) == (0, "wait")
+    ten_min_left = autoscaler.decide(endpoint, IDLE, now=NOW + DAY - 600, batch=demand)
+    assert (ten_min_left.desired, ten_min_left.batch_rule) == (1, "wake"), ten_min_left
+    # once woken it keeps one replica, not more, while the work is due; before it is due a warm one goes as before
+    held = autoscaler.decide(endpoint, IDLE, now=due, batch=demand, num_ready=4, num_serving=4)
+    assert (held.desired, held.batch_rule) == (1, "hold")
+    assert autoscaler.decide(endpoint, IDLE, now=due - 1, batch=demand, num_ready=1, num_serving=1).desired == 0
+
+
 def _batch(endpoint, *, api_key=None, user=None, num_total=50_000, **fields):
     input_file = File.objects.create(organization=endpoint.organization, purpose="batch", filename="in.jsonl", bytes=1,
                                      s3_key=f"files/{secrets.token_hex(4)}")
