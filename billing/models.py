@@ -468,40 +468,48 @@ def credit_shares(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime,
     grant, not from the next one while the expired one kept it as unspent (paid for twice); usage made after the
     expiry is never drawn from it, nor is usage of an account idle for months from every grant that expired unused
     meanwhile."""
-    return _allocate(grants, usage, {grant.pk: grant.remaining for grant in grants})
+    return _allocate(grants, usage, {grant.pk: grant.remaining for grant in grants})[0]
 
 
-def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[datetime, Decimal]]) -> dict[int, Decimal]:
+def credit_returns(grants: Sequence[CreditGrant], overcharge: Sequence[tuple[datetime, Decimal]],
+                   consumed: dict[int, Decimal] | None = None) -> dict[int, Decimal]:
     """How much each of `grants` (`CreditGrantQuerySet.paying_for`, soonest expiry first) takes back, by id, of
     `overcharge` (the start of each part of usage drawn for more than the ledger now holds, and by how much, earliest
     first: `ledger.undrawn_prepaid_usage` with less in the ledger than drawn): `credit_shares` run backwards, each part
     to the grants it was drawn from, those granted by and not expired when it started, latest expiry first (the last a
-    draw took from), within what each has consumed. A grant expired since takes its share back all the same: that
-    credit expired unused, as it would have had the usage been priced right when drawn. What none of them holds is
+    draw took from), within what each has consumed (`consumed`, by id; by default its `consumed`). A grant expired
+    since takes its share back all the same: that credit expired unused, as it would have had the usage been priced
+    right when drawn. What none of them holds is
     taken back by none (`credit_draw`).
     NOTE: draws record no grant per row, so which of the grants a part was made under paid for it is not known where
     several were: latest expiry first never gives back credit shorter-lived than what paid. Before, the overcharge went
     to whichever active grant had consumed any, soonest expiry first: non-expiring credit bought came back as a promo
     grant's, and expired unused with it."""
-    return _allocate(list(reversed(grants)), overcharge, {grant.pk: grant.consumed for grant in grants})
+    if consumed is None:
+        consumed = {grant.pk: grant.consumed for grant in grants}
+    return _allocate(list(reversed(grants)), overcharge, consumed)[0]
 
 
 class CreditDraw(NamedTuple):
     """What a credit draw does (`credit_draw`): how much each grant takes of the usage and gives back of the
-    overcharges, by id, and what the account has drawn as nothing after it (`BillingAccount.credit_unpaid`)."""
+    overcharges, by id, what the account has drawn as nothing after it (`BillingAccount.credit_unpaid`), and how much
+    of the overcharges it netted against usage begun at the same time, drawn in the same draw (`_net_same_start`)."""
 
     taken: dict[int, Decimal]
     returned: dict[int, Decimal]
     unpaid: Decimal
+    netted: Decimal = Decimal(0)
 
 
 def credit_draw(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime, Decimal]],
                 overcharge: Sequence[tuple[datetime, Decimal]], *, returned: Decimal, unpaid: Decimal,
                 now: datetime) -> CreditDraw:
     """What a draw does to `grants` (`CreditGrantQuerySet.paying_for` since the earliest part of either, soonest expiry
-    first) for the usage not drawn yet (`ledger.undrawn_prepaid_usage`): first it gives back `returned` (the
-    overcharges made since the last draw, dated by `overcharge`'s parts, which make it or less), then draws `usage`
-    from what the grants hold after that (`credit_shares`). The same draw `billing.credits.draw_credits` writes and
+    first) for the usage not drawn yet (`ledger.undrawn_prepaid_usage`): first it nets each overcharge against the
+    usage begun at the same time (a lost row drawn in the window of its cheaper supersede: `_net_same_start`), then
+    draws `usage` from what the grants hold (`credit_shares`), then gives back `returned` (the overcharges made since the last draw, dated by
+    `overcharge`'s parts, which make it or less) within what each has consumed after that; usage none held draws from
+    what was given back. The same draw `billing.credits.draw_credits` writes and
     `billing.quota.rebuild` counts.
 
     The overcharge is first offset against what the account drew as nothing (`unpaid`: its usage was paid by no grant,
@@ -511,22 +519,50 @@ def credit_draw(grants: Sequence[CreditGrant], usage: Sequence[tuple[datetime, D
     What none holds was paid by none: not given back. Usage no grant can pay adds to what is drawn as nothing.
     NOTE: before, the two were netted (the draw had their sum alone): a new call and a cheaper supersede in one draw
     window drew the call short and left the overcharge with the grant that paid it; and an overcharge of usage drawn as
-    nothing went back to a grant as if it had paid it (credit from nothing)."""
+    nothing went back to a grant as if it had paid it (credit from nothing). And it gave back before it drew, within
+    what each grant had consumed before the draw: a lost row and its cheaper supersede in one window gave nothing back
+    to a grant that had consumed nothing yet, drew the full lost cost, and counted the overcharge as given back; or,
+    with grants holding consumption, took the lost cost from one and gave the overcharge back to another."""
+    usage, overcharge, netted = _net_same_start(usage, overcharge)
+    returned -= netted
+    taken, short = _allocate(grants, usage, {grant.pk: grant.remaining for grant in grants})
+    consumed = {grant.pk: grant.consumed + taken.get(grant.pk, Decimal(0)) for grant in grants}
     offset = min(unpaid, returned)
     parts = _less_latest(overcharge, offset - min(offset, returned - sum((cost for _, cost in overcharge), Decimal(0))))
-    back = credit_returns(grants, parts)
+    back = credit_returns(grants, parts, consumed)
     left = returned - offset - sum(back.values(), Decimal(0))
     for grant in reversed(grants):
         if left <= 0:
             break
         if grant.is_active(now):
-            share = min(left, grant.consumed - back.get(grant.pk, Decimal(0)))
+            share = min(left, consumed[grant.pk] - back.get(grant.pk, Decimal(0)))
             if share > 0:
                 back[grant.pk] = back.get(grant.pk, Decimal(0)) + share
                 left -= share
-    taken = _allocate(grants, usage, {grant.pk: grant.remaining + back.get(grant.pk, Decimal(0)) for grant in grants})
+    # What no grant held before the give-back draws from what it gave back.
+    more, _ = _allocate(grants, short, {grant.pk: grant.remaining - taken.get(grant.pk, Decimal(0))
+                                        + back.get(grant.pk, Decimal(0)) for grant in grants})
+    for pk, share in more.items():
+        taken[pk] = taken.get(pk, Decimal(0)) + share
     drawn_as_nothing = sum((cost for _, cost in usage), Decimal(0)) - sum(taken.values(), Decimal(0))
-    return CreditDraw(taken, back, unpaid - offset + drawn_as_nothing)
+    return CreditDraw(taken, back, unpaid - offset + drawn_as_nothing, netted)
+
+
+def _net_same_start(usage: Sequence[tuple[datetime, Decimal]], overcharge: Sequence[tuple[datetime, Decimal]]
+                    ) -> tuple[list[tuple[datetime, Decimal]], list[tuple[datetime, Decimal]], Decimal]:
+    """`usage` and `overcharge` less what each part of one has of the other's begun at the same time (a lost row drawn
+    in the window its cheaper supersede came in: the grant that takes it takes its real cost), and the total netted."""
+    over = dict(overcharge)
+    net = []
+    netted = Decimal(0)
+    for started_at, cost in usage:
+        less = min(cost, over.get(started_at, Decimal(0)))
+        if less > 0:
+            over[started_at] -= less
+            netted += less
+        if cost > less:
+            net.append((started_at, cost - less))
+    return net, [(started_at, over[started_at]) for started_at, _ in overcharge if over[started_at] > 0], netted
 
 
 def _less_latest(parts: Sequence[tuple[datetime, Decimal]], amount: Decimal) -> list[tuple[datetime, Decimal]]:
@@ -541,11 +577,12 @@ def _less_latest(parts: Sequence[tuple[datetime, Decimal]], amount: Decimal) -> 
 
 
 def _allocate(grants: Sequence[CreditGrant], parts: Sequence[tuple[datetime, Decimal]],
-              room: dict[int, Decimal]) -> dict[int, Decimal]:
+              room: dict[int, Decimal]) -> tuple[dict[int, Decimal], list[tuple[datetime, Decimal]]]:
     """Each of `parts` (a start and an amount) to the `grants` it was made under, in their order, within each's `room`
-    (by id; what it may take of all the parts): how much each takes, by id."""
+    (by id; what it may take of all the parts): how much each takes, by id, and what of the parts none took."""
     left = dict(room)
     taken: dict[int, Decimal] = {}
+    short: list[tuple[datetime, Decimal]] = []
     for started_at, amount in parts:
         for grant in grants:
             if amount <= 0:
@@ -557,7 +594,9 @@ def _allocate(grants: Sequence[CreditGrant], parts: Sequence[tuple[datetime, Dec
                 left[grant.pk] -= share
                 taken[grant.pk] = taken.get(grant.pk, Decimal(0)) + share
                 amount -= share
-    return taken
+        if amount > 0:
+            short.append((started_at, amount))
+    return taken, short
 
 
 def _made_under(grant: CreditGrant, started_at: datetime) -> bool:

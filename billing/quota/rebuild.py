@@ -473,7 +473,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
     lapsed = [grant.pk for grant in paying if not grant.is_active(now)]
     undrawn_on_lapsed = sum((draw.taken.get(pk, Decimal(0)) for pk in lapsed), Decimal(0))
     active = [grant for grant in grants if grant.is_active(now)]
-    undrawn_on_active = max(undrawn + drawing.returned - undrawn_on_lapsed, Decimal(0))
+    undrawn_on_active = max(undrawn + drawing.returned - draw.netted - undrawn_on_lapsed, Decimal(0))
     given_back_to_active = sum((draw.returned.get(grant.pk, Decimal(0)) for grant in active), Decimal(0))
     available = sum((grant.remaining for grant in active), Decimal(0)) - undrawn_on_active + given_back_to_active
     changes = [g.expires_at for g in active if g.expires_at] + [g.granted_at for g in grants if g.granted_at > now]

@@ -223,3 +223,52 @@ def test_an_account_that_gave_back_more_than_the_ledger_holds_still_draws_new_us
     BillingAccount.objects.filter(organization=org).update(credit_given_back=Decimal("0.5"))
     _new_usage_drawn(endpoint, now - timedelta(minutes=1))
     assert _consumed() == {"bought": Decimal("0.2")}
+
+
+def test_lost_row_and_its_cheaper_supersede_in_one_draw_window_charge_the_real_cost():
+    """The rv5 review: the draw gave back before it drew, within what each grant had consumed (nothing yet), then drew
+    the lost row's full $0.14 and counted the $0.088 as given back: the grant kept $0.14 for $0.052 of usage."""
+    endpoint = _prepaid_endpoint()
+    org = endpoint.organization
+    now = timezone.now()
+    credits.grant_credits(SYSTEM, org, amount=Decimal("2.00"), granted_at=now - timedelta(hours=3), note="bought")
+    credits.draw_credits(org.pk)  # an account drawn before, nothing consumed yet
+    lost = usage_report(endpoint, request_id="x", prompt_tokens=100_000, completion_tokens=20_000,
+                        status="gateway_lost", finished_at=now - timedelta(minutes=10))
+    ledger.record_usage(lost)  # $0.14
+    _superseded_cheaper(lost)  # really $0.052, before the next draw
+    assert credit_available(org.pk)[0] == Decimal("1.948")
+    assert credits.draw_credits(org.pk) == Decimal("0.052")
+    assert _consumed() == {"bought": Decimal("0.052")}
+    account = BillingAccount.objects.get(organization=org)
+    assert ledger.undrawn_prepaid_spend(account) == 0
+    assert account.credit_unpaid == 0
+    assert credit_available(org.pk)[0] == Decimal("1.948")
+    assert credits.draw_credits(org.pk) == 0  # once
+    assert _consumed() == {"bought": Decimal("0.052")}
+
+
+def test_lost_row_and_its_supersede_in_one_window_give_back_to_the_grant_that_took_it_not_the_promo():
+    """Both grants already hold consumption; the lost row, drawn in the same window as its cheaper supersede, is taken
+    by the promo (soonest expiry first), and its overcharge must go back to the promo, not to the bought grant."""
+    endpoint = _prepaid_endpoint()
+    org = endpoint.organization
+    now = timezone.now()
+    credits.grant_credits(SYSTEM, org, amount=Decimal("2.00"), granted_at=now - timedelta(hours=3), note="bought")
+    _new_usage_drawn(endpoint, now - timedelta(hours=2))  # $0.20 from the bought grant
+    credits.grant_credits(SYSTEM, org, amount=Decimal("1.00"), granted_at=now - timedelta(hours=1),
+                          expires_at=now + timedelta(days=1), note="promo")
+    ledger.record_usage(usage_report(endpoint, request_id="z", prompt_tokens=0, completion_tokens=50_000,
+                                     finished_at=now - timedelta(minutes=30)))
+    credits.draw_credits(org.pk)  # $0.10 from the promo
+    assert _consumed() == {"bought": Decimal("0.2"), "promo": Decimal("0.1")}
+    lost = usage_report(endpoint, request_id="x", prompt_tokens=100_000, completion_tokens=20_000,
+                        status="gateway_lost", finished_at=now - timedelta(minutes=10))
+    ledger.record_usage(lost)
+    _superseded_cheaper(lost)
+    assert credit_available(org.pk)[0] == Decimal("2.648")
+    assert credits.draw_credits(org.pk) == Decimal("0.052")
+    assert _consumed() == {"bought": Decimal("0.2"), "promo": Decimal("0.152")}
+    assert credit_available(org.pk)[0] == Decimal("2.648")
+    assert credits.draw_credits(org.pk) == 0
+    assert _consumed() == {"bought": Decimal("0.2"), "promo": Decimal("0.152")}
