@@ -36,7 +36,7 @@ def test_a_call_checked_by_a_new_configuration_never_reaches_a_replica_of_the_ol
 def test_a_replica_of_a_newer_configuration_than_the_calls_is_a_503_to_retry(monkeypatch):
     # The call's endpoint was read just before a change, and its replicas have been replaced since: neither the old
     # configuration's reservation on the new engine, nor a wait for replicas of a configuration that is gone.
-    async def cached(endpoint_id, *, fresh=False):
+    async def cached(endpoint_id, *, fresh=False, fresh_since=None):
         return [ReplicaInfo("r-new", "http://127.0.0.1:1", generation=3)]
 
     monkeypatch.setattr(directory._replicas, "get", cached)
