@@ -318,9 +318,13 @@ class Endpoint(models.Model):
     unplaced_replicas = models.PositiveIntegerField(default=0, db_default=0)
     # Replica failures in a row with the same reason; they back off, then stop the endpoint (FAILED).
     num_identical_failures = models.PositiveIntegerField(default=0, db_default=0)
-    # Replica failures in a row, whatever their reasons, since one was last READY: the backoff grows with these,
-    # and too many stop the endpoint too (reasons that vary or alternate never reach the identical rule).
+    # Replica failures in a row, whatever their reasons, with none of its replicas READY (since one last was): the
+    # backoff grows with these, and too many stop the endpoint too (reasons that vary or alternate never reach the
+    # identical rule).
     num_failures_since_ready = models.PositiveIntegerField(default=0, db_default=0)
+    # Replica failures in a row while another replica of it was READY (a scale-up's): the backoff of its scale-ups
+    # grows with these; they never stop it by their number (`scale_up_backing_off`).
+    num_scale_up_failures = models.PositiveIntegerField(default=0, db_default=0)
     last_failure_reason = models.CharField(max_length=300, blank=True, default="", db_default="")
     next_attempt_at = models.DateTimeField(null=True, blank=True)  # no new replica before this (backoff)
     failed_at = models.DateTimeField(null=True, blank=True)  # gave up: no replicas until a spec change or resume
@@ -377,6 +381,17 @@ class Endpoint(models.Model):
             return EndpointState.FAILED
         return EndpointState.SCALED_TO_ZERO
 
+
+    @property
+    def backing_off(self) -> bool:
+        """It places no replica before `next_attempt_at`, after failures (a Retry clears it)."""
+        return self.failed_at is None and self.next_attempt_at is not None and self.next_attempt_at > timezone.now()
+
+    @property
+    def scale_up_backing_off(self) -> bool:
+        """Its backoff (`next_attempt_at`) follows failures of replicas added while another served, none since with
+        nothing READY: the model works, so it holds replicas beyond the first, never a start from none."""
+        return self.num_scale_up_failures > 0 and self.num_failures_since_ready == 0
 
     @property
     def weights_scope(self) -> str:

@@ -520,15 +520,21 @@ def max_failures_since_ready() -> int:
     return 2 * settings.REPLICA_MAX_IDENTICAL_FAILURES
 
 
+def retry_delay_s(num_failures: int) -> float:
+    """The backoff after the `num_failures`-th failure in a row: base × 2^(n-1), at most `REPLICA_RETRY_MAX_S`."""
+    return min(settings.REPLICA_RETRY_BASE_S * 2 ** min(num_failures - 1, 20), REPLICA_RETRY_MAX_S)
+
+
 def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False) -> None:
     """Count a replica's failure against its endpoint: back off, and stop the endpoint when it repeats.
 
     The n-th failure in a row with no replica READY in between, whatever its reason, delays the next
     placement by base × 2^(n-1) (at most `REPLICA_RETRY_MAX_S`); the `REPLICA_MAX_IDENTICAL_FAILURES`-th
-    identical one in a row, the `max_failures_since_ready()`-th of any reasons (unless a replica of it is READY), or
+    identical one in a row, the `max_failures_since_ready()`-th of any reasons with none of its replicas READY, or
     one the agent calls permanent (the spec cannot run on this model) stops the endpoint as FAILED, with the reason as its
-    status, until a spec change or a resume. A replica turning READY starts the counts again
-    (`record_replica_ready`).
+    status, until a spec change or a resume. A failure while another replica of it is READY is a scale-up's: the
+    n-th of those in a row delays its next scale-up alike (`Endpoint.scale_up_backing_off`), and does not count
+    toward the failures with none READY. A replica turning READY starts the counts again (`record_replica_ready`).
 
     NOTE: counting identical reasons alone let a reason that varied (an address in the last line) or
     alternated (a tenant's weights swapped between two broken versions) place a replica every
@@ -542,15 +548,19 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
             return
         signature = failure_signature(reason)
         repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
-        num_failures = endpoint.num_failures_since_ready + 1
         short = reason.splitlines()[-1][-200:]
-        fields = {"num_identical_failures": repeats, "num_failures_since_ready": num_failures, "last_failure_reason": signature,
+        fields = {"num_identical_failures": repeats, "last_failure_reason": signature,
                   # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
                   "unplaced_replicas": 0, "waiting_for_capacity": False}
-        # NOTE: not while a replica of it serves: the model works, so varied failures of extra replicas are capacity or
-        # node faults (they back off, up to `REPLICA_RETRY_MAX_S`). Counted anyway, 8 of them failed the endpoint and its
-        # READY replica went on serving, held for ever (a review's finding). Identical or permanent ones still fail it.
+        # NOTE: while a replica of it serves, the model works, so varied failures of extra replicas are capacity or
+        # node faults: they back off its scale-ups (up to `REPLICA_RETRY_MAX_S`) and are not counted toward the rule
+        # for failures with none serving. Counted, 8 of them failed the endpoint while its READY replica went on
+        # serving (a review's finding), and later the first crash of that replica failed it, "none served", or its
+        # hour of backoff held its start from zero. Identical or permanent ones still fail it.
         serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
+        num_failures = endpoint.num_failures_since_ready + int(not serving)
+        num_scale_up_failures = endpoint.num_scale_up_failures + int(serving)
+        fields.update(num_failures_since_ready=num_failures, num_scale_up_failures=num_scale_up_failures)
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
                       else "many" if num_failures >= max_failures_since_ready() and not serving else "")
         if stopped_by:
@@ -560,8 +570,14 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
                 "identical": f"Endpoint failed: {repeats} replicas in a row failed with the same reason ({short})",
                 "many": f"Endpoint failed: {num_failures} replicas in a row failed, none served (last: {short})",
             }[stopped_by] + "; it stays stopped until its configuration changes or it is resumed"
+        elif serving:
+            delay_s = retry_delay_s(num_scale_up_failures)
+            fields.update(next_attempt_at=now + timedelta(seconds=delay_s),
+                          status_message=f"scale-up backing off: {short}; next try in {delay_s:.0f} s"[:300])
+            message = (f"Next scale-up in {delay_s:.0f} s (failure {num_scale_up_failures} in a row while a replica serves, "
+                       f"{repeats} of {settings.REPLICA_MAX_IDENTICAL_FAILURES} with this reason)")
         else:
-            delay_s = min(settings.REPLICA_RETRY_BASE_S * 2 ** min(num_failures - 1, 20), REPLICA_RETRY_MAX_S)
+            delay_s = retry_delay_s(num_failures)
             fields.update(next_attempt_at=now + timedelta(seconds=delay_s),
                           status_message=f"replica failed ({short}); retrying in {delay_s:.0f} s"[:300])
             message = (f"Next replica in {delay_s:.0f} s (failure {num_failures} of {max_failures_since_ready()} allowed in a row, "
@@ -573,5 +589,7 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
 def record_replica_ready(endpoint_id) -> None:
     """A replica served: earlier failures no longer predict the next one."""
     Endpoint.objects.filter(pk=endpoint_id).filter(
-        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(next_attempt_at__isnull=False)
-    ).update(num_identical_failures=0, num_failures_since_ready=0, last_failure_reason="", next_attempt_at=None, status_message="")
+        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(num_scale_up_failures__gt=0)
+        | Q(next_attempt_at__isnull=False)
+    ).update(num_identical_failures=0, num_failures_since_ready=0, num_scale_up_failures=0, last_failure_reason="",
+             next_attempt_at=None, status_message="")

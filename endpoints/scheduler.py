@@ -81,17 +81,22 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
         if decision.batch_rule in ("hold", "wait"):
             # NOTE: once per change of what batch work asks, not every tick.
             record_event_once(endpoint, EventKind.BATCH, decision.reason[:1].upper() + decision.reason[1:])
-        backing_off = endpoint.next_attempt_at is not None and endpoint.next_attempt_at > timezone.now()
-        held_back = endpoint.failed_at is not None or backing_off
+        held_back = endpoint.failed_at is not None or endpoint.backing_off
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
         message, waiting_for_capacity = (endpoint.status_message if held_back else ""), False
         num_unplaced, event = 0, ""
         organization = None
-        if decision.desired > len(serving) and held_back:
+        # NOTE: a scale-up's backoff (failures of replicas added while another served) holds the replicas beyond the
+        # first: with none serving nor starting now (scaled to zero, or the one READY lost), one starts as any cold
+        # start would. Before, its hour of backoff held a start from zero of a model that had served.
+        num_wanted = decision.desired
+        if endpoint.backing_off and endpoint.scale_up_backing_off and not serving and num_wanted > 0:
+            held_back, num_wanted = False, 1
+        if num_wanted > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off
             # after a failure waits for `next_attempt_at` (a later tick).
             pass
-        elif decision.desired > len(serving) and (organization := quotas.lock_organization(
+        elif num_wanted > len(serving) and (organization := quotas.lock_organization(
                 endpoint.organization_id, skip_locked=in_a_tick)) is None:
             # NOTE: the organisation's row is held by another write (a key revocation walking thousands of minted keys,
             # a member's change, another of its endpoints placing): this tick leaves the endpoint as it is and the
@@ -99,16 +104,16 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
             # scale-up waited behind one tenant's revocation (12 s with 3,000 minted keys; a review's finding).
             message, waiting_for_capacity = endpoint.status_message, endpoint.waiting_for_capacity
             num_unplaced = endpoint.unplaced_replicas
-        elif decision.desired > len(serving):
-            record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {decision.desired}: {decision.reason}",
-                         desired=decision.desired, current=len(serving), inputs=decision.inputs)
+        elif num_wanted > len(serving):
+            record_event(endpoint, EventKind.SCALE, f"Scale up {len(serving)} → {num_wanted}: {decision.reason}",
+                         desired=num_wanted, current=len(serving), inputs=decision.inputs)
             # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
             # time and together never pass its replica and GPU quotas.
             endpoint.organization = organization
             num_placed = 0
             sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
                             .select_related("endpoint").order_by("-state_changed_at"))
-            for _ in range(decision.desired - len(serving)):
+            for _ in range(num_wanted - len(serving)):
                 refusal = quotas.replica_refusal(endpoint)
                 if refusal is not None:
                     message = f"waiting for quota: {refusal}"
@@ -123,7 +128,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
                     continue
                 replica, reason = place_replica(endpoint)
                 if replica is None:
-                    num_unplaced = decision.desired - len(serving) - num_placed
+                    num_unplaced = num_wanted - len(serving) - num_placed
                     message = f"waiting for capacity: {reason}"
                     pool = provisioning_pool(endpoint)
                     if pool is not None:

@@ -137,10 +137,12 @@ def pause_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
 
 @transaction.atomic
 def resume_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
-    if Endpoint.objects.filter(pk=endpoint.pk).filter(Q(paused_at__isnull=False) | Q(failed_at__isnull=False)).update(
-        paused_at=None, **FRESH_START,
-    ):
-        record_event(endpoint, EventKind.CONFIG, "Endpoint resumed")
+    """Resume a paused or failed endpoint, or retry one backing off after failures (console: Retry), from a fresh count."""
+    retried = endpoint.paused_at is None and endpoint.failed_at is None
+    if Endpoint.objects.filter(pk=endpoint.pk).filter(
+        Q(paused_at__isnull=False) | Q(failed_at__isnull=False) | Q(next_attempt_at__isnull=False),
+    ).update(paused_at=None, **FRESH_START):
+        record_event(endpoint, EventKind.CONFIG, "Endpoint retried: its backoff cleared" if retried else "Endpoint resumed")
         record_audit(actor, endpoint.organization, "endpoint.resume", endpoint)
         request_reconcile(endpoint.pk)
     endpoint.refresh_from_db()
@@ -158,7 +160,8 @@ def delete_endpoint(actor: Actor, endpoint: Endpoint) -> None:
 
 # What a spec change or a resume resets: failures counted, backoff, giving up.
 FRESH_START = {
-    "num_identical_failures": 0, "num_failures_since_ready": 0, "last_failure_reason": "", "next_attempt_at": None, "failed_at": None,
+    "num_identical_failures": 0, "num_failures_since_ready": 0, "num_scale_up_failures": 0, "last_failure_reason": "",
+    "next_attempt_at": None, "failed_at": None,
     "status_message": "", "waiting_for_capacity": False, "unplaced_replicas": 0,
 }
 

@@ -49,7 +49,7 @@ def test_varied_failures_of_extra_replicas_do_not_fail_an_endpoint_that_serves()
         record_replica_failure(endpoint.pk, VARIED_REASONS[n % 3])
     endpoint.refresh_from_db()
     assert endpoint.failed_at is None
-    assert endpoint.num_failures_since_ready == max_failures_since_ready() + 2
+    assert endpoint.num_scale_up_failures == max_failures_since_ready() + 2 and endpoint.num_failures_since_ready == 0
     # it backs off, at most an hour
     assert 0 < (endpoint.next_attempt_at - timezone.now()).total_seconds() <= REPLICA_RETRY_MAX_S
 

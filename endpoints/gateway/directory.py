@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.conf import settings
-from django.utils import timezone
 
 from controlplane.credential_lookups import ExpiringSet
 from controlplane.worker_threads import in_worker_thread
@@ -131,8 +130,8 @@ def _blocking_state(endpoint) -> str:
 def _backing_off_until(endpoint) -> float:
     """`EndpointInfo.backing_off_until`. NOTE: read as the endpoint loads (one more query, for an endpoint backing
     off only), never per call."""
-    if endpoint.failed_at is not None or endpoint.next_attempt_at is None or endpoint.next_attempt_at <= timezone.now():
-        return 0.0
+    if not endpoint.backing_off or endpoint.scale_up_backing_off:
+        return 0.0  # or only its scale-ups, beyond the first replica: a call's wake starts one (`reconcile_endpoint`)
     if Replica.objects.filter(endpoint_id=endpoint.pk, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).exists():
         return 0.0  # one placed before the failure may still come up
     return endpoint.next_attempt_at.timestamp()

@@ -32,6 +32,31 @@ from gpu_agent.runtime.probes import EngineMetrics
 
 
 @dataclass(slots=True)
+class CheckStreak:
+    """Checks in a row of an engine that each found one thing wrong, and since when (monotonic): a rule stops the
+    engine only once the run is both that many checks and that many seconds long (one bad check is noise)."""
+
+    num_checks: int = 0
+    since: float | None = None  # the first check of the run
+
+    def record(self, wrong: bool, now: float) -> None:
+        """One more check: the run grows while it finds the thing wrong, and ends at the first that does not."""
+        if not wrong:
+            self.num_checks, self.since = 0, None
+            return
+        self.num_checks += 1
+        if self.since is None:
+            self.since = now
+
+    def lasted(self, num_checks: int, min_s: float, now: float) -> bool:
+        """At least `num_checks` checks in a row and `min_s` seconds."""
+        return self.since is not None and self.num_checks >= num_checks and now - self.since >= min_s
+
+    def describe(self, now: float) -> str:
+        return f"{self.num_checks} checks in a row, {now - (self.since or now):.0f} s"
+
+
+@dataclass(slots=True)
 class ManagedReplica:
     spec: ReplicaSpec
     model_path: Path
@@ -58,12 +83,10 @@ class ManagedReplica:
     metrics_scraped_at: float | None = None
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
-    num_incomplete_shm_checks: int = 0
-    incomplete_shm_since: float | None = None  # the first of those checks (monotonic)
-    # its engine's disk checks in a row whose folders never settled (`engine_disk.measure`), since when (monotonic),
-    # and the most bytes one of them counted
-    num_unsettled_disk_checks: int = 0
-    unsettled_disk_since: float | None = None
+    incomplete_shm: CheckStreak = field(default_factory=CheckStreak)
+    # its engine's disk checks in a row whose folders never settled (`engine_disk.measure`), and the most bytes one
+    # of them counted
+    unsettled_disk: CheckStreak = field(default_factory=CheckStreak)
     unsettled_disk_max_bytes: int = 0
     tokens_per_s: float = 0.0
     from_standby: bool = False  # the running engine is a standby that took this replica
@@ -78,6 +101,14 @@ class ManagedReplica:
     measuring: bool = False
     num_template_measures: int = 0
     measure_template_at: float = 0.0
+
+    @property
+    def num_incomplete_shm_checks(self) -> int:
+        return self.incomplete_shm.num_checks
+
+    @property
+    def num_unsettled_disk_checks(self) -> int:
+        return self.unsettled_disk.num_checks
 
     def set_state(self, state: ReplicaState) -> None:
         if state != self.state or not self.state_history:

@@ -796,22 +796,15 @@ class Supervisor:
             held = shared_memory.held_by_tree(replica.pid, self.shared_memory_dir, engine_disk.devices_of(folders))
             usage = dataclasses.replace(usage, num_bytes=usage.num_bytes + held.num_bytes,
                                         num_files=usage.num_files + held.num_files)  # fmt: skip
+            replica.unsettled_disk.record(not usage.settled, now)
             if usage.settled:
-                replica.num_unsettled_disk_checks = replica.unsettled_disk_max_bytes = 0
-                replica.unsettled_disk_since = None
+                replica.unsettled_disk_max_bytes = 0
             else:  # what its reads met, and the most a check of this unsettled run counted
-                replica.num_unsettled_disk_checks += 1
-                if replica.unsettled_disk_since is None:
-                    replica.unsettled_disk_since = now
                 replica.unsettled_disk_max_bytes = max(replica.unsettled_disk_max_bytes, usage.num_bytes)
                 usage = dataclasses.replace(usage, num_bytes=replica.unsettled_disk_max_bytes)
             why = usage.over(bounds.engine_max_bytes, bounds.engine_max_files)
             # NOTE: a process is born or exits during a walk now and then; during each, it may be relaying a mapping
-            replica.num_incomplete_shm_checks = replica.num_incomplete_shm_checks + 1 if held.incomplete else 0  # fmt: skip
-            if not held.incomplete:
-                replica.incomplete_shm_since = None
-            elif replica.incomplete_shm_since is None:
-                replica.incomplete_shm_since = now
+            replica.incomplete_shm.record(held.incomplete, now)
             if usage.unreadable:  # a folder it made unreadable: what it holds is unknown, so it is no engine to keep
                 logger.warning("replica %s: its engine made %s unreadable to the agent", replica.spec.replica_id,
                                usage.unreadable)
@@ -820,12 +813,9 @@ class Supervisor:
             elif held.hidden:  # a process it made not dumpable: what it holds is unknown, so it is no engine to keep
                 over.append((replica, "its engine hid the files it holds from the agent (a process not dumpable): "
                                       "stopped, and its folders emptied", held.paths))
-            elif (replica.num_incomplete_shm_checks >= MAX_INCOMPLETE_SHM_CHECKS
-                  and now - replica.incomplete_shm_since >= MIN_INCOMPLETE_SHM_S):
+            elif replica.incomplete_shm.lasted(MAX_INCOMPLETE_SHM_CHECKS, MIN_INCOMPLETE_SHM_S, now):
                 over.append((replica, "its engine hid the shared memory it holds from the agent (processes of it "
-                                      "were born or exited during every walk of "
-                                      f"{replica.num_incomplete_shm_checks} checks in a row, "
-                                      f"{now - replica.incomplete_shm_since:.0f} s): "
+                                      f"were born or exited during every walk of {replica.incomplete_shm.describe(now)}): "
                                       "stopped, and its folders emptied", held.paths))  # fmt: skip
             # a tmpfs only mapped that the agent cannot measure: what it pins is unknown
             elif held.unmeasured:
@@ -838,12 +828,9 @@ class Supervisor:
                                       "its endpoint's cache, the files its processes hold there after removing them "
                                       "and the shared memory they hold, this node's bound for one engine): stopped, "
                                       "and its folders emptied", held.paths))
-            elif (replica.num_unsettled_disk_checks >= MAX_UNSETTLED_DISK_CHECKS
-                  and now - replica.unsettled_disk_since >= MIN_UNSETTLED_DISK_S):
+            elif replica.unsettled_disk.lasted(MAX_UNSETTLED_DISK_CHECKS, MIN_UNSETTLED_DISK_S, now):
                 over.append((replica, "its engine hid what it wrote from the agent (its folders kept changing under "
-                                      "every measurement of "
-                                      f"{replica.num_unsettled_disk_checks} checks in a row, "
-                                      f"{now - replica.unsettled_disk_since:.0f} s): "
+                                      f"every measurement of {replica.unsettled_disk.describe(now)}): "
                                       "stopped, and its folders emptied", held.paths))  # fmt: skip
             else:
                 walked = time.monotonic()

@@ -1,15 +1,16 @@
-"""The endpoint page shows a capacity wait and a failure as what they are, with the reason."""
+"""The endpoint page shows a capacity wait, a failure and a scale-up backing off as what they are, with the reason."""
 
 import pytest
 
 from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
 from endpoints.fleet.services import create_join_token
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import NodePool
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
 from tests.test_endpoint_failures import IDLE, TINY, beat, failed
+from tests.test_scale_up_backoff import fail_extra_replicas, serving
 
 pytestmark = pytest.mark.django_db
 
@@ -43,3 +44,14 @@ def test_an_endpoint_whose_node_pool_is_bringing_a_node_says_it_is_provisioning_
     page = owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
     assert "provisioning a node" in page and "Starting" in page
     assert "Waiting for capacity" not in page and "X-Inferplane-Wait-For-Capacity" not in page
+
+
+def test_the_endpoint_page_says_its_scale_up_backs_off_and_offers_a_retry(org, owner):
+    # Before: no Retry on the page of an endpoint backing off that was neither paused nor failed.
+    endpoint, _replica = serving(org)
+    fail_extra_replicas(endpoint, 2)
+    page = owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()
+    assert "scale-up backing off: engine exited with code -9; next try in" in page and ">Retry</button>" in page
+    owner.post(f"/console/endpoints/{endpoint.pk}/resume/")
+    assert Endpoint.objects.get(pk=endpoint.pk).next_attempt_at is None
+    assert ">Retry</button>" not in owner.get(f"/console/endpoints/{endpoint.pk}/").content.decode()

@@ -1,0 +1,115 @@
+"""Replicas added while another serves that keep failing back off the endpoint's scale-ups, and say so; they never
+count toward failing it, nor hold a start from zero, and a Retry clears their backoff."""
+from datetime import timedelta
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from endpoints import scheduler
+from endpoints.autoscaler import Load
+from endpoints.gateway.directory import _endpoint_info
+from endpoints.models import Endpoint, Replica
+from endpoints.replicas import max_failures_since_ready, record_replica_failure
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+from tests.test_failed_endpoint_drains import VARIED_REASONS
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+def busy() -> Load:
+    """Calls enough for three replicas."""
+    return Load(0, 24, timezone.now().timestamp(), 24)
+
+
+def serving(organization=None):
+    """An endpoint of up to 3 replicas with one READY, and room for more on other nodes."""
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, target_concurrency=8,
+                               **({"organization": organization} if organization else {}))
+    replica = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now())
+    make_node(memory_mb=80_000), make_node(memory_mb=80_000)
+    return endpoint, replica
+
+
+def fail_extra_replicas(endpoint, count):
+    for n in range(count):
+        record_replica_failure(endpoint.pk, VARIED_REASONS[n % 3])
+    endpoint.refresh_from_db()
+
+
+def num_starting(endpoint) -> int:
+    return Replica.objects.filter(endpoint=endpoint, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).count()
+
+
+@override_settings(REPLICA_RETRY_BASE_S=30)
+def test_failed_scale_ups_while_a_replica_serves_back_off_and_say_why():
+    # Before: "replica failed (weights download failed: 503); retrying in 120 s", as for an endpoint serving nothing.
+    endpoint, _replica = serving()
+    fail_extra_replicas(endpoint, 3)
+    assert endpoint.failed_at is None and endpoint.state == "READY"
+    assert endpoint.status_message == "scale-up backing off: weights download failed: 503; next try in 120 s"
+    assert (endpoint.num_scale_up_failures, endpoint.num_failures_since_ready) == (3, 0)
+
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())  # calls for three replicas: none added while it backs off
+    assert num_starting(endpoint) == 0
+    endpoint.refresh_from_db()
+    assert endpoint.status_message.startswith("scale-up backing off: ") and endpoint.unplaced_replicas == 0
+
+    Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())  # its backoff passed: the scale-up goes on
+    assert num_starting(endpoint) == 2
+    assert Endpoint.objects.get(pk=endpoint.pk).status_message == ""
+
+
+def test_the_serving_replica_crashing_after_failed_scale_ups_does_not_fail_the_endpoint():
+    # Before: its first crash, after 10 failed scale-ups, set the endpoint FAILED: "11 replicas in a row failed,
+    # none served", though it had served all along.
+    endpoint, replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready() + 2)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.FAILED)
+    record_replica_failure(endpoint.pk, "engine exited with code -11")
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is None
+    assert endpoint.num_failures_since_ready == 1  # the first with none serving: the crash-loop count starts here
+    assert endpoint.status_message.startswith("replica failed (engine exited with code -11); retrying in ")
+
+
+def test_a_start_from_zero_is_not_held_by_the_backoff_of_failed_scale_ups():
+    # Before: idle, its READY replica drained; the next call's wake placed nothing for the hour the backoff had left,
+    # and the gateway answered 503 endpoint_backing_off at once.
+    endpoint, replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready())
+    assert (endpoint.next_attempt_at - timezone.now()).total_seconds() > 1800
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)  # scaled to zero
+
+    info = _endpoint_info(Endpoint.objects.select_related("organization__plan").get(pk=endpoint.pk))
+    assert info.backing_off_until == 0  # a call is held as in any cold start, and its wake starts a replica
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 1  # one, as the backoff still holds the replicas beyond it
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 1
+
+
+def test_failures_with_none_serving_still_hold_a_start_from_zero():
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3)
+    make_node(memory_mb=80_000)
+    record_replica_failure(endpoint.pk, "engine exited with code 1")
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 0
+
+
+def test_retry_clears_the_backoff_of_failed_scale_ups(org, owner_client):
+    # Before: resume answered 200 and changed nothing (only a paused or failed endpoint resumed): the scale-up waited
+    # up to an hour, or for a PATCH of some field.
+    endpoint, _replica = serving(org)
+    fail_extra_replicas(endpoint, max_failures_since_ready())
+    answer = owner_client.post(f"/api/v1/endpoints/{endpoint.pk}/resume/")
+    assert answer.status_code == 200 and answer.json()["status_message"] == ""
+    endpoint.refresh_from_db()
+    assert endpoint.next_attempt_at is None and endpoint.num_scale_up_failures == 0
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 2
+
