@@ -1062,6 +1062,10 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                            itertools.chain(storage.result_bodies(keys, ok=False), unrun))
              if len(keys) > num_ok or first_unrun is not None else None)
     files = [file for file in (output, error) if file is not None]
+    # NOTE: a line is counted failed where the error file has its row: an expiry's rows are every line without a
+    # result (`_unrun_rows`), counted failed as OpenAI counts its `batch_expired` lines. Before, only the billed but
+    # unstored ones were: an expired batch of 3 lines never run said 0 failed of 3, with 3 rows in its error file.
+    num_failed = (batch.num_total if final == BatchStatus.EXPIRED else len(keys) + len(lost)) - num_ok
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
              BatchStatus.CANCELLED: "cancelled_at", BatchStatus.FAILED: "failed_at"}[final]
     with transaction.atomic():
@@ -1073,7 +1077,7 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=num_ok,
-                num_failed=len(keys) - num_ok + len(lost),
+                num_failed=num_failed,
                 **{stamp: now},
                 **({"errors": errors} if errors is not None else {}))
     if ended_first:  # another run finished it first: its files stand, these go
