@@ -69,7 +69,7 @@ def _openai_view(handler):
         except errors.OpenAIError as exc:
             return _error(exc)
         except services.Refused as exc:
-            return _error(errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code))
+            return _error(_refusal(exc))
         except (MultiPartParserError, TooManyFieldsSent, TooManyFilesSent, RequestDataTooBig) as exc:
             # NOTE: what Django's parser refuses in a body (a part's headers past its limit, a broken boundary, too
             # many parts) reached Django's 400 page, with no body at all, not OpenAI's shape.
@@ -79,6 +79,15 @@ def _openai_view(handler):
             return _error(errors.service_unavailable())
 
     return view
+
+
+def _refusal(exc: services.Refused) -> errors.OpenAIError:
+    """A service's refusal in OpenAI's shape. NOTE: a lasting one says `x-should-retry: false`: the OpenAI clients
+    retry every 409 and 429 by themselves (twice by default, within seconds), and deleting an open batch's input
+    (409 `file_in_use`) or creating a batch past the cap (429 `batch_limit_reached`) was sent three times, the
+    client sleeping between, for the same refusal."""
+    return errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code,
+                              headers={"x-should-retry": "false"} if exc.lasting else None)
 
 
 def _unparsable_body(exc: Exception) -> errors.OpenAIError:
@@ -151,7 +160,7 @@ def refuse_upload_before_its_body(organization_id: int, declared: int, *,
     try:
         services.refuse_upload_past_storage_quota(organization_id, uploads.counted_bytes(declared))
     except services.Refused as exc:
-        raise errors.OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
+        raise _refusal(exc) from None
 
 
 def _upload(request, caller: Caller) -> HttpResponse:

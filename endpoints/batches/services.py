@@ -96,11 +96,13 @@ INCOMPLETE_UPLOADS_ABORTED_AFTER = (max(UPLOAD_ABANDONED_AFTER, timedelta(second
 
 
 class Refused(Exception):
-    """A request the API answers with a 400 (or `status`) naming `param`."""
+    """A request the API answers with a 400 (or `status`) naming `param`; `lasting` when a retry within seconds would
+    be refused the same (a 409 or 429 the OpenAI clients would otherwise retry by themselves: `api._refusal`)."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
+                 lasting: bool = False):
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.lasting = message, param, status, code, lasting
 
 
 # --- files -----------------------------------------------------------------------------------
@@ -280,7 +282,8 @@ def delete_file(file: File) -> bool:
     reader = Batch.objects.open().filter(input_file_id=file.pk).values_list("pk", flat=True).first()
     if reader is not None:
         raise Refused(f"The file is the input of batch {reader}, which has not ended: cancel it or wait for it to "
-                      "end before deleting the file.", param="file_id", status=409, code="file_in_use")
+                      "end before deleting the file.", param="file_id", status=409, code="file_in_use",
+                      lasting=True)
     if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=timezone.now()):
         return False
     storage.delete(file.s3_key)
@@ -345,7 +348,7 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
         if num_open >= settings.BATCH_MAX_OPEN_PER_ORG:
             raise Refused(f"Your organisation has {num_open} batches that have not ended, the most it may have "
                           f"({settings.BATCH_MAX_OPEN_PER_ORG}): wait for some to end, or cancel some.",
-                          param="input_file_id", status=429, code="batch_limit_reached")
+                          param="input_file_id", status=429, code="batch_limit_reached", lasting=True)
         batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
@@ -1062,6 +1065,10 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                            itertools.chain(storage.result_bodies(keys, ok=False), unrun))
              if len(keys) > num_ok or first_unrun is not None else None)
     files = [file for file in (output, error) if file is not None]
+    # NOTE: a line is counted failed where the error file has its row: an expiry's rows are every line without a
+    # result (`_unrun_rows`), counted failed as OpenAI counts its `batch_expired` lines. Before, only the billed but
+    # unstored ones were: an expired batch of 3 lines never run said 0 failed of 3, with 3 rows in its error file.
+    num_failed = (batch.num_total if final == BatchStatus.EXPIRED else len(keys) + len(lost)) - num_ok
     stamp = {BatchStatus.COMPLETED: "completed_at", BatchStatus.EXPIRED: "expired_at",
              BatchStatus.CANCELLED: "cancelled_at", BatchStatus.FAILED: "failed_at"}[final]
     with transaction.atomic():
@@ -1073,7 +1080,7 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=num_ok,
-                num_failed=len(keys) - num_ok + len(lost),
+                num_failed=num_failed,
                 **{stamp: now},
                 **({"errors": errors} if errors is not None else {}))
     if ended_first:  # another run finished it first: its files stand, these go

@@ -179,8 +179,7 @@ class InferenceCall:
         self.metrics = metrics.of_endpoint(self.endpoint.id, self.endpoint.organization_id)
         worst_case = self.request.worst_case(self.endpoint)
         if self.endpoint.paused:
-            raise errors.OpenAIError(503, f"The endpoint '{self.endpoint.name}' is paused.", type="server_error",
-                                     code="endpoint_paused", headers={"retry-after": "60"})
+            raise errors.endpoint_paused(self.endpoint.name)
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
         self.reserved = worst_case.max_cost(self.endpoint)

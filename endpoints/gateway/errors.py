@@ -115,6 +115,16 @@ def no_capacity(message: str, retry_after_s: int = 5) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="no_capacity", headers={"retry-after": str(retry_after_s)})
 
 
+def endpoint_paused(name: str) -> OpenAIError:
+    """A call to an endpoint its organisation paused: refused until someone resumes it, so no retry is invited.
+
+    NOTE: it said `retry-after: 60`, which openai-python honours (up to 60 s) and LangChain's and LlamaIndex's clients
+    with it: with its default two retries a call slept two minutes and was sent three times before it raised.
+    `x-should-retry: false` tells the OpenAI clients (Python and Node) not to retry it."""
+    return OpenAIError(503, f"The endpoint '{name}' is paused; resume it to serve calls again.", type="server_error",
+                       code="endpoint_paused", headers={"x-should-retry": "false"})
+
+
 REQUEST_IN_PROGRESS_RETRY_AFTER_S = 5
 
 

@@ -37,6 +37,9 @@ def test_a_batch_past_its_window_expires_with_every_unrun_line_in_the_error_file
     assert [(row["custom_id"], row["error"]["code"], row["response"]) for row in errors] == [
         ("c0", "batch_expired", None), ("c1", "batch_expired", None), ("c2", "batch_expired", None)]
     assert not UsageRecord.objects.exists()
+    # Before: `request_counts` said 0 completed and 0 failed of 3, while the error file listed the 3 lines never run;
+    # OpenAI counts each line an expiry writes with `batch_expired` as failed.
+    assert (batch.num_completed, batch.num_failed) == (0, 3)
 
 
 def test_a_batch_line_asks_the_engine_for_its_low_priority_and_an_interactive_call_does_not():

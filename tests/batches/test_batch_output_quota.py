@@ -135,7 +135,7 @@ def test_an_open_batch_keeps_room_for_the_rows_of_its_lines_an_expiry_would_find
 
     batch = _expire(batch)
 
-    assert batch.status == BatchStatus.EXPIRED and batch.num_failed == 0
+    assert batch.status == BatchStatus.EXPIRED and batch.num_failed == 200  # each line never run (was 0)
     rows = storage.read_bytes(batch.error_file.s3_key).splitlines()
     assert len(rows) == 200 and json.loads(rows[0])["error"]["code"] == "batch_expired"
     assert batch.error_file.bytes <= batch.num_unrun_row_bytes

@@ -168,3 +168,23 @@ def test_metrics_count_requests_and_tokens(gateway, tenant, start_mock_upstream)
 
 def _sorted(labels: dict, **more) -> tuple:
     return tuple(sorted((labels | more).items()))
+
+
+def test_a_paused_endpoints_503_does_not_set_the_openai_client_retrying_for_two_minutes(gateway, tenant, monkeypatch):
+    # Before: `retry-after: 60`, which openai-python honours (up to 60 s), and no `x-should-retry`: with its default two
+    # retries a call to a paused endpoint slept 60 s twice and sent the call three times before it raised, though a
+    # paused endpoint answers 503 until someone resumes it.
+    from django.utils import timezone
+
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=tenant.org, paused_at=timezone.now())
+    sent, slept = [], []
+    monkeypatch.setattr(openai._base_client.time, "sleep", slept.append)
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=tenant.key, max_retries=2,
+                           http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=1)
+    assert refused.value.status_code == 503 and refused.value.code == "endpoint_paused"
+    assert (len(sent), slept) == (1, [])
+    assert not UsageRecord.objects.exists()
