@@ -134,9 +134,7 @@ def fail_late_launches(pool: NodePool, provider: Provider, needs: list[Need], no
         reason = f"did not join within {pool.join_deadline_s} s"
         try:
             # NOTE: one the provider never answered for may still have started: found by its launch id.
-            provider_ids = [launch.provider_id] if launch.provider_id else [
-                machine.provider_id for machine in provider.list(pool_spec(pool)) if machine.launch_id == str(launch.pk)]
-            for provider_id in provider_ids:
+            for provider_id in pool_release.launch_machine_ids(pool, provider, launch):
                 provider.terminate(pool_spec(pool), provider_id)
         except ProviderError as error:
             logger.warning("node pool %s: terminating late launch %s: %s", pool.name, launch.pk, error)

@@ -725,3 +725,32 @@ def test_an_endpoint_backing_off_after_a_replica_failure_launches_no_machine():
     endpoint.refresh_from_db()
     assert endpoint.unplaced_replicas == 0 and endpoint.next_attempt_at is not None
     assert tick(provider) == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("ends", ["died", "idle"])
+def test_a_machine_that_joined_while_its_launch_went_unanswered_is_terminated_when_released(ends):
+    # The provider started the machine but its answer was lost (the launch left REQUESTED, no provider id); the
+    # machine booted and its agent joined by the launch's token before a tick sent the launch again. Released (its
+    # node dead, or idle), the launch was finished with no termination asked for (it knew no provider id), and the
+    # stray sweep never looks at a machine whose launch record exists: the machine ran on, paid for, its agent retired.
+    pool, provider = make_pool(idle_timeout_s=60), RecordingProvider()
+    waiting_endpoint()
+    provider.answer_lost = True
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.REQUESTED and launch.provider_id == ""
+    node = join(launch)
+    provider.answer_lost = False
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED
+    if ends == "died":
+        Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE,
+                                               last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+        tick(provider)
+    else:
+        tick(provider, now=timezone.now() + timedelta(seconds=61))
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED
+    assert provider.terminated == [f"m-{str(launch.pk)[:8]}"] and str(launch.pk) not in provider.machines
