@@ -27,7 +27,6 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.redis_client import held_alone
@@ -47,7 +46,7 @@ from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.models import Endpoint
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool, database_now
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
 
 def tick_pool(pool: NodePool, needs: list[Need], provider: Provider, now: datetime | None = None) -> int:
     """The pool's joins, late launches, launches for `needs`, occupancy and releases; returns how many it launched."""
-    now = now or timezone.now()
+    now = now or database_now()
     link_joins(pool, provider, now)
     fail_late_launches(pool, provider, needs, now)
     num_launched = launch_for_demand(pool, provider, needs, now)
