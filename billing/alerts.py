@@ -10,7 +10,8 @@ from decimal import Decimal
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import DateTimeField, Exists, ExpressionWrapper, OuterRef, Q
+from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
@@ -79,18 +80,22 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, s
     `CLAIM_LEFT_AFTER` (its worker was killed between the claim and the email: SIGKILL, OOM, the task's hard time
     limit, where no except clause runs) is taken again by a conditional update, its `created_at` the new claim's
     time: the alert was never sent otherwise. At least once: a worker killed after the mail went and before `sent_at`
-    was written sends it twice."""
+    was written sends it twice.
+
+    NOTE: a claim's time is PostgreSQL's clock, at its making and its judging: runs go to any worker, and one whose
+    clock ran minutes ahead of the claimer's took a claim made a moment before as left, and sent the alert twice."""
     try:
         with transaction.atomic():
             return SpendAlert.objects.create(organization_id=organization_id, period_start=period_start,
-                                             threshold_percent=threshold, spend=spend, spend_cap=spend_cap)
+                                             threshold_percent=threshold, spend=spend, spend_cap=spend_cap,
+                                             created_at=Now())
     except IntegrityError:
         pass
-    now = timezone.now()
     claim = {"organization_id": organization_id, "period_start": period_start, "threshold_percent": threshold,
              "spend_cap": spend_cap}
-    left = SpendAlert.objects.filter(**claim, sent_at__isnull=True, created_at__lt=now - CLAIM_LEFT_AFTER)
-    if left.update(created_at=now, spend=spend) != 1:
+    left_before = ExpressionWrapper(Now() - CLAIM_LEFT_AFTER, output_field=DateTimeField())
+    left = SpendAlert.objects.filter(**claim, sent_at__isnull=True, created_at__lt=left_before)
+    if left.update(created_at=Now(), spend=spend) != 1:
         return None
     return SpendAlert.objects.get(**claim)
 

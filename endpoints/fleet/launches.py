@@ -3,6 +3,11 @@
 The one owner of `NodeLaunch` state and occupancy (node-hours, busy vs idle). The pool policy
 (`endpoints.fleet.pools`) decides; registration (`endpoints.fleet.services.register_node`) reports a
 join; both change launches only through here.
+
+NOTE: a launch's times are PostgreSQL's clock (`database_now`), never a pod's: a join is stamped on a web pod and
+judged on a worker, a deadline set by one worker's tick and judged by another's. A web pod 15 minutes behind had every
+machine joining through it idle for 15 minutes at once, released before its replica was placed; a worker 15 minutes
+behind gave its launches deadlines the others found passed, each machine terminated as late before it could join.
 """
 
 from __future__ import annotations
@@ -11,10 +16,9 @@ import logging
 from datetime import datetime
 
 from django.db import transaction
-from django.utils import timezone
 
 from endpoints.models import LIVE_REPLICA_STATES, Replica
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, database_now
 from endpoints.replicas import drain_each
 
 logger = logging.getLogger(__name__)
@@ -27,7 +31,7 @@ def link_joined_node(node: Node, launch: NodeLaunch | None = None, now: datetime
     NOTE: booting time (request to join) is added to the launch's idle seconds: it was paid for and
     served nothing. The node starts idle until a replica lands on it.
     """
-    now = now or timezone.now()
+    now = now or database_now()
     with transaction.atomic():
         query = NodeLaunch.objects.select_for_update().filter(
             node__isnull=True, state__in=[LaunchState.REQUESTED, LaunchState.LAUNCHING])
@@ -71,7 +75,7 @@ def drain_unfitting_replicas(node: Node, *, reason: str) -> int:
 
 def record_launched(launch: NodeLaunch, provider_id: str, zone: str = "", now: datetime | None = None) -> bool:
     """The provider has the machine: REQUESTED becomes LAUNCHING (once; a retried answer changes nothing)."""
-    now = now or timezone.now()
+    now = now or database_now()
     changed = NodeLaunch.objects.filter(pk=launch.pk, state=LaunchState.REQUESTED).update(
         state=LaunchState.LAUNCHING, provider_id=provider_id[:255], zone=(zone or launch.zone)[:128], launched_at=now)
     if changed:
@@ -91,7 +95,7 @@ def start_release(launch: NodeLaunch, reason: str) -> bool:
 
 def record_occupancy(launch: NodeLaunch, busy: bool, now: datetime | None = None) -> bool:
     """Start or end an idle spell of a joined launch's node; True if it changed."""
-    now = now or timezone.now()
+    now = now or database_now()
     if busy and launch.idle_since is not None:
         elapsed = max(0.0, (now - launch.idle_since).total_seconds())
         changed = NodeLaunch.objects.filter(pk=launch.pk, idle_since=launch.idle_since).update(
@@ -110,7 +114,7 @@ def record_occupancy(launch: NodeLaunch, busy: bool, now: datetime | None = None
 def finish_launch(launch: NodeLaunch, state: LaunchState, reason: str = "", now: datetime | None = None) -> bool:
     """TERMINATED or FAILED, once: closes its idle spell so its node-hours stop growing; True if this call did it."""
     assert state in (LaunchState.TERMINATED, LaunchState.FAILED)
-    now = now or timezone.now()
+    now = now or database_now()
     with transaction.atomic():
         current = NodeLaunch.objects.select_for_update().filter(pk=launch.pk).exclude(
             state__in=[LaunchState.TERMINATED, LaunchState.FAILED]).first()

@@ -5,7 +5,8 @@ Part of the pool tick (`endpoints.fleet.pools`): each joined launch's node is bu
 the pool's idle timeout, down to min plus warm (a node placement never uses, its host refused, goes whatever they
 say: `pool_demand.spare_launches`). Each is cordoned under its row lock after checking
 again that it holds no replica (placement locks READY node rows too: a replica placed meanwhile keeps
-the node), marked RELEASING and committed; the provider terminates it outside the transaction; its
+the node), marked RELEASING and committed; the provider terminates it outside the transaction (a launch whose answer was lost,
+with no provider id, by the machines listed under its launch id: `launch_machine_ids`); its
 node then goes OFFLINE with its secret void and the launch TERMINATED. A RELEASING launch whose
 termination failed is tried again every tick, unless the provider refused it as not this fleet's machine
 (`NotThisFleets`: `INFERPLANE_FLEET_ID` changed since its launch, or its tags were edited): asking again cannot change
@@ -107,8 +108,8 @@ def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[s
     finished = []
     for launch in NodeLaunch.objects.filter(pool=pool, state=LaunchState.RELEASING).select_related("node"):
         try:
-            if launch.provider_id:
-                provider.terminate(pool_spec(pool), launch.provider_id)
+            for provider_id in launch_machine_ids(pool, provider, launch):
+                provider.terminate(pool_spec(pool), provider_id)
         except NotThisFleets as error:
             give_up_release(pool, launch, str(error), now)
             continue
@@ -121,6 +122,19 @@ def finish_releases(pool: NodePool, provider: Provider, now: datetime) -> list[s
             record_audit(SYSTEM, None, "node_launch.terminate", launch, pool=pool.name, reason=launch.reason)
             finished.append(str(launch.pk))
     return finished
+
+
+def launch_machine_ids(pool: NodePool, provider: Provider, launch: NodeLaunch) -> list[str]:
+    """The provider ids of the launch's machine: the one its answer gave, else those the provider lists under its launch
+    id; raises `ProviderError` when the list fails (the machine is then never taken for gone).
+
+    NOTE: a launch whose answer was lost has no provider id, and its machine may have started: one still booting at its
+    deadline, or one that joined by its token before the launch was sent again (JOINED, so never sent again). Released
+    with no termination asked for, it ran on, paid for, its agent retired, and the stray sweep passes it over (its
+    launch record exists)."""
+    if launch.provider_id:
+        return [launch.provider_id]
+    return [machine.provider_id for machine in provider.list(pool_spec(pool)) if machine.launch_id == str(launch.pk)]
 
 
 def give_up_release(pool: NodePool, launch: NodeLaunch, refusal: str, now: datetime) -> None:

@@ -27,7 +27,6 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.redis_client import held_alone
@@ -47,7 +46,7 @@ from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.models import Endpoint
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool, database_now
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
 
 def tick_pool(pool: NodePool, needs: list[Need], provider: Provider, now: datetime | None = None) -> int:
     """The pool's joins, late launches, launches for `needs`, occupancy and releases; returns how many it launched."""
-    now = now or timezone.now()
+    now = now or database_now()
     link_joins(pool, provider, now)
     fail_late_launches(pool, provider, needs, now)
     num_launched = launch_for_demand(pool, provider, needs, now)
@@ -134,9 +133,7 @@ def fail_late_launches(pool: NodePool, provider: Provider, needs: list[Need], no
         reason = f"did not join within {pool.join_deadline_s} s"
         try:
             # NOTE: one the provider never answered for may still have started: found by its launch id.
-            provider_ids = [launch.provider_id] if launch.provider_id else [
-                machine.provider_id for machine in provider.list(pool_spec(pool)) if machine.launch_id == str(launch.pk)]
-            for provider_id in provider_ids:
+            for provider_id in pool_release.launch_machine_ids(pool, provider, launch):
                 provider.terminate(pool_spec(pool), provider_id)
         except ProviderError as error:
             logger.warning("node pool %s: terminating late launch %s: %s", pool.name, launch.pk, error)

@@ -9,12 +9,12 @@ import socket
 import threading
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import models
+from django.db import connection, models
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -263,6 +263,14 @@ def _normal_host(host: str) -> str:
     except ValueError:
         return host
 
+
+
+def database_now() -> datetime:
+    """PostgreSQL's clock now (the moment, not its transaction's start), for times one process stamps and another
+    judges (a node launch's deadline and idle spell: `endpoints.fleet.launches`), as `database_time_ago`."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
 
 
 def database_time_ago(seconds: float) -> models.Expression:

@@ -166,6 +166,35 @@ def test_a_spend_alert_whose_worker_died_before_sending_it_is_sent_by_a_later_ru
     assert SpendAlert.objects.get(organization=organization).sent_at is not None
 
 
+def test_a_run_on_a_worker_whose_clock_is_minutes_ahead_never_takes_a_spend_alert_another_run_is_sending(
+        owner_client, monkeypatch):
+    # Before: the claim's age was judged by each worker's own clock: a run on a worker 10 minutes ahead took a claim
+    # made a moment before (by PostgreSQL's clock) as left by a dead worker, and the alert went twice.
+    organization = owner_client.organization
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("1.00"))
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=600_000, completion_tokens=0))
+    send = alerts._send
+
+    def still_sending(*args, **kwargs):
+        raise _WorkerKilled()  # the first run is still in its mail server's call (here: never returns)
+
+    monkeypatch.setattr(alerts, "_send", still_sending)
+    with pytest.raises(_WorkerKilled):
+        check_spend_alerts(organization.pk)
+    monkeypatch.setattr(alerts, "_send", send)
+    ahead = timedelta(minutes=10)  # this run's worker
+    monkeypatch.setattr(alerts, "timezone", type("Clock", (), {"now": staticmethod(lambda: timezone.now() + ahead)}))
+    assert check_spend_alerts(organization.pk) == []
+    assert mail.outbox == []
+
+    # Left unsent for longer than the claim's bound by PostgreSQL's clock, it is sent by a later run, once.
+    SpendAlert.objects.filter(organization=organization).update(created_at=timezone.now() - timedelta(hours=1))
+    assert check_spend_alerts(organization.pk) == [50]
+    assert check_spend_alerts(organization.pk) == []
+    assert len(mail.outbox) == 1
+
+
 def test_the_portal_link_creates_the_customer_once(owner_client, fake_stripe):
     first = owner_client.post("/api/v1/billing/portal/")
     second = owner_client.post("/api/v1/billing/portal/")

@@ -725,3 +725,76 @@ def test_an_endpoint_backing_off_after_a_replica_failure_launches_no_machine():
     endpoint.refresh_from_db()
     assert endpoint.unplaced_replicas == 0 and endpoint.next_attempt_at is not None
     assert tick(provider) == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("ends", ["died", "idle"])
+def test_a_machine_that_joined_while_its_launch_went_unanswered_is_terminated_when_released(ends):
+    # The provider started the machine but its answer was lost (the launch left REQUESTED, no provider id); the
+    # machine booted and its agent joined by the launch's token before a tick sent the launch again. Released (its
+    # node dead, or idle), the launch was finished with no termination asked for (it knew no provider id), and the
+    # stray sweep never looks at a machine whose launch record exists: the machine ran on, paid for, its agent retired.
+    pool, provider = make_pool(idle_timeout_s=60), RecordingProvider()
+    waiting_endpoint()
+    provider.answer_lost = True
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.REQUESTED and launch.provider_id == ""
+    node = join(launch)
+    provider.answer_lost = False
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED
+    if ends == "died":
+        Node.objects.filter(pk=node.pk).update(state=NodeState.OFFLINE,
+                                               last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+        tick(provider)
+    else:
+        tick(provider, now=timezone.now() + timedelta(seconds=61))
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED
+    assert provider.terminated == [f"m-{str(launch.pk)[:8]}"] and str(launch.pk) not in provider.machines
+
+
+def _clock(offset: timedelta):
+    """A pod's `django.utils.timezone`, its clock `offset` from the database's."""
+    return type("Clock", (), {"now": staticmethod(lambda: timezone.now() + offset)})
+
+
+@pytest.mark.django_db
+def test_a_node_that_joins_through_a_web_pod_whose_clock_is_behind_is_not_released_before_it_gets_its_replica(
+        monkeypatch):
+    # Before: the join was stamped by the web pod's clock (`register_node` links the launch) and its idle spell judged
+    # by the worker's: a web pod 15 minutes behind made every machine that joined through it idle for 15 minutes
+    # already, released by the next tick before the scheduler placed the replica it came for, and launched again.
+    pool, provider = make_pool(idle_timeout_s=300), RecordingProvider()
+    endpoint = waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    node = join(launch)
+    monkeypatch.setattr(launches, "timezone", _clock(timedelta(minutes=-15)), raising=False)  # the web pod's
+    assert launches.link_joined_node(node) is not None
+    monkeypatch.undo()
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and provider.terminated == []
+    reconcile_endpoint(str(endpoint.pk))
+    assert Replica.objects.filter(endpoint=endpoint, node=node).exists()
+
+
+@pytest.mark.django_db
+def test_a_launch_requested_by_a_worker_whose_clock_is_behind_is_not_failed_early_by_another(monkeypatch):
+    # Before: a launch's deadline was the requesting worker's clock plus the join deadline, judged by whichever worker
+    # ran the next tick: one 15 minutes behind gave launches a deadline the others found passed 5 minutes ago, and each
+    # machine was terminated as late before it could join (the endpoint waited for capacity for good).
+    pool, provider = make_pool(join_deadline_s=600), RecordingProvider()
+    waiting_endpoint()
+    for module in (pools, launches):
+        monkeypatch.setattr(module, "timezone", _clock(timedelta(minutes=-15)), raising=False)  # worker A
+    tick(provider)
+    monkeypatch.undo()
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.LAUNCHING
+    tick(provider)  # worker B, on time
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.LAUNCHING and provider.terminated == []

@@ -4,7 +4,8 @@
   client through the gateway; a streaming client sees `: provisioning a node`), and after idling both
   the replica and the node are gone (real vLLM, a real Celery worker and beat);
 - two endpoints needing capacity at once launch one node when one fits both;
-- a node that never joins is terminated at its deadline and replaced, the reason in the event log.
+- a node that never joins is terminated at its deadline and replaced, the reason in the event log;
+- a machine whose launch's answer was lost but whose agent joined is stopped when its node is released.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from controlplane.accounts.models import Scope
 from controlplane.accounts.services import SYSTEM, Actor
 from endpoints.fleet import pools
 from endpoints.fleet.pool_services import create_node_pool
+from endpoints.fleet.providers.base import ProviderUnreachable
+from endpoints.fleet.providers.local import LocalProvider
 from endpoints.models import Endpoint, EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import LaunchState, Node, NodeLaunch
 from endpoints.scheduler import reconcile_endpoint
@@ -108,6 +111,48 @@ def test_a_node_that_never_joins_is_terminated_at_its_deadline_and_replaced_with
     logged = EndpointEvent.objects.filter(endpoint=endpoint, kind=EventKind.CAPACITY, message__contains="did not join")
     assert [event.message for event in logged] == [
         f"Node {str(first.pk)[:8]} of pool lost did not join within 20 s: terminated, launching a replacement"]
+
+
+class AnswerLostOnce(LocalProvider):
+    """The real local provider, whose first launch's answer is lost after the agent process started (a timeout)."""
+
+    def __init__(self):
+        self.lose = True
+
+    def launch(self, pool, specs):
+        results = super().launch(pool, specs)
+        if self.lose:
+            self.lose = False
+            raise ProviderUnreachable("the answer was lost: read timeout")
+        return results
+
+
+def test_a_machine_that_joined_while_its_launch_went_unanswered_is_stopped_when_its_node_is_released(
+        live_server_url, pool_dir, settings):
+    # Before: the launch, JOINED with no provider id (its answer lost, its agent registered by the launch's token
+    # before a tick sent it again), was finished TERMINATED on release with no termination asked for: the agent
+    # process (the machine) ran on, its node retired.
+    settings.AGENT_CONTROL_PLANE_URL = live_server_url
+    pool = create_node_pool(SYSTEM, name="cpu-local", gpu_type="cpu", provider="local", template=NO_ENGINES,
+                            gpu_memory_mb=8192, min_nodes=0, max_nodes=1, idle_timeout_s=60, join_deadline_s=120)
+    endpoint = waiting_endpoint()
+    provider = AnswerLostOnce()
+    pools.provision_tick(provider_for=lambda name: provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    assert launch.state == LaunchState.REQUESTED and launch.provider_id == ""
+    [agent] = live_agents(pool_dir)
+    node = wait_until(lambda: Node.objects.filter(name=f"cpu-local-{str(launch.pk)[:8]}").first(), 90,
+                      interval_s=0.5, message="the launched agent to register")
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and launch.node_id == node.pk and launch.provider_id == ""
+
+    Endpoint.objects.filter(pk=endpoint.pk).update(paused_at=timezone.now())  # no demand left: the node idles
+    pools.provision_tick(provider_for=lambda name: provider)
+    pools.provision_tick(now=timezone.now() + timedelta(seconds=61), provider_for=lambda name: provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.TERMINATED
+    wait_until(lambda: not local_agents.is_alive(agent), 15, message="the released machine's agent to stop")
+    assert live_agents(pool_dir) == []
 
 
 FAST = {
