@@ -13,7 +13,7 @@ of py-spy: native symbols, so CPython's own C functions (attribute look-ups, the
 modules show, which py-spy's Python frames hide (round 22).
 
     .venv/bin/python bench/profile_gateway.py [--duration-s 5] [--rounds 2] [--py-spy|--perf] [--server uvicorn|granian]
-        [--compare-server granian|uvicorn-access-log|uvicorn-server-header [--granian-args "--runtime-mode st"]]
+        [--compare-server granian|uvicorn-access-log|uvicorn-server-header|lean|lean-asgi [--granian-args "--runtime-mode st"]]
 
 `--compare-server` serves the same tree (gateway and floor) a second time under the other server,
 measured in the same rounds, alternating; the summary gives the medians and the paired differences.
@@ -45,6 +45,12 @@ CONCURRENCY = 16
 
 
 def serve_args(server: str, app: str, port: int, granian_args: tuple[str, ...] = ()) -> list[str]:
+    if server in ("lean", "lean-asgi"):
+        # NOTE: bench/lean_server.py (round 29): "lean" serves the floor without ASGI (a Protocol of its own),
+        # "lean-asgi" serves bench/bare_proxy.py's ASGI app; both serve the gateway's ASGI app.
+        floor = server == "lean" and app == "bench.bare_proxy:app"
+        return [sys.executable, str(REPO / "bench" / "lean_server.py"), *(["--bare-floor"] if floor else [app]),
+                "--host", "127.0.0.1", "--port", str(port)]
     if server == "granian":
         return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
                 "--workers", "1", "--loop", "uvloop", "--no-ws", "--no-access-log", "--log-level", "warning",
@@ -185,12 +191,14 @@ def main() -> int:
                              "saturation, as a real engine)")
     parser.add_argument("--skip-wrk", action="store_true", help="only the streaming runs")
     parser.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
-    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log", "uvicorn-server-header"),
+    parser.add_argument("--compare-server", choices=("uvicorn", "granian", "uvicorn-access-log", "uvicorn-server-header", "lean",
+                                 "lean-asgi"),
                         default=None,
                         help="also serve the gateway and the floor of this tree under this server, in the same rounds "
                              "(uvicorn-access-log: uvicorn writing its access line, as a pod's web process did before "
                              "`controlplane.serve`; uvicorn-server-header: uvicorn's `server: uvicorn` header on, which "
-                             "a pod's web process turns off)")
+                             "a pod's web process turns off; lean: bench/lean_server.py, the floor without ASGI and the "
+                             "gateway under a minimal ASGI server; lean-asgi: the same with the floor's ASGI app)")
     parser.add_argument("--granian-args", default="", help="extra granian flags, e.g. \"--runtime-mode st\"")
     parser.add_argument("--machine-cpu", action="store_true",
                         help="also print, per request, the CPU of Redis, PostgreSQL, the mock, wrk and the whole machine")
