@@ -340,6 +340,7 @@ class MigSlice(Message):
     def __post_init__(self) -> None:
         _require(bool(_GPU_UUID.match(self.uuid)), "a MIG slice needs its UUID")
         _require(0 < len(self.profile) <= 32 and self.memory_mb >= 0, "a MIG slice needs a profile and memory >= 0")
+        _require_no_nul(self.profile, "a MIG slice's profile")
 
 
 @dataclass(slots=True)

@@ -598,7 +598,7 @@ def test_a_nul_in_what_an_engine_or_its_adapter_said_is_dropped_and_the_heartbea
 
 
 @pytest.mark.parametrize("case", ["weights source", "weights cache key", "weights scope", "GPU name", "adapter name",
-                                  "failed adapter name"])
+                                  "failed adapter name", "MIG profile"])
 def test_a_nul_in_a_name_a_forged_heartbeat_carries_is_a_clear_400(client, agent, case):
     """Names an agent only repeats (its spec's source and adapters, its cache's keys, its GPUs' names) never hold a NUL:
     one that does is a made-up heartbeat, refused with the field's name. Before, each was a 500 (PostgreSQL's jsonb of
@@ -610,6 +610,7 @@ def test_a_nul_in_a_name_a_forged_heartbeat_carries_is_a_clear_400(client, agent
         "weights cache key": {"weights": [weights | {"cache_key": "k\x00"}]},
         "weights scope": {"weights": [weights | {"scope": "\x00"}]},
         "GPU name": {"gpus": [gpu | {"name": "L4\x00"}]},
+        "MIG profile": {"gpus": [gpu | {"uuid": "GPU-1", "mig_slices": [{"uuid": "MIG-1", "profile": "1g\x00", "memory_mb": 1}]}]},
         "adapter name": "adapters",
         "failed adapter name": "adapter_failures",
     }[case]
