@@ -271,6 +271,18 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else "".join(ch for ch in text if ch.isprintable())
 
 
+def _without_nul(text: str) -> str:
+    """Free text (an engine's log lines, its answers) as PostgreSQL keeps it: without NULs, its lines kept.
+    NOTE: the text a tenant's files choose: transformers quotes a config.json's `model_type` raw in the error an engine
+    dies with. A NUL kept made every heartbeat of the node a 500, so it went OFFLINE with every tenant's replica on it."""
+    return text.replace("\x00", "")
+
+
+def _require_no_nul(text: str, name: str) -> None:
+    """A name an agent only repeats (its spec's, its cache's, its GPUs'): a NUL in one is a made-up heartbeat."""
+    _require("\x00" not in text, f"{name} must hold no NUL")
+
+
 _GPU_UUID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_-]{0,99}$")  # "GPU-5d5b…", "MIG-c6d4…", "MIG-GPU-…/7/0"
 MAX_ENGINE_SANDBOX_CHARS = 200  # a node's `engine_sandbox` fact, at most
 # NOTE: what an agent's messages may carry, each the most its column or its use holds (a node's versions and GPU
@@ -328,6 +340,7 @@ class MigSlice(Message):
     def __post_init__(self) -> None:
         _require(bool(_GPU_UUID.match(self.uuid)), "a MIG slice needs its UUID")
         _require(0 < len(self.profile) <= 32 and self.memory_mb >= 0, "a MIG slice needs a profile and memory >= 0")
+        _require_no_nul(self.profile, "a MIG slice's profile")
 
 
 @dataclass(slots=True)
@@ -345,6 +358,7 @@ class GpuStatus(Message):
         _require(0 <= self.index < MAX_GPUS_PER_NODE, f"GPU index must be within 0..{MAX_GPUS_PER_NODE - 1}")
         _require(len(self.name) <= 128, "GPU name must be at most 128 characters")
         _require(not self.uuid or bool(_GPU_UUID.match(self.uuid)), "GPU uuid must look like GPU-…")
+        _require_no_nul(self.name, "GPU name")
         _require(self.memory_total_mb >= 0 and self.memory_used_mb >= 0, "GPU memory figures must be >= 0")
         _require(len(self.mig_slices) <= 7, "a GPU has at most 7 MIG slices")
         # NOTE: kept in the node's `last_status` (jsonb, which has no NaN or Infinity).
@@ -550,14 +564,16 @@ class ReplicaStatus(Message):
                  f"a replica reports at most {MAX_ADAPTERS_PER_REPLICA} adapters and as many refused")
         for name in (*self.adapters, *self.adapter_failures):
             _require_length(name, "each adapter's name", MAX_ADAPTER_NAME_CHARS)
-        self.adapter_failures = {name: reason[:MAX_ADAPTER_FAILURE_CHARS] for name, reason in self.adapter_failures.items()}
+            _require_no_nul(name, "each adapter's name")
+        self.adapter_failures = {name: _without_nul(reason)[:MAX_ADAPTER_FAILURE_CHARS]
+                                 for name, reason in self.adapter_failures.items()}
         _require(isinstance(self.adapter_failures_retried, list)
                  and all(isinstance(name, str) for name in self.adapter_failures_retried),
                  "adapter_failures_retried must be a list of adapter names")
         self.adapter_failures_retried = [name for name in dict.fromkeys(self.adapter_failures_retried)
                                          if name in self.adapter_failures]
-        self.failure_reason = self.failure_reason[-MAX_FAILURE_REASON_CHARS:]
-        self.progress = self.progress[:MAX_PROGRESS_CHARS]
+        self.failure_reason = _without_nul(self.failure_reason)[-MAX_FAILURE_REASON_CHARS:]
+        self.progress = _without_nul(self.progress)[:MAX_PROGRESS_CHARS]
         _require(0.0 <= _finite(self.kv_cache_usage, "kv_cache_usage") <= 1.0, "kv_cache_usage must be within 0..1")
         _require(all(_is_int(n) for n in (self.num_running, self.num_waiting, self.num_restarts,
                                           self.num_prefix_cache_queries, self.num_prefix_cache_hits)),
@@ -734,6 +750,8 @@ class WeightsStatus(Message):
         _require_length(self.source, "a weights report's source", MAX_MODEL_SOURCE_CHARS)
         _require_length(self.cache_key, "a weights report's cache_key", MAX_CACHE_KEY_CHARS)
         _require_length(self.scope or "", "a weights report's scope", MAX_WEIGHTS_SCOPE_CHARS)
+        for name, text in (("source", self.source), ("cache_key", self.cache_key), ("scope", self.scope or "")):
+            _require_no_nul(text, f"a weights report's {name}")
         self.size_bytes = min(max(self.size_bytes, 0), MAX_WEIGHTS_BYTES)
         self.downloaded_bytes = min(max(self.downloaded_bytes, 0), MAX_WEIGHTS_BYTES)
 

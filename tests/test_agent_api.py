@@ -571,3 +571,51 @@ def test_a_control_character_in_a_registrations_text_is_a_400_naming_the_field(c
 def test_a_control_character_in_a_heartbeats_agent_version_is_a_400_naming_it(client, agent):
     response = beat_raw(client, agent, {"agent_version": "0.1\x00"})
     assert response.status_code == 400 and "agent_version" in response.json()["error"]["message"]
+
+
+def test_a_nul_in_what_an_engine_or_its_adapter_said_is_dropped_and_the_heartbeat_taken(client, agent):
+    """A replica's failure reason is the end of its engine's log, and an adapter's failure the engine's own answer: text
+    a tenant's files choose (transformers' error for a config.json whose `model_type` holds a NUL quotes it raw).
+    Before, PostgreSQL refused the NUL: every heartbeat of the node was a 500 while the agent reported that replica, and
+    the node went OFFLINE with every other tenant's replica on it."""
+    from endpoints.models import Adapter, EndpointEvent
+
+    crashed = _replica_report(client, agent, state="FAILED",
+                              failure_reason="ValueError: model type `llama\x00x` is not recognised\nthe last line")
+    restarted = _replica_report(client, agent, num_restarts=1, failure_reason="crash\x00", progress="loading\x00 40%",
+                                adapter_failures={"a": "the engine: bad\x00 module"})
+    replica = Replica.objects.get(pk=restarted["replica_id"])
+    Adapter.objects.create(endpoint=replica.endpoint, name="a", source="s3://bucket/a")
+
+    response = beat_raw(client, agent, {"replicas": [crashed, restarted]})
+
+    assert response.status_code == 200, response.content[:300]
+    failed = Replica.objects.get(pk=crashed["replica_id"])
+    assert failed.state == "FAILED" and failed.failure_reason.endswith("`llamax` is not recognised\nthe last line")
+    assert Replica.objects.get(pk=restarted["replica_id"]).progress == "loading 40%"
+    assert EndpointEvent.objects.get(replica_id=restarted["replica_id"], kind="failure").details["reason"] == "crash"
+    assert Adapter.objects.get(endpoint=replica.endpoint, name="a").status_message == "the engine: bad module"
+
+
+@pytest.mark.parametrize("case", ["weights source", "weights cache key", "weights scope", "GPU name", "adapter name",
+                                  "failed adapter name", "MIG profile"])
+def test_a_nul_in_a_name_a_forged_heartbeat_carries_is_a_clear_400(client, agent, case):
+    """Names an agent only repeats (its spec's source and adapters, its cache's keys, its GPUs' names) never hold a NUL:
+    one that does is a made-up heartbeat, refused with the field's name. Before, each was a 500 (PostgreSQL's jsonb of
+    the node's status, or a query, refused it)."""
+    weights = {"source": "/models/tiny", "cache_key": "k", "scope": "", "complete": True, "size_bytes": 5}
+    gpu = {"index": 0, "name": "L4", "utilization_percent": 0, "memory_used_mb": 0, "memory_total_mb": 1}
+    changes = {
+        "weights source": {"weights": [weights | {"source": "/models/tiny\x00"}]},
+        "weights cache key": {"weights": [weights | {"cache_key": "k\x00"}]},
+        "weights scope": {"weights": [weights | {"scope": "\x00"}]},
+        "GPU name": {"gpus": [gpu | {"name": "L4\x00"}]},
+        "MIG profile": {"gpus": [gpu | {"uuid": "GPU-1", "mig_slices": [{"uuid": "MIG-1", "profile": "1g\x00", "memory_mb": 1}]}]},
+        "adapter name": "adapters",
+        "failed adapter name": "adapter_failures",
+    }[case]
+    if isinstance(changes, str):
+        report = {"adapters": {"adapters": ["a\x00"]}, "adapter_failures": {"adapter_failures": {"a\x00": "x"}}}[changes]
+        changes = {"replicas": [_replica_report(client, agent, state="READY", **report)]}
+    response = beat_raw(client, agent, changes)
+    assert response.status_code == 400 and "NUL" in response.json()["error"]["message"], response.content[:300]

@@ -105,6 +105,24 @@ def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supe
     assert [wait >= 0.5 * 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
 
 
+def test_a_nul_an_engine_logged_before_it_died_never_reaches_the_replicas_report(make_supervisor):
+    """An engine's last log lines are its failure's reason, and a tenant's files choose them: transformers' error for a
+    config.json whose `model_type` holds a NUL quotes it raw. Before, the report carried the NUL, PostgreSQL refused it,
+    and every heartbeat of the node was a 500 until the node went OFFLINE with every tenant's replica on it."""
+    policy = SupervisorPolicy(restart_backoff_s=0.2, max_consecutive_crashes=1, stop_timeout_s=2.0)
+    supervisor = make_supervisor("--exit-after-s", "0.5", policy=policy)
+    supervisor.start(make_spec("r-nul"), "/models/x")
+    supervisor.poll()
+    wait_until(lambda: supervisor.get("r-nul").log_path.exists(), 10, poll=supervisor.poll)
+    with open(supervisor.get("r-nul").log_path, "ab") as log:
+        log.write(b"ValueError: The checkpoint you are trying to load has model type `llama\x00x`\n")
+    wait_until(lambda: state_of(supervisor, "r-nul") == ReplicaState.FAILED, 30, poll=supervisor.poll)
+
+    [status] = supervisor.statuses()
+    assert "model type `llamax`" in status.failure_reason and "\x00" not in status.failure_reason
+    assert ReplicaStatus.from_dict(json.loads(json.dumps(status.to_dict()))).failure_reason == status.failure_reason
+
+
 def test_drain_waits_for_running_requests_then_stops_every_process(make_supervisor, tmp_path):
     running_file = tmp_path / "running"
     running_file.write_text("2")
