@@ -546,8 +546,19 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         endpoint = Endpoint.objects.select_for_update().filter(pk=endpoint_id, failed_at__isnull=True).first()
         if endpoint is None:
             return
+        serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
+        # NOTE: a scale-up count stands only with its backoff: a web pod of the release before 0032 clears the other
+        # counts and `next_attempt_at` (a replica READY, a resume, a spec change), never this one, and the next failed
+        # scale-up after a rolling deploy backed off an hour (a review's finding). Every reset here clears both.
+        num_scale_ups_before = endpoint.num_scale_up_failures if endpoint.next_attempt_at is not None else 0
+        # NOTE: the first failure with none READY after failed scale-ups starts its own run of identical reasons: the
+        # model served meanwhile. Carried over, three scale-ups killed by the kernel's OOM killer ("engine exited with
+        # code -9") and, weeks later, the first crash of the replica that served set the endpoint FAILED (a review's
+        # finding). Identical failures of scale-ups alone still fail it, as from none.
+        after_scale_ups = not serving and endpoint.num_failures_since_ready == 0 and num_scale_ups_before > 0
         signature = failure_signature(reason)
-        repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
+        repeats = (endpoint.num_identical_failures + 1
+                   if signature == endpoint.last_failure_reason and not after_scale_ups else 1)
         short = reason.splitlines()[-1][-200:]
         fields = {"num_identical_failures": repeats, "last_failure_reason": signature,
                   # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
@@ -557,9 +568,8 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         # for failures with none serving. Counted, 8 of them failed the endpoint while its READY replica went on
         # serving (a review's finding), and later the first crash of that replica failed it, "none served", or its
         # hour of backoff held its start from zero. Identical or permanent ones still fail it.
-        serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
         num_failures = endpoint.num_failures_since_ready + int(not serving)
-        num_scale_up_failures = endpoint.num_scale_up_failures + int(serving)
+        num_scale_up_failures = num_scale_ups_before + int(serving)
         fields.update(num_failures_since_ready=num_failures, num_scale_up_failures=num_scale_up_failures)
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
                       else "many" if num_failures >= max_failures_since_ready() and not serving else "")

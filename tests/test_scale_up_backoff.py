@@ -3,6 +3,8 @@ count toward failing it, nor hold a start from zero, and a Retry clears their ba
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
+from django.db.models import Q
 from django.test import override_settings
 from django.utils import timezone
 
@@ -112,4 +114,50 @@ def test_retry_clears_the_backoff_of_failed_scale_ups(org, owner_client):
     assert endpoint.next_attempt_at is None and endpoint.num_scale_up_failures == 0
     scheduler.reconcile_endpoint(str(endpoint.pk), busy())
     assert num_starting(endpoint) == 2
+
+
+
+def test_the_serving_replicas_first_crash_after_identical_failed_scale_ups_does_not_fail_the_endpoint():
+    # Before: three scale-ups killed by the kernel's OOM killer on crowded hosts (every exit code blanked to one
+    # signature) and, 20 days later, the first crash of the replica that had served all along: "4 replicas in a row
+    # failed with the same reason", FAILED. Their run of identical reasons carried over into the crash-loop count.
+    endpoint, replica = serving()
+    for _ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES - 1):
+        record_replica_failure(endpoint.pk, "engine exited with code -9")
+    Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=timezone.now() - timedelta(days=20))
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.FAILED)
+    record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is None, endpoint.status_message
+    assert (endpoint.num_identical_failures, endpoint.num_failures_since_ready) == (1, 1)
+
+
+def test_identical_failed_scale_ups_still_fail_the_endpoint():
+    endpoint, _replica = serving()
+    for _ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES):
+        record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is not None and endpoint.status_message == "failed: engine exited with code -9"
+
+
+def _record_replica_ready_of_the_release_before_0032(endpoint_id):
+    """`record_replica_ready` as a web pod of the release before migration 0032 runs it (95fa1ed4): it knows nothing
+    of `num_scale_up_failures`."""
+    Endpoint.objects.filter(pk=endpoint_id).filter(
+        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(next_attempt_at__isnull=False)
+    ).update(num_identical_failures=0, num_failures_since_ready=0, last_failure_reason="", next_attempt_at=None,
+             status_message="")
+
+
+@override_settings(REPLICA_RETRY_BASE_S=30)
+def test_a_ready_taken_by_a_web_pod_of_the_previous_release_ends_the_scale_up_backoff():
+    # Before: the old pod cleared the backoff but not the scale-up count, and the next failed scale-up, the first
+    # since a replica turned READY, held the scale-ups 3600 s instead of 30.
+    endpoint, _replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready())
+    _record_replica_ready_of_the_release_before_0032(endpoint.pk)  # a rolling deploy
+    record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.num_scale_up_failures == 1
+    assert endpoint.status_message == "scale-up backing off: engine exited with code -9; next try in 30 s"
 
