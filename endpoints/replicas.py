@@ -203,6 +203,23 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
     return bool(changed)
 
 
+def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = False) -> bool:
+    """`fail_replica`, and when this call failed it, count the failure against its endpoint (`record_replica_failure`),
+    in one transaction: the reconcile it requests runs after both commit. Returns whether this call failed it.
+
+    NOTE: apart, `fail_replica`'s reconcile (sent at once, outside a transaction) read the endpoint before its count:
+    a start from zero that timed out was replaced at once, with no backoff (a review's finding). The endpoint's row is
+    locked first, as a reconcile takes it before its replicas': a reconcile draining this replica meanwhile would
+    otherwise wait on this one, and this one on the reconcile's endpoint.
+    """
+    with transaction.atomic():
+        Endpoint.objects.select_for_update().filter(pk=replica.endpoint_id).values_list("pk", flat=True).first()
+        changed = fail_replica(replica, reason)
+        if changed:
+            record_replica_failure(replica.endpoint_id, reason, permanent=permanent)
+    return changed
+
+
 def sleep_replica(replica: Replica, *, reason: str) -> bool:
     """A READY replica the autoscaler lets go sleeps instead of stopping, where it can; else it drains.
 

@@ -8,11 +8,12 @@ from django.db.models import Q
 from django.test import override_settings
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.gateway.directory import _endpoint_info
 from endpoints.models import Endpoint, Replica
-from endpoints.replicas import max_failures_since_ready, record_replica_failure
+from endpoints.replicas import RECONCILE_TASK, max_failures_since_ready, record_replica_failure
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_failed_endpoint_drains import VARIED_REASONS
@@ -161,3 +162,27 @@ def test_a_ready_taken_by_a_web_pod_of_the_previous_release_ends_the_scale_up_ba
     assert endpoint.num_scale_up_failures == 1
     assert endpoint.status_message == "scale-up backing off: engine exited with code -9; next try in 30 s"
 
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_from_zero_that_times_out_is_counted_before_its_reconcile_runs(monkeypatch):
+    # Before: the sweep failed the replica, whose reconcile was sent at once (no transaction), and counted the failure
+    # only then: a worker taking the reconcile at once read the endpoint as if nothing had failed and placed a new
+    # replica with no backoff (1 starting after the sweep).
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint, replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready())  # scale-ups back off an hour
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)  # scaled to zero
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())  # a call's wake starts one
+    Replica.objects.filter(endpoint=endpoint, state=ReplicaState.PENDING).update(
+        created_at=timezone.now() - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S + 60))  # it never comes up
+    reconciled = []
+
+    def a_worker_takes_it_at_once(name, **kwargs):
+        if name == RECONCILE_TASK:
+            reconciled.append(scheduler.reconcile_endpoint(*kwargs["args"], busy()))
+
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", a_worker_takes_it_at_once)
+    scheduler._sweep()
+    assert reconciled and num_starting(endpoint) == 0
+    endpoint.refresh_from_db()
+    assert endpoint.num_failures_since_ready == 1 and endpoint.backing_off
