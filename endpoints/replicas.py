@@ -203,6 +203,23 @@ def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaSta
     return bool(changed)
 
 
+def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = False) -> bool:
+    """`fail_replica`, and when this call failed it, count the failure against its endpoint (`record_replica_failure`),
+    in one transaction: the reconcile it requests runs after both commit. Returns whether this call failed it.
+
+    NOTE: apart, `fail_replica`'s reconcile (sent at once, outside a transaction) read the endpoint before its count:
+    a start from zero that timed out was replaced at once, with no backoff (a review's finding). The endpoint's row is
+    locked first, as a reconcile takes it before its replicas': a reconcile draining this replica meanwhile would
+    otherwise wait on this one, and this one on the reconcile's endpoint.
+    """
+    with transaction.atomic():
+        Endpoint.objects.select_for_update().filter(pk=replica.endpoint_id).values_list("pk", flat=True).first()
+        changed = fail_replica(replica, reason)
+        if changed:
+            record_replica_failure(replica.endpoint_id, reason, permanent=permanent)
+    return changed
+
+
 def sleep_replica(replica: Replica, *, reason: str) -> bool:
     """A READY replica the autoscaler lets go sleeps instead of stopping, where it can; else it drains.
 
@@ -546,8 +563,19 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         endpoint = Endpoint.objects.select_for_update().filter(pk=endpoint_id, failed_at__isnull=True).first()
         if endpoint is None:
             return
+        serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
+        # NOTE: a scale-up count stands only with its backoff: a web pod of the release before 0032 clears the other
+        # counts and `next_attempt_at` (a replica READY, a resume, a spec change), never this one, and the next failed
+        # scale-up after a rolling deploy backed off an hour (a review's finding). Every reset here clears both.
+        num_scale_ups_before = endpoint.num_scale_up_failures if endpoint.next_attempt_at is not None else 0
+        # NOTE: the first failure with none READY after failed scale-ups starts its own run of identical reasons: the
+        # model served meanwhile. Carried over, three scale-ups killed by the kernel's OOM killer ("engine exited with
+        # code -9") and, weeks later, the first crash of the replica that served set the endpoint FAILED (a review's
+        # finding). Identical failures of scale-ups alone still fail it, as from none.
+        after_scale_ups = not serving and endpoint.num_failures_since_ready == 0 and num_scale_ups_before > 0
         signature = failure_signature(reason)
-        repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
+        repeats = (endpoint.num_identical_failures + 1
+                   if signature == endpoint.last_failure_reason and not after_scale_ups else 1)
         short = reason.splitlines()[-1][-200:]
         fields = {"num_identical_failures": repeats, "last_failure_reason": signature,
                   # NOTE: backing off or failed, it wants no replica now: a node pool launches no machine for it.
@@ -557,9 +585,8 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         # for failures with none serving. Counted, 8 of them failed the endpoint while its READY replica went on
         # serving (a review's finding), and later the first crash of that replica failed it, "none served", or its
         # hour of backoff held its start from zero. Identical or permanent ones still fail it.
-        serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()
         num_failures = endpoint.num_failures_since_ready + int(not serving)
-        num_scale_up_failures = endpoint.num_scale_up_failures + int(serving)
+        num_scale_up_failures = num_scale_ups_before + int(serving)
         fields.update(num_failures_since_ready=num_failures, num_scale_up_failures=num_scale_up_failures)
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
                       else "many" if num_failures >= max_failures_since_ready() and not serving else "")

@@ -45,8 +45,8 @@ from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
     fail_replica,
+    fail_replica_and_count,
     place_replica,
-    record_replica_failure,
     sleep_replica,
     stop_long_sleepers,
     wake_replica,
@@ -487,8 +487,7 @@ def _sweep() -> None:
     for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).filter(
             Q(woken_at__isnull=True) | Q(woken_at__lt=started_before)).select_related("endpoint"):
         reason = f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s"
-        if fail_replica(replica, reason):
-            record_replica_failure(replica.endpoint_id, reason)
+        fail_replica_and_count(replica, reason)
     drained_before = now - timedelta(seconds=settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
     for replica in Replica.objects.filter(state=ReplicaState.DRAINING, state_changed_at__lt=drained_before).select_related("endpoint"):
         fail_replica(replica, "its agent never confirmed the drain", final_state=ReplicaState.STOPPED)

@@ -6,15 +6,18 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
 from endpoints.autoscaler import Load
+from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token, desired_replicas
 from endpoints.models import Endpoint, ModelFacts, Replica
-from endpoints.replicas import failure_signature
+from endpoints.replicas import RECONCILE_TASK, failure_signature
 from gpu_agent.protocol import Heartbeat, ModelInfo, ReplicaState, ReplicaStatus, WeightsStatus
 from tests.factories import EndpointFactory
 from tests.test_agent_api import register
+from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -258,3 +261,30 @@ def test_desired_replicas_of_a_node_carry_an_explicit_limit_when_the_endpoint_se
     scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
     [spec] = desired_replicas(Replica.objects.get(endpoint=endpoint).node)
     assert spec.max_model_len == 1024
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replica_whose_spec_cannot_be_built_fails_its_endpoint_before_its_reconcile_runs(monkeypatch):
+    # Before: the replica was failed, its reconcile sent at once (no transaction), and only then the failure counted
+    # (permanent): a worker taking the reconcile at once placed a new replica on the endpoint about to be FAILED.
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=1)
+    node = make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), IDLE)
+    replica = Replica.objects.get(endpoint=endpoint)
+    reconciled = []
+
+    def a_worker_takes_it_at_once(name, **kwargs):
+        if name == RECONCILE_TASK:
+            reconciled.append(scheduler.reconcile_endpoint(*kwargs["args"], IDLE))
+
+    def unbuildable(replica, model_contexts=None):
+        raise ValueError("a field the protocol refuses")
+
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", a_worker_takes_it_at_once)
+    monkeypatch.setattr(services, "replica_spec", unbuildable)
+    assert desired_replicas(node) == []
+    replica.refresh_from_db()
+    endpoint.refresh_from_db()
+    assert replica.state == ReplicaState.FAILED and endpoint.failed_at is not None
+    assert reconciled and list(Replica.objects.filter(endpoint=endpoint).exclude(pk=replica.pk)) == []

@@ -3,14 +3,17 @@ count toward failing it, nor hold a start from zero, and a Retry clears their ba
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
+from django.db.models import Q
 from django.test import override_settings
 from django.utils import timezone
 
+from controlplane import tasks as controlplane_tasks
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.gateway.directory import _endpoint_info
 from endpoints.models import Endpoint, Replica
-from endpoints.replicas import max_failures_since_ready, record_replica_failure
+from endpoints.replicas import RECONCILE_TASK, max_failures_since_ready, record_replica_failure
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_failed_endpoint_drains import VARIED_REASONS
@@ -113,3 +116,73 @@ def test_retry_clears_the_backoff_of_failed_scale_ups(org, owner_client):
     scheduler.reconcile_endpoint(str(endpoint.pk), busy())
     assert num_starting(endpoint) == 2
 
+
+
+def test_the_serving_replicas_first_crash_after_identical_failed_scale_ups_does_not_fail_the_endpoint():
+    # Before: three scale-ups killed by the kernel's OOM killer on crowded hosts (every exit code blanked to one
+    # signature) and, 20 days later, the first crash of the replica that had served all along: "4 replicas in a row
+    # failed with the same reason", FAILED. Their run of identical reasons carried over into the crash-loop count.
+    endpoint, replica = serving()
+    for _ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES - 1):
+        record_replica_failure(endpoint.pk, "engine exited with code -9")
+    Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=timezone.now() - timedelta(days=20))
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.FAILED)
+    record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is None, endpoint.status_message
+    assert (endpoint.num_identical_failures, endpoint.num_failures_since_ready) == (1, 1)
+
+
+def test_identical_failed_scale_ups_still_fail_the_endpoint():
+    endpoint, _replica = serving()
+    for _ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES):
+        record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is not None and endpoint.status_message == "failed: engine exited with code -9"
+
+
+def _record_replica_ready_of_the_release_before_0032(endpoint_id):
+    """`record_replica_ready` as a web pod of the release before migration 0032 runs it (95fa1ed4): it knows nothing
+    of `num_scale_up_failures`."""
+    Endpoint.objects.filter(pk=endpoint_id).filter(
+        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(next_attempt_at__isnull=False)
+    ).update(num_identical_failures=0, num_failures_since_ready=0, last_failure_reason="", next_attempt_at=None,
+             status_message="")
+
+
+@override_settings(REPLICA_RETRY_BASE_S=30)
+def test_a_ready_taken_by_a_web_pod_of_the_previous_release_ends_the_scale_up_backoff():
+    # Before: the old pod cleared the backoff but not the scale-up count, and the next failed scale-up, the first
+    # since a replica turned READY, held the scale-ups 3600 s instead of 30.
+    endpoint, _replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready())
+    _record_replica_ready_of_the_release_before_0032(endpoint.pk)  # a rolling deploy
+    record_replica_failure(endpoint.pk, "engine exited with code -9")
+    endpoint.refresh_from_db()
+    assert endpoint.num_scale_up_failures == 1
+    assert endpoint.status_message == "scale-up backing off: engine exited with code -9; next try in 30 s"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_from_zero_that_times_out_is_counted_before_its_reconcile_runs(monkeypatch):
+    # Before: the sweep failed the replica, whose reconcile was sent at once (no transaction), and counted the failure
+    # only then: a worker taking the reconcile at once read the endpoint as if nothing had failed and placed a new
+    # replica with no backoff (1 starting after the sweep).
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint, replica = serving()
+    fail_extra_replicas(endpoint, max_failures_since_ready())  # scale-ups back off an hour
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)  # scaled to zero
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())  # a call's wake starts one
+    Replica.objects.filter(endpoint=endpoint, state=ReplicaState.PENDING).update(
+        created_at=timezone.now() - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S + 60))  # it never comes up
+    reconciled = []
+
+    def a_worker_takes_it_at_once(name, **kwargs):
+        if name == RECONCILE_TASK:
+            reconciled.append(scheduler.reconcile_endpoint(*kwargs["args"], busy()))
+
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", a_worker_takes_it_at_once)
+    scheduler._sweep()
+    assert reconciled and num_starting(endpoint) == 0
+    endpoint.refresh_from_db()
+    assert endpoint.num_failures_since_ready == 1 and endpoint.backing_off

@@ -53,7 +53,7 @@ from endpoints.nodes.models import (
 )
 from endpoints.nodes.notify import notify_node
 from endpoints.placement import WHOLE_GPU_MEMORY_FRACTION, weight_factor
-from endpoints.replicas import apply_replica_report, drain_node, fail_replica, record_replica_failure
+from endpoints.replicas import apply_replica_report, drain_node, fail_replica, fail_replica_and_count
 from endpoints.speculative import speculative_spec
 from gpu_agent import protocol
 from gpu_agent.protocol import FINAL_REPLICA_STATES, ModelTask, NodeState, ReplicaAction, ReplicaState
@@ -655,8 +655,7 @@ def desired_replicas(node: Node) -> list[protocol.ReplicaSpec]:
         except (ValueError, SecretUnreadable) as exc:
             logger.warning("replica %s of endpoint %s: its spec cannot be built: %s", replica.pk, replica.endpoint_id, exc)
             reason = f"its configuration cannot run: {exc}"
-            if fail_replica(replica, reason):
-                record_replica_failure(replica.endpoint_id, reason, permanent=True)
+            fail_replica_and_count(replica, reason, permanent=True)
     return specs
 
 
