@@ -270,7 +270,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.IsOrganizationMember"],
     "DEFAULT_PARSER_CLASSES": [
         "controlplane.parsers.JSONParser",
-        "rest_framework.parsers.FormParser",
+        "controlplane.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.LimitOffsetPagination",

@@ -18,7 +18,7 @@ from rest_framework.exceptions import ValidationError
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
 from controlplane.secrets import SecretUnreadable
-from endpoints.credentials import source_credentials
+from endpoints.credentials import hold_credential, source_credentials
 from endpoints.events import record_event
 from endpoints.models import (
     Adapter,
@@ -79,6 +79,7 @@ def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
     Endpoint.objects.select_for_update().filter(pk=endpoint.pk).first()
     if Adapter.objects.filter(endpoint=endpoint).count() >= MAX_ADAPTERS:
         raise ValidationError({"endpoint": [TOO_MANY_ADAPTERS]})
+    hold_credential(spec.get("credential"))
     kept = staff_prices(endpoint, spec["name"], spec["source"])
     if kept is not None:
         spec = {**spec, **kept}

@@ -20,6 +20,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from rest_framework.exceptions import ValidationError
 
 from controlplane import secrets
 from controlplane.accounts.services import Actor, record_audit
@@ -149,6 +150,22 @@ def update_credential(actor: Actor, credential: ModelCredential, **changes) -> M
     record_audit(actor, credential.organization, "credential.update", credential,
                  changed=changed, secret_fields=credential.secret_fields)
     return credential
+
+
+CREDENTIAL_DELETED = "This credential was deleted meanwhile; choose another."
+
+
+def hold_credential(credential: ModelCredential | None) -> None:
+    """Keeps `credential` from being deleted until the caller's transaction ends (its row locked, as `delete_credential`
+    locks it); a 400 on `credential` when it is gone already.
+
+    NOTE: Django's foreign keys are checked at commit. A credential deleted between a serializer's check and an
+    endpoint's or adapter's write (the DELETE saw nothing using it yet) failed that commit: an IntegrityError, a 500.
+    """
+    if credential is None:
+        return
+    if ModelCredential.objects.select_for_update(no_key=True).filter(pk=credential.pk).values_list("pk").first() is None:
+        raise ValidationError({"credential": [CREDENTIAL_DELETED]})
 
 
 @transaction.atomic

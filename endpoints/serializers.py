@@ -494,7 +494,8 @@ class CredentialSerializer(StrictModelSerializer):
     session_token = _secret("S3 session token (temporary keys)", 4096)
     hf_token = _secret("Hugging Face access token", 512)
     secrets_set = serializers.ListField(source="secret_fields", child=serializers.CharField(), read_only=True)
-    created_by = serializers.EmailField(source="created_by.email", default=None, read_only=True)
+    created_by = serializers.EmailField(source="created_by.email", default=None, allow_null=True, read_only=True,
+                                        help_text="Who created it; null once staff deleted that user.")
 
     class Meta:
         model = ModelCredential

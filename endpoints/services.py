@@ -14,6 +14,7 @@ from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
 from endpoints.adapters import keep_staff_prices
 from endpoints.catalogue import GPU_TYPES
+from endpoints.credentials import hold_credential
 from endpoints.events import record_event
 from endpoints.models import ENGINE_FIELDS, Adapter, Endpoint, EventKind, PromptFactor
 from endpoints.replicas import drain_replicas, request_reconcile
@@ -26,6 +27,7 @@ _NAME_CONSTRAINT = {"endpoint_name_unique_in_org": ("name", ENDPOINT_NAME_TAKEN)
 def create_endpoint(actor: Actor, organization, **spec) -> Endpoint:
     """Raises `quotas.QuotaExceeded` when the organisation's plan refuses it (checked under its lock)."""
     quotas.check_spec(quotas.lock_organization(organization.pk), spec)
+    hold_credential(spec.get("credential"))
     for name, price in _prices_of(spec["gpu_type"]).items():
         spec.setdefault(name, price)
     with unique_or_field_error(_NAME_CONSTRAINT):  # NOTE: the name may have been taken since the serializer's check
@@ -55,6 +57,7 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
         changed |= {name: price for name, price in _prices_of(changed["gpu_type"]).items() if getattr(endpoint, name) != price}
     # NOTE: the endpoint's row, then its organisation's: the order the scheduler locks them in.
     quotas.check_spec(quotas.lock_organization(endpoint.organization_id), changed, endpoint)
+    hold_credential(changed.get("credential"))
     for name, value in changed.items():
         setattr(endpoint, name, value)
     _clear_failures(endpoint)  # a new spec deserves a fresh try

@@ -94,7 +94,9 @@ def _seed_organisation(label: str) -> dict:
     return {
         "secret": key.plain,
         "endpoint": [str(endpoint.pk), str(paused.pk)],
-        "key": [key.api_key.pk, other_key.api_key.pk, revoked.api_key.pk],
+        # NOTE: not the key the fuzz calls with: an example that revoked it left every later example of the operation a
+        # 401, and the cross-tenant check failed on one (80 examples).
+        "key": [other_key.api_key.pk, revoked.api_key.pk],
         "member": [admin.pk, viewer.pk, organization.memberships.get(user=owner).pk],
     }
 

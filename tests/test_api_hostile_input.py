@@ -243,3 +243,18 @@ def test_json_text_nested_too_deeply_inside_a_field_is_a_400_on_that_field(owner
     assert all(response.json() == {"prewarm_windows": ["Must be a JSON list of windows."]} for response in answers.values())
     endpoint.refresh_from_db()
     assert endpoint.prewarm_windows == [] and not Endpoint.objects.filter(name="deep").exists()
+
+
+def test_a_form_in_a_charset_that_cannot_decode_it_is_a_400(owner_client, settings):
+    """`charset=punycode` names a codec Python has, which raises on the body whatever error handler is asked for;
+    DRF's form parser let the UnicodeError out: a 500 on every operation that reads a body."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    calls = [("POST", "/api/v1/keys/"), ("PATCH", f"/api/v1/endpoints/{endpoint.pk}/"), ("PATCH", "/api/v1/billing/")]
+
+    answers = [owner_client.generic(method, path, b"name=k", content_type="application/x-www-form-urlencoded; charset=punycode")
+               for method, path in calls]
+
+    assert [response.status_code for response in answers] == [400] * len(calls)
+    assert all("charset" in response.json()["detail"] for response in answers)

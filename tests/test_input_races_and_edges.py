@@ -224,3 +224,55 @@ def test_an_edit_is_checked_against_the_row_another_edit_leaves(owner_client):
     assert response.status_code == 400 and "prompt_lookup_min" in response.json()
     endpoint.refresh_from_db()
     assert (endpoint.prompt_lookup_min, endpoint.prompt_lookup_max) == (1, 1)
+
+
+def _delete_meanwhile(credential, user) -> None:
+    """Deletes `credential` in another connection, committed, as an admin's DELETE that ran between a request's checks
+    and its write."""
+    from controlplane.accounts.services import Actor
+    from endpoints import credentials as credential_services
+
+    def delete():
+        try:
+            credential_services.delete_credential(Actor(user=user), credential)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=delete)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("operation", ["create endpoint", "patch endpoint", "create adapter"])
+def test_a_credential_deleted_between_the_checks_and_the_write_is_a_400_on_credential(owner_client, monkeypatch,
+                                                                                      operation):
+    """Before, the serializer found the credential, a DELETE (which saw no endpoint using it yet) removed it, and the
+    write's deferred foreign key failed at commit: an IntegrityError, a 500."""
+    organization = owner_client.organization
+    credential = ModelCredential.objects.create(organization=organization, name="reader", kind="s3",
+                                                role_arn="arn:aws:iam::123456789012:role/reader", external_id="x")
+    endpoint = EndpointFactory(organization=organization, model_source="s3://bucket/model", max_loras=2)
+    serializer = {"create adapter": endpoint_serializers.AdapterSerializer}.get(
+        operation, endpoint_serializers.EndpointDetailSerializer)
+    checked = serializer.validate
+
+    def validate_then_lose_the_race(self, attrs):
+        attrs = checked(self, attrs)
+        _delete_meanwhile(credential, owner_client.user)
+        return attrs
+
+    monkeypatch.setattr(serializer, "validate", validate_then_lose_the_race)
+    path, body, method = {
+        "create endpoint": ("/api/v1/endpoints/", ENDPOINT | {"name": "new", "credential": str(credential.pk)}, "post"),
+        "patch endpoint": (f"/api/v1/endpoints/{endpoint.pk}/", {"credential": str(credential.pk)}, "patch"),
+        "create adapter": (f"/api/v1/endpoints/{endpoint.pk}/adapters/",
+                           {"name": "tuned", "source": "s3://bucket/adapter", "credential": str(credential.pk)}, "post"),
+    }[operation]
+
+    response = getattr(owner_client, method)(path, body, format="json")
+
+    assert response.status_code == 400 and "credential" in response.json()
+    assert not ModelCredential.objects.filter(pk=credential.pk).exists()
+    assert not Endpoint.objects.filter(credential__isnull=False).exists() and not Adapter.objects.exists()

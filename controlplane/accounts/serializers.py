@@ -50,7 +50,9 @@ class MembershipSerializer(serializers.ModelSerializer):
 class InvitationSerializer(StrictModelSerializer):
     """An invitation as admins see it; the signed link goes only to the invitee's mailbox."""
 
-    invited_by = serializers.EmailField(source="invited_by.email", default=None, read_only=True)
+    invited_by = serializers.EmailField(
+        source="invited_by.email", default=None, allow_null=True, read_only=True,
+        help_text="Who sent it; null for the platform's own invitations, or once staff deleted the sender.")
     status = serializers.ChoiceField(choices=["pending", "accepted", "revoked", "expired"], read_only=True)
 
     class Meta:

@@ -119,3 +119,21 @@ def test_a_cold_start_reaches_the_usage_row_and_the_csv_with_its_phases(owner_cl
     response = owner_client.get("/api/v1/usage/export.csv", {"group_by": "endpoint", "start": "2026-03-01", "end": "2026-03-31"})
     rows = list(csv.DictReader(io.StringIO(response.content.decode())))
     assert [(r["endpoint"], r["cold_starts"], r["cold_start_ms"]) for r in rows] == [("chat", "1", "4000"), ("code", "0", "0")]
+
+
+@pytest.mark.parametrize("accept", ["text/csv", "text/csv, application/json"])
+def test_the_csv_export_answers_a_client_that_asks_for_csv(owner_client, usage, accept):
+    """A client generated from the schema asks for the documented `text/csv` (openapi-generator sends `Accept: text/csv`
+    for this operation). Before, DRF found no renderer for it and answered 406, in no schema, with no CSV."""
+    response = owner_client.get("/api/v1/usage/export.csv", {"group_by": "endpoint", "start": "2026-03-01",
+                                                             "end": "2026-03-31"}, HTTP_ACCEPT=accept)
+
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert [(r["endpoint"], r["requests"]) for r in rows] == [("chat", "2"), ("code", "1")]
+
+
+def test_a_bad_csv_export_request_from_a_csv_client_is_still_a_400_with_field_errors(owner_client):
+    response = owner_client.get("/api/v1/usage/export.csv", {"group_by": "nothing"}, HTTP_ACCEPT="text/csv")
+
+    assert response.status_code == 400 and "group_by" in response.json()
