@@ -107,3 +107,14 @@ def test_payment_method_without_stripe_explains_itself(owner, settings):
     settings.STRIPE_SECRET_KEY = ""
     response = owner.post(reverse("console:billing-payment-method"), follow=True)
     assert "not set up on this installation" in response.content.decode()
+
+
+def test_a_cap_of_zero_is_shown_as_a_cap_that_stops_every_call(owner):
+    """A cap of $0.00 (which the form and the API take) refuses every call; the page said "No spend cap"."""
+    owner.post(reverse("console:billing-cap"), {"spend_cap": "0"})
+    assert BillingAccount.objects.get(organization=owner.organization).spend_cap == Decimal("0")
+
+    page = owner.get(reverse("console:billing")).content.decode()
+
+    assert "No spend cap" not in page
+    assert "of $0.00 cap" in page and 'aria-valuenow="100"' in page and "100% of the cap" in page
