@@ -79,7 +79,8 @@ def usage(request):
         group_by = "endpoint"
     rows = summarize_usage(request.organization, group_by=group_by, start=start, end=end)
     chart_by = "key" if group_by == "key" else "endpoint"
-    query = f"start={start.isoformat()}&end={end.isoformat()}"
+    # NOTE: both links name the page's grouping: the CSV's named none, and exported by endpoint whatever the page showed.
+    query = f"group_by={group_by}&start={start.isoformat()}&end={end.isoformat()}"
     return render(request, "billing/usage.html", {
         "start": start, "end": end, "group_by": group_by, "groupings": GROUPINGS, "errors": errors,
         "rows": rows,
@@ -90,7 +91,7 @@ def usage(request):
         "chart_by": chart_by,
         "chart": _daily_tokens(request.organization, by=chart_by, start=start, end=end),
         "csv_url": f"/api/v1/usage/export.csv?{query}",
-        "api_url": f"/api/v1/usage/?group_by={group_by}&{query}",
+        "api_url": f"/api/v1/usage/?{query}",
     })
 
 
