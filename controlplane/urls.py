@@ -12,6 +12,7 @@ from rest_framework.routers import DefaultRouter
 from controlplane import health
 from controlplane.accounts import api as accounts_api
 from controlplane.accounts import views
+from controlplane.accounts.forms import PasswordResetForm
 from controlplane.schema_view import CachedSchemaView
 from endpoints import api as endpoints_api
 from endpoints.fleet import pool_api
@@ -67,7 +68,8 @@ urlpatterns = [
     path("login/code/enrol/", views.second_factor_enrol, name="second-factor-enrol"),
     path("login/code/recovery/", views.second_factor_recovery, name="second-factor-recovery"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
+    # NOTE: an address without an account is mailed too (`PasswordResetForm`): the answer's time tells nobody which.
+    path("password-reset/", auth_views.PasswordResetView.as_view(form_class=PasswordResetForm), name="password_reset"),
     path("password-reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
     # NOTE: a forgotten password's reset revokes the keys of an account whose address its owner never confirmed.
     path("reset/<uidb64>/<token>/", views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
