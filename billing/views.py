@@ -79,7 +79,8 @@ def usage(request):
         group_by = "endpoint"
     rows = summarize_usage(request.organization, group_by=group_by, start=start, end=end)
     chart_by = "key" if group_by == "key" else "endpoint"
-    query = f"start={start.isoformat()}&end={end.isoformat()}"
+    # NOTE: both links name the page's grouping: the CSV's named none, and exported by endpoint whatever the page showed.
+    query = f"group_by={group_by}&start={start.isoformat()}&end={end.isoformat()}"
     return render(request, "billing/usage.html", {
         "start": start, "end": end, "group_by": group_by, "groupings": GROUPINGS, "errors": errors,
         "rows": rows,
@@ -90,7 +91,7 @@ def usage(request):
         "chart_by": chart_by,
         "chart": _daily_tokens(request.organization, by=chart_by, start=start, end=end),
         "csv_url": f"/api/v1/usage/export.csv?{query}",
-        "api_url": f"/api/v1/usage/?group_by={group_by}&{query}",
+        "api_url": f"/api/v1/usage/?{query}",
     })
 
 
@@ -109,7 +110,7 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
         "spend_cap": account.spend_cap,
         "cap_value": cap_value if cap_value is not None else ("" if account.spend_cap is None else f"{account.spend_cap:.2f}"),
         "cap_errors": cap_errors,
-        "cap_percent": float(100 * spend / account.spend_cap) if account.spend_cap else None,
+        "cap_percent": _cap_percent(spend, account.spend_cap),
         "credits": credits,
         "credit_remaining": sum((grant.remaining for grant in credits if grant.is_active(now)), start=Decimal(0)),
         "invoices": Invoice.objects.for_org(organization)[:24],
@@ -117,6 +118,16 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
         "payments_configured": stripe_sync.is_configured(),
         "standing": standing.standing(account),
     }, status=status)
+
+
+def _cap_percent(spend: Decimal, spend_cap: Decimal | None) -> float | None:
+    """How much of the cap this period's spend is (None: no cap).
+
+    NOTE: a cap of $0.00 is a cap (every call is refused, as at 100%): it was taken for none, and the page said "No
+    spend cap" to an organisation whose calls all failed with `insufficient_quota`."""
+    if spend_cap is None:
+        return None
+    return float(100 * spend / spend_cap) if spend_cap else 100.0
 
 
 @member_required(write=Role.ADMIN)

@@ -113,7 +113,9 @@ def _positive(value, default):
 def gpu_suggestion(values: dict) -> dict | None:
     """The smallest GPUs per replica that hold the model and its context, for the wizard (None: nothing to say yet)."""
     source = str(values.get("model_source") or "").strip()[:500]
-    if not source or values.get("gpu_type") not in GPU_TYPES:
+    # NOTE: the source is looked up in the sizes nodes reported, and PostgreSQL refuses NUL: one the form has yet to
+    # refuse made the wizard a 500.
+    if not source or "\x00" in source or values.get("gpu_type") not in GPU_TYPES:
         return None
     spec = Endpoint(
         model_source=source, gpu_type=values["gpu_type"],

@@ -93,3 +93,20 @@ def test_log_in_and_out(client):
 
 def test_console_requires_login(client):
     assert client.get("/console/")["Location"].startswith("/login/")
+
+
+def test_a_password_reset_mails_the_address_whether_it_has_an_account_or_not(client):
+    """Its time must not tell who has an account: the reset mail went out within the request (SMTP's round trips,
+    hundreds of milliseconds) for an address with an account, and nothing for one without, which was answered at
+    once; a stranger timing the form learned what sign-up hides. Now each is mailed, once, within the request."""
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    num_mailed = []
+    for email in ("ceo@victim.test", "nobody@victim.test"):
+        mail.outbox.clear()
+        response = client.post("/password-reset/", {"email": email})
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        num_mailed.append(len(mail.outbox))
+
+    assert num_mailed == [1, 1]
+    no_account = mail.outbox[-1]
+    assert no_account.to == ["nobody@victim.test"] and "/signup/" in no_account.body and "/reset/" not in no_account.body

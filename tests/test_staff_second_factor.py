@@ -103,6 +103,29 @@ def test_the_code_page_sends_nobody_to_another_site(staff, device):
     assert response.status_code == 302 and response["Location"] == "/console/"
 
 
+@pytest.mark.parametrize("next_url", ["0", "welcome", "home"])
+def test_a_next_without_a_slash_is_a_relative_address_never_a_500_nor_a_url_name(staff, device, next_url):
+    """`/login/?next=welcome` (a link anyone can send) led staff, once their code was taken, to a 500: the code
+    page redirected with Django's `redirect()`, which takes a text without "/" or "." for a URL's name and raised
+    NoReverseMatch; `/login/code/?next=0` opened by any signed-in tenant was a 500 at once. A name that does resolve
+    (`home`) was followed as one (to `/`). Now such a `next` is an address, relative to the page, as the log-in's
+    own (Django's `LoginView` redirects to it as it is)."""
+    client = Client()
+    client.raise_request_exception = False
+    signed_in = client.post("/login/", {"username": staff.email, "password": PASSWORD, "next": next_url})
+    assert signed_in.status_code == 302 and signed_in["Location"].startswith(CODE_PAGE)
+
+    verified = client.post(CODE_PAGE, {"code": totp_code(device), "next": next_url})
+
+    assert verified.status_code == 302 and verified["Location"] == next_url
+    assert staff_powers(client) == OPEN
+    tenant = Client()
+    tenant.raise_request_exception = False
+    tenant.force_login(UserFactory())
+    opened = tenant.get(CODE_PAGE, {"next": next_url})
+    assert opened.status_code == 302 and opened["Location"] == next_url
+
+
 def test_a_tenant_signs_in_with_the_password_alone_and_is_never_asked_for_a_code():
     tenant = UserFactory()
     MembershipFactory(organization=OrganizationFactory(), user=tenant, role=Role.OWNER)

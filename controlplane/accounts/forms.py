@@ -5,6 +5,7 @@ from datetime import timedelta
 
 from django import forms
 from django.conf import settings
+from django.contrib.auth import forms as auth_forms
 from django.contrib.auth import get_user_model, password_validation
 from django.forms.utils import ErrorDict
 from django.http import QueryDict
@@ -12,6 +13,19 @@ from django.utils import timezone
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.models import Role, Scope
+from controlplane.accounts.signup import send_no_account_email
+
+
+class PasswordResetForm(auth_forms.PasswordResetForm):
+    """Django's, which mails an address with an account its link, and mails an address without one that it has none
+    (`signup.send_no_account_email`): each is answered after one mail, so the form's time tells nobody which."""
+
+    def save(self, **kwargs):
+        email = self.cleaned_data["email"]
+        if next(iter(self.get_users(email)), None) is None:
+            send_no_account_email(email)
+            return
+        super().save(**kwargs)
 
 
 class SignUpForm(forms.Form):

@@ -84,6 +84,18 @@ def send_account_exists_email(email: str) -> bool:
     return True
 
 
+def send_no_account_email(email: str) -> None:
+    """Tells an address a password reset was asked for that no account (able to log in) has it.
+
+    NOTE: so the reset form's time tells nobody who has an account, as sign-up's does not: an address with one is
+    mailed its link within the request (SMTP's round trips), and one without was answered at once. The reset form's
+    throttle (3 an hour per address) bounds these as it bounds the links."""
+    body = render_to_string("registration/no_account_email.txt", {
+        "email": email, "signup": settings.PUBLIC_URL + reverse("signup"),
+    })
+    send_mail("Password reset for Inferplane", body, None, [email])
+
+
 VERIFY_EMAIL_SALT = "inferplane.verify-email"
 VERIFY_EMAIL_MAX_AGE = timedelta(days=3)
 

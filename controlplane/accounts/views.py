@@ -8,7 +8,7 @@ from django.contrib import messages
 from django.contrib.auth import REDIRECT_FIELD_NAME, logout
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
-from django.http import Http404
+from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render, resolve_url
 from django.urls import reverse
 from django.utils.html import format_html
@@ -95,6 +95,11 @@ class LoginView(auth_views.LoginView):
 
 
 def _safe_next(request) -> str:
+    """The `next` asked for when it stays on this site, else the default page.
+
+    NOTE: an address, redirected to as it is (`HttpResponseRedirect`, as Django's `LoginView` does), never through
+    `redirect()`: that takes a text without "/" or "." for a URL's name, and `?next=0` was a NoReverseMatch, a 500,
+    after staff's code was taken."""
     url = request.POST.get(REDIRECT_FIELD_NAME) or request.GET.get(REDIRECT_FIELD_NAME) or ""
     if url and url_has_allowed_host_and_scheme(url, allowed_hosts={request.get_host()},
                                                require_https=request.is_secure()):
@@ -128,7 +133,7 @@ def second_factor_verify(request):
     staff."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
-        return redirect(next_url)
+        return HttpResponseRedirect(next_url)
     if not staff_sessions.may_become_staff(request.session):
         return _sign_in_again(request, next_url)
     if second_factor.confirmed_device(request.user) is None:
@@ -142,7 +147,7 @@ def second_factor_verify(request):
                     "You signed in with a recovery code, which no longer works; {} left. "
                     '<a href="{}">Make new ones</a> before they run out.',
                     check.num_recovery_codes_left, reverse("second-factor-recovery")))
-            return redirect(next_url)
+            return HttpResponseRedirect(next_url)
         return _code_refused(request, check, "registration/second_factor.html", context)
     return render(request, "registration/second_factor.html", context)
 
@@ -158,7 +163,7 @@ def second_factor_enrol(request):
     code from it; then its recovery codes."""
     next_url = _safe_next(request)
     if not second_factor.needs_second_factor(request.user):
-        return redirect(next_url)
+        return HttpResponseRedirect(next_url)
     if not staff_sessions.may_become_staff(request.session):
         return _sign_in_again(request, next_url)
     if second_factor.confirmed_device(request.user) is not None:

@@ -65,11 +65,15 @@ def gpu_rows(node: Node, reported: list[dict], replicas: list[Replica]) -> list[
 
 @staff_required
 def fleet(request):
+    return _fleet_page(request)
+
+
+def _fleet_page(request, status=200):
     return render(request, "gpu_agent/fleet.html", _fleet_context() | pools_context() | {
         "join_tokens": JoinToken.objects.with_num_nodes().select_related("created_by")[:50],
         "audit_events": AuditEvent.objects.select_related("actor", "organization", "api_key")[:NUM_AUDIT_EVENTS_SHOWN],
         "public_url": settings.PUBLIC_URL,
-    })
+    }, status=status)
 
 
 @staff_required
@@ -111,6 +115,9 @@ DEFAULT_MAX_USES = 1
 @require_POST
 def join_token_create(request):
     name = request.POST.get("name", "").strip()[:100] or "join token"
+    if "\x00" in name:  # NOTE: PostgreSQL refuses NUL in text: the insert was a 500 (a form decodes no lone surrogate)
+        messages.error(request, "A join token's name cannot contain NUL characters.")
+        return _fleet_page(request, status=400)
     hours = EXPIRY_HOURS.get(request.POST.get("expires_in_hours", DEFAULT_EXPIRY_HOURS), EXPIRY_HOURS[DEFAULT_EXPIRY_HOURS])
     uses = request.POST.get("max_uses", str(DEFAULT_MAX_USES)).strip()
     max_uses = None if uses == "" else plain_int(uses) or DEFAULT_MAX_USES

@@ -76,3 +76,23 @@ def test_names_people_choose_are_shown_as_text_on_the_accounts_pages(org, consol
         html = page.content.decode()
         assert "<img src=x" not in html and "<script>alert" not in html, name
         assert "&lt;img src=x onerror=alert(1)&gt;" in html, name
+
+
+@pytest.mark.browser
+@pytest.mark.django_db(transaction=True)
+def test_the_api_reference_every_page_links_shows_the_operations_in_a_browser(browser, live_server_url):
+    """`/api/docs/` (the footer's "API reference"): Swagger UI drawing the schema's operations, under the policy.
+
+    NOTE: drf-spectacular's `SpectacularSwaggerView` starts Swagger UI with an inline script, which the policy
+    refuses: the page was blank in every browser (a white page and one refused inline script in the console)."""
+    context = browser.new_context(base_url=live_server_url)
+    page = context.new_page()
+    refused = []
+    page.on("console", lambda message: "Content Security Policy" in message.text and refused.append(message.text))
+    page.goto("/")
+    page.get_by_role("link", name="API reference").click()
+    try:
+        page.locator(".opblock-summary-path", has_text="/api/v1/endpoints/").first.wait_for(timeout=15_000)
+    finally:
+        context.close()
+    assert not refused, refused

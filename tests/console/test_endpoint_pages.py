@@ -102,6 +102,22 @@ def test_wizard_shows_the_serializers_errors_next_to_their_fields(owner):
     assert 'value="Bad Name!"' in page  # what the user typed stays in the form
 
 
+def test_a_model_source_with_a_nul_is_a_field_error_in_the_wizard_and_no_suggestion_not_a_500(owner):
+    """The wizard's GPU suggestion looked the typed source up in the models' reported sizes before the serializer
+    had refused it, and PostgreSQL refuses NUL: the new and edit forms (and the suggestion htmx asks for as the
+    source is typed) were a 500 where the API answers a 400 naming `model_source`."""
+    owner.raise_request_exception = False
+    endpoint = EndpointFactory(organization=owner.organization)
+    spec = VALID_SPEC | {"model_source": "hf:Qwen/Qwen2.5-0.5B\x00"}
+
+    for url in (reverse("console:endpoint-new"), reverse("console:endpoint-edit", args=[endpoint.pk])):
+        response = owner.post(url, spec)
+        assert response.status_code == 400, url
+        assert "Null characters are not allowed." in response.content.decode()
+    suggestion = owner.get(reverse("console:endpoint-gpus"), {"model_source": spec["model_source"], "gpu_type": "l4"})
+    assert suggestion.status_code == 200
+
+
 def test_wizard_reports_quantization_and_replica_rules(owner):
     spec = VALID_SPEC | {"gpu_type": "cpu", "quantization": "awq", "min_replicas": "3", "max_replicas": "1"}
     page = owner.post(reverse("console:endpoint-new"), spec).content.decode()

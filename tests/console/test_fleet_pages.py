@@ -97,6 +97,16 @@ def test_join_token_is_shown_once_and_can_be_revoked(staff):
     assert token.revoked_at is not None
 
 
+def test_a_join_token_name_postgresql_cannot_store_is_refused_with_a_message_not_a_500(staff):
+    """A NUL in the name (pasted, or sent by a script) reached PostgreSQL, which refuses it: a 500, no token."""
+    staff.raise_request_exception = False
+
+    response = staff.post(reverse("console:join-token-create"), {"name": "rack\x007"}, follow=True)
+
+    assert response.status_code == 400 and "NUL" in response.content.decode()
+    assert not JoinToken.objects.exists()
+
+
 def test_a_console_join_token_admits_one_node_within_a_day_unless_staff_choose_otherwise(staff):
     # Any holder of a token may register nodes: a token shared by a rack must be a choice.
     staff.post(reverse("console:join-token-create"), {"name": "one machine"})

@@ -1,5 +1,7 @@
 """The usage page (chart, table, date range, CSV link) and the billing page (spend, cap, credits, invoices)."""
 
+import csv
+import io
 from datetime import timedelta
 from decimal import Decimal
 
@@ -28,7 +30,7 @@ def test_usage_page_groups_tokens_by_endpoint_with_a_daily_chart(owner):
     assert response.context["totals"]["completion_tokens"] == 57
     chart = response.context["chart"]
     assert sum(chart["series"]["alpha"]) == 165 and chart["series"]["beta"][-1] == 3
-    assert "/api/v1/usage/export.csv?start=" in page
+    assert "/api/v1/usage/export.csv?group_by=endpoint&amp;start=" in page
     assert '<label for="usage-start">' in page
 
 
@@ -54,6 +56,19 @@ def test_the_usage_pages_json_link_opened_in_the_browser_shows_the_numbers_not_a
 
     assert followed.status_code == 200 and followed["Content-Type"].startswith("text/html")
     assert "alpha" in followed.content.decode()
+
+
+@pytest.mark.parametrize("group_by", ["key", "day", "adapter"])
+def test_the_csv_export_is_grouped_as_the_page_is(owner, group_by):
+    """"Export CSV" on the page grouped by API key (day, adapter) exports by API key: its link named no grouping, so
+    every export was by endpoint whatever the page showed."""
+    usage_row(EndpointFactory(organization=owner.organization, name="alpha"), started_at=timezone.now())
+    csv_url = owner.get(reverse("console:usage"), {"group_by": group_by}).context["csv_url"]
+
+    exported = owner.get(csv_url)
+
+    assert exported.status_code == 200
+    assert next(csv.reader(io.StringIO(exported.content.decode())))[0] == group_by
 
 
 def test_usage_page_reports_a_bad_date(owner):
@@ -107,3 +122,14 @@ def test_payment_method_without_stripe_explains_itself(owner, settings):
     settings.STRIPE_SECRET_KEY = ""
     response = owner.post(reverse("console:billing-payment-method"), follow=True)
     assert "not set up on this installation" in response.content.decode()
+
+
+def test_a_cap_of_zero_is_shown_as_a_cap_that_stops_every_call(owner):
+    """A cap of $0.00 (which the form and the API take) refuses every call; the page said "No spend cap"."""
+    owner.post(reverse("console:billing-cap"), {"spend_cap": "0"})
+    assert BillingAccount.objects.get(organization=owner.organization).spend_cap == Decimal("0")
+
+    page = owner.get(reverse("console:billing")).content.decode()
+
+    assert "No spend cap" not in page
+    assert "of $0.00 cap" in page and 'aria-valuenow="100"' in page and "100% of the cap" in page
