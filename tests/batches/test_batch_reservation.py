@@ -4,7 +4,8 @@ price fits what is left runs.
 
 Before: a line was reserved its worst case at the endpoint's full price, twice what it could cost at the default
 fraction (0.5): a line that fit the cap at the batch price was refused 402 `insufficient_quota` and failed for good
-(never tried again), and the lines in flight held twice the cap they could spend."""
+(never tried again), and the lines in flight held twice the cap they could spend. And a line refused 402 beside the
+run's other lines in flight (their reservations, which their ends give back) failed for good at once."""
 
 from __future__ import annotations
 
@@ -46,3 +47,50 @@ def test_a_line_whose_worst_case_at_the_batch_price_fits_the_cap_runs_and_is_bil
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 0), errors
     spent = UsageRecord.objects.filter(batch_id=batch.pk).aggregate(total=Sum("cost"))["total"]
     assert Decimal(0) < spent <= cap
+
+
+def test_lines_refused_only_for_the_reservations_of_the_runs_own_lines_in_flight_wait_for_them_and_run(
+        files_bucket, tenant, start_mock_upstream):
+    # Each line reserves its worst case (a long prompt) but costs little (the engine counts a short one): the cap fits
+    # one line's reservation, and every line's cost many times over.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=150), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    bodies = [{"model": endpoint.name, "messages": [{"role": "user", "content": f"{i} " + "word " * 300}],
+               "max_tokens": 8} for i in range(4)]
+    one_reservation = worst_case(bodies[0], "chat", endpoint.max_model_len).max_cost(
+        endpoint, fraction=endpoint.batch_price_fraction)
+    cap = (one_reservation * Decimal("1.5")).quantize(Decimal("0.000001"))
+    set_spend_cap(SYSTEM, tenant.org, spend_cap=cap)
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for i, body in enumerate(bodies)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.select_related("error_file").get(pk=batch.pk)
+    errors = storage.read_bytes(batch.error_file.s3_key) if batch.error_file else b""
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 4, 0), errors
+    spent = UsageRecord.objects.filter(batch_id=batch.pk).aggregate(total=Sum("cost"))["total"]
+    assert Decimal(0) < spent <= cap
+
+
+def test_lines_the_cap_refuses_even_alone_fail_for_good_and_the_batch_ends(files_bucket, tenant, start_mock_upstream):
+    upstream = start_mock_upstream(token_delay_ms=50)
+    endpoint = serve_endpoint(tenant.org, upstream, price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    bodies = [{"model": endpoint.name, "messages": [{"role": "user", "content": f"{i} " + "word " * 300}],
+               "max_tokens": 8} for i in range(4)]
+    one_reservation = worst_case(bodies[0], "chat", endpoint.max_model_len).max_cost(
+        endpoint, fraction=endpoint.batch_price_fraction)
+    set_spend_cap(SYSTEM, tenant.org, spend_cap=(one_reservation / 2).quantize(Decimal("0.000001")))
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for i, body in enumerate(bodies)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.select_related("error_file").get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 0, 4)
+    rows = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert {row["response"]["status_code"] for row in rows} == {402}
+    assert not UsageRecord.objects.filter(batch_id=batch.pk).exists()
