@@ -527,6 +527,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     started_with_company: dict[asyncio.Task, bool] = {}
     waiting_alone: set[int] = set()
     tried_alone: set[int] = set()
+    running_alone: set[asyncio.Task] = set()  # such a line's try alone: no line starts beside it till it ends
 
     def measure() -> None:  # what each check writes: the lines kept in flight of late
         if line_use is not None:
@@ -619,8 +620,8 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 for _ in range(max(0, (slots or 0) - len(running))):
                     if not pending.ready() or not answer_bytes.room():  # NOTE: each takes the room of its first read
                         break
-                    if waiting_alone and running:
-                        break  # a line refused for the reservations in flight waits for them to end
+                    if (waiting_alone or running_alone) and running:
+                        break  # a line refused for the reservations in flight waits for them to end, and runs alone
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
                     line, answer = pending.take(), answer_bytes.LineAnswer()
@@ -631,6 +632,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     if line.index in waiting_alone:
                         waiting_alone.discard(line.index)
                         tried_alone.add(line.index)
+                        running_alone.add(task)
                         break  # alone: its refusal now is not this run's doing
             if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
                 no_room_since = None
@@ -688,6 +690,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 line, answer = running.pop(task)
                 line_started_at = started_at.pop(task)
                 with_company = started_with_company.pop(task) or bool(running)
+                running_alone.discard(task)
                 try:
                     outcome = task.result()
                 except BaseException:
