@@ -19,7 +19,8 @@ skips the lines already there. Its answer counts against the worker process's bo
 hold in memory (`answer_bytes`), from before its first byte is read until its row is stored; one larger than a line may
 hold there goes on to disk (`spool`). Transient refusals (429, 5xx, an outage) leave the line pending for a later try,
 but a 429 for a line past its key's whole minute of tokens (`errors.RequestTooLarge`) and an engine's own 500 on a replica still READY, `MAX_ENGINE_FAILURES` times over `ENGINE_FAILURES_MIN_SPAN_S`
-(counted across runs); anything else is the line's answer, kept in the error file.
+(counted across runs); anything else is the line's answer, kept in the error file. A 402 met beside the run's other
+lines in flight (their reservations) is tried once more, alone, once they have ended.
 """
 
 from __future__ import annotations
@@ -519,6 +520,14 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
     answer_bytes.run_started(work.batch_id)
     line_use: scheduling.LineUse | None = None  # from the first line's start
     started_at: dict[asyncio.Task, float] = {}  # each running line's start (monotonic)
+    # NOTE: a line refused 402 (the cap or credit left) while other lines of this run were in flight may have been
+    # refused for their reservations alone, which their ends give back: it waits for them to end and is tried once
+    # more, alone (`waiting_alone`, then `tried_alone`); refused so, it fails for good. Failed at once, a batch whose
+    # lines in flight reserved past the cap lost every line refused meanwhile, though they all fit its real spend.
+    started_with_company: dict[asyncio.Task, bool] = {}
+    waiting_alone: set[int] = set()
+    tried_alone: set[int] = set()
+    running_alone: set[asyncio.Task] = set()  # such a line's try alone: no line starts beside it till it ends
 
     def measure() -> None:  # what each check writes: the lines kept in flight of late
         if line_use is not None:
@@ -611,12 +620,20 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                 for _ in range(max(0, (slots or 0) - len(running))):
                     if not pending.ready() or not answer_bytes.room():  # NOTE: each takes the room of its first read
                         break
+                    if (waiting_alone or running_alone) and running:
+                        break  # a line refused for the reservations in flight waits for them to end, and runs alone
                     if answer_deadline is None:
                         ends_at, answer_deadline = now + slice_s, min(now + LINES_END_WITHIN_S, latest_end)
                     line, answer = pending.take(), answer_bytes.LineAnswer()
                     task = asyncio.create_task(run_line(work, endpoint, line, client, answer_deadline, answer))
+                    started_with_company[task] = bool(running)
                     running[task], started_at[task] = (line, answer), now
                     line_use = line_use or scheduling.LineUse(began_at=now)
+                    if line.index in waiting_alone:
+                        waiting_alone.discard(line.index)
+                        tried_alone.add(line.index)
+                        running_alone.add(task)
+                        break  # alone: its refusal now is not this run's doing
             if progress.stopped or not pending.ready() or running or storing or unstored or answer_bytes.room():
                 no_room_since = None
             elif no_room_since is None:
@@ -672,11 +689,19 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     continue
                 line, answer = running.pop(task)
                 line_started_at = started_at.pop(task)
+                with_company = started_with_company.pop(task) or bool(running)
+                running_alone.discard(task)
                 try:
                     outcome = task.result()
                 except BaseException:
                     answer.release()
                     raise
+                if outcome.status_code == 402 and with_company and line.index not in tried_alone:
+                    answer.release()
+                    progress.refused()
+                    waiting_alone.add(line.index)
+                    pending.again(line)
+                    continue
                 not_before = 0.0
                 if outcome.engine_failed:
                     num_failures, first_failed_at = await count_engine_failure(work.batch_id, line.index,

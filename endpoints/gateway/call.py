@@ -182,7 +182,7 @@ class InferenceCall:
             raise errors.endpoint_paused(self.endpoint.name)
         self.usage.num_choices_per_prompt = worst_case.num_sequences
         self.usage.num_prompts = max(1, len(worst_case.prompt_bounds))
-        self.reserved = worst_case.max_cost(self.endpoint)
+        self.reserved = worst_case.max_cost(self.endpoint, fraction=self.price_fraction if self.batch_id else None)
         self.num_prompt_tokens_bound = worst_case.num_prompt_tokens
         self.unscaled_prompt_bounds = worst_case.unscaled_prompt_bounds or worst_case.prompt_bounds
         replicas = await directory.ready_replicas(self.endpoint.id, generation=self.endpoint.engine_generation)
