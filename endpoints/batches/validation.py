@@ -73,9 +73,30 @@ _BLANK = re.compile(b"(?:[" + re.escape(bytes(ord(char) for char in _WHITESPACE 
                     + b"|".join(re.escape(char.encode()) for char in _WHITESPACE if not char.isascii()) + b")*+")
 
 
+# The byte-order mark Windows editors (Notepad, PowerShell's `Out-File -Encoding utf8`) write at a UTF-8 file's start.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _without_bom(parts: Iterable[bytes]) -> Iterator[bytes]:
+    """A file's parts without the byte-order mark at its start, if it has one (read across parts shorter than it).
+
+    NOTE: a file that starts with one failed its first line as "not valid JSON" before (the whole batch refused at its
+    check), so no batch checked by an earlier release has a line whose index this moves."""
+    parts = iter(parts)
+    head = b""
+    for part in parts:
+        head += part
+        if len(head) >= len(UTF8_BOM):
+            break
+    head = head.removeprefix(UTF8_BOM)
+    if head:
+        yield head
+    yield from parts
+
+
 def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES) -> Iterator[tuple[int, bytes | None]]:
     """Each line of a file read in `parts` but the blank ones (split at `\\n` alone, as JSON Lines are), with its
-    1-based number; None for one longer than `max_line_bytes`, whose bytes are dropped as they come: never more than a
+    1-based number, a byte-order mark at the file's start dropped (`_without_bom`); None for one longer than `max_line_bytes`, whose bytes are dropped as they come: never more than a
     line held. A blank line is whitespace alone as `str.isspace` finds it (`\\r`, a Windows file's, U+00A0, U+3000 ...
     included: `_WHITESPACE`), whatever its length; one whose character a part's end splits is left to `_requests`.
 
@@ -85,7 +106,7 @@ def split_lines(parts: Iterable[bytes], *, max_line_bytes: int = MAX_BODY_BYTES)
     split, decoded and stripped; 20 MiB of `\\x1c\\n` (or U+00A0) lines, skipped a line at a time by `_requests` while
     only ASCII whitespace was skipped here, 28 s (19 s)."""
     number, carried, size, oversized, blank = 0, [], 0, False, True  # the line so far: its bytes, too long, blank
-    for part in parts:
+    for part in _without_bom(parts):
         start = 0
         while True:
             if not size and (run_end := part.rfind(b"\n", start, _BLANK.match(part, start).end())) >= 0:
@@ -240,6 +261,7 @@ def first_model(start: bytes, *, is_whole_file: bool) -> str | None:
     line is whole there, reads as one and names a model the gateway would look up (`is_model_name`: PostgreSQL refuses
     a NUL or a lone surrogate, and such a name was a 500 at the batch's creation); every line is `parse_lines`'s to
     judge. NOTE: only the first line that is not blank is cut out of `start`, never the whole of it split into lines."""
+    start = start.removeprefix(UTF8_BOM)
     begin = _BLANK.match(start).end()
     if begin == len(start):
         return None

@@ -106,3 +106,22 @@ def test_the_lines_skipped_a_run_at_a_time_are_those_str_isspace_finds_blank_and
     kept = {number for number, _ in split_lines(parts)}
 
     assert kept == {number for number, char in enumerate(chars, start=1) if not char.isspace()}
+
+
+def test_a_file_that_starts_with_a_byte_order_mark_reads_as_the_same_file_without_it():
+    """Notepad and PowerShell write a UTF-8 byte-order mark at a file's start. Before: the first line was refused as
+    "This line is not valid JSON." (`json.loads` refuses a leading U+FEFF), so the whole batch failed its check."""
+    from endpoints.batches.validation import first_model
+
+    data = _request("a") + b"\n" + _request("b") + b"\n"
+    for with_mark in (b"\xef\xbb\xbf" + data, b"\xef\xbb\xbf\n\n" + data):
+        for size in (1, 2, 5, 4096):
+            parts = [with_mark[i:i + size] for i in range(0, len(with_mark), size)]
+            checked = parse_lines(parts, request_path="/v1/chat/completions", kind="chat", max_lines=10)
+            assert checked.errors == [] and checked.num_lines == 2
+            assert [(line.index, line.custom_id) for line in read_lines(parts)] == [(0, "a"), (1, "b")]
+        assert first_model(with_mark, is_whole_file=True) == "m"
+    # A mark anywhere else is no mark of the file: that line is still not JSON.
+    checked = parse_lines([data + b"\xef\xbb\xbf" + _request("c")], request_path="/v1/chat/completions", kind="chat",
+                          max_lines=10)
+    assert [(error.line, error.code) for error in checked.errors] == [(3, "invalid_json")]
