@@ -199,9 +199,13 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
-            last_heartbeat_at=Now(),  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
+            # NOTE: PostgreSQL's clock, as the sweeps judge heartbeats (`database_time_ago`) and the pool's tick
+            # compares the registration with its launch's request (`pools.link_joins`). Before, `registered_at` was
+            # the web pod's: one 2 minutes behind never linked a Kubernetes machine to its launch by name, and the
+            # machine was terminated at its deadline, READY, as "did not join".
+            last_heartbeat_at=Now(), registered_at=Now(),
         )
-        node.refresh_from_db(fields=["last_heartbeat_at"])
+        node.refresh_from_db(fields=["last_heartbeat_at", "registered_at"])
         # NOTE: in the node's transaction: a machine a pool launched (its launch's one-use join token) marks that
         # launch JOINED and is held to its pool's type and shape before any reconcile can see it. Linked after the
         # commit, a reconcile between the two placed another type's replica on the machine the machine claimed to be.

@@ -390,6 +390,8 @@ class Node(models.Model):
     advertise_host = models.CharField(max_length=253, default="127.0.0.1")
     engine_port_min = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MIN)
     engine_port_max = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MAX)
+    # NOTE: stamped by PostgreSQL's clock at registration (`register_node`), as a pool's launch times are: the tick links
+    # a machine to its launch by name only if it registered after the launch was requested (`pools.link_joins`).
     registered_at = models.DateTimeField(default=timezone.now)
 
     objects = NodeQuerySet.as_manager()
