@@ -1043,7 +1043,11 @@ def _unrun_rows(batch: Batch, done: Container[int], lost: Container[int], *, exp
 def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None) -> None:
     """Write the output and error files from the line results kept in S3 and end the batch as
     `final` (completed, expired, cancelled, or failed with `errors`). Safe to repeat: a batch already ended is left
-    as it is."""
+    as it is; one cancelled while its files were written ends `cancelled` instead.
+
+    NOTE: a cancel is the one change another process makes to a running batch (the API, `cancel_batch`), and it may
+    land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
+    cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
     now = timezone.now()
     if final == BatchStatus.COMPLETED:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
@@ -1074,7 +1078,8 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     with transaction.atomic():
         locked = Batch.objects.select_for_update().get(pk=batch.pk)
         ended_first = locked.status in FINAL_STATES
-        if not ended_first:
+        cancelled_meanwhile = locked.status == BatchStatus.CANCELLING and final != BatchStatus.CANCELLED
+        if not ended_first and not cancelled_meanwhile:
             if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=now, bytes=file.bytes)
                    for file in files) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
@@ -1083,8 +1088,10 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
                 num_failed=num_failed,
                 **{stamp: now},
                 **({"errors": errors} if errors is not None else {}))
-    if ended_first:  # another run finished it first: its files stand, these go
+    if ended_first or cancelled_meanwhile:  # another run finished it first (its files stand), or it was cancelled
         _discard_outputs(files)
+        if cancelled_meanwhile:
+            finalize_batch(locked, BatchStatus.CANCELLED)  # its files as a cancel writes them (no `batch_expired` rows)
         return
     _delete_results(batch)
 

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q, Value
+from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Now, NullIf
 from django.utils import timezone
 
@@ -171,7 +171,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     environment) was told its node is refused, and stopped every engine. A stranger's refused registrations write
     nothing (and a refused token sent again costs no query, `JOIN_TOKEN_LOOKUPS`)."""
     join_token = _find_join_token(request.join_token)
-    if join_token is None or not join_token.is_usable():
+    if join_token is None or not JoinToken.objects.usable().filter(pk=join_token.pk).exists():
         raise AgentAuthError("invalid, expired, revoked or used-up join token")
     problem = _registration_problem(request)
     if problem:
@@ -185,9 +185,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
         # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
         # admits exactly one node even under concurrent registrations; and a token revoked or expired since the
         # check above admits nobody (a retire or a rotation revoking it under its row lock is waited for).
-        claimed = JoinToken.objects.filter(pk=join_token.pk, revoked_at__isnull=True).filter(
-            Q(max_uses__isnull=True) | Q(num_uses__lt=F("max_uses"))
-        ).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now())).update(num_uses=F("num_uses") + 1)
+        claimed = JoinToken.objects.usable().filter(pk=join_token.pk).update(num_uses=F("num_uses") + 1)
         if not claimed:
             raise AgentAuthError("join token is used up")
         node = Node.objects.create(
@@ -199,9 +197,13 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
-            last_heartbeat_at=Now(),  # NOTE: PostgreSQL's clock, as the sweeps judge it (`database_time_ago`)
+            # NOTE: PostgreSQL's clock, as the sweeps judge heartbeats (`database_time_ago`) and the pool's tick
+            # compares the registration with its launch's request (`pools.link_joins`). Before, `registered_at` was
+            # the web pod's: one 2 minutes behind never linked a Kubernetes machine to its launch by name, and the
+            # machine was terminated at its deadline, READY, as "did not join".
+            last_heartbeat_at=Now(), registered_at=Now(),
         )
-        node.refresh_from_db(fields=["last_heartbeat_at"])
+        node.refresh_from_db(fields=["last_heartbeat_at", "registered_at"])
         # NOTE: in the node's transaction: a machine a pool launched (its launch's one-use join token) marks that
         # launch JOINED and is held to its pool's type and shape before any reconcile can see it. Linked after the
         # commit, a reconcile between the two placed another type's replica on the machine the machine claimed to be.
@@ -779,10 +781,11 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
     # secret voided and announced first woke the agent, which registered again with the token before it was revoked,
     # and counted as one of the "other nodes" that kept it open.
     with transaction.atomic():
-        join_token = (JoinToken.objects.select_for_update().filter(pk=node.join_token_id).first()
+        # NOTE: only a token that still admits a node by PostgreSQL's clock, as registration judges it.
+        join_token = (JoinToken.objects.usable().select_for_update().filter(pk=node.join_token_id).first()
                       if node.join_token_id else None)
         outcome: dict = {}
-        if join_token is not None and join_token.is_usable():
+        if join_token is not None:
             # NOTE: also for a node retired before (retiring it again closes the token it left open).
             num_other_nodes = Node.objects.admitted().filter(join_token=join_token).exclude(pk=node.pk).count()
             if num_other_nodes:

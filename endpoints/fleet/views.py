@@ -145,7 +145,7 @@ def join_token_revoke(request, pk):
 @require_POST
 def join_token_rotate(request, pk):
     join_token = get_object_or_404(JoinToken.objects.with_num_nodes(), pk=pk)
-    if not join_token.is_usable():
+    if not JoinToken.objects.usable().filter(pk=join_token.pk).exists():
         messages.error(request, f"Join token “{join_token.name}” admits nobody already: there is nothing to rotate.")
         return redirect("console:fleet")
     created = services.rotate_join_token(Actor.from_request(request), join_token)

@@ -285,6 +285,16 @@ class JoinTokenQuerySet(models.QuerySet):
         """Each token with `num_nodes`: the nodes joined with it that are not retired (a retired node's secret is void)."""
         return self.annotate(num_nodes=models.Count("nodes", filter=~models.Q(nodes__secret_digest="")))
 
+    def usable(self):
+        """The tokens that admit a node now: not revoked, uses left, not expired by PostgreSQL's clock.
+
+        NOTE: what registration, a retire and a rotation decide by. A pool launch's token expires at its deadline,
+        PostgreSQL's clock (`database_now`); judged by a web pod's (`JoinToken.is_usable`), a pod 11 minutes ahead
+        refused every pool machine, each terminated at its deadline and launched again."""
+        return self.filter(revoked_at__isnull=True).filter(
+            models.Q(max_uses__isnull=True) | models.Q(num_uses__lt=models.F("max_uses"))
+        ).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=Now()))
+
 
 class JoinToken(models.Model):
     TOKEN_KIND = "jt"
@@ -308,6 +318,7 @@ class JoinToken(models.Model):
         return f"{self.name} ({self.TOKEN_KIND}_{self.lookup})"
 
     def is_usable(self, now=None) -> bool:
+        """For the fleet page's display only, by this process's clock: decisions go by `JoinToken.objects.usable()`."""
         now = now or timezone.now()
         return (
             self.revoked_at is None
@@ -390,6 +401,8 @@ class Node(models.Model):
     advertise_host = models.CharField(max_length=253, default="127.0.0.1")
     engine_port_min = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MIN)
     engine_port_max = models.PositiveIntegerField(default=DEFAULT_ENGINE_PORT_MAX)
+    # NOTE: stamped by PostgreSQL's clock at registration (`register_node`), as a pool's launch times are: the tick links
+    # a machine to its launch by name only if it registered after the launch was requested (`pools.link_joins`).
     registered_at = models.DateTimeField(default=timezone.now)
 
     objects = NodeQuerySet.as_manager()

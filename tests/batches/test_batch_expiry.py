@@ -48,3 +48,29 @@ def test_a_batch_line_asks_the_engine_for_its_low_priority_and_an_interactive_ca
     assert "priority" not in json.loads(interactive.upstream_body(media_scope="key:1"))
     batch_line = InferenceRequest(interactive.kind, interactive.path, body, interactive.payload, priority=BATCH_ENGINE_PRIORITY)
     assert json.loads(batch_line.upstream_body(media_scope="key:1"))["priority"] == BATCH_ENGINE_PRIORITY == 100
+
+
+def test_a_cancel_arriving_while_an_expiry_is_written_ends_the_batch_cancelled(files_bucket, monkeypatch):
+    # Before: the run decided "expired" from in_progress, a cancel landed while it wrote the files (in_progress to
+    # cancelling), and the end was written regardless: status expired with `cancelling_at` set, its error file listing
+    # every line as `batch_expired` though the user had cancelled it.
+    endpoint = EndpointFactory(max_model_len=2048)  # scaled to zero: nothing runs
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}} for i in range(2)]
+    batch = new_batch(endpoint, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    services.run_batch(batch.pk)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    result_keys = storage.result_keys
+
+    def cancelled_while_finalizing(organization_id, batch_id):
+        if Batch.objects.get(pk=batch_id).status == BatchStatus.IN_PROGRESS:
+            services.cancel_batch(Batch.objects.get(pk=batch_id))  # the API's cancel, after "expired" was decided
+        return result_keys(organization_id, batch_id)
+
+    monkeypatch.setattr(storage, "result_keys", cancelled_while_finalizing)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.expired_at) == (BatchStatus.CANCELLED, None)
+    assert batch.cancelling_at is not None and batch.cancelled_at is not None
+    assert batch.error_file is None and batch.output_file is None  # nothing ran: no line is listed as expired

@@ -257,3 +257,22 @@ def test_an_agent_that_registers_again_while_its_node_is_being_retired_is_refuse
 
     assert again == [401] and Node.objects.count() == 1
     assert retirement.revoked_join_token is not None and retirement.open_join_token is None
+
+
+def test_staff_rotate_a_token_postgresql_still_finds_unexpired_through_a_web_pod_whose_clock_is_ahead(staff, monkeypatch):
+    # Before: the rotate view judged the token by the web pod's clock (`JoinToken.is_usable`): a pod 11 minutes ahead
+    # took a token PostgreSQL still lets register nodes for 10 minutes for expired, and answered "admits nobody
+    # already: there is nothing to rotate", the token left open.
+    import endpoints.nodes.models as node_models
+    from controlplane.accounts.services import SYSTEM
+    from endpoints.fleet.services import create_join_token
+    from endpoints.nodes.models import database_now
+
+    join_token = create_join_token(SYSTEM, name="rack", expires_at=database_now() + timedelta(minutes=10)).join_token
+    monkeypatch.setattr(node_models, "timezone", type("Clock", (), {
+        "now": staticmethod(lambda: timezone.now() + timedelta(minutes=11))}))
+
+    rotated = staff.post(reverse("console:join-token-rotate", args=[join_token.pk]))
+
+    assert rotated.status_code == 201
+    assert JoinToken.objects.get(pk=join_token.pk).revoked_at is not None
