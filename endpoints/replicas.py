@@ -210,10 +210,14 @@ def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = F
     NOTE: apart, `fail_replica`'s reconcile (sent at once, outside a transaction) read the endpoint before its count:
     a start from zero that timed out was replaced at once, with no backoff (a review's finding). The endpoint's row is
     locked first, as a reconcile takes it before its replicas': a reconcile draining this replica meanwhile would
-    otherwise wait on this one, and this one on the reconcile's endpoint.
+    otherwise wait on this one, and this one on the reconcile's endpoint. Endpoint rows are locked `FOR NO KEY UPDATE`
+    (here, `record_replica_failure`, the reconcile): an event's or a replica's deferred foreign-key check at commit
+    takes `FOR KEY SHARE` on its endpoint, which a plain `FOR UPDATE` held elsewhere blocks; and a heartbeat's report
+    (`apply_replica_report`) locks its replica's row alone, never its endpoint's. Each was a deadlock with a heartbeat
+    or the silent-node sweep (`tests/test_replica_lock_order.py`).
     """
     with transaction.atomic():
-        Endpoint.objects.select_for_update().filter(pk=replica.endpoint_id).values_list("pk", flat=True).first()
+        Endpoint.objects.select_for_update(no_key=True).filter(pk=replica.endpoint_id).values_list("pk", flat=True).first()
         changed = fail_replica(replica, reason)
         if changed:
             record_replica_failure(replica.endpoint_id, reason, permanent=permanent)
@@ -343,7 +347,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
     """
     with transaction.atomic():
         replica = (
-            Replica.objects.select_for_update().select_related("endpoint").filter(pk=report.replica_id, node=node)
+            Replica.objects.select_for_update(of=("self",)).select_related("endpoint").filter(pk=report.replica_id, node=node)
             .exclude(state__in=FINAL_REPLICA_STATES).first()
         )
         if replica is None:
@@ -560,7 +564,7 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
     now = timezone.now()
     reason = (reason.strip() or "engine failed")[-2000:]
     with transaction.atomic():
-        endpoint = Endpoint.objects.select_for_update().filter(pk=endpoint_id, failed_at__isnull=True).first()
+        endpoint = Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id, failed_at__isnull=True).first()
         if endpoint is None:
             return
         serving = Replica.objects.filter(endpoint_id=endpoint.pk, state=ReplicaState.READY).exists()

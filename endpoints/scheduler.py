@@ -71,7 +71,7 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
     if load is None:
         load = autoscaler.read_load([str(endpoint_id)], now=now)[str(endpoint_id)]
     with transaction.atomic():
-        endpoint = Endpoint.objects.select_for_update(skip_locked=True).filter(pk=endpoint_id).first()
+        endpoint = Endpoint.objects.select_for_update(skip_locked=True, no_key=True).filter(pk=endpoint_id).first()
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))

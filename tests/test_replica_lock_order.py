@@ -1,0 +1,184 @@
+"""Lock order on an endpoint's row and its replicas' rows: a heartbeat's report of a replica, the start-timeout sweep
+(`fail_replica_and_count`), a reconcile's scale-down and the silent-node sweep never deadlock.
+
+Before: a heartbeat's report (`apply_replica_report`) took `SELECT ... FOR UPDATE` over replica JOIN endpoint, which
+PostgreSQL locks row by row, the replica's first, while the sweep and a reconcile hold the endpoint's row and then
+write the replica; and a plain `FOR UPDATE` on the endpoint blocked the `FOR KEY SHARE` an event's deferred foreign
+key takes at commit. Each test saw `deadlock detected`: the heartbeat a 500, or the sweep's pass aborted (a silent node
+not taken offline)."""
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from controlplane import tasks as controlplane_tasks
+from endpoints import autoscaler, scheduler
+from endpoints import replicas as replicas_module
+from endpoints.autoscaler import Load
+from endpoints.models import Replica
+from endpoints.replicas import apply_replica_report
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
+from tests.factories import EndpointFactory
+from tests.test_placement import make_node
+
+
+def _race(holder, heartbeat):
+    """`holder` calls `paused()` once it holds the endpoint's row: the heartbeat goes then."""
+    go, errors = threading.Event(), {}
+
+    def run(name, work):
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def late_heartbeat():
+        go.wait(10)
+        heartbeat()
+
+    threads = [threading.Thread(target=run, args=("holder", holder)),
+               threading.Thread(target=run, args=("heartbeat", late_heartbeat))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return go, errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_start_timeout_sweep_and_the_replicas_heartbeat_do_not_deadlock(monkeypatch):
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=1)
+    node = make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    Replica.objects.filter(pk=replica.pk).update(
+        created_at=timezone.now() - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S + 60))
+    real_fail_replica, state = replicas_module.fail_replica, {}
+
+    def fail_replica(*args, **kwargs):  # runs with the endpoint's row locked (`fail_replica_and_count`)
+        state["go"].set()
+        time.sleep(0.5)  # the heartbeat's report arrives meanwhile
+        return real_fail_replica(*args, **kwargs)
+
+    monkeypatch.setattr(replicas_module, "fail_replica", fail_replica)
+    go = threading.Event()
+    state["go"] = go
+    errors = {}
+
+    def run(name, work):
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def heartbeat():
+        go.wait(10)
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING,
+                                                 progress="loading weights 99%"))
+
+    threads = [threading.Thread(target=run, args=("sweep", scheduler._sweep)),
+               threading.Thread(target=run, args=("heartbeat", heartbeat))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert go.is_set()
+    assert errors == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reconciles_scale_down_and_the_replicas_heartbeat_do_not_deadlock(monkeypatch):
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=2)
+    node = make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now() - timedelta(hours=1))
+    real_decide, go = autoscaler.decide, threading.Event()
+
+    def decide(*args, **kwargs):  # runs with the endpoint's row locked (`reconcile_endpoint`)
+        go.set()
+        time.sleep(0.5)  # the heartbeat's report arrives meanwhile
+        return real_decide(*args, **kwargs)
+
+    monkeypatch.setattr(autoscaler, "decide", decide)
+    errors = {}
+
+    def run(name, work):
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def heartbeat():
+        go.wait(10)
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                 address="http://127.0.0.1:9", num_running=0))
+
+    idle = Load(0, 0, timezone.now().timestamp() - 7200, 0)
+    threads = [threading.Thread(target=run, args=("reconcile", lambda: scheduler.reconcile_endpoint(str(endpoint.pk), idle))),
+               threading.Thread(target=run, args=("heartbeat", heartbeat))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert go.is_set()
+    replica.refresh_from_db()
+    print(replica.state, errors)
+    assert errors == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reconciles_scale_down_and_the_sweep_taking_its_node_offline_do_not_deadlock(monkeypatch):
+    # Preexisting, same root: the sweep's one transaction writes the replica, then its event's deferred foreign key
+    # takes FOR KEY SHARE on the endpoint at commit, which the reconcile's FOR UPDATE blocks.
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=2)
+    node = make_node(memory_mb=80_000)
+    make_node(memory_mb=80_000)  # the fleet is not silent as a whole
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY,
+                                     address="http://127.0.0.1:9", ready_at=timezone.now() - timedelta(hours=1))
+    from endpoints.nodes.models import Node
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    real_decide, go = autoscaler.decide, threading.Event()
+
+    def decide(*args, **kwargs):
+        go.set()
+        time.sleep(0.5)
+        return real_decide(*args, **kwargs)
+
+    monkeypatch.setattr(autoscaler, "decide", decide)
+    errors = {}
+
+    def run(name, work):
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def sweep():
+        go.wait(10)
+        scheduler._sweep()
+
+    idle = Load(0, 0, timezone.now().timestamp() - 7200, 0)
+    threads = [threading.Thread(target=run, args=("reconcile", lambda: scheduler.reconcile_endpoint(str(endpoint.pk), idle))),
+               threading.Thread(target=run, args=("sweep", sweep))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert go.is_set()
+    replica.refresh_from_db()
+    print(replica.state, errors)
+    assert errors == {}
