@@ -16,7 +16,7 @@ from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts.console import member_required
+from controlplane.accounts.console import member_required, page_organization_refusal
 from controlplane.accounts.models import Role
 from endpoints.batches import idempotency, services, storage, uploads
 from endpoints.batches.models import BATCH_PATHS, Batch, BatchStatus, File
@@ -72,7 +72,7 @@ def _batch_or_404(request, batch_id: str) -> Batch:
 
 
 @csrf_exempt  # NOTE: checked once the upload's handlers are installed (`_create_batch`), never before
-@member_required()
+@member_required(view_reads_form=True)  # the page's organisation, too (`_create_batch`)
 def batch_list(request):
     form, refusal = new_batch_form(), None
     if request.method == "POST" and (refusal := upload_places.refusal_in(getattr(request, "scope", {}))):
@@ -125,7 +125,8 @@ _KEY_REFUSALS = {
 def _create_batch(request, storing: uploads.StreamToStorage) -> str | BatchForm | HttpResponse:
     """The id of the batch the form starts, its file streamed to S3 as the body is parsed (`storing`, as on
     `/v1/files`), or that it started already when sent again (its key, `BatchForm.idempotency_key`, as a creation's
-    `Idempotency-Key`: this upload is then left unstored); or the form with its errors; or the CSRF check's refusal.
+    `Idempotency-Key`: this upload is then left unstored); or the form with its errors; or the CSRF check's refusal,
+    or the page organisation's (`page_organization_refusal`).
     The caller abandons the upload unless it is stored.
 
     NOTE: the file went through Django's `TemporaryFileUploadHandler`, a second copy of the body's file on the web
@@ -138,6 +139,10 @@ def _create_batch(request, storing: uploads.StreamToStorage) -> str | BatchForm 
         request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
         refusal = CsrfViewMiddleware(lambda request: None).process_view(request, None, (), {})
         if refusal is not None:
+            return refusal
+        # NOTE: a form shown for another organisation than the session's now starts nothing; its file, streamed as
+        # the body was parsed, is never finished (the caller abandons it)
+        if (refusal := page_organization_refusal(request)) is not None:
             return refusal
         form = BatchForm(request.POST, {uploads.FILE_FIELD: storing.file} if storing.file else {})
         if not form.is_valid():

@@ -8,13 +8,15 @@ import os
 import re
 
 import pytest
+from django.contrib.messages import get_messages
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
 
+from controlplane.accounts.console import PAGE_ORGANIZATION_FIELD
 from controlplane.accounts.models import Role
-from endpoints.batches.models import Batch, BatchStatus
+from endpoints.batches.models import Batch, BatchStatus, File
 from tests.batches.conftest import bucket_objects
-from tests.factories import OrganizationFactory
+from tests.factories import MembershipFactory, OrganizationFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -206,3 +208,25 @@ def test_a_console_upload_past_the_storage_quota_is_a_form_error_leaving_no_row_
     assert refused.status_code == 400 and "max_file_bytes" in refused.content.decode()
     assert not File.objects.exists() and bucket_objects(files_bucket) == {}
     assert not storage._client().list_multipart_uploads(Bucket=files_bucket).get("Uploads")
+
+
+def test_a_batch_form_shown_for_one_organisation_starts_nothing_in_the_one_switched_to_meanwhile(
+        console_client_factory, files_bucket, org):
+    """Tab 1 shows organisation A's Batches page; tab 2 switches to B; tab 1's upload is refused, its file (streamed
+    to S3 as it was parsed) left unstored. Before, the batch started in B, billed to B, without a word."""
+    member = console_client_factory(org, Role.MEMBER)
+    other = OrganizationFactory(name="Other")
+    MembershipFactory(organization=other, user=member.user, role=Role.MEMBER)
+    page = member.get(reverse("console:batches")).content.decode()
+    shown_for = re.search(rf'name="{PAGE_ORGANIZATION_FIELD}" value="(\d+)"', page).group(1)
+    member.post(reverse("switch-organization"), {"organization": other.pk})
+
+    upload = SimpleUploadedFile("requests.jsonl", json.dumps(LINE).encode() + b"\n", content_type="application/jsonl")
+    response = member.post(reverse("console:batches"), {PAGE_ORGANIZATION_FIELD: shown_for, "file": upload,
+                                                        "endpoint": "/v1/chat/completions"})
+
+    assert response.status_code == 302
+    assert [str(m) for m in get_messages(response.wsgi_request)] == [
+        f"This page was for {org.name}; you have since switched to Other. Nothing was changed."]
+    assert not Batch.objects.exists()
+    assert not File.objects.exists() and bucket_objects(files_bucket) == {}
