@@ -641,7 +641,8 @@ def _logit_bias(value, param: str) -> None:
         raise _out_of_range(param, f"at most {MAX_LOGIT_BIAS} tokens")
     for token, bias in value.items():
         if not _is_number(bias) or not -100 <= bias <= 100:
-            raise _out_of_range(f"{param}.{token}", "a number from -100 to 100")
+            # NOTE: a key is the caller's text of any length: named as an unknown field is (cut, escaped), not whole.
+            raise _out_of_range(f"{param}.{fields.printable(token)}", "a number from -100 to 100")
 
 
 def _check_list_of_objects(value, param: str) -> None:
