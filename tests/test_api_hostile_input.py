@@ -243,3 +243,22 @@ def test_json_text_nested_too_deeply_inside_a_field_is_a_400_on_that_field(owner
     assert all(response.json() == {"prewarm_windows": ["Must be a JSON list of windows."]} for response in answers.values())
     endpoint.refresh_from_db()
     assert endpoint.prewarm_windows == [] and not Endpoint.objects.filter(name="deep").exists()
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/api/v1/keys/", '{"name": "k", "\\ud800": 1}', api_settings.NON_FIELD_ERRORS_KEY),  # an unknown field echoed
+    ("/api/v1/keys/", '{"name": "k", "scopes": ["\\ud800"]}', "scopes[0]"),  # a choice echoed
+    ("/api/v1/credentials/", '{"name": "c", "kind": "\\ud800"}', "kind"),
+    ("/api/v1/keys/", '{"name": "k\\ud800"}', "name"),  # a valid field: PostgreSQL would refuse it
+], ids=["unknown_field_key", "choice_value", "credential_kind", "name"])
+def test_a_lone_surrogate_in_a_body_is_a_400_naming_where_it_is(owner_client, settings, path, body, field):
+    """A 400 echoing a lone surrogate (JSON may escape one, `"\\ud800"`) made DRF's JSONRenderer raise a
+    UnicodeEncodeError: a 500. The parser refuses such a body first, as the gateway does, naming where."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+
+    response = owner_client.post(path, data=body, content_type="application/json")
+
+    assert response.status_code == 400, response.status_code
+    assert list(response.json()) == [field]
+    assert "lone surrogate" in response.json()[field][0]
