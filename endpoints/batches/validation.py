@@ -16,8 +16,8 @@ import re
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
+from controlplane.text import is_plain, shown
 from endpoints.adapters import split_model_name
-from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
 from endpoints.gateway.request import (
     MAX_BODY_BYTES,
