@@ -10,7 +10,8 @@ an operator still sees every request that reached the pod.
 The line is `<client> "<METHOD> <path>" <status> <duration_ms>ms`, plus the request id where there is one,
 on the `inferplane.access` logger. The query string is never logged: it may carry a token. Nor is a token
 in the path (a password reset's, an email verification's, an invitation's link): every URL pattern with a
-parameter named in `SECRET_PATH_PARAMETERS` has it written as `<name>` (`/reset/MQ/<token>/`).
+parameter named in `SECRET_PATH_PARAMETERS` has it written as `<name>` (`/reset/MQ/<token>/`). The path is decoded
+(`%0a` is a line break): its control characters are written escaped (`\\n`), so a line is one line.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import re
 import time
 
 from django.urls import Resolver404, URLResolver, get_resolver, resolve
+
+from controlplane.text import shown
 
 logger = logging.getLogger("inferplane.access")
 
@@ -83,7 +86,7 @@ def log_answer(scope: dict, status: int, started_monotonic: float, request_id: s
     client = scope.get("client")
     logger.info(
         '%s "%s %s" %d %.1fms%s', f"{client[0]}:{client[1]}" if client else "-", scope.get("method", "-"),
-        redacted_path(scope.get("path", "-")), status, (time.monotonic() - started_monotonic) * 1000,
+        shown(redacted_path(scope.get("path", "-"))), status, (time.monotonic() - started_monotonic) * 1000,
         f" request_id={request_id}" if request_id else "",
     )
 

@@ -1,11 +1,17 @@
 """JSON from a client, nested too deeply for Python's `json`, refused as any JSON it cannot parse (a 400): in a body
-(the management API's parser), in a field that holds JSON text (`loads`, `JSONField`). And a form whose `charset`
-cannot decode it, refused the same way."""
+(the management API's parser), in a field that holds JSON text (`loads`, `JSONField`). A body holding a lone surrogate
+is refused too, naming where (`controlplane.lone_surrogates`). And a form whose `charset` cannot decode it, refused the
+same way."""
 
 import json
 
 from rest_framework import parsers, serializers
-from rest_framework.exceptions import ParseError
+from rest_framework.exceptions import ParseError, ValidationError
+from rest_framework.settings import api_settings
+
+from controlplane import lone_surrogates
+
+MAX_SHOWN_PARAM = 200  # characters of where a lone surrogate is that a refusal names
 
 
 class JSONParser(parsers.JSONParser):
@@ -15,9 +21,16 @@ class JSONParser(parsers.JSONParser):
 
     def parse(self, stream, media_type=None, parser_context=None):
         try:
-            return super().parse(stream, media_type, parser_context)
+            data = super().parse(stream, media_type, parser_context)
         except RecursionError:
             raise ParseError("JSON parse error - the body is nested too deeply.") from None
+        # NOTE: refused here, once for every view: a 400 that echoes a lone surrogate (an unknown field's name, a
+        # choice's value) made DRF's JSONRenderer raise (a 500), and one in a valid field reached PostgreSQL. Escaping
+        # in the renderer instead would change every answer's text (`ensure_ascii`) and still store nothing.
+        if (param := lone_surrogates.param_of_lone_surrogate(data)) is not None:
+            raise ValidationError({param[:MAX_SHOWN_PARAM] or api_settings.NON_FIELD_ERRORS_KEY: [
+                "It holds a lone surrogate (an escape from \\ud800 to \\udfff without its pair), which is not text."]})
+        return data
 
 
 class FormParser(parsers.FormParser):

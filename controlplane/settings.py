@@ -580,6 +580,8 @@ SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000, m
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = not DEBUG
 SESSION_COOKIE_SECURE = not DEBUG
+# Django's database sessions, refusing an id Django never issues before it reaches PostgreSQL (a NUL is a 500 there).
+SESSION_ENGINE = "controlplane.accounts.sessions"
 # A staff account's sign-in ends this long after it, however it is used (`controlplane.accounts.staff_sessions`).
 STAFF_SESSION_HOURS = env_float("INFERPLANE_STAFF_SESSION_HOURS", 12.0, minimum=0.1)
 # Staff's second factor (`controlplane.accounts.second_factor`): the name authenticator apps show.

@@ -102,6 +102,19 @@ def test_paths_without_a_token_are_logged_as_they_came(caplog):
     assert [line.split('"')[1] for line in _lines(caplog)] == ["GET /verify-email/resend/", "GET /invitations/"]
 
 
+def test_a_path_s_decoded_line_break_is_written_escaped_so_a_line_forges_no_other(caplog):
+    """The ASGI path is decoded (`%0a` is a line break): written as it came, with the plain formatter, it wrote whole
+    forged access lines (another client's call, a 200)."""
+    caplog.set_level(logging.INFO, logger="inferplane.access")
+    forged = '/x\n2026-12-06 21:00:00,000 INFO inferplane.access 10.0.0.9:4242 "POST /v1/chat/completions" 200 3.0ms'
+
+    asyncio.run(_answer(application, _scope("GET", forged + "\r\x00")))
+
+    (line,) = _lines(caplog)
+    assert line.rsplit('" ', 1)[0] == '10.1.2.3:40000 "GET ' + forged.replace("\n", "\\n") + "\\r\\x00"
+    assert line.isprintable()
+
+
 def test_a_files_api_answer_leaves_a_line_with_the_request_id_its_answer_names(caplog, org, member_client_factory):
     """The gateway names each Files and Batch API answer it hands to Django (`x-request-id`): its access line names the
     same id, so the one a support ticket quotes is found in the log (before: the header only, no id in any line)."""

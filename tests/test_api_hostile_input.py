@@ -258,3 +258,22 @@ def test_a_form_in_a_charset_that_cannot_decode_it_is_a_400(owner_client, settin
 
     assert [response.status_code for response in answers] == [400] * len(calls)
     assert all("charset" in response.json()["detail"] for response in answers)
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/api/v1/keys/", '{"name": "k", "\\ud800": 1}', api_settings.NON_FIELD_ERRORS_KEY),  # an unknown field echoed
+    ("/api/v1/keys/", '{"name": "k", "scopes": ["\\ud800"]}', "scopes[0]"),  # a choice echoed
+    ("/api/v1/credentials/", '{"name": "c", "kind": "\\ud800"}', "kind"),
+    ("/api/v1/keys/", '{"name": "k\\ud800"}', "name"),  # a valid field: PostgreSQL would refuse it
+], ids=["unknown_field_key", "choice_value", "credential_kind", "name"])
+def test_a_lone_surrogate_in_a_body_is_a_400_naming_where_it_is(owner_client, settings, path, body, field):
+    """A 400 echoing a lone surrogate (JSON may escape one, `"\\ud800"`) made DRF's JSONRenderer raise a
+    UnicodeEncodeError: a 500. The parser refuses such a body first, as the gateway does, naming where."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+
+    response = owner_client.post(path, data=body, content_type="application/json")
+
+    assert response.status_code == 400, response.status_code
+    assert list(response.json()) == [field]
+    assert "lone surrogate" in response.json()[field][0]

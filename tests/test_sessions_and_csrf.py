@@ -174,3 +174,14 @@ def test_a_log_in_whose_next_leaves_the_site_leads_to_the_console_on_a_new_sessi
     fixated = Client()
     fixated.cookies[django_settings.SESSION_COOKIE_NAME] = before
     assert fixated.get("/api/v1/organization/").status_code in (401, 403)
+
+
+@pytest.mark.parametrize("path", ["/login/", "/console/", "/api/v1/organization/"])
+def test_a_session_cookie_holding_an_escaped_nul_is_nobody_not_a_500(path):
+    """A quoted cookie's octal escape (`"\\000…"`) unquotes to a NUL, which PostgreSQL refuses: a 500 on every page
+    before, the session store now takes only ids Django issues."""
+    client = Client(raise_request_exception=False)
+
+    response = client.get(path, HTTP_COOKIE=f'{django_settings.SESSION_COOKIE_NAME}="\\000{"a" * 31}"')
+
+    assert response.status_code in (200, 302, 401, 403), response.status_code

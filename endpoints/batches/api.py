@@ -23,9 +23,9 @@ from django.http.multipartparser import MultiPartParserError
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
 
+from controlplane.text import storable
 from endpoints.batches import idempotency, services, storage, uploads
 from endpoints.batches.models import Batch, File
-from endpoints.batches.text import storable
 from endpoints.gateway import auth, errors
 from endpoints.gateway.auth import Caller
 from endpoints.gateway.ratelimit_headers import RateLimitReport

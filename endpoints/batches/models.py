@@ -10,7 +10,7 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from endpoints.batches.text import storable
+from controlplane.text import storable
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 # An upload whose row is older than this and still not stored died with its process: swept by the batch tick

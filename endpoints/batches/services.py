@@ -35,6 +35,7 @@ from controlplane.accounts.models import ApiKey, Membership, Organization, Role,
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
+from controlplane.text import storable
 from controlplane.worker_threads import on_database_thread, run_briefly
 from endpoints.adapters import parse_model_name
 from endpoints.batches import idempotency, renewal, runner, scheduling, storage
@@ -50,7 +51,6 @@ from endpoints.batches.models import (
     FilePurpose,
     new_file_id,
 )
-from endpoints.batches.text import storable
 from endpoints.batches.validation import Line, LineError, first_model, parse_lines, read_lines
 from endpoints.events import record_event_once
 from endpoints.gateway import embeddings, errors

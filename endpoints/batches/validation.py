@@ -16,8 +16,8 @@ import re
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
+from controlplane.text import is_plain, shown
 from endpoints.adapters import split_model_name
-from endpoints.batches.text import is_plain, shown
 from endpoints.gateway import errors as gateway_errors
 from endpoints.gateway.request import (
     MAX_BODY_BYTES,
@@ -29,6 +29,7 @@ from endpoints.gateway.request import (
 
 MAX_ERRORS = 100  # errors reported per batch; the rest of a bad file is not listed
 MAX_CUSTOM_ID = 512
+MAX_ERROR_TEXT = 1_000  # characters of an error's message or param kept: a batch keeps up to MAX_ERRORS of them
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,9 +47,15 @@ class LineError:
     param: str | None = None
 
     def as_openai(self) -> dict:
-        """OpenAI's error entry, its text escaped (`text.shown`): it is kept in PostgreSQL's jsonb."""
-        return {"code": shown(self.code), "message": shown(self.message),
-                "param": shown(self.param) if self.param is not None else None, "line": self.line}
+        """OpenAI's error entry, its text escaped (`text.shown`) and cut to `MAX_ERROR_TEXT`: it is kept in
+        PostgreSQL's jsonb and returned with the batch, so no text a line quotes may grow it."""
+        return {"code": shown(self.code), "message": _bounded(self.message),
+                "param": _bounded(self.param) if self.param is not None else None, "line": self.line}
+
+
+def _bounded(text: str) -> str:
+    shown_text = shown(text)
+    return shown_text if len(shown_text) <= MAX_ERROR_TEXT else shown_text[:MAX_ERROR_TEXT - 1] + "…"
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,13 +23,13 @@ from http.cookies import SimpleCookie
 
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
-from django.contrib.sessions.backends.db import SessionStore
 from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _does_token_match
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
 from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
+from controlplane.accounts.sessions import SessionStore
 from controlplane.accounts.tenancy import NoLongerMember, NotChosen, chosen_membership
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from controlplane.hot_settings import hot

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from controlplane import lone_surrogates
 from endpoints.gateway import content_parts, embeddings, errors, estimate, fields, media_uuids, responses, sse
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -92,14 +93,11 @@ _INT64_DIGITS = b"0" * 19  # 2**63 has 19 digits: an integer with fewer fits in 
 
 # A `\uXXXX` escape of a surrogate (U+D800 to U+DFFF), in either case: the one way a JSON body (valid UTF-8) holds one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-# An object key a `param` names (`metadata.job`); past another (free text), the param names the object holding it.
-_PARAM_KEY = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
 
 def _decoded(body: bytes) -> tuple[object, bool]:
     """The body's JSON, exactly as `_decoder` decodes it: the same value or the same refusal; and whether it may hold a
-    lone surrogate (`_lone_surrogate_param` says where).
+    lone surrogate (`lone_surrogates.param_of_lone_surrogate` says where).
 
     NOTE: msgspec's C decoder first, a quarter of `_decoder`'s time with its Python hooks (round 25 of
     `bench/results/gateway_profile.md`). Where the two differ, msgspec refuses: NaN, Infinity, a float past
@@ -114,63 +112,6 @@ def _decoded(body: bytes) -> tuple[object, bool]:
             pass
     payload = _decoder.decode(body.decode("utf-8"))
     return payload, _SURROGATE_ESCAPE.search(body) is not None
-
-
-def _lone_surrogate_param(payload: dict) -> str | None:
-    """Where `payload` (within `MAX_DEPTH`) holds a lone surrogate, as `_lone_surrogate_at` names it, or None.
-
-    NOTE: msgspec's encoder (C) first: it refuses a lone surrogate, and only one, so the walk (Python, a step an
-    element) runs only for a body that really holds one. An escaped backslash before `ud800` (no surrogate) in 720 KB
-    of `[]`, `[]`, … had the walk add 1.3 s of the event loop to the json module's 0.57 s."""
-    try:
-        _encoder.encode(payload)
-    except UnicodeEncodeError:
-        return _lone_surrogate_at(payload)
-    return None
-
-
-def _lone_surrogate_at(value) -> str | None:
-    """Where in `value` (decoded by the json module, which joins a valid pair into one character: any surrogate left in
-    a string is a lone one) the first string or object key holding a lone surrogate is, as a `param`
-    (`messages[0].content`, `metadata.job`; "" for a key of the body itself), or None.
-
-    NOTE: a lone surrogate is not text: vLLM generated a whole Responses answer for a body with one in `metadata` or
-    `user`, then failed to write the answer that echoes them (a 400: billed nothing), and answered 500 for one in
-    `stop` (the gateway took its replica for failed); PostgreSQL refuses one in a usage row or an error."""
-    # NOTE: each item stacked with its place, a link to its parent's (`_param_of`), the param's text made only for the
-    # one found: nested 64-character keys 800 deep over 30,000 items, each item's param built as it was stacked, took
-    # 1.5 GB and 1.7 s of the event loop for a 115 KB body.
-    stack: list[tuple[object, tuple | None, bool]] = [(value, None, True)]  # a value, its place, whether named
-    while stack:
-        item, place, named = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii() and _SURROGATE.search(item) is not None:
-                return _param_of(place)
-        elif isinstance(item, dict):
-            children = []
-            for key, child in item.items():
-                if not key.isascii() and _SURROGATE.search(key) is not None:
-                    return _param_of(place)
-                nameable = named and _PARAM_KEY.fullmatch(key) is not None
-                children.append((child, (place, key) if nameable else place, nameable))
-            stack.extend(reversed(children))  # NOTE: in the body's order: the first one is named
-        elif isinstance(item, list):
-            stack.extend((item[index], (place, index) if named else place, named)
-                         for index in range(len(item) - 1, -1, -1))
-    return None
-
-
-def _param_of(place: tuple | None) -> str:
-    """`place` (an item's parent's place, None for the body, and its key or index there) as a `param`
-    (`messages[0].content`; "" for the body itself)."""
-    steps: list[str | int] = []
-    while place is not None:
-        place, step = place
-        steps.append(step)
-    param = ""
-    for step in reversed(steps):
-        param = f"{param}[{step}]" if isinstance(step, int) else f"{param}.{step}" if param else step
-    return param
 
 
 def _encoded(payload: dict) -> bytes:
@@ -204,7 +145,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
     if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _depth(payload) > MAX_DEPTH:
         raise errors.invalid_request(f"The JSON body of your request is nested more than {MAX_DEPTH} levels deep.")
     # NOTE: after the depth's check, which bounds the walk's stack and each param's length
-    if may_hold_lone_surrogate and (param := _lone_surrogate_param(payload)) is not None:
+    if may_hold_lone_surrogate and (param := lone_surrogates.param_of_lone_surrogate(payload)) is not None:
         where = f"'{param}'" if param else "a field name of the body"
         raise errors.invalid_request(f"Invalid value for {where}: it holds a lone surrogate (an escape from \\ud800 to "
                                      "\\udfff without its pair), which is not text.", param=param or None,
@@ -641,7 +582,8 @@ def _logit_bias(value, param: str) -> None:
         raise _out_of_range(param, f"at most {MAX_LOGIT_BIAS} tokens")
     for token, bias in value.items():
         if not _is_number(bias) or not -100 <= bias <= 100:
-            raise _out_of_range(f"{param}.{token}", "a number from -100 to 100")
+            # NOTE: a key is the caller's text of any length: named as an unknown field is (cut, escaped), not whole.
+            raise _out_of_range(f"{param}.{fields.printable(token)}", "a number from -100 to 100")
 
 
 def _check_list_of_objects(value, param: str) -> None:

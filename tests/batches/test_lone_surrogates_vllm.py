@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import UsageRecord
+from controlplane import lone_surrogates
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
-from endpoints.gateway import request
 from tests.conftest import wait_until
 from tests.gateway.conftest import ENGINE_KEY, ENGINE_NAME, serve_endpoint
 
@@ -171,7 +171,7 @@ def test_a_line_checked_before_lone_surrogates_were_refused_fails_as_it_runs_and
     client = tenant.client(gateway, timeout=120)
     batch = _batch(client, _rows(ASKED, ASKED | {"metadata": {"job": "\ud800"}}))
     with monkeypatch.context() as before:  # a batch checked by a gateway that let lone surrogates through
-        before.setattr(request, "_lone_surrogate_at", lambda payload: None, raising=False)
+        before.setattr(lone_surrogates, "lone_surrogate_at", lambda payload: None)
         services.validate_batch(Batch.objects.select_related("input_file").get(pk=batch.id))
     assert Batch.objects.get(pk=batch.id).status == BatchStatus.IN_PROGRESS
     generated_before = _generated(vllm_engine)

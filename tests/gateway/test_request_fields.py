@@ -84,6 +84,13 @@ def test_an_unprintable_field_name_is_quoted_escaped_in_the_refusal():
     assert refusal.message.isprintable()
 
 
+def test_a_logit_bias_key_is_named_cut_and_escaped_as_an_unknown_field_is():
+    refusal = _refusal(CHAT | {"logit_bias": {"\u0000" + "9" * 100_000: 1000}}, "chat")
+
+    assert refusal.param == "logit_bias.\\x00" + "9" * 63
+    assert len(refusal.message) < 200 and refusal.message.isprintable()
+
+
 @pytest.mark.parametrize("kind, body", [
     ("chat", CHAT | {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 1,
                      "stop_token_ids": [2], "skip_special_tokens": False, "cache_salt": "s", "documents": [],

@@ -12,6 +12,7 @@ import tracemalloc
 
 import pytest
 
+from controlplane import lone_surrogates
 from endpoints.gateway import request
 from endpoints.gateway.errors import OpenAIError
 from endpoints.gateway.request import InferenceRequest, parse_payload
@@ -234,7 +235,7 @@ def test_a_body_whose_bytes_only_look_like_a_lone_surrogate_is_not_walked(monkey
     def walked(payload):
         raise AssertionError("walked a body that holds no lone surrogate")
 
-    monkeypatch.setattr(request, "_lone_surrogate_at", walked)
+    monkeypatch.setattr(lone_surrogates, "lone_surrogate_at", walked)
     payload = parse_payload(
         _chat(b', "seed": 1234567890123456789, "user": "\\\\ud800", "stop": [' + b'"a", ' * 50 + b'"b"]'),
         "chat",

@@ -116,3 +116,15 @@ def test_a_real_session_refused_for_now_is_not_remembered(counted_lookups):
     assert asyncio.run(_status(session_id)) == 401  # not verified yet
     EmailVerification.objects.bulk_create(EmailVerification(**row) for row in verification)
     assert asyncio.run(_status(session_id)) == 200  # verified: the same session works at once
+
+
+@pytest.mark.parametrize("session_id", ['"\\000aaaaaaaaaaaaaaaa"', '"\\000' + "a" * 31 + '"', "A" * 32, "a" * 31],
+                         ids=["escaped_nul", "escaped_nul_32", "upper_case", "short"])
+def test_a_session_id_django_never_issues_is_a_401_remembered_as_refused(counted_lookups, session_id):
+    """A quoted cookie's octal escape unquotes to a NUL, which PostgreSQL refuses (a 500 before): such an id is
+    refused before any query, and sent again costs no lookup, as any unknown id."""
+    async def scenario():
+        return [await _status(session_id) for _ in range(3)]
+
+    assert asyncio.run(scenario()) == [401] * 3
+    assert counted_lookups["calls"] == 1

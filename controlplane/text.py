@@ -4,7 +4,8 @@ metadata, and the error messages that quote a batch line.
 PostgreSQL refuses NUL in `text` and `\\u0000` in `jsonb`, and a lone surrogate (JSON may carry
 `"\\ud800"`) is not UTF-8: either is a `DataError` (or an encoding error) when written or compared, a
 500 on an API call and, in a worker, a batch retried for ever. Such text is refused where it comes in
-(`storable`) and escaped wherever it is quoted back (`shown`).
+(`storable`) and escaped wherever it is quoted back (`shown`), as it is in a log line (`controlplane.access_log`: a
+path's `%0a` wrote forged lines).
 """
 
 from __future__ import annotations
