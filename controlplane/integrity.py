@@ -23,7 +23,7 @@ class RowLockedUpdateMixin:
     def filter_queryset(self, queryset):  # NOTE: what `get_object` reads through, and viewsets leave as it is
         queryset = super().filter_queryset(queryset)
         if self.request is not None and self.request.method in ("PUT", "PATCH"):
-            return queryset.select_for_update(of=("self",))
+            return queryset.select_for_update(of=("self",), no_key=True)  # NOTE: no key changes (`update_endpoint`)
         return queryset
 
 

@@ -76,7 +76,7 @@ ENDPOINT_NAMED_AS_ADAPTER = "This endpoint has an adapter with this name: its en
 @transaction.atomic
 def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
     # NOTE: the count and the name, checked again under the endpoint's lock: both may have changed since the serializer
-    Endpoint.objects.select_for_update().filter(pk=endpoint.pk).first()
+    Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint.pk).first()
     if Adapter.objects.filter(endpoint=endpoint).count() >= MAX_ADAPTERS:
         raise ValidationError({"endpoint": [TOO_MANY_ADAPTERS]})
     hold_credential(spec.get("credential"))

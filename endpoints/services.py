@@ -48,7 +48,10 @@ def _prices_of(gpu_type: str) -> dict:
 
 @transaction.atomic
 def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
-    endpoint = Endpoint.objects.select_for_update().get(pk=endpoint.pk)
+    # NOTE: `FOR NO KEY UPDATE`, as every lock on an endpoint's row (`replicas.fail_replica_and_count`): a plain one
+    # blocks the `FOR KEY SHARE` a heartbeat's restart event takes at its commit while it holds a replica's row, which
+    # `drain_replicas` below then waits on (a deadlock, the edit its victim).
+    endpoint = Endpoint.objects.select_for_update(no_key=True).get(pk=endpoint.pk)
     changed = {name: value for name, value in changes.items() if getattr(endpoint, name) != value}
     if not changed:
         return endpoint
@@ -92,7 +95,7 @@ def set_prices(actor: Actor, priced: Endpoint | Adapter, **prices) -> dict[str, 
     NOTE: the admin saved them as a plain form: a customer's prices changed with no audit event and nothing on the
     endpoint's log. The gateway reads them anew within `directory.ENDPOINT_CACHE_S`."""
     model = type(priced)
-    row = model.objects.select_for_update().get(pk=priced.pk)
+    row = model.objects.select_for_update(no_key=True).get(pk=priced.pk)
     changes = {}
     for name, value in prices.items():
         places = model._meta.get_field(name).decimal_places

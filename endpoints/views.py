@@ -163,7 +163,7 @@ def endpoint_edit(request, pk):
         return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
     with transaction.atomic():  # NOTE: checked against the row as it is (`integrity.RowLockedUpdateMixin`)
         return _save_endpoint_edit(request, get_object_or_404(_endpoints(request.organization).select_for_update(
-            of=("self",)), pk=pk))
+            of=("self",), no_key=True), pk=pk))
 
 
 def _save_endpoint_edit(request, endpoint):

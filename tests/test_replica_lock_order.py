@@ -16,10 +16,11 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane import tasks as controlplane_tasks
-from endpoints import autoscaler, scheduler
+from controlplane.accounts.services import Actor
+from endpoints import autoscaler, scheduler, services
 from endpoints import replicas as replicas_module
 from endpoints.autoscaler import Load
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
@@ -181,4 +182,50 @@ def test_a_reconciles_scale_down_and_the_sweep_taking_its_node_offline_do_not_de
     assert go.is_set()
     replica.refresh_from_db()
     print(replica.state, errors)
+    assert errors == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engine_restarting_edit_and_a_heartbeat_reporting_a_restart_do_not_deadlock(monkeypatch):
+    """Before: the edit (`services.update_endpoint`, a plain FOR UPDATE on the endpoint, then `drain_replicas`) was the
+    deadlock's victim: a 500 to the user fixing a crash-looping engine, and the change not saved."""
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=2)
+    node = make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY,
+                                     address="http://127.0.0.1:20001", ready_at=timezone.now())
+    real_record_event, go = replicas_module.record_event, threading.Event()
+
+    def record_event(*args, **kwargs):  # the heartbeat's restart event: the replica's row is locked
+        real_record_event(*args, **kwargs)
+        go.set()
+        time.sleep(1.0)  # the user's edit is saved meanwhile
+
+    monkeypatch.setattr(replicas_module, "record_event", record_event)
+    errors = {}
+
+    def run(name, work):
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def heartbeat():
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                 address="http://127.0.0.1:20001", num_restarts=1,
+                                                 failure_reason="CUDA error: out of memory"))
+
+    def edit():
+        go.wait(10)
+        services.update_endpoint(Actor(), Endpoint.objects.get(pk=endpoint.pk), max_num_seqs=32)
+
+    threads = [threading.Thread(target=run, args=("heartbeat", heartbeat)),
+               threading.Thread(target=run, args=("edit", edit))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert go.is_set()
     assert errors == {}
