@@ -9,6 +9,7 @@ run's other lines in flight (their reservations, which their ends give back) fai
 
 from __future__ import annotations
 
+import asyncio
 import json
 from decimal import Decimal
 
@@ -18,8 +19,9 @@ from django.db.models import Sum
 from billing.models import UsageRecord
 from billing.services import set_spend_cap
 from controlplane.accounts.services import SYSTEM
-from endpoints.batches import services, storage
+from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
+from endpoints.gateway import errors
 from endpoints.gateway.estimate import worst_case
 from tests.batches.conftest import new_batch
 from tests.gateway.conftest import serve_endpoint
@@ -100,11 +102,6 @@ def test_a_line_whose_try_alone_met_a_503_is_not_failed_402_for_the_reservations
         files_bucket, tenant, start_mock_upstream, monkeypatch):
     """Its try alone met a transient refusal (a drained replica's 503), so it ran beside other lines again and was
     refused 402 for their reservations: that try alone was not spent, and it waits to run alone once more."""
-    import asyncio
-
-    from endpoints.batches import runner
-    from endpoints.gateway import errors
-
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=150), price_input_per_million=PRICE,
                               price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
     bodies = [{"model": endpoint.name, "messages": [{"role": "user", "content": f"{i} " + "word " * 300}],
