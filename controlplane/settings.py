@@ -271,7 +271,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": [
         "controlplane.parsers.JSONParser",
         "controlplane.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
+        "controlplane.parsers.MultiPartParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,

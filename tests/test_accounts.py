@@ -1,7 +1,11 @@
+import smtplib
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.core import mail
+from django.core.mail.backends.base import BaseEmailBackend
+from django.test import override_settings
 
 from controlplane.accounts.models import Membership
 from controlplane.accounts.signup import mark_email_verified
@@ -110,3 +114,30 @@ def test_a_password_reset_mails_the_address_whether_it_has_an_account_or_not(cli
     assert num_mailed == [1, 1]
     no_account = mail.outbox[-1]
     assert no_account.to == ["nobody@victim.test"] and "/signup/" in no_account.body and "/reset/" not in no_account.body
+
+
+class _RelayDown(BaseEmailBackend):
+    def send_messages(self, messages):
+        raise smtplib.SMTPServerDisconnected("relay down")
+
+
+@override_settings(EMAIL_BACKEND="tests.test_accounts._RelayDown")
+def test_a_password_reset_is_answered_the_same_whether_or_not_an_account_has_the_address_while_mail_fails(client):
+    """Django's own reset mail logs a failure to send; the no-account mail raised it: with the relay down, an address
+    without an account was a 500 and one with an account a redirect (who has one)."""
+    client.raise_request_exception = False
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+
+    answers = [client.post("/password-reset/", {"email": email}) for email in ("ceo@victim.test", "nobody@victim.test")]
+
+    assert [(response.status_code, response.get("Location")) for response in answers] == [(302, "/password-reset/done/")] * 2
+
+
+def test_a_password_reset_for_an_address_whose_host_cannot_be_encoded_is_not_a_500(client):
+    """Django's `EmailValidator` takes a label of 60 non-ASCII letters, which IDNA cannot encode (past 63 bytes): the
+    no-account mail's `UnicodeError` was a 500, no outage needed."""
+    client.raise_request_exception = False
+
+    response = client.post("/password-reset/", {"email": "a@" + "é" * 60 + ".test"})
+
+    assert (response.status_code, response.get("Location")) == (302, "/password-reset/done/")

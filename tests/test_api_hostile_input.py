@@ -277,3 +277,17 @@ def test_a_lone_surrogate_in_a_body_is_a_400_naming_where_it_is(owner_client, se
     assert response.status_code == 400, response.status_code
     assert list(response.json()) == [field]
     assert "lone surrogate" in response.json()[field][0]
+
+
+def test_a_multipart_body_in_a_charset_that_cannot_decode_it_is_a_400(owner_client, settings):
+    """Django's multipart parser decodes each field with `errors="replace"`, which the punycode codec does not heed:
+    its `DjangoUnicodeDecodeError` was a 500."""
+    settings.DEBUG = False
+    owner_client.raise_request_exception = False
+    body = (b'--XyZ\r\nContent-Disposition: form-data; name="name"\r\n\r\n\xff\xfe\r\n--XyZ--\r\n')
+
+    response = owner_client.generic("POST", "/api/v1/keys/", body,
+                                    content_type="multipart/form-data; boundary=XyZ; charset=punycode")
+
+    assert response.status_code == 400
+    assert "charset" in response.json()["detail"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from unittest import mock
 
 import pytest
 import redis
@@ -212,6 +213,32 @@ def test_an_address_gets_a_few_account_mails_a_day_whoever_asks(client):
     assert client.login(username="new@example.test", password="a long passphrase")
     page = client.post(reverse("verify-email-resend"), follow=True).content.decode()
     assert "as many links as we send an address in a day" in page and len(mail.outbox) == num_links + num_exists
+
+
+def test_a_stranger_gets_a_few_password_reset_mails_a_day_from_one_client_whatever_the_sub_address(client):
+    """The reset form mails an address without an account that it has none: before, only the form's limit (3 an hour
+    per address) bounded it, 72 mails a day to a stranger from one client address, and each `+tag` a fresh 72."""
+    base = clock.redis_now()
+    for hour in range(24):
+        with mock.patch.object(clock, "redis_now", return_value=base + hour * 3600 + 1):
+            for tag in ("", "+1", "+2"):
+                client.post(reverse("password_reset"), {"email": f"stranger{tag}@elsewhere.test"})
+
+    allowed = _limit(throttle.PASSWORD_RESET_MAILS, "email").num_attempts
+    assert allowed < 24 * 3 and len(mail.outbox) <= 2 * allowed  # a day's window may begin within these 24 hours
+
+
+def test_an_address_past_its_reset_mails_is_answered_alike_with_an_account_or_without(client, victim):
+    """One budget for the link and the no-account mail, asked before which is known: past it neither is mailed (a
+    budget for the no-account mail alone answered it at once, and the link after its mail: who has an account)."""
+    allowed = _limit(throttle.PASSWORD_RESET_MAILS, "email").num_attempts
+    for email in (victim.email, "nobody@elsewhere.test"):
+        for _ in range(allowed):
+            assert throttle.take(throttle.PASSWORD_RESET_MAILS, {"email": email}).retry_after_s is None
+    before = len(mail.outbox)
+    answers = [client.post(reverse("password_reset"), {"email": email}, REMOTE_ADDR=f"10.4.0.{n}")
+               for n, email in enumerate((victim.email, "nobody+tag@elsewhere.test"))]
+    assert [response.status_code for response in answers] == [302, 302] and len(mail.outbox) == before
 
 
 def test_sign_ups_with_an_owners_address_leave_them_their_verification_links(client):

@@ -13,15 +13,18 @@ from django.utils import timezone
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.signup import send_no_account_email
+from controlplane.accounts.signup import may_mail_password_reset, send_no_account_email
 
 
 class PasswordResetForm(auth_forms.PasswordResetForm):
     """Django's, which mails an address with an account its link, and mails an address without one that it has none
-    (`signup.send_no_account_email`): each is answered after one mail, so the form's time tells nobody which."""
+    (`signup.send_no_account_email`): each is answered after one mail, so the form's time tells nobody which; and
+    neither once the address's mails for the day are spent (`signup.may_mail_password_reset`)."""
 
     def save(self, **kwargs):
         email = self.cleaned_data["email"]
+        if not may_mail_password_reset(email):
+            return
         if next(iter(self.get_users(email)), None) is None:
             send_no_account_email(email)
             return

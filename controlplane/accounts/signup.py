@@ -4,6 +4,7 @@ tests' one-shot bootstrap."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +34,7 @@ from controlplane.accounts.models import (
 from controlplane.accounts.services import SYSTEM, Actor, create_organization, record_audit
 
 User = get_user_model()
+logger = logging.getLogger(__name__)
 
 
 def sign_up_user(*, email: str, password: str, organization_name: str, source_ip: str | None = None):
@@ -84,16 +86,28 @@ def send_account_exists_email(email: str) -> bool:
     return True
 
 
+def may_mail_password_reset(email: str) -> bool:
+    """Whether the reset form may mail `email` once more today, its link or that it has no account
+    (`throttle.PASSWORD_RESET_MAILS`, per mailbox); asked before it is known which, so the answer is the same."""
+    return _may_mail(throttle.PASSWORD_RESET_MAILS, throttle.mailbox(email))
+
+
 def send_no_account_email(email: str) -> None:
     """Tells an address a password reset was asked for that no account (able to log in) has it.
 
     NOTE: so the reset form's time tells nobody who has an account, as sign-up's does not: an address with one is
-    mailed its link within the request (SMTP's round trips), and one without was answered at once. The reset form's
-    throttle (3 an hour per address) bounds these as it bounds the links."""
+    mailed its link within the request (SMTP's round trips), and one without was answered at once. The reset form
+    asks `may_mail_password_reset` first, for either mail.
+    NOTE: a mail that cannot be sent (the relay down or refusing it, an address Django takes whose host IDNA cannot
+    encode) is logged, as Django's `PasswordResetForm.send_mail` logs a link's: raised, it was a 500 to an address
+    without an account and a redirect to one with (who has one), and a 500 to anyone for such an address."""
     body = render_to_string("registration/no_account_email.txt", {
         "email": email, "signup": settings.PUBLIC_URL + reverse("signup"),
     })
-    send_mail("Password reset for Inferplane", body, None, [email])
+    try:
+        send_mail("Password reset for Inferplane", body, None, [email])
+    except Exception:
+        logger.exception("Failed to send a password reset's no-account email")
 
 
 VERIFY_EMAIL_SALT = "inferplane.verify-email"

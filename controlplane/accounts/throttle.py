@@ -72,6 +72,12 @@ INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-user
 # the latter, and spent the owner's verification links for the day when they shared one.
 VERIFICATION_MAILS = (Limit("verification-mail-email", "email", 10, 86_400),)
 ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
+# NOTE: the reset form mails an address its link, or, with no account, that it has none (`signup.send_no_account_email`):
+# the form's own limit (3 an hour per address) let one client address mail a stranger 72 times a day. One budget for
+# both mails, taken before it is known which: an address past it is answered the same, with no mail, whether it has
+# an account or not (a budget for the second alone answered it at once, the first after its mail: who has one).
+# Counted per mailbox (`mailbox`): `victim+1@` and `victim+2@` had a budget each.
+PASSWORD_RESET_MAILS = (Limit("reset-mail-email", "email", 5, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.
@@ -96,6 +102,15 @@ def folded(subject: str) -> str:
     """One form for every spelling that names the same account: Django's log-in form applies NFKC
     (fullwidth "ｖ" is "v"), and PostgreSQL's case-insensitive match compares upper case ("ı" is "I")."""
     return unicodedata.normalize("NFKC", subject).strip().upper().lower()
+
+
+def mailbox(email: str) -> str:
+    """`email` without a sub-address (`name+tag@host`: `name@host`), the mailbox most hosts deliver it to: a per-address
+    budget of mail it gets without asking counted this, or each `+tag` was a fresh budget. NOTE: dots are not folded
+    (one host ignores them, others deliver `a.b@` and `ab@` to two people); a host that reads `+` otherwise only shares
+    a budget between two of its mailboxes."""
+    local, at, host = email.rpartition("@")
+    return f"{local.partition('+')[0]}{at}{host}" if at else email
 
 
 def _redis_key(limit: Limit, subject: str, window: int) -> str:

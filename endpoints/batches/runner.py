@@ -714,6 +714,9 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     else:
                         not_before = time.monotonic() + engine_failure_pause_s(num_failures)
                 if outcome.retry:
+                    # NOTE: its try alone is spent only by a 402 (above, or failed below): one that met a transient
+                    # refusal (a 503, a 429) is not, and its next 402 beside other lines waits to run alone again
+                    tried_alone.discard(line.index)
                     answer.release()
                     progress.refused()
                     pending.again(line, not_before=not_before)
