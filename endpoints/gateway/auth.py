@@ -47,6 +47,9 @@ MAX_SESSION_LOOKUPS = 4
 # NOTE: only an id that names no logged-in session is remembered: login always issues a new id, so such an id
 # never becomes valid. A real session refused for now (its e-mail not yet verified, no organisation yet) is not.
 REFUSED_SESSIONS_FOR_S = 60.0
+# The header naming the organisation the playground's page was shown for (`static/js/playground.js`); read on the
+# session path alone, so an API key's call costs nothing more.
+PAGE_ORGANIZATION_HEADER = "x-inferplane-organization"
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,6 +191,12 @@ async def authenticate(headers: dict[str, str]) -> Caller:
         caller = await caller_from_session(headers)
         if caller is None:
             raise errors.invalid_api_key("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
+        # NOTE: the switcher writes the session's organisation: a playground left open on A's page, sent from after a
+        # switch to B in another tab, ran (and was billed) in B, or on B's endpoint of the same name. A call naming
+        # none (curl with a session, a page cached from before) acts in the session's organisation as before.
+        shown_for = headers.get(PAGE_ORGANIZATION_HEADER)
+        if shown_for is not None and shown_for != str(caller.organization_id):
+            raise errors.page_organization_switched()
     if not caller.can_infer:
         raise errors.missing_scope()
     # NOTE: inference spends money and a viewer is read-only: a viewer's keys (and playground)

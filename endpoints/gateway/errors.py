@@ -75,6 +75,15 @@ def no_longer_member(message: str) -> OpenAIError:
     return OpenAIError(403, message, type="permission_error", code="insufficient_permissions")
 
 
+def page_organization_switched() -> OpenAIError:
+    """A playground call from a page shown for another organisation than the one its session now acts in (switched
+    in another tab): refused before its body is read, so nothing is run, reserved or charged. `x-should-retry:
+    false`: sending it again cannot succeed; reloading the page can."""
+    return OpenAIError(409, "This playground was opened for another organisation than the one this session now acts "
+                            "in (switched in another tab). Reload the page. Nothing was run or charged.",
+                       code="organization_switched", headers={"x-should-retry": "false"})
+
+
 def model_not_found(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", param="model", code="model_not_found")
 

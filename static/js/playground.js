@@ -11,6 +11,12 @@
   const prices = {
     input: Number(root.dataset.priceInput), cached: Number(root.dataset.priceCached), output: Number(root.dataset.priceOutput),
   };
+  // The organisation this page was shown for: the gateway refuses the call once the session has switched to another
+  // (in another tab), rather than run it there.
+  const headers = () => ({
+    "Content-Type": "application/json", "X-CSRFToken": window.inferplaneCsrfToken(),
+    "X-Inferplane-Organization": root.dataset.organization,
+  });
   let messages = [];
   let controller = null;
 
@@ -66,7 +72,7 @@
     try {
       const response = await fetch(root.dataset.url, {
         method: "POST", credentials: "same-origin", signal: controller.signal,
-        headers: { "Content-Type": "application/json", "X-CSRFToken": window.inferplaneCsrfToken() },
+        headers: headers(),
         body: JSON.stringify({
           model: root.dataset.model, messages, stream: true, stream_options: { include_usage: true },
           max_tokens: Number(form.max_tokens.value) || 128,
@@ -136,7 +142,7 @@
     try {
       const response = await fetch(root.dataset.url, {
         method: "POST", credentials: "same-origin", signal: controller.signal,
-        headers: { "Content-Type": "application/json", "X-CSRFToken": window.inferplaneCsrfToken() },
+        headers: headers(),
         body: JSON.stringify({ model: root.dataset.model, input: content, encoding_format: "float" }),
       });
       if (!response.ok) throw new Error(await errorText(response));

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from django.contrib.auth import get_user_model
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from billing.models import UsageRecord
@@ -29,7 +30,7 @@ from tests.conftest import (
 )
 from tests.console.conftest import screenshot
 from tests.console.test_browser_pages import copy_new_secret, log_in_staff, nav, press_and_confirm, sign_up
-from tests.factories import MembershipFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 NEEDED = [REPO_ROOT / "gpu_agent" / "runtime" / "cli.py"]
 GATEWAY = [REPO_ROOT / "endpoints" / "gateway.py", REPO_ROOT / "endpoints" / "gateway"]
@@ -114,6 +115,25 @@ def test_sign_up_deploy_chat_see_usage_and_drain(browser, platform, tiny_model_d
 
         row = wait_until(lambda: UsageRecord.objects.filter(endpoint=endpoint).first(), 30, message="the usage row")
         assert f"{row.prompt_tokens} prompt + {row.completion_tokens} completion tokens" in meta.inner_text()
+
+        # A second tab switches the session to another organisation: this tab's playground (shown for Journey Labs)
+        # then runs nothing, in neither (before: the call went to the other organisation, a 404 there or, on an
+        # endpoint of the same name, run and billed there).
+        other = OrganizationFactory(name="Other Labs")
+        MembershipFactory(organization=other, user=get_user_model().objects.get(email="journey@example.test"))
+        tab2 = context.new_page()
+        tab2.goto("/console/")
+        with tab2.expect_navigation():
+            tab2.get_by_label("Organisation").select_option(label="Other Labs")
+        page.get_by_label("Message").fill("And another")
+        page.get_by_role("button", name="Send").click()
+        refused = page.locator(".chat-assistant .chat-meta.error")
+        expect(refused).to_contain_text("opened for another organisation")
+        screenshot(page, "journey-1-playground-switched")
+        assert UsageRecord.objects.count() == 1
+        with tab2.expect_navigation():
+            tab2.get_by_label("Organisation").select_option(label="Journey Labs")
+        tab2.close()
 
         nav(page, "Usage")
         table = page.get_by_test_id("usage-table")
