@@ -213,7 +213,7 @@ def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = F
     otherwise wait on this one, and this one on the reconcile's endpoint. Endpoint rows are locked `FOR NO KEY UPDATE`
     (here, `record_replica_failure`, the reconcile): an event's or a replica's deferred foreign-key check at commit
     takes `FOR KEY SHARE` on its endpoint, which a plain `FOR UPDATE` held elsewhere blocks; and a heartbeat's report
-    (`apply_replica_report`) locks its replica's row alone, never its endpoint's. Each was a deadlock with a heartbeat
+    (`apply_replica_report`) locks its replica's row alone, or, one that fails it, its endpoint's first. Each was a deadlock with a heartbeat
     or the silent-node sweep (`tests/test_replica_lock_order.py`).
     """
     with transaction.atomic():
@@ -344,8 +344,23 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
     a final state is the control plane's, and nothing a node says of it afterwards (a restart, its reason, its load)
     reaches the replica's row or its endpoint's event log. `heartbeat` (boot id, sequence) is the numbered heartbeat
     that carries the report: it is taken only while that is still the node's last heartbeat taken.
+
+    NOTE: a report that fails its replica (FAILED, or an engine address refused) writes FAILED and counts the failure
+    against its endpoint (`record_replica_failure`) in one transaction, as `fail_replica_and_count` does. Counted after
+    the commit, a reconcile in between (the periodic pass, one a waiting call requests) saw no replica and no backoff
+    and placed a replacement at once (a review's finding). For such a report alone, its endpoint's row is locked
+    `FOR NO KEY UPDATE` first, then its replica's, the order every other writer of both takes: never the replica's then
+    the endpoint's (`tests/test_replica_lock_order.py`). Every other report locks its replica's row alone.
     """
+    refused_address = report.address and node.engine_address_problem(report.address)
     with transaction.atomic():
+        if report.state == ReplicaState.FAILED or refused_address:
+            # A replica's endpoint never changes: read unlocked, then locked before the replica's row.
+            endpoint_id = (Replica.objects.filter(pk=report.replica_id, node=node).exclude(state__in=FINAL_REPLICA_STATES)
+                           .values_list("endpoint_id", flat=True).first())
+            if endpoint_id is None:
+                return
+            Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id).values_list("pk", flat=True).first()
         replica = (
             Replica.objects.select_for_update(of=("self",)).select_related("endpoint").filter(pk=report.replica_id, node=node)
             .exclude(state__in=FINAL_REPLICA_STATES).first()
@@ -377,7 +392,6 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
                 fields[name] = getattr(report, name)
         if memory_changed:
             fields["engine_weights_mb"], fields["engine_kv_cache_mb"] = memory.weights_mb, memory.kv_cache_mb
-        refused_address = report.address and node.engine_address_problem(report.address)
         if report.address and not refused_address:
             fields["address"] = report.address
         if report.num_restarts > replica.num_restarts:
@@ -408,6 +422,8 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
             if new_state == ReplicaState.FAILED:
                 fields["failure_reason"] = report.failure_reason[-2000:] or "engine failed"
         Replica.objects.filter(pk=replica.pk).update(**fields)
+        if new_state != previous and new_state == ReplicaState.FAILED:
+            _announce_failure(replica, previous, report)
     if new_state == ReplicaState.READY and report.chat_template_tokens is not None:
         record_chat_template_tokens(replica.endpoint, report.chat_template_tokens, node_id=node.pk,
                                     replica_id=replica.pk)
@@ -416,7 +432,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
         if problem:
             record_event(replica.endpoint, EventKind.CAPACITY, f"Replica {str(replica.pk)[:8]}: {problem}"[:300],
                          replica=replica, **memory.to_dict())
-    if new_state != previous:
+    if new_state != previous and new_state != ReplicaState.FAILED:
         _announce_transition(replica, previous, new_state, report)
 
 
@@ -494,7 +510,18 @@ def memory_estimate_problem(endpoint: Endpoint, memory: protocol.EngineMemory) -
     return ""
 
 
+def _announce_failure(replica: Replica, previous: str, report: protocol.ReplicaStatus) -> None:
+    """A replica its agent's report failed: its event, its failure counted, its endpoint reconciled once that commits.
+    In `apply_replica_report`'s transaction, with the endpoint's row locked."""
+    reason = report.failure_reason or "engine failed"
+    record_event(replica.endpoint, EventKind.FAILURE, f"Replica {str(replica.pk)[:8]} failed: {reason[-200:]}",
+                 replica=replica, **{"from": previous, "to": ReplicaState.FAILED.value})
+    record_replica_failure(replica.endpoint_id, reason, permanent=report.failure_permanent)
+    request_reconcile(replica.endpoint_id)
+
+
 def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
+    """A replica's change of state other than to FAILED (`_announce_failure`): its event, and a READY's counts."""
     short = str(replica.pk)[:8]
     details = {"from": previous, "to": new_state}
     if new_state == ReplicaState.READY and replica.woken_at is not None and (
@@ -511,12 +538,6 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
         Endpoint.objects.filter(pk=replica.endpoint_id).update(last_cold_start_at=timezone.now())  # keep-warm counts from here
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
                      cold_start_s=round(seconds, 3), **details)
-    elif new_state == ReplicaState.FAILED:
-        record_event(replica.endpoint, EventKind.FAILURE, f"Replica {short} failed: {(report.failure_reason or 'engine failed')[-200:]}",
-                     replica=replica, **details)
-        record_replica_failure(replica.endpoint_id, report.failure_reason or "engine failed",
-                               permanent=report.failure_permanent)
-        request_reconcile(replica.endpoint_id)
     else:
         # NOTE: the agent's reason, if any (a replica that could not sleep says why it stopped instead).
         reason = {"reason": report.failure_reason[-300:]} if report.failure_reason and previous == ReplicaState.SLEEPING else {}

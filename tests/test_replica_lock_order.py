@@ -229,3 +229,92 @@ def test_an_engine_restarting_edit_and_a_heartbeat_reporting_a_restart_do_not_de
         thread.join(30)
     assert go.is_set()
     assert errors == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_reported_failure_is_counted_before_any_reconcile_can_replace_it(monkeypatch):
+    """Before: the report committed the replica FAILED and counted its failure only afterwards
+    (`_announce_transition`): a worker's reconcile in between (the periodic pass, a waiting call's request) saw no
+    replica and no backoff and placed a replacement at once (placed 1, `next_attempt_at` None). A review's finding."""
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=1)
+    node = make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    real_record_event, seen = replicas_module.record_event, {}
+
+    def a_workers_reconcile():  # its own connection, as a worker's
+        try:
+            scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, timezone.now().timestamp(), 0))
+            seen["placed"] = Replica.objects.filter(endpoint=endpoint).exclude(pk=replica.pk).count()
+        finally:
+            connection.close()
+
+    def record_event(endpoint_, kind, message, **kwargs):
+        real_record_event(endpoint_, kind, message, **kwargs)
+        if "failed:" in message and "placed" not in seen:  # the report's FAILED event: the replica written FAILED
+            worker = threading.Thread(target=a_workers_reconcile)
+            worker.start()
+            worker.join(10)
+
+    monkeypatch.setattr(replicas_module, "record_event", record_event)
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.FAILED,
+                                             failure_reason="RuntimeError: CUDA error: out of memory"))
+    endpoint.refresh_from_db()
+    assert endpoint.next_attempt_at is not None and endpoint.num_failures_since_ready == 1
+    assert seen == {"placed": 0}
+    assert Replica.objects.filter(endpoint=endpoint).exclude(pk=replica.pk).count() == 0
+
+
+@pytest.mark.parametrize("first", ["heartbeat", "reconcile", "edit"])
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_report_a_reconcile_and_an_engine_restarting_edit_do_not_deadlock(monkeypatch, first):
+    """A report that fails its replica locks its endpoint's row (FOR NO KEY UPDATE), then its replica's, and counts the
+    failure in that transaction: whichever of the three holds the endpoint's row first, the others wait or skip it."""
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1, max_replicas=2)
+    node = make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY,
+                                     address="http://127.0.0.1:20001", ready_at=timezone.now())
+    go = threading.Event()
+
+    def pausing(real, who):
+        def paused(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if who == first and not go.is_set():  # it holds the endpoint's row (and, the heartbeat, its replica's)
+                go.set()
+                time.sleep(0.5)  # the other two arrive meanwhile
+            return result
+        return paused
+
+    monkeypatch.setattr(replicas_module, "record_event", pausing(replicas_module.record_event, "heartbeat"))
+    monkeypatch.setattr(autoscaler, "decide", pausing(autoscaler.decide, "reconcile"))
+    monkeypatch.setattr(services, "drain_replicas", pausing(services.drain_replicas, "edit"))
+    errors = {}
+
+    def run(name, work):
+        try:
+            if name != first:
+                go.wait(10)
+            work()
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    work = {
+        "heartbeat": lambda: apply_replica_report(node, ReplicaStatus(
+            replica_id=str(replica.pk), state=ReplicaState.FAILED, address="http://127.0.0.1:20001",
+            failure_reason="RuntimeError: CUDA error: out of memory")),
+        "reconcile": lambda: scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 8, timezone.now().timestamp(), 8)),
+        "edit": lambda: services.update_endpoint(Actor(), Endpoint.objects.get(pk=endpoint.pk), max_num_seqs=32),
+    }
+    threads = [threading.Thread(target=run, args=(name, work[name])) for name in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert go.is_set()
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == {}
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.FAILED
