@@ -610,7 +610,12 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         # for failures with none serving. Counted, 8 of them failed the endpoint while its READY replica went on
         # serving (a review's finding), and later the first crash of that replica failed it, "none served", or its
         # hour of backoff held its start from zero. Identical or permanent ones still fail it.
-        num_failures = endpoint.num_failures_since_ready + int(not serving)
+        # NOTE: with a replica READY none failed since one was: counted on (a web pod of the release before 0032 added
+        # a scale-up's failure here; a READY not yet committed when another's crash was counted), every rule that reads
+        # "no failure since READY" (`Endpoint.scale_up_backing_off`, `after_scale_ups`) went off for good: a scaled-to-
+        # zero endpoint's calls were 503 for up to an hour, and identical scale-up failures then the serving replica's
+        # first crash failed it (a review's finding).
+        num_failures = 0 if serving else endpoint.num_failures_since_ready + 1
         num_scale_up_failures = num_scale_ups_before + int(serving)
         fields.update(num_failures_since_ready=num_failures, num_scale_up_failures=num_scale_up_failures)
         stopped_by = ("permanent" if permanent else "identical" if repeats >= settings.REPLICA_MAX_IDENTICAL_FAILURES
@@ -639,9 +644,17 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
 
 
 def record_replica_ready(endpoint_id) -> None:
-    """A replica served: earlier failures no longer predict the next one."""
-    Endpoint.objects.filter(pk=endpoint_id).filter(
-        Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(num_scale_up_failures__gt=0)
-        | Q(next_attempt_at__isnull=False)
-    ).update(num_identical_failures=0, num_failures_since_ready=0, num_scale_up_failures=0, last_failure_reason="",
-             next_attempt_at=None, status_message="")
+    """A replica served: earlier failures no longer predict the next one.
+
+    NOTE: the endpoint's row is locked first (`FOR NO KEY UPDATE`, as every writer of its counts): a failure being
+    counted meanwhile (`record_replica_failure`, which read no replica READY before this one's READY committed) is
+    waited for and then cleared. Without the lock this found no count to clear and took no lock, and that failure's
+    count, written after, stood beside a READY replica (a review's finding). Called after the READY's commit, never
+    under a replica's row lock."""
+    with transaction.atomic():
+        Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id).values_list("pk", flat=True).first()
+        Endpoint.objects.filter(pk=endpoint_id).filter(
+            Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(num_scale_up_failures__gt=0)
+            | Q(next_attempt_at__isnull=False)
+        ).update(num_identical_failures=0, num_failures_since_ready=0, num_scale_up_failures=0, last_failure_reason="",
+                 next_attempt_at=None, status_message="")

@@ -13,7 +13,12 @@ from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.gateway.directory import _endpoint_info
 from endpoints.models import Endpoint, Replica
-from endpoints.replicas import RECONCILE_TASK, max_failures_since_ready, record_replica_failure
+from endpoints.replicas import (
+    RECONCILE_TASK,
+    failure_signature,
+    max_failures_since_ready,
+    record_replica_failure,
+)
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_failed_endpoint_drains import VARIED_REASONS
@@ -186,3 +191,97 @@ def test_a_start_from_zero_that_times_out_is_counted_before_its_reconcile_runs(m
     assert reconciled and num_starting(endpoint) == 0
     endpoint.refresh_from_db()
     assert endpoint.num_failures_since_ready == 1 and endpoint.backing_off
+
+
+def _record_replica_failure_of_the_release_before_0032(endpoint_id, reason):
+    """33d666f5:endpoints/replicas.py:537-570 for a failure while a replica is READY (not stopped): it counts it in
+    `num_failures_since_ready` (+1) and knows nothing of `num_scale_up_failures`."""
+    endpoint = Endpoint.objects.get(pk=endpoint_id)
+    signature = failure_signature(reason)
+    repeats = endpoint.num_identical_failures + 1 if signature == endpoint.last_failure_reason else 1
+    num_failures = endpoint.num_failures_since_ready + 1
+    delay_s = min(settings.REPLICA_RETRY_BASE_S * 2 ** min(num_failures - 1, 20), 3600.0)
+    Endpoint.objects.filter(pk=endpoint_id).update(
+        num_identical_failures=repeats, num_failures_since_ready=num_failures, last_failure_reason=signature,
+        unplaced_replicas=0, waiting_for_capacity=False, next_attempt_at=timezone.now() + timedelta(seconds=delay_s),
+        status_message=f"replica failed ({reason}); retrying in {delay_s:.0f} s")
+
+
+@override_settings(REPLICA_RETRY_BASE_S=30)
+def test_a_start_from_zero_is_not_held_after_an_old_pod_counted_one_scale_up_failure():
+    """Before: the old pod's +1 stood beside the READY replica, `scale_up_backing_off` read False, and the call was a
+    503 `endpoint_backing_off` for the rest of the hour (a review of the release's rolling deploy)."""
+    endpoint, replica = serving()
+    _record_replica_failure_of_the_release_before_0032(endpoint.pk, "weights download failed: 503")  # rolling deploy
+    for n in range(7):  # after the deploy, the new code's scale-ups keep failing: their backoff reaches an hour
+        record_replica_failure(endpoint.pk, VARIED_REASONS[n % 3])
+    endpoint.refresh_from_db()
+    assert endpoint.num_failures_since_ready == 0 and endpoint.num_scale_up_failures == 7
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)  # idle: scaled to zero
+    info = _endpoint_info(Endpoint.objects.select_related("organization__plan").get(pk=endpoint.pk))
+    assert info.backing_off_until == 0, "a call gets 503 endpoint_backing_off for the rest of the hour"
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 1
+
+
+def test_the_serving_replicas_crash_after_identical_scale_ups_does_not_fail_it_after_an_old_pod_counted_one():
+    """Before: the endpoint was set FAILED by the serving replica's first crash (identical reasons carried over)."""
+    endpoint, replica = serving()
+    _record_replica_failure_of_the_release_before_0032(endpoint.pk, "weights download failed: 503")  # rolling deploy
+    for _ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES - 1):  # OOM-killed scale-ups, serving all along
+        record_replica_failure(endpoint.pk, "engine exited with code -9")
+    Endpoint.objects.filter(pk=endpoint.pk).update(next_attempt_at=timezone.now() - timedelta(days=20))
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.FAILED)
+    record_replica_failure(endpoint.pk, "engine exited with code -9")  # weeks later, the serving replica's first crash
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is None, endpoint.status_message
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_ready_committed_while_another_replicas_failure_is_being_counted_clears_that_count(monkeypatch):
+    """A failure counted with no replica READY (read just before another's READY committed) is cleared by that READY.
+
+    Before: `record_replica_ready` found no count to clear yet and took no lock, and the failure's count, written
+    after, stood beside the READY replica: every rule reading "no failure since READY" went off for good."""
+    import threading
+
+    from django.db import connection
+
+    from endpoints import replicas as replicas_module
+
+    endpoint, first = serving()
+    second = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.STARTING)
+    Replica.objects.filter(pk=first.pk).update(state=ReplicaState.FAILED)  # the one that served crashed
+    counting, go, real_signature = threading.Event(), threading.Event(), replicas_module.failure_signature
+
+    def failure_signature(reason):  # read after `serving`, inside the count's transaction
+        counting.set()
+        go.wait(10)
+        return real_signature(reason)
+
+    monkeypatch.setattr(replicas_module, "failure_signature", failure_signature)
+
+    def count_the_crash():
+        try:
+            record_replica_failure(endpoint.pk, "engine exited with code 1")
+        finally:
+            connection.close()
+
+    def second_ready():
+        try:
+            replicas_module.record_replica_ready(endpoint.pk)
+        finally:
+            connection.close()
+
+    counter = threading.Thread(target=count_the_crash)
+    counter.start()
+    assert counting.wait(10)
+    Replica.objects.filter(pk=second.pk).update(state=ReplicaState.READY)  # its heartbeat's READY commits
+    ready = threading.Thread(target=second_ready)
+    ready.start()
+    ready.join(0.5)
+    go.set()
+    counter.join(10)
+    ready.join(10)
+    endpoint.refresh_from_db()
+    assert (endpoint.num_failures_since_ready, endpoint.next_attempt_at) == (0, None)
