@@ -224,21 +224,40 @@ def test_a_stranger_gets_a_few_password_reset_mails_a_day_from_one_client_whatev
             for tag in ("", "+1", "+2"):
                 client.post(reverse("password_reset"), {"email": f"stranger{tag}@elsewhere.test"})
 
-    allowed = _limit(throttle.PASSWORD_RESET_MAILS, "email").num_attempts
+    allowed = _limit(throttle.NO_ACCOUNT_MAILS, "email").num_attempts
     assert allowed < 24 * 3 and len(mail.outbox) <= 2 * allowed  # a day's window may begin within these 24 hours
 
 
-def test_an_address_past_its_reset_mails_is_answered_alike_with_an_account_or_without(client, victim):
-    """One budget for the link and the no-account mail, asked before which is known: past it neither is mailed (a
-    budget for the no-account mail alone answered it at once, and the link after its mail: who has an account)."""
-    allowed = _limit(throttle.PASSWORD_RESET_MAILS, "email").num_attempts
+def test_a_stranger_cannot_keep_an_owner_from_their_reset_link():
+    """The link and the no-account mail shared one daily budget per mailbox (so that an address past it was answered
+    alike): 5 posts for `victim+0@`... `victim+4@` (no account: 5 "no account" mails) spent it, and the owner's own
+    reset mailed no link, with no sign of it, for as many days as the stranger kept it up."""
+    owner = UserFactory(username="victim@example.test")
+    MembershipFactory(user=owner, role=Role.OWNER)
+    attacker = Client()
+    for n in range(5):  # within reset-ip (10 an hour) and reset-email (3 an hour, per typed address)
+        assert attacker.post(reverse("password_reset"), {"email": f"victim+{n}@example.test"},
+                             REMOTE_ADDR="203.0.113.9").status_code == 302
+    assert len(mail.outbox) == 5 and not any("/reset/" in m.body for m in mail.outbox)
+
+    before = len(mail.outbox)
+    answer = Client().post(reverse("password_reset"), {"email": "victim@example.test"}, REMOTE_ADDR="198.51.100.1")
+    assert answer.status_code == 302
+    assert [m.to for m in mail.outbox[before:] if "/reset/" in m.body] == [["victim@example.test"]]
+
+
+def test_the_reset_form_answers_the_same_past_the_no_account_budget_with_an_account_or_without(client, victim):
+    """Past an address's no-account mails it is mailed nothing; an owner still gets their link; both are answered
+    alike, at once (the mail is a worker's: the form only queues it)."""
+    allowed = _limit(throttle.NO_ACCOUNT_MAILS, "email").num_attempts
     for email in (victim.email, "nobody@elsewhere.test"):
         for _ in range(allowed):
-            assert throttle.take(throttle.PASSWORD_RESET_MAILS, {"email": email}).retry_after_s is None
+            assert throttle.take(throttle.NO_ACCOUNT_MAILS, {"email": email}).retry_after_s is None
     before = len(mail.outbox)
     answers = [client.post(reverse("password_reset"), {"email": email}, REMOTE_ADDR=f"10.4.0.{n}")
                for n, email in enumerate((victim.email, "nobody+tag@elsewhere.test"))]
-    assert [response.status_code for response in answers] == [302, 302] and len(mail.outbox) == before
+    assert [(r.status_code, r["Location"]) for r in answers] == [(302, reverse("password_reset_done"))] * 2
+    assert [m.to for m in mail.outbox[before:]] == [[victim.email]] and "/reset/" in mail.outbox[-1].body
 
 
 def test_sign_ups_with_an_owners_address_leave_them_their_verification_links(client):

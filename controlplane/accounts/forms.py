@@ -1,5 +1,6 @@
 """Console forms. Where an API serializer holds the rules, the form only renders and shows its errors."""
 
+import logging
 import unicodedata
 from datetime import timedelta
 
@@ -7,28 +8,34 @@ from django import forms
 from django.conf import settings
 from django.contrib.auth import forms as auth_forms
 from django.contrib.auth import get_user_model, password_validation
+from django.contrib.sites.shortcuts import get_current_site
 from django.forms.utils import ErrorDict
 from django.http import QueryDict
 from django.utils import timezone
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.models import Role, Scope
-from controlplane.accounts.signup import may_mail_password_reset, send_no_account_email
+from controlplane.accounts.tasks import send_password_reset_mail
+
+logger = logging.getLogger(__name__)
 
 
 class PasswordResetForm(auth_forms.PasswordResetForm):
-    """Django's, which mails an address with an account its link, and mails an address without one that it has none
-    (`signup.send_no_account_email`): each is answered after one mail, so the form's time tells nobody which; and
-    neither once the address's mails for the day are spent (`signup.may_mail_password_reset`)."""
+    """Django's, whose mail a worker sends (`accounts.tasks.send_password_reset_mail`): an address with an account
+    its link, one without that it has none (`signup.mail_password_reset`). The form only queues it, so it answers
+    at once, the same, whichever it is and whatever the mail does.
 
-    def save(self, **kwargs):
-        email = self.cleaned_data["email"]
-        if not may_mail_password_reset(email):
-            return
-        if next(iter(self.get_users(email)), None) is None:
-            send_no_account_email(email)
-            return
-        super().save(**kwargs)
+    NOTE: a message the broker refuses (Redis down) is logged, not raised: the answer stays the same."""
+
+    def save(self, domain_override=None, use_https=False, request=None, **kwargs):
+        domain = domain_override or get_current_site(request).domain
+        try:
+            send_password_reset_mail.apply_async(
+                kwargs={"email": self.cleaned_data["email"], "domain": domain, "use_https": use_https},
+                ignore_result=True,
+            )
+        except Exception:
+            logger.exception("Failed to queue a password reset's mail")
 
 
 class SignUpForm(forms.Form):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import forms as auth_forms
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core import signing
@@ -86,21 +87,35 @@ def send_account_exists_email(email: str) -> bool:
     return True
 
 
-def may_mail_password_reset(email: str) -> bool:
-    """Whether the reset form may mail `email` once more today, its link or that it has no account
-    (`throttle.PASSWORD_RESET_MAILS`, per mailbox); asked before it is known which, so the answer is the same."""
-    return _may_mail(throttle.PASSWORD_RESET_MAILS, throttle.mailbox(email))
+def mail_password_reset(email: str, *, domain: str, use_https: bool) -> None:
+    """What the password reset form asked for `email`, done by a worker (`accounts.tasks.send_password_reset_mail`):
+    an address with an account (able to log in) is mailed its link, by Django's own form, bounded only by the reset
+    form's limits per typed address (`throttle.PASSWORD_RESET`); one without is mailed that it has none
+    (`send_no_account_email`, its own daily budget per mailbox).
+
+    NOTE: off the request, so the form answers at once whichever it is, whatever the mail does (the relay slow, down
+    or refusing): before, it mailed within the request, and the two mails shared one daily budget per mailbox so that
+    an address past it was answered alike; a stranger then spent an owner's budget with `owner+1@`... `owner+5@` (no
+    account, so "no account" mails) and the owner's own reset mailed no link for days."""
+    form = auth_forms.PasswordResetForm({"email": email})
+    if not form.is_valid():
+        logger.warning("A password reset's address was refused by Django's form off the request; nothing mailed")
+        return
+    if next(iter(form.get_users(email)), None) is None:
+        send_no_account_email(email)
+        return
+    form.save(domain_override=domain, use_https=use_https)
 
 
-def send_no_account_email(email: str) -> None:
-    """Tells an address a password reset was asked for that no account (able to log in) has it.
+def send_no_account_email(email: str) -> bool:
+    """Tells an address a password reset was asked for that no account (able to log in) has it; whether it was
+    mailed (`throttle.NO_ACCOUNT_MAILS`, a few a day per mailbox: `name+tag@` counts as `name@`; a budget of its own,
+    so a stranger's resets for addresses without an account never spend an owner's links).
 
-    NOTE: so the reset form's time tells nobody who has an account, as sign-up's does not: an address with one is
-    mailed its link within the request (SMTP's round trips), and one without was answered at once. The reset form
-    asks `may_mail_password_reset` first, for either mail.
     NOTE: a mail that cannot be sent (the relay down or refusing it, an address Django takes whose host IDNA cannot
-    encode) is logged, as Django's `PasswordResetForm.send_mail` logs a link's: raised, it was a 500 to an address
-    without an account and a redirect to one with (who has one), and a 500 to anyone for such an address."""
+    encode) is logged, as Django's `PasswordResetForm.send_mail` logs a link's."""
+    if not _may_mail(throttle.NO_ACCOUNT_MAILS, throttle.mailbox(email)):
+        return False
     body = render_to_string("registration/no_account_email.txt", {
         "email": email, "signup": settings.PUBLIC_URL + reverse("signup"),
     })
@@ -108,6 +123,8 @@ def send_no_account_email(email: str) -> None:
         send_mail("Password reset for Inferplane", body, None, [email])
     except Exception:
         logger.exception("Failed to send a password reset's no-account email")
+        return False
+    return True
 
 
 VERIFY_EMAIL_SALT = "inferplane.verify-email"

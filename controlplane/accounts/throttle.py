@@ -72,12 +72,12 @@ INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-user
 # the latter, and spent the owner's verification links for the day when they shared one.
 VERIFICATION_MAILS = (Limit("verification-mail-email", "email", 10, 86_400),)
 ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
-# NOTE: the reset form mails an address its link, or, with no account, that it has none (`signup.send_no_account_email`):
-# the form's own limit (3 an hour per address) let one client address mail a stranger 72 times a day. One budget for
-# both mails, taken before it is known which: an address past it is answered the same, with no mail, whether it has
-# an account or not (a budget for the second alone answered it at once, the first after its mail: who has one).
-# Counted per mailbox (`mailbox`): `victim+1@` and `victim+2@` had a budget each.
-PASSWORD_RESET_MAILS = (Limit("reset-mail-email", "email", 5, 86_400),)
+# NOTE: the reset form mails an address without an account that it has none (`signup.send_no_account_email`): the
+# form's own limit (3 an hour per address) let one client address mail a stranger 72 times a day. A budget of its
+# own, counted per mailbox (`mailbox`: `victim+1@` and `victim+2@` had a budget each). The reset link has none: it
+# shared this one, and a stranger's 5 resets for `owner+1@`... (no account) spent the owner's links for the day.
+# Either mail is sent off the request (`accounts.tasks`), so the form's answer tells nobody which it was.
+NO_ACCOUNT_MAILS = (Limit("no-account-mail-email", "email", 5, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.
