@@ -1,7 +1,7 @@
 """JSON from a client, nested too deeply for Python's `json`, refused as any JSON it cannot parse (a 400): in a body
 (the management API's parser), in a field that holds JSON text (`loads`, `JSONField`). A body holding a lone surrogate
-is refused too, naming where (`controlplane.lone_surrogates`). And a form (urlencoded or multipart) whose `charset`
-cannot decode it, refused the same way."""
+is refused too, naming where (`controlplane.lone_surrogates`). A form (urlencoded or multipart) in a charset other
+than UTF-8 never reaches a parser (`controlplane.request_charset`)."""
 
 import json
 
@@ -31,30 +31,6 @@ class JSONParser(parsers.JSONParser):
             raise ValidationError({param[:MAX_SHOWN_PARAM] or api_settings.NON_FIELD_ERRORS_KEY: [
                 "It holds a lone surrogate (an escape from \\ud800 to \\udfff without its pair), which is not text."]})
         return data
-
-
-class FormParser(parsers.FormParser):
-    """NOTE: `charset=punycode` names a codec Python has (Django takes it as the request's encoding), which raises
-    `UnicodeError` on a body whatever error handler it is given; DRF's parser let it out: a 500 on every operation
-    that reads a body. (`MultiPartParser` below, for the same codec in a multipart body.)"""
-
-    def parse(self, stream, media_type=None, parser_context=None):
-        try:
-            return super().parse(stream, media_type, parser_context)
-        except UnicodeError:
-            raise ParseError("Form parse error - the body cannot be decoded with its charset.") from None
-
-
-class MultiPartParser(parsers.MultiPartParser):
-    """NOTE: Django's multipart parser decodes each field with `force_str(..., errors="replace")`, and the punycode
-    codec raises `UnicodeError` whatever the handler: a 500 (`DjangoUnicodeDecodeError`), refused as `FormParser`
-    refuses it."""
-
-    def parse(self, stream, media_type=None, parser_context=None):
-        try:
-            return super().parse(stream, media_type, parser_context)
-        except UnicodeError:
-            raise ParseError("Multipart form parse error - the body cannot be decoded with its charset.") from None
 
 
 def loads(text: str | bytes):

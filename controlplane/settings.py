@@ -142,6 +142,9 @@ MIDDLEWARE = [
     "controlplane.content_security.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "controlplane.content_security.NoStoreMiddleware",
+    # NOTE: before anything reads a form body (the CSRF check reads `request.POST`): one in a charset other than UTF-8
+    # is a 400 here, for the console, `/api/` and `/v1/files` alike.
+    "controlplane.request_charset.FormCharsetMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -270,8 +273,8 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.IsOrganizationMember"],
     "DEFAULT_PARSER_CLASSES": [
         "controlplane.parsers.JSONParser",
-        "controlplane.parsers.FormParser",
-        "controlplane.parsers.MultiPartParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "controlplane.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,

@@ -155,6 +155,21 @@ def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
     assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
 
 
+@pytest.mark.parametrize("charset", ["punycode", "utf-7"])
+def test_an_upload_in_a_charset_other_than_utf8_is_a_400_in_openais_shape_not_retried(web, tenant, files_bucket, charset):
+    """`charset=punycode`: Django's multipart parser raised `UnicodeError` whatever the error handler, an HTML 500 the
+    openai client retried, uploading again (`controlplane.request_charset`)."""
+    body = (b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\xff\r\n'
+            b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="r.jsonl"\r\n\r\n' + LINES + b'\r\n--XyZ--\r\n')
+    response = httpx.post(f"{web}/v1/files", content=body,
+                          headers={"authorization": f"Bearer {tenant.key}",
+                                   "content-type": f"multipart/form-data; boundary=XyZ; charset={charset}"})
+    assert response.status_code == 400, (response.status_code, response.content[:200])
+    assert response.json()["error"]["type"] == "invalid_request_error" and "charset" in response.json()["error"]["message"]
+    assert response.headers["x-should-retry"] == "false"
+    assert bucket_objects(files_bucket) == {}
+
+
 def test_files_and_batches_answers_carry_the_callers_rate_limit_headers(web, tenant):
     client = tenant.client(web)
     listed = client.files.with_raw_response.list()
