@@ -434,6 +434,12 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
                          replica=replica, **memory.to_dict())
     if new_state != previous and new_state != ReplicaState.FAILED:
         _announce_transition(replica, previous, new_state, report)
+    elif new_state == ReplicaState.READY and replica.endpoint.num_failures_since_ready:
+        # NOTE: a READY's clear runs after its commit: one lost there (the pod killed, the database restarted) left
+        # "failures with none READY" beside a READY replica for good (a scaled-to-zero endpoint's calls 503 for up to
+        # an hour, the next crash's back-off continuing the old run); any later READY report heals it (a review's
+        # finding). Read from the row the report already fetched: no query on a plain heartbeat.
+        record_replica_ready(replica.endpoint_id, first=False)
 
 
 def record_chat_template_tokens(endpoint: Endpoint, measured: protocol.ChatTemplateTokens, *, node_id,
@@ -526,13 +532,13 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
     details = {"from": previous, "to": new_state}
     if new_state == ReplicaState.READY and replica.woken_at is not None and (
             replica.ready_at is None or replica.woken_at > replica.ready_at):
-        record_replica_ready(replica.endpoint_id)
+        record_replica_ready(replica.endpoint_id, first=replica.ready_at is None)  # a wake of one that served: not first
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.woken_at).total_seconds()
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} woke READY after {seconds:.1f} s (a wake, not a start)",
                      replica=replica, wake=True, wake_s=round(seconds, 3), **details)
     elif new_state == ReplicaState.READY:
-        record_replica_ready(replica.endpoint_id)
+        record_replica_ready(replica.endpoint_id, first=replica.ready_at is None)  # else its engine restarted in place
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
         Endpoint.objects.filter(pk=replica.endpoint_id).update(last_cold_start_at=timezone.now())  # keep-warm counts from here
@@ -643,8 +649,15 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
         record_event(endpoint, EventKind.FAILURE, message, reason=short, repeats=repeats, num_failures=num_failures)
 
 
-def record_replica_ready(endpoint_id) -> None:
-    """A replica served: earlier failures no longer predict the next one.
+def record_replica_ready(endpoint_id, *, first: bool = True) -> None:
+    """A replica served: earlier failures no longer predict the next one. `first`: its first READY (a start); else a
+    restart in place or a wake, which proves the model still serves but nothing of the scale-ups that failed meanwhile:
+    with failed scale-ups counted, only "failures with none READY" is cleared (their count, back-off and identical
+    reasons stand); with none, every count is cleared, as by a first READY.
+
+    NOTE: every READY cleared every count: a serving engine that crashed and was restarted by its agent between failed
+    scale-ups cleared their back-off and identical count, and new replicas were placed at every tick, for ever (a
+    review's finding).
 
     NOTE: the endpoint's row is locked first (`FOR NO KEY UPDATE`, as every writer of its counts): a failure being
     counted meanwhile (`record_replica_failure`, which read no replica READY before this one's READY committed) is
@@ -653,8 +666,12 @@ def record_replica_ready(endpoint_id) -> None:
     under a replica's row lock."""
     with transaction.atomic():
         Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id).values_list("pk", flat=True).first()
-        Endpoint.objects.filter(pk=endpoint_id).filter(
+        counted = Endpoint.objects.filter(pk=endpoint_id).filter(
             Q(num_identical_failures__gt=0) | Q(num_failures_since_ready__gt=0) | Q(num_scale_up_failures__gt=0)
-            | Q(next_attempt_at__isnull=False)
-        ).update(num_identical_failures=0, num_failures_since_ready=0, num_scale_up_failures=0, last_failure_reason="",
-                 next_attempt_at=None, status_message="")
+            | Q(next_attempt_at__isnull=False))
+        if not first:  # failed scale-ups stand; with none, every count is a start's, and a READY ends them
+            Endpoint.objects.filter(pk=endpoint_id, num_scale_up_failures__gt=0,
+                                    num_failures_since_ready__gt=0).update(num_failures_since_ready=0)
+            counted = counted.filter(num_scale_up_failures=0)
+        counted.update(num_identical_failures=0, num_failures_since_ready=0, num_scale_up_failures=0,
+                       last_failure_reason="", next_attempt_at=None, status_message="")

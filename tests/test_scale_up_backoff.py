@@ -1,25 +1,29 @@
 """Replicas added while another serves that keep failing back off the endpoint's scale-ups, and say so; they never
 count toward failing it, nor hold a start from zero, and a Retry clears their backoff."""
+import threading
 from datetime import timedelta
 
 import pytest
 from django.conf import settings
+from django.db import OperationalError, connection
 from django.db.models import Q
 from django.test import override_settings
 from django.utils import timezone
 
 from controlplane import tasks as controlplane_tasks
+from endpoints import replicas as replicas_module
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.gateway.directory import _endpoint_info
 from endpoints.models import Endpoint, Replica
 from endpoints.replicas import (
     RECONCILE_TASK,
+    apply_replica_report,
     failure_signature,
     max_failures_since_ready,
     record_replica_failure,
 )
-from gpu_agent.protocol import ReplicaState
+from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
 from tests.test_failed_endpoint_drains import VARIED_REASONS
 from tests.test_placement import make_node
@@ -243,12 +247,6 @@ def test_a_ready_committed_while_another_replicas_failure_is_being_counted_clear
 
     Before: `record_replica_ready` found no count to clear yet and took no lock, and the failure's count, written
     after, stood beside the READY replica: every rule reading "no failure since READY" went off for good."""
-    import threading
-
-    from django.db import connection
-
-    from endpoints import replicas as replicas_module
-
     endpoint, first = serving()
     second = Replica.objects.create(endpoint=endpoint, node=make_node(memory_mb=80_000), state=ReplicaState.STARTING)
     Replica.objects.filter(pk=first.pk).update(state=ReplicaState.FAILED)  # the one that served crashed
@@ -284,4 +282,58 @@ def test_a_ready_committed_while_another_replicas_failure_is_being_counted_clear
     counter.join(10)
     ready.join(10)
     endpoint.refresh_from_db()
+    assert (endpoint.num_failures_since_ready, endpoint.next_attempt_at) == (0, None)
+
+
+ENGINE_ADDRESS = "http://127.0.0.1:20001"
+
+
+@override_settings(REPLICA_RETRY_BASE_S=30)
+def test_failed_scale_ups_keep_their_backoff_while_the_serving_engine_restarts_between_them():
+    """A serving engine its agent restarts in place (READY, STARTING, READY) clears only "failures with none READY".
+    Before: every READY cleared every count, so failed scale-ups between two restarts never backed off and never met
+    the identical rule: replicas placed at every tick, for ever (a review's finding)."""
+    endpoint, replica = serving()
+    Replica.objects.filter(pk=replica.pk).update(address=ENGINE_ADDRESS)
+    for round_ in range(settings.REPLICA_MAX_IDENTICAL_FAILURES - 1):
+        record_replica_failure(endpoint.pk, "engine exited with code -9")  # a scale-up OOM-killed
+        # the serving engine crashes and its agent restarts it (its own backoff, seconds): READY again
+        apply_replica_report(replica.node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING,
+                                                         num_restarts=round_ + 1, failure_reason="exit code -9"))
+        apply_replica_report(replica.node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                         address=ENGINE_ADDRESS, num_restarts=round_ + 1))
+        endpoint.refresh_from_db()
+        assert endpoint.num_scale_up_failures == round_ + 1 and endpoint.scale_up_backing_off
+    scheduler.reconcile_endpoint(str(endpoint.pk), busy())
+    assert num_starting(endpoint) == 0, "placed again at once though its scale-ups keep failing"
+    record_replica_failure(endpoint.pk, "engine exited with code -9")  # the identical rule holds across restarts
+    endpoint.refresh_from_db()
+    assert endpoint.failed_at is not None
+
+
+def test_a_ready_whose_clear_after_its_commit_was_lost_is_healed_by_the_next_ready_report(monkeypatch):
+    """Before: a READY's clear, run after its commit, once lost (the pod killed, the database restarted) was never run
+    again (later READY reports are no transition): "failures with none READY" stood beside a READY replica for good
+    (a review's finding)."""
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, target_concurrency=8)
+    node = make_node(memory_mb=80_000)
+    make_node(memory_mb=80_000)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    for reason in ("weights download failed: 503", "engine exited with code 1", "CUDA error: out of memory"):
+        record_replica_failure(endpoint.pk, reason)  # three starts from zero failed: backoff 120 s
+    real = replicas_module.record_replica_ready
+
+    def lost(endpoint_id, **kwargs):  # the READY committed; its second transaction never runs (pod killed while it waited, DB restart)
+        raise OperationalError("terminating connection due to administrator command")
+
+    monkeypatch.setattr(replicas_module, "record_replica_ready", lost)
+    with pytest.raises(OperationalError):
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY, address=ENGINE_ADDRESS))
+    monkeypatch.setattr(replicas_module, "record_replica_ready", real)
+    for _ in range(3):  # the agent's next heartbeats: READY again, no transition, nothing clears
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY, address=ENGINE_ADDRESS))
+    replica.refresh_from_db()
+    endpoint.refresh_from_db()
+    assert replica.state == ReplicaState.READY
+    # what a READY replica means: "no failure since READY", and no back-off of a start from none
     assert (endpoint.num_failures_since_ready, endpoint.next_attempt_at) == (0, None)
