@@ -564,6 +564,9 @@ EMAIL_PORT = env_int("EMAIL_PORT", 587, minimum=1, maximum=65535)
 EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
 EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", True)
+# NOTE: seconds a mail's connection to the relay may wait; Django's default is none, and a relay that stops answering
+# held each request that mails (a sign-up, a password reset, an invitation) for as long as the relay did.
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1, maximum=300)
 # Without SMTP: printed whole while debugging (`make run`), dropped with a log line of its recipients in production
 # (its links are secrets: `controlplane.unsent_mail`).
 if EMAIL_HOST:

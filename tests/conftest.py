@@ -87,17 +87,6 @@ def _no_stop_bound_on_shipping():
     journal_shipping._stopping_by = None
 
 
-@pytest.fixture(autouse=True)
-def _password_reset_mail_in_process(monkeypatch):
-    """The password reset form queues its mail for a worker (`accounts.tasks.send_password_reset_mail`); a test's
-    in-process client reads `mail.outbox`, which a worker's process never fills. So that one task runs in the
-    test's process, as a worker runs it (Celery's `apply`: that task alone, nothing else eager)."""
-    from controlplane.accounts.tasks import send_password_reset_mail
-
-    monkeypatch.setattr(send_password_reset_mail, "apply_async",
-                        lambda *args, **options: send_password_reset_mail.apply(*args, kwargs=options.get("kwargs")))
-
-
 @pytest.fixture
 def org():
     return OrganizationFactory()

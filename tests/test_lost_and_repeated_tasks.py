@@ -48,10 +48,7 @@ def _recovered_by() -> dict[str, str]:
     message is lost (the first name in code in the row's second column)."""
     section = (REPO_ROOT / "README.md").read_text().split("#### A lost or repeated task message", 1)[1]
     rows = [line.split(" | ") for line in section.split("\n#", 1)[0].splitlines() if line.startswith("| `")]
-    # NOTE: a row whose second column begins "nothing: lost for good" (the password reset's mail) names no beat task:
-    # nothing recovers it, and the README says so.
-    return {_first_code(row[0]): (None if row[1].startswith("nothing: lost for good") else _first_code(row[1]))
-            for row in rows}
+    return {_first_code(row[0]): _first_code(row[1]) for row in rows}
 
 
 def _first_code(cell: str) -> str:
@@ -85,7 +82,7 @@ def test_every_task_is_either_on_the_beat_or_recovered_by_a_beat_task_named_in_t
         "a new task: say in the README what recovers it"
     )
     assert sorted(recovered_by.keys() - ours) == [], "a README row for a task that does not exist"
-    assert {task: beat for task, beat in recovered_by.items() if beat is not None and beat not in on_the_beat} == {}
+    assert {task: beat for task, beat in recovered_by.items() if beat not in on_the_beat} == {}
 
 
 def test_a_lost_reconcile_after_a_spec_change_is_done_by_the_next_autoscaler_tick(

@@ -248,7 +248,7 @@ def test_a_stranger_cannot_keep_an_owner_from_their_reset_link():
 
 def test_the_reset_form_answers_the_same_past_the_no_account_budget_with_an_account_or_without(client, victim):
     """Past an address's no-account mails it is mailed nothing; an owner still gets their link; both are answered
-    alike, at once (the mail is a worker's: the form only queues it)."""
+    alike."""
     allowed = _limit(throttle.NO_ACCOUNT_MAILS, "email").num_attempts
     for email in (victim.email, "nobody@elsewhere.test"):
         for _ in range(allowed):

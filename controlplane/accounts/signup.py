@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.contrib.auth import forms as auth_forms
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core import signing
@@ -85,26 +84,6 @@ def send_account_exists_email(email: str) -> bool:
     })
     send_mail("You already have an Inferplane account", body, None, [email])
     return True
-
-
-def mail_password_reset(email: str, *, domain: str, use_https: bool) -> None:
-    """What the password reset form asked for `email`, done by a worker (`accounts.tasks.send_password_reset_mail`):
-    an address with an account (able to log in) is mailed its link, by Django's own form, bounded only by the reset
-    form's limits per typed address (`throttle.PASSWORD_RESET`); one without is mailed that it has none
-    (`send_no_account_email`, its own daily budget per mailbox).
-
-    NOTE: off the request, so the form answers at once whichever it is, whatever the mail does (the relay slow, down
-    or refusing): before, it mailed within the request, and the two mails shared one daily budget per mailbox so that
-    an address past it was answered alike; a stranger then spent an owner's budget with `owner+1@`... `owner+5@` (no
-    account, so "no account" mails) and the owner's own reset mailed no link for days."""
-    form = auth_forms.PasswordResetForm({"email": email})
-    if not form.is_valid():
-        logger.warning("A password reset's address was refused by Django's form off the request; nothing mailed")
-        return
-    if next(iter(form.get_users(email)), None) is None:
-        send_no_account_email(email)
-        return
-    form.save(domain_override=domain, use_https=use_https)
 
 
 def send_no_account_email(email: str) -> bool:
