@@ -7,23 +7,13 @@ from __future__ import annotations
 import io
 import json
 
-import httpx
 import openai
 import pytest
 
 from endpoints.batches.models import Batch
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import counting_openai_client, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _counting_client(gateway: str, key: str, monkeypatch) -> tuple[openai.OpenAI, list, list]:
-    """The official client with its default retries, its sleeps between tries recorded instead of slept."""
-    sent, slept = [], []
-    monkeypatch.setattr(openai._base_client.time, "sleep", slept.append)
-    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=2,
-                           http_client=httpx.Client(event_hooks={"request": [sent.append]}))
-    return client, sent, slept
 
 
 def _batch_input(model: str) -> io.BytesIO:
@@ -36,7 +26,7 @@ def test_deleting_the_input_of_an_open_batch_is_refused_once_not_three_times(gat
                                                                              monkeypatch):
     # Before: the 409 `file_in_use` was sent 3 times, the client sleeping between, then raised.
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    client, sent, slept = _counting_client(gateway, tenant.key, monkeypatch)
+    client, sent, slept = counting_openai_client(f"{gateway}/v1", tenant.key, monkeypatch)
     input_file = client.files.create(file=("in.jsonl", _batch_input(endpoint.name)), purpose="batch")
     client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
     del sent[:]
@@ -54,7 +44,7 @@ def test_a_batch_past_the_organisations_cap_of_open_batches_is_refused_once_not_
     from django.conf import settings
 
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    client, sent, slept = _counting_client(gateway, tenant.key, monkeypatch)
+    client, sent, slept = counting_openai_client(f"{gateway}/v1", tenant.key, monkeypatch)
     input_file = client.files.create(file=("in.jsonl", _batch_input(endpoint.name)), purpose="batch")
     first = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
     template = Batch.objects.get(pk=first.id)

@@ -152,6 +152,22 @@ def held_chat(gateway_url: str, key: str, endpoint) -> Future:
     return answer
 
 
+def counting_openai_client(base_url: str, key: str, monkeypatch) -> tuple[openai.OpenAI, list, list]:
+    """The official client with its default retries: the requests it sent, and the waits it took between tries,
+    recorded instead of slept (`SyncAPIClient._sleep_for_retry`, the client's own: patching `time.sleep` in its module
+    patched it for the whole process, and a polling thread of the test's spun, appending, till memory ran out)."""
+    sent, slept = [], []
+
+    def record_wait(client, *, retries_taken, max_retries, options, response):
+        slept.append(client._calculate_retry_timeout(max_retries - retries_taken, options,
+                                                     response.headers if response is not None else None))
+
+    monkeypatch.setattr(openai._base_client.SyncAPIClient, "_sleep_for_retry", record_wait)
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=2,
+                           http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+    return client, sent, slept
+
+
 def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = (1024, 65535), engine_key: str = "",
                    **spec):
     """An endpoint with one READY replica per upstream address, on a READY node (engine ports `node_ports`);

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.models import UsageRecord
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import counting_openai_client, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -179,10 +179,7 @@ def test_a_paused_endpoints_503_does_not_set_the_openai_client_retrying_for_two_
     from tests.factories import EndpointFactory
 
     endpoint = EndpointFactory(organization=tenant.org, paused_at=timezone.now())
-    sent, slept = [], []
-    monkeypatch.setattr(openai._base_client.time, "sleep", slept.append)
-    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=tenant.key, max_retries=2,
-                           http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+    client, sent, slept = counting_openai_client(f"{gateway}/v1", tenant.key, monkeypatch)
     with pytest.raises(openai.InternalServerError) as refused:
         client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=1)
     assert refused.value.status_code == 503 and refused.value.code == "endpoint_paused"
