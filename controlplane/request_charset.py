@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import codecs
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction
 from django.http import HttpResponse, HttpResponseBadRequest, JsonResponse
 
+from controlplane.accounts.middleware import AsyncCapableMiddleware
 from endpoints.gateway import errors
 
 TAKEN = frozenset({"utf-8", "ascii", "iso8859-1"})  # codecs' names: `utf8`, `US-ASCII`, `latin1` are these
@@ -55,16 +56,8 @@ def refusal(request) -> HttpResponse:
     return HttpResponseBadRequest(PAGE)
 
 
-class FormCharsetMiddleware:
+class FormCharsetMiddleware(AsyncCapableMiddleware):
     """Refuses a body in a charset other than UTF-8 (`refused`), before the session, CSRF or a view reads it."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
 
     def __call__(self, request):
         if iscoroutinefunction(self):

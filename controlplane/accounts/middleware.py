@@ -21,7 +21,7 @@ from controlplane.accounts.services import client_ip
 from controlplane.accounts.tenancy import session_membership
 
 
-class _AsyncCapable:
+class AsyncCapableMiddleware:
     sync_capable = True
     async_capable = True
 
@@ -31,7 +31,7 @@ class _AsyncCapable:
             markcoroutinefunction(self)
 
 
-class CurrentOrganizationMiddleware(_AsyncCapable):
+class CurrentOrganizationMiddleware(AsyncCapableMiddleware):
     """Puts the console's current membership on `request.membership`.
 
     Lazily, since most API calls never ask; async-capable, so the gateway's async
@@ -54,7 +54,7 @@ UNGATED_PREFIXES = ("/verify-email/", "/logout/", "/login/", "/signup/", "/passw
 VERIFIED_SESSION_KEY = "verified_email"
 
 
-class EmailVerificationMiddleware(_AsyncCapable):
+class EmailVerificationMiddleware(AsyncCapableMiddleware):
     """A signed-in user whose email is unverified sees the verify-email page and nothing else.
 
     The API answers such a session 403. Calls with an API key pass (only a verified user can
@@ -101,7 +101,7 @@ def _throttled_paths() -> dict[str, tuple[throttle.Limit, ...]]:
     return {reverse(name): limits for name, limits in throttle.THROTTLED_VIEWS.items()}
 
 
-class ThrottleMiddleware(_AsyncCapable):
+class ThrottleMiddleware(AsyncCapableMiddleware):
     """Log-in, sign-up, password reset and change, resending a verification: over a limit is a 429 page.
 
     A log-in form (and the password change's) answers a wrong password with the form again (200) and a right one with
