@@ -300,3 +300,30 @@ def test_a_nodes_heartbeat_is_answered_at_once_while_a_reconcile_task_waits_for_
     assert replica.state == report
     if report == ReplicaState.READY:  # the reconcile went on once the row was free: its scale-up placed
         assert Replica.objects.filter(endpoint=endpoint, state=ReplicaState.PENDING).count() == 1
+
+
+def test_a_nodes_heartbeat_is_answered_at_once_while_an_edit_waits_for_its_organisations_row(
+        monkeypatch, member_client_factory):
+    """Before: an edit of an endpoint (`PATCH /api/v1/endpoints/<id>/`) locked the endpoint's row, then waited for its
+    organisation's (its quotas checked under it), held by a key revocation: a heartbeat reporting a replica of that
+    endpoint failed waited behind both, the node's whole heartbeat with it. The edit itself is saved once the row is
+    free."""
+    client = Client()
+    agent = register(client, create_join_token(SYSTEM, name="test").plain).json()
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, max_replicas=1, model_source="/models/tiny")
+    replica = Replica.objects.create(endpoint=endpoint, node_id=agent["node_id"], state=ReplicaState.READY)
+    owner = member_client_factory(endpoint.organization)
+    edited = {}
+
+    def edit():
+        edited["answer"] = owner.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_num_seqs": 32}, format="json")
+
+    outcome = _while_the_organisation_is_held(endpoint, edit, lambda: beat(Client(), agent["node_secret"], [
+        ReplicaStatus(str(replica.pk), ReplicaState.FAILED, failure_reason="RuntimeError: CUDA error")]), monkeypatch)
+
+    assert outcome["errors"] == {}
+    assert outcome["answer"].status_code == 200 and outcome["seconds"] < 1.5
+    assert edited["answer"].status_code == 200, edited["answer"].content
+    endpoint.refresh_from_db()
+    replica.refresh_from_db()
+    assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
