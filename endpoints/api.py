@@ -1,5 +1,6 @@
 """Management API for endpoints and model credentials: `/api/v1/endpoints/`, `/api/v1/credentials/`."""
 
+from django.db import transaction
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import mixins, viewsets
@@ -13,6 +14,7 @@ from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.tenancy import request_membership
 from controlplane.integrity import RowLockedUpdateMixin
 from endpoints import adapters, credentials, services
+from endpoints import quotas as endpoint_quotas
 from endpoints import stats as endpoint_stats
 from endpoints.models import Adapter, Endpoint, ModelCredential, shown_replicas_prefetch
 from endpoints.quotas import use_of
@@ -37,6 +39,13 @@ class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.Mo
 
     def perform_create(self, serializer):
         serializer.instance = services.create_endpoint(self.actor, self.organization, **serializer.validated_data)
+
+    def update(self, request, *args, **kwargs):
+        # NOTE: the organisation's row before the endpoint's (`RowLockedUpdateMixin`), as `services.update_endpoint`
+        # takes them: never waited for with the endpoint's row held, which a node's heartbeat may need.
+        with transaction.atomic():
+            endpoint_quotas.lock_organization(self.organization.pk)
+            return super().update(request, *args, **kwargs)
 
     def perform_update(self, serializer):
         serializer.instance = services.update_endpoint(self.actor, serializer.instance, **serializer.validated_data)
@@ -100,6 +109,13 @@ class CredentialViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.
 
     def perform_create(self, serializer):
         serializer.instance = credentials.create_credential(self.actor, self.organization, **serializer.validated_data)
+
+    def update(self, request, *args, **kwargs):
+        # NOTE: the organisation's row before the endpoint's (`RowLockedUpdateMixin`), as `services.update_endpoint`
+        # takes them: never waited for with the endpoint's row held, which a node's heartbeat may need.
+        with transaction.atomic():
+            endpoint_quotas.lock_organization(self.organization.pk)
+            return super().update(request, *args, **kwargs)
 
     def perform_update(self, serializer):
         serializer.instance = credentials.update_credential(self.actor, serializer.instance, **serializer.validated_data)

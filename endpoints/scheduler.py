@@ -61,16 +61,45 @@ DRAIN_ORDER = {ReplicaState.PENDING: 0, ReplicaState.STARTING: 1, ReplicaState.R
 IDLE_DEADLINE_MARGIN_S = 0.05
 
 
+class _OrganizationHeld(Exception):
+    """A reconcile's scale-up found its organisation's row held by another write: rolled back, to wait for it holding
+    nothing (`reconcile_endpoint`)."""
+
+
 def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
                        now: float | None = None, in_a_tick: bool = False) -> autoscaler.Decision | None:
     """Place missing replicas and drain surplus ones, for the `load` read at `now` (Redis's clock; both read here
     when None). `in_a_tick` (the autoscaler's pass over every endpoint): a scale-up whose organisation's row another
     write holds is left to the next tick rather than waited for; the endpoint's own task (a wake, a spec change)
-    waits for it."""
+    waits for it, holding nothing, then reconciles again with the organisation's row taken first.
+
+    NOTE: no reconcile waits for its organisation's row while it holds its endpoint's. It did: the task held the
+    endpoint's row behind a key revocation (12 s with 3,000 minted keys), and a heartbeat reporting a replica of that
+    endpoint failed or READY (which take the endpoint's row) waited behind both: the node's whole heartbeat, every
+    tenant's replicas on it, past its agent's 10 s timeout, and the node taken OFFLINE after a few
+    (`tests/test_replica_lock_order.py`)."""
+    try:
+        return _reconcile(endpoint_id, load, now=now, in_a_tick=in_a_tick)
+    except _OrganizationHeld:
+        pass
+    # NOTE: the load and the clock read again unless given: the wait may have been seconds long.
+    return _reconcile(endpoint_id, load, now=now, in_a_tick=False, organization_first=True)
+
+
+def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | None, in_a_tick: bool,
+               organization_first: bool = False) -> autoscaler.Decision | None:
+    """`reconcile_endpoint` in one transaction. Raises `_OrganizationHeld` (nothing written) where a scale-up outside a
+    tick finds its organisation's row held; `organization_first`: that row is waited for and taken before the
+    endpoint's."""
     now = redis_time() if now is None else now
     if load is None:
         load = autoscaler.read_load([str(endpoint_id)], now=now)[str(endpoint_id)]
     with transaction.atomic():
+        if organization_first:
+            organization_id = Endpoint.objects.filter(pk=endpoint_id).values_list("organization_id", flat=True).first()
+            if organization_id is None:
+                return None
+            quotas.lock_organization(organization_id)  # NOTE: waited for holding no endpoint's row
         endpoint = Endpoint.objects.select_for_update(skip_locked=True, no_key=True).filter(pk=endpoint_id).first()
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
@@ -97,11 +126,15 @@ def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
             # after a failure waits for `next_attempt_at` (a later tick).
             pass
         elif num_wanted > len(serving) and (organization := quotas.lock_organization(
-                endpoint.organization_id, skip_locked=in_a_tick)) is None:
+                endpoint.organization_id, skip_locked=True)) is None:
             # NOTE: the organisation's row is held by another write (a key revocation walking thousands of minted keys,
-            # a member's change, another of its endpoints placing): this tick leaves the endpoint as it is and the
-            # next one retries. Waiting held the tick, which reconciles every endpoint in turn, so every tenant's
-            # scale-up waited behind one tenant's revocation (12 s with 3,000 minted keys; a review's finding).
+            # a member's change, another of its endpoints placing), never waited for here, with the endpoint's row
+            # held: a task rolls back and waits for it holding nothing (`reconcile_endpoint`); a tick leaves the
+            # endpoint as it is and the next one retries. Waiting held the tick, which reconciles every endpoint in
+            # turn, so every tenant's scale-up waited behind one tenant's revocation (12 s with 3,000 minted keys; a
+            # review's finding).
+            if not in_a_tick and not organization_first:
+                raise _OrganizationHeld
             message, waiting_for_capacity = endpoint.status_message, endpoint.waiting_for_capacity
             num_unplaced = endpoint.unplaced_replicas
         elif num_wanted > len(serving):

@@ -48,6 +48,12 @@ def _prices_of(gpu_type: str) -> dict:
 
 @transaction.atomic
 def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
+    # NOTE: the organisation's row first (its quotas are checked under it), then the endpoint's: never waited for
+    # with the endpoint's row held, which a heartbeat reporting a replica failed or READY takes. Behind a key revocation
+    # (12 s with 3,000 minted keys) that held the node's whole heartbeat past its agent's timeout
+    # (`tests/test_replica_lock_order.py`). Its callers that lock the endpoint's row themselves (`api.EndpointViewSet`,
+    # `views.endpoint_edit`) take the organisation's before it alike.
+    organization = quotas.lock_organization(endpoint.organization_id)
     # NOTE: `FOR NO KEY UPDATE`, as every lock on an endpoint's row (`replicas.fail_replica_and_count`): a plain one
     # blocks the `FOR KEY SHARE` a heartbeat's restart event takes at its commit while it holds a replica's row, which
     # `drain_replicas` below then waits on (a deadlock, the edit its victim).
@@ -58,8 +64,7 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     if "gpu_type" in changed:
         # NOTE: prices follow the hardware: another GPU type is that type's prices (staff may edit them again).
         changed |= {name: price for name, price in _prices_of(changed["gpu_type"]).items() if getattr(endpoint, name) != price}
-    # NOTE: the endpoint's row, then its organisation's: the order the scheduler locks them in.
-    quotas.check_spec(quotas.lock_organization(endpoint.organization_id), changed, endpoint)
+    quotas.check_spec(organization, changed, endpoint)
     hold_credential(changed.get("credential"))
     for name, value in changed.items():
         setattr(endpoint, name, value)

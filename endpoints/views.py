@@ -162,6 +162,7 @@ def endpoint_edit(request, pk):
         initial = EndpointForm.initial_for(endpoint)
         return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
     with transaction.atomic():  # NOTE: checked against the row as it is (`integrity.RowLockedUpdateMixin`)
+        quotas.lock_organization(request.organization.pk)  # NOTE: before the endpoint's, as `services.update_endpoint`
         return _save_endpoint_edit(request, get_object_or_404(_endpoints(request.organization).select_for_update(
             of=("self",), no_key=True), pk=pk))
 

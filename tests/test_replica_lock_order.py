@@ -14,19 +14,23 @@ from datetime import timedelta
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
+from django.test import Client
 from django.utils import timezone
 
 from controlplane import tasks as controlplane_tasks
-from controlplane.accounts.services import Actor
+from controlplane.accounts.models import lock_organizations
+from controlplane.accounts.services import SYSTEM, Actor
 from endpoints import autoscaler, scheduler, services
 from endpoints import replicas as replicas_module
 from endpoints.autoscaler import Load
+from endpoints.fleet.services import create_join_token
 from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
+from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -217,3 +221,109 @@ def test_a_failed_report_a_reconcile_and_an_engine_restarting_edit_do_not_deadlo
     assert errors == {}
     replica.refresh_from_db()
     assert replica.state == ReplicaState.FAILED
+
+
+# How long the organisation's row is held (a key revocation walking thousands of minted keys held it 12 s); a
+# heartbeat's agent gives up at 10 s (its `request_timeout_s`) and backs off.
+ORGANIZATION_HELD_S = 4.0
+
+
+def _while_the_organisation_is_held(endpoint, waiter, heartbeat, monkeypatch) -> dict:
+    """Holds the endpoint's organisation's row as a key revocation does, for `ORGANIZATION_HELD_S`; meanwhile `waiter`
+    (a reconcile task, an edit) reaches the endpoint's row (`autoscaler.decide`, `quotas.check_spec`: called once it
+    holds it, if it takes it) and waits for the organisation's; then `heartbeat()`, whose answer and seconds are
+    returned with the errors each raised."""
+    held, waiting = threading.Event(), threading.Event()
+    for owner, name in ((autoscaler, "decide"), (services.quotas, "lock_organization")):
+        monkeypatch.setattr(owner, name, _paused(getattr(owner, name), waiting, before=name == "lock_organization",
+                                                 seconds=0))
+    outcome = {"errors": {}}
+
+    def run(name, work, after=None):
+        try:
+            if after is not None:
+                after.wait(10)
+                time.sleep(0.3)  # the waiter is now queued on the organisation's row
+            work()
+        except Exception as exc:  # noqa: BLE001
+            outcome["errors"][name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    def hold():
+        with transaction.atomic():
+            lock_organizations([endpoint.organization_id])
+            held.set()
+            time.sleep(ORGANIZATION_HELD_S)
+
+    def timed_heartbeat():
+        started = time.monotonic()
+        outcome["answer"] = heartbeat()
+        outcome["seconds"] = time.monotonic() - started
+
+    threads = [threading.Thread(target=run, args=("revocation", hold)),
+               threading.Thread(target=run, args=("waiter", waiter, held)),
+               threading.Thread(target=run, args=("heartbeat", timed_heartbeat, waiting))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    return outcome
+
+
+@pytest.mark.parametrize("report", [ReplicaState.FAILED, ReplicaState.READY])
+def test_a_nodes_heartbeat_is_answered_at_once_while_a_reconcile_task_waits_for_its_organisations_row(
+        monkeypatch, report):
+    """Before: the endpoint's own reconcile task (a wake, a spec change) held the endpoint's row while it waited for
+    its organisation's, held by a key revocation; a heartbeat reporting a replica of it failed, or READY (its counts
+    cleared under the endpoint's row), waited behind both: the whole node's heartbeat, every tenant's replicas in it,
+    answered after the revocation, past the agent's timeout for a long one, and the node taken OFFLINE after a few.
+    Nothing the reconcile was to do is lost: it places its replica once the organisation's row is free."""
+    client = Client()
+    agent = register(client, create_join_token(SYSTEM, name="test").plain).json()
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=2, max_replicas=2, model_source="/models/tiny")
+    replica = Replica.objects.create(
+        endpoint=endpoint, node_id=agent["node_id"],
+        state=ReplicaState.READY if report == ReplicaState.FAILED else ReplicaState.STARTING)
+    status = (ReplicaStatus(str(replica.pk), ReplicaState.FAILED, failure_reason="RuntimeError: CUDA error")
+              if report == ReplicaState.FAILED else ReplicaStatus(str(replica.pk), ReplicaState.READY,
+                                                                   address="http://127.0.0.1:20000"))
+
+    outcome = _while_the_organisation_is_held(
+        endpoint, lambda: scheduler.reconcile_endpoint(str(endpoint.pk)),
+        lambda: beat(Client(), agent["node_secret"], [status]), monkeypatch)
+
+    assert outcome["errors"] == {}
+    assert outcome["answer"].status_code == 200 and outcome["seconds"] < 1.5
+    replica.refresh_from_db()
+    assert replica.state == report
+    if report == ReplicaState.READY:  # the reconcile went on once the row was free: its scale-up placed
+        assert Replica.objects.filter(endpoint=endpoint, state=ReplicaState.PENDING).count() == 1
+
+
+def test_a_nodes_heartbeat_is_answered_at_once_while_an_edit_waits_for_its_organisations_row(
+        monkeypatch, member_client_factory):
+    """Before: an edit of an endpoint (`PATCH /api/v1/endpoints/<id>/`) locked the endpoint's row, then waited for its
+    organisation's (its quotas checked under it), held by a key revocation: a heartbeat reporting a replica of that
+    endpoint failed waited behind both, the node's whole heartbeat with it. The edit itself is saved once the row is
+    free."""
+    client = Client()
+    agent = register(client, create_join_token(SYSTEM, name="test").plain).json()
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=1, max_replicas=1, model_source="/models/tiny")
+    replica = Replica.objects.create(endpoint=endpoint, node_id=agent["node_id"], state=ReplicaState.READY)
+    owner = member_client_factory(endpoint.organization)
+    edited = {}
+
+    def edit():
+        edited["answer"] = owner.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_num_seqs": 32}, format="json")
+
+    outcome = _while_the_organisation_is_held(endpoint, edit, lambda: beat(Client(), agent["node_secret"], [
+        ReplicaStatus(str(replica.pk), ReplicaState.FAILED, failure_reason="RuntimeError: CUDA error")]), monkeypatch)
+
+    assert outcome["errors"] == {}
+    assert outcome["answer"].status_code == 200 and outcome["seconds"] < 1.5
+    assert edited["answer"].status_code == 200, edited["answer"].content
+    endpoint.refresh_from_db()
+    replica.refresh_from_db()
+    assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
