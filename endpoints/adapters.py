@@ -36,6 +36,7 @@ from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
     MAX_ADAPTERS_PER_REPLICA,
     AdapterSpec,
+    ModelTask,
     ReplicaState,
     ReplicaStatus,
 )
@@ -65,6 +66,10 @@ def parse_model_name(model: str) -> tuple[str, str] | None:
         return None
     return endpoint, adapter
 
+
+# NOTE: an "auto" endpoint takes adapters while its model is unread; an embedding model's engine runs without LoRA
+# (`gpu_agent.runtime.engine`), so no load can work: each one the agent asked for failed as the engine's "Not Found".
+EMBEDDING_SERVES_NO_ADAPTERS = "its endpoint's model is an embedding model, whose engine serves no LoRA adapters"
 
 ADAPTER_NAME_TAKEN = "This endpoint already has an adapter with this name."
 # NOTE: the endpoint's name is its engines' served model name (`--served-model-name`), which vLLM refuses as an
@@ -160,6 +165,9 @@ def adapter_specs(endpoint: Endpoint) -> list[AdapterSpec]:
     `MAX_ADAPTERS`, the most recently wanted first (an endpoint may hold more, stored before the cap). One whose
     credential cannot be used (incomplete, or encrypted with a key since dropped) fails alone, with the reason, and
     is left out: it raised out of the node's heartbeat, a 500 for every tenant's replica on the node."""
+    if endpoint.serving_task == ModelTask.EMBED:
+        _fail_all(endpoint, EMBEDDING_SERVES_NO_ADAPTERS)
+        return []
     specs = []
     adapters = (endpoint.adapters.select_related("credential")
                 .order_by(F("last_requested_at").desc(nulls_last=True), "name")[:MAX_ADAPTERS])
@@ -183,6 +191,13 @@ def _fail(adapter: Adapter, reason: str) -> None:
                                                      failure_retried=False).update(
             state=AdapterState.FAILED, status_message=reason, failure_retried=False):
         record_event(adapter.endpoint, EventKind.FAILURE, f"Adapter {adapter.name} failed: {reason}")
+
+
+def _fail_all(endpoint: Endpoint, reason: str) -> None:
+    """Every adapter of `endpoint` FAILED with `reason` (one event, and nothing written once they are)."""
+    if endpoint.adapters.exclude(state=AdapterState.FAILED, status_message=reason, failure_retried=False).update(
+            state=AdapterState.FAILED, status_message=reason, failure_retried=False):
+        record_event(endpoint, EventKind.FAILURE, f"Adapters failed: {reason}")
 
 
 def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str, int] | None = None) -> None:

@@ -8,7 +8,7 @@ from endpoints import adapters
 from endpoints import serializers as endpoint_serializers
 from endpoints.adapters import record_replica_adapters, want_adapter
 from endpoints.fleet.services import desired_replicas, replica_spec
-from endpoints.models import Adapter, ModelCredential, Replica
+from endpoints.models import Adapter, ModelCredential, ModelFacts, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, OrganizationFactory, make_credential
@@ -138,6 +138,24 @@ def test_an_adapter_whose_credential_cannot_be_read_fails_alone_and_the_heartbea
     locked = Adapter.objects.get(name="locked")
     assert locked.state == "FAILED" and "cannot be used" in locked.status_message
     assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+
+
+def test_the_adapters_of_an_endpoint_whose_model_turns_out_to_embed_fail_saying_so_and_reach_no_engine(lora_endpoint):
+    # An "auto" endpoint takes adapters while its model is unread; an embedding model's engine runs without LoRA. The
+    # agent was sent them anyway and asked the engine to load each one a call named: the engine has no such route, and
+    # the adapter failed as "Not Found", the reason every call naming it was answered.
+    Adapter.objects.create(endpoint=lora_endpoint, name="tone", source="s3://tuned-adapters/tone")
+    ModelFacts.objects.create(source=lora_endpoint.model_source, architecture="BertModel", max_model_len=512)
+
+    spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+
+    assert spec.adapters == []
+    tone = Adapter.objects.get(name="tone")
+    assert tone.state == "FAILED" and not tone.failure_retried
+    assert tone.status_message == adapters.EMBEDDING_SERVES_NO_ADAPTERS
+    assert lora_endpoint.events.filter(message__contains="serves no LoRA adapters").count() == 1
+    replica_spec(Replica.objects.create(endpoint=lora_endpoint))  # the next heartbeat writes nothing again
+    assert lora_endpoint.events.filter(message__contains="serves no LoRA adapters").count() == 1
 
 
 def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reason(lora_endpoint):

@@ -15,7 +15,9 @@ demand) runs over every pool:
 4. occupancy and release (`endpoints.fleet.pool_release`).
 
 NOTE: the whole tick holds a Redis lock and each pool's decision its row lock, so two beats never
-launch twice for the same demand.
+launch twice for the same demand. The pools are taken least recently started first (`turn_order`): a provider slower
+than the tick's time limit has the worker killed inside its pool's turn, and in a fixed order the pools after it never
+had one (their demand never launched, their idle machines never released, paid for).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from django.conf import settings
 from django.db import transaction
 
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.redis_client import held_alone
-from controlplane.redis_keys import POOLS_TICK_LOCK_KEY
+from controlplane.redis_client import as_text, get_redis, held_alone, redis_time
+from controlplane.redis_keys import POOLS_TICK_LOCK_KEY, POOLS_TICK_STARTED_KEY
 from endpoints.fleet import launches, pool_release
 from endpoints.fleet.pool_demand import (
     BOOTING_STATES,
@@ -69,12 +71,27 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
         pools = list(NodePool.objects.order_by("pk"))
         demand = assign_demand(pools)
         num_launched = 0
-        for pool in pools:
+        for pool in turn_order(pools):
+            get_redis().hset(POOLS_TICK_STARTED_KEY, str(pool.pk), redis_time())  # before: a killed turn counts
             try:
                 num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
+
+
+def turn_order(pools: list[NodePool]) -> list[NodePool]:
+    """`pools`, the one whose tick started least recently first (one never started, first of all, by id); forgets
+    the pools deleted since.
+
+    NOTE: the tick task's time limit kills its worker inside a provider's call that outlasts it (EC2 retried at 30 s
+    a try): in the order of their ids, the pools after a slow one never got a turn. Marked when its turn starts, the
+    slow pool goes last at the next tick."""
+    started = {as_text(key): float(value) for key, value in get_redis().hgetall(POOLS_TICK_STARTED_KEY).items()}
+    gone = set(started) - {str(pool.pk) for pool in pools}
+    if gone:
+        get_redis().hdel(POOLS_TICK_STARTED_KEY, *gone)
+    return sorted(pools, key=lambda pool: (started.get(str(pool.pk), 0.0), pool.pk))
 
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:

@@ -798,3 +798,41 @@ def test_a_launch_requested_by_a_worker_whose_clock_is_behind_is_not_failed_earl
     tick(provider)  # worker B, on time
     launch.refresh_from_db()
     assert launch.state == LaunchState.LAUNCHING and provider.terminated == []
+
+
+class WorkerKilled(BaseException):
+    """The tick task's hard time limit: the worker process ends inside a provider's call (no `except Exception`)."""
+
+
+class HangingProvider(RecordingProvider):
+    """A provider that answers slower than the tick's time limit: every call it gets is where the worker is killed."""
+
+    name = "ec2"
+
+    def list(self, pool):
+        raise WorkerKilled
+
+    def launch(self, pool, specs):
+        raise WorkerKilled
+
+    def terminate(self, pool, provider_id):
+        raise WorkerKilled
+
+
+@pytest.mark.django_db
+def test_a_pool_whose_provider_outlasts_the_tick_does_not_keep_the_other_pools_from_their_turn():
+    # NOTE: pools were ticked in the order of their ids, every tick: the first pool's provider answering slower than the
+    # tick's time limit had the worker killed there each time, and the pools after it were never ticked (their demand
+    # never launched, their idle machines never released, paid for).
+    slow_pool = make_pool(name="a-slow", provider="ec2")
+    other_pool = make_pool(name="b-other")
+    now = timezone.now()
+    NodeLaunch.objects.create(pool=slow_pool, state=LaunchState.LAUNCHING, provider_id="i-0slow", deadline_at=now + timedelta(hours=1))
+    releasing = NodeLaunch.objects.create(pool=other_pool, state=LaunchState.RELEASING, provider_id="m-idle",
+                                          deadline_at=now, reason="empty for 60 s (pool b-other)")
+    slow, fine = HangingProvider(), RecordingProvider()
+    for _ in range(2):
+        with pytest.raises(WorkerKilled):
+            pools.provision_tick(provider_for=lambda name: slow if name == "ec2" else fine)
+    releasing.refresh_from_db()
+    assert fine.terminated == ["m-idle"] and releasing.state == LaunchState.TERMINATED

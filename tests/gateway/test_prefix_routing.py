@@ -42,6 +42,30 @@ def test_a_message_of_many_parts_is_read_only_as_far_as_its_prefix(monkeypatch):
     assert key == routing.prefix_key("chat", {"model": "m", "messages": [{"role": "user", "content": [image] * 100}]})
 
 
+class CountedToken(int):
+    """A token id that counts its own reading as text."""
+
+    read: list = []
+
+    def __str__(self):
+        self.read.append(1)
+        return int.__repr__(self)
+
+
+def test_a_completions_prompt_of_token_ids_is_read_only_as_far_as_its_prefix():
+    # Every id of the prompt was written out as text for a key that reads its first 256 characters: 500,000 ids (an
+    # 8 MiB body, admitted whatever the endpoint's context) held the gateway's event loop ~0.2 s, every tenant's calls on
+    # that process waiting, at each such request.
+    CountedToken.read.clear()
+    prompt = [CountedToken(1000 + i % 500) for i in range(200_000)]
+
+    key = routing.prefix_key("completion", {"model": "m", "prompt": prompt})
+
+    assert key is not None and len(CountedToken.read) <= routing.PREFIX_CHARS
+    assert key == routing.prefix_key("completion", {"model": "m", "prompt": [1000 + i for i in range(400)]})
+    assert key == routing.prefix_key("completion", {"model": "m", "prompt": [[1000 + i % 500 for i in range(9000)]]})
+
+
 def test_chats_sharing_a_system_prompt_share_a_prefix_key_and_short_prompts_have_none():
     first = routing.prefix_key("chat", _chat(SYSTEM, "How do I rotate a key?"))
     assert first == routing.prefix_key("chat", _chat(SYSTEM, "Why was I billed twice?"))
