@@ -19,9 +19,9 @@ Metering: an embedding has input tokens only, billed at the endpoint's input pri
 from __future__ import annotations
 
 from endpoints.gateway import errors
+from endpoints.gateway.token_ids import are_token_ids, is_int
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
-MAX_TOKEN_ID = 2**31 - 1
 ENCODING_FORMATS = frozenset({"float", "base64"})
 EMBEDDING = "embedding"  # the request kind (`endpoints.gateway.request.KINDS`)
 EMBED_TASK = "embed"  # `protocol.ModelTask.EMBED` (the gateway reads the endpoint's value as a string)
@@ -37,7 +37,7 @@ def check_payload(payload: dict) -> None:
             f"Invalid value for 'encoding_format': expected one of {', '.join(sorted(ENCODING_FORMATS))}.",
             param="encoding_format", code="invalid_value")
     dimensions = payload.get("dimensions")
-    if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
+    if dimensions is not None and (not is_int(dimensions) or dimensions < 1):
         raise errors.invalid_request("Invalid value for 'dimensions': expected a positive integer.",
                                      param="dimensions", code="invalid_value")
     if payload.get("user") is not None and not isinstance(payload["user"], str):
@@ -55,15 +55,15 @@ def _check_input(value) -> None:
         raise _invalid_input("'input' must be a non-empty string or array.")
     # NOTE: a flat array of token ids is one input, as a string is: its length is the engine's to judge (OpenAI takes
     # 8191 tokens an input), not a count of inputs.
-    if len(value) > MAX_INPUTS and not _are_token_ids(value):
+    if len(value) > MAX_INPUTS and not are_token_ids(value):
         raise _invalid_input(f"'input' has {len(value)} items; at most {MAX_INPUTS} may be embedded in one request.")
     if all(isinstance(item, str) for item in value):
         if not all(value):
             raise _invalid_input("'input' must not contain empty strings.")
         return
-    if _are_token_ids(value):
+    if are_token_ids(value):
         return
-    if all(isinstance(item, list) and item and _are_token_ids(item) for item in value):
+    if all(isinstance(item, list) and item and are_token_ids(item) for item in value):
         return
     raise errors.invalid_request(
         "Invalid type for 'input': expected a string, an array of strings, an array of token ids or an array "
@@ -72,14 +72,6 @@ def _check_input(value) -> None:
 
 def _invalid_input(message: str) -> errors.OpenAIError:
     return errors.invalid_request(message, param="input", code="invalid_value")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _are_token_ids(items: list) -> bool:
-    return all(_is_int(item) and 0 <= item <= MAX_TOKEN_ID for item in items)
 
 
 def refuse_wrong_task(kind: str, endpoint) -> None:

@@ -31,6 +31,7 @@ import msgspec
 
 from controlplane import lone_surrogates
 from endpoints.gateway import content_parts, embeddings, errors, estimate, fields, media_uuids, responses, sse
+from endpoints.gateway.token_ids import are_token_ids, is_int
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Objects, arrays and separators (`{`, `[`, `,`, counted in the raw bytes, strings included) a body may hold.
@@ -52,7 +53,6 @@ MAX_STOP_TOKEN_IDS = MAX_STOP_SEQUENCES
 MAX_BAD_WORDS = MAX_STOP_SEQUENCES
 MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
-MAX_TOKEN_ID = 2**31 - 1
 INT64 = 2**63
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
@@ -189,7 +189,7 @@ def client_priority(payload: dict, max_boost: int | None) -> int:
     value = payload.get("priority")
     if value is None:
         return INTERACTIVE_PRIORITY
-    if not _is_int(value):
+    if not is_int(value):
         raise _wrong_type("priority", "an integer")
     if max_boost is None:
         raise errors.invalid_request(
@@ -341,10 +341,6 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -474,18 +470,14 @@ def _check_prompt(prompt) -> None:
         return
     if not isinstance(prompt, list) or not prompt:
         raise errors.invalid_request("'prompt' must be a string or a non-empty array.", param="prompt")
-    if len(prompt) > MAX_PROMPTS and not _are_token_ids(prompt):
+    if len(prompt) > MAX_PROMPTS and not are_token_ids(prompt):
         raise errors.invalid_request(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} may be completed in one "
                                      "request.", param="prompt")
-    if all(isinstance(item, str) for item in prompt) or _are_token_ids(prompt):
+    if all(isinstance(item, str) for item in prompt) or are_token_ids(prompt):
         return
-    if all(isinstance(item, list) and item and _are_token_ids(item) for item in prompt):
+    if all(isinstance(item, list) and item and are_token_ids(item) for item in prompt):
         return
     raise _wrong_type("prompt", "a string, an array of strings, an array of token ids or an array of arrays of token ids")
-
-
-def _are_token_ids(items: list) -> bool:
-    return all(_is_int(item) and 0 <= item <= MAX_TOKEN_ID for item in items)
 
 
 # --- the other fields ---------------------------------------------------------------------------
@@ -506,7 +498,7 @@ def _object(value, param: str) -> None:
 
 def _integer(low: int | None = None, high: int | None = None) -> Callable:
     def check(value, param: str) -> None:
-        if not _is_int(value):
+        if not is_int(value):
             raise _wrong_type(param, "an integer")
         if (low is not None and value < low) or (high is not None and value > high):
             raise _out_of_range(param, _range_text(low, high, "an integer"))
@@ -533,12 +525,12 @@ def _range_text(low, high, what: str) -> str:
 
 
 def _positive_tokens(value, param: str) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise errors.invalid_request(f"'{param}' must be a positive integer.", param=param, code="invalid_type")
 
 
 def _n(value, param: str) -> None:
-    if not _is_int(value) or not 1 <= value <= MAX_N:
+    if not is_int(value) or not 1 <= value <= MAX_N:
         raise errors.invalid_request(f"'n' must be an integer from 1 to {MAX_N}.", param=param)
 
 
@@ -560,7 +552,7 @@ def _bad_words(value, param: str) -> None:
 
 def _token_id_list(max_items: int) -> Callable:
     def check(value, param: str) -> None:
-        if not isinstance(value, list) or not _are_token_ids(value):
+        if not isinstance(value, list) or not are_token_ids(value):
             raise _wrong_type(param, "an array of token ids")
         if len(value) > max_items:
             raise _out_of_range(param, f"at most {max_items} token ids")
