@@ -226,6 +226,13 @@ class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
 
+    # NOTE: the answer is not the request's shape: before, the schema said `spend_cap` alone (the request's serializer)
+    # and the answer held `key` too, which a client generated from the schema never read.
+    @extend_schema(responses=inline_serializer("KeySpendCap", {
+        "key": serializers.CharField(help_text="The key's prefix as listed (`ip_…`), never its secret."),
+        "spend_cap": serializers.DecimalField(max_digits=12, decimal_places=2, allow_null=True,
+                                              help_text="Monthly hard cap in USD; null: none."),
+    }))
     def patch(self, request, key_id: int):
         api_key = get_object_or_404(ApiKey.objects.for_org(self.organization), pk=key_id)
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Exists, F
 from django.utils import timezone
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
@@ -80,8 +80,10 @@ ENDPOINT_NAMED_AS_ADAPTER = "This endpoint has an adapter with this name: its en
 
 @transaction.atomic
 def create_adapter(actor: Actor, endpoint: Endpoint, **spec) -> Adapter:
-    # NOTE: the count and the name, checked again under the endpoint's lock: both may have changed since the serializer
-    Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint.pk).first()
+    # NOTE: the count and the name, checked again under the endpoint's lock: both may have changed since the serializer;
+    # and the endpoint itself, deleted meanwhile (before, the adapter was added to it once the deletion committed: a 201)
+    if Endpoint.objects.live().select_for_update(no_key=True).filter(pk=endpoint.pk).first() is None:
+        raise NotFound("No such endpoint.")
     if Adapter.objects.filter(endpoint=endpoint).count() >= MAX_ADAPTERS:
         raise ValidationError({"endpoint": [TOO_MANY_ADAPTERS]})
     hold_credential(spec.get("credential"))

@@ -2,16 +2,22 @@
 endpoint cannot serve, listed with the `model` calls name, deleted; another organisation's endpoint
 is a 404; the replica spec carries them to the agent, and an agent's reports show on the adapter."""
 
-import pytest
+import threading
 
-from endpoints import adapters
+import pytest
+from django.db import connection, transaction
+
+from controlplane.accounts.services import SYSTEM
+from endpoints import adapters, services
 from endpoints import serializers as endpoint_serializers
 from endpoints.adapters import record_replica_adapters, want_adapter
 from endpoints.fleet.services import desired_replicas, replica_spec
 from endpoints.models import Adapter, ModelCredential, ModelFacts, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
+from tests.conftest import wait_until
 from tests.factories import EndpointFactory, OrganizationFactory, make_credential
+from tests.test_roles import _waiting_on_a_lock
 
 pytestmark = pytest.mark.django_db
 
@@ -204,3 +210,29 @@ def test_the_migration_clears_the_prices_tenants_had_set_on_their_adapters(owner
     migration.clear_tenant_prices(apps, None)
     adapter = Adapter.objects.get(pk=created["id"])
     assert (adapter.price_input_per_million, adapter.price_output_per_million) == (None, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_adapter_added_while_its_endpoint_is_deleted_is_a_404_and_leaves_no_row(owner_client, lora_endpoint):
+    """Before, the adapter's create read the endpoint live, then waited on its row for the deletion and, once it
+    committed, added the adapter to the deleted endpoint anyway: a 201, and an adapter, event and audit row on it."""
+    deleted, done = threading.Event(), threading.Event()
+
+    def delete_and_hold():
+        try:
+            with transaction.atomic():
+                services.delete_endpoint(SYSTEM, lora_endpoint)
+                deleted.set()
+                wait_until(_waiting_on_a_lock, 60, message="the adapter's create to wait on the endpoint")
+        finally:
+            connection.close()
+            done.set()
+
+    threading.Thread(target=delete_and_hold).start()
+    assert deleted.wait(30)
+    created = owner_client.post(url(lora_endpoint), ADAPTER, format="json")
+    assert done.wait(60)
+
+    assert created.status_code == 404, created.content
+    assert not Adapter.objects.exists()
+    assert owner_client.get(url(lora_endpoint)).status_code == 404

@@ -93,3 +93,23 @@ def test_a_credential_whose_creator_was_deleted_is_listed_as_the_schema_says(cal
     shown = call("GET", f"/api/v1/credentials/{credential.pk}/")
 
     assert [row["created_by"] for row in listed["results"]] == [None] and shown["created_by"] is None
+
+
+def _documented_properties(method: str, template: str) -> set[str]:
+    schema = public_schema()
+    answer = schema["paths"][template][method]["responses"]["200"]["content"]["application/json"]["schema"]
+    if "$ref" in answer:
+        answer = schema["components"]["schemas"][answer["$ref"].rsplit("/", 1)[1]]
+    return set(answer["properties"])
+
+
+def test_a_keys_spend_cap_answer_holds_the_fields_the_schema_documents_and_no_secret(call):
+    """Before, the schema documented `spend_cap` alone and the answer held `key` too: a client generated from the
+    schema (a strict one, or one that drops what it does not know) never saw which key was capped."""
+    key = create_api_key(Actor(user=call.owner), call.organization, name="capped", scopes=[Scope.INFERENCE])
+
+    answer = call("PATCH", f"/api/v1/billing/keys/{key.api_key.pk}/", body={"spend_cap": "5.00"}, media_type="application/json")
+
+    assert set(answer) == _documented_properties("patch", "/api/v1/billing/keys/{key_id}/") == {"key", "spend_cap"}
+    assert answer["key"] == key.api_key.display_prefix and answer["spend_cap"] == "5.00"
+    assert key.plain not in str(answer)

@@ -116,11 +116,17 @@ def check(payload: dict, kind: str) -> None:
 
 
 def _refuse_best_of_past_n(payload: dict) -> None:
-    """`best_of` above `n`: vLLM's completions ignore it and return `n` choices, not the best of more."""
+    """`best_of` above `n`: vLLM's completions ignore it and return `n` choices, not the best of more. Below `n`:
+    OpenAI and vLLM refuse it (the best 1 of 3 cannot be 3 choices); before, it passed and the engine returned `n`."""
     best_of, n = payload.get("best_of"), payload.get("n") or 1
-    if best_of is not None and isinstance(n, int) and isinstance(best_of, int) and best_of > n:
+    if best_of is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, best_of)):
+        return  # NOTE: a wrong type is `request`'s 400, with its own message
+    if best_of > n:
         raise errors.invalid_request(f"'best_of' ({best_of}) above 'n' ({n}) is not supported: the engine returns "
                                      "'n' choices; ask for more with 'n'.", param="best_of", code="unsupported_parameter")
+    if best_of < n:
+        raise errors.invalid_request(f"'best_of' must be greater than or equal to 'n': got best_of={best_of} and n={n}.",
+                                     param="best_of", code="invalid_value")
 
 
 def printable(name: str) -> str:

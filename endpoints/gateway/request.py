@@ -176,6 +176,10 @@ def parse_payload(body: bytes, kind: str) -> dict:
         # it ran.
         raise errors.invalid_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                                      param="stream_options", code="invalid_value")
+    if kind == "chat" and payload.get("top_logprobs") and not payload.get("logprobs"):
+        # NOTE: the same: vLLM refuses it (and OpenAI), once the call was admitted, counted and its endpoint woken.
+        raise errors.invalid_request("Invalid value for 'top_logprobs': 'logprobs' must be set to true when "
+                                     "'top_logprobs' is used.", param="top_logprobs", code="invalid_value")
     return payload
 
 

@@ -2,8 +2,8 @@
 
 An endpoint that FAILED (its replicas failed the same way until the scheduler gave up, or the
 model cannot run its spec) answers 503 `endpoint_failed` with its status message; one WAITING FOR
-CAPACITY (no node has room for a replica) answers 503 `capacity_unavailable` with `Retry-After`,
-unless the client asked to wait for capacity with the header `X-Inferplane-Wait-For-Capacity: true`:
+CAPACITY (no node has room for a replica) answers 503 `capacity_unavailable` with `x-should-retry: false` and
+`Retry-After` = the soonest another try could see room (`capacity_retry_after_s`), unless the client asked to wait for capacity with the header `X-Inferplane-Wait-For-Capacity: true`:
 then it is held like any cold start, up to the endpoint's `cold_start_timeout_s`. One BACKING OFF after failures
 (`Endpoint.next_attempt_at`) past its `cold_start_timeout_s`, with no replica starting, answers 503
 `endpoint_backing_off` with its status message and `Retry-After` = the time left.
@@ -18,12 +18,24 @@ from __future__ import annotations
 import math
 import time
 
+from django.conf import settings
+
 from endpoints.gateway import errors
-from endpoints.gateway.directory import EndpointInfo, find_endpoint
+from endpoints.gateway.directory import ENDPOINT_CACHE_S, EndpointInfo, find_endpoint
 
 WAIT_FOR_CAPACITY_HEADER = "x-inferplane-wait-for-capacity"
-CAPACITY_RETRY_AFTER_S = 30
 FAILED_RETRY_AFTER_S = 300
+
+
+def capacity_retry_after_s() -> int:
+    """`Retry-After` of `capacity_unavailable`: the scheduler's next try to place a replica (an autoscaler tick) and
+    this gateway's view of the endpoint catching up with it (`ENDPOINT_CACHE_S`); no try sooner can see room.
+
+    NOTE: with `x-should-retry: false`: room frees when another endpoint scales down or a node joins, minutes apart or
+    never, so the OpenAI clients' own retries (two by default, more where a caller raised `max_retries`) only held the
+    caller's thread; before, `Retry-After: 30` made openai-python sleep 30 s twice and then fail anyway. A client that
+    wants to wait sends `X-Inferplane-Wait-For-Capacity: true` and is held as a cold start."""
+    return math.ceil(settings.AUTOSCALER_TICK_S + ENDPOINT_CACHE_S)
 
 
 def wants_to_wait(headers: dict[str, str]) -> bool:
@@ -59,5 +71,6 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
         raise errors.OpenAIError(
             503, f"The endpoint '{endpoint.name}' has no replica and is {reason}. Retry later, or send "
                  "'X-Inferplane-Wait-For-Capacity: true' to wait up to its cold-start timeout.",
-            type="server_error", code="capacity_unavailable", headers={"retry-after": str(CAPACITY_RETRY_AFTER_S)},
+            type="server_error", code="capacity_unavailable",
+            headers={"retry-after": str(capacity_retry_after_s()), "x-should-retry": "false"},
         )

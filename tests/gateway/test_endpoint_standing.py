@@ -3,6 +3,7 @@
 import threading
 
 import httpx
+import openai
 import pytest
 from django.utils import timezone
 
@@ -12,7 +13,7 @@ from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import counting_openai_client, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -48,7 +49,21 @@ def test_a_call_to_an_endpoint_waiting_for_capacity_fails_fast_with_retry_after_
     error = response.json()["error"]
     assert error["code"] == "capacity_unavailable"
     assert NO_ROOM in error["message"] and "X-Inferplane-Wait-For-Capacity" in error["message"]
-    assert int(response.headers["retry-after"]) == 30
+    # The soonest another try could see room: the scheduler's next tick, and this gateway's view catching up.
+    assert 1 <= int(response.headers["retry-after"]) <= 10
+    assert response.headers["x-should-retry"] == "false"
+
+
+def test_the_official_client_is_told_of_no_capacity_at_once_instead_of_sleeping_to_retry(gateway, tenant, monkeypatch):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, min_replicas=1,
+                              waiting_for_capacity=True, status_message=NO_ROOM)
+    client, sent, slept = counting_openai_client(f"{gateway}/v1", tenant.key, monkeypatch)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2)
+    assert raised.value.status_code == 503 and raised.value.code == "capacity_unavailable"
+    assert NO_ROOM in raised.value.message
+    # Before: `Retry-After: 30`, honoured by the client: two sleeps of 30 s, then the same 503.
+    assert len(sent) == 1 and slept == []
 
 
 def test_a_client_that_asks_to_wait_for_capacity_is_held_until_a_replica_is_ready(gateway, tenant, start_mock_upstream):

@@ -115,6 +115,33 @@ def test_every_kind_has_an_allowlist_with_its_model_and_prompt():
     assert {"model", "input"} <= ACCEPTED["embedding"] and "messages" not in ACCEPTED["embedding"]
 
 
+def test_top_logprobs_without_logprobs_is_a_400_naming_top_logprobs_as_the_engine_would_answer_later():
+    """vLLM refuses `top_logprobs` above 0 without `logprobs: true` (so does OpenAI); before, the gateway passed it:
+    the call was admitted, counted and its endpoint woken to be refused, and a batch line so made failed as it ran."""
+    refusal = _refusal(CHAT | {"top_logprobs": 2}, "chat")
+
+    assert (refusal.status, refusal.param, refusal.code) == (400, "top_logprobs", "invalid_value")
+    assert "'logprobs' must be set to true" in refusal.message
+    assert parse_payload(json.dumps(CHAT | {"top_logprobs": 2, "logprobs": True}).encode(), "chat")
+    assert parse_payload(json.dumps(CHAT | {"top_logprobs": 0}).encode(), "chat")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_best_of_below_n_is_a_400_naming_best_of_before_anything_is_reserved(gateway, tenant, start_mock_upstream):
+    """OpenAI and vLLM require best_of >= n; before, n=3 with best_of=1 passed and the engine was asked for it."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    body = {"model": endpoint.name, "prompt": "x", "max_tokens": 2, "n": 3, "best_of": 1}
+
+    response = httpx.post(f"{gateway}/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {tenant.key}"})
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "best_of", "invalid_value")
+    assert "greater than or equal to 'n'" in error["message"]
+    assert not UsageRecord.objects.exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_field_never_reaches_the_engine_and_costs_nothing(gateway, tenant, start_mock_upstream):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
