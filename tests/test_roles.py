@@ -624,11 +624,12 @@ def test_an_invitation_accepted_while_0016_judges_it_is_neither_revoked_nor_audi
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("change", ["promote", "remove"])
+@pytest.mark.parametrize("change", ["promote", "remove", "revoke an invitation"])
 def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(change):
     """An admin's role was checked before the organisation's row was locked, and never again: an owner demoting a
-    hostile admin at the moment that admin promoted their second account (or removed a colleague) saw the change go
-    through after the demotion committed (the test saw the accomplice an admin, or the colleague gone)."""
+    hostile admin at the moment that admin promoted their second account (or removed a colleague, or revoked the
+    owner's invitation) saw the change go through after the demotion committed (the test saw the accomplice an
+    admin, the colleague gone, the invitation revoked)."""
     from django.db import transaction
 
     from controlplane.accounts.models import lock_organizations
@@ -638,6 +639,8 @@ def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(c
     MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
     admins = MembershipFactory(organization=organization, user=admin, role=Role.ADMIN)
     others = MembershipFactory(organization=organization, user=other, role=Role.MEMBER)
+    invitation = invitations.invite_member(services.Actor(user=owner), organization, email="new@example.test",
+                                           role=Role.MEMBER)
     answers = []
 
     def admins_request():
@@ -645,8 +648,10 @@ def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(c
             api = signed_in_api_client(admin)
             if change == "promote":
                 answers.append(api.patch(f"/api/v1/members/{others.pk}/", {"role": Role.ADMIN}, format="json"))
-            else:
+            elif change == "remove":
                 answers.append(api.delete(f"/api/v1/members/{others.pk}/"))
+            else:
+                answers.append(api.post(f"/api/v1/invitations/{invitation.pk}/revoke/"))
         finally:
             connection.close()
 
@@ -661,3 +666,4 @@ def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(c
     [answer] = answers
     assert answer.status_code == 403, (answer.status_code, answer.content)
     assert Membership.objects.filter(pk=others.pk, role=Role.MEMBER).exists()
+    assert Invitation.objects.get(pk=invitation.pk).status == "pending"
