@@ -1,5 +1,5 @@
 """Spend alerts: an email to owners and admins at 50, 80 and 100% of the monthly cap, once each per
-period and limit; and one when an unpaid invoice or a disputed payment stops inference (`billing.standing`)."""
+period, again only once the spend passes a threshold of a cap changed since (`_alerted_at_this_spend`); and one when an unpaid invoice or a disputed payment stops inference (`billing.standing`)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,10 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
 
 
 def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, spend_cap: Decimal) -> SpendAlert | None:
-    """The alert's row, claimed by this run to send it; None when it was sent or another run is sending it. One per
-    limit (`spend_cap`): a ceiling that rose in the month warns again at 50, 80 and 100 % of the new one (before, the
-    first limit's claims stood for the month and nobody was warned before the higher one).
+    """The alert's row, claimed by this run to send it; None when it was sent or another run is sending it, or when
+    this threshold alerted in the period at a spend already at or past its share of this cap (`_alerted_at_this_spend`).
+    A ceiling that rose in the month warns again at 50, 80 and 100 % of the new one, once the spend reaches them (before,
+    the first limit's claims stood for the month and nobody was warned before the higher one).
 
     NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips. A claim left unsent for
     `CLAIM_LEFT_AFTER` (its worker was killed between the claim and the email: SIGKILL, OOM, the task's hard time
@@ -84,8 +85,14 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, s
 
     NOTE: a claim's time is PostgreSQL's clock, at its making and its judging: runs go to any worker, and one whose
     clock ran minutes ahead of the claimer's took a claim made a moment before as left, and sent the alert twice."""
+    left_before = ExpressionWrapper(Now() - CLAIM_LEFT_AFTER, output_field=DateTimeField())
     try:
         with transaction.atomic():
+            # NOTE: the account's row lock orders runs that judge one threshold at two caps (the cap changed between
+            # them), so that one of them sees the other's claim.
+            BillingAccount.objects.select_for_update().filter(organization_id=organization_id).first()
+            if _alerted_at_this_spend(organization_id, period_start, threshold, spend_cap, left_before):
+                return None
             return SpendAlert.objects.create(organization_id=organization_id, period_start=period_start,
                                              threshold_percent=threshold, spend=spend, spend_cap=spend_cap,
                                              created_at=Now())
@@ -93,11 +100,23 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, s
         pass
     claim = {"organization_id": organization_id, "period_start": period_start, "threshold_percent": threshold,
              "spend_cap": spend_cap}
-    left_before = ExpressionWrapper(Now() - CLAIM_LEFT_AFTER, output_field=DateTimeField())
     left = SpendAlert.objects.filter(**claim, sent_at__isnull=True, created_at__lt=left_before)
     if left.update(created_at=Now(), spend=spend) != 1:
         return None
     return SpendAlert.objects.get(**claim)
+
+
+def _alerted_at_this_spend(organization_id: int, period_start, threshold: int, spend_cap: Decimal, left_before) -> bool:
+    """Whether `threshold` alerted in the period (sent, or being sent) at a spend at or above `threshold` % of
+    `spend_cap`: the spend has not passed that point since, so an alert now would tell nothing new.
+
+    NOTE: claims were one per distinct cap: an admin setting its cap again and again at or below the spend mailed
+    every owner and admin 50, 80 and 100 % for each value. Now a threshold alerts again in a period only once the spend
+    has grown past its share of the cap of the moment since it last alerted: a cap lowered under the spend alerts
+    nothing new, a cap raised warns again when the spend reaches it."""
+    return SpendAlert.objects.filter(
+        Q(sent_at__isnull=False) | Q(created_at__gte=left_before), organization_id=organization_id,
+        period_start=period_start, threshold_percent=threshold, spend__gte=spend_cap * threshold / 100).exists()
 
 
 def _recipients(organization) -> list[str]:

@@ -972,7 +972,8 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
 
     The first run claims the rollup under its row lock and commits what it sends (`UsageRollup.difference_started_at`,
     `difference_pending`) before calling Stripe: "send as new", "send it again" and "confirm" refuse it from then on,
-    and every later run sends the same (other values are refused). Events go one by one and a run stops at the first
+    and every later run sends the same (other values are refused). One run sends at a time, and "abandon" waits for
+    it (`_claim_difference`). Events go one by one and a run stops at the first
     that fails, so at most one (the first not recorded) may be in Stripe without a record. A run again within
     `IDENTIFIER_TRUSTED_FOR` of the claim sends it again (Stripe refuses its identifier if it has it); later Stripe may
     not, and the run is refused until the operator says whether Stripe has that event (`pending_in_stripe`: True, it
@@ -996,15 +997,27 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
                                 "no longer has; nothing sent")
     subscription_id = ensure_subscription(
         UsageRollup.objects.values_list("organization_id", flat=True).get(pk=rollup_id))
-    rollup, due, difference = _claim_difference(rollup_id, stripe_has, stripe_customer_id.strip(), customer_id,
-                                                subscription_id, pending_in_stripe)
+    rollup, due, difference, sending_since = _claim_difference(rollup_id, stripe_has, stripe_customer_id.strip(),
+                                                               customer_id, subscription_id, pending_in_stripe)
     ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
     sent = set(MeterEventPush.objects.filter(
         identifier__in=[difference_identifier(rollup, name) for name in ours]).values_list("identifier", flat=True))
-    for meter in due:
-        value = ours[meter.event_name] - difference.stripe_has[meter.event_name]
-        if value != 0 and difference_identifier(rollup, meter.event_name) not in sent:
-            _send_difference(rollup, meter, value, difference.customer_id, difference.timestamp)
+    try:
+        for meter in due:
+            value = ours[meter.event_name] - difference.stripe_has[meter.event_name]
+            if value != 0 and difference_identifier(rollup, meter.event_name) not in sent:
+                # NOTE: each event only while this run still holds the claim (`_claim_difference`), renewed by a
+                # conditional update: once another run took it over (this one's stale) none is sent, and nothing
+                # more is recorded or marked by this run.
+                renewed = timezone.now()
+                if not UsageRollup.objects.filter(pk=rollup.pk, push_claimed_at=sending_since,
+                                                  difference_started_at__isnull=False).update(push_claimed_at=renewed):
+                    return 0
+                sending_since = renewed
+                _send_difference(rollup, meter, value, difference.customer_id, difference.timestamp)
+    except BaseException:
+        UsageRollup.objects.filter(pk=rollup.pk, push_claimed_at=sending_since).update(push_claimed_at=None)
+        raise
     with transaction.atomic():
         BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id).first()
         marked = held_as_duplicate(UsageRollup.objects.filter(pk=rollup.pk, difference_started_at__isnull=False)).update(
@@ -1026,15 +1039,23 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
 
 
 def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_customer_id: str, customer_id: str,
-                      subscription_id: str, pending_in_stripe: bool | None) -> tuple[UsageRollup, list[Meter], _Difference]:
+                      subscription_id: str, pending_in_stripe: bool | None
+                      ) -> tuple[UsageRollup, list[Meter], _Difference, datetime]:
     """Claim the rollup for `send_held_difference`, in a transaction of its own under its row lock, committed before
-    any of its events is sent; the rollup, its meters and what the run sends (fixed by the first run). Raises
-    `DifferenceRefused`."""
+    any of its events is sent; the rollup, its meters, what the run sends (fixed by the first run) and the moment this
+    run's claim to send was taken (`push_claimed_at`, unused while a rollup is held). Raises `DifferenceRefused`.
+
+    NOTE: one run sends at a time, and "abandon" (`abandon_held_difference`) is refused while one does: before, a run
+    sending (its lost event truthfully answered "not in Stripe") and an abandon answered the same at the same moment
+    both went through, and the run's event was in Stripe and recorded after the claim was cleared (the next run, with
+    other values, took it for its own). A run that died holds it at most `BILLING_CLAIM_TIMEOUT_S`."""
     with transaction.atomic():
         rollup = held_as_duplicate(UsageRollup.objects.select_for_update().filter(pk=rollup_id)).first()
         if rollup is None:
             raise DifferenceRefused(f"rollup {rollup_id} is not held as a duplicate (sent, confirmed or released "
                                     "since?)")
+        now = timezone.now()
+        _refuse_while_sending(rollup, now)
         due = held_difference_meters(rollup)
         ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
         missing = [name for name, value in ours.items() if type(stripe_has.get(name)) is not int
@@ -1053,15 +1074,14 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
         if recorded_on - {customer_id}:
             raise DifferenceRefused(f"this rollup's events were sent to the customer {', '.join(sorted(recorded_on))}, "
                                     f"not the organisation's now ({customer_id}): nothing sent; settle it in Stripe")
-        now = timezone.now()
         if rollup.difference_started_at is None:
             difference = _Difference(entered, customer_id, event_timestamp(
                 rollup.hour_start, _subscription_start(rollup.organization_id, subscription_id)))
             UsageRollup.objects.filter(pk=rollup.pk).update(
-                difference_started_at=now, difference_pending={"stripe_has": difference.stripe_has,
-                                                               "customer_id": customer_id,
-                                                               "timestamp": difference.timestamp})
-            return rollup, due, difference
+                difference_started_at=now, push_claimed_at=now,
+                difference_pending={"stripe_has": difference.stripe_has, "customer_id": customer_id,
+                                    "timestamp": difference.timestamp})
+            return rollup, due, difference, now
         difference = _Difference(**rollup.difference_pending)
         if entered != difference.stripe_has or difference.customer_id != customer_id:
             raise DifferenceRefused(
@@ -1080,7 +1100,19 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
                 _record_accepted(rollup, meter, identifier, value, difference.customer_id, difference.timestamp, None)
             # NOTE: the clock begins anew: the next event sent is first sent now.
             UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=now)
-        return rollup, due, difference
+        UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=now)
+        return rollup, due, difference, now
+
+
+def _refuse_while_sending(rollup: UsageRollup, now: datetime) -> None:
+    """`DifferenceRefused` while a run of `rollup`'s difference holds its claim to send (`_claim_difference`), unless
+    that run has been silent for `BILLING_CLAIM_TIMEOUT_S` (it died). Under the rollup's row lock."""
+    if rollup.push_claimed_at is not None and now - rollup.push_claimed_at < timedelta(
+            seconds=settings.BILLING_CLAIM_TIMEOUT_S):
+        raise DifferenceRefused(
+            f"a run of this rollup's difference is sending it now (since {rollup.push_claimed_at:%H:%M:%S} UTC): "
+            f"nothing changed; look at the rollup again once it ends (a run that died holds it at most "
+            f"{settings.BILLING_CLAIM_TIMEOUT_S:g} s)")
 
 
 ABANDON_DIFFERENCE_AUDIT_ACTION = "billing.abandon_held_difference"
@@ -1103,6 +1135,7 @@ def abandon_held_difference(actor, rollup_id: int, *, difference_in_stripe: bool
                                                                  pushed_at__isnull=True).first()
         if rollup is None:
             return 0
+        _refuse_while_sending(rollup, timezone.now())  # NOTE: one winner, a run or this (`_claim_difference`)
         recorded = sorted(MeterEventPush.objects.filter(identifier__in=[
             difference_identifier(rollup, meter.event_name) for meter in METERS]).values_list("identifier", flat=True))
         if recorded:
@@ -1119,7 +1152,8 @@ def abandon_held_difference(actor, rollup_id: int, *, difference_in_stripe: bool
                     "Stripe has it; nothing changed")
             raise DifferenceRefused(f"Stripe has {identifier}: the difference cannot be abandoned; finish it (the "
                                     "same values again, answering that Stripe has it)")
-        UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=None, difference_pending=None)
+        UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=None, difference_pending=None,
+                                                        push_claimed_at=None)
         record_audit(actor, Organization.objects.get(pk=rollup.organization_id), ABANDON_DIFFERENCE_AUDIT_ACTION,
                      None, rollups=[rollup.pk], begun_at=rollup.difference_started_at.isoformat(),
                      abandoned=rollup.difference_pending, difference_in_stripe=difference_in_stripe)

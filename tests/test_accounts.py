@@ -1,9 +1,12 @@
 import smtplib
+import statistics
+import time
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.core import mail
+from django.core.mail.backends import locmem
 from django.core.mail.backends.base import BaseEmailBackend
 from django.test import override_settings
 
@@ -114,6 +117,42 @@ def test_a_password_reset_mails_the_address_whether_it_has_an_account_or_not(cli
     assert num_mailed == [1, 1]
     no_account = mail.outbox[-1]
     assert no_account.to == ["nobody@victim.test"] and "/signup/" in no_account.body and "/reset/" not in no_account.body
+
+
+class _SlowRelay(locmem.EmailBackend):
+    """A relay's round trips: 50 ms a message."""
+
+    def send_messages(self, messages):
+        time.sleep(0.05)
+        return super().send_messages(messages)
+
+
+@override_settings(EMAIL_BACKEND="tests.test_accounts._SlowRelay")
+def test_a_password_reset_past_the_no_account_budget_takes_as_long_as_one_that_mails_a_link(client):
+    """An attacker timing the reset form (many samples, medians): past its daily no-account mails an address without
+    an account was mailed nothing and answered at once, one with an account after the relay's round trips (the test saw
+    medians about 50 ms apart): who has an account, in six resets over two hours. Now it takes as long as a reset that
+    mailed (one of their recent times), mailing nothing."""
+    from controlplane.accounts import throttle
+
+    num_samples = 9
+    allowed = next(limit for limit in throttle.NO_ACCOUNT_MAILS).num_attempts
+    for n in range(num_samples):
+        get_user_model().objects.create_user(username=f"ceo{n}@victim.test", email=f"ceo{n}@victim.test")
+        for _ in range(allowed):
+            throttle.take(throttle.NO_ACCOUNT_MAILS, {"email": f"nobody{n}@victim.test"})
+    took = {"account": [], "none": []}
+    for n in range(num_samples):  # interleaved, each from an address of its own (within the form's own limits)
+        for kind, email in (("account", f"ceo{n}@victim.test"), ("none", f"nobody{n}@victim.test")):
+            started = time.perf_counter()
+            response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.9.{n}.{len(kind)}")
+            took[kind].append(time.perf_counter() - started)
+            assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+
+    assert sorted(m.to[0] for m in mail.outbox) == sorted(f"ceo{n}@victim.test" for n in range(num_samples))
+    medians = {kind: statistics.median(times) for kind, times in took.items()}
+    assert medians["account"] >= 0.05
+    assert abs(medians["account"] - medians["none"]) < 0.02, medians
 
 
 class _RelayDown(BaseEmailBackend):

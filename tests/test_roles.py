@@ -621,3 +621,49 @@ def test_an_invitation_accepted_while_0016_judges_it_is_neither_revoked_nor_audi
                                                 at_a_lock=False)
     assert Invitation.objects.get(pk=sent.pk).revoked_at is None
     assert not AuditEvent.objects.filter(action="invitation.revoke").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["promote", "remove", "revoke an invitation"])
+def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(change):
+    """An admin's role was checked before the organisation's row was locked, and never again: an owner demoting a
+    hostile admin at the moment that admin promoted their second account (or removed a colleague, or revoked the
+    owner's invitation) saw the change go through after the demotion committed (the test saw the accomplice an
+    admin, the colleague gone, the invitation revoked)."""
+    from django.db import transaction
+
+    from controlplane.accounts.models import lock_organizations
+
+    organization = OrganizationFactory()
+    owner, admin, other = UserFactory(), UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    admins = MembershipFactory(organization=organization, user=admin, role=Role.ADMIN)
+    others = MembershipFactory(organization=organization, user=other, role=Role.MEMBER)
+    invitation = invitations.invite_member(services.Actor(user=owner), organization, email="new@example.test",
+                                           role=Role.MEMBER)
+    answers = []
+
+    def admins_request():
+        try:
+            api = signed_in_api_client(admin)
+            if change == "promote":
+                answers.append(api.patch(f"/api/v1/members/{others.pk}/", {"role": Role.ADMIN}, format="json"))
+            elif change == "remove":
+                answers.append(api.delete(f"/api/v1/members/{others.pk}/"))
+            else:
+                answers.append(api.post(f"/api/v1/invitations/{invitation.pk}/revoke/"))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=admins_request)
+    with transaction.atomic():  # the owner's demotion, holding the organisation's row
+        lock_organizations([organization.pk])
+        thread.start()  # past its role's check (the demotion is not committed), then queued on the row
+        wait_until(_waiting_on_a_lock, 30, message="the admin's change to queue on the organisation's row")
+        members.change_member_role(services.Actor(user=owner), admins, role=Role.MEMBER)
+    thread.join(60)
+
+    [answer] = answers
+    assert answer.status_code == 403, (answer.status_code, answer.content)
+    assert Membership.objects.filter(pk=others.pk, role=Role.MEMBER).exists()
+    assert Invitation.objects.get(pk=invitation.pk).status == "pending"

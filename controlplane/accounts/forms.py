@@ -1,6 +1,9 @@
 """Console forms. Where an API serializer holds the rules, the form only renders and shows its errors."""
 
+import random
+import time
 import unicodedata
+from collections import deque
 from datetime import timedelta
 
 from django import forms
@@ -20,8 +23,8 @@ class PasswordResetForm(auth_forms.PasswordResetForm):
     """Django's, which mails an address with an account (able to log in) its link, bounded only by the form's limits
     per typed address (`throttle.PASSWORD_RESET`), and one without that no account has it (`signup.send_no_account_email`,
     a daily budget of its own per mailbox): the answer, and its time (one mail sent either way), alike whichever it is.
-    Past that budget an address without an account is mailed nothing and answered sooner: telling so takes six
-    resets of that address over two hours, each mailing it.
+    Past that budget an address without an account is mailed nothing, and answered after as long as a reset that
+    mailed takes (`_as_long_as_a_reset_that_mailed`).
 
     NOTE: the reset's mails were once sent off the request by a Celery task (the answer at once); a review found that
     a flood of resets with the relay slow then held the default queue's slots the autoscaler and cold-start wakes
@@ -29,11 +32,34 @@ class PasswordResetForm(auth_forms.PasswordResetForm):
     bounded by `EMAIL_TIMEOUT`, a slow relay holds only the asker's own request."""
 
     def save(self, domain_override=None, use_https=False, request=None, **kwargs):
+        started = time.monotonic()
         email = self.cleaned_data["email"]
         if next(iter(self.get_users(email)), None) is None:
-            send_no_account_email(email)
+            if send_no_account_email(email):
+                _reset_times.append(time.monotonic() - started)
+            else:
+                _as_long_as_a_reset_that_mailed(started)
             return
         super().save(domain_override=domain_override, use_https=use_https, request=request, **kwargs)
+        _reset_times.append(time.monotonic() - started)
+
+
+# How long this process's recent resets that mailed took (`PasswordResetForm.save`), a link or "no account" alike.
+_reset_times: deque[float] = deque(maxlen=32)
+# NOTE: the wait of a process that has mailed no reset yet: a relay's few round trips.
+_FIRST_RESET_S = 0.2
+
+
+def _as_long_as_a_reset_that_mailed(started: float) -> None:
+    """Wait until a reset that mailed nothing (an address past its no-account budget, or its mail failed) has taken
+    as long as one of this process's recent resets that mailed, drawn at random (so their times are alike in spread as
+    in median), at most `EMAIL_TIMEOUT`: a reset's time does not tell whether an account has the address.
+
+    NOTE: before, past the budget such an address was answered at once, one with an account after the relay's round
+    trips: an attacker's medians over a few resets told them apart (a review's test: 50 ms apart). The wait holds
+    the request's thread as long as a mail would have: no more than a reset anyone may ask for costs."""
+    wanted = random.choice(_reset_times) if _reset_times else _FIRST_RESET_S  # noqa: S311 (not a secret)
+    time.sleep(max(0.0, min(wanted, settings.EMAIL_TIMEOUT) - (time.monotonic() - started)))
 
 
 class SignUpForm(forms.Form):

@@ -17,14 +17,13 @@ from controlplane.accounts import throttle
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.members import (
     NotPermitted,
-    actor_role,
+    ensure_admin,
     ensure_in_a_session,
     ensure_may_touch_owner_role,
     may_invite,
     remove_member_for_security,
 )
 from controlplane.accounts.models import (
-    ROLE_RANK,
     Invitation,
     Membership,
     Organization,
@@ -77,11 +76,7 @@ def find_invitation(token: str) -> Invitation | None:
 
 
 def _ensure_admin(actor: Actor, organization: Organization, field: str) -> None:
-    if actor.user is None:
-        return
-    role = actor_role(actor, organization)
-    if role is None or ROLE_RANK[Role(role)] < ROLE_RANK[Role.ADMIN]:
-        raise NotPermitted(field, "Only owners and admins may invite members or revoke invitations.")
+    ensure_admin(actor, organization, field, "invite members or revoke invitations")
 
 
 def invite_member(actor: Actor, organization: Organization, *, email: str, role: str) -> Invitation:
@@ -143,6 +138,7 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
         # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
         # organisation's row) and PostgreSQL failed one.
         lock_organizations([invitation.organization_id])
+        _ensure_admin(actor, invitation.organization, "invitation")  # NOTE: again, under it (`members.ensure_admin`)
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:

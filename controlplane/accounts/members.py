@@ -40,6 +40,20 @@ def ensure_in_a_session(actor: Actor, field: str) -> None:
                                      "key: invite, change roles and remove members from the console.")
 
 
+def ensure_admin(actor: Actor, organization: Organization, field: str, doing: str) -> None:
+    """`NotPermitted` unless the acting user is an owner or admin of `organization` (the system always is).
+
+    NOTE: read again under the organisation's row lock where a change of who belongs takes it (`_lock_membership`,
+    `invitations.invite_member`): the views' own check comes before it, and an admin demoted or removed meanwhile (an
+    owner acting on a hostile admin) then still promoted their second account, removed a colleague or invited
+    someone once the demotion committed (a review's finding)."""
+    if actor.user is None:
+        return
+    role = actor_role(actor, organization)
+    if role is None or ROLE_RANK[Role(role)] < ROLE_RANK[Role.ADMIN]:
+        raise NotPermitted(field, f"Only owners and admins may {doing}.")
+
+
 def ensure_may_touch_owner_role(actor: Actor, organization: Organization, *roles: str) -> None:
     """NOTE: only owners grant, take away or remove the owner role."""
     if Role.OWNER not in roles:
@@ -68,6 +82,7 @@ def add_member(actor: Actor, organization: Organization, *, user, role: str) -> 
 def change_member_role(actor: Actor, membership: Membership, *, role: str) -> Membership:
     ensure_in_a_session(actor, "role")
     membership = _lock_membership(membership)
+    ensure_admin(actor, membership.organization, "role", "change members' roles")
     ensure_may_touch_owner_role(actor, membership.organization, role, membership.role)
     _ensure_an_owner_remains(membership, leaving=role != Role.OWNER)
     membership.role = role
@@ -95,6 +110,7 @@ def remove_member(actor: Actor, membership: Membership) -> None:
     those minted): a key acts with its creator's role, so without this the keys came back with a new invitation."""
     ensure_in_a_session(actor, "role")
     membership = _lock_membership(membership)
+    ensure_admin(actor, membership.organization, "role", "remove members")
     ensure_may_touch_owner_role(actor, membership.organization, membership.role)
     _ensure_an_owner_remains(membership, leaving=True)
     _end(actor, membership, reason="member.remove")

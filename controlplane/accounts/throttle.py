@@ -76,7 +76,8 @@ ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
 # form's own limit (3 an hour per address) let one client address mail a stranger 72 times a day. A budget of its
 # own, counted per mailbox (`mailbox`: `victim+1@` and `victim+2@` had a budget each). The reset link has none: it
 # shared this one, and a stranger's 5 resets for `owner+1@`... (no account) spent the owner's links for the day.
-# Past it an address without an account is mailed nothing, answered sooner than one mailed its link (`forms.PasswordResetForm`).
+# Past it an address without an account is mailed nothing, answered after as long as a reset that mails takes
+# (`forms.PasswordResetForm`).
 NO_ACCOUNT_MAILS = (Limit("no-account-mail-email", "email", 5, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the

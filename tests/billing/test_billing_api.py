@@ -139,6 +139,29 @@ def test_spend_alerts_go_out_at_50_80_and_100_percent_once_each_per_period(owner
     assert all(m.to == [owner_client.user.email] for m in mail.outbox)  # owners and admins, not members
 
 
+def test_an_admin_changing_the_cap_again_and_again_past_its_spend_gets_each_alert_once(owner_client):
+    """Alerts were claimed per distinct cap: each new value at or below the spend mailed every owner and admin 50, 80
+    and 100 % again (the test saw 12 mails for four caps). A threshold alerts again in a period only once the spend
+    has passed it at a cap since it last alerted: a cap raised, then reached, still warns."""
+    organization = owner_client.organization
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=2_000_000, completion_tokens=0))  # $2.00
+    for cap in ("1.00", "1.50", "1.90", "1.20"):
+        assert owner_client.patch("/api/v1/billing/", {"spend_cap": cap}, format="json").status_code == 200
+        check_spend_alerts(organization.pk)
+    assert [m.subject.removeprefix(organization.name + " ") for m in mail.outbox] == [
+        "used 50% of its monthly spend cap", "used 80% of its monthly spend cap", "reached its monthly spend cap",
+    ]
+
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("3.00"))  # raised past the spend: 80 % is $2.40
+    assert check_spend_alerts(organization.pk) == []
+    record_usage(usage_report(endpoint, prompt_tokens=500_000, completion_tokens=0))  # $2.50
+    assert check_spend_alerts(organization.pk) == [80]
+    record_usage(usage_report(endpoint, prompt_tokens=500_000, completion_tokens=0))  # $3.00
+    assert check_spend_alerts(organization.pk) == [100]
+    assert "Spend this month: $3.00 of a $3.00 cap" in mail.outbox[-1].body
+
+
 class _WorkerKilled(BaseException):
     """The worker dies here (SIGKILL, OOM, the task's hard time limit): no except clause runs."""
 
