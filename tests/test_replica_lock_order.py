@@ -31,7 +31,7 @@ from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
-from tests.factories import EndpointFactory, MembershipFactory, UserFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory, make_credential
 from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
@@ -365,3 +365,33 @@ def test_a_nodes_heartbeat_is_answered_at_once_while_a_console_edit_waits_for_it
     replica.refresh_from_db()
     assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
 
+
+def test_a_credentials_edit_does_not_wait_for_its_organisations_row(member_client_factory):
+    """A credential's edit (`PATCH /api/v1/credentials/<id>/`) locks no endpoint nor counts a quota: it has no use for
+    its organisation's row. Before, it waited for it (a copy of the endpoint edit's order) behind a key revocation, the
+    seconds it took, and held it meanwhile from every scale-up of that organisation."""
+    organization = EndpointFactory().organization
+    credential = make_credential(organization)
+    owner = member_client_factory(organization)
+    held, answer = threading.Event(), {}
+
+    def hold():
+        with transaction.atomic():
+            lock_organizations([organization.pk])
+            held.set()
+            time.sleep(ORGANIZATION_HELD_S)
+        connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        answer["patch"] = owner.patch(f"/api/v1/credentials/{credential.pk}/", {"region": "us-east-1"}, format="json")
+        answer["seconds"] = time.monotonic() - started
+    finally:
+        holder.join(30)
+    assert answer["patch"].status_code == 200, answer["patch"].content
+    assert answer["seconds"] < 1.5
+    credential.refresh_from_db()
+    assert credential.region == "us-east-1"
