@@ -798,3 +798,35 @@ def test_a_launch_requested_by_a_worker_whose_clock_is_behind_is_not_failed_earl
     tick(provider)  # worker B, on time
     launch.refresh_from_db()
     assert launch.state == LaunchState.LAUNCHING and provider.terminated == []
+
+
+def _register_as(client, join_token: str, name: str):
+    return client.post("/agent/v1/register", {
+        "join_token": join_token, "name": name, "gpu_type": "cpu", "num_gpus": 0, "gpu_memory_mb": 8192,
+        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0"}, content_type="application/json")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_holder_of_a_shared_join_token_registering_under_a_booting_machines_name_does_not_take_it_over(client):
+    """A Kubernetes pool's machine is linked by the node name the provider reports, its agent holding the DaemonSet's
+    shared join token. Before, the tick linked the newest node registered under that name since the launch: anyone else
+    holding the token who registered under it after the machine's own agent became the pool's machine (its launch, its
+    idle timeout, its release), and the machine's real node was left out of the pool."""
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+    machine_name = provider.machines[str(launch.pk)].node_name
+
+    own = _register_as(client, shared, machine_name)
+    other = _register_as(client, shared, machine_name)  # the same token, the same name: a second machine claiming it
+    assert own.status_code == other.status_code == 201
+
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED
+    assert str(launch.node_id) == own.json()["node_id"]
+    assert not NodeLaunch.objects.filter(node_id=other.json()["node_id"]).exists()
+    joined = AuditEvent.objects.get(action="node_launch.join", target_id=str(launch.pk))
+    assert joined.details["also_claimed_by"] == [other.json()["node_id"]]  # staff see the second claim
