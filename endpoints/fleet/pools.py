@@ -122,9 +122,10 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # NOTE: the first node registered under the machine's name since its launch is its agent; a later one is
             # someone else holding the shared token (a DaemonSet's) who claims the name. Before, the newest was linked:
             # registering under a booting machine's name took it over (its launch, idle timeout and release), and the
-            # machine's own node was left out of its pool.
+            # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
+            # retiring a claimant that came first leave the machine to the next.
             claimants = list(unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at)
-                             .order_by("registered_at", "pk")[:10])
+                             .exclude(secret_digest="").order_by("registered_at", "pk")[:10])
             node, contested = (claimants[0], [str(other.pk) for other in claimants[1:]]) if claimants else (None, [])
         if node is not None and launches.link_joined_node(node, launch, now=now):
             record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name,

@@ -830,3 +830,24 @@ def test_another_holder_of_a_shared_join_token_registering_under_a_booting_machi
     assert not NodeLaunch.objects.filter(node_id=other.json()["node_id"]).exists()
     joined = AuditEvent.objects.get(action="node_launch.join", target_id=str(launch.pk))
     assert joined.details["also_claimed_by"] == [other.json()["node_id"]]  # staff see the second claim
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_booting_machines_name_claimed_first_by_a_node_staff_then_retire_goes_to_the_machines_own_agent(client):
+    """Someone holding the shared token who registers under the machine's name before its agent does is linked first;
+    staff retiring that node leave the machine to the next claimant, its own agent, at the next tick."""
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+    machine_name = provider.machines[str(launch.pk)].node_name
+    assert _register_as(client, shared, "a-machine-of-the-fleet").status_code == 201  # the token stays usable
+    first = _register_as(client, shared, machine_name)
+    services.retire_node(SYSTEM, Node.objects.get(pk=first.json()["node_id"]), reason="not our machine")
+    own = _register_as(client, shared, machine_name)
+    assert own.status_code == 201, own.content
+
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
