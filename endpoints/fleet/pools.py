@@ -123,9 +123,14 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # someone else holding the shared token (a DaemonSet's) who claims the name. Before, the newest was linked:
             # registering under a booting machine's name took it over (its launch, idle timeout and release), and the
             # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
-            # retiring a claimant that came first leave the machine to the next.
-            claimants = list(unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at)
-                             .exclude(secret_digest="").order_by("registered_at", "pk")[:10])
+            # retiring a claimant that came first leave the machine to the next. Where the provider knows the hosts
+            # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
+            # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
+            claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
+                secret_digest="")
+            if machine.agent_hosts:
+                claimants = claimants.filter(advertise_host__in=machine.agent_hosts)
+            claimants = list(claimants.order_by("registered_at", "pk")[:10])
             node, contested = (claimants[0], [str(other.pk) for other in claimants[1:]]) if claimants else (None, [])
         if node is not None and launches.link_joined_node(node, launch, now=now):
             record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name,

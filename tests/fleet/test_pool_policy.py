@@ -7,6 +7,7 @@ it was asked: the policy's decisions are what is under test; the real `local` pr
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -800,10 +801,11 @@ def test_a_launch_requested_by_a_worker_whose_clock_is_behind_is_not_failed_earl
     assert launch.state == LaunchState.LAUNCHING and provider.terminated == []
 
 
-def _register_as(client, join_token: str, name: str):
+def _register_as(client, join_token: str, name: str, advertise_host: str = "127.0.0.1"):
     return client.post("/agent/v1/register", {
         "join_token": join_token, "name": name, "gpu_type": "cpu", "num_gpus": 0, "gpu_memory_mb": 8192,
-        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0"}, content_type="application/json")
+        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0", "advertise_host": advertise_host},
+        content_type="application/json")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -848,6 +850,31 @@ def test_a_booting_machines_name_claimed_first_by_a_node_staff_then_retire_goes_
     own = _register_as(client, shared, machine_name)
     assert own.status_code == 201, own.content
 
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_registered_under_a_booting_machines_name_before_its_agent_at_another_host_does_not_take_it(client):
+    """Where the provider knows the agent's host on the machine (Kubernetes: the agent pod's IP), a shared join token's
+    holder who registers under the machine's node name before the machine's own agent is not linked; the agent is,
+    once it registers. Before, the first registered under the name was linked, whatever host it advertised."""
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+    machine = provider.machines[str(launch.pk)]
+    provider.machines[str(launch.pk)] = dataclasses.replace(machine, agent_hosts=("127.0.0.2",))
+
+    first = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.3")
+    assert first.status_code == 201
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.node_id is None and launch.state == LaunchState.LAUNCHING
+
+    own = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.2")
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
