@@ -127,11 +127,11 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
             # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
             claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
-                secret_digest="")
-            if machine.agent_hosts:
-                claimants = claimants.filter(advertise_host__in=machine.agent_hosts)
-            claimants = list(claimants.order_by("registered_at", "pk")[:10])
-            node, contested = (claimants[0], [str(other.pk) for other in claimants[1:]]) if claimants else (None, [])
+                secret_digest="").order_by("registered_at", "pk")
+            eligible = claimants.filter(advertise_host__in=machine.agent_hosts) if machine.agent_hosts else claimants
+            node = eligible.first()
+            if node is not None:
+                contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]
         if node is not None and launches.link_joined_node(node, launch, now=now):
             record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name,
                          **({"also_claimed_by": contested} if contested else {}))

@@ -878,3 +878,5 @@ def test_a_node_registered_under_a_booting_machines_name_before_its_agent_at_ano
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+    joined = AuditEvent.objects.get(action="node_launch.join", target_id=str(launch.pk))
+    assert joined.details["also_claimed_by"] == [first.json()["node_id"]]  # staff see who else claimed it
