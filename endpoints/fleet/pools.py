@@ -134,12 +134,28 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             logger.warning("node pool %s: could not list machines: %s", pool.name, error)
     for launch in booting:
         node = unlinked.filter(join_token_id=launch.join_token_id).first() if launch.join_token_id else None
-        machine = machines.get(str(launch.pk))
+        machine, contested = machines.get(str(launch.pk)), []
         if node is None and machine is not None and machine.node_name:
-            node = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).order_by(
-                "-registered_at").first()
+            # NOTE: the first node registered under the machine's name since its launch is its agent; a later one is
+            # someone else holding the shared token (a DaemonSet's) who claims the name. Before, the newest was linked:
+            # registering under a booting machine's name took it over (its launch, idle timeout and release), and the
+            # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
+            # retiring a claimant that came first leave the machine to the next. Where the provider knows the hosts
+            # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
+            # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
+            claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
+                secret_digest="").order_by("registered_at", "pk")
+            eligible = claimants.filter(advertise_host__in=machine.agent_hosts) if machine.agent_hosts else claimants
+            node = eligible.first()
+            if node is not None:
+                contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]
         if node is not None and launches.link_joined_node(node, launch, now=now):
-            record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name)
+            record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name,
+                         **({"also_claimed_by": contested} if contested else {}))
+            if contested:
+                logger.warning("node pool %s: launch %s linked to node %s, the first registered as %s; also claimed by "
+                               "nodes %s (a shared join token's holder?)", pool.name, launch.pk, node.pk, node.name,
+                               ", ".join(contested))
 
 
 def fail_late_launches(pool: NodePool, provider: Provider, needs: list[Need], now: datetime) -> None:
