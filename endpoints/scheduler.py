@@ -23,6 +23,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane import redis_keys
+from controlplane.clock import database_time_ago
 from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
 from controlplane.redis_scripts import Script
@@ -40,7 +41,7 @@ from endpoints.models import (
     IdleAction,
     Replica,
 )
-from endpoints.nodes.models import Node, NodeSweep, database_time_ago
+from endpoints.nodes.models import Node, NodeSweep
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,

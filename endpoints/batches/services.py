@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
-from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
+from django.db.models import BigIntegerField, F, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
@@ -32,6 +32,7 @@ from billing import usage_writer
 from billing.models import UsageRecord, UsageStatus
 from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
+from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
@@ -200,14 +201,7 @@ def _upload_leased(file: File) -> bool | None:
     in_progress = File.objects.filter(pk=file.pk, stored_at__isnull=True)
     if not in_progress.exists():
         return None
-    return in_progress.filter(upload_lease_until__gt=_ClockNow()).exists()
-
-
-class _ClockNow(Func):
-    """PostgreSQL's clock as the statement reads it (`clock_timestamp()`), not its transaction's start (`Now()`)."""
-
-    template = "CLOCK_TIMESTAMP()"
-    output_field = DateTimeField()
+    return in_progress.filter(upload_lease_until__gt=DatabaseClock()).exists()
 
 
 def abandon_upload(file: File) -> None:

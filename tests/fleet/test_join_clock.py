@@ -11,8 +11,9 @@ from django.utils import timezone
 
 import endpoints.nodes.models as node_models
 from controlplane.accounts.services import SYSTEM
+from controlplane.clock import database_now
 from endpoints.fleet import pools, services
-from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch, database_now
+from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch
 from gpu_agent import protocol
 from tests.fleet.test_pool_policy import RecordingProvider, make_pool, tick, waiting_endpoint
 
