@@ -111,7 +111,7 @@ async def count_engine_failure(batch_id: str, index: int, expires_at: float) -> 
         pipe.hsetnx(key, "first_at", repr(time.time()))
         pipe.hincrby(key, "num", 1)
         pipe.hget(key, "first_at")
-        pipe.expireat(key, int(expires_at) + 1)
+        pipe.expire(key, max(1, int(expires_at - time.time()) + 1))  # NOTE: `expires_at` is on this process's clock
         _, num_failures, first_at, _ = await pipe.execute()
     return int(num_failures), float(first_at)
 
@@ -132,7 +132,7 @@ class Work:
     caller: Caller
     price_fraction: Decimal
     target_concurrency: int
-    expires_at: float  # unix time: no line starts after it
+    expires_at: float  # unix time on this process's clock (`services._on_this_clock`): no line starts after it
 
 
 def _row_around(batch_id: str, line: Line, status_code: int, request_id: str) -> tuple[bytes, bytes]:
