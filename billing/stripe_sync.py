@@ -43,7 +43,7 @@ from datetime import UTC, datetime, timedelta
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, F, IntegerField, Q, Value, When
+from django.db.models import Case, DateTimeField, ExpressionWrapper, F, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from billing import services, standing
@@ -61,6 +61,7 @@ from billing.models import (
 )
 from controlplane.accounts.models import Organization
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import DatabaseClock
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
@@ -769,16 +770,21 @@ def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
     return f"rollup-{rollup.push_uid or rollup.pk}{generation}-{event_name.removeprefix('inferplane_')}"
 
 
-def _claimable(now):
-    stale = now - timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S)
+def _claimable():
+    """Rollups to push that no live push holds: unclaimed, or claimed over `BILLING_CLAIM_TIMEOUT_S` ago.
+
+    NOTE: a claim is stamped and judged by PostgreSQL's clock, never a worker's: a worker 10 minutes ahead took a
+    rollup another was pushing (its events sent by two at once), and a claim by one 10 minutes behind read as stale to
+    every other at once."""
+    stale = ExpressionWrapper(DatabaseClock() - timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S),
+                              output_field=DateTimeField())
     return UsageRollup.objects.pushable().filter(push_held_at__isnull=True).filter(
         Q(push_claimed_at__isnull=True) | Q(push_claimed_at__lt=stale))
 
 
 def claim_rollup(rollup_id: int) -> bool:
     """Take the rollup for pushing; True only for the one worker that wins it."""
-    now = timezone.now()
-    return _claimable(now).filter(pk=rollup_id).update(push_claimed_at=now) == 1
+    return _claimable().filter(pk=rollup_id).update(push_claimed_at=DatabaseClock()) == 1
 
 
 def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
@@ -1311,7 +1317,7 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
 def _push_claimable(*, limit: int, budget_s: float) -> int:
     started = time.monotonic()
     failed_before = Case(When(push_error="", then=Value(0)), default=Value(1), output_field=IntegerField())
-    rollup_ids = list(_claimable(timezone.now()).order_by(failed_before, "hour_start", "sequence")
+    rollup_ids = list(_claimable().order_by(failed_before, "hour_start", "sequence")
                       .values_list("pk", flat=True)[:limit])
     num_pushed = 0
     for index, rollup_id in enumerate(rollup_ids):
