@@ -43,7 +43,7 @@ from datetime import UTC, datetime, timedelta
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, DateTimeField, ExpressionWrapper, F, IntegerField, Q, Value, When
+from django.db.models import Case, F, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from billing import services, standing
@@ -61,7 +61,7 @@ from billing.models import (
 )
 from controlplane.accounts.models import Organization
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.clock import DatabaseClock
+from controlplane.clock import DatabaseClock, database_time_ago
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
@@ -776,8 +776,7 @@ def _claimable():
     NOTE: a claim is stamped and judged by PostgreSQL's clock, never a worker's: a worker 10 minutes ahead took a
     rollup another was pushing (its events sent by two at once), and a claim by one 10 minutes behind read as stale to
     every other at once."""
-    stale = ExpressionWrapper(DatabaseClock() - timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S),
-                              output_field=DateTimeField())
+    stale = database_time_ago(settings.BILLING_CLAIM_TIMEOUT_S)
     return UsageRollup.objects.pushable().filter(push_held_at__isnull=True).filter(
         Q(push_claimed_at__isnull=True) | Q(push_claimed_at__lt=stale))
 

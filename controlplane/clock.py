@@ -33,7 +33,6 @@ from datetime import datetime, timedelta
 
 import redis.exceptions
 from django.db import connection, models
-from django.db.models.functions import Now
 
 from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import CLOCK_SKEWS_KEY
@@ -65,10 +64,10 @@ class DatabaseClock(models.Func):
 
 
 def database_time_ago(seconds: float) -> models.Expression:
-    """`seconds` before now by PostgreSQL's clock, as heartbeats are stamped (`Node.last_heartbeat_at`): a web pod
-    stamped them by its clock and a worker judged them by its own, so a worker ~25 s ahead took every node OFFLINE
-    at every sweep."""
-    return models.ExpressionWrapper(Now() - timedelta(seconds=seconds), output_field=models.DateTimeField())
+    """`seconds` before this moment by PostgreSQL's clock (`DatabaseClock`), as heartbeats are stamped
+    (`Node.last_heartbeat_at`): a web pod stamped them by its clock and a worker judged them by its own, so a worker
+    ~25 s ahead took every node OFFLINE at every sweep. Also what a claim's, a start's or a drain's age is judged by."""
+    return models.ExpressionWrapper(DatabaseClock() - timedelta(seconds=seconds), output_field=models.DateTimeField())
 
 
 class _Checked:
