@@ -1,4 +1,4 @@
-"""The join path judged by PostgreSQL's clock, as a pool's launch times are (`nodes.models.database_now`): a web pod
+"""The join path judged by PostgreSQL's clock, as a pool's launch times are (`controlplane.clock.database_now`): a web pod
 whose clock is off neither fails to link a machine to its launch, nor refuses a launch's token, nor leaves a retired
 node's token open."""
 
