@@ -61,7 +61,7 @@ from billing.models import (
 )
 from controlplane.accounts.models import Organization
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.clock import DatabaseClock, database_time_ago
+from controlplane.clock import DatabaseClock, database_now, database_time_ago
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
@@ -807,7 +807,10 @@ def push_rollup(rollup_id: int) -> bool:
     rollup = UsageRollup.objects.get(pk=rollup_id)
     try:
         due = _unconfirmed(rollup)
-        if due and rollup.push_first_tried_at is not None and timezone.now() - rollup.push_first_tried_at > IDENTIFIER_TRUSTED_FOR:
+        # NOTE: the first try's age by PostgreSQL's clock, as it was stamped (`_push_meter_event`): by the worker's, one
+        # 3 h behind sent again an event first sent 25 h before, which Stripe no longer has to refuse
+        if (due and rollup.push_first_tried_at is not None
+                and database_now() - rollup.push_first_tried_at > IDENTIFIER_TRUSTED_FOR):
             hold_for_review(rollup, due[0])
             return False
         customer_id = ensure_customer(rollup.organization_id)
@@ -1225,7 +1228,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     """
     identifier = meter_event_identifier(rollup, meter.event_name)
     key = _generation_key(UsageRollup, rollup.pk, "push_key_generation", identifier, generation)
-    first_tried_at = timezone.now()
+    first_tried_at = database_now()
     started_clock = UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at__isnull=True).update(
         push_first_tried_at=first_tried_at) == 1
     refusals: list[bool] = []  # for each try that failed: whether Stripe refused it outright

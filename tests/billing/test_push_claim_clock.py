@@ -15,6 +15,7 @@ from billing import stripe_sync
 from billing.ledger import record_usage
 from billing.models import UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.clock import database_now
 from tests.billing.conftest import usage_report
 from tests.factories import EndpointFactory
 
@@ -61,3 +62,19 @@ def test_a_claim_left_past_its_timeout_by_the_database_clock_is_taken_and_pushed
     assert stripe_sync.push_pending_rollups() == 1
     assert [event["event_name"] for event in fake_stripe.meter_events.values()].count("inferplane_usage_cost") == 1
     assert stripe_sync.push_pending_rollups() == 0
+
+
+def test_a_worker_whose_clock_is_behind_holds_a_rollup_whose_unanswered_event_was_first_sent_over_a_day_ago(
+        fake_stripe, monkeypatch):
+    # Before: the first try's time was judged by the worker's clock against `IDENTIFIER_TRUSTED_FOR` (23 h): a worker 3 h
+    # behind read a try 25 h old (Stripe no longer bound to refuse its identifier) as 22 h old and sent it again, where
+    # the customer could be billed twice; it is held for an operator instead.
+    rollup = _closed_rollup()
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_first_tried_at=database_now() - timedelta(hours=25))
+    _this_worker_clock(monkeypatch, timedelta(hours=-3))
+
+    assert stripe_sync.push_pending_rollups() == 0
+
+    rollup.refresh_from_db()
+    assert rollup.push_held_at is not None and rollup.pushed_at is None
+    assert fake_stripe.meter_events == {}
