@@ -37,9 +37,10 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import database_time_ago
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import Machine, Provider, ProviderError, ProviderUnreachable
-from endpoints.nodes.models import NodeLaunch, NodePool, StrayMachine, database_time_ago
+from endpoints.nodes.models import NodeLaunch, NodePool, StrayMachine
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import transaction
 
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import database_now
 from controlplane.redis_client import as_text, get_redis, held_alone, redis_time
 from controlplane.redis_keys import POOLS_TICK_LOCK_KEY, POOLS_TICK_STARTED_KEY
 from endpoints.fleet import launches, pool_release
@@ -48,7 +49,7 @@ from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.models import Endpoint
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool, database_now
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 
 logger = logging.getLogger(__name__)
 
