@@ -691,6 +691,16 @@ def _refresh_key_caps(organization_id: int) -> None:
         refresh_key_limit(organization_id, api_key_id, caps.get(api_key_id))
 
 
+def refresh_key_cap(organization_id: int, api_key_id: int) -> None:
+    """Write a key's cap, as PostgreSQL has it now, to its counter (this month's, if it exists), read under its
+    organisation account's row lock: a cap change (`billing.services.set_key_spend_cap`) writes under that lock and
+    refreshes after it, so whichever of the two comes last writes the newest cap."""
+    with transaction.atomic():
+        BillingAccount.objects.select_for_update().for_organization(organization_id)
+        key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
+        refresh_key_limit(organization_id, api_key_id, key_cap)
+
+
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:
     """Make Redis see a key's changed spend cap (None: no cap) at once."""
     _UPDATE_HASH.run_sync(

@@ -29,7 +29,14 @@ from billing.models import (
 )
 from billing.periods import Period, period_containing
 from billing.quota import replayed
-from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
+from billing.quota.counters import (
+    PERIOD_TTL_S,
+    Reservation,
+    limit_fields,
+    refresh_key_cap,
+    refresh_limits,
+    to_units,
+)
 from billing.quota.server_change import SERVER_LUA
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
@@ -623,6 +630,10 @@ async def _rebuild_counter(what: str, counter: str, organization_id: int, api_ke
             # one organisation's 400 calls after a flush queued another's rebuild behind 400 refreshes (2 s; ~11,000
             # calls: past its window, a 503).
             await in_worker_thread(_limits_again, executor=_rebuild_threads)(organization_id)
+        elif what == "key" and written in (0, 1):
+            # NOTE: so too a key's cap: one set between the rebuild's read and its write found no counter to refresh,
+            # and the key spent past it for the rest of the month (the counter lives `PERIOD_TTL_S`).
+            await in_worker_thread(_limits_again, executor=_rebuild_threads)(organization_id, api_key_id)
     if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
         logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
                        "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
@@ -640,8 +651,11 @@ def _rebuilt(under_way: dict[str, asyncio.Task], counter: str, done: asyncio.Tas
         done.exception()  # NOTE: its callers raise it; one whose callers all left is not logged as never retrieved
 
 
-def _limits_again(organization_id: int) -> None:
-    """NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
+def _limits_again(organization_id: int, api_key_id: int | None = None) -> None:
+    """The organisation counter's limits read again under the account's lock after its rebuild; with `api_key_id`,
+    that key's cap alone after its counter's (`counters.refresh_key_cap`).
+
+    NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
     refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
     the rest of the outage. So does one that waits for the lock longer than `LIMITS_AGAIN_MAX_S` (`_until`): a
@@ -649,7 +663,10 @@ def _limits_again(organization_id: int) -> None:
     and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`)."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
-            refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+            if api_key_id is None:
+                refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+            else:
+                refresh_key_cap(organization_id, api_key_id)
     except DatabaseError as exc:
         logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
                        organization_id, type(exc).__name__)

@@ -169,6 +169,33 @@ def test_a_key_cap_limits_that_key_but_not_its_siblings():
     asyncio.run(scenario())
 
 
+def test_a_key_cap_set_while_the_keys_counter_is_rebuilt_holds_that_key_for_the_month(monkeypatch):
+    # The key's first call of the month (or its first after a Redis flush) rebuilds its counter: the rebuild reads the
+    # key's cap (none), an owner sets it to $0.05 and commits, the cap change's refresh finds no counter to write, and
+    # the rebuild writes the cap it read. Before, the key kept no cap in Redis for the rest of the month (the counter
+    # lives 40 days): its calls went on past the hard cap its owner had just set.
+    organization = OrganizationFactory()
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    build = rebuild._rebuild_from_database
+
+    def build_then_cap_the_key(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "key":
+            set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("0.05"))
+        return read
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_cap_the_key)
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first")
+        with pytest.raises(QuotaExceeded) as refused:
+            await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("1.00"), request_id="over")
+        assert refused.value.reason == "key_cap"
+
+    asyncio.run(scenario())
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
+
+
 def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
     organization = OrganizationFactory()
     endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
