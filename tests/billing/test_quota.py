@@ -563,6 +563,34 @@ def test_a_prepaid_organisation_spends_only_its_credit():
     asyncio.run(scenario())
 
 
+def test_credit_granted_while_the_credit_figure_is_rebuilt_is_spendable_at_once(monkeypatch):
+    # A prepaid organisation's first call after Redis lost the figure rebuilds it: the rebuild reads the grants (2.00),
+    # staff grant 10.00 more and commit, the grant's refresh drops a figure not written yet, and the rebuild writes the
+    # one it read. Before, that figure stood for its whole time (up to an hour): the organisation, having just been
+    # given credit, was refused 402 "Your prepaid credit balance is too low" for calls its credit paid for.
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    get_redis().flushdb()
+    build, granted = rebuild._rebuild_from_database, []
+
+    def build_then_grant(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "credit" and not granted:
+            granted.append(True)
+            grant_credits(SYSTEM, organization, amount=Decimal("10.00"), expires_at=timezone.now() + timedelta(days=30))
+        return read
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_grant)
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="first")
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"), request_id="granted")
+
+    asyncio.run(scenario())
+    assert reads.reserved_now(organization.pk) == Decimal("6.00")
+
+
 def test_credits_expire():
     organization = OrganizationFactory()
     set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
