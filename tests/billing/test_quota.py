@@ -13,10 +13,12 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.core import mail
 from django.db import connections
 from django.utils import timezone
 
 from billing import periods
+from billing.alerts import check_spend_alerts
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
@@ -34,14 +36,14 @@ from billing.quota.counters import (
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
 from controlplane import redis_keys
-from controlplane.accounts.models import ApiKey
+from controlplane.accounts.models import ApiKey, Role
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from endpoints.gateway import admission, presence
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
 from tests.conftest import wait_until
-from tests.factories import EndpointFactory, OrganizationFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory
 from tests.outages import database_read_only
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -152,6 +154,32 @@ def test_an_exhausted_cap_refuses_with_insufficient_quota_and_raising_it_lets_ca
 
     _cap(organization, "5.00")
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=amount, request_id="b"))
+
+
+def test_an_organisation_refused_at_its_cap_is_told_it_reached_it_though_its_spend_stops_short():
+    # Calls are refused when their worst case no longer fits the cap, so spend stops short of it: $0.97 of $1.00 here.
+    # Before, the 100 % alert ("reached its monthly spend cap ... calls are refused") compared the spend alone and
+    # never went out, while every call was refused 402: the one alert that says production stopped never came.
+    organization = OrganizationFactory()
+    owner = MembershipFactory(organization=organization, role=Role.OWNER).user
+    _cap(organization, "1.00")
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=970_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [50, 80]
+
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.05"), request_id="over"))
+    assert refused.value.reason == "org_cap"
+
+    assert check_spend_alerts(organization.pk) == [100]
+    assert mail.outbox[-1].subject == f"{organization.name} reached its monthly spend cap"
+    assert mail.outbox[-1].to == [owner.email]
+    assert "Spend this month: $0.97 of a $1.00 cap." in mail.outbox[-1].body
+    assert check_spend_alerts(organization.pk) == []
+
+    _cap(organization, "2.00")  # a new limit: the refusal under the old one reached nothing of it
+    assert check_spend_alerts(organization.pk) == []
 
 
 def test_a_key_cap_limits_that_key_but_not_its_siblings():
