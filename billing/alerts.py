@@ -35,6 +35,7 @@ from controlplane.accounts.models import Membership, Role
 logger = logging.getLogger(__name__)
 
 THRESHOLDS_PERCENT = (50, 80, 100)
+REACHED_ALERT_AFTER = THRESHOLDS_PERCENT[-2]  # a refusal at the limit counts as 100 % past this one
 # An alert claimed and not sent this long ago was left by a worker that died: well past the task's hard time limit
 # (`billing.tasks.check_spend_alerts`), so the worker that claimed it is gone.
 CLAIM_LEFT_AFTER = timedelta(minutes=5)
@@ -55,8 +56,13 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
         return []
     period = period_containing(now)
     spend = period_spend(organization_id, period)
-    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t or (t == 100 and _refused_at_limit(
-        organization_id, period.key))]
+    crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
+    # NOTE: "reached" on a refusal only once the spend is past the alert before it: one oversized call refused at a
+    # low spend (its worst case alone past the cap) stops nothing else, and mailing every owner "calls are refused"
+    # would be untrue for the calls that still fit.
+    if (crossed and crossed[-1] == REACHED_ALERT_AFTER and 100 not in crossed
+            and _refused_at_limit(organization_id, period.key)):
+        crossed.append(100)
     if not crossed:
         return []
     sent_now = []

@@ -182,6 +182,22 @@ def test_an_organisation_refused_at_its_cap_is_told_it_reached_it_though_its_spe
     assert check_spend_alerts(organization.pk) == []
 
 
+def test_one_oversized_call_refused_at_a_low_spend_tells_nobody_the_cap_is_reached():
+    # A call whose worst case alone is past the cap is refused at any spend; the calls that fit still run, so "reached
+    # its monthly spend cap ... calls are refused" would be untrue (before this rule: mailed to every owner at $0.10).
+    organization = OrganizationFactory()
+    MembershipFactory(organization=organization, role=Role.OWNER)
+    _cap(organization, "1.00")
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=100_000, completion_tokens=0))
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5"), request_id="huge"))
+    assert refused.value.reason == "org_cap"
+    assert check_spend_alerts(organization.pk) == []
+    assert mail.outbox == []
+
+
 def test_a_key_cap_limits_that_key_but_not_its_siblings():
     organization = OrganizationFactory()
     capped, free = (ApiKey.objects.create(organization=organization, name=n, lookup=n, digest="x") for n in ("capped", "free"))
