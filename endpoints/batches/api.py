@@ -313,8 +313,8 @@ def batch_detail(request, caller: Caller, batch_id: str):
 
 @_openai_view
 def batch_cancel(request, caller: Caller, batch_id: str):
-    """Cancel a batch: idempotent as it is (a batch cancelled again is answered as it is now), so an `Idempotency-Key`
-    is checked but saves nothing."""
+    """Cancel a batch: idempotent as it is (a batch cancelled again while `cancelling` is answered as it is now; one
+    that has ended is a 409, `services.cancel_batch`), so an `Idempotency-Key` is checked but saves nothing."""
     if request.method != "POST":
         return _method_not_allowed(request)
     idempotency.key_of(request.headers)

@@ -416,10 +416,18 @@ class _LineModels:
 
 
 def cancel_batch(batch: Batch) -> Batch:
-    """Stop starting new lines; lines in flight finish and what finished is kept (its files written)."""
+    """Stop starting new lines; lines in flight finish and what finished is kept (its files written). A batch already
+    `cancelling` is answered as it is; one that has ended, or is `finalizing` (every line ran: nothing is left to
+    stop), is refused as OpenAI refuses it: a 409 naming its status.
+
+    NOTE: a cancel of an ended batch answered 200 with the batch as it was (`completed`), and the openai client took
+    it for a cancel that was accepted."""
     now = timezone.now()
-    Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
-        status=BatchStatus.CANCELLING, cancelling_at=now)
+    if not Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
+            status=BatchStatus.CANCELLING, cancelling_at=now):
+        status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).get()
+        if status != BatchStatus.CANCELLING:
+            raise Refused(f"Cannot cancel a batch with status '{status}'.", status=409, lasting=True)
     _dispatch_after_commit(batch.pk)
     return Batch.objects.get(pk=batch.pk)
 

@@ -212,7 +212,12 @@ def batch_live(request, batch_id: str):
 @member_required()
 @require_POST
 def batch_cancel(request, batch_id: str):
-    batch = services.cancel_batch(_batch_or_404(request, batch_id))
+    batch = _batch_or_404(request, batch_id)
+    try:
+        batch = services.cancel_batch(batch)
+    except services.Refused as exc:  # it ended (or is finalizing) since its page was shown
+        messages.error(request, exc.message)
+        return redirect("console:batch", batch_id=batch.pk)
     messages.success(request, f"Batch {batch.pk} is {batch.get_status_display().lower()}: lines that finished are kept.")
     return redirect("console:batch", batch_id=batch.pk)
 

@@ -51,6 +51,20 @@ def test_a_member_uploads_a_file_starts_a_batch_and_follows_it(console_client_fa
     assert "cancelling" in member.get(reverse("console:batch-live", args=[batch.pk])).content.decode()
 
 
+def test_cancelling_a_batch_that_ended_since_its_page_was_shown_says_it_cannot_and_changes_nothing(
+        console_client_factory, files_bucket, org):
+    member = console_client_factory(org, Role.MEMBER)
+    batch = _start(member)
+    Batch.objects.filter(pk=batch.pk).update(status=BatchStatus.COMPLETED)
+
+    response = member.post(reverse("console:batch-cancel", args=[batch.pk]))
+
+    assert response.status_code == 302
+    assert [str(m) for m in get_messages(response.wsgi_request)][-1] == "Cannot cancel a batch with status 'completed'."
+    batch.refresh_from_db()
+    assert batch.status == BatchStatus.COMPLETED and batch.cancelling_at is None
+
+
 def test_the_form_states_the_size_the_console_takes_and_where_larger_files_go(console_client_factory, org):
     """Before, the form said "Up to 200 MB" (the Files API's limit), and the public ingress (16 MiB) answered a larger
     file with nginx's own HTML page."""
