@@ -231,7 +231,11 @@ def file_download(request, file_id: str):
     file = File.objects.for_org(request.organization.pk).named(file_id).first()
     if file is None:
         raise Http404("No such file.")
-    response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/jsonl")
+    try:
+        stream = storage.open_stream(file.s3_key)
+    except storage.ObjectGone:  # NOTE: a 500 before; its bytes do not come back
+        raise Http404("This file's content is no longer stored.") from None
+    response = StreamingHttpResponse(stream, content_type="application/jsonl")
     response["Content-Length"] = str(file.bytes)
     response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response

@@ -90,6 +90,16 @@ def test_a_viewer_cannot_download_a_batchs_prompts_or_answers(console_client_fac
     assert reverse("console:file-download", args=[batch.input_file_id]) not in page
 
 
+def test_downloading_a_file_whose_bytes_are_gone_from_s3_is_a_404_not_a_500(console_client_factory, files_bucket, org):
+    from endpoints.batches import storage
+
+    member = console_client_factory(org, Role.MEMBER)
+    batch = _start(member)
+    storage.delete(batch.input_file.s3_key)
+
+    assert member.get(reverse("console:file-download", args=[batch.input_file_id])).status_code == 404
+
+
 def test_another_organisations_batch_and_files_are_404s(console_client_factory, files_bucket, org):
     batch = _start(console_client_factory(org, Role.MEMBER))
     stranger = console_client_factory(OrganizationFactory(), Role.OWNER)
