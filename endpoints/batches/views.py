@@ -75,6 +75,11 @@ def _batch_or_404(request, batch_id: str) -> Batch:
 @member_required(view_reads_form=True)  # the page's organisation, too (`_create_batch`)
 def batch_list(request):
     form, refusal = new_batch_form(), None
+    if request.method == "POST" and (stale := page_organization_refusal(request, in_query=True)) is not None:
+        # NOTE: the form's action names the organisation its page was shown for: a stale tab's upload is refused
+        # before its body is read (the gateway took no place for it, and dropped it). It was refused only once its
+        # file had streamed to S3 under the organisation switched to, holding that organisation's upload place.
+        return stale
     if request.method == "POST" and (refusal := upload_places.refusal_in(getattr(request, "scope", {}))):
         # The gateway gave the upload no place (`Gateway._console_upload`) and dropped its body: the form says why.
         form = _with_file_error(form, refusal.message)
