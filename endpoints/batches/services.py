@@ -412,10 +412,18 @@ class _LineModels:
 
 
 def cancel_batch(batch: Batch) -> Batch:
-    """Stop starting new lines; lines in flight finish and what finished is kept (its files written)."""
+    """Stop starting new lines; lines in flight finish and what finished is kept (its files written). A batch already
+    `cancelling` is answered as it is; one that has ended, or is `finalizing` (every line ran: nothing is left to
+    stop), is refused as OpenAI refuses it: a 409 naming its status.
+
+    NOTE: a cancel of an ended batch answered 200 with the batch as it was (`completed`), and the openai client took
+    it for a cancel that was accepted."""
     now = timezone.now()
-    Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
-        status=BatchStatus.CANCELLING, cancelling_at=now)
+    if not Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
+            status=BatchStatus.CANCELLING, cancelling_at=now):
+        status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).get()
+        if status != BatchStatus.CANCELLING:
+            raise Refused(f"Cannot cancel a batch with status '{status}'.", status=409, lasting=True)
     _dispatch_after_commit(batch.pk)
     return Batch.objects.get(pk=batch.pk)
 
@@ -1054,13 +1062,17 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
     cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
     now = timezone.now()
-    if final == BatchStatus.COMPLETED:
-        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
-                                                                                 finalizing_at=now)
     # NOTE: each result read, written on and dropped (`storage.result_bodies`): a batch's results were all parsed in
     # memory, with both files whole beside them, and a large batch's took its worker past its memory limit (with the
     # other tenants' runs in it) at every try, its lines billed and its files never written.
     keys = storage.result_keys(batch.organization_id, batch.pk)
+    if final == BatchStatus.EXPIRED and len(keys) >= batch.num_total:
+        # NOTE: every line has its result (the last ones answered after the deadline, before this run wrote the files):
+        # `completed`, as its files say. It ended `expired`, with no line expired.
+        final = BatchStatus.COMPLETED
+    if final == BatchStatus.COMPLETED:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
+                                                                                 finalizing_at=now)
     num_ok = sum(1 for result in keys.values() if result.ok)
     # counted failed; a completed batch has every line's result
     lost = _billed_unstored(batch, keys) if final != BatchStatus.COMPLETED else set()
