@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 
@@ -75,6 +76,11 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
             get_redis().hset(POOLS_TICK_STARTED_KEY, str(pool.pk), redis_time())  # before: a killed turn counts
             try:
                 num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
+            except SoftTimeLimitExceeded:
+                # NOTE: the task's time is up (an Exception): taken for one pool's failure, the next pool's turn began
+                # with the seconds left before the hard limit killed the worker in the middle of it (a machine asked
+                # for, its launch never marked), and that pool went last next time
+                raise
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
