@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 
@@ -73,26 +74,37 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
         demand = assign_demand(pools)
         num_launched = 0
         for pool in turn_order(pools):
-            get_redis().hset(POOLS_TICK_STARTED_KEY, str(pool.pk), redis_time())  # before: a killed turn counts
+            start_turn(pool)  # NOTE: before it: a killed turn counts
             try:
                 num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
+            except SoftTimeLimitExceeded:
+                # NOTE: the task's time is up (an Exception): taken for one pool's failure, the next pool's turn began
+                # with the seconds left before the hard limit killed the worker in the middle of it (a machine asked
+                # for, its launch never marked), and that pool went last next time
+                raise
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
 
 
-def turn_order(pools: list[NodePool]) -> list[NodePool]:
-    """`pools`, the one whose tick started least recently first (one never started, first of all, by id); forgets
-    the pools deleted since.
+def turn_order(pools: list[NodePool], started_key: str = POOLS_TICK_STARTED_KEY) -> list[NodePool]:
+    """`pools`, the one whose turn started least recently first (one never started, first of all, by id); forgets
+    the pools deleted since. `started_key`: the hash of the turns' starts (`start_turn`), the tick's or the stray
+    sweep's (`POOLS_SWEEP_STARTED_KEY`).
 
     NOTE: the tick task's time limit kills its worker inside a provider's call that outlasts it (EC2 retried at 30 s
     a try): in the order of their ids, the pools after a slow one never got a turn. Marked when its turn starts, the
     slow pool goes last at the next tick."""
-    started = {as_text(key): float(value) for key, value in get_redis().hgetall(POOLS_TICK_STARTED_KEY).items()}
+    started = {as_text(key): float(value) for key, value in get_redis().hgetall(started_key).items()}
     gone = set(started) - {str(pool.pk) for pool in pools}
     if gone:
-        get_redis().hdel(POOLS_TICK_STARTED_KEY, *gone)
+        get_redis().hdel(started_key, *gone)
     return sorted(pools, key=lambda pool: (started.get(str(pool.pk), 0.0), pool.pk))
+
+
+def start_turn(pool: NodePool, started_key: str = POOLS_TICK_STARTED_KEY) -> None:
+    """`pool`'s turn starts now (Redis's clock), for `turn_order`."""
+    get_redis().hset(started_key, str(pool.pk), redis_time())
 
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:

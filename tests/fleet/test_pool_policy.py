@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -918,3 +919,40 @@ def test_a_node_registered_under_a_booting_machines_name_before_its_agent_at_ano
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
     joined = AuditEvent.objects.get(action="node_launch.join", target_id=str(launch.pk))
     assert joined.details["also_claimed_by"] == [first.json()["node_id"]]  # staff see who else claimed it
+
+
+class SoftLimitProvider(HangingProvider):
+    """The tick task's soft time limit (`SoftTimeLimitExceeded`, an `Exception`) raised inside a provider's call."""
+
+    def list(self, pool):
+        raise SoftTimeLimitExceeded
+
+    def launch(self, pool, specs):
+        raise SoftTimeLimitExceeded
+
+    def terminate(self, pool, provider_id):
+        raise SoftTimeLimitExceeded
+
+
+@pytest.mark.django_db
+def test_a_tick_whose_time_is_up_starts_no_other_pools_turn_and_that_pool_goes_first_next_time():
+    # NOTE: the soft time limit is an Exception: taken for one pool's failure, the tick went on to the next pool's turn
+    # with the 10 s left before the hard limit, which killed the worker in the middle of it (a machine asked for, its
+    # launch never marked), and the pool so cut went last at the next tick.
+    slow_pool = make_pool(name="a-slow", provider="ec2")
+    other_pool = make_pool(name="b-other")
+    now = timezone.now()
+    NodeLaunch.objects.create(pool=slow_pool, state=LaunchState.LAUNCHING, provider_id="i-0slow", deadline_at=now + timedelta(hours=1))
+    releasing = NodeLaunch.objects.create(pool=other_pool, state=LaunchState.RELEASING, provider_id="m-idle",
+                                          deadline_at=now, reason="empty for 60 s (pool b-other)")
+    slow, fine = SoftLimitProvider(), RecordingProvider()
+
+    with pytest.raises(SoftTimeLimitExceeded):
+        pools.provision_tick(provider_for=lambda name: slow if name == "ec2" else fine)
+
+    assert fine.terminated == []
+    assert [pool.name for pool in pools.turn_order([slow_pool, other_pool])] == ["b-other", "a-slow"]
+    with pytest.raises(SoftTimeLimitExceeded):
+        pools.provision_tick(provider_for=lambda name: slow if name == "ec2" else fine)
+    releasing.refresh_from_db()
+    assert fine.terminated == ["m-idle"] and releasing.state == LaunchState.TERMINATED
