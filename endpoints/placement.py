@@ -14,7 +14,9 @@ sharing go several to one GPU, each with its fraction of the GPU's memory
 
 A SLEEPING replica (vLLM sleep mode) holds no GPU memory here: its weights are in its node's host
 memory and its KV cache is freed, so its GPUs are placeable while it sleeps; it wakes only if its own
-GPUs still have room (`room_to_wake`), else it is stopped and a replica placed afresh.
+GPUs still have room (`room_to_wake`), else it is stopped and a replica placed afresh. The host memory sleepers hold
+is counted instead: a replica sleeps only while its node's sleepers fit in a share of the node's memory
+(`room_to_sleep`), else it stops.
 """
 
 from __future__ import annotations
@@ -352,6 +354,52 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
     gpus = ",".join(map(str, assignment.gpu_indices))
     shared = f", sharing at {assignment.memory_fraction:.3f}" if assignment.memory_fraction is not None else ""
     return PlacementDecision(node, f"best fit, GPU {gpus}{shared}", assignment.gpu_indices, assignment.memory_fraction)
+
+
+# The share of a node's memory (`Node.memory_mb`: the host's, or its agent container's limit where that is less) its
+# sleeping replicas may hold together (vLLM's level-1 sleep copies an engine's weights to host memory). The rest is
+# what nothing counts: each engine's own process (Python, torch, CUDA's libraries: several GB each, asleep or not), the
+# agent, the engines' shared memory (/dev/shm) and the page cache weights load through. Past the container's limit the
+# kubelet kills the agent's container whole, every tenant's engine of the node with it; past the host's, the kernel's
+# OOM killer takes an engine.
+SLEEPERS_HOST_MEMORY_FRACTION = 0.5
+
+
+def host_memory_asleep_mb(replica: Replica) -> int:
+    """The host memory `replica` holds asleep: its engine's weights (the largest of the figures below).
+
+    - its engine's own report (`engine_weights_mb`, one worker's share: times its GPUs). It is read from the engine's
+      log, which prints text a tenant's files hold, so it may raise the figure, never lower it;
+    - the control plane's estimate of the weights from the checkpoint's size a node measured (`estimated_weights_mb`);
+    - with no size measured, its whole reservation (`reserved_memory_mb`: weights and KV cache): a guess from the
+      model's name (or a small model's) is no bound.
+    """
+    engine_mb = (replica.engine_weights_mb or 0) * max(1, len(replica.gpu_indices))
+    endpoint = replica.endpoint
+    control_plane_mb = (estimated_weights_mb(endpoint) if reported_weights_size_mb(endpoint) is not None
+                        else replica.reserved_memory_mb)
+    return max(engine_mb, control_plane_mb, 1)
+
+
+def node_memory_mb(node: Node) -> int:
+    """The node's memory: the least of what its agent registered and what its last heartbeat says (0: unknown).
+
+    NOTE: an agent older than its cgroup's limit registered the host's memory; upgraded, its heartbeats say the limit,
+    and a node keeps its registration."""
+    beat = (node.last_status or {}).get("memory_mb")
+    figures = [figure for figure in (node.memory_mb, beat) if isinstance(figure, int) and figure > 0]
+    return min(figures, default=0)
+
+
+def room_to_sleep(node: Node, asleep_mb: int, sleeper_mb: int) -> str:
+    """Why a replica of `sleeper_mb` cannot sleep on `node`, whose sleepers hold `asleep_mb` of its host memory; "" when
+    it can. Said to its tenant: no figure of what other tenants' sleepers hold (`replicas.sleep_replica` logs it)."""
+    memory_mb = node_memory_mb(node)
+    if not memory_mb:
+        return "its node did not report its memory"
+    if asleep_mb + sleeper_mb > memory_mb * SLEEPERS_HOST_MEMORY_FRACTION:
+        return "its node's host memory for sleeping replicas is full"
+    return ""
 
 
 def room_to_wake(node: Node, holds: list[GpuHold], used_mb: int, sleeper: GpuHold) -> str:

@@ -31,7 +31,7 @@ from datetime import timedelta
 import redis
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from controlplane import redis_keys
@@ -57,8 +57,11 @@ from endpoints.placement import (
     choose_node,
     estimated_weights_mb,
     failures_here,
+    host_memory_asleep_mb,
     memory_needed_mb,
+    node_memory_mb,
     nodes_holding_weights,
+    room_to_sleep,
     room_to_wake,
 )
 from gpu_agent import protocol
@@ -228,8 +231,9 @@ def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = F
 def sleep_replica(replica: Replica, *, reason: str) -> bool:
     """A READY replica the autoscaler lets go sleeps instead of stopping, where it can; else it drains.
 
-    It sleeps when its endpoint's `idle_action` is "sleep", the platform's sleep mode is on and its
-    node is a GPU node; otherwise it drains, the reason in the event log. Returns whether this call changed it.
+    It sleeps when its endpoint's `idle_action` is "sleep", the platform's sleep mode is on, its node is a GPU node
+    and its node's sleepers, this one with them, fit in their share of the node's memory (`placement.room_to_sleep`);
+    otherwise it drains, the reason in the event log. Returns whether this call changed it.
     """
     endpoint = replica.endpoint
     if endpoint.idle_action != IdleAction.SLEEP or replica.state != ReplicaState.READY:
@@ -241,15 +245,41 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     now = timezone.now()
     with transaction.atomic():
-        changed = Replica.objects.filter(pk=replica.pk, state=ReplicaState.READY).update(
+        # NOTE: under its node's lock (as placement and `wake_replica` take it, before the replica's row): two sleeps
+        # at once on one node cannot both count the room one of them takes.
+        node = Node.objects.select_for_update().filter(pk=replica.node_id).first()
+        why_not = "its node is gone" if node is None else _room_to_sleep_here(node, replica)
+        changed = 0 if why_not else Replica.objects.filter(pk=replica.pk, state=ReplicaState.READY).update(
             state=ReplicaState.SLEEPING, state_changed_at=now, num_running=0, num_waiting=0)
         if changed:
             ReplicaSleep.objects.create(replica_id=replica.pk, started_at=now)
+    if why_not:
+        return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     if changed:
         notify_node(replica.node_id)
         record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} sleeps: {reason}", replica=replica,
                      stops_after_s=settings.SLEEP_STOP_AFTER_S)
     return bool(changed)
+
+
+def _room_to_sleep_here(node: Node, replica: Replica) -> str:
+    """`placement.room_to_sleep` for `replica` on its node, with what the node's sleepers hold now (call under the
+    node's lock). A sleeper told to drain counts until it stops (its engine keeps its weights in host memory until
+    its agent stops it): it is DRAINING, and its last time asleep ended as it began to drain (`drain_replica`).
+
+    NOTE: the newcomer stops rather than an older sleeper: each sleeper was told when it fell asleep how long it
+    would stay (its event), and the host memory an older one frees comes back only once its engine exits, while
+    the newcomer's weights would be copied out at once. README "Sleep mode"."""
+    asleep = (Replica.objects.filter(node=node).exclude(pk=replica.pk)
+              .filter(Q(state=ReplicaState.SLEEPING) | Q(state=ReplicaState.DRAINING, sleeps__ended_at=F("state_changed_at")))
+              .select_related("endpoint").distinct())
+    asleep_mb = sum(host_memory_asleep_mb(sleeper) for sleeper in asleep)
+    sleeper_mb = host_memory_asleep_mb(replica)
+    why_not = room_to_sleep(node, asleep_mb, sleeper_mb)
+    if why_not:  # staff's detail: what the node's sleepers hold (its tenant reads `why_not` alone)
+        logger.info("replica %s did not sleep on node %s: %s (its sleepers hold %d MB, this one %d MB, of its %d MB)",
+                    replica.pk, node.name, why_not, asleep_mb, sleeper_mb, node_memory_mb(node))
+    return why_not
 
 
 def _node_knows_sleep(replica: Replica) -> bool:

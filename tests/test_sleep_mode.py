@@ -16,6 +16,7 @@ from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import desired_replicas
 from endpoints.models import EndpointEvent, EndpointState, Replica, ReplicaSleep
+from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report, place_replica
 from gpu_agent.protocol import ReplicaAction, ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory
@@ -45,6 +46,8 @@ def sleep_mode(settings):
 def sleeping_endpoint(node_gpus=1, **spec):
     """An `idle_action: sleep` endpoint with one READY replica on a GPU node (per-GPU placement)."""
     node = make_gpu_node(node_gpus, memory_mb=24_000, gpu_type="l4")
+    Node.objects.filter(pk=node.pk).update(memory_mb=64_000)  # host memory, as its agent registered it: room to sleep
+    node.refresh_from_db()
     endpoint = EndpointFactory(gpu_type="l4", model_source="hf:org/model-1B", min_replicas=0, idle_timeout_s=60,
                                idle_action="sleep", **spec)
     replica, _ = place_replica(endpoint)

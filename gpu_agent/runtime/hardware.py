@@ -133,11 +133,57 @@ def gpu_statuses() -> list[GpuStatus]:
 
 
 CPU_ENGINE_MEMORY_FRACTION = 0.6
+# Where the kernel says which control group this process is in, and what each group may use.
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def memory_limit_mb() -> int:
+    """The memory this agent and its engines may use together: the machine's, or less where their control group (a
+    Kubernetes container's limit, a systemd unit's `MemoryMax`, or a group above it) is limited to less.
+
+    NOTE: the machine's alone, a pod limited to 256 GiB on a host of 2 TiB registered 2 TiB: the control plane let
+    sleeping replicas' weights (host memory) fill past the limit, and the kubelet killed the container, every engine of
+    the node with it."""
+    total_mb = int(psutil.virtual_memory().total // MIB)
+    limit = _cgroup_limit_bytes()
+    return total_mb if limit is None else min(total_mb, max(1, limit // MIB))
+
+
+def _cgroup_limit_bytes() -> int | None:
+    """The smallest memory limit of this process's control group and the groups above it (cgroup v2, or v1's memory
+    controller); None when none is limited or none can be read.
+
+    NOTE: inside a container with a cgroup namespace its own group is the root here ("0::/"): the root's file is then
+    the container's limit (a host's root has none)."""
+    try:
+        with open(PROC_SELF_CGROUP) as lines:
+            groups = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return None
+    limits = []
+    for hierarchy, controllers, path in (group for group in groups if len(group) == 3):
+        if hierarchy == "0" and not controllers:
+            root, name = CGROUP_ROOT, "memory.max"  # "max" where unlimited
+        elif "memory" in controllers.split(","):
+            root, name = os.path.join(CGROUP_ROOT, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part and part != ".."]
+        for depth in range(len(parts) + 1):
+            try:
+                with open(os.path.join(root, *parts[:depth], name)) as file:
+                    text = file.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def detect_hardware(*, force_cpu: bool = False, cpu_kv_cache_gib: int = 1) -> HardwareReport:
     num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    memory_mb = int(psutil.virtual_memory().total // MIB)
+    memory_mb = memory_limit_mb()
     gpus = [] if force_cpu else gpu_statuses()
     if not gpus:
         return HardwareReport(

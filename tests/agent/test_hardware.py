@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from gpu_agent.protocol import Heartbeat, RegisterRequest
+from gpu_agent.runtime import hardware
 from gpu_agent.runtime.hardware import (
     CPU_ENGINE_MEMORY_FRACTION,
     catalogue_gpu_type,
@@ -21,11 +22,48 @@ def test_cpu_mode_reports_real_cpu_count_and_memory(tmp_path):
     report = detect_hardware(force_cpu=True, cpu_kv_cache_gib=2)
     assert report.gpu_type == "cpu" and report.num_gpus == 0 and report.gpus == []
     assert report.num_cpus == len(os.sched_getaffinity(0))
-    assert report.memory_mb == psutil.virtual_memory().total // (1024 * 1024)
+    assert report.memory_mb == hardware.memory_limit_mb() <= psutil.virtual_memory().total // (1024 * 1024)
     # the RAM its engines may use together (placement fits replicas into it)
     assert report.gpu_memory_mb == int(report.memory_mb * CPU_ENGINE_MEMORY_FRACTION)
     usage = host_usage(str(tmp_path))
     assert 0 < usage.memory_used_mb < report.memory_mb and usage.disk_free_mb > 0
+
+
+def _cgroups(monkeypatch, tmp_path, membership: str, limits: dict[str, str]):
+    """This process in the control groups `membership` (as /proc/self/cgroup lists them), with `limits` written under
+    a cgroup root of its own (path: the limit file's content)."""
+    (tmp_path / "self-cgroup").write_text(membership)
+    for path, content in limits.items():
+        (tmp_path / "cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cgroup" / path).write_text(content + "\n")
+    monkeypatch.setattr(hardware, "PROC_SELF_CGROUP", str(tmp_path / "self-cgroup"))
+    monkeypatch.setattr(hardware, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+
+
+def test_an_agent_in_a_container_limited_below_the_hosts_memory_registers_the_containers_limit(monkeypatch, tmp_path):
+    _cgroups(monkeypatch, tmp_path, "0::/\n", {"memory.max": str(1024 * 1024 * 1024)})  # a pod of 1 GiB, cgroup v2
+    report = detect_hardware(force_cpu=True)
+    assert report.memory_mb == 1024
+    assert report.gpu_memory_mb == int(1024 * CPU_ENGINE_MEMORY_FRACTION)  # a CPU node's engines fit in it too
+
+
+def test_a_systemd_units_memory_max_and_a_v1_parents_limit_bound_the_registered_memory(monkeypatch, tmp_path):
+    _cgroups(monkeypatch, tmp_path, "0::/system.slice/inferplane-agent.service\n", {
+        "system.slice/memory.max": "max", "system.slice/inferplane-agent.service/memory.max": str(2048 * 1024 * 1024)})
+    assert hardware.memory_limit_mb() == 2048
+    _cgroups(monkeypatch, tmp_path, "4:memory:/kubepods/pod-a/agent\n1:cpu:/\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712",
+        "memory/kubepods/pod-a/memory.limit_in_bytes": str(512 * 1024 * 1024),
+        "memory/kubepods/pod-a/agent/memory.limit_in_bytes": "9223372036854771712"})
+    assert hardware.memory_limit_mb() == 512
+
+
+def test_an_unlimited_or_unreadable_control_group_registers_the_machines_memory(monkeypatch, tmp_path):
+    machine_mb = psutil.virtual_memory().total // (1024 * 1024)
+    _cgroups(monkeypatch, tmp_path, "0::/agent.scope\n", {"agent.scope/memory.max": "max"})
+    assert hardware.memory_limit_mb() == machine_mb
+    monkeypatch.setattr(hardware, "PROC_SELF_CGROUP", str(tmp_path / "absent"))
+    assert hardware.memory_limit_mb() == machine_mb
 
 
 def test_driver_product_names_map_to_catalogue_types():

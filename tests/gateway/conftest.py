@@ -174,7 +174,7 @@ def serve_endpoint(organization, *addresses: str, node_ports: tuple[int, int] = 
     `engine_key`: the key the replicas' engines were started with (a real engine answers no other)."""
     # NOTE: a random lookup, unique: two free ports asked for in turn may be the same port.
     lookup = secrets.token_hex(6)
-    node = Node.objects.create(name=f"node-{lookup}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000,
+    node = Node.objects.create(name=f"node-{lookup}", gpu_type="l4", num_gpus=1, gpu_memory_mb=24_000, memory_mb=64_000,
                                secret_lookup=lookup, secret_digest="x", state=NodeState.READY,
                                quantizations=["none"], last_heartbeat_at=timezone.now(),
                                # the mocks listen on ephemeral ports: the whole range is this node's

@@ -1,0 +1,146 @@
+"""Sleeping replicas hold their weights in their node's host memory (vLLM's level-1 sleep): a replica sleeps only while
+its node's sleepers, it with them, fit in their share of the node's memory (`placement.room_to_sleep`); past it, it
+stops instead, saying why. Before, nothing counted it: sleepers of many endpoints on one node (GPU sharing, successive
+sleeps) added up past the agent container's limit, and the kubelet killed the container, every tenant's engine of the
+node with it."""
+import threading
+
+import pytest
+from django.utils import timezone
+
+from endpoints import replicas as replicas_module
+from endpoints import scheduler
+from endpoints.models import EndpointEvent, ModelFacts, Replica, ReplicaSleep
+from endpoints.nodes.models import Node
+from endpoints.replicas import drain_replica, place_replica, sleep_replica
+from gpu_agent.protocol import ReplicaState
+from tests.factories import EndpointFactory
+from tests.test_gpu_placement import make_gpu_node
+from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
+from tests.test_sleep_mode import idle
+
+GIB_MB = 1024
+FULL = "stopped rather than asleep: its node's host memory for sleeping replicas is full"
+
+
+@pytest.fixture
+def sleep_mode(settings):
+    settings.SLEEP_MODE = True
+    settings.SLEEP_STOP_AFTER_S = 600
+    return settings
+
+
+def gpu_node(num_gpus=4, host_memory_mb=70_000):
+    """A node of `num_gpus` H100s whose agent registered `host_memory_mb` of memory (sleepers may hold half)."""
+    node = make_gpu_node(num_gpus)
+    Node.objects.filter(pk=node.pk).update(memory_mb=host_memory_mb)
+    node.refresh_from_db()
+    return node
+
+
+def ready_replica(node, *, engine_weights_mb=None, model="hf:org/model-1B"):
+    """A READY replica of a new `idle_action: sleep` endpoint on `node`, its engine's weights as it reported them."""
+    endpoint = EndpointFactory(gpu_type="h100-80gb", model_source=model, min_replicas=0, idle_timeout_s=60,
+                               idle_action="sleep")
+    replica, _ = place_replica(endpoint)
+    assert replica.node_id == node.pk
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY, ready_at=timezone.now(),
+                                                 engine_weights_mb=engine_weights_mb)
+    replica.refresh_from_db()
+    return replica
+
+
+def state_of(replica):
+    replica.refresh_from_db()
+    return replica.state
+
+
+def scale_events(replica):
+    return list(EndpointEvent.objects.filter(endpoint=replica.endpoint_id, kind="scale").values_list("message", flat=True))
+
+
+@pytest.mark.django_db
+def test_a_replica_stops_rather_than_sleeps_once_its_nodes_sleepers_would_pass_their_share_of_host_memory(sleep_mode):
+    node = gpu_node(num_gpus=4, host_memory_mb=70_000)  # sleepers may hold 35,000 MB
+    replicas = [ready_replica(node, engine_weights_mb=10 * GIB_MB) for _ in range(4)]
+    for replica in replicas:
+        scheduler.reconcile_endpoint(str(replica.endpoint_id), idle())
+
+    assert [state_of(replica) for replica in replicas] == [ReplicaState.SLEEPING] * 3 + [ReplicaState.DRAINING]
+    assert any(FULL in message for message in scale_events(replicas[3]))
+    assert not ReplicaSleep.objects.filter(replica=replicas[3]).exists()
+    # The sleepers' own endpoints read that they sleep; nothing names another tenant's figures.
+    assert any("sleeps: scale to zero" in message for message in scale_events(replicas[0]))
+    assert not any("MB" in message for message in scale_events(replicas[3]))
+
+    # Once a sleeper has stopped for real, another replica may sleep in its room.
+    Replica.objects.filter(pk=replicas[0].pk).update(state=ReplicaState.STOPPED, stopped_at=timezone.now())
+    fifth = ready_replica(node, engine_weights_mb=10 * GIB_MB)
+    scheduler.reconcile_endpoint(str(fifth.endpoint_id), idle())
+    assert state_of(fifth) == ReplicaState.SLEEPING
+
+
+@pytest.mark.django_db
+def test_an_engine_log_claiming_tiny_weights_counts_as_the_checkpoint_the_node_measured(sleep_mode):
+    node = gpu_node(num_gpus=2, host_memory_mb=70_000)
+    big = "hf:org/big-model"  # 30 GB of files as a node measured them; the engine's log (a tenant's text) says 1 MB
+    ModelFacts.objects.create(source=big, scope="", weights_bytes=30 * 1024**3)
+    liar = ready_replica(node, engine_weights_mb=1, model=big)
+    other = ready_replica(node, engine_weights_mb=10 * GIB_MB)
+
+    assert sleep_replica(liar, reason="scale to zero") and state_of(liar) == ReplicaState.SLEEPING
+    assert sleep_replica(other, reason="scale to zero") and state_of(other) == ReplicaState.DRAINING
+    assert any(FULL in message for message in scale_events(other))
+
+
+@pytest.mark.django_db
+def test_a_sleeper_told_to_drain_holds_its_host_memory_until_it_stops(sleep_mode):
+    node = gpu_node(num_gpus=2, host_memory_mb=50_000)  # room for one sleeper of 20 GB
+    first = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    second = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    assert sleep_replica(first, reason="scale to zero") and state_of(first) == ReplicaState.SLEEPING
+    drain_replica(first, reason="asleep for 600 s")  # its engine, asleep, keeps the weights until its agent stops it
+
+    sleep_replica(second, reason="scale to zero")
+    assert state_of(second) == ReplicaState.DRAINING
+    assert any(FULL in message for message in scale_events(second))
+
+
+@pytest.mark.django_db
+def test_a_node_registered_with_its_hosts_memory_whose_heartbeat_says_its_containers_limit_counts_the_limit(sleep_mode):
+    node = gpu_node(num_gpus=2, host_memory_mb=2_000_000)  # registered by an agent that read the host's 2 TB
+    Node.objects.filter(pk=node.pk).update(last_status={"memory_mb": 50_000})  # upgraded: its pod's limit
+    first = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    second = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    assert sleep_replica(first, reason="scale to zero") and state_of(first) == ReplicaState.SLEEPING
+    sleep_replica(second, reason="scale to zero")
+    assert state_of(second) == ReplicaState.DRAINING
+    assert any(FULL in message for message in scale_events(second))
+
+
+@pytest.mark.django_db
+def test_a_node_that_did_not_report_its_memory_has_no_sleepers(sleep_mode):
+    node = gpu_node(num_gpus=1, host_memory_mb=0)
+    replica = ready_replica(node, engine_weights_mb=GIB_MB)
+    sleep_replica(replica, reason="scale to zero")
+    assert state_of(replica) == ReplicaState.DRAINING
+    assert any("stopped rather than asleep: its node did not report its memory" in m for m in scale_events(replica))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_replicas_falling_asleep_at_once_on_one_node_cannot_both_take_its_last_room(sleep_mode, monkeypatch):
+    node = gpu_node(num_gpus=2, host_memory_mb=50_000)  # room for one sleeper of 20 GB
+    first = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    second = ready_replica(node, engine_weights_mb=20 * GIB_MB)
+    go = threading.Event()
+    # The first pauses once its room is counted, before its replica is marked asleep.
+    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False))
+
+    errors = _together({
+        "first": lambda: sleep_replica(first, reason="scale to zero"),
+        "second": lambda: sleep_replica(second, reason="scale to zero"),
+    }, first="first", go=go)
+
+    assert errors == {}
+    assert sorted([state_of(first), state_of(second)]) == [ReplicaState.DRAINING, ReplicaState.SLEEPING]
+
