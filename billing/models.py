@@ -636,8 +636,8 @@ class CreditGrant(models.Model):
 class SpendAlert(models.Model):
     """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap`): at most one
     each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts, once the
-    spend reaches them (`billing.alerts._alerted_at_this_spend`: a limit set at or below a spend already alerted
-    sends nothing new)."""
+    spend reaches them (`billing.alerts._alerted_at_this_spend`: the organisation's own cap set at or below a spend
+    already alerted sends nothing new)."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     period_start = models.DateTimeField()
