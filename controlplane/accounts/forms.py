@@ -36,6 +36,8 @@ class PasswordResetForm(auth_forms.PasswordResetForm):
     need, and that a worker of the release before dropped the unknown task's message during a rollout. In the request,
     bounded by `EMAIL_TIMEOUT`, a slow relay holds only the asker's own request."""
 
+    _num_links_mailed = 0  # by this form's save (`send_mail`)
+
     def save(self, domain_override=None, use_https=False, request=None, **kwargs):
         started = time.monotonic()
         email = self.cleaned_data["email"]
