@@ -467,3 +467,25 @@ def test_a_staff_ceiling_set_under_a_spend_already_alerted_at_the_own_cap_still_
         services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal(cap))
         assert check_spend_alerts(carded.org.pk) == []
     assert len(mail.outbox) == num_mails
+
+
+def test_an_own_cap_under_a_spend_already_alerted_at_a_staff_ceiling_still_says_calls_stop_at_the_cap(carded):
+    """The other way round: a staff ceiling reached, then lifted, left the organisation's own cap, set under the spend
+    before, stopping its calls, and the staff ceiling's alert stood for it (`alerts._alerted_at_this_spend`): no mail
+    said the organisation's own cap now stops them."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+    from billing.models import SpendAlert
+
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("9"))
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("8"))
+    _usage(carded.org, "10")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-1].subject.endswith("reached the monthly spending ceiling Inferplane staff set for it")
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=None)  # the history's again ($100): its own cap, $9
+    assert 100 in check_spend_alerts(carded.org.pk)
+    assert mail.outbox[-1].subject.endswith("reached its monthly spend cap")
+    assert set(SpendAlert.objects.filter(organization=carded.org).values_list("limit_reason", flat=True)) == {
+        standing.SPEND_CEILING_STAFF, standing.ORG_CAP}
