@@ -14,11 +14,13 @@ from django.db.models import DateTimeField, Exists, ExpressionWrapper, OuterRef,
 from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
 from billing.periods import period_containing
+from billing.quota.counters import limit_reached
 from billing.standing import (
     PAYMENT_METHOD,
     SPEND_CEILING,
@@ -33,6 +35,7 @@ from controlplane.accounts.models import Membership, Role
 logger = logging.getLogger(__name__)
 
 THRESHOLDS_PERCENT = (50, 80, 100)
+REACHED_ALERT_AFTER = THRESHOLDS_PERCENT[-2]  # a refusal at the limit counts as 100 % past this one
 # An alert claimed and not sent this long ago was left by a worker that died: well past the task's hard time limit
 # (`billing.tasks.check_spend_alerts`), so the worker that claimed it is gone.
 CLAIM_LEFT_AFTER = timedelta(minutes=5)
@@ -54,6 +57,12 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     period = period_containing(now)
     spend = period_spend(organization_id, period)
     crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
+    # NOTE: "reached" on a refusal only once the spend is past the alert before it: one oversized call refused at a
+    # low spend (its worst case alone past the cap) stops nothing else, and mailing every owner "calls are refused"
+    # would be untrue for the calls that still fit.
+    if (crossed and crossed[-1] == REACHED_ALERT_AFTER and 100 not in crossed
+            and _refused_at_limit(organization_id, period.key)):
+        crossed.append(100)
     if not crossed:
         return []
     sent_now = []
@@ -69,6 +78,17 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
         SpendAlert.objects.filter(pk=alert.pk).update(sent_at=timezone.now())
         sent_now.append(threshold)
     return sent_now
+
+
+def _refused_at_limit(organization_id: int, period_key: str) -> bool:
+    """A call was refused for the limit (`counters.limit_reached`): it is reached though the spend stops short of it
+    (a call is refused when its worst case no longer fits). NOTE: by the spend alone, the 100 % alert never went out
+    while every call was refused. Redis unreadable: judged by the spend alone."""
+    try:
+        return limit_reached(organization_id, period_key)
+    except RedisError:
+        logger.warning("spend alerts: organisation %s's refusals at its limit are not readable now", organization_id)
+        return False
 
 
 def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, limit: SpendLimit) -> SpendAlert | None:

@@ -61,6 +61,7 @@ from billing.models import (
 )
 from controlplane.accounts.models import Organization
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import DatabaseClock, database_now, database_time_ago
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
 
@@ -769,16 +770,20 @@ def meter_event_identifier(rollup: UsageRollup, event_name: str) -> str:
     return f"rollup-{rollup.push_uid or rollup.pk}{generation}-{event_name.removeprefix('inferplane_')}"
 
 
-def _claimable(now):
-    stale = now - timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S)
+def _claimable():
+    """Rollups to push that no live push holds: unclaimed, or claimed over `BILLING_CLAIM_TIMEOUT_S` ago.
+
+    NOTE: a claim is stamped and judged by PostgreSQL's clock, never a worker's: a worker 10 minutes ahead took a
+    rollup another was pushing (its events sent by two at once), and a claim by one 10 minutes behind read as stale to
+    every other at once."""
+    stale = database_time_ago(settings.BILLING_CLAIM_TIMEOUT_S)
     return UsageRollup.objects.pushable().filter(push_held_at__isnull=True).filter(
         Q(push_claimed_at__isnull=True) | Q(push_claimed_at__lt=stale))
 
 
 def claim_rollup(rollup_id: int) -> bool:
     """Take the rollup for pushing; True only for the one worker that wins it."""
-    now = timezone.now()
-    return _claimable(now).filter(pk=rollup_id).update(push_claimed_at=now) == 1
+    return _claimable().filter(pk=rollup_id).update(push_claimed_at=DatabaseClock()) == 1
 
 
 def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
@@ -802,7 +807,10 @@ def push_rollup(rollup_id: int) -> bool:
     rollup = UsageRollup.objects.get(pk=rollup_id)
     try:
         due = _unconfirmed(rollup)
-        if due and rollup.push_first_tried_at is not None and timezone.now() - rollup.push_first_tried_at > IDENTIFIER_TRUSTED_FOR:
+        # NOTE: the first try's age by PostgreSQL's clock, as it was stamped (`_push_meter_event`): by the worker's, one
+        # 3 h behind sent again an event first sent 25 h before, which Stripe no longer has to refuse
+        if (due and rollup.push_first_tried_at is not None
+                and database_now() - rollup.push_first_tried_at > IDENTIFIER_TRUSTED_FOR):
             hold_for_review(rollup, due[0])
             return False
         customer_id = ensure_customer(rollup.organization_id)
@@ -1267,7 +1275,7 @@ def _push_meter_event(rollup: UsageRollup, meter: Meter, value: int, customer_id
     """
     identifier = meter_event_identifier(rollup, meter.event_name)
     key = _generation_key(UsageRollup, rollup.pk, "push_key_generation", identifier, generation)
-    first_tried_at = timezone.now()
+    first_tried_at = database_now()
     started_clock = UsageRollup.objects.filter(pk=rollup.pk, push_first_tried_at__isnull=True).update(
         push_first_tried_at=first_tried_at) == 1
     refusals: list[bool] = []  # for each try that failed: whether Stripe refused it outright
@@ -1358,7 +1366,7 @@ def push_pending_rollups(*, limit: int = 500, budget_s: float = PUSH_RUN_BUDGET_
 def _push_claimable(*, limit: int, budget_s: float) -> int:
     started = time.monotonic()
     failed_before = Case(When(push_error="", then=Value(0)), default=Value(1), output_field=IntegerField())
-    rollup_ids = list(_claimable(timezone.now()).order_by(failed_before, "hour_start", "sequence")
+    rollup_ids = list(_claimable().order_by(failed_before, "hour_start", "sequence")
                       .values_list("pk", flat=True)[:limit])
     num_pushed = 0
     for index, rollup_id in enumerate(rollup_ids):

@@ -15,6 +15,10 @@ cannot spend a round trip on it: it keeps its offset to Redis's clock, read with
 (`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock. The offset is its skew: the
 beat records it as `check` does, every `CHECK_EVERY_S` (`record_offset`, role "gateway"), with an ERROR past
 `SKEW_ERROR_S`: a gateway's usage rows are stamped, and its calls' billing months picked, on its own clock.
+
+PostgreSQL's clock (`database_now`, `DatabaseClock`, `database_time_ago`) is what every claim, lease and deadline that
+one process stamps and another judges is stamped and judged by: a worker's or a web pod's own clock may be minutes off
+(a VM resumed, NTP broken), and judged by it, a live run's claim read as left, or a deadline as passed.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import redis.exceptions
+from django.db import connection, models
 
 from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import CLOCK_SKEWS_KEY
@@ -39,6 +45,29 @@ logger = logging.getLogger(__name__)
 SKEW_ERROR_S = 2.0
 CHECK_EVERY_S = 60.0  # a process checks at most this often (beat, as it sends; a worker, as it drops expired tasks)
 FORGET_AFTER_S = 86400.0  # a process not heard from for this long (gone) leaves the hash
+
+
+def database_now() -> datetime:
+    """PostgreSQL's clock now (the moment, not its transaction's start), for times one process stamps and another
+    judges (a node launch's deadline, a batch's completion window, a Stripe push's first try), as `DatabaseClock`."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
+
+
+class DatabaseClock(models.Func):
+    """PostgreSQL's clock as the statement reads it (`clock_timestamp()`), not its transaction's start (`Now()`): a
+    claim stamped and judged in one statement (`filter(...).update(...)`)."""
+
+    template = "CLOCK_TIMESTAMP()"
+    output_field = models.DateTimeField()
+
+
+def database_time_ago(seconds: float) -> models.Expression:
+    """`seconds` before this moment by PostgreSQL's clock (`DatabaseClock`), as heartbeats are stamped
+    (`Node.last_heartbeat_at`): a web pod stamped them by its clock and a worker judged them by its own, so a worker
+    ~25 s ahead took every node OFFLINE at every sweep. Also what a claim's, a start's or a drain's age is judged by."""
+    return models.ExpressionWrapper(DatabaseClock() - timedelta(seconds=seconds), output_field=models.DateTimeField())
 
 
 class _Checked:

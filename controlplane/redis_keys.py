@@ -291,3 +291,5 @@ PUSH_RUN_LOCK_KEY = "billing:push-run-lock"
 POOLS_TICK_LOCK_KEY = "pools:tick-lock"  # held by one `endpoints.fleet.pools.provision_tick` at a time
 # When each pool's tick last started (a hash: pool id -> Redis time): the tick takes the pools least recently started first.
 POOLS_TICK_STARTED_KEY = "pools:tick-started"
+# The same for the stray sweep (`endpoints.fleet.pool_strays.sweep_stray_machines`): when each pool's sweep last started.
+POOLS_SWEEP_STARTED_KEY = "pools:sweep-started"

@@ -202,6 +202,18 @@ def _fail_all(endpoint: Endpoint, reason: str) -> None:
         record_event(endpoint, EventKind.FAILURE, f"Adapters failed: {reason}")
 
 
+def clear_embedding_failures(endpoint: Endpoint) -> None:
+    """After an edit of `endpoint` that restarts its engines (another model, task or credential): its adapters failed
+    only because its model embedded are PENDING again unless it still does.
+
+    NOTE: failed for good (not retried), the gateway answered every call naming them 400 `adapter_failed` before
+    marking them wanted, and the agent loads only wanted ones: a model replaced by a generating one left them refused
+    for good, with a reason no longer true."""
+    if endpoint.serving_task != ModelTask.EMBED:
+        endpoint.adapters.filter(state=AdapterState.FAILED, status_message=EMBEDDING_SERVES_NO_ADAPTERS).update(
+            state=AdapterState.PENDING, status_message="", failure_retried=False)
+
+
 def record_replica_adapters(node, report: ReplicaStatus, *, heartbeat: tuple[str, int] | None = None) -> None:
     """What an agent reported of one of its replicas' adapters: the replica's `adapters` (what the
     gateway routes on), adapters it loaded READY, failed ones FAILED with the reason, `failure_retried` where the agent

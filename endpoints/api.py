@@ -110,12 +110,8 @@ class CredentialViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.
     def perform_create(self, serializer):
         serializer.instance = credentials.create_credential(self.actor, self.organization, **serializer.validated_data)
 
-    def update(self, request, *args, **kwargs):
-        # NOTE: the organisation's row before the endpoint's (`RowLockedUpdateMixin`), as `services.update_endpoint`
-        # takes them: never waited for with the endpoint's row held, which a node's heartbeat may need.
-        with transaction.atomic():
-            endpoint_quotas.lock_organization(self.organization.pk)
-            return super().update(request, *args, **kwargs)
+    # NOTE: no organisation's row taken, as `EndpointViewSet.update` takes it: a credential's edit locks no endpoint
+    # nor counts a quota. With it, the edit waited behind a key revocation (seconds) for nothing.
 
     def perform_update(self, serializer):
         serializer.instance = credentials.update_credential(self.actor, serializer.instance, **serializer.validated_data)

@@ -35,6 +35,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from controlplane import redis_keys
+from controlplane.clock import database_time_ago
 from controlplane.redis_client import as_text, get_redis
 from controlplane.tasks import send_task
 from endpoints.events import record_event
@@ -301,7 +302,8 @@ def stop_long_sleepers(endpoint: Endpoint) -> int:
     sleeping = Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING).select_related("endpoint")
     keeps_sleeping = endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE
     if keeps_sleeping:
-        sleeping = sleeping.filter(state_changed_at__lt=timezone.now() - timedelta(seconds=settings.SLEEP_STOP_AFTER_S))
+        # NOTE: by PostgreSQL's clock: by this worker's, one 31 minutes ahead stopped a replica asleep a moment ago
+        sleeping = sleeping.filter(state_changed_at__lt=database_time_ago(settings.SLEEP_STOP_AFTER_S))
     reason = (f"asleep for {settings.SLEEP_STOP_AFTER_S:.0f} s (INFERPLANE_SLEEP_STOP_AFTER_S)" if keeps_sleeping
               else "its endpoint no longer sleeps idle replicas")
     return sum(drain_replica(replica, reason=reason) for replica in sleeping)

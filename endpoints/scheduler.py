@@ -14,15 +14,14 @@ Sleep mode (an endpoint's `idle_action` "sleep"): a READY replica let go sleeps 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from controlplane import redis_keys
+from controlplane.clock import database_time_ago
 from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
 from controlplane.redis_scripts import Script
@@ -40,7 +39,7 @@ from endpoints.models import (
     IdleAction,
     Replica,
 )
-from endpoints.nodes.models import Node, NodeSweep, database_time_ago
+from endpoints.nodes.models import Node, NodeSweep
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -290,7 +289,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     # Sleeping replicas that should stop now (asleep too long, or their endpoint no longer sleeps).
     sleepers = Replica.objects.filter(endpoint_id__in=endpoint_ids, state=ReplicaState.SLEEPING).order_by()
     if settings.SLEEP_MODE:
-        sleepers = sleepers.filter(Q(state_changed_at__lt=timezone.now() - timedelta(seconds=settings.SLEEP_STOP_AFTER_S))
+        sleepers = sleepers.filter(Q(state_changed_at__lt=database_time_ago(settings.SLEEP_STOP_AFTER_S))
                                    | ~Q(endpoint__idle_action=IdleAction.SLEEP))
     changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
     for endpoint in endpoints:
@@ -493,7 +492,6 @@ def whole_fleet_silent(redis, now: float) -> bool:
 
 
 def _sweep() -> None:
-    now = timezone.now()
     silent_since = database_time_ago(settings.NODE_HEARTBEAT_GRACE_S)
     silent = Node.objects.exclude(state=NodeState.OFFLINE).filter(last_heartbeat_at__lt=silent_since)
     if not silent.exists():
@@ -515,12 +513,15 @@ def _sweep() -> None:
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
                 fail_replica(replica, reason)
         logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)
-    started_before = now - timedelta(seconds=settings.REPLICA_START_TIMEOUT_S)
+    # NOTE: a start's and a drain's age by PostgreSQL's clock, never this worker's: one 5 minutes ahead stopped every
+    # draining replica at once (its GPU placeable while its engine still ran), one 16 minutes ahead failed a replica
+    # loading its weights.
+    started_before = database_time_ago(settings.REPLICA_START_TIMEOUT_S)
     # NOTE: a woken replica (sleep mode) is STARTING again long after it was created: its clock is its wake.
     for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).filter(
             Q(woken_at__isnull=True) | Q(woken_at__lt=started_before)).select_related("endpoint"):
         reason = f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s"
         fail_replica_and_count(replica, reason)
-    drained_before = now - timedelta(seconds=settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
+    drained_before = database_time_ago(settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)
     for replica in Replica.objects.filter(state=ReplicaState.DRAINING, state_changed_at__lt=drained_before).select_related("endpoint"):
         fail_replica(replica, "its agent never confirmed the drain", final_state=ReplicaState.STOPPED)

@@ -12,7 +12,7 @@ from django.utils import timezone
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
-from endpoints.adapters import keep_staff_prices
+from endpoints.adapters import clear_embedding_failures, keep_staff_prices
 from endpoints.catalogue import GPU_TYPES
 from endpoints.credentials import hold_credential
 from endpoints.events import record_event
@@ -82,6 +82,7 @@ def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
         # wait for the new replicas as in a cold start). A gateway's cached READY list may still name a drained
         # replica for a moment: the generation keeps calls checked by the new configuration off it.
         drain_replicas(endpoint, reason=f"its engine started with the previous {', '.join(restarted)}; replaced")
+        clear_embedding_failures(endpoint)
     request_reconcile(endpoint.pk)
     return endpoint
 

@@ -423,8 +423,12 @@ class RegisterRequest(Message):
         _require(not self.gpus or len(self.gpus) == self.num_gpus, "gpus must list num_gpus GPUs")
         _require(bool(self.name), "name must be 1-128 characters")
         _require_printable(self.name, "name", 128)
-        _require(self.num_gpus >= 0 and self.num_cpus >= 1, "num_gpus must be >= 0 and num_cpus >= 1")
-        _require(self.gpu_memory_mb >= 0 and self.memory_mb > 0, "memory figures must be positive")
+        # NOTE: bounded by what a node can list (`MAX_GPUS_PER_NODE`) and what the columns hold (32 bits): before, a
+        # join token's holder registering 2**40 of any was a 500 (PostgreSQL's integer out of range).
+        _require(0 <= self.num_gpus <= MAX_GPUS_PER_NODE, f"num_gpus must be within 0..{MAX_GPUS_PER_NODE}")
+        _require(1 <= self.num_cpus <= MAX_REPORTED_COUNT, f"num_cpus must be within 1..{MAX_REPORTED_COUNT}")
+        _require(0 <= self.gpu_memory_mb <= MAX_ENGINE_MEMORY_MB, f"gpu_memory_mb must be within 0..{MAX_ENGINE_MEMORY_MB}")
+        _require(0 < self.memory_mb <= MAX_ENGINE_MEMORY_MB, f"memory_mb must be within 1..{MAX_ENGINE_MEMORY_MB}")
         _require(
             bool(self.advertise_host) and len(self.advertise_host) <= 253
             and all(ch.isalnum() or ch in ".-:" for ch in self.advertise_host),

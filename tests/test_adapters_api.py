@@ -164,6 +164,29 @@ def test_the_adapters_of_an_endpoint_whose_model_turns_out_to_embed_fail_saying_
     assert lora_endpoint.events.filter(message__contains="serves no LoRA adapters").count() == 1
 
 
+def test_the_adapters_failed_for_an_embedding_model_load_again_once_the_endpoint_serves_a_generating_one(
+        owner_client, lora_endpoint):
+    # Failed "for good" (not retried), the gateway answered every call naming them 400 `adapter_failed` ("its
+    # endpoint's model is an embedding model") before marking them wanted, and the agent loads only wanted ones:
+    # after the owner replaced the model by a generating one, they stayed refused for good with a reason untrue.
+    Adapter.objects.create(endpoint=lora_endpoint, name="tone", source="s3://tuned-adapters/tone")
+    ModelFacts.objects.create(source=lora_endpoint.model_source, architecture="BertModel", max_model_len=512)
+    replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+    assert Adapter.objects.get(name="tone").state == "FAILED"
+    ModelFacts.objects.create(source="hf:Qwen/Qwen2.5-0.5B-Instruct", architecture="Qwen2ForCausalLM",
+                              max_model_len=8192)
+
+    edited = owner_client.patch(f"/api/v1/endpoints/{lora_endpoint.pk}/",
+                                {"model_source": "hf:Qwen/Qwen2.5-0.5B-Instruct"}, format="json")
+
+    assert edited.status_code == 200, edited.content
+    [tone] = owner_client.get(url(lora_endpoint)).json()["results"]
+    assert (tone["state"], tone["status_message"]) == ("PENDING", "")
+    lora_endpoint.refresh_from_db()
+    spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+    assert [adapter.name for adapter in spec.adapters] == ["tone"]
+
+
 def test_an_agents_report_marks_adapters_loaded_or_refused_with_the_engines_reason(lora_endpoint):
     node = Node.objects.create(name="gpu-1")
     replica = Replica.objects.create(endpoint=lora_endpoint, node=node)

@@ -194,6 +194,19 @@ def test_a_node_registers_its_engine_host_and_port_range_and_bad_ones_are_400(cl
         assert register(client, token, name="bad", **bad).status_code == 400, bad
 
 
+@pytest.mark.parametrize("figure", ["num_gpus", "gpu_memory_mb", "num_cpus", "memory_mb"])
+def test_a_registration_whose_figure_is_past_what_a_node_can_have_is_a_400_naming_it_and_spends_no_use(client, figure):
+    """Before, a holder of a join token registering 2**40 of any of these was a 500 (PostgreSQL's integer out of
+    range), and 65 to 2**31 - 1 GPUs past the 64 a node may list were taken."""
+    created = create_join_token(SYSTEM, name="t", max_uses=1)
+    for value in (2**40, 65) if figure == "num_gpus" else (2**40,):
+        response = register(client, created.plain, **{figure: value})
+        assert response.status_code == 400, (value, response.content)
+        assert figure in response.json()["error"]["message"]
+    assert not Node.objects.exists() and JoinToken.objects.get(pk=created.join_token.pk).num_uses == 0
+    assert register(client, created.plain, num_gpus=64, gpu_memory_mb=81_920).status_code == 201
+
+
 UNREACHABLE_HOSTS = ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "::ffff:127.0.0.1", "0.0.0.0", "::", "169.254.169.254",
                      "fe80::1", "224.0.0.251", "ff02::1", "localhost", "gateway.example"]
 

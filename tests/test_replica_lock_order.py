@@ -16,11 +16,13 @@ import pytest
 from django.conf import settings
 from django.db import connection, transaction
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from controlplane import tasks as controlplane_tasks
-from controlplane.accounts.models import lock_organizations
+from controlplane.accounts.models import Role, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor
+from controlplane.accounts.tenancy import SESSION_KEY
 from endpoints import autoscaler, scheduler, services
 from endpoints import replicas as replicas_module
 from endpoints.autoscaler import Load
@@ -29,7 +31,7 @@ from endpoints.models import Endpoint, Replica
 from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory, make_credential
 from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
@@ -327,3 +329,69 @@ def test_a_nodes_heartbeat_is_answered_at_once_while_an_edit_waits_for_its_organ
     endpoint.refresh_from_db()
     replica.refresh_from_db()
     assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
+
+
+def test_a_nodes_heartbeat_is_answered_at_once_while_a_console_edit_waits_for_its_organisations_row(monkeypatch):
+    """The console's edit of an endpoint takes its organisation's row before the endpoint's, as the API's does: before,
+    it locked the endpoint's row and then waited for its organisation's (`services.update_endpoint`), and a heartbeat
+    reporting a replica of it failed waited behind both. The edit itself is saved once the row is free."""
+    client = Client()
+    agent = register(client, create_join_token(SYSTEM, name="test").plain).json()
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=0, max_replicas=1, model_source="/models/tiny")
+    replica = Replica.objects.create(endpoint=endpoint, node_id=agent["node_id"], state=ReplicaState.READY)
+    owner = Client()
+    user = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=user, role=Role.OWNER)
+    owner.force_login(user)
+    session = owner.session
+    session[SESSION_KEY] = endpoint.organization_id
+    session.save()
+    spec = {"name": endpoint.name, "model_source": endpoint.model_source, "gpu_type": endpoint.gpu_type,
+            "quantization": endpoint.quantization, "min_replicas": "0", "max_replicas": "1", "idle_timeout_s": "300",
+            "target_concurrency": "8", "max_num_seqs": "32", "cold_start_timeout_s": "300", "gpus_per_replica": "",
+            "idle_action": "stop"}
+    edited = {}
+
+    def edit():
+        edited["answer"] = owner.post(reverse("console:endpoint-edit", args=[endpoint.pk]), spec)
+
+    outcome = _while_the_organisation_is_held(endpoint, edit, lambda: beat(Client(), agent["node_secret"], [
+        ReplicaStatus(str(replica.pk), ReplicaState.FAILED, failure_reason="RuntimeError: CUDA error")]), monkeypatch)
+
+    assert outcome["errors"] == {}
+    assert outcome["answer"].status_code == 200 and outcome["seconds"] < 1.5
+    assert edited["answer"].status_code == 302, edited["answer"].content.decode()[-2000:]
+    endpoint.refresh_from_db()
+    replica.refresh_from_db()
+    assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
+
+
+def test_a_credentials_edit_does_not_wait_for_its_organisations_row(member_client_factory):
+    """A credential's edit (`PATCH /api/v1/credentials/<id>/`) locks no endpoint nor counts a quota: it has no use for
+    its organisation's row. Before, it waited for it (a copy of the endpoint edit's order) behind a key revocation, the
+    seconds it took, and held it meanwhile from every scale-up of that organisation."""
+    organization = EndpointFactory().organization
+    credential = make_credential(organization)
+    owner = member_client_factory(organization)
+    held, answer = threading.Event(), {}
+
+    def hold():
+        with transaction.atomic():
+            lock_organizations([organization.pk])
+            held.set()
+            time.sleep(ORGANIZATION_HELD_S)
+        connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        answer["patch"] = owner.patch(f"/api/v1/credentials/{credential.pk}/", {"region": "us-east-1"}, format="json")
+        answer["seconds"] = time.monotonic() - started
+    finally:
+        holder.join(30)
+    assert answer["patch"].status_code == 200, answer["patch"].content
+    assert answer["seconds"] < 1.5
+    credential.refresh_from_db()
+    assert credential.region == "us-east-1"

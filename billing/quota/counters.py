@@ -112,6 +112,10 @@ def from_units(units: int) -> Decimal:
 # written by an older version, or before the limit without a payment method or Stripe's set-up changed)
 # has its 'limits' missing: they are written again from the account, its spend kept. A version of '*'
 # takes the limits as they stand (`rebuild.rebuild_missing`: another version wrote them moments ago).
+# A call refused for the organisation's limit marks the counter `reached` (its limits written again clear it:
+# `limit_fields`): the spend stops short of the limit, by what the refused calls' worst case did not fit, and the spend
+# alert at 100 % is sent on this mark (`billing.alerts.check_spend_alerts`). NOTE: judged by the spend alone, it never
+# went out while every call was refused.
 RESERVE_LUA = """
 local function quota_reserve(K, A)
   local org = redis.call('HMGET', K[1], 'lv', 'prepaid', 'hold', 'cap', 'capr', 'spent')
@@ -136,6 +140,7 @@ local function quota_reserve(K, A)
   local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
   local cap = tonumber(org[4])
   if cap >= 0 and tonumber(org[6]) + org_reserved + amount > cap then
+    redis.call('HSET', K[1], 'reached', '1')  -- the spend alert's 100 % (`billing.alerts`)
     return {'refused', org[5]}
   end
   if has_key then
@@ -644,13 +649,20 @@ def _ceilings_version(steps: tuple[tuple[Decimal, Decimal | None], ...]) -> str:
 def limit_fields(account: BillingAccount, *, card: CardSpend | None = None) -> dict[str, str]:
     """The organisation counter's limits: `lv` (`limits_version`), `cap` (units, -1: none) and `capr`,
     the refusal reason when it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold`
-    (a refusal reason for every call, or empty)."""
+    (a refusal reason for every call, or empty); and `reached` cleared: no call was refused at these limits yet
+    (`RESERVE_LUA`)."""
     limit = spend_limit(account, card=card)
     return {
         "lv": limits_version(), "cap": str(to_units(limit.cap) if limit.cap is not None else -1),
         "capr": limit.reason, "prepaid": "1" if account.is_prepaid else "0",
-        "hold": hold_reason(account),
+        "hold": hold_reason(account), "reached": "",
     }
+
+
+def limit_reached(organization_id: int, period_key: str) -> bool:
+    """A call of the organisation was refused for its limit in the period, at its limits as they stand (`RESERVE_LUA`):
+    its spend stops short of the limit, and no further call fits."""
+    return get_redis().hget(org_period_key(organization_id, period_key), "reached") in (b"1", "1")
 
 
 def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:
@@ -689,6 +701,16 @@ def _refresh_key_caps(organization_id: int) -> None:
                 .values_list("api_key_id", "spend_cap"))
     for api_key_id in ApiKey.objects.filter(organization_id=organization_id, revoked_at__isnull=True).values_list("pk", flat=True):
         refresh_key_limit(organization_id, api_key_id, caps.get(api_key_id))
+
+
+def refresh_key_cap(organization_id: int, api_key_id: int) -> None:
+    """Write a key's cap, as PostgreSQL has it now, to its counter (this month's, if it exists), read under its
+    organisation account's row lock: a cap change (`billing.services.set_key_spend_cap`) writes under that lock and
+    refreshes after it, so whichever of the two comes last writes the newest cap."""
+    with transaction.atomic():
+        BillingAccount.objects.select_for_update().for_organization(organization_id)
+        key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
+        refresh_key_limit(organization_id, api_key_id, key_cap)
 
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:

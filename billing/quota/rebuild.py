@@ -29,7 +29,14 @@ from billing.models import (
 )
 from billing.periods import Period, period_containing
 from billing.quota import replayed
-from billing.quota.counters import PERIOD_TTL_S, Reservation, limit_fields, refresh_limits, to_units
+from billing.quota.counters import (
+    PERIOD_TTL_S,
+    Reservation,
+    limit_fields,
+    refresh_key_cap,
+    refresh_limits,
+    to_units,
+)
 from billing.quota.server_change import SERVER_LUA
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
@@ -346,6 +353,8 @@ class _Rebuild:
     held_again: tuple[str, ...] = ()
     # of `present`, the rows it was asked about and holds as their count counts them (`_held`, `REPLAYED_ROWS_LUA`)
     held: tuple[str, ...] = ()
+    # the credit figure's: the grants it read (`_credit_again`)
+    grants: frozenset[int] = frozenset()
 
 
 def _rebuild_from_database(what: str, organization_id: int, api_key_id: int | None, period: Period,
@@ -382,10 +391,10 @@ def _read_rebuild(what: str, organization_id: int, api_key_id: int | None, perio
         fields = {"spent": str(to_units(spent)), "cap": str(to_units(key_cap) if key_cap is not None else -1)}
         return _Rebuild(counter, fields, None, PERIOD_TTL_S, _units(pending), present, held_again, held)
     if what == "credit":
-        available, ttl_s, pending, present, held_again, held = _credit_and_pending(
+        available, ttl_s, pending, present, held_again, held, grants = _credit_and_pending(
             organization_id, reserved_ids, counter=counter)
         return _Rebuild(counter, None, str(to_units(available, ROUND_HALF_UP)), ttl_s, _units(pending), present,
-                        held_again, held)
+                        held_again, held, grants)
     raise ValueError(what)
 
 
@@ -438,10 +447,12 @@ def credit_available(organization_id: int, *, now=None) -> tuple[Decimal, int]:
 
 
 def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, now=None, counter: str | None = None,
-                        ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+                        ) -> tuple[Decimal, int, dict[str, Decimal], tuple[str, ...], tuple[str, ...], tuple[str, ...],
+                                   frozenset[int]]:
     """`credit_available`, the cost of each prepaid row in it whose call is one of `reserved_ids` or held again since
     (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
-    (`_replays_in_snapshot`), the calls held again it asked about, and of the first those it holds (`_held`)."""
+    (`_replays_in_snapshot`), the calls held again it asked about, of the first those it holds (`_held`), and the
+    grants it read (their ids)."""
     now = now or timezone.now()
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
     with _one_snapshot():
@@ -480,7 +491,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
     ttl_s = CREDIT_FIGURE_MAX_TTL_S
     if changes:
         ttl_s = max(1, min(ttl_s, int((min(changes) - now).total_seconds()) + 1))
-    return available, ttl_s, pending, present, held_again, held
+    return available, ttl_s, pending, present, held_again, held, frozenset(grant.pk for grant in grants)
 
 
 @contextmanager
@@ -623,6 +634,15 @@ async def _rebuild_counter(what: str, counter: str, organization_id: int, api_ke
             # one organisation's 400 calls after a flush queued another's rebuild behind 400 refreshes (2 s; ~11,000
             # calls: past its window, a 503).
             await in_worker_thread(_limits_again, executor=_rebuild_threads)(organization_id)
+        elif what == "key" and written in (0, 1):
+            # NOTE: so too a key's cap: one set between the rebuild's read and its write found no counter to refresh,
+            # and the key spent past it for the rest of the month (the counter lives `PERIOD_TTL_S`).
+            await in_worker_thread(_limits_again, executor=_rebuild_threads)(organization_id, api_key_id)
+        elif what == "credit" and written == 1:
+            # NOTE: and a grant made between the figure's read and its write: its refresh dropped no figure (none yet),
+            # and the one written without it stood for its time (up to `CREDIT_FIGURE_MAX_TTL_S`), refusing calls it
+            # paid for.
+            await in_worker_thread(_credit_again, executor=_rebuild_threads)(organization_id, rebuild.grants)
     if written in (HELD_AGAIN_MEANWHILE, LOST_MEANWHILE):
         logger.warning("organisation %s: its %s counter's rebuild began again %d times (calls held again, or Redis "
                        "lost its run, meanwhile); not written", organization_id, what, REBUILD_TRIES)
@@ -640,8 +660,25 @@ def _rebuilt(under_way: dict[str, asyncio.Task], counter: str, done: asyncio.Tas
         done.exception()  # NOTE: its callers raise it; one whose callers all left is not logged as never retrieved
 
 
-def _limits_again(organization_id: int) -> None:
-    """NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
+def _credit_again(organization_id: int, grants_read: frozenset[int]) -> None:
+    """The credit figure just written dropped (`refresh_limits`, as a grant's own refresh drops it) when a grant its
+    rebuild did not read exists now: rebuilt with it by the next call. A grant committed after this read is refreshed
+    after it, with the figure written. Grants are only added (`billing.credits.grant_credits`), never edited or
+    deleted. A database that cannot answer in time leaves the figure as written (`_limits_again`)."""
+    try:
+        with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
+            if CreditGrant.objects.filter(organization_id=organization_id).exclude(pk__in=grants_read).exists():
+                refresh_limits(BillingAccount.objects.for_organization(organization_id))
+    except DatabaseError as exc:
+        logger.warning("organisation %s: its credit figure's grants are not read again (%s); the rebuilt one stands",
+                       organization_id, type(exc).__name__)
+
+
+def _limits_again(organization_id: int, api_key_id: int | None = None) -> None:
+    """The organisation counter's limits read again under the account's lock after its rebuild; with `api_key_id`,
+    that key's cap alone after its counter's (`counters.refresh_key_cap`).
+
+    NOTE: a database that serves reads and refuses writes (a failover's demoted primary, a full disk) refuses the
     refresh's row lock: the limits just rebuilt from it stand, as good as it can tell, and the call goes on. It raised
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
     the rest of the outage. So does one that waits for the lock longer than `LIMITS_AGAIN_MAX_S` (`_until`): a
@@ -649,7 +686,10 @@ def _limits_again(organization_id: int) -> None:
     and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`)."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
-            refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+            if api_key_id is None:
+                refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
+            else:
+                refresh_key_cap(organization_id, api_key_id)
     except DatabaseError as exc:
         logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
                        organization_id, type(exc).__name__)

@@ -31,15 +31,17 @@ READ_METHODS = ("GET", "HEAD")
 PAGE_ORGANIZATION_FIELD = "page_organization"
 
 
-def page_organization_refusal(request):
+def page_organization_refusal(request, *, in_query: bool = False):
     """The page the form came from again, with why, when the form was shown for another organisation than the one
     the session now acts in (switched in another tab); None when it was shown for this one or names none (a
-    client that is no browser, a page cached from before forms carried it: acts as before).
+    client that is no browser, a page cached from before forms carried it: acts as before). `in_query`: read in the
+    query string (a form that posts a file names it in its action too, checked before its body is read), never in
+    the form's body.
 
     NOTE: the switcher writes the session's organisation, and every console form acted in it: a form left open on
     organisation A's page, posted after a switch to B in another tab, changed B without a word (a $0 spend cap, a key,
     an invitation, an endpoint)."""
-    shown_for = request.POST.get(PAGE_ORGANIZATION_FIELD)
+    shown_for = (request.GET if in_query else request.POST).get(PAGE_ORGANIZATION_FIELD)
     if shown_for is None or shown_for == str(request.organization.pk):
         return None
     shown_for_id = plain_int(shown_for, maximum=INT64_MAX)

@@ -257,7 +257,15 @@ def file_content(request, caller: Caller, file_id: str):
     if request.method != "GET":
         return _method_not_allowed(request)
     file = _file_of(caller, file_id)
-    response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/octet-stream")
+    try:
+        stream = storage.open_stream(file.s3_key)
+    except storage.ObjectGone:
+        # NOTE: a file row whose object is not in the bucket was a 503 with `retry-after: 1`, and the openai client
+        # retried it, and its caller after it, for ever: its bytes do not come back. S3 failing stays a 503.
+        logger.warning("file %s: its object %s is not in the bucket (or not readable)", file.pk, file.s3_key)
+        raise errors.OpenAIError(404, f"File {file.pk} has no content: its bytes are no longer stored.",
+                                 param="id", code="file_content_not_found") from None
+    response = StreamingHttpResponse(stream, content_type="application/octet-stream")
     response["Content-Length"] = str(file.bytes)
     response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response
@@ -313,8 +321,8 @@ def batch_detail(request, caller: Caller, batch_id: str):
 
 @_openai_view
 def batch_cancel(request, caller: Caller, batch_id: str):
-    """Cancel a batch: idempotent as it is (a batch cancelled again is answered as it is now), so an `Idempotency-Key`
-    is checked but saves nothing."""
+    """Cancel a batch: idempotent as it is (a batch cancelled again while `cancelling` is answered as it is now; one
+    that has ended is a 409, `services.cancel_batch`), so an `Idempotency-Key` is checked but saves nothing."""
     if request.method != "POST":
         return _method_not_allowed(request)
     idempotency.key_of(request.headers)

@@ -105,15 +105,22 @@ def engine_failure_pause_s(num_failures: int) -> float:
 
 async def count_engine_failure(batch_id: str, index: int, expires_at: float) -> tuple[int, float]:
     """Count a failure of line `index` at its engine (`errors.EngineFailed`): the number of them so far, across runs,
-    and the unix time of the first, kept until `expires_at` (the batch's window's end)."""
+    and how long ago the first was, kept until `expires_at` (the batch's window's end).
+
+    NOTE: the first's time is Redis's clock (`TIME`), read again by the run that counts the next: runs go to any
+    worker, and one 10 minutes ahead of the worker that counted the first failures a moment before took them as 10
+    minutes old (past `ENGINE_FAILURES_MIN_SPAN_S`) and failed the line for good at a blip of a few seconds."""
     key = batch_engine_failures_key(batch_id, index)
-    async with get_async_redis().pipeline(transaction=False) as pipe:  # one key: one run of a batch at a time
-        pipe.hsetnx(key, "first_at", repr(time.time()))
+    client = get_async_redis()
+    seconds, microseconds = await client.time()
+    now = seconds + microseconds / 1_000_000
+    async with client.pipeline(transaction=False) as pipe:  # one key: one run of a batch at a time
+        pipe.hsetnx(key, "first_at", repr(now))
         pipe.hincrby(key, "num", 1)
         pipe.hget(key, "first_at")
-        pipe.expireat(key, int(expires_at) + 1)
+        pipe.expire(key, max(1, int(expires_at - time.time()) + 1))  # NOTE: `expires_at` is on this process's clock
         _, num_failures, first_at, _ = await pipe.execute()
-    return int(num_failures), float(first_at)
+    return int(num_failures), now - float(first_at)
 
 
 def line_request_id(batch_id: str, index: int) -> str:
@@ -132,7 +139,7 @@ class Work:
     caller: Caller
     price_fraction: Decimal
     target_concurrency: int
-    expires_at: float  # unix time: no line starts after it
+    expires_at: float  # unix time on this process's clock (`services._on_this_clock`): no line starts after it
 
 
 def _row_around(batch_id: str, line: Line, status_code: int, request_id: str) -> tuple[bytes, bytes]:
@@ -704,9 +711,7 @@ async def run(work: Work, todo: Iterator[Line], progress: Progress, *, slice_s: 
                     continue
                 not_before = 0.0
                 if outcome.engine_failed:
-                    num_failures, first_failed_at = await count_engine_failure(work.batch_id, line.index,
-                                                                               work.expires_at)
-                    failed_for_s = time.time() - first_failed_at
+                    num_failures, failed_for_s = await count_engine_failure(work.batch_id, line.index, work.expires_at)
                     if num_failures >= MAX_ENGINE_FAILURES and failed_for_s >= ENGINE_FAILURES_MIN_SPAN_S:
                         logger.warning("batch %s line %d: its engine failed it %d times in %.0f s; not tried again",
                                        work.batch_id, line.index, num_failures, failed_for_s)

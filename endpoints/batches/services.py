@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
-from django.db.models import BigIntegerField, DateTimeField, F, Func, Q, Sum, Window
+from django.db.models import BigIntegerField, F, Q, Sum, Window
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Greatest, Now, RowNumber
 from django.utils import timezone
@@ -32,6 +32,7 @@ from billing import usage_writer
 from billing.models import UsageRecord, UsageStatus
 from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
+from controlplane.clock import DatabaseClock, database_now
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import batch_dispatch_key
 from controlplane.tasks import send_task
@@ -200,14 +201,7 @@ def _upload_leased(file: File) -> bool | None:
     in_progress = File.objects.filter(pk=file.pk, stored_at__isnull=True)
     if not in_progress.exists():
         return None
-    return in_progress.filter(upload_lease_until__gt=_ClockNow()).exists()
-
-
-class _ClockNow(Func):
-    """PostgreSQL's clock as the statement reads it (`clock_timestamp()`), not its transaction's start (`Now()`)."""
-
-    template = "CLOCK_TIMESTAMP()"
-    output_field = DateTimeField()
+    return in_progress.filter(upload_lease_until__gt=DatabaseClock()).exists()
 
 
 def abandon_upload(file: File) -> None:
@@ -337,7 +331,9 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     if input_file.purpose != FilePurpose.BATCH:
         raise Refused("The input file's purpose must be 'batch'.", param="input_file_id")
     _refuse_a_model_of_another_task(organization_id, input_file, request_path)
-    now = timezone.now()
+    # NOTE: its window by PostgreSQL's clock, which judges it (`run_batch`, `tick`): by the web pod's, one 10 minutes
+    # ahead gave a batch 24 h 10 min
+    now = database_now()
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, input_file.bytes, param="input_file_id",
                                    doing="and each open batch keeps room for its output")
@@ -416,10 +412,18 @@ class _LineModels:
 
 
 def cancel_batch(batch: Batch) -> Batch:
-    """Stop starting new lines; lines in flight finish and what finished is kept (its files written)."""
+    """Stop starting new lines; lines in flight finish and what finished is kept (its files written). A batch already
+    `cancelling` is answered as it is; one that has ended, or is `finalizing` (every line ran: nothing is left to
+    stop), is refused as OpenAI refuses it: a 409 naming its status.
+
+    NOTE: a cancel of an ended batch answered 200 with the batch as it was (`completed`), and the openai client took
+    it for a cancel that was accepted."""
     now = timezone.now()
-    Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
-        status=BatchStatus.CANCELLING, cancelling_at=now)
+    if not Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
+            status=BatchStatus.CANCELLING, cancelling_at=now):
+        status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).get()
+        if status != BatchStatus.CANCELLING:
+            raise Refused(f"Cannot cancel a batch with status '{status}'.", status=409, lasting=True)
     _dispatch_after_commit(batch.pk)
     return Batch.objects.get(pk=batch.pk)
 
@@ -466,14 +470,13 @@ def tick() -> int:
     completion window has ended. Running batches of a sleeping endpoint wait for the autoscaler
     (`scheduling.apply` wakes it when their deadline needs it). Sweeps abandoned uploads and idempotency keys past
     their day first."""
-    now = timezone.now()
-    sweep_abandoned_uploads(now)
+    sweep_abandoned_uploads()
     idempotency.sweep_expired()
     unleased = Batch.objects.open().filter(_lease_lapsed())
     warm = Replica.objects.filter(state=ReplicaState.READY).values("endpoint_id")
     # NOTE: and running ones whose endpoint was deleted (its replicas drained): they waited for a READY replica until
     # their window ended, a day, each an open batch of its organisation keeping its storage room (`_end_without_endpoint`)
-    due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=now)
+    due = unleased.filter(~Q(status=BatchStatus.IN_PROGRESS) | Q(endpoint_id__in=warm) | Q(expires_at__lte=DatabaseClock())
                           | Q(endpoint__deleted_at__isnull=False))
     # NOTE: every organisation's oldest batch first, then every one's second, and so on: one organisation's
     # backlog (hundreds of batches, stuck or not) never fills the slice and starves all the others.
@@ -563,7 +566,9 @@ def run_batch(batch_id: str) -> str:
                 _hold_lease_through_a_long_step(batch_id, token)
                 _end_without_endpoint(batch)
             return outcome
-        if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= timezone.now():
+        # NOTE: by PostgreSQL's clock, as its window was stamped (`create_batch`): by the worker's, one 10 minutes ahead
+        # expired a batch with 5 minutes left, its lines never run
+        if batch.status == BatchStatus.IN_PROGRESS and batch.expires_at <= database_now():
             final = BatchStatus.EXPIRED
         elif batch.status == BatchStatus.CANCELLING:
             final = BatchStatus.CANCELLED
@@ -717,6 +722,14 @@ def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
 
+def _on_this_clock(moment: datetime) -> float:
+    """`moment`, a time by PostgreSQL's clock, as a unix time on this process's clock (`time.time()`, the runner's).
+
+    NOTE: a batch's window ends by PostgreSQL's clock (`create_batch`); compared with a worker's own as it stood, a worker
+    10 minutes ahead started no line in a batch's last 10 minutes."""
+    return time.time() + (moment - database_now()).total_seconds()
+
+
 def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     """Run the lines not yet done, read from the input as slots free, each waited for at most
     `runner.LINES_END_WITHIN_S` from the first one's read, and all of them ended within the task's time limit,
@@ -748,7 +761,7 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
                        model=endpoint.name,
                        kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
-                       expires_at=batch.expires_at.timestamp())
+                       expires_at=_on_this_clock(batch.expires_at))
     if num_todo and lines_end_by - runner.LINE_MIN_WAIT_S <= time.monotonic():
         record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: checking its input took {time.monotonic() - started:.0f} s, "
                           "too long for this run to start a line in time; the next run starts them", batch_id=batch.pk)
@@ -1049,13 +1062,17 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
     cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
     now = timezone.now()
-    if final == BatchStatus.COMPLETED:
-        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
-                                                                                 finalizing_at=now)
     # NOTE: each result read, written on and dropped (`storage.result_bodies`): a batch's results were all parsed in
     # memory, with both files whole beside them, and a large batch's took its worker past its memory limit (with the
     # other tenants' runs in it) at every try, its lines billed and its files never written.
     keys = storage.result_keys(batch.organization_id, batch.pk)
+    if final == BatchStatus.EXPIRED and len(keys) >= batch.num_total:
+        # NOTE: every line has its result (the last ones answered after the deadline, before this run wrote the files):
+        # `completed`, as its files say. It ended `expired`, with no line expired.
+        final = BatchStatus.COMPLETED
+    if final == BatchStatus.COMPLETED:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
+                                                                                 finalizing_at=now)
     num_ok = sum(1 for result in keys.values() if result.ok)
     # counted failed; a completed batch has every line's result
     lost = _billed_unstored(batch, keys) if final != BatchStatus.COMPLETED else set()

@@ -213,13 +213,18 @@ def _error_code(exc: ClientError) -> str | None:
     return exc.response.get("Error", {}).get("Code")
 
 
-def read_bytes(key: str) -> bytes:
+def _get_object(key: str) -> dict:
+    """S3's GetObject of `key`: `ObjectGone` when it is not there (or not readable); any other failure as it is."""
     try:
-        return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"].read()
+        return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
     except ClientError as exc:
         if _error_code(exc) in GONE_CODES:
             raise ObjectGone(key) from exc
         raise
+
+
+def read_bytes(key: str) -> bytes:
+    return _get_object(key)["Body"].read()
 
 
 def read_parts(key: str, *, part_bytes: int | None = None) -> Iterator[bytes]:
@@ -252,12 +257,12 @@ def read_parts(key: str, *, part_bytes: int | None = None) -> Iterator[bytes]:
 
 def open_stream(key: str) -> AsyncIterator[bytes]:
     """The object's body as an asynchronous stream of chunks (for a download); the object is opened here, so that a
-    missing one fails before the answer begins.
+    missing one fails before the answer begins (`ObjectGone`).
 
     NOTE: asynchronous, each chunk read in a worker thread: Django under ASGI reads a synchronous iterator whole into
     a list before it sends the first byte (`StreamingHttpResponse.__aiter__`), so a download held its whole file in
     the web process's memory (`tests/batches/test_file_downloads.py`)."""
-    return _chunks_of(_client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)["Body"])
+    return _chunks_of(_get_object(key)["Body"])
 
 
 async def _chunks_of(body) -> AsyncIterator[bytes]:

@@ -205,8 +205,13 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
             refuse(number, "invalid_request", "Each line must be a JSON object.")
             continue
         custom_id = request.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
+        if not isinstance(custom_id, str) or not custom_id:
             refuse(number, "missing_required_parameter", "Each line needs a custom_id string.", "custom_id")
+            continue
+        if len(custom_id) > MAX_CUSTOM_ID:
+            # NOTE: said "Each line needs a custom_id string." of a line that had one, too long
+            refuse(number, "invalid_value", f"The custom_id may hold at most {MAX_CUSTOM_ID} characters; this one has "
+                                            f"{len(custom_id):,}.", "custom_id")
             continue
         if not is_plain(custom_id):
             refuse(number, "invalid_value", "The custom_id must not contain control characters (such as NUL) or "

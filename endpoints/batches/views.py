@@ -75,6 +75,11 @@ def _batch_or_404(request, batch_id: str) -> Batch:
 @member_required(view_reads_form=True)  # the page's organisation, too (`_create_batch`)
 def batch_list(request):
     form, refusal = new_batch_form(), None
+    if request.method == "POST" and (stale := page_organization_refusal(request, in_query=True)) is not None:
+        # NOTE: the form's action names the organisation its page was shown for: a stale tab's upload is refused
+        # before its body is read (the gateway took no place for it, and dropped it). It was refused only once its
+        # file had streamed to S3 under the organisation switched to, holding that organisation's upload place.
+        return stale
     if request.method == "POST" and (refusal := upload_places.refusal_in(getattr(request, "scope", {}))):
         # The gateway gave the upload no place (`Gateway._console_upload`) and dropped its body: the form says why.
         form = _with_file_error(form, refusal.message)
@@ -212,7 +217,12 @@ def batch_live(request, batch_id: str):
 @member_required()
 @require_POST
 def batch_cancel(request, batch_id: str):
-    batch = services.cancel_batch(_batch_or_404(request, batch_id))
+    batch = _batch_or_404(request, batch_id)
+    try:
+        batch = services.cancel_batch(batch)
+    except services.Refused as exc:  # it ended (or is finalizing) since its page was shown
+        messages.error(request, exc.message)
+        return redirect("console:batch", batch_id=batch.pk)
     messages.success(request, f"Batch {batch.pk} is {batch.get_status_display().lower()}: lines that finished are kept.")
     return redirect("console:batch", batch_id=batch.pk)
 
@@ -226,7 +236,11 @@ def file_download(request, file_id: str):
     file = File.objects.for_org(request.organization.pk).named(file_id).first()
     if file is None:
         raise Http404("No such file.")
-    response = StreamingHttpResponse(storage.open_stream(file.s3_key), content_type="application/jsonl")
+    try:
+        stream = storage.open_stream(file.s3_key)
+    except storage.ObjectGone:  # NOTE: a 500 before; its bytes do not come back
+        raise Http404("This file's content is no longer stored.") from None
+    response = StreamingHttpResponse(stream, content_type="application/jsonl")
     response["Content-Length"] = str(file.bytes)
     response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response

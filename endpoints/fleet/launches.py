@@ -17,8 +17,9 @@ from datetime import datetime
 
 from django.db import transaction
 
+from controlplane.clock import database_now
 from endpoints.models import LIVE_REPLICA_STATES, Replica
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, database_now
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch
 from endpoints.replicas import drain_each
 
 logger = logging.getLogger(__name__)

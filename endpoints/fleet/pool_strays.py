@@ -37,9 +37,12 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import database_time_ago
+from controlplane.redis_keys import POOLS_SWEEP_STARTED_KEY
+from endpoints.fleet.pools import start_turn, turn_order
 from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import Machine, Provider, ProviderError, ProviderUnreachable
-from endpoints.nodes.models import NodeLaunch, NodePool, StrayMachine, database_time_ago
+from endpoints.nodes.models import NodeLaunch, NodePool, StrayMachine
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,10 @@ CLAIM_S = 300.0
 def sweep_stray_machines(provider_for: Callable[[str], Provider] = get_provider) -> list[str]:
     """Every pool's strays seen for the grace period are terminated; returns their provider ids."""
     terminated = []
-    for pool in NodePool.objects.order_by("pk"):
+    # NOTE: least recently started first (`pools.turn_order`): in the order of their ids, a pool whose listing outlasted
+    # the task's time limit ended every sweep, and the strays of the pools after it were never terminated, paid for.
+    for pool in turn_order(list(NodePool.objects.order_by("pk")), POOLS_SWEEP_STARTED_KEY):
+        start_turn(pool, POOLS_SWEEP_STARTED_KEY)
         try:
             terminated += sweep_pool(pool, provider_for(pool.provider))
         except SoftTimeLimitExceeded:

@@ -27,10 +27,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 
 from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import database_now
 from controlplane.redis_client import as_text, get_redis, held_alone, redis_time
 from controlplane.redis_keys import POOLS_TICK_LOCK_KEY, POOLS_TICK_STARTED_KEY
 from endpoints.fleet import launches, pool_release
@@ -48,7 +50,7 @@ from endpoints.fleet.providers import get_provider, pool_spec
 from endpoints.fleet.providers.base import LaunchSpec, Provider, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token, revoke_join_token
 from endpoints.models import Endpoint
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool, database_now
+from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
 
 logger = logging.getLogger(__name__)
 
@@ -72,26 +74,37 @@ def provision_tick(now: datetime | None = None, provider_for: Callable[[str], Pr
         demand = assign_demand(pools)
         num_launched = 0
         for pool in turn_order(pools):
-            get_redis().hset(POOLS_TICK_STARTED_KEY, str(pool.pk), redis_time())  # before: a killed turn counts
+            start_turn(pool)  # NOTE: before it: a killed turn counts
             try:
                 num_launched += tick_pool(pool, demand.get(pool.pk, []), provider_for(pool.provider), now=now)
+            except SoftTimeLimitExceeded:
+                # NOTE: the task's time is up (an Exception): taken for one pool's failure, the next pool's turn began
+                # with the seconds left before the hard limit killed the worker in the middle of it (a machine asked
+                # for, its launch never marked), and that pool went last next time
+                raise
             except Exception:  # noqa: BLE001 - one broken pool (a provider down) must not stall the others
                 logger.exception("node pool %s: tick failed", pool.name)
         return num_launched
 
 
-def turn_order(pools: list[NodePool]) -> list[NodePool]:
-    """`pools`, the one whose tick started least recently first (one never started, first of all, by id); forgets
-    the pools deleted since.
+def turn_order(pools: list[NodePool], started_key: str = POOLS_TICK_STARTED_KEY) -> list[NodePool]:
+    """`pools`, the one whose turn started least recently first (one never started, first of all, by id); forgets
+    the pools deleted since. `started_key`: the hash of the turns' starts (`start_turn`), the tick's or the stray
+    sweep's (`POOLS_SWEEP_STARTED_KEY`).
 
     NOTE: the tick task's time limit kills its worker inside a provider's call that outlasts it (EC2 retried at 30 s
     a try): in the order of their ids, the pools after a slow one never got a turn. Marked when its turn starts, the
     slow pool goes last at the next tick."""
-    started = {as_text(key): float(value) for key, value in get_redis().hgetall(POOLS_TICK_STARTED_KEY).items()}
+    started = {as_text(key): float(value) for key, value in get_redis().hgetall(started_key).items()}
     gone = set(started) - {str(pool.pk) for pool in pools}
     if gone:
-        get_redis().hdel(POOLS_TICK_STARTED_KEY, *gone)
+        get_redis().hdel(started_key, *gone)
     return sorted(pools, key=lambda pool: (started.get(str(pool.pk), 0.0), pool.pk))
+
+
+def start_turn(pool: NodePool, started_key: str = POOLS_TICK_STARTED_KEY) -> None:
+    """`pool`'s turn starts now (Redis's clock), for `turn_order`."""
+    get_redis().hset(started_key, str(pool.pk), redis_time())
 
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
@@ -134,12 +147,28 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             logger.warning("node pool %s: could not list machines: %s", pool.name, error)
     for launch in booting:
         node = unlinked.filter(join_token_id=launch.join_token_id).first() if launch.join_token_id else None
-        machine = machines.get(str(launch.pk))
+        machine, contested = machines.get(str(launch.pk)), []
         if node is None and machine is not None and machine.node_name:
-            node = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).order_by(
-                "-registered_at").first()
+            # NOTE: the first node registered under the machine's name since its launch is its agent; a later one is
+            # someone else holding the shared token (a DaemonSet's) who claims the name. Before, the newest was linked:
+            # registering under a booting machine's name took it over (its launch, idle timeout and release), and the
+            # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
+            # retiring a claimant that came first leave the machine to the next. Where the provider knows the hosts
+            # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
+            # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
+            claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
+                secret_digest="").order_by("registered_at", "pk")
+            eligible = claimants.filter(advertise_host__in=machine.agent_hosts) if machine.agent_hosts else claimants
+            node = eligible.first()
+            if node is not None:
+                contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]
         if node is not None and launches.link_joined_node(node, launch, now=now):
-            record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name)
+            record_audit(SYSTEM, None, "node_launch.join", launch, pool=pool.name, node=node.name,
+                         **({"also_claimed_by": contested} if contested else {}))
+            if contested:
+                logger.warning("node pool %s: launch %s linked to node %s, the first registered as %s; also claimed by "
+                               "nodes %s (a shared join token's holder?)", pool.name, launch.pk, node.pk, node.name,
+                               ", ".join(contested))
 
 
 def fail_late_launches(pool: NodePool, provider: Provider, needs: list[Need], now: datetime) -> None:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from urllib.parse import parse_qs
 
 from django.conf import settings
 
@@ -32,6 +33,7 @@ from billing.usage_writer import (
 )
 from controlplane import access_log
 from controlplane.access_log import REQUEST_ID_SCOPE_KEY, log_answer
+from controlplane.accounts.console import PAGE_ORGANIZATION_FIELD
 from controlplane.accounts.models import Role
 from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
@@ -195,7 +197,10 @@ class Gateway:
         place, refusal = None, None  # the session's organisation's place, once it holds one
         try:
             caller = await auth.caller_from_console_form(_headers_of(scope))
-            if caller is not None and caller.role != Role.VIEWER:
+            # NOTE: a form shown for another organisation (a stale tab, its action's `page_organization`) takes no
+            # place: its view refuses it (`page_organization_refusal`); it held the organisation switched to's place,
+            # its body spooled and streamed to S3, until then.
+            if caller is not None and caller.role != Role.VIEWER and not _shown_for_another(scope, caller):
                 declared_bytes = _declared_bytes(_headers_of(scope))
                 if declared_bytes > max_bytes:
                     raise errors.OpenAIError(413, f"The file is larger than {_in_mb(max_bytes)} MB, the most the "
@@ -609,6 +614,12 @@ def _adding_headers(send, headers: list[tuple[bytes, bytes]]):
         await send(message)
 
     return sending
+
+
+def _shown_for_another(scope, caller: auth.Caller) -> bool:
+    """Whether the console form posted in `scope` names, in its query string, another organisation than `caller`'s."""
+    shown_for = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(PAGE_ORGANIZATION_FIELD)
+    return shown_for is not None and shown_for[-1] != str(caller.organization_id)
 
 
 def _without_body(scope, refusal: errors.OpenAIError | None) -> dict:

@@ -20,13 +20,13 @@ from decimal import Decimal
 
 from django.conf import settings
 
+from controlplane.clock import database_time_ago
 from controlplane.credential_lookups import ExpiringSet
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
 from endpoints.gateway.normalizers import PromptNormalizer, prompt_normalizer
 from endpoints.models import Adapter, Endpoint, Replica
-from endpoints.nodes.models import database_time_ago
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)

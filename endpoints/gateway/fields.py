@@ -111,16 +111,17 @@ def check(payload: dict, kind: str) -> None:
             raise errors.invalid_request(f"'{name}' {reason}.", param=name, code="unsupported_parameter")
         raise errors.invalid_request(f"Unrecognized request argument supplied: {printable(name)}", param=printable(name),
                                      code="unknown_parameter")
-    if kind == "completion":
-        _refuse_best_of_past_n(payload)
 
 
-def _refuse_best_of_past_n(payload: dict) -> None:
+def refuse_best_of_past_n(payload: dict) -> None:
     """`best_of` above `n`: vLLM's completions ignore it and return `n` choices, not the best of more. Below `n`:
-    OpenAI and vLLM refuse it (the best 1 of 3 cannot be 3 choices); before, it passed and the engine returned `n`."""
+    OpenAI refuses it (the best 1 of 3 cannot be 3 choices); before, it passed and the engine returned `n`.
+
+    NOTE: once both passed their own checks (`request.parse_payload`): before them, n=17 (past `MAX_N`) with best_of=1
+    was told best_of was below n, naming the field that was right."""
     best_of, n = payload.get("best_of"), payload.get("n") or 1
-    if best_of is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, best_of)):
-        return  # NOTE: a wrong type is `request`'s 400, with its own message
+    if best_of is None:
+        return
     if best_of > n:
         raise errors.invalid_request(f"'best_of' ({best_of}) above 'n' ({n}) is not supported: the engine returns "
                                      "'n' choices; ask for more with 'n'.", param="best_of", code="unsupported_parameter")

@@ -170,6 +170,8 @@ def parse_payload(body: bytes, kind: str) -> dict:
         value = payload.get(name)
         if value is not None:
             check(value, name)
+    if kind == "completion":
+        fields.refuse_best_of_past_n(payload)
     if payload.get("stream_options") and not payload.get("stream"):
         # NOTE: as OpenAI and vLLM (whose rule this is, to the letter) refuse it. The engine refused it only once the
         # call was admitted and counted; and a batch line with it passed validation, then every such line failed as

@@ -9,12 +9,11 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import connection, models
+from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -263,21 +262,6 @@ def _normal_host(host: str) -> str:
     except ValueError:
         return host
 
-
-
-def database_now() -> datetime:
-    """PostgreSQL's clock now (the moment, not its transaction's start), for times one process stamps and another
-    judges (a node launch's deadline and idle spell: `endpoints.fleet.launches`), as `database_time_ago`."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT clock_timestamp()")
-        return cursor.fetchone()[0]
-
-
-def database_time_ago(seconds: float) -> models.Expression:
-    """`seconds` before now by PostgreSQL's clock, as heartbeats are stamped (`Node.last_heartbeat_at`): a web pod
-    stamped them by its clock and a worker judged them by its own, so a worker ~25 s ahead took every node OFFLINE
-    at every sweep."""
-    return models.ExpressionWrapper(Now() - timedelta(seconds=seconds), output_field=models.DateTimeField())
 
 
 class JoinTokenQuerySet(models.QuerySet):

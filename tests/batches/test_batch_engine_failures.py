@@ -187,3 +187,26 @@ def test_a_redis_that_lost_a_lines_count_starts_it_again(
 
     assert (batch.status, batch.num_failed) == (BatchStatus.COMPLETED, 1)
     assert _num_requests(upstream) == num_lost + runner.MAX_ENGINE_FAILURES
+
+
+def test_a_line_failed_by_a_run_on_another_worker_is_not_failed_for_good_by_a_worker_whose_clock_is_ahead(
+    files_bucket, tenant, start_mock_upstream, quick_retries, monkeypatch
+):
+    # Before: a failure's first time was the counting worker's clock (`time.time()`) and its span judged by the next
+    # worker's: a run on a worker 10 minutes ahead took the first failures, a moment before on another worker, as 10
+    # minutes old, past `ENGINE_FAILURES_MIN_SPAN_S`, and failed the line for good at its next 500 (a blip of seconds).
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    fails_until = f"{ENGINE_FAILS_UNTIL}{time.time() + 3}"  # a blip of 3 s
+    batch = services.validate_batch(new_batch(endpoint, _lines(endpoint, fails_until)))
+    assert batch.status == BatchStatus.IN_PROGRESS
+    # its engine failed it on another worker, whose clock is right, a moment ago
+    get_redis().hset(batch_engine_failures_key(batch.pk, 0),
+                     mapping={"first_at": repr(time.time()), "num": runner.MAX_ENGINE_FAILURES - 1})
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 600)  # the next run's worker
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 0)

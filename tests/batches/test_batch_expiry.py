@@ -74,3 +74,29 @@ def test_a_cancel_arriving_while_an_expiry_is_written_ends_the_batch_cancelled(f
     assert (batch.status, batch.expired_at) == (BatchStatus.CANCELLED, None)
     assert batch.cancelling_at is not None and batch.cancelled_at is not None
     assert batch.error_file is None and batch.output_file is None  # nothing ran: no line is listed as expired
+
+
+def test_a_batch_whose_last_line_finishes_after_its_window_ended_completes_with_every_answer(
+        files_bucket, tenant, start_mock_upstream, monkeypatch):
+    """Every line ran (the last one answered just past the deadline): the batch is `completed`, its output whole.
+    Before, the run that wrote its files saw the clock past `expires_at` and ended it `expired`, every line answered."""
+    from tests.batches.conftest import one_chat_line
+    from tests.gateway.conftest import serve_endpoint
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, one_chat_line(endpoint))
+    put_result = storage.put_result
+
+    def answered_past_the_deadline(organization_id, batch_id, index, row, *, ok):
+        stored = put_result(organization_id, batch_id, index, row, ok=ok)
+        Batch.objects.filter(pk=batch_id).update(expires_at=timezone.now() - timedelta(seconds=1))
+        return stored
+
+    monkeypatch.setattr(storage, "put_result", answered_past_the_deadline)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.expired_at, batch.error_file) == (BatchStatus.COMPLETED, None, None)
+    assert batch.completed_at is not None and (batch.num_completed, batch.num_failed) == (1, 0)
+    output = [json.loads(row) for row in storage.read_bytes(batch.output_file.s3_key).splitlines()]
+    assert [(row["custom_id"], row["response"]["status_code"]) for row in output] == [("only", 200)]

@@ -157,6 +157,24 @@ def test_cancel_stops_new_lines_and_keeps_the_ones_that_finished(gateway, tenant
     assert Batch.objects.get(pk=batch.id).num_completed == len(output)
 
 
+def test_cancelling_a_batch_that_has_ended_is_a_409_naming_its_status_and_a_cancelling_one_is_answered_as_it_is(
+        gateway, tenant):
+    """As OpenAI answers: before, an ended batch's cancel was a 200 with the batch as it was, taken for a cancel."""
+    client = tenant.client(gateway)
+    input_file = client.files.create(file=("in.jsonl", _jsonl([_chat_line("a", "m")])), purpose="batch")
+    batch = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert client.batches.cancel(batch.id).status == "cancelling"  # sent again: the same answer
+    for status in ("completed", "failed", "expired", "cancelled", "finalizing"):
+        Batch.objects.filter(pk=batch.id).update(status=status)
+        with pytest.raises(openai.ConflictError) as refused:
+            client.batches.cancel(batch.id)
+        assert refused.value.body["message"] == f"Cannot cancel a batch with status '{status}'."
+        assert refused.value.body["type"] == "invalid_request_error"
+        assert refused.value.response.headers["x-should-retry"] == "false"  # the client does not send it again
+        assert client.batches.retrieve(batch.id).status == status
+
+
 def test_revoking_the_key_that_created_a_batch_stops_it_and_keeps_what_finished(gateway, tenant, batch_worker,
                                                                                  start_mock_upstream):
     """A leaked key's batch must stop with the key: before, it ran on as its creator after the revocation."""

@@ -334,3 +334,37 @@ def test_an_upload_that_fails_or_dies_stops_counting_against_the_quota(tenant, f
     stored = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
                                   stream=io.BytesIO(LINES), size=len(LINES))
     assert list(File.objects.for_org(tenant.org.pk)) == [stored]
+
+
+def test_a_file_whose_bytes_are_gone_from_s3_is_openais_404_not_a_503_to_retry_for_ever(web, tenant, files_bucket):
+    """Before: a 503 with `retry-after: 1`; the openai client sent it again, and its caller after it, for ever."""
+    from endpoints.batches import storage
+    from endpoints.batches.models import File
+
+    client = tenant.client(web)
+    created = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    storage.delete(File.objects.get(pk=created.id).s3_key)
+
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.files.content(created.id)
+    assert refused.value.body["type"] == "invalid_request_error" and created.id in refused.value.body["message"]
+    assert "retry-after" not in refused.value.response.headers
+    assert client.files.retrieve(created.id).id == created.id  # its row is still listed, and can be deleted
+    assert client.files.delete(created.id).deleted is True
+
+
+def test_s3_down_while_a_files_content_is_read_is_still_a_503_to_retry(tenant, files_bucket, settings):
+    from django.test import Client
+
+    from endpoints.batches import services, storage
+
+    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                stream=io.BytesIO(LINES), size=len(LINES))
+    settings.FILES_S3_ENDPOINT_URL = "http://127.0.0.1:9"  # nothing listens there
+    storage.forget_clients()
+
+    answer = Client(raise_request_exception=False).get(f"/v1/files/{file.pk}/content",
+                                                       HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+
+    assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
+    assert answer.json()["error"]["code"] == "service_unavailable"

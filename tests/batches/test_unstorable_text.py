@@ -153,3 +153,19 @@ def test_a_check_that_takes_longer_than_the_lease_is_not_taken_over_meanwhile(fi
     assert taken_over and taken_over[0] is None
     batch = Batch.objects.get(pk=batch.pk)
     assert batch.status == BatchStatus.IN_PROGRESS and batch.num_validation_attempts == 1
+
+
+def test_a_custom_id_past_its_length_fails_the_batch_saying_how_long_it_may_be_not_that_it_is_missing(
+        files_bucket, dispatched):
+    from endpoints.batches.validation import MAX_CUSTOM_ID
+
+    endpoint = EndpointFactory(max_model_len=2048)
+    batch = new_batch(endpoint, _line(json.dumps("x" * (MAX_CUSTOM_ID + 1)), endpoint.name).encode()
+                      + _line('"ok"', endpoint.name).encode())
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.FAILED
+    assert [(e["line"], e["code"], e["param"]) for e in batch.errors] == [(1, "invalid_value", "custom_id")]
+    assert batch.errors[0]["message"] == f"The custom_id may hold at most {MAX_CUSTOM_ID} characters; this one has {MAX_CUSTOM_ID + 1:,}."

@@ -153,21 +153,23 @@ class _Member:
 
     def __init__(self, console_client_factory, tenant, role=Role.MEMBER):
         client = console_client_factory(tenant.org, role)
+        self.user = client.user
         self.csrf = _get_new_csrf_string()
         self.cookie = (f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}; "
                        f"{settings.CSRF_COOKIE_NAME}={self.csrf}")
 
-    def post(self, web, data: bytes, *, endpoint: str = "/v1/chat/completions") -> httpx.Response:
+    def post(self, web, data: bytes, *, endpoint: str = "/v1/chat/completions", path: str = CONSOLE_BATCHES
+             ) -> httpx.Response:
         """The batch form posted with `data` as its file."""
-        return httpx.post(f"{web.base_url}{CONSOLE_BATCHES}", headers={"cookie": self.cookie},
+        return httpx.post(f"{web.base_url}{path}", headers={"cookie": self.cookie},
                           files={"file": ("requests.jsonl", data)},
                           data={"endpoint": endpoint, "csrfmiddlewaretoken": self.csrf}, timeout=60)
 
-    def held(self, web, *, declared: int = 12 * MiB) -> socket.socket:
+    def held(self, web, *, declared: int = 12 * MiB, path: str = CONSOLE_BATCHES) -> socket.socket:
         """The batch form's upload, whose client sent its headers and the first 3 MiB of its file, then waits."""
         host, port = web.base_url.removeprefix("http://").split(":")
         connection = socket.create_connection((host, int(port)))
-        head = (f"POST {CONSOLE_BATCHES} HTTP/1.1\r\nHost: {host}\r\nCookie: {self.cookie}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nCookie: {self.cookie}\r\n"
                 f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {declared}\r\n\r\n")
         fields = (f"--b\r\nContent-Disposition: form-data; name=\"csrfmiddlewaretoken\"\r\n\r\n{self.csrf}\r\n"
                   "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"r.jsonl\"\r\n\r\n")
@@ -358,3 +360,30 @@ def test_an_upload_waits_for_an_answered_place_only_so_long_then_is_refused(monk
 
     status, waited_s = asyncio.run(take_while_one_is_answered_and_never_closed())
     assert status == 429 and 0.2 <= waited_s < 2
+
+
+def test_a_stale_tabs_console_upload_takes_no_place_or_storage_of_the_organisation_switched_to(
+        web, tenant, console_client_factory, files_bucket):
+    """The batch form shown for another organisation (a tab left open there; the session since switched to this one):
+    its action names that organisation, and the gateway takes no place for it, its body dropped unread. Before, it
+    held this organisation's upload place, its body spooled and streamed to S3, until its view refused it."""
+    from controlplane.accounts.console import PAGE_ORGANIZATION_FIELD
+    from endpoints.batches.models import File
+    from tests.factories import MembershipFactory, OrganizationFactory
+
+    member = _Member(console_client_factory, tenant)
+    other = OrganizationFactory(name="Other")
+    MembershipFactory(organization=other, user=member.user, role=Role.MEMBER)
+    stale_action = f"{CONSOLE_BATCHES}?{PAGE_ORGANIZATION_FIELD}={other.pk}"
+
+    held = member.held(web, path=stale_action)
+    time.sleep(1.5)
+    assert held_files(web.pid, web.temporary) == {}, "the stale upload's body was spooled"
+    assert _upload(web, tenant.key, LINE).status_code == 200  # the organisation's place is its own
+    held.close()
+
+    refused = member.post(web, LINE, path=stale_action)
+    assert refused.status_code == 302, refused.text
+    assert not Batch.objects.exists() and list(File.objects.filter(organization=other)) == []
+    assert File.objects.filter(organization=tenant.org).count() == 1  # the `/v1/files` upload alone
+    assert [key for key in bucket_objects(files_bucket) if f"/{other.pk}/" in key] == []

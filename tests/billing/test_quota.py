@@ -13,10 +13,12 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.core import mail
 from django.db import connections
 from django.utils import timezone
 
 from billing import periods
+from billing.alerts import check_spend_alerts
 from billing.credits import draw_credits, grant_credits
 from billing.ledger import record_usage, supersede_lost_rows
 from billing.models import BillingAccount, BillingMode, CreditGrant, UsageRecord
@@ -34,14 +36,14 @@ from billing.quota.counters import (
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
 from controlplane import redis_keys
-from controlplane.accounts.models import ApiKey
+from controlplane.accounts.models import ApiKey, Role
 from controlplane.accounts.services import SYSTEM
 from controlplane.redis_client import get_redis
 from endpoints.gateway import admission, presence
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
 from tests.conftest import wait_until
-from tests.factories import EndpointFactory, OrganizationFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory
 from tests.outages import database_read_only
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
@@ -154,6 +156,48 @@ def test_an_exhausted_cap_refuses_with_insufficient_quota_and_raising_it_lets_ca
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=amount, request_id="b"))
 
 
+def test_an_organisation_refused_at_its_cap_is_told_it_reached_it_though_its_spend_stops_short():
+    # Calls are refused when their worst case no longer fits the cap, so spend stops short of it: $0.97 of $1.00 here.
+    # Before, the 100 % alert ("reached its monthly spend cap ... calls are refused") compared the spend alone and
+    # never went out, while every call was refused 402: the one alert that says production stopped never came.
+    organization = OrganizationFactory()
+    owner = MembershipFactory(organization=organization, role=Role.OWNER).user
+    _cap(organization, "1.00")
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=970_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [50, 80]
+
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.05"), request_id="over"))
+    assert refused.value.reason == "org_cap"
+
+    assert check_spend_alerts(organization.pk) == [100]
+    assert mail.outbox[-1].subject == f"{organization.name} reached its monthly spend cap"
+    assert mail.outbox[-1].to == [owner.email]
+    assert "Spend this month: $0.97 of a $1.00 cap." in mail.outbox[-1].body
+    assert check_spend_alerts(organization.pk) == []
+
+    _cap(organization, "2.00")  # a new limit: the refusal under the old one reached nothing of it
+    assert check_spend_alerts(organization.pk) == []
+
+
+def test_one_oversized_call_refused_at_a_low_spend_tells_nobody_the_cap_is_reached():
+    # A call whose worst case alone is past the cap is refused at any spend; the calls that fit still run, so "reached
+    # its monthly spend cap ... calls are refused" would be untrue (before this rule: mailed to every owner at $0.10).
+    organization = OrganizationFactory()
+    MembershipFactory(organization=organization, role=Role.OWNER)
+    _cap(organization, "1.00")
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=100_000, completion_tokens=0))
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5"), request_id="huge"))
+    assert refused.value.reason == "org_cap"
+    assert check_spend_alerts(organization.pk) == []
+    assert mail.outbox == []
+
+
 def test_a_key_cap_limits_that_key_but_not_its_siblings():
     organization = OrganizationFactory()
     capped, free = (ApiKey.objects.create(organization=organization, name=n, lookup=n, digest="x") for n in ("capped", "free"))
@@ -167,6 +211,33 @@ def test_a_key_cap_limits_that_key_but_not_its_siblings():
         await reserve(organization_id=organization.pk, api_key_id=free.pk, amount=Decimal("5"), request_id="k3")
 
     asyncio.run(scenario())
+
+
+def test_a_key_cap_set_while_the_keys_counter_is_rebuilt_holds_that_key_for_the_month(monkeypatch):
+    # The key's first call of the month (or its first after a Redis flush) rebuilds its counter: the rebuild reads the
+    # key's cap (none), an owner sets it to $0.05 and commits, the cap change's refresh finds no counter to write, and
+    # the rebuild writes the cap it read. Before, the key kept no cap in Redis for the rest of the month (the counter
+    # lives 40 days): its calls went on past the hard cap its owner had just set.
+    organization = OrganizationFactory()
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    build = rebuild._rebuild_from_database
+
+    def build_then_cap_the_key(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "key":
+            set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("0.05"))
+        return read
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_cap_the_key)
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first")
+        with pytest.raises(QuotaExceeded) as refused:
+            await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("1.00"), request_id="over")
+        assert refused.value.reason == "key_cap"
+
+    asyncio.run(scenario())
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
 
 
 def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
@@ -534,6 +605,34 @@ def test_a_prepaid_organisation_spends_only_its_credit():
         assert refused.value.reason == "credit"
 
     asyncio.run(scenario())
+
+
+def test_credit_granted_while_the_credit_figure_is_rebuilt_is_spendable_at_once(monkeypatch):
+    # A prepaid organisation's first call after Redis lost the figure rebuilds it: the rebuild reads the grants (2.00),
+    # staff grant 10.00 more and commit, the grant's refresh drops a figure not written yet, and the rebuild writes the
+    # one it read. Before, that figure stood for its whole time (up to an hour): the organisation, having just been
+    # given credit, was refused 402 "Your prepaid credit balance is too low" for calls its credit paid for.
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    get_redis().flushdb()
+    build, granted = rebuild._rebuild_from_database, []
+
+    def build_then_grant(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "credit" and not granted:
+            granted.append(True)
+            grant_credits(SYSTEM, organization, amount=Decimal("10.00"), expires_at=timezone.now() + timedelta(days=30))
+        return read
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_grant)
+
+    async def scenario():
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="first")
+        await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"), request_id="granted")
+
+    asyncio.run(scenario())
+    assert reads.reserved_now(organization.pk) == Decimal("6.00")
 
 
 def test_credits_expire():

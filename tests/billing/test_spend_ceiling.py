@@ -245,10 +245,12 @@ def test_a_ceiling_staff_set_is_named_as_staffs_in_the_402_the_alerts_and_the_ap
     assert "set for it by Inferplane staff" in refused.message and "Contact support" in refused.message
     assert "invoices are paid" not in refused.message and "payment history" not in refused.message
 
-    _usage(carded.org, "17")  # 85 % of $20
-    assert check_spend_alerts(carded.org.pk) == [50, 80]
-    assert mail.outbox[-1].subject.endswith("used 80% of the monthly spending ceiling Inferplane staff set for it")
-    assert "invoices are paid" not in mail.outbox[-1].body and "contact support" in mail.outbox[-1].body
+    _usage(carded.org, "17")  # 85 % of $20, and a call refused at it: reached (`billing.alerts`)
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-2].subject.endswith("used 80% of the monthly spending ceiling Inferplane staff set for it")
+    assert "invoices are paid" not in mail.outbox[-2].body and "contact support" in mail.outbox[-2].body
+    assert mail.outbox[-1].subject.endswith("reached the monthly spending ceiling Inferplane staff set for it")
+    assert "invoices are paid" not in mail.outbox[-1].body and "support changes it" in mail.outbox[-1].body
     shown = member_client_factory(carded.org, Role.OWNER).get("/api/v1/billing/").json()["standing"]
     assert (shown["effective_spend_cap"], shown["limit_reason"]) == ("20.00", "spend_ceiling_staff")
 

@@ -265,8 +265,8 @@ def test_staff_rotate_a_token_postgresql_still_finds_unexpired_through_a_web_pod
     # already: there is nothing to rotate", the token left open.
     import endpoints.nodes.models as node_models
     from controlplane.accounts.services import SYSTEM
+    from controlplane.clock import database_now
     from endpoints.fleet.services import create_join_token
-    from endpoints.nodes.models import database_now
 
     join_token = create_join_token(SYSTEM, name="rack", expires_at=database_now() + timedelta(minutes=10)).join_token
     monkeypatch.setattr(node_models, "timezone", type("Clock", (), {

@@ -8,10 +8,11 @@ import uuid
 import pytest
 
 from controlplane.accounts.services import SYSTEM
+from controlplane.clock import database_time_ago
 from endpoints.fleet import services
 from endpoints.fleet.services import create_join_token
 from endpoints.models import ModelFacts, Replica
-from endpoints.nodes.models import Node, database_time_ago
+from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import Heartbeat, ModelInfo, NodeState, ReplicaState, ReplicaStatus, WeightsStatus

@@ -1,4 +1,4 @@
-"""The join path judged by PostgreSQL's clock, as a pool's launch times are (`nodes.models.database_now`): a web pod
+"""The join path judged by PostgreSQL's clock, as a pool's launch times are (`controlplane.clock.database_now`): a web pod
 whose clock is off neither fails to link a machine to its launch, nor refuses a launch's token, nor leaves a retired
 node's token open."""
 
@@ -11,8 +11,9 @@ from django.utils import timezone
 
 import endpoints.nodes.models as node_models
 from controlplane.accounts.services import SYSTEM
+from controlplane.clock import database_now
 from endpoints.fleet import pools, services
-from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch, database_now
+from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch
 from gpu_agent import protocol
 from tests.fleet.test_pool_policy import RecordingProvider, make_pool, tick, waiting_endpoint
 

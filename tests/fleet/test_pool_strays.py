@@ -310,3 +310,25 @@ def test_celerys_soft_time_limit_ends_the_sweep_instead_of_being_logged_as_one_p
     with pytest.raises(SoftTimeLimitExceeded):
         sweep(provider, ec2=other)
     assert other.num_lists == 0
+
+
+@pytest.mark.django_db
+def test_a_pool_whose_listing_outlasts_the_sweep_does_not_keep_the_other_pools_strays_running():
+    # NOTE: the sweep took the pools in the order of their ids, and its time limit (or the hard kill) ends it inside a
+    # provider's call: a first pool whose listing outlasted it (an API that hangs, retried) had every sweep end there,
+    # and the strays of the pools after it were never terminated, paid for. As the node pools' tick, the pool whose
+    # turn started least recently goes first.
+    make_pool(name="a-slow", provider="ec2")
+    make_pool(name="b-other")
+    slow, fine = ListingProvider(), ListingProvider()
+    slow.list_error = SoftTimeLimitExceeded()
+    lost = fine.lose_record()
+    for _ in range(2):  # each pool's turn comes every other sweep: the slow one's, then the other's first
+        with pytest.raises(SoftTimeLimitExceeded):
+            sweep(fine, ec2=slow)
+    assert fine.num_lists == 1
+    past_the_grace()
+    for _ in range(2):
+        with pytest.raises(SoftTimeLimitExceeded):
+            sweep(fine, ec2=slow)
+    assert fine.terminated == [lost.provider_id]

@@ -288,6 +288,48 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
         LAUNCH_ID: False, "9a1b2c3d-0000-4000-8000-000000000003": False, another: False}
 
 
+def _agent_pod(name: str, node_name: str, ip: str, **metadata) -> dict:
+    """A pod of the agent DaemonSet as the API server lists it (infra/k8s/base/agent-daemonset.yaml)."""
+    return {"metadata": {"name": name, "namespace": "inferplane", "labels": {"app.kubernetes.io/component": "agent"},
+                         **metadata},
+            "spec": {"nodeName": node_name}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+
+
+def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it_cannot_tell(api_server):
+    """What `pools.link_joins` checks a node registered under the machine's name against: the agent pod's IP there."""
+    provider = get_provider("kubernetes")
+    [scheduled] = provider.launch(POOL, [_spec()])
+    pod = api_server.pods[scheduled.provider_id]
+    pod["spec"]["nodeName"], pod["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
+    api_server.pods["inferplane-agent-x7k2p"] = _agent_pod("inferplane-agent-x7k2p", "ip-10-0-3-17.ec2.internal",
+                                                           "10.0.3.201")
+    api_server.pods["inferplane-agent-q9v4m"] = _agent_pod("inferplane-agent-q9v4m", "ip-10-0-9-40.ec2.internal",
+                                                           "10.0.9.77")  # another node's agent
+    api_server.pods["inferplane-agent-old"] = _agent_pod("inferplane-agent-old", "ip-10-0-3-17.ec2.internal",
+                                                         "10.0.3.15", deletionTimestamp="2026-12-06T00:00:00Z")
+
+    [machine] = provider.list(POOL)
+    assert (machine.node_name, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", ("10.0.3.201",))
+
+    del api_server.pods["inferplane-agent-x7k2p"]  # its agent pod not started yet: nothing to tell by
+    [machine] = provider.list(POOL)
+    assert machine.agent_hosts == ()
+
+
+def test_a_list_whose_agent_pods_cannot_be_read_still_reports_its_machines(api_server, settings, tmp_path):
+    """The agent pods are read in the worker's own namespace; refused there (a Role bound elsewhere), the machines are
+    listed as before, linked by their node's name alone."""
+    provider = get_provider("kubernetes")
+    [scheduled] = provider.launch(POOL, [_spec()])
+    pod = api_server.pods[scheduled.provider_id]
+    pod["spec"]["nodeName"], pod["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
+    settings.K8S_PLACEHOLDER_NAMESPACE = "inferplane"
+    (k8s_api.SERVICE_ACCOUNT_DIR / "namespace").write_text("elsewhere\n")  # 403 from the API server there
+
+    [machine] = provider.list(POOL)
+    assert (machine.node_name, machine.state, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", "running", ())
+
+
 def test_a_fleet_id_that_is_no_label_value_labels_its_placeholders_with_its_label_form_and_lists_them_as_ours(
         api_server, settings):
     """Before, the id went on the pod as it is: the API server refused "acme:prod" as a label value (422), so no

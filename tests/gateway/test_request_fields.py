@@ -126,6 +126,17 @@ def test_top_logprobs_without_logprobs_is_a_400_naming_top_logprobs_as_the_engin
     assert parse_payload(json.dumps(CHAT | {"top_logprobs": 0}).encode(), "chat")
 
 
+def test_an_n_or_best_of_out_of_range_is_refused_as_such_not_as_best_of_below_n():
+    # The best_of-below-n check ran before the fields' own ranges: n=17 (MAX_N is 16) with best_of=1 was told
+    # "'best_of' must be greater than or equal to 'n'" and named best_of, the field that was right.
+    past_n = _refusal(COMPLETION | {"n": 17, "best_of": 1}, "completion")
+    assert (past_n.param, past_n.message) == ("n", "'n' must be an integer from 1 to 16.")
+    zero = _refusal(COMPLETION | {"n": 2, "best_of": 0}, "completion")
+    assert zero.param == "best_of" and "greater than or equal to 'n'" not in zero.message
+    below = _refusal(COMPLETION | {"n": 3, "best_of": 2}, "completion")
+    assert (below.param, below.code) == ("best_of", "invalid_value")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_best_of_below_n_is_a_400_naming_best_of_before_anything_is_reserved(gateway, tenant, start_mock_upstream):
     """OpenAI and vLLM require best_of >= n; before, n=3 with best_of=1 passed and the engine was asked for it."""

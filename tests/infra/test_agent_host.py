@@ -52,3 +52,28 @@ def test_unit_runs_the_agent_with_its_cache_and_token_from_the_environment_file(
     assert "EnvironmentFile=/etc/inferplane/agent.env" in text
     example = (INFRA_DIR / "systemd" / "agent.env.example").read_text()
     assert "INFERPLANE_JOIN_TOKEN=" in example and "INFERPLANE_CONTROL_PLANE_URL=" in example
+
+
+def _service_settings() -> dict[str, list[str]]:
+    """The unit's [Service] settings, each key's values in order (systemd allows a key several times)."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]":
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_an_engine_the_kernel_kills_for_memory_takes_no_other_tenants_engine_down_with_it():
+    # Every engine is a process of the agent's unit, and the node's memory is shared: the kernel's OOM killer picks the
+    # largest process, an engine. systemd's DefaultOOMPolicy (systemd-system.conf) is `stop`: the whole unit was then
+    # stopped (its agent draining and stopping every engine of the node, then restarted by Restart=always), so one
+    # tenant's engine that allocated past the host's memory took every other tenant's replicas on the node with it.
+    # `continue`: the engine alone dies, and the agent reports its replica failed as for any engine that exits.
+    assert _service_settings().get("OOMPolicy") == ["continue"]

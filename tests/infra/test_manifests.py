@@ -474,6 +474,31 @@ def test_gpu_agent_runs_on_every_gpu_node_with_its_gpus_cache_and_join_token(ren
     assert pod["terminationGracePeriodSeconds"] > 120, "longer than a replica's drain timeout"
 
 
+def test_engines_writing_within_their_own_disk_bounds_never_get_the_agent_pod_and_every_engine_of_its_node_evicted(
+        rendered):
+    """Each engine's scratch folder (its HOME and TMPDIR) is in the agent pod's /tmp (`sandbox.make_scratch_folder`),
+    and the agent lets each engine write up to INFERPLANE_AGENT_ENGINE_DISK_GB (20 GB) there and in its cache, then
+    stops it alone. The kubelet evicts a pod whose emptyDir passes its size limit: the agent and every tenant's engine
+    on the node go at once. Before, the /tmp limit was 32 GiB: two engines (one tenant's two replicas, or GPU-shared
+    replicas of one GPU) writing 17 GB each, each within its own bound, had the whole node's pod evicted."""
+    from gpu_agent.runtime.engine_disk import DEFAULT_ENGINE_MAX_BYTES
+
+    agent = rendered.get("DaemonSet", "inferplane-agent")
+    pod = _pod_spec(agent)
+    (container,) = pod["containers"]
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    assert env.get("TMPDIR", "/tmp") == "/tmp"
+    engine_bytes = float(env.get("INFERPLANE_AGENT_ENGINE_DISK_GB") or DEFAULT_ENGINE_MAX_BYTES / 1e9) * 1e9
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    tmp = {volume["name"]: volume for volume in pod["volumes"]}[mounts["/tmp"]]
+    # Engines per node are not bounded by its GPUs (GPU sharing puts several on one): no size limit is safe but none.
+    limit = tmp.get("emptyDir", {}).get("sizeLimit")
+    assert limit is None, (
+        f"{rendered.overlay}: the agent's /tmp is evicted at {_bytes_of(limit) / 1e9:.0f} GB, "
+        f"{_bytes_of(limit) / engine_bytes:.1f} engines' bounds")
+    assert "ephemeral-storage" not in container["resources"].get("limits", {})
+
+
 def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain_cut(rendered, settings):
     # NOTE: and then to replay its usage journal or ship it to the bucket (`billing.journal_shipping`), which the
     # grace period did not count (the review of this stop's diff): a SIGKILL there lost what was not shipped.

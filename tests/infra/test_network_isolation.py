@@ -246,3 +246,35 @@ def test_batch_workers_reach_inside_the_network_only_what_the_web_pods_reach(ren
     # a node registered at an internal address was reachable from the batch workers on any port.
     rules = _egress_rules(rendered, "inferplane-batch-worker")
     assert rules and rules == _egress_rules(rendered, "inferplane-web")
+
+
+def test_agent_pods_whose_engines_run_tenants_models_reach_no_database_metadata_service_or_address_inside(rendered):
+    # Every engine runs in its agent's pod network (its sandbox adds no network namespace), and an engine may run a
+    # tenant's code (`trust_remote_code`, a hostile checkpoint). Without an egress policy it reached PostgreSQL and
+    # Redis on any address (the gateway's directory, Celery's queues), the cloud's metadata service at
+    # 169.254.169.254 (the node's own AWS credentials) and every other address inside the network. The agent needs
+    # DNS and HTTPS outside: the control plane's public URL, the Hub, S3.
+    import ipaddress
+
+    rules = _egress_rules(rendered, "inferplane-agent")
+    assert rules, "the agent pods have an egress policy"
+    internal = [ipaddress.ip_network(cidr) for cidr in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                                                        "100.64.0.0/10", "169.254.169.254/32", "169.254.170.23/32",
+                                                        "127.0.0.0/8")]
+    for rule in rules:
+        assert rule.get("to"), f"a rule open to any address: {rule}"
+        assert rule.get("ports"), f"a rule open on every port: {rule}"
+        ports = {port["port"] for port in rule["ports"]}
+        for peer in rule["to"]:
+            if "ipBlock" not in peer:
+                namespace = peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                assert (namespace, frozenset(ports)) in {("kube-system", frozenset({53})), ("ingress-nginx", frozenset({443}))}, (
+                    f"only DNS and the ingress controller's HTTPS are pods by selector: {rule}")
+                continue
+            assert ports == {443}, f"only HTTPS leaves by address: {rule}"
+            block = peer["ipBlock"]
+            excepted = [ipaddress.ip_network(cidr) for cidr in block.get("except", [])]
+            for network in internal:
+                if network.subnet_of(ipaddress.ip_network(block["cidr"])):
+                    assert any(network.subnet_of(out) for out in excepted), (network, block)
+    assert any({port["port"] for port in rule["ports"]} == {443} for rule in rules), "the control plane is reachable"

@@ -71,6 +71,11 @@ class Machine:
     # may be terminated for having no launch record (`endpoints.fleet.pool_strays`); False for one launched before the
     # installation id was put on machines, or by another installation (whatever its fleet id and pool ids).
     fleet_marked: bool = False
+    # NOTE: the hosts the fleet's agents on the machine advertise, where the provider can tell (Kubernetes: the IPs of
+    # the agent DaemonSet's pods on its node); empty when it cannot. Of the nodes registered under the machine's name,
+    # one at such a host is its agent (`pools.link_joins`): a shared join token's holder claiming the name before the
+    # agent registered is not (it would have to know the pod's IP too).
+    agent_hosts: tuple[str, ...] = ()
 
 
 class Provider(Protocol):

@@ -4,7 +4,9 @@ Replicas are not pods (the agent DaemonSet runs them), so the cluster autoscaler
 sees their demand. A launch creates one placeholder pod (`k8s_placeholder.placeholder_pod`) that
 requests the pool's GPUs on its node selector: the autoscaler adds a node for it, the agent
 DaemonSet starts there and registers under the node's name (`--name` = `spec.nodeName`), and the
-policy links the two by `Machine.node_name`. Deleting the placeholder lets the autoscaler remove
+policy links the two by `Machine.node_name` and, where the agent pod on that node can be read, its IP
+(`Machine.agent_hosts`: a holder of the shared join token registering under the node's name elsewhere first is not the
+machine). Deleting the placeholder lets the autoscaler remove
 the node once it is empty.
 
 NOTE: the placeholder holds the GPUs in the scheduler's books only; pooled agents reach them through
@@ -20,6 +22,8 @@ Template fields: `node_selector` (labels), `tolerations`, `gpu_resource` (defaul
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 
 from django.conf import settings
@@ -47,10 +51,13 @@ from endpoints.fleet.providers.k8s_placeholder import (
 )
 from endpoints.fleet.providers.template_fields import unknown_field_errors
 
+logger = logging.getLogger(__name__)
+
 TEMPLATE_FIELDS = ("node_selector", "tolerations", "gpu_resource", "zones")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
@@ -149,8 +156,8 @@ class KubernetesProvider:
         api.delete_pod(namespace, provider_id)
 
     def list(self, pool: PoolSpec) -> list[Machine]:
-        machines = []
-        for pod in _api().list_pods(_namespace(), pool_selector(pool)):
+        machines, api = [], _api()
+        for pod in api.list_pods(_namespace(), pool_selector(pool)):
             status, spec = pod.get("status", {}), pod.get("spec", {})
             if status.get("phase") in ("Succeeded", "Failed"):
                 continue  # evicted or stopped: no machine is held for it any more
@@ -163,7 +170,31 @@ class KubernetesProvider:
             machines.append(Machine(provider_id=pod["metadata"]["name"], launch_id=labels.get(LABEL_LAUNCH, ""),
                                     state=state, node_name=node_name,
                                     fleet_marked=_marked(labels, pool)))
-        return machines
+        if not any(machine.node_name for machine in machines):
+            return machines
+        hosts = _agent_hosts(api)
+        return [dataclasses.replace(machine, agent_hosts=hosts.get(machine.node_name, ())) for machine in machines]
+
+
+# The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml), in the worker's own namespace.
+AGENT_SELECTOR = "app.kubernetes.io/component=agent"
+
+
+def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]]:
+    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); {} when they cannot be listed
+    (then a machine's node is linked by its name alone, `pools.link_joins`)."""
+    try:
+        pods = api.list_pods(service_account_namespace(), AGENT_SELECTOR)
+    except ProviderError as error:
+        logger.warning("could not list the agent pods (a pool machine is linked by its node's name alone): %s", error)
+        return {}
+    hosts: dict[str, set[str]] = {}
+    for pod in pods:
+        node_name, status = pod.get("spec", {}).get("nodeName", ""), pod.get("status", {})
+        ips = {status.get("podIP", "")} | {entry.get("ip", "") for entry in status.get("podIPs") or []}
+        if node_name and not pod["metadata"].get("deletionTimestamp"):
+            hosts.setdefault(node_name, set()).update(ip for ip in ips if ip)
+    return {node_name: tuple(sorted(ips)) for node_name, ips in hosts.items() if ips}
 
 
 def _marked(labels: dict, pool: PoolSpec) -> bool:
