@@ -636,14 +636,17 @@ class CreditGrant(models.Model):
 class SpendAlert(models.Model):
     """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap`): at most one
     each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts, once the
-    spend reaches them (`billing.alerts._alerted_at_this_spend`: a limit set at or below a spend already alerted
-    sends nothing new)."""
+    spend reaches them (`billing.alerts._alerted_at_this_spend`: a limit of a kind set at or below a spend already
+    alerted at that kind sends nothing new)."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="+")
     period_start = models.DateTimeField()
     threshold_percent = models.PositiveSmallIntegerField()
     spend = MoneyField()
     spend_cap = MoneyField()
+    # The limit's kind (`billing.standing.SPEND_LIMIT_REASONS`: its own cap, a ceiling, the limit without a payment
+    # method); "" for an alert of before it was kept (`billing/0038`), or made by a pod of the release before.
+    limit_reason = models.CharField(max_length=32, blank=True, default="", db_default="")
     sent_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)  # claimed then (again, if left unsent: `billing.alerts`)
 

@@ -667,3 +667,40 @@ def test_an_admin_demoted_while_their_change_of_a_member_waits_changes_nothing(c
     assert answer.status_code == 403, (answer.status_code, answer.content)
     assert Membership.objects.filter(pk=others.pk, role=Role.MEMBER).exists()
     assert Invitation.objects.get(pk=invitation.pk).status == "pending"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_owner_demoted_to_admin_while_revoking_an_owners_invitation_revokes_nothing():
+    """Revoking an invitation read the actor's role again under the organisation's row lock, but not the owner role's
+    guard (`members.ensure_may_touch_owner_role`): an owner demoted to admin by another owner while their revocation
+    of an owner's invitation waited on the row revoked it once the demotion committed, an admin taking away an
+    owner's seat to be (the test saw 200 and the invitation revoked)."""
+    from django.db import transaction
+
+    from controlplane.accounts.models import lock_organizations
+
+    organization = OrganizationFactory()
+    owner, second = UserFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    seconds = MembershipFactory(organization=organization, user=second, role=Role.OWNER)
+    invitation = invitations.invite_member(services.Actor(user=owner), organization, email="cfo@example.test",
+                                           role=Role.OWNER)
+    answers = []
+
+    def seconds_request():
+        try:
+            answers.append(signed_in_api_client(second).post(f"/api/v1/invitations/{invitation.pk}/revoke/"))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=seconds_request)
+    with transaction.atomic():  # the owner's demotion of the second owner, holding the organisation's row
+        lock_organizations([organization.pk])
+        thread.start()  # past its checks (the demotion is not committed), then queued on the row
+        wait_until(_waiting_on_a_lock, 30, message="the revocation to queue on the organisation's row")
+        members.change_member_role(services.Actor(user=owner), seconds, role=Role.ADMIN)
+    thread.join(60)
+
+    [answer] = answers
+    assert answer.status_code == 403, (answer.status_code, answer.content)
+    assert Invitation.objects.get(pk=invitation.pk).status == "pending"

@@ -138,7 +138,10 @@ def revoke_invitation(actor: Actor, invitation: Invitation) -> Invitation:
         # invitations: with the invitation's row alone, each waited on the other (this commit's foreign keys take the
         # organisation's row) and PostgreSQL failed one.
         lock_organizations([invitation.organization_id])
-        _ensure_admin(actor, invitation.organization, "invitation")  # NOTE: again, under it (`members.ensure_admin`)
+        # NOTE: again, under it (`members.ensure_admin`), the owner role's guard too: an owner demoted to admin while
+        # their revocation of an owner's invitation waited on the row revoked it once the demotion committed.
+        _ensure_admin(actor, invitation.organization, "invitation")
+        ensure_may_touch_owner_role(actor, invitation.organization, invitation.role)
         revoked = Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=timezone.now())
         if revoked:

@@ -65,3 +65,56 @@ def test_abandoning_a_difference_while_a_run_sends_it_is_refused_and_the_run_bil
     assert rollup.pushed_at is not None and rollup.push_held_at is None
     assert _billed_as_the_ledger(fake_stripe, rollup) == {}
     assert MeterEventPush.objects.filter(rollup=rollup).exists()
+
+
+def test_an_abandon_on_a_pod_whose_clock_runs_ahead_is_refused_while_a_run_sends(fake_stripe, monkeypatch):
+    # The claim to send (`push_claimed_at`) was stamped by the run's pod's clock and judged by the abandoning pod's:
+    # one whose clock ran past `BILLING_CLAIM_TIMEOUT_S` ahead took a run sending at that moment for one that died,
+    # and the abandon went through under it (the test saw it return 1). Both are PostgreSQL's clock now.
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.utils import timezone
+
+    rollup, stripe_has = _held_with_more_than_stripe(fake_stripe)
+    _run_killed_before_recording(monkeypatch, rollup, stripe_has)
+    del fake_stripe.meter_events[stripe_sync.difference_identifier(rollup, "inferplane_input_tokens")]
+    fake_stripe.forget_idempotency_keys()
+    UsageRollup.objects.filter(pk=rollup.pk).update(difference_started_at=timezone.now() - timedelta(hours=25))
+
+    original, sending, abandon_tried, run = stripe_sync._send_difference, threading.Event(), threading.Event(), {}
+
+    def send_while_staff_abandons(*args):
+        sending.set()
+        abandon_tried.wait(10)
+        return original(*args)
+
+    def second_run():
+        try:
+            run["marked"] = _send_difference(rollup, stripe_has, pending_in_stripe=False)
+        except Exception as exc:  # noqa: BLE001 (the test reports it)
+            run["error"] = exc
+        finally:
+            sending.set()
+            connection.close()
+
+    monkeypatch.setattr(stripe_sync, "_send_difference", send_while_staff_abandons)
+    thread = threading.Thread(target=second_run)
+    thread.start()
+    assert sending.wait(10)
+    honest_now = timezone.now
+    ahead = timedelta(seconds=settings.BILLING_CLAIM_TIMEOUT_S + 60)
+    monkeypatch.setattr(timezone, "now", lambda: honest_now() + ahead)  # the abandoning pod's clock
+    try:
+        abandoned = stripe_sync.abandon_held_difference(SYSTEM, rollup.pk, difference_in_stripe=False)
+    except stripe_sync.DifferenceRefused as refused:
+        abandoned = str(refused)
+    finally:
+        monkeypatch.setattr(timezone, "now", honest_now)
+        abandon_tried.set()
+    thread.join(20)
+
+    assert "is sending it now" in str(abandoned), abandoned
+    assert run == {"marked": 1}
+    assert not AuditEvent.objects.filter(action=stripe_sync.ABANDON_DIFFERENCE_AUDIT_ACTION).exists()
+    assert _billed_as_the_ledger(fake_stripe, rollup) == {}

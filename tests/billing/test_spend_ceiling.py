@@ -440,3 +440,54 @@ def _paid_by(organization, invoice_id: str, cents: int) -> None:
 
     Invoice.objects.create(organization=organization, stripe_invoice_id=invoice_id, status="paid", currency="usd",
                            amount_due=cents, amount_paid=cents)
+
+
+def test_a_staff_ceiling_set_under_a_spend_already_alerted_at_the_own_cap_still_says_calls_stop_and_why(carded):
+    """A threshold alerted at the organisation's own cap stood for every limit since whose share the spend had already
+    passed (`alerts._alerted_at_this_spend`), whatever its kind: an organisation that had reached its own cap, raised
+    it, then was held by staff to a ceiling under its spend had its calls refused with no mail saying so, nor to
+    contact support (the test saw no mail). A cap the organisation itself sets again under its spend still mails
+    nothing new."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("10"))
+    _usage(carded.org, "10")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-1].subject.endswith("reached its monthly spend cap")
+
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("50"))  # raised: calls go on
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("8"))  # staff's, under the spend: calls stop
+    assert 100 in check_spend_alerts(carded.org.pk)
+    assert mail.outbox[-1].subject.endswith("reached the monthly spending ceiling Inferplane staff set for it")
+    assert "until support changes it" in mail.outbox[-1].body
+
+    num_mails = len(mail.outbox)
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=None)  # the history's again ($100): its own cap, $50
+    for cap in ("9", "7", "9.50"):  # the organisation's own, set again and again under its spend
+        services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal(cap))
+        assert check_spend_alerts(carded.org.pk) == []
+    assert len(mail.outbox) == num_mails
+
+
+def test_an_own_cap_under_a_spend_already_alerted_at_a_staff_ceiling_still_says_calls_stop_at_the_cap(carded):
+    """The other way round: a staff ceiling reached, then lifted, left the organisation's own cap, set under the spend
+    before, stopping its calls, and the staff ceiling's alert stood for it (`alerts._alerted_at_this_spend`): no mail
+    said the organisation's own cap now stops them."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+    from billing.models import SpendAlert
+
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("9"))
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("8"))
+    _usage(carded.org, "10")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-1].subject.endswith("reached the monthly spending ceiling Inferplane staff set for it")
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=None)  # the history's again ($100): its own cap, $9
+    assert 100 in check_spend_alerts(carded.org.pk)
+    assert mail.outbox[-1].subject.endswith("reached its monthly spend cap")
+    assert set(SpendAlert.objects.filter(organization=carded.org).values_list("limit_reason", flat=True)) == {
+        standing.SPEND_CEILING_STAFF, standing.ORG_CAP}
