@@ -228,6 +228,21 @@ def test_calls_refused_at_the_cap_over_and_over_write_nothing_to_redis_after_the
     assert check_spend_alerts(organization.pk) == [100]
 
 
+def test_a_call_refused_at_the_cap_while_redis_is_at_its_memory_limit_is_still_refused_for_the_cap():
+    # Redis at `maxmemory` (noeviction) denies a script's first write: the refusal's mark made the 402 an error.
+    organization = _at_97_cents_of_a_dollar_cap()
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="fits"))
+    redis = get_redis()
+    policy = redis.config_get("maxmemory-policy")["maxmemory-policy"]
+    redis.config_set("maxmemory-policy", "noeviction")
+    redis.config_set("maxmemory", 1)
+    try:
+        _refused_at_the_cap(organization, "over")
+    finally:
+        redis.config_set("maxmemory", 0)
+        redis.config_set("maxmemory-policy", policy)
+
+
 def test_a_cap_raised_by_a_pod_of_the_release_before_does_not_mail_that_the_new_cap_is_reached(monkeypatch):
     # A pod of the release before writes the limits without the `reached` field: a cap raised from $1.00 to $1.10 on
     # one during a rollout left the refusal under $1.00 standing, and at $0.97 (88 % of the new cap) every owner was
