@@ -24,7 +24,7 @@ from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend
 from billing.usage_journal import encode
 from controlplane.accounts.models import ApiKey
 from controlplane.hot_settings import hot
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import as_text, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -664,13 +664,15 @@ def limit_fields(account: BillingAccount, *, card: CardSpend | None = None) -> d
     }
 
 
-def limit_reached(organization_id: int, period_key: str) -> bool:
-    """A call of the organisation was refused for its limit in the period, at its limits as they stand (`RESERVE_LUA`):
-    its spend stops short of the limit, and no further call fits. NOTE: only while the counter's cap is the one the call
-    was refused at: limits written by a pod of the release before leave the mark, or a refresh failed, and the limit
-    was raised since."""
-    reached, cap = get_redis().hmget(org_period_key(organization_id, period_key), "reached", "cap")
-    return bool(reached) and reached == cap
+def limit_reached(organization_id: int, period_key: str, reason: str) -> bool:
+    """A call of the organisation was refused for its limit in the period, at its limits as they stand (`RESERVE_LUA`),
+    and that limit is `reason`'s (`billing.standing.spend_limit`): its spend stops short of the limit, and no further
+    call fits. NOTE: only while the counter's cap is the one the call was refused at: limits written by a pod of the
+    release before leave the mark, or a refresh failed, and the limit was raised since. NOTE: and only for the limit
+    the tenant is shown: a call refused for the room a shared card's other organisations leave (`spend_ceiling`) told
+    of its own lower cap that it was reached, calls refused "until the cap is raised", which lifts nothing."""
+    reached, cap, cap_reason = get_redis().hmget(org_period_key(organization_id, period_key), "reached", "cap", "capr")
+    return bool(reached) and reached == cap and as_text(cap_reason or "") == reason
 
 
 def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:
