@@ -61,7 +61,7 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     # low spend (its worst case alone past the cap) stops nothing else, and mailing every owner "calls are refused"
     # would be untrue for the calls that still fit.
     if (crossed and crossed[-1] == REACHED_ALERT_AFTER and 100 not in crossed
-            and _refused_at_limit(organization_id, period.key)):
+            and _refused_at_limit(organization_id, period.key, limit.reason)):
         crossed.append(100)
     if not crossed:
         return []
@@ -80,12 +80,12 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     return sent_now
 
 
-def _refused_at_limit(organization_id: int, period_key: str) -> bool:
+def _refused_at_limit(organization_id: int, period_key: str, reason: str) -> bool:
     """A call was refused for the limit (`counters.limit_reached`): it is reached though the spend stops short of it
     (a call is refused when its worst case no longer fits). NOTE: by the spend alone, the 100 % alert never went out
     while every call was refused. Redis unreadable: judged by the spend alone."""
     try:
-        return limit_reached(organization_id, period_key)
+        return limit_reached(organization_id, period_key, reason)
     except RedisError:
         logger.warning("spend alerts: organisation %s's refusals at its limit are not readable now", organization_id)
         return False

@@ -24,7 +24,7 @@ from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend
 from billing.usage_journal import encode
 from controlplane.accounts.models import ApiKey
 from controlplane.hot_settings import hot
-from controlplane.redis_client import get_redis
+from controlplane.redis_client import as_text, get_redis
 from controlplane.redis_keys import (
     credit_journaled_key,
     credit_key,
@@ -112,10 +112,13 @@ def from_units(units: int) -> Decimal:
 # written by an older version, or before the limit without a payment method or Stripe's set-up changed)
 # has its 'limits' missing: they are written again from the account, its spend kept. A version of '*'
 # takes the limits as they stand (`rebuild.rebuild_missing`: another version wrote them moments ago).
-# A call refused for the organisation's limit marks the counter `reached` (its limits written again clear it:
-# `limit_fields`): the spend stops short of the limit, by what the refused calls' worst case did not fit, and the spend
-# alert at 100 % is sent on this mark (`billing.alerts.check_spend_alerts`). NOTE: judged by the spend alone, it never
-# went out while every call was refused.
+# A call refused for the organisation's limit marks the counter `reached` with the cap it was refused at (its limits
+# written again clear it: `limit_fields`): the spend stops short of the limit, by what the refused calls' worst case did
+# not fit, and the spend alert at 100 % is sent on this mark while the counter's cap is still that one
+# (`billing.alerts.check_spend_alerts`, `limit_reached`). NOTE: judged by the spend alone, it never went out while every
+# call was refused. NOTE: the mark is written only when it is not there yet: written on every refusal, a client
+# retrying its 402 in a loop made each one a write, to the AOF and every replica; and a mark of '1', which a pod of the
+# release before never cleared when it wrote the limits (a cap raised on it), told of the new cap that it was reached.
 RESERVE_LUA = """
 local function quota_reserve(K, A)
   local org = redis.call('HMGET', K[1], 'lv', 'prepaid', 'hold', 'cap', 'capr', 'spent')
@@ -140,7 +143,9 @@ local function quota_reserve(K, A)
   local org_reserved = tonumber(redis.call('GET', K[2]) or '0')
   local cap = tonumber(org[4])
   if cap >= 0 and tonumber(org[6]) + org_reserved + amount > cap then
-    redis.call('HSET', K[1], 'reached', '1')  -- the spend alert's 100 % (`billing.alerts`)
+    -- the spend alert's 100 % (`billing.alerts`): the cap it was reached at, written once per limit; a failure to
+    -- write it (Redis at its memory limit) leaves the refusal a refusal
+    if redis.call('HGET', K[1], 'reached') ~= org[4] then redis.pcall('HSET', K[1], 'reached', org[4]) end
     return {'refused', org[5]}
   end
   if has_key then
@@ -659,10 +664,15 @@ def limit_fields(account: BillingAccount, *, card: CardSpend | None = None) -> d
     }
 
 
-def limit_reached(organization_id: int, period_key: str) -> bool:
-    """A call of the organisation was refused for its limit in the period, at its limits as they stand (`RESERVE_LUA`):
-    its spend stops short of the limit, and no further call fits."""
-    return get_redis().hget(org_period_key(organization_id, period_key), "reached") in (b"1", "1")
+def limit_reached(organization_id: int, period_key: str, reason: str) -> bool:
+    """A call of the organisation was refused for its limit in the period, at its limits as they stand (`RESERVE_LUA`),
+    and that limit is `reason`'s (`billing.standing.spend_limit`): its spend stops short of the limit, and no further
+    call fits. NOTE: only while the counter's cap is the one the call was refused at: limits written by a pod of the
+    release before leave the mark, or a refresh failed, and the limit was raised since. NOTE: and only for the limit
+    the tenant is shown: a call refused for the room a shared card's other organisations leave (`spend_ceiling`) told
+    of its own lower cap that it was reached, calls refused "until the cap is raised", which lifts nothing."""
+    reached, cap, cap_reason = get_redis().hmget(org_period_key(organization_id, period_key), "reached", "cap", "capr")
+    return bool(reached) and reached == cap and as_text(cap_reason or "") == reason
 
 
 def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:

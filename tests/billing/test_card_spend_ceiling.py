@@ -432,3 +432,20 @@ def test_the_backfill_reads_the_cards_of_customers_read_before_fingerprints_were
     call_command("backfill_card_fingerprints", stdout=StringIO())  # run again: the one that failed
     assert fingerprints() == ["fp_stolen"] * 3
     assert second.ceiling().num_other_organizations_on_card == 2
+
+
+def test_a_tenant_refused_for_its_cards_shared_ceiling_is_not_told_its_own_cap_is_reached(one_card):
+    """A call refused for the room the card's other organisations leave (`spend_ceiling`) while the limit the tenant is
+    shown is its own cap, lower than the ceiling: before, past 80 % of that cap, every owner was mailed that "its
+    monthly spend cap" was reached and calls refused "until the cap is raised", which lifts nothing."""
+    customer, tenant = one_card
+    _usage(customer.org, "85")
+    tasks.refresh_card_ceilings()
+    services.set_spend_cap(SYSTEM, tenant.org, spend_cap=Decimal("16"))
+    _usage(tenant.org, "13")
+    assert _refusal(tenant.org, "3.00").reason == "spend_ceiling"  # $16 past the $15 the customer leaves
+    from billing.alerts import check_spend_alerts
+    assert check_spend_alerts(tenant.org.pk) == [50, 80]  # of its own $16 cap: 81 %
+    assert "reached" not in mail.outbox[-1].subject
+    assert _refusal(tenant.org, "3.50").reason == "spend_ceiling"
+    assert check_spend_alerts(tenant.org.pk) == []

@@ -587,7 +587,7 @@ def test_a_counter_written_before_payment_standing_gains_its_limits_and_keeps_it
     assert _refusal(billed.org, "0.20").reason == "payment_method"  # $0.90 counted, as Redis had it
     assert get_redis().hgetall(key) == {"spent": "900000000", "lv": limits_version(), "cap": "1000000000",
                                         "capr": "payment_method", "prepaid": "0", "hold": "",
-                                        "reached": "1"}  # the refused call marked it (the 100 % spend alert's)
+                                        "reached": "1000000000"}  # the refused call marked it, at its cap (the 100 % spend alert's)
     _spend(billed.org, "0.10")
 
 

@@ -198,6 +198,80 @@ def test_one_oversized_call_refused_at_a_low_spend_tells_nobody_the_cap_is_reach
     assert mail.outbox == []
 
 
+def _at_97_cents_of_a_dollar_cap():
+    organization = OrganizationFactory()
+    MembershipFactory(organization=organization, role=Role.OWNER)
+    _cap(organization, "1.00")
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
+                               price_output_per_million=Decimal("0"))
+    record_usage(usage_report(endpoint, prompt_tokens=970_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [50, 80]
+    return organization
+
+
+def _refused_at_the_cap(organization, request_id: str) -> None:
+    with pytest.raises(QuotaExceeded) as refused:
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.05"),
+                            request_id=request_id))
+    assert refused.value.reason == "org_cap"
+
+
+def test_calls_refused_at_the_cap_over_and_over_write_nothing_to_redis_after_the_first():
+    # A client retrying its 402 in a tight loop (thousands a second) made each refusal a Redis write (`HSET reached`):
+    # appended to the AOF and sent to every replica, for calls that changed nothing. The mark is written once per limit.
+    organization = _at_97_cents_of_a_dollar_cap()
+    _refused_at_the_cap(organization, "first")  # rebuilds the counter, and marks it
+    before = get_redis().info("persistence")["rdb_changes_since_last_save"]
+    for number in range(20):
+        _refused_at_the_cap(organization, f"again-{number}")
+    assert get_redis().info("persistence")["rdb_changes_since_last_save"] == before
+    assert check_spend_alerts(organization.pk) == [100]
+
+
+def test_a_call_refused_at_the_cap_while_redis_is_at_its_memory_limit_is_still_refused_for_the_cap():
+    # Redis at `maxmemory` (noeviction) denies a script's first write: the refusal's mark made the 402 an error.
+    organization = _at_97_cents_of_a_dollar_cap()
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="fits"))
+    redis = get_redis()
+    policy = redis.config_get("maxmemory-policy")["maxmemory-policy"]
+    redis.config_set("maxmemory-policy", "noeviction")
+    redis.config_set("maxmemory", 1)
+    try:
+        _refused_at_the_cap(organization, "over")
+    finally:
+        redis.config_set("maxmemory", 0)
+        redis.config_set("maxmemory-policy", policy)
+
+
+def test_a_cap_raised_by_a_pod_of_the_release_before_does_not_mail_that_the_new_cap_is_reached(monkeypatch):
+    # A pod of the release before writes the limits without the `reached` field: a cap raised from $1.00 to $1.10 on
+    # one during a rollout left the refusal under $1.00 standing, and at $0.97 (88 % of the new cap) every owner was
+    # told the $1.10 cap was reached and calls refused, while every call that fit ran. So too a refresh that failed
+    # (`limits_stale`, written again by the beat task only later) while the alerts read the new cap from PostgreSQL.
+    organization = _at_97_cents_of_a_dollar_cap()
+    _refused_at_the_cap(organization, "over")
+    fields = counters.limit_fields
+    monkeypatch.setattr(counters, "limit_fields", lambda *args, **kwargs: {
+        name: value for name, value in fields(*args, **kwargs).items() if name != "reached"})
+    _cap(organization, "1.10")
+    assert get_redis().hget(redis_keys.org_period_key(organization.pk, periods.period_containing().key), "cap") == "1100000000"
+    assert check_spend_alerts(organization.pk) == []
+
+
+def test_a_cap_raised_after_a_refusal_clears_the_reached_alert_until_a_call_is_refused_at_the_new_one():
+    # The new cap's 80 % is passed already (so the mark is what decides): the refusal under $1.00 reached nothing of
+    # $1.10, and the next call refused at $1.10 does.
+    organization = _at_97_cents_of_a_dollar_cap()
+    _refused_at_the_cap(organization, "over")
+    _cap(organization, "1.10")
+    assert check_spend_alerts(organization.pk) == []
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.20"),
+                            request_id="over-again"))
+    assert check_spend_alerts(organization.pk) == [100]
+    assert "Spend this month: $0.97 of a $1.10 cap." in mail.outbox[-1].body
+
+
 def test_a_key_cap_limits_that_key_but_not_its_siblings():
     organization = OrganizationFactory()
     capped, free = (ApiKey.objects.create(organization=organization, name=n, lookup=n, digest="x") for n in ("capped", "free"))
