@@ -155,10 +155,12 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
             # retiring a claimant that came first leave the machine to the next. Where the provider knows the hosts
             # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
-            # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
+            # one registered under the name before the machine's agent, at another host, is not linked meanwhile; nor
+            # any while the provider knows of no agent host on the machine yet (its pod starting: `agent_hosts` empty).
             claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
                 secret_digest="").order_by("registered_at", "pk")
-            eligible = claimants.filter(advertise_host__in=machine.agent_hosts) if machine.agent_hosts else claimants
+            eligible = claimants if machine.agent_hosts is None else claimants.filter(
+                advertise_host__in=machine.agent_hosts)
             node = eligible.first()
             if node is not None:
                 contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]

@@ -143,13 +143,13 @@ class _ApiServer:
                 assert parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods", url.path
                 return parts[3], (parts[5] if len(parts) > 5 else None), parse_qs(url.query)
 
-            def _forbidden(self, namespace: str) -> bool:
+            def _forbidden(self, namespace: str, verb: str = "create") -> bool:
                 # The Role binds in the control plane's namespace only.
                 if namespace == "inferplane":
                     return False
                 self._answer(403, {"kind": "Status", "reason": "Forbidden", "message": (
                     f'pods is forbidden: User "system:serviceaccount:inferplane:inferplane-node-pools" '
-                    f'cannot create resource "pods" in the namespace "{namespace}"')})
+                    f'cannot {verb} resource "pods" in the namespace "{namespace}"')})
                 return True
 
             def do_POST(self):
@@ -173,7 +173,11 @@ class _ApiServer:
                 self._answer(201, pod)
 
             def do_GET(self):
-                _, name, query = self._route()
+                namespace, name, query = self._route()
+                # NOTE: a list is refused outside the Role's namespace too. Before, only a create was: a test listing
+                # the agent pods elsewhere was answered them all, and its "cannot be read" path never ran.
+                if not name and self._forbidden(namespace, "list"):
+                    return
                 if name:
                     return self._answer(200, server.pods[name]) if name in server.pods else self._answer(404, {"reason": "NotFound"})
                 wanted = dict(pair.split("=") for pair in query["labelSelector"][0].split(","))
@@ -311,7 +315,7 @@ def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it
     [machine] = provider.list(POOL)
     assert (machine.node_name, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", ("10.0.3.201",))
 
-    del api_server.pods["inferplane-agent-x7k2p"]  # its agent pod not started yet: nothing to tell by
+    del api_server.pods["inferplane-agent-x7k2p"]  # its agent pod not started yet: no agent there to link, not unknown
     [machine] = provider.list(POOL)
     assert machine.agent_hosts == ()
 
@@ -325,9 +329,11 @@ def test_a_list_whose_agent_pods_cannot_be_read_still_reports_its_machines(api_s
     pod["spec"]["nodeName"], pod["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
     settings.K8S_PLACEHOLDER_NAMESPACE = "inferplane"
     (k8s_api.SERVICE_ACCOUNT_DIR / "namespace").write_text("elsewhere\n")  # 403 from the API server there
+    api_server.pods["inferplane-agent-x7k2p"] = _agent_pod("inferplane-agent-x7k2p", "ip-10-0-3-17.ec2.internal",
+                                                           "10.0.3.201")  # there, not to be read
 
     [machine] = provider.list(POOL)
-    assert (machine.node_name, machine.state, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", "running", ())
+    assert (machine.node_name, machine.state, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", "running", None)
 
 
 def test_a_fleet_id_that_is_no_label_value_labels_its_placeholders_with_its_label_form_and_lists_them_as_ours(

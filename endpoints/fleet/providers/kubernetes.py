@@ -173,6 +173,10 @@ class KubernetesProvider:
         if not any(machine.node_name for machine in machines):
             return machines
         hosts = _agent_hosts(api)
+        if hosts is None:
+            return machines
+        # NOTE: a node with no agent pod with an IP yet has no agent host (), not an unknown one (None): no node
+        # registered under its name is linked until its agent's pod has an IP (`Machine.agent_hosts`).
         return [dataclasses.replace(machine, agent_hosts=hosts.get(machine.node_name, ())) for machine in machines]
 
 
@@ -180,14 +184,14 @@ class KubernetesProvider:
 AGENT_SELECTOR = "app.kubernetes.io/component=agent"
 
 
-def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]]:
-    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); {} when they cannot be listed
+def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
+    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); None when they cannot be listed
     (then a machine's node is linked by its name alone, `pools.link_joins`)."""
     try:
         pods = api.list_pods(service_account_namespace(), AGENT_SELECTOR)
     except ProviderError as error:
         logger.warning("could not list the agent pods (a pool machine is linked by its node's name alone): %s", error)
-        return {}
+        return None
     hosts: dict[str, set[str]] = {}
     for pod in pods:
         node_name, status = pod.get("spec", {}).get("nodeName", ""), pod.get("status", {})
