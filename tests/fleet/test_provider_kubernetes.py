@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from endpoints.fleet.providers import get_provider, k8s_api
+from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from tests.infra.conftest import render, run_tool, tool
@@ -111,6 +111,14 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
     # The agent registers under its Kubernetes node's name: what `list` reports for the placeholder there.
     assert "--name=$(NODE_NAME)" in container["args"]
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # ...at its pod's IP, which `list` finds by the agent pods' labels: those of this DaemonSet's pods and no others
+    assert env["INFERPLANE_AGENT_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    wanted = dict(pair.split("=") for pair in kubernetes.AGENT_SELECTOR.split(","))
+    labelled = [(document["kind"], document["metadata"]["name"]) for document in rendered.documents
+                if wanted.items() <= document.get("spec", {}).get("template", {}).get("metadata", {}).get(
+                    "labels", {}).items()]
+    assert labelled == [("DaemonSet", "inferplane-agent")] and wanted == {
+        key: AGENT_LABELS[key] for key in ("app.kubernetes.io/component", "app.kubernetes.io/name")}
 
 
 class _ApiServer:
@@ -292,9 +300,13 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
         LAUNCH_ID: False, "9a1b2c3d-0000-4000-8000-000000000003": False, another: False}
 
 
-def _agent_pod(name: str, node_name: str, ip: str, **metadata) -> dict:
+AGENT_LABELS = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/name": "inferplane",
+                "app.kubernetes.io/part-of": "inferplane"}  # as the base kustomization labels the DaemonSet's pods
+
+
+def _agent_pod(name: str, node_name: str, ip: str, labels: dict | None = None, **metadata) -> dict:
     """A pod of the agent DaemonSet as the API server lists it (infra/k8s/base/agent-daemonset.yaml)."""
-    return {"metadata": {"name": name, "namespace": "inferplane", "labels": {"app.kubernetes.io/component": "agent"},
+    return {"metadata": {"name": name, "namespace": "inferplane", "labels": AGENT_LABELS if labels is None else labels,
                          **metadata},
             "spec": {"nodeName": node_name}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
 
@@ -311,6 +323,12 @@ def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it
                                                            "10.0.9.77")  # another node's agent
     api_server.pods["inferplane-agent-old"] = _agent_pod("inferplane-agent-old", "ip-10-0-3-17.ec2.internal",
                                                          "10.0.3.15", deletionTimestamp="2026-12-06T00:00:00Z")
+
+    # Another vendor's node agent in the namespace (a monitoring DaemonSet's, on the host's network: the node's IP,
+    # which the node's name spells): not ours, so no node registered at its IP is taken for the machine's agent.
+    api_server.pods["monitoring-agent-4xk8d"] = _agent_pod(
+        "monitoring-agent-4xk8d", "ip-10-0-3-17.ec2.internal", "10.0.3.17",
+        labels={"app.kubernetes.io/component": "agent", "app.kubernetes.io/name": "monitoring"})
 
     [machine] = provider.list(POOL)
     assert (machine.node_name, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", ("10.0.3.201",))

@@ -180,8 +180,10 @@ class KubernetesProvider:
         return [dataclasses.replace(machine, agent_hosts=hosts.get(machine.node_name, ())) for machine in machines]
 
 
-# The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml), in the worker's own namespace.
-AGENT_SELECTOR = "app.kubernetes.io/component=agent"
+# The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml, named by the base kustomization), in the worker's
+# own namespace. NOTE: with the name: "component=agent" alone is any vendor's node agent too (a monitoring DaemonSet's,
+# on the host's network: the node's IP, which an EKS node's name spells), and a node registered at its IP was linked.
+AGENT_SELECTOR = "app.kubernetes.io/component=agent,app.kubernetes.io/name=inferplane"
 
 
 def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
