@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 
 from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import database_now
@@ -159,8 +160,12 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # any while the provider knows of no agent host on the machine yet (its pod starting: `agent_hosts` empty).
             claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
                 secret_digest="").order_by("registered_at", "pk")
+            # NOTE: of those at the agent's host, only one that has heartbeated since it registered: an agent whose
+            # registration's answer was lost (an ingress's timeout after the commit) registers again there, and the
+            # first node, whose secret nobody holds, never heartbeats. Before, that dead node was linked, and the live
+            # one ran outside the pool. The agent heartbeats at once after registering: the join waits one beat.
             eligible = claimants if machine.agent_hosts is None else claimants.filter(
-                advertise_host__in=machine.agent_hosts)
+                advertise_host__in=machine.agent_hosts, last_heartbeat_at__gt=F("registered_at"))
             node = eligible.first()
             if node is not None:
                 contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]
