@@ -323,6 +323,9 @@ def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it
                                                            "10.0.9.77")  # another node's agent
     api_server.pods["inferplane-agent-old"] = _agent_pod("inferplane-agent-old", "ip-10-0-3-17.ec2.internal",
                                                          "10.0.3.15", deletionTimestamp="2026-12-06T00:00:00Z")
+    evicted = _agent_pod("inferplane-agent-ev1ct", "ip-10-0-3-17.ec2.internal", "10.0.3.16")
+    evicted["status"] |= {"phase": "Failed", "reason": "Evicted"}  # its IP given back, for the next pod to take
+    api_server.pods["inferplane-agent-ev1ct"] = evicted
 
     # Another vendor's node agent in the namespace (a monitoring DaemonSet's, on the host's network: the node's IP,
     # which the node's name spells): not ours, so no node registered at its IP is taken for the machine's agent.

@@ -198,7 +198,11 @@ def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
     for pod in pods:
         node_name, status = pod.get("spec", {}).get("nodeName", ""), pod.get("status", {})
         ips = {status.get("podIP", "")} | {entry.get("ip", "") for entry in status.get("podIPs") or []}
-        if node_name and not pod["metadata"].get("deletionTimestamp"):
+        # NOTE: nor a pod that has ended (evicted, Failed; Succeeded): it keeps its IP in its status, which is given
+        # back for another pod to take, and the node its agent registered there is dead (its replacement registers at
+        # its own IP). Before, such a node, which had heartbeated, could be linked as the machine.
+        ended = status.get("phase") in ("Succeeded", "Failed")
+        if node_name and not pod["metadata"].get("deletionTimestamp") and not ended:
             hosts.setdefault(node_name, set()).update(ip for ip in ips if ip)
     return {node_name: tuple(sorted(ips)) for node_name, ips in hosts.items() if ips}
 
