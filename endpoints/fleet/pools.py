@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 
 from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import database_now
@@ -155,10 +156,16 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # machine's own node was left out of its pool. A retired node (its secret void) claims nothing: staff
             # retiring a claimant that came first leave the machine to the next. Where the provider knows the hosts
             # of the agents on the machine (Kubernetes: its agent pod's IP), only a node advertising one claims it:
-            # one registered under the name before the machine's agent, at another host, is not linked meanwhile.
+            # one registered under the name before the machine's agent, at another host, is not linked meanwhile; nor
+            # any while the provider knows of no agent host on the machine yet (its pod starting: `agent_hosts` empty).
             claimants = unlinked.filter(name=machine.node_name, registered_at__gte=launch.requested_at).exclude(
                 secret_digest="").order_by("registered_at", "pk")
-            eligible = claimants.filter(advertise_host__in=machine.agent_hosts) if machine.agent_hosts else claimants
+            # NOTE: of those at the agent's host, only one that has heartbeated since it registered: an agent whose
+            # registration's answer was lost (an ingress's timeout after the commit) registers again there, and the
+            # first node, whose secret nobody holds, never heartbeats. Before, that dead node was linked, and the live
+            # one ran outside the pool. The agent heartbeats at once after registering: the join waits one beat.
+            eligible = claimants if machine.agent_hosts is None else claimants.filter(
+                advertise_host__in=machine.agent_hosts, last_heartbeat_at__gt=F("registered_at"))
             node = eligible.first()
             if node is not None:
                 contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]

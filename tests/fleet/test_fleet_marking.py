@@ -25,7 +25,7 @@ from gpu_agent.protocol import NodeState
 from tests.fleet.test_pool_policy import make_pool
 from tests.fleet.test_pool_strays import past_the_grace, stray_audits
 from tests.fleet.test_provider_ec2 import REGION, _instance, _spec, aws, moto_endpoint, network  # noqa: F401
-from tests.fleet.test_provider_kubernetes import api_server  # noqa: F401 - the fixture
+from tests.fleet.test_provider_kubernetes import _agent_pod, api_server  # noqa: F401 - the fixture
 
 
 def _ec2_pool(aws):  # noqa: F811
@@ -149,8 +149,11 @@ def test_two_fleet_ids_of_one_label_in_one_namespace_never_sweep_release_fail_or
         node_name = f"ip-10-0-0-{number}.ec2.internal"
         placed = api_server.pods[pod(launch_ids["joining"])]
         placed["spec"]["nodeName"], placed["status"]["phase"] = node_name, "Running"
+        agent_ip = f"10.0.0.{100 + number}"  # its agent's pod there, at whose IP its node registered
+        api_server.pods[f"inferplane-agent-{number}"] = _agent_pod(f"inferplane-agent-{number}", node_name, agent_ip)
         node = Node.objects.create(name=node_name, gpu_type="cpu", secret_lookup=f"gpu-k8s-{number}000",
-                                   secret_digest="x")
+                                   secret_digest="x", advertise_host=agent_ip,
+                                   registered_at=now - timedelta(seconds=30), last_heartbeat_at=now)  # heartbeating
         NodeLaunch.objects.create(pk=launch_ids["joining"], pool=pool, state=LaunchState.LAUNCHING,
                                   provider_id=pod(launch_ids["joining"]), requested_at=now - timedelta(minutes=1),
                                   deadline_at=now + timedelta(hours=1))
@@ -168,4 +171,4 @@ def test_two_fleet_ids_of_one_label_in_one_namespace_never_sweep_release_fail_or
         assert {role: states[uuid.UUID(launch_ids[role])] for role in ("joining", "releasing", "late")} == {
             "joining": LaunchState.JOINED, "releasing": LaunchState.TERMINATED, "late": LaunchState.FAILED}
         assert NodeLaunch.objects.get(pk=launch_ids["joining"]).node == node
-        assert set(api_server.pods) == left_after[number]
+        assert {name for name in api_server.pods if not name.startswith("inferplane-agent-")} == left_after[number]

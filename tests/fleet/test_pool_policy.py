@@ -25,6 +25,7 @@ from controlplane.accounts.services import SYSTEM, save_plan, set_organization_p
 from controlplane.demo import host_engine_memory_mb, seed_local_pool
 from endpoints.fleet import launches, pool_release, pools, services
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
+from endpoints.fleet.providers import get_provider
 from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token
 from endpoints.gateway import directory
@@ -34,6 +35,8 @@ from endpoints.replicas import fail_replica, record_replica_failure
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory
+from tests.fleet.test_provider_kubernetes import _agent_pod, api_server  # noqa: F401 - the fixture
+from tests.test_agent_api import beat
 
 TINY = "hf:tiny/tiny-llama"  # no size in its name: placement assumes a small model (about 2.8 GB on CPU)
 
@@ -908,12 +911,13 @@ def test_a_node_registered_under_a_booting_machines_name_before_its_agent_at_ano
     provider.machines[str(launch.pk)] = dataclasses.replace(machine, agent_hosts=("127.0.0.2",))
 
     first = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.3")
-    assert first.status_code == 201
+    assert first.status_code == 201 and beat(client, first.json()["node_secret"]).status_code == 200
     tick(provider)
     launch.refresh_from_db()
     assert launch.node_id is None and launch.state == LaunchState.LAUNCHING
 
     own = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.2")
+    assert beat(client, own.json()["node_secret"]).status_code == 200  # the agent heartbeats once registered
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
@@ -956,3 +960,61 @@ def test_a_tick_whose_time_is_up_starts_no_other_pools_turn_and_that_pool_goes_f
         pools.provision_tick(provider_for=lambda name: slow if name == "ec2" else fine)
     releasing.refresh_from_db()
     assert fine.terminated == ["m-idle"] and releasing.state == LaunchState.TERMINATED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kubernetes_node_whose_agent_pod_has_no_ip_yet_goes_to_no_one_registered_under_its_name(client, api_server):  # noqa: F811
+    """The placeholder is on its node and the agent DaemonSet's pod there is not up yet (the node not yet labelled for
+    it, its sandbox not made, its image pulling): a holder of the shared join token who registers under the node's
+    name meanwhile, from anywhere, must not become the machine; the machine's own agent, once its pod has an IP and it
+    registers there, does. Before, an agent pod missing from the node was read as the provider telling nothing, and the
+    tick linked the first node registered under the name, whatever its host: the takeover the agent's IP was to stop."""
+    make_pool(name="k8s-pool", provider="kubernetes")
+    provider = get_provider("kubernetes")
+    waiting_endpoint()
+    tick(provider)
+    [launch] = NodeLaunch.objects.all()
+    placeholder = api_server.pods[f"inferplane-capacity-{launch.pk}"]
+    placeholder["spec"]["nodeName"], placeholder["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+
+    other = _register_as(client, shared, "ip-10-0-3-17.ec2.internal", advertise_host="127.0.0.3")
+    assert other.status_code == 201 and beat(client, other.json()["node_secret"]).status_code == 200
+    for step in ("no agent pod on the node", "its pod, pending, with no IP yet"):
+        tick(provider)
+        launch.refresh_from_db()
+        assert launch.node_id is None and launch.state == LaunchState.LAUNCHING, step
+        api_server.pods["inferplane-agent-x7k2p"] = _agent_pod("inferplane-agent-x7k2p", "ip-10-0-3-17.ec2.internal",
+                                                               "127.0.0.2") | {"status": {"phase": "Pending"}}
+
+    api_server.pods["inferplane-agent-x7k2p"]["status"] = {"phase": "Running", "podIP": "127.0.0.2",
+                                                          "podIPs": [{"ip": "127.0.0.2"}]}
+    own = _register_as(client, shared, "ip-10-0-3-17.ec2.internal", advertise_host="127.0.0.2")
+    assert beat(client, own.json()["node_secret"]).status_code == 200  # the agent heartbeats once registered
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kubernetes_machines_agent_whose_registration_answer_was_lost_joins_as_the_node_it_registered_again(client):
+    """The machine's agent registers; the answer is lost on the way back (an ingress's timeout after the commit), so it
+    registers again, at its pod's IP under its node's name, and heartbeats as that second node. The first node is no
+    one's: its secret never reached anybody. Before, the tick linked the first registered at the agent's host, that dead
+    node: the launch JOINED a node that never heartbeats, and the live one ran outside its pool."""
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+    machine = provider.machines[str(launch.pk)]
+    provider.machines[str(launch.pk)] = dataclasses.replace(machine, agent_hosts=("127.0.0.2",))
+
+    lost = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.2")
+    again = _register_as(client, shared, machine.node_name, advertise_host="127.0.0.2")
+    assert lost.status_code == again.status_code == 201
+    assert beat(client, again.json()["node_secret"]).status_code == 200
+
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == again.json()["node_id"]

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from endpoints.fleet.providers import get_provider, k8s_api
+from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from tests.infra.conftest import render, run_tool, tool
@@ -111,6 +111,14 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
     # The agent registers under its Kubernetes node's name: what `list` reports for the placeholder there.
     assert "--name=$(NODE_NAME)" in container["args"]
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # ...at its pod's IP, which `list` finds by the agent pods' labels: those of this DaemonSet's pods and no others
+    assert env["INFERPLANE_AGENT_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    wanted = dict(pair.split("=") for pair in kubernetes.AGENT_SELECTOR.split(","))
+    labelled = [(document["kind"], document["metadata"]["name"]) for document in rendered.documents
+                if wanted.items() <= document.get("spec", {}).get("template", {}).get("metadata", {}).get(
+                    "labels", {}).items()]
+    assert labelled == [("DaemonSet", "inferplane-agent")] and wanted == {
+        key: AGENT_LABELS[key] for key in ("app.kubernetes.io/component", "app.kubernetes.io/name")}
 
 
 class _ApiServer:
@@ -143,13 +151,13 @@ class _ApiServer:
                 assert parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods", url.path
                 return parts[3], (parts[5] if len(parts) > 5 else None), parse_qs(url.query)
 
-            def _forbidden(self, namespace: str) -> bool:
+            def _forbidden(self, namespace: str, verb: str = "create") -> bool:
                 # The Role binds in the control plane's namespace only.
                 if namespace == "inferplane":
                     return False
                 self._answer(403, {"kind": "Status", "reason": "Forbidden", "message": (
                     f'pods is forbidden: User "system:serviceaccount:inferplane:inferplane-node-pools" '
-                    f'cannot create resource "pods" in the namespace "{namespace}"')})
+                    f'cannot {verb} resource "pods" in the namespace "{namespace}"')})
                 return True
 
             def do_POST(self):
@@ -173,7 +181,11 @@ class _ApiServer:
                 self._answer(201, pod)
 
             def do_GET(self):
-                _, name, query = self._route()
+                namespace, name, query = self._route()
+                # NOTE: a list is refused outside the Role's namespace too. Before, only a create was: a test listing
+                # the agent pods elsewhere was answered them all, and its "cannot be read" path never ran.
+                if not name and self._forbidden(namespace, "list"):
+                    return
                 if name:
                     return self._answer(200, server.pods[name]) if name in server.pods else self._answer(404, {"reason": "NotFound"})
                 wanted = dict(pair.split("=") for pair in query["labelSelector"][0].split(","))
@@ -288,9 +300,13 @@ def test_list_reports_the_node_a_placeholder_was_scheduled_on(api_server):
         LAUNCH_ID: False, "9a1b2c3d-0000-4000-8000-000000000003": False, another: False}
 
 
-def _agent_pod(name: str, node_name: str, ip: str, **metadata) -> dict:
+AGENT_LABELS = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/name": "inferplane",
+                "app.kubernetes.io/part-of": "inferplane"}  # as the base kustomization labels the DaemonSet's pods
+
+
+def _agent_pod(name: str, node_name: str, ip: str, labels: dict | None = None, **metadata) -> dict:
     """A pod of the agent DaemonSet as the API server lists it (infra/k8s/base/agent-daemonset.yaml)."""
-    return {"metadata": {"name": name, "namespace": "inferplane", "labels": {"app.kubernetes.io/component": "agent"},
+    return {"metadata": {"name": name, "namespace": "inferplane", "labels": AGENT_LABELS if labels is None else labels,
                          **metadata},
             "spec": {"nodeName": node_name}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
 
@@ -307,11 +323,20 @@ def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it
                                                            "10.0.9.77")  # another node's agent
     api_server.pods["inferplane-agent-old"] = _agent_pod("inferplane-agent-old", "ip-10-0-3-17.ec2.internal",
                                                          "10.0.3.15", deletionTimestamp="2026-12-06T00:00:00Z")
+    evicted = _agent_pod("inferplane-agent-ev1ct", "ip-10-0-3-17.ec2.internal", "10.0.3.16")
+    evicted["status"] |= {"phase": "Failed", "reason": "Evicted"}  # its IP given back, for the next pod to take
+    api_server.pods["inferplane-agent-ev1ct"] = evicted
+
+    # Another vendor's node agent in the namespace (a monitoring DaemonSet's, on the host's network: the node's IP,
+    # which the node's name spells): not ours, so no node registered at its IP is taken for the machine's agent.
+    api_server.pods["monitoring-agent-4xk8d"] = _agent_pod(
+        "monitoring-agent-4xk8d", "ip-10-0-3-17.ec2.internal", "10.0.3.17",
+        labels={"app.kubernetes.io/component": "agent", "app.kubernetes.io/name": "monitoring"})
 
     [machine] = provider.list(POOL)
     assert (machine.node_name, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", ("10.0.3.201",))
 
-    del api_server.pods["inferplane-agent-x7k2p"]  # its agent pod not started yet: nothing to tell by
+    del api_server.pods["inferplane-agent-x7k2p"]  # its agent pod not started yet: no agent there to link, not unknown
     [machine] = provider.list(POOL)
     assert machine.agent_hosts == ()
 
@@ -325,9 +350,11 @@ def test_a_list_whose_agent_pods_cannot_be_read_still_reports_its_machines(api_s
     pod["spec"]["nodeName"], pod["status"]["phase"] = "ip-10-0-3-17.ec2.internal", "Running"
     settings.K8S_PLACEHOLDER_NAMESPACE = "inferplane"
     (k8s_api.SERVICE_ACCOUNT_DIR / "namespace").write_text("elsewhere\n")  # 403 from the API server there
+    api_server.pods["inferplane-agent-x7k2p"] = _agent_pod("inferplane-agent-x7k2p", "ip-10-0-3-17.ec2.internal",
+                                                           "10.0.3.201")  # there, not to be read
 
     [machine] = provider.list(POOL)
-    assert (machine.node_name, machine.state, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", "running", ())
+    assert (machine.node_name, machine.state, machine.agent_hosts) == ("ip-10-0-3-17.ec2.internal", "running", None)
 
 
 def test_a_fleet_id_that_is_no_label_value_labels_its_placeholders_with_its_label_form_and_lists_them_as_ours(

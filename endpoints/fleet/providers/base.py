@@ -72,10 +72,13 @@ class Machine:
     # installation id was put on machines, or by another installation (whatever its fleet id and pool ids).
     fleet_marked: bool = False
     # NOTE: the hosts the fleet's agents on the machine advertise, where the provider can tell (Kubernetes: the IPs of
-    # the agent DaemonSet's pods on its node); empty when it cannot. Of the nodes registered under the machine's name,
-    # one at such a host is its agent (`pools.link_joins`): a shared join token's holder claiming the name before the
-    # agent registered is not (it would have to know the pod's IP too).
-    agent_hosts: tuple[str, ...] = ()
+    # the agent DaemonSet's pods on its node); None when it cannot (EC2, local, the agent pods unreadable). Of the nodes
+    # registered under the machine's name, one at such a host is its agent (`pools.link_joins`): a shared join token's
+    # holder claiming the name before the agent registered is not (it would have to know the pod's IP too). Empty: the
+    # provider can tell, and no agent on the machine has a host yet (its pod not there, or not given an IP): no node
+    # registered under the name is its agent yet. Before, that was read as "cannot tell" and the first registered under
+    # the name was linked, whatever its host: the window while the agent's pod starts was the takeover's.
+    agent_hosts: tuple[str, ...] | None = None
 
 
 class Provider(Protocol):

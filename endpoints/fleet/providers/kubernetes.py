@@ -173,26 +173,36 @@ class KubernetesProvider:
         if not any(machine.node_name for machine in machines):
             return machines
         hosts = _agent_hosts(api)
+        if hosts is None:
+            return machines
+        # NOTE: a node with no agent pod with an IP yet has no agent host (), not an unknown one (None): no node
+        # registered under its name is linked until its agent's pod has an IP (`Machine.agent_hosts`).
         return [dataclasses.replace(machine, agent_hosts=hosts.get(machine.node_name, ())) for machine in machines]
 
 
-# The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml), in the worker's own namespace.
-AGENT_SELECTOR = "app.kubernetes.io/component=agent"
+# The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml, named by the base kustomization), in the worker's
+# own namespace. NOTE: with the name: "component=agent" alone is any vendor's node agent too (a monitoring DaemonSet's,
+# on the host's network: the node's IP, which an EKS node's name spells), and a node registered at its IP was linked.
+AGENT_SELECTOR = "app.kubernetes.io/component=agent,app.kubernetes.io/name=inferplane"
 
 
-def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]]:
-    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); {} when they cannot be listed
+def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
+    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); None when they cannot be listed
     (then a machine's node is linked by its name alone, `pools.link_joins`)."""
     try:
         pods = api.list_pods(service_account_namespace(), AGENT_SELECTOR)
     except ProviderError as error:
         logger.warning("could not list the agent pods (a pool machine is linked by its node's name alone): %s", error)
-        return {}
+        return None
     hosts: dict[str, set[str]] = {}
     for pod in pods:
         node_name, status = pod.get("spec", {}).get("nodeName", ""), pod.get("status", {})
         ips = {status.get("podIP", "")} | {entry.get("ip", "") for entry in status.get("podIPs") or []}
-        if node_name and not pod["metadata"].get("deletionTimestamp"):
+        # NOTE: nor a pod that has ended (evicted, Failed; Succeeded): it keeps its IP in its status, which is given
+        # back for another pod to take, and the node its agent registered there is dead (its replacement registers at
+        # its own IP). Before, such a node, which had heartbeated, could be linked as the machine.
+        ended = status.get("phase") in ("Succeeded", "Failed")
+        if node_name and not pod["metadata"].get("deletionTimestamp") and not ended:
             hosts.setdefault(node_name, set()).update(ip for ip in ips if ip)
     return {node_name: tuple(sorted(ips)) for node_name, ips in hosts.items() if ips}
 
