@@ -170,3 +170,31 @@ def test_a_worker_that_keeps_dying_for_a_day_still_waits_a_minute_before_each_st
         "worker starts again in 60 s: its run 1100 in a row shorter than 120 s (the wait doubles up to 60 s)",
         "worker started again",
     ]
+
+
+def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_make_stop_leaves_no_store(
+        tmp_path, monkeypatch, settings):
+    """Before, `make run` named no S3 store: every `/v1/files` upload and console batch was a 503."""
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+    from endpoints.batches import storage
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        env = run_local.files_store_env(tmp_path)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", env["AWS_ACCESS_KEY_ID"])  # as the web and worker processes get them
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env["AWS_SECRET_ACCESS_KEY"])
+        settings.FILES_S3_ENDPOINT_URL = env["INFERPLANE_FILES_S3_ENDPOINT_URL"]
+        storage.forget_clients()
+        storage.put_bytes("files/1/file-abc", b'{"custom_id": "a"}\n')
+
+        assert run_local.files_store_env(tmp_path) == env  # a second `make run` finds the same store
+        storage.forget_clients()
+        assert storage.read_bytes("files/1/file-abc") == b'{"custom_id": "a"}\n'
+    finally:
+        storage.forget_clients()
+        embedded.stop_s3(tmp_path)
+    port = int((tmp_path / "s3" / "port").read_text())
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # `make stop` leaves nothing listening

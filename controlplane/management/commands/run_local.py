@@ -58,7 +58,7 @@ class Command(BaseCommand):
             # Where the agents the local pool launches register (this very server).
             "INFERPLANE_AGENT_CONTROL_PLANE_URL": os.environ.get("INFERPLANE_AGENT_CONTROL_PLANE_URL", base_url),
             "PYTHONUNBUFFERED": "1",
-        }
+        } | files_store_env(data_dir)
         python = sys.executable
         commands = {
             # WEB_CONCURRENCY gateway processes on one port (default one per core), as in a pod.
@@ -151,6 +151,17 @@ The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama bui
 (its answers are gibberish by design). {where}
 Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
+
+
+def files_store_env(data_dir: Path) -> dict[str, str]:
+    """The variables that give make run's processes a store for files and batch results: none when the environment
+    names one (`INFERPLANE_FILES_S3_ENDPOINT_URL` or `INFERPLANE_FILES_S3_BUCKET`), else the embedded S3 store's.
+    NOTE: before, nothing was named, and every `/v1/files` upload and console batch was a 503 (boto3 found no
+    credentials, and no bucket was there), so the Files and Batch APIs never worked under `make run`."""
+    if os.environ.get("INFERPLANE_FILES_S3_ENDPOINT_URL") or os.environ.get("INFERPLANE_FILES_S3_BUCKET"):
+        return {}
+    return {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir),
+            **embedded.S3_LOCAL_CREDENTIALS}
 
 
 def port_problem(host: str, port: int) -> str:
