@@ -198,3 +198,35 @@ def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_m
     port = int((tmp_path / "s3" / "port").read_text())
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # `make stop` leaves nothing listening
+
+
+def test_closing_the_terminal_stops_make_run_and_what_it_started_as_ctrl_c_does():
+    """Before, a hang-up (the terminal closed, an SSH session dropped) ended make run at once and left web, worker and
+    beat running, holding the port."""
+    import os
+    import signal
+
+    from controlplane.management.commands import run_local
+
+    stopped = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            os.kill(os.getpid(), sig)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert stopped == ["SIGINT", "SIGHUP"]
+
+
+def test_a_line_make_run_cannot_write_to_its_closed_terminal_is_dropped_so_the_stopping_goes_on():
+    """After a hang-up a write to the closed terminal fails (EIO): "Stopping…" raised before the children were
+    signalled, and they were left running."""
+    class GoneTerminal:
+        def write(self, *_args, **_kwargs):
+            raise OSError(5, "Input/output error")
+
+    command = Command(stdout=StringIO())
+    command.stdout = GoneTerminal()
+    command._say("Stopping…")  # no error: the stopping goes on

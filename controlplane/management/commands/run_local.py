@@ -10,6 +10,7 @@ are machines and keep running (`make stop` stops them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -75,8 +76,7 @@ class Command(BaseCommand):
             nonlocal stopping
             stopping = True
 
-        signal.signal(signal.SIGINT, stop_all)
-        signal.signal(signal.SIGTERM, stop_all)
+        stop_on_signals(stop_all)
         def start(name: str) -> subprocess.Popen:
             with open(logs_dir / f"{name}.log", "ab") as log:
                 return subprocess.Popen(commands[name], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -93,7 +93,7 @@ class Command(BaseCommand):
                     stopping = True
                 time.sleep(0.5)
         finally:
-            self.stdout.write("Stopping…")
+            self._say("Stopping…")
             children = supervisor.children()
             for child in reversed(children):
                 _signal_group(child, signal.SIGTERM)
@@ -103,8 +103,14 @@ class Command(BaseCommand):
                     child.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     _signal_group(child, signal.SIGKILL)
-            self.stdout.write("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
+            self._say("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
                               "`make stop` stops them.")
+
+    def _say(self, text: str) -> None:
+        """A line on make run's output, if it still has one: after a hang-up the terminal is gone, and a write to it
+        (EIO) must not keep the children from being stopped."""
+        with contextlib.suppress(OSError):
+            self.stdout.write(text)
 
     def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 60
@@ -151,6 +157,18 @@ The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama bui
 (its answers are gibberish by design). {where}
 Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
+
+
+# NOTE: SIGHUP too: closing the terminal (or a dropped SSH session) hangs up make run. Unhandled, it ended make run at
+# once, and web, worker and beat (each in a session of its own) went on running, holding the port: the next make run
+# was told to pick another port, and `make stop` stopped none of them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals(stop) -> None:
+    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
 
 
 def files_store_env(data_dir: Path) -> dict[str, str]:
