@@ -230,3 +230,20 @@ def test_a_line_make_run_cannot_write_to_its_closed_terminal_is_dropped_so_the_s
     command = Command(stdout=StringIO())
     command.stdout = GoneTerminal()
     command._say("Stopping…")  # no error: the stopping goes on
+
+
+def test_a_second_ctrl_c_stops_at_once_what_is_still_finishing_its_requests():
+    """Before, a second Ctrl-C did nothing: "Stopping…" held the terminal up to 40 s (the web server waiting out an
+    agent's 25 s long poll)."""
+    import time
+
+    from controlplane.management.commands import run_local
+
+    finishing = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
+        start_new_session=True)
+    time.sleep(0.5)  # its handler is in place
+    started = time.monotonic()
+    run_local.stop_children([finishing], 40, hurried=lambda: time.monotonic() > started + 0.5)
+    assert finishing.poll() is not None
+    assert time.monotonic() - started < 5

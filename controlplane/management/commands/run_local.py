@@ -93,16 +93,10 @@ class Command(BaseCommand):
                     stopping = True
                 time.sleep(0.5)
         finally:
-            self._say("Stopping…")
-            children = supervisor.children()
-            for child in reversed(children):
-                _signal_group(child, signal.SIGTERM)
-            deadline = time.monotonic() + 40
-            for child in children:
-                try:
-                    child.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _signal_group(child, signal.SIGKILL)
+            self._say(f"Stopping… (requests in flight get up to {STOP_WAIT_S} s; Ctrl-C again stops at once)")
+            hurry = []
+            stop_on_signals(lambda *_: hurry.append(True))
+            stop_children(supervisor.children(), STOP_WAIT_S, hurried=lambda: bool(hurry))
             self._say("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
                               "`make stop` stops them.")
 
@@ -169,6 +163,24 @@ def stop_on_signals(stop) -> None:
     """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
+
+
+STOP_WAIT_S = 40  # the web server's graceful 30 s (an agent's long poll holds a request 25 s), and the rest
+
+
+def stop_children(children: list[subprocess.Popen], wait_s: float, *, hurried) -> None:
+    """SIGTERM to each child's process group, then up to `wait_s` for them to end, or until `hurried()` (a second
+    Ctrl-C): whatever is left then is killed. NOTE: before, a second Ctrl-C did nothing, and "Stopping…" held the
+    terminal up to 40 s (the web server waiting out an agent's 25 s long poll) with no way to hurry it."""
+    for child in reversed(children):
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    for child in children:
+        while child.poll() is None and time.monotonic() < deadline and not hurried():
+            time.sleep(0.1)
+        if child.poll() is None:
+            _signal_group(child, signal.SIGKILL)
+            child.wait()
 
 
 def files_store_env(data_dir: Path) -> dict[str, str]:
