@@ -179,7 +179,7 @@ def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_m
     from controlplane.management.commands import run_local
     from endpoints.batches import storage
 
-    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE"):
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"):
         monkeypatch.delenv(name, raising=False)
     try:
         env = run_local.files_store_env(tmp_path)
@@ -189,7 +189,8 @@ def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_m
         storage.forget_clients()
         storage.put_bytes("files/1/file-abc", b'{"custom_id": "a"}\n')
 
-        assert run_local.files_store_env(tmp_path) == env  # a second `make run` finds the same store
+        second = run_local.files_store_env(tmp_path)  # a second `make run` finds the same store
+        assert second["INFERPLANE_FILES_S3_ENDPOINT_URL"] == env["INFERPLANE_FILES_S3_ENDPOINT_URL"]
         storage.forget_clients()
         assert storage.read_bytes("files/1/file-abc") == b'{"custom_id": "a"}\n'
     finally:
@@ -247,3 +248,18 @@ def test_a_second_ctrl_c_stops_at_once_what_is_still_finishing_its_requests():
     run_local.stop_children([finishing], 40, hurried=lambda: time.monotonic() > started + 0.5)
     assert finishing.poll() is not None
     assert time.monotonic() - started < 5
+
+
+def test_make_run_keeps_the_aws_credentials_its_environment_names_for_its_other_calls(tmp_path, monkeypatch):
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUSERSOWN")
+    try:
+        env = run_local.files_store_env(tmp_path)
+    finally:
+        embedded.stop_s3(tmp_path)
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["INFERPLANE_FILES_S3_ENDPOINT_URL"].startswith("http://127.0.0.1:")

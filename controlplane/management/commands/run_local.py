@@ -190,8 +190,12 @@ def files_store_env(data_dir: Path) -> dict[str, str]:
     credentials, and no bucket was there), so the Files and Batch APIs never worked under `make run`."""
     if os.environ.get("INFERPLANE_FILES_S3_ENDPOINT_URL") or os.environ.get("INFERPLANE_FILES_S3_BUCKET"):
         return {}
-    return {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir),
-            **embedded.S3_LOCAL_CREDENTIALS}
+    store = {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir)}
+    # NOTE: placeholders only where the environment names no AWS credentials of its own: the store takes any, and
+    # replacing a user's would break what else they sign (an EC2 node pool).
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
+        store |= embedded.S3_LOCAL_CREDENTIALS
+    return store
 
 
 def port_problem(host: str, port: int) -> str:
