@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 from io import StringIO
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -263,3 +264,30 @@ def test_make_run_keeps_the_aws_credentials_its_environment_names_for_its_other_
         embedded.stop_s3(tmp_path)
     assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert env["INFERPLANE_FILES_S3_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+
+
+def test_make_run_prints_no_log_line_of_its_own_wait_for_the_web_server(caplog):
+    """Before, httpx's INFO line for the health check ("HTTP Request: GET …/healthz") was printed above the banner."""
+    import http.server
+    import logging
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    web = _sleeper()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            Command(stdout=StringIO())._wait_for(f"http://127.0.0.1:{server.server_port}", web, Path("web.log"))
+    finally:
+        server.shutdown()
+        web.kill()
+        web.wait()
+    assert not [record for record in caplog.records if "healthz" in record.getMessage()]
