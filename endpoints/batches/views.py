@@ -238,7 +238,9 @@ def file_download(request, file_id: str):
         raise Http404("No such file.")
     try:
         stream = storage.open_stream(file.s3_key)
-    except storage.ObjectGone:  # NOTE: a 500 before; its bytes do not come back
+    except storage.ObjectGone as gone:  # NOTE: a 500 before; its bytes do not come back
+        if not gone.missing:  # NOTE: not readable (an IAM policy, a KMS key): still stored, the operator's to mend
+            raise gone.__cause__ from None
         raise Http404("This file's content is no longer stored.") from None
     response = StreamingHttpResponse(stream, content_type="application/jsonl")
     response["Content-Length"] = str(file.bytes)

@@ -100,6 +100,27 @@ def test_downloading_a_file_whose_bytes_are_gone_from_s3_is_a_404_not_a_500(cons
     assert member.get(reverse("console:file-download", args=[batch.input_file_id])).status_code == 404
 
 
+def test_a_file_s3_will_not_let_the_fleet_read_is_no_404_page_saying_its_bytes_are_gone(
+        console_client_factory, files_bucket, org, monkeypatch):
+    """AccessDenied (an IAM policy or KMS key changed) is the operator's to mend: the bytes are still stored. Before,
+    the console answered it with a 404 page saying "This file's content is no longer stored"."""
+    from botocore.exceptions import ClientError
+
+    from endpoints.batches import storage
+
+    member = console_client_factory(org, Role.MEMBER)
+    batch = _start(member)
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+
+    monkeypatch.setattr(storage._client(), "get_object", refused)
+    member.raise_request_exception = False
+    answer = member.get(reverse("console:file-download", args=[batch.input_file_id]))
+
+    assert answer.status_code == 500 and b"no longer stored" not in answer.content
+
+
 def test_another_organisations_batch_and_files_are_404s(console_client_factory, files_bucket, org):
     batch = _start(console_client_factory(org, Role.MEMBER))
     stranger = console_client_factory(OrganizationFactory(), Role.OWNER)
