@@ -139,6 +139,11 @@ def test_a_cross_site_post_of_the_batch_form_naming_another_organisation_is_csrf
         assert forged.status_code == 403
         assert list(get_messages(forged.wsgi_request)) == []
     assert not Batch.objects.exists() and not File.objects.exists()
+    # the Origin checked first marks nothing done: a post of this site's origin without the form's token is still refused
+    upload.seek(0)
+    tokenless = member.post(f"{reverse('console:batches')}?{PAGE_ORGANIZATION_FIELD}={org.pk}",
+                            {"file": upload, "endpoint": "/v1/chat/completions"}, HTTP_ORIGIN="http://testserver")
+    assert tokenless.status_code == 403 and not Batch.objects.exists()
 
     # the member's own stale tab (its origin this site's) is still told why
     stale = member.post(f"{reverse('console:batches')}?{PAGE_ORGANIZATION_FIELD}={other.pk}", {},
