@@ -259,9 +259,13 @@ def file_content(request, caller: Caller, file_id: str):
     file = _file_of(caller, file_id)
     try:
         stream = storage.open_stream(file.s3_key)
-    except storage.ObjectGone:
+    except storage.ObjectGone as gone:
         # NOTE: a file row whose object is not in the bucket was a 503 with `retry-after: 1`, and the openai client
-        # retried it, and its caller after it, for ever: its bytes do not come back. S3 failing stays a 503.
+        # retried it, and its caller after it, for ever: its bytes do not come back. S3 failing stays a 503, and so
+        # does an object the fleet may not read (an IAM policy, a KMS key, the bucket's name: the operator's to mend,
+        # its bytes still stored), which was a 404 telling the tenant they were gone.
+        if not gone.missing:
+            raise gone.__cause__ from None  # a `ClientError`: a 503 (`_openai_view`), logged
         logger.warning("file %s: its object %s is not in the bucket (or not readable)", file.pk, file.s3_key)
         raise errors.OpenAIError(404, f"File {file.pk} has no content: its bytes are no longer stored.",
                                  param="id", code="file_content_not_found") from None

@@ -1062,6 +1062,15 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
     land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
     cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
     now = timezone.now()
+
+    def finalizing() -> None:
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
+                                                                                 finalizing_at=now)
+
+    # NOTE: `finalizing` before its results are listed (seconds, for a large batch): a cancel meanwhile was taken,
+    # and ended a batch whose every line had run `cancelled`; it is a 409 (`cancel_batch`)
+    if final == BatchStatus.COMPLETED:
+        finalizing()
     # NOTE: each result read, written on and dropped (`storage.result_bodies`): a batch's results were all parsed in
     # memory, with both files whole beside them, and a large batch's took its worker past its memory limit (with the
     # other tenants' runs in it) at every try, its lines billed and its files never written.
@@ -1070,9 +1079,7 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
         # NOTE: every line has its result (the last ones answered after the deadline, before this run wrote the files):
         # `completed`, as its files say. It ended `expired`, with no line expired.
         final = BatchStatus.COMPLETED
-    if final == BatchStatus.COMPLETED:
-        Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,
-                                                                                 finalizing_at=now)
+        finalizing()
     num_ok = sum(1 for result in keys.values() if result.ok)
     # counted failed; a completed batch has every line's result
     lost = _billed_unstored(batch, keys) if final != BatchStatus.COMPLETED else set()

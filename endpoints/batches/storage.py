@@ -202,11 +202,20 @@ def put_bytes(key: str, data: bytes) -> None:
 
 class ObjectGone(Exception):
     """The object is not in the bucket, or no longer readable with the fleet's credentials: reading it again will
-    not help (unlike a timeout or a 5xx, which boto3 already retried and which are raised as they are)."""
+    not help (unlike a timeout or a 5xx, which boto3 already retried and which are raised as they are). `missing`:
+    S3 said the key is not there (the fleet may list the bucket, so that is what a deleted object answers); otherwise
+    the object may well be there, unreadable (`AccessDenied`: an IAM policy or KMS key changed; `NoSuchBucket`)."""
+
+    def __init__(self, key: str, *, code: str | None = None) -> None:
+        super().__init__(key)
+        self.missing = code in MISSING_CODES
 
 
 # S3's codes for an object that is not there (or that the fleet may not read): a GetObject's, and a HEAD's.
 GONE_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "AccessDenied", "404", "403"})
+# Those of them that say the key is not in the bucket (NOTE: the fleet holds `s3:ListBucket`, `result_keys`, so S3
+# answers a missing key with these, never with `AccessDenied`).
+MISSING_CODES = frozenset({"NoSuchKey", "404"})
 
 
 def _error_code(exc: ClientError) -> str | None:
@@ -218,8 +227,8 @@ def _get_object(key: str) -> dict:
     try:
         return _client().get_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
     except ClientError as exc:
-        if _error_code(exc) in GONE_CODES:
-            raise ObjectGone(key) from exc
+        if (code := _error_code(exc)) in GONE_CODES:
+            raise ObjectGone(key, code=code) from exc
         raise
 
 
@@ -243,7 +252,7 @@ def read_parts(key: str, *, part_bytes: int | None = None) -> Iterator[bytes]:
             if code == "InvalidRange" and start == 0:
                 return  # an empty object has no range to ask for
             if code in GONE_CODES or code in ("PreconditionFailed", "412"):
-                raise ObjectGone(key) from exc
+                raise ObjectGone(key, code=code) from exc
             raise
         etag = answer["ETag"]
         data = answer["Body"].read()

@@ -71,10 +71,25 @@ def _batch_or_404(request, batch_id: str) -> Batch:
     return batch
 
 
+class _CsrfBeforeBody(CsrfViewMiddleware):
+    """Django's CSRF check up to its token, which is in the body, not read yet: the Origin (or, over HTTPS with none,
+    the Referer). It marks nothing done, so the whole check still runs once the body is read (`_create_batch`)."""
+
+    def _check_token(self, request) -> None:
+        return None
+
+    def _accept(self, request) -> None:
+        return None  # NOTE: Django's sets `csrf_processing_done`, and the token would then never be checked
+
+
 @csrf_exempt  # NOTE: checked once the upload's handlers are installed (`_create_batch`), never before
 @member_required(view_reads_form=True)  # the page's organisation, too (`_create_batch`)
 def batch_list(request):
     form, refusal = new_batch_form(), None
+    # NOTE: the action's page organisation is read before the body, its CSRF token in it: a page of another site
+    # posting the form, naming one, had a message written into the member's session, and a redirect. Its origin first.
+    if request.method == "POST" and (forged := _CsrfBeforeBody(lambda _: None).process_view(request, None, (), {})):
+        return forged
     if request.method == "POST" and (stale := page_organization_refusal(request, in_query=True)) is not None:
         # NOTE: the form's action names the organisation its page was shown for: a stale tab's upload is refused
         # before its body is read (the gateway took no place for it, and dropped it). It was refused only once its
@@ -238,7 +253,9 @@ def file_download(request, file_id: str):
         raise Http404("No such file.")
     try:
         stream = storage.open_stream(file.s3_key)
-    except storage.ObjectGone:  # NOTE: a 500 before; its bytes do not come back
+    except storage.ObjectGone as gone:  # NOTE: a 500 before; its bytes do not come back
+        if not gone.missing:  # NOTE: not readable (an IAM policy, a KMS key): still stored, the operator's to mend
+            raise gone.__cause__ from None
         raise Http404("This file's content is no longer stored.") from None
     response = StreamingHttpResponse(stream, content_type="application/jsonl")
     response["Content-Length"] = str(file.bytes)

@@ -617,8 +617,12 @@ def _adding_headers(send, headers: list[tuple[bytes, bytes]]):
 
 
 def _shown_for_another(scope, caller: auth.Caller) -> bool:
-    """Whether the console form posted in `scope` names, in its query string, another organisation than `caller`'s."""
-    shown_for = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(PAGE_ORGANIZATION_FIELD)
+    """Whether the console form posted in `scope` names, in its query string, another organisation than `caller`'s.
+
+    NOTE: read as Django's `request.GET` reads it (`page_organization_refusal`), a blank value kept: one named empty
+    (`?page_organization=`) is refused by the view, and took the organisation's place, its body spooled, until then."""
+    shown_for = parse_qs(scope.get("query_string", b"").decode("latin-1"),
+                         keep_blank_values=True).get(PAGE_ORGANIZATION_FIELD)
     return shown_for is not None and shown_for[-1] != str(caller.organization_id)
 
 

@@ -100,3 +100,30 @@ def test_a_batch_whose_last_line_finishes_after_its_window_ended_completes_with_
     assert batch.completed_at is not None and (batch.num_completed, batch.num_failed) == (1, 0)
     output = [json.loads(row) for row in storage.read_bytes(batch.output_file.s3_key).splitlines()]
     assert [(row["custom_id"], row["response"]["status_code"]) for row in output] == [("only", 200)]
+
+
+def test_a_cancel_arriving_while_a_batch_whose_every_line_ran_lists_its_results_is_refused_and_it_completes(
+        files_bucket, tenant, start_mock_upstream, monkeypatch):
+    """A batch whose lines have all run is `finalizing` before its results are listed (a few seconds for a large
+    one): a cancel then is a 409, and it ends `completed`. The change that let an expiry end `completed` listed them
+    first, and a cancel meanwhile was taken (200, `cancelling`) and ended the batch `cancelled`, every line answered."""
+    from tests.batches.conftest import one_chat_line
+    from tests.gateway.conftest import serve_endpoint
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    batch = new_batch(endpoint, one_chat_line(endpoint))
+    result_keys, cancels = storage.result_keys, []
+
+    def cancelled_while_listed(organization_id, batch_id):
+        try:
+            cancels.append(services.cancel_batch(Batch.objects.get(pk=batch_id)).status)
+        except services.Refused as refused:
+            cancels.append((refused.status, refused.message))
+        return result_keys(organization_id, batch_id)
+
+    monkeypatch.setattr(storage, "result_keys", cancelled_while_listed)
+    services.run_batch(batch.pk)
+
+    assert cancels[:1] == [(409, "Cannot cancel a batch with status 'finalizing'.")]
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.cancelling_at, batch.num_completed) == (BatchStatus.COMPLETED, None, 1)

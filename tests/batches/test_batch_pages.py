@@ -100,6 +100,59 @@ def test_downloading_a_file_whose_bytes_are_gone_from_s3_is_a_404_not_a_500(cons
     assert member.get(reverse("console:file-download", args=[batch.input_file_id])).status_code == 404
 
 
+def test_a_file_s3_will_not_let_the_fleet_read_is_no_404_page_saying_its_bytes_are_gone(
+        console_client_factory, files_bucket, org, monkeypatch):
+    """AccessDenied (an IAM policy or KMS key changed) is the operator's to mend: the bytes are still stored. Before,
+    the console answered it with a 404 page saying "This file's content is no longer stored"."""
+    from botocore.exceptions import ClientError
+
+    from endpoints.batches import storage
+
+    member = console_client_factory(org, Role.MEMBER)
+    batch = _start(member)
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+
+    monkeypatch.setattr(storage._client(), "get_object", refused)
+    member.raise_request_exception = False
+    answer = member.get(reverse("console:file-download", args=[batch.input_file_id]))
+
+    assert answer.status_code == 500 and b"no longer stored" not in answer.content
+
+
+def test_a_cross_site_post_of_the_batch_form_naming_another_organisation_is_csrfs_403_leaving_no_message(
+        console_client_factory, files_bucket, org):
+    """The action's page organisation is read before the body (and its CSRF token): a page of another site that posts
+    to the form, naming an organisation, was answered "This page was for another organisation…", a message written
+    into the member's session and a redirect, where any other forged post is CSRF's 403. Its Origin is checked
+    first now, as Django's CSRF check does before it reads the token."""
+    member = console_client_factory(org, Role.MEMBER)
+    member.handler.enforce_csrf_checks = True
+    other = OrganizationFactory(name="Other")
+    MembershipFactory(organization=other, user=member.user, role=Role.MEMBER)
+    upload = SimpleUploadedFile("requests.jsonl", json.dumps(LINE).encode() + b"\n", content_type="application/jsonl")
+
+    for shown_for in (other.pk, "x"):
+        forged = member.post(f"{reverse('console:batches')}?{PAGE_ORGANIZATION_FIELD}={shown_for}",
+                             {"file": upload, "endpoint": "/v1/chat/completions"}, HTTP_ORIGIN="https://evil.example")
+        assert forged.status_code == 403
+        assert list(get_messages(forged.wsgi_request)) == []
+    assert not Batch.objects.exists() and not File.objects.exists()
+    # the Origin checked first marks nothing done: a post of this site's origin without the form's token is still refused
+    upload.seek(0)
+    tokenless = member.post(f"{reverse('console:batches')}?{PAGE_ORGANIZATION_FIELD}={org.pk}",
+                            {"file": upload, "endpoint": "/v1/chat/completions"}, HTTP_ORIGIN="http://testserver")
+    assert tokenless.status_code == 403 and not Batch.objects.exists()
+
+    # the member's own stale tab (its origin this site's) is still told why
+    stale = member.post(f"{reverse('console:batches')}?{PAGE_ORGANIZATION_FIELD}={other.pk}", {},
+                        HTTP_ORIGIN="http://testserver")
+    assert stale.status_code == 302
+    assert [str(m) for m in get_messages(stale.wsgi_request)] == [
+        "This page was for Other; you have since switched to " f"{org.name}. Nothing was changed."]
+
+
 def test_another_organisations_batch_and_files_are_404s(console_client_factory, files_bucket, org):
     batch = _start(console_client_factory(org, Role.MEMBER))
     stranger = console_client_factory(OrganizationFactory(), Role.OWNER)

@@ -368,3 +368,28 @@ def test_s3_down_while_a_files_content_is_read_is_still_a_503_to_retry(tenant, f
 
     assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
     assert answer.json()["error"]["code"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "NoSuchBucket"])
+def test_a_files_bytes_s3_will_not_let_the_fleet_read_are_a_503_not_a_404_saying_they_are_gone(
+        tenant, files_bucket, monkeypatch, code):
+    """The fleet lists the bucket (a batch's results), so an object not there is S3's NoSuchKey; AccessDenied (an IAM
+    policy or KMS key changed) or NoSuchBucket (the bucket's setting) is the operator's to mend, and the bytes are
+    still stored. Before, each was a 404 `file_content_not_found` telling the tenant its file's bytes were gone."""
+    from botocore.exceptions import ClientError
+    from django.test import Client
+
+    from endpoints.batches import services, storage
+
+    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                stream=io.BytesIO(LINES), size=len(LINES))
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject")
+
+    monkeypatch.setattr(storage._client(), "get_object", refused)
+    answer = Client(raise_request_exception=False).get(f"/v1/files/{file.pk}/content",
+                                                       HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+
+    assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
+    assert answer.json()["error"]["code"] == "service_unavailable"

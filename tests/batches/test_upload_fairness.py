@@ -387,3 +387,23 @@ def test_a_stale_tabs_console_upload_takes_no_place_or_storage_of_the_organisati
     assert not Batch.objects.exists() and list(File.objects.filter(organization=other)) == []
     assert File.objects.filter(organization=tenant.org).count() == 1  # the `/v1/files` upload alone
     assert [key for key in bucket_objects(files_bucket) if f"/{other.pk}/" in key] == []
+
+
+@pytest.mark.parametrize("query", ["page_organization=", "page_organization={org}&page_organization=",
+                                   "page_organization"])
+def test_a_console_upload_naming_an_empty_page_organisation_takes_no_place_as_its_view_refuses_it(
+        web, tenant, console_client_factory, files_bucket, query):
+    """The view reads the action's query as Django does, keeping a blank value (`?page_organization=`: "another
+    organisation", refused); the gateway read it dropping blanks, as naming none, and took the organisation's place
+    for it, its body spooled, for an upload its view then refused unread."""
+    member = _Member(console_client_factory, tenant)
+    path = f"{CONSOLE_BATCHES}?{query.format(org=tenant.org.pk)}"
+
+    held = member.held(web, path=path)
+    time.sleep(1.5)
+    assert held_files(web.pid, web.temporary) == {}, "the refused upload's body was spooled"
+    held.close()
+
+    refused = member.post(web, LINE, path=path)
+    assert refused.status_code == 302, refused.text
+    assert not Batch.objects.exists() and not bucket_objects(files_bucket)
