@@ -43,7 +43,9 @@ OUTLIVES_AGENT_ENV = "INFERPLANE_ENGINE_OUTLIVES_AGENT"
 # the OOM killer's score is a process's share of the memory (resident, swap, page tables) in thousandths plus this, so
 # an engine's process of any size scores above an agent of less than half the memory. NOTE: engines run in several
 # processes (API server, EngineCore, workers) and a tenant's code may fork as many small ones as it likes: by size
-# alone the agent (a few hundred MB) could be the largest. Raising needs no privilege; lowering again does.
+# alone the agent (a few hundred MB) could be the largest. Raising needs no privilege; lowering again below the value
+# its parent had (`oom_score_adj_min`) needs CAP_SYS_RESOURCE, so a tenant's engine can bring its own back to the
+# agent's, never below it: the other engines still score above the agent.
 OOM_SCORE_ADJ_RAISE = 500
 OOM_SCORE_ADJ_MAX = 1000
 
