@@ -89,6 +89,7 @@ class Agent:
         self.weights = WeightsCache(
             config.data_dir / "weights",
             budget_bytes=config.weights_budget_bytes,
+            disk_reserve_fraction=config.weights_disk_reserve_fraction,
             adapter_max_bytes=config.adapter_max_bytes,
             s3_endpoint_url=config.s3_endpoint_url,
             private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files

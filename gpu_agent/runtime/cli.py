@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cpu", action="store_true", help="run engines on CPU even if GPUs are present")
     run.add_argument("--weights-budget-gb", type=float, default=None, help="disk budget of the weights cache")
     run.add_argument(
+        "--weights-disk-reserve-percent",
+        default=os.environ.get("INFERPLANE_AGENT_WEIGHTS_DISK_RESERVE_PERCENT", "0"),
+        type=_reserve_percent,
+        help="the share of the weights cache's disk no download takes (default 0; the DaemonSet's 20 keeps the node's"
+        " disk above the kubelet's eviction thresholds)",
+    )
+    run.add_argument(
         "--adapter-max-gb",
         default=os.environ.get("INFERPLANE_AGENT_ADAPTER_MAX_GB"),
         type=_positive_float,
@@ -152,6 +159,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _reserve_percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage of at least 0 and below 100, not {text}")
+    return value
+
+
 def _port_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
     try:
@@ -200,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name,
         force_cpu=args.cpu,
         weights_budget_bytes=int(args.weights_budget_gb * 1e9) if args.weights_budget_gb else None,
+        weights_disk_reserve_fraction=args.weights_disk_reserve_percent / 100,
         **({"adapter_max_bytes": int(args.adapter_max_gb * 1e9)} if args.adapter_max_gb else {}),
         s3_endpoint_url=args.s3_endpoint_url,
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,

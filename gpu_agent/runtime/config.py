@@ -25,6 +25,8 @@ class AgentConfig:
     name: str = ""
     force_cpu: bool = False
     weights_budget_bytes: int | None = None
+    # The share of the weights disk no download takes (`WeightsCache.disk_reserve_fraction`).
+    weights_disk_reserve_fraction: float = 0.0
     # The most an adapter's files may take (`WeightsCache.fetch_adapter`; None: no bound).
     adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES
     s3_endpoint_url: str | None = None

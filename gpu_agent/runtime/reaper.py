@@ -14,7 +14,10 @@ small reaper instead, as the leader of a new process group:
   it (a graceful stop), and exits with the engine's code;
 - whenever the engine exits, or the agent dies, it SIGKILLs the whole group and
   every descendant in another group (a zygote's engines, `zygote.py`), itself last,
-  and unlinks the shared memory they held (`shared_memory.py`).
+  and unlinks the shared memory they held (`shared_memory.py`);
+- it raises its own `oom_score_adj` before it starts the engine (`OOM_SCORE_ADJ_RAISE`), so the kernel's OOM
+  killer takes an engine's process, never the agent: the agent's death takes every engine of the node (the death
+  signal above), what the bare-metal unit's `OOMPolicy=continue` is there to avoid.
 """
 
 from __future__ import annotations
@@ -34,6 +37,30 @@ REAPER_MODULE = "gpu_agent.runtime.reaper"
 # "1" in a reaper's environment: its engine outlives the agent (`--keep-engines-on-exit`, for the next agent to
 # adopt); the reaper still stops it with its group when the engine itself exits. Not passed on to the engine.
 OUTLIVES_AGENT_ENV = "INFERPLANE_ENGINE_OUTLIVES_AGENT"
+
+
+# Added to the agent's `oom_score_adj` for every process under a reaper (engines, the standby, the zygote and its forks):
+# the OOM killer's score is a process's share of the memory (resident, swap, page tables) in thousandths plus this, so
+# an engine's process of any size scores above an agent of less than half the memory. NOTE: engines run in several
+# processes (API server, EngineCore, workers) and a tenant's code may fork as many small ones as it likes: by size
+# alone the agent (a few hundred MB) could be the largest. Raising needs no privilege; lowering again below the value
+# its parent had (`oom_score_adj_min`) needs CAP_SYS_RESOURCE, so a tenant's engine can bring its own back to the
+# agent's, never below it: the other engines still score above the agent.
+OOM_SCORE_ADJ_RAISE = 500
+OOM_SCORE_ADJ_MAX = 1000
+
+
+def _raise_oom_score_adj(by: int = OOM_SCORE_ADJ_RAISE) -> None:
+    path = "/proc/self/oom_score_adj"
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open(path) as current:
+            score = int(current.read())
+        with open(path, "w") as raised:
+            raised.write(str(min(OOM_SCORE_ADJ_MAX, score + by)))
+    except (OSError, ValueError) as error:  # no /proc: nothing to raise
+        print(f"reaper: could not raise {path}: {error}", file=sys.stderr)
 
 
 def runs_under_reaper(argv: list[str]) -> bool:
@@ -73,6 +100,7 @@ def main(argv: list[str]) -> int:
         if os.getppid() != agent_pid:  # the agent died before the death signal was armed
             _kill_group()
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _raise_oom_score_adj()  # inherited by the engine and everything it starts
     engine = subprocess.Popen(argv)
 
     def forward(signum, _frame):

@@ -81,6 +81,11 @@ class ManagedReplica:
     killed: bool = False  # SIGKILL sent because the engine outlived its grace
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     metrics_scraped_at: float | None = None
+    # READY: its /health asked last (monotonic), the answers in a row that were not healthy, and whether it was killed
+    # for them (its crash's reason says so).
+    health_checked_at: float | None = None
+    num_unhealthy_checks: int = 0
+    unhealthy_when_ready: bool = False
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
     incomplete_shm: CheckStreak = field(default_factory=CheckStreak)
@@ -160,6 +165,9 @@ class ManagedReplica:
         self.ready_at = None
         self.metrics = EngineMetrics()
         self.metrics_scraped_at = None
+        self.health_checked_at = None
+        self.num_unhealthy_checks = 0
+        self.unhealthy_when_ready = False
         self.engine_memory = None
         self.progress = "starting engine"
         # A measure the last engine never finished, or whose tries ran out, is tried afresh on this one.
@@ -185,6 +193,8 @@ class ManagedReplica:
         """Its engine answered `/wake_up`: READY again, the same process."""
         self.set_state(ReplicaState.READY)
         self.ready_at = now
+        self.health_checked_at = None
+        self.num_unhealthy_checks = 0
 
     def started_draining(self, now: float, timeout_s: float) -> None:
         self.set_state(ReplicaState.DRAINING)
@@ -208,6 +218,9 @@ class ManagedReplica:
         """Count a crash of its engine; returns the reason to report."""
         self.num_consecutive_crashes += 1
         reason = f"engine exited with code {exit_code}"
+        if self.unhealthy_when_ready:
+            reason = (f"engine not healthy {self.num_unhealthy_checks} times in a row while READY (its EngineCore or a "
+                      "worker gone, as the OOM killer leaves it): killed")
         if self.from_standby and self.ready_at is None:
             self.avoid_standby = True  # the handoff itself may be what fails: retry the plain way
             reason += " (started from the warm standby; retrying with a plain launch)"

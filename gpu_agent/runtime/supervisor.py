@@ -1,7 +1,8 @@
 """Runs each replica as a child engine process and keeps it honest.
 
 One `ManagedReplica` per replica. `poll()` advances every replica one step and
-never blocks for long: launch, health check (STARTING -> READY), metrics scrape,
+never blocks for long: launch, health check (STARTING -> READY; a READY engine's again every
+`ready_health_interval_s`, killed and restarted when it fails in a row), metrics scrape,
 restart after a crash with exponential backoff, FAILED after too many crashes,
 drain (DRAINING -> SIGTERM -> SIGKILL -> STOPPED). The monitor thread calls
 `poll()` about once a second, ten times a second while an engine starts or is being stopped. A second
@@ -133,6 +134,12 @@ class SupervisorPolicy:
     # and each scrape costs the engine ~5 ms of CPU (py-spy, tiny CPU model): the engines already up took
     # ~8% of a core each away from the ones still starting at once. Heartbeats read them every few seconds.
     metrics_interval_s: float = 1.0
+    # A READY engine's /health at most this often, and killed (restarted as after a crash) once unhealthy this many
+    # times in a row. NOTE: the kernel's OOM killer takes vLLM's EngineCore or a worker (they hold the host memory),
+    # not the API server whose exit the agent watches; the server lives on, answering /metrics and failing /health
+    # (`OOMPolicy=continue` in the bare-metal unit: before, the whole unit stopped). It stayed READY, routed calls.
+    ready_health_interval_s: float = 10.0
+    max_unhealthy_ready_checks: int = 3
     # An engine's `/sleep` (weights to host memory) or `/wake_up` answered within this, or it failed.
     sleep_call_timeout_s: float = 120.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
@@ -982,6 +989,16 @@ class Supervisor:
             scraped_at = replica.metrics_scraped_at
             if scraped_at is None or time.monotonic() - scraped_at >= self.policy.metrics_interval_s:
                 self._scrape(replica)
+            checked_at = replica.health_checked_at
+            if checked_at is None or now - checked_at >= self.policy.ready_health_interval_s:
+                replica.health_checked_at = now
+                replica.num_unhealthy_checks = 0 if self._probe.healthy(replica.address) else replica.num_unhealthy_checks + 1
+                if replica.num_unhealthy_checks >= self.policy.max_unhealthy_ready_checks:
+                    logger.warning("replica %s: READY, and not healthy %d times in a row: killed",
+                                   replica.spec.replica_id, replica.num_unhealthy_checks)
+                    replica.unhealthy_when_ready = True
+                    self._kill_group(replica, signal.SIGKILL)  # its exit, seen next, restarts it as a crash
+                    return
             if replica.ready_at and now - replica.ready_at > self.policy.stable_after_s:
                 replica.num_consecutive_crashes = 0
         elif replica.state == ReplicaState.DRAINING:

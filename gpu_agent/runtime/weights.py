@@ -83,9 +83,17 @@ class WeightsCache:
         private_dirs: tuple[Path, ...] = (),
         transfer: TransferSettings | None = None,
         adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES,
+        disk_reserve_fraction: float = 0.0,
     ) -> None:
         self.root = Path(root).resolve()
         self.budget_bytes = budget_bytes
+        if not 0.0 <= disk_reserve_fraction < 1.0:
+            raise ValueError(f"disk_reserve_fraction must be at least 0 and below 1, not {disk_reserve_fraction}")
+        # The share of the weights disk no download takes (`_make_room`). NOTE: in the DaemonSet the cache is a hostPath
+        # on the kubelet's disk, where the agent pod's /tmp (its engines' scratch) is too: filled to its last byte it
+        # passed the kubelet's hard eviction threshold, and the kubelet evicted the agent pod (the most ephemeral
+        # storage over its request), every engine of the node with it, and each agent pod after it, the weights staying.
+        self.disk_reserve_fraction = disk_reserve_fraction
         self.adapter_max_bytes = adapter_max_bytes
         self.s3_endpoint_url = (
             s3_endpoint_url
@@ -494,13 +502,15 @@ class WeightsCache:
                 )
                 reserved = sum(d.disk_bytes for k, d in self._downloads.items() if k != key)
             disk = shutil.disk_usage(self.root)
-            if size_bytes > disk.total:
+            reserve = int(disk.total * self.disk_reserve_fraction)
+            keeps = f" and keeps {_human(reserve)} free" if reserve else ""
+            if size_bytes > disk.total - reserve:
                 raise ModelTooLarge(
-                    f"model is {_human(size_bytes)}; this node's weights disk is {_human(disk.total)}"
+                    f"model is {_human(size_bytes)}; this node's weights disk is {_human(disk.total)}{keeps}"
                 )
             entries = self._index.entries()
             partials = self._idle_partials(exclude=key)
-            need = size_bytes - (disk.free - pending)
+            need = size_bytes - (disk.free - reserve - pending)
             if self.budget_bytes is not None:
                 cached = sum(_charged(entry) for entry in entries) + sum(used for _, _, used in partials)
                 need = max(need, cached + reserved + size_bytes - self.budget_bytes)
@@ -513,7 +523,7 @@ class WeightsCache:
                 limit = (
                     f"this node's weights budget is {_human(self.budget_bytes)}"
                     if self.budget_bytes is not None
-                    else f"the weights disk has {_human(disk.free)} free"
+                    else f"the weights disk has {_human(disk.free)} free{keeps}"
                 )
                 raise ModelTooLarge(
                     f"model is {_human(size_bytes)}; {limit} and the models in use leave no room for it"

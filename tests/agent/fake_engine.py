@@ -27,6 +27,8 @@ parser.add_argument("--port", type=int, required=True)
 parser.add_argument("--served-model-name", default="fake")
 parser.add_argument("--ready-after-s", type=float, default=0.0)
 parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exit 3) after this long")
+parser.add_argument("--unhealthy-after-s", type=float, default=None,
+                    help="/health answers 500 after this long, the process alive (vLLM's EngineCore killed under it)")
 parser.add_argument("--running-file", default="", help="file holding the number of running requests")
 parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wake_up and /is_sleeping")
@@ -106,7 +108,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path != "/health" and not self._authorized():
             return
         if self.path == "/health":
-            self._send(200 if ready else 503, "")
+            dead = args.unhealthy_after_s is not None and time.monotonic() - started_at >= args.unhealthy_after_s
+            self._send(500 if dead else 200 if ready else 503, "")
         elif self.path == "/is_sleeping" and args.sleep_mode:
             self._send(200, json.dumps({"is_sleeping": sleeping_level > 0}))
         elif self.path == "/metrics":

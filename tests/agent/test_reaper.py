@@ -125,3 +125,23 @@ def test_a_killed_agent_s_engine_leaves_no_shared_memory_behind(tmp_path):
     agent.wait()
     assert _wait_gone([int(reaper_pid), int(grandchild_pid)]) == []
     assert not os.path.exists(segment)
+
+
+def test_the_kernel_s_oom_killer_takes_an_engine_before_the_agent():
+    """The bare-metal unit says `OOMPolicy=continue` so that a node out of memory loses the engine the OOM killer takes,
+    not every engine of the node. But the OOM killer takes the process of the highest score (its resident memory), and
+    engines run in several processes (API server, EngineCore, workers; a tenant's code may fork as many small ones as
+    it likes): with the agent's score no lower than theirs, the agent (a few hundred MB) could be the largest, and its
+    death takes every engine of the node (each reaper's death signal), which `continue` was there to avoid. Every
+    process under a reaper (engines, the standby, the zygote and its forks) now scores higher than the agent."""
+    if not sys.platform.startswith("linux"):
+        return
+    with open("/proc/self/oom_score_adj") as own:
+        agent = int(own.read())
+    if agent >= 1000:
+        return  # nothing scores higher
+    engine = subprocess.run(
+        [sys.executable, "-m", "gpu_agent.runtime.reaper", "--", sys.executable, "-c",
+         "print(open('/proc/self/oom_score_adj').read().strip())"],
+        capture_output=True, text=True, timeout=60, check=True, start_new_session=True)  # its group, as the agent's
+    assert int(engine.stdout.strip()) >= min(1000, agent + 500), engine

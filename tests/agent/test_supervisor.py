@@ -513,3 +513,20 @@ def test_a_respawned_zygote_keeps_no_exit_its_dead_predecessor_reported(tmp_path
         later.kill()
         later.wait()
         status.close()
+
+
+def test_a_ready_engine_whose_health_fails_is_restarted(make_supervisor):
+    """The kernel's OOM killer takes the largest process, and a vLLM engine's is its EngineCore or a worker (they hold
+    the host memory), not the API server the agent watches: since the bare-metal unit's `OOMPolicy=continue` that is
+    what a node out of memory does to an engine (before, the whole unit stopped). The API server lives on, answering
+    /metrics (the only thing asked of a READY engine) and failing /health: the replica stayed READY, routed calls,
+    each failing, until one made vLLM exit. A READY engine's /health is now asked every `ready_health_interval_s`,
+    and one unhealthy that many times in a row is killed and restarted, as after a crash."""
+    policy = dataclasses.replace(FAST, ready_health_interval_s=0.2, max_unhealthy_ready_checks=2)
+    supervisor = make_supervisor("--unhealthy-after-s", "1.5", policy=policy)
+    supervisor.start(make_spec("r-core-gone"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-core-gone") == ReplicaState.READY, 10, poll=supervisor.poll)
+    first_pid = supervisor.statuses()[0].pid
+    wait_until(lambda: supervisor.get("r-core-gone").num_restarts >= 1, 15, poll=supervisor.poll)
+    assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
+    assert "not healthy" in (supervisor.get("r-core-gone").failure_reason or "")

@@ -118,3 +118,21 @@ def test_ten_thousand_empty_files_are_charged_against_the_budget_before_any_is_m
         assert os.listdir(cache.root / ".tmp") == []
     finally:
         store.close()
+
+
+def test_the_weights_disk_keeps_the_free_share_it_is_told_to(s3, s3_endpoint, tmp_path, monkeypatch):  # noqa: F811
+    """In the DaemonSet the weights cache (a hostPath) is on the node's disk, the kubelet's, where the agent pod's /tmp
+    is too. Without a budget it filled that disk to its last byte; past the kubelet's hard threshold (15 % free on a
+    node with one disk) the kubelet evicts the pod with the most ephemeral storage over its request, the agent, and
+    every engine of the node with it; and the weights stay on the host, so the next agent pod is evicted too, and the
+    next. The cache now keeps `disk_reserve_fraction` of the disk free (the DaemonSet's 20 %)."""
+    put_models(s3, "disk-reserve", ("old", "new"))
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint, disk_reserve_fraction=0.2)
+    old = cache.fetch("s3://disk-reserve/old")
+    # 21 % free: 10 kB more would leave less than 20 %
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: DiskUsage(total=100_000, used=79_000, free=21_000))
+    cache.pin(old)
+    with pytest.raises(ModelTooLarge, match="keeps 20 kB free"):
+        cache.fetch("s3://disk-reserve/new")
+    cache.unpin(old)
+    assert cache.fetch("s3://disk-reserve/new").exists() and not old.exists()  # evicting the unused one made room

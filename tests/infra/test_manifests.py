@@ -499,6 +499,25 @@ def test_engines_writing_within_their_own_disk_bounds_never_get_the_agent_pod_an
     assert "ephemeral-storage" not in container["resources"].get("limits", {})
 
 
+def test_the_agent_s_weights_never_fill_the_node_s_disk_past_the_kubelet_s_eviction_threshold(rendered):
+    """The weights cache (--data-dir, a hostPath) is on the node's disk, the kubelet's, where the pod's /tmp is too.
+    Without a budget it filled that disk to its last byte: past the kubelet's hard threshold (imagefs.available 15 %
+    and nodefs.available 10 % by default, one and the same disk on most nodes) the kubelet evicts the pod with the most
+    ephemeral storage over its request, the agent's (its /tmp, which has no size limit now, so that the node's disk
+    is what bounds it), every engine of the node with it; and the weights stay on the host, so every agent pod after it
+    was evicted too. The agent now keeps a share of that disk free above the thresholds, room for its engines' /tmp."""
+    from gpu_agent.runtime.cli import _parser
+
+    (container,) = _pod_spec(rendered.get("DaemonSet", "inferplane-agent"))["containers"]
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    reserve = env.get("INFERPLANE_AGENT_WEIGHTS_DISK_RESERVE_PERCENT")
+    assert reserve is not None, f"{rendered.overlay}: the weights cache fills the node's disk"
+    assert float(reserve) > 15, reserve
+    assert not [arg for arg in container["args"] if arg.startswith("--weights-disk-reserve-percent")]
+    args = _parser().parse_args(["run", "--control-plane=https://x", f"--weights-disk-reserve-percent={reserve}"])
+    assert args.weights_disk_reserve_percent == float(reserve)
+
+
 def test_a_stopping_web_pod_has_time_to_drain_its_calls_and_bill_those_its_drain_cut(rendered, settings):
     # NOTE: and then to replay its usage journal or ship it to the bucket (`billing.journal_shipping`), which the
     # grace period did not count (the review of this stop's diff): a SIGKILL there lost what was not shipped.

@@ -177,6 +177,26 @@ def test_the_django_admin_is_routed_only_from_the_staff_network(rendered):
     assert urls.urlpatterns and any(str(pattern.pattern) == STAFF_PATHS[0].lstrip("/") for pattern in urls.urlpatterns)
 
 
+def test_the_django_admin_refuses_the_node_networks_where_tenants_engines_run(rendered):
+    # The agent pods reach the ingress controller's pods on 443 (`inferplane-agent-egress`: the control plane's public
+    # URL where kube-proxy short-cuts the load balancer's address), and their engines share the pod's network and may
+    # run a tenant's code. The controller sees them at their pod's address, which is inside INFERPLANE_NODE_NETWORKS
+    # (the gateway refuses engines outside it). Before, the admin's default staff network was every private range,
+    # 10.0.0.0/8 with it: a tenant's engine had the admin's login form (every tenant's plans, prices, keys and nodes)
+    # behind one staff password, the exposure the staff network was there to end.
+    import ipaddress
+
+    admin = rendered.get("Ingress", "inferplane-admin")
+    allowed = [ipaddress.ip_network(network.strip()) for network in
+               admin["metadata"]["annotations"]["nginx.ingress.kubernetes.io/whitelist-source-range"].split(",")]
+    node_networks = [ipaddress.ip_network(network.strip()) for network in
+                     rendered.config_map("inferplane-config")["data"]["INFERPLANE_NODE_NETWORKS"].split(",")]
+    overlapping = [(staff, nodes) for staff in allowed for nodes in node_networks
+                   if staff.version == nodes.version and staff.overlaps(nodes)]
+    assert not overlapping, f"{rendered.overlay}: the admin admits engines' addresses: {overlapping}"
+    assert allowed
+
+
 def _nginx_size(text: str) -> int:
     """An nginx size (`16m`, `201m`, `512k`, bytes) in bytes."""
     units = {"k": 1024, "m": 1024**2, "g": 1024**3}
