@@ -448,6 +448,18 @@ def test_overlays_pin_images_and_their_own_namespace_and_host(rendered_overlays)
     assert len({namespace for _, namespace in namespaces}) == len(rendered_overlays)
 
 
+def test_each_overlays_pool_machines_join_that_overlays_own_control_plane(rendered):
+    # Before: the base named production's host as the agents' control plane and staging never replaced it, so a
+    # machine staging's node pools launched registered with production (and staging's demand never met).
+    from urllib.parse import urlsplit
+
+    host = rendered.get("Ingress", "inferplane")["spec"]["rules"][0]["host"]
+    for kind, name in DJANGO_PROCESSES:
+        values, _ = _environment(rendered, rendered.get(kind, name))
+        agents_url = values.get("INFERPLANE_AGENT_CONTROL_PLANE_URL") or values["INFERPLANE_PUBLIC_URL"]
+        assert urlsplit(agents_url).hostname == host, f"{rendered.overlay} {name}: agents join {agents_url}"
+
+
 def test_gpu_agent_runs_on_every_gpu_node_with_its_gpus_cache_and_join_token(rendered):
     agent = rendered.get("DaemonSet", "inferplane-agent")
     pod = _pod_spec(agent)
