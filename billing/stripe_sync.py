@@ -908,9 +908,12 @@ def held_past_cancel_window(rollups, *, now: datetime | None = None):
 
     NOTE: not the hold's time (`push_held_at`), as before: Stripe received them at the push before the database went
     back, hours or days before the hold, so the window may have closed long before a day after the hold. The end of
-    the hour is a lower bound of the receipt: the window is certainly open only before it is a day old."""
+    the hour is a lower bound of the receipt: the window is certainly open only before it is a day old.
+
+    NOTE: a day by PostgreSQL's clock (`database_now`), not the web pod's: one 30 minutes behind sent as new a rollup
+    whose window had closed 10 minutes before."""
     return held_as_duplicate(rollups).filter(
-        hour_start__lte=(now or timezone.now()) - METER_EVENT_CANCEL_WINDOW - ROLLUP_HOUR)
+        hour_start__lte=(now or database_now()) - METER_EVENT_CANCEL_WINDOW - ROLLUP_HOUR)
 
 
 def _not_in_difference(rollups):
@@ -928,7 +931,7 @@ def send_held_as_new(rollups) -> int:
     no longer be cancelled, and its whole value sent again billed what Stripe had twice; nor one a "send the
     difference" has begun on (`_not_in_difference`). Stripe's part of such a rollup stays; the rest goes as its
     difference (`send_held_difference`)."""
-    now = timezone.now()
+    now = database_now()
     return services.push_again(_not_in_difference(held_as_duplicate(rollups)).exclude(
         pk__in=held_past_cancel_window(rollups, now=now).values("pk")))
 

@@ -82,3 +82,16 @@ def test_a_process_whose_clock_is_behind_asks_about_an_event_a_run_sent_over_a_d
     with pytest.raises(stripe_sync.DifferenceRefused, match="look it up in Stripe"):
         _send_difference(rollup, stripe_has)
     assert len(fake_stripe.meter_events) == num_events
+
+
+def test_a_web_pod_whose_clock_is_behind_does_not_send_as_new_a_rollup_past_stripes_cancel_window(
+        fake_stripe, monkeypatch):
+    # Before: "send as new" judged the cancel window (`held_past_cancel_window`) by the web pod's clock: one 30 minutes
+    # behind sent whole, under new identifiers, a rollup whose hour ended 25 h 10 min before (its events in Stripe no
+    # longer cancellable): what Stripe had was billed twice.
+    rollup, _ = _held_with_more_than_stripe(fake_stripe)
+    UsageRollup.objects.filter(pk=rollup.pk).update(hour_start=database_now() - timedelta(hours=25, minutes=10))
+    _this_process_clock(monkeypatch, timedelta(minutes=-30))
+
+    assert stripe_sync.send_held_as_new(UsageRollup.objects.filter(pk=rollup.pk)) == 0
+    assert list(stripe_sync.held_past_cancel_window(UsageRollup.objects.filter(pk=rollup.pk))) == [rollup]
