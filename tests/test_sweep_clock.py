@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from endpoints import replicas, scheduler
 from endpoints.models import Replica
+from endpoints.nodes.models import Node
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_placement import make_node
@@ -125,6 +126,7 @@ def test_a_sleep_begun_on_a_process_whose_clock_is_behind_is_not_stopped_a_momen
     endpoint.idle_action = "sleep"
     endpoint.save(update_fields=["idle_action"])
     Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
+    Node.objects.filter(pk=replica.node_id).update(memory_mb=512_000)  # host memory to sleep in
     replica = Replica.objects.select_related("endpoint").get(pk=replica.pk)
     with django_capture_on_commit_callbacks(execute=False):
         with monkeypatch.context() as patched:
