@@ -42,7 +42,7 @@ from datetime import UTC, datetime, timedelta
 
 import stripe
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Case, F, IntegerField, Q, Value, When
 from django.utils import timezone
 
@@ -908,9 +908,12 @@ def held_past_cancel_window(rollups, *, now: datetime | None = None):
 
     NOTE: not the hold's time (`push_held_at`), as before: Stripe received them at the push before the database went
     back, hours or days before the hold, so the window may have closed long before a day after the hold. The end of
-    the hour is a lower bound of the receipt: the window is certainly open only before it is a day old."""
+    the hour is a lower bound of the receipt: the window is certainly open only before it is a day old.
+
+    NOTE: a day by PostgreSQL's clock (`database_now`), not the web pod's: one 30 minutes behind sent as new a rollup
+    whose window had closed 10 minutes before."""
     return held_as_duplicate(rollups).filter(
-        hour_start__lte=(now or timezone.now()) - METER_EVENT_CANCEL_WINDOW - ROLLUP_HOUR)
+        hour_start__lte=(now or database_now()) - METER_EVENT_CANCEL_WINDOW - ROLLUP_HOUR)
 
 
 def _not_in_difference(rollups):
@@ -928,7 +931,7 @@ def send_held_as_new(rollups) -> int:
     no longer be cancelled, and its whole value sent again billed what Stripe had twice; nor one a "send the
     difference" has begun on (`_not_in_difference`). Stripe's part of such a rollup stays; the rest goes as its
     difference (`send_held_difference`)."""
-    now = timezone.now()
+    now = database_now()
     return services.push_again(_not_in_difference(held_as_duplicate(rollups)).exclude(
         pk__in=held_past_cancel_window(rollups, now=now).values("pk")))
 
@@ -1017,7 +1020,7 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
                 # NOTE: each event only while this run still holds the claim (`_claim_difference`), renewed by a
                 # conditional update: once another run took it over (this one's stale) none is sent, and nothing
                 # more is recorded or marked by this run.
-                renewed = _database_clock()
+                renewed = database_now()
                 if not UsageRollup.objects.filter(pk=rollup.pk, push_claimed_at=sending_since,
                                                   difference_started_at__isnull=False).update(push_claimed_at=renewed):
                     return 0
@@ -1062,7 +1065,10 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
         if rollup is None:
             raise DifferenceRefused(f"rollup {rollup_id} is not held as a duplicate (sent, confirmed or released "
                                     "since?)")
-        now = _database_clock()
+        # NOTE: the claim's and the run's start by PostgreSQL's clock, as the ordinary push's claim (`_claimable`):
+        # by the web pod's, one `BILLING_CLAIM_TIMEOUT_S` ahead took over (or abandoned) a run sending at that moment,
+        # and one 3 h behind read a run begun 25 h before as 22 h old and sent its unanswered event again.
+        now = database_now()
         _refuse_while_sending(rollup, now)
         due = held_difference_meters(rollup)
         ours = {meter.event_name: getattr(rollup, meter.rollup_field) for meter in due}
@@ -1112,22 +1118,10 @@ def _claim_difference(rollup_id: int, stripe_has: dict[str, int], stripe_custome
         return rollup, due, difference, now
 
 
-def _database_clock() -> datetime:
-    """PostgreSQL's clock at this moment (`clock_timestamp()`, not its transaction's start), which a claim to send a
-    held difference is stamped and judged by (`_refuse_while_sending`).
-
-    NOTE: runs and abandons go to any web pod: stamped by one pod's clock and judged by another's, an abandon on a pod
-    whose clock ran `BILLING_CLAIM_TIMEOUT_S` ahead took a run sending at that moment for one that died, and went
-    through under it (a review's finding; `billing.alerts` judges its claims by PostgreSQL's clock for the same
-    reason)."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT clock_timestamp()")
-        return cursor.fetchone()[0]
-
-
 def _refuse_while_sending(rollup: UsageRollup, now: datetime) -> None:
     """`DifferenceRefused` while a run of `rollup`'s difference holds its claim to send (`_claim_difference`), unless
-    that run has been silent for `BILLING_CLAIM_TIMEOUT_S` (it died). Under the rollup's row lock."""
+    that run has been silent for `BILLING_CLAIM_TIMEOUT_S` (it died). Under the rollup's row lock; `now` is PostgreSQL's
+    clock (`database_now`), as the claim is stamped."""
     if rollup.push_claimed_at is not None and now - rollup.push_claimed_at < timedelta(
             seconds=settings.BILLING_CLAIM_TIMEOUT_S):
         raise DifferenceRefused(
@@ -1156,7 +1150,7 @@ def abandon_held_difference(actor, rollup_id: int, *, difference_in_stripe: bool
                                                                  pushed_at__isnull=True).first()
         if rollup is None:
             return 0
-        _refuse_while_sending(rollup, _database_clock())  # NOTE: one winner, a run or this (`_claim_difference`)
+        _refuse_while_sending(rollup, database_now())  # NOTE: one winner, a run or this (`_claim_difference`)
         recorded = sorted(MeterEventPush.objects.filter(identifier__in=[
             difference_identifier(rollup, meter.event_name) for meter in METERS]).values_list("identifier", flat=True))
         if recorded:

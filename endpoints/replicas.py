@@ -35,7 +35,7 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from controlplane import redis_keys
-from controlplane.clock import database_time_ago
+from controlplane.clock import database_now, database_time_ago
 from controlplane.redis_client import as_text, get_redis
 from controlplane.tasks import send_task
 from endpoints.events import record_event
@@ -118,8 +118,11 @@ def place_replica(endpoint: Endpoint) -> tuple[Replica | None, str]:
                 # Staff's detail (the fleet's free memory), once per change of what its tenant is told.
                 logger.info("endpoint %s not placed: %s", endpoint.pk, decision.fleet_detail)
             return None, decision.reason
+        # NOTE: its start's clock by PostgreSQL's, which the sweep judges it by (`scheduler._sweep`): by this
+        # process's, one 16 minutes behind placed a replica the next sweep failed while it loaded its weights.
+        placed_at = database_now()
         replica = Replica.objects.create(
-            endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb, engine_generation=endpoint.engine_generation,
+            created_at=placed_at, state_changed_at=placed_at, endpoint=endpoint, node=decision.node, reserved_memory_mb=needed_mb, engine_generation=endpoint.engine_generation,
             gpu_indices=list(decision.gpu_indices), gpu_memory_fraction=decision.gpu_memory_fraction,
         )
         notify_node(decision.node.pk)
@@ -145,8 +148,12 @@ def drain_replica(replica: Replica, *, reason: str) -> bool:
     """The replica takes no new requests; its agent stops it once in-flight ones finish.
 
     A replica not yet started stops at once. Returns whether this call changed it.
+
+    NOTE: its drain's start by PostgreSQL's clock, as the sweep judges it (`scheduler._sweep`), as each change of a
+    replica's state is stamped here: by this process's, a web pod or worker 5 minutes behind began a drain the next
+    sweep stopped at once as never confirmed (its GPU placeable while its engine still ran).
     """
-    now = timezone.now()
+    now = database_now()
     if replica.state == ReplicaState.PENDING:
         changed = Replica.objects.filter(pk=replica.pk, state=ReplicaState.PENDING).update(
             state=ReplicaState.STOPPED, state_changed_at=now, stopped_at=now
@@ -191,7 +198,7 @@ def drain_each(replicas: Iterable[Replica], *, reason: str) -> int:
 
 def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> bool:
     """Stop a replica the control plane gave up on, and replace it; returns whether this call changed it."""
-    now = timezone.now()
+    now = database_now()
     changed = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
         state=final_state, state_changed_at=now, stopped_at=now, failure_reason=reason if final_state == ReplicaState.FAILED else "",
         num_running=0, num_waiting=0,
@@ -243,7 +250,7 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
         "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
     if why_not:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
-    now = timezone.now()
+    now = database_now()  # NOTE: as `stop_long_sleepers` judges it
     with transaction.atomic():
         # NOTE: under its node's lock (as placement and `wake_replica` take it, before the replica's row): two sleeps
         # at once on one node cannot both count the room one of them takes.
@@ -294,7 +301,7 @@ def wake_replica(replica: Replica) -> str:
     NOTE: its GPUs were placeable while it slept; if they no longer have room for it (checked under the
     node's lock, as placement does), it stops and the reason is returned: the caller places a new replica.
     """
-    now = timezone.now()
+    now = database_now()  # NOTE: as the sweep judges a wake (`scheduler._sweep`)
     with transaction.atomic():
         node = Node.objects.select_for_update().filter(pk=replica.node_id).first()
         current = Replica.objects.select_for_update().filter(pk=replica.pk, state=ReplicaState.SLEEPING).first()
@@ -407,7 +414,6 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
             return
         previous = replica.state
         new_state = ReplicaState(state_after_report(previous, report.state)).value
-        now = timezone.now()
         fields = {
             "num_running": report.num_running, "num_waiting": report.num_waiting,
             "kv_cache_usage": report.kv_cache_usage, "tokens_per_s": report.tokens_per_s,
@@ -442,6 +448,7 @@ def apply_replica_report(node: Node, report: protocol.ReplicaStatus, *, heartbea
                            node.engine_port_max)
             report = dataclasses.replace(report, failure_reason=f"refused: {refused_address}")
         if new_state != previous:
+            now = database_now()  # NOTE: a change of state by PostgreSQL's clock, as the sweeps judge it (`drain_replica`)
             fields["state"] = new_state
             fields["state_changed_at"] = now
             if previous == ReplicaState.SLEEPING:

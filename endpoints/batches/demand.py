@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from django.conf import settings
 
+from controlplane.clock import DatabaseClock
 from endpoints.batches.models import Batch, BatchStatus
 from endpoints.batches.scheduling import USE_WINDOW_S, BatchDemand, stalled
 
@@ -14,22 +13,26 @@ def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = No
     """Pending lines, earliest deadline, the lines per second their keys may send (`requests_per_minute`: the
     platform's default where unset; 0: none) and the lines their runs kept in flight (measured in the last
     `USE_WINDOW_S`; None where no run measured any), of the running batches of each endpoint (all with work if None).
-    Stalled batches (`scheduling.stalled`) are left out: they hold and wake nothing."""
-    now = time.time() if now is None else now
+    Stalled batches (`scheduling.stalled`) are left out: they hold and wake nothing. `now`: a unix time by
+    PostgreSQL's clock, its own if None."""
+    asked_at = now
     batches = Batch.objects.filter(status=BatchStatus.IN_PROGRESS, endpoint__isnull=False)
     if endpoint_ids is not None:
         batches = batches.filter(endpoint_id__in=endpoint_ids)
-    rows = batches.order_by().values_list(
+    # NOTE: judged by PostgreSQL's clock, as a run stores its refusals and measures (`services._run_lines`), read in
+    # the same query: no round trip more
+    rows = batches.order_by().annotate(database_now=DatabaseClock()).values_list(
         "endpoint_id", "num_total", "num_completed", "num_failed", "expires_at", "api_key_id", "created_by_id",
         "api_key__requests_per_minute", "refused_since", "last_refused_at", "line_concurrency",
-        "line_concurrency_at")
+        "line_concurrency_at", "database_now")
     pending: dict[str, int] = {}
     deadline: dict[str, float] = {}
     # NOTE: per caller, not per batch: a key's batches share its requests per minute (a member's, the default)
     callers: dict[str, dict[tuple, int]] = {}
     measured: dict[str, float] = {}
     for (endpoint_id, num_total, num_completed, num_failed, expires_at, api_key_id, created_by_id, key_rpm,
-         refused_since, last_refused_at, line_concurrency, line_concurrency_at) in rows:
+         refused_since, last_refused_at, line_concurrency, line_concurrency_at, database_now) in rows:
+        now = database_now.timestamp() if asked_at is None else asked_at
         num_pending = max(0, num_total - num_completed - num_failed)
         if not num_pending or stalled(refused_since=refused_since and refused_since.timestamp(),
                                       last_refused_at=last_refused_at and last_refused_at.timestamp(), now=now):

@@ -706,10 +706,6 @@ def caller_of(batch: Batch) -> Caller | None:
                   tokens_per_minute=key.tokens_per_minute if key else None)
 
 
-def _unix(moment: datetime | None) -> float | None:
-    return None if moment is None else moment.timestamp()
-
-
 def _moment(unix: float | None) -> datetime | None:
     return None if unix is None else datetime.fromtimestamp(unix, UTC)
 
@@ -722,12 +718,18 @@ def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
 
-def _on_this_clock(moment: datetime) -> float:
-    """`moment`, a time by PostgreSQL's clock, as a unix time on this process's clock (`time.time()`, the runner's).
+def _on_this_clock(moment: datetime, ahead_s: float | None = None) -> float:
+    """`moment`, a time by PostgreSQL's clock, as a unix time on this process's clock (`time.time()`, the runner's);
+    `ahead_s`: how far this process's clock is ahead of PostgreSQL's (`_ahead_of_the_database_s`), read if None.
 
     NOTE: a batch's window ends by PostgreSQL's clock (`create_batch`); compared with a worker's own as it stood, a worker
     10 minutes ahead started no line in a batch's last 10 minutes."""
-    return time.time() + (moment - database_now()).total_seconds()
+    return moment.timestamp() + (_ahead_of_the_database_s() if ahead_s is None else ahead_s)
+
+
+def _ahead_of_the_database_s() -> float:
+    """How far this process's clock (`time.time()`) is ahead of PostgreSQL's, in seconds (behind: negative)."""
+    return time.time() - database_now().timestamp()
 
 
 def _run_lines(batch: Batch, token: str, *, started: float) -> str:
@@ -753,15 +755,26 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
     todo = _input_lines(batch, skip=done)
     num_todo = max(0, batch.num_total - len(done))
     lines_end_by = started + RUN_TIME_LIMIT_S - RUN_FINISH_MARGIN_S
+    # NOTE: its refusals' times (`scheduling.stalled`) are stored by PostgreSQL's clock, as its window's end, and read
+    # on this worker's (the runner's): stamped and gone on from by each run's own, a run on a worker 250 s ahead of the
+    # last took 100 s of refusals as 350 s, past `STALL_S`, and the batch was left out of the demand as stalled.
+    ahead_s = _ahead_of_the_database_s()
+
+    def here(moment: datetime | None) -> float | None:
+        return None if moment is None else _on_this_clock(moment, ahead_s)
+
+    def stored(unix: float | None) -> datetime | None:
+        return None if unix is None else _moment(unix - ahead_s)
+
     progress = runner.Progress(num_completed=sum(1 for ok in done.values() if ok),
                                num_failed=sum(1 for ok in done.values() if not ok),
-                               refused_since=_unix(batch.refused_since), last_refused_at=_unix(batch.last_refused_at))
+                               refused_since=here(batch.refused_since), last_refused_at=here(batch.last_refused_at))
     endpoint = batch.endpoint
     work = runner.Work(batch_id=batch.pk, organization_id=batch.organization_id, endpoint_id=str(endpoint.pk),
                        model=endpoint.name,
                        kind=BATCH_PATHS[batch.request_path], request_path=batch.request_path, caller=caller,
                        price_fraction=endpoint.batch_price_fraction, target_concurrency=endpoint.target_concurrency,
-                       expires_at=_on_this_clock(batch.expires_at))
+                       expires_at=_on_this_clock(batch.expires_at, ahead_s))
     if num_todo and lines_end_by - runner.LINE_MIN_WAIT_S <= time.monotonic():
         record_event_once(endpoint, EventKind.BATCH, f"Batch {batch.pk}: checking its input took {time.monotonic() - started:.0f} s, "
                           "too long for this run to start a line in time; the next run starts them", batch_id=batch.pk)
@@ -771,11 +784,11 @@ def _run_lines(batch: Batch, token: str, *, started: float) -> str:
 
     def keep_going(progress: runner.Progress) -> str:
         measured = {} if progress.line_concurrency is None else {
-            "line_concurrency": progress.line_concurrency, "line_concurrency_at": _moment(progress.line_concurrency_at)}
+            "line_concurrency": progress.line_concurrency, "line_concurrency_at": stored(progress.line_concurrency_at)}
         renewed = Batch.objects.filter(pk=batch.pk, lease_token=token).update(
             lease_until=_lease_for(settings.BATCH_LEASE_S),
             num_completed=progress.num_completed, num_failed=progress.num_failed,
-            refused_since=_moment(progress.refused_since), last_refused_at=_moment(progress.last_refused_at),
+            refused_since=stored(progress.refused_since), last_refused_at=stored(progress.last_refused_at),
             **measured)
         if not renewed:
             return "lease"
