@@ -21,6 +21,7 @@ import time
 from collections.abc import Container, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 
+from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models import BigIntegerField, F, Q, Sum, Window
@@ -549,10 +550,20 @@ def run_batch(batch_id: str) -> str:
         if batch.status == BatchStatus.IN_PROGRESS:
             try:
                 outcome = _run_lines(batch, token, started=started)
-            except storage.ObjectGone:
-                _hold_lease_through_a_long_step(batch_id, token)
-                _end_without_input(batch)
-                return "input gone"
+            except storage.ObjectGone as gone:
+                # NOTE: only a missing object ends it: one S3 will not let the fleet read (an IAM policy, a KMS key,
+                # the bucket's name: the operator's to mend, its bytes still stored) failed every running batch for
+                # good, their lines not yet run listed nowhere. This run fails, as with S3 down; the next tries again,
+                # and once its window has passed it ends `expired` below, with the lines that ran.
+                if not gone.missing:
+                    _log_input_unreadable(batch, gone)
+                    if batch.expires_at > database_now():
+                        raise
+                    outcome = "input unreadable"
+                else:
+                    _hold_lease_through_a_long_step(batch_id, token)
+                    _end_without_input(batch)
+                    return "input gone"
             batch.refresh_from_db()
             if outcome == "unstored":
                 # NOTE: lines answered (billed) whose answers PostgreSQL kept from being stored: ended now, the batch's
@@ -602,9 +613,22 @@ def validate_batch(batch: Batch) -> Batch:
         checked = parse_lines(storage.read_parts(batch.input_file.s3_key), request_path=batch.request_path,
                               kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES,
                               check_model=models)
-    except storage.ObjectGone:  # NOTE: only a missing object: S3 failing (retried by boto3) fails this attempt alone
-        logger.warning("batch %s: its input file is gone", batch.pk)
-        checked_errors, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], None
+    except (storage.ObjectGone, BotoCoreError, ClientError) as failed:
+        if isinstance(failed, storage.ObjectGone) and failed.missing:
+            logger.warning("batch %s: its input file is gone", batch.pk)
+            return _fail_validation(batch, [LineError(1, "file_not_found", "The input file could not be read.")])
+        # NOTE: S3 failing, or not letting the fleet read the input (an IAM policy, a KMS key, the bucket's name: the
+        # operator's to mend, its bytes still stored), fails this attempt alone, and counts none of the attempts a
+        # dying worker is given: the batch is checked again by the next tick until its window ends. Before, such an
+        # object failed every validating batch at once as `file_not_found`, and S3 failing for three ticks (~6 s)
+        # failed them as `validation_failed`.
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+            num_validation_attempts=F("num_validation_attempts") - 1)
+        if isinstance(failed, storage.ObjectGone):
+            _log_input_unreadable(batch, failed)
+        if batch.expires_at <= database_now():
+            return _fail_validation(batch, [LineError(1, "validation_failed", INPUT_UNREADABLE_MESSAGE)])
+        raise
     else:
         checked_errors, endpoint = checked.errors, None
         if not checked_errors:
@@ -631,6 +655,19 @@ def validate_batch(batch: Batch) -> Batch:
         return _fail_validation(batch, [LineError(1, "storage_quota_exceeded", refused.message)])
     batch.refresh_from_db()
     return batch
+
+
+INPUT_UNREADABLE_MESSAGE = ("The input file could not be read from storage before the batch's completion window "
+                            "ended; create the batch again.")
+
+
+def _log_input_unreadable(batch: Batch, gone: storage.ObjectGone) -> None:
+    """For staff: S3 refuses the fleet a batch's input that is still stored (not `missing`)."""
+    cause = gone.__cause__
+    code = cause.response.get("Error", {}).get("Code") if isinstance(cause, ClientError) else None
+    logger.error("batch %s: S3 will not let the fleet read its input %s (%s): check the fleet's IAM policy, the KMS "
+                 "key and FILES_S3_BUCKET; the batch is tried again until its window ends", batch.pk,
+                 batch.input_file.s3_key, code)
 
 
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
