@@ -279,9 +279,16 @@ def delete_file(file: File) -> bool:
         raise Refused(f"The file is the input of batch {reader}, which has not ended: cancel it or wait for it to "
                       "end before deleting the file.", param="file_id", status=409, code="file_in_use",
                       lasting=True)
-    if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=timezone.now()):
+    if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=(deleted_at := timezone.now())):
         return False
-    storage.delete(file.s3_key)
+    try:
+        storage.delete(file.s3_key)
+    except Exception:
+        # NOTE: S3 refusing the delete (down, or an IAM policy without DeleteObject) left the row marked deleted: the
+        # 503 sent again was a 404, and the tenant's bytes stayed in the bucket for good, named by no file they could
+        # see or delete. The row is theirs again, to delete once S3 takes it.
+        File.objects.filter(pk=file.pk, deleted_at=deleted_at).update(deleted_at=None)
+        raise
     return True
 
 
