@@ -248,10 +248,14 @@ def sweep_abandoned_uploads(now=None) -> int:
     abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
     num_swept = 0
     for file_id, key in abandoned:
-        try:  # the row first: bytes are never removed from under a row that stays
-            if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
-                storage.delete(key)
-                num_swept += 1
+        # NOTE: the row first: bytes are never removed from under a row that stays. Its delete is committed once S3's
+        # is done: it was committed before, and S3 refusing (down, or a policy without DeleteObject) left the bytes in
+        # the bucket for good, named by no row, counted by no quota and swept by nothing; the next sweep tries again.
+        try:
+            with transaction.atomic():
+                if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
+                    storage.delete(key)
+                    num_swept += 1
         except Exception:
             logger.exception("could not sweep the abandoned upload %s", file_id)
     return num_swept
