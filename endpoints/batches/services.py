@@ -73,7 +73,8 @@ DISPATCH_HELD_S = 300
 # back; its batch is queued again this long after.
 FULL_RETRY_S = 10
 # A batch whose validation began this many times and never ended (the worker killed or the check
-# failing) fails: before, it was queued again every tick for ever.
+# failing) fails: before, it was queued again every tick for ever. An attempt S3 failed (down, or refusing the
+# fleet an input still stored) is not counted: its window ends such a batch (`validate_batch`).
 MAX_VALIDATION_ATTEMPTS = 3
 # How long a run holds its lease while it reads and checks the input file: the longest read a run is given.
 INPUT_READ_LEASE_S = 600
