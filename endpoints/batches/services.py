@@ -632,8 +632,8 @@ def validate_batch(batch: Batch) -> Batch:
         # NOTE: S3 failing, or not letting the fleet read the input (an IAM policy, a KMS key, the bucket's name: the
         # operator's to mend, its bytes still stored), fails this attempt alone, and counts none of the attempts a
         # dying worker is given: the batch is checked again by the next tick until its window ends. Before, such an
-        # object failed every validating batch at once as `file_not_found`, and S3 failing for three ticks (~6 s)
-        # failed them as `validation_failed`.
+        # object failed every validating batch at once as `file_not_found`, and S3 failing through three attempts (a refusal
+        # is not retried by boto3: three ticks, ~6 s) failed them as `validation_failed`.
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
             num_validation_attempts=F("num_validation_attempts") - 1)
         if isinstance(failed, storage.ObjectGone):
