@@ -21,6 +21,7 @@ import time
 from collections.abc import Container, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 
+from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models import BigIntegerField, F, Q, Sum, Window
@@ -72,7 +73,8 @@ DISPATCH_HELD_S = 300
 # back; its batch is queued again this long after.
 FULL_RETRY_S = 10
 # A batch whose validation began this many times and never ended (the worker killed or the check
-# failing) fails: before, it was queued again every tick for ever.
+# failing) fails: before, it was queued again every tick for ever. An attempt S3 failed (down, or refusing the
+# fleet an input still stored) is not counted: its window ends such a batch (`validate_batch`).
 MAX_VALIDATION_ATTEMPTS = 3
 # How long a run holds its lease while it reads and checks the input file: the longest read a run is given.
 INPUT_READ_LEASE_S = 600
@@ -247,10 +249,14 @@ def sweep_abandoned_uploads(now=None) -> int:
     abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
     num_swept = 0
     for file_id, key in abandoned:
-        try:  # the row first: bytes are never removed from under a row that stays
-            if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
-                storage.delete(key)
-                num_swept += 1
+        # NOTE: the row first: bytes are never removed from under a row that stays. Its delete is committed once S3's
+        # is done: it was committed before, and S3 refusing (down, or a policy without DeleteObject) left the bytes in
+        # the bucket for good, named by no row, counted by no quota and swept by nothing; the next sweep tries again.
+        try:
+            with transaction.atomic():
+                if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
+                    storage.delete(key)
+                    num_swept += 1
         except Exception:
             logger.exception("could not sweep the abandoned upload %s", file_id)
     return num_swept
@@ -278,9 +284,16 @@ def delete_file(file: File) -> bool:
         raise Refused(f"The file is the input of batch {reader}, which has not ended: cancel it or wait for it to "
                       "end before deleting the file.", param="file_id", status=409, code="file_in_use",
                       lasting=True)
-    if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=timezone.now()):
+    if not File.objects.filter(pk=file.pk, deleted_at__isnull=True).update(deleted_at=(deleted_at := timezone.now())):
         return False
-    storage.delete(file.s3_key)
+    try:
+        storage.delete(file.s3_key)
+    except Exception:
+        # NOTE: S3 refusing the delete (down, or an IAM policy without DeleteObject) left the row marked deleted: the
+        # 503 sent again was a 404, and the tenant's bytes stayed in the bucket for good, named by no file they could
+        # see or delete. The row is theirs again, to delete once S3 takes it.
+        File.objects.filter(pk=file.pk, deleted_at=deleted_at).update(deleted_at=None)
+        raise
     return True
 
 
@@ -549,10 +562,20 @@ def run_batch(batch_id: str) -> str:
         if batch.status == BatchStatus.IN_PROGRESS:
             try:
                 outcome = _run_lines(batch, token, started=started)
-            except storage.ObjectGone:
-                _hold_lease_through_a_long_step(batch_id, token)
-                _end_without_input(batch)
-                return "input gone"
+            except storage.ObjectGone as gone:
+                # NOTE: only a missing object ends it: one S3 will not let the fleet read (an IAM policy, a KMS key,
+                # the bucket's name: the operator's to mend, its bytes still stored) failed every running batch for
+                # good, their lines not yet run listed nowhere. This run fails, as with S3 down; the next tries again,
+                # and once its window has passed it ends `expired` below, with the lines that ran.
+                if not gone.missing:
+                    _log_input_unreadable(batch, gone)
+                    if batch.expires_at > database_now():
+                        raise
+                    outcome = "input unreadable"
+                else:
+                    _hold_lease_through_a_long_step(batch_id, token)
+                    _end_without_input(batch)
+                    return "input gone"
             batch.refresh_from_db()
             if outcome == "unstored":
                 # NOTE: lines answered (billed) whose answers PostgreSQL kept from being stored: ended now, the batch's
@@ -602,9 +625,22 @@ def validate_batch(batch: Batch) -> Batch:
         checked = parse_lines(storage.read_parts(batch.input_file.s3_key), request_path=batch.request_path,
                               kind=BATCH_PATHS[batch.request_path], max_lines=settings.BATCH_MAX_LINES,
                               check_model=models)
-    except storage.ObjectGone:  # NOTE: only a missing object: S3 failing (retried by boto3) fails this attempt alone
-        logger.warning("batch %s: its input file is gone", batch.pk)
-        checked_errors, endpoint = [LineError(1, "file_not_found", "The input file could not be read.")], None
+    except (storage.ObjectGone, BotoCoreError, ClientError) as failed:
+        if isinstance(failed, storage.ObjectGone) and failed.missing:
+            logger.warning("batch %s: its input file is gone", batch.pk)
+            return _fail_validation(batch, [LineError(1, "file_not_found", "The input file could not be read.")])
+        # NOTE: S3 failing, or not letting the fleet read the input (an IAM policy, a KMS key, the bucket's name: the
+        # operator's to mend, its bytes still stored), fails this attempt alone, and counts none of the attempts a
+        # dying worker is given: the batch is checked again by the next tick until its window ends. Before, such an
+        # object failed every validating batch at once as `file_not_found`, and S3 failing through three attempts (a refusal
+        # is not retried by boto3: three ticks, ~6 s) failed them as `validation_failed`.
+        Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
+            num_validation_attempts=F("num_validation_attempts") - 1)
+        if isinstance(failed, storage.ObjectGone):
+            _log_input_unreadable(batch, failed)
+        if batch.expires_at <= database_now():
+            return _fail_validation(batch, [LineError(1, "validation_failed", INPUT_UNREADABLE_MESSAGE)])
+        raise
     else:
         checked_errors, endpoint = checked.errors, None
         if not checked_errors:
@@ -631,6 +667,19 @@ def validate_batch(batch: Batch) -> Batch:
         return _fail_validation(batch, [LineError(1, "storage_quota_exceeded", refused.message)])
     batch.refresh_from_db()
     return batch
+
+
+INPUT_UNREADABLE_MESSAGE = ("The input file could not be read from storage before the batch's completion window "
+                            "ended; create the batch again.")
+
+
+def _log_input_unreadable(batch: Batch, gone: storage.ObjectGone) -> None:
+    """For staff: S3 refuses the fleet a batch's input that is still stored (not `missing`)."""
+    cause = gone.__cause__
+    code = cause.response.get("Error", {}).get("Code") if isinstance(cause, ClientError) else None
+    logger.error("batch %s: S3 will not let the fleet read its input %s (%s): check the fleet's IAM policy, the KMS "
+                 "key and FILES_S3_BUCKET; the batch is tried again until its window ends", batch.pk,
+                 batch.input_file.s3_key, code)
 
 
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:

@@ -204,7 +204,9 @@ class ObjectGone(Exception):
     """The object is not in the bucket, or no longer readable with the fleet's credentials: reading it again will
     not help (unlike a timeout or a 5xx, which boto3 already retried and which are raised as they are). `missing`:
     S3 said the key is not there (the fleet may list the bucket, so that is what a deleted object answers); otherwise
-    the object may well be there, unreadable (`AccessDenied`: an IAM policy or KMS key changed; `NoSuchBucket`)."""
+    the object may well be there, unreadable (`AccessDenied`: an IAM policy or KMS key changed; `NoSuchBucket`), and
+    readable again once the operator mends it: a caller treats it as S3 failing (a 503, a batch's attempt failed), never
+    as gone."""
 
     def __init__(self, key: str, *, code: str | None = None) -> None:
         super().__init__(key)

@@ -149,3 +149,88 @@ def test_an_input_gone_midway_through_the_rows_lists_the_lines_after_it_by_their
     assert [(row["id"], row["custom_id"], row["error"]["code"]) for row in rows] == [
         ("batch_req_x_0", "a", "result_not_stored"), ("batch_req_x_1", None, "batch_expired"),
         ("batch_req_x_3", None, "result_not_stored")]
+
+
+def _s3_refusing_reads(monkeypatch, code: str) -> None:
+    """S3 answering every read with `code`: an operator's IAM policy, KMS key or bucket setting gone wrong (the fleet
+    lists the bucket, so an object truly not there is `NoSuchKey`)."""
+    from botocore.exceptions import ClientError
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject")
+
+    monkeypatch.setattr(storage._client(), "get_object", refused)
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "NoSuchBucket"])
+def test_an_input_s3_will_not_let_the_fleet_read_while_a_batch_is_checked_fails_no_batch_however_long_it_lasts(
+        files_bucket, monkeypatch, code):
+    # Before: the first attempt failed the batch for good as `file_not_found` ("The input file could not be read."),
+    # every validating batch of every tenant, though the operator's mistake mended, the batch would have run.
+    endpoint = EndpointFactory(max_model_len=2048)
+    batch = new_batch(endpoint, _input(endpoint))
+    with monkeypatch.context() as refusing:
+        _s3_refusing_reads(refusing, code)
+        for _ in range(services.MAX_VALIDATION_ATTEMPTS + 2):  # longer than the attempts a dying worker is given
+            with pytest.raises(storage.ObjectGone):
+                services.run_batch(batch.pk)  # the task fails; the next tick runs the batch again
+            batch = Batch.objects.get(pk=batch.pk)
+            assert (batch.status, batch.errors) == (BatchStatus.VALIDATING, None)
+
+    services.run_batch(batch.pk)
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_total) == (BatchStatus.IN_PROGRESS, 3)
+
+
+def test_an_input_s3_will_not_let_the_fleet_read_ends_a_validating_batch_once_its_window_has_passed(
+        files_bucket, monkeypatch):
+    endpoint = EndpointFactory(max_model_len=2048)
+    batch = new_batch(endpoint, _input(endpoint))
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    _s3_refusing_reads(monkeypatch, "AccessDenied")
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.FAILED
+    assert [(error["code"], error["message"]) for error in batch.errors] == [
+        ("validation_failed", services.INPUT_UNREADABLE_MESSAGE)]
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "NoSuchBucket"])
+def test_an_input_s3_will_not_let_the_fleet_read_while_a_batch_runs_fails_that_run_alone(
+        files_bucket, monkeypatch, code):
+    # Before: "input gone": the batch failed for good as `file_not_found`, its lines not yet run listed nowhere,
+    # though its input was still stored and the next run, the operator's mistake mended, would have run them.
+    batch = _running_batch()
+    with monkeypatch.context() as refusing:
+        _s3_refusing_reads(refusing, code)
+        with pytest.raises(storage.ObjectGone):
+            services.run_batch(batch.pk)
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.errors, batch.output_file_id) == (BatchStatus.IN_PROGRESS, None, None)
+    assert Batch.objects.open().filter(pk=batch.pk).exists()
+
+
+def test_an_input_s3_will_not_let_the_fleet_read_still_ends_a_running_batch_past_its_window(files_bucket, monkeypatch):
+    batch = _running_batch()
+    ran = {"id": "batch_req_x_0", "custom_id": "c0", "error": None,
+           "response": {"status_code": 200, "request_id": "r0", "body": {"choices": [{"message": {"content": "hi"}}]}}}
+    storage.put_result(batch.organization_id, batch.pk, 0, json.dumps(ran).encode(), ok=True)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    get_object = storage._client().get_object
+
+    def refusing_the_input(**kwargs):
+        if kwargs["Key"] == batch.input_file.s3_key:
+            from botocore.exceptions import ClientError
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "GetObject")
+        return get_object(**kwargs)
+
+    monkeypatch.setattr(storage._client(), "get_object", refusing_the_input)
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.EXPIRED
+    assert [json.loads(row)["custom_id"] for row in storage.read_bytes(batch.output_file.s3_key).splitlines()] == ["c0"]
+    expired = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert [(row["custom_id"], row["error"]["code"]) for row in expired] == [(None, "batch_expired")] * 2

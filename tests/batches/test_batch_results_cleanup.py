@@ -180,3 +180,29 @@ def test_usage_a_worker_journaled_during_a_database_outage_reaches_the_ledger_wi
         assert usage_writer.journal().backlog() == 0
     finally:
         usage_writer.journal.cache_clear()
+
+
+def test_an_abandoned_upload_whose_bytes_s3_will_not_delete_is_swept_once_it_does(files_bucket, monkeypatch):
+    # Before: its row went first and S3's refusal (down, or a policy without DeleteObject) was logged alone: its bytes
+    # stayed in the bucket for good, named by no row, counted by no quota and swept by nothing.
+    from botocore.exceptions import ClientError
+
+    from endpoints.batches.models import FilePurpose, new_file_id
+    from tests.factories import OrganizationFactory
+
+    organization = OrganizationFactory()
+    file_id = new_file_id()
+    file = File.objects.create(id=file_id, organization=organization, purpose=FilePurpose.BATCH, filename="r.jsonl",
+                               bytes=0, s3_key=storage.file_key(organization.pk, file_id), stored_at=None)
+    storage.put_bytes(file.s3_key, b"a prompt\n")
+    later = timezone.now() + services.UPLOAD_ABANDONED_AFTER + timedelta(seconds=1)
+    with monkeypatch.context() as refusing:
+        def refused(**kwargs):
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "DeleteObject")
+
+        refusing.setattr(storage._client(), "delete_object", refused)
+        assert services.sweep_abandoned_uploads(later) == 0
+    assert File.objects.filter(pk=file.pk).exists(), "kept for the next sweep"
+
+    assert services.sweep_abandoned_uploads(later) == 1
+    assert not File.objects.filter(pk=file.pk).exists() and file.s3_key not in bucket_objects(files_bucket)

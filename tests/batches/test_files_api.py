@@ -393,3 +393,32 @@ def test_a_files_bytes_s3_will_not_let_the_fleet_read_are_a_503_not_a_404_saying
 
     assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
     assert answer.json()["error"]["code"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "InternalError"])
+def test_a_file_whose_bytes_s3_will_not_delete_is_not_deleted_and_its_delete_can_be_sent_again(
+        tenant, files_bucket, monkeypatch, code):
+    """Before: its row was marked deleted before S3 was asked, and S3 refusing (an IAM policy without DeleteObject, S3
+    down) answered a 503 for a file gone from every listing: the delete sent again was a 404, and the tenant's prompts
+    stayed in the bucket for good, named by no file anyone could see or delete."""
+    from botocore.exceptions import ClientError
+    from django.test import Client
+
+    from endpoints.batches import services, storage
+
+    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                stream=io.BytesIO(LINES), size=len(LINES))
+    web = Client(raise_request_exception=False)
+    with monkeypatch.context() as refusing:
+        def refused(**kwargs):
+            raise ClientError({"Error": {"Code": code, "Message": "no"}}, "DeleteObject")
+
+        refusing.setattr(storage._client(), "delete_object", refused)
+        answer = web.delete(f"/v1/files/{file.pk}", HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+        assert answer.status_code == 503, answer.content
+
+    listed = web.get("/v1/files", HTTP_AUTHORIZATION=f"Bearer {tenant.key}").json()
+    assert [listed_file["id"] for listed_file in listed["data"]] == [file.pk], "still there, to delete again"
+    answer = web.delete(f"/v1/files/{file.pk}", HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+    assert (answer.status_code, answer.json()["deleted"]) == (200, True), answer.content
+    assert file.s3_key not in bucket_objects(files_bucket)
