@@ -262,6 +262,22 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
     return bool(changed)
 
 
+def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
+    """`sleep_replica` for each of `replicas` (a reconcile's scale-down), in one transaction (the caller's, where it has
+    one), their nodes' rows locked first, in their primary key's order. Returns how many this call changed.
+
+    NOTE: each sleep holds its node's row lock until the transaction commits (`sleep_replica`). Taken one sleep at a
+    time, in the order the replicas are let go, a reconcile letting go a replica on node B then one on node A waited
+    for A while another held A and waited for B: another endpoint's scale-down letting go one on A then one on B, or a
+    placement, which locks a GPU type's nodes in that order (`place_replica`). PostgreSQL's deadlock detection then
+    rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
+    with transaction.atomic():
+        node_ids = {replica.node_id for replica in replicas if replica.node_id and replica.state == ReplicaState.READY}
+        if settings.SLEEP_MODE and node_ids:
+            list(Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk").values_list("pk", flat=True))
+        return sum(sleep_replica(replica, reason=reason) for replica in replicas)
+
+
 def _room_to_sleep_here(node: Node, replica: Replica) -> str:
     """`placement.room_to_sleep` for `replica` on its node, with what the node's sleepers hold now (call under the
     node's lock). A sleeper told to drain counts until it stops (its engine keeps its weights in host memory until

@@ -46,7 +46,7 @@ from endpoints.replicas import (
     fail_replica,
     fail_replica_and_count,
     place_replica,
-    sleep_replica,
+    sleep_replicas,
     stop_long_sleepers,
     wake_replica,
 )
@@ -176,10 +176,11 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
-            for replica in surplus[: len(serving) - decision.desired]:
-                if endpoint.idle_action == IdleAction.SLEEP:
-                    sleep_replica(replica, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
-                else:
+            let_go = surplus[: len(serving) - decision.desired]
+            if endpoint.idle_action == IdleAction.SLEEP:
+                sleep_replicas(let_go, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
+            else:
+                for replica in let_go:
                     drain_replica(replica, reason=decision.reason)
         stop_long_sleepers(endpoint)
         if (endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity

@@ -4,6 +4,7 @@ stops instead, saying why. Before, nothing counted it: sleepers of many endpoint
 sleeps) added up past the agent container's limit, and the kubelet killed the container, every tenant's engine of the
 node with it."""
 import threading
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -17,7 +18,7 @@ from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_gpu_placement import make_gpu_node
 from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
-from tests.test_sleep_mode import idle
+from tests.test_sleep_mode import idle, one_waiting
 
 GIB_MB = 1024
 FULL = "stopped rather than asleep: its node's host memory for sleeping replicas is full"
@@ -144,3 +145,62 @@ def test_two_replicas_falling_asleep_at_once_on_one_node_cannot_both_take_its_la
     assert errors == {}
     assert sorted([state_of(first), state_of(second)]) == [ReplicaState.DRAINING, ReplicaState.SLEEPING]
 
+
+
+def _ready_on(endpoint, node, *, age_s: int) -> Replica:
+    """A READY replica of `endpoint` on GPU 0 of `node`, created `age_s` ago (a scale-down lets the newest go first)."""
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, gpu_indices=[0],
+                                     reserved_memory_mb=GIB_MB, engine_weights_mb=GIB_MB, ready_at=timezone.now())
+    Replica.objects.filter(pk=replica.pk).update(created_at=timezone.now() - timedelta(seconds=age_s))
+    return replica
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_endpoints_scaling_down_onto_sleep_on_the_same_two_nodes_in_opposite_orders_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """Each sleep takes its node's row lock, held until the reconcile commits: one endpoint letting go a replica on
+    node B then one on node A, another one on A then one on B, each waited for the other's node (a deadlock: one
+    reconcile rolled back, its replicas left serving; a tick's pass raised). Nodes are locked in one order, the
+    primary key's, as placement takes them."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    one = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    other = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    ones = [_ready_on(one, first_node, age_s=600), _ready_on(one, second_node, age_s=60)]  # second_node's first
+    others = [_ready_on(other, second_node, age_s=600), _ready_on(other, first_node, age_s=60)]  # first_node's first
+    go = threading.Event()
+    # The first reconcile pauses holding its first node, once its room there is counted.
+    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
+                                                                  seconds=1.5))
+
+    errors = _together({
+        "one": lambda: scheduler.reconcile_endpoint(str(one.pk), idle()),
+        "other": lambda: scheduler.reconcile_endpoint(str(other.pk), idle()),
+    }, first="one", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in ones + others] == [ReplicaState.SLEEPING] * 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_down_onto_sleep_and_another_endpoints_placement_on_the_same_nodes_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """Placement locks a GPU type's READY nodes in their primary key's order; a scale-down letting go a replica on the
+    later node, then one on the earlier, waited for the earlier while the placement held it and waited for the later."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    let_go = [_ready_on(sleepy, first_node, age_s=600), _ready_on(sleepy, second_node, age_s=60)]  # second_node's first
+    placing = EndpointFactory(gpu_type="h100-80gb", model_source="hf:org/model-1B", min_replicas=1)
+    go = threading.Event()
+    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
+                                                                  seconds=1.5))
+
+    errors = _together({
+        "scale-down": lambda: scheduler.reconcile_endpoint(str(sleepy.pk), idle()),
+        "placement": lambda: scheduler.reconcile_endpoint(str(placing.pk), one_waiting()),
+    }, first="scale-down", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
+    assert Replica.objects.filter(endpoint=placing).count() == 1
