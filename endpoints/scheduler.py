@@ -46,6 +46,7 @@ from endpoints.replicas import (
     fail_replica,
     fail_replica_and_count,
     place_replica,
+    lock_nodes_to_wake,
     sleep_replicas,
     stop_long_sleepers,
     wake_replica,
@@ -145,6 +146,8 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             num_placed = 0
             sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
                             .select_related("endpoint").order_by("-state_changed_at"))
+            if sleeping:
+                lock_nodes_to_wake(endpoint, sleeping)
             for _ in range(num_wanted - len(serving)):
                 refusal = quotas.replica_refusal(endpoint)
                 if refusal is not None:

@@ -147,9 +147,10 @@ def test_two_replicas_falling_asleep_at_once_on_one_node_cannot_both_take_its_la
 
 
 
-def _ready_on(endpoint, node, *, age_s: int) -> Replica:
-    """A READY replica of `endpoint` on GPU 0 of `node`, created `age_s` ago (a scale-down lets the newest go first)."""
-    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, gpu_indices=[0],
+def _ready_on(endpoint, node, *, age_s: int, gpu: int = 0) -> Replica:
+    """A READY replica of `endpoint` on GPU `gpu` of `node`, created `age_s` ago (a scale-down lets the newest go
+    first)."""
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, gpu_indices=[gpu],
                                      reserved_memory_mb=GIB_MB, engine_weights_mb=GIB_MB, ready_at=timezone.now())
     Replica.objects.filter(pk=replica.pk).update(created_at=timezone.now() - timedelta(seconds=age_s))
     return replica
@@ -204,3 +205,36 @@ def test_a_scale_down_onto_sleep_and_another_endpoints_placement_on_the_same_nod
     assert errors == {}
     assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
     assert Replica.objects.filter(endpoint=placing).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_onto_sleep_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """A scale-up wakes its sleepers newest first, each under its node's row lock, held until the reconcile commits: one
+    that cannot wake on the later node (its GPU given away meanwhile), then one on the earlier, waited for the earlier
+    while a scale-down onto sleep (or a placement) held it and waited for the later."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    let_go = [_ready_on(sleepy, first_node, age_s=60), _ready_on(sleepy, second_node, age_s=600)]  # the earlier's first
+    waking = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    filler = EndpointFactory(gpu_type="h100-80gb", min_replicas=1)
+    Replica.objects.create(endpoint=filler, node=second_node, state=ReplicaState.READY, gpu_indices=[1],
+                           reserved_memory_mb=70_000)  # the later node's GPU, given away while its sleeper slept
+    older, newer = (_ready_on(waking, node, age_s=600, gpu=1) for node in (first_node, second_node))
+    for replica, asleep_s in ((older, 300), (newer, 100)):
+        Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.SLEEPING,
+                                                     state_changed_at=timezone.now() - timedelta(seconds=asleep_s))
+    go = threading.Event()
+    # The scale-up pauses once the newer sleeper's room is counted (none), holding the later node.
+    monkeypatch.setattr(replicas_module, "room_to_wake", _paused(replicas_module.room_to_wake, go, before=False,
+                                                                 seconds=1.5))
+
+    errors = _together({
+        "wake": lambda: scheduler.reconcile_endpoint(str(waking.pk), one_waiting()),
+        "scale-down": lambda: scheduler.reconcile_endpoint(str(sleepy.pk), idle()),
+    }, first="wake", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
+    assert (state_of(newer), state_of(older)) == (ReplicaState.STOPPED, ReplicaState.STARTING)
