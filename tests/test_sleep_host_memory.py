@@ -7,11 +7,14 @@ import threading
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from endpoints import replicas as replicas_module
 from endpoints import scheduler
 from endpoints.models import EndpointEvent, ModelFacts, Replica, ReplicaSleep
+from endpoints.placement import reported_weights_size_mb, reported_weights_sizes_mb
 from endpoints.nodes.models import Node
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
@@ -238,3 +241,38 @@ def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_on
     assert errors == {}
     assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
     assert (state_of(newer), state_of(older)) == (ReplicaState.STOPPED, ReplicaState.STARTING)
+
+
+@pytest.mark.django_db
+def test_the_room_a_sleep_counts_under_its_nodes_lock_takes_the_same_queries_however_many_sleepers_the_node_has(
+        sleep_mode):
+    """Each sleeper's checkpoint size was read apart, twice: 2 queries a sleeper under the node's row lock, which its
+    heartbeat waits for."""
+    node = gpu_node(num_gpus=2, host_memory_mb=2_000_000)
+
+    def queries_with(num_sleepers: int) -> int:
+        Replica.objects.filter(node=node).delete()
+        source = "hf:org/popular-model"  # many tenants' copies of one model
+        ModelFacts.objects.get_or_create(source=source, scope="", defaults={"weights_bytes": 1024**3})
+        for _ in range(num_sleepers):
+            sleeper = _ready_on(EndpointFactory(gpu_type="h100-80gb", model_source=source), node, age_s=60)
+            Replica.objects.filter(pk=sleeper.pk).update(state=ReplicaState.SLEEPING)
+        replica = _ready_on(EndpointFactory(gpu_type="h100-80gb", idle_action="sleep"), node, age_s=60)
+        replica = Replica.objects.select_related("endpoint").get(pk=replica.pk)
+        with CaptureQueriesContext(connection) as queries:
+            assert replicas_module._room_to_sleep_here(node, replica) == ""
+        return len(queries)
+
+    assert queries_with(2) == queries_with(12) <= 4
+
+
+@pytest.mark.django_db
+def test_the_sizes_read_together_are_those_read_one_by_one():
+    shared, own, none = "hf:org/shared-model", "hf:org/own-model", "hf:org/unmeasured-model"
+    endpoints = [EndpointFactory(model_source=source) for source in (shared, own, own, none)]
+    ModelFacts.objects.create(source=shared, scope="", weights_bytes=3 * 1024**3)
+    ModelFacts.objects.create(source=own, scope="", weights_bytes=5 * 1024**3)
+    ModelFacts.objects.create(source=own, scope=endpoints[1].weights_scope, weights_bytes=7 * 1024**3)  # its own copy
+    sizes = reported_weights_sizes_mb(endpoints)
+    assert [sizes[endpoint.pk] for endpoint in endpoints] == [reported_weights_size_mb(e) for e in endpoints] == [
+        3 * 1024, 7 * 1024, 5 * 1024, None]
