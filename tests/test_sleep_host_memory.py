@@ -14,8 +14,8 @@ from django.utils import timezone
 from endpoints import replicas as replicas_module
 from endpoints import scheduler
 from endpoints.models import EndpointEvent, ModelFacts, Replica, ReplicaSleep
-from endpoints.placement import reported_weights_size_mb, reported_weights_sizes_mb
 from endpoints.nodes.models import Node
+from endpoints.placement import reported_weights_size_mb, reported_weights_sizes_mb
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
