@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from django.db.models import Count, Max
 
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
-from endpoints.models import Endpoint, ModelFacts, Replica, weights_scope_for
+from endpoints.models import (
+    Endpoint,
+    ModelFacts,
+    Replica,
+    is_catalogue_source,
+    organization_scope,
+    weights_scope_for,
+)
 from endpoints.nodes.models import Node
 from gpu_agent.protocol import CPU_WEIGHT_FACTOR, QUANTIZATION_FACTS, ReplicaState
 
@@ -56,6 +63,24 @@ def reported_weights_size_mb(endpoint: Endpoint) -> int | None:
     size = (ModelFacts.of(endpoint.model_source, endpoint.weights_scope).exclude(weights_bytes=None)
             .values_list("weights_bytes", flat=True).first())
     return max(1, size // (1024 * 1024)) if size else None
+
+
+def reported_weights_sizes_mb(endpoints: list[Endpoint]) -> dict[object, int | None]:
+    """`reported_weights_size_mb` of each of `endpoints`, by its primary key: one query, and one a distinct model
+    source (its scope: `weights_scope_for`, which reads the catalogue)."""
+    catalogue = {source: is_catalogue_source(source) for source in {endpoint.model_source for endpoint in endpoints}}
+    keys = {endpoint.pk: (endpoint.model_source, "" if endpoint.credential_id is None and catalogue[endpoint.model_source]
+                          else organization_scope(endpoint.organization_id)) for endpoint in endpoints}
+    found: dict[tuple[str, str], int] = {}
+    if keys:
+        rows = (ModelFacts.objects.filter(source__in={source for source, _ in keys.values()},
+                                          scope__in={scope for _, scope in keys.values()} | {""})
+                .exclude(weights_bytes=None).values_list("source", "scope", "weights_bytes"))
+        for source, scope, size in rows:
+            found[(source, scope)] = size
+    # As `ModelFacts.of`: the copy's own facts first, else the shared ones.
+    sizes = {pk: found.get(key, found.get((key[0], ""))) for pk, key in keys.items()}
+    return {pk: max(1, size // (1024 * 1024)) if size else None for pk, size in sizes.items()}
 
 
 def weights_size_mb(endpoint: Endpoint) -> int:
@@ -365,7 +390,10 @@ def choose_node(endpoint: Endpoint, needed_mb: int, candidates: list[Node], used
 SLEEPERS_HOST_MEMORY_FRACTION = 0.5
 
 
-def host_memory_asleep_mb(replica: Replica) -> int:
+_UNREAD = object()
+
+
+def host_memory_asleep_mb(replica: Replica, reported_mb: int | None | object = _UNREAD) -> int:
     """The host memory `replica` holds asleep: its engine's weights (the largest of the figures below).
 
     - its engine's own report (`engine_weights_mb`, one worker's share: times its GPUs). It is read from the engine's
@@ -373,10 +401,13 @@ def host_memory_asleep_mb(replica: Replica) -> int:
     - the control plane's estimate of the weights from the checkpoint's size a node measured (`estimated_weights_mb`);
     - with no size measured, its whole reservation (`reserved_memory_mb`: weights and KV cache): a guess from the
       model's name (or a small model's) is no bound.
+
+    `reported_mb`: `reported_weights_size_mb` of its endpoint, where the caller read it (`reported_weights_sizes_mb`).
     """
     engine_mb = (replica.engine_weights_mb or 0) * max(1, len(replica.gpu_indices))
     endpoint = replica.endpoint
-    control_plane_mb = (estimated_weights_mb(endpoint) if reported_weights_size_mb(endpoint) is not None
+    reported = reported_weights_size_mb(endpoint) if reported_mb is _UNREAD else reported_mb
+    control_plane_mb = (math.ceil(_engine_weights_mb(endpoint, reported)[0]) if reported is not None
                         else replica.reserved_memory_mb)
     return max(engine_mb, control_plane_mb, 1)
 

@@ -61,6 +61,7 @@ from endpoints.placement import (
     memory_needed_mb,
     node_memory_mb,
     nodes_holding_weights,
+    reported_weights_sizes_mb,
     room_to_sleep,
     room_to_wake,
 )
@@ -269,6 +270,22 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
     return bool(changed)
 
 
+def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
+    """`sleep_replica` for each of `replicas` (a reconcile's scale-down), in one transaction (the caller's, where it has
+    one), their nodes' rows locked first, in their primary key's order. Returns how many this call changed.
+
+    NOTE: each sleep holds its node's row lock until the transaction commits (`sleep_replica`). Taken one sleep at a
+    time, in the order the replicas are let go, a reconcile letting go a replica on node B then one on node A waited
+    for A while another held A and waited for B: another endpoint's scale-down letting go one on A then one on B, or a
+    placement, which locks a GPU type's nodes in that order (`place_replica`). PostgreSQL's deadlock detection then
+    rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
+    with transaction.atomic():
+        node_ids = {replica.node_id for replica in replicas if replica.node_id and replica.state == ReplicaState.READY}
+        if settings.SLEEP_MODE and node_ids:
+            list(Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk").values_list("pk", flat=True))
+        return sum(sleep_replica(replica, reason=reason) for replica in replicas)
+
+
 def _room_to_sleep_here(node: Node, replica: Replica) -> str:
     """`placement.room_to_sleep` for `replica` on its node, with what the node's sleepers hold now (call under the
     node's lock). A sleeper told to drain counts until it stops (its engine keeps its weights in host memory until
@@ -277,11 +294,14 @@ def _room_to_sleep_here(node: Node, replica: Replica) -> str:
     NOTE: the newcomer stops rather than an older sleeper: each sleeper was told when it fell asleep how long it
     would stay (its event), and the host memory an older one frees comes back only once its engine exits, while
     the newcomer's weights would be copied out at once. README "Sleep mode"."""
-    asleep = (Replica.objects.filter(node=node).exclude(pk=replica.pk)
-              .filter(Q(state=ReplicaState.SLEEPING) | Q(state=ReplicaState.DRAINING, sleeps__ended_at=F("state_changed_at")))
-              .select_related("endpoint").distinct())
-    asleep_mb = sum(host_memory_asleep_mb(sleeper) for sleeper in asleep)
-    sleeper_mb = host_memory_asleep_mb(replica)
+    asleep = list(Replica.objects.filter(node=node).exclude(pk=replica.pk)
+                  .filter(Q(state=ReplicaState.SLEEPING) | Q(state=ReplicaState.DRAINING, sleeps__ended_at=F("state_changed_at")))
+                  .select_related("endpoint").distinct())
+    # NOTE: their checkpoints' sizes in one query: read sleeper by sleeper, twice each, a node of 40 sleepers took 80
+    # queries under its row lock, which its heartbeat waits for (a review's finding).
+    sizes = reported_weights_sizes_mb([sleeper.endpoint for sleeper in (*asleep, replica)])
+    asleep_mb = sum(host_memory_asleep_mb(sleeper, sizes[sleeper.endpoint_id]) for sleeper in asleep)
+    sleeper_mb = host_memory_asleep_mb(replica, sizes[replica.endpoint_id])
     why_not = room_to_sleep(node, asleep_mb, sleeper_mb)
     if why_not:  # staff's detail: what the node's sleepers hold (its tenant reads `why_not` alone)
         logger.info("replica %s did not sleep on node %s: %s (its sleepers hold %d MB, this one %d MB, of its %d MB)",
@@ -292,6 +312,21 @@ def _room_to_sleep_here(node: Node, replica: Replica) -> str:
 def _node_knows_sleep(replica: Replica) -> bool:
     node = Node.objects.filter(pk=replica.node_id).only("last_status").first()
     return node is None or node.knows_action(ReplicaAction.SLEEP)
+
+
+def lock_nodes_to_wake(endpoint: Endpoint, sleeping: list[Replica]) -> None:
+    """Lock, in their primary key's order, the nodes a scale-up waking `sleeping` may lock: theirs (`wake_replica`)
+    and, where a wake fails, those placement takes (`place_replica`: the READY nodes of the endpoint's GPU type). Call
+    in the scale-up's transaction.
+
+    NOTE: `wake_replica` locks its sleeper's node until the reconcile commits, and wakes go newest sleeper first: one
+    that could not wake on node B, then one on node A (or a placement, which locks A first), waited for A while a
+    scale-down onto sleep (`sleep_replicas`) or another placement held A and waited for B. PostgreSQL's deadlock
+    detection then rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
+    list(Node.objects.select_for_update()
+         .filter(Q(pk__in={replica.node_id for replica in sleeping if replica.node_id})
+                 | Q(state=NodeState.READY, gpu_type=endpoint.gpu_type))
+         .order_by("pk").values_list("pk", flat=True))
 
 
 def wake_replica(replica: Replica) -> str:

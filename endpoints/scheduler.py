@@ -45,8 +45,9 @@ from endpoints.replicas import (
     drain_replica,
     fail_replica,
     fail_replica_and_count,
+    lock_nodes_to_wake,
     place_replica,
-    sleep_replica,
+    sleep_replicas,
     stop_long_sleepers,
     wake_replica,
 )
@@ -145,6 +146,8 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             num_placed = 0
             sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
                             .select_related("endpoint").order_by("-state_changed_at"))
+            if sleeping:
+                lock_nodes_to_wake(endpoint, sleeping)
             for _ in range(num_wanted - len(serving)):
                 refusal = quotas.replica_refusal(endpoint)
                 if refusal is not None:
@@ -176,10 +179,11 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
-            for replica in surplus[: len(serving) - decision.desired]:
-                if endpoint.idle_action == IdleAction.SLEEP:
-                    sleep_replica(replica, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
-                else:
+            let_go = surplus[: len(serving) - decision.desired]
+            if endpoint.idle_action == IdleAction.SLEEP:
+                sleep_replicas(let_go, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
+            else:
+                for replica in let_go:
                     drain_replica(replica, reason=decision.reason)
         stop_long_sleepers(endpoint)
         if (endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity

@@ -4,20 +4,24 @@ stops instead, saying why. Before, nothing counted it: sleepers of many endpoint
 sleeps) added up past the agent container's limit, and the kubelet killed the container, every tenant's engine of the
 node with it."""
 import threading
+from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from endpoints import replicas as replicas_module
 from endpoints import scheduler
 from endpoints.models import EndpointEvent, ModelFacts, Replica, ReplicaSleep
 from endpoints.nodes.models import Node
+from endpoints.placement import reported_weights_size_mb, reported_weights_sizes_mb
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_gpu_placement import make_gpu_node
 from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
-from tests.test_sleep_mode import idle
+from tests.test_sleep_mode import idle, one_waiting
 
 GIB_MB = 1024
 FULL = "stopped rather than asleep: its node's host memory for sleeping replicas is full"
@@ -144,3 +148,131 @@ def test_two_replicas_falling_asleep_at_once_on_one_node_cannot_both_take_its_la
     assert errors == {}
     assert sorted([state_of(first), state_of(second)]) == [ReplicaState.DRAINING, ReplicaState.SLEEPING]
 
+
+
+def _ready_on(endpoint, node, *, age_s: int, gpu: int = 0) -> Replica:
+    """A READY replica of `endpoint` on GPU `gpu` of `node`, created `age_s` ago (a scale-down lets the newest go
+    first)."""
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, gpu_indices=[gpu],
+                                     reserved_memory_mb=GIB_MB, engine_weights_mb=GIB_MB, ready_at=timezone.now())
+    Replica.objects.filter(pk=replica.pk).update(created_at=timezone.now() - timedelta(seconds=age_s))
+    return replica
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_endpoints_scaling_down_onto_sleep_on_the_same_two_nodes_in_opposite_orders_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """Each sleep takes its node's row lock, held until the reconcile commits: one endpoint letting go a replica on
+    node B then one on node A, another one on A then one on B, each waited for the other's node (a deadlock: one
+    reconcile rolled back, its replicas left serving; a tick's pass raised). Nodes are locked in one order, the
+    primary key's, as placement takes them."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    one = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    other = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    ones = [_ready_on(one, first_node, age_s=600), _ready_on(one, second_node, age_s=60)]  # second_node's first
+    others = [_ready_on(other, second_node, age_s=600), _ready_on(other, first_node, age_s=60)]  # first_node's first
+    go = threading.Event()
+    # The first reconcile pauses holding its first node, once its room there is counted.
+    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
+                                                                  seconds=1.5))
+
+    errors = _together({
+        "one": lambda: scheduler.reconcile_endpoint(str(one.pk), idle()),
+        "other": lambda: scheduler.reconcile_endpoint(str(other.pk), idle()),
+    }, first="one", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in ones + others] == [ReplicaState.SLEEPING] * 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_down_onto_sleep_and_another_endpoints_placement_on_the_same_nodes_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """Placement locks a GPU type's READY nodes in their primary key's order; a scale-down letting go a replica on the
+    later node, then one on the earlier, waited for the earlier while the placement held it and waited for the later."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    let_go = [_ready_on(sleepy, first_node, age_s=600), _ready_on(sleepy, second_node, age_s=60)]  # second_node's first
+    placing = EndpointFactory(gpu_type="h100-80gb", model_source="hf:org/model-1B", min_replicas=1)
+    go = threading.Event()
+    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
+                                                                  seconds=1.5))
+
+    errors = _together({
+        "scale-down": lambda: scheduler.reconcile_endpoint(str(sleepy.pk), idle()),
+        "placement": lambda: scheduler.reconcile_endpoint(str(placing.pk), one_waiting()),
+    }, first="scale-down", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
+    assert Replica.objects.filter(endpoint=placing).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_onto_sleep_do_not_deadlock(
+        sleep_mode, monkeypatch):
+    """A scale-up wakes its sleepers newest first, each under its node's row lock, held until the reconcile commits: one
+    that cannot wake on the later node (its GPU given away meanwhile), then one on the earlier, waited for the earlier
+    while a scale-down onto sleep (or a placement) held it and waited for the later."""
+    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
+                                     key=lambda node: node.pk)
+    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    let_go = [_ready_on(sleepy, first_node, age_s=60), _ready_on(sleepy, second_node, age_s=600)]  # the earlier's first
+    waking = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    filler = EndpointFactory(gpu_type="h100-80gb", min_replicas=1)
+    Replica.objects.create(endpoint=filler, node=second_node, state=ReplicaState.READY, gpu_indices=[1],
+                           reserved_memory_mb=70_000)  # the later node's GPU, given away while its sleeper slept
+    older, newer = (_ready_on(waking, node, age_s=600, gpu=1) for node in (first_node, second_node))
+    for replica, asleep_s in ((older, 300), (newer, 100)):
+        Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.SLEEPING,
+                                                     state_changed_at=timezone.now() - timedelta(seconds=asleep_s))
+    go = threading.Event()
+    # The scale-up pauses once the newer sleeper's room is counted (none), holding the later node.
+    monkeypatch.setattr(replicas_module, "room_to_wake", _paused(replicas_module.room_to_wake, go, before=False,
+                                                                 seconds=1.5))
+
+    errors = _together({
+        "wake": lambda: scheduler.reconcile_endpoint(str(waking.pk), one_waiting()),
+        "scale-down": lambda: scheduler.reconcile_endpoint(str(sleepy.pk), idle()),
+    }, first="wake", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
+    assert (state_of(newer), state_of(older)) == (ReplicaState.STOPPED, ReplicaState.STARTING)
+
+
+@pytest.mark.django_db
+def test_the_room_a_sleep_counts_under_its_nodes_lock_takes_the_same_queries_however_many_sleepers_the_node_has(
+        sleep_mode):
+    """Each sleeper's checkpoint size was read apart, twice: 2 queries a sleeper under the node's row lock, which its
+    heartbeat waits for."""
+    node = gpu_node(num_gpus=2, host_memory_mb=2_000_000)
+
+    def queries_with(num_sleepers: int) -> int:
+        Replica.objects.filter(node=node).delete()
+        source = "hf:org/popular-model"  # many tenants' copies of one model
+        ModelFacts.objects.get_or_create(source=source, scope="", defaults={"weights_bytes": 1024**3})
+        for _ in range(num_sleepers):
+            sleeper = _ready_on(EndpointFactory(gpu_type="h100-80gb", model_source=source), node, age_s=60)
+            Replica.objects.filter(pk=sleeper.pk).update(state=ReplicaState.SLEEPING)
+        replica = _ready_on(EndpointFactory(gpu_type="h100-80gb", idle_action="sleep"), node, age_s=60)
+        replica = Replica.objects.select_related("endpoint").get(pk=replica.pk)
+        with CaptureQueriesContext(connection) as queries:
+            assert replicas_module._room_to_sleep_here(node, replica) == ""
+        return len(queries)
+
+    assert queries_with(2) == queries_with(12) <= 4
+
+
+@pytest.mark.django_db
+def test_the_sizes_read_together_are_those_read_one_by_one():
+    shared, own, none = "hf:org/shared-model", "hf:org/own-model", "hf:org/unmeasured-model"
+    endpoints = [EndpointFactory(model_source=source) for source in (shared, own, own, none)]
+    ModelFacts.objects.create(source=shared, scope="", weights_bytes=3 * 1024**3)
+    ModelFacts.objects.create(source=own, scope="", weights_bytes=5 * 1024**3)
+    ModelFacts.objects.create(source=own, scope=endpoints[1].weights_scope, weights_bytes=7 * 1024**3)  # its own copy
+    sizes = reported_weights_sizes_mb(endpoints)
+    assert [sizes[endpoint.pk] for endpoint in endpoints] == [reported_weights_size_mb(e) for e in endpoints] == [
+        3 * 1024, 7 * 1024, 5 * 1024, None]

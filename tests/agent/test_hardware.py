@@ -17,6 +17,8 @@ from gpu_agent.runtime.hardware import (
     parse_gpu_query,
 )
 
+MIB_BYTES = 1024 * 1024
+
 
 def test_cpu_mode_reports_real_cpu_count_and_memory(tmp_path):
     report = detect_hardware(force_cpu=True, cpu_kv_cache_gib=2)
@@ -154,3 +156,26 @@ def test_a_gpu_list_that_repeats_an_index_or_disagrees_with_the_count_is_refused
     with pytest.raises(ValueError, match="distinct"):
         Heartbeat.from_dict({"agent_version": "x", "num_cpus": 1, "memory_mb": 1, "memory_used_mb": 1,
                              "gpus": [gpus[1].to_dict(), gpus[1].to_dict()]})
+
+
+def test_an_agent_in_a_limited_container_reports_its_containers_use_not_the_hosts(monkeypatch, tmp_path):
+    """Its heartbeat's `memory_used_mb` is read against the memory it registered (the fleet page's meter): the
+    container's working set (its use less the page cache it may drop), not the machine's use, which on a host busy
+    with other pods passed the container's limit many times over."""
+    machine = psutil.virtual_memory()
+    limit = min(machine.total // 2, machine.total - machine.available + 1024 * 1024 * 1024) // MIB_BYTES * MIB_BYTES
+    (tmp_path / "v2").mkdir(), (tmp_path / "v1").mkdir(), (tmp_path / "none").mkdir()
+    _cgroups(monkeypatch, tmp_path / "v2", "0::/\n", {
+        "memory.max": str(limit), "memory.current": str(300 * MIB_BYTES),
+        "memory.stat": f"anon 200000000\nfile 104857600\ninactive_file {100 * MIB_BYTES}\n"})
+    assert hardware.memory_limit_mb() == limit // MIB_BYTES
+    assert host_usage(str(tmp_path)).memory_used_mb == 200
+    # v1: the same, from its memory controller's files
+    _cgroups(monkeypatch, tmp_path / "v1", "4:memory:/kubepods/pod-a\n", {
+        "memory/kubepods/pod-a/memory.limit_in_bytes": str(limit),
+        "memory/kubepods/pod-a/memory.usage_in_bytes": str(500 * MIB_BYTES),
+        "memory/kubepods/pod-a/memory.stat": f"cache 0\ntotal_inactive_file {50 * MIB_BYTES}\n"})
+    assert host_usage(str(tmp_path)).memory_used_mb == 450
+    # unlimited: the machine's use, as before
+    _cgroups(monkeypatch, tmp_path / "none", "0::/agent.scope\n", {"agent.scope/memory.max": "max"})
+    assert abs(host_usage(str(tmp_path)).memory_used_mb - (machine.total - machine.available) // MIB_BYTES) < 2048
