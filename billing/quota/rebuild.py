@@ -16,6 +16,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.db import DatabaseError, OperationalError, connection, transaction
 from django.utils import timezone
 from psycopg.errors import QueryCanceled
+from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_prepaid_usage
 from billing.models import (
@@ -683,13 +684,17 @@ def _limits_again(organization_id: int, api_key_id: int | None = None) -> None:
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
     the rest of the outage. So does one that waits for the lock longer than `LIMITS_AGAIN_MAX_S` (`_until`): a
     transaction holding the account's row (a webhook's, a migration's) held the refresh, its rebuild thread, its slot
-    and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`)."""
+    and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`).
+
+    NOTE: so too Redis failing at the write (the counter was just written): the refresh leaves `limits_stale` set for
+    the beat task's review, and the call goes on to its admission, answered as any call in a Redis outage if Redis
+    still fails there. It raised: the call and every call waiting on the rebuild failed (503) with the counter written."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
             if api_key_id is None:
                 refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
             else:
                 refresh_key_cap(organization_id, api_key_id)
-    except DatabaseError as exc:
-        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
-                       organization_id, type(exc).__name__)
+    except (DatabaseError, RedisError, RedisClusterException) as exc:
+        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand "
+                       "until the next review", organization_id, type(exc).__name__)
