@@ -63,6 +63,10 @@ CREDIT_FIGURE_MAX_TTL_S = 3600
 LIMITS_REFRESH_INTERVAL_S = 10
 # The longest reading an organisation counter's limits again after its rebuild may take (`_limits_again`).
 LIMITS_AGAIN_MAX_S = 2
+# What leaves the limits (or the credit figure) as a rebuild wrote them, the call going on (`_limits_again`,
+# `_credit_again`): a database that cannot answer in time, or Redis failing at the write (a failed refresh marks
+# `limits_stale` where the database takes it, for the beat task's review).
+REFRESH_FAILURES = (DatabaseError, RedisError, RedisClusterException)
 
 # The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write, its window: one slower writes nothing,
 # so the counts that found its counter missing meanwhile were all told to it (`replayed`: they are, while a rebuild's
@@ -665,12 +669,13 @@ def _credit_again(organization_id: int, grants_read: frozenset[int]) -> None:
     """The credit figure just written dropped (`refresh_limits`, as a grant's own refresh drops it) when a grant its
     rebuild did not read exists now: rebuilt with it by the next call. A grant committed after this read is refreshed
     after it, with the figure written. Grants are only added (`billing.credits.grant_credits`), never edited or
-    deleted. A database that cannot answer in time leaves the figure as written (`_limits_again`)."""
+    deleted. A database that cannot answer in time, or Redis failing at the drop, leaves the figure as written
+    (`_limits_again`; the failed refresh leaves `limits_stale` for the beat task's review, which drops it)."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
             if CreditGrant.objects.filter(organization_id=organization_id).exclude(pk__in=grants_read).exists():
                 refresh_limits(BillingAccount.objects.for_organization(organization_id))
-    except DatabaseError as exc:
+    except REFRESH_FAILURES as exc:
         logger.warning("organisation %s: its credit figure's grants are not read again (%s); the rebuilt one stands",
                        organization_id, type(exc).__name__)
 
@@ -695,6 +700,6 @@ def _limits_again(organization_id: int, api_key_id: int | None = None) -> None:
                 refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
             else:
                 refresh_key_cap(organization_id, api_key_id)
-    except (DatabaseError, RedisError, RedisClusterException) as exc:
+    except REFRESH_FAILURES as exc:
         logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand "
                        "until the next review", organization_id, type(exc).__name__)

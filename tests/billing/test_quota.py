@@ -762,6 +762,45 @@ def test_credit_granted_while_the_credit_figure_is_rebuilt_is_spendable_at_once(
     assert reads.reserved_now(organization.pk) == Decimal("6.00")
 
 
+def test_redis_failing_as_the_grants_are_read_again_after_the_credit_figure_is_rebuilt_admits_the_call(monkeypatch):
+    # As above, Redis failing as the figure is dropped for the grant made meanwhile (`rebuild._credit_again`): before,
+    # the call (and every call waiting on that rebuild) failed with the Redis error though the figure was written. The
+    # failed refresh leaves the account `limits_stale`, and the beat task's review drops the figure.
+    import redis
+
+    from billing.services import review_all_payment_standing
+
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    get_redis().flushdb()
+    build, write, redis_fails = rebuild._rebuild_from_database, counters._UPDATE_HASH.run_sync, threading.Event()
+
+    def build_then_grant(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "credit" and not redis_fails.is_set():
+            grant_credits(SYSTEM, organization, amount=Decimal("10.00"), expires_at=timezone.now() + timedelta(days=30))
+            redis_fails.set()  # the next write of limits: the refresh after the figure's write
+        return read
+
+    def written(*args, **kwargs):
+        if redis_fails.is_set() and not getattr(written, "failed", False):
+            written.failed = True
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_grant)
+    monkeypatch.setattr(counters._UPDATE_HASH, "run_sync", written)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="first"))
+    assert getattr(written, "failed", False)  # the refresh did fail
+    assert BillingAccount.objects.get(organization=organization).limits_stale
+    monkeypatch.undo()
+
+    review_all_payment_standing()  # the beat task's
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"), request_id="granted"))
+    assert reads.reserved_now(organization.pk) == Decimal("6.00")
+
+
 def test_credits_expire():
     organization = OrganizationFactory()
     set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
