@@ -98,7 +98,8 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, l
     A ceiling that rose in the month warns again at 50, 80 and 100 % of the new one, once the spend reaches them (before,
     the first limit's claims stood for the month and nobody was warned before the higher one).
 
-    NOTE: the unique row is the claim: whoever inserts it sends; a rerun finds it and skips. A claim left unsent for
+    NOTE: the unique row is the claim (one per threshold, period, limit and the limit's kind: `SpendAlert`'s
+    constraint): whoever inserts it sends; a rerun finds it and skips. A claim left unsent for
     `CLAIM_LEFT_AFTER` (its worker was killed between the claim and the email: SIGKILL, OOM, the task's hard time
     limit, where no except clause runs) is taken again by a conditional update, its `created_at` the new claim's
     time: the alert was never sent otherwise. At least once: a worker killed after the mail went and before `sent_at`
@@ -121,9 +122,9 @@ def _claim(organization_id: int, period_start, threshold: int, spend: Decimal, l
     except IntegrityError:
         pass
     claim = {"organization_id": organization_id, "period_start": period_start, "threshold_percent": threshold,
-             "spend_cap": spend_cap}
+             "spend_cap": spend_cap, "limit_reason": limit.reason}
     left = SpendAlert.objects.filter(**claim, sent_at__isnull=True, created_at__lt=left_before)
-    if left.update(created_at=Now(), spend=spend, limit_reason=limit.reason) != 1:
+    if left.update(created_at=Now(), spend=spend) != 1:
         return None
     return SpendAlert.objects.get(**claim)
 

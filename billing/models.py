@@ -634,8 +634,8 @@ class CreditGrant(models.Model):
 
 
 class SpendAlert(models.Model):
-    """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap`): at most one
-    each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts, once the
+    """A spend alert sent (or being sent) for one threshold of one period and one limit (`spend_cap` of its kind,
+    `limit_reason`): at most one each. A limit raised in the month (a spending ceiling rises as invoices are paid) gets its own alerts, once the
     spend reaches them (`billing.alerts._alerted_at_this_spend`: a limit of a kind set at or below a spend already
     alerted at that kind sends nothing new)."""
 
@@ -652,8 +652,11 @@ class SpendAlert(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent", "spend_cap"],
-                                    name="one_alert_per_threshold_period_and_cap"),
+            # NOTE: the kind too: a limit of another kind at the same amount (a staff ceiling of $8 lifted, the
+            # organisation's own $8 cap stopping its calls) found the earlier kind's claims taken, and nobody was
+            # told that calls now stop for it, nor what to do (`billing/0038`).
+            models.UniqueConstraint(fields=["organization", "period_start", "threshold_percent", "spend_cap",
+                                            "limit_reason"], name="one_alert_per_threshold_period_and_limit"),
         ]
 
 

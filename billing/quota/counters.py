@@ -716,11 +716,19 @@ def _refresh_key_caps(organization_id: int) -> None:
 def refresh_key_cap(organization_id: int, api_key_id: int) -> None:
     """Write a key's cap, as PostgreSQL has it now, to its counter (this month's, if it exists), read under its
     organisation account's row lock: a cap change (`billing.services.set_key_spend_cap`) writes under that lock and
-    refreshes after it, so whichever of the two comes last writes the newest cap."""
-    with transaction.atomic():
-        BillingAccount.objects.select_for_update().for_organization(organization_id)
-        key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
-        refresh_key_limit(organization_id, api_key_id, key_cap)
+    refreshes after it, so whichever of the two comes last writes the newest cap.
+
+    NOTE: one that fails leaves `limits_stale` set, as `refresh_limits` does, and the payment-standing beat task writes
+    every key's cap again: a cap set while the key's counter was rebuilt had found no counter to write (its own refresh
+    cleared the mark), and this write failing (Redis) left the key spending past it for the month."""
+    try:
+        with transaction.atomic():
+            BillingAccount.objects.select_for_update().for_organization(organization_id)
+            key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()
+            refresh_key_limit(organization_id, api_key_id, key_cap)
+    except Exception:
+        BillingAccount.objects.filter(organization_id=organization_id).update(limits_stale=True)
+        raise
 
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:

@@ -16,6 +16,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.db import DatabaseError, OperationalError, connection, transaction
 from django.utils import timezone
 from psycopg.errors import QueryCanceled
+from redis.exceptions import RedisClusterException, RedisError
 
 from billing.ledger import period_spend_and_pending, undrawn_prepaid_spend_and_pending, undrawn_prepaid_usage
 from billing.models import (
@@ -62,6 +63,10 @@ CREDIT_FIGURE_MAX_TTL_S = 3600
 LIMITS_REFRESH_INTERVAL_S = 10
 # The longest reading an organisation counter's limits again after its rebuild may take (`_limits_again`).
 LIMITS_AGAIN_MAX_S = 2
+# What leaves the limits (or the credit figure) as a rebuild wrote them, the call going on (`_limits_again`,
+# `_credit_again`): a database that cannot answer in time, or Redis failing at the write (a failed refresh marks
+# `limits_stale` where the database takes it, for the beat task's review).
+REFRESH_FAILURES = (DatabaseError, RedisError, RedisClusterException)
 
 # The longest a rebuild may take from its start (`_BEGIN_REBUILD`) to its write, its window: one slower writes nothing,
 # so the counts that found its counter missing meanwhile were all told to it (`replayed`: they are, while a rebuild's
@@ -664,12 +669,13 @@ def _credit_again(organization_id: int, grants_read: frozenset[int]) -> None:
     """The credit figure just written dropped (`refresh_limits`, as a grant's own refresh drops it) when a grant its
     rebuild did not read exists now: rebuilt with it by the next call. A grant committed after this read is refreshed
     after it, with the figure written. Grants are only added (`billing.credits.grant_credits`), never edited or
-    deleted. A database that cannot answer in time leaves the figure as written (`_limits_again`)."""
+    deleted. A database that cannot answer in time, or Redis failing at the drop, leaves the figure as written
+    (`_limits_again`; the failed refresh leaves `limits_stale` for the beat task's review, which drops it)."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
             if CreditGrant.objects.filter(organization_id=organization_id).exclude(pk__in=grants_read).exists():
                 refresh_limits(BillingAccount.objects.for_organization(organization_id))
-    except DatabaseError as exc:
+    except REFRESH_FAILURES as exc:
         logger.warning("organisation %s: its credit figure's grants are not read again (%s); the rebuilt one stands",
                        organization_id, type(exc).__name__)
 
@@ -683,13 +689,17 @@ def _limits_again(organization_id: int, api_key_id: int | None = None) -> None:
     `InternalError` (read-only transaction), not an outage: every call that found its counter missing was a 500 for
     the rest of the outage. So does one that waits for the lock longer than `LIMITS_AGAIN_MAX_S` (`_until`): a
     transaction holding the account's row (a webhook's, a migration's) held the refresh, its rebuild thread, its slot
-    and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`)."""
+    and its callers for as long as it lasted; the change it commits is refreshed after it (`refresh_limits`).
+
+    NOTE: so too Redis failing at the write (the counter was just written): the refresh leaves `limits_stale` set for
+    the beat task's review, and the call goes on to its admission, answered as any call in a Redis outage if Redis
+    still fails there. It raised: the call and every call waiting on the rebuild failed (503) with the counter written."""
     try:
         with _until(time.monotonic() + LIMITS_AGAIN_MAX_S):
             if api_key_id is None:
                 refresh_limits(BillingAccount.objects.for_organization(organization_id), credit=False)
             else:
                 refresh_key_cap(organization_id, api_key_id)
-    except DatabaseError as exc:
-        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand",
-                       organization_id, type(exc).__name__)
+    except REFRESH_FAILURES as exc:
+        logger.warning("organisation %s: its limits are not read again under its lock (%s); the rebuilt ones stand "
+                       "until the next review", organization_id, type(exc).__name__)

@@ -314,6 +314,59 @@ def test_a_key_cap_set_while_the_keys_counter_is_rebuilt_holds_that_key_for_the_
     assert reads.reserved_now(organization.pk) == Decimal("0.01")
 
 
+@pytest.mark.parametrize("counter", ["org", "key"])
+def test_redis_failing_as_limits_are_read_again_after_a_rebuild_admits_the_call_and_the_next_review_writes_them(
+        counter, monkeypatch):
+    # The limits read again after a counter's rebuild (`rebuild._limits_again`) tolerated a database that could not
+    # answer, not Redis failing at their write. Before, the call (and every call waiting on that rebuild) failed with the
+    # Redis error though its counter was written; and a key's cap set meanwhile, whose own refresh had found no counter,
+    # was marked nowhere: the key spent past it for the month.
+    import redis
+
+    organization = OrganizationFactory()
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    build, redis_fails = rebuild._rebuild_from_database, threading.Event()
+
+    def build_then_cap_the_key(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == counter:
+            set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("0.05"))
+            redis_fails.set()  # the next write of limits: the refresh after the counter's write
+        return read
+
+    def failing_once(write):
+        def written(*args, **kwargs):
+            if redis_fails.is_set():
+                redis_fails.clear()
+                raise redis.exceptions.ConnectionError("Connection reset by peer")
+            return write(*args, **kwargs)
+        return written
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_cap_the_key)
+    monkeypatch.setattr(counters, "refresh_key_limit", failing_once(counters.refresh_key_limit))
+    monkeypatch.setattr(counters._UPDATE_HASH, "run_sync", failing_once(counters._UPDATE_HASH.run_sync))
+
+    async def first_call():
+        await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first")
+
+    asyncio.run(first_call())  # Redis answers the admission: admitted on the counter just written
+    assert not redis_fails.is_set()  # the refresh did fail
+    assert BillingAccount.objects.get(organization=organization).limits_stale
+    monkeypatch.undo()
+
+    from billing.services import review_all_payment_standing
+
+    review_all_payment_standing()  # the beat task's
+
+    async def over_the_key_cap():
+        with pytest.raises(QuotaExceeded) as refused:
+            await reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("1.00"), request_id="over")
+        assert refused.value.reason == "key_cap"
+
+    asyncio.run(over_the_key_cap())
+    assert reads.reserved_now(organization.pk) == Decimal("0.01")
+
+
 def test_counters_are_rebuilt_from_the_ledger_after_a_redis_flush():
     organization = OrganizationFactory()
     endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
@@ -706,6 +759,45 @@ def test_credit_granted_while_the_credit_figure_is_rebuilt_is_spendable_at_once(
         await reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"), request_id="granted")
 
     asyncio.run(scenario())
+    assert reads.reserved_now(organization.pk) == Decimal("6.00")
+
+
+def test_redis_failing_as_the_grants_are_read_again_after_the_credit_figure_is_rebuilt_admits_the_call(monkeypatch):
+    # As above, Redis failing as the figure is dropped for the grant made meanwhile (`rebuild._credit_again`): before,
+    # the call (and every call waiting on that rebuild) failed with the Redis error though the figure was written. The
+    # failed refresh leaves the account `limits_stale`, and the beat task's review drops the figure.
+    import redis
+
+    from billing.services import review_all_payment_standing
+
+    organization = OrganizationFactory()
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    grant_credits(SYSTEM, organization, amount=Decimal("2.00"), expires_at=timezone.now() + timedelta(days=30))
+    get_redis().flushdb()
+    build, write, redis_fails = rebuild._rebuild_from_database, counters._UPDATE_HASH.run_sync, threading.Event()
+
+    def build_then_grant(what, *args, **kwargs):
+        read = build(what, *args, **kwargs)
+        if what == "credit" and not redis_fails.is_set():
+            grant_credits(SYSTEM, organization, amount=Decimal("10.00"), expires_at=timezone.now() + timedelta(days=30))
+            redis_fails.set()  # the next write of limits: the refresh after the figure's write
+        return read
+
+    def written(*args, **kwargs):
+        if redis_fails.is_set() and not getattr(written, "failed", False):
+            written.failed = True
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(rebuild, "_rebuild_from_database", build_then_grant)
+    monkeypatch.setattr(counters._UPDATE_HASH, "run_sync", written)
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"), request_id="first"))
+    assert getattr(written, "failed", False)  # the refresh did fail
+    assert BillingAccount.objects.get(organization=organization).limits_stale
+    monkeypatch.undo()
+
+    review_all_payment_standing()  # the beat task's
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5.00"), request_id="granted"))
     assert reads.reserved_now(organization.pk) == Decimal("6.00")
 
 

@@ -491,3 +491,29 @@ def test_an_own_cap_under_a_spend_already_alerted_at_a_staff_ceiling_still_says_
     assert mail.outbox[-1].subject.endswith("reached its monthly spend cap")
     assert set(SpendAlert.objects.filter(organization=carded.org).values_list("limit_reason", flat=True)) == {
         standing.SPEND_CEILING_STAFF, standing.ORG_CAP}
+
+
+def test_an_own_cap_of_the_same_amount_as_a_staff_ceiling_reached_before_still_says_calls_stop_at_the_cap(carded):
+    """The alert's claim was unique per threshold and amount whatever the limit's kind: an organisation held by staff
+    to $8 and mailed that, then lifted and stopping at its own $8 cap, had its 50, 80 and 100 % claims refused by the
+    staff ceiling's rows (`IntegrityError`), and no mail said its own cap now stops its calls. Each kind is mailed once."""
+    from django.core import mail
+
+    from billing.alerts import check_spend_alerts
+    from billing.models import SpendAlert
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=Decimal("8"))
+    _usage(carded.org, "10")
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-1].subject.endswith("reached the monthly spending ceiling Inferplane staff set for it")
+
+    services.set_spend_ceiling(SYSTEM, carded.org, ceiling=None)  # the history's again ($100)
+    services.set_spend_cap(SYSTEM, carded.org, spend_cap=Decimal("8"))  # its own, the same amount: calls still stop
+    assert check_spend_alerts(carded.org.pk) == [50, 80, 100]
+    assert mail.outbox[-1].subject.endswith("reached its monthly spend cap")
+    num_mails = len(mail.outbox)
+    assert check_spend_alerts(carded.org.pk) == []  # each once
+    assert len(mail.outbox) == num_mails
+    assert sorted(SpendAlert.objects.filter(organization=carded.org, threshold_percent=100)
+                  .values_list("limit_reason", "spend_cap")) == [
+        (standing.ORG_CAP, Decimal("8")), (standing.SPEND_CEILING_STAFF, Decimal("8"))]
