@@ -200,8 +200,9 @@ def _plain_path(model_source: str) -> bool:
 UNREVIEWED_REVISIONS = "refs/"
 
 
-def is_catalogue_source(model_source: str) -> bool:
-    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix).
+def is_catalogue_source(model_source: str, patterns: list[str] | None = None) -> bool:
+    """Whether staff put this source on the public catalogue (an exact source or a `…/` prefix). `patterns`: the
+    catalogue's (`AllowedSource.pattern`), where the caller read them once for many sources; read here if None.
 
     NOTE: a Hub repo on the catalogue stands for its branches, tags and commits (its owners'), not for a
     ref under `refs/` (a pull request's `refs/pr/N` holds what anyone pushed and nobody reviewed): that is
@@ -213,7 +214,7 @@ def is_catalogue_source(model_source: str) -> bool:
     name, revision = model_source, ""
     if source_kind(model_source) == CredentialKind.HF:
         name, _, revision = model_source.partition("@")
-    for pattern in AllowedSource.objects.values_list("pattern", flat=True):
+    for pattern in AllowedSource.objects.values_list("pattern", flat=True) if patterns is None else patterns:
         if model_source == pattern:
             return True
         if revision.startswith(UNREVIEWED_REVISIONS):

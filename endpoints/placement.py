@@ -29,6 +29,7 @@ from django.db.models import Count, Max
 
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA
 from endpoints.models import (
+    AllowedSource,
     Endpoint,
     ModelFacts,
     Replica,
@@ -66,9 +67,13 @@ def reported_weights_size_mb(endpoint: Endpoint) -> int | None:
 
 
 def reported_weights_sizes_mb(endpoints: list[Endpoint]) -> dict[object, int | None]:
-    """`reported_weights_size_mb` of each of `endpoints`, by its primary key: one query, and one a distinct model
-    source (its scope: `weights_scope_for`, which reads the catalogue)."""
-    catalogue = {source: is_catalogue_source(source) for source in {endpoint.model_source for endpoint in endpoints}}
+    """`reported_weights_size_mb` of each of `endpoints`, by its primary key: two queries however many endpoints and
+    model sources (the catalogue's patterns, which each one's scope depends on: `weights_scope_for`; the sizes)."""
+    # NOTE: the catalogue's patterns read once: read for each source, a node whose sleepers ran many tenants' own
+    # models took a query a model under its row lock (a review's finding)
+    patterns = list(AllowedSource.objects.values_list("pattern", flat=True)) if endpoints else []
+    catalogue = {source: is_catalogue_source(source, patterns)
+                 for source in {endpoint.model_source for endpoint in endpoints}}
     keys = {endpoint.pk: (endpoint.model_source, "" if endpoint.credential_id is None and catalogue[endpoint.model_source]
                           else organization_scope(endpoint.organization_id)) for endpoint in endpoints}
     found: dict[tuple[str, str], int] = {}

@@ -276,3 +276,27 @@ def test_the_sizes_read_together_are_those_read_one_by_one():
     sizes = reported_weights_sizes_mb(endpoints)
     assert [sizes[endpoint.pk] for endpoint in endpoints] == [reported_weights_size_mb(e) for e in endpoints] == [
         3 * 1024, 7 * 1024, 5 * 1024, None]
+
+
+@pytest.mark.django_db
+def test_the_room_a_sleep_counts_takes_the_same_queries_however_many_models_the_nodes_sleepers_run(sleep_mode):
+    """Each distinct model source read the catalogue apart (`is_catalogue_source`, a query each): a node whose sleepers
+    run 12 tenants' own models took 12 queries more under its row lock, which its heartbeat waits for, than one whose
+    sleepers run one model (a review's finding: the test above gives every sleeper one source)."""
+    node = gpu_node(num_gpus=2, host_memory_mb=2_000_000)
+
+    def queries_with(num_sleepers: int) -> int:
+        Replica.objects.filter(node=node).delete()
+        for number in range(num_sleepers):
+            source = f"hf:tenant-{num_sleepers}-{number}/own-model"  # each tenant's own model
+            sleeper = _ready_on(EndpointFactory(gpu_type="h100-80gb", model_source=source), node, age_s=60)
+            ModelFacts.objects.get_or_create(source=source, scope=sleeper.endpoint.weights_scope,
+                                             defaults={"weights_bytes": 1024**3})
+            Replica.objects.filter(pk=sleeper.pk).update(state=ReplicaState.SLEEPING)
+        replica = _ready_on(EndpointFactory(gpu_type="h100-80gb", idle_action="sleep"), node, age_s=60)
+        replica = Replica.objects.select_related("endpoint").get(pk=replica.pk)
+        with CaptureQueriesContext(connection) as queries:
+            assert replicas_module._room_to_sleep_here(node, replica) == ""
+        return len(queries)
+
+    assert queries_with(2) == queries_with(12) <= 4
