@@ -291,3 +291,50 @@ def test_make_run_prints_no_log_line_of_its_own_wait_for_the_web_server(caplog):
         web.kill()
         web.wait()
     assert not [record for record in caplog.records if "healthz" in record.getMessage()]
+
+
+def test_make_run_started_under_nohup_keeps_running_when_its_terminal_closes():
+    """`nohup make run &` asks for a run that outlives the terminal (SIGHUP ignored, as make itself keeps it). The
+    hang-up handler replaced the ignore: logging out stopped web, worker and beat."""
+    import os
+    import signal
+
+    from controlplane.management.commands import run_local
+
+    stopped = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+        run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)  # a `kill` still stops it
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert stopped == ["SIGTERM"]
+
+
+def test_make_run_keeps_the_aws_credentials_of_the_users_credentials_file_for_its_other_calls(tmp_path, monkeypatch):
+    """`aws configure` writes ~/.aws/credentials and names nothing in the environment: the placeholders went to web,
+    worker and the local pool's agents, ahead of that file in boto3's chain, and an EC2 node pool's calls (an agent's
+    weights from S3) were refused for their key."""
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_ACCESS_KEY_ID", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "home" / ".aws").mkdir(parents=True)
+    (tmp_path / "home" / ".aws" / "credentials").write_text(
+        "[default]\naws_access_key_id = AKIAUSERSOWN\naws_secret_access_key = users-own\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE", raising=False)
+    try:
+        env = run_local.files_store_env(tmp_path)
+        monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))  # a user with no credentials anywhere gets them
+        without = run_local.files_store_env(tmp_path)
+    finally:
+        embedded.stop_s3(tmp_path)
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert without["AWS_ACCESS_KEY_ID"] == embedded.S3_LOCAL_CREDENTIALS["AWS_ACCESS_KEY_ID"]

@@ -159,10 +159,18 @@ Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# NOTE: a Ctrl-C or hang-up that make run's parent set to be ignored stays ignored, as make itself keeps it: `nohup make
+# run &` (SIGHUP ignored) outlives its terminal, and a script's `make run &` (SIGINT ignored) its Ctrl-C. The hang-up
+# handler replaced nohup's ignore, and logging out stopped everything. A `kill` (SIGTERM) always stops it.
+KEPT_IGNORED = (signal.SIGINT, signal.SIGHUP)
+
+
 def stop_on_signals(stop) -> None:
-    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called)."""
+    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called), but a Ctrl-C or
+    hang-up its parent ignored (`nohup`)."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
+        if not (sig in KEPT_IGNORED and signal.getsignal(sig) == signal.SIG_IGN):
+            signal.signal(sig, stop)
 
 
 STOP_WAIT_S = 40  # the web server's graceful 30 s (an agent's long poll holds a request 25 s), and the rest
@@ -191,11 +199,34 @@ def files_store_env(data_dir: Path) -> dict[str, str]:
     if os.environ.get("INFERPLANE_FILES_S3_ENDPOINT_URL") or os.environ.get("INFERPLANE_FILES_S3_BUCKET"):
         return {}
     store = {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir)}
-    # NOTE: placeholders only where the environment names no AWS credentials of its own: the store takes any, and
-    # replacing a user's would break what else they sign (an EC2 node pool).
-    if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
+    # NOTE: placeholders only where the user has no AWS credentials of their own: the store takes any, and replacing a
+    # user's would break what else they sign (an EC2 node pool, the local pool's agents' weights from S3).
+    if not has_own_aws_credentials():
         store |= embedded.S3_LOCAL_CREDENTIALS
     return store
+
+
+# The environment's names and a profile's keys by which boto3's chain finds credentials of the user's own.
+AWS_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+AWS_PROFILE_CREDENTIAL_KEYS = ("aws_access_key_id", "role_arn", "credential_process", "credential_source",
+                               "sso_session", "sso_start_url", "web_identity_token_file")
+
+
+def has_own_aws_credentials() -> bool:
+    """Whether boto3's chain would find credentials of the user's own: named in the environment, or in the default
+    profile of ~/.aws/credentials or ~/.aws/config (`aws configure`, SSO, a role). Read from the files only: nothing
+    is asked of the network or run (an EC2 instance's role is not seen: name it with a profile, `credential_source`).
+    NOTE: only AWS_ACCESS_KEY_ID and AWS_PROFILE were looked at: a user of `aws configure` got the placeholders, which
+    come first in the chain, and their own calls were refused."""
+    if any(os.environ.get(name) for name in AWS_CREDENTIAL_VARIABLES):
+        return True
+    import botocore.session  # boto3's, installed with it
+
+    with contextlib.suppress(Exception):  # an unreadable file is not the user's credentials
+        profile = botocore.session.Session().full_config.get("profiles", {}).get("default", {})
+        return any(profile.get(key) for key in AWS_PROFILE_CREDENTIAL_KEYS)
+    return False
 
 
 def port_problem(host: str, port: int) -> str:
