@@ -193,11 +193,19 @@ def ensure_s3(bucket: str, root: Path | None = None) -> str:
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # outlives `make run`, as PostgreSQL and Redis do
             (s3_dir / "s3.pid").write_text(str(child.pid))
-            deadline = time.monotonic() + 60
-            while not _s3_answers(port):
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the embedded S3 store did not start; see {s3_dir / 's3.log'}")
-                time.sleep(0.1)
+            try:
+                deadline = time.monotonic() + 60
+                while not _s3_answers(port):
+                    if child.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the embedded S3 store did not start; see {s3_dir / 's3.log'}")
+                    time.sleep(0.1)
+            except BaseException:
+                # NOTE: a store that does not answer yet (a Ctrl-C while it starts, its 60 s past) is stopped: it was
+                # left running, the next start wrote its own pid over this one's, and `make stop` never found it.
+                child.kill()
+                child.wait()
+                (s3_dir / "s3.pid").unlink(missing_ok=True)
+                raise
             port_file.write_text(str(port))
         # NOTE: an unsigned PUT: moto creates the bucket (an existing one of ours is kept, as S3's us-east-1 does).
         request = urllib.request.Request(f"http://127.0.0.1:{port}/{bucket}", method="PUT")

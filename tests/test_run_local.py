@@ -1,5 +1,6 @@
 """`make run`'s command (`manage.py run_local`) as a new user meets it when this machine's port is taken."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -338,3 +339,39 @@ def test_make_run_keeps_the_aws_credentials_of_the_users_credentials_file_for_it
         embedded.stop_s3(tmp_path)
     assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert without["AWS_ACCESS_KEY_ID"] == embedded.S3_LOCAL_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+
+
+def test_a_ctrl_c_while_the_s3_store_starts_leaves_no_store_running_that_make_stop_cannot_find(tmp_path):
+    """The store's pid was written as it started, its port only once it answered: a Ctrl-C in between (moto's server
+    takes seconds to start) left it running, and the next make run started another over its pid file, so that
+    `make stop` never stopped the first."""
+    import os
+    import signal
+    import time
+
+    starting = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from controlplane import embedded; from pathlib import Path; "
+                               "embedded.ensure_s3('inferplane-files', Path(sys.argv[1]))", str(tmp_path)],
+        stderr=subprocess.DEVNULL)
+    pid_file = tmp_path / "s3" / "s3.pid"
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store = int(pid_file.read_text())
+    assert not (tmp_path / "s3" / "port").exists()  # still starting
+    starting.send_signal(signal.SIGINT)
+    starting.wait(30)
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(store, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the S3 store started before the Ctrl-C is still running")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(store, signal.SIGKILL)
+    assert not pid_file.exists()
