@@ -375,3 +375,35 @@ def test_a_ctrl_c_while_the_s3_store_starts_leaves_no_store_running_that_make_st
         with contextlib.suppress(ProcessLookupError):
             os.kill(store, signal.SIGKILL)
     assert not pid_file.exists()
+
+
+def test_a_ctrl_c_while_the_web_server_starts_stops_make_run_without_starting_the_rest_or_saying_it_runs():
+    """Before, a Ctrl-C was seen only once the web server answered (up to 60 s): worker and beat were started after
+    it and "Inferplane is running." was printed, then everything stopped."""
+    import time
+
+    started: list[str] = []
+
+    def start(name):
+        started.append(name)
+        return _sleeper()  # a web server that never answers
+
+    supervisor = Supervisor(start, lambda line: None)
+    stop_at = time.monotonic() + 0.5  # the Ctrl-C
+    began = time.monotonic()
+    try:
+        running = Command(stdout=StringIO())._start(
+            supervisor, {"web": [], "worker": [], "beat": []}, f"http://127.0.0.1:{_free_port()}", Path("logs"),
+            stopped=lambda: time.monotonic() > stop_at)
+    finally:
+        for child in supervisor.children():
+            child.kill()
+            child.wait()
+    assert (running, started) == (False, ["web"])
+    assert time.monotonic() - began < 5
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

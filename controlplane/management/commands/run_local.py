@@ -83,11 +83,8 @@ class Command(BaseCommand):
 
         supervisor = Supervisor(start, self.stderr.write)
         try:
-            for name in commands:
-                child = supervisor.launch(name, time.monotonic())
-                if name == "web":
-                    self._wait_for(base_url, child, logs_dir / "web.log")
-            self._print_banner(base_url, demo, logs_dir, no_agent)
+            if self._start(supervisor, commands, base_url, logs_dir, stopped=lambda: stopping):
+                self._print_banner(base_url, demo, logs_dir, no_agent)
             while not stopping:
                 if supervisor.check(time.monotonic(), lambda name: logs_dir / f"{name}.log"):
                     stopping = True
@@ -106,9 +103,21 @@ class Command(BaseCommand):
         with contextlib.suppress(OSError):
             self.stdout.write(text)
 
-    def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
+    def _start(self, supervisor: Supervisor, commands: dict, base_url: str, logs_dir: Path, *, stopped) -> bool:
+        """Start each process in turn, the web server first, until it answers; False, with the rest not started,
+        where `stopped()` (a Ctrl-C, a hang-up) came first. NOTE: a Ctrl-C while the web server started was seen only
+        once it answered: worker and beat were started after it, and "Inferplane is running." printed, then stopped."""
+        for name in commands:
+            if stopped():
+                return False
+            child = supervisor.launch(name, time.monotonic())
+            if name == "web":
+                self._wait_for(base_url, child, logs_dir / "web.log", stopped=stopped)
+        return not stopped()
+
+    def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path, *, stopped=lambda: False) -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stopped():
             if child.poll() is not None:
                 raise SystemExit(f"the web server exited; see {log}")
             # NOTE: urllib, which logs nothing: httpx's INFO line for the answer ("HTTP Request: GET …/healthz") was
@@ -117,7 +126,8 @@ class Command(BaseCommand):
                 if answer.status == 200:
                     return
             time.sleep(0.2)
-        raise SystemExit(f"the web server did not answer in 60 s; see {log}")
+        if not stopped():
+            raise SystemExit(f"the web server did not answer in 60 s; see {log}")
 
     def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
         python_cmd = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
