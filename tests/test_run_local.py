@@ -214,6 +214,7 @@ def test_closing_the_terminal_stops_make_run_and_what_it_started_as_ctrl_c_does(
     stopped = []
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's (the tests may run under nohup)
         run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
         for sig in (signal.SIGINT, signal.SIGHUP):
             os.kill(os.getpid(), sig)

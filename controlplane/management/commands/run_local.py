@@ -169,17 +169,12 @@ Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-# NOTE: a Ctrl-C or hang-up that make run's parent set to be ignored stays ignored, as make itself keeps it: `nohup make
-# run &` (SIGHUP ignored) outlives its terminal, and a script's `make run &` (SIGINT ignored) its Ctrl-C. The hang-up
-# handler replaced nohup's ignore, and logging out stopped everything. A `kill` (SIGTERM) always stops it.
-KEPT_IGNORED = (signal.SIGINT, signal.SIGHUP)
-
-
 def stop_on_signals(stop) -> None:
-    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called), but a Ctrl-C or
-    hang-up its parent ignored (`nohup`)."""
+    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called), but a hang-up
+    its parent ignored. NOTE: `nohup make run &` asks to outlive the terminal (SIGHUP ignored, and make itself keeps
+    the ignore): the hang-up handler replaced nohup's ignore, and logging out stopped everything."""
     for sig in STOP_SIGNALS:
-        if not (sig in KEPT_IGNORED and signal.getsignal(sig) == signal.SIG_IGN):
+        if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
             signal.signal(sig, stop)
 
 
