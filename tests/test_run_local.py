@@ -408,3 +408,37 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def test_make_run_takes_no_other_folders_s3_store_found_on_its_recorded_port_and_make_stop_signals_no_stranger(
+        tmp_path):
+    """The store was known by its port answering moto's API: after a reboot, another clone's store (or a test's) on
+    the port recorded here was taken as this folder's (its files written among the other's), and `make stop` sent
+    SIGTERM to the pid recorded before the reboot, now any process's."""
+    import os
+    import time
+
+    from controlplane import embedded
+
+    other = tmp_path / "other-clone"
+    other.mkdir()
+    theirs = embedded.ensure_s3("inferplane-files", other)
+    stranger = _sleeper()  # the process that has this folder's recorded pid after the reboot
+    try:
+        (tmp_path / "s3").mkdir()
+        (tmp_path / "s3" / "port").write_text(theirs.rsplit(":", 1)[1])
+        (tmp_path / "s3" / "s3.pid").write_text(str(stranger.pid))
+        embedded.stop_s3(tmp_path)
+        time.sleep(0.3)
+        assert stranger.poll() is None  # not signalled
+        (tmp_path / "s3" / "s3.pid").write_text(str(stranger.pid))
+        ours = embedded.ensure_s3("inferplane-files", tmp_path)
+        assert ours != theirs
+        embedded.stop_s3(tmp_path)
+        assert embedded._s3_answers(int(theirs.rsplit(":", 1)[1]))  # the other clone's store still serves it
+    finally:
+        stranger.kill()
+        stranger.wait()
+        embedded.stop_s3(tmp_path)
+        embedded.stop_s3(other)
+    assert os.path.exists(other / "s3" / "port")
