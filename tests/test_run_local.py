@@ -181,8 +181,10 @@ def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_m
     from controlplane.management.commands import run_local
     from endpoints.batches import storage
 
-    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"):
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", *run_local.AWS_CREDENTIAL_VARIABLES,
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # a machine with no ~/.aws of its own
     try:
         env = run_local.files_store_env(tmp_path)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", env["AWS_ACCESS_KEY_ID"])  # as the web and worker processes get them
