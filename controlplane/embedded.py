@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import fcntl
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -175,6 +176,30 @@ def _s3_answers(port: int) -> bool:
     return False
 
 
+def _s3_ours(port: int, s3_dir: Path) -> bool:
+    """Whether the store answering on `port` is the one this data folder started: it holds the bucket its token file
+    names (`ensure_s3`). NOTE: a store was known by moto's API answering on the recorded port: after a reboot another
+    folder's store (another clone's, a test's) on that port was taken as this one's, its files written among the
+    other's, and `make stop` sent SIGTERM to the pid recorded before the reboot, by then any process's."""
+    with contextlib.suppress(FileNotFoundError):
+        marker = (s3_dir / "token").read_text().strip()
+        with contextlib.suppress(OSError):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/{marker}", method="HEAD")
+            with urllib.request.urlopen(request, timeout=1) as answer:
+                return bool(marker) and answer.status == 200
+    return False
+
+
+def _s3_put_bucket(port: int, bucket: str) -> None:
+    # NOTE: an unsigned PUT: moto creates the bucket (an existing one of ours is kept, as S3's us-east-1 does).
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/{bucket}", method="PUT")
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as error:
+        if error.code != 409:  # 409: the bucket is there already
+            raise
+
+
 def ensure_s3(bucket: str, root: Path | None = None) -> str:
     """Start (or find) the embedded S3 store (moto's server, from the `test` extra that `make run` installs), with
     `bucket` in it, and return its address for `INFERPLANE_FILES_S3_ENDPOINT_URL`. `make run` starts it when no store
@@ -186,27 +211,37 @@ def ensure_s3(bucket: str, root: Path | None = None) -> str:
     port_file = s3_dir / "port"
     with _file_lock(root / ".s3.lock"):
         port = int(port_file.read_text()) if port_file.exists() else 0
-        if not (port and _s3_answers(port)):
+        if not (port and _s3_ours(port, s3_dir)):
             port = _free_port()
             with open(s3_dir / "s3.log", "ab") as log:
                 child = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # outlives `make run`, as PostgreSQL and Redis do
             (s3_dir / "s3.pid").write_text(str(child.pid))
-            deadline = time.monotonic() + 60
-            while not _s3_answers(port):
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the embedded S3 store did not start; see {s3_dir / 's3.log'}")
-                time.sleep(0.1)
-            port_file.write_text(str(port))
-        # NOTE: an unsigned PUT: moto creates the bucket (an existing one of ours is kept, as S3's us-east-1 does).
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/{bucket}", method="PUT")
-        try:
-            urllib.request.urlopen(request, timeout=10).close()
-        except urllib.error.HTTPError as error:
-            if error.code != 409:  # 409: the bucket is there already
+            try:
+                deadline = time.monotonic() + 60
+                while not _s3_answers(port):
+                    if child.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the embedded S3 store did not start; see {s3_dir / 's3.log'}")
+                    time.sleep(0.1)
+            except BaseException:
+                # NOTE: a store that does not answer yet (a Ctrl-C while it starts, its 60 s past) is stopped: it was
+                # left running, the next start wrote its own pid over this one's, and `make stop` never found it.
+                child.kill()
+                child.wait()
+                (s3_dir / "s3.pid").unlink(missing_ok=True)
                 raise
+            _mark_s3(port, s3_dir)
+            port_file.write_text(str(port))
+        _s3_put_bucket(port, bucket)
         return f"http://127.0.0.1:{port}"
+
+
+def _mark_s3(port: int, s3_dir: Path) -> None:
+    """Give the store on `port` a bucket no other store has, named in this folder's token file (`_s3_ours`)."""
+    marker = f"inferplane-store-{secrets.token_hex(8)}"
+    _s3_put_bucket(port, marker)
+    (s3_dir / "token").write_text(marker)
 
 
 def stop_s3(root: Path | None = None, *, wait_s: float = 10) -> None:
@@ -215,8 +250,9 @@ def stop_s3(root: Path | None = None, *, wait_s: float = 10) -> None:
     with contextlib.suppress(FileNotFoundError, ValueError):
         pid = int((s3_dir / "s3.pid").read_text())
         port = int((s3_dir / "port").read_text())
-        # NOTE: a recorded pid is signalled only while its store answers on the recorded port: never a stranger's.
-        if _s3_answers(port):
+        # NOTE: a recorded pid is signalled only while its store, this folder's (`_s3_ours`), answers on the recorded
+        # port: never a stranger's.
+        if _s3_ours(port, s3_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 15)
                 deadline = time.monotonic() + wait_s

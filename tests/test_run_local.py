@@ -1,5 +1,6 @@
 """`make run`'s command (`manage.py run_local`) as a new user meets it when this machine's port is taken."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -180,8 +181,10 @@ def test_a_file_stored_under_make_run_is_read_back_after_a_second_make_run_and_m
     from controlplane.management.commands import run_local
     from endpoints.batches import storage
 
-    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"):
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", *run_local.AWS_CREDENTIAL_VARIABLES,
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # a machine with no ~/.aws of its own
     try:
         env = run_local.files_store_env(tmp_path)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", env["AWS_ACCESS_KEY_ID"])  # as the web and worker processes get them
@@ -213,6 +216,7 @@ def test_closing_the_terminal_stops_make_run_and_what_it_started_as_ctrl_c_does(
     stopped = []
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's (the tests may run under nohup)
         run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
         for sig in (signal.SIGINT, signal.SIGHUP):
             os.kill(os.getpid(), sig)
@@ -291,3 +295,152 @@ def test_make_run_prints_no_log_line_of_its_own_wait_for_the_web_server(caplog):
         web.kill()
         web.wait()
     assert not [record for record in caplog.records if "healthz" in record.getMessage()]
+
+
+def test_make_run_started_under_nohup_keeps_running_when_its_terminal_closes():
+    """`nohup make run &` asks for a run that outlives the terminal (SIGHUP ignored, as make itself keeps it). The
+    hang-up handler replaced the ignore: logging out stopped web, worker and beat."""
+    import os
+    import signal
+
+    from controlplane.management.commands import run_local
+
+    stopped = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+        run_local.stop_on_signals(lambda signum, frame: stopped.append(signal.Signals(signum).name))
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)  # a `kill` still stops it
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert stopped == ["SIGTERM"]
+
+
+def test_make_run_keeps_the_aws_credentials_of_the_users_credentials_file_for_its_other_calls(tmp_path, monkeypatch):
+    """`aws configure` writes ~/.aws/credentials and names nothing in the environment: the placeholders went to web,
+    worker and the local pool's agents, ahead of that file in boto3's chain, and an EC2 node pool's calls (an agent's
+    weights from S3) were refused for their key."""
+    from controlplane import embedded
+    from controlplane.management.commands import run_local
+
+    for name in ("INFERPLANE_FILES_S3_ENDPOINT_URL", "INFERPLANE_FILES_S3_BUCKET", "AWS_ACCESS_KEY_ID", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "home" / ".aws").mkdir(parents=True)
+    (tmp_path / "home" / ".aws" / "credentials").write_text(
+        "[default]\naws_access_key_id = AKIAUSERSOWN\naws_secret_access_key = users-own\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE", raising=False)
+    try:
+        env = run_local.files_store_env(tmp_path)
+        monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))  # a user with no credentials anywhere gets them
+        without = run_local.files_store_env(tmp_path)
+    finally:
+        embedded.stop_s3(tmp_path)
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert without["AWS_ACCESS_KEY_ID"] == embedded.S3_LOCAL_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+
+
+def test_a_ctrl_c_while_the_s3_store_starts_leaves_no_store_running_that_make_stop_cannot_find(tmp_path):
+    """The store's pid was written as it started, its port only once it answered: a Ctrl-C in between (moto's server
+    takes seconds to start) left it running, and the next make run started another over its pid file, so that
+    `make stop` never stopped the first."""
+    import os
+    import signal
+    import time
+
+    starting = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from controlplane import embedded; from pathlib import Path; "
+                               "embedded.ensure_s3('inferplane-files', Path(sys.argv[1]))", str(tmp_path)],
+        stderr=subprocess.DEVNULL)
+    pid_file = tmp_path / "s3" / "s3.pid"
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store = int(pid_file.read_text())
+    assert not (tmp_path / "s3" / "port").exists()  # still starting
+    starting.send_signal(signal.SIGINT)
+    starting.wait(30)
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(store, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the S3 store started before the Ctrl-C is still running")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(store, signal.SIGKILL)
+    assert not pid_file.exists()
+
+
+def test_a_ctrl_c_while_the_web_server_starts_stops_make_run_without_starting_the_rest_or_saying_it_runs():
+    """Before, a Ctrl-C was seen only once the web server answered (up to 60 s): worker and beat were started after
+    it and "Inferplane is running." was printed, then everything stopped."""
+    import time
+
+    started: list[str] = []
+
+    def start(name):
+        started.append(name)
+        return _sleeper()  # a web server that never answers
+
+    supervisor = Supervisor(start, lambda line: None)
+    stop_at = time.monotonic() + 0.5  # the Ctrl-C
+    began = time.monotonic()
+    try:
+        running = Command(stdout=StringIO())._start(
+            supervisor, {"web": [], "worker": [], "beat": []}, f"http://127.0.0.1:{_free_port()}", Path("logs"),
+            stopped=lambda: time.monotonic() > stop_at)
+    finally:
+        for child in supervisor.children():
+            child.kill()
+            child.wait()
+    assert (running, started) == (False, ["web"])
+    assert time.monotonic() - began < 5
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_make_run_takes_no_other_folders_s3_store_found_on_its_recorded_port_and_make_stop_signals_no_stranger(
+        tmp_path):
+    """The store was known by its port answering moto's API: after a reboot, another clone's store (or a test's) on
+    the port recorded here was taken as this folder's (its files written among the other's), and `make stop` sent
+    SIGTERM to the pid recorded before the reboot, now any process's."""
+    import os
+    import time
+
+    from controlplane import embedded
+
+    other = tmp_path / "other-clone"
+    other.mkdir()
+    theirs = embedded.ensure_s3("inferplane-files", other)
+    stranger = _sleeper()  # the process that has this folder's recorded pid after the reboot
+    try:
+        (tmp_path / "s3").mkdir()
+        (tmp_path / "s3" / "port").write_text(theirs.rsplit(":", 1)[1])
+        (tmp_path / "s3" / "s3.pid").write_text(str(stranger.pid))
+        embedded.stop_s3(tmp_path)
+        time.sleep(0.3)
+        assert stranger.poll() is None  # not signalled
+        (tmp_path / "s3" / "s3.pid").write_text(str(stranger.pid))
+        ours = embedded.ensure_s3("inferplane-files", tmp_path)
+        assert ours != theirs
+        embedded.stop_s3(tmp_path)
+        assert embedded._s3_answers(int(theirs.rsplit(":", 1)[1]))  # the other clone's store still serves it
+    finally:
+        stranger.kill()
+        stranger.wait()
+        embedded.stop_s3(tmp_path)
+        embedded.stop_s3(other)
+    assert os.path.exists(other / "s3" / "port")

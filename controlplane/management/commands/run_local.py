@@ -83,11 +83,8 @@ class Command(BaseCommand):
 
         supervisor = Supervisor(start, self.stderr.write)
         try:
-            for name in commands:
-                child = supervisor.launch(name, time.monotonic())
-                if name == "web":
-                    self._wait_for(base_url, child, logs_dir / "web.log")
-            self._print_banner(base_url, demo, logs_dir, no_agent)
+            if self._start(supervisor, commands, base_url, logs_dir, stopped=lambda: stopping):
+                self._print_banner(base_url, demo, logs_dir, no_agent)
             while not stopping:
                 if supervisor.check(time.monotonic(), lambda name: logs_dir / f"{name}.log"):
                     stopping = True
@@ -106,9 +103,21 @@ class Command(BaseCommand):
         with contextlib.suppress(OSError):
             self.stdout.write(text)
 
-    def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path) -> None:
+    def _start(self, supervisor: Supervisor, commands: dict, base_url: str, logs_dir: Path, *, stopped) -> bool:
+        """Start each process in turn, the web server first, until it answers; False, with the rest not started,
+        where `stopped()` (a Ctrl-C, a hang-up) came first. NOTE: a Ctrl-C while the web server started was seen only
+        once it answered: worker and beat were started after it, and "Inferplane is running." printed, then stopped."""
+        for name in commands:
+            if stopped():
+                return False
+            child = supervisor.launch(name, time.monotonic())
+            if name == "web":
+                self._wait_for(base_url, child, logs_dir / "web.log", stopped=stopped)
+        return not stopped()
+
+    def _wait_for(self, base_url: str, child: subprocess.Popen, log: Path, *, stopped=lambda: False) -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stopped():
             if child.poll() is not None:
                 raise SystemExit(f"the web server exited; see {log}")
             # NOTE: urllib, which logs nothing: httpx's INFO line for the answer ("HTTP Request: GET …/healthz") was
@@ -117,7 +126,8 @@ class Command(BaseCommand):
                 if answer.status == 200:
                     return
             time.sleep(0.2)
-        raise SystemExit(f"the web server did not answer in 60 s; see {log}")
+        if not stopped():
+            raise SystemExit(f"the web server did not answer in 60 s; see {log}")
 
     def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
         python_cmd = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
@@ -160,9 +170,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_on_signals(stop) -> None:
-    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called)."""
+    """Ctrl-C, a `kill` and a hang-up each stop make run and everything it started (`stop` is called), but a hang-up
+    its parent ignored. NOTE: `nohup make run &` asks to outlive the terminal (SIGHUP ignored, and make itself keeps
+    the ignore): the hang-up handler replaced nohup's ignore, and logging out stopped everything."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
+        if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
+            signal.signal(sig, stop)
 
 
 STOP_WAIT_S = 40  # the web server's graceful 30 s (an agent's long poll holds a request 25 s), and the rest
@@ -191,11 +204,34 @@ def files_store_env(data_dir: Path) -> dict[str, str]:
     if os.environ.get("INFERPLANE_FILES_S3_ENDPOINT_URL") or os.environ.get("INFERPLANE_FILES_S3_BUCKET"):
         return {}
     store = {"INFERPLANE_FILES_S3_ENDPOINT_URL": embedded.ensure_s3(settings.FILES_S3_BUCKET, data_dir)}
-    # NOTE: placeholders only where the environment names no AWS credentials of its own: the store takes any, and
-    # replacing a user's would break what else they sign (an EC2 node pool).
-    if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
+    # NOTE: placeholders only where the user has no AWS credentials of their own: the store takes any, and replacing a
+    # user's would break what else they sign (an EC2 node pool, the local pool's agents' weights from S3).
+    if not has_own_aws_credentials():
         store |= embedded.S3_LOCAL_CREDENTIALS
     return store
+
+
+# The environment's names and a profile's keys by which boto3's chain finds credentials of the user's own.
+AWS_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+AWS_PROFILE_CREDENTIAL_KEYS = ("aws_access_key_id", "role_arn", "credential_process", "credential_source",
+                               "sso_session", "sso_start_url", "web_identity_token_file")
+
+
+def has_own_aws_credentials() -> bool:
+    """Whether boto3's chain would find credentials of the user's own: named in the environment, or in the default
+    profile of ~/.aws/credentials or ~/.aws/config (`aws configure`, SSO, a role). Read from the files only: nothing
+    is asked of the network or run (an EC2 instance's role is not seen: name it with a profile, `credential_source`).
+    NOTE: only AWS_ACCESS_KEY_ID and AWS_PROFILE were looked at: a user of `aws configure` got the placeholders, which
+    come first in the chain, and their own calls were refused."""
+    if any(os.environ.get(name) for name in AWS_CREDENTIAL_VARIABLES):
+        return True
+    import botocore.session  # boto3's, installed with it
+
+    with contextlib.suppress(Exception):  # an unreadable file is not the user's credentials
+        profile = botocore.session.Session().full_config.get("profiles", {}).get("default", {})
+        return any(profile.get(key) for key in AWS_PROFILE_CREDENTIAL_KEYS)
+    return False
 
 
 def port_problem(host: str, port: int) -> str:
