@@ -72,6 +72,10 @@ DISPATCH_HELD_S = 300
 # A run that found its endpoint's slots all taken by interactive calls (`runner.NO_SLOT_GIVE_UP_S`) gives its worker
 # back; its batch is queued again this long after.
 FULL_RETRY_S = 10
+# A run S3 failed (down, or refusing the fleet an input still stored: `ObjectGone` not `missing`) queues its batch again
+# this long after. NOTE: released with no pause, the next tick (`BATCH_TICK_S`, 2 s) queued it again for its whole
+# window (a day): ~43,000 S3 reads refused, error logs and worker runs a batch, every batch of the bucket at once.
+S3_FAILED_RETRY_S = 60
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever. An attempt S3 failed (down, or refusing the
 # fleet an input still stored) is not counted: its window ends such a batch (`validate_batch`).
@@ -603,8 +607,12 @@ def run_batch(batch_id: str) -> str:
             _hold_lease_through_a_long_step(batch_id, token)
             finalize_batch(batch, final)
         return outcome
+    except (storage.ObjectGone, BotoCoreError, ClientError):
+        outcome = "s3 failed"
+        raise
     finally:
-        _release(batch_id, token, queue_again_in_s=FULL_RETRY_S if outcome == "full" else 0)
+        _release(batch_id, token, queue_again_in_s=(FULL_RETRY_S if outcome == "full"
+                                                    else S3_FAILED_RETRY_S if outcome == "s3 failed" else 0))
 
 
 def validate_batch(batch: Batch) -> Batch:
