@@ -278,6 +278,10 @@ def batch_dispatch_key(batch_id: str) -> str:
     return f"batch:dispatched:{batch_id}"
 
 
+# Set while the abandoned-upload sweep waits after S3 refused or failed a delete (`services.ABANDONED_SWEEP_PAUSE_S`).
+ABANDONED_SWEEP_PAUSED_KEY = "batch:abandoned-sweep-paused"
+
+
 def batch_engine_failures_key(batch_id: str, index: int) -> str:
     """A batch line's tries its engine failed (`endpoints.batches.runner.MAX_ENGINE_FAILURES`): a hash of their number
     and the first's unix time, kept across runs until the batch's window ends."""

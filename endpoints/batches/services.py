@@ -35,7 +35,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
 from controlplane.clock import DatabaseClock, database_now
 from controlplane.redis_client import get_redis
-from controlplane.redis_keys import batch_dispatch_key
+from controlplane.redis_keys import ABANDONED_SWEEP_PAUSED_KEY, batch_dispatch_key
 from controlplane.tasks import send_task
 from controlplane.text import storable
 from controlplane.worker_threads import on_database_thread, run_briefly
@@ -72,6 +72,12 @@ DISPATCH_HELD_S = 300
 # A run that found its endpoint's slots all taken by interactive calls (`runner.NO_SLOT_GIVE_UP_S`) gives its worker
 # back; its batch is queued again this long after.
 FULL_RETRY_S = 10
+# A run S3 failed (down, or refusing the fleet an input still stored: `ObjectGone` not `missing`) queues its batch again
+# this long after. NOTE: released with no pause, the next tick (`BATCH_TICK_S`, 2 s) queued it again for its whole
+# window (a day): ~43,000 S3 reads refused, error logs and worker runs a batch, every batch of the bucket at once.
+S3_FAILED_RETRY_S = 60
+# The abandoned-upload sweep waits this long after S3 refused or failed one of its deletes (`sweep_abandoned_uploads`).
+ABANDONED_SWEEP_PAUSE_S = 300
 # A batch whose validation began this many times and never ended (the worker killed or the check
 # failing) fails: before, it was queued again every tick for ever. An attempt S3 failed (down, or refusing the
 # fleet an input still stored) is not counted: its window ends such a batch (`validate_batch`).
@@ -245,6 +251,11 @@ def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, d
 def sweep_abandoned_uploads(now=None) -> int:
     """Rows of uploads whose process died before their bytes were stored: their bytes (if any reached
     S3) and rows removed, so they stop counting against the quota."""
+    try:
+        if get_redis().exists(ABANDONED_SWEEP_PAUSED_KEY):
+            return 0
+    except Exception:
+        logger.warning("could not read whether the abandoned-upload sweep waits; it runs", exc_info=True)
     before = (now or timezone.now()) - UPLOAD_ABANDONED_AFTER
     abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
     num_swept = 0
@@ -252,11 +263,22 @@ def sweep_abandoned_uploads(now=None) -> int:
         # NOTE: the row first: bytes are never removed from under a row that stays. Its delete is committed once S3's
         # is done: it was committed before, and S3 refusing (down, or a policy without DeleteObject) left the bytes in
         # the bucket for good, named by no row, counted by no quota and swept by nothing; the next sweep tries again.
+        # NOTE: S3 refusing or failing one stops the sweep for `ABANDONED_SWEEP_PAUSE_S`: it refuses the others alike,
+        # and each tick (2 s) asked again for every row it kept, up to 100, an error and its traceback each (~50 a
+        # second for as long as a policy without DeleteObject stood), the tick's dispatch of batches waiting behind.
         try:
             with transaction.atomic():
                 if File.objects.filter(pk=file_id, stored_at__isnull=True).delete()[0]:
                     storage.delete(key)
                     num_swept += 1
+        except (BotoCoreError, ClientError):
+            logger.exception("could not sweep the abandoned upload %s: S3 refused or failed its delete; the sweep "
+                             "waits %d s", file_id, ABANDONED_SWEEP_PAUSE_S)
+            try:
+                get_redis().set(ABANDONED_SWEEP_PAUSED_KEY, "1", ex=ABANDONED_SWEEP_PAUSE_S)
+            except Exception:
+                logger.warning("could not pause the abandoned-upload sweep", exc_info=True)
+            break
         except Exception:
             logger.exception("could not sweep the abandoned upload %s", file_id)
     return num_swept
@@ -603,8 +625,12 @@ def run_batch(batch_id: str) -> str:
             _hold_lease_through_a_long_step(batch_id, token)
             finalize_batch(batch, final)
         return outcome
+    except (storage.ObjectGone, BotoCoreError, ClientError):
+        outcome = "s3 failed"
+        raise
     finally:
-        _release(batch_id, token, queue_again_in_s=FULL_RETRY_S if outcome == "full" else 0)
+        _release(batch_id, token, queue_again_in_s=(FULL_RETRY_S if outcome == "full"
+                                                    else S3_FAILED_RETRY_S if outcome == "s3 failed" else 0))
 
 
 def validate_batch(batch: Batch) -> Batch:

@@ -1,7 +1,7 @@
 """Probes of a running engine: its health check, its Prometheus metrics and its chat template's size.
 
 The supervisor asks `healthy()` to turn a STARTING replica READY (and to adopt an engine a previous
-agent left running), `served_context()` whether it serves no more context than it was launched with, `metrics()` for the load each heartbeat reports and to tell a draining
+agent left running), `health()` whether a READY one still is (a late answer: busy, not unhealthy), `served_context()` whether it serves no more context than it was launched with, `metrics()` for the load each heartbeat reports and to tell a draining
 engine is idle, and `chat_template_tokens()` once, at READY. Each answers quickly or not at all: a
 timeout is "not healthy", "no metrics", "not measured".
 """
@@ -48,6 +48,17 @@ class EngineProbe:
     def healthy(self, address: str) -> bool:
         try:
             return self._http.get(f"{address}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def health(self, address: str) -> bool | None:
+        """A READY engine's /health: True healthy, False an answer that is not (vLLM's EngineCore gone) or no server
+        there at all, None no answer in time (busy: a long prefill, a saturated API server, a CPU engine's workers on
+        every core; vLLM's own check only reads a flag)."""
+        try:
+            return self._http.get(f"{address}/health").status_code == 200
+        except httpx.TimeoutException:
+            return None
         except httpx.HTTPError:
             return False
 

@@ -85,6 +85,7 @@ class ManagedReplica:
     # for them (its crash's reason says so).
     health_checked_at: float | None = None
     num_unhealthy_checks: int = 0
+    num_unanswered_checks: int = 0  # in a row, within the probe's timeout (busy, or hung: `SupervisorPolicy`)
     unhealthy_when_ready: bool = False
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
@@ -166,7 +167,7 @@ class ManagedReplica:
         self.metrics = EngineMetrics()
         self.metrics_scraped_at = None
         self.health_checked_at = None
-        self.num_unhealthy_checks = 0
+        self.num_unhealthy_checks = self.num_unanswered_checks = 0
         self.unhealthy_when_ready = False
         self.engine_memory = None
         self.progress = "starting engine"
@@ -194,7 +195,7 @@ class ManagedReplica:
         self.set_state(ReplicaState.READY)
         self.ready_at = now
         self.health_checked_at = None
-        self.num_unhealthy_checks = 0
+        self.num_unhealthy_checks = self.num_unanswered_checks = 0
 
     def started_draining(self, now: float, timeout_s: float) -> None:
         self.set_state(ReplicaState.DRAINING)
@@ -219,8 +220,9 @@ class ManagedReplica:
         self.num_consecutive_crashes += 1
         reason = f"engine exited with code {exit_code}"
         if self.unhealthy_when_ready:
-            reason = (f"engine not healthy {self.num_unhealthy_checks} times in a row while READY (its EngineCore or a "
-                      "worker gone, as the OOM killer leaves it): killed")
+            reason = (f"engine not healthy while READY ({self.num_unhealthy_checks} health checks failed, "
+                      f"{self.num_unanswered_checks} in a row unanswered: its EngineCore or a worker gone, as the OOM "
+                      "killer leaves it, or hung): killed")
         if self.from_standby and self.ready_at is None:
             self.avoid_standby = True  # the handoff itself may be what fails: retry the plain way
             reason += " (started from the warm standby; retrying with a plain launch)"

@@ -140,6 +140,11 @@ class SupervisorPolicy:
     # (`OOMPolicy=continue` in the bare-metal unit: before, the whole unit stopped). It stayed READY, routed calls.
     ready_health_interval_s: float = 10.0
     max_unhealthy_ready_checks: int = 3
+    # NOTE: an engine that does not answer its /health within `health_timeout_s` is busy, not unhealthy (a long
+    # prefill, a saturated API server): counted as unhealthy, three late answers in a row (30 s under load) killed a
+    # healthy engine, every request in flight on it, at the busiest time. Killed only once it has not answered this
+    # many times in a row (5 minutes: hung, not busy).
+    max_unanswered_ready_checks: int = 30
     # An engine's `/sleep` (weights to host memory) or `/wake_up` answered within this, or it failed.
     sleep_call_timeout_s: float = 120.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
@@ -992,10 +997,17 @@ class Supervisor:
             checked_at = replica.health_checked_at
             if checked_at is None or now - checked_at >= self.policy.ready_health_interval_s:
                 replica.health_checked_at = now
-                replica.num_unhealthy_checks = 0 if self._probe.healthy(replica.address) else replica.num_unhealthy_checks + 1
-                if replica.num_unhealthy_checks >= self.policy.max_unhealthy_ready_checks:
-                    logger.warning("replica %s: READY, and not healthy %d times in a row: killed",
-                                   replica.spec.replica_id, replica.num_unhealthy_checks)
+                healthy = self._probe.health(replica.address)
+                if healthy:
+                    replica.num_unhealthy_checks = replica.num_unanswered_checks = 0
+                elif healthy is None:
+                    replica.num_unanswered_checks += 1
+                else:
+                    replica.num_unhealthy_checks += 1
+                if (replica.num_unhealthy_checks >= self.policy.max_unhealthy_ready_checks
+                        or replica.num_unanswered_checks >= self.policy.max_unanswered_ready_checks):
+                    logger.warning("replica %s: READY, and not healthy %d times in a row, unanswered %d: killed",
+                                   replica.spec.replica_id, replica.num_unhealthy_checks, replica.num_unanswered_checks)
                     replica.unhealthy_when_ready = True
                     self._kill_group(replica, signal.SIGKILL)  # its exit, seen next, restarts it as a crash
                     return

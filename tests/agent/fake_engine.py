@@ -29,6 +29,8 @@ parser.add_argument("--ready-after-s", type=float, default=0.0)
 parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exit 3) after this long")
 parser.add_argument("--unhealthy-after-s", type=float, default=None,
                     help="/health answers 500 after this long, the process alive (vLLM's EngineCore killed under it)")
+parser.add_argument("--slow-health-after-s", type=float, default=None,
+                    help="/health answers only after 3 s from this long on (an API server busy under load)")
 parser.add_argument("--running-file", default="", help="file holding the number of running requests")
 parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wake_up and /is_sleeping")
@@ -109,6 +111,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             dead = args.unhealthy_after_s is not None and time.monotonic() - started_at >= args.unhealthy_after_s
+            if args.slow_health_after_s is not None and time.monotonic() - started_at >= args.slow_health_after_s:
+                time.sleep(3.0)
             self._send(500 if dead else 200 if ready else 503, "")
         elif self.path == "/is_sleeping" and args.sleep_mode:
             self._send(200, json.dumps({"is_sleeping": sleeping_level > 0}))

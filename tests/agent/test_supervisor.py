@@ -530,3 +530,21 @@ def test_a_ready_engine_whose_health_fails_is_restarted(make_supervisor):
     wait_until(lambda: supervisor.get("r-core-gone").num_restarts >= 1, 15, poll=supervisor.poll)
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
     assert "not healthy" in (supervisor.get("r-core-gone").failure_reason or "")
+
+
+def test_a_ready_engine_slow_to_answer_its_health_is_not_restarted(make_supervisor):
+    """A busy engine (a long prefill, a saturated API server, a CPU engine's workers on every core) answers /health late,
+    not with a failure: vLLM's own check reads a flag. Before, each answer later than `health_timeout_s` counted as
+    unhealthy, and three in a row (30 s under load) killed a healthy engine and every request in flight on it, at the
+    busiest time, and again after its restart. Only an answer that is not healthy (or none at all for far longer) counts."""
+    policy = dataclasses.replace(FAST, ready_health_interval_s=0.2, max_unhealthy_ready_checks=2, health_timeout_s=0.5)
+    supervisor = make_supervisor("--slow-health-after-s", "1.5", policy=policy)
+    supervisor.start(make_spec("r-busy"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-busy") == ReplicaState.READY, 10, poll=supervisor.poll)
+    first_pid = supervisor.statuses()[0].pid
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        supervisor.poll()
+        time.sleep(0.05)
+    assert supervisor.get("r-busy").num_restarts == 0
+    assert (state_of(supervisor, "r-busy"), supervisor.statuses()[0].pid) == (ReplicaState.READY, first_pid)

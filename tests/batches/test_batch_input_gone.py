@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 from botocore.exceptions import EndpointConnectionError
+from django.conf import settings
 from django.utils import timezone
 
 from billing.models import UsageRecord
@@ -234,3 +235,24 @@ def test_an_input_s3_will_not_let_the_fleet_read_still_ends_a_running_batch_past
     assert [json.loads(row)["custom_id"] for row in storage.read_bytes(batch.output_file.s3_key).splitlines()] == ["c0"]
     expired = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
     assert [(row["custom_id"], row["error"]["code"]) for row in expired] == [(None, "batch_expired")] * 2
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_an_input_s3_will_not_let_the_fleet_read_is_tried_again_after_a_pause_not_at_every_tick(
+        files_bucket, monkeypatch, running):
+    # Before: each failed run released the batch with no pause, and the next tick (every `BATCH_TICK_S`, 2 s) queued it
+    # again, for its whole window (a day): ~43,000 S3 reads refused, error logs and worker runs a batch.
+    from controlplane.redis_client import get_redis
+    from controlplane.redis_keys import batch_dispatch_key
+
+    if running:
+        batch = _running_batch()
+    else:
+        endpoint = EndpointFactory(max_model_len=2048)
+        batch = new_batch(endpoint, _input(endpoint))
+    _s3_refusing_reads(monkeypatch, "AccessDenied")
+    with pytest.raises(storage.ObjectGone):
+        services.run_batch(batch.pk)
+
+    assert get_redis().ttl(batch_dispatch_key(batch.pk)) > 10 * settings.BATCH_TICK_S
+    assert not services.dispatch(batch.pk)  # the tick queues it again only once the pause is over

@@ -203,6 +203,39 @@ def test_an_abandoned_upload_whose_bytes_s3_will_not_delete_is_swept_once_it_doe
         refusing.setattr(storage._client(), "delete_object", refused)
         assert services.sweep_abandoned_uploads(later) == 0
     assert File.objects.filter(pk=file.pk).exists(), "kept for the next sweep"
+    from controlplane.redis_client import get_redis
+    from controlplane.redis_keys import ABANDONED_SWEEP_PAUSED_KEY
+
+    assert services.sweep_abandoned_uploads(later) == 0, "the sweep waits a while first"
+    get_redis().delete(ABANDONED_SWEEP_PAUSED_KEY)  # its wait over
 
     assert services.sweep_abandoned_uploads(later) == 1
     assert not File.objects.filter(pk=file.pk).exists() and file.s3_key not in bucket_objects(files_bucket)
+
+
+def test_abandoned_uploads_s3_will_not_delete_are_not_tried_again_at_every_tick(files_bucket, monkeypatch):
+    # Before: S3 refusing (a policy without DeleteObject, for good) kept every row, and each tick (every 2 s) asked S3
+    # again for all of them, up to 100, one error logged with its traceback each: ~50 a second, for as long as the
+    # policy stood, every tick's dispatch of batches waiting behind them.
+    from botocore.exceptions import ClientError
+
+    from endpoints.batches.models import FilePurpose, new_file_id
+    from tests.factories import OrganizationFactory
+
+    organization = OrganizationFactory()
+    for _ in range(3):
+        file_id = new_file_id()
+        File.objects.create(id=file_id, organization=organization, purpose=FilePurpose.BATCH, filename="r.jsonl",
+                            bytes=0, s3_key=storage.file_key(organization.pk, file_id), stored_at=None)
+    later = timezone.now() + services.UPLOAD_ABANDONED_AFTER + timedelta(seconds=1)
+    asked = []
+
+    def refused(**kwargs):
+        asked.append(kwargs["Key"])
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "DeleteObject")
+
+    monkeypatch.setattr(storage._client(), "delete_object", refused)
+    for _ in range(3):  # three ticks in a row
+        assert services.sweep_abandoned_uploads(later) == 0
+    assert len(asked) == 1
+    assert File.objects.filter(organization=organization).count() == 3
