@@ -32,6 +32,7 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.text import one_line
 
 INVITATION_SALT = "inferplane.invitation"
 INVITATION_TTL = timedelta(days=7)
@@ -125,8 +126,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     body = render_to_string("controlplane/invitation_email.txt", {
         "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
     })
-    # NOTE: a name from before sign-up refused control characters may hold a line break (no header may).
-    send_mail(f"You are invited to {' '.join(organization.name.split())} on Inferplane", body, None, [email])
+    send_mail(f"You are invited to {one_line(organization.name)} on Inferplane", body, None, [email])
     return invitation
 
 
