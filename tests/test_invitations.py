@@ -290,6 +290,16 @@ def test_members_are_no_longer_added_directly_by_email(owner_client):
     assert not Membership.objects.filter(user=newcomer).exists()
 
 
+@pytest.mark.parametrize("email", ['"a\x1b]0;pwned\x07"@example.test', '"a\x1b[2Jb"@example.test', '"a\x0bb"@example.test'])
+def test_an_address_holding_control_characters_is_refused_and_nobody_is_invited(org, member_client_factory, email):
+    """A quoted local part passes Django's email check with an escape sequence in it: it reached the members page,
+    the audit log and the mail log (an operator's terminal ran it: a window title, a cleared screen)."""
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    refused = owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["email"]
+    assert not Invitation.objects.exists() and mail.outbox == []
+
+
 def test_the_api_creates_lists_and_revokes_invitations(org, member_client_factory):
     owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
     member = signed_in_api_client(member_client_factory(org, Role.MEMBER).user)
