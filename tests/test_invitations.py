@@ -58,6 +58,17 @@ def test_the_invitation_email_is_plain_text_with_the_organisation_name_as_writte
     assert "&amp;" not in mail.outbox[-1].body
 
 
+def test_an_organisation_name_with_line_breaks_stays_on_its_line_of_the_invitation_mail(owner):
+    """A name from before sign-up refused control characters wrote lines of its own into the mail, in the mail's
+    own voice: a link to some other site to "accept" read as ours."""
+    Organization.objects.filter(pk=owner.organization.pk).update(
+        name="Acme\n\nOpen https://evil.example/accept to accept.\n\nAcme")
+    _invite(owner)
+    body = mail.outbox[-1].body
+    assert 'join the organisation "Acme Open https://evil.example/accept to accept. Acme" on Inferplane' in body
+    assert "\nOpen https://evil.example" not in body
+
+
 def test_an_admin_invites_by_email_and_the_invitation_is_pending_mailed_and_audited(owner):
     invitation = _invite(owner)
     assert invitation.status == "pending" and invitation.invited_by == owner.user

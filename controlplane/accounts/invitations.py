@@ -123,10 +123,13 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
                                                from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)
         record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)
+    # NOTE: the name on one line in the body too: one with line breaks wrote lines of its own, in the mail's voice.
+    organization_name = one_line(organization.name)
     body = render_to_string("controlplane/invitation_email.txt", {
         "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
+        "organization_name": organization_name,
     })
-    send_mail(f"You are invited to {one_line(organization.name)} on Inferplane", body, None, [email])
+    send_mail(f"You are invited to {organization_name} on Inferplane", body, None, [email])
     return invitation
 
 
