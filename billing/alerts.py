@@ -31,6 +31,7 @@ from billing.standing import (
     spend_ceiling,
 )
 from controlplane.accounts.models import Membership, Role
+from controlplane.text import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def send_hold(account: BillingAccount) -> None:
     billing_page = f"{settings.PUBLIC_URL}{reverse('console:billing')}"
     if standing.hold_reason(account) == standing.DISPUTED:
         send_mail(
-            f"{organization.name}: inference is stopped because a payment is disputed",
+            f"{one_line(organization.name)}: inference is stopped because a payment is disputed",
             "A payment of your organisation was disputed with the card's bank (a chargeback), so inference calls are "
             "refused (HTTP 402). Your endpoints, keys and data are kept.\n\n"
             "If the dispute was made in error, ask the card's bank to withdraw it: calls resume when it closes in our "
@@ -177,7 +178,7 @@ def send_hold(account: BillingAccount) -> None:
         )
         return
     send_mail(
-        f"{organization.name}: inference is stopped until an unpaid invoice is paid",
+        f"{one_line(organization.name)}: inference is stopped until an unpaid invoice is paid",
         "A payment for one of your invoices failed and the invoice is still unpaid, so inference calls are "
         "refused (HTTP 402). Your endpoints, keys and data are kept.\n\n"
         f"Pay the invoice from the billing page: {billing_page}\n",
@@ -200,10 +201,10 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
                               " It was set by Inferplane staff: contact support to change it."),
     }.get(limit.reason, ("its monthly spend cap", "the cap is raised", "cap", ""))
     if threshold >= 100:
-        subject = f"{organization.name} reached {what}"
+        subject = f"{one_line(organization.name)} reached {what}"
         consequence = f"Inference calls are refused (HTTP 402) until {remedy} or the month ends."
     else:
-        subject = f"{organization.name} used {threshold}% of {what}"
+        subject = f"{one_line(organization.name)} used {threshold}% of {what}"
         consequence = "Calls are refused once it is reached." + lift
     if shared and limit.reason == SPEND_CEILING:
         consequence += (" The ceiling is shared with other organisations using the same card: what they spend this "

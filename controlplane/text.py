@@ -36,3 +36,9 @@ def shown(text: str) -> str:
         return text
     return "".join(ascii(character)[1:-1] if unicodedata.category(character) in ("Cc", "Cs") else character
                    for character in text)
+
+
+def one_line(text: str) -> str:
+    """The text with each run of whitespace, line breaks included, as one space: fit for a mail's subject. A name from
+    before sign-up refused control characters may hold a line break, and no header may (Django refuses the message)."""
+    return " ".join(text.split())

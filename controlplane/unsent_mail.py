@@ -12,6 +12,8 @@ import logging
 
 from django.core.mail.backends.base import BaseEmailBackend
 
+from controlplane.text import shown
+
 logger = logging.getLogger("inferplane.mail")
 
 
@@ -20,7 +22,7 @@ class EmailBackend(BaseEmailBackend):
         for message in email_messages:
             logger.warning(
                 "mail not sent (EMAIL_HOST is not set): to %s, subject %r; its body is not logged",
-                ", ".join(message.recipients()),
+                ", ".join(shown(recipient) for recipient in message.recipients()),  # an old address's escape sequence
                 message.subject,
             )
         return 0

@@ -13,6 +13,7 @@ from controlplane import parsers
 from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import StrictModelSerializer
 from controlplane.accounts.tenancy import request_membership
+from controlplane.text import is_plain
 from endpoints import prewarm, quotas, speculative
 from endpoints.adapters import (
     ADAPTER_NAME_TAKEN,
@@ -80,6 +81,10 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 def validate_model_source(value: str) -> str:
     value = value.strip()
+    # NOTE: an s3:// key or a local path took any character but whitespace: an escape sequence in one reached the
+    # agent's log ("fetching …") and ran in the terminal of the operator reading it.
+    if not is_plain(value):
+        raise serializers.ValidationError("No control characters.")
     if value.startswith("hf:"):
         if not HF_SOURCE.match(value):
             raise serializers.ValidationError("Use hf:org/name or hf:org/name@revision.")

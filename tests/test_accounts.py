@@ -86,6 +86,13 @@ def test_sign_up_shows_field_errors_and_creates_nothing(client):
     assert not get_user_model().objects.exists()
 
 
+def test_sign_up_refuses_an_address_holding_an_escape_sequence_and_creates_nothing(client):
+    response = client.post("/signup/", {"email": '"a\x1b[2Jb"@example.test', "password": "a long passphrase 1",
+                                        "organization_name": "Probe"})
+    assert "control characters" in response.content.decode()
+    assert not get_user_model().objects.exists() and mail.outbox == []
+
+
 def test_log_in_and_out(client):
     from controlplane.accounts.signup import sign_up_user
 

@@ -69,6 +69,10 @@ def test_pause_and_resume_change_the_state_and_log_events(owner_client):
         ({"model_source": "hf:no-slash"}, "model_source"),
         ({"model_source": "s3://A_BAD_BUCKET/x"}, "model_source"),
         ({"model_source": "/models/../etc"}, "model_source"),
+        # an escape sequence the agent's log wrote into an operator's terminal (a window title; 0x9b is C1's CSI)
+        ({"model_source": "s3://models-bucket/a\x1b]0;pwned\x07b"}, "model_source"),
+        ({"model_source": "s3://models-bucket/a\x9b2Jb"}, "model_source"),
+        ({"model_source": "/models/a\x1b[2Jb"}, "model_source"),
         ({"gpu_type": "tpu-v5"}, "gpu_type"),
         ({"quantization": "magic"}, "quantization"),
         ({"gpu_type": "cpu", "quantization": "awq"}, "quantization"),

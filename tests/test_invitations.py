@@ -58,6 +58,17 @@ def test_the_invitation_email_is_plain_text_with_the_organisation_name_as_writte
     assert "&amp;" not in mail.outbox[-1].body
 
 
+def test_an_organisation_name_with_line_breaks_stays_on_its_line_of_the_invitation_mail(owner):
+    """A name from before sign-up refused control characters wrote lines of its own into the mail, in the mail's
+    own voice: a link to some other site to "accept" read as ours."""
+    Organization.objects.filter(pk=owner.organization.pk).update(
+        name="Acme\n\nOpen https://evil.example/accept to accept.\n\nAcme")
+    _invite(owner)
+    body = mail.outbox[-1].body
+    assert 'join the organisation "Acme Open https://evil.example/accept to accept. Acme" on Inferplane' in body
+    assert "\nOpen https://evil.example" not in body
+
+
 def test_an_admin_invites_by_email_and_the_invitation_is_pending_mailed_and_audited(owner):
     invitation = _invite(owner)
     assert invitation.status == "pending" and invitation.invited_by == owner.user
@@ -288,6 +299,16 @@ def test_members_are_no_longer_added_directly_by_email(owner_client):
     response = owner_client.post("/api/v1/members/", {"email": newcomer.email, "role": "member"}, format="json")
     assert response.status_code == 405
     assert not Membership.objects.filter(user=newcomer).exists()
+
+
+@pytest.mark.parametrize("email", ['"a\x1b]0;pwned\x07"@example.test', '"a\x1b[2Jb"@example.test', '"a\x0bb"@example.test'])
+def test_an_address_holding_control_characters_is_refused_and_nobody_is_invited(org, member_client_factory, email):
+    """A quoted local part passes Django's email check with an escape sequence in it: it reached the members page,
+    the audit log and the mail log (an operator's terminal ran it: a window title, a cleared screen)."""
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    refused = owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["email"]
+    assert not Invitation.objects.exists() and mail.outbox == []
 
 
 def test_the_api_creates_lists_and_revokes_invitations(org, member_client_factory):

@@ -27,3 +27,14 @@ def test_the_unsent_mail_backend_says_who_was_not_mailed_and_nothing_of_the_body
     assert "ada@example.com" in caplog.text
     assert "Reset your password" in caplog.text
     assert "secret-token-123" not in caplog.text
+
+
+def test_an_address_from_before_control_characters_were_refused_is_logged_escaped(caplog):
+    """An escape sequence in an address (`normalize_email` refuses one now; older accounts and invitations may hold
+    one) was written raw to the log: the operator's terminal ran it."""
+    connection = mail.get_connection("controlplane.unsent_mail.EmailBackend")
+    message = EmailMessage("Verify your email", "…", to=['"a\x1b]0;pwned\x07"@example.com'])
+    with caplog.at_level(logging.WARNING, logger="inferplane.mail"):
+        assert connection.send_messages([message]) == 0
+    assert "\x1b" not in caplog.text and "\x07" not in caplog.text
+    assert '"a\\x1b]0;pwned\\x07"@example.com' in caplog.text

@@ -13,6 +13,8 @@ from django.contrib.auth.backends import ModelBackend
 from django.core.exceptions import ValidationError
 from django.db.models import Q
 
+from controlplane.text import is_plain
+
 # The address columns (`User.email`, `Invitation.email`, `EmailVerification.email`: Django's EmailField).
 EMAIL_MAX_LENGTH = 254
 # An account's address is also its username (`User.username`, 150 characters): sign-up, `bootstrap_organization`.
@@ -27,8 +29,14 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     serializer's max_length was past its column's once lowered, and the insert was a 500 (sign-up, invitations:
     the tenancy review). Every path that stores an address takes it from here, so the length checked is the one
     stored.
+
+    NOTE: Django's check passes a quoted local part with control characters in it (`"a\x1b[2J"@example.com`): an
+    escape sequence reached the members page, the audit log and the mail log, where an operator's terminal ran it.
+    No mailbox needs one: refused.
     """
     normalized = address.strip().lower()
+    if not is_plain(normalized):
+        raise ValidationError("An address may not hold control characters.", code="invalid")
     if len(normalized) > max_length:
         raise ValidationError(f"Ensure this address has at most {max_length} characters once lower-cased "
                               f"(it has {len(normalized)}).", code="max_length")

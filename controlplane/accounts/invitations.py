@@ -32,6 +32,7 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.text import one_line
 
 INVITATION_SALT = "inferplane.invitation"
 INVITATION_TTL = timedelta(days=7)
@@ -122,11 +123,13 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
                                                from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)
         record_audit(actor, organization, "invitation.create", invitation, email=email, role=role)
+    # NOTE: the name on one line in the body too: one with line breaks wrote lines of its own, in the mail's voice.
+    organization_name = one_line(organization.name)
     body = render_to_string("controlplane/invitation_email.txt", {
         "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
+        "organization_name": organization_name,
     })
-    # NOTE: a name from before sign-up refused control characters may hold a line break (no header may).
-    send_mail(f"You are invited to {' '.join(organization.name.split())} on Inferplane", body, None, [email])
+    send_mail(f"You are invited to {organization_name} on Inferplane", body, None, [email])
     return invitation
 
 

@@ -8,7 +8,7 @@ from django.core import mail
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import alerts
+from billing import alerts, standing
 from billing.alerts import check_spend_alerts
 from billing.credits import grant_credits
 from billing.ledger import record_usage
@@ -137,6 +137,33 @@ def test_spend_alerts_go_out_at_50_80_and_100_percent_once_each_per_period(owner
         "used 50% of its monthly spend cap", "used 80% of its monthly spend cap", "reached its monthly spend cap",
     ]
     assert all(m.to == [owner_client.user.email] for m in mail.outbox)  # owners and admins, not members
+
+
+def test_an_organisation_whose_name_holds_a_line_break_still_gets_its_spend_alerts(owner_client):
+    """A name from before sign-up refused control characters may hold one; no mail header may (Django refuses the
+    message), and every run failed at that alert: the owners never heard of their spend."""
+    organization = owner_client.organization
+    type(organization).objects.filter(pk=organization.pk).update(name="Acme\nCorp")
+    set_spend_cap(SYSTEM, organization, spend_cap=Decimal("1.00"))
+    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"), price_output_per_million=Decimal("0"))
+
+    record_usage(usage_report(endpoint, prompt_tokens=600_000, completion_tokens=0))
+    assert check_spend_alerts(organization.pk) == [50]
+    assert [m.subject for m in mail.outbox] == ["Acme Corp used 50% of its monthly spend cap"]
+
+
+@pytest.mark.parametrize("reason, subject", [
+    (standing.PAST_DUE, "Acme Corp: inference is stopped until an unpaid invoice is paid"),
+    (standing.DISPUTED, "Acme Corp: inference is stopped because a payment is disputed"),
+])
+def test_an_organisation_whose_name_holds_a_line_break_is_still_told_its_calls_are_stopped(owner_client, reason, subject):
+    organization = owner_client.organization
+    type(organization).objects.filter(pk=organization.pk).update(name="Acme\r\nCorp")
+    BillingAccount.objects.for_organization(organization)
+    BillingAccount.objects.filter(organization=organization).update(past_due_since=timezone.now(), hold_reason=reason)
+
+    alerts.send_hold(BillingAccount.objects.select_related("organization").get(organization=organization))
+    assert [m.subject for m in mail.outbox] == [subject]
 
 
 def test_an_admin_changing_the_cap_again_and_again_past_its_spend_gets_each_alert_once(owner_client):
