@@ -55,6 +55,7 @@ from gpu_agent.protocol import (
     ModelTask,
     SpeculativeMethod,
     checkpoint_quantization_problem,
+    is_public_address,
 )
 
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}(@[A-Za-z0-9._/-]{1,100})?$")
@@ -455,7 +456,7 @@ def validate_endpoint_url(value: str) -> str:
         if host in BLOCKED_HOSTS or host.endswith((".localhost", ".internal", ".local")):
             raise serializers.ValidationError("This address is on the platform's own network.") from None
         return value
-    if not address.is_global:
+    if not is_public_address(address):
         raise serializers.ValidationError("This address is on the platform's own network.")
     return value
 
