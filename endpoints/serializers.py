@@ -435,15 +435,29 @@ REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 ACCESS_KEY_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII: S3-compatible stores use their own formats
 SECRET_VALUE = re.compile(r"^[\x21-\x7e]+$")
 BLOCKED_HOSTS = {"localhost", "metadata.google.internal", "metadata"}
+STORE_HOST = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9])?$")  # a DNS name (underscores: development hosts)
+
+
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def validate_endpoint_url(value: str) -> str:
     """An S3-compatible store's address. GPU nodes connect to it, so it may not point into their
     own network (loopback, private, link-local such as the cloud metadata service) unless the
     platform runs in development mode (`INFERPLANE_ALLOW_LOCAL_MODEL_PATHS`)."""
-    parts = urlsplit(value)
     development = settings.ALLOW_LOCAL_MODEL_PATHS
-    if parts.scheme not in (("https", "http") if development else ("https",)) or not parts.hostname:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises for a port out of range or not a number
+    except ValueError:  # NOTE: an unclosed "[" was a 500; a bad port was saved and failed every pull on the nodes
+        raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.") from None
+    if (parts.scheme not in (("https", "http") if development else ("https",)) or not parts.hostname
+            or not (STORE_HOST.match(parts.hostname) or _is_ip_address(parts.hostname))):
         raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.")
     if parts.username or parts.password or parts.query or parts.fragment:
         raise serializers.ValidationError("Give the store's address only: no user, query or fragment.")
