@@ -3,6 +3,7 @@
 import functools
 import ipaddress
 import re
+import socket
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -446,6 +447,14 @@ def _is_ip_address(host: str) -> bool:
     return True
 
 
+def _inet_aton_address(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a C resolver reads in a numeric host (decimal, octal, hex, fewer than four parts), else None."""
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except (OSError, ValueError):
+        return None
+
+
 def validate_endpoint_url(value: str) -> str:
     """An S3-compatible store's address. GPU nodes connect to it, so it may not point into their
     own network (loopback, private, link-local such as the cloud metadata service) unless the
@@ -467,6 +476,9 @@ def validate_endpoint_url(value: str) -> str:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
+        numeric = _inet_aton_address(host)  # 2852039166, 0xa9fea9fe, 127.1: what a node's resolver makes of them
+        if numeric is not None and not is_public_address(numeric):
+            raise serializers.ValidationError("This address is on the platform's own network.") from None
         if host in BLOCKED_HOSTS or host.endswith((".localhost", ".internal", ".local")):
             raise serializers.ValidationError("This address is on the platform's own network.") from None
         return value

@@ -217,6 +217,17 @@ def test_an_endpoint_url_that_is_not_a_host_and_port_is_refused_with_a_field_err
     assert response.json()["endpoint_url"] == ["Use https://host[:port] of an S3-compatible store."]
 
 
+@pytest.mark.parametrize("url", ["https://2852039166/", "https://0xa9fea9fe/", "https://0251.0376.0251.0376/",
+                                 "https://127.1:9000", "https://0x7f.1/", "https://10.1/"])
+def test_an_endpoint_url_spelling_an_internal_address_in_decimal_octal_or_hex_is_refused(owner_client, settings, url):
+    """The nodes' resolver reads these as 169.254.169.254, 127.0.0.1 and 10.0.0.1; Python's ipaddress does not, so
+    before they were saved as host names (the agent refused them only when a pull began)."""
+    settings.ALLOW_LOCAL_MODEL_PATHS = False
+    response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": url}, format="json")
+    assert response.status_code == 400
+    assert response.json()["endpoint_url"] == ["This address is on the platform's own network."]
+
+
 def test_an_endpoint_url_at_a_public_address_behind_nat64_is_accepted(owner_client, settings):
     settings.ALLOW_LOCAL_MODEL_PATHS = False
     response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": "https://[64:ff9b::808:808]/"}, format="json")
