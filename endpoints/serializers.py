@@ -3,6 +3,7 @@
 import functools
 import ipaddress
 import re
+import socket
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -56,6 +57,7 @@ from gpu_agent.protocol import (
     ModelTask,
     SpeculativeMethod,
     checkpoint_quantization_problem,
+    is_public_address,
 )
 
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}(@[A-Za-z0-9._/-]{1,100})?$")
@@ -439,15 +441,37 @@ REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 ACCESS_KEY_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII: S3-compatible stores use their own formats
 SECRET_VALUE = re.compile(r"^[\x21-\x7e]+$")
 BLOCKED_HOSTS = {"localhost", "metadata.google.internal", "metadata"}
+STORE_HOST = re.compile(r"^[a-z0-9_]([a-z0-9_.-]{0,251}[a-z0-9])?$")  # a DNS name (underscores: development hosts)
+
+
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _inet_aton_address(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a C resolver reads in a numeric host (decimal, octal, hex, fewer than four parts), else None."""
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except (OSError, ValueError):
+        return None
 
 
 def validate_endpoint_url(value: str) -> str:
     """An S3-compatible store's address. GPU nodes connect to it, so it may not point into their
     own network (loopback, private, link-local such as the cloud metadata service) unless the
     platform runs in development mode (`INFERPLANE_ALLOW_LOCAL_MODEL_PATHS`)."""
-    parts = urlsplit(value)
     development = settings.ALLOW_LOCAL_MODEL_PATHS
-    if parts.scheme not in (("https", "http") if development else ("https",)) or not parts.hostname:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises for a port out of range or not a number
+    except ValueError:  # NOTE: an unclosed "[" was a 500; a bad port was saved and failed every pull on the nodes
+        raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.") from None
+    if (parts.scheme not in (("https", "http") if development else ("https",)) or not parts.hostname
+            or not (STORE_HOST.match(parts.hostname) or _is_ip_address(parts.hostname))):
         raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.")
     if parts.username or parts.password or parts.query or parts.fragment:
         raise serializers.ValidationError("Give the store's address only: no user, query or fragment.")
@@ -457,10 +481,13 @@ def validate_endpoint_url(value: str) -> str:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
+        numeric = _inet_aton_address(host)  # 2852039166, 0xa9fea9fe, 127.1: what a node's resolver makes of them
+        if numeric is not None and not is_public_address(numeric):
+            raise serializers.ValidationError("This address is on the platform's own network.") from None
         if host in BLOCKED_HOSTS or host.endswith((".localhost", ".internal", ".local")):
             raise serializers.ValidationError("This address is on the platform's own network.") from None
         return value
-    if not address.is_global:
+    if not is_public_address(address):
         raise serializers.ValidationError("This address is on the platform's own network.")
     return value
 

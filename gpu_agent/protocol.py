@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import math
 import re
 import typing
@@ -861,6 +862,28 @@ def role_account(role_arn: str) -> str | None:
     if match is None or len(match["path"]) + 1 > _MAX_ROLE_PATH:
         return None
     return match["account"]
+
+
+# IPv6 spellings that carry an IPv4 address a node may reach through them: IPv4-compatible (::/96, deprecated),
+# NAT64's well-known prefix (a NAT64 gateway, such as a cloud's for IPv6-only subnets, forwards 64:ff9b::10.0.0.5
+# to 10.0.0.5 in the node's own network) and 6to4 (2002::/16). Python calls all three global.
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a tenant's store at `address` is on the internet, not the platform's own network (loopback, private,
+    link-local such as the cloud metadata service, shared address space), an IPv4 address inside IPv6 judged as itself.
+
+    Both sides use it: the control plane when a credential's endpoint_url is saved, the agent on the addresses the
+    name resolves to before it connects."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if embedded is None and (address in _NAT64 or address in _IPV4_COMPATIBLE):
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if embedded is not None and not embedded.is_global:
+            return False
+    return address.is_global
 
 
 @dataclass(slots=True)

@@ -194,6 +194,46 @@ def test_an_endpoint_url_into_the_platforms_own_network_is_refused(owner_client,
     assert response.status_code == 400 and "endpoint_url" in response.json()
 
 
+@pytest.mark.parametrize("url", ["https://[64:ff9b::a00:5]:9000", "https://[64:ff9b::a9fe:a9fe]/", "https://[2002:a9fe:a9fe::1]/",
+                                 "https://[::169.254.169.254]/", "https://[::127.0.0.1]:9000"])
+def test_an_endpoint_url_spelling_an_internal_ipv4_address_in_ipv6_is_refused(owner_client, settings, url):
+    """NAT64 (64:ff9b::/96), 6to4 (2002::/16) and IPv4-compatible (::/96) addresses carry an IPv4 address that a node
+    behind a NAT64 gateway reaches; Python calls them global, so before they were saved and the nodes connected."""
+    settings.ALLOW_LOCAL_MODEL_PATHS = False
+    response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": url}, format="json")
+    assert response.status_code == 400
+    assert response.json()["endpoint_url"] == ["This address is on the platform's own network."]
+
+
+@pytest.mark.parametrize("development", [False, True])
+@pytest.mark.parametrize("url", ["https://[::1", "https://store.example.com:99999", "https://store.example.com:port",
+                                 "https://store example.com", "https://store.example.com%2f.internal"])
+def test_an_endpoint_url_that_is_not_a_host_and_port_is_refused_with_a_field_error(owner_client, settings, url, development):
+    """Before, an unclosed IPv6 bracket was a 500; a port out of range or not a number, or a host name with a space
+    or an escape, was saved, and every pull of its endpoints failed on the nodes with Python's words."""
+    settings.ALLOW_LOCAL_MODEL_PATHS = development
+    response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": url}, format="json")
+    assert response.status_code == 400
+    assert response.json()["endpoint_url"] == ["Use https://host[:port] of an S3-compatible store."]
+
+
+@pytest.mark.parametrize("url", ["https://2852039166/", "https://0xa9fea9fe/", "https://0251.0376.0251.0376/",
+                                 "https://127.1:9000", "https://0x7f.1/", "https://10.1/"])
+def test_an_endpoint_url_spelling_an_internal_address_in_decimal_octal_or_hex_is_refused(owner_client, settings, url):
+    """The nodes' resolver reads these as 169.254.169.254, 127.0.0.1 and 10.0.0.1; Python's ipaddress does not, so
+    before they were saved as host names (the agent refused them only when a pull began)."""
+    settings.ALLOW_LOCAL_MODEL_PATHS = False
+    response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": url}, format="json")
+    assert response.status_code == 400
+    assert response.json()["endpoint_url"] == ["This address is on the platform's own network."]
+
+
+def test_an_endpoint_url_at_a_public_address_behind_nat64_is_accepted(owner_client, settings):
+    settings.ALLOW_LOCAL_MODEL_PATHS = False
+    response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": "https://[64:ff9b::808:808]/"}, format="json")
+    assert response.status_code == 201, response.json()
+
+
 def test_an_s3_compatible_store_on_the_internet_is_accepted(owner_client, settings):
     settings.ALLOW_LOCAL_MODEL_PATHS = False
     response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": "https://abc.r2.cloudflarestorage.com"}, format="json")

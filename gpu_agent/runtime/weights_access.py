@@ -33,7 +33,7 @@ import httpx
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from gpu_agent.protocol import ReplicaSpec, SourceCredentials, role_account
+from gpu_agent.protocol import ReplicaSpec, SourceCredentials, is_public_address, role_account
 from gpu_agent.runtime.weights_watchdog import guard_s3_connections
 
 logger = logging.getLogger(__name__)
@@ -120,8 +120,9 @@ ALLOW_PRIVATE_STORES_ENV = "INFERPLANE_AGENT_ALLOW_PRIVATE_STORES"
 
 
 def check_store_address(endpoint_url: str, source: str) -> None:
-    """Refuse a tenant's store whose name resolves to any address that is not global (loopback, private,
-    link-local such as the cloud metadata service). Checked before a client for it is made.
+    """Refuse a tenant's store whose name resolves to any address that is not public (loopback, private,
+    link-local such as the cloud metadata service, or one of those inside an IPv6 address: `is_public_address`).
+    Checked before a client for it is made.
 
     NOTE: boto3 resolves the name again when it connects; a name that changes its answer in between
     (DNS rebinding) reaches a service that must then present a certificate for that name, which the
@@ -135,7 +136,7 @@ def check_store_address(endpoint_url: str, source: str) -> None:
     except (socket.gaierror, UnicodeError):
         raise StoreUnreachable(f"cannot reach the store of {source}: its address does not resolve") from None
     for *_, address in answers:
-        if not ipaddress.ip_address(address[0].split("%", 1)[0]).is_global:
+        if not is_public_address(ipaddress.ip_address(address[0].split("%", 1)[0])):
             raise SourceUnreadable(f"cannot read {source}: the credential's endpoint_url resolves to an address "
                                    "on the platform's own network")
 

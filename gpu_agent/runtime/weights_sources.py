@@ -170,16 +170,18 @@ def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = L
     with (_refusal_naming(source), _why_guard_fired(guard, source, timeout_s), s3_errors(source),
           _listing_deadline(deadline), guarded(guard)):
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        for num_pages, page in enumerate(pages, start=1):
+        for num_pages, page in enumerate(_entries_checked(pages, guard), start=1):
             if num_pages > MAX_LISTING_PAGES:
                 raise ListingRefused(f"its store answered more than {MAX_LISTING_PAGES} listing pages")
             if time.monotonic() > deadline:
                 raise ListingRefused(f"listing it took longer than {timeout_s:.0f} s")
             for item in page.get("Contents", []):
-                size = int(item["Size"])
-                if item["Key"].endswith("/") and size == 0:  # a console's "folder" marker
+                key, size = item.get("Key"), item.get("Size")
+                if not isinstance(key, str) or not isinstance(size, int) or size < 0:
+                    raise ListingRefused(_MALFORMED_ENTRY)
+                if key.endswith("/") and size == 0:  # a console's "folder" marker
                     continue
-                objects.append((item["Key"], size, item.get("ETag", "").strip('"')))
+                objects.append((key, size, str(item.get("ETag", "")).strip('"')))
                 if len(objects) > MAX_MODEL_FILES:
                     raise ModelTooLarge(f"{source} holds more than {MAX_MODEL_FILES} files")
     if not objects:
@@ -193,6 +195,21 @@ def s3_listing(client, parsed: ModelSource, source: str, *, timeout_s: float = L
 
 class ListingRefused(SourceUnreadable):
     """A store's listing this agent will not read to its end (too large, too many pages, too slow)."""
+
+
+# NOTE: a tenant's store may answer anything. An entry with no key, no size, a negative size (before: the download's
+# ftruncate failed with EINVAL, reported as the node's own I/O trouble) or a size that is not a number (botocore's
+# int() raised ValueError mid-parse) is the store's fault, said so like any other refused listing.
+_MALFORMED_ENTRY = "its store answered a listing entry that is not an object with a name and a size of 0 or more bytes"
+
+
+def _entries_checked(pages, guard: RequestGuard):
+    try:
+        yield from pages
+    except (ValueError, TypeError, AttributeError):
+        if guard.fired:  # a socket the watchdog shut mid-read: `_why_guard_fired` says why
+            raise
+        raise ListingRefused(_MALFORMED_ENTRY) from None
 
 
 _listing = threading.local()  # the deadline of the listing this thread is reading

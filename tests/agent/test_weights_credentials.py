@@ -282,6 +282,23 @@ def test_hub_token_is_the_replicas_own_or_the_fleets_for_the_catalogue_or_none(t
     assert str(anonymous.value) == str(fleet.value) == str(not_there.value)
 
 
+@pytest.mark.parametrize("host", ["64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "2002:a00:5::1", "::127.0.0.1"])
+def test_a_tenants_store_at_an_ipv6_spelling_of_an_internal_ipv4_address_is_refused_before_any_connection(
+        s3, s3_endpoint, tmp_path, monkeypatch, host):  # noqa: F811
+    """A NAT64 gateway (a cloud's, for IPv6-only subnets) forwards 64:ff9b::10.0.0.5 to 10.0.0.5 on the node's own
+    network; 6to4 and IPv4-compatible addresses carry one too. Python calls them all global: before, the agent
+    connected (a name of the tenant's may resolve to one, whatever the control plane checked when it was saved)."""
+    monkeypatch.delenv("INFERPLANE_AGENT_ALLOW_PRIVATE_STORES")
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=s3_endpoint)
+    tenant = SourceCredentials(kind="s3", access_key_id="AKIATENANT0000000001", secret_access_key="s",
+                               endpoint_url=f"https://[{host}]:9000")
+    with pytest.raises(SourceUnreadable) as refused:
+        cache.fetch("s3://tenant-models/m", access=SourceAccess(credentials=tenant, scope="org-1"))
+    assert str(refused.value) == ("cannot read s3://tenant-models/m: the credential's endpoint_url resolves to an "
+                                  "address on the platform's own network")
+    assert cache.num_downloads == 0
+
+
 def test_a_tenants_store_whose_name_resolves_into_the_nodes_network_is_refused_before_any_connection(
         s3, s3_endpoint, tmp_path, monkeypatch):  # noqa: F811
     """The control plane refuses private addresses when a credential is saved, but a public-looking name

@@ -128,3 +128,23 @@ def test_a_drain_ends_a_listing_whose_headers_drip_within_seconds(store, tmp_pat
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert isinstance(failures[0], FetchStopped)
+
+
+@pytest.mark.parametrize("entry", [
+    b"<Contents><Key>m/config.json</Key><Size>-5</Size></Contents>",
+    b"<Contents><Key>m/config.json</Key><Size>abc</Size></Contents>",
+    b"<Contents><Key>m/config.json</Key></Contents>",
+    b"<Contents><Size>2</Size></Contents>",
+], ids=["negative size", "size not a number", "no size", "no key"])
+def test_a_listing_entry_without_a_name_or_a_real_size_is_refused_as_the_stores_fault(store, tmp_path, entry):
+    """Before, a negative size failed the pull as "Invalid argument" (the node's own I/O trouble, logged with a
+    traceback), a size that is not a number showed Python's int() words, and a missing field a bare KeyError."""
+    body = (_HEAD + b"<Name>b</Name><Prefix>m/</Prefix><KeyCount>1</KeyCount>" + entry
+            + b"<IsTruncated>false</IsTruncated></ListBucketResult>")
+    fake = store(lambda _: (body, 0))
+    cache = WeightsCache(tmp_path / "weights", s3_endpoint_url=fake.url)
+    with pytest.raises(SourceUnreadable) as refused:
+        cache.fetch("s3://b/m")
+    assert str(refused.value) == ("cannot list s3://b/m: its store answered a listing entry that is not an object with "
+                                  "a name and a size of 0 or more bytes")
+    assert cache.statuses() == [] and cache.num_downloads == 0
