@@ -11,6 +11,7 @@ from billing.models import UsageRecord
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import held_key, inflight_key, reservations_key, waiting_key
 from endpoints.models import Replica, ReplicaState
+from endpoints.nodes.models import Node
 from tests.conftest import wait_until
 from tests.gateway.conftest import held_chat, serve_endpoint
 
@@ -94,3 +95,16 @@ def test_a_client_that_leaves_while_held_after_the_scale_to_zero_is_billed_nothi
     assert not redis.zcard(inflight_key(tenant.org.pk, str(endpoint.pk)))
     assert not redis.hlen(reservations_key(tenant.org.pk))
     assert list(UsageRecord.objects.values_list("status", flat=True)) == ["ok"]  # the held call left unbilled
+
+
+def test_a_call_held_while_redis_loses_its_memory_is_still_answered_once_a_replica_is_ready(
+        gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org)  # scaled to zero: no replica
+    answer = held_chat(gateway, tenant.key, endpoint)
+    get_redis().flushall()  # a restart without persistence
+    Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY,
+                           address=start_mock_upstream(), ready_at=timezone.now())
+    response = answer.result(30)
+    assert response.status_code == 200, response.text
+    row = wait_until(lambda: UsageRecord.objects.first(), 10, message="its usage row")
+    assert row.status == "ok" and row.completion_tokens == 5
