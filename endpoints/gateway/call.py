@@ -91,6 +91,10 @@ class ClientGone(Exception):
     """The client disconnected; stop working for it."""
 
 
+class _NoReplicaLeft(Exception):
+    """No replica took the call before its first byte, and none is READY now: it waits for one (`_hold_again`)."""
+
+
 class UpstreamUnavailable(Exception):
     """The replica failed before sending a byte: safe to retry elsewhere. `engine_status` is the HTTP status its engine
     answered with (a 5xx, or a 401), 0 where it answered nothing (refused, reset, gone)."""
@@ -232,18 +236,18 @@ class InferenceCall:
         drain.running[self.request_id] = self  # stopped there if still running at the end of its process's drain
         try:
             if not replicas:
-                held = await cold_start.hold(self, place)
-                if held is None:
-                    raise ClientGone()
-                replicas, self.cold_start_s = held
-                self.held_at = datetime.now(UTC) - timedelta(seconds=self.cold_start_s)
-                if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
-                    await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
+                replicas = await self._hold(place)
                 place = None  # given up by the hold
 
             if self.adapter is not None:
                 replicas = await self._adapter_holders(replicas, place)
-            await self._proxy(replicas)
+            try:
+                await self._proxy(replicas, may_hold=not self.batch_id)
+            except _NoReplicaLeft:
+                replicas = await self._hold_again()
+                if self.adapter is not None:
+                    replicas = await self._adapter_holders(replicas, None)
+                await self._proxy(replicas, may_hold=False)
         except asyncio.CancelledError:
             if self._stopped_for_shutdown and not self._cancelled_for_client:
                 asyncio.current_task().uncancel()
@@ -280,6 +284,36 @@ class InferenceCall:
                 if not (self._cancelled_for_client or self._stopped_for_shutdown):
                     raise
                 await finishing  # NOTE: the client's (or the drain's) cancellation, delivered late: finish all the same
+
+    async def _hold(self, place: cold_start.Place | None) -> list[ReplicaInfo]:
+        """Hold the call as a cold start (`cold_start.hold`, which gives `place` up) until a replica is READY; the
+        wait counts from the first hold on, should the call be held again (`_hold_again`)."""
+        held = await cold_start.hold(self, place)
+        if held is None:
+            raise ClientGone()
+        replicas, waited_s = held
+        self.cold_start_s += waited_s
+        if self.held_at is None:
+            self.held_at = datetime.now(UTC) - timedelta(seconds=waited_s)
+        if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
+            await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
+        return replicas
+
+    async def _hold_again(self) -> list[ReplicaInfo]:
+        """The replicas the call was sent to went away before any took it, and none is READY now (its endpoint scaled
+        to zero as it arrived, the replica a cold start was released to failed at once): held as a cold call is, under
+        the same bounds, rather than answered 502 "please retry". Nothing reached an engine, so a client leaving now
+        is cancelled unbilled as any held call's."""
+        self.forwarded = False
+        standing.refuse_unless_startable(self.endpoint, wait_for_capacity=self.request.wait_for_capacity)
+        place = await cold_start.take_place(self.endpoint, self.caller.organization_id, self.request_id,
+                                            call_token=self.call_token)
+        try:
+            await traffic.demote_request(self.endpoint.organization_id, self.endpoint.id, self.request_id)
+        except BaseException:
+            await cold_start.give_up(place)
+            raise
+        return await self._hold(place)
 
     def stop_for_shutdown(self) -> None:
         """Stop the call: its process is stopping and the drain's bound has come (`drain`)."""
@@ -330,7 +364,10 @@ class InferenceCall:
         return holding
 
     # --- proxying ----------------------------------------------------------------------------
-    async def _proxy(self, replicas: list[ReplicaInfo]) -> None:
+    async def _proxy(self, replicas: list[ReplicaInfo], *, may_hold: bool = False) -> None:
+        """Send the call to one of `replicas`, tried again once elsewhere on a failure before the first byte. With
+        `may_hold`, a call that no replica took and that finds none READY any more raises `_NoReplicaLeft` (to be
+        held, `_hold_again`) rather than the 502."""
         # NOTE: an address tried, not a replica: a replica whose engine was restarted listens on a new port, and
         # the cached list may still name the old one; the fresh list's new address is a new place to try.
         tried: set[tuple[str, str]] = set()
@@ -372,6 +409,9 @@ class InferenceCall:
             ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
             if {replica_id for replica_id, _ in tried} <= {r.id for r in ready}:
                 raise errors.engine_failed()
+        if may_hold and tried and not self.disconnected.is_set() and not await directory.ready_replicas(
+                self.endpoint.id, fresh=True, generation=self.endpoint.engine_generation):
+            raise _NoReplicaLeft()
         raise errors.upstream_failed("No replica could take the request; please retry.")
 
     async def _forward(self, replica: ReplicaInfo) -> None:

@@ -183,7 +183,8 @@ if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] .. '|' .. KEYS[2] .. '|' .. A
 traffic_hold({KEYS[1]}, {ARGV[1], ARGV[2], '', ARGV[3]})
 return traffic_release({KEYS[2]})
 """)
-# KEYS: the endpoint's waiting set, its in-flight set; ARGV: request id. A held request got a replica.
+# KEYS: the set the request leaves, the set it joins (the endpoint's waiting set, its in-flight set: a held request got a
+# replica; the other way, `demote_request`); ARGV: request id.
 _PROMOTE = Script(TRAFFIC_LUA + """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], traffic_now(), ARGV[1])
@@ -386,6 +387,12 @@ def pick_keys_and_args(organization_id: int, replica_ids: list[str],
 async def promote_request(organization_id: int, endpoint_id: str, request_id: str) -> None:
     """A held request got a replica: it stops waiting and is in flight."""
     await _PROMOTE(keys=[waiting_key(organization_id, endpoint_id), inflight_key(organization_id, endpoint_id)],
+                   args=[request_id])
+
+
+async def demote_request(organization_id: int, endpoint_id: str, request_id: str) -> None:
+    """A request in flight lost its replica before any took it and waits again for one (`_PROMOTE`, the other way)."""
+    await _PROMOTE(keys=[inflight_key(organization_id, endpoint_id), waiting_key(organization_id, endpoint_id)],
                    args=[request_id])
 
 

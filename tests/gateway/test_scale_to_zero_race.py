@@ -1,0 +1,110 @@
+"""A call that meets its endpoint's scale to zero: the gateway's list of READY replicas (served up to
+`REPLICA_CACHE_S` + `memo.STALE_FOR_S` old while it reloads) still names the replica the autoscaler has just drained
+and its agent stopped. The call, refused before it reached an engine, finds no READY replica left: it is a cold
+call, held for the next replica like any other, never a 502 "please retry"."""
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from billing.models import UsageRecord
+from controlplane.redis_client import get_redis
+from controlplane.redis_keys import held_key, inflight_key, reservations_key, waiting_key
+from endpoints.models import Replica, ReplicaState
+from endpoints.nodes.models import Node
+from tests.conftest import wait_until
+from tests.gateway.conftest import held_chat, serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def _scale_to_zero(endpoint, start_mock_upstream, address: str) -> Replica:
+    """What the autoscaler's scale-down and the agent do: the replica drains, its engine stops, it reports STOPPED."""
+    replica = Replica.objects.get(endpoint=endpoint)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.STOPPED)
+    start_mock_upstream.stop(address)
+    return replica
+
+
+def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_next_replica_and_answered(
+        gateway, tenant, start_mock_upstream):
+    first = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, first)
+    client = tenant.client(gateway)
+    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+
+    answer = held_chat(gateway, tenant.key, endpoint)  # held for a cold start, not answered 502
+    Replica.objects.create(endpoint=endpoint, node=stopped.node, state=ReplicaState.READY, address=start_mock_upstream(),
+                           ready_at=timezone.now())
+    response = answer.result(30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 5
+    assert "x-inferplane-cold-start-ms" in response.headers
+    rows = wait_until(lambda: list(UsageRecord.objects.order_by("started_at")) if UsageRecord.objects.count() == 2 else None,
+                      10, message="two rows")
+    assert [row.status for row in rows] == ["ok", "ok"]
+    assert rows[1].cold_start_ms is not None
+
+
+def test_a_stream_that_meets_the_scale_to_zero_is_held_with_progress_and_then_streamed(
+        gateway, tenant, start_mock_upstream):
+    first = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, first)
+    client = tenant.client(gateway)
+    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+
+    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                      json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        first_line = next(lines)
+        assert first_line.startswith(": "), first_line  # a progress comment: held, not an error event
+        Replica.objects.create(endpoint=endpoint, node=stopped.node, state=ReplicaState.READY,
+                               address=start_mock_upstream(), ready_at=timezone.now())
+        rest = list(lines)
+    events = [line[6:] for line in rest if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert not any('"error"' in event for event in events), events
+
+
+def test_a_client_that_leaves_while_held_after_the_scale_to_zero_is_billed_nothing_and_leaves_no_place_or_wait_behind(
+        gateway, tenant, start_mock_upstream):
+    first = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, first)
+    client = tenant.client(gateway)
+    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+    _scale_to_zero(endpoint, start_mock_upstream, first)
+
+    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                      json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()  # NOTE: kept: an iterator collected closes the stream
+        assert next(lines).startswith(": ")  # held
+        redis = get_redis()
+        assert redis.zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 1  # counted waiting: the wake sees it
+        assert redis.zcard(held_key(tenant.org.pk)) == 1
+    redis = get_redis()
+    wait_until(lambda: not redis.zcard(held_key(tenant.org.pk)), 10, message="the held place given up")
+    assert not redis.zcard(waiting_key(tenant.org.pk, str(endpoint.pk)))
+    assert not redis.zcard(inflight_key(tenant.org.pk, str(endpoint.pk)))
+    assert not redis.hlen(reservations_key(tenant.org.pk))
+    assert list(UsageRecord.objects.values_list("status", flat=True)) == ["ok"]  # the held call left unbilled
+
+
+def test_a_call_held_while_redis_loses_its_memory_is_still_answered_once_a_replica_is_ready(
+        gateway, tenant, start_mock_upstream):
+    endpoint = serve_endpoint(tenant.org)  # scaled to zero: no replica
+    answer = held_chat(gateway, tenant.key, endpoint)
+    get_redis().flushall()  # a restart without persistence
+    Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY,
+                           address=start_mock_upstream(), ready_at=timezone.now())
+    response = answer.result(30)
+    assert response.status_code == 200, response.text
+    row = wait_until(lambda: UsageRecord.objects.first(), 10, message="its usage row")
+    assert row.status == "ok" and row.completion_tokens == 5
