@@ -869,6 +869,11 @@ def role_account(role_arn: str) -> str | None:
 # to 10.0.0.5 in the node's own network) and 6to4 (2002::/16). Python calls all three global.
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# NOTE: IPv4-translated addresses (::ffff:0:0/96, a SIIT translator's) carry one as well, and NAT64's local-use prefix
+# (64:ff9b:1::/48, RFC 8215: an operator's own gateway) and site-local addresses (fec0::/10, deprecated but routed
+# as any other) are never a store on the internet. Python 3.11 calls all three global: they were saved and reached.
+_IPV4_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
+_NAT64_LOCAL_USE = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -877,9 +882,13 @@ def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) ->
 
     Both sides use it: the control plane when a credential's endpoint_url is saved, the agent on the addresses the
     name resolves to before it connects."""
+    if address.is_multicast:  # no store answers TCP there
+        return False
     if isinstance(address, ipaddress.IPv6Address):
+        if address in _NAT64_LOCAL_USE or address.is_site_local:
+            return False
         embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is None and (address in _NAT64 or address in _IPV4_COMPATIBLE):
+        if embedded is None and (address in _NAT64 or address in _IPV4_COMPATIBLE or address in _IPV4_TRANSLATED):
             embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         if embedded is not None and not embedded.is_global:
             return False

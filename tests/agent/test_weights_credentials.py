@@ -282,7 +282,8 @@ def test_hub_token_is_the_replicas_own_or_the_fleets_for_the_catalogue_or_none(t
     assert str(anonymous.value) == str(fleet.value) == str(not_there.value)
 
 
-@pytest.mark.parametrize("host", ["64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "2002:a00:5::1", "::127.0.0.1"])
+@pytest.mark.parametrize("host", ["64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "2002:a00:5::1", "::127.0.0.1",
+                                  "64:ff9b:1::a00:5", "::ffff:0:7f00:1", "fec0::1"])
 def test_a_tenants_store_at_an_ipv6_spelling_of_an_internal_ipv4_address_is_refused_before_any_connection(
         s3, s3_endpoint, tmp_path, monkeypatch, host):  # noqa: F811
     """A NAT64 gateway (a cloud's, for IPv6-only subnets) forwards 64:ff9b::10.0.0.5 to 10.0.0.5 on the node's own
