@@ -465,6 +465,8 @@ def validate_endpoint_url(value: str) -> str:
     own network (loopback, private, link-local such as the cloud metadata service) unless the
     platform runs in development mode (`INFERPLANE_ALLOW_LOCAL_MODEL_PATHS`)."""
     development = settings.ALLOW_LOCAL_MODEL_PATHS
+    if not is_plain(value):  # NOTE: its path went to the nodes' S3 client and logs with an escape sequence in it
+        raise serializers.ValidationError("Use https://host[:port] of an S3-compatible store.")
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises for a port out of range or not a number

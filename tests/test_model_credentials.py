@@ -211,10 +211,12 @@ def test_an_endpoint_url_spelling_an_internal_ipv4_address_in_ipv6_is_refused(ow
 
 @pytest.mark.parametrize("development", [False, True])
 @pytest.mark.parametrize("url", ["https://[::1", "https://store.example.com:99999", "https://store.example.com:port",
-                                 "https://store example.com", "https://store.example.com%2f.internal"])
+                                 "https://store example.com", "https://store.example.com%2f.internal",
+                                 "https://store.example.com/\x1b[2J", "https://store.example.com/a\nb"])
 def test_an_endpoint_url_that_is_not_a_host_and_port_is_refused_with_a_field_error(owner_client, settings, url, development):
     """Before, an unclosed IPv6 bracket was a 500; a port out of range or not a number, or a host name with a space
-    or an escape, was saved, and every pull of its endpoints failed on the nodes with Python's words."""
+    or an escape, was saved, and every pull of its endpoints failed on the nodes with Python's words; a path with an
+    escape sequence or a line break was saved and handed to the nodes' S3 client."""
     settings.ALLOW_LOCAL_MODEL_PATHS = development
     response = owner_client.post("/api/v1/credentials/", S3_BODY | {"endpoint_url": url}, format="json")
     assert response.status_code == 400
