@@ -287,8 +287,9 @@ class InferenceCall:
 
     async def _hold(self, place: cold_start.Place | None) -> list[ReplicaInfo]:
         """Hold the call as a cold start (`cold_start.hold`, which gives `place` up) until a replica is READY; the
-        wait counts from the first hold on, should the call be held again (`_hold_again`)."""
-        held = await cold_start.hold(self, place)
+        wait counts from the first hold on, should the call be held again (`_hold_again`), and so does the bound: held
+        again, it waits what is left of its endpoint's `cold_start_timeout_s`, not a whole new one."""
+        held = await cold_start.hold(self, place, held_before_s=self.cold_start_s)
         if held is None:
             raise ClientGone()
         replicas, waited_s = held

@@ -122,16 +122,18 @@ class HeldCall(Protocol):
     async def send_body(self, data: bytes) -> None: ...
 
 
-async def hold(call: HeldCall, place: Place | None) -> tuple[list[ReplicaInfo], float] | None:
+async def hold(call: HeldCall, place: Place | None, *, held_before_s: float = 0.0) -> tuple[list[ReplicaInfo], float] | None:
     """READY replicas of `call.endpoint` once there are any, and how long the call waited for them
     (it is then counted in flight, no longer waiting); None if the client left first.
 
-    Raises a 503 after the endpoint's `cold_start_timeout_s`. The place is given up however it ends.
+    Raises a 503 once the call has been held the endpoint's `cold_start_timeout_s` in all, `held_before_s` (a call held
+    again: `InferenceCall._hold_again`) counted. The place is given up however it ends.
     """
     held_from = time.monotonic()
     call.metrics.waiting.inc()
     try:
-        replicas = await _wait_for_replicas(call, place, held_from + call.endpoint.cold_start_timeout_s)
+        replicas = await _wait_for_replicas(call, place,
+                                            held_from + call.endpoint.cold_start_timeout_s - held_before_s)
     finally:
         call.metrics.waiting.dec()
     if replicas is None:

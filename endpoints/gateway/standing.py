@@ -44,10 +44,17 @@ def wants_to_wait(headers: dict[str, str]) -> bool:
 
 
 async def refuse_if_stopped_meanwhile(endpoint: EndpointInfo, *, wait_for_capacity: bool) -> None:
-    """During a hold: the call this hold's wake set off may have found no room, or failed; say so now."""
+    """During a hold: the call this hold's wake set off may have found no room, or failed; say so now. So does an
+    endpoint its organisation paused or deleted meanwhile (its replicas drain and none starts: the call was held its
+    whole cold-start timeout for nothing, its reservation and place with it)."""
     latest = await find_endpoint(endpoint.organization_id, endpoint.name)
-    if latest is not None and latest.id == endpoint.id:
-        refuse_unless_startable(latest, wait_for_capacity=wait_for_capacity)
+    if latest is None:
+        raise errors.model_not_found(endpoint.name)
+    if latest.id != endpoint.id:  # deleted, and another endpoint of its name made since
+        raise errors.service_unavailable(f"The endpoint '{endpoint.name}' was replaced while this call waited; please retry.")
+    if latest.paused:
+        raise errors.endpoint_paused(endpoint.name)
+    refuse_unless_startable(latest, wait_for_capacity=wait_for_capacity)
 
 
 def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) -> None:

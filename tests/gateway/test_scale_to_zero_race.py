@@ -3,15 +3,19 @@
 and its agent stopped. The call, refused before it reached an engine, finds no READY replica left: it is a cold
 call, held for the next replica like any other, never a 502 "please retry"."""
 
+import time
+
 import httpx
 import pytest
 from django.utils import timezone
 
 from billing.models import UsageRecord
+from controlplane.accounts.services import Actor
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import held_key, inflight_key, reservations_key, waiting_key
 from endpoints.models import Replica, ReplicaState
 from endpoints.nodes.models import Node
+from endpoints.services import delete_endpoint, pause_endpoint
 from tests.conftest import wait_until
 from tests.gateway.conftest import held_chat, serve_endpoint
 
@@ -108,3 +112,49 @@ def test_a_call_held_while_redis_loses_its_memory_is_still_answered_once_a_repli
     assert response.status_code == 200, response.text
     row = wait_until(lambda: UsageRecord.objects.first(), 10, message="its usage row")
     assert row.status == "ok" and row.completion_tokens == 5
+
+
+def test_a_call_held_again_after_its_replica_died_waits_no_longer_in_all_than_its_endpoints_cold_start_timeout(
+        gateway, tenant, start_mock_upstream):
+    # NOTE: the bound a held call is answered by is the endpoint's `cold_start_timeout_s` of holding in all: held again
+    # (its replica died before its first byte and none is READY), it waited a whole new timeout, twice the documented one.
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=4)  # scaled to zero: no replica
+    held_from = time.monotonic()
+    answer = held_chat(gateway, tenant.key, endpoint)
+    time.sleep(max(0.0, held_from + 3 - time.monotonic()))  # most of the hold's bound spent
+    dying = start_mock_upstream(prefill_ms=30_000)  # takes the call, and dies before its first byte
+    replica = Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY, address=dying,
+                                     ready_at=timezone.now())
+    time.sleep(0.5)  # the call released to it and sent
+    assert not answer.done()
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.FAILED)
+    start_mock_upstream.stop(dying)  # its engine dies: the call it holds is cut before a byte of its answer
+    response = answer.result(30)
+    answered_after_s = time.monotonic() - held_from
+    assert response.status_code == 503, response.text
+    assert "became ready within 4 s" in response.json()["error"]["message"]
+    # held 3 s, then in the engine 1.5 s: answered at once when held again, not 4 s later
+    assert answered_after_s < 6.5, answered_after_s
+    assert not UsageRecord.objects.exclude(status="ok").filter(completion_tokens__gt=0).exists()  # billed nothing
+
+
+@pytest.mark.parametrize("stop", ["pause", "delete"])
+def test_a_call_held_for_an_endpoint_its_organisation_pauses_or_deletes_meanwhile_is_answered_so_not_held_to_the_timeout(
+        gateway, tenant, stop):
+    # NOTE: a pause (or a delete) drains the endpoint's replicas and starts none: a call held for it (a cold call, or one
+    # held again because the pause drained the replica it was sent to) waited its whole cold-start timeout for a replica
+    # that never came, holding its reservation and place, and was then told 503 "no replica became ready".
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=40)  # scaled to zero: no replica
+    held_from = time.monotonic()
+    answer = held_chat(gateway, tenant.key, endpoint)
+    (pause_endpoint if stop == "pause" else delete_endpoint)(Actor(user=tenant.owner), endpoint)
+    response = answer.result(60)
+    assert time.monotonic() - held_from < 20
+    if stop == "pause":
+        assert response.status_code == 503, response.text
+        assert "is paused" in response.json()["error"]["message"]
+    else:
+        assert response.status_code == 404, response.text
+    redis = get_redis()
+    wait_until(lambda: not redis.zcard(held_key(tenant.org.pk)), 10, message="the held place given up")
+    assert not redis.hlen(reservations_key(tenant.org.pk))
