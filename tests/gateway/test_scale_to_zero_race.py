@@ -13,7 +13,7 @@ from billing.models import UsageRecord
 from controlplane.accounts.services import Actor
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import held_key, inflight_key, reservations_key, waiting_key
-from endpoints.models import Replica, ReplicaState
+from endpoints.models import Endpoint, Replica, ReplicaState
 from endpoints.nodes.models import Node
 from endpoints.services import delete_endpoint, pause_endpoint
 from tests.conftest import wait_until
@@ -32,13 +32,18 @@ def _scale_to_zero(endpoint, start_mock_upstream, address: str) -> Replica:
     return replica
 
 
-def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_next_replica_and_answered(
-        gateway, tenant, start_mock_upstream):
+def _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream) -> tuple[Endpoint, Replica]:
+    """An endpoint answers one call on its replica, then is scaled to zero: its endpoint and its STOPPED replica."""
     first = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, first)
     client = tenant.client(gateway)
     assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+    return endpoint, _scale_to_zero(endpoint, start_mock_upstream, first)
+
+
+def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_next_replica_and_answered(
+        gateway, tenant, start_mock_upstream):
+    endpoint, stopped = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
     answer = held_chat(gateway, tenant.key, endpoint)  # held for a cold start, not answered 502
     Replica.objects.create(endpoint=endpoint, node=stopped.node, state=ReplicaState.READY, address=start_mock_upstream(),
@@ -55,11 +60,7 @@ def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_ne
 
 def test_a_stream_that_meets_the_scale_to_zero_is_held_with_progress_and_then_streamed(
         gateway, tenant, start_mock_upstream):
-    first = start_mock_upstream()
-    endpoint = serve_endpoint(tenant.org, first)
-    client = tenant.client(gateway)
-    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+    endpoint, stopped = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
     body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
@@ -78,11 +79,7 @@ def test_a_stream_that_meets_the_scale_to_zero_is_held_with_progress_and_then_st
 
 def test_a_client_that_leaves_while_held_after_the_scale_to_zero_is_billed_nothing_and_leaves_no_place_or_wait_behind(
         gateway, tenant, start_mock_upstream):
-    first = start_mock_upstream()
-    endpoint = serve_endpoint(tenant.org, first)
-    client = tenant.client(gateway)
-    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    _scale_to_zero(endpoint, start_mock_upstream, first)
+    endpoint, _ = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
     body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
