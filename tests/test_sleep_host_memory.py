@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from endpoints import replicas as replicas_module
 from endpoints import scheduler
-from endpoints.models import EndpointEvent, ModelFacts, Replica, ReplicaSleep
+from endpoints.models import Endpoint, EndpointEvent, ModelFacts, Replica, ReplicaSleep
 from endpoints.nodes.models import Node
 from endpoints.placement import reported_weights_size_mb, reported_weights_sizes_mb
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
@@ -150,6 +150,22 @@ def test_two_replicas_falling_asleep_at_once_on_one_node_cannot_both_take_its_la
 
 
 
+def _two_nodes_in_lock_order() -> list[Node]:
+    """Two 2-GPU nodes with host memory to sleep in, in the order their row locks are taken (the primary key's)."""
+    return sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)), key=lambda node: node.pk)
+
+
+def _sleeping_when_idle() -> Endpoint:
+    return EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+
+
+def _first_pauses_in(monkeypatch, step: str) -> threading.Event:
+    """The first call of `replicas.<step>` sets the event it returns once it has run, then pauses 1.5 s, locks held."""
+    go = threading.Event()
+    monkeypatch.setattr(replicas_module, step, _paused(getattr(replicas_module, step), go, before=False, seconds=1.5))
+    return go
+
+
 def _ready_on(endpoint, node, *, age_s: int, gpu: int = 0) -> Replica:
     """A READY replica of `endpoint` on GPU `gpu` of `node`, created `age_s` ago (a scale-down lets the newest go
     first)."""
@@ -166,16 +182,13 @@ def test_two_endpoints_scaling_down_onto_sleep_on_the_same_two_nodes_in_opposite
     node B then one on node A, another one on A then one on B, each waited for the other's node (a deadlock: one
     reconcile rolled back, its replicas left serving; a tick's pass raised). Nodes are locked in one order, the
     primary key's, as placement takes them."""
-    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
-                                     key=lambda node: node.pk)
-    one = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
-    other = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    first_node, second_node = _two_nodes_in_lock_order()
+    one = _sleeping_when_idle()
+    other = _sleeping_when_idle()
     ones = [_ready_on(one, first_node, age_s=600), _ready_on(one, second_node, age_s=60)]  # second_node's first
     others = [_ready_on(other, second_node, age_s=600), _ready_on(other, first_node, age_s=60)]  # first_node's first
-    go = threading.Event()
     # The first reconcile pauses holding its first node, once its room there is counted.
-    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
-                                                                  seconds=1.5))
+    go = _first_pauses_in(monkeypatch, "room_to_sleep")
 
     errors = _together({
         "one": lambda: scheduler.reconcile_endpoint(str(one.pk), idle()),
@@ -191,14 +204,11 @@ def test_a_scale_down_onto_sleep_and_another_endpoints_placement_on_the_same_nod
         sleep_mode, monkeypatch):
     """Placement locks a GPU type's READY nodes in their primary key's order; a scale-down letting go a replica on the
     later node, then one on the earlier, waited for the earlier while the placement held it and waited for the later."""
-    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
-                                     key=lambda node: node.pk)
-    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    first_node, second_node = _two_nodes_in_lock_order()
+    sleepy = _sleeping_when_idle()
     let_go = [_ready_on(sleepy, first_node, age_s=600), _ready_on(sleepy, second_node, age_s=60)]  # second_node's first
     placing = EndpointFactory(gpu_type="h100-80gb", model_source="hf:org/model-1B", min_replicas=1)
-    go = threading.Event()
-    monkeypatch.setattr(replicas_module, "room_to_sleep", _paused(replicas_module.room_to_sleep, go, before=False,
-                                                                  seconds=1.5))
+    go = _first_pauses_in(monkeypatch, "room_to_sleep")
 
     errors = _together({
         "scale-down": lambda: scheduler.reconcile_endpoint(str(sleepy.pk), idle()),
@@ -216,11 +226,10 @@ def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_on
     """A scale-up wakes its sleepers newest first, each under its node's row lock, held until the reconcile commits: one
     that cannot wake on the later node (its GPU given away meanwhile), then one on the earlier, waited for the earlier
     while a scale-down onto sleep (or a placement) held it and waited for the later."""
-    first_node, second_node = sorted((gpu_node(num_gpus=2, host_memory_mb=200_000) for _ in range(2)),
-                                     key=lambda node: node.pk)
-    sleepy = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    first_node, second_node = _two_nodes_in_lock_order()
+    sleepy = _sleeping_when_idle()
     let_go = [_ready_on(sleepy, first_node, age_s=60), _ready_on(sleepy, second_node, age_s=600)]  # the earlier's first
-    waking = EndpointFactory(gpu_type="h100-80gb", min_replicas=0, idle_timeout_s=60, idle_action="sleep")
+    waking = _sleeping_when_idle()
     filler = EndpointFactory(gpu_type="h100-80gb", min_replicas=1)
     Replica.objects.create(endpoint=filler, node=second_node, state=ReplicaState.READY, gpu_indices=[1],
                            reserved_memory_mb=70_000)  # the later node's GPU, given away while its sleeper slept
@@ -228,10 +237,8 @@ def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_on
     for replica, asleep_s in ((older, 300), (newer, 100)):
         Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.SLEEPING,
                                                      state_changed_at=timezone.now() - timedelta(seconds=asleep_s))
-    go = threading.Event()
     # The scale-up pauses once the newer sleeper's room is counted (none), holding the later node.
-    monkeypatch.setattr(replicas_module, "room_to_wake", _paused(replicas_module.room_to_wake, go, before=False,
-                                                                 seconds=1.5))
+    go = _first_pauses_in(monkeypatch, "room_to_wake")
 
     errors = _together({
         "wake": lambda: scheduler.reconcile_endpoint(str(waking.pk), one_waiting()),

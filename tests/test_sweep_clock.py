@@ -29,6 +29,16 @@ def _this_worker_clock(monkeypatch, offset: timedelta) -> None:
     monkeypatch.setattr(timezone, "now", lambda: REAL_NOW() + offset)
 
 
+def _put_to_sleep_when_idle(replica: Replica, settings):
+    """Sleep mode on, a sleeper stopped after 30 minutes, and the replica's endpoint sleeping (not stopping) when idle."""
+    settings.SLEEP_MODE = True
+    settings.SLEEP_STOP_AFTER_S = 1800
+    endpoint = replica.endpoint
+    endpoint.idle_action = "sleep"
+    endpoint.save(update_fields=["idle_action"])
+    return endpoint
+
+
 @pytest.fixture
 def replica(settings) -> Replica:
     settings.REPLICA_START_TIMEOUT_S = 900
@@ -71,11 +81,7 @@ def test_a_replica_starting_past_its_timeout_by_the_database_clock_still_fails(
 
 def test_a_worker_whose_clock_is_ahead_leaves_a_replica_asleep_a_moment_ago(
         replica, monkeypatch, settings, django_capture_on_commit_callbacks):
-    settings.SLEEP_MODE = True
-    settings.SLEEP_STOP_AFTER_S = 1800
-    endpoint = replica.endpoint
-    endpoint.idle_action = "sleep"
-    endpoint.save(update_fields=["idle_action"])
+    endpoint = _put_to_sleep_when_idle(replica, settings)
     Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.SLEEPING, state_changed_at=REAL_NOW())
     _this_worker_clock(monkeypatch, timedelta(minutes=31))
     with django_capture_on_commit_callbacks(execute=False):
@@ -120,11 +126,7 @@ def test_a_replica_placed_on_a_process_whose_clock_is_behind_is_not_failed_while
 
 def test_a_sleep_begun_on_a_process_whose_clock_is_behind_is_not_stopped_a_moment_later(
         replica, monkeypatch, settings, django_capture_on_commit_callbacks):
-    settings.SLEEP_MODE = True
-    settings.SLEEP_STOP_AFTER_S = 1800
-    endpoint = replica.endpoint
-    endpoint.idle_action = "sleep"
-    endpoint.save(update_fields=["idle_action"])
+    endpoint = _put_to_sleep_when_idle(replica, settings)
     Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.READY)
     Node.objects.filter(pk=replica.node_id).update(memory_mb=512_000)  # host memory to sleep in
     replica = Replica.objects.select_related("endpoint").get(pk=replica.pk)

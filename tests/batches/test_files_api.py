@@ -353,18 +353,30 @@ def test_a_file_whose_bytes_are_gone_from_s3_is_openais_404_not_a_503_to_retry_f
     assert client.files.delete(created.id).deleted is True
 
 
-def test_s3_down_while_a_files_content_is_read_is_still_a_503_to_retry(tenant, files_bucket, settings):
+def _a_stored_file(tenant):
+    """The tenant's batch file of LINES, stored in the files bucket."""
+    from endpoints.batches import services
+
+    return services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
+                                stream=io.BytesIO(LINES), size=len(LINES))
+
+
+def _read_content(tenant, file):
+    """GET /v1/files/{id}/content as the tenant, an exception in the view answered as a client sees it."""
     from django.test import Client
 
-    from endpoints.batches import services, storage
+    return Client(raise_request_exception=False).get(f"/v1/files/{file.pk}/content",
+                                                     HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
 
-    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
-                                stream=io.BytesIO(LINES), size=len(LINES))
+
+def test_s3_down_while_a_files_content_is_read_is_still_a_503_to_retry(tenant, files_bucket, settings):
+    from endpoints.batches import storage
+
+    file = _a_stored_file(tenant)
     settings.FILES_S3_ENDPOINT_URL = "http://127.0.0.1:9"  # nothing listens there
     storage.forget_clients()
 
-    answer = Client(raise_request_exception=False).get(f"/v1/files/{file.pk}/content",
-                                                       HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+    answer = _read_content(tenant, file)
 
     assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
     assert answer.json()["error"]["code"] == "service_unavailable"
@@ -377,19 +389,16 @@ def test_a_files_bytes_s3_will_not_let_the_fleet_read_are_a_503_not_a_404_saying
     policy or KMS key changed) or NoSuchBucket (the bucket's setting) is the operator's to mend, and the bytes are
     still stored. Before, each was a 404 `file_content_not_found` telling the tenant its file's bytes were gone."""
     from botocore.exceptions import ClientError
-    from django.test import Client
 
-    from endpoints.batches import services, storage
+    from endpoints.batches import storage
 
-    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
-                                stream=io.BytesIO(LINES), size=len(LINES))
+    file = _a_stored_file(tenant)
 
     def refused(**kwargs):
         raise ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject")
 
     monkeypatch.setattr(storage._client(), "get_object", refused)
-    answer = Client(raise_request_exception=False).get(f"/v1/files/{file.pk}/content",
-                                                       HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
+    answer = _read_content(tenant, file)
 
     assert (answer.status_code, answer.get("retry-after")) == (503, "1"), answer.content
     assert answer.json()["error"]["code"] == "service_unavailable"
@@ -404,10 +413,9 @@ def test_a_file_whose_bytes_s3_will_not_delete_is_not_deleted_and_its_delete_can
     from botocore.exceptions import ClientError
     from django.test import Client
 
-    from endpoints.batches import services, storage
+    from endpoints.batches import storage
 
-    file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="r.jsonl",
-                                stream=io.BytesIO(LINES), size=len(LINES))
+    file = _a_stored_file(tenant)
     web = Client(raise_request_exception=False)
     with monkeypatch.context() as refusing:
         def refused(**kwargs):

@@ -185,12 +185,7 @@ def test_an_organisation_refused_at_its_cap_is_told_it_reached_it_though_its_spe
 def test_one_oversized_call_refused_at_a_low_spend_tells_nobody_the_cap_is_reached():
     # A call whose worst case alone is past the cap is refused at any spend; the calls that fit still run, so "reached
     # its monthly spend cap ... calls are refused" would be untrue (before this rule: mailed to every owner at $0.10).
-    organization = OrganizationFactory()
-    MembershipFactory(organization=organization, role=Role.OWNER)
-    _cap(organization, "1.00")
-    endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
-                               price_output_per_million=Decimal("0"))
-    record_usage(usage_report(endpoint, prompt_tokens=100_000, completion_tokens=0))
+    organization = _spent_of_a_dollar_cap(prompt_tokens=100_000)  # $0.10
     with pytest.raises(QuotaExceeded) as refused:
         asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("5"), request_id="huge"))
     assert refused.value.reason == "org_cap"
@@ -198,13 +193,19 @@ def test_one_oversized_call_refused_at_a_low_spend_tells_nobody_the_cap_is_reach
     assert mail.outbox == []
 
 
-def _at_97_cents_of_a_dollar_cap():
+def _spent_of_a_dollar_cap(prompt_tokens: int):
+    """An organization with one owner and a $1.00 cap, `prompt_tokens` prompt tokens used at $1 a million."""
     organization = OrganizationFactory()
     MembershipFactory(organization=organization, role=Role.OWNER)
     _cap(organization, "1.00")
     endpoint = EndpointFactory(organization=organization, price_input_per_million=Decimal("1"),
                                price_output_per_million=Decimal("0"))
-    record_usage(usage_report(endpoint, prompt_tokens=970_000, completion_tokens=0))
+    record_usage(usage_report(endpoint, prompt_tokens=prompt_tokens, completion_tokens=0))
+    return organization
+
+
+def _at_97_cents_of_a_dollar_cap():
+    organization = _spent_of_a_dollar_cap(prompt_tokens=970_000)
     assert check_spend_alerts(organization.pk) == [50, 80]
     return organization
 

@@ -824,17 +824,23 @@ class HangingProvider(RecordingProvider):
         raise WorkerKilled
 
 
-@pytest.mark.django_db
-def test_a_pool_whose_provider_outlasts_the_tick_does_not_keep_the_other_pools_from_their_turn():
-    # NOTE: pools were ticked in the order of their ids, every tick: the first pool's provider answering slower than the
-    # tick's time limit had the worker killed there each time, and the pools after it were never ticked (their demand
-    # never launched, their idle machines never released, paid for).
+def _a_slow_pool_booting_and_another_releasing():
+    """Pool a-slow (provider ec2) with a machine booting, pool b-other with an idle machine due for release."""
     slow_pool = make_pool(name="a-slow", provider="ec2")
     other_pool = make_pool(name="b-other")
     now = timezone.now()
     NodeLaunch.objects.create(pool=slow_pool, state=LaunchState.LAUNCHING, provider_id="i-0slow", deadline_at=now + timedelta(hours=1))
     releasing = NodeLaunch.objects.create(pool=other_pool, state=LaunchState.RELEASING, provider_id="m-idle",
                                           deadline_at=now, reason="empty for 60 s (pool b-other)")
+    return slow_pool, other_pool, releasing
+
+
+@pytest.mark.django_db
+def test_a_pool_whose_provider_outlasts_the_tick_does_not_keep_the_other_pools_from_their_turn():
+    # NOTE: pools were ticked in the order of their ids, every tick: the first pool's provider answering slower than the
+    # tick's time limit had the worker killed there each time, and the pools after it were never ticked (their demand
+    # never launched, their idle machines never released, paid for).
+    _, _, releasing = _a_slow_pool_booting_and_another_releasing()
     slow, fine = HangingProvider(), RecordingProvider()
     for _ in range(2):
         with pytest.raises(WorkerKilled):
@@ -850,17 +856,22 @@ def _register_as(client, join_token: str, name: str, advertise_host: str = "127.
         content_type="application/json")
 
 
+def _a_booting_machine_and_a_shared_join_token():
+    """A pool's machine launched for a waiting endpoint, its agent not yet registered, and a DaemonSet's shared token."""
+    pool, provider = make_pool(), RecordingProvider()
+    waiting_endpoint()
+    tick(provider)
+    launch = NodeLaunch.objects.get(pool=pool)
+    return provider, launch, create_join_token(SYSTEM, name="daemonset").plain
+
+
 @pytest.mark.django_db(transaction=True)
 def test_another_holder_of_a_shared_join_token_registering_under_a_booting_machines_name_does_not_take_it_over(client):
     """A Kubernetes pool's machine is linked by the node name the provider reports, its agent holding the DaemonSet's
     shared join token. Before, the tick linked the newest node registered under that name since the launch: anyone else
     holding the token who registered under it after the machine's own agent became the pool's machine (its launch, its
     idle timeout, its release), and the machine's real node was left out of the pool."""
-    pool, provider = make_pool(), RecordingProvider()
-    waiting_endpoint()
-    tick(provider)
-    launch = NodeLaunch.objects.get(pool=pool)
-    shared = create_join_token(SYSTEM, name="daemonset").plain
+    provider, launch, shared = _a_booting_machine_and_a_shared_join_token()
     machine_name = provider.machines[str(launch.pk)].node_name
 
     own = _register_as(client, shared, machine_name)
@@ -880,11 +891,7 @@ def test_another_holder_of_a_shared_join_token_registering_under_a_booting_machi
 def test_a_booting_machines_name_claimed_first_by_a_node_staff_then_retire_goes_to_the_machines_own_agent(client):
     """Someone holding the shared token who registers under the machine's name before its agent does is linked first;
     staff retiring that node leave the machine to the next claimant, its own agent, at the next tick."""
-    pool, provider = make_pool(), RecordingProvider()
-    waiting_endpoint()
-    tick(provider)
-    launch = NodeLaunch.objects.get(pool=pool)
-    shared = create_join_token(SYSTEM, name="daemonset").plain
+    provider, launch, shared = _a_booting_machine_and_a_shared_join_token()
     machine_name = provider.machines[str(launch.pk)].node_name
     assert _register_as(client, shared, "a-machine-of-the-fleet").status_code == 201  # the token stays usable
     first = _register_as(client, shared, machine_name)
@@ -902,11 +909,7 @@ def test_a_node_registered_under_a_booting_machines_name_before_its_agent_at_ano
     """Where the provider knows the agent's host on the machine (Kubernetes: the agent pod's IP), a shared join token's
     holder who registers under the machine's node name before the machine's own agent is not linked; the agent is,
     once it registers. Before, the first registered under the name was linked, whatever host it advertised."""
-    pool, provider = make_pool(), RecordingProvider()
-    waiting_endpoint()
-    tick(provider)
-    launch = NodeLaunch.objects.get(pool=pool)
-    shared = create_join_token(SYSTEM, name="daemonset").plain
+    provider, launch, shared = _a_booting_machine_and_a_shared_join_token()
     machine = provider.machines[str(launch.pk)]
     provider.machines[str(launch.pk)] = dataclasses.replace(machine, agent_hosts=("127.0.0.2",))
 
@@ -943,12 +946,7 @@ def test_a_tick_whose_time_is_up_starts_no_other_pools_turn_and_that_pool_goes_f
     # NOTE: the soft time limit is an Exception: taken for one pool's failure, the tick went on to the next pool's turn
     # with the 10 s left before the hard limit, which killed the worker in the middle of it (a machine asked for, its
     # launch never marked), and the pool so cut went last at the next tick.
-    slow_pool = make_pool(name="a-slow", provider="ec2")
-    other_pool = make_pool(name="b-other")
-    now = timezone.now()
-    NodeLaunch.objects.create(pool=slow_pool, state=LaunchState.LAUNCHING, provider_id="i-0slow", deadline_at=now + timedelta(hours=1))
-    releasing = NodeLaunch.objects.create(pool=other_pool, state=LaunchState.RELEASING, provider_id="m-idle",
-                                          deadline_at=now, reason="empty for 60 s (pool b-other)")
+    slow_pool, other_pool, releasing = _a_slow_pool_booting_and_another_releasing()
     slow, fine = SoftLimitProvider(), RecordingProvider()
 
     with pytest.raises(SoftTimeLimitExceeded):
@@ -1002,11 +1000,7 @@ def test_a_kubernetes_machines_agent_whose_registration_answer_was_lost_joins_as
     registers again, at its pod's IP under its node's name, and heartbeats as that second node. The first node is no
     one's: its secret never reached anybody. Before, the tick linked the first registered at the agent's host, that dead
     node: the launch JOINED a node that never heartbeats, and the live one ran outside its pool."""
-    pool, provider = make_pool(), RecordingProvider()
-    waiting_endpoint()
-    tick(provider)
-    launch = NodeLaunch.objects.get(pool=pool)
-    shared = create_join_token(SYSTEM, name="daemonset").plain
+    provider, launch, shared = _a_booting_machine_and_a_shared_join_token()
     machine = provider.machines[str(launch.pk)]
     provider.machines[str(launch.pk)] = dataclasses.replace(machine, agent_hosts=("127.0.0.2",))
 

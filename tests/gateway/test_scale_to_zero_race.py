@@ -4,6 +4,8 @@ and its agent stopped. The call, refused before it reached an engine, finds no R
 call, held for the next replica like any other, never a 502 "please retry"."""
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from billing.models import UsageRecord
 from controlplane.accounts.services import Actor
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import held_key, inflight_key, reservations_key, waiting_key
-from endpoints.models import Replica, ReplicaState
+from endpoints.models import Endpoint, Replica, ReplicaState
 from endpoints.nodes.models import Node
 from endpoints.services import delete_endpoint, pause_endpoint
 from tests.conftest import wait_until
@@ -32,13 +34,28 @@ def _scale_to_zero(endpoint, start_mock_upstream, address: str) -> Replica:
     return replica
 
 
-def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_next_replica_and_answered(
-        gateway, tenant, start_mock_upstream):
+def _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream) -> tuple[Endpoint, Replica]:
+    """An endpoint answers one call on its replica, then is scaled to zero: its endpoint and its STOPPED replica."""
     first = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, first)
     client = tenant.client(gateway)
     assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+    return endpoint, _scale_to_zero(endpoint, start_mock_upstream, first)
+
+
+@contextmanager
+def _held_stream(gateway, tenant, endpoint) -> Iterator[Iterator[str]]:
+    """A streamed chat call to the endpoint, answered 200: the lines of its stream, open while the context lasts."""
+    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                      json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        yield response.iter_lines()
+
+
+def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_next_replica_and_answered(
+        gateway, tenant, start_mock_upstream):
+    endpoint, stopped = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
     answer = held_chat(gateway, tenant.key, endpoint)  # held for a cold start, not answered 502
     Replica.objects.create(endpoint=endpoint, node=stopped.node, state=ReplicaState.READY, address=start_mock_upstream(),
@@ -55,17 +72,9 @@ def test_a_call_sent_to_a_replica_scaled_to_zero_a_moment_ago_is_held_for_the_ne
 
 def test_a_stream_that_meets_the_scale_to_zero_is_held_with_progress_and_then_streamed(
         gateway, tenant, start_mock_upstream):
-    first = start_mock_upstream()
-    endpoint = serve_endpoint(tenant.org, first)
-    client = tenant.client(gateway)
-    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    stopped = _scale_to_zero(endpoint, start_mock_upstream, first)
+    endpoint, stopped = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
-    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
-                      json=body, timeout=30) as response:
-        assert response.status_code == 200, response.read()
-        lines = response.iter_lines()
+    with _held_stream(gateway, tenant, endpoint) as lines:
         first_line = next(lines)
         assert first_line.startswith(": "), first_line  # a progress comment: held, not an error event
         Replica.objects.create(endpoint=endpoint, node=stopped.node, state=ReplicaState.READY,
@@ -78,17 +87,9 @@ def test_a_stream_that_meets_the_scale_to_zero_is_held_with_progress_and_then_st
 
 def test_a_client_that_leaves_while_held_after_the_scale_to_zero_is_billed_nothing_and_leaves_no_place_or_wait_behind(
         gateway, tenant, start_mock_upstream):
-    first = start_mock_upstream()
-    endpoint = serve_endpoint(tenant.org, first)
-    client = tenant.client(gateway)
-    assert client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
-    _scale_to_zero(endpoint, start_mock_upstream, first)
+    endpoint, _ = _served_then_scaled_to_zero(gateway, tenant, start_mock_upstream)
 
-    body = {"model": endpoint.name, "messages": MESSAGES, "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
-                      json=body, timeout=30) as response:
-        assert response.status_code == 200, response.read()
-        lines = response.iter_lines()  # NOTE: kept: an iterator collected closes the stream
+    with _held_stream(gateway, tenant, endpoint) as lines:  # NOTE: kept: an iterator collected closes the stream
         assert next(lines).startswith(": ")  # held
         redis = get_redis()
         assert redis.zcard(waiting_key(tenant.org.pk, str(endpoint.pk))) == 1  # counted waiting: the wake sees it
