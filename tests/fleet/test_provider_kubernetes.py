@@ -11,6 +11,7 @@ import json
 import re
 import ssl
 import threading
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -24,6 +25,7 @@ from cryptography.x509.oid import NameOID
 from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
+from gpu_agent.runtime import control_plane as control_plane_client
 from tests.infra.conftest import render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
@@ -95,16 +97,32 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list"]}]
     binding = rendered.get("RoleBinding", "inferplane-node-pools")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-node-pools", "namespace": "inferplane"}]
-    assert not rendered.all("ClusterRole") and not rendered.all("ClusterRoleBinding")
+    # The web pods may review tokens (a registering agent's pod token), and do nothing else with the API.
+    [cluster_role] = rendered.all("ClusterRole")
+    assert cluster_role["metadata"]["name"] == "inferplane-registration-review" and cluster_role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+    [cluster_binding] = rendered.all("ClusterRoleBinding")
+    assert cluster_binding["roleRef"]["name"] == "inferplane-registration-review" and cluster_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "inferplane-registration-review", "namespace": "inferplane"}]
 
     worker = rendered.get("Deployment", "inferplane-worker")["spec"]["template"]["spec"]
     assert worker["serviceAccountName"] == "inferplane-node-pools" and worker["automountServiceAccountToken"] is True
     web = rendered.get("Deployment", "inferplane-web")["spec"]["template"]["spec"]
-    assert web["automountServiceAccountToken"] is False and "serviceAccountName" not in web
+    assert web["serviceAccountName"] == "inferplane-registration-review" and web["automountServiceAccountToken"] is True
 
     agent = rendered.get("DaemonSet", "inferplane-agent")["spec"]["template"]["spec"]
     [container] = agent["containers"]
     assert agent["runtimeClassName"] == "nvidia"
+    # The agent registers with its pod's projected token for our audience (what `reviewed_agent_pod` checks), at the
+    # path it reads, as the service account the review must name; no API token of it is mounted.
+    assert agent["serviceAccountName"] == kubernetes.AGENT_SERVICE_ACCOUNT and agent["automountServiceAccountToken"] is False
+    assert rendered.get("ServiceAccount", kubernetes.AGENT_SERVICE_ACCOUNT)["automountServiceAccountToken"] is False
+    [volume] = [volume for volume in agent["volumes"] if volume["name"] == "registration-token"]
+    [source] = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == kubernetes.AGENT_TOKEN_AUDIENCE
+    assert source["serviceAccountToken"]["expirationSeconds"] <= 3600
+    [mount] = [mount for mount in container["volumeMounts"] if mount["name"] == "registration-token"]
+    assert f"{mount['mountPath']}/{source['serviceAccountToken']['path']}" == str(control_plane_client.POD_TOKEN_FILE)
     assert "nvidia.com/gpu" not in container["resources"]["requests"] and "nvidia.com/gpu" not in container["resources"]["limits"]
     env = {variable["name"]: variable for variable in container["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
@@ -130,6 +148,9 @@ class _ApiServer:
         self.time_out_creates = False
         self.page_size = 0  # pods per page of a list (0: the client's limit), as an API server may answer fewer
         self.fail_continued_pages = False  # every page after the first answers 410: the continue token expired
+        # Projected service-account tokens the API server issued: token -> (pod name, pod uid, audiences).
+        self.pod_tokens: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        self.reviews_unreachable = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -160,7 +181,34 @@ class _ApiServer:
                     f'cannot {verb} resource "pods" in the namespace "{namespace}"')})
                 return True
 
+            def _review(self):
+                """A TokenReview, as the API server answers it for a pod's projected service-account token."""
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.reviews_unreachable:
+                    return self._answer(503, {"kind": "Status", "reason": "ServiceUnavailable", "message": "etcd"})
+                pod_name, pod_uid, audiences = server.pod_tokens.get(review["spec"]["token"], ("", "", ()))
+                pod = server.pods.get(pod_name)
+                wanted = set(review["spec"].get("audiences") or ["https://kubernetes.default.svc"])
+                if pod is None or pod["metadata"].get("uid") != pod_uid or not wanted & set(audiences):
+                    error = "invalid bearer token" if pod is not None or not pod_name else (
+                        f'pods "{pod_name}" not found')
+                    return self._answer(201, {"kind": "TokenReview", "status": {"authenticated": False,
+                                                                                "error": error}})
+                namespace, account = pod["metadata"]["namespace"], pod["spec"].get("serviceAccountName", "default")
+                node = pod["spec"].get("nodeName", "")
+                extra = {"authentication.kubernetes.io/pod-name": [pod_name],
+                         "authentication.kubernetes.io/pod-uid": [pod_uid],
+                         **({"authentication.kubernetes.io/node-name": [node]} if node else {})}
+                self._answer(201, {"kind": "TokenReview", "status": {
+                    "authenticated": True, "audiences": sorted(wanted & set(audiences)),
+                    "user": {"username": f"system:serviceaccount:{namespace}:{account}", "uid": str(uuid.uuid4()),
+                             "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                             "extra": extra}}})
+
             def do_POST(self):
+                if self.path == "/apis/authentication.k8s.io/v1/tokenreviews":
+                    server.requests.append((self.command, self.path, self.headers.get("Authorization", "")))
+                    return self._review()
                 namespace, _, _ = self._route()
                 if self._forbidden(namespace):
                     return
@@ -212,6 +260,12 @@ class _ApiServer:
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
+
+    def issue_pod_token(self, pod_name: str, audience: str = kubernetes.AGENT_TOKEN_AUDIENCE) -> str:
+        """A projected service-account token of the pod (`serviceAccountToken` volume source, this audience)."""
+        token = f"eyJhbGciOiJSUzI1NiJ9.{uuid.uuid4().hex}.sig"
+        self.pod_tokens[token] = (pod_name, self.pods[pod_name]["metadata"]["uid"], (audience,))
+        return token
 
     def stop(self):
         self.httpd.shutdown()
@@ -307,8 +361,8 @@ AGENT_LABELS = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/name"
 def _agent_pod(name: str, node_name: str, ip: str, labels: dict | None = None, **metadata) -> dict:
     """A pod of the agent DaemonSet as the API server lists it (infra/k8s/base/agent-daemonset.yaml)."""
     return {"metadata": {"name": name, "namespace": "inferplane", "labels": AGENT_LABELS if labels is None else labels,
-                         **metadata},
-            "spec": {"nodeName": node_name}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+                         "uid": str(uuid.uuid4()), **metadata},
+            "spec": {"nodeName": node_name, "serviceAccountName": "inferplane-agent"}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
 
 
 def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it_cannot_tell(api_server):
