@@ -80,13 +80,11 @@ class Machine:
     # the name was linked, whatever its host: the window while the agent's pod starts was the takeover's.
     agent_hosts: tuple[str, ...] | None = None
     # NOTE: the machine's agent is known by the pod it runs in (Kubernetes): only a node whose registration carried
-    # that pod's service-account token, reviewed by the API server as the agent pod on the machine's node
-    # (`Node.agent_pod_uid`), is its agent. `agent_pods`: the uids of the agent pods on the machine's node where the
-    # provider could list them (None: it could not; then any such reviewed node registered under its name). Before,
-    # a shared join token's holder who learned the agent pod's IP (or any node's IP, for an agent on the host's
-    # network) and registered there under the node's name before the agent was linked as the machine.
+    # its pod's service-account token, which the API server's review named as a pod of the agent's account on the node
+    # the registration names (`Node.agent_pod_uid`, `kubernetes.reviewed_agent_pod`), is its agent. Before, a shared
+    # join token's holder who learned the agent pod's IP (or the node's, for an agent on the host's network) and
+    # registered there under the node's name before the agent was linked as the machine.
     pod_bound: bool = False
-    agent_pods: tuple[str, ...] | None = None
 
 
 class Provider(Protocol):

@@ -4,10 +4,10 @@ Replicas are not pods (the agent DaemonSet runs them), so the cluster autoscaler
 sees their demand. A launch creates one placeholder pod (`k8s_placeholder.placeholder_pod`) that
 requests the pool's GPUs on its node selector: the autoscaler adds a node for it, the agent
 DaemonSet starts there and registers under the node's name (`--name` = `spec.nodeName`), and the
-policy links the two by `Machine.node_name`, the agent pod on that node (its uid, which the API server's review of
-the pod's projected service-account token sent on registration named: `reviewed_agent_pod`, `Machine.agent_pods`)
-and its IP (`Machine.agent_hosts`): a holder of the shared join token registering under the node's name first, even
-at the pod's IP, is not the machine. Deleting the placeholder lets the autoscaler remove
+policy links the two by `Machine.node_name`, a registration by an agent pod on that node (the API server's review of
+the pod's projected service-account token sent on registration names the pod and its node: `reviewed_agent_pod`,
+`Machine.pod_bound`) and the pod's IP (`Machine.agent_hosts`): a holder of the shared join token registering under
+the node's name first, even at the pod's IP, is not the machine. Deleting the placeholder lets the autoscaler remove
 the node once it is empty.
 
 NOTE: the placeholder holds the GPUs in the scheduler's books only; pooled agents reach them through
@@ -173,13 +173,12 @@ class KubernetesProvider:
                                     fleet_marked=_marked(labels, pool), pod_bound=True))
         if not any(machine.node_name for machine in machines):
             return machines
-        agents = _agent_pods(api)
-        if agents is None:
+        hosts = _agent_hosts(api)
+        if hosts is None:
             return machines
         # NOTE: a node with no agent pod with an IP yet has no agent host (), not an unknown one (None): no node
         # registered under its name is linked until its agent's pod has an IP (`Machine.agent_hosts`).
-        return [dataclasses.replace(machine, agent_hosts=agents.get(machine.node_name, ((), ()))[0],
-                                    agent_pods=agents.get(machine.node_name, ((), ()))[1]) for machine in machines]
+        return [dataclasses.replace(machine, agent_hosts=hosts.get(machine.node_name, ())) for machine in machines]
 
 
 # The agent DaemonSet's pods (infra/k8s/base/agent-daemonset.yaml, named by the base kustomization), in the worker's
@@ -201,34 +200,38 @@ def reviewed_agent_pod(token: str, node_name: str) -> str:
     status = _api().review_token(token, AGENT_TOKEN_AUDIENCE)
     if status.get("authenticated") is not True:
         raise ProviderError(f"the Kubernetes API did not accept the pod's token: {status.get('error') or 'refused'}")
-    if AGENT_TOKEN_AUDIENCE not in (status.get("audiences") or []):
+    audiences = status.get("audiences")
+    if not isinstance(audiences, list) or AGENT_TOKEN_AUDIENCE not in audiences:
         raise ProviderError(f"the pod's token is not for the audience {AGENT_TOKEN_AUDIENCE}")
-    user = status.get("user") or {}
+    user = status.get("user") if isinstance(status.get("user"), dict) else {}
     account = f"system:serviceaccount:{service_account_namespace()}:{AGENT_SERVICE_ACCOUNT}"
     if user.get("username") != account:
         raise ProviderError(f"the token is {user.get('username')!r}'s, not the agent's service account {account}")
-    extra = user.get("extra") or {}
-    [pod_name], [pod_uid] = extra.get(_POD_NAME_EXTRA) or [""], extra.get(_POD_UID_EXTRA) or [""]
+    extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
+    pod_name, pod_uid, pod_node = (_one(extra, key) for key in (_POD_NAME_EXTRA, _POD_UID_EXTRA, _NODE_NAME_EXTRA))
     if not pod_name or not pod_uid:
         raise ProviderError("the token is bound to no pod (a projected service-account token is needed)")
-    [pod_node] = extra.get(_NODE_NAME_EXTRA) or [""]
     if pod_node != node_name:
         where = f"on node {pod_node}" if pod_node else "on no node the API server names (Kubernetes 1.30 or later)"
         raise ProviderError(f"the token is of pod {pod_name} {where}, not of the agent on node {node_name}")
     return pod_uid
 
 
-def _agent_pods(api: KubernetesApi) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]] | None:
-    """The IPs of the agent pods on each node (what each advertises, `status.podIP`) and their uids (what a reviewed
-    registration names, `Node.agent_pod_uid`); None when they cannot be listed (then a machine's node is linked by its
-    name alone, to a node its agent pod's reviewed token registered there: `pools.link_joins`)."""
+def _one(extra: dict, key: str) -> str:
+    """The one value of a review's `extra` entry ("" for none, several, or not a string)."""
+    values = extra.get(key)
+    return values[0] if isinstance(values, list) and len(values) == 1 and isinstance(values[0], str) else ""
+
+
+def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
+    """The IPs of the agent pods on each node (what each advertises, `status.podIP`); None when they cannot be listed
+    (then a machine's node is linked by its name alone, to a node an agent pod there registered: `pools.link_joins`)."""
     try:
         pods = api.list_pods(service_account_namespace(), AGENT_SELECTOR)
     except ProviderError as error:
         logger.warning("could not list the agent pods (a pool machine is linked by its node's name alone): %s", error)
         return None
     hosts: dict[str, set[str]] = {}
-    uids: dict[str, set[str]] = {}
     for pod in pods:
         node_name, status = pod.get("spec", {}).get("nodeName", ""), pod.get("status", {})
         ips = {status.get("podIP", "")} | {entry.get("ip", "") for entry in status.get("podIPs") or []}
@@ -238,9 +241,7 @@ def _agent_pods(api: KubernetesApi) -> dict[str, tuple[tuple[str, ...], tuple[st
         ended = status.get("phase") in ("Succeeded", "Failed")
         if node_name and not pod["metadata"].get("deletionTimestamp") and not ended:
             hosts.setdefault(node_name, set()).update(ip for ip in ips if ip)
-            uids.setdefault(node_name, set()).add(pod["metadata"].get("uid", ""))
-    return {node_name: (tuple(sorted(hosts[node_name])), tuple(sorted(uid for uid in uids[node_name] if uid)))
-            for node_name in hosts if hosts[node_name]}
+    return {node_name: tuple(sorted(ips)) for node_name, ips in hosts.items() if ips}
 
 
 def _marked(labels: dict, pool: PoolSpec) -> bool:
