@@ -1124,3 +1124,17 @@ def _refusing_agent_lists(list_pods):
             raise ProviderError("Kubernetes refused to list pods (403): forbidden")
         return list_pods(self, namespace, label_selector)
     return listing
+
+
+@pytest.mark.django_db
+def test_a_pod_token_sent_to_a_control_plane_outside_kubernetes_is_refused_with_the_reason(client, settings, monkeypatch):
+    """A pooled agent pointed at a control plane that cannot ask any API server to review its token: a 401 saying so,
+    not a node that no pool would ever link (nor a 500)."""
+    settings.K8S_API_URL = ""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+
+    refused = _register_as(client, shared, K8S_NODE, pod_token="eyJhbGciOiJSUzI1NiJ9.pod.sig")
+
+    assert refused.status_code == 401 and "not inside a Kubernetes cluster" in refused.json()["error"]["message"]
+    assert not Node.objects.exists()
