@@ -375,6 +375,9 @@ def _require_distinct_gpus(gpus: list[GpuStatus]) -> None:
     _require(len(set(uuids)) == len(uuids), "GPU uuids must be distinct")
 
 
+MAX_POD_TOKEN_CHARS = 8192  # a projected service-account token is a JWT of about 1 KB
+
+
 @dataclass(slots=True)
 class RegisterRequest(Message):
     join_token: str = field(repr=False)
@@ -403,9 +406,15 @@ class RegisterRequest(Message):
     # and "no namespaces: <why>" for either part (`runtime.sandbox.node_fact`).
     # Empty from agents older than the engine sandbox.
     engine_sandbox: str = ""
+    # NOTE: a Kubernetes agent's pod's projected service-account token (audience `inferplane.dev/agent-registration`,
+    # short-lived), which the control plane has the API server review (TokenReview): what binds the registration to
+    # the agent pod on the node it names, so a holder of the shared join token is not a pool's machine. Empty from
+    # bare-metal agents, agents outside a node pool and agents of the release before.
+    pod_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _require(bool(self.join_token), "join_token is required")
+        _require_printable(self.pod_token, "pod_token", MAX_POD_TOKEN_CHARS)
         _require(isinstance(self.engine_sandbox, str), "engine_sandbox must be a string")
         self.engine_sandbox = engine_sandbox_fact(self.engine_sandbox)
         _require_length(self.join_token, "join_token", 200)

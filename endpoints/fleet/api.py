@@ -72,6 +72,8 @@ def register(request):
         return _busy()
     except ServiceAddressesUnresolved:
         return _busy(UNRESOLVED)
+    except services.PodTokenUnreviewed as exc:
+        return _busy(f"the Kubernetes API did not review the pod's token ({exc})")
     return JsonResponse(answer.to_dict(), status=201)
 
 

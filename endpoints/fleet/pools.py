@@ -166,6 +166,8 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             # one ran outside the pool. The agent heartbeats at once after registering: the join waits one beat.
             eligible = claimants if machine.agent_hosts is None else claimants.filter(
                 advertise_host__in=machine.agent_hosts, last_heartbeat_at__gt=F("registered_at"))
+            if machine.pod_bound:  # NOTE: Kubernetes: only a registration by an agent pod on it (`Machine.pod_bound`)
+                eligible = eligible.exclude(agent_pod_uid="")
             node = eligible.first()
             if node is not None:
                 contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]

@@ -28,6 +28,8 @@ from endpoints.adapters import adapter_specs, record_replica_adapters
 from endpoints.catalogue import default_reasoning_parser
 from endpoints.credentials import source_access
 from endpoints.fleet.launches import link_joined_node
+from endpoints.fleet.providers import kubernetes
+from endpoints.fleet.providers.base import ProviderError, ProviderUnreachable
 from endpoints.models import (
     LIVE_REPLICA_STATES,
     RESERVATION_FACTS,
@@ -78,6 +80,11 @@ class NodeRetired(AgentAuthError):
 class NodeRefused(AgentAuthError):
     """A registered node whose host the gateway may no longer reach: the agent API answers 401 with the reason and
     `protocol.NODE_REFUSED`, on which the agent, its own secret accepted, stops its engines."""
+
+
+class PodTokenUnreviewed(Exception):
+    """The Kubernetes API did not answer the review of a registration's pod token (a timeout, a 5xx): the agent API
+    answers 503, and the agent registers again shortly."""
 
 
 class ReportRefused(ValueError):
@@ -180,6 +187,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
                        request.engine_port_max, problem)
         _audit_refused_registration(join_token, request, problem)
         raise ReportRefused(problem)
+    agent_pod_uid = _reviewed_agent_pod(request)
     issued = tokens.issue_token(Node.SECRET_KIND)
     with transaction.atomic():
         # NOTE: the use count is claimed with a conditional update so a token with max_uses=1
@@ -197,6 +205,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
             advertise_host=request.advertise_host, engine_port_min=request.engine_port_min,
             engine_port_max=request.engine_port_max,
             secret_lookup=issued.lookup, secret_digest=issued.digest, join_token=join_token,
+            agent_pod_uid=agent_pod_uid,
             # NOTE: PostgreSQL's clock, as the sweeps judge heartbeats (`database_time_ago`) and the pool's tick
             # compares the registration with its launch's request (`pools.link_joins`). Before, `registered_at` was
             # the web pod's: one 2 minutes behind never linked a Kubernetes machine to its launch by name, and the
@@ -216,6 +225,25 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
     return protocol.RegisterResponse(
         node_id=str(node.pk), node_secret=issued.plain, heartbeat_interval_s=settings.AGENT_HEARTBEAT_INTERVAL_S
     )
+
+
+def _reviewed_agent_pod(request: protocol.RegisterRequest) -> str:
+    """The uid of the Kubernetes agent pod the registration's pod token is of, on the node it registers as ("" when it
+    sent none: a bare-metal agent, or one of the release before, which no Kubernetes pool links: `pools.link_joins`).
+    Raises `AgentAuthError` naming why the API server's review refused it (or when this control plane cannot ask one),
+    `PodTokenUnreviewed` when the API server did not answer; before any write, so a refused registration leaves nothing.
+
+    NOTE: before, a Kubernetes pool's machine was known by its node's name and its agent pod's IP alone: a holder of
+    the shared join token registering there first took the machine over (`Machine.pod_bound`)."""
+    if not request.pod_token:
+        return ""
+    try:
+        return kubernetes.reviewed_agent_pod(request.pod_token, request.name)
+    except ProviderUnreachable as error:
+        raise PodTokenUnreviewed(str(error)) from None
+    except ProviderError as error:
+        logger.warning("registration of node %r refused: its pod token: %s", request.name, error)
+        raise AgentAuthError(f"the pod's service-account token was refused: {error}") from None
 
 
 # NOTE: a refused node's agent registers again at every back-off (at most a minute; every 5 s had it exited, systemd's

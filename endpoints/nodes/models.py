@@ -369,6 +369,11 @@ class Node(models.Model):
     # before it was kept.
     retired_secret_digest = models.CharField(max_length=64, blank=True, default="", db_default="")
     join_token = models.ForeignKey(JoinToken, on_delete=models.SET_NULL, null=True, related_name="nodes")
+    # The uid of the Kubernetes agent pod that registered the node, as the API server's review of the pod's projected
+    # service-account token named it (`RegisterRequest.pod_token`, on the node the registration names): only such a
+    # node is a Kubernetes pool's machine (`pools.link_joins`). Empty for bare-metal nodes and for registrations that
+    # carried no token (agents of the release before).
+    agent_pod_uid = models.CharField(max_length=64, blank=True, default="", db_default="")
     # Each GPU as the agent reported it: [{index, uuid, name, memory_mb, mig_slices: [{uuid, profile,
     # memory_mb}]}]. Empty for CPU nodes and agents older than per-GPU placement: placement then
     # treats the node's GPU memory as one pool and assigns no GPU indices.

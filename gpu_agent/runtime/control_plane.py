@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -61,6 +62,19 @@ def heartbeat_interval(value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return DEFAULT_HEARTBEAT_INTERVAL_S
     return min(max(float(value), MIN_HEARTBEAT_INTERVAL_S), MAX_HEARTBEAT_INTERVAL_S)
+
+
+# A Kubernetes pool's agent pod's projected service-account token (infra/k8s/components/node-pools), sent on
+# registration: the control plane has the API server review it, which binds the node to this pod. Read at each
+# registration, as the kubelet renews it; absent on bare metal (nothing sent).
+POD_TOKEN_FILE = Path("/var/run/secrets/inferplane.dev/registration/token")
+
+
+def pod_token() -> str:
+    try:
+        return POD_TOKEN_FILE.read_text().strip()
+    except OSError:
+        return ""
 
 
 class RegistrationRefused(Exception):
@@ -139,6 +153,7 @@ class ControlPlaneClient:
 
     def register(self) -> RegisterResponse:
         request = RegisterRequest(
+            pod_token=pod_token(),
             join_token=self.config.join_token,
             name=self.config.name,
             gpu_type=self.machine.gpu_type,

@@ -240,6 +240,25 @@ def test_registers_then_heartbeats_with_its_node_secret(control_plane, running_a
     assert first[0].boot_id != second[0].boot_id
 
 
+def test_a_kubernetes_pool_agent_registers_with_its_pods_projected_token_and_a_bare_metal_one_with_none(
+        control_plane, running_agent, tmp_path, monkeypatch):
+    """What binds a pool machine's registration to its agent pod (the control plane reviews the token); a host without
+    the projected token (bare metal) sends none."""
+    monkeypatch.setattr(control_plane_client, "REREGISTER_MIN_INTERVAL_S", 0.0)  # else once a minute
+    running_agent()
+    wait_until(lambda: control_plane.heartbeats, 10)
+    assert control_plane.registrations[0].pod_token == ""
+
+    token_file = tmp_path / "registration" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text("eyJhbGciOiJSUzI1NiJ9.pod.sig\n")
+    monkeypatch.setattr(control_plane_client, "POD_TOKEN_FILE", token_file)
+    with control_plane.lock:
+        control_plane.secrets.clear()  # the control plane forgets the node: the agent registers again
+    wait_until(lambda: len(control_plane.registrations) >= 2, 10)
+    assert control_plane.registrations[-1].pod_token == "eyJhbGciOiJSUzI1NiJ9.pod.sig"
+
+
 def test_a_gpu_node_registers_and_heartbeats_each_gpu_nvidia_smi_lists(control_plane, running_agent, tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

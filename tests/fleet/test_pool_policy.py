@@ -25,12 +25,12 @@ from controlplane.accounts.services import SYSTEM, save_plan, set_organization_p
 from controlplane.demo import host_engine_memory_mb, seed_local_pool
 from endpoints.fleet import launches, pool_release, pools, services
 from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
-from endpoints.fleet.providers import get_provider
+from endpoints.fleet.providers import get_provider, kubernetes
 from endpoints.fleet.providers.base import LaunchResult, Machine, ProviderError, ProviderUnreachable
 from endpoints.fleet.services import create_join_token
 from endpoints.gateway import directory
 from endpoints.models import EndpointEvent, EventKind, Replica
-from endpoints.nodes.models import LaunchState, Node, NodeLaunch, NodePool
+from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch, NodePool
 from endpoints.replicas import fail_replica, record_replica_failure
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
@@ -849,11 +849,11 @@ def test_a_pool_whose_provider_outlasts_the_tick_does_not_keep_the_other_pools_f
     assert fine.terminated == ["m-idle"] and releasing.state == LaunchState.TERMINATED
 
 
-def _register_as(client, join_token: str, name: str, advertise_host: str = "127.0.0.1"):
+def _register_as(client, join_token: str, name: str, advertise_host: str = "127.0.0.1", pod_token: str = ""):
     return client.post("/agent/v1/register", {
         "join_token": join_token, "name": name, "gpu_type": "cpu", "num_gpus": 0, "gpu_memory_mb": 8192,
-        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0", "advertise_host": advertise_host},
-        content_type="application/json")
+        "num_cpus": 8, "memory_mb": 64_000, "agent_version": "0.1.0", "advertise_host": advertise_host,
+        **({"pod_token": pod_token} if pod_token else {})}, content_type="application/json")
 
 
 def _a_booting_machine_and_a_shared_join_token():
@@ -987,7 +987,8 @@ def test_a_kubernetes_node_whose_agent_pod_has_no_ip_yet_goes_to_no_one_register
 
     api_server.pods["inferplane-agent-x7k2p"]["status"] = {"phase": "Running", "podIP": "127.0.0.2",
                                                           "podIPs": [{"ip": "127.0.0.2"}]}
-    own = _register_as(client, shared, "ip-10-0-3-17.ec2.internal", advertise_host="127.0.0.2")
+    own = _register_as(client, shared, "ip-10-0-3-17.ec2.internal", advertise_host="127.0.0.2",
+                       pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
     assert beat(client, own.json()["node_secret"]).status_code == 200  # the agent heartbeats once registered
     tick(provider)
     launch.refresh_from_db()
@@ -1012,3 +1013,128 @@ def test_a_kubernetes_machines_agent_whose_registration_answer_was_lost_joins_as
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == again.json()["node_id"]
+
+
+K8S_NODE = "ip-10-0-3-17.ec2.internal"
+
+
+def _a_booting_kubernetes_machine_with_its_agent_pod(api_server, host: str = "127.0.0.2"):  # noqa: F811
+    """A Kubernetes pool's placeholder running on its node, the agent DaemonSet's pod there at `host`, and the
+    DaemonSet's shared join token; the agent has not registered yet."""
+    make_pool(name="k8s-pool", provider="kubernetes")
+    provider = get_provider("kubernetes")
+    waiting_endpoint()
+    tick(provider)
+    [launch] = NodeLaunch.objects.all()
+    placeholder = api_server.pods[f"inferplane-capacity-{launch.pk}"]
+    placeholder["spec"]["nodeName"], placeholder["status"]["phase"] = K8S_NODE, "Running"
+    api_server.pods["inferplane-agent-x7k2p"] = _agent_pod("inferplane-agent-x7k2p", K8S_NODE, host)
+    return provider, launch, create_join_token(SYSTEM, name="daemonset").plain
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_shared_join_token_holder_who_knows_the_agent_pods_ip_cannot_take_the_booting_kubernetes_machine(
+        client, api_server):  # noqa: F811
+    """The agent pod's IP is no secret (any pod of the cluster may list or guess it; on the host's network it is the
+    node's IP, which an EKS node's name spells): a holder of the shared join token who registers under the node's name
+    at that IP before the agent does, and heartbeats, must not become the machine; the agent, whose registration
+    carries its pod's projected service-account token (reviewed by the API server), does. Before, the first node
+    registered at the pod's IP was linked: the thief got the launch, its endpoint's replicas and their prompts."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+
+    thief = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2")
+    assert thief.status_code == 201 and beat(client, thief.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.node_id is None and launch.state == LaunchState.LAUNCHING
+
+    own = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                       pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert own.status_code == 201, own.content
+    assert beat(client, own.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_registration_whose_pod_token_the_api_server_refuses_or_names_another_pod_is_refused_and_writes_nothing(
+        client, api_server):  # noqa: F811
+    """A token that is no pod's, one for another audience, another node's agent pod's, or a pod's of another service
+    account: 401 naming why, no node written and the join token's use not spent; the API server not answering: a 503
+    the agent retries. The machine's agent, registering after them all, is still the machine."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    api_server.pods["inferplane-agent-q9v4m"] = _agent_pod("inferplane-agent-q9v4m", "ip-10-0-9-40.ec2.internal",
+                                                           "127.0.0.4")
+    api_server.pods["monitoring-x1"] = _agent_pod("monitoring-x1", K8S_NODE, "127.0.0.5")
+    api_server.pods["monitoring-x1"]["spec"]["serviceAccountName"] = "default"
+    refusals = {
+        "eyJhbGciOiJSUzI1NiJ9.made-up.sig": "invalid bearer token",
+        api_server.issue_pod_token("inferplane-agent-x7k2p", audience="https://kubernetes.default.svc"):
+            "invalid bearer token",
+        api_server.issue_pod_token("inferplane-agent-q9v4m"): "on node ip-10-0-9-40.ec2.internal, not of the agent",
+        api_server.issue_pod_token("monitoring-x1"): "not the agent's service account",
+    }
+    for pod_token, reason in refusals.items():
+        refused = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2", pod_token=pod_token)
+        assert refused.status_code == 401 and reason in refused.json()["error"]["message"], refused.content
+    api_server.reviews_unreachable = True
+    unanswered = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                              pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert unanswered.status_code == 503 and unanswered["Retry-After"] == "1"
+    assert not Node.objects.exists()
+    assert JoinToken.objects.get(name="daemonset").num_uses == 0
+
+    api_server.reviews_unreachable = False
+    own = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                       pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert own.status_code == 201 and beat(client, own.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_while_the_agent_pods_cannot_be_listed_only_a_node_registered_by_a_reviewed_agent_pod_token_takes_the_machine(
+        client, api_server, monkeypatch):  # noqa: F811
+    """The worker cannot list the agent pods (then it knows neither their IPs nor uids): a node registered without a
+    pod token (a shared join token's holder, or an agent of the release before) under the machine's name is still not
+    the machine; one whose token the API server reviewed as the agent pod on that node is."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    monkeypatch.setattr(kubernetes, "AGENT_SELECTOR", "app.kubernetes.io/component=agent,unreadable=x")
+    monkeypatch.setattr(kubernetes.KubernetesApi, "list_pods", _refusing_agent_lists(kubernetes.KubernetesApi.list_pods))
+
+    thief = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.9")
+    assert thief.status_code == 201 and beat(client, thief.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.node_id is None and launch.state == LaunchState.LAUNCHING
+
+    own = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                       pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert own.status_code == 201 and beat(client, own.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == own.json()["node_id"]
+
+
+def _refusing_agent_lists(list_pods):
+    def listing(self, namespace, label_selector):
+        if "unreadable" in label_selector:
+            raise ProviderError("Kubernetes refused to list pods (403): forbidden")
+        return list_pods(self, namespace, label_selector)
+    return listing
+
+
+@pytest.mark.django_db
+def test_a_pod_token_sent_to_a_control_plane_outside_kubernetes_is_refused_with_the_reason(client, settings, monkeypatch):
+    """A pooled agent pointed at a control plane that cannot ask any API server to review its token: a 401 saying so,
+    not a node that no pool would ever link (nor a 500)."""
+    settings.K8S_API_URL = ""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    shared = create_join_token(SYSTEM, name="daemonset").plain
+
+    refused = _register_as(client, shared, K8S_NODE, pod_token="eyJhbGciOiJSUzI1NiJ9.pod.sig")
+
+    assert refused.status_code == 401 and "not inside a Kubernetes cluster" in refused.json()["error"]["message"]
+    assert not Node.objects.exists()

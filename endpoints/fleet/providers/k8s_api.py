@@ -1,4 +1,4 @@
-"""The few calls of the Kubernetes API the node-pool provider makes: pods in one namespace.
+"""The few calls of the Kubernetes API the node-pool provider makes: pods in one namespace, and a TokenReview.
 
 Plain HTTPS with httpx (no client library): in the cluster, the pod's service-account token and CA
 (`/var/run/secrets/kubernetes.io/serviceaccount`) at `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`;
@@ -98,3 +98,21 @@ class KubernetesApi:
             token = body.get("metadata", {}).get("continue", "")
             if not token:
                 return pods
+
+    def review_token(self, token: str, audience: str) -> dict:
+        """The API server's review of `token` for `audience` (a TokenReview's `status`: `authenticated`, `user`,
+        `audiences`, `error`). Needs `tokenreviews` `create` (a ClusterRole: infra/k8s/components/node-pools)."""
+        review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                  "spec": {"token": token, "audiences": [audience]}}
+        response = self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", json=review)
+        if response.status_code >= 500:
+            raise ProviderUnreachable(str(self._refusal(response, "review a token")))
+        if response.status_code not in (200, 201):
+            raise self._refusal(response, "review a token")
+        try:
+            status = response.json().get("status")
+        except ValueError:
+            status = None
+        if not isinstance(status, dict):
+            raise ProviderError("the Kubernetes API answered a token review without a status")
+        return status

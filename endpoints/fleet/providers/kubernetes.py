@@ -4,9 +4,10 @@ Replicas are not pods (the agent DaemonSet runs them), so the cluster autoscaler
 sees their demand. A launch creates one placeholder pod (`k8s_placeholder.placeholder_pod`) that
 requests the pool's GPUs on its node selector: the autoscaler adds a node for it, the agent
 DaemonSet starts there and registers under the node's name (`--name` = `spec.nodeName`), and the
-policy links the two by `Machine.node_name` and, where the agent pod on that node can be read, its IP
-(`Machine.agent_hosts`: a holder of the shared join token registering under the node's name elsewhere first is not the
-machine). Deleting the placeholder lets the autoscaler remove
+policy links the two by `Machine.node_name`, a registration by an agent pod on that node (the API server's review of
+the pod's projected service-account token sent on registration names the pod and its node: `reviewed_agent_pod`,
+`Machine.pod_bound`) and the pod's IP (`Machine.agent_hosts`): a holder of the shared join token registering under
+the node's name first, even at the pod's IP, is not the machine. Deleting the placeholder lets the autoscaler remove
 the node once it is empty.
 
 NOTE: the placeholder holds the GPUs in the scheduler's books only; pooled agents reach them through
@@ -169,7 +170,7 @@ class KubernetesProvider:
             labels = pod["metadata"].get("labels", {})
             machines.append(Machine(provider_id=pod["metadata"]["name"], launch_id=labels.get(LABEL_LAUNCH, ""),
                                     state=state, node_name=node_name,
-                                    fleet_marked=_marked(labels, pool)))
+                                    fleet_marked=_marked(labels, pool), pod_bound=True))
         if not any(machine.node_name for machine in machines):
             return machines
         hosts = _agent_hosts(api)
@@ -184,11 +185,47 @@ class KubernetesProvider:
 # own namespace. NOTE: with the name: "component=agent" alone is any vendor's node agent too (a monitoring DaemonSet's,
 # on the host's network: the node's IP, which an EKS node's name spells), and a node registered at its IP was linked.
 AGENT_SELECTOR = "app.kubernetes.io/component=agent,app.kubernetes.io/name=inferplane"
+# The agent pods' service account (infra/k8s/components/node-pools) and the audience of the projected token they
+# register with (`RegisterRequest.pod_token`): a token of any other pod, account or audience claims no machine.
+AGENT_SERVICE_ACCOUNT = "inferplane-agent"
+AGENT_TOKEN_AUDIENCE = "inferplane.dev/agent-registration"
+_POD_NAME_EXTRA, _POD_UID_EXTRA = "authentication.kubernetes.io/pod-name", "authentication.kubernetes.io/pod-uid"
+_NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def reviewed_agent_pod(token: str, node_name: str) -> str:
+    """The uid of the agent pod on `node_name` whose projected service-account token `token` is, as the API server's
+    TokenReview says (this audience, the agent's service account in this control plane's namespace, the pod and its
+    node named by the token). Raises `ProviderError` naming why it is not (`ProviderUnreachable`: no answer)."""
+    status = _api().review_token(token, AGENT_TOKEN_AUDIENCE)
+    if status.get("authenticated") is not True:
+        raise ProviderError(f"the Kubernetes API did not accept the pod's token: {status.get('error') or 'refused'}")
+    audiences = status.get("audiences")
+    if not isinstance(audiences, list) or AGENT_TOKEN_AUDIENCE not in audiences:
+        raise ProviderError(f"the pod's token is not for the audience {AGENT_TOKEN_AUDIENCE}")
+    user = status.get("user") if isinstance(status.get("user"), dict) else {}
+    account = f"system:serviceaccount:{service_account_namespace()}:{AGENT_SERVICE_ACCOUNT}"
+    if user.get("username") != account:
+        raise ProviderError(f"the token is {user.get('username')!r}'s, not the agent's service account {account}")
+    extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
+    pod_name, pod_uid, pod_node = (_one(extra, key) for key in (_POD_NAME_EXTRA, _POD_UID_EXTRA, _NODE_NAME_EXTRA))
+    if not pod_name or not pod_uid:
+        raise ProviderError("the token is bound to no pod (a projected service-account token is needed)")
+    if pod_node != node_name:
+        where = f"on node {pod_node}" if pod_node else "on no node the API server names (Kubernetes 1.30 or later)"
+        raise ProviderError(f"the token is of pod {pod_name} {where}, not of the agent on node {node_name}")
+    return pod_uid
+
+
+def _one(extra: dict, key: str) -> str:
+    """The one value of a review's `extra` entry ("" for none, several, or not a string)."""
+    values = extra.get(key)
+    return values[0] if isinstance(values, list) and len(values) == 1 and isinstance(values[0], str) else ""
 
 
 def _agent_hosts(api: KubernetesApi) -> dict[str, tuple[str, ...]] | None:
     """The IPs of the agent pods on each node (what each advertises, `status.podIP`); None when they cannot be listed
-    (then a machine's node is linked by its name alone, `pools.link_joins`)."""
+    (then a machine's node is linked by its name alone, to a node an agent pod there registered: `pools.link_joins`)."""
     try:
         pods = api.list_pods(service_account_namespace(), AGENT_SELECTOR)
     except ProviderError as error:
