@@ -39,6 +39,7 @@ from gpu_agent.runtime.weights_access import (
     SourceAccess,
     StoreUnreachable,
     WeightsError,
+    fetch_stopped,
     hf_client,
     s3_client,
     s3_endpoint_for,
@@ -240,6 +241,10 @@ class WeightsCache:
                     with self._mutex:
                         self.num_hits += 1
                     return path
+                if stop is not None and stop.is_set():
+                    # NOTE: drained while it waited for another pull of this copy, which did not finish it: before, it
+                    # made room for the whole model (evicting other models) and only then noticed.
+                    raise fetch_stopped(source)
                 download = Download(
                     source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files), scope=access.scope,
                     disk_bytes=disk_bytes((f.parts, f.size_bytes) for f in files),
