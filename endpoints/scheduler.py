@@ -521,9 +521,12 @@ def _sweep() -> None:
     # draining replica at once (its GPU placeable while its engine still ran), one 16 minutes ahead failed a replica
     # loading its weights.
     started_before = database_time_ago(settings.REPLICA_START_TIMEOUT_S)
-    # NOTE: a woken replica (sleep mode) is STARTING again long after it was created: its clock is its wake.
+    # NOTE: a woken replica (sleep mode) is STARTING again long after it was created: its clock is its wake. So is one
+    # READY before whose engine crashed and its agent restarts (READY -> STARTING): its clock is that change. Timed from
+    # its creation, one READY longer than the timeout failed at the next sweep, its restart thrown away.
     for replica in Replica.objects.filter(state__in=[ReplicaState.PENDING, ReplicaState.STARTING], created_at__lt=started_before).filter(
-            Q(woken_at__isnull=True) | Q(woken_at__lt=started_before)).select_related("endpoint"):
+            Q(woken_at__isnull=True) | Q(woken_at__lt=started_before)).filter(
+            Q(ready_at__isnull=True) | Q(state_changed_at__lt=started_before)).select_related("endpoint"):
         reason = f"did not become READY within {settings.REPLICA_START_TIMEOUT_S:.0f} s"
         fail_replica_and_count(replica, reason)
     drained_before = database_time_ago(settings.REPLICA_DRAIN_TIMEOUT_S + settings.NODE_HEARTBEAT_GRACE_S)

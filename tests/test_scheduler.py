@@ -282,6 +282,37 @@ def test_a_replica_starting_too_long_fails_with_the_reason(settings, django_capt
     assert replica.state == "FAILED" and replica.failure_reason == "did not become READY within 60 s"
 
 
+def test_a_long_ready_replica_whose_engine_crashed_gets_its_whole_start_timeout_to_restart(
+        settings, django_capture_on_commit_callbacks):
+    # The agent restarts a crashed engine itself (its weights cached) and reports the replica STARTING. The stuck
+    # sweep timed a STARTING replica from its creation: one READY for longer than the timeout failed at the next sweep
+    # as "did not become READY within 900 s", its restart thrown away, counted as a failure of its endpoint.
+    from endpoints.replicas import apply_replica_report
+    from gpu_agent.protocol import ReplicaStatus
+
+    settings.REPLICA_START_TIMEOUT_S = 60
+    endpoint = EndpointFactory(gpu_type="l4", min_replicas=1)
+    node = make_node(memory_mb=80_000)
+    scheduler.reconcile_endpoint(str(endpoint.pk), load())
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    Replica.objects.update(state=ReplicaState.READY, created_at=an_hour_ago, ready_at=an_hour_ago,
+                           state_changed_at=an_hour_ago)
+    replica = Replica.objects.get(endpoint=endpoint)
+
+    apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.STARTING, num_restarts=1,
+                                             failure_reason="engine exited with code -9"))
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+
+    replica.refresh_from_db()
+    assert (replica.state, replica.failure_reason) == (ReplicaState.STARTING, "")
+    Replica.objects.update(state_changed_at=timezone.now() - timedelta(seconds=61))  # the restart never came up
+    with django_capture_on_commit_callbacks(execute=False):
+        scheduler.sweep_stuck()
+    replica.refresh_from_db()
+    assert (replica.state, replica.failure_reason) == (ReplicaState.FAILED, "did not become READY within 60 s")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_no_reader_sees_an_offline_node_whose_replicas_still_look_ready(settings, monkeypatch):
     # Found by the scaling test on a busy machine: the node's OFFLINE was committed before its replicas failed,

@@ -970,25 +970,31 @@ class Supervisor:
             self._on_exit(replica, exit_code)
             return
         if replica.state == ReplicaState.STARTING:
-            if self._probe.healthy(replica.address):
+            healthy = self._probe.healthy(replica.address)
+            problem = None
+            if healthy:
                 problem = self._served_context_problem(replica, replica.command.max_model_len if replica.command else None)
-                if problem is None:
-                    return  # NOTE: not answered yet: asked again next poll, within the start's timeout
-                if problem:
-                    self._fail(replica, problem)
-                    return
-                # The engine's own figures for what it allocated, for the control plane to check its estimate.
-                replica.became_ready(now, read_engine_memory(replica.log_path))
-                self._measure_chat_template_soon(replica, now)
-                if self.on_ready is not None:
-                    self.on_ready(replica.spec.replica_id)
-                logger.info(
-                    "replica %s READY at %s after %.1fs",
-                    replica.spec.replica_id, replica.address, now - replica.started_at,
-                )  # fmt: skip
-            elif now - replica.started_at > self.policy.startup_timeout_s:
-                logger.warning("replica %s: not healthy after %.0fs", replica.spec.replica_id, now - replica.started_at)
-                self._kill_group(replica, signal.SIGKILL)
+            if problem is None:
+                # NOTE: not healthy yet, or its context not said yet: asked again next poll, within the start's
+                # timeout. Before, a healthy engine whose /v1/models never answered returned here before the timeout
+                # was looked at, and stayed STARTING (its GPU held) for as long as the control plane let it.
+                if now - replica.started_at > self.policy.startup_timeout_s:
+                    logger.warning("replica %s: not %s after %.0fs", replica.spec.replica_id,
+                                   "saying its context" if healthy else "healthy", now - replica.started_at)
+                    self._kill_group(replica, signal.SIGKILL)
+                return
+            if problem:
+                self._fail(replica, problem)
+                return
+            # The engine's own figures for what it allocated, for the control plane to check its estimate.
+            replica.became_ready(now, read_engine_memory(replica.log_path))
+            self._measure_chat_template_soon(replica, now)
+            if self.on_ready is not None:
+                self.on_ready(replica.spec.replica_id)
+            logger.info(
+                "replica %s READY at %s after %.1fs",
+                replica.spec.replica_id, replica.address, now - replica.started_at,
+            )  # fmt: skip
         elif replica.state == ReplicaState.READY:
             self._measure_chat_template_soon(replica, now)  # adopted, or an earlier try failed
             scraped_at = replica.metrics_scraped_at

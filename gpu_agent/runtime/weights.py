@@ -11,7 +11,8 @@ requests for one model download once, across threads and processes.
 Pickles and other frameworks' weights are never fetched, and a model whose weights are pickles only is refused
 (`weights_formats`). A download goes to `<root>/.tmp/<key>.partial/` (`weights_transfer`: parallel ranged reads,
 retries, checksums; a download cut short resumes from the parts already there) and is renamed into
-place before its manifest is written, so a half-downloaded model never looks complete. Before downloading, every file name is checked
+place before its manifest is written, so a half-downloaded model never looks complete (a folder an agent killed
+mid-way left without one goes when the next cache opens, as one killed mid-eviction leaves). Before downloading, every file name is checked
 (`weights_paths`) and the model's total size is compared with the disk budget and free space: what
 can never fit fails at once, least recently used unpinned models are evicted when that makes room,
 and a file larger than its listing said stops the download (`weights_sources`).
@@ -24,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -39,6 +41,7 @@ from gpu_agent.runtime.weights_access import (
     SourceAccess,
     StoreUnreachable,
     WeightsError,
+    fetch_stopped,
     hf_client,
     s3_client,
     s3_endpoint_for,
@@ -64,6 +67,8 @@ ADAPTER_SHARE = 4
 # loaded node, or killed) is read again after each of these in turn (the last one repeats for heartbeats' reads); a
 # replica waiting on it fails, not permanently, after the last (`Reconciler`).
 UNSETTLED_RETRY_S = (10.0, 60.0, 300.0)
+# A cached copy's folder name (`weights_index.cache_key`).
+_CACHE_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 class AdapterTooLarge(ModelTooLarge):
@@ -128,6 +133,7 @@ class WeightsCache:
         # local sources served here, reported like cached ones: (source, scope) -> directory
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
+        self._remove_orphaned_copies()
         self._index.remove_stale_lock_files()  # an agent killed -9 mid-download left its lock file
 
     # -- public ---------------------------------------------------------------
@@ -240,6 +246,10 @@ class WeightsCache:
                     with self._mutex:
                         self.num_hits += 1
                     return path
+                if stop is not None and stop.is_set():
+                    # NOTE: drained while it waited for another pull of this copy, which did not finish it: before, it
+                    # made room for the whole model (evicting other models) and only then noticed.
+                    raise fetch_stopped(source)
                 download = Download(
                     source=source, cache_key=key, size_bytes=sum(f.size_bytes for f in files), scope=access.scope,
                     disk_bytes=disk_bytes((f.parts, f.size_bytes) for f in files),
@@ -658,6 +668,26 @@ class WeightsCache:
             key = leftover.name.partition(".")[0]
             if not (self.root / ".parts" / f"{key}.json").exists() and leftover.stat().st_mtime < cutoff:
                 remove_path(leftover)
+
+    def _remove_orphaned_copies(self) -> None:
+        """Model folders with no manifest that nobody holds the lock of: what an agent killed mid-eviction (the manifest
+        goes first) or between a download's rename into place and its manifest left.
+
+        NOTE: nothing counted them (neither a cached copy nor a partial download) and only a fetch of the very same
+        content removed them: each such kill (an upgrade's SIGTERM, the OOM killer; pulls run on daemon threads) left
+        up to a whole model on the weights disk for good. Another process putting a copy in place holds its lock."""
+        for folder in self.root.iterdir():
+            key = folder.name
+            if not _CACHE_KEY.fullmatch(key) or self._index.manifest_path(key).exists():
+                continue
+            lock = self._index.key_lock(key, blocking=False)
+            if lock is None:
+                continue
+            with lock:
+                if not self._index.manifest_path(key).exists():
+                    logger.warning("removing the model folder %s, which no manifest names (an agent killed while it "
+                                   "evicted or finished it)", key)
+                    remove_path(folder)
 
 
 def _disk_bytes(folder: Path) -> int:

@@ -56,6 +56,7 @@ parser.add_argument("--try-namespaces", action="store_true", help="log whether i
 parser.add_argument("--chatter-bytes", type=int, default=0, help="write this many bytes of numbered log lines")
 parser.add_argument("--chatter-bytes-per-s", type=int, default=0, help="... at this rate (0: as fast as it can)")
 parser.add_argument("--served-context", type=int, default=None, help="the max_model_len its /v1/models answers")
+parser.add_argument("--models-unanswered", action="store_true", help="/v1/models never answers (a hung API route)")
 parser.add_argument("--relay-processes", action="store_true", help="a process forking and exiting, its child too")
 args, _ = parser.parse_known_args()
 
@@ -126,6 +127,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 f'vllm:generation_tokens_total{{engine="0"}} {int((time.monotonic() - started_at) * 10)}.0\n'
             )
             self._send(200, text, "text/plain")
+        elif self.path == "/v1/models" and args.models_unanswered:
+            time.sleep(3600)
         elif self.path == "/v1/models" and args.served_context is not None:
             card = {"id": args.served_model_name, "object": "model", "max_model_len": args.served_context}
             self._send(200, json.dumps({"object": "list", "data": [card]}))

@@ -102,6 +102,20 @@ def test_an_engine_that_does_not_say_its_context_never_turns_ready(tmp_path):
         supervisor.shutdown(timeout_s=1)
 
 
+def test_an_engine_healthy_but_never_saying_its_context_is_restarted_at_its_start_timeout(tmp_path):
+    # Its /health answers, its /v1/models never does: each poll asked again and returned before the start's timeout
+    # was looked at, so the agent held it STARTING (its GPU with it) for as long as the control plane let it.
+    policy = dataclasses.replace(FAST, startup_timeout_s=2.0, health_timeout_s=0.5)
+    supervisor = Supervisor(tmp_path / "agent", policy=policy,
+                            command_factory=fake_engine_factory("--models-unanswered", max_model_len=512))
+    try:
+        supervisor.start(make_spec("r-hung"), "/models/x")
+        wait_until(lambda: supervisor.get("r-hung").num_restarts >= 1, 20, poll=supervisor.poll)
+        assert supervisor.get("r-hung").state != ReplicaState.READY
+    finally:
+        supervisor.shutdown(timeout_s=1)
+
+
 @pytest.mark.parametrize(("served", "older_record", "desired_at", "state"), [
     (4096, False, "recover", ReplicaState.FAILED), (4096, True, "recover", ReplicaState.FAILED),
     (4096, True, "first heartbeat", ReplicaState.FAILED), (1024, False, "recover", ReplicaState.READY),

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import boto3
 import pytest
 
 from gpu_agent.runtime.engine import free_port
 from gpu_agent.runtime.weights import WeightsCache
-from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError
+from gpu_agent.runtime.weights_access import FetchStopped, StoreUnreachable, WeightsError
 from gpu_agent.runtime.weights_sources import ModelSource
 
 
@@ -263,3 +264,37 @@ def test_a_heartbeat_reports_at_most_the_protocols_cap_of_copies_the_most_recent
     model.mkdir()
     cache.fetch(str(model))
     assert [status.source for status in cache.statuses()] == [str(model), "hf:org/m-0", "hf:org/m-1"]
+
+
+def test_a_replica_drained_while_it_waited_for_another_pull_of_its_model_evicts_nothing(s3, s3_endpoint, tmp_path):
+    # Two replicas of one model on a node: the second waits for the first's download (one lock per copy). Both drained
+    # (a cold start given up on), the first stops; the second, let in with nothing downloaded, made room for the whole
+    # model (evicting other tenants' cached models) before it noticed it was no longer wanted.
+    s3.create_bucket(Bucket="models-w")
+    s3.put_object(Bucket="models-w", Key="other/model.safetensors", Body=os.urandom(10_000), ACL="public-read")
+    s3.put_object(Bucket="models-w", Key="big/model.safetensors", Body=os.urandom(20_000), ACL="public-read")
+    key = WeightsCache(tmp_path / "elsewhere", s3_endpoint_url=s3_endpoint).fetch("s3://models-w/big").name
+    cache = WeightsCache(tmp_path / "weights", budget_bytes=25_000, s3_endpoint_url=s3_endpoint)
+    other = cache.fetch("s3://models-w/other")  # another tenant's model, cached and idle
+    stop, outcome = threading.Event(), []
+
+    def second_pull():
+        try:
+            outcome.append(cache.fetch("s3://models-w/big", stop=stop))
+        except Exception as exc:  # noqa: BLE001 - what the pull ended with is the test's subject
+            outcome.append(exc)
+
+    first_pull = cache._index.key_lock(key)  # the first replica's download holds the copy's lock
+    waiting = threading.Thread(target=second_pull)
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while cache._index._key_locks.get(key, (None, 0))[1] < 2:  # the second pull listed the model and waits
+        assert time.monotonic() < deadline, "the second pull never waited for the first"
+        time.sleep(0.01)
+    stop.set()  # both drained: the first stops with nothing downloaded
+    first_pull.close()
+    waiting.join(30)
+
+    assert [type(result) for result in outcome] == [FetchStopped]
+    assert other.exists() and (other / "model.safetensors").stat().st_size == 10_000
+    assert {status.source for status in cache.statuses()} == {"s3://models-w/other"}

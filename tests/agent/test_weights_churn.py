@@ -142,6 +142,41 @@ def test_a_lock_file_left_by_a_holder_killed_mid_download_goes_when_the_next_cac
     assert list((root / ".locks").iterdir()) == []
 
 
+def test_a_model_folder_an_agent_killed_mid_eviction_left_goes_when_the_next_cache_opens(s3, s3_endpoint, tmp_path):  # noqa: F811
+    # Eviction removes the manifest first, then the folder: an agent killed between the two (an upgrade's SIGTERM, the
+    # OOM killer; pulls run on daemon threads) left the folder with no manifest. Nothing counted it (neither a cached
+    # copy nor a partial download) and only a fetch of the very same content removed it: a whole model's disk, gone
+    # for good. So did one killed between a download's rename into place and its manifest.
+    put_models(s3, "churn-orphan", ("m0",), num_bytes=50_000)
+    root = tmp_path / "weights"
+    copy = WeightsCache(root, s3_endpoint_url=s3_endpoint).fetch("s3://churn-orphan/m0")
+    (root / f"{copy.name}.json").unlink()  # the manifest went, then the agent was killed
+
+    cache = WeightsCache(root, s3_endpoint_url=s3_endpoint)  # the next agent
+
+    assert not copy.exists()
+    assert cache.statuses() == []
+
+
+def test_a_model_folder_another_process_is_putting_in_place_is_kept_when_a_cache_opens(tmp_path):
+    # Two agents' processes may share one cache: between one's rename into place and its manifest, under the copy's
+    # lock, the folder has no manifest yet.
+    root = tmp_path / "weights"
+    WeightsCache(root)
+    key = "0123456789abcdef0123456789abcdef"
+    (root / key).mkdir()
+    (root / key / "model.safetensors").write_bytes(b"x" * 1000)
+    holder = subprocess.Popen([sys.executable, "-c", KEY_LOCK_HOLDER, str(root), key], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        WeightsCache(root)
+        assert (root / key / "model.safetensors").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+
+
 REDIRECTING_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "max_position_embeddings": 4096,
@@ -153,7 +188,7 @@ KEY_LOCK_HOLDER = """
 import sys, time
 from pathlib import Path
 from gpu_agent.runtime.weights_index import CacheIndex
-lock = CacheIndex(Path(sys.argv[1])).key_lock("k")
+lock = CacheIndex(Path(sys.argv[1])).key_lock(sys.argv[2] if len(sys.argv) > 2 else "k")
 print("held", flush=True)
 time.sleep(60)
 """
