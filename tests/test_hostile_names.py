@@ -93,3 +93,12 @@ def test_an_organisation_name_stored_before_the_rule_is_escaped_in_the_console_a
     assert "Acme\\u202eevil" in page and "\u202e" not in page
     assert console.post(reverse("console:members"), {"email": "new@example.test", "role": Role.MEMBER}).status_code == 302
     assert "Acme\\u202eevil" in mail.outbox[-1].subject and "\u202e" not in mail.outbox[-1].body
+
+
+def test_an_audit_event_naming_a_key_from_before_the_rule_is_listed_escaped(owner_client):
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
+    events = owner_client.get("/api/v1/audit-log/").json()["results"]
+    revoked = next(event for event in events if event["action"] == "api_key.revoke")
+    assert revoked["target_repr"].startswith("\\u202eyek-dorp (") and "\u202e" not in revoked["target_repr"]

@@ -129,6 +129,8 @@ class ApiKeySerializer(StrictModelSerializer):
 class AuditEventSerializer(serializers.ModelSerializer):
     actor = serializers.EmailField(source="actor.email", default=None, allow_null=True, read_only=True)
     api_key = serializers.CharField(source="api_key.display_prefix", default=None, allow_null=True, read_only=True)
+    target_repr = NameField(read_only=True, help_text="What was acted on, as it was named then (a key's name and prefix, "
+                                                      "an address …).")
 
     class Meta:
         model = AuditEvent
