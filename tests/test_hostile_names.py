@@ -102,3 +102,14 @@ def test_an_audit_event_naming_a_key_from_before_the_rule_is_listed_escaped(owne
     events = owner_client.get("/api/v1/audit-log/").json()["results"]
     revoked = next(event for event in events if event["action"] == "api_key.revoke")
     assert revoked["target_repr"].startswith("\\u202eyek-dorp (") and "\u202e" not in revoked["target_repr"]
+
+
+@pytest.mark.parametrize("email", ["ceo@ex\u05d0ample.test", "a@" + "\u00e9" * 60 + ".test"])
+def test_an_address_whose_domain_mail_cannot_encode_is_refused_and_nobody_is_invited(org, member_client_factory, email):
+    """Django's email check passes a domain IDNA refuses (a label mixing Hebrew and Latin letters, one past 63 bytes
+    encoded); its invitation's mail raised `UnicodeError` as it was sent: a 500."""
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    owner.raise_request_exception = False
+    refused = owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["email"], refused.content
+    assert not Invitation.objects.exists() and mail.outbox == []
