@@ -9,7 +9,7 @@ from django.core import mail
 from django.test import Client
 from django.urls import reverse
 
-from controlplane.accounts.models import ApiKey, Invitation, Organization, Role
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Organization, Role
 from tests.factories import signed_in_api_client
 
 pytestmark = pytest.mark.django_db
@@ -113,3 +113,11 @@ def test_an_address_whose_domain_mail_cannot_encode_is_refused_and_nobody_is_inv
     refused = owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
     assert refused.status_code == 400 and list(refused.json()) == ["email"], refused.content
     assert not Invitation.objects.exists() and mail.outbox == []
+
+
+def test_a_key_named_before_the_rule_is_recorded_escaped_in_the_audit_events_made_from_now_on(owner_client):
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
+    stored = AuditEvent.objects.get(action="api_key.revoke").target_repr
+    assert stored.startswith("\\u202eyek-dorp (") and "\u202e" not in stored
