@@ -40,5 +40,40 @@ def shown(text: str) -> str:
 
 def one_line(text: str) -> str:
     """The text with each run of whitespace, line breaks included, as one space: fit for a mail's subject. A name from
-    before sign-up refused control characters may hold a line break, and no header may (Django refuses the message)."""
-    return " ".join(text.split())
+    before sign-up refused control characters may hold a line break, and no header may (Django refuses the message);
+    what else `name_problem` refuses is escaped (`shown_name`): a direction override in a name stored before it was
+    refused reordered the subject, and the body that quotes it, of every mail naming the organisation."""
+    return shown_name(" ".join(text.split()))
+
+
+# Characters a name may not hold (`name_problem`): controls, format characters (the bidi overrides and isolates
+# U+202A–U+202E and U+2066–U+2069, the marks U+200E/U+200F and U+061C, zero-width ones), lone surrogates, private-use and
+# unassigned code points, and the line and paragraph separators.
+# NOTE: a bidi override in an API key's name (`"prod\u202e"` …) showed another admin, on the keys page and in
+# `/api/v1/keys`, text in another order than it has (Trojan Source): a key that looked like another.
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def as_name(text: str) -> str:
+    """A name a caller chose, in the one form it is stored and compared in: NFC (`e` and a combining acute, and `é`,
+    are one name)."""
+    return unicodedata.normalize("NFC", text)
+
+
+def name_problem(text: str) -> str | None:
+    """Why `text` may not be a name another person reads (a key's, an organisation's, an address), or None: it holds a
+    character in `HIDDEN_CATEGORIES`, named by its code point."""
+    for position, character in enumerate(text, 1):
+        if unicodedata.category(character) in HIDDEN_CATEGORIES:
+            return (f"Use letters, digits, spaces and punctuation only: character {position} is U+{ord(character):04X}, "
+                    "a control, format (such as a direction override), private-use or unassigned character.")
+    return None
+
+
+def shown_name(text: str) -> str:
+    """A name stored before `name_problem` refused it, with each character it refuses escaped (`\\u202e`): shown as
+    it is, never reordered or hidden."""
+    if text.isprintable() or not any(unicodedata.category(character) in HIDDEN_CATEGORIES for character in text):
+        return text
+    return "".join(ascii(character)[1:-1] if unicodedata.category(character) in HIDDEN_CATEGORIES else character
+                   for character in text)

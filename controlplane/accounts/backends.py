@@ -12,8 +12,9 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
 from django.core.exceptions import ValidationError
 from django.db.models import Q
+from django.utils.encoding import punycode
 
-from controlplane.text import is_plain
+from controlplane.text import name_problem
 
 # The address columns (`User.email`, `Invitation.email`, `EmailVerification.email`: Django's EmailField).
 EMAIL_MAX_LENGTH = 254
@@ -32,11 +33,22 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
 
     NOTE: Django's check passes a quoted local part with control characters in it (`"a\x1b[2J"@example.com`): an
     escape sequence reached the members page, the audit log and the mail log, where an operator's terminal ran it.
-    No mailbox needs one: refused.
+    No mailbox needs one: refused. Nor a format character: Django's check passes one in the domain
+    (`a@ex\u202eample.com`), and a direction override showed the members page and the invitation's mail another
+    address than the one invited (`text.name_problem`). Nor a domain IDNA cannot encode (Hebrew and Latin letters in
+    one label, a label past 63 bytes encoded): Django's check passes it, and the invitation's mail raised
+    `UnicodeError` as it was sent, a 500.
     """
     normalized = address.strip().lower()
-    if not is_plain(normalized):
-        raise ValidationError("An address may not hold control characters.", code="invalid")
+    if name_problem(normalized) is not None:  # NOTE: its characters include the control ones (`text.is_plain`)
+        raise ValidationError("An address may not hold control characters or format characters (such as a direction override).",
+                              code="invalid")
+    if not (domain := normalized.rpartition("@")[2]).isascii():
+        try:
+            punycode(domain)  # NOTE: as Django's mail writes the address (`sanitize_address`)
+        except UnicodeError:
+            raise ValidationError("This address's domain cannot be written in a mail: IDNA refuses it (a label too "
+                                  "long, or mixing scripts that read in opposite directions).", code="invalid") from None
     if len(normalized) > max_length:
         raise ValidationError(f"Ensure this address has at most {max_length} characters once lower-cased "
                               f"(it has {len(normalized)}).", code="max_length")

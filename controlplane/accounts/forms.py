@@ -3,7 +3,6 @@
 import logging
 import random
 import time
-import unicodedata
 from collections import deque
 from datetime import timedelta
 
@@ -20,6 +19,7 @@ from django.utils import timezone
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.signup import send_no_account_email
+from controlplane.text import as_name, name_problem
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,12 @@ class SignUpForm(forms.Form):
     organization_name = forms.CharField(label="Organisation name", max_length=128)
 
     def clean_organization_name(self):
-        name = self.cleaned_data["organization_name"]
-        if any(unicodedata.category(character) in ("Cc", "Cf") for character in name):
-            raise forms.ValidationError("Use letters, digits, spaces and punctuation only.")
+        name = as_name(self.cleaned_data["organization_name"])
+        if (problem := name_problem(name)) is not None:
+            raise forms.ValidationError(problem)
+        if len(name) > self.fields["organization_name"].max_length:  # NOTE: NFC may lengthen a name
+            raise forms.ValidationError(f"Ensure this name has at most {self.fields['organization_name'].max_length} "
+                                        f"characters (it has {len(name)}).")
         return name
 
     def clean_email(self):

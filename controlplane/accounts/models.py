@@ -11,6 +11,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.text import shown_name
 
 
 class Role(models.TextChoices):
@@ -279,7 +280,9 @@ class ApiKey(models.Model):
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.display_prefix})"
+        # NOTE: escaped (`text.shown_name`): a name from before the name rule may hold a direction override, and this is
+        # what the Django admin lists and an audit event's `target_repr` keeps
+        return f"{shown_name(self.name)} ({self.display_prefix})"
 
     @property
     def display_prefix(self) -> str:

@@ -13,6 +13,7 @@ from controlplane.accounts.models import (
     Organization,
     Scope,
 )
+from controlplane.text import as_name, name_problem, shown_name
 
 
 class StrictModelSerializer(serializers.ModelSerializer):
@@ -31,7 +32,24 @@ class StrictModelSerializer(serializers.ModelSerializer):
         return super().to_internal_value(data)
 
 
+class NameField(serializers.CharField):
+    """A name one person sets and others read (a key's, an organisation's): NFC (`text.as_name`), its length counted
+    so; refused with a field error where it holds a control, format, private-use or unassigned character
+    (`text.name_problem`); one stored before that rule is shown with those characters escaped (`text.shown_name`)."""
+
+    def to_internal_value(self, data):
+        value = as_name(super().to_internal_value(data))
+        if (problem := name_problem(value)) is not None:
+            raise serializers.ValidationError(problem, code="invalid")
+        return value  # NOTE: `max_length` is checked after, on the name as it is stored
+
+    def to_representation(self, value):
+        return shown_name(super().to_representation(value))
+
+
 class OrganizationSerializer(serializers.ModelSerializer):
+    name = NameField(read_only=True)
+
     class Meta:
         model = Organization
         fields = ["id", "name", "slug", "created_at"]
@@ -66,6 +84,9 @@ class InvitationSerializer(StrictModelSerializer):
 
 
 class ApiKeySerializer(StrictModelSerializer):
+    name = NameField(max_length=ApiKey._meta.get_field("name").max_length,
+                     help_text="What uses the key; shown to the organisation's admins. Letters, digits, spaces and "
+                               "punctuation: no control or format character (such as a direction override).")
     prefix = serializers.CharField(source="display_prefix", read_only=True)
     effective_requests_per_minute = serializers.IntegerField(
         read_only=True, help_text="What the gateway enforces: `requests_per_minute`, or the platform default when null (0: none).")
@@ -108,6 +129,8 @@ class ApiKeySerializer(StrictModelSerializer):
 class AuditEventSerializer(serializers.ModelSerializer):
     actor = serializers.EmailField(source="actor.email", default=None, allow_null=True, read_only=True)
     api_key = serializers.CharField(source="api_key.display_prefix", default=None, allow_null=True, read_only=True)
+    target_repr = NameField(read_only=True, help_text="What was acted on, as it was named then (a key's name and prefix, "
+                                                      "an address …).")
 
     class Meta:
         model = AuditEvent

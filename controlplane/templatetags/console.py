@@ -10,6 +10,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.timesince import timesince
 
+from controlplane.text import shown_name
+
 register = template.Library()
 
 
@@ -80,3 +82,11 @@ def ago(moment) -> str:
     if (timezone.now() - moment).total_seconds() < 60:
         return "just now"
     return f"{timesince(moment).split(',')[0]} ago"
+
+
+@register.filter(name="shown_name")
+def shown_name_filter(value) -> str:
+    """A name a tenant set (a key's, an organisation's, an address), its control and format characters escaped
+    (`text.shown_name`): one stored before they were refused is shown as it is, never reordered by a direction
+    override."""
+    return shown_name(str(value)) if value is not None else ""

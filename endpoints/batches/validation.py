@@ -11,6 +11,7 @@ nothing runs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -82,6 +83,22 @@ _BLANK = re.compile(b"(?:[" + re.escape(bytes(ord(char) for char in _WHITESPACE 
 
 # The byte-order mark Windows editors (Notepad, PowerShell's `Out-File -Encoding utf8`) write at a UTF-8 file's start.
 UTF8_BOM = b"\xef\xbb\xbf"
+# The byte-order marks a UTF-16 file starts with (little-endian first: PowerShell 5's `>` and `Out-File` default; a
+# UTF-32 one starts with the same bytes).
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+UTF16_REFUSAL = ("The input file is UTF-16 (it starts with a UTF-16 byte-order mark): save it as UTF-8, one JSON "
+                 "request a line.")
+
+
+def _head(parts: Iterable[bytes], size: int) -> tuple[bytes, Iterator[bytes]]:
+    """At least `size` bytes of a file's start read from `parts` (fewer for a shorter file), and the parts after them."""
+    parts = iter(parts)
+    head = b""
+    for part in parts:
+        head += part
+        if len(head) >= size:
+            break
+    return head, parts
 
 
 def _without_bom(parts: Iterable[bytes]) -> Iterator[bytes]:
@@ -89,14 +106,8 @@ def _without_bom(parts: Iterable[bytes]) -> Iterator[bytes]:
 
     NOTE: a file that starts with one failed its first line as "not valid JSON" before (the whole batch refused at its
     check), so no batch checked by an earlier release has a line whose index this moves."""
-    parts = iter(parts)
-    head = b""
-    for part in parts:
-        head += part
-        if len(head) >= len(UTF8_BOM):
-            break
-    head = head.removeprefix(UTF8_BOM)
-    if head:
+    head, parts = _head(parts, len(UTF8_BOM))
+    if head := head.removeprefix(UTF8_BOM):
         yield head
     yield from parts
 
@@ -175,6 +186,12 @@ def parse_lines(parts: Iterable[bytes], *, request_path: str, kind: str, max_lin
     checked_models: dict[str, gateway_errors.OpenAIError | None] = {}
     served: str | None = None  # the endpoint the first line with a known model names
     num_custom_id_bytes = 0
+    head, rest = _head(parts, max(len(mark) for mark in UTF16_BOMS))
+    parts = itertools.chain((head,), rest)
+    if head.startswith(UTF16_BOMS):
+        # NOTE: split at its `\n` bytes, each line after the first began with the NUL of the `\n` before it: the
+        # first was "not UTF-8 text", the others "not valid JSON", and one more line counted than the file has.
+        return Checked(0, [LineError(1, "invalid_encoding", UTF16_REFUSAL)], None)
 
     def refuse(number: int, code: str, message: str, param: str | None = None) -> None:
         if len(problems) < MAX_ERRORS:

@@ -125,3 +125,30 @@ def test_a_file_that_starts_with_a_byte_order_mark_reads_as_the_same_file_withou
     checked = parse_lines([data + b"\xef\xbb\xbf" + _request("c")], request_path="/v1/chat/completions", kind="chat",
                           max_lines=10)
     assert [(error.line, error.code) for error in checked.errors] == [(3, "invalid_json")]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_utf16_input_file_fails_its_check_with_one_error_that_says_to_save_it_as_utf8(encoding):
+    """PowerShell 5's `>` writes UTF-16 with a byte-order mark. Before: its first line was "not UTF-8 text" and each
+    other "not valid JSON" (each began with the NUL of the `\\n` before it), one line more than the file has."""
+    text = (_request("a") + b"\n" + _request("b") + b"\n").decode()
+    data = ("\ufeff" + text if encoding == "utf-16-be" else text).encode(encoding)
+    for size in (1, 4096):
+        parts = [data[i:i + size] for i in range(0, len(data), size)]
+        checked = parse_lines(parts, request_path="/v1/chat/completions", kind="chat", max_lines=10)
+        assert checked.num_lines == 0
+        assert [error.as_openai() for error in checked.errors] == [
+            {"code": "invalid_encoding", "line": 1, "param": None,
+             "message": "The input file is UTF-16 (it starts with a UTF-16 byte-order mark): save it as UTF-8, one "
+                        "JSON request a line."}]
+
+
+def test_crlf_lines_a_nul_byte_and_invalid_utf8_each_get_their_lines_error_and_the_rest_read_as_written():
+    crlf = _request("a") + b"\r\n" + _request("b") + b"\r\n"
+    checked = parse_lines([crlf], request_path="/v1/chat/completions", kind="chat", max_lines=10)
+    assert checked.errors == [] and [line.custom_id for line in read_lines([crlf])] == ["a", "b"]
+    broken = _request("a") + b"\n" + _request("b").replace(b'"b"', b'"b\x00"') + b"\n" + b'{"custom_id": "\xff"}\n'
+    checked = parse_lines([broken], request_path="/v1/chat/completions", kind="chat", max_lines=10)
+    assert [(error.line, error.message) for error in checked.errors] == [
+        (2, "This line is not valid JSON."), (3, "This line is not UTF-8 text.")]
+    assert checked.num_lines == 0  # nothing runs, so nothing is billed

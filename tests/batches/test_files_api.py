@@ -155,6 +155,36 @@ def test_a_malformed_upload_is_a_400_in_openais_shape_not_a_500(web, tenant):
     assert wrong_purpose.status_code == 400 and wrong_purpose.json()["error"]["param"] == "purpose"
 
 
+def test_a_hostile_file_name_is_stored_and_sent_back_as_its_last_printable_segment_and_a_broken_one_is_a_400(
+        web, tenant, files_bucket):
+    """Django's multipart parser keeps a part's file name after its last `/` or `\\`, without its unprintable
+    characters (direction overrides, NUL, CR/LF); a part header it cannot read (an RFC 2231 `filename*=` in a charset
+    such as idna, which fails whatever the error handler) is no file part. The S3 key is the file's id, never its
+    name, and the download's `Content-Disposition` is Django's, quoted. (A guard: no change was needed.)"""
+    headers = {"authorization": f"Bearer {tenant.key}", "content-type": "multipart/form-data; boundary=b"}
+
+    def upload(disposition: bytes, part_type: bytes = b"") -> httpx.Response:
+        return httpx.post(f"{web}/v1/files", headers=headers, content=(
+            b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; ' + disposition + b"\r\n" + part_type + b"\r\n"
+            + LINES + b"\r\n--b--\r\n"))
+
+    for disposition, part_type, stored in [
+        (b"filename*=UTF-8''%E2%80%AEgpj.exe", b"", "gpj.exe"),
+        (b"filename*=UTF-8''a%0d%0aSet-Cookie%3A%20x%00.jsonl", b"", "aSet-Cookie: x.jsonl"),
+        (b'filename="../../etc/passwd"', b"", "passwd"),
+        (b'filename="a\\b.jsonl"', b"Content-Type: application/jsonl; charset=punycode\r\n", "b.jsonl"),
+    ]:
+        answer = upload(disposition, part_type)
+        assert answer.status_code == 200 and answer.json()["filename"] == stored, (disposition, answer.text)
+        download = httpx.get(f"{web}/v1/files/{answer.json()['id']}/content", headers=headers)
+        assert download.content == LINES and "\n" not in download.headers["content-disposition"]
+    assert not any(name in key for key in bucket_objects(files_bucket) for name in ("passwd", "gpj", "Set-Cookie", ".."))
+    for disposition in (b"filename*=idna''a.jsonl", b"filename*=nope''a.jsonl", b'filename=".."'):
+        refused = upload(disposition)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "file", (disposition, refused.text)
+
+
 @pytest.mark.parametrize("charset", ["punycode", "utf-7"])
 def test_an_upload_in_a_charset_other_than_utf8_is_a_400_in_openais_shape_not_retried(web, tenant, files_bucket, charset):
     """`charset=punycode`: Django's multipart parser raised `UnicodeError` whatever the error handler, an HTML 500 the

@@ -1,0 +1,123 @@
+"""Names a tenant sets and another person reads (an API key's, an organisation's, an invited address) hold no
+character that hides or reorders the text shown (`controlplane.text.name_problem`): a direction override, another
+format or control character, a private-use or unassigned code point, a line or paragraph separator. They are stored
+NFC, their length counted so; one stored before the rule is shown with those characters escaped, never as it reads."""
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core import mail
+from django.test import Client
+from django.urls import reverse
+
+from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Organization, Role
+from tests.factories import signed_in_api_client
+
+pytestmark = pytest.mark.django_db
+
+# A key that reads "prod-key" in a right-to-left override, its text stored as "yek-dorp": Trojan Source's trick.
+SPOOFED = "\u202eyek-dorp"
+HIDDEN = {
+    "right-to-left override": "\u202e", "left-to-right embedding": "\u202a", "first-strong isolate": "\u2068",
+    "pop directional isolate": "\u2069", "right-to-left mark": "\u200f", "Arabic letter mark": "\u061c",
+    "zero-width space": "\u200b", "private use": "\ue000", "unassigned": "\u0378", "line separator": "\u2028",
+}
+
+
+@pytest.mark.parametrize("hidden", HIDDEN.values(), ids=HIDDEN.keys())
+def test_an_api_key_named_with_a_hidden_or_reordering_character_is_refused_with_a_field_error(owner_client, hidden):
+    refused = owner_client.post("/api/v1/keys/", {"name": f"prod{hidden}-key", "scopes": ["inference"]}, format="json")
+    assert refused.status_code == 400, refused.content
+    assert list(refused.json()) == ["name"] and f"U+{ord(hidden):04X}" in refused.json()["name"][0]
+    assert ApiKey.objects.count() == 1  # the fixture's own
+
+
+def test_the_console_refuses_a_key_name_with_a_direction_override_next_to_the_field(owner_client):
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.post(reverse("console:keys"), {"name": SPOOFED, "scopes": ["inference"]}).content.decode()
+    assert "U+202E" in page and "direction override" in page
+    assert ApiKey.objects.count() == 1
+
+
+def test_a_key_name_is_stored_composed_and_its_length_counted_so(owner_client):
+    """`e` and a combining acute is `é`: 100 of them are a name of 100 characters, not of 200 (refused before)."""
+    created = owner_client.post("/api/v1/keys/", {"name": "e\u0301" * 100, "scopes": ["inference"]}, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["api_key"]["name"] == "\u00e9" * 100
+    assert ApiKey.objects.get(pk=created.json()["api_key"]["id"]).name == "\u00e9" * 100
+    emoji = owner_client.post("/api/v1/keys/", {"name": "\u0645\u062b\u0627\u0644 \U0001f680 test", "scopes": ["inference"]},
+                              format="json")
+    assert emoji.status_code == 201  # another script, an emoji: a name may hold them
+
+
+def test_a_key_name_stored_before_the_rule_is_listed_and_shown_escaped_not_reordered(owner_client):
+    spoofed = ApiKey.objects.get()
+    ApiKey.objects.filter(pk=spoofed.pk).update(name=SPOOFED)
+    listed = owner_client.get("/api/v1/keys/")
+    assert listed.status_code == 200
+    assert [key["name"] for key in listed.json()["results"]] == ["\\u202eyek-dorp"]
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.get(reverse("console:keys")).content.decode()
+    assert "\\u202eyek-dorp" in page and "\u202e" not in page
+
+
+@pytest.mark.parametrize("hidden", ["\u2028", "\ue000", "\u0378", "\u202e"])
+def test_sign_up_refuses_an_organisation_name_with_a_hidden_or_reordering_character(client, hidden):
+    page = client.post("/signup/", {"email": "ada@example.test", "password": "a long passphrase 1",
+                                    "organization_name": f"Acme{hidden}Corp"}).content.decode()
+    assert f"U+{ord(hidden):04X}" in page
+    assert not get_user_model().objects.exists() and not Organization.objects.exists()
+
+
+def test_sign_up_stores_an_organisation_name_composed(client):
+    client.post("/signup/", {"email": "ada@example.test", "password": "a long passphrase 1",
+                             "organization_name": "Cafe\u0301"})
+    assert Organization.objects.get().name == "Caf\u00e9"
+
+
+def test_an_address_with_a_direction_override_in_its_domain_is_refused_and_nobody_is_invited(org, member_client_factory):
+    """Django's email check passes a format character in the domain: the members page and the mail showed another
+    address than the one invited."""
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    refused = owner.post("/api/v1/invitations/", {"email": "ceo@\u202emoc.elpmaxe", "role": "admin"}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["email"]
+    assert not Invitation.objects.exists() and mail.outbox == []
+
+
+def test_an_organisation_name_stored_before_the_rule_is_escaped_in_the_console_and_in_the_invitation_mail(owner_client):
+    Organization.objects.filter(pk=owner_client.user.memberships.get().organization_id).update(name="Acme\u202eevil")
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.get(reverse("console:keys")).content.decode()
+    assert "Acme\\u202eevil" in page and "\u202e" not in page
+    assert console.post(reverse("console:members"), {"email": "new@example.test", "role": Role.MEMBER}).status_code == 302
+    assert "Acme\\u202eevil" in mail.outbox[-1].subject and "\u202e" not in mail.outbox[-1].body
+
+
+def test_an_audit_event_naming_a_key_from_before_the_rule_is_listed_escaped(owner_client):
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
+    events = owner_client.get("/api/v1/audit-log/").json()["results"]
+    revoked = next(event for event in events if event["action"] == "api_key.revoke")
+    assert revoked["target_repr"].startswith("\\u202eyek-dorp (") and "\u202e" not in revoked["target_repr"]
+
+
+@pytest.mark.parametrize("email", ["ceo@ex\u05d0ample.test", "a@" + "\u00e9" * 60 + ".test"])
+def test_an_address_whose_domain_mail_cannot_encode_is_refused_and_nobody_is_invited(org, member_client_factory, email):
+    """Django's email check passes a domain IDNA refuses (a label mixing Hebrew and Latin letters, one past 63 bytes
+    encoded); its invitation's mail raised `UnicodeError` as it was sent: a 500."""
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+    owner.raise_request_exception = False
+    refused = owner.post("/api/v1/invitations/", {"email": email, "role": "viewer"}, format="json")
+    assert refused.status_code == 400 and list(refused.json()) == ["email"], refused.content
+    assert not Invitation.objects.exists() and mail.outbox == []
+
+
+def test_a_key_named_before_the_rule_is_recorded_escaped_in_the_audit_events_made_from_now_on(owner_client):
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
+    stored = AuditEvent.objects.get(action="api_key.revoke").target_repr
+    assert stored.startswith("\\u202eyek-dorp (") and "\u202e" not in stored
