@@ -164,14 +164,17 @@ def test_nobody_signed_in_gets_a_401_from_the_api_and_the_log_in_from_the_consol
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("role", [Role.OWNER, Role.MEMBER])
-def test_no_route_answers_an_empty_write_of_any_role_with_a_5xx(settings, role):
+@pytest.mark.parametrize("with_key", [False, True], ids=["signed in", "with a key"])
+@pytest.mark.parametrize("role", [Role.OWNER, Role.ADMIN, Role.MEMBER])
+def test_no_route_answers_an_empty_write_of_any_role_with_a_5xx(settings, role, with_key):
     settings.DEBUG = False
     ours = OrganizationFactory()
     ids = seed_organisation(ours) | seed_fleet()
-    client = _with_the_playgrounds_csrf_pair(caller_of(ours, role, with_key=False))
+    client = caller_of(ours, role, with_key=with_key)
+    if not with_key:
+        _with_the_playgrounds_csrf_pair(client)
     failures = {}
-    for route in organisation_routes():
+    for route in [r for r in organisation_routes() if not (with_key and r.startswith("console/"))]:
         for method in WRITES:
             status = _status(client, method, concrete_path(route, ids))
             # NOTE: the billing portal's 503 is its documented answer where Stripe is not configured
