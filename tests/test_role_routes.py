@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 from django.conf import settings as django_settings
+from django.contrib.auth import get_user
 from django.middleware.csrf import _get_new_csrf_string
 from django.urls import get_resolver
 from rest_framework.test import APIClient
@@ -181,3 +182,22 @@ def test_no_route_answers_an_empty_write_of_any_role_with_a_5xx(settings, role, 
             if status >= 500 and not (route == "api/v1/billing/portal/" and status == 503):
                 failures[f"{method.upper()} {route}"] = status
     assert failures == {}
+
+
+def test_no_console_route_acts_on_a_post_from_a_page_of_the_organisation_switched_away_from(settings):
+    settings.DEBUG = False
+    shown, now = OrganizationFactory(), OrganizationFactory()
+    ids = seed_organisation(now)
+    client = caller_of(now, Role.OWNER, with_key=False)  # the session acts in `now`
+    MembershipFactory(organization=shown, user=get_user(client), role=Role.OWNER)
+    before = [whole_state_of(shown), whole_state_of(now)]
+    acted = {}
+    # NOTE: 302: the refusal, back to the page (a form that went on would answer its empty post with a 400)
+    for route in [r for r in organisation_routes() if r.startswith("console/") and not r.startswith(STAFF_ROUTES)]:
+        # NOTE: in the query too: the batch form, which posts a file, is checked there before its body is read
+        path = f"{concrete_path(route, ids)}?page_organization={shown.pk}"
+        response = client.post(path, {"page_organization": str(shown.pk)})
+        if response.status_code not in (302, 405):
+            acted[route] = response.status_code
+    assert acted == {}
+    assert [whole_state_of(shown), whole_state_of(now)] == before
