@@ -458,6 +458,8 @@ PAST_DUE_GRACE_DAYS = env_float("INFERPLANE_PAST_DUE_GRACE_DAYS", 7.0, minimum=0
 SPEND_CEILINGS = env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", "0:100,50:500,500:5000,5000:none")
 # Rate limits of a key (or console session) that sets none of its own; 0 means no limit.
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
+# Live (neither revoked nor expired) API keys an organisation holds at once (`keys.create_api_key`).
+MAX_LIVE_API_KEYS_PER_ORG = env_int("INFERPLANE_MAX_LIVE_API_KEYS_PER_ORG", 1000, minimum=1)
 DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)
 # Quotas of an organisation without a plan (staff assign plans in the Django admin).
 DEFAULT_MAX_ENDPOINTS = env_int("INFERPLANE_DEFAULT_MAX_ENDPOINTS", 10, minimum=0)

@@ -350,3 +350,31 @@ def test_a_role_refused_a_key_gets_the_403_a_refused_revoke_gets_and_the_schema_
     forbidden = operation["responses"]["403"]
     assert "may not create this key" in forbidden["description"]
     assert forbidden["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+
+
+def test_an_organisation_holds_no_more_live_keys_than_its_limit_and_a_revoked_or_expired_one_frees_its_place(
+    owner_client, settings
+):
+    # NOTE: the gateway keeps 10,000 keys per process (`auth.KNOWN_KEYS_MAX`): one organisation calling with more keys
+    # than that, in turn, pushed every other tenant's out, each of their calls a lookup queued behind its flood.
+    settings.MAX_LIVE_API_KEYS_PER_ORG = 3
+    made = [owner_client.post("/api/v1/keys/", {"name": f"k{n}", "scopes": ["inference"]}, format="json")
+            for n in range(2)]  # the owner's own key is the first
+    assert [response.status_code for response in made] == [201, 201]
+
+    refused = owner_client.post("/api/v1/keys/", {"name": "one too many", "scopes": ["inference"]}, format="json")
+    assert refused.status_code == 400
+    assert "3 live API keys" in refused.json()["non_field_errors"][0]
+    assert not ApiKey.objects.filter(name="one too many").exists()
+
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.post("/console/keys/", {"name": "from the console", "scopes": ["inference"]})
+    assert page.status_code == 400 and b"3 live API keys" in page.content
+    assert not ApiKey.objects.filter(name="from the console").exists()
+
+    assert owner_client.post(f"/api/v1/keys/{made[0].json()['api_key']['id']}/revoke/").status_code == 200
+    ApiKey.objects.filter(pk=made[1].json()["api_key"]["id"]).update(expires_at=timezone.now() - timedelta(seconds=1))
+    again = [owner_client.post("/api/v1/keys/", {"name": f"again {n}", "scopes": ["inference"]}, format="json")
+             for n in range(2)]
+    assert [response.status_code for response in again] == [201, 201]

@@ -81,6 +81,7 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
     @extend_schema(
         responses={
             201: inline_serializer("CreatedApiKey", {"api_key": ApiKeySerializer(), "secret": serializers.CharField()}),
+            400: OpenApiResponse(description="A field's error, or the organisation already holds its most live keys."),
             403: KEY_BEYOND_THE_CALLER,
         }
     )
@@ -91,6 +92,8 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
             created = keys.create_api_key(self.actor, self.organization, **serializer.validated_data)
         except members.NotPermitted as exc:  # the caller's role's, or its key's bounds: a 403, as revoking's
             raise PermissionDenied(str(exc)) from None
+        except keys.TooManyKeys as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
         # NOTE: the only response that ever contains the secret.
         return Response(
             {"api_key": ApiKeySerializer(created.api_key).data, "secret": created.plain},

@@ -40,6 +40,26 @@ class CreatedApiKey:
     plain: str  # the only time the secret exists outside the client
 
 
+class TooManyKeys(ValueError):
+    """The organisation already holds `settings.MAX_LIVE_API_KEYS_PER_ORG` live keys (a 400, not the caller's role)."""
+
+    field = "non_field_errors"
+
+
+def _ensure_room_for_a_key(organization: Organization) -> None:
+    """Refuses a key past the organisation's live keys (neither revoked nor expired); under its row's lock.
+
+    NOTE: the gateway keeps at most `auth.KNOWN_KEYS_MAX` keys per process, least recently used dropped first: one
+    organisation calling in turn with more keys than that pushed every other tenant's key out, each of their calls
+    then a PostgreSQL lookup queued (4 at once) behind its flood. Keys were unbounded."""
+    limit = settings.MAX_LIVE_API_KEYS_PER_ORG
+    live = ApiKey.objects.filter(organization=organization, revoked_at__isnull=True).exclude(
+        expires_at__lte=timezone.now())
+    if live.count() >= limit:
+        raise TooManyKeys(f"This organisation already has {limit} live API keys, the most it may hold; "
+                          "revoke one it no longer uses.")
+
+
 def create_api_key(
     actor: Actor,
     organization: Organization,
@@ -95,6 +115,7 @@ def create_api_key(
                         raise NotPermitted("non_field_errors", "You are no longer a member of this organisation.")
                     _ensure_role_may_mint(role, scopes=scopes, requests_per_minute=requests_per_minute,
                                           tokens_per_minute=tokens_per_minute, max_priority_boost=max_priority_boost)
+                _ensure_room_for_a_key(organization)
                 api_key = ApiKey.objects.create(
                     organization=organization,
                     created_by=actor.user,

@@ -407,7 +407,7 @@ def api_keys(request):
         return _keys_page(request, form, status=400)
     try:
         created = keys.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
-    except NotPermitted as exc:
+    except (NotPermitted, keys.TooManyKeys) as exc:
         form.show_errors({exc.field: [str(exc)]})
         return _keys_page(request, form, status=400)
     # NOTE: the secret is rendered in this response only; it is never stored or shown again.

@@ -14,7 +14,7 @@ from django.middleware.csrf import CsrfViewMiddleware
 from django.shortcuts import redirect, render
 from django.utils.http import content_disposition_header
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_POST, require_safe
 
 from controlplane.accounts.console import member_required, page_organization_refusal
 from controlplane.accounts.models import Role
@@ -243,6 +243,7 @@ def batch_cancel(request, batch_id: str):
 
 
 @member_required()
+@require_safe  # NOTE: a POST (any method) streamed the file, and was a 500 where S3 refused the read
 def file_download(request, file_id: str):
     # NOTE: a file's bytes are prompts and answers: only those who may call the API read them, as on /v1/files
     # (a viewer's session or key is refused there); a viewer still sees the batch's page and counts.

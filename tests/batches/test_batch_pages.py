@@ -90,6 +90,18 @@ def test_a_viewer_cannot_download_a_batchs_prompts_or_answers(console_client_fac
     assert reverse("console:file-download", args=[batch.input_file_id]) not in page
 
 
+def test_a_files_download_link_answers_only_a_read_and_streams_nothing_to_a_post(console_client_factory, files_bucket,
+                                                                                 org):
+    # Before, the download answered every method: a POST (or PUT, PATCH, DELETE) streamed the file's prompts, and
+    # where S3 refused the read it was a 500 (`test_role_routes`: no route answers an empty write with a 5xx).
+    batch = _start(member := console_client_factory(org, Role.MEMBER))
+    url = reverse("console:file-download", args=[batch.input_file_id])
+    for method in ("post", "put", "patch", "delete"):
+        response = getattr(member, method)(url)
+        assert (response.status_code, response.get("Content-Disposition")) == (405, None), method
+    assert member.get(url).status_code == 200
+
+
 def test_downloading_a_file_whose_bytes_are_gone_from_s3_is_a_404_not_a_500(console_client_factory, files_bucket, org):
     from endpoints.batches import storage
 
