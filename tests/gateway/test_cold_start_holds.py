@@ -202,3 +202,31 @@ def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
         assert again.failures == []
     finally:
         again.release()
+
+
+def test_a_burst_at_a_cold_endpoint_holds_no_more_than_the_endpoints_bound_and_refuses_the_rest_at_once(
+        tenant, monkeypatch):
+    # Before, the endpoint's bound was read (its waiting set's count) and the call counted there only later, at its
+    # admission: twelve calls arriving together each read 0 waiting and all twelve were held past a bound of 3.
+    from controlplane.asgi import application
+    from endpoints.gateway import cold_start
+
+    monkeypatch.setattr(cold_start, "MAX_WAITING_PER_ENDPOINT", 3)
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048, cold_start_timeout_s=2)  # never served
+
+    async def burst() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            return await asyncio.gather(*(
+                http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                          json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+                for _ in range(12)))
+
+    responses = asyncio.run(asyncio.wait_for(burst(), 60))
+
+    assert all(r.status_code == 503 and int(r.headers["retry-after"]) >= 1 for r in responses), responses
+    messages = [r.json()["error"]["message"] for r in responses]
+    held = [m for m in messages if "became ready within 2 s" in m]
+    refused = [m for m in messages if m == f"Too many requests are waiting for '{endpoint.name}' to start."]
+    assert (len(held), len(refused)) == (3, 9), messages
+    assert get_redis().zcard(held_key(tenant.org.pk)) == 0  # every place given up, once
