@@ -314,18 +314,20 @@ def _node_knows_sleep(replica: Replica) -> bool:
     return node is None or node.knows_action(ReplicaAction.SLEEP)
 
 
-def lock_nodes_to_wake(endpoint: Endpoint, sleeping: list[Replica]) -> None:
-    """Lock, in their primary key's order, the nodes a scale-up waking `sleeping` may lock: theirs (`wake_replica`)
-    and, where a wake fails, those placement takes (`place_replica`: the READY nodes of the endpoint's GPU type). Call
-    in the scale-up's transaction.
+def lock_nodes_to_wake(endpoint: Endpoint, sleeping: list[Replica], *, to_place: bool) -> None:
+    """Lock, in their primary key's order and in one step, the nodes a scale-up waking `sleeping` may lock: theirs
+    (`wake_replica`) and, `to_place` (a wake may fail, a replica may be placed), those placement takes (`place_replica`:
+    the READY nodes of the endpoint's GPU type). Call in the scale-up's transaction.
 
     NOTE: `wake_replica` locks its sleeper's node until the reconcile commits, and wakes go newest sleeper first: one
     that could not wake on node B, then one on node A (or a placement, which locks A first), waited for A while a
     scale-down onto sleep (`sleep_replicas`) or another placement held A and waited for B. PostgreSQL's deadlock
-    detection then rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
+    detection then rolled one back (a review's finding, `tests/test_sleep_host_memory.py`). Not `to_place`, the
+    scale-up must place nothing under these locks: taken after the sleepers' nodes, placement's would be out of order
+    (`scheduler._add_replicas` starts again, these given back, rather than place)."""
+    in_wake = Q(pk__in={replica.node_id for replica in sleeping if replica.node_id})
     list(Node.objects.select_for_update()
-         .filter(Q(pk__in={replica.node_id for replica in sleeping if replica.node_id})
-                 | Q(state=NodeState.READY, gpu_type=endpoint.gpu_type))
+         .filter(in_wake | Q(state=NodeState.READY, gpu_type=endpoint.gpu_type) if to_place else in_wake)
          .order_by("pk").values_list("pk", flat=True))
 
 
