@@ -244,11 +244,9 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
     otherwise it drains, the reason in the event log. Returns whether this call changed it.
     """
     endpoint = replica.endpoint
-    if endpoint.idle_action != IdleAction.SLEEP or replica.state != ReplicaState.READY:
+    if not _may_try_to_sleep(replica):
         return drain_replica(replica, reason=reason)
-    why_not = ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
-        "CPU nodes never sleep" if endpoint.gpu_type == "cpu" else "") or (
-        "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
+    why_not = _why_not_asleep(replica)
     if why_not:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     now = database_now()  # NOTE: as `stop_long_sleepers` judges it
@@ -272,7 +270,7 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
 
 def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
     """`sleep_replica` for each of `replicas` (a reconcile's scale-down), in one transaction (the caller's, where it has
-    one), their nodes' rows locked first, in their primary key's order. Returns how many this call changed.
+    one), the rows of the nodes of those that may sleep locked first, in their primary key's order. Returns how many this call changed.
 
     NOTE: each sleep holds its node's row lock until the transaction commits (`sleep_replica`). Taken one sleep at a
     time, in the order the replicas are let go, a reconcile letting go a replica on node B then one on node A waited
@@ -280,10 +278,26 @@ def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
     placement, which locks a GPU type's nodes in that order (`place_replica`). PostgreSQL's deadlock detection then
     rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
     with transaction.atomic():
-        node_ids = {replica.node_id for replica in replicas if replica.node_id and replica.state == ReplicaState.READY}
-        if settings.SLEEP_MODE and node_ids:
+        # NOTE: the nodes of replicas that may sleep alone: one that stops rather than sleeps (a CPU node's, an agent
+        # older than sleep mode) counts nothing on its node, and its scale-down waited behind whatever held the node.
+        node_ids = {replica.node_id for replica in replicas if replica.node_id and _may_try_to_sleep(replica)
+                    and not _why_not_asleep(replica)}
+        if node_ids:
             list(Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk").values_list("pk", flat=True))
         return sum(sleep_replica(replica, reason=reason) for replica in replicas)
+
+
+def _may_try_to_sleep(replica: Replica) -> bool:
+    """Whether `sleep_replica` considers sleeping the replica at all: else it drains as any other let go."""
+    return replica.endpoint.idle_action == IdleAction.SLEEP and replica.state == ReplicaState.READY
+
+
+def _why_not_asleep(replica: Replica) -> str:
+    """Why a replica `sleep_replica` considers stops rather than sleeps, before its node's room is counted; "" where it
+    may sleep."""
+    return ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
+        "CPU nodes never sleep" if replica.endpoint.gpu_type == "cpu" else "") or (
+        "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
 
 
 def _room_to_sleep_here(node: Node, replica: Replica) -> str:
