@@ -50,6 +50,8 @@ PLACE_GRACE_S = 30
 # quota's: it is its own, never a reason to answer full. Another try under the same request id (a batch line tried
 # again while its earlier try still waits) is another call: keyed by the request id alone, the two shared one place,
 # and the first's give-up freed it while the second waited (two waiting on a quota of one).
+# NOTE: a set lives as long as its longest place: set to expire with each place taken, one of 1 s taken after one of
+# 300 s (another endpoint's cold_start_timeout_s) dropped the whole set a second later, the 300 s call still waiting.
 # NOTE: both bounds are checked and counted in this one step: the endpoint's was read from its waiting set, where a
 # call is counted only at its admission, so a burst of calls each read the count before any was in it and all were held.
 _TAKE_PLACE = Script("""
@@ -60,10 +62,11 @@ local function full(key, bound)
 end
 if full(KEYS[2], tonumber(ARGV[4])) then return -1 end
 if full(KEYS[1], tonumber(ARGV[3])) then return 0 end
+local lasts = math.ceil(tonumber(ARGV[2]))
 for _, key in ipairs(KEYS) do
     redis.call('ZADD', key, now + tonumber(ARGV[2]), ARGV[1])
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-    redis.call('EXPIRE', key, math.ceil(tonumber(ARGV[2])))
+    if redis.call('TTL', key) < lasts then redis.call('EXPIRE', key, lasts) end
 end
 return 1
 """)
