@@ -214,7 +214,7 @@ def test_a_burst_at_a_cold_endpoint_holds_no_more_than_the_endpoints_bound_and_r
     from endpoints.gateway import cold_start
 
     monkeypatch.setattr(cold_start, "MAX_WAITING_PER_ENDPOINT", 3)
-    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048, cold_start_timeout_s=2)  # never served
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048, cold_start_timeout_s=4)  # never served
 
     async def burst() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
@@ -228,7 +228,7 @@ def test_a_burst_at_a_cold_endpoint_holds_no_more_than_the_endpoints_bound_and_r
 
     assert all(r.status_code == 503 and int(r.headers["retry-after"]) >= 1 for r in responses), responses
     messages = [r.json()["error"]["message"] for r in responses]
-    held = [m for m in messages if "became ready within 2 s" in m]
+    held = [m for m in messages if "became ready within 4 s" in m]
     refused = [m for m in messages if m == f"Too many requests are waiting for '{endpoint.name}' to start."]
     assert (len(held), len(refused)) == (3, 9), messages
     # every place given up, once
