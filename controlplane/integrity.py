@@ -1,12 +1,15 @@
 """Edits that race: a unique value another request took between a check and the write (a 400 on its field, not a
-500), and an edit checked against the row as another edit leaves it (`RowLockedUpdateMixin`)."""
+500), an edit checked against the row as another edit leaves it (`RowLockedUpdateMixin`), and an edit PostgreSQL broke
+as a deadlock's victim run once more (`once_more_after_a_deadlock`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
-from django.db import IntegrityError, transaction
+import psycopg
+from django.db import IntegrityError, OperationalError, connection, transaction
 from rest_framework.exceptions import ValidationError
 
 
@@ -25,6 +28,28 @@ class RowLockedUpdateMixin:
         if self.request is not None and self.request.method in ("PUT", "PATCH"):
             return queryset.select_for_update(of=("self",), no_key=True)  # NOTE: no key changes (`update_endpoint`)
         return queryset
+
+
+T = TypeVar("T")
+
+
+def once_more_after_a_deadlock(work: Callable[[], T], *, wait_for: Callable[[], object]) -> T:
+    """`work`, a transaction of its own, run once more should PostgreSQL break it as a deadlock's victim (rolled back,
+    nothing of it written), once `wait_for` (a transaction of its own, holding nothing else) has waited for the rows the
+    other side held.
+
+    NOTE: an endpoint's edit takes its organisation's row before the endpoint's (`services.update_endpoint`); a pod of
+    the release before, its edit or its reconcile task, takes the endpoint's first, then waits for the organisation's.
+    During a rollout the two deadlock, and a valid edit was answered 500. Run again at once, the edit took the
+    organisation's row back before the other was woken to take it, and the two deadlocked again: it waits for the
+    endpoint's row first, holding nothing, so the other finishes."""
+    try:
+        return work()
+    except OperationalError as exc:
+        if not isinstance(exc.__cause__, psycopg.errors.DeadlockDetected) or connection.in_atomic_block:
+            raise  # NOTE: within a transaction of its caller's, which is rolled back whole: not this one's to run again
+    wait_for()
+    return work()
 
 
 class ValueTaken(ValidationError):

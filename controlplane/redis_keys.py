@@ -217,6 +217,11 @@ def held_key(organization_id: int) -> str:
     return f"gw:{org_tag(organization_id)}:held"
 
 
+def endpoint_held_key(organization_id: int, endpoint_id: str) -> str:
+    """Sorted set of the endpoint's requests held for a cold start (the same members and scores as `held_key`'s)."""
+    return f"gw:{org_tag(organization_id)}:held:{endpoint_id}"
+
+
 def wake_key(endpoint_id: str) -> str:
     return f"gw:wake:{endpoint_id}"
 

@@ -244,11 +244,9 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
     otherwise it drains, the reason in the event log. Returns whether this call changed it.
     """
     endpoint = replica.endpoint
-    if endpoint.idle_action != IdleAction.SLEEP or replica.state != ReplicaState.READY:
+    if not _may_try_to_sleep(replica):
         return drain_replica(replica, reason=reason)
-    why_not = ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
-        "CPU nodes never sleep" if endpoint.gpu_type == "cpu" else "") or (
-        "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
+    why_not = _why_not_asleep(replica)
     if why_not:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     now = database_now()  # NOTE: as `stop_long_sleepers` judges it
@@ -272,7 +270,7 @@ def sleep_replica(replica: Replica, *, reason: str) -> bool:
 
 def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
     """`sleep_replica` for each of `replicas` (a reconcile's scale-down), in one transaction (the caller's, where it has
-    one), their nodes' rows locked first, in their primary key's order. Returns how many this call changed.
+    one), the rows of the nodes of those that may sleep locked first, in their primary key's order. Returns how many this call changed.
 
     NOTE: each sleep holds its node's row lock until the transaction commits (`sleep_replica`). Taken one sleep at a
     time, in the order the replicas are let go, a reconcile letting go a replica on node B then one on node A waited
@@ -280,10 +278,26 @@ def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
     placement, which locks a GPU type's nodes in that order (`place_replica`). PostgreSQL's deadlock detection then
     rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
     with transaction.atomic():
-        node_ids = {replica.node_id for replica in replicas if replica.node_id and replica.state == ReplicaState.READY}
-        if settings.SLEEP_MODE and node_ids:
+        # NOTE: the nodes of replicas that may sleep alone: one that stops rather than sleeps (a CPU node's, an agent
+        # older than sleep mode) counts nothing on its node, and its scale-down waited behind whatever held the node.
+        node_ids = {replica.node_id for replica in replicas if replica.node_id and _may_try_to_sleep(replica)
+                    and not _why_not_asleep(replica)}
+        if node_ids:
             list(Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk").values_list("pk", flat=True))
         return sum(sleep_replica(replica, reason=reason) for replica in replicas)
+
+
+def _may_try_to_sleep(replica: Replica) -> bool:
+    """Whether `sleep_replica` considers sleeping the replica at all: else it drains as any other let go."""
+    return replica.endpoint.idle_action == IdleAction.SLEEP and replica.state == ReplicaState.READY
+
+
+def _why_not_asleep(replica: Replica) -> str:
+    """Why a replica `sleep_replica` considers stops rather than sleeps, before its node's room is counted; "" where it
+    may sleep."""
+    return ("" if settings.SLEEP_MODE else "sleep mode is off on this platform (INFERPLANE_SLEEP_MODE)") or (
+        "CPU nodes never sleep" if replica.endpoint.gpu_type == "cpu" else "") or (
+        "its node's agent is older than sleep mode" if replica.node_id and not _node_knows_sleep(replica) else "")
 
 
 def _room_to_sleep_here(node: Node, replica: Replica) -> str:
@@ -314,18 +328,20 @@ def _node_knows_sleep(replica: Replica) -> bool:
     return node is None or node.knows_action(ReplicaAction.SLEEP)
 
 
-def lock_nodes_to_wake(endpoint: Endpoint, sleeping: list[Replica]) -> None:
-    """Lock, in their primary key's order, the nodes a scale-up waking `sleeping` may lock: theirs (`wake_replica`)
-    and, where a wake fails, those placement takes (`place_replica`: the READY nodes of the endpoint's GPU type). Call
-    in the scale-up's transaction.
+def lock_nodes_to_wake(endpoint: Endpoint, sleeping: list[Replica], *, to_place: bool) -> None:
+    """Lock, in their primary key's order and in one step, the nodes a scale-up waking `sleeping` may lock: theirs
+    (`wake_replica`) and, `to_place` (a wake may fail, a replica may be placed), those placement takes (`place_replica`:
+    the READY nodes of the endpoint's GPU type). Call in the scale-up's transaction.
 
     NOTE: `wake_replica` locks its sleeper's node until the reconcile commits, and wakes go newest sleeper first: one
     that could not wake on node B, then one on node A (or a placement, which locks A first), waited for A while a
     scale-down onto sleep (`sleep_replicas`) or another placement held A and waited for B. PostgreSQL's deadlock
-    detection then rolled one back (a review's finding, `tests/test_sleep_host_memory.py`)."""
+    detection then rolled one back (a review's finding, `tests/test_sleep_host_memory.py`). Not `to_place`, the
+    scale-up must place nothing under these locks: taken after the sleepers' nodes, placement's would be out of order
+    (`scheduler._add_replicas` starts again, these given back, rather than place)."""
+    in_wake = Q(pk__in={replica.node_id for replica in sleeping if replica.node_id})
     list(Node.objects.select_for_update()
-         .filter(Q(pk__in={replica.node_id for replica in sleeping if replica.node_id})
-                 | Q(state=NodeState.READY, gpu_type=endpoint.gpu_type))
+         .filter(in_wake | Q(state=NodeState.READY, gpu_type=endpoint.gpu_type) if to_place else in_wake)
          .order_by("pk").values_list("pk", flat=True))
 
 

@@ -143,38 +143,23 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             # NOTE: the organisation's row stays locked until commit, so its endpoints place one at a
             # time and together never pass its replica and GPU quotas.
             endpoint.organization = organization
-            num_placed = 0
             sleeping = list(Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING)
                             .select_related("endpoint").order_by("-state_changed_at"))
-            if sleeping:
-                lock_nodes_to_wake(endpoint, sleeping)
-            for _ in range(num_wanted - len(serving)):
-                refusal = quotas.replica_refusal(endpoint)
-                if refusal is not None:
-                    message = f"waiting for quota: {refusal}"
+            # NOTE: a scale-up whose sleepers all wake locks their nodes alone; one that must place a replica (a wake
+            # that failed, too few sleepers) starts again, those locks given back, under placement's: a GPU type's
+            # READY nodes, its sleepers' with them, locked in one step (`lock_nodes_to_wake`). Under placement's lock
+            # every time, endpoints waking on distinct nodes of a GPU type woke one after another.
+            for may_place in (False, True) if sleeping else (True,):
+                try:
+                    with transaction.atomic():  # a savepoint: rolled back, its writes and its nodes' locks go
+                        if sleeping:
+                            lock_nodes_to_wake(endpoint, sleeping, to_place=may_place)
+                        num_unplaced, message, event, waiting_for_capacity = _add_replicas(
+                            endpoint, list(sleeping), num_wanted - len(serving), serving=bool(serving),
+                            may_place=may_place)
                     break
-                # NOTE: a sleeping replica wakes in about a second; one that cannot (its GPUs were given
-                # away meanwhile) has stopped, saying why, and the next sleeper or a new replica follows.
-                woken = False
-                while sleeping and not woken:
-                    woken = not wake_replica(sleeping.pop(0))
-                if woken:
-                    num_placed += 1
+                except _PlacementNeeded:
                     continue
-                replica, reason = place_replica(endpoint)
-                if replica is None:
-                    num_unplaced = num_wanted - len(serving) - num_placed
-                    message = f"waiting for capacity: {reason}"
-                    pool = provisioning_pool(endpoint)
-                    if pool is not None:
-                        # NOTE: a node is on its way: calls are held as in any cold start, not refused.
-                        message, event = PROVISIONING_MESSAGE, f"Provisioning a node (pool {pool.name}): {reason}"
-                    else:
-                        # Nothing serving nor starting: calls cannot be served until a node frees up.
-                        waiting_for_capacity = not serving and not num_placed
-                    break
-                num_placed += 1
-                record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
         elif decision.desired < len(serving):
             record_event(endpoint, EventKind.SCALE, f"Scale down {len(serving)} → {decision.desired}: {decision.reason}",
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
@@ -195,6 +180,48 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity,
                                                            unplaced_replicas=num_unplaced)
     return decision
+
+
+class _PlacementNeeded(Exception):
+    """A scale-up under its sleepers' nodes' locks alone must place a replica: it starts again under placement's."""
+
+
+def _add_replicas(endpoint: Endpoint, sleeping: list[Replica], num_to_add: int, *, serving: bool,
+                  may_place: bool) -> tuple[int, str, str, bool]:
+    """Wake `sleeping` (newest first) or place replicas until `num_to_add` more serve. Returns how many are left
+    unplaced, the endpoint's status message, the event to record with it, and whether it waits for capacity.
+    Raises `_PlacementNeeded` where it must place one and may not."""
+    num_placed, num_unplaced, message, event, waiting_for_capacity = 0, 0, "", "", False
+    for _ in range(num_to_add):
+        refusal = quotas.replica_refusal(endpoint)
+        if refusal is not None:
+            message = f"waiting for quota: {refusal}"
+            break
+        # NOTE: a sleeping replica wakes in about a second; one that cannot (its GPUs were given
+        # away meanwhile) has stopped, saying why, and the next sleeper or a new replica follows.
+        woken = False
+        while sleeping and not woken:
+            woken = not wake_replica(sleeping.pop(0))
+        if woken:
+            num_placed += 1
+            continue
+        if not may_place:
+            raise _PlacementNeeded
+        replica, reason = place_replica(endpoint)
+        if replica is None:
+            num_unplaced = num_to_add - num_placed
+            message = f"waiting for capacity: {reason}"
+            pool = provisioning_pool(endpoint)
+            if pool is not None:
+                # NOTE: a node is on its way: calls are held as in any cold start, not refused.
+                message, event = PROVISIONING_MESSAGE, f"Provisioning a node (pool {pool.name}): {reason}"
+            else:
+                # Nothing serving nor starting: calls cannot be served until a node frees up.
+                waiting_for_capacity = not serving and not num_placed
+            break
+        num_placed += 1
+        record_event(endpoint, EventKind.SCALE, f"Replica {str(replica.pk)[:8]} {reason}", replica=replica)
+    return num_unplaced, message, event, waiting_for_capacity
 
 
 def active_endpoint_ids(now: float | None = None) -> list[str]:

@@ -47,6 +47,13 @@ def _prices_of(gpu_type: str) -> dict:
 
 
 @transaction.atomic
+def wait_for_endpoint_row(endpoint_id) -> None:
+    """Wait until no other transaction holds the endpoint's row, holding nothing else (an edit run again after a
+    deadlock: `integrity.once_more_after_a_deadlock`)."""
+    Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id).values_list("pk", flat=True).first()
+
+
+@transaction.atomic
 def update_endpoint(actor: Actor, endpoint: Endpoint, **changes) -> Endpoint:
     # NOTE: the organisation's row first (its quotas are checked under it), then the endpoint's: never waited for
     # with the endpoint's row held, which a heartbeat reporting a replica failed or READY takes. Behind a key revocation

@@ -21,6 +21,7 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
+from controlplane.integrity import once_more_after_a_deadlock
 from controlplane.plain_numbers import plain_int
 from endpoints import credentials, prewarm, quotas, services, stats
 from endpoints.adapters import adapters_with_holders
@@ -161,6 +162,11 @@ def endpoint_edit(request, pk):
         endpoint = _endpoint_or_404(request, pk)
         initial = EndpointForm.initial_for(endpoint)
         return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
+    return once_more_after_a_deadlock(lambda: _edit_locked(request, pk),
+                                      wait_for=lambda: services.wait_for_endpoint_row(pk))
+
+
+def _edit_locked(request, pk):
     with transaction.atomic():  # NOTE: checked against the row as it is (`integrity.RowLockedUpdateMixin`)
         quotas.lock_organization(request.organization.pk)  # NOTE: before the endpoint's, as `services.update_endpoint`
         return _save_endpoint_edit(request, get_object_or_404(_endpoints(request.organization).select_for_update(

@@ -24,6 +24,7 @@ from controlplane.accounts.models import Role, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor
 from controlplane.accounts.tenancy import SESSION_KEY
 from endpoints import autoscaler, scheduler, services
+from endpoints import quotas as endpoint_quotas
 from endpoints import replicas as replicas_module
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import create_join_token
@@ -331,6 +332,26 @@ def test_a_nodes_heartbeat_is_answered_at_once_while_an_edit_waits_for_its_organ
     assert endpoint.max_num_seqs == 32 and replica.state == ReplicaState.FAILED
 
 
+def _console_owner(endpoint) -> Client:
+    """A client logged in to the console as an owner of the endpoint's organisation."""
+    owner = Client()
+    user = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=user, role=Role.OWNER)
+    owner.force_login(user)
+    session = owner.session
+    session[SESSION_KEY] = endpoint.organization_id
+    session.save()
+    return owner
+
+
+def _console_spec(endpoint, *, max_num_seqs: int) -> dict:
+    """The console's edit form for the endpoint, `max_num_seqs` changed."""
+    return {"name": endpoint.name, "model_source": endpoint.model_source, "gpu_type": endpoint.gpu_type,
+            "quantization": endpoint.quantization, "min_replicas": "0", "max_replicas": "1", "idle_timeout_s": "300",
+            "target_concurrency": "8", "max_num_seqs": str(max_num_seqs), "cold_start_timeout_s": "300",
+            "gpus_per_replica": "", "idle_action": "stop"}
+
+
 def test_a_nodes_heartbeat_is_answered_at_once_while_a_console_edit_waits_for_its_organisations_row(monkeypatch):
     """The console's edit of an endpoint takes its organisation's row before the endpoint's, as the API's does: before,
     it locked the endpoint's row and then waited for its organisation's (`services.update_endpoint`), and a heartbeat
@@ -339,17 +360,8 @@ def test_a_nodes_heartbeat_is_answered_at_once_while_a_console_edit_waits_for_it
     agent = register(client, create_join_token(SYSTEM, name="test").plain).json()
     endpoint = EndpointFactory(gpu_type="cpu", min_replicas=0, max_replicas=1, model_source="/models/tiny")
     replica = Replica.objects.create(endpoint=endpoint, node_id=agent["node_id"], state=ReplicaState.READY)
-    owner = Client()
-    user = UserFactory()
-    MembershipFactory(organization=endpoint.organization, user=user, role=Role.OWNER)
-    owner.force_login(user)
-    session = owner.session
-    session[SESSION_KEY] = endpoint.organization_id
-    session.save()
-    spec = {"name": endpoint.name, "model_source": endpoint.model_source, "gpu_type": endpoint.gpu_type,
-            "quantization": endpoint.quantization, "min_replicas": "0", "max_replicas": "1", "idle_timeout_s": "300",
-            "target_concurrency": "8", "max_num_seqs": "32", "cold_start_timeout_s": "300", "gpus_per_replica": "",
-            "idle_action": "stop"}
+    owner = _console_owner(endpoint)
+    spec = _console_spec(endpoint, max_num_seqs=32)
     edited = {}
 
     def edit():
@@ -395,3 +407,41 @@ def test_a_credentials_edit_does_not_wait_for_its_organisations_row(member_clien
     assert answer["seconds"] < 1.5
     credential.refresh_from_db()
     assert credential.region == "us-east-1"
+
+
+@pytest.mark.parametrize("where", ["api", "console"])
+def test_an_edit_caught_in_a_deadlock_with_a_pod_of_the_release_before_is_saved_not_answered_500(
+        monkeypatch, member_client_factory, where):
+    """An edit takes its organisation's row before its endpoint's; a pod of the release before (its edit, its reconcile
+    task) took the endpoint's first, then waited for the organisation's. During a rollout the two deadlocked and
+    PostgreSQL broke it, rolling the edit back: a 500 for a valid edit. The edit now runs once more, and is saved."""
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=0, max_replicas=1, model_source="/models/tiny")
+    endpoint_held, organization_held = threading.Event(), threading.Event()
+    # The edit has its organisation's row once `lock_organization` returns (the API's and the console's alike).
+    monkeypatch.setattr(endpoint_quotas, "lock_organization",
+                        _paused(endpoint_quotas.lock_organization, organization_held, before=False, seconds=0))
+    edited = {}
+
+    def old_pod():  # the release before's order: the endpoint's row, then the organisation's
+        with transaction.atomic():
+            Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint.pk).values_list("pk").first()
+            endpoint_held.set()
+            organization_held.wait(10)
+            time.sleep(0.3)  # the edit now waits for the endpoint's row
+            lock_organizations([endpoint.organization_id])
+
+    def edit():
+        endpoint_held.wait(10)
+        if where == "api":
+            owner = member_client_factory(endpoint.organization)
+            edited["answer"] = owner.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_num_seqs": 32}, format="json")
+        else:
+            edited["answer"] = _console_owner(endpoint).post(
+                reverse("console:endpoint-edit", args=[endpoint.pk]), _console_spec(endpoint, max_num_seqs=32))
+
+    errors = _together({"old pod": old_pod, "edit": edit}, first="old pod", go=endpoint_held)
+
+    assert errors == {}
+    assert edited["answer"].status_code == (200 if where == "api" else 302)
+    endpoint.refresh_from_db()
+    assert endpoint.max_num_seqs == 32

@@ -3,11 +3,13 @@ its node's sleepers, it with them, fit in their share of the node's memory (`pla
 stops instead, saying why. Before, nothing counted it: sleepers of many endpoints on one node (GPU sharing, successive
 sleeps) added up past the agent container's limit, and the kubelet killed the container, every tenant's engine of the
 node with it."""
+import functools
 import threading
+import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -20,6 +22,7 @@ from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
 from tests.test_gpu_placement import make_gpu_node
+from tests.test_placement import make_node
 from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
 from tests.test_sleep_mode import idle, one_waiting
 
@@ -248,6 +251,71 @@ def test_a_wake_that_fails_on_one_node_then_wakes_on_another_and_a_scale_down_on
     assert errors == {}
     assert [state_of(replica) for replica in let_go] == [ReplicaState.SLEEPING] * 2
     assert (state_of(newer), state_of(older)) == (ReplicaState.STOPPED, ReplicaState.STARTING)
+
+
+def _asleep_on(endpoint, node) -> Replica:
+    """A replica of `endpoint` asleep on GPU 0 of `node` these five minutes."""
+    replica = _ready_on(endpoint, node, age_s=600)
+    Replica.objects.filter(pk=replica.pk).update(state=ReplicaState.SLEEPING,
+                                                 state_changed_at=timezone.now() - timedelta(seconds=300))
+    return replica
+
+
+@pytest.mark.django_db(transaction=True)
+def test_endpoints_waking_on_distinct_nodes_of_one_gpu_type_wake_together_not_one_after_another(
+        sleep_mode, monkeypatch):
+    """A scale-up that wakes a sleeper locked every READY node of its GPU type (placement's lock, should a wake fail)
+    until it committed: three tenants' endpoints waking at once, each on a node of its own, woke one after another, each
+    waiting for the one before (a Monday morning's first calls). One whose sleepers all wake locks their nodes alone."""
+    nodes = _two_nodes_in_lock_order() + _two_nodes_in_lock_order()[:1]
+    waking = [_sleeping_when_idle() for _ in nodes]  # each of an organisation of its own
+    sleepers = [_asleep_on(endpoint, node) for endpoint, node in zip(waking, nodes, strict=True)]
+    # The first scale-up pauses 1.5 s once its sleeper's room is counted, its locks held.
+    go = _first_pauses_in(monkeypatch, "room_to_wake")
+    done_at = {}
+
+    def wake(endpoint):
+        scheduler.reconcile_endpoint(str(endpoint.pk), one_waiting())
+        done_at[endpoint.pk] = time.monotonic()
+
+    errors = _together({f"wake {i}": functools.partial(wake, endpoint) for i, endpoint in enumerate(waking)},
+                       first="wake 0", go=go)
+
+    assert errors == {}
+    assert [state_of(replica) for replica in sleepers] == [ReplicaState.STARTING] * 3
+    # the two others woke while the first still held its locks
+    assert max(done_at[endpoint.pk] for endpoint in waking[1:]) < done_at[waking[0].pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_down_whose_replica_stops_rather_than_sleeps_does_not_wait_for_its_nodes_lock(sleep_mode):
+    """With sleep mode on, a scale-down locked the nodes of every READY replica it let go, also one that stops rather
+    than sleeps (a CPU node's, an agent older than sleep mode): it waited behind whatever held the node (a placement,
+    a heartbeat), its endpoint's row held meanwhile, for nothing it counts there."""
+    node = make_node(gpu_type="cpu", memory_mb=16_000, quantizations=("none",))
+    endpoint = EndpointFactory(gpu_type="cpu", model_source="hf:org/model-1B", min_replicas=0, idle_timeout_s=60,
+                               idle_action="sleep")
+    let_go = _ready_on(endpoint, node, age_s=600)
+    go = threading.Event()
+    done_at = {}
+
+    def hold_the_node():  # another write holding the node's row 1.5 s
+        with transaction.atomic():
+            Node.objects.select_for_update().filter(pk=node.pk).first()
+            go.set()
+            time.sleep(1.5)
+        done_at["hold"] = time.monotonic()
+
+    def scale_down():
+        scheduler.reconcile_endpoint(str(endpoint.pk), idle())
+        done_at["scale-down"] = time.monotonic()
+
+    errors = _together({"hold": hold_the_node, "scale-down": scale_down}, first="hold", go=go)
+
+    assert errors == {}
+    assert state_of(let_go) == ReplicaState.DRAINING
+    assert any("stopped rather than asleep: CPU nodes never sleep" in m for m in scale_events(let_go))
+    assert done_at["scale-down"] < done_at["hold"]  # drained while the node's row was held
 
 
 @pytest.mark.django_db

@@ -5,7 +5,9 @@ anything is counted or streamed when it would pass a bound:
 
 - this gateway process's (`INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS`): 503 with Retry-After;
 - the endpoint's (`MAX_WAITING_PER_ENDPOINT`): 503 with Retry-After;
-- its organisation's plan (`max_held_requests`, atomic in Redis across gateway processes): 429.
+- its organisation's plan (`max_held_requests`): 429;
+
+the last two checked and counted in one step in Redis, across gateway processes.
 
 Then `hold` wakes the endpoint's reconcile and waits for the READY message on the process's one
 pub/sub connection (`controlplane.pubsub.subscribe`), however many requests wait, polling the
@@ -25,7 +27,7 @@ from typing import Protocol
 from django.conf import settings
 
 from controlplane import pubsub
-from controlplane.redis_keys import held_key
+from controlplane.redis_keys import endpoint_held_key, held_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
 from endpoints.gateway.directory import EndpointInfo, ReplicaInfo
@@ -40,25 +42,37 @@ MAX_WAITING_PER_ENDPOINT = 256
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
 
-# K: the organisation's held set (a call's "<request id>|<call token>" scored by the time its place lapses, Redis's clock:
-# every gateway's places are judged by one clock, so one whose clock ran ahead never read the others' as lapsed and held
-# past the quota). A: that member, seconds the place lasts, quota. Returns 1 when the place is taken, 0 when the quota is
-# full.
+# K: the organisation's held set and the endpoint's (a call's "<request id>|<call token>" scored by the time its place
+# lapses, Redis's clock: every gateway's places are judged by one clock, so one whose clock ran ahead never read the
+# others' as lapsed and held past the quota). A: that member, seconds the place lasts, quota, the endpoint's bound.
+# Returns 1 when the place is taken, 0 when the quota is full, -1 when the endpoint's bound is.
 # NOTE: a place the call holds already (this call sent again by a cluster client's retry) is counted among the
 # quota's: it is its own, never a reason to answer full. Another try under the same request id (a batch line tried
 # again while its earlier try still waits) is another call: keyed by the request id alone, the two shared one place,
 # and the first's give-up freed it while the second waited (two waiting on a quota of one).
+# NOTE: a set lives as long as its longest place: set to expire with each place taken, one of 1 s taken after one of
+# 300 s (another endpoint's cold_start_timeout_s) dropped the whole set a second later, the 300 s call still waiting.
+# NOTE: both bounds are checked and counted in this one step: the endpoint's was read from its waiting set, where a
+# call is counted only at its admission, so a burst of calls each read the count before any was in it and all were held.
 _TAKE_PLACE = Script("""
 local now = tonumber(redis.call('TIME')[1])
-local own = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not (own and tonumber(own) > now)
-    and redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
+local function full(key, bound)
+    local own = redis.call('ZSCORE', key, ARGV[1])
+    return not (own and tonumber(own) > now) and redis.call('ZCOUNT', key, '(' .. now, '+inf') >= bound
+end
+if full(KEYS[2], tonumber(ARGV[4])) then return -1 end
+if full(KEYS[1], tonumber(ARGV[3])) then return 0 end
+local lasts = math.ceil(tonumber(ARGV[2]))
+for _, key in ipairs(KEYS) do
+    redis.call('ZADD', key, now + tonumber(ARGV[2]), ARGV[1])
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    if redis.call('TTL', key) < lasts then redis.call('EXPIRE', key, lasts) end
+end
 return 1
 """)
-_LEAVE_PLACE = Script("return redis.call('ZREM', KEYS[1], ARGV[1])")
+# K: the organisation's held set and the endpoint's (a place taken by a gateway of the release before is in the first
+# alone); A: the member.
+_LEAVE_PLACE = Script("redis.call('ZREM', KEYS[2], ARGV[1]) return redis.call('ZREM', KEYS[1], ARGV[1])")
 
 _num_held_here = 0  # places taken in this process and not yet given up
 
@@ -70,29 +84,32 @@ def num_held_here() -> int:
 @dataclass(slots=True)
 class Place:
     organization_id: int
-    member: str  # its call's in the organisation's held set: "<request id>|<call token>"
+    endpoint_id: str
+    member: str  # its call's in the organisation's and the endpoint's held sets: "<request id>|<call token>"
     taken: bool = True
+
+    def keys(self) -> list[str]:
+        return [held_key(self.organization_id), endpoint_held_key(self.organization_id, self.endpoint_id)]
 
 
 async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: str, *, call_token: str) -> Place:
     """A place in line for a cold start for the request's call of `call_token` (`traffic.new_call_token`), or the
     503/429 that refuses it."""
     global _num_held_here
-    if await traffic.num_waiting(endpoint.organization_id, endpoint.id) >= MAX_WAITING_PER_ENDPOINT:
+    place = Place(organization_id, endpoint.id, f"{request_id}|{call_token}")
+    taken = int(await _TAKE_PLACE(keys=place.keys(), args=[place.member, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
+                                                           endpoint.max_held_requests, MAX_WAITING_PER_ENDPOINT]))
+    if taken < 0:
         raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
-    member = f"{request_id}|{call_token}"
-    if not int(await _TAKE_PLACE(keys=[held_key(organization_id)],
-                                 args=[member, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
-                                       endpoint.max_held_requests])):
+    if not taken:
         raise errors.OpenAIError(
             429, f"Your organisation already has {endpoint.max_held_requests} requests waiting for cold starts "
                  "(quota max_held_requests); retry when they are served.",
             type="requests", code="rate_limit_exceeded", headers={"retry-after": "5"})
-    place = Place(organization_id, member)
     # NOTE: checked and counted with no await in between, so concurrent requests see each other.
     if _num_held_here >= settings.MAX_HELD_REQUESTS_PER_PROCESS:
         place.taken = False
-        await _LEAVE_PLACE(keys=[held_key(organization_id)], args=[member])
+        await _LEAVE_PLACE(keys=place.keys(), args=[place.member])
         raise errors.no_capacity("This gateway is holding too many requests for cold starts; please retry.", 5)
     _num_held_here += 1
     return place
@@ -105,7 +122,7 @@ async def give_up(place: Place | None) -> None:
         return
     place.taken = False
     _num_held_here -= 1
-    await _LEAVE_PLACE(keys=[held_key(place.organization_id)], args=[place.member])
+    await _LEAVE_PLACE(keys=place.keys(), args=[place.member])
 
 
 class HeldCall(Protocol):

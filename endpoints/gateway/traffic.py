@@ -189,10 +189,6 @@ _PROMOTE = Script(TRAFFIC_LUA + """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], traffic_now(), ARGV[1])
 """)
-# KEYS: the endpoint's waiting set; ARGV: `STALE_AFTER_S`. The requests waiting, less those left by a dead gateway.
-_NUM_WAITING = Script(TRAFFIC_LUA + """
-return redis.call('ZCOUNT', KEYS[1], traffic_now() - tonumber(ARGV[1]), '+inf')
-""")
 
 
 _gateway_id: tuple[int, str] = (0, "")
@@ -394,7 +390,3 @@ async def demote_request(organization_id: int, endpoint_id: str, request_id: str
     """A request in flight lost its replica before any took it and waits again for one (`_PROMOTE`, the other way)."""
     await _PROMOTE(keys=[inflight_key(organization_id, endpoint_id), waiting_key(organization_id, endpoint_id)],
                    args=[request_id])
-
-
-async def num_waiting(organization_id: int, endpoint_id: str) -> int:
-    return int(await _NUM_WAITING(keys=[waiting_key(organization_id, endpoint_id)], args=[STALE_AFTER_S]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import types
 
 import httpx
 import pytest
@@ -16,13 +17,14 @@ from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import Plan, Scope
 from controlplane.accounts.services import SYSTEM, Actor, save_plan, set_organization_plan
 from controlplane.redis_client import get_redis
-from controlplane.redis_keys import held_key
+from controlplane.redis_keys import endpoint_held_key, held_key
+from endpoints.gateway import errors
 from endpoints.models import Replica
 from endpoints.nodes.models import Node
 from endpoints.nodes.notify import endpoint_ready_channel, node_channel
 from gpu_agent.protocol import NodeState
 from tests.conftest import start_web_server, wait_until
-from tests.factories import EndpointFactory, MembershipFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -202,3 +204,62 @@ def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
         assert again.failures == []
     finally:
         again.release()
+
+
+def test_a_burst_at_a_cold_endpoint_holds_no_more_than_the_endpoints_bound_and_refuses_the_rest_at_once(
+        tenant, monkeypatch):
+    # Before, the endpoint's bound was read (its waiting set's count) and the call counted there only later, at its
+    # admission: twelve calls arriving together each read 0 waiting and all twelve were held past a bound of 3.
+    from controlplane.asgi import application
+    from endpoints.gateway import cold_start
+
+    monkeypatch.setattr(cold_start, "MAX_WAITING_PER_ENDPOINT", 3)
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048, cold_start_timeout_s=4)  # never served
+
+    async def burst() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            return await asyncio.gather(*(
+                http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                          json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+                for _ in range(12)))
+
+    responses = asyncio.run(asyncio.wait_for(burst(), 60))
+
+    assert all(r.status_code == 503 and int(r.headers["retry-after"]) >= 1 for r in responses), responses
+    messages = [r.json()["error"]["message"] for r in responses]
+    held = [m for m in messages if "became ready within 4 s" in m]
+    refused = [m for m in messages if m == f"Too many requests are waiting for '{endpoint.name}' to start."]
+    assert (len(held), len(refused)) == (3, 9), messages
+    # every place given up, once
+    assert get_redis().zcard(held_key(tenant.org.pk)) == get_redis().zcard(
+        endpoint_held_key(tenant.org.pk, str(endpoint.pk))) == 0
+
+
+def test_a_short_cold_start_held_after_a_long_one_never_lets_the_quota_forget_the_long_ones_place(monkeypatch):
+    # Before, each place set its organisation's held set to expire with it: a place of 1 s taken after one of 300 s
+    # expired the whole set a second later, the 300 s call still waiting, and the quota no longer counted it (three
+    # held on a quota of two).
+    from endpoints.gateway import cold_start
+
+    monkeypatch.setattr(cold_start, "PLACE_GRACE_S", 0)
+    org = OrganizationFactory().pk
+    slow, quick = (types.SimpleNamespace(id=name, name=name, organization_id=org, cold_start_timeout_s=timeout_s,
+                                         max_held_requests=2) for name, timeout_s in (("slow", 300), ("quick", 1)))
+
+    async def scenario() -> list[int]:
+        places, statuses = [], []
+        try:
+            for endpoint, request_id, wait_s in ((slow, "a", 0), (quick, "b", 2.2), (slow, "c", 0), (slow, "d", 0)):
+                try:
+                    places.append(await cold_start.take_place(endpoint, org, request_id, call_token="t"))
+                    statuses.append(200)
+                except errors.OpenAIError as exc:
+                    statuses.append(exc.status)
+                await asyncio.sleep(wait_s)  # the quick one's place lapses; the slow call still waits
+        finally:
+            for place in places:
+                await cold_start.give_up(place)
+        return statuses
+
+    assert asyncio.run(scenario()) == [200, 200, 200, 429]
