@@ -185,3 +185,19 @@ def test_a_paused_endpoints_503_does_not_set_the_openai_client_retrying_for_two_
     assert refused.value.status_code == 503 and refused.value.code == "endpoint_paused"
     assert (len(sent), slept) == (1, [])
     assert not UsageRecord.objects.exists()
+
+
+def test_a_method_a_v1_path_does_not_serve_is_a_405_naming_the_methods_it_does(gateway, tenant, start_mock_upstream):
+    """HTTP requires a 405 to say in `Allow` which methods the path serves (RFC 9110, 15.5.6); before, none did."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    raw = httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}"})
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+                                  ("GET", "/v1/embeddings", "POST"), ("GET", "/v1/responses", "POST"),
+                                  ("POST", "/v1/models", "GET"), ("DELETE", f"/v1/models/{endpoint.name}", "GET"),
+                                  ("PUT", "/v1/files", "GET, POST"), ("PATCH", "/v1/batches", "GET, POST"),
+                                  ("DELETE", "/v1/batches/batch_x", "GET"), ("GET", "/v1/batches/batch_x/cancel", "POST")):
+        answer = raw.request(method, path)
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert answer.headers.get("allow") == allowed, (method, path, answer.headers)
+        assert answer.json()["error"]["message"] == f"Method {method} not allowed on {path}."
+        assert answer.headers["x-request-id"].startswith("req_")
