@@ -50,8 +50,8 @@ _VLLM_CHAT = _VLLM_SAMPLING | {
 _OPENAI_RESPONSES = frozenset({
     "model", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
     "reasoning", "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
-    "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "safety_identifier", "background",
-    "previous_response_id", "conversation", "prompt",
+    "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "background", "previous_response_id", "conversation", "prompt",
 })
 # vLLM's extensions that its Responses request reads (`vllm.entrypoints.openai.responses.protocol.ResponsesRequest`).
 _VLLM_RESPONSES = frozenset({
@@ -87,6 +87,10 @@ REFUSED_WITH_REASON: dict[str, str] = {
     "web_search_options": "is not supported: models here do not search the web",
 }
 
+# OpenAI's own fields refused above that OpenAI's API types as nullable: null there is "not set" (the openai client sends
+# `audio=None` so), as it is for the stateful Responses fields refused only when set. NOTE: it was a 400 "not supported".
+NULL_IS_UNSET = frozenset({"audio"})
+
 # A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
 # NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.
 REFUSED_ON_PATH: dict[tuple[str, str], str] = {
@@ -104,7 +108,7 @@ def check(payload: dict, kind: str) -> None:
     """A 400 in OpenAI's shape naming the first field of `payload` a call of `kind` may not send."""
     accepted = ACCEPTED[kind]
     for name in payload:
-        if name in accepted:
+        if name in accepted or (name in NULL_IS_UNSET and payload[name] is None):
             continue
         reason = REFUSED_ON_PATH.get((kind, name)) or REFUSED_WITH_REASON.get(name)
         if reason is not None:

@@ -109,6 +109,21 @@ def test_what_openais_sdks_and_vllms_sampling_extensions_send_still_passes(kind,
     assert parse_payload(json.dumps(body).encode(), kind) == body
 
 
+def test_a_responses_call_may_send_the_prompt_cache_retention_a_chat_call_may():
+    """An OpenAI field the openai client sends on both (`prompt_cache_retention`): the chat call passed, the Responses
+    call was a 400 'Unrecognized request argument'."""
+    body = {"model": "m", "input": "hi", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}
+    assert parse_payload(json.dumps(body).encode(), "responses") == body
+
+
+def test_audio_sent_as_null_is_not_set_but_asked_for_is_refused():
+    """OpenAI's API types `audio` as nullable, and the openai client sends `audio=None` as null: a 400 "not supported"
+    before. Asked for (an object), it is still refused with its reason."""
+    assert parse_payload(json.dumps(CHAT | {"audio": None}).encode(), "chat") == CHAT | {"audio": None}
+    refused = _refusal(CHAT | {"audio": {"voice": "alloy", "format": "wav"}}, "chat")
+    assert (refused.param, refused.code) == ("audio", "unsupported_parameter")
+
+
 def test_every_kind_has_an_allowlist_with_its_model_and_prompt():
     assert {"model", "messages"} <= ACCEPTED["chat"]
     assert {"model", "prompt"} <= ACCEPTED["completion"]
