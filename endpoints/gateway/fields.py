@@ -25,11 +25,13 @@ _OPENAI_COMMON = frozenset({
     "frequency_penalty", "seed", "stop", "user", "logit_bias", "logprobs", "metadata", "store", "service_tier",
     "prompt_cache_key", "safety_identifier",
 })
+# NOTE: OpenAI's prompt-cache hints (its cache's key, retention and options) change nothing here: vLLM's prefix cache
+# needs none. `prompt_cache_options` was an unrecognised argument on chat and Responses alike.
+_OPENAI_CACHE_HINTS = frozenset({"prompt_cache_retention", "prompt_cache_options"})
 _OPENAI_CHAT = _OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "response_format", "reasoning_effort", "verbosity", "functions", "function_call", "modalities", "prediction",
-    "prompt_cache_retention",
-}
+} | _OPENAI_CACHE_HINTS
 # NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is
 # harmless here. vLLM's completions honour `response_format` (structured output), bounded by `max_tokens`.
 _OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix", "max_completion_tokens", "response_format"}
@@ -50,9 +52,9 @@ _VLLM_CHAT = _VLLM_SAMPLING | {
 _OPENAI_RESPONSES = frozenset({
     "model", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
     "reasoning", "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
-    "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "prompt_cache_retention",
-    "safety_identifier", "background", "previous_response_id", "conversation", "prompt",
-})
+    "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "safety_identifier", "background",
+    "previous_response_id", "conversation", "prompt",
+}) | _OPENAI_CACHE_HINTS
 # vLLM's extensions that its Responses request reads (`vllm.entrypoints.openai.responses.protocol.ResponsesRequest`).
 _VLLM_RESPONSES = frozenset({
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",

@@ -109,11 +109,15 @@ def test_what_openais_sdks_and_vllms_sampling_extensions_send_still_passes(kind,
     assert parse_payload(json.dumps(body).encode(), kind) == body
 
 
-def test_a_responses_call_may_send_the_prompt_cache_retention_a_chat_call_may():
-    """An OpenAI field the openai client sends on both (`prompt_cache_retention`): the chat call passed, the Responses
-    call was a 400 'Unrecognized request argument'."""
-    body = {"model": "m", "input": "hi", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}
-    assert parse_payload(json.dumps(body).encode(), "responses") == body
+@pytest.mark.parametrize("kind, body", [
+    ("responses", {"model": "m", "input": "hi", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}),
+    ("responses", {"model": "m", "input": "hi", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}),
+    ("chat", CHAT | {"prompt_cache_options": {"mode": "explicit"}}),
+])
+def test_openais_prompt_cache_hints_pass_on_chat_and_responses_alike(kind, body):
+    """Fields of OpenAI's the openai client sends that change nothing here: `prompt_cache_retention` passed on chat but
+    was a 400 'Unrecognized request argument' on Responses, and `prompt_cache_options` was one on both."""
+    assert parse_payload(json.dumps(body).encode(), kind) == body
 
 
 def test_audio_sent_as_null_is_not_set_but_asked_for_is_refused():
