@@ -4,9 +4,9 @@ For each operation it generates valid and invalid requests (bodies, query string
 and sends them, with the owner key of one of two organisations, to the Django application itself
 (WSGI, in this process, on the real test database: each operation starts from the same seeded data
 and its writes are rolled back). Every answer must be no server error, carry a status code and a
-content type the schema documents for that operation, and match the documented body. Path
-parameters are often the ids of real objects, of the caller's organisation or of the other one,
-whose objects must stay invisible (a 404).
+content type the schema documents for that operation and the headers it documents as required, and
+match the documented body. Path parameters are often the ids of real objects, of the caller's
+organisation or of the other one, whose objects must stay invisible (a 404).
 
 Bounded and reproducible: `FUZZ_EXAMPLES` examples per operation, derandomised.
 """
@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -48,7 +49,8 @@ from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.fakes.stripe_server import FakeStripe
 
 FUZZ_EXAMPLES = int(os.environ.get("INFERPLANE_FUZZ_EXAMPLES", "15"))
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 # NOTE: loaded from the application as it serves it (Django is set up before collection; serving
 # the schema reads no database).

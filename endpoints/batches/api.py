@@ -97,8 +97,8 @@ def _unparsable_body(exc: Exception) -> errors.OpenAIError:
     return errors.invalid_request(f"We could not parse the multipart form data of your request: {exc}")
 
 
-def _method_not_allowed(request) -> HttpResponse:
-    return _error(errors.OpenAIError(405, f"Method {request.method} not allowed on {request.path}."))
+def _method_not_allowed(request, *allowed: str) -> HttpResponse:
+    return _error(errors.method_not_allowed(request.method, request.path, allowed))
 
 
 def _query(request, name: str) -> str:
@@ -225,7 +225,7 @@ def files(request, caller: Caller):
     if request.method == "POST":
         return _upload(request, caller)
     if request.method != "GET":
-        return _method_not_allowed(request)
+        return _method_not_allowed(request, "GET", "POST")
     queryset = File.objects.for_org(caller.organization_id)
     if purpose := _query(request, "purpose"):
         queryset = queryset.filter(purpose=purpose)
@@ -249,13 +249,13 @@ def file_detail(request, caller: Caller, file_id: str):
     if request.method == "DELETE":
         services.delete_file(file)
         return JsonResponse({"id": file.pk, "object": "file", "deleted": True})
-    return _method_not_allowed(request)
+    return _method_not_allowed(request, "GET", "DELETE")
 
 
 @_openai_view
 def file_content(request, caller: Caller, file_id: str):
     if request.method != "GET":
-        return _method_not_allowed(request)
+        return _method_not_allowed(request, "GET")
     file = _file_of(caller, file_id)
     try:
         stream = storage.open_stream(file.s3_key)
@@ -282,7 +282,7 @@ def batches(request, caller: Caller):
     if request.method == "GET":
         return JsonResponse(_page(Batch.objects.for_org(caller.organization_id), request, default_limit=20))
     if request.method != "POST":
-        return _method_not_allowed(request)
+        return _method_not_allowed(request, "GET", "POST")
     key = idempotency.key_of(request.headers)
     try:
         payload = json.loads(request.body or b"{}")
@@ -319,7 +319,7 @@ def _batch_of(caller: Caller, batch_id: str) -> Batch:
 @_openai_view
 def batch_detail(request, caller: Caller, batch_id: str):
     if request.method != "GET":
-        return _method_not_allowed(request)
+        return _method_not_allowed(request, "GET")
     return JsonResponse(_batch_of(caller, batch_id).as_openai())
 
 
@@ -328,6 +328,6 @@ def batch_cancel(request, caller: Caller, batch_id: str):
     """Cancel a batch: idempotent as it is (a batch cancelled again while `cancelling` is answered as it is now; one
     that has ended is a 409, `services.cancel_batch`), so an `Idempotency-Key` is checked but saves nothing."""
     if request.method != "POST":
-        return _method_not_allowed(request)
+        return _method_not_allowed(request, "POST")
     idempotency.key_of(request.headers)
     return JsonResponse(services.cancel_batch(_batch_of(caller, batch_id)).as_openai())

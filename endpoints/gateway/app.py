@@ -357,12 +357,12 @@ class Gateway:
         try:
             if path == "/v1/models":
                 if method != "GET":
-                    raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+                    raise errors.method_not_allowed(method, path, ("GET",))
                 await self._models(headers, send, request_id, ratelimit)
                 return log_answer(scope, 200, started, request_id)
             if path.startswith(MODELS_PREFIX):
                 if method != "GET":
-                    raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+                    raise errors.method_not_allowed(method, path, ("GET",))
                 await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
                 return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
@@ -371,7 +371,7 @@ class Gateway:
                     raise responses.refuse_stored(method, path)
                 raise errors.unknown_url(method, path)
             if method != "POST":
-                raise errors.OpenAIError(405, f"Method {method} not allowed on {path}.")
+                raise errors.method_not_allowed(method, path, ("POST",))
             if drain.draining():
                 await _discard_body(receive, scope)
                 raise errors.server_stopping()

@@ -54,6 +54,13 @@ def unknown_url(method: str, path: str) -> OpenAIError:
     return OpenAIError(404, f"Unknown URL {method} {path}.", code="unknown_url")
 
 
+def method_not_allowed(method: str, path: str, allowed: tuple[str, ...]) -> OpenAIError:
+    """A method a `/v1` path does not serve: 405 with the `Allow` header HTTP requires of it (RFC 9110, 15.5.6), naming
+    the methods the path does serve. NOTE: it had none: HTTP clients and API checkers (Schemathesis's
+    `allow_header_conformance`) could not tell which method to use."""
+    return OpenAIError(405, f"Method {method} not allowed on {path}.", headers={"allow": ", ".join(allowed)})
+
+
 def invalid_api_key(message: str = "Incorrect API key provided.") -> OpenAIError:
     return OpenAIError(401, message, type="invalid_request_error", code="invalid_api_key")
 

@@ -25,11 +25,13 @@ _OPENAI_COMMON = frozenset({
     "frequency_penalty", "seed", "stop", "user", "logit_bias", "logprobs", "metadata", "store", "service_tier",
     "prompt_cache_key", "safety_identifier",
 })
+# NOTE: OpenAI's prompt-cache hints (its cache's key, retention and options) change nothing here: vLLM's prefix cache
+# needs none. `prompt_cache_options` was an unrecognised argument on chat and Responses alike.
+_OPENAI_CACHE_HINTS = frozenset({"prompt_cache_retention", "prompt_cache_options"})
 _OPENAI_CHAT = _OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "response_format", "reasoning_effort", "verbosity", "functions", "function_call", "modalities", "prediction",
-    "prompt_cache_retention",
-}
+} | _OPENAI_CACHE_HINTS
 # NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is
 # harmless here. vLLM's completions honour `response_format` (structured output), bounded by `max_tokens`.
 _OPENAI_COMPLETION = _OPENAI_COMMON | {"prompt", "echo", "best_of", "suffix", "max_completion_tokens", "response_format"}
@@ -52,7 +54,7 @@ _OPENAI_RESPONSES = frozenset({
     "reasoning", "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
     "top_logprobs", "top_p", "truncation", "user", "include", "prompt_cache_key", "safety_identifier", "background",
     "previous_response_id", "conversation", "prompt",
-})
+}) | _OPENAI_CACHE_HINTS
 # vLLM's extensions that its Responses request reads (`vllm.entrypoints.openai.responses.protocol.ResponsesRequest`).
 _VLLM_RESPONSES = frozenset({
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
@@ -87,6 +89,10 @@ REFUSED_WITH_REASON: dict[str, str] = {
     "web_search_options": "is not supported: models here do not search the web",
 }
 
+# OpenAI's own fields refused above that OpenAI's API types as nullable: null there is "not set" (the openai client sends
+# `audio=None` so), as it is for the stateful Responses fields refused only when set. NOTE: it was a 400 "not supported".
+NULL_IS_UNSET = frozenset({"audio"})
+
 # A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
 # NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.
 REFUSED_ON_PATH: dict[tuple[str, str], str] = {
@@ -104,7 +110,7 @@ def check(payload: dict, kind: str) -> None:
     """A 400 in OpenAI's shape naming the first field of `payload` a call of `kind` may not send."""
     accepted = ACCEPTED[kind]
     for name in payload:
-        if name in accepted:
+        if name in accepted or (name in NULL_IS_UNSET and payload[name] is None):
             continue
         reason = REFUSED_ON_PATH.get((kind, name)) or REFUSED_WITH_REASON.get(name)
         if reason is not None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -28,7 +29,8 @@ from tests.factories import MembershipFactory, OrganizationFactory, UserFactory,
 from tests.fleet.staff_schema import staff_schema
 
 FUZZ_EXAMPLES = int(os.environ.get("INFERPLANE_FUZZ_EXAMPLES", "15"))
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 # The served schema leaves the staff-only pools out; staff's has them.
 schema = schemathesis.openapi.from_dict(staff_schema())

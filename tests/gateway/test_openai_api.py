@@ -185,3 +185,32 @@ def test_a_paused_endpoints_503_does_not_set_the_openai_client_retrying_for_two_
     assert refused.value.status_code == 503 and refused.value.code == "endpoint_paused"
     assert (len(sent), slept) == (1, [])
     assert not UsageRecord.objects.exists()
+
+
+def test_a_method_a_v1_path_does_not_serve_is_a_405_naming_the_methods_it_does(gateway, tenant, start_mock_upstream):
+    """HTTP requires a 405 to say in `Allow` which methods the path serves (RFC 9110, 15.5.6); before, none did."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    raw = httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}"})
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+                                  ("GET", "/v1/embeddings", "POST"), ("GET", "/v1/responses", "POST"),
+                                  ("POST", "/v1/models", "GET"), ("DELETE", f"/v1/models/{endpoint.name}", "GET"),
+                                  ("PUT", "/v1/files", "GET, POST"), ("PATCH", "/v1/batches", "GET, POST"),
+                                  ("DELETE", "/v1/batches/batch_x", "GET"), ("GET", "/v1/batches/batch_x/cancel", "POST")):
+        answer = raw.request(method, path)
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert answer.headers.get("allow") == allowed, (method, path, answer.headers)
+        assert answer.json()["error"]["message"] == f"Method {method} not allowed on {path}."
+        assert answer.headers["x-request-id"].startswith("req_")
+
+
+def test_the_openai_client_may_pass_audio_as_none_and_a_responses_call_its_prompt_cache_retention(
+        gateway, tenant, start_mock_upstream):
+    """Both were a 400 before: `audio=None` (OpenAI's nullable field, sent as null) said audio was not supported, and
+    `prompt_cache_retention`, which a chat call may send, was an unrecognised argument on `/v1/responses`."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    chat = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2, audio=None)
+    assert chat.choices[0].message.content == "tok tok"
+    response = client.responses.create(model=endpoint.name, input="Hello", max_output_tokens=2,
+                                       prompt_cache_key="k", prompt_cache_retention="24h")
+    assert response.output_text

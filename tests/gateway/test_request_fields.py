@@ -109,6 +109,25 @@ def test_what_openais_sdks_and_vllms_sampling_extensions_send_still_passes(kind,
     assert parse_payload(json.dumps(body).encode(), kind) == body
 
 
+@pytest.mark.parametrize("kind, body", [
+    ("responses", {"model": "m", "input": "hi", "prompt_cache_key": "k", "prompt_cache_retention": "24h"}),
+    ("responses", {"model": "m", "input": "hi", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}),
+    ("chat", CHAT | {"prompt_cache_options": {"mode": "explicit"}}),
+])
+def test_openais_prompt_cache_hints_pass_on_chat_and_responses_alike(kind, body):
+    """Fields of OpenAI's the openai client sends that change nothing here: `prompt_cache_retention` passed on chat but
+    was a 400 'Unrecognized request argument' on Responses, and `prompt_cache_options` was one on both."""
+    assert parse_payload(json.dumps(body).encode(), kind) == body
+
+
+def test_audio_sent_as_null_is_not_set_but_asked_for_is_refused():
+    """OpenAI's API types `audio` as nullable, and the openai client sends `audio=None` as null: a 400 "not supported"
+    before. Asked for (an object), it is still refused with its reason."""
+    assert parse_payload(json.dumps(CHAT | {"audio": None}).encode(), "chat") == CHAT | {"audio": None}
+    refused = _refusal(CHAT | {"audio": {"voice": "alloy", "format": "wav"}}, "chat")
+    assert (refused.param, refused.code) == ("audio", "unsupported_parameter")
+
+
 def test_every_kind_has_an_allowlist_with_its_model_and_prompt():
     assert {"model", "messages"} <= ACCEPTED["chat"]
     assert {"model", "prompt"} <= ACCEPTED["completion"]
