@@ -676,7 +676,7 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
     alternated (a tenant's weights swapped between two broken versions) place a replica every
     `REPLICA_RETRY_BASE_S` for ever, each holding a GPU nobody paid for (a review's finding).
     """
-    now = timezone.now()
+    now = database_now()  # NOTE: the backoff by PostgreSQL's clock, as it is judged (`Endpoint.backoff_left_s`)
     reason = (reason.strip() or "engine failed")[-2000:]
     with transaction.atomic():
         endpoint = Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id, failed_at__isnull=True).first()
