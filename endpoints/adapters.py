@@ -16,6 +16,7 @@ from django.utils import timezone
 from rest_framework.exceptions import NotFound, ValidationError
 
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.clock import DatabaseClock, database_time_ago
 from controlplane.integrity import unique_or_field_error
 from controlplane.secrets import SecretUnreadable
 from endpoints.credentials import hold_credential, source_credentials
@@ -148,10 +149,11 @@ def want_adapter(adapter_id) -> None:
     NOTE: a conditional update, so a burst of calls writes once per second at most. The nodes of the
     endpoint's replicas are woken (their long poll answers), so their agents load it at once.
     """
-    now = timezone.now()
+    # NOTE: by PostgreSQL's clock: stamped by each gateway's own, one 10 minutes ahead put an adapter it wanted once
+    # before the one every call now names (the latest wanted are the ones replicas hold) for 10 minutes
     changed = Adapter.objects.filter(pk=adapter_id).exclude(
-        last_requested_at__gt=now - timezone.timedelta(seconds=1)
-    ).update(last_requested_at=now)
+        last_requested_at__gt=database_time_ago(1)
+    ).update(last_requested_at=DatabaseClock())
     if changed:
         _wake_nodes(Adapter.objects.filter(pk=adapter_id).values_list("endpoint_id", flat=True).first())
 

@@ -296,7 +296,8 @@ def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand
            num_serving: int = 0) -> Decision:
     """Replicas the endpoint should have for its interactive `load`, then for its queued `batch` work
     given its `num_ready` READY (of `num_serving` serving) replicas, at `now`: the clock `load` was read at
-    (`read_load`'s, Redis's; the process's own only where no Redis is, as in the benchmarks)."""
+    (`read_load`'s, Redis's; the process's own only where no Redis is, as in the benchmarks). The batch's deadline is
+    judged by the clock the demand was read at (`BatchDemand.read_at`, PostgreSQL's), as it was stamped."""
     now = now or time.time()
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return Decision(0, "paused" if endpoint.deleted_at is None else "deleted")

@@ -16,6 +16,7 @@ from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from controlplane import secrets as secrets_at_rest
+from controlplane.clock import database_now
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from gpu_agent.protocol import (
     FINAL_REPLICA_STATES,
@@ -386,7 +387,17 @@ class Endpoint(models.Model):
     @property
     def backing_off(self) -> bool:
         """It places no replica before `next_attempt_at`, after failures (a Retry clears it)."""
-        return self.failed_at is None and self.next_attempt_at is not None and self.next_attempt_at > timezone.now()
+        return self.backoff_left_s() > 0
+
+    def backoff_left_s(self) -> float:
+        """Seconds before it may place a replica again after failures (0: not backing off), by PostgreSQL's clock, the
+        one `next_attempt_at` is stamped by (`replicas.record_replica_failure`); a query only while one is set.
+
+        NOTE: stamped by the clock of the process that heard the failure and judged by the reconcile's (and the
+        gateway's) own, a web pod 10 minutes ahead made a 1 s backoff 10 minutes long: no replica placed, calls 503."""
+        if self.failed_at is not None or self.next_attempt_at is None:
+            return 0.0
+        return max(0.0, (self.next_attempt_at - database_now()).total_seconds())
 
     @property
     def scale_up_backing_off(self) -> bool:

@@ -26,7 +26,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis
 from django.conf import settings
@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from controlplane import redis_keys
 from controlplane.clock import database_now, database_time_ago
-from controlplane.redis_client import as_text, get_redis
+from controlplane.redis_client import as_text, get_redis, redis_time
 from controlplane.tasks import send_task
 from endpoints.events import record_event
 from endpoints.models import (
@@ -616,6 +616,20 @@ def _announce_failure(replica: Replica, previous: str, report: protocol.ReplicaS
     request_reconcile(replica.endpoint_id)
 
 
+def _keep_warm_from() -> datetime:
+    """Now by Redis's clock, the one the tick judges a keep-warm window by (`autoscaler.floor`): a cold start's end,
+    from which it counts (`Endpoint.last_cold_start_at`). This process's own clock where Redis cannot be read (nor
+    can the tick read it then).
+
+    NOTE: stamped by the clock of the web pod that heard the READY and judged at Redis's, a web pod 15 minutes behind
+    gave a 10-minute keep-warm none at all: the replica let go at the next idle tick."""
+    try:
+        return datetime.fromtimestamp(redis_time(), UTC)
+    except redis.RedisError:
+        logger.warning("could not read Redis's clock; a keep-warm window counts from this process's own", exc_info=True)
+        return timezone.now()
+
+
 def _announce_transition(replica: Replica, previous: str, new_state: str, report: protocol.ReplicaStatus) -> None:
     """A replica's change of state other than to FAILED (`_announce_failure`): its event, and a READY's counts."""
     short = str(replica.pk)[:8]
@@ -631,7 +645,7 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
         record_replica_ready(replica.endpoint_id, first=replica.ready_at is None)  # else its engine restarted in place
         notify_endpoint_ready(replica.endpoint_id)
         seconds = (timezone.now() - replica.created_at).total_seconds()
-        Endpoint.objects.filter(pk=replica.endpoint_id).update(last_cold_start_at=timezone.now())  # keep-warm counts from here
+        Endpoint.objects.filter(pk=replica.endpoint_id).update(last_cold_start_at=_keep_warm_from())
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} READY after {seconds:.1f} s", replica=replica,
                      cold_start_s=round(seconds, 3), **details)
     else:
@@ -678,7 +692,7 @@ def record_replica_failure(endpoint_id, reason: str, *, permanent: bool = False)
     alternated (a tenant's weights swapped between two broken versions) place a replica every
     `REPLICA_RETRY_BASE_S` for ever, each holding a GPU nobody paid for (a review's finding).
     """
-    now = timezone.now()
+    now = database_now()  # NOTE: the backoff by PostgreSQL's clock, as it is judged (`Endpoint.backoff_left_s`)
     reason = (reason.strip() or "engine failed")[-2000:]
     with transaction.atomic():
         endpoint = Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id, failed_at__isnull=True).first()

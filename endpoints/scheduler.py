@@ -110,7 +110,8 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         if decision.batch_rule in ("hold", "wait"):
             # NOTE: once per change of what batch work asks, not every tick.
             record_event_once(endpoint, EventKind.BATCH, decision.reason[:1].upper() + decision.reason[1:])
-        held_back = endpoint.failed_at is not None or endpoint.backing_off
+        backing_off = endpoint.backing_off  # NOTE: once: PostgreSQL's clock, a query while a backoff is set
+        held_back = endpoint.failed_at is not None or backing_off
         # A failure's message stays while it holds the endpoint back; a capacity message is rewritten each time.
         message, waiting_for_capacity = (endpoint.status_message if held_back else ""), False
         num_unplaced, event = 0, ""
@@ -119,7 +120,7 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         # first: with none serving nor starting now (scaled to zero, or the one READY lost), one starts as any cold
         # start would. Before, its hour of backoff held a start from zero of a model that had served.
         num_wanted = decision.desired
-        if endpoint.backing_off and endpoint.scale_up_backing_off and not serving and num_wanted > 0:
+        if backing_off and endpoint.scale_up_backing_off and not serving and num_wanted > 0:
             held_back, num_wanted = False, 1
         if num_wanted > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off

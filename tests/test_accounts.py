@@ -171,6 +171,40 @@ def test_a_password_reset_past_the_no_account_budget_takes_as_long_as_one_that_m
     assert abs(medians["account"] - medians["none"]) < 0.02, medians
 
 
+class _HalfSecondRelay(locmem.EmailBackend):
+    """A relay far away, or slow to greet: half a second a message."""
+
+    def send_messages(self, messages):
+        time.sleep(0.5)
+        return super().send_messages(messages)
+
+
+@override_settings(EMAIL_BACKEND="tests.test_accounts._HalfSecondRelay")
+def test_the_first_password_reset_a_process_answers_takes_as_long_without_an_account_as_with_one(client, monkeypatch):
+    """A web process that has mailed no reset yet (just deployed) has no time of one to wait as long as: an address
+    past its no-account budget was answered after a fixed 0.2 s, one with an account after the relay's send (here
+    0.5 s): an attacker timing the first reset of each fresh process told them apart. Until the process has mailed
+    one, every reset is answered after `EMAIL_TIMEOUT`, the longest a send may take, whichever the address."""
+    from collections import deque
+
+    from controlplane.accounts import forms, throttle
+
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    for _ in range(next(iter(throttle.NO_ACCOUNT_MAILS)).num_attempts):
+        throttle.take(throttle.NO_ACCOUNT_MAILS, {"email": "nobody@victim.test"})
+    client.get("/password-reset/")  # the process's first request's own costs, not the reset's
+    took = {}
+    for kind, email in (("none", "nobody@victim.test"), ("account", "ceo@victim.test")):
+        monkeypatch.setattr(forms, "_reset_times", deque(maxlen=forms._reset_times.maxlen))  # a fresh process
+        started = time.perf_counter()
+        response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.7.0.{len(kind)}")
+        took[kind] = time.perf_counter() - started
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+
+    assert [m.to for m in mail.outbox] == [["ceo@victim.test"]]
+    assert abs(took["account"] - took["none"]) < 0.1, took
+
+
 class _RelayRefusingOneHost(_SlowRelay):
     """The relay at once refuses mail to one host (`@refused.test`), and takes 50 ms for the others."""
 

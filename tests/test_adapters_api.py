@@ -3,9 +3,11 @@ endpoint cannot serve, listed with the `model` calls name, deleted; another orga
 is a 404; the replica spec carries them to the agent, and an agent's reports show on the adapter."""
 
 import threading
+from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.utils import timezone
 
 from controlplane.accounts.services import SYSTEM
 from endpoints import adapters, services
@@ -125,6 +127,24 @@ def test_a_replicas_spec_carries_at_most_the_cap_of_adapters_the_latest_wanted_f
     spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
 
     assert len(spec.adapters) == adapters.MAX_ADAPTERS and spec.adapters[0].name == "a299"
+
+
+def test_the_adapter_wanted_last_comes_first_whatever_the_clock_of_the_gateway_that_wanted_the_other(
+        lora_endpoint, monkeypatch):
+    """Which adapters a replica holds, and which its agent lets go first, follow when calls last wanted them
+    (`Adapter.last_requested_at`); each gateway stamped it by its own clock: one 10 minutes ahead put an adapter
+    wanted once before the one every call now names, for 10 minutes (past the cap, the one in use left out)."""
+    earlier = Adapter.objects.create(endpoint=lora_endpoint, name="earlier", source="s3://tuned-adapters/a")
+    later = Adapter.objects.create(endpoint=lora_endpoint, name="later", source="s3://tuned-adapters/b")
+    real_now = timezone.now
+    with monkeypatch.context() as gateway_ahead:
+        gateway_ahead.setattr(timezone, "now", lambda: real_now() + timedelta(minutes=10))
+        want_adapter(earlier.pk)
+    want_adapter(later.pk)  # through a gateway whose clock is right
+
+    spec = replica_spec(Replica.objects.create(endpoint=lora_endpoint))
+
+    assert [adapter.name for adapter in spec.adapters] == ["later", "earlier"]
 
 
 def test_an_adapter_whose_credential_cannot_be_read_fails_alone_and_the_heartbeat_is_answered(lora_endpoint):

@@ -90,6 +90,30 @@ def test_a_replica_becoming_ready_starts_the_keep_warm_clock(django_capture_on_c
     assert (timezone.now() - endpoint.last_cold_start_at).total_seconds() < 60
 
 
+def test_a_replica_reported_ready_through_a_web_pod_whose_clock_is_behind_is_kept_warm_for_the_whole_window(
+        django_capture_on_commit_callbacks, monkeypatch):
+    """The keep-warm window is judged by the tick at Redis's clock; its start was stamped by the clock of the web pod
+    that heard the READY: a web pod 15 minutes behind gave a 10-minute keep-warm none at all (the replica let go at
+    the next idle tick, the tenant's next call a cold start again), one ahead gave it that much more."""
+    from endpoints.replicas import apply_replica_report
+
+    endpoint = EndpointFactory(min_replicas=0, idle_timeout_s=60, keep_warm_after_cold_start_s=600)
+    node = make_node(memory_mb=80_000, advertise_host="127.0.0.1", engine_port_min=9000, engine_port_max=9100)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    real_now = timezone.now
+    with monkeypatch.context() as web_pod, django_capture_on_commit_callbacks(execute=False):
+        web_pod.setattr(timezone, "now", lambda: real_now() - timedelta(minutes=15))
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                 address="http://127.0.0.1:9001"))
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+
+    with django_capture_on_commit_callbacks(execute=False):
+        decision = scheduler.reconcile_endpoint(str(endpoint.pk), Load(0, 0, None, 0), now=redis_time())
+
+    assert decision.desired == 1 and "kept warm" in decision.reason, decision.reason
+    assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+
+
 def test_the_tick_raises_an_idle_serverless_endpoint_to_its_open_windows_floor(settings):
     always_open = {"schedule": "* * * * *", "timezone": "UTC", "duration_minutes": 5, "min_replicas": 2}
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, prewarm_windows=[always_open])

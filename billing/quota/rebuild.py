@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import DatabaseError, OperationalError, connection, transaction
-from django.utils import timezone
 from psycopg.errors import QueryCanceled
 from redis.exceptions import RedisClusterException, RedisError
 
@@ -39,6 +38,7 @@ from billing.quota.counters import (
     to_units,
 )
 from billing.quota.server_change import SERVER_LUA
+from controlplane.clock import database_now
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
 from controlplane.redis_keys import (
@@ -458,7 +458,7 @@ def _credit_and_pending(organization_id: int, reserved_ids: Collection[str], *, 
     (`_held_again`), and, to rebuild the figure (`counter`), the journal's replayed prepaid rows it holds
     (`_replays_in_snapshot`), the calls held again it asked about, of the first those it holds (`_held`), and the
     grants it read (their ids)."""
-    now = now or timezone.now()
+    now = now or database_now()  # NOTE: the clock the grants are stamped by (`credits.grant_credits`), not this process's
     BillingAccount.objects.for_organization(organization_id)  # made first if need be: the snapshot only reads
     with _one_snapshot():
         # NOTE: one snapshot for the account's `credit_drawn`, the grants and the ledger. A draw (`draw_credits`)

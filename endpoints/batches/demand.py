@@ -14,7 +14,7 @@ def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = No
     platform's default where unset; 0: none) and the lines their runs kept in flight (measured in the last
     `USE_WINDOW_S`; None where no run measured any), of the running batches of each endpoint (all with work if None).
     Stalled batches (`scheduling.stalled`) are left out: they hold and wake nothing. `now`: a unix time by
-    PostgreSQL's clock, its own if None."""
+    PostgreSQL's clock, its own if None; each demand keeps it (`read_at`): its deadline is judged by it."""
     asked_at = now
     batches = Batch.objects.filter(status=BatchStatus.IN_PROGRESS, endpoint__isnull=False)
     if endpoint_ids is not None:
@@ -30,6 +30,7 @@ def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = No
     # NOTE: per caller, not per batch: a key's batches share its requests per minute (a member's, the default)
     callers: dict[str, dict[tuple, int]] = {}
     measured: dict[str, float] = {}
+    read_at: dict[str, float] = {}
     for (endpoint_id, num_total, num_completed, num_failed, expires_at, api_key_id, created_by_id, key_rpm,
          refused_since, last_refused_at, line_concurrency, line_concurrency_at, database_now) in rows:
         now = database_now.timestamp() if asked_at is None else asked_at
@@ -39,6 +40,7 @@ def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = No
             continue
         endpoint_id = str(endpoint_id)
         pending[endpoint_id] = pending.get(endpoint_id, 0) + num_pending
+        read_at[endpoint_id] = now
         deadline[endpoint_id] = min(deadline.get(endpoint_id, expires_at.timestamp()), expires_at.timestamp())
         rpm = key_rpm if key_rpm is not None else settings.DEFAULT_KEY_REQUESTS_PER_MINUTE
         callers.setdefault(endpoint_id, {})[("key", api_key_id) if api_key_id else ("user", created_by_id)] = rpm
@@ -48,5 +50,6 @@ def read_demand(endpoint_ids: list[str] | None = None, *, now: float | None = No
     for endpoint_id, num_pending in pending.items():
         limits = callers[endpoint_id].values()
         max_lines_per_s = None if 0 in limits else sum(limits) / 60
-        demand[endpoint_id] = BatchDemand(num_pending, deadline[endpoint_id], max_lines_per_s, measured.get(endpoint_id))
+        demand[endpoint_id] = BatchDemand(num_pending, deadline[endpoint_id], max_lines_per_s, measured.get(endpoint_id),
+                                          read_at[endpoint_id])
     return demand

@@ -56,6 +56,9 @@ class BatchDemand:
     max_lines_per_s: float | None = None
     # the lines its runs kept in flight of late, on average, none refused (`LineUse`); None: not measured lately
     line_concurrency: float | None = None
+    # PostgreSQL's clock (unix time) when it was read (`demand.read_demand`): the clock `deadline_at` is on, so the one
+    # it is judged by (`apply`); None: the caller's `now`
+    read_at: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_pending < 0:
@@ -162,9 +165,14 @@ def wake_time(demand: BatchDemand, *, target_concurrency: int, cold_start_s: flo
 def apply(desired: int, reason: str, *, demand: BatchDemand | None, num_ready: int, num_serving: int,
           target_concurrency: int, max_replicas: int, cold_start_s: float, seconds_per_line: float,
           now: float) -> BatchVerdict:
-    """The autoscaler's `desired` once batch work is taken into account (see the module's rules)."""
+    """The autoscaler's `desired` once batch work is taken into account (see the module's rules). `now`: the caller's
+    clock, where the demand does not say when it was read by the deadline's (`BatchDemand.read_at`).
+
+    NOTE: the deadline is judged by the clock it was stamped by (PostgreSQL's), never the caller's (the autoscaler's is
+    Redis's): with Redis an hour behind, a scaled-to-zero endpoint was woken an hour late, its batch expired unserved."""
     if demand is None or demand.num_pending == 0 or max_replicas == 0:
         return BatchVerdict(desired, reason, "")
+    now = now if demand.read_at is None else demand.read_at
     target = max(target_concurrency, 1)
     if rate_bound(demand, target_concurrency=target, seconds_per_line=seconds_per_line):
         due = wake_time(demand, target_concurrency=target, cold_start_s=cold_start_s, seconds_per_line=seconds_per_line)

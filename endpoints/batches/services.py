@@ -33,7 +33,7 @@ from billing import usage_writer
 from billing.models import UsageRecord, UsageStatus
 from controlplane.accounts import keys
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope
-from controlplane.clock import DatabaseClock, database_now
+from controlplane.clock import DatabaseClock, database_now, database_time_ago
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import ABANDONED_SWEEP_PAUSED_KEY, batch_dispatch_key
 from controlplane.tasks import send_task
@@ -149,10 +149,11 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
     file_id = new_file_id()
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, size, param="file", doing="")
+        # NOTE: its start by PostgreSQL's clock, which the abandoned-upload sweep judges its age by
         return File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH,
                                    filename=(filename or "upload.jsonl")[:255], bytes=size,
                                    s3_key=storage.file_key(organization_id, file_id), stored_at=None,
-                                   upload_lease_until=Now() + _upload_lease())
+                                   upload_lease_until=Now() + _upload_lease(), created_at=database_now())
 
 
 def upload_held(file: File) -> renewal.Renewal:
@@ -250,13 +251,17 @@ def _refuse_past_storage_quota(organization_id: int, size: int, *, param: str, d
 
 def sweep_abandoned_uploads(now=None) -> int:
     """Rows of uploads whose process died before their bytes were stored: their bytes (if any reached
-    S3) and rows removed, so they stop counting against the quota."""
+    S3) and rows removed, so they stop counting against the quota. `now`: PostgreSQL's clock if None.
+
+    NOTE: an upload's start is stamped by PostgreSQL's clock (`start_upload`) and its age judged by it: stamped by its
+    web pod's clock and judged by this worker's, a web pod 55 minutes behind (or a worker ahead) swept an upload 10
+    minutes into its body, the tenant answered 408 once it had sent it all."""
     try:
         if get_redis().exists(ABANDONED_SWEEP_PAUSED_KEY):
             return 0
     except Exception:
         logger.warning("could not read whether the abandoned-upload sweep waits; it runs", exc_info=True)
-    before = (now or timezone.now()) - UPLOAD_ABANDONED_AFTER
+    before = database_time_ago(UPLOAD_ABANDONED_AFTER.total_seconds()) if now is None else now - UPLOAD_ABANDONED_AFTER
     abandoned = list(File.objects.filter(stored_at__isnull=True, created_at__lt=before).values_list("pk", "s3_key")[:100])
     num_swept = 0
     for file_id, key in abandoned:
@@ -328,7 +333,7 @@ def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) ->
     file_id = new_file_id()
     file = File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH_OUTPUT,
                                filename=filename, bytes=0, s3_key=storage.file_key(organization_id, file_id),
-                               stored_at=None)
+                               stored_at=None, created_at=database_now())  # as an upload's: the sweep's clock
     file.bytes = storage.put_lines(file.s3_key, rows)
     return file
 

@@ -130,11 +130,14 @@ def _blocking_state(endpoint) -> str:
 def _backing_off_until(endpoint) -> float:
     """`EndpointInfo.backing_off_until`. NOTE: read as the endpoint loads (one more query, for an endpoint backing
     off only), never per call."""
-    if not endpoint.backing_off or endpoint.scale_up_backing_off:
+    left_s = endpoint.backoff_left_s()
+    if not left_s or endpoint.scale_up_backing_off:
         return 0.0  # or only its scale-ups, beyond the first replica: a call's wake starts one (`reconcile_endpoint`)
     if Replica.objects.filter(endpoint_id=endpoint.pk, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).exists():
         return 0.0  # one placed before the failure may still come up
-    return endpoint.next_attempt_at.timestamp()
+    # NOTE: on this process's clock, as the gateway reads it (`standing.refuse_unless_startable`): `next_attempt_at` is
+    # PostgreSQL's, and a gateway 10 minutes behind refused calls for 10 minutes past a 1 s backoff
+    return time.time() + left_s
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
