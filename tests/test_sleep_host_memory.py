@@ -21,6 +21,7 @@ from endpoints.placement import reported_weights_size_mb, reported_weights_sizes
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
+from tests.processes import wait_until
 from tests.test_gpu_placement import make_gpu_node
 from tests.test_placement import make_node
 from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
@@ -377,6 +378,13 @@ def test_the_room_a_sleep_counts_takes_the_same_queries_however_many_models_the_
     assert queries_with(2) == queries_with(12) <= 4
 
 
+def _num_waiting_on_locks() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # NOTE: else, in a transaction, its first read's answer
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
+        return cursor.fetchone()[0]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_scale_down_whose_nodes_agent_is_upgraded_while_it_waits_for_its_locks_does_not_deadlock_with_a_placement(
         sleep_mode):
@@ -390,11 +398,11 @@ def test_a_scale_down_whose_nodes_agent_is_upgraded_while_it_waits_for_its_locks
     Node.objects.filter(pk=low.pk).update(last_status={"replica_actions": ["RUN", "DRAIN"]})  # older than sleep mode
     go = threading.Event()
 
-    def hold_high():  # another write holding the node the scale-down locks first (a heartbeat), 1.5 s
+    def hold_high():  # another write holding the node the scale-down locks first (a heartbeat)
         with transaction.atomic():
             Node.objects.select_for_update().filter(pk=high.pk).first()
             go.set()
-            time.sleep(1.5)
+            wait_until(lambda: _num_waiting_on_locks() >= 2, 10, message="the scale-down and the placement to wait")
 
     def scale_down():
         let_go = list(Replica.objects.filter(pk__in=[on_high.pk, on_low.pk]).select_related("endpoint")
@@ -402,7 +410,7 @@ def test_a_scale_down_whose_nodes_agent_is_upgraded_while_it_waits_for_its_locks
         replicas_module.sleep_replicas(let_go, reason="scale to zero")
 
     def upgrade_then_place():  # the low node's agent upgraded (its heartbeat), then a placement of another endpoint
-        time.sleep(0.5)  # the scale-down has judged, and waits for the high node
+        wait_until(lambda: _num_waiting_on_locks() >= 1, 10, message="the scale-down to wait")  # it has judged
         Node.objects.filter(pk=low.pk).update(last_status={"replica_actions": ["RUN", "DRAIN", "SLEEP"]})
         place_replica(_sleeping_when_idle())  # locks the low node, then waits for the high one
 
