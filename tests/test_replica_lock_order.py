@@ -33,6 +33,7 @@ from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, MembershipFactory, UserFactory, make_credential
+from tests.processes import wait_until
 from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
@@ -77,6 +78,14 @@ def _together(works: dict, *, first: str, go: threading.Event) -> dict[str, str]
         thread.join(30)
     assert go.is_set() and not any(thread.is_alive() for thread in threads)
     return errors
+
+
+def _num_waiting_on_locks() -> int:
+    """How many of the test database's sessions wait for a lock now."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # NOTE: else, in a transaction, its first read's answer
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
+        return cursor.fetchone()[0]
 
 
 @pytest.fixture(autouse=True)
@@ -474,7 +483,7 @@ def test_an_edit_caught_in_a_second_deadlock_with_pods_of_the_release_before_is_
             Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint.pk).values_list("pk").first()
             holds.set()
             organization_held.wait(10)
-            time.sleep(0.3)  # the edit now waits for the endpoint's row
+            wait_until(lambda: _num_waiting_on_locks() >= 1, 10, message="the edit to wait for the endpoint's row")
             lock_organizations([endpoint.organization_id])
 
     def edit():

@@ -24,7 +24,7 @@ from tests.factories import EndpointFactory
 from tests.processes import wait_until
 from tests.test_gpu_placement import make_gpu_node
 from tests.test_placement import make_node
-from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
+from tests.test_replica_lock_order import _no_task_messages, _num_waiting_on_locks, _paused, _together  # noqa: F401
 from tests.test_sleep_mode import idle, one_waiting
 
 GIB_MB = 1024
@@ -376,13 +376,6 @@ def test_the_room_a_sleep_counts_takes_the_same_queries_however_many_models_the_
         return len(queries)
 
     assert queries_with(2) == queries_with(12) <= 4
-
-
-def _num_waiting_on_locks() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_clear_snapshot()")  # NOTE: else, in a transaction, its first read's answer
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
-        return cursor.fetchone()[0]
 
 
 @pytest.mark.django_db(transaction=True)
