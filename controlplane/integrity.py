@@ -1,6 +1,6 @@
 """Edits that race: a unique value another request took between a check and the write (a 400 on its field, not a
 500), an edit checked against the row as another edit leaves it (`RowLockedUpdateMixin`), and an edit PostgreSQL broke
-as a deadlock's victim run once more (`once_more_after_a_deadlock`)."""
+as a deadlock's victim run again (`again_after_deadlocks`)."""
 
 from __future__ import annotations
 
@@ -33,22 +33,28 @@ class RowLockedUpdateMixin:
 T = TypeVar("T")
 
 
-def once_more_after_a_deadlock(work: Callable[[], T], *, wait_for: Callable[[], object]) -> T:
-    """`work`, a transaction of its own, run once more should PostgreSQL break it as a deadlock's victim (rolled back,
+# An edit runs at most this many times, each run after the first once a deadlock broke the one before.
+DEADLOCK_RUNS = 3
+
+
+def again_after_deadlocks(work: Callable[[], T], *, wait_for: Callable[[], object]) -> T:
+    """`work`, a transaction of its own, run again should PostgreSQL break it as a deadlock's victim (rolled back,
     nothing of it written), once `wait_for` (a transaction of its own, holding nothing else) has waited for the rows the
-    other side held.
+    other side held; `DEADLOCK_RUNS` runs at most.
 
     NOTE: an endpoint's edit takes its organisation's row before the endpoint's (`services.update_endpoint`); a pod of
     the release before, its edit or its reconcile task, takes the endpoint's first, then waits for the organisation's.
     During a rollout the two deadlock, and a valid edit was answered 500. Run again at once, the edit took the
     organisation's row back before the other was woken to take it, and the two deadlocked again: it waits for the
-    endpoint's row first, holding nothing, so the other finishes."""
-    try:
-        return work()
-    except OperationalError as exc:
-        if not isinstance(exc.__cause__, psycopg.errors.DeadlockDetected) or connection.in_atomic_block:
-            raise  # NOTE: within a transaction of its caller's, which is rolled back whole: not this one's to run again
-    wait_for()
+    endpoint's row first, holding nothing, so the other finishes. Run again once only, another pod's next task taking
+    the endpoint's row between that wait and the run deadlocked with it once more, and the edit was answered 500."""
+    for _ in range(DEADLOCK_RUNS - 1):
+        try:
+            return work()
+        except OperationalError as exc:
+            if not isinstance(exc.__cause__, psycopg.errors.DeadlockDetected) or connection.in_atomic_block:
+                raise  # NOTE: within a transaction of its caller's, which is rolled back whole: not this one's to run again
+        wait_for()
     return work()
 
 

@@ -12,7 +12,7 @@ from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.tenancy import request_membership
-from controlplane.integrity import RowLockedUpdateMixin, once_more_after_a_deadlock
+from controlplane.integrity import RowLockedUpdateMixin, again_after_deadlocks
 from endpoints import adapters, credentials, services
 from endpoints import quotas as endpoint_quotas
 from endpoints import stats as endpoint_stats
@@ -43,8 +43,8 @@ class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.Mo
     def update(self, request, *args, **kwargs):
         # NOTE: the organisation's row before the endpoint's (`RowLockedUpdateMixin`), as `services.update_endpoint`
         # takes them: never waited for with the endpoint's row held, which a node's heartbeat may need.
-        return once_more_after_a_deadlock(lambda: self._update(request, *args, **kwargs),
-                                          wait_for=lambda: services.wait_for_endpoint_row(kwargs["pk"]))
+        return again_after_deadlocks(lambda: self._update(request, *args, **kwargs),
+                                     wait_for=lambda: services.wait_for_endpoint_row(kwargs["pk"]))
 
     def _update(self, request, *args, **kwargs):
         with transaction.atomic():

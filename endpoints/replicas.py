@@ -236,17 +236,18 @@ def fail_replica_and_count(replica: Replica, reason: str, *, permanent: bool = F
     return changed
 
 
-def sleep_replica(replica: Replica, *, reason: str) -> bool:
+def sleep_replica(replica: Replica, *, reason: str, why_not: str | None = None) -> bool:
     """A READY replica the autoscaler lets go sleeps instead of stopping, where it can; else it drains.
 
     It sleeps when its endpoint's `idle_action` is "sleep", the platform's sleep mode is on, its node is a GPU node
     and its node's sleepers, this one with them, fit in their share of the node's memory (`placement.room_to_sleep`);
-    otherwise it drains, the reason in the event log. Returns whether this call changed it.
+    otherwise it drains, the reason in the event log. `why_not`: `_why_not_asleep` as its caller judged it, where it
+    locked the node on that judgement (`sleep_replicas`); None, judged here. Returns whether this call changed it.
     """
     endpoint = replica.endpoint
     if not _may_try_to_sleep(replica):
         return drain_replica(replica, reason=reason)
-    why_not = _why_not_asleep(replica)
+    why_not = _why_not_asleep(replica) if why_not is None else why_not
     if why_not:
         return drain_replica(replica, reason=f"{reason}; stopped rather than asleep: {why_not}")
     now = database_now()  # NOTE: as `stop_long_sleepers` judges it
@@ -280,11 +281,14 @@ def sleep_replicas(replicas: list[Replica], *, reason: str) -> int:
     with transaction.atomic():
         # NOTE: the nodes of replicas that may sleep alone: one that stops rather than sleeps (a CPU node's, an agent
         # older than sleep mode) counts nothing on its node, and its scale-down waited behind whatever held the node.
-        node_ids = {replica.node_id for replica in replicas if replica.node_id and _may_try_to_sleep(replica)
-                    and not _why_not_asleep(replica)}
+        # Each replica is judged once, here: judged again by `sleep_replica` once the locks were granted, a node whose
+        # agent was upgraded meanwhile was locked then, alone and out of order, and a placement holding it and waiting
+        # for a node locked here deadlocked with the scale-down (a review's finding).
+        why_not = {replica.pk: _why_not_asleep(replica) for replica in replicas if _may_try_to_sleep(replica)}
+        node_ids = {replica.node_id for replica in replicas if replica.node_id and why_not.get(replica.pk) == ""}
         if node_ids:
             list(Node.objects.select_for_update().filter(pk__in=node_ids).order_by("pk").values_list("pk", flat=True))
-        return sum(sleep_replica(replica, reason=reason) for replica in replicas)
+        return sum(sleep_replica(replica, reason=reason, why_not=why_not.get(replica.pk)) for replica in replicas)
 
 
 def _may_try_to_sleep(replica: Replica) -> bool:

@@ -49,7 +49,7 @@ def _prices_of(gpu_type: str) -> dict:
 @transaction.atomic
 def wait_for_endpoint_row(endpoint_id) -> None:
     """Wait until no other transaction holds the endpoint's row, holding nothing else (an edit run again after a
-    deadlock: `integrity.once_more_after_a_deadlock`)."""
+    deadlock: `integrity.again_after_deadlocks`)."""
     Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint_id).values_list("pk", flat=True).first()
 
 

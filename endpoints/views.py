@@ -21,7 +21,7 @@ from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
-from controlplane.integrity import once_more_after_a_deadlock
+from controlplane.integrity import again_after_deadlocks
 from controlplane.plain_numbers import plain_int
 from endpoints import credentials, prewarm, quotas, services, stats
 from endpoints.adapters import adapters_with_holders
@@ -162,8 +162,8 @@ def endpoint_edit(request, pk):
         endpoint = _endpoint_or_404(request, pk)
         initial = EndpointForm.initial_for(endpoint)
         return _wizard(request, EndpointForm(initial=initial, organization=request.organization), endpoint=endpoint)
-    return once_more_after_a_deadlock(lambda: _edit_locked(request, pk),
-                                      wait_for=lambda: services.wait_for_endpoint_row(pk))
+    return again_after_deadlocks(lambda: _edit_locked(request, pk),
+                                 wait_for=lambda: services.wait_for_endpoint_row(pk))
 
 
 def _edit_locked(request, pk):

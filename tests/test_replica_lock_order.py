@@ -33,6 +33,7 @@ from endpoints.nodes.models import Node
 from endpoints.replicas import apply_replica_report
 from gpu_agent.protocol import ReplicaState, ReplicaStatus
 from tests.factories import EndpointFactory, MembershipFactory, UserFactory, make_credential
+from tests.processes import wait_until
 from tests.test_agent_api import beat, register
 from tests.test_placement import make_node
 
@@ -77,6 +78,14 @@ def _together(works: dict, *, first: str, go: threading.Event) -> dict[str, str]
         thread.join(30)
     assert go.is_set() and not any(thread.is_alive() for thread in threads)
     return errors
+
+
+def _num_waiting_on_locks() -> int:
+    """How many of the test database's sessions wait for a lock now."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # NOTE: else, in a transaction, its first read's answer
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()")
+        return cursor.fetchone()[0]
 
 
 @pytest.fixture(autouse=True)
@@ -443,5 +452,51 @@ def test_an_edit_caught_in_a_deadlock_with_a_pod_of_the_release_before_is_saved_
 
     assert errors == {}
     assert edited["answer"].status_code == (200 if where == "api" else 302)
+    endpoint.refresh_from_db()
+    assert endpoint.max_num_seqs == 32
+
+
+def test_an_edit_caught_in_a_second_deadlock_with_pods_of_the_release_before_is_saved_not_answered_500(
+        monkeypatch, member_client_factory):
+    """Run again after a deadlock, an edit waited for its endpoint's row and took its organisation's back: another pod
+    of the release before (its next reconcile task) taking the endpoint's row meanwhile deadlocked with it once more,
+    and the edit, PostgreSQL's victim again, was answered 500. It runs again after each deadlock, up to a bound."""
+    endpoint = EndpointFactory(gpu_type="cpu", min_replicas=0, max_replicas=1, model_source="/models/tiny")
+    endpoint_held, organization_held = threading.Event(), threading.Event()
+    monkeypatch.setattr(endpoint_quotas, "lock_organization",
+                        _paused(endpoint_quotas.lock_organization, organization_held, before=False, seconds=0))
+    waited, second_holds = threading.Event(), threading.Event()
+    real_wait = services.wait_for_endpoint_row
+
+    def wait_for_endpoint_row(endpoint_id):  # the edit waited for the first pod; the second takes the row next
+        real_wait(endpoint_id)
+        if not waited.is_set():
+            waited.set()
+            second_holds.wait(10)
+
+    monkeypatch.setattr(services, "wait_for_endpoint_row", wait_for_endpoint_row)
+    edited = {}
+
+    def old_pod(after: threading.Event, holds: threading.Event):  # the release before's order: endpoint, organisation
+        after.wait(10)
+        with transaction.atomic():
+            Endpoint.objects.select_for_update(no_key=True).filter(pk=endpoint.pk).values_list("pk").first()
+            holds.set()
+            organization_held.wait(10)
+            wait_until(lambda: _num_waiting_on_locks() >= 1, 10, message="the edit to wait for the endpoint's row")
+            lock_organizations([endpoint.organization_id])
+
+    def edit():
+        endpoint_held.wait(10)
+        owner = member_client_factory(endpoint.organization)
+        edited["answer"] = owner.patch(f"/api/v1/endpoints/{endpoint.pk}/", {"max_num_seqs": 32}, format="json")
+
+    go = threading.Event()
+    go.set()
+    errors = _together({"first old pod": lambda: old_pod(go, endpoint_held), "edit": edit,
+                        "second old pod": lambda: old_pod(waited, second_holds)}, first="first old pod", go=go)
+
+    assert errors == {}
+    assert edited["answer"].status_code == 200, edited["answer"].content
     endpoint.refresh_from_db()
     assert endpoint.max_num_seqs == 32

@@ -21,9 +21,10 @@ from endpoints.placement import reported_weights_size_mb, reported_weights_sizes
 from endpoints.replicas import drain_replica, place_replica, sleep_replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
+from tests.processes import wait_until
 from tests.test_gpu_placement import make_gpu_node
 from tests.test_placement import make_node
-from tests.test_replica_lock_order import _no_task_messages, _paused, _together  # noqa: F401 (a fixture)
+from tests.test_replica_lock_order import _no_task_messages, _num_waiting_on_locks, _paused, _together  # noqa: F401
 from tests.test_sleep_mode import idle, one_waiting
 
 GIB_MB = 1024
@@ -375,3 +376,40 @@ def test_the_room_a_sleep_counts_takes_the_same_queries_however_many_models_the_
         return len(queries)
 
     assert queries_with(2) == queries_with(12) <= 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scale_down_whose_nodes_agent_is_upgraded_while_it_waits_for_its_locks_does_not_deadlock_with_a_placement(
+        sleep_mode):
+    """A scale-down judged which of the replicas it lets go may sleep (their nodes' agents as they last said) to lock
+    those nodes alone, waited for the locks, then judged each again as it put it to sleep: a node whose agent was
+    upgraded meanwhile was locked then, on its own, out of the primary key's order. A placement holding that node and
+    waiting for one the scale-down held deadlocked with it (PostgreSQL rolled one back). Each replica is judged once."""
+    low, high = _two_nodes_in_lock_order()
+    endpoint = _sleeping_when_idle()
+    on_high, on_low = _ready_on(endpoint, high, age_s=600), _ready_on(endpoint, low, age_s=600)
+    Node.objects.filter(pk=low.pk).update(last_status={"replica_actions": ["RUN", "DRAIN"]})  # older than sleep mode
+    go = threading.Event()
+
+    def hold_high():  # another write holding the node the scale-down locks first (a heartbeat)
+        with transaction.atomic():
+            Node.objects.select_for_update().filter(pk=high.pk).first()
+            go.set()
+            wait_until(lambda: _num_waiting_on_locks() >= 2, 10, message="the scale-down and the placement to wait")
+
+    def scale_down():
+        let_go = list(Replica.objects.filter(pk__in=[on_high.pk, on_low.pk]).select_related("endpoint")
+                      .order_by("-node_id"))  # the high node's replica first
+        replicas_module.sleep_replicas(let_go, reason="scale to zero")
+
+    def upgrade_then_place():  # the low node's agent upgraded (its heartbeat), then a placement of another endpoint
+        wait_until(lambda: _num_waiting_on_locks() >= 1, 10, message="the scale-down to wait")  # it has judged
+        Node.objects.filter(pk=low.pk).update(last_status={"replica_actions": ["RUN", "DRAIN", "SLEEP"]})
+        place_replica(_sleeping_when_idle())  # locks the low node, then waits for the high one
+
+    errors = _together({"hold": hold_high, "scale-down": scale_down, "placement": upgrade_then_place},
+                       first="hold", go=go)
+
+    assert errors == {}
+    assert (state_of(on_high), state_of(on_low)) == (ReplicaState.SLEEPING, ReplicaState.DRAINING)
+    assert any("stopped rather than asleep: its node's agent is older than sleep mode" in m for m in scale_events(on_low))
