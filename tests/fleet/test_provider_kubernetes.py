@@ -15,6 +15,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+import celpy
 import pytest
 import yaml
 from cryptography import x509
@@ -26,7 +27,6 @@ from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from gpu_agent.runtime import control_plane as control_plane_client
-from tests.infra import cel
 from tests.infra.conftest import render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
@@ -143,6 +143,15 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
 POLICY = "inferplane-node-pools-placeholders"
 
 
+def _cel(expression: str, activation: dict):
+    """`expression`'s value under `activation` (JSON values), by cel-python (a CEL implementation to the language's
+    spec: its `has()`, `all()`, error and overload rules); raises `celpy.CELEvalError` where CEL's evaluation errs."""
+    environment = celpy.Environment()
+    values = {name: value if isinstance(value, celpy.celtypes.MapType) else celpy.json_to_cel(value)
+              for name, value in activation.items()}
+    return environment.program(environment.compile(expression)).evaluate(values)
+
+
 def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
     """What the rendered ValidatingAdmissionPolicy answers a request of `username` to `operation` (CREATE, DELETE)
     `pod`: the messages of the rules it breaks (a rule whose evaluation errs denies, `failurePolicy: Fail`); [] when it
@@ -160,16 +169,19 @@ def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
     env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": "inferplane"},
            "object": pod if operation == "CREATE" else None, "oldObject": pod if operation == "DELETE" else None,
            "params": params}
-    if not all(cel.evaluate(condition["expression"], env) for condition in policy["matchConditions"]):
+    if not all(_cel(condition["expression"], env) == celpy.celtypes.BoolType(True)
+               for condition in policy["matchConditions"]):
         return []
-    env["variables"] = {}
+    variables = celpy.celtypes.MapType()
     for variable in policy.get("variables", []):
-        env["variables"][variable["name"]] = cel.evaluate(variable["expression"], env)
+        variables[celpy.celtypes.StringType(variable["name"])] = _cel(variable["expression"], env | {
+            "variables": variables})
+    env["variables"] = variables
     broken = []
     for rule in policy["validations"]:
         try:
-            allowed = cel.evaluate(rule["expression"], env) is True
-        except cel.CelError:
+            allowed = _cel(rule["expression"], env) == celpy.celtypes.BoolType(True)
+        except celpy.CELEvalError:
             allowed = False
         if not allowed:
             broken.append(rule["message"])
