@@ -1138,3 +1138,26 @@ def test_a_pod_token_sent_to_a_control_plane_outside_kubernetes_is_refused_with_
 
     assert refused.status_code == 401 and "not inside a Kubernetes cluster" in refused.json()["error"]["message"]
     assert not Node.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_while_the_agent_pods_cannot_be_listed_an_agent_whose_registration_answer_was_lost_joins_as_its_live_node(
+        client, api_server, monkeypatch):  # noqa: F811
+    """The worker cannot list the agent pods (a transient 403 or 5xx: no agent hosts known), and the machine's agent,
+    its pod token reviewed, registers; the answer is lost on the way back, so it registers again with its pod's token
+    and heartbeats as that second node. Both nodes are the agent pod's: only the one that heartbeats is the machine.
+    Before, the first, whose secret nobody holds, was linked (the heartbeat was asked for only at a known host): the
+    launch JOINED a node that never heartbeats, the live one ran outside its pool."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    monkeypatch.setattr(kubernetes, "AGENT_SELECTOR", "app.kubernetes.io/component=agent,unreadable=x")
+    monkeypatch.setattr(kubernetes.KubernetesApi, "list_pods", _refusing_agent_lists(kubernetes.KubernetesApi.list_pods))
+
+    lost = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                        pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    again = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                         pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert lost.status_code == again.status_code == 201
+    assert beat(client, again.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == again.json()["node_id"]
