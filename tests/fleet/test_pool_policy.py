@@ -1161,3 +1161,17 @@ def test_while_the_agent_pods_cannot_be_listed_an_agent_whose_registration_answe
     tick(provider)
     launch.refresh_from_db()
     assert launch.state == LaunchState.JOINED and str(launch.node_id) == again.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pod_token_review_the_api_server_throttles_is_a_503_the_agent_retries_not_a_refusal(
+        client, api_server):  # noqa: F811
+    """The API server's 429 (API Priority and Fairness: many machines registering at once) says nothing of the pod's
+    token: the agent gets a 503 to retry, nothing is written and no use of the join token is spent. Before, it was a 401
+    "the pod's service-account token was refused" (and the control plane logged the token refused)."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    api_server.reviews_throttled = True
+    throttled = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                             pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert throttled.status_code == 503, throttled.content
+    assert not Node.objects.exists() and JoinToken.objects.get(name="daemonset").num_uses == 0

@@ -283,6 +283,7 @@ class _ApiServer:
         # Projected service-account tokens the API server issued: token -> (pod name, pod uid, audiences).
         self.pod_tokens: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self.reviews_unreachable = False
+        self.reviews_throttled = False  # 429, as API Priority and Fairness answers a flow over its share
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -316,6 +317,9 @@ class _ApiServer:
             def _review(self):
                 """A TokenReview, as the API server answers it for a pod's projected service-account token."""
                 review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.reviews_throttled:
+                    return self._answer(429, {"kind": "Status", "reason": "TooManyRequests", "code": 429,
+                                              "message": "Too many requests, please try again later."})
                 if server.reviews_unreachable:
                     return self._answer(503, {"kind": "Status", "reason": "ServiceUnavailable", "message": "etcd"})
                 pod_name, pod_uid, audiences = server.pod_tokens.get(review["spec"]["token"], ("", "", ()))

@@ -105,7 +105,9 @@ class KubernetesApi:
         review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                   "spec": {"token": token, "audiences": [audience]}}
         response = self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", json=review)
-        if response.status_code >= 500:
+        # NOTE: a 429 too (API Priority and Fairness throttling the web pods' reviews): no answer about the token.
+        # Before, it was a refusal of the agent's token.
+        if response.status_code >= 500 or response.status_code == 429:
             raise ProviderUnreachable(str(self._refusal(response, "review a token")))
         if response.status_code not in (200, 201):
             raise self._refusal(response, "review a token")
