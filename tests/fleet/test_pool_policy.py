@@ -33,7 +33,7 @@ from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch, NodePool
 from endpoints.replicas import fail_replica, record_replica_failure
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import NodeState, RegisterRequest, ReplicaState
 from tests.factories import EndpointFactory
 from tests.fleet.test_provider_kubernetes import _agent_pod, api_server  # noqa: F401 - the fixture
 from tests.test_agent_api import beat
@@ -1175,3 +1175,37 @@ def test_a_pod_token_review_the_api_server_throttles_is_a_503_the_agent_retries_
                              pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
     assert throttled.status_code == 503, throttled.content
     assert not Node.objects.exists() and JoinToken.objects.get(name="daemonset").num_uses == 0
+
+
+def test_pod_token_reviews_run_a_few_at_a_time_per_process_while_the_api_server_is_slow(monkeypatch):
+    """Any holder of the shared join token may send registrations with made-up pod tokens, each a TokenReview the web
+    pod waits on (up to the client's timeouts while the API server is slow or queues the web pods' flow): at most
+    `MAX_AGENT_LOOKUPS` run at once per process, the rest wait briefly (then a 503 the agent retries). Before, every
+    one ran at once: a flood held a web thread each and queued the agents' own reviews behind it."""
+    release, lock = threading.Event(), threading.Lock()
+    running, peak = [0], [0]
+
+    def slow_review(token, node_name):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(5)
+        with lock:
+            running[0] -= 1
+        return "a-pod-uid"
+
+    monkeypatch.setattr(kubernetes, "reviewed_agent_pod", slow_review)
+    request = RegisterRequest(join_token="inferplane_join_x", name=K8S_NODE, gpu_type="cpu", num_gpus=0,
+                              gpu_memory_mb=0, num_cpus=8, memory_mb=64_000, agent_version="0.1.0",
+                              pod_token="eyJhbGciOiJSUzI1NiJ9.made-up.sig")
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(services._reviewed_agent_pod(request)))
+               for _ in range(3 * services.MAX_AGENT_LOOKUPS)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert peak[0] <= services.MAX_AGENT_LOOKUPS
+    assert answers == ["a-pod-uid"] * len(threads)  # the waiting ones reviewed once a slot was free
