@@ -1068,12 +1068,16 @@ def test_a_registration_whose_pod_token_the_api_server_refuses_or_names_another_
                                                            "127.0.0.4")
     api_server.pods["monitoring-x1"] = _agent_pod("monitoring-x1", K8S_NODE, "127.0.0.5")
     api_server.pods["monitoring-x1"]["spec"]["serviceAccountName"] = "default"
+    # Another environment's agent in the same cluster (staging's namespace): its account has the agent's name.
+    api_server.pods["inferplane-agent-s3t8w"] = _agent_pod("inferplane-agent-s3t8w", K8S_NODE, "127.0.0.6")
+    api_server.pods["inferplane-agent-s3t8w"]["metadata"]["namespace"] = "inferplane-staging"
     refusals = {
         "eyJhbGciOiJSUzI1NiJ9.made-up.sig": "invalid bearer token",
         api_server.issue_pod_token("inferplane-agent-x7k2p", audience="https://kubernetes.default.svc"):
             "invalid bearer token",
         api_server.issue_pod_token("inferplane-agent-q9v4m"): "on node ip-10-0-9-40.ec2.internal, not of the agent",
         api_server.issue_pod_token("monitoring-x1"): "not the agent's service account",
+        api_server.issue_pod_token("inferplane-agent-s3t8w"): "not the agent's service account",
     }
     for pod_token, reason in refusals.items():
         refused = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2", pod_token=pod_token)

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import celpy
+import httpx
 import pytest
 import yaml
 from cryptography import x509
@@ -613,3 +614,52 @@ def test_templates_are_checked_field_by_field():
     assert "template.zones" in errors({"zones": "us-east-1a"})
     assert get_provider("kubernetes").zones(TEMPLATE) == ["us-east-1a", "us-east-1b"]
     assert get_provider("kubernetes").zones({}) == [""]
+
+
+def _reviewed(monkeypatch, status) -> str:
+    """`reviewed_agent_pod` of a token the API server's review answers `status` for (as the namespace `inferplane`)."""
+    monkeypatch.setattr(kubernetes, "service_account_namespace", lambda: "inferplane")
+    monkeypatch.setattr(kubernetes, "_api", lambda: type("Api", (), {"review_token": lambda self, token, audience: status})())
+    return kubernetes.reviewed_agent_pod("eyJhbGciOiJSUzI1NiJ9.pod.sig", "ip-10-0-3-17.ec2.internal")
+
+
+def test_a_token_review_binds_only_an_answer_naming_one_agent_pod_on_the_node_and_no_odd_shape_is_a_500(monkeypatch):
+    """Every answer shape the review may take short of one agent pod on the registration's node (no `extra`, several
+    values, an API server before 1.30 naming no node, no audiences, no user, values of another type) is a refusal
+    naming why (`ProviderError`, a 401), never the uid of the wrong pod nor an exception the agent API answers 500."""
+    account = "system:serviceaccount:inferplane:inferplane-agent"
+    extra = {"authentication.kubernetes.io/pod-name": ["inferplane-agent-x7k2p"],
+             "authentication.kubernetes.io/pod-uid": ["4f1e0c9a-uid"],
+             "authentication.kubernetes.io/node-name": ["ip-10-0-3-17.ec2.internal"]}
+    good = {"authenticated": True, "audiences": [kubernetes.AGENT_TOKEN_AUDIENCE],
+            "user": {"username": account, "extra": extra}}
+    assert _reviewed(monkeypatch, good) == "4f1e0c9a-uid"
+    odd = {
+        "no extra": good | {"user": {"username": account}},
+        "extra not a map": good | {"user": {"username": account, "extra": ["x"]}},
+        "two pods": good | {"user": {"username": account, "extra": extra | {
+            "authentication.kubernetes.io/pod-uid": ["4f1e0c9a-uid", "other-uid"]}}},
+        "no node (before 1.30)": good | {"user": {"username": account, "extra": {
+            key: value for key, value in extra.items() if not key.endswith("node-name")}}},
+        "a uid not a string": good | {"user": {"username": account, "extra": extra | {
+            "authentication.kubernetes.io/pod-uid": [7]}}},
+        "no audiences": {key: value for key, value in good.items() if key != "audiences"},
+        "audiences not a list": good | {"audiences": kubernetes.AGENT_TOKEN_AUDIENCE},
+        "no user": {key: value for key, value in good.items() if key != "user"},
+        "user not a map": good | {"user": account},
+        "authenticated as a string": good | {"authenticated": "true"},
+        "refused with an error of another type": {"authenticated": False, "error": {"reason": "x"}},
+    }
+    for what, status in odd.items():
+        with pytest.raises(ProviderError):
+            _reviewed(monkeypatch, status)
+            pytest.fail(f"bound a review with {what}")
+
+
+def test_a_token_review_answered_with_a_body_that_is_no_object_is_an_error_not_a_500(monkeypatch):
+    """An answer whose JSON is not an object (a proxy's, an API server's broken answer) is a `ProviderError`."""
+    api = k8s_api.KubernetesApi("https://127.0.0.1:1", "t")
+    for body in ([], "ok", None, 7):
+        monkeypatch.setattr(api, "_call", lambda *args, body=body, **kwargs: httpx.Response(201, json=body))
+        with pytest.raises(ProviderError):
+            api.review_token("eyJhbGciOiJSUzI1NiJ9.pod.sig", kubernetes.AGENT_TOKEN_AUDIENCE)

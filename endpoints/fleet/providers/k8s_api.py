@@ -112,9 +112,11 @@ class KubernetesApi:
         if response.status_code not in (200, 201):
             raise self._refusal(response, "review a token")
         try:
-            status = response.json().get("status")
+            body = response.json()
         except ValueError:
-            status = None
+            body = None
+        # NOTE: a body that is no object (a proxy's answer) is no review either. Before, a JSON list was a 500.
+        status = body.get("status") if isinstance(body, dict) else None
         if not isinstance(status, dict):
             raise ProviderError("the Kubernetes API answered a token review without a status")
         return status
