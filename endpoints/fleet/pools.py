@@ -167,7 +167,10 @@ def link_joins(pool: NodePool, provider: Provider, now: datetime) -> None:
             eligible = claimants if machine.agent_hosts is None else claimants.filter(
                 advertise_host__in=machine.agent_hosts, last_heartbeat_at__gt=F("registered_at"))
             if machine.pod_bound:  # NOTE: Kubernetes: only a registration by an agent pod on it (`Machine.pod_bound`)
-                eligible = eligible.exclude(agent_pod_uid="")
+                # NOTE: and one heartbeat since, its hosts known or not: while the agent pods cannot be listed, an agent
+                # whose registration's answer was lost registered twice with its pod's token, and the first (dead) node
+                # was linked.
+                eligible = eligible.exclude(agent_pod_uid="").filter(last_heartbeat_at__gt=F("registered_at"))
             node = eligible.first()
             if node is not None:
                 contested = [str(pk) for pk in claimants.exclude(pk=node.pk).values_list("pk", flat=True)[:10]]

@@ -21,7 +21,7 @@ from django.utils import timezone
 from controlplane import tokens
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
-from controlplane.credential_lookups import CredentialLookups, ExpiringSet
+from controlplane.credential_lookups import WAIT_S, CredentialLookups, ExpiringSet, LookupSlots
 from controlplane.secrets import SecretUnreadable
 from controlplane.worker_threads import in_worker_thread
 from endpoints.adapters import adapter_specs, record_replica_adapters
@@ -139,6 +139,11 @@ MAX_AGENT_LOOKUPS = 4
 REFUSED_AGENT_CREDENTIALS_S = 60.0
 NODE_SECRET_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
 JOIN_TOKEN_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
+# NOTE: and at most this many of a registration's pod token reviews (a TokenReview, `_reviewed_agent_pod`) at once per
+# process; the rest wait briefly, then get a 503 (`LookupsBusy`). Any holder of the shared join token may send made-up
+# pod tokens: before, every one's review ran at once, each holding a web thread up to the client's timeouts while the
+# API server was slow, and the agents' own reviews queued behind them in the web pods' flow.
+POD_TOKEN_REVIEWS = LookupSlots(MAX_AGENT_LOOKUPS, wait_s=WAIT_S)
 # The very secrets of retired nodes this process has answered `NodeRetired` (their SHA-256, as refused ones are):
 # answered so again without a query. NOTE: a retire is for good, so none is ever wrong, and only a secret that matched a
 # retired node's kept hash is added, so nobody without one can fill it. Before, each heartbeat and watch of a retired
@@ -231,14 +236,16 @@ def _reviewed_agent_pod(request: protocol.RegisterRequest) -> str:
     """The uid of the Kubernetes agent pod the registration's pod token is of, on the node it registers as ("" when it
     sent none: a bare-metal agent, or one of the release before, which no Kubernetes pool links: `pools.link_joins`).
     Raises `AgentAuthError` naming why the API server's review refused it (or when this control plane cannot ask one),
-    `PodTokenUnreviewed` when the API server did not answer; before any write, so a refused registration leaves nothing.
+    `PodTokenUnreviewed` when the API server did not answer, `LookupsBusy` when other reviews hold every slot
+    (`POD_TOKEN_REVIEWS`); before any write, so a refused registration leaves nothing.
 
     NOTE: before, a Kubernetes pool's machine was known by its node's name and its agent pod's IP alone: a holder of
     the shared join token registering there first took the machine over (`Machine.pod_bound`)."""
     if not request.pod_token:
         return ""
     try:
-        return kubernetes.reviewed_agent_pod(request.pod_token, request.name)
+        with POD_TOKEN_REVIEWS.held():
+            return kubernetes.reviewed_agent_pod(request.pod_token, request.name)
     except ProviderUnreachable as error:
         raise PodTokenUnreviewed(str(error)) from None
     except ProviderError as error:

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from gpu_agent.protocol import (
+    MAX_POD_TOKEN_CHARS,
     NODE_REFUSED,
     NODE_RETIRED,
     NODE_UNKNOWN,
@@ -71,10 +72,27 @@ POD_TOKEN_FILE = Path("/var/run/secrets/inferplane.dev/registration/token")
 
 
 def pod_token() -> str:
+    """The pod's token, "" where there is none (bare metal) or none that can be sent, which is logged: a pool then does
+    not link the node. NOTE: at most a token's worth is read, and a file that is too long, not UTF-8 or holds control
+    characters is no token. Before, a huge file was read whole at each registration, and it or an undecodable one
+    raised in building the request: the node never registered, pooled or not; an unreadable one was dropped silently."""
     try:
-        return POD_TOKEN_FILE.read_text().strip()
-    except OSError:
+        with POD_TOKEN_FILE.open("rb") as token_file:
+            raw = token_file.read(MAX_POD_TOKEN_CHARS + 2)  # a token of the most characters, and a newline
+    except FileNotFoundError:
         return ""
+    except OSError as error:
+        logger.warning("pod token %s unreadable (%s): registering without it", POD_TOKEN_FILE, error.strerror or error)
+        return ""
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        token = None
+    if token is None or len(raw) > MAX_POD_TOKEN_CHARS + 1 or len(token) > MAX_POD_TOKEN_CHARS or not token.isprintable():
+        logger.warning("pod token %s is not a token (longer than %d characters, not UTF-8 or holding control "
+                       "characters): registering without it", POD_TOKEN_FILE, MAX_POD_TOKEN_CHARS)
+        return ""
+    return token
 
 
 class RegistrationRefused(Exception):

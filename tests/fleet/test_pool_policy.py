@@ -33,7 +33,7 @@ from endpoints.models import EndpointEvent, EventKind, Replica
 from endpoints.nodes.models import JoinToken, LaunchState, Node, NodeLaunch, NodePool
 from endpoints.replicas import fail_replica, record_replica_failure
 from endpoints.scheduler import reconcile_endpoint
-from gpu_agent.protocol import NodeState, ReplicaState
+from gpu_agent.protocol import NodeState, RegisterRequest, ReplicaState
 from tests.factories import EndpointFactory
 from tests.fleet.test_provider_kubernetes import _agent_pod, api_server  # noqa: F401 - the fixture
 from tests.test_agent_api import beat
@@ -1068,12 +1068,16 @@ def test_a_registration_whose_pod_token_the_api_server_refuses_or_names_another_
                                                            "127.0.0.4")
     api_server.pods["monitoring-x1"] = _agent_pod("monitoring-x1", K8S_NODE, "127.0.0.5")
     api_server.pods["monitoring-x1"]["spec"]["serviceAccountName"] = "default"
+    # Another environment's agent in the same cluster (staging's namespace): its account has the agent's name.
+    api_server.pods["inferplane-agent-s3t8w"] = _agent_pod("inferplane-agent-s3t8w", K8S_NODE, "127.0.0.6")
+    api_server.pods["inferplane-agent-s3t8w"]["metadata"]["namespace"] = "inferplane-staging"
     refusals = {
         "eyJhbGciOiJSUzI1NiJ9.made-up.sig": "invalid bearer token",
         api_server.issue_pod_token("inferplane-agent-x7k2p", audience="https://kubernetes.default.svc"):
             "invalid bearer token",
         api_server.issue_pod_token("inferplane-agent-q9v4m"): "on node ip-10-0-9-40.ec2.internal, not of the agent",
         api_server.issue_pod_token("monitoring-x1"): "not the agent's service account",
+        api_server.issue_pod_token("inferplane-agent-s3t8w"): "not the agent's service account",
     }
     for pod_token, reason in refusals.items():
         refused = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2", pod_token=pod_token)
@@ -1138,3 +1142,74 @@ def test_a_pod_token_sent_to_a_control_plane_outside_kubernetes_is_refused_with_
 
     assert refused.status_code == 401 and "not inside a Kubernetes cluster" in refused.json()["error"]["message"]
     assert not Node.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_while_the_agent_pods_cannot_be_listed_an_agent_whose_registration_answer_was_lost_joins_as_its_live_node(
+        client, api_server, monkeypatch):  # noqa: F811
+    """The worker cannot list the agent pods (a transient 403 or 5xx: no agent hosts known), and the machine's agent,
+    its pod token reviewed, registers; the answer is lost on the way back, so it registers again with its pod's token
+    and heartbeats as that second node. Both nodes are the agent pod's: only the one that heartbeats is the machine.
+    Before, the first, whose secret nobody holds, was linked (the heartbeat was asked for only at a known host): the
+    launch JOINED a node that never heartbeats, the live one ran outside its pool."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    monkeypatch.setattr(kubernetes, "AGENT_SELECTOR", "app.kubernetes.io/component=agent,unreadable=x")
+    monkeypatch.setattr(kubernetes.KubernetesApi, "list_pods", _refusing_agent_lists(kubernetes.KubernetesApi.list_pods))
+
+    lost = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                        pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    again = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                         pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert lost.status_code == again.status_code == 201
+    assert beat(client, again.json()["node_secret"]).status_code == 200
+    tick(provider)
+    launch.refresh_from_db()
+    assert launch.state == LaunchState.JOINED and str(launch.node_id) == again.json()["node_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pod_token_review_the_api_server_throttles_is_a_503_the_agent_retries_not_a_refusal(
+        client, api_server):  # noqa: F811
+    """The API server's 429 (API Priority and Fairness: many machines registering at once) says nothing of the pod's
+    token: the agent gets a 503 to retry, nothing is written and no use of the join token is spent. Before, it was a 401
+    "the pod's service-account token was refused" (and the control plane logged the token refused)."""
+    provider, launch, shared = _a_booting_kubernetes_machine_with_its_agent_pod(api_server)
+    api_server.reviews_throttled = True
+    throttled = _register_as(client, shared, K8S_NODE, advertise_host="127.0.0.2",
+                             pod_token=api_server.issue_pod_token("inferplane-agent-x7k2p"))
+    assert throttled.status_code == 503, throttled.content
+    assert not Node.objects.exists() and JoinToken.objects.get(name="daemonset").num_uses == 0
+
+
+def test_pod_token_reviews_run_a_few_at_a_time_per_process_while_the_api_server_is_slow(monkeypatch):
+    """Any holder of the shared join token may send registrations with made-up pod tokens, each a TokenReview the web
+    pod waits on (up to the client's timeouts while the API server is slow or queues the web pods' flow): at most
+    `MAX_AGENT_LOOKUPS` run at once per process, the rest wait briefly (then a 503 the agent retries). Before, every
+    one ran at once: a flood held a web thread each and queued the agents' own reviews behind it."""
+    release, lock = threading.Event(), threading.Lock()
+    running, peak = [0], [0]
+
+    def slow_review(token, node_name):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(5)
+        with lock:
+            running[0] -= 1
+        return "a-pod-uid"
+
+    monkeypatch.setattr(kubernetes, "reviewed_agent_pod", slow_review)
+    request = RegisterRequest(join_token="inferplane_join_x", name=K8S_NODE, gpu_type="cpu", num_gpus=0,
+                              gpu_memory_mb=0, num_cpus=8, memory_mb=64_000, agent_version="0.1.0",
+                              pod_token="eyJhbGciOiJSUzI1NiJ9.made-up.sig")
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(services._reviewed_agent_pod(request)))
+               for _ in range(3 * services.MAX_AGENT_LOOKUPS)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert peak[0] <= services.MAX_AGENT_LOOKUPS
+    assert answers == ["a-pod-uid"] * len(threads)  # the waiting ones reviewed once a slot was free

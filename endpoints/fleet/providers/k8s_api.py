@@ -105,14 +105,18 @@ class KubernetesApi:
         review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                   "spec": {"token": token, "audiences": [audience]}}
         response = self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", json=review)
-        if response.status_code >= 500:
+        # NOTE: a 429 too (API Priority and Fairness throttling the web pods' reviews): no answer about the token.
+        # Before, it was a refusal of the agent's token.
+        if response.status_code >= 500 or response.status_code == 429:
             raise ProviderUnreachable(str(self._refusal(response, "review a token")))
         if response.status_code not in (200, 201):
             raise self._refusal(response, "review a token")
         try:
-            status = response.json().get("status")
+            body = response.json()
         except ValueError:
-            status = None
+            body = None
+        # NOTE: a body that is no object (a proxy's answer) is no review either. Before, a JSON list was a 500.
+        status = body.get("status") if isinstance(body, dict) else None
         if not isinstance(status, dict):
             raise ProviderError("the Kubernetes API answered a token review without a status")
         return status
