@@ -88,6 +88,7 @@ def _lookup_key(plain: str) -> Caller | None:
 
 
 def _organization_of(caller: Caller | None) -> int | None:
+    """The key's organisation: its group in the cache; None (a key that names none) is never kept."""
     return None if caller is None else caller.organization_id
 
 

@@ -14,7 +14,8 @@ With `group_of` (a value's owner: the API keys' organisation), a full cache evic
 holding the most entries, its least recently used one (the inserting group's own first where it
 is among the largest): a tenant's keys are pushed out only by a group no larger than its own, so
 one or many organisations calling with all their keys in turn evict each other, never a quiet
-tenant's hot key. A hit costs what it did: its group's order is in its entry.
+tenant's hot key. A value of no group (None) is answered and never kept. A hit costs what it did:
+its group's order is in its entry.
 """
 
 from __future__ import annotations
@@ -147,6 +148,12 @@ class Memo:
 
     def _store_in_group(self, key, started: float, value) -> None:
         group = self._group_of(value)
+        if group is None:
+            # NOTE: a value of no group (an API key that names none) is answered, never kept: stored, one over the
+            # bound pushed a real entry out before its caller forgot it, so each new bogus key sent to a full cache
+            # cost a real key its place (anyone may send them).
+            self.forget(key)
+            return
         current = self.entries.get(key)
         if current is not None and current[3] != group:
             self._drop(key)

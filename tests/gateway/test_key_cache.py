@@ -135,3 +135,25 @@ def test_an_organisation_alone_in_the_cache_still_uses_all_of_it(lookups, monkey
 
     asyncio.run(scenario())
     assert sorted(lookups) == sorted(plains)  # each looked up once: none evicted
+
+
+def test_a_bogus_key_never_pushes_a_real_key_out_of_a_full_cache(lookups, monkeypatch, settings):
+    # NOTE: a key that names none was stored as known (None), the cache one over its bound dropped a real key, and
+    # only then was the refused one forgotten: once a process knew its 10,000 keys, each new bogus key (anyone may send
+    # them, no account needed) pushed one real key out, its next call a lookup queued behind the bogus ones.
+    monkeypatch.setattr(auth._callers_by_key, "max_entries", 20)
+    settings.API_KEY_CACHE_S = 600
+    membership = MembershipFactory(role="owner")
+    plains = _keys_of(membership.organization, membership.user, 20)
+
+    async def scenario():
+        for plain in plains:
+            assert await auth.caller_from_key(plain) is not None
+        for _ in range(5):
+            assert await auth.caller_from_key(_bogus_key()) is None
+        for plain in plains:
+            assert await auth.caller_from_key(plain) is not None
+
+    asyncio.run(scenario())
+    assert [lookups.count(plain) for plain in plains] == [1] * 20
+    assert len(auth._callers_by_key.entries) == 20
