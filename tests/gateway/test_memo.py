@@ -351,3 +351,17 @@ def test_a_grouped_cache_evicts_its_own_least_recently_used_entry_when_its_group
 
     asyncio.run(scenario())
     assert set(cache.entries) == {"a/1", "a/3", "a/4", "b/1"}
+
+
+def test_a_grouped_cache_where_every_group_holds_one_entry_keeps_a_new_groups_and_drops_the_least_recently_loaded():
+    cache = _grouped(max_entries=3)
+
+    async def scenario():
+        for key in ("a/1", "b/1", "c/1"):
+            await cache.get(key)
+        await cache.get("a/1", fresh=True)  # loaded again: b's is now the one loaded least recently
+        await cache.get("d/1")
+        _check_groups(cache)
+
+    asyncio.run(scenario())
+    assert set(cache.entries) == {"a/1", "c/1", "d/1"}
