@@ -378,3 +378,47 @@ def test_an_organisation_holds_no_more_live_keys_than_its_limit_and_a_revoked_or
     again = [owner_client.post("/api/v1/keys/", {"name": f"again {n}", "scopes": ["inference"]}, format="json")
              for n in range(2)]
     assert [response.status_code for response in again] == [201, 201]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_keys_made_at_once_with_one_place_left_make_one(monkeypatch, settings):
+    # Each creation counts the live keys and then inserts: two that both counted before either inserted would both
+    # fit. The organisation's row lock (`create_api_key`) makes the second count after the first's commit: here each
+    # waits (at most 2 s) for the other to have counted too, which only a creation without the lock does.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connections
+
+    from tests.factories import MembershipFactory
+
+    membership = MembershipFactory(role=Role.OWNER)
+    # two owners: each creation locks its own membership's row, never the other's
+    owners = [membership.user, MembershipFactory(organization=membership.organization, role=Role.OWNER).user]
+    settings.MAX_LIVE_API_KEYS_PER_ORG = 1
+    counted = threading.Barrier(2)
+    real = keys._ensure_room_for_a_key
+
+    def counting_then_waiting(organization):
+        real(organization)
+        try:
+            counted.wait(timeout=2)
+        except threading.BrokenBarrierError:
+            pass
+
+    monkeypatch.setattr(keys, "_ensure_room_for_a_key", counting_then_waiting)
+
+    def create(n):
+        try:
+            return keys.create_api_key(Actor(user=owners[n]), membership.organization, name=f"k{n}",
+                                       scopes=[Scope.INFERENCE]).api_key.pk
+        except keys.TooManyKeys:
+            return None
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(2) as pool:
+        made = list(pool.map(create, range(2)))
+
+    assert made.count(None) == 1
+    assert ApiKey.objects.filter(organization=membership.organization).count() == 1

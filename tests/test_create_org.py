@@ -47,3 +47,13 @@ def test_create_org_refuses_an_owner_address_past_the_username_column():
         with pytest.raises(CommandError, match="at most 150 characters"):
             call_command("create_org", "acme", "--owner", owner)
     assert not Organization.objects.exists()
+
+
+def test_create_org_for_an_organisation_at_its_live_key_limit_says_so_without_a_traceback(capsys, settings):
+    # NOTE: `keys.TooManyKeys` (a ValueError) went up through the command: an operator saw a traceback.
+    settings.MAX_LIVE_API_KEYS_PER_ORG = 1
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
+    capsys.readouterr()
+    with pytest.raises(CommandError, match="1 live API keys"):
+        call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
+    assert ApiKey.objects.filter(organization__slug="acme").count() == 1

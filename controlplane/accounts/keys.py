@@ -51,7 +51,8 @@ def _ensure_room_for_a_key(organization: Organization) -> None:
 
     NOTE: the gateway keeps at most `auth.KNOWN_KEYS_MAX` keys per process, least recently used dropped first: one
     organisation calling in turn with more keys than that pushed every other tenant's key out, each of their calls
-    then a PostgreSQL lookup queued (4 at once) behind its flood. Keys were unbounded."""
+    then a PostgreSQL lookup queued (4 at once) behind its flood. Keys were unbounded. (The cache is now also shared
+    fairly between organisations: `auth._callers_by_key`.)"""
     limit = settings.MAX_LIVE_API_KEYS_PER_ORG
     live = ApiKey.objects.filter(organization=organization, revoked_at__isnull=True).exclude(
         expires_at__lte=timezone.now())

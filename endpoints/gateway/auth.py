@@ -87,8 +87,16 @@ def _lookup_key(plain: str) -> Caller | None:
     )
 
 
+def _organization_of(caller: Caller | None) -> int | None:
+    """The key's organisation: its group in the cache; None (a key that names none) is never kept."""
+    return None if caller is None else caller.organization_id
+
+
+# NOTE: shared fairly between organisations (`Memo`'s `group_of`): a full cache drops a key of the organisation holding
+# the most. Least recently used first, whoever's, ten organisations at the live-key limit (sign-up is open) calling in
+# turn pushed every other tenant's key out, each of their calls then a lookup queued (4 at once) behind the flood's.
 _callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
-                       max_concurrent_loads=MAX_KEY_LOOKUPS)
+                       max_concurrent_loads=MAX_KEY_LOOKUPS, group_of=_organization_of)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 

@@ -9,6 +9,13 @@ behind the database, and a cache expiry under load costs one query, not one per 
 The cache is bounded and evicts the least recently used entry, never everything at once: a flood
 of new keys costs the oldest entries, not the hot ones. (Refused credentials are remembered apart,
 in `controlplane.credential_lookups`.)
+
+With `group_of` (a value's owner: the API keys' organisation), a full cache evicts from the group
+holding the most entries, its least recently used one (the inserting group's own first where it
+is among the largest): a tenant's keys are pushed out only by a group no larger than its own, so
+one or many organisations calling with all their keys in turn evict each other, never a quiet
+tenant's hot key. A value of no group (None) is answered and never kept. A hit costs what it did:
+its group's order is in its entry.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ STALE_FOR_S = 5.0
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000, max_concurrent_loads: int | None = None,
-                 merge: Callable | None = None):
+                 merge: Callable | None = None, group_of: Callable | None = None):
         self._load = in_worker_thread(load)
         # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
         # loaded): the process may have learned of the entry since the load read the database.
@@ -43,6 +50,14 @@ class Memo:
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
         self.entries: OrderedDict = OrderedDict()  # key -> (load started at, value), least recently used first
+        # NOTE: with `group_of`, an entry is (load started at, value, its group's order, its group): the order of use
+        # is kept per group (`_groups`, least recently used first), and `entries` holds no order. Each group is in
+        # `_groups_of_size` under its number of entries (those of one size least recently loaded first), so the
+        # largest is found at once; all of it bounded by `max_entries`.
+        self._group_of = group_of
+        self._groups: dict = {}  # group -> OrderedDict of its keys (values None), least recently used first
+        self._groups_of_size: dict[int, dict] = {}  # number of entries -> {group: None}
+        self._largest = 0
         self._loading: dict = {}  # key -> task
         self._load_began: dict = {}  # key -> when (monotonic) its task in `_loading` was started
 
@@ -78,7 +93,7 @@ class Memo:
         entry = self.entries.get(key)
         if fresh_since is not None:
             if entry is not None and entry[0] >= fresh_since:
-                self.entries.move_to_end(key)
+                (self.entries if self._group_of is None else entry[2]).move_to_end(key)
                 return entry[1]
             task = self._loading.get(key)
             if (task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop()
@@ -86,7 +101,7 @@ class Memo:
                 return await asyncio.shield(task)
             fresh = True
         if entry is not None and not fresh:
-            self.entries.move_to_end(key)
+            (self.entries if self._group_of is None else entry[2]).move_to_end(key)
             age, ttl_s = time.monotonic() - entry[0], self.ttl_s
             if age < ttl_s:
                 return entry[1]
@@ -122,17 +137,88 @@ class Memo:
         if current is None or current[0] <= started:
             if self._merge is not None and current is not None:
                 value = self._merge(current[1], value, started)
-            self.entries[key] = (started, value)
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.max_entries:
-                self.entries.popitem(last=False)
+            if self._group_of is None:
+                self.entries[key] = (started, value)
+                self.entries.move_to_end(key)
+                while len(self.entries) > self.max_entries:
+                    self.entries.popitem(last=False)
+            else:
+                self._store_in_group(key, started, value)
         return value
 
+    def _store_in_group(self, key, started: float, value) -> None:
+        group = self._group_of(value)
+        if group is None:
+            # NOTE: a value of no group (an API key that names none) is answered, never kept: stored, one over the
+            # bound pushed a real entry out before its caller forgot it, so each new bogus key sent to a full cache
+            # cost a real key its place (anyone may send them).
+            self.forget(key)
+            return
+        current = self.entries.get(key)
+        if current is not None and current[3] != group:
+            self._drop(key)
+            current = None
+        if current is None:
+            order = self._groups.get(group)
+            if order is None:
+                order = self._groups[group] = OrderedDict()
+            order[key] = None
+            self._resize(group, len(order) - 1, len(order))
+        else:
+            order = current[2]
+            order.move_to_end(key)
+            # NOTE: among groups of one size, the one loaded last is evicted from last (a hot key is reloaded each
+            # `ttl_s`); the work of a load, never of a hit.
+            same_size = self._groups_of_size[len(order)]
+            del same_size[group]
+            same_size[group] = None
+        self.entries[key] = (started, value, order, group)
+        while len(self.entries) > self.max_entries:
+            self._evict(group)
+
+    def _evict(self, group) -> None:
+        """Drops the least recently used entry of the largest group: `group`'s (which just stored one, now its most
+        recently used) where it is among the largest and holds another, else that of the largest loaded least
+        recently."""
+        own = self._groups[group]
+        if not (len(own) == self._largest and len(own) > 1):
+            group = next(g for g in self._groups_of_size[self._largest] if g != group)
+        victim = next(iter(self._groups[group]))
+        self._drop(victim)
+
+    def _drop(self, key) -> None:
+        entry = self.entries.pop(key)
+        order, group = entry[2], entry[3]
+        del order[key]
+        self._resize(group, len(order) + 1, len(order))
+        if not order:
+            del self._groups[group]
+
+    def _resize(self, group, was: int, now: int) -> None:
+        """`group` went from `was` entries to `now` (one more or one fewer)."""
+        if was:
+            same_size = self._groups_of_size[was]
+            del same_size[group]
+            if not same_size:
+                del self._groups_of_size[was]
+        if now:
+            self._groups_of_size.setdefault(now, {})[group] = None
+        if now > self._largest:
+            self._largest = now
+        elif was == self._largest and was not in self._groups_of_size:
+            self._largest = now  # one fewer: it is still the largest
+
     def forget(self, key: Hashable) -> None:
-        self.entries.pop(key, None)
+        if self._group_of is None:
+            self.entries.pop(key, None)
+        elif key in self.entries:
+            self._drop(key)
 
     def clear(self) -> None:
         self.entries.clear()
+        self._groups.clear()
+        self._groups_of_size.clear()
+        self._largest = 0
 
 
 def _note_failure(task: asyncio.Task) -> None:

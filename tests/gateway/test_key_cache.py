@@ -87,3 +87,73 @@ def test_a_flood_of_bogus_keys_never_pushes_a_real_key_out_of_the_cache(lookups,
     assert first is not None and again == first
     assert lookups.count(real) == 1  # answered from the cache after fifty bogus keys
     assert len(auth._callers_by_key.entries) == 1  # the refused keys live apart
+
+
+def _keys_of(organization, owner, number: int) -> list[str]:
+    return [create_api_key(Actor(user=owner), organization, name=f"k{n}", scopes=[Scope.INFERENCE]).plain
+            for n in range(number)]
+
+
+@pytest.mark.parametrize("num_flooding", [1, 3], ids=["one organisation", "three organisations"])
+def test_a_flood_of_other_organisations_real_keys_never_pushes_a_quiet_tenants_key_out_of_the_cache(
+        lookups, monkeypatch, settings, num_flooding):
+    # NOTE: the cache held the 10,000 keys used last, whoever's: ten organisations at the live-key limit (1,000 each;
+    # sign-up is open) calling in turn pushed every other tenant's key out, each of their calls then a PostgreSQL
+    # lookup queued (4 at once a process) behind the flood's. Here: 20 places, floods of 30 keys.
+    monkeypatch.setattr(auth._callers_by_key, "max_entries", 20)
+    settings.API_KEY_CACHE_S = 600
+    quiet = _real_key()
+    floods = []
+    for _ in range(num_flooding):
+        membership = MembershipFactory(role="owner")
+        floods += _keys_of(membership.organization, membership.user, 30 // num_flooding)
+
+    async def scenario():
+        first = await auth.caller_from_key(quiet)
+        for _ in range(2):
+            for plain in floods:
+                assert await auth.caller_from_key(plain) is not None
+        return first, await auth.caller_from_key(quiet)
+
+    first, again = asyncio.run(scenario())
+
+    assert first is not None and again == first
+    assert lookups.count(quiet) == 1  # answered from the cache after the flood
+    assert len(auth._callers_by_key.entries) == 20
+
+
+def test_an_organisation_alone_in_the_cache_still_uses_all_of_it(lookups, monkeypatch, settings):
+    monkeypatch.setattr(auth._callers_by_key, "max_entries", 20)
+    settings.API_KEY_CACHE_S = 600
+    membership = MembershipFactory(role="owner")
+    plains = _keys_of(membership.organization, membership.user, 20)
+
+    async def scenario():
+        for _ in range(2):
+            for plain in plains:
+                assert await auth.caller_from_key(plain) is not None
+
+    asyncio.run(scenario())
+    assert sorted(lookups) == sorted(plains)  # each looked up once: none evicted
+
+
+def test_a_bogus_key_never_pushes_a_real_key_out_of_a_full_cache(lookups, monkeypatch, settings):
+    # NOTE: a key that names none was stored as known (None), the cache one over its bound dropped a real key, and
+    # only then was the refused one forgotten: once a process knew its 10,000 keys, each new bogus key (anyone may send
+    # them, no account needed) pushed one real key out, its next call a lookup queued behind the bogus ones.
+    monkeypatch.setattr(auth._callers_by_key, "max_entries", 20)
+    settings.API_KEY_CACHE_S = 600
+    membership = MembershipFactory(role="owner")
+    plains = _keys_of(membership.organization, membership.user, 20)
+
+    async def scenario():
+        for plain in plains:
+            assert await auth.caller_from_key(plain) is not None
+        for _ in range(5):
+            assert await auth.caller_from_key(_bogus_key()) is None
+        for plain in plains:
+            assert await auth.caller_from_key(plain) is not None
+
+    asyncio.run(scenario())
+    assert [lookups.count(plain) for plain in plains] == [1] * 20
+    assert len(auth._callers_by_key.entries) == 20

@@ -278,3 +278,90 @@ def test_callers_woken_by_one_message_share_one_fresh_read_and_never_take_an_old
 
     assert answers == ["k:announced"] * 20 and after == "k:announced"
     assert loader.calls == 3  # the first load, the older fresh read, then one for the twenty woken and the one after
+
+
+def _grouped(max_entries: int) -> Memo:
+    # a key "org/n" loads a value of group "org"
+    return Memo(lambda key: key, ttl_s=60, max_entries=max_entries,
+                group_of=lambda value: value.split("/")[0] or None)  # "/n": of no group, never kept
+
+
+def _check_groups(cache: Memo) -> None:
+    """The grouped cache's bookkeeping says what its entries hold, and is bounded by them."""
+    assert len(cache.entries) <= cache.max_entries
+    by_group: dict = {}
+    for key, (_, value, order, group) in cache.entries.items():
+        assert group == cache._group_of(value) and cache._groups[group] is order and key in order
+        by_group[group] = by_group.get(group, 0) + 1
+    assert {group: len(order) for group, order in cache._groups.items()} == by_group
+    sizes: dict = {}
+    for group, size in by_group.items():
+        sizes.setdefault(size, set()).add(group)
+    assert {size: set(groups) for size, groups in cache._groups_of_size.items()} == sizes
+    assert cache._largest == max(by_group.values(), default=0)
+
+
+def test_a_grouped_cache_evicts_from_the_group_holding_the_most_never_a_quiet_groups_hot_entry():
+    cache = _grouped(max_entries=10)
+
+    async def scenario():
+        await cache.get("quiet/1")
+        await cache.get("quiet/2")
+        for _ in range(3):  # three groups, 20 keys each, in turn: far more than the cache holds
+            for n in range(20):
+                for flooding in ("a", "b", "c"):
+                    await cache.get(f"{flooding}/{n}")
+                    _check_groups(cache)
+
+    asyncio.run(scenario())
+    assert {"quiet/1", "quiet/2"} <= set(cache.entries)
+    assert sorted(len(order) for order in cache._groups.values()) == [2, 2, 3, 3]
+
+
+def test_a_grouped_caches_bookkeeping_follows_any_sequence_of_loads_hits_and_forgets():
+    import random
+
+    rng = random.Random(7)
+    cache = _grouped(max_entries=16)
+
+    async def scenario():
+        for _ in range(3000):
+            key = f"{rng.choice(['a', 'b', 'c', 'd', 'e', 'f', 'g', ''])}/{rng.randrange(12)}"
+            if rng.random() < 0.15:
+                cache.forget(key)
+            else:
+                await cache.get(key, fresh=rng.random() < 0.1)
+            _check_groups(cache)
+            assert not any(key.startswith("/") for key in cache.entries)
+        cache.clear()
+        _check_groups(cache)
+
+    asyncio.run(scenario())
+    assert cache.entries == {} and cache._groups == {} and cache._groups_of_size == {}
+
+
+def test_a_grouped_cache_evicts_its_own_least_recently_used_entry_when_its_group_is_the_largest():
+    cache = _grouped(max_entries=4)
+
+    async def scenario():
+        for key in ("a/1", "a/2", "a/3", "b/1"):
+            await cache.get(key)
+        await cache.get("a/1")  # used again: "a/2" is now a's least recently used
+        await cache.get("a/4")
+
+    asyncio.run(scenario())
+    assert set(cache.entries) == {"a/1", "a/3", "a/4", "b/1"}
+
+
+def test_a_grouped_cache_where_every_group_holds_one_entry_keeps_a_new_groups_and_drops_the_least_recently_loaded():
+    cache = _grouped(max_entries=3)
+
+    async def scenario():
+        for key in ("a/1", "b/1", "c/1"):
+            await cache.get(key)
+        await cache.get("a/1", fresh=True)  # loaded again: b's is now the one loaded least recently
+        await cache.get("d/1")
+        _check_groups(cache)
+
+    asyncio.run(scenario())
+    assert set(cache.entries) == {"a/1", "c/1", "d/1"}

@@ -5,6 +5,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.core.validators import validate_email, validate_slug
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, normalize_email
+from controlplane.accounts.keys import TooManyKeys
 from controlplane.accounts.signup import bootstrap_organization
 
 
@@ -25,7 +26,11 @@ class Command(BaseCommand):
             owner = normalize_email(owner, max_length=ACCOUNT_EMAIL_MAX_LENGTH)  # also its username
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
-        organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name, password=password)
+        try:
+            organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name,
+                                                                     password=password)
+        except TooManyKeys as exc:  # an existing organisation at its live-key limit: a message, not a traceback
+            raise CommandError(str(exc)) from None
         if as_json:
             self.stdout.write(json.dumps({"org": organization.slug, "owner": user.email, "api_key": created_key.plain}))
         else:
