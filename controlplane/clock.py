@@ -14,7 +14,8 @@ A gateway process needs Redis's clock on every request (the rate limits' minutes
 cannot spend a round trip on it: it keeps its offset to Redis's clock, read with `TIME` on each of its heartbeats
 (`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock. The offset is its skew: the
 beat records it as `check` does, every `CHECK_EVERY_S` (`record_offset`, role "gateway"), with an ERROR past
-`SKEW_ERROR_S`: a gateway's usage rows are stamped, and its calls' billing months picked, on its own clock.
+`SKEW_ERROR_S`. A gateway stamps its calls' times (its usage rows' start, first token and finish, hence their billing
+month) by `redis_datetime`, Redis's clock too, not its own.
 
 PostgreSQL's clock (`database_now`, `DatabaseClock`, `database_time_ago`) is what every claim, lease and deadline that
 one process stamps and another judges is stamped and judged by: a worker's or a web pod's own clock may be minutes off
@@ -29,7 +30,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis.exceptions
 from django.db import connection, models
@@ -89,6 +90,14 @@ def redis_now() -> float:
     return time.time() + _offset.s
 
 
+def redis_datetime() -> datetime:
+    """`redis_now` as an aware datetime (UTC): what a gateway stamps its calls' times with (started, first token,
+    finished), no round trip. NOTE: the gateway stamped them by its own clock: one a minute or more off (a VM resumed,
+    NTP broken) had its prepaid usage drawn from a grant made after the call, or from none (`billing.models.credit_shares`
+    judges a row's start against `CreditGrant.granted_at`, PostgreSQL's clock, with a minute's slack)."""
+    return datetime.fromtimestamp(redis_now(), UTC)
+
+
 def note_redis_time(sent_at: float, redis_at: float, received_at: float) -> None:
     """Redis's `TIME` (`redis_at`), read by a command sent at `sent_at` and answered at `received_at` (this process's
     clock): the offset `redis_now` adds lies between `redis_at - received_at` and `redis_at - sent_at`.
@@ -125,8 +134,8 @@ async def record_offset(client) -> None:
     await client.hset(CLOCK_SKEWS_KEY, f"gateway:{socket.gethostname()}-{os.getpid()}",
                       json.dumps({"s": round(skew, 3), "at": redis_now()}))
     if abs(skew) > SKEW_ERROR_S:
-        logger.error("this gateway's clock is %.1f s %s Redis's: its rate limits and reservations follow Redis's, but "
-                     "it stamps its usage rows' times and picks its calls' billing months on its own; keep the "
+        logger.error("this gateway's clock is %.1f s %s Redis's: its rate limits, reservations and usage rows' times "
+                     "follow Redis's, by the offset its beat reads, off while its clock steps between beats; keep the "
                      "machines' clocks in step (NTP)", abs(skew), "ahead of" if skew > 0 else "behind")
 
 

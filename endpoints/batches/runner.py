@@ -34,13 +34,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from billing import usage_writer
+from controlplane import clock
 from controlplane.redis_client import get_async_redis
 from controlplane.redis_keys import batch_engine_failures_key, outstanding_key
 from controlplane.worker_threads import connections_checked, in_worker_thread
@@ -341,7 +341,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
                           priority=scheduling.BATCH_ENGINE_PRIORITY)
         priced, request, adapter = await _route(work, endpoint, request)
         call = InferenceCall(request_id=request_id, request=request, caller=work.caller, endpoint=priced, client=client,
-                             receive=_never_disconnects, send=capture.send, started_at=datetime.now(UTC),
+                             receive=_never_disconnects, send=capture.send, started_at=clock.redis_datetime(),
                              batch_id=work.batch_id, price_fraction=work.price_fraction, answer_deadline=answer_deadline,
                              answer_holding=answer, adapter=adapter)
         await call.run()

@@ -20,7 +20,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from urllib.parse import parse_qs
 
 from django.conf import settings
@@ -31,7 +30,7 @@ from billing.usage_writer import (
     usage_recordable,
     writer_for_this_loop,
 )
-from controlplane import access_log
+from controlplane import access_log, clock
 from controlplane.access_log import REQUEST_ID_SCOPE_KEY, log_answer
 from controlplane.accounts.console import PAGE_ORGANIZATION_FIELD
 from controlplane.accounts.models import Role
@@ -396,7 +395,7 @@ class Gateway:
                 inference = dataclasses.replace(inference, engine_model=adapter.name)
             call = InferenceCall(
                 request_id=request_id, request=inference, caller=caller, endpoint=endpoint, client=self.client,
-                receive=receive, send=send, started_at=datetime.now(UTC), ratelimit=ratelimit, adapter=adapter,
+                receive=receive, send=send, started_at=clock.redis_datetime(), ratelimit=ratelimit, adapter=adapter,
             )
             await call.run()
         except ClientGone:  # its body stopped with the client's going: nobody to answer

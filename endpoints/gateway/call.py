@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -24,6 +24,7 @@ from billing import ledger, usage_writer
 from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
 from billing.standing import SPEND_LIMIT_REASONS
+from controlplane import clock
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     adapter_hold,
@@ -295,7 +296,7 @@ class InferenceCall:
         replicas, waited_s = held
         self.cold_start_s += waited_s
         if self.held_at is None:
-            self.held_at = datetime.now(UTC) - timedelta(seconds=waited_s)
+            self.held_at = clock.redis_datetime() - timedelta(seconds=waited_s)
         if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
             await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
         return replicas
@@ -516,7 +517,7 @@ class InferenceCall:
             self.usage.take_totals(self.request.answer_usage(body))
         finally:
             holding.done_reading()
-        self.first_token_at = datetime.now(UTC)
+        self.first_token_at = clock.redis_datetime()
         if self.disconnected.is_set():  # read to its end for its usage (`_watch_disconnect`); nobody to answer
             self.status = "client_aborted"
             return
@@ -670,7 +671,7 @@ class InferenceCall:
             if gone and self.usage.every_prompt_counted:
                 break
             if self.first_token_at is None and sse.carries_output(event):
-                self.first_token_at = datetime.now(UTC)
+                self.first_token_at = clock.redis_datetime()
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
@@ -806,7 +807,7 @@ class InferenceCall:
         except Exception:  # noqa: BLE001 - the anatomy is a measure: never fail the answer for it
             logger.exception("request %s: could not read its replica's cold start", self.request_id)
             timeline = None
-        first_token_at = self.first_token_at or datetime.now(UTC)
+        first_token_at = self.first_token_at or clock.redis_datetime()
         try:
             self.cold_start = anatomy.split(self.held_at, first_token_at, timeline)
         except (ValueError, OverflowError):  # NOTE: a measure: an odd one never fails the answer or loses its usage row
@@ -816,7 +817,7 @@ class InferenceCall:
 
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
-        finished_at = datetime.now(UTC)
+        finished_at = clock.redis_datetime()
         try:
             if self.held_at is not None and self.served:
                 await self._measure_cold_start()
@@ -962,7 +963,7 @@ class InferenceCall:
             return None
         if recorded == (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
             return None
-        return self.usage_report(finished_at=datetime.now(UTC), status=UsageStatus.GATEWAY_LOST,
+        return self.usage_report(finished_at=clock.redis_datetime(), status=UsageStatus.GATEWAY_LOST,
                                  billing_mode=billing_mode)
 
     def _prompt_past_estimate(self, usage: UsageTally) -> bool:
