@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from gpu_agent.runtime import state_file
+from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.control_plane import ControlPlaneClient
+from gpu_agent.runtime.hardware import HardwareReport
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_transfer import TransferSettings
 from tests.agent.test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401
@@ -187,3 +191,33 @@ def test_a_manifest_cut_short_while_the_cache_is_open_is_fetched_again_not_serve
     assert cache.fetch("s3://durable-o/m") == path
     assert cache.num_downloads == 2 and (path / "model.safetensors").stat().st_size == 100_000
     assert [status.complete for status in cache.statuses()] == [True]
+def test_the_agents_state_file_is_durable_before_and_after_its_rename(tmp_path, monkeypatch):
+    calls = Syscalls(monkeypatch)
+    path = tmp_path / "replicas.json"
+    state = state_file.StateFile(path)
+
+    state.save_reading("a reading", {"x": 1})
+
+    written = calls.index_of("replace", path)
+    assert calls.synced_after(calls.events[written][2], 0, written)
+    assert calls.synced_after(tmp_path.stat().st_ino, written, len(calls.events))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert state_file.StateFile(path).readings() == {"a reading": {"x": 1}}
+
+
+def test_the_nodes_credentials_are_durable_before_and_after_their_rename(tmp_path, monkeypatch):
+    # An empty node.json after a power loss (its rename durable, its bytes not) made the next agent register as a new
+    # node, its engines' replicas left on the old one.
+    config = AgentConfig(control_plane_url="http://control-plane.invalid", join_token="t", data_dir=tmp_path)
+    client = ControlPlaneClient(config, HardwareReport("cpu", 0, 0, 1, 1), device="cpu")
+    client.node_id, client.node_secret = "node-1", "secret"
+    calls = Syscalls(monkeypatch)
+
+    client._save_credentials()
+
+    written = calls.index_of("replace", tmp_path / "node.json")
+    assert calls.synced_after(calls.events[written][2], 0, written)
+    assert calls.synced_after(tmp_path.stat().st_ino, written, len(calls.events))
+    assert stat.S_IMODE((tmp_path / "node.json").stat().st_mode) == 0o600
+    again = ControlPlaneClient(config, HardwareReport("cpu", 0, 0, 1, 1), device="cpu")
+    assert (again.node_id, again.node_secret) == ("node-1", "secret")
