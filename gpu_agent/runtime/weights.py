@@ -40,7 +40,6 @@ from gpu_agent.runtime.weights_access import (
     ModelTooLarge,
     SourceAccess,
     StoreUnreachable,
-    WeightsError,
     fetch_stopped,
     hf_client,
     s3_client,
@@ -640,13 +639,13 @@ class WeightsCache:
         try:
             remove_path(path)  # a stale directory without a manifest
             os.rename(folder.path, path)
-            # NOTE: its files and folders were made durable before (`Transfer.run`); now its new name, before the
-            # manifest that vouches for it is written (`CacheIndex.write_manifest`).
-            durable.sync_folder(self.root)
-            durable.sync_folder(self.root / ".tmp")
             try:
                 folder.check_in_place(path)
-            except WeightsError:
+                # NOTE: its files and folders were made durable before (`Transfer.run`); now its new name, before the
+                # manifest that vouches for it is written (`CacheIndex.write_manifest`).
+                durable.sync_folder(self.root)
+                durable.sync_folder(self.root / ".tmp")
+            except BaseException:  # replaced meanwhile, or its name not made durable (EIO): no folder nobody counts
                 remove_path(path)
                 raise
         finally:

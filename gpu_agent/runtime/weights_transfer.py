@@ -113,6 +113,9 @@ class Transfer:
         self.partial, self.journal_path = partial, journal
         self.download, self.on_progress, self.settings = download, on_progress, settings
         self._lock = threading.Lock()
+        # NOTE: one journal write at a time, each naming every part done before it; held across its fsyncs, so
+        # `_lock` (every chunk's progress) never waits on the disk.
+        self._journal_lock = threading.Lock()
         self._done: dict[str, set[int]] = {}
         self._stop = threading.Event()  # another part failed
         self._stopped_by_owner = stop or threading.Event()  # the replica that wanted it is gone
@@ -347,13 +350,14 @@ class Transfer:
         return True
 
     def _part_done(self, remote: RemoteFile, index: int) -> None:
-        with self._lock:
-            self._done.setdefault(remote.name, set()).add(index)
-            journal = {
-                "part_bytes": self.settings.part_bytes,
-                "sizes": {f.name: f.size_bytes for f in self.files},
-                "done": {name: sorted(indices) for name, indices in self._done.items()},
-            }
+        with self._journal_lock:
+            with self._lock:
+                self._done.setdefault(remote.name, set()).add(index)
+                journal = {
+                    "part_bytes": self.settings.part_bytes,
+                    "sizes": {f.name: f.size_bytes for f in self.files},
+                    "done": {name: sorted(indices) for name, indices in self._done.items()},
+                }
             durable.write_atomic(self.journal_path, json.dumps(journal))
 
     # -- verification -------------------------------------------------------------------

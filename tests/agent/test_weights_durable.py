@@ -149,6 +149,9 @@ def test_a_manifest_never_names_a_copy_whose_fsync_did_not_return(s3, s3_endpoin
 
     assert list(root.glob("*.json")) == []
     assert cache.statuses() == []
+    # nothing left on the disk that nobody counts (a folder renamed into place whose name was not made durable)
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []
+    assert list((root / ".tmp").iterdir()) == [] and list((root / ".parts").iterdir()) == []
     calls.fail_fsync = None  # the same content, fetched again once the disk answers: whole
     again = WeightsCache(root, s3_endpoint_url=s3_endpoint)
     path = again.fetch("s3://durable-f/m")
