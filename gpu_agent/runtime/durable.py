@@ -14,13 +14,14 @@ An `OSError` of any of them (EIO: the bytes did not reach the disk) propagates: 
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 
 def sync_file(fd: int) -> None:
-    """Make what was written through `fd` (its bytes and its size; a folder's: its names) durable."""
+    """Make what was written through `fd` (its bytes and its size) durable."""
     os.fsync(fd)
 
 
@@ -28,9 +29,20 @@ def sync_folder(path: str | Path) -> None:
     """Make the names made, renamed or removed in the folder at `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        sync_folder_fd(fd)
     finally:
         os.close(fd)
+
+
+def sync_folder_fd(fd: int) -> None:
+    """`sync_folder` of the folder open as `fd`."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # NOTE: a file system that cannot fsync a folder (some FUSE ones) says EINVAL: there is nothing more to ask of
+        # it, and failing every download and state write there would make the agent unusable on it.
+        if exc.errno != errno.EINVAL:
+            raise
 
 
 def write_atomic(path: str | Path, data: str | bytes, *, mode: int = 0o600) -> None:

@@ -182,7 +182,7 @@ class DownloadFolder:
         for folder in sorted(folders, key=len, reverse=True):  # the deepest first, the folder itself last
             directory = self._walk((*folder, "-"), create=False)
             try:
-                durable.sync_file(directory)
+                durable.sync_folder_fd(directory)
             finally:
                 os.close(directory)
 

@@ -224,3 +224,22 @@ def test_the_nodes_credentials_are_durable_before_and_after_their_rename(tmp_pat
     assert stat.S_IMODE((tmp_path / "node.json").stat().st_mode) == 0o600
     again = ControlPlaneClient(config, HardwareReport("cpu", 0, 0, 1, 1), device="cpu")
     assert (again.node_id, again.node_secret) == ("node-1", "secret")
+
+
+def test_a_file_system_that_cannot_fsync_a_folder_still_takes_downloads(s3, s3_endpoint, tmp_path, monkeypatch):  # noqa: F811
+    # Some (FUSE) file systems answer EINVAL to a folder's fsync: nothing more can be asked of them, and failing every
+    # download and state write there would leave the agent unusable. A file's fsync failing still fails the fetch.
+    upload_model(s3, "durable-e", "m", num_bytes=100_000)
+    root = tmp_path / "weights"
+    cache = WeightsCache(root, s3_endpoint_url=s3_endpoint)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = cache.fetch("s3://durable-e/m")
+    assert cache.num_downloads == 1 and (path / "model.safetensors").stat().st_size == 100_000
+    assert state_file.StateFile(tmp_path / "replicas.json").save([]) is True
