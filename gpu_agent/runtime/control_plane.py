@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from gpu_agent.protocol import (
     RegisterResponse,
     WatchResponse,
 )
-from gpu_agent.runtime import engine, sandbox
+from gpu_agent.runtime import durable, engine, sandbox
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.hardware import HardwareReport
 
@@ -211,11 +210,9 @@ class ControlPlaneClient:
         }
         if self._retired_at is not None:
             data["retired_at"] = self._retired_at
-        tmp = self.credentials_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle)
-        os.replace(tmp, self.credentials_path)
+        # NOTE: durably (`durable`): a power loss right after a registration left an empty node.json, and the next
+        # agent registered as a new node.
+        durable.write_atomic(self.credentials_path, json.dumps(data), mode=0o600)
 
     def _told_retired(self) -> None:
         """Remember, in `node.json` (a restart does not forget), that the control plane said this node is retired."""

@@ -29,12 +29,12 @@ import json
 import logging
 import os
 import stat
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gpu_agent.protocol import ReplicaSpec, ReplicaState
+from gpu_agent.runtime import durable
 from gpu_agent.runtime.engine import EngineCommand
 from gpu_agent.runtime.replica_state import ManagedReplica
 
@@ -217,15 +217,9 @@ class StateFile:
             data[MADE_SCRATCH_KEY] = self._made_scratch
         if self._readings:
             data[READINGS_KEY] = {"boot_id": boot_id(), **self._readings}
-        # NOTE: a file of its own each time (0600, O_EXCL): never written through one someone else made there
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(json.dumps(data, indent=2))
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # NOTE: a file of its own each time (0600, O_EXCL): never written through one someone else made there; and
+        # durably (`durable`): a power loss leaves the old records or the new ones, never an empty file.
+        durable.write_atomic(self.path, json.dumps(data, indent=2), mode=0o600)
 
 
 def recorded_scratch(record: dict) -> object:

@@ -33,14 +33,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_agent.protocol import MAX_WEIGHTS_REPORTS, ModelInfo, WeightsStatus
-from gpu_agent.runtime import weights_formats, weights_sources
+from gpu_agent.runtime import durable, weights_formats, weights_sources
 from gpu_agent.runtime.model_info import ModelReading, read_model
 from gpu_agent.runtime.weights_access import (
     FetchStopped,
     ModelTooLarge,
     SourceAccess,
     StoreUnreachable,
-    WeightsError,
     fetch_stopped,
     hf_client,
     s3_client,
@@ -642,7 +641,11 @@ class WeightsCache:
             os.rename(folder.path, path)
             try:
                 folder.check_in_place(path)
-            except WeightsError:
+                # NOTE: its files and folders were made durable before (`Transfer.run`); now its new name, before the
+                # manifest that vouches for it is written (`CacheIndex.write_manifest`).
+                durable.sync_folder(self.root)
+                durable.sync_folder(self.root / ".tmp")
+            except BaseException:  # replaced meanwhile, or its name not made durable (EIO): no folder nobody counts
                 remove_path(path)
                 raise
         finally:
@@ -671,23 +674,26 @@ class WeightsCache:
 
     def _remove_orphaned_copies(self) -> None:
         """Model folders with no manifest that nobody holds the lock of: what an agent killed mid-eviction (the manifest
-        goes first) or between a download's rename into place and its manifest left.
+        goes first) or between a download's rename into place and its manifest left. A manifest that cannot be read
+        (an older agent's, written without `fsync` and left empty or cut short by a power loss) is none: it goes too,
+        and its copy is fetched again when next asked for.
 
         NOTE: nothing counted them (neither a cached copy nor a partial download) and only a fetch of the very same
         content removed them: each such kill (an upgrade's SIGTERM, the OOM killer; pulls run on daemon threads) left
         up to a whole model on the weights disk for good. Another process putting a copy in place holds its lock."""
-        for folder in self.root.iterdir():
-            key = folder.name
-            if not _CACHE_KEY.fullmatch(key) or self._index.manifest_path(key).exists():
+        keys = {path.name if path.is_dir() or not path.name.endswith(".json") else path.stem
+                for path in self.root.iterdir()}
+        for key in sorted(keys):
+            if not _CACHE_KEY.fullmatch(key) or self._index.read_manifest(key) is not None:
                 continue
             lock = self._index.key_lock(key, blocking=False)
             if lock is None:
                 continue
             with lock:
-                if not self._index.manifest_path(key).exists():
-                    logger.warning("removing the model folder %s, which no manifest names (an agent killed while it "
-                                   "evicted or finished it)", key)
-                    remove_path(folder)
+                if self._index.read_manifest(key) is None:
+                    logger.warning("removing the model folder %s, which no readable manifest names (an agent killed "
+                                   "while it evicted or finished it, or a power loss)", key)
+                    self._index.remove(key)
 
 
 def _disk_bytes(folder: Path) -> int:

@@ -1,8 +1,8 @@
 """The weights cache's record on disk: manifests, per-model locks and content addresses.
 
 Layout: `<root>/<cache_key>/` holds one complete model and `<root>/<cache_key>.json` its manifest
-(written last, atomically; its mtime is the last use), so a model without a manifest is never
-complete. One lock per cache key (a thread lock plus an `flock` on `<root>/.locks/<key>.lock`)
+(written last, atomically and durably: `durable`; its mtime is the last use), so a model without a manifest (or with
+one that cannot be read) is never complete. One lock per cache key (a thread lock plus an `flock` on `<root>/.locks/<key>.lock`)
 serialises everyone who downloads, reads or evicts that model, across threads and processes. Both last only
 while someone holds or waits for them: every cache key ever fetched left its lock file and thread lock behind
 before, one more for each model pulled (a new content is a new key) for the agent's life. A lock file whose holder
@@ -22,8 +22,9 @@ import json
 import os
 import shutil
 import threading
-import uuid
 from pathlib import Path
+
+from gpu_agent.runtime import durable
 
 
 class CacheIndex:
@@ -39,33 +40,51 @@ class CacheIndex:
         return self.root / f"{key}.json"
 
     def is_complete(self, key: str) -> bool:
+        """Whether the copy's folder is there and its manifest says it is complete. NOTE: a manifest that cannot be
+        read (one an older agent wrote without `fsync`, left empty or cut short by a power loss) says nothing: the
+        copy is fetched again, never served on its word (`read_manifest`)."""
         path = self.root / key
-        return self.manifest_path(key).exists() and path.is_dir() and not path.is_symlink()
+        return self.read_manifest(key) is not None and path.is_dir() and not path.is_symlink()
+
+    def read_manifest(self, key: str) -> dict | None:
+        """The copy's manifest, or None when there is none or it is not one (empty, cut short, not this key's)."""
+        try:
+            manifest = json.loads(self.manifest_path(key).read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("cache_key") != key:
+            return None
+        return manifest
 
     def write_manifest(self, key: str, manifest: dict) -> None:
-        """Mark the model complete (the last step of a download)."""
-        path = self.manifest_path(key)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, path)
+        """Mark the model complete (the last step of a download), durably: its files and folders were made durable
+        first (`weights_transfer.Transfer.run`, `WeightsCache._download_into_place`), so a power loss never leaves a
+        manifest naming bytes that did not reach the disk (`durable`)."""
+        durable.write_atomic(self.manifest_path(key), json.dumps(manifest), mode=0o644)
 
     def touch(self, key: str) -> None:
         """Record a use (the least recently used model is evicted first)."""
         os.utime(self.manifest_path(key))
 
     def remove(self, key: str) -> None:
-        """Forget a model, manifest first, so it never looks complete while its files go."""
-        self.manifest_path(key).unlink(missing_ok=True)
+        """Forget a model, manifest first, so it never looks complete while its files go (the manifest's removal made
+        durable before any file goes: a power loss never leaves a manifest beside a folder half removed)."""
+        manifest = self.manifest_path(key)
+        if manifest.exists() or manifest.is_symlink():
+            manifest.unlink(missing_ok=True)
+            durable.sync_folder(self.root)
         remove_path(self.root / key)
 
     def entries(self) -> list[dict]:
         """Every complete model's manifest, with `last_used_at`."""
         entries = []
         for manifest_path in self.root.glob("*.json"):
+            entry = self.read_manifest(manifest_path.stem)
+            if entry is None:  # being written, cut short by a power loss, or not a manifest
+                continue
             try:
-                entry = json.loads(manifest_path.read_text())
                 entry["last_used_at"] = manifest_path.stat().st_mtime
-            except (OSError, ValueError):
+            except OSError:
                 continue
             entries.append(entry)
         return entries

@@ -15,6 +15,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from gpu_agent.runtime import durable
 from gpu_agent.runtime.weights_access import UnsafeModelPath, WeightsError
 
 _MAX_NAME_BYTES = 255
@@ -173,6 +174,17 @@ class DownloadFolder:
             os.close(directory)
             raise
         return directory
+
+    def sync_folders(self, files: Iterable[tuple[str, ...]]) -> None:
+        """Make the names in every folder holding one of `files` (their parts) durable, and the folder's own: each
+        folder is `fsync`ed, reached as `open_file` reaches it (`durable`)."""
+        folders = {(), *(parts[:depth] for parts in files for depth in range(len(parts)))}
+        for folder in sorted(folders, key=len, reverse=True):  # the deepest first, the folder itself last
+            directory = self._walk((*folder, "-"), create=False)
+            try:
+                durable.sync_folder_fd(directory)
+            finally:
+                os.close(directory)
 
     def check_in_place(self, path: Path | None = None) -> None:
         """Raise unless `path` (default: where the folder was made) is still this very folder."""

@@ -15,7 +15,8 @@ reserved is released. Both hold whatever the socket does: each request runs unde
 watchdog shuts its socket (`weights_watchdog`).
 
 Resume: the partial model lives in `.tmp/<cache key>.partial/` and the parts already written are
-recorded in `.parts/<cache key>.json` (rewritten atomically after each part). The cache key covers
+recorded in `.parts/<cache key>.json` (rewritten atomically after each part, once that part's bytes are durable:
+`durable`). The cache key covers
 the listing's ETags (or the Hub commit), so the next fetch of the same content, after a transient
 failure or after the agent was killed, reopens the same folder and fetches only what is missing.
 Any other failure removes both.
@@ -37,7 +38,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from pathlib import Path
 import botocore.exceptions
 import httpx
 
-from gpu_agent.runtime import weights_sources
+from gpu_agent.runtime import durable, weights_sources
 from gpu_agent.runtime.weights_access import StoreUnreachable, WeightsError, fetch_stopped
 from gpu_agent.runtime.weights_index import remove_path
 from gpu_agent.runtime.weights_paths import DownloadFolder
@@ -113,6 +113,9 @@ class Transfer:
         self.partial, self.journal_path = partial, journal
         self.download, self.on_progress, self.settings = download, on_progress, settings
         self._lock = threading.Lock()
+        # NOTE: one journal write at a time, each naming every part done before it; held across its fsyncs, so
+        # `_lock` (every chunk's progress) never waits on the disk.
+        self._journal_lock = threading.Lock()
         self._done: dict[str, set[int]] = {}
         self._stop = threading.Event()  # another part failed
         self._stopped_by_owner = stop or threading.Event()  # the replica that wanted it is gone
@@ -149,6 +152,8 @@ class Transfer:
             for remote in self.files:
                 self._verify(remote, fds[remote.name])
                 folder.check_file(remote.parts, fds[remote.name])
+                durable.sync_file(fds[remote.name])  # its size and bytes, whatever wrote them (an empty file too)
+            folder.sync_folders([remote.parts for remote in self.files])  # the names of its files and folders
             folder.check_in_place()
         except BaseException:
             folder.close()
@@ -199,6 +204,10 @@ class Transfer:
             self._check_wanted()
             try:
                 self._copy_range(remote, start, end, fd)
+                # NOTE: durable before the journal says it is done: after a power loss, a part the journal named
+                # could be zeros (the file was cut to its size first), skipped on resume, and only a checksum, where
+                # the store gives one, caught it.
+                durable.sync_file(fd)
                 self._part_done(remote, index)
                 return
             except _Stopped as stopped:
@@ -341,16 +350,15 @@ class Transfer:
         return True
 
     def _part_done(self, remote: RemoteFile, index: int) -> None:
-        with self._lock:
-            self._done.setdefault(remote.name, set()).add(index)
-            journal = {
-                "part_bytes": self.settings.part_bytes,
-                "sizes": {f.name: f.size_bytes for f in self.files},
-                "done": {name: sorted(indices) for name, indices in self._done.items()},
-            }
-            tmp = self.journal_path.with_name(f".{self.journal_path.name}.{uuid.uuid4().hex[:8]}")
-            tmp.write_text(json.dumps(journal))
-            os.replace(tmp, self.journal_path)
+        with self._journal_lock:
+            with self._lock:
+                self._done.setdefault(remote.name, set()).add(index)
+                journal = {
+                    "part_bytes": self.settings.part_bytes,
+                    "sizes": {f.name: f.size_bytes for f in self.files},
+                    "done": {name: sorted(indices) for name, indices in self._done.items()},
+                }
+            durable.write_atomic(self.journal_path, json.dumps(journal))
 
     # -- verification -------------------------------------------------------------------
 
