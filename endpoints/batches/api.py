@@ -315,7 +315,8 @@ def batches(request, caller: Caller):
         batch = services.create_batch(organization_id=caller.organization_id, api_key_id=caller.api_key_id,
                                       user_id=caller.user_id, input_file_id=payload["input_file_id"],
                                       request_path=payload["endpoint"], completion_window=payload["completion_window"],
-                                      metadata=payload.get("metadata"), claim=claim)
+                                      metadata=payload.get("metadata"), claim=claim,
+                                      output_expires_after=payload.get("output_expires_after"))
     return JsonResponse(batch.as_openai())
 
 

@@ -145,6 +145,9 @@ class Batch(models.Model):
     output_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     error_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     completion_window = models.CharField(max_length=8, default="24h")
+    # OpenAI's `output_expires_after.seconds`: its output and error files expire this long after their creation
+    # (`File.expires_at`); None: kept until deleted.
+    output_expires_after_s = models.PositiveIntegerField(null=True, blank=True)
     metadata = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=BatchStatus.choices, default=BatchStatus.VALIDATING)
     errors = models.JSONField(null=True, blank=True)  # OpenAI's `errors.data`: one entry per bad line

@@ -139,19 +139,22 @@ def refuse_unknown_purpose(purpose: str) -> None:
 FILE_EXPIRY_S = (3600, 30 * 24 * 3600)
 
 
-def file_expiry(anchor: str | None, seconds: str | None) -> timedelta | None:
-    """An upload's `expires_after` (OpenAI's: anchor `created_at`, seconds within `FILE_EXPIRY_S`) as the time its
-    file lives, or None when it sent none; `Refused` naming `expires_after` otherwise.
+def file_expiry(anchor: object, seconds: object, *, param: str = "expires_after") -> timedelta | None:
+    """An `expires_after` (OpenAI's, of an upload or a batch's `output_expires_after`: anchor `created_at`, seconds
+    within `FILE_EXPIRY_S`, a number or, from a form, its digits) as the time its file lives, or None when none was
+    sent; `Refused` naming `param` otherwise.
 
     NOTE: the field was ignored: a tenant whose client asked for its file to go after an hour had it kept for good."""
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
-        raise Refused("expires_after.anchor must be 'created_at'.", param="expires_after")
+        raise Refused(f"{param}.anchor must be 'created_at'.", param=param)
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit():
+        seconds = int(seconds)
     low, high = FILE_EXPIRY_S
-    if seconds is None or not seconds.isascii() or not seconds.isdigit() or not low <= int(seconds) <= high:
-        raise Refused(f"expires_after.seconds must be a whole number from {low} to {high}.", param="expires_after")
-    return timedelta(seconds=int(seconds))
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:
+        raise Refused(f"{param}.seconds must be a whole number from {low} to {high}.", param=param)
+    return timedelta(seconds=seconds)
 
 
 def start_upload(*, organization_id: int, filename: str, size: int) -> File:
@@ -378,6 +381,13 @@ def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) ->
     return file
 
 
+def _output_expiry(batch: Batch, file: File):
+    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never."""
+    if batch.output_expires_after_s is None:
+        return None
+    return file.created_at + timedelta(seconds=batch.output_expires_after_s)
+
+
 def _discard_outputs(files: list[File]) -> None:
     """Output files a run wrote but did not keep (another run ended the batch first): the bytes first,
     so that a failure leaves a row for `sweep_abandoned_uploads`, never bytes without one."""
@@ -393,9 +403,10 @@ def _discard_outputs(files: list[File]) -> None:
 
 def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int | None, input_file_id: str,
                  request_path: str, completion_window: str, metadata: dict | None,
-                 claim: idempotency.Claim | None = None) -> Batch:
+                 claim: idempotency.Claim | None = None, output_expires_after: object = None) -> Batch:
     """A new batch, `validating`; a worker checks its lines and runs it. Its answer is saved under the request's
-    idempotency key (`claim`) in the transaction that creates it: never a batch whose key forgot it."""
+    idempotency key (`claim`) in the transaction that creates it: never a batch whose key forgot it. Its output and
+    error files expire as OpenAI's `output_expires_after` asks (`file_expiry`), else are kept until deleted."""
     if request_path not in BATCH_PATHS:
         raise Refused(f"endpoint must be one of {', '.join(BATCH_PATHS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
@@ -405,6 +416,10 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
             for k, v in metadata.items())):
         raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters, without "
                       "NUL characters or lone surrogates).", param="metadata")
+    if output_expires_after is not None and not isinstance(output_expires_after, dict):
+        raise Refused("output_expires_after must be an object with 'anchor' and 'seconds'.", param="output_expires_after")
+    outputs_live = file_expiry((output_expires_after or {}).get("anchor"), (output_expires_after or {}).get("seconds"),
+                               param="output_expires_after") if output_expires_after is not None else None
     input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:
         raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
@@ -428,7 +443,8 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
         batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
-                                     expires_at=now + COMPLETION_WINDOWS[completion_window])
+                                     expires_at=now + COMPLETION_WINDOWS[completion_window],
+                                     output_expires_after_s=int(outputs_live.total_seconds()) if outputs_live else None)
         if claim is not None:
             idempotency.save_answer(claim, batch.as_openai())
     _dispatch_after_commit(batch.pk)
@@ -1237,8 +1253,8 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
         ended_first = locked.status in FINAL_STATES
         cancelled_meanwhile = locked.status == BatchStatus.CANCELLING and final != BatchStatus.CANCELLED
         if not ended_first and not cancelled_meanwhile:
-            if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=now, bytes=file.bytes)
-                   for file in files) != len(files):
+            if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
+                    stored_at=now, bytes=file.bytes, expires_at=_output_expiry(batch, file)) for file in files) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=num_ok,

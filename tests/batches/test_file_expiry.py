@@ -1,7 +1,7 @@
-"""OpenAI's `expires_after` on an upload: the file is gone to its tenant once it expires, and its bytes are deleted
-from S3 by the sweep (`services.sweep_expired_files`, every minute in the beat); out-of-range values are a 400.
+"""OpenAI's `expires_after` on an upload (and a batch's `output_expires_after` on its output and error files): the
+file is gone to its tenant once it expires, and its bytes are deleted from S3 by the sweep (`services.sweep_expired_files`, every minute in the beat); out-of-range values are a 400.
 
-Before: the field was ignored. A tenant whose client asked for its prompts' file to go after an hour had it listed,
+Before: both fields were ignored. A tenant whose client asked for its prompts' file to go after an hour had it listed,
 downloadable and stored in S3 for good, answered `expires_at: null`."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import openai
 import pytest
 from django.utils import timezone
 
+from controlplane.accounts.models import Role
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus, File
 from tests.batches.conftest import bucket_objects, new_batch
 from tests.conftest import start_web_server
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,3 +93,45 @@ def test_an_expired_file_an_open_batch_reads_is_deleted_once_the_batch_ends(file
     assert services.sweep_expired_files() == 1
     assert File.objects.get(pk=batch.input_file_id).deleted_at is not None
     assert batch.input_file.s3_key not in bucket_objects(files_bucket)
+
+
+def test_a_batchs_output_files_expire_as_its_output_expires_after_asks_and_are_deleted(files_bucket):
+    endpoint = EndpointFactory(max_model_len=2048)  # scaled to zero: no line runs by itself
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    data = json.dumps(line).encode() + b"\n"
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    member = UserFactory()  # a batch whose creator is no member is cancelled
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None,
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    services.run_batch(batch.pk)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    services.run_batch(batch.pk)  # its window has passed: it ends `expired`, its line's row in its error file
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == BatchStatus.EXPIRED
+    error_file = batch.error_file
+    assert error_file.as_openai()["expires_at"] == error_file.as_openai()["created_at"] + 7200
+    assert File.objects.get(pk=input_file.pk).expires_at is None  # the input is the upload's own, kept
+
+    _expire(error_file.pk)
+    assert services.sweep_expired_files() == 1
+    assert error_file.s3_key not in bucket_objects(files_bucket)
+    assert list(bucket_objects(files_bucket)) == [input_file.s3_key]
+
+
+@pytest.mark.parametrize("output_expires_after", [
+    {"anchor": "created_at", "seconds": 10}, {"anchor": "created_at", "seconds": True}, {"seconds": 3600}, "1h",
+])
+def test_a_batch_with_an_output_expires_after_out_of_bounds_is_a_400_naming_it(
+        web, tenant, files_bucket, output_expires_after):
+    client = tenant.client(web)
+    input_file = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              extra_body={"output_expires_after": output_expires_after})
+    assert refused.value.body["param"] == "output_expires_after"
+    assert list(client.batches.list()) == []
