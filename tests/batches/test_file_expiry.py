@@ -135,3 +135,20 @@ def test_a_batch_with_an_output_expires_after_out_of_bounds_is_a_400_naming_it(
                               extra_body={"output_expires_after": output_expires_after})
     assert refused.value.body["param"] == "output_expires_after"
     assert list(client.batches.list()) == []
+
+
+def test_expired_files_open_batches_still_read_hold_back_no_other_expired_file(files_bucket, monkeypatch):
+    monkeypatch.setattr(services, "NUM_EXPIRED_FILES_PER_RUN", 1)
+    endpoint = EndpointFactory(max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+    _expire(batch.input_file_id)  # expired first, but read by its open batch
+    later = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="later.jsonl",
+                                 stream=io.BytesIO(LINES), size=len(LINES))
+    File.objects.filter(pk=later.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    assert services.sweep_expired_files() == 1
+    assert File.objects.get(pk=later.pk).deleted_at is not None
+    assert later.s3_key not in bucket_objects(files_bucket)
+    assert File.objects.get(pk=batch.input_file_id).deleted_at is None
