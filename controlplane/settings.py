@@ -368,6 +368,8 @@ CELERY_BEAT_SCHEDULE = {
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},
     "batches-sweep-results": {"task": "batches.sweep_ended_results", "schedule": 60.0, "options": {"expires": 120}},
+    "batches-sweep-expired-files": {"task": "batches.sweep_expired_files", "schedule": 60.0,
+                                    "options": {"expires": 120}},
     "batches-sweep-incomplete-uploads": {"task": "batches.sweep_incomplete_uploads", "schedule": 3600.0,
                                          "options": {"expires": 3600}},
     "provision-nodes": {"task": "endpoints.provision_nodes", "schedule": NODE_POOLS_TICK_S,

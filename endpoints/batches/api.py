@@ -181,9 +181,10 @@ def _upload(request, caller: Caller) -> HttpResponse:
         try:
             request.FILES  # noqa: B018 - parses the body, the file part going to S3 as it is read
             purpose = _upload_purpose(request, storing)
+            expires_after = _upload_expiry(request)
             if claim is not None:
                 claim.request_digest = _upload_digest(request, purpose, storing)
-            file = storing.finish(claim=claim)
+            file = storing.finish(claim=claim, expires_after=expires_after)
         except BaseException:
             storing.abandon()
             raise
@@ -197,6 +198,15 @@ def _upload_purpose(request, parsed: uploads.FileDigest) -> str:
     purpose = request.POST.get("purpose", "")
     services.refuse_unknown_purpose(purpose)
     return purpose
+
+
+def _upload_expiry(request):
+    """OpenAI's `expires_after` of an upload, sent by its client as the form fields `expires_after[anchor]` and
+    `expires_after[seconds]` (`services.file_expiry`)."""
+    try:
+        return services.file_expiry(request.POST.get("expires_after[anchor]"), request.POST.get("expires_after[seconds]"))
+    except services.Refused as exc:
+        raise _refusal(exc) from None
 
 
 def _upload_digest(request, purpose: str, parsed: uploads.FileDigest) -> str:
@@ -305,7 +315,8 @@ def batches(request, caller: Caller):
         batch = services.create_batch(organization_id=caller.organization_id, api_key_id=caller.api_key_id,
                                       user_id=caller.user_id, input_file_id=payload["input_file_id"],
                                       request_path=payload["endpoint"], completion_window=payload["completion_window"],
-                                      metadata=payload.get("metadata"), claim=claim)
+                                      metadata=payload.get("metadata"), claim=claim,
+                                      output_expires_after=payload.get("output_expires_after"))
     return JsonResponse(batch.as_openai())
 
 

@@ -43,8 +43,10 @@ class NamedQuerySet(models.QuerySet):
 
 class FileQuerySet(NamedQuerySet):
     def for_org(self, organization_id: int):
-        """The organisation's stored files that are not deleted: every user-facing lookup starts here."""
-        return self.filter(organization_id=organization_id, stored_at__isnull=False, deleted_at__isnull=True)
+        """The organisation's stored files that are not deleted nor past their `expires_at`: every user-facing lookup
+        starts here (an expired file is gone to its tenant at once; `services.sweep_expired_files` deletes it)."""
+        return self.filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=Now()),
+                           organization_id=organization_id, stored_at__isnull=False, deleted_at__isnull=True)
 
     def held_by(self, organization_id: int):
         """What counts against the organisation's storage quota: its files not deleted, and its uploads in progress
@@ -77,6 +79,9 @@ class File(models.Model):
     # stops counting once its lease lapses. None: older code's upload (`FileQuerySet.held_by`), or a batch's output
     # file being written (0 bytes until the batch ends).
     upload_lease_until = models.DateTimeField(null=True, blank=True)
+    # OpenAI's `expires_after` (anchor `created_at`): past it the file is gone to its tenant and deleted, its bytes
+    # with it (`services.sweep_expired_files`). None: kept until deleted.
+    expires_at = models.DateTimeField(null=True, blank=True)
 
     objects = FileQuerySet.as_manager()
 
@@ -84,6 +89,8 @@ class File(models.Model):
         indexes = [
             models.Index(fields=["organization", "created_at"], name="file_org_created"),
             models.Index(fields=["created_at"], condition=models.Q(stored_at__isnull=True), name="file_uploading"),
+            models.Index(fields=["expires_at"], condition=models.Q(expires_at__isnull=False, deleted_at__isnull=True),
+                         name="file_expiring"),
         ]
 
     def __str__(self) -> str:
@@ -92,7 +99,8 @@ class File(models.Model):
     def as_openai(self) -> dict:
         """OpenAI's file object."""
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at.timestamp()),
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": int(self.expires_at.timestamp()) if self.expires_at is not None else None,
                 "status_details": None}
 
 
@@ -137,6 +145,9 @@ class Batch(models.Model):
     output_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     error_file = models.ForeignKey(File, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     completion_window = models.CharField(max_length=8, default="24h")
+    # OpenAI's `output_expires_after.seconds`: its output and error files expire this long after their creation
+    # (`File.expires_at`); None: kept until deleted.
+    output_expires_after_s = models.PositiveIntegerField(null=True, blank=True)
     metadata = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=BatchStatus.choices, default=BatchStatus.VALIDATING)
     errors = models.JSONField(null=True, blank=True)  # OpenAI's `errors.data`: one entry per bad line

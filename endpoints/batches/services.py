@@ -135,6 +135,28 @@ def refuse_unknown_purpose(purpose: str) -> None:
         raise Refused("Only purpose 'batch' can be uploaded.", param="purpose")
 
 
+# OpenAI's bounds on a file's `expires_after.seconds`: an hour to 30 days.
+FILE_EXPIRY_S = (3600, 30 * 24 * 3600)
+
+
+def file_expiry(anchor: object, seconds: object, *, param: str = "expires_after") -> timedelta | None:
+    """An `expires_after` (OpenAI's, of an upload or a batch's `output_expires_after`: anchor `created_at`, seconds
+    within `FILE_EXPIRY_S`, a number or, from a form, its digits) as the time its file lives, or None when none was
+    sent; `Refused` naming `param` otherwise.
+
+    NOTE: the field was ignored: a tenant whose client asked for its file to go after an hour had it kept for good."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise Refused(f"{param}.anchor must be 'created_at'.", param=param)
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit():
+        seconds = int(seconds)
+    low, high = FILE_EXPIRY_S
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:
+        raise Refused(f"{param}.seconds must be a whole number from {low} to {high}.", param=param)
+    return timedelta(seconds=seconds)
+
+
 def start_upload(*, organization_id: int, filename: str, size: int) -> File:
     """The row of an upload of at most `size` bytes about to be stored, or `Refused` past the size limit or the
     organisation's storage quota (`max_file_bytes`).
@@ -174,19 +196,22 @@ def _upload_lease() -> timedelta:
     return timedelta(seconds=settings.FILES_UPLOAD_LEASE_S)
 
 
-def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = None) -> File:
-    """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with), and
+def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = None,
+                  expires_after: timedelta | None = None) -> File:
+    """Mark an upload whose bytes are in S3 stored, counting its real `size` (at most what it was started with), to
+    expire `expires_after` from its creation (`file_expiry`), and
     save its answer under the request's idempotency key (`claim`) in the same transaction. One whose lease lapsed
     (its renewal late) is checked against the storage quota again: `Refused` past it, its bytes deleted.
 
     NOTE: a row whose lease lapsed stopped counting, and another upload may have been let in meanwhile; stored without
     a check, two uploads kept twice the quota."""
     file.stored_at, file.bytes = timezone.now(), size
+    file.expires_at = file.created_at + expires_after if expires_after is not None else None
     try:
         with transaction.atomic():
             leased = _upload_leased(file)
             if leased is None or not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
-                    stored_at=file.stored_at, bytes=size):
+                    stored_at=file.stored_at, bytes=size, expires_at=file.expires_at):
                 # swept as abandoned meanwhile (an upload of over an hour)
                 raise Refused("The upload took too long; send it again.", param="file", status=408)
             if not leased:  # counted from now on with its size, beside what came in while it did not count
@@ -300,6 +325,31 @@ def sweep_incomplete_uploads(now=None) -> int:
     return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
+NUM_EXPIRED_FILES_PER_RUN = 100
+
+
+def sweep_expired_files() -> int:
+    """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), up to
+    `NUM_EXPIRED_FILES_PER_RUN` a run; returns how many went. Their tenant sees them gone from the moment they expire
+    (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3 refuses to delete stays to
+    the next run, as a tenant's delete refused does."""
+    # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one back
+    expired = (File.objects.filter(expires_at__lte=Now(), deleted_at__isnull=True, stored_at__isnull=False)
+               .exclude(pk__in=Batch.objects.open().values("input_file_id"))
+               .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+    num_deleted = 0
+    for file in expired:
+        try:
+            num_deleted += delete_file(file)
+        except Refused:
+            continue  # read by a batch opened since the query: deleted once it ends
+        except (BotoCoreError, ClientError):
+            logger.exception("could not delete the expired file %s: S3 refused or failed; the next sweep tries again",
+                             file.pk)
+            break
+    return num_deleted
+
+
 def delete_file(file: File) -> bool:
     """Delete a file: its row is marked (batches keep naming it) and its bytes removed from S3.
 
@@ -338,6 +388,13 @@ def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) ->
     return file
 
 
+def _output_expiry(batch: Batch, file: File):
+    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never."""
+    if batch.output_expires_after_s is None:
+        return None
+    return file.created_at + timedelta(seconds=batch.output_expires_after_s)
+
+
 def _discard_outputs(files: list[File]) -> None:
     """Output files a run wrote but did not keep (another run ended the batch first): the bytes first,
     so that a failure leaves a row for `sweep_abandoned_uploads`, never bytes without one."""
@@ -353,9 +410,10 @@ def _discard_outputs(files: list[File]) -> None:
 
 def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int | None, input_file_id: str,
                  request_path: str, completion_window: str, metadata: dict | None,
-                 claim: idempotency.Claim | None = None) -> Batch:
+                 claim: idempotency.Claim | None = None, output_expires_after: object = None) -> Batch:
     """A new batch, `validating`; a worker checks its lines and runs it. Its answer is saved under the request's
-    idempotency key (`claim`) in the transaction that creates it: never a batch whose key forgot it."""
+    idempotency key (`claim`) in the transaction that creates it: never a batch whose key forgot it. Its output and
+    error files expire as OpenAI's `output_expires_after` asks (`file_expiry`), else are kept until deleted."""
     if request_path not in BATCH_PATHS:
         raise Refused(f"endpoint must be one of {', '.join(BATCH_PATHS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
@@ -365,6 +423,10 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
             for k, v in metadata.items())):
         raise Refused("metadata must be at most 16 string pairs (keys up to 64, values up to 512 characters, without "
                       "NUL characters or lone surrogates).", param="metadata")
+    if output_expires_after is not None and not isinstance(output_expires_after, dict):
+        raise Refused("output_expires_after must be an object with 'anchor' and 'seconds'.", param="output_expires_after")
+    outputs_live = file_expiry((output_expires_after or {}).get("anchor"), (output_expires_after or {}).get("seconds"),
+                               param="output_expires_after") if output_expires_after is not None else None
     input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:
         raise Refused(f"No such File object: {input_file_id}", param="input_file_id", status=404)
@@ -388,7 +450,8 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
         batch = Batch.objects.create(organization_id=organization_id, api_key_id=api_key_id, created_by_id=user_id,
                                      request_path=request_path, input_file=input_file, completion_window=completion_window,
                                      metadata=metadata, created_at=now,
-                                     expires_at=now + COMPLETION_WINDOWS[completion_window])
+                                     expires_at=now + COMPLETION_WINDOWS[completion_window],
+                                     output_expires_after_s=int(outputs_live.total_seconds()) if outputs_live else None)
         if claim is not None:
             idempotency.save_answer(claim, batch.as_openai())
     _dispatch_after_commit(batch.pk)
@@ -1197,8 +1260,8 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
         ended_first = locked.status in FINAL_STATES
         cancelled_meanwhile = locked.status == BatchStatus.CANCELLING and final != BatchStatus.CANCELLED
         if not ended_first and not cancelled_meanwhile:
-            if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(stored_at=now, bytes=file.bytes)
-                   for file in files) != len(files):
+            if sum(File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
+                    stored_at=now, bytes=file.bytes, expires_at=_output_expiry(batch, file)) for file in files) != len(files):
                 raise RuntimeError(f"the output files of {batch.pk} were swept as abandoned: the next run writes them")
             Batch.objects.filter(pk=batch.pk).update(
                 status=final, output_file=output, error_file=error, num_completed=num_ok,

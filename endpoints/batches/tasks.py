@@ -28,3 +28,8 @@ def sweep_ended_results() -> int:
              ignore_result=True)
 def sweep_incomplete_uploads() -> int:
     return services.sweep_incomplete_uploads()
+
+
+@shared_task(name="batches.sweep_expired_files", acks_late=True, time_limit=300, soft_time_limit=270, ignore_result=True)
+def sweep_expired_files() -> int:
+    return services.sweep_expired_files()

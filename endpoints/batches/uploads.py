@@ -114,11 +114,12 @@ class StreamToStorage(FileDigest):
             self.stream.write(raw_data)
         return None
 
-    def finish(self, *, claim: idempotency.Claim | None = None) -> File:
-        """Store the file, its answer saved under the request's idempotency key (`claim`)."""
+    def finish(self, *, claim: idempotency.Claim | None = None, expires_after=None) -> File:
+        """Store the file, to expire `expires_after` from its creation (`services.file_expiry`), its answer saved under
+        the request's idempotency key (`claim`)."""
         try:
             self.stream.complete()
-            file = services.finish_upload(self.file, size=self.stream.size, claim=claim)
+            file = services.finish_upload(self.file, size=self.stream.size, claim=claim, expires_after=expires_after)
         finally:
             self.held.stop()
         self.finished = True
