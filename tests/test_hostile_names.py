@@ -121,3 +121,23 @@ def test_a_key_named_before_the_rule_is_recorded_escaped_in_the_audit_events_mad
     assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
     stored = AuditEvent.objects.get(action="api_key.revoke").target_repr
     assert stored.startswith("\\u202eyek-dorp (") and "\u202e" not in stored
+
+
+def test_the_message_after_revoking_a_key_from_before_the_rule_names_it_escaped(owner_client):
+    """The console's flash message quoted the key's name raw: "Key “prod-key” was revoked" for a key that is not."""
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.post(reverse("console:key-revoke", args=[key["id"]]), follow=True).content.decode()
+    assert "was revoked" in page and "\\u202eyek-dorp" in page and "\u202e" not in page
+
+
+def test_the_message_after_removing_a_member_names_the_organisation_escaped(org, member_client_factory):
+    owner = member_client_factory(org, Role.OWNER).user
+    removed = member_client_factory(org, Role.MEMBER).user
+    Organization.objects.filter(pk=org.pk).update(name="Acme\u202eevil")
+    console = Client()
+    console.force_login(owner)
+    page = console.post(reverse("console:member-remove", args=[removed.memberships.get().pk]), follow=True).content.decode()
+    assert "was removed from" in page and "Acme\\u202eevil" in page and "\u202e" not in page
