@@ -2,6 +2,8 @@
 does, its direction override escaped (`text.shown_name`): a key's and an organisation's name, in their lists and on
 their pages, and an audit event's `target_repr` recorded before `ApiKey.__str__` escaped it."""
 
+import re
+
 import pytest
 from django.test import Client
 
@@ -47,3 +49,28 @@ def test_the_django_admin_shows_a_name_from_before_the_rule_escaped(staff_client
     shown = answer.content.decode()
     assert "\u202e" not in shown
     assert ("Acme\\u202eevil" if page.startswith("organization") else "\\u202eyek-dorp") in shown
+
+
+@pytest.mark.parametrize("email", ["spoof@ex\u202eample.test", "zw@exa\u200bmple.test"])
+def test_staff_deactivate_a_user_whose_address_is_from_before_the_rule_without_retyping_it(staff_client, email):
+    """The admin's user form checked the address it was not asked to change by the new rule (`normalize_email`): a user
+    signed up with a format character in their address (allowed then) could not be deactivated, their keys kept."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(email=email)
+    joined = user.date_joined
+    response = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": email, "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    })  # is_active left out: unticked
+    assert response.status_code == 302, re.findall(r'<ul class="errorlist[^>]*>.*?</ul>', response.content.decode())
+    user.refresh_from_db()
+    assert not user.is_active and user.email == email
+    # A new address is still checked by the rule.
+    refused = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": "other@ex\u202eample.test", "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    })
+    assert refused.status_code == 200 and "format characters" in refused.content.decode()

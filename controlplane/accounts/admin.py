@@ -37,6 +37,10 @@ class UserChangeForm(auth_admin.UserChangeForm):
     def clean_email(self):
         # NOTE: stored as sign-up and invitations store it (`backends.normalize_email`), its length checked so:
         # a typed address that lengthens once lowered was a 500 at its verification's insert (`mark_email_verified`).
+        # NOTE: only an address staff change: one stored before `normalize_email` refused format characters (a
+        # direction override in its domain) was refused on every save of its user, who could not be deactivated.
+        if "email" not in self.changed_data:
+            return self.cleaned_data["email"]
         return normalize_email(self.cleaned_data["email"])
 
 
