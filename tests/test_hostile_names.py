@@ -20,6 +20,10 @@ HIDDEN = {
     "right-to-left override": "\u202e", "left-to-right embedding": "\u202a", "first-strong isolate": "\u2068",
     "pop directional isolate": "\u2069", "right-to-left mark": "\u200f", "Arabic letter mark": "\u061c",
     "zero-width space": "\u200b", "private use": "\ue000", "unassigned": "\u0378", "line separator": "\u2028",
+    # Letters (Lo) and a mark (Mn) that render as nothing, default-ignorable: a key named "\u3164" looked unnamed, and
+    # "prod\u3164key" as "prod key" (the review of the name rule)
+    "Hangul filler": "\u3164", "Hangul choseong filler": "\u115f", "halfwidth Hangul filler": "\uffa0",
+    "combining grapheme joiner": "\u034f", "Khmer inherent vowel": "\u17b4",
 }
 
 
@@ -141,3 +145,10 @@ def test_the_message_after_removing_a_member_names_the_organisation_escaped(org,
     console.force_login(owner)
     page = console.post(reverse("console:member-remove", args=[removed.memberships.get().pk]), follow=True).content.decode()
     assert "was removed from" in page and "Acme\\u202eevil" in page and "\u202e" not in page
+
+
+def test_a_name_from_before_the_rule_that_shows_as_nothing_is_shown_escaped():
+    from controlplane.text import shown_name
+
+    assert shown_name("\u3164") == "\\u3164" and shown_name("prod\u3164key") == "prod\\u3164key"
+    assert shown_name("\u2764\ufe0f ops") == "\u2764\ufe0f ops"  # an emoji's variation selector is part of a name
