@@ -3,11 +3,14 @@ character that hides or reorders the text shown (`controlplane.text.name_problem
 format or control character, a private-use or unassigned code point, a line or paragraph separator. They are stored
 NFC, their length counted so; one stored before the rule is shown with those characters escaped, never as it reads."""
 
+from datetime import timedelta
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.core import mail
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Organization, Role
 from tests.factories import signed_in_api_client
@@ -152,3 +155,57 @@ def test_a_name_from_before_the_rule_that_shows_as_nothing_is_shown_escaped():
 
     assert shown_name("\u3164") == "\\u3164" and shown_name("prod\u3164key") == "prod\\u3164key"
     assert shown_name("\u2764\ufe0f ops") == "\u2764\ufe0f ops"  # an emoji's variation selector is part of a name
+
+
+SPOOFED_ADDRESS = "ops@ex\u202emoc.elpmaxe"  # allowed before the rule: Django's check passes a format character there
+
+
+def _with_old_address(user):
+    from controlplane.accounts.signup import mark_email_verified
+
+    get_user_model().objects.filter(pk=user.pk).update(email=SPOOFED_ADDRESS)
+    user.refresh_from_db()
+    mark_email_verified(user)  # as it was when they signed up
+    return user
+
+
+def test_the_api_lists_a_members_address_from_before_the_rule_escaped(org, owner_client, member_client_factory):
+    """The members page showed it escaped (`|shown_name`); `/api/v1/members/`, the invitations' `invited_by`, the audit
+    log's `actor` and a credential's `created_by` wrote it raw."""
+    from controlplane.accounts.services import Actor
+    from endpoints.credentials import create_credential
+
+    member = _with_old_address(member_client_factory(org, Role.ADMIN).user)
+    Invitation.objects.create(organization=org, email="new@example.test", role=Role.VIEWER, invited_by=member,
+                              expires_at=timezone.now() + timedelta(days=1))
+    create_credential(Actor(user=member), org, name="hub", kind="hf", hf_token="hf_" + "x" * 30)
+    answers = {
+        "members": [row["email"] for row in owner_client.get("/api/v1/members/").json()["results"]],
+        "invitations": [row["invited_by"] for row in owner_client.get("/api/v1/invitations/").json()["results"]],
+        "credentials": [row["created_by"] for row in owner_client.get("/api/v1/credentials/").json()["results"]],
+        "audit log": [row["actor"] for row in owner_client.get("/api/v1/audit-log/").json()["results"]],
+    }
+    escaped = "ops@ex\\u202emoc.elpmaxe"
+    assert all(escaped in shown for shown in answers.values()), answers
+    assert not any("\u202e" in str(address) for shown in answers.values() for address in shown), answers
+
+
+def test_the_credentials_page_names_a_creator_whose_address_is_from_before_the_rule_escaped(org, owner_client,
+                                                                                            member_client_factory):
+    from controlplane.accounts.services import Actor
+    from endpoints.credentials import create_credential
+
+    member = _with_old_address(member_client_factory(org, Role.ADMIN).user)
+    create_credential(Actor(user=member), org, name="hub", kind="hf", hf_token="hf_" + "x" * 30)
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.get(reverse("console:credentials")).content.decode()
+    assert "ops@ex\\u202emoc.elpmaxe" in page and "\u202e" not in page
+
+
+def test_the_invitation_mail_names_an_inviter_whose_address_is_from_before_the_rule_escaped(org, member_client_factory):
+    inviter = _with_old_address(member_client_factory(org, Role.OWNER).user)
+    console = Client()
+    console.force_login(inviter)
+    assert console.post(reverse("console:members"), {"email": "new@example.test", "role": Role.MEMBER}).status_code == 302
+    assert "ops@ex\\u202emoc.elpmaxe invited you" in mail.outbox[-1].body and "\u202e" not in mail.outbox[-1].body
