@@ -209,3 +209,13 @@ def test_the_invitation_mail_names_an_inviter_whose_address_is_from_before_the_r
     console.force_login(inviter)
     assert console.post(reverse("console:members"), {"email": "new@example.test", "role": Role.MEMBER}).status_code == 302
     assert "ops@ex\\u202emoc.elpmaxe invited you" in mail.outbox[-1].body and "\u202e" not in mail.outbox[-1].body
+
+
+def test_the_audit_logs_details_name_an_address_from_before_the_rule_escaped(org, owner_client, member_client_factory):
+    """An event's details quote addresses (`invitation.accept`'s `email`, `organization.create`'s `owner`): written raw in
+    `/api/v1/audit-log/` where its `actor` and `target_repr` are escaped."""
+    from controlplane.accounts.services import SYSTEM, record_audit
+
+    record_audit(SYSTEM, org, "invitation.accept", None, email=SPOOFED_ADDRESS, role="member", nested={"to": [SPOOFED]})
+    [event] = [row for row in owner_client.get("/api/v1/audit-log/").json()["results"] if row["action"] == "invitation.accept"]
+    assert event["details"] == {"email": "ops@ex\\u202emoc.elpmaxe", "role": "member", "nested": {"to": ["\\u202eyek-dorp"]}}

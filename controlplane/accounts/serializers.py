@@ -144,3 +144,21 @@ class AuditEventSerializer(serializers.ModelSerializer):
         model = AuditEvent
         fields = ["id", "created_at", "actor", "api_key", "action", "target_type", "target_id", "target_repr", "details", "source_ip"]
         read_only_fields = fields
+
+    def to_representation(self, instance):
+        # NOTE: the details quote addresses and names as they were (`invitation.accept`'s `email`,
+        # `organization.create`'s `owner`): escaped as `actor` and `target_repr` are (`text.shown_name`)
+        data = super().to_representation(instance)
+        data["details"] = _shown_strings(data["details"])
+        return data
+
+
+def _shown_strings(value):
+    """`value` (JSON) with each string in it, at any depth, through `text.shown_name`."""
+    if isinstance(value, str):
+        return shown_name(value)
+    if isinstance(value, list):
+        return [_shown_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _shown_strings(item) for key, item in value.items()}
+    return value
