@@ -123,7 +123,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return [f"{field.name}_shown" if field.name in self.shown_names else field.name for field in self.model._meta.fields]
 
     def get_exclude(self, request, obj=None):
-        return [*(super().get_exclude(request, obj) or ()), *self.shown_names]
+        excluded = super().get_exclude(request, obj)
+        if not self.shown_names:
+            return excluded  # NOTE: None still lets a custom form's Meta.exclude count (`ModelAdmin.get_form`)
+        return [*(excluded or ()), *self.shown_names]
 
     def has_add_permission(self, request, obj=None):
         return False
