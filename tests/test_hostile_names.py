@@ -219,3 +219,16 @@ def test_the_audit_logs_details_name_an_address_from_before_the_rule_escaped(org
     record_audit(SYSTEM, org, "invitation.accept", None, email=SPOOFED_ADDRESS, role="member", nested={"to": [SPOOFED]})
     [event] = [row for row in owner_client.get("/api/v1/audit-log/").json()["results"] if row["action"] == "invitation.accept"]
     assert event["details"] == {"email": "ops@ex\\u202emoc.elpmaxe", "role": "member", "nested": {"to": ["\\u202eyek-dorp"]}}
+
+
+@pytest.mark.parametrize("typed", ["ada@\uff45xample.test", "ada@\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.test"])
+def test_an_address_typed_with_fullwidth_letters_is_stored_as_its_username_and_its_mail_have_it(client, typed):
+    """Django folds a username (NFKC: fullwidth "ｅ" is "e", `normalize_username`) and the mail's domain (IDNA);
+    sign-up stored the address unfolded beside it, so an invitation to `ada@example.test`, the mailbox that gets its
+    mail, was refused to its account as another address's."""
+    signed_up = client.post("/signup/", {"email": typed, "password": "a long passphrase 1", "organization_name": "Acme"})
+    assert signed_up.status_code == 302, signed_up.content.decode()[:2000]
+    client.logout()
+    assert client.post("/login/", {"username": typed, "password": "a long passphrase 1"}).status_code == 302
+    user = get_user_model().objects.get()
+    assert user.email == user.username == "ada@example.test"
