@@ -52,6 +52,7 @@ from billing.models import (
 )
 from billing.periods import Period
 from controlplane.accounts.models import AuditEvent
+from controlplane.text import shown_name
 
 PER_MILLION = Decimal("0.000001")
 # NOTE: read once: Django computes `Choices.values` anew on every access, and the gateway checks
@@ -478,7 +479,9 @@ def summarize_usage(organization, *, group_by: str, start: date, end: date) -> l
             label = f"{label}:{row['adapter']}"
         item = {group_by: label}
         if group_by == "key":
-            item["key_name"] = row["key_name"]
+            # NOTE: as the keys page shows it (`text.shown_name`): a name from before the name rule listed here raw kept
+            # its direction override, another key's name on the usage page, its chart, the API and the CSV
+            item["key_name"] = shown_name(row["key_name"]) if row["key_name"] is not None else None
         item |= {
             "requests": row["requests"],
             "prompt_tokens": row["sum_prompt"],
@@ -498,12 +501,16 @@ def tokens_by_day(organization, *, by: str, start: date, end: date) -> list[dict
     "key"), between two dates inclusive: rows of {"day", "group", "tokens"} (the console's chart)."""
     group = {"endpoint": F("endpoint__name"), "key": F("api_key__name")}[by]
     since, until = _day_bounds(start, end)
-    return list(
+    rows = list(
         UsageRecord.objects.filter(organization=organization, finished_at__gte=since, finished_at__lt=until)
         .annotate(day=TruncDate("finished_at", tzinfo=UTC), group=group)
         .values("day", "group")
         .annotate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
     )
+    if by == "key":  # NOTE: the chart's legend names keys as the keys page does (`text.shown_name`)
+        for row in rows:
+            row["group"] = shown_name(row["group"]) if row["group"] is not None else None
+    return rows
 
 
 class _Percentile(Aggregate):

@@ -52,6 +52,16 @@ def one_line(text: str) -> str:
 # NOTE: a bidi override in an API key's name (`"prod\u202e"` …) showed another admin, on the keys page and in
 # `/api/v1/keys`, text in another order than it has (Trojan Source): a key that looked like another.
 HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+# And the default-ignorable characters of other categories that show as nothing and that no name needs: the Hangul
+# fillers (letters, Lo), the combining grapheme joiner and Khmer's inherent vowels (marks, Mn). Variation selectors are
+# not among them (an emoji's U+FE0F).
+# NOTE: none of these is in HIDDEN_CATEGORIES: a key named "\u3164" was listed as unnamed, "prod\u3164key" as
+# "prod key" (the review of the name rule).
+INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
+
+
+def _is_hidden(character: str) -> bool:
+    return unicodedata.category(character) in HIDDEN_CATEGORIES or character in INVISIBLE_CHARACTERS
 
 
 def as_name(text: str) -> str:
@@ -62,18 +72,17 @@ def as_name(text: str) -> str:
 
 def name_problem(text: str) -> str | None:
     """Why `text` may not be a name another person reads (a key's, an organisation's, an address), or None: it holds a
-    character in `HIDDEN_CATEGORIES`, named by its code point."""
+    character in `HIDDEN_CATEGORIES` or `INVISIBLE_CHARACTERS`, named by its code point."""
     for position, character in enumerate(text, 1):
-        if unicodedata.category(character) in HIDDEN_CATEGORIES:
+        if _is_hidden(character):
             return (f"Use letters, digits, spaces and punctuation only: character {position} is U+{ord(character):04X}, "
-                    "a control, format (such as a direction override), private-use or unassigned character.")
+                    "a control, format (such as a direction override), private-use, unassigned or invisible character.")
     return None
 
 
 def shown_name(text: str) -> str:
     """A name stored before `name_problem` refused it, with each character it refuses escaped (`\\u202e`): shown as
     it is, never reordered or hidden."""
-    if text.isprintable() or not any(unicodedata.category(character) in HIDDEN_CATEGORIES for character in text):
+    if (text.isascii() and text.isprintable()) or not any(_is_hidden(character) for character in text):
         return text
-    return "".join(ascii(character)[1:-1] if unicodedata.category(character) in HIDDEN_CATEGORIES else character
-                   for character in text)
+    return "".join(ascii(character)[1:-1] if _is_hidden(character) else character for character in text)

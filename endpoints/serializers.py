@@ -12,7 +12,7 @@ from rest_framework import serializers
 
 from controlplane import parsers
 from controlplane.accounts.models import Role
-from controlplane.accounts.serializers import StrictModelSerializer
+from controlplane.accounts.serializers import AddressField, StrictModelSerializer
 from controlplane.accounts.tenancy import request_membership
 from controlplane.text import is_plain
 from endpoints import prewarm, quotas, speculative
@@ -528,8 +528,8 @@ class CredentialSerializer(StrictModelSerializer):
     session_token = _secret("S3 session token (temporary keys)", 4096)
     hf_token = _secret("Hugging Face access token", 512)
     secrets_set = serializers.ListField(source="secret_fields", child=serializers.CharField(), read_only=True)
-    created_by = serializers.EmailField(source="created_by.email", default=None, allow_null=True, read_only=True,
-                                        help_text="Who created it; null once staff deleted that user.")
+    created_by = AddressField(source="created_by.email", default=None, allow_null=True, read_only=True,
+                              help_text="Who created it; null once staff deleted that user.")
 
     class Meta:
         model = ModelCredential

@@ -57,3 +57,17 @@ def test_create_org_for_an_organisation_at_its_live_key_limit_says_so_without_a_
     with pytest.raises(CommandError, match="1 live API keys"):
         call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
     assert ApiKey.objects.filter(organization__slug="acme").count() == 1
+
+
+@pytest.mark.parametrize("name", ["Acme\u202eCorp", "Acme\u200bCorp", "x" * 129])
+def test_create_org_refuses_a_name_the_name_rule_refuses_or_past_its_column(name):
+    """Sign-up refuses such an organisation name (`text.name_problem`, 128 characters once NFC); the operator's command
+    stored it raw (a direction override shown to every member), or failed with a database error past the column."""
+    with pytest.raises(CommandError):
+        call_command("create_org", "acme", "--owner", "ops@acme.test", "--name", name)
+    assert not Organization.objects.exists()
+
+
+def test_create_org_stores_its_name_composed():
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--name", "Cafe\u0301")
+    assert Organization.objects.get().name == "Caf\u00e9"

@@ -3,11 +3,14 @@ character that hides or reorders the text shown (`controlplane.text.name_problem
 format or control character, a private-use or unassigned code point, a line or paragraph separator. They are stored
 NFC, their length counted so; one stored before the rule is shown with those characters escaped, never as it reads."""
 
+from datetime import timedelta
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.core import mail
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Organization, Role
 from tests.factories import signed_in_api_client
@@ -20,6 +23,10 @@ HIDDEN = {
     "right-to-left override": "\u202e", "left-to-right embedding": "\u202a", "first-strong isolate": "\u2068",
     "pop directional isolate": "\u2069", "right-to-left mark": "\u200f", "Arabic letter mark": "\u061c",
     "zero-width space": "\u200b", "private use": "\ue000", "unassigned": "\u0378", "line separator": "\u2028",
+    # Letters (Lo) and a mark (Mn) that render as nothing, default-ignorable: a key named "\u3164" looked unnamed, and
+    # "prod\u3164key" as "prod key" (the review of the name rule)
+    "Hangul filler": "\u3164", "Hangul choseong filler": "\u115f", "halfwidth Hangul filler": "\uffa0",
+    "combining grapheme joiner": "\u034f", "Khmer inherent vowel": "\u17b4",
 }
 
 
@@ -121,3 +128,107 @@ def test_a_key_named_before_the_rule_is_recorded_escaped_in_the_audit_events_mad
     assert owner_client.post(f"/api/v1/keys/{key['id']}/revoke/").status_code == 200
     stored = AuditEvent.objects.get(action="api_key.revoke").target_repr
     assert stored.startswith("\\u202eyek-dorp (") and "\u202e" not in stored
+
+
+def test_the_message_after_revoking_a_key_from_before_the_rule_names_it_escaped(owner_client):
+    """The console's flash message quoted the key's name raw: "Key “prod-key” was revoked" for a key that is not."""
+    key = owner_client.post("/api/v1/keys/", {"name": "ci", "scopes": ["inference"]}, format="json").json()["api_key"]
+    ApiKey.objects.filter(pk=key["id"]).update(name=SPOOFED)
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.post(reverse("console:key-revoke", args=[key["id"]]), follow=True).content.decode()
+    assert "was revoked" in page and "\\u202eyek-dorp" in page and "\u202e" not in page
+
+
+def test_the_message_after_removing_a_member_names_the_organisation_escaped(org, member_client_factory):
+    owner = member_client_factory(org, Role.OWNER).user
+    removed = member_client_factory(org, Role.MEMBER).user
+    Organization.objects.filter(pk=org.pk).update(name="Acme\u202eevil")
+    console = Client()
+    console.force_login(owner)
+    page = console.post(reverse("console:member-remove", args=[removed.memberships.get().pk]), follow=True).content.decode()
+    assert "was removed from" in page and "Acme\\u202eevil" in page and "\u202e" not in page
+
+
+def test_a_name_from_before_the_rule_that_shows_as_nothing_is_shown_escaped():
+    from controlplane.text import shown_name
+
+    assert shown_name("\u3164") == "\\u3164" and shown_name("prod\u3164key") == "prod\\u3164key"
+    assert shown_name("\u2764\ufe0f ops") == "\u2764\ufe0f ops"  # an emoji's variation selector is part of a name
+
+
+SPOOFED_ADDRESS = "ops@ex\u202emoc.elpmaxe"  # allowed before the rule: Django's check passes a format character there
+
+
+def _with_old_address(user):
+    from controlplane.accounts.signup import mark_email_verified
+
+    get_user_model().objects.filter(pk=user.pk).update(email=SPOOFED_ADDRESS)
+    user.refresh_from_db()
+    mark_email_verified(user)  # as it was when they signed up
+    return user
+
+
+def test_the_api_lists_a_members_address_from_before_the_rule_escaped(org, owner_client, member_client_factory):
+    """The members page showed it escaped (`|shown_name`); `/api/v1/members/`, the invitations' `invited_by`, the audit
+    log's `actor` and a credential's `created_by` wrote it raw."""
+    from controlplane.accounts.services import Actor
+    from endpoints.credentials import create_credential
+
+    member = _with_old_address(member_client_factory(org, Role.ADMIN).user)
+    Invitation.objects.create(organization=org, email="new@example.test", role=Role.VIEWER, invited_by=member,
+                              expires_at=timezone.now() + timedelta(days=1))
+    create_credential(Actor(user=member), org, name="hub", kind="hf", hf_token="hf_" + "x" * 30)
+    answers = {
+        "members": [row["email"] for row in owner_client.get("/api/v1/members/").json()["results"]],
+        "invitations": [row["invited_by"] for row in owner_client.get("/api/v1/invitations/").json()["results"]],
+        "credentials": [row["created_by"] for row in owner_client.get("/api/v1/credentials/").json()["results"]],
+        "audit log": [row["actor"] for row in owner_client.get("/api/v1/audit-log/").json()["results"]],
+    }
+    escaped = "ops@ex\\u202emoc.elpmaxe"
+    assert all(escaped in shown for shown in answers.values()), answers
+    assert not any("\u202e" in str(address) for shown in answers.values() for address in shown), answers
+
+
+def test_the_credentials_page_names_a_creator_whose_address_is_from_before_the_rule_escaped(org, owner_client,
+                                                                                            member_client_factory):
+    from controlplane.accounts.services import Actor
+    from endpoints.credentials import create_credential
+
+    member = _with_old_address(member_client_factory(org, Role.ADMIN).user)
+    create_credential(Actor(user=member), org, name="hub", kind="hf", hf_token="hf_" + "x" * 30)
+    console = Client()
+    console.force_login(owner_client.user)
+    page = console.get(reverse("console:credentials")).content.decode()
+    assert "ops@ex\\u202emoc.elpmaxe" in page and "\u202e" not in page
+
+
+def test_the_invitation_mail_names_an_inviter_whose_address_is_from_before_the_rule_escaped(org, member_client_factory):
+    inviter = _with_old_address(member_client_factory(org, Role.OWNER).user)
+    console = Client()
+    console.force_login(inviter)
+    assert console.post(reverse("console:members"), {"email": "new@example.test", "role": Role.MEMBER}).status_code == 302
+    assert "ops@ex\\u202emoc.elpmaxe invited you" in mail.outbox[-1].body and "\u202e" not in mail.outbox[-1].body
+
+
+def test_the_audit_logs_details_name_an_address_from_before_the_rule_escaped(org, owner_client, member_client_factory):
+    """An event's details quote addresses (`invitation.accept`'s `email`, `organization.create`'s `owner`): written raw in
+    `/api/v1/audit-log/` where its `actor` and `target_repr` are escaped."""
+    from controlplane.accounts.services import SYSTEM, record_audit
+
+    record_audit(SYSTEM, org, "invitation.accept", None, email=SPOOFED_ADDRESS, role="member", nested={"to": [SPOOFED]})
+    [event] = [row for row in owner_client.get("/api/v1/audit-log/").json()["results"] if row["action"] == "invitation.accept"]
+    assert event["details"] == {"email": "ops@ex\\u202emoc.elpmaxe", "role": "member", "nested": {"to": ["\\u202eyek-dorp"]}}
+
+
+@pytest.mark.parametrize("typed", ["ada@\uff45xample.test", "ada@\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.test"])
+def test_an_address_typed_with_fullwidth_letters_is_stored_as_its_username_and_its_mail_have_it(client, typed):
+    """Django folds a username (NFKC: fullwidth "ｅ" is "e", `normalize_username`) and the mail's domain (IDNA);
+    sign-up stored the address unfolded beside it, so an invitation to `ada@example.test`, the mailbox that gets its
+    mail, was refused to its account as another address's."""
+    signed_up = client.post("/signup/", {"email": typed, "password": "a long passphrase 1", "organization_name": "Acme"})
+    assert signed_up.status_code == 302, signed_up.content.decode()[:2000]
+    client.logout()
+    assert client.post("/login/", {"username": typed, "password": "a long passphrase 1"}).status_code == 302
+    user = get_user_model().objects.get()
+    assert user.email == user.username == "ada@example.test"

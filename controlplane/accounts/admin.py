@@ -28,6 +28,7 @@ from controlplane.accounts.second_factor import (
 )
 from controlplane.accounts.services import Actor, client_ip, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
+from controlplane.text import shown_name
 
 User = get_user_model()
 
@@ -36,6 +37,10 @@ class UserChangeForm(auth_admin.UserChangeForm):
     def clean_email(self):
         # NOTE: stored as sign-up and invitations store it (`backends.normalize_email`), its length checked so:
         # a typed address that lengthens once lowered was a 500 at its verification's insert (`mark_email_verified`).
+        # NOTE: only an address staff change: one stored before `normalize_email` refused format characters (a
+        # direction override in its domain) was refused on every save of its user, who could not be deactivated.
+        if "email" not in self.changed_data:
+            return self.cleaned_data["email"]
         return normalize_email(self.cleaned_data["email"])
 
 
@@ -106,10 +111,22 @@ admin.site.register(User, UserAdmin)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
-    """Staff look; the services change. Every field shown, none editable, no add or delete."""
+    """Staff look; the services change. Every field shown, none editable, no add or delete.
+
+    NOTE: a name a tenant set (`shown_names`) is shown through the admin's `<field>_shown` method, escaped as the console
+    shows it (`text.shown_name`): one stored before the name rule kept its direction override in the lists and on the
+    pages, another key's or organisation's name to staff."""
+
+    shown_names: tuple[str, ...] = ()
 
     def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in self.model._meta.fields]
+        return [f"{field.name}_shown" if field.name in self.shown_names else field.name for field in self.model._meta.fields]
+
+    def get_exclude(self, request, obj=None):
+        excluded = super().get_exclude(request, obj)
+        if not self.shown_names:
+            return excluded  # NOTE: None still lets a custom form's Meta.exclude count (`ModelAdmin.get_form`)
+        return [*(excluded or ()), *self.shown_names]
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -137,14 +154,19 @@ class PlanAdmin(admin.ModelAdmin):
 
 @admin.register(Organization)
 class OrganizationAdmin(ReadOnlyAdmin):
-    list_display = ["slug", "name", "plan", "created_at"]
+    list_display = ["slug", "name_shown", "plan", "created_at"]
+    shown_names = ("name",)
     list_filter = ["plan"]
     search_fields = ["slug", "name"]
     list_select_related = ["plan"]
 
+    @admin.display(description="name", ordering="name")
+    def name_shown(self, organization) -> str:
+        return shown_name(organization.name)
+
     @admin.display(description="members")
     def member_list(self, organization) -> str:
-        return ", ".join(f"{m.user.email} ({m.role})" for m in organization.memberships.select_related("user"))
+        return ", ".join(f"{shown_name(m.user.email)} ({m.role})" for m in organization.memberships.select_related("user"))
 
     # NOTE: staff change the plan only (through the audited service); the rest is the owners'.
     def get_readonly_fields(self, request, obj=None):
@@ -160,15 +182,20 @@ class OrganizationAdmin(ReadOnlyAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(ReadOnlyAdmin):
-    list_display = ["name", "organization", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_display = ["name_shown", "organization", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
     list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name", "organization__slug", "created_by__email"]
     list_select_related = ["organization", "created_by"]
     exclude = ["digest"]
     actions = ["revoke"]
+    shown_names = ("name",)
 
     def get_readonly_fields(self, request, obj=None):
         return [name for name in super().get_readonly_fields(request, obj) if name != "digest"]
+
+    @admin.display(description="name", ordering="name")
+    def name_shown(self, key) -> str:
+        return shown_name(key.name)
 
     # NOTE: `permissions` is what makes Django ask `has_revoke_permission`: without it any staff member who may
     # view keys could revoke every tenant's.
@@ -189,8 +216,14 @@ class ApiKeyAdmin(ReadOnlyAdmin):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "action", "organization", "actor", "target_repr", "source_ip"]
+    list_display = ["created_at", "action", "organization", "actor", "target_repr_shown", "source_ip"]
+    shown_names = ("target_repr",)
     list_filter = ["action"]
     search_fields = ["action", "target_repr", "organization__slug", "actor__email"]
     list_select_related = ["organization", "actor"]
     date_hierarchy = "created_at"
+
+    @admin.display(description="target repr", ordering="target_repr")
+    def target_repr_shown(self, event) -> str:
+        # NOTE: one recorded before `ApiKey.__str__` escaped a key's name kept its direction override
+        return shown_name(event.target_repr)

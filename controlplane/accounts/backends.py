@@ -8,9 +8,12 @@ custom user model would mean rewriting every table that points at it.
 
 from __future__ import annotations
 
+import unicodedata
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.backends import ModelBackend
 from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
 from django.db.models import Q
 from django.utils.encoding import punycode
 
@@ -39,7 +42,12 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     one label, a label past 63 bytes encoded): Django's check passes it, and the invitation's mail raised
     `UnicodeError` as it was sent, a 500.
     """
-    normalized = address.strip().lower()
+    # NOTE: NFKC, as Django folds a username (`normalize_username`, an account's is its address) and IDNA the mail's
+    # domain: `ada@\uff45xample.test` (fullwidth) was stored so beside its username `ada@example.test`, and an
+    # invitation to the address its mail reaches was refused to it as another address's.
+    normalized = unicodedata.normalize("NFKC", address.strip()).lower()
+    if normalized != address.strip().lower():
+        validate_email(normalized)  # NOTE: folded, it is checked again (a fullwidth solidus is a `/`)
     if name_problem(normalized) is not None:  # NOTE: its characters include the control ones (`text.is_plain`)
         raise ValidationError("An address may not hold control characters or format characters (such as a direction override).",
                               code="invalid")

@@ -25,6 +25,7 @@ from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.tenancy import memberships_of, no_longer_member
 from controlplane.plain_numbers import INT64_MAX, plain_int
+from controlplane.text import shown_name
 
 READ_METHODS = ("GET", "HEAD")
 # The form field naming the organisation a console page was shown for (`_page_organization.html` writes it).
@@ -48,8 +49,8 @@ def page_organization_refusal(request, *, in_query: bool = False):
     page = (memberships_of(request.user).filter(organization_id=shown_for_id).first()
             if shown_for_id is not None else None)
     # NOTE: the name of an organisation the user is in, never of one a forged field names
-    page_name = page.organization.name if page is not None else "another organisation"
-    messages.error(request, f"This page was for {page_name}; you have since switched to {request.organization.name}. "
+    page_name = shown_name(page.organization.name) if page is not None else "another organisation"
+    messages.error(request, f"This page was for {page_name}; you have since switched to {shown_name(request.organization.name)}. "
                             "Nothing was changed.")
     back = request.headers.get("Referer", "")
     if url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}, require_https=request.is_secure()):

@@ -324,4 +324,5 @@ class AuditEvent(models.Model):
         indexes = [models.Index(fields=["organization", "-created_at"])]
 
     def __str__(self) -> str:
-        return f"{self.action} {self.target_repr}"
+        # NOTE: escaped (`text.shown_name`): one recorded before `ApiKey.__str__` escaped a key's name kept its override
+        return f"{self.action} {shown_name(self.target_repr)}"

@@ -47,6 +47,14 @@ class NameField(serializers.CharField):
         return shown_name(super().to_representation(value))
 
 
+class AddressField(serializers.EmailField):
+    """A person's address others read (a member's, an inviter's, an actor's): one stored before `normalize_email`
+    refused format characters is shown with them escaped (`text.shown_name`), as the members page shows it."""
+
+    def to_representation(self, value):
+        return shown_name(super().to_representation(value))
+
+
 class OrganizationSerializer(serializers.ModelSerializer):
     name = NameField(read_only=True)
 
@@ -57,7 +65,7 @@ class OrganizationSerializer(serializers.ModelSerializer):
 
 
 class MembershipSerializer(serializers.ModelSerializer):
-    email = serializers.EmailField(source="user.email", read_only=True)
+    email = AddressField(source="user.email", read_only=True)
 
     class Meta:
         model = Membership
@@ -68,7 +76,7 @@ class MembershipSerializer(serializers.ModelSerializer):
 class InvitationSerializer(StrictModelSerializer):
     """An invitation as admins see it; the signed link goes only to the invitee's mailbox."""
 
-    invited_by = serializers.EmailField(
+    invited_by = AddressField(
         source="invited_by.email", default=None, allow_null=True, read_only=True,
         help_text="Who sent it; null for the platform's own invitations, or once staff deleted the sender.")
     status = serializers.ChoiceField(choices=["pending", "accepted", "revoked", "expired"], read_only=True)
@@ -127,7 +135,7 @@ class ApiKeySerializer(StrictModelSerializer):
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
-    actor = serializers.EmailField(source="actor.email", default=None, allow_null=True, read_only=True)
+    actor = AddressField(source="actor.email", default=None, allow_null=True, read_only=True)
     api_key = serializers.CharField(source="api_key.display_prefix", default=None, allow_null=True, read_only=True)
     target_repr = NameField(read_only=True, help_text="What was acted on, as it was named then (a key's name and prefix, "
                                                       "an address …).")
@@ -136,3 +144,21 @@ class AuditEventSerializer(serializers.ModelSerializer):
         model = AuditEvent
         fields = ["id", "created_at", "actor", "api_key", "action", "target_type", "target_id", "target_repr", "details", "source_ip"]
         read_only_fields = fields
+
+    def to_representation(self, instance):
+        # NOTE: the details quote addresses and names as they were (`invitation.accept`'s `email`,
+        # `organization.create`'s `owner`): escaped as `actor` and `target_repr` are (`text.shown_name`)
+        data = super().to_representation(instance)
+        data["details"] = _shown_strings(data["details"])
+        return data
+
+
+def _shown_strings(value):
+    """`value` (JSON) with each string in it, at any depth, through `text.shown_name`."""
+    if isinstance(value, str):
+        return shown_name(value)
+    if isinstance(value, list):
+        return [_shown_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _shown_strings(item) for key, item in value.items()}
+    return value

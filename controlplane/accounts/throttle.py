@@ -22,6 +22,7 @@ import unicodedata
 from dataclasses import dataclass, field
 
 import redis
+from django.utils.encoding import punycode
 
 from controlplane import clock
 from controlplane.redis_keys import throttle_key
@@ -109,9 +110,22 @@ def mailbox(email: str) -> str:
     """`email` without a sub-address (`name+tag@host`: `name@host`), the mailbox most hosts deliver it to: a per-address
     budget of mail it gets without asking counted this, or each `+tag` was a fresh budget. NOTE: dots are not folded
     (one host ignores them, others deliver `a.b@` and `ab@` to two people); a host that reads `+` otherwise only shares
-    a budget between two of its mailboxes."""
+    a budget between two of its mailboxes.
+
+    NOTE: its host as the mail writes it (`punycode`, as Django's `sanitize_address`): IDNA's nameprep drops the
+    characters it maps to nothing (a zero-width space, a soft hyphen, a word joiner) and folds the rest (fullwidth
+    letters), so `a@exa\u200bmple.test` is mailed at `a@example.test`. The reset form's address passes Django's email
+    check with them, and each spelling was a fresh budget: a stranger's mail without end at one mailbox. A host IDNA
+    cannot write is kept as it is (no mail reaches it)."""
     local, at, host = email.rpartition("@")
-    return f"{local.partition('+')[0]}{at}{host}" if at else email
+    if not at:
+        return email
+    if not host.isascii():
+        try:
+            host = punycode(host)
+        except UnicodeError:
+            pass
+    return f"{local.partition('+')[0]}@{host}"
 
 
 def _redis_key(limit: Limit, subject: str, window: int) -> str:

@@ -40,6 +40,7 @@ from controlplane.accounts.signup import (
 from controlplane.accounts.signup import verify_email as verify_email_token
 from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
 from controlplane.plain_numbers import INT64_MAX, plain_int
+from controlplane.text import shown_name
 
 
 def home(request):
@@ -282,7 +283,7 @@ def invitation(request, token):
             refusal = str(exc)
         else:
             request.session[SESSION_KEY] = membership.organization_id
-            messages.success(request, f"You joined {membership.organization.name} as {membership.get_role_display().lower()}.")
+            messages.success(request, f"You joined {shown_name(membership.organization.name)} as {membership.get_role_display().lower()}.")
             return redirect("console:dashboard")
     else:
         refusal = invitations.invitation_refusal(found, request.user)
@@ -373,7 +374,7 @@ def member_remove(request, pk):
     membership = get_object_or_404(Membership.objects.filter(organization=request.organization).select_related("user"), pk=pk)
     try:
         remove_member(services.Actor.from_request(request), membership)
-        messages.success(request, f"{membership.user.email} was removed from {request.organization.name}.")
+        messages.success(request, f"{shown_name(membership.user.email)} was removed from {shown_name(request.organization.name)}.")
     except (LastOwnerError, NotPermitted) as exc:
         messages.error(request, str(exc))
     return redirect("console:members")
@@ -423,6 +424,6 @@ def api_key_revoke(request, pk):
     except NotPermitted as exc:
         messages.error(request, str(exc))
         return redirect("console:keys")
-    messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked, with the keys it "
+    messages.success(request, f"Key “{shown_name(api_key.name)}” ({api_key.display_prefix}…) was revoked, with the keys it "
                               "created; calls with them now fail.")
     return redirect("console:keys")

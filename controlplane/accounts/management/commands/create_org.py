@@ -6,7 +6,9 @@ from django.core.validators import validate_email, validate_slug
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.keys import TooManyKeys
+from controlplane.accounts.models import Organization
 from controlplane.accounts.signup import bootstrap_organization
+from controlplane.text import as_name, name_problem
 
 
 class Command(BaseCommand):
@@ -26,6 +28,14 @@ class Command(BaseCommand):
             owner = normalize_email(owner, max_length=ACCOUNT_EMAIL_MAX_LENGTH)  # also its username
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
+        if name is not None:
+            # NOTE: the rule sign-up's form applies (`SignUpForm.clean_organization_name`): stored NFC, no hidden or
+            # reordering character, within its column (past it, a database error)
+            name = as_name(name)
+            if (problem := name_problem(name)) is not None:
+                raise CommandError(f"--name: {problem}")
+            if len(name) > (max_length := Organization._meta.get_field("name").max_length):
+                raise CommandError(f"--name: at most {max_length} characters (it has {len(name)}).")
         try:
             organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name,
                                                                      password=password)

@@ -1,0 +1,76 @@
+"""The Django admin shows staff a name stored before the name rule (`controlplane.text.name_problem`) as the console
+does, its direction override escaped (`text.shown_name`): a key's and an organisation's name, in their lists and on
+their pages, and an audit event's `target_repr` recorded before `ApiKey.__str__` escaped it."""
+
+import re
+
+import pytest
+from django.test import Client
+
+from controlplane.accounts.keys import create_api_key
+from controlplane.accounts.models import ApiKey, AuditEvent, Organization
+from controlplane.accounts.services import Actor
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
+
+pytestmark = pytest.mark.django_db
+
+SPOOFED = "\u202eyek-dorp"  # reads "prod-key"
+
+
+@pytest.fixture
+def staff_client():
+    client = Client()
+    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
+    return client
+
+
+@pytest.fixture
+def spoofed():
+    organization = OrganizationFactory()
+    owner = UserFactory()
+    MembershipFactory(organization=organization, user=owner, role="owner")
+    key = create_api_key(Actor(user=owner), organization, name="ci", scopes=["inference"]).api_key
+    ApiKey.objects.filter(pk=key.pk).update(name=SPOOFED)
+    Organization.objects.filter(pk=organization.pk).update(name="Acme\u202eevil")
+    # An event recorded before `ApiKey.__str__` escaped the name: it kept the override.
+    event = AuditEvent.objects.get(action="api_key.create")
+    AuditEvent.objects.filter(pk=event.pk).update(target_repr=f"{SPOOFED} ({key.display_prefix})")
+    return organization, key, event
+
+
+@pytest.mark.parametrize("page", ["keys", "key", "organizations", "organization", "events", "event"])
+def test_the_django_admin_shows_a_name_from_before_the_rule_escaped(staff_client, spoofed, page):
+    organization, key, event = spoofed
+    path = {"keys": "controlplane/apikey/", "key": f"controlplane/apikey/{key.pk}/change/",
+            "organizations": "controlplane/organization/", "organization": f"controlplane/organization/{organization.pk}/change/",
+            "events": "controlplane/auditevent/", "event": f"controlplane/auditevent/{event.pk}/change/"}[page]
+    answer = staff_client.get(f"/django-admin/{path}")
+    assert answer.status_code == 200
+    shown = answer.content.decode()
+    assert "\u202e" not in shown
+    assert ("Acme\\u202eevil" if page.startswith("organization") else "\\u202eyek-dorp") in shown
+
+
+@pytest.mark.parametrize("email", ["spoof@ex\u202eample.test", "zw@exa\u200bmple.test"])
+def test_staff_deactivate_a_user_whose_address_is_from_before_the_rule_without_retyping_it(staff_client, email):
+    """The admin's user form checked the address it was not asked to change by the new rule (`normalize_email`): a user
+    signed up with a format character in their address (allowed then) could not be deactivated, their keys kept."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(email=email)
+    joined = user.date_joined
+    response = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": email, "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    })  # is_active left out: unticked
+    assert response.status_code == 302, re.findall(r'<ul class="errorlist[^>]*>.*?</ul>', response.content.decode())
+    user.refresh_from_db()
+    assert not user.is_active and user.email == email
+    # A new address is still checked by the rule.
+    refused = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": "other@ex\u202eample.test", "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    })
+    assert refused.status_code == 200 and "format characters" in refused.content.decode()
