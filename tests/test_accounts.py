@@ -298,3 +298,39 @@ def test_a_password_reset_for_an_address_whose_host_cannot_be_encoded_is_not_a_5
     response = client.post("/password-reset/", {"email": "a@" + "é" * 60 + ".test"})
 
     assert (response.status_code, response.get("Location")) == (302, "/password-reset/done/")
+
+
+_STOPPING_PROCESS = """
+import sys, time
+import django
+from django.conf import settings
+from django.core.mail.backends.filebased import EmailBackend
+
+class HalfSecondRelay(EmailBackend):
+    def send_messages(self, messages):
+        time.sleep(0.5)
+        return super().send_messages(messages)
+
+settings.configure(EMAIL_BACKEND="__main__.HalfSecondRelay", EMAIL_FILE_PATH=sys.argv[1], SEND_MAIL_IN_REQUEST=False,
+                   EMAIL_TIMEOUT=5)
+django.setup()
+from django.core.mail import EmailMessage
+from controlplane.accounts import mail_sender
+for n in range(3):
+    assert mail_sender.send_later(EmailMessage("s", "b", "a@x.test", [f"u{n}@x.test"]), what=f"mail {n}")
+"""
+
+
+def test_a_process_that_stops_sends_the_reset_mails_it_took_first(tmp_path):
+    """The sender's threads are daemons: a process that stopped right after handing mails over lost them, unlogged.
+    It waits for them as it exits (up to `EMAIL_TIMEOUT`), as a uvicorn worker does (its exit is `sys.exit`)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stopping.py"
+    script.write_text(_STOPPING_PROCESS)
+    outbox = tmp_path / "outbox"
+    outbox.mkdir()
+    subprocess.run([sys.executable, str(script), str(outbox)], check=True, timeout=30)
+
+    assert len(list(outbox.iterdir())) == 3
