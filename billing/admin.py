@@ -7,6 +7,7 @@ import stripe
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin import widgets as admin_widgets
 from django.template.response import TemplateResponse
 
 from billing import credits, services, standing, stripe_sync
@@ -57,6 +58,11 @@ class BillingAccountForm(forms.ModelForm):
 
 class CreditGrantForm(forms.ModelForm):
     amount = forms.DecimalField(min_value=Decimal("0.01"), decimal_places=9)
+    # NOTE: blank, the grant starts now by PostgreSQL's clock (`credits.grant_credits`), the one the credit figure judges
+    # it by. The model's default filled it with the web pod's own now as the form was shown, posted back as it was: a
+    # grant through a web pod 10 minutes ahead was "not yet granted" for 10 minutes (the prepaid organisation 402).
+    granted_at = forms.SplitDateTimeField(required=False, widget=admin_widgets.AdminSplitDateTime,
+                                          help_text="Leave blank to grant it now.")
 
     class Meta:
         model = CreditGrant

@@ -254,6 +254,11 @@ ENGINE_FIELDS = frozenset({
 })
 
 
+# An annotation a query that loads endpoints may add (`DatabaseClock()`): PostgreSQL's clock as it read them, which
+# `Endpoint.backoff_left_s` judges by instead of asking again.
+DATABASE_NOW_AT_LOAD = "database_now_at_load"
+
+
 class Endpoint(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.PROTECT, related_name="endpoints")
@@ -397,7 +402,10 @@ class Endpoint(models.Model):
         gateway's) own, a web pod 10 minutes ahead made a 1 s backoff 10 minutes long: no replica placed, calls 503."""
         if self.failed_at is not None or self.next_attempt_at is None:
             return 0.0
-        return max(0.0, (self.next_attempt_at - database_now()).total_seconds())
+        # NOTE: PostgreSQL's clock as the row was read where its query read it too (`DATABASE_NOW_AT_LOAD`, the
+        # gateway's load every 2 s: a query of its own there, for as long as a failed scale-up's stamp stood)
+        now = getattr(self, DATABASE_NOW_AT_LOAD, None) or database_now()
+        return max(0.0, (self.next_attempt_at - now).total_seconds())
 
     @property
     def scale_up_backing_off(self) -> bool:

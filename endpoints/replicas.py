@@ -627,9 +627,11 @@ def _keep_warm_from() -> datetime:
 
     NOTE: stamped by the clock of the web pod that heard the READY and judged at Redis's, a web pod 15 minutes behind
     gave a 10-minute keep-warm none at all: the replica let go at the next idle tick."""
+    # NOTE: on Redis Cluster a cluster it cannot reach raises `RedisClusterException`, no `RedisError`: the READY's
+    # announcement raised after its commit (the heartbeat a 500, the cold start's event and window lost)
     try:
         return datetime.fromtimestamp(redis_time(), UTC)
-    except redis.RedisError:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError):
         logger.warning("could not read Redis's clock; a keep-warm window counts from this process's own", exc_info=True)
         return timezone.now()
 

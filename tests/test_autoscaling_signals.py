@@ -114,6 +114,37 @@ def test_a_replica_reported_ready_through_a_web_pod_whose_clock_is_behind_is_kep
     assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
 
 
+@pytest.mark.parametrize("failure", ["cluster", "connection"])
+def test_a_replica_reported_ready_while_redis_cannot_tell_its_time_is_kept_warm_by_this_process_clock(
+        django_capture_on_commit_callbacks, monkeypatch, failure):
+    """The keep-warm window's start is stamped by Redis's clock, this process's own where Redis cannot be read. On
+    Redis Cluster a cluster it cannot reach raises `RedisClusterException`, no `RedisError`: the READY's announcement
+    raised after its commit (the agent's heartbeat a 500, the cold start's event and keep-warm window lost)."""
+    import redis.exceptions
+
+    from endpoints import replicas
+    from endpoints.replicas import apply_replica_report
+
+    error = (redis.exceptions.RedisClusterException("Redis Cluster cannot be connected") if failure == "cluster"
+             else redis.exceptions.ConnectionError("refused"))
+
+    def unreachable(*args, **kwargs):
+        raise error
+
+    endpoint = EndpointFactory(min_replicas=0, idle_timeout_s=60, keep_warm_after_cold_start_s=600)
+    node = make_node(memory_mb=80_000, advertise_host="127.0.0.1", engine_port_min=9000, engine_port_max=9100)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING)
+    monkeypatch.setattr(replicas, "redis_time", unreachable)
+    with django_capture_on_commit_callbacks(execute=False):
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                 address="http://127.0.0.1:9001"))
+
+    endpoint.refresh_from_db()
+    assert endpoint.last_cold_start_at is not None
+    assert abs((timezone.now() - endpoint.last_cold_start_at).total_seconds()) < 60
+    assert EndpointEvent.objects.filter(endpoint=endpoint, kind="cold_start").exists()
+
+
 def test_the_tick_raises_an_idle_serverless_endpoint_to_its_open_windows_floor(settings):
     always_open = {"schedule": "* * * * *", "timezone": "UTC", "duration_minutes": 5, "min_replicas": 2}
     endpoint = EndpointFactory(gpu_type="l4", min_replicas=0, max_replicas=3, prewarm_windows=[always_open])

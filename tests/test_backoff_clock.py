@@ -63,3 +63,32 @@ def test_a_gateway_whose_clock_is_behind_does_not_refuse_calls_past_the_backoff(
         standing.refuse_unless_startable(info, wait_for_capacity=True)
     except errors.OpenAIError as refused:
         pytest.fail(f"refused after its 1 s backoff: {refused}")
+
+
+def test_the_gateway_loads_an_endpoint_with_a_backoff_set_in_as_many_queries_as_one_without():
+    """The gateway reloads each endpoint every `ENDPOINT_CACHE_S` (2 s) in each process; judging the backoff by
+    PostgreSQL's clock cost a query of its own at every load while `next_attempt_at` was set: for as long as a
+    serving endpoint's failed scale-up stands (a restart in place clears none), long after its backoff ended, and it
+    is never a backoff the gateway refuses calls for. PostgreSQL's clock is read with the endpoint."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from endpoints.models import ReplicaState
+
+    plain = EndpointFactory(min_replicas=1)
+    scaled = EndpointFactory(min_replicas=1, num_scale_up_failures=1, num_failures_since_ready=0,
+                             next_attempt_at=REAL_NOW() - timedelta(hours=1))
+    backing_off = EndpointFactory(min_replicas=1, num_failures_since_ready=2,
+                                  next_attempt_at=REAL_NOW() + timedelta(hours=1))
+    node = make_node(memory_mb=80_000)
+    Replica.objects.create(endpoint=scaled, node=node, state=ReplicaState.READY)
+    counts = {}
+    for name, endpoint in (("plain", plain), ("scaled", scaled), ("backing_off", backing_off)):
+        with CaptureQueriesContext(connection) as queries:
+            info = directory._load_endpoint(endpoint.organization_id, endpoint.name)
+        counts[name] = len(queries)
+        assert info is not None
+
+    assert counts["scaled"] == counts["plain"], counts
+    assert counts["backing_off"] <= counts["plain"] + 1, counts  # whether a replica starts meanwhile
+    assert 3500 < info.backing_off_until - REAL_TIME() <= 3600

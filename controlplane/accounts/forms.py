@@ -1,9 +1,6 @@
 """Console forms. Where an API serializer holds the rules, the form only renders and shows its errors."""
 
 import logging
-import random
-import time
-from collections import deque
 from datetime import timedelta
 
 from django import forms
@@ -17,6 +14,7 @@ from django.template import loader
 from django.utils import timezone
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, EMAIL_MAX_LENGTH, normalize_email
+from controlplane.accounts.mail_sender import send_later
 from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.signup import send_no_account_email
 from controlplane.text import as_name, name_problem
@@ -27,87 +25,35 @@ logger = logging.getLogger(__name__)
 class PasswordResetForm(auth_forms.PasswordResetForm):
     """Django's, which mails an address with an account (able to log in) its link, bounded only by the form's limits
     per typed address (`throttle.PASSWORD_RESET`), and one without that no account has it (`signup.send_no_account_email`,
-    a daily budget of its own per mailbox): the answer, and its time (one mail sent either way), alike whichever it is.
-    Past that budget an address without an account is mailed nothing, and answered after as long as a reset that
-    mailed takes (`_as_long_as_a_reset_that_mailed`); so is a reset whose mail failed, a link (`send_mail`) or not.
-    A process that has mailed none yet answers every reset after `EMAIL_TIMEOUT`, mailing or not (`save`).
+    a daily budget of its own per mailbox, past which it is mailed nothing): the answer alike whichever it is.
 
-    NOTE: the reset's mails were once sent off the request by a Celery task (the answer at once); a review found that
-    a flood of resets with the relay slow then held the default queue's slots the autoscaler and cold-start wakes
-    need, and that a worker of the release before dropped the unknown task's message during a rollout. In the request,
-    bounded by `EMAIL_TIMEOUT`, a slow relay holds only the asker's own request."""
+    Either mail is sent off the request (`mail_sender.send_later`), so the answer's time does not tell either: the
+    request only looks the address up, renders the mail and hands it over, whichever it mails or whether it mails
+    at all, and waits for no relay. A mail that fails is logged (`mail_sender`).
 
-    _num_links_mailed = 0  # by this form's save (`send_mail`)
-
-    def save(self, domain_override=None, use_https=False, request=None, **kwargs):
-        started = time.monotonic()
-        # NOTE: a process that has mailed no reset yet has no time to answer as long as: every reset it answers until
-        # then, mailing or not, is answered after `EMAIL_TIMEOUT`, the longest a reset that mails nothing waits.
-        # Before, one that mailed nothing was answered after a fixed 0.2 s and one that mailed after the relay's send
-        # (0.5 s in the test): the first reset of each fresh process (after a deploy) told who has an account.
-        unmeasured = not _reset_times
-        try:
-            self._save(started, domain_override=domain_override, use_https=use_https, request=request, **kwargs)
-        finally:
-            if unmeasured:
-                _sleep_until(started + settings.EMAIL_TIMEOUT)
-
-    def _save(self, started: float, **kwargs) -> None:
-        email = self.cleaned_data["email"]
-        if next(iter(self.get_users(email)), None) is None:
-            if send_no_account_email(email):
-                _reset_times.append(time.monotonic() - started)
-            else:
-                _as_long_as_a_reset_that_mailed(started)
-            return
-        self._num_links_mailed = 0
-        super().save(**kwargs)
-        if self._num_links_mailed:
-            _reset_times.append(time.monotonic() - started)
-        else:
-            _as_long_as_a_reset_that_mailed(started)
+    NOTE: before, the mails went out within the request: a reset that mailed took the relay's round trips, one past
+    the no-account budget none; the request then waited to take as long as a recent reset that mailed (a history of
+    32 per process), and a process that had mailed none yet (just deployed) answered every reset after `EMAIL_TIMEOUT`
+    (10 s): a poor answer to users, and the first reset of each process told who had an account until that wait was
+    added. A Celery task was dropped earlier (see `mail_sender`)."""
 
     def send_mail(self, subject_template_name, email_template_name, context, from_email, to_email,
                   html_email_template_name=None):
-        """Django's (a link it could not send is logged, and the reset goes on), counting the links sent.
-
-        NOTE: a link that failed is no time of a reset that mailed (`_reset_times`), as a "no account" mail that failed
-        is not: counted (Django's own says nothing of a failure), a stranger resetting their own accounts at a host the
-        relay refuses at once filled the process's history with near-zero times, and a reset past the no-account
-        budget was answered at once again (a review's finding)."""
+        """Django's, the link handed to the sender threads rather than sent here (a failure there is logged, as
+        Django's own logs it)."""
         subject = "".join(loader.render_to_string(subject_template_name, context).splitlines())
         message = EmailMultiAlternatives(subject, loader.render_to_string(email_template_name, context), from_email,
                                          [to_email])
         if html_email_template_name is not None:
             message.attach_alternative(loader.render_to_string(html_email_template_name, context), "text/html")
-        try:
-            message.send()
-        except Exception:
-            logger.exception("Failed to send password reset email to %s", context["user"].pk)
+        send_later(message, what=f"a password reset email to user {context['user'].pk}")
+
+    def save(self, domain_override=None, use_https=False, request=None, **kwargs):
+        email = self.cleaned_data["email"]
+        if next(iter(self.get_users(email)), None) is None:
+            send_no_account_email(email)
             return
-        self._num_links_mailed += 1
-
-
-# How long this process's recent resets that mailed took (`PasswordResetForm.save`), a link or "no account" alike.
-_reset_times: deque[float] = deque(maxlen=32)
-
-
-def _as_long_as_a_reset_that_mailed(started: float) -> None:
-    """Wait until a reset that mailed nothing (an address past its no-account budget, or its mail failed) has taken
-    as long as one of this process's recent resets that mailed, drawn at random (so their times are alike in spread as
-    in median), at most `EMAIL_TIMEOUT`: a reset's time does not tell whether an account has the address.
-
-    NOTE: before, past the budget such an address was answered at once, one with an account after the relay's round
-    trips: an attacker's medians over a few resets told them apart (a review's test: 50 ms apart). The wait holds
-    the request's thread as long as a mail would have: no more than a reset anyone may ask for costs."""
-    # NOTE: none yet: the reset waits for `EMAIL_TIMEOUT`, as every reset of this process does (`save`)
-    wanted = random.choice(_reset_times) if _reset_times else settings.EMAIL_TIMEOUT  # noqa: S311 (not a secret)
-    _sleep_until(started + min(wanted, settings.EMAIL_TIMEOUT))
-
-
-def _sleep_until(moment: float) -> None:
-    """Sleep until `moment` (`time.monotonic`), if it has not come yet."""
-    time.sleep(max(0.0, moment - time.monotonic()))
+        super().save(domain_override=domain_override, use_https=use_https, request=request, **kwargs)
 
 
 class SignUpForm(forms.Form):

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core import signing
-from django.core.mail import send_mail
+from django.core.mail import EmailMessage, send_mail
 from django.db import IntegrityError, transaction
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -22,6 +22,7 @@ from controlplane.accounts import throttle
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, email_in_use, normalize_email
 from controlplane.accounts.invitations import remove_members_invited_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
+from controlplane.accounts.mail_sender import send_later
 from controlplane.accounts.members import add_member, revoke_invitations_sent_by
 from controlplane.accounts.models import (
     EmailVerification,
@@ -87,23 +88,22 @@ def send_account_exists_email(email: str) -> bool:
 
 
 def send_no_account_email(email: str) -> bool:
-    """Tells an address a password reset was asked for that no account (able to log in) has it; whether it was
-    mailed (`throttle.NO_ACCOUNT_MAILS`, a few a day per mailbox: `name+tag@` counts as `name@`; a budget of its own,
+    """Tells an address a password reset was asked for that no account (able to log in) has it, off the request
+    (`mail_sender.send_later`: the reset's answer waits for no relay, as its link's does not); whether it was handed
+    over (`throttle.NO_ACCOUNT_MAILS`, a few a day per mailbox: `name+tag@` counts as `name@`; a budget of its own,
     so a stranger's resets for addresses without an account never spend an owner's links).
 
-    NOTE: a mail that cannot be sent (the relay down or refusing it, an address Django takes whose host IDNA cannot
-    encode) is logged, as Django's `PasswordResetForm.send_mail` logs a link's."""
-    if not _may_mail(throttle.NO_ACCOUNT_MAILS, throttle.mailbox(email)):
-        return False
+    NOTE: the mail is rendered past the budget too, and thrown away: the reset's work alike either way. A mail that
+    cannot be sent (the relay down or refusing it, an address Django takes whose host IDNA cannot encode) is logged by
+    the sender, as the link's is."""
+    may_mail = _may_mail(throttle.NO_ACCOUNT_MAILS, throttle.mailbox(email))
     body = render_to_string("registration/no_account_email.txt", {
         "email": email, "signup": settings.PUBLIC_URL + reverse("signup"),
     })
-    try:
-        send_mail("Password reset for Inferplane", body, None, [email])
-    except Exception:
-        logger.exception("Failed to send a password reset's no-account email")
+    if not may_mail:
         return False
-    return True
+    return send_later(EmailMessage("Password reset for Inferplane", body, None, [email]),
+                      what="a password reset's no-account email")
 
 
 VERIFY_EMAIL_SALT = "inferplane.verify-email"

@@ -20,13 +20,13 @@ from decimal import Decimal
 
 from django.conf import settings
 
-from controlplane.clock import database_time_ago
+from controlplane.clock import DatabaseClock, database_time_ago
 from controlplane.credential_lookups import ExpiringSet
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
 from endpoints.gateway.normalizers import PromptNormalizer, prompt_normalizer
-from endpoints.models import Adapter, Endpoint, Replica
+from endpoints.models import DATABASE_NOW_AT_LOAD, Adapter, Endpoint, Replica
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _blocking_state(endpoint) -> str:
 
 def _backing_off_until(endpoint) -> float:
     """`EndpointInfo.backing_off_until`. NOTE: read as the endpoint loads (one more query, for an endpoint backing
-    off only), never per call."""
+    off only: PostgreSQL's clock comes with the row, `_load_endpoint`), never per call."""
     left_s = endpoint.backoff_left_s()
     if not left_s or endpoint.scale_up_backing_off:
         return 0.0  # or only its scale-ups, beyond the first replica: a call's wake starts one (`reconcile_endpoint`)
@@ -141,8 +141,9 @@ def _backing_off_until(endpoint) -> float:
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
+    # NOTE: PostgreSQL's clock read with the row, which its backoff is judged by (`Endpoint.backoff_left_s`)
     endpoint = Endpoint.objects.live().select_related("organization__plan").filter(
-        organization_id=organization_id, name=name).first()
+        organization_id=organization_id, name=name).annotate(**{DATABASE_NOW_AT_LOAD: DatabaseClock()}).first()
     return _endpoint_info(endpoint) if endpoint else None
 
 

@@ -268,6 +268,39 @@ def test_credit_granted_in_the_django_admin_is_audited_and_usable_at_once(staff_
     _reserve(organization, "after")
 
 
+def test_credit_granted_in_the_django_admin_through_a_web_pod_whose_clock_is_ahead_is_usable_at_once(
+        staff_client, monkeypatch):
+    """The grant's start is judged by PostgreSQL's clock (`rebuild.credit_available`); the admin's add form offered
+    the web pod's own now as `granted_at` (the model's default), posted back as it was shown: a grant through a web
+    pod 10 minutes ahead was "not yet granted" for 10 minutes, the topped-up prepaid organisation refused (402). Left
+    blank (as the form now shows it), the grant starts at the database's now (`credits.grant_credits`)."""
+    import re
+    from html import unescape
+
+    organization = EndpointFactory().organization
+    set_billing_mode(SYSTEM, organization, mode=BillingMode.PREPAID)
+    real_now = timezone.now
+    with monkeypatch.context() as web_pod:
+        web_pod.setattr(timezone, "now", lambda: real_now() + timedelta(minutes=10))
+        # NOTE: the model's default is `timezone.now` as it was when the model was defined
+        web_pod.setattr(CreditGrant._meta.get_field("granted_at"), "default", timezone.now)
+        page = staff_client.get("/django-admin/billing/creditgrant/add/").content.decode()
+        shown = {}
+        for tag in re.findall(r"<input[^>]*>", page):
+            attributes = dict(re.findall(r'(\w[\w-]*)="([^"]*)"', tag))
+            if attributes.get("name", "").startswith(("granted_at", "initial-granted_at")):
+                shown[attributes["name"]] = unescape(attributes.get("value", ""))
+        assert "granted_at_0" in shown, page[:2000]
+        response = staff_client.post("/django-admin/billing/creditgrant/add/", shown | {
+            "organization": organization.pk, "amount": "5", "note": "top-up"})
+    assert response.status_code == 302, response.content[:2000]
+
+    grant = CreditGrant.objects.get(organization=organization)
+    assert abs((grant.granted_at - real_now()).total_seconds()) < 60, grant.granted_at
+    assert credit_available(organization.pk)[0] == Decimal("5")
+    _reserve(organization, "after")
+
+
 def test_stripes_invoices_are_read_only_in_the_django_admin(staff_client):
     # They decide an organisation's payment standing: marked paid in the admin, an unpaid invoice lifted a past-due
     # hold at the next review, and one marked uncollectible held an organisation, with no audit event.
