@@ -194,7 +194,8 @@ def test_a_method_a_v1_path_does_not_serve_is_a_405_naming_the_methods_it_does(g
     for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
                                   ("GET", "/v1/embeddings", "POST"), ("GET", "/v1/responses", "POST"),
                                   ("POST", "/v1/models", "GET"), ("DELETE", f"/v1/models/{endpoint.name}", "GET"),
-                                  ("PUT", "/v1/files", "GET, POST"), ("PATCH", "/v1/batches", "GET, POST"),
+                                  ("PUT", "/v1/files", "GET, POST"), ("PUT", "/v1/files/file-x", "GET, DELETE"),
+                                  ("POST", "/v1/files/file-x/content", "GET"), ("PATCH", "/v1/batches", "GET, POST"),
                                   ("DELETE", "/v1/batches/batch_x", "GET"), ("GET", "/v1/batches/batch_x/cancel", "POST")):
         answer = raw.request(method, path)
         assert answer.status_code == 405, (method, path, answer.text)
