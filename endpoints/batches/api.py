@@ -253,13 +253,15 @@ def _file_of(caller: Caller, file_id: str) -> File:
 
 @_openai_view
 def file_detail(request, caller: Caller, file_id: str):
+    # NOTE: the method first, as every other /v1 route: a PUT was a 404 for a file id that did not exist and a 405
+    # for one that did.
+    if request.method not in ("GET", "DELETE"):
+        return _method_not_allowed(request, "GET", "DELETE")
     file = _file_of(caller, file_id)
     if request.method == "GET":
         return JsonResponse(file.as_openai())
-    if request.method == "DELETE":
-        services.delete_file(file)
-        return JsonResponse({"id": file.pk, "object": "file", "deleted": True})
-    return _method_not_allowed(request, "GET", "DELETE")
+    services.delete_file(file)
+    return JsonResponse({"id": file.pk, "object": "file", "deleted": True})
 
 
 @_openai_view

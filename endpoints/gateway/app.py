@@ -356,21 +356,21 @@ class Gateway:
         try:
             if path == "/v1/models":
                 if method != "GET":
-                    raise errors.method_not_allowed(method, path, ("GET",))
+                    raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
                 await self._models(headers, send, request_id, ratelimit)
                 return log_answer(scope, 200, started, request_id)
             if path.startswith(MODELS_PREFIX):
                 if method != "GET":
-                    raise errors.method_not_allowed(method, path, ("GET",))
+                    raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
                 await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
                 return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
                 if path.startswith(responses.STORED_PREFIX):
-                    raise responses.refuse_stored(method, path)
-                raise errors.unknown_url(method, path)
+                    raise await _unread(receive, scope, responses.refuse_stored(method, path))
+                raise await _unread(receive, scope, errors.unknown_url(method, path))
             if method != "POST":
-                raise errors.method_not_allowed(method, path, ("POST",))
+                raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("POST",)))
             if drain.draining():
                 await _discard_body(receive, scope)
                 raise errors.server_stopping()
@@ -660,6 +660,14 @@ def _closing(scope) -> list[tuple[bytes, bytes]]:
     """`connection: close`, for the answer of a request whose body `_discard_body` cut (none otherwise): uvicorn
     closes the connection once that answer is sent."""
     return _CONNECTION_CLOSE if scope.get(BODY_CUT_SCOPE_KEY) else []
+
+
+async def _unread(receive, scope, refusal: errors.OpenAIError) -> errors.OpenAIError:
+    """`refusal`, once the body it refuses unread is discarded (`_discard_body`). NOTE: a 405, a 404 or a stored
+    response's 400 was sent with the body unread: uvicorn read on while the caller dripped it, and the connection
+    stayed for as long as the caller liked, with no key needed."""
+    await _discard_body(receive, scope)
+    return refusal
 
 
 async def _discard_body(receive, scope) -> None:

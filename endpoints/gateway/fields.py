@@ -87,11 +87,20 @@ REFUSED_WITH_REASON: dict[str, str] = {
     "prompt_embeds": "is not supported: send text or token ids",
     "audio": "is not supported: models here answer in text",
     "web_search_options": "is not supported: models here do not search the web",
+    # NOTE: newer fields of OpenAI's the openai client sends were each an "Unrecognized request argument", as if
+    # misspelt: each is refused here with what it would need.
+    "moderation": "is not supported: no moderation model runs here; moderate the input and output yourself",
+    "context_management": "is not supported: the context is not compacted here; send a shorter 'input'",
+    "background_options": "is not supported: responses are not run in the background here; stream the response "
+                          "instead ('stream': true)",
+    "access_programs": "is not supported: OpenAI's access programs do not apply to the models here",
+    "image": "is not supported: images are passed to the model as sent, with no request-level image options",
 }
 
 # OpenAI's own fields refused above that OpenAI's API types as nullable: null there is "not set" (the openai client sends
 # `audio=None` so), as it is for the stateful Responses fields refused only when set. NOTE: it was a 400 "not supported".
-NULL_IS_UNSET = frozenset({"audio"})
+# The others (`web_search_options`, `background_options`, `access_programs`, `image`) are not nullable in OpenAI's types.
+NULL_IS_UNSET = frozenset({"audio", "moderation", "context_management"})
 
 # A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
 # NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.

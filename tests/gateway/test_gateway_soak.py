@@ -155,6 +155,40 @@ def test_a_refused_caller_that_drips_its_body_is_answered_and_cut_off(soak_gatew
     assert closed, "the connection stayed open while its caller dripped"
 
 
+@pytest.mark.parametrize("method, path", [("PUT", "/v1/chat/completions"), ("POST", "/v1/models"),
+                                          ("POST", "/v1/nowhere"), ("POST", "/v1/responses/resp_x")])
+def test_a_caller_refused_by_its_path_or_method_that_drips_its_body_is_answered_and_cut_off(soak_gateway, method, path):
+    # Before, a 405 (a method the path does not serve), a 404 (an unknown path) or a stored response's 400 was sent
+    # without the body read: uvicorn read on while the caller dripped, each byte putting off its keep-alive timeout,
+    # and the connection stayed for as long as the caller liked (8 s here, when the test stopped), with no key needed.
+    child, base_url = soak_gateway
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=15)
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                 f"content-length: 1000\r\n\r\nx".encode())
+    answer, closed = b"", False
+    with sock:
+        sock.settimeout(0.5)
+        for _ in range(16):
+            try:
+                if not (chunk := sock.recv(65536)):
+                    closed = True
+                    break
+                answer += chunk
+            except TimeoutError:
+                try:
+                    sock.sendall(b"x")
+                except OSError:  # cut off
+                    closed = True
+                    break
+            except OSError:  # reset
+                closed = True
+                break
+    assert closed, "the connection stayed open while its caller dripped"
+    assert answer.split(b" ", 2)[1] in (b"400", b"404", b"405"), answer[:200]
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
 def _num_subscribes(redis) -> int:
     return redis.info("commandstats").get("cmdstat_subscribe", {}).get("calls", 0)
 

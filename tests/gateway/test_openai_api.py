@@ -194,7 +194,8 @@ def test_a_method_a_v1_path_does_not_serve_is_a_405_naming_the_methods_it_does(g
     for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
                                   ("GET", "/v1/embeddings", "POST"), ("GET", "/v1/responses", "POST"),
                                   ("POST", "/v1/models", "GET"), ("DELETE", f"/v1/models/{endpoint.name}", "GET"),
-                                  ("PUT", "/v1/files", "GET, POST"), ("PATCH", "/v1/batches", "GET, POST"),
+                                  ("PUT", "/v1/files", "GET, POST"), ("PUT", "/v1/files/file-x", "GET, DELETE"),
+                                  ("POST", "/v1/files/file-x/content", "GET"), ("PATCH", "/v1/batches", "GET, POST"),
                                   ("DELETE", "/v1/batches/batch_x", "GET"), ("GET", "/v1/batches/batch_x/cancel", "POST")):
         answer = raw.request(method, path)
         assert answer.status_code == 405, (method, path, answer.text)
@@ -214,3 +215,21 @@ def test_the_openai_client_may_pass_audio_as_none_and_a_responses_call_its_promp
     response = client.responses.create(model=endpoint.name, input="Hello", max_output_tokens=2,
                                        prompt_cache_key="k", prompt_cache_retention="24h")
     assert response.output_text
+
+
+def test_the_openai_client_may_send_its_newer_nullable_fields_as_none_and_is_told_why_one_set_is_refused(
+        gateway, tenant, start_mock_upstream):
+    """`moderation` (chat, Responses) and `context_management` (Responses) sent as None passed nowhere, and each set
+    field was an "Unrecognized request argument", as a misspelt one is."""
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    chat = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=2, moderation=None)
+    assert chat.choices[0].message.content == "tok tok"
+    response = client.responses.create(model=endpoint.name, input="Hello", max_output_tokens=2, moderation=None,
+                                       context_management=None)
+    assert response.output_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=endpoint.name, input="Hello", max_output_tokens=2,
+                                background_options={"completion_window": "2h"})
+    assert (refused.value.param, refused.value.code) == ("background_options", "unsupported_parameter")
+    assert "not run in the background" in refused.value.message

@@ -128,6 +128,32 @@ def test_audio_sent_as_null_is_not_set_but_asked_for_is_refused():
     assert (refused.param, refused.code) == ("audio", "unsupported_parameter")
 
 
+@pytest.mark.parametrize("kind, field, value, why", [
+    ("chat", "moderation", {"model": "omni-moderation-latest"}, "no moderation model runs here"),
+    ("responses", "moderation", {"model": "omni-moderation-latest"}, "no moderation model runs here"),
+    ("responses", "context_management", [{"type": "compaction"}], "not compacted here"),
+    ("responses", "background_options", {"completion_window": "2h"}, "not run in the background"),
+    ("responses", "access_programs", {"cyber": "standard"}, "access programs"),
+    ("responses", "image", {"context_compression": "enabled"}, "image options"),
+])
+def test_a_newer_openai_field_set_is_refused_with_its_reason_not_as_an_unrecognised_argument(kind, field, value, why):
+    """Fields the installed openai client sends (`moderation` on chat and Responses; Responses' `context_management`,
+    `background_options`, `access_programs`, `image`) were each an "Unrecognized request argument", as a typo is."""
+    body = (CHAT if kind == "chat" else {"model": "m", "input": "hi"}) | {field: value}
+    refused = _refusal(body, kind)
+    assert (refused.status, refused.param, refused.code) == (400, field, "unsupported_parameter")
+    assert why in refused.message
+
+
+@pytest.mark.parametrize("kind, field", [
+    ("chat", "moderation"), ("responses", "moderation"), ("responses", "context_management"),
+])
+def test_a_newer_nullable_openai_field_sent_as_null_is_not_set(kind, field):
+    """OpenAI's types have these nullable: null is "not set", as `audio`'s is."""
+    body = (CHAT if kind == "chat" else {"model": "m", "input": "hi"}) | {field: None}
+    assert parse_payload(json.dumps(body).encode(), kind) == body
+
+
 def test_every_kind_has_an_allowlist_with_its_model_and_prompt():
     assert {"model", "messages"} <= ACCEPTED["chat"]
     assert {"model", "prompt"} <= ACCEPTED["completion"]
