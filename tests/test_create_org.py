@@ -71,3 +71,17 @@ def test_create_org_refuses_a_name_the_name_rule_refuses_or_past_its_column(name
 def test_create_org_stores_its_name_composed():
     call_command("create_org", "acme", "--owner", "ops@acme.test", "--name", "Cafe\u0301")
     assert Organization.objects.get().name == "Caf\u00e9"
+
+
+def test_create_org_refused_at_the_live_key_limit_leaves_no_new_owner_behind(capsys, settings):
+    # NOTE: the owner (created, or given the password) and its membership were committed before the key was refused:
+    # the command said it failed, yet a new owner of the organisation could log in.
+    from django.contrib.auth import get_user_model
+
+    settings.MAX_LIVE_API_KEYS_PER_ORG = 1
+    call_command("create_org", "acme", "--owner", "ops@acme.test", "--json")
+    capsys.readouterr()
+    with pytest.raises(CommandError, match="1 live API keys"):
+        call_command("create_org", "acme", "--owner", "new@acme.test", "--password", "a long passphrase 42", "--json")
+    assert not get_user_model().objects.filter(username="new@acme.test").exists()
+    assert list(Membership.objects.values_list("user__username", flat=True)) == ["ops@acme.test"]

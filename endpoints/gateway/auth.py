@@ -96,7 +96,8 @@ def _organization_of(caller: Caller | None) -> int | None:
 # the most. Least recently used first, whoever's, ten organisations at the live-key limit (sign-up is open) calling in
 # turn pushed every other tenant's key out, each of their calls then a lookup queued (4 at once) behind the flood's.
 _callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
-                       max_concurrent_loads=MAX_KEY_LOOKUPS, group_of=_organization_of)
+                       max_concurrent_loads=MAX_KEY_LOOKUPS, load_wait_s=API_KEY_LOOKUPS.slots.wait_s,
+                       group_of=_organization_of)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 
@@ -107,7 +108,11 @@ async def caller_from_key(plain: str) -> Caller | None:
     digest = API_KEY_LOOKUPS.digest(plain)
     if digest in _refused_keys:
         return None
-    caller = await _callers_by_key.get(digest, plain)
+    try:
+        caller = await _callers_by_key.get(digest, plain)
+    except LookupsBusy:
+        # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
+        raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
     if caller is None:
         # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
         _callers_by_key.forget(digest)

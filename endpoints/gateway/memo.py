@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from controlplane.credential_lookups import LookupSlots
+from controlplane.credential_lookups import LookupsBusy, LookupSlots
 from controlplane.worker_threads import in_worker_thread
 
 logger = logging.getLogger("inferplane.gateway")
@@ -37,7 +37,7 @@ STALE_FOR_S = 5.0
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000, max_concurrent_loads: int | None = None,
-                 merge: Callable | None = None, group_of: Callable | None = None):
+                 load_wait_s: float | None = None, merge: Callable | None = None, group_of: Callable | None = None):
         self._load = in_worker_thread(load)
         # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
         # loaded): the process may have learned of the entry since the load read the database.
@@ -45,7 +45,8 @@ class Memo:
         # NOTE: each load holds a worker thread and its own PostgreSQL connection while it runs; where the keys are
         # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
         # connections per process, queueing every other lookup behind them. At most this many first loads at once.
-        self._load_slots = LookupSlots(max_concurrent_loads) if max_concurrent_loads else None
+        # A first load waits at most `load_wait_s` (None: as long as it takes) for one, then raises `LookupsBusy`.
+        self._load_slots = LookupSlots(max_concurrent_loads, wait_s=load_wait_s) if max_concurrent_loads else None
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
@@ -222,5 +223,6 @@ class Memo:
 
 
 def _note_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
+    # NOTE: not a load that found every slot taken (a flood's, each its caller's 503): one line each was a log flood.
+    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), LookupsBusy):
         logger.warning("gateway lookup failed: %s", repr(task.exception()))  # a string: no frame kept

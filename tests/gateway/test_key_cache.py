@@ -157,3 +157,37 @@ def test_a_bogus_key_never_pushes_a_real_key_out_of_a_full_cache(lookups, monkey
     asyncio.run(scenario())
     assert [lookups.count(plain) for plain in plains] == [1] * 20
     assert len(auth._callers_by_key.entries) == 20
+
+
+def test_a_key_never_seen_waits_briefly_for_a_lookup_slot_then_gets_a_503(lookups):
+    # NOTE: the gateway's own bound on key lookups (`Memo`'s `max_concurrent_loads`) had no wait limit: behind a flood
+    # of made-up keys (anyone may send them), a real key never seen (or pushed out of the cache) queued for as long as
+    # the flood lasted, never the 503 with Retry-After that /api/v1 answers after `API_KEY_LOOKUPS.slots.wait_s`.
+    from endpoints.gateway import errors
+
+    slots = auth._callers_by_key._load_slots
+    busy: list = []
+
+    async def scenario():
+        held = asyncio.Event()
+        release = asyncio.Event()
+
+        async def hold():
+            async with slots.held_async():
+                busy.append(1)
+                if len(busy) == slots.max_concurrent:
+                    held.set()
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        await held.wait()
+        try:
+            return await asyncio.wait_for(auth.caller_from_key(_bogus_key()), keys.API_KEY_LOOKUPS.slots.wait_s + 3)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    with pytest.raises(errors.OpenAIError) as refused:
+        asyncio.run(scenario())
+    assert refused.value.status == 503 and refused.value.headers["retry-after"] == "1"
+    assert lookups == []

@@ -6,6 +6,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from endpoints.gateway import memo
 from endpoints.gateway.memo import Memo
@@ -365,3 +367,66 @@ def test_a_grouped_cache_where_every_group_holds_one_entry_keeps_a_new_groups_an
 
     asyncio.run(scenario())
     assert set(cache.entries) == {"a/1", "c/1", "d/1"}
+
+
+_OPS = st.one_of(
+    # a load of `key` whose value names `group` (None: a key that names none), fresh or not, left in flight
+    st.tuples(st.just("load"), st.integers(0, 5), st.sampled_from(["a", "b", "c", "d", None]), st.booleans()),
+    st.tuples(st.just("land"), st.integers(0, 20), st.booleans()),  # one load in flight lands (or fails)
+    st.tuples(st.just("hit"), st.integers(0, 5)),
+    st.tuples(st.just("forget"), st.integers(0, 5)),
+    st.tuples(st.just("clear"),),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(max_entries=st.integers(1, 4), ops=st.lists(_OPS, max_size=60))
+def test_a_grouped_caches_bookkeeping_holds_under_any_interleaving_of_loads_in_flight_forgets_and_clears(
+        max_entries, ops):
+    # NOTE: loads land in any order, after their key was evicted, forgotten or cleared, and a key's group may
+    # change between loads: the bookkeeping must still say what the entries hold.
+    cache = Memo(lambda value: value, ttl_s=60, max_entries=max_entries,
+                 group_of=lambda value: None if value is None else value.split("/")[0])
+    in_flight: list = []
+
+    async def held_load(value):
+        landing = asyncio.get_running_loop().create_future()
+        in_flight.append(landing)
+        if await landing:
+            raise RuntimeError("database down")
+        return value
+
+    cache._load = held_load
+
+    async def settle():
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    async def scenario():
+        callers = []
+        for op in ops:
+            if op[0] == "load":
+                _, key, group, fresh = op
+                value = None if group is None else f"{group}/{key}"
+                callers.append(asyncio.ensure_future(cache.get(key, value, fresh=fresh)))
+            elif op[0] == "land" and in_flight:
+                landing = in_flight.pop(op[1] % len(in_flight))
+                landing.set_result(op[2])
+            elif op[0] == "hit" and cache.answers_at_once(op[1]):
+                await cache.get(op[1])
+            elif op[0] == "forget":
+                cache.forget(op[1])
+            elif op[0] == "clear":
+                cache.clear()
+            await settle()
+            _check_groups(cache)
+            assert all(entry[1] is not None for entry in cache.entries.values())
+        while in_flight:
+            in_flight.pop(0).set_result(False)
+            await settle()
+            _check_groups(cache)
+        answers = await asyncio.gather(*callers, return_exceptions=True)
+        # each caller has what its load read, or the database's failure: never the bookkeeping's own error
+        assert all(not isinstance(answer, Exception) or str(answer) == "database down" for answer in answers), answers
+
+    asyncio.run(scenario())

@@ -3,6 +3,7 @@ import json
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.core.validators import validate_email, validate_slug
+from django.db import transaction
 
 from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, normalize_email
 from controlplane.accounts.keys import TooManyKeys
@@ -37,8 +38,11 @@ class Command(BaseCommand):
             if len(name) > (max_length := Organization._meta.get_field("name").max_length):
                 raise CommandError(f"--name: at most {max_length} characters (it has {len(name)}).")
         try:
-            organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name,
-                                                                     password=password)
+            # NOTE: one transaction: the owner (created, or given the password) and its membership were committed
+            # before the key was refused, so the command said it failed and yet left a new owner who could log in.
+            with transaction.atomic():
+                organization, user, created_key = bootstrap_organization(slug=slug, owner_email=owner, name=name,
+                                                                         password=password)
         except TooManyKeys as exc:  # an existing organisation at its live-key limit: a message, not a traceback
             raise CommandError(str(exc)) from None
         if as_json:
