@@ -122,9 +122,11 @@ class WeightsCache:
         # model directory -> (readings in a row that gave no answer, when a heartbeat's may read it again)
         self._unsettled: dict[Path, tuple[int, float]] = {}
         self.unsettled_retry_s = UNSETTLED_RETRY_S
-        # Called under the lock with `_unsettled` as JSON whenever it changes, to keep it across a restart (the
-        # agent's state file: `Agent`, `restore_unsettled`).
+        # Called (never under `_mutex`: `_flush_unsettled`) with `_unsettled` as JSON whenever it changes, to keep it
+        # across a restart (the agent's state file: `Agent`, `restore_unsettled`).
         self.keep_unsettled: Callable[[dict], None] | None = None
+        self._unsettled_changed = False
+        self._keep_lock = threading.Lock()  # one `keep_unsettled` at a time, each with the latest copy
         self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
         # directories a heartbeat found unread, in order, for the background reader
         self._to_read: dict[Path, None] = {}
@@ -350,6 +352,7 @@ class WeightsCache:
                         self._keep_unsettled()
                 del self._reads_in_flight[model_dir]
             done.set()
+            self._flush_unsettled()
         return reading
 
     def restore_unsettled(self, record) -> int:
@@ -398,11 +401,29 @@ class WeightsCache:
             self._to_read.pop(model_dir, None)
             if self._unsettled.pop(model_dir, None) is not None:
                 self._keep_unsettled()
+        self._flush_unsettled()
 
     def _keep_unsettled(self) -> None:
-        """Under the mutex: hand `_unsettled` to `keep_unsettled`."""
-        if self.keep_unsettled is not None:
-            self.keep_unsettled({str(path): list(entry) for path, entry in self._unsettled.items()})
+        """Under the mutex: `_unsettled` changed; its caller hands it to `keep_unsettled` once the mutex is released
+        (`_flush_unsettled`)."""
+        self._unsettled_changed = True
+
+    def _flush_unsettled(self) -> None:
+        """Not under the mutex: hand `_unsettled` to `keep_unsettled` if it changed since it was last handed over.
+
+        NOTE: `keep_unsettled` writes the state file durably (two fsyncs, up to ~0.3 s on a busy disk); made under the
+        mutex, every heartbeat's listing (`statuses`), download progress and pin waited on the disk behind it. The
+        copy is taken and written under `_keep_lock`, one writer at a time, so the last written is the latest: a change
+        made after a copy was taken marks it changed again, and its own caller writes it after."""
+        if self.keep_unsettled is None:
+            return
+        with self._keep_lock:
+            with self._mutex:
+                if not self._unsettled_changed:
+                    return
+                self._unsettled_changed = False
+                record = {str(path): list(entry) for path, entry in self._unsettled.items()}
+            self.keep_unsettled(record)
 
     def model_info(self, model_dir: str | Path) -> ModelInfo | None:
         return self.read_model(model_dir).info
