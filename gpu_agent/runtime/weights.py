@@ -68,6 +68,9 @@ ADAPTER_SHARE = 4
 UNSETTLED_RETRY_S = (10.0, 60.0, 300.0)
 # A cached copy's folder name (`weights_index.cache_key`).
 _CACHE_KEY = re.compile(r"[0-9a-f]{32}")
+# A manifest's or a parts journal's write killed before its rename: `durable.write_atomic`'s temporary file, or the one
+# the release before named `.<key>.json.<8 hex>`.
+_LEFTOVER_WRITE = re.compile(r"\.([0-9a-f]{32})\.json\.(?:[a-z0-9_]{8}\.tmp|[0-9a-f]{8})")
 
 
 class AdapterTooLarge(ModelTooLarge):
@@ -135,6 +138,7 @@ class WeightsCache:
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
         self._remove_orphaned_copies()
+        self._remove_leftover_writes()
         self._index.remove_stale_lock_files()  # an agent killed -9 mid-download left its lock file
 
     # -- public ---------------------------------------------------------------
@@ -715,6 +719,24 @@ class WeightsCache:
                     logger.warning("removing the model folder %s, which no readable manifest names (an agent killed "
                                    "while it evicted or finished it, or a power loss)", key)
                     self._index.remove(key)
+
+
+    def _remove_leftover_writes(self) -> None:
+        """The temporary files of manifest and journal writes killed before their rename (`_LEFTOVER_WRITE`), of keys
+        nobody holds the lock of (whoever writes a key's manifest or journal holds it).
+
+        NOTE: never removed before: one more on the weights disk for each agent killed or node powered off mid-write."""
+        for folder in (self.root, self.root / ".parts"):
+            for leftover in folder.iterdir():
+                match = _LEFTOVER_WRITE.fullmatch(leftover.name)
+                if match is None:
+                    continue
+                lock = self._index.key_lock(match.group(1), blocking=False)
+                if lock is None:
+                    continue
+                with lock:
+                    if leftover.is_file() and not leftover.is_symlink():
+                        leftover.unlink(missing_ok=True)
 
 
 def _disk_bytes(folder: Path) -> int:
