@@ -152,6 +152,7 @@ class ControlPlaneClient:
         self._load_credentials()
 
     def _load_credentials(self) -> None:
+        durable.remove_leftovers(self.credentials_path)  # a write killed before its rename (`durable.write_atomic`)
         try:
             data = json.loads(self.credentials_path.read_text())
             # The node was registered with this control plane, host and port range; if the operator

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import stat
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -67,3 +70,34 @@ def write_atomic(path: str | Path, data: str | bytes, *, mode: int = 0o600) -> N
         Path(tmp).unlink(missing_ok=True)
         raise
     sync_folder(path.parent)
+
+
+LEFTOVER_AGE_S = 60.0  # a write takes well under a second: a temporary file older than this is no write in progress
+
+
+def remove_leftovers(path: str | Path, *, older_than_s: float = LEFTOVER_AGE_S) -> int:
+    """Remove the temporary files of `write_atomic`s of `path` killed before their rename (SIGKILL, the OOM killer, a
+    power loss): only files of its very pattern (`.<name>.<8 characters>.tmp`), regular, this user's and older than
+    `older_than_s`. Returns how many went; never raises.
+
+    NOTE: never removed before: one more beside the record for each agent killed mid-write, for good."""
+    path = Path(path)
+    pattern = re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}\.tmp")
+    cutoff = time.time() - older_than_s
+    removed = 0
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return 0
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        leftover = path.parent / name
+        try:
+            info = os.lstat(leftover)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and info.st_mtime < cutoff:
+                leftover.unlink()
+                removed += 1
+        except OSError:
+            continue
+    return removed

@@ -196,6 +196,7 @@ class StateFile:
     def _read_once(self) -> None:
         if self._records is not None:
             return
+        durable.remove_leftovers(self.path)  # a write killed before its rename (`durable.write_atomic`)
         data = _read_own(self.path) or {}
         readings = data.pop(READINGS_KEY, None)
         made = data.pop(MADE_SCRATCH_KEY, None)

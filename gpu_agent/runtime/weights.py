@@ -68,6 +68,9 @@ ADAPTER_SHARE = 4
 UNSETTLED_RETRY_S = (10.0, 60.0, 300.0)
 # A cached copy's folder name (`weights_index.cache_key`).
 _CACHE_KEY = re.compile(r"[0-9a-f]{32}")
+# A manifest's or a parts journal's write killed before its rename: `durable.write_atomic`'s temporary file, or the one
+# the release before named `.<key>.json.<8 hex>`.
+_LEFTOVER_WRITE = re.compile(r"\.([0-9a-f]{32})\.json\.(?:[a-z0-9_]{8}\.tmp|[0-9a-f]{8})")
 
 
 class AdapterTooLarge(ModelTooLarge):
@@ -122,9 +125,11 @@ class WeightsCache:
         # model directory -> (readings in a row that gave no answer, when a heartbeat's may read it again)
         self._unsettled: dict[Path, tuple[int, float]] = {}
         self.unsettled_retry_s = UNSETTLED_RETRY_S
-        # Called under the lock with `_unsettled` as JSON whenever it changes, to keep it across a restart (the
-        # agent's state file: `Agent`, `restore_unsettled`).
+        # Called (never under `_mutex`: `_flush_unsettled`) with `_unsettled` as JSON whenever it changes, to keep it
+        # across a restart (the agent's state file: `Agent`, `restore_unsettled`).
         self.keep_unsettled: Callable[[dict], None] | None = None
+        self._unsettled_changed = False
+        self._keep_lock = threading.Lock()  # one `keep_unsettled` at a time, each with the latest copy
         self._reads_in_flight: dict[Path, threading.Event] = {}  # set when that directory's reading is made
         # directories a heartbeat found unread, in order, for the background reader
         self._to_read: dict[Path, None] = {}
@@ -133,6 +138,7 @@ class WeightsCache:
         self._local_models: dict[tuple[str, str], Path] = {}
         self._remove_stale_partials()
         self._remove_orphaned_copies()
+        self._remove_leftover_writes()
         self._index.remove_stale_lock_files()  # an agent killed -9 mid-download left its lock file
 
     # -- public ---------------------------------------------------------------
@@ -350,6 +356,7 @@ class WeightsCache:
                         self._keep_unsettled()
                 del self._reads_in_flight[model_dir]
             done.set()
+            self._flush_unsettled()
         return reading
 
     def restore_unsettled(self, record) -> int:
@@ -398,11 +405,29 @@ class WeightsCache:
             self._to_read.pop(model_dir, None)
             if self._unsettled.pop(model_dir, None) is not None:
                 self._keep_unsettled()
+        self._flush_unsettled()
 
     def _keep_unsettled(self) -> None:
-        """Under the mutex: hand `_unsettled` to `keep_unsettled`."""
-        if self.keep_unsettled is not None:
-            self.keep_unsettled({str(path): list(entry) for path, entry in self._unsettled.items()})
+        """Under the mutex: `_unsettled` changed; its caller hands it to `keep_unsettled` once the mutex is released
+        (`_flush_unsettled`)."""
+        self._unsettled_changed = True
+
+    def _flush_unsettled(self) -> None:
+        """Not under the mutex: hand `_unsettled` to `keep_unsettled` if it changed since it was last handed over.
+
+        NOTE: `keep_unsettled` writes the state file durably (two fsyncs, up to ~0.3 s on a busy disk); made under the
+        mutex, every heartbeat's listing (`statuses`), download progress and pin waited on the disk behind it. The
+        copy is taken and written under `_keep_lock`, one writer at a time, so the last written is the latest: a change
+        made after a copy was taken marks it changed again, and its own caller writes it after."""
+        if self.keep_unsettled is None:
+            return
+        with self._keep_lock:
+            with self._mutex:
+                if not self._unsettled_changed:
+                    return
+                self._unsettled_changed = False
+                record = {str(path): list(entry) for path, entry in self._unsettled.items()}
+            self.keep_unsettled(record)
 
     def model_info(self, model_dir: str | Path) -> ModelInfo | None:
         return self.read_model(model_dir).info
@@ -694,6 +719,24 @@ class WeightsCache:
                     logger.warning("removing the model folder %s, which no readable manifest names (an agent killed "
                                    "while it evicted or finished it, or a power loss)", key)
                     self._index.remove(key)
+
+
+    def _remove_leftover_writes(self) -> None:
+        """The temporary files of manifest and journal writes killed before their rename (`_LEFTOVER_WRITE`), of keys
+        nobody holds the lock of (whoever writes a key's manifest or journal holds it).
+
+        NOTE: never removed before: one more on the weights disk for each agent killed or node powered off mid-write."""
+        for folder in (self.root, self.root / ".parts"):
+            for leftover in folder.iterdir():
+                match = _LEFTOVER_WRITE.fullmatch(leftover.name)
+                if match is None:
+                    continue
+                lock = self._index.key_lock(match.group(1), blocking=False)
+                if lock is None:
+                    continue
+                with lock:
+                    if leftover.is_file() and not leftover.is_symlink():
+                        leftover.unlink(missing_ok=True)
 
 
 def _disk_bytes(folder: Path) -> int:
