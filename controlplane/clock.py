@@ -14,8 +14,8 @@ A gateway process needs Redis's clock on every request (the rate limits' minutes
 cannot spend a round trip on it: it keeps its offset to Redis's clock, read with `TIME` on each of its heartbeats
 (`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its own clock. The offset is its skew: the
 beat records it as `check` does, every `CHECK_EVERY_S` (`record_offset`, role "gateway"), with an ERROR past
-`SKEW_ERROR_S`. A gateway stamps its calls' times (its usage rows' start, first token and finish, hence their billing
-month) by `redis_datetime`, Redis's clock too, not its own.
+`SKEW_ERROR_S`. A gateway stamps its calls' starts by `redis_datetime`, Redis's clock too, not its own (their later
+times: the start plus the monotonic time since, `InferenceCall._now`), and picks the month it reserves them in by it.
 
 PostgreSQL's clock (`database_now`, `DatabaseClock`, `database_time_ago`) is what every claim, lease and deadline that
 one process stamps and another judges is stamped and judged by: a worker's or a web pod's own clock may be minutes off

@@ -22,6 +22,7 @@ from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, Billin
 from billing.periods import period_containing
 from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend_limit
 from billing.usage_journal import encode
+from controlplane import clock
 from controlplane.accounts.models import ApiKey
 from controlplane.hot_settings import hot
 from controlplane.redis_client import as_text, get_redis
@@ -362,8 +363,13 @@ def _prepared(organization_id: int, api_key_id: int | None, period_key: str) -> 
 def prepare_reservation(*, organization_id: int, api_key_id: int | None, amount: Decimal, request_id: str,
                         any_limits: bool = False) -> tuple[Reservation, tuple[str, ...], list[str]]:
     """A reservation and the keys and arguments of `RESERVE` that hold it; with `any_limits`, held
-    under the organisation counter's limits whatever version wrote them."""
-    period = period_containing()
+    under the organisation counter's limits whatever version wrote them.
+
+    NOTE: in the month of Redis's clock (`clock.redis_datetime`, the gateway's offset: no round trip), which the call's
+    usage row is stamped by and settles in (`settle_keys_and_args`). By the gateway's own clock, one 10 minutes ahead
+    reserved in the new month's counter (nothing spent) at a month's end, and admitted a tenant past the old month's
+    cap, where its calls then settled; one behind refused it (402) for 10 minutes of the new month."""
+    period = period_containing(clock.redis_datetime())
     reservation = Reservation(request_id, organization_id, api_key_id, amount, period.key)
     units = to_units(amount, ROUND_CEILING)
     keys, _, payload_before, payload_after = _prepared(organization_id, api_key_id, period.key)
@@ -478,7 +484,9 @@ async def restore_reservations(organization_id: int, reservations: list[Reservat
     prepaid credit those calls still held (a long stream: up to `GATEWAY_MAX_ANSWER_WAIT_S`)."""
     if not reservations:
         return 0
-    period_key = period_containing().key  # NOTE: a call still running settles in this month's counters, not its own
+    # NOTE: a call still running settles in this month's counters, not its own; the month by Redis's clock, as its row
+    # is stamped (`prepare_reservation`)
+    period_key = period_containing(clock.redis_datetime()).key
     org_counter = org_period_key(organization_id, period_key)
     keys = [reservations_key(organization_id), deadlines_key(organization_id), org_reserved_key(organization_id),
             rebuilding_key(organization_id), held_again_key(org_counter), held_again_key(credit_key(organization_id)),

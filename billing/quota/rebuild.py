@@ -38,7 +38,7 @@ from billing.quota.counters import (
     to_units,
 )
 from billing.quota.server_change import SERVER_LUA
-from controlplane.clock import database_now
+from controlplane.clock import database_now, redis_datetime
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
 from controlplane.redis_keys import (
@@ -570,7 +570,7 @@ async def rebuild_missing(what: str, reservation: Reservation) -> bool:
     limits under the account's row lock on every request, and a request whose every attempt found the
     other's failed. So a version mismatch rewrites the limits at most once per organisation per
     `LIMITS_REFRESH_INTERVAL_S`; meanwhile calls take the limits the other version wrote moments ago."""
-    period = period_containing()
+    period = period_containing(redis_datetime())  # NOTE: the month the reservation is prepared in (Redis's clock)
     if period.key != reservation.period_key:
         return False  # a new month began meanwhile: the caller prepares the reservation again
     if what == "limits" and not await get_async_redis().set(

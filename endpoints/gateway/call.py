@@ -24,7 +24,6 @@ from billing import ledger, usage_writer
 from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
 from billing.standing import SPEND_LIMIT_REASONS
-from controlplane import clock
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     adapter_hold,
@@ -296,7 +295,7 @@ class InferenceCall:
         replicas, waited_s = held
         self.cold_start_s += waited_s
         if self.held_at is None:
-            self.held_at = clock.redis_datetime() - timedelta(seconds=waited_s)
+            self.held_at = self._now() - timedelta(seconds=waited_s)
         if self.request.stream and self.response_started:  # a stream's headers went out at the hold: the wait comes as a comment
             await self.send_body(f": cold start ready after {round(self.cold_start_s * 1000)} ms\n\n".encode())
         return replicas
@@ -517,7 +516,7 @@ class InferenceCall:
             self.usage.take_totals(self.request.answer_usage(body))
         finally:
             holding.done_reading()
-        self.first_token_at = clock.redis_datetime()
+        self.first_token_at = self._now()
         if self.disconnected.is_set():  # read to its end for its usage (`_watch_disconnect`); nobody to answer
             self.status = "client_aborted"
             return
@@ -671,7 +670,7 @@ class InferenceCall:
             if gone and self.usage.every_prompt_counted:
                 break
             if self.first_token_at is None and sse.carries_output(event):
-                self.first_token_at = clock.redis_datetime()
+                self.first_token_at = self._now()
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
@@ -737,6 +736,16 @@ class InferenceCall:
     @property
     def started_monotonic(self) -> float:
         return self._started_monotonic
+
+    def _now(self) -> datetime:
+        """Now, as this call stamps its times (held, first token, finished): its start (`started_at`, Redis's clock as
+        its gateway's offset said) plus the time since by the monotonic clock.
+
+        NOTE: each read of Redis's clock anew (`clock.redis_datetime`): its offset, read again by a beat mid-call after
+        the machine's clock stepped (NTP, a VM resumed), moved the call's later times against its start: stepped 10
+        minutes forward, a call started before the beat and ended after it finished 10 minutes before it started, a
+        report the ledger refuses (`UsageReport`), and its usage row was lost."""
+        return self.started_at + timedelta(seconds=time.monotonic() - self._started_monotonic)
 
     def cut_off(self, reason: str) -> None:
         """`delivery`'s watchdog: the client took none of its answer for the send deadline, or the call ran for the
@@ -807,7 +816,7 @@ class InferenceCall:
         except Exception:  # noqa: BLE001 - the anatomy is a measure: never fail the answer for it
             logger.exception("request %s: could not read its replica's cold start", self.request_id)
             timeline = None
-        first_token_at = self.first_token_at or clock.redis_datetime()
+        first_token_at = self.first_token_at or self._now()
         try:
             self.cold_start = anatomy.split(self.held_at, first_token_at, timeline)
         except (ValueError, OverflowError):  # NOTE: a measure: an odd one never fails the answer or loses its usage row
@@ -817,7 +826,7 @@ class InferenceCall:
 
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, admitted: admission.Admission) -> None:
-        finished_at = clock.redis_datetime()
+        finished_at = self._now()
         try:
             if self.held_at is not None and self.served:
                 await self._measure_cold_start()
@@ -963,7 +972,7 @@ class InferenceCall:
             return None
         if recorded == (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
             return None
-        return self.usage_report(finished_at=clock.redis_datetime(), status=UsageStatus.GATEWAY_LOST,
+        return self.usage_report(finished_at=self._now(), status=UsageStatus.GATEWAY_LOST,
                                  billing_mode=billing_mode)
 
     def _prompt_past_estimate(self, usage: UsageTally) -> bool:

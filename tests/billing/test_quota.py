@@ -35,6 +35,7 @@ from billing.quota.counters import (
 )
 from billing.quota.rebuild import credit_available
 from billing.services import set_billing_mode, set_key_spend_cap, set_spend_cap
+from controlplane import clock as controlplane_clock
 from controlplane import redis_keys
 from controlplane.accounts.models import ApiKey, Role
 from controlplane.accounts.services import SYSTEM
@@ -1433,16 +1434,20 @@ FIRST_SECONDS_OF_AUGUST = datetime(2025, 8, 1, 0, 0, 5, tzinfo=UTC)
 
 @pytest.fixture
 def clock(monkeypatch):
-    """The moment `billing.periods` takes for now (the month a call is reserved and settled in); set `clock.now`."""
+    """The moment this process's own clock says (`billing.periods`'s now), set `clock.now_at`, and Redis's
+    (`controlplane.clock.redis_now`, as a gateway's offset read on its beat says: the month its calls are reserved in),
+    `redis_ahead_s` after it."""
 
     class Clock(datetime):
         now_at = LAST_SECOND_OF_JULY
+        redis_ahead_s = 0.0
 
         @classmethod
         def now(cls, tz=None):
             return cls.now_at
 
     monkeypatch.setattr(periods, "datetime", Clock)
+    monkeypatch.setattr(controlplane_clock, "redis_now", lambda: Clock.now_at.timestamp() + Clock.redis_ahead_s)
     return Clock
 
 
@@ -1529,6 +1534,44 @@ def test_a_counter_rebuilt_after_a_call_settled_counts_its_row(clock):
     asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="aug"))
 
     assert _month_spend(organization.pk, key.pk, FIRST_SECONDS_OF_AUGUST) == (cost, cost)
+
+
+JULY_2355 = datetime(2025, 7, 31, 23, 55, tzinfo=UTC)
+AUGUST_0005 = datetime(2025, 8, 1, 0, 5, tzinfo=UTC)
+
+
+def _july_spent_to_its_cap(clock):
+    """An organisation with a cap of 1.00, all spent in July (by every clock)."""
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 0.0
+    asyncio.run(settle(asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("1.00"),
+                                           request_id="july")), Decimal("1.00"), fresh_id=True))
+    assert _month_spend(organization.pk, None, JULY_2355)[0] == Decimal("1.00")
+    return organization
+
+
+def test_a_gateway_ahead_of_redis_at_a_months_end_reserves_in_the_month_its_calls_settle_in(clock):
+    # Its own clock 10 minutes ahead: August by its clock, still July by Redis's (its calls' usage rows are stamped by
+    # Redis's, `controlplane.clock.redis_datetime`, and settle in July). It reserved in August's counter (nothing spent
+    # yet) and admitted a tenant whose July cap was reached: July's spend went past its cap by 10 minutes of calls.
+    organization = _july_spent_to_its_cap(clock)
+    clock.now_at, clock.redis_ahead_s = AUGUST_0005, -600.0
+
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"), request_id="next"))
+
+
+def test_a_gateway_behind_redis_at_a_months_end_reserves_in_the_new_month(clock):
+    # Its own clock 10 minutes behind: still July by its clock, August by Redis's. It reserved in July's counter and
+    # refused (402) a tenant whose July cap was reached, for 10 minutes of the new month; its calls settled in August.
+    organization = _july_spent_to_its_cap(clock)
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 600.0
+
+    admitted = asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"),
+                                   request_id="next"))
+
+    assert admitted.reservation.period_key == "202508"
 
 
 def test_the_sweeper_settles_a_call_reserved_before_midnight_in_the_month_its_row_finished(clock, settings):

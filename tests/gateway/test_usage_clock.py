@@ -22,6 +22,7 @@ from billing.services import set_billing_mode
 from controlplane import clock
 from controlplane.accounts.services import SYSTEM
 from controlplane.asgi import application
+from controlplane.redis_client import get_async_redis
 from endpoints.gateway import app as gateway_app
 from endpoints.gateway import call as gateway_call
 from endpoints.gateway import presence
@@ -83,3 +84,41 @@ def test_a_call_through_a_gateway_whose_clock_is_off_is_paid_by_the_grant_it_was
     assert CreditGrant.objects.get(pk=bought.pk).consumed == row.cost
     assert CreditGrant.objects.get(pk=promotion.pk).consumed == 0
     assert BillingAccount.objects.get(organization=tenant.org).credit_unpaid == 0
+
+
+def test_a_call_during_which_the_gateways_clock_stepped_forward_keeps_its_usage_row(
+        tenant, start_mock_upstream, gateway_alone, monkeypatch):
+    # The gateway's clock 10 minutes behind, its offset read by a beat; NTP steps it forward, a call starts before the
+    # next beat (stamped by the old offset: 10 minutes ahead) and ends after it (by the new one): its finish came out
+    # 10 minutes before its start. The ledger refuses such a report (`UsageReport`: a ValueError out of the call's end)
+    # and the call's usage row was lost, unbilled.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    real_time = time.time
+    behind = {"s": -600.0}
+    monkeypatch.setattr(time, "time", lambda: real_time() + behind["s"])
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    real_admit = gateway_call.admission.admit
+
+    async def admit_after_a_beat(**kwargs):
+        await clock.read_offset(get_async_redis())  # the next beat, mid-call, reads the offset again
+        return await real_admit(**kwargs)
+
+    async def run() -> int:
+        await presence.beat()  # the offset: +600 s
+        behind["s"] = 0.0  # NTP steps the machine's clock forward
+        monkeypatch.setattr(gateway_call.admission, "admit", admit_after_a_beat)
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            response = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                       json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+        return response.status_code
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == 200
+
+    wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).exists(), 15, message="the call's row")
+    row = UsageRecord.objects.get(organization=tenant.org)
+    assert row.cost > 0
+    # NOTE: its times are 10 minutes ahead still (it started before the beat that read the new offset), as the rate
+    # limits' minutes are for what starts within a beat of a step; but its row is kept, its times in their order
+    assert row.started_at <= row.finished_at < row.started_at + timedelta(seconds=30)
