@@ -149,7 +149,8 @@ def file_expiry(anchor: object, seconds: object, *, param: str = "expires_after"
         return None
     if anchor != "created_at":
         raise Refused(f"{param}.anchor must be 'created_at'.", param=param)
-    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit():
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit() and len(seconds) <= 9:
+        # NOTE: no `int()` of more digits: past 4,300 it raises ValueError (Python's limit), and that was a 500
         seconds = int(seconds)
     low, high = FILE_EXPIRY_S
     if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:

@@ -152,3 +152,19 @@ def test_expired_files_open_batches_still_read_hold_back_no_other_expired_file(f
     assert File.objects.get(pk=later.pk).deleted_at is not None
     assert later.s3_key not in bucket_objects(files_bucket)
     assert File.objects.get(pk=batch.input_file_id).deleted_at is None
+
+
+def test_an_expires_after_of_thousands_of_digits_is_a_400_naming_it_not_a_500(web, tenant, files_bucket):
+    """Before: `int()` of over 4,300 digits raises ValueError (Python's limit on a string's digits): a 500."""
+    client = tenant.client(web)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": "9" * 5000})
+    assert refused.value.body["param"] == "expires_after"
+    input_file = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              extra_body={"output_expires_after": {"anchor": "created_at", "seconds": "9" * 5000}})
+    assert refused.value.body["param"] == "output_expires_after"
+    assert list(client.batches.list()) == []
+
