@@ -168,3 +168,20 @@ def test_an_expires_after_of_thousands_of_digits_is_a_400_naming_it_not_a_500(we
     assert refused.value.body["param"] == "output_expires_after"
     assert list(client.batches.list()) == []
 
+
+def test_an_upload_sent_again_under_its_key_with_another_expires_after_is_a_422_not_the_first_file(
+        web, tenant, files_bucket):
+    """Before: an upload's key covered its bytes and purpose only: the same bytes sent again under the key, asking to
+    expire in an hour, were answered the first upload's file, kept for good (`expires_at: null`)."""
+    client = tenant.client(web)
+    kept = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                               extra_headers={"Idempotency-Key": "upload-1"})
+    with pytest.raises(openai.UnprocessableEntityError) as reused:
+        client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600},
+                            extra_headers={"Idempotency-Key": "upload-1"})
+    assert reused.value.code == "idempotency_key_reused"
+    again = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                                extra_headers={"Idempotency-Key": "upload-1"})
+    assert (again.id, again.expires_at) == (kept.id, None)
+    assert [f.id for f in client.files.list()] == [kept.id]
