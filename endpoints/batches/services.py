@@ -426,7 +426,8 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
                       "NUL characters or lone surrogates).", param="metadata")
     if output_expires_after is not None and not isinstance(output_expires_after, dict):
         raise Refused("output_expires_after must be an object with 'anchor' and 'seconds'.", param="output_expires_after")
-    outputs_live = file_expiry((output_expires_after or {}).get("anchor"), (output_expires_after or {}).get("seconds"),
+    # NOTE: an object without its anchor (`{}`) is refused as OpenAI does: taken as none sent, the outputs were kept for good
+    outputs_live = file_expiry(output_expires_after.get("anchor") or "", output_expires_after.get("seconds"),
                                param="output_expires_after") if output_expires_after is not None else None
     input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:

@@ -125,6 +125,7 @@ def test_a_batchs_output_files_expire_as_its_output_expires_after_asks_and_are_d
 
 @pytest.mark.parametrize("output_expires_after", [
     {"anchor": "created_at", "seconds": 10}, {"anchor": "created_at", "seconds": True}, {"seconds": 3600}, "1h",
+    {}, {"anchor": None, "seconds": None},  # before: taken as no expiry at all, the outputs kept for good
 ])
 def test_a_batch_with_an_output_expires_after_out_of_bounds_is_a_400_naming_it(
         web, tenant, files_bucket, output_expires_after):
