@@ -326,29 +326,37 @@ def sweep_incomplete_uploads(now=None) -> int:
     return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
-NUM_EXPIRED_FILES_PER_RUN = 100
+NUM_EXPIRED_FILES_PER_RUN = 100  # a page: the run takes pages until none is full or its time is up
+EXPIRED_FILES_SWEEP_S = 45.0  # under the beat's 60 s: two runs do not overlap
 
 
-def sweep_expired_files() -> int:
-    """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), up to
-    `NUM_EXPIRED_FILES_PER_RUN` a run; returns how many went. Their tenant sees them gone from the moment they expire
-    (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3 refuses to delete stays to
-    the next run, as a tenant's delete refused does."""
-    # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one back
-    expired = (File.objects.filter(expires_at__lte=Now(), deleted_at__isnull=True, stored_at__isnull=False)
-               .exclude(pk__in=Batch.objects.open().values("input_file_id"))
-               .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
+    """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
+    `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`; returns how many went. Their tenant sees them gone from
+    the moment they expire (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3
+    refuses to delete stays to the next run, as a tenant's delete refused does.
+
+    NOTE: one page a run (100 files a minute) left a backlog that only grew once files expired faster than that, each
+    kept in S3 and counted against its tenant's storage quota, though gone to them."""
+    deadline = time.monotonic() + budget_s
     num_deleted = 0
-    for file in expired:
-        try:
-            num_deleted += delete_file(file)
-        except Refused:
-            continue  # read by a batch opened since the query: deleted once it ends
-        except (BotoCoreError, ClientError):
-            logger.exception("could not delete the expired file %s: S3 refused or failed; the next sweep tries again",
-                             file.pk)
-            break
-    return num_deleted
+    while True:
+        # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
+        # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
+        expired = list(File.objects.filter(expires_at__lte=Now(), deleted_at__isnull=True, stored_at__isnull=False)
+                       .exclude(pk__in=Batch.objects.open().values("input_file_id"))
+                       .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+        for file in expired:
+            try:
+                num_deleted += delete_file(file)
+            except Refused:
+                continue  # read by a batch opened since the query: deleted once it ends
+            except (BotoCoreError, ClientError):
+                logger.exception("could not delete the expired file %s: S3 refused or failed; the next sweep tries "
+                                 "again", file.pk)
+                return num_deleted
+        if len(expired) < NUM_EXPIRED_FILES_PER_RUN or time.monotonic() >= deadline:
+            return num_deleted
 
 
 def delete_file(file: File) -> bool:

@@ -186,3 +186,16 @@ def test_an_upload_sent_again_under_its_key_with_another_expires_after_is_a_422_
                                 extra_headers={"Idempotency-Key": "upload-1"})
     assert (again.id, again.expires_at) == (kept.id, None)
     assert [f.id for f in client.files.list()] == [kept.id]
+
+
+def test_one_sweep_deletes_every_expired_file_not_only_its_first_page(files_bucket, monkeypatch):
+    """Before: 100 files a run, every 60 s: uploads expiring faster than 100 a minute (all tenants together) left a
+    backlog that only grew, each file gone to its tenant but kept in S3 and counted against its storage quota."""
+    monkeypatch.setattr(services, "NUM_EXPIRED_FILES_PER_RUN", 2)
+    endpoint = EndpointFactory(max_model_len=2048)
+    expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
+                                    stream=io.BytesIO(LINES), size=len(LINES)) for n in range(5)]
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    assert services.sweep_expired_files() == 5
+    assert bucket_objects(files_bucket) == {}
