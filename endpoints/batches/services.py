@@ -328,11 +328,15 @@ def sweep_incomplete_uploads(now=None) -> int:
 
 NUM_EXPIRED_FILES_PER_RUN = 100  # a page: the run takes pages until none is full or its time is up
 EXPIRED_FILES_SWEEP_S = 45.0  # under the beat's 60 s: two runs do not overlap
+# How long past its `expires_at` a file is deleted: a batch created from it an instant before it expired (its lookup
+# passed, its row not yet committed) is open by then, and its input kept for it.
+EXPIRED_FILES_GRACE = timedelta(minutes=5)
 
 
 def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
-    `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`; returns how many went. Their tenant sees them gone from
+    `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`, `EXPIRED_FILES_GRACE` after they expired; returns how
+    many went. Their tenant sees them gone from
     the moment they expire (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3
     refuses to delete stays to the next run, as a tenant's delete refused does.
 
@@ -343,7 +347,9 @@ def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     while True:
         # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
         # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
-        expired = list(File.objects.filter(expires_at__lte=Now(), deleted_at__isnull=True, stored_at__isnull=False)
+        # NOTE: deleted the moment it expired, a file was deleted under a batch created from it then, answered 200
+        expired = list(File.objects.filter(expires_at__lte=Now() - EXPIRED_FILES_GRACE, deleted_at__isnull=True,
+                                           stored_at__isnull=False)
                        .exclude(pk__in=Batch.objects.open().values("input_file_id"))
                        .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
         for file in expired:

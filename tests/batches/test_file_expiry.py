@@ -34,8 +34,8 @@ def web(files_bucket, transactional_db, tmp_path, web_zygote):
 
 
 def _expire(file_id: str) -> None:
-    """The clock past the file's expiry (its `expires_at` moved back to a minute ago)."""
-    File.objects.filter(pk=file_id).update(expires_at=timezone.now() - timedelta(minutes=1))
+    """The clock past the file's expiry and the sweep's grace (its `expires_at` moved back to an hour ago)."""
+    File.objects.filter(pk=file_id).update(expires_at=timezone.now() - timedelta(hours=1))
 
 
 def test_a_file_uploaded_with_expires_after_is_gone_once_it_expires_and_its_bytes_are_deleted(
@@ -147,7 +147,7 @@ def test_expired_files_open_batches_still_read_hold_back_no_other_expired_file(f
     _expire(batch.input_file_id)  # expired first, but read by its open batch
     later = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="later.jsonl",
                                  stream=io.BytesIO(LINES), size=len(LINES))
-    File.objects.filter(pk=later.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    _expire(later.pk)
 
     assert services.sweep_expired_files() == 1
     assert File.objects.get(pk=later.pk).deleted_at is not None
@@ -195,7 +195,38 @@ def test_one_sweep_deletes_every_expired_file_not_only_its_first_page(files_buck
     endpoint = EndpointFactory(max_model_len=2048)
     expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
                                     stream=io.BytesIO(LINES), size=len(LINES)) for n in range(5)]
-    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(seconds=1))
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(hours=1))
 
     assert services.sweep_expired_files() == 5
     assert bucket_objects(files_bucket) == {}
+
+
+def test_a_batch_created_as_its_input_expires_keeps_its_input_until_it_ends(files_bucket, monkeypatch):
+    """Before: the sweep deleted a file the moment it expired. A batch created from it an instant before (its lookup
+    passed, its row not yet committed) was answered 200, then failed: its input deleted under it."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    data = json.dumps(line).encode() + b"\n"
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    member = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    checked = services._refuse_a_model_of_another_task
+
+    def expiring_meanwhile(*args, **kwargs):  # between the creation's lookup of its input and its batch's commit
+        checked(*args, **kwargs)
+        File.objects.filter(pk=input_file.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+        services.sweep_expired_files()
+
+    monkeypatch.setattr(services, "_refuse_a_model_of_another_task", expiring_meanwhile)
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None)
+    monkeypatch.undo()
+
+    assert File.objects.get(pk=input_file.pk).deleted_at is None
+    assert input_file.s3_key in bucket_objects(files_bucket)
+    _expire(input_file.pk)
+    assert services.sweep_expired_files() == 0  # its batch, open, still reads it
+    assert Batch.objects.get(pk=batch.pk).status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
