@@ -183,7 +183,7 @@ def _upload(request, caller: Caller) -> HttpResponse:
             purpose = _upload_purpose(request, storing)
             expires_after = _upload_expiry(request)
             if claim is not None:
-                claim.request_digest = _upload_digest(request, purpose, storing)
+                claim.request_digest = _upload_digest(request, purpose, storing, expires_after)
             file = storing.finish(claim=claim, expires_after=expires_after)
         except BaseException:
             storing.abandon()
@@ -209,9 +209,16 @@ def _upload_expiry(request):
         raise _refusal(exc) from None
 
 
-def _upload_digest(request, purpose: str, parsed: uploads.FileDigest) -> str:
-    """What an upload asks for, under its idempotency key: its file's bytes and purpose."""
-    return idempotency.request_digest(request.method, request.path, purpose, parsed.digest)
+def _upload_digest(request, purpose: str, parsed: uploads.FileDigest, expires_after=None) -> str:
+    """What an upload asks for, under its idempotency key: its file's bytes, purpose and `expires_after` (only when
+    sent: a key an upload without one saved, the release before's too, matches as before).
+
+    NOTE: the expiry was left out: the same bytes sent again under the key asking to expire in an hour were answered
+    the first upload's file, kept for good."""
+    if expires_after is None:
+        return idempotency.request_digest(request.method, request.path, purpose, parsed.digest)
+    return idempotency.request_digest(request.method, request.path, purpose, parsed.digest,
+                                      str(int(expires_after.total_seconds())))
 
 
 def _replay_upload(request, saved: idempotency.Saved) -> HttpResponse:
@@ -219,7 +226,7 @@ def _replay_upload(request, saved: idempotency.Saved) -> HttpResponse:
     parsed = uploads.FileDigest.handle(request)
     request.FILES  # noqa: B018 - parses the body, the file part only hashed
     purpose = _upload_purpose(request, parsed)
-    return _replayed(saved, _upload_digest(request, purpose, parsed))
+    return _replayed(saved, _upload_digest(request, purpose, parsed, _upload_expiry(request)))
 
 
 def _replayed(saved: idempotency.Saved, digest: str) -> HttpResponse:

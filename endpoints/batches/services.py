@@ -149,7 +149,8 @@ def file_expiry(anchor: object, seconds: object, *, param: str = "expires_after"
         return None
     if anchor != "created_at":
         raise Refused(f"{param}.anchor must be 'created_at'.", param=param)
-    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit():
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit() and len(seconds) <= 9:
+        # NOTE: no `int()` of more digits: past 4,300 it raises ValueError (Python's limit), and that was a 500
         seconds = int(seconds)
     low, high = FILE_EXPIRY_S
     if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:
@@ -325,29 +326,43 @@ def sweep_incomplete_uploads(now=None) -> int:
     return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
-NUM_EXPIRED_FILES_PER_RUN = 100
+NUM_EXPIRED_FILES_PER_RUN = 100  # a page: the run takes pages until none is full or its time is up
+EXPIRED_FILES_SWEEP_S = 45.0  # under the beat's 60 s: two runs do not overlap
+# How long past its `expires_at` a file is deleted: a batch created from it an instant before it expired (its lookup
+# passed, its row not yet committed) is open by then, and its input kept for it.
+EXPIRED_FILES_GRACE = timedelta(minutes=5)
 
 
-def sweep_expired_files() -> int:
-    """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), up to
-    `NUM_EXPIRED_FILES_PER_RUN` a run; returns how many went. Their tenant sees them gone from the moment they expire
-    (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3 refuses to delete stays to
-    the next run, as a tenant's delete refused does."""
-    # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one back
-    expired = (File.objects.filter(expires_at__lte=Now(), deleted_at__isnull=True, stored_at__isnull=False)
-               .exclude(pk__in=Batch.objects.open().values("input_file_id"))
-               .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
+    """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
+    `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`, `EXPIRED_FILES_GRACE` after they expired; returns how
+    many went. Their tenant sees them gone from
+    the moment they expire (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3
+    refuses to delete stays to the next run, as a tenant's delete refused does.
+
+    NOTE: one page a run (100 files a minute) left a backlog that only grew once files expired faster than that, each
+    kept in S3 and counted against its tenant's storage quota, though gone to them."""
+    deadline = time.monotonic() + budget_s
     num_deleted = 0
-    for file in expired:
-        try:
-            num_deleted += delete_file(file)
-        except Refused:
-            continue  # read by a batch opened since the query: deleted once it ends
-        except (BotoCoreError, ClientError):
-            logger.exception("could not delete the expired file %s: S3 refused or failed; the next sweep tries again",
-                             file.pk)
-            break
-    return num_deleted
+    while True:
+        # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
+        # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
+        # NOTE: deleted the moment it expired, a file was deleted under a batch created from it then, answered 200
+        expired = list(File.objects.filter(expires_at__lte=Now() - EXPIRED_FILES_GRACE, deleted_at__isnull=True,
+                                           stored_at__isnull=False)
+                       .exclude(pk__in=Batch.objects.open().values("input_file_id"))
+                       .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+        for file in expired:
+            try:
+                num_deleted += delete_file(file)
+            except Refused:
+                continue  # read by a batch opened since the query: deleted once it ends
+            except (BotoCoreError, ClientError):
+                logger.exception("could not delete the expired file %s: S3 refused or failed; the next sweep tries "
+                                 "again", file.pk)
+                return num_deleted
+        if len(expired) < NUM_EXPIRED_FILES_PER_RUN or time.monotonic() >= deadline:
+            return num_deleted
 
 
 def delete_file(file: File) -> bool:
@@ -425,7 +440,8 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
                       "NUL characters or lone surrogates).", param="metadata")
     if output_expires_after is not None and not isinstance(output_expires_after, dict):
         raise Refused("output_expires_after must be an object with 'anchor' and 'seconds'.", param="output_expires_after")
-    outputs_live = file_expiry((output_expires_after or {}).get("anchor"), (output_expires_after or {}).get("seconds"),
+    # NOTE: an object without its anchor (`{}`) is refused as OpenAI does: taken as none sent, the outputs were kept for good
+    outputs_live = file_expiry(output_expires_after.get("anchor") or "", output_expires_after.get("seconds"),
                                param="output_expires_after") if output_expires_after is not None else None
     input_file = File.objects.for_org(organization_id).named(input_file_id).first()
     if input_file is None:

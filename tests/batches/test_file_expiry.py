@@ -34,8 +34,8 @@ def web(files_bucket, transactional_db, tmp_path, web_zygote):
 
 
 def _expire(file_id: str) -> None:
-    """The clock past the file's expiry (its `expires_at` moved back to a minute ago)."""
-    File.objects.filter(pk=file_id).update(expires_at=timezone.now() - timedelta(minutes=1))
+    """The clock past the file's expiry and the sweep's grace (its `expires_at` moved back to an hour ago)."""
+    File.objects.filter(pk=file_id).update(expires_at=timezone.now() - timedelta(hours=1))
 
 
 def test_a_file_uploaded_with_expires_after_is_gone_once_it_expires_and_its_bytes_are_deleted(
@@ -125,6 +125,7 @@ def test_a_batchs_output_files_expire_as_its_output_expires_after_asks_and_are_d
 
 @pytest.mark.parametrize("output_expires_after", [
     {"anchor": "created_at", "seconds": 10}, {"anchor": "created_at", "seconds": True}, {"seconds": 3600}, "1h",
+    {}, {"anchor": None, "seconds": None},  # before: taken as no expiry at all, the outputs kept for good
 ])
 def test_a_batch_with_an_output_expires_after_out_of_bounds_is_a_400_naming_it(
         web, tenant, files_bucket, output_expires_after):
@@ -146,9 +147,86 @@ def test_expired_files_open_batches_still_read_hold_back_no_other_expired_file(f
     _expire(batch.input_file_id)  # expired first, but read by its open batch
     later = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="later.jsonl",
                                  stream=io.BytesIO(LINES), size=len(LINES))
-    File.objects.filter(pk=later.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    _expire(later.pk)
 
     assert services.sweep_expired_files() == 1
     assert File.objects.get(pk=later.pk).deleted_at is not None
     assert later.s3_key not in bucket_objects(files_bucket)
     assert File.objects.get(pk=batch.input_file_id).deleted_at is None
+
+
+def test_an_expires_after_of_thousands_of_digits_is_a_400_naming_it_not_a_500(web, tenant, files_bucket):
+    """Before: `int()` of over 4,300 digits raises ValueError (Python's limit on a string's digits): a 500."""
+    client = tenant.client(web)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": "9" * 5000})
+    assert refused.value.body["param"] == "expires_after"
+    input_file = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              extra_body={"output_expires_after": {"anchor": "created_at", "seconds": "9" * 5000}})
+    assert refused.value.body["param"] == "output_expires_after"
+    assert list(client.batches.list()) == []
+
+
+def test_an_upload_sent_again_under_its_key_with_another_expires_after_is_a_422_not_the_first_file(
+        web, tenant, files_bucket):
+    """Before: an upload's key covered its bytes and purpose only: the same bytes sent again under the key, asking to
+    expire in an hour, were answered the first upload's file, kept for good (`expires_at: null`)."""
+    client = tenant.client(web)
+    kept = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                               extra_headers={"Idempotency-Key": "upload-1"})
+    with pytest.raises(openai.UnprocessableEntityError) as reused:
+        client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600},
+                            extra_headers={"Idempotency-Key": "upload-1"})
+    assert reused.value.code == "idempotency_key_reused"
+    again = client.files.create(file=("r.jsonl", io.BytesIO(LINES)), purpose="batch",
+                                extra_headers={"Idempotency-Key": "upload-1"})
+    assert (again.id, again.expires_at) == (kept.id, None)
+    assert [f.id for f in client.files.list()] == [kept.id]
+
+
+def test_one_sweep_deletes_every_expired_file_not_only_its_first_page(files_bucket, monkeypatch):
+    """Before: 100 files a run, every 60 s: uploads expiring faster than 100 a minute (all tenants together) left a
+    backlog that only grew, each file gone to its tenant but kept in S3 and counted against its storage quota."""
+    monkeypatch.setattr(services, "NUM_EXPIRED_FILES_PER_RUN", 2)
+    endpoint = EndpointFactory(max_model_len=2048)
+    expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
+                                    stream=io.BytesIO(LINES), size=len(LINES)) for n in range(5)]
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(hours=1))
+
+    assert services.sweep_expired_files() == 5
+    assert bucket_objects(files_bucket) == {}
+
+
+def test_a_batch_created_as_its_input_expires_keeps_its_input_until_it_ends(files_bucket, monkeypatch):
+    """Before: the sweep deleted a file the moment it expired. A batch created from it an instant before (its lookup
+    passed, its row not yet committed) was answered 200, then failed: its input deleted under it."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    data = json.dumps(line).encode() + b"\n"
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    member = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    checked = services._refuse_a_model_of_another_task
+
+    def expiring_meanwhile(*args, **kwargs):  # between the creation's lookup of its input and its batch's commit
+        checked(*args, **kwargs)
+        File.objects.filter(pk=input_file.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+        services.sweep_expired_files()
+
+    monkeypatch.setattr(services, "_refuse_a_model_of_another_task", expiring_meanwhile)
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None)
+    monkeypatch.undo()
+
+    assert File.objects.get(pk=input_file.pk).deleted_at is None
+    assert input_file.s3_key in bucket_objects(files_bucket)
+    _expire(input_file.pk)
+    assert services.sweep_expired_files() == 0  # its batch, open, still reads it
+    assert Batch.objects.get(pk=batch.pk).status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)

@@ -1,5 +1,5 @@
 # File.expires_at and Batch.output_expires_after_s (OpenAI's expires_after and output_expires_after): nullable, so
-# the release before reads and writes rows as it did.
+# the release before reads and writes rows as it did. Their index, file_expiring, is built CONCURRENTLY by 0012.
 
 from django.db import migrations, models
 
@@ -8,7 +8,6 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('batches', '0010_batch_line_concurrency'),
-        ('controlplane', '0016_revoke_what_roles_may_not_hold_again'),
     ]
 
     operations = [
@@ -21,9 +20,5 @@ class Migration(migrations.Migration):
             model_name='file',
             name='expires_at',
             field=models.DateTimeField(blank=True, null=True),
-        ),
-        migrations.AddIndex(
-            model_name='file',
-            index=models.Index(condition=models.Q(('deleted_at__isnull', True), ('expires_at__isnull', False)), fields=['expires_at'], name='file_expiring'),
         ),
     ]
