@@ -8,7 +8,7 @@ import secrets
 import httpx
 import pytest
 
-from controlplane import access_log
+from controlplane import access_log, credential_lookups
 from controlplane.accounts.models import ApiKey
 from endpoints.gateway import directory
 from endpoints.gateway.app import Gateway
@@ -280,3 +280,53 @@ def test_an_endpoint_cached_but_stale_is_served_while_every_lookup_slot_is_taken
 
     assert asyncio.run(scenario()).name == "support-chat"
     assert endpoint_loads == ["support-chat", "support-chat"]
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_call_naming_a_model_never_seen_while_every_lookup_slot_is_taken_gets_openais_503(
+        endpoint_loads, tenant, method):
+    # What the client reads of it: OpenAI's shape, `retry-after` (the openai clients retry it), the call logged as a
+    # 503, never a 500 nor a call held for as long as the flood lasts.
+    access_log.prepare()
+    slots = directory._endpoints._load_slots
+    sent = []
+
+    async def receive():
+        body = json.dumps({"model": "never-seen", "messages": MESSAGES}).encode() if method == "POST" else b""
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "path": "/v1/models/never-seen" if method == "GET" else "/v1/chat/completions",
+        "method": method,
+        "client": ("203.0.113.9", 4000),
+        "headers": [(b"authorization", f"Bearer {tenant.key}".encode()), (b"content-type", b"application/json")],
+    }
+
+    async def scenario():
+        release = asyncio.Event()
+        held = []
+
+        async def hold():
+            async with slots.held_async():
+                held.append(1)
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        while len(held) < slots.max_concurrent:
+            await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(Gateway(fallback=None)._handle(scope, receive, send), credential_lookups.WAIT_S + 3)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    asyncio.run(scenario())
+    headers = dict(sent[0]["headers"])
+    error = json.loads(sent[1]["body"])["error"]
+    assert (sent[0]["status"], error["type"], error["code"]) == (503, "server_error", "service_unavailable")
+    assert headers[b"retry-after"] == b"1"
+    assert endpoint_loads == []
