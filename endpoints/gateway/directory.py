@@ -21,7 +21,7 @@ from decimal import Decimal
 from django.conf import settings
 
 from controlplane.clock import DatabaseClock, database_time_ago
-from controlplane.credential_lookups import ExpiringSet
+from controlplane.credential_lookups import WAIT_S, ExpiringSet, LookupsBusy
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
@@ -37,8 +37,10 @@ KNOWN_ENDPOINTS_MAX = 100_000
 # Unknown (organisation, name) pairs remembered per process: each at most ~1 KB (a name is at most
 # `request.MAX_MODEL_NAME` characters), so a few MB at most.
 UNKNOWN_ENDPOINTS_MAX = 4096
-# Endpoints looked up in PostgreSQL at once per gateway process (as API keys are: `auth.MAX_KEY_LOOKUPS`).
+# Endpoints looked up in PostgreSQL at once per gateway process (as API keys are: `auth.MAX_KEY_LOOKUPS`), and how
+# long a name never seen waits for one of them before its call gets a 503 with Retry-After (as a key's lookup).
 MAX_ENDPOINT_LOOKUPS = 4
+ENDPOINT_LOOKUP_WAIT_S = WAIT_S
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,7 +197,8 @@ def keep_unwritten_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> Non
 
 
 _endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S, max_entries=KNOWN_ENDPOINTS_MAX,
-                  max_concurrent_loads=MAX_ENDPOINT_LOOKUPS, merge=_keep_learned_factor)
+                  max_concurrent_loads=MAX_ENDPOINT_LOOKUPS, load_wait_s=ENDPOINT_LOOKUP_WAIT_S,
+                  merge=_keep_learned_factor)
 # (organisation, name) that named no live endpoint, for as long as a cached endpoint is trusted: a name sent again
 # costs no query; a flood of different ones pushes out only each other. An endpoint created since is found once its
 # name's entry expires, as a change to a cached one is.
@@ -206,7 +209,13 @@ async def find_endpoint(organization_id: int, name: str) -> EndpointInfo | None:
     key = (organization_id, name)
     if key in _unknown_endpoints:
         return None
-    endpoint = await _endpoints.get(key, organization_id, name)
+    try:
+        endpoint = await _endpoints.get(key, organization_id, name)
+    except LookupsBusy:
+        # NOTE: a name never seen (nor cached) waited for a lookup slot for as long as a flood of made-up names held
+        # them all: every tenant's first call to an endpoint not yet cached with it. Not remembered as unknown (it was
+        # never looked up), and not logged (a flood's each: `memo._note_failure`). A cached endpoint takes no slot.
+        raise errors.service_unavailable("Too many model names are being looked up at once; please retry.") from None
     if endpoint is None:
         _endpoints.forget(key)
         _unknown_endpoints.add(key)

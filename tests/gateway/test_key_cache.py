@@ -191,3 +191,36 @@ def test_a_key_never_seen_waits_briefly_for_a_lookup_slot_then_gets_a_503(lookup
         asyncio.run(scenario())
     assert refused.value.status == 503 and refused.value.headers["retry-after"] == "1"
     assert lookups == []
+
+
+def test_a_key_cached_but_stale_is_served_while_every_lookup_slot_is_taken(lookups):
+    # A key already cached, even long past its TTL and stale grace, is reloaded without a slot: a flood of made-up keys
+    # (each its caller's 503) never refuses a tenant whose key the process knows.
+    plain = _real_key()
+    slots = auth._callers_by_key._load_slots
+
+    async def scenario():
+        first = await auth.caller_from_key(plain)
+        digest = keys.API_KEY_LOOKUPS.digest(plain)
+        entry = auth._callers_by_key.entries[digest]
+        auth._callers_by_key.entries[digest] = (entry[0] - 3600, *entry[1:])
+        release = asyncio.Event()
+        held = []
+
+        async def hold():
+            async with slots.held_async():
+                held.append(1)
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        while len(held) < slots.max_concurrent:
+            await asyncio.sleep(0)
+        try:
+            return first, await asyncio.wait_for(auth.caller_from_key(plain), 1)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    first, again = asyncio.run(scenario())
+    assert again is not None and again.organization_id == first.organization_id
+    assert lookups == [plain, plain]

@@ -8,7 +8,7 @@ import secrets
 import httpx
 import pytest
 
-from controlplane import access_log
+from controlplane import access_log, credential_lookups
 from controlplane.accounts.models import ApiKey
 from endpoints.gateway import directory
 from endpoints.gateway.app import Gateway
@@ -201,3 +201,132 @@ def test_a_key_past_its_limit_is_refused_before_any_name_is_looked_up(endpoint_l
         assert int(headers[b"retry-after"]) >= 1
         assert headers[b"x-ratelimit-limit-requests"] == b"1" and headers[b"x-ratelimit-remaining-requests"] == b"0"
     assert endpoint_loads == ["support-chat", "first-made-up"]
+
+
+def test_a_name_never_seen_waits_briefly_for_a_lookup_slot_then_gets_a_503(endpoint_loads, caplog):
+    # NOTE: the endpoint cache's bound on lookups (`MAX_ENDPOINT_LOOKUPS`) had no wait limit: behind a flood of made-up
+    # names (any key may send them, from as many organisations as sign-up allows), every tenant's first call to an
+    # endpoint not yet cached queued for as long as the flood lasted, never the 503 with Retry-After a key lookup gets.
+    from controlplane.credential_lookups import WAIT_S
+    from endpoints.gateway import errors
+
+    slots = directory._endpoints._load_slots
+    busy: list = []
+
+    async def scenario():
+        held = asyncio.Event()
+        release = asyncio.Event()
+
+        async def hold():
+            async with slots.held_async():
+                busy.append(1)
+                if len(busy) == slots.max_concurrent:
+                    held.set()
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        await held.wait()
+        try:
+            return await asyncio.wait_for(directory.find_endpoint(1, "never-seen"), WAIT_S + 3)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    caplog.set_level("INFO")
+    with pytest.raises(errors.OpenAIError) as refused:
+        asyncio.run(scenario())
+    assert refused.value.status == 503 and refused.value.headers["retry-after"] == "1"
+    assert refused.value.code == "service_unavailable"
+    assert endpoint_loads == []
+    assert not [record for record in caplog.records if record.levelno >= 30]  # a flood's refusals log nothing
+    # not remembered as unknown (it was never looked up): once a slot is free it is looked up, and then remembered
+    assert (1, "never-seen") not in directory._unknown_endpoints
+
+    async def again():
+        return [await directory.find_endpoint(1, "never-seen") for _ in range(3)]
+
+    assert asyncio.run(again()) == [None] * 3
+    assert endpoint_loads == ["never-seen"]
+
+
+def test_an_endpoint_cached_but_stale_is_served_while_every_lookup_slot_is_taken(endpoint_loads, monkeypatch):
+    # An endpoint already cached, even past its stale grace, is reloaded without a slot: a flood of made-up names never
+    # refuses a known model's call.
+    endpoint = EndpointFactory(name="support-chat")
+    organization_id = endpoint.organization_id
+    slots = directory._endpoints._load_slots
+
+    async def scenario():
+        assert (await directory.find_endpoint(organization_id, "support-chat")).name == "support-chat"
+        key = (organization_id, "support-chat")
+        started, value = directory._endpoints.entries[key]
+        directory._endpoints.entries[key] = (started - 3600, value)  # long past its TTL and stale grace
+        release = asyncio.Event()
+        held = []
+
+        async def hold():
+            async with slots.held_async():
+                held.append(1)
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        while len(held) < slots.max_concurrent:
+            await asyncio.sleep(0)
+        try:
+            return await asyncio.wait_for(directory.find_endpoint(organization_id, "support-chat"), 1)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    assert asyncio.run(scenario()).name == "support-chat"
+    assert endpoint_loads == ["support-chat", "support-chat"]
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_call_naming_a_model_never_seen_while_every_lookup_slot_is_taken_gets_openais_503(
+        endpoint_loads, tenant, method):
+    # What the client reads of it: OpenAI's shape, `retry-after` (the openai clients retry it), the call logged as a
+    # 503, never a 500 nor a call held for as long as the flood lasts.
+    access_log.prepare()
+    slots = directory._endpoints._load_slots
+    sent = []
+
+    async def receive():
+        body = json.dumps({"model": "never-seen", "messages": MESSAGES}).encode() if method == "POST" else b""
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "path": "/v1/models/never-seen" if method == "GET" else "/v1/chat/completions",
+        "method": method,
+        "client": ("203.0.113.9", 4000),
+        "headers": [(b"authorization", f"Bearer {tenant.key}".encode()), (b"content-type", b"application/json")],
+    }
+
+    async def scenario():
+        release = asyncio.Event()
+        held = []
+
+        async def hold():
+            async with slots.held_async():
+                held.append(1)
+                await release.wait()
+
+        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
+        while len(held) < slots.max_concurrent:
+            await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(Gateway(fallback=None)._handle(scope, receive, send), credential_lookups.WAIT_S + 3)
+        finally:
+            release.set()
+            await asyncio.gather(*holders)
+
+    asyncio.run(scenario())
+    headers = dict(sent[0]["headers"])
+    error = json.loads(sent[1]["body"])["error"]
+    assert (sent[0]["status"], error["type"], error["code"]) == (503, "server_error", "service_unavailable")
+    assert headers[b"retry-after"] == b"1"
+    assert endpoint_loads == []
