@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
-from controlplane.accounts.backends import normalize_email
+from controlplane.accounts.backends import normalize_email, same_address
 from controlplane.accounts.members import (
     NotPermitted,
     ensure_admin,
@@ -32,7 +32,7 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, record_audit
-from controlplane.text import one_line
+from controlplane.text import one_line, shown_name
 
 INVITATION_SALT = "inferplane.invitation"
 INVITATION_TTL = timedelta(days=7)
@@ -198,8 +198,8 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
     """Why `user` may not accept `invitation` now, in words for that user; None if they may (or did)."""
     if user is None or not email_is_verified(user):
         return "Verify your email address before accepting an invitation."
-    if invitation.email.lower() != user.email.lower():
-        return (f"This invitation was sent to another email address than yours ({user.email}). "
+    if not same_address(invitation.email, user.email):
+        return (f"This invitation was sent to another email address than yours ({shown_name(user.email)}). "
                 "Log in with the address it was sent to.")
     if invitation.accepted_at is not None:
         if invitation.accepted_by_id != user.pk:
