@@ -11,9 +11,12 @@ authenticator gets its enrolment code from the users' "Issue an enrolment code" 
 (`second_factor.issue_staff_enrolment_code`), shown once to the staff member who issued it.
 """
 
+import json
+
 from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
+from django.core.serializers.json import DjangoJSONEncoder
 from django.template.response import TemplateResponse
 
 from controlplane.accounts.backends import normalize_email
@@ -216,8 +219,8 @@ class ApiKeyAdmin(ReadOnlyAdmin):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "action", "organization", "actor", "target_repr_shown", "source_ip"]
-    shown_names = ("target_repr",)
+    list_display = ["created_at", "action", "organization", "actor_shown", "target_repr_shown", "source_ip"]
+    shown_names = ("actor", "target_repr", "details")
     list_filter = ["action"]
     search_fields = ["action", "target_repr", "organization__slug", "actor__email"]
     list_select_related = ["organization", "actor"]
@@ -227,3 +230,15 @@ class AuditEventAdmin(ReadOnlyAdmin):
     def target_repr_shown(self, event) -> str:
         # NOTE: one recorded before `ApiKey.__str__` escaped a key's name kept its direction override
         return shown_name(event.target_repr)
+
+    # NOTE: an account's address (its username too) stored before `normalize_email` refused format characters kept its
+    # direction override here, as in the event's details (an accepted invitation's `email`, an organisation's `owner`),
+    # which the API shows escaped (`serializers.AuditEventSerializer`).
+    @admin.display(description="actor", ordering="actor__username")
+    def actor_shown(self, event) -> str:
+        return shown_name(str(event.actor)) if event.actor is not None else "-"
+
+    @admin.display(description="details")
+    def details_shown(self, event) -> str:
+        # NOTE: Django's JSON, hidden characters then escaped as JSON escapes them (`\u202e`): still the same JSON
+        return shown_name(json.dumps(event.details, ensure_ascii=False, cls=DjangoJSONEncoder))
