@@ -36,3 +36,14 @@ def test_another_address_is_still_refused():
     invitation = invitations.invite_member(services.Actor(user=admin), organization, email="ada@example.test",
                                            role=Role.MEMBER)
     assert invitations.invitation_refusal(invitation, other) is not None
+
+
+def test_a_member_stored_unfolded_is_not_invited_again():
+    organization = OrganizationFactory()
+    admin = UserFactory()
+    MembershipFactory(organization=organization, user=admin, role=Role.OWNER)
+    old = UserFactory(username="ada@example.test", email="ada@\uff45xample.test")
+    MembershipFactory(organization=organization, user=old, role=Role.MEMBER)
+    with pytest.raises(invitations.AlreadyInvited, match="already a member"):
+        invitations.invite_member(services.Actor(user=admin), organization, email="ada@\uff45xample.test",
+                                  role=Role.MEMBER)

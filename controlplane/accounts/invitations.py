@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import transaction
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
@@ -95,7 +96,10 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_in_a_session(actor, "email")
     _ensure_admin(actor, organization, "email")
     ensure_may_touch_owner_role(actor, organization, role)
-    if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
+    # NOTE: or by its username: an account's address stored before `normalize_email` folded NFKC (`ada@\uff45xample
+    # .test`) has its username folded (Django's `normalize_username`), and the address typed is folded now
+    if Membership.objects.filter(Q(user__email__iexact=email) | Q(user__username__iexact=email),
+                                 organization=organization).exists():
         raise AlreadyInvited("email", "This person is already a member; change their role in the table.")
     if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
         raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
