@@ -11,9 +11,12 @@ authenticator gets its enrolment code from the users' "Issue an enrolment code" 
 (`second_factor.issue_staff_enrolment_code`), shown once to the staff member who issued it.
 """
 
+import json
+
 from django.contrib import admin, messages
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
+from django.core.serializers.json import DjangoJSONEncoder
 from django.template.response import TemplateResponse
 
 from controlplane.accounts.backends import normalize_email
@@ -47,6 +50,17 @@ class UserChangeForm(auth_admin.UserChangeForm):
 class UserAdmin(auth_admin.UserAdmin):
     form = UserChangeForm
     actions = ["issue_enrolment_code"]
+    # NOTE: an address (an account's username is its address) stored before `normalize_email` refused format
+    # characters is listed escaped (`text.shown_name`): its direction override reordered the list for staff
+    list_display = ["username_shown", "email_shown", "first_name", "last_name", "is_staff"]
+
+    @admin.display(description="username", ordering="username")
+    def username_shown(self, user) -> str:
+        return shown_name(user.username)
+
+    @admin.display(description="email address", ordering="email")
+    def email_shown(self, user) -> str:
+        return shown_name(user.email)
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -182,7 +196,8 @@ class OrganizationAdmin(ReadOnlyAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(ReadOnlyAdmin):
-    list_display = ["name_shown", "organization", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    list_display = ["name_shown", "organization", "created_by_shown", "created_at", "expires_at", "revoked_at",
+                    "last_used_at"]
     list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name", "organization__slug", "created_by__email"]
     list_select_related = ["organization", "created_by"]
@@ -196,6 +211,10 @@ class ApiKeyAdmin(ReadOnlyAdmin):
     @admin.display(description="name", ordering="name")
     def name_shown(self, key) -> str:
         return shown_name(key.name)
+
+    @admin.display(description="created by", ordering="created_by__username")
+    def created_by_shown(self, key) -> str:  # NOTE: as `AuditEventAdmin.actor_shown`
+        return shown_name(str(key.created_by)) if key.created_by is not None else "-"
 
     # NOTE: `permissions` is what makes Django ask `has_revoke_permission`: without it any staff member who may
     # view keys could revoke every tenant's.
@@ -216,8 +235,8 @@ class ApiKeyAdmin(ReadOnlyAdmin):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "action", "organization", "actor", "target_repr_shown", "source_ip"]
-    shown_names = ("target_repr",)
+    list_display = ["created_at", "action", "organization", "actor_shown", "target_repr_shown", "source_ip"]
+    shown_names = ("actor", "target_repr", "details")
     list_filter = ["action"]
     search_fields = ["action", "target_repr", "organization__slug", "actor__email"]
     list_select_related = ["organization", "actor"]
@@ -227,3 +246,15 @@ class AuditEventAdmin(ReadOnlyAdmin):
     def target_repr_shown(self, event) -> str:
         # NOTE: one recorded before `ApiKey.__str__` escaped a key's name kept its direction override
         return shown_name(event.target_repr)
+
+    # NOTE: an account's address (its username too) stored before `normalize_email` refused format characters kept its
+    # direction override here, as in the event's details (an accepted invitation's `email`, an organisation's `owner`),
+    # which the API shows escaped (`serializers.AuditEventSerializer`).
+    @admin.display(description="actor", ordering="actor__username")
+    def actor_shown(self, event) -> str:
+        return shown_name(str(event.actor)) if event.actor is not None else "-"
+
+    @admin.display(description="details")
+    def details_shown(self, event) -> str:
+        # NOTE: Django's JSON, hidden characters then escaped as JSON escapes them (`\u202e`): still the same JSON
+        return shown_name(json.dumps(event.details, ensure_ascii=False, cls=DjangoJSONEncoder))

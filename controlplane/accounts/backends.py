@@ -63,6 +63,14 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     return normalized
 
 
+def same_address(one: str, other: str) -> bool:
+    """Whether two stored addresses name one mailbox as `normalize_email` folds them (NFKC, lower-cased).
+
+    NOTE: an address stored before `normalize_email` folded NFKC (`ada@\uff45xample.test`, fullwidth) is kept as it
+    was; every invitation is now stored folded, so compared raw none could ever match that account's address."""
+    return unicodedata.normalize("NFKC", one.strip()).lower() == unicodedata.normalize("NFKC", other.strip()).lower()
+
+
 def accounts_with_email(email: str):
     """Accounts known by this address: their email, or a username that is it (case-insensitive)."""
     return get_user_model()._default_manager.filter(Q(email__iexact=email.strip()) | Q(username__iexact=email.strip()))

@@ -9,12 +9,13 @@ from django.conf import settings
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import transaction
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
-from controlplane.accounts.backends import normalize_email
+from controlplane.accounts.backends import normalize_email, same_address
 from controlplane.accounts.members import (
     NotPermitted,
     ensure_admin,
@@ -32,7 +33,7 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, record_audit
-from controlplane.text import one_line
+from controlplane.text import one_line, shown_name
 
 INVITATION_SALT = "inferplane.invitation"
 INVITATION_TTL = timedelta(days=7)
@@ -95,7 +96,10 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     ensure_in_a_session(actor, "email")
     _ensure_admin(actor, organization, "email")
     ensure_may_touch_owner_role(actor, organization, role)
-    if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
+    # NOTE: or by its username: an account's address stored before `normalize_email` folded NFKC (`ada@\uff45xample
+    # .test`) has its username folded (Django's `normalize_username`), and the address typed is folded now
+    if Membership.objects.filter(Q(user__email__iexact=email) | Q(user__username__iexact=email),
+                                 organization=organization).exists():
         raise AlreadyInvited("email", "This person is already a member; change their role in the table.")
     if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
         raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
@@ -198,8 +202,8 @@ def invitation_refusal(invitation: Invitation, user) -> str | None:
     """Why `user` may not accept `invitation` now, in words for that user; None if they may (or did)."""
     if user is None or not email_is_verified(user):
         return "Verify your email address before accepting an invitation."
-    if invitation.email.lower() != user.email.lower():
-        return (f"This invitation was sent to another email address than yours ({user.email}). "
+    if not same_address(invitation.email, user.email):
+        return (f"This invitation was sent to another email address than yours ({shown_name(user.email)}). "
                 "Log in with the address it was sent to.")
     if invitation.accepted_at is not None:
         if invitation.accepted_by_id != user.pk:
