@@ -177,6 +177,37 @@ def test_a_password_reset_past_the_no_account_budget_takes_as_long_as_one_that_m
     assert abs(medians["account"] - medians["none"]) < 0.02, medians
 
 
+def test_a_password_reset_makes_the_same_redis_calls_in_the_request_whether_or_not_an_account_has_the_address(
+        client, mail_off_request, monkeypatch):
+    """An address without an account spent its no-account budget (`throttle.take`, a Redis round trip) within the
+    request, one with an account nothing of the kind: the answer's time told them apart by a round trip, the mails
+    sent off the request. The budget is now taken by the sender, off the request, as the mail is sent."""
+    import threading
+
+    from controlplane.accounts import throttle
+
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    real_take, in_request = throttle.take, []
+    request_thread = threading.current_thread()
+
+    def take(limits, subjects):
+        if threading.current_thread() is request_thread:
+            in_request.append(limits)
+        return real_take(limits, subjects)
+
+    monkeypatch.setattr(throttle, "take", take)
+    taken = {}
+    for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test")):
+        in_request.clear()
+        response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.6.0.{len(kind)}")
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        taken[kind] = list(in_request)
+
+    assert taken["account"] == taken["none"], taken
+    assert mail_off_request.wait_until_sent(5)
+    assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
+
+
 class _HalfSecondRelay(locmem.EmailBackend):
     """A relay far away, or slow to greet: half a second a message."""
 

@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.mail import EmailMessage
@@ -28,21 +29,25 @@ NUM_SENDERS = 2
 MAX_BACKLOG = 500  # mails waiting for a sender, a few KB each
 
 _lock = threading.Lock()
-_backlog: queue.Queue[tuple[EmailMessage, str]] | None = None
+_backlog: queue.Queue[tuple[EmailMessage, str, Callable[[], bool] | None]] | None = None
 _pid: int | None = None  # the process whose threads serve `_backlog` (a forked child starts its own)
 
 
-def send_later(message: EmailMessage, *, what: str) -> bool:
+def send_later(message: EmailMessage, *, what: str, only_if: Callable[[], bool] | None = None) -> bool:
     """Send `message` off this request, by a sender thread; whether it was taken (False: the backlog is full, the mail
-    dropped and logged). `what` names it in the logs (never its body: a link is a secret).
+    dropped and logged). `what` names it in the logs (never its body: a link is a secret). `only_if`, where given, is
+    asked by the sender just before it sends (a budget to spend, a Redis call): False, the mail is not sent.
+
+    NOTE: `only_if` is the sender's, not the request's: a reset without an account spent its no-account budget (a
+    Redis round trip) within the request, one with an account nothing, and the answer's time told them apart.
 
     With `settings.SEND_MAIL_IN_REQUEST` (the tests' default, where `mail.outbox` is read as the request returns) it is
     sent here, a failure logged the same."""
     if settings.SEND_MAIL_IN_REQUEST:
-        _send(message, what)
+        _send(message, what, only_if)
         return True
     try:
-        _senders().put_nowait((message, what))
+        _senders().put_nowait((message, what, only_if))
     except queue.Full:
         logger.error("dropped %s: %d mails already wait for the relay", what, MAX_BACKLOG)
         return False
@@ -64,8 +69,10 @@ def wait_until_sent(timeout_s: float) -> bool:
     return True
 
 
-def _send(message: EmailMessage, what: str) -> None:
+def _send(message: EmailMessage, what: str, only_if: Callable[[], bool] | None = None) -> None:
     try:
+        if only_if is not None and not only_if():
+            return
         message.send()
     except Exception:
         logger.exception("Failed to send %s", what)
@@ -83,9 +90,9 @@ def _senders() -> queue.Queue:
 
 def _serve(backlog: queue.Queue) -> None:
     while True:
-        message, what = backlog.get()
+        message, what, only_if = backlog.get()
         try:
-            _send(message, what)
+            _send(message, what, only_if)
         finally:
             backlog.task_done()
 
