@@ -6,6 +6,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.core import mail
+from django.core.mail import EmailMessage
 from django.core.mail.backends import locmem
 from django.core.mail.backends.base import BaseEmailBackend
 from django.test import override_settings
@@ -368,3 +369,29 @@ def test_a_process_that_stops_sends_the_reset_mails_it_took_first(tmp_path):
     written = "".join(path.read_text() for path in outbox.iterdir())
     assert sorted(line for line in written.splitlines() if line.startswith("To: ")) == [
         "To: u0@x.test", "To: u1@x.test", "To: u2@x.test"]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(EMAIL_BACKEND="tests.test_accounts._SlowRelay")
+def test_a_web_process_stopped_by_sigterm_sends_the_reset_mails_it_took_before_its_lifespan_ends(mail_off_request):
+    """A pod's stop: the worker's SIGTERM drains, uvicorn shuts down gracefully (the lifespan's shutdown last) and
+    then raises the SIGTERM again with its default action (`uvicorn.Server.capture_signals`): the process is killed,
+    `atexit` never runs, and the mails still waiting for the relay were lost, not even logged. The application's
+    lifespan shutdown now waits for them (up to `EMAIL_TIMEOUT`)."""
+    import asyncio
+
+    from controlplane.asgi import application
+
+    for n in range(4):
+        assert mail_off_request.send_later(EmailMessage("s", "b", None, [f"u{n}@x.test"]), what=f"mail {n}")
+    sent = []
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    assert sent == [{"type": "lifespan.shutdown.complete"}]
+    assert sorted(m.to[0] for m in mail.outbox) == [f"u{n}@x.test" for n in range(4)]  # before the process goes

@@ -6,7 +6,7 @@ NOTE: not a Celery task (a review dropped that design: a flood of resets with th
 slots the autoscaler and cold-start wakes need, and a worker of the release before dropped the unknown task's message
 during a rollout). These threads are the web process's own: at most `NUM_SENDERS` wait on the relay (each send bounded
 by `EMAIL_TIMEOUT`), at most `MAX_BACKLOG` mails wait for them (past it a mail is dropped and logged at ERROR, never
-held in memory without bound), and a process that stops waits up to `EMAIL_TIMEOUT` for its backlog (`atexit`), the
+held in memory without bound), and a process that stops waits up to `EMAIL_TIMEOUT` for its backlog (`send_backlog_before_stopping`: the lifespan's shutdown, `atexit`), the
 mails still waiting then logged at ERROR. A mail that fails is logged at ERROR with what it was, as the request's
 own send logged it before; it is not tried again (the asker may ask again: the form's limits allow a few)."""
 
@@ -97,7 +97,14 @@ def _serve(backlog: queue.Queue) -> None:
             backlog.task_done()
 
 
-@atexit.register
-def _send_backlog_at_exit() -> None:
+def send_backlog_before_stopping() -> None:
+    """Wait up to `EMAIL_TIMEOUT` for the mails this process took, the ones still waiting then logged at ERROR: at the
+    web application's lifespan shutdown (`controlplane.asgi`), and at exit.
+
+    NOTE: `atexit` alone never ran on a pod's stop: uvicorn raises the SIGTERM again after its graceful shutdown, with
+    its default action (`uvicorn.Server.capture_signals`), and the process is killed, the mails lost unlogged."""
     if _pid == os.getpid() and not wait_until_sent(settings.EMAIL_TIMEOUT):
         logger.error("stopping with %d mails unsent", _backlog.unfinished_tasks if _backlog is not None else 0)
+
+
+atexit.register(send_backlog_before_stopping)
