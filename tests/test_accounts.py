@@ -209,6 +209,27 @@ def test_a_password_reset_makes_the_same_redis_calls_in_the_request_whether_or_n
     assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
 
 
+def test_a_password_reset_makes_as_many_queries_whether_or_not_an_account_has_the_address(client, mail_off_request):
+    """The form looked the address's users up to choose the mail, and Django's `save` looked them up again for a link:
+    a reset with an account made one more query (a database round trip) than one without, the mails off the request:
+    the answer's time told who has an account. They are looked up once."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    client.get("/password-reset/")
+    queries = {}
+    for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test")):
+        with CaptureQueriesContext(connection) as captured:
+            response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.5.0.{len(kind)}")
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        queries[kind] = [q["sql"] for q in captured.captured_queries]
+
+    assert len(queries["account"]) == len(queries["none"]), queries
+    assert mail_off_request.wait_until_sent(5)
+    assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
+
+
 class _HalfSecondRelay(locmem.EmailBackend):
     """A relay far away, or slow to greet: half a second a message."""
 
