@@ -43,6 +43,7 @@ class RequestThreadsClosingConnections(ASGIHandler):
 django_application = RequestThreadsClosingConnections()
 
 from controlplane.access_log import AccessLog  # noqa: E402
+from controlplane.accounts.mail_sender import send_backlog_before_stopping  # noqa: E402
 from endpoints.batches.api import refuse_upload_before_its_body  # noqa: E402
 from endpoints.batches.views import console_upload_max_body_bytes  # noqa: E402
 from endpoints.gateway.app import Gateway  # noqa: E402 - needs Django set up first
@@ -51,4 +52,5 @@ application = Gateway(
     fallback=AccessLog(django_application),
     refuse_upload=refuse_upload_before_its_body,
     console_uploads={reverse("console:batches"): console_upload_max_body_bytes()},
+    at_shutdown=send_backlog_before_stopping,  # NOTE: a pod's stop never runs `atexit` (uvicorn re-raises SIGTERM)
 )

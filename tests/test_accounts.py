@@ -6,6 +6,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import MD5PasswordHasher
 from django.core import mail
+from django.core.mail import EmailMessage
 from django.core.mail.backends import locmem
 from django.core.mail.backends.base import BaseEmailBackend
 from django.test import override_settings
@@ -177,6 +178,58 @@ def test_a_password_reset_past_the_no_account_budget_takes_as_long_as_one_that_m
     assert abs(medians["account"] - medians["none"]) < 0.02, medians
 
 
+def test_a_password_reset_makes_the_same_redis_calls_in_the_request_whether_or_not_an_account_has_the_address(
+        client, mail_off_request, monkeypatch):
+    """An address without an account spent its no-account budget (`throttle.take`, a Redis round trip) within the
+    request, one with an account nothing of the kind: the answer's time told them apart by a round trip, the mails
+    sent off the request. The budget is now taken by the sender, off the request, as the mail is sent."""
+    import threading
+
+    from controlplane.accounts import throttle
+
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    real_take, in_request = throttle.take, []
+    request_thread = threading.current_thread()
+
+    def take(limits, subjects):
+        if threading.current_thread() is request_thread:
+            in_request.append(limits)
+        return real_take(limits, subjects)
+
+    monkeypatch.setattr(throttle, "take", take)
+    taken = {}
+    for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test")):
+        in_request.clear()
+        response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.6.0.{len(kind)}")
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        taken[kind] = list(in_request)
+
+    assert taken["account"] == taken["none"], taken
+    assert mail_off_request.wait_until_sent(5)
+    assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
+
+
+def test_a_password_reset_makes_as_many_queries_whether_or_not_an_account_has_the_address(client, mail_off_request):
+    """The form looked the address's users up to choose the mail, and Django's `save` looked them up again for a link:
+    a reset with an account made one more query (a database round trip) than one without, the mails off the request:
+    the answer's time told who has an account. They are looked up once."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
+    client.get("/password-reset/")
+    queries = {}
+    for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test")):
+        with CaptureQueriesContext(connection) as captured:
+            response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.5.0.{len(kind)}")
+        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        queries[kind] = [q["sql"] for q in captured.captured_queries]
+
+    assert len(queries["account"]) == len(queries["none"]), queries
+    assert mail_off_request.wait_until_sent(5)
+    assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
+
+
 class _HalfSecondRelay(locmem.EmailBackend):
     """A relay far away, or slow to greet: half a second a message."""
 
@@ -337,3 +390,29 @@ def test_a_process_that_stops_sends_the_reset_mails_it_took_first(tmp_path):
     written = "".join(path.read_text() for path in outbox.iterdir())
     assert sorted(line for line in written.splitlines() if line.startswith("To: ")) == [
         "To: u0@x.test", "To: u1@x.test", "To: u2@x.test"]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(EMAIL_BACKEND="tests.test_accounts._SlowRelay")
+def test_a_web_process_stopped_by_sigterm_sends_the_reset_mails_it_took_before_its_lifespan_ends(mail_off_request):
+    """A pod's stop: the worker's SIGTERM drains, uvicorn shuts down gracefully (the lifespan's shutdown last) and
+    then raises the SIGTERM again with its default action (`uvicorn.Server.capture_signals`): the process is killed,
+    `atexit` never runs, and the mails still waiting for the relay were lost, not even logged. The application's
+    lifespan shutdown now waits for them (up to `EMAIL_TIMEOUT`)."""
+    import asyncio
+
+    from controlplane.asgi import application
+
+    for n in range(4):
+        assert mail_off_request.send_later(EmailMessage("s", "b", None, [f"u{n}@x.test"]), what=f"mail {n}")
+    sent = []
+
+    async def receive():
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(application({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}, receive, send))
+    assert sent == [{"type": "lifespan.shutdown.complete"}]
+    assert sorted(m.to[0] for m in mail.outbox) == [f"u{n}@x.test" for n in range(4)]  # before the process goes

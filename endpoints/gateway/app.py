@@ -80,8 +80,13 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 
 class Gateway:
     def __init__(self, fallback, *, refuse_upload: Callable[..., None] | None = None,
-                 console_uploads: Mapping[str, int] | None = None):
+                 console_uploads: Mapping[str, int] | None = None, at_shutdown: Callable[[], object] | None = None):
         self.fallback = fallback
+        # Blocking work the process must finish before it goes, run in a thread at the lifespan's shutdown, alongside
+        # the journal's (given by the wiring: `accounts.mail_sender.send_backlog_before_stopping`, the reset mails
+        # taken). NOTE: uvicorn raises the SIGTERM again after the shutdown (its default action kills the process):
+        # `atexit` never runs on a pod's stop, so what waited for it was lost.
+        self._at_shutdown = at_shutdown
         # (organisation, declared bytes[, headers=an upload to /v1/files's]) -> raises `errors.OpenAIError` for an
         # upload its storage quota has no room for, or whose `Idempotency-Key` is none
         # (`endpoints.batches.api.refuse_upload_before_its_body`, given by the wiring: the batches app imports the
@@ -332,6 +337,8 @@ class Gateway:
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                at_shutdown = (asyncio.ensure_future(asyncio.to_thread(self._at_shutdown))
+                               if self._at_shutdown is not None else None)
                 await finish_pending()  # calls cut at the graceful deadline still write their usage
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,
                 # and the journal on its volume, may go before it is back (`billing.journal_shipping`).
@@ -344,6 +351,8 @@ class Gateway:
                 client = self._clients.peek()
                 if client is not None:
                     await client.close()
+                if at_shutdown is not None:
+                    await at_shutdown
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
