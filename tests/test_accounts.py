@@ -1,5 +1,5 @@
 import smtplib
-import statistics
+import threading
 import time
 
 import pytest
@@ -146,38 +146,6 @@ def mail_off_request(settings):
     assert mail_sender.wait_until_sent(10)
 
 
-@override_settings(EMAIL_BACKEND="tests.test_accounts._SlowRelay")
-def test_a_password_reset_past_the_no_account_budget_takes_as_long_as_one_that_mails_a_link(client, mail_off_request):
-    """An attacker timing the reset form (many samples, medians): past its daily no-account mails an address without
-    an account was mailed nothing and answered at once, one with an account after the relay's round trips (the test saw
-    medians about 50 ms apart): who has an account, in six resets over two hours. The mails now go off the request:
-    neither waits for the relay, and each is answered in the same time."""
-    from controlplane.accounts import throttle
-
-    num_samples = 9
-    allowed = next(limit for limit in throttle.NO_ACCOUNT_MAILS).num_attempts
-    for n in range(num_samples):
-        # NOTE: with a password: an account able to log in, mailed its link (without one, Django's form leaves it out,
-        # and it was mailed "no account", within that budget: the link's path went untimed).
-        get_user_model().objects.create_user(username=f"ceo{n}@victim.test", email=f"ceo{n}@victim.test",
-                                             password="x" * 12)
-        for _ in range(allowed):
-            throttle.take(throttle.NO_ACCOUNT_MAILS, {"email": f"nobody{n}@victim.test"})
-    took = {"account": [], "none": []}
-    for n in range(num_samples):  # interleaved, each from an address of its own (within the form's own limits)
-        for kind, email in (("account", f"ceo{n}@victim.test"), ("none", f"nobody{n}@victim.test")):
-            started = time.perf_counter()
-            response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.9.{n}.{len(kind)}")
-            took[kind].append(time.perf_counter() - started)
-            assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
-
-    assert mail_off_request.wait_until_sent(5)
-    assert sorted(m.to[0] for m in mail.outbox) == sorted(f"ceo{n}@victim.test" for n in range(num_samples))
-    medians = {kind: statistics.median(times) for kind, times in took.items()}
-    assert medians["account"] < 0.05, medians  # the relay's 50 ms is not the answer's
-    assert abs(medians["account"] - medians["none"]) < 0.02, medians
-
-
 def test_a_password_reset_makes_the_same_redis_calls_in_the_request_whether_or_not_an_account_has_the_address(
         client, mail_off_request, monkeypatch):
     """An address without an account spent its no-account budget (`throttle.take`, a Redis round trip) within the
@@ -230,34 +198,31 @@ def test_a_password_reset_makes_as_many_queries_whether_or_not_an_account_has_th
     assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
 
 
-class _HalfSecondRelay(locmem.EmailBackend):
-    """A relay far away, or slow to greet: half a second a message."""
-
-    def send_messages(self, messages):
-        time.sleep(0.5)
-        return super().send_messages(messages)
-
-
-@override_settings(EMAIL_BACKEND="tests.test_accounts._HalfSecondRelay")
-def test_a_password_reset_is_answered_at_once_whatever_the_relay_takes_and_mails_once(client, mail_off_request):
+def test_a_password_reset_is_answered_at_once_whatever_the_relay_takes_and_mails_once(client, mail_off_request,
+                                                                                      settings):
     """A web process that had mailed no reset yet (just deployed) answered every reset after `EMAIL_TIMEOUT` (10 s in
     production), mailing or not, to hide whether it mailed; one that had, after one of its recent resets' times (the
-    relay's). The mails now go off the request: every reset, the process's first too, is answered without waiting for
-    the relay, alike with an account, without one, and past the no-account budget; each mail is sent once."""
+    relay's): an attacker timing the form (medians ~50 ms apart past the no-account budget) told who has an account.
+    The mails now go off the request: every reset, the process's first too, is answered while the relay has answered
+    nothing yet, alike with an account, without one, and past the no-account budget; each mail is sent once. (That the
+    request does the same Redis calls and queries either way is the two tests below: no timing here, which a loaded
+    machine would make flaky.)"""
     from controlplane.accounts import throttle
 
+    _BlockedRelay.opened = threading.Event()
+    settings.EMAIL_BACKEND = "tests.test_accounts._BlockedRelay"
     get_user_model().objects.create_user(username="ceo@victim.test", email="ceo@victim.test", password="x" * 12)
     for _ in range(next(iter(throttle.NO_ACCOUNT_MAILS)).num_attempts):
         throttle.take(throttle.NO_ACCOUNT_MAILS, {"email": "spent@victim.test"})
-    client.get("/password-reset/")  # the process's first request's own costs, not the reset's
-    took = {}
-    for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test"), ("spent", "spent@victim.test")):
-        started = time.perf_counter()
-        response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.7.0.{len(kind)}")
-        took[kind] = time.perf_counter() - started
-        assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+    try:
+        for kind, email in (("account", "ceo@victim.test"), ("none", "nobody@victim.test"),
+                            ("spent", "spent@victim.test")):
+            response = client.post("/password-reset/", {"email": email}, REMOTE_ADDR=f"10.7.0.{len(kind)}")
+            assert (response.status_code, response["Location"]) == (302, "/password-reset/done/")
+        assert mail.outbox == []  # every reset answered, and the relay has sent nothing
+    finally:
+        _BlockedRelay.opened.set()
 
-    assert max(took.values()) < 0.25, took  # the relay takes 0.5 s a mail
     assert mail_off_request.wait_until_sent(5)
     assert sorted(m.to[0] for m in mail.outbox) == ["ceo@victim.test", "nobody@victim.test"]
     assert "/reset/" in next(m.body for m in mail.outbox if m.to == ["ceo@victim.test"])
