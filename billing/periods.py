@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,3 +31,13 @@ def period_containing(moment: datetime | None = None) -> Period:
     end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
     _latest = Period(start=start, end=end)
     return _latest
+
+
+def periods_near(slack: timedelta, moment: datetime | None = None) -> tuple[Period, ...]:
+    """The periods within `slack` of `moment` (now): its own, and the one before or after it near a month's edge."""
+    moment = (moment or datetime.now(UTC)).astimezone(UTC)
+    near: dict[str, Period] = {}
+    for at in (moment - slack, moment, moment + slack):
+        period = period_containing(at)
+        near.setdefault(period.key, period)
+    return tuple(near.values())

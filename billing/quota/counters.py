@@ -11,7 +11,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from django.conf import settings
@@ -19,7 +19,7 @@ from django.db import transaction
 
 from billing.ledger import UsageReport
 from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, BillingMode
-from billing.periods import period_containing
+from billing.periods import period_containing, periods_near
 from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend_limit
 from billing.usage_journal import encode
 from controlplane import clock
@@ -683,6 +683,22 @@ def limit_reached(organization_id: int, period_key: str, reason: str) -> bool:
     return bool(reached) and reached == cap and as_text(cap_reason or "") == reason
 
 
+# NOTE: how far this process's clock may stand from the one a gateway picks its reservations' month by
+# (`prepare_reservation`: Redis's, as its offset says); a web pod or worker refreshing limits has no offset to Redis.
+MONTH_EDGE_SLACK = timedelta(hours=1)
+
+
+def _months_in_use() -> tuple[str, ...]:
+    """The months whose counters a limits refresh writes: this process's clock's, and, within `MONTH_EDGE_SLACK` of a
+    month's end, the neighbouring one (`_UPDATE_HASH` writes only a counter that exists).
+
+    NOTE: a refresh wrote only its own clock's month: a web pod 10 minutes behind Redis at a month's end wrote a lowered
+    cap (or a hold) to the old month's counter, and the new month's, made by the gateways' first calls (by Redis's clock),
+    kept the old limits for the month; one ahead found no counter for the new month, and the old one's last minutes
+    ran on the old cap."""
+    return tuple(period.key for period in periods_near(MONTH_EDGE_SLACK))
+
+
 def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:
     """Make Redis see the organisation's changed cap, billing mode, payment standing or (`credit`)
     credit grants at once (counters stay as they are). Inside a transaction (the Django admin's), once
@@ -698,10 +714,9 @@ def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSp
     try:
         with transaction.atomic():
             account = BillingAccount.objects.select_for_update().get(pk=account.pk)
-            _UPDATE_HASH.run_sync(
-                keys=[org_period_key(account.organization_id, period_containing().key)],
-                args=[item for pair in limit_fields(account, card=card).items() for item in pair],
-            )
+            fields = [item for pair in limit_fields(account, card=card).items() for item in pair]
+            for period_key in _months_in_use():
+                _UPDATE_HASH.run_sync(keys=[org_period_key(account.organization_id, period_key)], args=fields)
             if credit:
                 get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants when next needed
             if account.limits_stale:
@@ -741,7 +756,8 @@ def refresh_key_cap(organization_id: int, api_key_id: int) -> None:
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:
     """Make Redis see a key's changed spend cap (None: no cap) at once."""
-    _UPDATE_HASH.run_sync(
-        keys=[key_period_key(organization_id, api_key_id, period_containing().key)],
-        args=["cap", str(to_units(key_cap) if key_cap is not None else -1)],
-    )
+    for period_key in _months_in_use():
+        _UPDATE_HASH.run_sync(
+            keys=[key_period_key(organization_id, api_key_id, period_key)],
+            args=["cap", str(to_units(key_cap) if key_cap is not None else -1)],
+        )

@@ -1574,6 +1574,55 @@ def test_a_gateway_behind_redis_at_a_months_end_reserves_in_the_new_month(clock)
     assert admitted.reservation.period_key == "202508"
 
 
+def test_a_cap_lowered_on_a_web_pod_behind_redis_at_a_months_end_holds_the_new_months_calls(clock):
+    # The month's counter made by a first call at $1.00, then the cap lowered to $0.05: a call of $0.10 is refused.
+    # The gateways reserve by Redis's clock (August); the web pod that lowers the cap reads its own, 10 minutes behind
+    # (never Redis's: it has no offset). Its refresh wrote July's counter only: August's, made by the gateways' first
+    # calls of the month, kept the old cap, and the tenant spent past the new one for the month.
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 600.0  # a gateway: August by Redis's clock
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+
+    clock.redis_ahead_s = 0.0  # the web pod: its own clock, July
+    _cap(organization, "0.05")
+
+    clock.redis_ahead_s = 600.0
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"), request_id="next"))
+
+
+def test_a_cap_lowered_on_a_web_pod_ahead_of_redis_at_a_months_end_holds_the_old_months_last_calls(clock):
+    # The web pod's own clock 10 minutes ahead: August by it, July by Redis's. Its refresh found no August counter to
+    # write, and July's kept the old cap for the month's last minutes.
+    organization = OrganizationFactory()
+    _cap(organization, "1.00")
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 0.0
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.01"), request_id="first"))
+
+    clock.now_at = AUGUST_0005  # the web pod
+    _cap(organization, "0.05")
+
+    clock.now_at = JULY_2355
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"), request_id="next"))
+
+
+def test_a_key_cap_lowered_on_a_web_pod_behind_redis_at_a_months_end_holds_the_new_months_calls(clock):
+    organization = OrganizationFactory()
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="k", digest="x")
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 600.0
+    set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("1.00"))
+    asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.01"), request_id="first"))
+
+    clock.redis_ahead_s = 0.0
+    set_key_spend_cap(SYSTEM, key, spend_cap=Decimal("0.05"))
+
+    clock.redis_ahead_s = 600.0
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.10"), request_id="next"))
+
+
 def test_the_sweeper_settles_a_call_reserved_before_midnight_in_the_month_its_row_finished(clock, settings):
     settings.BILLING_RESERVATION_TTL_S = 600
     endpoint, organization, key, admitted = _reserved_before_midnight("req_swept")
