@@ -230,3 +230,24 @@ def test_a_batch_created_as_its_input_expires_keeps_its_input_until_it_ends(file
     _expire(input_file.pk)
     assert services.sweep_expired_files() == 0  # its batch, open, still reads it
     assert Batch.objects.get(pk=batch.pk).status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+
+
+def test_a_sweep_under_a_slow_s3_stops_at_its_budget_not_at_the_end_of_its_page(files_bucket, monkeypatch):
+    """Before: the budget was looked at only between pages: 100 deletes of a second each (a slow S3) ran 100 s, past
+    the beat's next run (60 s), which took the same page again, the runs piling up on the workers."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
+                                    stream=io.BytesIO(LINES), size=len(LINES)) for n in range(4)]
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(hours=1))
+    clock = [1000.0]
+    monkeypatch.setattr(services.time, "monotonic", lambda: clock[0])
+    slow_delete = storage.delete
+
+    def delete_in_20_s(key):
+        clock[0] += 20
+        slow_delete(key)
+
+    monkeypatch.setattr(storage, "delete", delete_in_20_s)
+
+    assert services.sweep_expired_files() == 3  # 60 s of deletes: the third ends past 45 s, the fourth left
+    assert File.objects.filter(deleted_at__isnull=True).count() == 1
