@@ -306,8 +306,9 @@ def _closed(closing: asyncio.Future) -> None:
         logger.warning("closing a cut download's S3 body failed: %r", error)
 
 
-def delete(key: str) -> None:
-    _client().delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+def delete(key: str, *, quick: bool = False) -> None:
+    """`quick`: one try, given up within seconds (`QUICK_READ`), for a sweep that tries again on its next run."""
+    (_quick_client() if quick else _client()).delete_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
 
 
 # --- a batch's per-line results --------------------------------------------------------------

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from datetime import timedelta
 
 import openai
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.accounts.models import Role
 from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus, File
-from tests.batches.conftest import bucket_objects, new_batch
+from tests.batches.conftest import bucket_objects, new_batch, s3_stalled
 from tests.conftest import start_web_server
 from tests.factories import EndpointFactory, MembershipFactory, UserFactory
 
@@ -230,3 +232,48 @@ def test_a_batch_created_as_its_input_expires_keeps_its_input_until_it_ends(file
     _expire(input_file.pk)
     assert services.sweep_expired_files() == 0  # its batch, open, still reads it
     assert Batch.objects.get(pk=batch.pk).status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+
+
+def test_a_sweep_under_a_slow_s3_stops_at_its_budget_not_at_the_end_of_its_page(files_bucket, monkeypatch):
+    """Before: the budget was looked at only between pages: 100 deletes of a second each (a slow S3) ran 100 s, past
+    the beat's next run (60 s), which took the same page again, the runs piling up on the workers."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
+                                    stream=io.BytesIO(LINES), size=len(LINES)) for n in range(4)]
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(hours=1))
+    clock = [1000.0]
+    monkeypatch.setattr(services.time, "monotonic", lambda: clock[0])
+    slow_delete = storage.delete
+
+    def delete_in_20_s(key, **kwargs):
+        clock[0] += 20
+        slow_delete(key, **kwargs)
+
+    monkeypatch.setattr(storage, "delete", delete_in_20_s)
+
+    assert services.sweep_expired_files() == 3  # 60 s of deletes: the third ends past 45 s, the fourth left
+    assert File.objects.filter(deleted_at__isnull=True).count() == 1
+
+
+def test_a_sweep_under_a_stalled_s3_gives_up_its_delete_within_seconds(files_bucket, s3_child):
+    """Before: a delete made with the run's client (five tries, boto3's 60 s timeouts) held the sweep for minutes, each
+    beat's run (every 60 s) starting another on the workers, stuck on the same file."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="a.jsonl",
+                                stream=io.BytesIO(LINES), size=len(LINES))
+    File.objects.filter(pk=file.pk).update(expires_at=timezone.now() - timedelta(hours=1))
+    outcome = []
+
+    def sweep():
+        try:
+            outcome.append(services.sweep_expired_files())
+        finally:
+            connection.close()
+
+    with s3_stalled(s3_child):
+        sweeping = threading.Thread(target=sweep, daemon=True)
+        sweeping.start()
+        sweeping.join(20)
+        assert not sweeping.is_alive(), "the sweep still waits on S3"
+    assert outcome == [0]
+    assert File.objects.filter(pk=file.pk, deleted_at__isnull=True).exists()  # deleted by a later run

@@ -12,6 +12,16 @@ _TABLE = "batches_file"
 _INDEX = "file_expiring"
 
 
+def _drop_an_invalid_index(apps, schema_editor) -> None:
+    """The invalid index an interrupted build left, dropped CONCURRENTLY (outside a transaction: this migration is not
+    atomic). NOTE: a plain DROP INDEX (in a DO block, which cannot drop CONCURRENTLY) took an ACCESS EXCLUSIVE lock:
+    queued behind a transaction that writes files, it held every later read and write of `batches_file`."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_index WHERE indexrelid = to_regclass(%s) AND NOT indisvalid", [f'"{_INDEX}"'])
+        if cursor.fetchone() is not None:
+            cursor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{_INDEX}"')
+
+
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
@@ -30,15 +40,7 @@ class Migration(migrations.Migration):
             ],
             database_operations=[
                 # NOTE: a build that was interrupted leaves an invalid index, which IF NOT EXISTS would keep.
-                migrations.RunSQL(
-                    f"""DO $$ BEGIN
-                        IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"{_INDEX}"')
-                                   AND NOT indisvalid) THEN
-                            DROP INDEX "{_INDEX}";
-                        END IF;
-                    END $$""",
-                    reverse_sql=migrations.RunSQL.noop,
-                ),
+                migrations.RunPython(_drop_an_invalid_index, migrations.RunPython.noop),
                 migrations.RunSQL(
                     f"""CREATE INDEX CONCURRENTLY IF NOT EXISTS "{_INDEX}" ON "{_TABLE}" ("expires_at")
                         WHERE ("deleted_at" IS NULL AND "expires_at" IS NOT NULL)""",
