@@ -337,7 +337,7 @@ class Gateway:
                 writer_for_this_loop().replay_soon()  # usage a previous gateway left in the journal
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                at_shutdown = (asyncio.ensure_future(asyncio.to_thread(self._at_shutdown))
+                at_shutdown = (asyncio.ensure_future(in_worker_thread(self._at_shutdown)())
                                if self._at_shutdown is not None else None)
                 await finish_pending()  # calls cut at the graceful deadline still write their usage
                 # NOTE: what the database would not take is shipped to the files bucket if it is still down: the pod,

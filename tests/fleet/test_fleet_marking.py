@@ -150,10 +150,12 @@ def test_two_fleet_ids_of_one_label_in_one_namespace_never_sweep_release_fail_or
         placed = api_server.pods[pod(launch_ids["joining"])]
         placed["spec"]["nodeName"], placed["status"]["phase"] = node_name, "Running"
         agent_ip = f"10.0.0.{100 + number}"  # its agent's pod there, at whose IP its node registered
-        api_server.pods[f"inferplane-agent-{number}"] = _agent_pod(f"inferplane-agent-{number}", node_name, agent_ip)
+        agent = api_server.pods[f"inferplane-agent-{number}"] = _agent_pod(f"inferplane-agent-{number}", node_name,
+                                                                            agent_ip)
+        # registered by that pod (its projected token reviewed: `Node.agent_pod_uid`), and heartbeating
         node = Node.objects.create(name=node_name, gpu_type="cpu", secret_lookup=f"gpu-k8s-{number}000",
-                                   secret_digest="x", advertise_host=agent_ip,
-                                   registered_at=now - timedelta(seconds=30), last_heartbeat_at=now)  # heartbeating
+                                   secret_digest="x", advertise_host=agent_ip, agent_pod_uid=agent["metadata"]["uid"],
+                                   registered_at=now - timedelta(seconds=30), last_heartbeat_at=now)
         NodeLaunch.objects.create(pk=launch_ids["joining"], pool=pool, state=LaunchState.LAUNCHING,
                                   provider_id=pod(launch_ids["joining"]), requested_at=now - timedelta(minutes=1),
                                   deadline_at=now + timedelta(hours=1))

@@ -176,7 +176,7 @@ def test_a_beat_builds_no_row_for_a_stream_whose_tokens_it_already_recorded():
     built = []
     call = SimpleNamespace(served=True, batch_id="", usage=SimpleNamespace(prompt_tokens=10, cached_tokens=0,
                                                                            completion_tokens=5),
-                           usage_report=lambda **fields: built.append(fields) or "a row")
+                           usage_report=lambda **fields: built.append(fields) or "a row", _now=lambda: "now")
     assert InferenceCall.progress(call, "postpaid", None) == "a row"
     assert InferenceCall.progress(call, "postpaid", (10, 0, 5)) is None  # as the last beat recorded it
     call.usage.completion_tokens = 6
