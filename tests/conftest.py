@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from django.conf import settings
+from django.test import Client
 from rest_framework.test import APIClient
 
 from controlplane.accounts.keys import create_api_key
@@ -17,7 +18,7 @@ from controlplane.accounts.models import Role, Scope
 from controlplane.accounts.services import Actor
 from tests.engines import engine_node as start_engine_node
 from tests.engines import serve_engine, shared_engine_spec
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
 from tests.processes import ChildProcess, free_port, wait_until  # noqa: F401 - shared with benchmarks
 from tests.web_zygote import WebZygote
 
@@ -290,3 +291,13 @@ def start_celery_beat(tmp_dir: Path, *, extra_env: dict | None = None) -> ChildP
          "--schedule", str(tmp_dir / "celerybeat-schedule")],
         env, tmp_dir / "beat.log",
     )
+
+
+@pytest.fixture
+def staff_client():
+    """A browser signed in as staff (a superuser who passed the second factor); its user is `client.staff`."""
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    client = Client()
+    sign_in_staff(client, staff)
+    client.staff = staff
+    return client

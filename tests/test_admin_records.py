@@ -8,7 +8,6 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
@@ -18,16 +17,9 @@ from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Role, Scope
 from controlplane.accounts.services import Actor
 from endpoints.models import EndpointEvent, EventKind, Replica
-from tests.factories import EndpointFactory, MembershipFactory, UserFactory, sign_in_staff
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def staff_client():
-    client = Client()
-    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
-    return client
 
 
 def test_prices_staff_set_on_an_endpoint_are_audited_and_told_to_its_owner(staff_client):

@@ -6,22 +6,14 @@ import re
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.test import Client
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import Actor, record_audit
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
 SPOOFED = "spoof@ex\u202eample.test"
-
-
-@pytest.fixture
-def staff_client():
-    client = Client()
-    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
-    return client
 
 
 @pytest.fixture

@@ -5,23 +5,15 @@ their pages, and an audit event's `target_repr` recorded before `ApiKey.__str__`
 import re
 
 import pytest
-from django.test import Client
 
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization
 from controlplane.accounts.services import Actor
-from tests.factories import MembershipFactory, OrganizationFactory, UserFactory, sign_in_staff
+from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
 SPOOFED = "\u202eyek-dorp"  # reads "prod-key"
-
-
-@pytest.fixture
-def staff_client():
-    client = Client()
-    sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
-    return client
 
 
 @pytest.fixture

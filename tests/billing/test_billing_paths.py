@@ -9,7 +9,6 @@ from decimal import Decimal
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
-from django.test import Client
 from django.utils import timezone
 
 from billing import stripe_sync
@@ -25,7 +24,7 @@ from controlplane.accounts.services import SYSTEM
 from endpoints.gateway import admission
 from endpoints.gateway.auth import Caller
 from tests.billing.conftest import usage_report
-from tests.factories import EndpointFactory, UserFactory, sign_in_staff
+from tests.factories import EndpointFactory
 
 # NOTE: admission rebuilds the quota's counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -184,15 +183,6 @@ def test_the_credit_left_counts_prepaid_usage_only():
     grant_credits(SYSTEM, organization, amount=Decimal("1"))
     record_usage(report := usage_report(endpoint, prompt_tokens=1000))
     assert credit_available(organization.pk)[0] == Decimal("1") - UsageRecord.objects.get(request_id=report.request_id).cost
-
-
-@pytest.fixture
-def staff_client():
-    staff = UserFactory(is_staff=True, is_superuser=True)
-    client = Client()
-    sign_in_staff(client, staff)
-    client.staff = staff
-    return client
 
 
 def _account_form(account, **changes) -> dict:

@@ -12,6 +12,7 @@ from controlplane.accounts.models import Scope
 from controlplane.accounts.services import Actor
 from endpoints.gateway import auth
 from tests.factories import MembershipFactory
+from tests.gateway.slots import every_slot_held
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -165,27 +166,9 @@ def test_a_key_never_seen_waits_briefly_for_a_lookup_slot_then_gets_a_503(lookup
     # the flood lasted, never the 503 with Retry-After that /api/v1 answers after `API_KEY_LOOKUPS.slots.wait_s`.
     from endpoints.gateway import errors
 
-    slots = auth._callers_by_key._load_slots
-    busy: list = []
-
     async def scenario():
-        held = asyncio.Event()
-        release = asyncio.Event()
-
-        async def hold():
-            async with slots.held_async():
-                busy.append(1)
-                if len(busy) == slots.max_concurrent:
-                    held.set()
-                await release.wait()
-
-        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
-        await held.wait()
-        try:
+        async with every_slot_held(auth._callers_by_key._load_slots):
             return await asyncio.wait_for(auth.caller_from_key(_bogus_key()), keys.API_KEY_LOOKUPS.slots.wait_s + 3)
-        finally:
-            release.set()
-            await asyncio.gather(*holders)
 
     with pytest.raises(errors.OpenAIError) as refused:
         asyncio.run(scenario())
@@ -197,29 +180,14 @@ def test_a_key_cached_but_stale_is_served_while_every_lookup_slot_is_taken(looku
     # A key already cached, even long past its TTL and stale grace, is reloaded without a slot: a flood of made-up keys
     # (each its caller's 503) never refuses a tenant whose key the process knows.
     plain = _real_key()
-    slots = auth._callers_by_key._load_slots
 
     async def scenario():
         first = await auth.caller_from_key(plain)
         digest = keys.API_KEY_LOOKUPS.digest(plain)
         entry = auth._callers_by_key.entries[digest]
         auth._callers_by_key.entries[digest] = (entry[0] - 3600, *entry[1:])
-        release = asyncio.Event()
-        held = []
-
-        async def hold():
-            async with slots.held_async():
-                held.append(1)
-                await release.wait()
-
-        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
-        while len(held) < slots.max_concurrent:
-            await asyncio.sleep(0)
-        try:
+        async with every_slot_held(auth._callers_by_key._load_slots):
             return first, await asyncio.wait_for(auth.caller_from_key(plain), 1)
-        finally:
-            release.set()
-            await asyncio.gather(*holders)
 
     first, again = asyncio.run(scenario())
     assert again is not None and again.organization_id == first.organization_id

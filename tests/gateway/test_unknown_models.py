@@ -15,6 +15,7 @@ from endpoints.gateway.app import Gateway
 from endpoints.gateway.request import MAX_MODEL_NAME
 from tests.factories import EndpointFactory
 from tests.gateway.conftest import serve_endpoint
+from tests.gateway.slots import every_slot_held
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -210,27 +211,9 @@ def test_a_name_never_seen_waits_briefly_for_a_lookup_slot_then_gets_a_503(endpo
     from controlplane.credential_lookups import WAIT_S
     from endpoints.gateway import errors
 
-    slots = directory._endpoints._load_slots
-    busy: list = []
-
     async def scenario():
-        held = asyncio.Event()
-        release = asyncio.Event()
-
-        async def hold():
-            async with slots.held_async():
-                busy.append(1)
-                if len(busy) == slots.max_concurrent:
-                    held.set()
-                await release.wait()
-
-        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
-        await held.wait()
-        try:
+        async with every_slot_held(directory._endpoints._load_slots):
             return await asyncio.wait_for(directory.find_endpoint(1, "never-seen"), WAIT_S + 3)
-        finally:
-            release.set()
-            await asyncio.gather(*holders)
 
     caplog.set_level("INFO")
     with pytest.raises(errors.OpenAIError) as refused:
@@ -254,29 +237,14 @@ def test_an_endpoint_cached_but_stale_is_served_while_every_lookup_slot_is_taken
     # refuses a known model's call.
     endpoint = EndpointFactory(name="support-chat")
     organization_id = endpoint.organization_id
-    slots = directory._endpoints._load_slots
 
     async def scenario():
         assert (await directory.find_endpoint(organization_id, "support-chat")).name == "support-chat"
         key = (organization_id, "support-chat")
         started, value = directory._endpoints.entries[key]
         directory._endpoints.entries[key] = (started - 3600, value)  # long past its TTL and stale grace
-        release = asyncio.Event()
-        held = []
-
-        async def hold():
-            async with slots.held_async():
-                held.append(1)
-                await release.wait()
-
-        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
-        while len(held) < slots.max_concurrent:
-            await asyncio.sleep(0)
-        try:
+        async with every_slot_held(directory._endpoints._load_slots):
             return await asyncio.wait_for(directory.find_endpoint(organization_id, "support-chat"), 1)
-        finally:
-            release.set()
-            await asyncio.gather(*holders)
 
     assert asyncio.run(scenario()).name == "support-chat"
     assert endpoint_loads == ["support-chat", "support-chat"]
@@ -288,7 +256,6 @@ def test_a_call_naming_a_model_never_seen_while_every_lookup_slot_is_taken_gets_
     # What the client reads of it: OpenAI's shape, `retry-after` (the openai clients retry it), the call logged as a
     # 503, never a 500 nor a call held for as long as the flood lasts.
     access_log.prepare()
-    slots = directory._endpoints._load_slots
     sent = []
 
     async def receive():
@@ -307,22 +274,8 @@ def test_a_call_naming_a_model_never_seen_while_every_lookup_slot_is_taken_gets_
     }
 
     async def scenario():
-        release = asyncio.Event()
-        held = []
-
-        async def hold():
-            async with slots.held_async():
-                held.append(1)
-                await release.wait()
-
-        holders = [asyncio.ensure_future(hold()) for _ in range(slots.max_concurrent)]
-        while len(held) < slots.max_concurrent:
-            await asyncio.sleep(0)
-        try:
+        async with every_slot_held(directory._endpoints._load_slots):
             await asyncio.wait_for(Gateway(fallback=None)._handle(scope, receive, send), credential_lookups.WAIT_S + 3)
-        finally:
-            release.set()
-            await asyncio.gather(*holders)
 
     asyncio.run(scenario())
     headers = dict(sent[0]["headers"])
