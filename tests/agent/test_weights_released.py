@@ -135,3 +135,19 @@ def test_a_rotated_credentials_old_client_is_dropped_and_never_serves_the_new_se
         assert new_client is not old_client
     assert cached_clients_of(new) and not cached_clients_of(old)
 
+
+def test_a_running_replicas_refreshed_engine_key_brings_no_source_credentials_into_the_supervisor(
+    control_plane, running_agent, s3, s3_endpoint, tokenizer_not_described,  # noqa: F811
+):
+    """Before: a new engine key in the desired spec copied the spec's source credentials into the supervisor's record
+    of the replica, kept in memory for the engine's life (after the credential's deletion or rotation)."""
+    upload_model(s3, "org1-refresh", "m", num_bytes=10_000, public=False)
+    spec = {"model_source": "s3://org1-refresh/m", "credentials": org_credentials(s3_endpoint),
+            "weights_scope": "org-1"}
+    control_plane.desired = [make_spec("r-a", **spec)]
+    agent, _stop, _thread = running_agent()
+    wait_until(lambda: control_plane.last_states().get("r-a") == ReplicaState.READY, 30)
+    with control_plane.lock:
+        control_plane.desired = [make_spec("r-a", **spec, engine_api_key="rotated-engine-key")]
+    wait_until(lambda: agent.supervisor.get("r-a").spec.engine_api_key == "rotated-engine-key", 10)
+    assert agent.supervisor.get("r-a").spec.credentials is None
