@@ -321,7 +321,8 @@ class WeightsCache:
     def release_unwanted(self, wanted: set[tuple[str, str]], *, now: float | None = None) -> list[str]:
         """Remove the organisations' own cached copies (models, drafts and adapters of a private scope) whose
         (source, scope) is not in `wanted` (what the node's desired replicas name: `reconciler.wanted_copies`), that
-        no replica uses (pinned), and that nobody used for `private_grace_s`; the keys removed.
+        no replica uses (pinned), and that nobody used for `private_grace_s`, and the downloads of such copies stopped
+        mid-way that no fetch resumes (`.tmp/<key>.partial`, idle for the grace); the keys removed.
 
         NOTE: before, a private copy left only when the budget or the disk needed its room: the weights of a deleted
         endpoint (read with a credential deleted since) stayed on every node that had run it, for good on a node
@@ -335,7 +336,29 @@ class WeightsCache:
             and (entry.get("source"), entry.get("scope")) not in wanted
             and now - entry["last_used_at"] >= self.private_grace_s
         ]
-        return self._evict_lru(released, math.inf) if released else []
+        evicted = self._evict_lru(released, math.inf) if released else []
+        partials = [
+            partial for partial in self._idle_partials(exclude="")
+            if now - partial[1] >= self.private_grace_s and self._partial_released(partial[0], wanted)
+        ]
+        self._drop_partials(partials, math.inf)
+        return evicted + [key for key, _, _ in partials if not (self.root / ".tmp" / f"{key}.partial").exists()]
+
+    def _partial_released(self, key: str, wanted: set[tuple[str, str]]) -> bool:
+        """Whether an idle partial download may go for `release_unwanted`: its journal names a private copy not in
+        `wanted`, or it has no journal to resume from (none written yet, or not JSON: the next fetch starts it over,
+        `Transfer.run`, so it holds nothing worth keeping, whoever's it is). One an older agent wrote names nobody:
+        left to `STALE_PARTIAL_S` and the room, as before."""
+        try:
+            journal = json.loads((self.root / ".parts" / f"{key}.json").read_bytes())
+        except (FileNotFoundError, ValueError):
+            return True
+        except OSError:
+            return False
+        if not isinstance(journal, dict):
+            return True
+        source, scope = journal.get("source"), journal.get("scope")
+        return isinstance(source, str) and isinstance(scope, str) and bool(scope) and (source, scope) not in wanted
 
     def evict(self) -> list[str]:
         """Remove least recently used complete models until the cache fits its budget."""
