@@ -22,10 +22,10 @@ import uuid
 import httpx
 
 from gpu_agent.protocol import Heartbeat, HeartbeatResponse, ReplicaAction, engine_sandbox_fact
-from gpu_agent.runtime import engine, hardware, sandbox
+from gpu_agent.runtime import engine, hardware, sandbox, weights_access
 from gpu_agent.runtime.config import AgentConfig
 from gpu_agent.runtime.control_plane import AGENT_VERSION, ControlPlaneClient, RegistrationRefused
-from gpu_agent.runtime.reconciler import Reconciler
+from gpu_agent.runtime.reconciler import Reconciler, wanted_copies
 from gpu_agent.runtime.supervisor import CommandFactory, Supervisor, SupervisorPolicy
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_transfer import TransferSettings
@@ -94,6 +94,7 @@ class Agent:
             s3_endpoint_url=config.s3_endpoint_url,
             private_dirs=(config.data_dir,),  # a local model_source never reads the agent's own files
             transfer=TransferSettings(min_bytes_per_s=config.min_download_bytes_per_s),
+            private_grace_s=config.private_weights_grace_s,
         )
         self._keep_readings_across_restarts()
         self.control_plane = ControlPlaneClient(config, self.hardware, device=self.device, transport=transport)
@@ -166,7 +167,23 @@ class Agent:
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
         self.replicas.reconcile(answer.desired)
+        self._let_go_of_what_no_replica_wants(answer.desired)
         return answer
+
+    def _let_go_of_what_no_replica_wants(self, desired) -> None:
+        """After each answer: the S3 clients of credentials no desired replica (nor its adapters) carries are dropped,
+        and the organisations' cached copies no desired replica names go once unused for the grace
+        (`WeightsCache.release_unwanted`). After `reconcile`, in the heartbeat's thread: the pulls this answer started
+        are for copies it names, and the next answer's pulls start only after this returns.
+
+        NOTE: before, both stayed until a budget or the clients' bound pushed them out: a deleted endpoint's private
+        weights on the node's disk, a deleted or rotated credential's keys in the agent's memory."""
+        credentials = [spec.credentials for spec in desired]
+        credentials += [adapter.credentials for spec in desired for adapter in spec.adapters]
+        weights_access.drop_clients_except(credentials)
+        evicted = self.weights.release_unwanted(wanted_copies(desired))
+        if evicted:
+            logger.info("removed %d cached model(s) of organisations that no replica here wants any more", len(evicted))
 
     def _stop_engines_of_refused_node(self) -> None:
         """Drain and stop every replica, as an answer that wants none would.
@@ -196,6 +213,7 @@ class Agent:
         if not self.replicas.nothing_runs():
             return
         num_caches = self.supervisor.remove_engine_caches()
+        weights_access.drop_clients_except(())
         evicted = self.weights.remove_unpinned()
         if num_caches or evicted:
             logger.warning("this node is retired: removed %d engine cache folder(s) and %d model(s) from the "

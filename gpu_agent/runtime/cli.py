@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the most a LoRA adapter's files may take (default 8); a larger one is refused before it is downloaded",
     )
     run.add_argument(
+        "--private-weights-grace-min",
+        default=os.environ.get("INFERPLANE_AGENT_PRIVATE_WEIGHTS_GRACE_MIN"),
+        type=_non_negative_float,
+        help="how long an organisation's own cached weights that no replica of this node wants any more stay"
+        " (default 15; 0: removed at the next heartbeat); shared catalogue weights stay under the budget",
+    )
+    run.add_argument(
         "--s3-endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3)"
     )
     run.add_argument(
@@ -159,6 +166,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, not {text}")
+    return value
+
+
 def _reserve_percent(text: str) -> float:
     try:
         value = float(text)
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         weights_disk_reserve_fraction=args.weights_disk_reserve_percent / 100,
         **({"adapter_max_bytes": int(args.adapter_max_gb * 1e9)} if args.adapter_max_gb else {}),
         s3_endpoint_url=args.s3_endpoint_url,
+        **({"private_weights_grace_s": args.private_weights_grace_min * 60}
+           if args.private_weights_grace_min is not None else {}),
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         advertise_host=args.advertise_host,
         engine_ports=args.engine_ports,

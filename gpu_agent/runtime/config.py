@@ -14,7 +14,7 @@ from pathlib import Path
 from gpu_agent.protocol import DEFAULT_ENGINE_PORT_MAX, DEFAULT_ENGINE_PORT_MIN
 from gpu_agent.runtime import engine, sandbox
 from gpu_agent.runtime.engine_disk import EngineDiskBounds
-from gpu_agent.runtime.weights import DEFAULT_ADAPTER_MAX_BYTES
+from gpu_agent.runtime.weights import DEFAULT_ADAPTER_MAX_BYTES, DEFAULT_PRIVATE_WEIGHTS_GRACE_S
 
 
 @dataclass(slots=True)
@@ -30,6 +30,8 @@ class AgentConfig:
     # The most an adapter's files may take (`WeightsCache.fetch_adapter`; None: no bound).
     adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES
     s3_endpoint_url: str | None = None
+    # How long an organisation's own cached weights no desired replica names stay (`WeightsCache.release_unwanted`).
+    private_weights_grace_s: float = DEFAULT_PRIVATE_WEIGHTS_GRACE_S
     request_timeout_s: float = 10.0
     min_backoff_s: float = 1.0
     max_backoff_s: float = 60.0

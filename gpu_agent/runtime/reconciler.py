@@ -36,6 +36,18 @@ from gpu_agent.runtime.weights_access import FetchStopped, SourceAccess, Weights
 logger = logging.getLogger(__name__)
 
 
+def wanted_copies(desired: list[ReplicaSpec]) -> set[tuple[str, str]]:
+    """The (source, weights scope) of every copy the desired replicas name: weights, draft and adapters, whatever
+    their action (a sleeping or draining replica's are still its own). What `WeightsCache.release_unwanted` keeps."""
+    wanted = set()
+    for spec in desired:
+        wanted.add((spec.model_source, spec.weights_scope))
+        if spec.speculative is not None and spec.speculative.draft_source:
+            wanted.add((spec.speculative.draft_source, spec.speculative.draft_weights_scope))
+        wanted.update((adapter.source, adapter.weights_scope) for adapter in spec.adapters)
+    return wanted
+
+
 @dataclass(slots=True)
 class _Pull:
     """A replica whose weights are being fetched before its engine starts."""

@@ -437,9 +437,9 @@ class Supervisor:
         with self._lock:
             replica = self._replicas.get(spec.replica_id)
             if replica is not None and spec.engine_api_key and replica.spec.engine_api_key != spec.engine_api_key:
-                replica.spec = dataclasses.replace(
-                    replica.spec, engine_api_key=spec.engine_api_key, credentials=spec.credentials
-                )
+                # NOTE: never the source's credentials, which the engine never needs (`Reconciler`): kept here
+                # before, a credential deleted or rotated since stayed in the agent's memory for the engine's life.
+                replica.spec = dataclasses.replace(replica.spec, engine_api_key=spec.engine_api_key, credentials=None)
 
     def check_adopted_context(self, spec: ReplicaSpec) -> None:
         """Check an engine adopted from a previous agent against the first desired spec the control plane gives it

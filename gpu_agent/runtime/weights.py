@@ -15,7 +15,8 @@ place before its manifest is written, so a half-downloaded model never looks com
 mid-way left without one goes when the next cache opens, as one killed mid-eviction leaves). Before downloading, every file name is checked
 (`weights_paths`) and the model's total size is compared with the disk budget and free space: what
 can never fit fails at once, least recently used unpinned models are evicted when that makes room,
-and a file larger than its listing said stops the download (`weights_sources`).
+and a file larger than its listing said stops the download (`weights_sources`). An organisation's own copies that no
+desired replica names go after a short grace, whatever the room (`release_unwanted`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ ADAPTER_SHARE = 4
 # loaded node, or killed) is read again after each of these in turn (the last one repeats for heartbeats' reads); a
 # replica waiting on it fails, not permanently, after the last (`Reconciler`).
 UNSETTLED_RETRY_S = (10.0, 60.0, 300.0)
+# How long an organisation's own cached copy (a private scope) stays once no desired replica of this node names it and
+# none uses it (`release_unwanted`), unless the agent is told otherwise. Short: it is a tenant's private model, read
+# with a credential it may have deleted since, and another endpoint of its own that wants it again is placed here when
+# the node holds it (a scale to zero and back within it starts from the disk); a shared catalogue copy ("" scope) is
+# kept under the budget, least recently used first, as before.
+DEFAULT_PRIVATE_WEIGHTS_GRACE_S = 15 * 60.0
 # A cached copy's folder name (`weights_index.cache_key`).
 _CACHE_KEY = re.compile(r"[0-9a-f]{32}")
 # A manifest's or a parts journal's write killed before its rename: `durable.write_atomic`'s temporary file, or the one
@@ -91,8 +98,12 @@ class WeightsCache:
         transfer: TransferSettings | None = None,
         adapter_max_bytes: int | None = DEFAULT_ADAPTER_MAX_BYTES,
         disk_reserve_fraction: float = 0.0,
+        private_grace_s: float = DEFAULT_PRIVATE_WEIGHTS_GRACE_S,
     ) -> None:
         self.root = Path(root).resolve()
+        if not private_grace_s >= 0:
+            raise ValueError(f"private_grace_s must be at least 0, not {private_grace_s}")
+        self.private_grace_s = private_grace_s
         self.budget_bytes = budget_bytes
         if not 0.0 <= disk_reserve_fraction < 1.0:
             raise ValueError(f"disk_reserve_fraction must be at least 0 and below 1, not {disk_reserve_fraction}")
@@ -294,12 +305,60 @@ class WeightsCache:
             self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, path: str | Path) -> None:
+        """Let go of one use of a copy. The last one counts as a use (its manifest touched), so a private copy's grace
+        (`release_unwanted`) runs from when its last replica let it go, on the disk, across an agent restart."""
         key = Path(path).name
         with self._mutex:
             if self._pins.get(key, 0) <= 1:
-                self._pins.pop(key, None)
+                released = self._pins.pop(key, None) is not None
             else:
                 self._pins[key] -= 1
+                released = False
+        if released and _CACHE_KEY.fullmatch(key) and Path(path).parent == self.root:
+            with contextlib.suppress(OSError):  # evicted meanwhile, or a local model: nothing to touch
+                self._index.touch(key)
+
+    def release_unwanted(self, wanted: set[tuple[str, str]], *, now: float | None = None) -> list[str]:
+        """Remove the organisations' own cached copies (models, drafts and adapters of a private scope) whose
+        (source, scope) is not in `wanted` (what the node's desired replicas name: `reconciler.wanted_copies`), that
+        no replica uses (pinned), and that nobody used for `private_grace_s`, and the downloads of such copies stopped
+        mid-way that no fetch resumes (`.tmp/<key>.partial`, idle for the grace); the keys removed.
+
+        NOTE: before, a private copy left only when the budget or the disk needed its room: the weights of a deleted
+        endpoint (read with a credential deleted since) stayed on every node that had run it, for good on a node
+        whose cache never filled. Removal is `_evict_lru`'s: under the key's lock, the pin checked again there, so a
+        pull that fetched it meanwhile keeps it (or, evicted first, fetches it again). Shared catalogue copies ("")
+        are left to the budget's LRU, so they are never downloaded again needlessly."""
+        now = time.time() if now is None else now
+        released = [
+            entry for entry in self._index.entries()
+            if entry.get("scope", "")
+            and (entry.get("source"), entry.get("scope")) not in wanted
+            and now - entry["last_used_at"] >= self.private_grace_s
+        ]
+        evicted = self._evict_lru(released, math.inf) if released else []
+        partials = [
+            partial for partial in self._idle_partials(exclude="")
+            if now - partial[1] >= self.private_grace_s and self._partial_released(partial[0], wanted)
+        ]
+        self._drop_partials(partials, math.inf)
+        return evicted + [key for key, _, _ in partials if not (self.root / ".tmp" / f"{key}.partial").exists()]
+
+    def _partial_released(self, key: str, wanted: set[tuple[str, str]]) -> bool:
+        """Whether an idle partial download may go for `release_unwanted`: its journal names a private copy not in
+        `wanted`, or it has no journal to resume from (none written yet, or not JSON: the next fetch starts it over,
+        `Transfer.run`, so it holds nothing worth keeping, whoever's it is). One an older agent wrote names nobody:
+        left to `STALE_PARTIAL_S` and the room, as before."""
+        try:
+            journal = json.loads((self.root / ".parts" / f"{key}.json").read_bytes())
+        except (FileNotFoundError, ValueError):
+            return True
+        except OSError:
+            return False
+        if not isinstance(journal, dict):
+            return True
+        source, scope = journal.get("source"), journal.get("scope")
+        return isinstance(source, str) and isinstance(scope, str) and bool(scope) and (source, scope) not in wanted
 
     def evict(self) -> list[str]:
         """Remove least recently used complete models until the cache fits its budget."""

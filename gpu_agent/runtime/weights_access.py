@@ -209,6 +209,24 @@ def s3_client(access: SourceAccess, source: str, *, default_endpoint_url: str | 
             lent.close()
 
 
+def drop_clients_except(credentials) -> int:
+    """Let go of every cached client signed with an organisation's credentials that are not among `credentials` (those
+    of the node's desired replicas and their adapters, `Agent.heartbeat_once`); the fleet's and the anonymous clients
+    stay. Each is closed at once, or by the last block still using it. Returns how many were let go.
+
+    NOTE: before, a client built from a credential stayed cached (up to `_MAX_CLIENTS`, for the agent's life) after the
+    credential was deleted or rotated: its keys in boto3's memory, and a fetch made with the same old keys, or a
+    role's client within its lifetime, was served by it without another word from the control plane."""
+    kept = {_credentials_digest(c) for c in credentials if c is not None and c.kind == "s3"}
+    kept |= {_material_digest("fleet"), _material_digest("anonymous")}
+    with _clients_lock:
+        gone = [identity for identity in _clients if identity[0] not in kept]
+        to_close = [lent for lent in (_clients.pop(identity) for identity in gone) if lent.drop()]
+    for lent in to_close:
+        lent.close()
+    return len(gone)
+
+
 @dataclass(slots=True)
 class _CachedClient:
     """One cached S3 client, how many `with` blocks use it now, and whether the cache has let it go."""
@@ -235,13 +253,21 @@ class _CachedClient:
 
 def _client_identity(access: SourceAccess, credentials, endpoint_url, region) -> tuple:
     if credentials is None:
-        material = "fleet" if access.use_fleet_credentials else "anonymous"
+        material = _material_digest("fleet" if access.use_fleet_credentials else "anonymous")
     else:
-        material = "\n".join((
-            credentials.access_key_id, credentials.secret_access_key, credentials.session_token or "",
-            credentials.role_arn or "", credentials.external_id or "",
-        ))
-    return (hashlib.sha256(material.encode()).hexdigest(), endpoint_url or "", region or "")
+        material = _credentials_digest(credentials)
+    return (material, endpoint_url or "", region or "")
+
+
+def _credentials_digest(credentials: SourceCredentials) -> str:
+    return _material_digest("\n".join((
+        credentials.access_key_id, credentials.secret_access_key, credentials.session_token or "",
+        credentials.role_arn or "", credentials.external_id or "",
+    )))
+
+
+def _material_digest(material: str) -> str:
+    return hashlib.sha256(material.encode()).hexdigest()
 
 
 def _new_s3_client(access: SourceAccess, credentials, endpoint_url, region, source: str):

@@ -357,6 +357,9 @@ class Transfer:
                     "part_bytes": self.settings.part_bytes,
                     "sizes": {f.name: f.size_bytes for f in self.files},
                     "done": {name: sorted(indices) for name, indices in self._done.items()},
+                    # whose copy it is, for `WeightsCache.release_unwanted` (never read back here)
+                    "source": self.download.source,
+                    "scope": self.download.scope,
                 }
             durable.write_atomic(self.journal_path, json.dumps(journal))
 

@@ -25,13 +25,14 @@ class LocalServer:
         self.server.server_close()
 
 
-def pull_in_thread(cache, source: str, stop: threading.Event | None = None):
-    """`cache.fetch(source, stop=stop)` on a thread of its own: (the thread, the failures it ended with)."""
+def pull_in_thread(cache, source: str, stop: threading.Event | None = None, *, access=None):
+    """`cache.fetch(source, stop=stop, access=access)` on a thread of its own: (the thread, the failures it ended
+    with)."""
     failures: list[Exception] = []
 
     def pull():
         try:
-            cache.fetch(source, stop=stop)
+            cache.fetch(source, stop=stop, access=access)
         except Exception as exc:  # noqa: BLE001 - what the pull thread ended with
             failures.append(exc)
 

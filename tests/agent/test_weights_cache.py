@@ -134,11 +134,11 @@ def test_least_recently_used_model_is_evicted_but_never_one_in_use(s3, s3_endpoi
     three = cache.fetch("s3://models-e/three")
     assert one.exists(), "a model in use must never be evicted"
     assert not two.exists() and three.exists()
-    cache.unpin(one)
+    cache.unpin(one)  # its replica ended just now: its last use (before, its fetch's, and it went first)
     assert cache.evict() == []  # within budget now
     cache.budget_bytes = 15_000
-    assert cache.evict() == [one.name]
-    assert {status.source for status in cache.statuses()} == {"s3://models-e/three"}
+    assert cache.evict() == [three.name]
+    assert {status.source for status in cache.statuses()} == {"s3://models-e/one"}
     # An evicted model downloads again when needed.
     assert cache.fetch("s3://models-e/two").exists() and cache.num_downloads == 4
 

@@ -405,3 +405,32 @@ def test_a_retired_nodes_removal_of_its_weights_takes_the_downloads_stopped_mid_
     assert "tenant" in removed and len(removed) == 2
     assert not list((root / ".tmp").iterdir()) and not list((root / ".parts").iterdir())
     assert not [path for path in root.rglob("*") if path.is_file() and path.name == "model.safetensors"]
+
+
+def test_a_private_download_stopped_mid_way_goes_once_no_replica_wants_its_copy(tmp_path):
+    """Before, a deleted endpoint's private model downloaded nearly whole stayed on the node for a day
+    (`STALE_PARTIAL_S`), unless the room was needed. A catalogue's partial stays to be resumed."""
+    store = DrippingStore({"b/m/a.safetensors": b"a" * 10 * KIB, "b/m/z/model.safetensors": b"z" * 600 * KIB},
+                          drip="b/m/z/")
+    root = tmp_path / "weights"
+    cache = WeightsCache(root, budget_bytes=2000 * KIB, s3_endpoint_url=store.url, private_grace_s=0.0)
+    try:
+        for scope in ("org-1", ""):
+            stop = threading.Event()
+            thread, failures = pull_in_thread(cache, "s3://b/m", stop, access=SourceAccess(scope=scope))
+            for _ in range(250):  # its first file written, in its journal, to be resumed
+                if len(list((root / ".parts").glob("*.json"))) == 1 + (scope == ""):
+                    break
+                time.sleep(0.02)
+            stop.set()
+            thread.join(timeout=10)
+            assert isinstance(failures[0], FetchStopped)
+    finally:
+        store.close()
+    assert len(list((root / ".tmp").glob("*.partial"))) == 2
+
+    assert cache.release_unwanted({("s3://b/m", "org-1")}) == []  # still wanted: kept to be resumed
+    [removed] = cache.release_unwanted(set())
+
+    assert not (root / ".tmp" / f"{removed}.partial").exists() and not (root / ".parts" / f"{removed}.json").exists()
+    assert len(list((root / ".tmp").glob("*.partial"))) == 1  # the catalogue's
