@@ -60,8 +60,26 @@ HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
 
 
-def _is_hidden(character: str) -> bool:
+# And the variation selectors that show as nothing but after a character of their own script, which no other name
+# needs: Mongolian's free variation selectors (U+180B–U+180D, U+180F: a Mongolian letter's form) and the ideographic
+# ones (U+E0100–U+E01EF: a CJK ideograph's glyph, as in a Japanese family name).
+# NOTE: "prod\U000e0100" and "prod\u180b" read "prod" (marks, Mn, in no category above): a key that looked like another.
+MONGOLIAN_SELECTORS = frozenset("\u180b\u180c\u180d\u180f")
+IDEOGRAPHIC_SELECTORS = range(0xE0100, 0xE01F0)
+
+
+def _is_hidden(character: str, before: str = "") -> bool:
+    """Whether `character`, after `before` (the character before it; "" at the start), is one a name may not hold."""
+    if character in MONGOLIAN_SELECTORS:
+        return not "\u1800" <= before <= "\u18af" or before in MONGOLIAN_SELECTORS
+    if ord(character) in IDEOGRAPHIC_SELECTORS:
+        return not (before and unicodedata.name(before, "").startswith("CJK "))
     return unicodedata.category(character) in HIDDEN_CATEGORIES or character in INVISIBLE_CHARACTERS
+
+
+def _hidden(text: str) -> list[bool]:
+    """`_is_hidden` of each character of `text`, in its place."""
+    return [_is_hidden(character, text[position - 1] if position else "") for position, character in enumerate(text)]
 
 
 def as_name(text: str) -> str:
@@ -73,8 +91,8 @@ def as_name(text: str) -> str:
 def name_problem(text: str) -> str | None:
     """Why `text` may not be a name another person reads (a key's, an organisation's, an address), or None: it holds a
     character in `HIDDEN_CATEGORIES` or `INVISIBLE_CHARACTERS`, named by its code point."""
-    for position, character in enumerate(text, 1):
-        if _is_hidden(character):
+    for position, (character, hidden) in enumerate(zip(text, _hidden(text), strict=True), 1):
+        if hidden:
             return (f"Use letters, digits, spaces and punctuation only: character {position} is U+{ord(character):04X}, "
                     "a control, format (such as a direction override), private-use, unassigned or invisible character.")
     return None
@@ -83,6 +101,6 @@ def name_problem(text: str) -> str | None:
 def shown_name(text: str) -> str:
     """A name stored before `name_problem` refused it, with each character it refuses escaped (`\\u202e`): shown as
     it is, never reordered or hidden."""
-    if (text.isascii() and text.isprintable()) or not any(_is_hidden(character) for character in text):
+    if (text.isascii() and text.isprintable()) or not any(refused := _hidden(text)):
         return text
-    return "".join(ascii(character)[1:-1] if _is_hidden(character) else character for character in text)
+    return "".join(ascii(character)[1:-1] if hidden else character for character, hidden in zip(text, refused, strict=True))

@@ -85,3 +85,30 @@ def test_create_org_refused_at_the_live_key_limit_leaves_no_new_owner_behind(cap
         call_command("create_org", "acme", "--owner", "new@acme.test", "--password", "a long passphrase 42", "--json")
     assert not get_user_model().objects.filter(username="new@acme.test").exists()
     assert list(Membership.objects.values_list("user__username", flat=True)) == ["ops@acme.test"]
+
+
+@pytest.mark.parametrize("username", ["ops-admin", "Ops@Acme.test"], ids=["another username", "an unfolded address"])
+def test_create_org_makes_the_account_sign_in_finds_by_the_owners_address_its_owner(capsys, username):
+    """Before: the owner was looked up by its folded address as a username alone: an operator's account made by
+    `createsuperuser` (another username, this address), or one stored before addresses were folded, was not found; a
+    second account with the address was made owner, and the first could no longer sign in by its address (two
+    accounts had it) or, unfolded, signed in as the new one, with no password."""
+    from django.contrib.auth import authenticate, get_user_model
+
+    existing = get_user_model().objects.create_user(username=username, email="ops@acme.test", password="pw-0123456789")
+    call_command("create_org", "acme", "--owner", "OPS@acme.test", "--json")
+    assert json.loads(capsys.readouterr().out)["owner"] == "ops@acme.test"
+    assert get_user_model().objects.count() == 1
+    assert Membership.objects.get(organization__slug="acme").user == existing
+    assert authenticate(username="ops@acme.test", password="pw-0123456789") == existing
+
+
+def test_create_org_refuses_an_owner_address_two_accounts_have(capsys):
+    """Sign-in names neither of two accounts sharing an address (made before that was refused): nor does create_org."""
+    from django.contrib.auth import get_user_model
+
+    for username in ("ops-a", "ops-b"):
+        get_user_model().objects.create_user(username=username, email="ops@acme.test")
+    with pytest.raises(CommandError, match="2 accounts"):
+        call_command("create_org", "acme", "--owner", "ops@acme.test")
+    assert not Organization.objects.exists() and get_user_model().objects.count() == 2

@@ -27,6 +27,9 @@ HIDDEN = {
     # "prod\u3164key" as "prod key" (the review of the name rule)
     "Hangul filler": "\u3164", "Hangul choseong filler": "\u115f", "halfwidth Hangul filler": "\uffa0",
     "combining grapheme joiner": "\u034f", "Khmer inherent vowel": "\u17b4",
+    # Variation selectors after a letter they do not vary (marks, Mn): "prod\U000e0100-key" read "prod-key"
+    "Mongolian free variation selector": "\u180b", "Mongolian free variation selector four": "\u180f",
+    "ideographic variation selector": "\U000e0100", "last ideographic variation selector": "\U000e01ef",
 }
 
 
@@ -36,6 +39,17 @@ def test_an_api_key_named_with_a_hidden_or_reordering_character_is_refused_with_
     assert refused.status_code == 400, refused.content
     assert list(refused.json()) == ["name"] and f"U+{ord(hidden):04X}" in refused.json()["name"][0]
     assert ApiKey.objects.count() == 1  # the fixture's own
+
+
+def test_a_key_name_may_hold_a_variation_selector_after_a_character_of_its_own_script(owner_client):
+    """A Mongolian word's letter form and a Japanese family name's ideograph glyph are a name's own (only a selector
+    after another script's character, or at the start, shows as nothing)."""
+    for name in ("\u182e\u1823\u180b\u1829\u182d\u1823\u182f", "\u845b\U000e0100\u57ce", "\u2764\ufe0f ops"):
+        created = owner_client.post("/api/v1/keys/", {"name": name, "scopes": ["inference"]}, format="json")
+        assert created.status_code == 201, created.content
+        assert created.json()["api_key"]["name"] == name
+    refused = owner_client.post("/api/v1/keys/", {"name": "\U000e0100\u845b", "scopes": ["inference"]}, format="json")
+    assert refused.status_code == 400 and "U+E0100" in refused.json()["name"][0]
 
 
 def test_the_console_refuses_a_key_name_with_a_direction_override_next_to_the_field(owner_client):
@@ -155,6 +169,7 @@ def test_a_name_from_before_the_rule_that_shows_as_nothing_is_shown_escaped():
 
     assert shown_name("\u3164") == "\\u3164" and shown_name("prod\u3164key") == "prod\\u3164key"
     assert shown_name("\u2764\ufe0f ops") == "\u2764\ufe0f ops"  # an emoji's variation selector is part of a name
+    assert shown_name("prod\U000e0100") == "prod\\U000e0100" and shown_name("\u845b\U000e0100") == "\u845b\U000e0100"
 
 
 SPOOFED_ADDRESS = "ops@ex\u202emoc.elpmaxe"  # allowed before the rule: Django's check passes a format character there

@@ -66,3 +66,20 @@ def test_staff_deactivate_a_user_whose_address_is_from_before_the_rule_without_r
         "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
     })
     assert refused.status_code == 200 and "format characters" in refused.content.decode()
+
+
+@pytest.mark.parametrize("page", ["change", "history"])
+def test_the_django_admins_user_page_names_a_user_from_before_the_rule_escaped(staff_client, page):
+    """Before: the user's page (its heading, its window title, its breadcrumbs) and its history's showed the username
+    raw: a direction override in an address stored before `normalize_email` refused one showed staff another name."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="\u202etset.elpmaxe@nimda")  # reads admin@example.test
+    shown = staff_client.get(reverse(f"admin:auth_user_{page}", args=[user.pk])).content.decode()
+    heading = re.search(r"<h[12]>(.*?)</h[12]>\s*(?:<h2>(.*?)</h2>)?", shown, re.S)
+    title = re.search(r"<title>(.*?)</title>", shown, re.S).group(1)
+    breadcrumbs = re.search(r'<div class="breadcrumbs">(.*?)</div>', shown, re.S).group(1)
+    for part in (heading.group(0), title, breadcrumbs):
+        assert "\u202e" not in part and "\\u202etset.elpmaxe@nimda" in part

@@ -13,6 +13,18 @@ _TABLE = "billing_usagerecord"
 _INDEX = "usage_org_batch"
 
 
+def _drop_an_invalid_index(apps, schema_editor) -> None:
+    """The invalid index an interrupted build left, dropped CONCURRENTLY (outside a transaction: this migration is not
+    atomic), as batches/0012. NOTE: a plain DROP INDEX (in a DO block, which cannot drop CONCURRENTLY) took an ACCESS
+    EXCLUSIVE lock on the usage table: queued behind a transaction that writes usage, it held every later read and
+    write of a usage row (the gateway's ledger) for the migration's lock timeout. Only a database where 0033 has not
+    run to its end runs this: one that ran it has its index valid, and this changes nothing there."""
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_index WHERE indexrelid = to_regclass(%s) AND NOT indisvalid", [f'"{_INDEX}"'])
+        if cursor.fetchone() is not None:
+            cursor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{_INDEX}"')
+
+
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
@@ -31,15 +43,7 @@ class Migration(migrations.Migration):
             ],
             database_operations=[
                 # NOTE: a build that was interrupted leaves an invalid index, which IF NOT EXISTS would keep.
-                migrations.RunSQL(
-                    f"""DO $$ BEGIN
-                        IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"{_INDEX}"')
-                                   AND NOT indisvalid) THEN
-                            DROP INDEX "{_INDEX}";
-                        END IF;
-                    END $$""",
-                    reverse_sql=migrations.RunSQL.noop,
-                ),
+                migrations.RunPython(_drop_an_invalid_index, migrations.RunPython.noop),
                 migrations.RunSQL(
                     f"""CREATE INDEX CONCURRENTLY IF NOT EXISTS "{_INDEX}" ON "{_TABLE}" ("organization_id", "batch_id")
                         WHERE NOT ("batch_id" = '')""",

@@ -14,6 +14,7 @@ authenticator gets its enrolment code from the users' "Issue an enrolment code" 
 import json
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
@@ -61,6 +62,19 @@ class UserAdmin(auth_admin.UserAdmin):
     @admin.display(description="email address", ordering="email")
     def email_shown(self, user) -> str:
         return shown_name(user.email)
+
+    # NOTE: the user's name (`str(user)`, its username) in its page's heading and window title, and its history's,
+    # escaped as in the list (the breadcrumbs: templates/admin/auth/user/): a direction override in one stored before
+    # `normalize_email` refused it showed staff another name.
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        if obj is not None:
+            context["subtitle"] = shown_name(str(obj))
+        return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
+
+    def history_view(self, request, object_id, extra_context=None):
+        user = self.get_object(request, unquote(object_id))
+        shown = {"title": f"Change history: {shown_name(str(user))}"} if user is not None else {}
+        return super().history_view(request, object_id, {**shown, **(extra_context or {})})
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)

@@ -76,27 +76,33 @@ def accounts_with_email(email: str):
     return get_user_model()._default_manager.filter(Q(email__iexact=email.strip()) | Q(username__iexact=email.strip()))
 
 
+def account_named(username: str):
+    """The account sign-in takes `username` (an address, or a username) for: the one with it as its username, or else
+    the one account known by it as an address (`accounts_with_email`); None where none or several are.
+
+    NOTE: an exact username wins; an email names an account only when exactly one has it, so two accounts sharing an
+    address (made before this rule) never log in as each other."""
+    user = get_user_model()._default_manager.filter(username=username).first()
+    if user is None:
+        matches = list(accounts_with_email(username)[:2])
+        user = matches[0] if len(matches) == 1 else None
+    return user
+
+
 def email_in_use(email: str) -> bool:
     return bool(email.strip()) and accounts_with_email(email).exists()
 
 
 class EmailBackend(ModelBackend):
-    """`ModelBackend` (permissions, `is_active`) that also accepts the account's email as the username.
-
-    NOTE: an exact username wins; an email names an account only when exactly one has it, so
-    two accounts sharing an address (made before this rule) never log in as each other.
-    """
+    """`ModelBackend` (permissions, `is_active`) that also accepts the account's email as the username
+    (`account_named`)."""
 
     def authenticate(self, request, username=None, password=None, **kwargs):
         if username is None:
             username = kwargs.get(get_user_model().USERNAME_FIELD)
         if not username or password is None:
             return None
-        users = get_user_model()._default_manager
-        user = users.filter(username=username).first()
-        if user is None:
-            matches = list(accounts_with_email(username)[:2])
-            user = matches[0] if len(matches) == 1 else None
+        user = account_named(username)
         if user is None:
             # Hash anyway, so a missing account takes as long as a wrong password.
             get_user_model()().set_password(password)

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core import signing
+from django.core.exceptions import ValidationError
 from django.core.mail import EmailMessage, send_mail
 from django.db import IntegrityError, transaction
 from django.template.loader import render_to_string
@@ -19,7 +20,13 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts import throttle
-from controlplane.accounts.backends import ACCOUNT_EMAIL_MAX_LENGTH, email_in_use, normalize_email
+from controlplane.accounts.backends import (
+    ACCOUNT_EMAIL_MAX_LENGTH,
+    account_named,
+    accounts_with_email,
+    email_in_use,
+    normalize_email,
+)
 from controlplane.accounts.invitations import remove_members_invited_by
 from controlplane.accounts.keys import create_api_key, revoke_api_keys_of
 from controlplane.accounts.mail_sender import send_later
@@ -33,6 +40,7 @@ from controlplane.accounts.models import (
     email_is_verified,
 )
 from controlplane.accounts.services import SYSTEM, Actor, create_organization, record_audit
+from controlplane.text import shown_name
 
 User = get_user_model()
 logger = logging.getLogger(__name__)
@@ -209,10 +217,20 @@ def secure_after_password_reset(user, *, source_ip: str | None = None) -> ResetS
 
 
 def bootstrap_organization(*, slug: str, owner_email: str, name: str | None = None, password: str | None = None):
-    """Operators' and tests' one-shot set-up: org, owner (created if new) and a manage+inference key."""
+    """Operators' and tests' one-shot set-up: org, owner (created if new) and a manage+inference key.
+
+    The owner is the account sign-in finds by the address (`account_named`): an operator's account made by
+    `createsuperuser` (another username), or one stored before addresses were folded. A `ValidationError` where
+    several accounts have it. NOTE: looked up by the folded address as a username alone, neither was found: a second
+    account with the address became the owner, and the first could no longer sign in by its address."""
     owner_email = normalize_email(owner_email, max_length=ACCOUNT_EMAIL_MAX_LENGTH)
     with transaction.atomic():
-        owner, created = User.objects.get_or_create(username=owner_email, defaults={"email": owner_email})
+        owner, created = account_named(owner_email), False
+        if owner is None and (num_accounts := accounts_with_email(owner_email).count()):
+            raise ValidationError(f"{num_accounts} accounts have the address {shown_name(owner_email)}: sign-in takes "
+                                  "none of them by it; give all but one another address first.")
+        if owner is None:
+            owner, created = User.objects.get_or_create(username=owner_email, defaults={"email": owner_email})
         if created or password:
             if password:
                 owner.set_password(password)

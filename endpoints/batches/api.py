@@ -241,7 +241,7 @@ def _replayed(saved: idempotency.Saved, digest: str) -> HttpResponse:
 def files(request, caller: Caller):
     if request.method == "POST":
         return _upload(request, caller)
-    if request.method != "GET":
+    if not errors.answers_as_get(request.method):
         return _method_not_allowed(request, "GET", "POST")
     queryset = File.objects.for_org(caller.organization_id)
     if purpose := _query(request, "purpose"):
@@ -262,10 +262,10 @@ def _file_of(caller: Caller, file_id: str) -> File:
 def file_detail(request, caller: Caller, file_id: str):
     # NOTE: the method first, as every other /v1 route: a PUT was a 404 for a file id that did not exist and a 405
     # for one that did.
-    if request.method not in ("GET", "DELETE"):
+    if request.method != "DELETE" and not errors.answers_as_get(request.method):
         return _method_not_allowed(request, "GET", "DELETE")
     file = _file_of(caller, file_id)
-    if request.method == "GET":
+    if request.method != "DELETE":
         return JsonResponse(file.as_openai())
     services.delete_file(file)
     return JsonResponse({"id": file.pk, "object": "file", "deleted": True})
@@ -273,9 +273,14 @@ def file_detail(request, caller: Caller, file_id: str):
 
 @_openai_view
 def file_content(request, caller: Caller, file_id: str):
-    if request.method != "GET":
+    if not errors.answers_as_get(request.method):
         return _method_not_allowed(request, "GET")
     file = _file_of(caller, file_id)
+    if request.method == "HEAD":  # its headers, from its row: its bytes are not read from S3 to be thrown away
+        response = HttpResponse(content_type="application/octet-stream")
+        response["Content-Length"] = str(file.bytes)
+        response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
+        return response
     try:
         stream = storage.open_stream(file.s3_key)
     except storage.ObjectGone as gone:
@@ -298,7 +303,7 @@ def file_content(request, caller: Caller, file_id: str):
 
 @_openai_view
 def batches(request, caller: Caller):
-    if request.method == "GET":
+    if errors.answers_as_get(request.method):
         return JsonResponse(_page(Batch.objects.for_org(caller.organization_id), request, default_limit=20))
     if request.method != "POST":
         return _method_not_allowed(request, "GET", "POST")
@@ -338,7 +343,7 @@ def _batch_of(caller: Caller, batch_id: str) -> Batch:
 
 @_openai_view
 def batch_detail(request, caller: Caller, batch_id: str):
-    if request.method != "GET":
+    if not errors.answers_as_get(request.method):
         return _method_not_allowed(request, "GET")
     return JsonResponse(_batch_of(caller, batch_id).as_openai())
 

@@ -364,12 +364,12 @@ class Gateway:
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
             if path == "/v1/models":
-                if method != "GET":
+                if not errors.answers_as_get(method):
                     raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
                 await self._models(headers, send, request_id, ratelimit)
                 return log_answer(scope, 200, started, request_id)
             if path.startswith(MODELS_PREFIX):
-                if method != "GET":
+                if not errors.answers_as_get(method):
                     raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
                 await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
                 return log_answer(scope, 200, started, request_id)

@@ -57,8 +57,17 @@ def unknown_url(method: str, path: str) -> OpenAIError:
 def method_not_allowed(method: str, path: str, allowed: tuple[str, ...]) -> OpenAIError:
     """A method a `/v1` path does not serve: 405 with the `Allow` header HTTP requires of it (RFC 9110, 15.5.6), naming
     the methods the path does serve. NOTE: it had none: HTTP clients and API checkers (Schemathesis's
-    `allow_header_conformance`) could not tell which method to use."""
+    `allow_header_conformance`) could not tell which method to use. HEAD is named wherever GET is: each GET route
+    answers it (`answers_as_get`), as HTTP requires of a server (RFC 9110, 9.1 and 9.3.2)."""
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed = ("GET", "HEAD", *(name for name in allowed if name != "GET"))
     return OpenAIError(405, f"Method {method} not allowed on {path}.", headers={"allow": ", ".join(allowed)})
+
+
+def answers_as_get(method: str) -> bool:
+    """Whether a `/v1` GET route serves `method`: GET, and HEAD, answered as GET is without its body (RFC 9110, 9.3.2;
+    the server sends none). NOTE: HEAD was a 405 whose `Allow` named GET alone, on every route a GET serves."""
+    return method in ("GET", "HEAD")
 
 
 def invalid_api_key(message: str = "Incorrect API key provided.") -> OpenAIError:

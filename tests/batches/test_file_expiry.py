@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from datetime import timedelta
 
 import openai
@@ -277,3 +278,41 @@ def test_a_sweep_under_a_stalled_s3_gives_up_its_delete_within_seconds(files_buc
         assert not sweeping.is_alive(), "the sweep still waits on S3"
     assert outcome == [0]
     assert File.objects.filter(pk=file.pk, deleted_at__isnull=True).exists()  # deleted by a later run
+
+
+def test_two_sweeps_at_once_under_a_slow_s3_delete_each_expired_file_once_and_leave_no_bytes(files_bucket, monkeypatch):
+    """Two runs overlapping (a slow S3, or the beat's messages queued while the workers were down): each file is taken
+    by one run alone (`delete_file` marks its row only where no other run has), so no file's bytes are deleted twice,
+    none is counted twice, and none is marked deleted with its bytes kept. Why the sweep takes no run lock."""
+    endpoint = EndpointFactory(max_model_len=2048)
+    expired = [services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename=f"{n}.jsonl",
+                                    stream=io.BytesIO(LINES), size=len(LINES)) for n in range(6)]
+    File.objects.filter(pk__in=[f.pk for f in expired]).update(expires_at=timezone.now() - timedelta(hours=1))
+    deleted_keys, both_started = [], threading.Barrier(2)
+    slow_delete = storage.delete
+
+    def slow_s3_delete(key, **kwargs):
+        deleted_keys.append(key)
+        time.sleep(0.2)
+        slow_delete(key, **kwargs)
+
+    monkeypatch.setattr(storage, "delete", slow_s3_delete)
+    counts = []
+
+    def sweep():
+        try:
+            both_started.wait(10)
+            counts.append(services.sweep_expired_files())
+        finally:
+            connection.close()
+
+    runs = [threading.Thread(target=sweep) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(30)
+
+    assert sum(counts) == 6 and len(counts) == 2
+    assert sorted(deleted_keys) == sorted(f.s3_key for f in expired)
+    assert bucket_objects(files_bucket) == {}
+    assert File.objects.filter(pk__in=[f.pk for f in expired], deleted_at__isnull=True).count() == 0

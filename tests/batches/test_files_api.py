@@ -460,3 +460,25 @@ def test_a_file_whose_bytes_s3_will_not_delete_is_not_deleted_and_its_delete_can
     answer = web.delete(f"/v1/files/{file.pk}", HTTP_AUTHORIZATION=f"Bearer {tenant.key}")
     assert (answer.status_code, answer.json()["deleted"]) == (200, True), answer.content
     assert file.s3_key not in bucket_objects(files_bucket)
+
+
+def test_head_on_every_v1_get_route_answers_as_its_get_without_a_body(web, tenant, files_bucket):
+    """HTTP requires a server to answer HEAD wherever it answers GET (RFC 9110, 9.1): the same status and headers, no
+    body. Before, HEAD was a 405 on every `/v1` GET route, its `Allow` naming GET alone."""
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=tenant.org)
+    raw = httpx.Client(base_url=web, headers={"Authorization": f"Bearer {tenant.key}"})
+    uploaded = raw.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", b'{"a": 1}\n')})
+    assert uploaded.status_code == 200, uploaded.text
+    file_id = uploaded.json()["id"]
+    for path in ("/v1/models", f"/v1/models/{endpoint.name}", "/v1/files", f"/v1/files/{file_id}",
+                 f"/v1/files/{file_id}/content", "/v1/batches", "/v1/models/no-such-model", "/v1/files/file-none"):
+        got, head = raw.get(path), raw.head(path)
+        assert head.status_code == got.status_code and got.status_code in (200, 404), (path, head.status_code)
+        assert head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        if "content-length" in got.headers:
+            assert head.headers.get("content-length") == got.headers["content-length"], path
+        assert head.headers["x-request-id"].startswith("req_")
+    assert raw.head(f"/v1/files/{file_id}/content").headers["content-disposition"] == 'attachment; filename="in.jsonl"'

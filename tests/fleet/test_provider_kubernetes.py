@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import ipaddress
 import json
+import os
 import re
 import ssl
 import threading
@@ -26,11 +27,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from endpoints.fleet.pool_services import MAX_GPUS_PER_NODE
 from endpoints.fleet.providers import get_provider, k8s_api, kubernetes
 from endpoints.fleet.providers.base import LaunchSpec, PoolSpec, ProviderError, ProviderUnreachable
 from endpoints.fleet.providers.k8s_placeholder import placeholder_pod
 from gpu_agent.runtime import control_plane as control_plane_client
-from tests.infra.conftest import render, run_tool, tool
+from tests.infra.conftest import INFRA_DIR, Rendered, render, run_tool, tool
 
 SA_TOKEN = "service-account-token-0123456789"
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
@@ -103,10 +105,10 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-node-pools", "namespace": "inferplane"}]
     # The web pods may review tokens (a registering agent's pod token), and do nothing else with the API.
     [cluster_role] = rendered.all("ClusterRole")
-    assert cluster_role["metadata"]["name"] == "inferplane-registration-review" and cluster_role["rules"] == [
+    assert cluster_role["metadata"]["name"] == "inferplane-registration-review.inferplane" and cluster_role["rules"] == [
         {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
     [cluster_binding] = rendered.all("ClusterRoleBinding")
-    assert cluster_binding["roleRef"]["name"] == "inferplane-registration-review" and cluster_binding["subjects"] == [
+    assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"] and cluster_binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "inferplane-registration-review", "namespace": "inferplane"}]
 
     worker = rendered.get("Deployment", "inferplane-worker")["spec"]["template"]["spec"]
@@ -143,7 +145,7 @@ def test_the_node_pools_overlay_lets_the_worker_manage_pods_and_pooled_agents_cl
         key: AGENT_LABELS[key] for key in ("app.kubernetes.io/component", "app.kubernetes.io/name")}
 
 
-POLICY = "inferplane-node-pools-placeholders"
+POLICY = "inferplane-node-pools-placeholders.inferplane"  # `.` the namespace of the install
 
 
 def _cel(expression: str, activation: dict):
@@ -155,7 +157,7 @@ def _cel(expression: str, activation: dict):
     return environment.program(environment.compile(expression)).evaluate(values)
 
 
-def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
+def _denied(rendered, username: str, operation: str, pod: dict, namespace: str = "inferplane") -> list[str]:
     """What the rendered ValidatingAdmissionPolicy answers a request of `username` to `operation` (CREATE, DELETE)
     `pod`: the messages of the rules it breaks (a rule whose evaluation errs denies, `failurePolicy: Fail`); [] when it
     is admitted or the policy does not match it. Evaluated as the API server would, on the pod after its defaulting
@@ -165,11 +167,15 @@ def _denied(rendered, username: str, operation: str, pod: dict) -> list[str]:
     assert binding["policyName"] == POLICY and binding["validationActions"] == ["Deny"]
     assert policy["failurePolicy"] == "Fail" and binding["paramRef"]["parameterNotFoundAction"] == "Deny"
     params = rendered.get("ConfigMap", binding["paramRef"]["name"])
+    [namespaces] = binding["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert namespaces["key"] == "kubernetes.io/metadata.name" and namespaces["operator"] == "In"
+    if namespace not in namespaces["values"]:
+        return []
     if not any("pods" in rule["resources"] and operation in rule["operations"] and rule["apiGroups"] == [""]
                for rule in policy["matchConstraints"]["resourceRules"]):
         return []
     pod = pod | {"spec": {"serviceAccountName": "default"} | pod["spec"]}
-    env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": "inferplane"},
+    env = {"request": {"operation": operation, "userInfo": {"username": username}, "namespace": namespace},
            "object": pod if operation == "CREATE" else None, "oldObject": pod if operation == "DELETE" else None,
            "params": params}
     if not all(_cel(condition["expression"], env) == celpy.celtypes.BoolType(True)
@@ -215,6 +221,9 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
     no_gpus = placeholder_pod(PoolSpec(id=6, name="cpu", gpu_type="cpu", gpus_per_node=0, gpu_memory_mb=1),
                               _spec(), namespace="inferplane", image=image)
     assert _denied(rendered, worker, "CREATE", no_gpus) == []
+    most_gpus = placeholder_pod(dataclasses.replace(POOL, gpus_per_node=MAX_GPUS_PER_NODE), _spec(),
+                                namespace="inferplane", image=image)
+    assert _denied(rendered, worker, "CREATE", most_gpus) == []
 
     def changed(change) -> dict:
         pod = json.loads(json.dumps(placeholder))
@@ -263,6 +272,43 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
         # placeholder's selector names (the web pods, another tenant's) to make room for it.
         "a priority class that preempts": lambda spec, container, meta: spec.update(
             priorityClassName="system-node-critical"),
+        # NOTE: the autoscaler adds the largest node that fits a placeholder's requests, for as long as it lives.
+        "more GPUs than a machine has": lambda spec, container, meta: [
+            container["resources"][kind].update({"nvidia.com/gpu": MAX_GPUS_PER_NODE + 1}) for kind in ("requests", "limits")],
+        "a thousand GPUs written as 1k": lambda spec, container, meta: [
+            container["resources"][kind].update({"nvidia.com/gpu": "1k"}) for kind in ("requests", "limits")],
+        "a terabyte of memory": lambda spec, container, meta: container["resources"]["requests"].update(memory="1Ti"),
+        "every core of a node": lambda spec, container, meta: container["resources"]["requests"].update(cpu="192"),
+        "a raised limit": lambda spec, container, meta: container["resources"]["limits"].update(memory="512Gi"),
+        "the node's disk": lambda spec, container, meta: container["resources"]["requests"].update(
+            {"ephemeral-storage": "2Ti"}),
+        "a second extended resource": lambda spec, container, meta: [
+            container["resources"][kind].update({"amd.com/gpu": 8}) for kind in ("requests", "limits")],
+        "a device claim": lambda spec, container, meta: (
+            spec.update(resourceClaims=[{"name": "gpus", "resourceClaimName": "someone-elses"}]),
+            container["resources"].update(claims=[{"name": "gpus"}])),
+        "pod-level resources": lambda spec, container, meta: spec.update(resources={"requests": {"memory": "1Ti"}}),
+        # NOTE: pinned onto a node (another team's GPUs, the control plane's) by name or by a pod running there.
+        "a node chosen by host name": lambda spec, container, meta: spec["nodeSelector"].update(
+            {"kubernetes.io/hostname": "ip-10-0-3-17.ec2.internal"}),
+        "a node affinity by host name": lambda spec, container, meta: spec["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"].append(
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["ip-10-0-3-17.ec2.internal"]}),
+        "a node affinity by node name": lambda spec, container, meta: spec["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0].update(matchFields=[
+                {"key": "metadata.name", "operator": "In", "values": ["ip-10-0-3-17.ec2.internal"]}]),
+        "a preferred node": lambda spec, container, meta: spec["affinity"]["nodeAffinity"].update(
+            preferredDuringSchedulingIgnoredDuringExecution=[{"weight": 100, "preference": {"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["ip-10-0-3-17.ec2.internal"]}]}}]),
+        "a pod affinity onto another's node": lambda spec, container, meta: spec["affinity"].update(podAffinity={
+            "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {"app": "victim"}},
+                                                                 "topologyKey": "kubernetes.io/hostname"}]}),
+        "an anti-affinity of its own": lambda spec, container, meta: spec["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"].update(matchLabels={"app": "x"}),
+        "a spread constraint": lambda spec, container, meta: spec.update(topologySpreadConstraints=[{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": "x"}}}]),
+        "another scheduler": lambda spec, container, meta: spec.update(schedulerName="my-binder"),
     }
     for what, change in hostile.items():
         assert _denied(rendered, worker, "CREATE", changed(change)), f"admitted a placeholder with {what}"
@@ -285,6 +331,49 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
                    changed(hostile["another image"])) == []
     # The policy's image is the one the worker puts on placeholders (one setting in each place: they must agree).
     assert rendered.get("ConfigMap", "inferplane-placeholder-policy")["data"]["image"] == image
+
+
+def test_two_installs_in_one_cluster_keep_their_own_cluster_wide_objects_and_policies(tmp_path):
+    """Two installs in two namespaces of one cluster (production's and staging's, each with node pools): before, both
+    wrote one ValidatingAdmissionPolicy, binding, ClusterRole and ClusterRoleBinding (fixed names), the second
+    install's binding named its own web pods only (the first's lost their token reviews), and either install's
+    policy, of whatever release, judged both installs' placeholders."""
+    staging_overlay = tmp_path / "staging-node-pools"
+    staging_overlay.mkdir()
+    overlays = INFRA_DIR / "k8s" / "overlays"
+    (staging_overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "inferplane-staging",
+        "resources": [os.path.relpath(overlays / "staging", staging_overlay)],
+        "components": [os.path.relpath(INFRA_DIR / "k8s" / "components" / "node-pools", staging_overlay)]}))
+    result = run_tool([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(staging_overlay)])
+    assert result.returncode == 0, result.stderr
+    installs = {"inferplane": render("production-node-pools"), "inferplane-staging": Rendered("staging", result.stdout)}
+
+    cluster_wide = {}
+    for namespace, rendered in installs.items():
+        for document in rendered.documents:
+            if document["kind"] in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                                    "ValidatingAdmissionPolicyBinding"):
+                key = (document["kind"], document["metadata"]["name"])
+                assert key not in cluster_wide, f"both installs write {key}"
+                cluster_wide[key] = namespace
+        [cluster_binding] = rendered.all("ClusterRoleBinding")
+        assert [subject["namespace"] for subject in cluster_binding["subjects"]] == [namespace]
+        assert cluster_binding["roleRef"]["name"] == rendered.all("ClusterRole")[0]["metadata"]["name"]
+        [policy] = rendered.all("ValidatingAdmissionPolicy")
+        [binding] = rendered.all("ValidatingAdmissionPolicyBinding")
+        assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert len(cluster_wide) == 8
+
+    # Each install's policy judges its own namespace's placeholders, not the other's.
+    production = installs["inferplane"]
+    image = production.config_map("inferplane-config")["data"]["INFERPLANE_K8S_PLACEHOLDER_IMAGE"]
+    miner = placeholder_pod(POOL, _spec(), namespace="inferplane-staging", image="attacker.example/miner:1")
+    staging_worker = "system:serviceaccount:inferplane-staging:inferplane-node-pools"
+    assert _denied(production, staging_worker, "CREATE", miner, namespace="inferplane-staging") == []
+    assert placeholder_pod(POOL, _spec(), namespace="inferplane", image=image)
+    assert _denied(production, "system:serviceaccount:inferplane:inferplane-node-pools", "CREATE",
+                   placeholder_pod(POOL, _spec(), namespace="inferplane", image="attacker.example/miner:1"))
 
 
 class _ApiServer:
@@ -626,6 +715,12 @@ def test_templates_are_checked_field_by_field():
     assert "template.tolerations" in errors({"tolerations": [{"key": "a", "operator": "Sometimes"}]})
     assert "template.tolerations" in errors({"tolerations": [{"key": "a", "command": "sh"}]})
     assert "template.gpu_resource" in errors({"gpu_resource": "GPU please"})
+    # What the placeholder policy refuses is refused here, where the operator sees why: a node by name, and a
+    # resource that is not an extended one (the pool's GPUs as memory, or as the node's hugepages).
+    assert errors({"node_selector": {"kubernetes.io/hostname": "ip-10-0-3-17"}}) == {
+        "template.node_selector": ["A pool's machines are not chosen by host name (kubernetes.io/hostname)."]}
+    assert "template.gpu_resource" in errors({"gpu_resource": "memory"})
+    assert "template.gpu_resource" in errors({"gpu_resource": "hugepages-2Mi"})
     assert "template.zones" in errors({"zones": "us-east-1a"})
     assert get_provider("kubernetes").zones(TEMPLATE) == ["us-east-1a", "us-east-1b"]
     assert get_provider("kubernetes").zones({}) == [""]

@@ -193,15 +193,22 @@ def test_a_method_a_v1_path_does_not_serve_is_a_405_naming_the_methods_it_does(g
     raw = httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {tenant.key}"})
     for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
                                   ("GET", "/v1/embeddings", "POST"), ("GET", "/v1/responses", "POST"),
-                                  ("POST", "/v1/models", "GET"), ("DELETE", f"/v1/models/{endpoint.name}", "GET"),
-                                  ("PUT", "/v1/files", "GET, POST"), ("PUT", "/v1/files/file-x", "GET, DELETE"),
-                                  ("POST", "/v1/files/file-x/content", "GET"), ("PATCH", "/v1/batches", "GET, POST"),
-                                  ("DELETE", "/v1/batches/batch_x", "GET"), ("GET", "/v1/batches/batch_x/cancel", "POST")):
+                                  ("HEAD", "/v1/chat/completions", "POST"), ("OPTIONS", "/v1/embeddings", "POST"),
+                                  ("POST", "/v1/models", "GET, HEAD"), ("OPTIONS", "/v1/models", "GET, HEAD"),
+                                  ("DELETE", f"/v1/models/{endpoint.name}", "GET, HEAD"),
+                                  ("PUT", "/v1/files", "GET, HEAD, POST"), ("OPTIONS", "/v1/files", "GET, HEAD, POST"),
+                                  ("PUT", "/v1/files/file-x", "GET, HEAD, DELETE"),
+                                  ("POST", "/v1/files/file-x/content", "GET, HEAD"),
+                                  ("PATCH", "/v1/batches", "GET, HEAD, POST"), ("DELETE", "/v1/batches/batch_x", "GET, HEAD"),
+                                  ("OPTIONS", "/v1/batches/batch_x/cancel", "POST"),
+                                  ("GET", "/v1/batches/batch_x/cancel", "POST")):
         answer = raw.request(method, path)
         assert answer.status_code == 405, (method, path, answer.text)
         assert answer.headers.get("allow") == allowed, (method, path, answer.headers)
-        assert answer.json()["error"]["message"] == f"Method {method} not allowed on {path}."
+        if method != "HEAD":
+            assert answer.json()["error"]["message"] == f"Method {method} not allowed on {path}."
         assert answer.headers["x-request-id"].startswith("req_")
+
 
 
 def test_the_openai_client_may_pass_audio_as_none_and_a_responses_call_its_prompt_cache_retention(

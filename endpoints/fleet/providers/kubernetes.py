@@ -61,6 +61,7 @@ _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[a-z0-9]([-a-z
 
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _OPERATORS = ("Equal", "Exists")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -73,6 +74,8 @@ def _label(key, value) -> bool:
 def _node_selector_errors(value) -> list[str]:
     if not isinstance(value, dict) or not all(_label(key, item) for key, item in value.items()):
         return ["An object of node labels (Kubernetes label keys and values)."]
+    if HOSTNAME_LABEL in value:  # the placeholder policy (infra/k8s/components/node-pools) refuses it as well
+        return [f"A pool's machines are not chosen by host name ({HOSTNAME_LABEL})."]
     return []
 
 
@@ -108,7 +111,7 @@ def template_errors(template: dict) -> dict[str, list[str]]:
         checks["tolerations"] = _toleration_errors(template["tolerations"])
     if "gpu_resource" in template:
         resource = template["gpu_resource"]
-        if not isinstance(resource, str) or not _RESOURCE.match(resource):
+        if not isinstance(resource, str) or not _RESOURCE.match(resource) or "/" not in resource:
             checks["gpu_resource"] = ["An extended resource name, e.g. nvidia.com/gpu."]
     if "zones" in template:
         zones = template["zones"]

@@ -45,6 +45,8 @@ class Command(BaseCommand):
                                                                          password=password)
         except TooManyKeys as exc:  # an existing organisation at its live-key limit: a message, not a traceback
             raise CommandError(str(exc)) from None
+        except ValidationError as exc:  # an address several accounts have: which is the owner is the operator's call
+            raise CommandError("--owner: " + "; ".join(exc.messages)) from None
         if as_json:
             self.stdout.write(json.dumps({"org": organization.slug, "owner": user.email, "api_key": created_key.plain}))
         else:

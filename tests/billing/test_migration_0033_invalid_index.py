@@ -1,0 +1,76 @@
+"""billing/0033 run again after a build of `usage_org_batch` that was interrupted (a pod killed in a rolling deploy):
+the invalid index it left is dropped and built again without stopping the usage table's reads and writes."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+
+MIGRATION = ("billing", "0033_usage_batch_index")
+
+
+def _connect():
+    settings = connection.settings_dict
+    return psycopg.connect(dbname=settings["NAME"], user=settings["USER"], password=settings["PASSWORD"] or None,
+                           host=settings["HOST"] or None, port=settings["PORT"] or None, autocommit=True)
+
+
+def _run_0033_again() -> None:
+    """0033 as `migrate` runs it when not recorded as applied (other apps' later migrations left as they are)."""
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM django_migrations WHERE app = %s AND name = %s", MIGRATION)
+    executor = MigrationExecutor(connection)
+    state = executor.loader.project_state(("billing", "0032_grandfather_spend_ceilings"))
+    executor.apply_migration(state, executor.loader.get_migration(*MIGRATION))
+
+
+def _index_valid() -> bool | None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass('usage_org_batch')")
+        row = cursor.fetchone()
+    return None if row is None else row[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_usage_is_read_and_written_while_0033_drops_an_interrupted_builds_index_behind_a_long_transaction():
+    """Before: the invalid index was dropped with a plain DROP INDEX (an ACCESS EXCLUSIVE lock): queued behind a
+    transaction that writes usage, it held every later read and write of a usage row (the gateway's ledger) for as
+    long as the migration waited."""
+    with connection.cursor() as cursor:  # what an interrupted CREATE INDEX CONCURRENTLY leaves: an invalid index
+        cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'usage_org_batch'::regclass")
+    long_transaction, ledger = _connect(), _connect()
+    outcome = []
+
+    def migration():
+        try:
+            _run_0033_again()
+        except Exception as exc:  # noqa: BLE001
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=migration)
+    try:
+        long_transaction.execute("BEGIN")
+        long_transaction.execute("LOCK TABLE billing_usagerecord IN ROW EXCLUSIVE MODE")  # as a usage write in its transaction
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not ledger.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> "
+                                 "pg_backend_pid() AND query ILIKE '%usage_org_batch%'").fetchone()[0]:
+            assert time.monotonic() < deadline, "the migration never waited on the long transaction"
+            time.sleep(0.05)
+        ledger.execute("SET lock_timeout = '4s'")
+        started = time.monotonic()
+        ledger.execute("SELECT count(*) FROM billing_usagerecord")  # a usage read: ACCESS SHARE
+        ledger.execute("UPDATE billing_usagerecord SET batch_id = batch_id WHERE id = -1")  # a write: ROW EXCLUSIVE
+        assert time.monotonic() - started < 1.5, "a usage read or write waited behind the invalid index's drop"
+    finally:
+        long_transaction.execute("ROLLBACK")
+        thread.join(30)
+        for open_connection in (long_transaction, ledger):
+            open_connection.close()
+    assert not outcome
+    assert _index_valid() is True
