@@ -30,7 +30,7 @@ from typing import Protocol
 import redis
 from django.conf import settings
 
-from controlplane import clock, pubsub, redis_scripts
+from controlplane import pubsub, redis_scripts
 from controlplane.redis_keys import endpoint_held_key, held_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
@@ -80,19 +80,21 @@ return 1
 # K: the organisation's held set and the endpoint's (a place taken by a gateway of the release before is in the first
 # alone); A: the member.
 _LEAVE_PLACE = Script("redis.call('ZREM', KEYS[2], ARGV[1]) return redis.call('ZREM', KEYS[1], ARGV[1])")
-# K: as `_TAKE_PLACE`'s; A: the member, when it lapses (Redis's clock, s). Puts a place still held back where Redis lost
-# it, as `_TAKE_PLACE` took it (no bound checked: the call is held already); one lapsed is left. Returns how many sets
-# lacked it.
+# K: as `_TAKE_PLACE`'s; A: the member, the seconds it lasts still. Puts a place still held back where Redis lost it, as
+# `_TAKE_PLACE` took it (no bound checked: the call is held already), lapsing when it would have. Returns how many sets
+# lacked it. NOTE: the seconds left, measured by the gateway's monotonic clock, not a time: a Redis that came back on
+# another clock (restarted on another server) has the place lapse when it would have, not minutes off.
 # NOTE: a flush dropped the held sets, and the calls still held counted nowhere for the rest of their cold start: an
 # organisation held twice its `max_held_requests`, an endpoint twice its bound.
 _KEEP_PLACE = Script("""
 local now = tonumber(redis.call('TIME')[1])
-local lapses = tonumber(ARGV[2])
-if lapses <= now then return 0 end
+local left = tonumber(ARGV[2])
+if left <= 0 then return 0 end
+local lapses = now + left
 local lost = 0
 for _, key in ipairs(KEYS) do
     lost = lost + redis.call('ZADD', key, 'NX', lapses, ARGV[1])
-    if redis.call('TTL', key) < lapses - now then redis.call('EXPIRE', key, math.ceil(lapses - now)) end
+    if redis.call('TTL', key) < left then redis.call('EXPIRE', key, math.ceil(left)) end
 end
 return lost
 """)
@@ -109,8 +111,9 @@ class Place:
     organization_id: int
     endpoint_id: str
     member: str  # its call's in the organisation's and the endpoint's held sets: "<request id>|<call token>"
-    lapses_at: float = 0.0  # when it stops counting (Redis's clock as this process reads it, `clock.redis_now`)
+    lasts_s: float = 0.0  # from when it was taken (`taken_at`) until it stops counting
     taken: bool = True
+    taken_at: float = field(default_factory=time.monotonic)
     kept_at: float = field(default_factory=time.monotonic)  # when it was last put back (`keep_place`)
 
     def keys(self) -> list[str]:
@@ -122,7 +125,7 @@ async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: s
     503/429 that refuses it."""
     global _num_held_here
     lasts_s = endpoint.cold_start_timeout_s + PLACE_GRACE_S
-    place = Place(organization_id, endpoint.id, f"{request_id}|{call_token}", lapses_at=clock.redis_now() + lasts_s)
+    place = Place(organization_id, endpoint.id, f"{request_id}|{call_token}", lasts_s=lasts_s)
     taken = int(await _TAKE_PLACE(keys=place.keys(), args=[place.member, lasts_s,
                                                            endpoint.max_held_requests, MAX_WAITING_PER_ENDPOINT]))
     if taken < 0:
@@ -158,7 +161,8 @@ async def keep_place(place: Place | None) -> None:
         return
     place.kept_at = time.monotonic()
     try:
-        lost = await _KEEP_PLACE(keys=place.keys(), args=[place.member, math.floor(place.lapses_at)])
+        left_s = place.lasts_s - (time.monotonic() - place.taken_at)
+        lost = await _KEEP_PLACE(keys=place.keys(), args=[place.member, math.floor(left_s)])
     except (OSError, redis.exceptions.RedisError, redis_scripts.RedisError):  # Redis down: tried again, the call held on
         logger.warning("could not put back a cold start's place in line", exc_info=True)
         return
