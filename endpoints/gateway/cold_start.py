@@ -83,7 +83,8 @@ _LEAVE_PLACE = Script("redis.call('ZREM', KEYS[2], ARGV[1]) return redis.call('Z
 # K: as `_TAKE_PLACE`'s; A: the member, the seconds it lasts still. Puts a place still held back where Redis lost it, as
 # `_TAKE_PLACE` took it (no bound checked: the call is held already), lapsing when it would have. Returns how many sets
 # lacked it. NOTE: the seconds left, measured by the gateway's monotonic clock, not a time: a Redis that came back on
-# another clock (restarted on another server) has the place lapse when it would have, not minutes off.
+# another clock (restarted on another server) has the place lapse when it would have, not minutes off. Sent again (a
+# cluster client's retry after a lost reply), it finds the place there and changes nothing (NX).
 # NOTE: a flush dropped the held sets, and the calls still held counted nowhere for the rest of their cold start: an
 # organisation held twice its `max_held_requests`, an endpoint twice its bound.
 _KEEP_PLACE = Script("""
