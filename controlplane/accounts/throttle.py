@@ -79,9 +79,9 @@ ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
 # shared this one, and a stranger's 5 resets for `owner+1@`... (no account) spent the owner's links for the day.
 # Past it an address without an account is mailed nothing, answered after as long as a reset that mails takes
 # (`forms.PasswordResetForm`).
+NO_ACCOUNT_MAILS = (Limit("no-account-mail-email", "email", 5, 86_400),)
 # How long `take(..., refuse_when_unavailable=True)` asks to wait while its counters cannot be read.
 UNAVAILABLE_RETRY_S = 60
-NO_ACCOUNT_MAILS = (Limit("no-account-mail-email", "email", 5, 86_400),)
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.

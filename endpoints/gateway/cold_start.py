@@ -40,10 +40,11 @@ from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.wake import wake_endpoint
 from endpoints.nodes.notify import endpoint_ready_channel
 
+logger = logging.getLogger("inferplane.gateway")
+
 COLD_START_POLL_S = 0.25
 REWAKE_EVERY_S = 5.0
 MAX_WAITING_PER_ENDPOINT = 256
-logger = logging.getLogger("inferplane.gateway")
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
 # How often a held call puts its place back should Redis have lost it (`keep_place`).
