@@ -99,6 +99,8 @@ async def _one_organisations_traffic(organization_id: int, endpoint_id: str, api
     place = await cold_start.take_place(info, organization_id, f"waiting-{organization_id}", call_token="c1")
     waiting = await admission.admit(caller=caller, endpoint_id=endpoint_id, request_id=f"waiting-{organization_id}",
                                     amount=Decimal("0.01"), num_tokens=10, candidates=[])
+    place.kept_at -= cold_start.KEEP_PLACE_EVERY_S  # due to be put back, should Redis have lost it
+    await cold_start.keep_place(place)
     await cold_start.give_up(place)
     await traffic.promote_request(organization_id, endpoint_id, f"waiting-{organization_id}")  # a replica came up
     await admission.finish(caller=caller, endpoint_id=endpoint_id, admission=waiting, release=None, num_tokens=0,

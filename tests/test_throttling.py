@@ -295,6 +295,28 @@ def test_attempts_pass_when_redis_is_unreachable(client, victim, monkeypatch):
         assert response.status_code == 200
 
 
+def test_while_redis_is_unreachable_strangers_get_no_mails_from_the_reset_and_sign_up_forms(client, victim, monkeypatch):
+    """Before, the mails' daily budgets per address let every mail through while Redis could not be read, as the forms'
+    own limits do: anyone could have any address mailed "no account has this address" (or an owner "you already have
+    an account") without bound for as long as the outage lasted."""
+    from controlplane.redis_client import connection_options
+    from tests.conftest import free_port
+
+    retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    unreachable = redis.Redis(port=free_port(), retry=retry, **connection_options())
+    monkeypatch.setattr(redis_scripts, "get_redis", lambda: unreachable)
+    budget = _limit(throttle.NO_ACCOUNT_MAILS, "email").num_attempts + _limit(throttle.ACCOUNT_EXISTS_MAILS,
+                                                                             "email").num_attempts
+    answers = [client.post(reverse("password_reset"), {"email": "stranger@elsewhere.test"}, REMOTE_ADDR=f"10.5.0.{n}")
+               for n in range(budget + 2)]
+    answers += [Client().post(reverse("signup"), {"email": victim.email, "password": "a long passphrase",
+                                                  "organization_name": "N"}, REMOTE_ADDR=f"10.6.0.{n}")
+                for n in range(budget + 2)]
+
+    assert all(answer.status_code in (200, 302) for answer in answers)
+    assert [m.to for m in mail.outbox] == []
+
+
 async def _read_offset() -> None:
     await clock.read_offset(get_async_redis())  # as a web process's heartbeat does (`endpoints.gateway.presence`)
 

@@ -76,16 +76,20 @@ def sign_up_user(*, email: str, password: str, organization_name: str, source_ip
     return user
 
 
-def _may_mail(limits: tuple[throttle.Limit, ...], email: str) -> bool:
+def _may_mail(limits: tuple[throttle.Limit, ...], email: str, *, unsolicited: bool = False) -> bool:
     """Whether one more account mail of a kind (`throttle.VERIFICATION_MAILS`, `throttle.ACCOUNT_EXISTS_MAILS`) may
-    go to `email` today, whoever asks for it."""
-    return throttle.take(limits, {"email": email}).retry_after_s is None
+    go to `email` today, whoever asks for it. An `unsolicited` one (anyone may have it sent to any address: "you have
+    an account", "no account has this address") is not sent while the budget cannot be read (Redis down).
+
+    NOTE: let through then, as the console's throttles are, a Redis outage let anyone mail any address without bound
+    from the reset and sign-up forms (their own limits, per client and per address, let through too)."""
+    return throttle.take(limits, {"email": email}, refuse_when_unavailable=unsolicited).retry_after_s is None
 
 
 def send_account_exists_email(email: str) -> bool:
     """Tells the address that signed up again that it has an account; whether it was mailed
     (`throttle.ACCOUNT_EXISTS_MAILS`, a budget of its own: these never spend the address's verification links)."""
-    if not _may_mail(throttle.ACCOUNT_EXISTS_MAILS, email):
+    if not _may_mail(throttle.ACCOUNT_EXISTS_MAILS, email, unsolicited=True):
         return False
     body = render_to_string("registration/account_exists_email.txt", {
         "email": email, "login": settings.PUBLIC_URL + reverse("login"),
@@ -112,7 +116,7 @@ def send_no_account_email(email: str) -> bool:
     mailbox = throttle.mailbox(email)
     return send_later(EmailMessage("Password reset for Inferplane", body, None, [email]),
                       what="a password reset's no-account email",
-                      only_if=lambda: _may_mail(throttle.NO_ACCOUNT_MAILS, mailbox))
+                      only_if=lambda: _may_mail(throttle.NO_ACCOUNT_MAILS, mailbox, unsolicited=True))
 
 
 VERIFY_EMAIL_SALT = "inferplane.verify-email"

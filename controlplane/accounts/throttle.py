@@ -80,6 +80,8 @@ ACCOUNT_EXISTS_MAILS = (Limit("account-exists-mail-email", "email", 3, 86_400),)
 # Past it an address without an account is mailed nothing, answered after as long as a reset that mails takes
 # (`forms.PasswordResetForm`).
 NO_ACCOUNT_MAILS = (Limit("no-account-mail-email", "email", 5, 86_400),)
+# How long `take(..., refuse_when_unavailable=True)` asks to wait while its counters cannot be read.
+UNAVAILABLE_RETRY_S = 60
 
 # Staff's second factor: a code has a million values, so a guess a second would find one in days; the
 # device's own throttle (django-otp: 1, 2, 4... seconds after each wrong code) slows it further.
@@ -191,7 +193,7 @@ return 0
 """, once=True)
 
 
-def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
+def take(limits: tuple[Limit, ...], subjects: dict[str, str], *, refuse_when_unavailable: bool = False) -> Attempt:
     """Counts one attempt against each limit whose subject is known, or, if any of them is at its limit, against none;
     its `retry_after_s` then.
 
@@ -204,7 +206,9 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
     tenancy review). Its own limits still refuse the next.
 
     NOTE: Redis being down lets attempts through (logged): a throttle must not lock every
-    user out of the console.
+    user out of the console. With `refuse_when_unavailable` (a budget of mails anyone may have sent to an address:
+    `signup.send_no_account_email`, `send_account_exists_email`) it refuses them instead, for `UNAVAILABLE_RETRY_S`:
+    let through, a Redis outage let anyone mail any address without bound.
     """
     now = clock.redis_now()  # NOTE: every web process's windows are Redis's (its offset, read on its heartbeat)
     counted = [(limit, subject, int(now // limit.window_s)) for limit in limits if (subject := _subject(limit, subjects))]
@@ -215,6 +219,9 @@ def take(limits: tuple[Limit, ...], subjects: dict[str, str]) -> Attempt:
         refused = _TAKE.run_sync(keys=keys, args=[part for limit, _, _ in counted
                                                   for part in (limit.num_attempts, limit.window_s + 1)])
     except redis.RedisError:
+        if refuse_when_unavailable:
+            logger.warning("throttle counters unavailable; refusing the attempt", exc_info=True)
+            return Attempt(UNAVAILABLE_RETRY_S, [])
         logger.warning("throttle counters unavailable; letting the attempt through", exc_info=True)
         return Attempt()
     if refused:

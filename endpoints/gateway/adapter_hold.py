@@ -120,7 +120,7 @@ async def hold(call: cold_start.HeldCall, adapter: directory.AdapterInfo,
     call.metrics.waiting.inc()
     try:
         async with pubsub.subscribe(endpoint_ready_channel(endpoint.id)) as signal:
-            holding = await _wait_for_holders(call, adapter, signal, deadline)
+            holding = await _wait_for_holders(call, adapter, place, signal, deadline)
     finally:
         call.metrics.waiting.dec()
         await cold_start.give_up(place)
@@ -129,8 +129,8 @@ async def hold(call: cold_start.HeldCall, adapter: directory.AdapterInfo,
     return holding
 
 
-async def _wait_for_holders(call: cold_start.HeldCall, adapter: directory.AdapterInfo, signal: pubsub.Signal,
-                            deadline: float) -> list[directory.ReplicaInfo] | None:
+async def _wait_for_holders(call: cold_start.HeldCall, adapter: directory.AdapterInfo, place: cold_start.Place | None,
+                            signal: pubsub.Signal, deadline: float) -> list[directory.ReplicaInfo] | None:
     endpoint = call.endpoint
     since = None  # when the message that woke this wait came: read what it announced (one read for all it woke)
     while True:
@@ -143,6 +143,7 @@ async def _wait_for_holders(call: cold_start.HeldCall, adapter: directory.Adapte
         adapter = (await directory.endpoint_adapters(endpoint.id, fresh_since=since)).get(adapter.name) or adapter
         await refuse_if_failed(endpoint, adapter)
         await want(adapter)
+        await cold_start.keep_place(place)
         if time.monotonic() >= deadline:
             raise not_loaded(adapter)
         since = signal.arrived_at if await signal.wait(POLL_S) else None

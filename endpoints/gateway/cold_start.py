@@ -7,7 +7,8 @@ anything is counted or streamed when it would pass a bound:
 - the endpoint's (`MAX_WAITING_PER_ENDPOINT`): 503 with Retry-After;
 - its organisation's plan (`max_held_requests`): 429;
 
-the last two checked and counted in one step in Redis, across gateway processes.
+the last two checked and counted in one step in Redis, across gateway processes. A held call puts its place back
+every `KEEP_PLACE_EVERY_S` should Redis have lost it (`keep_place`: a flush, a restart without persistence).
 
 Then `hold` wakes the endpoint's reconcile and waits for the READY message on the process's one
 pub/sub connection (`controlplane.pubsub.subscribe`), however many requests wait, polling the
@@ -20,13 +21,16 @@ A call held for a LoRA adapter's load (`adapter_hold.hold`) takes its place here
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import redis
 from django.conf import settings
 
-from controlplane import pubsub
+from controlplane import pubsub, redis_scripts
 from controlplane.redis_keys import endpoint_held_key, held_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
@@ -36,11 +40,15 @@ from endpoints.gateway.request import InferenceRequest
 from endpoints.gateway.wake import wake_endpoint
 from endpoints.nodes.notify import endpoint_ready_channel
 
+logger = logging.getLogger("inferplane.gateway")
+
 COLD_START_POLL_S = 0.25
 REWAKE_EVERY_S = 5.0
 MAX_WAITING_PER_ENDPOINT = 256
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
+# How often a held call puts its place back should Redis have lost it (`keep_place`).
+KEEP_PLACE_EVERY_S = 2.0
 
 # K: the organisation's held set and the endpoint's (a call's "<request id>|<call token>" scored by the time its place
 # lapses, Redis's clock: every gateway's places are judged by one clock, so one whose clock ran ahead never read the
@@ -73,6 +81,25 @@ return 1
 # K: the organisation's held set and the endpoint's (a place taken by a gateway of the release before is in the first
 # alone); A: the member.
 _LEAVE_PLACE = Script("redis.call('ZREM', KEYS[2], ARGV[1]) return redis.call('ZREM', KEYS[1], ARGV[1])")
+# K: as `_TAKE_PLACE`'s; A: the member, the seconds it lasts still. Puts a place still held back where Redis lost it, as
+# `_TAKE_PLACE` took it (no bound checked: the call is held already), lapsing when it would have. Returns how many sets
+# lacked it. NOTE: the seconds left, measured by the gateway's monotonic clock, not a time: a Redis that came back on
+# another clock (restarted on another server) has the place lapse when it would have, not minutes off. Sent again (a
+# cluster client's retry after a lost reply), it finds the place there and changes nothing (NX).
+# NOTE: a flush dropped the held sets, and the calls still held counted nowhere for the rest of their cold start: an
+# organisation held twice its `max_held_requests`, an endpoint twice its bound.
+_KEEP_PLACE = Script("""
+local now = tonumber(redis.call('TIME')[1])
+local left = tonumber(ARGV[2])
+if left <= 0 then return 0 end
+local lapses = now + left
+local lost = 0
+for _, key in ipairs(KEYS) do
+    lost = lost + redis.call('ZADD', key, 'NX', lapses, ARGV[1])
+    if redis.call('TTL', key) < left then redis.call('EXPIRE', key, math.ceil(left)) end
+end
+return lost
+""")
 
 _num_held_here = 0  # places taken in this process and not yet given up
 
@@ -86,7 +113,10 @@ class Place:
     organization_id: int
     endpoint_id: str
     member: str  # its call's in the organisation's and the endpoint's held sets: "<request id>|<call token>"
+    lasts_s: float = 0.0  # from when it was taken (`taken_at`) until it stops counting
     taken: bool = True
+    taken_at: float = field(default_factory=time.monotonic)
+    kept_at: float = field(default_factory=time.monotonic)  # when it was last put back (`keep_place`)
 
     def keys(self) -> list[str]:
         return [held_key(self.organization_id), endpoint_held_key(self.organization_id, self.endpoint_id)]
@@ -96,8 +126,9 @@ async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: s
     """A place in line for a cold start for the request's call of `call_token` (`traffic.new_call_token`), or the
     503/429 that refuses it."""
     global _num_held_here
-    place = Place(organization_id, endpoint.id, f"{request_id}|{call_token}")
-    taken = int(await _TAKE_PLACE(keys=place.keys(), args=[place.member, endpoint.cold_start_timeout_s + PLACE_GRACE_S,
+    lasts_s = endpoint.cold_start_timeout_s + PLACE_GRACE_S
+    place = Place(organization_id, endpoint.id, f"{request_id}|{call_token}", lasts_s=lasts_s)
+    taken = int(await _TAKE_PLACE(keys=place.keys(), args=[place.member, lasts_s,
                                                            endpoint.max_held_requests, MAX_WAITING_PER_ENDPOINT]))
     if taken < 0:
         raise errors.no_capacity(f"Too many requests are waiting for '{endpoint.name}' to start.", 10)
@@ -123,6 +154,23 @@ async def give_up(place: Place | None) -> None:
     place.taken = False
     _num_held_here -= 1
     await _LEAVE_PLACE(keys=place.keys(), args=[place.member])
+
+
+async def keep_place(place: Place | None) -> None:
+    """Put `place` back, at most every `KEEP_PLACE_EVERY_S`, should Redis have lost it: called by a hold's wait, so never
+    after its own `give_up` (which follows the wait in the same task)."""
+    if place is None or not place.taken or time.monotonic() - place.kept_at < KEEP_PLACE_EVERY_S:
+        return
+    place.kept_at = time.monotonic()
+    try:
+        left_s = place.lasts_s - (time.monotonic() - place.taken_at)
+        lost = await _KEEP_PLACE(keys=place.keys(), args=[place.member, math.floor(left_s)])
+    except (OSError, redis.exceptions.RedisError, redis_scripts.RedisError):  # Redis down: tried again, the call held on
+        logger.warning("could not put back a cold start's place in line", exc_info=True)
+        return
+    if lost:
+        logger.warning("put back a cold start's place in line Redis had lost (organisation %d, endpoint %s)",
+                       place.organization_id, place.endpoint_id)
 
 
 class HeldCall(Protocol):
@@ -169,12 +217,13 @@ async def _wait_for_replicas(call: HeldCall, place: Place | None, deadline: floa
             await call.start_stream()
         # NOTE: the control plane publishes when a replica turns READY; polling remains the fallback.
         async with pubsub.subscribe(endpoint_ready_channel(endpoint.id)) as ready_signal:
-            return await _wait_for_ready(call, ready_signal, deadline)
+            return await _wait_for_ready(call, place, ready_signal, deadline)
     finally:
         await give_up(place)
 
 
-async def _wait_for_ready(call: HeldCall, ready_signal: pubsub.Signal, deadline: float) -> list[ReplicaInfo] | None:
+async def _wait_for_ready(call: HeldCall, place: Place | None, ready_signal: pubsub.Signal,
+                          deadline: float) -> list[ReplicaInfo] | None:
     endpoint = call.endpoint
     fresh, last_wake, last_progress = False, time.monotonic(), None
     while True:
@@ -188,6 +237,7 @@ async def _wait_for_ready(call: HeldCall, ready_signal: pubsub.Signal, deadline:
             raise errors.no_capacity(
                 f"No replica of '{endpoint.name}' became ready within {endpoint.cold_start_timeout_s} s.", 30
             )
+        await keep_place(place)
         if now - last_wake > REWAKE_EVERY_S:
             # An endpoint that failed, or ran out of capacity, while we waited says so now.
             await standing.refuse_if_stopped_meanwhile(endpoint, wait_for_capacity=call.request.wait_for_capacity)

@@ -1562,6 +1562,26 @@ def test_a_gateway_ahead_of_redis_at_a_months_end_reserves_in_the_month_its_call
         asyncio.run(reserve(organization_id=organization.pk, api_key_id=None, amount=Decimal("0.10"), request_id="next"))
 
 
+@pytest.mark.parametrize("gateway_ahead_s", [0.0, 600.0])
+def test_a_tenant_at_its_cap_minutes_before_a_months_end_stays_refused_after_redis_loses_its_memory(
+        clock, gateway_ahead_s):
+    # Redis flushed at 23:55 on the month's last day: the month's counter is rebuilt from the ledger (the row that
+    # reached the cap), whichever month the gateway's own clock says (10 minutes ahead: August).
+    endpoint = EndpointFactory()
+    organization = endpoint.organization
+    key = ApiKey.objects.create(organization=organization, name="k", lookup="flushcap", digest="x")
+    clock.now_at, clock.redis_ahead_s = JULY_2355, 0.0
+    cost = _record_finished(endpoint, key, "req_july", JULY_2355)
+    _cap(organization, str(cost))
+    get_redis().flushall()  # a restart without persistence
+
+    clock.now_at, clock.redis_ahead_s = JULY_2355 + timedelta(seconds=gateway_ahead_s), -gateway_ahead_s
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(reserve(organization_id=organization.pk, api_key_id=key.pk, amount=Decimal("0.000001"),
+                            request_id="after-flush"))
+    assert _month_spend(organization.pk, key.pk, JULY_2355) == (cost, cost)
+
+
 def test_a_gateway_behind_redis_at_a_months_end_reserves_in_the_new_month(clock):
     # Its own clock 10 minutes behind: still July by its clock, August by Redis's. It reserved in July's counter and
     # refused (402) a tenant whose July cap was reached, for 10 minutes of the new month; its calls settled in August.

@@ -263,3 +263,26 @@ def test_a_short_cold_start_held_after_a_long_one_never_lets_the_quota_forget_th
         return statuses
 
     assert asyncio.run(scenario()) == [200, 200, 200, 429]
+
+
+def test_requests_held_while_redis_loses_its_memory_still_count_against_the_organisations_quota(bounded_gateway):
+    # Before, a flush (a restart without persistence) dropped the held sets, and the calls still held were counted
+    # nowhere again: the organisation held three more on its quota of three for the rest of their cold start.
+    org, key = _tenant()
+    set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="tiny", max_held_requests=3)))
+    endpoint = EndpointFactory(organization=org, max_model_len=2048)
+    held = HeldStreams(bounded_gateway, key, endpoint.name, 3)
+    try:
+        wait_until(lambda: held.num_held == 3 or held.failures, 60, message="three held streams")
+        assert held.failures == []
+        get_redis().flushall()  # a restart without persistence
+        wait_until(lambda: get_redis().zcard(held_key(org.pk)) == 3, 15, message="the held calls' places put back")
+        over_quota = httpx.post(f"{bounded_gateway}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5}, timeout=30)
+    finally:
+        held.release()
+
+    assert over_quota.status_code == 429, over_quota.text
+    assert "3 requests waiting for cold starts (quota max_held_requests)" in over_quota.json()["error"]["message"]
+    wait_until(lambda: get_redis().zcard(held_key(org.pk)) == 0, 30, message="places given up")
+    assert get_redis().zcard(endpoint_held_key(org.pk, str(endpoint.pk))) == 0

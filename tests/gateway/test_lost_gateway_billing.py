@@ -3,6 +3,7 @@ progress its beats recorded; a call that ended normally is billed by its own row
 its call's hold (SIGSTOP) and woke bills the whole call by its own row, once."""
 
 import signal
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -58,6 +59,7 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     endpoint, child, gateway = _paced_endpoint_and_gateway(tenant, start_mock_upstream, tmp_path, web_zygote)
     org, key = tenant.org.pk, tenant.api_key.pk
     received = 0
+    sent_at = datetime.now(UTC)
     try:
         with _stream(gateway, tenant.key, endpoint.name, max_tokens=400) as response:  # ~20 s
             request_id = response.headers["x-request-id"]
@@ -65,6 +67,7 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
                 received += line.startswith("data: {")
                 if received == 120:  # ~6 s in: some six beats
                     child.kill()
+                    killed_at = datetime.now(UTC)
                     break
     finally:
         child.stop()
@@ -82,6 +85,9 @@ def test_a_gateway_killed_mid_stream_has_what_it_delivered_billed_once_by_the_sw
     assert row.completion_tokens < 400
     assert row.billing_mode == "postpaid"  # the mode it was admitted under
     assert row.cost > 0
+    # Its times: its start, and its last beat before the kill (a beat's worth of tokens, some three allowed, before it)
+    assert sent_at <= row.started_at <= row.finished_at <= killed_at
+    assert killed_at - row.finished_at <= timedelta(seconds=3)
     # Settled with its cost, once: its spend counted, its hold and its progress gone.
     assert _spent_counted(org) == to_units(period_spend(org, period_containing())) == to_units(row.cost)
     assert _holds(org, key) == (0, 0, 0, 0)
