@@ -10,7 +10,13 @@ well-formed ones never seen before. So each kind has one `CredentialLookups`:
 - at most `max_concurrent` lookups of the kind run at once per process, each holding a worker thread and a
   database connection; the rest wait (a coroutine, no thread) at most `wait_s`, then are refused with
   `LookupsBusy`, which each surface answers with its own 503. So a flood of bogus credentials holds a few
-  threads and connections, never the pool every other lookup needs.
+  threads and connections, never the pool every other lookup needs;
+- a credential that matched a real one in this process (its SHA-256 remembered as known for `KNOWN_FOR_S`, until
+  refused) is looked up again without waiting for a slot (`slot_for`): still looked up, so a revoked key or a retired
+  node's secret stops at once, but never behind a flood. NOTE: every call with a key on `/api/v1` (which caches no
+  key) and every heartbeat of a node took a slot, the same few a flood of made-up ones takes: anyone sending them fast
+  enough had every tenant's automation answered 503, and the nodes' heartbeats refused until they were judged
+  silent.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from contextlib import asynccontextmanager, contextmanager
 from controlplane.per_loop import PerLoop
 
 REFUSED_MAX = 100_000
+# Credentials that matched a real one, remembered so long (each match renews it), at most so many (a live key or node
+# each; one pushed out waits for a slot again, as before).
+KNOWN_FOR_S = 3600.0
+KNOWN_MAX = 10_000
 # How long a lookup waits for a slot before its request is refused (a 503 that says to retry).
 WAIT_S = 2.0
 
@@ -129,6 +139,7 @@ class CredentialLookups:
     ):
         self.slots = LookupSlots(max_concurrent, wait_s=wait_s)
         self.refused = ExpiringSet(refused_for_s, max_entries=max_refused)
+        self.known = ExpiringSet(KNOWN_FOR_S, max_entries=KNOWN_MAX)
 
     @staticmethod
     def digest(plain: str) -> str:
@@ -138,7 +149,32 @@ class CredentialLookups:
         return self.digest(plain) in self.refused
 
     def refuse(self, plain: str) -> None:
-        self.refused.add(self.digest(plain))
+        digest = self.digest(plain)
+        self.known.discard(digest)
+        self.refused.add(digest)
+
+    def know(self, plain: str) -> None:
+        """`plain` matched a real credential: its next lookups take no slot (`slot_for`)."""
+        self.known.add(self.digest(plain))
+
+    @contextmanager
+    def slot_for(self, plain: str) -> Iterator[None]:
+        """A lookup slot for `plain` (`LookupSlots.held`), none for a credential known to be real."""
+        if self.digest(plain) in self.known:
+            yield
+            return
+        with self.slots.held():
+            yield
+
+    @asynccontextmanager
+    async def slot_for_async(self, plain: str):
+        """`slot_for` for a coroutine (`LookupSlots.held_async`)."""
+        if self.digest(plain) in self.known:
+            yield
+            return
+        async with self.slots.held_async():
+            yield
 
     def clear(self) -> None:
         self.refused.clear()
+        self.known.clear()

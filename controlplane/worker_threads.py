@@ -24,6 +24,7 @@ from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from controlplane.credential_lookups import LookupsBusy
 from controlplane.database_pool.base import CHECK_TIMEOUT_S, check_within_deadline
 from controlplane.per_loop import PerLoop
 
@@ -269,13 +270,17 @@ class FairSlots:
 
     NOTE: a holder must never wait for another slot of the same slots (a nested `held`): an owner's `per_owner`
     holders waiting for their own owner's next turn would wait for each other for good.
+
+    With `wait_s`, a holder waits at most that long for its slot, then `LookupsBusy` (a lookup's caller answers it
+    with a 503 that says to retry: `endpoints.gateway.memo`).
     """
 
-    def __init__(self, total: int, *, per_owner: int):
+    def __init__(self, total: int, *, per_owner: int, wait_s: float | None = None):
         if not 1 <= per_owner <= total:
             raise ValueError(f"per_owner must be between 1 and total ({total}), not {per_owner}")
         self.total = total
         self.per_owner = per_owner
+        self.wait_s = wait_s
         self._per_loop = PerLoop(_FairQueue)
 
     def num_held(self, owner: Hashable) -> int:
@@ -285,7 +290,11 @@ class FairSlots:
     @asynccontextmanager
     async def held(self, owner: Hashable):
         queue = self._per_loop.get()
-        await queue.acquire(owner, total=self.total, per_owner=self.per_owner)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await queue.acquire(owner, total=self.total, per_owner=self.per_owner)
+        except TimeoutError:
+            raise LookupsBusy() from None
         try:
             yield
         finally:

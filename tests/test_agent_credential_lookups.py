@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM
-from controlplane.credential_lookups import CredentialLookups
+from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from endpoints.fleet import services
 from endpoints.nodes.models import Node, control_plane_service_addresses
 from gpu_agent.protocol import NODE_REFUSED, NODE_RETIRED
@@ -147,3 +147,37 @@ def test_busy_lookups_on_the_refused_paths_answer_503_to_retry_and_never_a_refus
     assert refused.status_code == 400 and refused.json()["error"]["code"] == NODE_REFUSED
     assert AuditEvent.objects.filter(action="node.register_refused").count() == 1
     assert beat(client, retired["node_secret"]).json()["error"]["code"] == NODE_RETIRED
+
+
+def test_a_node_that_beat_before_keeps_beating_while_made_up_secrets_hold_every_lookup_and_stops_once_retired(
+        client, monkeypatch):
+    """Before: every heartbeat of every node took a node-secret lookup slot, the same four a flood of made-up secrets
+    on the public agent API takes: anyone sending them fast enough had the fleet's heartbeats refused (503) until its
+    nodes were judged silent and their replicas, every tenant's, placed elsewhere or lost."""
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(services, "NODE_SECRET_LOOKUPS", busy)
+    answer = register(client, services.create_join_token(SYSTEM, name="rack").plain).json()
+    assert beat(client, answer["node_secret"]).status_code == 200
+
+    with busy.slots.held():  # the flood's lookups hold every slot
+        assert beat(client, answer["node_secret"]).status_code == 200
+        assert beat(client, _bogus("nd")).status_code == 503
+        services.retire_node(SYSTEM, Node.objects.get(pk=answer["node_id"]), reason="machine shut out")
+        assert beat(client, answer["node_secret"]).json()["error"]["code"] == NODE_RETIRED
+
+
+@pytest.mark.django_db(transaction=True)  # the long poll looks the node up on a worker thread's connection
+def test_a_node_that_beat_before_is_let_on_the_long_poll_while_made_up_secrets_hold_every_lookup(client, monkeypatch):
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(services, "NODE_SECRET_LOOKUPS", busy)
+    answer = register(client, services.create_join_token(SYSTEM, name="rack").plain).json()
+    assert beat(client, answer["node_secret"]).status_code == 200
+
+    async def during_the_flood():
+        async with busy.slots.held_async():  # the flood's lookups hold every slot of the long poll's loop
+            node = await services.authenticate_node_async(answer["node_secret"])
+            with pytest.raises(LookupsBusy):
+                await services.authenticate_node_async(_bogus("nd"))
+        return node
+
+    assert str(asyncio.run(during_the_flood()).pk) == answer["node_id"]

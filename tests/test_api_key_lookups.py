@@ -95,3 +95,23 @@ def test_every_operation_that_takes_a_key_documents_the_503_a_busy_lookup_answer
                     if "Retry-After" not in operation["responses"].get("503", {}).get("headers", {})]
 
     assert len(keyed) > 30 and undocumented == []
+
+
+def test_a_key_that_worked_before_is_answered_while_made_up_keys_hold_every_lookup_and_stops_once_revoked(
+        owner_client, monkeypatch):
+    """Before: every call with a key on `/api/v1` took a lookup slot (it keeps no cache of keys, so a revoked key stops
+    at once), the same four a flood of made-up keys takes: anyone sending well-formed keys fast enough had every
+    tenant's automation on the management API answered 503 for as long as it went on."""
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(keys, "API_KEY_LOOKUPS", busy)
+    created = keys.create_api_key(
+        Actor(user=owner_client.user), owner_client.organization, name="automation", scopes=["manage"]
+    )
+    assert _client(created.plain).get("/api/v1/keys/").status_code == 200
+
+    with busy.slots.held():  # the flood's lookups hold every slot
+        assert _client(created.plain).get("/api/v1/keys/").status_code == 200
+        assert _client(_bogus_key()).get("/api/v1/keys/").status_code == 503
+        keys.revoke_api_key(Actor(user=owner_client.user), created.api_key)
+        assert _client(created.plain).get("/api/v1/keys/").status_code == 401
+    assert _client(created.plain).get("/api/v1/keys/").status_code == 401

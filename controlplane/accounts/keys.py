@@ -332,11 +332,12 @@ def authenticate_api_key(plain: str) -> ApiKey | None:
     """
     if tokens.split_token(plain, ApiKey.TOKEN_KIND) is None or API_KEY_LOOKUPS.is_refused(plain):
         return None
-    with API_KEY_LOOKUPS.slots.held():
+    with API_KEY_LOOKUPS.slot_for(plain):
         authenticated = authenticate_api_key_with_role(plain)
     if authenticated is None:
         API_KEY_LOOKUPS.refuse(plain)
         return None
+    API_KEY_LOOKUPS.know(plain)
     return authenticated[0]
 
 

@@ -335,9 +335,8 @@ EXPIRED_FILES_GRACE = timedelta(minutes=5)
 
 def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
-    `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`, `EXPIRED_FILES_GRACE` after they expired; returns how
-    many went. Their tenant sees them gone from
-    the moment they expire (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3
+    `NUM_EXPIRED_FILES_PER_RUN` at a time (each organisation's in turn) for up to `budget_s`, `EXPIRED_FILES_GRACE`
+    after they expired; returns how many went. Their tenant sees them gone from the moment they expire (`FileQuerySet.for_org`). One an open batch reads is kept until that batch ends; one S3
     refuses to delete stays to the next run, as a tenant's delete refused does.
 
     NOTE: one page a run (100 files a minute) left a backlog that only grew once files expired faster than that, each
@@ -348,10 +347,14 @@ def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
         # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
         # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
         # NOTE: deleted the moment it expired, a file was deleted under a batch created from it then, answered 200
+        # NOTE: every organisation's oldest expired file first, then every one's second, and so on, as batches are
+        # dispatched: in one queue by expiry, one tenant's backlog of tiny files with the shortest expiry (bounded by
+        # bytes, not by count) kept every other tenant's expired files in S3, counted against their quota, behind it.
+        turn = Window(RowNumber(), partition_by=[F("organization_id")], order_by=[F("expires_at").asc(), F("id").asc()])
         expired = list(File.objects.filter(expires_at__lte=Now() - EXPIRED_FILES_GRACE, deleted_at__isnull=True,
                                            stored_at__isnull=False)
                        .exclude(pk__in=Batch.objects.open().values("input_file_id"))
-                       .order_by("expires_at")[:NUM_EXPIRED_FILES_PER_RUN])
+                       .annotate(turn=turn).order_by("turn", "expires_at", "id")[:NUM_EXPIRED_FILES_PER_RUN])
         for file in expired:
             try:
                 # NOTE: with the run's client (five tries, 60 s timeouts) a stalled S3 held one delete for minutes,

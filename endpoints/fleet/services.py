@@ -328,7 +328,7 @@ def authenticate_node(secret: str) -> Node:
     if lookup is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
     _refuse_without_a_query(secret)
-    with NODE_SECRET_LOOKUPS.slots.held():
+    with NODE_SECRET_LOOKUPS.slot_for(secret):  # none for a secret that matched a node before: never behind a flood
         node = Node.objects.filter(secret_lookup=lookup).first()
     if node is not None and not node.secret_digest and node.retired_secret_digest and tokens.token_matches(
             secret, node.retired_secret_digest):
@@ -339,6 +339,7 @@ def authenticate_node(secret: str) -> Node:
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
         raise NodeUnknown("invalid node secret")
+    NODE_SECRET_LOOKUPS.know(secret)
     return node
 
 
@@ -361,7 +362,7 @@ async def authenticate_node_async(secret: str) -> Node:
     if tokens.split_token(secret, Node.SECRET_KIND) is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
     _refuse_without_a_query(secret)
-    async with NODE_SECRET_LOOKUPS.slots.held_async():
+    async with NODE_SECRET_LOOKUPS.slot_for_async(secret):
         return await in_worker_thread(authenticate_node)(secret)
 
 

@@ -182,8 +182,13 @@ async def _caller_of_session(session_key: str) -> Caller | None:
     if _session_lookups.is_refused(session_key):
         return None
     try:
-        async with _session_lookups.slots.held_async():
-            return await in_worker_thread(_lookup_session)(session_key)
+        # NOTE: none for a session that called before (`CredentialLookups.slot_for`): every playground call waited
+        # among a flood of made-up session cookies, and was a 503 behind it
+        async with _session_lookups.slot_for_async(session_key):
+            caller = await in_worker_thread(_lookup_session)(session_key)
+        if caller is not None:
+            _session_lookups.know(session_key)
+        return caller
     except _NotLoggedIn:
         _session_lookups.refuse(session_key)
         return None

@@ -196,9 +196,14 @@ def keep_unwritten_prompt_factor(endpoint: EndpointInfo, factor: Decimal) -> Non
                      "bound learns it again", oldest[0], dropped[1], MAX_UNWRITTEN_PROMPT_FACTORS)
 
 
+def _organization_of_key(key: tuple[int, str]) -> int:
+    """Whose lookup an endpoint's is (its key is (organisation, name)): the lookup slots are shared fairly by it."""
+    return key[0]
+
+
 _endpoints = Memo(_load_endpoint, ENDPOINT_CACHE_S, max_entries=KNOWN_ENDPOINTS_MAX,
                   max_concurrent_loads=MAX_ENDPOINT_LOOKUPS, load_wait_s=ENDPOINT_LOOKUP_WAIT_S,
-                  merge=_keep_learned_factor)
+                  merge=_keep_learned_factor, load_owner=_organization_of_key)
 # (organisation, name) that named no live endpoint, for as long as a cached endpoint is trusted: a name sent again
 # costs no query; a flood of different ones pushes out only each other. An endpoint created since is found once its
 # name's entry expires, as a change to a cached one is.

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from controlplane.credential_lookups import LookupsBusy, LookupSlots
-from controlplane.worker_threads import in_worker_thread
+from controlplane.worker_threads import FairSlots, in_worker_thread
 
 logger = logging.getLogger("inferplane.gateway")
 
@@ -37,7 +37,8 @@ STALE_FOR_S = 5.0
 class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000, max_concurrent_loads: int | None = None,
-                 load_wait_s: float | None = None, merge: Callable | None = None, group_of: Callable | None = None):
+                 load_wait_s: float | None = None, merge: Callable | None = None, group_of: Callable | None = None,
+                 load_owner: Callable | None = None):
         self._load = in_worker_thread(load)
         # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
         # loaded): the process may have learned of the entry since the load read the database.
@@ -46,7 +47,15 @@ class Memo:
         # an attacker's to choose (API keys), a flood of new ones would take up to the pool's 32 threads and as many
         # connections per process, queueing every other lookup behind them. At most this many first loads at once.
         # A first load waits at most `load_wait_s` (None: as long as it takes) for one, then raises `LookupsBusy`.
-        self._load_slots = LookupSlots(max_concurrent_loads, wait_s=load_wait_s) if max_concurrent_loads else None
+        # With `load_owner` (a key's owner, known before its load: an endpoint name's organisation), the slots are
+        # shared fairly between owners (`FairSlots`: at most half of them one owner's, the last free one kept for an
+        # owner holding none). NOTE: a plain semaphore let one organisation's flood of made-up names take every slot,
+        # and every other organisation's first lookup waited `load_wait_s`, then was refused.
+        self._load_owner = load_owner
+        self._load_slots = (None if not max_concurrent_loads
+                            else LookupSlots(max_concurrent_loads, wait_s=load_wait_s) if load_owner is None
+                            else FairSlots(max_concurrent_loads, per_owner=max(1, max_concurrent_loads // 2),
+                                           wait_s=load_wait_s))
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
@@ -128,7 +137,8 @@ class Memo:
             if self._load_slots is None or key in self.entries:
                 value = await self._load(*load_args)
             else:
-                async with self._load_slots.held_async():
+                async with (self._load_slots.held_async() if self._load_owner is None
+                            else self._load_slots.held(self._load_owner(key))):
                     value = await self._load(*load_args)
         finally:
             if self._loading.get(key) is asyncio.current_task():

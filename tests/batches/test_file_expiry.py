@@ -22,7 +22,7 @@ from endpoints.batches import services, storage
 from endpoints.batches.models import Batch, BatchStatus, File
 from tests.batches.conftest import bucket_objects, new_batch, s3_stalled
 from tests.conftest import start_web_server
-from tests.factories import EndpointFactory, MembershipFactory, UserFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -316,3 +316,33 @@ def test_two_sweeps_at_once_under_a_slow_s3_delete_each_expired_file_once_and_le
     assert sorted(deleted_keys) == sorted(f.s3_key for f in expired)
     assert bucket_objects(files_bucket) == {}
     assert File.objects.filter(pk__in=[f.pk for f in expired], deleted_at__isnull=True).count() == 0
+
+
+def test_a_tenants_expired_file_is_deleted_in_its_first_sweep_behind_another_tenants_backlog(files_bucket, monkeypatch):
+    """Before: the sweep took every tenant's expired files in one queue, oldest expiry first. One tenant uploading tiny
+    files with the shortest expiry (an hour: no file count bound, only bytes) kept a backlog longer than a run clears,
+    and every other tenant's expired files waited behind all of it: kept in S3 past the expiry they asked for, counted
+    against their storage quota, yet gone to them (a 404, never listed), so they could not delete them either."""
+    def expired_file(organization_id: int, name: str, hours_ago: float) -> File:
+        file = services.create_file(organization_id=organization_id, purpose="batch", filename=name,
+                                    stream=io.BytesIO(LINES), size=len(LINES))
+        File.objects.filter(pk=file.pk).update(expires_at=timezone.now() - timedelta(hours=hours_ago))
+        return file
+
+    flooding, quiet = OrganizationFactory(), OrganizationFactory()
+    backlog = [expired_file(flooding.pk, f"{n}.jsonl", 3 - n / 10) for n in range(5)]  # expired before the quiet one's
+    quiet_file = expired_file(quiet.pk, "mine.jsonl", 1)
+    clock = [1000.0]
+    monkeypatch.setattr(services.time, "monotonic", lambda: clock[0])
+    delete = storage.delete
+
+    def delete_in_20_s(key, **kwargs):  # a run's budget (45 s) takes three deletes
+        clock[0] += 20
+        delete(key, **kwargs)
+
+    monkeypatch.setattr(storage, "delete", delete_in_20_s)
+
+    assert services.sweep_expired_files() == 3
+    assert File.objects.get(pk=quiet_file.pk).deleted_at is not None
+    assert quiet_file.s3_key not in bucket_objects(files_bucket)
+    assert File.objects.filter(pk__in=[f.pk for f in backlog], deleted_at__isnull=False).count() == 2

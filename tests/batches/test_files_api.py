@@ -482,3 +482,17 @@ def test_head_on_every_v1_get_route_answers_as_its_get_without_a_body(web, tenan
             assert head.headers.get("content-length") == got.headers["content-length"], path
         assert head.headers["x-request-id"].startswith("req_")
     assert raw.head(f"/v1/files/{file_id}/content").headers["content-disposition"] == 'attachment; filename="in.jsonl"'
+
+
+def test_a_list_cursor_naming_another_organisations_file_pages_nothing_of_theirs(web, tenant):
+    """A pin (passes): `after` is looked up among the caller's own files only, so a cursor forged to another
+    organisation's file reads as no cursor (the caller's first page, as for an id that names nothing), never a page of
+    theirs nor a sign that the id exists."""
+    client, other = tenant.client(web), _other_tenant_client(web)
+    mine = [client.files.create(file=(f"m{n}.jsonl", io.BytesIO(LINES)), purpose="batch").id for n in range(2)]
+    theirs = [other.files.create(file=(f"t{n}.jsonl", io.BytesIO(LINES)), purpose="batch").id for n in range(3)]
+
+    for after in (theirs[1], theirs[0], "file-nosuchfile"):
+        for order in ("asc", "desc"):
+            page = client.files.list(after=after, order=order)
+            assert sorted(f.id for f in page.data) == sorted(mine), (after, order)

@@ -128,3 +128,26 @@ def test_a_session_id_django_never_issues_is_a_401_remembered_as_refused(counted
 
     assert asyncio.run(scenario()) == [401] * 3
     assert counted_lookups["calls"] == 1
+
+
+def test_a_session_that_called_before_is_answered_while_made_up_sessions_hold_every_lookup(monkeypatch):
+    """Before: every playground call took a session lookup slot (sessions are not cached: a log-out ends one at once),
+    the same few a flood of made-up session cookies takes: anyone sending them had every tenant's playground answered
+    503 for as long as it went on. Still looked up: a session logged out meanwhile is refused at once."""
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    monkeypatch.setattr(auth, "_session_lookups", busy)
+    user = UserFactory(username="playground@example.test")
+    MembershipFactory(user=user, role=Role.MEMBER)
+    client = Client()
+    assert client.login(username=user.username, password=PASSWORD)
+    session_id = client.cookies[settings.SESSION_COOKIE_NAME].value
+    assert asyncio.run(_status(session_id)) == 200
+
+    async def during_the_flood(logged_out_meanwhile: bool):
+        async with busy.slots.held_async():  # the flood's lookups hold every slot
+            if logged_out_meanwhile:
+                await in_worker_thread(client.logout)()
+            return await _status(session_id), await _status(secrets.token_hex(16))
+
+    assert asyncio.run(during_the_flood(False)) == (200, 503)
+    assert asyncio.run(during_the_flood(True)) == (401, 503)

@@ -13,7 +13,7 @@ from controlplane.accounts.models import ApiKey
 from endpoints.gateway import directory
 from endpoints.gateway.app import Gateway
 from endpoints.gateway.request import MAX_MODEL_NAME
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, OrganizationFactory
 from tests.gateway.conftest import serve_endpoint
 from tests.gateway.slots import every_slot_held
 
@@ -123,11 +123,17 @@ def test_made_up_names_are_looked_up_a_few_at_a_time(endpoint_loads, monkeypatch
 
     monkeypatch.setattr(directory._endpoints, "_load", slow)
 
-    async def flood():
-        return await asyncio.gather(*(directory.find_endpoint(1, f"made-up-{index}") for index in range(40)))
+    async def flood(num_organizations: int):
+        return await asyncio.gather(*(directory.find_endpoint(index % num_organizations + 1, f"made-up-{index}")
+                                      for index in range(40)))
 
-    assert asyncio.run(flood()) == [None] * 40
+    assert asyncio.run(flood(4)) == [None] * 40
     assert peak[0] == directory.MAX_ENDPOINT_LOOKUPS
+    # one organisation's names take half the slots at most: the others' first lookups never wait behind them
+    peak[0] = 0
+    directory._unknown_endpoints.clear()
+    assert asyncio.run(flood(1)) == [None] * 40
+    assert peak[0] == directory.MAX_ENDPOINT_LOOKUPS // 2
 
 
 @pytest.mark.parametrize("name", ["\x00", "bad\x00name", "tab\tname", "a" * (MAX_MODEL_NAME + 1)])
@@ -283,3 +289,34 @@ def test_a_call_naming_a_model_never_seen_while_every_lookup_slot_is_taken_gets_
     assert (sent[0]["status"], error["type"], error["code"]) == (503, "server_error", "service_unavailable")
     assert headers[b"retry-after"] == b"1"
     assert endpoint_loads == []
+
+
+def test_one_organisations_flood_of_made_up_names_never_holds_back_another_organisations_first_call(endpoint_loads,
+                                                                                                     monkeypatch):
+    # NOTE: the endpoint lookups' slots were a plain semaphore: one organisation's keys sending made-up model names
+    # (each within its key's requests per minute, a thousand keys each) took all four, and another organisation's
+    # first call to its own endpoint (a new one, a gateway just started) waited 2 s and got a 503, for as long as the
+    # flood lasted. Each lookup's organisation is known (the key's): the slots are shared fairly between them.
+    endpoint = EndpointFactory(name="support-chat")
+    flooding = OrganizationFactory()
+    counted = directory._endpoints._load
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def load(organization_id, name):
+            if organization_id == flooding.pk:
+                await release.wait()  # a slow lookup, as under a flood PostgreSQL's are
+            return await counted(organization_id, name)
+
+        monkeypatch.setattr(directory._endpoints, "_load", load)
+        flood = [asyncio.ensure_future(directory.find_endpoint(flooding.pk, f"made-up-{n}")) for n in range(20)]
+        await asyncio.sleep(0.2)
+        try:
+            return await asyncio.wait_for(directory.find_endpoint(endpoint.organization_id, "support-chat"), 1)
+        finally:
+            release.set()
+            await asyncio.gather(*flood, return_exceptions=True)
+
+    found = asyncio.run(scenario())
+    assert found is not None and found.name == "support-chat"
