@@ -324,7 +324,10 @@ def sweep_incomplete_uploads(now=None) -> int:
 
     NOTE: a bucket lifecycle rule (`AbortIncompleteMultipartUpload`) would do the same, but the bucket is the
     operator's, not created here: its configuration is replaced whole by a put (their own rules lost), and the fleet's
-    credentials need not be allowed to set it. The README suggests the rule as well."""
+    credentials need not be allowed to set it. The README suggests the rule as well.
+    NOTE: judged by this worker's clock against S3's (`Initiated`), neither PostgreSQL's nor Redis's: the hour past the
+    longest live upload (`INCOMPLETE_UPLOADS_ABORTED_AFTER`) is the margin; a worker an hour ahead is an ERROR already
+    (`controlplane.clock.check`)."""
     return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
@@ -545,7 +548,7 @@ def cancel_batch(batch: Batch) -> Batch:
 
     NOTE: a cancel of an ended batch answered 200 with the batch as it was (`completed`), and the openai client took
     it for a cancel that was accepted."""
-    now = timezone.now()
+    now = database_now()  # NOTE: a batch's steps by PostgreSQL's clock, as its creation and window (`finalize_batch`)
     if not Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
             status=BatchStatus.CANCELLING, cancelling_at=now):
         status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).get()
@@ -779,7 +782,7 @@ def validate_batch(batch: Batch) -> Batch:
                     doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each "
                           f"of its {checked.num_lines:,} requests, should it expire before they run)")
             Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-                status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint,
+                status=BatchStatus.IN_PROGRESS, in_progress_at=DatabaseClock(), endpoint=endpoint,
                 num_total=checked.num_lines, num_unrun_row_bytes=num_unrun_row_bytes)
     except Refused as refused:
         return _fail_validation(batch, [LineError(1, "storage_quota_exceeded", refused.message)])
@@ -803,7 +806,7 @@ def _log_input_unreadable(batch: Batch, gone: storage.ObjectGone) -> None:
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
     """End a batch that failed its check with its errors (no line ran: it has no results to delete).
     Errors PostgreSQL still refuses give way to one that says so: a batch never stays validating."""
-    now = timezone.now()
+    now = database_now()
     ended = {"status": BatchStatus.FAILED, "failed_at": now, "results_deleted_at": now}
     try:
         with transaction.atomic():
@@ -880,7 +883,7 @@ def _moment(unix: float | None) -> datetime | None:
 def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
     """End the batch as a cancel does (lines in flight finish; what finished is kept, billed and written)."""
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.CANCELLING,
-                                                                                 cancelling_at=timezone.now()):
+                                                                                 cancelling_at=DatabaseClock()):
         record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} stopped: the key or member that created it "
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
@@ -1107,7 +1110,7 @@ def _fail_past_storage_quota(batch: Batch, index: int) -> None:
                "storage quota (max_file_bytes). The lines that ran are in the output and error files; delete files "
                "the organisation no longer needs, or ask for a larger plan, and send the others again.")
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
-            status=BatchStatus.FINALIZING, finalizing_at=timezone.now(),
+            status=BatchStatus.FINALIZING, finalizing_at=DatabaseClock(),
             errors=[LineError(index + 1, "storage_quota_exceeded", message).as_openai()]):
         record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} failed: line {index + 1}'s answer would "
                           "have taken its organisation's files past its storage quota", batch_id=batch.pk)
@@ -1121,15 +1124,16 @@ def _delete_results(batch: Batch) -> bool:
     except Exception:
         logger.exception("could not delete the line results of %s", batch.pk)
         return False
-    Batch.objects.filter(pk=batch.pk).update(results_deleted_at=timezone.now())
+    Batch.objects.filter(pk=batch.pk).update(results_deleted_at=DatabaseClock())
     return True
 
 
 def sweep_ended_results(now=None) -> int:
     """Delete the line results still kept of batches that ended over `RESULTS_SWEPT_AFTER` ago (their
     run died, or S3 failed, between ending them and deleting them), oldest first, at most
-    `NUM_RESULTS_SWEPT_PER_RUN`. Returns how many batches it emptied."""
-    before = (now or timezone.now()) - RESULTS_SWEPT_AFTER
+    `NUM_RESULTS_SWEPT_PER_RUN`. Returns how many batches it emptied. `now`: PostgreSQL's clock if None, as the
+    batches' ends are stamped (`finalize_batch`)."""
+    before = database_time_ago(RESULTS_SWEPT_AFTER.total_seconds()) if now is None else now - RESULTS_SWEPT_AFTER
     ended = (Batch.objects.filter(status__in=FINAL_STATES, results_deleted_at__isnull=True)
              .filter(Q(completed_at__lt=before) | Q(failed_at__lt=before) | Q(expired_at__lt=before)
                      | Q(cancelled_at__lt=before))
@@ -1240,8 +1244,11 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
 
     NOTE: a cancel is the one change another process makes to a running batch (the API, `cancel_batch`), and it may
     land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
-    cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
-    now = timezone.now()
+    cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set.
+    NOTE: its steps (and its files' `stored_at`) by PostgreSQL's clock, as its creation and window (`create_batch`):
+    stamped by the worker's, one 10 minutes behind showed the tenant a batch in progress and ended 10 minutes before it
+    was created, and its results were swept 10 minutes late (`sweep_ended_results`)."""
+    now = database_now()
 
     def finalizing() -> None:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,

@@ -109,3 +109,27 @@ def test_a_worker_whose_clock_is_ahead_runs_the_lines_of_a_batch_with_time_left(
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 0)
+
+
+def test_a_batch_run_and_ended_by_a_worker_whose_clock_is_behind_shows_its_steps_in_order(files_bucket, monkeypatch):
+    # Before: its steps were stamped by the clock of whichever process took them (`in_progress_at`, `cancelled_at` by
+    # the worker's; `created_at` and the window by PostgreSQL's): a worker 10 minutes behind showed the tenant a batch
+    # in progress and cancelled 10 minutes before it was created, and its results were swept 10 minutes late.
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+    with monkeypatch.context() as worker:
+        _this_process_clock(worker, timedelta(minutes=-10))
+        services.run_batch(batch.pk)
+    services.cancel_batch(Batch.objects.get(pk=batch.pk))  # by a web pod whose clock is right
+    with monkeypatch.context() as worker:
+        _this_process_clock(worker, timedelta(minutes=-10))
+        services.run_batch(batch.pk)
+
+    shown = Batch.objects.get(pk=batch.pk).as_openai()
+    assert shown["status"] == "cancelled"
+    steps = [shown[name] for name in ("created_at", "in_progress_at", "cancelling_at", "cancelled_at")]
+    assert steps == sorted(steps), steps
+    assert shown["cancelled_at"] - shown["created_at"] < 60
