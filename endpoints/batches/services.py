@@ -338,6 +338,32 @@ EXPIRED_FILES_SWEEP_S = 45.0  # under the beat's 60 s: two runs do not overlap
 EXPIRED_FILES_GRACE = timedelta(minutes=5)
 
 
+# How long after its creation a batch whose output files a worker of the release before stored without their
+# `expires_at` is looked for (`backfill_output_expiry`): past its window (24 h at most) and its last run, with days to
+# spare for a beat that only runs the new release's sweep that much later.
+OUTPUT_EXPIRY_BACKFILLED_FOR = timedelta(days=7)
+
+
+def backfill_output_expiry() -> int:
+    """Give the output and error files of batches that asked for them to expire (`output_expires_after_s`) their
+    `expires_at` where a worker of the release before stored them without it (it knows nothing of the field); returns
+    how many files it gave one. Run by each `sweep_expired_files`.
+
+    NOTE: a batch created through a web pod of this release and ended by a worker of the one before kept its files for
+    good, though it asked for them to go. Not a data migration: it runs before the rollout, while workers of the
+    release before still end batches. Batches of the last `OUTPUT_EXPIRY_BACKFILLED_FOR` only, those an old worker may
+    have ended: one scan of those rows a minute, no index needed."""
+    batches, files = Batch._meta.db_table, File._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {files} AS f SET expires_at = f.created_at + b.output_expires_after_s * interval '1 second' "
+            f"FROM {batches} AS b WHERE b.output_expires_after_s IS NOT NULL AND b.created_at >= %s "
+            "AND f.id IN (b.output_file_id, b.error_file_id) AND f.expires_at IS NULL AND f.stored_at IS NOT NULL "
+            "AND f.deleted_at IS NULL",
+            [database_now() - OUTPUT_EXPIRY_BACKFILLED_FOR])
+        return cursor.rowcount
+
+
 def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
     `NUM_EXPIRED_FILES_PER_RUN` at a time for up to `budget_s`, `EXPIRED_FILES_GRACE` after they expired; returns how
@@ -349,6 +375,13 @@ def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     kept in S3 and counted against its tenant's storage quota, though gone to them."""
     deadline = time.monotonic() + budget_s
     num_deleted = 0
+    try:
+        if num_backfilled := backfill_output_expiry():
+            logger.info("gave %d output files of batches ended by a worker of the release before their expiry",
+                        num_backfilled)
+    except DatabaseError:
+        logger.exception("could not give the output files of batches ended by a worker of the release before their "
+                         "expiry; the next sweep tries again")
     while True:
         # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
         # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
