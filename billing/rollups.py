@@ -22,7 +22,6 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.utils import timezone
 
 from billing.ledger import HOURLY_TOTAL_FIELDS, RECORDED_AT_MARGIN, hourly_totals
 from billing.models import BillingAccount, BillingMode, RollupCursor, RollupKind, UsageRollup
@@ -49,14 +48,18 @@ def close_delay() -> timedelta:
 
 
 def rollup_usage(*, now: datetime | None = None, full: bool = False) -> RollupResult:
-    """Bring the rollups up to date with the ledger; `full` recomputes every hour ever recorded."""
-    now = now or timezone.now()
+    """Bring the rollups up to date with the ledger; `full` recomputes every hour ever recorded. `now`: when hours
+    close and rollups are stamped, PostgreSQL's clock if None."""
     result = RollupResult()
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ROLLUP_LOCK_ID])
-            cursor.execute("SELECT now()")
-            started_at = cursor.fetchone()[0]
+            cursor.execute("SELECT now(), clock_timestamp()")
+            started_at, database_now = cursor.fetchone()
+        # NOTE: hours close by PostgreSQL's clock, which the rows' `recorded_at` and the push's claims are stamped by;
+        # by the worker's own (`timezone.now()`), one 90 minutes ahead closed the hour whose calls were still arriving
+        # (each later call pushed to Stripe as an adjustment of its own), and one behind held every push back as long.
+        now = now or database_now
         state, _ = RollupCursor.objects.select_for_update().get_or_create(id=1)
         totals = hourly_totals(recorded_since=None if full else state.recorded_since)
         result.num_groups = len(totals)

@@ -14,6 +14,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import ApiKey, AuditEvent, Role, Scope
 from controlplane.accounts.services import Actor
+from controlplane.clock import database_now
 from controlplane.tokens import hash_token
 from tests.factories import signed_in_api_client
 
@@ -54,6 +55,23 @@ def test_an_expired_key_stops_working(owner_client):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
     assert client.get("/api/v1/endpoints/").status_code == 401
+
+
+@pytest.mark.parametrize(("pod_off_by", "left", "status"), [(timedelta(minutes=-10), timedelta(minutes=-1), 401),
+                                                           (timedelta(minutes=10), timedelta(minutes=5), 200)],
+                         ids=["pod-behind-expired-key", "pod-ahead-live-key"])
+def test_a_keys_expiry_is_judged_by_the_database_clock_not_the_pods(owner_client, monkeypatch, pod_off_by, left,
+                                                                      status):
+    # Before: `ApiKey.is_usable` judged `expires_at` by the clock of the pod that looked the key up: on a pod 10
+    # minutes behind, a key that had expired (a leaked CI key given an hour) worked 10 minutes more; on one 10 minutes
+    # ahead, a key with 5 minutes left was refused.
+    created = owner_client.post("/api/v1/keys/", {"name": "short", "scopes": ["manage"]}, format="json").json()
+    ApiKey.objects.filter(pk=created["api_key"]["id"]).update(expires_at=database_now() + left)
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + pod_off_by)  # the pod that looks the key up
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {created['secret']}")
+    assert client.get("/api/v1/endpoints/").status_code == status
 
 
 def test_an_inference_only_key_cannot_manage(owner_client):

@@ -382,5 +382,19 @@ def test_a_slow_reading_of_redis_clock_keeps_a_tighter_offset_and_a_contradictin
 
     clock.note_redis_time(300.0, 300.001, 300.002)  # the clock stepped: Redis's and this one agree now
     assert clock._offset.s == pytest.approx(0.0, abs=0.001)
-    monkeypatch.setattr(time, "time", lambda: 1000.0)
-    assert clock.redis_now() == pytest.approx(1000.0, abs=0.001)
+    assert clock.redis_now() == pytest.approx(time.time(), abs=0.01)
+
+
+def test_a_step_of_this_process_clock_after_its_offset_was_read_moves_not_redis_clock(monkeypatch):
+    # Before: `redis_now` added the offset to this process's wall clock, so a step (NTP, a VM resumed) moved Redis's
+    # clock as this process read it by the whole step until its next beat read the offset again.
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+
+    async def beat() -> None:
+        await clock.read_offset(get_async_redis())
+
+    asyncio.run(beat())
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 600)  # stepped 10 minutes ahead
+    assert clock.redis_now() == pytest.approx(redis_time(), abs=1)
+    assert clock.redis_datetime().timestamp() == pytest.approx(redis_time(), abs=1)

@@ -30,6 +30,8 @@ def issue_enrolment_code(actor: Actor, user, *, channel: Channel) -> str:
     """A new code for `user` (the account's codes already issued stay usable until they expire). Returns the
     plain code: the caller prints or shows it, and nothing keeps it."""
     channel = Channel(channel)  # NOTE: only the out-of-band channels exist; a mailed code is never issued.
+    # NOTE: its TTL stamped and judged by web pods' own clocks, moved by a pod's skew, seconds: as
+    # any web process's skew past 2 s is an ERROR and on `/metrics` (`controlplane.clock.record_offset`)
     now = timezone.now()
     plain = tokens.issue_typed_code()
     StaffEnrolmentCode.objects.filter(user=user, expires_at__lte=now).delete()

@@ -123,6 +123,8 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         }).retry_after_s
         if retry_after_s is not None:
             raise TooManyInvitations(retry_after_s)
+        # NOTE: its TTL (days) stamped and judged (`refusal`) by web pods' own clocks: moved by a pod's skew, minutes
+        # at worst in days, as a web process's skew past 2 s is an ERROR and on `/metrics` (`controlplane.clock.record_offset`)
         invitation = Invitation.objects.create(organization=organization, email=email, role=role, invited_by=actor.user,
                                                from_platform=actor.user is None,
                                                expires_at=timezone.now() + INVITATION_TTL)

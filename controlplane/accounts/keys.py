@@ -17,6 +17,7 @@ from django.utils import timezone
 from controlplane import tokens
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope, lock_organizations
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
+from controlplane.clock import DatabaseClock
 from controlplane.credential_lookups import CredentialLookups
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def _ensure_room_for_a_key(organization: Organization) -> None:
     fairly between organisations: `auth._callers_by_key`.)"""
     limit = settings.MAX_LIVE_API_KEYS_PER_ORG
     live = ApiKey.objects.filter(organization=organization, revoked_at__isnull=True).exclude(
-        expires_at__lte=timezone.now())
+        expires_at__lte=DatabaseClock())  # as `find_api_key` judges it
     if live.count() >= limit:
         raise TooManyKeys(f"This organisation already has {limit} live API keys, the most it may hold; "
                           "revoke one it no longer uses.")
@@ -317,8 +318,12 @@ def find_api_key(plain: str) -> ApiKey | None:
     lookup = tokens.split_token(plain, ApiKey.TOKEN_KIND)
     if lookup is None:
         return None
-    api_key = ApiKey.objects.select_related("organization", "created_by").filter(lookup=lookup).first()
-    if api_key is None or not tokens.token_matches(plain, api_key.digest) or not api_key.is_usable():
+    # NOTE: its expiry judged by PostgreSQL's clock, read by the lookup's query (`looked_up_at`): by this pod's own
+    # (`ApiKey.is_usable`'s default), one 10 minutes behind let a key that had expired work 10 minutes more, and one
+    # ahead refused a key with minutes left.
+    api_key = (ApiKey.objects.select_related("organization", "created_by").filter(lookup=lookup)
+               .annotate(looked_up_at=DatabaseClock()).first())
+    if api_key is None or not tokens.token_matches(plain, api_key.digest) or not api_key.is_usable(api_key.looked_up_at):
         return None
     touch_api_key(api_key)
     return api_key

@@ -300,8 +300,9 @@ class ApiKey(models.Model):
     def effective_tokens_per_minute(self) -> int:
         return self.tokens_per_minute if self.tokens_per_minute is not None else settings.DEFAULT_KEY_TOKENS_PER_MINUTE
 
-    def is_usable(self, now=None) -> bool:
-        now = now or timezone.now()
+    def is_usable(self, now) -> bool:
+        """Neither revoked nor expired at `now`: PostgreSQL's clock (`controlplane.clock.database_now`), as every
+        judge of it reads it, never a pod's or a worker's own."""
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 

@@ -64,6 +64,8 @@ def staff_session_end(session) -> datetime | None:
 def may_become_staff(session) -> bool:
     """Whether this session is young enough to pass the second factor: its sign-in less than the hours ago."""
     end = staff_session_end(session)
+    # NOTE: signed in and judged by web pods' own clocks (an end hours away moved by a pod's skew, seconds): as
+    # any web process's skew past 2 s is an ERROR and on `/metrics` (`controlplane.clock.record_offset`)
     return end is not None and end > timezone.now()
 
 

@@ -205,8 +205,10 @@ def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = No
     (its renewal late) is checked against the storage quota again: `Refused` past it, its bytes deleted.
 
     NOTE: a row whose lease lapsed stopped counting, and another upload may have been let in meanwhile; stored without
-    a check, two uploads kept twice the quota."""
-    file.stored_at, file.bytes = timezone.now(), size
+    a check, two uploads kept twice the quota.
+    NOTE: stored by PostgreSQL's clock, as its start (`start_upload`): by the web pod's, one 10 minutes behind stored a
+    file 10 minutes before it began."""
+    file.stored_at, file.bytes = database_now(), size
     file.expires_at = file.created_at + expires_after if expires_after is not None else None
     try:
         with transaction.atomic():
@@ -322,7 +324,10 @@ def sweep_incomplete_uploads(now=None) -> int:
 
     NOTE: a bucket lifecycle rule (`AbortIncompleteMultipartUpload`) would do the same, but the bucket is the
     operator's, not created here: its configuration is replaced whole by a put (their own rules lost), and the fleet's
-    credentials need not be allowed to set it. The README suggests the rule as well."""
+    credentials need not be allowed to set it. The README suggests the rule as well.
+    NOTE: judged by this worker's clock against S3's (`Initiated`), neither PostgreSQL's nor Redis's: the hour past the
+    longest live upload (`INCOMPLETE_UPLOADS_ABORTED_AFTER`) is the margin; a worker an hour ahead is an ERROR already
+    (`controlplane.clock.check`)."""
     return storage.abort_incomplete_uploads(initiated_before=(now or timezone.now()) - INCOMPLETE_UPLOADS_ABORTED_AFTER)
 
 
@@ -331,6 +336,32 @@ EXPIRED_FILES_SWEEP_S = 45.0  # under the beat's 60 s: two runs do not overlap
 # How long past its `expires_at` a file is deleted: a batch created from it an instant before it expired (its lookup
 # passed, its row not yet committed) is open by then, and its input kept for it.
 EXPIRED_FILES_GRACE = timedelta(minutes=5)
+
+
+# How long after its creation a batch whose output files a worker of the release before stored without their
+# `expires_at` is looked for (`backfill_output_expiry`): past its window (24 h at most) and its last run, with days to
+# spare for a beat that only runs the new release's sweep that much later.
+OUTPUT_EXPIRY_BACKFILLED_FOR = timedelta(days=7)
+
+
+def backfill_output_expiry() -> int:
+    """Give the output and error files of batches that asked for them to expire (`output_expires_after_s`) their
+    `expires_at` where a worker of the release before stored them without it (it knows nothing of the field); returns
+    how many files it gave one. Run by each `sweep_expired_files`.
+
+    NOTE: a batch created through a web pod of this release and ended by a worker of the one before kept its files for
+    good, though it asked for them to go. Not a data migration: it runs before the rollout, while workers of the
+    release before still end batches. Batches of the last `OUTPUT_EXPIRY_BACKFILLED_FOR` only, those an old worker may
+    have ended: one scan of those rows a minute, no index needed."""
+    batches, files = Batch._meta.db_table, File._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {files} AS f SET expires_at = f.created_at + b.output_expires_after_s * interval '1 second' "
+            f"FROM {batches} AS b WHERE b.output_expires_after_s IS NOT NULL AND b.created_at >= %s "
+            "AND f.id IN (b.output_file_id, b.error_file_id) AND f.expires_at IS NULL AND f.stored_at IS NOT NULL "
+            "AND f.deleted_at IS NULL",
+            [database_now() - OUTPUT_EXPIRY_BACKFILLED_FOR])
+        return cursor.rowcount
 
 
 def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
@@ -343,6 +374,13 @@ def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     kept in S3 and counted against its tenant's storage quota, though gone to them."""
     deadline = time.monotonic() + budget_s
     num_deleted = 0
+    try:
+        if num_backfilled := backfill_output_expiry():
+            logger.info("gave %d output files of batches ended by a worker of the release before their expiry",
+                        num_backfilled)
+    except DatabaseError:
+        logger.exception("could not give the output files of batches ended by a worker of the release before their "
+                         "expiry; the next sweep tries again")
     while True:
         # NOTE: the inputs of open batches left out in the query: 100 of them expired first would hold every later one
         # back. A page's files are deleted (or, read by a batch opened since, left out of the next query) before it.
@@ -546,7 +584,7 @@ def cancel_batch(batch: Batch) -> Batch:
 
     NOTE: a cancel of an ended batch answered 200 with the batch as it was (`completed`), and the openai client took
     it for a cancel that was accepted."""
-    now = timezone.now()
+    now = database_now()  # NOTE: a batch's steps by PostgreSQL's clock, as its creation and window (`finalize_batch`)
     if not Batch.objects.filter(pk=batch.pk, status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).update(
             status=BatchStatus.CANCELLING, cancelling_at=now):
         status = Batch.objects.filter(pk=batch.pk).values_list("status", flat=True).get()
@@ -780,7 +818,7 @@ def validate_batch(batch: Batch) -> Batch:
                     doing=f"beside this batch's error file, which may take {num_unrun_row_bytes:,} bytes (a row for each "
                           f"of its {checked.num_lines:,} requests, should it expire before they run)")
             Batch.objects.filter(pk=batch.pk, status=BatchStatus.VALIDATING).update(
-                status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now(), endpoint=endpoint,
+                status=BatchStatus.IN_PROGRESS, in_progress_at=DatabaseClock(), endpoint=endpoint,
                 num_total=checked.num_lines, num_unrun_row_bytes=num_unrun_row_bytes)
     except Refused as refused:
         return _fail_validation(batch, [LineError(1, "storage_quota_exceeded", refused.message)])
@@ -804,7 +842,7 @@ def _log_input_unreadable(batch: Batch, gone: storage.ObjectGone) -> None:
 def _fail_validation(batch: Batch, problems: list[LineError]) -> Batch:
     """End a batch that failed its check with its errors (no line ran: it has no results to delete).
     Errors PostgreSQL still refuses give way to one that says so: a batch never stays validating."""
-    now = timezone.now()
+    now = database_now()
     ended = {"status": BatchStatus.FAILED, "failed_at": now, "results_deleted_at": now}
     try:
         with transaction.atomic():
@@ -860,7 +898,9 @@ def caller_of(batch: Batch) -> Caller | None:
     inactive or a viewer. A leaked key's batches stop with the key."""
     if batch.api_key_id:
         key = ApiKey.objects.select_related("created_by").filter(pk=batch.api_key_id).first()
-        if key is None or not key.is_usable() or not key.has_scope(Scope.INFERENCE):
+        # NOTE: its expiry by PostgreSQL's clock, as `keys.find_api_key` judges it: by the worker's, one 10 minutes
+        # behind ran a batch of an expired key 10 minutes more, one ahead stopped a live key's batch
+        if key is None or not key.is_usable(database_now()) or not key.has_scope(Scope.INFERENCE):
             return None
         role = keys.creator_role(key)
     else:
@@ -881,7 +921,7 @@ def _moment(unix: float | None) -> datetime | None:
 def _stop_as_its_caller_may_not_spend(batch: Batch) -> None:
     """End the batch as a cancel does (lines in flight finish; what finished is kept, billed and written)."""
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.CANCELLING,
-                                                                                 cancelling_at=timezone.now()):
+                                                                                 cancelling_at=DatabaseClock()):
         record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} stopped: the key or member that created it "
                           "may no longer call the API (revoked, expired, removed or a viewer)", batch_id=batch.pk)
 
@@ -1108,7 +1148,7 @@ def _fail_past_storage_quota(batch: Batch, index: int) -> None:
                "storage quota (max_file_bytes). The lines that ran are in the output and error files; delete files "
                "the organisation no longer needs, or ask for a larger plan, and send the others again.")
     if Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(
-            status=BatchStatus.FINALIZING, finalizing_at=timezone.now(),
+            status=BatchStatus.FINALIZING, finalizing_at=DatabaseClock(),
             errors=[LineError(index + 1, "storage_quota_exceeded", message).as_openai()]):
         record_event_once(batch.endpoint, EventKind.BATCH, f"Batch {batch.pk} failed: line {index + 1}'s answer would "
                           "have taken its organisation's files past its storage quota", batch_id=batch.pk)
@@ -1122,15 +1162,16 @@ def _delete_results(batch: Batch) -> bool:
     except Exception:
         logger.exception("could not delete the line results of %s", batch.pk)
         return False
-    Batch.objects.filter(pk=batch.pk).update(results_deleted_at=timezone.now())
+    Batch.objects.filter(pk=batch.pk).update(results_deleted_at=DatabaseClock())
     return True
 
 
 def sweep_ended_results(now=None) -> int:
     """Delete the line results still kept of batches that ended over `RESULTS_SWEPT_AFTER` ago (their
     run died, or S3 failed, between ending them and deleting them), oldest first, at most
-    `NUM_RESULTS_SWEPT_PER_RUN`. Returns how many batches it emptied."""
-    before = (now or timezone.now()) - RESULTS_SWEPT_AFTER
+    `NUM_RESULTS_SWEPT_PER_RUN`. Returns how many batches it emptied. `now`: PostgreSQL's clock if None, as the
+    batches' ends are stamped (`finalize_batch`)."""
+    before = database_time_ago(RESULTS_SWEPT_AFTER.total_seconds()) if now is None else now - RESULTS_SWEPT_AFTER
     ended = (Batch.objects.filter(status__in=FINAL_STATES, results_deleted_at__isnull=True)
              .filter(Q(completed_at__lt=before) | Q(failed_at__lt=before) | Q(expired_at__lt=before)
                      | Q(cancelled_at__lt=before))
@@ -1241,8 +1282,11 @@ def finalize_batch(batch: Batch, final: str, *, errors: list[dict] | None = None
 
     NOTE: a cancel is the one change another process makes to a running batch (the API, `cancel_batch`), and it may
     land after `final` was decided: the batch's end is written only from the state it was decided from. Before, a
-    cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set."""
-    now = timezone.now()
+    cancel arriving while an expiry's files were written ended the batch `expired` with `cancelling_at` set.
+    NOTE: its steps (and its files' `stored_at`) by PostgreSQL's clock, as its creation and window (`create_batch`):
+    stamped by the worker's, one 10 minutes behind showed the tenant a batch in progress and ended 10 minutes before it
+    was created, and its results were swept 10 minutes late (`sweep_ended_results`)."""
+    now = database_now()
 
     def finalizing() -> None:
         Batch.objects.filter(pk=batch.pk, status=BatchStatus.IN_PROGRESS).update(status=BatchStatus.FINALIZING,

@@ -123,6 +123,8 @@ def join_token_create(request):
     max_uses = None if uses == "" else plain_int(uses) or DEFAULT_MAX_USES
     created = services.create_join_token(
         Actor.from_request(request), name=name,
+        # NOTE: hours from this pod's clock (judged by PostgreSQL's, `JoinToken.is_usable`): a skew of seconds on hours,
+        # as any web process's skew past 2 s is an ERROR and on `/metrics` (`controlplane.clock.record_offset`)
         expires_at=timezone.now() + timedelta(hours=hours) if hours else None,
         max_uses=max_uses,
     )

@@ -7,6 +7,7 @@ running, and a web pod 10 minutes ahead gave a batch 24 h 10 min."""
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane import tasks as controlplane_tasks
+from controlplane.accounts.models import ApiKey
 from controlplane.clock import database_now
 from endpoints.batches import services
 from endpoints.batches.models import Batch, BatchStatus
@@ -109,3 +111,49 @@ def test_a_worker_whose_clock_is_ahead_runs_the_lines_of_a_batch_with_time_left(
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 0)
+
+
+def test_a_batch_run_and_ended_by_a_worker_whose_clock_is_behind_shows_its_steps_in_order(files_bucket, monkeypatch):
+    # Before: its steps were stamped by the clock of whichever process took them (`in_progress_at`, `cancelled_at` by
+    # the worker's; `created_at` and the window by PostgreSQL's): a worker 10 minutes behind showed the tenant a batch
+    # in progress and cancelled 10 minutes before it was created, and its results were swept 10 minutes late.
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    endpoint = EndpointFactory(max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    batch = new_batch(endpoint, json.dumps(line).encode() + b"\n")
+    with monkeypatch.context() as worker:
+        _this_process_clock(worker, timedelta(minutes=-10))
+        services.run_batch(batch.pk)
+    services.cancel_batch(Batch.objects.get(pk=batch.pk))  # by a web pod whose clock is right
+    with monkeypatch.context() as worker:
+        _this_process_clock(worker, timedelta(minutes=-10))
+        services.run_batch(batch.pk)
+
+    shown = Batch.objects.get(pk=batch.pk).as_openai()
+    assert shown["status"] == "cancelled"
+    steps = [shown[name] for name in ("created_at", "in_progress_at", "cancelling_at", "cancelled_at")]
+    assert steps == sorted(steps), steps
+    assert shown["cancelled_at"] - shown["created_at"] < 60
+
+
+@pytest.mark.parametrize(("worker_off_by", "left", "runs"), [(timedelta(minutes=10), timedelta(minutes=5), True),
+                                                           (timedelta(minutes=-10), timedelta(minutes=-1), False)],
+                         ids=["worker-ahead-live-key", "worker-behind-expired-key"])
+def test_a_batch_runs_while_its_key_lives_by_the_database_clock_not_the_workers(files_bucket, tenant, monkeypatch,
+                                                                               worker_off_by, left, runs):
+    # Before: `caller_of` judged the creating key's expiry by the worker's clock: one 10 minutes ahead stopped the
+    # batch of a key with 5 minutes left, one 10 minutes behind ran the lines of an expired key 10 minutes more.
+    endpoint = EndpointFactory(organization=tenant.org, max_model_len=2048)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    data = json.dumps(line).encode() + b"\n"
+    input_file = services.create_file(organization_id=tenant.org.pk, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    batch = services.create_batch(organization_id=tenant.org.pk, api_key_id=tenant.api_key.pk, user_id=None,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None)
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(expires_at=database_now() + left)
+    _this_process_clock(monkeypatch, worker_off_by)
+
+    assert (services.caller_of(batch) is not None) == runs

@@ -126,6 +126,37 @@ def test_a_batchs_output_files_expire_as_its_output_expires_after_asks_and_are_d
     assert list(bucket_objects(files_bucket)) == [input_file.s3_key]
 
 
+def test_a_batch_ended_by_a_worker_of_the_release_before_has_its_output_files_expire_all_the_same(files_bucket):
+    # Before: a worker of the release before ends a batch without its files' `expires_at` (it knows nothing of
+    # `output_expires_after`): the batch asked for its output to go after two hours, and it was kept for good.
+    endpoint = EndpointFactory(max_model_len=2048)  # scaled to zero: no line runs by itself
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": endpoint.name, "messages": [{"role": "user", "content": "hi"}]}}
+    data = json.dumps(line).encode() + b"\n"
+    input_file = services.create_file(organization_id=endpoint.organization_id, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(data), size=len(data))
+    member = UserFactory()
+    MembershipFactory(organization=endpoint.organization, user=member, role=Role.MEMBER)
+    batch = services.create_batch(organization_id=endpoint.organization_id, api_key_id=None, user_id=member.pk,
+                                  input_file_id=input_file.pk, request_path="/v1/chat/completions",
+                                  completion_window="24h", metadata=None,
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    services.run_batch(batch.pk)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    services.run_batch(batch.pk)
+    error_file = Batch.objects.get(pk=batch.pk).error_file
+    File.objects.filter(pk=error_file.pk).update(expires_at=None)  # as a worker of the release before ended it
+
+    services.sweep_expired_files()
+
+    shown = File.objects.get(pk=error_file.pk).as_openai()
+    assert shown["expires_at"] == shown["created_at"] + 7200
+    assert File.objects.get(pk=input_file.pk).expires_at is None  # the input is the upload's own, kept
+    _expire(error_file.pk)
+    assert services.sweep_expired_files() == 1
+    assert list(bucket_objects(files_bucket)) == [input_file.s3_key]
+
+
 @pytest.mark.parametrize("output_expires_after", [
     {"anchor": "created_at", "seconds": 10}, {"anchor": "created_at", "seconds": True}, {"seconds": 3600}, "1h",
     {}, {"anchor": None, "seconds": None},  # before: taken as no expiry at all, the outputs kept for good

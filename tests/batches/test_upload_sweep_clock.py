@@ -77,3 +77,17 @@ def test_a_worker_whose_clock_is_behind_sweeps_an_upload_dead_for_over_an_hour(f
         assert services.sweep_abandoned_uploads() == 1
 
     assert not File.objects.filter(pk=storing.file.pk).exists()
+
+
+def test_an_upload_finished_by_a_web_pod_whose_clock_is_behind_is_stored_after_it_began(files_bucket, tenant,
+                                                                                         monkeypatch):
+    # Before: `finish_upload` stamped `stored_at` by the web pod's clock, its start by PostgreSQL's: a web pod 10
+    # minutes behind stored a file 10 minutes before it began.
+    storing = _upload_begun(tenant.org.pk)
+    with monkeypatch.context() as web_pod:
+        _this_process_clock(web_pod, timedelta(minutes=-10))
+        stored = storing.finish()
+
+    row = File.objects.get(pk=stored.pk)
+    assert row.created_at <= row.stored_at <= row.created_at + timedelta(minutes=1)
+    assert stored.stored_at == row.stored_at  # what the upload answered is what the row holds

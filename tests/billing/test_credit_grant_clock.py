@@ -44,3 +44,14 @@ def test_credit_granted_is_available_at_once_to_a_process_whose_clock_is_behind(
     _this_process_clock(monkeypatch, timedelta(minutes=-10))
 
     assert credit_available(organization.pk)[0] == Decimal("5.00")
+
+
+def test_a_web_pod_whose_clock_is_behind_shows_credit_granted_a_moment_ago_as_remaining(owner_client, monkeypatch):
+    # Before: `/api/v1/billing/` judged each grant (remaining, expired) by the web pod's clock: one 10 minutes behind
+    # showed a top-up made a moment ago as 0.00 remaining (not yet granted) for 10 minutes, though the gateway spends it.
+    grant_credits(SYSTEM, owner_client.organization, amount=Decimal("5.00"), note="top-up")
+    _this_process_clock(monkeypatch, timedelta(minutes=-10))
+
+    body = owner_client.get("/api/v1/billing/").json()
+
+    assert [(grant["remaining"], grant["expired"]) for grant in body["credits"]] == [("5.00", False)]

@@ -119,6 +119,34 @@ def test_a_call_during_which_the_gateways_clock_stepped_forward_keeps_its_usage_
     wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).exists(), 15, message="the call's row")
     row = UsageRecord.objects.get(organization=tenant.org)
     assert row.cost > 0
-    # NOTE: its times are 10 minutes ahead still (it started before the beat that read the new offset), as the rate
-    # limits' minutes are for what starts within a beat of a step; but its row is kept, its times in their order
     assert row.started_at <= row.finished_at < row.started_at + timedelta(seconds=30)
+
+
+def test_a_call_started_between_a_step_of_the_gateways_clock_and_its_next_beat_is_stamped_by_redis_clock(
+        tenant, start_mock_upstream, gateway_alone, monkeypatch):
+    # Before: the offset read by the last beat was added to the gateway's wall clock: the clock 10 minutes behind, NTP
+    # steps it forward, and a call started before the next beat was stamped 10 minutes ahead (its billing hour, month
+    # and paying grant with it), as were its reservation's month and its hold's deadline.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream(), price_input_per_million=PRICE,
+                              price_cached_input_per_million=PRICE, price_output_per_million=PRICE)
+    real_time = time.time
+    behind = {"s": -600.0}
+    monkeypatch.setattr(time, "time", lambda: real_time() + behind["s"])
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+
+    async def run() -> int:
+        await presence.beat()  # the offset: +600 s
+        behind["s"] = 0.0  # NTP steps the machine's clock forward; no beat before the call
+        monkeypatch.setattr(presence, "beat", lambda *args, **kwargs: asyncio.sleep(0))
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            response = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                       json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 5})
+        return response.status_code
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == 200
+
+    wait_until(lambda: UsageRecord.objects.filter(organization=tenant.org).exists(), 15, message="the call's row")
+    row = UsageRecord.objects.get(organization=tenant.org)
+    now = clock.database_now()
+    assert now - timedelta(seconds=30) < row.started_at <= row.finished_at <= now + timedelta(seconds=1)
