@@ -5,6 +5,7 @@ Real parts: a real agent loop against the fake control plane, moto's S3 server, 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -187,3 +188,24 @@ def test_a_release_that_fails_on_the_disk_never_fails_the_heartbeat_that_asked_f
     finally:
         agent.shutdown()
 
+
+def test_a_private_download_stopped_a_moment_ago_keeps_its_grace_however_long_ago_it_began(tmp_path):
+    """A partial download's folder is written when its download begins (its files are created and sized then; parts
+    written into them later change their own times, not the folder's), and a resume creates nothing in it. Before,
+    its grace ran from the folder's time: a download of an hour stopped a moment ago (its replica drained, its
+    endpoint scaled to zero) was removed at the next heartbeat whatever the grace, and the scale back up within the
+    grace fetched it all again. Its journal is rewritten at each part written: the grace runs from the later."""
+    cache = WeightsCache(tmp_path / "weights", private_grace_s=60.0)
+    key = "0123456789abcdef0123456789abcdef"
+    partial = cache.root / ".tmp" / f"{key}.partial"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 1000)
+    journal = cache.root / ".parts" / f"{key}.json"
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_text(json.dumps({"part_bytes": 1000, "sizes": {"model.safetensors": 2000},
+                                   "done": {"model.safetensors": [0]}, "source": "s3://org1/m", "scope": "org-1"}))
+    an_hour_ago = time.time() - 3600
+    os.utime(partial, (an_hour_ago, an_hour_ago))  # begun an hour ago; its journal written just now
+    assert cache.release_unwanted(set()) == [] and partial.exists() and journal.exists()
+    assert cache.release_unwanted(set(), now=time.time() + 61) == [key]
+    assert not partial.exists() and not journal.exists()
