@@ -167,7 +167,13 @@ class Agent:
         self.num_heartbeats += 1
         self.replicas.mark_reported(heartbeat.replicas)
         self.replicas.reconcile(answer.desired)
-        self._let_go_of_what_no_replica_wants(answer.desired)
+        try:
+            self._let_go_of_what_no_replica_wants(answer.desired)
+        except Exception:
+            # NOTE: a cleanup, tried again at the next answer: raised out of here, the loop backed off as from a
+            # control plane that failed (up to `max_backoff_s`, past the control plane's grace for a silent node) at
+            # every heartbeat while a disk error lasted, and the node went OFFLINE with every replica on it.
+            logger.exception("could not let go of the weights or clients no replica wants; trying again next heartbeat")
         return answer
 
     def _let_go_of_what_no_replica_wants(self, desired) -> None:

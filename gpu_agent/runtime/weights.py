@@ -339,10 +339,21 @@ class WeightsCache:
         evicted = self._evict_lru(released, math.inf) if released else []
         partials = [
             partial for partial in self._idle_partials(exclude="")
-            if now - partial[1] >= self.private_grace_s and self._partial_released(partial[0], wanted)
+            if now - self._partial_last_written(*partial[:2]) >= self.private_grace_s
+            and self._partial_released(partial[0], wanted)
         ]
         self._drop_partials(partials, math.inf)
         return evicted + [key for key, _, _ in partials if not (self.root / ".tmp" / f"{key}.partial").exists()]
+
+    def _partial_last_written(self, key: str, folder_mtime: float) -> float:
+        """When a partial download was last written: its folder's time or its journal's, the later. NOTE: the folder's
+        alone is when its download began (its files are created and sized then, parts written into them later change
+        theirs, and a resume creates nothing): a download of an hour stopped a moment ago was released at once,
+        whatever the grace. The journal is rewritten at each part done (`Transfer`)."""
+        try:
+            return max(folder_mtime, (self.root / ".parts" / f"{key}.json").stat().st_mtime)
+        except OSError:
+            return folder_mtime
 
     def _partial_released(self, key: str, wanted: set[tuple[str, str]]) -> bool:
         """Whether an idle partial download may go for `release_unwanted`: its journal names a private copy not in

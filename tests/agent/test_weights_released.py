@@ -5,17 +5,21 @@ Real parts: a real agent loop against the fake control plane, moto's S3 server, 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 
 from gpu_agent.protocol import ReplicaState, SourceCredentials
 from gpu_agent.runtime import weights_access
+from gpu_agent.runtime.agent import Agent
+from gpu_agent.runtime.config import AgentConfig
+from gpu_agent.runtime.supervisor import SupervisorPolicy
 from gpu_agent.runtime.weights import WeightsCache
 from gpu_agent.runtime.weights_access import SourceAccess, s3_client
 
 from .conftest import make_spec, wait_until
-from .test_agent_loop import control_plane, running_agent  # noqa: F401  (fixtures)
+from .test_agent_loop import control_plane, fake_engine_factory, running_agent  # noqa: F401  (fixtures)
 from .test_weights_cache import s3, s3_endpoint, upload_model  # noqa: F401  (fixtures)
 from .test_weights_clients import connections_to, list_with, store  # noqa: F401  (fixtures)
 
@@ -151,3 +155,57 @@ def test_a_running_replicas_refreshed_engine_key_brings_no_source_credentials_in
         control_plane.desired = [make_spec("r-a", **spec, engine_api_key="rotated-engine-key")]
     wait_until(lambda: agent.supervisor.get("r-a").spec.engine_api_key == "rotated-engine-key", 10)
     assert agent.supervisor.get("r-a").spec.credentials is None
+
+
+def test_a_release_that_fails_on_the_disk_never_fails_the_heartbeat_that_asked_for_it(
+    control_plane, s3, s3_endpoint, tmp_path, monkeypatch,  # noqa: F811
+):
+    """Before: an error of the disk while a released copy was removed (here EIO from its manifest's removal) left
+    `heartbeat_once` as an error after the answer was taken; the loop then backed off as from a control plane that
+    failed, up to `max_backoff_s` (60 s by default, past the control plane's 30 s grace for a silent node) at every
+    heartbeat while the fault lasted: the node went OFFLINE and its replicas were moved away, for a cleanup."""
+    upload_model(s3, "org1-eio", "m", num_bytes=10_000, public=False)
+    agent = Agent(
+        AgentConfig(control_plane_url=control_plane.url, join_token=control_plane.join_token,
+                    data_dir=tmp_path / "agent", s3_endpoint_url=s3_endpoint, force_cpu=True,
+                    private_weights_grace_s=0.0),
+        command_factory=fake_engine_factory(), policy=SupervisorPolicy(restart_backoff_s=0.2, stop_timeout_s=2.0),
+    )
+    try:
+        access = SourceAccess(credentials=org_credentials(s3_endpoint), scope="org-1")
+        agent.weights.fetch("s3://org1-eio/m", access=access)
+
+        def failing_remove(key: str) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(agent.weights._index, "remove", failing_remove)
+        control_plane.desired = []
+        answer = agent.heartbeat_once()  # raised OSError before
+        assert answer.desired == [] and agent.num_heartbeats == 1
+        monkeypatch.undo()
+        agent.heartbeat_once()  # the disk is back: released at the next answer
+        assert agent.weights._index.entries() == []
+    finally:
+        agent.shutdown()
+
+
+def test_a_private_download_stopped_a_moment_ago_keeps_its_grace_however_long_ago_it_began(tmp_path):
+    """A partial download's folder is written when its download begins (its files are created and sized then; parts
+    written into them later change their own times, not the folder's), and a resume creates nothing in it. Before,
+    its grace ran from the folder's time: a download of an hour stopped a moment ago (its replica drained, its
+    endpoint scaled to zero) was removed at the next heartbeat whatever the grace, and the scale back up within the
+    grace fetched it all again. Its journal is rewritten at each part written: the grace runs from the later."""
+    cache = WeightsCache(tmp_path / "weights", private_grace_s=60.0)
+    key = "0123456789abcdef0123456789abcdef"
+    partial = cache.root / ".tmp" / f"{key}.partial"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 1000)
+    journal = cache.root / ".parts" / f"{key}.json"
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_text(json.dumps({"part_bytes": 1000, "sizes": {"model.safetensors": 2000},
+                                   "done": {"model.safetensors": [0]}, "source": "s3://org1/m", "scope": "org-1"}))
+    an_hour_ago = time.time() - 3600
+    os.utime(partial, (an_hour_ago, an_hour_ago))  # begun an hour ago; its journal written just now
+    assert cache.release_unwanted(set()) == [] and partial.exists() and journal.exists()
+    assert cache.release_unwanted(set(), now=time.time() + 61) == [key]
+    assert not partial.exists() and not journal.exists()
