@@ -3,6 +3,7 @@
 from rest_framework import permissions
 
 from controlplane.accounts.models import ApiKey, Role, Scope
+from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.tenancy import NO_LONGER_MEMBER, no_longer_member, request_membership
 
 
@@ -29,6 +30,10 @@ class IsOrganizationMember(permissions.BasePermission):
             needed = getattr(view, "required_read_role", Role.VIEWER)
         else:
             needed = getattr(view, "required_role", Role.MEMBER)
+            # NOTE: a closed organisation's members still read its invoices, usage and audit log; nothing changes
+            if membership.organization.closed_at is not None:
+                self.message = ORGANIZATION_CLOSED
+                return False
         if not membership.can(needed):
             self.message = f"This action needs the {needed} role or higher."
             return False

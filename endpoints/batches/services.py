@@ -410,7 +410,11 @@ def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) ->
 
 
 def _output_expiry(batch: Batch, file: File):
-    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never."""
+    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never; at
+    once where its organisation was closed (`endpoints.closing`: a batch it cancelled ends after, and its files go
+    with the expired-file sweep as the organisation's others did)."""
+    if Organization.objects.filter(pk=batch.organization_id, closed_at__isnull=False).exists():
+        return file.created_at
     if batch.output_expires_after_s is None:
         return None
     return file.created_at + timedelta(seconds=batch.output_expires_after_s)
