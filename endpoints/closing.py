@@ -24,7 +24,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.accounts import invitations, keys, members
+from controlplane.accounts import invitations, keys, members, throttle
 from controlplane.accounts.models import (
     EmailVerification,
     Invitation,
@@ -53,6 +53,14 @@ class Refused(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class TooManyAttempts(ValueError):
+    """Too many wrong passwords from this account lately: a 429 after `retry_after_s`."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__("Too many wrong passwords: wait a few minutes and try again.")
+        self.retry_after_s = retry_after_s
 
 
 class AlreadyClosed(ValueError):
@@ -141,12 +149,20 @@ def close_refusal(organization: Organization, user) -> str | None:
 
 def delete_account(actor: Actor, user, *, password: str) -> None:
     """Deletes the user's account (see the module's note). Raises `NotPermitted` with an API key, `Refused` for a
-    wrong password (`password`) or where an organisation depends on them (`non_field_errors`, `close_refusal`)."""
+    wrong password (`password`) or where an organisation depends on them (`non_field_errors`, `close_refusal`),
+    `TooManyAttempts` past the wrong passwords allowed."""
     members.ensure_in_a_session(actor, "password")
     if user.is_staff:
         raise NotPermitted("password", "Staff accounts are deactivated by an operator, in the admin.")
+    # NOTE: the same budget as the password change's (`throttle.PASSWORD_CHANGE`, wrong answers only): unthrottled, a
+    # borrowed or stolen session guessed the password without end here, and once right ended the account.
+    attempt = throttle.take(throttle.PASSWORD_CHANGE, {"user": str(user.pk)})
+    if attempt.retry_after_s is not None:
+        attempt.refund()
+        raise TooManyAttempts(attempt.retry_after_s)
     if not user.check_password(password):
-        raise Refused("password", "The password is not this account's.")
+        raise Refused("password", "The password is not this account's.")  # NOTE: counted
+    attempt.refund()
     with transaction.atomic():
         memberships = list(Membership.objects.filter(user=user).select_related("organization")
                            .order_by("organization_id"))

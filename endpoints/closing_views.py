@@ -9,7 +9,7 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import redirect, render
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import PermissionDenied, Throttled, ValidationError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -70,6 +70,8 @@ class DeleteAccountView(APIView):
         204: None,
         400: OpenApiResponse(description="A wrong password, or an organisation that depends on the account."),
         403: OpenApiResponse(description="Called with an API key, or a staff account."),
+        429: OpenApiResponse(description="Too many wrong passwords lately (shared with the password change's): wait "
+                                         "`Retry-After` seconds."),
     })
     def post(self, request):
         data = DeleteAccountInput(data=request.data)
@@ -81,6 +83,8 @@ class DeleteAccountView(APIView):
             raise PermissionDenied(str(exc)) from None
         except closing.Refused as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
+        except closing.TooManyAttempts as exc:
+            raise Throttled(wait=exc.retry_after_s, detail=str(exc)) from None
         logout(request._request)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -109,6 +113,10 @@ def account_delete(request):
             closing.delete_account(Actor.from_request(request), request.user, password=request.POST.get("password", ""))
         except (closing.Refused, NotPermitted) as exc:
             return render(request, "controlplane/account_delete.html", {"error": str(exc)}, status=400)
+        except closing.TooManyAttempts as exc:
+            response = render(request, "controlplane/account_delete.html", {"error": str(exc)}, status=429)
+            response["Retry-After"] = str(exc.retry_after_s)
+            return response
         logout(request)
         messages.success(request, "Your account is deleted.")
         return redirect("login")

@@ -7,7 +7,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
@@ -276,3 +278,73 @@ def test_a_wrong_password_or_an_api_key_deletes_nothing():
     with_key = _with_key(_key(user, org)).post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json")
     assert with_key.status_code == 403
     assert get_user_model().objects.get(pk=user.pk).is_active
+
+
+def test_a_borrowed_session_cannot_guess_the_password_without_end_to_delete_the_account():
+    org = OrganizationFactory()
+    _member(org, Role.OWNER)
+    user = _member(org, Role.MEMBER)
+    client = _signed_in(user, org)
+    wrong = [client.post(DELETE_ACCOUNT, {"password": f"guess {n}"}, format="json").status_code for n in range(10)]
+    assert wrong == [400] * 10
+
+    answer = client.post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json")
+
+    assert answer.status_code == 429 and int(answer["Retry-After"]) > 0
+    assert get_user_model().objects.get(pk=user.pk).is_active
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_members_console_session_of_a_closed_organisation_calls_nothing_on_v1():
+    org = OrganizationFactory()
+    owner = _member(org, Role.OWNER)
+    client = Client()
+    client.force_login(owner)
+    session = client.session
+    session["organization_id"] = org.pk
+    session.save()
+    csrf = _get_new_csrf_string()
+    client.cookies[settings.CSRF_COOKIE_NAME] = csrf
+    assert client.get("/v1/batches", HTTP_X_CSRFTOKEN=csrf).status_code == 200
+
+    closing.close_organization(Actor(user=owner), org, confirm_name=org.name)
+
+    listed = client.get("/v1/batches", HTTP_X_CSRFTOKEN=csrf)
+    assert listed.status_code == 403
+    assert listed.json()["error"]["code"] == "organization_closed"
+
+
+def test_the_console_closes_the_organisation_once_its_name_is_typed():
+    org = OrganizationFactory(name="Acme Labs")
+    owner = _member(org, Role.OWNER)
+    console = Client()
+    console.force_login(owner)
+    session = console.session
+    session["organization_id"] = org.pk
+    session.save()
+    assert "Type" in console.get("/console/organization/close/").content.decode()
+
+    wrong = console.post("/console/organization/close/", {"confirm_name": "Acme"})
+    assert wrong.status_code == 400 and "exactly" in wrong.content.decode()
+    assert Organization.objects.get(pk=org.pk).closed_at is None
+
+    done = console.post("/console/organization/close/", {"confirm_name": "Acme Labs"})
+    assert done.status_code == 302
+    assert Organization.objects.get(pk=org.pk).closed_at is not None
+    assert "was closed on" in console.get("/console/organization/close/").content.decode()
+
+
+def test_the_console_deletes_the_account_with_its_password_and_signs_it_out():
+    org = OrganizationFactory()
+    _member(org, Role.OWNER)
+    user = _member(org, Role.MEMBER)
+    console = Client()
+    console.force_login(user)
+
+    wrong = console.post("/account/delete/", {"password": "nope"})
+    assert wrong.status_code == 400 and get_user_model().objects.get(pk=user.pk).is_active
+
+    done = console.post("/account/delete/", {"password": PASSWORD})
+    assert done.status_code == 302 and done["Location"].startswith("/login/")
+    assert not get_user_model().objects.get(pk=user.pk).is_active
+    assert console.get("/console/").status_code == 302  # signed out
