@@ -30,8 +30,9 @@ class IsOrganizationMember(permissions.BasePermission):
             needed = getattr(view, "required_read_role", Role.VIEWER)
         else:
             needed = getattr(view, "required_role", Role.MEMBER)
-            # NOTE: a closed organisation's members still read its invoices, usage and audit log; nothing changes
-            if membership.organization.closed_at is not None:
+            # NOTE: a closed organisation's members still read its invoices, usage and audit log; nothing changes, but
+            # for a view that says it may (`open_when_closed`: the Stripe portal, where its last invoices are paid)
+            if membership.organization.closed_at is not None and not getattr(view, "open_when_closed", False):
                 self.message = ORGANIZATION_CLOSED
                 return False
         if not membership.can(needed):
