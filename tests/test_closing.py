@@ -332,6 +332,8 @@ def test_the_console_closes_the_organisation_once_its_name_is_typed():
     assert done.status_code == 302
     assert Organization.objects.get(pk=org.pk).closed_at is not None
     assert "was closed on" in console.get("/console/organization/close/").content.decode()
+    assert console.get("/console/").status_code == 200  # its pages still read
+    assert console.get("/console/billing/").status_code == 200
 
 
 def test_the_console_deletes_the_account_with_its_password_and_signs_it_out():

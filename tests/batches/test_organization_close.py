@@ -56,3 +56,23 @@ def test_a_batch_in_progress_is_cancelled_and_its_files_bytes_are_gone_after_the
 
     assert not File.objects.filter(organization=org, deleted_at__isnull=True).exists()
     assert bucket_objects(files_bucket) == {}
+
+
+def test_an_upload_in_flight_at_the_close_expires_with_the_others_and_none_starts_after_it(files_bucket):
+    endpoint = EndpointFactory()
+    org = endpoint.organization
+    owner = UserFactory()
+    MembershipFactory(organization=org, user=owner, role=Role.OWNER)
+    started = services.start_upload(organization_id=org.pk, filename="late.jsonl", size=3)
+
+    closing.close_organization(Actor(user=owner), org, confirm_name=org.name)
+    storage.put_stream(started.s3_key, io.BytesIO(b"{}\n"))
+    stored = services.finish_upload(started, size=3)  # its request was authenticated before the close
+
+    assert File.objects.get(pk=stored.pk).expires_at is not None  # before: kept, and its bytes, for ever
+    with pytest.raises(services.Refused) as refused:
+        services.start_upload(organization_id=org.pk, filename="after.jsonl", size=3)
+    assert refused.value.status == 403
+    File.objects.filter(organization=org).update(expires_at=timezone.now() - timedelta(hours=1))
+    services.sweep_expired_files()
+    assert bucket_objects(files_bucket) == {}
