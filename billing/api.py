@@ -250,6 +250,7 @@ class PortalLinkView(OrganizationScopedMixin, APIView):
     """
 
     required_role = Role.ADMIN
+    open_when_closed = True  # NOTE: a closed organisation still pays its last invoices there
 
     @extend_schema(request=None, responses={
         200: inline_serializer("PortalLink", {"url": serializers.URLField()}),

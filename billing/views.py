@@ -168,7 +168,7 @@ def billing_cap(request):
     return redirect("console:billing")
 
 
-@member_required(write=Role.ADMIN)
+@member_required(write=Role.ADMIN, open_when_closed=True)  # NOTE: a closed organisation still pays its invoices
 @require_POST
 def payment_method(request):
     """Off to Stripe's Customer Portal, where a card is added and invoices are paid."""

@@ -4,6 +4,7 @@ from django.urls import path
 
 from billing import views as billing_views
 from controlplane.accounts import views as account_views
+from endpoints import closing_views
 from endpoints import views as endpoint_views
 from endpoints.batches import views as batch_views
 from endpoints.fleet import pool_views
@@ -36,6 +37,7 @@ urlpatterns = [
     path("keys/", account_views.api_keys, name="keys"),
     path("keys/<int:pk>/revoke/", account_views.api_key_revoke, name="key-revoke"),
     path("members/", account_views.members, name="members"),
+    path("organization/close/", closing_views.organization_close, name="organization-close"),
     path("members/<int:pk>/role/", account_views.member_role, name="member-role"),
     path("members/<int:pk>/remove/", account_views.member_remove, name="member-remove"),
     path("invitations/<int:pk>/revoke/", account_views.invitation_revoke, name="invitation-revoke"),

@@ -15,6 +15,7 @@ from controlplane.accounts import views
 from controlplane.accounts.forms import PasswordResetForm
 from controlplane.schema_view import CachedSchemaView
 from endpoints import api as endpoints_api
+from endpoints import closing_views
 from endpoints.fleet import pool_api
 
 # NOTE: no `.json` format-suffix routes: the schema documents none, and each custom action (`pause`, `revoke`, `events`,
@@ -34,6 +35,8 @@ router.register("fleet/pools", pool_api.NodePoolViewSet, basename="node-pool")
 
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
+    path("organization/close/", closing_views.CloseOrganizationView.as_view(), name="organization-close"),
+    path("account/delete/", closing_views.DeleteAccountView.as_view(), name="account-delete"),
     path("quotas/", endpoints_api.quotas, name="quotas"),
     path("endpoints/<uuid:endpoint_pk>/adapters/",
          endpoints_api.AdapterViewSet.as_view({"get": "list", "post": "create"}), name="adapter-list"),
@@ -78,6 +81,7 @@ urlpatterns = [
     path("password-change/", auth_views.PasswordChangeView.as_view(), name="password_change"),
     path("password-change/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("org/switch/", views.switch_organization, name="switch-organization"),
+    path("account/delete/", closing_views.account_delete, name="account-delete"),
     path("console/", include("controlplane.console_urls")),
     path("django-admin/", admin.site.urls),
 ]

@@ -8,8 +8,9 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
+from rest_framework.exceptions import ValidationError
 
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.services import ORGANIZATION_CLOSED, Actor, record_audit
 from controlplane.integrity import unique_or_field_error
 from endpoints import quotas
 from endpoints.adapters import clear_embedding_failures, keep_staff_prices
@@ -26,7 +27,10 @@ _NAME_CONSTRAINT = {"endpoint_name_unique_in_org": ("name", ENDPOINT_NAME_TAKEN)
 @transaction.atomic
 def create_endpoint(actor: Actor, organization, **spec) -> Endpoint:
     """Raises `quotas.QuotaExceeded` when the organisation's plan refuses it (checked under its lock)."""
-    quotas.check_spec(quotas.lock_organization(organization.pk), spec)
+    locked = quotas.lock_organization(organization.pk)
+    if locked.closed_at is not None:  # NOTE: a create racing the organisation's close (`endpoints.closing`)
+        raise ValidationError({"non_field_errors": [ORGANIZATION_CLOSED]})
+    quotas.check_spec(locked, spec)
     hold_credential(spec.get("credential"))
     for name, price in _prices_of(spec["gpu_type"]).items():
         spec.setdefault(name, price)

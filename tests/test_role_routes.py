@@ -35,16 +35,19 @@ WRITES = ("post", "put", "patch", "delete")
 # Routes that act on the caller's own account (or nobody's), not on an organisation: any role may post to them.
 ACCOUNT_ROUTES = (
     "signup/", "verify-email/", "invitations/<str:token>/", "login/", "logout/", "password-reset/", "reset/",
-    "password-change/", "org/switch/",
+    "password-change/", "org/switch/", "account/", "api/v1/account/",
 )
 # Routes that are no organisation's: the agent's (a node's secret), Stripe's webhook (its signature), Django's admin
 # (staff, `test_staff_second_factor.py`), health checks and the schema.
 NOBODYS_ROUTES = ("agent/v1/", "api/v1/billing/stripe/webhook", "django-admin/", "healthz", "readyz", "api/schema/",
                   "api/docs/")
+# What only owners may write (README, "Closing an organisation"): an admin is refused these too.
+OWNER_WRITES = ("api/v1/organization/close/", "console/organization/close/")
 # What only owners and admins may write (README, "Accounts, sessions and roles"): a member is refused these.
 ADMIN_WRITES = (
     "api/v1/credentials/", "api/v1/members/", "api/v1/invitations/", "api/v1/billing/",
     "console/credentials/", "console/members/", "console/invitations/", "console/billing/",
+    *OWNER_WRITES,
 )
 # The fleet: staff's alone, a 404 to everyone else.
 STAFF_ROUTES = ("api/v1/fleet/", "console/fleet/")
@@ -121,6 +124,22 @@ def test_a_member_does_none_of_what_only_admins_may_do(settings, with_key):
 
     assert _refusals(client, routes, ids, allowed={403, 405}) == {}
     assert whole_state_of(ours) == before
+
+
+@pytest.mark.parametrize("with_key", [False, True], ids=["signed in", "with a key"])
+def test_an_admin_does_none_of_what_only_owners_may_do(settings, with_key):
+    settings.DEBUG = False
+    ours = OrganizationFactory()
+    ids = seed_organisation(ours)
+    client = caller_of(ours, Role.ADMIN, with_key=with_key)
+    before = whole_state_of(ours)
+    routes = [r for r in organisation_routes() if r.startswith(OWNER_WRITES)
+              and not (with_key and r.startswith("console/"))]
+    assert routes
+
+    assert _refusals(client, routes, ids, allowed={403, 405}) == {}
+    assert whole_state_of(ours) == before
+    assert Organization.objects.get(pk=ours.pk).closed_at is None
 
 
 @pytest.mark.parametrize("with_key", [False, True], ids=["signed in", "with a key"])

@@ -23,6 +23,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
+from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.tenancy import memberships_of, no_longer_member
 from controlplane.plain_numbers import INT64_MAX, plain_int
 from controlplane.text import shown_name
@@ -58,9 +59,11 @@ def page_organization_refusal(request, *, in_query: bool = False):
     return redirect("console:dashboard")
 
 
-def member_required(write: str = Role.MEMBER, *, view_reads_form: bool = False):
+def member_required(write: str = Role.MEMBER, *, view_reads_form: bool = False, open_when_closed: bool = False):
     """`view_reads_form`: the view streams its body (a file upload) and calls `page_organization_refusal` itself,
-    where it reads the form's fields; reading them here would parse the whole body before the view runs."""
+    where it reads the form's fields; reading them here would parse the whole body before the view runs.
+    `open_when_closed`: a POST a closed organisation may still make (to Stripe's portal, to pay its last invoices);
+    every other is refused there."""
     def decorator(view):
         @login_required
         @wraps(view)
@@ -73,6 +76,9 @@ def member_required(write: str = Role.MEMBER, *, view_reads_form: bool = False):
                               {"no_longer_member": no_longer_member(request)}, status=403)
             if request.method not in READ_METHODS and not membership.can(write):
                 raise PermissionDenied(f"This needs the {Role(write).label.lower()} role or higher.")
+            if (request.method not in READ_METHODS and membership.organization.closed_at is not None
+                    and not open_when_closed):
+                raise PermissionDenied(ORGANIZATION_CLOSED)
             request.organization = membership.organization
             if request.method not in READ_METHODS and not view_reads_form:
                 if (refusal := page_organization_refusal(request)) is not None:

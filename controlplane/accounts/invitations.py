@@ -32,7 +32,7 @@ from controlplane.accounts.models import (
     email_is_verified,
     lock_organizations,
 )
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.services import Actor, ensure_open, record_audit
 from controlplane.text import one_line, shown_name
 
 INVITATION_SALT = "inferplane.invitation"
@@ -106,6 +106,7 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     with transaction.atomic():
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         lock_organizations([organization.pk])
+        ensure_open(organization.pk, "email")
         # NOTE: and the sender's role is read again under it, as removing or re-roling a member takes it
         # (`members._lock_membership`): one removed after the check above, whose removal revoked their pending
         # invitations before this one was written, left a pending invitation of a non-member.

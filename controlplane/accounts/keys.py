@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from controlplane import tokens
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope, lock_organizations
-from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, ensure_open, record_audit
 from controlplane.clock import DatabaseClock
 from controlplane.credential_lookups import CredentialLookups
 
@@ -96,6 +96,7 @@ def create_api_key(
                 # NOTE: NO KEY UPDATE: other keys' creations in the organisation queue behind it, inserts that only
                 # reference the row do not (see below).
                 lock_organizations([organization.pk])
+                ensure_open(organization.pk)
                 # NOTE: the minting key's row stays locked until its child is committed, so revoking it
                 # (`revoke_api_key`, which looks for its children once it has updated it) waits and finds the child;
                 # a key revoked since this call was authenticated mints nothing.
@@ -260,6 +261,17 @@ def revoke_api_keys_of(actor: Actor, user, *, organization: Organization | None 
     lock_organizations(created.values("organization_id"))
     now = timezone.now()
     return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in created.order_by("pk"))
+
+
+@transaction.atomic
+def revoke_api_keys_of_organization(actor: Actor, organization: Organization, *, reason: str) -> int:
+    """Revokes every live key of `organization` (whoever created it, a departed member's included), each audited
+    with `reason`, as `revoke_api_keys_of` does; the number revoked. Called where the organisation closes
+    (`endpoints.closing.close_organization`)."""
+    lock_organizations([organization.pk])
+    now = timezone.now()
+    live = ApiKey.objects.filter(organization=organization, revoked_at__isnull=True).select_related("organization")
+    return sum(_revoke_with_minted(actor, api_key, now=now, reason=reason) for api_key in live.order_by("pk"))
 
 
 @transaction.atomic

@@ -116,6 +116,17 @@ def remove_member(actor: Actor, membership: Membership) -> None:
     _end(actor, membership, reason="member.remove")
 
 
+@transaction.atomic
+def leave_organization(actor: Actor, membership: Membership, *, reason: str) -> None:
+    """The member's own departure (their account deleted: `endpoints.closing.delete_account`): their membership ends as
+    `remove_member` ends one, their keys and pending invitations revoked with it. `LastOwnerError` where they are the
+    last owner of an organisation that is still open; a closed one needs none."""
+    membership = _lock_membership(membership)
+    if membership.organization.closed_at is None:
+        _ensure_an_owner_remains(membership, leaving=True)
+    _end(actor, membership, reason=reason)
+
+
 def remove_member_for_security(actor: Actor, membership: Membership, *, reason: str) -> bool:
     """Ends a membership the platform's own rule found was granted by someone who had no right to grant it (a
     forgotten password's reset of an address its owner never confirmed: `invitations.remove_members_invited_by`),

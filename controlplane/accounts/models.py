@@ -90,6 +90,10 @@ class Organization(models.Model):
     # None: the platform's default quotas (`INFERPLANE_DEFAULT_MAX_*`).
     plan = models.ForeignKey(Plan, on_delete=models.PROTECT, null=True, blank=True, related_name="organizations")
     created_at = models.DateTimeField(default=timezone.now)
+    # NOTE: set once, by its owner (`closing.close_organization`), never cleared: a closed organisation keeps its
+    # billing and audit records and nothing else. Null in the database by default: a pod of the release before writes
+    # rows without it.
+    closed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -100,6 +104,10 @@ class Organization(models.Model):
     @property
     def quotas(self) -> Quotas:
         return self.plan.quotas if self.plan_id is not None else Quotas.platform_default()
+
+    @property
+    def is_closed(self) -> bool:
+        return self.closed_at is not None
 
 
 def lock_organizations(ids) -> None:

@@ -3,6 +3,7 @@
 from rest_framework import permissions
 
 from controlplane.accounts.models import ApiKey, Role, Scope
+from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.tenancy import NO_LONGER_MEMBER, no_longer_member, request_membership
 
 
@@ -29,6 +30,11 @@ class IsOrganizationMember(permissions.BasePermission):
             needed = getattr(view, "required_read_role", Role.VIEWER)
         else:
             needed = getattr(view, "required_role", Role.MEMBER)
+            # NOTE: a closed organisation's members still read its invoices, usage and audit log; nothing changes, but
+            # for a view that says it may (`open_when_closed`: the Stripe portal, where its last invoices are paid)
+            if membership.organization.closed_at is not None and not getattr(view, "open_when_closed", False):
+                self.message = ORGANIZATION_CLOSED
+                return False
         if not membership.can(needed):
             self.message = f"This action needs the {needed} role or higher."
             return False

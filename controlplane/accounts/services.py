@@ -42,6 +42,25 @@ class NotPermitted(ValueError):
         self.field = field
 
 
+ORGANIZATION_CLOSED = ("This organisation is closed: its invoices, usage and audit log stay readable, and nothing in it "
+                       "changes any more.")
+
+
+class OrganizationClosed(NotPermitted):
+    """A write to an organisation its owner closed (`endpoints.closing.close_organization`): a 403 on `/api/`."""
+
+    def __init__(self, field: str = "non_field_errors"):
+        super().__init__(field, ORGANIZATION_CLOSED)
+
+
+def ensure_open(organization_id: int, field: str = "non_field_errors") -> None:
+    """`OrganizationClosed` where the organisation is closed. NOTE: called under its row's lock by the writes that
+    take it (a key, an invitation, an endpoint), so one racing the close either committed before it, and was ended by
+    it, or waits for it and is refused here."""
+    if Organization.objects.filter(pk=organization_id, closed_at__isnull=False).exists():
+        raise OrganizationClosed(field)
+
+
 def actor_role(actor: Actor, organization: Organization) -> str | None:
     """The acting user's role in the organisation; None for the system (scripts, bootstrap)."""
     if actor.user is None:

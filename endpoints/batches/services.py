@@ -172,6 +172,7 @@ def start_upload(*, organization_id: int, filename: str, size: int) -> File:
     file_id = new_file_id()
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, size, param="file", doing="")
+        _refuse_closed(organization_id)  # NOTE: under the row lock the quota's check took
         # NOTE: its start by PostgreSQL's clock, which the abandoned-upload sweep judges its age by
         return File.objects.create(id=file_id, organization_id=organization_id, purpose=FilePurpose.BATCH,
                                    filename=(filename or "upload.jsonl")[:255], bytes=size,
@@ -213,6 +214,11 @@ def finish_upload(file: File, *, size: int, claim: idempotency.Claim | None = No
     try:
         with transaction.atomic():
             leased = _upload_leased(file)
+            if _is_closed(file.organization_id):
+                # NOTE: its organisation closed while it uploaded (under the row lock `_upload_leased` took): it expires
+                # with the others (`endpoints.closing`). Stored as asked, the close's expiry was written over, and it
+                # and its bytes were kept for good.
+                file.expires_at = file.created_at
             if leased is None or not File.objects.filter(pk=file.pk, stored_at__isnull=True).update(
                     stored_at=file.stored_at, bytes=size, expires_at=file.expires_at):
                 # swept as abandoned meanwhile (an upload of over an hour)
@@ -450,8 +456,22 @@ def _store_output(organization_id: int, filename: str, rows: Iterable[bytes]) ->
     return file
 
 
+def _is_closed(organization_id: int) -> bool:
+    return Organization.objects.filter(pk=organization_id, closed_at__isnull=False).exists()
+
+
+def _refuse_closed(organization_id: int) -> None:
+    if _is_closed(organization_id):
+        raise Refused("This organisation is closed: it stores no more files.", status=403, code="organization_closed",
+                      lasting=True)
+
+
 def _output_expiry(batch: Batch, file: File):
-    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never."""
+    """When a batch's output or error file expires: its `output_expires_after` from the file's creation, or never; at
+    once where its organisation was closed (`endpoints.closing`: a batch it cancelled ends after, and its files go
+    with the expired-file sweep as the organisation's others did)."""
+    if _is_closed(batch.organization_id):
+        return file.created_at
     if batch.output_expires_after_s is None:
         return None
     return file.created_at + timedelta(seconds=batch.output_expires_after_s)

@@ -29,6 +29,7 @@ from django.utils.crypto import constant_time_compare
 from controlplane import tokens
 from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
+from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.sessions import SessionStore
 from controlplane.accounts.tenancy import NoLongerMember, NotChosen, chosen_membership
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
@@ -145,6 +146,8 @@ def _lookup_session(session_key: str) -> Caller | None:
         raise errors.no_longer_member(str(exc)) from None
     if membership is None:
         return None
+    if membership.organization.closed_at is not None:  # NOTE: its keys are revoked; its members' sessions call nothing
+        raise errors.organization_closed(ORGANIZATION_CLOSED)
     return Caller(organization_id=membership.organization_id, api_key_id=None, user_id=user.pk,
                   can_infer=True, role=membership.role, requests_per_minute=None, tokens_per_minute=None)
 

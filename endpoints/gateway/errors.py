@@ -91,6 +91,12 @@ def no_longer_member(message: str) -> OpenAIError:
     return OpenAIError(403, message, type="permission_error", code="insufficient_permissions")
 
 
+def organization_closed(message: str) -> OpenAIError:
+    """A console session (the playground) acting in an organisation its owner closed
+    (`controlplane.accounts.services.ORGANIZATION_CLOSED`)."""
+    return OpenAIError(403, message, type="permission_error", code="organization_closed")
+
+
 def page_organization_switched() -> OpenAIError:
     """A playground call from a page shown for another organisation than the one its session now acts in (switched
     in another tab): refused before its body is read, so nothing is run, reserved or charged. `x-should-retry:

@@ -5,6 +5,7 @@ from decimal import Decimal
 
 import pytest
 from django.core import mail
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -15,9 +16,16 @@ from billing.ledger import record_usage
 from billing.models import ApiKeySpendCap, BillingAccount, Invoice, InvoiceLine, SpendAlert
 from billing.services import set_spend_cap
 from controlplane.accounts.models import ApiKey, AuditEvent, Role
-from controlplane.accounts.services import SYSTEM
+from controlplane.accounts.services import SYSTEM, Actor
+from endpoints import closing
 from tests.billing.conftest import usage_report
-from tests.factories import EndpointFactory, OrganizationFactory
+from tests.factories import (
+    EndpointFactory,
+    MembershipFactory,
+    OrganizationFactory,
+    UserFactory,
+    signed_in_api_client,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -252,3 +260,19 @@ def test_the_portal_link_creates_the_customer_once(owner_client, fake_stripe):
     assert first.status_code == 200 and first.json()["url"].startswith("https://billing.stripe.test/")
     assert second.status_code == 200
     assert len(fake_stripe.calls_to("/v1/customers")) == 1
+
+
+def test_a_closed_organisations_owner_still_gets_the_portal_to_pay_its_last_invoice(fake_stripe):
+    organization, owner = OrganizationFactory(), UserFactory()
+    MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
+    closing.close_organization(Actor(user=owner), organization, confirm_name=organization.name)
+    client = signed_in_api_client(owner)
+
+    answer = client.post("/api/v1/billing/portal/")
+
+    assert answer.status_code == 200 and answer.json()["url"].startswith("https://billing.stripe.test/")
+    console = Client()
+    console.force_login(owner)
+    sent = console.post("/console/billing/payment-method/")
+    assert sent.status_code == 302 and sent["Location"].startswith("https://billing.stripe.test/")
+    assert client.patch("/api/v1/billing/", {"spend_cap": "5.00"}, format="json").status_code == 403  # the rest: no

@@ -1,0 +1,194 @@
+"""Leaving the platform, self-service: an owner closes their organisation, a user deletes their account.
+
+Closing ends everything the organisation runs or keeps through the services that end each of them one by one: its
+keys (`keys.revoke_api_keys_of_organization`), pending invitations (`invitations.revoke_invitation`), adapters,
+endpoints (their replicas drain), credentials, open batches (cancelled) and files (expired at once: the expired-file
+sweep deletes their bytes, as it deletes any expired file's, once the batches reading them end; the outputs of a
+batch that ends after the close expire as they are written, `batches.services._output_expiry`). What stays is the
+billing and legal record: usage rows and rollups (still rolled up and pushed to Stripe), invoices, the credit ledger
+and the audit log, readable by its members (README, "What is kept"). A closed organisation is never opened again.
+
+Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
+and pending invitations revoked), ends their sessions, deactivates the user and scrubs their address and name; it is
+refused while they are the only owner of an open organisation that others or live resources depend on.
+
+NOTE: both in a signed-in session only, never with an API key (`members.ensure_in_a_session`): a leaked `manage` key
+must not be able to end an organisation or an account.
+"""
+
+from __future__ import annotations
+
+import secrets as std_secrets
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from controlplane.accounts import invitations, keys, members, throttle
+from controlplane.accounts.models import (
+    EmailVerification,
+    Invitation,
+    Membership,
+    Organization,
+    Role,
+    lock_organizations,
+)
+from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
+from endpoints.adapters import delete_adapter
+from endpoints.batches import services as batches
+from endpoints.batches.models import Batch, BatchStatus, File
+from endpoints.credentials import delete_credential
+from endpoints.models import Adapter, Endpoint, ModelCredential
+from endpoints.services import delete_endpoint
+
+CLOSE_REASON = "organization.close"
+DELETE_REASON = "user.delete"
+# The domain of a deleted account's address: `.invalid` is reserved (RFC 2606), so no mail is ever sent to it.
+TOMBSTONE_DOMAIN = "deleted.invalid"
+
+
+class Refused(ValueError):
+    """The request is refused as it is: `field` names the input at fault (a 400 on `/api/`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class TooManyAttempts(ValueError):
+    """Too many wrong passwords from this account lately: a 429 after `retry_after_s`."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__("Too many wrong passwords: wait a few minutes and try again.")
+        self.retry_after_s = retry_after_s
+
+
+class AlreadyClosed(ValueError):
+    """The organisation is closed already (a 409)."""
+
+
+def close_organization(actor: Actor, organization: Organization, *, confirm_name: str) -> Organization:
+    """Closes the organisation, in one transaction (see the module's note); `confirm_name` must be its name as it is.
+
+    Raises `NotPermitted` unless the actor is one of its owners in a signed-in session, `AlreadyClosed` where it is
+    closed already, `Refused` where the name does not match."""
+    members.ensure_in_a_session(actor, "confirm_name")
+    with transaction.atomic():
+        # NOTE: the organisation's row first, as every change of its keys, members and invitations takes it: a key, an
+        # invitation or an endpoint being made meanwhile either committed first (and is ended below) or waits and is
+        # refused (`services.ensure_open`, `endpoints.services.create_endpoint`).
+        lock_organizations([organization.pk])
+        organization = Organization.objects.get(pk=organization.pk)
+        if actor.user is not None and actor_role(actor, organization) != Role.OWNER:
+            raise NotPermitted("confirm_name", "Only the organisation's owners may close it.")
+        if organization.closed_at is not None:
+            raise AlreadyClosed(f"This organisation was closed on {organization.closed_at:%Y-%m-%d %H:%M} UTC; it "
+                                "cannot be closed again or opened.")
+        if confirm_name != organization.name:
+            raise Refused("confirm_name", "Type the organisation's name exactly as it is shown to confirm closing it.")
+        _close(actor, organization)
+    organization.refresh_from_db()
+    return organization
+
+
+def _close(actor: Actor, organization: Organization) -> None:
+    now = timezone.now()
+    Organization.objects.filter(pk=organization.pk).update(closed_at=now)
+    organization.closed_at = now
+    num_keys = keys.revoke_api_keys_of_organization(actor, organization, reason=CLOSE_REASON)
+    for invitation in Invitation.objects.for_org(organization).pending().select_related("organization").order_by("pk"):
+        invitations.revoke_invitation(actor, invitation)
+    num_adapters = 0
+    for adapter in Adapter.objects.filter(endpoint__organization=organization, endpoint__deleted_at__isnull=True
+                                          ).select_related("endpoint__organization").order_by("pk"):
+        delete_adapter(actor, adapter)
+        num_adapters += 1
+    endpoints = list(Endpoint.objects.live().filter(organization=organization).order_by("pk"))
+    for endpoint in endpoints:
+        delete_endpoint(actor, endpoint)
+    credentials = list(ModelCredential.objects.filter(organization=organization).order_by("pk"))
+    for credential in credentials:
+        delete_credential(actor, credential)
+    num_batches = 0
+    for batch in Batch.objects.filter(organization=organization,
+                                      status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).order_by("pk"):
+        batches.cancel_batch(batch)
+        num_batches += 1
+    # NOTE: expired, not deleted here: the bytes go with the sweep (`batches.services.sweep_expired_files`) once no
+    # open batch reads them, as any expired file's do, never from within this transaction.
+    num_files = File.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now), organization=organization,
+                                    deleted_at__isnull=True).update(expires_at=now)
+    record_audit(actor, organization, "organization.close", organization, num_api_keys=num_keys,
+                 num_endpoints=len(endpoints), num_adapters=num_adapters, num_credentials=len(credentials),
+                 num_batches_cancelled=num_batches, num_files=num_files)
+
+
+def close_refusal(organization: Organization, user) -> str | None:
+    """Why `user`, deleting their account, may not simply leave `organization` while it is open: they are its only
+    owner and other members or live resources depend on it; None where nothing does."""
+    if organization.closed_at is not None:
+        return None
+    if Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(user=user).exists():
+        return None
+    held = []
+    if Membership.objects.filter(organization=organization).exclude(user=user).exists():
+        held.append("other members")
+    if Endpoint.objects.live().filter(organization=organization).exists():
+        held.append("endpoints")
+    if ModelCredential.objects.filter(organization=organization).exists():
+        held.append("credentials")
+    if Batch.objects.open().filter(organization=organization).exists():
+        held.append("open batches")
+    if File.objects.for_org(organization.pk).exists():
+        held.append("files")
+    if not held:
+        return None
+    return (f"You are the only owner of {organization.name} (slug {organization.slug}), which has "
+            f"{', '.join(held)}: make another member its owner, or close it, before deleting your account.")
+
+
+def delete_account(actor: Actor, user, *, password: str) -> None:
+    """Deletes the user's account (see the module's note). Raises `NotPermitted` with an API key, `Refused` for a
+    wrong password (`password`) or where an organisation depends on them (`non_field_errors`, `close_refusal`),
+    `TooManyAttempts` past the wrong passwords allowed."""
+    members.ensure_in_a_session(actor, "password")
+    if user.is_staff:
+        raise NotPermitted("password", "Staff accounts are deactivated by an operator, in the admin.")
+    # NOTE: the same budget as the password change's (`throttle.PASSWORD_CHANGE`, wrong answers only): unthrottled, a
+    # borrowed or stolen session guessed the password without end here, and once right ended the account.
+    attempt = throttle.take(throttle.PASSWORD_CHANGE, {"user": str(user.pk)})
+    if attempt.retry_after_s is not None:
+        attempt.refund()
+        raise TooManyAttempts(attempt.retry_after_s)
+    if not user.check_password(password):
+        raise Refused("password", "The password is not this account's.")  # NOTE: counted
+    attempt.refund()
+    with transaction.atomic():
+        memberships = list(Membership.objects.filter(user=user).select_related("organization")
+                           .order_by("organization_id"))
+        lock_organizations([m.organization_id for m in memberships])
+        refusals = [reason for m in memberships if m.role == Role.OWNER
+                    and (reason := close_refusal(Organization.objects.get(pk=m.organization_id), user))]
+        if refusals:
+            raise Refused("non_field_errors", " ".join(refusals))
+        for membership in memberships:
+            organization = Organization.objects.get(pk=membership.organization_id)
+            sole_owner = not Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(
+                user=user).exists()
+            if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
+                # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with
+                # no one to own it, its records kept as any closed organisation's.
+                _close(actor, organization)
+            members.leave_organization(actor, membership, reason=DELETE_REASON)
+        # NOTE: the keys they made anywhere else (an organisation they left before) and invitations they sent
+        keys.revoke_api_keys_of(actor, user, reason=DELETE_REASON)
+        members.revoke_invitations_sent_by(actor, user, reason=DELETE_REASON)
+        tombstone = f"deleted-{user.pk}-{std_secrets.token_hex(4)}@{TOMBSTONE_DOMAIN}"
+        user.username = user.email = tombstone
+        user.first_name = user.last_name = ""
+        user.is_active = False
+        # NOTE: a new password hash ends every session (Django's and the gateway's check it), wherever signed in
+        user.set_unusable_password()
+        user.save()
+        EmailVerification.objects.filter(user=user).delete()
+        record_audit(actor, None, "user.delete", user)
