@@ -66,10 +66,31 @@ INVISIBLE_CHARACTERS = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
 # NOTE: "prod\U000e0100" and "prod\u180b" read "prod" (marks, Mn, in no category above): a key that looked like another.
 MONGOLIAN_SELECTORS = frozenset("\u180b\u180c\u180d\u180f")
 IDEOGRAPHIC_SELECTORS = range(0xE0100, 0xE01F0)
+# And the standard ones (U+FE00–U+FE0F), after a character they vary alone: a non-ASCII symbol (an emoji and U+FE0F,
+# "©" and U+FE0E, a mathematical symbol), a CJK ideograph or Myanmar letter, a keycap's "#", "*" or digit
+# (followed by the keycap, U+20E3). NOTE: they were allowed anywhere (for an emoji's U+FE0F): "prod\ufe0f-key" read
+# "prod-key", as the selectors above did.
+STANDARD_SELECTORS = frozenset(chr(code) for code in range(0xFE00, 0xFE10))
+KEYCAP_BASES = frozenset("#*0123456789")
+EMOJI_PUNCTUATION = frozenset("\u203c\u2049\u3030\u303d")  # "‼", "⁉", "〰", "〽": emoji, though punctuation
 
 
-def _is_hidden(character: str, before: str = "") -> bool:
-    """Whether `character`, after `before` (the character before it; "" at the start), is one a name may not hold."""
+def _varies(before: str, after: str) -> bool:
+    """Whether a standard variation selector between `before` and `after` varies `before` (`STANDARD_SELECTORS`)."""
+    if not before or before in STANDARD_SELECTORS:
+        return False
+    if before.isascii():
+        return before in KEYCAP_BASES and after == "\u20e3"
+    if unicodedata.category(before)[0] == "S" or before in EMOJI_PUNCTUATION:
+        return True
+    return unicodedata.name(before, "").startswith(("CJK ", "MYANMAR "))
+
+
+def _is_hidden(character: str, before: str = "", after: str = "") -> bool:
+    """Whether `character`, after `before` and before `after` (its neighbours; "" at either end), is one a name may not
+    hold."""
+    if character in STANDARD_SELECTORS:
+        return not _varies(before, after)
     if character in MONGOLIAN_SELECTORS:
         return not "\u1800" <= before <= "\u18af" or before in MONGOLIAN_SELECTORS
     if ord(character) in IDEOGRAPHIC_SELECTORS:
@@ -79,7 +100,8 @@ def _is_hidden(character: str, before: str = "") -> bool:
 
 def _hidden(text: str) -> list[bool]:
     """`_is_hidden` of each character of `text`, in its place."""
-    return [_is_hidden(character, text[position - 1] if position else "") for position, character in enumerate(text)]
+    return [_is_hidden(character, text[position - 1] if position else "", text[position + 1:position + 2])
+            for position, character in enumerate(text)]
 
 
 def as_name(text: str) -> str:

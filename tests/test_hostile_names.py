@@ -30,6 +30,9 @@ HIDDEN = {
     # Variation selectors after a letter they do not vary (marks, Mn): "prod\U000e0100-key" read "prod-key"
     "Mongolian free variation selector": "\u180b", "Mongolian free variation selector four": "\u180f",
     "ideographic variation selector": "\U000e0100", "last ideographic variation selector": "\U000e01ef",
+    # And the standard ones after a letter (an emoji's U+FE0F is allowed after an emoji): "prod\ufe0f-key" read
+    # "prod-key" (the review of the variation selector rule)
+    "standard variation selector": "\ufe00", "emoji presentation selector": "\ufe0f", "text selector": "\ufe0e",
 }
 
 
@@ -44,7 +47,8 @@ def test_an_api_key_named_with_a_hidden_or_reordering_character_is_refused_with_
 def test_a_key_name_may_hold_a_variation_selector_after_a_character_of_its_own_script(owner_client):
     """A Mongolian word's letter form and a Japanese family name's ideograph glyph are a name's own (only a selector
     after another script's character, or at the start, shows as nothing)."""
-    for name in ("\u182e\u1823\u180b\u1829\u182d\u1823\u182f", "\u845b\U000e0100\u57ce", "\u2764\ufe0f ops"):
+    for name in ("\u182e\u1823\u180b\u1829\u182d\u1823\u182f", "\u845b\U000e0100\u57ce", "\u2764\ufe0f ops",
+                 "\u203c\ufe0f \u00a9\ufe0e", "team 1\ufe0f\u20e3", "\u8279\ufe00"):
         created = owner_client.post("/api/v1/keys/", {"name": name, "scopes": ["inference"]}, format="json")
         assert created.status_code == 201, created.content
         assert created.json()["api_key"]["name"] == name
@@ -170,6 +174,9 @@ def test_a_name_from_before_the_rule_that_shows_as_nothing_is_shown_escaped():
     assert shown_name("\u3164") == "\\u3164" and shown_name("prod\u3164key") == "prod\\u3164key"
     assert shown_name("\u2764\ufe0f ops") == "\u2764\ufe0f ops"  # an emoji's variation selector is part of a name
     assert shown_name("prod\U000e0100") == "prod\\U000e0100" and shown_name("\u845b\U000e0100") == "\u845b\U000e0100"
+    assert shown_name("prod\ufe0f-key") == "prod\\ufe0f-key" and shown_name("v1\ufe0f") == "v1\\ufe0f"
+    assert shown_name("prod\u2013\ufe0fkey") == "prod\u2013\\ufe0fkey"  # after punctuation that no selector varies
+    assert shown_name("\ufe0f\u2764") == "\\ufe0f\u2764" and shown_name("\u2764\ufe0f\ufe0f") == "\u2764\ufe0f\\ufe0f"
 
 
 SPOOFED_ADDRESS = "ops@ex\u202emoc.elpmaxe"  # allowed before the rule: Django's check passes a format character there

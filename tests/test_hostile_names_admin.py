@@ -83,3 +83,30 @@ def test_the_django_admins_user_page_names_a_user_from_before_the_rule_escaped(s
     breadcrumbs = re.search(r'<div class="breadcrumbs">(.*?)</div>', shown, re.S).group(1)
     for part in (heading.group(0), title, breadcrumbs):
         assert "\u202e" not in part and "\\u202etset.elpmaxe@nimda" in part
+
+
+@pytest.mark.parametrize("page", ["password_change", "delete"])
+def test_the_django_admins_other_user_pages_name_a_user_from_before_the_rule_escaped(staff_client, page):
+    """The user's password page (its heading and window title) and its delete page (its window title, breadcrumbs and
+    the objects it deletes) showed the username raw after the change and history pages escaped it (the review of
+    6e92b978): staff set the password of, or deleted, an account that read as another."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="\u202etset.elpmaxe@nimda")  # reads admin@example.test
+    shown = staff_client.get(reverse(f"admin:auth_user_{page}", args=[user.pk])).content.decode()
+    assert "\u202e" not in shown and "\\u202etset.elpmaxe@nimda" in shown
+
+
+def test_the_message_after_staff_delete_a_user_from_before_the_rule_names_it_escaped(staff_client):
+    """'The user "..." was deleted successfully.' showed the username raw (the review of 6e92b978)."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="\u202etset.elpmaxe@nimda")
+    shown = staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"}, follow=True)
+    page = shown.content.decode()
+    assert "deleted successfully" in page and "\u202e" not in page and "\\u202etset.elpmaxe@nimda" in page
+    assert not get_user_model().objects.filter(pk=user.pk).exists()

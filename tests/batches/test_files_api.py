@@ -496,3 +496,22 @@ def test_a_list_cursor_naming_another_organisations_file_pages_nothing_of_theirs
         for order in ("asc", "desc"):
             page = client.files.list(after=after, order=order)
             assert sorted(f.id for f in page.data) == sorted(mine), (after, order)
+
+
+def test_head_on_a_files_content_whose_bytes_are_gone_is_the_gets_404_not_a_200(web, tenant, files_bucket):
+    """HEAD answers as GET would, without the body (RFC 9110, 9.3.2). Before, HEAD on a file's content answered 200
+    from its row alone while GET was a 404 (its object gone from S3): a client checking with HEAD before it
+    downloads was told the bytes were there."""
+    from endpoints.batches import storage
+    from endpoints.batches.models import File
+
+    raw = httpx.Client(base_url=web, headers={"Authorization": f"Bearer {tenant.key}"})
+    uploaded = raw.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", LINES)})
+    assert uploaded.status_code == 200, uploaded.text
+    file_id = uploaded.json()["id"]
+    storage.delete(File.objects.get(pk=file_id).s3_key)
+
+    got, head = raw.get(f"/v1/files/{file_id}/content"), raw.head(f"/v1/files/{file_id}/content")
+    assert got.status_code == 404, got.text
+    assert head.status_code == 404 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]

@@ -284,6 +284,13 @@ def test_the_node_pools_worker_may_create_and_delete_only_the_placeholders_the_p
             {"ephemeral-storage": "2Ti"}),
         "a second extended resource": lambda spec, container, meta: [
             container["resources"][kind].update({"amd.com/gpu": 8}) for kind in ("requests", "limits")],
+        # NOTE: the count of requests alone (at most 3) let two or three extended resources through with no memory or cpu.
+        "a second extended resource in memory's place": lambda spec, container, meta: [
+            (container["resources"][kind].pop("memory"), container["resources"][kind].update({"amd.com/gpu": 64}))
+            for kind in ("requests", "limits")],
+        "three extended resources and nothing else": lambda spec, container, meta: [
+            container["resources"].update({kind: {"nvidia.com/gpu": 64, "amd.com/gpu": 64, "example.com/fpga": 64}})
+            for kind in ("requests", "limits")],
         "a device claim": lambda spec, container, meta: (
             spec.update(resourceClaims=[{"name": "gpus", "resourceClaimName": "someone-elses"}]),
             container["resources"].update(claims=[{"name": "gpus"}])),
