@@ -47,6 +47,13 @@ class LookupsBusy(Exception):
 class ExpiringSet:
     """A bounded set whose members expire after `ttl_s`, evicting the least recently added first.
 
+    A member may be added with a group (`add(member, group=)`: a credential's organisation): a full set then evicts
+    from the group holding the most members, its least recently added one (the adding group's own first where it is
+    among the largest), so one group's members are pushed out only by a group no larger than its own. Members of no
+    group (None) are one group. NOTE: least recently added first, whoever's, an organisation calling in turn with as
+    many keys as it holds (ten at the live-key limit: sign-up is open) pushed every other tenant's key out of the keys
+    known to be real (`CredentialLookups.known`), each of their calls then waiting behind a flood of made-up ones.
+
     NOTE: safe to share between threads (the control plane's sync views) and coroutines (the gateway).
     """
 
@@ -54,6 +61,8 @@ class ExpiringSet:
         self._ttl_s = ttl_s
         self.max_entries = max_entries
         self._expires_at: OrderedDict = OrderedDict()  # member -> monotonic expiry, oldest first
+        self._group_of: dict = {}  # member -> its group
+        self._groups: dict = {}  # group -> OrderedDict of its members (values None), least recently added first
         self._lock = threading.Lock()
 
     def __contains__(self, member: Hashable) -> bool:
@@ -62,35 +71,61 @@ class ExpiringSet:
             if expires_at is None:
                 return False
             if expires_at < time.monotonic():
-                del self._expires_at[member]
+                self._drop(member)
                 return False
             return True
 
     def __len__(self) -> int:
         return len(self._expires_at)
 
-    def add(self, member: Hashable) -> None:
+    def add(self, member: Hashable, *, group: Hashable = None) -> None:
         ttl_s = self._ttl_s() if callable(self._ttl_s) else self._ttl_s
         now = time.monotonic()
         with self._lock:
+            if member in self._expires_at and self._group_of[member] != group:
+                self._drop(member)
             self._expires_at[member] = now + ttl_s
             self._expires_at.move_to_end(member)
+            self._group_of[member] = group
+            members = self._groups.setdefault(group, OrderedDict())
+            members[member] = None
+            members.move_to_end(member)
             # NOTE: the oldest added first, so those whose time is up are dropped here: before, they stayed until
             # `max_entries` newer ones pushed them out, and a trickle of made-up credentials (~200 bytes each) grew a
             # web process for a day or more, to ~20 MB a kind, rather than holding the last TTL's worth.
             while self._expires_at:
-                oldest_expires_at = next(iter(self._expires_at.values()))
-                if oldest_expires_at >= now and len(self._expires_at) <= self.max_entries:
+                oldest, oldest_expires_at = next(iter(self._expires_at.items()))
+                if oldest_expires_at >= now:
                     break
-                self._expires_at.popitem(last=False)
+                self._drop(oldest)
+            while len(self._expires_at) > self.max_entries:
+                self._drop(next(iter(self._groups[self._group_to_evict_from(group)])))
+
+    def _group_to_evict_from(self, adding: Hashable) -> Hashable:
+        largest = max(len(members) for members in self._groups.values())
+        own = self._groups.get(adding)
+        if own is not None and len(own) == largest and (largest > 1 or len(self._groups) == 1):
+            return adding
+        return next(group for group, members in self._groups.items() if len(members) == largest and group != adding)
+
+    def _drop(self, member: Hashable) -> None:
+        del self._expires_at[member]
+        group = self._group_of.pop(member)
+        members = self._groups[group]
+        del members[member]
+        if not members:
+            del self._groups[group]
 
     def discard(self, member: Hashable) -> None:
         with self._lock:
-            self._expires_at.pop(member, None)
+            if member in self._expires_at:
+                self._drop(member)
 
     def clear(self) -> None:
         with self._lock:
             self._expires_at.clear()
+            self._group_of.clear()
+            self._groups.clear()
 
 
 class LookupSlots:
@@ -153,9 +188,10 @@ class CredentialLookups:
         self.known.discard(digest)
         self.refused.add(digest)
 
-    def know(self, plain: str) -> None:
-        """`plain` matched a real credential: its next lookups take no slot (`slot_for`)."""
-        self.known.add(self.digest(plain))
+    def know(self, plain: str, *, owner: Hashable = None) -> None:
+        """`plain` matched a real credential (of `owner`, an organisation: `ExpiringSet`'s group, so another owner's
+        many never push it out): its next lookups take no slot (`slot_for`)."""
+        self.known.add(self.digest(plain), group=owner)
 
     @contextmanager
     def slot_for(self, plain: str) -> Iterator[None]:

@@ -115,3 +115,44 @@ def test_a_key_that_worked_before_is_answered_while_made_up_keys_hold_every_look
         keys.revoke_api_key(Actor(user=owner_client.user), created.api_key)
         assert _client(created.plain).get("/api/v1/keys/").status_code == 401
     assert _client(created.plain).get("/api/v1/keys/").status_code == 401
+
+
+def test_another_organisation_calling_in_turn_with_its_many_keys_never_pushes_a_tenants_key_behind_a_flood(
+        owner_client, member_client_factory, monkeypatch):
+    """Before: the keys remembered as real (`CredentialLookups.know`) were one list, least recently added dropped first,
+    whoever's: an organisation calling in turn with as many keys as it holds (ten organisations at the live-key limit,
+    sign-up being open) pushed every other tenant's key out, each of whose calls then waited for a slot behind a flood
+    of made-up keys and was a 503, as before the known keys were remembered."""
+    from tests.factories import OrganizationFactory
+
+    busy = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)
+    busy.known.max_entries = 4
+    monkeypatch.setattr(keys, "API_KEY_LOOKUPS", busy)
+    assert owner_client.get("/api/v1/keys/").status_code == 200
+
+    flooder = member_client_factory(OrganizationFactory())
+    theirs = [keys.create_api_key(Actor(user=flooder.user), flooder.organization, name=f"k{i}", scopes=["manage"])
+              for i in range(8)]
+    for created in theirs:
+        assert _client(created.plain).get("/api/v1/keys/").status_code == 200
+
+    with busy.slots.held():  # the flood's lookups hold every slot
+        assert owner_client.get("/api/v1/keys/").status_code == 200
+
+
+def test_a_full_known_set_evicts_from_the_largest_group_and_members_of_no_group_oldest_first():
+    from controlplane.credential_lookups import ExpiringSet
+
+    known = ExpiringSet(3600, max_entries=3)
+    known.add("tenant", group=1)
+    for i in range(5):
+        known.add(f"flood-{i}", group=2)
+    assert "tenant" in known and len(known) == 3 and "flood-4" in known and "flood-2" not in known
+    known.discard("flood-4")
+    known.add("tenant", group=3)  # its group changed: counted in the new one alone
+    assert len(known) == 2 and "tenant" in known
+
+    ungrouped = ExpiringSet(3600, max_entries=2)
+    for member in ("a", "b", "c"):
+        ungrouped.add(member)
+    assert "a" not in ungrouped and "b" in ungrouped and "c" in ungrouped

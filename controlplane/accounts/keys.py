@@ -354,7 +354,7 @@ def authenticate_api_key(plain: str) -> ApiKey | None:
     if authenticated is None:
         API_KEY_LOOKUPS.refuse(plain)
         return None
-    API_KEY_LOOKUPS.know(plain)
+    API_KEY_LOOKUPS.know(plain, owner=authenticated[0].organization_id)  # never pushed out by another organisation's keys
     return authenticated[0]
 
 

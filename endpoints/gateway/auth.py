@@ -190,7 +190,7 @@ async def _caller_of_session(session_key: str) -> Caller | None:
         async with _session_lookups.slot_for_async(session_key):
             caller = await in_worker_thread(_lookup_session)(session_key)
         if caller is not None:
-            _session_lookups.know(session_key)
+            _session_lookups.know(session_key, owner=caller.organization_id)
         return caller
     except _NotLoggedIn:
         _session_lookups.refuse(session_key)
