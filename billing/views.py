@@ -22,6 +22,7 @@ from billing.serializers import SpendCapSerializer, report_day_problem
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.services import Actor
+from controlplane.clock import database_now
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import portal_return_key
 
@@ -100,7 +101,9 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
     account = BillingAccount.objects.for_organization(organization)
     period = period_containing()
     spend = period_spend(organization.pk, period)
-    now = timezone.now()
+    # NOTE: grants judged by PostgreSQL's clock, as they are stamped (`granted_at`) and spent, and as /api/v1/billing/
+    # judges them: by this pod's own, one 10 minutes behind left a top-up made a moment ago out of the remaining credit
+    now = database_now()
     credits = list(CreditGrant.objects.for_org(organization).order_by("-granted_at"))
     return render(request, "billing/billing.html", {
         "account": account,

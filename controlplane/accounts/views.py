@@ -39,6 +39,7 @@ from controlplane.accounts.signup import (
 )
 from controlplane.accounts.signup import verify_email as verify_email_token
 from controlplane.accounts.tenancy import SESSION_KEY, memberships_of
+from controlplane.clock import DatabaseClock
 from controlplane.plain_numbers import INT64_MAX, plain_int
 from controlplane.text import shown_name
 
@@ -384,10 +385,14 @@ def member_remove(request, pk):
 
 
 def _keys_page(request, form, status=200):
-    api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by", "minted_by"))
+    # NOTE: live or expired by PostgreSQL's clock, read in the list's own query, as `keys.find_api_key` judges it
+    # (a template cannot hand `ApiKey.is_usable` its `now`: asked there, every key with an expiry read as expired)
+    api_keys = list(ApiKey.objects.for_org(request.organization).select_related("created_by", "minted_by")
+                    .annotate(listed_at=DatabaseClock()))
     roles = keys.member_roles(request.organization)
     actor = services.Actor.from_request(request)
     for api_key in api_keys:
+        api_key.usable = api_key.is_usable(api_key.listed_at)
         api_key.can_revoke = keys.may_revoke_api_key(
             actor, api_key, actor_role=request.membership.role, creator_role=roles.get(api_key.created_by_id))
     return render(request, "controlplane/keys.html", {

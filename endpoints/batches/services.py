@@ -917,10 +917,12 @@ def caller_of(batch: Batch) -> Caller | None:
     or without the inference scope, or its creator (the console user) gone from the organisation,
     inactive or a viewer. A leaked key's batches stop with the key."""
     if batch.api_key_id:
-        key = ApiKey.objects.select_related("created_by").filter(pk=batch.api_key_id).first()
-        # NOTE: its expiry by PostgreSQL's clock, as `keys.find_api_key` judges it: by the worker's, one 10 minutes
-        # behind ran a batch of an expired key 10 minutes more, one ahead stopped a live key's batch
-        if key is None or not key.is_usable(database_now()) or not key.has_scope(Scope.INFERENCE):
+        # NOTE: its expiry by PostgreSQL's clock, read by the key's own query as `keys.find_api_key` reads it (no round
+        # trip more on each lease renewal): by the worker's, one 10 minutes behind ran a batch of an expired key 10
+        # minutes more, one ahead stopped a live key's batch
+        key = (ApiKey.objects.select_related("created_by").filter(pk=batch.api_key_id)
+               .annotate(judged_at=DatabaseClock()).first())
+        if key is None or not key.is_usable(key.judged_at) or not key.has_scope(Scope.INFERENCE):
             return None
         role = keys.creator_role(key)
     else:

@@ -32,6 +32,7 @@ from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.sessions import SessionStore
 from controlplane.accounts.tenancy import NoLongerMember, NotChosen, chosen_membership
+from controlplane.clock import redis_now
 from controlplane.credential_lookups import CredentialLookups, LookupsBusy
 from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
@@ -63,6 +64,8 @@ class Caller:
     tokens_per_minute: int | None
     role: str | None = None  # the key creator's (or session user's) current role in the organisation
     max_priority_boost: int | None = None  # the key's `ApiKey.max_priority_boost`: None, no `priority` allowed
+    # The key's `expires_at` in Unix seconds (None: never), judged at each call by Redis's clock (`caller_from_key`)
+    expires_at: float | None = None
 
     @property
     def limit_subject(self) -> str:
@@ -85,6 +88,7 @@ def _lookup_key(plain: str) -> Caller | None:
         requests_per_minute=api_key.requests_per_minute,
         tokens_per_minute=api_key.tokens_per_minute,
         max_priority_boost=api_key.max_priority_boost,
+        expires_at=None if api_key.expires_at is None else api_key.expires_at.timestamp(),
     )
 
 
@@ -114,6 +118,10 @@ async def caller_from_key(plain: str) -> Caller | None:
     except LookupsBusy:
         # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
         raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
+    # NOTE: a key that expired while cached was served for the cache's TTL and `STALE_FOR_S` more; its expiry is
+    # judged at each call, by Redis's clock (kept in step with PostgreSQL's, which judged it at the lookup)
+    if caller is not None and caller.expires_at is not None and caller.expires_at <= redis_now():
+        caller = None
     if caller is None:
         # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
         _callers_by_key.forget(digest)

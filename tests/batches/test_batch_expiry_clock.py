@@ -157,3 +157,19 @@ def test_a_batch_runs_while_its_key_lives_by_the_database_clock_not_the_workers(
     _this_process_clock(monkeypatch, worker_off_by)
 
     assert (services.caller_of(batch) is not None) == runs
+
+
+def test_judging_a_batchs_key_reads_the_database_clock_in_the_keys_own_query(tenant):
+    # Before: `caller_of` (each lease renewal of each running batch, `keep_going`) read PostgreSQL's clock in a round
+    # trip of its own (`database_now`) beside the key's query; the key's query reads it now, as `find_api_key` does.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = Batch(organization_id=tenant.org.pk, api_key_id=tenant.api_key.pk, created_by_id=tenant.owner.pk)
+    with CaptureQueriesContext(connection) as queries:
+        caller = services.caller_of(batch)
+    assert caller is not None and caller.api_key_id == tenant.api_key.pk
+    assert not [q["sql"] for q in queries.captured_queries if q["sql"].strip().upper() == "SELECT CLOCK_TIMESTAMP()"]
+
+    ApiKey.objects.filter(pk=tenant.api_key.pk).update(expires_at=database_now() - timedelta(seconds=1))
+    assert services.caller_of(batch) is None

@@ -97,3 +97,25 @@ def test_a_key_gets_a_priority_range_from_the_form_and_the_list_shows_it(owner):
     plain = owner.post(reverse("console:keys"), {"name": "plain", "scopes": [Scope.INFERENCE], "max_priority_boost": ""})
     assert plain.status_code == 201 and find_api_key(plain.context["secret"]).max_priority_boost is None
     assert "priority ±5" in owner.get(reverse("console:keys")).content.decode()
+
+
+def test_key_list_shows_a_live_keys_expiry_and_an_expired_key_as_expired(owner):
+    # Before: the template asked `key.is_usable`, which since the expiry is judged by PostgreSQL's clock takes the
+    # time as an argument: a template cannot pass one, so it read as false and every key with an expiry was listed
+    # dimmed and "Expired" the moment it was created.
+    import datetime
+
+    from django.utils import timezone
+    live = create_api_key(Actor(user=owner.user), owner.organization, name="live-ci", scopes=[Scope.INFERENCE],
+                          expires_at=timezone.now() + datetime.timedelta(days=30)).api_key
+    gone = create_api_key(Actor(user=owner.user), owner.organization, name="gone-ci", scopes=[Scope.INFERENCE],
+                          expires_at=timezone.now() + datetime.timedelta(days=1)).api_key
+    ApiKey.objects.filter(pk=gone.pk).update(expires_at=timezone.now() - datetime.timedelta(minutes=1))
+
+    page = owner.get(reverse("console:keys")).content.decode()
+
+    rows = {name: page.split(name, 1)[0].rsplit("<tr", 1)[1] + page.split(name, 1)[1].split("</tr>", 1)[0]
+            for name in ("live-ci", "gone-ci")}
+    assert "Expired" not in rows["live-ci"] and "dimmed" not in rows["live-ci"]
+    assert live.expires_at.strftime("%Y") in rows["live-ci"]
+    assert "Expired" in rows["gone-ci"] and "dimmed" in rows["gone-ci"]

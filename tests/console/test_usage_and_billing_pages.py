@@ -133,3 +133,19 @@ def test_a_cap_of_zero_is_shown_as_a_cap_that_stops_every_call(owner):
 
     assert "No spend cap" not in page
     assert "of $0.00 cap" in page and 'aria-valuenow="100"' in page and "100% of the cap" in page
+
+
+def test_a_web_pod_whose_clock_is_behind_counts_credit_granted_a_moment_ago_in_the_billing_pages_remaining(
+        owner, monkeypatch):
+    # Before: the console's billing page summed the grants active by the web pod's clock (`timezone.now()`): one
+    # 10 minutes behind left a top-up made a moment ago out of "Credits remaining" for 10 minutes, though the gateway
+    # spends it and /api/v1/billing/ counts it (PostgreSQL's clock).
+    from billing.credits import grant_credits
+    from controlplane.accounts.services import SYSTEM
+    grant_credits(SYSTEM, owner.organization, amount=Decimal("5.00"), note="top-up")
+    real_now = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - timedelta(minutes=10))
+
+    response = owner.get(reverse("console:billing"))
+
+    assert response.context["credit_remaining"] == Decimal("5.00")

@@ -192,3 +192,25 @@ def test_a_key_cached_but_stale_is_served_while_every_lookup_slot_is_taken(looku
     first, again = asyncio.run(scenario())
     assert again is not None and again.organization_id == first.organization_id
     assert lookups == [plain, plain]
+
+
+def test_a_cached_key_is_refused_once_it_expires(lookups, settings):
+    # Before: the cache kept the key's caller whole for its TTL (and `STALE_FOR_S` more), and judged no expiry:
+    # a key that expired while cached worked on for as long, however precisely its lookup judged it
+    # (PostgreSQL's clock). Its expiry travels with it now and is judged at each call, by Redis's clock.
+    import datetime
+    import time
+
+    from django.utils import timezone
+    settings.API_KEY_CACHE_S = 600
+    membership = MembershipFactory(role="owner")
+    plain = create_api_key(Actor(user=membership.user), membership.organization, name="short", scopes=[Scope.INFERENCE],
+                           expires_at=timezone.now() + datetime.timedelta(seconds=2)).plain
+
+    async def call():
+        return await auth.caller_from_key(plain)
+
+    assert asyncio.run(call()) is not None
+    time.sleep(2.5)
+    assert asyncio.run(call()) is None
+    assert len(lookups) == 1  # judged in the gateway: no lookup more
