@@ -276,13 +276,14 @@ def file_content(request, caller: Caller, file_id: str):
     if not errors.answers_as_get(request.method):
         return _method_not_allowed(request, "GET")
     file = _file_of(caller, file_id)
-    if request.method == "HEAD":  # its headers, from its row: its bytes are not read from S3 to be thrown away
-        response = HttpResponse(content_type="application/octet-stream")
-        response["Content-Length"] = str(file.bytes)
-        response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
-        return response
     try:
-        stream = storage.open_stream(file.s3_key)
+        if request.method == "HEAD":
+            # NOTE: HEAD answered 200 from the file's row while GET, its object gone from the bucket, was a 404: S3 is
+            # asked (a HeadObject, its bytes not read) as GET would ask it, and answers as GET would.
+            storage.head(file.s3_key)
+            stream = None
+        else:
+            stream = storage.open_stream(file.s3_key)
     except storage.ObjectGone as gone:
         # NOTE: a file row whose object is not in the bucket was a 503 with `retry-after: 1`, and the openai client
         # retried it, and its caller after it, for ever: its bytes do not come back. S3 failing stays a 503, and so
@@ -293,7 +294,10 @@ def file_content(request, caller: Caller, file_id: str):
         logger.warning("file %s: its object %s is not in the bucket (or not readable)", file.pk, file.s3_key)
         raise errors.OpenAIError(404, f"File {file.pk} has no content: its bytes are no longer stored.",
                                  param="id", code="file_content_not_found") from None
-    response = StreamingHttpResponse(stream, content_type="application/octet-stream")
+    if stream is None:
+        response = HttpResponse(content_type="application/octet-stream")
+    else:
+        response = StreamingHttpResponse(stream, content_type="application/octet-stream")
     response["Content-Length"] = str(file.bytes)
     response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=file.filename)
     return response

@@ -234,6 +234,17 @@ def _get_object(key: str) -> dict:
         raise
 
 
+def head(key: str) -> None:
+    """S3's HeadObject of `key` (its bytes not read), failing as `_get_object` fails: `ObjectGone` when it is not
+    there (or not readable); any other failure as it is."""
+    try:
+        _client().head_object(Bucket=settings.FILES_S3_BUCKET, Key=key)
+    except ClientError as exc:
+        if (code := _error_code(exc)) in GONE_CODES:
+            raise ObjectGone(key, code=code) from exc
+        raise
+
+
 def read_bytes(key: str) -> bytes:
     return _get_object(key)["Body"].read()
 
