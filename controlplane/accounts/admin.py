@@ -19,6 +19,7 @@ from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
 from django.template.response import TemplateResponse
+from django.utils.safestring import SafeData, mark_safe
 
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
@@ -76,6 +77,16 @@ class UserAdmin(auth_admin.UserAdmin):
         shown = {"title": f"Change history: {shown_name(str(user))}"} if user is not None else {}
         return super().history_view(request, object_id, {**shown, **(extra_context or {})})
 
+    # NOTE: the delete confirmation (templates/admin/auth/user/delete_confirmation.html, and what goes with the user,
+    # here) and the admin's messages ("The user “…” was changed successfully.", "… was deleted …") named the user raw:
+    # staff confirmed, and were told of, another name than the one they acted on.
+    def get_deleted_objects(self, objs, request):
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        return _shown_all(deleted), counts, perms_needed, _shown_all(protected)
+
+    def message_user(self, request, message, *args, **kwargs):
+        super().message_user(request, _shown_all(message), *args, **kwargs)
+
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
@@ -122,6 +133,17 @@ class UserAdmin(auth_admin.UserAdmin):
     def has_issue_enrolment_code_permission(self, request):
         # NOTE: whoever may change accounts, in a session past their own second factor (as the admin site asks).
         return has_staff_powers(request.user) and self.has_change_permission(request)
+
+
+def _shown_all(shown):
+    """`shown` (a message, or the admin's nested list of what a deletion takes) with each string through
+    `text.shown_name`; a string marked safe HTML stays so (only hidden characters are escaped, as `\\u202e`: no
+    character HTML reads is added)."""
+    if isinstance(shown, list | tuple):
+        return [_shown_all(item) for item in shown]
+    if isinstance(shown, SafeData):
+        return mark_safe(shown_name(str(shown)))  # safe HTML in; only hidden characters escaped
+    return shown_name(str(shown)) if isinstance(shown, str) else shown
 
 
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
