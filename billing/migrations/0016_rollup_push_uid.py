@@ -14,8 +14,8 @@ the unique constraint refuses.
 NOTE: the invalid index is dropped with a plain DROP INDEX (ACCESS EXCLUSIVE on `billing_usagerollup`), not
 CONCURRENTLY as billing/0033 drops its own: run again, this migration's `ADD COLUMN IF NOT EXISTS` just before it takes
 that same lock on that same table whether or not the column is there (PostgreSQL locks before it looks: queued behind a
-transaction writing rollups, it holds every later rollup read just as long), and so would the ADD CONSTRAINT after it.
-Dropping it CONCURRENTLY would spare nothing. The usage table (`billing_usagerecord`) is not touched here.
+transaction writing rollups, it holds every later rollup read just as long). Dropping it CONCURRENTLY would spare
+nothing. The usage table (`billing_usagerecord`) is not touched here.
 """
 
 import uuid
