@@ -110,3 +110,63 @@ def test_the_message_after_staff_delete_a_user_from_before_the_rule_names_it_esc
     page = shown.content.decode()
     assert "deleted successfully" in page and "\u202e" not in page and "\\u202etset.elpmaxe@nimda" in page
     assert not get_user_model().objects.filter(pk=user.pk).exists()
+
+
+def _messages_of(page: str) -> str:
+    """The admin's messages on `page` (its `messagelist`)."""
+    return re.search(r'<ul class="messagelist">(.*?)</ul>', page, re.S).group(1)
+
+
+def test_the_django_admins_user_delete_page_names_a_user_from_before_the_rule_escaped(staff_client):
+    """Before: the delete confirmation (its breadcrumbs, its question, its list of what goes with the user) showed the
+    username raw: staff were asked to confirm deleting another name than the one they deleted."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="\u202etset.elpmaxe@nimda")  # reads admin@example.test
+    shown = staff_client.get(reverse("admin:auth_user_delete", args=[user.pk])).content.decode()
+
+    breadcrumbs = re.search(r'<div class="breadcrumbs">(.*?)</div>', shown, re.S).group(1)
+    question = re.search(r"<p>Are you sure(.*?)</p>", shown, re.S).group(1)
+    deleted = re.search(r'<ul id="deleted-objects">(.*?)</ul>', shown, re.S).group(1)
+    for part in (breadcrumbs, question, deleted):
+        assert "\u202e" not in part and "\\u202etset.elpmaxe@nimda" in part, part
+    assert "\u202e" not in shown
+
+
+def test_the_django_admins_message_on_deleting_a_user_from_before_the_rule_names_them_escaped(staff_client):
+    """Before: "The user “…” was deleted successfully." named the user raw."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="\u202etset.elpmaxe@nimda")
+    answer = staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"}, follow=True)
+
+    said = _messages_of(answer.content.decode())
+    assert "was deleted successfully" in said and "\\u202etset.elpmaxe@nimda" in said and "\u202e" not in said
+    assert not get_user_model().objects.filter(pk=user.pk).exists()
+
+
+def test_the_django_admins_message_on_changing_a_user_from_before_the_rule_names_them_escaped(staff_client):
+    """Before: "The user “…” was changed successfully." named the user raw. A username may hold an invisible letter
+    (U+3164, a letter to Django's username rule, which `text.name_problem` refuses in a name): "adm\u3164in" read
+    "admin" in the message."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    user = UserFactory()
+    get_user_model().objects.filter(pk=user.pk).update(username="adm\u3164in@example.test")
+    user.refresh_from_db()
+    joined = user.date_joined
+    answer = staff_client.post(reverse("admin:auth_user_change", args=[user.pk]), {
+        "username": user.username, "email": user.email, "first_name": "", "last_name": "",
+        "date_joined_0": joined.strftime("%Y-%m-%d"), "date_joined_1": joined.strftime("%H:%M:%S"),
+    }, follow=True)  # is_active left out: deactivated
+
+    said = _messages_of(answer.content.decode())
+    user.refresh_from_db()  # NOTE: Django's form stores it NFKC: U+3164 is then U+1160, as invisible
+    assert not user.is_active and user.username == "adm\u1160in@example.test"
+    assert "was changed successfully" in said and "adm\\u1160in@example.test" in said and "\u1160" not in said
+

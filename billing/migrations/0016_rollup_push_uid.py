@@ -10,6 +10,12 @@ migration that was interrupted.
 
 Django's own AddField would have filled every existing row with one value (a callable default is called once), which
 the unique constraint refuses.
+
+NOTE: the invalid index is dropped with a plain DROP INDEX (ACCESS EXCLUSIVE on `billing_usagerollup`), not
+CONCURRENTLY as billing/0033 drops its own: run again, this migration's `ADD COLUMN IF NOT EXISTS` just before it takes
+that same lock on that same table whether or not the column is there (PostgreSQL locks before it looks: queued behind a
+transaction writing rollups, it holds every later rollup read just as long). Dropping it CONCURRENTLY would spare
+nothing. The usage table (`billing_usagerecord`) is not touched here.
 """
 
 import uuid

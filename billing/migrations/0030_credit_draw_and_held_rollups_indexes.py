@@ -33,16 +33,26 @@ _COLUMNS = (("difference_started_at", "timestamp with time zone", models.DateTim
             ("difference_pending", "jsonb", models.JSONField(blank=True, null=True)))
 
 
+def _drop_an_invalid_index(name: str):
+    """A RunPython that drops the invalid index `name` an interrupted build left, CONCURRENTLY (outside a transaction:
+    this migration is not atomic), as 0033. NOTE: a plain DROP INDEX (in a DO block, which cannot drop CONCURRENTLY)
+    took an ACCESS EXCLUSIVE lock on the index's table: queued behind a transaction that writes usage, it held every
+    later read and write of a usage row (the gateway's ledger) for the migration's lock timeout (the ALTER TABLE before it locks
+    `billing_usagerollup`, not the usage table). Only a database where this migration has not run to its end runs it: one
+    that ran it has its indexes valid, and this changes nothing there."""
+
+    def drop(apps, schema_editor) -> None:
+        with schema_editor.connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_index WHERE indexrelid = to_regclass(%s) AND NOT indisvalid", [f'"{name}"'])
+            if cursor.fetchone() is not None:
+                cursor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
+
+    return migrations.RunPython(drop, migrations.RunPython.noop)
+
+
 def _built_concurrently(name: str, table: str, body: str) -> list:
     return [
-        migrations.RunSQL(
-            f"""DO $$ BEGIN
-                IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"{name}"') AND NOT indisvalid) THEN
-                    DROP INDEX "{name}";
-                END IF;
-            END $$""",
-            reverse_sql=migrations.RunSQL.noop,
-        ),
+        _drop_an_invalid_index(name),
         migrations.RunSQL(f'CREATE INDEX CONCURRENTLY IF NOT EXISTS "{name}" ON "{table}" {body}',
                           reverse_sql=f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"'),
     ]

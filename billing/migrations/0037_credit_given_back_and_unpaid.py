@@ -17,6 +17,23 @@ _ACCOUNTS = "billing_billingaccount"
 _INDEX = "usage_org_prepaid_overcharged"
 
 
+def _drop_an_invalid_index(name: str):
+    """A RunPython that drops the invalid index `name` an interrupted build left, CONCURRENTLY (outside a transaction:
+    this migration is not atomic), as 0033. NOTE: a plain DROP INDEX (in a DO block, which cannot drop CONCURRENTLY)
+    took an ACCESS EXCLUSIVE lock on the index's table: queued behind a transaction that writes usage, it held every
+    later read and write of a usage row (the gateway's ledger) for the migration's lock timeout (the ALTER TABLEs before it lock
+    `billing_billingaccount`, not the usage table). Only a database where this migration has not run to its end runs it: one
+    that ran it has its indexes valid, and this changes nothing there."""
+
+    def drop(apps, schema_editor) -> None:
+        with schema_editor.connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_index WHERE indexrelid = to_regclass(%s) AND NOT indisvalid", [f'"{name}"'])
+            if cursor.fetchone() is not None:
+                cursor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
+
+    return migrations.RunPython(drop, migrations.RunPython.noop)
+
+
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
@@ -46,14 +63,7 @@ class Migration(migrations.Migration):
                                    ("lost_recorded_at__isnull", False)),
                 fields=["organization"], include=("cost", "lost_cost"), name=_INDEX))],
             database_operations=[
-                migrations.RunSQL(
-                    f"""DO $$ BEGIN
-                        IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"{_INDEX}"') AND NOT indisvalid) THEN
-                            DROP INDEX "{_INDEX}";
-                        END IF;
-                    END $$""",
-                    reverse_sql=migrations.RunSQL.noop,
-                ),
+                _drop_an_invalid_index(_INDEX),
                 migrations.RunSQL(
                     f'CREATE INDEX CONCURRENTLY IF NOT EXISTS "{_INDEX}" ON "billing_usagerecord" ("organization_id") '
                     "INCLUDE (\"cost\", \"lost_cost\") WHERE (\"billing_mode\" = 'prepaid' AND \"lost_cost\" > \"cost\" "

@@ -484,6 +484,51 @@ def test_head_on_every_v1_get_route_answers_as_its_get_without_a_body(web, tenan
     assert raw.head(f"/v1/files/{file_id}/content").headers["content-disposition"] == 'attachment; filename="in.jsonl"'
 
 
+def test_head_on_a_files_content_whose_bytes_are_gone_is_the_404_its_get_is(tenant, files_bucket):
+    """Before: HEAD answered 200 from the file's row, its `Content-Length` and name, while GET of the same content,
+    its object gone from the bucket, was a 404 `file_content_not_found`: a client checking with HEAD before it
+    downloads was told the bytes were there."""
+    from django.test import Client
+
+    from endpoints.batches import storage
+
+    file = _a_stored_file(tenant)
+    storage.delete(file.s3_key)
+    web = Client(raise_request_exception=False)
+    path, auth = f"/v1/files/{file.pk}/content", {"HTTP_AUTHORIZATION": f"Bearer {tenant.key}"}
+
+    got, head = web.get(path, **auth), web.head(path, **auth)
+
+    assert (got.status_code, got.json()["error"]["code"]) == (404, "file_content_not_found"), got.content
+    assert (head.status_code, head["content-type"]) == (404, got["content-type"]), head.content
+    assert "content-disposition" not in head
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "NoSuchBucket"])
+def test_head_on_a_files_content_s3_will_not_let_the_fleet_read_is_the_503_its_get_is(
+        tenant, files_bucket, monkeypatch, code):
+    """Before: HEAD answered 200 without asking S3 while GET was a 503 to retry (the bytes unreadable for now)."""
+    from botocore.exceptions import ClientError
+    from django.test import Client
+
+    from endpoints.batches import storage
+
+    file = _a_stored_file(tenant)
+
+    def refused(**kwargs):
+        raise ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject")
+
+    monkeypatch.setattr(storage._client(), "get_object", refused)
+    monkeypatch.setattr(storage._client(), "head_object", refused)
+    web = Client(raise_request_exception=False)
+    path, auth = f"/v1/files/{file.pk}/content", {"HTTP_AUTHORIZATION": f"Bearer {tenant.key}"}
+
+    got, head = web.get(path, **auth), web.head(path, **auth)
+
+    assert (got.status_code, got.get("retry-after")) == (503, "1"), got.content
+    assert (head.status_code, head.get("retry-after")) == (503, "1"), head.content
+
+
 def test_a_list_cursor_naming_another_organisations_file_pages_nothing_of_theirs(web, tenant):
     """A pin (passes): `after` is looked up among the caller's own files only, so a cursor forged to another
     organisation's file reads as no cursor (the caller's first page, as for an id that names nothing), never a page of
