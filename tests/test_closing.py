@@ -196,6 +196,18 @@ def test_a_key_or_an_endpoint_made_by_a_write_that_waited_on_the_close_is_refuse
     assert not Endpoint.objects.filter(organization=org).exists()
 
 
+def test_a_credential_made_by_a_write_that_waited_on_the_close_is_refused_and_keeps_no_secret():
+    # NOTE: the request passed its permission check before the close committed, and wrote after it: the credential's
+    # encrypted secrets were kept for good in an organisation that changes no more
+    org = OrganizationFactory()
+    owner = _member(org, Role.OWNER)
+    closing.close_organization(Actor(user=owner), org, confirm_name=org.name)
+    with pytest.raises(ValidationError) as refused:
+        make_credential(org, name="late")
+    assert "non_field_errors" in refused.value.detail
+    assert not ModelCredential.objects.filter(organization=org).exists()
+
+
 def test_usage_recorded_before_closing_still_rolls_up_and_is_pushed_to_stripe():
     endpoint = EndpointFactory()
     org = endpoint.organization
