@@ -267,6 +267,29 @@ def test_the_only_owner_of_an_organisation_with_other_members_is_refused_until_t
     assert client.post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json").status_code == 204
 
 
+def test_a_member_made_the_only_owner_while_deleting_their_account_is_refused_not_a_500(monkeypatch):
+    # NOTE: the memberships were read before their organisations' rows were taken: one promoted to the only owner
+    # meanwhile (the owner stepping down) was judged as the member it had been, and its departure then raised
+    # `LastOwnerError`, uncaught: a 500
+    org = OrganizationFactory(name="Acme Labs")
+    owner = _member(org, Role.OWNER)
+    user = _member(org, Role.MEMBER)
+    locked = closing.lock_organizations
+
+    def promoted_meanwhile(ids):
+        Membership.objects.filter(organization=org, user=user).update(role=Role.OWNER)
+        Membership.objects.filter(organization=org, user=owner).update(role=Role.MEMBER)
+        return locked(ids)
+
+    monkeypatch.setattr(closing, "lock_organizations", promoted_meanwhile)
+    refused = _signed_in(user, org).post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json")
+
+    assert refused.status_code == 400
+    assert "only owner of Acme Labs" in refused.json()["non_field_errors"][0]
+    user.refresh_from_db()
+    assert user.is_active and Membership.objects.filter(user=user, organization=org).exists()
+
+
 def test_the_only_owner_of_an_organisation_with_an_endpoint_is_refused():
     endpoint = EndpointFactory()
     owner = _member(endpoint.organization, Role.OWNER)
