@@ -97,5 +97,6 @@ def test_a_batch_created_by_a_request_that_found_its_file_before_the_close_is_re
     with pytest.raises(services.Refused) as refused:
         services.create_batch(organization_id=org.pk, api_key_id=None, user_id=owner.pk, input_file_id=input_file.pk,
                               request_path="/v1/chat/completions", completion_window="24h", metadata=None)
-    assert refused.value.status == 403
+    assert (refused.value.status, refused.value.code) == (403, "organization_closed")
+    assert "no more batches" in refused.value.message
     assert not Batch.objects.filter(organization=org).exists()
