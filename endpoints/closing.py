@@ -164,9 +164,17 @@ def delete_account(actor: Actor, user, *, password: str) -> None:
         raise Refused("password", "The password is not this account's.")  # NOTE: counted
     attempt.refund()
     with transaction.atomic():
-        memberships = list(Membership.objects.filter(user=user).select_related("organization")
-                           .order_by("organization_id"))
-        lock_organizations([m.organization_id for m in memberships])
+        # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
+        # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and
+        # their departure then raised `LastOwnerError` (a 500). One joined meanwhile is taken in turn.
+        locked: set[int] = set()
+        while True:
+            memberships = list(Membership.objects.filter(user=user).select_related("organization")
+                               .order_by("organization_id"))
+            if not (missing := sorted({m.organization_id for m in memberships} - locked)):
+                break
+            lock_organizations(missing)
+            locked.update(missing)
         refusals = [reason for m in memberships if m.role == Role.OWNER
                     and (reason := close_refusal(Organization.objects.get(pk=m.organization_id), user))]
         if refusals:

@@ -23,7 +23,8 @@ from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
 from controlplane import secrets
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.models import Organization, lock_organizations
+from controlplane.accounts.services import ORGANIZATION_CLOSED, Actor, record_audit
 from controlplane.integrity import unique_or_field_error
 from endpoints.models import (
     SECRET_FIELDS,
@@ -114,7 +115,14 @@ _NAME_CONSTRAINT = {"model_credential_name_unique_in_org": ("name", CREDENTIAL_N
 
 @transaction.atomic
 def create_credential(actor: Actor, organization, *, name: str, kind: str, **values) -> ModelCredential:
-    """A new credential. The caller validated `values` (`CredentialSerializer`); secrets are encrypted here."""
+    """A new credential. The caller validated `values` (`CredentialSerializer`); secrets are encrypted here.
+    A 400 (`non_field_errors`) where its organisation is closed."""
+    # NOTE: under the organisation's row lock, which its close takes (`endpoints.closing`): a create that passed its
+    # permission check before the close committed, and wrote after it, kept its encrypted secrets in the closed
+    # organisation for good (nothing there changes any more, so nothing deleted them).
+    lock_organizations([organization.pk])
+    if Organization.objects.filter(pk=organization.pk, closed_at__isnull=False).exists():
+        raise ValidationError({"non_field_errors": [ORGANIZATION_CLOSED]})
     credential = ModelCredential(
         organization=organization, name=name, kind=kind, external_id=_new_external_id(),
         created_by=actor.user,

@@ -196,6 +196,18 @@ def test_a_key_or_an_endpoint_made_by_a_write_that_waited_on_the_close_is_refuse
     assert not Endpoint.objects.filter(organization=org).exists()
 
 
+def test_a_credential_made_by_a_write_that_waited_on_the_close_is_refused_and_keeps_no_secret():
+    # NOTE: the request passed its permission check before the close committed, and wrote after it: the credential's
+    # encrypted secrets were kept for good in an organisation that changes no more
+    org = OrganizationFactory()
+    owner = _member(org, Role.OWNER)
+    closing.close_organization(Actor(user=owner), org, confirm_name=org.name)
+    with pytest.raises(ValidationError) as refused:
+        make_credential(org, name="late")
+    assert "non_field_errors" in refused.value.detail
+    assert not ModelCredential.objects.filter(organization=org).exists()
+
+
 def test_usage_recorded_before_closing_still_rolls_up_and_is_pushed_to_stripe():
     endpoint = EndpointFactory()
     org = endpoint.organization
@@ -253,6 +265,29 @@ def test_the_only_owner_of_an_organisation_with_other_members_is_refused_until_t
 
     closing.close_organization(Actor(user=owner), org, confirm_name=org.name)
     assert client.post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json").status_code == 204
+
+
+def test_a_member_made_the_only_owner_while_deleting_their_account_is_refused_not_a_500(monkeypatch):
+    # NOTE: the memberships were read before their organisations' rows were taken: one promoted to the only owner
+    # meanwhile (the owner stepping down) was judged as the member it had been, and its departure then raised
+    # `LastOwnerError`, uncaught: a 500
+    org = OrganizationFactory(name="Acme Labs")
+    owner = _member(org, Role.OWNER)
+    user = _member(org, Role.MEMBER)
+    locked = closing.lock_organizations
+
+    def promoted_meanwhile(ids):
+        Membership.objects.filter(organization=org, user=user).update(role=Role.OWNER)
+        Membership.objects.filter(organization=org, user=owner).update(role=Role.MEMBER)
+        return locked(ids)
+
+    monkeypatch.setattr(closing, "lock_organizations", promoted_meanwhile)
+    refused = _signed_in(user, org).post(DELETE_ACCOUNT, {"password": PASSWORD}, format="json")
+
+    assert refused.status_code == 400
+    assert "only owner of Acme Labs" in refused.json()["non_field_errors"][0]
+    user.refresh_from_db()
+    assert user.is_active and Membership.objects.filter(user=user, organization=org).exists()
 
 
 def test_the_only_owner_of_an_organisation_with_an_endpoint_is_refused():

@@ -460,9 +460,9 @@ def _is_closed(organization_id: int) -> bool:
     return Organization.objects.filter(pk=organization_id, closed_at__isnull=False).exists()
 
 
-def _refuse_closed(organization_id: int) -> None:
+def _refuse_closed(organization_id: int, doing: str = "stores no more files") -> None:
     if _is_closed(organization_id):
-        raise Refused("This organisation is closed: it stores no more files.", status=403, code="organization_closed",
+        raise Refused(f"This organisation is closed: it {doing}.", status=403, code="organization_closed",
                       lasting=True)
 
 
@@ -522,6 +522,9 @@ def create_batch(*, organization_id: int, api_key_id: int | None, user_id: int |
     with transaction.atomic():
         _refuse_past_storage_quota(organization_id, input_file.bytes, param="input_file_id",
                                    doing="and each open batch keeps room for its output")
+        # NOTE: under the row lock the quota's check took, as the close takes it (`endpoints.closing`): the input file
+        # was found before it, so a close committed meanwhile left a batch open in the closed organisation, run after it
+        _refuse_closed(organization_id, "starts no more batches")
         # NOTE: under the organisation's row lock (just taken): concurrent creates never pass the cap together. One
         # tiny input reused kept almost no room, so nothing bounded how many batches one organisation kept open (each
         # a run queued and a row the tick reads every 2 s).

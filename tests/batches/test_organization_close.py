@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.accounts.models import Role
+from controlplane.accounts.models import Organization, Role
 from controlplane.accounts.services import Actor
 from endpoints import closing
 from endpoints.batches import runner, services, storage
@@ -76,3 +76,27 @@ def test_an_upload_in_flight_at_the_close_expires_with_the_others_and_none_start
     File.objects.filter(organization=org).update(expires_at=timezone.now() - timedelta(hours=1))
     services.sweep_expired_files()
     assert bucket_objects(files_bucket) == {}
+
+
+def test_a_batch_created_by_a_request_that_found_its_file_before_the_close_is_refused(files_bucket, monkeypatch):
+    # NOTE: `create_batch` finds its input file before it takes the organisation's row: a close committed between the
+    # two (its files expired, its batches cancelled) left a batch `validating` in the closed organisation, run after it
+    endpoint = EndpointFactory(max_model_len=2048)
+    org = endpoint.organization
+    owner = UserFactory()
+    MembershipFactory(organization=org, user=owner, role=Role.OWNER)
+    input_file = services.create_file(organization_id=org.pk, purpose="batch", filename="in.jsonl",
+                                      stream=io.BytesIO(b"{}\n"), size=3)
+    found = services._refuse_past_storage_quota
+
+    def close_meanwhile(*args, **kwargs):  # the close commits while this request reads its file
+        Organization.objects.filter(pk=org.pk).update(closed_at=timezone.now())
+        return found(*args, **kwargs)
+
+    monkeypatch.setattr(services, "_refuse_past_storage_quota", close_meanwhile)
+    with pytest.raises(services.Refused) as refused:
+        services.create_batch(organization_id=org.pk, api_key_id=None, user_id=owner.pk, input_file_id=input_file.pk,
+                              request_path="/v1/chat/completions", completion_window="24h", metadata=None)
+    assert (refused.value.status, refused.value.code) == (403, "organization_closed")
+    assert "no more batches" in refused.value.message
+    assert not Batch.objects.filter(organization=org).exists()
