@@ -34,7 +34,7 @@ from billing.models import (
     voided_after_deletion,
     voided_in_deletions_second,
 )
-from billing.periods import period_containing
+from billing.periods import current_period
 from billing.quota.counters import refresh_limits
 from controlplane import redis_keys
 from controlplane.accounts import keys
@@ -301,7 +301,7 @@ def membership_changed(sender, instance, **kwargs) -> None:
     current = (BillingAccount.objects.filter(organization_id=organization_id)
                .values_list("card_fingerprint", flat=True).first())
     left = CardHolding.objects.filter(organization_id=organization_id,
-                                      last_seen_at__gte=period_containing().start).values_list("fingerprint", flat=True)
+                                      last_seen_at__gte=current_period().start).values_list("fingerprint", flat=True)
     fingerprints = sorted({current, *left} - {"", None})
     if fingerprints:
         transaction.on_commit(lambda: queue_card_refresh(fingerprints), robust=True)
@@ -358,7 +358,7 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
     cards in a random order and the run stopped after `budget_s` (checked before each card): a card of many
     organisations, or many cards, take turns, and none is left out run after run. NOTE: one card's organisations are
     written together, about 7 queries each, so a card of thousands outlasts the budget on its own. Returns how many limits were written."""
-    period = period_containing()
+    period = current_period()
     held = standing.held_to_a_ceiling().exclude(card_fingerprint="")
     several = (held.values("card_fingerprint").annotate(num_accounts=Count("pk")).filter(num_accounts__gt=1)
                .values_list("card_fingerprint", flat=True))

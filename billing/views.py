@@ -17,7 +17,7 @@ from django.views.decorators.http import require_POST
 from billing import services, standing, stripe_sync
 from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
 from billing.models import BillingAccount, CreditGrant, Invoice
-from billing.periods import period_containing
+from billing.periods import current_period
 from billing.serializers import SpendCapSerializer, report_day_problem
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
@@ -98,7 +98,7 @@ def usage(request):
 def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
     organization = request.organization
     account = BillingAccount.objects.for_organization(organization)
-    period = period_containing()
+    period = current_period()
     spend = period_spend(organization.pk, period)
     now = timezone.now()
     credits = list(CreditGrant.objects.for_org(organization).order_by("-granted_at"))
