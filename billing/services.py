@@ -12,7 +12,7 @@ from decimal import Decimal
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
-from django.db.models import Count, F, Max, Q, QuerySet, Value
+from django.db.models import Count, F, Max, Q, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -41,6 +41,7 @@ from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
 from controlplane.tasks import send_task
 
@@ -772,9 +773,8 @@ def hold_for_operator(account: BillingAccount, rollups, *, customer_id: str, inv
     rollup_ids = list(rollups.filter(push_held_at__isnull=True).values_list("pk", flat=True))
     if not rollup_ids:
         return 0
-    now = timezone.now()
     UsageRollup.objects.filter(pk__in=rollup_ids).update(
-        pushed_at=Coalesce(F("pushed_at"), Value(now)), push_held_at=now, push_claimed_at=None,
+        pushed_at=Coalesce(F("pushed_at"), DatabaseClock()), push_held_at=DatabaseClock(), push_claimed_at=None,
         push_error=f"held for an operator: {reason}"[:300])
     logger.error("rollups %s held: %s; decide in the admin (usage rollups: send again, or keep)", rollup_ids, reason)
     record_audit(SYSTEM, account.organization, HELD_AUDIT_ACTION, account, customer=customer_id, invoice=invoice,
