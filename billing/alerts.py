@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode, SpendAlert, UsageRecord
-from billing.periods import period_containing
+from billing.periods import current_period, period_containing
 from billing.quota.counters import limit_reached
 from billing.standing import (
     PAYMENT_METHOD,
@@ -55,7 +55,7 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     limit = shown_spend_limit(account, ceiling)
     if not limit.cap:
         return []
-    period = period_containing(now)
+    period = period_containing(now) if now is not None else current_period()
     spend = period_spend(organization_id, period)
     crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
     # NOTE: "reached" on a refusal only once the spend is past the alert before it: one oversized call refused at a
@@ -223,7 +223,7 @@ def check_all_spend_alerts() -> int:
         # NOTE: of the (many) postpaid accounts held to the limit without a card or to a spending ceiling
         # (`billing.standing`), only those that spent this month.
         spent = UsageRecord.objects.filter(organization_id=OuterRef("organization_id"),
-                                           finished_at__gte=period_containing().start)
+                                           finished_at__gte=current_period().start)
         capped |= Q(Exists(spent), mode=BillingMode.POSTPAID, invoiced_without_card=False)
     for organization_id in BillingAccount.objects.filter(capped).values_list("organization_id", flat=True):
         try:

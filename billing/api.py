@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 
 from billing import ledger, services, standing, stripe_sync
 from billing.models import BillingAccount, BillingMode, CreditGrant, Invoice
-from billing.periods import period_containing
+from billing.periods import current_period
 from billing.serializers import (
     CreditGrantSerializer,
     InvoiceSerializer,
@@ -90,7 +90,7 @@ class UsageExportView(UsageView):
 
 def billing_overview(organization) -> dict:
     account = BillingAccount.objects.for_organization(organization)
-    period = period_containing()
+    period = current_period()
     return {
         "current_period": {
             "start": period.start.isoformat(),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from controlplane.clock import database_now
+
 
 @dataclass(slots=True, frozen=True)
 class Period:
@@ -31,6 +33,17 @@ def period_containing(moment: datetime | None = None) -> Period:
     end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
     _latest = Period(start=start, end=end)
     return _latest
+
+
+def current_period() -> Period:
+    """The period now by PostgreSQL's clock (`controlplane.clock.database_now`): the month a spend, a limit or what a
+    tenant is shown is read in, on a web pod or a worker (a gateway picks its reservations' by Redis's clock,
+    `billing.quota.counters`).
+
+    NOTE: `period_containing()` with no moment took this process's clock: near a month's edge a pod minutes behind read
+    last month's spend as this month's (its cap alerts, the billing overview, a card's others' spend behind the spending
+    ceiling's room written to the gateway), one ahead a month with nothing spent yet (`tests/billing/test_period_clock.py`)."""
+    return period_containing(database_now())
 
 
 def periods_near(slack: timedelta, moment: datetime | None = None) -> tuple[Period, ...]:

@@ -12,7 +12,7 @@ from decimal import Decimal
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
-from django.db.models import Count, F, Max, Q, QuerySet, Value
+from django.db.models import Count, F, Max, Q, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -34,13 +34,14 @@ from billing.models import (
     voided_after_deletion,
     voided_in_deletions_second,
 )
-from billing.periods import period_containing
+from billing.periods import current_period
 from billing.quota.counters import refresh_limits
 from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
+from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
 from controlplane.tasks import send_task
 
@@ -301,7 +302,7 @@ def membership_changed(sender, instance, **kwargs) -> None:
     current = (BillingAccount.objects.filter(organization_id=organization_id)
                .values_list("card_fingerprint", flat=True).first())
     left = CardHolding.objects.filter(organization_id=organization_id,
-                                      last_seen_at__gte=period_containing().start).values_list("fingerprint", flat=True)
+                                      last_seen_at__gte=current_period().start).values_list("fingerprint", flat=True)
     fingerprints = sorted({current, *left} - {"", None})
     if fingerprints:
         transaction.on_commit(lambda: queue_card_refresh(fingerprints), robust=True)
@@ -358,7 +359,7 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
     cards in a random order and the run stopped after `budget_s` (checked before each card): a card of many
     organisations, or many cards, take turns, and none is left out run after run. NOTE: one card's organisations are
     written together, about 7 queries each, so a card of thousands outlasts the budget on its own. Returns how many limits were written."""
-    period = period_containing()
+    period = current_period()
     held = standing.held_to_a_ceiling().exclude(card_fingerprint="")
     several = (held.values("card_fingerprint").annotate(num_accounts=Count("pk")).filter(num_accounts__gt=1)
                .values_list("card_fingerprint", flat=True))
@@ -772,9 +773,8 @@ def hold_for_operator(account: BillingAccount, rollups, *, customer_id: str, inv
     rollup_ids = list(rollups.filter(push_held_at__isnull=True).values_list("pk", flat=True))
     if not rollup_ids:
         return 0
-    now = timezone.now()
     UsageRollup.objects.filter(pk__in=rollup_ids).update(
-        pushed_at=Coalesce(F("pushed_at"), Value(now)), push_held_at=now, push_claimed_at=None,
+        pushed_at=Coalesce(F("pushed_at"), DatabaseClock()), push_held_at=DatabaseClock(), push_claimed_at=None,
         push_error=f"held for an operator: {reason}"[:300])
     logger.error("rollups %s held: %s; decide in the admin (usage rollups: send again, or keep)", rollup_ids, reason)
     record_audit(SYSTEM, account.organization, HELD_AUDIT_ACTION, account, customer=customer_id, invoice=invoice,

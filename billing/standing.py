@@ -70,7 +70,7 @@ from billing.models import (
     Invoice,
     RefundedCharge,
 )
-from billing.periods import Period, period_containing
+from billing.periods import Period, current_period
 from controlplane.accounts.models import Membership, Role
 from controlplane.hot_settings import hot
 
@@ -262,7 +262,7 @@ def card_spend(fingerprints: Collection[str], period: Period | None = None, *, s
     """`CardSpend` of each card: who held it in the period (this month's by default) and what each spent (one
     grouped, indexed read of the ledger for all of them, `organizations_period_spends`; not read without `spend`:
     what a tenant is shown needs none, `standing`; nor for a card held by one)."""
-    period = period or period_containing()
+    period = period or current_period()
     holders = card_holders(fingerprints, period)
     shared = {pk for ids in holders.values() if len(ids) > 1 for pk in ids}  # a card of one: no others' spend
     spends = organizations_period_spends(shared, period) if spend else {}

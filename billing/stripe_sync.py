@@ -44,7 +44,6 @@ import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Case, F, IntegerField, Q, Value, When
-from django.utils import timezone
 
 from billing import services, standing
 from billing.models import (
@@ -755,8 +754,13 @@ def event_timestamp(hour_start, subscription_started_at=None) -> int:
     NOTE: a subscription bills the meter events dated within its own time. Usage of an hour before a cancelled
     subscription ended, pushed only after (its rollup closed late, or its push failed until then), went to the
     next subscription dated before that one's start (the old one's end), and the old one's final invoice was
-    already made: billed by neither. Dated from the new start, it is on the new subscription's first invoice."""
-    earliest = timezone.now() - LATEST_PERIOD_GRACE
+    already made: billed by neither. Dated from the new start, it is on the new subscription's first invoice.
+
+    NOTE: `LATEST_PERIOD_GRACE` back by PostgreSQL's clock (`database_now`), not the worker's: one 40 minutes ahead
+    dated its events 10 minutes into Stripe's future, past the 5 minutes Stripe takes, and every push it made was
+    refused; one behind dated a late push back past the grace of a period that ended, billed by no invoice
+    (`tests/billing/test_push_claim_clock.py`)."""
+    earliest = database_now() - LATEST_PERIOD_GRACE
     if subscription_started_at is not None:
         earliest = max(earliest, subscription_started_at)
     return int(max(hour_start, earliest).timestamp())
@@ -839,7 +843,7 @@ def push_rollup(rollup_id: int) -> bool:
         # NOTE: failures for unknown invoice lines count in a row (`_count_unknown_lines`): a push that got through
         # starts the count again.
         return this_push.filter(pushed_at__isnull=True).update(
-            pushed_at=timezone.now(), push_claimed_at=None, push_error="", num_unknown_lines_failures=0) == 1
+            pushed_at=DatabaseClock(), push_claimed_at=None, push_error="", num_unknown_lines_failures=0) == 1
 
 
 def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
@@ -851,7 +855,7 @@ def hold_for_review(rollup: UsageRollup, unknown: Meter) -> None:
                  "or confirm the rollup in the admin", rollup.pk, identifier, getattr(rollup, unknown.rollup_field),
                  rollup.push_first_tried_at)
     UsageRollup.objects.filter(pk=rollup.pk).update(
-        push_claimed_at=None, push_held_at=timezone.now(),
+        push_claimed_at=None, push_held_at=DatabaseClock(),
         push_error=f"held: is {identifier} in Stripe? unanswered since {rollup.push_first_tried_at:%Y-%m-%d %H:%M} UTC"[:300])
 
 
@@ -882,7 +886,7 @@ def hold_duplicate(rollup: UsageRollup, meter: Meter) -> None:
                  "the difference (Stripe's values as they are, negative ones too), in the admin",
                  rollup.pk, meter_event_identifier(rollup, meter.event_name), values, events)
     error = f"held: {events} {_DUPLICATE_HOLD}: does Stripe have {values}?"[:300]
-    UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=timezone.now(), push_error=error)
+    UsageRollup.objects.filter(pk=rollup.pk).update(push_claimed_at=None, push_held_at=DatabaseClock(), push_error=error)
     # NOTE: audited as the unknown-lines hold is (`_count_unknown_lines`): before, only the log line and `push_held_at`
     # told of it, and a rewind holding dozens of rollups was easy to miss.
     record_audit(SYSTEM, Organization.objects.get(pk=rollup.organization_id), "billing.push_held_duplicate", None,
@@ -1032,7 +1036,7 @@ def send_held_difference(actor, rollup_id: int, stripe_has: dict[str, int], *, s
     with transaction.atomic():
         BillingAccount.objects.select_for_update().filter(organization_id=rollup.organization_id).first()
         marked = held_as_duplicate(UsageRollup.objects.filter(pk=rollup.pk, difference_started_at__isnull=False)).update(
-            pushed_at=timezone.now(), push_held_at=None, push_claimed_at=None, push_first_tried_at=None, push_error="",
+            pushed_at=DatabaseClock(), push_held_at=None, push_claimed_at=None, push_first_tried_at=None, push_error="",
             num_unknown_lines_failures=0, difference_started_at=None, difference_pending=None)
         if not marked:  # NOTE: nothing recorded of a rollup another run marked (it recorded its own)
             return 0
@@ -1395,7 +1399,7 @@ def _count_unknown_lines(rollup_id: int, exc: UnknownInvoiceLines) -> None:
     UsageRollup.objects.filter(pk=rollup_id).update(num_unknown_lines_failures=F("num_unknown_lines_failures") + 1)
     held = UsageRollup.objects.filter(pk=rollup_id, push_held_at__isnull=True, pushed_at__isnull=True,
                                       num_unknown_lines_failures__gte=UNKNOWN_LINES_HOLD_AFTER).update(
-        push_held_at=timezone.now(), push_claimed_at=None,
+        push_held_at=DatabaseClock(), push_claimed_at=None,
         push_error=f"held for an operator after {UNKNOWN_LINES_HOLD_AFTER} runs: {exc}"[:300])
     if not held:
         logger.exception("could not push rollup %s; the next run retries it", rollup_id)

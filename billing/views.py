@@ -17,7 +17,7 @@ from django.views.decorators.http import require_POST
 from billing import services, standing, stripe_sync
 from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
 from billing.models import BillingAccount, CreditGrant, Invoice
-from billing.periods import period_containing
+from billing.periods import current_period
 from billing.serializers import SpendCapSerializer, report_day_problem
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
@@ -99,7 +99,7 @@ def usage(request):
 def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
     organization = request.organization
     account = BillingAccount.objects.for_organization(organization)
-    period = period_containing()
+    period = current_period()
     spend = period_spend(organization.pk, period)
     # NOTE: grants judged by PostgreSQL's clock, as they are stamped (`granted_at`) and spent, and as /api/v1/billing/
     # judges them: by this pod's own, one 10 minutes behind left a top-up made a moment ago out of the remaining credit

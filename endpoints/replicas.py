@@ -644,7 +644,9 @@ def _announce_transition(replica: Replica, previous: str, new_state: str, report
             replica.ready_at is None or replica.woken_at > replica.ready_at):
         record_replica_ready(replica.endpoint_id, first=replica.ready_at is None)  # a wake of one that served: not first
         notify_endpoint_ready(replica.endpoint_id)
-        seconds = (timezone.now() - replica.woken_at).total_seconds()
+        # NOTE: by PostgreSQL's clock, as `woken_at` was stamped: by this web pod's, one 15 minutes behind showed the
+        # tenant a wake of -880 s
+        seconds = (database_now() - replica.woken_at).total_seconds()
         record_event(replica.endpoint, EventKind.COLD_START, f"Replica {short} woke READY after {seconds:.1f} s (a wake, not a start)",
                      replica=replica, wake=True, wake_s=round(seconds, 3), **details)
     elif new_state == ReplicaState.READY:

@@ -16,7 +16,7 @@ from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
 from billing.ledger import BUCKET_ORIGIN, period_spend, summarize_usage, usage_by_bucket
-from billing.periods import period_containing
+from billing.periods import current_period
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.second_factor import has_staff_powers
@@ -51,7 +51,7 @@ def _usage_summary(organization) -> dict:
     """Today's (UTC) requests and tokens, and this billing period's spend, from the usage ledger."""
     today = timezone.now().astimezone(UTC).date()
     rows = summarize_usage(organization, group_by="day", start=today, end=today)
-    period = period_containing()
+    period = current_period()
     return {
         "requests": sum(row["requests"] for row in rows),
         "tokens": sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows),

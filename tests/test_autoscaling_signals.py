@@ -7,6 +7,7 @@ PostgreSQL (`read_load`), and every scale event carries them.
 from __future__ import annotations
 
 import math
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -112,6 +113,30 @@ def test_a_replica_reported_ready_through_a_web_pod_whose_clock_is_behind_is_kep
 
     assert decision.desired == 1 and "kept warm" in decision.reason, decision.reason
     assert Replica.objects.get(pk=replica.pk).state == ReplicaState.READY
+
+
+def test_a_replica_woken_from_sleep_reported_ready_through_a_web_pod_whose_clock_is_behind_shows_its_real_wake_time(
+        django_capture_on_commit_callbacks, monkeypatch):
+    """A wake's seconds in the endpoint's events: `woken_at` is PostgreSQL's clock (the wake's), and the READY was
+    judged by the web pod's own: one 15 minutes behind showed the tenant "woke READY after -880.0 s"."""
+    from controlplane.clock import database_now
+    from endpoints.models import EventKind
+    from endpoints.replicas import apply_replica_report
+
+    endpoint = EndpointFactory(min_replicas=0, idle_timeout_s=60)
+    node = make_node(memory_mb=80_000, advertise_host="127.0.0.1", engine_port_min=9000, engine_port_max=9100)
+    now = database_now()
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.STARTING,
+                                     ready_at=now - timedelta(hours=1), woken_at=now - timedelta(seconds=20))
+    real_now = timezone.now
+    with monkeypatch.context() as web_pod, django_capture_on_commit_callbacks(execute=False):
+        web_pod.setattr(timezone, "now", lambda: real_now() - timedelta(minutes=15))
+        apply_replica_report(node, ReplicaStatus(replica_id=str(replica.pk), state=ReplicaState.READY,
+                                                 address="http://127.0.0.1:9001"))
+
+    event = EndpointEvent.objects.get(endpoint=endpoint, kind=EventKind.COLD_START)
+    shown = re.search(r"woke READY after (-?[\d.]+) s", event.message)
+    assert shown and 20 <= float(shown[1]) < 80 and 20 <= event.details["wake_s"] < 80, event.message
 
 
 @pytest.mark.parametrize("failure", ["cluster", "connection"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from billing.periods import Period, period_containing
+from billing.periods import Period, current_period
 from billing.quota.counters import from_units
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import org_period_key, org_reserved_key
@@ -17,6 +17,6 @@ def reserved_now(organization_id: int) -> Decimal:
 
 def counted_spend(organization_id: int, period: Period | None = None) -> Decimal | None:
     """Settled spend as Redis counts it this period, or None when the counter is not built."""
-    period = period or period_containing()
+    period = period or current_period()
     spent = get_redis().hget(org_period_key(organization_id, period.key), "spent")
     return from_units(int(spent)) if spent is not None else None

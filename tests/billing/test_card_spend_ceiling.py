@@ -449,3 +449,18 @@ def test_a_tenant_refused_for_its_cards_shared_ceiling_is_not_told_its_own_cap_i
     assert "reached" not in mail.outbox[-1].subject
     assert _refusal(tenant.org, "3.50").reason == "spend_ceiling"
     assert check_spend_alerts(tenant.org.pk) == []
+
+
+def test_a_worker_whose_clock_is_in_last_month_still_counts_this_months_spend_of_the_cards_others(one_card, monkeypatch):
+    # Before: the beat task read the month by the worker's clock: one minutes behind at a month's start counted the
+    # others' spend of the month that ended, here none, and gave the second its whole $100 again on a spent card.
+    from tests.billing.test_period_clock import _this_pod_clock_in_last_month
+
+    first, second = one_card
+    _spend(second.org, "1.00")
+    _usage(first.org, "100")  # the first spent the card's $100 this month
+    with monkeypatch.context() as worker:
+        _this_pod_clock_in_last_month(worker)
+        assert tasks.refresh_card_ceilings() == 2
+
+    assert _refusal(second.org, "1.00").reason == "spend_ceiling"

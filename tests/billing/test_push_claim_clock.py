@@ -78,3 +78,31 @@ def test_a_worker_whose_clock_is_behind_holds_a_rollup_whose_unanswered_event_wa
     rollup.refresh_from_db()
     assert rollup.push_held_at is not None and rollup.pushed_at is None
     assert fake_stripe.meter_events == {}
+    # the admin shows when it was held by PostgreSQL's clock, not 3 hours back by the worker's
+    assert abs(rollup.push_held_at - database_now()) < timedelta(minutes=1)
+
+
+def test_a_worker_whose_clock_is_40_minutes_ahead_pushes_a_late_rollup_stripe_takes(fake_stripe, monkeypatch):
+    # Before: the earliest date of a meter event (`LATEST_PERIOD_GRACE` back) was taken by the worker's clock: 40
+    # minutes ahead, it dated the event 10 minutes into Stripe's future, past the 5 minutes Stripe takes, and every
+    # push this worker made was refused; by PostgreSQL's clock it is dated 30 minutes back, as Stripe takes it.
+    rollup = _closed_rollup()
+    _this_worker_clock(monkeypatch, timedelta(minutes=40))
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    rollup.refresh_from_db()
+    assert rollup.pushed_at is not None and rollup.push_error == ""
+    sent = [event["timestamp"] for event in fake_stripe.meter_events.values()]
+    assert sent and all(timestamp <= database_now().timestamp() for timestamp in sent)
+
+
+def test_the_admin_shows_a_rollup_pushed_by_a_worker_whose_clock_is_ahead_at_the_databases_time(
+        fake_stripe, monkeypatch):
+    rollup = _closed_rollup()
+    _this_worker_clock(monkeypatch, timedelta(minutes=10))
+
+    assert stripe_sync.push_pending_rollups() == 1
+
+    rollup.refresh_from_db()
+    assert abs(rollup.pushed_at - database_now()) < timedelta(minutes=1)

@@ -350,11 +350,12 @@ def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_
     # of this change). Made of what the rollup is (its endpoint, hour, billing mode and sequence), the identifier is
     # the same, and Stripe refuses the events it has. Pushed again within the second, the requests are the same and
     # Stripe replays its answers; later, its events are dated otherwise (`stripe_sync.event_timestamp`: at most
-    # `LATEST_PERIOD_GRACE` back, from the push's clock), so Stripe refuses the first key as sent with other
-    # parameters, and the identifier as a duplicate: held for an operator to confirm, though equal. NOTE: the clock
-    # is frozen: before, the test passed only while both pushes fell within the same second.
+    # `LATEST_PERIOD_GRACE` back, by PostgreSQL's clock as the push reads it), so Stripe refuses the first key as sent
+    # with other parameters, and the identifier as a duplicate: held for an operator to confirm, though equal. NOTE:
+    # the clocks are frozen: before, the test passed only while both pushes fell within the same second.
     frozen = timezone.now()
     monkeypatch.setattr(timezone, "now", lambda: frozen)
+    monkeypatch.setattr(stripe_sync, "database_now", lambda: frozen)
     endpoint = EndpointFactory()
     first = _closed_rollup(endpoint)
     assert stripe_sync.push_pending_rollups() == 1
@@ -366,6 +367,7 @@ def test_a_rollup_made_again_after_the_database_went_back_in_time_is_not_billed_
     assert again.pk != first.pk and again.push_uid == first.push_uid
     if pushed_again == "a minute later":
         monkeypatch.setattr(timezone, "now", lambda: frozen + timedelta(minutes=1))
+        monkeypatch.setattr(stripe_sync, "database_now", lambda: frozen + timedelta(minutes=1))
     assert stripe_sync.push_pending_rollups() == (1 if pushed_again == "within the second" else 0)
 
     assert _token_total(fake_stripe) == first.prompt_tokens + first.completion_tokens  # once

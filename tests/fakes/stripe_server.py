@@ -80,6 +80,9 @@ _REFUSALS = {
     "403": (403, "invalid_request_error", "secret_key_required"),
 }
 IDENTIFIER_WINDOW_S = 24 * 3600  # Stripe refuses a meter event's identifier again "for at least 24 hours"
+# A meter event's timestamp Stripe takes: "within the past 35 calendar days or up to 5 minutes in the future".
+METER_EVENT_PAST_S = 35 * 86400
+METER_EVENT_FUTURE_S = 5 * 60
 
 
 @dataclass(slots=True)
@@ -707,6 +710,11 @@ class FakeStripe:
             return 400, _error("invalid_request_error", "No such customer", code="resource_missing")
         if not re.fullmatch(r"-?\d+", str(payload.get("value", ""))):  # Stripe takes negative values
             return 400, _error("invalid_request_error", "value must be a whole number", code="parameter_invalid_integer")
+        timestamp = int(params.get("timestamp") or now)
+        if not now - METER_EVENT_PAST_S <= timestamp <= now + METER_EVENT_FUTURE_S:
+            # As Stripe documents: "Must be within the past 35 calendar days or up to 5 minutes in the future."
+            return 400, _error("invalid_request_error", "The timestamp must be within the past 35 calendar days or up "
+                               "to 5 minutes in the future.")
         identifier = params.get("identifier") or _id("ident")
         earlier = self.meter_events.get(identifier)
         if earlier is not None and now - earlier["created"] < IDENTIFIER_WINDOW_S:
@@ -716,7 +724,7 @@ class FakeStripe:
         if earlier is not None:  # past the window: Stripe takes it as a new event, and counts it again
             self.meter_events[f"{identifier}@{earlier['created']}"] = self.meter_events.pop(identifier)
         event = {"object": "billing.meter_event", "created": now, "event_name": params["event_name"],
-                 "identifier": identifier, "payload": payload, "timestamp": int(params.get("timestamp") or now),
+                 "identifier": identifier, "payload": payload, "timestamp": timestamp,
                  "livemode": False}
         self.meter_events[identifier] = event
         self._received_as[id(event)] = self._happened()

@@ -12,14 +12,14 @@ from django.core.management.base import BaseCommand
 from billing import standing
 from billing.ledger import period_spend
 from billing.models import BillingAccount, BillingMode
-from billing.periods import period_containing
+from billing.periods import current_period
 
 
 class Command(BaseCommand):
     help = "List the organisations whose spend this month is at or past their spending ceiling (changes nothing)."
 
     def handle(self, *args, **options):
-        period = period_containing()
+        period = current_period()
         accounts = (BillingAccount.objects.filter(mode=BillingMode.POSTPAID, invoiced_without_card=False)
                     .select_related("organization").order_by("organization_id"))
         num_over = 0
