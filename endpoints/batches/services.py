@@ -378,10 +378,16 @@ _EXPIRED_OF_ORGANIZATION = (
     "AND f.expires_at IS NOT NULL AND f.expires_at <= now() - %(grace)s AND f.stored_at IS NOT NULL "
     "AND NOT EXISTS (SELECT 1 FROM {batches} AS b WHERE b.input_file_id = f.id AND b.status = ANY(%(open)s)) "
     "ORDER BY f.expires_at, f.id LIMIT {limit}")
-# The organisations with an expired file to delete: one probe of the index each (LATERAL ... LIMIT 1), never a scan
-# of every organisation's expired files.
-_ORGANIZATIONS_WITH_EXPIRED = ("SELECT o.id FROM {organizations} AS o CROSS JOIN LATERAL (" + _EXPIRED_OF_ORGANIZATION
-                               + ") AS e")
+# The organisations with an expired file to delete: those with a live expiring file, walked one index probe each (a
+# loose index scan of `file_org_expiring`: the next organisation after the last), each probed for an expired one
+# (LATERAL ... LIMIT 1); never a scan of every organisation's expired files, nor of every organisation.
+_ORGANIZATIONS_WITH_EXPIRED = (
+    "WITH RECURSIVE o(id) AS ("
+    "(SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
+    "ORDER BY f.organization_id LIMIT 1) UNION ALL "
+    "SELECT (SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
+    "AND f.organization_id > o.id ORDER BY f.organization_id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
+    "SELECT o.id FROM o CROSS JOIN LATERAL (" + _EXPIRED_OF_ORGANIZATION + ") AS e WHERE o.id IS NOT NULL")
 # Each of those organisations' oldest `per_organization`, numbered in their turn: every one's first, then second...
 _EXPIRED_IN_TURN = (
     "SELECT e.id FROM unnest(%(organizations)s::bigint[]) AS o(id) CROSS JOIN LATERAL ("
@@ -397,9 +403,8 @@ def _expired_files_in_turn(page: int) -> list[File]:
     count) kept every other tenant's expired files in S3, counted against their quota, behind it. Numbered by a window
     over every expired file instead, each page of each run read and sorted all of them, every organisation's: a
     backlog of millions made a page slow enough to spend the run's budget. Now: the organisations with one (an index
-    probe each), then each one's oldest `ceil(page / organisations)` by the index (`file_org_expiring`)."""
-    names = {"files": File._meta.db_table, "batches": Batch._meta.db_table,
-             "organizations": Organization._meta.db_table}
+    probe or two each), then each one's oldest `ceil(page / organisations)` by the index (`file_org_expiring`)."""
+    names = {"files": File._meta.db_table, "batches": Batch._meta.db_table}
     params = {"grace": EXPIRED_FILES_GRACE, "open": [state.value for state in OPEN_STATES]}
     with connection.cursor() as cursor:
         cursor.execute(_ORGANIZATIONS_WITH_EXPIRED.format(limit=1, **names), params)
