@@ -12,7 +12,8 @@ ERROR; each records what it found in Redis (`CLOCK_SKEWS_KEY`), which `/metrics`
 
 A gateway process needs Redis's clock on every request (the rate limits' minutes, `endpoints.gateway.limits`) and
 cannot spend a round trip on it: it keeps its offset to Redis's clock, read with `TIME` on each of its heartbeats
-(`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its monotonic clock, which no step moves.
+(`read_offset`, `endpoints.gateway.presence`), and `redis_now` adds it to its steady clock (`steady`), which no step
+moves.
 The offset is its skew: the beat records it as `check` does, every `CHECK_EVERY_S` (`record_offset`, role "gateway"),
 with an ERROR past `SKEW_ERROR_S`. A gateway stamps its calls' starts by `redis_datetime`, Redis's clock too, not its own (their later
 times: the start plus the monotonic time since, `InferenceCall._now`), and picks the month it reserves them in by it.
@@ -79,24 +80,39 @@ class _Checked:
 class _Offset:
     s: float = 0.0  # Redis's clock minus this process's: 0 (this process's own) until first read
     round_trip_s: float = float("inf")  # how long the reading it came from took: half of it bounds its error
-    # Redis's clock minus this process's monotonic clock, from the same reading: what `redis_now` adds to it
+    # Redis's clock minus this process's steady clock (`steady`), from the same reading: what `redis_now` adds to it
     monotonic_s: float = 0.0
 
 
 _offset = _Offset()
 
+# Linux's clock that no step moves and that counts a suspend; elsewhere none such (None): the monotonic clock.
+_STEADY_CLOCK_ID: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def steady() -> float:
+    """Seconds on a clock that no step moves, counting the time a suspended machine slept: `CLOCK_BOOTTIME` where the
+    platform has it (Linux), the monotonic clock elsewhere.
+
+    NOTE: `CLOCK_MONOTONIC` stops while a VM is suspended: after a resume, `redis_now` (that clock plus the offset read
+    before) ran behind Redis's by the time suspended until the gateway's next beat read the offset again, and the calls
+    started meanwhile were stamped that far in the past (their billing hour and month, their grant)."""
+    if _STEADY_CLOCK_ID is None:
+        return time.monotonic()
+    return time.clock_gettime(_STEADY_CLOCK_ID)
+
 
 def redis_now() -> float:
-    """Redis's clock, in Unix seconds, without a round trip: this process's monotonic clock plus its offset to Redis's,
-    as last read (`note_redis_time`). Where the offset was never read, this process's own clock.
+    """Redis's clock, in Unix seconds, without a round trip: this process's steady clock (`steady`) plus its offset to
+    Redis's, as last read (`note_redis_time`). Where the offset was never read, this process's own clock.
 
-    NOTE: by the monotonic clock, which no step moves: added to the wall clock, the offset read before a step (NTP, a VM
+    NOTE: by the steady clock, which no step moves: added to the wall clock, the offset read before a step (NTP, a VM
     resumed) was off by the whole step until the next beat read it again, and a call started meanwhile had its usage
     row's times (its billing hour and month, the grant that pays it: `billing.models.credit_shares`), its reservation's
     month and its hold's deadline off by as much (`tests/gateway/test_usage_clock.py`)."""
     if _offset.round_trip_s == float("inf"):
         return time.time()
-    return time.monotonic() + _offset.monotonic_s
+    return steady() + _offset.monotonic_s
 
 
 def redis_datetime() -> datetime:
@@ -117,7 +133,7 @@ def note_redis_time(sent_at: float, redis_at: float, received_at: float) -> None
     round_trip_s = received_at - sent_at
     if round_trip_s < 0:  # this process's clock stepped back while it waited: no bound on either side
         return
-    wall_ahead_s = time.time() - time.monotonic()  # this process's two clocks, now as at `received_at`
+    wall_ahead_s = time.time() - steady()  # this process's two clocks, now as at `received_at`
     agrees = (redis_at - received_at <= _offset.s <= redis_at - sent_at
               and redis_at - received_at + wall_ahead_s <= _offset.monotonic_s <= redis_at - sent_at + wall_ahead_s)
     if not agrees or round_trip_s <= _offset.round_trip_s:

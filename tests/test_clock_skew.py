@@ -400,3 +400,28 @@ def test_a_step_of_this_process_clock_after_its_offset_was_read_moves_not_redis_
     monkeypatch.setattr(time, "time", lambda: real() + 600)  # stepped 10 minutes ahead
     assert clock.redis_now() == pytest.approx(redis_time(), abs=1)
     assert clock.redis_datetime().timestamp() == pytest.approx(redis_time(), abs=1)
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="a platform without CLOCK_BOOTTIME (Linux's)")
+def test_a_gateway_resumed_after_a_suspend_reads_redis_clock_as_it_is_not_behind_by_the_time_suspended(monkeypatch):
+    # Before: `redis_now` added the offset to CLOCK_MONOTONIC, which stops while a VM is suspended: resumed after ten
+    # minutes, the gateway read Redis's clock ten minutes behind until its next beat, its calls stamped that far back.
+    monkeypatch.setattr(clock, "_offset", clock._Offset())
+    clock.note_redis_time(1000.0, 1040.001, 1000.002)  # Redis 40 s ahead, read in 2 ms
+    wall, boot, monotonic = time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic()
+    slept = [0.0]
+    real_clock_gettime = time.clock_gettime
+
+    def clock_gettime(clock_id):
+        if clock_id == time.CLOCK_BOOTTIME:
+            return boot + slept[0]
+        return real_clock_gettime(clock_id)
+
+    monkeypatch.setattr(time, "time", lambda: wall + slept[0])  # the wall clock, kept by NTP, counts the sleep
+    monkeypatch.setattr(time, "clock_gettime", clock_gettime)
+    monkeypatch.setattr(time, "monotonic", lambda: monotonic)  # CLOCK_MONOTONIC does not
+    before = clock.redis_now()
+
+    slept[0] = 600.0  # suspended for ten minutes, then resumed
+    assert clock.redis_now() == pytest.approx(before + 600, abs=0.01)
+    assert clock.redis_datetime().timestamp() == pytest.approx(wall + 600 + 40, abs=1)

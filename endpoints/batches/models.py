@@ -91,6 +91,10 @@ class File(models.Model):
             models.Index(fields=["created_at"], condition=models.Q(stored_at__isnull=True), name="file_uploading"),
             models.Index(fields=["expires_at"], condition=models.Q(expires_at__isnull=False, deleted_at__isnull=True),
                          name="file_expiring"),
+            # each organisation's expired files, oldest first (`services.sweep_expired_files`, batches/0013)
+            models.Index(fields=["organization", "expires_at", "id"],
+                         condition=models.Q(expires_at__isnull=False, deleted_at__isnull=True),
+                         name="file_org_expiring"),
         ]
 
     def __str__(self) -> str:
@@ -198,6 +202,9 @@ class Batch(models.Model):
             models.Index(fields=["status"], name="batch_status"),
             models.Index(fields=["created_at"], condition=models.Q(results_deleted_at__isnull=True),
                          name="batch_results_kept"),
+            # the batches whose output files are given their expiry (`services.backfill_output_expiry`, batches/0013)
+            models.Index(fields=["created_at"], condition=models.Q(output_expires_after_s__isnull=False),
+                         name="batch_output_expiring"),
         ]
 
     def __str__(self) -> str:

@@ -46,6 +46,7 @@ from endpoints.batches.models import (
     BATCH_PATHS,
     COMPLETION_WINDOWS,
     FINAL_STATES,
+    OPEN_STATES,
     UPLOAD_ABANDONED_AFTER,
     Batch,
     BatchStatus,
@@ -370,6 +371,54 @@ def backfill_output_expiry() -> int:
         return cursor.rowcount
 
 
+# One organisation's expired files that the sweep may delete, oldest first, by `file_org_expiring` (organisation,
+# expiry, id): the scan stops at the LIMIT. Past it: uploads in progress (not stored) and inputs of open batches.
+_EXPIRED_OF_ORGANIZATION = (
+    "SELECT f.id, f.expires_at FROM {files} AS f WHERE f.organization_id = o.id AND f.deleted_at IS NULL "
+    "AND f.expires_at IS NOT NULL AND f.expires_at <= now() - %(grace)s AND f.stored_at IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM {batches} AS b WHERE b.input_file_id = f.id AND b.status = ANY(%(open)s)) "
+    "ORDER BY f.expires_at, f.id LIMIT {limit}")
+# The organisations with an expired file to delete: those with a live expiring file, walked one index probe each (a
+# loose index scan of `file_org_expiring`: the next organisation after the last), each probed for an expired one
+# (LATERAL ... LIMIT 1); never a scan of every organisation's expired files, nor of every organisation.
+_ORGANIZATIONS_WITH_EXPIRED = (
+    "WITH RECURSIVE o(id) AS ("
+    "(SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
+    "ORDER BY f.organization_id LIMIT 1) UNION ALL "
+    "SELECT (SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
+    "AND f.organization_id > o.id ORDER BY f.organization_id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
+    "SELECT o.id FROM o CROSS JOIN LATERAL (" + _EXPIRED_OF_ORGANIZATION + ") AS e WHERE o.id IS NOT NULL")
+# Each of those organisations' oldest `per_organization`, numbered in their turn: every one's first, then second...
+_EXPIRED_IN_TURN = (
+    "SELECT e.id FROM unnest(%(organizations)s::bigint[]) AS o(id) CROSS JOIN LATERAL ("
+    "SELECT x.id, x.expires_at, row_number() OVER (ORDER BY x.expires_at, x.id) AS turn FROM ("
+    + _EXPIRED_OF_ORGANIZATION + ") AS x) AS e ORDER BY e.turn, e.expires_at, e.id LIMIT %(page)s")
+
+
+def _expired_files_in_turn(page: int) -> list[File]:
+    """Up to `page` files past their `expires_at` and `EXPIRED_FILES_GRACE` that the sweep may delete: every
+    organisation's oldest first, then every one's second, and so on, as batches are dispatched.
+
+    NOTE: in one queue by expiry, one tenant's backlog of tiny files with the shortest expiry (bounded by bytes, not by
+    count) kept every other tenant's expired files in S3, counted against their quota, behind it. Numbered by a window
+    over every expired file instead, each page of each run read and sorted all of them, every organisation's: a
+    backlog of millions made a page slow enough to spend the run's budget. Now: the organisations with one (an index
+    probe or two each), then each one's oldest `ceil(page / organisations)` by the index (`file_org_expiring`)."""
+    names = {"files": File._meta.db_table, "batches": Batch._meta.db_table}
+    params = {"grace": EXPIRED_FILES_GRACE, "open": [state.value for state in OPEN_STATES]}
+    with connection.cursor() as cursor:
+        cursor.execute(_ORGANIZATIONS_WITH_EXPIRED.format(limit=1, **names), params)
+        organizations = [row[0] for row in cursor.fetchall()]
+        if not organizations:
+            return []
+        per_organization = -(-page // len(organizations))
+        cursor.execute(_EXPIRED_IN_TURN.format(limit=per_organization, **names),
+                       {**params, "organizations": organizations, "page": page})
+        ids = [row[0] for row in cursor.fetchall()]
+    files = File.objects.in_bulk(ids)
+    return [files[file_id] for file_id in ids if file_id in files]
+
+
 def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
     """Delete files past their `expires_at` (`file_expiry`), their bytes from S3 with them (`delete_file`), a page of
     `NUM_EXPIRED_FILES_PER_RUN` at a time (each organisation's in turn) for up to `budget_s`, `EXPIRED_FILES_GRACE`
@@ -394,11 +443,7 @@ def sweep_expired_files(*, budget_s: float = EXPIRED_FILES_SWEEP_S) -> int:
         # NOTE: every organisation's oldest expired file first, then every one's second, and so on, as batches are
         # dispatched: in one queue by expiry, one tenant's backlog of tiny files with the shortest expiry (bounded by
         # bytes, not by count) kept every other tenant's expired files in S3, counted against their quota, behind it.
-        turn = Window(RowNumber(), partition_by=[F("organization_id")], order_by=[F("expires_at").asc(), F("id").asc()])
-        expired = list(File.objects.filter(expires_at__lte=Now() - EXPIRED_FILES_GRACE, deleted_at__isnull=True,
-                                           stored_at__isnull=False)
-                       .exclude(pk__in=Batch.objects.open().values("input_file_id"))
-                       .annotate(turn=turn).order_by("turn", "expires_at", "id")[:NUM_EXPIRED_FILES_PER_RUN])
+        expired = _expired_files_in_turn(NUM_EXPIRED_FILES_PER_RUN)
         for file in expired:
             try:
                 # NOTE: with the run's client (five tries, 60 s timeouts) a stalled S3 held one delete for minutes,
