@@ -243,6 +243,21 @@ def test_the_alerts_beat_reads_postgresqls_clock_once_not_once_or_twice_per_orga
     assert sum("clock_timestamp()" in query["sql"] for query in queries.captured_queries) == 1
 
 
+def test_spend_over_ceiling_reads_postgresqls_clock_once_and_the_cards_others_in_that_month(carded, capsys):
+    """Before, each organisation with a card read the clock again (`card_spend` with no period): a query per
+    organisation, and at a month's edge the room its card's others leave was of another month than its spend."""
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    _usage(carded.org, "100.00")  # at the $100 ceiling
+
+    with CaptureQueriesContext(connection) as queries:
+        call_command("spend_over_ceiling")
+    assert "1 organisation(s) at or past their spending ceiling" in capsys.readouterr().out
+    assert sum("clock_timestamp()" in query["sql"] for query in queries.captured_queries) == 1
+
+
 def _usage(organization, dollars: str, *, finished_at=None) -> None:
     """A call of `dollars` recorded in the ledger (finished now, or at `finished_at`)."""
     from billing.ledger import record_usage
