@@ -27,10 +27,13 @@ from billing.standing import (
     SPEND_CEILING_STAFF,
     SpendLimit,
     bills_through_stripe,
+    card_spend,
     shown_spend_limit,
     spend_ceiling,
+    spend_ceiling_applies,
 )
 from controlplane.accounts.models import Membership, Role
+from controlplane.clock import database_now
 from controlplane.text import one_line
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,18 @@ def check_spend_alerts(organization_id: int, *, now=None) -> list[int]:
     account = BillingAccount.objects.filter(organization_id=organization_id).select_related("organization").first()
     if account is None:
         return []
+    # NOTE: one month for all of it, read once (PostgreSQL's clock, or the beat's `now`): the card's holders too. Before,
+    # each read the clock anew, a query or two per organisation of the beat, and the holders of one month were judged
+    # beside the spend of the next at a month's edge.
+    period = period_containing(now) if now is not None else current_period()
+    card = (card_spend([account.card_fingerprint], period, spend=False)[account.card_fingerprint]
+            if account.card_fingerprint and spend_ceiling_applies(account) else None)
     # NOTE: the organisation's own spend against the limit it is shown (a card's ceiling's amount, not the room its
     # other organisations leave it): their spend is theirs, and mailed here it was another tenant's, to the cent.
-    ceiling = spend_ceiling(account, others_spend=False)
+    ceiling = spend_ceiling(account, card=card, others_spend=False)
     limit = shown_spend_limit(account, ceiling)
     if not limit.cap:
         return []
-    period = period_containing(now) if now is not None else current_period()
     spend = period_spend(organization_id, period)
     crossed = [t for t in THRESHOLDS_PERCENT if spend * 100 >= limit.cap * t]
     # NOTE: "reached" on a refusal only once the spend is past the alert before it: one oversized call refused at a
@@ -218,16 +226,18 @@ def _send(account: BillingAccount, limit: SpendLimit, threshold: int, spend: Dec
 
 def check_all_spend_alerts() -> int:
     num_sent = 0
+    # NOTE: "this month" read once for the beat (PostgreSQL's clock), not once more per organisation
+    now = database_now()
     capped = Q(spend_cap__gt=0)
     if bills_through_stripe():
         # NOTE: of the (many) postpaid accounts held to the limit without a card or to a spending ceiling
         # (`billing.standing`), only those that spent this month.
         spent = UsageRecord.objects.filter(organization_id=OuterRef("organization_id"),
-                                           finished_at__gte=current_period().start)
+                                           finished_at__gte=period_containing(now).start)
         capped |= Q(Exists(spent), mode=BillingMode.POSTPAID, invoiced_without_card=False)
     for organization_id in BillingAccount.objects.filter(capped).values_list("organization_id", flat=True):
         try:
-            num_sent += len(check_spend_alerts(organization_id))
+            num_sent += len(check_spend_alerts(organization_id, now=now))
         except Exception:
             logger.exception("spend alerts failed for organisation %s", organization_id)
     return num_sent

@@ -38,6 +38,7 @@ from billing.quota.counters import (
     to_units,
 )
 from billing.quota.server_change import SERVER_LUA
+from billing.standing import card_spend, spend_ceiling_applies
 from controlplane.clock import database_now, redis_datetime
 from controlplane.per_loop import PerLoop
 from controlplane.redis_client import as_text, get_async_redis, get_redis
@@ -389,7 +390,12 @@ def _read_rebuild(what: str, organization_id: int, api_key_id: int | None, perio
         present = tuple(costs)  # NOTE: a `gateway_lost` row too (`_held`, `REPLAYED_ROWS_LUA`)
         held = tuple(request_id for request_id in costs if request_id in held)
     if what == "org":
-        return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account), None, PERIOD_TTL_S,
+        # NOTE: the card's others' spend of the counter's month (Redis's clock, as the gateway picked it), not of the
+        # month PostgreSQL's clock is in (`card_spend` with no period): at a month's start, a database a minute behind
+        # gave the new month's counter the room the old month left, and its first calls were refused for it.
+        card = (card_spend([account.card_fingerprint], period)[account.card_fingerprint]
+                if account.card_fingerprint and spend_ceiling_applies(account) else None)
+        return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account, card=card), None, PERIOD_TTL_S,
                         _units(pending), present, held_again, held)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()

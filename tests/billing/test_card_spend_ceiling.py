@@ -464,3 +464,21 @@ def test_a_worker_whose_clock_is_in_last_month_still_counts_this_months_spend_of
         assert tasks.refresh_card_ceilings() == 2
 
     assert _refusal(second.org, "1.00").reason == "spend_ceiling"
+
+
+def test_a_counter_rebuilt_for_the_new_month_leaves_its_card_the_new_months_room_whatever_postgresqls_clock_says(one_card):
+    # Before: a counter the gateway rebuilt for the month Redis's clock is in took its spending ceiling's room from the
+    # card's others' spend of the month PostgreSQL's clock is in (`card_spend` with no period): at a month's start, a
+    # database a minute behind Redis gave the new month's counter the room the old month left, here none, and the
+    # second organisation's first calls of the month were refused for its card's spend of the month before.
+    from billing.periods import current_period, period_containing
+    from billing.quota.counters import to_units
+    from billing.quota.rebuild import _read_rebuild
+
+    first, second = one_card
+    _usage(first.org, "100")  # the first spent the card's $100 this month
+    next_month = period_containing(current_period().end)
+
+    rebuilt = _read_rebuild("org", second.org.pk, None, next_month, ())
+    assert rebuilt.fields["cap"] == str(to_units(Decimal(100)))  # the new month: nothing spent on the card yet
+    assert _read_rebuild("org", second.org.pk, None, current_period(), ()).fields["cap"] == "0"  # this month's: spent

@@ -219,6 +219,45 @@ def test_spend_alerts_warn_before_the_spending_ceiling_of_an_organisation_with_a
     assert "rises as invoices are paid" in mail.outbox[-1].body and "$100.00 ceiling" in mail.outbox[-1].body
 
 
+def test_the_alerts_beat_reads_postgresqls_clock_once_not_once_or_twice_per_organisation(carded):
+    """The beat over every capped organisation picks "this month" once (`current_period`, a query to PostgreSQL's
+    clock), and each organisation's spend, alerts and card's holders are read in that one month.
+
+    Before: each organisation read the clock again (`check_spend_alerts` with no moment), and one with a card once
+    more (`spend_ceiling`'s `card_spend` with no period): a query or two per organisation over thousands, and at a
+    month's edge the card's holders of one month judged beside the spend of the next."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from billing.alerts import check_all_spend_alerts
+
+    _usage(carded.org, "60.00")  # 60 % of the $100 ceiling
+    for _ in range(3):
+        organization = OrganizationFactory()
+        MembershipFactory(organization=organization, role=Role.OWNER)
+        services.set_spend_cap(SYSTEM, organization, spend_cap=Decimal("1"))
+        _usage(organization, "0.60")
+
+    with CaptureQueriesContext(connection) as queries:
+        assert check_all_spend_alerts() == 4  # the 50 % alert of each
+    assert sum("clock_timestamp()" in query["sql"] for query in queries.captured_queries) == 1
+
+
+def test_spend_over_ceiling_reads_postgresqls_clock_once_and_the_cards_others_in_that_month(carded, capsys):
+    """Before, each organisation with a card read the clock again (`card_spend` with no period): a query per
+    organisation, and at a month's edge the room its card's others leave was of another month than its spend."""
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    _usage(carded.org, "100.00")  # at the $100 ceiling
+
+    with CaptureQueriesContext(connection) as queries:
+        call_command("spend_over_ceiling")
+    assert "1 organisation(s) at or past their spending ceiling" in capsys.readouterr().out
+    assert sum("clock_timestamp()" in query["sql"] for query in queries.captured_queries) == 1
+
+
 def _usage(organization, dollars: str, *, finished_at=None) -> None:
     """A call of `dollars` recorded in the ledger (finished now, or at `finished_at`)."""
     from billing.ledger import record_usage

@@ -24,7 +24,12 @@ class Command(BaseCommand):
                     .select_related("organization").order_by("organization_id"))
         num_over = 0
         for account in accounts.iterator():
-            ceiling = standing.spend_ceiling(account)
+            # NOTE: the card's others' spend in the month the organisation's own is read in (`period`): by default
+            # `card_spend` read PostgreSQL's clock again, a query per organisation, and at a month's edge the room
+            # was the next month's beside this month's spend.
+            card = (standing.card_spend([account.card_fingerprint], period)[account.card_fingerprint]
+                    if account.card_fingerprint and standing.spend_ceiling_applies(account) else None)
+            ceiling = standing.spend_ceiling(account, card=card)
             if ceiling is None or ceiling.room is None:
                 continue
             spend = period_spend(account.organization_id, period)
