@@ -1,0 +1,120 @@
+"""A write racing a delete: the write looked the row up, the delete committed, then the write ran. Each is a 404, as
+for an id that never was, with nothing written on the deleted row (a member pausing or resuming an endpoint while an
+owner deletes it or closes the organisation: `endpoints.closing`)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+from django.test import Client
+
+from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.services import Actor
+from controlplane.accounts.tenancy import SESSION_KEY
+from endpoints import api as endpoint_api
+from endpoints import services
+from endpoints import views as endpoint_views
+from endpoints.models import Endpoint
+from tests.factories import EndpointFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _in_another_connection(work) -> None:
+    """`work` run and committed in another connection, as another request that ran between this one's lookup and its
+    write."""
+    failures = []
+
+    def run():
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive() and not failures, failures
+
+
+def _console(user, organization) -> Client:
+    console = Client(raise_request_exception=False)
+    console.force_login(user)
+    session = console.session
+    session[SESSION_KEY] = organization.pk
+    session.save()
+    return console
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_pausing_or_resuming_an_endpoint_deleted_meanwhile_is_a_404_and_leaves_it_deleted(owner_client, monkeypatch,
+                                                                                         action):
+    """Before: the write changed the deleted endpoint's row (a resume asked the scheduler to reconcile it, an audit
+    event said it was resumed), then the answer's re-read found no live endpoint: a 500."""
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    if action == "resume":
+        services.pause_endpoint(Actor(), endpoint)
+    looked_up = endpoint_api.EndpointViewSet.get_object
+
+    def look_up_then_lose_the_race(view):
+        found = looked_up(view)
+        _in_another_connection(lambda: services.delete_endpoint(Actor(), Endpoint.objects.get(pk=found.pk)))
+        return found
+
+    monkeypatch.setattr(endpoint_api.EndpointViewSet, "get_object", look_up_then_lose_the_race)
+    response = owner_client.post(f"/api/v1/endpoints/{endpoint.pk}/{action}/")
+
+    assert response.status_code == 404, response.content
+    endpoint.refresh_from_db()
+    assert endpoint.deleted_at is not None
+    assert (endpoint.paused_at is not None) == (action == "resume")
+    assert not AuditEvent.objects.filter(action=f"endpoint.{action}", created_at__gte=endpoint.deleted_at).exists()
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_pausing_or_resuming_an_endpoint_deleted_meanwhile_in_the_console_is_a_404(org, owner_client, monkeypatch,
+                                                                                  action):
+    """Before: the console resumed the deleted endpoint (its scheduler asked to reconcile it, the log saying
+    "resumed") and sent the member to its page, a 404."""
+    endpoint = EndpointFactory(organization=org)
+    if action == "resume":
+        services.pause_endpoint(Actor(), endpoint)
+    looked_up = endpoint_views._endpoint_or_404
+
+    def look_up_then_lose_the_race(request, pk):
+        found = looked_up(request, pk)
+        _in_another_connection(lambda: services.delete_endpoint(Actor(), Endpoint.objects.get(pk=found.pk)))
+        return found
+
+    monkeypatch.setattr(endpoint_views, "_endpoint_or_404", look_up_then_lose_the_race)
+    response = _console(owner_client.user, org).post(f"/console/endpoints/{endpoint.pk}/{action}/")
+
+    assert response.status_code == 404
+    endpoint.refresh_from_db()
+    assert endpoint.deleted_at is not None
+    assert (endpoint.paused_at is not None) == (action == "resume")
+    assert not AuditEvent.objects.filter(action=f"endpoint.{action}", created_at__gte=endpoint.deleted_at).exists()
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_an_endpoint_deleted_once_paused_or_resumed_is_a_404_not_a_500(owner_client, monkeypatch, action):
+    """The delete committed after the write, before the answer read the endpoint again: that read was a `.get`, a 500."""
+    endpoint = EndpointFactory(organization=owner_client.organization)
+    if action == "resume":
+        services.pause_endpoint(Actor(), endpoint)
+    write = getattr(services, f"{action}_endpoint")
+
+    def write_then_lose_the_race(actor, found):
+        written = write(actor, found)
+        _in_another_connection(lambda: services.delete_endpoint(Actor(), Endpoint.objects.get(pk=found.pk)))
+        return written
+
+    monkeypatch.setattr(services, f"{action}_endpoint", write_then_lose_the_race)
+    response = owner_client.post(f"/api/v1/endpoints/{endpoint.pk}/{action}/")
+
+    assert response.status_code == 404, response.content
+    assert Endpoint.objects.get(pk=endpoint.pk).deleted_at is not None
