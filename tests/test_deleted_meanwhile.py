@@ -1,6 +1,6 @@
 """A write racing a delete: the write looked the row up, the delete committed, then the write ran. Each is a 404, as
 for an id that never was, with nothing written on the deleted row (a member pausing or resuming an endpoint while an
-owner deletes it or closes the organisation: `endpoints.closing`)."""
+owner deletes it or closes the organisation: `endpoints.closing`; an admin changing the role of a member who left)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from controlplane.accounts.models import AuditEvent
+from controlplane.accounts import members
+from controlplane.accounts.models import AuditEvent, Membership, Role
 from controlplane.accounts.services import Actor
 from controlplane.accounts.tenancy import SESSION_KEY
 from endpoints import api as endpoint_api
 from endpoints import services
 from endpoints import views as endpoint_views
 from endpoints.models import Endpoint
-from tests.factories import EndpointFactory
+from tests.factories import EndpointFactory, MembershipFactory, signed_in_api_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -118,3 +119,33 @@ def test_an_endpoint_deleted_once_paused_or_resumed_is_a_404_not_a_500(owner_cli
 
     assert response.status_code == 404, response.content
     assert Endpoint.objects.get(pk=endpoint.pk).deleted_at is not None
+
+
+@pytest.mark.parametrize("surface", ["api role", "api remove", "console role", "console remove"])
+def test_changing_or_removing_a_member_who_left_meanwhile_is_a_404(org, monkeypatch, surface):
+    """The view found the membership, the member left meanwhile (here their account deleted; another admin's removal
+    alike), then the change read it again under the organisation's lock with `.get`: DoesNotExist, a 500."""
+    owner, leaving = MembershipFactory(organization=org, role=Role.OWNER), MembershipFactory(organization=org, role=Role.ADMIN)
+    lock, raced = members.lock_organizations, []
+
+    def leave_then_lock(organization_ids):
+        if not raced:
+            raced.append(True)
+            _in_another_connection(lambda: members.leave_organization(
+                Actor(), Membership.objects.get(pk=leaving.pk), reason="user.delete"))
+        return lock(organization_ids)
+
+    monkeypatch.setattr(members, "lock_organizations", leave_then_lock)
+    if surface.startswith("api"):
+        client = signed_in_api_client(owner.user)
+        response = (client.patch(f"/api/v1/members/{leaving.pk}/", {"role": "viewer"}, format="json")
+                    if surface == "api role" else client.delete(f"/api/v1/members/{leaving.pk}/"))
+    else:
+        path = f"/console/members/{leaving.pk}/{'role' if surface == 'console role' else 'remove'}/"
+        response = _console(owner.user, org).post(path, {"role": "viewer"})
+
+    assert raced and response.status_code == 404, response.content
+    assert not Membership.objects.filter(pk=leaving.pk).exists()
+    assert list(AuditEvent.objects.filter(organization=org, action__startswith="member.").values_list(
+        "action", flat=True)) == ["member.remove"]
+
