@@ -18,10 +18,12 @@ must not be able to end an organisation or an account.
 
 from __future__ import annotations
 
+import contextlib
 import secrets as std_secrets
 
 from django.db import transaction
 from django.db.models import Q
+from django.http import Http404
 from django.utils import timezone
 
 from controlplane.accounts import invitations, keys, members, throttle
@@ -108,7 +110,8 @@ def _close(actor: Actor, organization: Organization) -> None:
         delete_endpoint(actor, endpoint)
     credentials = list(ModelCredential.objects.filter(organization=organization).order_by("pk"))
     for credential in credentials:
-        delete_credential(actor, credential)
+        with contextlib.suppress(Http404):  # NOTE: an admin deleted it meanwhile (it takes no organisation's lock)
+            delete_credential(actor, credential)
     num_batches = 0
     for batch in Batch.objects.filter(organization=organization,
                                       status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).order_by("pk"):

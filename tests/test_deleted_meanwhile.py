@@ -15,9 +15,10 @@ from controlplane.accounts.models import AuditEvent, Membership, Role
 from controlplane.accounts.services import Actor
 from controlplane.accounts.tenancy import SESSION_KEY
 from endpoints import api as endpoint_api
-from endpoints import services
+from endpoints import closing, services
+from endpoints import credentials as credential_services
 from endpoints import views as endpoint_views
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, ModelCredential
 from tests.factories import EndpointFactory, MembershipFactory, signed_in_api_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -149,3 +150,53 @@ def test_changing_or_removing_a_member_who_left_meanwhile_is_a_404(org, monkeypa
     assert list(AuditEvent.objects.filter(organization=org, action__startswith="member.").values_list(
         "action", flat=True)) == ["member.remove"]
 
+
+
+def _credential(organization) -> ModelCredential:
+    return ModelCredential.objects.create(organization=organization, name="reader", kind="s3",
+                                          role_arn="arn:aws:iam::123456789012:role/reader", external_id="x")
+
+
+@pytest.mark.parametrize("surface", ["api", "console"])
+def test_deleting_a_credential_another_admin_deleted_meanwhile_is_a_404(org, owner_client, monkeypatch, surface):
+    """Both deletes found the credential; the second read it again under its lock with `.get`: DoesNotExist, a 500."""
+    credential = _credential(org)
+    delete, raced = credential_services.delete_credential, []
+
+    def deleted_meanwhile_then_delete(actor, found):
+        if not raced:
+            raced.append(True)
+            _in_another_connection(lambda: delete(Actor(), ModelCredential.objects.get(pk=found.pk)))
+        return delete(actor, found)
+
+    monkeypatch.setattr(credential_services, "delete_credential", deleted_meanwhile_then_delete)
+    if surface == "api":
+        response = owner_client.delete(f"/api/v1/credentials/{credential.pk}/")
+    else:
+        response = _console(owner_client.user, org).post(f"/console/credentials/{credential.pk}/delete/")
+
+    assert raced and response.status_code == 404, response.content
+    assert not ModelCredential.objects.filter(pk=credential.pk).exists()
+    assert AuditEvent.objects.filter(action="credential.delete").count() == 1
+
+
+def test_closing_an_organisation_while_an_admin_deletes_a_credential_closes_it(org, monkeypatch):
+    """The close listed the credentials, an admin deleted one meanwhile, then the close's delete of it raised
+    DoesNotExist: the whole close rolled back, a 500."""
+    owner = MembershipFactory(organization=org, role=Role.OWNER)
+    credential = _credential(org)
+    delete, raced = closing.delete_credential, []
+
+    def deleted_meanwhile_then_delete(actor, found):
+        if not raced:
+            raced.append(True)
+            _in_another_connection(lambda: delete(Actor(), ModelCredential.objects.get(pk=found.pk)))
+        return delete(actor, found)
+
+    monkeypatch.setattr(closing, "delete_credential", deleted_meanwhile_then_delete)
+    closing.close_organization(Actor(user=owner.user), org, confirm_name=org.name)
+
+    org.refresh_from_db()
+    assert raced and org.closed_at is not None
+    assert not ModelCredential.objects.filter(pk=credential.pk).exists()
+    assert AuditEvent.objects.filter(action="credential.delete").count() == 1
