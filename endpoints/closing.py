@@ -103,8 +103,9 @@ def _close(actor: Actor, organization: Organization) -> None:
     num_adapters = 0
     for adapter in Adapter.objects.filter(endpoint__organization=organization, endpoint__deleted_at__isnull=True
                                           ).select_related("endpoint__organization").order_by("pk"):
-        delete_adapter(actor, adapter)
-        num_adapters += 1
+        with contextlib.suppress(Http404):  # NOTE: a member deleted it meanwhile (it takes no organisation's lock)
+            delete_adapter(actor, adapter)
+            num_adapters += 1
     endpoints = list(Endpoint.objects.live().filter(organization=organization).order_by("pk"))
     for endpoint in endpoints:
         delete_endpoint(actor, endpoint)

@@ -14,11 +14,12 @@ from controlplane.accounts import members
 from controlplane.accounts.models import AuditEvent, Membership, Role
 from controlplane.accounts.services import Actor
 from controlplane.accounts.tenancy import SESSION_KEY
+from endpoints import adapters as adapter_services
 from endpoints import api as endpoint_api
 from endpoints import closing, services
 from endpoints import credentials as credential_services
 from endpoints import views as endpoint_views
-from endpoints.models import Endpoint, ModelCredential
+from endpoints.models import Adapter, Endpoint, ModelCredential
 from tests.factories import EndpointFactory, MembershipFactory, signed_in_api_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -200,3 +201,23 @@ def test_closing_an_organisation_while_an_admin_deletes_a_credential_closes_it(o
     assert raced and org.closed_at is not None
     assert not ModelCredential.objects.filter(pk=credential.pk).exists()
     assert AuditEvent.objects.filter(action="credential.delete").count() == 1
+
+
+def test_deleting_an_adapter_another_member_deleted_meanwhile_is_a_404_logged_once(owner_client, monkeypatch):
+    """Both deletes found the adapter; the second logged "Adapter removed" and audited its delete again, a 204."""
+    endpoint = EndpointFactory(organization=owner_client.organization, max_loras=2)
+    adapter = Adapter.objects.create(endpoint=endpoint, name="tuned", source="s3://bucket/adapter")
+    delete, raced = adapter_services.delete_adapter, []
+
+    def deleted_meanwhile_then_delete(actor, found):
+        if not raced:
+            raced.append(True)
+            _in_another_connection(lambda: delete(Actor(), Adapter.objects.select_related("endpoint").get(pk=found.pk)))
+        return delete(actor, found)
+
+    monkeypatch.setattr(adapter_services, "delete_adapter", deleted_meanwhile_then_delete)
+    response = owner_client.delete(f"/api/v1/endpoints/{endpoint.pk}/adapters/{adapter.pk}/")
+
+    assert raced and response.status_code == 404, response.content
+    assert AuditEvent.objects.filter(action="adapter.delete").count() == 1
+    assert endpoint.events.filter(message__contains="Adapter tuned removed").count() == 1
