@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.db.models import Exists, F
+from django.http import Http404
 from django.utils import timezone
 from rest_framework.exceptions import NotFound, ValidationError
 
@@ -135,7 +136,14 @@ def _priced_with_source(endpoint: Endpoint, source: str) -> AdapterPrice | None:
 
 @transaction.atomic
 def delete_adapter(actor: Actor, adapter: Adapter) -> None:
-    """Replicas unload it at their next sync (it is gone from their spec)."""
+    """Replicas unload it at their next sync (it is gone from their spec). Http404 where it was deleted since the
+    caller read it.
+
+    NOTE: two deletes at once (two members, or one's and the organisation's close: `closing`) both found it; the
+    second logged "Adapter removed" and audited its delete again, deleting no row (a 204)."""
+    adapter = Adapter.objects.select_for_update().select_related("endpoint__organization").filter(pk=adapter.pk).first()
+    if adapter is None:
+        raise Http404("No such adapter.")
     endpoint = adapter.endpoint
     record_event(endpoint, EventKind.CONFIG, f"Adapter {adapter.name} removed")
     record_audit(actor, endpoint.organization, "adapter.delete", adapter)

@@ -58,7 +58,9 @@ class EndpointViewSet(RowLockedUpdateMixin, OrganizationScopedMixin, viewsets.Mo
         services.delete_endpoint(self.actor, endpoint)
 
     def _fresh(self, endpoint):
-        return Response(EndpointDetailSerializer(self.get_queryset().get(pk=endpoint.pk), context=self.get_serializer_context()).data)
+        # NOTE: a 404, as for an unknown id, when a delete committed since the write (a `.get`: a 500)
+        fresh = get_object_or_404(self.get_queryset(), pk=endpoint.pk)
+        return Response(EndpointDetailSerializer(fresh, context=self.get_serializer_context()).data)
 
     @extend_schema(request=None, responses=EndpointDetailSerializer)
     @action(detail=True, methods=["post"])

@@ -18,10 +18,12 @@ must not be able to end an organisation or an account.
 
 from __future__ import annotations
 
+import contextlib
 import secrets as std_secrets
 
 from django.db import transaction
 from django.db.models import Q
+from django.http import Http404
 from django.utils import timezone
 
 from controlplane.accounts import invitations, keys, members, throttle
@@ -101,14 +103,16 @@ def _close(actor: Actor, organization: Organization) -> None:
     num_adapters = 0
     for adapter in Adapter.objects.filter(endpoint__organization=organization, endpoint__deleted_at__isnull=True
                                           ).select_related("endpoint__organization").order_by("pk"):
-        delete_adapter(actor, adapter)
-        num_adapters += 1
+        with contextlib.suppress(Http404):  # NOTE: a member deleted it meanwhile (it takes no organisation's lock)
+            delete_adapter(actor, adapter)
+            num_adapters += 1
     endpoints = list(Endpoint.objects.live().filter(organization=organization).order_by("pk"))
     for endpoint in endpoints:
         delete_endpoint(actor, endpoint)
     credentials = list(ModelCredential.objects.filter(organization=organization).order_by("pk"))
     for credential in credentials:
-        delete_credential(actor, credential)
+        with contextlib.suppress(Http404):  # NOTE: an admin deleted it meanwhile (it takes no organisation's lock)
+            delete_credential(actor, credential)
     num_batches = 0
     for batch in Batch.objects.filter(organization=organization,
                                       status__in=[BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]).order_by("pk"):

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.http import Http404
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
@@ -179,8 +180,13 @@ def hold_credential(credential: ModelCredential | None) -> None:
 @transaction.atomic
 def delete_credential(actor: Actor, credential: ModelCredential) -> None:
     """Delete a credential that no live endpoint nor its adapters name (deleted endpoints and their
-    adapters just lose the reference)."""
-    credential = ModelCredential.objects.select_for_update().get(pk=credential.pk)
+    adapters just lose the reference). Http404 where it was deleted since the caller read it.
+
+    NOTE: two deletes at once (two admins, or an admin's and the organisation's close: `closing`) both found it; the
+    second read it again here with `.get`: DoesNotExist, a 500 (the whole close rolled back)."""
+    credential = ModelCredential.objects.select_for_update().filter(pk=credential.pk).first()
+    if credential is None:
+        raise Http404("No such credential.")
     users = list(Endpoint.objects.live().filter(credential=credential).values_list("name", flat=True))
     adapters = [f"{endpoint}:{name}" for endpoint, name in Adapter.objects.filter(
         credential=credential, endpoint__deleted_at__isnull=True).values_list("endpoint__name", "name")]

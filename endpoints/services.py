@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.db.models import Q
+from django.http import Http404
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
@@ -150,6 +151,8 @@ def reset_prompt_factor(actor: Actor, endpoint: Endpoint) -> int:
 
 @transaction.atomic
 def pause_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
+    """Raises Http404 when the endpoint was deleted since the caller looked it up (`live_endpoint_locked`)."""
+    endpoint = live_endpoint_locked(endpoint.pk)
     if Endpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(paused_at=timezone.now()):
         drain_replicas(endpoint, reason="endpoint paused")
         record_event(endpoint, EventKind.CONFIG, "Endpoint paused: replicas drain, calls get 503 until resumed")
@@ -160,7 +163,9 @@ def pause_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
 
 @transaction.atomic
 def resume_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
-    """Resume a paused or failed endpoint, or retry one backing off after failures (console: Retry), from a fresh count."""
+    """Resume a paused or failed endpoint, or retry one backing off after failures (console: Retry), from a fresh count.
+    Raises Http404 when the endpoint was deleted since the caller looked it up (`live_endpoint_locked`)."""
+    endpoint = live_endpoint_locked(endpoint.pk)
     retried = endpoint.paused_at is None and endpoint.failed_at is None
     if Endpoint.objects.filter(pk=endpoint.pk).filter(
         Q(paused_at__isnull=False) | Q(failed_at__isnull=False) | Q(next_attempt_at__isnull=False),
@@ -169,6 +174,19 @@ def resume_endpoint(actor: Actor, endpoint: Endpoint) -> Endpoint:
         record_audit(actor, endpoint.organization, "endpoint.resume", endpoint)
         request_reconcile(endpoint.pk)
     endpoint.refresh_from_db()
+    return endpoint
+
+
+def live_endpoint_locked(endpoint_id) -> Endpoint:
+    """The endpoint's row, locked (`FOR NO KEY UPDATE`, as every lock on it) and read again; Http404 (a 404 on `/api/`
+    and in the console, as for an unknown id) when it was deleted since the caller looked it up.
+
+    NOTE: a pause or resume that lost the race to a delete (a member's click while the owner closes the organisation:
+    `endpoints.closing`) wrote on the deleted row (a resume asked the scheduler to reconcile it, its log and the audit
+    log said "resumed"), then the API's answer found no live endpoint: a 500."""
+    endpoint = Endpoint.objects.live().select_for_update(no_key=True).filter(pk=endpoint_id).first()
+    if endpoint is None:
+        raise Http404("No such endpoint.")
     return endpoint
 
 

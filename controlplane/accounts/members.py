@@ -7,6 +7,7 @@ removed member's keys and pending invitations are revoked with their membership 
 from __future__ import annotations
 
 from django.db import transaction
+from django.http import Http404
 from django.utils import timezone
 
 from controlplane.accounts import keys
@@ -188,16 +189,21 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
 
 
 def _lock_membership(membership: Membership) -> Membership:
-    """The membership as it is now, with its organisation's row locked until the transaction ends.
+    """The membership as it is now, with its organisation's row locked until the transaction ends; Http404 (a 404 on
+    `/api/` and in the console, as for an unknown id) where it ended since the caller read it.
 
     NOTE: every change of roles in one organisation queues on its row, so the checks that
     follow (the actor is an owner, another owner remains) read what earlier changes committed:
     two owners demoting each other at once cannot both succeed. NO KEY UPDATE, as every lock of that row in
     accounts: they still queue on each other, and rows that only reference the organisation (a usage row's
-    foreign-key check, FOR KEY SHARE) do not wait for a demotion's walk of its keys.
+    foreign-key check, FOR KEY SHARE) do not wait for a demotion's walk of its keys. A role change or a removal that
+    lost the race to the member's removal by another admin read it again with `.get`: DoesNotExist, a 500.
     """
     lock_organizations([membership.organization_id])
-    return Membership.objects.select_related("organization", "user").get(pk=membership.pk)
+    locked = Membership.objects.select_related("organization", "user").filter(pk=membership.pk).first()
+    if locked is None:
+        raise Http404("No such member.")
+    return locked
 
 
 def _ensure_an_owner_remains(membership: Membership, *, leaving: bool) -> None:

@@ -11,6 +11,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from django.db import IntegrityError, transaction
+from django.http import Http404
 from django.utils import timezone
 
 from controlplane.accounts.services import Actor, record_audit
@@ -157,8 +158,17 @@ def create_node_pool(actor: Actor, **fields) -> NodePool:
     return pool
 
 
+@transaction.atomic
 def update_node_pool(actor: Actor, pool: NodePool, **fields) -> NodePool:
-    """Change some of a pool's fields; the whole pool must still keep every rule."""
+    """Change some of a pool's fields; the whole pool must still keep every rule. Http404 where it was deleted since
+    the caller read it.
+
+    NOTE: checked against the row as it is, locked and read again (as `delete_node_pool` takes it): an edit that lost
+    the race to a delete updated no row, audited an edit of the deleted pool, then its `refresh_from_db` raised
+    DoesNotExist, a 500."""
+    pool = NodePool.objects.select_for_update().filter(pk=pool.pk).first()
+    if pool is None:
+        raise Http404("No such node pool.")
     current = {name: getattr(pool, name) for name in POOL_FIELDS}
     values = _values(fields, pool)
     errors = pool_errors(values, pool)

@@ -1,5 +1,6 @@
 """`/api/v1/fleet/pools/`: staff define node pools; everyone else finds nothing there (a 404)."""
 
+import threading
 from datetime import timedelta
 from decimal import Decimal
 
@@ -224,3 +225,38 @@ def test_the_staff_schema_documents_the_pools_404_for_non_staff():
     assert "404" in paths[POOLS]["get"]["responses"] and "404" in paths[POOLS]["post"]["responses"]
     assert "400" in paths[POOLS + "{id}/"]["delete"]["responses"]
     assert {str(paths[POOLS][method]["security"]) for method in ("get", "post")} == {"[{'cookieAuth': []}]"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_editing_a_pool_deleted_meanwhile_is_a_404_and_audits_no_edit(staff_client, monkeypatch):
+    """The view found the pool, another staff member deleted it, then the edit updated no row, audited an edit of the
+    deleted pool and read it again with `refresh_from_db`: DoesNotExist, a 500."""
+    from django.db import connection
+
+    from endpoints.fleet import pool_api
+    from endpoints.fleet.pool_services import delete_node_pool
+
+    pool = make_pool()
+    looked_up = pool_api.NodePoolViewSet.get_object
+
+    def look_up_then_lose_the_race(view):
+        found = looked_up(view)
+
+        def delete():
+            try:
+                delete_node_pool(Actor(), NodePool.objects.get(pk=found.pk))
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=delete)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive()
+        return found
+
+    monkeypatch.setattr(pool_api.NodePoolViewSet, "get_object", look_up_then_lose_the_race)
+    response = staff_client.patch(f"{POOLS}{pool.pk}/", {"max_nodes": 5}, format="json")
+
+    assert response.status_code == 404, response.content
+    assert not NodePool.objects.exists()
+    assert not AuditEvent.objects.filter(action="node_pool.update").exists()
