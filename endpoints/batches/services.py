@@ -382,12 +382,15 @@ _EXPIRED_OF_ORGANIZATION = (
 # The organisations with an expired file to delete: those with a live expiring file, walked one index probe each (a
 # loose index scan of `file_org_expiring`: the next organisation after the last), each probed for an expired one
 # (LATERAL ... LIMIT 1); never a scan of every organisation's expired files, nor of every organisation.
+# NOTE: ordered by the organisation alone, the walk was planned on the foreign key's index (organization_id), every
+# deleted or unexpiring file (the rows of deleted files are kept) read and filtered out at each step: ordered by the
+# whole of `file_org_expiring`'s key, only that index gives the order.
 _ORGANIZATIONS_WITH_EXPIRED = (
     "WITH RECURSIVE o(id) AS ("
     "(SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
-    "ORDER BY f.organization_id LIMIT 1) UNION ALL "
+    "ORDER BY f.organization_id, f.expires_at, f.id LIMIT 1) UNION ALL "
     "SELECT (SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
-    "AND f.organization_id > o.id ORDER BY f.organization_id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
+    "AND f.organization_id > o.id ORDER BY f.organization_id, f.expires_at, f.id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
     "SELECT o.id FROM o CROSS JOIN LATERAL (" + _EXPIRED_OF_ORGANIZATION + ") AS e WHERE o.id IS NOT NULL")
 # Each of those organisations' oldest `per_organization`, numbered in their turn: every one's first, then second...
 _EXPIRED_IN_TURN = (
