@@ -13,6 +13,7 @@ batch has ended, stamped `results_deleted_at`, or later by `sweep_ended_results`
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -381,16 +382,19 @@ _EXPIRED_OF_ORGANIZATION = (
 # The organisations with an expired file to delete: those with a live expiring file, walked one index probe each (a
 # loose index scan of `file_org_expiring`: the next organisation after the last), each probed for an expired one
 # (LATERAL ... LIMIT 1); never a scan of every organisation's expired files, nor of every organisation.
+# NOTE: ordered by the organisation alone, the walk was planned on the foreign key's index (organization_id), every
+# deleted or unexpiring file (the rows of deleted files are kept) read and filtered out at each step: ordered by the
+# whole of `file_org_expiring`'s key, only that index gives the order.
 _ORGANIZATIONS_WITH_EXPIRED = (
     "WITH RECURSIVE o(id) AS ("
     "(SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
-    "ORDER BY f.organization_id LIMIT 1) UNION ALL "
+    "ORDER BY f.organization_id, f.expires_at, f.id LIMIT 1) UNION ALL "
     "SELECT (SELECT f.organization_id FROM {files} AS f WHERE f.deleted_at IS NULL AND f.expires_at IS NOT NULL "
-    "AND f.organization_id > o.id ORDER BY f.organization_id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
+    "AND f.organization_id > o.id ORDER BY f.organization_id, f.expires_at, f.id LIMIT 1) FROM o WHERE o.id IS NOT NULL) "
     "SELECT o.id FROM o CROSS JOIN LATERAL (" + _EXPIRED_OF_ORGANIZATION + ") AS e WHERE o.id IS NOT NULL")
 # Each of those organisations' oldest `per_organization`, numbered in their turn: every one's first, then second...
 _EXPIRED_IN_TURN = (
-    "SELECT e.id FROM unnest(%(organizations)s::bigint[]) AS o(id) CROSS JOIN LATERAL ("
+    "SELECT e.id, o.id FROM unnest(%(organizations)s::bigint[]) AS o(id) CROSS JOIN LATERAL ("
     "SELECT x.id, x.expires_at, row_number() OVER (ORDER BY x.expires_at, x.id) AS turn FROM ("
     + _EXPIRED_OF_ORGANIZATION + ") AS x) AS e ORDER BY e.turn, e.expires_at, e.id LIMIT %(page)s")
 
@@ -403,7 +407,12 @@ def _expired_files_in_turn(page: int) -> list[File]:
     count) kept every other tenant's expired files in S3, counted against their quota, behind it. Numbered by a window
     over every expired file instead, each page of each run read and sorted all of them, every organisation's: a
     backlog of millions made a page slow enough to spend the run's budget. Now: the organisations with one (an index
-    probe or two each), then each one's oldest `ceil(page / organisations)` by the index (`file_org_expiring`)."""
+    probe or two each), then each one's oldest `ceil(page / organisations)` by the index (`file_org_expiring`).
+
+    NOTE: those shares alone made a page short of full where some organisations had fewer than their share (2 + 1 + 1
+    of a page of 5), and the run stops at its first page short of full: a tenant's backlog drained by its share a
+    minute while other tenants' files trickled in. A short page whose organisations filled their share is read again
+    with larger shares (at least doubled: a few reads at most) until it is full or no organisation has more."""
     names = {"files": File._meta.db_table, "batches": Batch._meta.db_table}
     params = {"grace": EXPIRED_FILES_GRACE, "open": [state.value for state in OPEN_STATES]}
     with connection.cursor() as cursor:
@@ -412,9 +421,19 @@ def _expired_files_in_turn(page: int) -> list[File]:
         if not organizations:
             return []
         per_organization = -(-page // len(organizations))
-        cursor.execute(_EXPIRED_IN_TURN.format(limit=per_organization, **names),
-                       {**params, "organizations": organizations, "page": page})
-        ids = [row[0] for row in cursor.fetchall()]
+        while True:
+            cursor.execute(_EXPIRED_IN_TURN.format(limit=per_organization, **names),
+                           {**params, "organizations": organizations, "page": page})
+            rows = cursor.fetchall()
+            # a full page holds every organisation's files up to the page's last turn; short, it holds all of each
+            # organisation's up to its share: those with their share may have more
+            counts = collections.Counter(organization for _, organization in rows)
+            filled = sum(1 for num in counts.values() if num >= per_organization)
+            if len(rows) >= page or not filled or per_organization >= page:
+                break
+            per_organization = min(page, max(2 * per_organization,
+                                             per_organization + -(-(page - len(rows)) // filled)))
+        ids = [row[0] for row in rows]
     files = File.objects.in_bulk(ids)
     return [files[file_id] for file_id in ids if file_id in files]
 

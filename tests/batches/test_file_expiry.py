@@ -377,3 +377,26 @@ def test_a_tenants_expired_file_is_deleted_in_its_first_sweep_behind_another_ten
     assert File.objects.get(pk=quiet_file.pk).deleted_at is not None
     assert quiet_file.s3_key not in bucket_objects(files_bucket)
     assert File.objects.filter(pk__in=[f.pk for f in backlog], deleted_at__isnull=False).count() == 2
+
+
+def test_one_sweep_clears_one_tenants_backlog_behind_other_tenants_single_files_not_only_its_share(
+        files_bucket, monkeypatch):
+    """Before: each page took each organisation's oldest ceil(page / organisations) only, and the run stops at its
+    first page short of full: with a page of 5 and three tenants, the backlog's share of 2 and the others' 1 each made a
+    page of 4, and the run ended with the backlog's other 4 files left though the page had room for them. Other
+    tenants' files trickling in each minute, a tenant's backlog drained by its share a minute, not by the budget."""
+    monkeypatch.setattr(services, "NUM_EXPIRED_FILES_PER_RUN", 5)
+
+    def expired_file(organization_id: int, name: str) -> File:
+        file = services.create_file(organization_id=organization_id, purpose="batch", filename=name,
+                                    stream=io.BytesIO(LINES), size=len(LINES))
+        _expire(file.pk)
+        return file
+
+    flooding = OrganizationFactory()
+    backlog = [expired_file(flooding.pk, f"{n}.jsonl") for n in range(6)]
+    singles = [expired_file(OrganizationFactory().pk, "mine.jsonl") for _ in range(2)]
+
+    assert services.sweep_expired_files() == len(backlog) + len(singles)
+    assert File.objects.filter(deleted_at__isnull=True).count() == 0
+    assert bucket_objects(files_bucket) == {}

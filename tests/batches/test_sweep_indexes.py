@@ -68,3 +68,26 @@ def test_the_sweep_gives_output_files_their_expiry_reading_only_recent_batches_b
     assert "Seq Scan on batches_batch" not in plan and "Disabled" not in plan, plan
     assert "Index Cond: (created_at >= " in plan and ("using batch_output_expiring" in plan
                                                        or "Index Scan on batch_output_expiring" in plan), plan
+
+
+def test_the_sweeps_walk_of_organisations_skips_deleted_and_unexpiring_files_by_the_index_on_realistic_rows():
+    # Before: the walk (the next organisation with a live expiring file, ORDER BY organization_id LIMIT 1) was planned,
+    # on a table of realistic rows (the rows of deleted files kept), on the foreign key's index of organization_id,
+    # every deleted and unexpiring file read and filtered out at each step: each page read nearly every file ever
+    # stored. Planned as is, not with sequential scans ruled out.
+    organizations = [OrganizationFactory().pk for _ in range(50)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {File._meta.db_table} (id, organization_id, purpose, filename, bytes, s3_key, created_at, "
+            "stored_at, deleted_at, expires_at) SELECT 'file-' || g, (%s::bigint[])[1 + g %% 50], 'batch', 'x', 1, "
+            "'k' || g, now(), now(), CASE WHEN g %% 5 < 3 THEN now() END, CASE WHEN g %% 7 = 0 THEN NULL "
+            "WHEN g %% 11 = 0 THEN now() - interval '1 hour' ELSE now() + interval '1 day' END "
+            "FROM generate_series(1, 60000) AS g", [organizations])
+        cursor.execute(f"ANALYZE {File._meta.db_table}")
+        names = {"files": File._meta.db_table, "batches": Batch._meta.db_table}
+        cursor.execute("EXPLAIN " + services._ORGANIZATIONS_WITH_EXPIRED.format(limit=1, **names),
+                       {"grace": services.EXPIRED_FILES_GRACE, "open": ["validating", "in_progress"]})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    scans = [line for line in plan.splitlines() if "on batches_file" in line]
+    assert len(scans) >= 2 and all("using file_org_expiring on batches_file" in line for line in scans), plan
