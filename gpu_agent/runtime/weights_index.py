@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from gpu_agent.runtime import durable
@@ -64,7 +65,11 @@ class CacheIndex:
 
     def touch(self, key: str) -> None:
         """Record a use (the least recently used model is evicted first)."""
-        os.utime(self.manifest_path(key))
+        # NOTE: stamped with this process's precise time, not the kernel's (`os.utime(path)` without times): a file's
+        # write is stamped by the kernel's coarse clock, up to a tick (~4 ms) behind, so a use recorded just after
+        # another copy's download could read as no later than it, and the copy just used was evicted first.
+        now = time.time()
+        os.utime(self.manifest_path(key), (now, now))
 
     def remove(self, key: str) -> None:
         """Forget a model, manifest first, so it never looks complete while its files go (the manifest's removal made
