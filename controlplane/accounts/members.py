@@ -188,6 +188,26 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
     return num_revoked
 
 
+@transaction.atomic
+def revoke_invitations_to(actor: Actor, address: str, *, reason: str) -> int:
+    """Revokes every pending invitation to `address` (case-insensitive), in every organisation, each audited with
+    `reason`; the number revoked.
+
+    NOTE: called as an account is deleted (`erasure.erase_person`): an invitation left pending to the address of a
+    person who has gone was accepted by whoever signed up with that address next, and granted its role (owner
+    included) in an organisation that had invited someone else."""
+    pending = Invitation.objects.pending().filter(email__iexact=address).select_related("organization").order_by("pk")
+    lock_organizations(pending.values("organization_id"))  # NOTE: as `revoke_invitations_sent_by`
+    num_revoked, now = 0, timezone.now()
+    for invitation in pending:
+        if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
+                revoked_at=now):
+            num_revoked += 1
+            record_audit(actor, invitation.organization, "invitation.revoke", invitation, email=invitation.email,
+                         reason=reason)
+    return num_revoked
+
+
 def _lock_membership(membership: Membership) -> Membership:
     """The membership as it is now, with its organisation's row locked until the transaction ends; Http404 (a 404 on
     `/api/` and in the console, as for an unknown id) where it ended since the caller read it.
