@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 from django.apps import apps
-from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth import get_user_model
 from django.db import models
 from django.test import Client
+from django.urls import reverse
 from django_otp.plugins.otp_static.models import StaticDevice
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
@@ -153,3 +154,24 @@ def test_a_former_staff_members_second_factor_secrets_and_recovery_codes_go_with
     assert not TOTPDevice.objects.filter(user_id=alice.pk).exists()
     assert not StaticDevice.objects.filter(user_id=alice.pk).exists()
 
+
+def test_an_account_staff_delete_in_the_admin_leaves_its_address_in_no_record_and_no_invitation_pending_to_it(
+        staff_client):
+    alice = _alice()
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    accepted = invitations.invite_member(Actor(user=team_owner), team, email=ADDRESS, role=Role.MEMBER)
+    invitations.accept_invitation(Actor(user=alice), accepted)
+    elsewhere = OrganizationFactory(name="Elsewhere")
+    pending = invitations.invite_member(Actor(user=_owner_of(elsewhere)), elsewhere, email=ADDRESS, role=Role.OWNER)
+
+    answer = staff_client.post(reverse("admin:auth_user_delete", args=[alice.pk]), {"post": "yes"})
+
+    assert answer.status_code == 302
+    assert not get_user_model().objects.filter(pk=alice.pk).exists()
+    assert _rows_naming(ADDRESS) == []
+    deleted = LogEntry.objects.get(object_id=str(alice.pk), action_flag=DELETION)
+    assert deleted.object_repr.startswith(f"deleted-{alice.pk}-")  # still names the account, by its id
+    assert Invitation.objects.get(pk=pending.pk).revoked_at is not None
+    assert AuditEvent.objects.get(organization=team, action="member.add").target_repr.startswith(
+        f"deleted-{alice.pk}-")
