@@ -175,3 +175,20 @@ def test_an_account_staff_delete_in_the_admin_leaves_its_address_in_no_record_an
     assert Invitation.objects.get(pk=pending.pk).revoked_at is not None
     assert AuditEvent.objects.get(organization=team, action="member.add").target_repr.startswith(
         f"deleted-{alice.pk}-")
+
+
+def test_another_persons_address_that_holds_the_deleted_one_is_left_as_it_is():
+    alice = _alice()
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    for address in (ADDRESS, f"mr.{ADDRESS}", f"{ADDRESS}.example"):
+        invitations.invite_member(Actor(user=team_owner), team, email=address, role=Role.MEMBER)
+
+    _delete(alice)
+
+    events = AuditEvent.objects.filter(organization=team, action="invitation.create")
+    assert sorted(event.details["email"] for event in events if "deleted" not in event.details["email"]) == [
+        f"{ADDRESS}.example", f"mr.{ADDRESS}"]
+    assert set(Invitation.objects.filter(organization=team).exclude(email__startswith="deleted-").values_list(
+        "email", flat=True)) == {f"{ADDRESS}.example", f"mr.{ADDRESS}"}
+    assert _rows_naming(f"mr.{ADDRESS}") and _rows_naming(f"{ADDRESS}.example")
