@@ -9,7 +9,8 @@ billing and legal record: usage rows and rollups (still rolled up and pushed to 
 and the audit log, readable by its members (README, "What is kept"). A closed organisation is never opened again.
 
 Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
-and pending invitations revoked), ends their sessions, deactivates the user and scrubs their address and name; it is
+and pending invitations revoked), ends their sessions, deactivates the user and erases their address and name from
+every record that copied them, revoking the invitations pending to it (`accounts.erasure.erase_person`); it is
 refused while they are the only owner of an open organisation that others or live resources depend on.
 
 NOTE: both in a signed-in session only, never with an API key (`members.ensure_in_a_session`): a leaked `manage` key
@@ -19,16 +20,14 @@ must not be able to end an organisation or an account.
 from __future__ import annotations
 
 import contextlib
-import secrets as std_secrets
 
 from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
 from django.utils import timezone
 
-from controlplane.accounts import invitations, keys, members, throttle
+from controlplane.accounts import erasure, invitations, keys, members, throttle
 from controlplane.accounts.models import (
-    EmailVerification,
     Invitation,
     Membership,
     Organization,
@@ -45,8 +44,6 @@ from endpoints.services import delete_endpoint
 
 CLOSE_REASON = "organization.close"
 DELETE_REASON = "user.delete"
-# The domain of a deleted account's address: `.invalid` is reserved (RFC 2606), so no mail is ever sent to it.
-TOMBSTONE_DOMAIN = "deleted.invalid"
 
 
 class Refused(ValueError):
@@ -195,12 +192,10 @@ def delete_account(actor: Actor, user, *, password: str) -> None:
         # NOTE: the keys they made anywhere else (an organisation they left before) and invitations they sent
         keys.revoke_api_keys_of(actor, user, reason=DELETE_REASON)
         members.revoke_invitations_sent_by(actor, user, reason=DELETE_REASON)
-        tombstone = f"deleted-{user.pk}-{std_secrets.token_hex(4)}@{TOMBSTONE_DOMAIN}"
-        user.username = user.email = tombstone
-        user.first_name = user.last_name = ""
+        # NOTE: their address and name out of every record that copied them, invitations pending to it revoked
+        erasure.erase_person(actor, user, reason=DELETE_REASON)
         user.is_active = False
         # NOTE: a new password hash ends every session (Django's and the gateway's check it), wherever signed in
         user.set_unusable_password()
-        user.save()
-        EmailVerification.objects.filter(user=user).delete()
+        user.save(update_fields=["is_active", "password"])
         record_audit(actor, None, "user.delete", user)

@@ -23,6 +23,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
+from controlplane.accounts.erasure import erase_records_of
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
@@ -111,13 +112,17 @@ class UserAdmin(auth_admin.UserAdmin):
         if change and "is_active" in form.changed_data and not obj.is_active:
             _revoke_what_they_made(request, obj, reason="user.deactivate")
 
+    # NOTE: and their address out of every record that copied it, the admin's own "deleted" entry included (Django
+    # writes it before it calls these): the records name the account by the id in its tombstone once its row is gone.
     def delete_model(self, request, obj):
         _revoke_what_they_made(request, obj, reason="user.delete")
+        erase_records_of(Actor.from_request(request), obj, reason="user.delete")
         super().delete_model(request, obj)
 
     def delete_queryset(self, request, queryset):
         for user in queryset:
             _revoke_what_they_made(request, user, reason="user.delete")
+            erase_records_of(Actor.from_request(request), user, reason="user.delete")
         super().delete_queryset(request, queryset)
 
     @admin.action(description="Issue an enrolment code (staff accounts without an authenticator)",

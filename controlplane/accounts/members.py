@@ -170,15 +170,33 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
     stranger's session sent, to a second address of theirs, must end with it). An invitation is refused while its
     sender may not grant it (`invitations.invitation_refusal`), but was not ended: listed as pending, it was good
     again once the sender was invited back or promoted again (a review's finding)."""
-    pending = Invitation.objects.pending().filter(invited_by=user).select_related("organization").order_by("pk")
+    pending = Invitation.objects.pending().filter(invited_by=user)
     if organization is not None:
         pending = pending.filter(organization=organization)
+    return _revoke_pending(actor, pending, reason=reason,
+                           keep=lambda invitation: role is not None and may_invite(role, invitation.role))
+
+
+@transaction.atomic
+def revoke_invitations_to(actor: Actor, address: str, *, reason: str) -> int:
+    """Revokes every pending invitation to `address` (case-insensitive), in every organisation, each audited with
+    `reason`; the number revoked.
+
+    NOTE: called as an account is deleted (`erasure.erase_person`): an invitation left pending to the address of a
+    person who has gone was accepted by whoever signed up with that address next, and granted its role (owner
+    included) in an organisation that had invited someone else."""
+    return _revoke_pending(actor, Invitation.objects.pending().filter(email__iexact=address), reason=reason)
+
+
+def _revoke_pending(actor: Actor, pending, *, reason: str, keep=None) -> int:
+    """Revokes the invitations of `pending` (but those `keep` says to keep), each audited with `reason`."""
+    pending = pending.select_related("organization").order_by("pk")
     # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see
     # `invitations.revoke_invitation`.
     lock_organizations(pending.values("organization_id"))
     num_revoked, now = 0, timezone.now()
     for invitation in pending:
-        if role is not None and may_invite(role, invitation.role):
+        if keep is not None and keep(invitation):
             continue
         if Invitation.objects.filter(pk=invitation.pk, accepted_at__isnull=True, revoked_at__isnull=True).update(
                 revoked_at=now):

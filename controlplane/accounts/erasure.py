@@ -1,0 +1,131 @@
+"""A deleted person's address and name, out of everything the platform keeps (GDPR's right to erasure), while the
+records they took part in stay whole and name them by their account's id.
+
+An account is never a deleted row (`endpoints.closing.delete_account`): its row stays, deactivated, so that every
+record pointing at it (audit events' actor, keys' creator, the invitations it sent or accepted, ledger holds) still
+names one account. What identified the person is replaced by a tombstone address (`deleted-<id>-<random>@deleted.invalid`:
+`.invalid` is reserved, RFC 2606, so nothing is ever mailed to it) wherever the platform had copied it as text: an
+audit event's `target_repr` ("ada@example.test in acme as admin") and its details (`email`, `owner`), invitations
+to the address (`Invitation.email`: an organisation's list and its invitation links), and the Django admin's history
+(`LogEntry.object_repr`, what "Recent actions" lists). The account's second-factor devices and enrolment codes, and
+its address's verification, are deleted: they are only ever the account's. Invitations still pending to the address
+are revoked first: whoever holds the address next (a mailbox given to someone else, or the person signing up again)
+must not find a seat waiting that was offered to someone who has gone.
+
+NOTE: an address is matched case-insensitively, as every address comparison of the platform is (`backends.same_address`
+folds NFKC too; an address is stored folded since `normalize_email`, and an older one is matched as it was stored).
+The audit log is read from the earliest moment it could name the address (the account's creation, or the first
+invitation to it), by its `created_at` index, not whole.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import unicodedata
+
+from django.contrib.admin.models import LogEntry
+from django.db import transaction
+from django.db.models import Min, Q
+from django_otp import devices_for_user
+
+from controlplane.accounts.members import revoke_invitations_to
+from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, StaffEnrolmentCode
+from controlplane.accounts.services import Actor
+
+TOMBSTONE_DOMAIN = "deleted.invalid"
+
+
+def tombstone_address(user) -> str:
+    """The address a deleted account is known by from then on: its id (the records stay attributable), a random part
+    (a guess of it finds nothing), and a domain nothing is ever mailed to."""
+    return f"deleted-{user.pk}-{secrets.token_hex(4)}@{TOMBSTONE_DOMAIN}"
+
+
+def addresses_of(user) -> set[str]:
+    """Every spelling of the person's address the platform may have copied: the account's address and username, the
+    address it verified, and those of the invitations it accepted, with their NFKC folding."""
+    found = {user.email, user.username}
+    found.update(EmailVerification.objects.filter(user=user).values_list("email", flat=True))
+    found.update(Invitation.objects.filter(accepted_by=user).values_list("email", flat=True))
+    found.update({unicodedata.normalize("NFKC", address) for address in found})
+    return {address.strip() for address in found if address and "@" in address}
+
+
+@transaction.atomic
+def erase_person(actor: Actor, user, *, reason: str) -> str:
+    """Replaces the person's address and name by a tombstone on their account and in every record that copied them
+    (`erase_records_of`); deletes their second-factor devices, enrolment codes and address verification. Returns the
+    tombstone. The caller deactivates the account and ends its sessions (`endpoints.closing.delete_account`)."""
+    tombstone = erase_records_of(actor, user, reason=reason)
+    user.username = user.email = tombstone
+    user.first_name = user.last_name = ""
+    user.save(update_fields=["username", "email", "first_name", "last_name"])
+    for device in devices_for_user(user, confirmed=None):
+        device.delete()
+    StaffEnrolmentCode.objects.filter(user=user).delete()
+    EmailVerification.objects.filter(user=user).delete()
+    return tombstone
+
+
+@transaction.atomic
+def erase_records_of(actor: Actor, user, *, reason: str) -> str:
+    """Revokes the invitations pending to the person's address (audited with `reason`) and writes a new tombstone in
+    place of the address wherever a record copied it; the tombstone. Also where staff delete the account's row in the
+    Django admin (`admin.UserAdmin.delete_model`): the records then name it by the id the tombstone holds."""
+    addresses = addresses_of(user)
+    for address in addresses:
+        revoke_invitations_to(actor, address, reason=reason)
+    tombstone = tombstone_address(user)
+    pseudonymise_records(addresses, tombstone, since=user.date_joined)
+    return tombstone
+
+
+def pseudonymise_records(addresses: set[str], tombstone: str, *, since) -> None:
+    """Writes `tombstone` in place of each of `addresses` wherever a record copied one as text: audit events from
+    `since` (or the first invitation to one of them, if earlier) on, invitations, the admin's history."""
+    if not addresses:
+        return
+    # NOTE: a whole address only: `ada@example.test` is also the end of `nada@example.test` and the start of
+    # `ada@example.test.org`, another person's, which the database's match finds too and which must stay as it is.
+    either = "|".join(re.escape(address) for address in sorted(addresses, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![^\s<>()\[\]{{}},;:\"'])(?:{either})(?![\w-]|\.[\w-])", re.IGNORECASE)
+    to_address = Q()
+    for address in addresses:
+        to_address |= Q(email__iexact=address)
+    first_invited = Invitation.objects.filter(to_address).aggregate(first=Min("created_at"))["first"]
+    if first_invited is not None and (since is None or first_invited < since):
+        since = first_invited
+    Invitation.objects.filter(to_address).update(email=tombstone)
+
+    naming = Q()
+    for address in addresses:
+        naming |= Q(target_repr__icontains=address) | Q(details__icontains=address)
+    events = AuditEvent.objects.filter(naming)
+    if since is not None:
+        events = events.filter(created_at__gte=since)
+    for event in events.only("pk", "target_repr", "details").iterator(chunk_size=500):
+        target_repr, details = pattern.sub(tombstone, event.target_repr)[:200], _replaced(event.details, pattern,
+                                                                                           tombstone)
+        if (target_repr, details) != (event.target_repr, event.details):
+            AuditEvent.objects.filter(pk=event.pk).update(target_repr=target_repr, details=details)
+
+    logged = Q()
+    for address in addresses:
+        logged |= Q(object_repr__icontains=address) | Q(change_message__icontains=address)
+    for entry in LogEntry.objects.filter(logged).only("pk", "object_repr", "change_message").iterator(chunk_size=500):
+        object_repr, message = pattern.sub(tombstone, entry.object_repr)[:200], pattern.sub(tombstone,
+                                                                                           entry.change_message)
+        if (object_repr, message) != (entry.object_repr, entry.change_message):
+            LogEntry.objects.filter(pk=entry.pk).update(object_repr=object_repr, change_message=message)
+
+
+def _replaced(value, pattern: re.Pattern, tombstone: str):
+    """`value` (an audit event's details: JSON) with each string's addresses replaced, keys included."""
+    if isinstance(value, str):
+        return pattern.sub(tombstone, value)
+    if isinstance(value, list):
+        return [_replaced(item, pattern, tombstone) for item in value]
+    if isinstance(value, dict):
+        return {_replaced(key, pattern, tombstone): _replaced(item, pattern, tombstone) for key, item in value.items()}
+    return value
