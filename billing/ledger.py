@@ -125,7 +125,7 @@ class UsageReport:
         # NOTE: naive times first: a naive time and an aware one cannot be compared (a TypeError, not this ValueError).
         for name in REPORT_TIMES:
             moment = getattr(self, name)
-            if moment is None:
+            if moment is None or moment.tzinfo is UTC:  # NOTE: the gateway's own times (`clock.redis_datetime`): fine
                 continue
             if timezone.is_naive(moment):
                 raise ValueError(f"{name} must be timezone-aware")

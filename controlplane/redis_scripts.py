@@ -41,6 +41,7 @@ import hashlib
 import secrets
 import ssl
 from collections import deque
+from collections.abc import Awaitable
 from urllib.parse import unquote, urlparse
 
 import redis.exceptions
@@ -103,10 +104,12 @@ class Script:
     """A Lua script, run with `await script(keys=[...], args=[...])` on this loop's connection.
 
     `once`: a call that a client sends again runs once (see the module's docstring); the script reads its own keys
-    by position from `KEYS[1]` (the token is the last)."""
+    by position from `KEYS[1]` (the token is the last). `small_args`: its arguments are a request's small fields (ids,
+    counts, flags), encoded through the cache its keys are (`_encode_evalsha_small_args`), never rows or bodies."""
 
-    def __init__(self, source: str, *, once: bool = False):
+    def __init__(self, source: str, *, once: bool = False, small_args: bool = False):
         self.once = once
+        self._encode = _encode_evalsha_small_args if small_args else _encode_evalsha
         if once:
             source = _ONCE_LUA % (source, ONCE_TTL_S)
         self.source = source
@@ -120,7 +123,7 @@ class Script:
             return await self._run_on_cluster(keys, args)
         connection = _connections.get()
         try:
-            return await connection.send(_encode_evalsha(self._evalsha, keys, args))
+            return await connection.send(self._encode(self._evalsha, keys, args))
         except RedisError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
@@ -167,9 +170,10 @@ def _bulk_of(part) -> bytes:
     return _bulk(part.encode() if type(part) is str else b"%d" % part if type(part) is int else _as_bytes(part))
 
 
-# NOTE: a script's keys repeat from one request to the next (an organisation's counters, an endpoint's
-# sets, a replica's counter): each is encoded once and then found here. The few that are new each time
-# (a request's settled marker) pass through and are the first to leave.
+# NOTE: a script's keys and most of its arguments repeat from one request to the next (an organisation's
+# counters, an endpoint's sets, a replica's counter, a key's limits): each is encoded once and then found here.
+# The few that are new each time (a request's settled marker, its id) pass through and are the first to leave.
+# `typed`: `True` and `1`, `1.0` and `1` are told apart (a bool is refused, a float encoded as its repr).
 _key_bulk = functools.lru_cache(maxsize=4096, typed=True)(_bulk_of)
 
 
@@ -194,6 +198,19 @@ def _encode_evalsha(head: bytes, keys: list, args: list) -> bytes:
             arg = _as_bytes(arg)
         parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
     return b"".join(parts)
+
+
+def _encode_evalsha_small_args(head: bytes, keys: list, args: list) -> bytes:
+    """`_encode_evalsha` for a script whose arguments are all small and mostly recur (`Script(small_args=True)`):
+    they too come from the cache of encoded parts, as its keys do.
+
+    NOTE: a request's two scripts (`endpoints.gateway.admission`) pass ~37 arguments, most the same from one request to
+    the next (a key's limits, a TTL, a flag) and a request's own (its id, its call token) recurring between its scripts
+    and their parts: encoded one by one they were ~100 calls of `len`, `append` and `encode` a request. Only for small
+    arguments: a script passing rows (a beat's progress) would fill the cache with them."""
+    num_keys = len(keys)
+    return b"".join([b"*%d\r\n" % (3 + num_keys + len(args)), head, _bulk(b"%d" % num_keys),
+                     *map(_key_bulk, keys), *map(_key_bulk, args)])
 
 
 def _parse(buffer: bytearray, position: int):
@@ -361,7 +378,17 @@ class _Connection:
     async def call(self, *parts):
         return await (await self.protocol()).call(*parts)
 
-    async def send(self, command: bytes):
+    def send(self, command: bytes) -> Awaitable:
+        """The reply to `command` (in RESP), to await.
+
+        NOTE: on a live connection (nearly every call) the reply's future itself, where two coroutines (this one and
+        `protocol`) were started, awaited and ended around it, two scripts a request."""
+        current = self._protocol
+        if current is not None and current.lost is None and not current.transport.is_closing():
+            return current.send(command)
+        return self._send_once_open(command)
+
+    async def _send_once_open(self, command: bytes):
         return await (await self.protocol()).send(command)
 
     def close(self) -> None:

@@ -78,14 +78,15 @@ def test_replies_split_across_reads_are_put_together():
 def test_an_evalsha_with_cached_key_encodings_is_byte_for_byte_the_generic_command():
     script = Script("return 1")
     keys = ["rl:{org:1}:req:key:2:1", "billing:{org:1}:settled:req_é", "gw:{org:1}:inflight:e"]
-    args = [1, "two", 3.5, b"four", "cinq é", -6]
-    for _ in range(2):  # the second time the keys' encodings come from the cache
-        assert (redis_scripts._encode_evalsha(script._evalsha, keys, args)
-                == _encode((b"EVALSHA", script.sha, len(keys), *keys, *args)))
-    # what the generic encoding refuses, the EVALSHA's own refuses too
-    for odd in (True, None, Decimal("1.5")):
-        with pytest.raises(TypeError):
-            redis_scripts._encode_evalsha(script._evalsha, keys, [*args, odd])
+    # `1` and `True`, `1.0` and `1`, "1" and b"1" hash alike: the cache of encodings tells them apart
+    args = [1, "two", 3.5, b"four", "cinq é", -6, 1.0, "1", b"1", 0]
+    for encode in (redis_scripts._encode_evalsha, redis_scripts._encode_evalsha_small_args):
+        for _ in range(2):  # the second time the keys' (and the small arguments') encodings come from the cache
+            assert (encode(script._evalsha, keys, args) == _encode((b"EVALSHA", script.sha, len(keys), *keys, *args)))
+        # what the generic encoding refuses, the EVALSHA's own refuses too
+        for odd in (True, False, None, Decimal("1.5")):
+            with pytest.raises(TypeError):
+                encode(script._evalsha, keys, [*args, odd])
 
 
 @pytest.mark.parametrize("reply, outage", [

@@ -55,6 +55,21 @@ def test_a_part_given_the_wrong_number_of_keys_or_arguments_is_refused_before_an
     assert get_redis().get("composed:counter") is None  # nothing ran
 
 
+def test_a_part_of_any_number_of_keys_is_refused_fewer_than_it_declares_and_every_wrong_count_names_its_part():
+    tail = ScriptPart("tail", keys=("one at least",), args=("ttl",), lua=LIBRARY, variadic_keys=True)
+    composed = ComposedScript([SECOND, tail], glue="return 0")
+    assert composed.keys_and_args(second=(["c"], [1]), tail=(["t1", "t2", "t3"], [9])) == (["c", "t1", "t2", "t3"], [1, 9])
+    assert composed.keys_and_args(second=(["c"], [1]), tail=(("t1",), (9,))) == (["c", "t1"], [1, 9])  # tuples too
+    with pytest.raises(ValueError, match="tail takes 1 or more keys"):
+        composed.keys_and_args(second=(["c"], [1]), tail=([], [9]))
+    with pytest.raises(ValueError, match="tail takes 1 arguments"):
+        composed.keys_and_args(second=(["c"], [1]), tail=(["t1", "t2"], []))
+    with pytest.raises(ValueError, match="second takes 1 keys"):
+        composed.keys_and_args(second=(["c", "d"], [1]), tail=(["t1"], [9]))
+    with pytest.raises(ValueError, match="second takes 1 keys"):
+        composed.keys_and_args(second=([], [1]), tail=(["t1", "t2"], [9]))  # the keys' total right, the part's not
+
+
 def test_only_the_last_part_may_take_any_number_of_keys_and_names_are_unique_lua_names():
     with pytest.raises(ValueError, match="only the last part"):
         ComposedScript([REST, FIRST], glue="return 0")

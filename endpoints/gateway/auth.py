@@ -18,7 +18,7 @@ threads and connections, never the pool that key and endpoint lookups need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 
 from django.conf import settings
@@ -67,9 +67,13 @@ class Caller:
     # The key's `expires_at` in Unix seconds (None: never), judged at each call by Redis's clock (`caller_from_key`)
     expires_at: float | None = None
 
-    @property
-    def limit_subject(self) -> str:
-        return f"key:{self.api_key_id}" if self.api_key_id is not None else f"user:{self.user_id}"
+    # Whose rate limits a call counts against: `key:<id>`, or `user:<id>` for a console session. Formed once, here (a
+    # property formed it at each of a call's three reads).
+    limit_subject: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limit_subject", f"key:{self.api_key_id}" if self.api_key_id is not None
+                           else f"user:{self.user_id}")
 
 
 

@@ -682,8 +682,7 @@ class InferenceCall:
                     self.usage.take_chunk(event_usage, event)
                 else:
                     self.usage.take_totals(event_usage)
-                usage = self.usage
-                if self._ceiling.exceeded(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
+                if self._ceiling.exceeded(*self.usage.counts()):
                     spent = True
                     break
             elif responses_stream:
@@ -710,8 +709,7 @@ class InferenceCall:
 
     def _cost(self) -> Decimal:
         """The real cost of the tokens counted so far (before the reservation's cap)."""
-        return ledger.cost_of(self.endpoint, self.usage.prompt_tokens, self.usage.cached_tokens, self.usage.completion_tokens,
-                              fraction=self.price_fraction)
+        return ledger.cost_of(self.endpoint, *self.usage.counts(), fraction=self.price_fraction)
 
     # --- the client side ---------------------------------------------------------------------
     async def start_stream(self) -> None:
@@ -862,10 +860,11 @@ class InferenceCall:
             # NOTE: a Responses stream whose last event (its usage) never came was cut: billed its deltas as output and
             # its prompt as its engine renders it (`_count_cut_prompt`)
             self.status = "upstream_error"
+        prompt_tokens, cached_tokens, completion_tokens = usage.counts()  # final: nothing is counted past here
         recorded = self.served and not (self.batch_id and self.status == "upstream_error"
-                                        and not (usage.prompt_tokens or usage.completion_tokens))
-        if recorded and self.num_prompt_tokens_bound is not None and usage.prompt_tokens > self.num_prompt_tokens_bound:
-            self._learn_prompt_factor(usage.prompt_tokens)
+                                        and not (prompt_tokens or completion_tokens))
+        if recorded and self.num_prompt_tokens_bound is not None and prompt_tokens > self.num_prompt_tokens_bound:
+            self._learn_prompt_factor(prompt_tokens)
         # NOTE: never more than reserved: the reservation is the most a cap or the credit can lose.
         actual = self._cost() if recorded else Decimal(0)
         if actual > self.reserved:
@@ -877,7 +876,7 @@ class InferenceCall:
                 self._note_usage_past_reservation(actual)
             actual = self.reserved
         journaled = False
-        num_tokens = usage.prompt_tokens + usage.completion_tokens if recorded else 0
+        num_tokens = prompt_tokens + completion_tokens if recorded else 0
         try:
             # NOTE: the ledger row first, then the settlement: if Redis loses its counters in
             # between, they are rebuilt from the ledger, which already has this request.
@@ -893,7 +892,7 @@ class InferenceCall:
                                        release=self.outstanding_replica_id,
                                        num_tokens=num_tokens,
                                        cost=actual, served_by=self.replica.id if self.replica else None,
-                                       cached_tokens=usage.cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
+                                       cached_tokens=cached_tokens, fresh_id=not self.batch_id, recorded=recorded,
                                        finished_at=finished_at, journaled=journaled, lapsed_at=self.held.lapses_at)
             except asyncio.CancelledError:
                 # as below: its loop is ending
@@ -941,13 +940,13 @@ class InferenceCall:
     def usage_report(self, *, finished_at: datetime, status: str, billing_mode: str) -> ledger.UsageReport:
         """The call's usage row as it stands: at its end (`_finish`), or while it streams, as its progress
         (`progress`)."""
-        usage = self.usage
+        prompt_tokens, cached_tokens, completion_tokens = self.usage.counts()
         return ledger.UsageReport(
             request_id=self.request_id, organization_id=self.caller.organization_id,
             api_key_id=self.caller.api_key_id, endpoint_id=self.endpoint.id,
             replica_id=self.replica.id if self.replica else None,
-            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens, started_at=self.started_at,
+            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens, started_at=self.started_at,
             first_token_at=self.first_token_at, finished_at=finished_at, status=status,
             cold_start_s=round(self.cold_start_s, 3), max_cost=self.reserved, batch_id=self.batch_id,
             cold_start_ms=self.cold_start.total_ms if self.cold_start else None,
@@ -967,10 +966,10 @@ class InferenceCall:
 
         NOTE: its tokens are compared before any row is built: a beat built and checked a whole row for every stream,
         changed or not, on the event loop (~110 µs each: 0.1 s a second at 1,000 streams; the review of the beat)."""
-        usage = self.usage
-        if not self.served or self.batch_id or not (usage.prompt_tokens or usage.completion_tokens):
+        counts = self.usage.counts()
+        if not self.served or self.batch_id or not (counts[0] or counts[2]):
             return None
-        if recorded == (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens):
+        if recorded == counts:
             return None
         return self.usage_report(finished_at=self._now(), status=UsageStatus.GATEWAY_LOST,
                                  billing_mode=billing_mode)
@@ -1012,13 +1011,13 @@ class InferenceCall:
     def _observe(self, outcome: str) -> None:
         """The request's metrics and its line in the request log."""
         duration_s = time.monotonic() - self._started_monotonic
-        usage = self.usage
-        self.metrics.observe_request(outcome, duration_s, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        prompt_tokens, cached_tokens, completion_tokens = self.usage.counts()
+        self.metrics.observe_request(outcome, duration_s, prompt_tokens, cached_tokens, completion_tokens)
         if not logger.isEnabledFor(logging.INFO):
             return
         args = (self.request_id, self.caller.organization_id, self.caller.api_key_id, self.endpoint.name,
-                self.replica.id if self.replica else "-", outcome, usage.prompt_tokens, usage.cached_tokens,
-                usage.completion_tokens, self.cold_start_s, duration_s)
+                self.replica.id if self.replica else "-", outcome, prompt_tokens, cached_tokens,
+                completion_tokens, self.cold_start_s, duration_s)
         # NOTE: the record `logger.info` makes, file, line and function included, named here: `Logger.findCaller`
         # walked the stack for them (~2.4 µs of the line's ~13, timed alone). The frame is never held in a local: a
         # frame that holds itself is a cycle, which kept each call until the collector ran.

@@ -35,19 +35,29 @@ class UsageTally:
     # whole, so a stream cut before its last event is billed it, as its engine renders it.
     prompt_prefilled: bool = False
 
+    def counts(self) -> tuple[int, int, int]:
+        """Prompt, cached (never more than the prompt's) and output tokens counted so far, in one call.
+
+        NOTE: a request's end reads all three four times over (its cost, its settlement, its usage row, its log line
+        and metrics): one tuple each time, the whole usage's own when it came, where three properties were ~20 calls."""
+        totals = self._totals
+        if totals is not None:
+            return totals
+        prompt = sum(self._prompt_by_prompt.values())
+        return (prompt, min(self._cached, prompt),
+                max(sum(self._completion_by_choice.values()), self.num_output_events))
+
     @property
     def prompt_tokens(self) -> int:
-        return self._totals[0] if self._totals else sum(self._prompt_by_prompt.values())
+        return self.counts()[0]
 
     @property
     def cached_tokens(self) -> int:
-        return min(self._totals[1] if self._totals else self._cached, self.prompt_tokens)
+        return self.counts()[1]
 
     @property
     def completion_tokens(self) -> int:
-        if self._totals:
-            return self._totals[2]
-        return max(sum(self._completion_by_choice.values()), self.num_output_events)
+        return self.counts()[2]
 
     @property
     def has_totals(self) -> bool:
@@ -65,7 +75,7 @@ class UsageTally:
         if not usage:
             return
         prompt, cached, completion = _counts(usage)
-        self._totals = (prompt, cached, completion)
+        self._totals = (prompt, min(cached, prompt), completion)
 
     def take_rendered_prompt(self, num_tokens: int) -> None:
         """A Responses stream cut before its last event: its prompt's tokens as its engine renders them
