@@ -24,7 +24,6 @@ import secrets as std_secrets
 from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
-from django.utils import timezone
 
 from controlplane.accounts import invitations, keys, members, throttle
 from controlplane.accounts.models import (
@@ -36,6 +35,7 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
+from controlplane.clock import database_now
 from endpoints.adapters import delete_adapter
 from endpoints.batches import services as batches
 from endpoints.batches.models import Batch, BatchStatus, File
@@ -94,7 +94,10 @@ def close_organization(actor: Actor, organization: Organization, *, confirm_name
 
 
 def _close(actor: Actor, organization: Organization) -> None:
-    now = timezone.now()
+    # NOTE: by PostgreSQL's clock, as every money rule judges time (`controlplane.clock`): the close is when usage stops
+    # being the organisation's to run, and the subscription ends once what was recorded up to it is billed
+    # (`billing.closing`); by the web pod's, one minutes ahead or behind moved that line.
+    now = database_now()
     Organization.objects.filter(pk=organization.pk).update(closed_at=now)
     organization.closed_at = now
     num_keys = keys.revoke_api_keys_of_organization(actor, organization, reason=CLOSE_REASON)
