@@ -19,12 +19,14 @@ must not be able to end an organisation or an account.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets as std_secrets
 
 from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
 
+from billing import closed_subscriptions
 from controlplane.accounts import invitations, keys, members, throttle
 from controlplane.accounts.models import (
     EmailVerification,
@@ -36,6 +38,8 @@ from controlplane.accounts.models import (
 )
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.clock import database_now
+from controlplane.redis_client import held_alone
+from controlplane.redis_keys import CLOSED_SUBSCRIPTIONS_RUN_LOCK_KEY
 from endpoints.adapters import delete_adapter
 from endpoints.batches import services as batches
 from endpoints.batches.models import Batch, BatchStatus, File
@@ -43,7 +47,11 @@ from endpoints.credentials import delete_credential
 from endpoints.models import Adapter, Endpoint, ModelCredential
 from endpoints.services import delete_endpoint
 
+logger = logging.getLogger(__name__)
+
 CLOSE_REASON = "organization.close"
+# How long one run's lock lasts unless renewed (every third of it while the run lives).
+CLOSED_SUBSCRIPTIONS_RUN_LOCK_S = 60.0
 DELETE_REASON = "user.delete"
 # The domain of a deleted account's address: `.invalid` is reserved (RFC 2606), so no mail is ever sent to it.
 TOMBSTONE_DOMAIN = "deleted.invalid"
@@ -128,6 +136,26 @@ def _close(actor: Actor, organization: Organization) -> None:
     record_audit(actor, organization, "organization.close", organization, num_api_keys=num_keys,
                  num_endpoints=len(endpoints), num_adapters=num_adapters, num_credentials=len(credentials),
                  num_batches_cancelled=num_batches, num_files=num_files)
+
+
+def end_closed_subscriptions() -> int:
+    """End the Stripe subscription of each closed organisation whose last usage is billed
+    (`billing.closed_subscriptions`), one run at a time; returns how many ended. A cancelled batch whose lines still
+    run (`Batch.objects.open()`) holds its organisation's until it ends: those lines' usage is the close's last.
+    One organisation's failure (Stripe down) leaves it for the next run and the others go on."""
+    with held_alone(CLOSED_SUBSCRIPTIONS_RUN_LOCK_KEY, CLOSED_SUBSCRIPTIONS_RUN_LOCK_S, renewed=True) as held:
+        if not held:
+            return 0
+        num_ended = 0
+        for organization_id in list(closed_subscriptions.closed_with_subscription()):
+            if Batch.objects.open().filter(organization_id=organization_id).exists():
+                continue
+            try:
+                num_ended += closed_subscriptions.end_subscription_after_close(organization_id)
+            except Exception:  # noqa: BLE001 - the next run tries it again; the others go on
+                logger.exception("ending the subscription of closed organisation %s failed; the next run retries",
+                                 organization_id)
+        return num_ended
 
 
 def close_refusal(organization: Organization, user) -> str | None:
