@@ -66,7 +66,7 @@ class CreditGrantForm(forms.ModelForm):
 
     class Meta:
         model = CreditGrant
-        fields = ["organization", "amount", "granted_at", "expires_at", "note"]
+        fields = ["organization", "amount", "kind", "granted_at", "expires_at", "note"]
 
 
 class HeldDifferenceForm(forms.Form):
@@ -156,19 +156,28 @@ class BillingAccountAdmin(admin.ModelAdmin):
 @admin.register(CreditGrant)
 class CreditGrantAdmin(admin.ModelAdmin):
     form = CreditGrantForm
-    list_display = ["organization", "amount", "consumed", "granted_at", "expires_at", "note"]
-    fields = ["organization", "amount", "granted_at", "expires_at", "note", "consumed"]
+    list_display = ["organization", "amount", "kind", "consumed", "granted_at", "expires_at", "note"]
+    fields = ["organization", "amount", "kind", "granted_at", "expires_at", "note", "consumed"]
     readonly_fields = ["consumed"]
 
     def has_change_permission(self, request, obj=None):
         return obj is None  # NOTE: a grant is added, never edited: credit already drawn stays drawn
+
+    actions = ["end_refunded"]
+
+    @admin.action(description="End the selected grants: what they hold was refunded to the customer (in Stripe)",
+                  permissions=["add"])
+    def end_refunded(self, request, queryset):
+        ended = credits.end_refunded_grants(Actor.from_request(request), list(queryset))
+        self.message_user(request, f"Ended {queryset.count()} grant(s), {ended:.2f} USD of credit.", messages.SUCCESS)
 
     def has_delete_permission(self, request, obj=None):
         return False
 
     def save_model(self, request, obj, form, change):
         grant = credits.grant_credits(Actor.from_request(request), obj.organization, amount=obj.amount,
-                                      expires_at=obj.expires_at, note=obj.note, granted_at=obj.granted_at)
+                                      expires_at=obj.expires_at, note=obj.note, granted_at=obj.granted_at,
+                                      kind=obj.kind)
         obj.pk = grant.pk  # the admin's redirect and message name the grant the service made
 
 

@@ -26,7 +26,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
 
-from billing import closed_subscriptions
+from billing import closed_subscriptions, credits
 from controlplane.accounts import invitations, keys, members, throttle
 from controlplane.accounts.models import (
     EmailVerification,
@@ -77,11 +77,13 @@ class AlreadyClosed(ValueError):
     """The organisation is closed already (a 409)."""
 
 
-def close_organization(actor: Actor, organization: Organization, *, confirm_name: str) -> Organization:
+def close_organization(actor: Actor, organization: Organization, *, confirm_name: str,
+                       forfeit_promotional_credit: bool = False) -> Organization:
     """Closes the organisation, in one transaction (see the module's note); `confirm_name` must be its name as it is.
 
     Raises `NotPermitted` unless the actor is one of its owners in a signed-in session, `AlreadyClosed` where it is
-    closed already, `Refused` where the name does not match."""
+    closed already, `Refused` where the name does not match, where purchased credit remains (`credit_refusal`), or
+    where promotional credit remains and `forfeit_promotional_credit` does not acknowledge that it ends with it."""
     members.ensure_in_a_session(actor, "confirm_name")
     with transaction.atomic():
         # NOTE: the organisation's row first, as every change of its keys, members and invitations takes it: a key, an
@@ -96,6 +98,13 @@ def close_organization(actor: Actor, organization: Organization, *, confirm_name
                                 "cannot be closed again or opened.")
         if confirm_name != organization.name:
             raise Refused("confirm_name", "Type the organisation's name exactly as it is shown to confirm closing it.")
+        if refusal := credit_refusal(organization):
+            raise Refused("non_field_errors", refusal)
+        promotional = credits.remaining_credit(organization.pk).promotional
+        if promotional > 0 and not forfeit_promotional_credit:
+            raise Refused("forfeit_promotional_credit",
+                          f"{promotional:.2f} USD of promotional credit remains; it ends with the organisation and is "
+                          "not refunded. Confirm that you forfeit it to close.")
         _close(actor, organization)
     organization.refresh_from_db()
     return organization
@@ -133,9 +142,11 @@ def _close(actor: Actor, organization: Organization) -> None:
     # open batch reads them, as any expired file's do, never from within this transaction.
     num_files = File.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now), organization=organization,
                                     deleted_at__isnull=True).update(expires_at=now)
+    forfeited = credits.forfeit_promotional_credit(actor, organization, now=now)
     record_audit(actor, organization, "organization.close", organization, num_api_keys=num_keys,
                  num_endpoints=len(endpoints), num_adapters=num_adapters, num_credentials=len(credentials),
-                 num_batches_cancelled=num_batches, num_files=num_files)
+                 num_batches_cancelled=num_batches, num_files=num_files,
+                 promotional_credit_forfeited=f"{forfeited:.2f}")
 
 
 def end_closed_subscriptions() -> int:
@@ -158,6 +169,16 @@ def end_closed_subscriptions() -> int:
         return num_ended
 
 
+def credit_refusal(organization: Organization) -> str | None:
+    """Why the organisation may not be closed yet for its money: purchased credit remains, which is the customer's and
+    is refunded by support, never forfeited by a close; None where none does."""
+    purchased = credits.remaining_credit(organization.pk).purchased
+    if purchased <= 0:
+        return None
+    return (f"{purchased:.2f} USD of purchased credit remains on {organization.name}: contact support to have it "
+            "refunded, then close the organisation.")
+
+
 def close_refusal(organization: Organization, user) -> str | None:
     """Why `user`, deleting their account, may not simply leave `organization` while it is open: they are its only
     owner and other members or live resources depend on it; None where nothing does."""
@@ -176,6 +197,8 @@ def close_refusal(organization: Organization, user) -> str | None:
         held.append("open batches")
     if File.objects.for_org(organization.pk).exists():
         held.append("files")
+    if refusal := credit_refusal(organization):
+        return refusal
     if not held:
         return None
     return (f"You are the only owner of {organization.name} (slug {organization.slug}), which has "
