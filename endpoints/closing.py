@@ -7,6 +7,9 @@ sweep deletes their bytes, as it deletes any expired file's, once the batches re
 batch that ends after the close expire as they are written, `batches.services._output_expiry`). What stays is the
 billing and legal record: usage rows and rollups (still rolled up and pushed to Stripe), invoices, the credit ledger
 and the audit log, readable by its members (README, "What is kept"). A closed organisation is never opened again.
+Once its last usage is in Stripe, its subscription is cancelled with a final invoice (`end_closed_subscriptions`,
+`billing.closed_subscriptions`). A close is refused while purchased credit remains (support refunds it:
+`credit_refusal`); promotional credit is forfeited, once the owner acknowledges its amount.
 
 Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
 and pending invitations revoked), ends their sessions, deactivates the user and scrubs their address and name; it is

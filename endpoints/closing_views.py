@@ -32,7 +32,9 @@ class CloseOrganizationInput(serializers.Serializer):
 class CloseOrganizationView(APIView):
     """Closes the caller's organisation for good (owners only, signed in): its keys are revoked, its endpoints,
     adapters, credentials and files deleted, its open batches cancelled and its pending invitations withdrawn; its
-    usage, invoices, credit ledger and audit log stay, readable."""
+    usage, invoices, credit ledger and audit log stay, readable, and its last usage is billed on a final invoice, then
+    its subscription ends. Refused while purchased credit remains; promotional credit left must be forfeited
+    explicitly (`forfeit_promotional_credit`)."""
 
     required_role = Role.OWNER
 
