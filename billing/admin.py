@@ -11,7 +11,7 @@ from django.contrib.admin import widgets as admin_widgets
 from django.template.response import TemplateResponse
 
 from billing import credits, services, standing, stripe_sync
-from billing.models import BillingAccount, CreditGrant, Dispute, Invoice, SpendAlert, UsageRollup
+from billing.models import BillingAccount, CreditGrant, CreditKind, Dispute, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
@@ -63,6 +63,14 @@ class CreditGrantForm(forms.ModelForm):
     # grant through a web pod 10 minutes ahead was "not yet granted" for 10 minutes (the prepaid organisation 402).
     granted_at = forms.SplitDateTimeField(required=False, widget=admin_widgets.AdminSplitDateTime,
                                           help_text="Leave blank to grant it now.")
+    # NOTE: purchased unless staff say otherwise: a close is refused while purchased credit remains and forfeits
+    # promotional credit (`endpoints.closing`), so a grant of unknown kind is kept as the customer's money.
+    kind = forms.ChoiceField(choices=CreditKind.choices, required=False, initial=CreditKind.PURCHASED,
+                             help_text="Purchased: the customer paid for it (refunded by support at a close). "
+                                       "Promotional: given by us (forfeited at a close).")
+
+    def clean_kind(self):
+        return self.cleaned_data.get("kind") or CreditKind.PURCHASED
 
     class Meta:
         model = CreditGrant
