@@ -11,7 +11,7 @@ from django.contrib.admin import widgets as admin_widgets
 from django.template.response import TemplateResponse
 
 from billing import credits, services, standing, stripe_sync
-from billing.models import BillingAccount, CreditGrant, Dispute, Invoice, SpendAlert, UsageRollup
+from billing.models import BillingAccount, CreditGrant, CreditKind, Dispute, Invoice, SpendAlert, UsageRollup
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
@@ -63,10 +63,18 @@ class CreditGrantForm(forms.ModelForm):
     # grant through a web pod 10 minutes ahead was "not yet granted" for 10 minutes (the prepaid organisation 402).
     granted_at = forms.SplitDateTimeField(required=False, widget=admin_widgets.AdminSplitDateTime,
                                           help_text="Leave blank to grant it now.")
+    # NOTE: purchased unless staff say otherwise: a close is refused while purchased credit remains and forfeits
+    # promotional credit (`endpoints.closing`), so a grant of unknown kind is kept as the customer's money.
+    kind = forms.ChoiceField(choices=CreditKind.choices, required=False, initial=CreditKind.PURCHASED,
+                             help_text="Purchased: the customer paid for it (refunded by support at a close). "
+                                       "Promotional: given by us (forfeited at a close).")
+
+    def clean_kind(self):
+        return self.cleaned_data.get("kind") or CreditKind.PURCHASED
 
     class Meta:
         model = CreditGrant
-        fields = ["organization", "amount", "granted_at", "expires_at", "note"]
+        fields = ["organization", "amount", "kind", "granted_at", "expires_at", "note"]
 
 
 class HeldDifferenceForm(forms.Form):
@@ -156,19 +164,28 @@ class BillingAccountAdmin(admin.ModelAdmin):
 @admin.register(CreditGrant)
 class CreditGrantAdmin(admin.ModelAdmin):
     form = CreditGrantForm
-    list_display = ["organization", "amount", "consumed", "granted_at", "expires_at", "note"]
-    fields = ["organization", "amount", "granted_at", "expires_at", "note", "consumed"]
+    list_display = ["organization", "amount", "kind", "consumed", "granted_at", "expires_at", "note"]
+    fields = ["organization", "amount", "kind", "granted_at", "expires_at", "note", "consumed"]
     readonly_fields = ["consumed"]
 
     def has_change_permission(self, request, obj=None):
         return obj is None  # NOTE: a grant is added, never edited: credit already drawn stays drawn
+
+    actions = ["end_refunded"]
+
+    @admin.action(description="End the selected grants: what they hold was refunded to the customer (in Stripe)",
+                  permissions=["add"])
+    def end_refunded(self, request, queryset):
+        ended = credits.end_refunded_grants(Actor.from_request(request), list(queryset))
+        self.message_user(request, f"Ended {queryset.count()} grant(s), {ended:.2f} USD of credit.", messages.SUCCESS)
 
     def has_delete_permission(self, request, obj=None):
         return False
 
     def save_model(self, request, obj, form, change):
         grant = credits.grant_credits(Actor.from_request(request), obj.organization, amount=obj.amount,
-                                      expires_at=obj.expires_at, note=obj.note, granted_at=obj.granted_at)
+                                      expires_at=obj.expires_at, note=obj.note, granted_at=obj.granted_at,
+                                      kind=obj.kind)
         obj.pk = grant.pk  # the admin's redirect and message name the grant the service made
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
 from django.db import connection, transaction
 
 from billing.ledger import undrawn_prepaid_usage
-from billing.models import BillingAccount, CreditDraw, CreditGrant, credit_draw
+from billing.models import BillingAccount, CreditDraw, CreditGrant, CreditKind, credit_draw
 from billing.quota.counters import refresh_limits
 from controlplane.accounts.services import Actor, record_audit
 from controlplane.clock import database_now
@@ -18,23 +19,71 @@ logger = logging.getLogger(__name__)
 
 
 def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: datetime | None = None,
-                  note: str = "", granted_at: datetime | None = None) -> CreditGrant:
+                  note: str = "", granted_at: datetime | None = None,
+                  kind: str = CreditKind.PURCHASED) -> CreditGrant:
     if amount <= 0:
         raise ValueError("a credit grant must be positive")
     with transaction.atomic():
         grant = CreditGrant.objects.create(
-            organization=organization, amount=amount, expires_at=expires_at, note=note,
+            organization=organization, amount=amount, expires_at=expires_at, note=note, kind=kind,
             # NOTE: by PostgreSQL's clock, as the credit figure judges it (`rebuild.credit_available`): by a web pod's
             # 10 minutes ahead, a top-up was refused (402) for 10 minutes
             granted_at=granted_at or database_now(),
         )
-        record_audit(actor, organization, "billing.grant_credits", grant, amount=str(amount),
+        record_audit(actor, organization, "billing.grant_credits", grant, amount=str(amount), kind=kind,
                      expires_at=expires_at.isoformat() if expires_at else None)
         # NOTE: with the grant, until `refresh_limits` has dropped Redis's credit figure (`billing.services`).
         account = BillingAccount.objects.for_organization(organization.pk)
         BillingAccount.objects.filter(pk=account.pk).update(limits_stale=True)
     refresh_limits(account)
     return grant
+
+
+@dataclass(slots=True, frozen=True)
+class RemainingCredit:
+    """What the organisation's active grants hold, by kind (USD), as drawn so far (usage not drawn yet is not off it)."""
+
+    purchased: Decimal
+    promotional: Decimal
+
+
+def remaining_credit(organization_id: int, *, now: datetime | None = None) -> RemainingCredit:
+    """The credit the organisation's grants active now (PostgreSQL's clock, as they are stamped) hold, by kind."""
+    now = now or database_now()
+    left = {CreditKind.PURCHASED: Decimal(0), CreditKind.PROMOTIONAL: Decimal(0)}
+    for grant in CreditGrant.objects.filter(organization_id=organization_id).active(now):
+        left[grant.kind] = left.get(grant.kind, Decimal(0)) + grant.remaining
+    return RemainingCredit(purchased=left[CreditKind.PURCHASED], promotional=left[CreditKind.PROMOTIONAL])
+
+
+def forfeit_promotional_credit(actor: Actor, organization, *, now: datetime) -> Decimal:
+    """End the organisation's active promotional grants at `now` (its close): what they held is forfeited, audited
+    with its amount. Usage begun before `now` is still drawn from them (`CreditGrantQuerySet.paying_for`)."""
+    grants = list(CreditGrant.objects.filter(organization=organization, kind=CreditKind.PROMOTIONAL).active(now)
+                  .select_for_update())
+    forfeited = sum((grant.remaining for grant in grants), Decimal(0))
+    CreditGrant.objects.filter(pk__in=[grant.pk for grant in grants]).update(expires_at=now)
+    if grants:
+        record_audit(actor, organization, "billing.forfeit_promotional_credit", None, amount=str(forfeited),
+                     grants=[grant.pk for grant in grants])
+    return forfeited
+
+
+def end_refunded_grants(actor: Actor, grants) -> Decimal:
+    """End `grants` now (PostgreSQL's clock) because support refunded what they held (in Stripe, by hand): their
+    remaining credit no longer pays for anything, audited with its amount per grant. Returns the total ended."""
+    now = database_now()
+    total = Decimal(0)
+    with transaction.atomic():
+        for grant in CreditGrant.objects.filter(pk__in=[grant.pk for grant in grants]).active(now).select_for_update():
+            CreditGrant.objects.filter(pk=grant.pk).update(expires_at=now)
+            total += grant.remaining
+            record_audit(actor, grant.organization, "billing.credit_refunded", grant, amount=str(grant.remaining),
+                         kind=grant.kind)
+            BillingAccount.objects.filter(organization_id=grant.organization_id).update(limits_stale=True)
+    for organization_id in {grant.organization_id for grant in grants}:
+        refresh_limits(BillingAccount.objects.for_organization(organization_id))
+    return total
 
 
 def draw_due_credits() -> int:

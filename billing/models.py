@@ -605,11 +605,22 @@ def _made_under(grant: CreditGrant, started_at: datetime) -> bool:
     return grant.granted_at < started_at + _PART_SPAN and (grant.expires_at is None or grant.expires_at > started_at)
 
 
+class CreditKind(models.TextChoices):
+    # Paid for by the customer (a top-up invoiced or wired): theirs, refunded by support, never forfeited by a close.
+    PURCHASED = "purchased", "Purchased"
+    # Given by the platform (a trial, a goodwill credit): ends with the organisation.
+    PROMOTIONAL = "promotional", "Promotional"
+
+
 class CreditGrant(models.Model):
     """Prepaid credit: usable from `granted_at` until `expires_at`; unused credit expires with it."""
 
     organization = models.ForeignKey("controlplane.Organization", on_delete=models.CASCADE, related_name="credit_grants")
     amount = MoneyField()
+    # NOTE: grants made before this was kept are purchased, the careful reading: a close is refused while purchased
+    # credit remains (`endpoints.closing`), so support looks at them rather than a close forfeiting a customer's money.
+    kind = models.CharField(max_length=16, choices=CreditKind.choices, default=CreditKind.PURCHASED,
+                            db_default=CreditKind.PURCHASED)
     consumed = MoneyField(default=Decimal(0))
     note = models.CharField(max_length=200, blank=True)
     granted_at = models.DateTimeField(default=timezone.now)

@@ -297,6 +297,8 @@ def batch_engine_failures_key(batch_id: str, index: int) -> str:
 
 # Held by one `billing.stripe_sync.push_pending_rollups` run at a time (a token lock: redis-py's `Lock`).
 PUSH_RUN_LOCK_KEY = "billing:push-run-lock"
+# One run at a time of the ending of closed organisations' subscriptions (`billing.closed_subscriptions`).
+CLOSED_SUBSCRIPTIONS_RUN_LOCK_KEY = "billing:closed-subscriptions-run-lock"
 POOLS_TICK_LOCK_KEY = "pools:tick-lock"  # held by one `endpoints.fleet.pools.provision_tick` at a time
 # When each pool's tick last started (a hash: pool id -> Redis time): the tick takes the pools least recently started first.
 POOLS_TICK_STARTED_KEY = "pools:tick-started"

@@ -355,6 +355,8 @@ CELERY_BEAT_SCHEDULE = {
     "ping-scheduler": {"task": "controlplane.ping", "schedule": 60.0, "options": {"expires": 60}},
     "billing-rollup-usage": {"task": "billing.rollup_usage", "schedule": 60.0, "options": {"expires": 60}},
     "billing-push-rollups": {"task": "billing.push_pending_rollups", "schedule": 60.0, "options": {"expires": 60}},
+    "end-closed-subscriptions": {"task": "endpoints.end_closed_subscriptions", "schedule": 300.0,
+                                 "options": {"expires": 300}},
     "billing-replay-shipped-usage": {"task": "billing.replay_shipped_usage", "schedule": 60.0,
                                      "options": {"expires": 60}},
     "billing-sweep-reservations": {"task": "billing.sweep_expired_reservations", "schedule": 30.0,

@@ -7,6 +7,9 @@ sweep deletes their bytes, as it deletes any expired file's, once the batches re
 batch that ends after the close expire as they are written, `batches.services._output_expiry`). What stays is the
 billing and legal record: usage rows and rollups (still rolled up and pushed to Stripe), invoices, the credit ledger
 and the audit log, readable by its members (README, "What is kept"). A closed organisation is never opened again.
+Once its last usage is in Stripe, its subscription is cancelled with a final invoice (`end_closed_subscriptions`,
+`billing.closed_subscriptions`). A close is refused while purchased credit remains (support refunds it:
+`credit_refusal`); promotional credit is forfeited, once the owner acknowledges its amount.
 
 Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
 and pending invitations revoked), ends their sessions, deactivates the user and erases their address and name from
@@ -20,12 +23,13 @@ must not be able to end an organisation or an account.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
-from django.utils import timezone
 
+from billing import closed_subscriptions, credits
 from controlplane.accounts import erasure, invitations, keys, members, throttle
 from controlplane.accounts.models import (
     Invitation,
@@ -35,6 +39,9 @@ from controlplane.accounts.models import (
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
+from controlplane.clock import database_now
+from controlplane.redis_client import held_alone
+from controlplane.redis_keys import CLOSED_SUBSCRIPTIONS_RUN_LOCK_KEY
 from endpoints.adapters import delete_adapter
 from endpoints.batches import services as batches
 from endpoints.batches.models import Batch, BatchStatus, File
@@ -42,7 +49,11 @@ from endpoints.credentials import delete_credential
 from endpoints.models import Adapter, Endpoint, ModelCredential
 from endpoints.services import delete_endpoint
 
+logger = logging.getLogger(__name__)
+
 CLOSE_REASON = "organization.close"
+# How long one run's lock lasts unless renewed (every third of it while the run lives).
+CLOSED_SUBSCRIPTIONS_RUN_LOCK_S = 60.0
 DELETE_REASON = "user.delete"
 
 
@@ -66,11 +77,13 @@ class AlreadyClosed(ValueError):
     """The organisation is closed already (a 409)."""
 
 
-def close_organization(actor: Actor, organization: Organization, *, confirm_name: str) -> Organization:
+def close_organization(actor: Actor, organization: Organization, *, confirm_name: str,
+                       forfeit_promotional_credit: bool = False) -> Organization:
     """Closes the organisation, in one transaction (see the module's note); `confirm_name` must be its name as it is.
 
     Raises `NotPermitted` unless the actor is one of its owners in a signed-in session, `AlreadyClosed` where it is
-    closed already, `Refused` where the name does not match."""
+    closed already, `Refused` where the name does not match, where purchased credit remains (`credit_refusal`), or
+    where promotional credit remains and `forfeit_promotional_credit` does not acknowledge that it ends with it."""
     members.ensure_in_a_session(actor, "confirm_name")
     with transaction.atomic():
         # NOTE: the organisation's row first, as every change of its keys, members and invitations takes it: a key, an
@@ -85,13 +98,23 @@ def close_organization(actor: Actor, organization: Organization, *, confirm_name
                                 "cannot be closed again or opened.")
         if confirm_name != organization.name:
             raise Refused("confirm_name", "Type the organisation's name exactly as it is shown to confirm closing it.")
+        if refusal := credit_refusal(organization):
+            raise Refused("non_field_errors", refusal)
+        promotional = credits.remaining_credit(organization.pk).promotional
+        if promotional > 0 and not forfeit_promotional_credit:
+            raise Refused("forfeit_promotional_credit",
+                          f"{promotional:.2f} USD of promotional credit remains; it ends with the organisation and is "
+                          "not refunded. Confirm that you forfeit it to close.")
         _close(actor, organization)
     organization.refresh_from_db()
     return organization
 
 
 def _close(actor: Actor, organization: Organization) -> None:
-    now = timezone.now()
+    # NOTE: by PostgreSQL's clock, as every money rule judges time (`controlplane.clock`): the close is when usage stops
+    # being the organisation's to run, and the subscription ends once what was recorded up to it is billed
+    # (`billing.closing`); by the web pod's, one minutes ahead or behind moved that line.
+    now = database_now()
     Organization.objects.filter(pk=organization.pk).update(closed_at=now)
     organization.closed_at = now
     num_keys = keys.revoke_api_keys_of_organization(actor, organization, reason=CLOSE_REASON)
@@ -119,9 +142,41 @@ def _close(actor: Actor, organization: Organization) -> None:
     # open batch reads them, as any expired file's do, never from within this transaction.
     num_files = File.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now), organization=organization,
                                     deleted_at__isnull=True).update(expires_at=now)
+    forfeited = credits.forfeit_promotional_credit(actor, organization, now=now)
     record_audit(actor, organization, "organization.close", organization, num_api_keys=num_keys,
                  num_endpoints=len(endpoints), num_adapters=num_adapters, num_credentials=len(credentials),
-                 num_batches_cancelled=num_batches, num_files=num_files)
+                 num_batches_cancelled=num_batches, num_files=num_files,
+                 promotional_credit_forfeited=f"{forfeited:.2f}")
+
+
+def end_closed_subscriptions() -> int:
+    """End the Stripe subscription of each closed organisation whose last usage is billed
+    (`billing.closed_subscriptions`), one run at a time; returns how many ended. A cancelled batch whose lines still
+    run (`Batch.objects.open()`) holds its organisation's until it ends: those lines' usage is the close's last.
+    One organisation's failure (Stripe down) leaves it for the next run and the others go on."""
+    with held_alone(CLOSED_SUBSCRIPTIONS_RUN_LOCK_KEY, CLOSED_SUBSCRIPTIONS_RUN_LOCK_S, renewed=True) as held:
+        if not held:
+            return 0
+        num_ended = 0
+        for organization_id in list(closed_subscriptions.closed_with_subscription()):
+            if Batch.objects.open().filter(organization_id=organization_id).exists():
+                continue
+            try:
+                num_ended += closed_subscriptions.end_subscription_after_close(organization_id)
+            except Exception:  # noqa: BLE001 - the next run tries it again; the others go on
+                logger.exception("ending the subscription of closed organisation %s failed; the next run retries",
+                                 organization_id)
+        return num_ended
+
+
+def credit_refusal(organization: Organization) -> str | None:
+    """Why the organisation may not be closed yet for its money: purchased credit remains, which is the customer's and
+    is refunded by support, never forfeited by a close; None where none does."""
+    purchased = credits.remaining_credit(organization.pk).purchased
+    if purchased <= 0:
+        return None
+    return (f"{purchased:.2f} USD of purchased credit remains on {organization.name}: contact support to have it "
+            "refunded, then close the organisation.")
 
 
 def close_refusal(organization: Organization, user) -> str | None:
@@ -142,6 +197,8 @@ def close_refusal(organization: Organization, user) -> str | None:
         held.append("open batches")
     if File.objects.for_org(organization.pk).exists():
         held.append("files")
+    if refusal := credit_refusal(organization):
+        return refusal
     if not held:
         return None
     return (f"You are the only owner of {organization.name} (slug {organization.slug}), which has "

@@ -14,6 +14,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from billing import credits
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
 from controlplane.accounts.serializers import OrganizationSerializer
@@ -24,18 +25,24 @@ from endpoints import closing
 
 class CloseOrganizationInput(serializers.Serializer):
     confirm_name = serializers.CharField(trim_whitespace=False, help_text="The organisation's name, exactly.")
+    forfeit_promotional_credit = serializers.BooleanField(
+        default=False, help_text="Required (true) while promotional credit remains: it ends with the organisation.")
 
 
 class CloseOrganizationView(APIView):
     """Closes the caller's organisation for good (owners only, signed in): its keys are revoked, its endpoints,
     adapters, credentials and files deleted, its open batches cancelled and its pending invitations withdrawn; its
-    usage, invoices, credit ledger and audit log stay, readable."""
+    usage, invoices, credit ledger and audit log stay, readable, and its last usage is billed on a final invoice, then
+    its subscription ends. Refused while purchased credit remains; promotional credit left must be forfeited
+    explicitly (`forfeit_promotional_credit`)."""
 
     required_role = Role.OWNER
 
     @extend_schema(request=CloseOrganizationInput, responses={
         200: OrganizationSerializer,
-        400: OpenApiResponse(description="`confirm_name` is not the organisation's name."),
+        400: OpenApiResponse(description="`confirm_name` is not the organisation's name; purchased credit remains "
+                                         "(`non_field_errors`: support refunds it first); promotional credit remains "
+                                         "and `forfeit_promotional_credit` is not true (the amount is stated)."),
         403: OpenApiResponse(description="Not an owner, called with an API key, or the organisation is closed already."),
         409: OpenApiResponse(description="Another request closed it first."),
     })
@@ -44,8 +51,9 @@ class CloseOrganizationView(APIView):
         data.is_valid(raise_exception=True)
         membership = request_membership(request)
         try:
-            organization = closing.close_organization(Actor.from_request(request), membership.organization,
-                                                      confirm_name=data.validated_data["confirm_name"])
+            organization = closing.close_organization(
+                Actor.from_request(request), membership.organization, confirm_name=data.validated_data["confirm_name"],
+                forfeit_promotional_credit=data.validated_data["forfeit_promotional_credit"])
         except NotPermitted as exc:
             raise PermissionDenied(str(exc)) from None
         except closing.Refused as exc:
@@ -92,11 +100,13 @@ class DeleteAccountView(APIView):
 @member_required(write=Role.OWNER)
 def organization_close(request):
     organization = request.organization
-    context = {"organization": organization, "is_owner": request.membership.role == Role.OWNER}
+    context = {"organization": organization, "is_owner": request.membership.role == Role.OWNER,
+               "credit": credits.remaining_credit(organization.pk)}
     if request.method == "POST":
         try:
             closing.close_organization(Actor.from_request(request), organization,
-                                       confirm_name=request.POST.get("confirm_name", ""))
+                                       confirm_name=request.POST.get("confirm_name", ""),
+                                       forfeit_promotional_credit=request.POST.get("forfeit_promotional_credit") == "on")
         except closing.Refused as exc:
             return render(request, "controlplane/organization_close.html", context | {"error": str(exc)}, status=400)
         except (NotPermitted, closing.AlreadyClosed) as exc:

@@ -3,7 +3,7 @@ constants their senders use (`RECONCILE_TASK`, `WAKE_TASK`, `PROVISION_TASK`), s
 
 from celery import shared_task
 
-from endpoints import scheduler
+from endpoints import closing, scheduler
 from endpoints.fleet import pool_strays, pools
 from endpoints.fleet.pool_demand import PROVISION_TASK
 from endpoints.gateway.wake import WAKE_TASK
@@ -41,3 +41,9 @@ def provision_nodes() -> None:
 def sweep_stray_machines() -> None:
     """Terminate pool machines no launch record knows, once past the grace (`endpoints.fleet.pool_strays`)."""
     pool_strays.sweep_stray_machines()
+
+
+@shared_task(name="endpoints.end_closed_subscriptions", acks_late=True, time_limit=300, soft_time_limit=270,
+             ignore_result=True)
+def end_closed_subscriptions() -> int:
+    return closing.end_closed_subscriptions()

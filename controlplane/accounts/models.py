@@ -11,6 +11,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.clock import DatabaseClock
 from controlplane.text import shown_name
 
 
@@ -326,7 +327,10 @@ class AuditEvent(models.Model):
     target_repr = models.CharField(max_length=200, blank=True)
     details = models.JSONField(default=dict, blank=True)
     source_ip = models.GenericIPAddressField(null=True, blank=True)
-    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    # NOTE: by PostgreSQL's clock (the statement's moment), filled in and returned by the insert: by each web pod's or
+    # worker's own, one minutes off put an event before or after what it followed (a close's events around its
+    # `closed_at`, which the database's clock stamps).
+    created_at = models.DateTimeField(db_default=DatabaseClock(), db_index=True)
 
     class Meta:
         ordering = ["-created_at"]

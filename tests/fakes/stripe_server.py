@@ -165,6 +165,9 @@ class FakeStripe:
             def do_POST(self):
                 fake._handle(self, "POST")
 
+            def do_DELETE(self):
+                fake._handle(self, "DELETE")
+
             def log_message(self, *args):
                 pass
 
@@ -433,7 +436,7 @@ class FakeStripe:
         url = urlparse(request.path)
         path = url.path
         body = request.rfile.read(int(request.headers.get("Content-Length") or 0)).decode()
-        query = url.query if method == "GET" else body  # the library sends GET parameters in the URL
+        query = url.query if method in ("GET", "DELETE") and not body else body  # the library sends GET parameters in the URL
         call = Call(method, path, _nested(parse_qsl(query, keep_blank_values=True)), request.headers.get("Idempotency-Key"))
         if self.latency_s:
             time.sleep(self.latency_s)
@@ -544,6 +547,18 @@ class FakeStripe:
         if (method, path) == ("GET", "/v1/subscriptions"):
             return 200, {"object": "list", "data": [_shown_subscription(found) for found in self._list_subscriptions(params)],
                          "has_more": False, "url": path}
+        if method == "DELETE" and path.startswith("/v1/subscriptions/"):
+            # Cancelled at once; with `invoice_now`, its usage not invoiced yet billed by a final invoice now. Stripe
+            # takes no idempotency key on a DELETE: one of an ended subscription is refused.
+            subscription = self.subscriptions.get(path.removeprefix("/v1/subscriptions/"))
+            if subscription is None:
+                return 404, _error("invalid_request_error", "No such subscription", code="resource_missing")
+            if subscription["status"] in ("canceled", "incomplete_expired"):
+                return 400, _error("invalid_request_error", "This subscription is already canceled.")
+            if params.get("invoice_now") == "true":
+                self._invoice(subscription, now)
+            subscription.update(status="canceled", canceled_at=now, ended_at=now)
+            return 200, _shown_subscription(subscription)
         if method == "GET" and path.startswith("/v1/subscriptions/"):
             subscription = self.subscriptions.get(path.removeprefix("/v1/subscriptions/"))
             if subscription is None:

@@ -1,0 +1,122 @@
+"""A closed organisation's Stripe subscription ends once its last usage is billed (`end_subscription_after_close`).
+
+The platform's one price is metered, so a closed organisation's live subscription would go on making an invoice every
+month (of nothing) and Stripe's dunning mails would go on reaching people who left. It is cancelled at once with
+`invoice_now` (Stripe then makes a final invoice of the usage it has not invoiced yet, the meter events it has received
+dated up to the cancellation) and no proration (`prorate` false: there is no fixed fee to credit back) — but only once
+everything recorded up to the close is in Stripe: a meter event Stripe receives after the cancellation is billed by no
+invoice of that subscription.
+
+Settled means, by PostgreSQL's clock (`controlplane.clock`), as the close is stamped:
+- the close is `settle_after_close()` old: its own hour's rollup has closed (`billing.rollups.close_delay`) and a
+  call admitted before it has settled or its reservation expired (`INFERPLANE_RESERVATION_TTL_S`);
+- a rollup run started since then (`RollupCursor.recorded_since`), so every usage row recorded by then is rolled up;
+- none of its rollups is open, or closed and not yet in Stripe (one held for an operator holds the subscription too:
+  the hold says why, and the cancellation waits for the operator);
+- its last rollup reached Stripe over `METER_EVENTS_SETTLE` ago (Stripe aggregates meter events asynchronously).
+The caller adds what billing cannot see (`endpoints.closing.end_closed_subscriptions`: a cancelled batch whose lines
+still run).
+
+Usage recorded later still (a gateway that was partitioned replays its journal hours later) is not dropped: its rollup
+is pushed as any other, the push subscribes the organisation again from where the cancelled subscription's invoices
+stopped (`stripe_sync.ensure_subscription`, `_invoiced_until`), and once that settles this cancels the new one in turn,
+with its own final invoice: billed once, on one more invoice, each subscription cancelled once.
+
+Twice-safe: one run at a time (`endpoints.closing`), each subscription read before it is cancelled (one Stripe ended
+already is only forgotten), and a cancellation whose answer was lost is found by reading it again (Stripe takes no
+idempotency key on a DELETE: a second one is refused, never done twice). Stripe down: nothing changes here, the next
+run tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+import stripe
+from django.conf import settings
+
+from billing import rollups, services, stripe_sync
+from billing.models import BillingAccount, RollupCursor, UsageRollup
+from controlplane.accounts.models import Organization
+from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.clock import database_now
+
+logger = logging.getLogger(__name__)
+
+# How long after the last meter event pushed the subscription is cancelled: Stripe aggregates meter events
+# asynchronously, and an event not aggregated yet when the final invoice is made is billed by no invoice.
+METER_EVENTS_SETTLE = timedelta(minutes=10)
+
+
+def settle_after_close() -> timedelta:
+    """How long after a close its last usage may still be recorded: the close's hour until its rollup closes, and the
+    longest a call admitted before the close holds its reservation."""
+    return rollups.close_delay() + timedelta(seconds=settings.BILLING_RESERVATION_TTL_S)
+
+
+def closed_with_subscription():
+    """The ids of closed organisations whose account still holds a Stripe subscription."""
+    return (BillingAccount.objects.filter(organization__closed_at__isnull=False).exclude(stripe_subscription_id="")
+            .order_by("organization_id").values_list("organization_id", flat=True))
+
+
+def unsettled_reason(organization_id: int, *, now: datetime | None = None) -> str | None:
+    """Why the closed organisation's last usage may not all be in Stripe yet; None once it is (see the module's note)."""
+    now = now or database_now()
+    closed_at = Organization.objects.values_list("closed_at", flat=True).get(pk=organization_id)
+    if closed_at is None:
+        return "open"
+    settled_at = closed_at + settle_after_close()
+    if now < settled_at:
+        return f"calls and rollups of the close settle until {settled_at:%Y-%m-%d %H:%M} UTC"
+    recorded_since = RollupCursor.objects.filter(id=1).values_list("recorded_since", flat=True).first()
+    if recorded_since is None or recorded_since < settled_at:
+        return "no rollup run has started since the close settled"
+    rollups_of = UsageRollup.objects.filter(organization_id=organization_id)
+    if rollups_of.filter(closed_at__isnull=True).exists():
+        return "a rollup is still open"
+    if rollups_of.pushable().exists():
+        return "a rollup is not in Stripe yet (held for an operator, or its push failing)"
+    last_pushed_at = rollups_of.filter(pushed_at__isnull=False).order_by("-pushed_at").values_list(
+        "pushed_at", flat=True).first()
+    if last_pushed_at is not None and now - last_pushed_at < METER_EVENTS_SETTLE:
+        return "Stripe is still aggregating the last meter events"
+    return None
+
+
+def end_subscription_after_close(organization_id: int) -> bool:
+    """Cancel the closed organisation's subscription, billing what it has not invoiced, once its last usage is in
+    Stripe (`unsettled_reason`). True if this call ended it (cancelled it, or found it ended and forgot it)."""
+    if not stripe_sync.is_configured():
+        return False
+    subscription_id = BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(
+        organization_id=organization_id)
+    if not subscription_id or unsettled_reason(organization_id) is not None:
+        return False
+    cancelled = False
+    if not _ended(subscription_id):
+        try:
+            stripe_sync.call_stripe(
+                lambda options: stripe_sync.stripe_client().v1.subscriptions.cancel(
+                    subscription_id, params={"invoice_now": True, "prorate": False}, options=options),
+                what="subscription cancel", key=stripe_sync.IdempotencyKey(f"subscription-cancel-{subscription_id}"))
+        except stripe.InvalidRequestError:
+            # NOTE: a try whose answer was lost (a timeout) cancelled it, and the retry was refused: not an error
+            if not _ended(subscription_id):
+                raise
+        cancelled = True
+    account = services.record_subscription_ended(subscription_id)
+    organization = Organization.objects.get(pk=organization_id)
+    record_audit(SYSTEM, organization, "billing.subscription_cancel_after_close", account,
+                 subscription=subscription_id, cancelled_here=cancelled)
+    logger.info("subscription %s of closed organisation %s ended (cancelled here: %s)", subscription_id,
+                organization_id, cancelled)
+    return True
+
+
+def _ended(subscription_id: str) -> bool:
+    subscription = stripe_sync.call_stripe(
+        lambda _options: stripe_sync.stripe_client().v1.subscriptions.retrieve(subscription_id),
+        what="subscription read")
+    return subscription.status in stripe_sync.ENDED_SUBSCRIPTION_STATUSES
