@@ -194,9 +194,11 @@ class CredentialLookups:
         self.known.add(self.digest(plain), group=owner)
 
     @contextmanager
-    def slot_for(self, plain: str) -> Iterator[None]:
-        """A lookup slot for `plain` (`LookupSlots.held`), none for a credential known to be real."""
-        if self.digest(plain) in self.known:
+    def slot_for(self, plain: str, *, known_elsewhere: Callable[[str], bool] | None = None) -> Iterator[None]:
+        """A lookup slot for `plain` (`LookupSlots.held`), none for a credential known to be real: here, or (asked
+        only of one not known here) by `known_elsewhere(its digest)` (every process's: `known_credentials`)."""
+        digest = self.digest(plain)
+        if digest in self.known or (known_elsewhere is not None and known_elsewhere(digest)):
             yield
             return
         with self.slots.held():

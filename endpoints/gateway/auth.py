@@ -27,7 +27,7 @@ from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _doe
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
-from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
+from controlplane.accounts.keys import API_KEY_LOOKUPS, API_KEYS_KNOWN, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.sessions import SessionStore
@@ -113,8 +113,13 @@ async def caller_from_key(plain: str) -> Caller | None:
     digest = API_KEY_LOOKUPS.digest(plain)
     if digest in _refused_keys:
         return None
+    # NOTE: a key this process never served, but real to another (or just minted: `known_credentials`), is looked up
+    # without waiting for a slot: every real key's first call in a process (a new key, after a deploy, a scale-up, the
+    # load balancer's next pod) waited behind a flood of made-up ones, and was a 503 for as long as it lasted.
+    was_cached = digest in _callers_by_key.entries
+    known_elsewhere = not was_cached and await API_KEYS_KNOWN.contains_async(digest)
     try:
-        caller = await _callers_by_key.get(digest, plain)
+        caller = await _callers_by_key.get(digest, plain, unqueued=known_elsewhere)
     except LookupsBusy:
         # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
         raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
@@ -126,6 +131,8 @@ async def caller_from_key(plain: str) -> Caller | None:
         # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
         _callers_by_key.forget(digest)
         _refused_keys.add(digest)
+        if was_cached or known_elsewhere:  # NOTE: a made-up key has no mark: its refusal costs Redis nothing
+            await API_KEYS_KNOWN.discard_async(digest)
     return caller
 
 

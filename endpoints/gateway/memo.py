@@ -95,8 +95,12 @@ class Memo:
             return self._loader(key, load_args)
         return None
 
-    async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None):
+    async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None,
+                  unqueued: bool = False):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`).
+
+        `unqueued`: a first load of `key` takes no slot (`max_concurrent_loads`), as the reload of an entry in use never
+        does: for a key the caller knows to be real elsewhere (an API key another process served: `auth`).
 
         `fresh` reads it now; `fresh_since` (monotonic) takes a load begun at or after then, the one running or the last
         that landed, else reads it now: callers woken by one message share one read (`adapter_hold`)."""
@@ -118,23 +122,23 @@ class Memo:
             if age < ttl_s + STALE_FOR_S and not (self.wait_when_empty and not entry[1]):
                 self._loader(key, load_args)
                 return entry[1]
-        return await asyncio.shield(self._loader(key, load_args, fresh=fresh))
+        return await asyncio.shield(self._loader(key, load_args, fresh=fresh, unqueued=unqueued))
 
-    def _loader(self, key, load_args: tuple, *, fresh: bool = False) -> asyncio.Task:
+    def _loader(self, key, load_args: tuple, *, fresh: bool = False, unqueued: bool = False) -> asyncio.Task:
         task = self._loading.get(key)
         # NOTE: a fresh read must not take a load that began before it was asked for.
         if fresh or task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._load_began[key] = time.monotonic()
-            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,)))
+            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,), unqueued))
             task.add_done_callback(_note_failure)
         return task
 
-    async def _reload(self, key, load_args: tuple):
+    async def _reload(self, key, load_args: tuple, unqueued: bool = False):
         started = time.monotonic()
         try:
             # NOTE: only a first load takes a slot: the reload of an entry in use (an endpoint, a key that exists)
             # never queues behind a flood of made-up ones; reloads are at most one per entry and `ttl_s`.
-            if self._load_slots is None or key in self.entries:
+            if self._load_slots is None or key in self.entries or unqueued:
                 value = await self._load(*load_args)
             else:
                 async with (self._load_slots.held_async() if self._load_owner is None
