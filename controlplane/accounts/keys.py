@@ -4,6 +4,7 @@ secret, with its creator's current role."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,8 +141,7 @@ def create_api_key(
                 api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
                 # NOTE: known to every process from its first call: a key just minted was a stranger to each, and
                 # its first calls were 503s behind any flood of made-up keys (`known_credentials`).
-                digest = API_KEY_LOOKUPS.digest(issued.plain)
-                transaction.on_commit(lambda: API_KEYS_KNOWN.add(digest))
+                transaction.on_commit(functools.partial(API_KEYS_KNOWN.add, API_KEY_LOOKUPS.digest(issued.plain)))
             return CreatedApiKey(api_key=api_key, plain=issued.plain)
         except IntegrityError:  # a lookup collision: astronomically rare, try a new one
             continue
