@@ -26,7 +26,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from controlplane.per_loop import PerLoop
@@ -205,9 +205,10 @@ class CredentialLookups:
             yield
 
     @asynccontextmanager
-    async def slot_for_async(self, plain: str):
+    async def slot_for_async(self, plain: str, *, known_elsewhere: Callable[[str], Awaitable[bool]] | None = None):
         """`slot_for` for a coroutine (`LookupSlots.held_async`)."""
-        if self.digest(plain) in self.known:
+        digest = self.digest(plain)
+        if digest in self.known or (known_elsewhere is not None and await known_elsewhere(digest)):
             yield
             return
         async with self.slots.held_async():

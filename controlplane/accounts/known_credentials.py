@@ -9,6 +9,10 @@ the flood lasted. So a key that matched a real one in any process, or was just i
 that finds the mark looks the key up without waiting for a slot. Still looked up: a revoked key stops at once, and its
 refusal takes the mark away.
 
+Node secrets likewise (`endpoints.fleet.services.NODE_SECRETS_KNOWN`): after a deploy of the web pods, every node's
+heartbeat was a stranger's in each new process. The digest is the one the database keeps (`tokens.hash_token`), so a
+retire takes the mark away from the row alone.
+
 NOTE: only a match (or an issue) ever sets a mark, so no made-up credential skips the slots, however many are sent;
 and a mark only lets a lookup skip the queue, never answers one. Redis away: every credential is unknown here, and
 waits for its slot as before (each failure costs a caller nothing more than that).
