@@ -18,6 +18,7 @@ threads and connections, never the pool that key and endpoint lookups need.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
@@ -100,14 +101,35 @@ def _organization_of(caller: Caller | None) -> int | None:
 # NOTE: shared fairly between organisations (`Memo`'s `group_of`): a full cache drops a key of the organisation holding
 # the most. Least recently used first, whoever's, ten organisations at the live-key limit (sign-up is open) calling in
 # turn pushed every other tenant's key out, each of their calls then a lookup queued (4 at once) behind the flood's.
+# NOTE: a first lookup's slot is its sender's address's (`source_of`, `FairSlots`: at most half of them one
+# address's, the last free one kept for an address holding none): first come, first served, one address's flood of
+# made-up keys took all four, and a real key new to the process from anywhere else waited 2 s, then was a 503.
 _callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
                        max_concurrent_loads=MAX_KEY_LOOKUPS, load_wait_s=API_KEY_LOOKUPS.slots.wait_s,
-                       group_of=_organization_of)
+                       group_of=_organization_of, fair_loads=True)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 
 
-async def caller_from_key(plain: str) -> Caller | None:
+def source_of(scope: dict) -> str | None:
+    """Whose a request's key lookup is among the fair slots: its client's address (as the server took it from the
+    proxies it trusts: `FORWARDED_ALLOW_IPS`), an IPv6 one's /64 (what one subscriber holds); None when unknown."""
+    client = scope.get("client")
+    if not client:
+        return None
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return None
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+async def caller_from_key(plain: str, *, source: str | None = None) -> Caller | None:
+    """The caller `plain` names, or None; `source` (`source_of`) is whose a lookup's slot is."""
     if tokens.split_token(plain, tokens.API_KEY_KIND) is None:
         return None
     digest = API_KEY_LOOKUPS.digest(plain)
@@ -119,7 +141,7 @@ async def caller_from_key(plain: str) -> Caller | None:
     was_cached = digest in _callers_by_key.entries
     known_elsewhere = not was_cached and await API_KEYS_KNOWN.contains_async(digest)
     try:
-        caller = await _callers_by_key.get(digest, plain, unqueued=known_elsewhere)
+        caller = await _callers_by_key.get(digest, plain, unqueued=known_elsewhere, owner=source)
     except LookupsBusy:
         # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
         raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
@@ -214,13 +236,13 @@ async def _caller_of_session(session_key: str) -> Caller | None:
         raise errors.service_unavailable("Too many sessions are being checked at once; please retry.") from None
 
 
-async def authenticate(headers: dict[str, str]) -> Caller:
+async def authenticate(headers: dict[str, str], *, source: str | None = None) -> Caller:
     authorization = headers.get("authorization", "")
     if authorization:
         keyword, _, plain = authorization.partition(" ")
         if keyword.lower() != "bearer" or not plain.strip():
             raise errors.invalid_api_key("Send 'Authorization: Bearer <API key>'.")
-        caller = await caller_from_key(plain.strip())
+        caller = await caller_from_key(plain.strip(), source=source)
         if caller is None:
             raise errors.invalid_api_key("Incorrect, expired or revoked API key provided.")
     else:

@@ -292,3 +292,55 @@ def test_api_v1_serves_a_key_just_minted_while_a_flood_holds_every_lookup_slot(l
         for _ in range(slots.max_concurrent):
             slots._threads.release()
     assert authenticated is not None
+
+
+def test_one_addresss_flood_of_made_up_keys_never_holds_the_lookup_a_real_key_from_elsewhere_needs(monkeypatch):
+    # Before: a first lookup's slot was first come, first served: one address's flood of made-up keys (each lookup
+    # slow, as under load) took all four, and a real key new to every process (unused for a week, or before its mark),
+    # sent from anywhere else, waited 2 s and was a 503 for as long as the flood lasted.
+    import threading
+
+    from endpoints.gateway import errors
+
+    release, flood_keys = threading.Event(), {_bogus_key() for _ in range(12)}
+    real = keys.find_api_key
+
+    def slow_for_the_flood(plain):
+        if plain in flood_keys:
+            release.wait(30)  # a slow lookup, holding its slot
+        return real(plain)
+
+    monkeypatch.setattr(keys, "find_api_key", slow_for_the_flood)
+    auth._callers_by_key.clear()
+    auth._refused_keys.clear()
+    plain = _real_key()
+    keys.API_KEYS_KNOWN.discard(keys.API_KEY_LOOKUPS.digest(plain))  # a key no process has marked: a stranger's
+
+    async def scenario():
+        flood = [asyncio.ensure_future(auth.caller_from_key(key, source="203.0.113.7")) for key in flood_keys]
+        await asyncio.sleep(0.5)  # the flood's lookups take what slots they may, the rest wait
+        try:
+            return await auth.caller_from_key(plain, source="198.51.100.20")
+        finally:
+            release.set()
+            outcomes = await asyncio.gather(*flood, return_exceptions=True)
+            assert all(outcome is None or isinstance(outcome, errors.OpenAIError) for outcome in outcomes)
+
+    try:
+        caller = asyncio.run(scenario())
+    finally:
+        release.set()
+        auth._callers_by_key.clear()
+        auth._refused_keys.clear()
+    assert caller is not None and caller.api_key_id is not None
+
+
+@pytest.mark.parametrize(("client", "source"), [
+    (("203.0.113.7", 51000), "203.0.113.7"),
+    (("2001:db8:1:2:aaaa::1", 51000), "2001:db8:1:2::/64"),  # what one subscriber holds
+    (("::ffff:203.0.113.7", 51000), "203.0.113.7"),
+    (None, None),
+    (("unix-socket", 0), None),
+])
+def test_a_key_lookups_share_is_its_senders_address(client, source):
+    assert auth.source_of({"client": client}) == source
