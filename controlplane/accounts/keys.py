@@ -379,7 +379,10 @@ def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:
     role = creator_role(api_key)
     if role is None:
         return None
-    API_KEYS_KNOWN.add(API_KEY_LOOKUPS.digest(plain))  # renewed at each match, from every process
+    digest = API_KEY_LOOKUPS.digest(plain)
+    # NOTE: renewed at each match from every process, but once an hour on /api/v1 (`know`), not at each call
+    if digest not in API_KEY_LOOKUPS.known:
+        API_KEYS_KNOWN.add(digest)
     return api_key, role
 
 

@@ -350,8 +350,10 @@ def authenticate_node(secret: str) -> Node:
         if node is not None:  # NOTE: a made-up secret has no mark: its refusal costs Redis nothing
             NODE_SECRETS_KNOWN.discard(CredentialLookups.digest(secret))
         raise NodeUnknown("invalid node secret")
+    digest = CredentialLookups.digest(secret)
+    if digest not in NODE_SECRET_LOOKUPS.known:  # NOTE: renewed once an hour a process, not at each heartbeat
+        NODE_SECRETS_KNOWN.add(digest)
     NODE_SECRET_LOOKUPS.know(secret)
-    NODE_SECRETS_KNOWN.add(CredentialLookups.digest(secret))
     return node
 
 
