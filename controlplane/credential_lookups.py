@@ -16,7 +16,8 @@ well-formed ones never seen before. So each kind has one `CredentialLookups`:
   node's secret stops at once, but never behind a flood. NOTE: every call with a key on `/api/v1` (which caches no
   key) and every heartbeat of a node took a slot, the same few a flood of made-up ones takes: anyone sending them fast
   enough had every tenant's automation answered 503, and the nodes' heartbeats refused until they were judged
-  silent.
+  silent. A surface may also ask whether another process knows it (`slot_for`'s `known_elsewhere`: the shared marks
+  of `controlplane.accounts.known_credentials`), so a real credential new to this process skips the slots too.
 """
 
 from __future__ import annotations
