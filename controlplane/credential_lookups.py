@@ -16,7 +16,8 @@ well-formed ones never seen before. So each kind has one `CredentialLookups`:
   node's secret stops at once, but never behind a flood. NOTE: every call with a key on `/api/v1` (which caches no
   key) and every heartbeat of a node took a slot, the same few a flood of made-up ones takes: anyone sending them fast
   enough had every tenant's automation answered 503, and the nodes' heartbeats refused until they were judged
-  silent.
+  silent. A surface may also ask whether another process knows it (`slot_for`'s `known_elsewhere`: the shared marks
+  of `controlplane.accounts.known_credentials`), so a real credential new to this process skips the slots too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from controlplane.per_loop import PerLoop
@@ -194,18 +195,21 @@ class CredentialLookups:
         self.known.add(self.digest(plain), group=owner)
 
     @contextmanager
-    def slot_for(self, plain: str) -> Iterator[None]:
-        """A lookup slot for `plain` (`LookupSlots.held`), none for a credential known to be real."""
-        if self.digest(plain) in self.known:
+    def slot_for(self, plain: str, *, known_elsewhere: Callable[[str], bool] | None = None) -> Iterator[None]:
+        """A lookup slot for `plain` (`LookupSlots.held`), none for a credential known to be real: here, or (asked
+        only of one not known here) by `known_elsewhere(its digest)` (every process's: `known_credentials`)."""
+        digest = self.digest(plain)
+        if digest in self.known or (known_elsewhere is not None and known_elsewhere(digest)):
             yield
             return
         with self.slots.held():
             yield
 
     @asynccontextmanager
-    async def slot_for_async(self, plain: str):
+    async def slot_for_async(self, plain: str, *, known_elsewhere: Callable[[str], Awaitable[bool]] | None = None):
         """`slot_for` for a coroutine (`LookupSlots.held_async`)."""
-        if self.digest(plain) in self.known:
+        digest = self.digest(plain)
+        if digest in self.known or (known_elsewhere is not None and await known_elsewhere(digest)):
             yield
             return
         async with self.slots.held_async():

@@ -304,3 +304,12 @@ POOLS_TICK_LOCK_KEY = "pools:tick-lock"  # held by one `endpoints.fleet.pools.pr
 POOLS_TICK_STARTED_KEY = "pools:tick-started"
 # The same for the stray sweep (`endpoints.fleet.pool_strays.sweep_stray_machines`): when each pool's sweep last started.
 POOLS_SWEEP_STARTED_KEY = "pools:sweep-started"
+
+
+# --- credentials known to be real (`controlplane.accounts.known_credentials`) ---------------------------------------
+
+
+def known_credential_key(kind: str, digest: str) -> str:
+    """Set while a credential of `kind` whose SHA-256 is `digest` matched a real one in any process (or was just
+    issued): never the credential itself, never set for one that matched none."""
+    return f"known:{kind}:{digest}"

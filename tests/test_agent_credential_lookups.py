@@ -181,3 +181,20 @@ def test_a_node_that_beat_before_is_let_on_the_long_poll_while_made_up_secrets_h
         return node
 
     assert str(asyncio.run(during_the_flood()).pk) == answer["node_id"]
+
+
+@pytest.mark.parametrize("beat_before", [True, False], ids=["beat through another process", "just registered"])
+def test_a_node_known_to_another_web_process_keeps_beating_here_while_made_up_secrets_hold_every_lookup(
+        client, monkeypatch, beat_before):
+    """Before: a node secret was known only to the process it matched in: after a deploy or a scale-up of the web
+    pods, every node's heartbeat was a stranger's in the new processes, and a flood of made-up secrets had the whole
+    fleet refused (503) until the sweep judged it silent. Marked in Redis now, for every process."""
+    answer = register(client, services.create_join_token(SYSTEM, name="rack").plain).json()
+    if beat_before:
+        assert beat(client, answer["node_secret"]).status_code == 200
+    fresh = CredentialLookups(max_concurrent=1, refused_for_s=60, wait_s=0.05)  # a process that never saw the node
+    monkeypatch.setattr(services, "NODE_SECRET_LOOKUPS", fresh)
+
+    with fresh.slots.held():  # the flood's lookups hold every slot
+        assert beat(client, answer["node_secret"]).status_code == 200
+        assert beat(client, _bogus("nd")).status_code == 503  # a made-up secret still waits, then 503

@@ -4,6 +4,7 @@ secret, with its creator's current role."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.accounts.known_credentials import SharedKnownCredentials
 from controlplane.accounts.models import ApiKey, Membership, Organization, Role, Scope, lock_organizations
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, ensure_open, record_audit
 from controlplane.clock import DatabaseClock
@@ -29,6 +31,9 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 # `INFERPLANE_API_KEY_NEGATIVE_CACHE_S`, and at most this many are looked up at once per process (the gateway's
 # key cache and `/api/v1` alike; see `controlplane.credential_lookups`).
 API_KEY_LOOKUPS = CredentialLookups(max_concurrent=4, refused_for_s=lambda: settings.API_KEY_NEGATIVE_CACHE_S)
+# Keys real to any process, or just minted: a process that never saw one looks it up without waiting behind a flood
+# of made-up ones for a slot (`controlplane.accounts.known_credentials`).
+API_KEYS_KNOWN = SharedKnownCredentials("api_key")
 
 # Sent in the transaction that creates a key, with `api_key` and `minting_key` (the key that created it, or None):
 # billing gives a key minted by a key with a spend cap the same cap (`billing.services.inherit_key_spend_cap`).
@@ -134,6 +139,9 @@ def create_api_key(
                 )
                 record_audit(actor, organization, "api_key.create", api_key, scopes=api_key.scopes)
                 api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
+                # NOTE: known to every process from its first call: a key just minted was a stranger to each, and
+                # its first calls were 503s behind any flood of made-up keys (`known_credentials`).
+                transaction.on_commit(functools.partial(API_KEYS_KNOWN.add, API_KEY_LOOKUPS.digest(issued.plain)))
             return CreatedApiKey(api_key=api_key, plain=issued.plain)
         except IntegrityError:  # a lookup collision: astronomically rare, try a new one
             continue
@@ -349,10 +357,11 @@ def authenticate_api_key(plain: str) -> ApiKey | None:
     """
     if tokens.split_token(plain, ApiKey.TOKEN_KIND) is None or API_KEY_LOOKUPS.is_refused(plain):
         return None
-    with API_KEY_LOOKUPS.slot_for(plain):
+    with API_KEY_LOOKUPS.slot_for(plain, known_elsewhere=API_KEYS_KNOWN.contains):
         authenticated = authenticate_api_key_with_role(plain)
     if authenticated is None:
         API_KEY_LOOKUPS.refuse(plain)
+        API_KEYS_KNOWN.discard(API_KEY_LOOKUPS.digest(plain))
         return None
     API_KEY_LOOKUPS.know(plain, owner=authenticated[0].organization_id)  # never pushed out by another organisation's keys
     return authenticated[0]
@@ -368,7 +377,13 @@ def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:
     if api_key is None:
         return None
     role = creator_role(api_key)
-    return None if role is None else (api_key, role)
+    if role is None:
+        return None
+    digest = API_KEY_LOOKUPS.digest(plain)
+    # NOTE: renewed at each match from every process, but once an hour on /api/v1 (`know`), not at each call
+    if digest not in API_KEY_LOOKUPS.known:
+        API_KEYS_KNOWN.add(digest)
+    return api_key, role
 
 
 def creator_role(api_key: ApiKey) -> str | None:

@@ -19,6 +19,7 @@ from django.db.models.functions import Coalesce, Now, NullIf
 from django.utils import timezone
 
 from controlplane import tokens
+from controlplane.accounts.known_credentials import SharedKnownCredentials
 from controlplane.accounts.models import AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.credential_lookups import WAIT_S, CredentialLookups, ExpiringSet, LookupSlots
@@ -139,6 +140,11 @@ MAX_AGENT_LOOKUPS = 4
 REFUSED_AGENT_CREDENTIALS_S = 60.0
 NODE_SECRET_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
 JOIN_TOKEN_LOOKUPS = CredentialLookups(max_concurrent=MAX_AGENT_LOOKUPS, refused_for_s=REFUSED_AGENT_CREDENTIALS_S)
+# Node secrets that matched a node in any web process, or were just issued: looked up without a slot in a process that
+# never saw them (`known_credentials`). NOTE: known per process only, after a deploy or a scale-up of the web pods every
+# node's heartbeat was a stranger's there, and a flood of made-up secrets had them all refused until the sweep judged
+# the fleet silent.
+NODE_SECRETS_KNOWN = SharedKnownCredentials("node_secret")
 # NOTE: and at most this many of a registration's pod token reviews (a TokenReview, `_reviewed_agent_pod`) at once per
 # process; the rest wait briefly, then get a 503 (`LookupsBusy`). Any holder of the shared join token may send made-up
 # pod tokens: before, every one's review ran at once, each holding a web thread up to the client's timeouts while the
@@ -225,6 +231,7 @@ def register_node(request: protocol.RegisterRequest) -> protocol.RegisterRespons
         record_audit(SYSTEM, None, "node.register", node, gpu_type=node.gpu_type, num_gpus=node.num_gpus)
         launch = link_joined_node(node)
     logger.info("node %s (%s) registered", node.name, node.pk)
+    NODE_SECRETS_KNOWN.add(CredentialLookups.digest(issued.plain))  # its first heartbeat never behind a flood
     if launch is not None:
         logger.info("node %s joined as launch %s of pool %s", node.name, launch.pk, launch.pool_id)
     return protocol.RegisterResponse(
@@ -328,17 +335,24 @@ def authenticate_node(secret: str) -> Node:
     if lookup is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
     _refuse_without_a_query(secret)
-    with NODE_SECRET_LOOKUPS.slot_for(secret):  # none for a secret that matched a node before: never behind a flood
+    # none for a secret that matched a node before, here or in another process: never behind a flood
+    with NODE_SECRET_LOOKUPS.slot_for(secret, known_elsewhere=NODE_SECRETS_KNOWN.contains):
         node = Node.objects.filter(secret_lookup=lookup).first()
     if node is not None and not node.secret_digest and node.retired_secret_digest and tokens.token_matches(
             secret, node.retired_secret_digest):
         # NOTE: never remembered as refused: sent again, it is answered so again, never `NodeUnknown` (on which the
         # agent would register again); remembered as retired instead (`RETIRED_NODE_SECRETS`).
         RETIRED_NODE_SECRETS.add(CredentialLookups.digest(secret))
+        NODE_SECRETS_KNOWN.discard(CredentialLookups.digest(secret))
         raise NodeRetired(_RETIRED)
     if node is None or not tokens.token_matches(secret, node.secret_digest):
         NODE_SECRET_LOOKUPS.refuse(secret)
+        if node is not None:  # NOTE: a made-up secret has no mark: its refusal costs Redis nothing
+            NODE_SECRETS_KNOWN.discard(CredentialLookups.digest(secret))
         raise NodeUnknown("invalid node secret")
+    digest = CredentialLookups.digest(secret)
+    if digest not in NODE_SECRET_LOOKUPS.known:  # NOTE: renewed once an hour a process, not at each heartbeat
+        NODE_SECRETS_KNOWN.add(digest)
     NODE_SECRET_LOOKUPS.know(secret)
     return node
 
@@ -362,7 +376,7 @@ async def authenticate_node_async(secret: str) -> Node:
     if tokens.split_token(secret, Node.SECRET_KIND) is None:
         raise AgentAuthError("send 'Authorization: Bearer <node secret>'")
     _refuse_without_a_query(secret)
-    async with NODE_SECRET_LOOKUPS.slot_for_async(secret):
+    async with NODE_SECRET_LOOKUPS.slot_for_async(secret, known_elsewhere=NODE_SECRETS_KNOWN.contains_async):
         return await in_worker_thread(authenticate_node)(secret)
 
 
@@ -842,4 +856,7 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
                 fail_replica(replica, reason)
             node_id = node.pk
             transaction.on_commit(lambda: notify_node(node_id), robust=True)
+            # NOTE: its secret waits for a slot again, as a stranger's (its hash is the mark's: `known_credentials`);
+            # at once, not at the commit: a mark gone too early only has a lookup wait for a slot
+            NODE_SECRETS_KNOWN.discard(node.retired_secret_digest)
     return Retirement(retired=bool(retired), **outcome)

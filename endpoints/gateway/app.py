@@ -266,7 +266,7 @@ class Gateway:
         started, request_id = time.monotonic(), new_request_id()
         headers = _headers_of(scope)
         try:
-            await auth.authenticate(headers)
+            await auth.authenticate(headers, source=auth.source_of(scope))
             if _declared_bytes(headers) > DJANGO_V1_MAX_BODY_BYTES:
                 raise errors.OpenAIError(413, f"The request body is larger than {DJANGO_V1_MAX_BODY_BYTES} bytes.")
         except errors.OpenAIError as exc:
@@ -295,7 +295,7 @@ class Gateway:
         started = time.monotonic()
         headers = _headers_of(scope)
         try:
-            caller = await auth.authenticate(headers)
+            caller = await auth.authenticate(headers, source=auth.source_of(scope))
             declared_bytes = _declared_bytes(headers)
             if declared_bytes > settings.FILES_MAX_BYTES + MULTIPART_OVERHEAD_BYTES:  # the view holds the file to the limit
                 raise errors.OpenAIError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", param="file")
@@ -366,12 +366,13 @@ class Gateway:
             if path == "/v1/models":
                 if not errors.answers_as_get(method):
                     raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
-                await self._models(headers, send, request_id, ratelimit)
+                await self._models(headers, send, request_id, ratelimit, auth.source_of(scope))
                 return log_answer(scope, 200, started, request_id)
             if path.startswith(MODELS_PREFIX):
                 if not errors.answers_as_get(method):
                     raise await _unread(receive, scope, errors.method_not_allowed(method, path, ("GET",)))
-                await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX))
+                await self._model(headers, send, request_id, ratelimit, path.removeprefix(MODELS_PREFIX),
+                                  auth.source_of(scope))
                 return log_answer(scope, 200, started, request_id)
             kind = INFERENCE_PATHS.get(path)
             if kind is None:
@@ -389,7 +390,7 @@ class Gateway:
                 await _discard_body(receive, scope)
                 raise errors.usage_unrecordable()
             try:
-                caller = await auth.authenticate(headers)
+                caller = await auth.authenticate(headers, source=auth.source_of(scope))
             except Exception:
                 await _discard_body(receive, scope)
                 raise
@@ -430,8 +431,8 @@ class Gateway:
                            raw_headers=_ratelimit_headers(ratelimit))
             log_answer(scope, 500, started, request_id)
 
-    async def _models(self, headers, send, request_id, ratelimit: RateLimitReport):
-        caller = await auth.authenticate(headers)
+    async def _models(self, headers, send, request_id, ratelimit: RateLimitReport, source: str | None):
+        caller = await auth.authenticate(headers, source=source)
         ratelimit.for_caller(caller)
         models = await directory.list_endpoints(caller.organization_id)
         data = []
@@ -443,9 +444,9 @@ class Gateway:
         await _respond(send, 200, json.dumps({"object": "list", "data": data}).encode(), headers={"x-request-id": request_id},
                        raw_headers=ratelimit.headers())
 
-    async def _model(self, headers, send, request_id, ratelimit: RateLimitReport, name: str):
+    async def _model(self, headers, send, request_id, ratelimit: RateLimitReport, name: str, source: str | None):
         """`GET /v1/models/{id}` (`client.models.retrieve`): one of the caller's organisation's endpoints."""
-        caller = await auth.authenticate(headers)
+        caller = await auth.authenticate(headers, source=source)
         ratelimit.for_caller(caller)
         if not name or not is_model_name(name):  # never looked up (`parse_payload` checks a body's `model` so)
             raise errors.model_not_found(fields.printable(name))

@@ -18,6 +18,7 @@ threads and connections, never the pool that key and endpoint lookups need.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 
@@ -27,7 +28,7 @@ from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _doe
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
-from controlplane.accounts.keys import API_KEY_LOOKUPS, authenticate_api_key_with_role
+from controlplane.accounts.keys import API_KEY_LOOKUPS, API_KEYS_KNOWN, authenticate_api_key_with_role
 from controlplane.accounts.models import Scope, email_is_verified
 from controlplane.accounts.services import ORGANIZATION_CLOSED
 from controlplane.accounts.sessions import SessionStore
@@ -104,21 +105,47 @@ def _organization_of(caller: Caller | None) -> int | None:
 # NOTE: shared fairly between organisations (`Memo`'s `group_of`): a full cache drops a key of the organisation holding
 # the most. Least recently used first, whoever's, ten organisations at the live-key limit (sign-up is open) calling in
 # turn pushed every other tenant's key out, each of their calls then a lookup queued (4 at once) behind the flood's.
+# NOTE: a first lookup's slot is its sender's address's (`source_of`, `FairSlots`: at most half of them one
+# address's, the last free one kept for an address holding none): first come, first served, one address's flood of
+# made-up keys took all four, and a real key new to the process from anywhere else waited 2 s, then was a 503.
 _callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
                        max_concurrent_loads=MAX_KEY_LOOKUPS, load_wait_s=API_KEY_LOOKUPS.slots.wait_s,
-                       group_of=_organization_of)
+                       group_of=_organization_of, fair_loads=True)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 
 
-async def caller_from_key(plain: str) -> Caller | None:
+def source_of(scope: dict) -> str | None:
+    """Whose a request's key lookup is among the fair slots: its client's address (as the server took it from the
+    proxies it trusts: `FORWARDED_ALLOW_IPS`), an IPv6 one's /64 (what one subscriber holds); None when unknown."""
+    client = scope.get("client")
+    if not client:
+        return None
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return None
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+async def caller_from_key(plain: str, *, source: str | None = None) -> Caller | None:
+    """The caller `plain` names, or None; `source` (`source_of`) is whose a lookup's slot is."""
     if tokens.split_token(plain, tokens.API_KEY_KIND) is None:
         return None
     digest = API_KEY_LOOKUPS.digest(plain)
     if digest in _refused_keys:
         return None
+    # NOTE: a key this process never served, but real to another (or just minted: `known_credentials`), is looked up
+    # without waiting for a slot: every real key's first call in a process (a new key, after a deploy, a scale-up, the
+    # load balancer's next pod) waited behind a flood of made-up ones, and was a 503 for as long as it lasted.
+    was_cached = digest in _callers_by_key.entries
+    known_elsewhere = not was_cached and await API_KEYS_KNOWN.contains_async(digest)
     try:
-        caller = await _callers_by_key.get(digest, plain)
+        caller = await _callers_by_key.get(digest, plain, unqueued=known_elsewhere, owner=source)
     except LookupsBusy:
         # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
         raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
@@ -130,6 +157,8 @@ async def caller_from_key(plain: str) -> Caller | None:
         # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
         _callers_by_key.forget(digest)
         _refused_keys.add(digest)
+        if was_cached or known_elsewhere:  # NOTE: a made-up key has no mark: its refusal costs Redis nothing
+            await API_KEYS_KNOWN.discard_async(digest)
     return caller
 
 
@@ -211,13 +240,13 @@ async def _caller_of_session(session_key: str) -> Caller | None:
         raise errors.service_unavailable("Too many sessions are being checked at once; please retry.") from None
 
 
-async def authenticate(headers: dict[str, str]) -> Caller:
+async def authenticate(headers: dict[str, str], *, source: str | None = None) -> Caller:
     authorization = headers.get("authorization", "")
     if authorization:
         keyword, _, plain = authorization.partition(" ")
         if keyword.lower() != "bearer" or not plain.strip():
             raise errors.invalid_api_key("Send 'Authorization: Bearer <API key>'.")
-        caller = await caller_from_key(plain.strip())
+        caller = await caller_from_key(plain.strip(), source=source)
         if caller is None:
             raise errors.invalid_api_key("Incorrect, expired or revoked API key provided.")
     else:

@@ -3,7 +3,10 @@
 A request that finds no READY replica first takes a place in line (`take_place`), refused before
 anything is counted or streamed when it would pass a bound:
 
-- this gateway process's (`INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS`): 503 with Retry-After;
+- this gateway process's (`INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS`), shared fairly between organisations: one
+  holding N of them takes another only while more than N are free (`_may_hold_here`), so one tenant waking a big
+  model holds at most half of them, and a tenant holding none is refused only when every place is taken: 503 with
+  Retry-After;
 - the endpoint's (`MAX_WAITING_PER_ENDPOINT`): 503 with Retry-After;
 - its organisation's plan (`max_held_requests`): 429;
 
@@ -102,10 +105,22 @@ return lost
 """)
 
 _num_held_here = 0  # places taken in this process and not yet given up
+_num_held_here_by: dict[int, int] = {}  # of those, an organisation's (only those holding some)
 
 
 def num_held_here() -> int:
     return _num_held_here
+
+
+def _may_hold_here(organization_id: int) -> bool:
+    """One more of this process's places is the organisation's fair share: it holds fewer than are free.
+
+    NOTE: the process's places were first come, first served: one tenant waking a big model (a plan's
+    `max_held_requests` in the thousands, or a few organisations of one stranger's) took all of them, and every other
+    tenant's cold start in this process was a 503 until it was served. Now one organisation alone holds at most half,
+    a second at most half of the rest, and an organisation holding none takes any place still free."""
+    num_free = settings.MAX_HELD_REQUESTS_PER_PROCESS - _num_held_here
+    return num_free > 0 and _num_held_here_by.get(organization_id, 0) < num_free
 
 
 @dataclass(slots=True)
@@ -138,11 +153,12 @@ async def take_place(endpoint: EndpointInfo, organization_id: int, request_id: s
                  "(quota max_held_requests); retry when they are served.",
             type="requests", code="rate_limit_exceeded", headers={"retry-after": "5"})
     # NOTE: checked and counted with no await in between, so concurrent requests see each other.
-    if _num_held_here >= settings.MAX_HELD_REQUESTS_PER_PROCESS:
+    if not _may_hold_here(organization_id):
         place.taken = False
         await _LEAVE_PLACE(keys=place.keys(), args=[place.member])
         raise errors.no_capacity("This gateway is holding too many requests for cold starts; please retry.", 5)
     _num_held_here += 1
+    _num_held_here_by[organization_id] = _num_held_here_by.get(organization_id, 0) + 1
     return place
 
 
@@ -153,6 +169,10 @@ async def give_up(place: Place | None) -> None:
         return
     place.taken = False
     _num_held_here -= 1
+    if _num_held_here_by[place.organization_id] == 1:
+        del _num_held_here_by[place.organization_id]
+    else:
+        _num_held_here_by[place.organization_id] -= 1
     await _LEAVE_PLACE(keys=place.keys(), args=[place.member])
 
 

@@ -38,7 +38,7 @@ class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000, max_concurrent_loads: int | None = None,
                  load_wait_s: float | None = None, merge: Callable | None = None, group_of: Callable | None = None,
-                 load_owner: Callable | None = None):
+                 load_owner: Callable | None = None, fair_loads: bool = False):
         self._load = in_worker_thread(load)
         # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
         # loaded): the process may have learned of the entry since the load read the database.
@@ -51,9 +51,12 @@ class Memo:
         # shared fairly between owners (`FairSlots`: at most half of them one owner's, the last free one kept for an
         # owner holding none). NOTE: a plain semaphore let one organisation's flood of made-up names take every slot,
         # and every other organisation's first lookup waited `load_wait_s`, then was refused.
+        # With `fair_loads`, the owner is the caller's to name at each `get` (`owner`: an API key's sender's address,
+        # which the key cannot tell before its load).
         self._load_owner = load_owner
         self._load_slots = (None if not max_concurrent_loads
-                            else LookupSlots(max_concurrent_loads, wait_s=load_wait_s) if load_owner is None
+                            else LookupSlots(max_concurrent_loads, wait_s=load_wait_s)
+                            if load_owner is None and not fair_loads
                             else FairSlots(max_concurrent_loads, per_owner=max(1, max_concurrent_loads // 2),
                                            wait_s=load_wait_s))
         self._ttl_s = ttl_s
@@ -95,8 +98,13 @@ class Memo:
             return self._loader(key, load_args)
         return None
 
-    async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None):
+    async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None,
+                  unqueued: bool = False, owner: Hashable = None):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`).
+
+        `unqueued`: a first load of `key` takes no slot (`max_concurrent_loads`), as the reload of an entry in use never
+        does: for a key the caller knows to be real elsewhere (an API key another process served: `auth`). `owner`:
+        whose the first load is among fair slots (`fair_loads`; by default `load_owner(key)`).
 
         `fresh` reads it now; `fresh_since` (monotonic) takes a load begun at or after then, the one running or the last
         that landed, else reads it now: callers woken by one message share one read (`adapter_hold`)."""
@@ -118,27 +126,28 @@ class Memo:
             if age < ttl_s + STALE_FOR_S and not (self.wait_when_empty and not entry[1]):
                 self._loader(key, load_args)
                 return entry[1]
-        return await asyncio.shield(self._loader(key, load_args, fresh=fresh))
+        return await asyncio.shield(self._loader(key, load_args, fresh=fresh, unqueued=unqueued, owner=owner))
 
-    def _loader(self, key, load_args: tuple, *, fresh: bool = False) -> asyncio.Task:
+    def _loader(self, key, load_args: tuple, *, fresh: bool = False, unqueued: bool = False,
+                owner: Hashable = None) -> asyncio.Task:
         task = self._loading.get(key)
         # NOTE: a fresh read must not take a load that began before it was asked for.
         if fresh or task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._load_began[key] = time.monotonic()
-            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,)))
+            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,), unqueued, owner))
             task.add_done_callback(_note_failure)
         return task
 
-    async def _reload(self, key, load_args: tuple):
+    async def _reload(self, key, load_args: tuple, unqueued: bool = False, owner: Hashable = None):
         started = time.monotonic()
         try:
             # NOTE: only a first load takes a slot: the reload of an entry in use (an endpoint, a key that exists)
             # never queues behind a flood of made-up ones; reloads are at most one per entry and `ttl_s`.
-            if self._load_slots is None or key in self.entries:
+            if self._load_slots is None or key in self.entries or unqueued:
                 value = await self._load(*load_args)
             else:
-                async with (self._load_slots.held_async() if self._load_owner is None
-                            else self._load_slots.held(self._load_owner(key))):
+                async with (self._load_slots.held_async() if isinstance(self._load_slots, LookupSlots)
+                            else self._load_slots.held(owner if self._load_owner is None else self._load_owner(key))):
                     value = await self._load(*load_args)
         finally:
             if self._loading.get(key) is asyncio.current_task():

@@ -152,12 +152,14 @@ def test_many_held_streams_share_one_subscription_and_other_tenants_cold_starts_
 
 @pytest.fixture
 def bounded_gateway(transactional_db, tmp_path):
-    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS": "5"})
+    child, base_url = start_web_server(tmp_path, name="gateway", extra_env={"INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS": "6"})
     yield base_url
     child.stop()
 
 
 def test_held_requests_past_the_organisations_quota_get_a_429_and_past_the_process_bound_a_503(bounded_gateway):
+    # Six places: the first organisation takes three (each while it held fewer than were free), the second two (of
+    # three free); the second's third finds one free and is refused, that place kept for an organisation holding none.
     small_org, small_key = _tenant()
     plan = save_plan(SYSTEM, Plan(name="tiny", max_held_requests=3))
     set_organization_plan(SYSTEM, small_org, plan)
@@ -165,6 +167,7 @@ def test_held_requests_past_the_organisations_quota_get_a_429_and_past_the_proce
     other_org, other_key = _tenant()
     other = EndpointFactory(organization=other_org, max_model_len=2048)
     held_small = HeldStreams(bounded_gateway, small_key, small.name, 3)
+    wait_until(lambda: held_small.num_held == 3 or held_small.failures, 60, message="three held streams")
     held_other = HeldStreams(bounded_gateway, other_key, other.name, 2)
 
     def call(key, model):
@@ -193,17 +196,41 @@ def test_held_requests_past_the_organisations_quota_get_a_429_and_past_the_proce
 def test_a_process_that_held_requests_gives_every_place_back(bounded_gateway):
     org, key = _tenant()
     endpoint = EndpointFactory(organization=org, max_model_len=2048)
-    held = HeldStreams(bounded_gateway, key, endpoint.name, 5)
-    wait_until(lambda: held.num_held == 5 or held.failures, 60, message="five held streams")
+    # alone, an organisation holds three of the six places (each taken while it held fewer than were free)
+    held = HeldStreams(bounded_gateway, key, endpoint.name, 3)
+    wait_until(lambda: held.num_held == 3 or held.failures, 60, message="three held streams")
     held.release()
     wait_until(lambda: get_redis().zcard(held_key(org.pk)) == 0, 30, message="places given up")
-    # the process's places are free again: five more can wait
-    again = HeldStreams(bounded_gateway, key, endpoint.name, 5)
+    # the process's places are free again, its share with them: three more can wait
+    again = HeldStreams(bounded_gateway, key, endpoint.name, 3)
     try:
-        wait_until(lambda: again.num_held == 5 or again.failures, 60, message="five held streams again")
+        wait_until(lambda: again.num_held == 3 or again.failures, 60, message="three held streams again")
         assert again.failures == []
     finally:
         again.release()
+
+
+def test_one_organisation_flooding_cold_starts_never_takes_the_places_another_organisations_cold_start_needs(
+        bounded_gateway):
+    # Before: the process's places were first come, first served: one tenant waking its model with as many requests as
+    # the process holds took every place, and another tenant's first request was a 503 until the flood was served.
+    noisy_org, noisy_key = _tenant()
+    noisy = EndpointFactory(organization=noisy_org, max_model_len=2048)
+    quiet_org, quiet_key = _tenant()
+    quiet = EndpointFactory(organization=quiet_org, max_model_len=2048)
+    flood = HeldStreams(bounded_gateway, noisy_key, noisy.name, 12)
+    try:
+        wait_until(lambda: flood.num_held + len(flood.failures) == 12, 60, message="the flood held or refused")
+        quiet_held = HeldStreams(bounded_gateway, quiet_key, quiet.name, 1)
+        try:
+            wait_until(lambda: quiet_held.num_held == 1 or quiet_held.failures, 60, message="the quiet request")
+            assert quiet_held.failures == [] and quiet_held.num_held == 1
+        finally:
+            quiet_held.release()
+    finally:
+        flood.release()
+    assert flood.num_held == 3  # half the process's six places, no more
+    assert len(flood.failures) == 9 and all(failure.startswith("503 ") for failure in flood.failures)
 
 
 def test_a_burst_at_a_cold_endpoint_holds_no_more_than_the_endpoints_bound_and_refuses_the_rest_at_once(

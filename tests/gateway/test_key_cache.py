@@ -214,3 +214,133 @@ def test_a_cached_key_is_refused_once_it_expires(lookups, settings):
     time.sleep(2.5)
     assert asyncio.run(call()) is None
     assert len(lookups) == 1  # judged in the gateway: no lookup more
+
+
+def _in_a_fresh_process():
+    """This process forgets every key it served or refused, as a gateway process just started (a deploy, a
+    scale-up, the load balancer's next pod) knows none."""
+    auth._callers_by_key.clear()
+    keys.API_KEY_LOOKUPS.clear()
+
+
+def test_a_key_just_minted_is_served_while_a_flood_of_made_up_keys_holds_every_lookup_slot(lookups):
+    # Before: a key no gateway process had served yet waited behind the flood's lookups (4 at once) and was a 503
+    # for as long as the flood lasted: a new customer's first calls failed while anyone sent made-up keys.
+    plain = _real_key()
+
+    async def scenario():
+        async with every_slot_held(auth._callers_by_key._load_slots):
+            return await asyncio.wait_for(auth.caller_from_key(plain), keys.API_KEY_LOOKUPS.slots.wait_s + 3)
+
+    caller = asyncio.run(scenario())
+    assert caller is not None and caller.api_key_id is not None
+    assert lookups == [plain]  # still looked up: a known key is never answered from the mark alone
+
+
+def test_a_key_another_gateway_process_served_is_served_here_while_a_flood_holds_every_lookup_slot(lookups):
+    plain = _real_key()
+    keys.API_KEYS_KNOWN.discard(keys.API_KEY_LOOKUPS.digest(plain))  # as a key minted before the marks existed
+    assert asyncio.run(auth.caller_from_key(plain)) is not None  # served by "another process"
+    _in_a_fresh_process()
+
+    async def scenario():
+        async with every_slot_held(auth._callers_by_key._load_slots):
+            return await asyncio.wait_for(auth.caller_from_key(plain), keys.API_KEY_LOOKUPS.slots.wait_s + 3)
+
+    assert asyncio.run(scenario()) is not None
+    assert lookups == [plain, plain]
+
+
+def test_a_made_up_key_never_skips_the_lookup_slots_and_a_revoked_key_loses_its_mark(lookups):
+    from controlplane.accounts.keys import revoke_api_key
+    from controlplane.accounts.models import ApiKey
+    from endpoints.gateway import errors
+
+    membership = MembershipFactory(role="owner")
+    created = create_api_key(Actor(user=membership.user), membership.organization, name="k", scopes=[Scope.INFERENCE])
+    digest = keys.API_KEY_LOOKUPS.digest(created.plain)
+    assert keys.API_KEYS_KNOWN.contains(digest)
+    revoke_api_key(Actor(user=membership.user), ApiKey.objects.get(pk=created.api_key.pk))
+    assert asyncio.run(auth.caller_from_key(created.plain)) is None  # still looked up: revoked at once
+    assert not keys.API_KEYS_KNOWN.contains(digest)  # so its next sender waits for a slot, as any stranger's
+    _in_a_fresh_process()
+
+    async def flood_then(plain):
+        async with every_slot_held(auth._callers_by_key._load_slots):
+            return await asyncio.wait_for(auth.caller_from_key(plain), keys.API_KEY_LOOKUPS.slots.wait_s + 3)
+
+    for plain in (created.plain, _bogus_key()):
+        with pytest.raises(errors.OpenAIError) as refused:
+            asyncio.run(flood_then(plain))
+        assert refused.value.status == 503
+    assert lookups == [created.plain]
+
+
+def test_api_v1_serves_a_key_just_minted_while_a_flood_holds_every_lookup_slot(lookups):
+    # /api/v1's lookups share the same few slots (threads, per process): a key new to this web process waited there.
+    from controlplane.credential_lookups import LookupsBusy
+
+    plain = _real_key()
+    slots = keys.API_KEY_LOOKUPS.slots
+    for _ in range(slots.max_concurrent):
+        assert slots._threads.acquire(timeout=1)
+    try:
+        authenticated = keys.authenticate_api_key(plain)
+        with pytest.raises(LookupsBusy):
+            keys.authenticate_api_key(_bogus_key())
+    finally:
+        for _ in range(slots.max_concurrent):
+            slots._threads.release()
+    assert authenticated is not None
+
+
+def test_one_addresss_flood_of_made_up_keys_never_holds_the_lookup_a_real_key_from_elsewhere_needs(monkeypatch):
+    # Before: a first lookup's slot was first come, first served: one address's flood of made-up keys (each lookup
+    # slow, as under load) took all four, and a real key new to every process (unused for a week, or before its mark),
+    # sent from anywhere else, waited 2 s and was a 503 for as long as the flood lasted.
+    import threading
+
+    from endpoints.gateway import errors
+
+    release, flood_keys = threading.Event(), {_bogus_key() for _ in range(12)}
+    real = keys.find_api_key
+
+    def slow_for_the_flood(plain):
+        if plain in flood_keys:
+            release.wait(30)  # a slow lookup, holding its slot
+        return real(plain)
+
+    monkeypatch.setattr(keys, "find_api_key", slow_for_the_flood)
+    auth._callers_by_key.clear()
+    auth._refused_keys.clear()
+    plain = _real_key()
+    keys.API_KEYS_KNOWN.discard(keys.API_KEY_LOOKUPS.digest(plain))  # a key no process has marked: a stranger's
+
+    async def scenario():
+        flood = [asyncio.ensure_future(auth.caller_from_key(key, source="203.0.113.7")) for key in flood_keys]
+        await asyncio.sleep(0.5)  # the flood's lookups take what slots they may, the rest wait
+        try:
+            return await auth.caller_from_key(plain, source="198.51.100.20")
+        finally:
+            release.set()
+            outcomes = await asyncio.gather(*flood, return_exceptions=True)
+            assert all(outcome is None or isinstance(outcome, errors.OpenAIError) for outcome in outcomes)
+
+    try:
+        caller = asyncio.run(scenario())
+    finally:
+        release.set()
+        auth._callers_by_key.clear()
+        auth._refused_keys.clear()
+    assert caller is not None and caller.api_key_id is not None
+
+
+@pytest.mark.parametrize(("client", "source"), [
+    (("203.0.113.7", 51000), "203.0.113.7"),
+    (("2001:db8:1:2:aaaa::1", 51000), "2001:db8:1:2::/64"),  # what one subscriber holds
+    (("::ffff:203.0.113.7", 51000), "203.0.113.7"),
+    (None, None),
+    (("unix-socket", 0), None),
+])
+def test_a_key_lookups_share_is_its_senders_address(client, source):
+    assert auth.source_of({"client": client}) == source
