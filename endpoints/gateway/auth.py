@@ -18,6 +18,7 @@ threads and connections, never the pool that key and endpoint lookups need.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
@@ -119,10 +120,15 @@ def source_of(scope: dict) -> str | None:
     """Whose a request's key lookup is among the fair slots: its client's address (as the server took it from the
     proxies it trusts: `FORWARDED_ALLOW_IPS`), an IPv6 one's /64 (what one subscriber holds); None when unknown."""
     client = scope.get("client")
-    if not client:
-        return None
+    return _source_of_host(client[0]) if client else None
+
+
+# NOTE: memoised: every call's lookup names its source (even a key this process knows, whose lookup never queues),
+# and parsing an address is ~1-2 µs of the warm path (issue #20); a flood from many addresses only churns it.
+@functools.lru_cache(maxsize=4096)
+def _source_of_host(host: str) -> str | None:
     try:
-        address = ipaddress.ip_address(client[0])
+        address = ipaddress.ip_address(host)
     except ValueError:
         return None
     if address.version == 6:
