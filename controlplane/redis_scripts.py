@@ -157,7 +157,11 @@ def _as_bytes(part) -> bytes:
         return part
     if isinstance(part, str):
         return part.encode()
-    if isinstance(part, (int, float)) and not isinstance(part, bool):
+    if isinstance(part, float):
+        # NOTE: `-0.0` as `0.0`, as Redis reads either: equal values of a type encode alike, which the cache of
+        # encodings (`_key_bulk`, keyed by value) needs; it gave `-0.0` the bytes of a `0.0` sent before, and back.
+        return repr(part + 0.0).encode()
+    if isinstance(part, int) and not isinstance(part, bool):
         return repr(part).encode()
     raise TypeError(f"cannot send {type(part).__name__} to Redis")
 

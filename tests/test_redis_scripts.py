@@ -108,3 +108,23 @@ def test_redis_replies_that_say_it_cannot_serve_now_are_outages_whichever_client
     parsed, _ = _parse(bytearray(b"-" + reply.encode() + b"\r\n"), 0)
     assert isinstance(parsed, RedisUnavailable if outage else RedisError)
     assert errors.is_outage(parsed) is outage
+
+
+
+def test_a_small_argument_cached_is_never_another_equal_values_bytes():
+    """`0.0` and `-0.0` are equal and hash alike (as `1` and `1.0`, which `typed` keeps apart): the cache of encodings
+    gave the second the first's bytes, so what Redis read hung on what was sent before. Equal values encode alike."""
+    echo = Script("return ARGV[1]", small_args=True)
+    script = Script("return 1")
+    for first, second in ((0.0, -0.0), (-0.0, 0.0)):
+        redis_scripts._key_bulk.cache_clear()
+        for arg in (first, second):
+            assert (redis_scripts._encode_evalsha_small_args(script._evalsha, [], [arg])
+                    == redis_scripts._encode_evalsha(script._evalsha, [], [arg])
+                    == _encode((b"EVALSHA", script.sha, 0, arg)))
+
+    async def read(args):
+        redis_scripts._key_bulk.cache_clear()
+        return [await echo(keys=[], args=[arg]) for arg in args]
+
+    assert asyncio.run(read([0.0, -0.0])) == asyncio.run(read([-0.0, 0.0]))[::-1] == asyncio.run(read([-0.0, -0.0]))
