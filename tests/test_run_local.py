@@ -483,3 +483,14 @@ def test_make_run_takes_no_other_folders_s3_store_found_on_its_recorded_port_and
         embedded.stop_s3(tmp_path)
         embedded.stop_s3(other)
     assert os.path.exists(other / "s3" / "port")
+
+
+def test_building_the_demos_model_prints_nothing_above_the_banner(tmp_path, capfd):
+    # Before: the model's build printed its safetensors progress bar and its bare path ("…/models/tiny-llama") between
+    # "Building the demo…" and the banner: noise a newcomer read as output to act on.
+    from controlplane.demo import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "models")
+    assert (path / "config.json").exists()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
