@@ -74,7 +74,12 @@ def current_code(totp_key: str) -> tuple[str, int]:
 def build_tiny_model(models_dir: Path) -> Path:
     path = models_dir / "tiny-llama"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "gpu_agent", "tiny-model", str(path)], check=True)
+        # NOTE: its output (a progress bar, the path) kept off make run's, where it read as something to act on; shown
+        # only should the build fail.
+        built = subprocess.run([sys.executable, "-m", "gpu_agent", "tiny-model", str(path)],
+                               capture_output=True, text=True)
+        if built.returncode:
+            raise RuntimeError(f"building the demo's tiny model in {path} failed:\n{built.stdout}{built.stderr}")
     return path
 
 

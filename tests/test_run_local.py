@@ -74,6 +74,45 @@ def test_the_banner_says_where_the_mail_a_new_user_waits_for_is(settings, tmp_pa
     assert f"Mail        printed to {tmp_path / 'logs'}/web.log (sign-up links, invitations" in out.getvalue()
 
 
+def _printed(banner: str, starts: str) -> str:
+    return next(line.strip() for line in banner.splitlines() if line.strip().startswith(starts))
+
+
+@pytest.mark.parametrize("no_agent", [False, True])
+def test_the_banners_commands_find_the_data_folder_make_run_was_given(settings, tmp_path, monkeypatch, no_agent):
+    # Before: `INFERPLANE_DATA_DIR=/x make run` printed "manage.py demo_code" and "make stop" bare: typed as printed,
+    # they read the repository's .data (no demo.json there: "No demo authenticator"; `make stop` stopped nothing of
+    # this run), and the --no-agent hint sent the user to .data/demo.json for the join token.
+    import shlex
+
+    from controlplane import embedded
+
+    data_dir = tmp_path / "elsewhere"
+    monkeypatch.setenv("INFERPLANE_DATA_DIR", str(data_dir))
+    out = StringIO()
+    Command(stdout=out)._print_banner("http://127.0.0.1:8000", SimpleNamespace(password="pw", api_key="ip_key"),
+                                      data_dir / "logs", no_agent=no_agent)
+    banner = out.getvalue()
+    for command in (_printed(banner, "Staff code").removeprefix("Staff code"), _printed(banner, "Ctrl-C stops")):
+        words = shlex.split(command.split("(")[0].split("`")[-2] if "`" in command else command.split("(")[0])
+        typed_in = dict(word.split("=", 1) for word in words if "=" in word and word.split("=")[0].isupper())
+        monkeypatch.delenv("INFERPLANE_DATA_DIR")  # a new terminal: only what the printed line sets
+        for name, value in typed_in.items():
+            monkeypatch.setenv(name, value)
+        assert embedded.data_dir() == data_dir.resolve(), command
+        monkeypatch.setenv("INFERPLANE_DATA_DIR", str(data_dir))
+    if no_agent:
+        assert f"{data_dir}/demo.json" in banner and "<join_token in .data/demo.json>" not in banner
+
+
+def test_the_banners_commands_stay_bare_for_the_default_data_folder(settings, monkeypatch):
+    monkeypatch.delenv("INFERPLANE_DATA_DIR", raising=False)
+    out = StringIO()
+    Command(stdout=out)._print_banner("http://127.0.0.1:8000", SimpleNamespace(password="pw", api_key="ip_key"),
+                                      Path(".data/logs"), no_agent=False)
+    assert "INFERPLANE_DATA_DIR" not in out.getvalue()
+
+
 def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
@@ -444,3 +483,14 @@ def test_make_run_takes_no_other_folders_s3_store_found_on_its_recorded_port_and
         embedded.stop_s3(tmp_path)
         embedded.stop_s3(other)
     assert os.path.exists(other / "s3" / "port")
+
+
+def test_building_the_demos_model_prints_nothing_above_the_banner(tmp_path, capfd):
+    # Before: the model's build printed its safetensors progress bar and its bare path ("…/models/tiny-llama") between
+    # "Building the demo…" and the banner: noise a newcomer read as output to act on.
+    from controlplane.demo import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "models")
+    assert (path / "config.json").exists()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")

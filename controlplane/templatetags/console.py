@@ -40,6 +40,20 @@ def usd(value) -> str:
 
 
 @register.filter
+def price(value) -> str:
+    """A price as it is charged, every digit kept: $0.025, $0.10, $1,234.50. NOTE: not `usd`, which rounds to the cent
+    for amounts spent: a cached-input price of $0.025 / M read "$0.02 / M", less than the ledger charges."""
+    if value in (None, ""):
+        return "—"
+    try:
+        amount = Decimal(str(value))
+    except InvalidOperation:
+        return str(value)
+    whole, _, fraction = f"{amount:,f}".partition(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
+@register.filter
 def compact(value) -> str:
     """Large counts in a few characters: 950, 12.3k, 4.5M."""
     if value in (None, ""):

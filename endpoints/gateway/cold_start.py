@@ -254,9 +254,7 @@ async def _wait_for_ready(call: HeldCall, place: Place | None, ready_signal: pub
             return replicas
         now = time.monotonic()
         if now > deadline:
-            raise errors.no_capacity(
-                f"No replica of '{endpoint.name}' became ready within {endpoint.cold_start_timeout_s} s.", 30
-            )
+            raise await _not_ready_in_time(endpoint)
         await keep_place(place)
         if now - last_wake > REWAKE_EVERY_S:
             # An endpoint that failed, or ran out of capacity, while we waited says so now.
@@ -274,3 +272,14 @@ async def _wait_for_ready(call: HeldCall, place: Place | None, ready_signal: pub
                 await call.send_body(b" ")  # JSON's leading whitespace: the body still parses
                 last_progress = progress
         fresh = await ready_signal.wait(COLD_START_POLL_S)
+
+
+async def _not_ready_in_time(endpoint: EndpointInfo) -> errors.OpenAIError:
+    """The 503 of a call held its whole cold-start timeout, with the reason the endpoint gives now (a replica that
+    failed and is retried, no room): the one the client waited on.
+    NOTE: before, it said only "No replica became ready": a model path that does not exist, a Hub out of reach, was on
+    the endpoint's page for minutes and never told to the client who waited on it."""
+    latest = await directory.find_endpoint(endpoint.organization_id, endpoint.name)
+    reason = latest.status_message if latest is not None and latest.id == endpoint.id else ""
+    waited = f"No replica of '{endpoint.name}' became ready within {endpoint.cold_start_timeout_s} s"
+    return errors.no_capacity(f"{waited}: {reason}." if reason else f"{waited}.", 30)

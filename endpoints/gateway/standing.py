@@ -61,9 +61,11 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
     """Raise the fast 503 for an endpoint with no READY replica that cannot get one soon."""
     reason = endpoint.status_message or "no reason recorded"
     if endpoint.state == "FAILED":
+        # NOTE: the status of a FAILED endpoint starts "failed: " (`replicas.py`), which this sentence says already.
         raise errors.OpenAIError(
-            503, f"The endpoint '{endpoint.name}' has failed and is not starting replicas: {reason}. "
-                 "Change its configuration or resume it to try again.",
+            503, f"The endpoint '{endpoint.name}' has failed and is not starting replicas: {reason.removeprefix('failed: ')}. "
+                 f"Change its configuration, or press Retry on its console page (POST /api/v1/endpoints/{endpoint.id}/resume/) "
+                 "to try again.",
             type="server_error", code="endpoint_failed", headers={"retry-after": str(FAILED_RETRY_AFTER_S)},
         )
     backing_off_s = endpoint.backing_off_until - time.time()

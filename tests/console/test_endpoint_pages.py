@@ -273,3 +273,15 @@ def test_the_replica_table_names_its_nodes_to_owners_and_admins_only(org, consol
     for url in (reverse("console:endpoint", args=[endpoint.pk]), reverse("console:endpoint-live", args=[endpoint.pk])):
         page = client.get(url).content.decode()
         assert (node.name in page) is shows_node, url
+
+
+def test_prices_are_shown_as_charged_never_rounded_to_the_cent(owner):
+    # Before: `usd` rounded every price to the cent, so the demo's cached-input price of $0.025 / M read "$0.02 / M"
+    # (and $0.125 "$0.12"): the customer was shown less than the ledger charges them.
+    endpoint = EndpointFactory(organization=owner.organization, name="priced", price_input_per_million=Decimal("0.125"),
+                               price_cached_input_per_million=Decimal("0.025"), price_output_per_million=Decimal("1.5"))
+    page = owner.get(reverse("console:endpoint", args=[endpoint.pk])).content.decode()
+    assert "$0.125 / M" in page and "$0.025 / M" in page and "$1.50 / M" in page
+    assert "$0.12 / M" not in page and "$0.02 / M" not in page
+    listing = owner.get(reverse("console:endpoints")).content.decode()
+    assert "$0.125 · $1.50" in listing

@@ -47,3 +47,17 @@ def test_an_endpoint_backing_off_with_a_replica_starting_or_briefly_is_not_refus
     short = backing_off(tenant, seconds=60)  # within its cold-start timeout: held as any cold start
     info = _endpoint_info(Endpoint.objects.select_related("organization__plan").get(pk=short.pk))
     assert 0 < info.backing_off_until - timezone.now().timestamp() < info.cold_start_timeout_s
+
+
+def test_a_call_held_through_a_short_back_off_that_no_replica_ends_is_told_the_failure_it_waited_on(gateway, tenant):
+    # A back-off within the cold-start timeout holds the call (the retry may succeed). Before, when no replica came
+    # the 503 said only "No replica of 'x' became ready within 4 s.": the reason, on the endpoint for minutes (a model
+    # path that does not exist, a Hub out of reach), was never told to the client who waited on it.
+    reason = "replica failed (fetching weights from /models/missing failed: model directory does not exist); retrying in 2 s"
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=4, num_failures_since_ready=1,
+                              next_attempt_at=timezone.now() + timedelta(seconds=2), status_message=reason)
+    response = call(gateway, tenant, endpoint)
+    assert response.status_code == 503, response.text
+    message = response.json()["error"]["message"]
+    assert "became ready within 4 s" in message
+    assert reason in message

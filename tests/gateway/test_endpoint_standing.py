@@ -36,9 +36,21 @@ def test_a_call_to_a_failed_endpoint_fails_at_once_with_the_reason(gateway, tena
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["code"] == "endpoint_failed" and error["type"] == "server_error"
-    assert reason in error["message"]
+    assert reason.removeprefix("failed: ") in error["message"]  # once: "has failed … : max_model_len …"
     assert int(response.headers["retry-after"]) > 0
     assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0  # never held
+
+
+def test_a_failed_endpoints_503_reads_once_and_names_the_ways_to_try_again(gateway, tenant):
+    # Before: "has failed and is not starting replicas: failed: fetching weights ... Change its configuration or resume
+    # it": the endpoint's status ("failed: ...") repeated the word, and "resume" named neither the console's Retry
+    # button nor the API call.
+    cause = "fetching weights from /models/missing failed: model directory /models/missing does not exist"
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, min_replicas=1,
+                              failed_at=timezone.now(), status_message=f"failed: {cause}")
+    message = call(gateway, tenant, endpoint).json()["error"]["message"]
+    assert f"is not starting replicas: {cause}." in message
+    assert "Retry" in message and f"/api/v1/endpoints/{endpoint.pk}/resume/" in message
 
 
 def test_a_call_to_an_endpoint_waiting_for_capacity_fails_fast_with_retry_after_and_the_reason(gateway, tenant):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -131,8 +132,9 @@ class Command(BaseCommand):
 
     def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
         python_cmd = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+        in_data_dir = data_dir_assignment()
         agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
-                  "--join-token <join_token in .data/demo.json>" if no_agent else
+                  f"--join-token <join_token in {embedded.data_dir() / 'demo.json'}>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
         # The sign-up page says "We sent a mail": without SMTP it is the web log that holds the link.
         mail = (f"sent through {settings.EMAIL_HOST}" if settings.EMAIL_HOST else
@@ -144,7 +146,7 @@ class Command(BaseCommand):
 Inferplane is running.
 
   Console     {base_url}/            (log in as {DEMO_EMAIL} / {demo.password})
-  Staff code  {python_cmd} manage.py demo_code   (the code the console asks next: staff pass a second factor)
+  Staff code  {in_data_dir}{python_cmd} manage.py demo_code   (the code the console asks next: staff pass a second factor)
   API docs    {base_url}/api/docs/
   API key     {demo.api_key}
   Logs        {logs_dir}/{{web,worker,beat}}.log
@@ -159,8 +161,17 @@ Inferplane is running.
 
 The demo endpoint '{DEMO_ENDPOINT}' serves a tiny randomly initialised Llama built on this machine
 (its answers are gibberish by design). {where}
-Ctrl-C stops the control plane; `make stop` also stops the pool's agents.
+Ctrl-C stops the control plane; `{in_data_dir}make stop` also stops the pool's agents.
 """))
+
+
+def data_dir_assignment() -> str:
+    """"INFERPLANE_DATA_DIR=<folder> " when make run was given a data folder other than the repository's `.data`, else "":
+    the banner's commands, typed as printed in another terminal, must find this run's data.
+    NOTE: before, they were printed bare: `manage.py demo_code` read the repository's .data ("No demo authenticator")
+    and `make stop` stopped nothing of this run."""
+    data_dir = embedded.data_dir()
+    return "" if data_dir == (embedded.BASE_DIR / ".data").resolve() else f"INFERPLANE_DATA_DIR={shlex.quote(str(data_dir))} "
 
 
 # NOTE: SIGHUP too: closing the terminal (or a dropped SSH session) hangs up make run. Unhandled, it ended make run at
