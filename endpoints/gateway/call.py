@@ -672,6 +672,12 @@ class InferenceCall:
             if self.first_token_at is None and sse.carries_output(event):
                 self.first_token_at = self._now()
                 self.metrics.time_to_first_token.observe(time.monotonic() - self._started_monotonic)
+            if not responses_stream and sse.is_engine_error(event):
+                # NOTE: in OpenAI's shape, as the gateway's own error events are (`_send_event_error`)
+                out.append(b"data: " + self.request.engine_stream_error(event[6:]).body())
+                if self.status == "ok":
+                    self.status = "upstream_error"
+                continue
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
                 out.append(data)

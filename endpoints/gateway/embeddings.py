@@ -99,7 +99,7 @@ def wrong_task(kind: str, task: str, name: str) -> errors.OpenAIError | None:
 def engine_refusal(status: int, body: bytes, payload: dict) -> errors.OpenAIError:
     """The engine's 4xx in OpenAI's shape; a refused `dimensions` (a model without Matryoshka
     representations, or a size it does not offer) names the parameter, as OpenAI does."""
-    refusal = errors.engine_refused(status, body)
+    refusal = errors.engine_refused(status, body, prompt_param="input")
     if refusal.param is None and payload.get("dimensions") is not None and "dimensions" in refusal.message:
         refusal.param = "dimensions"
     return refusal

@@ -256,8 +256,42 @@ def server_stopping() -> OpenAIError:
                        code="server_stopping", headers={"retry-after": "1", "connection": "close"})
 
 
-def engine_refused(status: int, body: bytes) -> OpenAIError:
-    """The engine refused the request (a 4xx): relay its message in OpenAI's shape."""
+# How vLLM says a prompt does not fit the model's context: the parameter its renderer names (`vllm.renderers.params`:
+# text past its characters' bound, token ids past the context) or, from its input processor (no parameter), the words.
+_ENGINE_CONTEXT_PARAMS = frozenset({"input_text", "input_tokens"})
+_ENGINE_CONTEXT_WORDS = ("maximum context length", "longer than the maximum model length")
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def engine_stream_error(data: bytes, *, prompt_param: str | None = None) -> OpenAIError:
+    """An engine's error event mid-stream (`data: {"error": …}`), in OpenAI's shape: its 4xx as `engine_refused`, its 5xx
+    a `server_error`.
+
+    NOTE: vLLM writes its own type name (`InternalServerError`, `ServiceUnavailableError`) and the HTTP status as a
+    numeric `code`: relayed as it was, the openai client raised an `APIError` whose `type` no client knows and whose
+    `code` was a number."""
+    try:
+        detail = json.loads(data).get("error")
+    except (ValueError, RecursionError, AttributeError):
+        detail = None
+    status = detail.get("code") if isinstance(detail, dict) else None
+    if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
+        status = 500
+    error = engine_refused(status, json.dumps({"error": detail}).encode() if isinstance(detail, dict) else b"",
+                           prompt_param=prompt_param)
+    if status >= 500:
+        error.type, error.param = "server_error", None
+    return error
+
+
+def engine_refused(status: int, body: bytes, *, prompt_param: str | None = None) -> OpenAIError:
+    """The engine refused the request (a 4xx): relay its message in OpenAI's shape. A prompt too long for the model's
+    context is OpenAI's `context_length_exceeded`, naming the request's prompt field (`prompt_param`: `messages`,
+    `prompt`, `input`).
+
+    NOTE: vLLM says it with its own parameter (`input_text`, which no client sent) and a numeric code, relayed as none:
+    clients that tell an overflowing context by OpenAI's code (to trim the history, summarise, or fall back to a model
+    with a longer context: LangChain's and LiteLLM's OpenAI clients) took it for any other 400."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
@@ -267,4 +301,8 @@ def engine_refused(status: int, body: bytes) -> OpenAIError:
     detail = data.get("error") if isinstance(data.get("error"), dict) else data
     message = detail.get("message") or body.decode(errors="replace")[:500] or f"HTTP {status}"
     code = detail.get("code") if isinstance(detail.get("code"), str) else None
-    return OpenAIError(status, message, param=detail.get("param"), code=code)
+    param = detail.get("param") if isinstance(detail.get("param"), str) else None
+    if status == 400 and (param in _ENGINE_CONTEXT_PARAMS
+                          or (isinstance(message, str) and any(words in message for words in _ENGINE_CONTEXT_WORDS))):
+        return OpenAIError(status, message, param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
+    return OpenAIError(status, message, param=param, code=code)

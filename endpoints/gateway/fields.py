@@ -30,7 +30,7 @@ _OPENAI_COMMON = frozenset({
 _OPENAI_CACHE_HINTS = frozenset({"prompt_cache_retention", "prompt_cache_options"})
 _OPENAI_CHAT = _OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "reasoning_effort", "verbosity", "functions", "function_call", "modalities", "prediction",
+    "response_format", "reasoning_effort", "verbosity", "modalities", "prediction",
 } | _OPENAI_CACHE_HINTS
 # NOTE: `max_completion_tokens` is chat's; vLLM's completions ignore it (and the estimate knows), so it is
 # harmless here. vLLM's completions honour `response_format` (structured output), bounded by `max_tokens`.
@@ -95,12 +95,18 @@ REFUSED_WITH_REASON: dict[str, str] = {
                           "instead ('stream': true)",
     "access_programs": "is not supported: OpenAI's access programs do not apply to the models here",
     "image": "is not supported: images are passed to the model as sent, with no request-level image options",
+    # NOTE: OpenAI's deprecated function calling, which the engine does not read: passed, the functions were dropped
+    # and the model answered in text, with no `function_call` for the caller that asked for one (old LangChain and
+    # LlamaIndex agents), a silently wrong answer. `tools` and `tool_choice` carry the same and are served.
+    "functions": "is deprecated and not supported: send the functions as 'tools' ({\"type\": \"function\", "
+                 "\"function\": {...}} each)",
+    "function_call": "is deprecated and not supported: use 'tool_choice' with 'tools'",
 }
 
 # OpenAI's own fields refused above that OpenAI's API types as nullable: null there is "not set" (the openai client sends
 # `audio=None` so), as it is for the stateful Responses fields refused only when set. NOTE: it was a 400 "not supported".
 # The others (`web_search_options`, `background_options`, `access_programs`, `image`) are not nullable in OpenAI's types.
-NULL_IS_UNSET = frozenset({"audio", "moderation", "context_management"})
+NULL_IS_UNSET = frozenset({"audio", "moderation", "context_management", "functions", "function_call"})
 
 # A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
 # NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.

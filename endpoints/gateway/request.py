@@ -189,6 +189,8 @@ def parse_payload(body: bytes, kind: str) -> dict:
 
 
 KINDS = frozenset({"chat", "completion", embeddings.EMBEDDING, responses.RESPONSES})
+# The field holding a kind's prompt: what a refusal of a prompt too long for the context names, as OpenAI's does.
+PROMPT_PARAMS = {"chat": "messages", "completion": "prompt", embeddings.EMBEDDING: "input", responses.RESPONSES: "input"}
 INTERACTIVE_PRIORITY = 0  # vLLM's default: what a call without `priority` runs at
 
 
@@ -277,11 +279,16 @@ class InferenceRequest:
         """The most tokens, and so money, it can take at `endpoint`; a 400 when it asks for more
         output tokens than the endpoint's context, or calls an endpoint of the other task."""
         embeddings.refuse_wrong_task(self.kind, endpoint)
+        # NOTE: the field the client set, as the engine reads it (`max_completion_tokens` first): a client that sent
+        # `max_completion_tokens` (the openai client's current name) was told `max_tokens`, a field it never sent.
         param = "max_output_tokens" if self.kind == responses.RESPONSES else "max_tokens"
-        max_tokens = self.payload.get("max_completion_tokens") or self.payload.get(param)
+        if self.payload.get("max_completion_tokens"):
+            param = "max_completion_tokens"
+        max_tokens = self.payload.get(param)
         if max_tokens is not None and max_tokens > endpoint.max_model_len:
             raise errors.invalid_request(
-                f"{param} is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.", param=param)
+                f"{param} is {max_tokens}, but this model's context is {endpoint.max_model_len} tokens.", param=param,
+                code="invalid_value")
         case = estimate.worst_case(self.payload, self.kind, endpoint.max_model_len, endpoint.template_tokens,
                                    endpoint.template_flag_tokens, endpoint.prompt_normalizer)
         # NOTE: one attribute read for an endpoint without a learned factor (most): its bound is as estimated.
@@ -321,7 +328,11 @@ class InferenceRequest:
         """The engine's 4xx answer to this request, in OpenAI's shape."""
         if self.kind == embeddings.EMBEDDING:
             return embeddings.engine_refusal(status, body, self.payload)
-        return errors.engine_refused(status, body)
+        return errors.engine_refused(status, body, prompt_param=PROMPT_PARAMS[self.kind])
+
+    def engine_stream_error(self, data: bytes) -> errors.OpenAIError:
+        """The engine's error event in this request's stream (its `data`), in OpenAI's shape."""
+        return errors.engine_stream_error(data, prompt_param=PROMPT_PARAMS[self.kind])
 
 
 def _depth(value) -> int:

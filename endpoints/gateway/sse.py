@@ -70,6 +70,12 @@ def is_error_event(event: bytes) -> bool:
     return event.startswith(b"event: error\n")
 
 
+def is_engine_error(event: bytes) -> bool:
+    """Whether the event is an engine's error in a chat or completions stream (`data: {"error": …}`, as vLLM writes it
+    when a generation fails mid-stream)."""
+    return event.startswith(b'data: {"error"')
+
+
 def rewrite_event(event: bytes, wants_usage: bool, wants_continuous: bool) -> tuple[bytes | None, dict | None]:
     """An upstream SSE event as the client asked for it (None: drop it), and the usage it carried.
 

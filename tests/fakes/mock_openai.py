@@ -25,6 +25,12 @@ PROMPT_TOKENS = 7
 EMBEDDING_SIZE = 8  # `/v1/embeddings`: every input gets this many zeros, and PROMPT_TOKENS tokens
 # A request whose `user` is this is answered with an HTTP 500, every time.
 ENGINE_FAILS_FOR = "engine-fails-this"
+# A streamed request whose `user` is this gets one chunk, then the error event vLLM writes when its generation fails
+# mid-stream (`vllm.entrypoints.openai.chat_completion.serving`: its own type name, the HTTP status as the code), then
+# `[DONE]`.
+ENGINE_ERRORS_MID_STREAM = "engine-errors-mid-stream"
+VLLM_STREAM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                               "code": 500}}
 # A request whose `user` is this and a unix time (`engine-fails-until:1765000000.5`) is answered with an HTTP 500 until
 # then: an engine failing for a while, then well again.
 ENGINE_FAILS_UNTIL = "engine-fails-until:"
@@ -169,6 +175,10 @@ class MockOpenAI:
             if include_usage and continuous:
                 chunk["usage"] = _usage(index + 1)
             await emit(b"data: " + _dumps(chunk) + b"\n\n")
+            if payload.get("user") == ENGINE_ERRORS_MID_STREAM:
+                # as vLLM writes it: `json.dumps`, its default separators
+                await emit(b"data: " + json.dumps(VLLM_STREAM_ERROR).encode() + b"\n\ndata: [DONE]\n\n", more=False)
+                return
         if include_usage:
             final = base | {"choices": [], "usage": _usage(num_tokens, cached)}
             await emit(b"data: " + _dumps(final) + b"\n\n")

@@ -240,3 +240,59 @@ def test_the_openai_client_may_send_its_newer_nullable_fields_as_none_and_is_tol
                                 background_options={"completion_window": "2h"})
     assert (refused.value.param, refused.value.code) == ("background_options", "unsupported_parameter")
     assert "not run in the background" in refused.value.message
+
+
+def test_max_completion_tokens_past_the_context_is_refused_naming_max_completion_tokens(gateway, tenant,
+                                                                                       start_mock_upstream):
+    # The openai client's current name for the output cap is `max_completion_tokens`; before, its refusal named
+    # `max_tokens`, a field the client never sent, and no code.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_completion_tokens=10_000_000)
+    assert (refused.value.param, refused.value.code) == ("max_completion_tokens", "invalid_value")
+    assert "max_completion_tokens is 10000000" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as legacy:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=10_000_000)
+    assert (legacy.value.param, legacy.value.code) == ("max_tokens", "invalid_value")
+    assert not UsageRecord.objects.exists()
+
+
+def test_deprecated_functions_are_refused_naming_tools_not_silently_dropped(gateway, tenant, start_mock_upstream):
+    # Before, `functions` and `function_call` passed to the engine, which does not read them: the model answered in
+    # text, and a caller waiting for `message.function_call` (old LangChain and LlamaIndex agents) got none.
+    upstream = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, upstream)
+    client = tenant.client(gateway)
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    with pytest.raises(openai.BadRequestError) as functions:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, functions=[weather])
+    assert (functions.value.param, functions.value.code) == ("functions", "unsupported_parameter")
+    assert "'tools'" in functions.value.message
+    with pytest.raises(openai.BadRequestError) as function_call:
+        client.chat.completions.create(model=endpoint.name, messages=MESSAGES, function_call={"name": "get_weather"})
+    assert (function_call.value.param, function_call.value.code) == ("function_call", "unsupported_parameter")
+    assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 0
+    # sent as null (not set), they change nothing
+    answer = client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=1,
+                                            extra_body={"functions": None, "function_call": None})
+    assert answer.choices[0].message.content == "tok"
+
+
+def test_an_engines_error_mid_stream_reaches_the_openai_client_in_openais_shape(gateway, tenant, start_mock_upstream):
+    # vLLM writes a generation failing mid-stream as `data: {"error": …}` with its own type name and the HTTP status as
+    # a numeric code; before, relayed as it was, the client's APIError had type "InternalServerError" and code 500.
+    from tests.fakes.mock_openai import ENGINE_ERRORS_MID_STREAM
+
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    client = tenant.client(gateway)
+    received = []
+    with pytest.raises(openai.APIError) as failed:
+        for chunk in client.chat.completions.create(model=endpoint.name, messages=MESSAGES, max_tokens=4, stream=True,
+                                                    user=ENGINE_ERRORS_MID_STREAM):
+            received.append(chunk.choices[0].delta.content)
+    assert received == ["tok "]
+    assert (failed.value.type, failed.value.code, failed.value.param) == ("server_error", None, None)
+    assert failed.value.message == "Internal server error"
+    row = wait_until(lambda: UsageRecord.objects.first(), 10, message="the usage row")
+    assert (row.status, row.completion_tokens) == ("upstream_error", 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +82,26 @@ def test_the_engines_own_refusal_reaches_the_client_in_openais_shape(engine, gat
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] == engine_message and str(CONTEXT) in error["message"]
     assert set(response.json()) == {"error"}
+
+
+def test_a_prompt_too_long_for_the_context_is_openais_context_length_exceeded_naming_the_prompt(
+        engine, gateway, tenant, endpoint):
+    """OpenAI refuses a prompt past the model's context as code `context_length_exceeded`, param `messages` (or
+    `prompt`): what LangChain's and LiteLLM's OpenAI clients tell a context overflow by, to trim or summarise the
+    history or fall back to a longer-context model. Before, the engine's refusal came with no code and its own
+    parameter (`input_text`, `input_tokens`: no field a client sent), as any other 400."""
+    client = tenant.client(gateway, timeout=120)
+    long_text = "hello " * (CONTEXT * 3)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long_text}], max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long_text}], max_tokens=1,
+                                       stream=True)
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model=NAME, prompt=[50] * (CONTEXT + 100), max_tokens=1)
+    for refused, param in ((chat, "messages"), (streamed, "messages"), (completion, "prompt")):
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+        assert str(CONTEXT) in refused.value.message  # the engine's own words: the context and the prompt's length
 
 
 def test_a_text_part_the_engine_reads_as_an_image_is_refused_before_the_engine_is_asked(engine, gateway, tenant,
