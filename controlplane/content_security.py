@@ -4,7 +4,9 @@
 The Content-Security-Policy (`CONTENT_SECURITY_POLICY`): the console loads only its own files (templates,
 `static/`: htmx, uPlot, its own scripts; no inline script, no `eval`), so a script that got into a page through
 some tenant's text (an endpoint's name, a failure reason an engine wrote, a model's config) would not run:
-`script-src 'self'`. Styles may be inline (the progress bars' widths, htmx's indicator style, the API docs' page).
+`script-src 'self'`. Styles come only from our own stylesheets too (`style-src 'self'`, no `style` attribute: a
+bar's share is SVG geometry, `{% bar_fill %}`; htmx's indicator `<style>` is off; the API docs' page links a stylesheet),
+so injected text cannot restyle a page either (hide a warning, draw a fake form over it).
 Nothing may frame a page. A response that already carries a policy keeps its own.
 
 No-store: no page or API answer is kept by a browser or a proxy. NOTE: the pages that show a secret once (a new

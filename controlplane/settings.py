@@ -605,10 +605,11 @@ OTP_ADMIN_HIDE_SENSITIVE_DATA = True
 CSRF_COOKIE_SECURE = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
-# `controlplane/content_security.py`: pages load and run only our own files (no inline script, no eval).
+# `controlplane/content_security.py`: pages load and run only our own files (no inline script, no eval), and take
+# their styles only from our own stylesheets (no `style` attribute, no `<style>`: tests/console/test_style_policy.py).
 # NOTE: no `form-action`: the payment form's answer redirects to Stripe's portal, which browsers check against it.
 CONTENT_SECURITY_POLICY = "; ".join([
-    "default-src 'self'", "script-src 'self'", "style-src 'self' 'unsafe-inline'", "img-src 'self' data:",
+    "default-src 'self'", "script-src 'self'", "style-src 'self'", "img-src 'self' data:",
     "font-src 'self'", "connect-src 'self'", "object-src 'none'", "base-uri 'self'", "frame-ancestors 'none'",
 ])
 
