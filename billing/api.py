@@ -203,6 +203,7 @@ class BillingView(OrganizationScopedMixin, GenericAPIView):
 
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
+    patch_sets_every_field = True  # `spend_cap` (null removes it): `controlplane.schema`
 
     @extend_schema(responses=BILLING_OVERVIEW)
     def get(self, request):
@@ -225,6 +226,7 @@ class KeySpendCapView(OrganizationScopedMixin, GenericAPIView):
 
     serializer_class = SpendCapSerializer
     required_role = Role.ADMIN
+    patch_sets_every_field = True  # `spend_cap` (null removes it): `controlplane.schema`
 
     # NOTE: the answer is not the request's shape: before, the schema said `spend_cap` alone (the request's serializer)
     # and the answer held `key` too, which a client generated from the schema never read.

@@ -4,8 +4,12 @@
 The Content-Security-Policy (`CONTENT_SECURITY_POLICY`): the console loads only its own files (templates,
 `static/`: htmx, uPlot, its own scripts; no inline script, no `eval`), so a script that got into a page through
 some tenant's text (an endpoint's name, a failure reason an engine wrote, a model's config) would not run:
-`script-src 'self'`. Styles may be inline (the progress bars' widths, htmx's indicator style, the API docs' page).
-Nothing may frame a page. A response that already carries a policy keeps its own.
+`script-src 'self'`. Styles come only from our own stylesheets too (`style-src 'self'`, no `style` attribute: a
+bar's share is SVG geometry, `{% bar_fill %}`; htmx's indicator `<style>` is off; the API docs' page links a stylesheet),
+so injected text cannot restyle a page either (hide a warning, draw a fake form over it).
+Nothing may frame a page. A response that already carries a policy keeps its own. With it goes a
+Permissions-Policy (`PERMISSIONS_POLICY`): camera, microphone, location, payment and device APIs, which no page
+uses, are refused to the page and anything in it.
 
 No-store: no page or API answer is kept by a browser or a proxy. NOTE: the pages that show a secret once (a new
 API key, a node's join token) and every page of an account were kept in the browser's history and back/forward
@@ -22,6 +26,7 @@ from django.conf import settings
 from django.utils.cache import add_never_cache_headers
 
 HEADER = "Content-Security-Policy"
+PERMISSIONS_HEADER = "Permissions-Policy"
 
 
 class _OnEveryResponse(ABC):
@@ -52,10 +57,13 @@ class ContentSecurityPolicyMiddleware(_OnEveryResponse):
     def __init__(self, get_response):
         super().__init__(get_response)
         self.policy = settings.CONTENT_SECURITY_POLICY
+        self.permissions_policy = settings.PERMISSIONS_POLICY
 
     def _add(self, response):
         if self.policy and HEADER not in response:
             response[HEADER] = self.policy
+        if self.permissions_policy and PERMISSIONS_HEADER not in response:
+            response[PERMISSIONS_HEADER] = self.permissions_policy
         return response
 
 

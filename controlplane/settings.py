@@ -605,14 +605,21 @@ OTP_TOTP_ISSUER = "Inferplane"
 # The admin never shows a device's secret (a TOTP key, its QR code): one staff member could otherwise read another's.
 OTP_ADMIN_HIDE_SENSITIVE_DATA = True
 CSRF_COOKIE_SECURE = not DEBUG
+# NOTE: no script reads the CSRF cookie: pages carry the token (`<meta name="csrf-token">`, htmx's `hx-headers`, the
+# API docs' script), so the cookie is HttpOnly too, as scanners expect of every cookie (ZAP: "Cookie No HttpOnly Flag").
+CSRF_COOKIE_HTTPONLY = True
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
-# `controlplane/content_security.py`: pages load and run only our own files (no inline script, no eval).
+# `controlplane/content_security.py`: pages load and run only our own files (no inline script, no eval), and take
+# their styles only from our own stylesheets (no `style` attribute, no `<style>`: tests/console/test_style_policy.py).
 # NOTE: no `form-action`: the payment form's answer redirects to Stripe's portal, which browsers check against it.
 CONTENT_SECURITY_POLICY = "; ".join([
-    "default-src 'self'", "script-src 'self'", "style-src 'self' 'unsafe-inline'", "img-src 'self' data:",
+    "default-src 'self'", "script-src 'self'", "style-src 'self'", "img-src 'self' data:",
     "font-src 'self'", "connect-src 'self'", "object-src 'none'", "base-uri 'self'", "frame-ancestors 'none'",
 ])
+
+# Browser features no page uses, refused to every frame and script (`controlplane/content_security.py`).
+PERMISSIONS_POLICY = "camera=(), microphone=(), geolocation=(), payment=(), usb=(), serial=(), bluetooth=(), hid=()"
 
 
 # --- metrics ---------------------------------------------------------------------------

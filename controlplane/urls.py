@@ -58,7 +58,9 @@ urlpatterns = [
     path("api/schema/", CachedSchemaView.as_view(), name="schema"),
     # NOTE: the split view: Swagger UI's start-up script from `?script`, as a file of our own origin. The plain view
     # starts it with an inline script, which the Content-Security-Policy refuses: the page was blank in any browser.
-    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
+    # Its page's inline <style> is a stylesheet of ours (`controlplane/api_docs.html`), as the policy wants too.
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema", template_name="controlplane/api_docs.html"),
+         name="api-docs"),
     path("", views.home, name="home"),
     path("signup/", views.signup, name="signup"),
     path("signup/done/", views.signup_done, name="signup-done"),

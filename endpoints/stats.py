@@ -75,7 +75,17 @@ def recent_cold_starts(endpoint, limit: int = NUM_RECENT_COLD_STARTS) -> list[di
 
 
 def chart(cold_starts: list[dict]) -> list[dict]:
-    """The panel's bars: each cold start's phases as percentages of the longest one's total."""
+    """The panel's bars: each cold start's phases as percentages of the longest one's total, each segment starting
+    (`start_percent`) where the one before it ended."""
     longest = max((c["cold_start_ms"] for c in cold_starts), default=0) or 1
-    return [c | {"segments": [{"phase": p, "ms": c["phases"][p], "percent": round(100 * c["phases"][p] / longest, 2)}
-                              for p in PHASES if c["phases"][p]]} for c in cold_starts]
+    return [c | {"segments": _segments(c["phases"], longest)} for c in cold_starts]
+
+
+def _segments(phases: dict[str, int], longest: int) -> list[dict]:
+    segments, start_ms = [], 0
+    for phase in PHASES:
+        if phases[phase]:
+            segments.append({"phase": phase, "ms": phases[phase], "start_percent": round(100 * start_ms / longest, 2),
+                             "percent": round(100 * phases[phase] / longest, 2)})
+            start_ms += phases[phase]
+    return segments

@@ -1,11 +1,13 @@
 """Schemathesis fuzzes every operation of the management API's own OpenAPI schema (`/api/schema/`).
 
 For each operation it generates valid and invalid requests (bodies, query strings, path parameters)
-and sends them, with the owner key of one of two organisations, to the Django application itself
+and sends them, with the owner key of one of two organisations or signed in as its owner (a session cookie and
+a CSRF token, as the console and Swagger UI call), to the Django application itself
 (WSGI, in this process, on the real test database: each operation starts from the same seeded data
 and its writes are rolled back). Every answer must be no server error, carry a status code and a
 content type the schema documents for that operation and the headers it documents as required, and
-match the documented body. Path parameters are often the ids of real objects, of the caller's
+match the documented body; the same call without credentials, or with made-up ones, must be refused
+(Schemathesis's `ignored_auth`). Path parameters are often the ids of real objects, of the caller's
 organisation or of the other one, whose objects must stay invisible (a 404).
 
 Bounded and reproducible: `FUZZ_EXAMPLES` examples per operation, derandomised.
@@ -19,13 +21,15 @@ from decimal import Decimal
 
 import pytest
 import schemathesis
+from django.conf import settings as django_settings
 from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
+from django.test import Client
 from django.utils import timezone
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import ignored_auth, not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_headers_conformance,
@@ -93,8 +97,11 @@ def _seed_organisation(label: str) -> dict:
     invoice = Invoice.objects.create(organization=organization, stripe_invoice_id=f"in_fuzz_{label}", status="paid",
                                      amount_due=950, number="INV-1")
     InvoiceLine.objects.create(invoice=invoice, stripe_line_id="il_1", description="Output tokens", quantity=5, amount=950)
+    session = Client()
+    session.force_login(owner)
     return {
         "secret": key.plain,
+        "session": session.cookies[django_settings.SESSION_COOKIE_NAME].value,
         "endpoint": [str(endpoint.pk), str(paused.pk)],
         # NOTE: not the key the fuzz calls with: an example that revoked it left every later example of the operation a
         # 401, and the cross-tenant check failed on one (80 examples).
@@ -143,13 +150,33 @@ def flatmap_path_parameters(context, path_parameters):
     return st.one_of(st.just(path_parameters), real)
 
 
+# A made-up CSRF secret, sent as the cookie and the header, as the console's pages do with theirs.
+CSRF_SECRET = "fuzz" * 8
+
+
+def _sign(case, organisation: dict, credential: str) -> dict:
+    """The headers of a call with the owner's API key, or `case` signed in as the owner (the console, Swagger UI)."""
+    if credential == "key":
+        return {"Authorization": f"Bearer {organisation['secret']}"}
+    # NOTE: the case's cookies, not a Cookie header: Schemathesis fills them with a made-up `sessionid` (the schema's
+    # cookieAuth), which replaced the header's; and no generated `Authorization` beside them (a malformed one is a 401
+    # whatever the session).
+    case.cookies = {django_settings.SESSION_COOKIE_NAME: organisation["session"],
+                    django_settings.CSRF_COOKIE_NAME: CSRF_SECRET}
+    case.headers = {name: value for name, value in (case.headers or {}).items() if name.lower() != "authorization"}
+    return {"X-CSRFToken": CSRF_SECRET}
+
+
 @schema.parametrize()
-@schema.given(caller=st.sampled_from(["a", "b"]))
+@schema.given(caller=st.sampled_from(["a", "b"]), credential=st.sampled_from(["key", "session"]))
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-def test_every_api_operation_answers_as_its_schema_documents(case, caller, seeded):
+def test_every_api_operation_answers_as_its_schema_documents(case, caller, credential, seeded):
     organisation = seeded[caller]
-    response = case.call_and_validate(headers={"Authorization": f"Bearer {organisation['secret']}"}, checks=CHECKS)
+    # NOTE: `ignored_auth` on key calls alone: it takes the case's generated cookie for the credential, and reads the
+    # real session put in its place as a made-up one accepted.
+    checks = CHECKS + [ignored_auth] if credential == "key" else CHECKS
+    response = case.call_and_validate(headers=_sign(case, organisation, credential), checks=checks)
     kind = _kind_of_path(case.operation.path)
     theirs = {str(i) for name, o in seeded.items() if name != caller and kind for i in o[kind]}
     if theirs & {str(value) for value in (case.path_parameters or {}).values()}:

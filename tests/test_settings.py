@@ -137,6 +137,16 @@ def test_production_settings_pass_check_deploy_without_warnings():
     assert "no issues" in result.stdout
 
 
+def test_production_cookies_are_secure_http_only_and_same_site():
+    """Before, the CSRF cookie was readable by scripts (Django's default), which scanners flag on every page; no
+    script reads it (pages carry the token). Every cookie the control plane sets: Secure, HttpOnly, SameSite=Lax."""
+    flags = [f"{name}_{flag}" for name in ("SESSION_COOKIE", "CSRF_COOKIE") for flag in ("SECURE", "HTTPONLY", "SAMESITE")]
+    result = _manage(["shell", "-c", f"from django.conf import settings; print([getattr(settings, n) for n in {flags!r}])"],
+                     PRODUCTION_ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == str([True, True, "Lax"] * 2)
+
+
 def test_production_refuses_to_start_without_a_secret_key():
     env = {k: v for k, v in PRODUCTION_ENV.items() if k != "DJANGO_SECRET_KEY"}
     result = _manage(["check"], env)

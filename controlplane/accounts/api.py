@@ -23,6 +23,7 @@ from controlplane.accounts.serializers import (
     InvitationSerializer,
     MembershipSerializer,
     OrganizationSerializer,
+    StrictSerializer,
 )
 from controlplane.accounts.tenancy import request_membership
 
@@ -111,8 +112,9 @@ class ApiKeyViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.Creat
         return Response(ApiKeySerializer(api_key).data)
 
 
-class MemberInputSerializer(serializers.Serializer):
-    email = serializers.EmailField()
+class MemberRoleSerializer(StrictSerializer):
+    """A member's new role: the PATCH body, `role` and nothing else."""
+
     role = serializers.ChoiceField(choices=Role.choices)
 
 
@@ -131,17 +133,15 @@ class MembershipViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.D
 
     serializer_class = MembershipSerializer
     required_role = Role.ADMIN
+    patch_sets_every_field = True  # `role`, the one thing a PATCH changes (`controlplane.schema`)
 
     def get_queryset(self):
         return Membership.objects.filter(organization=self.organization).select_related("user")
 
-    @extend_schema(request=inline_serializer("MemberRoleInput", {"role": serializers.ChoiceField(choices=Role.choices)}),
-                   responses={200: MembershipSerializer, 403: SESSION_ONLY})
+    @extend_schema(request=MemberRoleSerializer, responses={200: MembershipSerializer, 403: SESSION_ONLY})
     def partial_update(self, request, pk=None):
-        data = MemberInputSerializer(data=request.data, partial=True)
+        data = MemberRoleSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        if set(request.data) - {"role"} or "role" not in data.validated_data:
-            raise ValidationError({"role": ["Send exactly {'role': …}."]})
         membership = get_object_or_404(self.get_queryset(), pk=pk)
         try:
             membership = members.change_member_role(self.actor, membership, role=data.validated_data["role"])

@@ -16,8 +16,11 @@ from controlplane.accounts.models import (
 from controlplane.text import as_name, name_problem, shown_name
 
 
-class StrictModelSerializer(serializers.ModelSerializer):
-    """Rejects unknown and read-only fields, so a typo is a 400, not a silently ignored setting."""
+class StrictSerializer(serializers.Serializer):
+    """Rejects unknown and read-only fields, so a typo is a 400, not a silently ignored setting (and the schema says
+    so: `additionalProperties: false`, `controlplane.schema`)."""
+
+    refuses_unknown_fields = True
 
     def to_internal_value(self, data):
         if isinstance(data, dict):
@@ -30,6 +33,10 @@ class StrictModelSerializer(serializers.ModelSerializer):
             if errors:
                 raise serializers.ValidationError(errors)
         return super().to_internal_value(data)
+
+
+class StrictModelSerializer(StrictSerializer, serializers.ModelSerializer):
+    """Rejects unknown and read-only fields, so a typo is a 400, not a silently ignored setting."""
 
 
 class NameField(serializers.CharField):

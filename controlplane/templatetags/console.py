@@ -75,6 +75,16 @@ def percent_of(value, total) -> float:
     return round(min(max(share, 0.0), 100.0), 1)
 
 
+@register.simple_tag
+def bar_fill(percent) -> str:
+    """A `.bar`'s filled share, `percent` of its width (clamped to 0–100), drawn as SVG geometry.
+
+    NOTE: not a `style="width: …"`: the Content-Security-Policy refuses inline styles (`style-src 'self'`), and an SVG
+    attribute is geometry, which no policy governs."""
+    return format_html('<svg class="bar-fill" viewBox="0 0 100 1" preserveAspectRatio="none" aria-hidden="true" '
+                       'focusable="false"><rect width="{}" height="1"></rect></svg>', percent_of(percent, 100))
+
+
 @register.filter
 def get_item(mapping, key):
     return mapping.get(key) if hasattr(mapping, "get") else None

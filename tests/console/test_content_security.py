@@ -12,7 +12,7 @@ from django.test import Client
 from controlplane.accounts import invitations
 from controlplane.accounts.models import Organization, Role
 from controlplane.accounts.services import Actor
-from controlplane.content_security import HEADER
+from controlplane.content_security import HEADER, PERMISSIONS_HEADER
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -23,6 +23,14 @@ def test_pages_are_served_with_the_policy(client, path):
     policy = client.get(path)[HEADER]
     assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "object-src 'none'" in policy
     assert "unsafe-eval" not in policy and "script-src 'self' 'unsafe-inline'" not in policy
+
+
+@pytest.mark.parametrize("path", ["/login/", "/api/docs/", "/api/schema/"])
+def test_pages_refuse_the_browser_features_none_uses(client, path):
+    """Before, no Permissions-Policy was sent (scanners flag its absence): a script that got into a page could ask for
+    the camera, the microphone or the location in our origin's name."""
+    features = dict(part.strip().split("=") for part in client.get(path)[PERMISSIONS_HEADER].split(","))
+    assert {features[name] for name in ("camera", "microphone", "geolocation", "payment", "usb")} == {"()"}
 
 
 @pytest.mark.browser

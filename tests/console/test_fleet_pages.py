@@ -43,7 +43,7 @@ def test_fleet_shows_nodes_with_bars_replicas_and_weights(staff):
     Replica.objects.create(endpoint=EndpointFactory(name="on-gpu-1"), node=node, state=ReplicaState.READY)
     page = staff.get(reverse("console:fleet")).content.decode()
     assert "gpu-1" in page and "NVIDIA L4" in page
-    assert "width: 63%" in page and "width: 50%" in page  # utilisation and memory bars
+    assert '<rect width="63.0"' in page and '<rect width="50.0"' in page  # utilisation and memory bars (`bar_fill`)
     assert "on-gpu-1" in page
     assert "hf:org/model" in page and "1.9\xa0GB (50%)" in page  # cached weights, half downloaded
     age_s = int(re.search(r"heartbeat (\d+) s ago", page).group(1))
