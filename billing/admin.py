@@ -72,6 +72,13 @@ class CreditGrantForm(forms.ModelForm):
     def clean_kind(self):
         return self.cleaned_data.get("kind") or CreditKind.PURCHASED
 
+    def clean_organization(self):
+        # NOTE: `credits.grant_credits` refuses it too, under the organisation's lock (a close racing the grant)
+        organization = self.cleaned_data.get("organization")
+        if organization is not None and organization.closed_at is not None:
+            raise forms.ValidationError("This organisation is closed: credit granted to it is nobody's to use.")
+        return organization
+
     class Meta:
         model = CreditGrant
         fields = ["organization", "amount", "kind", "granted_at", "expires_at", "note"]

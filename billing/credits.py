@@ -8,11 +8,13 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import connection, transaction
+from django.db.models import Q
 
 from billing.ledger import undrawn_prepaid_usage
 from billing.models import BillingAccount, CreditDraw, CreditGrant, CreditKind, credit_draw
 from billing.quota.counters import refresh_limits
-from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.models import lock_organizations
+from controlplane.accounts.services import Actor, ensure_open, record_audit
 from controlplane.clock import database_now
 
 logger = logging.getLogger(__name__)
@@ -21,9 +23,16 @@ logger = logging.getLogger(__name__)
 def grant_credits(actor: Actor, organization, *, amount: Decimal, expires_at: datetime | None = None,
                   note: str = "", granted_at: datetime | None = None,
                   kind: str = CreditKind.PURCHASED) -> CreditGrant:
+    """Raises `OrganizationClosed` for a closed organisation: credit there is nobody's to use, and purchased credit
+    would be kept by nobody (a close refunds none: `endpoints.closing.credit_refusal`)."""
     if amount <= 0:
         raise ValueError("a credit grant must be positive")
     with transaction.atomic():
+        # NOTE: under the organisation's row lock, which its close holds while it judges the credit left: a grant
+        # either committed first (and holds the close) or waits for it and is refused here. Before, one made while the
+        # close ran, or after it, left purchased credit on a closed organisation.
+        lock_organizations([organization.pk])
+        ensure_open(organization.pk, "organization")
         grant = CreditGrant.objects.create(
             organization=organization, amount=amount, expires_at=expires_at, note=note, kind=kind,
             # NOTE: by PostgreSQL's clock, as the credit figure judges it (`rebuild.credit_available`): by a web pod's
@@ -47,11 +56,18 @@ class RemainingCredit:
     promotional: Decimal
 
 
+def _not_ended(grants, now: datetime):
+    """Those of `grants` not expired at `now`, whether they started or start later (`granted_at` ahead)."""
+    return grants.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
 def remaining_credit(organization_id: int, *, now: datetime | None = None) -> RemainingCredit:
-    """The credit the organisation's grants active now (PostgreSQL's clock, as they are stamped) hold, by kind."""
+    """The credit the organisation's grants not expired now (PostgreSQL's clock, as they are stamped) hold, by kind:
+    those that start later too. NOTE: before, only those active now: a close went through while purchased credit was
+    still to come (a grant dated ahead), and a promotional one dated ahead was not forfeited."""
     now = now or database_now()
     left = {CreditKind.PURCHASED: Decimal(0), CreditKind.PROMOTIONAL: Decimal(0)}
-    for grant in CreditGrant.objects.filter(organization_id=organization_id).active(now):
+    for grant in _not_ended(CreditGrant.objects.filter(organization_id=organization_id), now):
         left[grant.kind] = left.get(grant.kind, Decimal(0)) + grant.remaining
     return RemainingCredit(purchased=left[CreditKind.PURCHASED], promotional=left[CreditKind.PROMOTIONAL])
 
@@ -59,7 +75,7 @@ def remaining_credit(organization_id: int, *, now: datetime | None = None) -> Re
 def forfeit_promotional_credit(actor: Actor, organization, *, now: datetime) -> Decimal:
     """End the organisation's active promotional grants at `now` (its close): what they held is forfeited, audited
     with its amount. Usage begun before `now` is still drawn from them (`CreditGrantQuerySet.paying_for`)."""
-    grants = list(CreditGrant.objects.filter(organization=organization, kind=CreditKind.PROMOTIONAL).active(now)
+    grants = list(_not_ended(CreditGrant.objects.filter(organization=organization, kind=CreditKind.PROMOTIONAL), now)
                   .select_for_update())
     forfeited = sum((grant.remaining for grant in grants), Decimal(0))
     CreditGrant.objects.filter(pk__in=[grant.pk for grant in grants]).update(expires_at=now)
@@ -71,11 +87,18 @@ def forfeit_promotional_credit(actor: Actor, organization, *, now: datetime) -> 
 
 def end_refunded_grants(actor: Actor, grants) -> Decimal:
     """End `grants` now (PostgreSQL's clock) because support refunded what they held (in Stripe, by hand): their
-    remaining credit no longer pays for anything, audited with its amount per grant. Returns the total ended."""
+    remaining credit no longer pays for anything, audited with its amount per grant. Returns the total ended.
+
+    NOTE: their organisations' usage already in the ledger is drawn first (`draw_credits`): before, what a grant held
+    was read as drawn so far, and usage recorded but not drawn yet (the draw follows the rollups, each minute) was then
+    drawn from the grant just ended (it began before the end): support refunded it, and the customer had it for free.
+    Only calls still running at the end are drawn from it later (at most a reservation's worth each)."""
+    for organization_id in sorted({grant.organization_id for grant in grants}):
+        draw_credits(organization_id)
     now = database_now()
     total = Decimal(0)
     with transaction.atomic():
-        for grant in CreditGrant.objects.filter(pk__in=[grant.pk for grant in grants]).active(now).select_for_update():
+        for grant in _not_ended(CreditGrant.objects.filter(pk__in=[grant.pk for grant in grants]), now).select_for_update():
             CreditGrant.objects.filter(pk=grant.pk).update(expires_at=now)
             total += grant.remaining
             record_audit(actor, grant.organization, "billing.credit_refunded", grant, amount=str(grant.remaining),
