@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import django.db
 import kombu.exceptions
@@ -257,9 +258,17 @@ def server_stopping() -> OpenAIError:
 
 
 # How vLLM says a prompt does not fit the model's context: the parameter its renderer names (`vllm.renderers.params`:
-# text past its characters' bound, token ids past the context) or, from its input processor (no parameter), the words.
+# text past its characters' bound, token ids past the context) or, from its input processor (no parameter), how its
+# message starts (`vllm.v1.engine.input_processor`: "The decoder prompt (length 2100) is longer than the maximum model
+# length of 2048", or "... plus the number of requested output tokens (at least 1) is longer ...").
+# NOTE: the words anywhere in any 400 took another refusal for an overflow: vLLM quotes a caller's own grammar, regex or
+# schema in its refusal of it (`Grammar error: {err}`), and a tenant's text holding the words was told to shorten its
+# prompt (a client trimming its history on that code trimmed it for nothing, and retried the same refusal).
 _ENGINE_CONTEXT_PARAMS = frozenset({"input_text", "input_tokens"})
-_ENGINE_CONTEXT_WORDS = ("maximum context length", "longer than the maximum model length")
+_ENGINE_CONTEXT_MESSAGE = re.compile(
+    r"This model's maximum context length is \d+ tokens\."
+    r"|The \w+ prompt \(length \d+\) (?:plus the number of requested output tokens \(at least 1\) )?"
+    r"is longer than the maximum model length of \d+\.")
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -303,6 +312,6 @@ def engine_refused(status: int, body: bytes, *, prompt_param: str | None = None)
     code = detail.get("code") if isinstance(detail.get("code"), str) else None
     param = detail.get("param") if isinstance(detail.get("param"), str) else None
     if status == 400 and (param in _ENGINE_CONTEXT_PARAMS
-                          or (isinstance(message, str) and any(words in message for words in _ENGINE_CONTEXT_WORDS))):
+                          or (param is None and isinstance(message, str) and _ENGINE_CONTEXT_MESSAGE.match(message))):
         return OpenAIError(status, message, param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     return OpenAIError(status, message, param=param, code=code)

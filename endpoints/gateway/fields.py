@@ -107,6 +107,9 @@ REFUSED_WITH_REASON: dict[str, str] = {
 # `audio=None` so), as it is for the stateful Responses fields refused only when set. NOTE: it was a 400 "not supported".
 # The others (`web_search_options`, `background_options`, `access_programs`, `image`) are not nullable in OpenAI's types.
 NULL_IS_UNSET = frozenset({"audio", "moderation", "context_management", "functions", "function_call"})
+# Refused lists sent empty: no item, so nothing the engine drops (clients built on OpenAI's types send their default so).
+# NOTE: `functions: []` was a 400, refused as deprecated function calling, though it asks for no function at all.
+EMPTY_IS_UNSET = frozenset({"functions"})
 
 # A prompt's field of one kind of call sent to another (kind, field): the reason says where it goes.
 # NOTE: one reason for every kind told a completions call sending `messages` to send 'input' to /v1/embeddings.
@@ -125,7 +128,8 @@ def check(payload: dict, kind: str) -> None:
     """A 400 in OpenAI's shape naming the first field of `payload` a call of `kind` may not send."""
     accepted = ACCEPTED[kind]
     for name in payload:
-        if name in accepted or (name in NULL_IS_UNSET and payload[name] is None):
+        if (name in accepted or (name in NULL_IS_UNSET and payload[name] is None)
+                or (name in EMPTY_IS_UNSET and payload[name] == [])):
             continue
         reason = REFUSED_ON_PATH.get((kind, name)) or REFUSED_WITH_REASON.get(name)
         if reason is not None:

@@ -279,10 +279,12 @@ class InferenceRequest:
         """The most tokens, and so money, it can take at `endpoint`; a 400 when it asks for more
         output tokens than the endpoint's context, or calls an endpoint of the other task."""
         embeddings.refuse_wrong_task(self.kind, endpoint)
-        # NOTE: the field the client set, as the engine reads it (`max_completion_tokens` first): a client that sent
-        # `max_completion_tokens` (the openai client's current name) was told `max_tokens`, a field it never sent.
+        # NOTE: the field the client set, as the engine reads it (chat's `max_completion_tokens` first): a client that
+        # sent `max_completion_tokens` (the openai client's current name) was told `max_tokens`, a field it never sent.
+        # vLLM's completions ignore it (`estimate`): read there, one past the context beside a `max_tokens` that fits
+        # was a 400 naming a field the engine never reads.
         param = "max_output_tokens" if self.kind == responses.RESPONSES else "max_tokens"
-        if self.payload.get("max_completion_tokens"):
+        if self.kind == "chat" and self.payload.get("max_completion_tokens") is not None:
             param = "max_completion_tokens"
         max_tokens = self.payload.get(param)
         if max_tokens is not None and max_tokens > endpoint.max_model_len:

@@ -66,3 +66,17 @@ def test_an_engines_error_event_mid_stream_is_a_server_error_or_the_requests_ref
     assert (refused.type, refused.code, refused.param) == ("invalid_request_error", "context_length_exceeded", "messages")
     unreadable = request.engine_stream_error(b'{"error": "boom"')
     assert (unreadable.status, unreadable.type) == (500, "server_error")
+
+
+@pytest.mark.parametrize("refusal", [
+    # vLLM quotes the caller's own grammar, regex or schema in its refusal of it (`Grammar error: {err}`,
+    # `Error parsing regex: {e}`): a tenant's text holding the words was taken for a prompt past the context
+    _vllm_refusal("Grammar error: at line 1: unexpected token in \"answer: maximum context length\""),
+    _vllm_refusal("Error parsing regex: unbalanced parenthesis in '(longer than the maximum model length'"),
+    _vllm_refusal("structured_outputs.regex is invalid: 'This model's maximum context length is 5 tokens'",
+                  "structured_outputs.regex"),
+])
+def test_another_refusal_quoting_the_words_is_not_taken_for_a_prompt_past_the_context(refusal):
+    error = _request("chat", {"messages": [{"role": "user", "content": "hi"}]}).engine_refusal(400, refusal)
+    assert error.code != "context_length_exceeded"
+    assert error.param != "messages"

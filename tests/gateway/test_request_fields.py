@@ -210,3 +210,29 @@ def test_a_refused_field_never_reaches_the_engine_and_costs_nothing(gateway, ten
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "kv_transfer_params"
     assert not UsageRecord.objects.exists()
+
+
+def test_deprecated_functions_sent_empty_are_not_set():
+    """`functions: []` asks for no function (clients built on OpenAI's types send their default so): nothing the engine
+    drops, so nothing to refuse; before, a 400 `unsupported_parameter`. Set, it is still refused."""
+    assert parse_payload(json.dumps(CHAT | {"functions": []}).encode(), "chat") == CHAT | {"functions": []}
+    refused = _refusal(CHAT | {"functions": [{"name": "get_weather"}]}, "chat")
+    assert (refused.param, refused.code) == ("functions", "unsupported_parameter")
+
+
+def test_a_completions_output_cap_is_max_tokens_alone_as_the_engine_reads_it():
+    """vLLM's completions ignore `max_completion_tokens` (`endpoints.gateway.estimate`): one past the context beside a
+    `max_tokens` that fits was a 400 naming a field the engine never reads."""
+    from endpoints.gateway.request import InferenceRequest
+
+    class _Endpoint:  # what `InferenceRequest.worst_case` reads of an endpoint
+        name, task, max_model_len, template_tokens, template_flag_tokens = "m", "generate", 2048, (0, 0), None
+        prompt_normalizer = prompt_factor = None
+
+    body = COMPLETION | {"max_tokens": 4, "max_completion_tokens": 10_000_000}
+    request = InferenceRequest.parse(json.dumps(body).encode(), kind="completion", path="/v1/completions")
+    assert request.worst_case(_Endpoint()).max_output_tokens == 4
+    with pytest.raises(OpenAIError) as refused:
+        InferenceRequest.parse(json.dumps(COMPLETION | {"max_tokens": 10_000_000}).encode(), kind="completion",
+                               path="/v1/completions").worst_case(_Endpoint())
+    assert (refused.value.param, refused.value.code) == ("max_tokens", "invalid_value")
