@@ -141,7 +141,8 @@ def create_api_key(
                 api_key_created.send(sender=ApiKey, api_key=api_key, minting_key=minting)
                 # NOTE: known to every process from its first call: a key just minted was a stranger to each, and
                 # its first calls were 503s behind any flood of made-up keys (`known_credentials`).
-                transaction.on_commit(functools.partial(API_KEYS_KNOWN.add, API_KEY_LOOKUPS.digest(issued.plain)))
+                transaction.on_commit(functools.partial(API_KEYS_KNOWN.add, API_KEY_LOOKUPS.digest(issued.plain),
+                                                         owner=organization.pk))
             return CreatedApiKey(api_key=api_key, plain=issued.plain)
         except IntegrityError:  # a lookup collision: astronomically rare, try a new one
             continue
@@ -382,7 +383,7 @@ def authenticate_api_key_with_role(plain: str) -> tuple[ApiKey, str] | None:
     digest = API_KEY_LOOKUPS.digest(plain)
     # NOTE: renewed at each match from every process, but once an hour on /api/v1 (`know`), not at each call
     if digest not in API_KEY_LOOKUPS.known:
-        API_KEYS_KNOWN.add(digest)
+        API_KEYS_KNOWN.add(digest, owner=api_key.organization_id)
     return api_key, role
 
 

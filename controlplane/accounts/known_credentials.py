@@ -14,7 +14,9 @@ heartbeat was a stranger's in each new process. The digest is the one the databa
 retire takes the mark away from the row alone.
 
 NOTE: only a match (or an issue) ever sets a mark, so no made-up credential skips the slots, however many are sent;
-and a mark only lets a lookup skip the queue, never answers one. Redis away: every credential is unknown here, and
+and a mark only lets a lookup skip the queue, never answers one. A mark holds its credential's owner (an API key's
+organisation), so a surface may bound the lookups of marked credentials fairly between owners (the gateway's
+`auth.MAX_KNOWN_KEY_LOOKUPS`): an organisation's many real keys are no more a flood than made-up ones. Redis away: every credential is unknown here, and
 waits for its slot as before (each failure costs a caller nothing more than that).
 """
 
@@ -40,9 +42,10 @@ class SharedKnownCredentials:
     def __init__(self, kind: str):
         self.kind = kind
 
-    def add(self, digest: str) -> None:
+    def add(self, digest: str, owner: int | str = 1) -> None:
+        """Marks `digest` known, as `owner`'s (an API key's organisation's id; what `owner_async` answers)."""
         try:
-            get_redis().set(known_credential_key(self.kind, digest), 1, ex=SHARED_KNOWN_FOR_S)
+            get_redis().set(known_credential_key(self.kind, digest), owner, ex=SHARED_KNOWN_FOR_S)
         except (OSError, redis.RedisError):
             logger.warning("could not mark a %s known in Redis", self.kind, exc_info=True)
 
@@ -69,3 +72,10 @@ class SharedKnownCredentials:
             return bool(await get_async_redis().exists(known_credential_key(self.kind, digest)))
         except (OSError, redis.RedisError):
             return False
+
+    async def owner_async(self, digest: str) -> str | None:
+        """The owner `digest` was marked known as (`add`), or None where it is not marked (or Redis is away)."""
+        try:
+            return await get_async_redis().get(known_credential_key(self.kind, digest))
+        except (OSError, redis.RedisError):
+            return None

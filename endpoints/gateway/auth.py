@@ -45,6 +45,9 @@ KNOWN_KEYS_MAX = 10_000
 # API keys looked up in PostgreSQL at once, per gateway process: anyone may send well-formed keys never seen before,
 # each a query (`_refused_keys` catches only a key sent again).
 MAX_KEY_LOOKUPS = API_KEY_LOOKUPS.slots.max_concurrent
+# Keys marked known to be real (`known_credentials`) looked up at once, per gateway process, besides those: at most
+# half of them one organisation's (`Memo`'s `max_concurrent_known_loads`).
+MAX_KNOWN_KEY_LOOKUPS = 2 * MAX_KEY_LOOKUPS
 # Console sessions looked up at once, per gateway process (the playground's traffic is light); the rest wait
 # briefly, then get a 503.
 MAX_SESSION_LOOKUPS = 4
@@ -111,7 +114,8 @@ def _organization_of(caller: Caller | None) -> int | None:
 # made-up keys took all four, and a real key new to the process from anywhere else waited 2 s, then was a 503.
 _callers_by_key = Memo(_lookup_key, lambda: hot.API_KEY_CACHE_S, max_entries=KNOWN_KEYS_MAX,
                        max_concurrent_loads=MAX_KEY_LOOKUPS, load_wait_s=API_KEY_LOOKUPS.slots.wait_s,
-                       group_of=_organization_of, fair_loads=True)
+                       group_of=_organization_of, fair_loads=True,
+                       max_concurrent_known_loads=MAX_KNOWN_KEY_LOOKUPS)
 _refused_keys = API_KEY_LOOKUPS.refused
 _session_lookups = CredentialLookups(max_concurrent=MAX_SESSION_LOOKUPS, refused_for_s=REFUSED_SESSIONS_FOR_S)
 
@@ -147,11 +151,12 @@ async def caller_from_key(plain: str, *, source: str | None = None) -> Caller | 
         return None
     # NOTE: a key this process never served, but real to another (or just minted: `known_credentials`), is looked up
     # without waiting for a slot: every real key's first call in a process (a new key, after a deploy, a scale-up, the
-    # load balancer's next pod) waited behind a flood of made-up ones, and was a 503 for as long as it lasted.
+    # load balancer's next pod) waited behind a flood of made-up ones, and was a 503 for as long as it lasted. Its
+    # lookup waits among its organisation's (the mark's), never behind another's many real keys.
     was_cached = digest in _callers_by_key.entries
-    known_elsewhere = not was_cached and await API_KEYS_KNOWN.contains_async(digest)
+    known_owner = None if was_cached else await API_KEYS_KNOWN.owner_async(digest)
     try:
-        caller = await _callers_by_key.get(digest, plain, unqueued=known_elsewhere, owner=source)
+        caller = await _callers_by_key.get(digest, plain, known_owner=known_owner, owner=source)
     except LookupsBusy:
         # NOTE: as /api/v1: a key never seen waited behind a flood of made-up ones for as long as it lasted.
         raise errors.service_unavailable("Too many API keys are being checked at once; please retry.") from None
@@ -163,7 +168,7 @@ async def caller_from_key(plain: str, *, source: str | None = None) -> Caller | 
         # NOTE: a refused key leaves the known keys' cache, so it never evicts one that works.
         _callers_by_key.forget(digest)
         _refused_keys.add(digest)
-        if was_cached or known_elsewhere:  # NOTE: a made-up key has no mark: its refusal costs Redis nothing
+        if was_cached or known_owner is not None:  # NOTE: a made-up key has no mark: its refusal costs Redis nothing
             await API_KEYS_KNOWN.discard_async(digest)
     return caller
 

@@ -38,7 +38,8 @@ class Memo:
     def __init__(self, load: Callable, ttl_s: float | Callable[[], float], *, wait_when_empty: bool = False,
                  max_entries: int = 100_000, max_concurrent_loads: int | None = None,
                  load_wait_s: float | None = None, merge: Callable | None = None, group_of: Callable | None = None,
-                 load_owner: Callable | None = None, fair_loads: bool = False):
+                 load_owner: Callable | None = None, fair_loads: bool = False,
+                 max_concurrent_known_loads: int | None = None):
         self._load = in_worker_thread(load)
         # `merge(cached, loaded, load started at)`: what a load that lands replaces its entry with (by default what it
         # loaded): the process may have learned of the entry since the load read the database.
@@ -59,6 +60,15 @@ class Memo:
                             if load_owner is None and not fair_loads
                             else FairSlots(max_concurrent_loads, per_owner=max(1, max_concurrent_loads // 2),
                                            wait_s=load_wait_s))
+        # The first loads of keys the caller knows to be real elsewhere (`get`'s `known_owner`: an API key marked by
+        # `known_credentials`) take none of those slots, which a flood of made-up keys holds, but one of these, shared
+        # fairly between the keys' owners (their organisations). NOTE: without a bound, one organisation's many real
+        # keys (1,000 live each, sign-up is open), each a first load after a deploy or past its share of the cache,
+        # all ran at once, holding every worker thread and connection while every other lookup queued behind them.
+        self._known_load_slots = (None if not max_concurrent_known_loads
+                                  else FairSlots(max_concurrent_known_loads,
+                                                 per_owner=max(1, max_concurrent_known_loads // 2),
+                                                 wait_s=load_wait_s))
         self._ttl_s = ttl_s
         self.wait_when_empty = wait_when_empty
         self.max_entries = max_entries
@@ -99,11 +109,12 @@ class Memo:
         return None
 
     async def get(self, key: Hashable, *load_args, fresh: bool = False, fresh_since: float | None = None,
-                  unqueued: bool = False, owner: Hashable = None):
+                  known_owner: Hashable = None, owner: Hashable = None):
         """The value for `key`, loaded by `load(*load_args)` (by default `load(key)`).
 
-        `unqueued`: a first load of `key` takes no slot (`max_concurrent_loads`), as the reload of an entry in use never
-        does: for a key the caller knows to be real elsewhere (an API key another process served: `auth`). `owner`:
+        `known_owner`: a first load of `key` takes no slot of `max_concurrent_loads` (as the reload of an entry in use
+        never does), but one of `max_concurrent_known_loads` as `known_owner`'s: for a key the caller knows to be real
+        elsewhere (an API key another process served, and its organisation: `auth`). `owner`:
         whose the first load is among fair slots (`fair_loads`; by default `load_owner(key)`).
 
         `fresh` reads it now; `fresh_since` (monotonic) takes a load begun at or after then, the one running or the last
@@ -126,25 +137,31 @@ class Memo:
             if age < ttl_s + STALE_FOR_S and not (self.wait_when_empty and not entry[1]):
                 self._loader(key, load_args)
                 return entry[1]
-        return await asyncio.shield(self._loader(key, load_args, fresh=fresh, unqueued=unqueued, owner=owner))
+        return await asyncio.shield(self._loader(key, load_args, fresh=fresh, known_owner=known_owner,
+                                                 owner=owner))
 
-    def _loader(self, key, load_args: tuple, *, fresh: bool = False, unqueued: bool = False,
+    def _loader(self, key, load_args: tuple, *, fresh: bool = False, known_owner: Hashable = None,
                 owner: Hashable = None) -> asyncio.Task:
         task = self._loading.get(key)
         # NOTE: a fresh read must not take a load that began before it was asked for.
         if fresh or task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._load_began[key] = time.monotonic()
-            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,), unqueued, owner))
+            task = self._loading[key] = asyncio.ensure_future(self._reload(key, load_args or (key,), known_owner,
+                                                                           owner))
             task.add_done_callback(_note_failure)
         return task
 
-    async def _reload(self, key, load_args: tuple, unqueued: bool = False, owner: Hashable = None):
+    async def _reload(self, key, load_args: tuple, known_owner: Hashable = None, owner: Hashable = None):
         started = time.monotonic()
         try:
             # NOTE: only a first load takes a slot: the reload of an entry in use (an endpoint, a key that exists)
             # never queues behind a flood of made-up ones; reloads are at most one per entry and `ttl_s`.
-            if self._load_slots is None or key in self.entries or unqueued:
+            if self._load_slots is None or key in self.entries or (
+                    known_owner is not None and self._known_load_slots is None):
                 value = await self._load(*load_args)
+            elif known_owner is not None:
+                async with self._known_load_slots.held(known_owner):
+                    value = await self._load(*load_args)
             else:
                 async with (self._load_slots.held_async() if isinstance(self._load_slots, LookupSlots)
                             else self._load_slots.held(owner if self._load_owner is None else self._load_owner(key))):

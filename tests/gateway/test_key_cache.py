@@ -344,3 +344,60 @@ def test_one_addresss_flood_of_made_up_keys_never_holds_the_lookup_a_real_key_fr
 ])
 def test_a_key_lookups_share_is_its_senders_address(client, source):
     assert auth.source_of({"client": client}) == source
+
+
+def test_one_organisations_many_real_keys_never_hold_every_lookup_a_marked_key_of_another_needs(monkeypatch):
+    # Before: a key marked known (`known_credentials`) was looked up with no bound at all. Sign-up is open and an
+    # organisation holds up to 1,000 live keys, each marked at its mint: one organisation sending each of its keys'
+    # first call (after a deploy, or past its share of the key cache) ran every lookup at once, each a PostgreSQL
+    # query on the process's worker threads, and every other tenant's marked key (and every lookup of the process
+    # behind them) waited for all of them.
+    import threading
+
+    from controlplane.accounts.models import Organization
+    from endpoints.gateway import errors
+
+    membership = MembershipFactory(role="owner")
+    actor, organization = Actor(user=membership.user), membership.organization
+    flood_keys = {create_api_key(actor, organization, name=f"k{n}", scopes=[Scope.INFERENCE]).plain
+                  for n in range(40)}
+    victim = _real_key()
+    assert Organization.objects.count() == 2
+    release, lock, running = threading.Event(), threading.Lock(), [0, 0]  # now, most at once
+    real = keys.find_api_key
+
+    def slow_for_the_flood(plain):
+        if plain in flood_keys:
+            with lock:
+                running[0] += 1
+                running[1] = max(running)
+            release.wait(30)  # a slow lookup (a loaded database), holding its thread
+            with lock:
+                running[0] -= 1
+        return real(plain)
+
+    monkeypatch.setattr(keys, "find_api_key", slow_for_the_flood)
+    _in_a_fresh_process()
+    auth._refused_keys.clear()
+
+    async def scenario():
+        flood = [asyncio.ensure_future(auth.caller_from_key(key, source=f"203.0.113.{n}"))
+                 for n, key in enumerate(flood_keys)]
+        await asyncio.sleep(0.5)  # the flood's lookups take what they may
+        try:
+            return await asyncio.wait_for(auth.caller_from_key(victim, source="198.51.100.20"),
+                                          keys.API_KEY_LOOKUPS.slots.wait_s + 3)
+        finally:
+            release.set()
+            outcomes = await asyncio.gather(*flood, return_exceptions=True)
+            assert all(not isinstance(outcome, BaseException) or isinstance(outcome, errors.OpenAIError)
+                       for outcome in outcomes)
+
+    try:
+        caller = asyncio.run(scenario())
+    finally:
+        release.set()
+        _in_a_fresh_process()
+        auth._refused_keys.clear()
+    assert caller is not None and caller.api_key_id is not None
+    assert running[1] <= auth.MAX_KNOWN_KEY_LOOKUPS // 2  # one organisation's share of the marked keys' lookups
