@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
 from django.db.models import Q
 from django.http import Http404
@@ -163,6 +164,10 @@ def end_closed_subscriptions() -> int:
                 continue
             try:
                 num_ended += closed_subscriptions.end_subscription_after_close(organization_id)
+            except SoftTimeLimitExceeded:
+                # NOTE: the task's time is up (an Exception): taken for one organisation's failure, the run went on to
+                # the next until the hard limit killed the worker in the middle of its Stripe call
+                raise
             except Exception:  # noqa: BLE001 - the next run tries it again; the others go on
                 logger.exception("ending the subscription of closed organisation %s failed; the next run retries",
                                  organization_id)

@@ -153,3 +153,22 @@ def test_usage_recorded_after_the_cancel_is_billed_on_one_more_final_invoice_not
     assert fake_stripe.subscriptions[second]["status"] == "canceled"
     assert len(_cancels(fake_stripe, first)) == 1 and len(_cancels(fake_stripe, second)) == 1
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_the_tasks_time_running_out_ends_the_run_not_one_organisations_turn(fake_stripe, monkeypatch):
+    """The soft time limit is an Exception: taken for one organisation's failure, the run went on to the next until the
+    hard limit killed the worker in the middle of a Stripe call."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    _closed_with_usage_pushed(fake_stripe)
+    _closed_with_usage_pushed(fake_stripe)
+    turns = []
+
+    def out_of_time(organization_id):
+        turns.append(organization_id)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(closed_subscriptions, "end_subscription_after_close", out_of_time)
+    with pytest.raises(SoftTimeLimitExceeded):
+        closing.end_closed_subscriptions()
+    assert len(turns) == 1
