@@ -4,11 +4,14 @@ address can be taken up by whoever signs up with that address later."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.apps import apps
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth import get_user_model
 from django.db import models
+from django.db.models import F
 from django.test import Client
 from django.urls import reverse
 from django_otp.plugins.otp_static.models import StaticDevice
@@ -192,3 +195,67 @@ def test_another_persons_address_that_holds_the_deleted_one_is_left_as_it_is():
     assert set(Invitation.objects.filter(organization=team).exclude(email__startswith="deleted-").values_list(
         "email", flat=True)) == {f"{ADDRESS}.example", f"mr.{ADDRESS}"}
     assert _rows_naming(f"mr.{ADDRESS}") and _rows_naming(f"{ADDRESS}.example")
+
+
+def test_another_persons_address_that_ends_with_the_deleted_one_after_an_apostrophe_is_left_as_it_is():
+    # NOTE: `'`, `{` and `}` are letters of an address's local part (RFC 5322's atext, Django's check passes them):
+    # deleting `brien@…` rewrote `o'brien@…`, another person's, to `o'deleted-…` in every record naming it.
+    brien = UserFactory(username="brien@example.test")
+    MembershipFactory(organization=OrganizationFactory(name="Brien Co"), user=brien, role=Role.OWNER)
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    others = ["o'brien@example.test", "{brien@example.test", "a}brien@example.test"]
+    for address in others:
+        invitations.invite_member(Actor(user=team_owner), team, email=address, role=Role.MEMBER)
+    LogEntry.objects.log_actions(staff_member().pk, list(Invitation.objects.filter(organization=team)), CHANGE,
+                                 change_message="Changed role.")
+
+    _delete(brien)
+
+    events = AuditEvent.objects.filter(organization=team, action="invitation.create")
+    assert sorted(event.details["email"] for event in events) == sorted(others)
+    assert sorted(event.target_repr.split(" ")[0] for event in events) == sorted(others)
+    assert sorted(Invitation.objects.filter(organization=team).values_list("email", flat=True)) == sorted(others)
+    assert not LogEntry.objects.filter(object_repr__contains="deleted-").exists()
+
+
+def test_a_former_holders_records_are_not_pinned_on_the_next_holder_of_the_address_when_they_delete_theirs():
+    # NOTE: an account deleted before erasure existed kept its address in the records (its row alone was
+    # tombstoned). Whoever signed up with the address next and deleted their account then had the former holder's
+    # invitation and its events (years before they joined) rewritten to their own tombstone: the trail named the
+    # wrong account by id.
+    former = UserFactory(username=ADDRESS)
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    old = invitations.invite_member(Actor(user=team_owner), team, email=ADDRESS, role=Role.ADMIN)
+    invitations.accept_invitation(Actor(user=former), old)
+    operator = staff_member()
+    LogEntry.objects.log_actions(operator.pk, [old], CHANGE, change_message="Changed role.")
+    # the release before: the row alone tombstoned, the account deactivated
+    get_user_model().objects.filter(pk=former.pk).update(
+        username=f"deleted-{former.pk}-0000@deleted.invalid", email=f"deleted-{former.pk}-0000@deleted.invalid",
+        is_active=False)
+    AuditEvent.objects.create(actor=former, action="user.delete", target_type="User", target_id=str(former.pk),
+                              target_repr=f"deleted-{former.pk}-0000@deleted.invalid")
+    AuditEvent.objects.filter(organization=team).update(created_at=F("created_at") - timedelta(days=400))
+    Invitation.objects.filter(pk=old.pk).update(created_at=F("created_at") - timedelta(days=400),
+                                                accepted_at=F("accepted_at") - timedelta(days=400))
+    AuditEvent.objects.filter(action="user.delete").update(created_at=F("created_at") - timedelta(days=300))
+    LogEntry.objects.update(action_time=F("action_time") - timedelta(days=400))
+    # an invitation to the address the former holder never took up, before the next holder joined
+    later = OrganizationFactory(name="Later")
+    unused = invitations.invite_member(Actor(user=_owner_of(later)), later, email=ADDRESS, role=Role.MEMBER)
+    Invitation.objects.filter(pk=unused.pk).update(created_at=F("created_at") - timedelta(days=350))
+    AuditEvent.objects.filter(organization=later).update(created_at=F("created_at") - timedelta(days=350))
+    sign_up_user(email=ADDRESS, password=PASSWORD, organization_name="Next")
+    nextholder = get_user_model().objects.get(email=ADDRESS)
+    EmailVerification.objects.update_or_create(user=nextholder, defaults={"email": ADDRESS})
+
+    _delete(nextholder)
+
+    tombstone = get_user_model().objects.get(pk=nextholder.pk).email
+    assert tombstone.startswith(f"deleted-{nextholder.pk}-")
+    assert Invitation.objects.get(pk=old.pk).email == ADDRESS
+    assert not AuditEvent.objects.filter(organization=team, target_repr__contains=tombstone).exists()
+    assert not AuditEvent.objects.filter(organization=team, details__icontains=tombstone).exists()
+    assert LogEntry.objects.get(object_id=str(old.pk)).object_repr.startswith(ADDRESS)
