@@ -8,9 +8,10 @@ from datetime import timedelta
 
 import pytest
 from django.apps import apps
+from django.contrib import admin as django_admin
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth import get_user_model
-from django.db import models
+from django.db import DatabaseError, models
 from django.db.models import F
 from django.test import Client
 from django.urls import reverse
@@ -259,3 +260,25 @@ def test_a_former_holders_records_are_not_pinned_on_the_next_holder_of_the_addre
     assert not AuditEvent.objects.filter(organization=team, target_repr__contains=tombstone).exists()
     assert not AuditEvent.objects.filter(organization=team, details__icontains=tombstone).exists()
     assert LogEntry.objects.get(object_id=str(old.pk)).object_repr.startswith(ADDRESS)
+
+
+def test_an_admin_bulk_delete_that_fails_half_way_erases_nothing(staff_client, monkeypatch):
+    # NOTE: `delete_selected` runs outside a transaction (the admin's delete page runs in one): the erasure was
+    # committed and the rows' delete then failed (PostgreSQL restarting), leaving an account that still had its
+    # address, its invitations rewritten to a tombstone and those pending to it revoked.
+    alice = _alice()
+    team = OrganizationFactory(name="Team")
+    pending = invitations.invite_member(Actor(user=_owner_of(team)), team, email=ADDRESS, role=Role.MEMBER)
+
+    def lost(self, request, queryset):
+        raise DatabaseError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(django_admin.ModelAdmin, "delete_queryset", lost)
+    with pytest.raises(DatabaseError):
+        staff_client.post(reverse("admin:auth_user_changelist"),
+                          {"action": "delete_selected", "_selected_action": [alice.pk], "post": "yes"})
+
+    assert get_user_model().objects.get(pk=alice.pk).email == ADDRESS
+    pending.refresh_from_db()
+    assert pending.email == ADDRESS and pending.revoked_at is None
+    assert AuditEvent.objects.get(organization=team, action="invitation.create").details["email"] == ADDRESS

@@ -18,6 +18,7 @@ from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
 from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString, mark_safe
 
@@ -119,6 +120,9 @@ class UserAdmin(auth_admin.UserAdmin):
         erase_records_of(Actor.from_request(request), obj, reason="user.delete")
         super().delete_model(request, obj)
 
+    # NOTE: in one transaction with the rows' delete, as the admin's delete page runs: `delete_selected` runs in none,
+    # and a delete that failed after the erasure left accounts with their address and their records tombstoned.
+    @transaction.atomic
     def delete_queryset(self, request, queryset):
         for user in queryset:
             _revoke_what_they_made(request, user, reason="user.delete")
