@@ -21,7 +21,7 @@ from django_otp.plugins.otp_totp.models import TOTPDevice
 from controlplane.accounts import invitations
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, Membership, Role, Scope
-from controlplane.accounts.services import Actor
+from controlplane.accounts.services import Actor, create_organization
 from controlplane.accounts.signup import sign_up_user
 from controlplane.redis_client import as_text, get_redis
 from tests.factories import (
@@ -282,3 +282,27 @@ def test_an_admin_bulk_delete_that_fails_half_way_erases_nothing(staff_client, m
     pending.refresh_from_db()
     assert pending.email == ADDRESS and pending.revoked_at is None
     assert AuditEvent.objects.get(organization=team, action="invitation.create").details["email"] == ADDRESS
+
+
+def test_an_address_staff_changed_goes_too_but_not_from_what_its_next_holder_did_with_it(staff_client):
+    # NOTE: nothing remembered an address staff changed (username and address both, as the account signs in with
+    # it): a deleted account left it in its organisations' audit logs (`organization.create`'s owner).
+    alice = _alice()
+    own = create_organization(Actor(user=alice), name="Own", owner=alice)
+    answer = staff_client.post(reverse("admin:auth_user_change", args=[alice.pk]), {
+        "username": "alice@elsewhere.test", "email": "alice@elsewhere.test", "first_name": "Alice",
+        "last_name": SURNAME, "is_active": "on", "date_joined_0": f"{alice.date_joined:%Y-%m-%d}",
+        "date_joined_1": f"{alice.date_joined:%H:%M:%S}"})
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    assert get_user_model().objects.get(pk=alice.pk).email == "alice@elsewhere.test"
+    # the old address is free: someone else signs up with it and makes an organisation
+    sign_up_user(email=ADDRESS, password="another good passphrase", organization_name="Carol Co")
+    carol = get_user_model().objects.get(email=ADDRESS)
+
+    _delete(get_user_model().objects.get(pk=alice.pk))
+
+    tombstone = get_user_model().objects.get(pk=alice.pk).email
+    assert AuditEvent.objects.get(organization=own, action="organization.create").details["owner"] == tombstone
+    assert _rows_naming("alice@elsewhere.test") == []
+    carols = AuditEvent.objects.get(organization__memberships__user=carol, action="organization.create")
+    assert carols.details["owner"] == ADDRESS

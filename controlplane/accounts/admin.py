@@ -24,7 +24,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.erasure import erase_records_of
+from controlplane.accounts.erasure import ADDRESS_CHANGE, erase_records_of
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
@@ -33,7 +33,7 @@ from controlplane.accounts.second_factor import (
     has_staff_powers,
     issue_staff_enrolment_code,
 )
-from controlplane.accounts.services import Actor, client_ip, save_plan, set_organization_plan
+from controlplane.accounts.services import Actor, client_ip, record_audit, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.text import shown_name
 
@@ -105,6 +105,12 @@ class UserAdmin(auth_admin.UserAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
+        # NOTE: the addresses an account had before staff changed them, for its erasure (`erasure.addresses_of`): the
+        # records copied them as text and nothing else remembered them, so a deleted account left them in its
+        # organisations' audit logs (`organization.create`'s owner, `member.add`'s target).
+        if change and (former := {field: form.initial.get(field) for field in ("username", "email")
+                                   if field in form.changed_data and form.initial.get(field)}):
+            record_audit(Actor.from_request(request), None, ADDRESS_CHANGE, obj, **former)
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)

@@ -35,6 +35,8 @@ from controlplane.accounts.models import AuditEvent, EmailVerification, Invitati
 from controlplane.accounts.services import Actor
 
 TOMBSTONE_DOMAIN = "deleted.invalid"
+# The audit action of staff changing an account's address or username in the admin; its details, the former ones
+ADDRESS_CHANGE = "user.address_change"
 # A character of an address's local part (RFC 5322's atext, and its dots)
 _ATEXT = r"[\w.!#$%&'*+/=?^`{|}~-]"
 
@@ -51,7 +53,25 @@ def addresses_of(user) -> set[str]:
     found = {user.email, user.username}
     found.update(EmailVerification.objects.filter(user=user).values_list("email", flat=True))
     found.update(Invitation.objects.filter(accepted_by=user).values_list("email", flat=True))
-    found.update({unicodedata.normalize("NFKC", address) for address in found})
+    return _spellings(found)
+
+
+def former_addresses_of(user) -> dict[str, object]:
+    """The addresses (and usernames) the account had before staff changed them in the admin
+    (`admin.UserAdmin.save_model`), each with the last time it was the account's: the address may be another
+    person's since."""
+    former: dict[str, object] = {}
+    for details, changed_at in AuditEvent.objects.filter(
+            action=ADDRESS_CHANGE, target_type=get_user_model().__name__, target_id=str(user.pk)).values_list(
+            "details", "created_at"):
+        for address in _spellings(value for value in (details or {}).values() if isinstance(value, str)):
+            former[address] = max(changed_at, former.get(address, changed_at))
+    return former
+
+
+def _spellings(addresses) -> set[str]:
+    found = set(addresses)
+    found.update({unicodedata.normalize("NFKC", address) for address in found if address})
     return {address.strip() for address in found if address and "@" in address}
 
 
@@ -81,13 +101,18 @@ def erase_records_of(actor: Actor, user, *, reason: str) -> str:
         revoke_invitations_to(actor, address, reason=reason)
     tombstone = tombstone_address(user)
     pseudonymise_records(addresses, tombstone, since=user.date_joined, user=user)
+    # NOTE: an address staff changed: as far as the change, not in what its next holder did with it since
+    for address, until in former_addresses_of(user).items():
+        if address not in addresses:
+            pseudonymise_records({address}, tombstone, since=user.date_joined, until=until, user=user)
     return tombstone
 
 
-def pseudonymise_records(addresses: set[str], tombstone: str, *, since, user=None) -> None:
+def pseudonymise_records(addresses: set[str], tombstone: str, *, since, until=None, user=None) -> None:
     """Writes `tombstone` in place of each of `addresses` wherever a record copied one as text: audit events and the
-    admin's history from `since` (or the first invitation to one of them, if earlier) on, invitations; but nothing
-    from before another account than `user` last held one of the addresses (`_held_by_another_until`)."""
+    admin's history from `since` (or the first invitation to one of them, if earlier) on (up to `until`, if given),
+    invitations; but nothing from before another account than `user` last held one of the addresses
+    (`_held_by_another_until`)."""
     if not addresses:
         return
     # NOTE: a whole address only: `ada@example.test` is also the end of `nada@example.test` and the start of
@@ -101,7 +126,9 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since, user=Non
     for address in addresses:
         to_address |= Q(email__iexact=address)
     invited = Invitation.objects.filter(to_address)
-    if (held_until := _held_by_another_until(user, to_address)) is not None:
+    if until is not None:
+        invited = invited.filter(created_at__lte=until)
+    if (held_until := _held_by_another_until(user, to_address, until)) is not None:
         invited = invited.filter(created_at__gt=held_until)
     first_invited = invited.aggregate(first=Min("created_at"))["first"]
     if first_invited is not None and (since is None or first_invited < since):
@@ -116,6 +143,8 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since, user=Non
     events = AuditEvent.objects.filter(naming)
     if since is not None:
         events = events.filter(created_at__gte=since)
+    if until is not None:
+        events = events.filter(created_at__lte=until)
     for event in events.only("pk", "target_repr", "details").iterator(chunk_size=500):
         target_repr, details = pattern.sub(tombstone, event.target_repr)[:200], _replaced(event.details, pattern,
                                                                                            tombstone)
@@ -128,6 +157,8 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since, user=Non
     entries = LogEntry.objects.filter(logged)
     if since is not None:
         entries = entries.filter(action_time__gte=since)
+    if until is not None:
+        entries = entries.filter(action_time__lte=until)
     for entry in entries.only("pk", "object_repr", "change_message").iterator(chunk_size=500):
         object_repr, message = pattern.sub(tombstone, entry.object_repr)[:200], pattern.sub(tombstone,
                                                                                            entry.change_message)
@@ -135,7 +166,7 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since, user=Non
             LogEntry.objects.filter(pk=entry.pk).update(object_repr=object_repr, change_message=message)
 
 
-def _held_by_another_until(user, to_address: Q):
+def _held_by_another_until(user, to_address: Q, until=None):
     """When another account than `user` last held the address, as the records tell (the last invitation to it another
     account accepted, or that account's deletion, whichever is later); None where none did.
 
@@ -143,14 +174,19 @@ def _held_by_another_until(user, to_address: Q):
     left it in its invitations and events, and the address may sign up again: the next holder's erasure rewrote
     them to its own tombstone, and the trail named the wrong account, by id, for what the former holder did."""
     taken = Invitation.objects.filter(to_address, accepted_at__isnull=False)
+    if until is not None:
+        taken = taken.filter(accepted_at__lte=until)
     if user is not None:
         taken = taken.exclude(accepted_by=user)
     last = taken.aggregate(last=Max("accepted_at"))["last"]
     if last is None:
         return None
     holders = {str(pk) for pk in taken.exclude(accepted_by=None).values_list("accepted_by", flat=True)}
-    left = AuditEvent.objects.filter(action="user.delete", target_type=get_user_model().__name__, target_id__in=holders).aggregate(
-        left=Max("created_at"))["left"]
+    deletions = AuditEvent.objects.filter(action="user.delete", target_type=get_user_model().__name__,
+                                          target_id__in=holders)
+    if until is not None:
+        deletions = deletions.filter(created_at__lte=until)
+    left = deletions.aggregate(left=Max("created_at"))["left"]
     return max(last, left) if left is not None else last
 
 
