@@ -4,11 +4,15 @@ address can be taken up by whoever signs up with that address later."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.apps import apps
+from django.contrib import admin as django_admin
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth import get_user_model
-from django.db import models
+from django.db import DatabaseError, models
+from django.db.models import F
 from django.test import Client
 from django.urls import reverse
 from django_otp.plugins.otp_static.models import StaticDevice
@@ -17,7 +21,7 @@ from django_otp.plugins.otp_totp.models import TOTPDevice
 from controlplane.accounts import invitations
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, Membership, Role, Scope
-from controlplane.accounts.services import Actor
+from controlplane.accounts.services import Actor, create_organization
 from controlplane.accounts.signup import sign_up_user
 from controlplane.redis_client import as_text, get_redis
 from tests.factories import (
@@ -192,3 +196,113 @@ def test_another_persons_address_that_holds_the_deleted_one_is_left_as_it_is():
     assert set(Invitation.objects.filter(organization=team).exclude(email__startswith="deleted-").values_list(
         "email", flat=True)) == {f"{ADDRESS}.example", f"mr.{ADDRESS}"}
     assert _rows_naming(f"mr.{ADDRESS}") and _rows_naming(f"{ADDRESS}.example")
+
+
+def test_another_persons_address_that_ends_with_the_deleted_one_after_an_apostrophe_is_left_as_it_is():
+    # NOTE: `'`, `{` and `}` are letters of an address's local part (RFC 5322's atext, Django's check passes them):
+    # deleting `brien@…` rewrote `o'brien@…`, another person's, to `o'deleted-…` in every record naming it.
+    brien = UserFactory(username="brien@example.test")
+    MembershipFactory(organization=OrganizationFactory(name="Brien Co"), user=brien, role=Role.OWNER)
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    others = ["o'brien@example.test", "{brien@example.test", "a}brien@example.test"]
+    for address in others:
+        invitations.invite_member(Actor(user=team_owner), team, email=address, role=Role.MEMBER)
+    LogEntry.objects.log_actions(staff_member().pk, list(Invitation.objects.filter(organization=team)), CHANGE,
+                                 change_message="Changed role.")
+
+    _delete(brien)
+
+    events = AuditEvent.objects.filter(organization=team, action="invitation.create")
+    assert sorted(event.details["email"] for event in events) == sorted(others)
+    assert sorted(event.target_repr.split(" ")[0] for event in events) == sorted(others)
+    assert sorted(Invitation.objects.filter(organization=team).values_list("email", flat=True)) == sorted(others)
+    assert not LogEntry.objects.filter(object_repr__contains="deleted-").exists()
+
+
+def test_a_former_holders_records_are_not_pinned_on_the_next_holder_of_the_address_when_they_delete_theirs():
+    # NOTE: an account deleted before erasure existed kept its address in the records (its row alone was
+    # tombstoned). Whoever signed up with the address next and deleted their account then had the former holder's
+    # invitation and its events (years before they joined) rewritten to their own tombstone: the trail named the
+    # wrong account by id.
+    former = UserFactory(username=ADDRESS)
+    team = OrganizationFactory(name="Team")
+    team_owner = _owner_of(team)
+    old = invitations.invite_member(Actor(user=team_owner), team, email=ADDRESS, role=Role.ADMIN)
+    invitations.accept_invitation(Actor(user=former), old)
+    operator = staff_member()
+    LogEntry.objects.log_actions(operator.pk, [old], CHANGE, change_message="Changed role.")
+    # the release before: the row alone tombstoned, the account deactivated
+    get_user_model().objects.filter(pk=former.pk).update(
+        username=f"deleted-{former.pk}-0000@deleted.invalid", email=f"deleted-{former.pk}-0000@deleted.invalid",
+        is_active=False)
+    AuditEvent.objects.create(actor=former, action="user.delete", target_type="User", target_id=str(former.pk),
+                              target_repr=f"deleted-{former.pk}-0000@deleted.invalid")
+    AuditEvent.objects.filter(organization=team).update(created_at=F("created_at") - timedelta(days=400))
+    Invitation.objects.filter(pk=old.pk).update(created_at=F("created_at") - timedelta(days=400),
+                                                accepted_at=F("accepted_at") - timedelta(days=400))
+    AuditEvent.objects.filter(action="user.delete").update(created_at=F("created_at") - timedelta(days=300))
+    LogEntry.objects.update(action_time=F("action_time") - timedelta(days=400))
+    # an invitation to the address the former holder never took up, before the next holder joined
+    later = OrganizationFactory(name="Later")
+    unused = invitations.invite_member(Actor(user=_owner_of(later)), later, email=ADDRESS, role=Role.MEMBER)
+    Invitation.objects.filter(pk=unused.pk).update(created_at=F("created_at") - timedelta(days=350))
+    AuditEvent.objects.filter(organization=later).update(created_at=F("created_at") - timedelta(days=350))
+    sign_up_user(email=ADDRESS, password=PASSWORD, organization_name="Next")
+    nextholder = get_user_model().objects.get(email=ADDRESS)
+    EmailVerification.objects.update_or_create(user=nextholder, defaults={"email": ADDRESS})
+
+    _delete(nextholder)
+
+    tombstone = get_user_model().objects.get(pk=nextholder.pk).email
+    assert tombstone.startswith(f"deleted-{nextholder.pk}-")
+    assert Invitation.objects.get(pk=old.pk).email == ADDRESS
+    assert not AuditEvent.objects.filter(organization=team, target_repr__contains=tombstone).exists()
+    assert not AuditEvent.objects.filter(organization=team, details__icontains=tombstone).exists()
+    assert LogEntry.objects.get(object_id=str(old.pk)).object_repr.startswith(ADDRESS)
+
+
+def test_an_admin_bulk_delete_that_fails_half_way_erases_nothing(staff_client, monkeypatch):
+    # NOTE: `delete_selected` runs outside a transaction (the admin's delete page runs in one): the erasure was
+    # committed and the rows' delete then failed (PostgreSQL restarting), leaving an account that still had its
+    # address, its invitations rewritten to a tombstone and those pending to it revoked.
+    alice = _alice()
+    team = OrganizationFactory(name="Team")
+    pending = invitations.invite_member(Actor(user=_owner_of(team)), team, email=ADDRESS, role=Role.MEMBER)
+
+    def lost(self, request, queryset):
+        raise DatabaseError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(django_admin.ModelAdmin, "delete_queryset", lost)
+    with pytest.raises(DatabaseError):
+        staff_client.post(reverse("admin:auth_user_changelist"),
+                          {"action": "delete_selected", "_selected_action": [alice.pk], "post": "yes"})
+
+    assert get_user_model().objects.get(pk=alice.pk).email == ADDRESS
+    pending.refresh_from_db()
+    assert pending.email == ADDRESS and pending.revoked_at is None
+    assert AuditEvent.objects.get(organization=team, action="invitation.create").details["email"] == ADDRESS
+
+
+def test_an_address_staff_changed_goes_too_but_not_from_what_its_next_holder_did_with_it(staff_client):
+    # NOTE: nothing remembered an address staff changed (username and address both, as the account signs in with
+    # it): a deleted account left it in its organisations' audit logs (`organization.create`'s owner).
+    alice = _alice()
+    own = create_organization(Actor(user=alice), name="Own", owner=alice)
+    answer = staff_client.post(reverse("admin:auth_user_change", args=[alice.pk]), {
+        "username": "alice@elsewhere.test", "email": "alice@elsewhere.test", "first_name": "Alice",
+        "last_name": SURNAME, "is_active": "on", "date_joined_0": f"{alice.date_joined:%Y-%m-%d}",
+        "date_joined_1": f"{alice.date_joined:%H:%M:%S}"})
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    assert get_user_model().objects.get(pk=alice.pk).email == "alice@elsewhere.test"
+    # the old address is free: someone else signs up with it and makes an organisation
+    sign_up_user(email=ADDRESS, password="another good passphrase", organization_name="Carol Co")
+    carol = get_user_model().objects.get(email=ADDRESS)
+
+    _delete(get_user_model().objects.get(pk=alice.pk))
+
+    tombstone = get_user_model().objects.get(pk=alice.pk).email
+    assert AuditEvent.objects.get(organization=own, action="organization.create").details["owner"] == tombstone
+    assert _rows_naming("alice@elsewhere.test") == []
+    carols = AuditEvent.objects.get(organization__memberships__user=carol, action="organization.create")
+    assert carols.details["owner"] == ADDRESS

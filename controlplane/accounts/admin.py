@@ -18,12 +18,13 @@ from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
 from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString, mark_safe
 
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.erasure import erase_records_of
+from controlplane.accounts.erasure import ADDRESS_CHANGE, erase_records_of
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
@@ -32,7 +33,7 @@ from controlplane.accounts.second_factor import (
     has_staff_powers,
     issue_staff_enrolment_code,
 )
-from controlplane.accounts.services import Actor, client_ip, save_plan, set_organization_plan
+from controlplane.accounts.services import Actor, client_ip, record_audit, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.text import shown_name
 
@@ -104,6 +105,12 @@ class UserAdmin(auth_admin.UserAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
+        # NOTE: the addresses an account had before staff changed them, for its erasure (`erasure.addresses_of`): the
+        # records copied them as text and nothing else remembered them, so a deleted account left them in its
+        # organisations' audit logs (`organization.create`'s owner, `member.add`'s target).
+        if change and (former := {field: form.initial.get(field) for field in ("username", "email")
+                                   if field in form.changed_data and form.initial.get(field)}):
+            record_audit(Actor.from_request(request), None, ADDRESS_CHANGE, obj, **former)
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)
@@ -119,6 +126,9 @@ class UserAdmin(auth_admin.UserAdmin):
         erase_records_of(Actor.from_request(request), obj, reason="user.delete")
         super().delete_model(request, obj)
 
+    # NOTE: in one transaction with the rows' delete, as the admin's delete page runs: `delete_selected` runs in none,
+    # and a delete that failed after the erasure left accounts with their address and their records tombstoned.
+    @transaction.atomic
     def delete_queryset(self, request, queryset):
         for user in queryset:
             _revoke_what_they_made(request, user, reason="user.delete")

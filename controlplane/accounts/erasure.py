@@ -25,8 +25,9 @@ import secrets
 import unicodedata
 
 from django.contrib.admin.models import LogEntry
+from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import Min, Q
+from django.db.models import Max, Min, Q
 from django_otp import devices_for_user
 
 from controlplane.accounts.members import revoke_invitations_to
@@ -34,6 +35,10 @@ from controlplane.accounts.models import AuditEvent, EmailVerification, Invitati
 from controlplane.accounts.services import Actor
 
 TOMBSTONE_DOMAIN = "deleted.invalid"
+# The audit action of staff changing an account's address or username in the admin; its details, the former ones
+ADDRESS_CHANGE = "user.address_change"
+# A character of an address's local part (RFC 5322's atext, and its dots)
+_ATEXT = r"[\w.!#$%&'*+/=?^`{|}~-]"
 
 
 def tombstone_address(user) -> str:
@@ -48,7 +53,25 @@ def addresses_of(user) -> set[str]:
     found = {user.email, user.username}
     found.update(EmailVerification.objects.filter(user=user).values_list("email", flat=True))
     found.update(Invitation.objects.filter(accepted_by=user).values_list("email", flat=True))
-    found.update({unicodedata.normalize("NFKC", address) for address in found})
+    return _spellings(found)
+
+
+def former_addresses_of(user) -> dict[str, object]:
+    """The addresses (and usernames) the account had before staff changed them in the admin
+    (`admin.UserAdmin.save_model`), each with the last time it was the account's: the address may be another
+    person's since."""
+    former: dict[str, object] = {}
+    for details, changed_at in AuditEvent.objects.filter(
+            action=ADDRESS_CHANGE, target_type=get_user_model().__name__, target_id=str(user.pk)).values_list(
+            "details", "created_at"):
+        for address in _spellings(value for value in (details or {}).values() if isinstance(value, str)):
+            former[address] = max(changed_at, former.get(address, changed_at))
+    return former
+
+
+def _spellings(addresses) -> set[str]:
+    found = set(addresses)
+    found.update({unicodedata.normalize("NFKC", address) for address in found if address})
     return {address.strip() for address in found if address and "@" in address}
 
 
@@ -77,26 +100,42 @@ def erase_records_of(actor: Actor, user, *, reason: str) -> str:
     for address in addresses:
         revoke_invitations_to(actor, address, reason=reason)
     tombstone = tombstone_address(user)
-    pseudonymise_records(addresses, tombstone, since=user.date_joined)
+    pseudonymise_records(addresses, tombstone, since=user.date_joined, user=user)
+    # NOTE: an address staff changed: as far as the change, not in what its next holder did with it since
+    for address, until in former_addresses_of(user).items():
+        if address not in addresses:
+            pseudonymise_records({address}, tombstone, since=user.date_joined, until=until, user=user)
     return tombstone
 
 
-def pseudonymise_records(addresses: set[str], tombstone: str, *, since) -> None:
-    """Writes `tombstone` in place of each of `addresses` wherever a record copied one as text: audit events from
-    `since` (or the first invitation to one of them, if earlier) on, invitations, the admin's history."""
+def pseudonymise_records(addresses: set[str], tombstone: str, *, since, until=None, user=None) -> None:
+    """Writes `tombstone` in place of each of `addresses` wherever a record copied one as text: audit events and the
+    admin's history from `since` (or the first invitation to one of them, if earlier) on (up to `until`, if given),
+    invitations; but nothing from before another account than `user` last held one of the addresses
+    (`_held_by_another_until`)."""
     if not addresses:
         return
     # NOTE: a whole address only: `ada@example.test` is also the end of `nada@example.test` and the start of
     # `ada@example.test.org`, another person's, which the database's match finds too and which must stay as it is.
+    # NOTE: `{` and `}` never end what stands before an address, and `'` only where no letter of an address stands
+    # before it: they are letters of a local part too (RFC 5322's atext), and `o'brien@example.test` or
+    # `{brien@example.test` is another person's than `brien@example.test`.
     either = "|".join(re.escape(address) for address in sorted(addresses, key=len, reverse=True))
-    pattern = re.compile(rf"(?<![^\s<>()\[\]{{}},;:\"'])(?:{either})(?![\w-]|\.[\w-])", re.IGNORECASE)
+    pattern = re.compile(rf"(?<![^\s<>()\[\],;:\"'])(?<!{_ATEXT}')(?:{either})(?![\w-]|\.[\w-])", re.IGNORECASE)
     to_address = Q()
     for address in addresses:
         to_address |= Q(email__iexact=address)
-    first_invited = Invitation.objects.filter(to_address).aggregate(first=Min("created_at"))["first"]
+    invited = Invitation.objects.filter(to_address)
+    if until is not None:
+        invited = invited.filter(created_at__lte=until)
+    if (held_until := _held_by_another_until(user, to_address, until)) is not None:
+        invited = invited.filter(created_at__gt=held_until)
+    first_invited = invited.aggregate(first=Min("created_at"))["first"]
     if first_invited is not None and (since is None or first_invited < since):
         since = first_invited
-    Invitation.objects.filter(to_address).update(email=tombstone)
+    if held_until is not None and (since is None or since < held_until):
+        since = held_until
+    invited.update(email=tombstone)
 
     naming = Q()
     for address in addresses:
@@ -104,6 +143,8 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since) -> None:
     events = AuditEvent.objects.filter(naming)
     if since is not None:
         events = events.filter(created_at__gte=since)
+    if until is not None:
+        events = events.filter(created_at__lte=until)
     for event in events.only("pk", "target_repr", "details").iterator(chunk_size=500):
         target_repr, details = pattern.sub(tombstone, event.target_repr)[:200], _replaced(event.details, pattern,
                                                                                            tombstone)
@@ -113,11 +154,40 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since) -> None:
     logged = Q()
     for address in addresses:
         logged |= Q(object_repr__icontains=address) | Q(change_message__icontains=address)
-    for entry in LogEntry.objects.filter(logged).only("pk", "object_repr", "change_message").iterator(chunk_size=500):
+    entries = LogEntry.objects.filter(logged)
+    if since is not None:
+        entries = entries.filter(action_time__gte=since)
+    if until is not None:
+        entries = entries.filter(action_time__lte=until)
+    for entry in entries.only("pk", "object_repr", "change_message").iterator(chunk_size=500):
         object_repr, message = pattern.sub(tombstone, entry.object_repr)[:200], pattern.sub(tombstone,
                                                                                            entry.change_message)
         if (object_repr, message) != (entry.object_repr, entry.change_message):
             LogEntry.objects.filter(pk=entry.pk).update(object_repr=object_repr, change_message=message)
+
+
+def _held_by_another_until(user, to_address: Q, until=None):
+    """When another account than `user` last held the address, as the records tell (the last invitation to it another
+    account accepted, or that account's deletion, whichever is later); None where none did.
+
+    NOTE: an account deleted before its address was erased from the records (the release before `erase_person`)
+    left it in its invitations and events, and the address may sign up again: the next holder's erasure rewrote
+    them to its own tombstone, and the trail named the wrong account, by id, for what the former holder did."""
+    taken = Invitation.objects.filter(to_address, accepted_at__isnull=False)
+    if until is not None:
+        taken = taken.filter(accepted_at__lte=until)
+    if user is not None:
+        taken = taken.exclude(accepted_by=user)
+    last = taken.aggregate(last=Max("accepted_at"))["last"]
+    if last is None:
+        return None
+    holders = {str(pk) for pk in taken.exclude(accepted_by=None).values_list("accepted_by", flat=True)}
+    deletions = AuditEvent.objects.filter(action="user.delete", target_type=get_user_model().__name__,
+                                          target_id__in=holders)
+    if until is not None:
+        deletions = deletions.filter(created_at__lte=until)
+    left = deletions.aggregate(left=Max("created_at"))["left"]
+    return max(last, left) if left is not None else last
 
 
 def _replaced(value, pattern: re.Pattern, tombstone: str):
