@@ -156,3 +156,22 @@ def test_a_full_known_set_evicts_from_the_largest_group_and_members_of_no_group_
     for member in ("a", "b", "c"):
         ungrouped.add(member)
     assert "a" not in ungrouped and "b" in ungrouped and "c" in ungrouped
+
+
+def test_a_made_up_keys_refusal_costs_no_redis_write_and_a_revoked_keys_takes_its_mark_away(
+        owner_client, monkeypatch, django_capture_on_commit_callbacks):
+    """Only a match or a mint marks a key (`known_credentials`): a made-up key has no mark to take away, and deleting
+    it anyway cost Redis a write per made-up key (with Redis away, a 5 s connect timeout holding a web thread)."""
+    discarded = []
+    monkeypatch.setattr(keys.API_KEYS_KNOWN, "discard", discarded.append)
+    assert _client(_bogus_key()).get("/api/v1/keys/").status_code == 401
+    assert discarded == []
+
+    with django_capture_on_commit_callbacks(execute=True):  # its mark is set once its transaction commits
+        created = keys.create_api_key(Actor(user=owner_client.user), owner_client.organization, name="new",
+                                      scopes=["manage"])
+    keys.API_KEY_LOOKUPS.clear()  # known only by its shared mark, as in a process that never served it
+    assert keys.API_KEYS_KNOWN.contains(keys.API_KEY_LOOKUPS.digest(created.plain))
+    keys.revoke_api_key(Actor(user=owner_client.user), created.api_key)
+    assert _client(created.plain).get("/api/v1/keys/").status_code == 401
+    assert discarded == [keys.API_KEY_LOOKUPS.digest(created.plain)]

@@ -358,11 +358,22 @@ def authenticate_api_key(plain: str) -> ApiKey | None:
     """
     if tokens.split_token(plain, ApiKey.TOKEN_KIND) is None or API_KEY_LOOKUPS.is_refused(plain):
         return None
-    with API_KEY_LOOKUPS.slot_for(plain, known_elsewhere=API_KEYS_KNOWN.contains):
+    digest = API_KEY_LOOKUPS.digest(plain)
+    marked = False
+
+    def known_elsewhere(digest: str) -> bool:
+        nonlocal marked
+        marked = API_KEYS_KNOWN.contains(digest)
+        return marked
+
+    with API_KEY_LOOKUPS.slot_for(plain, known_elsewhere=known_elsewhere):
         authenticated = authenticate_api_key_with_role(plain)
     if authenticated is None:
+        # NOTE: only a key known here or marked has a mark to take away (a match or a mint sets one): deleting one for
+        # every made-up key cost Redis a write each (with Redis away, a connect timeout holding a web thread)
+        if marked or digest in API_KEY_LOOKUPS.known:
+            API_KEYS_KNOWN.discard(digest)
         API_KEY_LOOKUPS.refuse(plain)
-        API_KEYS_KNOWN.discard(API_KEY_LOOKUPS.digest(plain))
         return None
     API_KEY_LOOKUPS.know(plain, owner=authenticated[0].organization_id)  # never pushed out by another organisation's keys
     return authenticated[0]
