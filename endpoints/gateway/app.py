@@ -130,12 +130,11 @@ class Gateway:
 
     async def _http(self, scope, receive, send):
         path = scope["path"]
-        if scope["method"] == "OPTIONS" and (path.startswith("/v1/") or path == "/v1"):
-            headers = _headers_of(scope)
-            if cors.is_preflight(scope["method"], headers):
-                return await _preflight(scope, receive, send, headers)
         if path.startswith(DJANGO_V1_PREFIXES):
-            if cors.ORIGIN_HEADER in _headers_of(scope):  # a browser's call, from any origin (`cors`)
+            headers = _headers_of(scope)
+            if cors.is_preflight(scope["method"], headers):  # answered here: Django would want a key first
+                return await _preflight(scope, receive, send, headers)
+            if cors.ORIGIN_HEADER in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
                 send = _adding_headers(send, cors.ANSWER_HEADERS)
             # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
             # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
@@ -367,9 +366,12 @@ class Gateway:
         started = time.monotonic()
         request_id = new_request_id()
         headers = _headers_of(scope)
-        if "origin" in headers:  # a browser's call, from any origin: it may read the answer (`cors`); one dict lookup
-            send = _adding_headers(send, cors.ANSWER_HEADERS)
         path, method = scope["path"], scope["method"]
+        # NOTE: the one dict lookup a call without `Origin` (every server-side client) pays for CORS (issue #20)
+        if "origin" in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
+            if cors.is_preflight(method, headers):
+                return await _preflight(scope, receive, send, headers)
+            send = _adding_headers(send, cors.ANSWER_HEADERS)
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
             if path == "/v1/models":
