@@ -41,6 +41,7 @@ from endpoints.gateway import (
     admission,
     anatomy,
     auth,
+    cors,
     directory,
     drain,
     errors,
@@ -130,6 +131,11 @@ class Gateway:
     async def _http(self, scope, receive, send):
         path = scope["path"]
         if path.startswith(DJANGO_V1_PREFIXES):
+            headers = _headers_of(scope)
+            if cors.is_preflight(scope["method"], headers):  # answered here: Django would want a key first
+                return await _preflight(scope, receive, send, headers)
+            if cors.ORIGIN_HEADER in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
+                send = _adding_headers(send, cors.ANSWER_HEADERS)
             # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
             # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
             with drain.handling():
@@ -361,6 +367,11 @@ class Gateway:
         request_id = new_request_id()
         headers = _headers_of(scope)
         path, method = scope["path"], scope["method"]
+        # NOTE: the one dict lookup a call without `Origin` (every server-side client) pays for CORS (issue #20)
+        if "origin" in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
+            if cors.is_preflight(method, headers):
+                return await _preflight(scope, receive, send, headers)
+            send = _adding_headers(send, cors.ANSWER_HEADERS)
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
             if path == "/v1/models":
@@ -606,6 +617,18 @@ async def _refuse(scope, receive, send, refusal: errors.OpenAIError, started: fl
     await _respond(send, refusal.status, refusal.body(), headers=refusal.headers | {"x-request-id": request_id},
                    raw_headers=RateLimitReport.unauthenticated().headers() + _closing(scope))
     log_answer(scope, refusal.status, started, request_id)
+
+
+async def _preflight(scope, receive, send, headers: dict[str, str]) -> None:
+    """A browser's CORS preflight of a `/v1` call, answered 204 from its path and headers alone (`cors`): no key
+    lookup, no Redis, no database. NOTE: it was a 405 (the path takes no `OPTIONS`): every browser client failed it."""
+    started = time.monotonic()
+    await _discard_body(receive, scope)  # a preflight sends none; one that does is read no further than a refusal's
+    # NOTE: no `content-type` or `content-length`: a 204 has no content (RFC 9110, 8.6)
+    await send({"type": "http.response.start", "status": 204,
+                "headers": cors.preflight_headers(scope["path"], headers) + _closing(scope)})
+    await send({"type": "http.response.body", "body": b""})
+    log_answer(scope, 204, started)
 
 
 def _naming_request(send, request_id: str):

@@ -25,7 +25,13 @@ from http.cookies import SimpleCookie
 
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
-from django.middleware.csrf import InvalidTokenFormat, _check_token_format, _does_token_match
+from django.http import HttpRequest, HttpResponse
+from django.middleware.csrf import (
+    CsrfViewMiddleware,
+    InvalidTokenFormat,
+    _check_token_format,
+    _does_token_match,
+)
 from django.utils.crypto import constant_time_compare
 
 from controlplane import tokens
@@ -214,6 +220,8 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
     csrf_header = headers.get("x-csrftoken", "")
     if session is None or csrf_cookie is None or not csrf_header:
         return None
+    if _from_another_origin(headers):
+        raise errors.cross_origin_session()
     try:
         _check_token_format(csrf_header)
         if not _does_token_match(csrf_header, csrf_cookie.value):
@@ -221,6 +229,27 @@ async def caller_from_session(headers: dict[str, str]) -> Caller | None:
     except InvalidTokenFormat:
         return None
     return await _caller_of_session(session.value)
+
+
+def _from_another_origin(headers: dict[str, str]) -> bool:
+    """Whether a call riding a console session names, in `Origin`, another origin than the console's: its own host
+    (`ALLOWED_HOSTS`; HTTPS as `SECURE_PROXY_SSL_HEADER` says) or one of `CSRF_TRUSTED_ORIGINS`, judged by Django's
+    own CSRF check, as the console's forms are. A call without `Origin` (curl, a browser's same-origin GET) is judged
+    by its CSRF pair alone, as before.
+
+    NOTE: the double-submit pair alone let a page of another origin call as the signed-in user wherever it could
+    plant the CSRF cookie (a sibling subdomain's page may set one for the parent domain), and `/v1` answers CORS for
+    any origin (`endpoints.gateway.cors`); the console's forms were never open to it, since Django checks `Origin`
+    first."""
+    if "origin" not in headers:
+        return False
+    request = HttpRequest()
+    request.META = {f"HTTP_{name.upper().replace('-', '_')}": value for name, value in headers.items()}
+    return not CsrfViewMiddleware(_no_view)._origin_verified(request)
+
+
+def _no_view(request: HttpRequest) -> HttpResponse:  # what `CsrfViewMiddleware` wraps: never called here
+    raise NotImplementedError
 
 
 async def caller_from_console_form(headers: dict[str, str]) -> Caller | None:

@@ -98,6 +98,15 @@ def organization_closed(message: str) -> OpenAIError:
     return OpenAIError(403, message, type="permission_error", code="organization_closed")
 
 
+def cross_origin_session() -> OpenAIError:
+    """A call riding a console session (the playground's path) from a page of another origin than the console's: a
+    hostile page must never spend a signed-in user's money or read their answers (`auth.caller_from_session`). Pages of
+    other origins call with an API key (`endpoints.gateway.cors`)."""
+    return OpenAIError(403, "A console session may call /v1 only from the console's own pages; from another site, "
+                            "send an API key ('Authorization: Bearer <API key>').",
+                       type="permission_error", code="cross_origin_session", headers={"x-should-retry": "false"})
+
+
 def page_organization_switched() -> OpenAIError:
     """A playground call from a page shown for another organisation than the one its session now acts in (switched
     in another tab): refused before its body is read, so nothing is run, reserved or charged. `x-should-retry:

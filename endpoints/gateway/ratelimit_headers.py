@@ -123,4 +123,6 @@ class RateLimitReport:
 # Each dimension's three header names, made once (every `/v1` answer sends them).
 _REQUESTS_NAMES = (b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests")
 _TOKENS_NAMES = (b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens")
+# Every name, as text: what a browser page may read of an answer (`endpoints.gateway.cors`).
+HEADER_NAMES = tuple(name.decode() for name in (*_REQUESTS_NAMES, *_TOKENS_NAMES))
 
