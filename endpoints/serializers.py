@@ -12,7 +12,7 @@ from rest_framework import serializers
 
 from controlplane import parsers
 from controlplane.accounts.models import Role
-from controlplane.accounts.serializers import AddressField, StrictModelSerializer
+from controlplane.accounts.serializers import AddressField, StrictModelSerializer, StrictSerializer
 from controlplane.accounts.tenancy import request_membership
 from controlplane.text import is_plain
 from endpoints import prewarm, quotas, speculative
@@ -195,8 +195,9 @@ class EndpointEventSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class PrewarmWindowSerializer(serializers.Serializer):
-    """One pre-warm window (documentation of the shape; `PrewarmWindowsField` validates)."""
+class PrewarmWindowSerializer(StrictSerializer):
+    """One pre-warm window (documentation of the shape; `PrewarmWindowsField` validates). Strict, as
+    `prewarm.validate_windows` refuses a key it does not know: the schema says `additionalProperties: false`."""
 
     schedule = serializers.CharField(help_text="When the window opens: a five-field cron expression, e.g. \"0 9 * * 1-5\".")
     timezone = serializers.CharField(help_text="The IANA time zone the schedule is read in, e.g. \"Europe/Paris\".")

@@ -94,3 +94,19 @@ def test_a_members_role_patch_needs_the_role_alone_and_the_schema_says_so(org):
     assert changed.status_code == 200 and Membership.objects.get(pk=member.pk).role == Role.VIEWER
     assert not _allows(documented, {}) and not _allows(documented, {"role": "viewer", "note": "x"})
     assert _allows(documented, {"role": "viewer"})
+
+
+def test_a_prewarm_window_with_a_field_the_api_does_not_know_is_refused_and_the_schema_says_it_would_be(owner_client):
+    """Before, a window (`PrewarmWindow`, the shape `PrewarmWindowsField` checks) was documented open while the API
+    answered 400 "unknown field(s)" for an extra key in it: a body the schema allowed, refused."""
+    from tests.factories import EndpointFactory
+
+    endpoint = EndpointFactory(organization=owner_client.organization, max_replicas=2)
+    window = {"schedule": "0 9 * * 1-5", "timezone": "Europe/Paris", "duration_minutes": 60, "min_replicas": 1}
+    body = {"prewarm_windows": [window | {"label": "office hours"}]}
+    answer = owner_client.patch(f"/api/v1/endpoints/{endpoint.pk}/", body, format="json")
+
+    assert answer.status_code == 400 and "unknown field(s) label" in str(answer.json()["prewarm_windows"])
+    documented = _documented_body("/api/v1/endpoints/{id}/", "patch")
+    assert not _allows(documented, body)
+    assert _allows(documented, {"prewarm_windows": [window]})

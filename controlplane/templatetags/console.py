@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal, InvalidOperation
 
 from django import template
@@ -71,6 +72,8 @@ def percent_of(value, total) -> float:
     try:
         share = 100.0 * float(value) / float(total)
     except (TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    if math.isnan(share):  # NOTE: `max(nan, 0.0)` is NaN: it passed the clamp, and a bar was `<rect width="nan">`
         return 0.0
     return round(min(max(share, 0.0), 100.0), 1)
 
