@@ -174,20 +174,49 @@ def lock_organization(organization_id: int, *, skip_locked: bool = False) -> Org
     return locked.get(pk=organization_id) if not skip_locked else locked.filter(pk=organization_id).first()
 
 
+@dataclass(slots=True)
+class ReplicaRoom:
+    """What an organisation holds now against its replica and GPU quotas, and so how many more it may place.
+
+    NOTE: the one count both placement (`replica_refusal`) and the node pools' demand (`pool_demand`) judge by: a
+    replica the quota will refuse is no demand for a machine."""
+
+    quotas: Quotas
+    num_held: int
+    num_gpus_held: dict[str, int]  # GPU type -> GPUs its replicas hold (a tensor-parallel one holds several)
+
+    def num_more(self, gpu_type: str, gpus_per_replica: int) -> int:
+        """How many more replicas of that shape the organisation may hold now."""
+        by_replicas = self.quotas.max_replicas - self.num_held
+        by_gpus = (self.quotas.max_gpus(gpu_type) - self.num_gpus_held.get(gpu_type, 0)) // max(1, gpus_per_replica)
+        return max(0, min(by_replicas, by_gpus))
+
+    def take(self, gpu_type: str, gpus_per_replica: int, num_replicas: int) -> None:
+        """Count `num_replicas` more as held (a demand already given a machine)."""
+        self.num_held += num_replicas
+        self.num_gpus_held[gpu_type] = self.num_gpus_held.get(gpu_type, 0) + num_replicas * gpus_per_replica
+
+
+def replica_room(organization: Organization) -> ReplicaRoom:
+    """The organisation's `ReplicaRoom` now (two queries)."""
+    held = Replica.objects.filter(endpoint__organization_id=organization.pk, state__in=ACTIVE_REPLICA_STATES).order_by()
+    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
+    gpus = dict(held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
+                .values_list("endpoint__gpu_type", "num"))
+    return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()})
+
+
 def replica_refusal(endpoint: Endpoint) -> str | None:
     """Why the endpoint's organisation may not hold one more replica now, or None.
 
     NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction.
     """
-    quotas = endpoint.organization.quotas
-    held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
-    num_held = held.count()
-    if num_held >= quotas.max_replicas:
-        return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {num_held}"
+    room = replica_room(endpoint.organization)
+    quotas = room.quotas
+    if room.num_held >= quotas.max_replicas:
+        return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {room.num_held}"
     max_gpus = quotas.max_gpus(endpoint.gpu_type)
-    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
-    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).aggregate(
-        total=Sum("endpoint__gpus_per_replica"))["total"] or 0
+    num_of_type = room.num_gpus_held.get(endpoint.gpu_type, 0)
     if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None
