@@ -237,7 +237,7 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
                               plan.unplaceable)
         created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
         waiting = {need.endpoint_id for need in needs} - {need.endpoint_id for need in plan.unplaceable}
-        if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes):
+        if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes or counts.num_empty):
             tell_endpoints(waiting, f"Pool {locked.name}: {plan.reason}", once=not plan.num_launch)
         if plan.unplaceable:
             tell_endpoints({need.endpoint_id for need in plan.unplaceable},

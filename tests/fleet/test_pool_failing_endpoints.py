@@ -6,14 +6,18 @@ provider of `test_pool_policy.py`: a machine launched is one the operator pays f
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from controlplane.accounts.models import Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints.models import EndpointEvent, Replica
 from endpoints.nodes.models import NodeLaunch
 from endpoints.scheduler import reconcile_endpoint
 from tests.factories import EndpointFactory, OrganizationFactory
-from tests.fleet.test_pool_policy import TINY, RecordingProvider, make_pool, tick
+from tests.fleet.test_pool_policy import TINY, RecordingProvider, join, make_pool, tick
 
 pytestmark = pytest.mark.django_db
 
@@ -60,3 +64,25 @@ def test_another_organisations_quota_is_its_own():
                                        quantization="none", min_replicas=1)
             reconcile_endpoint(str(endpoint.pk))
     assert tick(provider) == 2 and NodeLaunch.objects.filter(pool=pool).count() == 2
+
+
+def test_a_replica_placement_keeps_off_the_pools_machines_launches_no_machine_after_machine():
+    """A replica no machine of the pool takes for another reason than room (here a quantization its agents do not
+    offer; as well an agent older than its endpoint needs). Before: each tick counted it as demand for a new machine,
+    and the pool launched one after another up to its maximum, each joining empty and idle, paid for."""
+    pool, provider = make_pool(min_nodes=1, max_nodes=4), RecordingProvider()
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    join(launch)  # its agent offers quantization "none" only
+    tick(provider)
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="int8", min_replicas=1)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 1 and not Replica.objects.filter(endpoint=endpoint).exists()
+    later = timezone.now() + timedelta(seconds=60)  # past the settle window of the machine that joined
+    for _ in range(3):
+        tick(provider, now=later)
+    assert NodeLaunch.objects.filter(pool=pool).count() == 1
+    assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no new node would take them").exists()
+    assert not endpoint.status_message.startswith("provisioning")  # it says why placement refused: no node comes
+    assert endpoint.waiting_for_capacity and "quantization int8" in endpoint.status_message
