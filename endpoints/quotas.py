@@ -25,6 +25,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.quota_room import replica_room
 
 
 class QuotaExceeded(ValidationError):
@@ -172,38 +173,6 @@ def lock_organization(organization_id: int, *, skip_locked: bool = False) -> Org
         "plan"
     )
     return locked.get(pk=organization_id) if not skip_locked else locked.filter(pk=organization_id).first()
-
-
-@dataclass(slots=True)
-class ReplicaRoom:
-    """What an organisation holds now against its replica and GPU quotas, and so how many more it may place.
-
-    NOTE: the one count both placement (`replica_refusal`) and the node pools' demand (`pool_demand`) judge by: a
-    replica the quota will refuse is no demand for a machine."""
-
-    quotas: Quotas
-    num_held: int
-    num_gpus_held: dict[str, int]  # GPU type -> GPUs its replicas hold (a tensor-parallel one holds several)
-
-    def num_more(self, gpu_type: str, gpus_per_replica: int) -> int:
-        """How many more replicas of that shape the organisation may hold now."""
-        by_replicas = self.quotas.max_replicas - self.num_held
-        by_gpus = (self.quotas.max_gpus(gpu_type) - self.num_gpus_held.get(gpu_type, 0)) // max(1, gpus_per_replica)
-        return max(0, min(by_replicas, by_gpus))
-
-    def take(self, gpu_type: str, gpus_per_replica: int, num_replicas: int) -> None:
-        """Count `num_replicas` more as held (a demand already given a machine)."""
-        self.num_held += num_replicas
-        self.num_gpus_held[gpu_type] = self.num_gpus_held.get(gpu_type, 0) + num_replicas * gpus_per_replica
-
-
-def replica_room(organization: Organization) -> ReplicaRoom:
-    """The organisation's `ReplicaRoom` now (two queries)."""
-    held = Replica.objects.filter(endpoint__organization_id=organization.pk, state__in=ACTIVE_REPLICA_STATES).order_by()
-    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
-    gpus = dict(held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
-                .values_list("endpoint__gpu_type", "num"))
-    return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()})
 
 
 def replica_refusal(endpoint: Endpoint) -> str | None:

@@ -40,6 +40,7 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.nodes.models import Node, NodeSweep
+from endpoints.quota_room import replica_room
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -212,7 +213,7 @@ def _add_replicas(endpoint: Endpoint, sleeping: list[Replica], num_to_add: int, 
         if replica is None:
             # NOTE: only what its organisation's quota lets it hold is demand for a node pool's machine: all of them
             # counted, one endpoint wanting more than its quota allows had the pool launch machines none could use.
-            num_unplaced = min(num_to_add - num_placed, quotas.replica_room(endpoint.organization).num_more(
+            num_unplaced = min(num_to_add - num_placed, replica_room(endpoint.organization).num_more(
                 endpoint.gpu_type, endpoint.gpus_per_replica))
             message = f"waiting for capacity: {reason}"
             pool = provisioning_pool(endpoint)

@@ -36,7 +36,7 @@ from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import database_now
 from controlplane.redis_client import as_text, get_redis, held_alone, redis_time
 from controlplane.redis_keys import POOLS_TICK_LOCK_KEY, POOLS_TICK_STARTED_KEY
-from endpoints import quotas
+from endpoints import quota_room
 from endpoints.fleet import launches, pool_release
 from endpoints.fleet.pool_demand import (
     BOOTING_STATES,
@@ -113,7 +113,7 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
     """Every unplaced replica of a live endpoint that its organisation's quota lets it hold, as a `Need` of the pool
     that serves it (`choose_pool`).
 
-    NOTE: an organisation's endpoints together ask for no more than its quota has room for (`quotas.ReplicaRoom`),
+    NOTE: an organisation's endpoints together ask for no more than its quota has room for (`quota_room.ReplicaRoom`),
     oldest endpoints first. Each endpoint's own check counted the replicas held, not those waiting for a machine: a
     tenant allowed two replicas had the fleet launch a machine for each of its endpoints, machines placement then
     gave none of its replicas (the quota refused them), paid for until their idle timeout."""
@@ -124,10 +124,10 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
         unplaced_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True, gpu_type__in=list(by_type)
     ).select_related("organization__plan")
     demand: dict[int, list[Need]] = defaultdict(list)
-    rooms: dict[int, quotas.ReplicaRoom] = {}
+    rooms: dict[int, quota_room.ReplicaRoom] = {}
     for endpoint in waiting.order_by("created_at", "pk"):
         room = rooms.get(endpoint.organization_id) or rooms.setdefault(
-            endpoint.organization_id, quotas.replica_room(endpoint.organization))
+            endpoint.organization_id, quota_room.replica_room(endpoint.organization))
         num_needed = min(endpoint.unplaced_replicas, room.num_more(endpoint.gpu_type, endpoint.gpus_per_replica))
         if not num_needed:
             continue
