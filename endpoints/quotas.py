@@ -25,6 +25,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.quota_room import replica_room
 
 
 class QuotaExceeded(ValidationError):
@@ -179,15 +180,12 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
 
     NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction.
     """
-    quotas = endpoint.organization.quotas
-    held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
-    num_held = held.count()
-    if num_held >= quotas.max_replicas:
-        return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {num_held}"
+    room = replica_room(endpoint.organization)
+    quotas = room.quotas
+    if room.num_held >= quotas.max_replicas:
+        return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {room.num_held}"
     max_gpus = quotas.max_gpus(endpoint.gpu_type)
-    # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
-    num_of_type = held.filter(endpoint__gpu_type=endpoint.gpu_type).aggregate(
-        total=Sum("endpoint__gpus_per_replica"))["total"] or 0
+    num_of_type = room.num_gpus_held.get(endpoint.gpu_type, 0)
     if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None

@@ -40,6 +40,7 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.nodes.models import Node, NodeSweep
+from endpoints.quota_room import replica_room
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -210,7 +211,10 @@ def _add_replicas(endpoint: Endpoint, sleeping: list[Replica], num_to_add: int, 
             raise _PlacementNeeded
         replica, reason = place_replica(endpoint)
         if replica is None:
-            num_unplaced = num_to_add - num_placed
+            # NOTE: only what its organisation's quota lets it hold is demand for a node pool's machine: all of them
+            # counted, one endpoint wanting more than its quota allows had the pool launch machines none could use.
+            num_unplaced = min(num_to_add - num_placed, replica_room(endpoint.organization).num_more(
+                endpoint.gpu_type, endpoint.gpus_per_replica))
             message = f"waiting for capacity: {reason}"
             pool = provisioning_pool(endpoint)
             if pool is not None:

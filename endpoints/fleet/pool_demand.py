@@ -85,7 +85,9 @@ def choose_pool(need: Need, pools: Iterable[tuple[NodePool, PoolCounts]]) -> Nod
 
 def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
     """The pool that will bring a node for one more replica of `endpoint`, or None (no pool, none
-    fits it, or its pool is at its maximum with nothing booting)."""
+    fits it, its pool is at its maximum with nothing booting, or one of its machines stands empty: placement, which
+    just kept the replica off it, would keep it off a new one of the same shape as well, and the pool launches none
+    (`pool_plan.plan_launches`); the endpoint says why placement refused instead of "provisioning a node")."""
     pools = [(pool, pool_counts(pool)) for pool in NodePool.objects.filter(gpu_type=endpoint.gpu_type)]
     if not pools:
         return None
@@ -93,6 +95,8 @@ def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
     if chosen is None:
         return None
     counts = dict((pool.pk, counts) for pool, counts in pools)[chosen.pk]
+    if counts.num_empty:
+        return None
     return chosen if counts.num_live < counts.max_nodes or counts.num_booting else None
 
 

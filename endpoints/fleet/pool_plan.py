@@ -94,16 +94,23 @@ class LaunchPlan:
 
 
 def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -> LaunchPlan:
-    """The fewest new machines that hold every need (after the booting ones), plus what min and
-    warm ask for; never past `max_nodes`."""
+    """The fewest new machines that hold every need (after the booting ones and the empty joined ones), plus what min
+    and warm ask for; never past `max_nodes`.
+
+    NOTE: an empty joined machine (`num_empty`, settled: the scheduler had its ticks to place on it) holds demand
+    before a new one is launched. A need still waiting beside it is one placement keeps off this pool's machines for
+    another reason than room (a quantization, an agent version, a registration smaller than the pool's shape): a
+    machine of the same shape takes it no more. Counted as needing a new machine, it launched one every tick up to
+    `max_nodes`, each joining empty and idle until its timeout, paid for."""
     unplaceable = tuple(need for need in needs if not need.fits(shape))
     fitting = [need for need in needs if need.fits(shape)]
     sizes = [need.size(shape) for need in fitting]
     num_bins = fewest_bins(sizes, shape.capacity)
-    num_for_needs = max(0, num_bins - counts.num_booting)
+    num_for_needs = max(0, num_bins - counts.num_booting - counts.num_empty)
     num_booting_unused = max(0, counts.num_booting - num_bins)
-    # NOTE: booting machines nobody needs will join empty: they count as warm already.
-    num_for_warm = max(0, counts.warm_nodes - counts.num_empty - num_booting_unused)
+    num_empty_unused = max(0, counts.num_empty - max(0, num_bins - counts.num_booting))
+    # NOTE: booting machines nobody needs will join empty: they count as warm already; so do empty ones no need takes.
+    num_for_warm = max(0, counts.warm_nodes - num_empty_unused - num_booting_unused)
     # NOTE: min nodes run, warm nodes more wait empty: the same floor `nodes_to_release` keeps, so
     # the two never undo each other. A machine placement never uses is not one of them: replaced at once.
     num_for_min = max(0, counts.min_nodes + counts.warm_nodes - counts.num_usable)
@@ -115,8 +122,11 @@ def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -
         num_endpoints = len({need.endpoint_id for need in fitting})
         reasons.append(f"{_plural(len(fitting), 'replica')} of {_plural(num_endpoints, 'endpoint')} "
                        f"fit on {_plural(num_for_needs, 'new node')}")
-    elif fitting:
+    elif fitting and num_bins <= counts.num_booting:
         reasons.append(f"{_plural(len(fitting), 'replica')} wait for {_plural(counts.num_booting, 'booting node')}")
+    elif fitting:
+        reasons.append(f"{_plural(len(fitting), 'replica')} not placed on this pool's empty nodes: no new node would "
+                       "take them either")
     if num_for_warm:
         reasons.append(f"{_plural(num_for_warm, 'warm node')} to keep")
     if num_for_min > num_for_needs + num_for_warm:

@@ -36,6 +36,7 @@ from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import database_now
 from controlplane.redis_client import as_text, get_redis, held_alone, redis_time
 from controlplane.redis_keys import POOLS_TICK_LOCK_KEY, POOLS_TICK_STARTED_KEY
+from endpoints import quota_room
 from endpoints.fleet import launches, pool_release
 from endpoints.fleet.pool_demand import (
     BOOTING_STATES,
@@ -109,18 +110,32 @@ def start_turn(pool: NodePool, started_key: str = POOLS_TICK_STARTED_KEY) -> Non
 
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
-    """Every unplaced replica of a live endpoint, as a `Need` of the pool that serves it (`choose_pool`)."""
+    """Every unplaced replica of a live endpoint that its organisation's quota lets it hold, as a `Need` of the pool
+    that serves it (`choose_pool`).
+
+    NOTE: an organisation's endpoints together ask for no more than its quota has room for (`quota_room.ReplicaRoom`),
+    oldest endpoints first. Each endpoint's own check counted the replicas held, not those waiting for a machine: a
+    tenant allowed two replicas had the fleet launch a machine for each of its endpoints, machines placement then
+    gave none of its replicas (the quota refused them), paid for until their idle timeout."""
     by_type: dict[str, list[tuple[NodePool, PoolCounts]]] = defaultdict(list)
     for pool in pools:
         by_type[pool.gpu_type].append((pool, pool_counts(pool)))
     waiting = Endpoint.objects.live().filter(
-        unplaced_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True, gpu_type__in=list(by_type))
+        unplaced_replicas__gt=0, paused_at__isnull=True, failed_at__isnull=True, gpu_type__in=list(by_type)
+    ).select_related("organization__plan")
     demand: dict[int, list[Need]] = defaultdict(list)
-    for endpoint in waiting.order_by("created_at"):
+    rooms: dict[int, quota_room.ReplicaRoom] = {}
+    for endpoint in waiting.order_by("created_at", "pk"):
+        room = rooms.get(endpoint.organization_id) or rooms.setdefault(
+            endpoint.organization_id, quota_room.replica_room(endpoint.organization))
+        num_needed = min(endpoint.unplaced_replicas, room.num_more(endpoint.gpu_type, endpoint.gpus_per_replica))
+        if not num_needed:
+            continue
+        room.take(endpoint.gpu_type, endpoint.gpus_per_replica, num_needed)
         need = need_of(endpoint)
         pool = choose_pool(need, by_type[endpoint.gpu_type]) or min(
             (pool for pool, _ in by_type[endpoint.gpu_type]), key=lambda pool: (pool.hourly_price, pool.name))
-        demand[pool.pk].extend([need] * endpoint.unplaced_replicas)
+        demand[pool.pk].extend([need] * num_needed)
     return demand
 
 
@@ -222,7 +237,7 @@ def launch_for_demand(pool: NodePool, provider: Provider, needs: list[Need], now
                               plan.unplaceable)
         created = [create_launch(locked, provider, now, plan.reason) for _ in range(plan.num_launch)]
         waiting = {need.endpoint_id for need in needs} - {need.endpoint_id for need in plan.unplaceable}
-        if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes):
+        if waiting and (plan.num_launch or counts.num_live + plan.num_launch >= counts.max_nodes or counts.num_empty):
             tell_endpoints(waiting, f"Pool {locked.name}: {plan.reason}", once=not plan.num_launch)
         if plan.unplaceable:
             tell_endpoints({need.endpoint_id for need in plan.unplaceable},

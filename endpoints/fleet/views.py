@@ -11,12 +11,12 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from controlplane.accounts.console import staff_required
-from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.models import AuditEvent, Organization
 from controlplane.accounts.services import Actor
 from controlplane.plain_numbers import plain_int
 from endpoints.fleet import services
 from endpoints.fleet.pool_views import pools_context
-from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+from endpoints.models import ACTIVE_REPLICA_STATES, Replica, organization_of_scope
 from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState
 
@@ -45,11 +45,34 @@ def _fleet_context() -> dict:
         node.gpus_ignored = status.get(services.GPUS_IGNORED, "")
         node.heartbeat_age_s = (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None
         node.heartbeat_late = node.heartbeat_age_s is None or node.heartbeat_age_s > 3 * settings.AGENT_HEARTBEAT_INTERVAL_S
+    name_weights_owners(nodes)
     return {
         "nodes": nodes,
         "replicas": Replica.objects.select_related("endpoint__organization", "node").order_by("-state_changed_at")[:100],
         "num_active_replicas": len(active),
     }
+
+
+def name_weights_owners(nodes: list[Node]) -> None:
+    """Give each node's cached copy (`node.weights`, from its heartbeat) the `owner` staff read on its chip: the
+    organisation whose private copy it is, or "shared" for the catalogue's one copy (scope "").
+
+    NOTE: two organisations' copies of one source were two identical chips, as if the node listed one twice. Staff
+    only: a tenant never sees the fleet page. One query for every node's copies."""
+    scopes = {copy.get("scope") for node in nodes for copy in node.weights if isinstance(copy, dict)}
+    ids = {organization_of_scope(scope) for scope in scopes if isinstance(scope, str)} - {None}
+    names = dict(Organization.objects.filter(pk__in=ids).values_list("pk", "name")) if ids else {}
+    for node in nodes:
+        node.weights = [dict(copy, owner=_owner(copy.get("scope"), names)) for copy in node.weights if isinstance(copy, dict)]
+
+
+def _owner(scope, names: dict) -> str:
+    if scope in (None, ""):
+        return "shared"  # NOTE: an agent older than scopes reported none: its copies were the shared ones
+    organization_id = organization_of_scope(scope) if isinstance(scope, str) else None
+    if organization_id is None:
+        return "unknown scope"
+    return names.get(organization_id) or f"organisation {organization_id} (gone)"
 
 
 def gpu_rows(node: Node, reported: list[dict], replicas: list[Replica]) -> list[dict]:

@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts.models import AuditEvent, Role
-from endpoints.models import Replica
+from endpoints.models import Replica, organization_scope
 from endpoints.nodes.models import JoinToken, Node
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory, sign_in_staff
@@ -276,3 +276,21 @@ def test_staff_rotate_a_token_postgresql_still_finds_unexpired_through_a_web_pod
 
     assert rotated.status_code == 201
     assert JoinToken.objects.get(pk=join_token.pk).revoked_at is not None
+
+
+def test_fleet_names_the_organisation_whose_cached_copy_each_chip_is(staff):
+    """Before: two organisations' copies of one source were two identical chips, nothing naming whose each was."""
+    acme, globex = EndpointFactory(organization__name="Acme Labs").organization, EndpointFactory(
+        organization__name="Globex").organization
+    copy = {"source": "s3://models/llama", "cache_key": "k", "size_bytes": 1_000_000, "downloaded_bytes": 1_000_000,
+            "complete": True}
+    Node.objects.filter(pk=make_node().pk).update(last_status=HEARTBEAT | {"weights": [
+        copy | {"scope": organization_scope(acme.pk)}, copy | {"scope": organization_scope(globex.pk)},
+        copy | {"scope": organization_scope(999999)},
+        copy | {"source": "hf:meta/shared", "scope": ""}]})
+    page = staff.get(reverse("console:fleet-live")).content.decode()
+    chips = re.findall(r'<span class="chip"[^>]*>(.*?)</span>', page)
+    assert any("s3://models/llama" in chip and "Acme Labs" in chip for chip in chips)
+    assert any("s3://models/llama" in chip and "Globex" in chip for chip in chips)
+    assert any("s3://models/llama" in chip and "organisation 999999 (gone)" in chip for chip in chips)
+    assert any("hf:meta/shared" in chip and "shared" in chip for chip in chips)

@@ -1,0 +1,88 @@
+"""What a tenant's endpoints may make a node pool launch: only replicas that can be placed and served.
+
+The pool tick (`endpoints.fleet.pools`) and the scheduler against a real database and Redis, with the recording
+provider of `test_pool_policy.py`: a machine launched is one the operator pays for, so every launch here is counted.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from controlplane.accounts.models import Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints.models import EndpointEvent, Replica
+from endpoints.nodes.models import NodeLaunch
+from endpoints.scheduler import reconcile_endpoint
+from tests.factories import EndpointFactory, OrganizationFactory
+from tests.fleet.test_pool_policy import TINY, RecordingProvider, join, make_pool, tick
+
+pytestmark = pytest.mark.django_db
+
+# A machine of this pool holds one replica of TINY (about 2.8 GB reserved on CPU).
+ONE_REPLICA_MB = 4000
+
+
+def organization_allowed(num_replicas: int):
+    organization = OrganizationFactory()
+    plan = save_plan(SYSTEM, Plan(name=f"allows-{num_replicas}-{organization.pk}", max_replicas=num_replicas, max_min_replicas=100))
+    set_organization_plan(SYSTEM, organization, plan)
+    return organization
+
+
+def test_many_endpoints_wanting_replicas_launch_no_more_machines_than_their_organisations_quota_allows():
+    """Before: each endpoint's quota check counted replicas held, not the ones waiting for a machine, so five endpoints
+    of an organisation allowed two replicas each recorded one unplaced replica and the pool launched five machines."""
+    pool, provider = make_pool(gpu_memory_mb=ONE_REPLICA_MB, max_nodes=10), RecordingProvider()
+    organization = organization_allowed(2)
+    for _ in range(5):
+        endpoint = EndpointFactory(organization=organization, gpu_type="cpu", model_source=TINY, quantization="none",
+                                   min_replicas=1)
+        reconcile_endpoint(str(endpoint.pk))
+    assert tick(provider) == 2
+    assert NodeLaunch.objects.filter(pool=pool).count() == 2
+
+
+def test_one_endpoint_wanting_more_replicas_than_its_quota_allows_launches_only_what_it_may_hold():
+    """Before: the replicas a scale-up could not place were all demand (4), though the quota refuses all but one."""
+    pool, provider = make_pool(gpu_memory_mb=ONE_REPLICA_MB, max_nodes=10), RecordingProvider()
+    endpoint = EndpointFactory(organization=organization_allowed(1), gpu_type="cpu", model_source=TINY,
+                               quantization="none", min_replicas=4, max_replicas=4)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 1
+    assert tick(provider) == 1 and NodeLaunch.objects.filter(pool=pool).count() == 1
+
+
+def test_another_organisations_quota_is_its_own():
+    pool, provider = make_pool(gpu_memory_mb=ONE_REPLICA_MB, max_nodes=10), RecordingProvider()
+    for organization in (organization_allowed(1), organization_allowed(1)):
+        for _ in range(2):
+            endpoint = EndpointFactory(organization=organization, gpu_type="cpu", model_source=TINY,
+                                       quantization="none", min_replicas=1)
+            reconcile_endpoint(str(endpoint.pk))
+    assert tick(provider) == 2 and NodeLaunch.objects.filter(pool=pool).count() == 2
+
+
+def test_a_replica_placement_keeps_off_the_pools_machines_launches_no_machine_after_machine():
+    """A replica no machine of the pool takes for another reason than room (here a quantization its agents do not
+    offer; as well an agent older than its endpoint needs). Before: each tick counted it as demand for a new machine,
+    and the pool launched one after another up to its maximum, each joining empty and idle, paid for."""
+    pool, provider = make_pool(min_nodes=1, max_nodes=4), RecordingProvider()
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    join(launch)  # its agent offers quantization "none" only
+    tick(provider)
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="int8", min_replicas=1)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 1 and not Replica.objects.filter(endpoint=endpoint).exists()
+    later = timezone.now() + timedelta(seconds=60)  # past the settle window of the machine that joined
+    for _ in range(3):
+        tick(provider, now=later)
+    assert NodeLaunch.objects.filter(pool=pool).count() == 1
+    assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no new node would take them").exists()
+    assert not endpoint.status_message.startswith("provisioning")  # it says why placement refused: no node comes
+    assert endpoint.waiting_for_capacity and "quantization int8" in endpoint.status_message
