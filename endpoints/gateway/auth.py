@@ -244,7 +244,11 @@ def _from_another_origin(headers: dict[str, str]) -> bool:
     if "origin" not in headers:
         return False
     request = HttpRequest()
-    request.META = {f"HTTP_{name.upper().replace('-', '_')}": value for name, value in headers.items()}
+    # NOTE: no server name: a request without `Host` (HTTP/1.0 allows it) has no host of its own, and is judged by
+    # `CSRF_TRUSTED_ORIGINS` alone. Django's check fell back to the WSGI `SERVER_NAME`, which this request lacked: a
+    # KeyError, a 500 with an ERROR traceback, for anyone sending any session cookie (the review of CORS).
+    request.META = {"SERVER_NAME": "", "SERVER_PORT": "",
+                    **{f"HTTP_{name.upper().replace('-', '_')}": value for name, value in headers.items()}}
     return not CsrfViewMiddleware(_no_view)._origin_verified(request)
 
 
