@@ -81,7 +81,10 @@ class AutoSchema(openapi.AutoSchema):
 
     def _map_basic_serializer(self, serializer, direction):
         schema = super()._map_basic_serializer(serializer, direction)
-        if getattr(serializer, "refuses_unknown_fields", False):
+        # NOTE: the request's side only (`COMPONENT_SPLIT_REQUEST`): on an answer's component it told strict generated
+        # clients (pydantic's `extra="forbid"`) that no release would ever add a field, and the first one added (during
+        # a rollout, pods of two releases answering) failed their parse
+        if direction == "request" and getattr(serializer, "refuses_unknown_fields", False):
             schema["additionalProperties"] = False
         return schema
 

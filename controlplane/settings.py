@@ -290,6 +290,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Endpoints, API keys, usage, billing and fleet. Inference itself is the OpenAI-compatible /v1 API.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # A body's component apart from its answer's (`EndpointRequest`, `Endpoint`): what a request may send (read-only
+    # fields left out, unknown fields refused: `controlplane.schema`) is not what an answer promises.
+    "COMPONENT_SPLIT_REQUEST": True,
     # Staff-only views answer anyone else a 404 as if they did not exist: the public schema leaves them out.
     "PREPROCESSING_HOOKS": ["controlplane.schema.leave_out_staff_only"],
     # Swagger UI served from our own static files, never a CDN.

@@ -110,3 +110,21 @@ def test_a_prewarm_window_with_a_field_the_api_does_not_know_is_refused_and_the_
     documented = _documented_body("/api/v1/endpoints/{id}/", "patch")
     assert not _allows(documented, body)
     assert _allows(documented, {"prewarm_windows": [window]})
+
+
+def test_an_answer_is_never_documented_closed_to_fields_a_later_release_adds():
+    """A request's component and its answer's were one (`COMPONENT_SPLIT_REQUEST` off): the answer's claimed
+    `additionalProperties: false` too, and a strict client generated from it (pydantic's `extra="forbid"`) failed on
+    the first field a later release added (during a rollout, pods of two releases answering)."""
+    schema = public_schema()
+    components = schema["components"]["schemas"]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation.get("responses", {}).items():
+                for content in response.get("content", {}).values():
+                    reference = content["schema"].get("$ref") or content["schema"].get("items", {}).get("$ref")
+                    if reference:
+                        answer = components[reference.rsplit("/", 1)[1]]
+                        assert answer.get("additionalProperties") is not False, (path, method, status)
+    assert components["ApiKeyRequest"]["additionalProperties"] is False
+    assert "additionalProperties" not in components["ApiKey"]
