@@ -14,7 +14,9 @@ Once its last usage is in Stripe, its subscription is cancelled with a final inv
 Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
 and pending invitations revoked), ends their sessions, deactivates the user and erases their address and name from
 every record that copied them, revoking the invitations pending to it (`accounts.erasure.erase_person`); it is
-refused while they are the only owner of an open organisation that others or live resources depend on.
+refused while they are the only owner of an open organisation that others or live resources depend on. Staff deleting
+an account in the Django admin do the same, by the same rule (`end_account`, which the accounts app's admin reaches
+through `accounts.departures`, filled in `EndpointsConfig.ready`), but for the password: the row is never deleted.
 
 NOTE: both in a signed-in session only, never with an API key (`members.ensure_in_a_session`): a leaked `manage` key
 must not be able to end an organisation or an account.

@@ -2,9 +2,12 @@
 here count as verified; plans (quotas) and which plan each organisation is on are saved through the
 services that audit (`save_plan`, `set_organization_plan`).
 
-Users that staff create here count as verified; deactivating or deleting one revokes every key they created
+Users that staff create here count as verified; deactivating one revokes every key they created
 (`keys.revoke_api_keys_of`) and every invitation they sent that is still pending (`members.revoke_invitations_sent_by`),
-as removing a member does. Everything else is read-only: organisations,
+as removing a member does. Deleting one (its page, or the list's bulk delete) is the account's own deletion
+(`departures.end_account`, the endpoints app's `closing.end_account`): refused while it is the only owner of an open
+organisation others or live resources depend on, otherwise its row kept, deactivated and tombstoned. Everything else is
+read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
 (a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
 authenticator gets its enrolment code from the users' "Issue an enrolment code" action
@@ -190,10 +193,8 @@ class UserAdmin(auth_admin.UserAdmin):
 
 
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
-    """The keys `user` created and the invitations they sent that are still pending, in every organisation.
-
-    NOTE: a deleted sender's invitations lose their `invited_by` (null) and grant nothing since (only `from_platform`
-    ones grant without a sender), but would still be listed as pending: they are revoked, audited, first."""
+    """The keys a deactivated `user` created and the invitations they sent that are still pending, in every
+    organisation: refused while the account is inactive, they would work again with it."""
     actor = Actor(source_ip=client_ip(request))
     revoke_api_keys_of(actor, user, reason=reason)
     revoke_invitations_sent_by(actor, user, reason=reason)
