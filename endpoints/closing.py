@@ -14,7 +14,9 @@ Once its last usage is in Stripe, its subscription is cancelled with a final inv
 Deleting an account ends each of the user's memberships as a removal does (`members.leave_organization`: their keys
 and pending invitations revoked), ends their sessions, deactivates the user and erases their address and name from
 every record that copied them, revoking the invitations pending to it (`accounts.erasure.erase_person`); it is
-refused while they are the only owner of an open organisation that others or live resources depend on.
+refused while they are the only owner of an open organisation that others or live resources depend on. Staff deleting
+an account in the Django admin do the same, by the same rule (`end_account`, which the accounts app's admin reaches
+through `accounts.departures`, filled in `EndpointsConfig.ready`), but for the password: the row is never deleted.
 
 NOTE: both in a signed-in session only, never with an API key (`members.ensure_in_a_session`): a leaked `manage` key
 must not be able to end an organisation or an account.
@@ -31,7 +33,7 @@ from django.db.models import Q
 from django.http import Http404
 
 from billing import closed_subscriptions, credits
-from controlplane.accounts import erasure, invitations, keys, members, throttle
+from controlplane.accounts import departures, erasure, invitations, keys, members, throttle
 from controlplane.accounts.models import (
     Invitation,
     Membership,
@@ -185,8 +187,10 @@ def credit_refusal(organization: Organization) -> str | None:
 
 
 def close_refusal(organization: Organization, user) -> str | None:
-    """Why `user`, deleting their account, may not simply leave `organization` while it is open: they are its only
-    owner and other members or live resources depend on it; None where nothing does."""
+    """Why `user`'s account may not be deleted while they are in `organization` and it is open: they are its only owner
+    and other members or live resources depend on it, or purchased credit remains on it (`credit_refusal`); None where
+    nothing does. The same rule whoever deletes the account: its owner (`delete_account`) or staff in the Django admin
+    (`end_account`, reached there through `accounts.departures`)."""
     if organization.closed_at is not None:
         return None
     if Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(user=user).exists():
@@ -206,14 +210,22 @@ def close_refusal(organization: Organization, user) -> str | None:
         return refusal
     if not held:
         return None
-    return (f"You are the only owner of {organization.name} (slug {organization.slug}), which has "
-            f"{', '.join(held)}: make another member its owner, or close it, before deleting your account.")
+    return (f"{user.email or user.username} is the only owner of {organization.name} (slug {organization.slug}), "
+            f"which has {', '.join(held)}: make another member its owner, or close it, before deleting the account.")
+
+
+def account_refusals(user) -> list[str]:
+    """Why `user`'s account may not be deleted now (`close_refusal`, for each open organisation they solely own), as
+    read without locks: what a confirmation page shows. `end_account` judges again under the organisations' locks."""
+    return [reason for membership in Membership.objects.filter(user=user, role=Role.OWNER).select_related(
+            "organization").order_by("organization_id")
+            if (reason := close_refusal(membership.organization, user))]
 
 
 def delete_account(actor: Actor, user, *, password: str) -> None:
-    """Deletes the user's account (see the module's note). Raises `NotPermitted` with an API key, `Refused` for a
-    wrong password (`password`) or where an organisation depends on them (`non_field_errors`, `close_refusal`),
-    `TooManyAttempts` past the wrong passwords allowed."""
+    """Deletes the user's own account (see the module's note). Raises `NotPermitted` with an API key or for a staff
+    account, `Refused` for a wrong password (`password`) or where an organisation depends on them
+    (`non_field_errors`, `close_refusal`), `TooManyAttempts` past the wrong passwords allowed."""
     members.ensure_in_a_session(actor, "password")
     if user.is_staff:
         raise NotPermitted("password", "Staff accounts are deactivated by an operator, in the admin.")
@@ -226,38 +238,51 @@ def delete_account(actor: Actor, user, *, password: str) -> None:
     if not user.check_password(password):
         raise Refused("password", "The password is not this account's.")  # NOTE: counted
     attempt.refund()
-    with transaction.atomic():
-        # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
-        # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and
-        # their departure then raised `LastOwnerError` (a 500). One joined meanwhile is taken in turn.
-        locked: set[int] = set()
-        while True:
-            memberships = list(Membership.objects.filter(user=user).select_related("organization")
-                               .order_by("organization_id"))
-            if not (missing := sorted({m.organization_id for m in memberships} - locked)):
-                break
-            lock_organizations(missing)
-            locked.update(missing)
-        refusals = [reason for m in memberships if m.role == Role.OWNER
-                    and (reason := close_refusal(Organization.objects.get(pk=m.organization_id), user))]
-        if refusals:
-            raise Refused("non_field_errors", " ".join(refusals))
-        for membership in memberships:
-            organization = Organization.objects.get(pk=membership.organization_id)
-            sole_owner = not Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(
-                user=user).exists()
-            if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
-                # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with
-                # no one to own it, its records kept as any closed organisation's.
-                _close(actor, organization)
-            members.leave_organization(actor, membership, reason=DELETE_REASON)
-        # NOTE: the keys they made anywhere else (an organisation they left before) and invitations they sent
-        keys.revoke_api_keys_of(actor, user, reason=DELETE_REASON)
-        members.revoke_invitations_sent_by(actor, user, reason=DELETE_REASON)
-        # NOTE: their address and name out of every record that copied them, invitations pending to it revoked
-        erasure.erase_person(actor, user, reason=DELETE_REASON)
-        user.is_active = False
-        # NOTE: a new password hash ends every session (Django's and the gateway's check it), wherever signed in
-        user.set_unusable_password()
-        user.save(update_fields=["is_active", "password"])
-        record_audit(actor, None, "user.delete", user)
+    try:
+        end_account(actor, user)
+    except departures.AccountDeletionRefused as exc:
+        raise Refused("non_field_errors", str(exc)) from None
+
+
+@transaction.atomic
+def end_account(actor: Actor, user) -> None:
+    """Ends the account (see the module's note): what its own deletion does once its password is checked, and what
+    staff deleting it in the Django admin do (`accounts.departures`). The row is kept, deactivated and tombstoned, so
+    every record still names it; a staff account loses its staff powers with it. Raises
+    `departures.AccountDeletionRefused` where an organisation depends on the user (`close_refusal`)."""
+    # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
+    # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and
+    # their departure then raised `LastOwnerError` (a 500). One joined meanwhile is taken in turn.
+    locked: set[int] = set()
+    while True:
+        memberships = list(Membership.objects.filter(user=user).select_related("organization")
+                           .order_by("organization_id"))
+        if not (missing := sorted({m.organization_id for m in memberships} - locked)):
+            break
+        lock_organizations(missing)
+        locked.update(missing)
+    refusals = [reason for m in memberships if m.role == Role.OWNER
+                and (reason := close_refusal(Organization.objects.get(pk=m.organization_id), user))]
+    if refusals:
+        raise departures.AccountDeletionRefused(refusals)
+    for membership in memberships:
+        organization = Organization.objects.get(pk=membership.organization_id)
+        sole_owner = not Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(
+            user=user).exists()
+        if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
+            # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with
+            # no one to own it, its records kept as any closed organisation's.
+            _close(actor, organization)
+        members.leave_organization(actor, membership, reason=DELETE_REASON)
+    # NOTE: the keys they made anywhere else (an organisation they left before) and invitations they sent
+    keys.revoke_api_keys_of(actor, user, reason=DELETE_REASON)
+    members.revoke_invitations_sent_by(actor, user, reason=DELETE_REASON)
+    # NOTE: their address and name out of every record that copied them, invitations pending to it revoked
+    erasure.erase_person(actor, user, reason=DELETE_REASON)
+    user.is_active = False
+    # NOTE: a tombstoned account keeps no powers, should it ever be activated again by hand
+    user.is_staff = user.is_superuser = False
+    # NOTE: a new password hash ends every session (Django's and the gateway's check it), wherever signed in
+    user.set_unusable_password()
+    user.save(update_fields=["is_active", "is_staff", "is_superuser", "password"])
+    record_audit(actor, None, "user.delete", user)

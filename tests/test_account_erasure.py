@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from django.apps import apps
-from django.contrib import admin as django_admin
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth import get_user_model
 from django.db import DatabaseError, models
@@ -18,7 +17,7 @@ from django.urls import reverse
 from django_otp.plugins.otp_static.models import StaticDevice
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from controlplane.accounts import invitations
+from controlplane.accounts import departures, invitations
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, Membership, Role, Scope
 from controlplane.accounts.services import Actor, create_organization
@@ -172,7 +171,7 @@ def test_an_account_staff_delete_in_the_admin_leaves_its_address_in_no_record_an
     answer = staff_client.post(reverse("admin:auth_user_delete", args=[alice.pk]), {"post": "yes"})
 
     assert answer.status_code == 302
-    assert not get_user_model().objects.filter(pk=alice.pk).exists()
+    assert not get_user_model().objects.get(pk=alice.pk).is_active  # the row kept (`closing.end_account`)
     assert _rows_naming(ADDRESS) == []
     deleted = LogEntry.objects.get(object_id=str(alice.pk), action_flag=DELETION)
     assert deleted.object_repr.startswith(f"deleted-{alice.pk}-")  # still names the account, by its id
@@ -264,24 +263,29 @@ def test_a_former_holders_records_are_not_pinned_on_the_next_holder_of_the_addre
 
 def test_an_admin_bulk_delete_that_fails_half_way_erases_nothing(staff_client, monkeypatch):
     # NOTE: `delete_selected` runs outside a transaction (the admin's delete page runs in one): the erasure was
-    # committed and the rows' delete then failed (PostgreSQL restarting), leaving an account that still had its
+    # committed and a later account's failed (PostgreSQL restarting), leaving an account that still had its
     # address, its invitations rewritten to a tombstone and those pending to it revoked.
     alice = _alice()
+    later = UserFactory()
     team = OrganizationFactory(name="Team")
     pending = invitations.invite_member(Actor(user=_owner_of(team)), team, email=ADDRESS, role=Role.MEMBER)
+    registered = departures._deletion()
 
-    def lost(self, request, queryset):
-        raise DatabaseError("server closed the connection unexpectedly")
+    def lost(actor, user):
+        if user.pk == later.pk:
+            raise DatabaseError("server closed the connection unexpectedly")
+        registered.end(actor, user)
 
-    monkeypatch.setattr(django_admin.ModelAdmin, "delete_queryset", lost)
+    monkeypatch.setattr(departures, "_registered", [departures.AccountDeletion(registered.refusals, lost)])
     with pytest.raises(DatabaseError):
         staff_client.post(reverse("admin:auth_user_changelist"),
-                          {"action": "delete_selected", "_selected_action": [alice.pk], "post": "yes"})
+                          {"action": "delete_selected", "_selected_action": [alice.pk, later.pk], "post": "yes"})
 
     assert get_user_model().objects.get(pk=alice.pk).email == ADDRESS
     pending.refresh_from_db()
     assert pending.email == ADDRESS and pending.revoked_at is None
     assert AuditEvent.objects.get(organization=team, action="invitation.create").details["email"] == ADDRESS
+    assert not LogEntry.objects.filter(action_flag=DELETION).exists()
 
 
 def test_an_address_staff_changed_goes_too_but_not_from_what_its_next_holder_did_with_it(staff_client):

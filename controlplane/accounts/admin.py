@@ -2,9 +2,12 @@
 here count as verified; plans (quotas) and which plan each organisation is on are saved through the
 services that audit (`save_plan`, `set_organization_plan`).
 
-Users that staff create here count as verified; deactivating or deleting one revokes every key they created
+Users that staff create here count as verified; deactivating one revokes every key they created
 (`keys.revoke_api_keys_of`) and every invitation they sent that is still pending (`members.revoke_invitations_sent_by`),
-as removing a member does. Everything else is read-only: organisations,
+as removing a member does. Deleting one (its page, or the list's bulk delete) is the account's own deletion
+(`departures.end_account`, the endpoints app's `closing.end_account`): refused while it is the only owner of an open
+organisation others or live resources depend on, otherwise its row kept, deactivated and tombstoned. Everything else is
+read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
 (a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
 authenticator gets its enrolment code from the users' "Issue an enrolment code" action
@@ -14,17 +17,21 @@ authenticator gets its enrolment code from the users' "Issue an enrolment code" 
 import json
 
 from django.contrib import admin, messages
+from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
+from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.text import capfirst
 
+from controlplane.accounts import departures
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.erasure import ADDRESS_CHANGE, erase_records_of
+from controlplane.accounts.erasure import ADDRESS_CHANGE
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
@@ -62,7 +69,7 @@ def _shown_escaped(response):
 
 class UserAdmin(auth_admin.UserAdmin):
     form = UserChangeForm
-    actions = ["issue_enrolment_code"]
+    actions = ["issue_enrolment_code", "delete_selected"]
     # NOTE: an address (an account's username is its address) stored before `normalize_email` refused format
     # characters is listed escaped (`text.shown_name`): its direction override reordered the list for staff
     list_display = ["username_shown", "email_shown", "first_name", "last_name", "is_staff"]
@@ -119,21 +126,42 @@ class UserAdmin(auth_admin.UserAdmin):
         if change and "is_active" in form.changed_data and not obj.is_active:
             _revoke_what_they_made(request, obj, reason="user.deactivate")
 
-    # NOTE: and their address out of every record that copied it, the admin's own "deleted" entry included (Django
-    # writes it before it calls these): the records name the account by the id in its tombstone once its row is gone.
-    def delete_model(self, request, obj):
-        _revoke_what_they_made(request, obj, reason="user.delete")
-        erase_records_of(Actor.from_request(request), obj, reason="user.delete")
-        super().delete_model(request, obj)
+    # NOTE: staff delete an account as its owner does (`departures.end_account`, `endpoints.closing.end_account`): the
+    # same rule (refused while it is the only owner of an open organisation others or live resources depend on) and
+    # the same work (memberships ended, keys and invitations revoked, records erased, the row kept, deactivated and
+    # tombstoned). Before, the row's delete left such an organisation with no owner, for ever, and the audit log's
+    # events lost their actor. The confirmation pages (this one and the list's bulk delete) show why it is refused,
+    # and confirm nothing then; a refusal that arises meanwhile is judged again under the organisations' locks.
+    def get_deleted_objects(self, objs, request):
+        users = list(objs)
+        refusals = [reason for user in users for reason in departures.account_deletion_refusals(user)]
+        return [f"{capfirst(self.opts.verbose_name)}: {user}" for user in users], {
+            self.opts.verbose_name_plural: len(users)}, set(), refusals
 
-    # NOTE: in one transaction with the rows' delete, as the admin's delete page runs: `delete_selected` runs in none,
-    # and a delete that failed after the erasure left accounts with their address and their records tombstoned.
-    @transaction.atomic
+    def delete_view(self, request, object_id, extra_context=None):
+        try:
+            return super().delete_view(request, object_id, extra_context)
+        except departures.AccountDeletionRefused as exc:  # NOTE: out of the view's transaction: its log entry too
+            self.message_user(request, str(exc), messages.ERROR)
+            return HttpResponseRedirect(request.path)
+
+    def delete_model(self, request, obj):
+        departures.end_account(Actor(source_ip=client_ip(request)), obj)
+
+    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes.
     def delete_queryset(self, request, queryset):
-        for user in queryset:
-            _revoke_what_they_made(request, user, reason="user.delete")
-            erase_records_of(Actor.from_request(request), user, reason="user.delete")
-        super().delete_queryset(request, queryset)
+        for user in queryset.order_by("pk"):
+            self.delete_model(request, user)
+
+    @admin.action(description="Delete selected users", permissions=["delete"])
+    def delete_selected(self, request, queryset):
+        """Django's bulk delete (its confirmation page), in one transaction with its log entries."""
+        try:
+            with transaction.atomic():
+                return _shown_escaped(django_delete_selected(self, request, queryset))
+        except departures.AccountDeletionRefused as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return None
 
     @admin.action(description="Issue an enrolment code (staff accounts without an authenticator)",
                   permissions=["issue_enrolment_code"])
@@ -165,10 +193,8 @@ class UserAdmin(auth_admin.UserAdmin):
 
 
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
-    """The keys `user` created and the invitations they sent that are still pending, in every organisation.
-
-    NOTE: a deleted sender's invitations lose their `invited_by` (null) and grant nothing since (only `from_platform`
-    ones grant without a sender), but would still be listed as pending: they are revoked, audited, first."""
+    """The keys a deactivated `user` created and the invitations they sent that are still pending, in every
+    organisation: refused while the account is inactive, they would work again with it."""
     actor = Actor(source_ip=client_ip(request))
     revoke_api_keys_of(actor, user, reason=reason)
     revoke_invitations_sent_by(actor, user, reason=reason)

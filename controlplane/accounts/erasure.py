@@ -1,7 +1,8 @@
 """A deleted person's address and name, out of everything the platform keeps (GDPR's right to erasure), while the
 records they took part in stay whole and name them by their account's id.
 
-An account is never a deleted row (`endpoints.closing.delete_account`): its row stays, deactivated, so that every
+An account is never a deleted row (`endpoints.closing.end_account`, whether its owner deletes it or staff do in the
+Django admin): its row stays, deactivated, so that every
 record pointing at it (audit events' actor, keys' creator, the invitations it sent or accepted, ledger holds) still
 names one account. What identified the person is replaced by a tombstone address (`deleted-<id>-<random>@deleted.invalid`:
 `.invalid` is reserved, RFC 2606, so nothing is ever mailed to it) wherever the platform had copied it as text: an
@@ -79,7 +80,7 @@ def _spellings(addresses) -> set[str]:
 def erase_person(actor: Actor, user, *, reason: str) -> str:
     """Replaces the person's address and name by a tombstone on their account and in every record that copied them
     (`erase_records_of`); deletes their second-factor devices, enrolment codes and address verification. Returns the
-    tombstone. The caller deactivates the account and ends its sessions (`endpoints.closing.delete_account`)."""
+    tombstone. The caller deactivates the account and ends its sessions (`endpoints.closing.end_account`)."""
     tombstone = erase_records_of(actor, user, reason=reason)
     user.username = user.email = tombstone
     user.first_name = user.last_name = ""
@@ -94,8 +95,7 @@ def erase_person(actor: Actor, user, *, reason: str) -> str:
 @transaction.atomic
 def erase_records_of(actor: Actor, user, *, reason: str) -> str:
     """Revokes the invitations pending to the person's address (audited with `reason`) and writes a new tombstone in
-    place of the address wherever a record copied it; the tombstone. Also where staff delete the account's row in the
-    Django admin (`admin.UserAdmin.delete_model`): the records then name it by the id the tombstone holds."""
+    place of the address wherever a record copied it; the tombstone."""
     addresses = addresses_of(user)
     for address in addresses:
         revoke_invitations_to(actor, address, reason=reason)
