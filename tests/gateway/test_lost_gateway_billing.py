@@ -178,13 +178,15 @@ def test_a_beat_builds_no_row_for_a_stream_whose_tokens_it_already_recorded():
     from types import SimpleNamespace
 
     from endpoints.gateway.call import InferenceCall
+    from endpoints.gateway.tally import UsageTally
 
     built = []
-    call = SimpleNamespace(served=True, batch_id="", usage=SimpleNamespace(prompt_tokens=10, cached_tokens=0,
-                                                                           completion_tokens=5),
+    usage = UsageTally()
+    usage.take_totals({"prompt_tokens": 10, "completion_tokens": 5})
+    call = SimpleNamespace(served=True, batch_id="", usage=usage,
                            usage_report=lambda **fields: built.append(fields) or "a row", _now=lambda: "now")
     assert InferenceCall.progress(call, "postpaid", None) == "a row"
     assert InferenceCall.progress(call, "postpaid", (10, 0, 5)) is None  # as the last beat recorded it
-    call.usage.completion_tokens = 6
+    usage.take_totals({"prompt_tokens": 10, "completion_tokens": 6})
     assert InferenceCall.progress(call, "postpaid", (10, 0, 5)) == "a row"
     assert len(built) == 2
