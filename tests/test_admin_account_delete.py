@@ -163,6 +163,8 @@ def test_staff_cannot_delete_the_last_active_superuser(client):
     operator.user_permissions.add(*Permission.objects.filter(codename__in=["view_user", "delete_user"]))
     sign_in_staff(client, operator)
     root = UserFactory(is_staff=True, is_superuser=True)
+    UserFactory(is_staff=False, is_superuser=True)  # NOTE: no way into the admin (`StaffAdminSite.has_permission`)
+    UserFactory(is_staff=True, is_superuser=True, is_active=False)
 
     page = client.get(_delete_page(root)).content.decode()
     client.post(_delete_page(root), {"post": "yes"})

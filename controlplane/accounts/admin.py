@@ -200,18 +200,20 @@ class UserAdmin(auth_admin.UserAdmin):
 def _staff_refusals(request, users, *, locked: bool = False) -> list[str]:
     """Why staff may not delete `users` here whatever their organisations: one of them is the staff member's own account
     (they would end their own session and powers mid-way, and a lone operator left the admin to no one), or the
-    delete would leave no active superuser (nobody left to grant staff powers but a shell on the servers).
+    delete would leave no active staff superuser (the admin needs both flags; nobody was left to grant staff powers
+    but a shell on the servers).
     `locked`: the active superusers' rows are held first (in a transaction), as the delete itself judges."""
     refusals = []
     if any(user.pk == request.user.pk for user in users):
         refusals.append(f"{request.user} is your own account: another staff member must delete it.")
-    superusers = get_user_model().objects.filter(is_superuser=True, is_active=True).order_by("pk")
+    superusers = get_user_model().objects.filter(is_superuser=True, is_staff=True, is_active=True).order_by("pk")
     if locked:
         superusers = superusers.select_for_update()
     remaining = set(superusers.values_list("pk", flat=True))
     deleted = {user.pk for user in users}
     if remaining & deleted and not remaining - deleted:
-        refusals.append("No active superuser would remain: make another account a superuser first.")
+        refusals.append("No active superuser would remain (an active staff account that is a superuser): make "
+                        "another account one first.")
     return refusals
 
 
