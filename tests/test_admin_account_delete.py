@@ -172,3 +172,23 @@ def test_staff_cannot_delete_the_last_active_superuser(client):
     assert "No active superuser would remain" in page
     root.refresh_from_db()
     assert (root.is_active, root.is_superuser) == (True, True)
+
+
+def test_the_delete_itself_judges_the_last_superuser_again_whatever_its_page_showed(rf):
+    # NOTE: two superusers deleting each other at once: each page showed the other remaining
+    from django.contrib import admin
+    from django.db import transaction
+
+    from controlplane.accounts import departures
+
+    operator = UserFactory(is_staff=True, is_superuser=False)
+    root = UserFactory(is_staff=True, is_superuser=True)
+    request = rf.post("/")
+    request.user = operator
+
+    with pytest.raises(departures.AccountDeletionRefused, match="No active superuser would remain"), \
+            transaction.atomic():
+        admin.site._registry[User].delete_model(request, root)
+
+    root.refresh_from_db()
+    assert (root.is_active, root.is_superuser) == (True, True)
