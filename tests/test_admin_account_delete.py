@@ -133,3 +133,62 @@ def test_a_staff_account_staff_delete_loses_its_powers_with_it(staff_client):
 
     former.refresh_from_db()
     assert (former.is_active, former.is_staff, former.is_superuser) == (False, False, False)
+
+
+def test_staff_cannot_delete_their_own_account_on_its_page_nor_in_a_bulk_delete(staff_client):
+    # NOTE: (the review of the admin's delete) a lone operator deleting themselves left the admin to no one: their
+    # powers and session ended with the account, and only a shell on the servers could make another superuser
+    me = staff_client.staff
+    bob = UserFactory()
+
+    page = staff_client.get(_delete_page(me)).content.decode()
+    staff_client.post(_delete_page(me), {"post": "yes"})
+    staff_client.post(reverse("admin:auth_user_changelist"),
+                      {"action": "delete_selected", "_selected_action": [me.pk, bob.pk], "post": "yes"})
+
+    assert "your own account" in page and 'name="post"' not in page
+    me.refresh_from_db()
+    bob.refresh_from_db()
+    assert (me.is_active, me.is_staff, me.is_superuser, me.has_usable_password()) == (True, True, True, True)
+    assert bob.is_active and bob.has_usable_password()
+    assert not LogEntry.objects.filter(action_flag=DELETION).exists()
+
+
+def test_staff_cannot_delete_the_last_active_superuser(client):
+    from django.contrib.auth.models import Permission
+
+    from tests.factories import sign_in_staff
+
+    operator = UserFactory(is_staff=True, is_superuser=False)
+    operator.user_permissions.add(*Permission.objects.filter(codename__in=["view_user", "delete_user"]))
+    sign_in_staff(client, operator)
+    root = UserFactory(is_staff=True, is_superuser=True)
+    UserFactory(is_staff=False, is_superuser=True)  # NOTE: no way into the admin (`StaffAdminSite.has_permission`)
+    UserFactory(is_staff=True, is_superuser=True, is_active=False)
+
+    page = client.get(_delete_page(root)).content.decode()
+    client.post(_delete_page(root), {"post": "yes"})
+
+    assert "No active superuser would remain" in page
+    root.refresh_from_db()
+    assert (root.is_active, root.is_superuser) == (True, True)
+
+
+def test_the_delete_itself_judges_the_last_superuser_again_whatever_its_page_showed(rf):
+    # NOTE: two superusers deleting each other at once: each page showed the other remaining
+    from django.contrib import admin
+    from django.db import transaction
+
+    from controlplane.accounts import departures
+
+    operator = UserFactory(is_staff=True, is_superuser=False)
+    root = UserFactory(is_staff=True, is_superuser=True)
+    request = rf.post("/")
+    request.user = operator
+
+    with pytest.raises(departures.AccountDeletionRefused, match="No active superuser would remain"), \
+            transaction.atomic():
+        admin.site._registry[User].delete_model(request, root)
+
+    root.refresh_from_db()
+    assert (root.is_active, root.is_superuser) == (True, True)

@@ -134,7 +134,8 @@ class UserAdmin(auth_admin.UserAdmin):
     # and confirm nothing then; a refusal that arises meanwhile is judged again under the organisations' locks.
     def get_deleted_objects(self, objs, request):
         users = list(objs)
-        refusals = [reason for user in users for reason in departures.account_deletion_refusals(user)]
+        refusals = [*_staff_refusals(request, users),
+                    *(reason for user in users for reason in departures.account_deletion_refusals(user))]
         return [f"{capfirst(self.opts.verbose_name)}: {user}" for user in users], {
             self.opts.verbose_name_plural: len(users)}, set(), refusals
 
@@ -146,6 +147,10 @@ class UserAdmin(auth_admin.UserAdmin):
             return HttpResponseRedirect(request.path)
 
     def delete_model(self, request, obj):
+        # NOTE: judged again with the active superusers' rows held: two superusers deleting each other at once each
+        # saw the other remain on their page, and the platform was left with none
+        if refusals := _staff_refusals(request, [obj], locked=True):
+            raise departures.AccountDeletionRefused(refusals)
         departures.end_account(Actor(source_ip=client_ip(request)), obj)
 
     # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes.
@@ -190,6 +195,26 @@ class UserAdmin(auth_admin.UserAdmin):
     def has_issue_enrolment_code_permission(self, request):
         # NOTE: whoever may change accounts, in a session past their own second factor (as the admin site asks).
         return has_staff_powers(request.user) and self.has_change_permission(request)
+
+
+def _staff_refusals(request, users, *, locked: bool = False) -> list[str]:
+    """Why staff may not delete `users` here whatever their organisations: one of them is the staff member's own account
+    (they would end their own session and powers mid-way, and a lone operator left the admin to no one), or the
+    delete would leave no active staff superuser (the admin needs both flags; nobody was left to grant staff powers
+    but a shell on the servers).
+    `locked`: the active superusers' rows are held first (in a transaction), as the delete itself judges."""
+    refusals = []
+    if any(user.pk == request.user.pk for user in users):
+        refusals.append(f"{request.user} is your own account: another staff member must delete it.")
+    superusers = get_user_model().objects.filter(is_superuser=True, is_staff=True, is_active=True).order_by("pk")
+    if locked:
+        superusers = superusers.select_for_update()
+    remaining = set(superusers.values_list("pk", flat=True))
+    deleted = {user.pk for user in users}
+    if remaining & deleted and not remaining - deleted:
+        refusals.append("No active superuser would remain (an active staff account that is a superuser): make "
+                        "another account one first.")
+    return refusals
 
 
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
