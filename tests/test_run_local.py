@@ -103,6 +103,8 @@ def test_the_banners_commands_find_the_data_folder_make_run_was_given(settings, 
         monkeypatch.setenv("INFERPLANE_DATA_DIR", str(data_dir))
     if no_agent:
         assert f"{data_dir}/demo.json" in banner and "<join_token in .data/demo.json>" not in banner
+        # a bare `python` is not the virtualenv's (no gpu_agent there): the hint names the interpreter make run used
+        assert " python -m gpu_agent" not in banner and "python -m gpu_agent run --cpu" in banner
 
 
 def test_the_banners_commands_stay_bare_for_the_default_data_folder(settings, monkeypatch):

@@ -133,7 +133,7 @@ class Command(BaseCommand):
     def _print_banner(self, base_url: str, demo, logs_dir: Path, no_agent: bool) -> None:
         python_cmd = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
         in_data_dir = data_dir_assignment()
-        agents = (f"none (--no-agent); start one with: python -m gpu_agent run --cpu --control-plane {base_url} "
+        agents = (f"none (--no-agent); start one with: {python_cmd} -m gpu_agent run --cpu --control-plane {base_url} "
                   f"--join-token <join_token in {embedded.data_dir() / 'demo.json'}>" if no_agent else
                   f"{settings.LOCAL_POOL_DIR}/<launch id>.log (started by the local node pool)")
         # The sign-up page says "We sent a mail": without SMTP it is the web log that holds the link.
