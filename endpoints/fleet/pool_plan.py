@@ -108,9 +108,11 @@ def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -
     num_bins = fewest_bins(sizes, shape.capacity)
     num_for_needs = max(0, num_bins - counts.num_booting - counts.num_empty)
     num_booting_unused = max(0, counts.num_booting - num_bins)
-    num_empty_unused = max(0, counts.num_empty - max(0, num_bins - counts.num_booting))
-    # NOTE: booting machines nobody needs will join empty: they count as warm already; so do empty ones no need takes.
-    num_for_warm = max(0, counts.warm_nodes - num_empty_unused - num_booting_unused)
+    # NOTE: booting machines nobody needs will join empty: they count as warm already; so do the empty ones, settled:
+    # a need beside one is one placement keeps off it, which leaves it empty. Counted as that need's, the plan
+    # launched one more warm machine, the release took one back at its idle timeout, and so on for ever. An empty one
+    # placement does fill at its next tick is warm no more: the next plan launches its replacement.
+    num_for_warm = max(0, counts.warm_nodes - counts.num_empty - num_booting_unused)
     # NOTE: min nodes run, warm nodes more wait empty: the same floor `nodes_to_release` keeps, so
     # the two never undo each other. A machine placement never uses is not one of them: replaced at once.
     num_for_min = max(0, counts.min_nodes + counts.warm_nodes - counts.num_usable)

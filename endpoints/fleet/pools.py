@@ -126,15 +126,20 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
     demand: dict[int, list[Need]] = defaultdict(list)
     rooms: dict[int, quota_room.ReplicaRoom] = {}
     for endpoint in waiting.order_by("created_at", "pk"):
+        need = need_of(endpoint)
+        pool = choose_pool(need, by_type[endpoint.gpu_type])
+        if pool is None:
+            # NOTE: no pool's machine holds it: it is told so (`plan_launches`'s unplaceable) and takes none of its
+            # organisation's room. Taken, oldest first, it kept a newer endpoint a machine would hold waiting for ever.
+            cheapest = min((pool for pool, _ in by_type[endpoint.gpu_type]), key=lambda pool: (pool.hourly_price, pool.name))
+            demand[cheapest.pk].extend([need] * endpoint.unplaced_replicas)
+            continue
         room = rooms.get(endpoint.organization_id) or rooms.setdefault(
             endpoint.organization_id, quota_room.replica_room(endpoint.organization))
         num_needed = min(endpoint.unplaced_replicas, room.num_more(endpoint.gpu_type, endpoint.gpus_per_replica))
         if not num_needed:
             continue
         room.take(endpoint.gpu_type, endpoint.gpus_per_replica, num_needed)
-        need = need_of(endpoint)
-        pool = choose_pool(need, by_type[endpoint.gpu_type]) or min(
-            (pool for pool, _ in by_type[endpoint.gpu_type]), key=lambda pool: (pool.hourly_price, pool.name))
         demand[pool.pk].extend([need] * num_needed)
     return demand
 

@@ -86,3 +86,21 @@ def test_a_replica_placement_keeps_off_the_pools_machines_launches_no_machine_af
     assert EndpointEvent.objects.filter(endpoint=endpoint, message__contains="no new node would take them").exists()
     assert not endpoint.status_message.startswith("provisioning")  # it says why placement refused: no node comes
     assert endpoint.waiting_for_capacity and "quantization int8" in endpoint.status_message
+
+
+def test_an_older_endpoint_no_pool_can_hold_takes_none_of_its_organisations_room():
+    """An endpoint too large for every pool's machines gets none of them: the quota room it took, oldest first, was
+    taken from a newer endpoint of its organisation that a machine would hold. Before: that one waited for ever, no
+    machine launched for it while the large one was told no machine of the pool can hold it."""
+    pool, provider = make_pool(gpu_memory_mb=ONE_REPLICA_MB, max_nodes=10), RecordingProvider()
+    organization = organization_allowed(1)
+    too_large = EndpointFactory(organization=organization, gpu_type="cpu", model_source="hf:org/model-70B",
+                                quantization="none", min_replicas=1)
+    reconcile_endpoint(str(too_large.pk))
+    fitting = EndpointFactory(organization=organization, gpu_type="cpu", model_source=TINY, quantization="none",
+                              min_replicas=1)
+    reconcile_endpoint(str(fitting.pk))
+    fitting.refresh_from_db()
+    assert fitting.unplaced_replicas == 1
+    assert tick(provider) == 1 and NodeLaunch.objects.filter(pool=pool).count() == 1
+    assert EndpointEvent.objects.filter(endpoint=too_large, message__contains="no machine of this pool can hold").exists()

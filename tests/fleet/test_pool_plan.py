@@ -108,6 +108,17 @@ def test_demand_beside_an_empty_joined_machine_launches_no_other_of_the_same_sha
     assert plan_launches([Need("a", 30000, 1), Need("b", 30000, 1)], shape, counts(num_live=1, num_empty=1)).num_launch == 1
 
 
+def test_an_empty_machine_a_waiting_need_is_kept_off_is_the_warm_one():
+    """The need placement keeps off the pool's empty machine leaves it empty: that machine is the pool's warm one.
+    Before: counted as the need's, the plan launched one more warm machine; with two empty, the release took one back
+    at its idle timeout (`nodes_to_release` keeps warm ones empty), and the plan launched another: paid for, for ever."""
+    shape = NodeShape(num_gpus=1, gpu_memory_mb=80000)
+    waiting = [Need("a", 30000, 1)]
+    plan = plan_launches(waiting, shape, counts(warm_nodes=1, num_live=1, num_empty=1))
+    assert plan.num_launch == 0 and "no new node would take them" in plan.reason
+    assert plan_launches([], shape, counts(warm_nodes=1, num_live=1, num_empty=1)).num_launch == 0
+
+
 def test_two_replicas_that_fit_one_machine_launch_one():
     shape = NodeShape(num_gpus=0, gpu_memory_mb=8192)
     plan = plan_launches([Need("a", 3000, 0), Need("b", 3000, 0)], shape, counts(max_nodes=2))
@@ -127,8 +138,10 @@ def test_min_and_warm_nodes_are_launched_without_demand():
     # One busy node is the minimum; one more waits empty.
     assert plan_launches([], shape, counts(min_nodes=1, warm_nodes=1, num_live=1)).num_launch == 1
     assert plan_launches([], shape, counts(min_nodes=1, warm_nodes=1, num_live=2, num_empty=1)).num_launch == 0
-    # A replica takes the one empty node's place: one more keeps a warm one.
-    assert plan_launches([Need("a", 1000, 1)], shape, counts(warm_nodes=1, num_live=1, num_empty=1)).num_launch == 1
+    # A replica waiting beside the one settled empty node is one placement keeps off it: that node stays the warm one
+    # (placed there at the scheduler's next tick after all, the next plan launches a warm one).
+    assert plan_launches([Need("a", 1000, 1)], shape, counts(warm_nodes=1, num_live=1, num_empty=1)).num_launch == 0
+    assert plan_launches([], shape, counts(warm_nodes=1, num_live=1, num_empty=0)).num_launch == 1
 
 
 def test_a_need_larger_than_any_machine_is_reported_unplaceable_and_launches_nothing():
