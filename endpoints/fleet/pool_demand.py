@@ -8,6 +8,7 @@ the cheapest with room (or a machine on its way), else the cheapest.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from django.db import transaction
@@ -18,7 +19,7 @@ from endpoints.events import record_event, record_event_once
 from endpoints.fleet.pool_plan import Need, NodeShape, PoolCounts
 from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, EventKind, Replica
 from endpoints.nodes.models import LaunchState, NodeLaunch, NodePool
-from endpoints.placement import memory_needed_mb, smallest_gpu_count
+from endpoints.placement import choose_node, memory_needed_mb, smallest_gpu_count
 from gpu_agent.protocol import NodeState
 
 # NOTE: sent by name (the task lives in `endpoints.tasks`, which imports the scheduler).
@@ -83,19 +84,52 @@ def choose_pool(need: Need, pools: Iterable[tuple[NodePool, PoolCounts]]) -> Nod
     return with_room[0] if with_room else fitting[0][0]
 
 
+def spare_takes(endpoint: Endpoint, need: Need, launch: NodeLaunch) -> bool:
+    """Whether placement (`placement.choose_node`, its one rule) puts a replica of `endpoint` on the empty machine of
+    `launch` (one of `spare_launches`)."""
+    return choose_node(endpoint, need.memory_mb, [launch.node], {}, {}).node is not None
+
+
+def serving_pool(endpoint: Endpoint, need: Need, pools: list[tuple[NodePool, PoolCounts]],
+                 spares: dict[int, list[NodeLaunch]]) -> tuple[NodePool | None, Need]:
+    """The pool that serves one more replica of `endpoint` (`choose_pool`), and the need as that pool's plan counts it.
+
+    `spares`: each pool's `spare_launches`. A pool whose empty machines placement refuses the replica on (its
+    quantization, an agent older than it needs), one of them launched under the pool's definition as it stands
+    (`NodePool.updated_at`: a new machine would be the same), is passed over for the next: a new one would refuse it
+    too. Where every empty machine refusing it predates the definition, the pool launches for it (`Need.on_empty`
+    False). NOTE: counted against those machines, the cheaper pool took the demand, and the pool that would serve it
+    (a pricier one, or a new machine of an upgraded template) never launched: its calls got a 503 for ever. Where
+    every pool would refuse it, the cheapest holds it against its empty machines and launches nothing for it."""
+    refused, launch_for = set(), set()
+    for pool, _ in pools:
+        empty = spares.get(pool.pk, [])
+        if not empty or any(spare_takes(endpoint, need, launch) for launch in empty):
+            continue
+        if any(launch.requested_at >= pool.updated_at for launch in empty):
+            refused.add(pool.pk)
+        else:
+            launch_for.add(pool.pk)
+    chosen = choose_pool(need, [(pool, counts) for pool, counts in pools if pool.pk not in refused])
+    if chosen is None:
+        return choose_pool(need, pools), need
+    return chosen, dataclasses.replace(need, on_empty=chosen.pk not in launch_for)
+
+
 def provisioning_pool(endpoint: Endpoint) -> NodePool | None:
-    """The pool that will bring a node for one more replica of `endpoint`, or None (no pool, none
-    fits it, its pool is at its maximum with nothing booting, or one of its machines stands empty: placement, which
-    just kept the replica off it, would keep it off a new one of the same shape as well, and the pool launches none
-    (`pool_plan.plan_launches`); the endpoint says why placement refused instead of "provisioning a node")."""
+    """The pool that will bring a node for one more replica of `endpoint`, or None (no pool, none fits it, its pool is
+    at its maximum with nothing booting, or one of its machines stands empty that the replica may go on: placement, if
+    it refused it there, would refuse a new one of the pool as well, and the pool launches none (`serving_pool`,
+    `pool_plan.plan_launches`); the endpoint says why placement refused instead of "provisioning a node")."""
     pools = [(pool, pool_counts(pool)) for pool in NodePool.objects.filter(gpu_type=endpoint.gpu_type)]
     if not pools:
         return None
-    chosen = choose_pool(need_of(endpoint), pools)
+    spares = {pool.pk: spare_launches(pool) for pool, _ in pools}
+    chosen, need = serving_pool(endpoint, need_of(endpoint), pools, spares)
     if chosen is None:
         return None
     counts = dict((pool.pk, counts) for pool, counts in pools)[chosen.pk]
-    if counts.num_empty:
+    if need.on_empty and counts.num_empty:
         return None
     return chosen if counts.num_live < counts.max_nodes or counts.num_booting else None
 

@@ -45,6 +45,9 @@ class Need:
     endpoint_id: str
     memory_mb: int  # what placement would reserve (placement.memory_needed_mb)
     num_gpus: int  # whole GPUs it needs (0 or 1 on CPU machines: from the pooled memory)
+    # Whether the pool's empty joined machines may hold it: False when placement accepts it on none of them (their
+    # agent or template older than a new machine's), so only a new or booting machine does (`pool_demand.serving_pool`).
+    on_empty: bool = True
 
     def __post_init__(self):
         if self.memory_mb < 0 or self.num_gpus < 0:
@@ -101,12 +104,18 @@ def plan_launches(needs: Sequence[Need], shape: NodeShape, counts: PoolCounts) -
     before a new one is launched. A need still waiting beside it is one placement keeps off this pool's machines for
     another reason than room (a quantization, an agent version, a registration smaller than the pool's shape): a
     machine of the same shape takes it no more. Counted as needing a new machine, it launched one every tick up to
-    `max_nodes`, each joining empty and idle until its timeout, paid for."""
+    `max_nodes`, each joining empty and idle until its timeout, paid for. A need placement accepts on none of the empty
+    machines, where a new machine would differ (`Need.on_empty` False: they predate the pool's definition), takes
+    none of them: counted against them, the pool never launched the machine that would serve it (a 503 for ever)."""
     unplaceable = tuple(need for need in needs if not need.fits(shape))
     fitting = [need for need in needs if need.fits(shape)]
     sizes = [need.size(shape) for need in fitting]
     num_bins = fewest_bins(sizes, shape.capacity)
-    num_for_needs = max(0, num_bins - counts.num_booting - counts.num_empty)
+    # NOTE: packed apart (a little more than a joint packing, never less): the empty machines hold only those that
+    # may go on them, the booting and new ones any.
+    num_on_empty = fewest_bins([need.size(shape) for need in fitting if need.on_empty], shape.capacity)
+    num_off_empty = fewest_bins([need.size(shape) for need in fitting if not need.on_empty], shape.capacity)
+    num_for_needs = max(0, max(0, num_on_empty - counts.num_empty) + num_off_empty - counts.num_booting)
     num_booting_unused = max(0, counts.num_booting - num_bins)
     # NOTE: booting machines nobody needs will join empty: they count as warm already; so do the empty ones, settled:
     # a need beside one is one placement keeps off it, which leaves it empty. Counted as that need's, the plan

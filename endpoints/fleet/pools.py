@@ -40,10 +40,10 @@ from endpoints import quota_room
 from endpoints.fleet import launches, pool_release
 from endpoints.fleet.pool_demand import (
     BOOTING_STATES,
-    choose_pool,
     need_of,
     pool_counts,
     pool_shape,
+    serving_pool,
     spare_launches,
     tell_endpoints,
 )
@@ -111,7 +111,7 @@ def start_turn(pool: NodePool, started_key: str = POOLS_TICK_STARTED_KEY) -> Non
 
 def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
     """Every unplaced replica of a live endpoint that its organisation's quota lets it hold, as a `Need` of the pool
-    that serves it (`choose_pool`).
+    that serves it (`serving_pool`: an empty machine placement refuses it on holds none of its demand).
 
     NOTE: an organisation's endpoints together ask for no more than its quota has room for (`quota_room.ReplicaRoom`),
     oldest endpoints first. Each endpoint's own check counted the replicas held, not those waiting for a machine: a
@@ -125,9 +125,9 @@ def assign_demand(pools: list[NodePool]) -> dict[int, list[Need]]:
     ).select_related("organization__plan")
     demand: dict[int, list[Need]] = defaultdict(list)
     rooms: dict[int, quota_room.ReplicaRoom] = {}
+    spares = {pool.pk: spare_launches(pool) for pool in pools} if waiting.exists() else {}
     for endpoint in waiting.order_by("created_at", "pk"):
-        need = need_of(endpoint)
-        pool = choose_pool(need, by_type[endpoint.gpu_type])
+        pool, need = serving_pool(endpoint, need_of(endpoint), by_type[endpoint.gpu_type], spares)
         if pool is None:
             # NOTE: no pool's machine holds it: it is told so (`plan_launches`'s unplaceable) and takes none of its
             # organisation's room. Taken, oldest first, it kept a newer endpoint a machine would hold waiting for ever.

@@ -13,8 +13,11 @@ from django.utils import timezone
 
 from controlplane.accounts.models import Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints.fleet.pool_demand import PROVISIONING_MESSAGE
+from endpoints.fleet.pool_services import update_node_pool
+from endpoints.fleet.providers.local import DEFAULT_ENGINE_PORTS
 from endpoints.models import EndpointEvent, Replica
-from endpoints.nodes.models import NodeLaunch
+from endpoints.nodes.models import Node, NodeLaunch
 from endpoints.scheduler import reconcile_endpoint
 from tests.factories import EndpointFactory, OrganizationFactory
 from tests.fleet.test_pool_policy import TINY, RecordingProvider, join, make_pool, tick
@@ -104,3 +107,62 @@ def test_an_older_endpoint_no_pool_can_hold_takes_none_of_its_organisations_room
     assert fitting.unplaced_replicas == 1
     assert tick(provider) == 1 and NodeLaunch.objects.filter(pool=pool).count() == 1
     assert EndpointEvent.objects.filter(endpoint=too_large, message__contains="no machine of this pool can hold").exists()
+
+
+def joined_empty(pool, provider):
+    """The pool's one machine (its minimum), joined and settled: empty, its agent offering quantization "none" only."""
+    tick(provider)
+    [launch] = NodeLaunch.objects.filter(pool=pool)
+    join(launch)
+    tick(provider)
+    return launch
+
+
+def int8_endpoint():
+    endpoint = EndpointFactory(gpu_type="cpu", model_source=TINY, quantization="int8", min_replicas=1)
+    reconcile_endpoint(str(endpoint.pk))
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 1
+    return endpoint
+
+
+def test_a_cheaper_pools_empty_machine_that_refuses_a_replica_leaves_its_demand_to_the_pool_that_serves_it():
+    """Two pools of one GPU type: the cheaper one (below its maximum) has an empty machine, of its definition as it
+    stands, whose agent refuses the endpoint (here a quantization it lacks; as well an older agent). Before: the
+    cheaper pool took the endpoint's demand and held it against that machine; the pricier pool never launched, and the
+    endpoint's calls got an immediate 503 for ever."""
+    cheap, provider = make_pool(name="cheap", min_nodes=1, max_nodes=3, hourly_price=1), RecordingProvider()
+    joined_empty(cheap, provider)
+    pricier = make_pool(name="pricier", max_nodes=3, hourly_price=2)
+    endpoint = int8_endpoint()
+    assert endpoint.status_message == PROVISIONING_MESSAGE and not endpoint.waiting_for_capacity  # calls are held
+    later = timezone.now() + timedelta(seconds=60)  # past the settle window of the machine that joined
+    for _ in range(3):
+        tick(provider, now=later)
+    assert NodeLaunch.objects.filter(pool=cheap).count() == 1  # a new one of it would refuse the replica too
+    [launch] = NodeLaunch.objects.filter(pool=pricier)
+    node = join(launch)
+    Node.objects.filter(pk=node.pk).update(quantizations=["none", "int8"])
+    reconcile_endpoint(str(endpoint.pk))
+    assert Replica.objects.get(endpoint=endpoint).node_id == node.pk
+
+
+def test_a_pool_kept_at_its_minimum_by_an_older_machine_launches_the_new_template_machine_that_serves_a_replica():
+    """One pool at `min_nodes` whose only machine predates the pool's template (its agent older: it refuses the
+    endpoint). Before: that empty machine held the endpoint's demand, the machine of the new template that would serve
+    it never launched, and its calls got a 503 for ever. Now one launches, once: joined, of the new template, a machine
+    that refused it as well would launch no other."""
+    pool, provider = make_pool(min_nodes=1, max_nodes=4), RecordingProvider()
+    joined_empty(pool, provider)
+    pool = update_node_pool(SYSTEM, pool, template={"engine_ports": "{}-{}".format(*DEFAULT_ENGINE_PORTS)})
+    endpoint = int8_endpoint()
+    assert endpoint.status_message == PROVISIONING_MESSAGE and not endpoint.waiting_for_capacity
+    later = timezone.now() + timedelta(seconds=60)
+    for _ in range(3):
+        tick(provider, now=later)
+    assert NodeLaunch.objects.filter(pool=pool).count() == 2
+    new_launch = NodeLaunch.objects.filter(pool=pool).order_by("-requested_at").first()
+    node = join(new_launch)
+    Node.objects.filter(pk=node.pk).update(quantizations=["none", "int8"])
+    reconcile_endpoint(str(endpoint.pk))
+    assert Replica.objects.get(endpoint=endpoint).node_id == node.pk

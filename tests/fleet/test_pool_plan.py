@@ -200,3 +200,15 @@ def test_an_idle_node_goes_after_its_timeout_down_to_min_plus_warm():
     assert nodes_to_release(idle, pool, idle_timeout_s=30, now=100.0) == ["old"]  # min 1 + warm 1 stay
     assert nodes_to_release(idle, pool, idle_timeout_s=60, now=100.0) == ["old"]  # "newer" is not idle long enough
     assert nodes_to_release(idle, counts(num_live=3, num_empty=3), idle_timeout_s=30, now=100.0) == ["old", "newer"]
+
+
+def test_a_need_no_empty_machine_may_hold_is_launched_for_beside_them():
+    """A need placement accepts on none of the pool's empty machines (`on_empty` False) takes none of them: before,
+    counted against them, the pool launched nothing and the machine that would serve it never came."""
+    shape = NodeShape(num_gpus=1, gpu_memory_mb=24000)
+    counts = PoolCounts(min_nodes=1, max_nodes=4, warm_nodes=0, num_live=1, num_booting=0, num_empty=1)
+    assert plan_launches([Need("a", 8000, 1)], shape, counts).num_launch == 0
+    assert plan_launches([Need("a", 8000, 1, on_empty=False)], shape, counts).num_launch == 1
+    assert plan_launches([Need("a", 8000, 1, on_empty=False), Need("b", 8000, 1)], shape, counts).num_launch == 1
+    booting = PoolCounts(min_nodes=1, max_nodes=4, warm_nodes=0, num_live=2, num_booting=1, num_empty=1)
+    assert plan_launches([Need("a", 8000, 1, on_empty=False)], shape, booting).num_launch == 0
