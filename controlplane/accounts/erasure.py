@@ -137,33 +137,31 @@ def pseudonymise_records(addresses: set[str], tombstone: str, *, since, until=No
         since = held_until
     invited.update(email=tombstone)
 
+    _rewrite_records(AuditEvent, "created_at", addresses, since=since, until=until, rewrites={
+        "target_repr": lambda text: pattern.sub(tombstone, text)[:200],
+        "details": lambda details: _replaced(details, pattern, tombstone)})
+    _rewrite_records(LogEntry, "action_time", addresses, since=since, until=until, rewrites={
+        "object_repr": lambda text: pattern.sub(tombstone, text)[:200],
+        "change_message": lambda text: pattern.sub(tombstone, text)})
+
+
+def _rewrite_records(model, time_field: str, addresses: set[str], *, since, until, rewrites: dict) -> None:
+    """Each of `model`'s records from `since` to `until` (its `time_field`) that names one of `addresses` in a field of
+    `rewrites`, each such field rewritten by its function (a row at a time, only where it changes)."""
     naming = Q()
     for address in addresses:
-        naming |= Q(target_repr__icontains=address) | Q(details__icontains=address)
-    events = AuditEvent.objects.filter(naming)
+        for name in rewrites:
+            naming |= Q(**{f"{name}__icontains": address})
+    records = model.objects.filter(naming)
     if since is not None:
-        events = events.filter(created_at__gte=since)
+        records = records.filter(**{f"{time_field}__gte": since})
     if until is not None:
-        events = events.filter(created_at__lte=until)
-    for event in events.only("pk", "target_repr", "details").iterator(chunk_size=500):
-        target_repr, details = pattern.sub(tombstone, event.target_repr)[:200], _replaced(event.details, pattern,
-                                                                                           tombstone)
-        if (target_repr, details) != (event.target_repr, event.details):
-            AuditEvent.objects.filter(pk=event.pk).update(target_repr=target_repr, details=details)
-
-    logged = Q()
-    for address in addresses:
-        logged |= Q(object_repr__icontains=address) | Q(change_message__icontains=address)
-    entries = LogEntry.objects.filter(logged)
-    if since is not None:
-        entries = entries.filter(action_time__gte=since)
-    if until is not None:
-        entries = entries.filter(action_time__lte=until)
-    for entry in entries.only("pk", "object_repr", "change_message").iterator(chunk_size=500):
-        object_repr, message = pattern.sub(tombstone, entry.object_repr)[:200], pattern.sub(tombstone,
-                                                                                           entry.change_message)
-        if (object_repr, message) != (entry.object_repr, entry.change_message):
-            LogEntry.objects.filter(pk=entry.pk).update(object_repr=object_repr, change_message=message)
+        records = records.filter(**{f"{time_field}__lte": until})
+    for record in records.only("pk", *rewrites).iterator(chunk_size=500):
+        changed = {name: rewritten for name, rewrite in rewrites.items()
+                   if (rewritten := rewrite(getattr(record, name))) != getattr(record, name)}
+        if changed:
+            model.objects.filter(pk=record.pk).update(**changed)
 
 
 def _held_by_another_until(user, to_address: Q, until=None):

@@ -26,15 +26,22 @@ def navlink(context, url_name: str, label: str, section: str):
     return format_html('<a href="{}">{}</a>', reverse(url_name), label)
 
 
-@register.filter
-def usd(value) -> str:
-    """Money for people: $1,234.56; amounts under a cent keep enough digits to be non-zero."""
+def _amount(value) -> Decimal | str:
+    """`value` as an amount of money, or what to show instead: a dash for none, the text itself for what is not one."""
     if value in (None, ""):
         return "—"
     try:
-        amount = Decimal(str(value))
+        return Decimal(str(value))
     except InvalidOperation:
         return str(value)
+
+
+@register.filter
+def usd(value) -> str:
+    """Money for people: $1,234.56; amounts under a cent keep enough digits to be non-zero."""
+    amount = _amount(value)
+    if not isinstance(amount, Decimal):
+        return amount
     if amount != 0 and abs(amount) < Decimal("0.01"):
         return f"${amount:.6f}".rstrip("0")
     return f"${amount:,.2f}"
@@ -44,12 +51,9 @@ def usd(value) -> str:
 def price(value) -> str:
     """A price as it is charged, every digit kept: $0.025, $0.10, $1,234.50. NOTE: not `usd`, which rounds to the cent
     for amounts spent: a cached-input price of $0.025 / M read "$0.02 / M", less than the ledger charges."""
-    if value in (None, ""):
-        return "—"
-    try:
-        amount = Decimal(str(value))
-    except InvalidOperation:
-        return str(value)
+    amount = _amount(value)
+    if not isinstance(amount, Decimal):
+        return amount
     whole, _, fraction = f"{amount:,f}".partition(".")
     return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
