@@ -35,5 +35,9 @@ def test_a_rollback_keeps_one_of_the_alerts_of_two_kinds_at_one_amount_and_migra
             cursor.execute("SELECT count(*) FROM billing_spendalert WHERE organization_id = %s", [organization.pk])
             assert cursor.fetchone() == (1,)
     finally:
+        # NOTE: forward to billing's latest, not to AFTER: stopped there, every later migration (0039's grant kind) was
+        # left unapplied for the tests after it on this database
         _migrate(AFTER)
+        executor = MigrationExecutor(connection)
+        executor.migrate([node for node in executor.loader.graph.leaf_nodes() if node[0] == "billing"])
     assert SpendAlert.objects.filter(organization=organization).count() == 1

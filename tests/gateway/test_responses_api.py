@@ -448,7 +448,7 @@ def test_store_true_is_served_with_storage_off(gateway, tenant, endpoint):
             "unsupported_value",
         ),
         ({"input": 7}, "input", None),
-        ({"max_output_tokens": ENGINE_CONTEXT + 1}, "max_output_tokens", None),
+        ({"max_output_tokens": ENGINE_CONTEXT + 1}, "max_output_tokens", "invalid_value"),
     ],
 )
 def test_bad_bodies_are_a_400_naming_the_field_as_chat_refuses_them(
