@@ -302,7 +302,7 @@ def test_an_upload_sent_as_soon_as_the_last_one_is_answered_waits_for_django_to_
 
     settings.FILES_UPLOADS_PER_PROCESS = places
 
-    async def authenticate(headers):
+    async def authenticate(headers, **_):
         return SimpleNamespace(organization_id=7)
 
     monkeypatch.setattr(gateway_app.auth, "authenticate", authenticate)
