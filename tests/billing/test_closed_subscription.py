@@ -38,7 +38,9 @@ def _closed_with_usage_pushed(fake_stripe, *, closed_hours_ago: int = 3):
     organization = endpoint.organization
     owner = UserFactory()
     MembershipFactory(organization=organization, user=owner, role=Role.OWNER)
-    record_usage(usage_report(endpoint, finished_at=_hour(closed_hours_ago + 1) + timedelta(minutes=5)))
+    # two hours back, not one: an hour's rollup closes (and is pushed) only 10 min after the hour ends, so usage of the
+    # hour before failed to push when the test ran in an hour's first 10 minutes
+    record_usage(usage_report(endpoint, finished_at=_hour(closed_hours_ago + 2) + timedelta(minutes=5)))
     closing.close_organization(Actor(user=owner), organization, confirm_name=organization.name)
     # the close happened that long ago, by the database's clock
     Organization.objects.filter(pk=organization.pk).update(closed_at=database_now() - timedelta(hours=closed_hours_ago))
