@@ -22,6 +22,11 @@ is pushed as any other, the push subscribes the organisation again from where th
 stopped (`stripe_sync.ensure_subscription`, `_invoiced_until`), and once that settles this cancels the new one in turn,
 with its own final invoice: billed once, on one more invoice, each subscription cancelled once.
 
+Pushes of the organisation's rollups are held back from just before it is judged settled until the subscription is
+forgotten (`BillingAccount.subscription_ending_at`, `stripe_sync.push_rollup`), and it is judged again under that
+mark: a rollup made meanwhile goes to the next subscription, never to this one within seconds of (or after) its final
+invoice.
+
 Twice-safe: one run at a time (`endpoints.closing`), each subscription read before it is cancelled (one Stripe ended
 already is only forgotten), and a cancellation whose answer was lost is found by reading it again (Stripe takes no
 idempotency key on a DELETE: a second one is refused, never done twice). Stripe down: nothing changes here, the next
@@ -40,7 +45,7 @@ from billing import rollups, services, stripe_sync
 from billing.models import BillingAccount, RollupCursor, UsageRollup
 from controlplane.accounts.models import Organization
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.clock import database_now
+from controlplane.clock import DatabaseClock, database_now
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +92,34 @@ def unsettled_reason(organization_id: int, *, now: datetime | None = None) -> st
 
 def end_subscription_after_close(organization_id: int) -> bool:
     """Cancel the closed organisation's subscription, billing what it has not invoiced, once its last usage is in
-    Stripe (`unsettled_reason`). True if this call ended it (cancelled it, or found it ended and forgot it)."""
+    Stripe (`unsettled_reason`). True if this call ended it (cancelled it, or found it ended and forgot it).
+
+    NOTE: pushes are held back from the moment it is judged settled until it is forgotten (`subscription_ending_at`,
+    set before it is judged, and judged again after: `stripe_sync.push_rollup` reads it after its claim). Judged
+    once, with pushes going on, a rollup made meanwhile (late rows' adjustment, a journal replayed) went to the
+    subscription seconds before its final invoice (not aggregated by Stripe yet: billed by none) or after it (to a
+    subscription cancelled and not yet forgotten: billed by none, and marked pushed). Held back, it goes to the next
+    subscription once this one is forgotten, on one more final invoice. A run that stopped midway (Stripe down, the
+    worker killed) leaves the mark: the next one reads the subscription and either ends it or takes the mark off."""
     if not stripe_sync.is_configured():
         return False
-    subscription_id = BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(
-        organization_id=organization_id)
-    if not subscription_id or unsettled_reason(organization_id) is not None:
+    subscription_id, ending_at = BillingAccount.objects.values_list(
+        "stripe_subscription_id", "subscription_ending_at").get(organization_id=organization_id)
+    if not subscription_id:
         return False
+    if ending_at is None and unsettled_reason(organization_id) is not None:
+        return False
+    this_subscription = BillingAccount.objects.filter(organization_id=organization_id,
+                                                      stripe_subscription_id=subscription_id)
+    if not this_subscription.filter(subscription_ending_at__isnull=True).update(subscription_ending_at=DatabaseClock()):
+        if not this_subscription.exists():
+            return False  # forgotten meanwhile (its webhook)
     cancelled = False
     if not _ended(subscription_id):
+        if unsettled_reason(organization_id) is not None:
+            # NOTE: a push that claimed a rollup before the mark was set: it goes on, and the next run waits for it
+            this_subscription.update(subscription_ending_at=None)
+            return False
         try:
             stripe_sync.call_stripe(
                 lambda options: stripe_sync.stripe_client().v1.subscriptions.cancel(
