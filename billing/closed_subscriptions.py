@@ -12,7 +12,8 @@ Settled means, by PostgreSQL's clock (`controlplane.clock`), as the close is sta
   call admitted before it has settled or its reservation expired (`INFERPLANE_RESERVATION_TTL_S`);
 - a rollup run started since then (`RollupCursor.recorded_since`), so every usage row recorded by then is rolled up;
 - none of its rollups is open, or closed and not yet in Stripe (one held for an operator holds the subscription too:
-  the hold says why, and the cancellation waits for the operator);
+  the hold says why, the cancellation waits for the operator, and an ERROR line and an audit event name the
+  organisation, once per hold: `_tell_held`);
 - its last rollup reached Stripe over `METER_EVENTS_SETTLE` ago (Stripe aggregates meter events asynchronously).
 The caller adds what billing cannot see (`endpoints.closing.end_closed_subscriptions`: a cancelled batch whose lines
 still run).
@@ -40,10 +41,11 @@ from datetime import datetime, timedelta
 
 import stripe
 from django.conf import settings
+from django.db.models import Max
 
 from billing import rollups, services, stripe_sync
 from billing.models import BillingAccount, RollupCursor, UsageRollup
-from controlplane.accounts.models import Organization
+from controlplane.accounts.models import AuditEvent, Organization
 from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import DatabaseClock, database_now
 
@@ -52,6 +54,12 @@ logger = logging.getLogger(__name__)
 # How long after the last meter event pushed the subscription is cancelled: Stripe aggregates meter events
 # asynchronously, and an event not aggregated yet when the final invoice is made is billed by no invoice.
 METER_EVENTS_SETTLE = timedelta(minutes=10)
+
+
+# Why a closed organisation's subscription waits on a rollup held for an operator (`unsettled_reason`), and the audit
+# action that tells it, once per hold (`_tell_held`).
+HELD_FOR_AN_OPERATOR = "a rollup is held for an operator (usage rollups, push held at): the final invoice waits for it"
+HELD_AUDIT_ACTION = "billing.subscription_end_held"
 
 
 def settle_after_close() -> timedelta:
@@ -81,8 +89,10 @@ def unsettled_reason(organization_id: int, *, now: datetime | None = None) -> st
     rollups_of = UsageRollup.objects.filter(organization_id=organization_id)
     if rollups_of.filter(closed_at__isnull=True).exists():
         return "a rollup is still open"
+    if rollups_of.pushable().filter(push_held_at__isnull=False).exists():
+        return HELD_FOR_AN_OPERATOR
     if rollups_of.pushable().exists():
-        return "a rollup is not in Stripe yet (held for an operator, or its push failing)"
+        return "a rollup is not in Stripe yet (its push under way, or failing)"
     last_pushed_at = rollups_of.filter(pushed_at__isnull=False).order_by("-pushed_at").values_list(
         "pushed_at", flat=True).first()
     if last_pushed_at is not None and now - last_pushed_at < METER_EVENTS_SETTLE:
@@ -107,7 +117,9 @@ def end_subscription_after_close(organization_id: int) -> bool:
         "stripe_subscription_id", "subscription_ending_at").get(organization_id=organization_id)
     if not subscription_id:
         return False
-    if ending_at is None and unsettled_reason(organization_id) is not None:
+    if ending_at is None and (reason := unsettled_reason(organization_id)) is not None:
+        if reason == HELD_FOR_AN_OPERATOR:
+            _tell_held(organization_id, subscription_id)
         return False
     this_subscription = BillingAccount.objects.filter(organization_id=organization_id,
                                                       stripe_subscription_id=subscription_id)
@@ -137,6 +149,28 @@ def end_subscription_after_close(organization_id: int) -> bool:
     logger.info("subscription %s of closed organisation %s ended (cancelled here: %s)", subscription_id,
                 organization_id, cancelled)
     return True
+
+
+def _tell_held(organization_id: int, subscription_id: str) -> None:
+    """An ERROR log line naming the closed organisation whose subscription waits on its rollups held for an operator,
+    and an audit event, once per hold: again only once a rollup is held anew (its `push_held_at` after the last one
+    told, both PostgreSQL's clock).
+
+    NOTE: the held rollups' own line and gauge (`billing.held_rollups`) say nothing of the close: before, the
+    subscription of a closed organisation stayed live for as long as nobody looked, silently (its dunning mails and
+    empty invoices with it). It is never cancelled early: a held rollup's usage is what its final invoice bills."""
+    held = UsageRollup.objects.pushable().filter(organization_id=organization_id, push_held_at__isnull=False)
+    latest_hold = held.aggregate(latest=Max("push_held_at"))["latest"]
+    if latest_hold is None or AuditEvent.objects.filter(organization_id=organization_id, action=HELD_AUDIT_ACTION,
+                                                        created_at__gte=latest_hold).exists():
+        return
+    rollup_ids = list(held.order_by("pk").values_list("pk", flat=True))
+    organization = Organization.objects.get(pk=organization_id)
+    logger.error("the Stripe subscription %s of closed organisation %s (%s) is not cancelled: its usage rollups %s are "
+                 "held for an operator, and its final invoice must bill them. Decide them in the admin (usage "
+                 "rollups, push held at); the cancellation follows", subscription_id, organization_id,
+                 organization.slug, rollup_ids)
+    record_audit(SYSTEM, organization, HELD_AUDIT_ACTION, None, subscription=subscription_id, rollups=rollup_ids)
 
 
 def _ended(subscription_id: str) -> bool:
