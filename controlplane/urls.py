@@ -36,6 +36,7 @@ router.register("fleet/pools", pool_api.NodePoolViewSet, basename="node-pool")
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
     path("organization/close/", closing_views.CloseOrganizationView.as_view(), name="organization-close"),
+    path("organizations/", accounts_api.create_organization, name="organizations"),
     path("account/delete/", closing_views.DeleteAccountView.as_view(), name="account-delete"),
     path("quotas/", endpoints_api.quotas, name="quotas"),
     path("endpoints/<uuid:endpoint_pk>/adapters/",
