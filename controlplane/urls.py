@@ -84,6 +84,7 @@ urlpatterns = [
     path("password-change/", auth_views.PasswordChangeView.as_view(), name="password_change"),
     path("password-change/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("org/switch/", views.switch_organization, name="switch-organization"),
+    path("org/new/", views.new_organization, name="new-organization"),
     path("account/delete/", closing_views.account_delete, name="account-delete"),
     path("console/", include("controlplane.console_urls")),
     path("django-admin/", admin.site.urls),
