@@ -19,7 +19,15 @@ from billing.models import BillingAccount
 from controlplane.accounts import organizations
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.members import remove_member
-from controlplane.accounts.models import AuditEvent, Membership, Organization, Quotas, Role, Scope
+from controlplane.accounts.models import (
+    AuditEvent,
+    Membership,
+    Organization,
+    Quotas,
+    Role,
+    Scope,
+    lock_person,
+)
 from controlplane.accounts.services import Actor, create_organization
 from controlplane.accounts.signup import sign_up_user
 from controlplane.accounts.tenancy import SESSION_KEY
@@ -214,6 +222,30 @@ def test_a_creation_waiting_on_another_is_judged_after_it_against_the_cap(person
 
     assert outcome == {"result": "refused"}
     assert organizations.held_by(person).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_account_deleted_while_it_creates_an_organisation_leaves_none_open_with_only_the_tombstone_to_own_it(person):
+    """The deletion read the memberships before the new one committed: the organisation stayed open, owned by nobody
+    who could sign in."""
+    def delete_the_account():
+        try:
+            closing.delete_account(Actor(user=person), person, password="correct horse battery")
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        # NOTE: this transaction is the creation, holding the person's row as the service does
+        lock_person(person.pk)
+        deleting = threading.Thread(target=delete_the_account)
+        deleting.start()
+        time.sleep(0.5)
+        create_organization(Actor(user=person), name="Meanwhile", owner=person)
+    deleting.join(timeout=10)
+
+    meanwhile = Organization.objects.get(name="Meanwhile")
+    assert meanwhile.closed_at is not None
+    assert not Membership.objects.filter(user=person).exists()
 
 
 def test_creations_past_the_throttle_are_a_429_with_retry_after(session):

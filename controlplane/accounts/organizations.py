@@ -15,12 +15,11 @@ and given-away ones (handed to a second account, which then owns it, then the ne
 from __future__ import annotations
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Q
 
 from controlplane.accounts import throttle
-from controlplane.accounts.models import AuditEvent, Organization, Role, email_is_verified
+from controlplane.accounts.models import AuditEvent, Organization, Role, email_is_verified, lock_person
 from controlplane.accounts.services import Actor, NotPermitted, create_organization
 
 # The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
@@ -72,8 +71,8 @@ def create_own_organization(actor: Actor, *, name: str) -> Organization:
                                                   "organisations when signed in, in the console.")
     with transaction.atomic():
         # NOTE: the person's row, locked: two creations at once each counted the others' organisations before either
-        # was written, and both passed the cap. NO KEY UPDATE: memberships' foreign-key checks on it still go on.
-        user = get_user_model().objects.select_for_update(no_key=True).filter(pk=actor.user.pk).first()
+        # was written, and both passed the cap; and the account's end waits for it (`lock_person`).
+        user = lock_person(actor.user.pk)
         if user is None or not user.is_active:
             raise CreationRefused("account_inactive", "This account is deactivated: it creates nothing.")
         if not email_is_verified(user):
