@@ -40,6 +40,7 @@ from controlplane.accounts.models import (
     Organization,
     Role,
     lock_organizations,
+    lock_person,
 )
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.clock import database_now
@@ -253,6 +254,7 @@ def end_account(actor: Actor, user) -> None:
     # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
     # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and
     # their departure then raised `LastOwnerError` (a 500). One joined meanwhile is taken in turn.
+    lock_person(user.pk)  # NOTE: before its memberships are read: a new organisation of theirs waits, or is seen
     locked: set[int] = set()
     while True:
         memberships = list(Membership.objects.filter(user=user).select_related("organization")

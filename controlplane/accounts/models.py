@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -120,6 +121,16 @@ def lock_organizations(ids) -> None:
     one). NO KEY UPDATE: they queue behind each other, but rows that only reference the organisation (usage rows'
     foreign-key checks, FOR KEY SHARE) never wait for them."""
     list(Organization.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk"))
+
+
+def lock_person(user_id: int):
+    """Hold the user's row until the transaction ends, and return it as it is now (None: no such user).
+
+    NOTE: a person's new organisation (`organizations.create_own_organization`) and the end of their account
+    (`endpoints.closing.end_account`) take it first, so each sees what the other did: an organisation created while the
+    account's end read its memberships was left open, its only owner the tombstone. NO KEY UPDATE: the foreign-key
+    checks of rows that name the user (a membership, a key) never wait for it."""
+    return get_user_model().objects.select_for_update(no_key=True).filter(pk=user_id).first()
 
 
 class Membership(models.Model):
