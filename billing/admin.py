@@ -15,6 +15,7 @@ from billing.models import BillingAccount, CreditGrant, CreditKind, Dispute, Inv
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
+from controlplane.accounts.stale_edits import RefusesStaleEdits
 
 NO_CEILING = "none"
 
@@ -35,7 +36,7 @@ class SpendCeilingField(forms.CharField):
         return amount
 
 
-class BillingAccountForm(forms.ModelForm):
+class BillingAccountForm(RefusesStaleEdits, forms.ModelForm):
     spend_cap = forms.DecimalField(required=False, min_value=Decimal(0), max_value=MAX_SPEND_CAP, decimal_places=2,
                                    help_text="Monthly hard cap in USD; empty for none.")
     spend_ceiling = SpendCeilingField(
@@ -50,6 +51,11 @@ class BillingAccountForm(forms.ModelForm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         account = self.instance
+        if account.spend_cap is not None:
+            # NOTE: shown with the field's two places (a cap has no more: `SpendCapSerializer`). The column's nine
+            # ("500.000000000") were refused at the page's next save, "no more than 2 decimal places": no other field
+            # of an account with a cap could be saved without the cap typed again.
+            self.initial["spend_cap"] = account.spend_cap.quantize(Decimal("0.01"))
         if account.staff_lifted_spend_ceiling:
             self.initial["spend_ceiling"] = NO_CEILING
         elif account.staff_spend_ceiling is not None:

@@ -5,6 +5,7 @@ from django.contrib import admin
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.stale_edits import StaleEditsRefusedForm
 from endpoints import services
 from endpoints.adapters import ADAPTER_PRICE_FIELDS
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
@@ -16,6 +17,7 @@ class AllowedSourceAdmin(admin.ModelAdmin):
     """The public catalogue. NOTE: a source added here is read with the fleet's own credentials for
     every organisation, and its cached copy is shared: add only models that are public."""
 
+    form = StaleEditsRefusedForm
     list_display = ["pattern", "description", "created_at"]
     search_fields = ["pattern", "description"]
     fields = ["pattern", "description"]
@@ -47,6 +49,7 @@ class ModelCredentialAdmin(ReadOnlyAdmin):
 
 @admin.register(Endpoint)
 class EndpointAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "organization", "task", "gpu_type", "quantization", "min_replicas", "max_replicas",
                     "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                     "paused_at", "deleted_at"]
@@ -86,6 +89,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 @admin.register(Adapter)
 class AdapterAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "endpoint", "state", "price_input_per_million", "price_output_per_million", "created_at"]
     list_filter = ["state"]
     search_fields = ["name", "endpoint__name", "endpoint__organization__slug"]

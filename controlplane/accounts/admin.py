@@ -42,12 +42,13 @@ from controlplane.accounts.second_factor import (
 )
 from controlplane.accounts.services import Actor, client_ip, record_audit, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
+from controlplane.accounts.stale_edits import RefusesStaleEdits, StaleEditsRefusedForm
 from controlplane.text import shown_name
 
 User = get_user_model()
 
 
-class UserChangeForm(auth_admin.UserChangeForm):
+class UserChangeForm(RefusesStaleEdits, auth_admin.UserChangeForm):
     def clean_email(self):
         # NOTE: stored as sign-up and invitations store it (`backends.normalize_email`), its length checked so:
         # a typed address that lengthens once lowered was a 500 at its verification's insert (`mark_email_verified`).
@@ -69,6 +70,9 @@ def _shown_escaped(response):
 
 class UserAdmin(auth_admin.UserAdmin):
     form = UserChangeForm
+    # NOTE: facts, not settings: each sign-in changes `last_login`, which a page shown before it posted back as it was
+    # (and, judged against the row, refused as changed since: `stale_edits`).
+    readonly_fields = ["last_login", "date_joined"]
     actions = ["issue_enrolment_code", "delete_selected"]
     # NOTE: an address (an account's username is its address) stored before `normalize_email` refused format
     # characters is listed escaped (`text.shown_name`): its direction override reordered the list for staff
@@ -259,6 +263,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
                     "max_gpus_by_type"]
     fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
@@ -273,6 +278,7 @@ class PlanAdmin(admin.ModelAdmin):
 
 @admin.register(Organization)
 class OrganizationAdmin(ReadOnlyAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["slug", "name_shown", "plan", "created_at"]
     shown_names = ("name",)
     list_filter = ["plan"]
