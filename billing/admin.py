@@ -226,7 +226,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
                                .values_list("pk", flat=True))
         for rollup in queryset.filter(push_held_at__isnull=False, difference_started_at__isnull=True):
             self.log_change(request, rollup, "Released a held Stripe push")
-        self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
+        num_released = stripe_sync.release_held(queryset, actor=Actor.from_request(request))
+        self.message_user(request, f"Released {num_released} held rollup(s).", messages.SUCCESS)
         if in_difference:
             self._refused_in_difference(request, in_difference, "released")
 
@@ -240,7 +241,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
                   permissions=["confirm_held"])
     def confirm_held(self, request, queryset):
         held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
-        num_confirmed = stripe_sync.confirm_held(queryset)
+        num_confirmed = stripe_sync.confirm_held(queryset, actor=Actor.from_request(request))
         confirmed = set(queryset.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True)
                         .values_list("pk", flat=True))
         for rollup in held:
@@ -263,7 +264,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
         too_late = sorted(stripe_sync.held_past_cancel_window(queryset).values_list("pk", flat=True))
         in_difference = sorted(rollup.pk for rollup in held
                                if rollup.difference_started_at is not None and rollup.pk not in too_late)
-        num_sent = stripe_sync.send_held_as_new(queryset)
+        num_sent = stripe_sync.send_held_as_new(queryset, actor=Actor.from_request(request))
         for rollup in UsageRollup.objects.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True):
             self.log_change(request, rollup, "Sent a rollup held as a duplicate again under new identifiers")
         self.message_user(request, f"Sent {num_sent} held rollup(s) again as new events.", messages.SUCCESS)
