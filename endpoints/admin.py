@@ -24,7 +24,11 @@ class AllowedSourceAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        record_audit(Actor.from_request(request), None, "catalogue.update" if change else "catalogue.add", obj)
+        # NOTE: with what a change changed: a pattern widened ("hf:public/*" to "hf:*") lets every organisation read
+        # any model with the fleet's credentials, and its event named only the new pattern.
+        changes = {name: {"from": form.initial.get(name), "to": form.cleaned_data[name]} for name in form.changed_data}
+        record_audit(Actor.from_request(request), None, "catalogue.update" if change else "catalogue.add", obj,
+                     **({"changes": changes} if change else {}))
 
     def delete_model(self, request, obj):
         record_audit(Actor.from_request(request), None, "catalogue.remove", obj)
@@ -119,6 +123,11 @@ class ReplicaAdmin(admin.ModelAdmin):
     readonly_fields = [field.name for field in Replica._meta.fields if field.name != "encrypted_engine_key"]
 
     def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        # NOTE: every field is read-only, yet saving its page wrote the whole row back as the save had read it: a state
+        # its agent reported in between (FAILED, STOPPED) was undone, past `endpoints.replicas`, which owns every change.
         return False
 
     def has_delete_permission(self, request, obj=None):
