@@ -15,6 +15,7 @@ from billing.models import BillingAccount, CreditGrant, CreditKind, Dispute, Inv
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
+from controlplane.accounts.stale_edits import RefusesStaleEdits
 
 NO_CEILING = "none"
 
@@ -35,7 +36,7 @@ class SpendCeilingField(forms.CharField):
         return amount
 
 
-class BillingAccountForm(forms.ModelForm):
+class BillingAccountForm(RefusesStaleEdits, forms.ModelForm):
     spend_cap = forms.DecimalField(required=False, min_value=Decimal(0), max_value=MAX_SPEND_CAP, decimal_places=2,
                                    help_text="Monthly hard cap in USD; empty for none.")
     spend_ceiling = SpendCeilingField(
@@ -50,6 +51,11 @@ class BillingAccountForm(forms.ModelForm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         account = self.instance
+        if account.spend_cap is not None:
+            # NOTE: shown with the field's two places (a cap has no more: `SpendCapSerializer`). The column's nine
+            # ("500.000000000") were refused at the page's next save, "no more than 2 decimal places": no other field
+            # of an account with a cap could be saved without the cap typed again.
+            self.initial["spend_cap"] = account.spend_cap.quantize(Decimal("0.01"))
         if account.staff_lifted_spend_ceiling:
             self.initial["spend_ceiling"] = NO_CEILING
         elif account.staff_spend_ceiling is not None:
@@ -220,7 +226,8 @@ class UsageRollupAdmin(admin.ModelAdmin):
                                .values_list("pk", flat=True))
         for rollup in queryset.filter(push_held_at__isnull=False, difference_started_at__isnull=True):
             self.log_change(request, rollup, "Released a held Stripe push")
-        self.message_user(request, f"Released {stripe_sync.release_held(queryset)} held rollup(s).", messages.SUCCESS)
+        num_released = stripe_sync.release_held(queryset, actor=Actor.from_request(request))
+        self.message_user(request, f"Released {num_released} held rollup(s).", messages.SUCCESS)
         if in_difference:
             self._refused_in_difference(request, in_difference, "released")
 
@@ -234,7 +241,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
                   permissions=["confirm_held"])
     def confirm_held(self, request, queryset):
         held = list(queryset.filter(push_held_at__isnull=False, pushed_at__isnull=True))
-        num_confirmed = stripe_sync.confirm_held(queryset)
+        num_confirmed = stripe_sync.confirm_held(queryset, actor=Actor.from_request(request))
         confirmed = set(queryset.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True)
                         .values_list("pk", flat=True))
         for rollup in held:
@@ -257,7 +264,7 @@ class UsageRollupAdmin(admin.ModelAdmin):
         too_late = sorted(stripe_sync.held_past_cancel_window(queryset).values_list("pk", flat=True))
         in_difference = sorted(rollup.pk for rollup in held
                                if rollup.difference_started_at is not None and rollup.pk not in too_late)
-        num_sent = stripe_sync.send_held_as_new(queryset)
+        num_sent = stripe_sync.send_held_as_new(queryset, actor=Actor.from_request(request))
         for rollup in UsageRollup.objects.filter(pk__in=[rollup.pk for rollup in held], push_held_at__isnull=True):
             self.log_change(request, rollup, "Sent a rollup held as a duplicate again under new identifiers")
         self.message_user(request, f"Sent {num_sent} held rollup(s) again as new events.", messages.SUCCESS)

@@ -59,7 +59,7 @@ from billing.models import (
     voided_in_deletions_second,
 )
 from controlplane.accounts.models import Organization
-from controlplane.accounts.services import SYSTEM, record_audit
+from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.clock import DatabaseClock, database_now, database_time_ago
 from controlplane.redis_client import held_alone
 from controlplane.redis_keys import PUSH_RUN_LOCK_KEY
@@ -940,7 +940,7 @@ def _not_in_difference(rollups):
     return rollups.filter(difference_started_at__isnull=True)
 
 
-def send_held_as_new(rollups) -> int:
+def send_held_as_new(rollups, *, actor: Actor = SYSTEM) -> int:
     """Push these rollups, held as duplicates (`hold_duplicate`), again from the start under new identifiers
     (`services.push_again`), once an operator has cancelled their events in Stripe (a meter event adjustment, within
     `METER_EVENT_CANCEL_WINDOW` of Stripe's receipt): Stripe held less than them. Returns how many.
@@ -948,10 +948,32 @@ def send_held_as_new(rollups) -> int:
     NOTE: never one whose hour ended longer ago than that window (`held_past_cancel_window`): its events in Stripe may
     no longer be cancelled, and its whole value sent again billed what Stripe had twice; nor one a "send the
     difference" has begun on (`_not_in_difference`). Stripe's part of such a rollup stays; the rest goes as its
-    difference (`send_held_difference`)."""
+    difference (`send_held_difference`). Audited (`billing.held_usage_sent_as_new`), by the operator as `actor`."""
     now = database_now()
-    return services.push_again(_not_in_difference(held_as_duplicate(rollups)).exclude(
-        pk__in=held_past_cancel_window(rollups, now=now).values("pk")))
+
+    def due(candidates):
+        return _not_in_difference(held_as_duplicate(candidates)).exclude(
+            pk__in=held_past_cancel_window(candidates, now=now).values("pk"))
+
+    return _decide_held_by_operator(actor, "billing.held_usage_sent_as_new", due(rollups),
+                                    lambda rollup: services.push_again(due(UsageRollup.objects.filter(pk=rollup.pk))))
+
+
+def _decide_held_by_operator(actor: Actor, action: str, candidates, decide) -> int:
+    """`decide` (a rollup → 1 if it changed it, else 0: its own conditional update) each of `candidates`, audited as
+    `action` with the rollups it changed, one event per organisation, in one transaction with the changes. Returns how
+    many it changed.
+
+    NOTE: an operator's "Stripe has it" or "send it again" decides what a customer is billed; before, only the Django
+    admin's own history (its `LogEntry`) said who decided it, and a call from elsewhere left no trace."""
+    decided: dict[int, list[int]] = {}
+    with transaction.atomic():
+        for rollup in candidates.order_by("pk"):
+            if decide(rollup):
+                decided.setdefault(rollup.organization_id, []).append(rollup.pk)
+        for organization in Organization.objects.filter(pk__in=list(decided)).order_by("pk"):
+            record_audit(actor, organization, action, None, rollups=decided[organization.pk])
+    return sum(len(pks) for pks in decided.values())
 
 
 DIFFERENCE_AUDIT_ACTION = "billing.push_held_difference"
@@ -1223,38 +1245,50 @@ def _send_difference(rollup: UsageRollup, meter: Meter, value: int, customer_id:
     _record_accepted(rollup, meter, identifier, value, customer_id, timestamp, created)
 
 
-def release_held(rollups) -> int:
+def release_held(rollups, *, actor: Actor = SYSTEM) -> int:
     """Push these held rollups on: Stripe does not have the event each was held for (it is sent again, its
-    duplicate window begins anew). Never one a "send the difference" has begun on (`_not_in_difference`)."""
-    return _not_in_difference(rollups).filter(push_held_at__isnull=False, pushed_at__isnull=True).update(
-        push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
+    duplicate window begins anew). Never one a "send the difference" has begun on (`_not_in_difference`). Audited
+    (`billing.held_usage_released`), by the operator as `actor`."""
+
+    def held(candidates):
+        return _not_in_difference(candidates).filter(push_held_at__isnull=False, pushed_at__isnull=True)
+
+    return _decide_held_by_operator(actor, "billing.held_usage_released", held(rollups), lambda rollup: held(
+        UsageRollup.objects.filter(pk=rollup.pk)).update(push_held_at=None, push_first_tried_at=None, push_error="",
+                                                          num_unknown_lines_failures=0))
 
 
-def confirm_held(rollups) -> int:
+def confirm_held(rollups, *, actor: Actor = SYSTEM) -> int:
     """Push these held rollups on: Stripe has the event each was held for (recorded as accepted; the rollup's
     later events, never sent, go at the next push). Only a rollup held for want of Stripe's answer to an event
     (`hold_for_review`: its `push_error` names that event's identifier); one held for an invoice line whose price
     cannot be told (`_count_unknown_lines`) sent nothing to confirm, and is skipped (`release_held` retries it).
 
     NOTE: before, such a rollup was confirmed too: a meter event Stripe never received was recorded as accepted (its
-    usage billed by nobody), and its failure counter, kept, held it again after one more run."""
-    num_confirmed = 0
-    for rollup in _not_in_difference(rollups).filter(push_held_at__isnull=False, pushed_at__isnull=True,
-                                                     num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER):
-        due = _unconfirmed(rollup)
-        duplicate = _DUPLICATE_HOLD in rollup.push_error  # `hold_duplicate`: every event it names
-        if due and not duplicate and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
-            continue  # not held for an answer to this event: nothing of it is known to be in Stripe
-        for meter in due if duplicate else due[:1]:
-            MeterEventPush.objects.get_or_create(
-                identifier=meter_event_identifier(rollup, meter.event_name),
-                defaults={"rollup": rollup, "event_name": meter.event_name, "value": getattr(rollup, meter.rollup_field),
-                          "push_generation": rollup.push_generation,
-                          "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
-                          .values_list("stripe_customer_id", flat=True).first() or ""})
-        num_confirmed += _not_in_difference(UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False)).update(
-            push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
-    return num_confirmed
+    usage billed by nobody), and its failure counter, kept, held it again after one more run.
+
+    Audited (`billing.held_usage_confirmed`), by the operator as `actor`: what it records as in Stripe is billed by
+    nothing else."""
+    return _decide_held_by_operator(actor, "billing.held_usage_confirmed", _not_in_difference(rollups).filter(
+        push_held_at__isnull=False, pushed_at__isnull=True, num_unknown_lines_failures__lt=UNKNOWN_LINES_HOLD_AFTER),
+        _confirm_held_rollup)
+
+
+def _confirm_held_rollup(rollup: UsageRollup) -> int:
+    """`confirm_held` of one rollup: 1 if it confirmed it, else 0."""
+    due = _unconfirmed(rollup)
+    duplicate = _DUPLICATE_HOLD in rollup.push_error  # `hold_duplicate`: every event it names
+    if due and not duplicate and meter_event_identifier(rollup, due[0].event_name) not in rollup.push_error:
+        return 0  # not held for an answer to this event: nothing of it is known to be in Stripe
+    for meter in due if duplicate else due[:1]:
+        MeterEventPush.objects.get_or_create(
+            identifier=meter_event_identifier(rollup, meter.event_name),
+            defaults={"rollup": rollup, "event_name": meter.event_name, "value": getattr(rollup, meter.rollup_field),
+                      "push_generation": rollup.push_generation,
+                      "stripe_customer_id": BillingAccount.objects.filter(organization_id=rollup.organization_id)
+                      .values_list("stripe_customer_id", flat=True).first() or ""})
+    return _not_in_difference(UsageRollup.objects.filter(pk=rollup.pk, push_held_at__isnull=False)).update(
+        push_held_at=None, push_first_tried_at=None, push_error="", num_unknown_lines_failures=0)
 
 
 def _subscription_start(organization_id: int, subscription_id: str) -> datetime | None:

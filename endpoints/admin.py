@@ -5,6 +5,7 @@ from django.contrib import admin
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
+from controlplane.accounts.stale_edits import StaleEditsRefusedForm
 from endpoints import services
 from endpoints.adapters import ADAPTER_PRICE_FIELDS
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
@@ -16,13 +17,18 @@ class AllowedSourceAdmin(admin.ModelAdmin):
     """The public catalogue. NOTE: a source added here is read with the fleet's own credentials for
     every organisation, and its cached copy is shared: add only models that are public."""
 
+    form = StaleEditsRefusedForm
     list_display = ["pattern", "description", "created_at"]
     search_fields = ["pattern", "description"]
     fields = ["pattern", "description"]
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        record_audit(Actor.from_request(request), None, "catalogue.update" if change else "catalogue.add", obj)
+        # NOTE: with what a change changed: a pattern widened ("hf:public/*" to "hf:*") lets every organisation read
+        # any model with the fleet's credentials, and its event named only the new pattern.
+        changes = {name: {"from": form.initial.get(name), "to": form.cleaned_data[name]} for name in form.changed_data}
+        record_audit(Actor.from_request(request), None, "catalogue.update" if change else "catalogue.add", obj,
+                     **({"changes": changes} if change else {}))
 
     def delete_model(self, request, obj):
         record_audit(Actor.from_request(request), None, "catalogue.remove", obj)
@@ -47,6 +53,7 @@ class ModelCredentialAdmin(ReadOnlyAdmin):
 
 @admin.register(Endpoint)
 class EndpointAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "organization", "task", "gpu_type", "quantization", "min_replicas", "max_replicas",
                     "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
                     "paused_at", "deleted_at"]
@@ -86,6 +93,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 @admin.register(Adapter)
 class AdapterAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "endpoint", "state", "price_input_per_million", "price_output_per_million", "created_at"]
     list_filter = ["state"]
     search_fields = ["name", "endpoint__name", "endpoint__organization__slug"]
@@ -115,6 +123,11 @@ class ReplicaAdmin(admin.ModelAdmin):
     readonly_fields = [field.name for field in Replica._meta.fields if field.name != "encrypted_engine_key"]
 
     def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        # NOTE: every field is read-only, yet saving its page wrote the whole row back as the save had read it: a state
+        # its agent reported in between (FAILED, STOPPED) was undone, past `endpoints.replicas`, which owns every change.
         return False
 
     def has_delete_permission(self, request, obj=None):

@@ -11,7 +11,11 @@ read-only: organisations,
 members, keys and the audit log change only through the services the API and console use
 (a key is revoked with the "Revoke" action, which calls `revoke_api_key`). A staff account without an
 authenticator gets its enrolment code from the users' "Issue an enrolment code" action
-(`second_factor.issue_staff_enrolment_code`), shown once to the staff member who issued it.
+(`second_factor.issue_staff_enrolment_code`), shown once to the staff member who issued it; authenticators and
+recovery codes (django-otp's devices) are only shown.
+
+Who may sign in and with what powers is audited as staff change it (`user.create`, `user.update`, `user.set_password`,
+`group.*`), naming them, and a change page shown before a change made since saves nothing (`stale_edits`).
 """
 
 import json
@@ -21,12 +25,17 @@ from django.contrib.admin.actions import delete_selected as django_delete_select
 from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import capfirst
+from django_otp.plugins.otp_static.admin import StaticDeviceAdmin
+from django_otp.plugins.otp_static.models import StaticDevice
+from django_otp.plugins.otp_totp.admin import TOTPDeviceAdmin
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from controlplane.accounts import departures
 from controlplane.accounts.backends import normalize_email
@@ -40,14 +49,15 @@ from controlplane.accounts.second_factor import (
     has_staff_powers,
     issue_staff_enrolment_code,
 )
-from controlplane.accounts.services import Actor, client_ip, record_audit, save_plan, set_organization_plan
+from controlplane.accounts.services import Actor, record_audit, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
+from controlplane.accounts.stale_edits import RefusesStaleEdits, StaleEditsRefusedForm
 from controlplane.text import shown_name
 
 User = get_user_model()
 
 
-class UserChangeForm(auth_admin.UserChangeForm):
+class UserChangeForm(RefusesStaleEdits, auth_admin.UserChangeForm):
     def clean_email(self):
         # NOTE: stored as sign-up and invitations store it (`backends.normalize_email`), its length checked so:
         # a typed address that lengthens once lowered was a 500 at its verification's insert (`mark_email_verified`).
@@ -67,8 +77,20 @@ def _shown_escaped(response):
     return response
 
 
+# What a user may do here, audited when staff change it (`user.update`).
+USER_POWERS = ("is_active", "is_staff", "is_superuser", "groups", "user_permissions")
+
+
+def _power_shown(value) -> bool | list[str]:
+    """A power as audited: a flag as it is, groups and permissions by their names, sorted."""
+    return value if isinstance(value, bool) else sorted(str(item) for item in value or ())
+
+
 class UserAdmin(auth_admin.UserAdmin):
     form = UserChangeForm
+    # NOTE: facts, not settings: each sign-in changes `last_login`, which a page shown before it posted back as it was
+    # (and, judged against the row, refused as changed since: `stale_edits`).
+    readonly_fields = ["last_login", "date_joined"]
     actions = ["issue_enrolment_code", "delete_selected"]
     # NOTE: an address (an account's username is its address) stored before `normalize_email` refused format
     # characters is listed escaped (`text.shown_name`): its direction override reordered the list for staff
@@ -99,8 +121,16 @@ class UserAdmin(auth_admin.UserAdmin):
     # and the messages after a change or a delete ('The user "..." was deleted'), which showed it raw after the pages
     # above escaped it (the review of 6e92b978). Escaped as a whole: `shown_name` changes only the characters it
     # refuses, into `\u202e` (no markup), and neither page has a field whose value holds the name.
+    # NOTE: and audited (`user.set_password`, in the password's own transaction): staff who set a tenant's password may
+    # sign in as them; before, only the admin's own history said so.
     def user_change_password(self, request, id, form_url=""):
-        return _shown_escaped(super().user_change_password(request, id, form_url))
+        with transaction.atomic():
+            response = super().user_change_password(request, id, form_url)
+            if request.method == "POST" and response.status_code == 302:
+                user = self.get_object(request, unquote(id))
+                record_audit(Actor.from_request(request), None, "user.set_password", user,
+                             usable=user.has_usable_password())
+        return _shown_escaped(response)
 
     def render_delete_form(self, request, context):
         return _shown_escaped(super().render_delete_form(request, context))
@@ -112,12 +142,20 @@ class UserAdmin(auth_admin.UserAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
+        # NOTE: who may sign in, and with what powers (staff, superuser, groups, permissions), audited as staff change
+        # it: before, an account made staff or superuser here, or reactivated, left no audit event.
+        actor = Actor.from_request(request)
+        if not change:
+            record_audit(actor, None, "user.create", obj)
+        elif powers := {name: {"from": _power_shown(form.initial.get(name)), "to": _power_shown(form.cleaned_data[name])}
+                        for name in USER_POWERS if name in form.changed_data}:
+            record_audit(actor, None, "user.update", obj, changes=powers)
         # NOTE: the addresses an account had before staff changed them, for its erasure (`erasure.addresses_of`): the
         # records copied them as text and nothing else remembered them, so a deleted account left them in its
         # organisations' audit logs (`organization.create`'s owner, `member.add`'s target).
         if change and (former := {field: form.initial.get(field) for field in ("username", "email")
                                    if field in form.changed_data and form.initial.get(field)}):
-            record_audit(Actor.from_request(request), None, ADDRESS_CHANGE, obj, **former)
+            record_audit(actor, None, ADDRESS_CHANGE, obj, **former)
         # NOTE: staff vouch for the address they type; only self-service sign-ups must prove theirs.
         if obj.email and (not change or "email" in form.changed_data):
             mark_email_verified(obj)
@@ -151,7 +189,7 @@ class UserAdmin(auth_admin.UserAdmin):
         # saw the other remain on their page, and the platform was left with none
         if refusals := _staff_refusals(request, [obj], locked=True):
             raise departures.AccountDeletionRefused(refusals)
-        departures.end_account(Actor(source_ip=client_ip(request)), obj)
+        departures.end_account(Actor.platform_staff(request), obj)
 
     # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes.
     def delete_queryset(self, request, queryset):
@@ -220,13 +258,72 @@ def _staff_refusals(request, users, *, locked: bool = False) -> list[str]:
 def _revoke_what_they_made(request, user, *, reason: str) -> None:
     """The keys a deactivated `user` created and the invitations they sent that are still pending, in every
     organisation: refused while the account is inactive, they would work again with it."""
-    actor = Actor(source_ip=client_ip(request))
+    actor = Actor.platform_staff(request)
     revoke_api_keys_of(actor, user, reason=reason)
     revoke_invitations_sent_by(actor, user, reason=reason)
 
 
 admin.site.unregister(User)
 admin.site.register(User, UserAdmin)
+
+
+class AuditedGroupAdmin(auth_admin.GroupAdmin):
+    """Django's groups, their permissions audited as staff change them: a group's members hold its permissions in the
+    admin, so a permission added to a group was a power given, with no audit event."""
+
+    form = StaleEditsRefusedForm
+
+    def save_related(self, request, form, formsets, change):
+        group = form.instance
+        before = _power_shown(group.permissions.all()) if change else []
+        super().save_related(request, form, formsets, change)
+        after = _power_shown(group.permissions.all())
+        if not change or before != after or "name" in form.changed_data:
+            record_audit(Actor.from_request(request), None, "group.update" if change else "group.create", group,
+                         permissions={"from": before, "to": after})
+
+    def delete_model(self, request, obj):
+        record_audit(Actor.from_request(request), None, "group.delete", obj,
+                     permissions=_power_shown(obj.permissions.all()))
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        for group in queryset:
+            self.delete_model(request, group)
+
+
+admin.site.unregister(Group)
+admin.site.register(Group, AuditedGroupAdmin)
+
+
+class _DevicesOnlyShown:
+    """NOTE: staff's authenticators and recovery codes change only through `second_factor` (an enrolment with a code
+    issued out of band, an operator's reset) and `recovery_codes`, which audit. django-otp's own admin let any staff
+    member add a confirmed device with a key of their choosing to any account (another staff member's, an account
+    about to be made staff), move a device to another account, clear its throttling or delete it, with no audit
+    event: a second factor set up past the enrolment codes."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class StaffTOTPDeviceAdmin(_DevicesOnlyShown, TOTPDeviceAdmin):
+    """Staff's authenticator apps, shown (never their keys: `OTP_ADMIN_HIDE_SENSITIVE_DATA`)."""
+
+
+class StaffStaticDeviceAdmin(_DevicesOnlyShown, StaticDeviceAdmin):
+    """Staff's recovery codes' devices, shown (never their codes' digests: `OTP_ADMIN_HIDE_SENSITIVE_DATA`)."""
+
+
+for device_model, device_admin in ((TOTPDevice, StaffTOTPDeviceAdmin), (StaticDevice, StaffStaticDeviceAdmin)):
+    admin.site.unregister(device_model)  # NOTE: registered by django-otp's admin modules, imported above
+    admin.site.register(device_model, device_admin)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -259,6 +356,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
                     "max_gpus_by_type"]
     fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
@@ -273,6 +371,7 @@ class PlanAdmin(admin.ModelAdmin):
 
 @admin.register(Organization)
 class OrganizationAdmin(ReadOnlyAdmin):
+    form = StaleEditsRefusedForm
     list_display = ["slug", "name_shown", "plan", "created_at"]
     shown_names = ("name",)
     list_filter = ["plan"]
@@ -325,8 +424,8 @@ class ApiKeyAdmin(ReadOnlyAdmin):
     # view keys could revoke every tenant's.
     @admin.action(description="Revoke selected API keys", permissions=["revoke"])
     def revoke(self, request, queryset):
-        # NOTE: staff act as the platform (no membership); Django's admin log names who clicked.
-        actor = Actor(source_ip=client_ip(request))
+        # NOTE: staff act as the platform (no membership), named by the audit log.
+        actor = Actor.platform_staff(request)
         num_revoked = 0
         for api_key in queryset.filter(revoked_at__isnull=True).select_related("organization"):
             revoke_api_key(actor, api_key)

@@ -18,17 +18,27 @@ from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organiz
 
 @dataclass(slots=True, frozen=True)
 class Actor:
-    """Who performs an action: a signed-in user, an API key (acting for its creator), or the system."""
+    """Who performs an action: a signed-in user, an API key (acting for its creator), or the system (with `staff`:
+    a staff member acting as the platform)."""
 
     user: object | None = None
     api_key: ApiKey | None = None
     source_ip: str | None = None
+    # NOTE: staff acting as the platform, where a member's rule would refuse a user who is not a member (revoking a key,
+    # deleting an account in the Django admin): asked no role, as the system, and named by the audit log. Before, such
+    # an actor was the system alone, and the events of keys staff revoked named nobody.
+    staff: object | None = None
 
     @classmethod
     def from_request(cls, request) -> Actor:
         api_key = request.auth if isinstance(getattr(request, "auth", None), ApiKey) else None
         user = request.user if getattr(request, "user", None) is not None and request.user.is_authenticated else None
         return cls(user=user, api_key=api_key, source_ip=client_ip(request))
+
+    @classmethod
+    def platform_staff(cls, request) -> Actor:
+        """The staff member signed in to `request`, acting as the platform (`staff`)."""
+        return cls(staff=request.user, source_ip=client_ip(request))
 
 
 SYSTEM = Actor()
@@ -83,7 +93,7 @@ def client_ip(request) -> str | None:
 def record_audit(actor: Actor, organization, action: str, target=None, **details) -> AuditEvent:
     return AuditEvent.objects.create(
         organization=organization,
-        actor=actor.user,
+        actor=actor.user if actor.user is not None else actor.staff,
         api_key=actor.api_key,
         action=action,
         target_type=type(target).__name__ if target is not None else "",

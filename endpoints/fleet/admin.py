@@ -14,6 +14,7 @@ from django.utils.html import format_html
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
+from controlplane.accounts.stale_edits import RefusesStaleEdits
 from endpoints.fleet import pool_services
 from endpoints.fleet.services import NodeStateRefused, retire_node, set_node_state
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
@@ -88,7 +89,7 @@ class NodeAdmin(ReadOnlyAdmin):
     has_drain_permission = has_uncordon_permission = has_retire_permission = has_cordon_permission
 
 
-class NodePoolAdminForm(forms.ModelForm):
+class NodePoolAdminForm(RefusesStaleEdits, forms.ModelForm):
     """The admin's form for a pool; its rules are `pool_services.node_pool_errors`."""
 
     class Meta:

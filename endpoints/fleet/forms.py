@@ -12,6 +12,7 @@ import json
 from django import forms
 
 from controlplane import parsers
+from controlplane.accounts.stale_edits import RefusesStaleEdits
 from endpoints.catalogue import GPU_TYPES
 from endpoints.fleet import pool_services
 from endpoints.nodes.models import NodePool, PoolProvider
@@ -34,7 +35,7 @@ class JsonObjectField(forms.CharField):
         return parsed
 
 
-class NodePoolForm(forms.Form):
+class NodePoolForm(RefusesStaleEdits, forms.Form):
     name = forms.CharField(label="Name", max_length=63, help_text="Lowercase letters, digits and hyphens, e.g. “l4-spot”.")
     gpu_type = forms.ChoiceField(label="GPU type", choices=[(gpu.name, gpu.label) for gpu in GPU_TYPES.values()])
     provider = forms.ChoiceField(label="Provider", choices=PoolProvider.choices)

@@ -1,0 +1,69 @@
+"""Staff's edit forms refuse to save over a change made since the page was shown.
+
+A form of an existing object (the Django admin's change pages, the fleet page's pool form) carries what each of its
+fields showed (Django's hidden initial, `initial-<field>`). On submit, each field whose stored value is no longer what
+the page showed is refused, with the field: the page is out of date and the staff member reloads it. Before, the
+admin's save sent every field as the page had shown it, and the services saved whatever differed from the row: an
+organisation's owner lowered its spend cap from $500 to $50, staff with its page open since switched its billing mode,
+and the cap was $500 again, audited as staff's change and told to nobody.
+
+A submit without those values (a script, a test that posts the fields alone) is judged as before, against the row.
+"""
+
+from __future__ import annotations
+
+import re
+
+from django import forms
+from django.utils.functional import cached_property
+
+CHANGED_SINCE_SHOWN = ("Changed by someone else since this page was shown: reload the page to see what it holds now, "
+                       "then make your change again.")
+
+
+class RefusesStaleEdits:
+    """A form mixin (before `forms.Form` or `forms.ModelForm` in the bases) for editing what exists: a model form's
+    saved instance, or a plain form given its `initial` values. NOTE: a disabled field (a password's hash) never
+    carries its value into the page."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        instance = getattr(self, "instance", None)
+        self.edits_existing = instance.pk is not None if instance is not None else bool(self.initial)
+        if self.edits_existing:
+            for field in self.fields.values():
+                field.show_hidden_initial = not field.disabled
+
+    @cached_property
+    def changed_data(self) -> list[str]:
+        """The fields whose value differs from the stored one (Django's with no hidden initials): what the services
+        are given; what the page showed is judged apart (`clean`)."""
+        return [name for name, bound in self._bound_items() if bound.field.has_changed(bound.initial, bound.data)]
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.edits_existing:
+            for name in self.changed_since_shown():
+                self.add_error(name, CHANGED_SINCE_SHOWN)
+        return cleaned
+
+    def changed_since_shown(self) -> list[str]:
+        """The fields whose stored value is no longer what the submitted page showed; none when the submit says nothing
+        of what it showed.
+
+        NOTE: a page says it for every field once it says it for one: a multiple choice shown empty (no groups) posts
+        no hidden value at all, and one chosen since was otherwise taken away unseen."""
+        shown = [(name, bound) for name, bound in self._bound_items() if not bound.field.disabled]
+        if not any(self._carries_initial(bound.html_initial_name) for _, bound in shown):
+            return []
+        return [name for name, bound in shown if bound.field.has_changed(
+            bound.initial, self._widget_data_value(bound.field.hidden_widget(), bound.html_initial_name))]
+
+    def _carries_initial(self, html_initial_name: str) -> bool:
+        """The submit holds the field's shown value (split widgets post `<name>_0`, `<name>_1`...)."""
+        split = re.compile(rf"{re.escape(html_initial_name)}(_\d+)?")
+        return any(split.fullmatch(key) for key in self.data)
+
+
+class StaleEditsRefusedForm(RefusesStaleEdits, forms.ModelForm):
+    """The Django admin's change form for a model whose admin has no form of its own (`ModelAdmin.form`)."""
