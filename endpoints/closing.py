@@ -193,7 +193,7 @@ def close_refusal(organization: Organization, user) -> str | None:
     (`end_account`, reached there through `accounts.departures`)."""
     if organization.closed_at is not None:
         return None
-    if Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(user=user).exists():
+    if Membership.objects.filter(organization=organization).active_owners().exclude(user=user).exists():
         return None
     held = []
     if Membership.objects.filter(organization=organization).exclude(user=user).exists():
@@ -267,7 +267,7 @@ def end_account(actor: Actor, user) -> None:
         raise departures.AccountDeletionRefused(refusals)
     for membership in memberships:
         organization = Organization.objects.get(pk=membership.organization_id)
-        sole_owner = not Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(
+        sole_owner = not Membership.objects.filter(organization=organization).active_owners().exclude(
             user=user).exists()
         if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
             # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with

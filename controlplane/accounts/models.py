@@ -122,11 +122,24 @@ def lock_organizations(ids) -> None:
     list(Organization.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk"))
 
 
+class MembershipQuerySet(models.QuerySet):
+    def active_owners(self):
+        """The owners who can sign in: a deactivated account's owner role (a deleted account's too: it is deactivated
+        as it is tombstoned) manages nothing, so it never counts as the owner an organisation must keep.
+
+        NOTE: every rule that refuses to leave an organisation without an owner counts these (a role change, a
+        removal, an account's deletion, staff's delete): counting every owner, one whose co-owner had been
+        deactivated stepped down or deleted their account, and nobody was left able to manage or close it."""
+        return self.filter(role=Role.OWNER, user__is_active=True)
+
+
 class Membership(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = MembershipQuerySet.as_manager()
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["organization", "user"], name="one_membership_per_user_and_org")]
