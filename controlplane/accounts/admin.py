@@ -34,7 +34,7 @@ from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
 from controlplane.accounts.erasure import ADDRESS_CHANGE
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
-from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
+from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan, lock_accounts
 from controlplane.accounts.second_factor import (
     EnrolmentCodeRefused,
     has_staff_powers,
@@ -153,8 +153,10 @@ class UserAdmin(auth_admin.UserAdmin):
             raise departures.AccountDeletionRefused(refusals)
         departures.end_account(Actor(source_ip=client_ip(request)), obj)
 
-    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes.
+    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes. Their
+    # rows first, all of them, before any organisation's (`models.lock_accounts`), as each deletion takes its own.
     def delete_queryset(self, request, queryset):
+        lock_accounts(list(queryset.values_list("pk", flat=True)))  # NOTE: ids: a search's DISTINCT takes no lock
         for user in queryset.order_by("pk"):
             self.delete_model(request, user)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import transaction
@@ -30,6 +31,7 @@ from controlplane.accounts.models import (
     Organization,
     Role,
     email_is_verified,
+    lock_accounts,
     lock_organizations,
 )
 from controlplane.accounts.services import Actor, ensure_open, record_audit
@@ -104,6 +106,11 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
         raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
     with transaction.atomic():
+        # NOTE: the account at the address first, as its deletion holds it to its commit (`models.lock_accounts`): an
+        # invitation sent while the account was being deleted committed after the deletion revoked those pending to the
+        # address, and stayed pending for whoever held the address next. Now either it commits first, and the deletion
+        # revokes it, or it waits, and is sent once the address belongs to nobody.
+        lock_accounts(get_user_model().objects.filter(Q(email__iexact=email) | Q(username__iexact=email)))
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         lock_organizations([organization.pk])
         ensure_open(organization.pk, "email")
@@ -247,6 +254,13 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
+        # NOTE: the account's row before all, as its deletion holds it (`models.lock_accounts`), and read again: one
+        # accepted while the account was being deleted left a tombstoned, inactive member (an owner, perhaps).
+        if user is not None:
+            lock_accounts([user.pk])
+            user = get_user_model().objects.get(pk=user.pk)
+            if not user.is_active:
+                raise InvitationRefused("This account was deleted or deactivated; it accepts no invitation.")
         # NOTE: the organisation's row first, then the invitation's, as a removal, a role change or a revocation does
         # (they lock the organisation, then revoke the invitation). Locking both in one query took them in table order,
         # the invitation's first: each waited on the other and PostgreSQL failed one (a 500; a review's finding).

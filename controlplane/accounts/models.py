@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -109,6 +110,19 @@ class Organization(models.Model):
     @property
     def is_closed(self) -> bool:
         return self.closed_at is not None
+
+
+def lock_accounts(accounts) -> None:
+    """Hold these accounts' rows (a queryset of users, or a list of ids) until the transaction ends, in pk order.
+
+    NOTE: taken before any organisation's row (`lock_organizations`) by what must not interleave with an account's
+    deletion (`endpoints.closing.end_account` holds the account's row from its start to its commit): an invitation to
+    its address (`invitations.invite_member`), its acceptance of one (`invitations.accept_invitation`) and staff's
+    save of its admin form (`admin.UserAdmin`). Either commits first and the deletion, reading after it, ends what it
+    made, or it waits and then reads the tombstoned, inactive account. NO KEY UPDATE, as the organisations' lock: rows
+    that only reference the account (an audit event's actor) never wait for it."""
+    users = accounts if isinstance(accounts, models.QuerySet) else get_user_model().objects.filter(pk__in=accounts)
+    list(users.select_for_update(no_key=True).order_by("pk").values_list("pk", flat=True))
 
 
 def lock_organizations(ids) -> None:
