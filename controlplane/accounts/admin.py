@@ -31,7 +31,7 @@ from django.utils.text import capfirst
 from controlplane.accounts import departures
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.erasure import ADDRESS_CHANGE
+from controlplane.accounts.erasure import ADDRESS_CHANGE, is_erased
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
 from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan, lock_accounts
@@ -45,6 +45,13 @@ from controlplane.accounts.signup import mark_email_verified
 from controlplane.text import shown_name
 
 User = get_user_model()
+
+ERASED_ACCOUNT = ("This account was deleted: its page is read-only, and nothing sent from it was saved (its address "
+                  "and name stay erased).")
+
+
+class AccountErased(ValueError):
+    """A change of a deleted account, which stays as its deletion left it (`erasure.is_erased`)."""
 
 
 class UserChangeForm(auth_admin.UserChangeForm):
@@ -110,7 +117,33 @@ class UserAdmin(auth_admin.UserAdmin):
         return super().message_user(request, mark_safe(shown) if isinstance(message, SafeString) else shown,
                                     *args, **kwargs)
 
+    # NOTE: a deleted account's page is read-only (`erasure.is_erased`: its row is kept, tombstoned), its password
+    # page refused: a change form opened before the deletion and saved after it wrote the person's address and name
+    # back over the tombstone, and made the account active again (its password could then be reset at that address).
+    def has_change_permission(self, request, obj=None):
+        return (obj is None or not is_erased(obj)) and super().has_change_permission(request, obj)
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        # NOTE: a form sent for a deleted account says why it is not saved, where Django's answer is a bare 403
+        if request.method == "POST" and (user := self.get_object(request, unquote(object_id))) is not None \
+                and is_erased(user):
+            return self._refuse_erased(request)
+        try:
+            return super().change_view(request, object_id, form_url, extra_context)
+        except AccountErased:  # NOTE: out of the view's transaction: nothing of the form was saved
+            return self._refuse_erased(request)
+
+    def _refuse_erased(self, request):
+        self.message_user(request, ERASED_ACCOUNT, messages.ERROR)
+        return HttpResponseRedirect(request.path)
+
     def save_model(self, request, obj, form, change):
+        if change:
+            # NOTE: the account's row held and read again, as its deletion holds it (`models.lock_accounts`): a
+            # deletion that committed after this page's form was read is seen here, and nothing is written.
+            lock_accounts([obj.pk])
+            if is_erased(User.objects.get(pk=obj.pk)):
+                raise AccountErased(ERASED_ACCOUNT)
         super().save_model(request, obj, form, change)
         # NOTE: the addresses an account had before staff changed them, for its erasure (`erasure.addresses_of`): the
         # records copied them as text and nothing else remembered them, so a deleted account left them in its

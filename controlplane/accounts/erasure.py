@@ -48,6 +48,11 @@ def tombstone_address(user) -> str:
     return f"deleted-{user.pk}-{secrets.token_hex(4)}@{TOMBSTONE_DOMAIN}"
 
 
+def is_erased(user) -> bool:
+    """Whether `user` is a deleted account: its address is its tombstone (`erase_person`), whose id is its own."""
+    return (user.email or "").startswith(f"deleted-{user.pk}-") and user.email.endswith(f"@{TOMBSTONE_DOMAIN}")
+
+
 def addresses_of(user) -> set[str]:
     """Every spelling of the person's address the platform may have copied: the account's address and username, the
     address it verified, and those of the invitations it accepted, with their NFKC folding."""
