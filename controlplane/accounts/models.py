@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import GinIndex, OpClass
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.db.models.functions import Cast, Upper
 from django.utils import timezone
 
 from controlplane import tokens
@@ -361,7 +363,18 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["organization", "-created_at"])]
+        indexes = [
+            models.Index(fields=["organization", "-created_at"]),
+            # NOTE: an account's deletion reads the events that name its address (`erasure.pseudonymise_records`:
+            # `icontains`, which PostgreSQL reads as `UPPER(<column>::text) LIKE`) and those about the account
+            # (`erasure.former_addresses_of`) under its organisations' and its own row locks. Without these, each was a
+            # scan of every event since the account joined, every organisation's, while those locks held every change
+            # of its organisations' members, keys and invitations (migration 0019).
+            GinIndex(OpClass(Upper(Cast("target_repr", models.TextField())), name="gin_trgm_ops"),
+                     name="audit_target_repr_trgm"),
+            GinIndex(OpClass(Upper(Cast("details", models.TextField())), name="gin_trgm_ops"), name="audit_details_trgm"),
+            models.Index(fields=["target_type", "target_id"], name="audit_target"),
+        ]
 
     def __str__(self) -> str:
         # NOTE: escaped (`text.shown_name`): one recorded before `ApiKey.__str__` escaped a key's name kept its override
