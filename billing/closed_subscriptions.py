@@ -12,7 +12,8 @@ Settled means, by PostgreSQL's clock (`controlplane.clock`), as the close is sta
   call admitted before it has settled or its reservation expired (`INFERPLANE_RESERVATION_TTL_S`);
 - a rollup run started since then (`RollupCursor.recorded_since`), so every usage row recorded by then is rolled up;
 - none of its rollups is open, or closed and not yet in Stripe (one held for an operator holds the subscription too:
-  the hold says why, and the cancellation waits for the operator);
+  the hold says why, the cancellation waits for the operator, and an ERROR line and an audit event name the
+  organisation, once per hold: `_tell_held`);
 - its last rollup reached Stripe over `METER_EVENTS_SETTLE` ago (Stripe aggregates meter events asynchronously).
 The caller adds what billing cannot see (`endpoints.closing.end_closed_subscriptions`: a cancelled batch whose lines
 still run).
@@ -21,6 +22,11 @@ Usage recorded later still (a gateway that was partitioned replays its journal h
 is pushed as any other, the push subscribes the organisation again from where the cancelled subscription's invoices
 stopped (`stripe_sync.ensure_subscription`, `_invoiced_until`), and once that settles this cancels the new one in turn,
 with its own final invoice: billed once, on one more invoice, each subscription cancelled once.
+
+Pushes of the organisation's rollups are held back from just before it is judged settled until the subscription is
+forgotten (`BillingAccount.subscription_ending_at`, `stripe_sync.push_rollup`), and it is judged again under that
+mark: a rollup made meanwhile goes to the next subscription, never to this one within seconds of (or after) its final
+invoice.
 
 Twice-safe: one run at a time (`endpoints.closing`), each subscription read before it is cancelled (one Stripe ended
 already is only forgotten), and a cancellation whose answer was lost is found by reading it again (Stripe takes no
@@ -35,18 +41,25 @@ from datetime import datetime, timedelta
 
 import stripe
 from django.conf import settings
+from django.db.models import Max
 
 from billing import rollups, services, stripe_sync
 from billing.models import BillingAccount, RollupCursor, UsageRollup
-from controlplane.accounts.models import Organization
+from controlplane.accounts.models import AuditEvent, Organization
 from controlplane.accounts.services import SYSTEM, record_audit
-from controlplane.clock import database_now
+from controlplane.clock import DatabaseClock, database_now
 
 logger = logging.getLogger(__name__)
 
 # How long after the last meter event pushed the subscription is cancelled: Stripe aggregates meter events
 # asynchronously, and an event not aggregated yet when the final invoice is made is billed by no invoice.
 METER_EVENTS_SETTLE = timedelta(minutes=10)
+
+
+# Why a closed organisation's subscription waits on a rollup held for an operator (`unsettled_reason`), and the audit
+# action that tells it, once per hold (`_tell_held`).
+HELD_FOR_AN_OPERATOR = "a rollup is held for an operator (usage rollups, push held at): the final invoice waits for it"
+HELD_AUDIT_ACTION = "billing.subscription_end_held"
 
 
 def settle_after_close() -> timedelta:
@@ -76,8 +89,10 @@ def unsettled_reason(organization_id: int, *, now: datetime | None = None) -> st
     rollups_of = UsageRollup.objects.filter(organization_id=organization_id)
     if rollups_of.filter(closed_at__isnull=True).exists():
         return "a rollup is still open"
+    if rollups_of.pushable().filter(push_held_at__isnull=False).exists():
+        return HELD_FOR_AN_OPERATOR
     if rollups_of.pushable().exists():
-        return "a rollup is not in Stripe yet (held for an operator, or its push failing)"
+        return "a rollup is not in Stripe yet (its push under way, or failing)"
     last_pushed_at = rollups_of.filter(pushed_at__isnull=False).order_by("-pushed_at").values_list(
         "pushed_at", flat=True).first()
     if last_pushed_at is not None and now - last_pushed_at < METER_EVENTS_SETTLE:
@@ -87,15 +102,36 @@ def unsettled_reason(organization_id: int, *, now: datetime | None = None) -> st
 
 def end_subscription_after_close(organization_id: int) -> bool:
     """Cancel the closed organisation's subscription, billing what it has not invoiced, once its last usage is in
-    Stripe (`unsettled_reason`). True if this call ended it (cancelled it, or found it ended and forgot it)."""
+    Stripe (`unsettled_reason`). True if this call ended it (cancelled it, or found it ended and forgot it).
+
+    NOTE: pushes are held back from the moment it is judged settled until it is forgotten (`subscription_ending_at`,
+    set before it is judged, and judged again after: `stripe_sync.push_rollup` reads it after its claim). Judged
+    once, with pushes going on, a rollup made meanwhile (late rows' adjustment, a journal replayed) went to the
+    subscription seconds before its final invoice (not aggregated by Stripe yet: billed by none) or after it (to a
+    subscription cancelled and not yet forgotten: billed by none, and marked pushed). Held back, it goes to the next
+    subscription once this one is forgotten, on one more final invoice. A run that stopped midway (Stripe down, the
+    worker killed) leaves the mark: the next one reads the subscription and either ends it or takes the mark off."""
     if not stripe_sync.is_configured():
         return False
-    subscription_id = BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(
-        organization_id=organization_id)
-    if not subscription_id or unsettled_reason(organization_id) is not None:
+    subscription_id, ending_at = BillingAccount.objects.values_list(
+        "stripe_subscription_id", "subscription_ending_at").get(organization_id=organization_id)
+    if not subscription_id:
         return False
+    if ending_at is None and (reason := unsettled_reason(organization_id)) is not None:
+        if reason == HELD_FOR_AN_OPERATOR:
+            _tell_held(organization_id, subscription_id)
+        return False
+    this_subscription = BillingAccount.objects.filter(organization_id=organization_id,
+                                                      stripe_subscription_id=subscription_id)
+    if not this_subscription.filter(subscription_ending_at__isnull=True).update(subscription_ending_at=DatabaseClock()):
+        if not this_subscription.exists():
+            return False  # forgotten meanwhile (its webhook)
     cancelled = False
     if not _ended(subscription_id):
+        if unsettled_reason(organization_id) is not None:
+            # NOTE: a push that claimed a rollup before the mark was set: it goes on, and the next run waits for it
+            this_subscription.update(subscription_ending_at=None)
+            return False
         try:
             stripe_sync.call_stripe(
                 lambda options: stripe_sync.stripe_client().v1.subscriptions.cancel(
@@ -113,6 +149,28 @@ def end_subscription_after_close(organization_id: int) -> bool:
     logger.info("subscription %s of closed organisation %s ended (cancelled here: %s)", subscription_id,
                 organization_id, cancelled)
     return True
+
+
+def _tell_held(organization_id: int, subscription_id: str) -> None:
+    """An ERROR log line naming the closed organisation whose subscription waits on its rollups held for an operator,
+    and an audit event, once per hold: again only once a rollup is held anew (its `push_held_at` after the last one
+    told, both PostgreSQL's clock).
+
+    NOTE: the held rollups' own line and gauge (`billing.held_rollups`) say nothing of the close: before, the
+    subscription of a closed organisation stayed live for as long as nobody looked, silently (its dunning mails and
+    empty invoices with it). It is never cancelled early: a held rollup's usage is what its final invoice bills."""
+    held = UsageRollup.objects.pushable().filter(organization_id=organization_id, push_held_at__isnull=False)
+    latest_hold = held.aggregate(latest=Max("push_held_at"))["latest"]
+    if latest_hold is None or AuditEvent.objects.filter(organization_id=organization_id, action=HELD_AUDIT_ACTION,
+                                                        created_at__gte=latest_hold).exists():
+        return
+    rollup_ids = list(held.order_by("pk").values_list("pk", flat=True))
+    organization = Organization.objects.get(pk=organization_id)
+    logger.error("the Stripe subscription %s of closed organisation %s (%s) is not cancelled: its usage rollups %s are "
+                 "held for an operator, and its final invoice must bill them. Decide them in the admin (usage "
+                 "rollups, push held at); the cancellation follows", subscription_id, organization_id,
+                 organization.slug, rollup_ids)
+    record_audit(SYSTEM, organization, HELD_AUDIT_ACTION, None, subscription=subscription_id, rollups=rollup_ids)
 
 
 def _ended(subscription_id: str) -> bool:

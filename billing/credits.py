@@ -82,6 +82,12 @@ def forfeit_promotional_credit(actor: Actor, organization, *, now: datetime) -> 
     if grants:
         record_audit(actor, organization, "billing.forfeit_promotional_credit", None, amount=str(forfeited),
                      grants=[grant.pk for grant in grants])
+        # NOTE: Redis's credit figure dropped, as a refund's is (`end_refunded_grants`): kept, the gateway went on
+        # admitting the organisation's calls against the forfeited amount (a key or session still cached, a batch's
+        # lines), drawn from no grant (`credit_unpaid`): free compute. Once the close commits (`refresh_limits`).
+        account = BillingAccount.objects.for_organization(organization.pk)
+        BillingAccount.objects.filter(pk=account.pk).update(limits_stale=True)
+        refresh_limits(account)
     return forfeited
 
 

@@ -272,6 +272,10 @@ class BillingAccount(models.Model):
     # When that subscription's time began (its `start_date`): usage of an earlier hour pushed to it is dated from
     # here (`stripe_sync.push_rollup`). None for one stored before this was kept.
     stripe_subscription_started_at = models.DateTimeField(null=True, blank=True)
+    # When a run began cancelling that subscription after its organisation's close (PostgreSQL's clock:
+    # `billing.closed_subscriptions`); pushes leave the organisation's rollups until it is forgotten
+    # (`services.record_subscription_ended` clears both) or the run finds usage still to push. None: no run is ending it.
+    subscription_ending_at = models.DateTimeField(null=True, blank=True)
     # How much of the prepaid usage in the ledger has been drawn from credit grants (see billing.credits).
     credit_drawn = MoneyField(default=Decimal(0))
     # How much of the prepaid ledger's overcharges (cheaper supersedes: `lost_cost` less `cost`) the draws have given

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import date, timedelta
+from datetime import UTC, date, timedelta
 from decimal import Decimal
 
-from django.utils import timezone
 from rest_framework import serializers
 
 from billing.ledger import GROUPINGS
@@ -60,7 +59,9 @@ class DatePeriodSerializer(serializers.Serializer):
     end = ReportDateField(required=False)
 
     def validate(self, data):
-        today = timezone.now().date()
+        # NOTE: by PostgreSQL's clock, which usage is stamped by (`database_now`): by this pod's own, one behind into
+        # last month answered last month's usage for "this month", and one a day behind left out today's.
+        today = database_now().astimezone(UTC).date()
         data.setdefault("end", today)
         data.setdefault("start", min(today.replace(day=1), data["end"]))
         if data["start"] > data["end"]:

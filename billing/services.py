@@ -449,8 +449,11 @@ def record_subscription_ended(subscription_id: str) -> BillingAccount | None:
             return None
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
+        # NOTE: with it: a run cancelling it after the close held pushes back until now (`billing.closed_subscriptions`)
+        account.subscription_ending_at = None
         account.stripe_key_generation += 1
-        account.save(update_fields=["stripe_subscription_id", "stripe_subscription_started_at", "stripe_key_generation"])
+        account.save(update_fields=["stripe_subscription_id", "stripe_subscription_started_at", "subscription_ending_at",
+                                    "stripe_key_generation"])
         record_audit(SYSTEM, account.organization, "billing.subscription_ended", account, subscription=subscription_id)
     return account
 
@@ -529,12 +532,13 @@ def record_customer_deleted(customer_id: str, *, invoiced_until: datetime | None
         account.stripe_customer_id = ""
         account.stripe_subscription_id = ""
         account.stripe_subscription_started_at = None
+        account.subscription_ending_at = None  # NOTE: no subscription left to end (`record_subscription_ended`)
         account.payment_method_on_file = False
         account.payment_method_observed_ms = 0  # no customer: the limit without a payment method applies
         account.stripe_key_generation += 1
         account.limits_stale = True
         account.save(update_fields=["stripe_customer_id", "stripe_subscription_id", "stripe_subscription_started_at",
-                                    "payment_method_on_file",
+                                    "subscription_ending_at", "payment_method_on_file",
                                     "payment_method_observed_ms", "stripe_key_generation", "limits_stale"])
         record_audit(SYSTEM, account.organization, "billing.customer_deleted", account, customer=customer_id,
                      num_rollups_pushed_again=num_again, invoices_written_off=list(written_off),

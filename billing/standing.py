@@ -284,14 +284,14 @@ def trusted_history(organization_id: int, others: Collection[int]) -> list[int]:
                       .values_list("organization_id", flat=True)))
 
 
-def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, others_spend: bool = True
-                  ) -> SpendCeiling | None:
+def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, others_spend: bool = True,
+                  period: Period | None = None) -> SpendCeiling | None:
     """The organisation's spending ceiling, or None where none applies (`spend_ceiling_applies`): staff's where they
     set one, else the higher of what its paid history gives (`SPEND_CEILINGS` by the `net_paid` of the organisation
     and those of its card one of its owners owns too, `trusted_history`), less what the card's other organisations spent
     this month (`SpendCeiling.room`, `card_spend`; `card`: read already, for the card's every organisation; not read
     without `others_spend`: the room is then the amount, as a tenant is shown it), and the upgrade's floor
-    (`grandfathered_spend_ceiling`, `billing/0032`).
+    (`grandfathered_spend_ceiling`, `billing/0032`). `period`: the month the card is read in (this one by default).
 
     NOTE: the floor is not staff's: paying raises a grandfathered organisation as it does any other, once its paid
     history gives more (before, the upgrade's ceiling was staff's, and a growing customer met a 402 at it for good).
@@ -299,7 +299,7 @@ def spend_ceiling(account: BillingAccount, *, card: CardSpend | None = None, oth
     if not spend_ceiling_applies(account):
         return None
     if account.card_fingerprint and (card is None or card.fingerprint != account.card_fingerprint):
-        card = card_spend([account.card_fingerprint], spend=others_spend)[account.card_fingerprint]
+        card = card_spend([account.card_fingerprint], period, spend=others_spend)[account.card_fingerprint]
     others = card.others(account.organization_id) if account.card_fingerprint else []
     spent_by_others = card.spent_by_others(account.organization_id) if account.card_fingerprint else Decimal(0)
     own_paid = net_paid(account.organization_id)
@@ -478,9 +478,10 @@ def has_payment_method(customer) -> bool:
     return bool((customer.get("invoice_settings") or {}).get("default_payment_method") or customer.get("default_source"))
 
 
-def standing(account: BillingAccount) -> dict:
-    """What the billing page and API show of it: the organisation's own figures (`shown_spend_limit`)."""
-    ceiling = spend_ceiling(account, others_spend=False)
+def standing(account: BillingAccount, *, period: Period | None = None) -> dict:
+    """What the billing page and API show of it: the organisation's own figures (`shown_spend_limit`), in `period`
+    (this month by default: the page passes the one it shows)."""
+    ceiling = spend_ceiling(account, others_spend=False, period=period)
     limit = shown_spend_limit(account, ceiling)
     return {
         "payment_method_on_file": account.payment_method_on_file,

@@ -799,6 +799,16 @@ def _unconfirmed(rollup: UsageRollup) -> list[Meter]:
     return [meter for meter in METERS if getattr(rollup, meter.rollup_field) != 0 and meter.event_name not in done]
 
 
+def _subscription_ending(organization_id: int) -> bool:
+    """Whether a run is cancelling the organisation's subscription after its close (`billing.closed_subscriptions`):
+    its rollups wait until it is forgotten, then go to the next subscription.
+
+    NOTE: read after the rollup's claim, which the run's second judgement sees: either that judgement sees the rollup
+    claimed and not pushed (and waits for it), or this sees the run's mark. Read before the claim, a push that passed
+    it and claimed a rollup just made, after the judgement, went to the subscription being cancelled."""
+    return BillingAccount.objects.filter(organization_id=organization_id, subscription_ending_at__isnull=False).exists()
+
+
 def push_rollup(rollup_id: int) -> bool:
     """Push one closed rollup's meter events; True if this call finished it.
 
@@ -809,6 +819,10 @@ def push_rollup(rollup_id: int) -> bool:
     if not claim_rollup(rollup_id):
         return False
     rollup = UsageRollup.objects.get(pk=rollup_id)
+    if _subscription_ending(rollup.organization_id):
+        UsageRollup.objects.filter(pk=rollup_id).update(push_claimed_at=None)
+        logger.info("rollup %s waits: its organisation's subscription is being cancelled after its close", rollup_id)
+        return False
     try:
         due = _unconfirmed(rollup)
         # NOTE: the first try's age by PostgreSQL's clock, as it was stamped (`_push_meter_event`): by the worker's, one

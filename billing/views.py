@@ -11,13 +11,12 @@ from django.conf import settings
 from django.contrib import messages
 from django.shortcuts import redirect, render
 from django.urls import reverse
-from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing import services, standing, stripe_sync
 from billing.ledger import GROUPINGS, period_spend, summarize_usage, tokens_by_day
 from billing.models import BillingAccount, CreditGrant, Invoice
-from billing.periods import current_period
+from billing.periods import period_containing
 from billing.serializers import SpendCapSerializer, report_day_problem
 from controlplane.accounts.console import member_required
 from controlplane.accounts.models import Role
@@ -34,7 +33,9 @@ NUM_CHART_SERIES = 8  # the biggest groups get a line each; the rest are summed 
 
 
 def _date_range(request) -> tuple[date, date, list[str]]:
-    today = timezone.now().astimezone(UTC).date()
+    # NOTE: today by PostgreSQL's clock, which usage is stamped by (`database_now`), as the API's default period
+    # (`DatePeriodSerializer`): by this pod's own, one a day behind showed a range that left out today's usage
+    today = database_now().astimezone(UTC).date()
     errors = []
     try:
         end = date.fromisoformat(request.GET["end"]) if request.GET.get("end") else today
@@ -99,11 +100,13 @@ def usage(request):
 def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
     organization = request.organization
     account = BillingAccount.objects.for_organization(organization)
-    period = current_period()
-    spend = period_spend(organization.pk, period)
     # NOTE: grants judged by PostgreSQL's clock, as they are stamped (`granted_at`) and spent, and as /api/v1/billing/
-    # judges them: by this pod's own, one 10 minutes behind left a top-up made a moment ago out of the remaining credit
+    # judges them: by this pod's own, one 10 minutes behind left a top-up made a moment ago out of the remaining credit.
+    # One reading for the whole page: read again for the month (`current_period`), a page loaded across a month's edge
+    # showed last month's period and spend beside the credit left as of the new month.
     now = database_now()
+    period = period_containing(now)
+    spend = period_spend(organization.pk, period)
     credits = list(CreditGrant.objects.for_org(organization).order_by("-granted_at"))
     return render(request, "billing/billing.html", {
         "account": account,
@@ -119,7 +122,7 @@ def _billing_page(request, *, cap_errors=(), cap_value=None, status=200):
         "invoices": Invoice.objects.for_org(organization)[:24],
         "can_manage": request.membership.can(Role.ADMIN),
         "payments_configured": stripe_sync.is_configured(),
-        "standing": standing.standing(account),
+        "standing": standing.standing(account, period=period),
     }, status=status)
 
 

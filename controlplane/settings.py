@@ -467,6 +467,8 @@ SPEND_CEILINGS = env_spend_ceilings("INFERPLANE_SPEND_CEILINGS", "0:100,50:500,5
 DEFAULT_KEY_REQUESTS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_RPM", 600, minimum=0)
 # Live (neither revoked nor expired) API keys an organisation holds at once (`keys.create_api_key`).
 MAX_LIVE_API_KEYS_PER_ORG = env_int("INFERPLANE_MAX_LIVE_API_KEYS_PER_ORG", 1000, minimum=1)
+# Organisations one person may own or have created, closed ones included (`accounts.organizations`).
+MAX_OWNED_ORGANIZATIONS = env_int("INFERPLANE_MAX_OWNED_ORGANIZATIONS", 5, minimum=1)
 DEFAULT_KEY_TOKENS_PER_MINUTE = env_int("INFERPLANE_DEFAULT_KEY_TPM", 1_000_000, minimum=0)
 # Quotas of an organisation without a plan (staff assign plans in the Django admin).
 DEFAULT_MAX_ENDPOINTS = env_int("INFERPLANE_DEFAULT_MAX_ENDPOINTS", 10, minimum=0)

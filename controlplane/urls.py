@@ -36,6 +36,7 @@ router.register("fleet/pools", pool_api.NodePoolViewSet, basename="node-pool")
 api_v1 = [
     path("organization/", accounts_api.current_organization, name="current-organization"),
     path("organization/close/", closing_views.CloseOrganizationView.as_view(), name="organization-close"),
+    path("organizations/", accounts_api.create_organization, name="organizations"),
     path("account/delete/", closing_views.DeleteAccountView.as_view(), name="account-delete"),
     path("quotas/", endpoints_api.quotas, name="quotas"),
     path("endpoints/<uuid:endpoint_pk>/adapters/",
@@ -83,6 +84,7 @@ urlpatterns = [
     path("password-change/", auth_views.PasswordChangeView.as_view(), name="password_change"),
     path("password-change/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("org/switch/", views.switch_organization, name="switch-organization"),
+    path("org/new/", views.new_organization, name="new-organization"),
     path("account/delete/", closing_views.account_delete, name="account-delete"),
     path("console/", include("controlplane.console_urls")),
     path("django-admin/", admin.site.urls),

@@ -39,8 +39,8 @@ from controlplane.accounts.models import (
     Membership,
     Organization,
     Role,
-    lock_accounts,
     lock_organizations,
+    lock_person,
 )
 from controlplane.accounts.services import Actor, NotPermitted, actor_role, record_audit
 from controlplane.clock import database_now
@@ -251,12 +251,12 @@ def end_account(actor: Actor, user) -> None:
     staff deleting it in the Django admin do (`accounts.departures`). The row is kept, deactivated and tombstoned, so
     every record still names it; a staff account loses its staff powers with it. Raises
     `departures.AccountDeletionRefused` where an organisation depends on the user (`close_refusal`)."""
-    # NOTE: the account's own row first, held to the commit, and read again (`models.lock_accounts`): an invitation to
-    # its address, its acceptance of one or staff's save of its admin form, each under the same lock, either committed
-    # before and is ended below, or waits and then finds the account tombstoned. Without it, an invitation sent
-    # meanwhile stayed pending to the address (the revocation below had not seen it), and a stale admin form wrote the
-    # address back over the tombstone.
-    lock_accounts([user.pk])
+    # NOTE: the account's own row first, held to the commit, and read again (`models.lock_person`): a new organisation
+    # of theirs, an invitation to their address, their acceptance of one or staff's save of their admin form, each
+    # under the same lock, either committed before and is ended below, or waits and then finds the account
+    # tombstoned. Without it, an invitation sent meanwhile stayed pending to the address (the revocation below had not
+    # seen it), and a stale admin form wrote the address back over the tombstone.
+    lock_person(user.pk)
     user.refresh_from_db()
     # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
     # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and

@@ -36,6 +36,8 @@ WRITES = ("post", "put", "patch", "delete")
 ACCOUNT_ROUTES = (
     "signup/", "verify-email/", "invitations/<str:token>/", "login/", "logout/", "password-reset/", "reset/",
     "password-change/", "org/switch/", "account/", "api/v1/account/",
+    # a new organisation of the caller's own, whatever their role in this one (`accounts.organizations`)
+    "org/new/", "api/v1/organizations/",
 )
 # Routes that are no organisation's: the agent's (a node's secret), Stripe's webhook (its signature), Django's admin
 # (staff, `test_staff_second_factor.py`), health checks and the schema.

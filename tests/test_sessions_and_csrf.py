@@ -18,7 +18,7 @@ from tests.test_cross_tenant_routes import caller_of, concrete_path, routes_of, 
 pytestmark = pytest.mark.django_db
 
 # Console routes a signed-in member may post to (the staff-only fleet pages are a 404 to them before any check).
-CONSOLE_PREFIXES = ("console/", "org/switch/", "password-change/", "logout/", "verify-email/resend/")
+CONSOLE_PREFIXES = ("console/", "org/switch/", "org/new/", "password-change/", "logout/", "verify-email/resend/")
 
 
 # What `{id}` names in the schema's paths, by their start.

@@ -34,7 +34,7 @@ from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
 from controlplane.accounts.erasure import ADDRESS_CHANGE, is_erased
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
-from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan, lock_accounts
+from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan, lock_person
 from controlplane.accounts.second_factor import (
     EnrolmentCodeRefused,
     has_staff_powers,
@@ -139,10 +139,9 @@ class UserAdmin(auth_admin.UserAdmin):
 
     def save_model(self, request, obj, form, change):
         if change:
-            # NOTE: the account's row held and read again, as its deletion holds it (`models.lock_accounts`): a
+            # NOTE: the account's row held and read again, as its deletion holds it (`models.lock_person`): a
             # deletion that committed after this page's form was read is seen here, and nothing is written.
-            lock_accounts([obj.pk])
-            if is_erased(User.objects.get(pk=obj.pk)):
+            if (current := lock_person(obj.pk)) is not None and is_erased(current):
                 raise AccountErased(ERASED_ACCOUNT)
         super().save_model(request, obj, form, change)
         # NOTE: the addresses an account had before staff changed them, for its erasure (`erasure.addresses_of`): the
@@ -187,9 +186,11 @@ class UserAdmin(auth_admin.UserAdmin):
         departures.end_account(Actor(source_ip=client_ip(request)), obj)
 
     # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes. Their
-    # rows first, all of them, before any organisation's (`models.lock_accounts`), as each deletion takes its own.
+    # rows first, all of them, in one order, before any organisation's (`models.lock_person`), as each deletion takes
+    # its own.
     def delete_queryset(self, request, queryset):
-        lock_accounts(list(queryset.values_list("pk", flat=True)))  # NOTE: ids: a search's DISTINCT takes no lock
+        for user_id in sorted(queryset.values_list("pk", flat=True)):
+            lock_person(user_id)
         for user in queryset.order_by("pk"):
             self.delete_model(request, user)
 

@@ -10,18 +10,20 @@ from drf_spectacular.utils import (
     inline_serializer,
 )
 from rest_framework import mixins, serializers, status, viewsets
-from rest_framework.decorators import action, api_view
+from rest_framework.decorators import action, api_view, permission_classes
 from rest_framework.exceptions import NotFound, PermissionDenied, Throttled, ValidationError
 from rest_framework.generics import get_object_or_404
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
-from controlplane.accounts import invitations, keys, members, services
+from controlplane.accounts import invitations, keys, members, organizations, services
 from controlplane.accounts.models import ApiKey, AuditEvent, Invitation, Membership, Role
 from controlplane.accounts.serializers import (
     ApiKeySerializer,
     AuditEventSerializer,
     InvitationSerializer,
     MembershipSerializer,
+    NewOrganizationSerializer,
     OrganizationSerializer,
     StrictSerializer,
 )
@@ -62,6 +64,42 @@ def current_organization(request):
     membership = request_membership(request)
     data = OrganizationSerializer(membership.organization).data | {"role": membership.role}
     return Response(data)
+
+
+ORGANIZATION_REFUSED = inline_serializer("OrganizationCreationRefused", {
+    "detail": serializers.CharField(help_text="Why, for a person."),
+    "code": serializers.CharField(required=False, help_text=(
+        "Why, for a program: `session_required` (called with an API key, which acts in its own organisation only), "
+        "`account_inactive` (a deactivated or deleted account), `email_unverified`.")),
+})
+
+
+@extend_schema(request=NewOrganizationSerializer, responses={
+    201: OrganizationSerializer,
+    400: OpenApiResponse(description="A bad `name`; or (`non_field_errors`) the caller already owns or created the "
+                                     "most organisations one person may (`INFERPLANE_MAX_OWNED_ORGANIZATIONS`)."),
+    403: OpenApiResponse(response=ORGANIZATION_REFUSED, description="Signed-in sessions only, of an active account "
+                                                                    "with a verified address (`code` says which)."),
+    429: OpenApiResponse(description="Too many organisations created lately by this account or from this address: "
+                                     "wait `Retry-After` seconds."),
+})
+@api_view(["POST"])
+@permission_classes([IsAuthenticated])
+def create_organization(request):
+    """A new organisation owned by the signed-in caller, with a sign-up's set-up (default quotas and billing). The
+    session goes on acting in the organisation it chose: the console's switcher moves it."""
+    data = NewOrganizationSerializer(data=request.data)
+    data.is_valid(raise_exception=True)
+    try:
+        organization = organizations.create_own_organization(services.Actor.from_request(request),
+                                                             name=data.validated_data["name"])
+    except organizations.CreationRefused as exc:
+        return Response({"detail": str(exc), "code": exc.code}, status=status.HTTP_403_FORBIDDEN)
+    except organizations.TooManyOrganizations as exc:
+        raise ValidationError({exc.field: [str(exc)]}) from None
+    except organizations.TooManyAttempts as exc:
+        raise Throttled(wait=exc.retry_after_s, detail=str(exc)) from None
+    return Response(OrganizationSerializer(organization).data, status=status.HTTP_201_CREATED)
 
 
 # NOTE: was a 400 naming the field at fault, where every other refusal of a role (revoking a key, members,

@@ -116,6 +116,14 @@ class SerializerBackedForm(forms.Form):
                 data.setlist(name, post.getlist(name))
         return data
 
+    def validated(self, serializer_class, **kwargs) -> dict | None:
+        """What `serializer_class` makes of the posted fields (`serializer_data`), or None, its errors shown here."""
+        serializer = serializer_class(data=self.serializer_data(self.data), **kwargs)
+        if serializer.is_valid():
+            return serializer.validated_data
+        self.show_errors(serializer.errors)
+        return None
+
     # Serializer field names shown on a differently named form field.
     error_fields: dict[str, str] = {}
 
@@ -126,6 +134,14 @@ class SerializerBackedForm(forms.Form):
             name = self.error_fields.get(name, name)
             for message in messages if isinstance(messages, list) else [messages]:
                 self.add_error(name if name in self.fields else None, str(message))
+
+
+class NewOrganizationForm(SerializerBackedForm):
+    """Renders the new-organisation form; `NewOrganizationSerializer` validates it."""
+
+    name = forms.CharField(label="Organisation name", required=False,
+                           widget=forms.TextInput(attrs={"autocomplete": "organization"}),
+                           help_text="A separate bill, its own members, keys and endpoints: a team, or staging.")
 
 
 class MemberInviteForm(forms.Form):

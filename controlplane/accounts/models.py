@@ -114,19 +114,6 @@ class Organization(models.Model):
         return self.closed_at is not None
 
 
-def lock_accounts(accounts) -> None:
-    """Hold these accounts' rows (a queryset of users, or a list of ids) until the transaction ends, in pk order.
-
-    NOTE: taken before any organisation's row (`lock_organizations`) by what must not interleave with an account's
-    deletion (`endpoints.closing.end_account` holds the account's row from its start to its commit): an invitation to
-    its address (`invitations.invite_member`), its acceptance of one (`invitations.accept_invitation`) and staff's
-    save of its admin form (`admin.UserAdmin`). Either commits first and the deletion, reading after it, ends what it
-    made, or it waits and then reads the tombstoned, inactive account. NO KEY UPDATE, as the organisations' lock: rows
-    that only reference the account (an audit event's actor) never wait for it."""
-    users = accounts if isinstance(accounts, models.QuerySet) else get_user_model().objects.filter(pk__in=accounts)
-    list(users.select_for_update(no_key=True).order_by("pk").values_list("pk", flat=True))
-
-
 def lock_organizations(ids) -> None:
     """Hold these organisations' rows (a list of ids, or a subquery of them) until the transaction ends.
 
@@ -136,6 +123,21 @@ def lock_organizations(ids) -> None:
     one). NO KEY UPDATE: they queue behind each other, but rows that only reference the organisation (usage rows'
     foreign-key checks, FOR KEY SHARE) never wait for them."""
     list(Organization.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk"))
+
+
+def lock_person(user_id: int):
+    """Hold the user's row until the transaction ends, and return it as it is now (None: no such user).
+
+    NOTE: the end of their account (`endpoints.closing.end_account`) holds it from its start to its commit, and what
+    must not interleave with it takes it first, before any organisation's row: a new organisation of theirs
+    (`organizations.create_own_organization`), an invitation to their address (`invitations.invite_member`), their
+    acceptance of one (`invitations.accept_invitation`) and staff's save of their admin form (`admin.UserAdmin`).
+    Each either commits first and the end, reading after it, ends what it made, or waits and then finds the account
+    tombstoned and inactive: an organisation created while the account's end read its memberships was left open, its
+    only owner the tombstone; an invitation sent meanwhile stayed pending to the departed person's address; a stale
+    admin form wrote the address back. NO KEY UPDATE: the foreign-key checks of rows that name the user (a membership,
+    a key) never wait for it."""
+    return get_user_model().objects.select_for_update(no_key=True).filter(pk=user_id).first()
 
 
 class MembershipQuerySet(models.QuerySet):

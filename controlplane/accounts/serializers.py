@@ -71,6 +71,15 @@ class OrganizationSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class NewOrganizationSerializer(StrictSerializer):
+    """A new organisation (`POST /api/v1/organizations/`): its name alone; its slug is made from it, free of every
+    other organisation's."""
+
+    name = NameField(max_length=Organization._meta.get_field("name").max_length,
+                     help_text="Shown to its members and in every mail about it. Letters, digits, spaces and "
+                               "punctuation: no control or format character (such as a direction override).")
+
+
 class MembershipSerializer(serializers.ModelSerializer):
     email = AddressField(source="user.email", read_only=True)
 

@@ -67,6 +67,9 @@ PASSWORD_CHANGE = (Limit("password-change-user", "user", 10, 600, failures_only=
 # organisations freely, so the inviting user's and the client address's counts bound what many organisations send.
 INVITATIONS = (Limit("invite-org", "organization", 20, 3600), Limit("invite-user", "user", 50, 86_400),
                Limit("invite-ip", "ip", 50, 86_400), Limit("invite-email", "email", 3, 86_400))
+# A person's new organisations (`organizations.create_own_organization`), beside the cap on those they hold: each
+# starts with its own allowances, so one person (or many accounts from one address) makes them at a sign-up's pace.
+NEW_ORGANIZATIONS = (Limit("new-organization-user", "user", 3, 3600), Limit("new-organization-ip", "ip", 10, 3600))
 # The mails an address gets without asking for each, however many accounts, sessions and addresses ask: sign-up's
 # (5 an hour per address) and the resend's (3 per 10 minutes per user) alone allowed hundreds a day. Verification
 # links and "you already have an account" have a budget each: a stranger signing up with an owner's address sends

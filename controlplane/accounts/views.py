@@ -19,16 +19,17 @@ from controlplane.accounts import (
     enrolment_codes,
     invitations,
     keys,
+    organizations,
     recovery_codes,
     second_factor,
     services,
     staff_sessions,
 )
 from controlplane.accounts.console import member_required
-from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, SignUpForm
+from controlplane.accounts.forms import ApiKeyForm, MemberInviteForm, NewOrganizationForm, SignUpForm
 from controlplane.accounts.members import LastOwnerError, NotPermitted, change_member_role, remove_member
 from controlplane.accounts.models import ApiKey, Invitation, Membership, Role, Scope, email_is_verified
-from controlplane.accounts.serializers import ApiKeySerializer
+from controlplane.accounts.serializers import ApiKeySerializer, NewOrganizationSerializer
 from controlplane.accounts.services import client_ip
 from controlplane.accounts.signup import (
     InvalidLink,
@@ -305,6 +306,40 @@ def switch_organization(request):
     return redirect("console:dashboard")
 
 
+def _new_organization_page(request, form, status=200, retry_after_s: int | None = None):
+    response = render(request, "controlplane/organization_new.html", {
+        "form": form, "max_owned": settings.MAX_OWNED_ORGANIZATIONS}, status=status)
+    if retry_after_s is not None:
+        response["Retry-After"] = str(retry_after_s)
+    return response
+
+
+@login_required
+def new_organization(request):
+    """A new organisation owned by the signed-in person (`organizations.create_own_organization`, the bounds and the
+    audit there); the session then acts in it, as the switcher would have it."""
+    if request.method != "POST":
+        return _new_organization_page(request, NewOrganizationForm())
+    form = NewOrganizationForm(request.POST)
+    if (data := form.validated(NewOrganizationSerializer)) is None:
+        return _new_organization_page(request, form, status=400)
+    try:
+        organization = organizations.create_own_organization(services.Actor.from_request(request), name=data["name"])
+    except organizations.TooManyAttempts as exc:
+        form.show_errors({"non_field_errors": [str(exc)]})
+        return _new_organization_page(request, form, status=429, retry_after_s=exc.retry_after_s)
+    except organizations.CreationRefused as exc:
+        form.show_errors({exc.field: [str(exc)]})
+        return _new_organization_page(request, form, status=403)
+    except organizations.TooManyOrganizations as exc:
+        form.show_errors({exc.field: [str(exc)]})
+        return _new_organization_page(request, form, status=400)
+    request.session[SESSION_KEY] = organization.pk
+    messages.success(request, f"{shown_name(organization.name)} is created, with you as its owner: you are now working "
+                              "in it. Invite your team from Members.")
+    return redirect("console:dashboard")
+
+
 # --- members ---------------------------------------------------------------------
 
 
@@ -407,12 +442,10 @@ def api_keys(request):
     if request.method != "POST":
         return _keys_page(request, ApiKeyForm(initial={"scopes": [Scope.INFERENCE]}))
     form = ApiKeyForm(request.POST)
-    serializer = ApiKeySerializer(data=form.serializer_data(request.POST))
-    if not serializer.is_valid():
-        form.show_errors(serializer.errors)
+    if (data := form.validated(ApiKeySerializer)) is None:
         return _keys_page(request, form, status=400)
     try:
-        created = keys.create_api_key(services.Actor.from_request(request), request.organization, **serializer.validated_data)
+        created = keys.create_api_key(services.Actor.from_request(request), request.organization, **data)
     except (NotPermitted, keys.TooManyKeys) as exc:
         form.show_errors({exc.field: [str(exc)]})
         return _keys_page(request, form, status=400)

@@ -65,6 +65,21 @@ def _cancels(fake_stripe, subscription_id: str):
     return fake_stripe.calls_to(f"/v1/subscriptions/{subscription_id}", method="DELETE")
 
 
+def late_usage_billed_by_a_new_subscription(fake_stripe, organization, first: str) -> str:
+    """Usage rolled up after `first` was cancelled: pushed to a new subscription, which ends too once settled, with its
+    own final invoice; returns its id."""
+    assert stripe_sync.push_pending_rollups() == 1
+    second = BillingAccount.objects.get(organization=organization).stripe_subscription_id
+    assert second and second != first
+    _meter_events_aggregated(organization)
+    fake_stripe.frozen_s = int(time.time()) + 60  # Stripe's clock a minute on: the new subscription's time is not empty
+
+    assert closing.end_closed_subscriptions() == 1
+
+    assert fake_stripe.subscriptions[second]["status"] == "canceled"
+    return second
+
+
 def test_a_closed_organisations_subscription_is_cancelled_with_a_final_invoice_of_its_last_usage_once(fake_stripe):
     organization, customer, subscription = _closed_with_usage_pushed(fake_stripe)
     assert closing.end_closed_subscriptions() == 0  # Stripe may not have aggregated the events just sent
@@ -144,15 +159,8 @@ def test_usage_recorded_after_the_cancel_is_billed_on_one_more_final_invoice_not
     endpoint = UsageRollup.objects.filter(organization=organization).first().endpoint
     record_usage(usage_report(endpoint, finished_at=_hour(4) + timedelta(minutes=20)))
     rollup_usage()
-    assert stripe_sync.push_pending_rollups() == 1
-    second = BillingAccount.objects.get(organization=organization).stripe_subscription_id
-    assert second and second != first
-    _meter_events_aggregated(organization)
-    fake_stripe.frozen_s = int(time.time()) + 60  # Stripe's clock a minute on: the new subscription's time is not empty
+    second = late_usage_billed_by_a_new_subscription(fake_stripe, organization, first)
 
-    assert closing.end_closed_subscriptions() == 1
-
-    assert fake_stripe.subscriptions[second]["status"] == "canceled"
     assert len(_cancels(fake_stripe, first)) == 1 and len(_cancels(fake_stripe, second)) == 1
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
 

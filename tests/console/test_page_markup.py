@@ -86,7 +86,7 @@ OWNER_PAGES = ["/console/", "/console/endpoints/", "/console/endpoints/new/", "/
                "/console/endpoints/{endpoint}/edit/", "/console/endpoints/{endpoint}/delete/", "/console/credentials/",
                "/console/credentials/{credential}/", "/console/batches/", "/console/keys/", "/console/members/",
                "/console/usage/", "/console/billing/", "/console/organization/close/", "/account/delete/",
-               "/password-change/"]
+               "/password-change/", "/org/new/"]
 
 
 @pytest.mark.parametrize("path", ANONYMOUS_PAGES)

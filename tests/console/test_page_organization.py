@@ -142,7 +142,8 @@ def test_a_forged_organisation_is_refused_without_naming_it(owner, org, other):
 EXEMPT_ACTIONS = ("{% url 'switch-organization' %}", "{% url 'logout' %}")
 EXEMPT_TEMPLATES = ("registration/", "controlplane/signup.html", "controlplane/invitation.html",
                     "controlplane/no_organization.html", "gpu_agent/", "billing/abandon_held_difference.html",
-                    "billing/send_held_difference.html", "controlplane/account_delete.html", "admin/")
+                    "billing/send_held_difference.html", "controlplane/account_delete.html", "admin/",
+                    "controlplane/organization_new.html")
 FORM = re.compile(r"<form\b[^>]*\bmethod=\"post\"[^>]*>.*?</form>", re.DOTALL | re.IGNORECASE)
 
 

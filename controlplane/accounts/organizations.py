@@ -1,0 +1,91 @@
+"""A signed-in person creates another organisation (the console's "New organisation", `POST /api/v1/organizations/`):
+the bounds a self-service organisation needs, then `services.create_organization`, the one path sign-up's first
+organisation takes too. Nothing else is set here: the plan (none: the platform's default quotas), the billing account
+(made on first use with the default cap, `BillingAccount.objects.for_organization`) and the standing rules are a
+sign-up's, whichever way the organisation came.
+
+NOTE: what an organisation gets without paying is its own: the default quotas (a share of the fleet), the spend
+allowed without a card on an installation that bills through Stripe (`INFERPLANE_SPEND_LIMIT_WITHOUT_CARD`), its own
+budgets of keys and invitations, its share of a gateway's fairness. Organisations made at will would multiply each of
+them, so a person holds at most `settings.MAX_OWNED_ORGANIZATIONS`: every organisation they own or ever created,
+closed ones included (a closed organisation spent its allowance: closing one and making another must not renew it),
+and given-away ones (handed to a second account, which then owns it, then the next one made) included.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+
+from controlplane.accounts import throttle
+from controlplane.accounts.models import AuditEvent, Organization, Role, email_is_verified, lock_person
+from controlplane.accounts.services import Actor, NotPermitted, create_organization
+
+# The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
+CREATED = "organization.create"
+
+
+class CreationRefused(NotPermitted):
+    """The person may not create an organisation at all (a 403 on `/api/`); `code` says why, for a client."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__("non_field_errors", message)
+        self.code = code
+
+
+class TooManyOrganizations(ValueError):
+    """The person already owns or created `settings.MAX_OWNED_ORGANIZATIONS` organisations (a 400)."""
+
+    field = "non_field_errors"
+
+
+class TooManyAttempts(ValueError):
+    """Past `throttle.NEW_ORGANIZATIONS`: try again in `retry_after_s` (a 429)."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"Too many organisations created lately; try again in {max(1, retry_after_s // 60)} minutes.")
+        self.retry_after_s = retry_after_s
+
+
+def held_by(user):
+    """The organisations that count against `user`'s `MAX_OWNED_ORGANIZATIONS`: those they own now, and those they
+    created (the `organization.create` events they acted: at sign-up or here), closed or given away."""
+    created = AuditEvent.objects.filter(actor=user, action=CREATED).values("organization_id")
+    return Organization.objects.filter(
+        Q(memberships__user=user, memberships__role=Role.OWNER) | Q(pk__in=created)).distinct()
+
+
+def create_own_organization(actor: Actor, *, name: str) -> Organization:
+    """A new organisation named `name` (a free slug made from it), owned by the signed-in `actor.user`, audited
+    (`organization.create`).
+
+    Refused (`CreationRefused`, with its `code`) with an API key (`session_required`: a key acts in its own
+    organisation, and is bounded by it; a leaked key must make nothing outside it), for an account that is inactive
+    (`account_inactive`: deactivated or deleted, its address a tombstone) or whose address is not verified
+    (`email_unverified`, as the console refuses it every page); `TooManyOrganizations` at the person's cap;
+    `TooManyAttempts` past the throttle, counted only once every other check passed.
+    """
+    if actor.api_key is not None or actor.user is None:
+        raise CreationRefused("session_required", "An API key acts in its own organisation only: create "
+                                                  "organisations when signed in, in the console.")
+    with transaction.atomic():
+        # NOTE: the person's row, locked: two creations at once each counted the others' organisations before either
+        # was written, and both passed the cap; and the account's end waits for it (`lock_person`).
+        user = lock_person(actor.user.pk)
+        if user is None or not user.is_active:
+            raise CreationRefused("account_inactive", "This account is deactivated: it creates nothing.")
+        if not email_is_verified(user):
+            raise CreationRefused("email_unverified", "Verify your email address first: follow the link we emailed "
+                                                      "you.")
+        limit = settings.MAX_OWNED_ORGANIZATIONS
+        if held_by(user).count() >= limit:
+            raise TooManyOrganizations(
+                f"You already own or created {limit} organisations, the most one person may (closed ones and ones "
+                "you handed to others count too).")
+        # NOTE: counted only here, past every refusal: a refused attempt made nothing and spends no budget.
+        retry_after_s = throttle.take(throttle.NEW_ORGANIZATIONS, {
+            "user": str(user.pk), "ip": actor.source_ip or ""}).retry_after_s
+        if retry_after_s is not None:
+            raise TooManyAttempts(retry_after_s)
+        return create_organization(Actor(user=user, source_ip=actor.source_ip), name=name, owner=user)
