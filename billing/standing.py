@@ -71,7 +71,7 @@ from billing.models import (
     RefundedCharge,
 )
 from billing.periods import Period, current_period
-from controlplane.accounts.models import Membership, Role
+from controlplane.accounts.models import Membership
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -278,7 +278,7 @@ def trusted_history(organization_id: int, others: Collection[int]) -> list[int]:
     as a viewer took the customer's history to its own organisation on the company card)."""
     if not others:
         return []
-    owners = Membership.objects.filter(role=Role.OWNER, user__is_active=True)
+    owners = Membership.objects.active_owners()
     mine = owners.filter(organization_id=organization_id).values("user_id")
     return sorted(set(owners.filter(organization_id__in=others, user_id__in=mine)
                       .values_list("organization_id", flat=True)))

@@ -194,7 +194,7 @@ def close_refusal(organization: Organization, user) -> str | None:
     (`end_account`, reached there through `accounts.departures`)."""
     if organization.closed_at is not None:
         return None
-    if Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(user=user).exists():
+    if Membership.objects.filter(organization=organization).active_owners().exclude(user=user).exists():
         return None
     held = []
     if Membership.objects.filter(organization=organization).exclude(user=user).exists():
@@ -251,10 +251,16 @@ def end_account(actor: Actor, user) -> None:
     staff deleting it in the Django admin do (`accounts.departures`). The row is kept, deactivated and tombstoned, so
     every record still names it; a staff account loses its staff powers with it. Raises
     `departures.AccountDeletionRefused` where an organisation depends on the user (`close_refusal`)."""
+    # NOTE: the account's own row first, held to the commit, and read again (`models.lock_person`): a new organisation
+    # of theirs, an invitation to their address, their acceptance of one or staff's save of their admin form, each
+    # under the same lock, either committed before and is ended below, or waits and then finds the account
+    # tombstoned. Without it, an invitation sent meanwhile stayed pending to the address (the revocation below had not
+    # seen it), and a stale admin form wrote the address back over the tombstone.
+    lock_person(user.pk)
+    user.refresh_from_db()
     # NOTE: read again once their organisations' rows are held, as a role change or an invitation's acceptance takes
     # them: read only before, a member made the only owner meanwhile was judged as the member they had been, and
     # their departure then raised `LastOwnerError` (a 500). One joined meanwhile is taken in turn.
-    lock_person(user.pk)  # NOTE: before its memberships are read: a new organisation of theirs waits, or is seen
     locked: set[int] = set()
     while True:
         memberships = list(Membership.objects.filter(user=user).select_related("organization")
@@ -269,7 +275,7 @@ def end_account(actor: Actor, user) -> None:
         raise departures.AccountDeletionRefused(refusals)
     for membership in memberships:
         organization = Organization.objects.get(pk=membership.organization_id)
-        sole_owner = not Membership.objects.filter(organization=organization, role=Role.OWNER).exclude(
+        sole_owner = not Membership.objects.filter(organization=organization).active_owners().exclude(
             user=user).exists()
         if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
             # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with

@@ -40,10 +40,10 @@ from django_otp.plugins.otp_totp.models import TOTPDevice
 from controlplane.accounts import departures
 from controlplane.accounts.backends import normalize_email
 from controlplane.accounts.enrolment_codes import ENROLMENT_CODE_TTL
-from controlplane.accounts.erasure import ADDRESS_CHANGE
+from controlplane.accounts.erasure import ADDRESS_CHANGE, is_erased
 from controlplane.accounts.keys import revoke_api_key, revoke_api_keys_of
 from controlplane.accounts.members import revoke_invitations_sent_by
-from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan
+from controlplane.accounts.models import ApiKey, AuditEvent, Organization, Plan, lock_person
 from controlplane.accounts.second_factor import (
     EnrolmentCodeRefused,
     has_staff_powers,
@@ -55,6 +55,13 @@ from controlplane.accounts.stale_edits import RefusesStaleEdits, StaleEditsRefus
 from controlplane.text import shown_name
 
 User = get_user_model()
+
+ERASED_ACCOUNT = ("This account was deleted: its page is read-only, and nothing sent from it was saved (its address "
+                  "and name stay erased).")
+
+
+class AccountErased(ValueError):
+    """A change of a deleted account, which stays as its deletion left it (`erasure.is_erased`)."""
 
 
 class UserChangeForm(RefusesStaleEdits, auth_admin.UserChangeForm):
@@ -140,7 +147,32 @@ class UserAdmin(auth_admin.UserAdmin):
         return super().message_user(request, mark_safe(shown) if isinstance(message, SafeString) else shown,
                                     *args, **kwargs)
 
+    # NOTE: a deleted account's page is read-only (`erasure.is_erased`: its row is kept, tombstoned), its password
+    # page refused: a change form opened before the deletion and saved after it wrote the person's address and name
+    # back over the tombstone, and made the account active again (its password could then be reset at that address).
+    def has_change_permission(self, request, obj=None):
+        return (obj is None or not is_erased(obj)) and super().has_change_permission(request, obj)
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        # NOTE: a form sent for a deleted account says why it is not saved, where Django's answer is a bare 403
+        if request.method == "POST" and (user := self.get_object(request, unquote(object_id))) is not None \
+                and is_erased(user):
+            return self._refuse_erased(request)
+        try:
+            return super().change_view(request, object_id, form_url, extra_context)
+        except AccountErased:  # NOTE: out of the view's transaction: nothing of the form was saved
+            return self._refuse_erased(request)
+
+    def _refuse_erased(self, request):
+        self.message_user(request, ERASED_ACCOUNT, messages.ERROR)
+        return HttpResponseRedirect(request.path)
+
     def save_model(self, request, obj, form, change):
+        if change:
+            # NOTE: the account's row held and read again, as its deletion holds it (`models.lock_person`): a
+            # deletion that committed after this page's form was read is seen here, and nothing is written.
+            if (current := lock_person(obj.pk)) is not None and is_erased(current):
+                raise AccountErased(ERASED_ACCOUNT)
         super().save_model(request, obj, form, change)
         # NOTE: who may sign in, and with what powers (staff, superuser, groups, permissions), audited as staff change
         # it: before, an account made staff or superuser here, or reactivated, left no audit event.
@@ -191,8 +223,12 @@ class UserAdmin(auth_admin.UserAdmin):
             raise departures.AccountDeletionRefused(refusals)
         departures.end_account(Actor.platform_staff(request), obj)
 
-    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes.
+    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes. Their
+    # rows first, all of them, in one order, before any organisation's (`models.lock_person`), as each deletion takes
+    # its own.
     def delete_queryset(self, request, queryset):
+        for user_id in sorted(queryset.values_list("pk", flat=True)):
+            lock_person(user_id)
         for user in queryset.order_by("pk"):
             self.delete_model(request, user)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core import signing
 from django.core.mail import send_mail
 from django.db import transaction
@@ -31,6 +32,7 @@ from controlplane.accounts.models import (
     Role,
     email_is_verified,
     lock_organizations,
+    lock_person,
 )
 from controlplane.accounts.services import Actor, ensure_open, record_audit
 from controlplane.text import one_line, shown_name
@@ -104,6 +106,13 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     if Invitation.objects.for_org(organization).pending().filter(email__iexact=email).exists():
         raise AlreadyInvited("email", "An invitation to this email is pending; revoke it to send a new one.")
     with transaction.atomic():
+        # NOTE: the account at the address first, as its deletion holds it to its commit (`models.lock_person`): an
+        # invitation sent while the account was being deleted committed after the deletion revoked those pending to the
+        # address, and stayed pending for whoever held the address next. Now either it commits first, and the deletion
+        # revokes it, or it waits, and is sent once the address belongs to nobody.
+        for user_id in sorted(get_user_model().objects.filter(Q(email__iexact=email) | Q(username__iexact=email))
+                              .values_list("pk", flat=True)):
+            lock_person(user_id)
         # NOTE: the organisation's row lock makes "one pending invitation per email" hold under races.
         lock_organizations([organization.pk])
         ensure_open(organization.pk, "email")
@@ -247,6 +256,12 @@ def accept_invitation(actor: Actor, invitation: Invitation) -> Membership:
     """The invitee's membership, created once: accepting twice (or twice at once) is one membership."""
     user = actor.user
     with transaction.atomic():
+        # NOTE: the account's row before all, as its deletion holds it (`models.lock_person`), and read again: one
+        # accepted while the account was being deleted left a tombstoned, inactive member (an owner, perhaps).
+        if user is not None:
+            user = lock_person(user.pk)
+            if user is None or not user.is_active:
+                raise InvitationRefused("This account was deleted or deactivated; it accepts no invitation.")
         # NOTE: the organisation's row first, then the invitation's, as a removal, a role change or a revocation does
         # (they lock the organisation, then revoke the invitation). Locking both in one query took them in table order,
         # the invitation's first: each waited on the other and PostgreSQL failed one (a 500; a review's finding).

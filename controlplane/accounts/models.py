@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import GinIndex, OpClass
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.db.models.functions import Cast, Upper
 from django.utils import timezone
 
 from controlplane import tokens
@@ -126,11 +128,27 @@ def lock_organizations(ids) -> None:
 def lock_person(user_id: int):
     """Hold the user's row until the transaction ends, and return it as it is now (None: no such user).
 
-    NOTE: a person's new organisation (`organizations.create_own_organization`) and the end of their account
-    (`endpoints.closing.end_account`) take it first, so each sees what the other did: an organisation created while the
-    account's end read its memberships was left open, its only owner the tombstone. NO KEY UPDATE: the foreign-key
-    checks of rows that name the user (a membership, a key) never wait for it."""
+    NOTE: the end of their account (`endpoints.closing.end_account`) holds it from its start to its commit, and what
+    must not interleave with it takes it first, before any organisation's row: a new organisation of theirs
+    (`organizations.create_own_organization`), an invitation to their address (`invitations.invite_member`), their
+    acceptance of one (`invitations.accept_invitation`) and staff's save of their admin form (`admin.UserAdmin`).
+    Each either commits first and the end, reading after it, ends what it made, or waits and then finds the account
+    tombstoned and inactive: an organisation created while the account's end read its memberships was left open, its
+    only owner the tombstone; an invitation sent meanwhile stayed pending to the departed person's address; a stale
+    admin form wrote the address back. NO KEY UPDATE: the foreign-key checks of rows that name the user (a membership,
+    a key) never wait for it."""
     return get_user_model().objects.select_for_update(no_key=True).filter(pk=user_id).first()
+
+
+class MembershipQuerySet(models.QuerySet):
+    def active_owners(self):
+        """The owners who can sign in: a deactivated account's owner role (a deleted account's too: it is deactivated
+        as it is tombstoned) manages nothing, so it never counts as the owner an organisation must keep.
+
+        NOTE: every rule that refuses to leave an organisation without an owner counts these (a role change, a
+        removal, an account's deletion, staff's delete): counting every owner, one whose co-owner had been
+        deactivated stepped down or deleted their account, and nobody was left able to manage or close it."""
+        return self.filter(role=Role.OWNER, user__is_active=True)
 
 
 class Membership(models.Model):
@@ -138,6 +156,8 @@ class Membership(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = MembershipQuerySet.as_manager()
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["organization", "user"], name="one_membership_per_user_and_org")]
@@ -345,7 +365,18 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["organization", "-created_at"])]
+        indexes = [
+            models.Index(fields=["organization", "-created_at"]),
+            # NOTE: an account's deletion reads the events that name its address (`erasure.pseudonymise_records`:
+            # `icontains`, which PostgreSQL reads as `UPPER(<column>::text) LIKE`) and those about the account
+            # (`erasure.former_addresses_of`) under its organisations' and its own row locks. Without these, each was a
+            # scan of every event since the account joined, every organisation's, while those locks held every change
+            # of its organisations' members, keys and invitations (migration 0019).
+            GinIndex(OpClass(Upper(Cast("target_repr", models.TextField())), name="gin_trgm_ops"),
+                     name="audit_target_repr_trgm"),
+            GinIndex(OpClass(Upper(Cast("details", models.TextField())), name="gin_trgm_ops"), name="audit_details_trgm"),
+            models.Index(fields=["target_type", "target_id"], name="audit_target"),
+        ]
 
     def __str__(self) -> str:
         # NOTE: escaped (`text.shown_name`): one recorded before `ApiKey.__str__` escaped a key's name kept its override
