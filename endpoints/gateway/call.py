@@ -141,6 +141,9 @@ class InferenceCall:
     _cancelled_for_client: bool = False  # the disconnect watcher cancelled the call (not the server stopping)
     _stopped_for_shutdown: bool = False  # still running at the end of its process's drain (`drain`)
     _replica_failed: bool = False  # its replica failed mid-stream: asked nothing more (`_count_cut_prompt`)
+    # The `sequence_number` an event the gateway adds to a Responses stream takes: the one after the last it was sent
+    # (`responses.error_event`).
+    _next_sequence_number: int = 0
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -693,6 +696,15 @@ class InferenceCall:
                 if self.status == "ok":
                     self.status = "upstream_error"
                 continue
+            if responses_stream and (sse.is_error_event(event) or sse.is_engine_error(event)):
+                # NOTE: in the Responses API's shape, as the gateway's own are (`_send_event_error`): vLLM writes its
+                # generation's failure in its chat streams' shape
+                normalised = responses.engine_error_event(event, responses.next_sequence_number(
+                    out[-1], self._next_sequence_number) if out else self._next_sequence_number)
+                out.append(event if normalised is None else normalised.removesuffix(b"\n\n"))
+                if self.status == "ok":
+                    self.status = "upstream_error"
+                continue
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
                 out.append(data)
@@ -711,8 +723,6 @@ class InferenceCall:
                 # lost, an engine's error) is billed these as its output tokens' floor, and a lost gateway's beat too.
                 if sse.is_responses_delta(event):
                     self.usage.num_output_events += 1
-                elif sse.is_error_event(event) and self.status == "ok":
-                    self.status = "upstream_error"
                 if not self.usage.prompt_prefilled and sse.is_responses_output(event):
                     self.usage.prompt_prefilled = True
         if gone and not spent:
@@ -720,6 +730,8 @@ class InferenceCall:
                 raise ClientGone()
             return rest
         if out and not gone:
+            if responses_stream:
+                self._next_sequence_number = responses.next_sequence_number(out[-1], self._next_sequence_number)
             out.append(b"")
             await self.send_body(b"\n\n".join(out))
         if spent:
@@ -789,7 +801,12 @@ class InferenceCall:
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
             return
-        await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
+        if not self.request.stream:
+            await self.send_body(exc.body())
+        elif self.request.kind == responses.RESPONSES:  # the Responses API's own shape, which its clients parse
+            await self.send_body(responses.error_event(exc, self._next_sequence_number))
+        else:
+            await self.send_body(b"data: " + exc.body() + b"\n\n")
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
         """A client that leaves cancels the call, except one already sent to a replica whose usage so far
