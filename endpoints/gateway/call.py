@@ -395,8 +395,8 @@ class InferenceCall:
                 await self._forward(replica)
                 return
             except UpstreamUnavailable as exc:
-                logger.warning("request %s: replica %s refused it before its engine read it: %s", self.request_id,
-                               replica.id, exc)
+                logger.warning("request %s: replica %s unavailable before first byte (its engine never read it): %s",
+                               self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
                 await traffic.release_replica(self.caller.organization_id, replica.id, request_id=self.request_id,
                                               endpoint_id=self.endpoint.id, call_token=self.call_token)
