@@ -134,8 +134,8 @@ class Gateway:
             headers = _headers_of(scope)
             if cors.is_preflight(scope["method"], headers):  # answered here: Django would want a key first
                 return await _preflight(scope, receive, send, headers)
-            if cors.ORIGIN_HEADER in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
-                send = _adding_headers(send, cors.ANSWER_HEADERS)
+            # a browser's call, from any origin, may read the answer; every answer says it varies on `Origin` (`cors`)
+            send = _with_cors(send, from_a_page=cors.ORIGIN_HEADER in headers)
             # NOTE: a stopping process waits for these too (`drain`): a 200 MB upload or a batch's output read
             # had only uvicorn's graceful wait after the drain, 10 s (the review of the drain).
             with drain.handling():
@@ -367,11 +367,12 @@ class Gateway:
         request_id = new_request_id()
         headers = _headers_of(scope)
         path, method = scope["path"], scope["method"]
-        # NOTE: the one dict lookup a call without `Origin` (every server-side client) pays for CORS (issue #20)
-        if "origin" in headers:  # a browser's call, from any origin: it may read the answer (`cors`)
-            if cors.is_preflight(method, headers):
-                return await _preflight(scope, receive, send, headers)
-            send = _adding_headers(send, cors.ANSWER_HEADERS)
+        # NOTE: what a call without `Origin` (every server-side client) pays for CORS (issue #20): one dict lookup, and
+        # `Vary: Origin` added to its answer's headers
+        from_a_page = cors.ORIGIN_HEADER in headers  # a browser's call, from any origin: it may read the answer (`cors`)
+        if from_a_page and cors.is_preflight(method, headers):
+            return await _preflight(scope, receive, send, headers)
+        send = _with_cors(send, from_a_page=from_a_page)
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
             if path == "/v1/models":
@@ -636,6 +637,17 @@ def _naming_request(send, request_id: str):
 
     NOTE: the Files and Batch APIs' answers, Django's, carried none: only the gateway's own refusals of them did."""
     return _adding_headers(send, [(b"x-request-id", request_id.encode())])
+
+
+def _with_cors(send, *, from_a_page: bool):
+    """`send` of a `/v1` answer, whose headers say what CORS adds (`cors.answer_headers`): `Vary: Origin` on every
+    answer, the CORS headers on one to a call that sent `Origin` (`from_a_page`)."""
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = message | {"headers": cors.answer_headers(message.get("headers", ()), from_a_page=from_a_page)}
+        await send(message)
+
+    return sending
 
 
 def _adding_headers(send, headers: list[tuple[bytes, bytes]]):

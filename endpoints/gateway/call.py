@@ -1,9 +1,9 @@
 """One inference call through the gateway, from reservation to usage row.
 
 `InferenceCall.run` admits the parsed request (`endpoints.gateway.request`, `admission`), holds it
-through a cold start if no replica is READY (`cold_start`), proxies it to a replica (retrying once
-elsewhere before the first byte), relays the answer (SSE edited by `sse`) and ends it: one usage
-row, the real cost settled, the replica released, whatever happened on the way.
+through a cold start if no replica is READY (`cold_start`), proxies it to a replica (tried once
+elsewhere when the first refused it before its engine could read it), relays the answer (SSE edited by
+`sse`) and ends it: one usage row, the real cost settled, the replica released, whatever happened on the way.
 """
 
 from __future__ import annotations
@@ -96,12 +96,8 @@ class _NoReplicaLeft(Exception):
 
 
 class UpstreamUnavailable(Exception):
-    """The replica failed before sending a byte: safe to retry elsewhere. `engine_status` is the HTTP status its engine
-    answered with (a 5xx, or a 401), 0 where it answered nothing (refused, reset, gone)."""
-
-    def __init__(self, message: str, *, engine_status: int = 0):
-        super().__init__(message)
-        self.engine_status = engine_status
+    """The replica refused the call before its engine could start on it (no connection, or the engine's key guard's
+    401, answered before the body is read): safe to retry elsewhere (`engine_cannot_have_started`)."""
 
 
 class ReservationSpent(errors.OpenAIError):
@@ -145,6 +141,9 @@ class InferenceCall:
     _cancelled_for_client: bool = False  # the disconnect watcher cancelled the call (not the server stopping)
     _stopped_for_shutdown: bool = False  # still running at the end of its process's drain (`drain`)
     _replica_failed: bool = False  # its replica failed mid-stream: asked nothing more (`_count_cut_prompt`)
+    # The `sequence_number` an event the gateway adds to a Responses stream takes: the one after the last it was sent
+    # (`responses.error_event`).
+    _next_sequence_number: int = 0
     outstanding_replica_id: str | None = None  # the replica whose outstanding count this request holds
     held: presence.Held | None = None  # what this gateway's heartbeat restores if Redis forgets it
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -366,14 +365,14 @@ class InferenceCall:
 
     # --- proxying ----------------------------------------------------------------------------
     async def _proxy(self, replicas: list[ReplicaInfo], *, may_hold: bool = False) -> None:
-        """Send the call to one of `replicas`, tried again once elsewhere on a failure before the first byte. With
+        """Send the call to one of `replicas`, tried again once elsewhere when the first refused it before its engine
+        could start on it (`UpstreamUnavailable`); never once an engine read it (`_forward`). With
         `may_hold`, a call that no replica took and that finds none READY any more raises `_NoReplicaLeft` (to be
         held, `_hold_again`) rather than the 502."""
         # NOTE: an address tried, not a replica: a replica whose engine was restarted listens on a new port, and
         # the cached list may still name the old one; the fresh list's new address is a new place to try.
         tried: set[tuple[str, str]] = set()
-        engine_statuses: list[int] = []  # what each engine tried answered
-        for _attempt in range(2):  # a failure before the first byte is retried once, elsewhere
+        for _attempt in range(2):  # a refusal before the engine read it is retried once, elsewhere
             candidates = [r for r in replicas if (r.id, r.address) not in tried]
             if not candidates:
                 candidates = [r for r in await directory.ready_replicas(self.endpoint.id, fresh=True,
@@ -396,20 +395,14 @@ class InferenceCall:
                 await self._forward(replica)
                 return
             except UpstreamUnavailable as exc:
-                logger.warning("request %s: replica %s unavailable before first byte: %s", self.request_id, replica.id, exc)
-                engine_statuses.append(exc.engine_status)
+                logger.warning("request %s: replica %s unavailable before first byte (its engine never read it): %s",
+                               self.request_id, replica.id, exc)
                 directory.forget_replica(self.endpoint.id, replica.id)
                 await traffic.release_replica(self.caller.organization_id, replica.id, request_id=self.request_id,
                                               endpoint_id=self.endpoint.id, call_token=self.call_token)
                 self.outstanding_replica_id = self.held.replica_id = None
             finally:
                 self.metrics.inflight.dec()
-        if engine_statuses and all(status == 500 for status in engine_statuses):
-            # NOTE: engines that answered, on replicas still READY (read now): the request fails there, not the replica
-            # (one going away, its engine failing as it stops, is `upstream_failed`, tried again as any other)
-            ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
-            if {replica_id for replica_id, _ in tried} <= {r.id for r in ready}:
-                raise errors.engine_failed()
         if may_hold and tried and not self.disconnected.is_set() and not await directory.ready_replicas(
                 self.endpoint.id, fresh=True, generation=self.endpoint.engine_generation):
             raise _NoReplicaLeft()
@@ -435,11 +428,20 @@ class InferenceCall:
                 raise errors.answer_wait_exceeded(self._waited_out_s) from None
             raise errors.upstream_timeout() from None
         except upstream.UpstreamError as exc:
-            raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
+            if upstream.engine_cannot_have_started(exc):
+                raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
+            # NOTE: never sent again elsewhere: the engine read the request (a connection that closed before any answer
+            # is an engine that died on it, or was killed, perhaps after most of its work), and a second replica would
+            # compute it again, unbilled, as would a third the next time (the review of the gateway's retries).
+            logger.warning("request %s: replica %s failed it: %s", self.request_id, replica.id, exc)
+            raise errors.upstream_failed() from None
         try:
-            if response.status >= 500 or response.status == 401:
-                # A 401 is the engine refusing our key: the replica's fault, never the client's.
-                raise UpstreamUnavailable(f"HTTP {response.status}", engine_status=response.status)
+            if response.status == 401:
+                # The engine's key guard refusing our key, before it reads the body: the replica's fault, never the
+                # client's, and nothing was computed.
+                raise UpstreamUnavailable(f"HTTP {response.status}")
+            if response.status >= 500:
+                raise await self._engine_failed(replica, response.status)
             if response.status >= 400:
                 raise self.request.engine_refusal(response.status, await response.read())
             self.replica = replica
@@ -452,6 +454,22 @@ class InferenceCall:
             # NOTE: a response read to the end returns its connection to the pool; one left
             # unread (a client gone mid-stream) closes it, which aborts the engine's request.
             response.close()
+
+    async def _engine_failed(self, replica: ReplicaInfo, status: int) -> errors.OpenAIError:
+        """The refusal of a call whose engine answered it with a 5xx of its own: `engine_failed` for a 500 where its
+        replica is still READY (read now: the engine is up and this request fails there, as it may again),
+        `upstream_failed` otherwise (a replica going away, its engine failing as it stops). Neither is sent again
+        elsewhere.
+
+        NOTE: it was tried again on another replica: a 500 comes once the engine has read the body, perhaps after it
+        generated most of an answer (a non-streamed answer's status comes with its end), and the first engine's work was
+        never billed: a tenant who could make an engine fail late had two replicas compute each call for no bill (the
+        review of the gateway's retries)."""
+        logger.warning("request %s: replica %s's engine answered HTTP %d", self.request_id, replica.id, status)
+        ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
+        if status == 500 and replica.id in {r.id for r in ready}:
+            return errors.engine_failed()
+        return errors.upstream_failed()
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
@@ -678,6 +696,15 @@ class InferenceCall:
                 if self.status == "ok":
                     self.status = "upstream_error"
                 continue
+            if responses_stream and (sse.is_error_event(event) or sse.is_engine_error(event)):
+                # NOTE: in the Responses API's shape, as the gateway's own are (`_send_event_error`): vLLM writes its
+                # generation's failure in its chat streams' shape
+                normalised = responses.engine_error_event(event, responses.next_sequence_number(
+                    out[-1], self._next_sequence_number) if out else self._next_sequence_number)
+                out.append(event if normalised is None else normalised.removesuffix(b"\n\n"))
+                if self.status == "ok":
+                    self.status = "upstream_error"
+                continue
             data, event_usage = sse.rewrite_event(event, wants_usage, wants_continuous)
             if data is not None:
                 out.append(data)
@@ -696,8 +723,6 @@ class InferenceCall:
                 # lost, an engine's error) is billed these as its output tokens' floor, and a lost gateway's beat too.
                 if sse.is_responses_delta(event):
                     self.usage.num_output_events += 1
-                elif sse.is_error_event(event) and self.status == "ok":
-                    self.status = "upstream_error"
                 if not self.usage.prompt_prefilled and sse.is_responses_output(event):
                     self.usage.prompt_prefilled = True
         if gone and not spent:
@@ -705,6 +730,8 @@ class InferenceCall:
                 raise ClientGone()
             return rest
         if out and not gone:
+            if responses_stream:
+                self._next_sequence_number = responses.next_sequence_number(out[-1], self._next_sequence_number)
             out.append(b"")
             await self.send_body(b"\n\n".join(out))
         if spent:
@@ -774,7 +801,12 @@ class InferenceCall:
     async def _send_event_error(self, exc: errors.OpenAIError) -> None:
         if self.disconnected.is_set():
             return
-        await self.send_body(b"data: " + exc.body() + b"\n\n" if self.request.stream else exc.body())
+        if not self.request.stream:
+            await self.send_body(exc.body())
+        elif self.request.kind == responses.RESPONSES:  # the Responses API's own shape, which its clients parse
+            await self.send_body(responses.error_event(exc, self._next_sequence_number))
+        else:
+            await self.send_body(b"data: " + exc.body() + b"\n\n")
 
     async def _watch_disconnect(self, work: asyncio.Task) -> None:
         """A client that leaves cancels the call, except one already sent to a replica whose usage so far

@@ -11,7 +11,13 @@ browser. `/api/v1` and the console answer no CORS.
 
 A preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) is answered from its path and headers alone:
 no key lookup, no Redis, no database. An actual call's answer carries the CORS headers only when the call sent
-`Origin` (every browser's cross-origin call does): a call without one (every server-side client) pays one dict lookup (`Gateway._handle`).
+`Origin` (every browser's cross-origin call does): a call without one (every server-side client) gets none.
+
+Every `/v1` answer, a preflight's, an error's, and one to a call without `Origin` too, says `Vary: Origin` (merged
+into a `Vary` it already has, as Django's answers do: `answer_headers`): since its CORS headers depend on the call's
+`Origin`, a shared cache or CDN must not hand an answer stored for one caller to a caller that sent another (Fetch,
+"CORS protocol and HTTP caches"). NOTE: without it, an answer stored for a server-side client (no CORS headers) was
+served to a page, which the browser then refused to show.
 """
 
 from __future__ import annotations
@@ -99,8 +105,9 @@ def preflight_headers(path: str, headers: dict[str, str]) -> list[tuple[bytes, b
     answer = [(b"access-control-allow-origin", b"*"),
               (b"access-control-allow-methods", ", ".join(methods_of(path)).encode()),
               (b"access-control-max-age", str(MAX_AGE_S).encode()),
-              # NOTE: the answer depends on the headers asked for: a cache must not hand it to another preflight
-              (b"vary", b"Access-Control-Request-Headers")]
+              # NOTE: the answer depends on the headers asked for, and whether it is a preflight at all (or a plain
+              # `OPTIONS`'s 405) on `Origin` and the method asked for: a cache must not hand it to another request
+              (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers")]
     allowed = allowed_request_headers(headers.get(REQUEST_HEADERS_HEADER, ""))
     if allowed:
         answer.append((b"access-control-allow-headers", ", ".join(allowed).encode()))
@@ -117,3 +124,21 @@ def allowed_request_headers(requested: str) -> list[str]:
             allowed.append(name)
     return allowed
 
+
+
+def answer_headers(headers, *, from_a_page: bool) -> list[tuple[bytes, bytes]]:
+    """The headers of an actual call's answer (`headers`, as the ASGI start message holds them) with what CORS adds:
+    `Origin` in its `Vary`, merged into the first `Vary` it has (one naming it already, or `*`, is left as it is), and,
+    for a call that sent `Origin` (`from_a_page`), `ANSWER_HEADERS`."""
+    headers = [(name, value) for name, value in headers]
+    named = {token.strip().lower() for name, value in headers if name.lower() == b"vary" for token in value.split(b",")}
+    if not named & {b"origin", b"*"}:
+        for index, (name, value) in enumerate(headers):
+            if name.lower() == b"vary":
+                headers[index] = (name, value + b", Origin" if value.strip() else b"Origin")
+                break
+        else:
+            headers.append((b"vary", b"Origin"))
+    if from_a_page:
+        headers += ANSWER_HEADERS
+    return headers

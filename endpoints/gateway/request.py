@@ -190,7 +190,7 @@ def parse_payload(body: bytes, kind: str) -> dict:
 
 KINDS = frozenset({"chat", "completion", embeddings.EMBEDDING, responses.RESPONSES})
 # The field holding a kind's prompt: what a refusal of a prompt too long for the context names, as OpenAI's does.
-PROMPT_PARAMS = {"chat": "messages", "completion": "prompt", embeddings.EMBEDDING: "input", responses.RESPONSES: "input"}
+PROMPT_PARAMS = {"chat": "messages", "completion": "prompt", embeddings.EMBEDDING: "input", responses.RESPONSES: responses.PROMPT_PARAM}
 INTERACTIVE_PRIORITY = 0  # vLLM's default: what a call without `priority` runs at
 
 

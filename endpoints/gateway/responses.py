@@ -18,10 +18,14 @@ ranges) and `endpoints.gateway.fields` (the allowlist); the reservation by `endp
 
 from __future__ import annotations
 
+import json
+import re
+
 from endpoints.gateway import errors, fields
 
 RESPONSES = "responses"  # the request kind (`endpoints.gateway.request.KINDS`)
 PATH = "/v1/responses"
+PROMPT_PARAM = "input"  # the field holding its prompt, which an engine's refusal of a prompt names
 # Routes under it that read or change a stored response (retrieve, delete, cancel, input items, ...).
 STORED_PREFIX = PATH + "/"
 
@@ -38,6 +42,8 @@ STATEFUL: dict[str, str] = {
     "previous_input_messages": f"is not supported: {_NO_STATE}; send the conversation so far as 'input' items",
 }
 FUNCTION_TOOL = "function"
+# A Responses event's `sequence_number`, as vLLM writes it (compact JSON, an integer).
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d{1,18})')
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 
 
@@ -112,3 +118,37 @@ def refuse_stored(method: str, path: str) -> errors.OpenAIError:
         "came whole with its call (or as its stream).",
         code="responses_not_stored",
     )
+
+
+def error_event(error: errors.OpenAIError, sequence_number: int) -> bytes:
+    """`error` as a Responses stream's failure ends it: an `error` event (OpenAI's `ResponseErrorEvent`: `type`,
+    `code`, `message`, `param`, `sequence_number`), which the openai client parses as an event of the stream.
+
+    NOTE: it was written as a chat stream's (`data: {"error": …}`, no event name, no sequence number): the openai
+    client's Responses stream raised an `APIError` of no known type instead of yielding the event (the review of the
+    HTTP edges)."""
+    data = {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param,
+            "sequence_number": sequence_number}
+    return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
+
+
+def next_sequence_number(event: bytes, default: int) -> int:
+    """The `sequence_number` an event added after `event` takes: the one after `event`'s (`default` where it has none)."""
+    found = _SEQUENCE_NUMBER.search(event)
+    return int(found.group(1)) + 1 if found else default
+
+
+def engine_error_event(event: bytes, sequence_number: int) -> bytes | None:
+    """An engine's error `event` in a Responses stream, in the Responses API's shape (`error_event`), or None where it
+    is in that shape already. vLLM writes its generation's failure in its chat streams' shape (`{"error": {…}}`, its
+    own type name, the HTTP status as a numeric code), with or without the `error` event name."""
+    start = event.find(b"data: ")
+    try:
+        data = json.loads(event[start + len(b"data: "):]) if start >= 0 else None
+    except (ValueError, RecursionError):
+        data = None
+    if (isinstance(data, dict) and data.get("type") == "error" and isinstance(data.get("message"), str)
+            and isinstance(data.get("sequence_number"), int) and not isinstance(data["sequence_number"], bool)):
+        return None
+    detail = json.dumps(data).encode() if isinstance(data, dict) else b""
+    return error_event(errors.engine_stream_error(detail, prompt_param=PROMPT_PARAM), sequence_number)

@@ -12,8 +12,9 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
   gone mid-stream) closes it, which is how an engine learns its caller left.
 - A pooled connection the server closed while idle is dropped when found closing; one that closes
   under a request with no byte of the answer raises `UpstreamClosed` with `before_first_byte` set:
-  the caller decides (the gateway retries once elsewhere, as for a refused connection). Nothing is
-  ever sent twice here.
+  the caller decides. Nothing is ever sent twice here, and the gateway sends a call again elsewhere
+  only where nothing reached the replica (`engine_cannot_have_started`: no connection, or the request
+  could not be written), never after its engine may have read it.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
   byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
@@ -49,11 +50,21 @@ MAX_WHOLE_BODY_BYTES = 64 * 1024 * 1024
 class UpstreamError(Exception):
     """The replica failed: refused, reset, timed out, closed early, or answered something that is not HTTP."""
 
-    before_first_byte = False  # set when no byte of the answer had arrived: safe to try elsewhere
+    before_first_byte = False  # set when no byte of the answer had arrived
+    nothing_sent = False  # set when no byte of the request left: the replica cannot have read it
+
+
+def engine_cannot_have_started(error: UpstreamError) -> bool:
+    """Whether the replica cannot have started work on the request `error` ended: none of it was sent (no connection,
+    or it could not be written). NOTE: a connection closed before any byte of the answer is not one: the engine may
+    have read the request and died on it (a non-streamed answer's first byte comes at its end), so sent again
+    elsewhere it would be computed twice."""
+    return error.nothing_sent
 
 
 class UpstreamConnectError(UpstreamError):
     before_first_byte = True
+    nothing_sent = True
 
 
 class UpstreamTimeout(UpstreamError):
@@ -78,6 +89,7 @@ class MalformedRequest(UpstreamError):
     """Nothing was sent: the request could not be written as HTTP."""
 
     before_first_byte = True
+    nothing_sent = True
 
 
 class Response:
@@ -491,8 +503,9 @@ class UpstreamClient:
     async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
-        Raises `UpstreamError` (`before_first_byte` set when it is safe to send again elsewhere: nothing was sent,
-        or the replica closed the connection before answering). `patience`: see `Response`."""
+        Raises `UpstreamError` (`nothing_sent` set when it is safe to send again elsewhere: nothing was sent;
+        `before_first_byte` also when the replica closed the connection before answering). `patience`: see
+        `Response`."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):

@@ -34,6 +34,12 @@ VLLM_STREAM_ERROR = {"error": {"message": "Internal server error", "type": "Inte
 # A request whose `user` is this and a unix time (`engine-fails-until:1765000000.5`) is answered with an HTTP 500 until
 # then: an engine failing for a while, then well again.
 ENGINE_FAILS_UNTIL = "engine-fails-until:"
+# A request whose `user` is this is answered with an HTTP 500 once its answer's time has passed (`max_tokens` tokens at
+# the token delay): an engine that fails late, after it generated.
+ENGINE_FAILS_LATE = "engine-fails-late"
+# A request whose `user` is this has the process exit once its answer's time has passed, answering nothing: an engine
+# that died on it (its connection closed before the answer's first byte).
+ENGINE_DIES_ON = "engine-dies-on-this"
 
 
 def _dumps(data) -> bytes:
@@ -111,6 +117,13 @@ class MockOpenAI:
             # vLLM's 500 before generating (a lone surrogate in `stop` was one): its engine up, this request failing
             return await self._json(send, 500, {"error": {"message": "", "type": "InternalServerError", "param": None,
                                                            "code": 500}})
+        if user in (ENGINE_FAILS_LATE, ENGINE_DIES_ON):
+            num_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or 16)
+            await asyncio.sleep(self.prefill_s + self.token_delay_s * num_tokens)
+            if user == ENGINE_DIES_ON:
+                os._exit(1)
+            return await self._json(send, 500, {"error": {"message": "Internal server error",
+                                                           "type": "InternalServerError", "param": None, "code": 500}})
         if path.endswith("/embeddings"):
             return await self._embeddings(send, payload)
         if path.endswith("/responses") and not payload.get("stream"):

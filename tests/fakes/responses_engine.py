@@ -13,7 +13,10 @@ apart: a read boundary inside the event's name), `error_first` (vLLM's `event: e
 `paced` (the `ok` stream, its deltas 50 ms apart: a client has time to leave it mid-way),
 `error_after_call` (a function call announced, `response.output_item.added` as vLLM writes it once its parser has the
 name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
-answered). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`.
+answered), `vllm_error` (the deltas, then the error event in vLLM's chat streams' shape, `{"error": {…}}`, then the
+stream ends). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`; with
+`metadata.whole` its text comes as vLLM's does, whole enough for the openai client's stream helper
+(`client.responses.stream`): a message item and its part announced, each delta naming them.
 
 `POST /v1/responses/render` answers as vLLM's (`--enable-scale-out`) does: the prompt's token ids, as many as `USAGE`
 says; `GET /renders` says how many it was asked.
@@ -124,6 +127,30 @@ async def app(scope, receive, send):
                 {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item},
             )
         )
+    whole = bool(metadata.get("whole"))
+    if whole:
+        item = {"type": "message", "id": "msg_x", "role": "assistant", "status": "in_progress", "content": []}
+        await out(
+            _event(
+                "response.output_item.added",
+                {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item},
+            )
+        )
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        await out(
+            _event(
+                "response.content_part.added",
+                {
+                    "type": "response.content_part.added",
+                    "sequence_number": 3,
+                    "item_id": "msg_x",
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": part,
+                },
+            )
+        )
+    first_delta = 4 if whole else 1
     num_deltas = {
         "error_first": 0,
         "error_after_call": 0,
@@ -138,10 +165,11 @@ async def app(scope, receive, send):
                 "response.output_text.delta",
                 {
                     "type": "response.output_text.delta",
-                    "sequence_number": index + 1,
+                    "sequence_number": first_delta + index,
                     "delta": "tok ",
                     "logprobs": [],
-                },
+                }
+                | ({"item_id": "msg_x", "output_index": 0, "content_index": 0} if whole else {}),
             )
         )
     logprob = {"token": "x" * 1000, "logprob": -1.0, "top_logprobs": []}
@@ -175,6 +203,11 @@ async def app(scope, receive, send):
                 },
             )
         )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    if scenario == "vllm_error":
+        error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+        await out(_event("error", {"error": error}))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     if scenario in ("dies", "slow_dies"):

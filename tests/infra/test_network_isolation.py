@@ -3,6 +3,8 @@ and Prometheus, nothing else into the namespace; the ingress routes the public p
 
 from __future__ import annotations
 
+import math
+
 from django.urls import URLPattern, URLResolver
 
 from controlplane import urls
@@ -136,13 +138,14 @@ def test_web_pods_invite_no_scraper_that_would_send_no_token(rendered):
 
 def _routes(ingress: dict, path: str) -> bool:
     """Whether one of the ingress's paths matches `path` (Kubernetes' Exact and element-wise Prefix)."""
-    for rule_path in ingress["spec"]["rules"][0]["http"]["paths"]:
-        prefix, kind = rule_path["path"], rule_path["pathType"]
-        if kind == "Exact" and path == prefix:
-            return True
-        if kind == "Prefix" and (prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/")):
-            return True
-    return False
+    return any(_matches(rule_path, path) for rule_path in ingress["spec"]["rules"][0]["http"]["paths"])
+
+
+def _matches(rule_path: dict, path: str) -> bool:
+    prefix, kind = rule_path["path"], rule_path["pathType"]
+    if kind == "Exact":
+        return path == prefix
+    return kind == "Prefix" and (prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/"))
 
 
 def _public_paths() -> list[str]:
@@ -155,13 +158,19 @@ def _public_paths() -> list[str]:
     return [path for path in examples if path not in INTERNAL_PATHS + STAFF_PATHS]
 
 
+# The Ingresses anyone may reach: the public one, the gateway's (`/v1`) and the uploads' (`/v1/files`).
+PUBLIC_INGRESSES = ("inferplane", "inferplane-gateway", "inferplane-files")
+
+
 def test_the_ingress_routes_every_public_path_and_never_metrics(rendered):
-    ingress = rendered.get("Ingress", "inferplane")
+    # NOTE: the gateway's paths (`/v1`) moved to an Ingress of their own (no body limit there: `inferplane-gateway`);
+    # what every public Ingress routes together is what was held to the URL configuration here.
+    ingresses = [rendered.get("Ingress", name) for name in PUBLIC_INGRESSES]
     for path in _public_paths():
-        assert _routes(ingress, path), f"{path} is served by web but not routed by the ingress"
-    for path in (*INTERNAL_PATHS, *STAFF_PATHS, "/metrics/", "/metrics/x", "/metricsx", "/django-admin/login/"):
-        assert not _routes(ingress, path), path
-    assert not _routes(ingress, "/v1x") and _routes(ingress, "/v1")
+        assert any(_routes(ingress, path) for ingress in ingresses), f"{path} is served by web but not routed"
+    for path in (*INTERNAL_PATHS, *STAFF_PATHS, "/metrics/", "/metrics/x", "/metricsx", "/django-admin/login/", "/v1x"):
+        assert not any(_routes(ingress, path) for ingress in ingresses), path
+    assert any(_routes(ingress, "/v1") for ingress in ingresses)
 
 
 def test_the_django_admin_is_routed_only_from_the_staff_network(rendered):
@@ -197,10 +206,11 @@ def test_the_django_admin_refuses_the_node_networks_where_tenants_engines_run(re
     assert allowed
 
 
-def _nginx_size(text: str) -> int:
-    """An nginx size (`16m`, `201m`, `512k`, bytes) in bytes."""
+def _nginx_size(text: str) -> float:
+    """An nginx size (`16m`, `201m`, `512k`, bytes) in bytes; `0` is no limit (`client_max_body_size 0`)."""
     units = {"k": 1024, "m": 1024**2, "g": 1024**3}
-    return int(text[:-1]) * units[text[-1].lower()] if text[-1].lower() in units else int(text)
+    size = int(text[:-1]) * units[text[-1].lower()] if text[-1].lower() in units else int(text)
+    return size or math.inf
 
 
 def test_uploads_have_an_ingress_whose_body_limit_admits_the_largest_file_and_streams_it(rendered):
@@ -220,6 +230,34 @@ def test_uploads_have_an_ingress_whose_body_limit_admits_the_largest_file_and_st
     from endpoints.batches.views import CONSOLE_FILE_MAX_BYTES
 
     assert CONSOLE_FILE_MAX_BYTES + 64 * 1024 <= request_limit
+
+
+def _ingress_of(ingresses: list[dict], path: str) -> dict:
+    """The Ingress whose path serves `path`: the longest prefix that matches (as ingress-nginx picks it)."""
+    matched = [(len(rule["path"]), ingress) for ingress in ingresses
+               for rule in ingress["spec"]["rules"][0]["http"]["paths"] if _matches(rule, path)]
+    assert matched, path
+    return max(matched, key=lambda found: found[0])[1]
+
+
+def test_no_gateway_path_has_a_body_limit_at_the_ingress_so_the_gateway_answers_every_413(rendered):
+    # nginx's own 413 (a body declared past the ingress's limit: the public ingress's 16m, the uploads' 201m) is an
+    # HTML page without `Access-Control-Allow-Origin`: a page calling `/v1` from another origin saw an opaque network
+    # error instead. The gateway refuses such a body itself (its limit, in OpenAI's shape, with the CORS headers), and
+    # reads no more of one than that limit: the body streams to it unbuffered, never held on nginx's disk.
+    public = rendered.get("Ingress", "inferplane")
+    ingresses = [rendered.get("Ingress", name) for name in PUBLIC_INGRESSES]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models",
+                 "/v1/files", "/v1/files/file-abc/content", "/v1/batches", "/v1/batches/batch_x/cancel", "/v1/x"):
+        ingress = _ingress_of(ingresses, path)
+        annotations = ingress["metadata"]["annotations"]
+        assert _nginx_size(annotations["nginx.ingress.kubernetes.io/proxy-body-size"]) == math.inf, (
+            ingress["metadata"]["name"], path)
+        assert annotations["nginx.ingress.kubernetes.io/proxy-request-buffering"] == "off", path
+        assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off", path  # streams token by token
+        assert ingress["spec"]["rules"][0]["host"] == public["spec"]["rules"][0]["host"]
+        assert ingress["spec"]["tls"][0]["hosts"] == [public["spec"]["rules"][0]["host"]]
+    assert _nginx_size(public["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-body-size"]) != math.inf
 
 
 def _egress_rules(rendered, workload: str) -> list[dict]:

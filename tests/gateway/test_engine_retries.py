@@ -1,0 +1,71 @@
+"""Which failures the gateway sends to another replica: only those where no engine can have started on the call (no
+connection to its replica). Once an engine read the call, it is never sent again: an engine's 5xx (a non-streamed
+answer's status comes with its end, after the engine generated it) or a connection closed before the answer is the
+caller's OpenAI-shaped 5xx, and no second engine computes it for nothing."""
+
+import httpx
+import pytest
+
+from billing.models import UsageRecord
+from tests.conftest import free_port
+from tests.fakes.mock_openai import ENGINE_DIES_ON, ENGINE_FAILS_FOR, ENGINE_FAILS_LATE
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def _num_requests(address: str) -> int:
+    try:
+        return httpx.get(f"{address}/_stats", timeout=10).json()["num_requests"]
+    except httpx.HTTPError:  # an engine that died on its call read it
+        return 1
+
+
+def _call(gateway: str, key: str, endpoint, user: str, **extra) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                      json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 20, "user": user} | extra)
+
+
+def _assert_openai_server_error(answer: httpx.Response) -> None:
+    assert 500 <= answer.status_code < 600, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "upstream_error" and error["message"], error
+
+
+def test_a_call_whose_engine_answers_500_after_generating_is_never_sent_to_another_replica(
+        gateway, tenant, start_mock_upstream):
+    # Before: the 500 was tried again on the second replica, which computed the whole answer again, both unbilled.
+    first, second = start_mock_upstream(token_delay_ms=20), start_mock_upstream(token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, first, second)
+    answer = _call(gateway, tenant.key, endpoint, ENGINE_FAILS_LATE)
+    _assert_openai_server_error(answer)
+    assert _num_requests(first) + _num_requests(second) == 1
+    assert not UsageRecord.objects.exists()
+
+
+def test_a_stream_whose_engine_answers_500_is_never_sent_to_another_replica(gateway, tenant, start_mock_upstream):
+    first, second = start_mock_upstream(), start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, first, second)
+    answer = _call(gateway, tenant.key, endpoint, ENGINE_FAILS_FOR, stream=True)
+    _assert_openai_server_error(answer)
+    assert _num_requests(first) + _num_requests(second) == 1
+
+
+def test_a_call_whose_engine_dies_on_it_is_never_sent_to_another_replica(gateway, tenant, start_mock_upstream):
+    # The engine read the call and its connection closed with no byte of an answer (its process gone): before, it was
+    # sent to the second replica, which computed it again (and would die on it as well).
+    first, second = start_mock_upstream(token_delay_ms=20), start_mock_upstream(token_delay_ms=20)
+    endpoint = serve_endpoint(tenant.org, first, second)
+    answer = _call(gateway, tenant.key, endpoint, ENGINE_DIES_ON)
+    _assert_openai_server_error(answer)
+    assert _num_requests(first) + _num_requests(second) == 1
+
+
+def test_a_replica_that_refuses_the_connection_is_still_tried_once_on_another(gateway, tenant, start_mock_upstream):
+    live = start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, f"http://127.0.0.1:{free_port()}", live)
+    for _ in range(4):
+        assert _call(gateway, tenant.key, endpoint, "someone").status_code == 200
+    assert _num_requests(live) == 4
