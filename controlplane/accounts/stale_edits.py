@@ -33,6 +33,25 @@ class RefusesStaleEdits:
         if self.edits_existing:
             for field in self.fields.values():
                 field.show_hidden_initial = not field.disabled
+            if self.is_bound:
+                self._say_what_was_shown_empty()
+
+    def _say_what_was_shown_empty(self) -> None:
+        """NOTE: a submit that carries what its page showed carries it for every field, those shown empty too (a
+        multiple choice with nothing chosen posts no hidden value). Without it, the page shown again for a mistake
+        elsewhere claimed to have shown what staff had just chosen there, and its corrected save was refused as
+        changed by someone else."""
+        names = [bound.html_initial_name for _, bound in self._bound_items() if not bound.field.disabled]
+        if not any(self._carries_initial(name) for name in names):
+            return
+        missing = [name for name in names if not self._carries_initial(name)]
+        if missing:
+            self.data = self.data.copy()
+            for name in missing:
+                if hasattr(self.data, "setlist"):  # a request's QueryDict
+                    self.data.setlist(name, [])
+                else:
+                    self.data[name] = []
 
     @cached_property
     def changed_data(self) -> list[str]:
