@@ -231,3 +231,20 @@ def test_a_page_shown_again_for_a_mistake_saves_once_corrected_when_nothing_chan
 
     assert response.status_code == 302, response.context["adminform"].form.errors
     assert list(user.groups.all()) == [group]
+
+
+def test_an_account_whose_stored_address_django_folds_differently_can_still_be_deactivated(staff_client):
+    # An address stored before sign-up folded it (NFKC: a fullwidth letter) is shown as stored, and Django's username
+    # field folds what the page posts. Before, the page's own shown value, folded, differed from the row on every
+    # submit: "changed by someone else", always, and staff could never deactivate the account from its page.
+    user = UserFactory()
+    type(user).objects.filter(pk=user.pk).update(username="ada@\uff45xample.test", email="ada@\uff45xample.test")
+    url = reverse("admin:auth_user_change", args=[user.pk])
+    shown = _as_shown(staff_client, url)
+    del shown["is_active"]  # unticked
+
+    response = staff_client.post(url, shown)
+
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    user.refresh_from_db()
+    assert not user.is_active

@@ -75,8 +75,16 @@ class RefusesStaleEdits:
         shown = [(name, bound) for name, bound in self._bound_items() if not bound.field.disabled]
         if not any(self._carries_initial(bound.html_initial_name) for _, bound in shown):
             return []
-        return [name for name, bound in shown if bound.field.has_changed(
-            bound.initial, self._widget_data_value(bound.field.hidden_widget(), bound.html_initial_name))]
+        return [name for name, bound in shown if self._shown_differs_from_stored(bound)]
+
+    def _shown_differs_from_stored(self, bound) -> bool:
+        """NOTE: the page's value as it would be shown now is compared first, as text: a field that folds what it is
+        given (a username, NFKC) took the shown value of a row stored unfolded (an address from before sign-up folded
+        it) for a change on every submit, and that account's page could never be saved, not even to deactivate it."""
+        widget = bound.field.hidden_widget()
+        shown = self._widget_data_value(widget, bound.html_initial_name)
+        return (shown != widget.format_value(bound.field.prepare_value(bound.initial))
+                and bound.field.has_changed(bound.initial, shown))
 
     def _carries_initial(self, html_initial_name: str) -> bool:
         """The submit holds the field's shown value (split widgets post `<name>_0`, `<name>_1`...)."""
