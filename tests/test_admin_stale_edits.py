@@ -8,6 +8,7 @@ from decimal import Decimal
 from html.parser import HTMLParser
 
 import pytest
+from django.contrib.auth.models import Group
 from django.urls import reverse
 
 from billing.models import BillingAccount, BillingMode
@@ -211,3 +212,39 @@ def test_a_node_pools_max_lowered_since_its_page_was_shown_is_not_raised_again(s
     _refused(response, "max_nodes")
     pool = NodePool.objects.get(pk=pool.pk)
     assert (pool.max_nodes, pool.idle_timeout_s) == (1, 600)
+
+
+def test_a_page_shown_again_for_a_mistake_saves_once_corrected_when_nothing_changed_meanwhile(staff_client):
+    # Before, a list shown empty (no groups) said nothing of what it showed; the page shown again for a mistaken
+    # address then claimed to have shown the groups staff had just picked, and its corrected save was refused as
+    # "changed by someone else" though nobody had changed anything.
+    group = Group.objects.create(name="support")
+    user = UserFactory()
+    url = reverse("admin:auth_user_change", args=[user.pk])
+
+    again = staff_client.post(url, {**_as_shown(staff_client, url), "groups": [str(group.pk)], "email": ["not-an-address"]})
+    assert again.status_code == 200 and "email" in again.context["adminform"].form.errors
+    form = _Form()
+    form.feed(again.content.decode())
+    form.values.pop("csrfmiddlewaretoken", None)
+    response = staff_client.post(url, {**form.values, "email": ["alice@example.com"]})
+
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    assert list(user.groups.all()) == [group]
+
+
+def test_an_account_whose_stored_address_django_folds_differently_can_still_be_deactivated(staff_client):
+    # An address stored before sign-up folded it (NFKC: a fullwidth letter) is shown as stored, and Django's username
+    # field folds what the page posts. Before, the page's own shown value, folded, differed from the row on every
+    # submit: "changed by someone else", always, and staff could never deactivate the account from its page.
+    user = UserFactory()
+    type(user).objects.filter(pk=user.pk).update(username="ada@\uff45xample.test", email="ada@\uff45xample.test")
+    url = reverse("admin:auth_user_change", args=[user.pk])
+    shown = _as_shown(staff_client, url)
+    del shown["is_active"]  # unticked
+
+    response = staff_client.post(url, shown)
+
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    user.refresh_from_db()
+    assert not user.is_active

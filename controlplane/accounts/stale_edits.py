@@ -33,6 +33,25 @@ class RefusesStaleEdits:
         if self.edits_existing:
             for field in self.fields.values():
                 field.show_hidden_initial = not field.disabled
+            if self.is_bound:
+                self._say_what_was_shown_empty()
+
+    def _say_what_was_shown_empty(self) -> None:
+        """NOTE: a submit that carries what its page showed carries it for every field, those shown empty too (a
+        multiple choice with nothing chosen posts no hidden value). Without it, the page shown again for a mistake
+        elsewhere claimed to have shown what staff had just chosen there, and its corrected save was refused as
+        changed by someone else."""
+        names = [bound.html_initial_name for _, bound in self._bound_items() if not bound.field.disabled]
+        if not any(self._carries_initial(name) for name in names):
+            return
+        missing = [name for name in names if not self._carries_initial(name)]
+        if missing:
+            self.data = self.data.copy()
+            for name in missing:
+                if hasattr(self.data, "setlist"):  # a request's QueryDict
+                    self.data.setlist(name, [])
+                else:
+                    self.data[name] = []
 
     @cached_property
     def changed_data(self) -> list[str]:
@@ -56,8 +75,16 @@ class RefusesStaleEdits:
         shown = [(name, bound) for name, bound in self._bound_items() if not bound.field.disabled]
         if not any(self._carries_initial(bound.html_initial_name) for _, bound in shown):
             return []
-        return [name for name, bound in shown if bound.field.has_changed(
-            bound.initial, self._widget_data_value(bound.field.hidden_widget(), bound.html_initial_name))]
+        return [name for name, bound in shown if self._shown_differs_from_stored(bound)]
+
+    def _shown_differs_from_stored(self, bound) -> bool:
+        """NOTE: the page's value as it would be shown now is compared first, as text: a field that folds what it is
+        given (a username, NFKC) took the shown value of a row stored unfolded (an address from before sign-up folded
+        it) for a change on every submit, and that account's page could never be saved, not even to deactivate it."""
+        widget = bound.field.hidden_widget()
+        shown = self._widget_data_value(widget, bound.html_initial_name)
+        return (shown != widget.format_value(bound.field.prepare_value(bound.initial))
+                and bound.field.has_changed(bound.initial, shown))
 
     def _carries_initial(self, html_initial_name: str) -> bool:
         """The submit holds the field's shown value (split widgets post `<name>_0`, `<name>_1`...)."""
