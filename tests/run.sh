@@ -5,6 +5,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export INFERPLANE_DATA_DIR="${INFERPLANE_DATA_DIR:-$PWD/.data/test}"
 export DJANGO_DEBUG=1
+# NOTE: the suite's processes write their bytecode (`__pycache__`, ignored by git) even where the environment says not
+# to (PYTHONDONTWRITEBYTECODE, set in many container images): without it each pytest worker compiled and
+# assertion-rewrote every test module again at each run (a collection of ~25 s of CPU instead of ~8), and every child
+# process (web servers not forked from a zygote, Celery workers, agents, `manage.py`) compiled the project's modules again.
+unset PYTHONDONTWRITEBYTECODE
 # Browser tests drive Debian's chromium (never a downloaded browser); the agent host's unit files are
 # checked with systemd-analyze; tests/test_pgbouncer.py puts Debian's pgbouncer in front of PostgreSQL.
 # Install what is missing.
