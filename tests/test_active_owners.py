@@ -96,7 +96,7 @@ def test_staff_delete_both_deactivated_owners_of_an_organisation_one_after_the_o
     assert Organization.objects.get(pk=acme.pk).closed_at is not None
 
 
-def test_staff_deleting_a_deactivated_owner_beside_a_deactivated_co_owner_close_nothing_the_co_owner_holds(
+def test_staff_deleting_a_deactivated_owner_beside_a_deactivated_co_owner_closes_nothing_and_leaves_the_co_owner_its_owner(
         staff_client):
     acme = OrganizationFactory(name="Acme Labs", slug="acme-labs")
     first, second = UserFactory(is_active=False), UserFactory(is_active=False)
