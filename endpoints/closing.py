@@ -194,7 +194,7 @@ def close_refusal(organization: Organization, user) -> str | None:
     (`end_account`, reached there through `accounts.departures`)."""
     if organization.closed_at is not None:
         return None
-    if Membership.objects.filter(organization=organization).active_owners().exclude(user=user).exists():
+    if Membership.objects.filter(organization=organization).owners_besides(user).exists():
         return None
     held = []
     if Membership.objects.filter(organization=organization).exclude(user=user).exists():
@@ -275,8 +275,7 @@ def end_account(actor: Actor, user) -> None:
         raise departures.AccountDeletionRefused(refusals)
     for membership in memberships:
         organization = Organization.objects.get(pk=membership.organization_id)
-        sole_owner = not Membership.objects.filter(organization=organization).active_owners().exclude(
-            user=user).exists()
+        sole_owner = not Membership.objects.filter(organization=organization).owners_besides(user).exists()
         if membership.role == Role.OWNER and sole_owner and organization.closed_at is None:
             # NOTE: nobody else is in it and it holds nothing live (`close_refusal`): closed rather than left with
             # no one to own it, its records kept as any closed organisation's.

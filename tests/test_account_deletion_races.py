@@ -8,8 +8,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.db import connection, transaction
 
+from controlplane.accounts import admin as accounts_admin
 from controlplane.accounts import invitations, keys
 from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
 from controlplane.accounts.services import Actor
@@ -115,3 +118,34 @@ def test_an_invitation_accepted_while_the_account_is_being_deleted_leaves_no_mem
     assert len(outcomes) == 1 and isinstance(outcomes[0], invitations.InvitationRefused), outcomes
     assert not Membership.objects.filter(user_id=alice.pk).exists()
     assert list(Membership.objects.filter(organization=team).values_list("user_id", flat=True)) == [owner.pk]
+
+
+def test_staff_deleting_two_superusers_at_once_one_in_a_bulk_delete_both_end_without_a_deadlock(monkeypatch, rf):
+    # NOTE: a single delete holds the active superusers' rows, then the account's; the bulk delete held its accounts'
+    # rows first, then the superusers': each waited on the other and PostgreSQL failed one (a 500).
+    operator = UserFactory(is_staff=True, is_superuser=True)
+    first, second = UserFactory(is_staff=True, is_superuser=True), UserFactory(is_staff=True, is_superuser=True)
+    users = admin.site._registry[get_user_model()]
+    request = rf.post("/")
+    request.user = operator
+    outcomes: list = []
+
+    def delete_first():
+        with transaction.atomic():
+            users.delete_model(request, get_user_model().objects.get(pk=first.pk))
+
+    deleting = _in_a_thread(delete_first, outcomes)
+    staff_refusals = accounts_admin._staff_refusals
+
+    def delete_the_first_meanwhile(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            _meanwhile(deleting)
+        return staff_refusals(*args, **kwargs)
+
+    monkeypatch.setattr(accounts_admin, "_staff_refusals", delete_the_first_meanwhile)
+    with transaction.atomic():
+        users.delete_queryset(request, get_user_model().objects.filter(pk=second.pk))
+    deleting.join(timeout=60)
+
+    assert outcomes == [None]
+    assert not get_user_model().objects.filter(pk__in=[first.pk, second.pk], is_active=True).exists()

@@ -79,3 +79,32 @@ def test_an_owner_still_steps_down_beside_an_active_co_owner():
 
     assert answer.status_code == 200, answer.content
     assert Membership.objects.get(pk=alices.pk).role == Role.ADMIN
+
+
+def test_staff_delete_both_deactivated_owners_of_an_organisation_one_after_the_other(staff_client):
+    # NOTE: a deactivated owner's departure takes no owner who can sign in away: counting only active owners there too,
+    # each was refused for the other ("other members"), for ever, and nothing but a shell could end either
+    acme = OrganizationFactory(name="Acme Labs", slug="acme-labs")
+    first, second = UserFactory(is_active=False), UserFactory(is_active=False)
+    for user in (first, second):
+        MembershipFactory(organization=acme, user=user, role=Role.OWNER)
+
+    for user in (first, second):
+        staff_client.post(reverse("admin:auth_user_delete", args=[user.pk]), {"post": "yes"})
+
+    assert not Membership.objects.filter(organization=acme).exists()
+    assert Organization.objects.get(pk=acme.pk).closed_at is not None
+
+
+def test_staff_deleting_a_deactivated_owner_beside_a_deactivated_co_owner_closes_nothing_and_leaves_the_co_owner_its_owner(
+        staff_client):
+    acme = OrganizationFactory(name="Acme Labs", slug="acme-labs")
+    first, second = UserFactory(is_active=False), UserFactory(is_active=False)
+    for user in (first, second):
+        MembershipFactory(organization=acme, user=user, role=Role.OWNER)
+
+    staff_client.post(reverse("admin:auth_user_delete", args=[first.pk]), {"post": "yes"})
+
+    assert list(Membership.objects.filter(organization=acme).values_list("user_id", "role")) == [
+        (second.pk, Role.OWNER)]
+    assert Organization.objects.get(pk=acme.pk).closed_at is None

@@ -99,3 +99,17 @@ def test_staff_still_change_an_account_that_is_not_deleted(staff_client):
 
     assert answer.status_code == 302, answer.content.decode()[:2000]
     assert User.objects.get(pk=alice.pk).first_name == "Alicia"
+
+
+def test_an_active_account_whose_address_only_looks_like_its_tombstone_is_still_changed_by_staff(staff_client):
+    # NOTE: sign-up refuses no domain, and ids are sequential: an address shaped as the account's own tombstone made
+    # its page read-only, and staff could not deactivate it there
+    alice = _alice()
+    lookalike = f"deleted-{alice.pk}-0000@deleted.invalid"
+    User.objects.filter(pk=alice.pk).update(username=lookalike, email=lookalike)
+    alice.refresh_from_db()
+
+    answer = staff_client.post(_change_page(alice), {**_form_as_shown(alice), "is_active": ""})
+
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    assert not User.objects.get(pk=alice.pk).is_active

@@ -223,10 +223,13 @@ class UserAdmin(auth_admin.UserAdmin):
             raise departures.AccountDeletionRefused(refusals)
         departures.end_account(Actor.platform_staff(request), obj)
 
-    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes. Their
-    # rows first, all of them, in one order, before any organisation's (`models.lock_person`), as each deletion takes
-    # its own.
+    # NOTE: every account in the one transaction the action runs in (`delete_selected`): one refused, none goes. The
+    # active superusers' rows first, then the accounts', all of them, in one order, before any organisation's
+    # (`models.lock_person`), as a single delete takes them (`delete_model`): taking the accounts' first, a bulk delete
+    # and a single delete of two superusers at once each waited on the other and PostgreSQL failed one (a 500).
     def delete_queryset(self, request, queryset):
+        if refusals := _staff_refusals(request, list(queryset), locked=True):
+            raise departures.AccountDeletionRefused(refusals)
         for user_id in sorted(queryset.values_list("pk", flat=True)):
             lock_person(user_id)
         for user in queryset.order_by("pk"):

@@ -51,8 +51,14 @@ def tombstone_address(user) -> str:
 
 
 def is_erased(user) -> bool:
-    """Whether `user` is a deleted account: its address is its tombstone (`erase_person`), whose id is its own."""
-    return (user.email or "").startswith(f"deleted-{user.pk}-") and user.email.endswith(f"@{TOMBSTONE_DOMAIN}")
+    """Whether `user` is a deleted account: deactivated, its address its tombstone (`erase_person`), whose id is its
+    own.
+
+    NOTE: deactivated too, as every deletion leaves it (`closing.end_account`, in the same transaction): sign-up refuses
+    no domain and ids are sequential, so an address alone, shaped as the account's own tombstone, made a live
+    account's admin page read-only, and staff could not deactivate it there."""
+    return (not user.is_active and (user.email or "").startswith(f"deleted-{user.pk}-")
+            and user.email.endswith(f"@{TOMBSTONE_DOMAIN}"))
 
 
 def addresses_of(user) -> set[str]:

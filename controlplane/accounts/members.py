@@ -227,7 +227,6 @@ def _lock_membership(membership: Membership) -> Membership:
 def _ensure_an_owner_remains(membership: Membership, *, leaving: bool) -> None:
     if not leaving or membership.role != Role.OWNER:
         return
-    others = Membership.objects.filter(organization=membership.organization_id).active_owners().exclude(pk=membership.pk)
-    if not others.exists():
+    if not Membership.objects.filter(organization=membership.organization_id).owners_besides(membership.user).exists():
         raise LastOwnerError("An organisation needs at least one owner who can sign in (a deactivated account's "
                              "owner role does not count): make another active member an owner first.")

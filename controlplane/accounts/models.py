@@ -146,9 +146,19 @@ class MembershipQuerySet(models.QuerySet):
         as it is tombstoned) manages nothing, so it never counts as the owner an organisation must keep.
 
         NOTE: every rule that refuses to leave an organisation without an owner counts these (a role change, a
-        removal, an account's deletion, staff's delete): counting every owner, one whose co-owner had been
+        removal, an account's deletion, staff's delete: `owners_besides`): counting every owner, one whose co-owner had been
         deactivated stepped down or deleted their account, and nobody was left able to manage or close it."""
         return self.filter(role=Role.OWNER, user__is_active=True)
+
+    def owners_besides(self, user):
+        """The owners who keep an organisation owned once `user` leaves it (or steps down): its other active owners
+        (`active_owners`) where `user` is active; any other owner where `user` is deactivated.
+
+        NOTE: a deactivated account's departure takes no owner who can sign in away. Counting only active owners there
+        too, an organisation whose owners were all deactivated could lose none of them: staff deleting one was refused
+        for the other ("other members"), and the other for the first, for ever."""
+        others = self.exclude(user=user)
+        return others.active_owners() if user.is_active else others.filter(role=Role.OWNER)
 
 
 class Membership(models.Model):
