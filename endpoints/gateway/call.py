@@ -430,6 +430,11 @@ class InferenceCall:
         except upstream.UpstreamError as exc:
             if upstream.engine_cannot_have_started(exc):
                 raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
+            if upstream.idle_close_raced(exc) and not await self._still_ready(replica):
+                # NOTE: a replica drained or scaled to zero (not READY, read now) whose engine closed the idle pooled
+                # connection the call went out on as it stopped: its engine never read it (uvicorn finishes the calls
+                # it read before it stops). One still READY is an engine that died on it: never sent again, below.
+                raise UpstreamUnavailable(f"{type(exc).__name__} as its replica stopped: {exc}") from None
             # NOTE: never sent again elsewhere: the engine read the request (a connection that closed before any answer
             # is an engine that died on it, or was killed, perhaps after most of its work), and a second replica would
             # compute it again, unbilled, as would a third the next time (the review of the gateway's retries).
@@ -466,10 +471,13 @@ class InferenceCall:
         never billed: a tenant who could make an engine fail late had two replicas compute each call for no bill (the
         review of the gateway's retries)."""
         logger.warning("request %s: replica %s's engine answered HTTP %d", self.request_id, replica.id, status)
-        ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
-        if status == 500 and replica.id in {r.id for r in ready}:
+        if status == 500 and await self._still_ready(replica):
             return errors.engine_failed()
         return errors.upstream_failed()
+
+    async def _still_ready(self, replica: ReplicaInfo) -> bool:
+        """Whether `replica` is READY, read now: its engine up (a replica being drained or scaled to zero is not)."""
+        return replica.id in {r.id for r in await directory.ready_replicas(self.endpoint.id, fresh=True)}
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
