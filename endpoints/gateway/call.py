@@ -157,6 +157,9 @@ class InferenceCall:
     _ceiling: ledger.CostCeiling | None = None
     # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
     adapter: AdapterInfo | None = None
+    # What CORS adds to its answer's headers (`cors.answer_headers`: `Vary: Origin`, and to a page's call the CORS
+    # headers); a batch line's answer is no browser's
+    cors_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     # The latest a non-streamed answer is waited for (monotonic), when sooner than `GATEWAY_MAX_ANSWER_WAIT_S` from
     # the start: a batch line's run has a time limit of its own (`endpoints.batches.runner`).
     answer_deadline: float | None = None
@@ -547,7 +550,7 @@ class InferenceCall:
             self.status = "client_aborted"
             return
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+                   (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers(), *self.cors_headers]
         if self.held_at is not None:
             await self._measure_cold_start()
             headers.append(self.cold_start.header())
@@ -757,7 +760,7 @@ class InferenceCall:
         if self.response_started:
             return
         kind = sse.SSE_HEADERS if self.request.stream else [(b"content-type", b"application/json")]
-        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers(), *self.cors_headers]
         delivery.watch(self)
         await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True
