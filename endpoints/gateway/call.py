@@ -433,7 +433,8 @@ class InferenceCall:
         except upstream.UpstreamError as exc:
             if upstream.engine_cannot_have_started(exc):
                 raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
-            if upstream.idle_close_raced(exc) and not await self._still_ready(replica):
+            still_ready = exc.before_first_byte and await self._still_ready(replica)
+            if upstream.idle_close_raced(exc) and not still_ready:
                 # NOTE: a replica drained or scaled to zero (not READY, read now) whose engine closed the idle pooled
                 # connection the call went out on as it stopped: its engine never read it (uvicorn finishes the calls
                 # it read before it stops). One still READY is an engine that died on it: never sent again, below.
@@ -442,7 +443,10 @@ class InferenceCall:
             # is an engine that died on it, or was killed, perhaps after most of its work), and a second replica would
             # compute it again, unbilled, as would a third the next time (the review of the gateway's retries).
             logger.warning("request %s: replica %s failed it: %s", self.request_id, replica.id, exc)
-            raise errors.upstream_failed() from None
+            # NOTE: one that died on it, its replica still READY, is `engine_failed` as its 500 is: a batch line that
+            # kills its engine each time gives up as one it fails does (`runner.MAX_ENGINE_FAILURES`); as
+            # `upstream_failed` it was tried every second until its batch expired, a day, each try killing an engine.
+            raise (errors.engine_failed() if still_ready else errors.upstream_failed()) from None
         try:
             if response.status == 401:
                 # The engine's key guard refusing our key, before it reads the body: the replica's fault, never the

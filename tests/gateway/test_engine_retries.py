@@ -3,12 +3,6 @@ connection to its replica). Once an engine read the call, it is never sent again
 answer's status comes with its end, after the engine generated it) or a connection closed before the answer is the
 caller's OpenAI-shaped 5xx, and no second engine computes it for nothing."""
 
-import json
-import re
-import socket
-import struct
-import threading
-
 import httpx
 import pytest
 from django.db import connections
@@ -17,6 +11,7 @@ from billing.models import UsageRecord
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import free_port
+from tests.fakes.closing_engine import ClosingEngine
 from tests.fakes.mock_openai import ENGINE_DIES_ON, ENGINE_FAILS_FOR, ENGINE_FAILS_LATE
 from tests.gateway.conftest import serve_endpoint
 
@@ -80,51 +75,18 @@ def test_a_replica_that_refuses_the_connection_is_still_tried_once_on_another(ga
     assert _num_requests(live) == 4
 
 
-class _EngineThatCloses:
-    """An engine answering each connection's first call, and closing it, unread, when a second call arrives on it: as
-    uvicorn closes an idle keep-alive connection as it stops (a replica drained or scaled to zero), a call from a
-    gateway that had not yet seen the close landing on it; `stopping`: its replica is DRAINING by then (as the control
-    plane marks it before its engine stops), else it stays READY (an engine that died on the call)."""
+def _engine_closing_reused_connections(*, stopping: bool) -> ClosingEngine:
+    """An engine closing a connection's second call, unanswered; `stopping`: its replica DRAINING by then (as the
+    control plane marks it before its engine stops), else it stays READY (an engine that died on the call)."""
+    def drained():
+        Replica.objects.filter(address=engine.address).update(state=ReplicaState.DRAINING)
+        connections.close_all()
 
-    def __init__(self, *, stopping: bool):
-        self.stopping = stopping
-        self.num_closed = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536) or b""
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
-            while len(body) < length:
-                body += conn.recv(65536)
-            answer = json.dumps({"id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                                              "finish_reason": "stop"}],
-                                 "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}).encode()
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                         + str(len(answer)).encode() + b"\r\n\r\n" + answer)
-            conn.recv(1, socket.MSG_PEEK)  # the next call on this connection: never read
-            if self.stopping:
-                Replica.objects.filter(address=self.address).update(state=ReplicaState.DRAINING)
-                connections.close_all()
-            self.num_closed += 1
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    engine = ClosingEngine(lambda number, _: number > 0, drained if stopping else lambda: None)
+    return engine
 
 
-def _calls_until_closed(gateway: str, key: str, endpoint, closing: _EngineThatCloses, live: str):
+def _calls_until_closed(gateway: str, key: str, endpoint, closing: ClosingEngine, live: str):
     """Calls until one lands on a pooled connection `closing` closes: that call's answer, and the calls `live`
     was sent meanwhile besides the others answered."""
     for _ in range(30):
@@ -140,7 +102,7 @@ def test_a_call_on_a_pooled_connection_its_stopping_replica_closed_is_sent_to_an
         gateway, tenant, start_mock_upstream):
     # Before: a replica being drained (or scaled to zero) whose engine closed an idle pooled connection as a call landed
     # on it turned that call into a 502, though its engine never read it.
-    closing, live = _EngineThatCloses(stopping=True), start_mock_upstream()
+    closing, live = _engine_closing_reused_connections(stopping=True), start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, closing.address, live)
     answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
     assert answer.status_code == 200, answer.text
@@ -150,7 +112,7 @@ def test_a_call_on_a_pooled_connection_its_stopping_replica_closed_is_sent_to_an
 def test_a_call_on_a_pooled_connection_whose_ready_engine_closed_it_is_never_sent_to_another_replica(
         gateway, tenant, start_mock_upstream):
     # Its replica still READY: an engine that died on the call, which may have computed it (and would kill the next).
-    closing, live = _EngineThatCloses(stopping=False), start_mock_upstream()
+    closing, live = _engine_closing_reused_connections(stopping=False), start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, closing.address, live)
     answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
     _assert_openai_server_error(answer)
