@@ -76,7 +76,8 @@ LINE_MIN_WAIT_S = 600.0
 
 REPLAY_JOURNAL_FOR_S = 10.0  # at a run's end, the most it waits to replay usage journaled in this worker
 
-# A line whose call the engine failed (an HTTP 500 of its own, its replica still READY: `errors.EngineFailed`) this many
+# A line whose call the engine failed (an HTTP 500 of its own, or its connection closed unanswered, the engine dead on
+# it, its replica still READY: `errors.EngineFailed`) this many
 # times, the first and the last at least `ENGINE_FAILURES_MIN_SPAN_S` apart, fails for good, `upstream_error` in the
 # error file. NOTE: such a request fails there again and again (a lone surrogate in `stop` did, before the gateway
 # refused one): tried again every `RETRY_PAUSE_S` it was, for every run's slice until the batch expired, a day. A replica

@@ -372,6 +372,9 @@ class Gateway:
         from_a_page = cors.ORIGIN_HEADER in headers  # a browser's call, from any origin: it may read the answer (`cors`)
         if from_a_page and cors.is_preflight(method, headers):
             return await _preflight(scope, receive, send, headers)
+        # NOTE: an inference call's own answer takes CORS's headers in the headers it starts with (`cors_headers`), not
+        # through this wrapper: a stream passes every chunk to `send`, and the wrapper cost each one a call
+        answers = send
         send = _with_cors(send, from_a_page=from_a_page)
         ratelimit = RateLimitReport()  # every answer's x-ratelimit-* headers, filled in as the request goes
         try:
@@ -417,7 +420,8 @@ class Gateway:
                 inference = dataclasses.replace(inference, engine_model=adapter.name)
             call = InferenceCall(
                 request_id=request_id, request=inference, caller=caller, endpoint=endpoint, client=self.client,
-                receive=receive, send=send, started_at=clock.redis_datetime(), ratelimit=ratelimit, adapter=adapter,
+                receive=receive, send=answers, started_at=clock.redis_datetime(), ratelimit=ratelimit, adapter=adapter,
+                cors_headers=cors.answer_headers((), from_a_page=from_a_page),
             )
             await call.run()
         except ClientGone:  # its body stopped with the client's going: nobody to answer

@@ -157,6 +157,9 @@ class InferenceCall:
     _ceiling: ledger.CostCeiling | None = None
     # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
     adapter: AdapterInfo | None = None
+    # What CORS adds to its answer's headers (`cors.answer_headers`: `Vary: Origin`, and to a page's call the CORS
+    # headers); a batch line's answer is no browser's
+    cors_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     # The latest a non-streamed answer is waited for (monotonic), when sooner than `GATEWAY_MAX_ANSWER_WAIT_S` from
     # the start: a batch line's run has a time limit of its own (`endpoints.batches.runner`).
     answer_deadline: float | None = None
@@ -430,11 +433,20 @@ class InferenceCall:
         except upstream.UpstreamError as exc:
             if upstream.engine_cannot_have_started(exc):
                 raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
+            still_ready = exc.before_first_byte and await self._still_ready(replica)
+            if upstream.idle_close_raced(exc) and not still_ready:
+                # NOTE: a replica drained or scaled to zero (not READY, read now) whose engine closed the idle pooled
+                # connection the call went out on as it stopped: its engine never read it (uvicorn finishes the calls
+                # it read before it stops). One still READY is an engine that died on it: never sent again, below.
+                raise UpstreamUnavailable(f"{type(exc).__name__} as its replica stopped: {exc}") from None
             # NOTE: never sent again elsewhere: the engine read the request (a connection that closed before any answer
             # is an engine that died on it, or was killed, perhaps after most of its work), and a second replica would
             # compute it again, unbilled, as would a third the next time (the review of the gateway's retries).
             logger.warning("request %s: replica %s failed it: %s", self.request_id, replica.id, exc)
-            raise errors.upstream_failed() from None
+            # NOTE: one that died on it, its replica still READY, is `engine_failed` as its 500 is: a batch line that
+            # kills its engine each time gives up as one it fails does (`runner.MAX_ENGINE_FAILURES`); as
+            # `upstream_failed` it was tried every second until its batch expired, a day, each try killing an engine.
+            raise (errors.engine_failed() if still_ready else errors.upstream_failed()) from None
         try:
             if response.status == 401:
                 # The engine's key guard refusing our key, before it reads the body: the replica's fault, never the
@@ -466,10 +478,13 @@ class InferenceCall:
         never billed: a tenant who could make an engine fail late had two replicas compute each call for no bill (the
         review of the gateway's retries)."""
         logger.warning("request %s: replica %s's engine answered HTTP %d", self.request_id, replica.id, status)
-        ready = await directory.ready_replicas(self.endpoint.id, fresh=True)
-        if status == 500 and replica.id in {r.id for r in ready}:
+        if status == 500 and await self._still_ready(replica):
             return errors.engine_failed()
         return errors.upstream_failed()
+
+    async def _still_ready(self, replica: ReplicaInfo) -> bool:
+        """Whether `replica` is READY, read now: its engine up (a replica being drained or scaled to zero is not)."""
+        return replica.id in {r.id for r in await directory.ready_replicas(self.endpoint.id, fresh=True)}
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
@@ -539,7 +554,7 @@ class InferenceCall:
             self.status = "client_aborted"
             return
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+                   (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers(), *self.cors_headers]
         if self.held_at is not None:
             await self._measure_cold_start()
             headers.append(self.cold_start.header())
@@ -749,7 +764,7 @@ class InferenceCall:
         if self.response_started:
             return
         kind = sse.SSE_HEADERS if self.request.stream else [(b"content-type", b"application/json")]
-        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers()]
+        headers = [*kind, (b"x-request-id", self.request_id.encode()), *self.ratelimit.headers(), *self.cors_headers]
         delivery.watch(self)
         await self._send_watched({"type": "http.response.start", "status": 200, "headers": headers})
         self.response_started = True

@@ -52,6 +52,7 @@ class UpstreamError(Exception):
 
     before_first_byte = False  # set when no byte of the answer had arrived
     nothing_sent = False  # set when no byte of the request left: the replica cannot have read it
+    on_reused_connection = False  # set when it failed on a pooled connection that had carried an answer before
 
 
 def engine_cannot_have_started(error: UpstreamError) -> bool:
@@ -60,6 +61,14 @@ def engine_cannot_have_started(error: UpstreamError) -> bool:
     have read the request and died on it (a non-streamed answer's first byte comes at its end), so sent again
     elsewhere it would be computed twice."""
     return error.nothing_sent
+
+
+def idle_close_raced(error: UpstreamError) -> bool:
+    """Whether `error` may be the replica's server closing a pooled connection it held idle as the request went out on
+    it (uvicorn's graceful shutdown closes idle keep-alive connections at once, unread): closed with no byte of the
+    answer, on a connection that had carried an answer before. An engine that died on the request ends so too: the
+    caller tells them apart by its replica's state (`InferenceCall._forward`)."""
+    return error.before_first_byte and error.on_reused_connection
 
 
 class UpstreamConnectError(UpstreamError):
@@ -221,7 +230,7 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "reusable", "paused", "patient_until", "asking")
+                 "read_timeout_s", "reusable", "paused", "patient_until", "asking", "reused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -238,6 +247,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.patient_until = 0.0  # the response's `patience` granted a wait for its first byte until then
         self.asking: asyncio.Task | None = None  # the response's `patience`, being asked
+        self.reused = False  # taken from the pool: it carried an answer before (`idle_close_raced`)
 
     # --- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -267,6 +277,7 @@ class _Connection(asyncio.Protocol):
             error = UpstreamClosed(f"the replica closed the connection {'before answering' if first else 'mid-body'}"
                                    + (f": {exc}" if exc else ""))
             error.before_first_byte = first
+            error.on_reused_connection = self.reused
             response._fail(error)
 
     # --- httptools -------------------------------------------------------------------------
@@ -464,6 +475,7 @@ class _Pool:
             while idle:
                 conn = idle.pop()
                 if not conn.closed and not conn.transport.is_closing() and conn.idle_since > fresh_since:
+                    conn.reused = True
                     return conn
                 conn.close()  # closed by the server while idle, or idle too long: dropped, nothing was sent on it
         try:

@@ -22,6 +22,7 @@ from controlplane.redis_keys import batch_engine_failures_key
 from endpoints.batches import runner, services, storage
 from endpoints.batches.models import Batch, BatchStatus
 from tests.batches.conftest import new_batch
+from tests.fakes.closing_engine import ClosingEngine
 from tests.fakes.mock_openai import ENGINE_FAILS_FOR, ENGINE_FAILS_UNTIL
 from tests.gateway.conftest import serve_endpoint
 
@@ -210,3 +211,23 @@ def test_a_line_failed_by_a_run_on_another_worker_is_not_failed_for_good_by_a_wo
 
     batch = Batch.objects.get(pk=batch.pk)
     assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 0)
+
+
+def test_a_line_that_kills_its_engine_every_time_fails_for_good_as_one_its_engine_answers_500(
+    files_bucket, tenant, quick_retries, monkeypatch
+):
+    # Before: its engine's connection closed with no answer, its replica still READY, was `upstream_failed`, which a
+    # batch tries again every `RETRY_PAUSE_S` until it expires: ~50 tries in this slice, each an engine killed.
+    monkeypatch.setattr(runner, "ENGINE_FAILURES_MIN_SPAN_S", 1.0, raising=False)
+    engine = ClosingEngine(lambda _, body: b"kills-its-engine" in body)
+    endpoint = serve_endpoint(tenant.org, engine.address)
+    batch = new_batch(endpoint, _lines(endpoint, "someone", "kills-its-engine"))
+
+    services.run_batch(batch.pk)
+
+    batch = Batch.objects.get(pk=batch.pk)
+    assert (batch.status, batch.num_completed, batch.num_failed) == (BatchStatus.COMPLETED, 1, 1)
+    assert engine.num_closed == runner.MAX_ENGINE_FAILURES
+    [error_row] = [json.loads(row) for row in storage.read_bytes(batch.error_file.s3_key).splitlines()]
+    assert error_row["custom_id"] == "line-1" and error_row["response"]["status_code"] == 502
+    assert error_row["response"]["body"]["error"]["code"] == "upstream_error"

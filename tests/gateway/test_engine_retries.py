@@ -5,9 +5,13 @@ caller's OpenAI-shaped 5xx, and no second engine computes it for nothing."""
 
 import httpx
 import pytest
+from django.db import connections
 
 from billing.models import UsageRecord
+from endpoints.models import Replica
+from gpu_agent.protocol import ReplicaState
 from tests.conftest import free_port
+from tests.fakes.closing_engine import ClosingEngine
 from tests.fakes.mock_openai import ENGINE_DIES_ON, ENGINE_FAILS_FOR, ENGINE_FAILS_LATE
 from tests.gateway.conftest import serve_endpoint
 
@@ -69,3 +73,47 @@ def test_a_replica_that_refuses_the_connection_is_still_tried_once_on_another(ga
     for _ in range(4):
         assert _call(gateway, tenant.key, endpoint, "someone").status_code == 200
     assert _num_requests(live) == 4
+
+
+def _engine_closing_reused_connections(*, stopping: bool) -> ClosingEngine:
+    """An engine closing a connection's second call, unanswered; `stopping`: its replica DRAINING by then (as the
+    control plane marks it before its engine stops), else it stays READY (an engine that died on the call)."""
+    def drained():
+        Replica.objects.filter(address=engine.address).update(state=ReplicaState.DRAINING)
+        connections.close_all()
+
+    engine = ClosingEngine(lambda number, _: number > 0, drained if stopping else lambda: None)
+    return engine
+
+
+def _calls_until_closed(gateway: str, key: str, endpoint, closing: ClosingEngine, live: str):
+    """Calls until one lands on a pooled connection `closing` closes: that call's answer, and the calls `live`
+    was sent meanwhile besides the others answered."""
+    for _ in range(30):
+        before = _num_requests(live)
+        answer = _call(gateway, key, endpoint, "someone")
+        if closing.num_closed:
+            return answer, _num_requests(live) - before
+        assert answer.status_code == 200, answer.text
+    raise AssertionError("no call landed on a pooled connection to the closing engine")
+
+
+def test_a_call_on_a_pooled_connection_its_stopping_replica_closed_is_sent_to_another_replica(
+        gateway, tenant, start_mock_upstream):
+    # Before: a replica being drained (or scaled to zero) whose engine closed an idle pooled connection as a call landed
+    # on it turned that call into a 502, though its engine never read it.
+    closing, live = _engine_closing_reused_connections(stopping=True), start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, closing.address, live)
+    answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
+    assert answer.status_code == 200, answer.text
+    assert num_sent_to_live == 1
+
+
+def test_a_call_on_a_pooled_connection_whose_ready_engine_closed_it_is_never_sent_to_another_replica(
+        gateway, tenant, start_mock_upstream):
+    # Its replica still READY: an engine that died on the call, which may have computed it (and would kill the next).
+    closing, live = _engine_closing_reused_connections(stopping=False), start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, closing.address, live)
+    answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
+    _assert_openai_server_error(answer)
+    assert num_sent_to_live == 0
