@@ -138,3 +138,33 @@ def test_a_cancellation_that_failed_holds_pushes_back_only_until_the_next_run(fa
     _meter_events_aggregated(organization)
     assert closing.end_closed_subscriptions() == 1
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_mark_outliving_the_subscription_it_was_for_holds_no_push(fake_stripe, monkeypatch):
+    # NOTE: a pod of the release before billing/0040 (a rolling deploy) forgets a subscription without its mark, from
+    # the webhook of the very cancellation that set it. Before, the mark outlived it: the organisation was no longer
+    # one "with a subscription" for the runs, and every push of its late usage waited for good, billed by nobody.
+    organization, customer, first = _closed_with_usage_pushed(fake_stripe)
+    _meter_events_aggregated(organization)
+    real = services.record_subscription_ended
+
+    def killed(subscription_id):
+        raise RuntimeError("the worker died between the cancellation and its record")
+
+    monkeypatch.setattr(services, "record_subscription_ended", killed)
+    assert closing.end_closed_subscriptions() == 0
+    monkeypatch.setattr(services, "record_subscription_ended", real)
+    assert fake_stripe.subscriptions[first]["status"] == "canceled"
+    # the cancellation's webhook, handled by a pod of the release before: the subscription forgotten, the mark not
+    BillingAccount.objects.filter(organization=organization).update(stripe_subscription_id="",
+                                                                    stripe_subscription_started_at=None)
+    assert closing.end_closed_subscriptions() == 0  # nothing left for the runs to end
+
+    endpoint = UsageRollup.objects.filter(organization=organization).first().endpoint
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=30)))
+    rollup_usage()
+
+    second = late_usage_billed_by_a_new_subscription(fake_stripe, organization, first)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert len(_cancels(fake_stripe, second)) == 1
+    assert BillingAccount.objects.get(organization=organization).subscription_ending_at is None
