@@ -13,11 +13,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db.models import F
 
 from billing import closed_subscriptions, services, stripe_sync
 from billing.ledger import record_usage
 from billing.models import BillingAccount, UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.clock import database_now
 from endpoints import closing
 from tests.billing.conftest import usage_report
 from tests.billing.test_closed_subscription import (
@@ -168,3 +170,18 @@ def test_a_mark_outliving_the_subscription_it_was_for_holds_no_push(fake_stripe,
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
     assert len(_cancels(fake_stripe, second)) == 1
     assert BillingAccount.objects.get(organization=organization).subscription_ending_at is None
+
+
+def test_a_subscription_stored_anew_drops_a_mark_left_from_the_one_before(fake_stripe):
+    organization, _, first = _closed_with_usage_pushed(fake_stripe)
+    # marked by a run and cancelled, then forgotten by a pod of the release before billing/0040 (the mark kept)
+    fake_stripe.subscriptions[first]["status"] = "canceled"
+    BillingAccount.objects.filter(organization=organization).update(
+        subscription_ending_at=database_now(), stripe_subscription_id="", stripe_subscription_started_at=None,
+        stripe_key_generation=F("stripe_key_generation") + 1)
+
+    second = stripe_sync.ensure_subscription(organization.pk)
+
+    account = BillingAccount.objects.get(organization=organization)
+    assert second != first and account.stripe_subscription_id == second
+    assert account.subscription_ending_at is None  # no run is ending the new one
