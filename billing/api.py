@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 
 from billing import ledger, services, standing, stripe_sync
 from billing.models import BillingAccount, BillingMode, CreditGrant, Invoice
-from billing.periods import current_period
+from billing.periods import Period, period_containing
 from billing.serializers import (
     CreditGrantSerializer,
     InvoiceSerializer,
@@ -31,6 +31,7 @@ from billing.webhooks import InvalidWebhook, handle_stripe_webhook
 from controlplane.accounts.api import OrganizationScopedMixin
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import ApiKey, Role
+from controlplane.clock import database_now
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,11 @@ class UsageExportView(UsageView):
 
 def billing_overview(organization) -> dict:
     account = BillingAccount.objects.for_organization(organization)
-    period = current_period()
+    # NOTE: one reading of PostgreSQL's clock for the whole answer, as the billing page's (`views._billing_page`): read
+    # once for the month (`current_period`) and again for the credit left, an answer across a month's edge paired
+    # last month's period and spend with the credit as of the new month.
+    now = database_now()
+    period = period_containing(now)
     return {
         "current_period": {
             "start": period.start.isoformat(),
@@ -99,15 +104,16 @@ def billing_overview(organization) -> dict:
         },
         "spend_cap": format_money(account.spend_cap) if account.spend_cap is not None else None,
         "mode": account.mode,
-        "standing": _standing_fields(account),
-        "credits": CreditGrantSerializer(CreditGrant.objects.for_org(organization), many=True).data,
+        "standing": _standing_fields(account, period),
+        "credits": CreditGrantSerializer(CreditGrant.objects.for_org(organization), many=True,
+                                         context={"now": now}).data,
         "invoices": InvoiceSerializer(Invoice.objects.for_org(organization).prefetch_related("lines")[:24], many=True).data,
     }
 
 
-def _standing_fields(account: BillingAccount) -> dict:
-    """`billing.standing.standing` as JSON: money as strings, the hold as an ISO 8601 moment."""
-    shown = standing.standing(account)
+def _standing_fields(account: BillingAccount, period: Period) -> dict:
+    """`billing.standing.standing` in `period` as JSON: money as strings, the hold as an ISO 8601 moment."""
+    shown = standing.standing(account, period=period)
     return {
         "payment_method_on_file": shown["payment_method_on_file"],
         "limit_without_payment_method": _money_or_none(shown["limit_without_payment_method"]),

@@ -677,10 +677,12 @@ def ensure_subscription(organization_id: int) -> str:
 
     subscription = call_stripe(find_else_create, what="subscription create",
                                key=_account_key(account, f"subscription-org-{organization_id}"))
-    # NOTE: with its start, in one conditional update: when two workers raced, the first stored wins whole.
+    # NOTE: with its start, in one conditional update: when two workers raced, the first stored wins whole. No run is
+    # ending a subscription just stored: a mark left by one that ended the one before (`_subscription_ending`) goes.
     BillingAccount.objects.filter(pk=account.pk, stripe_subscription_id="").update(
         stripe_subscription_id=subscription.id,
-        stripe_subscription_started_at=datetime.fromtimestamp(subscription.start_date, tz=UTC))
+        stripe_subscription_started_at=datetime.fromtimestamp(subscription.start_date, tz=UTC),
+        subscription_ending_at=None)
     return BillingAccount.objects.values_list("stripe_subscription_id", flat=True).get(pk=account.pk)
 
 
@@ -805,8 +807,12 @@ def _subscription_ending(organization_id: int) -> bool:
 
     NOTE: read after the rollup's claim, which the run's second judgement sees: either that judgement sees the rollup
     claimed and not pushed (and waits for it), or this sees the run's mark. Read before the claim, a push that passed
-    it and claimed a rollup just made, after the judgement, went to the subscription being cancelled."""
-    return BillingAccount.objects.filter(organization_id=organization_id, subscription_ending_at__isnull=False).exists()
+    it and claimed a rollup just made, after the judgement, went to the subscription being cancelled.
+    NOTE: only while the account still holds a subscription: a run marks only one it holds, and forgetting it takes
+    the mark too, but a forget by a pod of the release before billing/0040 did not; that mark held every push of the
+    organisation for good, no run ever coming back to an organisation without a subscription."""
+    return (BillingAccount.objects.filter(organization_id=organization_id, subscription_ending_at__isnull=False)
+            .exclude(stripe_subscription_id="").exists())
 
 
 def push_rollup(rollup_id: int) -> bool:

@@ -10,12 +10,16 @@ beside the credit as of the new month. The tests set this pod's clock back to fi
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 from django.test import Client
 
-from billing import periods, views
+from billing import api, periods, serializers, views
+from billing.credits import grant_credits
 from billing.ledger import record_usage
 from controlplane.accounts.models import Role
+from controlplane.accounts.services import SYSTEM
 from controlplane.accounts.tenancy import SESSION_KEY
 from controlplane.clock import database_now
 from tests.billing.conftest import usage_report
@@ -77,3 +81,27 @@ def test_the_billing_page_reads_the_databases_clock_once(monkeypatch):
     assert page.status_code == 200
     assert len(reads) == 1
     assert page.context["period"] == periods.period_containing(database_now())
+
+
+def test_the_billing_apis_overview_reads_the_databases_clock_once(owner_client, monkeypatch):
+    # NOTE: the API's twin of the page (`billing.api.billing_overview`): it read the clock once for the month
+    # (`current_period`) and again for the credit left (`CreditGrantSerializer`), so an answer across a month's edge
+    # paired last month's period and spend with the credit as of the new month.
+    grant_credits(SYSTEM, owner_client.organization, amount=Decimal("5.00"))
+    reads = []
+
+    def counted(real):
+        def read():
+            reads.append(1)
+            return real()
+        return read
+
+    monkeypatch.setattr(periods, "database_now", counted(periods.database_now))
+    monkeypatch.setattr(serializers, "database_now", counted(serializers.database_now))
+    monkeypatch.setattr(api, "database_now", counted(database_now), raising=False)
+
+    response = owner_client.get("/api/v1/billing/")
+
+    assert response.status_code == 200
+    assert len(reads) == 1
+    assert response.json()["credits"][0]["remaining"] == "5.00"

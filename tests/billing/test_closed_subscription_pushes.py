@@ -13,11 +13,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db.models import F
 
 from billing import closed_subscriptions, services, stripe_sync
 from billing.ledger import record_usage
 from billing.models import BillingAccount, UsageRollup
 from billing.rollups import rollup_usage
+from controlplane.clock import database_now
 from endpoints import closing
 from tests.billing.conftest import usage_report
 from tests.billing.test_closed_subscription import (
@@ -138,3 +140,48 @@ def test_a_cancellation_that_failed_holds_pushes_back_only_until_the_next_run(fa
     _meter_events_aggregated(organization)
     assert closing.end_closed_subscriptions() == 1
     assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_mark_outliving_the_subscription_it_was_for_holds_no_push(fake_stripe, monkeypatch):
+    # NOTE: a pod of the release before billing/0040 (a rolling deploy) forgets a subscription without its mark, from
+    # the webhook of the very cancellation that set it. Before, the mark outlived it: the organisation was no longer
+    # one "with a subscription" for the runs, and every push of its late usage waited for good, billed by nobody.
+    organization, customer, first = _closed_with_usage_pushed(fake_stripe)
+    _meter_events_aggregated(organization)
+    real = services.record_subscription_ended
+
+    def killed(subscription_id):
+        raise RuntimeError("the worker died between the cancellation and its record")
+
+    monkeypatch.setattr(services, "record_subscription_ended", killed)
+    assert closing.end_closed_subscriptions() == 0
+    monkeypatch.setattr(services, "record_subscription_ended", real)
+    assert fake_stripe.subscriptions[first]["status"] == "canceled"
+    # the cancellation's webhook, handled by a pod of the release before: the subscription forgotten, the mark not
+    BillingAccount.objects.filter(organization=organization).update(stripe_subscription_id="",
+                                                                    stripe_subscription_started_at=None)
+    assert closing.end_closed_subscriptions() == 0  # nothing left for the runs to end
+
+    endpoint = UsageRollup.objects.filter(organization=organization).first().endpoint
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=30)))
+    rollup_usage()
+
+    second = late_usage_billed_by_a_new_subscription(fake_stripe, organization, first)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert len(_cancels(fake_stripe, second)) == 1
+    assert BillingAccount.objects.get(organization=organization).subscription_ending_at is None
+
+
+def test_a_subscription_stored_anew_drops_a_mark_left_from_the_one_before(fake_stripe):
+    organization, _, first = _closed_with_usage_pushed(fake_stripe)
+    # marked by a run and cancelled, then forgotten by a pod of the release before billing/0040 (the mark kept)
+    fake_stripe.subscriptions[first]["status"] = "canceled"
+    BillingAccount.objects.filter(organization=organization).update(
+        subscription_ending_at=database_now(), stripe_subscription_id="", stripe_subscription_started_at=None,
+        stripe_key_generation=F("stripe_key_generation") + 1)
+
+    second = stripe_sync.ensure_subscription(organization.pk)
+
+    account = BillingAccount.objects.get(organization=organization)
+    assert second != first and account.stripe_subscription_id == second
+    assert account.subscription_ending_at is None  # no run is ending the new one
