@@ -335,12 +335,8 @@ admin.site.unregister(Group)
 admin.site.register(Group, AuditedGroupAdmin)
 
 
-class _DevicesOnlyShown:
-    """NOTE: staff's authenticators and recovery codes change only through `second_factor` (an enrolment with a code
-    issued out of band, an operator's reset) and `recovery_codes`, which audit. django-otp's own admin let any staff
-    member add a confirmed device with a key of their choosing to any account (another staff member's, an account
-    about to be made staff), move a device to another account, clear its throttling or delete it, with no audit
-    event: a second factor set up past the enrolment codes."""
+class ViewOnly:
+    """An admin mixin: staff look, and add, change or delete nothing."""
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -350,6 +346,14 @@ class _DevicesOnlyShown:
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+class _DevicesOnlyShown(ViewOnly):
+    """NOTE: staff's authenticators and recovery codes change only through `second_factor` (an enrolment with a code
+    issued out of band, an operator's reset) and `recovery_codes`, which audit. django-otp's own admin let any staff
+    member add a confirmed device with a key of their choosing to any account (another staff member's, an account
+    about to be made staff), move a device to another account, clear its throttling or delete it, with no audit
+    event: a second factor set up past the enrolment codes."""
 
 
 class StaffTOTPDeviceAdmin(_DevicesOnlyShown, TOTPDeviceAdmin):
@@ -365,7 +369,7 @@ for device_model, device_admin in ((TOTPDevice, StaffTOTPDeviceAdmin), (StaticDe
     admin.site.register(device_model, device_admin)
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
     """Staff look; the services change. Every field shown, none editable, no add or delete.
 
     NOTE: a name a tenant set (`shown_names`) is shown through the admin's `<field>_shown` method, escaped as the console
@@ -382,15 +386,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         if not self.shown_names:
             return excluded  # NOTE: None still lets a custom form's Meta.exclude count (`ModelAdmin.get_form`)
         return [*(excluded or ()), *self.shown_names]
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Plan)

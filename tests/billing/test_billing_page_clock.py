@@ -62,17 +62,21 @@ def test_the_usage_pages_default_range_ends_today_by_the_databases_clock(monkeyp
     assert page.context["end"] == database_now().date()
 
 
-def test_the_billing_page_reads_the_databases_clock_once(monkeypatch):
-    organization = OrganizationFactory()
-    console = _console(organization)
-    reads = []
-
+def _counting_into(reads: list):
+    """A wrapper of a clock read that notes each read in `reads`."""
     def counted(real):
         def read():
             reads.append(1)
             return real()
         return read
+    return counted
 
+
+def test_the_billing_page_reads_the_databases_clock_once(monkeypatch):
+    organization = OrganizationFactory()
+    console = _console(organization)
+    reads = []
+    counted = _counting_into(reads)
     monkeypatch.setattr(views, "database_now", counted(views.database_now))
     monkeypatch.setattr(periods, "database_now", counted(periods.database_now))
 
@@ -89,13 +93,7 @@ def test_the_billing_apis_overview_reads_the_databases_clock_once(owner_client, 
     # paired last month's period and spend with the credit as of the new month.
     grant_credits(SYSTEM, owner_client.organization, amount=Decimal("5.00"))
     reads = []
-
-    def counted(real):
-        def read():
-            reads.append(1)
-            return real()
-        return read
-
+    counted = _counting_into(reads)
     monkeypatch.setattr(periods, "database_now", counted(periods.database_now))
     monkeypatch.setattr(serializers, "database_now", counted(serializers.database_now))
     monkeypatch.setattr(api, "database_now", counted(database_now), raising=False)
