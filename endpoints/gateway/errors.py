@@ -182,10 +182,9 @@ def upstream_failed(message: str = "The model's replica failed; please retry.") 
 
 class EngineFailed(OpenAIError):
     """The replica's engine answered the request with an HTTP 500 of its own (or closed its connection with no answer,
-    dead on it), its replica still READY (never sent to
-    another: `InferenceCall._engine_failed`): the engine is up and this request fails there (a body vLLM cannot handle),
-    as it may again. A batch line gives up after a few over a minute (`endpoints.batches.runner.MAX_ENGINE_FAILURES`); a replica that went away is
-    `upstream_failed`."""
+    dead on it), its replica still READY (never sent to another: `InferenceCall._engine_failed`): the engine is up and
+    this request fails there (a body vLLM cannot handle), as it may again. A batch line gives up after a few over a
+    minute (`endpoints.batches.runner.MAX_ENGINE_FAILURES`); a replica that went away is `upstream_failed`."""
 
 
 def engine_failed() -> EngineFailed:
