@@ -8,6 +8,9 @@ Everything else in accounts that writes builds on this: sign-up and email verifi
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 from dataclasses import dataclass
 
 from django.db import IntegrityError, transaction
@@ -28,6 +31,20 @@ class Actor:
     # deleting an account in the Django admin): asked no role, as the system, and named by the audit log. Before, such
     # an actor was the system alone, and the events of keys staff revoked named nobody.
     staff: object | None = None
+    # NOTE: an operator at a shell on the servers (`manage.py createsuperuser`, `changepassword`, ...), named by the
+    # operating-system account running the command (`at_shell`): no Django account acts there, and before, a staff
+    # account made or a password set from a shell left no audit event, or one that named nobody.
+    operator: str | None = None
+
+    @classmethod
+    def at_shell(cls) -> Actor:
+        """The operator running this management command: `<operating-system user>@<host>`, recorded in each audit
+        event's details as `operator`."""
+        try:
+            who = getpass.getuser()
+        except (KeyError, OSError):  # NOTE: a container's uid with no passwd entry and no LOGNAME/USER
+            who = f"uid {os.getuid()}"
+        return cls(operator=f"{who}@{socket.gethostname()}")
 
     @classmethod
     def from_request(cls, request) -> Actor:
@@ -99,7 +116,7 @@ def record_audit(actor: Actor, organization, action: str, target=None, **details
         target_type=type(target).__name__ if target is not None else "",
         target_id=str(getattr(target, "pk", "") or ""),
         target_repr=str(target)[:200] if target is not None else "",
-        details=details,
+        details={**details, "operator": actor.operator} if actor.operator is not None else details,
         source_ip=actor.source_ip,
     )
 
