@@ -109,6 +109,7 @@ def client_ip(request) -> str | None:
 
 def record_audit(actor: Actor, organization, action: str, target=None, **details) -> AuditEvent:
     return AuditEvent.objects.create(
+        by_staff=acts_as_staff(actor, organization),
         organization=organization,
         actor=actor.user if actor.user is not None else actor.staff,
         api_key=actor.api_key,
@@ -119,6 +120,17 @@ def record_audit(actor: Actor, organization, action: str, target=None, **details
         details={**details, "operator": actor.operator} if actor.operator is not None else details,
         source_ip=actor.source_ip,
     )
+
+
+def acts_as_staff(actor: Actor, organization) -> bool:
+    """Whether `actor` acts on `organization` as the platform's staff rather than as one of its members: staff acting as
+    the platform, an operator at a shell, or a staff account that is not a member of it (the Django admin's changes of
+    its plan, spend cap, prices). NOTE: a staff account that is a member acting in it (the demo's admin) is a member."""
+    if actor.staff is not None or actor.operator is not None:
+        return True
+    if actor.user is None or actor.api_key is not None or organization is None or not actor.user.is_staff:
+        return False
+    return actor_role(actor, organization) is None
 
 
 def unique_org_slug(name: str) -> str:
