@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from django.db import IntegrityError, transaction
+from django.dispatch import Signal
 from django.utils.text import slugify
 
 from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Role
@@ -169,16 +170,27 @@ PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max
                "max_gpus_by_type")
 
 
+# Sent with `organization_ids` once a change of the replicas or GPUs their plan allows is written (in its transaction):
+# the endpoints app reconciles their endpoints, which drain down to a lowered quota (`endpoints.quotas.over_quota`).
+# NOTE: a signal, as accounts may not import endpoints (the layers in pyproject.toml).
+replica_quotas_changed = Signal()
+
+REPLICA_QUOTA_FIELDS = ("max_replicas", "max_gpus_by_type")
+
+
 @transaction.atomic
 def save_plan(actor: Actor, plan: Plan) -> Plan:
     """Staff create or change a plan; audited with what changed. Gateways see it within their
-    endpoint cache window (seconds), the autoscaler at its next placement."""
+    endpoint cache window (seconds), the autoscaler at its next placement; replicas or GPUs lowered, the organisations
+    on it drain what they hold past it, one replica at a time (`replica_quotas_changed`)."""
     before = Plan.objects.filter(pk=plan.pk).values(*PLAN_FIELDS).first() if plan.pk else None
     plan.quotas  # noqa: B018 - validates the numbers before anything is written
     plan.save()
     after = {name: getattr(plan, name) for name in PLAN_FIELDS}
     changes = {name: value for name, value in after.items() if before is None or before[name] != value}
     record_audit(actor, None, "plan.create" if before is None else "plan.update", plan, changes=changes)
+    if before is not None and set(changes) & set(REPLICA_QUOTA_FIELDS):
+        replica_quotas_changed.send(Plan, organization_ids=list(plan.organizations.values_list("pk", flat=True)))
     return plan
 
 
@@ -190,4 +202,5 @@ def set_organization_plan(actor: Actor, organization: Organization, plan: Plan |
     Organization.objects.filter(pk=organization.pk).update(plan=plan)
     organization.plan = plan
     record_audit(actor, organization, "organization.plan", organization, before=previous, after=plan.name if plan else None)
+    replica_quotas_changed.send(Organization, organization_ids=[organization.pk])
     return organization
