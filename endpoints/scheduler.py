@@ -130,7 +130,7 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         # says so). An autoscaler's own scale-down goes first: it lowers what the organisation holds.
         over = quotas.over_quota(endpoint) if serving and num_wanted >= len(serving) else None
         if over is not None:
-            message = over.message
+            message = message or over.message  # NOTE: a failure's message, holding it back, says more
             if not over.num_draining and over.newest.endpoint_id == endpoint.pk:
                 _drain_over_quota(endpoint, over)
         elif num_wanted > len(serving) and held_back:
