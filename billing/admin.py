@@ -15,7 +15,7 @@ from billing.models import BillingAccount, CreditGrant, CreditKind, Dispute, Inv
 from billing.serializers import MAX_SPEND_CAP
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor
-from controlplane.accounts.stale_edits import RefusesStaleEdits
+from controlplane.accounts.stale_edits import LocksEditedRow, RefusesStaleEdits
 
 NO_CEILING = "none"
 
@@ -126,7 +126,7 @@ class AbandonDifferenceForm(forms.Form):
 
 
 @admin.register(BillingAccount)
-class BillingAccountAdmin(admin.ModelAdmin):
+class BillingAccountAdmin(LocksEditedRow, admin.ModelAdmin):
     form = BillingAccountForm
     list_display = ["organization", "mode", "spend_cap", "payment_method_on_file", "past_due_since", "hold_reason",
                     "stripe_customer_id"]

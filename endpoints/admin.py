@@ -5,7 +5,7 @@ from django.contrib import admin
 
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.services import Actor, record_audit
-from controlplane.accounts.stale_edits import StaleEditsRefusedForm
+from controlplane.accounts.stale_edits import LocksEditedRow, StaleEditsRefusedForm
 from endpoints import services
 from endpoints.adapters import ADAPTER_PRICE_FIELDS
 from endpoints.fleet import admin as fleet_admin  # noqa: F401 - registers the nodes' admin
@@ -13,7 +13,7 @@ from endpoints.models import Adapter, AllowedSource, Endpoint, EndpointEvent, Mo
 
 
 @admin.register(AllowedSource)
-class AllowedSourceAdmin(admin.ModelAdmin):
+class AllowedSourceAdmin(LocksEditedRow, admin.ModelAdmin):
     """The public catalogue. NOTE: a source added here is read with the fleet's own credentials for
     every organisation, and its cached copy is shared: add only models that are public."""
 
@@ -52,7 +52,7 @@ class ModelCredentialAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Endpoint)
-class EndpointAdmin(admin.ModelAdmin):
+class EndpointAdmin(LocksEditedRow, admin.ModelAdmin):
     form = StaleEditsRefusedForm
     list_display = ["name", "organization", "task", "gpu_type", "quantization", "min_replicas", "max_replicas",
                     "price_input_per_million", "price_cached_input_per_million", "price_output_per_million",
@@ -92,7 +92,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 
 @admin.register(Adapter)
-class AdapterAdmin(admin.ModelAdmin):
+class AdapterAdmin(LocksEditedRow, admin.ModelAdmin):
     form = StaleEditsRefusedForm
     list_display = ["name", "endpoint", "state", "price_input_per_million", "price_output_per_million", "created_at"]
     list_filter = ["state"]

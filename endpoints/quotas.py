@@ -9,6 +9,10 @@ The numbers come from the organisation's plan, or the platform defaults
 - placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
   `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
   (the endpoint shows "waiting for quota: …");
+- a quota lowered below what the organisation holds (its plan changed, or it moved to a smaller one: `over_quota`):
+  its endpoints' reconciles drain its replicas down to it, one at a time, newest first, each drain audited
+  (`replica.quota_drain`) and the endpoints holding them showing why ("over quota: …"), never all at once: a
+  mistyped plan must not take every tenant on it cold in one tick;
 - the gateway (`endpoints.gateway.cold_start`): requests held for a cold start;
 - file uploads (`endpoints.batches.services.create_file`): bytes of files kept (400 `storage_quota_exceeded`).
 """
@@ -24,8 +28,10 @@ from controlplane.accounts.models import Organization, Quotas
 from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
-from endpoints.models import ACTIVE_REPLICA_STATES, Endpoint, Replica
+from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
 from endpoints.quota_room import replica_room
+from endpoints.replicas import request_reconcile
+from gpu_agent.protocol import ReplicaState
 
 
 class QuotaExceeded(ValidationError):
@@ -189,3 +195,74 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
     if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None
+
+
+@dataclass(slots=True, frozen=True)
+class OverQuota:
+    """An organisation holding more serving replicas than its plan now allows, in the scope one endpoint counts in."""
+
+    message: str  # shown on the endpoint, the reason of each drain
+    quota: str  # the plan's field: "max_replicas" or "max_gpus_by_type.<type>"
+    limit: int
+    num_held: int  # serving (not draining) replicas, or their GPUs, in that scope
+    newest: Replica  # the next to drain: the scope's newest serving replica
+    num_draining: int  # the scope's replicas draining now: the next waits for them (one at a time)
+
+
+def over_quota(endpoint: Endpoint) -> OverQuota | None:
+    """Where the endpoint's organisation serves more replicas than its plan allows (in all, or GPUs of the endpoint's
+    type): what to drain next, or None.
+
+    NOTE: serving replicas only (pending, starting, ready): those draining are on their way out, and counting them
+    drained a second replica before the first had stopped. Placement still counts them (`replica_refusal`), so
+    nothing new is placed until the organisation is within its quota."""
+    quotas = endpoint.organization.quotas
+    held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
+    scopes = [("max_replicas", quotas.max_replicas, held, None)]
+    max_gpus = quotas.max_gpus(endpoint.gpu_type)
+    if max_gpus < quotas.max_replicas or endpoint.gpus_per_replica > 1:
+        scopes.append((f"max_gpus_by_type.{endpoint.gpu_type}", max_gpus, held.filter(endpoint__gpu_type=endpoint.gpu_type),
+                       "endpoint__gpus_per_replica"))
+    for quota, limit, in_scope, gpus in scopes:
+        serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
+        num_held = (serving.aggregate(num=Sum(gpus))["num"] or 0) if gpus else serving.count()
+        if num_held <= limit:
+            continue
+        what = f"{endpoint.gpu_type} GPUs" if gpus else "replicas"
+        # NOTE: no count of what is held: the message is the same until the drains end, so it is one event on the
+        # endpoint's log, not one per drain
+        message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold: their "
+                   "replicas drain one at a time, newest first, down to it")
+        return OverQuota(message, quota, limit, num_held, serving.order_by("-created_at", "-pk").first(),
+                         in_scope.filter(state=ReplicaState.DRAINING).count())
+    return None
+
+
+def endpoints_over_quota(endpoint_ids) -> set[str]:
+    """Those of `endpoint_ids` that serve replicas for an organisation past its replica or GPU quotas (`over_quota`),
+    in two queries. NOTE: for the tick, which otherwise skips an endpoint serving what its autoscaler wants: a reconcile
+    asked for when the quota was lowered (`reconcile_organizations`) is a hint a broker out of reach loses, and an
+    organisation's every endpoint is among them (the tick's endpoints include every one with replicas)."""
+    rows = list(Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
+                .values("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type")
+                .annotate(num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica"))
+                .values_list("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type", "num", "gpus"))
+    num_held, gpus_held = {}, {}
+    for _, organization_id, gpu_type, num, gpus in rows:
+        num_held[organization_id] = num_held.get(organization_id, 0) + num
+        gpus_held[organization_id, gpu_type] = gpus_held.get((organization_id, gpu_type), 0) + (gpus or 0)
+    over = {organization.pk for organization in Organization.objects.filter(pk__in=num_held).select_related("plan")
+            if num_held[organization.pk] > organization.quotas.max_replicas
+            or any(gpus > organization.quotas.max_gpus(gpu_type)
+                   for (organization_id, gpu_type), gpus in gpus_held.items() if organization_id == organization.pk)}
+    return {str(endpoint_id) for endpoint_id, organization_id, *_ in rows if organization_id in over}
+
+
+def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
+    """Every endpoint of these organisations that serves replicas is reconciled once the change commits: their quotas
+    changed (`accounts.services.replica_quotas_changed`), and a lowered one drains them (`over_quota`)."""
+    endpoint_ids = (Replica.objects.filter(endpoint__organization_id__in=organization_ids,
+                                           state__in=SERVING_REPLICA_STATES)
+                    .order_by().values_list("endpoint_id", flat=True).distinct())
+    for endpoint_id in endpoint_ids:
+        request_reconcile(endpoint_id)

@@ -21,6 +21,7 @@ from django.db.models import Count, DurationField, ExpressionWrapper, F, Q
 from django.db.models.functions import Now
 
 from controlplane import redis_keys
+from controlplane.accounts.services import SYSTEM, record_audit
 from controlplane.clock import database_time_ago
 from controlplane.redis_client import get_redis, held_alone, redis_time
 from controlplane.redis_keys import FLEET_SILENT_SINCE_KEY, LISTENING_SINCE_KEY, TICK_LOCK_KEY
@@ -123,7 +124,16 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         num_wanted = decision.desired
         if backing_off and endpoint.scale_up_backing_off and not serving and num_wanted > 0:
             held_back, num_wanted = False, 1
-        if num_wanted > len(serving) and held_back:
+        # NOTE: its organisation past a quota lowered since (`quotas.over_quota`) and this endpoint wanting no fewer
+        # replicas than it serves: nothing is placed, and its organisation's newest replica drains, when it is this
+        # endpoint's and none drains already (one at a time: the tick reconciles this endpoint again while its message
+        # says so). An autoscaler's own scale-down goes first: it lowers what the organisation holds.
+        over = quotas.over_quota(endpoint) if serving and num_wanted >= len(serving) else None
+        if over is not None:
+            message = message or over.message  # NOTE: a failure's message, holding it back, says more
+            if not over.num_draining and over.newest.endpoint_id == endpoint.pk:
+                _drain_over_quota(endpoint, over)
+        elif num_wanted > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off
             # after a failure waits for `next_attempt_at` (a later tick).
             pass
@@ -182,6 +192,15 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             Endpoint.objects.filter(pk=endpoint.pk).update(status_message=message, waiting_for_capacity=waiting_for_capacity,
                                                            unplaced_replicas=num_unplaced)
     return decision
+
+
+def _drain_over_quota(endpoint: Endpoint, over: quotas.OverQuota) -> None:
+    """The organisation's newest replica, this endpoint's, drains for a quota lowered below what it holds; audited."""
+    replica = over.newest
+    replica.endpoint = endpoint
+    if drain_replica(replica, reason=over.message):
+        record_audit(SYSTEM, endpoint.organization, "replica.quota_drain", endpoint, replica=str(replica.pk),
+                     quota=over.quota, limit=over.limit, held=over.num_held)
 
 
 class _PlacementNeeded(Exception):
@@ -297,7 +316,7 @@ def forget_past_recent_endpoints(now: float) -> int:
 
 def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.Load], *,
                            idle_deadlines: dict[str, float] | None = None, now: float | None = None) -> list[str]:
-    """The endpoints among `endpoint_ids` that a reconcile would change, found in two queries.
+    """The endpoints among `endpoint_ids` that a reconcile would change, found in a few queries.
 
     An endpoint whose serving replicas already number what the autoscaler wants, and that shows no
     "waiting for capacity" message, would be locked, read and left as it is: the tick skips it, so a
@@ -328,6 +347,8 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
         sleepers = sleepers.filter(Q(state_changed_at__lt=database_time_ago(settings.SLEEP_STOP_AFTER_S))
                                    | ~Q(endpoint__idle_action=IdleAction.SLEEP))
     changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
+    # NOTE: an organisation past a quota lowered since drains one replica at a time, at each tick (`quotas.over_quota`)
+    changing |= quotas.endpoints_over_quota(endpoint_ids)
     for endpoint in endpoints:
         try:
             decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], now=now, batch=demand.get(str(endpoint.pk)),

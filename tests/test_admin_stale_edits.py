@@ -4,26 +4,32 @@ does: every field the page holds, as it showed them, with the one the staff memb
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from html.parser import HTMLParser
 
 import pytest
 from django.contrib.auth.models import Group
+from django.db import connections
+from django.test import Client
 from django.urls import reverse
 
 from billing.models import BillingAccount, BillingMode
 from billing.quota.counters import QuotaExceeded
 from billing.services import set_spend_cap
+from controlplane.accounts import admin as accounts_admin
 from controlplane.accounts.models import AuditEvent, Plan, Role
 from controlplane.accounts.services import SYSTEM, Actor, save_plan
 from controlplane.accounts.stale_edits import CHANGED_SINCE_SHOWN
 from endpoints.catalogue import GPU_TYPES
+from endpoints.fleet import pool_services
 from endpoints.fleet.pool_services import create_node_pool, update_node_pool
 from endpoints.models import Endpoint
 from endpoints.nodes.models import NodePool
 from endpoints.services import update_endpoint
 from tests.billing.test_billing_paths import _reserve
-from tests.factories import EndpointFactory, MembershipFactory, UserFactory
+from tests.factories import EndpointFactory, MembershipFactory, UserFactory, sign_in_staff
 
 pytestmark = pytest.mark.django_db
 
@@ -248,3 +254,65 @@ def test_an_account_whose_stored_address_django_folds_differently_can_still_be_d
     assert response.status_code == 302, response.context["adminform"].form.errors
     user.refresh_from_db()
     assert not user.is_active
+
+
+def _saving_at_once(monkeypatch, module, name: str) -> None:
+    """`module.name` (the service a page saves through) waits, at most 2 s, for the other save to reach it too: only two
+    saves whose comparisons both passed meet there (with the row locked, the second waits for the first's commit)."""
+    both_compared = threading.Barrier(2)
+    real = getattr(module, name)
+
+    def compared_then_waiting(*args, **kwargs):
+        try:
+            both_compared.wait(timeout=2)
+        except threading.BrokenBarrierError:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, compared_then_waiting)
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: two staff members' saves, each on its own connection
+@pytest.mark.parametrize("page", ["plan", "fleet pool", "admin pool"])
+def test_two_staff_saves_of_one_page_at_once_keep_one_and_refuse_the_other(monkeypatch, page):
+    # Before, the comparison with what the page showed was not under the row's lock: two saves a few milliseconds
+    # apart both read the row before either wrote, both passed, and the second wrote back what the first changed.
+    if page == "plan":
+        row = save_plan(SYSTEM, Plan(name="team", max_endpoints=10, max_replicas=8, max_min_replicas=2,
+                                     max_held_requests=64, max_file_bytes=1 << 20))
+        url = reverse("admin:controlplane_plan_change", args=[row.pk])
+        edits = [{"max_replicas": ["2"]}, {"max_endpoints": ["12"]}]
+        _saving_at_once(monkeypatch, accounts_admin, "save_plan")
+    else:
+        row = create_node_pool(SYSTEM, name="l4-local", gpu_type="l4", provider="local", max_nodes=8)
+        url = (reverse("console:pool-edit", args=[row.pk]) if page == "fleet pool"
+               else reverse("admin:gpu_agent_nodepool_change", args=[row.pk]))
+        edits = [{"max_nodes": ["1"]}, {"idle_timeout_s": ["900"]}]
+        _saving_at_once(monkeypatch, pool_services, "update_node_pool")
+    clients = []
+    for _ in edits:
+        client = Client()
+        sign_in_staff(client, UserFactory(is_staff=True, is_superuser=True))
+        clients.append(client)
+    shown = [_as_shown(client, url) for client in clients]
+
+    def save(n):
+        try:
+            response = clients[n].post(url, {**shown[n], **edits[n]})
+            if response.status_code == 302:
+                return "saved"
+            _refused(response, next(iter(edits[1 - n])))
+            return "refused"
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(save, range(2)))
+
+    assert sorted(outcomes) == ["refused", "saved"]
+    winner = edits[outcomes.index("saved")]
+    row.refresh_from_db()
+    if page == "plan":
+        assert (row.max_replicas, row.max_endpoints) == ((2, 10) if "max_replicas" in winner else (8, 12))
+    else:
+        assert (row.max_nodes, row.idle_timeout_s) == ((1, 600) if "max_nodes" in winner else (8, 900))

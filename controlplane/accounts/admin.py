@@ -51,7 +51,7 @@ from controlplane.accounts.second_factor import (
 )
 from controlplane.accounts.services import Actor, record_audit, save_plan, set_organization_plan
 from controlplane.accounts.signup import mark_email_verified
-from controlplane.accounts.stale_edits import RefusesStaleEdits, StaleEditsRefusedForm
+from controlplane.accounts.stale_edits import LocksEditedRow, RefusesStaleEdits, StaleEditsRefusedForm
 from controlplane.text import shown_name
 
 User = get_user_model()
@@ -93,7 +93,7 @@ def _power_shown(value) -> bool | list[str]:
     return value if isinstance(value, bool) else sorted(str(item) for item in value or ())
 
 
-class UserAdmin(auth_admin.UserAdmin):
+class UserAdmin(LocksEditedRow, auth_admin.UserAdmin):
     form = UserChangeForm
     # NOTE: facts, not settings: each sign-in changes `last_login`, which a page shown before it posted back as it was
     # (and, judged against the row, refused as changed since: `stale_edits`).
@@ -306,7 +306,7 @@ admin.site.unregister(User)
 admin.site.register(User, UserAdmin)
 
 
-class AuditedGroupAdmin(auth_admin.GroupAdmin):
+class AuditedGroupAdmin(LocksEditedRow, auth_admin.GroupAdmin):
     """Django's groups, their permissions audited as staff change them: a group's members hold its permissions in the
     admin, so a permission added to a group was a power given, with no audit event."""
 
@@ -389,7 +389,7 @@ class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
 
 
 @admin.register(Plan)
-class PlanAdmin(admin.ModelAdmin):
+class PlanAdmin(LocksEditedRow, admin.ModelAdmin):
     form = StaleEditsRefusedForm
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
                     "max_gpus_by_type"]
@@ -404,7 +404,7 @@ class PlanAdmin(admin.ModelAdmin):
 
 
 @admin.register(Organization)
-class OrganizationAdmin(ReadOnlyAdmin):
+class OrganizationAdmin(LocksEditedRow, ReadOnlyAdmin):
     form = StaleEditsRefusedForm
     list_display = ["slug", "name_shown", "plan", "created_at"]
     shown_names = ("name",)

@@ -368,6 +368,11 @@ class AuditEvent(models.Model):
     target_repr = models.CharField(max_length=200, blank=True)
     details = models.JSONField(default=dict, blank=True)
     source_ip = models.GenericIPAddressField(null=True, blank=True)
+    # NOTE: done by the platform's staff (the Django admin, an operator's shell), not by one of the organisation's
+    # members (`services.record_audit`): its members read it as done by "Inferplane staff", with no address and no IP
+    # (`serializers.AuditEventSerializer`), since a tenant who learns staff's addresses and networks has a phishing
+    # list. Staff's own pages show everything.
+    by_staff = models.BooleanField(default=False, db_default=False)
     # NOTE: by PostgreSQL's clock (the statement's moment), filled in and returned by the insert: by each web pod's or
     # worker's own, one minutes off put an event before or after what it followed (a close's events around its
     # `closed_at`, which the database's clock stamps).

@@ -150,8 +150,12 @@ class ApiKeySerializer(StrictModelSerializer):
         return value
 
 
+STAFF_ACTOR = "Inferplane staff"
+
+
 class AuditEventSerializer(serializers.ModelSerializer):
-    actor = AddressField(source="actor.email", default=None, allow_null=True, read_only=True)
+    actor = AddressField(source="actor.email", default=None, allow_null=True, read_only=True,
+                         help_text=f'Who acted: a member\'s address, or "{STAFF_ACTOR}" for the platform\'s staff.')
     api_key = serializers.CharField(source="api_key.display_prefix", default=None, allow_null=True, read_only=True)
     target_repr = NameField(read_only=True, help_text="What was acted on, as it was named then (a key's name and prefix, "
                                                       "an address …).")
@@ -166,6 +170,11 @@ class AuditEventSerializer(serializers.ModelSerializer):
         # `organization.create`'s `owner`): escaped as `actor` and `target_repr` are (`text.shown_name`)
         data = super().to_representation(instance)
         data["details"] = _shown_strings(data["details"])
+        if instance.by_staff:
+            # NOTE: staff's address and network are not the tenant's to read (`AuditEvent.by_staff`): a hostile
+            # tenant learnt whom to phish, and from where staff connect. Staff read them in the admin.
+            data.update(actor=STAFF_ACTOR, api_key=None, source_ip=None)
+            data["details"].pop("operator", None)
         return data
 
 

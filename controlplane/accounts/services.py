@@ -8,9 +8,13 @@ Everything else in accounts that writes builds on this: sign-up and email verifi
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 from dataclasses import dataclass
 
 from django.db import IntegrityError, transaction
+from django.dispatch import Signal
 from django.utils.text import slugify
 
 from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Role
@@ -28,6 +32,20 @@ class Actor:
     # deleting an account in the Django admin): asked no role, as the system, and named by the audit log. Before, such
     # an actor was the system alone, and the events of keys staff revoked named nobody.
     staff: object | None = None
+    # NOTE: an operator at a shell on the servers (`manage.py createsuperuser`, `changepassword`, ...), named by the
+    # operating-system account running the command (`at_shell`): no Django account acts there, and before, a staff
+    # account made or a password set from a shell left no audit event, or one that named nobody.
+    operator: str | None = None
+
+    @classmethod
+    def at_shell(cls) -> Actor:
+        """The operator running this management command: `<operating-system user>@<host>`, recorded in each audit
+        event's details as `operator`."""
+        try:
+            who = getpass.getuser()
+        except (KeyError, OSError):  # NOTE: a container's uid with no passwd entry and no LOGNAME/USER
+            who = f"uid {os.getuid()}"
+        return cls(operator=f"{who}@{socket.gethostname()}")
 
     @classmethod
     def from_request(cls, request) -> Actor:
@@ -92,6 +110,7 @@ def client_ip(request) -> str | None:
 
 def record_audit(actor: Actor, organization, action: str, target=None, **details) -> AuditEvent:
     return AuditEvent.objects.create(
+        by_staff=acts_as_staff(actor, organization),
         organization=organization,
         actor=actor.user if actor.user is not None else actor.staff,
         api_key=actor.api_key,
@@ -99,9 +118,20 @@ def record_audit(actor: Actor, organization, action: str, target=None, **details
         target_type=type(target).__name__ if target is not None else "",
         target_id=str(getattr(target, "pk", "") or ""),
         target_repr=str(target)[:200] if target is not None else "",
-        details=details,
+        details={**details, "operator": actor.operator} if actor.operator is not None else details,
         source_ip=actor.source_ip,
     )
+
+
+def acts_as_staff(actor: Actor, organization) -> bool:
+    """Whether `actor` acts on `organization` as the platform's staff rather than as one of its members: staff acting as
+    the platform, an operator at a shell, or a staff account that is not a member of it (the Django admin's changes of
+    its plan, spend cap, prices). NOTE: a staff account that is a member acting in it (the demo's admin) is a member."""
+    if actor.staff is not None or actor.operator is not None:
+        return True
+    if actor.user is None or actor.api_key is not None or organization is None or not actor.user.is_staff:
+        return False
+    return actor_role(actor, organization) is None
 
 
 def unique_org_slug(name: str) -> str:
@@ -140,16 +170,27 @@ PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max
                "max_gpus_by_type")
 
 
+# Sent with `organization_ids` once a change of the replicas or GPUs their plan allows is written (in its transaction):
+# the endpoints app reconciles their endpoints, which drain down to a lowered quota (`endpoints.quotas.over_quota`).
+# NOTE: a signal, as accounts may not import endpoints (the layers in pyproject.toml).
+replica_quotas_changed = Signal()
+
+REPLICA_QUOTA_FIELDS = ("max_replicas", "max_gpus_by_type")
+
+
 @transaction.atomic
 def save_plan(actor: Actor, plan: Plan) -> Plan:
     """Staff create or change a plan; audited with what changed. Gateways see it within their
-    endpoint cache window (seconds), the autoscaler at its next placement."""
+    endpoint cache window (seconds), the autoscaler at its next placement; replicas or GPUs lowered, the organisations
+    on it drain what they hold past it, one replica at a time (`replica_quotas_changed`)."""
     before = Plan.objects.filter(pk=plan.pk).values(*PLAN_FIELDS).first() if plan.pk else None
     plan.quotas  # noqa: B018 - validates the numbers before anything is written
     plan.save()
     after = {name: getattr(plan, name) for name in PLAN_FIELDS}
     changes = {name: value for name, value in after.items() if before is None or before[name] != value}
     record_audit(actor, None, "plan.create" if before is None else "plan.update", plan, changes=changes)
+    if before is not None and set(changes) & set(REPLICA_QUOTA_FIELDS):
+        replica_quotas_changed.send(Plan, organization_ids=list(plan.organizations.values_list("pk", flat=True)))
     return plan
 
 
@@ -161,4 +202,5 @@ def set_organization_plan(actor: Actor, organization: Organization, plan: Plan |
     Organization.objects.filter(pk=organization.pk).update(plan=plan)
     organization.plan = plan
     record_audit(actor, organization, "organization.plan", organization, before=previous, after=plan.name if plan else None)
+    replica_quotas_changed.send(Organization, organization_ids=[organization.pk])
     return organization

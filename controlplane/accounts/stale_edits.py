@@ -8,6 +8,10 @@ organisation's owner lowered its spend cap from $500 to $50, staff with its page
 and the cap was $500 again, audited as staff's change and told to nobody.
 
 A submit without those values (a script, a test that posts the fields alone) is judged as before, against the row.
+
+The comparison and the write are made under the row's lock (`LocksEditedRow`, the fleet page's pool form in its view):
+two staff saves a few milliseconds apart both read the row before either wrote, both passed, and the second overwrote
+the first. Now the second waits for the first's commit, reads what it wrote, and is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import re
 
 from django import forms
+from django.db import router, transaction
 from django.utils.functional import cached_property
 
 CHANGED_SINCE_SHOWN = ("Changed by someone else since this page was shown: reload the page to see what it holds now, "
@@ -94,3 +99,26 @@ class RefusesStaleEdits:
 
 class StaleEditsRefusedForm(RefusesStaleEdits, forms.ModelForm):
     """The Django admin's change form for a model whose admin has no form of its own (`ModelAdmin.form`)."""
+
+
+class LocksEditedRow:
+    """A `ModelAdmin` mixin (before `admin.ModelAdmin` in the bases): a change page's submit reads its row under the
+    row's lock (FOR NO KEY UPDATE, as the services take a row they change), in the transaction Django's change view
+    validates and saves in, so `RefusesStaleEdits` compares with what is stored and the save writes it, with no other
+    save in between.
+
+    NOTE: only the change page's submit, inside its transaction: a delete takes its rows in its own order
+    (`UserAdmin.delete_queryset`), and a page shown locks nothing."""
+
+    def get_object(self, request, object_id, from_field=None):
+        obj = super().get_object(request, object_id, from_field)
+        if obj is None or not self._saves_change_page(request):
+            return obj
+        # NOTE: read again under the lock: the row as the other save committed it, or None if it was deleted meanwhile.
+        return self.get_queryset(request).select_for_update(no_key=True, of=("self",)).filter(pk=obj.pk).first()
+
+    def _saves_change_page(self, request) -> bool:
+        match = getattr(request, "resolver_match", None)
+        return (request.method == "POST" and match is not None
+                and match.url_name == f"{self.opts.app_label}_{self.opts.model_name}_change"
+                and transaction.get_connection(router.db_for_write(self.model)).in_atomic_block)

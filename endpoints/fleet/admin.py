@@ -14,7 +14,7 @@ from django.utils.html import format_html
 from controlplane.accounts.admin import ReadOnlyAdmin
 from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
-from controlplane.accounts.stale_edits import RefusesStaleEdits
+from controlplane.accounts.stale_edits import LocksEditedRow, RefusesStaleEdits
 from endpoints.fleet import pool_services
 from endpoints.fleet.services import NodeStateRefused, retire_node, set_node_state
 from endpoints.nodes.models import LIVE_LAUNCH_STATES, Node, NodeLaunch, NodePool
@@ -125,7 +125,7 @@ class NodePoolAdminForm(RefusesStaleEdits, forms.ModelForm):
 
 
 @admin.register(NodePool)
-class NodePoolAdmin(admin.ModelAdmin):
+class NodePoolAdmin(LocksEditedRow, admin.ModelAdmin):
     form = NodePoolAdminForm
     list_display = ["name", "gpu_type", "provider", "min_nodes", "warm_nodes", "max_nodes", "idle_timeout_s", "hourly_price"]
     list_filter = ["provider", "gpu_type"]

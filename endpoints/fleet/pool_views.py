@@ -6,6 +6,7 @@ Parse with `NodePoolForm`, change through `pool_services`, render: the same rule
 from __future__ import annotations
 
 from django.contrib import messages
+from django.db import transaction
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -47,11 +48,16 @@ def pool_new(request):
 
 @staff_required
 def pool_edit(request, pk):
-    pool = get_object_or_404(NodePool, pk=pk)
     if request.method != "POST":
+        pool = get_object_or_404(NodePool, pk=pk)
         return _form_page(request, NodePoolForm(pool=pool), pool)
-    form = NodePoolForm(request.POST, pool=pool)
-    if form.save(Actor.from_request(request)) is None:
+    # NOTE: the pool read, compared with what the page showed and saved under its row's lock (`stale_edits`): two
+    # saves at once both passed the comparison, and the second overwrote the first.
+    with transaction.atomic():
+        pool = get_object_or_404(NodePool.objects.select_for_update(no_key=True), pk=pk)
+        form = NodePoolForm(request.POST, pool=pool)
+        saved = form.save(Actor.from_request(request))
+    if saved is None:
         return _form_page(request, form, pool, status=400)
     messages.success(request, f"Node pool {pool.name} saved.")
     return redirect("console:fleet")

@@ -4,6 +4,8 @@ the account logs in to the console with its email (`controlplane.accounts.backen
 
 NOTE: `controlplane` is listed before `django.contrib.auth` in INSTALLED_APPS so this command
 replaces Django's.
+
+Audited (`user.create`, `command: createsuperuser`), naming the operating-system account that ran it (`Actor.at_shell`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import os
 from django.contrib.auth.management.commands import createsuperuser
 from django.core import exceptions
 from django.core.management.base import CommandError
+from django.db import transaction
 
 from controlplane.accounts.backends import email_in_use, normalize_email
+from controlplane.accounts.services import Actor, record_audit
 from controlplane.accounts.signup import mark_email_verified
 
 
@@ -32,10 +36,18 @@ class Command(createsuperuser.Command):
         options["email"] = email
         if not options.get(username_field) and not os.environ.get(f"DJANGO_SUPERUSER_{username_field.upper()}"):
             options[username_field] = email
-        result = super().handle(*args, **options)
-        # NOTE: an operator names this address: confirmed by its owner, so the account stays verified (and its
-        # first reset keeps its keys) if it is ever no longer staff.
-        mark_email_verified(self.UserModel._default_manager.db_manager(options["database"]).get(email=email))
+        # NOTE: the account, its verification and its audit event in one transaction: a command killed between them
+        # left a staff account that no audit event names. (Its prompts run in it too: reads only, no lock held.)
+        with transaction.atomic(using=options["database"]):
+            result = super().handle(*args, **options)
+            user = self.UserModel._default_manager.db_manager(options["database"]).get(email=email)
+            # NOTE: an operator names this address: confirmed by its owner, so the account stays verified (and its
+            # first reset keeps its keys) if it is ever no longer staff.
+            mark_email_verified(user)
+            # NOTE: a staff superuser made from a shell is audited as one made in the admin (`user.create`), its actor
+            # the operating-system account that ran the command (`Actor.at_shell`): before, it left no audit event.
+            record_audit(Actor.at_shell(), None, "user.create", user, command="createsuperuser",
+                         is_staff=user.is_staff, is_superuser=user.is_superuser)
         return result
 
     def _can_prompt(self) -> bool:

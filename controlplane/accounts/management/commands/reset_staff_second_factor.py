@@ -34,8 +34,9 @@ class Command(BaseCommand):
             if len(matches) != 1:
                 raise CommandError(f"No single account has the email {email!r}.")
             user = matches[0]
-        num_devices = reset_second_factor(Actor(), user)
-        code = issue_enrolment_code(Actor(), user, channel=Channel.OPERATOR)
+        operator = Actor.at_shell()  # NOTE: named by the audit events, which named nobody before
+        num_devices = reset_second_factor(operator, user)
+        code = issue_enrolment_code(operator, user, channel=Channel.OPERATOR)
         self.stdout.write(f"Removed {num_devices} device(s) of {user.email or user.get_username()}: "
                           "their next sign-in sets up a new authenticator with this enrolment code "
                           f"(once, within {int(ENROLMENT_CODE_TTL.total_seconds() // 60)} minutes):\n{code}")
