@@ -41,7 +41,7 @@ from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
-from controlplane.accounts.organizations import held_by_any, organizations_of_its_people
+from controlplane.accounts.organizations import held_by_any, organizations_of_its_people, same_mailbox
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
@@ -414,10 +414,11 @@ def refresh_shared_allowances(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> int
 def refresh_allowances(organization_id: int, user_id: int) -> int:
     """`ALLOWANCE_REFRESH_TASK`, after a change of the person's membership of the organisation: its queued marker
     dropped first, then the limits of the organisation and of every organisation the person owns or created
-    (`held_by_any`) that the limit without a payment method holds written again: whether they share the allowance
+    (`held_by_any`, at any account of their mailbox: `same_mailbox`) that the limit without a payment method holds written again: whether they share the allowance
     changed with it. Returns how many were written."""
     get_redis().delete(redis_keys.allowance_refresh_queued_key(organization_id, user_id))
-    return len(_write_allowance_limits({organization_id, *held_by_any([user_id]).values_list("pk", flat=True)}))
+    people = same_mailbox([user_id])
+    return len(_write_allowance_limits({organization_id, *held_by_any(people).values_list("pk", flat=True)}))
 
 
 def _write_allowance_limits(organization_ids: Collection[int], *, but: Collection[int] = ()) -> set[int]:

@@ -19,10 +19,12 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Q
 
 from controlplane.accounts import throttle
+from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.models import (
     AuditEvent,
     Membership,
@@ -74,11 +76,30 @@ def held_by_any(user_ids: Collection[int]):
 
 def people_of(organization_id: int) -> set[int]:
     """The people whose organisation it is, for what one person may have without paying: whoever created it (its
-    `organization.create` event's actor) and every owner it has now, active or not."""
+    `organization.create` event's actor) and every owner it has now, active or not, each with every account at their
+    mailbox (`same_mailbox`)."""
     creators = AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
                                          ).values_list("actor_id", flat=True)
     owners = Membership.objects.filter(organization_id=organization_id, role=Role.OWNER).values_list("user_id", flat=True)
-    return {*creators, *owners}
+    return same_mailbox({*creators, *owners})
+
+
+def same_mailbox(user_ids: Collection[int]) -> set[int]:
+    """These accounts and every other whose address reaches the same mailbox with or without a sub-address
+    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts).
+
+    NOTE: each sub-address is a mailbox its owner verifies at no cost: before, one inbox signed up as many accounts as
+    it wanted, each with its own organisations and allowance without a card. Read by the username (an account's
+    address, lower-cased: `backends.normalize_email`), through its index. Not folded: dots a host ignores
+    (`a.da@gmail.com`) and another sub-address separator (`ada-x@`) stay apart."""
+    users = get_user_model().objects
+    found = Q(pk__in=user_ids)
+    for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
+        local, at, domain = address.rpartition("@")
+        base = local.split("+", 1)[0]
+        if at and base and domain != TOMBSTONE_DOMAIN:
+            found |= Q(username=f"{base}@{domain}") | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+    return set(users.filter(found).values_list("pk", flat=True))
 
 
 def organizations_of_its_people(organization_id: int) -> list[int]:

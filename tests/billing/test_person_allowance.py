@@ -154,3 +154,26 @@ def test_without_stripe_nothing_is_limited_and_no_refresh_is_queued(settings):
 
     _spend(second, "5.00")
     assert _run_queued_allowance_refreshes() == [] and tasks.refresh_shared_allowances() == 0
+
+
+@pytest.mark.parametrize("address", ["ada+second@example.test", "ada@example.test"])
+def test_accounts_at_one_mailbox_with_a_sub_address_share_one_allowance(settings, fake_stripe, address):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    first_account = UserFactory(username="ada+first@example.test")
+    second_account = UserFactory(username=address)
+    for account in (first_account, second_account):
+        mark_email_verified(account)
+    first, second = _own_organization(first_account, "First Ltd"), _own_organization(second_account, "Second Ltd")
+    _usage(first, "0.90")
+
+    assert _refusal(second, "0.20").reason == "payment_method"  # before: each sub-address had its own $1
+
+
+@pytest.mark.parametrize("address", ["adam@example.test", "ada+second@example.org", "xada+second@example.test"])
+def test_another_mailbox_that_only_looks_alike_keeps_its_own_allowance(settings, fake_stripe, address):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    ada, other = UserFactory(username="ada@example.test"), UserFactory(username=address)
+    theirs, mine = _own_organization(other, "Theirs Ltd"), _own_organization(ada, "Mine Ltd")
+    _usage(theirs, "0.90")
+
+    _spend(mine, "0.90")
