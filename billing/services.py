@@ -215,6 +215,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.save(update_fields=["mode", "limits_stale"])
         record_audit(actor, organization, SET_MODE_AUDIT_ACTION, account, mode=mode, previous=previous)
         card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
+        allowance_changed(account.organization_id)
     refresh_limits(account)
     return account
 
@@ -230,6 +231,7 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
         account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
         card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
+        allowance_changed(account.organization_id)
     return _review_can_pay_now_changed(account)
 
 
@@ -421,6 +423,15 @@ def refresh_allowances(organization_id: int, user_id: int) -> int:
     return len(_write_allowance_limits({organization_id, *held_by_any(people).values_list("pk", flat=True)}))
 
 
+def allowance_changed(organization_id: int) -> None:
+    """Whether the organisation's month counts for its people's other organisations' allowance without a payment
+    method (`billing.standing.spent_without_card_by_its_people`: only while it has no card, is postpaid and not
+    "invoiced without card") may have changed: once the change commits, their limits are written again. A process
+    killed in between leaves a lowered room to the beat task (`refresh_shared_allowances`), a raised one to the
+    organisations' next write of their limits."""
+    transaction.on_commit(lambda: _write_allowance_limits(organizations_of_its_people(organization_id)), robust=True)
+
+
 def _write_allowance_limits(organization_ids: Collection[int], *, but: Collection[int] = ()) -> set[int]:
     """Write the limits of those of these organisations (but `but`) the limit without a payment method holds; their
     ids."""
@@ -491,10 +502,7 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
             _record_card_holding(account.organization_id, left=previous_fingerprint, joined=fingerprint)
             card_ceiling_changed([previous_fingerprint, fingerprint], organization_id=account.organization_id)
         if changed:
-            # NOTE: its month's spend counts for its people's other organisations' allowance only while it has no
-            # card (`billing.standing.spent_without_card_by_its_people`): theirs changed with it.
-            transaction.on_commit(lambda: _write_allowance_limits(organizations_of_its_people(account.organization_id)),
-                                  robust=True)
+            allowance_changed(account.organization_id)
     if changed:
         account = _review_can_pay_now_changed(account)
     return account

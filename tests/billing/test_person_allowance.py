@@ -17,7 +17,7 @@ import pytest
 from billing import services, stripe_sync, tasks
 from billing.models import BillingAccount
 from controlplane.accounts.models import Membership, Role
-from controlplane.accounts.services import Actor, create_organization
+from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
 from endpoints.closing import close_organization
@@ -117,6 +117,16 @@ def test_an_organisation_with_a_card_spends_its_own_way_and_takes_nothing_of_the
     assert _refusal(second, "0.50").reason == "payment_method"
 
     _add_card(fake_stripe, carded)  # its spend is a card's now: the others' limits are written again at once
+
+    _spend(second, "0.50")
+
+
+def test_an_organisation_staff_mark_invoiced_without_card_takes_nothing_of_the_allowance_from_then_on(person):
+    vouched, second = _own_organization(person, "Vouched Ltd"), _own_organization(person, "Second Ltd")
+    _usage(vouched, "0.90")
+    assert _refusal(second, "0.50").reason == "payment_method"
+
+    services.set_invoiced_without_card(SYSTEM, vouched, allowed=True)  # the others' limits are written again at once
 
     _spend(second, "0.50")
 
