@@ -12,7 +12,7 @@ from decimal import Decimal
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
-from django.db.models import Count, F, Max, Q, QuerySet
+from django.db.models import Count, Exists, F, Max, OuterRef, Q, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -29,6 +29,7 @@ from billing.models import (
     Dispute,
     Invoice,
     MeterEventPush,
+    UsageRecord,
     UsageRollup,
     VoidedInvoiceMark,
     voided_after_deletion,
@@ -40,6 +41,7 @@ from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
+from controlplane.accounts.organizations import held_by_any, organizations_of_its_people, same_mailbox
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
@@ -213,6 +215,7 @@ def set_billing_mode(actor: Actor, organization, *, mode: str) -> BillingAccount
         account.save(update_fields=["mode", "limits_stale"])
         record_audit(actor, organization, SET_MODE_AUDIT_ACTION, account, mode=mode, previous=previous)
         card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
+        allowance_changed(account.organization_id)
     refresh_limits(account)
     return account
 
@@ -228,6 +231,7 @@ def set_invoiced_without_card(actor: Actor, organization, *, allowed: bool) -> B
         account.save(update_fields=["invoiced_without_card", "limits_stale"])
         record_audit(actor, organization, "billing.set_invoiced_without_card", account, allowed=allowed)
         card_ceiling_changed([account.card_fingerprint], organization_id=account.organization_id)
+        allowance_changed(account.organization_id)
     return _review_can_pay_now_changed(account)
 
 
@@ -298,14 +302,19 @@ def membership_changed(sender, instance, **kwargs) -> None:
     API) rewrote every organisation of the card, a user's removal from K organisations of one card K × K, and with
     Redis away each held the request ~5-10 s an organisation (third review). A card it left this month counts too: its
     history may still count there (`card_holders`)."""
-    organization_id = instance.organization_id
-    current = (BillingAccount.objects.filter(organization_id=organization_id)
-               .values_list("card_fingerprint", flat=True).first())
+    organization_id, user_id = instance.organization_id, instance.user_id
+    account = BillingAccount.objects.filter(organization_id=organization_id).first()
+    current = account.card_fingerprint if account is not None else None
     left = CardHolding.objects.filter(organization_id=organization_id,
                                       last_seen_at__gte=current_period().start).values_list("fingerprint", flat=True)
     fingerprints = sorted({current, *left} - {"", None})
     if fingerprints:
         transaction.on_commit(lambda: queue_card_refresh(fingerprints), robust=True)
+    if account is not None and standing.held_without_payment_method(account):
+        # NOTE: an owner who comes or goes shares, or no longer shares, the organisation's spend without a payment
+        # method with their own organisations (`billing.standing.spent_without_card_by_its_people`): theirs and its
+        # limits are written again by a worker, as a card's are. One with a card shares its spend with nobody.
+        transaction.on_commit(lambda: queue_allowance_refresh(organization_id, user_id), robust=True)
 
 
 def queue_card_refresh(fingerprints: Collection[str]) -> None:
@@ -379,6 +388,83 @@ def refresh_shared_card_ceilings(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> 
     return num_written
 
 
+def refresh_shared_allowances(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> int:
+    """Write again the limits of the organisations held to the limit without a payment method whose people's other
+    organisations spent without one this month (`billing.standing.limit_without_payment_method`, shared): each one's
+    room is the limit less what the others spent, read when its limits are written, so the others' spend since reaches
+    the gateway here (the beat task `billing.refresh_shared_allowances`, every minute), as a card's does
+    (`refresh_shared_card_ceilings`). The organisations that spent are taken in a random order and the run stopped
+    after `budget_s` (checked before each), so none is left out run after run. Returns how many limits were written."""
+    if not standing.limit_without_payment_method_applies():
+        return 0
+    period = current_period()
+    spent = UsageRecord.objects.filter(organization_id=OuterRef("organization_id"), finished_at__gte=period.start,
+                                       finished_at__lt=period.end)
+    spenders = [account.organization_id for account in _without_payment_method().filter(Exists(spent))
+                if standing.held_without_payment_method(account)]
+    random.shuffle(spenders)
+    deadline = time.monotonic() + budget_s
+    written: set[int] = set()
+    for done, organization_id in enumerate(spenders):
+        if time.monotonic() >= deadline:
+            logger.warning("shared allowances: %s organisation(s) left to the next run", len(spenders) - done)
+            break
+        written |= _write_allowance_limits(organizations_of_its_people(organization_id), but=written)
+    return len(written)
+
+
+def refresh_allowances(organization_id: int, user_id: int) -> int:
+    """`ALLOWANCE_REFRESH_TASK`, after a change of the person's membership of the organisation: its queued marker
+    dropped first, then the limits of the organisation and of every organisation the person owns or created
+    (`held_by_any`, at any account of their mailbox: `same_mailbox`) that the limit without a payment method holds written again: whether they share the allowance
+    changed with it. Returns how many were written."""
+    get_redis().delete(redis_keys.allowance_refresh_queued_key(organization_id, user_id))
+    people = same_mailbox([user_id])
+    return len(_write_allowance_limits({organization_id, *held_by_any(people).values_list("pk", flat=True)}))
+
+
+def allowance_changed(organization_id: int) -> None:
+    """Whether the organisation's month counts for its people's other organisations' allowance without a payment
+    method (`billing.standing.spent_without_card_by_its_people`: only while it has no card, is postpaid and not
+    "invoiced without card") may have changed: once the change commits, their limits are written again. A process
+    killed in between leaves a lowered room to the beat task (`refresh_shared_allowances`), a raised one to the
+    organisations' next write of their limits."""
+    transaction.on_commit(lambda: _write_allowance_limits(organizations_of_its_people(organization_id)), robust=True)
+
+
+def _write_allowance_limits(organization_ids: Collection[int], *, but: Collection[int] = ()) -> set[int]:
+    """Write the limits of those of these organisations (but `but`) the limit without a payment method holds; their
+    ids."""
+    written = set()
+    accounts = BillingAccount.objects.filter(organization_id__in=set(organization_ids) - set(but)).order_by("pk")
+    for account in accounts:
+        if standing.held_without_payment_method(account):
+            _refresh_quietly(account)
+            written.add(account.organization_id)
+    return written
+
+
+def _without_payment_method() -> QuerySet:
+    """The accounts `billing.standing.held_without_payment_method` may hold (but for Stripe's set-up)."""
+    return BillingAccount.objects.filter(mode=BillingMode.POSTPAID, payment_method_on_file=False,
+                                         invoiced_without_card=False)
+
+
+# The task that writes again the limits of an organisation's people's organisations (`billing.tasks.
+# refresh_allowances`), and how long its queued marker stops another being queued for the organisation.
+ALLOWANCE_REFRESH_TASK = "billing.refresh_allowances"
+ALLOWANCE_REFRESH_QUEUED_S = 60
+
+
+def queue_allowance_refresh(organization_id: int, user_id: int) -> None:
+    """Queue `ALLOWANCE_REFRESH_TASK` for the organisation and the person unless one is queued (a Redis marker, dropped
+    as the task starts: a change committed after that queues another)."""
+    redis = get_redis()
+    if redis.set(redis_keys.allowance_refresh_queued_key(organization_id, user_id), 1, nx=True,
+                 ex=ALLOWANCE_REFRESH_QUEUED_S):
+        send_task(ALLOWANCE_REFRESH_TASK, args=[organization_id, user_id])
+
+
 def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
                           card_fingerprint: str = "") -> BillingAccount | None:
     """Stripe's customer `customer_id`, read at `observed_ms`, has (or has not) a default payment method, a card
@@ -415,6 +501,8 @@ def record_payment_method(customer_id: str, *, on_file: bool, observed_ms: int,
         if moved:
             _record_card_holding(account.organization_id, left=previous_fingerprint, joined=fingerprint)
             card_ceiling_changed([previous_fingerprint, fingerprint], organization_id=account.organization_id)
+        if changed:
+            allowance_changed(account.organization_id)
     if changed:
         account = _review_can_pay_now_changed(account)
     return account

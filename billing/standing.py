@@ -8,7 +8,9 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   spends at most `SPEND_LIMIT_WITHOUT_PAYMENT_METHOD` a month, whatever cap it sets itself: its usage is
   invoiced after the month, and nothing could collect it. Adding a card in the Customer Portal lifts the
   limit (Stripe's `customer.updated` webhook); removing it puts the limit back. Staff may mark an
-  account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit.
+  account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit. The limit is a
+  person's: what the other organisations of the organisation's creator and owners spent this month without a card
+  counts against it (`limit_without_payment_method`, shared), or one mailbox had it once per organisation it made.
 - **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
   the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
   organisation until it is paid or voided. Endpoints, keys and data stay; only inference stops. An
@@ -72,6 +74,7 @@ from billing.models import (
 )
 from billing.periods import Period, current_period
 from controlplane.accounts.models import Membership
+from controlplane.accounts.organizations import organizations_of_its_people
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -182,16 +185,48 @@ def limit_without_payment_method_applies() -> bool:
     return settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD > 0 and bills_through_stripe()
 
 
-def limit_without_payment_method(account: BillingAccount) -> Decimal | None:
-    """The limit that applies to `account` for want of a payment method, or None."""
-    limit = settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD
+def held_without_payment_method(account: BillingAccount) -> bool:
+    """Whether the limit without a payment method holds `account` (`limit_without_payment_method`)."""
     if not limit_without_payment_method_applies():
-        return None
+        return False
     if account.is_prepaid or account.payment_method_on_file or account.invoiced_without_card:
+        return False
+    # a customer made before payment standing, not yet asked (`stripe_sync.observe_payment_method`)
+    return not (account.stripe_customer_id and not account.payment_method_observed_ms)
+
+
+def limit_without_payment_method(account: BillingAccount, *, shared: bool = False,
+                                 period: Period | None = None) -> Decimal | None:
+    """The limit that applies to `account` for want of a payment method, or None; with `shared`, what it leaves the
+    organisation in `period` (this month by default): the limit less what the other organisations of its people spent
+    in it while held to it too (`spent_without_card_by_its_people`), never below zero. Where the gateway stops it.
+
+    NOTE: the allowance is a person's, not an organisation's: each organisation a person made (up to
+    `MAX_OWNED_ORGANIZATIONS`) had its own, 5 x the allowance a month for one verified mailbox. What a tenant is shown
+    (`standing`, the alerts) is the limit itself, as a card's ceiling is (`shown_spend_limit`)."""
+    if not held_without_payment_method(account):
         return None
-    if account.stripe_customer_id and not account.payment_method_observed_ms:
-        return None  # a customer made before payment standing, not yet asked (`stripe_sync.observe_payment_method`)
-    return limit
+    limit = settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD
+    if not shared:
+        return limit
+    return max(limit - spent_without_card_by_its_people(account.organization_id, period), Decimal(0))
+
+
+def spent_without_card_by_its_people(organization_id: int, period: Period | None = None) -> Decimal:
+    """What the other organisations of the organisation's people (its creator and owners: `organizations_of_its_people`,
+    closed and given-away ones too) spent in `period` (this month by default) that the limit without a payment method
+    holds now (`held_without_payment_method`): one grouped, indexed read of the ledger for all of them.
+
+    NOTE: one that has a card now, is prepaid or invoiced without one spends its own way, and counts for nobody's
+    allowance; removing the card counts its month again. The ledger's spend: calls finished (a call still running
+    counts once it ends), as of the last write of the limits (`billing.services.refresh_shared_allowances`)."""
+    others = organizations_of_its_people(organization_id)
+    if not others:
+        return Decimal(0)
+    held = [account.organization_id for account in BillingAccount.objects.filter(organization_id__in=others)
+            if held_without_payment_method(account)]
+    spends = organizations_period_spends(held, period or current_period())
+    return sum(spends.values(), Decimal(0))
 
 
 def spend_ceiling_applies(account: BillingAccount) -> bool:
@@ -347,7 +382,7 @@ def limit_of(account: BillingAccount, ceiling: SpendCeiling | None, *, room: boo
     amount = None if ceiling is None else ceiling.room if room else ceiling.amount
     if amount is not None and (limit.cap is None or amount <= limit.cap):
         limit = SpendLimit(amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
-    without_card = limit_without_payment_method(account)
+    without_card = limit_without_payment_method(account, shared=room)
     if without_card is not None and (limit.cap is None or without_card < limit.cap):
         limit = SpendLimit(without_card, PAYMENT_METHOD)
     return limit

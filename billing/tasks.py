@@ -61,6 +61,18 @@ def refresh_card_ceilings() -> int:
     return services.refresh_shared_card_ceilings()
 
 
+@shared_task(name="billing.refresh_shared_allowances", acks_late=True, time_limit=60, soft_time_limit=50)
+def refresh_shared_allowances() -> int:
+    return services.refresh_shared_allowances()
+
+
+@shared_task(name=services.ALLOWANCE_REFRESH_TASK, acks_late=True, time_limit=60, soft_time_limit=50)
+def refresh_allowances(organization_id: int, user_id: int) -> int:
+    """The limits of the organisation and of the person's organisations written again after a change of the person's
+    membership of it (`services.refresh_allowances`)."""
+    return services.refresh_allowances(organization_id, user_id)
+
+
 @shared_task(name=services.CARD_REFRESH_TASK, acks_late=True, time_limit=60, soft_time_limit=50)
 def refresh_card(fingerprint: str) -> int:
     """One card's organisations' limits written again after a change of who owns one of them (`services.refresh_card`)."""

@@ -159,6 +159,12 @@ def card_refresh_queued_key(fingerprint: str) -> str:
     return f"billing:card-refresh-queued:{fingerprint}"
 
 
+def allowance_refresh_queued_key(organization_id: int, user_id: int) -> str:
+    """String: a refresh of the limits of the organisation and the person's organisations is queued, after a change of
+    the person's membership of it (`billing.services.queue_allowance_refresh`)."""
+    return f"billing:allowance-refresh-queued:{organization_id}:{user_id}"
+
+
 def deadlines_key(organization_id: int) -> str:
     """Sorted set: request id scored by the time its reservation lapses."""
     return f"billing:{org_tag(organization_id)}:reservation_deadlines"

@@ -369,6 +369,9 @@ CELERY_BEAT_SCHEDULE = {
                                  "options": {"expires": 300}},
     # NOTE: the period bounds how stale a card's shared spending ceiling is in the gateway (README, Payment standing).
     "billing-card-ceilings": {"task": "billing.refresh_card_ceilings", "schedule": 60.0, "options": {"expires": 60}},
+    # NOTE: and how stale one person's shared allowance without a payment method is (README, Payment standing).
+    "billing-shared-allowances": {"task": "billing.refresh_shared_allowances", "schedule": 60.0,
+                                  "options": {"expires": 60}},
     "autoscale": {"task": "endpoints.autoscale", "schedule": AUTOSCALER_TICK_S, "options": {"expires": AUTOSCALER_TICK_S * 2}},
     "sweep-stuck": {"task": "endpoints.sweep_stuck", "schedule": 5.0, "options": {"expires": 10}},
     "batches-tick": {"task": "batches.tick", "schedule": BATCH_TICK_S, "options": {"expires": BATCH_TICK_S * 2}},

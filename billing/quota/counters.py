@@ -63,7 +63,8 @@ class QuotaExceeded(Exception):
             "credit": "Your prepaid credit balance is too low for this request. Add credit to continue.",
             "payment_method": (
                 f"Your organisation has reached the ${settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD:,.2f} a month that "
-                "accounts without a payment method may spend. Add one in the console (Billing) to continue."),
+                "accounts without a payment method may spend; what the other organisations of its owners spent "
+                "without one this month counts too. Add one in the console (Billing) to continue."),
             "spend_ceiling": (
                 "Your organisation has reached its monthly spending ceiling for its payment history: new accounts "
                 "may spend a bounded amount a month, and the ceiling rises as invoices are paid (Billing in the "

@@ -23,6 +23,8 @@ from controlplane.text import name_problem
 EMAIL_MAX_LENGTH = 254
 # An account's address is also its username (`User.username`, 150 characters): sign-up, `bootstrap_organization`.
 ACCOUNT_EMAIL_MAX_LENGTH = 150
+# The domain of a deleted account's address (`erasure.tombstone_address`); nothing else may use it (`normalize_email`).
+TOMBSTONE_DOMAIN = "deleted.invalid"
 
 
 def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
@@ -38,9 +40,11 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     escape sequence reached the members page, the audit log and the mail log, where an operator's terminal ran it.
     No mailbox needs one: refused. Nor a format character: Django's check passes one in the domain
     (`a@ex\u202eample.com`), and a direction override showed the members page and the invitation's mail another
-    address than the one invited (`text.name_problem`). Nor a domain IDNA cannot encode (Hebrew and Latin letters in
-    one label, a label past 63 bytes encoded): Django's check passes it, and the invitation's mail raised
-    `UnicodeError` as it was sent, a 500.
+    address than the one invited (`text.name_problem`). Nor the domain of a deleted account's address
+    (`TOMBSTONE_DOMAIN`, or one under it): sign-up, an invitation or staff's change of an address made a live account
+    look like an erased one (`erasure.is_erased` reads the address), and no mail reaches it anyway. Nor a domain IDNA
+    cannot encode (Hebrew and Latin letters in one label, a label past 63 bytes encoded): Django's check passes it,
+    and the invitation's mail raised `UnicodeError` as it was sent, a 500.
     """
     # NOTE: NFKC, as Django folds a username (`normalize_username`, an account's is its address) and IDNA the mail's
     # domain: `ada@\uff45xample.test` (fullwidth) was stored so beside its username `ada@example.test`, and an
@@ -51,7 +55,11 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     if name_problem(normalized) is not None:  # NOTE: its characters include the control ones (`text.is_plain`)
         raise ValidationError("An address may not hold control characters or format characters (such as a direction override).",
                               code="invalid")
-    if not (domain := normalized.rpartition("@")[2]).isascii():
+    domain = normalized.rpartition("@")[2]
+    if domain == TOMBSTONE_DOMAIN or domain.endswith(f".{TOMBSTONE_DOMAIN}"):
+        raise ValidationError(f"Addresses at {TOMBSTONE_DOMAIN} are reserved for deleted accounts; use your own address.",
+                              code="invalid")
+    if not domain.isascii():
         try:
             punycode(domain)  # NOTE: as Django's mail writes the address (`sanitize_address`)
         except UnicodeError:

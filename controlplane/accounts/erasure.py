@@ -31,11 +31,11 @@ from django.db import transaction
 from django.db.models import Max, Min, Q
 from django_otp import devices_for_user
 
+from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.members import revoke_invitations_to
 from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, StaffEnrolmentCode
 from controlplane.accounts.services import Actor
 
-TOMBSTONE_DOMAIN = "deleted.invalid"
 # The audit action of staff changing an account's address or username in the admin; its details, the former ones
 ADDRESS_CHANGE = "user.address_change"
 # How many of the records naming an address are read at once to be rewritten

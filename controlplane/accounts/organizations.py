@@ -9,17 +9,30 @@ allowed without a card on an installation that bills through Stripe (`INFERPLANE
 budgets of keys and invitations, its share of a gateway's fairness. Organisations made at will would multiply each of
 them, so a person holds at most `settings.MAX_OWNED_ORGANIZATIONS`: every organisation they own or ever created,
 closed ones included (a closed organisation spent its allowance: closing one and making another must not renew it),
-and given-away ones (handed to a second account, which then owns it, then the next one made) included.
+and given-away ones (handed to a second account, which then owns it, then the next one made) included. The spend
+allowed without a card is shared among them besides (`organizations_of_its_people`,
+`billing.standing.limit_without_payment_method`): a person has one allowance, not one an organisation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Q
 
 from controlplane.accounts import throttle
-from controlplane.accounts.models import AuditEvent, Organization, Role, email_is_verified, lock_person
+from controlplane.accounts.backends import TOMBSTONE_DOMAIN
+from controlplane.accounts.models import (
+    AuditEvent,
+    Membership,
+    Organization,
+    Role,
+    email_is_verified,
+    lock_person,
+)
 from controlplane.accounts.services import Actor, NotPermitted, create_organization
 
 # The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
@@ -51,9 +64,52 @@ class TooManyAttempts(ValueError):
 def held_by(user):
     """The organisations that count against `user`'s `MAX_OWNED_ORGANIZATIONS`: those they own now, and those they
     created (the `organization.create` events they acted: at sign-up or here), closed or given away."""
-    created = AuditEvent.objects.filter(actor=user, action=CREATED).values("organization_id")
+    return held_by_any([user.pk])
+
+
+def held_by_any(user_ids: Collection[int]):
+    """`held_by` of each of these people, together."""
+    created = AuditEvent.objects.filter(actor_id__in=user_ids, action=CREATED).values("organization_id")
     return Organization.objects.filter(
-        Q(memberships__user=user, memberships__role=Role.OWNER) | Q(pk__in=created)).distinct()
+        Q(memberships__user_id__in=user_ids, memberships__role=Role.OWNER) | Q(pk__in=created)).distinct()
+
+
+def people_of(organization_id: int) -> set[int]:
+    """The people whose organisation it is, for what one person may have without paying: whoever created it (its
+    `organization.create` event's actor) and every owner it has now, active or not, each with every account at their
+    mailbox (`same_mailbox`)."""
+    creators = AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
+                                         ).values_list("actor_id", flat=True)
+    owners = Membership.objects.filter(organization_id=organization_id, role=Role.OWNER).values_list("user_id", flat=True)
+    return same_mailbox({*creators, *owners})
+
+
+def same_mailbox(user_ids: Collection[int]) -> set[int]:
+    """These accounts and every other whose address reaches the same mailbox with or without a sub-address
+    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts).
+
+    NOTE: each sub-address is a mailbox its owner verifies at no cost: before, one inbox signed up as many accounts as
+    it wanted, each with its own organisations and allowance without a card. Read by the username (an account's
+    address, lower-cased: `backends.normalize_email`), through its index. Not folded: dots a host ignores
+    (`a.da@gmail.com`) and another sub-address separator (`ada-x@`) stay apart."""
+    users = get_user_model().objects
+    found = Q(pk__in=user_ids)
+    for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
+        local, at, domain = address.rpartition("@")
+        base = local.split("+", 1)[0]
+        if at and base and domain != TOMBSTONE_DOMAIN:
+            found |= Q(username=f"{base}@{domain}") | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+    return set(users.filter(found).values_list("pk", flat=True))
+
+
+def organizations_of_its_people(organization_id: int) -> list[int]:
+    """The other organisations of the people whose organisation it is (`people_of`, `held_by_any`): every one they own
+    or ever created, closed and given away ones too. NOTE: what a person gets without paying is shared among these
+    (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they are."""
+    people = people_of(organization_id)
+    if not people:
+        return []
+    return sorted(held_by_any(people).exclude(pk=organization_id).values_list("pk", flat=True))
 
 
 def create_own_organization(actor: Actor, *, name: str) -> Organization:

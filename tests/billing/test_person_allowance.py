@@ -1,0 +1,189 @@
+"""The allowance without a payment method is a person's, not an organisation's
+(`billing.standing.limit_without_payment_method`, shared): what the other organisations of an organisation's people
+(its creator and its owners: `controlplane.accounts.organizations.organizations_of_its_people`, closed and given-away
+ones too) spent this month while they had no card counts against it, in the gateway's limits too, refused with the
+limit's own 402 (`payment_method`).
+
+Before, each organisation had its own: one verified mailbox made `MAX_OWNED_ORGANIZATIONS` organisations and spent
+the limit in each, 5 x the allowance a month. Reserved as the gateway does, in its admission script, as
+`tests/billing/test_payment_standing.py` does."""
+
+import base64
+import json
+from decimal import Decimal
+
+import pytest
+
+from billing import services, stripe_sync, tasks
+from billing.models import BillingAccount
+from controlplane.accounts.models import Membership, Role
+from controlplane.accounts.services import SYSTEM, Actor, create_organization
+from controlplane.accounts.signup import mark_email_verified
+from controlplane.redis_client import get_redis
+from endpoints.closing import close_organization
+from tests.billing.test_payment_standing import _refusal, _spend, _webhook
+from tests.billing.test_spend_ceiling import _usage
+from tests.factories import MembershipFactory, UserFactory
+
+# NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LIMIT = Decimal("1.00")
+
+
+@pytest.fixture
+def person(settings, fake_stripe):
+    """Stripe configured (the fake), a limit of $1 without a payment method, and a verified person."""
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    user = UserFactory()
+    mark_email_verified(user)
+    return user
+
+
+def _own_organization(user, name: str):
+    """An organisation `user` creates by the one path sign-up and "New organisation" take (past their throttle), with
+    its Stripe customer (no card)."""
+    organization = create_organization(Actor(user=user), name=name, owner=user)
+    stripe_sync.ensure_customer(organization.pk)
+    return organization
+
+
+def _add_card(fake_stripe, organization) -> None:
+    customer = BillingAccount.objects.get(organization=organization).stripe_customer_id
+    _webhook("customer.updated", fake_stripe.set_default_payment_method(customer, "pm_card_visa"))
+
+
+def _run_queued_allowance_refreshes() -> list[list[int]]:
+    """Run the allowance refreshes queued for a worker (`services.ALLOWANCE_REFRESH_TASK`), as one would; their
+    arguments (organisation, person)."""
+    redis, queued = get_redis(), []
+    for raw in redis.lrange("celery", 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["task"] == services.ALLOWANCE_REFRESH_TASK:
+            redis.lrem("celery", 1, raw)
+            queued.append(json.loads(base64.b64decode(message["body"]))[0])
+    for args in queued:
+        tasks.refresh_allowances(*args)
+    return queued
+
+
+def test_a_persons_second_organisation_spends_only_what_the_first_left_of_the_allowance(person):
+    first, second = _own_organization(person, "First Ltd"), _own_organization(person, "Second Ltd")
+    _usage(first, "0.90")
+
+    refused = _refusal(second, "0.20")
+
+    assert refused.reason == "payment_method" and "$1.00" in refused.message  # before: admitted, its own $1
+    assert "other organisations of its owners" in refused.message
+    _spend(second, "0.09")  # what is left of the person's allowance
+
+
+def test_five_organisations_of_one_mailbox_share_one_allowance(person):
+    made = [_own_organization(person, f"Sign-up {number}") for number in range(5)]
+    for organization in made[:4]:
+        _usage(organization, "0.25")
+
+    assert _refusal(made[4], "0.01").reason == "payment_method"  # before: $1 more, $5 in all
+
+
+def test_an_organisation_whose_counter_was_built_sees_the_others_spend_at_the_beat_tasks_next_run(person):
+    first, second = _own_organization(person, "First Ltd"), _own_organization(person, "Second Ltd")
+    _spend(second, "0.01")  # its counter exists, with the whole allowance
+    _usage(first, "0.95")
+
+    assert tasks.refresh_shared_allowances() >= 1
+
+    assert _refusal(second, "0.10").reason == "payment_method"  # before: $0.99 left to it
+
+
+def test_a_closed_organisation_and_one_handed_to_another_account_still_count(person):
+    closed, handed = _own_organization(person, "Closed Ltd"), _own_organization(person, "Handed Ltd")
+    _usage(closed, "0.40")
+    _usage(handed, "0.40")
+    close_organization(Actor(user=person), closed, confirm_name=closed.name)
+    MembershipFactory(organization=handed, user=UserFactory(), role=Role.OWNER)
+    Membership.objects.filter(organization=handed, user=person).delete()
+    third = _own_organization(person, "Third Ltd")
+
+    assert _refusal(third, "0.30").reason == "payment_method"
+    _spend(third, "0.15")
+
+
+def test_an_organisation_with_a_card_spends_its_own_way_and_takes_nothing_of_the_allowance(person, fake_stripe):
+    carded, second = _own_organization(person, "Carded Ltd"), _own_organization(person, "Second Ltd")
+    _spend(second, "0.01")  # its counter exists
+    _usage(carded, "0.90")
+    tasks.refresh_shared_allowances()
+    assert _refusal(second, "0.50").reason == "payment_method"
+
+    _add_card(fake_stripe, carded)  # its spend is a card's now: the others' limits are written again at once
+
+    _spend(second, "0.50")
+
+
+def test_an_organisation_staff_mark_invoiced_without_card_takes_nothing_of_the_allowance_from_then_on(person):
+    vouched, second = _own_organization(person, "Vouched Ltd"), _own_organization(person, "Second Ltd")
+    _usage(vouched, "0.90")
+    assert _refusal(second, "0.50").reason == "payment_method"
+
+    services.set_invoiced_without_card(SYSTEM, vouched, allowed=True)  # the others' limits are written again at once
+
+    _spend(second, "0.50")
+
+
+def test_another_persons_spend_leaves_the_allowance_whole(person):
+    stranger = UserFactory()
+    mark_email_verified(stranger)
+    theirs, mine = _own_organization(stranger, "Theirs Ltd"), _own_organization(person, "Mine Ltd")
+    _usage(theirs, "0.95")
+    tasks.refresh_shared_allowances()
+
+    _spend(mine, "0.90")
+
+
+def test_an_owner_who_joins_brings_their_organisations_share_at_the_workers_next_task(person):
+    stranger = UserFactory()
+    mark_email_verified(stranger)
+    theirs, mine = _own_organization(stranger, "Theirs Ltd"), _own_organization(person, "Mine Ltd")
+    _spend(mine, "0.01")  # its counter exists, with the whole allowance
+    _usage(theirs, "0.90")
+
+    MembershipFactory(organization=theirs, user=person, role=Role.OWNER)  # as an accepted invitation makes it
+    assert _run_queued_allowance_refreshes() == [[theirs.pk, person.pk]]
+
+    assert _refusal(mine, "0.20").reason == "payment_method"
+
+
+def test_without_stripe_nothing_is_limited_and_no_refresh_is_queued(settings):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    user = UserFactory()
+    mark_email_verified(user)
+    first = create_organization(Actor(user=user), name="First Ltd", owner=user)
+    second = create_organization(Actor(user=user), name="Second Ltd", owner=user)
+    _usage(first, "5.00")
+
+    _spend(second, "5.00")
+    assert _run_queued_allowance_refreshes() == [] and tasks.refresh_shared_allowances() == 0
+
+
+@pytest.mark.parametrize("address", ["ada+second@example.test", "ada@example.test"])
+def test_accounts_at_one_mailbox_with_a_sub_address_share_one_allowance(settings, fake_stripe, address):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    first_account = UserFactory(username="ada+first@example.test")
+    second_account = UserFactory(username=address)
+    for account in (first_account, second_account):
+        mark_email_verified(account)
+    first, second = _own_organization(first_account, "First Ltd"), _own_organization(second_account, "Second Ltd")
+    _usage(first, "0.90")
+
+    assert _refusal(second, "0.20").reason == "payment_method"  # before: each sub-address had its own $1
+
+
+@pytest.mark.parametrize("address", ["adam@example.test", "ada+second@example.org", "xada+second@example.test"])
+def test_another_mailbox_that_only_looks_alike_keeps_its_own_allowance(settings, fake_stripe, address):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    ada, other = UserFactory(username="ada@example.test"), UserFactory(username=address)
+    theirs, mine = _own_organization(other, "Theirs Ltd"), _own_organization(ada, "Mine Ltd")
+    _usage(theirs, "0.90")
+
+    _spend(mine, "0.90")
