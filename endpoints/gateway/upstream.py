@@ -523,8 +523,9 @@ class UpstreamClient:
     async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
-        Raises `UpstreamError` (`nothing_sent` set when it is safe to send again elsewhere: nothing was sent;
-        `before_first_byte` also when the replica closed the connection before answering). `patience`: see
+        Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
+        sent, or the replica reset the connection unanswered; `before_first_byte` also when the replica closed the
+        connection before answering). `patience`: see
         `Response`."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
