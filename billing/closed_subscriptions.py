@@ -24,8 +24,8 @@ stopped (`stripe_sync.ensure_subscription`, `_invoiced_until`), and once that se
 with its own final invoice: billed once, on one more invoice, each subscription cancelled once.
 
 Pushes of the organisation's rollups are held back from just before it is judged settled until the subscription is
-forgotten (`BillingAccount.subscription_ending_at`, `stripe_sync.push_rollup`), and it is judged again under that
-mark: a rollup made meanwhile goes to the next subscription, never to this one within seconds of (or after) its final
+forgotten (`BillingAccount.subscription_ending_at`, `stripe_sync.push_rollup`; the database refuses their claims,
+billing/0041, so a worker of the release before the mark holds back too), and it is judged again under that mark: a rollup made meanwhile goes to the next subscription, never to this one within seconds of (or after) its final
 invoice.
 
 Twice-safe: one run at a time (`endpoints.closing`), each subscription read before it is cancelled (one Stripe ended

@@ -788,7 +788,8 @@ def _claimable():
 
 
 def claim_rollup(rollup_id: int) -> bool:
-    """Take the rollup for pushing; True only for the one worker that wins it."""
+    """Take the rollup for pushing; True only for the one worker that wins it. None wins it while its organisation's
+    subscription is being cancelled (`_subscription_ending`): the database refuses the claim (billing/0041)."""
     return _claimable().filter(pk=rollup_id).update(push_claimed_at=DatabaseClock()) == 1
 
 
@@ -810,7 +811,10 @@ def _subscription_ending(organization_id: int) -> bool:
     it and claimed a rollup just made, after the judgement, went to the subscription being cancelled.
     NOTE: only while the account still holds a subscription: a run marks only one it holds, and forgetting it takes
     the mark too, but a forget by a pod of the release before billing/0040 did not; that mark held every push of the
-    organisation for good, no run ever coming back to an organisation without a subscription."""
+    organisation for good, no run ever coming back to an organisation without a subscription.
+    NOTE: the database refuses a claim under the mark too (billing/0041's trigger, the same condition): a push of the
+    release before billing/0040, which never calls this, takes no rollup then; this read catches a claim taken just
+    before the mark."""
     return (BillingAccount.objects.filter(organization_id=organization_id, subscription_ending_at__isnull=False)
             .exclude(stripe_subscription_id="").exists())
 

@@ -96,8 +96,9 @@ class _NoReplicaLeft(Exception):
 
 
 class UpstreamUnavailable(Exception):
-    """The replica refused the call before its engine could start on it (no connection, or the engine's key guard's
-    401, answered before the body is read): safe to retry elsewhere (`engine_cannot_have_started`)."""
+    """The replica refused the call before its engine could start on it (no connection, a connection it reset with the
+    call unread, or the engine's key guard's 401, answered before the body is read): safe to retry elsewhere
+    (`engine_cannot_have_started`)."""
 
 
 class ReservationSpent(errors.OpenAIError):

@@ -13,8 +13,8 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
 - A pooled connection the server closed while idle is dropped when found closing; one that closes
   under a request with no byte of the answer raises `UpstreamClosed` with `before_first_byte` set:
   the caller decides. Nothing is ever sent twice here, and the gateway sends a call again elsewhere
-  only where nothing reached the replica (`engine_cannot_have_started`: no connection, or the request
-  could not be written), never after its engine may have read it.
+  only where its engine cannot have read it (`engine_cannot_have_started`: no connection, the request
+  could not be written, or the replica reset the connection unanswered), never after it may have.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
   byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
@@ -53,14 +53,20 @@ class UpstreamError(Exception):
     before_first_byte = False  # set when no byte of the answer had arrived
     nothing_sent = False  # set when no byte of the request left: the replica cannot have read it
     on_reused_connection = False  # set when it failed on a pooled connection that had carried an answer before
+    reset_unanswered = False  # set when the replica reset the connection before any byte of the answer
 
 
 def engine_cannot_have_started(error: UpstreamError) -> bool:
     """Whether the replica cannot have started work on the request `error` ended: none of it was sent (no connection,
-    or it could not be written). NOTE: a connection closed before any byte of the answer is not one: the engine may
-    have read the request and died on it (a non-streamed answer's first byte comes at its end), so sent again
-    elsewhere it would be computed twice."""
-    return error.nothing_sent
+    or it could not be written), or its server never read it whole: the replica reset the connection before any byte
+    of the answer. A kernel resets a connection whose socket is closed with bytes received and not read, or that is
+    sent bytes once closed, or that waited in a listening socket's queue when it closed: uvicorn's graceful shutdown
+    (a replica drained or scaled to zero) closing a connection it had no call on yet, new or pooled, with the
+    request unread. NOTE: a connection closed plainly (a FIN) before any byte of the answer is not one: the engine
+    may have read the request and died on it (a process that exits closes its sockets so once it read all they
+    received; a non-streamed answer's first byte comes at its end), so sent again elsewhere it would be computed
+    twice."""
+    return error.nothing_sent or error.reset_unanswered
 
 
 def idle_close_raced(error: UpstreamError) -> bool:
@@ -278,6 +284,8 @@ class _Connection(asyncio.Protocol):
                                    + (f": {exc}" if exc else ""))
             error.before_first_byte = first
             error.on_reused_connection = self.reused
+            # NOTE: a write that found the connection reset (EPIPE) fails so too: the request never left whole.
+            error.reset_unanswered = first and isinstance(exc, (ConnectionResetError, BrokenPipeError))
             response._fail(error)
 
     # --- httptools -------------------------------------------------------------------------
@@ -515,8 +523,9 @@ class UpstreamClient:
     async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
-        Raises `UpstreamError` (`nothing_sent` set when it is safe to send again elsewhere: nothing was sent;
-        `before_first_byte` also when the replica closed the connection before answering). `patience`: see
+        Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
+        sent, or the replica reset the connection unanswered; `before_first_byte` also when the replica closed the
+        connection before answering). `patience`: see
         `Response`."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])

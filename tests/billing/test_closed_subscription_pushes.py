@@ -13,6 +13,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
+from django.db import connection
 from django.db.models import F
 
 from billing import closed_subscriptions, services, stripe_sync
@@ -185,3 +187,70 @@ def test_a_subscription_stored_anew_drops_a_mark_left_from_the_one_before(fake_s
     account = BillingAccount.objects.get(organization=organization)
     assert second != first and account.stripe_subscription_id == second
     assert account.subscription_ending_at is None  # no run is ending the new one
+
+
+# The claim of a push by a worker of the release before billing/0040 (`stripe_sync.claim_rollup` then), as it reaches
+# PostgreSQL: that release knows no mark, and this statement is all it asks before it pushes.
+PREVIOUS_RELEASE_CLAIM = """
+    UPDATE "billing_usagerollup" SET "push_claimed_at" = CLOCK_TIMESTAMP()
+    WHERE ("billing_usagerollup"."closed_at" IS NOT NULL AND "billing_usagerollup"."pushed_at" IS NULL
+           AND "billing_usagerollup"."billing_mode" = 'postpaid' AND "billing_usagerollup"."push_held_at" IS NULL
+           AND ("billing_usagerollup"."push_claimed_at" IS NULL
+                OR "billing_usagerollup"."push_claimed_at" < (CLOCK_TIMESTAMP() - %s::interval))
+           AND "billing_usagerollup"."id" = %s)
+"""
+
+
+def _previous_release_claims(rollup_id: int) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(PREVIOUS_RELEASE_CLAIM, [f"{settings.BILLING_CLAIM_TIMEOUT_S} seconds", rollup_id])
+        return cursor.rowcount == 1
+
+
+def test_the_previous_releases_claim_takes_no_rollup_of_a_subscription_being_cancelled(fake_stripe):
+    organization, _, _ = _closed_with_usage_pushed(fake_stripe)
+    endpoint = UsageRollup.objects.filter(organization=organization).first().endpoint
+    record_usage(usage_report(endpoint, finished_at=_hour(5) + timedelta(minutes=30)))
+    rollup_usage()
+    late = UsageRollup.objects.get(organization=organization, sequence=1)
+    account = BillingAccount.objects.filter(organization=organization)
+    account.update(subscription_ending_at=database_now())
+
+    assert not _previous_release_claims(late.pk)
+    assert UsageRollup.objects.get(pk=late.pk).push_claimed_at is None
+
+    account.update(subscription_ending_at=None)  # the run took its mark off (or the subscription was forgotten)
+    assert _previous_release_claims(late.pk)
+
+
+def test_a_rollup_made_as_the_subscription_is_cancelled_waits_for_the_next_subscription_when_an_older_worker_pushes(
+        fake_stripe, monkeypatch):
+    # A rolling deploy: the worker pushing beside the run is of the release before billing/0040, whose push is this
+    # one's without the read of the mark (`_subscription_ending`). Before, it pushed the late rollup to the subscription
+    # being cancelled, seconds before its final invoice: billed by no invoice, and marked pushed.
+    monkeypatch.setattr(stripe_sync, "_subscription_ending", lambda organization_id: False)
+    organization, customer, first = _closed_with_usage_pushed(fake_stripe)
+    _meter_events_aggregated(organization)
+
+    assert _a_run_with_a_push_beside(monkeypatch, stripe_sync, "call_stripe", organization,
+                                     when=lambda *_, what, **__: what == "subscription cancel") == (1, [0])
+
+    late = UsageRollup.objects.get(organization=organization, sequence=1)
+    assert late.pushed_at is None
+    [cancel] = _cancels(fake_stripe, first)
+    late_usage_billed_by_a_new_subscription(fake_stripe, organization, first)
+    assert min(_meter_event_calls(fake_stripe, late)) > fake_stripe.calls.index(cancel)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+
+
+def test_a_push_by_an_older_worker_between_the_cancellation_and_its_record_is_billed_on_one_more_final_invoice(
+        fake_stripe, monkeypatch):
+    monkeypatch.setattr(stripe_sync, "_subscription_ending", lambda organization_id: False)
+    organization, customer, first = _closed_with_usage_pushed(fake_stripe)
+    _meter_events_aggregated(organization)
+
+    assert _a_run_with_a_push_beside(monkeypatch, services, "record_subscription_ended", organization) == (1, [0])
+
+    second = late_usage_billed_by_a_new_subscription(fake_stripe, organization, first)
+    assert fake_stripe.invoiced_usage(customer) == _cost_pushed(fake_stripe, customer) > 0
+    assert len(_cancels(fake_stripe, first)) == 1 and len(_cancels(fake_stripe, second)) == 1

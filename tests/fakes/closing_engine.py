@@ -1,14 +1,15 @@
-"""An engine that closes a connection under a call instead of answering it, where `closes_on` says so: as uvicorn closes
-an idle keep-alive connection as it stops (a replica drained or scaled to zero) when a call lands on it, or as an
-engine dies on a call it read. Every other call is answered with a short chat completion, kept alive."""
+"""An engine that closes a connection under a call instead of answering it, where `closes_on` says so: as an engine
+dies on a call it read (closed plainly: a FIN), or, `unread`, as uvicorn's graceful shutdown (a replica drained or
+scaled to zero) closes a connection it has no call on yet, new or kept alive, with the call that landed on it unread
+(its kernel resets the connection). Every other call is answered with a short chat completion, kept alive."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
-import struct
 import threading
+import time
 from collections.abc import Callable
 
 _ANSWER = json.dumps({"id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "m",
@@ -16,12 +17,23 @@ _ANSWER = json.dumps({"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}).encode()
 
 
+def _whole(request: bytes) -> bool:
+    head, separator, body = request.partition(b"\r\n\r\n")
+    return bool(separator) and len(body) >= int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+
+
+def _consume(conn: socket.socket, num_bytes: int) -> None:
+    while num_bytes:
+        num_bytes -= len(conn.recv(num_bytes))
+
+
 class ClosingEngine:
     """`closes_on(number, body)`: whether the call `body`, the `number`th on its connection (from 0), is closed on;
     `before_closing` runs first (its replica marked DRAINING, as the control plane does before its engine stops)."""
 
-    def __init__(self, closes_on: Callable[[int, bytes], bool], before_closing: Callable[[], None] = lambda: None):
-        self.closes_on, self.before_closing = closes_on, before_closing
+    def __init__(self, closes_on: Callable[[int, bytes], bool], before_closing: Callable[[], None] = lambda: None, *,
+                 unread: bool = False):
+        self.closes_on, self.before_closing, self.unread = closes_on, before_closing, unread
         self.num_requests = self.num_closed = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -37,24 +49,23 @@ class ClosingEngine:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            pending = b""
             for number in range(1_000):
-                while b"\r\n\r\n" not in pending:
-                    data = conn.recv(65536)
-                    if not data:
+                # Peeked, not read: a call closed on `unread` stays in the socket, as uvicorn leaves it.
+                request = b""
+                while not _whole(request):
+                    time.sleep(0.001 if request else 0)
+                    request = conn.recv(1 << 20, socket.MSG_PEEK)
+                    if not request:
                         return
-                    pending += data
-                head, _, pending = pending.partition(b"\r\n\r\n")
-                length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
-                while len(pending) < length:
-                    pending += conn.recv(65536)
-                body, pending = pending[:length], pending[length:]
+                body = request.partition(b"\r\n\r\n")[2]
                 self.num_requests += 1
                 if self.closes_on(number, body):
                     self.before_closing()
                     self.num_closed += 1
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset, unanswered
+                    if not self.unread:
+                        _consume(conn, len(request))  # read whole: its kernel closes it plainly
                     return
+                _consume(conn, len(request))
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                              + str(len(_ANSWER)).encode() + b"\r\n\r\n" + _ANSWER)
 

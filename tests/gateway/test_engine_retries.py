@@ -75,19 +75,26 @@ def test_a_replica_that_refuses_the_connection_is_still_tried_once_on_another(ga
     assert _num_requests(live) == 4
 
 
-def _engine_closing_reused_connections(*, stopping: bool) -> ClosingEngine:
-    """An engine closing a connection's second call, unanswered; `stopping`: its replica DRAINING by then (as the
-    control plane marks it before its engine stops), else it stays READY (an engine that died on the call)."""
+def _draining(engine: ClosingEngine) -> ClosingEngine:
+    """`engine`, its replica marked DRAINING before it closes (as the control plane marks it before its engine stops)."""
     def drained():
         Replica.objects.filter(address=engine.address).update(state=ReplicaState.DRAINING)
         connections.close_all()
 
-    engine = ClosingEngine(lambda number, _: number > 0, drained if stopping else lambda: None)
+    engine.before_closing = drained
     return engine
 
 
+def _engine_closing_reused_connections(*, stopping: bool) -> ClosingEngine:
+    """An engine closing a connection's second call, unanswered; `stopping`: its replica DRAINING by then (as the
+    control plane marks it before its engine stops), else it stays READY (an engine that died on the call)."""
+    # Stopping, uvicorn closes the connection with the call unread (reset); one that died on it had read it.
+    engine = ClosingEngine(lambda number, _: number > 0, unread=stopping)
+    return _draining(engine) if stopping else engine
+
+
 def _calls_until_closed(gateway: str, key: str, endpoint, closing: ClosingEngine, live: str):
-    """Calls until one lands on a pooled connection `closing` closes: that call's answer, and the calls `live`
+    """Calls until one lands on a connection `closing` closes: that call's answer, and the calls `live`
     was sent meanwhile besides the others answered."""
     for _ in range(30):
         before = _num_requests(live)
@@ -95,7 +102,7 @@ def _calls_until_closed(gateway: str, key: str, endpoint, closing: ClosingEngine
         if closing.num_closed:
             return answer, _num_requests(live) - before
         assert answer.status_code == 200, answer.text
-    raise AssertionError("no call landed on a pooled connection to the closing engine")
+    raise AssertionError("no call landed on a connection the closing engine closes")
 
 
 def test_a_call_on_a_pooled_connection_its_stopping_replica_closed_is_sent_to_another_replica(
@@ -113,6 +120,28 @@ def test_a_call_on_a_pooled_connection_whose_ready_engine_closed_it_is_never_sen
         gateway, tenant, start_mock_upstream):
     # Its replica still READY: an engine that died on the call, which may have computed it (and would kill the next).
     closing, live = _engine_closing_reused_connections(stopping=False), start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, closing.address, live)
+    answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
+    _assert_openai_server_error(answer)
+    assert num_sent_to_live == 0
+
+
+def test_a_call_on_a_new_connection_its_stopping_replica_closed_unread_is_sent_to_another_replica(
+        gateway, tenant, start_mock_upstream):
+    # Before: a replica being drained (or scaled to zero) whose engine's server closed a brand-new connection as it
+    # stopped, the call on it unread (its kernel reset the connection), turned that call into a 502.
+    closing, live = _draining(ClosingEngine(lambda number, _: True, unread=True)), start_mock_upstream()
+    endpoint = serve_endpoint(tenant.org, closing.address, live)
+    answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
+    assert answer.status_code == 200, answer.text
+    assert num_sent_to_live == 1
+
+
+def test_a_call_on_a_new_connection_its_stopping_engine_read_before_closing_is_never_sent_to_another_replica(
+        gateway, tenant, start_mock_upstream):
+    # Its replica draining, but its engine read the call before the connection closed plainly: it may have started on
+    # it (killed at the end of its drain), so no second engine computes it.
+    closing, live = _draining(ClosingEngine(lambda number, _: True)), start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, closing.address, live)
     answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, closing, live)
     _assert_openai_server_error(answer)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from django.db import connections
 from django.utils import timezone
 
 from billing.models import UsageRecord
@@ -19,6 +20,7 @@ from endpoints.models import Endpoint, Replica, ReplicaState
 from endpoints.nodes.models import Node
 from endpoints.services import delete_endpoint, pause_endpoint
 from tests.conftest import wait_until
+from tests.fakes.closing_engine import ClosingEngine
 from tests.gateway.conftest import held_chat, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -160,3 +162,25 @@ def test_a_call_held_for_an_endpoint_its_organisation_pauses_or_deletes_meanwhil
     redis = get_redis()
     wait_until(lambda: not redis.zcard(held_key(tenant.org.pk)), 10, message="the held place given up")
     assert not redis.hlen(reservations_key(tenant.org.pk))
+
+
+def test_a_call_whose_new_connection_its_stopping_engine_closed_unread_is_held_for_the_next_replica(
+        gateway, tenant, start_mock_upstream):
+    # The engine's server, stopping as its replica is scaled to zero, closes the call's brand-new connection with the
+    # call unread (its kernel resets it). Before: a 502, though no engine had read the call.
+    stopping = ClosingEngine(lambda number, body: True, unread=True)
+
+    def scaled_to_zero():
+        Replica.objects.filter(address=stopping.address).update(state=ReplicaState.STOPPED)
+        connections.close_all()
+
+    stopping.before_closing = scaled_to_zero
+    endpoint = serve_endpoint(tenant.org, stopping.address)
+
+    answer = held_chat(gateway, tenant.key, endpoint)  # held for a cold start, not answered 502
+    assert stopping.num_closed == 1
+    Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.READY,
+                           address=start_mock_upstream(), ready_at=timezone.now())
+    response = answer.result(30)
+    assert response.status_code == 200, response.text
+    assert "x-inferplane-cold-start-ms" in response.headers

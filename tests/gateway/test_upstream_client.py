@@ -8,6 +8,7 @@ import uvloop
 
 from endpoints.gateway import upstream
 from endpoints.gateway.upstream import UpstreamClient
+from tests.fakes.closing_engine import ClosingEngine
 
 SSE = [b"data: {\"n\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
@@ -119,6 +120,38 @@ def test_a_pooled_connection_closed_under_a_request_fails_before_the_first_byte_
             assert len(server.requests) == 1 and server.connections == 1
             await client.close()
     run(main())
+
+
+async def _closed_under(address: str, before=lambda: None) -> upstream.UpstreamError:
+    """The failure of a request sent on a new connection to `address`, `before` run once it went out."""
+    client = UpstreamClient()
+    asyncio.get_running_loop().call_later(0.1, before)
+    try:
+        with pytest.raises(upstream.UpstreamClosed) as failure:
+            await client.post(address, "/", b"{}", {})
+        return failure.value
+    finally:
+        await client.close()
+
+
+def test_a_new_connection_its_server_closed_with_the_request_unread_is_safe_to_send_elsewhere():
+    # uvicorn's graceful shutdown closes a connection it has no call on yet: its kernel resets it, the request unread
+    failure = run(_closed_under(ClosingEngine(lambda number, body: True, unread=True).address))
+    assert failure.before_first_byte and not failure.on_reused_connection
+    assert upstream.engine_cannot_have_started(failure)
+
+
+def test_a_new_connection_queued_on_a_listener_that_closed_is_safe_to_send_elsewhere():
+    # uvicorn's graceful shutdown closes its listening socket first: a connection its kernel took and nobody accepted
+    listener = socket.create_server(("127.0.0.1", 0))
+    failure = run(_closed_under(f"http://127.0.0.1:{listener.getsockname()[1]}", listener.close))
+    assert failure.before_first_byte and upstream.engine_cannot_have_started(failure)
+
+
+def test_a_connection_closed_plainly_after_its_request_was_read_is_never_sent_elsewhere():
+    # An engine that read the request and died: it may have computed it
+    failure = run(_closed_under(ClosingEngine(lambda number, body: True).address))
+    assert failure.before_first_byte and not upstream.engine_cannot_have_started(failure)
 
 
 def test_a_server_that_dies_mid_body_fails_the_read_and_the_bytes_before_it_are_yielded():
