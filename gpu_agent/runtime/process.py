@@ -130,6 +130,18 @@ def replica_processes(replica_id: str | None, data_dir: str | Path) -> list[psut
     return found
 
 
+def cpu_seconds(replica_id: str, data_dir: str | Path) -> float:
+    """The CPU time (user and system) the replica's live processes have used so far, summed."""
+    total = 0.0
+    for found in replica_processes(replica_id, data_dir):
+        try:
+            times = found.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def is_replica_process(pid: int, replica_id: str) -> bool:
     """Guards against pid reuse: the pid must still carry the replica's marker."""
     try:
