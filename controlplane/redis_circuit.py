@@ -39,6 +39,7 @@ class RedisCircuit:
         self._lock = threading.Lock()
         self.is_open = False
         self._probe_seen_at = 0.0
+        self._probe: asyncio.Task | None = None  # held: a task nobody references may be collected mid-probe
 
     def admits(self) -> bool:
         """Whether a call may go to Redis now. While the circuit is open, a caller on an event loop makes sure a probe
@@ -57,7 +58,7 @@ class RedisCircuit:
             if loop is None:
                 return True
             self._probe_seen_at = time.monotonic()
-        loop.create_task(self._probe_until_answered())
+        self._probe = loop.create_task(self._probe_until_answered())
         return False
 
     def trip(self, why: BaseException) -> None:
@@ -69,6 +70,13 @@ class RedisCircuit:
             self._probe_seen_at = 0.0
         logger.warning("Redis did not answer (%s): calls refused until it does", why)
 
+    def close(self) -> None:
+        """Redis answers: calls go to it again."""
+        with self._lock:
+            was_open, self.is_open = self.is_open, False
+        if was_open:
+            logger.warning("Redis answers again: calls sent to it again")
+
     async def _probe_until_answered(self) -> None:
         while self.is_open:
             self._probe_seen_at = time.monotonic()
@@ -77,9 +85,7 @@ class RedisCircuit:
             except Exception:  # noqa: BLE001 - any failure is "not yet"; the probe never dies loud
                 await asyncio.sleep(PROBE_INTERVAL_S)
                 continue
-            with self._lock:
-                self.is_open = False
-            logger.warning("Redis answers again: calls sent to it again")
+            self.close()
 
 
 async def _ping() -> None:
