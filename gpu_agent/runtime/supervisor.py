@@ -1061,6 +1061,8 @@ class Supervisor:
         processes used under `hung_max_cpu_share` of one core. One that computed meanwhile is busy: its silence
         counts again from now."""
         cpu_s = process.cpu_seconds(replica.spec.replica_id, self.data_dir)
+        if cpu_s is None:
+            return False  # NOTE: what it computes unknown: never taken for hung (`max_unanswered_ready_checks` stands)
         since = replica.unanswered_idle_since
         if since is None or cpu_s - replica.unanswered_idle_cpu_s > self.policy.hung_max_cpu_share * (now - since):
             replica.unanswered_idle_since, replica.unanswered_idle_cpu_s = now, cpu_s
