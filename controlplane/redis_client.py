@@ -4,7 +4,9 @@ NOTE: every call is bounded by `REDIS_TIMEOUT_S` (connect and reply): a Redis th
 partitioned or frozen makes callers fail fast with `redis.exceptions.TimeoutError` or
 `ConnectionError`, never hang. A connection broken by a Redis restart is retried once on a new
 one (a restart closes every pooled socket; the first use of each would otherwise fail), and a
-timeout is not retried, so a silent Redis costs one timeout, not several.
+timeout is not retried, so a silent Redis costs one timeout, not several; and after that one, none: a timeout
+opens the process's circuit (`controlplane.redis_circuit`), and until Redis answers its probe every command is
+refused at once with `RedisSilent` (a `ConnectionError`), as the gateway's scripts are.
 
 With `REDIS_CLUSTER=1` both are redis-py's cluster clients, seeded from `REDIS_URL` (one node; they
 discover the others and route each command by its key's slot). Commands of several keys and
@@ -32,11 +34,75 @@ import redis.retry
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
+from controlplane.redis_circuit import circuit
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_INTERVAL_S = 10
 MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
+
+
+class RedisSilent(redis.exceptions.ConnectionError):
+    """Refused without asking: Redis left a command unanswered past its deadline, and has not answered since
+    (`controlplane.redis_circuit`)."""
+
+
+def _trips_on_timeout(timeout) -> bool:
+    """Whether a read that timed out was a command's reply overdue (redis-py's own `socket_timeout`), not a read with
+    a wait of its own (pub/sub's, which ends in silence as it should)."""
+    return timeout is None or timeout is redis.connection.SENTINEL
+
+
+class _CircuitConnection(redis.connection.Connection):
+    """redis-py's connection, refusing while the process's circuit is open and opening it on a reply overdue."""
+
+    def connect(self):
+        if not circuit.admits():
+            raise RedisSilent("Redis is not answering")
+        super().connect()
+
+    def send_packed_command(self, command, check_health=True):
+        if not circuit.admits():
+            raise RedisSilent("Redis is not answering")
+        super().send_packed_command(command, check_health)
+
+    def read_response(self, *args, **kwargs):
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.exceptions.TimeoutError as exc:
+            if _trips_on_timeout(kwargs.get("timeout")):
+                circuit.trip(exc)
+            raise
+
+
+class _CircuitSSLConnection(_CircuitConnection, redis.connection.SSLConnection):
+    pass
+
+
+class _AsyncCircuitConnection(redis.asyncio.Connection):
+    """`_CircuitConnection`, for the asyncio client."""
+
+    async def connect(self):
+        if not circuit.admits():
+            raise RedisSilent("Redis is not answering")
+        await super().connect()
+
+    async def send_packed_command(self, command, check_health=True):
+        if not circuit.admits():
+            raise RedisSilent("Redis is not answering")
+        await super().send_packed_command(command, check_health)
+
+    async def read_response(self, *args, **kwargs):
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis.exceptions.TimeoutError as exc:
+            if _trips_on_timeout(kwargs.get("timeout")):
+                circuit.trip(exc)
+            raise
+
+
+class _AsyncCircuitSSLConnection(_AsyncCircuitConnection, redis.asyncio.SSLConnection):
+    pass
 
 
 def connection_options() -> dict:
@@ -48,12 +114,18 @@ def connection_options() -> dict:
     }
 
 
+def _tls() -> bool:
+    return settings.REDIS_URL.startswith("rediss://")
+
+
 @functools.cache
 def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     if settings.REDIS_CLUSTER:
         return redis.cluster.RedisCluster.from_url(settings.REDIS_URL, retry=retry, **connection_options())
-    return redis.Redis.from_url(settings.REDIS_URL, retry=retry, **connection_options())
+    connection_class = _CircuitSSLConnection if _tls() else _CircuitConnection
+    return redis.Redis.from_url(settings.REDIS_URL, retry=retry, connection_class=connection_class,
+                                **connection_options())
 
 
 POOL_WAIT_S = 10
@@ -83,8 +155,8 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
         return _AsyncClusterClient.from_url(
             settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry, **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
-        settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S,
-        retry=retry, **connection_options())
+        settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S, retry=retry,
+        connection_class=_AsyncCircuitSSLConnection if _tls() else _AsyncCircuitConnection, **connection_options())
     return redis.asyncio.Redis(connection_pool=pool)
 
 

@@ -20,8 +20,10 @@ sends each to the node that owns its keys' slot (they must share one: `controlpl
 
 NOTE: every call has a deadline (`REDIS_TIMEOUT_S`, connecting included). Replies come in order, so
 one overdue reply means the connection is stuck (a frozen or partitioned Redis): a watchdog then
-drops the connection, failing every call waiting on it with `RedisTimeout` at once, and the next
-call opens a new one. A request never hangs on a silent Redis.
+drops the connection, failing every call waiting on it with `RedisTimeout` at once, and opens the process's circuit
+(`controlplane.redis_circuit`): until a probe of its own is answered, every call fails at once with `RedisTimeout`,
+rather than each opening a new connection into the same silence and waiting out its deadline. A request never hangs
+on a silent Redis.
 
 NOTE: redis-py's clients retry a command once after a connection error (`controlplane.redis_client`; its
 cluster clients on a timeout too), and cannot tell a command that never reached Redis from one whose
@@ -49,6 +51,7 @@ from django.conf import settings
 
 from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
+from controlplane.redis_circuit import circuit
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import once_key
 
@@ -117,6 +120,8 @@ class Script:
         self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())  # every call's first two parts, in RESP
 
     async def __call__(self, *, keys: list, args: list):
+        if not circuit.admits():
+            raise RedisTimeout("Redis is not answering")
         if self.once:
             keys = [*keys, once_key(keys[0], secrets.token_hex(8))]
         if hot.REDIS_CLUSTER:
@@ -306,7 +311,9 @@ class _Protocol(asyncio.Protocol):
             # NOTE: later replies would answer the wrong callers once one is skipped: drop it all.
             if self.transport is not None:
                 self.transport.abort()
-            self._fail_all(RedisTimeout(f"Redis did not answer within {self.timeout_s:g} s"))
+            silent = RedisTimeout(f"Redis did not answer within {self.timeout_s:g} s")
+            circuit.trip(silent)
+            self._fail_all(silent)
             return
         self._watchdog = loop.call_at(self.deadlines[0], self._check_deadline)
 
@@ -339,7 +346,9 @@ async def _open(url: str, timeout_s: float) -> _Protocol:
     try:
         return await asyncio.wait_for(_connect(url, timeout_s), timeout_s)
     except TimeoutError:
-        raise RedisTimeout(f"could not connect to Redis within {timeout_s:g} s") from None
+        silent = RedisTimeout(f"could not connect to Redis within {timeout_s:g} s")
+        circuit.trip(silent)
+        raise silent from None
 
 
 async def _connect(url: str, timeout_s: float) -> _Protocol:

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -177,6 +178,73 @@ class StallableSocketProxy:
     def close(self) -> None:
         """Stop listening and end every session through it (PostgreSQL's end of a stalled one too)."""
         self.num_stalled = 0
+        self.server.close()
+        for relayed in self.sockets:
+            with contextlib.suppress(OSError):
+                relayed.shutdown(socket.SHUT_RDWR)
+            relayed.close()
+
+
+class BlackholingRedisProxy:
+    """A TCP proxy in front of the test Redis: `blackhole()` makes it a socket that accepts and never answers (every
+    session open now and every one opened later: no byte relayed either way, nothing closed, as a partition or a
+    dead load balancer that sends no RST), `heal()` relays sessions opened after it normally again (those open during
+    the blackhole stay silent, as a partition's do). `url` is a `REDIS_URL` through it."""
+
+    def __init__(self):
+        redis_url = urlparse(settings.REDIS_URL)
+        self.upstream = (redis_url.hostname or "127.0.0.1", redis_url.port or 6379)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.server.getsockname()[1]}{redis_url.path}"
+        self.sockets: list[socket.socket] = []
+        self.num_sessions = 0
+        self.blackholed: set[int] = set()  # sessions whose bytes are held for good
+        self.blackholing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            session = self.num_sessions
+            self.num_sessions += 1
+            self.sockets.append(client)
+            if self.blackholing:
+                self.blackholed.add(session)
+                continue  # accepted, never answered
+            upstream = socket.create_connection(self.upstream)
+            self.sockets.append(upstream)
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._relay, args=(source, sink, session), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, session: int) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            while session in self.blackholed:
+                time.sleep(0.05)  # blackholed: the bytes held for good
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def blackhole(self) -> None:
+        self.blackholing = True
+        self.blackholed.update(range(self.num_sessions))
+
+    def heal(self) -> None:
+        self.blackholing = False
+
+    def close(self) -> None:
+        self.blackholed.clear()
         self.server.close()
         for relayed in self.sockets:
             with contextlib.suppress(OSError):

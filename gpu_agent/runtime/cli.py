@@ -130,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_float,
         help="an endpoint's engine cache folder unused this long goes (default 14)",
     )
+    run.add_argument(
+        "--engine-hung-after-s",
+        default=os.environ.get("INFERPLANE_AGENT_ENGINE_HUNG_AFTER_S"),
+        type=_positive_float,
+        help="a READY engine that leaves its health check unanswered this long while its processes compute next to"
+        " nothing is hung: killed and restarted (default 15)",
+    )
     run.add_argument("--log-level", default=os.environ.get("INFERPLANE_AGENT_LOG_LEVEL", "INFO"))
 
     tiny = commands.add_parser("tiny-model", help="write a tiny random Llama for tests (no download)")
@@ -221,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu_agent.runtime.agent import Agent
     from gpu_agent.runtime.config import AgentConfig
+    from gpu_agent.runtime.supervisor import SupervisorPolicy
 
     if not args.join_token:
         print("--join-token (or INFERPLANE_JOIN_TOKEN) is required", file=sys.stderr)
@@ -249,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         engine_sandbox=args.engine_sandbox,
         engine_disk=engine_disk_bounds(args),
     )
-    run_until_signalled(Agent(config))
+    policy = SupervisorPolicy()
+    if args.engine_hung_after_s is not None:
+        policy.hung_after_s = args.engine_hung_after_s
+    run_until_signalled(Agent(config, policy=policy))
     return 0
 
 

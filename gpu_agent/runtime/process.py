@@ -130,6 +130,20 @@ def replica_processes(replica_id: str | None, data_dir: str | Path) -> list[psut
     return found
 
 
+def cpu_seconds(replica_id: str, data_dir: str | Path) -> float | None:
+    """The CPU time (user and system) the replica's live processes have used so far, summed; None where none of them
+    could be read."""
+    total, num_read = 0.0, 0
+    for found in replica_processes(replica_id, data_dir):
+        try:
+            times = found.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+        num_read += 1
+    return total if num_read else None
+
+
 def is_replica_process(pid: int, replica_id: str) -> bool:
     """Guards against pid reuse: the pid must still carry the replica's marker."""
     try:

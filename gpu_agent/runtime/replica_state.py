@@ -86,6 +86,10 @@ class ManagedReplica:
     health_checked_at: float | None = None
     num_unhealthy_checks: int = 0
     num_unanswered_checks: int = 0  # in a row, within the probe's timeout (busy, or hung: `SupervisorPolicy`)
+    # Since when (monotonic) its /health has gone unanswered while its processes computed next to nothing, and the CPU
+    # seconds they had used then (`Supervisor._hung`); None while it answers, or computes.
+    unanswered_idle_since: float | None = None
+    unanswered_idle_cpu_s: float = 0.0
     unhealthy_when_ready: bool = False
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)
@@ -166,7 +170,7 @@ class ManagedReplica:
         self.ready_at = None
         self.metrics = EngineMetrics()
         self.metrics_scraped_at = None
-        self.health_checked_at = None
+        self.health_checked_at = self.unanswered_idle_since = None
         self.num_unhealthy_checks = self.num_unanswered_checks = 0
         self.unhealthy_when_ready = False
         self.engine_memory = None
@@ -194,7 +198,7 @@ class ManagedReplica:
         """Its engine answered `/wake_up`: READY again, the same process."""
         self.set_state(ReplicaState.READY)
         self.ready_at = now
-        self.health_checked_at = None
+        self.health_checked_at = self.unanswered_idle_since = None
         self.num_unhealthy_checks = self.num_unanswered_checks = 0
 
     def started_draining(self, now: float, timeout_s: float) -> None:

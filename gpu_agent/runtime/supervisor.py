@@ -111,6 +111,9 @@ MAX_UNSETTLED_DISK_CHECKS = 3
 MIN_UNSETTLED_DISK_S = 120.0
 
 
+DEFAULT_HUNG_AFTER_S = 15.0  # `SupervisorPolicy.hung_after_s`
+
+
 @dataclass(slots=True)
 class SupervisorPolicy:
     max_consecutive_crashes: int = 3  # then FAILED
@@ -145,6 +148,13 @@ class SupervisorPolicy:
     # healthy engine, every request in flight on it, at the busiest time. Killed only once it has not answered this
     # many times in a row (5 minutes: hung, not busy).
     max_unanswered_ready_checks: int = 30
+    # ... or once it has not answered for this long while its processes computed next to nothing (under
+    # `hung_max_cpu_share` of one core): hung (stopped, deadlocked), not busy, which computes. NOTE: before, a hung
+    # engine was found only by the bound above: it kept READY and routed calls for 5 minutes, each waiting on it until
+    # the gateway's read timeout (10 minutes). Silent, it is asked again every quarter of this, not every
+    # `ready_health_interval_s`.
+    hung_after_s: float = DEFAULT_HUNG_AFTER_S
+    hung_max_cpu_share: float = 0.05
     # An engine's `/sleep` (weights to host memory) or `/wake_up` answered within this, or it failed.
     sleep_call_timeout_s: float = 120.0
     kill_children_on_agent_death: bool = True  # PR_SET_PDEATHSIG on Linux
@@ -1001,16 +1011,22 @@ class Supervisor:
             if scraped_at is None or time.monotonic() - scraped_at >= self.policy.metrics_interval_s:
                 self._scrape(replica)
             checked_at = replica.health_checked_at
-            if checked_at is None or now - checked_at >= self.policy.ready_health_interval_s:
+            interval_s = self.policy.ready_health_interval_s
+            if replica.unanswered_idle_since is not None:
+                interval_s = min(interval_s, self.policy.hung_after_s / 4)
+            if checked_at is None or now - checked_at >= interval_s:
                 replica.health_checked_at = now
                 healthy = self._probe.health(replica.address)
+                hung = False
                 if healthy:
                     replica.num_unhealthy_checks = replica.num_unanswered_checks = 0
+                    replica.unanswered_idle_since = None
                 elif healthy is None:
                     replica.num_unanswered_checks += 1
+                    hung = self._hung(replica, time.monotonic())
                 else:
                     replica.num_unhealthy_checks += 1
-                if (replica.num_unhealthy_checks >= self.policy.max_unhealthy_ready_checks
+                if (hung or replica.num_unhealthy_checks >= self.policy.max_unhealthy_ready_checks
                         or replica.num_unanswered_checks >= self.policy.max_unanswered_ready_checks):
                     logger.warning("replica %s: READY, and not healthy %d times in a row, unanswered %d: killed",
                                    replica.spec.replica_id, replica.num_unhealthy_checks, replica.num_unanswered_checks)
@@ -1039,6 +1055,23 @@ class Supervisor:
                     "replica %s: still running %.1fs after SIGTERM, SIGKILL",
                     replica.spec.replica_id, now - replica.terminated_at,
                 )  # fmt: skip
+
+    def _hung(self, replica: ManagedReplica, now: float) -> bool:
+        """Whether a READY engine whose /health just went unanswered is hung: silent for `hung_after_s` while its
+        processes used under `hung_max_cpu_share` of one core. One that computed meanwhile is busy: its silence
+        counts again from now."""
+        cpu_s = process.cpu_seconds(replica.spec.replica_id, self.data_dir)
+        if cpu_s is None:
+            return False  # NOTE: what it computes unknown: never taken for hung (`max_unanswered_ready_checks` stands)
+        since = replica.unanswered_idle_since
+        if since is None or cpu_s - replica.unanswered_idle_cpu_s > self.policy.hung_max_cpu_share * (now - since):
+            replica.unanswered_idle_since, replica.unanswered_idle_cpu_s = now, cpu_s
+            return False
+        if now - since < self.policy.hung_after_s:
+            return False
+        logger.warning("replica %s: READY, its /health unanswered for %.0f s while its processes used %.2f CPU "
+                       "seconds: hung", replica.spec.replica_id, now - since, cpu_s - replica.unanswered_idle_cpu_s)
+        return True
 
     def _served_context_problem(self, replica: ManagedReplica, billed: int | None) -> str | None:
         """Why a healthy engine may not turn READY: it serves more context than `billed`, the context the control plane

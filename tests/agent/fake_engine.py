@@ -30,7 +30,9 @@ parser.add_argument("--exit-after-s", type=float, default=None, help="crash (exi
 parser.add_argument("--unhealthy-after-s", type=float, default=None,
                     help="/health answers 500 after this long, the process alive (vLLM's EngineCore killed under it)")
 parser.add_argument("--slow-health-after-s", type=float, default=None,
-                    help="/health answers only after 3 s from this long on (an API server busy under load)")
+                    help="/health answers only after 3 s from this long on, idle meanwhile (an API server hung on a lock)")
+parser.add_argument("--busy-health-after-s", type=float, default=None,
+                    help="/health answers only after 3 s of computing from this long on (an API server busy under load)")
 parser.add_argument("--running-file", default="", help="file holding the number of running requests")
 parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--sleep-mode", action="store_true", help="serve /sleep, /wake_up and /is_sleeping")
@@ -114,6 +116,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             dead = args.unhealthy_after_s is not None and time.monotonic() - started_at >= args.unhealthy_after_s
             if args.slow_health_after_s is not None and time.monotonic() - started_at >= args.slow_health_after_s:
                 time.sleep(3.0)
+            if args.busy_health_after_s is not None and time.monotonic() - started_at >= args.busy_health_after_s:
+                computing_until = time.monotonic() + 3.0
+                while time.monotonic() < computing_until:
+                    pass
             self._send(500 if dead else 200 if ready else 503, "")
         elif self.path == "/is_sleeping" and args.sleep_mode:
             self._send(200, json.dumps({"is_sleeping": sleeping_level > 0}))

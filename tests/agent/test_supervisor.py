@@ -532,6 +532,40 @@ def test_a_ready_engine_whose_health_fails_is_restarted(make_supervisor):
     assert "not healthy" in (supervisor.get("r-core-gone").failure_reason or "")
 
 
+def _ready_engine_silent_after_1_s(make_supervisor, how: str, replica_id: str) -> Supervisor:
+    """A READY fake engine whose /health goes unanswered (`how`: `--slow-health-after-s` idle, `--busy-health-after-s`
+    computing) after 1 s, its supervisor asking every 0.2 s and taking 1 s of silence while idle for hung."""
+    policy = dataclasses.replace(FAST, ready_health_interval_s=0.2, health_timeout_s=0.5, hung_after_s=1.0)
+    supervisor = make_supervisor(how, "1.0", policy=policy)
+    supervisor.start(make_spec(replica_id), "/models/x")
+    wait_until(lambda: state_of(supervisor, replica_id) == ReplicaState.READY, 10, poll=supervisor.poll)
+    return supervisor
+
+
+def test_a_ready_engine_silent_and_idle_is_killed_as_hung_and_restarted(make_supervisor):
+    """An engine alive but answering nothing and computing nothing (stopped, deadlocked) is hung, not busy. Before, it
+    was killed only after `max_unanswered_ready_checks` unanswered asks (5 minutes), READY and routed calls meanwhile,
+    each waiting on it until the gateway's read timeout."""
+    supervisor = _ready_engine_silent_after_1_s(make_supervisor, "--slow-health-after-s", "r-hung")
+    wait_until(lambda: supervisor.get("r-hung").num_restarts >= 1, 10, poll=supervisor.poll)
+    assert "not healthy while READY" in supervisor.get("r-hung").failure_reason
+
+
+def test_a_ready_engine_silent_while_it_computes_is_not_taken_for_hung(make_supervisor):
+    """An engine whose /health goes unanswered while its processes compute (a saturated API server) is busy: kept
+    READY past `hung_after_s`, every request in flight on it kept."""
+    supervisor = _ready_engine_silent_after_1_s(make_supervisor, "--busy-health-after-s", "r-computing")
+    first_pid = supervisor.statuses()[0].pid
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        supervisor.poll()
+        time.sleep(0.05)
+    replica = supervisor.get("r-computing")
+    assert replica.num_unanswered_checks >= 2, "its /health was asked and left unanswered"
+    assert replica.num_restarts == 0
+    assert (state_of(supervisor, "r-computing"), supervisor.statuses()[0].pid) == (ReplicaState.READY, first_pid)
+
+
 def test_a_ready_engine_slow_to_answer_its_health_is_not_restarted(make_supervisor):
     """A busy engine (a long prefill, a saturated API server, a CPU engine's workers on every core) answers /health late,
     not with a failure: vLLM's own check reads a flag. Before, each answer later than `health_timeout_s` counted as
