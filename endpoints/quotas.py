@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.models import Organization, Quotas
@@ -218,21 +218,24 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
     nothing new is placed until the organisation is within its quota."""
     quotas = endpoint.organization.quotas
     held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
-    scopes = [("max_replicas", quotas.max_replicas, held, None)]
-    max_gpus = quotas.max_gpus(endpoint.gpu_type)
-    if max_gpus < quotas.max_replicas or endpoint.gpus_per_replica > 1:
-        scopes.append((f"max_gpus_by_type.{endpoint.gpu_type}", max_gpus, held.filter(endpoint__gpu_type=endpoint.gpu_type),
-                       "endpoint__gpus_per_replica"))
-    for quota, limit, in_scope, gpus in scopes:
-        serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
-        num_held = (serving.aggregate(num=Sum(gpus))["num"] or 0) if gpus else serving.count()
+    of_type = Q(endpoint__gpu_type=endpoint.gpu_type)
+    # NOTE: both scopes, whatever this endpoint's own GPUs a replica, in one query: judged only where this endpoint
+    # took more than one GPU a replica or its type was bounded below `max_replicas`, an organisation past its GPUs whose
+    # newest replica was such an endpoint's was never drained (that endpoint found nothing over, the others did not
+    # hold the newest), and the tick reconciled its endpoints at every tick for as long as it held them.
+    counts = held.filter(state__in=SERVING_REPLICA_STATES).order_by().aggregate(
+        num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica", filter=of_type, default=0))
+    scopes = [("max_replicas", quotas.max_replicas, counts["num"], held, "replicas"),
+              (f"max_gpus_by_type.{endpoint.gpu_type}", quotas.max_gpus(endpoint.gpu_type), counts["gpus"],
+               held.filter(of_type), f"{endpoint.gpu_type} GPUs")]
+    for quota, limit, num_held, in_scope, what in scopes:
         if num_held <= limit:
             continue
-        what = f"{endpoint.gpu_type} GPUs" if gpus else "replicas"
         # NOTE: no count of what is held: the message is the same until the drains end, so it is one event on the
         # endpoint's log, not one per drain
         message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold: their "
                    "replicas drain one at a time, newest first, down to it")
+        serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
         return OverQuota(message, quota, limit, num_held, serving.order_by("-created_at", "-pk").first(),
                          in_scope.filter(state=ReplicaState.DRAINING).count())
     return None

@@ -141,3 +141,32 @@ def test_the_tick_drains_an_organisation_over_its_plan_though_the_reconciles_ask
     assert changing == sorted(str(endpoint.pk) for endpoint in endpoints)
     _reconcile(changing)
     assert _states(made)[-1] == ReplicaState.DRAINING
+
+
+def _ready(endpoint, node, created_at) -> Replica:
+    return Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, created_at=created_at)
+
+
+def test_an_organisation_past_its_gpus_drains_its_newest_replica_though_that_endpoint_takes_one_gpu_a_replica(org):
+    # Before, an endpoint of one GPU a replica judged only the replica count where its plan bounded its GPU type no
+    # lower: the organisation's newest replica was such an endpoint's, which found nothing over, and the endpoint of two
+    # GPUs a replica that found its plan's GPUs past did not hold the newest. Nothing ever drained, and the tick
+    # reconciled both at every tick, for as long as the organisation kept its replicas.
+    plan = save_plan(SYSTEM, Plan(name="wide", max_replicas=8))
+    set_organization_plan(SYSTEM, org, plan)
+    wide = EndpointFactory(organization=org, gpu_type="l4", gpus_per_replica=2, max_replicas=1, target_concurrency=1)
+    narrow = EndpointFactory(organization=org, gpu_type="l4", max_replicas=2, target_concurrency=1)
+    node = make_node(memory_mb=80_000, num_gpus=8)
+    start = timezone.now() - timedelta(minutes=10)
+    made = [_ready(wide, node, start), _ready(narrow, node, start + timedelta(seconds=1)),
+            _ready(narrow, node, start + timedelta(seconds=2))]
+    plan.max_replicas = 3
+    save_plan(SYSTEM, plan)  # 3 replicas are within it; their 4 l4 GPUs are not
+    ids = sorted(str(endpoint.pk) for endpoint in (wide, narrow))
+
+    _reconcile(scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids}))
+
+    assert _states(made) == [ReplicaState.READY, ReplicaState.READY, ReplicaState.DRAINING]
+    narrow.refresh_from_db()
+    assert narrow.status_message.startswith("over quota: your plan now allows 3 l4 GPUs at once"), narrow.status_message
+
