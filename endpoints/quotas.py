@@ -215,8 +215,12 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
 
     NOTE: serving replicas only (pending, starting, ready): those draining are on their way out, and counting them
     drained a second replica before the first had stopped. Placement still counts them (`replica_refusal`), so
-    nothing new is placed until the organisation is within its quota."""
-    quotas = endpoint.organization.quotas
+    nothing new is placed until the organisation is within its quota.
+    NOTE: an organisation on a plan only (`drains_to_quota`)."""
+    organization = endpoint.organization
+    if not drains_to_quota(organization):
+        return None
+    quotas = organization.quotas
     held = Replica.objects.filter(endpoint__organization_id=endpoint.organization_id, state__in=ACTIVE_REPLICA_STATES)
     of_type = Q(endpoint__gpu_type=endpoint.gpu_type)
     # NOTE: both scopes, whatever this endpoint's own GPUs a replica, in one query: judged only where this endpoint
@@ -241,6 +245,17 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
     return None
 
 
+def drains_to_quota(organization: Organization) -> bool:
+    """Whether a quota lowered below what the organisation holds drains it (`over_quota`): only where it is on a plan.
+
+    NOTE: the platform defaults (`Quotas.platform_default`) are each process's environment, not a row staff change
+    and audit: while a deploy that raises them rolls out, the workers of the release before read the old ones, and a
+    slip in one manifest reads lower ones. Judged by them, such a worker drained, one after another, every organisation
+    on the defaults that held more, each replica the new workers placed included. A lowered default bounds what is
+    placed (`replica_refusal`), as before the drains; staff move an organisation to a plan to drain it."""
+    return organization.plan_id is not None
+
+
 def endpoints_over_quota(endpoint_ids) -> set[str]:
     """Those of `endpoint_ids` that serve replicas for an organisation past its replica or GPU quotas (`over_quota`),
     in two queries. NOTE: for the tick, which otherwise skips an endpoint serving what its autoscaler wants: a reconcile
@@ -251,10 +266,12 @@ def endpoints_over_quota(endpoint_ids) -> set[str]:
                 .annotate(num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica"))
                 .values_list("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type", "num", "gpus"))
     num_held, gpus_held = {}, {}
+    # NOTE: organisations on a plan only (`drains_to_quota`)
     for _, organization_id, gpu_type, num, gpus in rows:
         num_held[organization_id] = num_held.get(organization_id, 0) + num
         gpus_held[organization_id, gpu_type] = gpus_held.get((organization_id, gpu_type), 0) + (gpus or 0)
-    over = {organization.pk for organization in Organization.objects.filter(pk__in=num_held).select_related("plan")
+    on_plans = Organization.objects.filter(pk__in=num_held, plan__isnull=False).select_related("plan")
+    over = {organization.pk for organization in on_plans
             if num_held[organization.pk] > organization.quotas.max_replicas
             or any(gpus > organization.quotas.max_gpus(gpu_type)
                    for (organization_id, gpu_type), gpus in gpus_held.items() if organization_id == organization.pk)}

@@ -170,3 +170,26 @@ def test_an_organisation_past_its_gpus_drains_its_newest_replica_though_that_end
     narrow.refresh_from_db()
     assert narrow.status_message.startswith("over quota: your plan now allows 3 l4 GPUs at once"), narrow.status_message
 
+
+def test_an_organisation_on_the_platform_defaults_keeps_its_replicas_when_a_process_reads_lower_defaults(org, settings):
+    # The defaults are each process's environment (`INFERPLANE_DEFAULT_MAX_*`), not a row staff change: while a deploy
+    # that raises them rolls out, the workers of the release before read the old ones, and a slip in a manifest reads
+    # lower ones. Before, such a worker drained, one replica after another, every organisation on the defaults that held
+    # more: a scale-down of every tenant without a plan, and in a rolling deploy each replica the new workers placed.
+    # A lowered default still bounds what is placed (as before the drains).
+    endpoint = EndpointFactory(organization=org, gpu_type="l4", max_replicas=4, target_concurrency=1)
+    node = make_node(memory_mb=80_000, num_gpus=8)
+    start = timezone.now() - timedelta(minutes=10)
+    made = [_ready(endpoint, node, start + timedelta(seconds=n)) for n in range(3)]
+    settings.DEFAULT_MAX_REPLICAS = 2
+    ids = [str(endpoint.pk)]
+
+    assert scheduler.endpoints_to_reconcile(ids, {ids[0]: _busy()}) == ids  # it wants 4: waiting for quota
+    _reconcile(ids)
+
+    assert _states(made) == [ReplicaState.READY] * 3
+    assert Replica.objects.filter(endpoint=endpoint).count() == 3
+    endpoint.refresh_from_db()
+    assert endpoint.status_message.startswith("waiting for quota: your plan allows 2 replicas"), endpoint.status_message
+    assert not AuditEvent.objects.filter(action="replica.quota_drain").exists()
+
