@@ -283,10 +283,14 @@ def endpoints_over_quota(endpoint_ids) -> set[str]:
 
 
 def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
-    """Every endpoint of these organisations that serves replicas is reconciled once the change commits: their quotas
-    changed (`accounts.services.replica_quotas_changed`), and a lowered one drains them (`over_quota`)."""
+    """The endpoints of these organisations that serve replicas past their quotas, changed now
+    (`accounts.services.replica_quotas_changed`), are reconciled once the change commits: they drain (`over_quota`).
+
+    NOTE: those over alone (`endpoints_over_quota`): each endpoint serving on the plan, asked for at each change, a raise
+    too, was thousands of tasks on a plan thousands of organisations are on, sent one by one by staff's save and queued
+    ahead of every tenant's cold start, for nothing to drain. An endpoint waiting for quota is the tick's (its message)."""
     endpoint_ids = (Replica.objects.filter(endpoint__organization_id__in=organization_ids,
                                            state__in=SERVING_REPLICA_STATES)
                     .order_by().values_list("endpoint_id", flat=True).distinct())
-    for endpoint_id in endpoint_ids:
+    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids))):
         request_reconcile(endpoint_id)

@@ -193,3 +193,21 @@ def test_an_organisation_on_the_platform_defaults_keeps_its_replicas_when_a_proc
     assert endpoint.status_message.startswith("waiting for quota: your plan allows 2 replicas"), endpoint.status_message
     assert not AuditEvent.objects.filter(action="replica.quota_drain").exists()
 
+
+
+def test_a_plan_raised_asks_for_no_reconcile_of_the_endpoints_of_the_organisations_on_it(
+        org, reconciles_asked, django_capture_on_commit_callbacks):
+    # Before, every change of a plan's replicas or GPUs, a raise too, asked for a reconcile of each endpoint serving for
+    # each organisation on it, sent one by one after staff's save: on a plan thousands of organisations are on, thousands
+    # of tasks in the workers' queue ahead of every tenant's cold start, for nothing to drain (and an endpoint waiting
+    # for quota is reconciled by the tick, which its message brings it to).
+    plan, endpoints, made = _serving_four(org)
+    reconciles_asked.clear()
+    plan.max_replicas, plan.max_gpus_by_type = 16, {"l4": 16}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        save_plan(SYSTEM, plan)
+        set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="larger", max_replicas=32)))
+
+    assert reconciles_asked == []
+    assert _states(made) == [ReplicaState.READY] * 4
