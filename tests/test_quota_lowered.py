@@ -141,3 +141,73 @@ def test_the_tick_drains_an_organisation_over_its_plan_though_the_reconciles_ask
     assert changing == sorted(str(endpoint.pk) for endpoint in endpoints)
     _reconcile(changing)
     assert _states(made)[-1] == ReplicaState.DRAINING
+
+
+def _ready(endpoint, node, created_at) -> Replica:
+    return Replica.objects.create(endpoint=endpoint, node=node, state=ReplicaState.READY, created_at=created_at)
+
+
+def test_an_organisation_past_its_gpus_drains_its_newest_replica_though_that_endpoint_takes_one_gpu_a_replica(org):
+    # Before, an endpoint of one GPU a replica judged only the replica count where its plan bounded its GPU type no
+    # lower: the organisation's newest replica was such an endpoint's, which found nothing over, and the endpoint of two
+    # GPUs a replica that found its plan's GPUs past did not hold the newest. Nothing ever drained, and the tick
+    # reconciled both at every tick, for as long as the organisation kept its replicas.
+    plan = save_plan(SYSTEM, Plan(name="wide", max_replicas=8))
+    set_organization_plan(SYSTEM, org, plan)
+    wide = EndpointFactory(organization=org, gpu_type="l4", gpus_per_replica=2, max_replicas=1, target_concurrency=1)
+    narrow = EndpointFactory(organization=org, gpu_type="l4", max_replicas=2, target_concurrency=1)
+    node = make_node(memory_mb=80_000, num_gpus=8)
+    start = timezone.now() - timedelta(minutes=10)
+    made = [_ready(wide, node, start), _ready(narrow, node, start + timedelta(seconds=1)),
+            _ready(narrow, node, start + timedelta(seconds=2))]
+    plan.max_replicas = 3
+    save_plan(SYSTEM, plan)  # 3 replicas are within it; their 4 l4 GPUs are not
+    ids = sorted(str(endpoint.pk) for endpoint in (wide, narrow))
+
+    _reconcile(scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids}))
+
+    assert _states(made) == [ReplicaState.READY, ReplicaState.READY, ReplicaState.DRAINING]
+    narrow.refresh_from_db()
+    assert narrow.status_message.startswith("over quota: your plan now allows 3 l4 GPUs at once"), narrow.status_message
+
+
+def test_an_organisation_on_the_platform_defaults_keeps_its_replicas_when_a_process_reads_lower_defaults(org, settings):
+    # The defaults are each process's environment (`INFERPLANE_DEFAULT_MAX_*`), not a row staff change: while a deploy
+    # that raises them rolls out, the workers of the release before read the old ones, and a slip in a manifest reads
+    # lower ones. Before, such a worker drained, one replica after another, every organisation on the defaults that held
+    # more: a scale-down of every tenant without a plan, and in a rolling deploy each replica the new workers placed.
+    # A lowered default still bounds what is placed (as before the drains).
+    endpoint = EndpointFactory(organization=org, gpu_type="l4", max_replicas=4, target_concurrency=1)
+    node = make_node(memory_mb=80_000, num_gpus=8)
+    start = timezone.now() - timedelta(minutes=10)
+    made = [_ready(endpoint, node, start + timedelta(seconds=n)) for n in range(3)]
+    settings.DEFAULT_MAX_REPLICAS = 2
+    ids = [str(endpoint.pk)]
+
+    assert scheduler.endpoints_to_reconcile(ids, {ids[0]: _busy()}) == ids  # it wants 4: waiting for quota
+    _reconcile(ids)
+
+    assert _states(made) == [ReplicaState.READY] * 3
+    assert Replica.objects.filter(endpoint=endpoint).count() == 3
+    endpoint.refresh_from_db()
+    assert endpoint.status_message.startswith("waiting for quota: your plan allows 2 replicas"), endpoint.status_message
+    assert not AuditEvent.objects.filter(action="replica.quota_drain").exists()
+
+
+
+def test_a_plan_raised_asks_for_no_reconcile_of_the_endpoints_of_the_organisations_on_it(
+        org, reconciles_asked, django_capture_on_commit_callbacks):
+    # Before, every change of a plan's replicas or GPUs, a raise too, asked for a reconcile of each endpoint serving for
+    # each organisation on it, sent one by one after staff's save: on a plan thousands of organisations are on, thousands
+    # of tasks in the workers' queue ahead of every tenant's cold start, for nothing to drain (and an endpoint waiting
+    # for quota is reconciled by the tick, which its message brings it to).
+    plan, endpoints, made = _serving_four(org)
+    reconciles_asked.clear()
+    plan.max_replicas, plan.max_gpus_by_type = 16, {"l4": 16}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        save_plan(SYSTEM, plan)
+        set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="larger", max_replicas=32)))
+
+    assert reconciles_asked == []
+    assert _states(made) == [ReplicaState.READY] * 4

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 from django.urls import reverse
 
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import AuditEvent, Plan, Role, Scope
 from controlplane.accounts.serializers import STAFF_ACTOR
-from controlplane.accounts.services import SYSTEM, Actor, save_plan
+from controlplane.accounts.services import SYSTEM, Actor, record_audit, save_plan
 from tests.factories import MembershipFactory, UserFactory, signed_in_api_client
 from tests.test_admin_stale_edits import _as_shown
 
@@ -68,3 +73,66 @@ def test_a_staff_account_that_is_a_member_reads_as_itself_for_what_it_did_as_a_m
     event = _tenant_reads(tenant, "api_key.create", target="mine")
 
     assert (event["actor"], event["source_ip"]) == (staff_member.email, "203.0.113.7")
+
+
+def _migrate_controlplane_to_its_last() -> None:
+    """The accounts app's migrations not yet applied, as `migrate` runs them, on this thread's own connection."""
+    try:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes("controlplane"))
+    finally:
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_audit_log_is_read_and_written_while_the_events_staff_caused_before_are_marked(org):
+    # Before, the column was added and the earlier events marked in one transaction: the table's ACCESS EXCLUSIVE lock,
+    # taken to add the column, was held through the marking's UPDATE, however long it ran (or waited on a row another
+    # transaction held), and every audited write and every read of an audit log waited behind it.
+    staff = UserFactory(is_staff=True)
+    event = record_audit(Actor(user=staff), org, "organization.plan", org)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE controlplane_auditevent DROP COLUMN by_staff")
+        cursor.execute("DELETE FROM django_migrations WHERE app = 'controlplane' AND name > '0020'")
+        # NOTE: the marking made as slow as a large table's: each row it updates waits for a lock this test holds
+        cursor.execute(f"CREATE FUNCTION slow_marking() RETURNS trigger AS $$ BEGIN PERFORM pg_advisory_xact_lock("
+                       f"{SLOW_MARKING_LOCK}); RETURN NEW; END $$ LANGUAGE plpgsql")
+        cursor.execute("CREATE TRIGGER slow_marking BEFORE UPDATE ON controlplane_auditevent FOR EACH ROW "
+                       "EXECUTE FUNCTION slow_marking()")
+    holder, reader = (connection.get_new_connection(connection.get_connection_params()) for _ in range(2))
+    holder.autocommit, reader.autocommit = False, True
+    migrating = threading.Thread(target=_migrate_controlplane_to_its_last)
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [SLOW_MARKING_LOCK])
+        migrating.start()
+        deadline = time.monotonic() + 10
+        while not _marking_waits(reader) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _marking_waits(reader), "the marking never began"
+
+        with reader.transaction(), reader.cursor() as cursor:  # a tenant reading its audit log
+            cursor.execute("SET LOCAL lock_timeout = '500ms'")
+            cursor.execute("SELECT count(*) FROM controlplane_auditevent WHERE organization_id = %s", [org.pk])
+            assert cursor.fetchone() == (1,)
+    finally:
+        holder.rollback()
+        if migrating.ident is not None:
+            migrating.join(timeout=30)
+        holder.close()
+        reader.close()
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS slow_marking ON controlplane_auditevent")
+            cursor.execute("DROP FUNCTION IF EXISTS slow_marking()")
+    event.refresh_from_db()
+    assert event.by_staff
+
+
+SLOW_MARKING_LOCK = 20_020
+
+
+def _marking_waits(other) -> bool:
+    with other.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = "
+                       "current_database() AND query LIKE '%%UPDATE controlplane_auditevent%%'")
+        return cursor.fetchone()[0] > 0

@@ -171,7 +171,7 @@ PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max
 
 
 # Sent with `organization_ids` once a change of the replicas or GPUs their plan allows is written (in its transaction):
-# the endpoints app reconciles their endpoints, which drain down to a lowered quota (`endpoints.quotas.over_quota`).
+# the endpoints app reconciles the endpoints of those now past it, which drain down to it (`endpoints.quotas.over_quota`).
 # NOTE: a signal, as accounts may not import endpoints (the layers in pyproject.toml).
 replica_quotas_changed = Signal()
 
