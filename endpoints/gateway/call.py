@@ -96,9 +96,9 @@ class _NoReplicaLeft(Exception):
 
 
 class UpstreamUnavailable(Exception):
-    """The replica refused the call before its engine could start on it (no connection, a connection it reset with the
-    call unread, or the engine's key guard's 401, answered before the body is read): safe to retry elsewhere
-    (`engine_cannot_have_started`)."""
+    """The replica refused the call before its engine could start on it (no connection, a connection its stopping
+    replica closed or reset with the call unread, or the engine's key guard's 401, answered before the body is read):
+    safe to retry elsewhere (`engine_cannot_have_started`, `InferenceCall._forward`)."""
 
 
 class ReservationSpent(errors.OpenAIError):
@@ -435,10 +435,12 @@ class InferenceCall:
             if upstream.engine_cannot_have_started(exc):
                 raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from None
             still_ready = exc.before_first_byte and await self._still_ready(replica)
-            if upstream.idle_close_raced(exc) and not still_ready:
+            if (upstream.idle_close_raced(exc) or upstream.reset_before_answer(exc)) and not still_ready:
                 # NOTE: a replica drained or scaled to zero (not READY, read now) whose engine closed the idle pooled
-                # connection the call went out on as it stopped: its engine never read it (uvicorn finishes the calls
-                # it read before it stops). One still READY is an engine that died on it: never sent again, below.
+                # connection the call went out on as it stopped, or reset one it had no call on yet: its engine never
+                # read it (uvicorn finishes the calls it read before it stops). One still READY is an engine that died
+                # on it, or one computing it behind a middlebox that reset the connection (an idle timeout on a
+                # non-streamed answer's silence): never sent again, below.
                 raise UpstreamUnavailable(f"{type(exc).__name__} as its replica stopped: {exc}") from None
             # NOTE: never sent again elsewhere: the engine read the request (a connection that closed before any answer
             # is an engine that died on it, or was killed, perhaps after most of its work), and a second replica would

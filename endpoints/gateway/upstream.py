@@ -13,8 +13,9 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
 - A pooled connection the server closed while idle is dropped when found closing; one that closes
   under a request with no byte of the answer raises `UpstreamClosed` with `before_first_byte` set:
   the caller decides. Nothing is ever sent twice here, and the gateway sends a call again elsewhere
-  only where its engine cannot have read it (`engine_cannot_have_started`: no connection, the request
-  could not be written, or the replica reset the connection unanswered), never after it may have.
+  only where its engine cannot have read it (`engine_cannot_have_started`: no connection, or the request
+  could not be written), or where a replica no longer READY closed it as its server stops, the call
+  unread (`idle_close_raced`, `reset_before_answer`), never after it may have.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
   byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
@@ -58,15 +59,25 @@ class UpstreamError(Exception):
 
 def engine_cannot_have_started(error: UpstreamError) -> bool:
     """Whether the replica cannot have started work on the request `error` ended: none of it was sent (no connection,
-    or it could not be written), or its server never read it whole: the replica reset the connection before any byte
-    of the answer. A kernel resets a connection whose socket is closed with bytes received and not read, or that is
-    sent bytes once closed, or that waited in a listening socket's queue when it closed: uvicorn's graceful shutdown
-    (a replica drained or scaled to zero) closing a connection it had no call on yet, new or pooled, with the
-    request unread. NOTE: a connection closed plainly (a FIN) before any byte of the answer is not one: the engine
-    may have read the request and died on it (a process that exits closes its sockets so once it read all they
-    received; a non-streamed answer's first byte comes at its end), so sent again elsewhere it would be computed
-    twice."""
-    return error.nothing_sent or error.reset_unanswered
+    or it could not be written). NOTE: a connection closed before any byte of the answer is not one, plainly or
+    reset: the engine may have read the request and died on it (a non-streamed answer's first byte comes at its end),
+    or be computing it still behind a middlebox that reset it (`reset_before_answer`), so sent again elsewhere it
+    would be computed twice."""
+    return error.nothing_sent
+
+
+def reset_before_answer(error: UpstreamError) -> bool:
+    """Whether `error` may be the replica's server closing the connection with the request unread as it stops: reset
+    before any byte of the answer, new or pooled. A kernel resets a connection whose socket is closed with bytes
+    received and not read, or that is sent bytes once closed, or that waited in a listening socket's queue when it
+    closed: uvicorn's graceful shutdown (a replica drained or scaled to zero) closing a connection it had no call on
+    yet. An engine that read the request and died closes plainly (a FIN): a process that exits closes its sockets so
+    once it read all they received.
+    NOTE: not proof that the engine never read it: anything on the path that resets a connection (a NAT's or a load
+    balancer's idle timeout, a proxy giving up) resets one whose engine read the call and is computing it, silent
+    until a non-streamed answer's end. As `idle_close_raced`, the caller tells them apart by its replica's state
+    (`InferenceCall._forward`)."""
+    return error.reset_unanswered
 
 
 def idle_close_raced(error: UpstreamError) -> bool:
@@ -524,9 +535,8 @@ class UpstreamClient:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
         Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
-        sent, or the replica reset the connection unanswered; `before_first_byte` also when the replica closed the
-        connection before answering). `patience`: see
-        `Response`."""
+        sent; `before_first_byte` also when the replica closed the connection before answering, `reset_before_answer`
+        when it reset it). `patience`: see `Response`."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable
+
+from tests.fakes.local_server import serve_connections
 
 _ANSWER = json.dumps({"id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "m",
                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
@@ -35,17 +36,7 @@ class ClosingEngine:
                  unread: bool = False):
         self.closes_on, self.before_closing, self.unread = closes_on, before_closing, unread
         self.num_requests = self.num_closed = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        self.address = serve_connections(self._serve)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

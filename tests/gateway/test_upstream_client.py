@@ -134,24 +134,26 @@ async def _closed_under(address: str, before=lambda: None) -> upstream.UpstreamE
         await client.close()
 
 
-def test_a_new_connection_its_server_closed_with_the_request_unread_is_safe_to_send_elsewhere():
-    # uvicorn's graceful shutdown closes a connection it has no call on yet: its kernel resets it, the request unread
+def test_a_new_connection_its_server_closed_with_the_request_unread_fails_as_reset_before_the_answer():
+    # uvicorn's graceful shutdown closes a connection it has no call on yet: its kernel resets it, the request unread.
+    # Sent again only where its replica is no longer READY (a middlebox's reset looks the same: `_forward`).
     failure = run(_closed_under(ClosingEngine(lambda number, body: True, unread=True).address))
     assert failure.before_first_byte and not failure.on_reused_connection
-    assert upstream.engine_cannot_have_started(failure)
+    assert upstream.reset_before_answer(failure) and not upstream.engine_cannot_have_started(failure)
 
 
-def test_a_new_connection_queued_on_a_listener_that_closed_is_safe_to_send_elsewhere():
+def test_a_new_connection_queued_on_a_listener_that_closed_fails_as_reset_before_the_answer():
     # uvicorn's graceful shutdown closes its listening socket first: a connection its kernel took and nobody accepted
     listener = socket.create_server(("127.0.0.1", 0))
     failure = run(_closed_under(f"http://127.0.0.1:{listener.getsockname()[1]}", listener.close))
-    assert failure.before_first_byte and upstream.engine_cannot_have_started(failure)
+    assert failure.before_first_byte and upstream.reset_before_answer(failure)
 
 
 def test_a_connection_closed_plainly_after_its_request_was_read_is_never_sent_elsewhere():
     # An engine that read the request and died: it may have computed it
     failure = run(_closed_under(ClosingEngine(lambda number, body: True).address))
-    assert failure.before_first_byte and not upstream.engine_cannot_have_started(failure)
+    assert failure.before_first_byte and not upstream.reset_before_answer(failure)
+    assert not upstream.engine_cannot_have_started(failure)
 
 
 def test_a_server_that_dies_mid_body_fails_the_read_and_the_bytes_before_it_are_yielded():
