@@ -34,6 +34,12 @@ PROBE_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 0.5
 
 
+class Refused(Exception):
+    """Mixed into what a call the circuit refused raises (`redis_client.RedisSilent`, `redis_scripts.RedisRefused`):
+    Redis was never asked. NOTE: its caller logs no line for it (the circuit logs its opening, and its closing with
+    how many it refused): refused at once, calls come as fast as clients send them."""
+
+
 class RedisCircuit:
     """Whether this process sends calls to Redis now (see the module's docstring)."""
 
