@@ -9,27 +9,35 @@ is refused at once (the gateway's clean 503 with `Retry-After`); nothing is admi
 its limits. One probe at a time, on a connection of its own, asks Redis again every `PROBE_INTERVAL_S` with a short
 deadline of its own (`PROBE_TIMEOUT_S`), so calls flow again within a second of Redis answering.
 
-The probe runs on the event loop of a caller that found the circuit open; one whose loop ended (a test's, a thread's)
-stops reporting, and the next caller on a loop starts another (`PROBE_LOST_S`). A caller with no loop (a worker
-thread, a Celery task) is refused only while a probe runs; with none running its call goes to Redis as before, so a
-process with no event loop (a Celery worker) is never shut out of Redis with nobody to notice its return.
+Every caller is refused while the circuit is open, and the first one starts the probe if none runs. The probe runs on
+a thread of its own, never on a caller's event loop: a loop that ends with its call (a batch run's `run_briefly`, a
+Celery task's) cancelled the probe it started before it asked, and the next such loop started one that met the same
+end, so a process whose only loops are short (a Celery worker) refused them all for as long as it lived, Redis
+answering all along (`tests/test_redis_circuit.py`). A forked child finds its parent's probe thread gone and starts
+its own. Refusals log nothing each: the circuit logs its opening, and at its closing how long and how many calls.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 
-import redis.asyncio
+import redis
+import redis.backoff
+import redis.retry
 from django.conf import settings
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 0.5
-PROBE_LOST_S = 2 * (PROBE_TIMEOUT_S + PROBE_INTERVAL_S)  # a probe silent this long has lost its loop
+
+
+class Refused(Exception):
+    """Mixed into what a call the circuit refused raises (`redis_client.RedisSilent`, `redis_scripts.RedisRefused`):
+    Redis was never asked. NOTE: its caller logs no line for it (the circuit logs its opening, and its closing with
+    how many it refused): refused at once, calls come as fast as clients send them."""
 
 
 class RedisCircuit:
@@ -38,27 +46,24 @@ class RedisCircuit:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.is_open = False
-        self._probe_seen_at = 0.0
-        self._probe: asyncio.Task | None = None  # held: a task nobody references may be collected mid-probe
+        self._opened_at = 0.0
+        self.num_refused = 0  # since it opened
+        self._probe: threading.Thread | None = None
 
     def admits(self) -> bool:
-        """Whether a call may go to Redis now. While the circuit is open, a caller on an event loop makes sure a probe
-        runs (on that loop) and is refused; one without a loop is refused while a probe runs."""
+        """Whether a call may go to Redis now: not while the circuit is open, and then a probe runs.
+
+        NOTE: while closed (nearly every call) one attribute read, no lock and no clock."""
         if not self.is_open:
             return True
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
         with self._lock:
             if not self.is_open:
                 return True
-            if time.monotonic() - self._probe_seen_at < PROBE_LOST_S:
-                return False
-            if loop is None:
-                return True
-            self._probe_seen_at = time.monotonic()
-        self._probe = loop.create_task(self._probe_until_answered())
+            self.num_refused += 1
+            if self._probe is None or not self._probe.is_alive():
+                self._probe = threading.Thread(target=self._probe_until_answered, name="redis circuit probe",
+                                               daemon=True)
+                self._probe.start()
         return False
 
     def trip(self, why: BaseException) -> None:
@@ -67,7 +72,8 @@ class RedisCircuit:
             if self.is_open:
                 return
             self.is_open = True
-            self._probe_seen_at = 0.0
+            self._opened_at = time.monotonic()
+            self.num_refused = 0
         logger.warning("Redis did not answer (%s): calls refused until it does", why)
 
     def close(self) -> None:
@@ -75,28 +81,29 @@ class RedisCircuit:
         with self._lock:
             was_open, self.is_open = self.is_open, False
         if was_open:
-            logger.warning("Redis answers again: calls sent to it again")
+            logger.warning("Redis answers again: calls sent to it again (%.1f s without it, %d calls refused)",
+                           time.monotonic() - self._opened_at, self.num_refused)
 
-    async def _probe_until_answered(self) -> None:
+    def _probe_until_answered(self) -> None:
         while self.is_open:
-            self._probe_seen_at = time.monotonic()
             try:
-                await asyncio.wait_for(_ping(), PROBE_TIMEOUT_S)
+                _ping()
             except Exception:  # noqa: BLE001 - any failure is "not yet"; the probe never dies loud
-                await asyncio.sleep(PROBE_INTERVAL_S)
+                time.sleep(PROBE_INTERVAL_S)
                 continue
             self.close()
 
 
-async def _ping() -> None:
+def _ping() -> None:
     """One PING on a connection of its own: never a caller's (which may be the silent one), nor one the circuit
-    refuses."""
-    client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=PROBE_TIMEOUT_S,
-                                          socket_connect_timeout=PROBE_TIMEOUT_S, single_connection_client=True)
+    refuses; bounded by `PROBE_TIMEOUT_S` (connecting, and the reply), and never tried again by redis-py."""
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=PROBE_TIMEOUT_S,
+                                  socket_connect_timeout=PROBE_TIMEOUT_S, single_connection_client=True,
+                                  retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     try:
-        await client.ping()
+        client.ping()
     finally:
-        await client.aclose()
+        client.close()
 
 
 circuit = RedisCircuit()

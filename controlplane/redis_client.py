@@ -34,7 +34,7 @@ import redis.retry
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
-from controlplane.redis_circuit import circuit
+from controlplane.redis_circuit import Refused, circuit
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ HEALTH_CHECK_INTERVAL_S = 10
 MIN_CONNECT_TIMEOUT_S = 5.0  # a burst of new pooled connections on a busy machine needs more than one reply's time
 
 
-class RedisSilent(redis.exceptions.ConnectionError):
+class RedisSilent(redis.exceptions.ConnectionError, Refused):
     """Refused without asking: Redis left a command unanswered past its deadline, and has not answered since
     (`controlplane.redis_circuit`)."""
 

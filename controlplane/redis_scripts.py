@@ -51,7 +51,7 @@ from django.conf import settings
 
 from controlplane.hot_settings import hot
 from controlplane.per_loop import PerLoop
-from controlplane.redis_circuit import circuit
+from controlplane.redis_circuit import Refused, circuit
 from controlplane.redis_client import get_async_redis, get_redis
 from controlplane.redis_keys import once_key
 
@@ -62,6 +62,10 @@ class RedisError(Exception):
 
 class RedisTimeout(ConnectionError, TimeoutError):
     """Redis did not answer in time; the connection was dropped."""
+
+
+class RedisRefused(RedisTimeout, Refused):
+    """Not sent: Redis left a call unanswered past its deadline, and has not answered since (`controlplane.redis_circuit`)."""
 
 
 class RedisUnavailable(ConnectionError):
@@ -121,7 +125,7 @@ class Script:
 
     async def __call__(self, *, keys: list, args: list):
         if not circuit.admits():
-            raise RedisTimeout("Redis is not answering")
+            raise RedisRefused("Redis is not answering")
         if self.once:
             keys = [*keys, once_key(keys[0], secrets.token_hex(8))]
         if hot.REDIS_CLUSTER:

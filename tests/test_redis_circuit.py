@@ -1,6 +1,6 @@
 """The process's Redis circuit (`controlplane.redis_circuit`): open at a silent Redis's first timeout, every call
-refused at once meanwhile, closed by its probe within a second of Redis answering; a process with no event loop (a
-Celery worker) is never shut out by it."""
+refused at once meanwhile, closed by its probe within a second of Redis answering, whatever loop or thread calls (a
+Celery worker's, with no loop or loops that end with their call, is never shut out by it)."""
 
 import asyncio
 import time
@@ -9,8 +9,9 @@ import pytest
 from django.test import override_settings
 
 from controlplane.redis_circuit import circuit
-from controlplane.redis_client import RedisSilent, get_redis
+from controlplane.redis_client import RedisSilent, get_async_redis, get_redis
 from controlplane.redis_scripts import RedisTimeout, Script
+from controlplane.worker_threads import run_briefly
 from tests.outages import BlackholingRedisProxy
 
 ECHO = Script("return ARGV[1]")
@@ -52,10 +53,21 @@ def test_a_silent_redis_costs_one_timeout_then_calls_fail_at_once_and_flow_withi
     asyncio.run(scenario())
 
 
-def test_a_caller_without_an_event_loop_is_never_shut_out_by_an_open_circuit_with_no_probe():
-    circuit.trip(TimeoutError("a reply overdue"))
+def _answered_within_a_second_of_its_answer(call) -> None:
+    healed = time.monotonic()
+    while True:
+        try:
+            call()
+            return
+        except (RedisTimeout, RedisSilent):
+            assert time.monotonic() - healed < 1, "refused by a Redis that answers"
+            time.sleep(0.02)
+
+
+def test_a_caller_without_an_event_loop_is_never_shut_out_by_an_open_circuit():
+    circuit.trip(TimeoutError("a reply overdue"))  # Redis answers: it was one slow reply
     try:
-        assert get_redis().ping()  # a Celery worker's: no loop to probe on, so its own call is the probe
+        _answered_within_a_second_of_its_answer(lambda: get_redis().ping())  # a Celery worker's: no loop at all
     finally:
         circuit.close()
 
@@ -76,3 +88,19 @@ def test_a_caller_without_an_event_loop_is_refused_while_a_probe_runs(proxy):
         assert await asyncio.to_thread(ping_in_a_thread) < 0.05
 
     asyncio.run(scenario())
+
+
+def test_a_short_lived_event_loop_reaches_redis_again_once_it_answers():
+    """A Celery worker's batch run asks Redis from loops of its own that end with their call (`run_briefly`): a
+    circuit opened there was never closed, as each loop's probe ended with it, unstarted, and every run of that worker
+    was refused for as long as the worker lived, Redis answering all along."""
+    async def ping():
+        return await get_async_redis().ping()
+
+    circuit.trip(TimeoutError("a reply overdue"))
+    try:
+        _answered_within_a_second_of_its_answer(lambda: run_briefly(ECHO(keys=["k"], args=["brief"])))
+        circuit.trip(TimeoutError("a reply overdue"))
+        _answered_within_a_second_of_its_answer(lambda: run_briefly(ping()))
+    finally:
+        circuit.close()

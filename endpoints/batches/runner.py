@@ -354,7 +354,7 @@ async def run_line(work: Work, endpoint: directory.EndpointInfo, line: Line, cli
     except Exception as exc:
         if not errors.is_outage(exc):
             raise
-        logger.warning("batch line %s: %s", request_id, repr(exc))  # a string, not the exception (`_through_outages`)
+        errors.log_outage(logger, exc, "batch line %s: %s", request_id, repr(exc))  # a string (`_through_outages`)
         status, body, retry = 503, errors.service_unavailable().body(), True
     else:
         status, retry = capture.status or 502, capture.status in RETRY_STATUSES

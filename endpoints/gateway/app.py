@@ -223,7 +223,7 @@ class Gateway:
         except Exception as exc:
             if not errors.is_outage(exc):
                 raise
-            logger.warning("console upload to %s: %r", scope["path"], exc)
+            errors.log_outage(logger, exc, "console upload to %s: %r", scope["path"], exc)
             refusal = errors.service_unavailable()
         if place is None:
             await _discard_body(receive, scope)
@@ -280,7 +280,7 @@ class Gateway:
         except Exception as exc:
             if not errors.is_outage(exc):
                 raise
-            logger.warning("gateway %s %s: %r", scope["method"], request_id, exc)
+            errors.log_outage(logger, exc, "gateway %s %s: %r", scope["method"], request_id, exc)
             return await _refuse(scope, receive, send, errors.service_unavailable(), started, request_id)
         await self._to_django(scope, receive, send, DJANGO_V1_MAX_BODY_BYTES, what="request body", request_id=request_id)
 
@@ -313,7 +313,7 @@ class Gateway:
         except Exception as exc:
             if not errors.is_outage(exc):
                 raise
-            logger.warning("gateway upload %s: %r", request_id, exc)
+            errors.log_outage(logger, exc, "gateway upload %s: %r", request_id, exc)
             refusal = errors.service_unavailable()
         await _refuse(scope, receive, send, refusal, started, request_id)
         return None
@@ -435,7 +435,7 @@ class Gateway:
             log_answer(scope, exc.status, started, request_id)
         except Exception as exc:  # noqa: BLE001 - never leak a traceback to a client; log it
             if errors.is_outage(exc):
-                logger.warning("gateway request %s: %r", request_id, exc)
+                errors.log_outage(logger, exc, "gateway request %s: %r", request_id, exc)
                 failure = errors.service_unavailable()
                 await _respond(send, failure.status, failure.body(), headers=failure.headers | {"x-request-id": request_id},
                                raw_headers=_ratelimit_headers(ratelimit) + _closing(scope))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import django.db
@@ -10,6 +11,7 @@ import kombu.exceptions
 import psycopg
 import redis.exceptions
 
+from controlplane.redis_circuit import Refused
 from controlplane.redis_scripts import says_unavailable
 
 # What a missing or silent Redis, PostgreSQL or Celery broker raises: the request gets a clean 503, never a 500 or a
@@ -29,6 +31,13 @@ def is_outage(exc: BaseException) -> bool:
     """An `OUTAGES` error, or a reply redis-py raises as a plain `ResponseError` that says Redis cannot serve
     now (`-MISCONF`, `-BUSY`, `-NOREPLICAS`, also wrapped in a script's error): a 503, never a 500."""
     return isinstance(exc, OUTAGES) or (isinstance(exc, redis.exceptions.ResponseError) and says_unavailable(str(exc)))
+
+
+def log_outage(logger: logging.Logger, exc: BaseException, message: str, *args) -> None:
+    """An outage's warning (`message % args`), none for a call the Redis circuit refused: it logs its opening and its
+    closing, and refused calls come as fast as clients send them (`controlplane.redis_circuit.Refused`)."""
+    if not isinstance(exc, Refused):
+        logger.warning(message, *args)
 
 
 class OpenAIError(Exception):

@@ -87,9 +87,10 @@ class ManagedReplica:
     num_unhealthy_checks: int = 0
     num_unanswered_checks: int = 0  # in a row, within the probe's timeout (busy, or hung: `SupervisorPolicy`)
     # Since when (monotonic) its /health has gone unanswered while its processes computed next to nothing, and the CPU
-    # seconds they had used then (`Supervisor._hung`); None while it answers, or computes.
+    # seconds they had used then (`Supervisor._hung`); None while it answers, from its last ask while they compute.
     unanswered_idle_since: float | None = None
     unanswered_idle_cpu_s: float = 0.0
+    unanswered_computing: bool = False  # its last unanswered ask found it computing: asked at the usual interval
     unhealthy_when_ready: bool = False
     disk_check_due_at: float | None = None  # its engine's folders measured next (monotonic; `Supervisor.check_disk`)
     # its engine's shared memory checks in a row whose walks were all incomplete (`Supervisor.check_disk`)

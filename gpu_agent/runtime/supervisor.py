@@ -151,8 +151,8 @@ class SupervisorPolicy:
     # ... or once it has not answered for this long while its processes computed next to nothing (under
     # `hung_max_cpu_share` of one core): hung (stopped, deadlocked), not busy, which computes. NOTE: before, a hung
     # engine was found only by the bound above: it kept READY and routed calls for 5 minutes, each waiting on it until
-    # the gateway's read timeout (10 minutes). Silent, it is asked again every quarter of this, not every
-    # `ready_health_interval_s`.
+    # the gateway's read timeout (10 minutes). Silent and idle, it is asked again every quarter of this, not every
+    # `ready_health_interval_s` (silent and computing, at that interval).
     hung_after_s: float = DEFAULT_HUNG_AFTER_S
     hung_max_cpu_share: float = 0.05
     # An engine's `/sleep` (weights to host memory) or `/wake_up` answered within this, or it failed.
@@ -1012,7 +1012,7 @@ class Supervisor:
                 self._scrape(replica)
             checked_at = replica.health_checked_at
             interval_s = self.policy.ready_health_interval_s
-            if replica.unanswered_idle_since is not None:
+            if replica.unanswered_idle_since is not None and not replica.unanswered_computing:
                 interval_s = min(interval_s, self.policy.hung_after_s / 4)
             if checked_at is None or now - checked_at >= interval_s:
                 replica.health_checked_at = now
@@ -1066,6 +1066,9 @@ class Supervisor:
         since = replica.unanswered_idle_since
         if since is None or cpu_s - replica.unanswered_idle_cpu_s > self.policy.hung_max_cpu_share * (now - since):
             replica.unanswered_idle_since, replica.unanswered_idle_cpu_s = now, cpu_s
+            # NOTE: busy, asked again at `ready_health_interval_s`, not sooner: each unanswered ask holds the poll
+            # (a starting engine's READY on a cold call's path among what it does) for the whole `health_timeout_s`.
+            replica.unanswered_computing = since is not None
             return False
         if now - since < self.policy.hung_after_s:
             return False

@@ -566,6 +566,25 @@ def test_a_ready_engine_silent_while_it_computes_is_not_taken_for_hung(make_supe
     assert (state_of(supervisor, "r-computing"), supervisor.statuses()[0].pid) == (ReplicaState.READY, first_pid)
 
 
+def test_a_ready_engine_silent_while_it_computes_is_asked_no_more_often_than_one_that_answers(make_supervisor):
+    """Each unanswered ask holds the agent's one poll (which also turns a starting engine READY, on a cold call's path)
+    for the probe's whole timeout: a busy engine is asked every `ready_health_interval_s` as before, the quicker asks
+    (a quarter of `hung_after_s`) kept for one silent and idle. Before, a node's busy engines were asked every 3.75 s,
+    2 s of the poll held each time, at the node's busiest."""
+    policy = dataclasses.replace(FAST, ready_health_interval_s=2.0, health_timeout_s=0.5, hung_after_s=1.0)
+    supervisor = make_supervisor("--busy-health-after-s", "1.0", policy=policy)
+    supervisor.start(make_spec("r-busy"), "/models/x")
+    wait_until(lambda: state_of(supervisor, "r-busy") == ReplicaState.READY, 10, poll=supervisor.poll)
+    deadline = time.monotonic() + 7
+    while time.monotonic() < deadline:
+        supervisor.poll()
+        time.sleep(0.05)
+    replica = supervisor.get("r-busy")
+    assert replica.num_restarts == 0
+    # every 2.5 s (its interval and the timeout), after one quicker ask that found it computing: 9 asks before
+    assert 1 <= replica.num_unanswered_checks <= 5
+
+
 def test_a_ready_engine_slow_to_answer_its_health_is_not_restarted(make_supervisor):
     """A busy engine (a long prefill, a saturated API server, a CPU engine's workers on every core) answers /health late,
     not with a failure: vLLM's own check reads a flag. Before, each answer later than `health_timeout_s` counted as

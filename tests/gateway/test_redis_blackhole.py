@@ -72,3 +72,27 @@ def test_a_blackholed_redis_fails_calls_fast_with_a_503_and_serves_again_within_
         wait_until(lambda: _call(client, gateway, tenant.key, endpoint.name)[0].status_code == 200, 10,
                    interval_s=0.05, message="an answer once Redis answers again")
         assert time.monotonic() - healed < 1.5
+
+
+def test_calls_refused_while_redis_is_silent_write_no_log_line_each(behind_a_blackhole, tenant, tmp_path):
+    """Refused at once, a gateway's calls come as fast as its clients send them: a warning each (before) was a
+    thousand lines a second at a busy gateway's rate, through the whole outage, beside each call's request line. The circuit says when it opened and,
+    as it closes, how long and how many calls it refused."""
+    proxy, gateway, endpoint = behind_a_blackhole
+    log = tmp_path / "gateway.log"
+    num_refused = 50
+    with httpx.Client(timeout=30) as client:
+        wait_until(lambda: _call(client, gateway, tenant.key, endpoint.name)[0].status_code == 200, 30,
+                   message="an answer before the blackhole")
+        proxy.blackhole()
+        assert _call(client, gateway, tenant.key, endpoint.name)[0].status_code == 503  # opens the circuit
+        num_lines_before = len(log.read_text().splitlines())
+        for _ in range(num_refused):
+            assert _call(client, gateway, tenant.key, endpoint.name)[0].status_code == 503
+        proxy.heal()
+        wait_until(lambda: _call(client, gateway, tenant.key, endpoint.name)[0].status_code == 200, 10,
+                   interval_s=0.05, message="an answer once Redis answers again")
+    logged = log.read_text().splitlines()[num_lines_before:]
+    warned = [line for line in logged if " WARNING " in line]  # each call's own request line aside (its access log)
+    assert len(warned) < 10, "\n".join(warned)
+    assert any("calls refused" in line for line in logged), "\n".join(logged)
