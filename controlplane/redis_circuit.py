@@ -20,6 +20,7 @@ its own. Refusals log nothing each: the circuit logs its opening, and at its clo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -84,6 +85,12 @@ class RedisCircuit:
             logger.warning("Redis answers again: calls sent to it again (%.1f s without it, %d calls refused)",
                            time.monotonic() - self._opened_at, self.num_refused)
 
+    def _after_fork_in_child(self) -> None:
+        # NOTE: a fork copies the lock as it was: held by a thread of the parent's that the child does not have, it
+        # would never be released there, and the child's first call while the circuit is open would wait for ever.
+        self._lock = threading.Lock()
+        self._probe = None
+
     def _probe_until_answered(self) -> None:
         while self.is_open:
             try:
@@ -107,3 +114,4 @@ def _ping() -> None:
 
 
 circuit = RedisCircuit()
+os.register_at_fork(after_in_child=circuit._after_fork_in_child)

@@ -3,6 +3,8 @@ refused at once meanwhile, closed by its probe within a second of Redis answerin
 Celery worker's, with no loop or loops that end with their call, is never shut out by it)."""
 
 import asyncio
+import os
+import threading
 import time
 
 import pytest
@@ -104,3 +106,26 @@ def test_a_short_lived_event_loop_reaches_redis_again_once_it_answers():
         _answered_within_a_second_of_its_answer(lambda: run_briefly(ping()))
     finally:
         circuit.close()
+
+
+def test_a_child_forked_while_a_thread_holds_the_circuits_lock_is_not_stuck_on_it():
+    """A fork copies the lock held by a parent's thread that the child does not have: the child takes a fresh one."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with circuit._lock:
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the lock must be free here
+            os._exit(0 if circuit._lock.acquire(timeout=2) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0
