@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.protocol import ReplicaState, engine_sandbox_weakened
-from gpu_agent.runtime import sandbox
+from gpu_agent.runtime import process, sandbox
 from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
+from gpu_agent.runtime.supervisor import Supervisor
 
-from .conftest import make_spec, wait_for_state
-from .test_engine_sandbox import LANDLOCK_ABI, make_supervisor, policy_for, run_confined  # noqa: F401 - a fixture
+from .conftest import fake_engine_factory, make_spec, wait_for_state
+from .test_engine_sandbox import LANDLOCK_ABI, policy_for, run_confined
 
 needs_tcp_rules = pytest.mark.skipif(LANDLOCK_ABI < sandbox.TCP_ABI, reason="Landlock rules TCP ports from ABI 4")
 # The metadata service's, HTTPS, SMTP's submission, PostgreSQL's, PgBouncer's, Redis's.
@@ -151,7 +152,7 @@ def test_a_confined_engine_cannot_connect_to_the_metadata_port_nor_the_stores_bu
 def confine_on_an_older_kernel(mode: SandboxMode) -> subprocess.CompletedProcess:
     """An engine's start (`apply_from_environment`) where the kernel's Landlock is ABI 3: files, no TCP ports."""
     script = textwrap.dedent("""
-        from gpu_agent.runtime import sandbox
+        from gpu_agent.runtime import process, sandbox
         sandbox.landlock_abi = lambda: (3, "")
         sandbox.apply_from_environment()
         print("vLLM would start now")
@@ -179,10 +180,15 @@ def test_an_engine_whose_kernel_rules_no_tcp_port_stops_if_required_and_says_so_
     assert "no tcp rules" not in sandbox.node_fact(SandboxMode.BEST_EFFORT)
 
 
-def test_the_supervisor_gives_an_engine_its_serving_port_and_the_ephemeral_range(make_supervisor, tmp_path):
-    supervisor = make_supervisor(sandbox_mode=SandboxMode.REQUIRED)
-    supervisor.start(make_spec("r-ports"), tmp_path / "model")
-    wait_for_state(supervisor, "r-ports", ReplicaState.READY, timeout_s=30)  # it serves, confined
-    command = supervisor.get("r-ports").command
+def test_the_supervisor_gives_an_engine_its_serving_port_and_the_ephemeral_range(tmp_path):
+    supervisor = Supervisor(tmp_path / "agent", command_factory=fake_engine_factory(),
+                            sandbox_mode=SandboxMode.REQUIRED)  # fmt: skip
+    try:
+        supervisor.start(make_spec("r-ports"), tmp_path / "model")
+        wait_for_state(supervisor, "r-ports", ReplicaState.READY, timeout_s=30)  # it serves, confined
+        command = supervisor.get("r-ports").command
+    finally:
+        supervisor.shutdown(timeout_s=5)
+        process.kill_orphans(supervisor.data_dir, set())
     policy = SandboxPolicy.from_json(command.env[sandbox.POLICY_ENV])
     assert policy.tcp_ports == (command.port,) and policy.ephemeral_ports == sandbox.ephemeral_ports()
