@@ -22,6 +22,7 @@ import pytest
 
 from gpu_agent.protocol import ReplicaState, engine_sandbox_weakened
 from gpu_agent.runtime import process, sandbox
+from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
 from gpu_agent.runtime.supervisor import Supervisor
 
@@ -89,6 +90,12 @@ def test_a_wide_ephemeral_range_never_opens_the_stores_ports_nor_those_below_102
     assert sandbox.ephemeral_ports(str(tmp_path / "missing")) is None
 
 
+def test_an_operators_vllm_port_never_reaches_an_engine_whose_processes_pick_ephemeral_ports():
+    # With it, vLLM's `get_open_port` binds ports from it upward, by number: outside the engine's rules, refused.
+    environ = engine_environment({"VLLM_PORT": "5000", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert "VLLM_PORT" not in environ and environ["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
 def test_a_policy_with_a_port_out_of_range_is_refused():
     with pytest.raises(ValueError, match="1 to 65535"):
         SandboxPolicy(tcp_ports=(70000,))
@@ -152,7 +159,7 @@ def test_a_confined_engine_cannot_connect_to_the_metadata_port_nor_the_stores_bu
 def confine_on_an_older_kernel(mode: SandboxMode) -> subprocess.CompletedProcess:
     """An engine's start (`apply_from_environment`) where the kernel's Landlock is ABI 3: files, no TCP ports."""
     script = textwrap.dedent("""
-        from gpu_agent.runtime import process, sandbox
+        from gpu_agent.runtime import sandbox
         sandbox.landlock_abi = lambda: (3, "")
         sandbox.apply_from_environment()
         print("vLLM would start now")
