@@ -20,6 +20,9 @@ What an engine may do (`rules`):
 - read, write and ioctl the device nodes a GPU needs (`DEVICE_NODES`, `DEVICE_FOLDERS`), and create, open
   and remove files in /dev/shm, which it cannot list: the names there are random, so another engine's
   segments are out of reach without a listing;
+- bind and connect TCP only to its serving port and the kernel's ephemeral range (`port_rules`, ABI 4: vLLM's,
+  torch's and NCCL's ports between its own processes), never the metadata service, the control plane's stores or any
+  HTTPS host, and make no MPTCP socket (which Landlock leaves unruled) nor io_uring (`socket_filter`);
 - signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6). vLLM's
   ZeroMQ sockets between its processes are made abstract there (`rpc_base_path`), so no other engine reaches
   them: Landlock does not govern connecting to a socket bound to a path, and below ABI 6 they are bound in the
@@ -35,12 +38,15 @@ by another endpoint's engine.
 
 The kernel's ABI decides what can be confined ("best effort", as the kernel's documentation advises): ABI 1
 leaves renames across folders always refused (REFER comes with ABI 2), truncation unconfined before ABI 3,
-device ioctls before ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
+TCP ports before ABI 4 (`required` refuses such a kernel, `best-effort` says "no tcp rules"), device ioctls before
+ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
 chooses what happens where Landlock is missing: `best-effort` (the default) starts engines unconfined and says
 so in one log line and in the node's facts, `required` fails the replica with the reason, `off` confines
 nothing. GPU paths (/dev/nvidia*, CUDA's caches, NCCL's /dev/shm segments, and writes in /proc: `PROC_WRITE`) were
 checked on an H200 by `bench/gpu_sandbox_check.py` (CUDA, a CUDA graph, Triton, Inductor, a spawned CUDA child, CUDA
-IPC, NCCL, NVML, all confined); no GPU runs the tests.
+IPC, NCCL, NVML, all confined); no GPU runs the tests. The TCP rules came after that run: NCCL's bootstrap (it listens
+on port 0 and connects to its ranks' ephemeral ports) is allowed by reasoning and by gloo's two ranks on CPU
+(`tests/agent/test_engine_network_sandbox.py`); the bench's NCCL step now runs under them.
 """
 
 from __future__ import annotations

@@ -156,6 +156,33 @@ def test_a_confined_engine_cannot_connect_to_the_metadata_port_nor_the_stores_bu
     assert seen["own serving port"] == "connected" and seen["child to own ephemeral port"] == "connected"
 
 
+@needs_tcp_rules
+def test_a_confined_engines_two_ranks_meet_over_torchs_store_and_gloo_as_a_tensor_parallel_engines_do(tmp_path):
+    # vLLM's TP>1 engine: its workers' CPU process group is gloo (on the ephemeral ports each rank listens on), and a
+    # TCP store (ROCm's AITER path) on a port vLLM's `get_open_port` picked; NCCL's bootstrap on GPUs is alike.
+    seen = run_confined(
+        tmp_path,
+        policy_for(tmp_path, own_dirs=[tmp_path], tcp_ports=[8123]),
+        """
+        import socket, subprocess
+        with socket.socket() as picked:
+            picked.bind(("", 0))
+            port = picked.getsockname()[1]
+        rank = ("import sys, torch, torch.distributed as dist; "
+                "dist.init_process_group('gloo', init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2); "
+                "x = torch.ones(4) * (int(sys.argv[2]) + 1); dist.all_reduce(x); print(int(x[0])); "
+                "dist.destroy_process_group()")
+        ranks = [subprocess.Popen([sys.executable, "-c", rank, f"tcp://127.0.0.1:{port}", str(number)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for number in (0, 1)]
+        outputs = [found.communicate(timeout=50) for found in ranks]
+        seen["sums"] = [output.strip() for output, _errors in outputs]
+        seen["errors"] = [errors[-500:] for _output, errors in outputs]
+        """,
+        env={**os.environ, "TMPDIR": str(tmp_path), "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert seen["sums"] == ["3", "3"], seen["errors"]
+
+
 def confine_on_an_older_kernel(mode: SandboxMode) -> subprocess.CompletedProcess:
     """An engine's start (`apply_from_environment`) where the kernel's Landlock is ABI 3: files, no TCP ports."""
     script = textwrap.dedent("""
