@@ -168,13 +168,18 @@ def test_a_confined_engines_two_ranks_meet_over_torchs_store_and_gloo_as_a_tenso
         with socket.socket() as picked:
             picked.bind(("", 0))
             port = picked.getsockname()[1]
-        rank = ("import sys, torch, torch.distributed as dist; "
-                "dist.init_process_group('gloo', init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2); "
+        rank = ("import datetime, sys, torch, torch.distributed as dist; "
+                "dist.init_process_group('gloo', init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2, "
+                "timeout=datetime.timedelta(seconds=30)); "
                 "x = torch.ones(4) * (int(sys.argv[2]) + 1); dist.all_reduce(x); print(int(x[0])); "
                 "dist.destroy_process_group()")
         ranks = [subprocess.Popen([sys.executable, "-c", rank, f"tcp://127.0.0.1:{port}", str(number)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for number in (0, 1)]
-        outputs = [found.communicate(timeout=50) for found in ranks]
+        try:
+            outputs = [found.communicate(timeout=45) for found in ranks]
+        finally:
+            for found in ranks:  # NOTE: a rank that never met the other waits for it; none outlives the test
+                found.kill()
         seen["sums"] = [output.strip() for output, _errors in outputs]
         seen["errors"] = [errors[-500:] for _output, errors in outputs]
         """,
