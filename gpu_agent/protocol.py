@@ -320,8 +320,9 @@ def engine_sandbox_fact(text: str) -> str:
 
 
 # What a node's `engine_sandbox` fact says of a part that confines nothing (`runtime.sandbox.node_fact`): Landlock
-# (or the whole sandbox, turned off) "none: <why>", the engine's namespaces "no namespaces: <why>".
-ENGINE_SANDBOX_GAPS = ("none: ", "no namespaces: ")
+# (or the whole sandbox, turned off) "none: <why>", its TCP ports (a kernel below Landlock ABI 4) "no tcp rules: <why>",
+# the engine's namespaces "no namespaces: <why>".
+ENGINE_SANDBOX_GAPS = ("none: ", "no tcp rules: ", "no namespaces: ")
 
 
 def engine_sandbox_weakened(before: str, after: str) -> bool:

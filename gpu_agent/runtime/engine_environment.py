@@ -65,6 +65,9 @@ ENGINE_ENV_LEFT_OUT = frozenset({
     # One unbounded disk cache of compiled grammars for every engine: "not safe to use in an environment with
     # potentially malicious users", vLLM's own words.
     "VLLM_V1_USE_OUTLINES_CACHE",
+    # vLLM's ports between its own processes, from this one upward: an engine binds and connects only to its serving
+    # port and the kernel's ephemeral range (`sandbox.port_rules`), and every engine on the node would start from it.
+    "VLLM_PORT",
 })  # fmt: skip
 
 

@@ -20,6 +20,9 @@ What an engine may do (`rules`):
 - read, write and ioctl the device nodes a GPU needs (`DEVICE_NODES`, `DEVICE_FOLDERS`), and create, open
   and remove files in /dev/shm, which it cannot list: the names there are random, so another engine's
   segments are out of reach without a listing;
+- bind and connect TCP only to its serving port and the kernel's ephemeral range (`port_rules`, ABI 4: vLLM's,
+  torch's and NCCL's ports between its own processes), never the metadata service, the control plane's stores or any
+  HTTPS host, and make no MPTCP socket (which Landlock leaves unruled) nor io_uring (`socket_filter`);
 - signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6). vLLM's
   ZeroMQ sockets between its processes are made abstract there (`rpc_base_path`), so no other engine reaches
   them: Landlock does not govern connecting to a socket bound to a path, and below ABI 6 they are bound in the
@@ -35,12 +38,15 @@ by another endpoint's engine.
 
 The kernel's ABI decides what can be confined ("best effort", as the kernel's documentation advises): ABI 1
 leaves renames across folders always refused (REFER comes with ABI 2), truncation unconfined before ABI 3,
-device ioctls before ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
+TCP ports before ABI 4 (`required` refuses such a kernel, `best-effort` says "no tcp rules"), device ioctls before
+ABI 5, signals and abstract sockets before ABI 6. The agent's `INFERPLANE_ENGINE_SANDBOX`
 chooses what happens where Landlock is missing: `best-effort` (the default) starts engines unconfined and says
 so in one log line and in the node's facts, `required` fails the replica with the reason, `off` confines
 nothing. GPU paths (/dev/nvidia*, CUDA's caches, NCCL's /dev/shm segments, and writes in /proc: `PROC_WRITE`) were
 checked on an H200 by `bench/gpu_sandbox_check.py` (CUDA, a CUDA graph, Triton, Inductor, a spawned CUDA child, CUDA
-IPC, NCCL, NVML, all confined); no GPU runs the tests.
+IPC, NCCL, NVML, all confined); no GPU runs the tests. The TCP rules came after that run: NCCL's bootstrap (it listens
+on port 0 and connects to its ranks' ephemeral ports) is allowed by reasoning and by gloo's two ranks on CPU
+(`tests/agent/test_engine_network_sandbox.py`); the bench's NCCL step now runs under them.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_agent
-from gpu_agent.runtime import namespaces
+from gpu_agent.runtime import namespaces, socket_filter
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,10 @@ TRUNCATE = 1 << 14  # ABI 3
 IOCTL_DEV = 1 << 15  # ABI 5
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
+BIND_TCP = 1 << 0  # ABI 4, a port's rule
+CONNECT_TCP = 1 << 1  # ABI 4
+TCP_ABI = 4
+_RULE_NET_PORT = 2
 
 # Rights that make sense on a file (the kernel refuses a file's rule with any other).
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
@@ -167,6 +177,15 @@ def scopes(abi: int) -> int:
     return SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
 
 
+def handled_net(abi: int) -> int:
+    """The TCP rights this ABI governs: every port not ruled is refused binding and connecting to."""
+    return BIND_TCP | CONNECT_TCP if abi >= TCP_ABI else 0
+
+
+# What a node's fact and an engine's line say where the kernel governs no TCP port (`protocol.ENGINE_SANDBOX_GAPS`).
+NO_TCP_RULES = "no tcp rules: "
+
+
 class _RulesetAttr(ctypes.Structure):
     _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
                 ("scoped", ctypes.c_uint64)]  # fmt: skip
@@ -175,6 +194,11 @@ class _RulesetAttr(ctypes.Structure):
 class _PathBeneathAttr(ctypes.Structure):
     _pack_ = 1
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _NetPortAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
 
 
 def _libc():
@@ -205,8 +229,13 @@ def node_fact(mode: SandboxMode) -> str:
         return f"none: {MODE_ENV}=off"
     abi, why = landlock_abi()
     missing = namespaces_missing()
-    return "; ".join([f"landlock abi {abi}" if abi else f"none: {why}",
+    return "; ".join([f"landlock abi {abi}{tcp_gap(abi)}" if abi else f"none: {why}",
                       f"no namespaces: {missing}" if missing else namespaces.DESCRIPTION])  # fmt: skip
+
+
+def tcp_gap(abi: int) -> str:
+    """What a node's fact adds where its kernel's Landlock governs no TCP port ("" where it does)."""
+    return "" if abi >= TCP_ABI else f" ({NO_TCP_RULES}abi {abi} governs none, abi {TCP_ABI} does)"
 
 
 class NamespacesFact:
@@ -352,6 +381,14 @@ SHARED_MEMORY_DIR = "/dev/shm"
 # The files an engine's own /dev/shm holds at most (`namespaces.enter`: its tmpfs's `nr_inodes`; each costs the kernel
 # ~1 KiB that no byte bound counts): vLLM's ring buffers and NCCL's segments are tens.
 SHARED_MEMORY_MAX_FILES = 4096
+# The kernel's range of ephemeral ports (`ephemeral_ports`): what bind(port 0) takes, and what vLLM's `get_open_port`,
+# torch's process groups (gloo) and NCCL's bootstrap bind and connect to between an engine's own processes.
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+# NOTE: ports no engine reaches even where an operator's ephemeral range covers them: the control plane's stores
+# (PostgreSQL, PgBouncer, Redis and its Sentinel) and a cluster's control (etcd, the Kubernetes API, the kubelet).
+# Every port below 1024 (the metadata service's 80, HTTPS, SMTP's 25/465/587, DNS) is out of any range too.
+NEVER_REACHED_PORTS = frozenset({2379, 2380, 5432, 6379, 6432, 6443, 10250, 26379})
+MIN_EPHEMERAL_PORT = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -373,6 +410,10 @@ class SandboxPolicy:
     # What the agent found of namespaces on its node (`namespaces_missing`): "" they work, else why not; None: the
     # agent did not say, and the engine tries them in a child first.
     namespaces_missing: str | None = None
+    # The TCP ports it may bind and connect to (Landlock ABI 4): its own serving port(s), and the kernel's ephemeral
+    # range when the policy was made, first and last (`ephemeral_ports`; None: none). Every other port is refused.
+    tcp_ports: tuple[int, ...] = ()
+    ephemeral_ports: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.shared_read_write, *self.devices,
@@ -382,6 +423,12 @@ class SandboxPolicy:
         for name in ("shared_memory_max_bytes", "shared_memory_max_files"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive or None, not {getattr(self, name)}")
+        for port in (*self.tcp_ports, *(self.ephemeral_ports or ())):
+            if not 1 <= port <= 65535:
+                raise ValueError(f"a TCP port is 1 to 65535, not {port}")
+        if self.ephemeral_ports is not None and (len(self.ephemeral_ports) != 2
+                                                 or self.ephemeral_ports[0] > self.ephemeral_ports[1]):
+            raise ValueError(f"ephemeral_ports must be (first, last), not {self.ephemeral_ports}")
 
     def to_json(self) -> str:
         return json.dumps({
@@ -390,6 +437,7 @@ class SandboxPolicy:
             "shared_memory": self.shared_memory,
             "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
             "shared_memory_max_files": self.shared_memory_max_files, "namespaces_missing": self.namespaces_missing,
+            "tcp_ports": self.tcp_ports, "ephemeral_ports": self.ephemeral_ports,
         })  # fmt: skip
 
     @classmethod
@@ -404,6 +452,8 @@ class SandboxPolicy:
             shared_memory_max_bytes=data.get("shared_memory_max_bytes"),
             shared_memory_max_files=data.get("shared_memory_max_files"),
             namespaces_missing=data.get("namespaces_missing"),
+            tcp_ports=tuple(data.get("tcp_ports", ())),
+            ephemeral_ports=tuple(data["ephemeral_ports"]) if data.get("ephemeral_ports") else None,
         )
 
 
@@ -433,15 +483,29 @@ def device_nodes() -> list[str]:
     return found
 
 
+def ephemeral_ports(path: str = EPHEMERAL_PORTS_FILE) -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (first, last) as it is now, from `MIN_EPHEMERAL_PORT` up; None where it
+    cannot be read (then an engine binds and connects to its own ports only)."""
+    try:
+        with open(path) as found:
+            first, last = (int(part) for part in found.read().split())
+    except (OSError, ValueError):
+        logger.warning("the kernel's ephemeral port range (%s) could not be read: engines get none", path)
+        return None
+    first, last = max(first, MIN_EPHEMERAL_PORT), min(last, 65535)
+    return (first, last) if first <= last else None
+
+
 def engine_policy(
     mode: SandboxMode, *, model_dirs, own_dirs, shared_dirs=(), shared_read=(),
-    shared_memory_max_bytes=None, shared_memory_max_files=None, namespaces_missing=None,
+    shared_memory_max_bytes=None, shared_memory_max_files=None, namespaces_missing=None, tcp_ports=(),
 ) -> SandboxPolicy:
     """The policy of one engine: its model folders (`model_dirs`: model, draft, adapters) and shared read-only
     caches to read, its own folders (`own_dirs`) to write, folders it writes with other engines (`shared_dirs`: its
     endpoint's cache) without a socket or FIFO there, its own /dev/shm's size and files (at most
     `SHARED_MEMORY_MAX_FILES`) and whether its namespaces work here (`namespaces_missing`, None: the engine tries),
-    and what every engine needs of the system."""
+    the TCP ports it serves on (`tcp_ports`; with the kernel's ephemeral range, the only ports it binds and connects
+    to), and what every engine needs of the system."""
     devices = tuple(_unique(device_nodes()))
     return SandboxPolicy(
         mode=mode,
@@ -454,6 +518,8 @@ def engine_policy(
         shared_memory_max_bytes=shared_memory_max_bytes,
         shared_memory_max_files=min(shared_memory_max_files or SHARED_MEMORY_MAX_FILES, SHARED_MEMORY_MAX_FILES),
         namespaces_missing=namespaces_missing,
+        tcp_ports=tuple(dict.fromkeys(int(port) for port in tcp_ports)),
+        ephemeral_ports=ephemeral_ports(),
     )
 
 
@@ -475,6 +541,21 @@ class Ruleset:
     handled: int
     scoped: int
     rules: tuple[tuple[str, int], ...]  # (path, rights), paths that exist only
+    handled_net: int = 0
+    port_rules: tuple[tuple[int, int], ...] = ()  # (port, rights); port 0: bind(port 0), an ephemeral port
+
+
+def port_rules(policy: SandboxPolicy) -> tuple[tuple[int, int], ...]:
+    """The TCP ports an engine binds and connects to: its own, and the ephemeral range less `NEVER_REACHED_PORTS`;
+    and bind(port 0), which the kernel answers with a port of its ephemeral range.
+
+    NOTE: one rule per port (Landlock has no ranges): the default range (32768-60999) makes 28,233 rules, ~115 ms
+    to add on a 2-core CI machine, once per engine start."""
+    ports = dict.fromkeys(policy.tcp_ports)
+    if policy.ephemeral_ports is not None:
+        first, last = policy.ephemeral_ports
+        ports.update(dict.fromkeys(port for port in range(first, last + 1) if port not in NEVER_REACHED_PORTS))
+    return ((0, BIND_TCP), *((port, BIND_TCP | CONNECT_TCP) for port in ports))
 
 
 def rules(policy: SandboxPolicy, abi: int) -> Ruleset:
@@ -501,7 +582,9 @@ def rules(policy: SandboxPolicy, abi: int) -> Ruleset:
         rights &= handled if is_dir else handled & FILE_RIGHTS
         if rights:
             found.append((path, rights))
-    return Ruleset(handled=handled, scoped=scopes(abi), rules=tuple(found))
+    net = handled_net(abi)
+    return Ruleset(handled=handled, scoped=scopes(abi), rules=tuple(found), handled_net=net,
+                   port_rules=port_rules(policy) if net else ())  # fmt: skip
 
 
 def num_threads() -> int:
@@ -517,17 +600,24 @@ def apply(policy: SandboxPolicy) -> str:
 
     NOTE: the process must be single-threaded (a fork's child right after the fork, or a fresh interpreter):
     `landlock_restrict_self` confines the calling thread only, and a thread left out would keep every right.
-    Raises SandboxUnavailable (nothing changed) when Landlock is missing or the process has threads.
+    Raises SandboxUnavailable (nothing changed) when Landlock is missing or the process has threads, or, with a
+    `required` policy, when it governs no TCP port (below ABI 4: `best-effort` confines the files and says so).
+    Where TCP ports are ruled, MPTCP sockets and io_uring are refused too (`socket_filter`: Landlock does not rule
+    them).
     """
     abi, why = landlock_abi()
     if not abi:
         raise SandboxUnavailable(why)
+    if abi < TCP_ABI and policy.mode == SandboxMode.REQUIRED:
+        raise SandboxUnavailable(f"Landlock abi {abi} governs no TCP port (abi {TCP_ABI} does)")
     threads = num_threads()
     if threads != 1:
         raise SandboxUnavailable(f"the process has {threads} threads, and Landlock would confine one")
     ruleset = rules(policy, abi)
+    if ruleset.handled_net and not socket_filter.supported():
+        raise SandboxUnavailable(f"no seccomp filter for {platform.machine()}, and Landlock leaves MPTCP unruled")
     libc = _libc()
-    attr = _RulesetAttr(ruleset.handled, 0, ruleset.scoped)
+    attr = _RulesetAttr(ruleset.handled, ruleset.handled_net, ruleset.scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24  # the fields this ABI knows
     ruleset_fd = libc.syscall(
         _SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)
@@ -548,14 +638,33 @@ def apply(policy: SandboxPolicy) -> str:
                     )
             finally:
                 os.close(path_fd)
+        for port, rights in ruleset.port_rules:
+            attr_port = _NetPortAttr(rights, port)
+            if libc.syscall(_SYS_ADD_RULE, ruleset_fd, _RULE_NET_PORT, ctypes.byref(attr_port), 0) < 0:
+                raise SandboxUnavailable(f"landlock_add_rule(port {port}) failed: {os.strerror(ctypes.get_errno())}")
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0:
             raise SandboxUnavailable(f"PR_SET_NO_NEW_PRIVS failed: {os.strerror(ctypes.get_errno())}")
+        if ruleset.handled_net:
+            try:
+                socket_filter.install(libc)
+            except OSError as exc:
+                raise SandboxUnavailable(str(exc)) from None
         if libc.syscall(_SYS_RESTRICT_SELF, ruleset_fd, 0) < 0:
             raise SandboxUnavailable(f"landlock_restrict_self failed: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(ruleset_fd)
     scoped = ", signals and abstract sockets scoped" if ruleset.scoped else ""
-    return f"landlock abi {abi} ({len(ruleset.rules)} rules{scoped})"
+    return f"landlock abi {abi} ({len(ruleset.rules)} rules{scoped}; {describe_tcp(policy, abi)})"
+
+
+def describe_tcp(policy: SandboxPolicy, abi: int) -> str:
+    """What an engine's line says of its TCP ports: "tcp: ports 8123 and 32768-60999 only, no MPTCP"."""
+    if abi < TCP_ABI:
+        return f"{NO_TCP_RULES}abi {abi} governs none, abi {TCP_ABI} does"
+    ranges = [str(port) for port in policy.tcp_ports]
+    if policy.ephemeral_ports is not None:
+        ranges.append("{}-{}".format(*policy.ephemeral_ports))
+    return f"tcp: ports {' and '.join(ranges) or 'none'} only, no MPTCP"
 
 
 def apply_from_environment() -> None:

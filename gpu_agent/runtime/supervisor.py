@@ -744,6 +744,7 @@ class Supervisor:
             self.sandbox_mode, model_dirs=model_dirs, own_dirs=[scratch_dir], shared_dirs=[cache_dir],
             shared_read=[shared_cache / "modelinfos"], shared_memory_max_bytes=self.disk_bounds.engine_max_bytes,
             shared_memory_max_files=self.disk_bounds.engine_max_files, namespaces_missing=sandbox.namespaces_missing(),
+            tcp_ports=[command.port] if command.port else [],
         )  # fmt: skip
         env = {**command.env, **sandbox.engine_folder_env(scratch_dir, cache_dir, self.sandbox_mode), sandbox.POLICY_ENV: policy.to_json()}
         return dataclasses.replace(command, env=env)

@@ -885,6 +885,8 @@ def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_di
         longest = runs.longest()
         assert runs.num_measures > 10 and longest[0] < MIN_UNSETTLED_DISK_S / 4, (runs.runs, runs.last)
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+        if LANDLOCK_ABI >= sandbox.TCP_ABI:  # it serves with its TCP ports ruled: its own and the ephemeral range
+            assert f"tcp: ports {replica.command.port} and " in confinement_line(replica)
         # The API server, its EngineCore and worker; the reaper above them is the agent's, and stays unconfined.
         engines = [
             found for found in processes_with_marker("r-plain") if "reaper" not in " ".join(found.cmdline())
@@ -919,6 +921,8 @@ def test_an_engine_forked_by_the_zygote_serves_confined_and_reads_no_adapter_out
     with serve_engine(engine_node, spec, tiny_model_dir) as replica:
         assert replica.from_standby and complete(replica)["usage"]["completion_tokens"] == 4
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+        if LANDLOCK_ABI >= sandbox.TCP_ABI:
+            assert f"tcp: ports {replica.command.port} and " in confinement_line(replica)
         if LANDLOCK_ABI >= 6:
             assert_only_abstract_sockets_of_its_own(replica)
         assert_holds_nothing_of_its_folders_unlinked(engine_node, replica)
