@@ -10,12 +10,17 @@ the limit in each, 5 x the allowance a month. Reserved as the gateway does, in i
 
 import base64
 import json
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 import pytest
 
-from billing import services, stripe_sync, tasks
+from billing import periods, services, stripe_sync, tasks
 from billing.models import BillingAccount
+from billing.periods import current_period, period_containing
+from billing.quota.counters import refresh_limits, to_units
+from billing.quota.rebuild import _read_rebuild
+from controlplane import redis_keys
 from controlplane.accounts.models import Membership, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
@@ -187,3 +192,41 @@ def test_another_mailbox_that_only_looks_alike_keeps_its_own_allowance(settings,
     _usage(theirs, "0.90")
 
     _spend(mine, "0.90")
+
+
+def test_a_counter_rebuilt_for_the_new_month_leaves_the_whole_allowance_whatever_postgresqls_clock_says(person):
+    # Before: a counter the gateway rebuilt for the month Redis's clock is in took the room of the allowance from what
+    # the other organisations spent in the month PostgreSQL's clock is in: at a month's start, a database a moment
+    # behind Redis gave the new month's counter what the old month left, here $0.10, and nothing wrote it again (the
+    # beat task writes the others of an organisation that spends, never that one), so it kept it for the month.
+    first, second = _own_organization(person, "First Ltd"), _own_organization(person, "Second Ltd")
+    _usage(first, "0.90")
+    next_month = period_containing(current_period().end)
+
+    assert _read_rebuild("org", second.pk, None, next_month, ()).fields["cap"] == str(to_units(LIMIT))
+    assert _read_rebuild("org", second.pk, None, current_period(), ()).fields["cap"] == str(to_units(Decimal("0.10")))
+
+
+def test_limits_written_just_before_a_month_ends_leave_the_new_months_counter_the_whole_allowance(person, monkeypatch):
+    # Before: a write of the limits near a month's edge wrote this month's room to both months' counters: the new
+    # month's, made by a gateway whose (Redis's) clock was past midnight already, kept $0.10 of the allowance for the
+    # month, as nothing writes the limits of an organisation that spends alone again.
+    first, second = _own_organization(person, "First Ltd"), _own_organization(person, "Second Ltd")
+    _usage(first, "0.90")
+    next_month = period_containing(current_period().end)
+    counters = {period.key: redis_keys.org_period_key(second.pk, period.key) for period in (current_period(), next_month)}
+    for period in (current_period(), next_month):  # both months' counters exist, as a gateway made them
+        get_redis().hset(counters[period.key], mapping=_read_rebuild("org", second.pk, None, period, ()).fields)
+    offset = next_month.start - timedelta(minutes=5) - datetime.now(next_month.start.tzinfo)
+
+    class _NearTheEdge(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + offset
+
+    monkeypatch.setattr(periods, "datetime", _NearTheEdge)  # this process five minutes before the month ends
+    refresh_limits(BillingAccount.objects.get(organization=second))
+
+    caps = {key: get_redis().hget(counter, "cap") for key, counter in counters.items()}
+    assert caps == {current_period().key: str(to_units(Decimal("0.10"))), next_month.key: str(to_units(LIMIT))}
+
