@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.contrib.auth import get_user_model
 
 from billing import periods, services, stripe_sync, tasks
 from billing.models import BillingAccount
@@ -21,14 +22,14 @@ from billing.periods import current_period, period_containing
 from billing.quota.counters import refresh_limits, to_units
 from billing.quota.rebuild import _read_rebuild
 from controlplane import redis_keys
-from controlplane.accounts.models import Membership, Role
+from controlplane.accounts.models import Invitation, Membership, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
 from endpoints.closing import close_organization
 from tests.billing.test_payment_standing import _refusal, _spend, _webhook
 from tests.billing.test_spend_ceiling import _usage
-from tests.factories import MembershipFactory, UserFactory
+from tests.factories import MembershipFactory, UserFactory, signed_in_api_client
 
 # NOTE: admission rebuilds counters in a worker thread, which sees only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -230,3 +231,30 @@ def test_limits_written_just_before_a_month_ends_leave_the_new_months_counter_th
     caps = {key: get_redis().hget(counter, "cap") for key, counter in counters.items()}
     assert caps == {current_period().key: str(to_units(Decimal("0.10"))), next_month.key: str(to_units(LIMIT))}
 
+
+# `"ada+second"@` is `ada+second@` (RFC 5322: the quotes are no part of the address), `"\ada"@` is `ada@`, and
+# `"ad\a"@`: every letter may be written as a quoted pair, 2^n spellings of an n-letter mailbox.
+QUOTED_SPELLINGS = ['"ada+second"@example.test', '"\\ada"@example.test', '"ad\\a"@example.test',
+                    '"ada"@example.test']
+
+
+@pytest.mark.parametrize("address", QUOTED_SPELLINGS)
+def test_sign_up_refuses_a_quoted_spelling_of_a_mailbox_with_a_form_error(client, address):
+    # Before: each signed up, an account of its own with its own allowance without a card (and its own
+    # `MAX_OWNED_ORGANIZATIONS`), delivered to ada@example.test's inbox: the sub-address rule reads the address as
+    # written (`organizations.same_mailbox`), and Django's check passes a quoted local part.
+    answer = client.post("/signup/", {"email": address, "password": "a long passphrase 1",
+                                      "organization_name": "Acme"})
+
+    assert answer.status_code == 200 and "without quotes" in answer.content.decode()
+    assert not get_user_model().objects.exists()
+
+
+def test_an_invitation_to_a_quoted_spelling_of_a_mailbox_is_a_field_error(org, member_client_factory):
+    owner = signed_in_api_client(member_client_factory(org, Role.OWNER).user)
+
+    refused = owner.post("/api/v1/invitations/", {"email": '"ada+second"@example.test', "role": "owner"},
+                         format="json")
+
+    assert refused.status_code == 400 and list(refused.json()) == ["email"]
+    assert not Invitation.objects.exists()
