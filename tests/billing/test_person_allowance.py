@@ -15,6 +15,8 @@ from decimal import Decimal
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from billing import periods, services, stripe_sync, tasks
 from billing.models import BillingAccount
@@ -100,6 +102,42 @@ def test_an_organisation_whose_counter_was_built_sees_the_others_spend_at_the_be
     assert tasks.refresh_shared_allowances() >= 1
 
     assert _refusal(second, "0.10").reason == "payment_method"  # before: $0.99 left to it
+
+
+def test_the_beat_task_reads_nothing_more_for_an_organisation_whose_person_has_no_other(person):
+    # Before: five queries for each organisation that spent without a card this month, most of them a person's only
+    # one, every minute, to write nothing: ~6 ms each, and past ~6,000 of them a run outlasted its budget and left a
+    # random part of those that share one to the next.
+    first = _own_organization(person, "First Ltd")
+    _own_organization(person, "Second Ltd")
+    _usage(first, "0.10")
+
+    def queries_of_a_run() -> int:
+        with CaptureQueriesContext(connection) as queries:
+            assert tasks.refresh_shared_allowances() == 1  # the second
+        return len(queries)
+
+    alone = [_own_organization(UserFactory(), f"Alone {number}") for number in range(4)]
+    for organization in alone[:2]:
+        _usage(organization, "0.10")
+    with_two_alone = queries_of_a_run()
+    for organization in alone[2:]:
+        _usage(organization, "0.10")
+
+    assert queries_of_a_run() == with_two_alone
+
+
+def test_the_beat_task_writes_the_limits_of_an_organisation_of_a_sub_address_of_the_mailbox_that_spent(settings,
+                                                                                                       fake_stripe):
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    ada, tagged = UserFactory(username="ada@example.test"), UserFactory(username="ada+second@example.test")
+    mine, tagged_ones = _own_organization(ada, "Mine Ltd"), _own_organization(tagged, "Tagged Ltd")
+    _spend(tagged_ones, "0.01")  # its counter exists, with the whole allowance
+    _usage(mine, "0.95")
+
+    assert tasks.refresh_shared_allowances() == 1
+
+    assert _refusal(tagged_ones, "0.10").reason == "payment_method"
 
 
 def test_a_closed_organisation_and_one_handed_to_another_account_still_count(person):
