@@ -16,6 +16,7 @@ allowed without a card is shared among them besides (`organizations_of_its_peopl
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Collection
 
@@ -23,7 +24,10 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Q
+from django.utils.crypto import salted_hmac
+from redis.exceptions import RedisError
 
+from controlplane import redis_keys
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.models import (
@@ -35,6 +39,14 @@ from controlplane.accounts.models import (
     lock_person,
 )
 from controlplane.accounts.services import Actor, NotPermitted, create_organization
+from controlplane.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
+
+# How long a deleted account's mailbox still names it (`remember_erased_mailbox`): past the end of the month of its
+# deletion, whose allowance without a card it spent; and the salt of the mailbox's keyed digest.
+ERASED_MAILBOX_TTL_S = 32 * 86_400
+ERASED_MAILBOX_SALT = "controlplane.accounts.organizations.erased-mailbox"
 
 # The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
 CREATED = "organization.create"
@@ -94,11 +106,13 @@ def same_mailbox(user_ids: Collection[int]) -> set[int]:
     address, lower-cased: `backends.normalize_email`), through its index. Not folded: dots a host ignores
     (`a.da@gmail.com`) and another sub-address separator (`ada-x@`) stay apart."""
     users = get_user_model().objects
-    found = Q(pk__in=user_ids)
+    found, mailboxes = Q(pk__in=user_ids), set()
     for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
         if (mailbox := mailbox_of(address)) is not None:
             base, _, domain = mailbox.rpartition("@")
             found |= Q(username=mailbox) | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+            mailboxes.add(mailbox)
+    found |= Q(pk__in=erased_at(mailboxes))
     return set(users.filter(found).values_list("pk", flat=True))
 
 
@@ -108,6 +122,55 @@ def mailbox_of(username: str) -> str | None:
     local, at, domain = username.rpartition("@")
     base = local.split("+", 1)[0]
     return f"{base}@{domain}" if at and base and domain != TOMBSTONE_DOMAIN else None
+
+
+def _mailbox_digest(mailbox: str) -> str:
+    return salted_hmac(ERASED_MAILBOX_SALT, mailbox).hexdigest()
+
+
+def remember_erased_mailbox(user) -> None:
+    """Once the deletion of `user`'s account commits, its mailbox (`mailbox_of`) names it for `ERASED_MAILBOX_TTL_S`,
+    as a keyed digest in Redis, never the address: the mailbox's accounts (`same_mailbox`) include it, and their
+    allowance without a card its organisations' spend of the month (`erasure.erase_person` calls it before the address
+    goes).
+
+    NOTE: the deletion replaced the address by a tombstone, and with it every link to the mailbox: a sub-address
+    signed up, spent the allowance, was deleted (its organisation closed), and the next sub-address, or the same address
+    signed up again, had the whole allowance again, as often as sign-up's throttle allowed. Lost with Redis's memory,
+    or where Redis fails then (logged): that month's link only."""
+    mailboxes = {mailbox_of(user.username), mailbox_of(user.email or "")} - {None}
+
+    def remember() -> None:
+        pipeline = get_redis().pipeline(transaction=False)
+        for mailbox in sorted(mailboxes):
+            key = redis_keys.erased_mailbox_key(_mailbox_digest(mailbox))
+            pipeline.sadd(key, user.pk)
+            pipeline.expire(key, ERASED_MAILBOX_TTL_S)
+        pipeline.execute()
+
+    if mailboxes:
+        transaction.on_commit(remember, robust=True)
+
+
+def erased_at(mailboxes: Collection[str]) -> set[int]:
+    """The accounts deleted lately at these mailboxes (`remember_erased_mailbox`)."""
+    return set().union(*_erased_by_mailbox(mailboxes).values())
+
+
+def _erased_by_mailbox(mailboxes: Collection[str]) -> dict[str, set[int]]:
+    """Each of these mailboxes' accounts deleted lately, in one round trip; none, logged, where Redis fails."""
+    ordered = sorted(mailboxes)
+    if not ordered:
+        return {}
+    pipeline = get_redis().pipeline(transaction=False)
+    for mailbox in ordered:
+        pipeline.smembers(redis_keys.erased_mailbox_key(_mailbox_digest(mailbox)))
+    try:
+        found = pipeline.execute()
+    except RedisError:
+        logger.warning("the accounts deleted lately at %s mailbox(es) are not readable now", len(ordered))
+        return {}
+    return {mailbox: {int(member) for member in members} for mailbox, members in zip(ordered, found, strict=True)}
 
 
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
@@ -136,6 +199,9 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     users = get_user_model().objects
     mailboxes = {pk: mailbox_of(username) for pk, username in users.filter(pk__in=everyone).values_list("pk", "username")}
     shared = {mailbox_of(username) for username in users.filter(username__contains="+").values_list("username", flat=True)}
+    # NOTE: and those an account deleted lately reached (`remember_erased_mailbox`): its organisations count still
+    unshared = {mailbox for mailbox in mailboxes.values() if mailbox is not None} - shared
+    shared |= {mailbox for mailbox, erased in _erased_by_mailbox(unshared).items() if erased}
     return {organization_id for organization_id, its_people in people.items()
             if any(held[user_id] - {organization_id} or mailboxes.get(user_id) in shared - {None}
                    for user_id in its_people)}

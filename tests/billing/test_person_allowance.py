@@ -28,7 +28,8 @@ from controlplane.accounts.models import Invitation, Membership, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
-from endpoints.closing import close_organization
+from endpoints.closing import close_organization, end_account
+from endpoints.models import Endpoint
 from tests.billing.test_payment_standing import _refusal, _spend, _webhook
 from tests.billing.test_spend_ceiling import _usage
 from tests.factories import MembershipFactory, UserFactory, signed_in_api_client
@@ -296,3 +297,25 @@ def test_an_invitation_to_a_quoted_spelling_of_a_mailbox_is_a_field_error(org, m
 
     assert refused.status_code == 400 and list(refused.json()) == ["email"]
     assert not Invitation.objects.exists()
+
+
+@pytest.mark.parametrize("address", ["ada+first@example.test", "ada@example.test", "ada+second@example.test"])
+def test_an_account_deleted_after_spending_leaves_the_next_account_at_its_mailbox_only_what_it_left(settings, fake_stripe,
+                                                                                                     address):
+    # Before: the deletion replaced the address by a tombstone, and with it every link to the mailbox: a sub-address
+    # signed up, spent the allowance, was deleted (its organisation closed) and the next sub-address, or the same
+    # address signed up again, had the whole allowance again, as often as sign-up's throttle allowed.
+    settings.SPEND_LIMIT_WITHOUT_PAYMENT_METHOD = LIMIT
+    departed = UserFactory(username="ada+first@example.test", email="ada+first@example.test")
+    mark_email_verified(departed)
+    theirs = _own_organization(departed, "Theirs Ltd")
+    _usage(theirs, "0.90")
+    Endpoint.objects.filter(organization=theirs).update(deleted_at=theirs.created_at)  # nothing live holds it open
+    end_account(Actor(user=departed), departed)
+
+    next_account = UserFactory(username=address, email=address)
+    mark_email_verified(next_account)
+    mine = _own_organization(next_account, "Mine Ltd")
+
+    assert _refusal(mine, "0.20").reason == "payment_method"
+    _spend(mine, "0.09")
