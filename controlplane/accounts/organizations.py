@@ -23,7 +23,8 @@ from collections.abc import Collection
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import CharField, F, Func, Q, Value
+from django.db.models.functions import Replace
 from django.utils.crypto import salted_hmac
 from redis.exceptions import RedisError
 
@@ -99,28 +100,60 @@ def people_of(organization_id: int) -> set[int]:
 
 def same_mailbox(user_ids: Collection[int]) -> set[int]:
     """These accounts and every other whose address reaches the same mailbox with or without a sub-address
-    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts).
+    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts), at Gmail whatever its
+    dots and at either of its domains (`mailbox_of`).
 
     NOTE: each sub-address is a mailbox its owner verifies at no cost: before, one inbox signed up as many accounts as
-    it wanted, each with its own organisations and allowance without a card. Read by the username (an account's
-    address, lower-cased: `backends.normalize_email`), through its index. Not folded: dots a host ignores
-    (`a.da@gmail.com`) and another sub-address separator (`ada-x@`) stay apart."""
+    it wanted, each with its own organisations and allowance without a card; so did each spelling of a Gmail mailbox
+    with dots, 2^(n-1) of an n-letter one. Read by the username (an account's address, lower-cased:
+    `backends.normalize_email`), through its index, and a Gmail one through the index of its local part without dots
+    or sub-address (`dotless_local`, migration 0021). Not folded: dots elsewhere (`a.da@example.test` is
+    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart."""
     users = get_user_model().objects
-    found, mailboxes = Q(pk__in=user_ids), set()
+    found, mailboxes, dotless = Q(pk__in=user_ids), set(), set()
     for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
         if (mailbox := mailbox_of(address)) is not None:
             base, _, domain = mailbox.rpartition("@")
-            found |= Q(username=mailbox) | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+            if domain == GMAIL:
+                dotless.add(base)
+            else:
+                found |= Q(username=mailbox) | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
             mailboxes.add(mailbox)
+    if dotless:
+        found |= Q(pk__in=at_gmail(dotless).values("pk"))
     found |= Q(pk__in=erased_at(mailboxes))
     return set(users.filter(found).values_list("pk", flat=True))
 
 
+# Gmail's domain, and the other it delivers to the same mailboxes; it ignores the dots of a local part.
+GMAIL = "gmail.com"
+_GMAIL_DOMAINS = frozenset({GMAIL, "googlemail.com"})
+_AT_GMAIL = Q(username__endswith=f"@{GMAIL}") | Q(username__endswith="@googlemail.com")
+
+
+def at_gmail(dotless: Collection[str]):
+    """The accounts at Gmail whose local part, without its sub-address and dots, is one of these (`dotless_local`)."""
+    return get_user_model().objects.filter(_AT_GMAIL).annotate(dotless=dotless_local()).filter(dotless__in=dotless)
+
+
+def dotless_local():
+    """An account's local part without its sub-address and dots, as PostgreSQL reads it from the username.
+
+    NOTE: the expression of the index migration 0021 makes (`auth_user_dotless_local`), to the letter: another one
+    finds nothing by it, and Gmail's mailboxes were read whole at each write of an organisation's limits."""
+    local = Func(F("username"), Value("@"), Value(1), function="split_part", output_field=CharField())
+    return Replace(Func(local, Value("+"), Value(1), function="split_part", output_field=CharField()), Value("."),
+                   Value(""))
+
+
 def mailbox_of(username: str) -> str | None:
     """The mailbox an account's address reaches, its sub-address dropped (`ada+x@example.test`: `ada@example.test`),
-    as `same_mailbox` matches it; None for a username that is no address (a staff account's) or a tombstone."""
+    and at Gmail its dots too, at its own domain (`a.da@googlemail.com`: `ada@gmail.com`), as `same_mailbox` matches
+    it; None for a username that is no address (a staff account's) or a tombstone."""
     local, at, domain = username.rpartition("@")
     base = local.split("+", 1)[0]
+    if domain in _GMAIL_DOMAINS:
+        base, domain = base.replace(".", ""), GMAIL
     return f"{base}@{domain}" if at and base and domain != TOMBSTONE_DOMAIN else None
 
 
@@ -176,12 +209,12 @@ def _erased_by_mailbox(mailboxes: Collection[str]) -> dict[str, set[int]]:
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     """Those of these organisations whose people (`people_of`) may have another (`organizations_of_its_people`), read
     together in six queries however many they are: a creator or owner who holds another, or whose mailbox another
-    account reaches too (any with a sub-address counted so, `mailbox_of`).
+    account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
 
     NOTE: a superset, never less: whose others' limits the beat task writes (`billing.services.
     refresh_shared_allowances`). Five queries for each organisation that spent without a card this month, most of
     them a person's only one, took a worker ~6 ms each every minute to write nothing: past ~6,000 of them a run
-    outlasted its budget and left a random part to the next. The addresses with a sub-address are read whole (the
+    outlasted its budget and left a random part to the next. The addresses spelt otherwise are read whole (the
     username index serves no `+` inside a name): one scan of the accounts a run."""
     creators = AuditEvent.objects.filter(organization_id__in=organization_ids, action=CREATED, actor_id__isnull=False
                                          ).values_list("organization_id", "actor_id")
@@ -198,7 +231,11 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
         held[user_id].add(organization_id)
     users = get_user_model().objects
     mailboxes = {pk: mailbox_of(username) for pk, username in users.filter(pk__in=everyone).values_list("pk", "username")}
-    shared = {mailbox_of(username) for username in users.filter(username__contains="+").values_list("username", flat=True)}
+    # NOTE: every account whose address is not its mailbox as written: a sub-address, or a Gmail one with dots or at
+    # googlemail.com (`mailbox_of`)
+    spelt_otherwise = (Q(username__contains="+") | Q(username__regex=r"^[^@]*\.[^@]*@g(oogle)?mail\.com$")
+                       | Q(username__endswith="@googlemail.com"))
+    shared = {mailbox_of(username) for username in users.filter(spelt_otherwise).values_list("username", flat=True)}
     # NOTE: and those an account deleted lately reached (`remember_erased_mailbox`): its organisations count still
     unshared = {mailbox for mailbox in mailboxes.values() if mailbox is not None} - shared
     shared |= {mailbox for mailbox, erased in _erased_by_mailbox(unshared).items() if erased}
