@@ -186,24 +186,19 @@ def remember_erased_mailbox(user) -> None:
 
 
 def erased_at(mailboxes: Collection[str]) -> set[int]:
-    """The accounts deleted lately at these mailboxes (`remember_erased_mailbox`)."""
-    return set().union(*_erased_by_mailbox(mailboxes).values())
-
-
-def _erased_by_mailbox(mailboxes: Collection[str]) -> dict[str, set[int]]:
-    """Each of these mailboxes' accounts deleted lately, in one round trip; none, logged, where Redis fails."""
-    ordered = sorted(mailboxes)
-    if not ordered:
-        return {}
+    """The accounts deleted lately at these mailboxes (`remember_erased_mailbox`), in one round trip; none, logged,
+    where Redis fails."""
+    if not mailboxes:
+        return set()
     pipeline = get_redis().pipeline(transaction=False)
-    for mailbox in ordered:
+    for mailbox in sorted(mailboxes):
         pipeline.smembers(redis_keys.erased_mailbox_key(_mailbox_digest(mailbox)))
     try:
         found = pipeline.execute()
     except RedisError:
-        logger.warning("the accounts deleted lately at %s mailbox(es) are not readable now", len(ordered))
-        return {}
-    return {mailbox: {int(member) for member in members} for mailbox, members in zip(ordered, found, strict=True)}
+        logger.warning("the accounts deleted lately at %s mailbox(es) are not readable now", len(mailboxes))
+        return set()
+    return {int(member) for members in found for member in members}
 
 
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
@@ -211,8 +206,10 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     together in six queries however many they are: a creator or owner who holds another, or whose mailbox another
     account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
 
-    NOTE: a superset, never less: whose others' limits the beat task writes (`billing.services.
-    refresh_shared_allowances`). Five queries for each organisation that spent without a card this month, most of
+    NOTE: a superset, never less, of those whose spend leaves another less: whose others' limits the beat task writes
+    (`billing.services.refresh_shared_allowances`). Not an account deleted lately at the mailbox
+    (`remember_erased_mailbox`): its organisations are closed, or another's whose room its mailbox's spend leaves
+    whole. Five queries for each organisation that spent without a card this month, most of
     them a person's only one, took a worker ~6 ms each every minute to write nothing: past ~6,000 of them a run
     outlasted its budget and left a random part to the next. The addresses spelt otherwise are read whole (the
     username index serves no `+` inside a name): one scan of the accounts a run."""
@@ -236,9 +233,6 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     spelt_otherwise = (Q(username__contains="+") | Q(username__regex=r"^[^@]*\.[^@]*@g(oogle)?mail\.com$")
                        | Q(username__endswith="@googlemail.com"))
     shared = {mailbox_of(username) for username in users.filter(spelt_otherwise).values_list("username", flat=True)}
-    # NOTE: and those an account deleted lately reached (`remember_erased_mailbox`): its organisations count still
-    unshared = {mailbox for mailbox in mailboxes.values() if mailbox is not None} - shared
-    shared |= {mailbox for mailbox, erased in _erased_by_mailbox(unshared).items() if erased}
     return {organization_id for organization_id, its_people in people.items()
             if any(held[user_id] - {organization_id} or mailboxes.get(user_id) in shared - {None}
                    for user_id in its_people)}
