@@ -21,7 +21,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
 
     dependencies = [
-        ("controlplane", "0020_audit_by_staff"),
+        ("controlplane", "0021_mark_staff_audit_events"),
         ("auth", "0012_alter_user_first_name_max_length"),
     ]
 
