@@ -41,7 +41,12 @@ from controlplane import redis_keys
 from controlplane.accounts import keys
 from controlplane.accounts.members import NotPermitted
 from controlplane.accounts.models import AuditEvent, Role, Scope, lock_organizations
-from controlplane.accounts.organizations import held_by_any, organizations_of_its_people, same_mailbox
+from controlplane.accounts.organizations import (
+    held_by_any,
+    organizations_of_its_people,
+    organizations_sharing,
+    same_mailbox,
+)
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis
@@ -402,6 +407,7 @@ def refresh_shared_allowances(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> int
                                        finished_at__lt=period.end)
     spenders = [account.organization_id for account in _without_payment_method().filter(Exists(spent))
                 if standing.held_without_payment_method(account)]
+    spenders = sorted(organizations_sharing(spenders))  # NOTE: most spend alone: nothing of theirs to write
     random.shuffle(spenders)
     deadline = time.monotonic() + budget_s
     written: set[int] = set()

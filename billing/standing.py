@@ -364,11 +364,11 @@ def paid_history_ceiling(paid: Decimal, **shared) -> SpendCeiling:
     return SpendCeiling(amount, PAID_HISTORY, paid, next_paid, next_amount, **shared)
 
 
-def spend_limit(account: BillingAccount, *, card: CardSpend | None = None) -> SpendLimit:
+def spend_limit(account: BillingAccount, *, card: CardSpend | None = None, period: Period | None = None) -> SpendLimit:
     """The lowest of the organisation's own cap, its spending ceiling's room (`SpendCeiling.room`) and the limit
     without a payment method (at a tie, the one that a change of the cap would not lift names it): where the gateway
-    stops its calls."""
-    return limit_of(account, spend_ceiling(account, card=card))
+    stops its calls in `period` (this month by default), whose others' spend leaves it its rooms."""
+    return limit_of(account, spend_ceiling(account, card=card, period=period), period=period)
 
 
 def shown_spend_limit(account: BillingAccount, ceiling: SpendCeiling | None) -> SpendLimit:
@@ -377,12 +377,13 @@ def shown_spend_limit(account: BillingAccount, ceiling: SpendCeiling | None) -> 
     return limit_of(account, ceiling, room=False)
 
 
-def limit_of(account: BillingAccount, ceiling: SpendCeiling | None, *, room: bool = True) -> SpendLimit:
+def limit_of(account: BillingAccount, ceiling: SpendCeiling | None, *, room: bool = True,
+             period: Period | None = None) -> SpendLimit:
     limit = SpendLimit(account.spend_cap, ORG_CAP)
     amount = None if ceiling is None else ceiling.room if room else ceiling.amount
     if amount is not None and (limit.cap is None or amount <= limit.cap):
         limit = SpendLimit(amount, SPEND_CEILING_STAFF if ceiling.source == STAFF else SPEND_CEILING)
-    without_card = limit_without_payment_method(account, shared=room)
+    without_card = limit_without_payment_method(account, shared=room, period=period)
     if without_card is not None and (limit.cap is None or without_card < limit.cap):
         limit = SpendLimit(without_card, PAYMENT_METHOD)
     return limit

@@ -159,6 +159,12 @@ def card_refresh_queued_key(fingerprint: str) -> str:
     return f"billing:card-refresh-queued:{fingerprint}"
 
 
+def erased_mailbox_key(digest: str) -> str:
+    """Set: the ids of the accounts deleted lately whose address reached the mailbox of this keyed digest
+    (`controlplane.accounts.organizations.remember_erased_mailbox`)."""
+    return f"accounts:erased-mailbox:{digest}"
+
+
 def allowance_refresh_queued_key(organization_id: int, user_id: int) -> str:
     """String: a refresh of the limits of the organisation and the person's organisations is queued, after a change of
     the person's membership of it (`billing.services.queue_allowance_refresh`)."""

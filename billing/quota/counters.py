@@ -19,7 +19,7 @@ from django.db import transaction
 
 from billing.ledger import UsageReport
 from billing.models import MONEY_QUANTUM, ApiKeySpendCap, BillingAccount, BillingMode
-from billing.periods import period_containing, periods_near
+from billing.periods import Period, period_containing, periods_near
 from billing.standing import CardSpend, bills_through_stripe, hold_reason, spend_limit
 from billing.usage_journal import encode
 from controlplane import clock
@@ -660,12 +660,14 @@ def _ceilings_version(steps: tuple[tuple[Decimal, Decimal | None], ...]) -> str:
     return ",".join(f"{paid}:{'none' if ceiling is None else ceiling}" for paid, ceiling in steps)
 
 
-def limit_fields(account: BillingAccount, *, card: CardSpend | None = None) -> dict[str, str]:
+def limit_fields(account: BillingAccount, *, card: CardSpend | None = None, period: Period | None = None
+                 ) -> dict[str, str]:
     """The organisation counter's limits: `lv` (`limits_version`), `cap` (units, -1: none) and `capr`,
     the refusal reason when it is reached (`billing.standing.spend_limit`), `prepaid` (1/0) and `hold`
     (a refusal reason for every call, or empty); and `reached` cleared: no call was refused at these limits yet
-    (`RESERVE_LUA`)."""
-    limit = spend_limit(account, card=card)
+    (`RESERVE_LUA`). `period`: the month of the counter they are written to (this one by PostgreSQL's clock by
+    default), whose others' spend leaves it its room (`billing.standing.spend_limit`)."""
+    limit = spend_limit(account, card=card, period=period)
     return {
         "lv": limits_version(), "cap": str(to_units(limit.cap) if limit.cap is not None else -1),
         "capr": limit.reason, "prepaid": "1" if account.is_prepaid else "0",
@@ -689,7 +691,7 @@ def limit_reached(organization_id: int, period_key: str, reason: str) -> bool:
 MONTH_EDGE_SLACK = timedelta(hours=1)
 
 
-def _months_in_use() -> tuple[str, ...]:
+def _months_in_use() -> tuple[Period, ...]:
     """The months whose counters a limits refresh writes: this process's clock's, and, within `MONTH_EDGE_SLACK` of a
     month's end, the neighbouring one (`_UPDATE_HASH` writes only a counter that exists).
 
@@ -697,7 +699,7 @@ def _months_in_use() -> tuple[str, ...]:
     cap (or a hold) to the old month's counter, and the new month's, made by the gateways' first calls (by Redis's clock),
     kept the old limits for the month; one ahead found no counter for the new month, and the old one's last minutes
     ran on the old cap."""
-    return tuple(period.key for period in periods_near(MONTH_EDGE_SLACK))
+    return periods_near(MONTH_EDGE_SLACK)
 
 
 def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSpend | None = None) -> None:
@@ -715,9 +717,13 @@ def refresh_limits(account: BillingAccount, *, credit: bool = True, card: CardSp
     try:
         with transaction.atomic():
             account = BillingAccount.objects.select_for_update().get(pk=account.pk)
-            fields = [item for pair in limit_fields(account, card=card).items() for item in pair]
-            for period_key in _months_in_use():
-                _UPDATE_HASH.run_sync(keys=[org_period_key(account.organization_id, period_key)], args=fields)
+            # NOTE: each month's counter its own month's limits: the room the allowance without a payment method leaves
+            # is the limit less the others' spend of that month (`billing.standing.limit_without_payment_method`).
+            # One month's written to both, near a month's edge, left the new month's counter (made by a gateway whose
+            # clock had passed midnight) what the old month left, and nothing wrote it again that month.
+            for period in _months_in_use():
+                fields = [item for pair in limit_fields(account, card=card, period=period).items() for item in pair]
+                _UPDATE_HASH.run_sync(keys=[org_period_key(account.organization_id, period.key)], args=fields)
             if credit:
                 get_redis().delete(credit_key(account.organization_id))  # rebuilt from the grants when next needed
             if account.limits_stale:
@@ -757,8 +763,8 @@ def refresh_key_cap(organization_id: int, api_key_id: int) -> None:
 
 def refresh_key_limit(organization_id: int, api_key_id: int, key_cap: Decimal | None) -> None:
     """Make Redis see a key's changed spend cap (None: no cap) at once."""
-    for period_key in _months_in_use():
+    for period in _months_in_use():
         _UPDATE_HASH.run_sync(
-            keys=[key_period_key(organization_id, api_key_id, period_key)],
+            keys=[key_period_key(organization_id, api_key_id, period.key)],
             args=["cap", str(to_units(key_cap) if key_cap is not None else -1)],
         )

@@ -392,10 +392,12 @@ def _read_rebuild(what: str, organization_id: int, api_key_id: int | None, perio
     if what == "org":
         # NOTE: the card's others' spend of the counter's month (Redis's clock, as the gateway picked it), not of the
         # month PostgreSQL's clock is in (`card_spend` with no period): at a month's start, a database a minute behind
-        # gave the new month's counter the room the old month left, and its first calls were refused for it.
+        # gave the new month's counter the room the old month left, and its first calls were refused for it. So for
+        # the others' spend without a payment method (`period`): it gave the allowance's, kept for the month.
         card = (card_spend([account.card_fingerprint], period)[account.card_fingerprint]
                 if account.card_fingerprint and spend_ceiling_applies(account) else None)
-        return _Rebuild(counter, {"spent": str(to_units(spent))} | limit_fields(account, card=card), None, PERIOD_TTL_S,
+        fields = limit_fields(account, card=card, period=period)
+        return _Rebuild(counter, {"spent": str(to_units(spent))} | fields, None, PERIOD_TTL_S,
                         _units(pending), present, held_again, held)
     if what == "key":
         key_cap = ApiKeySpendCap.objects.filter(api_key_id=api_key_id).values_list("spend_cap", flat=True).first()

@@ -42,7 +42,10 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     (`a@ex\u202eample.com`), and a direction override showed the members page and the invitation's mail another
     address than the one invited (`text.name_problem`). Nor the domain of a deleted account's address
     (`TOMBSTONE_DOMAIN`, or one under it): sign-up, an invitation or staff's change of an address made a live account
-    look like an erased one (`erasure.is_erased` reads the address), and no mail reaches it anyway. Nor a domain IDNA
+    look like an erased one (`erasure.is_erased` reads the address), and no mail reaches it anyway. Nor a quoted
+    local part: its quotes and quoted pairs are no part of the mailbox (RFC 5322), `"ada+x"@` and `"\\ada"@` are
+    `ada+x@` and `ada@`, so one inbox signed up as 2^n accounts, each with its own allowance without a card
+    (`organizations.same_mailbox` reads the address as written), and no mailbox needs one. Nor a domain IDNA
     cannot encode (Hebrew and Latin letters in one label, a label past 63 bytes encoded): Django's check passes it,
     and the invitation's mail raised `UnicodeError` as it was sent, a 500.
     """
@@ -55,7 +58,10 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     if name_problem(normalized) is not None:  # NOTE: its characters include the control ones (`text.is_plain`)
         raise ValidationError("An address may not hold control characters or format characters (such as a direction override).",
                               code="invalid")
-    domain = normalized.rpartition("@")[2]
+    local, _, domain = normalized.rpartition("@")
+    if '"' in local or "\\" in local:  # NOTE: only a quoted local part holds either (Django's dot-atom has neither)
+        raise ValidationError('Write the address without quotes or backslashes (ada@example.test, not '
+                              '"ada"@example.test).', code="invalid")
     if domain == TOMBSTONE_DOMAIN or domain.endswith(f".{TOMBSTONE_DOMAIN}"):
         raise ValidationError(f"Addresses at {TOMBSTONE_DOMAIN} are reserved for deleted accounts; use your own address.",
                               code="invalid")

@@ -34,6 +34,7 @@ from django_otp import devices_for_user
 from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.members import revoke_invitations_to
 from controlplane.accounts.models import AuditEvent, EmailVerification, Invitation, StaffEnrolmentCode
+from controlplane.accounts.organizations import remember_erased_mailbox
 from controlplane.accounts.services import Actor
 
 # The audit action of staff changing an account's address or username in the admin; its details, the former ones
@@ -95,6 +96,7 @@ def erase_person(actor: Actor, user, *, reason: str) -> str:
     (`erase_records_of`); deletes their second-factor devices, enrolment codes and address verification. Returns the
     tombstone. The caller deactivates the account and ends its sessions (`endpoints.closing.end_account`)."""
     tombstone = erase_records_of(actor, user, reason=reason)
+    remember_erased_mailbox(user)  # NOTE: its month's allowance without a card stays its mailbox's
     user.username = user.email = tombstone
     user.first_name = user.last_name = ""
     user.save(update_fields=["username", "email", "first_name", "last_name"])

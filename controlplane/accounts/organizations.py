@@ -16,13 +16,19 @@ allowed without a card is shared among them besides (`organizations_of_its_peopl
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from collections.abc import Collection
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import CharField, F, Func, Q, Value
+from django.db.models.functions import Replace
+from django.utils.crypto import salted_hmac
+from redis.exceptions import RedisError
 
+from controlplane import redis_keys
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.models import (
@@ -34,6 +40,14 @@ from controlplane.accounts.models import (
     lock_person,
 )
 from controlplane.accounts.services import Actor, NotPermitted, create_organization
+from controlplane.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
+
+# How long a deleted account's mailbox still names it (`remember_erased_mailbox`): past the end of the month of its
+# deletion, whose allowance without a card it spent; and the salt of the mailbox's keyed digest.
+ERASED_MAILBOX_TTL_S = 32 * 86_400
+ERASED_MAILBOX_SALT = "controlplane.accounts.organizations.erased-mailbox"
 
 # The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
 CREATED = "organization.create"
@@ -86,20 +100,142 @@ def people_of(organization_id: int) -> set[int]:
 
 def same_mailbox(user_ids: Collection[int]) -> set[int]:
     """These accounts and every other whose address reaches the same mailbox with or without a sub-address
-    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts).
+    (`ada+anything@example.test` is delivered to `ada@example.test`'s inbox by most mail hosts), at Gmail whatever its
+    dots and at either of its domains (`mailbox_of`).
 
     NOTE: each sub-address is a mailbox its owner verifies at no cost: before, one inbox signed up as many accounts as
-    it wanted, each with its own organisations and allowance without a card. Read by the username (an account's
-    address, lower-cased: `backends.normalize_email`), through its index. Not folded: dots a host ignores
-    (`a.da@gmail.com`) and another sub-address separator (`ada-x@`) stay apart."""
+    it wanted, each with its own organisations and allowance without a card; so did each spelling of a Gmail mailbox
+    with dots, 2^(n-1) of an n-letter one. Read by the username (an account's address, lower-cased:
+    `backends.normalize_email`), through its index, and a Gmail one through the index of its local part without dots
+    or sub-address (`dotless_local`, migration 0021). Not folded: dots elsewhere (`a.da@example.test` is
+    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart."""
     users = get_user_model().objects
-    found = Q(pk__in=user_ids)
+    found, mailboxes, dotless = Q(pk__in=user_ids), set(), set()
     for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
-        local, at, domain = address.rpartition("@")
-        base = local.split("+", 1)[0]
-        if at and base and domain != TOMBSTONE_DOMAIN:
-            found |= Q(username=f"{base}@{domain}") | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+        if (mailbox := mailbox_of(address)) is not None:
+            base, _, domain = mailbox.rpartition("@")
+            if domain == GMAIL:
+                dotless.add(base)
+            else:
+                found |= Q(username=mailbox) | Q(username__startswith=f"{base}+", username__endswith=f"@{domain}")
+            mailboxes.add(mailbox)
+    if dotless:
+        found |= Q(pk__in=at_gmail(dotless).values("pk"))
+    found |= Q(pk__in=erased_at(mailboxes))
     return set(users.filter(found).values_list("pk", flat=True))
+
+
+# Gmail's domain, and the other it delivers to the same mailboxes; it ignores the dots of a local part.
+GMAIL = "gmail.com"
+_GMAIL_DOMAINS = frozenset({GMAIL, "googlemail.com"})
+_AT_GMAIL = Q(username__endswith=f"@{GMAIL}") | Q(username__endswith="@googlemail.com")
+
+
+def at_gmail(dotless: Collection[str]):
+    """The accounts at Gmail whose local part, without its sub-address and dots, is one of these (`dotless_local`)."""
+    return get_user_model().objects.filter(_AT_GMAIL).annotate(dotless=dotless_local()).filter(dotless__in=dotless)
+
+
+def dotless_local():
+    """An account's local part without its sub-address and dots, as PostgreSQL reads it from the username.
+
+    NOTE: the expression of the index migration 0021 makes (`auth_user_dotless_local`), to the letter: another one
+    finds nothing by it, and Gmail's mailboxes were read whole at each write of an organisation's limits."""
+    local = Func(F("username"), Value("@"), Value(1), function="split_part", output_field=CharField())
+    return Replace(Func(local, Value("+"), Value(1), function="split_part", output_field=CharField()), Value("."),
+                   Value(""))
+
+
+def mailbox_of(username: str) -> str | None:
+    """The mailbox an account's address reaches, its sub-address dropped (`ada+x@example.test`: `ada@example.test`),
+    and at Gmail its dots too, at its own domain (`a.da@googlemail.com`: `ada@gmail.com`), as `same_mailbox` matches
+    it; None for a username that is no address (a staff account's) or a tombstone."""
+    local, at, domain = username.rpartition("@")
+    base = local.split("+", 1)[0]
+    if domain in _GMAIL_DOMAINS:
+        base, domain = base.replace(".", ""), GMAIL
+    return f"{base}@{domain}" if at and base and domain != TOMBSTONE_DOMAIN else None
+
+
+def _mailbox_digest(mailbox: str) -> str:
+    return salted_hmac(ERASED_MAILBOX_SALT, mailbox).hexdigest()
+
+
+def remember_erased_mailbox(user) -> None:
+    """Once the deletion of `user`'s account commits, its mailbox (`mailbox_of`) names it for `ERASED_MAILBOX_TTL_S`,
+    as a keyed digest in Redis, never the address: the mailbox's accounts (`same_mailbox`) include it, and their
+    allowance without a card its organisations' spend of the month (`erasure.erase_person` calls it before the address
+    goes).
+
+    NOTE: the deletion replaced the address by a tombstone, and with it every link to the mailbox: a sub-address
+    signed up, spent the allowance, was deleted (its organisation closed), and the next sub-address, or the same address
+    signed up again, had the whole allowance again, as often as sign-up's throttle allowed. Lost with Redis's memory,
+    or where Redis fails then (logged): that month's link only."""
+    mailboxes = {mailbox_of(user.username), mailbox_of(user.email or "")} - {None}
+
+    def remember() -> None:
+        pipeline = get_redis().pipeline(transaction=False)
+        for mailbox in sorted(mailboxes):
+            key = redis_keys.erased_mailbox_key(_mailbox_digest(mailbox))
+            pipeline.sadd(key, user.pk)
+            pipeline.expire(key, ERASED_MAILBOX_TTL_S)
+        pipeline.execute()
+
+    if mailboxes:
+        transaction.on_commit(remember, robust=True)
+
+
+def erased_at(mailboxes: Collection[str]) -> set[int]:
+    """The accounts deleted lately at these mailboxes (`remember_erased_mailbox`), in one round trip; none, logged,
+    where Redis fails."""
+    if not mailboxes:
+        return set()
+    pipeline = get_redis().pipeline(transaction=False)
+    for mailbox in sorted(mailboxes):
+        pipeline.smembers(redis_keys.erased_mailbox_key(_mailbox_digest(mailbox)))
+    try:
+        found = pipeline.execute()
+    except RedisError:
+        logger.warning("the accounts deleted lately at %s mailbox(es) are not readable now", len(mailboxes))
+        return set()
+    return {int(member) for members in found for member in members}
+
+
+def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
+    """Those of these organisations whose people (`people_of`) may have another (`organizations_of_its_people`), read
+    together in six queries however many they are: a creator or owner who holds another, or whose mailbox another
+    account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
+
+    NOTE: a superset, never less, of those whose spend leaves another less: whose others' limits the beat task writes
+    (`billing.services.refresh_shared_allowances`). Not an account deleted lately at the mailbox
+    (`remember_erased_mailbox`): its organisations are closed, or another's whose room its mailbox's spend leaves
+    whole. Five queries for each organisation that spent without a card this month, most of
+    them a person's only one, took a worker ~6 ms each every minute to write nothing: past ~6,000 of them a run
+    outlasted its budget and left a random part to the next. The addresses spelt otherwise are read whole (the
+    username index serves no `+` inside a name): one scan of the accounts a run."""
+    creators = AuditEvent.objects.filter(organization_id__in=organization_ids, action=CREATED, actor_id__isnull=False
+                                         ).values_list("organization_id", "actor_id")
+    owners = Membership.objects.filter(organization_id__in=organization_ids, role=Role.OWNER
+                                       ).values_list("organization_id", "user_id")
+    people: dict[int, set[int]] = defaultdict(set)  # organisation: its people
+    for organization_id, user_id in (*creators, *owners):
+        people[organization_id].add(user_id)
+    everyone = set().union(*people.values())
+    held: dict[int, set[int]] = defaultdict(set)  # person: the organisations they hold (`held_by_any`)
+    for user_id, organization_id in (
+            *AuditEvent.objects.filter(actor_id__in=everyone, action=CREATED).values_list("actor_id", "organization_id"),
+            *Membership.objects.filter(user_id__in=everyone, role=Role.OWNER).values_list("user_id", "organization_id")):
+        held[user_id].add(organization_id)
+    users = get_user_model().objects
+    mailboxes = {pk: mailbox_of(username) for pk, username in users.filter(pk__in=everyone).values_list("pk", "username")}
+    # NOTE: every account whose address is not its mailbox as written: a sub-address, or a Gmail one with dots or at
+    # googlemail.com (`mailbox_of`)
+    spelt_otherwise = (Q(username__contains="+") | Q(username__regex=r"^[^@]*\.[^@]*@g(oogle)?mail\.com$")
+                       | Q(username__endswith="@googlemail.com"))
+    shared = {mailbox_of(username) for username in users.filter(spelt_otherwise).values_list("username", flat=True)}
+    return {organization_id for organization_id, its_people in people.items()
+            if any(held[user_id] - {organization_id} or mailboxes.get(user_id) in shared - {None}
+                   for user_id in its_people)}
 
 
 def organizations_of_its_people(organization_id: int) -> list[int]:
