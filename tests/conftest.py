@@ -28,6 +28,7 @@ pytest_plugins = [
     "tests.timeline",
     "tests.split",
     "tests.database_reset",
+    "tests.worker_exit",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
