@@ -4,8 +4,9 @@ Django empties every table after each transactional test (`TransactionTestCase._
 emits post_migrate, which makes every content type and permission again: ~70 queries, two thirds of an empty
 transactional test's teardown (~0.1 s idle, ~0.4 s on a loaded machine; ~560 such tests in the suite). Here the
 content type and permission tables are left as they are when they hold exactly what the last post_migrate made
-(their rows' fingerprint, checked after each test); every other table that holds a row is emptied by DELETE (`_empty`: TRUNCATE, as `flush` does, where a key refuses). When a test
-changed them, or under `available_apps` or `serialized_rollback`, Django's own flush runs, post_migrate and all.
+(their rows' fingerprint, checked after each test); every other table that holds a row is emptied by DELETE
+(`_empty`; TRUNCATE, as `flush` empties it, where a key refuses). When a test changed them, or under
+`available_apps` or `serialized_rollback`, Django's own flush runs, post_migrate and all.
 Every test still starts from the same rows: empty tables, and the content types and permissions post_migrate makes.
 """
 
