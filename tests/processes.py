@@ -47,6 +47,7 @@ class ChildProcess:
             pass
 
     def stop(self, timeout_s: float = 10) -> None:
+        """SIGTERM to the group, SIGKILL after `timeout_s` (0: at once, for a child whose shutdown nothing reads)."""
         if self.process.poll() is None:
             self.kill(signal.SIGTERM)
             try:

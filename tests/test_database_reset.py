@@ -67,3 +67,49 @@ def test_a_reset_empties_every_table_that_holds_a_row_and_those_referencing_it()
 
     assert database_reset._tables_with_rows(connection) == []
     assert _made_by_post_migrate()[0]
+
+
+def _file_of(connection, table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_relation_filenode(%s)", [table])
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reset_deletes_the_rows_and_gives_no_table_new_files():
+    # TRUNCATE gave every table that held a row (and each one referencing it) new files: ~0.1 s a test, ~0.3 s on a
+    # loaded machine, for ~1,500 transactional tests. Deleting a test's few rows takes milliseconds.
+    from django.db import connection
+
+    TransactionTestCase()._fixture_teardown()  # the rows' fingerprint is known from here on
+    MembershipFactory()
+    files = {table: _file_of(connection, table) for table in (Membership._meta.db_table, Organization._meta.db_table)}
+
+    TransactionTestCase()._fixture_teardown()
+
+    assert database_reset._tables_with_rows(connection) == []
+    assert {table: _file_of(connection, table) for table in files} == files
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_outside_djangos_tables_referencing_one_emptied_is_emptied_with_it():
+    # A key Django did not make (not deferred) refuses the delete: the reset empties the tables as flush does.
+    from django.db import connection
+
+    TransactionTestCase()._fixture_teardown()
+    organization = OrganizationFactory()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE outside_reference (organization_id bigint REFERENCES {Organization._meta.db_table} (id))"
+        )
+        cursor.execute("INSERT INTO outside_reference VALUES (%s)", [organization.pk])
+    try:
+        TransactionTestCase()._fixture_teardown()
+
+        assert database_reset._tables_with_rows(connection) == []
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM outside_reference")
+            assert cursor.fetchone()[0] == 0
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE outside_reference")

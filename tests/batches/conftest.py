@@ -207,4 +207,4 @@ def start_batch_worker(tmp_path, *, name: str = "batch-worker", concurrency: int
 def batch_worker(transactional_db, files_bucket, tmp_path):
     child = start_batch_worker(tmp_path)
     yield child
-    child.stop()
+    child.stop(timeout_s=0)  # no grace at the test's end, as `celery_worker` (tests/conftest.py)
