@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -119,6 +120,33 @@ def database_read_only():
             terminate_backends()
 
 
+def _relay(source: socket.socket, sink: socket.socket, held: Callable[[], bool]) -> None:
+    """Relay `source`'s bytes to `sink` until either end closes; while `held()`, the bytes read are held back (a
+    blackhole: nothing relayed, nothing closed)."""
+    while True:
+        try:
+            data = source.recv(65536)
+        except OSError:
+            return
+        if not data:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+            return
+        while held():
+            time.sleep(0.05)
+        try:
+            sink.sendall(data)
+        except OSError:
+            return
+
+
+def _end_sessions(sockets: list[socket.socket]) -> None:
+    for relayed in sockets:
+        with contextlib.suppress(OSError):
+            relayed.shutdown(socket.SHUT_RDWR)
+        relayed.close()
+
+
 class StallableSocketProxy:
     """A proxy on a Unix socket of its own in front of PostgreSQL's: `stall()` blackholes every session open through it
     now (no byte relayed either way, nothing closed: a partition, a failover that sent no RST), while sessions opened
@@ -156,21 +184,7 @@ class StallableSocketProxy:
                 threading.Thread(target=self._relay, args=(source, sink, session), daemon=True).start()
 
     def _relay(self, source: socket.socket, sink: socket.socket, session: int) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                return
-            if not data:
-                with contextlib.suppress(OSError):
-                    sink.shutdown(socket.SHUT_WR)
-                return
-            while session < self.num_stalled:
-                time.sleep(0.05)  # blackholed: the bytes held for good
-            try:
-                sink.sendall(data)
-            except OSError:
-                return
+        _relay(source, sink, lambda: session < self.num_stalled)
 
     def stall(self) -> None:
         self.num_stalled = self.num_sessions
@@ -179,10 +193,7 @@ class StallableSocketProxy:
         """Stop listening and end every session through it (PostgreSQL's end of a stalled one too)."""
         self.num_stalled = 0
         self.server.close()
-        for relayed in self.sockets:
-            with contextlib.suppress(OSError):
-                relayed.shutdown(socket.SHUT_RDWR)
-            relayed.close()
+        _end_sessions(self.sockets)
 
 
 class BlackholingRedisProxy:
@@ -220,21 +231,7 @@ class BlackholingRedisProxy:
                 threading.Thread(target=self._relay, args=(source, sink, session), daemon=True).start()
 
     def _relay(self, source: socket.socket, sink: socket.socket, session: int) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                return
-            if not data:
-                with contextlib.suppress(OSError):
-                    sink.shutdown(socket.SHUT_WR)
-                return
-            while session in self.blackholed:
-                time.sleep(0.05)  # blackholed: the bytes held for good
-            try:
-                sink.sendall(data)
-            except OSError:
-                return
+        _relay(source, sink, lambda: session in self.blackholed)
 
     def blackhole(self) -> None:
         self.blackholing = True
@@ -246,7 +243,4 @@ class BlackholingRedisProxy:
     def close(self) -> None:
         self.blackholed.clear()
         self.server.close()
-        for relayed in self.sockets:
-            with contextlib.suppress(OSError):
-                relayed.shutdown(socket.SHUT_RDWR)
-            relayed.close()
+        _end_sessions(self.sockets)
