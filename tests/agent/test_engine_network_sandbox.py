@@ -118,8 +118,8 @@ def filter_answer(machine: str, number: int, args=(), arch: int | None = None) -
             accumulator = struct.unpack_from("<I", data, k)[0]
         elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
             accumulator &= k
-        elif code in (0x15, 0x35):  # BPF_JMP | BPF_JEQ / BPF_JGE | BPF_K
-            taken = accumulator == k if code == 0x15 else accumulator >= k
+        elif code in (0x15, 0x35, 0x45):  # BPF_JMP | BPF_JEQ / BPF_JGE / BPF_JSET | BPF_K
+            taken = accumulator == k if code == 0x15 else accumulator >= k if code == 0x35 else bool(accumulator & k)
             at += jump_true if taken else jump_false
         elif code == 0x06:  # BPF_RET | BPF_K
             return k
@@ -163,6 +163,22 @@ def test_an_engine_makes_tcp_udp_unix_and_netlink_sockets_and_no_other_that_reac
     assert filter_answer(machine, 0, (AF_VSOCK,)) == ALLOWED
     assert filter_answer(machine, socket_filter._NATIVE[machine][2]) == refused_with(errno.ENOSYS)
     assert filter_answer(machine, 102, arch=0x40000003) == refused_with(errno.EPERM)  # i386's socketcall
+
+
+@pytest.mark.parametrize("machine", sorted(socket_filter._NATIVE))
+def test_an_engine_sends_with_tcp_fast_open_never_as_a_connect_no_tcp_rule_sees(machine):
+    # `sendto`/`sendmsg` with MSG_FASTOPEN on an unconnected TCP socket connects it without `connect`, whose hook is
+    # where Landlock rules ports (landlock-lsm/linux issue 41): refused as a kernel with TCP Fast Open off refuses it,
+    # so a program falls back to `connect`. Sends without it are the engine's own.
+    sendto, sendmsg, sendmmsg = {"x86_64": (44, 46, 307), "aarch64": (206, 211, 269)}[machine]
+    fast_open = 0x20000000
+    for number, flags_at in ((sendto, 3), (sendmsg, 2), (sendmmsg, 3)):
+        args = [5, 0, 0, 0]
+        assert filter_answer(machine, number, args) == ALLOWED
+        args[flags_at] = fast_open | 0x40  # with MSG_DONTWAIT
+        assert filter_answer(machine, number, args) == refused_with(errno.EOPNOTSUPP), number
+        args[flags_at] = 0x40
+        assert filter_answer(machine, number, args) == ALLOWED
 
 
 # --- A confined process -----------------------------------------------------------------------------------
@@ -245,6 +261,30 @@ def test_a_confined_engine_makes_no_vsock_nor_packet_socket_but_its_own_kinds_st
     assert seen["raw"] == seen["smc"] == "refused: Protocol not supported", seen
     assert all(seen[name] == "made" for name in ("tcp", "tcp6", "udp", "unix", "netlink")), seen
     assert seen["interfaces"] is True
+
+
+@needs_tcp_rules
+def test_a_confined_engine_sends_no_tcp_fast_open_even_to_its_own_port_and_connects_there_plainly(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        seen = run_confined(
+            tmp_path,
+            policy_for(tmp_path, tcp_ports=[port]),
+            f"""
+            import socket
+            def send(flags):
+                with socket.socket() as client:
+                    client.settimeout(5)
+                    if not flags:
+                        client.connect(("127.0.0.1", {port}))
+                    return client.sendto(b"hello", flags, ("127.0.0.1", {port})) if flags else client.send(b"hello")
+            attempt("fast open", lambda: send({socket_filter.MSG_FASTOPEN}))
+            attempt("plain", lambda: send(0))
+            """,
+        )
+    assert seen["fast open"] == "refused: Operation not supported" and seen["plain"] == 5, seen
 
 
 @needs_tcp_rules
