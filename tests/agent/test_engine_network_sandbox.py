@@ -163,6 +163,7 @@ def test_an_engine_makes_tcp_udp_unix_and_netlink_sockets_and_no_other_that_reac
     assert filter_answer(machine, 0, (AF_VSOCK,)) == ALLOWED
     assert filter_answer(machine, socket_filter._NATIVE[machine][2]) == refused_with(errno.ENOSYS)
     assert filter_answer(machine, 102, arch=0x40000003) == refused_with(errno.EPERM)  # i386's socketcall
+    assert filter_answer(machine, 0x40000000 | socket_nr, (AF_VSOCK,)) == refused_with(errno.EPERM)  # x32's socket
 
 
 @pytest.mark.parametrize("machine", sorted(socket_filter._NATIVE))
