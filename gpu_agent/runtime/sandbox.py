@@ -22,7 +22,8 @@ What an engine may do (`rules`):
   segments are out of reach without a listing;
 - bind and connect TCP only to its serving port and the kernel's ephemeral range (`port_rules`, ABI 4: vLLM's,
   torch's and NCCL's ports between its own processes), never the metadata service, the control plane's stores or any
-  HTTPS host, and make no MPTCP socket (which Landlock leaves unruled) nor io_uring (`socket_filter`);
+  HTTPS host, and make no socket but TCP, UDP, Unix and netlink ones (not MPTCP nor SMC, which Landlock leaves
+  unruled and which fall back to TCP) nor io_uring (`socket_filter`);
 - signal and connect to abstract Unix sockets only within its own processes (Landlock's scopes, ABI 6). vLLM's
   ZeroMQ sockets between its processes are made abstract there (`rpc_base_path`), so no other engine reaches
   them: Landlock does not govern connecting to a socket bound to a path, and below ABI 6 they are bound in the
@@ -602,8 +603,8 @@ def apply(policy: SandboxPolicy) -> str:
     `landlock_restrict_self` confines the calling thread only, and a thread left out would keep every right.
     Raises SandboxUnavailable (nothing changed) when Landlock is missing or the process has threads, or, with a
     `required` policy, when it governs no TCP port (below ABI 4: `best-effort` confines the files and says so).
-    Where TCP ports are ruled, MPTCP sockets and io_uring are refused too (`socket_filter`: Landlock does not rule
-    them).
+    Where TCP ports are ruled, sockets but TCP, UDP, Unix and netlink ones and io_uring are refused too
+    (`socket_filter`: Landlock does not rule MPTCP nor SMC, which fall back to TCP).
     """
     abi, why = landlock_abi()
     if not abi:

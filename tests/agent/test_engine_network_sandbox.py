@@ -11,8 +11,10 @@ plain TCP, is refused by a seccomp filter (`socket_filter.py`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.protocol import ReplicaState, engine_sandbox_weakened
-from gpu_agent.runtime import process, sandbox
+from gpu_agent.runtime import process, sandbox, socket_filter
 from gpu_agent.runtime.engine_environment import engine_environment
 from gpu_agent.runtime.sandbox import SandboxMode, SandboxPolicy
 from gpu_agent.runtime.supervisor import Supervisor
@@ -103,6 +105,83 @@ def test_a_policy_with_a_port_out_of_range_is_refused():
         SandboxPolicy(ephemeral_ports=(40000, 30000))
 
 
+def filter_answer(machine: str, number: int, args=(), arch: int | None = None) -> int:
+    """What `socket_filter.program(machine)` answers a system call (`number`, its `args`), run as the kernel runs
+    a classic BPF program on `struct seccomp_data`: whatever this machine's kernel has built in."""
+    native_arch = socket_filter._NATIVE[machine][0]
+    data = struct.pack("<IIQ6Q", number, native_arch if arch is None else arch, 0, *(list(args) + [0] * 6)[:6])
+    instructions, accumulator, at = socket_filter.program(machine), 0, 0
+    while True:
+        code, jump_true, jump_false, k = instructions[at]
+        at += 1
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            accumulator = struct.unpack_from("<I", data, k)[0]
+        elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
+            accumulator &= k
+        elif code in (0x15, 0x35, 0x45):  # BPF_JMP | BPF_JEQ / BPF_JGE / BPF_JSET | BPF_K
+            taken = accumulator == k if code == 0x15 else accumulator >= k if code == 0x35 else bool(accumulator & k)
+            at += jump_true if taken else jump_false
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return k
+        else:
+            raise AssertionError(f"an instruction this evaluator does not know: {code:#x}")
+
+
+def refused_with(number: int) -> int:
+    return 0x00050000 | number
+
+
+ALLOWED = 0x7FFF0000
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK, AF_PACKET, AF_RDS, AF_TIPC, AF_VSOCK, AF_SMC = 1, 2, 10, 16, 17, 21, 30, 40, 43
+IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP, IPPROTO_SMC = 6, 17, 132, 256
+SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_SEQPACKET = 1, 2, 3, 5
+SOCK_NONBLOCK_CLOEXEC = 0o4000 | 0o2000000
+
+
+@pytest.mark.parametrize("machine", sorted(socket_filter._NATIVE))
+def test_an_engine_makes_tcp_udp_unix_and_netlink_sockets_and_no_other_that_reaches_a_tcp_server(machine):
+    # SMC (`AF_SMC`, or `IPPROTO_SMC` on an inet socket since Linux 6.11) falls back to plain TCP with a server that
+    # speaks no SMC, as MPTCP does, and Landlock rules neither; SCTP, raw and packet sockets (an engine left with
+    # CAP_NET_RAW where namespaces are refused and the agent is root), RDS, TIPC and vsock (the host of a VM) reach
+    # what no TCP rule covers. Whether this kernel has them built in or not, the filter refuses them.
+    socket_nr = socket_filter._NATIVE[machine][1]
+
+    def socket_call(domain, kind, protocol=0):
+        return filter_answer(machine, socket_nr, (domain, kind | SOCK_NONBLOCK_CLOEXEC, protocol))
+
+    for domain in (AF_INET, AF_INET6):
+        assert socket_call(domain, SOCK_STREAM) == socket_call(domain, SOCK_STREAM, IPPROTO_TCP) == ALLOWED
+        assert socket_call(domain, SOCK_DGRAM) == socket_call(domain, SOCK_DGRAM, IPPROTO_UDP) == ALLOWED
+        for protocol in (socket_filter.IPPROTO_MPTCP, IPPROTO_SMC, IPPROTO_SCTP):
+            assert socket_call(domain, SOCK_STREAM, protocol) == refused_with(errno.EPROTONOSUPPORT), protocol
+        assert socket_call(domain, SOCK_SEQPACKET, IPPROTO_SCTP) == refused_with(errno.EPROTONOSUPPORT)
+        assert socket_call(domain, SOCK_RAW, IPPROTO_TCP) == refused_with(errno.EPROTONOSUPPORT)
+    assert socket_call(AF_UNIX, SOCK_STREAM) == socket_call(AF_NETLINK, SOCK_DGRAM) == ALLOWED
+    for domain in (AF_PACKET, AF_RDS, AF_TIPC, AF_VSOCK, AF_SMC):
+        assert socket_call(domain, SOCK_STREAM) == refused_with(errno.EAFNOSUPPORT), domain
+    # Its other system calls are its own; io_uring's sockets no filter sees, another ABI's `socket` has other numbers.
+    assert filter_answer(machine, 0, (AF_VSOCK,)) == ALLOWED
+    assert filter_answer(machine, socket_filter._NATIVE[machine][2]) == refused_with(errno.ENOSYS)
+    assert filter_answer(machine, 102, arch=0x40000003) == refused_with(errno.EPERM)  # i386's socketcall
+    assert filter_answer(machine, 0x40000000 | socket_nr, (AF_VSOCK,)) == refused_with(errno.EPERM)  # x32's socket
+
+
+@pytest.mark.parametrize("machine", sorted(socket_filter._NATIVE))
+def test_an_engine_sends_with_tcp_fast_open_never_as_a_connect_no_tcp_rule_sees(machine):
+    # `sendto`/`sendmsg` with MSG_FASTOPEN on an unconnected TCP socket connects it without `connect`, whose hook is
+    # where Landlock rules ports (landlock-lsm/linux issue 41): refused as a kernel with TCP Fast Open off refuses it,
+    # so a program falls back to `connect`. Sends without it are the engine's own.
+    sendto, sendmsg, sendmmsg = {"x86_64": (44, 46, 307), "aarch64": (206, 211, 269)}[machine]
+    fast_open = 0x20000000
+    for number, flags_at in ((sendto, 3), (sendmsg, 2), (sendmmsg, 3)):
+        args = [5, 0, 0, 0]
+        assert filter_answer(machine, number, args) == ALLOWED
+        args[flags_at] = fast_open | 0x40  # with MSG_DONTWAIT
+        assert filter_answer(machine, number, args) == refused_with(errno.EOPNOTSUPP), number
+        args[flags_at] = 0x40
+        assert filter_answer(machine, number, args) == ALLOWED
+
+
 # --- A confined process -----------------------------------------------------------------------------------
 
 
@@ -154,6 +233,59 @@ def test_a_confined_engine_cannot_connect_to_the_metadata_port_nor_the_stores_bu
     assert seen["v4-mapped 5432"] == seen["bind 5432"] == "refused: Permission denied"
     assert seen["bind serving port"] == seen["bind a picked port"] == "bound"
     assert seen["own serving port"] == "connected" and seen["child to own ephemeral port"] == "connected"
+
+
+@needs_tcp_rules
+def test_a_confined_engine_makes_no_vsock_nor_packet_socket_but_its_own_kinds_still(tmp_path):
+    # A VM's engine reached its host's vsock services; one running as root without namespaces made raw and packet
+    # sockets, and with them TCP to any port. The kinds vLLM, torch, NCCL and glibc use are made as before.
+    seen = run_confined(
+        tmp_path,
+        policy_for(tmp_path, tcp_ports=[8123]),
+        f"""
+        import socket
+        def make(*kind):
+            with socket.socket(*kind):
+                return "made"
+        attempt("vsock", lambda: make({AF_VSOCK}, socket.SOCK_STREAM))
+        attempt("packet", lambda: make({AF_PACKET}, socket.SOCK_RAW, 0))
+        attempt("raw", lambda: make(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP))
+        attempt("smc", lambda: make(socket.AF_INET, socket.SOCK_STREAM, {IPPROTO_SMC}))
+        for name, kind in (("tcp", (socket.AF_INET, socket.SOCK_STREAM)), ("tcp6", (socket.AF_INET6,)),
+                           ("udp", (socket.AF_INET, socket.SOCK_DGRAM)), ("unix", (socket.AF_UNIX,)),
+                           ("netlink", (socket.AF_NETLINK, socket.SOCK_RAW, 0))):
+            attempt(name, lambda: make(*kind))
+        attempt("interfaces", lambda: len(socket.if_nameindex()) > 0)
+        """,
+    )
+    assert seen["vsock"] == seen["packet"] == "refused: Address family not supported by protocol", seen
+    assert seen["raw"] == seen["smc"] == "refused: Protocol not supported", seen
+    assert all(seen[name] == "made" for name in ("tcp", "tcp6", "udp", "unix", "netlink")), seen
+    assert seen["interfaces"] is True
+
+
+@needs_tcp_rules
+def test_a_confined_engine_sends_no_tcp_fast_open_even_to_its_own_port_and_connects_there_plainly(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        seen = run_confined(
+            tmp_path,
+            policy_for(tmp_path, tcp_ports=[port]),
+            f"""
+            import socket
+            def send(flags):
+                with socket.socket() as client:
+                    client.settimeout(5)
+                    if not flags:
+                        client.connect(("127.0.0.1", {port}))
+                    return client.sendto(b"hello", flags, ("127.0.0.1", {port})) if flags else client.send(b"hello")
+            attempt("fast open", lambda: send({socket_filter.MSG_FASTOPEN}))
+            attempt("plain", lambda: send(0))
+            """,
+        )
+    assert seen["fast open"] == "refused: Operation not supported" and seen["plain"] == 5, seen
 
 
 @needs_tcp_rules
