@@ -24,6 +24,12 @@ from tests.test_placement import make_node
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def _no_grace(settings):
+    """The drains themselves, with no grace before them (`test_quota_drain_grace.py` has the grace)."""
+    settings.QUOTA_DRAIN_GRACE_S = 0
+
+
 def _busy() -> Load:
     return Load(num_inflight=10, num_waiting=0, last_request_at=time.time(), peak_concurrency=10)
 
