@@ -13,7 +13,7 @@ The numbers come from the organisation's plan, or the platform defaults
   its endpoints' reconciles drain its replicas down to it, one at a time, newest first, each drain audited
   (`replica.quota_drain`) and the endpoints holding them showing why ("over quota: …"), never all at once: a
   mistyped plan must not take every tenant on it cold in one tick; and only `QUOTA_DRAIN_GRACE_S` after it was first
-  found over (`Organization.over_quota_since`);
+  found over (`Organization.over_quota_since`), staff having seen and confirmed what the change drains (`drains_of`);
 - the gateway (`endpoints.gateway.cold_start`): requests held for a cold start;
 - file uploads (`endpoints.batches.services.create_file`): bytes of files kept (400 `storage_quota_exceeded`).
 """
@@ -29,6 +29,7 @@ from django.db.models import Count, Q, Sum
 from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.models import Organization, Quotas
+from controlplane.accounts.services import Drains
 from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
@@ -333,7 +334,8 @@ def mark_over_quota(over, *, judged) -> None:
     of the others of `judged` ends: within their plan again (raised back, or drained down to it), a later lowering
     gives them a grace of their own.
 
-    NOTE: an organisation still over keeps its grace's start, a further lowering during it included."""
+    NOTE: an organisation still over keeps its grace's start, a further lowering during it included: what it drains was
+    shown to staff and confirmed (`drains_of`)."""
     _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
     _stamp(Organization.objects.filter(pk__in=set(judged) - set(over), over_quota_since__isnull=False), None)
 
@@ -353,3 +355,39 @@ def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
     for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids)):
         request_reconcile(endpoint_id)
 
+
+def drains_of(organization_ids, quotas: Quotas | None) -> Drains:
+    """What giving these organisations `quotas` (None: the platform defaults, which drain nothing: `drains_to_quota`)
+    would drain once the grace ends: of their serving replicas, those past the new replica and GPU limits, newest
+    first, as `over_quota` picks them, in one query. For staff to see and confirm before the change is saved (the
+    Django admin's plan and organisation pages, `accounts.services`)."""
+    if quotas is None:
+        return Drains()
+    rows = (Replica.objects.filter(endpoint__organization_id__in=organization_ids, state__in=SERVING_REPLICA_STATES)
+            .order_by("-created_at", "-pk")
+            .values_list("endpoint__organization_id", "endpoint_id", "endpoint__gpu_type", "endpoint__gpus_per_replica"))
+    by_organization: dict[int, list[tuple]] = {}
+    for organization_id, *replica in rows:
+        by_organization.setdefault(organization_id, []).append(tuple(replica))
+    return _drained(by_organization, quotas)
+
+
+def _drained(by_organization: dict[int, list[tuple]], quotas: Quotas) -> Drains:
+    """Each organisation's serving replicas (endpoint, GPU type, GPUs a replica; newest first), drained one by one while
+    it holds more replicas than `quotas` allow (the newest of all) or more GPUs of a type (the newest of that type)."""
+    organizations, endpoints, num_replicas = set(), set(), 0
+    for organization_id, serving in by_organization.items():
+        gpus: dict[str, int] = {}
+        for _, gpu_type, gpus_per_replica in serving:
+            gpus[gpu_type] = gpus.get(gpu_type, 0) + gpus_per_replica
+        while serving:
+            past = [gpu_type for gpu_type, num in gpus.items() if num > quotas.max_gpus(gpu_type)]
+            if len(serving) <= quotas.max_replicas and not past:
+                break
+            newest = next(r for r in serving if len(serving) > quotas.max_replicas or r[1] in past)
+            serving.remove(newest)
+            gpus[newest[1]] -= newest[2]
+            organizations.add(organization_id)
+            endpoints.add(newest[0])
+            num_replicas += 1
+    return Drains(len(organizations), len(endpoints), num_replicas)

@@ -1,4 +1,5 @@
-"""A plan lowered by mistake must not scale a fleet's tenants down within a minute: the drains start only after a grace
+"""A plan lowered by mistake must not scale a fleet's tenants down within a minute: staff see what a lowering drains and
+confirm it (the admin's plan and organisation pages), and the drains start only after a grace
 (`INFERPLANE_QUOTA_DRAIN_GRACE_S`), counted from a start stored in the database, which a plan raised back cancels."""
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from datetime import timedelta
 import pytest
 from django.db import connection, transaction
 from django.db.models.functions import Now
+from django.urls import reverse
 
 from controlplane.accounts.models import AuditEvent, Organization, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
 from endpoints import scheduler
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
+from tests.test_admin_stale_edits import _as_shown, _Form
 from tests.test_quota_lowered import _busy, _reconcile, _serving_four, _states, reconciles_asked  # noqa: F401
 
 # NOTE: the reconciles a change asks for are noted, not sent to the broker; each test reconciles itself
@@ -29,6 +32,21 @@ GRACE_S = 600
 @pytest.fixture(autouse=True)
 def _grace(settings):
     settings.QUOTA_DRAIN_GRACE_S = GRACE_S
+
+
+def _shown_again(response) -> dict[str, list[str]]:
+    """The values the page shown again (refused) submits as it stands."""
+    form = _Form()
+    form.feed(response.content.decode())
+    form.values.pop("csrfmiddlewaretoken", None)
+    return form.values
+
+
+def _refused_for_confirmation(response) -> str:
+    assert response.status_code == 200, response.content.decode()[:2000]
+    errors = response.context["adminform"].form.errors
+    assert list(errors) == ["confirm_drain"], errors
+    return errors["confirm_drain"][0]
 
 
 def _lower(plan, **quotas) -> None:
@@ -44,6 +62,67 @@ def _lowered(org, capture_on_commit, **quotas):
         _lower(plan, **quotas)
     _reconcile(str(endpoint.pk) for endpoint in endpoints)
     return plan, endpoints, made
+
+
+def test_staff_who_lower_a_plan_see_what_it_drains_and_nothing_is_saved_until_they_confirm(
+        org, staff_client, django_capture_on_commit_callbacks):
+    # Before, a mistyped plan (max_replicas 0) was saved at once, and every tenant on it drained to zero within a
+    # minute, one replica a tick.
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["0"]})
+
+    message = _refused_for_confirmation(response)
+    assert "4 replica(s) of 2 endpoint(s) in 1 organisation(s)" in message, message
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
+    assert not AuditEvent.objects.filter(action__in=["plan.update", "plan.change"]).exists()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    plan.refresh_from_db()
+    assert plan.max_replicas == 0
+    event = AuditEvent.objects.get(action="plan.change")
+    assert (event.details["num_organizations"], event.details["num_endpoints"], event.details["num_replicas"],
+            event.details["confirmed"], event.actor) == (1, 2, 4, True, staff_client.staff)
+    assert _states(made) == [READY] * 4  # the grace first
+
+
+def test_a_plan_change_that_drains_nothing_is_saved_without_a_confirmation(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["4"], "max_endpoints": ["3"],
+                                       "max_gpus_by_type": ['{"l4": 6}']})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    plan.refresh_from_db()
+    assert (plan.max_endpoints, plan.max_gpus_by_type) == (3, {"l4": 6})
+    assert not AuditEvent.objects.filter(action="plan.change").exists()
+
+
+def test_staff_who_move_an_organisation_to_a_smaller_plan_see_what_it_drains_and_confirm_it(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    small = save_plan(SYSTEM, Plan(name="small", max_replicas=8, max_gpus_by_type={"l4": 3}))
+    url = reverse("admin:controlplane_organization_change", args=[org.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "plan": [str(small.pk)]})
+
+    message = _refused_for_confirmation(response)
+    assert "1 replica(s) of 1 endpoint(s) in 1 organisation(s)" in message, message
+    org.refresh_from_db()
+    assert org.plan == plan
+
+    response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    org.refresh_from_db()
+    assert org.plan == small
+    event = AuditEvent.objects.get(action="plan.change")
+    assert (event.organization, event.details["num_replicas"]) == (org, 1)
 
 
 def test_a_lowered_plan_drains_nothing_during_its_grace_and_its_endpoints_say_from_when(

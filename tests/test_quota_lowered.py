@@ -81,7 +81,8 @@ def test_a_plan_staff_lower_below_what_an_organisation_holds_drains_it_one_repli
     reconciles_asked.clear()
     url = reverse("admin:controlplane_plan_change", args=[plan.pk])
     with django_capture_on_commit_callbacks(execute=True):
-        response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"]})
+        response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"],
+                                           "confirm_drain": ["on"]})
     assert response.status_code == 302, response.content.decode()[:2000]
     assert sorted(set(reconciles_asked)) == sorted(str(endpoint.pk) for endpoint in endpoints)
 
