@@ -19,7 +19,7 @@ from controlplane.accounts.services import SYSTEM, save_plan, set_organization_p
 from endpoints import scheduler
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
-from tests.test_admin_stale_edits import _as_shown, _Form
+from tests.test_admin_stale_edits import _as_shown, _shown_again
 from tests.test_quota_lowered import _busy, _reconcile, _serving_four, _states, reconciles_asked  # noqa: F401
 
 # NOTE: the reconciles a change asks for are noted, not sent to the broker; each test reconciles itself
@@ -32,14 +32,6 @@ GRACE_S = 600
 @pytest.fixture(autouse=True)
 def _grace(settings):
     settings.QUOTA_DRAIN_GRACE_S = GRACE_S
-
-
-def _shown_again(response) -> dict[str, list[str]]:
-    """The values the page shown again (refused) submits as it stands."""
-    form = _Form()
-    form.feed(response.content.decode())
-    form.values.pop("csrfmiddlewaretoken", None)
-    return form.values
 
 
 def _refused_for_confirmation(response) -> str:
@@ -89,6 +81,32 @@ def test_staff_who_lower_a_plan_see_what_it_drains_and_nothing_is_saved_until_th
     assert (event.details["num_organizations"], event.details["num_endpoints"], event.details["num_replicas"],
             event.details["confirmed"], event.actor) == (1, 2, 4, True, staff_client.staff)
     assert _states(made) == [READY] * 4  # the grace first
+
+
+def test_a_box_ticked_on_a_page_that_did_not_show_what_the_save_drains_confirms_nothing(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["0"], "confirm_drain": ["on"]})
+
+    _refused_for_confirmation(response)
+    assert "confirm_drain" not in _shown_again(response)  # shown again unticked
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
+
+
+def test_a_confirmation_of_fewer_replicas_than_the_save_drains_now_confirms_nothing(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["3"]})
+    assert "1 replica(s) of 1 endpoint(s)" in _refused_for_confirmation(response)
+    Replica.objects.create(endpoint=endpoints[0], node=made[0].node, state=READY)  # the fleet grew since it was shown
+
+    response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert "2 replica(s) of 2 endpoint(s)" in _refused_for_confirmation(response)
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
 
 
 def test_a_plan_change_that_drains_nothing_is_saved_without_a_confirmation(org, staff_client):

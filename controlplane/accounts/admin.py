@@ -402,17 +402,25 @@ class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
 
 class ConfirmsDrains(StaleEditsRefusedForm):
     """A change form whose save may put organisations past their plan's replicas or GPUs: staff are shown what it drains
-    (`drains`) and save it only once they confirm it (`confirm_drain`, a second submit). A save that drains nothing
-    needs no confirmation.
+    (`drains`) and save it only once they confirm it (`confirm_drain`), on a second submit of the page that showed it
+    (`drains_shown`). A save that drains nothing needs no confirmation.
 
     NOTE: judged in the admin's change view under the edited row's lock (`LocksEditedRow`), as the stale edits are: a
-    mistyped plan (`max_replicas` 0, a GPU type's limit dropped) took every tenant on it toward zero within a minute."""
+    mistyped plan (`max_replicas` 0, a GPU type's limit dropped) took every tenant on it toward zero within a minute.
+    NOTE: a box ticked on a page that did not show what the save drains, or showed less than it drains now (the fleet
+    grew since), confirms nothing: the page comes back with what it drains now, unticked."""
 
     confirm_drain = forms.BooleanField(
         required=False, label="Confirm the drain",
-        help_text="Needed only where the change stops replicas: they drain one at a time, newest first, from "
-                  f"{int(settings.QUOTA_DRAIN_GRACE_S)} s after the save, unless the plan is raised back before.")
+        help_text="Needed only where the change stops replicas; the page says how many once saved. They drain one at a "
+                  "time, newest first, after INFERPLANE_QUOTA_DRAIN_GRACE_S, unless the plan is raised back before.")
+    drains_shown = forms.CharField(required=False, widget=forms.HiddenInput)
     confirmed_drains: Drains | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in ("confirm_drain", "drains_shown"):
+            self.fields[name].show_hidden_initial = False  # NOTE: no stored value to be judged stale
 
     def drains(self) -> Drains:
         raise NotImplementedError
@@ -422,7 +430,10 @@ class ConfirmsDrains(StaleEditsRefusedForm):
         if self.errors:
             return cleaned
         drains = self.drains()
-        if drains and not cleaned.get("confirm_drain"):
+        if drains and not (cleaned.get("confirm_drain") and cleaned.get("drains_shown") == str(drains)):
+            self.data = self.data.copy()  # the page shown again says what was shown, unticked
+            self.data["drains_shown"] = str(drains)
+            self.data.pop("confirm_drain", None)
             self.add_error("confirm_drain", f"This change stops {drains} past the new limits, "
                                             f"{int(settings.QUOTA_DRAIN_GRACE_S)} s after it is saved: check "
                                             "“Confirm the drain” and save again to make it.")
@@ -451,7 +462,7 @@ class PlanAdmin(LocksEditedRow, admin.ModelAdmin):
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
                     "max_gpus_by_type"]
     fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
-              "max_gpus_by_type", "confirm_drain"]
+              "max_gpus_by_type", "confirm_drain", "drains_shown"]
 
     def save_model(self, request, obj, form, change):
         save_plan(Actor.from_request(request), obj, confirmed_drains=form.confirmed_drains)
