@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('controlplane', '0021_mark_staff_audit_events'),
+        ('controlplane', '0022_user_dotless_local'),
     ]
 
     operations = [
