@@ -335,6 +335,9 @@ BATCH_TICK_S = env_float("INFERPLANE_BATCH_TICK_S", 2.0, minimum=0.2)
 # idle GPU replica sleeps instead of stopping, and stops for real after this long asleep.
 SLEEP_MODE = env_bool("INFERPLANE_SLEEP_MODE", False)
 SLEEP_STOP_AFTER_S = env_float("INFERPLANE_SLEEP_STOP_AFTER_S", 1800.0, minimum=1)
+# An organisation past a plan lowered below what it serves (or moved to a smaller one) keeps its replicas this long
+# before they drain, one at a time (`endpoints.quotas.over_quota`): time for staff to raise a mistyped plan back.
+QUOTA_DRAIN_GRACE_S = env_float("INFERPLANE_QUOTA_DRAIN_GRACE_S", 600.0, minimum=0)
 # Node pools (endpoints.fleet.pools): how often machines are launched and released, and where the
 # agents they start reach this control plane (its address as seen from a new machine).
 NODE_POOLS_TICK_S = env_float("INFERPLANE_NODE_POOLS_TICK_S", 5.0, minimum=0.5)

@@ -13,5 +13,6 @@ class EndpointsConfig(AppConfig):
         # accounts may not import endpoints (the layers in pyproject.toml)
         departures.register_account_deletion(departures.AccountDeletion(refusals=closing.account_refusals,
                                                                         end=closing.end_account))
+        services.register_drains_of(quotas.drains_of)
         services.replica_quotas_changed.connect(quotas.reconcile_organizations,
                                                 dispatch_uid="endpoints.reconcile_organizations")

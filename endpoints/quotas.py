@@ -12,7 +12,8 @@ The numbers come from the organisation's plan, or the platform defaults
 - a quota lowered below what the organisation holds (its plan changed, or it moved to a smaller one: `over_quota`):
   its endpoints' reconciles drain its replicas down to it, one at a time, newest first, each drain audited
   (`replica.quota_drain`) and the endpoints holding them showing why ("over quota: …"), never all at once: a
-  mistyped plan must not take every tenant on it cold in one tick;
+  mistyped plan must not take every tenant on it cold in one tick; and only `QUOTA_DRAIN_GRACE_S` after it was first
+  found over (`Organization.over_quota_since`), staff having seen and confirmed what the change drains (`drains_of`);
 - the gateway (`endpoints.gateway.cold_start`): requests held for a cold start;
 - file uploads (`endpoints.batches.services.create_file`): bytes of files kept (400 `storage_quota_exceeded`).
 """
@@ -20,11 +21,16 @@ The numbers come from the organisation's plan, or the platform defaults
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
+from django.conf import settings
+from django.db import transaction
 from django.db.models import Count, Q, Sum
 from rest_framework.exceptions import ValidationError
 
 from controlplane.accounts.models import Organization, Quotas
+from controlplane.accounts.services import Drains
+from controlplane.clock import DatabaseClock
 from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
@@ -207,6 +213,8 @@ class OverQuota:
     num_held: int  # serving (not draining) replicas, or their GPUs, in that scope
     newest: Replica  # the next to drain: the scope's newest serving replica
     num_draining: int  # the scope's replicas draining now: the next waits for them (one at a time)
+    drains_from: datetime  # the grace's end (`QUOTA_DRAIN_GRACE_S` after `Organization.over_quota_since`)
+    in_grace: bool  # before `drains_from` by PostgreSQL's clock: nothing drains yet
 
 
 def over_quota(endpoint: Endpoint) -> OverQuota | None:
@@ -216,7 +224,10 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
     NOTE: serving replicas only (pending, starting, ready): those draining are on their way out, and counting them
     drained a second replica before the first had stopped. Placement still counts them (`replica_refusal`), so
     nothing new is placed until the organisation is within its quota.
-    NOTE: an organisation on a plan only (`drains_to_quota`)."""
+    NOTE: an organisation on a plan only (`drains_to_quota`).
+    NOTE: nothing drains before the grace ends (`in_grace`), counted from when the organisation was first found over
+    (`Organization.over_quota_since`, stamped here if no change or tick has yet): a plan mistyped and raised back within
+    it stops nothing."""
     organization = endpoint.organization
     if not drains_to_quota(organization):
         return None
@@ -235,14 +246,44 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
     for quota, limit, num_held, in_scope, what in scopes:
         if num_held <= limit:
             continue
-        # NOTE: no count of what is held: the message is the same until the drains end, so it is one event on the
-        # endpoint's log, not one per drain
-        message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold: their "
-                   "replicas drain one at a time, newest first, down to it")
+        drains_from, in_grace = _grace(organization)
+        # NOTE: no count of what is held, and the grace's end fixed when it starts: the message is the same from the
+        # grace to the drains' end, so it is one event on the endpoint's log, not one per tick or drain
+        message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold; replicas "
+                   f"above it stop from {drains_from.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC, one at a time, newest "
+                   "first, unless the plan is raised before")
         serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
         return OverQuota(message, quota, limit, num_held, serving.order_by("-created_at", "-pk").first(),
-                         in_scope.filter(state=ReplicaState.DRAINING).count())
+                         in_scope.filter(state=ReplicaState.DRAINING).count(), drains_from, in_grace)
     return None
+
+
+def _grace(organization: Organization) -> tuple[datetime, bool]:
+    """When the over-quota organisation's drains start, and whether that is still to come (PostgreSQL's clock).
+
+    NOTE: stamped here where neither the change that put it over (`mark_over_quota`) nor a tick has: never later than
+    the first reconcile that would drain, so no drain skips the grace. Asked of the row, not of `organization` as this
+    reconcile read it: a raise committed since may have ended the grace. Where the row is held by another write, its
+    grace starts at a later reconcile (never waited for with the endpoint's row held, as `lock_organization`)."""
+    if organization.over_quota_since is None:
+        _stamp(Organization.objects.filter(pk=organization.pk, over_quota_since__isnull=True), DatabaseClock())
+    since, now = Organization.objects.filter(pk=organization.pk).annotate(now=DatabaseClock()).values_list(
+        "over_quota_since", "now").get()
+    drains_from = (since or now) + timedelta(seconds=settings.QUOTA_DRAIN_GRACE_S)
+    return drains_from, since is None or now < drains_from
+
+
+def _stamp(organizations, over_quota_since) -> None:
+    """Write `over_quota_since` on those of `organizations` no other transaction holds.
+
+    NOTE: skipped, never waited for: the tick (and a reconcile holding an endpoint's row) waited behind one tenant's key
+    revocation (seconds with thousands of keys), and every tenant's scale-up with it; one skipped is stamped or cleared
+    at a later tick, and until its grace is stamped nothing of it drains."""
+    with transaction.atomic():
+        ids = list(organizations.select_for_update(skip_locked=True, no_key=True).order_by("pk")
+                   .values_list("pk", flat=True))
+        if ids:
+            Organization.objects.filter(pk__in=ids).update(over_quota_since=over_quota_since)
 
 
 def drains_to_quota(organization: Organization) -> bool:
@@ -256,11 +297,12 @@ def drains_to_quota(organization: Organization) -> bool:
     return organization.plan_id is not None
 
 
-def endpoints_over_quota(endpoint_ids) -> set[str]:
+def endpoints_over_quota(endpoint_ids, *, judged=()) -> set[str]:
     """Those of `endpoint_ids` that serve replicas for an organisation past its replica or GPU quotas (`over_quota`),
     in two queries. NOTE: for the tick, which otherwise skips an endpoint serving what its autoscaler wants: a reconcile
     asked for when the quota was lowered (`reconcile_organizations`) is a hint a broker out of reach loses, and an
-    organisation's every endpoint is among them (the tick's endpoints include every one with replicas)."""
+    organisation's every endpoint is among them (the tick's endpoints include every one with replicas).
+    Starts the grace of those over and ends that of the others, `judged` (organisation ids) too (`mark_over_quota`)."""
     rows = list(Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
                 .values("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type")
                 .annotate(num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica"))
@@ -270,7 +312,7 @@ def endpoints_over_quota(endpoint_ids) -> set[str]:
         num_held[organization_id] = num_held.get(organization_id, 0) + num
         of_type = gpus_held.setdefault(organization_id, {})
         of_type[gpu_type] = of_type.get(gpu_type, 0) + (gpus or 0)
-    over = set()
+    over, stamped = set(), set()
     # NOTE: organisations on a plan only (`drains_to_quota`). Each judged by its own GPU types: a scan of every
     # organisation's for each one was quadratic: 0.4 s of CPU a tick with 3,000 organisations serving, 4 s (past the 2 s
     # tick) with 10,000.
@@ -279,7 +321,23 @@ def endpoints_over_quota(endpoint_ids) -> set[str]:
         if num_held[organization.pk] > quotas.max_replicas or any(
                 gpus > quotas.max_gpus(gpu_type) for gpu_type, gpus in gpus_held[organization.pk].items()):
             over.add(organization.pk)
+        if organization.over_quota_since is not None:
+            stamped.add(organization.pk)
+    # NOTE: no query at a tick unless an organisation's grace starts or ends there (`mark_over_quota`)
+    if judged or over - stamped or stamped - over:
+        mark_over_quota(over, judged={*num_held, *judged})
     return {str(endpoint_id) for endpoint_id, organization_id, *_ in rows if organization_id in over}
+
+
+def mark_over_quota(over, *, judged) -> None:
+    """The grace of the organisations in `over` starts now where it has not (`Organization.over_quota_since`), and that
+    of the others of `judged` ends: within their plan again (raised back, or drained down to it), a later lowering
+    gives them a grace of their own.
+
+    NOTE: an organisation still over keeps its grace's start, a further lowering during it included: what it drains was
+    shown to staff and confirmed (`drains_of`)."""
+    _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
+    _stamp(Organization.objects.filter(pk__in=set(judged) - set(over), over_quota_since__isnull=False), None)
 
 
 def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
@@ -288,9 +346,48 @@ def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
 
     NOTE: those over alone (`endpoints_over_quota`): each endpoint serving on the plan, asked for at each change, a raise
     too, was thousands of tasks on a plan thousands of organisations are on, sent one by one by staff's save and queued
-    ahead of every tenant's cold start, for nothing to drain. An endpoint waiting for quota is the tick's (its message)."""
+    ahead of every tenant's cold start, for nothing to drain. An endpoint waiting for quota is the tick's (its message).
+    NOTE: the grace of those put over starts with the change, in its transaction, and that of those it puts within ends
+    (`mark_over_quota`): a plan raised back cancels the drains still to come."""
     endpoint_ids = (Replica.objects.filter(endpoint__organization_id__in=organization_ids,
                                            state__in=SERVING_REPLICA_STATES)
                     .order_by().values_list("endpoint_id", flat=True).distinct())
-    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids))):
+    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids)):
         request_reconcile(endpoint_id)
+
+
+def drains_of(organization_ids, quotas: Quotas | None) -> Drains:
+    """What giving these organisations `quotas` (None: the platform defaults, which drain nothing: `drains_to_quota`)
+    would drain once the grace ends: of their serving replicas, those past the new replica and GPU limits, newest
+    first, as `over_quota` picks them, in one query. For staff to see and confirm before the change is saved (the
+    Django admin's plan and organisation pages, `accounts.services`)."""
+    if quotas is None:
+        return Drains()
+    rows = (Replica.objects.filter(endpoint__organization_id__in=organization_ids, state__in=SERVING_REPLICA_STATES)
+            .order_by("-created_at", "-pk")
+            .values_list("endpoint__organization_id", "endpoint_id", "endpoint__gpu_type", "endpoint__gpus_per_replica"))
+    by_organization: dict[int, list[tuple]] = {}
+    for organization_id, *replica in rows:
+        by_organization.setdefault(organization_id, []).append(tuple(replica))
+    return _drained(by_organization, quotas)
+
+
+def _drained(by_organization: dict[int, list[tuple]], quotas: Quotas) -> Drains:
+    """Each organisation's serving replicas (endpoint, GPU type, GPUs a replica; newest first), drained one by one while
+    it holds more replicas than `quotas` allow (the newest of all) or more GPUs of a type (the newest of that type)."""
+    organizations, endpoints, num_replicas = set(), set(), 0
+    for organization_id, serving in by_organization.items():
+        gpus: dict[str, int] = {}
+        for _, gpu_type, gpus_per_replica in serving:
+            gpus[gpu_type] = gpus.get(gpu_type, 0) + gpus_per_replica
+        while serving:
+            past = [gpu_type for gpu_type, num in gpus.items() if num > quotas.max_gpus(gpu_type)]
+            if len(serving) <= quotas.max_replicas and not past:
+                break
+            newest = next(r for r in serving if len(serving) > quotas.max_replicas or r[1] in past)
+            serving.remove(newest)
+            gpus[newest[1]] -= newest[2]
+            organizations.add(organization_id)
+            endpoints.add(newest[0])
+            num_replicas += 1
+    return Drains(len(organizations), len(endpoints), num_replicas)

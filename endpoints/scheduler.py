@@ -127,11 +127,12 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         # NOTE: its organisation past a quota lowered since (`quotas.over_quota`) and this endpoint wanting no fewer
         # replicas than it serves: nothing is placed, and its organisation's newest replica drains, when it is this
         # endpoint's and none drains already (one at a time: the tick reconciles this endpoint again while its message
-        # says so). An autoscaler's own scale-down goes first: it lowers what the organisation holds.
+        # says so). An autoscaler's own scale-down goes first: it lowers what the organisation holds. Nothing drains
+        # during the grace (`over.in_grace`): the message says from when.
         over = quotas.over_quota(endpoint) if serving and num_wanted >= len(serving) else None
         if over is not None:
             message = message or over.message  # NOTE: a failure's message, holding it back, says more
-            if not over.num_draining and over.newest.endpoint_id == endpoint.pk:
+            if not over.in_grace and not over.num_draining and over.newest.endpoint_id == endpoint.pk:
                 _drain_over_quota(endpoint, over)
         elif num_wanted > len(serving) and held_back:
             # NOTE: a failed endpoint places nothing until a spec change or resume; one backing off

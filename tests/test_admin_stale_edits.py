@@ -81,6 +81,14 @@ def _as_shown(client, url: str) -> dict[str, list[str]]:
     return form.values
 
 
+def _shown_again(response) -> dict[str, list[str]]:
+    """The values the page an admin's submit got back (refused, shown again) submits as it stands."""
+    form = _Form()
+    form.feed(response.content.decode())
+    form.values.pop("csrfmiddlewaretoken", None)
+    return form.values
+
+
 def _refused(response, field: str) -> None:
     """The page came back with `field` refused as changed since it was shown (the admin's 200, the fleet page's 400)."""
     assert response.status_code in (200, 400), response.content.decode()[:3000]

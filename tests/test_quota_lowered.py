@@ -18,10 +18,16 @@ from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory
-from tests.test_admin_stale_edits import _as_shown
+from tests.test_admin_stale_edits import _as_shown, _shown_again
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _no_grace(settings):
+    """The drains themselves, with no grace before them (`test_quota_drain_grace.py` has the grace)."""
+    settings.QUOTA_DRAIN_GRACE_S = 0
 
 
 def _busy() -> Load:
@@ -74,8 +80,9 @@ def test_a_plan_staff_lower_below_what_an_organisation_holds_drains_it_one_repli
     plan, endpoints, made = _serving_four(org)
     reconciles_asked.clear()
     url = reverse("admin:controlplane_plan_change", args=[plan.pk])
-    with django_capture_on_commit_callbacks(execute=True):
-        response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"]})
+    shown = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"]})  # what it drains
+    with django_capture_on_commit_callbacks(execute=True):  # confirmed (`test_quota_drain_grace.py`)
+        response = staff_client.post(url, {**_shown_again(shown), "confirm_drain": ["on"]})
     assert response.status_code == 302, response.content.decode()[:2000]
     assert sorted(set(reconciles_asked)) == sorted(str(endpoint.pk) for endpoint in endpoints)
 

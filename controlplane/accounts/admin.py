@@ -20,6 +20,8 @@ Who may sign in and with what powers is audited as staff change it (`user.create
 
 import json
 
+from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.utils import unquote
@@ -49,7 +51,17 @@ from controlplane.accounts.second_factor import (
     has_staff_powers,
     issue_staff_enrolment_code,
 )
-from controlplane.accounts.services import Actor, record_audit, save_plan, set_organization_plan
+from controlplane.accounts.services import (
+    PLAN_FIELDS,
+    REPLICA_QUOTA_FIELDS,
+    Actor,
+    Drains,
+    drains_of_organization_plan,
+    drains_of_plan_change,
+    record_audit,
+    save_plan,
+    set_organization_plan,
+)
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.accounts.stale_edits import LocksEditedRow, RefusesStaleEdits, StaleEditsRefusedForm
 from controlplane.text import shown_name
@@ -388,16 +400,72 @@ class ReadOnlyAdmin(ViewOnly, admin.ModelAdmin):
         return [*(excluded or ()), *self.shown_names]
 
 
+class ConfirmsDrains(StaleEditsRefusedForm):
+    """A change form whose save may put organisations past their plan's replicas or GPUs: staff are shown what it drains
+    (`drains`) and save it only once they confirm it (`confirm_drain`), on a second submit of the page that showed it
+    (`drains_shown`). A save that drains nothing needs no confirmation.
+
+    NOTE: judged in the admin's change view under the edited row's lock (`LocksEditedRow`), as the stale edits are: a
+    mistyped plan (`max_replicas` 0, a GPU type's limit dropped) took every tenant on it toward zero within a minute.
+    NOTE: a box ticked on a page that did not show what the save drains, or showed less than it drains now (the fleet
+    grew since), confirms nothing: the page comes back with what it drains now, unticked."""
+
+    confirm_drain = forms.BooleanField(
+        required=False, label="Confirm the drain",
+        help_text="Needed only where the change stops replicas; the page says how many once saved. They drain one at a "
+                  "time, newest first, after INFERPLANE_QUOTA_DRAIN_GRACE_S, unless the plan is raised back before.")
+    drains_shown = forms.CharField(required=False, widget=forms.HiddenInput)
+    confirmed_drains: Drains | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in ("confirm_drain", "drains_shown"):
+            self.fields[name].show_hidden_initial = False  # NOTE: no stored value to be judged stale
+
+    def drains(self) -> Drains:
+        raise NotImplementedError
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.errors:
+            return cleaned
+        drains = self.drains()
+        if drains and not (cleaned.get("confirm_drain") and cleaned.get("drains_shown") == str(drains)):
+            self.data = self.data.copy()  # the page shown again says what was shown, unticked
+            self.data["drains_shown"] = str(drains)
+            self.data.pop("confirm_drain", None)
+            self.add_error("confirm_drain", f"This change stops {drains} past the new limits, "
+                                            f"{int(settings.QUOTA_DRAIN_GRACE_S)} s after it is saved: check "
+                                            "“Confirm the drain” and save again to make it.")
+        self.confirmed_drains = drains or None
+        return cleaned
+
+
+class PlanForm(ConfirmsDrains):
+    def drains(self) -> Drains:
+        if self.instance.pk is None or not set(self.changed_data) & set(REPLICA_QUOTA_FIELDS):
+            return Drains()
+        edited = Plan(**{name: self.cleaned_data.get(name, getattr(self.instance, name)) for name in PLAN_FIELDS})
+        return drains_of_plan_change(self.instance, edited.quotas)
+
+
+class OrganizationForm(ConfirmsDrains):
+    def drains(self) -> Drains:
+        if "plan" not in self.changed_data:
+            return Drains()
+        return drains_of_organization_plan(self.instance, self.cleaned_data.get("plan"))
+
+
 @admin.register(Plan)
 class PlanAdmin(LocksEditedRow, admin.ModelAdmin):
-    form = StaleEditsRefusedForm
+    form = PlanForm
     list_display = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
                     "max_gpus_by_type"]
     fields = ["name", "max_endpoints", "max_replicas", "max_min_replicas", "max_held_requests", "max_file_bytes",
-              "max_gpus_by_type"]
+              "max_gpus_by_type", "confirm_drain", "drains_shown"]
 
     def save_model(self, request, obj, form, change):
-        save_plan(Actor.from_request(request), obj)
+        save_plan(Actor.from_request(request), obj, confirmed_drains=form.confirmed_drains)
 
     def has_delete_permission(self, request, obj=None):
         return False  # an organisation on it would be left without; move them first (PROTECT)
@@ -405,7 +473,7 @@ class PlanAdmin(LocksEditedRow, admin.ModelAdmin):
 
 @admin.register(Organization)
 class OrganizationAdmin(LocksEditedRow, ReadOnlyAdmin):
-    form = StaleEditsRefusedForm
+    form = OrganizationForm
     list_display = ["slug", "name_shown", "plan", "created_at"]
     shown_names = ("name",)
     list_filter = ["plan"]
@@ -429,7 +497,7 @@ class OrganizationAdmin(LocksEditedRow, ReadOnlyAdmin):
 
     def save_model(self, request, obj, form, change):
         if "plan" in form.changed_data:
-            set_organization_plan(Actor.from_request(request), obj, obj.plan)
+            set_organization_plan(Actor.from_request(request), obj, obj.plan, confirmed_drains=form.confirmed_drains)
 
 
 @admin.register(ApiKey)

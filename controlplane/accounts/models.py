@@ -98,6 +98,10 @@ class Organization(models.Model):
     # billing and audit records and nothing else. Null in the database by default: a pod of the release before writes
     # rows without it.
     closed_at = models.DateTimeField(null=True, blank=True)
+    # When its serving replicas were first found past its plan's replicas or GPUs (PostgreSQL's clock), cleared once
+    # they are within it again: its drains start `QUOTA_DRAIN_GRACE_S` later (`endpoints.quotas.over_quota`).
+    # NOTE: stored, not held in a worker's memory: a scheduler restarted mid-grace neither restarts nor skips it.
+    over_quota_since = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]

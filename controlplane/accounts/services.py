@@ -11,8 +11,10 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, transaction
 from django.dispatch import Signal
 from django.utils.text import slugify
@@ -178,29 +180,86 @@ replica_quotas_changed = Signal()
 REPLICA_QUOTA_FIELDS = ("max_replicas", "max_gpus_by_type")
 
 
+@dataclass(slots=True, frozen=True)
+class Drains:
+    """What a change of quotas would drain once its grace ends (`endpoints.quotas.drains_of`): staff see it and confirm
+    it before the change is saved."""
+
+    num_organizations: int = 0
+    num_endpoints: int = 0
+    num_replicas: int = 0
+
+    def __bool__(self) -> bool:
+        return self.num_replicas > 0
+
+    def __str__(self) -> str:
+        return (f"{self.num_replicas} replica(s) of {self.num_endpoints} endpoint(s) in {self.num_organizations} "
+                "organisation(s)")
+
+
+# The endpoints app's `drains_of(organization_ids, quotas)`. NOTE: registered (`EndpointsConfig.ready`), as accounts
+# may not import endpoints (the layers in pyproject.toml).
+_drains_of: list[Callable[[list[int], object], Drains]] = []
+
+
+def register_drains_of(drains_of: Callable[[list[int], object], Drains]) -> None:
+    """Called once, by the app that owns replicas; again, it replaces what was there."""
+    _drains_of[:] = [drains_of]
+
+
+def drains_of_plan_change(plan: Plan, quotas) -> Drains:
+    """What giving the plan's organisations `quotas` (the plan as staff edit it) would drain."""
+    if plan.pk is None:
+        return Drains()
+    return _registered_drains_of()(list(plan.organizations.values_list("pk", flat=True)), quotas)
+
+
+def drains_of_organization_plan(organization: Organization, plan: Plan | None) -> Drains:
+    """What moving the organisation to `plan` (None: the platform defaults, which drain nothing) would drain."""
+    return _registered_drains_of()([organization.pk], plan.quotas if plan is not None else None)
+
+
+def _registered_drains_of() -> Callable[[list[int], object], Drains]:
+    if not _drains_of:
+        raise ImproperlyConfigured("No drains_of is registered: is the endpoints app installed?")
+    return _drains_of[0]
+
+
 @transaction.atomic
-def save_plan(actor: Actor, plan: Plan) -> Plan:
+def save_plan(actor: Actor, plan: Plan, *, confirmed_drains: Drains | None = None) -> Plan:
     """Staff create or change a plan; audited with what changed. Gateways see it within their
     endpoint cache window (seconds), the autoscaler at its next placement; replicas or GPUs lowered, the organisations
-    on it drain what they hold past it, one replica at a time (`replica_quotas_changed`)."""
+    on it drain what they hold past it, one replica at a time, after a grace (`replica_quotas_changed`).
+    `confirmed_drains`: what staff were shown it drains and confirmed, audited (`plan.change`)."""
     before = Plan.objects.filter(pk=plan.pk).values(*PLAN_FIELDS).first() if plan.pk else None
     plan.quotas  # noqa: B018 - validates the numbers before anything is written
     plan.save()
     after = {name: getattr(plan, name) for name in PLAN_FIELDS}
     changes = {name: value for name, value in after.items() if before is None or before[name] != value}
     record_audit(actor, None, "plan.create" if before is None else "plan.update", plan, changes=changes)
+    _audit_confirmed_drains(actor, None, plan, confirmed_drains)
     if before is not None and set(changes) & set(REPLICA_QUOTA_FIELDS):
         replica_quotas_changed.send(Plan, organization_ids=list(plan.organizations.values_list("pk", flat=True)))
     return plan
 
 
 @transaction.atomic
-def set_organization_plan(actor: Actor, organization: Organization, plan: Plan | None) -> Organization:
-    """Staff move an organisation to a plan (None: the platform defaults); audited."""
+def set_organization_plan(actor: Actor, organization: Organization, plan: Plan | None, *,
+                          confirmed_drains: Drains | None = None) -> Organization:
+    """Staff move an organisation to a plan (None: the platform defaults); audited. `confirmed_drains`: as `save_plan`."""
     locked = Organization.objects.select_for_update(of=("self",)).select_related("plan").get(pk=organization.pk)
     previous = locked.plan.name if locked.plan_id else None
     Organization.objects.filter(pk=organization.pk).update(plan=plan)
     organization.plan = plan
     record_audit(actor, organization, "organization.plan", organization, before=previous, after=plan.name if plan else None)
+    _audit_confirmed_drains(actor, organization, plan, confirmed_drains)
     replica_quotas_changed.send(Organization, organization_ids=[organization.pk])
     return organization
+
+
+def _audit_confirmed_drains(actor: Actor, organization: Organization | None, plan: Plan | None,
+                            drains: Drains | None) -> None:
+    if drains:
+        record_audit(actor, organization, "plan.change", plan, confirmed=True, drains=str(drains),
+                     num_organizations=drains.num_organizations, num_endpoints=drains.num_endpoints,
+                     num_replicas=drains.num_replicas)

@@ -1,0 +1,268 @@
+"""A plan lowered by mistake must not scale a fleet's tenants down within a minute: staff see what a lowering drains and
+confirm it (the admin's plan and organisation pages), and the drains start only after a grace
+(`INFERPLANE_QUOTA_DRAIN_GRACE_S`), counted from a start stored in the database, which a plan raised back cancels."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.db.models.functions import Now
+from django.urls import reverse
+
+from controlplane.accounts.models import AuditEvent, Organization, Plan
+from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
+from endpoints import scheduler
+from endpoints.models import Replica
+from gpu_agent.protocol import ReplicaState
+from tests.test_admin_stale_edits import _as_shown, _shown_again
+from tests.test_quota_lowered import _busy, _reconcile, _serving_four, _states, reconciles_asked  # noqa: F401
+
+# NOTE: the reconciles a change asks for are noted, not sent to the broker; each test reconciles itself
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("reconciles_asked")]
+
+READY, DRAINING = ReplicaState.READY, ReplicaState.DRAINING
+GRACE_S = 600
+
+
+@pytest.fixture(autouse=True)
+def _grace(settings):
+    settings.QUOTA_DRAIN_GRACE_S = GRACE_S
+
+
+def _refused_for_confirmation(response) -> str:
+    assert response.status_code == 200, response.content.decode()[:2000]
+    errors = response.context["adminform"].form.errors
+    assert list(errors) == ["confirm_drain"], errors
+    return errors["confirm_drain"][0]
+
+
+def _lower(plan, **quotas) -> None:
+    for name, value in quotas.items():
+        setattr(plan, name, value)
+    save_plan(SYSTEM, plan)
+
+
+def _lowered(org, capture_on_commit, **quotas):
+    """`_serving_four`'s organisation, its plan lowered to `quotas` (committed) and its endpoints reconciled."""
+    plan, endpoints, made = _serving_four(org)
+    with capture_on_commit(execute=True):
+        _lower(plan, **quotas)
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+    return plan, endpoints, made
+
+
+def test_staff_who_lower_a_plan_see_what_it_drains_and_nothing_is_saved_until_they_confirm(
+        org, staff_client, django_capture_on_commit_callbacks):
+    # Before, a mistyped plan (max_replicas 0) was saved at once, and every tenant on it drained to zero within a
+    # minute, one replica a tick.
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["0"]})
+
+    message = _refused_for_confirmation(response)
+    assert "4 replica(s) of 2 endpoint(s) in 1 organisation(s)" in message, message
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
+    assert not AuditEvent.objects.filter(action__in=["plan.update", "plan.change"]).exists()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    plan.refresh_from_db()
+    assert plan.max_replicas == 0
+    event = AuditEvent.objects.get(action="plan.change")
+    assert (event.details["num_organizations"], event.details["num_endpoints"], event.details["num_replicas"],
+            event.details["confirmed"], event.actor) == (1, 2, 4, True, staff_client.staff)
+    assert _states(made) == [READY] * 4  # the grace first
+
+
+def test_a_box_ticked_on_a_page_that_did_not_show_what_the_save_drains_confirms_nothing(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["0"], "confirm_drain": ["on"]})
+
+    _refused_for_confirmation(response)
+    assert "confirm_drain" not in _shown_again(response)  # shown again unticked
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
+
+
+def test_a_confirmation_of_fewer_replicas_than_the_save_drains_now_confirms_nothing(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["3"]})
+    assert "1 replica(s) of 1 endpoint(s)" in _refused_for_confirmation(response)
+    Replica.objects.create(endpoint=endpoints[0], node=made[0].node, state=READY)  # the fleet grew since it was shown
+
+    response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert "2 replica(s) of 2 endpoint(s)" in _refused_for_confirmation(response)
+    plan.refresh_from_db()
+    assert plan.max_replicas == 4
+
+
+def test_a_plan_change_that_drains_nothing_is_saved_without_a_confirmation(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["4"], "max_endpoints": ["3"],
+                                       "max_gpus_by_type": ['{"l4": 6}']})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    plan.refresh_from_db()
+    assert (plan.max_endpoints, plan.max_gpus_by_type) == (3, {"l4": 6})
+    assert not AuditEvent.objects.filter(action="plan.change").exists()
+
+
+def test_staff_who_move_an_organisation_to_a_smaller_plan_see_what_it_drains_and_confirm_it(org, staff_client):
+    plan, endpoints, made = _serving_four(org)
+    small = save_plan(SYSTEM, Plan(name="small", max_replicas=8, max_gpus_by_type={"l4": 3}))
+    url = reverse("admin:controlplane_organization_change", args=[org.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "plan": [str(small.pk)]})
+
+    message = _refused_for_confirmation(response)
+    assert "1 replica(s) of 1 endpoint(s) in 1 organisation(s)" in message, message
+    org.refresh_from_db()
+    assert org.plan == plan
+
+    response = staff_client.post(url, {**_shown_again(response), "confirm_drain": ["on"]})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    org.refresh_from_db()
+    assert org.plan == small
+    event = AuditEvent.objects.get(action="plan.change")
+    assert (event.organization, event.details["num_replicas"]) == (org, 1)
+
+
+def test_a_lowered_plan_drains_nothing_during_its_grace_and_its_endpoints_say_from_when(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=2)
+    ids = sorted(str(endpoint.pk) for endpoint in endpoints)
+    _reconcile(scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids}))
+
+    assert _states(made) == [READY] * 4
+    org.refresh_from_db()
+    drains_from = (org.over_quota_since + timedelta(seconds=GRACE_S)).strftime("%Y-%m-%d %H:%M:%S")
+    for endpoint in endpoints:
+        endpoint.refresh_from_db()
+        assert endpoint.status_message.startswith(
+            f"over quota: your plan now allows 2 replicas at once, fewer than your endpoints hold; replicas above it "
+            f"stop from {drains_from} UTC"), endpoint.status_message
+    assert not AuditEvent.objects.filter(action="replica.quota_drain").exists()
+
+
+def test_a_plan_raised_back_during_the_grace_cancels_the_drain_with_nothing_stopped(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=0)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S - 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=4)  # a second before the drains start
+    Organization.objects.filter(pk=org.pk, over_quota_since__isnull=False).update(
+        over_quota_since=Now() - timedelta(hours=1))  # the grace as it would have been, long ended
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    org.refresh_from_db()
+    assert org.over_quota_since is None
+    assert _states(made) == [READY] * 4
+    for endpoint in endpoints:
+        endpoint.refresh_from_db()
+        assert not endpoint.status_message.startswith("over quota"), endpoint.status_message
+
+
+def test_a_bigger_plan_during_the_grace_cancels_the_drain(org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _serving_four(org)
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=1)
+        set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="bigger", max_replicas=16)))
+
+    org.refresh_from_db()
+    assert org.over_quota_since is None
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+    assert _states(made) == [READY] * 4
+
+
+def test_the_grace_counts_from_its_stored_start_so_a_restarted_scheduler_neither_restarts_nor_skips_it(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _serving_four(org)
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=3)
+    ids = sorted(str(endpoint.pk) for endpoint in endpoints)
+    loads = {endpoint_id: _busy() for endpoint_id in ids}
+
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S - 60))
+    _reconcile(scheduler.endpoints_to_reconcile(ids, loads))
+    assert _states(made) == [READY] * 4  # a minute to go: not skipped
+
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+    _reconcile(scheduler.endpoints_to_reconcile(ids, loads))  # a fresh process: nothing of the grace in memory
+    assert _states(made) == [READY, READY, READY, DRAINING]  # not restarted either
+    event = AuditEvent.objects.get(action="replica.quota_drain")
+    assert (event.details["replica"], event.details["limit"]) == (str(made[3].pk), 3)
+
+
+def test_an_organisation_back_within_its_plan_gets_a_new_grace_when_the_plan_is_lowered_again(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _serving_four(org)
+    ids = sorted(str(endpoint.pk) for endpoint in endpoints)
+    loads = {endpoint_id: _busy() for endpoint_id in ids}
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(hours=1))
+    _reconcile(scheduler.endpoints_to_reconcile(ids, loads))
+    Replica.objects.filter(state=DRAINING).update(state=ReplicaState.STOPPED)  # the agent confirms the drain
+
+    scheduler.endpoints_to_reconcile(ids, loads)  # within its plan: the tick ends its grace
+    org.refresh_from_db()
+    assert org.over_quota_since is None
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=2)
+    _reconcile(scheduler.endpoints_to_reconcile(ids, loads))
+    assert _states(made)[:3] == [READY] * 3
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_write_holds_to_start_its_grace(org):
+    # The grace is stamped on the organisation's row, which a key revocation walking thousands of keys holds for
+    # seconds: waited for, the tick (every tenant's reconciles) and a reconcile holding its endpoint's row waited too.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
+    ids = sorted(str(endpoint.pk) for endpoint in endpoints)
+    held, release = threading.Event(), threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        started = time.monotonic()
+        changing = scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
+        _reconcile(changing)
+        took_s = time.monotonic() - started
+        release.set()
+        holder.result()
+
+    assert changing == ids
+    assert took_s < 5, took_s
+    assert _states(made) == [READY] * 4  # no grace stamped yet: nothing drains
+    scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
+    org.refresh_from_db()
+    assert org.over_quota_since is not None  # the next tick starts it
