@@ -24,7 +24,7 @@ The init dies with the outer process (PR_SET_PDEATHSIG), so no namespace outlive
 In the same mount namespace the init hides the machine's Unix sockets (`_hide_socket_folders`): Landlock does not
 govern connecting to a socket bound to a path, so an engine connected to any it could name (Docker's, containerd's,
 PostgreSQL's, a local Redis's, D-Bus's, systemd's, another engine's vLLM sockets in its scratch folder under /tmp). Each
-folder it is given (`sandbox.MACHINE_SOCKET_FOLDERS`) is covered by an empty tmpfs, read-only, and only the paths the
+folder it is given (`MACHINE_SOCKET_FOLDERS`) is covered by an empty tmpfs, read-only, and only the paths the
 engine is to reach below it are bound back (its own folders and model, what glibc's resolver and NVIDIA's driver read:
 `sandbox.socket_folders_kept`); a socket that is not in a folder (/dev/log) is covered by /dev/null.
 
@@ -72,6 +72,14 @@ NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
 # The errors that refuse namespaces here (not allowed, not built in, the user's count of them reached), from `unshare`,
 # the user's maps or the init's mounts and limits; any other (ENOMEM, EAGAIN) says nothing of them.
 REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSERS})
+# The machine's folders (and a socket of its own) that hold Unix sockets, hidden in an engine's mount namespace
+# (`_hide_socket_folders`): Landlock does not govern connecting to a socket bound to a path. /run (and /var/run where it
+# is not a link to it): Docker's, containerd's, PostgreSQL's, Redis's, D-Bus's, systemd's and journald's, and
+# /run/user's; /tmp and /var/tmp: other engines' scratch folders (vLLM's sockets below Landlock ABI 6), PostgreSQL's
+# where built so, tmux's and X11's; /var/lib: LXD's, MySQL's, the kubelet's, and the agent's data dir; /dev/log:
+# syslog's, where it is a socket rather than a link into /run. What the engine's policy names below them (its scratch
+# folder, its model, the venv or a checkout under /tmp) is bound back (`sandbox.socket_folders_kept`).
+MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log")
 # The empty tmpfs over each socket folder holds only the mount points of what is bound back: a few dozen.
 HIDING_TMPFS = "size=1m,nr_inodes=1024,mode=0755"
 TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
@@ -209,13 +217,13 @@ def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool =
 
 
 def _tried_in_a_child() -> Finding:
-    """Whether `_split` works here: tried in a child (and its own init and engine) that exit at once. The kernel's
-    refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other error (a fork refused, a map
-    write or a mount short of memory) is not."""
+    """Whether `_split` works here, the machine's socket folders hidden: tried in a child (and its own init and engine)
+    that exit at once. The kernel's refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other
+    error (a fork refused, a map write or a mount short of memory) is not."""
     pid, pipe_end = _fork_with_pipe()
     if pid == 0:
         try:
-            _split(4096, 16)
+            _split(4096, 16, MACHINE_SOCKET_FOLDERS)
         except NamespacesUnavailable as exc:
             os.write(pipe_end, _REFUSED + str(exc).encode())
         except NamespacesBroken as exc:

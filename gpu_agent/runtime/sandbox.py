@@ -8,7 +8,8 @@ engine applies it to itself (`apply_from_environment`) before vLLM reads anythin
 `engine_main` (a plain launch) and in `standby_process.become_engine` (a standby's handoff, a zygote's fork).
 vLLM's own children (EngineCore, workers) inherit it. No root is needed; Landlock only ever takes rights away.
 First, the engine moves into user, PID and mount namespaces of its own (`namespaces.py`): its own /proc, in which it
-sees only its own processes, and its own /dev/shm, bounded by the node's bound for one engine.
+sees only its own processes, its own /dev/shm, bounded by the node's bound for one engine, and the machine's socket
+folders hidden (`MACHINE_SOCKET_FOLDERS`: Landlock does not govern connecting to a socket bound to a path).
 
 What an engine may do (`rules`):
 - read and execute the system (/usr, /lib*, /bin, /sbin, /opt), Python's prefixes and the venv, and the agent's
@@ -390,14 +391,7 @@ EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 # Every port below 1024 (the metadata service's 80, HTTPS, SMTP's 25/465/587, DNS) is out of any range too.
 NEVER_REACHED_PORTS = frozenset({2379, 2380, 5432, 6379, 6432, 6443, 10250, 26379})
 MIN_EPHEMERAL_PORT = 1024
-# The machine's folders (and a socket of its own) that hold Unix sockets, hidden in an engine's mount namespace
-# (`namespaces._hide_socket_folders`): Landlock does not govern connecting to a socket bound to a path. /run (and
-# /var/run where it is not a link to it): Docker's, containerd's, PostgreSQL's, Redis's, D-Bus's, systemd's and
-# journald's, and /run/user's; /tmp and /var/tmp: other engines' scratch folders (vLLM's sockets below Landlock ABI 6),
-# PostgreSQL's where built so, tmux's and X11's; /var/lib: LXD's, MySQL's, the kubelet's, and the agent's data dir;
-# /dev/log: syslog's, where it is a socket rather than a link into /run. What the engine's policy names below them
-# (its scratch folder, its model, the venv or a checkout under /tmp) is bound back (`socket_folders_kept`).
-MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log")
+MACHINE_SOCKET_FOLDERS = namespaces.MACHINE_SOCKET_FOLDERS  # hidden in an engine's mount namespace
 # What an engine keeps of those folders beside its policy's paths, matched as globs in the engine (`glob`), each
 # bound back where it exists: glibc's resolver (systemd-resolved's resolv.conf where /etc/resolv.conf links to it,
 # nscd's socket, whose answers are those of /etc's files and DNS, which the engine reads anyway), and NVIDIA's
