@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import platform
@@ -261,7 +262,14 @@ def engine_workload(outside: list[str], quick: bool) -> list[dict]:
                                 capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
         if not nested.startswith("-1 "):
             raise AssertionError(f"it made a user namespace of its own: {nested}")
-        return (f"pid 2 of {len(pids)} it sees; /proc/driver/nvidia {'present' if cuda else 'not checked (no CUDA)'};"
+        # The machine's sockets hidden (`sandbox.MACHINE_SOCKET_FOLDERS`), after the CUDA and NCCL steps above ran so.
+        reached = [path for path in ("/var/run/docker.sock", "/run/containerd/containerd.sock",
+                                     "/run/dbus/system_bus_socket", "/run/systemd/private") if os.path.exists(path)]
+        if reached:
+            raise AssertionError(f"the machine's sockets are in its reach: {reached}")
+        kept = sorted(glob.glob("/run/nvidia-*/*"))
+        return (f"machine's sockets hidden, NVIDIA's kept: {kept or 'none'}; "
+                f"pid 2 of {len(pids)} it sees; /proc/driver/nvidia {'present' if cuda else 'not checked (no CUDA)'};"
                 f" /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.1f} GiB, {shm.f_bfree * shm.f_frsize / 2**30:.1f} free,"
                 f" {shm.f_files - shm.f_ffree} of {shm.f_files} files; a user namespace refused ({nested[3:]})")
 

@@ -21,6 +21,13 @@ last process the namespace's /dev/shm and its memory go. The agent still sees ev
 /proc is the host's), so its signals, its process-tree kill, its guards and a next agent's adoption work as before.
 The init dies with the outer process (PR_SET_PDEATHSIG), so no namespace outlives the pid the agent holds.
 
+In the same mount namespace the init hides the machine's Unix sockets (`_hide_socket_folders`): Landlock does not
+govern connecting to a socket bound to a path, so an engine connected to any it could name (Docker's, containerd's,
+PostgreSQL's, a local Redis's, D-Bus's, systemd's, another engine's vLLM sockets in its scratch folder under /tmp). Each
+folder it is given (`MACHINE_SOCKET_FOLDERS`) is covered by an empty tmpfs, read-only, and only the paths the
+engine is to reach below it are bound back (its own folders and model, what glibc's resolver and NVIDIA's driver read:
+`sandbox.socket_folders_kept`); a socket that is not in a folder (/dev/log) is covered by /dev/null.
+
 The engine, without capabilities, could still make user namespaces of its own (nested in its own: no capability is
 needed), each counted against the node's `user.max_user_namespaces` of the one uid the agent and every engine share:
 ~7,000 a second, and then every next engine's `unshare` failed (ENOSPC). The init sets its user namespace's
@@ -39,6 +46,7 @@ import json
 import os
 import platform
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -46,7 +54,8 @@ from dataclasses import dataclass
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAPBSET_DROP = 24
@@ -63,6 +72,16 @@ NAMESPACE_LIMITS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time")
 # The errors that refuse namespaces here (not allowed, not built in, the user's count of them reached), from `unshare`,
 # the user's maps or the init's mounts and limits; any other (ENOMEM, EAGAIN) says nothing of them.
 REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSERS})
+# The machine's folders (and a socket of its own) that hold Unix sockets, hidden in an engine's mount namespace
+# (`_hide_socket_folders`): Landlock does not govern connecting to a socket bound to a path. /run (and /var/run where it
+# is not a link to it): Docker's, containerd's, PostgreSQL's, Redis's, D-Bus's, systemd's and journald's, and
+# /run/user's; /tmp and /var/tmp: other engines' scratch folders (vLLM's sockets below Landlock ABI 6), PostgreSQL's
+# where built so, tmux's and X11's; /var/lib: LXD's, MySQL's, the kubelet's, and the agent's data dir; /dev/log:
+# syslog's, where it is a socket rather than a link into /run. What the engine's policy names below them (its scratch
+# folder, its model, the venv or a checkout under /tmp) is bound back (`sandbox.socket_folders_kept`).
+MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log")
+# The empty tmpfs over each socket folder holds only the mount points of what is bound back: a few dozen.
+HIDING_TMPFS = "size=1m,nr_inodes=1024,mode=0755"
 TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
 # How a tried set-up's child answers (`_tried_in_a_child`): the kernel refused, or something else stopped it.
 _REFUSED, _NOT_KNOWN = b"R", b"U"
@@ -177,10 +196,12 @@ def _answer_test() -> None:
     print(json.dumps({"missing": finding.missing, "known": finding.known}), flush=True)
 
 
-def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool = False) -> str:
+def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool = False,
+          hidden: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> str:
     """Move this process's future into new user, PID and mount namespaces (see the module's docstring); returns, in
     the engine (PID 2 inside, no capabilities), what isolates it. `max_bytes` and `max_files`: the size of its
-    /dev/shm and how many files it holds (None: the kernel's default, half the memory and half its pages).
+    /dev/shm and how many files it holds (None: the kernel's default, half the memory and half its pages). `hidden`:
+    the machine's socket folders to cover, and `kept` the paths below them bound back (`_hide_socket_folders`).
 
     NOTE: the process must be single-threaded (a fresh interpreter, or a fork's child). Raises NamespacesUnavailable
     where the kernel refuses them, with nothing changed here. Unless the agent `tested` them on this node already
@@ -192,17 +213,17 @@ def enter(max_bytes: int | None, *, max_files: int | None = None, tested: bool =
         why = _tried_in_a_child().missing
         if why:
             raise NamespacesUnavailable(why)
-    return _split(max_bytes, max_files)
+    return _split(max_bytes, max_files, hidden, kept)
 
 
 def _tried_in_a_child() -> Finding:
-    """Whether `_split` works here: tried in a child (and its own init and engine) that exit at once. The kernel's
-    refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other error (a fork refused, a map
-    write or a mount short of memory) is not."""
+    """Whether `_split` works here, the machine's socket folders hidden: tried in a child (and its own init and engine)
+    that exit at once. The kernel's refusals (`NamespacesUnavailable`, `NamespacesBroken.refused`) are known; any other
+    error (a fork refused, a map write or a mount short of memory) is not."""
     pid, pipe_end = _fork_with_pipe()
     if pid == 0:
         try:
-            _split(4096, 16)
+            _split(4096, 16, MACHINE_SOCKET_FOLDERS)
         except NamespacesUnavailable as exc:
             os.write(pipe_end, _REFUSED + str(exc).encode())
         except NamespacesBroken as exc:
@@ -239,7 +260,8 @@ def _read_to_end(read_end: int) -> bytes:
         return answer.read()
 
 
-def _split(max_bytes: int | None, max_files: int | None) -> str:
+def _split(max_bytes: int | None, max_files: int | None, hidden: tuple[str, ...] = (),
+           kept: tuple[str, ...] = ()) -> str:
     """Unshare, map the user, fork the init (which forks the engine); wait here as the outer process. Raises
     NamespacesUnavailable where `unshare` is refused (nothing changed), NamespacesBroken on a later failure."""
     libc = _libc()
@@ -260,7 +282,7 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
         raise NamespacesBroken(f"mapping the user failed ({exc.strerror})", exc.errno) from None
     init_pid, pipe_end = _fork_with_pipe()
     if init_pid == 0:
-        return _run_init(libc, pipe_end, max_bytes, max_files, previous)
+        return _run_init(libc, pipe_end, max_bytes, max_files, previous, hidden, kept)
     why = _read_to_end(pipe_end).decode(errors="replace")
     if why:  # the init stopped before the engine: "<errno> <why>"
         os.waitpid(init_pid, 0)
@@ -269,7 +291,8 @@ def _split(max_bytes: int | None, max_files: int | None) -> str:
     _wait_forwarding(init_pid)
 
 
-def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None, previous) -> str:
+def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None, previous,
+              hidden: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> str:
     """PID 1 inside: mount, start the engine, then reap and forward until the engine exits. Returns in the engine."""
     # NOTE: armed while the outer process is alive: it waits for this process's answer.
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -279,6 +302,7 @@ def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None
         size = f"size={max_bytes}," if max_bytes else ""
         size += f"nr_inodes={max_files}," if max_files else ""
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size}mode=1777")
+        _hide_socket_folders(libc, hidden, kept)
         _forbid_namespaces()
     except OSError as exc:
         os.write(answer_fd, f"{exc.errno or 0} {exc.strerror}".encode())
@@ -316,6 +340,68 @@ def _run_init(libc, answer_fd: int, max_bytes: int | None, max_files: int | None
             code = os.waitstatus_to_exitcode(status)
             # NOTE: PID 1's exit makes the kernel kill whatever is left in the namespace.
             os._exit(code if code >= 0 else 128 - code)
+
+
+def _hide_socket_folders(libc, hidden: tuple[str, ...], kept: tuple[str, ...]) -> None:
+    """In the init: cover each of `hidden` (a folder: an empty tmpfs, read-only once the paths of `kept` below it are
+    bound back on it; a socket or other file: /dev/null) and move to the working folder as it now is.
+
+    NOTE: every path is resolved before anything is covered (a kept path below a covered folder is reached through a
+    descriptor opened first), and the working folder is entered again by its name at the end: a process whose working
+    folder stayed in a covered mount reached everything below it by relative paths ("../other-engine/socket")."""
+    folders, files = [], []
+    for path in dict.fromkeys(os.path.realpath(path) for path in hidden):
+        if not os.path.lexists(path):
+            continue
+        (folders if os.path.isdir(path) else files).append(path)
+    # NOTE: a folder below another hidden one is covered with it (/var/run, a link to /run, resolved above).
+    folders = [path for path in folders if not any(_beneath(path, other) for other in folders if other != path)]
+    mounts: list[tuple[str, list[tuple[str, int, bool]]]] = []
+    try:
+        for folder in folders:
+            below = sorted({path for path in map(os.path.abspath, kept) if _beneath(path, folder) and path != folder}
+                           | {path for path in map(os.path.realpath, kept) if _beneath(path, folder)
+                              and path != folder})  # fmt: skip
+            outermost = [path for index, path in enumerate(below) if not any(_beneath(path, other)
+                                                                            for other in below[:index])]  # fmt: skip
+            opened = []
+            for path in outermost:
+                try:
+                    descriptor = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                except OSError:
+                    continue  # not there: nothing to keep
+                opened.append((path, descriptor, _is_folder(descriptor)))
+            mounts.append((folder, opened))
+        for folder, opened in mounts:
+            _mount(libc, "tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, HIDING_TMPFS)
+            for path, descriptor, is_dir in opened:
+                if is_dir:
+                    os.makedirs(path, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+                # NOTE: recursive: a mount below a kept path comes with it (and the kernel refuses a plain bind of a
+                # tree holding mounts this user namespace did not make).
+                _mount(libc, f"/proc/self/fd/{descriptor}", path, None, _MS_BIND | _MS_REC)
+            _mount(libc, "none", folder, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    finally:
+        for _folder, opened in mounts:
+            for _path, descriptor, _is_dir in opened:
+                os.close(descriptor)
+    for path in files:
+        _mount(libc, "/dev/null", path, None, _MS_BIND)
+    try:
+        os.chdir(os.getcwd())
+    except OSError:  # covered: nothing of it is the engine's
+        os.chdir("/")
+
+
+def _is_folder(descriptor: int) -> bool:
+    return stat.S_ISDIR(os.fstat(descriptor).st_mode)
+
+
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _forbid_namespaces() -> None:

@@ -8,7 +8,8 @@ engine applies it to itself (`apply_from_environment`) before vLLM reads anythin
 `engine_main` (a plain launch) and in `standby_process.become_engine` (a standby's handoff, a zygote's fork).
 vLLM's own children (EngineCore, workers) inherit it. No root is needed; Landlock only ever takes rights away.
 First, the engine moves into user, PID and mount namespaces of its own (`namespaces.py`): its own /proc, in which it
-sees only its own processes, and its own /dev/shm, bounded by the node's bound for one engine.
+sees only its own processes, its own /dev/shm, bounded by the node's bound for one engine, and the machine's socket
+folders hidden (`MACHINE_SOCKET_FOLDERS`: Landlock does not govern connecting to a socket bound to a path).
 
 What an engine may do (`rules`):
 - read and execute the system (/usr, /lib*, /bin, /sbin, /opt), Python's prefixes and the venv, and the agent's
@@ -390,6 +391,14 @@ EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 # Every port below 1024 (the metadata service's 80, HTTPS, SMTP's 25/465/587, DNS) is out of any range too.
 NEVER_REACHED_PORTS = frozenset({2379, 2380, 5432, 6379, 6432, 6443, 10250, 26379})
 MIN_EPHEMERAL_PORT = 1024
+MACHINE_SOCKET_FOLDERS = namespaces.MACHINE_SOCKET_FOLDERS  # hidden in an engine's mount namespace
+# What an engine keeps of those folders beside its policy's paths, matched as globs in the engine (`glob`), each
+# bound back where it exists: glibc's resolver (systemd-resolved's resolv.conf where /etc/resolv.conf links to it,
+# nscd's socket, whose answers are those of /etc's files and DNS, which the engine reads anyway), and NVIDIA's
+# daemons (nvidia-persistenced's socket, the fabric manager's folder, `/run/nvidia-*`), kept by reasoning: unrun on a
+# GPU. /etc's entries that link into a hidden folder (/etc/resolv.conf into /run/resolvconf or NetworkManager's) are
+# in the policy: bound back as files.
+SOCKET_FOLDERS_KEPT = ("/run/systemd/resolve", "/run/nscd", "/var/run/nscd", "/run/nvidia-*", "/var/run/nvidia-*")
 
 
 @dataclass(slots=True, frozen=True)
@@ -415,10 +424,12 @@ class SandboxPolicy:
     # range when the policy was made, first and last (`ephemeral_ports`; None: none). Every other port is refused.
     tcp_ports: tuple[int, ...] = ()
     ephemeral_ports: tuple[int, int] | None = None
+    # The machine's folders holding Unix sockets that its mount namespace hides (`MACHINE_SOCKET_FOLDERS`); () none.
+    socket_folders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for path in (*self.read_execute, *self.read, *self.read_write, *self.shared_read_write, *self.devices,
-                     self.shared_memory):  # fmt: skip
+                     self.shared_memory, *self.socket_folders):  # fmt: skip
             if not os.path.isabs(path):
                 raise ValueError(f"a sandbox path must be absolute, not {path!r}")
         for name in ("shared_memory_max_bytes", "shared_memory_max_files"):
@@ -439,6 +450,7 @@ class SandboxPolicy:
             "proc_writable": self.proc_writable, "shared_memory_max_bytes": self.shared_memory_max_bytes,
             "shared_memory_max_files": self.shared_memory_max_files, "namespaces_missing": self.namespaces_missing,
             "tcp_ports": self.tcp_ports, "ephemeral_ports": self.ephemeral_ports,
+            "socket_folders": self.socket_folders,
         })  # fmt: skip
 
     @classmethod
@@ -455,6 +467,7 @@ class SandboxPolicy:
             namespaces_missing=data.get("namespaces_missing"),
             tcp_ports=tuple(data.get("tcp_ports", ())),
             ephemeral_ports=tuple(data["ephemeral_ports"]) if data.get("ephemeral_ports") else None,
+            socket_folders=tuple(data.get("socket_folders", ())),
         )
 
 
@@ -521,7 +534,17 @@ def engine_policy(
         namespaces_missing=namespaces_missing,
         tcp_ports=tuple(dict.fromkeys(int(port) for port in tcp_ports)),
         ephemeral_ports=ephemeral_ports(),
+        socket_folders=MACHINE_SOCKET_FOLDERS,
     )
+
+
+def socket_folders_kept(policy: SandboxPolicy) -> tuple[str, ...]:
+    """What an engine's mount namespace binds back below the folders it hides (`SandboxPolicy.socket_folders`): every
+    path its policy names (its Landlock rules' paths: those it reaches) and `SOCKET_FOLDERS_KEPT` where they exist."""
+    kept = [*policy.read_execute, *policy.read, *policy.read_write, *policy.shared_read_write, *policy.devices]
+    for pattern in SOCKET_FOLDERS_KEPT:
+        kept += glob.glob(pattern)
+    return tuple(dict.fromkeys(kept))
 
 
 def has_nvidia_gpu(devices) -> bool:
@@ -687,14 +710,17 @@ def apply_from_environment() -> None:
         if policy.namespaces_missing:  # the agent found them refused on this node: not tried again
             raise namespaces.NamespacesUnavailable(policy.namespaces_missing)
         isolated_by = namespaces.enter(policy.shared_memory_max_bytes, max_files=policy.shared_memory_max_files,
-                                       tested=policy.namespaces_missing == "")  # fmt: skip
+                                       tested=policy.namespaces_missing == "", hidden=policy.socket_folders,
+                                       kept=socket_folders_kept(policy))  # fmt: skip
+        if policy.socket_folders:
+            isolated_by += f" (the machine's sockets hidden: {', '.join(policy.socket_folders)})"
     except namespaces.NamespacesUnavailable as exc:
         if policy.namespaces_missing == "":
             _refuse(f"no namespaces: {exc}", "though the agent found them working here, whatever the mode",
                     EXIT_NAMESPACES_REFUSED)  # fmt: skip
         if policy.mode == SandboxMode.REQUIRED:
             _refuse(f"no namespaces: {exc}")
-        isolated_by = f"no namespaces: {exc} ({MODE_ENV}=best-effort: sharing /proc and /dev/shm)"
+        isolated_by = f"no namespaces: {exc} ({MODE_ENV}=best-effort: {SHARED_WITHOUT_NAMESPACES})"
     except namespaces.NamespacesBroken as exc:  # whatever the mode: this process cannot start vLLM's processes
         _refuse(f"namespaces half set up: {exc}", "whatever the mode")
     try:
@@ -709,6 +735,10 @@ def apply_from_environment() -> None:
         )
         return
     print(f"{APPLIED_LINE} {confined_by}; {isolated_by}", file=sys.stderr, flush=True)
+
+
+# What an engine without namespaces of its own shares with the machine (its log line; a node's fact says "no namespaces").
+SHARED_WITHOUT_NAMESPACES = "sharing /proc, /dev/shm and the machine's Unix sockets"
 
 
 def _refuse(why: str, because: str = f"{MODE_ENV}=required", exit_code: int = EXIT_REFUSED) -> None:

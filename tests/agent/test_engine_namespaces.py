@@ -406,7 +406,7 @@ def test_where_namespaces_are_refused_the_sandbox_mode_decides_and_says_so(refus
     best_effort = confine(sandbox.SandboxMode.BEST_EFFORT, refused)
     assert best_effort.returncode == 0, best_effort.stderr
     assert "vLLM would start now, a child exited 7" in best_effort.stdout
-    assert f"{why} (INFERPLANE_ENGINE_SANDBOX=best-effort: sharing /proc and /dev/shm)" in best_effort.stderr
+    assert f"{why} (INFERPLANE_ENGINE_SANDBOX=best-effort: {sandbox.SHARED_WITHOUT_NAMESPACES})" in best_effort.stderr
 
 
 def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():

@@ -887,6 +887,7 @@ def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_di
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
         if LANDLOCK_ABI >= sandbox.TCP_ABI:  # it serves with its TCP ports ruled: its own and the ephemeral range
             assert f"tcp: ports {replica.command.port} and " in confinement_line(replica)
+        assert_hides_the_machines_sockets_in_its_own_namespaces(replica)
         # The API server, its EngineCore and worker; the reaper above them is the agent's, and stays unconfined.
         engines = [
             found for found in processes_with_marker("r-plain") if "reaper" not in " ".join(found.cmdline())
@@ -897,6 +898,13 @@ def test_an_engine_started_plainly_serves_while_confined(tmp_path, tiny_model_di
         assert_holds_nothing_of_its_folders_unlinked(supervisor, replica)
     finally:
         supervisor.shutdown(timeout_s=20)
+
+
+def assert_hides_the_machines_sockets_in_its_own_namespaces(replica) -> None:
+    """An engine in namespaces of its own serves with the machine's socket folders hidden (`test_engine_unix_sockets`)."""
+    line = confinement_line(replica)
+    if "no namespaces: " not in line:
+        assert f"the machine's sockets hidden: {', '.join(sandbox.MACHINE_SOCKET_FOLDERS)}" in line, line
 
 
 def assert_holds_nothing_of_its_folders_unlinked(node: Supervisor, replica) -> None:
@@ -923,6 +931,7 @@ def test_an_engine_forked_by_the_zygote_serves_confined_and_reads_no_adapter_out
         assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
         if LANDLOCK_ABI >= sandbox.TCP_ABI:
             assert f"tcp: ports {replica.command.port} and " in confinement_line(replica)
+        assert_hides_the_machines_sockets_in_its_own_namespaces(replica)
         if LANDLOCK_ABI >= 6:
             assert_only_abstract_sockets_of_its_own(replica)
         assert_holds_nothing_of_its_folders_unlinked(engine_node, replica)
