@@ -296,10 +296,10 @@ def map_only(fd: int) -> int:
 
 def keep_shm_fds(mapped: bool) -> None:
     """Connect to every socket named `PASS_SOCKET` that /proc/net/unix lists, keeping the files passed (`mapped`: only
-    mapped, `map_only`)."""
+    mapped, `map_only`); logs each socket's first refusal."""
     import socket
 
-    kept, done = [], set()
+    kept, done, refused = [], set(), set()
     while True:
         with open("/proc/net/unix") as sockets:
             found = {line.split()[-1] for line in sockets if line.rstrip().endswith("/" + PASS_SOCKET)}
@@ -308,8 +308,11 @@ def keep_shm_fds(mapped: bool) -> None:
                 with socket.socket(socket.AF_UNIX) as client:
                     client.connect(path)
                     _, fds, _, _ = socket.recv_fds(client, 1, 1)
-            except OSError:
-                continue  # removed meanwhile
+            except OSError as exc:  # removed meanwhile, or out of its reach (its folder hidden): tried again
+                if path not in refused:
+                    refused.add(path)
+                    print(f"==> refused {json.dumps({'path': path, 'error': exc.strerror})}", flush=True)
+                continue
             done.add(path)
             for fd in fds:
                 kept.append(map_only(fd) if mapped else fd)

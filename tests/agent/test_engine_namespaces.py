@@ -263,11 +263,23 @@ def test_what_an_engine_closed_in_its_own_shared_memory_counts_in_its_bound(make
 
 
 MAP_FILES = pytest.mark.skipif(os.geteuid() != 0, reason="map_files needs CAP_CHECKPOINT_RESTORE")
+# The engines' socket for passing a file (`fake_engine.py --give-shm-fd`) is in the giver's scratch folder, under the
+# machine's /tmp, which each engine's mount namespace now hides (`namespaces._hide_socket_folders`). The agent's charge
+# of a file of another engine's tmpfs stays for the ways still open without it: engines share the node's network
+# namespace, so below Landlock ABI 6 (abstract sockets unscoped) one passes a file to another over an abstract socket.
+# Shown here with the folders left unhidden, the one socket the fake engines use standing for any such way.
+GIVERS_ARGS = ["--fill-shm-bytes", str(48 * MB), "--shm-closed", "--give-shm-fd", "TMPDIR"]
+
+
+@pytest.fixture
+def socket_folders_unhidden(monkeypatch):
+    """Engines started now whose mount namespaces hide none of the machine's socket folders."""
+    monkeypatch.setattr(sandbox, "MACHINE_SOCKET_FOLDERS", ())
 
 
 @pytest.mark.parametrize("mapped", [False, pytest.param(True, marks=MAP_FILES)])
 def test_an_engine_holding_files_of_stopped_engines_shared_memory_is_charged_their_whole_tmpfs_and_stopped(
-    make_supervisor, tmp_path, mapped
+    make_supervisor, tmp_path, mapped, socket_folders_unhidden
 ):
     # Two replicas of one tenant's endpoint: each giver writes 48 MiB in its own /dev/shm, closes it, and passes a
     # 1-byte file of it over a Unix socket to the keeper, then stops. That file keeps the giver's whole tmpfs; in the
@@ -275,12 +287,12 @@ def test_an_engine_holding_files_of_stopped_engines_shared_memory_is_charged_the
     # good, in pages no RSS shows (the review of the sandbox). The socket is in the giver's scratch folder, whose path
     # /proc/net/unix lists: the endpoint's shared cache folder, where they met first, makes none since.
     keeper_args = ["--keep-shm-fds", *(["--keep-mapped"] if mapped else [])]
-    giver_args = ["--fill-shm-bytes", str(48 * MB), "--shm-closed", "--give-shm-fd", "TMPDIR"]
-    supervisor = make_supervisor("agent", {"r-b": keeper_args, "r-a1": giver_args, "r-a2": giver_args},
+    supervisor = make_supervisor("agent", {"r-b": keeper_args, "r-a1": GIVERS_ARGS, "r-a2": GIVERS_ARGS},
                                  engine_max_bytes=64 * MB, check_interval_s=0)  # fmt: skip
     for replica_id in ("r-b", "r-a1", "r-a2"):
         supervisor.start(make_spec(replica_id, endpoint_id="e-same"), tmp_path)
         wait_for_state(supervisor, replica_id, ReplicaState.READY, timeout_s=30)
+        assert "the machine's sockets hidden" not in logged(supervisor.get(replica_id), sandbox.APPLIED_LINE)
         if replica_id == "r-b":
             continue
         assert json.loads(logged(supervisor.get(replica_id), "==> give "))["socket"] == "made"
@@ -293,6 +305,21 @@ def test_an_engine_holding_files_of_stopped_engines_shared_memory_is_charged_the
     supervisor.check_disk()
     assert supervisor.get("r-b").state == ReplicaState.FAILED
     assert "to its own folders and /dev/shm" in supervisor.get("r-b").failure_reason
+
+
+def test_with_the_machines_socket_folders_hidden_an_engine_reaches_no_other_engines_socket_to_take_a_file(
+    make_supervisor, tmp_path
+):
+    supervisor = make_supervisor("agent", {"r-b": ["--keep-shm-fds"], "r-a1": GIVERS_ARGS},
+                                 engine_max_bytes=64 * MB, check_interval_s=0)  # fmt: skip
+    keeper, giver = (start(supervisor, replica_id, tmp_path) for replica_id in ("r-b", "r-a1"))
+    made = json.loads(logged(giver, "==> give "))
+    assert made["socket"] == "made"  # in its own scratch folder, which it still reaches
+    # The keeper finds the socket in the node's /proc/net/unix, and the path names nothing in its mount namespace.
+    refused = json.loads(logged(keeper, "==> refused "))
+    assert refused["path"].startswith(made["folder"] + "/") and refused["error"] == "No such file or directory"
+    assert "==> kept" not in keeper.log_path.read_text()
+    assert shared_memory.held_by(shared_memory.process_tree(keeper.pid)).num_bytes < 48 * MB
 
 
 # Runs the engine in a user namespace that may make none below it: as on a node whose user namespaces are exhausted.
@@ -457,6 +484,7 @@ from gpu_agent.runtime.reaper import runs_under_reaper
 from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
 from tests.agent.conftest import fake_engine_factory, make_spec, wait_for_state
 
+sandbox.MACHINE_SOCKET_FOLDERS = ()  # as the test above (`socket_folders_unhidden`)
 MB = 1_000_000
 args = {"r-b": ["--keep-shm-fds", "--keep-mapped"],
         "r-a1": ["--fill-shm-bytes", str(48 * MB), "--shm-closed", "--give-shm-fd", "TMPDIR"]}
