@@ -266,3 +266,18 @@ def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_wri
     scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
     org.refresh_from_db()
     assert org.over_quota_since is not None  # the next tick starts it
+
+
+@pytest.mark.parametrize("counts", ['{"l4": -1}', '{"l4": "two"}', "[2]"])
+def test_a_plan_page_with_malformed_gpu_limits_says_so_rather_than_failing(org, staff_client, counts):
+    # Before, the drains' count read the edited GPU limits before the plan's own check had refused them: a 500.
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"],
+                                       "max_gpus_by_type": [counts]})
+
+    assert response.status_code == 200, response.content.decode()[:2000]
+    assert "max_gpus_by_type" in response.context["adminform"].form.errors
+    plan.refresh_from_db()
+    assert (plan.max_replicas, plan.max_gpus_by_type) == (4, {"l4": 4})
