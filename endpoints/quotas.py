@@ -297,12 +297,13 @@ def drains_to_quota(organization: Organization) -> bool:
     return organization.plan_id is not None
 
 
-def endpoints_over_quota(endpoint_ids, *, judged=()) -> set[str]:
+def endpoints_over_quota(endpoint_ids, *, judged=(), lowered: bool = False) -> set[str]:
     """Those of `endpoint_ids` that serve replicas for an organisation past its replica or GPU quotas (`over_quota`),
     in two queries. NOTE: for the tick, which otherwise skips an endpoint serving what its autoscaler wants: a reconcile
     asked for when the quota was lowered (`reconcile_organizations`) is a hint a broker out of reach loses, and an
     organisation's every endpoint is among them (the tick's endpoints include every one with replicas).
-    Starts the grace of those over and ends that of the others, `judged` (organisation ids) too (`mark_over_quota`)."""
+    Starts the grace of those over and ends that of the others, `judged` (organisation ids) too; `lowered`: a change
+    lowered their quotas, and the grace of those over starts again (`mark_over_quota`)."""
     rows = list(Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
                 .values("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type")
                 .annotate(num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica"))
@@ -325,22 +326,24 @@ def endpoints_over_quota(endpoint_ids, *, judged=()) -> set[str]:
             stamped.add(organization.pk)
     # NOTE: no query at a tick unless an organisation's grace starts or ends there (`mark_over_quota`)
     if judged or over - stamped or stamped - over:
-        mark_over_quota(over, judged={*num_held, *judged})
+        mark_over_quota(over, judged={*num_held, *judged}, lowered=lowered)
     return {str(endpoint_id) for endpoint_id, organization_id, *_ in rows if organization_id in over}
 
 
-def mark_over_quota(over, *, judged) -> None:
-    """The grace of the organisations in `over` starts now where it has not (`Organization.over_quota_since`), and that
-    of the others of `judged` ends: within their plan again (raised back, or drained down to it), a later lowering
-    gives them a grace of their own.
+def mark_over_quota(over, *, judged, lowered: bool = False) -> None:
+    """The grace of the organisations in `over` starts now where it has not (`Organization.over_quota_since`), or
+    again where a change `lowered` their quotas, and that of the others of `judged` ends: within their plan again
+    (raised back, or drained down to it), a later lowering gives them a grace of their own.
 
-    NOTE: an organisation still over keeps its grace's start, a further lowering during it included: what it drains was
-    shown to staff and confirmed (`drains_of`)."""
-    _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
+    NOTE: a further lowering while over starts the grace again: kept, a mistyped one late in a grace (or while an
+    earlier lowering still drained) drained at once, with no time to raise it back, confirmed or not. A raise that
+    leaves an organisation over keeps its start: what it still drains was due."""
+    again = Q() if lowered else Q(over_quota_since__isnull=True)
+    _stamp(Organization.objects.filter(again, pk__in=over), DatabaseClock())
     _stamp(Organization.objects.filter(pk__in=set(judged) - set(over), over_quota_since__isnull=False), None)
 
 
-def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
+def reconcile_organizations(sender=None, *, organization_ids, lowered=False, **kwargs) -> None:
     """The endpoints of these organisations that serve replicas past their quotas, changed now
     (`accounts.services.replica_quotas_changed`), are reconciled once the change commits: they drain (`over_quota`).
 
@@ -348,11 +351,11 @@ def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
     too, was thousands of tasks on a plan thousands of organisations are on, sent one by one by staff's save and queued
     ahead of every tenant's cold start, for nothing to drain. An endpoint waiting for quota is the tick's (its message).
     NOTE: the grace of those put over starts with the change, in its transaction, and that of those it puts within ends
-    (`mark_over_quota`): a plan raised back cancels the drains still to come."""
+    (`mark_over_quota`): a plan raised back cancels the drains still to come, one lowered again starts it again."""
     endpoint_ids = (Replica.objects.filter(endpoint__organization_id__in=organization_ids,
                                            state__in=SERVING_REPLICA_STATES)
                     .order_by().values_list("endpoint_id", flat=True).distinct())
-    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids)):
+    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids, lowered=lowered)):
         request_reconcile(endpoint_id)
 
 

@@ -268,6 +268,45 @@ def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_wri
     assert org.over_quota_since is not None  # the next tick starts it
 
 
+def test_a_plan_lowered_again_while_its_organisations_are_over_gives_them_a_new_grace(
+        org, django_capture_on_commit_callbacks):
+    # Before, an organisation still over kept its first grace's start: a mistyped further lowering (max_replicas 0)
+    # made late in a grace, or while an earlier lowering still drained, drained at once, with no time to raise it back.
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=0)
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4
+    org.refresh_from_db()
+    assert org.over_quota_since > Organization.objects.annotate(now=Now()).get(pk=org.pk).now - timedelta(seconds=60)
+
+
+def test_a_move_to_a_smaller_plan_while_over_gives_a_new_grace(org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="tiny", max_replicas=1)))
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4
+
+
+def test_a_plan_raised_but_still_below_what_an_organisation_holds_keeps_its_grace(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=1)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=3)  # a raise restarts nothing: the drains it leaves were due
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY, READY, READY, DRAINING]
+
+
 @pytest.mark.parametrize("counts", ['{"l4": -1}', '{"l4": "two"}', "[2]"])
 def test_a_plan_page_with_malformed_gpu_limits_says_so_rather_than_failing(org, staff_client, counts):
     # Before, the drains' count read the edited GPU limits before the plan's own check had refused them: a 500.
