@@ -213,7 +213,8 @@ class OverQuota:
     num_held: int  # serving (not draining) replicas, or their GPUs, in that scope
     newest: Replica  # the next to drain: the scope's newest serving replica
     num_draining: int  # the scope's replicas draining now: the next waits for them (one at a time)
-    drains_from: datetime  # the grace's end (`QUOTA_DRAIN_GRACE_S` after `Organization.over_quota_since`)
+    drains_from: datetime | None  # the grace's end (`QUOTA_DRAIN_GRACE_S` after `Organization.over_quota_since`);
+    # None: its start not yet stamped (its row held by another write), at a later tick
     in_grace: bool  # before `drains_from` by PostgreSQL's clock: nothing drains yet
 
 
@@ -249,17 +250,21 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
         drains_from, in_grace = _grace(organization)
         # NOTE: no count of what is held, and the grace's end fixed when it starts: the message is the same from the
         # grace to the drains' end, so it is one event on the endpoint's log, not one per tick or drain
+        # NOTE: its start not yet stamped, no time: one counted from this reconcile's clock moved at each one, a new
+        # message and event on each endpoint at every tick for as long as other writes held the row
+        when = (f"from {drains_from.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if drains_from is not None
+                else f"no sooner than {int(settings.QUOTA_DRAIN_GRACE_S)} s from now")
         message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold; replicas "
-                   f"above it stop from {drains_from.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC, one at a time, newest "
-                   "first, unless the plan is raised before")
+                   f"above it stop {when}, one at a time, newest first, unless the plan is raised before")
         serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
         return OverQuota(message, quota, limit, num_held, serving.order_by("-created_at", "-pk").first(),
                          in_scope.filter(state=ReplicaState.DRAINING).count(), drains_from, in_grace)
     return None
 
 
-def _grace(organization: Organization) -> tuple[datetime, bool]:
-    """When the over-quota organisation's drains start, and whether that is still to come (PostgreSQL's clock).
+def _grace(organization: Organization) -> tuple[datetime | None, bool]:
+    """When the over-quota organisation's drains start (None: not yet stamped), and whether that is still to come
+    (PostgreSQL's clock).
 
     NOTE: stamped here where neither the change that put it over (`mark_over_quota`) nor a tick has: never later than
     the first reconcile that would drain, so no drain skips the grace. Asked of the row, not of `organization` as this
@@ -269,8 +274,10 @@ def _grace(organization: Organization) -> tuple[datetime, bool]:
         _stamp(Organization.objects.filter(pk=organization.pk, over_quota_since__isnull=True), DatabaseClock())
     since, now = Organization.objects.filter(pk=organization.pk).annotate(now=DatabaseClock()).values_list(
         "over_quota_since", "now").get()
-    drains_from = (since or now) + timedelta(seconds=settings.QUOTA_DRAIN_GRACE_S)
-    return drains_from, since is None or now < drains_from
+    if since is None:
+        return None, True
+    drains_from = since + timedelta(seconds=settings.QUOTA_DRAIN_GRACE_S)
+    return drains_from, now < drains_from
 
 
 def _stamp(organizations, over_quota_since) -> None:

@@ -320,3 +320,38 @@ def test_a_plan_page_with_malformed_gpu_limits_says_so_rather_than_failing(org, 
     assert "max_gpus_by_type" in response.context["adminform"].form.errors
     plan.refresh_from_db()
     assert (plan.max_replicas, plan.max_gpus_by_type) == (4, {"l4": 4})
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_an_organisation_whose_grace_is_not_yet_stamped_shows_one_message_not_a_new_one_each_reconcile(org):
+    # Before, each reconcile while the row was held said the drains start a grace from its own moment: a new status
+    # message and event on every endpoint at every tick, for as long as other writes kept the row held.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
+    held, release = threading.Event(), threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    messages = []
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        for _ in range(2):
+            _reconcile([str(endpoints[0].pk)])
+            endpoints[0].refresh_from_db()
+            messages.append(endpoints[0].status_message)
+            time.sleep(1.1)  # the next tick, a second on
+        release.set()
+        holder.result()
+
+    assert messages[0].startswith("over quota: your plan now allows 3 replicas at once"), messages[0]
+    assert messages[0] == messages[1]
+    assert _states(made) == [READY] * 4
