@@ -17,7 +17,7 @@ from django.urls import reverse
 from controlplane.accounts.models import AuditEvent, Organization, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
 from endpoints import scheduler
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from gpu_agent.protocol import ReplicaState
 from tests.test_admin_stale_edits import _as_shown, _shown_again
 from tests.test_quota_lowered import _busy, _reconcile, _serving_four, _states, reconciles_asked  # noqa: F401
@@ -232,9 +232,10 @@ def test_an_organisation_back_within_its_plan_gets_a_new_grace_when_the_plan_is_
 
 
 @pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
-def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_write_holds_to_start_its_grace(org):
+def test_the_tick_never_waits_for_an_organisation_row_another_write_holds_to_start_its_grace(org):
     # The grace is stamped on the organisation's row, which a key revocation walking thousands of keys holds for
-    # seconds: waited for, the tick (every tenant's reconciles) and a reconcile holding its endpoint's row waited too.
+    # seconds: waited for, the tick (every tenant's reconciles) waited too. A reconcile's task waits holding nothing
+    # (`test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_start_its_grace`).
     plan, endpoints, made = _serving_four(org)
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
@@ -255,7 +256,8 @@ def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_wri
         assert held.wait(10)
         started = time.monotonic()
         changing = scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
-        _reconcile(changing)
+        for endpoint_id in changing:
+            scheduler.reconcile_endpoint(endpoint_id, _busy(), in_a_tick=True)
         took_s = time.monotonic() - started
         release.set()
         holder.result()
@@ -354,4 +356,37 @@ def test_an_organisation_whose_grace_is_not_yet_stamped_shows_one_message_not_a_
 
     assert messages[0].startswith("over quota: your plan now allows 3 replicas at once"), messages[0]
     assert messages[0] == messages[1]
+    assert _states(made) == [READY] * 4
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_start_its_grace(org):
+    # Before, it skipped the held row as the tick does: a tenant whose writes (keys, endpoints, uploads) kept its row
+    # held at every tick and reconcile never had its grace started, and kept the replicas its lowered plan no longer
+    # allows for as long as it kept them up.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
+    held, endpoint_free = threading.Event(), []
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                time.sleep(1)  # the reconcile waits meanwhile: holding nothing, its endpoint's row free
+                endpoint_free.append(Endpoint.objects.select_for_update(skip_locked=True).filter(
+                    pk=endpoints[0].pk).exists())
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        scheduler.reconcile_endpoint(str(endpoints[0].pk), _busy())  # the task, not the tick
+        holder.result()
+
+    assert endpoint_free == [True]
+    org.refresh_from_db()
+    assert org.over_quota_since is not None
     assert _states(made) == [READY] * 4
