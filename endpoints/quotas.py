@@ -280,14 +280,14 @@ def _grace(organization: Organization) -> tuple[datetime | None, bool]:
     return drains_from, now < drains_from
 
 
-def _stamp(organizations, over_quota_since) -> None:
-    """Write `over_quota_since` on those of `organizations` no other transaction holds.
+def _stamp(organizations, over_quota_since, *, wait: bool = False) -> None:
+    """Write `over_quota_since` on those of `organizations` no other transaction holds (or on each, once free, `wait`).
 
     NOTE: skipped, never waited for: the tick (and a reconcile holding an endpoint's row) waited behind one tenant's key
     revocation (seconds with thousands of keys), and every tenant's scale-up with it; one skipped is stamped or cleared
     at a later tick, and until its grace is stamped nothing of it drains."""
     with transaction.atomic():
-        ids = list(organizations.select_for_update(skip_locked=True, no_key=True).order_by("pk")
+        ids = list(organizations.select_for_update(skip_locked=not wait, no_key=True).order_by("pk")
                    .values_list("pk", flat=True))
         if ids:
             Organization.objects.filter(pk__in=ids).update(over_quota_since=over_quota_since)
@@ -345,8 +345,12 @@ def mark_over_quota(over, *, judged, lowered: bool = False) -> None:
     NOTE: a further lowering while over starts the grace again: kept, a mistyped one late in a grace (or while an
     earlier lowering still drained) drained at once, with no time to raise it back, confirmed or not. A raise that
     leaves an organisation over keeps its start: what it still drains was due."""
-    again = Q() if lowered else Q(over_quota_since__isnull=True)
-    _stamp(Organization.objects.filter(again, pk__in=over), DatabaseClock())
+    if lowered:
+        # NOTE: waited for (staff's change, no endpoint's row held; in pk order, as `lock_organizations`): skipped, one
+        # held by another write kept its first start, long ended, and drained at once
+        _stamp(Organization.objects.filter(pk__in=over), DatabaseClock(), wait=True)
+    else:
+        _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
     _stamp(Organization.objects.filter(pk__in=set(judged) - set(over), over_quota_since__isnull=False), None)
 
 

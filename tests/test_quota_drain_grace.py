@@ -390,3 +390,31 @@ def test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_
     org.refresh_from_db()
     assert org.over_quota_since is not None
     assert _states(made) == [READY] * 4
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_a_further_lowering_restarts_the_grace_of_an_organisation_whose_row_another_write_holds(org):
+    # Before, the change skipped the held row: the organisation kept its first grace's start, long ended, and drained
+    # at once.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+    held = threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                time.sleep(1)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        _lower(plan, max_replicas=0)
+        holder.result()
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4
