@@ -213,7 +213,8 @@ class OverQuota:
     num_held: int  # serving (not draining) replicas, or their GPUs, in that scope
     newest: Replica  # the next to drain: the scope's newest serving replica
     num_draining: int  # the scope's replicas draining now: the next waits for them (one at a time)
-    drains_from: datetime  # the grace's end (`QUOTA_DRAIN_GRACE_S` after `Organization.over_quota_since`)
+    drains_from: datetime | None  # the grace's end (`QUOTA_DRAIN_GRACE_S` after `Organization.over_quota_since`);
+    # None: its start not yet stamped (its row held by another write), at a later tick
     in_grace: bool  # before `drains_from` by PostgreSQL's clock: nothing drains yet
 
 
@@ -249,17 +250,21 @@ def over_quota(endpoint: Endpoint) -> OverQuota | None:
         drains_from, in_grace = _grace(organization)
         # NOTE: no count of what is held, and the grace's end fixed when it starts: the message is the same from the
         # grace to the drains' end, so it is one event on the endpoint's log, not one per tick or drain
+        # NOTE: its start not yet stamped, no time: one counted from this reconcile's clock moved at each one, a new
+        # message and event on each endpoint at every tick for as long as other writes held the row
+        when = (f"from {drains_from.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if drains_from is not None
+                else f"no sooner than {int(settings.QUOTA_DRAIN_GRACE_S)} s from now")
         message = (f"over quota: your plan now allows {limit} {what} at once, fewer than your endpoints hold; replicas "
-                   f"above it stop from {drains_from.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC, one at a time, newest "
-                   "first, unless the plan is raised before")
+                   f"above it stop {when}, one at a time, newest first, unless the plan is raised before")
         serving = in_scope.filter(state__in=SERVING_REPLICA_STATES)
         return OverQuota(message, quota, limit, num_held, serving.order_by("-created_at", "-pk").first(),
                          in_scope.filter(state=ReplicaState.DRAINING).count(), drains_from, in_grace)
     return None
 
 
-def _grace(organization: Organization) -> tuple[datetime, bool]:
-    """When the over-quota organisation's drains start, and whether that is still to come (PostgreSQL's clock).
+def _grace(organization: Organization) -> tuple[datetime | None, bool]:
+    """When the over-quota organisation's drains start (None: not yet stamped), and whether that is still to come
+    (PostgreSQL's clock).
 
     NOTE: stamped here where neither the change that put it over (`mark_over_quota`) nor a tick has: never later than
     the first reconcile that would drain, so no drain skips the grace. Asked of the row, not of `organization` as this
@@ -269,18 +274,20 @@ def _grace(organization: Organization) -> tuple[datetime, bool]:
         _stamp(Organization.objects.filter(pk=organization.pk, over_quota_since__isnull=True), DatabaseClock())
     since, now = Organization.objects.filter(pk=organization.pk).annotate(now=DatabaseClock()).values_list(
         "over_quota_since", "now").get()
-    drains_from = (since or now) + timedelta(seconds=settings.QUOTA_DRAIN_GRACE_S)
-    return drains_from, since is None or now < drains_from
+    if since is None:
+        return None, True
+    drains_from = since + timedelta(seconds=settings.QUOTA_DRAIN_GRACE_S)
+    return drains_from, now < drains_from
 
 
-def _stamp(organizations, over_quota_since) -> None:
-    """Write `over_quota_since` on those of `organizations` no other transaction holds.
+def _stamp(organizations, over_quota_since, *, wait: bool = False) -> None:
+    """Write `over_quota_since` on those of `organizations` no other transaction holds (or on each, once free, `wait`).
 
     NOTE: skipped, never waited for: the tick (and a reconcile holding an endpoint's row) waited behind one tenant's key
     revocation (seconds with thousands of keys), and every tenant's scale-up with it; one skipped is stamped or cleared
     at a later tick, and until its grace is stamped nothing of it drains."""
     with transaction.atomic():
-        ids = list(organizations.select_for_update(skip_locked=True, no_key=True).order_by("pk")
+        ids = list(organizations.select_for_update(skip_locked=not wait, no_key=True).order_by("pk")
                    .values_list("pk", flat=True))
         if ids:
             Organization.objects.filter(pk__in=ids).update(over_quota_since=over_quota_since)
@@ -297,12 +304,13 @@ def drains_to_quota(organization: Organization) -> bool:
     return organization.plan_id is not None
 
 
-def endpoints_over_quota(endpoint_ids, *, judged=()) -> set[str]:
+def endpoints_over_quota(endpoint_ids, *, judged=(), lowered: bool = False) -> set[str]:
     """Those of `endpoint_ids` that serve replicas for an organisation past its replica or GPU quotas (`over_quota`),
     in two queries. NOTE: for the tick, which otherwise skips an endpoint serving what its autoscaler wants: a reconcile
     asked for when the quota was lowered (`reconcile_organizations`) is a hint a broker out of reach loses, and an
     organisation's every endpoint is among them (the tick's endpoints include every one with replicas).
-    Starts the grace of those over and ends that of the others, `judged` (organisation ids) too (`mark_over_quota`)."""
+    Starts the grace of those over and ends that of the others, `judged` (organisation ids) too; `lowered`: a change
+    lowered their quotas, and the grace of those over starts again (`mark_over_quota`)."""
     rows = list(Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES).order_by()
                 .values("endpoint_id", "endpoint__organization_id", "endpoint__gpu_type")
                 .annotate(num=Count("pk"), gpus=Sum("endpoint__gpus_per_replica"))
@@ -325,22 +333,28 @@ def endpoints_over_quota(endpoint_ids, *, judged=()) -> set[str]:
             stamped.add(organization.pk)
     # NOTE: no query at a tick unless an organisation's grace starts or ends there (`mark_over_quota`)
     if judged or over - stamped or stamped - over:
-        mark_over_quota(over, judged={*num_held, *judged})
+        mark_over_quota(over, judged={*num_held, *judged}, lowered=lowered)
     return {str(endpoint_id) for endpoint_id, organization_id, *_ in rows if organization_id in over}
 
 
-def mark_over_quota(over, *, judged) -> None:
-    """The grace of the organisations in `over` starts now where it has not (`Organization.over_quota_since`), and that
-    of the others of `judged` ends: within their plan again (raised back, or drained down to it), a later lowering
-    gives them a grace of their own.
+def mark_over_quota(over, *, judged, lowered: bool = False) -> None:
+    """The grace of the organisations in `over` starts now where it has not (`Organization.over_quota_since`), or
+    again where a change `lowered` their quotas, and that of the others of `judged` ends: within their plan again
+    (raised back, or drained down to it), a later lowering gives them a grace of their own.
 
-    NOTE: an organisation still over keeps its grace's start, a further lowering during it included: what it drains was
-    shown to staff and confirmed (`drains_of`)."""
-    _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
+    NOTE: a further lowering while over starts the grace again: kept, a mistyped one late in a grace (or while an
+    earlier lowering still drained) drained at once, with no time to raise it back, confirmed or not. A raise that
+    leaves an organisation over keeps its start: what it still drains was due."""
+    if lowered:
+        # NOTE: waited for (staff's change, no endpoint's row held; in pk order, as `lock_organizations`): skipped, one
+        # held by another write kept its first start, long ended, and drained at once
+        _stamp(Organization.objects.filter(pk__in=over), DatabaseClock(), wait=True)
+    else:
+        _stamp(Organization.objects.filter(pk__in=over, over_quota_since__isnull=True), DatabaseClock())
     _stamp(Organization.objects.filter(pk__in=set(judged) - set(over), over_quota_since__isnull=False), None)
 
 
-def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
+def reconcile_organizations(sender=None, *, organization_ids, lowered=False, **kwargs) -> None:
     """The endpoints of these organisations that serve replicas past their quotas, changed now
     (`accounts.services.replica_quotas_changed`), are reconciled once the change commits: they drain (`over_quota`).
 
@@ -348,11 +362,11 @@ def reconcile_organizations(sender=None, *, organization_ids, **kwargs) -> None:
     too, was thousands of tasks on a plan thousands of organisations are on, sent one by one by staff's save and queued
     ahead of every tenant's cold start, for nothing to drain. An endpoint waiting for quota is the tick's (its message).
     NOTE: the grace of those put over starts with the change, in its transaction, and that of those it puts within ends
-    (`mark_over_quota`): a plan raised back cancels the drains still to come."""
+    (`mark_over_quota`): a plan raised back cancels the drains still to come, one lowered again starts it again."""
     endpoint_ids = (Replica.objects.filter(endpoint__organization_id__in=organization_ids,
                                            state__in=SERVING_REPLICA_STATES)
                     .order_by().values_list("endpoint_id", flat=True).distinct())
-    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids)):
+    for endpoint_id in sorted(endpoints_over_quota(list(endpoint_ids), judged=organization_ids, lowered=lowered)):
         request_reconcile(endpoint_id)
 
 

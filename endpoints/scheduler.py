@@ -64,8 +64,8 @@ IDLE_DEADLINE_MARGIN_S = 0.05
 
 
 class _OrganizationHeld(Exception):
-    """A reconcile's scale-up found its organisation's row held by another write: rolled back, to wait for it holding
-    nothing (`reconcile_endpoint`)."""
+    """A reconcile's scale-up, or its over-quota grace's stamp (`quotas.over_quota`), found its organisation's row held
+    by another write: rolled back, to wait for it holding nothing (`reconcile_endpoint`)."""
 
 
 def reconcile_endpoint(endpoint_id: str, load: autoscaler.Load | None = None, *,
@@ -130,6 +130,11 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         # says so). An autoscaler's own scale-down goes first: it lowers what the organisation holds. Nothing drains
         # during the grace (`over.in_grace`): the message says from when.
         over = quotas.over_quota(endpoint) if serving and num_wanted >= len(serving) else None
+        if over is not None and over.drains_from is None and not in_a_tick and not organization_first:
+            # NOTE: its grace's start not stamped, its organisation's row held by another write: a task waits for the
+            # row holding nothing, as a scale-up does, and stamps it. Skipped by every reconcile as by the tick, a
+            # tenant whose own writes kept its row held never had its grace started, nor its replicas drained.
+            raise _OrganizationHeld
         if over is not None:
             message = message or over.message  # NOTE: a failure's message, holding it back, says more
             if not over.in_grace and not over.num_draining and over.newest.endpoint_id == endpoint.pk:

@@ -17,7 +17,7 @@ from django.urls import reverse
 from controlplane.accounts.models import AuditEvent, Organization, Plan
 from controlplane.accounts.services import SYSTEM, save_plan, set_organization_plan
 from endpoints import scheduler
-from endpoints.models import Replica
+from endpoints.models import Endpoint, Replica
 from gpu_agent.protocol import ReplicaState
 from tests.test_admin_stale_edits import _as_shown, _shown_again
 from tests.test_quota_lowered import _busy, _reconcile, _serving_four, _states, reconciles_asked  # noqa: F401
@@ -232,9 +232,10 @@ def test_an_organisation_back_within_its_plan_gets_a_new_grace_when_the_plan_is_
 
 
 @pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
-def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_write_holds_to_start_its_grace(org):
+def test_the_tick_never_waits_for_an_organisation_row_another_write_holds_to_start_its_grace(org):
     # The grace is stamped on the organisation's row, which a key revocation walking thousands of keys holds for
-    # seconds: waited for, the tick (every tenant's reconciles) and a reconcile holding its endpoint's row waited too.
+    # seconds: waited for, the tick (every tenant's reconciles) waited too. A reconcile's task waits holding nothing
+    # (`test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_start_its_grace`).
     plan, endpoints, made = _serving_four(org)
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
@@ -255,7 +256,8 @@ def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_wri
         assert held.wait(10)
         started = time.monotonic()
         changing = scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
-        _reconcile(changing)
+        for endpoint_id in changing:
+            scheduler.reconcile_endpoint(endpoint_id, _busy(), in_a_tick=True)
         took_s = time.monotonic() - started
         release.set()
         holder.result()
@@ -266,3 +268,153 @@ def test_the_tick_and_a_reconcile_never_wait_for_an_organisation_row_another_wri
     scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
     org.refresh_from_db()
     assert org.over_quota_since is not None  # the next tick starts it
+
+
+def test_a_plan_lowered_again_while_its_organisations_are_over_gives_them_a_new_grace(
+        org, django_capture_on_commit_callbacks):
+    # Before, an organisation still over kept its first grace's start: a mistyped further lowering (max_replicas 0)
+    # made late in a grace, or while an earlier lowering still drained, drained at once, with no time to raise it back.
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=0)
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4
+    org.refresh_from_db()
+    assert org.over_quota_since > Organization.objects.annotate(now=Now()).get(pk=org.pk).now - timedelta(seconds=60)
+
+
+def test_a_move_to_a_smaller_plan_while_over_gives_a_new_grace(org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        set_organization_plan(SYSTEM, org, save_plan(SYSTEM, Plan(name="tiny", max_replicas=1)))
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4
+
+
+def test_a_plan_raised_but_still_below_what_an_organisation_holds_keeps_its_grace(
+        org, django_capture_on_commit_callbacks):
+    plan, endpoints, made = _lowered(org, django_capture_on_commit_callbacks, max_replicas=1)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _lower(plan, max_replicas=3)  # a raise restarts nothing: the drains it leaves were due
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY, READY, READY, DRAINING]
+
+
+@pytest.mark.parametrize("counts", ['{"l4": -1}', '{"l4": "two"}', "[2]"])
+def test_a_plan_page_with_malformed_gpu_limits_says_so_rather_than_failing(org, staff_client, counts):
+    # Before, the drains' count read the edited GPU limits before the plan's own check had refused them: a 500.
+    plan, endpoints, made = _serving_four(org)
+    url = reverse("admin:controlplane_plan_change", args=[plan.pk])
+
+    response = staff_client.post(url, {**_as_shown(staff_client, url), "max_replicas": ["2"],
+                                       "max_gpus_by_type": [counts]})
+
+    assert response.status_code == 200, response.content.decode()[:2000]
+    assert "max_gpus_by_type" in response.context["adminform"].form.errors
+    plan.refresh_from_db()
+    assert (plan.max_replicas, plan.max_gpus_by_type) == (4, {"l4": 4})
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_an_organisation_whose_grace_is_not_yet_stamped_shows_one_message_not_a_new_one_each_reconcile(org):
+    # Before, each reconcile while the row was held said the drains start a grace from its own moment: a new status
+    # message and event on every endpoint at every tick, for as long as other writes kept the row held.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
+    held, release = threading.Event(), threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    messages = []
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        for _ in range(2):
+            _reconcile([str(endpoints[0].pk)])
+            endpoints[0].refresh_from_db()
+            messages.append(endpoints[0].status_message)
+            time.sleep(1.1)  # the next tick, a second on
+        release.set()
+        holder.result()
+
+    assert messages[0].startswith("over quota: your plan now allows 3 replicas at once"), messages[0]
+    assert messages[0] == messages[1]
+    assert _states(made) == [READY] * 4
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_start_its_grace(org):
+    # Before, it skipped the held row as the tick does: a tenant whose writes (keys, endpoints, uploads) kept its row
+    # held at every tick and reconcile never had its grace started, and kept the replicas its lowered plan no longer
+    # allows for as long as it kept them up.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
+    held, endpoint_free = threading.Event(), []
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                time.sleep(1)  # the reconcile waits meanwhile: holding nothing, its endpoint's row free
+                endpoint_free.append(Endpoint.objects.select_for_update(skip_locked=True).filter(
+                    pk=endpoints[0].pk).exists())
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        scheduler.reconcile_endpoint(str(endpoints[0].pk), _busy())  # the task, not the tick
+        holder.result()
+
+    assert endpoint_free == [True]
+    org.refresh_from_db()
+    assert org.over_quota_since is not None
+    assert _states(made) == [READY] * 4
+
+
+@pytest.mark.django_db(transaction=True)  # NOTE: another connection holds the organisation's row
+def test_a_further_lowering_restarts_the_grace_of_an_organisation_whose_row_another_write_holds(org):
+    # Before, the change skipped the held row: the organisation kept its first grace's start, long ended, and drained
+    # at once.
+    plan, endpoints, made = _serving_four(org)
+    _lower(plan, max_replicas=3)
+    Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
+    held = threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                time.sleep(1)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        _lower(plan, max_replicas=0)
+        holder.result()
+    _reconcile(str(endpoint.pk) for endpoint in endpoints)
+
+    assert _states(made) == [READY] * 4

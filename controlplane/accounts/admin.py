@@ -28,6 +28,7 @@ from django.contrib.admin.utils import unquote
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
+from django.core.exceptions import ValidationError
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 from django.http import HttpResponseRedirect
@@ -446,6 +447,12 @@ class PlanForm(ConfirmsDrains):
         if self.instance.pk is None or not set(self.changed_data) & set(REPLICA_QUOTA_FIELDS):
             return Drains()
         edited = Plan(**{name: self.cleaned_data.get(name, getattr(self.instance, name)) for name in PLAN_FIELDS})
+        try:
+            edited.clean()
+        except ValidationError:
+            # NOTE: the plan's own check runs after this form's (`_post_clean`) and refuses it on the page: its numbers
+            # read here first (`quotas`) were a 500
+            return Drains()
         return drains_of_plan_change(self.instance, edited.quotas)
 
 

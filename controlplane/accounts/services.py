@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.dispatch import Signal
 from django.utils.text import slugify
 
-from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Role
+from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Quotas, Role
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,6 +174,7 @@ PLAN_FIELDS = ("name", "max_endpoints", "max_replicas", "max_min_replicas", "max
 
 # Sent with `organization_ids` once a change of the replicas or GPUs their plan allows is written (in its transaction):
 # the endpoints app reconciles the endpoints of those now past it, which drain down to it (`endpoints.quotas.over_quota`).
+# `lowered`: the change allows fewer replicas or GPUs of a type than before; those past it get a grace of its own.
 # NOTE: a signal, as accounts may not import endpoints (the layers in pyproject.toml).
 replica_quotas_changed = Signal()
 
@@ -239,7 +240,8 @@ def save_plan(actor: Actor, plan: Plan, *, confirmed_drains: Drains | None = Non
     record_audit(actor, None, "plan.create" if before is None else "plan.update", plan, changes=changes)
     _audit_confirmed_drains(actor, None, plan, confirmed_drains)
     if before is not None and set(changes) & set(REPLICA_QUOTA_FIELDS):
-        replica_quotas_changed.send(Plan, organization_ids=list(plan.organizations.values_list("pk", flat=True)))
+        replica_quotas_changed.send(Plan, organization_ids=list(plan.organizations.values_list("pk", flat=True)),
+                                    lowered=_lowers(Plan(**before).quotas, plan.quotas))
     return plan
 
 
@@ -253,8 +255,16 @@ def set_organization_plan(actor: Actor, organization: Organization, plan: Plan |
     organization.plan = plan
     record_audit(actor, organization, "organization.plan", organization, before=previous, after=plan.name if plan else None)
     _audit_confirmed_drains(actor, organization, plan, confirmed_drains)
-    replica_quotas_changed.send(Organization, organization_ids=[organization.pk])
+    replica_quotas_changed.send(Organization, organization_ids=[organization.pk],
+                                lowered=_lowers(locked.quotas, organization.quotas))
     return organization
+
+
+def _lowers(before: Quotas, after: Quotas) -> bool:
+    """Whether `after` allows fewer replicas, or fewer GPUs of some type, than `before` (`replica_quotas_changed`)."""
+    return after.max_replicas < before.max_replicas or any(
+        after.max_gpus(gpu_type) < before.max_gpus(gpu_type) for gpu_type in {*before.max_gpus_by_type,
+                                                                              *after.max_gpus_by_type})
 
 
 def _audit_confirmed_drains(actor: Actor, organization: Organization | None, plan: Plan | None,
