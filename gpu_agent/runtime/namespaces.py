@@ -354,8 +354,10 @@ def _hide_socket_folders(libc, hidden: tuple[str, ...], kept: tuple[str, ...]) -
         if not os.path.lexists(path):
             continue
         (folders if os.path.isdir(path) else files).append(path)
-    # NOTE: a folder below another hidden one is covered with it (/var/run, a link to /run, resolved above).
+    # NOTE: a folder or file below a hidden folder is covered with it (/var/run, a link to /run, resolved above; /dev/log,
+    # on systemd's machines a link to journald's socket under /run, whose path names nothing once /run is covered).
     folders = [path for path in folders if not any(_beneath(path, other) for other in folders if other != path)]
+    files = [path for path in files if not any(_beneath(path, folder) for folder in folders)]
     mounts: list[tuple[str, list[tuple[str, int, bool]]]] = []
     try:
         for folder in folders:

@@ -171,3 +171,21 @@ def test_an_engine_without_namespaces_says_it_shares_the_machines_unix_sockets_a
     assert "sharing /proc, /dev/shm and the machine's Unix sockets" in results[SandboxMode.BEST_EFFORT].stderr
     assert results[SandboxMode.REQUIRED].returncode == sandbox.EXIT_REFUSED
     assert "vLLM would start now" not in results[SandboxMode.REQUIRED].stdout
+
+
+@needs_landlock
+@needs_namespaces
+def test_an_engine_starts_where_dev_log_links_into_a_hidden_folder_and_reaches_syslog_by_neither_name(tmp_path):
+    # As on systemd's machines: /dev/log is a link to journald's socket under /run, hidden with /run. Its covering
+    # (/dev/null bound on the socket's own path) was tried once /run was covered, where that path names nothing:
+    # the init failed (ENOENT) and every engine on the node refused to start, "namespaces half set up".
+    machine_run = tmp_path / "machine-run"
+    dev_log = tmp_path / "dev-log"
+    with listening_unix_socket(machine_run / "systemd" / "journal" / "dev-log") as journal:
+        dev_log.symlink_to(journal)
+        seen, log = run_as_engine(engine_policy_hiding(tmp_path, machine_run, dev_log), f"""
+            attempt("dev_log", lambda: connect("{dev_log}"))
+            attempt("journal", lambda: connect("{journal}"))
+        """)  # fmt: skip
+    assert seen == {"dev_log": "refused: No such file or directory", "journal": "refused: No such file or directory"}
+    assert f"the machine's sockets hidden: /run, /var/run, /tmp, /var/tmp, /var/lib, /dev/log, {machine_run}" in log
