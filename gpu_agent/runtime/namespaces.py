@@ -77,9 +77,14 @@ REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSE
 # is not a link to it): Docker's, containerd's, PostgreSQL's, Redis's, D-Bus's, systemd's and journald's, and
 # /run/user's; /tmp and /var/tmp: other engines' scratch folders (vLLM's sockets below Landlock ABI 6), PostgreSQL's
 # where built so, tmux's and X11's; /var/lib: LXD's, MySQL's, the kubelet's, and the agent's data dir; /dev/log:
-# syslog's, where it is a socket rather than a link into /run. What the engine's policy names below them (its scratch
-# folder, its model, the venv or a checkout under /tmp) is bound back (`sandbox.socket_folders_kept`).
-MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log")
+# syslog's, where it is a socket rather than a link into /run; /home and /root: user services' and Docker Desktop's;
+# /srv; /var/spool: postfix's public sockets; /var/snap: snaps' (LXD's unix.socket, root on the host for its group, as
+# Docker's); /dev/lxd: an LXD guest's API to its host (its configuration, cloud-init's user data). Landlock lets an
+# engine read nothing there but its policy's paths, so hiding them takes away only the sockets. What the engine's
+# policy names below them (its scratch folder, its model, the venv or a checkout under /tmp, an agent's data dir in a
+# home folder) is bound back (`sandbox.socket_folders_kept`). /opt, which engines read and execute, stays.
+MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log", "/home", "/root", "/srv",
+                          "/var/spool", "/var/snap", "/dev/lxd")  # fmt: skip
 # The empty tmpfs over each socket folder holds only the mount points of what is bound back: a few dozen.
 HIDING_TMPFS = "size=1m,nr_inodes=1024,mode=0755"
 TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
