@@ -52,6 +52,7 @@ import sys
 from dataclasses import dataclass
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
@@ -77,9 +78,14 @@ REFUSING_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSE
 # is not a link to it): Docker's, containerd's, PostgreSQL's, Redis's, D-Bus's, systemd's and journald's, and
 # /run/user's; /tmp and /var/tmp: other engines' scratch folders (vLLM's sockets below Landlock ABI 6), PostgreSQL's
 # where built so, tmux's and X11's; /var/lib: LXD's, MySQL's, the kubelet's, and the agent's data dir; /dev/log:
-# syslog's, where it is a socket rather than a link into /run. What the engine's policy names below them (its scratch
-# folder, its model, the venv or a checkout under /tmp) is bound back (`sandbox.socket_folders_kept`).
-MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log")
+# syslog's, where it is a socket rather than a link into /run; /home and /root: user services' and Docker Desktop's;
+# /srv; /var/spool: postfix's public sockets; /var/snap: snaps' (LXD's unix.socket, root on the host for its group, as
+# Docker's); /dev/lxd: an LXD guest's API to its host (its configuration, cloud-init's user data). Landlock lets an
+# engine read nothing there but its policy's paths, so hiding them takes away only the sockets. What the engine's
+# policy names below them (its scratch folder, its model, the venv or a checkout under /tmp, an agent's data dir in a
+# home folder) is bound back (`sandbox.socket_folders_kept`). /opt, which engines read and execute, stays.
+MACHINE_SOCKET_FOLDERS = ("/run", "/var/run", "/tmp", "/var/tmp", "/var/lib", "/dev/log", "/home", "/root", "/srv",
+                          "/var/spool", "/var/snap", "/dev/lxd")  # fmt: skip
 # The empty tmpfs over each socket folder holds only the mount points of what is bound back: a few dozen.
 HIDING_TMPFS = "size=1m,nr_inodes=1024,mode=0755"
 TEST_TIMEOUT_S = 30  # the agent's test (`find`): past it, nothing is known
@@ -269,7 +275,10 @@ def _split(max_bytes: int | None, max_files: int | None, hidden: tuple[str, ...]
     previous = {signum: signal.getsignal(signum) for signum in FORWARDED_SIGNALS}
     # NOTE: the outer process and the init run only this module's code, and never gain a privilege either.
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS) < 0:
+    # NOTE: an IPC namespace too, not named in `DESCRIPTION` (the node's fact the control plane reads): in the node's,
+    # a System V segment no process removed outlived its engine until the machine restarted, counted in no bound, and
+    # any engine attached another's by its key. The namespace's segments and queues go with its last process.
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC) < 0:
         code = ctypes.get_errno()
         if code not in REFUSING_ERRNOS:  # short of memory: not the kernel's answer about namespaces
             raise OSError(code, f"unshare failed ({os.strerror(code)})")
@@ -354,14 +363,16 @@ def _hide_socket_folders(libc, hidden: tuple[str, ...], kept: tuple[str, ...]) -
         if not os.path.lexists(path):
             continue
         (folders if os.path.isdir(path) else files).append(path)
-    # NOTE: a folder below another hidden one is covered with it (/var/run, a link to /run, resolved above).
+    # NOTE: a folder or file below a hidden folder is covered with it (/var/run, a link to /run, resolved above; /dev/log,
+    # on systemd's machines a link to journald's socket under /run, whose path names nothing once /run is covered).
     folders = [path for path in folders if not any(_beneath(path, other) for other in folders if other != path)]
+    files = [path for path in files if not any(_beneath(path, folder) for folder in folders)]
+    # Each kept path by its name and by where it leads, resolved once (~170 paths, ~1 ms; once per folder, 10 ms).
+    resolved = {*map(os.path.abspath, kept), *map(os.path.realpath, kept)}
     mounts: list[tuple[str, list[tuple[str, int, bool]]]] = []
     try:
         for folder in folders:
-            below = sorted({path for path in map(os.path.abspath, kept) if _beneath(path, folder) and path != folder}
-                           | {path for path in map(os.path.realpath, kept) if _beneath(path, folder)
-                              and path != folder})  # fmt: skip
+            below = sorted(path for path in resolved if _beneath(path, folder) and path != folder)
             outermost = [path for index, path in enumerate(below) if not any(_beneath(path, other)
                                                                             for other in below[:index])]  # fmt: skip
             opened = []

@@ -9,7 +9,9 @@ hostile tenant's code in them could do to a neighbour (`fake_engine.py --try-nei
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -434,6 +436,33 @@ def test_where_namespaces_are_refused_the_sandbox_mode_decides_and_says_so(refus
     assert best_effort.returncode == 0, best_effort.stderr
     assert "vLLM would start now, a child exited 7" in best_effort.stdout
     assert f"{why} (INFERPLANE_ENGINE_SANDBOX=best-effort: {sandbox.SHARED_WITHOUT_NAMESPACES})" in best_effort.stderr
+
+
+SYSTEM_V_SEGMENT = """
+import ctypes, os, sys
+from gpu_agent.runtime import sandbox
+sandbox.apply_from_environment()
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget(int(sys.argv[1]), 1 << 20, 0o1600), flush=True)  # IPC_CREAT | 0600, never removed
+"""
+
+
+@pytest.mark.skipif(bool(NAMESPACES_MISSING), reason=NAMESPACES_MISSING or "-")
+def test_a_system_v_segment_an_engine_leaves_goes_with_it_and_no_other_process_of_the_node_finds_it():
+    # In the node's IPC namespace a segment no process removes outlives its maker until the machine restarts: a
+    # tenant's engines left memory no engine's bound counts, and any engine of the node attached it by its key.
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x52560000 + os.getpid() % 0xFFFF
+    policy = sandbox.SandboxPolicy(mode=sandbox.SandboxMode.REQUIRED, namespaces_missing="")
+    done = subprocess.run([sys.executable, "-c", SYSTEM_V_SEGMENT, str(key)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, sandbox.POLICY_ENV: policy.to_json()},
+                          cwd=Path(__file__).parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) >= 0  # made in the engine
+    left = libc.shmget(key, 0, 0)
+    if left >= 0:
+        libc.shmctl(left, 0, None)  # IPC_RMID: not left on this machine by the test
+    assert left == -1 and ctypes.get_errno() == errno.ENOENT
 
 
 def test_an_engine_goes_by_what_the_agent_found_and_never_on_half_set_up():

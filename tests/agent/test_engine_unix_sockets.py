@@ -171,3 +171,57 @@ def test_an_engine_without_namespaces_says_it_shares_the_machines_unix_sockets_a
     assert "sharing /proc, /dev/shm and the machine's Unix sockets" in results[SandboxMode.BEST_EFFORT].stderr
     assert results[SandboxMode.REQUIRED].returncode == sandbox.EXIT_REFUSED
     assert "vLLM would start now" not in results[SandboxMode.REQUIRED].stdout
+
+
+@needs_landlock
+@needs_namespaces
+def test_an_engine_starts_where_dev_log_links_into_a_hidden_folder_and_reaches_syslog_by_neither_name(tmp_path):
+    # As on systemd's machines: /dev/log is a link to journald's socket under /run, hidden with /run. Its covering
+    # (/dev/null bound on the socket's own path) was tried once /run was covered, where that path names nothing:
+    # the init failed (ENOENT) and every engine on the node refused to start, "namespaces half set up".
+    machine_run = tmp_path / "machine-run"
+    dev_log = tmp_path / "dev-log"
+    with listening_unix_socket(machine_run / "systemd" / "journal" / "dev-log") as journal:
+        dev_log.symlink_to(journal)
+        seen, log = run_as_engine(engine_policy_hiding(tmp_path, machine_run, dev_log), f"""
+            attempt("dev_log", lambda: connect("{dev_log}"))
+            attempt("journal", lambda: connect("{journal}"))
+        """)  # fmt: skip
+    assert seen == {"dev_log": "refused: No such file or directory", "journal": "refused: No such file or directory"}
+    assert f"the machine's sockets hidden: {', '.join(sandbox.MACHINE_SOCKET_FOLDERS)}, {machine_run}" in log
+
+
+@contextlib.contextmanager
+def fresh_folders_the_test_may_write(parents: tuple[str, ...]):
+    """A fresh folder in each of `parents` where this user may write (one it may not, or missing, left out)."""
+    made = []
+    try:
+        for parent in parents:
+            folder = Path(parent) / f"inferplane-test-{uuid.uuid4().hex[:8]}"
+            with contextlib.suppress(OSError):
+                folder.mkdir()
+                made.append(folder)
+        yield made
+    finally:
+        for folder in made:
+            for path in folder.iterdir():
+                path.unlink()
+            folder.rmdir()
+
+
+@needs_landlock
+@needs_namespaces
+def test_a_confined_engine_connects_to_no_socket_in_home_folders_srv_the_spool_or_snaps_folders(tmp_path):
+    # LXD installed as a snap listens at /var/snap/lxd/common/lxd/unix.socket (root on the host for its group, as
+    # Docker's), Docker Desktop and user services under home folders, postfix's public sockets under /var/spool.
+    parents = ("/home", "/root", "/srv", "/var/spool", "/var/snap")
+    assert set(parents) <= set(sandbox.MACHINE_SOCKET_FOLDERS)
+    with fresh_folders_the_test_may_write(parents) as folders, contextlib.ExitStack() as stack:
+        if not folders:
+            pytest.skip("this user may write in none of the machine's folders")
+        sockets = [str(stack.enter_context(listening_unix_socket(folder / "unix.socket"))) for folder in folders]
+        seen, _log = run_as_engine(engine_policy_hiding(tmp_path), f"""
+            for path in {sockets!r}:
+                attempt(path, lambda: connect(path))
+        """)  # fmt: skip
+    assert seen == {path: "refused: No such file or directory" for path in sockets}
