@@ -23,7 +23,7 @@ def test_the_agent_raises_its_open_files_limit_to_the_hard_one_at_start(tmp_path
         from gpu_agent.runtime import agent, cli
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, ({SOFT_LIMIT_OF_A_CONTAINER}, hard))
-        agent.Agent = lambda config: None
+        agent.Agent = lambda config, **options: None
         cli.run_until_signalled = lambda _agent: print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
         cli.main(["run", "--control-plane", "http://127.0.0.1:9", "--join-token", "token", "--data-dir", {str(tmp_path)!r}, "--cpu"])
     """)
