@@ -360,6 +360,11 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 
+# The audit action of an organisation's creation (`services.create_organization`), its actor the person who created it:
+# who created an organisation is read from it (`organizations.people_of`, `held_by_any`), through its own indexes.
+ORGANIZATION_CREATED_ACTION = "organization.create"
+
+
 class AuditEvent(models.Model):
     """One mutating action: who did what to which object, when and from where."""
 
@@ -395,6 +400,14 @@ class AuditEvent(models.Model):
                      name="audit_target_repr_trgm"),
             GinIndex(OpClass(Upper(Cast("details", models.TextField())), name="gin_trgm_ops"), name="audit_details_trgm"),
             models.Index(fields=["target_type", "target_id"], name="audit_target"),
+            # NOTE: who created an organisation, and which organisations a person created (what one person may have
+            # without paying, `organizations.people_of`, `held_by_any`), read on a card's first sighting, a billing
+            # mode's change and the shared allowances' beat: by `organization, -created_at` alone, every event of a
+            # large organisation was read to find its one creation (migration 0024).
+            models.Index(fields=["organization"], condition=models.Q(action=ORGANIZATION_CREATED_ACTION),
+                         name="audit_org_creation_by_org"),
+            models.Index(fields=["actor"], condition=models.Q(action=ORGANIZATION_CREATED_ACTION),
+                         name="audit_org_creation_by_actor"),
         ]
 
     def __str__(self) -> str:

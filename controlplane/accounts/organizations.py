@@ -32,6 +32,7 @@ from controlplane import redis_keys
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import TOMBSTONE_DOMAIN
 from controlplane.accounts.models import (
+    ORGANIZATION_CREATED_ACTION,
     AuditEvent,
     Membership,
     Organization,
@@ -50,7 +51,7 @@ ERASED_MAILBOX_TTL_S = 32 * 86_400
 ERASED_MAILBOX_SALT = "controlplane.accounts.organizations.erased-mailbox"
 
 # The audit action `services.create_organization` writes, its actor the person who created it (sign-up, or here).
-CREATED = "organization.create"
+CREATED = ORGANIZATION_CREATED_ACTION
 
 
 class CreationRefused(NotPermitted):

@@ -19,7 +19,16 @@ from django.db import IntegrityError, transaction
 from django.dispatch import Signal
 from django.utils.text import slugify
 
-from controlplane.accounts.models import ApiKey, AuditEvent, Membership, Organization, Plan, Quotas, Role
+from controlplane.accounts.models import (
+    ORGANIZATION_CREATED_ACTION,
+    ApiKey,
+    AuditEvent,
+    Membership,
+    Organization,
+    Plan,
+    Quotas,
+    Role,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,7 +173,7 @@ def create_organization(actor: Actor, *, name: str, owner, slug: str | None = No
             if slug is not None or attempt == SLUG_ATTEMPTS or not Organization.objects.filter(slug=chosen).exists():
                 raise
     Membership.objects.create(organization=organization, user=owner, role=Role.OWNER)
-    record_audit(actor, organization, "organization.create", organization, owner=owner.email)
+    record_audit(actor, organization, ORGANIZATION_CREATED_ACTION, organization, owner=owner.email)
     return organization
 
 

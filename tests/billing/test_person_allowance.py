@@ -25,7 +25,7 @@ from billing.quota.counters import refresh_limits, to_units
 from billing.quota.rebuild import _read_rebuild
 from controlplane import redis_keys
 from controlplane.accounts import organizations
-from controlplane.accounts.models import Invitation, Membership, Role
+from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
@@ -250,6 +250,30 @@ def test_the_accounts_of_a_gmail_mailbox_are_read_through_the_index_of_their_dot
         plan = organizations.at_gmail({"ada"}).explain()
 
     assert "auth_user_dotless_local" in plan
+
+
+def test_who_created_an_organisation_and_what_a_person_created_are_read_through_the_creations_own_indexes(fake_stripe):
+    # NOTE: by `organization, -created_at` alone, a card's first sighting (a Stripe webhook), a billing mode's change
+    # and the beat read every event of a large organisation to find its one creation (accounts' migration 0024).
+    ada = UserFactory(username="ada@example.test")
+    organization = _own_organization(ada, "Mine Ltd")
+    AuditEvent.objects.bulk_create([AuditEvent(organization=organization, actor=ada, action="key.create")
+                                    for _ in range(3000)])  # a busy organisation's log: its creation is one event
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("ANALYZE controlplane_auditevent")
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        with CaptureQueriesContext(connection) as queries:
+            organizations.people_of(organization.pk)
+            list(organizations.held_by_any([ada.pk]))
+        reads = [query["sql"] for query in queries.captured_queries if "controlplane_auditevent" in query["sql"]]
+        plans = []
+        for sql in reads:
+            cursor.execute(f"EXPLAIN {sql}")
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+
+    assert len(plans) == 2
+    assert "audit_org_creation_by_org" in plans[0]
+    assert "audit_org_creation_by_actor" in plans[1]
 
 
 @pytest.mark.parametrize("address", ["adam@example.test", "ada+second@example.org", "xada+second@example.test",

@@ -36,7 +36,7 @@ from billing.models import (
 )
 from billing.quota.counters import QuotaExceeded
 from billing.rollups import rollup_usage
-from controlplane.accounts.models import AuditEvent
+from controlplane.accounts.models import ORGANIZATION_CREATED_ACTION, AuditEvent
 from controlplane.accounts.services import SYSTEM, Actor, record_audit
 from tests.billing.conftest import usage_report
 from tests.billing.test_quota import reserve
@@ -1345,8 +1345,11 @@ def test_a_void_told_again_finds_what_was_done_with_it_without_scanning_the_audi
         _webhook("invoice.voided", voided)
         _webhook("invoice.updated", voided)
     audit_table = AuditEvent._meta.db_table
+    # NOTE: a card's first sighting reads who created the organisation (what a person has without paying), through
+    # that event's own partial index (`test_person_allowance.py` checks the plan): no other read of the audit log.
     assert [query["sql"] for query in queries.captured_queries
-            if audit_table in query["sql"] and query["sql"].lstrip().upper().startswith("SELECT")] == []
+            if audit_table in query["sql"] and query["sql"].lstrip().upper().startswith("SELECT")
+            and f"'{ORGANIZATION_CREATED_ACTION}'" not in query["sql"]] == []
     [written_off] = AuditEvent.objects.filter(action=services.WRITTEN_OFF_AUDIT_ACTION)
     assert written_off.details["invoice"] == invoice["id"]
 
