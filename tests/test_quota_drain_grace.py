@@ -4,6 +4,7 @@ confirm it (the admin's plan and organisation pages), and the drains start only 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,36 @@ def _lower(plan, **quotas) -> None:
     for name, value in quotas.items():
         setattr(plan, name, value)
     save_plan(SYSTEM, plan)
+
+
+@contextlib.contextmanager
+def _row_held_by_another_write(org, *, hold_s: float | None = None, before_release=None):
+    """The organisation's row held by another connection (as a key revocation or an endpoint's edit holds it) for the
+    block, or for `hold_s` from its start; `before_release` runs in that connection's thread, the row still held."""
+    held, release = threading.Event(), threading.Event()
+
+    def another_write():
+        try:
+            with transaction.atomic():
+                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
+                held.set()
+                if hold_s is None:
+                    release.wait(10)
+                else:
+                    time.sleep(hold_s)
+                if before_release is not None:
+                    before_release()
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(another_write)
+        assert held.wait(10)
+        try:
+            yield
+        finally:
+            release.set()
+        holder.result()
 
 
 def _lowered(org, capture_on_commit, **quotas):
@@ -240,27 +271,12 @@ def test_the_tick_never_waits_for_an_organisation_row_another_write_holds_to_sta
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
     ids = sorted(str(endpoint.pk) for endpoint in endpoints)
-    held, release = threading.Event(), threading.Event()
-
-    def another_write():
-        try:
-            with transaction.atomic():
-                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
-                held.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
-    with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(another_write)
-        assert held.wait(10)
+    with _row_held_by_another_write(org):
         started = time.monotonic()
         changing = scheduler.endpoints_to_reconcile(ids, {endpoint_id: _busy() for endpoint_id in ids})
         for endpoint_id in changing:
             scheduler.reconcile_endpoint(endpoint_id, _busy(), in_a_tick=True)
         took_s = time.monotonic() - started
-        release.set()
-        holder.result()
 
     assert changing == ids
     assert took_s < 5, took_s
@@ -331,28 +347,13 @@ def test_an_organisation_whose_grace_is_not_yet_stamped_shows_one_message_not_a_
     plan, endpoints, made = _serving_four(org)
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
-    held, release = threading.Event(), threading.Event()
-
-    def another_write():
-        try:
-            with transaction.atomic():
-                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
-                held.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
     messages = []
-    with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(another_write)
-        assert held.wait(10)
+    with _row_held_by_another_write(org):
         for _ in range(2):
             _reconcile([str(endpoints[0].pk)])
             endpoints[0].refresh_from_db()
             messages.append(endpoints[0].status_message)
             time.sleep(1.1)  # the next tick, a second on
-        release.set()
-        holder.result()
 
     assert messages[0].startswith("over quota: your plan now allows 3 replicas at once"), messages[0]
     assert messages[0] == messages[1]
@@ -367,24 +368,13 @@ def test_the_reconcile_a_lowering_asks_for_waits_for_a_held_organisation_row_to_
     plan, endpoints, made = _serving_four(org)
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=None)  # the change's stamp not written
-    held, endpoint_free = threading.Event(), []
+    endpoint_free = []
 
-    def another_write():
-        try:
-            with transaction.atomic():
-                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
-                held.set()
-                time.sleep(1)  # the reconcile waits meanwhile: holding nothing, its endpoint's row free
-                endpoint_free.append(Endpoint.objects.select_for_update(skip_locked=True).filter(
-                    pk=endpoints[0].pk).exists())
-        finally:
-            connection.close()
+    def endpoint_row_free():  # the reconcile waited meanwhile: holding nothing, its endpoint's row free
+        endpoint_free.append(Endpoint.objects.select_for_update(skip_locked=True).filter(pk=endpoints[0].pk).exists())
 
-    with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(another_write)
-        assert held.wait(10)
+    with _row_held_by_another_write(org, hold_s=1, before_release=endpoint_row_free):
         scheduler.reconcile_endpoint(str(endpoints[0].pk), _busy())  # the task, not the tick
-        holder.result()
 
     assert endpoint_free == [True]
     org.refresh_from_db()
@@ -399,22 +389,8 @@ def test_a_further_lowering_restarts_the_grace_of_an_organisation_whose_row_anot
     plan, endpoints, made = _serving_four(org)
     _lower(plan, max_replicas=3)
     Organization.objects.filter(pk=org.pk).update(over_quota_since=Now() - timedelta(seconds=GRACE_S + 1))
-    held = threading.Event()
-
-    def another_write():
-        try:
-            with transaction.atomic():
-                Organization.objects.select_for_update(no_key=True).filter(pk=org.pk).values_list("pk").first()
-                held.set()
-                time.sleep(1)
-        finally:
-            connection.close()
-
-    with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(another_write)
-        assert held.wait(10)
+    with _row_held_by_another_write(org, hold_s=1):
         _lower(plan, max_replicas=0)
-        holder.result()
     _reconcile(str(endpoint.pk) for endpoint in endpoints)
 
     assert _states(made) == [READY] * 4
