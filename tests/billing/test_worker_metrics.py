@@ -66,11 +66,20 @@ def _scrape(port: int, within_s: float) -> httpx.Response:
 
 
 def _listeners_on(port: int, worker: ChildProcess) -> list[int]:
-    """The processes of the worker's group that hold a listening socket on `port`."""
+    """The processes of the worker's group that hold a listening socket on `port` (a child that exits between its
+    listing and the read of its sockets holds none: a pool's child comes and goes)."""
     main = psutil.Process(worker.pid)
-    return [process.pid for process in [main, *main.children(recursive=True)]
-            for connection in process.net_connections(kind="tcp")
-            if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port]
+    listeners = []
+    for process in [main, *main.children(recursive=True)]:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            if process.pid == main.pid:
+                raise
+            continue
+        listeners += [process.pid for connection in connections
+                      if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port]
+    return listeners
 
 
 def _a_previous_runs_count(directory) -> None:
