@@ -15,9 +15,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -179,14 +181,20 @@ def test_an_engine_starts_where_dev_log_links_into_a_hidden_folder_and_reaches_s
     # As on systemd's machines: /dev/log is a link to journald's socket under /run, hidden with /run. Its covering
     # (/dev/null bound on the socket's own path) was tried once /run was covered, where that path names nothing:
     # the init failed (ENOENT) and every engine on the node refused to start, "namespaces half set up".
-    machine_run = tmp_path / "machine-run"
-    dev_log = tmp_path / "dev-log"
-    with listening_unix_socket(machine_run / "systemd" / "journal" / "dev-log") as journal:
-        dev_log.symlink_to(journal)
-        seen, log = run_as_engine(engine_policy_hiding(tmp_path, machine_run, dev_log), f"""
-            attempt("dev_log", lambda: connect("{dev_log}"))
-            attempt("journal", lambda: connect("{journal}"))
-        """)  # fmt: skip
+    # NOTE: a short folder of its own: under a fresh clone's pytest folder, named for this test, journald's path is
+    # longer than a Unix socket's 107 bytes
+    short = Path(tempfile.mkdtemp(prefix="ip-", dir="/tmp"))
+    machine_run = short / "machine-run"
+    dev_log = short / "dev-log"
+    try:
+        with listening_unix_socket(machine_run / "systemd" / "journal" / "dev-log") as journal:
+            dev_log.symlink_to(journal)
+            seen, log = run_as_engine(engine_policy_hiding(tmp_path, machine_run, dev_log), f"""
+                attempt("dev_log", lambda: connect("{dev_log}"))
+                attempt("journal", lambda: connect("{journal}"))
+            """)  # fmt: skip
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert seen == {"dev_log": "refused: No such file or directory", "journal": "refused: No such file or directory"}
     assert f"the machine's sockets hidden: {', '.join(sandbox.MACHINE_SOCKET_FOLDERS)}, {machine_run}" in log
 
