@@ -10,8 +10,9 @@ budgets of keys and invitations, its share of a gateway's fairness. Organisation
 them, so a person holds at most `settings.MAX_OWNED_ORGANIZATIONS`: every organisation they own or ever created,
 closed ones included (a closed organisation spent its allowance: closing one and making another must not renew it),
 and given-away ones (handed to a second account, which then owns it, then the next one made) included. The spend
-allowed without a card is shared among them besides (`organizations_of_its_people`,
-`billing.standing.limit_without_payment_method`): a person has one allowance, not one an organisation.
+allowed without a card is shared besides (`organizations_of_its_people`, `billing.standing.
+limit_without_payment_method`): a person has one allowance, not one an organisation, spent by the organisations they
+created and still own and those handed on to them (`holders_of`).
 """
 
 from __future__ import annotations
@@ -90,13 +91,43 @@ def held_by_any(user_ids: Collection[int]):
 
 
 def people_of(organization_id: int) -> set[int]:
-    """The people whose organisation it is, for what one person may have without paying: whoever created it (its
-    `organization.create` event's actor) and every owner it has now, active or not, each with every account at their
-    mailbox (`same_mailbox`)."""
-    creators = AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
-                                         ).values_list("actor_id", flat=True)
-    owners = Membership.objects.filter(organization_id=organization_id, role=Role.OWNER).values_list("user_id", flat=True)
-    return same_mailbox({*creators, *owners})
+    """The people whose organisation it is, for what one person may have without paying (`holders_of`), each with
+    every account at their mailbox (`same_mailbox`)."""
+    return same_mailbox(holders_of([organization_id])[organization_id])
+
+
+def holders_of(organization_ids: Collection[int]) -> dict[int, set[int]]:
+    """Whose allowance each of these organisations spends, in four queries however many they are: its creator's (its
+    `organization.create` event's actor) while an account at the creator's mailbox owns it, or it is closed, or it has
+    no owner; once handed on (its owners all others, it open), its owners'; one with no creation event, its owners'.
+
+    NOTE: an owner who joined (by invitation) shares nothing while its creator owns it: before, every owner was one of
+    its people both ways, and a stranger invited as an owner then had her own organisations refused for what the
+    inviter spent in his, and his for hers. A handed-on organisation is its new owners', not its creator's: they
+    control it, and its creator was refused for what they spent, month after month; and handing one on frees no
+    allowance, since what it spent this month goes with it (two mailboxes, two allowances, as two sign-ups)."""
+    ids = set(organization_ids)
+    creators: dict[int, set[int]] = defaultdict(set)
+    owners: dict[int, set[int]] = defaultdict(set)
+    for organization_id, actor_id in AuditEvent.objects.filter(
+            organization_id__in=ids, action=CREATED, actor_id__isnull=False).values_list("organization_id", "actor_id"):
+        creators[organization_id].add(actor_id)
+    for organization_id, user_id in Membership.objects.filter(organization_id__in=ids, role=Role.OWNER
+                                                              ).values_list("organization_id", "user_id"):
+        owners[organization_id].add(user_id)
+    closed = set(Organization.objects.filter(pk__in=ids, closed_at__isnull=False).values_list("pk", flat=True))
+    everyone = set().union(*creators.values(), *owners.values())
+    # an account's mailbox, or the account itself where its username is none (staff's, a tombstone)
+    mailboxes = {pk: mailbox_of(username) or pk
+                 for pk, username in get_user_model().objects.filter(pk__in=everyone).values_list("pk", "username")}
+    holders = {}
+    for organization_id in ids:
+        its_creators, its_owners = creators[organization_id], owners[organization_id]
+        creators_own_it = ({mailboxes.get(pk, pk) for pk in its_creators}
+                           & {mailboxes.get(pk, pk) for pk in its_owners})
+        kept = organization_id in closed or not its_owners or creators_own_it
+        holders[organization_id] = set(its_creators) if its_creators and kept else set(its_owners)
+    return holders
 
 
 def same_mailbox(user_ids: Collection[int]) -> set[int]:
@@ -204,7 +235,7 @@ def erased_at(mailboxes: Collection[str]) -> set[int]:
 
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     """Those of these organisations whose people (`people_of`) may have another (`organizations_of_its_people`), read
-    together in six queries however many they are: a creator or owner who holds another, or whose mailbox another
+    together in six queries however many they are: a creator or owner (a superset of `holders_of`) who holds another, or whose mailbox another
     account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
 
     NOTE: a superset, never less, of those whose spend leaves another less: whose others' limits the beat task writes
@@ -240,13 +271,22 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
 
 
 def organizations_of_its_people(organization_id: int) -> list[int]:
-    """The other organisations of the people whose organisation it is (`people_of`, `held_by_any`): every one they own
-    or ever created, closed and given away ones too. NOTE: what a person gets without paying is shared among these
-    (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they are."""
+    """The other organisations of the people whose organisation it is (`people_of`): every one whose allowance is one
+    of theirs (`holders_of`), closed ones too. NOTE: what a person gets without paying is shared among these
+    (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they created."""
     people = people_of(organization_id)
+    return organizations_held_for_allowance(people, but=organization_id)
+
+
+def organizations_held_for_allowance(people: Collection[int], *, but: int | None = None) -> list[int]:
+    """The organisations whose allowance is one of these people's (`holders_of`; `people` with every account at their
+    mailboxes, `same_mailbox`), but `but`: among those they own or created (`held_by_any`), those they created and
+    still own, or closed, and those handed on to them."""
     if not people:
         return []
-    return sorted(held_by_any(people).exclude(pk=organization_id).values_list("pk", flat=True))
+    candidates = set(held_by_any(people).values_list("pk", flat=True)) - {but}
+    return sorted(organization_id for organization_id, holders in holders_of(candidates).items()
+                  if holders & set(people))
 
 
 def create_own_organization(actor: Actor, *, name: str) -> Organization:
