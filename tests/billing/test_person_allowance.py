@@ -25,7 +25,7 @@ from billing.quota.counters import refresh_limits, to_units
 from billing.quota.rebuild import _read_rebuild
 from controlplane import redis_keys
 from controlplane.accounts import organizations
-from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
+from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
@@ -186,7 +186,7 @@ def test_another_persons_spend_leaves_the_allowance_whole(person):
     _spend(mine, "0.90")
 
 
-def test_an_organisation_handed_on_brings_its_share_to_its_new_owner_at_the_workers_next_task(person):
+def test_an_organisation_handed_on_brings_its_share_from_then_to_its_new_owner(person):
     stranger = UserFactory()
     mark_email_verified(stranger)
     theirs, mine = _own_organization(stranger, "Theirs Ltd"), _own_organization(person, "Mine Ltd")
@@ -198,8 +198,10 @@ def test_an_organisation_handed_on_brings_its_share_to_its_new_owner_at_the_work
 
     Membership.objects.filter(organization=theirs, user=stranger).delete()  # its creator leaves: it is handed on
     assert _run_queued_allowance_refreshes() == [[theirs.pk, stranger.pk]]
+    _usage(theirs, "0.40")
+    tasks.refresh_shared_allowances()
 
-    assert _refusal(mine, "0.20").reason == "payment_method"
+    assert _refusal(mine, "0.20").reason == "payment_method"  # its own $0.51 and the $0.40 spent since
 
 
 def test_without_stripe_nothing_is_limited_and_no_refresh_is_queued(settings):
@@ -398,20 +400,41 @@ def test_a_stranger_invited_as_owner_neither_drains_nor_is_drained_by_the_invite
     assert organizations.organizations_of_its_people(alices.pk) == []
 
 
-def test_an_organisation_handed_on_counts_for_its_new_owner_and_no_longer_for_its_creator(person):
+def _hand_on(organization, *, to, by) -> None:
+    """`to` made an owner of `by`'s organisation, and `by` leaving it, as an accepted invitation and leaving do."""
+    MembershipFactory(organization=organization, user=to, role=Role.OWNER)
+    Membership.objects.filter(organization=organization, user=by).delete()
+    _run_queued_allowance_refreshes()
+
+
+def test_what_an_organisation_spends_once_handed_on_counts_for_its_new_owner_not_its_creator(person):
     # Before: a creator who handed an organisation on and left was refused in their new organisations for what its new
-    # owners spent, month after month; now its month is its owners', so handing it on frees no allowance either:
-    # what it spent goes with it.
+    # owners spent there, month after month.
     heir = _verified("heir@example.test")
     handed, heirs = _own_organization(person, "Handed Ltd"), _own_organization(heir, "Heir Ltd")
     _spend(heirs, "0.01")  # its counter exists, with the whole allowance
+    _hand_on(handed, to=heir, by=person)
+    assert Organization.objects.get(pk=handed.pk).handed_on_at is not None
+
     _usage(handed, "0.90")
-    MembershipFactory(organization=handed, user=heir, role=Role.OWNER)
-    Membership.objects.filter(organization=handed, user=person).delete()  # as leaving it does
-    _run_queued_allowance_refreshes()
+    tasks.refresh_shared_allowances()
 
     _spend(_own_organization(person, "Next Ltd"), "0.90")  # before: refused, $0.10 left
-    assert _refusal(heirs, "0.20").reason == "payment_method"  # the creator's fresh room came out of the heir's
+    assert _refusal(heirs, "0.20").reason == "payment_method"  # handing it on gave nobody a fresh allowance
+
+
+def test_what_an_organisation_spent_before_it_was_handed_on_stays_its_creators(person):
+    # A hostile creator spends the allowance in his organisation, makes a stranger its owner and leaves: her own
+    # organisations keep theirs, and his new ones get no fresh one.
+    alice = _verified("alice@example.test")
+    bobs, alices = _own_organization(person, "Bob Ltd"), _own_organization(alice, "Alice Ltd")
+    _spend(alices, "0.01")  # its counter exists, with the whole allowance
+    _usage(bobs, "0.90")
+    _hand_on(bobs, to=alice, by=person)
+    tasks.refresh_shared_allowances()
+
+    _spend(alices, "0.90")
+    assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
 
 
 def test_an_organisation_whose_creator_is_an_owner_again_at_another_account_of_their_mailbox_stays_theirs(person):
