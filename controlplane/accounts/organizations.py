@@ -28,6 +28,7 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import CharField, F, Func, Q, Value
 from django.db.models.functions import Now, Replace
+from django.db.models.signals import post_save
 from django.utils.crypto import salted_hmac
 from redis.exceptions import RedisError
 
@@ -169,8 +170,13 @@ def note_handed_on(sender=None, instance: Membership | None = None, **kwargs) ->
     organisation's `handed_on_at` (PostgreSQL's clock) as its creator stops owning it, clear it as they own it again.
 
     NOTE: in the membership's own transaction, so a change and its stamp commit together; a closed or ownerless one
-    keeps its stamp, and one whose creator is unknown (no creation event) has none."""
+    keeps its stamp, and one whose creator is unknown (no creation event) has none. An owner saved hands nothing on:
+    read further only where it may take the stamp away (one query a save, as a repeated no-op role change makes)."""
     organization_id = instance.organization_id
+    organization = Organization.objects.filter(pk=organization_id)
+    if instance.role == Role.OWNER and kwargs.get("signal") is post_save:
+        if not organization.exclude(handed_on_at=None).exists():
+            return
     creators = set(AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
                                              ).values_list("actor_id", flat=True))
     if not creators:
@@ -179,7 +185,6 @@ def note_handed_on(sender=None, instance: Membership | None = None, **kwargs) ->
                                            ).values_list("user_id", flat=True))
     if not owners:
         return
-    organization = Organization.objects.filter(pk=organization_id)
     if _own_it(creators, owners, _mailboxes(creators | owners)):
         organization.exclude(handed_on_at=None).update(handed_on_at=None)
     else:
