@@ -201,7 +201,9 @@ def same_mailbox(user_ids: Collection[int]) -> set[int]:
     with dots, 2^(n-1) of an n-letter one. Read by the username (an account's address, lower-cased:
     `backends.normalize_email`), through its index, and a Gmail one through the index of its local part without dots
     or sub-address (`dotless_local`, migration 0021). Not folded: dots elsewhere (`a.da@example.test` is
-    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart."""
+    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart. `+` is read so at
+    every host, the safe side: two people at a host where it is part of a name share one allowance (refused sooner,
+    never given more)."""
     users = get_user_model().objects
     found, mailboxes, dotless = Q(pk__in=user_ids), set(), set()
     for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
