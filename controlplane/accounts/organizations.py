@@ -298,8 +298,8 @@ def erased_at(mailboxes: Collection[str]) -> set[int]:
 
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     """Those of these organisations whose people (`people_of`) may have another (`organizations_of_its_people`), read
-    together in six queries however many they are: a creator or owner (a superset of `holdings_of`) who holds another, or whose mailbox another
-    account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
+    together in six queries however many they are: a creator or owner (a superset of `holdings_of`) who holds another,
+    or whose mailbox another account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
 
     NOTE: a superset, never less, of those whose spend leaves another less: whose others' limits the beat task writes
     (`billing.services.refresh_shared_allowances`). Not an account deleted lately at the mailbox

@@ -1,8 +1,8 @@
 """The allowance without a payment method is a person's, not an organisation's
 (`billing.standing.limit_without_payment_method`, shared): what the other organisations of an organisation's people
 (its creator while they own it, its owners once handed on: `controlplane.accounts.organizations.
-organizations_of_its_people`, closed ones too) spent this month while they had no card counts against it, in the gateway's limits too, refused with the
-limit's own 402 (`payment_method`).
+organizations_of_its_people`, closed ones too) spent this month while they had no card counts against it, in the
+gateway's limits too, refused with the limit's own 402 (`payment_method`).
 
 Before, each organisation had its own: one verified mailbox made `MAX_OWNED_ORGANIZATIONS` organisations and spent
 the limit in each, 5 x the allowance a month. Reserved as the gateway does, in its admission script, as
@@ -437,11 +437,12 @@ def test_what_an_organisation_spent_before_it_was_handed_on_stays_its_creators(p
     assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
 
 
-def test_an_organisation_whose_creator_is_an_owner_again_at_another_account_of_their_mailbox_stays_theirs(person):
-    tagged = _verified(person.username.replace("@", "+second@"))
+def test_an_organisation_whose_creator_owns_it_again_at_another_account_of_their_mailbox_is_theirs_again(person):
+    heir, tagged = _verified("heir@example.test"), _verified(person.username.replace("@", "+second@"))
     kept = _own_organization(person, "Kept Ltd")
-    _usage(kept, "0.90")
+    _hand_on(kept, to=heir, by=person)
     MembershipFactory(organization=kept, user=tagged, role=Role.OWNER)
-    Membership.objects.filter(organization=kept, user=person).delete()
 
+    assert Organization.objects.get(pk=kept.pk).handed_on_at is None
+    _usage(kept, "0.90")
     assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
