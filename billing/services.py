@@ -421,12 +421,14 @@ def refresh_shared_allowances(*, budget_s: float = CARD_REFRESH_BUDGET_S) -> int
 
 def refresh_allowances(organization_id: int, user_id: int) -> int:
     """`ALLOWANCE_REFRESH_TASK`, after a change of the person's membership of the organisation: its queued marker
-    dropped first, then the limits of the organisation and of every organisation the person owns or created
-    (`held_by_any`, at any account of their mailbox: `same_mailbox`) that the limit without a payment method holds written again: whether they share the allowance
-    changed with it. Returns how many were written."""
+    dropped first, then the limits of the organisation, of every organisation the person owns or created
+    (`held_by_any`, at any account of their mailbox: `same_mailbox`) and of its people's others now
+    (`organizations_of_its_people`: a creator who left handed it on to its owners) that the limit without a payment
+    method holds written again: whether they share the allowance changed with it. Returns how many were written."""
     get_redis().delete(redis_keys.allowance_refresh_queued_key(organization_id, user_id))
     people = same_mailbox([user_id])
-    return len(_write_allowance_limits({organization_id, *held_by_any(people).values_list("pk", flat=True)}))
+    return len(_write_allowance_limits({organization_id, *held_by_any(people).values_list("pk", flat=True),
+                                        *organizations_of_its_people(organization_id)}))
 
 
 def allowance_changed(organization_id: int) -> None:

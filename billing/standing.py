@@ -9,7 +9,8 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   invoiced after the month, and nothing could collect it. Adding a card in the Customer Portal lifts the
   limit (Stripe's `customer.updated` webhook); removing it puts the limit back. Staff may mark an
   account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit. The limit is a
-  person's: what the other organisations of the organisation's creator and owners spent this month without a card
+  person's: what the other organisations of the organisation's people (its creator, or once handed on its owners:
+  `organizations.holdings_of`) spent this month without a card
   counts against it (`limit_without_payment_method`, shared), or one mailbox had it once per organisation it made.
 - **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
   the failure (Stripe retries meanwhile), or that Stripe marked uncollectible, stops every call of the
@@ -53,6 +54,7 @@ Without Stripe, nothing is invoiced, so no rule applies (caps and credit still d
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -74,7 +76,7 @@ from billing.models import (
 )
 from billing.periods import Period, current_period
 from controlplane.accounts.models import Membership
-from controlplane.accounts.organizations import organizations_of_its_people
+from controlplane.accounts.organizations import allowance_windows_of_its_people
 from controlplane.hot_settings import hot
 
 # Invoice states that still owe money (Stripe's `status`).
@@ -213,20 +215,27 @@ def limit_without_payment_method(account: BillingAccount, *, shared: bool = Fals
 
 
 def spent_without_card_by_its_people(organization_id: int, period: Period | None = None) -> Decimal:
-    """What the other organisations of the organisation's people (its creator and owners: `organizations_of_its_people`,
-    closed and given-away ones too) spent in `period` (this month by default) that the limit without a payment method
-    holds now (`held_without_payment_method`): one grouped, indexed read of the ledger for all of them.
+    """What the other organisations of the organisation's people (its creator, or once handed on its owners from then:
+    `organizations.allowance_windows_of_its_people`, closed ones too) spent in `period` (this month by default), each
+    in the part of it that was theirs, that the limit without a payment method holds now
+    (`held_without_payment_method`): one grouped, indexed read of the ledger for all of them (one more for each
+    handed on in `period`).
 
     NOTE: one that has a card now, is prepaid or invoiced without one spends its own way, and counts for nobody's
     allowance; removing the card counts its month again. The ledger's spend: calls finished (a call still running
     counts once it ends), as of the last write of the limits (`billing.services.refresh_shared_allowances`)."""
-    others = organizations_of_its_people(organization_id)
-    if not others:
+    period = period or current_period()
+    windows = allowance_windows_of_its_people(organization_id, since=period.start, until=period.end)
+    if not windows:
         return Decimal(0)
-    held = [account.organization_id for account in BillingAccount.objects.filter(organization_id__in=others)
+    held = [account.organization_id for account in BillingAccount.objects.filter(organization_id__in=windows)
             if held_without_payment_method(account)]
-    spends = organizations_period_spends(held, period or current_period())
-    return sum(spends.values(), Decimal(0))
+    by_window: dict[tuple, list[int]] = defaultdict(list)
+    for other_id in held:
+        by_window[windows[other_id]].append(other_id)
+    # NOTE: one read a part of the month: the whole of it for all but one handed on during it (`holdings_of`)
+    return sum((sum(organizations_period_spends(ids, Period(start, end)).values(), Decimal(0))
+                for (start, end), ids in by_window.items()), Decimal(0))
 
 
 def spend_ceiling_applies(account: BillingAccount) -> bool:

@@ -19,10 +19,17 @@ class AccountsConfig(AppConfig):
 
     def ready(self):
         from django.contrib.auth.signals import user_logged_in
+        from django.db.models.signals import post_delete, post_save
 
+        from controlplane.accounts.models import Membership
+        from controlplane.accounts.organizations import note_handed_on
         from controlplane.accounts.tenancy import choose_first_at_login
 
         user_logged_in.connect(choose_first_at_login, dispatch_uid="inferplane-choose-first-organization")
+        # NOTE: every change of who owns an organisation, whichever path made it (members, invitations, an account's
+        # deletion, the admin), stamps when its creator handed it on (`Organization.handed_on_at`).
+        post_save.connect(note_handed_on, sender=Membership, dispatch_uid="accounts.membership_saved")
+        post_delete.connect(note_handed_on, sender=Membership, dispatch_uid="accounts.membership_deleted")
 
 
 class StaffAdminConfig(admin_apps.AdminConfig):

@@ -10,8 +10,9 @@ budgets of keys and invitations, its share of a gateway's fairness. Organisation
 them, so a person holds at most `settings.MAX_OWNED_ORGANIZATIONS`: every organisation they own or ever created,
 closed ones included (a closed organisation spent its allowance: closing one and making another must not renew it),
 and given-away ones (handed to a second account, which then owns it, then the next one made) included. The spend
-allowed without a card is shared among them besides (`organizations_of_its_people`,
-`billing.standing.limit_without_payment_method`): a person has one allowance, not one an organisation.
+allowed without a card is shared besides (`organizations_of_its_people`, `billing.standing.
+limit_without_payment_method`): a person has one allowance, not one an organisation, spent by the organisations they
+created and still own and those handed on to them (`holdings_of`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import CharField, F, Func, Q, Value
-from django.db.models.functions import Replace
+from django.db.models.functions import Now, Replace
+from django.db.models.signals import post_save
 from django.utils.crypto import salted_hmac
 from redis.exceptions import RedisError
 
@@ -89,14 +93,102 @@ def held_by_any(user_ids: Collection[int]):
         Q(memberships__user_id__in=user_ids, memberships__role=Role.OWNER) | Q(pk__in=created)).distinct()
 
 
-def people_of(organization_id: int) -> set[int]:
-    """The people whose organisation it is, for what one person may have without paying: whoever created it (its
-    `organization.create` event's actor) and every owner it has now, active or not, each with every account at their
-    mailbox (`same_mailbox`)."""
-    creators = AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
-                                         ).values_list("actor_id", flat=True)
-    owners = Membership.objects.filter(organization_id=organization_id, role=Role.OWNER).values_list("user_id", flat=True)
-    return same_mailbox({*creators, *owners})
+def people_of(organization_id: int, *, since: datetime | None = None, until: datetime | None = None) -> set[int]:
+    """The people whose organisation it was between `since` and `until` (unbounded where None), for what one person may
+    have without paying (`holdings_of`), each with every account at their mailbox (`same_mailbox`)."""
+    shares = holdings_of([organization_id])[organization_id]
+    return same_mailbox(set().union(*(share.people for share in shares if share.overlaps(since, until))))
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Whose allowance an organisation's spend between `since` and `until` (unbounded where None) is: `people`'s."""
+
+    people: frozenset[int]
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def overlaps(self, since: datetime | None, until: datetime | None) -> bool:
+        return ((self.since is None or until is None or self.since < until)
+                and (self.until is None or since is None or since < self.until))
+
+
+def holdings_of(organization_ids: Collection[int]) -> dict[int, list[Share]]:
+    """Whose allowance each of these organisations spends, in four queries however many they are: its creator's (its
+    `organization.create` event's actor) while an account at the creator's mailbox owns it; once handed on (its
+    owners all others: `Organization.handed_on_at`), its creator's before then and its owners' from then; one
+    handed on before that was kept, or with no creation event, its owners'.
+
+    NOTE: an owner who joined (by invitation) shares nothing while its creator owns it: before, every owner was one of
+    its people both ways, and a stranger invited as an owner then had her own organisations refused for what the
+    inviter spent in his, and his for hers. A handed-on organisation is its new owners' from then, not its creator's:
+    its creator was refused for what they spent, month after month; what was spent before stays its creator's, so
+    handing one on frees no allowance and drains none of the new owner's."""
+    ids = set(organization_ids)
+    creators: dict[int, set[int]] = defaultdict(set)
+    owners: dict[int, set[int]] = defaultdict(set)
+    for organization_id, actor_id in AuditEvent.objects.filter(
+            organization_id__in=ids, action=CREATED, actor_id__isnull=False).values_list("organization_id", "actor_id"):
+        creators[organization_id].add(actor_id)
+    for organization_id, user_id in Membership.objects.filter(organization_id__in=ids, role=Role.OWNER
+                                                              ).values_list("organization_id", "user_id"):
+        owners[organization_id].add(user_id)
+    states = {pk: (closed_at, handed_on_at) for pk, closed_at, handed_on_at in Organization.objects.filter(
+        pk__in=ids).values_list("pk", "closed_at", "handed_on_at")}
+    mailboxes = _mailboxes(set().union(*creators.values(), *owners.values()))
+    holdings = {}
+    for organization_id in ids:
+        its_creators, its_owners = frozenset(creators[organization_id]), frozenset(owners[organization_id])
+        closed_at, handed_on_at = states.get(organization_id, (None, None))
+        if not its_creators:
+            holdings[organization_id] = [Share(its_owners)]
+        elif _own_it(its_creators, its_owners, mailboxes):
+            holdings[organization_id] = [Share(its_creators)]
+        elif handed_on_at is not None:
+            holdings[organization_id] = [Share(its_creators, until=handed_on_at), Share(its_owners, since=handed_on_at)]
+        elif closed_at is not None or not its_owners:
+            holdings[organization_id] = [Share(its_creators)]
+        else:  # handed on before `handed_on_at` was kept
+            holdings[organization_id] = [Share(its_owners)]
+    return holdings
+
+
+def _mailboxes(user_ids: Collection[int]) -> dict[int, str | int]:
+    """Each account's mailbox (`mailbox_of`), or the account itself where its username is none (staff's, a
+    tombstone)."""
+    return {pk: mailbox_of(username) or pk
+            for pk, username in get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username")}
+
+
+def _own_it(creators: Collection[int], owners: Collection[int], mailboxes: dict[int, str | int]) -> bool:
+    """Whether an account at a creator's mailbox is one of the owners."""
+    return bool({mailboxes.get(pk, pk) for pk in creators} & {mailboxes.get(pk, pk) for pk in owners})
+
+
+def note_handed_on(sender=None, instance: Membership | None = None, **kwargs) -> None:
+    """A membership was saved or deleted (Django's `post_save`, `post_delete` of `Membership`): stamp the
+    organisation's `handed_on_at` (PostgreSQL's clock) as its creator stops owning it, clear it as they own it again.
+
+    NOTE: in the membership's own transaction, so a change and its stamp commit together; a closed or ownerless one
+    keeps its stamp, and one whose creator is unknown (no creation event) has none. An owner saved hands nothing on:
+    read further only where it may take the stamp away (one query a save, as a repeated no-op role change makes)."""
+    organization_id = instance.organization_id
+    organization = Organization.objects.filter(pk=organization_id)
+    if instance.role == Role.OWNER and kwargs.get("signal") is post_save:
+        if not organization.exclude(handed_on_at=None).exists():
+            return
+    creators = set(AuditEvent.objects.filter(organization_id=organization_id, action=CREATED, actor_id__isnull=False
+                                             ).values_list("actor_id", flat=True))
+    if not creators:
+        return
+    owners = set(Membership.objects.filter(organization_id=organization_id, role=Role.OWNER
+                                           ).values_list("user_id", flat=True))
+    if not owners:
+        return
+    if _own_it(creators, owners, _mailboxes(creators | owners)):
+        organization.exclude(handed_on_at=None).update(handed_on_at=None)
+    else:
+        organization.filter(handed_on_at=None, closed_at=None).update(handed_on_at=Now())
 
 
 def same_mailbox(user_ids: Collection[int]) -> set[int]:
@@ -109,7 +201,9 @@ def same_mailbox(user_ids: Collection[int]) -> set[int]:
     with dots, 2^(n-1) of an n-letter one. Read by the username (an account's address, lower-cased:
     `backends.normalize_email`), through its index, and a Gmail one through the index of its local part without dots
     or sub-address (`dotless_local`, migration 0021). Not folded: dots elsewhere (`a.da@example.test` is
-    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart."""
+    another person's, as a host may have it) and another sub-address separator (`ada-x@`) stay apart. `+` is read so at
+    every host, the safe side: two people at a host where it is part of a name share one allowance (refused sooner,
+    never given more)."""
     users = get_user_model().objects
     found, mailboxes, dotless = Q(pk__in=user_ids), set(), set()
     for address in users.filter(pk__in=user_ids).values_list("username", flat=True):
@@ -204,8 +298,8 @@ def erased_at(mailboxes: Collection[str]) -> set[int]:
 
 def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
     """Those of these organisations whose people (`people_of`) may have another (`organizations_of_its_people`), read
-    together in six queries however many they are: a creator or owner who holds another, or whose mailbox another
-    account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
+    together in six queries however many they are: a creator or owner (a superset of `holdings_of`) who holds another,
+    or whose mailbox another account reaches too (any with a sub-address, or at Gmail with dots or at googlemail.com, counted so: `mailbox_of`).
 
     NOTE: a superset, never less, of those whose spend leaves another less: whose others' limits the beat task writes
     (`billing.services.refresh_shared_allowances`). Not an account deleted lately at the mailbox
@@ -239,14 +333,42 @@ def organizations_sharing(organization_ids: Collection[int]) -> set[int]:
                    for user_id in its_people)}
 
 
-def organizations_of_its_people(organization_id: int) -> list[int]:
-    """The other organisations of the people whose organisation it is (`people_of`, `held_by_any`): every one they own
-    or ever created, closed and given away ones too. NOTE: what a person gets without paying is shared among these
-    (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they are."""
-    people = people_of(organization_id)
+def organizations_of_its_people(organization_id: int, *, since: datetime | None = None,
+                                until: datetime | None = None) -> list[int]:
+    """The other organisations of the people whose organisation it is (`people_of`), closed ones too, between `since`
+    and `until` (unbounded where None): `allowance_windows_of_its_people`'s."""
+    return sorted(allowance_windows_of_its_people(organization_id, since=since, until=until))
+
+
+def allowance_windows_of_its_people(organization_id: int, *, since: datetime | None = None,
+                                    until: datetime | None = None) -> dict[int, tuple[datetime | None, datetime | None]]:
+    """Each other organisation whose allowance was one of the people's whose organisation this is (`people_of`)
+    between `since` and `until`, with the part of that time its spend is theirs (`holdings_of`: all of it but for one
+    handed on in between). NOTE: what a person gets without paying is shared among these
+    (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they created."""
+    people = people_of(organization_id, since=since, until=until)
     if not people:
-        return []
-    return sorted(held_by_any(people).exclude(pk=organization_id).values_list("pk", flat=True))
+        return {}
+    candidates = set(held_by_any(people).values_list("pk", flat=True)) - {organization_id}
+    windows = {}
+    for other_id, shares in holdings_of(candidates).items():
+        theirs = [share for share in shares if share.people & people and share.overlaps(since, until)]
+        if theirs:
+            windows[other_id] = (_latest(since, *(share.since for share in theirs)),
+                                 _earliest(until, *(share.until for share in theirs)))
+    return windows
+
+
+def _latest(bound: datetime | None, *starts: datetime | None) -> datetime | None:
+    """The latest of `bound` and the earliest of `starts` (None: unbounded)."""
+    start = None if None in starts else min(starts)
+    return max((moment for moment in (bound, start) if moment is not None), default=None)
+
+
+def _earliest(bound: datetime | None, *ends: datetime | None) -> datetime | None:
+    """The earliest of `bound` and the latest of `ends` (None: unbounded)."""
+    end = None if None in ends else max(ends)
+    return min((moment for moment in (bound, end) if moment is not None), default=None)
 
 
 def create_own_organization(actor: Actor, *, name: str) -> Organization:

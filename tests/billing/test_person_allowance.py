@@ -1,8 +1,8 @@
 """The allowance without a payment method is a person's, not an organisation's
 (`billing.standing.limit_without_payment_method`, shared): what the other organisations of an organisation's people
-(its creator and its owners: `controlplane.accounts.organizations.organizations_of_its_people`, closed and given-away
-ones too) spent this month while they had no card counts against it, in the gateway's limits too, refused with the
-limit's own 402 (`payment_method`).
+(its creator while they own it, its owners once handed on: `controlplane.accounts.organizations.
+organizations_of_its_people`, closed ones too) spent this month while they had no card counts against it, in the
+gateway's limits too, refused with the limit's own 402 (`payment_method`).
 
 Before, each organisation had its own: one verified mailbox made `MAX_OWNED_ORGANIZATIONS` organisations and spent
 the limit in each, 5 x the allowance a month. Reserved as the gateway does, in its admission script, as
@@ -25,7 +25,7 @@ from billing.quota.counters import refresh_limits, to_units
 from billing.quota.rebuild import _read_rebuild
 from controlplane import redis_keys
 from controlplane.accounts import organizations
-from controlplane.accounts.models import AuditEvent, Invitation, Membership, Role
+from controlplane.accounts.models import AuditEvent, Invitation, Membership, Organization, Role
 from controlplane.accounts.services import SYSTEM, Actor, create_organization
 from controlplane.accounts.signup import mark_email_verified
 from controlplane.redis_client import get_redis
@@ -144,13 +144,10 @@ def test_the_beat_task_writes_the_limits_of_an_organisation_of_another_spelling_
     assert _refusal(tagged_ones, "0.10").reason == "payment_method"
 
 
-def test_a_closed_organisation_and_one_handed_to_another_account_still_count(person):
-    closed, handed = _own_organization(person, "Closed Ltd"), _own_organization(person, "Handed Ltd")
-    _usage(closed, "0.40")
-    _usage(handed, "0.40")
+def test_a_closed_organisation_still_counts(person):
+    closed = _own_organization(person, "Closed Ltd")
+    _usage(closed, "0.80")
     close_organization(Actor(user=person), closed, confirm_name=closed.name)
-    MembershipFactory(organization=handed, user=UserFactory(), role=Role.OWNER)
-    Membership.objects.filter(organization=handed, user=person).delete()
     third = _own_organization(person, "Third Ltd")
 
     assert _refusal(third, "0.30").reason == "payment_method"
@@ -189,17 +186,22 @@ def test_another_persons_spend_leaves_the_allowance_whole(person):
     _spend(mine, "0.90")
 
 
-def test_an_owner_who_joins_brings_their_organisations_share_at_the_workers_next_task(person):
+def test_an_organisation_handed_on_brings_its_share_from_then_to_its_new_owner(person):
     stranger = UserFactory()
     mark_email_verified(stranger)
     theirs, mine = _own_organization(stranger, "Theirs Ltd"), _own_organization(person, "Mine Ltd")
     _spend(mine, "0.01")  # its counter exists, with the whole allowance
     _usage(theirs, "0.90")
-
     MembershipFactory(organization=theirs, user=person, role=Role.OWNER)  # as an accepted invitation makes it
     assert _run_queued_allowance_refreshes() == [[theirs.pk, person.pk]]
+    _spend(mine, "0.50")  # joining shares nothing while its creator owns it
 
-    assert _refusal(mine, "0.20").reason == "payment_method"
+    Membership.objects.filter(organization=theirs, user=stranger).delete()  # its creator leaves: it is handed on
+    assert _run_queued_allowance_refreshes() == [[theirs.pk, stranger.pk]]
+    _usage(theirs, "0.40")
+    tasks.refresh_shared_allowances()
+
+    assert _refusal(mine, "0.20").reason == "payment_method"  # its own $0.51 and the $0.40 spent since
 
 
 def test_without_stripe_nothing_is_limited_and_no_refresh_is_queued(settings):
@@ -372,3 +374,75 @@ def test_an_account_deleted_after_spending_leaves_the_next_account_at_its_mailbo
 
     assert _refusal(mine, "0.20").reason == "payment_method"
     _spend(mine, "0.09")
+
+
+def _verified(username: str):
+    user = UserFactory(username=username, email=username)
+    mark_email_verified(user)
+    return user
+
+
+def test_a_stranger_invited_as_owner_neither_drains_nor_is_drained_by_the_inviters_allowance(person):
+    # Before: an owner who joined became one of the organisation's people both ways: a hostile inviter spent his
+    # organisation's allowance and the stranger's own organisations were refused for it (and hers ate his).
+    alice = _verified("alice@example.test")
+    bobs, alices = _own_organization(person, "Bob Ltd"), _own_organization(alice, "Alice Ltd")
+    _spend(alices, "0.01")  # its counter exists, with the whole allowance
+    MembershipFactory(organization=bobs, user=alice, role=Role.OWNER)  # as an accepted invitation makes it
+    _run_queued_allowance_refreshes()
+    _usage(bobs, "0.95")
+    tasks.refresh_shared_allowances()
+
+    _spend(alices, "0.90")
+    _usage(alices, "0.90")
+    tasks.refresh_shared_allowances()
+    assert organizations.organizations_of_its_people(bobs.pk) == []
+    assert organizations.organizations_of_its_people(alices.pk) == []
+
+
+def _hand_on(organization, *, to, by) -> None:
+    """`to` made an owner of `by`'s organisation, and `by` leaving it, as an accepted invitation and leaving do."""
+    MembershipFactory(organization=organization, user=to, role=Role.OWNER)
+    Membership.objects.filter(organization=organization, user=by).delete()
+    _run_queued_allowance_refreshes()
+
+
+def test_what_an_organisation_spends_once_handed_on_counts_for_its_new_owner_not_its_creator(person):
+    # Before: a creator who handed an organisation on and left was refused in their new organisations for what its new
+    # owners spent there, month after month.
+    heir = _verified("heir@example.test")
+    handed, heirs = _own_organization(person, "Handed Ltd"), _own_organization(heir, "Heir Ltd")
+    _spend(heirs, "0.01")  # its counter exists, with the whole allowance
+    _hand_on(handed, to=heir, by=person)
+    assert Organization.objects.get(pk=handed.pk).handed_on_at is not None
+
+    _usage(handed, "0.90")
+    tasks.refresh_shared_allowances()
+
+    _spend(_own_organization(person, "Next Ltd"), "0.90")  # before: refused, $0.10 left
+    assert _refusal(heirs, "0.20").reason == "payment_method"  # handing it on gave nobody a fresh allowance
+
+
+def test_what_an_organisation_spent_before_it_was_handed_on_stays_its_creators(person):
+    # A hostile creator spends the allowance in his organisation, makes a stranger its owner and leaves: her own
+    # organisations keep theirs, and his new ones get no fresh one.
+    alice = _verified("alice@example.test")
+    bobs, alices = _own_organization(person, "Bob Ltd"), _own_organization(alice, "Alice Ltd")
+    _spend(alices, "0.01")  # its counter exists, with the whole allowance
+    _usage(bobs, "0.90")
+    _hand_on(bobs, to=alice, by=person)
+    tasks.refresh_shared_allowances()
+
+    _spend(alices, "0.90")
+    assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
+
+
+def test_an_organisation_whose_creator_owns_it_again_at_another_account_of_their_mailbox_is_theirs_again(person):
+    heir, tagged = _verified("heir@example.test"), _verified(person.username.replace("@", "+second@"))
+    kept = _own_organization(person, "Kept Ltd")
+    _hand_on(kept, to=heir, by=person)
+    MembershipFactory(organization=kept, user=tagged, role=Role.OWNER)
+
+    assert Organization.objects.get(pk=kept.pk).handed_on_at is None
+    _usage(kept, "0.90")
+    assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
