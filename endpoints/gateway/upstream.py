@@ -19,8 +19,10 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
   byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
-  answer comes in one piece when the engine is done, which takes as long as its tokens take. A timeout is never
-  safe to send again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
+  answer comes in one piece when the engine is done, which takes as long as its tokens take. A stream's request
+  (`patience_until_body`) is asked so until its body's first byte (the engine sends a stream's headers at once, its
+  first event after the prompt's prefill), from `first_byte_timeout_s` of silence. A timeout is never safe to send
+  again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
 - Every failure is an `UpstreamError`.
 """
 
@@ -122,13 +124,17 @@ class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
-                 "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding")
+                 "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding", "_patience_until_body",
+                 "_body_seen")
 
-    def __init__(self, conn: _Connection, patience=None):
+    def __init__(self, conn: _Connection, patience=None, patience_until_body: bool = False):
         self.status = 0
         # Asked (awaited, no argument) when the first byte is later than the read timeout: the seconds more to wait
         # for it, or None to give up (`UpstreamTimeout`). It may ask again when those pass.
         self._patience = patience
+        # The first byte `patience` waits for is the body's, not the headers' (a stream's: its first event)
+        self._patience_until_body = patience_until_body
+        self._body_seen = False
         self._conn = conn
         self._chunks: list[bytes] = []
         self._num_buffered = 0  # bytes in `_chunks`
@@ -140,6 +146,10 @@ class Response:
         self._overflow = None  # `read`'s callback for the bytes past MAX_WHOLE_BODY_BYTES
         self._overflowed = False  # past it: every byte goes to `_overflow`, none is kept
         self._holding = None  # `read`'s count of the bytes it keeps against their organisation (`delivery.Holding`)
+
+    def _answer_started(self) -> bool:
+        """Whether the first byte `patience` waits for has come."""
+        return self._body_seen if self._patience_until_body else self._headers_seen
 
     # --- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:
@@ -247,7 +257,7 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "reusable", "paused", "patient_until", "asking", "reused")
+                 "read_timeout_s", "first_byte_timeout_s", "reusable", "paused", "patient_until", "asking", "reused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -260,6 +270,7 @@ class _Connection(asyncio.Protocol):
         self.last_read = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.read_timeout_s = read_timeout_s
+        self.first_byte_timeout_s = read_timeout_s  # the request's, until the first byte its `patience` waits for
         self.reusable = False
         self.paused = False
         self.patient_until = 0.0  # the response's `patience` granted a wait for its first byte until then
@@ -308,6 +319,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         response = self.response
+        response._body_seen = True
         if response._error is not None:  # past the limit: the rest of what this read held is dropped
             return
         if response._overflowed:
@@ -342,13 +354,15 @@ class _Connection(asyncio.Protocol):
         response._wake()
 
     # --- the client's side ---------------------------------------------------------------------
-    def send(self, data: bytes, patience=None) -> Response:
-        self.response = response = Response(self, patience)
+    def send(self, data: bytes, patience=None, first_byte_timeout_s: float | None = None,
+             patience_until_body: bool = False) -> Response:
+        self.response = response = Response(self, patience, patience_until_body)
         self.reusable = False
         self.patient_until = 0.0
+        self.first_byte_timeout_s = self.read_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
         self.transport.write(data)
         self.last_read = now = self.loop.time()
-        self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
+        self.timer = self.loop.call_at(now + self.first_byte_timeout_s, self._check_read)
         return response
 
     def pause(self) -> None:
@@ -396,11 +410,12 @@ class _Connection(asyncio.Protocol):
             return
         if self.paused:  # waiting on our own client, not on the replica
             self.last_read = self.loop.time()
-        due = max(self.last_read + self.read_timeout_s, self.patient_until)
+        silence_s = self.read_timeout_s if response._answer_started() else self.first_byte_timeout_s
+        due = max(self.last_read + silence_s, self.patient_until)
         if self.loop.time() < due:
             self.timer = self.loop.call_at(due, self._check_read)
             return
-        if response._patience is not None and not response._headers_seen:
+        if response._patience is not None and not response._answer_started():
             self.asking = self.loop.create_task(self._ask_patience(response))
             return
         self._time_out(response)
@@ -416,7 +431,7 @@ class _Connection(asyncio.Protocol):
             self.asking = None
         if self.response is not response or response._done or self.closed:
             return  # answered, or given up, while asking
-        if response._headers_seen:  # its first byte came while asking: the reads' own timeout again, from the last
+        if response._answer_started():  # its first byte came while asking: the reads' own timeout again, from the last
             self.timer = self.loop.call_at(self.last_read + self.read_timeout_s, self._check_read)
             return
         if not more_s or more_s <= 0:
@@ -531,12 +546,15 @@ class UpstreamClient:
                                                  parts.port or (443 if parts.scheme == "https" else 80), parts.path)
         return pool
 
-    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
+    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None,
+                   first_byte_timeout_s: float | None = None, patience_until_body: bool = False) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
         Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
         sent; `before_first_byte` also when the replica closed the connection before answering, `reset_before_answer`
-        when it reset it). `patience`: see `Response`."""
+        when it reset it). `patience`, `patience_until_body`: see `Response`; `first_byte_timeout_s`: the silence
+        before that first byte after which `patience` is asked (or, without it, the call times out); the read
+        timeout where not given."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):
@@ -545,7 +563,7 @@ class UpstreamClient:
         conn = await pool.connection()
         response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
                                        f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)),
-                             patience)
+                             patience, first_byte_timeout_s, patience_until_body)
         try:
             while not response._headers_seen:
                 if response._error is not None:
