@@ -48,6 +48,12 @@ HIGH_WATER_BYTES = 256 * 1024
 # it); past this a request (n: 16 with logprobs over a long context, say) fails instead of taking the
 # gateway process's memory, and every other tenant's calls on it, with it. Streamed answers have no limit.
 MAX_WHOLE_BODY_BYTES = 64 * 1024 * 1024
+# NOTE: a replica's server that stops closes a connection with a call on it unread at once, as the call goes out (an
+# idle keep-alive connection it closes, a connection queued on its listener as it closes): a close that comes later
+# than this after the call went out is no such close, whatever its replica's state, but a middlebox (a NAT's or a load
+# balancer's idle timeout, a proxy giving up) on a call its engine read and may be computing
+# (`idle_close_raced`, `reset_before_answer`).
+CLOSED_UNREAD_WITHIN_S = 3.0
 
 
 class UpstreamError(Exception):
@@ -57,6 +63,7 @@ class UpstreamError(Exception):
     nothing_sent = False  # set when no byte of the request left: the replica cannot have read it
     on_reused_connection = False  # set when it failed on a pooled connection that had carried an answer before
     reset_unanswered = False  # set when the replica reset the connection before any byte of the answer
+    closed_soon = False  # set when the connection closed within `CLOSED_UNREAD_WITHIN_S` of the request going out
 
 
 def engine_cannot_have_started(error: UpstreamError) -> bool:
@@ -78,16 +85,19 @@ def reset_before_answer(error: UpstreamError) -> bool:
     NOTE: not proof that the engine never read it: anything on the path that resets a connection (a NAT's or a load
     balancer's idle timeout, a proxy giving up) resets one whose engine read the call and is computing it, silent
     until a non-streamed answer's end. As `idle_close_raced`, the caller tells them apart by its replica's state
-    (`InferenceCall._forward`)."""
-    return error.reset_unanswered
+    (`InferenceCall._forward`), and only a reset that came at once may be a stopping server's (`CLOSED_UNREAD_WITHIN_S`):
+    a middlebox's reset of a call silent longer, its replica draining, was taken for one, and the call computed twice
+    (the first engine's work unbilled)."""
+    return error.reset_unanswered and error.closed_soon
 
 
 def idle_close_raced(error: UpstreamError) -> bool:
     """Whether `error` may be the replica's server closing a pooled connection it held idle as the request went out on
     it (uvicorn's graceful shutdown closes idle keep-alive connections at once, unread): closed with no byte of the
     answer, on a connection that had carried an answer before. An engine that died on the request ends so too: the
-    caller tells them apart by its replica's state (`InferenceCall._forward`)."""
-    return error.before_first_byte and error.on_reused_connection
+    caller tells them apart by its replica's state (`InferenceCall._forward`); a close that came later than
+    `CLOSED_UNREAD_WITHIN_S` after the request is not one."""
+    return error.before_first_byte and error.on_reused_connection and error.closed_soon
 
 
 class UpstreamConnectError(UpstreamError):
@@ -257,7 +267,8 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "first_byte_timeout_s", "reusable", "paused", "patient_until", "asking", "reused")
+                 "read_timeout_s", "first_byte_timeout_s", "reusable", "paused", "patient_until", "asking", "reused",
+                 "sent_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -276,6 +287,7 @@ class _Connection(asyncio.Protocol):
         self.patient_until = 0.0  # the response's `patience` granted a wait for its first byte until then
         self.asking: asyncio.Task | None = None  # the response's `patience`, being asked
         self.reused = False  # taken from the pool: it carried an answer before (`idle_close_raced`)
+        self.sent_at = 0.0  # when the request went out (loop time)
 
     # --- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -308,6 +320,7 @@ class _Connection(asyncio.Protocol):
             error.on_reused_connection = self.reused
             # NOTE: a write that found the connection reset (EPIPE) fails so too: the request never left whole.
             error.reset_unanswered = first and isinstance(exc, (ConnectionResetError, BrokenPipeError))
+            error.closed_soon = self.loop.time() - self.sent_at <= CLOSED_UNREAD_WITHIN_S
             response._fail(error)
 
     # --- httptools -------------------------------------------------------------------------
@@ -361,7 +374,7 @@ class _Connection(asyncio.Protocol):
         self.patient_until = 0.0
         self.first_byte_timeout_s = self.read_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
         self.transport.write(data)
-        self.last_read = now = self.loop.time()
+        self.sent_at = self.last_read = now = self.loop.time()
         self.timer = self.loop.call_at(now + self.first_byte_timeout_s, self._check_read)
         return response
 
