@@ -15,6 +15,13 @@ Celery task's) cancelled the probe it started before it asked, and the next such
 end, so a process whose only loops are short (a Celery worker) refused them all for as long as it lived, Redis
 answering all along (`tests/test_redis_circuit.py`). A forked child finds its parent's probe thread gone and starts
 its own. Refusals log nothing each: the circuit logs its opening, and at its closing how long and how many calls.
+
+On Redis Cluster (`REDIS_CLUSTER=1`) each node has a circuit of its own (`node_circuit`), probed at its own address:
+a silent node's organisations (their slots) are refused at once, and the other nodes' are served as before. One circuit
+for the whole cluster would refuse every organisation for one node's silence; none (as before) cost every call on the
+silent node two deadlines (redis-py's cluster clients send a timed-out command again), and each such call made the
+client read the cluster's layout again before the next command of any organisation, from a node that may be the silent
+one (`tests/test_redis_cluster_circuit.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from urllib.parse import urlparse
 
 import redis
 import redis.backoff
@@ -42,9 +50,11 @@ class Refused(Exception):
 
 
 class RedisCircuit:
-    """Whether this process sends calls to Redis now (see the module's docstring)."""
+    """Whether this process sends calls to Redis now (see the module's docstring). `node`: a cluster node's name
+    (`host:port`, as redis-py names it) whose calls it guards; none for `REDIS_URL`'s Redis."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str | None = None) -> None:
+        self.node = node
         self._lock = threading.Lock()
         self.is_open = False
         self._opened_at = 0.0
@@ -75,15 +85,18 @@ class RedisCircuit:
             self.is_open = True
             self._opened_at = time.monotonic()
             self.num_refused = 0
-        logger.warning("Redis did not answer (%s): calls refused until it does", why)
+        logger.warning("Redis%s did not answer (%s): calls refused until it does", self._where(), why)
 
     def close(self) -> None:
         """Redis answers: calls go to it again."""
         with self._lock:
             was_open, self.is_open = self.is_open, False
         if was_open:
-            logger.warning("Redis answers again: calls sent to it again (%.1f s without it, %d calls refused)",
-                           time.monotonic() - self._opened_at, self.num_refused)
+            logger.warning("Redis%s answers again: calls sent to it again (%.1f s without it, %d calls refused)",
+                           self._where(), time.monotonic() - self._opened_at, self.num_refused)
+
+    def _where(self) -> str:
+        return "" if self.node is None else f" cluster node {self.node}"
 
     def _after_fork_in_child(self) -> None:
         # NOTE: a fork copies the lock as it was: held by a thread of the parent's that the child does not have, it
@@ -94,17 +107,19 @@ class RedisCircuit:
     def _probe_until_answered(self) -> None:
         while self.is_open:
             try:
-                _ping()
+                _ping(self.node)
             except Exception:  # noqa: BLE001 - any failure is "not yet"; the probe never dies loud
                 time.sleep(PROBE_INTERVAL_S)
                 continue
             self.close()
 
 
-def _ping() -> None:
+def _ping(node: str | None) -> None:
     """One PING on a connection of its own: never a caller's (which may be the silent one), nor one the circuit
-    refuses; bounded by `PROBE_TIMEOUT_S` (connecting, and the reply), and never tried again by redis-py."""
-    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=PROBE_TIMEOUT_S,
+    refuses; bounded by `PROBE_TIMEOUT_S` (connecting, and the reply), and never tried again by redis-py. `node`: a
+    cluster node's name, asked at its own address with `REDIS_URL`'s credentials."""
+    url = settings.REDIS_URL if node is None else _node_url(node)
+    client = redis.Redis.from_url(url, socket_timeout=PROBE_TIMEOUT_S,
                                   socket_connect_timeout=PROBE_TIMEOUT_S, single_connection_client=True,
                                   retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     try:
@@ -113,5 +128,36 @@ def _ping() -> None:
         client.close()
 
 
+def _node_url(node: str) -> str:
+    """`REDIS_URL` (its scheme and credentials) pointed at a cluster node, `host:port`."""
+    host, port = node.rsplit(":", 1)
+    parsed = urlparse(settings.REDIS_URL)
+    credentials, _, _ = parsed.netloc.rpartition("@")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return parsed._replace(netloc=f"{credentials}@{address}" if credentials else address, path="").geturl()
+
+
 circuit = RedisCircuit()
-os.register_at_fork(after_in_child=circuit._after_fork_in_child)
+
+node_circuits: dict[str, RedisCircuit] = {}
+"""The circuits of a Redis Cluster's nodes, by name (`host:port`); made on a node's first call."""
+_node_circuits_lock = threading.Lock()
+
+
+def node_circuit(node: str) -> RedisCircuit:
+    """The circuit of the cluster node named `node` (`host:port`, redis-py's `ClusterNode.name`)."""
+    found = node_circuits.get(node)
+    if found is None:
+        with _node_circuits_lock:
+            found = node_circuits.setdefault(node, RedisCircuit(node))
+    return found
+
+
+def _after_fork_in_child() -> None:
+    global _node_circuits_lock
+    _node_circuits_lock = threading.Lock()
+    for each in (circuit, *node_circuits.values()):
+        each._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

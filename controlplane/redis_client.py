@@ -10,7 +10,9 @@ refused at once with `RedisSilent` (a `ConnectionError`), as the gateway's scrip
 
 With `REDIS_CLUSTER=1` both are redis-py's cluster clients, seeded from `REDIS_URL` (one node; they
 discover the others and route each command by its key's slot). Commands of several keys and
-scripts need their keys in one slot: `controlplane.redis_keys` names them so.
+scripts need their keys in one slot: `controlplane.redis_keys` names them so. Each node has a circuit of its own
+(`redis_circuit.node_circuit`): a command for a silent node's slots is refused before the cluster client handles it
+(which would send it again, and read the cluster's layout again for every caller), the other nodes' served.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import redis.retry
 from django.conf import settings
 
 from controlplane.per_loop import PerLoop
-from controlplane.redis_circuit import Refused, circuit
+from controlplane.redis_circuit import RedisCircuit, Refused, circuit, node_circuit
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,16 @@ def _trips_on_timeout(timeout) -> bool:
 class _CircuitConnection(redis.connection.Connection):
     """redis-py's connection, refusing while the process's circuit is open and opening it on a reply overdue."""
 
+    def _circuit(self) -> RedisCircuit:
+        return circuit
+
     def connect(self):
-        if not circuit.admits():
+        if not self._circuit().admits():
             raise RedisSilent("Redis is not answering")
         super().connect()
 
     def send_packed_command(self, command, check_health=True):
-        if not circuit.admits():
+        if not self._circuit().admits():
             raise RedisSilent("Redis is not answering")
         super().send_packed_command(command, check_health)
 
@@ -71,7 +76,7 @@ class _CircuitConnection(redis.connection.Connection):
             return super().read_response(*args, **kwargs)
         except redis.exceptions.TimeoutError as exc:
             if _trips_on_timeout(kwargs.get("timeout")):
-                circuit.trip(exc)
+                self._circuit().trip(exc)
             raise
 
 
@@ -79,16 +84,30 @@ class _CircuitSSLConnection(_CircuitConnection, redis.connection.SSLConnection):
     pass
 
 
+class _NodeCircuitConnection(_CircuitConnection):
+    """A connection to a cluster node, guarded by that node's circuit."""
+
+    def _circuit(self) -> RedisCircuit:
+        return node_circuit(redis.cluster.get_node_name(self.host, self.port))
+
+
+class _NodeCircuitSSLConnection(_NodeCircuitConnection, redis.connection.SSLConnection):
+    pass
+
+
 class _AsyncCircuitConnection(redis.asyncio.Connection):
     """`_CircuitConnection`, for the asyncio client."""
 
+    def _circuit(self) -> RedisCircuit:
+        return circuit
+
     async def connect(self):
-        if not circuit.admits():
+        if not self._circuit().admits():
             raise RedisSilent("Redis is not answering")
         await super().connect()
 
     async def send_packed_command(self, command, check_health=True):
-        if not circuit.admits():
+        if not self._circuit().admits():
             raise RedisSilent("Redis is not answering")
         await super().send_packed_command(command, check_health)
 
@@ -97,12 +116,50 @@ class _AsyncCircuitConnection(redis.asyncio.Connection):
             return await super().read_response(*args, **kwargs)
         except redis.exceptions.TimeoutError as exc:
             if _trips_on_timeout(kwargs.get("timeout")):
-                circuit.trip(exc)
+                self._circuit().trip(exc)
             raise
 
 
 class _AsyncCircuitSSLConnection(_AsyncCircuitConnection, redis.asyncio.SSLConnection):
     pass
+
+
+class _AsyncNodeCircuitConnection(_AsyncCircuitConnection):
+    """`_NodeCircuitConnection`, for the asyncio cluster client."""
+
+    def _circuit(self) -> RedisCircuit:
+        return node_circuit(redis.cluster.get_node_name(self.host, self.port))
+
+
+class _AsyncNodeCircuitSSLConnection(_AsyncNodeCircuitConnection, redis.asyncio.SSLConnection):
+    pass
+
+
+class _ClusterClient(redis.cluster.RedisCluster):
+    """redis-py's cluster client, its connections guarded by their nodes' circuits (`_NodeCircuitConnection`).
+
+    NOTE: a command for a node whose circuit is open is refused here, before redis-py's handling of a node's
+    connection error: that marks the cluster's layout to be read again by the next command (any organisation's, from
+    any node, the silent one perhaps) and sends the command again."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # NOTE: after redis-py's own setting (a `rediss://` URL names its plain SSL connection, over any given here)
+        _guard_nodes(self.nodes_manager, _NodeCircuitSSLConnection if _tls() else _NodeCircuitConnection)
+        for node in self.nodes_manager.nodes_cache.values():
+            pool = node.redis_connection.connection_pool
+            pool.connection_class = self.nodes_manager.connection_kwargs["connection_class"]
+            pool.reset()  # its idle connections, from the first reading of the layout, made of redis-py's class
+
+    def _execute_command(self, target_node, *args, **kwargs):
+        if not node_circuit(target_node.name).admits():
+            raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
+        return super()._execute_command(target_node, *args, **kwargs)
+
+
+def _guard_nodes(nodes_manager, connection_class) -> None:
+    """The nodes a cluster client finds from now on connect through `connection_class`."""
+    nodes_manager.connection_kwargs["connection_class"] = connection_class
 
 
 def connection_options() -> dict:
@@ -122,7 +179,7 @@ def _tls() -> bool:
 def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     if settings.REDIS_CLUSTER:
-        return redis.cluster.RedisCluster.from_url(settings.REDIS_URL, retry=retry, **connection_options())
+        return _ClusterClient.from_url(settings.REDIS_URL, retry=retry, **connection_options())
     connection_class = _CircuitSSLConnection if _tls() else _CircuitConnection
     return redis.Redis.from_url(settings.REDIS_URL, retry=retry, connection_class=connection_class,
                                 **connection_options())
@@ -137,12 +194,27 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
     NOTE: a burst of first commands on a new client (redis-py 8) each run the initialisation's
     default-node replacement; some then fail with a closed connection and are retried, running a
     script twice. Initialising once, under the client's lock, before any command avoids that
-    (tests/test_redis_cluster.py's burst of admissions counts it)."""
+    (tests/test_redis_cluster.py's burst of admissions counts it).
+
+    Its connections are guarded by their nodes' circuits, and a command for a silent node refused before redis-py
+    handles it, as `_ClusterClient`'s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        connection_class = _AsyncNodeCircuitSSLConnection if _tls() else _AsyncNodeCircuitConnection
+        _guard_nodes(self.nodes_manager, connection_class)
+        for node in self.nodes_manager.startup_nodes.values():  # made already, not connected yet
+            node.connection_class = connection_class
 
     async def execute_command(self, *args, **kwargs):
         if self._initialize:
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
+
+    async def _execute_command(self, target_node, *args, **kwargs):
+        if not node_circuit(target_node.name).admits():
+            raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
+        return await super()._execute_command(target_node, *args, **kwargs)
 
 
 def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:

@@ -421,7 +421,10 @@ class InferenceCall:
                 replica.address, self.request.path, self.request.upstream_body(media_scope=self.caller.limit_subject),
                 {"content-type": "application/json", "x-request-id": self.request_id,
                  "authorization": replica.authorization},
-                patience=None if self.request.stream else functools.partial(self._patience, replica),
+                patience=functools.partial(self._patience, replica),
+                # NOTE: a stream's headers come at once; its first event is what its engine's silence delays
+                first_byte_timeout_s=settings.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S if self.request.stream else None,
+                patience_until_body=self.request.stream,
             )
         except upstream.UpstreamTimeout as exc:
             # NOTE: never sent again elsewhere: the replica has the request, and an engine that was computing it
@@ -491,7 +494,9 @@ class InferenceCall:
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
-        timeout: a non-streamed answer comes whole when the engine is done, and a long one (a large `max_tokens`,
+        timeout (a stream's first event, past `GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S`: a prompt's prefill, a queue in
+        the engine; given up on as a non-streamed answer is, unbilled, ended with an error event):
+        a non-streamed answer comes whole when the engine is done, and a long one (a large `max_tokens`,
         `n`, a slow model, a queue) takes longer than any fixed timeout. Giving up closed the connection, which
         aborted the engine's request, and billed nothing for what it had generated: an answer asked to run
         past the timeout was computed free. So the call waits on while the replica's engine generates (its
@@ -627,6 +632,11 @@ class InferenceCall:
             # Every event that arrived before the failure still reaches the client, and is billed.
             await self._relay_events(b"".join(pending) + response.arrived_before_failure(), wants_usage, wants_continuous)
             self.status = "upstream_error"
+            if isinstance(exc, upstream.UpstreamTimeout):
+                # NOTE: given up (its connection closed, which aborts the engine's request) as a non-streamed call's
+                # silence is (`_forward`): billed what was relayed, never sent again elsewhere.
+                logger.warning("request %s: replica %s timed out mid-stream: %s", self.request_id, self.replica.id, exc)
+                raise errors.upstream_timeout() from None
             raise errors.upstream_failed(f"The replica failed mid-stream ({type(exc).__name__}).") from None
         if self.disconnected.is_set():  # read to its end after the client left, no event carrying usage
             self.status = "client_aborted"

@@ -19,8 +19,10 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
 - Timeouts: connect `connect_timeout_s`; a read `read_timeout_s` between bytes, the answer's first
   byte included (one timer per request, moved on as bytes arrive). A request sent with `patience` is asked,
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
-  answer comes in one piece when the engine is done, which takes as long as its tokens take. A timeout is never
-  safe to send again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
+  answer comes in one piece when the engine is done, which takes as long as its tokens take. A stream's request
+  (`patience_until_body`) is asked so until its body's first byte (the engine sends a stream's headers at once, its
+  first event after the prompt's prefill), from `first_byte_timeout_s` of silence. A timeout is never safe to send
+  again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
 - Every failure is an `UpstreamError`.
 """
 
@@ -46,6 +48,12 @@ HIGH_WATER_BYTES = 256 * 1024
 # it); past this a request (n: 16 with logprobs over a long context, say) fails instead of taking the
 # gateway process's memory, and every other tenant's calls on it, with it. Streamed answers have no limit.
 MAX_WHOLE_BODY_BYTES = 64 * 1024 * 1024
+# NOTE: a replica's server that stops closes a connection with a call on it unread at once, as the call goes out (an
+# idle keep-alive connection it closes, a connection queued on its listener as it closes): a close that comes later
+# than this after the call went out is no such close, whatever its replica's state, but a middlebox (a NAT's or a load
+# balancer's idle timeout, a proxy giving up) on a call its engine read and may be computing
+# (`idle_close_raced`, `reset_before_answer`).
+CLOSED_UNREAD_WITHIN_S = 3.0
 
 
 class UpstreamError(Exception):
@@ -55,6 +63,7 @@ class UpstreamError(Exception):
     nothing_sent = False  # set when no byte of the request left: the replica cannot have read it
     on_reused_connection = False  # set when it failed on a pooled connection that had carried an answer before
     reset_unanswered = False  # set when the replica reset the connection before any byte of the answer
+    closed_soon = False  # set when the connection closed within `CLOSED_UNREAD_WITHIN_S` of the request going out
 
 
 def engine_cannot_have_started(error: UpstreamError) -> bool:
@@ -76,16 +85,19 @@ def reset_before_answer(error: UpstreamError) -> bool:
     NOTE: not proof that the engine never read it: anything on the path that resets a connection (a NAT's or a load
     balancer's idle timeout, a proxy giving up) resets one whose engine read the call and is computing it, silent
     until a non-streamed answer's end. As `idle_close_raced`, the caller tells them apart by its replica's state
-    (`InferenceCall._forward`)."""
-    return error.reset_unanswered
+    (`InferenceCall._forward`), and only a reset that came at once may be a stopping server's (`CLOSED_UNREAD_WITHIN_S`):
+    a middlebox's reset of a call silent longer, its replica draining, was taken for one, and the call computed twice
+    (the first engine's work unbilled)."""
+    return error.reset_unanswered and error.closed_soon
 
 
 def idle_close_raced(error: UpstreamError) -> bool:
     """Whether `error` may be the replica's server closing a pooled connection it held idle as the request went out on
     it (uvicorn's graceful shutdown closes idle keep-alive connections at once, unread): closed with no byte of the
     answer, on a connection that had carried an answer before. An engine that died on the request ends so too: the
-    caller tells them apart by its replica's state (`InferenceCall._forward`)."""
-    return error.before_first_byte and error.on_reused_connection
+    caller tells them apart by its replica's state (`InferenceCall._forward`); a close that came later than
+    `CLOSED_UNREAD_WITHIN_S` after the request is not one."""
+    return error.before_first_byte and error.on_reused_connection and error.closed_soon
 
 
 class UpstreamConnectError(UpstreamError):
@@ -122,13 +134,17 @@ class Response:
     """One answer as it arrives: `status` once its headers are in; the body by `read()` or `async for`."""
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
-                 "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding")
+                 "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding", "_patience_until_body",
+                 "_body_seen")
 
-    def __init__(self, conn: _Connection, patience=None):
+    def __init__(self, conn: _Connection, patience=None, patience_until_body: bool = False):
         self.status = 0
         # Asked (awaited, no argument) when the first byte is later than the read timeout: the seconds more to wait
         # for it, or None to give up (`UpstreamTimeout`). It may ask again when those pass.
         self._patience = patience
+        # The first byte `patience` waits for is the body's, not the headers' (a stream's: its first event)
+        self._patience_until_body = patience_until_body
+        self._body_seen = False
         self._conn = conn
         self._chunks: list[bytes] = []
         self._num_buffered = 0  # bytes in `_chunks`
@@ -140,6 +156,10 @@ class Response:
         self._overflow = None  # `read`'s callback for the bytes past MAX_WHOLE_BODY_BYTES
         self._overflowed = False  # past it: every byte goes to `_overflow`, none is kept
         self._holding = None  # `read`'s count of the bytes it keeps against their organisation (`delivery.Holding`)
+
+    def _answer_started(self) -> bool:
+        """Whether the first byte `patience` waits for has come."""
+        return self._body_seen if self._patience_until_body else self._headers_seen
 
     # --- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:
@@ -247,7 +267,8 @@ class Response:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("loop", "pool", "transport", "parser", "response", "closed", "idle_since", "last_read", "timer",
-                 "read_timeout_s", "reusable", "paused", "patient_until", "asking", "reused")
+                 "read_timeout_s", "first_byte_timeout_s", "reusable", "paused", "patient_until", "asking", "reused",
+                 "sent_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: _Pool, read_timeout_s: float):
         self.loop = loop
@@ -260,11 +281,13 @@ class _Connection(asyncio.Protocol):
         self.last_read = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.read_timeout_s = read_timeout_s
+        self.first_byte_timeout_s = read_timeout_s  # the request's, until the first byte its `patience` waits for
         self.reusable = False
         self.paused = False
         self.patient_until = 0.0  # the response's `patience` granted a wait for its first byte until then
         self.asking: asyncio.Task | None = None  # the response's `patience`, being asked
         self.reused = False  # taken from the pool: it carried an answer before (`idle_close_raced`)
+        self.sent_at = 0.0  # when the request went out (loop time)
 
     # --- asyncio ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -297,6 +320,7 @@ class _Connection(asyncio.Protocol):
             error.on_reused_connection = self.reused
             # NOTE: a write that found the connection reset (EPIPE) fails so too: the request never left whole.
             error.reset_unanswered = first and isinstance(exc, (ConnectionResetError, BrokenPipeError))
+            error.closed_soon = self.loop.time() - self.sent_at <= CLOSED_UNREAD_WITHIN_S
             response._fail(error)
 
     # --- httptools -------------------------------------------------------------------------
@@ -308,6 +332,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         response = self.response
+        response._body_seen = True
         if response._error is not None:  # past the limit: the rest of what this read held is dropped
             return
         if response._overflowed:
@@ -342,13 +367,15 @@ class _Connection(asyncio.Protocol):
         response._wake()
 
     # --- the client's side ---------------------------------------------------------------------
-    def send(self, data: bytes, patience=None) -> Response:
-        self.response = response = Response(self, patience)
+    def send(self, data: bytes, patience=None, first_byte_timeout_s: float | None = None,
+             patience_until_body: bool = False) -> Response:
+        self.response = response = Response(self, patience, patience_until_body)
         self.reusable = False
         self.patient_until = 0.0
+        self.first_byte_timeout_s = self.read_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
         self.transport.write(data)
-        self.last_read = now = self.loop.time()
-        self.timer = self.loop.call_at(now + self.read_timeout_s, self._check_read)
+        self.sent_at = self.last_read = now = self.loop.time()
+        self.timer = self.loop.call_at(now + self.first_byte_timeout_s, self._check_read)
         return response
 
     def pause(self) -> None:
@@ -396,11 +423,12 @@ class _Connection(asyncio.Protocol):
             return
         if self.paused:  # waiting on our own client, not on the replica
             self.last_read = self.loop.time()
-        due = max(self.last_read + self.read_timeout_s, self.patient_until)
+        silence_s = self.read_timeout_s if response._answer_started() else self.first_byte_timeout_s
+        due = max(self.last_read + silence_s, self.patient_until)
         if self.loop.time() < due:
             self.timer = self.loop.call_at(due, self._check_read)
             return
-        if response._patience is not None and not response._headers_seen:
+        if response._patience is not None and not response._answer_started():
             self.asking = self.loop.create_task(self._ask_patience(response))
             return
         self._time_out(response)
@@ -416,7 +444,7 @@ class _Connection(asyncio.Protocol):
             self.asking = None
         if self.response is not response or response._done or self.closed:
             return  # answered, or given up, while asking
-        if response._headers_seen:  # its first byte came while asking: the reads' own timeout again, from the last
+        if response._answer_started():  # its first byte came while asking: the reads' own timeout again, from the last
             self.timer = self.loop.call_at(self.last_read + self.read_timeout_s, self._check_read)
             return
         if not more_s or more_s <= 0:
@@ -531,12 +559,15 @@ class UpstreamClient:
                                                  parts.port or (443 if parts.scheme == "https" else 80), parts.path)
         return pool
 
-    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None) -> Response:
+    async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None,
+                   first_byte_timeout_s: float | None = None, patience_until_body: bool = False) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
         Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
         sent; `before_first_byte` also when the replica closed the connection before answering, `reset_before_answer`
-        when it reset it). `patience`: see `Response`."""
+        when it reset it). `patience`, `patience_until_body`: see `Response`; `first_byte_timeout_s`: the silence
+        before that first byte after which `patience` is asked (or, without it, the call times out); the read
+        timeout where not given."""
         pool = self._pool(address)
         head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):
@@ -545,7 +576,7 @@ class UpstreamClient:
         conn = await pool.connection()
         response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
                                        f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)),
-                             patience)
+                             patience, first_byte_timeout_s, patience_until_body)
         try:
             while not response._headers_seen:
                 if response._error is not None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from tests.fakes.local_server import serve_connections
 
 
 class ResettingMiddlebox:
-    def __init__(self, target: str, *, silent_s: float):
+    """`before_closing` runs before each reset (its replica marked DRAINING: a drain under way as it resets)."""
+
+    def __init__(self, target: str, *, silent_s: float, before_closing: Callable[[], None] = lambda: None):
         parts = urlsplit(target)
-        self.target, self.silent_s = (parts.hostname, parts.port), silent_s
+        self.target, self.silent_s, self.before_closing = (parts.hostname, parts.port), silent_s, before_closing
         self.num_closed = 0  # connections reset
         self.address = serve_connections(self._relay)
 
@@ -31,6 +34,7 @@ class ResettingMiddlebox:
                 try:
                     data = engine.recv(65536)
                 except TimeoutError:
+                    self.before_closing()
                     self.num_closed += 1
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     # NOTE: the other thread's read ends first: the socket is closed (reset) only once none uses it

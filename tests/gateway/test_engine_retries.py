@@ -8,6 +8,7 @@ import pytest
 from django.db import connections
 
 from billing.models import UsageRecord
+from endpoints.gateway import upstream
 from endpoints.models import Replica
 from gpu_agent.protocol import ReplicaState
 from tests.conftest import free_port
@@ -76,7 +77,7 @@ def test_a_replica_that_refuses_the_connection_is_still_tried_once_on_another(ga
     assert _num_requests(live) == 4
 
 
-def _draining(engine: ClosingEngine) -> ClosingEngine:
+def _draining(engine: ClosingEngine | ResettingMiddlebox) -> ClosingEngine | ResettingMiddlebox:
     """`engine`, its replica marked DRAINING before it closes (as the control plane marks it before its engine stops)."""
     def drained():
         Replica.objects.filter(address=engine.address).update(state=ReplicaState.DRAINING)
@@ -169,6 +170,21 @@ def test_a_call_its_engine_read_whose_connection_a_middlebox_reset_is_never_sent
     # the first engine's work never billed.
     engine, live = start_mock_upstream(token_delay_ms=50), start_mock_upstream()
     middlebox = ResettingMiddlebox(engine, silent_s=0.3)
+    endpoint = serve_endpoint(tenant.org, middlebox.address, live)
+    answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, middlebox, live)
+    _assert_openai_server_error(answer)
+    assert num_sent_to_live == 0
+    assert _num_requests(engine) == 1  # the engine behind it read the call
+
+
+def test_a_call_its_engine_read_whose_connection_a_middlebox_reset_as_its_replica_drained_is_never_sent_to_another(
+        gateway, tenant, start_mock_upstream):
+    # A stopping engine's server resets a connection whose call it never read at once, as the call goes out; a
+    # middlebox resets one after the engine's silence on it. Before: reset while its replica was draining, the call was
+    # taken for one its engine never read and sent to the other replica, which computed it again, the first engine's
+    # work (read, perhaps run to its end) never billed.
+    engine, live = start_mock_upstream(token_delay_ms=500), start_mock_upstream()  # 20 tokens: 10 s
+    middlebox = _draining(ResettingMiddlebox(engine, silent_s=upstream.CLOSED_UNREAD_WITHIN_S + 1))
     endpoint = serve_endpoint(tenant.org, middlebox.address, live)
     answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, middlebox, live)
     _assert_openai_server_error(answer)

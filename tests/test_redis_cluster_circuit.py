@@ -1,0 +1,184 @@
+"""A silent node of a Redis Cluster (`REDIS_CLUSTER=1`): one circuit per node (`controlplane.redis_circuit`), so the
+organisations whose slots it holds are refused at once after one call waits out its deadline, and the organisations
+on the other nodes are served as before.
+
+The node is frozen with SIGSTOP: it keeps accepting connections (the kernel does) and never replies, as a partitioned
+or hung server does. The cluster is told not to stop serving the slots it still covers meanwhile
+(`cluster-require-full-coverage no`), as a cluster with replicas would go on serving through a failover."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from decimal import Decimal
+
+import pytest
+import redis
+
+from controlplane import redis_circuit, redis_client, redis_keys
+from controlplane.redis_circuit import Refused
+from controlplane.redis_keys import key_slot
+from endpoints.gateway import admission, errors
+from tests.factories import EndpointFactory, OrganizationFactory
+from tests.processes import wait_until
+from tests.test_redis_cluster import _caller, on_cluster, redis_cluster  # noqa: F401 - the fixtures
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TIMEOUT_S = 1.0  # REDIS_TIMEOUT_S in these tests: a silent node's first call waits this long
+REFUSED_WITHIN_S = 0.4  # well under one deadline: what a slowed call paid before
+
+
+@pytest.fixture
+def cluster(on_cluster, redis_cluster, settings):  # noqa: F811 - the fixtures imported above
+    settings.REDIS_TIMEOUT_S = TIMEOUT_S
+    redis_client.get_redis.cache_clear()
+    for port in redis_cluster:
+        redis.Redis(port=port, socket_timeout=5).config_set("cluster-require-full-coverage", "no")
+    yield redis_client.get_redis()
+    redis_client.get_redis().close()
+    redis_client.get_redis.cache_clear()
+    redis_circuit.node_circuits.clear()
+
+
+class _Freezer:
+    """Stops a node (SIGSTOP) and lets it go on (SIGCONT); every node goes on as the test ends."""
+
+    def __init__(self) -> None:
+        self.stopped: dict[int, int] = {}  # port: pid
+
+    def __call__(self, port: int) -> None:
+        pid = redis.Redis(port=port, socket_timeout=5).info("server")["process_id"]
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped[port] = pid
+
+    def thaw(self, port: int) -> None:
+        os.kill(self.stopped.pop(port), signal.SIGCONT)
+
+
+@pytest.fixture
+def frozen(cluster, redis_cluster):  # noqa: F811 - the fixture imported above
+    """`frozen(port)` stops the node listening there until `frozen.thaw(port)` or the test's end."""
+    freezer = _Freezer()
+    yield freezer
+    for port in list(freezer.stopped):
+        freezer.thaw(port)
+    for port in redis_cluster:
+        wait_until(lambda port=port: redis.Redis(port=port, socket_timeout=1).ping(), 30,
+                   message="the node to answer again")
+
+
+def _org_on(cluster, port: int, *, other_than: int | None = None):
+    """A new organisation whose keys' slot a node holds: on `port`, or on any node but `other_than`."""
+    for _ in range(200):
+        organization = OrganizationFactory()
+        owner = cluster.nodes_manager.get_node_from_slot(key_slot(redis_keys.inflight_key(organization.pk, "e"))).port
+        if owner == port if other_than is None else owner != other_than:
+            return organization
+    raise AssertionError("no organisation hashed to the node wanted")
+
+
+async def _admit(organization, endpoint: str, request_id: str):
+    return await admission.admit(caller=_caller(organization.pk, api_key_id=7), endpoint_id=endpoint,
+                                 request_id=request_id, amount=Decimal("0.01"), num_tokens=0, candidates=["replica"])
+
+
+async def _timed_admission(organization, endpoint: str, request_id: str) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        await _admit(organization, endpoint, request_id)
+    except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+def test_a_silent_cluster_node_refuses_its_organisations_at_once_after_one_call_waits_out_its_deadline(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[1]
+    organization = _org_on(cluster, silent_port)
+    endpoint = str(EndpointFactory(organization=organization).pk)
+
+    async def scenario():
+        await _admit(organization, endpoint, "before")  # the client knows the node and holds a connection to it
+        frozen(silent_port)
+        first = await _timed_admission(organization, endpoint, "first")
+        later = [await _timed_admission(organization, endpoint, f"later-{index}") for index in range(5)]
+        return first, later
+
+    (first_s, first_error), later = asyncio.run(scenario())
+
+    assert errors.is_outage(first_error) and first_s < 3 * TIMEOUT_S
+    assert all(isinstance(error, Refused) and errors.is_outage(error) for _, error in later), later
+    assert max(seconds for seconds, _ in later) < REFUSED_WITHIN_S, later
+
+
+def test_a_silent_cluster_node_never_refuses_nor_slows_the_organisations_on_the_other_nodes(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[1]
+    silent_organization = _org_on(cluster, silent_port)
+    healthy_organization = _org_on(cluster, silent_port, other_than=silent_port)
+    silent_endpoint = str(EndpointFactory(organization=silent_organization).pk)
+    healthy_endpoint = str(EndpointFactory(organization=healthy_organization).pk)
+
+    async def scenario():
+        await _admit(silent_organization, silent_endpoint, "before")
+        await _admit(healthy_organization, healthy_endpoint, "before")
+        frozen(silent_port)
+        await _timed_admission(silent_organization, silent_endpoint, "trips")
+        healthy = []
+        for index in range(5):
+            await _timed_admission(silent_organization, silent_endpoint, f"refused-{index}")
+            healthy.append(await _timed_admission(healthy_organization, healthy_endpoint, f"served-{index}"))
+        return healthy
+
+    healthy = asyncio.run(scenario())
+
+    assert [error for _, error in healthy] == [None] * 5
+    assert max(seconds for seconds, _ in healthy) < REFUSED_WITHIN_S, healthy
+
+
+def test_a_cluster_node_that_answers_again_is_sent_calls_again_within_a_second(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[2]
+    organization = _org_on(cluster, silent_port)
+    endpoint = str(EndpointFactory(organization=organization).pk)
+
+    async def scenario():
+        await _admit(organization, endpoint, "before")
+        frozen(silent_port)
+        await _timed_admission(organization, endpoint, "trips")
+        refused = await _timed_admission(organization, endpoint, "refused")
+        frozen.thaw(silent_port)
+        answered_at = time.monotonic()
+        while True:
+            _, error = await _timed_admission(organization, endpoint, f"again-{time.monotonic()}")
+            if error is None:
+                return refused, time.monotonic() - answered_at
+            await asyncio.sleep(0.05)
+
+    (_, refused_error), flowing_after_s = asyncio.run(scenario())
+
+    assert isinstance(refused_error, Refused)
+    assert flowing_after_s < 1.0
+
+
+def test_the_sync_cluster_client_refuses_a_silent_nodes_keys_at_once_and_serves_the_others(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[1]
+    silent_key = redis_keys.org_reserved_key(_org_on(cluster, silent_port).pk)
+    healthy_key = redis_keys.org_reserved_key(_org_on(cluster, silent_port, other_than=silent_port).pk)
+    cluster.get(silent_key)
+    frozen(silent_port)
+    with pytest.raises(redis.exceptions.RedisError):
+        cluster.get(silent_key)
+
+    started = time.monotonic()
+    with pytest.raises(Refused):
+        cluster.get(silent_key)
+    assert time.monotonic() - started < REFUSED_WITHIN_S
+    started = time.monotonic()
+    assert cluster.get(healthy_key) is None
+    assert time.monotonic() - started < REFUSED_WITHIN_S
+
