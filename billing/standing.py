@@ -9,7 +9,7 @@ On an installation that bills through Stripe (`STRIPE_SECRET_KEY` set):
   invoiced after the month, and nothing could collect it. Adding a card in the Customer Portal lifts the
   limit (Stripe's `customer.updated` webhook); removing it puts the limit back. Staff may mark an
   account that pays by bank transfer `invoiced_without_card`. Prepaid accounts spend only credit. The limit is a
-  person's: what the other organisations of the organisation's people (its creator, or once handed on its owners:
+  person's: what the other organisations of the organisation's people (its creator, and once handed on its owners:
   `organizations.holdings_of`) spent this month without a card
   counts against it (`limit_without_payment_method`, shared), or one mailbox had it once per organisation it made.
 - **Past due.** An invoice whose payment failed and that is still unpaid `PAST_DUE_GRACE_DAYS` after
@@ -215,7 +215,7 @@ def limit_without_payment_method(account: BillingAccount, *, shared: bool = Fals
 
 
 def spent_without_card_by_its_people(organization_id: int, period: Period | None = None) -> Decimal:
-    """What the other organisations of the organisation's people (its creator, or once handed on its owners from then:
+    """What the other organisations of the organisation's people (its creator, and once handed on its owners from then:
     `organizations.allowance_windows_of_its_people`, closed ones too) spent in `period` (this month by default), each
     in the part of it that was theirs, that the limit without a payment method holds now
     (`held_without_payment_method`): one grouped, indexed read of the ledger for all of them (one more for each

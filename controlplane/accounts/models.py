@@ -103,8 +103,8 @@ class Organization(models.Model):
     # NOTE: stored, not held in a worker's memory: a scheduler restarted mid-grace neither restarts nor skips it.
     over_quota_since = models.DateTimeField(null=True, blank=True, editable=False)
     # When its creator (every account at their mailbox) last stopped owning it, by PostgreSQL's clock; None while one
-    # does (`organizations.note_handed_on`): its spend without a card before then is its creator's allowance's, after it
-    # its owners' (`organizations.holdings_of`). Null in the database by default, as `closed_at`.
+    # does (`organizations.note_handed_on`): its spend without a card is its creator's allowance's, and from then its
+    # owners' too (`organizations.holdings_of`). Null in the database by default, as `closed_at`.
     handed_on_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:

@@ -12,7 +12,7 @@ closed ones included (a closed organisation spent its allowance: closing one and
 and given-away ones (handed to a second account, which then owns it, then the next one made) included. The spend
 allowed without a card is shared besides (`organizations_of_its_people`, `billing.standing.
 limit_without_payment_method`): a person has one allowance, not one an organisation, spent by the organisations they
-created and still own and those handed on to them (`holdings_of`).
+created, handed on or not, and those handed on to them (`holdings_of`).
 """
 
 from __future__ import annotations
@@ -115,15 +115,16 @@ class Share:
 
 def holdings_of(organization_ids: Collection[int]) -> dict[int, list[Share]]:
     """Whose allowance each of these organisations spends, in four queries however many they are: its creator's (its
-    `organization.create` event's actor) while an account at the creator's mailbox owns it; once handed on (its
-    owners all others: `Organization.handed_on_at`), its creator's before then and its owners' from then; one
-    handed on before that was kept, or with no creation event, its owners'.
+    `organization.create` event's actor), always; once handed on (its owners all others: `Organization.handed_on_at`)
+    its owners' too from then (one handed on before that was kept, all of it); with no creation event, its owners'.
 
     NOTE: an owner who joined (by invitation) shares nothing while its creator owns it: before, every owner was one of
     its people both ways, and a stranger invited as an owner then had her own organisations refused for what the
-    inviter spent in his, and his for hers. A handed-on organisation is its new owners' from then, not its creator's:
-    its creator was refused for what they spent, month after month; what was spent before stays its creator's, so
-    handing one on frees no allowance and drains none of the new owner's."""
+    inviter spent in his, and his for hers. Its creator's whatever it spends, whoever holds it: owners are read as they
+    are now, so an owner who leaves takes nothing of what was spent in their time with them, and a creator freed of
+    one handed on had a fresh allowance for each of the five he may make, each spent by a second account of his that
+    then handed it on to a third (a review's finding). What it spent before it was handed on is none of its new
+    owners', so handing one on drains none of theirs."""
     ids = set(organization_ids)
     creators: dict[int, set[int]] = defaultdict(set)
     owners: dict[int, set[int]] = defaultdict(set)
@@ -145,11 +146,11 @@ def holdings_of(organization_ids: Collection[int]) -> dict[int, list[Share]]:
         elif _own_it(its_creators, its_owners, mailboxes):
             holdings[organization_id] = [Share(its_creators)]
         elif handed_on_at is not None:
-            holdings[organization_id] = [Share(its_creators, until=handed_on_at), Share(its_owners, since=handed_on_at)]
+            holdings[organization_id] = [Share(its_creators), Share(its_owners, since=handed_on_at)]
         elif closed_at is not None or not its_owners:
             holdings[organization_id] = [Share(its_creators)]
         else:  # handed on before `handed_on_at` was kept
-            holdings[organization_id] = [Share(its_owners)]
+            holdings[organization_id] = [Share(its_creators), Share(its_owners)]
     return holdings
 
 
@@ -344,7 +345,7 @@ def allowance_windows_of_its_people(organization_id: int, *, since: datetime | N
                                     until: datetime | None = None) -> dict[int, tuple[datetime | None, datetime | None]]:
     """Each other organisation whose allowance was one of the people's whose organisation this is (`people_of`)
     between `since` and `until`, with the part of that time its spend is theirs (`holdings_of`: all of it but for one
-    handed on in between). NOTE: what a person gets without paying is shared among these
+    handed on to them in between). NOTE: what a person gets without paying is shared among these
     (`billing.standing.limit_without_payment_method`), as `MAX_OWNED_ORGANIZATIONS` bounds how many they created."""
     people = people_of(organization_id, since=since, until=until)
     if not people:

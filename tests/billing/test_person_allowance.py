@@ -407,9 +407,9 @@ def _hand_on(organization, *, to, by) -> None:
     _run_queued_allowance_refreshes()
 
 
-def test_what_an_organisation_spends_once_handed_on_counts_for_its_new_owner_not_its_creator(person):
-    # Before: a creator who handed an organisation on and left was refused in their new organisations for what its new
-    # owners spent there, month after month.
+def test_what_an_organisation_spends_once_handed_on_counts_for_its_new_owner_and_still_its_creator(person):
+    # Its creator stays refused for what its new owners spend there (a card lifts it): freed of it, he had a fresh
+    # allowance for each one he made (`test_organisations_one_person_made_share_one_allowance_whoever_held_them_...`).
     heir = _verified("heir@example.test")
     handed, heirs = _own_organization(person, "Handed Ltd"), _own_organization(heir, "Heir Ltd")
     _spend(heirs, "0.01")  # its counter exists, with the whole allowance
@@ -419,7 +419,7 @@ def test_what_an_organisation_spends_once_handed_on_counts_for_its_new_owner_not
     _usage(handed, "0.90")
     tasks.refresh_shared_allowances()
 
-    _spend(_own_organization(person, "Next Ltd"), "0.90")  # before: refused, $0.10 left
+    assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
     assert _refusal(heirs, "0.20").reason == "payment_method"  # handing it on gave nobody a fresh allowance
 
 
@@ -446,3 +446,19 @@ def test_an_organisation_whose_creator_owns_it_again_at_another_account_of_their
     assert Organization.objects.get(pk=kept.pk).handed_on_at is None
     _usage(kept, "0.90")
     assert _refusal(_own_organization(person, "Next Ltd"), "0.20").reason == "payment_method"
+
+
+def test_organisations_one_person_made_share_one_allowance_whoever_held_them_as_they_spent(person):
+    # Before: an organisation handed on was its creator's only until then, and its owners' now, not who held it: the
+    # creator handed each of the five he may make to a second account of his, spent $0.90 in it there, and handed it
+    # on again to a third that keeps it; the second account, no owner any more, had its whole allowance back, the
+    # creator's was untouched, and the next one spent $0.90 more: five allowances a month for one mailbox.
+    heir, keeper = _verified("heir@example.test"), _verified("keeper@example.test")
+    laundered, next_one = _own_organization(person, "First Ltd"), _own_organization(person, "Next Ltd")
+    _spend(next_one, "0.01")  # its counter exists, with the whole allowance
+    _hand_on(laundered, to=heir, by=person)
+    _usage(laundered, "0.90")
+    _hand_on(laundered, to=keeper, by=heir)
+    tasks.refresh_shared_allowances()
+
+    assert _refusal(next_one, "0.20").reason == "payment_method"
