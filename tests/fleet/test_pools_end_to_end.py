@@ -45,11 +45,15 @@ NO_ENGINES = {"agent_args": ["--no-standby", "--no-zygote"]}
 
 @pytest.fixture
 def pool_dir(tmp_path, settings):
-    """The local provider's folder for this test; every agent left in it is stopped afterwards."""
+    """The local provider's folder for this test; every agent left in it is stopped afterwards.
+
+    NOTE: given 1 s to exit before it is killed with all it started (`local_agents.stop_agent`), not make stop's 10:
+    an agent caught in a heartbeat finishes it first (up to its 10 s request timeout), and a whole-suite run waited out
+    the 10 s here; no test looks at how this cleanup's agents exit."""
     directory = tmp_path / "local-pool"
     settings.LOCAL_POOL_DIR = str(directory)
     yield directory
-    local_agents.stop_all(directory)
+    local_agents.stop_all(directory, wait_s=1)
 
 
 def live_agents(directory: Path) -> list[local_agents.LocalAgent]:
