@@ -74,7 +74,8 @@ def test_a_run_through_an_outage_leaves_no_session_open_once_its_objects_are_col
 def test_a_run_leaves_no_session_of_its_worker_threads_open(files_bucket, tenant, start_mock_upstream):
     # NOTE: each thread the run's calls ran in (its lease checks, its stores, its lookups) kept its connection open
     # after the run, until a garbage collection found it: three sessions a run, of the database's `max_connections`
-    assert _run_a_line(tenant, start_mock_upstream, outage_s=0) == ["ran"]
+    # (a line of ~2 s, not ~4: its lease checks, lookups and store have each of those threads open its session)
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=4) == ["ran"]
     assert _other_sessions() == []
 
 
