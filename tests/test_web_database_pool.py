@@ -6,6 +6,7 @@ is refused with a 503 soon instead of waiting."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -238,14 +239,50 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
     assert answers[0].status_code == 200
 
 
-def _database_settings_of(entry: str, env: dict[str, str]) -> str:
-    """The default database's pool options, `CONN_MAX_AGE`, the pool's connection arguments and `ENGINE` as a process
-    started through `entry` (a module imported first) sees them, with production's settings and `env`."""
+# What `_database_settings_of` imports once before it forks a process per environment: dependencies only, none of which
+# reads the settings or the environment the settings read, so each fork still starts the project through its `entry`.
+_DEPENDENCIES = (
+    "django.apps",
+    "django.db.models",
+    "psycopg",
+    "psycopg_pool",
+    "celery",
+    "kombu",
+    "redis",
+    "boto3",
+    "botocore.client",
+    "jinja2",
+    "opentelemetry.trace",
+    "rich",
+    "httpx",
+    "yaml",
+)
+
+
+def _database_settings_of(*cases: tuple[str, dict[str, str]]) -> list[str]:
+    """For each `(entry, env)`, the default database's pool options, `CONN_MAX_AGE`, the pool's connection arguments and
+    `ENGINE` as a process started through `entry` (a module imported first) sees them, with production's settings and
+    `env`. NOTE: one process per case, forked from one that imported only `_DEPENDENCIES`: a fresh interpreter each
+    (~1.5 s of CPU apiece, five in a test) spent most of its time importing them again."""
     script = (
-        f"import {entry}\nimport django\ndjango.setup()\nfrom django.db import connection\n"
-        "pool = connection.pool\n"
-        "print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
-        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])))"
+        "import importlib, json, os, sys\n"
+        f"for name in {_DEPENDENCIES!r}:\n    importlib.import_module(name)\n"
+        "for entry, env in json.loads(sys.stdin.read()):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.environ.clear()\n"
+        "        os.environ.update(env)\n"
+        "        importlib.import_module(entry)\n"
+        "        import django\n"
+        "        django.setup()\n"
+        "        from django.db import connection\n"
+        "        pool = connection.pool\n"
+        "        print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
+        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])), flush=True)\n"
+        "        os._exit(0)\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    if status:\n"
+        "        sys.exit(f'{entry}: {status}')\n"
     )
     clean = {
         k: v
@@ -259,13 +296,21 @@ def _database_settings_of(entry: str, env: dict[str, str]) -> str:
     result = subprocess.run(
         [sys.executable, "-c", script],
         cwd=REPO_ROOT,
+        input=json.dumps(
+            [
+                [entry, clean | production | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"}]
+                for entry, env in cases
+            ]
+        ),
         capture_output=True,
         text=True,
         timeout=120,
-        env=clean | production | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        env=clean,
     )
     assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(cases), result.stdout
+    return lines
 
 
 def test_only_the_web_process_pools_its_connections_and_only_when_opted_in():
@@ -276,16 +321,18 @@ def test_only_the_web_process_pools_its_connections_and_only_when_opted_in():
     pool = "{'name': 'web', 'min_size': 2, 'max_size': 4, 'max_idle': 300.0, 'timeout': 5.0, 'reconnect_timeout': 0.0}"
     pooled = f"({pool}, 0, None, 'controlplane.database_pool')"
     unpooled = "(None, 60, None, 'django.db.backends.postgresql')"
-    assert _database_settings_of("controlplane.asgi", {}) == unpooled
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}) == pooled
-    assert _database_settings_of("controlplane.celery_app", {}) == unpooled
-    assert _database_settings_of("os", {"DATABASE_POOL_MAX_SIZE": "5"}) == unpooled
-    assert _database_settings_of("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}) == unpooled
+    assert _database_settings_of(
+        ("controlplane.asgi", {}),
+        ("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "4"}),
+        ("controlplane.celery_app", {}),
+        ("os", {"DATABASE_POOL_MAX_SIZE": "5"}),
+        ("controlplane.asgi", {"DATABASE_POOL_MAX_SIZE": "0"}),
+    ) == [unpooled, pooled, unpooled, unpooled, unpooled]
 
 
 def test_behind_pgbouncer_in_transaction_mode_the_pools_connections_prepare_no_statements():
-    settings_seen = _database_settings_of(
-        "controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"}
+    [settings_seen] = _database_settings_of(
+        ("controlplane.asgi", {"DATABASE_POOLER": "transaction", "DATABASE_POOL_MAX_SIZE": "4"})
     )
     assert settings_seen.startswith("({'name': 'web'")
     # prepare_threshold None, not psycopg's default of 5
@@ -334,12 +381,14 @@ def test_after_postgresql_comes_back_the_first_request_is_answered_at_once(tmp_p
     other meanwhile (its tries 1, 3, 7, 15 s after the first): after a 10 s outage `/api/` kept failing for seconds after
     PostgreSQL took connections again (6 s after a 20 s outage). Now a failed connect is given up at once and the next
     request tries again."""
+    # NOTE: 4 s down, past the backoff's tries at 1 and 3 s: with it the next try came at 7 s, ~3 s after PostgreSQL
+    # was back, three times the bound below (a 10 s outage proved the same at 5 s after, and cost 6 s more)
     child, web = start_web_server(tmp_path, extra_env=POOL_ENV | {"DATABASE_POOL_TIMEOUT_S": "1"})
     headers = {"authorization": f"Bearer {owner_client.plain_key}"}
     try:
         assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers).status_code == 200
         with database_refusing_connections():
-            down_until = time.monotonic() + 10
+            down_until = time.monotonic() + 4
             # requests meanwhile: each fails, and the pool tries to connect
             while time.monotonic() < down_until:
                 assert httpx.get(f"{web}/api/v1/endpoints/", headers=headers, timeout=30).status_code >= 500

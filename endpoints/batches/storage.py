@@ -65,8 +65,9 @@ def _client():
 
 # A read made while a client waits for its answer (`read_start`): one try, given up soon. NOTE: the run's client retries
 # five times with boto3's 60 s timeouts: a stalled S3 held a batch's creation for minutes, and the openai client, timed
-# out, sent it again.
-QUICK_READ = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=2, read_timeout=5)
+# out, sent it again. NOTE: `total_max_attempts`, not `max_attempts`: boto3 reads the latter as retries after the first
+# try, so `max_attempts: 1` made two tries, and a stalled S3 held each quick call for two read timeouts (10 s).
+QUICK_READ = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=2, read_timeout=5)
 
 
 @functools.cache

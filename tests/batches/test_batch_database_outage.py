@@ -13,6 +13,7 @@ from django.db import ProgrammingError, connection
 from billing.models import UsageRecord
 from endpoints.batches import runner, services
 from endpoints.batches.models import Batch, BatchStatus
+from endpoints.gateway import memo
 from tests.batches.conftest import new_batch, one_chat_line, run_in_a_thread
 from tests.gateway.conftest import serve_endpoint
 from tests.outages import database_refusing_connections
@@ -78,14 +79,17 @@ def test_a_line_in_flight_through_a_database_outage_finishes_and_is_kept_run_onc
 
 
 def test_a_line_in_flight_through_an_outage_longer_than_the_endpoint_cache_is_run_once(
-    files_bucket, tenant, start_mock_upstream, settings
+    files_bucket, tenant, start_mock_upstream, settings, monkeypatch
 ):
     settings.BATCH_OUTAGE_RETRY_S = 2  # past it the run starts no line for the rest of its slice
-    # NOTE: 10 s, past the directory's cached endpoint and its stale grace (7 s): its once-a-second read of the
+    # The directory's stale grace shortened to 1 s (5 s in production): its cached endpoint is given up 3 s after its
+    # load, not 7 s, and the outage past it lasts 5 s, not 10 (the same 2 s past it, 5 s less of the suite)
+    monkeypatch.setattr(memo, "STALE_FOR_S", 1.0)
+    # NOTE: 5 s, past the directory's cached endpoint and its stale grace (3 s here): its once-a-second read of the
     # endpoint raised, the run ended with its line cut mid-answer, and the next run ran it again
-    num_tokens = 12  # the line answers in ~12 s: in flight through the whole outage
+    num_tokens = 7  # the line answers in ~7 s: in flight through the whole outage
     batch, runs, num_engine_requests = _run_through_an_outage(
-        tenant, start_mock_upstream, token_delay_ms=1000, num_tokens=num_tokens, outage_s=10
+        tenant, start_mock_upstream, token_delay_ms=1000, num_tokens=num_tokens, outage_s=5
     )
     assert runs == ["outage"], "the run went through the outage"
     assert num_engine_requests == 1, "the line ran once: its first answer was kept"

@@ -74,7 +74,8 @@ def test_a_run_through_an_outage_leaves_no_session_open_once_its_objects_are_col
 def test_a_run_leaves_no_session_of_its_worker_threads_open(files_bucket, tenant, start_mock_upstream):
     # NOTE: each thread the run's calls ran in (its lease checks, its stores, its lookups) kept its connection open
     # after the run, until a garbage collection found it: three sessions a run, of the database's `max_connections`
-    assert _run_a_line(tenant, start_mock_upstream, outage_s=0) == ["ran"]
+    # (a line of ~2 s, not ~4: its lease checks, lookups and store have each of those threads open its session)
+    assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=4) == ["ran"]
     assert _other_sessions() == []
 
 
@@ -82,7 +83,8 @@ def test_a_run_keeps_its_connections_across_its_checks_and_stores_and_closes_the
     files_bucket, tenant, start_mock_upstream
 ):
     # NOTE: each of the run's calls closed its connection after it: a run opened a PostgreSQL session per lease check
-    # (one a second) and per stored line, 19 for this line of ~8 s where it now opens one a thread (7)
+    # (one a second) and per stored line, 19 for a line of ~8 s where it now opens one a thread (7). A line of ~4 s
+    # (8 s before, 4 s more of the suite) still has each of its threads open sessions for several calls that way.
     opened: list[threading.Thread] = []  # the thread of each session opened (kept: an ident may be reused)
 
     def count(sender, connection, **kwargs) -> None:
@@ -92,7 +94,7 @@ def test_a_run_keeps_its_connections_across_its_checks_and_stores_and_closes_the
 
     connection_created.connect(count)
     try:
-        assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=16) == ["ran"]
+        assert _run_a_line(tenant, start_mock_upstream, outage_s=0, num_tokens=8) == ["ran"]
     finally:
         connection_created.disconnect(count)
     # NOTE: the task's own thread closes its session while its run goes (`run_briefly`), and opens one again after

@@ -84,8 +84,11 @@ def test_a_line_its_engine_fails_every_time_fails_for_good_with_upstream_error_a
 
 
 def test_a_line_whose_replica_went_away_is_tried_again_not_failed(
-    files_bucket, tenant, start_mock_upstream, quick_retries, caplog
+    files_bucket, tenant, start_mock_upstream, quick_retries, caplog, settings
 ):
+    # NOTE: a slice of 2.5 s (the fixture's 5 s ran ~50 tries, 2.5 s more of the suite): ~25 tries 0.1 s apart, still
+    # five times the count that failed the line for good before
+    settings.BATCH_RUN_SLICE_S = 2.5
     upstream = start_mock_upstream()
     endpoint = serve_endpoint(tenant.org, upstream)
     batch = new_batch(endpoint, _lines(endpoint, "someone"))

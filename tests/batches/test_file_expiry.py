@@ -304,10 +304,15 @@ def test_a_sweep_under_a_stalled_s3_gives_up_its_delete_within_seconds(files_buc
 
     with s3_stalled(s3_child):
         sweeping = threading.Thread(target=sweep, daemon=True)
+        started = time.monotonic()
         sweeping.start()
         sweeping.join(20)
         assert not sweeping.is_alive(), "the sweep still waits on S3"
+        given_up_after_s = time.monotonic() - started
     assert outcome == [0]
+    # NOTE: one try: `QUICK_READ`'s `max_attempts: 1` was boto3's count of retries, a second try and a second read
+    # timeout (10 s in all)
+    assert given_up_after_s < 2 * storage.QUICK_READ.read_timeout, f"given up after {given_up_after_s:.1f} s"
     assert File.objects.filter(pk=file.pk, deleted_at__isnull=True).exists()  # deleted by a later run
 
 
