@@ -61,6 +61,18 @@ def _post(gateway: str, key: str, body: dict, path: str = "/v1/responses") -> ht
     return httpx.post(f"{gateway}{path}", headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120)
 
 
+def _receive_buffer(num_bytes: int) -> tuple[int, int, int]:
+    """A client socket's option that bounds what it takes of an answer it does not read (the kernel doubles
+    `num_bytes`); set before it connects, its receive window never grows past it."""
+    return socket.SOL_SOCKET, socket.SO_RCVBUF, num_bytes
+
+
+def _echoed_metadata(num_bytes: int) -> dict[str, str]:
+    """`metadata` of about `num_bytes` (16 values): no prompt token, but every response object of a stream echoes it
+    (`response.created`, `response.in_progress`, `response.completed`), so each of those events is that large."""
+    return {f"pad{number}": "x" * (num_bytes // 16) for number in range(16)}
+
+
 # --- served and metered -----------------------------------------------------------------------------
 
 
@@ -164,20 +176,25 @@ def test_a_streamed_response_relays_named_events_and_is_billed_from_response_com
 
 
 def test_a_client_leaving_a_stream_midway_is_billed_the_engines_usage_once(gateway, tenant, endpoint):
+    max_output_tokens = 40
     body = {
         "model": NAME,
         "input": "Once upon a time",
-        # NOTE: long enough that the client leaves while the gateway still writes: at 40 tokens a loaded machine's run
-        # had the whole stream written before the client read its second delta (an 'ok' stream, rightly billed whole).
-        "max_output_tokens": 1000,
+        "max_output_tokens": max_output_tokens,
         "stream": True,
         "ignore_eos": True,
+        # NOTE: the client leaves while the gateway still writes, however loaded the machine: the stream's last event
+        # echoes ~7 MB of metadata, more than the gateway's send buffer (4 MiB at most, `tcp_wmem`) and the client's
+        # receive buffer (256 KiB asked) hold, so it cannot be written whole before the client reads it. Before, a
+        # stream of 1,000 tokens (~10 s of the engine) made it likely: at 40 a loaded machine's run had the whole
+        # stream written before the client read its second delta (an 'ok' stream, rightly billed whole).
+        "metadata": _echoed_metadata(7_000_000),
     }
-    whole = _post(gateway, tenant.key, body | {"stream": False, "max_output_tokens": 1})
+    whole = _post(gateway, tenant.key, body | {"stream": False, "max_output_tokens": 1, "metadata": {}})
     assert whole.status_code == 200, whole.text
 
     with (
-        httpx.Client(timeout=120) as client,
+        httpx.Client(timeout=120, transport=httpx.HTTPTransport(socket_options=[_receive_buffer(256 * 1024)])) as client,
         client.stream(
             "POST", f"{gateway}/v1/responses", json=body, headers={"Authorization": f"Bearer {tenant.key}"}
         ) as response,
@@ -193,7 +210,7 @@ def test_a_client_leaving_a_stream_midway_is_billed_the_engines_usage_once(gatew
     row = _row(request_id)
     assert row.status == "client_aborted"
     # NOTE: no running usage in a Responses stream: read on to its last event, billed exactly the engine's figures.
-    assert (row.prompt_tokens, row.completion_tokens) == (whole.json()["usage"]["input_tokens"], 1000)
+    assert (row.prompt_tokens, row.completion_tokens) == (whole.json()["usage"]["input_tokens"], max_output_tokens)
     assert UsageRecord.objects.filter(request_id=request_id).count() == 1
 
 
@@ -316,15 +333,14 @@ def test_any_responses_body_is_taken_or_refused_with_a_400_never_an_error(body):
 def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_usage(
     tenant, endpoint, tmp_path, web_zygote
 ):
-    # NOTE: 1,200 tokens with 20 top logprobs each: ~1.2 MB of deltas, then the last three events each repeat every
-    # token's logprobs (~1.4 MB each), ~5.4 MB in all, past what the loopback's socket buffers hold for a client reading
-    # nothing (the send buffer grows to 4 MiB, `tcp_wmem`; 2.4 MB were all taken): the send waits, and the send deadline
-    # (2 s) cuts the call off. The context's 2,000 tokens took 50-70 s: past ~2.5 MB the full buffers let the deltas
-    # out a little at a time, each send shorter than the deadline, and the cut came only at the last events.
+    # NOTE: `response.created`, `response.in_progress` and `response.completed` each echo ~2.4 MB of metadata, ~7.2 MB
+    # in all, past what the loopback's socket buffers hold for a client reading nothing (the send buffer grows to 4 MiB,
+    # `tcp_wmem`): the send waits, and the send deadline (2 s) cuts the call off. Before, 1,200 tokens with 20 top
+    # logprobs each made the bytes (~5.4 MB): ~15 s of the engine, besides the first compile of its logprobs kernel.
     child, gateway = start_web_server(
         tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_SEND_TIMEOUT_S": "2"}, zygote=web_zygote
     )
-    max_output_tokens = 1200
+    max_output_tokens = 40
     body = json.dumps(
         {
             "model": NAME,
@@ -332,13 +348,12 @@ def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_u
             "max_output_tokens": max_output_tokens,
             "ignore_eos": True,
             "stream": True,
-            "top_logprobs": 20,
-            "include": ["message.output_text.logprobs"],
+            "metadata": _echoed_metadata(2_400_000),
         }
     ).encode()
     host, port = gateway.removeprefix("http://").split(":")
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(*_receive_buffer(4096))
     try:
         sock.connect((host, int(port)))
         sock.sendall(
