@@ -8,7 +8,9 @@ It speaks what the gateway relies on from vLLM: `/health`, non-streaming answers
 Each completion has `max_tokens` tokens (default 16), one per chunk. With INFERPLANE_ENGINE_API_KEY
 set it runs behind the same `EngineKeyGuard` as a real engine; `GET /_stats` counts the requests
 that reached it and gives the last one's body (`last_payload`). With `--prefix-cache`, a modelled prefix cache
-reports `cached_tokens` for a prompt whose first message (or first 256 characters) it has seen before.
+reports `cached_tokens` for a prompt whose first message (or first 256 characters) it has seen before. With
+`--hold-stream-ends`, a stream sends its tokens and then waits, before its end (its usage and `[DONE]`), until
+`POST /_release`: calls kept in flight for as long as a test needs them, ended when it says.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _prefix(payload: dict) -> str:
 class MockOpenAI:
     def __init__(self, token_delay_s: float = 0.0, fail_after_chunks: int | None = None, one_write: bool = False,
                  prefix_cache: bool = False, prefill_s: float = 0.0, whole_answer_bytes: int = 0,
-                 cut_whole_answers: int = 0, logprob_token_bytes: int = 1000):
+                 cut_whole_answers: int = 0, logprob_token_bytes: int = 1000, hold_stream_ends: bool = False):
         self.token_delay_s = token_delay_s
         self.prefill_s = prefill_s  # before the first token (a stream's first event comes after it)
         self.whole_answer_bytes = whole_answer_bytes  # an answer (or a whole stream) padded to about this size (logprobs)
@@ -82,6 +84,8 @@ class MockOpenAI:
         self.num_streams_left = 0  # streams whose client (the gateway) closed the connection before their end
         self.prefix_cache = prefix_cache
         self.prefixes_seen: set[str] = set()  # a modelled prefix cache: a prefix seen before is reported cached
+        # set by `POST /_release`: the streams' ends wait for it (`--hold-stream-ends`)
+        self.released: asyncio.Event | None = asyncio.Event() if hold_stream_ends else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -98,6 +102,10 @@ class MockOpenAI:
         if path == "/_stats":
             return await self._json(send, 200, {"num_requests": self.num_requests, "num_streams_left": self.num_streams_left,
                                                 "last_payload": self.last_payload})
+        if path == "/_release":
+            if self.released is not None:
+                self.released.set()
+            return await self._json(send, 200, {})
         self.num_requests += 1
         body = b""
         while True:
@@ -192,6 +200,8 @@ class MockOpenAI:
                 # as vLLM writes it: `json.dumps`, its default separators
                 await emit(b"data: " + json.dumps(VLLM_STREAM_ERROR).encode() + b"\n\ndata: [DONE]\n\n", more=False)
                 return
+        if self.released is not None:
+            await self.released.wait()
         if include_usage:
             final = base | {"choices": [], "usage": _usage(num_tokens, cached)}
             await emit(b"data: " + _dumps(final) + b"\n\n")
@@ -245,13 +255,15 @@ def main() -> None:
     parser.add_argument("--whole-answer-bytes", type=int, default=0, help="pad answers (and whole streams) to about this size")
     parser.add_argument("--logprob-token-bytes", type=int, default=1000, help="the length of each padding logprob's token")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prompt tokens every usage says")
+    parser.add_argument("--hold-stream-ends", action="store_true",
+                        help="each stream waits before its end (its usage and [DONE]) until POST /_release")
     parser.add_argument("--cut-whole-answers", type=int, default=0,
                         help="the first N non-streamed answers stop half-way (headers sent, the connection dropped)")
     args = parser.parse_args()
     PROMPT_TOKENS = args.prompt_tokens
     app = MockOpenAI(args.token_delay_ms / 1000, args.fail_after_chunks, args.one_write, args.prefix_cache,
                      args.prefill_ms / 1000, args.whole_answer_bytes, args.cut_whole_answers,
-                     args.logprob_token_bytes)
+                     args.logprob_token_bytes, args.hold_stream_ends)
     if os.environ.get(ENGINE_API_KEY_ENV):
         app = EngineKeyGuard(app)
     # NOTE: a test double: on SIGTERM a call it still holds (a stream, an answer it never gives) is cut after 1 s, not

@@ -53,7 +53,7 @@ def start_mock_upstream(tmp_path):
     def start(*, token_delay_ms: float = 0, fail_after_chunks: int | None = None, engine_key: str = "",
               one_write: bool = False, prefix_cache: bool = False, prefill_ms: float = 0,
               whole_answer_bytes: int = 0, prompt_tokens: int | None = None, cut_whole_answers: int = 0,
-              logprob_token_bytes: int | None = None) -> str:
+              logprob_token_bytes: int | None = None, hold_stream_ends: bool = False) -> str:
         port = free_port()
         args = [sys.executable, "-m", "tests.fakes.mock_openai", "--port", str(port), "--token-delay-ms", str(token_delay_ms)]
         if fail_after_chunks is not None:
@@ -72,6 +72,8 @@ def start_mock_upstream(tmp_path):
             args += ["--prompt-tokens", str(prompt_tokens)]
         if cut_whole_answers:
             args += ["--cut-whole-answers", str(cut_whole_answers)]
+        if hold_stream_ends:
+            args.append("--hold-stream-ends")
         env = child_env() | ({ENGINE_API_KEY_ENV: engine_key} if engine_key else {})
         child = ChildProcess(args, env, tmp_path / f"mock-{port}.log")
         started.append(child)

@@ -15,6 +15,24 @@ from tests.outages import database_read_only, database_refusing_connections
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(scope="module")
+def module_journal_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("journal")
+
+
+@pytest.fixture
+def journal_env(module_journal_dir):
+    """A journal folder, empty, and the gateways' settings naming it.
+
+    NOTE: one folder for the module, so that the gateways of the tests that add nothing to these settings are forked
+    from one sibling of the web zygote (`WebZygote.for_env`: settings are read at import): a folder per test was an
+    environment per test, and each gateway was started the ordinary way (~3 s of imports each)."""
+    for path in module_journal_dir.iterdir():
+        path.unlink()
+    return module_journal_dir, {"INFERPLANE_USAGE_JOURNAL_DIR": str(module_journal_dir),
+                                "INFERPLANE_API_KEY_CACHE_S": "60"}
+
+
 def usage_backlog(base_url: str) -> int:
     return httpx.get(f"{base_url}/readyz", timeout=10).json()["usage_backlog"]
 
@@ -44,10 +62,10 @@ def assert_one_row_per_success(answers):
 # nor journaled, and a journal replayed then was set aside as if its rows were bad).
 @pytest.mark.parametrize("outage", [database_refusing_connections, database_read_only], ids=["down", "read-only"])
 def test_usage_written_while_postgresql_is_down_reaches_the_ledger_once_it_is_back(tenant, start_mock_upstream, tmp_path,
-                                                                                   outage):
+                                                                                   web_zygote, journal_env, outage):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=5))
-    env = {"INFERPLANE_USAGE_JOURNAL_DIR": str(tmp_path / "journal"), "INFERPLANE_API_KEY_CACHE_S": "60"}
-    child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
+    journal_dir, env = journal_env
+    child, gateway = start_web_server(tmp_path, name="gateway", extra_env=env, zygote=web_zygote)
     try:
         with Load(gateway, tenant.key, endpoint.name) as load:
             wait_until(lambda: load.outcomes()["ok"] >= 8, 30, message="traffic before the outage")
@@ -61,15 +79,16 @@ def test_usage_written_while_postgresql_is_down_reaches_the_ledger_once_it_is_ba
         outcomes = load.outcomes()
         assert outcomes["hung"] == 0 and outcomes["broken"] == 0, outcomes
         assert_one_row_per_success(load.snapshot())
-        assert not list((tmp_path / "journal").glob("*.jsonl"))  # nothing set aside in rejected.jsonl either
+        assert not list(journal_dir.glob("*.jsonl"))  # nothing set aside in rejected.jsonl either
     finally:
         child.stop()
 
 
-def test_a_gateway_killed_with_a_journal_backlog_leaves_it_to_the_next_gateway(tenant, start_mock_upstream, tmp_path):
+def test_a_gateway_killed_with_a_journal_backlog_leaves_it_to_the_next_gateway(tenant, start_mock_upstream, tmp_path,
+                                                                               web_zygote, journal_env):
     endpoint = serve_endpoint(tenant.org, start_mock_upstream())
-    env = {"INFERPLANE_USAGE_JOURNAL_DIR": str(tmp_path / "journal"), "INFERPLANE_API_KEY_CACHE_S": "60"}
-    first, gateway = start_web_server(tmp_path, name="gateway", extra_env=env)
+    journal_dir, env = journal_env
+    first, gateway = start_web_server(tmp_path, name="gateway", extra_env=env, zygote=web_zygote)
     try:
         with Load(gateway, tenant.key, endpoint.name, num_clients=2) as load:
             wait_until(lambda: load.outcomes()["ok"] >= 2, 30, message="traffic before the outage")
@@ -80,8 +99,8 @@ def test_a_gateway_killed_with_a_journal_backlog_leaves_it_to_the_next_gateway(t
                 wait_until(lambda: usage_backlog(gateway) + UsageRecord.objects.count() >= load.outcomes()["ok"], 30,
                            message="answered requests journaled")
                 first.kill()
-        assert list((tmp_path / "journal").glob("*.jsonl"))
-        second, second_url = start_web_server(tmp_path, name="gateway-2", extra_env=env)
+        assert list(journal_dir.glob("*.jsonl"))
+        second, second_url = start_web_server(tmp_path, name="gateway-2", extra_env=env, zygote=web_zygote)
         try:
             wait_until(lambda: usage_backlog(second_url) == 0, 30, message="the next gateway to replay the journal")
         finally:

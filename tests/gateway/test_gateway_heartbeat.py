@@ -87,17 +87,25 @@ def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoin
         child.stop()
 
 
+# The streams of the two tests below: a second of tokens, then held in flight until the test releases their ends (the
+# mock's `--hold-stream-ends`). NOTE: before, 80 tokens (8 s) kept them in flight through Redis's loss and the put-back;
+# most of each test was the wait for their ends.
+STREAM_TOKENS = 10
+
+
 def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_releases_them_once(
         tenant, start_mock_upstream, tmp_path, web_zygote):
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100))
+    upstream = start_mock_upstream(token_delay_ms=100, hold_stream_ends=True)
+    endpoint = serve_endpoint(tenant.org, upstream)
     replica = Replica.objects.get(endpoint=endpoint)
     child, gateway = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     try:
-        streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=80)
+        streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=STREAM_TOKENS)
         wait_until(lambda: counts(endpoint, replica) == (2, 2), 30, message="two streams in flight")
         get_redis().flushdb()  # Redis restarted without persistence
         assert counts(endpoint, replica) == (0, 0)
         wait_until(lambda: counts(endpoint, replica) == (2, 2), 10, message="the gateway to put its requests back")
+        httpx.post(f"{upstream}/_release", timeout=10)  # the streams end
         for thread in streams:
             thread.join(60)
         wait_until(lambda: counts(endpoint, replica) == (0, 0), 10, message="both released once, never below zero")
@@ -129,12 +137,13 @@ def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_t
         tenant, start_mock_upstream, tmp_path, web_zygote):
     """Before, Redis losing its memory lost the running calls' reservations for good: the counters were rebuilt from
     the ledger with nothing reserved, and new calls were admitted against the cap their running calls still held."""
-    endpoint = serve_endpoint(tenant.org, start_mock_upstream(token_delay_ms=100))
+    upstream = start_mock_upstream(token_delay_ms=100, hold_stream_ends=True)
+    endpoint = serve_endpoint(tenant.org, upstream)
     replica = Replica.objects.get(endpoint=endpoint)
     org, key = tenant.org.pk, tenant.api_key.pk
     child, gateway = start_web_server(tmp_path, name="gateway", zygote=web_zygote)
     try:
-        streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=80)
+        streams = start_streams(gateway, tenant.key, endpoint.name, 2, max_tokens=STREAM_TOKENS)
         wait_until(lambda: counts(endpoint, replica) == (2, 2) and held(org, key)[0] == 2, 30,
                    message="two streams in flight, each reserved")
         before = held(org, key)
@@ -147,6 +156,7 @@ def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_t
         set_spend_cap(SYSTEM, tenant.org, spend_cap=running * Decimal("1.5"))
         with pytest.raises(QuotaExceeded):
             asyncio.run(reserve(organization_id=org, api_key_id=key, amount=running, request_id="third"))
+        httpx.post(f"{upstream}/_release", timeout=10)  # the streams end
         for thread in streams:
             thread.join(60)
         wait_until(lambda: held(org, key) == (0, 0, 0), 10, message="both reservations released once")

@@ -61,6 +61,12 @@ def _post(gateway: str, key: str, body: dict, path: str = "/v1/responses") -> ht
     return httpx.post(f"{gateway}{path}", headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120)
 
 
+def _echoed_metadata(num_bytes: int) -> dict[str, str]:
+    """`metadata` of about `num_bytes` (16 values): no prompt token, but every response object of a stream echoes it
+    (`response.created`, `response.in_progress`, `response.completed`), so each of those events is that large."""
+    return {f"pad{number}": "x" * (num_bytes // 16) for number in range(16)}
+
+
 # --- served and metered -----------------------------------------------------------------------------
 
 
@@ -316,15 +322,14 @@ def test_any_responses_body_is_taken_or_refused_with_a_400_never_an_error(body):
 def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_usage(
     tenant, endpoint, tmp_path, web_zygote
 ):
-    # NOTE: 1,200 tokens with 20 top logprobs each: ~1.2 MB of deltas, then the last three events each repeat every
-    # token's logprobs (~1.4 MB each), ~5.4 MB in all, past what the loopback's socket buffers hold for a client reading
-    # nothing (the send buffer grows to 4 MiB, `tcp_wmem`; 2.4 MB were all taken): the send waits, and the send deadline
-    # (2 s) cuts the call off. The context's 2,000 tokens took 50-70 s: past ~2.5 MB the full buffers let the deltas
-    # out a little at a time, each send shorter than the deadline, and the cut came only at the last events.
+    # NOTE: `response.created`, `response.in_progress` and `response.completed` each echo ~2.4 MB of metadata, ~7.2 MB
+    # in all, past what the loopback's socket buffers hold for a client reading nothing (the send buffer grows to 4 MiB,
+    # `tcp_wmem`): the send waits, and the send deadline (2 s) cuts the call off. Before, 1,200 tokens with 20 top
+    # logprobs each made the bytes (~5.4 MB): ~15 s of the engine, besides the first compile of its logprobs kernel.
     child, gateway = start_web_server(
         tmp_path, name="gateway", extra_env={"INFERPLANE_GATEWAY_SEND_TIMEOUT_S": "2"}, zygote=web_zygote
     )
-    max_output_tokens = 1200
+    max_output_tokens = 40
     body = json.dumps(
         {
             "model": NAME,
@@ -332,8 +337,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_off_and_billed_the_engines_u
             "max_output_tokens": max_output_tokens,
             "ignore_eos": True,
             "stream": True,
-            "top_logprobs": 20,
-            "include": ["message.output_text.logprobs"],
+            "metadata": _echoed_metadata(2_400_000),
         }
     ).encode()
     host, port = gateway.removeprefix("http://").split(":")
