@@ -28,12 +28,18 @@ DEPENDENCIES = (
     "django.apps",
     "django.db.models",
     "django.core.management",
+    "django.core.mail",
+    "django.urls",
+    "django.utils.log",
     "psycopg",
     "psycopg_pool",
     "celery",
+    "celery.app",
     "kombu",
     "redis",
     "boto3",
+    "cryptography.fernet",
+    "stripe",
     "botocore.client",
     "jinja2",
     "opentelemetry.trace",
@@ -46,6 +52,10 @@ DEPENDENCIES = (
 def _serve() -> None:
     for name in DEPENDENCIES:
         importlib.import_module(name)
+    from django.conf import settings
+
+    if settings.configured:  # a dependency read the settings: every child would see this process's
+        sys.exit("the fork server's dependencies configured Django's settings")
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
