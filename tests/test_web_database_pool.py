@@ -6,10 +6,7 @@ is refused with a 503 soon instead of waiting."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +20,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
 from tests.conftest import PRODUCTION_WEB_ENV, start_web_server, wait_until
+from tests.fork_server import ForkServer
 from tests.outages import StallableSocketProxy, database_refusing_connections, terminate_backends
 from tests.web_callers import (
     bogus_node_secret,
@@ -239,50 +237,20 @@ def test_a_request_that_finds_every_pooled_connection_taken_gets_a_503_soon(tmp_
     assert answers[0].status_code == 200
 
 
-# What `_database_settings_of` imports once before it forks a process per environment: dependencies only, none of which
-# reads the settings or the environment the settings read, so each fork still starts the project through its `entry`.
-_DEPENDENCIES = (
-    "django.apps",
-    "django.db.models",
-    "psycopg",
-    "psycopg_pool",
-    "celery",
-    "kombu",
-    "redis",
-    "boto3",
-    "botocore.client",
-    "jinja2",
-    "opentelemetry.trace",
-    "rich",
-    "httpx",
-    "yaml",
-)
-
-
 def _database_settings_of(*cases: tuple[str, dict[str, str]]) -> list[str]:
     """For each `(entry, env)`, the default database's pool options, `CONN_MAX_AGE`, the pool's connection arguments and
     `ENGINE` as a process started through `entry` (a module imported first) sees them, with production's settings and
-    `env`. NOTE: one process per case, forked from one that imported only `_DEPENDENCIES`: a fresh interpreter each
-    (~1.5 s of CPU apiece, five in a test) spent most of its time importing them again."""
+    `env`. NOTE: one process per case, forked from one that imported only the dependencies (`tests.fork_server`): a
+    fresh interpreter each (~1.5 s of CPU apiece, five in a test) spent most of its time importing them again."""
     script = (
-        "import importlib, json, os, sys\n"
-        f"for name in {_DEPENDENCIES!r}:\n    importlib.import_module(name)\n"
-        "for entry, env in json.loads(sys.stdin.read()):\n"
-        "    pid = os.fork()\n"
-        "    if pid == 0:\n"
-        "        os.environ.clear()\n"
-        "        os.environ.update(env)\n"
-        "        importlib.import_module(entry)\n"
-        "        import django\n"
-        "        django.setup()\n"
-        "        from django.db import connection\n"
-        "        pool = connection.pool\n"
-        "        print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
-        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])), flush=True)\n"
-        "        os._exit(0)\n"
-        "    _, status = os.waitpid(pid, 0)\n"
-        "    if status:\n"
-        "        sys.exit(f'{entry}: {status}')\n"
+        "import importlib, sys\n"
+        "importlib.import_module(sys.argv[1])\n"
+        "import django\n"
+        "django.setup()\n"
+        "from django.db import connection\n"
+        "pool = connection.pool\n"
+        "print(repr((connection.settings_dict['OPTIONS'].get('pool'), connection.settings_dict['CONN_MAX_AGE'], "
+        "pool and pool.kwargs.get('prepare_threshold', 'unset'), connection.settings_dict['ENGINE'])))\n"
     )
     clean = {
         k: v
@@ -293,24 +261,19 @@ def _database_settings_of(*cases: tuple[str, dict[str, str]]) -> list[str]:
         "DATABASE_URL": "postgresql://u:p@db.internal:5432/inferplane",
         "REDIS_URL": "redis://redis.internal:6379/0",
     }
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO_ROOT,
-        input=json.dumps(
-            [
-                [entry, clean | production | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"}]
-                for entry, env in cases
-            ]
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == len(cases), result.stdout
-    return lines
+    forks = ForkServer(clean, REPO_ROOT)
+    try:
+        results = [
+            forks.run(["-c", script, entry], cwd=REPO_ROOT, timeout=120,
+                      env=clean | production | env | {"DJANGO_SETTINGS_MODULE": "controlplane.settings"})
+            for entry, env in cases
+        ]
+    finally:
+        forks.stop()
+    for (entry, _), result in zip(cases, results, strict=True):
+        assert result.returncode == 0, f"{entry}: {result.stderr}"
+        assert len(result.stdout.strip().splitlines()) == 1, result.stdout
+    return [result.stdout.strip() for result in results]
 
 
 def test_only_the_web_process_pools_its_connections_and_only_when_opted_in():
