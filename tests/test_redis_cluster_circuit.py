@@ -22,7 +22,7 @@ from controlplane.redis_circuit import Refused
 from controlplane.redis_keys import key_slot
 from endpoints.gateway import admission, errors
 from tests.factories import EndpointFactory, OrganizationFactory
-from tests.processes import ChildProcess, wait_until
+from tests.processes import ChildProcess, free_port, wait_until
 from tests.test_redis_cluster import (  # noqa: F401 - the fixtures
     NUM_SLOTS,
     _caller,
@@ -283,3 +283,23 @@ def test_a_silent_cluster_nodes_organisations_are_served_again_once_its_replica_
 
     assert all(isinstance(error, Refused) for error in refusals), refusals
     assert served_after_s is not None and served_after_s < 2.0, served_after_s
+
+
+def test_a_node_no_call_is_sent_to_any_more_is_probed_no_longer(monkeypatch):
+    # A node failed over and gone (its address dead, or taken by a process that is no Redis) has its circuit left open.
+    # Before: its probe asked it again every 0.1 s for as long as the process lived, in every gateway and Celery worker
+    # process, one thread more for each such address a cluster went through.
+    monkeypatch.setattr(redis_circuit, "NODE_PROBE_IDLE_S", 0.5, raising=False)
+    gone = redis_circuit.node_circuit(f"127.0.0.1:{free_port()}")  # refuses connections: asked again every 0.1 s
+    try:
+        gone.trip(TimeoutError("the node's reply overdue"))
+        assert not gone.admits()
+        probe = gone._probe
+        probe.join(timeout=5)
+        assert not probe.is_alive()
+        assert gone.is_open
+        assert not gone.admits()  # a call for it again: refused, and the node probed again
+        assert gone._probe is not probe and gone._probe.is_alive()
+    finally:
+        gone.close()
+        redis_circuit.node_circuits.clear()
