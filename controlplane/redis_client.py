@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -153,6 +154,21 @@ def _layout_reread_due(client) -> bool:
     return True
 
 
+def _answering_default_node(client):
+    """A cluster client's default node (for a command of no key: `TIME`, `PING`), another primary if its circuit is
+    open.
+
+    NOTE: redis-py replaces it when a command there fails as it sends it again (a timeout), never on a refusal, and the
+    sync client's every reading of the layout makes the holder of slot 0 the default again: a silent one had every
+    `redis_time` (the scheduler's, the autoscaler's, the sweeper's) refused for as long as it was silent."""
+    node = client.nodes_manager.default_node
+    if node is not None and node_circuit(node.name).is_open:
+        answering = [each for each in client.get_primaries() if not node_circuit(each.name).is_open]
+        if answering:
+            client.nodes_manager.default_node = node = random.choice(answering)
+    return node
+
+
 class _ClusterClient(redis.cluster.RedisCluster):
     """redis-py's cluster client, its connections guarded by their nodes' circuits (`_NodeCircuitConnection`).
 
@@ -169,6 +185,9 @@ class _ClusterClient(redis.cluster.RedisCluster):
             pool = node.redis_connection.connection_pool
             pool.connection_class = self.nodes_manager.connection_kwargs["connection_class"]
             pool.reset()  # its idle connections, from the first reading of the layout, made of redis-py's class
+
+    def get_default_node(self):
+        return _answering_default_node(self)
 
     def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():
@@ -233,6 +252,9 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
         if self._initialize:
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
+
+    def get_default_node(self):
+        return _answering_default_node(self)
 
     async def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():

@@ -122,9 +122,11 @@ def test_a_silent_cluster_node_refuses_its_organisations_at_once_after_one_call_
     assert max(seconds for seconds, _ in later) < REFUSED_WITHIN_S, later
 
 
+# NOTE: the first node holds slot 0 and seeds the clients: redis-py's cluster clients take it for their default node
+@pytest.mark.parametrize("silent_index", [1, 0], ids=["a-node", "the-default-node"])
 def test_a_silent_cluster_node_never_refuses_nor_slows_the_organisations_on_the_other_nodes(
-        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
-    silent_port = redis_cluster[1]
+        cluster, redis_cluster, frozen, silent_index):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[silent_index]
     silent_organization = _org_on(cluster, silent_port)
     healthy_organization = _org_on(cluster, silent_port, other_than=silent_port)
     silent_endpoint = str(EndpointFactory(organization=silent_organization).pk)
@@ -303,3 +305,26 @@ def test_a_node_no_call_is_sent_to_any_more_is_probed_no_longer(monkeypatch):
     finally:
         gone.close()
         redis_circuit.node_circuits.clear()
+
+
+def test_a_silent_cluster_node_that_is_the_clients_default_never_refuses_a_command_of_no_key(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    # Redis's clock (`redis_time`: the scheduler's, the autoscaler's, the sweeper's, the usage replay's) is asked of
+    # redis-py's default node, which any other serves as well. Before: the default node silent, it was refused at once,
+    # and never sent to another as redis-py sends a timed-out one, for as long as the node was silent.
+    silent_port = cluster.get_default_node().port
+    silent_key = redis_keys.org_reserved_key(_org_on(cluster, silent_port).pk)
+    cluster.get(silent_key)
+    frozen(silent_port)
+    with pytest.raises(redis.exceptions.RedisError):
+        cluster.get(silent_key)  # the node's circuit opens
+
+    refused = []
+    for _ in range(5):
+        started = time.monotonic()
+        try:
+            redis_client.redis_time()
+        except redis.exceptions.RedisError as exc:
+            refused.append(exc)
+        assert time.monotonic() - started < REFUSED_WITHIN_S
+    assert refused == []
