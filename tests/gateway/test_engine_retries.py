@@ -190,3 +190,20 @@ def test_a_call_its_engine_read_whose_connection_a_middlebox_reset_as_its_replic
     _assert_openai_server_error(answer)
     assert num_sent_to_live == 0
     assert _num_requests(engine) == 1  # the engine behind it read the call
+
+
+def test_a_call_on_a_pooled_connection_a_middlebox_closed_plainly_as_its_replica_drained_is_never_sent_to_another(
+        gateway, tenant, start_mock_upstream):
+    # A stopping engine's server closes an idle pooled connection at once, as a call goes out on it; a proxy that gives
+    # up closes one plainly after the engine's silence on a call it read. Before: no test closed a pooled connection
+    # late, and `idle_close_raced` could take such a close for a stopping server's (the call computed again on the
+    # other replica, the first engine's work unbilled) with every test passing.
+    engine, live = start_mock_upstream(token_delay_ms=500), start_mock_upstream()  # 0.5 s a token
+    middlebox = _draining(ResettingMiddlebox(engine, silent_s=upstream.CLOSED_UNREAD_WITHIN_S + 1, plain=True))
+    endpoint = serve_endpoint(tenant.org, middlebox.address, live)
+    assert _call(gateway, tenant.key, endpoint, "someone", max_tokens=1).status_code == 200  # the connection pooled
+    answer = _call(gateway, tenant.key, endpoint, "someone")  # 20 tokens: 10 s, silent
+    assert middlebox.num_closed == 1
+    _assert_openai_server_error(answer)
+    assert _num_requests(live) == 0
+    assert _num_requests(engine) == 2  # the engine behind it read both calls

@@ -4,15 +4,19 @@ silence, then only while the engine generates (its agent's last report), as a no
 is. Before, the call, its reservation and its client waited out the whole read timeout (600 s), as long as the OpenAI
 clients' own timeout, which they follow with a try of their own."""
 
+import asyncio
 import json
 import time
 
 import httpx
 import pytest
+from django.conf import LazySettings
 
 from billing.models import UsageRecord
+from controlplane.asgi import application
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
+from endpoints.gateway import presence
 from endpoints.models import Replica
 from tests.conftest import start_web_server, wait_until
 from tests.gateway.conftest import serve_endpoint
@@ -74,3 +78,34 @@ def test_a_stream_whose_engine_generates_is_waited_for_past_the_first_event_boun
     row = UsageRecord.objects.get()
     assert (row.status, row.completion_tokens) == ("ok", 5) and row.cost > 0
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
+
+
+def test_a_streams_first_event_bound_is_read_without_djangos_lazy_look_up(
+        tenant, start_mock_upstream, gateway_alone, monkeypatch):
+    # Every streamed call read its first event's bound through `django.conf.settings` (`LazyObject.__getattribute__`,
+    # 0.4-0.8 us), on the gateway's warm path, which reads its settings through `controlplane.hot_settings`.
+    endpoint = serve_endpoint(tenant.org, start_mock_upstream())
+    read = []
+    look_up = LazySettings.__getattribute__
+
+    def counted(self, name):
+        if name == "GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S":
+            read.append(name)
+        return look_up(self, name)
+
+    async def stream() -> int:
+        transport = httpx.ASGITransport(app=application, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as http:
+            response = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
+                                       json={"model": endpoint.name, "messages": MESSAGES, "stream": True,
+                                             "max_tokens": 5})
+        return response.status_code
+
+    async def two_streams() -> list[int]:
+        await presence.beat()
+        first = await stream()  # each setting read once
+        monkeypatch.setattr(LazySettings, "__getattribute__", counted)
+        return [first, await stream()]
+
+    assert asyncio.run(asyncio.wait_for(two_streams(), 60)) == [200, 200]
+    assert read == []
