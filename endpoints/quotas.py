@@ -8,7 +8,8 @@ The numbers come from the organisation's plan, or the platform defaults
   types the plan allows (400 with field errors);
 - placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
   `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
-  (the endpoint shows "waiting for quota: …");
+  (the endpoint shows "waiting for quota: …"), and while it started fewer than it may in the last hour
+  (`start_refusal`, `quota_room.ReplicaStarts`: its gateway calls then get a 429 at once);
 - a quota lowered below what the organisation holds (its plan changed, or it moved to a smaller one: `over_quota`):
   its endpoints' reconciles drain its replicas down to it, one at a time, newest first, each drain audited
   (`replica.quota_drain`) and the endpoints holding them showing why ("over quota: …"), never all at once: a
@@ -35,7 +36,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
-from endpoints.quota_room import replica_room
+from endpoints.quota_room import replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
@@ -201,6 +202,15 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
     if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None
+
+
+def start_refusal(endpoint: Endpoint) -> str | None:
+    """Why the endpoint's organisation may not start (place anew) one more replica this hour, or None
+    (`quota_room.ReplicaStarts`); waking a sleeping one is not a start.
+
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction."""
+    starts = replica_starts(endpoint.organization)
+    return None if starts is None or starts.num_left else starts.refusal()
 
 
 @dataclass(slots=True, frozen=True)

@@ -234,6 +234,10 @@ def _add_replicas(endpoint: Endpoint, sleeping: list[Replica], num_to_add: int, 
             continue
         if not may_place:
             raise _PlacementNeeded
+        refusal = quotas.start_refusal(endpoint)
+        if refusal is not None:
+            message = f"waiting for quota: {refusal}"
+            break
         replica, reason = place_replica(endpoint)
         if replica is None:
             # NOTE: only what its organisation's quota lets it hold is demand for a node pool's machine: all of them
