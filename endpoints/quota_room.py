@@ -1,4 +1,5 @@
-"""What an organisation may still place under its replica and GPU quotas and its replica starts an hour (`ReplicaRoom`).
+"""What an organisation may still place under its replica and GPU quotas and its replica starts an hour (`ReplicaRoom`),
+and how long a call keeps its idle replicas when it has no payment method (`idle_caps`).
 
 Its own module, beside `endpoints.quotas` (which judges specs, uploads and placement by it): the node pools
 (`endpoints.fleet.pools`) read it too, and `quotas` depends on the batch app, which the pools must not.
@@ -12,7 +13,7 @@ from django.conf import settings
 from django.db.models import Sum
 
 from billing.models import BillingAccount
-from billing.standing import held_without_payment_method
+from billing.standing import held_without_payment_method, limit_without_payment_method_applies
 from controlplane.accounts.models import Organization, Quotas
 from controlplane.clock import database_time_ago
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
@@ -111,3 +112,21 @@ def replica_room(organization: Organization) -> ReplicaRoom:
                 .values_list("endpoint__gpu_type", "num"))
     return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()},
                        replica_starts(organization))
+
+
+def idle_caps(organization_ids) -> dict[int, int]:
+    """Organisation id -> the longest its endpoints keep an idle replica after a call (`idle_timeout_s`) or a cold start
+    (`keep_warm_after_cold_start_s`), for those of `organization_ids` held to the limit without a payment method
+    (`INFERPLANE_IDLE_TIMEOUT_WITHOUT_CARD_S`); absent: their endpoints' own. One query.
+
+    NOTE: a replica costs its GPU (and a pool's machine) for as long as it stays; the tenant pays per token alone. Up to a
+    day each, one call cut at once (unbilled) kept one, for every endpoint its replica quota allows, by an organisation
+    that may never pay."""
+    cap = settings.IDLE_TIMEOUT_WITHOUT_CARD_S
+    organization_ids = set(organization_ids)
+    if not cap or not organization_ids or not limit_without_payment_method_applies():
+        return {}
+    accounts = {account.organization_id: account
+                for account in BillingAccount.objects.filter(organization_id__in=organization_ids)}
+    return {organization_id: cap for organization_id in organization_ids if held_without_payment_method(
+        accounts.get(organization_id) or BillingAccount(organization_id=organization_id))}
