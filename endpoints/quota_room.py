@@ -65,6 +65,7 @@ class ReplicaStarts:
     limit: int
     num_started: int
     without_card: bool
+    on_hold: bool = False  # its calls are stopped for an unpaid invoice or a disputed payment: it starts none (limit 0)
 
     @property
     def num_left(self) -> int:
@@ -72,6 +73,9 @@ class ReplicaStarts:
 
     def refusal(self) -> str:
         """Why no replica may start now (shown on the endpoint after "waiting for quota: ", and to its callers)."""
+        if self.on_hold:
+            return (f"{REPLICA_STARTS_REFUSAL}: your organisation's calls are stopped for an unpaid invoice or a "
+                    "disputed payment, and it starts no replica until that is settled on the billing page")
         if self.without_card:
             return (f"{REPLICA_STARTS_REFUSAL}: an organisation without a payment method starts at most {self.limit} "
                     "replicas an hour; add one on the billing page to start more")
@@ -89,8 +93,13 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
 
     NOTE: counted from the replicas' own rows (kept when they stop), by PostgreSQL's clock less their creation time:
     nothing to lose with Redis's memory, and a replica counts wherever it started from (a call's wake, the tick, a
-    resume, a spec change, a batch's deadline)."""
+    resume, a spec change, a batch's deadline). An organisation on hold (`billing.standing.hold`, as last reviewed) starts
+    none: every call of its is refused, so a replica started for its warm floor, a batch or a resume served nothing."""
     account = BillingAccount.objects.filter(organization_id=organization.pk).first()
+    num_started = Replica.objects.filter(endpoint__organization_id=organization.pk,
+                                         created_at__gte=database_time_ago(REPLICA_STARTS_WINDOW_S)).count()
+    if account is not None and account.past_due_since is not None:
+        return ReplicaStarts(0, num_started, without_card=False, on_hold=True)
     # NOTE: an organisation whose account was never made holds no payment method (made on first use, as it would be).
     without_card = held_without_payment_method(account or BillingAccount(organization_id=organization.pk))
     limits = [settings.REPLICA_STARTS_PER_HOUR] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
@@ -99,8 +108,6 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
         return None
     limit = min(limits)
     without_card = without_card and limit == settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD
-    num_started = Replica.objects.filter(endpoint__organization_id=organization.pk,
-                                         created_at__gte=database_time_ago(REPLICA_STARTS_WINDOW_S)).count()
     return ReplicaStarts(limit, num_started, without_card)
 
 

@@ -145,3 +145,20 @@ def test_a_node_pool_launches_no_more_machines_for_an_organisations_wakes_than_i
 
     assert tick(provider) == 1
     assert NodeLaunch.objects.filter(pool=pool).count() == 1
+
+
+def test_an_organisation_whose_calls_are_stopped_for_an_unpaid_invoice_starts_no_replica_for_its_warm_floor():
+    """Before: every call of an organisation on hold was a 402, yet its endpoints' warm floors (and a resume, a
+    batch's deadline) still started replicas, each a GPU, and a machine, that could serve nothing."""
+    organization = with_card(OrganizationFactory())
+    BillingAccount.objects.filter(organization=organization).update(past_due_since=timezone.now(), hold_reason="past_due")
+    make_node(memory_mb=80_000)
+    endpoint = EndpointFactory(organization=organization, gpu_type="l4", min_replicas=1)
+
+    reconcile_endpoint(str(endpoint.pk), called_now())
+
+    assert not Replica.objects.filter(endpoint=endpoint).exists()
+    endpoint.refresh_from_db()
+    assert endpoint.status_message.startswith(
+        "waiting for quota: replica starts an hour: your organisation's calls are stopped for an unpaid invoice")
+    assert endpoint.unplaced_replicas == 0
