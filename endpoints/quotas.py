@@ -36,7 +36,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
-from endpoints.quota_room import replica_room, replica_starts
+from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
@@ -66,6 +66,7 @@ class QuotaUse:
     num_held_requests: int
     num_file_bytes: int = 0
     num_gpus_by_type: dict[str, int] = field(default_factory=dict)
+    starts: ReplicaStarts | None = None  # None: its replica starts an hour are not bounded
 
     @property
     def rows(self) -> list[QuotaRow]:
@@ -82,6 +83,10 @@ class QuotaUse:
         for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_gpus_by_type)):
             rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
                                  self.quotas.max_gpus(gpu_type), self.num_gpus_by_type.get(gpu_type, 0)))
+        if self.starts is not None:
+            label = "Replicas started in the last hour" + (" (without a payment method)" if self.starts.without_card
+                                                           else " (on hold: none)" if self.starts.on_hold else "")
+            rows.append(QuotaRow("replica_starts_per_hour", label, self.starts.limit, self.starts.num_started))
         return rows
 
 
@@ -112,7 +117,7 @@ def use_of(organization: Organization) -> QuotaUse:
     num_held = get_redis().zcount(held_key(organization.pk), f"({redis_time()}", "+inf")  # `cold_start`'s clock
     file_bytes = File.objects.held_by(organization.pk).aggregate(total=Sum("bytes"))["total"] or 0
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type)
+                    held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type, replica_starts(organization))
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica", "prewarm_windows")

@@ -162,3 +162,13 @@ def test_an_organisation_whose_calls_are_stopped_for_an_unpaid_invoice_starts_no
     assert endpoint.status_message.startswith(
         "waiting for quota: replica starts an hour: your organisation's calls are stopped for an unpaid invoice")
     assert endpoint.unplaced_replicas == 0
+
+
+def test_the_quotas_api_shows_the_replicas_started_in_the_last_hour_beside_the_bound(owner_client, org):
+    endpoint = EndpointFactory(organization=org, gpu_type="l4")
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.STOPPED)
+
+    rows = {row["quota"]: row for row in owner_client.get("/api/v1/quotas/").json()["quotas"]}
+
+    assert rows["replica_starts_per_hour"]["used"] == 1 and rows["replica_starts_per_hour"]["limit"] == 2
+    assert rows["replica_starts_per_hour"]["label"] == "Replicas started in the last hour (without a payment method)"
