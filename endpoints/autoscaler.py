@@ -283,25 +283,34 @@ def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: floa
         loads[endpoint_id] = dataclasses.replace(loads[endpoint_id], last_request_at=now)
 
 
-def floor(endpoint, now: float) -> prewarm.Floor:
-    """The fewest replicas the endpoint keeps now: min_replicas, an open pre-warm window, or keep-warm."""
+def floor(endpoint, now: float, *, idle_cap_s: int = 0) -> prewarm.Floor:
+    """The fewest replicas the endpoint keeps now: min_replicas, an open pre-warm window, or keep-warm (no longer than
+    `idle_cap_s` where set: `quota_room.idle_caps`)."""
     at = datetime.fromtimestamp(now, UTC)
     floors = [prewarm.Floor(endpoint.min_replicas, f"min_replicas {endpoint.min_replicas}"),
               prewarm.window_floor(endpoint.prewarm_windows, at),
-              prewarm.keep_warm_floor(endpoint.keep_warm_after_cold_start_s, endpoint.last_cold_start_at, at)]
+              prewarm.keep_warm_floor(idle_timeout_s(endpoint.keep_warm_after_cold_start_s, idle_cap_s),
+                                      endpoint.last_cold_start_at, at)]
     return max(floors, key=lambda candidate: candidate.replicas)
 
 
+def idle_timeout_s(seconds: int, idle_cap_s: int = 0) -> int:
+    """An endpoint's idle time (`idle_timeout_s`, `keep_warm_after_cold_start_s`) as its organisation may keep it:
+    no longer than `idle_cap_s` where set (`quota_room.idle_caps`: one without a payment method)."""
+    return min(seconds, idle_cap_s) if idle_cap_s else seconds
+
+
 def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand | None = None, num_ready: int = 0,
-           num_serving: int = 0) -> Decision:
+           num_serving: int = 0, idle_cap_s: int = 0) -> Decision:
     """Replicas the endpoint should have for its interactive `load`, then for its queued `batch` work
     given its `num_ready` READY (of `num_serving` serving) replicas, at `now`: the clock `load` was read at
     (`read_load`'s, Redis's; the process's own only where no Redis is, as in the benchmarks). The batch's deadline is
-    judged by the clock the demand was read at (`BatchDemand.read_at`, PostgreSQL's), as it was stamped."""
+    judged by the clock the demand was read at (`BatchDemand.read_at`, PostgreSQL's), as it was stamped. `idle_cap_s`:
+    the longest its organisation keeps an idle replica (`quota_room.idle_caps`; 0: the endpoint's own times)."""
     now = now or time.time()
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return Decision(0, "paused" if endpoint.deleted_at is None else "deleted")
-    interactive = _decide_interactive(endpoint, load, now)
+    interactive = _decide_interactive(endpoint, load, now, idle_cap_s)
     if batch is None:
         return interactive
     verdict = batch_scheduling.apply(
@@ -311,7 +320,7 @@ def decide(endpoint, load: Load, *, now: float | None = None, batch: BatchDemand
     return Decision(verdict.desired, verdict.reason, interactive.inputs | {"batch": verdict.rule}, batch_rule=verdict.rule)
 
 
-def idle_deadline(endpoint, load: Load, num_serving: int, now: float) -> float | None:
+def idle_deadline(endpoint, load: Load, num_serving: int, now: float, *, idle_cap_s: int = 0) -> float | None:
     """When the idle timeout will let the endpoint drop replicas, if that moment falls before the next
     tick and nothing else changes meanwhile: nothing in flight, a known last request and a floor at
     that moment below the `num_serving` replicas it has. None otherwise.
@@ -324,16 +333,17 @@ def idle_deadline(endpoint, load: Load, num_serving: int, now: float) -> float |
         return None
     if endpoint.paused_at is not None or endpoint.deleted_at is not None:
         return None
-    deadline = load.idle_since + endpoint.idle_timeout_s
+    deadline = load.idle_since + idle_timeout_s(endpoint.idle_timeout_s, idle_cap_s)
     if not now < deadline < now + settings.AUTOSCALER_TICK_S:  # NOTE: first: `floor` reads pre-warm windows
         return None
-    if min(floor(endpoint, deadline).replicas, endpoint.max_replicas) >= num_serving:
+    if min(floor(endpoint, deadline, idle_cap_s=idle_cap_s).replicas, endpoint.max_replicas) >= num_serving:
         return None
     return deadline
 
 
-def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
-    lowest = floor(endpoint, now)
+def _decide_interactive(endpoint, load: Load, now: float, idle_cap_s: int = 0) -> Decision:
+    lowest = floor(endpoint, now, idle_cap_s=idle_cap_s)
+    timeout_s = idle_timeout_s(endpoint.idle_timeout_s, idle_cap_s)
     lowest_replicas = min(lowest.replicas, endpoint.max_replicas)
     idle_s = None if load.last_request_at is None else now - load.idle_since
     inputs = {"in_flight": load.num_inflight, "waiting": load.num_waiting, "peak": load.peak_concurrency,
@@ -341,9 +351,10 @@ def _decide_interactive(endpoint, load: Load, now: float) -> Decision:
               "kv_cache_usage": round(load.kv_cache_usage, 3), "engine_capacity": load.engine_capacity,
               "idle_s": None if idle_s is None else round(idle_s, 1), "floor": lowest_replicas,
               "target": endpoint.target_concurrency}
-    if load.concurrency == 0 and (idle_s is None or idle_s >= endpoint.idle_timeout_s):
+    if load.concurrency == 0 and (idle_s is None or idle_s >= timeout_s):
         if lowest_replicas == 0:
-            reason = "no requests yet" if idle_s is None else f"idle for {idle_s:.0f} s (timeout {endpoint.idle_timeout_s} s)"
+            reason = "no requests yet" if idle_s is None else f"idle for {idle_s:.0f} s (timeout {timeout_s} s" + (
+                ", the most without a payment method)" if timeout_s < endpoint.idle_timeout_s else ")")
             return Decision(0, f"scale to zero: {reason}", inputs)
         return Decision(lowest_replicas, f"idle: {lowest.reason}", inputs)
     target = max(endpoint.target_concurrency, 1)

@@ -1,4 +1,5 @@
-"""What an organisation may still place under its replica and GPU quotas (`ReplicaRoom`).
+"""What an organisation may still place under its replica and GPU quotas and its replica starts an hour (`ReplicaRoom`),
+and how long a call keeps its idle replicas when it has no payment method (`idle_caps`).
 
 Its own module, beside `endpoints.quotas` (which judges specs, uploads and placement by it): the node pools
 (`endpoints.fleet.pools`) read it too, and `quotas` depends on the batch app, which the pools must not.
@@ -8,10 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import Sum
 
+from billing.models import BillingAccount
+from billing.standing import held_without_payment_method, limit_without_payment_method_applies
 from controlplane.accounts.models import Organization, Quotas
+from controlplane.clock import database_time_ago
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
+
+# The window replica starts are counted over (`replica_starts`).
+REPLICA_STARTS_WINDOW_S = 3600
+# What a reconcile refused for the starts an hour says after "waiting for quota: " (`endpoints.scheduler`), which the
+# gateway reads on the endpoint to refuse its cold calls at once (`endpoints.gateway.standing`).
+REPLICA_STARTS_REFUSAL = "replica starts an hour"
 
 
 @dataclass(slots=True)
@@ -24,23 +35,105 @@ class ReplicaRoom:
     quotas: Quotas
     num_held: int
     num_gpus_held: dict[str, int]  # GPU type -> GPUs its replicas hold (a tensor-parallel one holds several)
+    starts: ReplicaStarts | None = None  # None: its replica starts are not bounded
 
     def num_more(self, gpu_type: str, gpus_per_replica: int) -> int:
-        """How many more replicas of that shape the organisation may hold now."""
+        """How many more replicas of that shape the organisation may hold now (and start this hour)."""
         by_replicas = self.quotas.max_replicas - self.num_held
         by_gpus = (self.quotas.max_gpus(gpu_type) - self.num_gpus_held.get(gpu_type, 0)) // max(1, gpus_per_replica)
-        return max(0, min(by_replicas, by_gpus))
+        by_starts = by_replicas if self.starts is None else self.starts.num_left
+        return max(0, min(by_replicas, by_gpus, by_starts))
 
     def take(self, gpu_type: str, gpus_per_replica: int, num_replicas: int) -> None:
-        """Count `num_replicas` more as held (a demand already given a machine)."""
+        """Count `num_replicas` more as held (a demand already given a machine), and as started."""
         self.num_held += num_replicas
         self.num_gpus_held[gpu_type] = self.num_gpus_held.get(gpu_type, 0) + num_replicas * gpus_per_replica
+        if self.starts is not None:
+            self.starts.num_started += num_replicas
+
+
+@dataclass(slots=True)
+class ReplicaStarts:
+    """The replicas an organisation placed in the last `REPLICA_STARTS_WINDOW_S`, against how many it may.
+
+    NOTE: a machine costs the fleet from its launch and a replica its GPU from its start, while a tenant pays per token
+    alone: a call its client cut at once (unbilled), a pause and resume, a spec change each started one, and nothing
+    but the replica quota bounded how often. An organisation without a payment method, which may never pay, is held to
+    far fewer (`INFERPLANE_REPLICA_STARTS_PER_HOUR_WITHOUT_CARD`). A sleeping replica woken is not a start: it holds
+    its GPU already."""
+
+    limit: int
+    num_started: int
+    without_card: bool
+    on_hold: bool = False  # its calls are stopped for an unpaid invoice or a disputed payment: it starts none (limit 0)
+
+    @property
+    def num_left(self) -> int:
+        return max(0, self.limit - self.num_started)
+
+    def refusal(self) -> str:
+        """Why no replica may start now (shown on the endpoint after "waiting for quota: ", and to its callers)."""
+        if self.on_hold:
+            return (f"{REPLICA_STARTS_REFUSAL}: your organisation's calls are stopped for an unpaid invoice or a "
+                    "disputed payment, and it starts no replica until that is settled on the billing page")
+        if self.without_card:
+            return (f"{REPLICA_STARTS_REFUSAL}: an organisation without a payment method starts at most {self.limit} "
+                    "replicas an hour; add one on the billing page to start more")
+        return f"{REPLICA_STARTS_REFUSAL}: your organisation starts at most {self.limit} replicas an hour"
+
+
+def refused_for_starts(status_message: str) -> bool:
+    """Whether an endpoint's status says a reconcile refused its next replica for its organisation's starts an hour.
+    NOTE: "waiting for quota: " is what the scheduler puts before every quota's refusal."""
+    return status_message.startswith(f"waiting for quota: {REPLICA_STARTS_REFUSAL}")
+
+
+def replica_starts(organization: Organization) -> ReplicaStarts | None:
+    """The organisation's `ReplicaStarts` now (two queries), None where its starts are not bounded.
+
+    NOTE: counted from the replicas' own rows (kept when they stop), by PostgreSQL's clock less their creation time:
+    nothing to lose with Redis's memory, and a replica counts wherever it started from (a call's wake, the tick, a
+    resume, a spec change, a batch's deadline). An organisation on hold (`billing.standing.hold`, as last reviewed) starts
+    none: every call of its is refused, so a replica started for its warm floor, a batch or a resume served nothing."""
+    account = BillingAccount.objects.filter(organization_id=organization.pk).first()
+    num_started = Replica.objects.filter(endpoint__organization_id=organization.pk,
+                                         created_at__gte=database_time_ago(REPLICA_STARTS_WINDOW_S)).count()
+    if account is not None and account.past_due_since is not None:
+        return ReplicaStarts(0, num_started, without_card=False, on_hold=True)
+    # NOTE: an organisation whose account was never made holds no payment method (made on first use, as it would be).
+    without_card = held_without_payment_method(account or BillingAccount(organization_id=organization.pk))
+    limits = [settings.REPLICA_STARTS_PER_HOUR] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
+    limits = [limit for limit in limits if limit]  # 0: no bound
+    if not limits:
+        return None
+    limit = min(limits)
+    without_card = without_card and limit == settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD
+    return ReplicaStarts(limit, num_started, without_card)
 
 
 def replica_room(organization: Organization) -> ReplicaRoom:
-    """The organisation's `ReplicaRoom` now (two queries)."""
+    """The organisation's `ReplicaRoom` now (four queries)."""
     held = Replica.objects.filter(endpoint__organization_id=organization.pk, state__in=ACTIVE_REPLICA_STATES).order_by()
     # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
     gpus = dict(held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
                 .values_list("endpoint__gpu_type", "num"))
-    return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()})
+    return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()},
+                       replica_starts(organization))
+
+
+def idle_caps(organization_ids) -> dict[int, int]:
+    """Organisation id -> the longest its endpoints keep an idle replica after a call (`idle_timeout_s`) or a cold start
+    (`keep_warm_after_cold_start_s`), for those of `organization_ids` held to the limit without a payment method
+    (`INFERPLANE_IDLE_TIMEOUT_WITHOUT_CARD_S`); absent: their endpoints' own. One query.
+
+    NOTE: a replica costs its GPU (and a pool's machine) for as long as it stays; the tenant pays per token alone. Up to a
+    day each, one call cut at once (unbilled) kept one, for every endpoint its replica quota allows, by an organisation
+    that may never pay."""
+    cap = settings.IDLE_TIMEOUT_WITHOUT_CARD_S
+    organization_ids = set(organization_ids)
+    if not cap or not organization_ids or not limit_without_payment_method_applies():
+        return {}
+    accounts = {account.organization_id: account
+                for account in BillingAccount.objects.filter(organization_id__in=organization_ids)}
+    return {organization_id: cap for organization_id in organization_ids if held_without_payment_method(
+        accounts.get(organization_id) or BillingAccount(organization_id=organization_id))}

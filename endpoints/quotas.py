@@ -8,7 +8,8 @@ The numbers come from the organisation's plan, or the platform defaults
   types the plan allows (400 with field errors);
 - placement (`endpoints.scheduler`): a new replica only while the organisation holds fewer than its
   `max_replicas` in all and its GPUs of that type, so the autoscaler never scales it past them
-  (the endpoint shows "waiting for quota: …");
+  (the endpoint shows "waiting for quota: …"), and while it started fewer than it may in the last hour
+  (`start_refusal`, `quota_room.ReplicaStarts`: its gateway calls then get a 429 at once);
 - a quota lowered below what the organisation holds (its plan changed, or it moved to a smaller one: `over_quota`):
   its endpoints' reconciles drain its replicas down to it, one at a time, newest first, each drain audited
   (`replica.quota_drain`) and the endpoints holding them showing why ("over quota: …"), never all at once: a
@@ -35,7 +36,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
-from endpoints.quota_room import replica_room
+from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
@@ -65,6 +66,7 @@ class QuotaUse:
     num_held_requests: int
     num_file_bytes: int = 0
     num_gpus_by_type: dict[str, int] = field(default_factory=dict)
+    starts: ReplicaStarts | None = None  # None: its replica starts an hour are not bounded
 
     @property
     def rows(self) -> list[QuotaRow]:
@@ -81,6 +83,10 @@ class QuotaUse:
         for gpu_type in sorted(set(self.quotas.max_gpus_by_type) | set(self.num_gpus_by_type)):
             rows.append(QuotaRow(f"max_gpus_by_type.{gpu_type}", f"{gpu_type} GPUs at once",
                                  self.quotas.max_gpus(gpu_type), self.num_gpus_by_type.get(gpu_type, 0)))
+        if self.starts is not None:
+            label = "Replicas started in the last hour" + (" (without a payment method)" if self.starts.without_card
+                                                           else " (on hold: none)" if self.starts.on_hold else "")
+            rows.append(QuotaRow("replica_starts_per_hour", label, self.starts.limit, self.starts.num_started))
         return rows
 
 
@@ -111,7 +117,7 @@ def use_of(organization: Organization) -> QuotaUse:
     num_held = get_redis().zcount(held_key(organization.pk), f"({redis_time()}", "+inf")  # `cold_start`'s clock
     file_bytes = File.objects.held_by(organization.pk).aggregate(total=Sum("bytes"))["total"] or 0
     return QuotaUse(organization.plan.name if organization.plan_id else None, organization.quotas, totals["num"],
-                    held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type)
+                    held.count(), _num_warm(endpoints), num_held, file_bytes, gpus_by_type, replica_starts(organization))
 
 
 QUOTA_FIELDS = ("gpu_type", "min_replicas", "max_replicas", "gpus_per_replica", "prewarm_windows")
@@ -201,6 +207,15 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
     if num_of_type + endpoint.gpus_per_replica > max_gpus:
         return f"your plan allows {max_gpus} {endpoint.gpu_type} GPUs at once and your endpoints hold {num_of_type}"
     return None
+
+
+def start_refusal(endpoint: Endpoint) -> str | None:
+    """Why the endpoint's organisation may not start (place anew) one more replica this hour, or None
+    (`quota_room.ReplicaStarts`); waking a sleeping one is not a start.
+
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction."""
+    starts = replica_starts(endpoint.organization)
+    return None if starts is None or starts.num_left else starts.refusal()
 
 
 @dataclass(slots=True, frozen=True)

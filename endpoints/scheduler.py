@@ -41,7 +41,7 @@ from endpoints.models import (
     Replica,
 )
 from endpoints.nodes.models import Node, NodeSweep
-from endpoints.quota_room import replica_room
+from endpoints.quota_room import idle_caps, replica_room
 from endpoints.replicas import (
     RECONCILE_TASK,
     drain_replica,
@@ -108,7 +108,8 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))
         decision = autoscaler.decide(endpoint, load, now=now, batch=read_demand([str(endpoint.pk)]).get(str(endpoint.pk)),
                                      num_ready=sum(1 for r in serving if r.state == ReplicaState.READY),
-                                     num_serving=len(serving))
+                                     num_serving=len(serving),
+                                     idle_cap_s=idle_caps([endpoint.organization_id]).get(endpoint.organization_id, 0))
         if decision.batch_rule in ("hold", "wait"):
             # NOTE: once per change of what batch work asks, not every tick.
             record_event_once(endpoint, EventKind.BATCH, decision.reason[:1].upper() + decision.reason[1:])
@@ -234,6 +235,10 @@ def _add_replicas(endpoint: Endpoint, sleeping: list[Replica], num_to_add: int, 
             continue
         if not may_place:
             raise _PlacementNeeded
+        refusal = quotas.start_refusal(endpoint)
+        if refusal is not None:
+            message = f"waiting for quota: {refusal}"
+            break
         replica, reason = place_replica(endpoint)
         if replica is None:
             # NOTE: only what its organisation's quota lets it hold is demand for a node pool's machine: all of them
@@ -337,7 +342,7 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     endpoints = Endpoint.objects.filter(pk__in=endpoint_ids).order_by().only(
         "pk", "paused_at", "deleted_at", "min_replicas", "max_replicas", "idle_timeout_s", "target_concurrency",
         "status_message", "failed_at", "prewarm_windows", "keep_warm_after_cold_start_s", "last_cold_start_at",
-        "unplaced_replicas", "idle_action",
+        "unplaced_replicas", "idle_action", "organization_id",
     )
     num_serving, num_ready = {}, {}
     for endpoint_id, state, num in (Replica.objects.filter(endpoint_id__in=endpoint_ids, state__in=SERVING_REPLICA_STATES)
@@ -355,10 +360,13 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
     changing = {str(pk) for pk in sleepers.values_list("endpoint_id", flat=True).distinct()}
     # NOTE: an organisation past a quota lowered since drains one replica at a time, at each tick (`quotas.over_quota`)
     changing |= quotas.endpoints_over_quota(endpoint_ids)
+    caps = idle_caps({endpoint.organization_id for endpoint in endpoints})
     for endpoint in endpoints:
         try:
+            idle_cap_s = caps.get(endpoint.organization_id, 0)
             decision = autoscaler.decide(endpoint, loads[str(endpoint.pk)], now=now, batch=demand.get(str(endpoint.pk)),
-                                         num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0))
+                                         num_ready=num_ready.get(endpoint.pk, 0), num_serving=num_serving.get(endpoint.pk, 0),
+                                         idle_cap_s=idle_cap_s)
             if endpoint.failed_at is not None and decision.desired >= num_serving.get(endpoint.pk, 0):
                 # NOTE: stopped until a spec change or resume: nothing to place. Its surplus still drains (the reconcile
                 # places nothing for it): skipped whenever failed, a replica READY at the failure held its GPU for ever.
@@ -369,7 +377,8 @@ def endpoints_to_reconcile(endpoint_ids: list[str], loads: dict[str, autoscaler.
             if decision.desired != num_serving.get(endpoint.pk, 0) or endpoint.status_message or endpoint.unplaced_replicas:
                 changing.add(str(endpoint.pk))
             elif idle_deadlines is not None and (deadline := autoscaler.idle_deadline(
-                    endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now)) is not None:
+                    endpoint, loads[str(endpoint.pk)], num_serving.get(endpoint.pk, 0), now,
+                    idle_cap_s=idle_cap_s)) is not None:
                 idle_deadlines[str(endpoint.pk)] = deadline
         except Exception:  # noqa: BLE001 - one broken endpoint must not stall the others, as in the tick's reconciles
             logger.exception("deciding for endpoint %s failed", endpoint.pk)

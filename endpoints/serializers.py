@@ -587,7 +587,8 @@ class CredentialSerializer(StrictModelSerializer):
         return attrs
 
 class QuotaRowSerializer(serializers.Serializer):
-    quota = serializers.CharField(help_text="The plan's field, e.g. `max_replicas` or `max_gpus_by_type.h100`.")
+    quota = serializers.CharField(help_text="The plan's field, e.g. `max_replicas` or `max_gpus_by_type.h100`; "
+                                            "`replica_starts_per_hour`: replicas started in the last hour.")
     label = serializers.CharField()
     limit = serializers.IntegerField()
     used = serializers.IntegerField()

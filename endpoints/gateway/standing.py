@@ -6,7 +6,9 @@ CAPACITY (no node has room for a replica) answers 503 `capacity_unavailable` wit
 `Retry-After` = the soonest another try could see room (`capacity_retry_after_s`), unless the client asked to wait for capacity with the header `X-Inferplane-Wait-For-Capacity: true`:
 then it is held like any cold start, up to the endpoint's `cold_start_timeout_s`. One BACKING OFF after failures
 (`Endpoint.next_attempt_at`) past its `cold_start_timeout_s`, with no replica starting, answers 503
-`endpoint_backing_off` with its status message and `Retry-After` = the time left.
+`endpoint_backing_off` with its status message and `Retry-After` = the time left. One whose organisation started as
+many replicas as it may this hour (`endpoints.quota_room.ReplicaStarts`) answers 429 `replica_starts_exceeded` with the
+reason and `x-should-retry: false`: held, the call waited its whole cold-start timeout for a replica none would place.
 
 The gateway learns the state from its cached `EndpointInfo` (at most `ENDPOINT_CACHE_S` old): once when
 a call finds no READY replica, and again every few seconds while a call is held (the wake it sent may
@@ -22,9 +24,13 @@ from django.conf import settings
 
 from endpoints.gateway import errors
 from endpoints.gateway.directory import ENDPOINT_CACHE_S, EndpointInfo, find_endpoint
+from endpoints.quota_room import REPLICA_STARTS_WINDOW_S, refused_for_starts
 
 WAIT_FOR_CAPACITY_HEADER = "x-inferplane-wait-for-capacity"
 FAILED_RETRY_AFTER_S = 300
+# `Retry-After` of `replica_starts_exceeded`: a start leaves the hour's count any time within it; an answer sooner than
+# this is as likely refused again.
+STARTS_RETRY_AFTER_S = REPLICA_STARTS_WINDOW_S // 12
 
 
 def capacity_retry_after_s() -> int:
@@ -75,6 +81,15 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
             503, f"The endpoint '{endpoint.name}' has no replica and starts none for {math.ceil(backing_off_s)} s, "
                  f"backing off after failures: {reason}. Retry then, or change its configuration to try again now.",
             type="server_error", code="endpoint_backing_off", headers={"retry-after": str(math.ceil(backing_off_s))},
+        )
+    if refused_for_starts(endpoint.status_message):
+        # NOTE: whether or not the client would wait for capacity: no replica starts for it before a start of its
+        # organisation's leaves the hour's count.
+        raise errors.OpenAIError(
+            429, f"The endpoint '{endpoint.name}' has no replica and starts none now: "
+                 f"{reason.removeprefix('waiting for quota: ')}. Retry later, or call an endpoint that is serving.",
+            type="requests", code="replica_starts_exceeded",
+            headers={"retry-after": str(STARTS_RETRY_AFTER_S), "x-should-retry": "false"},
         )
     if endpoint.state == "WAITING_FOR_CAPACITY" and not wait_for_capacity:
         raise errors.OpenAIError(

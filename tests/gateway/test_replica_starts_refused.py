@@ -1,0 +1,55 @@
+"""A cold call to an endpoint whose organisation started as many replicas as it may this hour
+(`endpoints.quota_room.ReplicaStarts`) is refused at once with OpenAI's error shape, a 429 saying why: held, it waited
+its whole cold-start timeout (a held place, a reservation) for a replica none would place."""
+
+import threading
+
+import httpx
+import pytest
+
+from controlplane import redis_keys
+from controlplane.redis_client import get_redis
+from endpoints.models import Endpoint
+from tests.conftest import wait_until
+from tests.gateway.conftest import serve_endpoint
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SPENT = ("waiting for quota: replica starts an hour: an organisation without a payment method starts at most 6 "
+         "replicas an hour; add one on the billing page to start more")
+# Long enough that a held call would outlast the client's own timeout: only a fast answer passes.
+HOLD_S = 600
+
+
+def call(gateway, tenant, endpoint, **headers):
+    return httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}", **headers},
+                      json={"model": endpoint.name, "messages": [{"role": "user", "content": "Hello"}],
+                            "max_tokens": 2}, timeout=30)
+
+
+def assert_refused_for_starts(response):
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["code"] == "replica_starts_exceeded" and error["type"] == "requests"
+    assert "starts at most 6 replicas an hour; add one on the billing page" in error["message"]
+    assert response.headers["x-should-retry"] == "false" and int(response.headers["retry-after"]) > 0
+
+
+def test_a_cold_call_to_an_endpoint_out_of_starts_is_refused_at_once_and_never_held(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, status_message=SPENT)
+    for headers in ({}, {"X-Inferplane-Wait-For-Capacity": "true"}):  # waiting for capacity brings no start either
+        assert_refused_for_starts(call(gateway, tenant, endpoint, **headers))
+    assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0
+
+
+def test_a_held_call_is_told_when_its_wake_finds_its_organisations_starts_spent(gateway, tenant):
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S)  # scaled to zero: the call wakes it
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))
+    thread.start()
+    wait_until(lambda: get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 1,
+               20, message="the call to be held")
+    Endpoint.objects.filter(pk=endpoint.pk).update(status_message=SPENT)  # what the woken reconcile records
+    thread.join(timeout=60)
+    [response] = answers
+    assert_refused_for_starts(response)
