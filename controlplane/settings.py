@@ -492,7 +492,7 @@ DEFAULT_MAX_GPUS_BY_TYPE = env_counts("INFERPLANE_DEFAULT_MAX_GPUS_BY_TYPE")
 # Replicas an organisation may place anew in any hour (`endpoints.quota_room`; 0: no bound), and, where Stripe is
 # configured, one held to the limit without a payment method: a call cut by its client, a pause and resume, a spec
 # change each start one, which costs the fleet a GPU (a machine) from its start while the tenant pays per token alone.
-REPLICA_STARTS_PER_HOUR = env_int("INFERPLANE_REPLICA_STARTS_PER_HOUR", 120, minimum=0)
+REPLICA_STARTS_PER_HOUR = env_int("INFERPLANE_REPLICA_STARTS_PER_HOUR", 600, minimum=0)
 REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = env_int("INFERPLANE_REPLICA_STARTS_PER_HOUR_WITHOUT_CARD", 6, minimum=0)
 # Where Stripe is configured: the longest an organisation without a payment method keeps an idle replica after a call,
 # whatever its endpoints' `idle_timeout_s` and `keep_warm_after_cold_start_s` say (`endpoints.quota_room.idle_caps`; 0:

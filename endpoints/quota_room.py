@@ -23,6 +23,8 @@ REPLICA_STARTS_WINDOW_S = 3600
 # What a reconcile refused for the starts an hour says after "waiting for quota: " (`endpoints.scheduler`), which the
 # gateway reads on the endpoint to refuse its cold calls at once (`endpoints.gateway.standing`).
 REPLICA_STARTS_REFUSAL = "replica starts an hour"
+# What follows it for an organisation on hold, whose cold calls the gateway answers as every call of its: a 402.
+REPLICA_STARTS_ON_HOLD = "your organisation's calls are stopped for an unpaid invoice or a disputed payment"
 
 
 @dataclass(slots=True)
@@ -74,8 +76,8 @@ class ReplicaStarts:
     def refusal(self) -> str:
         """Why no replica may start now (shown on the endpoint after "waiting for quota: ", and to its callers)."""
         if self.on_hold:
-            return (f"{REPLICA_STARTS_REFUSAL}: your organisation's calls are stopped for an unpaid invoice or a "
-                    "disputed payment, and it starts no replica until that is settled on the billing page")
+            return (f"{REPLICA_STARTS_REFUSAL}: {REPLICA_STARTS_ON_HOLD}, and it starts no replica until that is "
+                    "settled on the billing page")
         if self.without_card:
             return (f"{REPLICA_STARTS_REFUSAL}: an organisation without a payment method starts at most {self.limit} "
                     "replicas an hour; add one on the billing page to start more")
@@ -86,6 +88,11 @@ def refused_for_starts(status_message: str) -> bool:
     """Whether an endpoint's status says a reconcile refused its next replica for its organisation's starts an hour.
     NOTE: "waiting for quota: " is what the scheduler puts before every quota's refusal."""
     return status_message.startswith(f"waiting for quota: {REPLICA_STARTS_REFUSAL}")
+
+
+def refused_for_hold(status_message: str) -> bool:
+    """Whether that refusal is an organisation's on hold (`ReplicaStarts.on_hold`), not its count."""
+    return status_message.startswith(f"waiting for quota: {REPLICA_STARTS_REFUSAL}: {REPLICA_STARTS_ON_HOLD}")
 
 
 def replica_starts(organization: Organization) -> ReplicaStarts | None:

@@ -24,7 +24,12 @@ from django.conf import settings
 
 from endpoints.gateway import errors
 from endpoints.gateway.directory import ENDPOINT_CACHE_S, EndpointInfo, find_endpoint
-from endpoints.quota_room import REPLICA_STARTS_WINDOW_S, refused_for_starts
+from endpoints.quota_room import (
+    REPLICA_STARTS_REFUSAL,
+    REPLICA_STARTS_WINDOW_S,
+    refused_for_hold,
+    refused_for_starts,
+)
 
 WAIT_FOR_CAPACITY_HEADER = "x-inferplane-wait-for-capacity"
 FAILED_RETRY_AFTER_S = 300
@@ -82,6 +87,12 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
                  f"backing off after failures: {reason}. Retry then, or change its configuration to try again now.",
             type="server_error", code="endpoint_backing_off", headers={"retry-after": str(math.ceil(backing_off_s))},
         )
+    if refused_for_hold(endpoint.status_message):
+        # NOTE: the answer every call of an organisation on hold gets (its reservation's refusal), not a 429 its
+        # clients would read as a rate to wait out: what lifts it is a payment, on the billing page.
+        raise errors.insufficient_quota(
+            f"The endpoint '{endpoint.name}' has no replica and starts none: "
+            f"{reason.removeprefix(f'waiting for quota: {REPLICA_STARTS_REFUSAL}: ')}.")
     if refused_for_starts(endpoint.status_message):
         # NOTE: whether or not the client would wait for capacity: no replica starts for it before a start of its
         # organisation's leaves the hour's count.

@@ -10,6 +10,7 @@ import pytest
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
 from endpoints.models import Endpoint
+from endpoints.quota_room import ReplicaStarts
 from tests.conftest import wait_until
 from tests.gateway.conftest import serve_endpoint
 
@@ -53,3 +54,17 @@ def test_a_held_call_is_told_when_its_wake_finds_its_organisations_starts_spent(
     thread.join(timeout=60)
     [response] = answers
     assert_refused_for_starts(response)
+
+
+def test_a_cold_call_of_an_organisation_on_hold_is_the_402_every_call_of_its_gets_not_a_429(gateway, tenant):
+    """An organisation on hold (an unpaid invoice, a disputed payment) starts no replica; its cold call is a 402 as
+    its warm ones are, not a 429 its clients would read as a rate to wait out."""
+    on_hold = ReplicaStarts(0, 0, without_card=False, on_hold=True).refusal()
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S, status_message=f"waiting for quota: {on_hold}")
+    response = call(gateway, tenant, endpoint)
+    assert response.status_code == 402
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
+    assert "stopped for an unpaid invoice or a disputed payment" in error["message"]
+    assert "waiting for quota" not in error["message"] and "replica starts an hour" not in error["message"]
+    assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0
