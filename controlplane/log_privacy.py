@@ -67,7 +67,11 @@ def scrub(record: logging.LogRecord) -> logging.LogRecord:
 
 
 def _make_record(*args, **kwargs) -> logging.LogRecord:
-    return scrub(_made_by(*args, **kwargs))
+    record = _made_by(*args, **kwargs)
+    try:
+        return scrub(record)
+    except Exception:  # noqa: BLE001 - NOTE: a log call never raises; the record is written as it was made
+        return record
 
 
 _made_by = logging.getLogRecordFactory()
