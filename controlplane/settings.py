@@ -663,6 +663,9 @@ METRICS_TOKEN = _metrics_token()
 # no token: the worker listens on nothing.
 WORKER_METRICS_PORT = env_int("INFERPLANE_WORKER_METRICS_PORT", 9100, minimum=0, maximum=65535)
 
+# NOTE: no log line names a person: ids, never an address or a name (logs outlive account erasure). Each record is
+# scrubbed of addresses by `controlplane.log_privacy` whatever handler writes it, Celery's included.
+LOGGING_CONFIG = "controlplane.log_privacy.configure"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -23,7 +23,7 @@ os.environ.setdefault("INFERPLANE_API_KEY_CACHE_S", "1")
 RUN_ID = os.environ.setdefault("INFERPLANE_TEST_RUN_ID", str(os.getpid()))
 
 from controlplane.settings import *  # noqa: E402,F403
-from controlplane.settings import DATABASE_URL, DATABASES, LOCAL_STACK, REDIS_URL  # noqa: E402
+from controlplane.settings import DATABASE_URL, DATABASES, EMAIL_HOST, LOCAL_STACK, REDIS_URL  # noqa: E402
 
 DATABASES["default"]["TEST"] = {"NAME": f"test_inferplane_{RUN_ID}"}
 REDIS_URL = re.sub(r"/\d+$", f"/{int(RUN_ID) % 15 + 1}", REDIS_URL)
@@ -52,7 +52,8 @@ if LOCAL_STACK and "DATABASE_URL" not in os.environ:
     _embedded_postgres_without_durability(DATABASE_URL)
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast hashing for many test users
-EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+# NOTE: a child process given `EMAIL_HOST` (a test's own relay on loopback: tests/test_log_privacy.py) sends through it.
+EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend" if EMAIL_HOST else "django.core.mail.backends.locmem.EmailBackend"
 # NOTE: the password reset's mails are sent off the request (`accounts.mail_sender`); here within it, so a test reads
 # `mail.outbox` as the request returns. The tests of the sender itself turn this off.
 SEND_MAIL_IN_REQUEST = True

@@ -1,0 +1,84 @@
+"""Logs name no person: every process's log lines are written with each email address replaced by a keyed digest.
+
+The rule: a log line names a person by their id (user, invitation, organisation), never by their address or name.
+Logs are shipped and kept where account erasure (`controlplane.accounts.erasure`) never reaches, so an address written
+there outlives the account's deletion. Call sites log ids; this module is the net under them, for the lines no call site
+of ours writes: an exception's message in a traceback (`SMTPRecipientsRefused({'ada@…': …})`, PostgreSQL's
+`Key (username)=(ada@…) already exists`), Celery's task failure and retry lines with their exception, Django's
+`django.request` and `django.security.*` lines. An address becomes `<address 1f2e…>` (`address_digest`): the same
+address, the same digest, in every process, so an operator who knows a mailbox can still follow it
+(`manage.py shell -c "from controlplane.log_privacy import address_digest; print(address_digest('ada@example.test'))"`),
+and a reader of the log learns none. Django's lines name the request's path, which for a mailed link holds its secret
+token (an email verification's token carries the address too, base64): written as the access log writes it
+(`access_log.redacted_path`).
+
+NOTE: installed as the log record factory (`configure`, Django's `LOGGING_CONFIG`), not as a handler's filter: Celery's
+worker replaces the root logger's handlers with its own (`worker_hijack_root_logger`), and pytest's `caplog` has its
+own; a record made by the factory is scrubbed before any handler sees it. A line without `@` costs one substring test.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+import re
+
+from django.utils.crypto import salted_hmac
+
+from controlplane.access_log import redacted_path
+
+DIGEST_SALT = "inferplane.log-address"
+# Loggers of Django's whose lines name the request's path as an argument (`log_response`, the CSRF refusal).
+_PATH_LOGGERS = ("django.request", "django.security")
+# An address as a log line may hold one: a local part, `@`, a domain with a dot and a top label of letters (or IDNA's
+# `xn--`), so `redis://:secret@localhost` or a version `pkg@1.2` is left as it is.
+ADDRESS = re.compile(r"\w[\w.!#$%&'*+/=?^`{|}~-]*@[\w-]+(?:\.[\w-]+)*\.(?:[^\W\d_]{2,}|xn--[\w-]+)\b")
+
+
+def address_digest(address: str) -> str:
+    """The keyed digest that stands for `address` in the logs (16 hex digits, case folded)."""
+    return salted_hmac(DIGEST_SALT, address.strip().lower()).hexdigest()[:16]
+
+
+def hide_addresses(text: str) -> str:
+    """`text` with each email address in it written as `<address DIGEST>`."""
+    if "@" not in text:
+        return text
+    return ADDRESS.sub(lambda match: f"<address {address_digest(match.group())}>", text)
+
+
+def scrub(record: logging.LogRecord) -> logging.LogRecord:
+    """`record` with no address in its message or its exception's text, and no secret in a Django line's path."""
+    if record.name.startswith(_PATH_LOGGERS) and isinstance(record.args, tuple):
+        record.args = tuple(redacted_path(arg) if isinstance(arg, str) and arg.startswith("/") else arg
+                            for arg in record.args)
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - arguments that do not fit the message: logging reports that itself
+        return record
+    if "@" in message:
+        record.msg, record.args = hide_addresses(message), ()
+    if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+        text = logging.Formatter().formatException(record.exc_info)
+        if "@" in text:
+            # NOTE: a handler's formatter writes `exc_text` when it is set, never the exception again
+            record.exc_text = hide_addresses(text)
+    return record
+
+
+def _make_record(*args, **kwargs) -> logging.LogRecord:
+    record = _made_by(*args, **kwargs)
+    try:
+        return scrub(record)
+    except Exception:  # noqa: BLE001 - NOTE: a log call never raises; the record is written as it was made
+        return record
+
+
+_made_by = logging.getLogRecordFactory()
+
+
+def configure(logging_settings: dict) -> None:
+    """Django's `LOGGING_CONFIG`: `LOGGING` as `logging.config.dictConfig` reads it, every record scrubbed (`scrub`)."""
+    if logging.getLogRecordFactory() is not _make_record:
+        logging.setLogRecordFactory(_make_record)
+    logging.config.dictConfig(logging_settings)
