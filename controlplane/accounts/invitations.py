@@ -8,7 +8,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core import signing
-from django.core.mail import send_mail
+from django.core.mail import EmailMessage
 from django.db import transaction
 from django.db.models import Q
 from django.template.loader import render_to_string
@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.backends import normalize_email, same_address
+from controlplane.accounts.mail_sender import send_later
 from controlplane.accounts.members import (
     NotPermitted,
     ensure_admin,
@@ -145,7 +146,10 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
         "invitation": invitation, "link": invitation_link(invitation), "inviter": actor.user,
         "organization_name": organization_name,
     })
-    send_mail(f"You are invited to {organization_name} on Inferplane", body, None, [email])
+    # NOTE: off the request (`mail_sender.send_later`): sent within it, a relay refusing the address (or down) answered
+    # with a 500 an invitation already made and audited, and a second try was refused as pending.
+    send_later(EmailMessage(f"You are invited to {organization_name} on Inferplane", body, None, [email]),
+               what="an invitation's email")
     return invitation
 
 

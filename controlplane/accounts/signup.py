@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core import signing
 from django.core.exceptions import ValidationError
-from django.core.mail import EmailMessage, send_mail
+from django.core.mail import EmailMessage
 from django.db import IntegrityError, transaction
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -95,7 +95,8 @@ def send_account_exists_email(email: str) -> bool:
         "email": email, "login": settings.PUBLIC_URL + reverse("login"),
         "reset": settings.PUBLIC_URL + reverse("password_reset"),
     })
-    send_mail("You already have an Inferplane account", body, None, [email])
+    send_later(EmailMessage("You already have an Inferplane account", body, None, [email]),
+               what="a sign-up's account-exists email")
     return True
 
 
@@ -139,7 +140,10 @@ def send_verification_email(user) -> bool:
     link = settings.PUBLIC_URL + reverse("verify-email-confirm", args=[email_verification_token(user)])
     body = render_to_string("registration/verify_email_email.txt", {"user": user, "link": link,
                                                                      "max_age_days": VERIFY_EMAIL_MAX_AGE.days})
-    send_mail("Verify your email for Inferplane", body, None, [user.email])
+    # NOTE: off the request, as every account mail (`mail_sender.send_later`): sent within it, a relay refusing the
+    # address (or down) answered the sign-up, whose account was made, or the resend with a 500.
+    send_later(EmailMessage("Verify your email for Inferplane", body, None, [user.email]),
+               what="an address's verification link")
     return True
 
 
