@@ -93,6 +93,13 @@ def test_a_killed_gateways_requests_stop_counting_within_seconds_and_the_endpoin
 STREAM_TOKENS = 10
 
 
+def release_held_streams(upstream: str) -> None:
+    """Ends the streams the mock holds, also for a test that failed before it released them. NOTE: held, they kept the
+    gateway's stop waiting for their end (its drain) until its SIGKILL 10 s later, and the mock's until it cut them."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{upstream}/_release", timeout=10)
+
+
 def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_releases_them_once(
         tenant, start_mock_upstream, tmp_path, web_zygote):
     upstream = start_mock_upstream(token_delay_ms=100, hold_stream_ends=True)
@@ -105,11 +112,12 @@ def test_a_live_gateway_puts_back_its_requests_after_redis_forgets_them_and_rele
         get_redis().flushdb()  # Redis restarted without persistence
         assert counts(endpoint, replica) == (0, 0)
         wait_until(lambda: counts(endpoint, replica) == (2, 2), 10, message="the gateway to put its requests back")
-        httpx.post(f"{upstream}/_release", timeout=10)  # the streams end
+        release_held_streams(upstream)  # the streams end
         for thread in streams:
             thread.join(60)
         wait_until(lambda: counts(endpoint, replica) == (0, 0), 10, message="both released once, never below zero")
     finally:
+        release_held_streams(upstream)
         child.stop()
 
 
@@ -156,13 +164,14 @@ def test_a_live_gateway_holds_its_calls_reservations_again_after_redis_forgets_t
         set_spend_cap(SYSTEM, tenant.org, spend_cap=running * Decimal("1.5"))
         with pytest.raises(QuotaExceeded):
             asyncio.run(reserve(organization_id=org, api_key_id=key, amount=running, request_id="third"))
-        httpx.post(f"{upstream}/_release", timeout=10)  # the streams end
+        release_held_streams(upstream)  # the streams end
         for thread in streams:
             thread.join(60)
         wait_until(lambda: held(org, key) == (0, 0, 0), 10, message="both reservations released once")
         spent = get_redis().hget(redis_keys.org_period_key(org, period_containing().key), "spent")
         assert int(spent) == to_units(period_spend(org, period_containing())) > 0  # each call's cost counted once
     finally:
+        release_held_streams(upstream)
         child.stop()
 
 
