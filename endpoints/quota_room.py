@@ -118,14 +118,15 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
     return ReplicaStarts(limit, num_started, without_card)
 
 
-def replica_room(organization: Organization) -> ReplicaRoom:
-    """The organisation's `ReplicaRoom` now (four queries)."""
+def replica_room(organization: Organization, *, starts: bool = True) -> ReplicaRoom:
+    """The organisation's `ReplicaRoom` now (four queries; two without its `starts`, for the replica and GPU quotas
+    alone: `quotas.replica_refusal`, before each replica woken or placed, where a woken one is no start)."""
     held = Replica.objects.filter(endpoint__organization_id=organization.pk, state__in=ACTIVE_REPLICA_STATES).order_by()
     # NOTE: GPUs, not replicas: a tensor-parallel replica holds gpus_per_replica of them.
     gpus = dict(held.values("endpoint__gpu_type").annotate(num=Sum("endpoint__gpus_per_replica"))
                 .values_list("endpoint__gpu_type", "num"))
     return ReplicaRoom(organization.quotas, held.count(), {gpu_type: num or 0 for gpu_type, num in gpus.items()},
-                       replica_starts(organization))
+                       replica_starts(organization) if starts else None)
 
 
 def idle_caps(organization_ids) -> dict[int, int]:

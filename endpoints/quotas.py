@@ -198,7 +198,7 @@ def replica_refusal(endpoint: Endpoint) -> str | None:
 
     NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction.
     """
-    room = replica_room(endpoint.organization)
+    room = replica_room(endpoint.organization, starts=False)  # NOTE: the starts are `start_refusal`'s, a placement's
     quotas = room.quotas
     if room.num_held >= quotas.max_replicas:
         return f"your plan allows {quotas.max_replicas} replicas at once and your endpoints hold {room.num_held}"

@@ -388,16 +388,18 @@ def wake_replica(replica: Replica) -> str:
     return ""
 
 
-def stop_long_sleepers(endpoint: Endpoint) -> int:
+def stop_long_sleepers(endpoint: Endpoint, *, may_sleep: bool = True) -> int:
     """Sleeping replicas of the endpoint stop for real once asleep `INFERPLANE_SLEEP_STOP_AFTER_S`, or at once when
-    the endpoint no longer sleeps (its `idle_action` changed, or the platform's sleep mode is off)."""
+    the endpoint no longer sleeps (its `idle_action` changed, the platform's sleep mode is off, or not `may_sleep`: its
+    organisation is held to an idle cap, `quota_room.idle_caps`)."""
     sleeping = Replica.objects.filter(endpoint=endpoint, state=ReplicaState.SLEEPING).select_related("endpoint")
-    keeps_sleeping = endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE
+    keeps_sleeping = endpoint.idle_action == IdleAction.SLEEP and settings.SLEEP_MODE and may_sleep
     if keeps_sleeping:
         # NOTE: by PostgreSQL's clock: by this worker's, one 31 minutes ahead stopped a replica asleep a moment ago
         sleeping = sleeping.filter(state_changed_at__lt=database_time_ago(settings.SLEEP_STOP_AFTER_S))
     reason = (f"asleep for {settings.SLEEP_STOP_AFTER_S:.0f} s (INFERPLANE_SLEEP_STOP_AFTER_S)" if keeps_sleeping
-              else "its endpoint no longer sleeps idle replicas")
+              else "its endpoint no longer sleeps idle replicas" if may_sleep
+              else "an organisation without a payment method keeps no replica asleep")
     return sum(drain_replica(replica, reason=reason) for replica in sleeping)
 
 

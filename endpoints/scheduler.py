@@ -106,10 +106,10 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
         if endpoint is None:  # gone, or another worker is reconciling it right now
             return None
         serving = list(Replica.objects.filter(endpoint=endpoint, state__in=SERVING_REPLICA_STATES).select_related("endpoint"))
+        idle_cap_s = idle_caps([endpoint.organization_id]).get(endpoint.organization_id, 0)
         decision = autoscaler.decide(endpoint, load, now=now, batch=read_demand([str(endpoint.pk)]).get(str(endpoint.pk)),
                                      num_ready=sum(1 for r in serving if r.state == ReplicaState.READY),
-                                     num_serving=len(serving),
-                                     idle_cap_s=idle_caps([endpoint.organization_id]).get(endpoint.organization_id, 0))
+                                     num_serving=len(serving), idle_cap_s=idle_cap_s)
         if decision.batch_rule in ("hold", "wait"):
             # NOTE: once per change of what batch work asks, not every tick.
             record_event_once(endpoint, EventKind.BATCH, decision.reason[:1].upper() + decision.reason[1:])
@@ -184,12 +184,14 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
                          desired=decision.desired, current=len(serving), inputs=decision.inputs)
             surplus = sorted(serving, key=lambda r: (DRAIN_ORDER[r.state], -r.created_at.timestamp()))
             let_go = surplus[: len(serving) - decision.desired]
-            if endpoint.idle_action == IdleAction.SLEEP:
+            # NOTE: a sleeper holds its GPU (and its pool's machine) and wakes for free (no start): an organisation held
+            # to an idle cap keeps none, or one call an `INFERPLANE_SLEEP_STOP_AFTER_S` kept a GPU past the cap for ever.
+            if endpoint.idle_action == IdleAction.SLEEP and not idle_cap_s:
                 sleep_replicas(let_go, reason=decision.reason)  # a replica not READY, or on a CPU node, drains
             else:
                 for replica in let_go:
                     drain_replica(replica, reason=decision.reason)
-        stop_long_sleepers(endpoint)
+        stop_long_sleepers(endpoint, may_sleep=not idle_cap_s)
         if (endpoint.status_message != message or endpoint.waiting_for_capacity != waiting_for_capacity
                 or endpoint.unplaced_replicas != num_unplaced):
             if message and message != endpoint.status_message:

@@ -15,6 +15,7 @@ from endpoints.scheduler import endpoints_to_reconcile, reconcile_endpoint
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
 from tests.test_placement import make_node
+from tests.test_sleep_mode import sleeping_endpoint
 
 pytestmark = pytest.mark.django_db
 
@@ -75,3 +76,36 @@ def test_the_tick_lets_it_go_at_the_cap_itself_not_a_tick_later():
     endpoints_to_reconcile([endpoint_id], {endpoint_id: Load(0, 0, now - 299.5, 0)}, idle_deadlines=deadlines, now=now)
 
     assert deadlines == {endpoint_id: pytest.approx(now + 0.5, abs=0.01)}
+
+
+def test_an_organisation_without_a_card_keeps_no_replica_asleep_past_the_cap_as_a_sleeper_holds_its_gpu(settings):
+    """An endpoint that sleeps its idle replicas (`idle_action: sleep`) kept one asleep, its GPU and machine held,
+    `INFERPLANE_SLEEP_STOP_AFTER_S` (30 minutes) after the cap; a call, even cut at once, woke it for free (a wake is
+    no start) and kept it so again: one cut call every half hour held a GPU for ever. Past the cap it stops."""
+    settings.SLEEP_MODE = True
+    settings.SLEEP_STOP_AFTER_S = 1800
+    endpoint, _, replica = sleeping_endpoint(organization=OrganizationFactory())
+
+    reconcile_endpoint(str(endpoint.pk), last_call_ago(301))
+
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.DRAINING
+    asleep = Replica.objects.create(endpoint=endpoint, node=replica.node, state=ReplicaState.SLEEPING,
+                                    state_changed_at=timezone.now())  # asleep from before, or a card since removed
+    reconcile_endpoint(str(endpoint.pk), last_call_ago(400))
+    asleep.refresh_from_db()
+    assert asleep.state in (ReplicaState.DRAINING, ReplicaState.STOPPED)
+
+
+def test_an_organisation_with_a_card_still_sleeps_its_idle_replicas(settings):
+    settings.SLEEP_MODE = True
+    organization = OrganizationFactory()
+    account = BillingAccount.objects.for_organization(organization)
+    account.payment_method_on_file = True
+    account.save(update_fields=["payment_method_on_file"])
+    endpoint, _, replica = sleeping_endpoint(organization=organization)
+
+    reconcile_endpoint(str(endpoint.pk), last_call_ago(301))
+
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.SLEEPING

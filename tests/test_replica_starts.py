@@ -9,6 +9,7 @@ import pytest
 from django.utils import timezone
 
 from billing.models import BillingAccount
+from endpoints import quotas
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from endpoints.nodes.models import NodeLaunch
@@ -172,3 +173,12 @@ def test_the_quotas_api_shows_the_replicas_started_in_the_last_hour_beside_the_b
 
     assert rows["replica_starts_per_hour"]["used"] == 1 and rows["replica_starts_per_hour"]["limit"] == 2
     assert rows["replica_starts_per_hour"]["label"] == "Replicas started in the last hour (without a payment method)"
+
+
+def test_the_replica_quota_checked_before_each_wake_or_placement_does_not_count_the_hours_starts(django_assert_num_queries):
+    """`replica_refusal` runs before every replica a scale-up wakes or places, under its organisation's lock; the starts
+    are judged once, before a placement (`start_refusal`). Before, it counted them too and threw the count away: two
+    more queries a replica, a woken one (no start) too."""
+    endpoint = EndpointFactory(organization=OrganizationFactory(), gpu_type="l4")
+    with django_assert_num_queries(2):  # the replicas held, the GPUs held
+        assert quotas.replica_refusal(endpoint) is None

@@ -27,6 +27,7 @@ from endpoints.gateway import errors
 from endpoints.gateway.memo import Memo
 from endpoints.gateway.normalizers import PromptNormalizer, prompt_normalizer
 from endpoints.models import DATABASE_NOW_AT_LOAD, Adapter, Endpoint, Replica
+from endpoints.quota_room import refused_for_starts
 from gpu_agent.protocol import NodeState, ReplicaState
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class EndpointInfo:
     # Until when (epoch seconds) it places no replica, backing off after failures (`Endpoint.next_attempt_at`), none
     # of its replicas starting meanwhile; 0: not backing off, or one is starting (see `endpoints.gateway.standing`).
     backing_off_until: float = 0.0
+    # Its organisation's replica starts an hour refused it the replica it wants (`quota_room.refused_for_starts`), none
+    # of its replicas starting meanwhile: a cold call is refused at once (see `endpoints.gateway.standing`).
+    starts_refused: bool = False
     # "generate" or "embed" (`Endpoint.serving_task`); "" while an "auto" endpoint's model is unread.
     task: str = ""
     # The endpoint's target concurrency per replica: how far above the least-loaded replica the gateway
@@ -113,6 +117,7 @@ def _endpoint_info(endpoint, *, for_calls: bool = True) -> EndpointInfo:
         max_held_requests=endpoint.organization.quotas.max_held_requests,
         state=_blocking_state(endpoint), status_message=endpoint.status_message, task=endpoint.serving_task,
         backing_off_until=_backing_off_until(endpoint) if for_calls else 0.0,
+        starts_refused=for_calls and _starts_refused(endpoint),
         target_concurrency=endpoint.target_concurrency, template_tokens=template_tokens,
         template_flag_tokens=template_flag_tokens, engine_generation=endpoint.engine_generation,
         prompt_normalizer=normalizer, prompt_factor=endpoint.prompt_factor if for_calls else None,
@@ -135,11 +140,25 @@ def _backing_off_until(endpoint) -> float:
     left_s = endpoint.backoff_left_s()
     if not left_s or endpoint.scale_up_backing_off:
         return 0.0  # or only its scale-ups, beyond the first replica: a call's wake starts one (`reconcile_endpoint`)
-    if Replica.objects.filter(endpoint_id=endpoint.pk, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).exists():
+    if _replica_starting(endpoint):
         return 0.0  # one placed before the failure may still come up
     # NOTE: on this process's clock, as the gateway reads it (`standing.refuse_unless_startable`): `next_attempt_at` is
     # PostgreSQL's, and a gateway 10 minutes behind refused calls for 10 minutes past a 1 s backoff
     return time.time() + left_s
+
+
+def _starts_refused(endpoint) -> bool:
+    """`EndpointInfo.starts_refused`. NOTE: one more query, for an endpoint so refused only.
+
+    NOTE: a wake that placed a replica (its organisation's last start of the hour) and was refused the next one its load
+    asked for says so too: the call that woke it, and each cold call after, is held for the one starting, as a capacity
+    refusal with a replica placed holds them. Judged by the message alone, each got the 429 while it loaded."""
+    return refused_for_starts(endpoint.status_message) and not _replica_starting(endpoint)
+
+
+def _replica_starting(endpoint) -> bool:
+    """Whether one of the endpoint's replicas is placed or starting (woken from sleep too): calls may be held for it."""
+    return Replica.objects.filter(endpoint_id=endpoint.pk, state__in=(ReplicaState.PENDING, ReplicaState.STARTING)).exists()
 
 
 def _load_endpoint(organization_id: int, name: str) -> EndpointInfo | None:

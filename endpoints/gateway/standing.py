@@ -28,7 +28,6 @@ from endpoints.quota_room import (
     REPLICA_STARTS_REFUSAL,
     REPLICA_STARTS_WINDOW_S,
     refused_for_hold,
-    refused_for_starts,
 )
 
 WAIT_FOR_CAPACITY_HEADER = "x-inferplane-wait-for-capacity"
@@ -93,9 +92,9 @@ def refuse_unless_startable(endpoint: EndpointInfo, *, wait_for_capacity: bool) 
         raise errors.insufficient_quota(
             f"The endpoint '{endpoint.name}' has no replica and starts none: "
             f"{reason.removeprefix(f'waiting for quota: {REPLICA_STARTS_REFUSAL}: ')}.")
-    if refused_for_starts(endpoint.status_message):
+    if endpoint.starts_refused:
         # NOTE: whether or not the client would wait for capacity: no replica starts for it before a start of its
-        # organisation's leaves the hour's count.
+        # organisation's leaves the hour's count (none starting: `directory._starts_refused`).
         raise errors.OpenAIError(
             429, f"The endpoint '{endpoint.name}' has no replica and starts none now: "
                  f"{reason.removeprefix('waiting for quota: ')}. Retry later, or call an endpoint that is serving.",

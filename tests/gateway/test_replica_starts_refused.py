@@ -9,10 +9,13 @@ import pytest
 
 from controlplane import redis_keys
 from controlplane.redis_client import get_redis
-from endpoints.models import Endpoint
+from endpoints.gateway.directory import _endpoint_info
+from endpoints.models import Endpoint, Replica
+from endpoints.nodes.models import Node
 from endpoints.quota_room import ReplicaStarts
+from gpu_agent.protocol import ReplicaState
 from tests.conftest import wait_until
-from tests.gateway.conftest import serve_endpoint
+from tests.gateway.conftest import held_chat, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -68,3 +71,17 @@ def test_a_cold_call_of_an_organisation_on_hold_is_the_402_every_call_of_its_get
     assert "stopped for an unpaid invoice or a disputed payment" in error["message"]
     assert "waiting for quota" not in error["message"] and "replica starts an hour" not in error["message"]
     assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0
+
+
+def test_a_cold_call_waits_for_the_replica_already_starting_when_only_a_further_one_was_refused_its_start(gateway, tenant):
+    """A wake that placed one replica (the organisation's last start of the hour) and was refused the next (the load
+    asked for two) says so on the endpoint; the call that woke it, and every cold call after it, is held for the one
+    starting, as a capacity refusal with a replica starting holds them. Before, each got the 429 at once, and no call
+    reached the replica its own wake had started."""
+    endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=3, status_message=SPENT)
+    Replica.objects.create(endpoint=endpoint, node=Node.objects.get(), state=ReplicaState.STARTING)
+    info = _endpoint_info(Endpoint.objects.select_related("organization__plan").get(pk=endpoint.pk))
+    assert not info.starts_refused
+    answer = held_chat(gateway, tenant.key, endpoint)  # held, not refused
+    response = answer.result(timeout=60)  # the replica never comes up here: the cold-start timeout's 503
+    assert response.status_code == 503 and response.json()["error"]["code"] != "replica_starts_exceeded"
