@@ -285,13 +285,25 @@ def _unknown_is_now(redis, loads: dict[str, Load], unknown: list[str], now: floa
 
 def floor(endpoint, now: float, *, idle_cap_s: int = 0) -> prewarm.Floor:
     """The fewest replicas the endpoint keeps now: min_replicas, an open pre-warm window, or keep-warm (no longer than
-    `idle_cap_s` where set: `quota_room.idle_caps`)."""
+    `idle_cap_s` where set: `quota_room.idle_caps`, and then neither of the others)."""
     at = datetime.fromtimestamp(now, UTC)
+    keep_warm = prewarm.keep_warm_floor(idle_timeout_s(endpoint.keep_warm_after_cold_start_s, idle_cap_s),
+                                        endpoint.last_cold_start_at, at)
+    if idle_cap_s:
+        # NOTE: a warm floor is replicas kept idle for as long as it says, without a call: an organisation held to an
+        # idle cap (no payment method) kept `min_replicas` (up to its `max_min_replicas` quota) GPUs, and their pools'
+        # machines, for ever, for nothing. Its floors apply once it has a card (`floor_needs_a_card`).
+        return keep_warm
     floors = [prewarm.Floor(endpoint.min_replicas, f"min_replicas {endpoint.min_replicas}"),
-              prewarm.window_floor(endpoint.prewarm_windows, at),
-              prewarm.keep_warm_floor(idle_timeout_s(endpoint.keep_warm_after_cold_start_s, idle_cap_s),
-                                      endpoint.last_cold_start_at, at)]
+              prewarm.window_floor(endpoint.prewarm_windows, at), keep_warm]
     return max(floors, key=lambda candidate: candidate.replicas)
+
+
+def floor_needs_a_card(endpoint, now: float, idle_cap_s: int) -> bool:
+    """Whether the endpoint asks for a warm floor (`min_replicas`, an open pre-warm window) its organisation's idle cap
+    keeps it from (`floor`)."""
+    return bool(idle_cap_s) and (endpoint.min_replicas > 0 or prewarm.window_floor(
+        endpoint.prewarm_windows, datetime.fromtimestamp(now, UTC)).replicas > 0)
 
 
 def idle_timeout_s(seconds: int, idle_cap_s: int = 0) -> int:
@@ -355,6 +367,8 @@ def _decide_interactive(endpoint, load: Load, now: float, idle_cap_s: int = 0) -
         if lowest_replicas == 0:
             reason = "no requests yet" if idle_s is None else f"idle for {idle_s:.0f} s (timeout {timeout_s} s" + (
                 ", the most without a payment method)" if timeout_s < endpoint.idle_timeout_s else ")")
+            if floor_needs_a_card(endpoint, now, idle_cap_s):
+                reason += "; its warm floor (min_replicas, pre-warm windows) needs a payment method"
             return Decision(0, f"scale to zero: {reason}", inputs)
         return Decision(lowest_replicas, f"idle: {lowest.reason}", inputs)
     target = max(endpoint.target_concurrency, 1)

@@ -9,8 +9,9 @@ import pytest
 from django.utils import timezone
 
 from billing.models import BillingAccount
-from endpoints.autoscaler import Load
+from endpoints.autoscaler import Load, floor
 from endpoints.models import Replica
+from endpoints.quota_room import idle_caps
 from endpoints.scheduler import endpoints_to_reconcile, reconcile_endpoint
 from gpu_agent.protocol import ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
@@ -109,3 +110,26 @@ def test_an_organisation_with_a_card_still_sleeps_its_idle_replicas(settings):
 
     replica.refresh_from_db()
     assert replica.state == ReplicaState.SLEEPING
+
+
+def test_an_organisation_without_a_card_keeps_no_warm_floor_of_min_replicas_or_pre_warm_windows():
+    """Before: `min_replicas: 2` kept two GPUs (and their pools' machines) for ever, without a call, for an organisation
+    that may never pay. Its floor applies once it has a card."""
+    replica = serving_for_a_day(OrganizationFactory())
+    endpoint = replica.endpoint
+    endpoint.min_replicas = 1
+    endpoint.prewarm_windows = [{"schedule": "* * * * *", "timezone": "UTC", "duration_minutes": 60, "min_replicas": 1}]
+    endpoint.save(update_fields=["min_replicas", "prewarm_windows"])
+
+    reconcile_endpoint(str(endpoint.pk), last_call_ago(301))
+
+    replica.refresh_from_db()
+    assert replica.state == ReplicaState.DRAINING
+    assert endpoint.events.filter(message__contains="its warm floor (min_replicas, pre-warm windows) needs a payment "
+                                                    "method").exists()
+
+    account = BillingAccount.objects.for_organization(endpoint.organization)
+    account.payment_method_on_file = True
+    account.save(update_fields=["payment_method_on_file"])
+    assert floor(endpoint, time.time(), idle_cap_s=idle_caps([endpoint.organization_id]).get(
+        endpoint.organization_id, 0)).replicas == 1
