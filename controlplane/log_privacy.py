@@ -32,7 +32,11 @@ DIGEST_SALT = "inferplane.log-address"
 _PATH_LOGGERS = ("django.request", "django.security")
 # An address as a log line may hold one: a local part, `@`, a domain with a dot and a top label of letters (or IDNA's
 # `xn--`), so `redis://:secret@localhost` or a version `pkg@1.2` is left as it is.
-ADDRESS = re.compile(r"\w[\w.!#$%&'*+/=?^`{|}~-]*@[\w-]+(?:\.[\w-]+)*\.(?:[^\W\d_]{2,}|xn--[\w-]+)\b")
+# NOTE: each part bounded (a local part as long as a stored address may be, `backends.EMAIL_MAX_LENGTH`; a label 63
+# and 127 labels, as DNS does): unbounded, the local part was tried from each character of a run of word characters to
+# the run's end, quadratic in a line an outsider writes (a Host header, a path, an input an error names: 100 KB held the
+# logging thread and the GIL 20 s, the web process with them). Bounded, about a microsecond a character at worst.
+ADDRESS = re.compile(r"\w[\w.!#$%&'*+/=?^`{|}~-]{0,253}@[\w-]{1,63}(?:\.[\w-]{1,63}){0,126}\.(?:[^\W\d_]{2,63}|xn--[\w-]{1,59})\b")
 
 
 def address_digest(address: str) -> str:

@@ -23,7 +23,7 @@ from controlplane.accounts.second_factor import has_staff_powers
 from controlplane.accounts.services import Actor
 from controlplane.integrity import again_after_deadlocks
 from controlplane.plain_numbers import plain_int
-from endpoints import credentials, prewarm, quotas, services, stats
+from endpoints import credentials, prewarm, quota_room, quotas, services, stats
 from endpoints.adapters import adapters_with_holders
 from endpoints.catalogue import GPU_TYPES, GPUS_PER_REPLICA, QUANTIZATIONS
 from endpoints.forms import CredentialForm, EndpointForm
@@ -151,8 +151,12 @@ def endpoint_new(request):
     except ValidationError as exc:  # another request took the last of the quota, or the name, meanwhile
         form.show_errors(exc.detail)
         return _wizard(request, form, status=400)
-    messages.success(request, f"{endpoint.name} is deployed. It starts on the first request"
-                              + (" and now, for its minimum replicas." if endpoint.min_replicas else "."))
+    # NOTE: an organisation held to the idle cap keeps no warm floor (`autoscaler.floor`): no replica starts now for it.
+    floor_held = endpoint.min_replicas and request.organization.pk in quota_room.idle_caps([request.organization.pk])
+    messages.success(request, f"{endpoint.name} is deployed. It starts on the first request" + (
+        "." if not endpoint.min_replicas else
+        "; its minimum replicas stay warm once the organisation has a payment method." if floor_held else
+        " and now, for its minimum replicas."))
     return redirect("console:endpoint", pk=endpoint.pk)
 
 

@@ -1,5 +1,6 @@
 """Sign-up verifies the email: until the signed link is followed the console shows one page, and nothing can be joined."""
 
+import queue
 from datetime import timedelta
 
 import pytest
@@ -7,7 +8,7 @@ from django.core import mail
 from django.core.management import call_command
 from django.urls import reverse
 
-from controlplane.accounts import invitations, services, signup
+from controlplane.accounts import invitations, mail_sender, services, signup
 from controlplane.accounts import members as members_api
 from controlplane.accounts.keys import create_api_key
 from controlplane.accounts.models import ApiKey, EmailVerification, Role, email_is_verified
@@ -269,6 +270,22 @@ def test_resend_mails_a_new_link(client):
     response = client.post(reverse("verify-email-resend"), follow=True)
     assert "We sent a new link to new@example.test" in response.content.decode()
     assert len(mail.outbox) == 2
+
+
+def test_a_resend_whose_link_the_full_backlog_dropped_says_no_link_was_sent(client, settings, monkeypatch):
+    """`mail_sender.send_later` drops a mail past `MAX_BACKLOG` (the relay slow, a flood of resets): the page said "We
+    sent a new link" for a link nobody would ever get, and the user waited for it."""
+    _sign_up(client)
+    settings.SEND_MAIL_IN_REQUEST = False
+    full = queue.Queue(maxsize=1)
+    full.put_nowait(None)
+    monkeypatch.setattr(mail_sender, "_senders", lambda: full)
+
+    page = client.post(reverse("verify-email-resend"), follow=True).content.decode()
+
+    assert "We sent a new link" not in page
+    assert "could not send a link to new@example.test just now" in page
+    assert len(mail.outbox) == 1  # the sign-up's, sent before the backlog filled
 
 
 def test_an_unverified_account_cannot_join_an_organisation(client):

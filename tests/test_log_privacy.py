@@ -9,6 +9,7 @@ import logging
 import re
 import socketserver
 import threading
+import time
 
 import httpx
 import pytest
@@ -165,3 +166,18 @@ def test_a_logged_exception_names_no_address_in_its_traceback(caplog):
     assert BOUNCING not in caplog.text
     assert caplog.text.count(f"<address {address_digest(BOUNCING)}>") == 2
     assert "user 7" in caplog.text
+
+
+def test_a_long_line_an_outsider_wrote_is_scrubbed_in_time_linear_in_its_length(caplog):
+    # A Host header, a path or an input an error names: a run of word characters and an `@` later. Unbounded, the
+    # address's local part was tried from each character of the run to its end (quadratic: 32 KB took 2 s, 100 KB 20 s,
+    # the logging thread and the GIL held throughout).
+    run = "a" * 50_000
+    started = time.monotonic()
+    logging.getLogger("django.security.DisallowedHost").error("Invalid HTTP_HOST header: %r.", f"{run} @ {run}.")
+    assert time.monotonic() - started < 2
+    assert caplog.records[-1].getMessage() == f"Invalid HTTP_HOST header: '{run} @ {run}.'."
+    # an address is hidden whole however long its parts may be (an address stored: 254 in all; a label: 63)
+    local, label = "b" * 180, "c" * 63
+    assert hide_addresses(f"to {local}@{label}.{label}.example.test.") == (
+        f"to <address {address_digest(f'{local}@{label}.{label}.example.test')}>.")

@@ -4,6 +4,7 @@ tests' one-shot bootstrap."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,18 +134,28 @@ def email_verification_token(user) -> str:
     return signing.TimestampSigner(salt=VERIFY_EMAIL_SALT).sign_object({"user": user.pk, "email": user.email.lower()})
 
 
-def send_verification_email(user) -> bool:
-    """Mails `user` a link that verifies their address; whether it was mailed (`throttle.VERIFICATION_MAILS`)."""
+class LinkMailed(enum.Enum):
+    """What became of a verification link (`send_verification_email`)."""
+
+    SENT = "sent"  # handed to the web process's senders
+    OVER_BUDGET = "over budget"  # the address had as many links as it may today (`throttle.VERIFICATION_MAILS`)
+    DROPPED = "dropped"  # the senders' backlog was full (`mail_sender.send_later`, logged at ERROR)
+
+
+def send_verification_email(user) -> LinkMailed:
+    """Mails `user` a link that verifies their address; what became of it.
+
+    NOTE: `DROPPED` is not `SENT`: told "we sent a new link" for one the full backlog dropped, the user waited for it."""
     if not _may_mail(throttle.VERIFICATION_MAILS, user.email):
-        return False
+        return LinkMailed.OVER_BUDGET
     link = settings.PUBLIC_URL + reverse("verify-email-confirm", args=[email_verification_token(user)])
     body = render_to_string("registration/verify_email_email.txt", {"user": user, "link": link,
                                                                      "max_age_days": VERIFY_EMAIL_MAX_AGE.days})
     # NOTE: off the request, as every account mail (`mail_sender.send_later`): sent within it, a relay refusing the
     # address (or down) answered the sign-up, whose account was made, or the resend with a 500.
-    send_later(EmailMessage("Verify your email for Inferplane", body, None, [user.email]),
-               what="an address's verification link")
-    return True
+    taken = send_later(EmailMessage("Verify your email for Inferplane", body, None, [user.email]),
+                       what="an address's verification link")
+    return LinkMailed.SENT if taken else LinkMailed.DROPPED
 
 
 def mark_email_verified(user) -> EmailVerification:

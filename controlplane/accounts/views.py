@@ -33,6 +33,7 @@ from controlplane.accounts.serializers import ApiKeySerializer, NewOrganizationS
 from controlplane.accounts.services import client_ip
 from controlplane.accounts.signup import (
     InvalidLink,
+    LinkMailed,
     secure_after_password_reset,
     send_verification_email,
     sign_up_user,
@@ -224,8 +225,12 @@ def verify_email(request):
 def verify_email_resend(request):
     # NOTE: throttled per user and address (controlplane.accounts.throttle), so this cannot mail-bomb anyone.
     if not email_is_verified(request.user):
-        if send_verification_email(request.user):
+        mailed = send_verification_email(request.user)
+        if mailed is LinkMailed.SENT:
             messages.success(request, f"We sent a new link to {request.user.email}.")
+        elif mailed is LinkMailed.DROPPED:
+            messages.error(request, f"We could not send a link to {request.user.email} just now: try again in a few "
+                                    "minutes.")
         else:
             messages.error(request, f"{request.user.email} got as many links as we send an address in a day: use the "
                                     "last one, or try again tomorrow.")

@@ -88,6 +88,19 @@ def test_wizard_creates_the_endpoint_and_redirects_to_its_page(owner):
     assert endpoint.events.filter(kind=EventKind.CONFIG).exists()
 
 
+def test_wizard_never_says_an_endpoint_starts_now_for_minimum_replicas_its_organisation_without_a_card_does_not_keep(
+        owner, settings):
+    """An organisation held to the idle cap keeps no warm floor (`autoscaler.floor`): the wizard said its endpoint
+    started "now, for its minimum replicas", and none ever started."""
+    settings.STRIPE_SECRET_KEY = "sk_test_inferplane"
+    settings.IDLE_TIMEOUT_WITHOUT_CARD_S = 300
+
+    page = owner.post(reverse("console:endpoint-new"), VALID_SPEC | {"min_replicas": "1"}, follow=True).content.decode()
+
+    assert "is deployed" in page and "now, for its minimum replicas" not in page
+    assert "its minimum replicas stay warm once the organisation has a payment method" in page
+
+
 def test_wizard_shows_the_serializers_errors_next_to_their_fields(owner):
     spec = VALID_SPEC | {"name": "Bad Name!", "model_source": "ftp://x", "gpu_type": "cpu", "quantization": "awq",
                          "min_replicas": "3", "max_replicas": "1", "max_model_len": "abc"}
