@@ -44,11 +44,16 @@ def address_digest(address: str) -> str:
     return salted_hmac(DIGEST_SALT, address.strip().lower()).hexdigest()[:16]
 
 
+def shown_address(address: str) -> str:
+    """How a log line writes `address`: `<address DIGEST>` (`address_digest`)."""
+    return f"<address {address_digest(address)}>"
+
+
 def hide_addresses(text: str) -> str:
     """`text` with each email address in it written as `<address DIGEST>`."""
     if "@" not in text:
         return text
-    return ADDRESS.sub(lambda match: f"<address {address_digest(match.group())}>", text)
+    return ADDRESS.sub(lambda match: shown_address(match.group()), text)
 
 
 def scrub(record: logging.LogRecord) -> logging.LogRecord:

@@ -14,7 +14,7 @@ import logging
 
 from django.core.mail.backends.base import BaseEmailBackend
 
-from controlplane.log_privacy import address_digest
+from controlplane.log_privacy import shown_address
 
 logger = logging.getLogger("inferplane.mail")
 
@@ -24,6 +24,6 @@ class EmailBackend(BaseEmailBackend):
         for message in email_messages:
             logger.warning(
                 "mail not sent (EMAIL_HOST is not set): to %s; its subject and body are not logged",
-                ", ".join(f"<address {address_digest(recipient)}>" for recipient in message.recipients()),
+                ", ".join(shown_address(recipient) for recipient in message.recipients()),
             )
         return 0
