@@ -102,15 +102,14 @@ def people_of(organization_id: int, *, since: datetime | None = None, until: dat
 
 @dataclass(frozen=True, slots=True)
 class Share:
-    """Whose allowance an organisation's spend between `since` and `until` (unbounded where None) is: `people`'s."""
+    """Whose allowance an organisation's spend from `since` (always where None) is: `people`'s."""
 
     people: frozenset[int]
     since: datetime | None = None
-    until: datetime | None = None
 
     def overlaps(self, since: datetime | None, until: datetime | None) -> bool:
-        return ((self.since is None or until is None or self.since < until)
-                and (self.until is None or since is None or since < self.until))
+        """Whether it is theirs at some moment between `since` and `until` (unbounded where None)."""
+        return self.since is None or until is None or self.since < until
 
 
 def holdings_of(organization_ids: Collection[int]) -> dict[int, list[Share]]:
@@ -355,8 +354,7 @@ def allowance_windows_of_its_people(organization_id: int, *, since: datetime | N
     for other_id, shares in holdings_of(candidates).items():
         theirs = [share for share in shares if share.people & people and share.overlaps(since, until)]
         if theirs:
-            windows[other_id] = (_latest(since, *(share.since for share in theirs)),
-                                 _earliest(until, *(share.until for share in theirs)))
+            windows[other_id] = (_latest(since, *(share.since for share in theirs)), until)
     return windows
 
 
@@ -364,12 +362,6 @@ def _latest(bound: datetime | None, *starts: datetime | None) -> datetime | None
     """The latest of `bound` and the earliest of `starts` (None: unbounded)."""
     start = None if None in starts else min(starts)
     return max((moment for moment in (bound, start) if moment is not None), default=None)
-
-
-def _earliest(bound: datetime | None, *ends: datetime | None) -> datetime | None:
-    """The earliest of `bound` and the latest of `ends` (None: unbounded)."""
-    end = None if None in ends else max(ends)
-    return min((moment for moment in (bound, end) if moment is not None), default=None)
 
 
 def create_own_organization(actor: Actor, *, name: str) -> Organization:
