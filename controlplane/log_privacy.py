@@ -35,8 +35,21 @@ _PATH_LOGGERS = ("django.request", "django.security")
 # NOTE: each part bounded (a local part as long as a stored address may be, `backends.EMAIL_MAX_LENGTH`; a label 63
 # and 127 labels, as DNS does): unbounded, the local part was tried from each character of a run of word characters to
 # the run's end, quadratic in a line an outsider writes (a Host header, a path, an input an error names: 100 KB held the
-# logging thread and the GIL 20 s, the web process with them). Bounded, about a microsecond a character at worst.
-ADDRESS = re.compile(r"\w[\w.!#$%&'*+/=?^`{|}~-]{0,253}@[\w-]{1,63}(?:\.[\w-]{1,63}){0,126}\.(?:[^\W\d_]{2,63}|xn--[\w-]{1,59})\b")
+# logging thread and the GIL 20 s, the web process with them). Bounded, linear in the line: the worst found, local
+# parts of 253 characters each followed by `@` and 126 one-letter labels, about 10 microseconds a character (1 s for
+# 100 KB here: `tests/test_undeliverable_addresses.py`); lines of ordinary text far less.
+# NOTE: `xn--` tried first: tried second, `xn` matched as a top label of letters and `ada@example.xn--p1ai` was hidden
+# as the digest of `ada@example.xn`, its `--p1ai` left beside it.
+_DOMAIN = r"[\w-]{1,63}(?:\.[\w-]{1,63}){0,126}\.(?:xn--[\w-]{1,59}|[^\W\d_]{2,63})\b"
+ADDRESS = re.compile(r"\w[\w.!#$%&'*+/=?^`{|}~-]{0,253}@" + _DOMAIN)
+_WHOLE_DOMAIN = re.compile(_DOMAIN)
+
+
+def hides_domain(domain: str) -> bool:
+    """Whether a log line's address at `domain` is hidden whole (`hide_addresses`): a name with a dot and a top label of
+    letters (or IDNA's `xn--`), as mail on the internet is addressed. NOTE: `backends.normalize_email` stores no other:
+    `ada@localhost` and `ada@[10.0.0.1]` pass Django's check, and were written whole in every line naming them."""
+    return _WHOLE_DOMAIN.fullmatch(domain) is not None
 
 
 def address_digest(address: str) -> str:

@@ -220,7 +220,9 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
         return super().list(request, *args, **kwargs)
 
     @extend_schema(responses={201: InvitationSerializer, 403: SESSION_ONLY, 429: OpenApiResponse(
-        description="Too many invitations from this organisation, or to this address: wait `Retry-After` seconds.")})
+        description="Too many invitations from this organisation, or to this address: wait `Retry-After` seconds."),
+        503: OpenApiResponse(description="The invitation could not be emailed now (too many mails wait to be sent): "
+                                         "nothing was sent or left pending; send it again after `Retry-After` seconds.")})
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -232,6 +234,9 @@ class InvitationViewSet(OrganizationScopedMixin, mixins.ListModelMixin, mixins.C
             raise PermissionDenied(str(exc)) from None
         except invitations.AlreadyInvited as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
+        except invitations.InvitationNotMailed as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
+                            headers={"Retry-After": str(exc.retry_after_s)})
         return Response(InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses=InvitationSerializer)

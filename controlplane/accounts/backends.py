@@ -17,6 +17,7 @@ from django.core.validators import validate_email
 from django.db.models import Q
 from django.utils.encoding import punycode
 
+from controlplane.log_privacy import hides_domain
 from controlplane.text import name_problem
 
 # The address columns (`User.email`, `Invitation.email`, `EmailVerification.email`: Django's EmailField).
@@ -47,7 +48,10 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     `ada+x@` and `ada@`, so one inbox signed up as 2^n accounts, each with its own allowance without a card
     (`organizations.same_mailbox` reads the address as written), and no mailbox needs one. Nor a domain IDNA
     cannot encode (Hebrew and Latin letters in one label, a label past 63 bytes encoded): Django's check passes it,
-    and the invitation's mail raised `UnicodeError` as it was sent, a 500.
+    and the invitation's mail raised `UnicodeError` as it was sent, a 500. Nor a domain the log scrubber does not hide
+    whole (`log_privacy.hides_domain`): Django's check passes `localhost`, an IP literal and a top label with a digit
+    of another script, no relay of a production service delivers to one, and such an address was written whole in
+    every log line that named it (logs outlive an account's erasure).
     """
     # NOTE: NFKC, as Django folds a username (`normalize_username`, an account's is its address) and IDNA the mail's
     # domain: `ada@\uff45xample.test` (fullwidth) was stored so beside its username `ada@example.test`, and an
@@ -74,6 +78,11 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     if len(normalized) > max_length:
         raise ValidationError(f"Ensure this address has at most {max_length} characters once lower-cased "
                               f"(it has {len(normalized)}).", code="max_length")
+    # NOTE: last, the length known: a domain the other rules refuse is named by them.
+    if not hides_domain(domain):
+        raise ValidationError("Use an address at a domain name mail on the internet reaches (ada@example.test): not "
+                              "localhost, an IP address or a name without a top-level domain of letters.",
+                              code="invalid")
     return normalized
 
 

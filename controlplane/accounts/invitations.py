@@ -25,6 +25,7 @@ from controlplane.accounts.members import (
     ensure_may_touch_owner_role,
     may_invite,
     remove_member_for_security,
+    revoke_pending_invitations,
 )
 from controlplane.accounts.models import (
     Invitation,
@@ -53,6 +54,17 @@ class AlreadyInvited(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class InvitationNotMailed(RuntimeError):
+    """The invitation's mail was not taken (`mail_sender.send_later`: the senders' backlog full), so it was withdrawn:
+    nothing was sent and nothing is pending; try again in `retry_after_s`."""
+
+    retry_after_s = 60
+
+    def __init__(self):
+        super().__init__("We could not email the invitation just now (too many mails are waiting to be sent): nothing "
+                         "was sent and nothing is pending. Try again in a minute.")
 
 
 class TooManyInvitations(NotPermitted):
@@ -92,7 +104,8 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     (`members.ensure_in_a_session`): a seat would outlive the key's bounds and its revocation.
 
     Raises `NotPermitted` where the actor's role does not allow it, `AlreadyInvited` where the address is a member's
-    or has one pending, `TooManyInvitations` past the throttle; a `ValidationError` where the address is too long once
+    or has one pending, `TooManyInvitations` past the throttle, `InvitationNotMailed` where its mail could not be
+    handed to the senders (the invitation withdrawn); a `ValidationError` where the address is too long once
     normalised (`backends.normalize_email`: forms and serializers take it from there first).
     """
     email = normalize_email(email)
@@ -148,8 +161,15 @@ def invite_member(actor: Actor, organization: Organization, *, email: str, role:
     })
     # NOTE: off the request (`mail_sender.send_later`): sent within it, a relay refusing the address (or down) answered
     # with a 500 an invitation already made and audited, and a second try was refused as pending.
-    send_later(EmailMessage(f"You are invited to {organization_name} on Inferplane", body, None, [email]),
-               what="an invitation's email")
+    taken = send_later(EmailMessage(f"You are invited to {organization_name} on Inferplane", body, None, [email]),
+                       what="an invitation's email")
+    if not taken:
+        # NOTE: withdrawn, not left pending: dropped by the full backlog, it was said to be emailed and stayed pending,
+        # and the inviter's second try was refused as pending for a link nobody got. Its try stays counted
+        # (`throttle.INVITATIONS`): a full backlog is no way around the address's budget.
+        with transaction.atomic():
+            revoke_pending_invitations(actor, Invitation.objects.filter(pk=invitation.pk), reason="mail.dropped")
+        raise InvitationNotMailed()
     return invitation
 
 

@@ -173,7 +173,7 @@ def revoke_invitations_sent_by(actor: Actor, user, *, reason: str, organization:
     pending = Invitation.objects.pending().filter(invited_by=user)
     if organization is not None:
         pending = pending.filter(organization=organization)
-    return _revoke_pending(actor, pending, reason=reason,
+    return revoke_pending_invitations(actor, pending, reason=reason,
                            keep=lambda invitation: role is not None and may_invite(role, invitation.role))
 
 
@@ -185,10 +185,10 @@ def revoke_invitations_to(actor: Actor, address: str, *, reason: str) -> int:
     NOTE: called as an account is deleted (`erasure.erase_person`): an invitation left pending to the address of a
     person who has gone was accepted by whoever signed up with that address next, and granted its role (owner
     included) in an organisation that had invited someone else."""
-    return _revoke_pending(actor, Invitation.objects.pending().filter(email__iexact=address), reason=reason)
+    return revoke_pending_invitations(actor, Invitation.objects.pending().filter(email__iexact=address), reason=reason)
 
 
-def _revoke_pending(actor: Actor, pending, *, reason: str, keep=None) -> int:
+def revoke_pending_invitations(actor: Actor, pending, *, reason: str, keep=None) -> int:
     """Revokes the invitations of `pending` (but those `keep` says to keep), each audited with `reason`."""
     pending = pending.select_related("organization").order_by("pk")
     # NOTE: each organisation's row first (in one order), as accepting or revoking an invitation does: see

@@ -372,6 +372,9 @@ def members(request):
             invitations.invite_member(services.Actor.from_request(request), request.organization, email=email, role=role)
         except (NotPermitted, invitations.AlreadyInvited) as exc:
             form.add_error(exc.field, str(exc))
+        except invitations.InvitationNotMailed as exc:
+            form.add_error("email", str(exc))
+            return _members_page(request, form, status=503)
         else:
             messages.success(request, f"We emailed an invitation to {email.lower()}; it is valid for "
                                       f"{invitations.INVITATION_TTL.days} days.")
