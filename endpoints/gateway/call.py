@@ -512,7 +512,7 @@ class InferenceCall:
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
-        timeout (a stream's first event, past `GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S`: a prompt's prefill, a queue in
+        timeout (a stream's first event, past `_first_event_timeout_s`: a prompt's prefill, a queue in
         the engine; given up on as a non-streamed answer is, unbilled, ended with an error event):
         a non-streamed answer comes whole when the engine is done, and a long one (a large `max_tokens`,
         `n`, a slow model, a queue) takes longer than any fixed timeout. Giving up closed the connection, which
