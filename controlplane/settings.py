@@ -429,12 +429,17 @@ NODE_FLEET_SILENCE_HOLD_S = env_float("INFERPLANE_NODE_FLEET_SILENCE_HOLD_S", 60
 # the longest any call runs (a stream still sending then is cut off: `endpoints.gateway.delivery`).
 GATEWAY_UPSTREAM_READ_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_UPSTREAM_READ_TIMEOUT_S", 600.0, minimum=0.1)
 GATEWAY_MAX_ANSWER_WAIT_S = env_float("INFERPLANE_GATEWAY_MAX_ANSWER_WAIT_S", 6 * 3600.0, minimum=1)
-# A stream's first event (after its prompt's prefill) is waited for this long in silence, then only while its replica's
+# A stream's first event (after its prompt's prefill; a Responses stream's first output, not the lifecycle events its
+# engine writes at once) is waited for this long in silence, then only while its replica's
 # engine is generating (as a non-streamed answer past the read timeout, asked again every 30 s): an engine that took
 # the request and computes nothing for it (wedged, busy on something else, which its agent spares) held the call, its
 # reservation and its client for the whole read timeout. Under the OpenAI clients' own timeout (600 s), which they
 # follow with a try of their own.
 GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S = env_float("INFERPLANE_GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S", 120.0, minimum=0.1)
+# ...and longer by its prompt's prefill at this rate (its bound's tokens, `endpoints.gateway.estimate`: ~3 a real one), up
+# to the read timeout: an engine prefilling one long prompt generates nothing until its first token, so its check cannot
+# tell it from a hung one, and a 30k-token prompt on a slow or busy engine was cut at 120 s, its prefill thrown away.
+GATEWAY_STREAM_PREFILL_TOKENS_PER_S = env_float("INFERPLANE_GATEWAY_STREAM_PREFILL_TOKENS_PER_S", 200.0, minimum=1)
 # A web process asked to stop (SIGTERM) finishes the inference calls in flight for up to this long, refusing new ones
 # (503) and not ready meanwhile, before its server stops (`endpoints.gateway.drain`): the web pod's grace period less
 # its preStop pause, uvicorn's graceful wait, the cut calls' finishes and the usage journal's replay and shipping

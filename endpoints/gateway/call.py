@@ -157,6 +157,9 @@ class InferenceCall:
     price_fraction: Decimal = Decimal(1)
     # `reserved` as a stream checks it on every chunk (set when the stream starts relaying).
     _ceiling: ledger.CostCeiling | None = None
+    # A Responses stream's answer until its engine's first output, which `_relay_events` tells it of
+    # (`upstream.Response.first_event_came`): its lifecycle events before it do not end the first event's bound.
+    _awaits_first_event: upstream.Response | None = None
     # The LoRA adapter the call names (`endpoint` is then priced at its prices): served only by replicas holding it.
     adapter: AdapterInfo | None = None
     # What CORS adds to its answer's headers (`cors.answer_headers`: `Vary: Origin`, and to a page's call the CORS
@@ -424,8 +427,11 @@ class InferenceCall:
                  "authorization": replica.authorization},
                 patience=functools.partial(self._patience, replica),
                 # NOTE: a stream's headers come at once; its first event is what its engine's silence delays
-                first_byte_timeout_s=hot.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S if self.request.stream else None,
+                first_byte_timeout_s=self._first_event_timeout_s() if self.request.stream else None,
                 patience_until_body=self.request.stream,
+                # NOTE: vLLM writes a Responses stream's `response.created` and `response.in_progress` at once: they
+                # ended the bound, and a hung engine held the stream for the whole read timeout (600 s)
+                first_event_told=self.request.stream and self.request.kind == responses.RESPONSES,
             )
         except upstream.UpstreamTimeout as exc:
             # NOTE: never sent again elsewhere: the replica has the request, and an engine that was computing it
@@ -489,13 +495,24 @@ class InferenceCall:
             return errors.engine_failed()
         return errors.upstream_failed()
 
+    def _first_event_timeout_s(self) -> float:
+        """The silence a stream's first event is waited for before its engine is asked whether it generates
+        (`_patience`): `GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S`, and its prompt's prefill at
+        `GATEWAY_STREAM_PREFILL_TOKENS_PER_S` more, up to the read timeout. An engine prefilling one long prompt
+        generates nothing until its first token, so its agent's report cannot tell it from a hung one: a long prompt
+        on a slow or busy engine was cut at the bound, its prefill thrown away. A hung engine is still cut, once its
+        prompt's share has passed. Computed from the prompt's bound alone: no round trip on the warm path."""
+        bound_s = hot.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S
+        prefill_s = (self.num_prompt_tokens_bound or 0) / hot.GATEWAY_STREAM_PREFILL_TOKENS_PER_S
+        return max(bound_s, min(bound_s + prefill_s, self.client.read_timeout_s))
+
     async def _still_ready(self, replica: ReplicaInfo) -> bool:
         """Whether `replica` is READY, read now: its engine up (a replica being drained or scaled to zero is not)."""
         return replica.id in {r.id for r in await directory.ready_replicas(self.endpoint.id, fresh=True)}
 
     async def _patience(self, replica: ReplicaInfo) -> float | None:
         """How much longer to wait for the first byte of an answer `replica` has been silent on past the read
-        timeout (a stream's first event, past `GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S`: a prompt's prefill, a queue in
+        timeout (a stream's first event, past `_first_event_timeout_s`: a prompt's prefill, a queue in
         the engine; given up on as a non-streamed answer is, unbilled, ended with an error event):
         a non-streamed answer comes whole when the engine is done, and a long one (a large `max_tokens`,
         `n`, a slow model, a queue) takes longer than any fixed timeout. Giving up closed the connection, which
@@ -603,6 +620,8 @@ class InferenceCall:
             self._holding.sent(len(piece))
 
     async def _relay_stream(self, response: upstream.Response) -> None:
+        if self.request.kind == responses.RESPONSES:
+            self._awaits_first_event = response
         await self.start_stream()
         self._ceiling = ledger.CostCeiling.of(self.endpoint, self.reserved, fraction=self.price_fraction)
         options = self.request.payload.get("stream_options") or {}
@@ -754,6 +773,10 @@ class InferenceCall:
                     self.usage.num_output_events += 1
                 if not self.usage.prompt_prefilled and sse.is_responses_output(event):
                     self.usage.prompt_prefilled = True
+        if self._awaits_first_event is not None and self.usage.prompt_prefilled:
+            # NOTE: told before the send below, which may wait on a slow client while the engine is silent
+            self._awaits_first_event.first_event_came()
+            self._awaits_first_event = None
         if gone and not spent:
             if self.usage.every_prompt_counted:
                 raise ClientGone()

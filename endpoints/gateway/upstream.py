@@ -21,8 +21,10 @@ tracing hooks, per-read timers, a stream reader) is not on the path.
   when its wait for the answer's first byte passes the read timeout, how much longer to wait: a non-streamed
   answer comes in one piece when the engine is done, which takes as long as its tokens take. A stream's request
   (`patience_until_body`) is asked so until its body's first byte (the engine sends a stream's headers at once, its
-  first event after the prompt's prefill), from `first_byte_timeout_s` of silence. A timeout is never safe to send
-  again (the replica has the request): `UpstreamTimeout.before_first_byte` is False.
+  first event after the prompt's prefill), from `first_byte_timeout_s` of silence; one whose engine writes events of
+  its own before that (`first_event_told`: a Responses stream's lifecycle events) until its caller says the first
+  came (`Response.first_event_came`). A timeout is never safe to send again (the replica has the request):
+  `UpstreamTimeout.before_first_byte` is False.
 - Every failure is an `UpstreamError`.
 """
 
@@ -135,9 +137,10 @@ class Response:
 
     __slots__ = ("status", "_conn", "_chunks", "_num_buffered", "_bounded", "_done", "_error", "_waiter",
                  "_headers_seen", "_overflow", "_overflowed", "_patience", "_holding", "_patience_until_body",
-                 "_body_seen")
+                 "_body_seen", "_first_event_told")
 
-    def __init__(self, conn: _Connection, patience=None, patience_until_body: bool = False):
+    def __init__(self, conn: _Connection, patience=None, patience_until_body: bool = False,
+                 first_event_told: bool = False):
         self.status = 0
         # Asked (awaited, no argument) when the first byte is later than the read timeout: the seconds more to wait
         # for it, or None to give up (`UpstreamTimeout`). It may ask again when those pass.
@@ -145,6 +148,10 @@ class Response:
         # The first byte `patience` waits for is the body's, not the headers' (a stream's: its first event)
         self._patience_until_body = patience_until_body
         self._body_seen = False
+        # NOTE: the body's first bytes are not that byte either (a Responses stream's engine writes `response.created`
+        # and `response.in_progress` as it takes the request, its first output after the prefill): the caller, which
+        # reads the events, says when it came (`first_event_came`)
+        self._first_event_told = first_event_told
         self._conn = conn
         self._chunks: list[bytes] = []
         self._num_buffered = 0  # bytes in `_chunks`
@@ -160,6 +167,11 @@ class Response:
     def _answer_started(self) -> bool:
         """Whether the first byte `patience` waits for has come."""
         return self._body_seen if self._patience_until_body else self._headers_seen
+
+    def first_event_came(self) -> None:
+        """The caller read the answer's first event (`first_event_told`): from now on the read timeout alone bounds
+        the silence (the connection's timer, due at the first event's bound, finds it and waits on)."""
+        self._body_seen = True
 
     # --- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:
@@ -332,7 +344,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         response = self.response
-        response._body_seen = True
+        if not response._first_event_told:
+            response._body_seen = True
         if response._error is not None:  # past the limit: the rest of what this read held is dropped
             return
         if response._overflowed:
@@ -368,8 +381,8 @@ class _Connection(asyncio.Protocol):
 
     # --- the client's side ---------------------------------------------------------------------
     def send(self, data: bytes, patience=None, first_byte_timeout_s: float | None = None,
-             patience_until_body: bool = False) -> Response:
-        self.response = response = Response(self, patience, patience_until_body)
+             patience_until_body: bool = False, first_event_told: bool = False) -> Response:
+        self.response = response = Response(self, patience, patience_until_body, first_event_told)
         self.reusable = False
         self.patient_until = 0.0
         self.first_byte_timeout_s = self.read_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
@@ -560,12 +573,13 @@ class UpstreamClient:
         return pool
 
     async def post(self, address: str, path: str, body: bytes, headers: dict[str, str], *, patience=None,
-                   first_byte_timeout_s: float | None = None, patience_until_body: bool = False) -> Response:
+                   first_byte_timeout_s: float | None = None, patience_until_body: bool = False,
+                   first_event_told: bool = False) -> Response:
         """POST `body` to `address` + `path`; the `Response` once its status line and headers are in.
 
         Raises `UpstreamError` (`engine_cannot_have_started` when it is safe to send again elsewhere: nothing was
         sent; `before_first_byte` also when the replica closed the connection before answering, `reset_before_answer`
-        when it reset it). `patience`, `patience_until_body`: see `Response`; `first_byte_timeout_s`: the silence
+        when it reset it). `patience`, `patience_until_body`, `first_event_told`: see `Response`; `first_byte_timeout_s`: the silence
         before that first byte after which `patience` is asked (or, without it, the call times out); the read
         timeout where not given."""
         pool = self._pool(address)
@@ -576,7 +590,7 @@ class UpstreamClient:
         conn = await pool.connection()
         response = conn.send(b"".join((b"POST ", pool.prefix, path.encode("latin-1"), b" HTTP/1.1\r\n", pool.head,
                                        f"{head}content-length: {len(body)}\r\n\r\n".encode("latin-1"), body)),
-                             patience, first_byte_timeout_s, patience_until_body)
+                             patience, first_byte_timeout_s, patience_until_body, first_event_told)
         try:
             while not response._headers_seen:
                 if response._error is not None:

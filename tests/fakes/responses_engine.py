@@ -14,7 +14,8 @@ apart: a read boundary inside the event's name), `error_first` (vLLM's `event: e
 `error_after_call` (a function call announced, `response.output_item.added` as vLLM writes it once its parser has the
 name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
 answered), `vllm_error` (the deltas, then the error event in vLLM's chat streams' shape, `{"error": {…}}`, then the
-stream ends). Every stream starts as vLLM's does, with `response.created` and `response.in_progress`; with
+stream ends). Every stream starts as vLLM's does, with `response.created` and `response.in_progress` (then, with
+`metadata.prefill_ms`, that long a silence before the rest: a prompt's prefill, or an engine that never gets to it); with
 `metadata.whole` its text comes as vLLM's does, whole enough for the openai client's stream helper
 (`client.responses.stream`): a message item and its part announced, each delta naming them.
 
@@ -112,6 +113,8 @@ async def app(scope, receive, send):
             },
         )
     )
+    # NOTE: vLLM writes its lifecycle events as it takes the request, its first output after the prompt's prefill
+    await asyncio.sleep(float(metadata.get("prefill_ms", "0")) / 1000)
     if scenario == "error_after_call":
         item = {
             "type": "function_call",

@@ -47,6 +47,19 @@ def wait_until_healthy(address: str, what: str) -> None:
 
 
 @pytest.fixture
+def scripted_responses_engine(tmp_path):
+    """The address of the scripted `/v1/responses` engine (`tests.fakes.responses_engine`), running for the test."""
+    port = free_port()
+    child = ChildProcess([sys.executable, "-m", "tests.fakes.responses_engine", "--port", str(port)], child_env(),
+                         tmp_path / "responses-engine.log")
+    address = f"http://127.0.0.1:{port}"
+    wait_until_healthy(address, "the scripted engine")
+    yield address
+    child.kill()  # a test double: nothing to finish
+    child.stop()
+
+
+@pytest.fixture
 def start_mock_upstream(tmp_path):
     started: list[ChildProcess] = []
 

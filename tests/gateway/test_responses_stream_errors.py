@@ -5,29 +5,19 @@ lost) or the engine does (vLLM writes its failure in its chat streams' shape, `{
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from openai.types.responses import ResponseErrorEvent
 
-from tests.conftest import ChildProcess, child_env, free_port
 from tests.fakes import responses_engine
-from tests.gateway.conftest import serve_endpoint, wait_until_healthy
+from tests.gateway.conftest import serve_endpoint
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def engine(tmp_path):
+def engine(scripted_responses_engine):
     """The scripted Responses engine (`tests.fakes.responses_engine`)."""
-    port = free_port()
-    child = ChildProcess([sys.executable, "-m", "tests.fakes.responses_engine", "--port", str(port)], child_env(),
-                         tmp_path / "responses-engine.log")
-    address = f"http://127.0.0.1:{port}"
-    wait_until_healthy(address, "the scripted engine")
-    yield address
-    child.kill()  # a test double: nothing to finish
-    child.stop()
+    return scripted_responses_engine
 
 
 def _events(gateway: str, tenant, endpoint, scenario: str) -> list:
