@@ -20,6 +20,9 @@ from endpoints.models import ACTIVE_REPLICA_STATES, Replica
 
 # The window replica starts are counted over (`replica_starts`).
 REPLICA_STARTS_WINDOW_S = 3600
+# An organisation's starts an hour are at least this many times its replica quota (`replica_starts`): each replica it may
+# hold started from zero, and replaced once, within the hour.
+STARTS_PER_REPLICA_QUOTA = 2
 # What a reconcile refused for the starts an hour says after "waiting for quota: " (`endpoints.scheduler`), which the
 # gateway reads on the endpoint to refuse its cold calls at once (`endpoints.gateway.standing`).
 REPLICA_STARTS_REFUSAL = "replica starts an hour"
@@ -112,7 +115,11 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
         return ReplicaStarts(0, num_created, without_card=False, on_hold=True)
     # NOTE: an organisation whose account was never made holds no payment method (made on first use, as it would be).
     without_card = held_without_payment_method(account or BillingAccount(organization_id=organization.pk))
-    limits = [settings.REPLICA_STARTS_PER_HOUR] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
+    # NOTE: grown with the plan: a plan allowing more replicas at once than the hour's bound could never hold them all
+    # from zero within the hour. Not without a card, whose bound stands apart (the lower of the two).
+    per_plan = settings.REPLICA_STARTS_PER_HOUR and max(settings.REPLICA_STARTS_PER_HOUR,
+                                                        STARTS_PER_REPLICA_QUOTA * organization.quotas.max_replicas)
+    limits = [per_plan] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
     limits = [limit for limit in limits if limit]  # 0: no bound
     if not limits:
         return None
