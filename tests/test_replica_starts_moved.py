@@ -129,5 +129,8 @@ def test_moves_give_back_at_most_the_hours_bound_so_a_tenant_whose_replicas_keep
 
 def test_the_hours_starts_are_still_one_query_beside_the_billing_account(django_assert_num_queries):
     organization = OrganizationFactory()
+    account = BillingAccount.objects.for_organization(organization)
+    account.payment_method_on_file = True
+    account.save(update_fields=["payment_method_on_file"])
     with django_assert_num_queries(2):  # its billing account, its replicas created or moved this hour
         replica_starts(organization)
