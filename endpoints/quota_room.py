@@ -73,7 +73,8 @@ class ReplicaStarts:
     num_started: int
     without_card: bool
     on_hold: bool = False  # its calls are stopped for an unpaid invoice or a disputed payment: it starts none (limit 0)
-    shared: bool = False  # counted with the other organisations of its people without a card (`replica_starts`)
+    # the other organisations of its people without a card, counted with it (`replica_starts`)
+    shared_with: tuple[int, ...] = ()
 
     @property
     def num_left(self) -> int:
@@ -85,7 +86,7 @@ class ReplicaStarts:
             return (f"{REPLICA_STARTS_REFUSAL}: {REPLICA_STARTS_ON_HOLD}, and it starts no replica until that is "
                     "settled on the billing page")
         if self.without_card:
-            together = ", with the other organisations of its people" if self.shared else ""
+            together = ", with the other organisations of its people" if self.shared_with else ""
             return (f"{REPLICA_STARTS_REFUSAL}: an organisation without a payment method starts at most {self.limit} "
                     f"replicas an hour{together}; add one on the billing page to start more")
         return f"{REPLICA_STARTS_REFUSAL}: your organisation starts at most {self.limit} replicas an hour"
@@ -133,7 +134,7 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
     without_card = without_card and limit == settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD
     others = _others_without_card(organization) if without_card else []
     num_created, num_moved = _created_and_moved([organization.pk, *others])
-    return ReplicaStarts(limit, max(0, num_created - min(num_moved, limit)), without_card, shared=bool(others))
+    return ReplicaStarts(limit, max(0, num_created - min(num_moved, limit)), without_card, shared_with=tuple(others))
 
 
 def _others_without_card(organization: Organization) -> list[int]:

@@ -5,12 +5,15 @@ have no card either count against its `INFERPLANE_REPLICA_STARTS_PER_HOUR_WITHOU
 Before, each organisation had its own: one person with `MAX_OWNED_ORGANIZATIONS` organisations started five times the
 bound an hour, each a GPU (and a pool's machine) for nothing paid."""
 
+import threading
 import time
 
 import pytest
+from django.db import connection, transaction
 
 from billing.models import BillingAccount
 from controlplane.accounts.services import Actor, create_organization
+from endpoints import quotas
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from endpoints.quota_room import replica_starts
@@ -84,3 +87,38 @@ def test_her_organisations_are_read_in_the_same_few_queries_however_many_she_has
         Replica.objects.create(endpoint=EndpointFactory(organization=organization))
     with django_assert_max_num_queries(15):
         assert replica_starts(organizations[0]).num_started == num_organizations
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_the_bound(settings):
+    """Each placement holds its own organisation's row alone (`quotas.lock_organization`): two of hers at once each
+    counted the other's start as not yet made, and a burst over her organisations started the bound in each."""
+    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 1
+    first, second = her_organizations(2)
+    endpoints = [EndpointFactory(organization=organization, gpu_type="l4") for organization in (first, second)]
+    counted, refusals = threading.Event(), {}
+
+    def place(endpoint, *, first_in: bool) -> None:
+        try:
+            if not first_in:
+                counted.wait(10)
+            with transaction.atomic():
+                quotas.lock_organization(endpoint.organization_id)
+                refusals[first_in] = quotas.start_refusal(endpoint)
+                if refusals[first_in] is None:
+                    Replica.objects.create(endpoint=endpoint)
+                if first_in:
+                    counted.set()
+                    time.sleep(0.5)  # the other counts meanwhile
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=place, args=(endpoint,), kwargs={"first_in": index == 0})
+               for index, endpoint in enumerate(endpoints)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert refusals[True] is None and refusals[False] is not None
+    assert Replica.objects.count() == 1
