@@ -9,16 +9,20 @@ import pytest
 from django.utils import timezone
 
 from billing.models import BillingAccount
+from controlplane.accounts.models import Plan
 from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
 from endpoints.autoscaler import Load
 from endpoints.fleet.services import retire_node, set_node_state
 from endpoints.models import Replica
+from endpoints.nodes.models import NodeLaunch
 from endpoints.quota_room import replica_starts
 from endpoints.replicas import drain_replica
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory
+from tests.fleet.test_pool_failing_endpoints import ONE_REPLICA_MB
+from tests.fleet.test_pool_policy import TINY, RecordingProvider, make_pool, tick
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -81,7 +85,7 @@ def test_a_replica_whose_node_went_silent_or_was_retired_is_replaced_without_spe
 def test_a_sleeper_that_cannot_wake_in_place_is_replaced_without_spending_a_start():
     """Before: its node cordoned while it slept, its wake fell back to a new start, refused once the hour's were
     spent: the endpoint served nothing though it had held its GPU all along."""
-    organization = OrganizationFactory()
+    organization = OrganizationFactory(plan=Plan.objects.create(name="two", max_replicas=2))  # 4 starts an hour
     account = BillingAccount.objects.for_organization(organization)
     account.payment_method_on_file = True
     account.save(update_fields=["payment_method_on_file"])
@@ -134,3 +138,18 @@ def test_the_hours_starts_are_still_one_query_beside_the_billing_account(django_
     account.save(update_fields=["payment_method_on_file"])
     with django_assert_num_queries(2):  # its billing account, its replicas created or moved this hour
         replica_starts(organization)
+
+
+def test_a_node_pool_launches_a_machine_for_a_replica_moved_off_a_lost_node_once_the_hours_starts_are_spent():
+    """The pools' demand judges by the same count (`ReplicaRoom`): the replacement of a moved replica is demand for a
+    machine even where the organisation's own starts are spent."""
+    pool, provider = make_pool(gpu_memory_mb=ONE_REPLICA_MB, max_nodes=10), RecordingProvider()
+    endpoint = EndpointFactory(organization=OrganizationFactory(), gpu_type="cpu", model_source=TINY, quantization="none")
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.STOPPED)
+    Replica.objects.create(endpoint=endpoint, state=ReplicaState.FAILED, moved_at=timezone.now())  # its node lost
+
+    reconcile_endpoint(str(endpoint.pk), called_now())
+
+    endpoint.refresh_from_db()
+    assert endpoint.unplaced_replicas == 1
+    assert tick(provider) == 1 and NodeLaunch.objects.filter(pool=pool).count() == 1
