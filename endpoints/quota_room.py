@@ -104,7 +104,8 @@ def refused_for_hold(status_message: str) -> bool:
 
 
 def replica_starts(organization: Organization) -> ReplicaStarts | None:
-    """The organisation's `ReplicaStarts` now (two queries), None where its starts are not bounded.
+    """The organisation's `ReplicaStarts` now (two queries; up to 15 for one without a card, its people's other
+    organisations read too), None where its starts are not bounded.
 
     NOTE: counted from the replicas' own rows (kept when they stop), by PostgreSQL's clock less their creation time:
     nothing to lose with Redis's memory, and a replica counts wherever it started from (a call's wake, the tick, a
