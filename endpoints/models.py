@@ -896,6 +896,10 @@ class Replica(models.Model):
     state_changed_at = models.DateTimeField(default=timezone.now)
     ready_at = models.DateTimeField(null=True, blank=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
+    # When the platform took it off its node for a reason of its own while it served or slept (its node drained, lost,
+    # retired or unfit; a sleeper whose node could not wake it): the replica that replaces it is no start of its
+    # organisation's (`quota_room.replica_starts`). None: it ended, if it did, by its tenant's doing or its own.
+    moved_at = models.DateTimeField(null=True, blank=True)
     # NOTE: the engine's key (random per replica, Fernet-encrypted): the agent hands it to the engine,
     # the gateway sends it; nothing else can call the engine.
     encrypted_engine_key = models.TextField(default=new_engine_key, editable=False)
@@ -906,7 +910,10 @@ class Replica(models.Model):
         ordering = ["created_at"]
         indexes = [models.Index(fields=["endpoint", "state"]), models.Index(fields=["node", "state"]),
                    # an organisation's starts in the last hour (`quota_room.replica_starts`): rows stay when they stop
-                   models.Index(fields=["endpoint", "created_at"], name="replica_endpoint_created")]
+                   models.Index(fields=["endpoint", "created_at"], name="replica_endpoint_created"),
+                   # and the moves of the last hour beside them: few rows, so only those
+                   models.Index(fields=["endpoint", "moved_at"], name="replica_endpoint_moved",
+                                condition=models.Q(moved_at__isnull=False))]
 
     @property
     def prefix_cache_hit_percent(self) -> float:

@@ -8,18 +8,23 @@ Its own module, beside `endpoints.quotas` (which judges specs, uploads and place
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Sum
+from django.db.models import Count, Q, Sum
 
 from billing.models import BillingAccount
 from billing.standing import held_without_payment_method, limit_without_payment_method_applies
 from controlplane.accounts.models import Organization, Quotas
-from controlplane.clock import database_time_ago
+from controlplane.accounts.organizations import organizations_of_its_people
+from controlplane.clock import database_now, database_time_ago
 from endpoints.models import ACTIVE_REPLICA_STATES, Replica
 
 # The window replica starts are counted over (`replica_starts`).
 REPLICA_STARTS_WINDOW_S = 3600
+# An organisation's starts an hour are at least this many times its replica quota (`replica_starts`): each replica it may
+# hold started from zero, and replaced once, within the hour.
+STARTS_PER_REPLICA_QUOTA = 2
 # What a reconcile refused for the starts an hour says after "waiting for quota: " (`endpoints.scheduler`), which the
 # gateway reads on the endpoint to refuse its cold calls at once (`endpoints.gateway.standing`).
 REPLICA_STARTS_REFUSAL = "replica starts an hour"
@@ -68,6 +73,8 @@ class ReplicaStarts:
     num_started: int
     without_card: bool
     on_hold: bool = False  # its calls are stopped for an unpaid invoice or a disputed payment: it starts none (limit 0)
+    # the other organisations of its people without a card, counted with it (`replica_starts`)
+    shared_with: tuple[int, ...] = ()
 
     @property
     def num_left(self) -> int:
@@ -79,8 +86,9 @@ class ReplicaStarts:
             return (f"{REPLICA_STARTS_REFUSAL}: {REPLICA_STARTS_ON_HOLD}, and it starts no replica until that is "
                     "settled on the billing page")
         if self.without_card:
+            together = ", with the other organisations of its people" if self.shared_with else ""
             return (f"{REPLICA_STARTS_REFUSAL}: an organisation without a payment method starts at most {self.limit} "
-                    "replicas an hour; add one on the billing page to start more")
+                    f"replicas an hour{together}; add one on the billing page to start more")
         return f"{REPLICA_STARTS_REFUSAL}: your organisation starts at most {self.limit} replicas an hour"
 
 
@@ -96,26 +104,60 @@ def refused_for_hold(status_message: str) -> bool:
 
 
 def replica_starts(organization: Organization) -> ReplicaStarts | None:
-    """The organisation's `ReplicaStarts` now (two queries), None where its starts are not bounded.
+    """The organisation's `ReplicaStarts` now (two queries; up to 15 for one without a card, its people's other
+    organisations read too), None where its starts are not bounded.
 
     NOTE: counted from the replicas' own rows (kept when they stop), by PostgreSQL's clock less their creation time:
     nothing to lose with Redis's memory, and a replica counts wherever it started from (a call's wake, the tick, a
     resume, a spec change, a batch's deadline). An organisation on hold (`billing.standing.hold`, as last reviewed) starts
-    none: every call of its is refused, so a replica started for its warm floor, a batch or a resume served nothing."""
+    none: every call of its is refused, so a replica started for its warm floor, a batch or a resume served nothing.
+    NOTE: less those the platform moved in the hour (`Replica.moved_at`: a node drained, lost, retired or released, a
+    sleeper that could not wake in place), each owed a replacement that is no start of the tenant's: counted, one lost
+    node took an organisation without a card its hour's six, and its calls were refused for a fault of ours. At most the
+    hour's bound of them: a tenant whose engine takes its nodes down starts at most twice its bound, never without end.
+    NOTE: without a card, a person's bound, not an organisation's: the other organisations of its people without a card
+    either (`organizations_of_its_people`, as `billing.standing.limit_without_payment_method` counts their spend) count
+    with it. Each had its own, and a person with `MAX_OWNED_ORGANIZATIONS` started five times the bound an hour."""
     account = BillingAccount.objects.filter(organization_id=organization.pk).first()
-    num_started = Replica.objects.filter(endpoint__organization_id=organization.pk,
-                                         created_at__gte=database_time_ago(REPLICA_STARTS_WINDOW_S)).count()
     if account is not None and account.past_due_since is not None:
-        return ReplicaStarts(0, num_started, without_card=False, on_hold=True)
+        return ReplicaStarts(0, _created_and_moved([organization.pk])[0], without_card=False, on_hold=True)
     # NOTE: an organisation whose account was never made holds no payment method (made on first use, as it would be).
     without_card = held_without_payment_method(account or BillingAccount(organization_id=organization.pk))
-    limits = [settings.REPLICA_STARTS_PER_HOUR] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
+    # NOTE: grown with the plan: a plan allowing more replicas at once than the hour's bound could never hold them all
+    # from zero within the hour. Not without a card, whose bound stands apart (the lower of the two).
+    per_plan = settings.REPLICA_STARTS_PER_HOUR and max(settings.REPLICA_STARTS_PER_HOUR,
+                                                        STARTS_PER_REPLICA_QUOTA * organization.quotas.max_replicas)
+    limits = [per_plan] + ([settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD] if without_card else [])
     limits = [limit for limit in limits if limit]  # 0: no bound
     if not limits:
         return None
     limit = min(limits)
     without_card = without_card and limit == settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD
-    return ReplicaStarts(limit, num_started, without_card)
+    others = _others_without_card(organization) if without_card else []
+    num_created, num_moved = _created_and_moved([organization.pk, *others])
+    return ReplicaStarts(limit, max(0, num_created - min(num_moved, limit)), without_card, shared_with=tuple(others))
+
+
+def _others_without_card(organization: Organization) -> list[int]:
+    """The other organisations of its people in the last `REPLICA_STARTS_WINDOW_S` (closed ones too) held to the limit
+    without a payment method now: one with a card, prepaid or invoiced starts on its own bound, and counts for none."""
+    others = organizations_of_its_people(
+        organization.pk, since=database_now() - timedelta(seconds=REPLICA_STARTS_WINDOW_S))
+    if not others:
+        return []
+    accounts = {account.organization_id: account for account in BillingAccount.objects.filter(organization_id__in=others)}
+    return [other_id for other_id in others
+            if held_without_payment_method(accounts.get(other_id) or BillingAccount(organization_id=other_id))]
+
+
+def _created_and_moved(organization_ids: list[int]) -> tuple[int, int]:
+    """The organisations' replicas created, and those the platform moved, in the last `REPLICA_STARTS_WINDOW_S`: one
+    query, on the indexes of each by endpoint and time (`replica_endpoint_created`, `replica_endpoint_moved`)."""
+    window_start = database_time_ago(REPLICA_STARTS_WINDOW_S)
+    created, moved = Q(created_at__gte=window_start), Q(moved_at__gte=window_start)
+    counts = Replica.objects.filter(created | moved, endpoint__organization_id__in=organization_ids).aggregate(
+        num_created=Count("pk", filter=created), num_moved=Count("pk", filter=moved))
+    return counts["num_created"], counts["num_moved"]
 
 
 def replica_room(organization: Organization, *, starts: bool = True) -> ReplicaRoom:

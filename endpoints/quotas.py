@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, Q, Sum
 from rest_framework.exceptions import ValidationError
 
@@ -39,6 +39,10 @@ from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endp
 from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
+
+# The first key of the transaction-scoped lock a person's organisations without a card place under (`start_refusal`),
+# the second their lowest organisation id. NOTE: the two-key form: apart from the one-key locks (`billing.rollups`).
+PERSON_STARTS_LOCK = 7301
 
 
 class QuotaExceeded(ValidationError):
@@ -213,8 +217,16 @@ def start_refusal(endpoint: Endpoint) -> str | None:
     """Why the endpoint's organisation may not start (place anew) one more replica this hour, or None
     (`quota_room.ReplicaStarts`); waking a sleeping one is not a start.
 
-    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction."""
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction. Where its bound
+    is shared with the other organisations of its people (`ReplicaStarts.shared_with`), their placements are serialised
+    too, on one transaction-scoped lock of theirs, and the count read again once it is held: each holding its own
+    organisation's row alone, two at once each counted the other's start as not yet made."""
     starts = replica_starts(endpoint.organization)
+    if starts is not None and starts.shared_with:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
+                           [PERSON_STARTS_LOCK, min(endpoint.organization_id, *starts.shared_with)])
+        starts = replica_starts(endpoint.organization)
     return None if starts is None or starts.num_left else starts.refusal()
 
 

@@ -145,24 +145,26 @@ def _not_yet_logged(endpoint: Endpoint, reason: str) -> bool:
     return last is None or as_text(last) != reason
 
 
-def drain_replica(replica: Replica, *, reason: str) -> bool:
+def drain_replica(replica: Replica, *, reason: str, moved: bool = False) -> bool:
     """The replica takes no new requests; its agent stops it once in-flight ones finish.
 
-    A replica not yet started stops at once. Returns whether this call changed it.
+    A replica not yet started stops at once. Returns whether this call changed it. `moved`: the platform takes it off
+    its node for a reason of its own (`Replica.moved_at`): its replacement is no start of its organisation's.
 
     NOTE: its drain's start by PostgreSQL's clock, as the sweep judges it (`scheduler._sweep`), as each change of a
     replica's state is stamped here: by this process's, a web pod or worker 5 minutes behind began a drain the next
     sweep stopped at once as never confirmed (its GPU placeable while its engine still ran).
     """
     now = database_now()
+    moved_at = {"moved_at": now} if moved else {}
     if replica.state == ReplicaState.PENDING:
         changed = Replica.objects.filter(pk=replica.pk, state=ReplicaState.PENDING).update(
-            state=ReplicaState.STOPPED, state_changed_at=now, stopped_at=now
+            state=ReplicaState.STOPPED, state_changed_at=now, stopped_at=now, **moved_at
         )
     else:
         changed = Replica.objects.filter(
             pk=replica.pk, state__in=[ReplicaState.STARTING, ReplicaState.READY, ReplicaState.SLEEPING]
-        ).update(state=ReplicaState.DRAINING, state_changed_at=now)
+        ).update(state=ReplicaState.DRAINING, state_changed_at=now, **moved_at)
     if changed:
         _end_sleep(replica.pk, now)
         notify_node(replica.node_id)
@@ -187,22 +189,29 @@ def drain_node(node: Node, *, reason: str) -> int:
 
 
 def drain_each(replicas: Iterable[Replica], *, reason: str) -> int:
-    """Each of `replicas` drains, and each one's endpoint is reconciled (once) to replace it elsewhere."""
+    """Each of `replicas` drains, moved by the platform (`Replica.moved_at`: their replacements are no starts of their
+    organisations'), and each one's endpoint is reconciled (once) to replace it elsewhere."""
     num_drained, endpoint_ids = 0, set()
     for replica in replicas:
-        num_drained += drain_replica(replica, reason=reason)
+        num_drained += drain_replica(replica, reason=reason, moved=True)
         endpoint_ids.add(replica.endpoint_id)
     for endpoint_id in endpoint_ids:
         request_reconcile(endpoint_id)
     return num_drained
 
 
-def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED) -> bool:
-    """Stop a replica the control plane gave up on, and replace it; returns whether this call changed it."""
+def fail_replica(replica: Replica, reason: str, *, final_state: str = ReplicaState.FAILED, moved: bool = False) -> bool:
+    """Stop a replica the control plane gave up on, and replace it; returns whether this call changed it. `moved`: the
+    platform's reason, not its tenant's nor its engine's (its node lost, retired or unreachable, a sleeper that could
+    not wake in place): its replacement is no start of its organisation's (`Replica.moved_at`).
+
+    NOTE: only one that served or slept is moved: one DRAINING was on its way out by its tenant's doing (a scale-down,
+    a pause) or was moved already, and owes no replacement."""
     now = database_now()
+    moved_at = {"moved_at": now} if moved and replica.state in (*SERVING_REPLICA_STATES, ReplicaState.SLEEPING) else {}
     changed = Replica.objects.filter(pk=replica.pk, state=replica.state).update(
         state=final_state, state_changed_at=now, stopped_at=now, failure_reason=reason if final_state == ReplicaState.FAILED else "",
-        num_running=0, num_waiting=0,
+        num_running=0, num_waiting=0, **moved_at,
     )
     if changed:
         _end_sleep(replica.pk, now)
@@ -380,7 +389,8 @@ def wake_replica(replica: Replica) -> str:
             _end_sleep(replica.pk, now)
     if why_not:
         # A failed wake falls back to a new start: this one stops, the caller places another.
-        fail_replica(current, f"could not wake: {why_not}; a new replica starts instead", final_state=ReplicaState.STOPPED)
+        fail_replica(current, f"could not wake: {why_not}; a new replica starts instead", final_state=ReplicaState.STOPPED,
+                     moved=True)
         return why_not
     notify_node(replica.node_id)
     record_event(replica.endpoint, EventKind.SCALE, f"Waking replica {str(replica.pk)[:8]} (asleep since "

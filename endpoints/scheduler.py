@@ -530,7 +530,7 @@ def move_off_unreachable_nodes() -> int:
         # NOTE: the reason is shown to every member: it names neither the node nor its host (the log below does).
         reason = "its node's registered host is not one the gateway may reach"
         for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-            num_failed += fail_replica(replica, reason)
+            num_failed += fail_replica(replica, reason, moved=True)
         logger.warning("node %s: its registered host %r is refused (%s): its replicas were moved", node.name,
                        node.advertise_host, node.host_problem())
     return num_failed
@@ -585,7 +585,7 @@ def _sweep() -> None:
             # stays in the log below and on the replica's node, which owners and admins see.
             reason = "its node stopped sending heartbeats"
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-                fail_replica(replica, reason)
+                fail_replica(replica, reason, moved=True)
         logger.warning("node %s went OFFLINE (no heartbeat since %s)", node.name, node.last_heartbeat_at)
     # NOTE: a start's and a drain's age by PostgreSQL's clock, never this worker's: one 5 minutes ahead stopped every
     # draining replica at once (its GPU placeable while its engine still ran), one 16 minutes ahead failed a replica

@@ -9,6 +9,7 @@ import pytest
 from django.utils import timezone
 
 from billing.models import BillingAccount
+from controlplane.accounts.models import Plan
 from endpoints import quotas
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
@@ -93,9 +94,12 @@ def test_pause_and_resume_in_a_loop_starts_no_more_replicas_than_the_hour_allows
 def test_a_card_raises_the_bound_and_another_organisation_is_not_held_back_by_it():
     for _ in range(6):
         make_node(memory_mb=80_000)
-    carded = with_card(OrganizationFactory())
+    # a plan of 2 replicas at once, each scaled to zero after its start: the bound (4) is above twice the plan's, so
+    # the hour's bound is what refuses the fifth
+    carded = with_card(OrganizationFactory(plan=Plan.objects.create(name="narrow", max_replicas=2)))
     for _ in range(5):
         reconcile_endpoint(str(EndpointFactory(organization=carded, gpu_type="l4").pk), called_now())
+        Replica.objects.filter(endpoint__organization=carded).update(state=ReplicaState.STOPPED)
     other = EndpointFactory(gpu_type="l4")
     reconcile_endpoint(str(other.pk), called_now())
 
@@ -182,3 +186,18 @@ def test_the_replica_quota_checked_before_each_wake_or_placement_does_not_count_
     endpoint = EndpointFactory(organization=OrganizationFactory(), gpu_type="l4")
     with django_assert_num_queries(2):  # the replicas held, the GPUs held
         assert quotas.replica_refusal(endpoint) is None
+
+
+def test_an_organisation_whose_plan_allows_more_replicas_than_the_hours_bound_scales_out_from_zero_within_the_hour():
+    """Before: a plan of 5 replicas at once under a bound of 4 starts an hour could never hold its 5 from zero within
+    the hour; the bound is now at least twice the replica quota (each replica started, and replaced once)."""
+    for _ in range(5):
+        make_node(memory_mb=80_000)
+    carded = with_card(OrganizationFactory(plan=Plan.objects.create(name="wide", max_replicas=5)))
+    endpoints = [EndpointFactory(organization=carded, gpu_type="l4") for _ in range(5)]
+
+    for endpoint in endpoints:
+        reconcile_endpoint(str(endpoint.pk), called_now())
+
+    assert Replica.objects.filter(endpoint__organization=carded).count() == 5
+    assert quotas.replica_starts(carded).limit == 10

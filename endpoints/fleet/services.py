@@ -853,7 +853,7 @@ def retire_node(actor: Actor, node: Node, *, reason: str) -> Retirement:
             node.refresh_from_db()
             record_audit(actor, None, "node.retire", node, reason=reason[:300])
             for replica in Replica.objects.filter(node=node, state__in=LIVE_REPLICA_STATES).select_related("endpoint"):
-                fail_replica(replica, reason)
+                fail_replica(replica, reason, moved=True)
             node_id = node.pk
             transaction.on_commit(lambda: notify_node(node_id), robust=True)
             # NOTE: its secret waits for a slot again, as a stranger's (its hash is the mark's: `known_credentials`);

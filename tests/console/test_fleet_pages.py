@@ -248,9 +248,9 @@ def test_an_agent_that_registers_again_while_its_node_is_being_retired_is_refuse
     again = []
     real_fail_replica = services.fail_replica
 
-    def the_agent_registers_meanwhile(replica, reason):
+    def the_agent_registers_meanwhile(replica, reason, **flags):
         again.append(register(Client(), token).status_code)
-        return real_fail_replica(replica, reason)
+        return real_fail_replica(replica, reason, **flags)
 
     monkeypatch.setattr(services, "fail_replica", the_agent_registers_meanwhile)
     retirement = services.retire_node(SYSTEM, node, reason="shut it out")

@@ -1,0 +1,124 @@
+"""Replica starts an hour without a card are a person's, not an organisation's: the starts of the other organisations
+of its people (`organizations.organizations_of_its_people`, as the allowance without a card counts their spend) that
+have no card either count against its `INFERPLANE_REPLICA_STARTS_PER_HOUR_WITHOUT_CARD` (`quota_room.replica_starts`).
+
+Before, each organisation had its own: one person with `MAX_OWNED_ORGANIZATIONS` organisations started five times the
+bound an hour, each a GPU (and a pool's machine) for nothing paid."""
+
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from billing.models import BillingAccount
+from controlplane.accounts.services import Actor, create_organization
+from endpoints import quotas
+from endpoints.autoscaler import Load
+from endpoints.models import Replica
+from endpoints.quota_room import replica_starts
+from endpoints.scheduler import reconcile_endpoint
+from tests.factories import EndpointFactory, OrganizationFactory, UserFactory
+from tests.test_placement import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _billed_through_stripe(settings):
+    settings.STRIPE_SECRET_KEY = "sk_test_inferplane"
+    settings.REPLICA_STARTS_PER_HOUR = 4
+    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 2
+
+
+def called_now() -> Load:
+    return Load(num_inflight=0, num_waiting=1, last_request_at=time.time(), peak_concurrency=1)
+
+
+def her_organizations(num: int):
+    user = UserFactory()
+    return [create_organization(Actor(user=user), name=f"hers {index}", owner=user) for index in range(num)]
+
+
+def test_a_person_without_a_card_starts_the_hours_replicas_once_across_all_her_organisations():
+    for _ in range(4):
+        make_node(memory_mb=80_000)
+    first, second = her_organizations(2)
+    endpoints = [EndpointFactory(organization=organization, gpu_type="l4")
+                 for organization in (first, first, second, second)]
+
+    for endpoint in endpoints:
+        reconcile_endpoint(str(endpoint.pk), called_now())
+
+    assert Replica.objects.filter(endpoint__organization__in=[first, second]).count() == 2
+    endpoints[2].refresh_from_db()
+    assert endpoints[2].status_message == (
+        "waiting for quota: replica starts an hour: an organisation without a payment method starts at most 2 "
+        "replicas an hour, with the other organisations of its people; add one on the billing page to start more")
+
+
+def test_her_organisation_with_a_card_starts_on_its_own_bound_and_counts_for_none_of_her_others():
+    make_node(memory_mb=80_000)
+    carded, cardless = her_organizations(2)
+    account = BillingAccount.objects.for_organization(carded)
+    account.payment_method_on_file = True
+    account.save(update_fields=["payment_method_on_file"])
+    for _ in range(3):
+        Replica.objects.create(endpoint=EndpointFactory(organization=carded))
+
+    assert replica_starts(cardless).num_left == 2
+    assert replica_starts(carded).num_started == 3
+
+
+def test_another_persons_starts_count_for_none_of_hers():
+    mine, = her_organizations(1)
+    Replica.objects.create(endpoint=EndpointFactory(organization=OrganizationFactory()))
+
+    assert replica_starts(mine).num_started == 0
+
+
+@pytest.mark.parametrize("num_organizations", [1, 5])
+def test_her_organisations_are_read_in_the_same_few_queries_however_many_she_has(num_organizations,
+                                                                                django_assert_max_num_queries):
+    """Read at every placement and refusal of an organisation without a card, and by the pools' demand: never a query
+    an organisation of hers."""
+    organizations = her_organizations(num_organizations)
+    for organization in organizations:
+        Replica.objects.create(endpoint=EndpointFactory(organization=organization))
+    with django_assert_max_num_queries(15):
+        assert replica_starts(organizations[0]).num_started == num_organizations
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_the_bound(settings):
+    """Each placement holds its own organisation's row alone (`quotas.lock_organization`): two of hers at once each
+    counted the other's start as not yet made, and a burst over her organisations started the bound in each."""
+    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 1
+    first, second = her_organizations(2)
+    endpoints = [EndpointFactory(organization=organization, gpu_type="l4") for organization in (first, second)]
+    counted, refusals = threading.Event(), {}
+
+    def place(endpoint, *, first_in: bool) -> None:
+        try:
+            if not first_in:
+                counted.wait(10)
+            with transaction.atomic():
+                quotas.lock_organization(endpoint.organization_id)
+                refusals[first_in] = quotas.start_refusal(endpoint)
+                if refusals[first_in] is None:
+                    Replica.objects.create(endpoint=endpoint)
+                if first_in:
+                    counted.set()
+                    time.sleep(0.5)  # the other counts meanwhile
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=place, args=(endpoint,), kwargs={"first_in": index == 0})
+               for index, endpoint in enumerate(endpoints)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert refusals[True] is None and refusals[False] is not None
+    assert Replica.objects.count() == 1
