@@ -85,7 +85,9 @@ def test_a_ready_engine_is_scraped_at_most_once_a_metrics_interval_however_fast_
 
 
 def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supervisor):
-    policy = SupervisorPolicy(restart_backoff_s=0.5, max_consecutive_crashes=4, stop_timeout_s=2.0)
+    # NOTE: a first backoff of 0.25 s: a backoff that does not double (or none) still falls short of the second and third
+    # waits' 0.5 and 1 s, while the crashes' waits take 1.75 s where they took 3.5.
+    policy = SupervisorPolicy(restart_backoff_s=0.25, max_consecutive_crashes=4, stop_timeout_s=2.0)
     supervisor = make_supervisor("--exit-after-s", "0.3", policy=policy)
     supervisor.start(make_spec("r-crash"), "/models/x")
     wait_until(lambda: state_of(supervisor, "r-crash") == ReplicaState.FAILED, 30, poll=supervisor.poll)
@@ -96,13 +98,13 @@ def test_crashed_engine_restarts_with_backoff_then_fails_with_log_tail(make_supe
     states = [state for state, _ in replica.state_history]
     assert states[0] == ReplicaState.STARTING and states[-1] == ReplicaState.FAILED
     assert processes_with_marker("r-crash") == []
-    # The backoff, measured: from each crash to the next engine's start, at least 0.5 s, then 1 s, then 2 s.
+    # The backoff, measured: from each crash to the next engine's start, at least 0.25 s, then 0.5 s, then 1 s.
     log = replica.log_path.read_text()
     started = [float(at) for at in re.findall(r"==> fake engine started at ([0-9.]+)", log)]
     exited = [float(at) for at in re.findall(r"==> fake engine exits at ([0-9.]+)", log)]
     assert len(started) == len(exited) == 4
     waits = [start - crash for crash, start in zip(exited[:-1], started[1:], strict=True)]
-    assert [wait >= 0.5 * 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
+    assert [wait >= 0.25 * 2**index for index, wait in enumerate(waits)] == [True] * 3, f"waits between a crash and the next start: {waits}"
 
 
 def test_a_nul_an_engine_logged_before_it_died_never_reaches_the_replicas_report(make_supervisor):
@@ -143,7 +145,9 @@ def test_drain_waits_for_running_requests_then_stops_every_process(make_supervis
 def test_drain_timeout_and_ignored_sigterm_end_in_sigkill(make_supervisor, tmp_path):
     running_file = tmp_path / "running"
     running_file.write_text("5")
-    supervisor = make_supervisor("--running-file", str(running_file), "--ignore-sigterm")
+    # SIGKILL 0.5 s after the ignored SIGTERM (FAST waits 2 s: nothing here needs it)
+    policy = dataclasses.replace(FAST, stop_timeout_s=0.5)
+    supervisor = make_supervisor("--running-file", str(running_file), "--ignore-sigterm", policy=policy)
     supervisor.start(make_spec("r-stubborn"), "/models/x")
     wait_until(lambda: state_of(supervisor, "r-stubborn") == ReplicaState.READY, 10, poll=supervisor.poll)
     supervisor.drain("r-stubborn", timeout_s=0.5)
@@ -398,7 +402,7 @@ def test_building_a_command_holds_up_no_heartbeat_and_the_replica_still_launches
 
     def slow_factory(spec, model_path, port):
         building.set()
-        time.sleep(2)  # a slow read of the tenant's files
+        time.sleep(1)  # a slow read of the tenant's files: twice the heartbeat's bound below
         return fake_engine(spec, model_path, port)
 
     supervisor = Supervisor(tmp_path / "agent", command_factory=slow_factory, policy=FAST)

@@ -1,26 +1,39 @@
 """A real `vllm serve` of the tiny model under the supervisor, and a quantized engine's crash and restart.
 
 The plain launch (no standby, no zygote: ~40 s of CPU per start on two cores) runs one module-scoped
-engine, which the tests share in file order: serve, adopt by a restarted agent, drain. The
-fp8_per_channel engine, killed and restarted, runs on the test process's engine node (`tests.engines`),
-where every restart is another fork of its zygote, as on an agent. The supervisor is polled from the
-test's main thread: PR_SET_PDEATHSIG ties an engine's life to the thread that forked it.
+engine, which the tests share in file order: serve, confined (test_engine_sandbox.py's checks of a real
+engine started the plain way, on this one engine rather than a second plain launch: ~20 s of the suite),
+adopt by a restarted agent, drain. The fp8_per_channel engine, killed and restarted, runs on the test
+process's engine node (`tests.engines`), where every restart is another fork of its zygote, as on an
+agent. The supervisor is polled from the test's main thread: PR_SET_PDEATHSIG ties an engine's life to
+the thread that forked it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from contextlib import ExitStack
 
 import httpx
 import psutil
 import pytest
 
 from gpu_agent.protocol import ReplicaState
-from gpu_agent.runtime.supervisor import Supervisor, SupervisorPolicy
+from gpu_agent.runtime import sandbox
+from gpu_agent.runtime.supervisor import MIN_UNSETTLED_DISK_S, Supervisor, SupervisorPolicy
 from tests.engines import serve_engine, wait_for_ready
 
-from .conftest import make_spec, processes_with_marker, wait_for_state, wait_until
+from .conftest import make_spec, measuring_folders, processes_with_marker, wait_for_state, wait_until
+from .test_engine_sandbox import (
+    LANDLOCK_ABI,
+    assert_hides_the_machines_sockets_in_its_own_namespaces,
+    assert_holds_nothing_of_its_folders_unlinked,
+    assert_only_abstract_sockets_of_its_own,
+    confinement_line,
+    needs_landlock,
+    no_new_privileges,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -42,8 +55,18 @@ def engines(tiny_model_dir, tmp_path_factory):
     policy = SupervisorPolicy(restart_backoff_s=0.5, stop_timeout_s=20)
     holder = {"supervisor": Supervisor(data_dir, policy=policy), "data_dir": data_dir, "policy": policy}
     supervisor = holder["supervisor"]
-    supervisor.start(make_spec("r-plain", model_source=str(tiny_model_dir)), tiny_model_dir)
+    spec = make_spec("r-plain", model_source=str(tiny_model_dir))
+
+    def folders():  # the folders `Supervisor.check_disk` measures (the scratch folder once its launch made it)
+        return [*filter(None, [supervisor._scratch_dirs.get("r-plain")]), supervisor._cache_dir(spec.endpoint_id)]
+
+    # Measured from the launch on, until `test_an_engine_started_plainly_serves_while_confined` has had its
+    # completions (it ends the measure).
+    holder["measure"] = measure = ExitStack()
+    holder["disk_runs"] = measure.enter_context(measuring_folders(folders))
+    supervisor.start(spec, tiny_model_dir)
     yield holder
+    measure.close()
     holder["supervisor"].shutdown(timeout_s=20)
     for process in processes_with_marker("r-plain"):
         process.kill()
@@ -88,6 +111,32 @@ def test_replica_reaches_ready_and_completion_returns_usage(engines):
     # And with each flag and reasoning effort a request may set, as vLLM hands them to the template: measured.
     assert template.flagged_per_conversation >= template.per_conversation
     assert template.flagged_per_message >= template.per_message
+
+
+@needs_landlock
+def test_an_engine_started_plainly_serves_while_confined(engines):
+    """And the engine disk bound's ground (`MIN_UNSETTLED_DISK_S`): its folders, measured every 0.2 s as
+    `Supervisor.check_disk` measures them from its launch through its first completions, are never unsettled for long.
+    Measured here (CPU, so eager: no compile cache): no unsettled measure; the compile caches' own measurement is
+    `bench/bench_engine_disk_settle.py`. (The sandbox's other checks: test_engine_sandbox.py.)"""
+    supervisor = engines["supervisor"]
+    wait_for_state(supervisor, "r-plain", ReplicaState.READY, timeout_s=600)
+    replica = supervisor.get("r-plain")
+    assert complete(replica)["usage"]["completion_tokens"] == 8
+    engines["measure"].close()
+    runs = engines["disk_runs"]
+    longest = runs.longest()
+    assert runs.num_measures > 10 and longest[0] < MIN_UNSETTLED_DISK_S / 4, (runs.runs, runs.last)
+    assert confinement_line(replica).startswith(f"{sandbox.APPLIED_LINE} landlock abi {LANDLOCK_ABI}")
+    if LANDLOCK_ABI >= sandbox.TCP_ABI:  # it serves with its TCP ports ruled: its own and the ephemeral range
+        assert f"tcp: ports {replica.command.port} and " in confinement_line(replica)
+    assert_hides_the_machines_sockets_in_its_own_namespaces(replica)
+    # The API server, its EngineCore and worker; the reaper above them is the agent's, and stays unconfined.
+    confined = [found for found in processes_with_marker("r-plain") if "reaper" not in " ".join(found.cmdline())]
+    assert len(confined) >= 2 and all(no_new_privileges(found.pid) for found in confined)
+    if LANDLOCK_ABI >= 6:
+        assert_only_abstract_sockets_of_its_own(replica)
+    assert_holds_nothing_of_its_folders_unlinked(supervisor, replica)
 
 
 def test_restarted_agent_adopts_its_healthy_engine(engines):
