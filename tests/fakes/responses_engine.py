@@ -15,7 +15,8 @@ apart: a read boundary inside the event's name), `error_first` (vLLM's `event: e
 name, then `event: error` before its arguments' first delta) and `render_hangs` (the `error` stream, its render never
 answered), `vllm_error` (the deltas, then the error event in vLLM's chat streams' shape, `{"error": {…}}`, then the
 stream ends). Every stream starts as vLLM's does, with `response.created` and `response.in_progress` (then, with
-`metadata.prefill_ms`, that long a silence before the rest: a prompt's prefill, or an engine that never gets to it); with
+`metadata.prefill_ms`, that long a silence before the rest: a prompt's prefill, or an engine that never gets to it;
+with `metadata.pause_ms`, that long a silence after the first delta: an engine silent mid-stream); with
 `metadata.whole` its text comes as vLLM's does, whole enough for the openai client's stream helper
 (`client.responses.stream`): a message item and its part announced, each delta naming them.
 
@@ -160,9 +161,12 @@ async def app(scope, receive, send):
         "slow": NUM_SLOW_DELTAS,
         "slow_dies": NUM_SLOW_DIES_DELTAS,
     }.get(scenario, NUM_DELTAS)
+    pause_s = float(metadata.get("pause_ms", "0")) / 1000
     for index in range(num_deltas):
         if scenario in ("slow", "slow_dies", "paced"):
             await asyncio.sleep(0.05)
+        if index == 1 and pause_s:
+            await asyncio.sleep(pause_s)
         await out(
             _event(
                 "response.output_text.delta",

@@ -7,6 +7,7 @@ clients' own timeout, which they follow with a try of their own."""
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from controlplane.asgi import application
 from controlplane.redis_client import get_redis
 from controlplane.redis_keys import reservations_key
 from endpoints.gateway import presence
+from endpoints.gateway.call import InferenceCall
 from endpoints.models import Endpoint, Replica
 from tests.conftest import start_web_server, wait_until
 from tests.fakes import responses_engine
@@ -50,13 +52,16 @@ def _serve_long_prompts(organization, address: str):
     return endpoint
 
 
-def _responses_stream(gateway: str, key: str, model: str, prefill_ms: int) -> tuple[list[bytes], float]:
+def _responses_stream(gateway: str, key: str, model: str, prefill_ms: int,
+                      pause_ms: int = 0) -> tuple[list[bytes], float]:
     """A `/v1/responses` stream's events (each its lines) and how long it took, from the scripted engine, which writes
-    `response.created` and `response.in_progress` at once and its first output `prefill_ms` later."""
+    `response.created` and `response.in_progress` at once, its first output `prefill_ms` later, and its second delta
+    `pause_ms` after its first."""
     started = time.monotonic()
+    metadata = {"scenario": "ok", "prefill_ms": str(prefill_ms), "pause_ms": str(pause_ms)}
     with httpx.stream("POST", f"{gateway}/v1/responses", headers={"Authorization": f"Bearer {key}"},
                       json={"model": model, "input": "hi", "stream": True, "max_output_tokens": 100,
-                            "metadata": {"scenario": "ok", "prefill_ms": str(prefill_ms)}}, timeout=20) as response:
+                            "metadata": metadata}, timeout=20) as response:
         assert response.status_code == 200
         body = response.read()
     return [event for event in body.split(b"\n\n") if event], time.monotonic() - started
@@ -175,6 +180,44 @@ def test_a_responses_stream_whose_engine_generates_is_waited_for_past_the_first_
     assert events[-1].startswith(b"event: response.completed"), events[-1][:200]
     row = UsageRecord.objects.get()
     assert row.status == "ok" and row.completion_tokens == responses_engine.NUM_DELTAS and row.cost > 0
+
+
+def test_a_responses_stream_silent_after_its_engines_first_output_is_bounded_by_the_read_timeout_alone(
+        tenant, scripted_responses_engine, tmp_path, web_zygote):
+    # Its first output ends the first event's bound (`upstream.Response.first_event_came`), as a chat stream's first
+    # event does: a silence after it is the read timeout's (600 s). Untold, the stream stayed under the first event's
+    # bound to its end, and a silence mid-stream longer than it, its engine's agent reporting nothing generated, was
+    # cut, the output still to come thrown away; no test said so.
+    endpoint = serve_endpoint(tenant.org, scripted_responses_engine)
+    Replica.objects.filter(endpoint=endpoint).update(tokens_per_s=0.0)  # its agent's last report: generating nothing
+    child, gateway = _gateway(tmp_path, web_zygote)
+    try:
+        events, seconds = _responses_stream(gateway, tenant.key, endpoint.name, prefill_ms=0,
+                                            pause_ms=int(3000 * FIRST_EVENT_TIMEOUT_S))
+    finally:
+        child.stop()
+
+    assert events[-1].startswith(b"event: response.completed"), events[-1][:200]
+    assert seconds > 3 * FIRST_EVENT_TIMEOUT_S
+    row = UsageRecord.objects.get()
+    assert row.status == "ok" and row.completion_tokens == responses_engine.NUM_DELTAS and row.cost > 0
+
+
+def test_a_streams_first_event_bound_grows_with_its_prompts_bound_and_stops_at_the_read_timeout(settings):
+    # The prompt's share is what lets a long prompt's prefill finish; its cap is what still cuts a hung engine before
+    # the read timeout's own wait (a completions call's bound sums its prompts: 2,048 of a whole context each).
+    settings.GATEWAY_STREAM_FIRST_EVENT_TIMEOUT_S = 120.0
+    settings.GATEWAY_STREAM_PREFILL_TOKENS_PER_S = 200.0
+
+    def bound_s(num_prompt_tokens_bound, read_timeout_s=600.0) -> float:
+        call = SimpleNamespace(num_prompt_tokens_bound=num_prompt_tokens_bound,
+                               client=SimpleNamespace(read_timeout_s=read_timeout_s))
+        return InferenceCall._first_event_timeout_s(call)
+
+    assert bound_s(None) == 120.0
+    assert bound_s(2000) == 130.0
+    assert bound_s(2048 * 131072) == 600.0
+    assert bound_s(2000, read_timeout_s=60.0) == 120.0  # a read timeout set under it leaves the first event's own
 
 
 def test_a_stream_whose_long_prompt_its_engine_prefills_past_the_first_event_bound_is_waited_for_and_billed(
