@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 from django.contrib.auth import get_user_model
+from hypothesis import given, strategies
+from hypothesis import settings as hypothesis_settings
 
 from billing import stripe_sync
 from billing.models import Dispute
@@ -22,7 +24,7 @@ from controlplane.accounts import departures, invitations, members
 from controlplane.accounts.models import Membership, Role
 from controlplane.accounts.services import Actor
 from controlplane.accounts.signup import email_verification_token
-from controlplane.log_privacy import address_digest, hide_addresses
+from controlplane.log_privacy import ADDRESS, address_digest, hide_addresses, shown_address
 from tests.conftest import start_celery_worker, start_web_server
 from tests.factories import MembershipFactory, OrganizationFactory, UserFactory
 from tests.fakes.stripe_server import FakeStripe
@@ -166,6 +168,30 @@ def test_a_logged_exception_names_no_address_in_its_traceback(caplog):
     assert BOUNCING not in caplog.text
     assert caplog.text.count(f"<address {address_digest(BOUNCING)}>") == 2
     assert "user 7" in caplog.text
+
+
+def test_a_hostile_line_costs_the_scrubber_microseconds_a_kilobyte_not_milliseconds(caplog):
+    # Local parts of 253 characters each followed by `@` and 126 labels that end in no top label: `ADDRESS.sub` read
+    # each local part again from each of its characters, and the labels after it, about 10 microseconds a character
+    # (80 ms of the GIL for the 8 KB Host header or path a proxy lets through, 1.2 s for these 100 KB); from each `@`,
+    # a few milliseconds.
+    lines = [("a" * 253 + "@" + "b." * 126 + "1 ") * 200, "a" * 100_000 + "@", "a@" + ("b" * 62 + "1.") * 1500]
+    logger = logging.getLogger("django.security.DisallowedHost")
+    started = time.monotonic()
+    for line in lines:
+        logger.error("Invalid HTTP_HOST header: %r.", line)
+    assert time.monotonic() - started < 0.1
+    assert [record.getMessage() for record in caplog.records[-3:]] == [
+        f"Invalid HTTP_HOST header: {line!r}." for line in lines]
+
+
+_TEXT_PARTS = strategies.sampled_from([*"ab1.-@+_ x\u0663\u00e9", "xn--", "cd", "a" * 30, "a" * 254, "b." * 130])
+
+
+@hypothesis_settings(max_examples=500, deadline=None)
+@given(strategies.lists(_TEXT_PARTS, max_size=40).map("".join))
+def test_the_scrubber_hides_exactly_what_the_address_pattern_matches(text):
+    assert hide_addresses(text) == ADDRESS.sub(lambda match: shown_address(match.group()), text)
 
 
 def test_a_long_line_an_outsider_wrote_is_scrubbed_in_time_linear_in_its_length(caplog):
