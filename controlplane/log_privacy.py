@@ -56,6 +56,13 @@ def hides_domain(domain: str) -> bool:
     return _WHOLE_DOMAIN.fullmatch(domain) is not None
 
 
+def hides_local_part(local_part: str) -> bool:
+    """Whether a log line's address with `local_part` is hidden (`hide_addresses`): one with a word character, where
+    `ADDRESS` starts it. NOTE: `backends.normalize_email` stores no other: `+@example.test` passes Django's check, and
+    was written whole, domain and all, in every line naming it (`-ada@example.test` is hidden from its `a`)."""
+    return _WORD_CHARACTER.search(local_part) is not None
+
+
 def address_digest(address: str) -> str:
     """The keyed digest that stands for `address` in the logs (16 hex digits, case folded)."""
     return salted_hmac(DIGEST_SALT, address.strip().lower()).hexdigest()[:16]
