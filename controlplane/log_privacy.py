@@ -39,12 +39,16 @@ _PATH_LOGGERS = ("django.request", "django.security")
 # NOTE: `xn--` tried first: tried second, `xn` matched as a top label of letters and `ada@example.xn--p1ai` was hidden
 # as the digest of `ada@example.xn`, its `--p1ai` left beside it.
 _DOMAIN = r"[\w-]{1,63}(?:\.[\w-]{1,63}){0,126}\.(?:xn--[\w-]{1,59}|[^\W\d_]{2,63})\b"
-_LOCAL_CHARACTER = r"[\w.!#$%&'*+/=?^`{|}~-]"
+_LOCAL_PUNCTUATION = r".!#$%&'*+/=?^`{|}~-"
+_LOCAL_CHARACTER = rf"[\w{_LOCAL_PUNCTUATION}]"
 _LOCAL_PART_MAX_LENGTH = 254
 # What an address in a log line is; `hide_addresses` finds its matches, not `ADDRESS.sub` (see there).
 ADDRESS = re.compile(rf"\w{_LOCAL_CHARACTER}{{0,{_LOCAL_PART_MAX_LENGTH - 1}}}@{_DOMAIN}")
 _WHOLE_DOMAIN = re.compile(_DOMAIN)
-_AT_DOMAIN = re.compile("@" + _DOMAIN)
+# From the last word character of a local part (only its punctuation after it) to the end of its domain: tried from a
+# word character, it reads no further than the next one, so the search is linear, and an `@` with no local part
+# (` @b.cd`, `+@b.cd`) is passed over by it, not by a step of Python's each.
+_LAST_WORD_TO_DOMAIN = re.compile(rf"\w[{_LOCAL_PUNCTUATION}]{{0,{_LOCAL_PART_MAX_LENGTH - 1}}}(?P<at>@){_DOMAIN}")
 _LOCAL_RUN = re.compile(_LOCAL_CHARACTER + "*")
 _WORD_CHARACTER = re.compile(r"\w")
 # NOTE: each address costs a keyed digest (`address_digest`, microseconds): a line of ours names one or two, a stranger's
@@ -83,22 +87,21 @@ def hide_addresses(text: str) -> str:
 
     NOTE: `ADDRESS.sub` itself, bounded, still read a local part's up to 254 characters again from each of them, and the
     labels after its `@`: about 10 microseconds a character of a hostile line (`a` * 253, `@`, 126 labels, `1`, again),
-    80 ms of the web process's CPU and GIL for the 8 KB Host header a proxy lets through, 1 s for 100 KB. Found from its
-    `@` instead (a local part holds none, so each match belongs to the first `@` after its start, and its domain does
-    not depend on where it starts): the domain read forwards once, the local part backwards once, at most 254
-    characters, to its first word character (where `ADDRESS`, leftmost, starts it), never into the address before it.
+    80 ms of the web process's CPU and GIL for the 8 KB path a proxy lets through, 1 s for 100 KB. Found from its `@`
+    instead (a local part holds none, so each match belongs to the first `@` after its start, and its domain does not
+    depend on where it starts): `_LAST_WORD_TO_DOMAIN` finds an `@` with a word character before it and its domain, then
+    the local part is read backwards once, at most 254 characters, to its first word character (where `ADDRESS`,
+    leftmost, starts it), never into the address before it.
     """
     if "@" not in text:
         return text
-    parts, copied, searched = [], 0, 0
-    while (at_domain := _AT_DOMAIN.search(text, searched)) is not None:
-        at = at_domain.start()
+    parts, copied = [], 0
+    while (found := _LAST_WORD_TO_DOMAIN.search(text, copied)) is not None:
+        at = found.start("at")
         window = text[max(copied, at - _LOCAL_PART_MAX_LENGTH):at][::-1]
         local_start = at - _LOCAL_RUN.match(window).end()
+        # NOTE: the local part's first word character, where `ADDRESS` starts it: one there is (`found` starts at one)
         first_word = _WORD_CHARACTER.search(text, local_start, at)
-        if first_word is None:  # no local part: the domain may still hold the next address's local part
-            searched = at + 1
-            continue
         if len(parts) == 2 * MAX_ADDRESSES_A_LINE:
             # NOTE: cut up to the end of the last `@`'s domain: what follows holds no `@`, so no address, and the line's
             # own ending (an access line's status and time) is kept.
@@ -109,8 +112,8 @@ def hide_addresses(text: str) -> str:
                       f"<{kept_from - first_word.start()} characters cut: more than {MAX_ADDRESSES_A_LINE} addresses>",
                       text[kept_from:]]
             return "".join(parts)
-        parts += [text[copied:first_word.start()], shown_address(text[first_word.start():at_domain.end()])]
-        copied = searched = at_domain.end()
+        parts += [text[copied:first_word.start()], shown_address(text[first_word.start():found.end()])]
+        copied = found.end()
     if not parts:
         return text
     parts.append(text[copied:])
