@@ -17,7 +17,7 @@ from django.core.validators import validate_email
 from django.db.models import Q
 from django.utils.encoding import punycode
 
-from controlplane.log_privacy import hides_domain
+from controlplane.log_privacy import hides_domain, hides_local_part
 from controlplane.text import name_problem
 
 # The address columns (`User.email`, `Invitation.email`, `EmailVerification.email`: Django's EmailField).
@@ -51,7 +51,8 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
     and the invitation's mail raised `UnicodeError` as it was sent, a 500. Nor a domain the log scrubber does not hide
     whole (`log_privacy.hides_domain`): Django's check passes `localhost`, an IP literal and a top label with a digit
     of another script, no relay of a production service delivers to one, and such an address was written whole in
-    every log line that named it (logs outlive an account's erasure).
+    every log line that named it (logs outlive an account's erasure). Nor a local part of punctuation alone
+    (`+@example.test`, `log_privacy.hides_local_part`): Django's check passes it, and the scrubber hid none of it.
     """
     # NOTE: NFKC, as Django folds a username (`normalize_username`, an account's is its address) and IDNA the mail's
     # domain: `ada@\uff45xample.test` (fullwidth) was stored so beside its username `ada@example.test`, and an
@@ -83,6 +84,9 @@ def normalize_email(address: str, *, max_length: int = EMAIL_MAX_LENGTH) -> str:
         raise ValidationError("Use an address at a domain name mail on the internet reaches (ada@example.test): not "
                               "localhost, an IP address or a name without a top-level domain of letters.",
                               code="invalid")
+    if not hides_local_part(local):
+        raise ValidationError("Write an address with a letter or a digit before its @ (ada@example.test, not "
+                              "+@example.test).", code="invalid")
     return normalized
 
 
