@@ -217,17 +217,30 @@ def start_refusal(endpoint: Endpoint) -> str | None:
     """Why the endpoint's organisation may not start (place anew) one more replica this hour, or None
     (`quota_room.ReplicaStarts`); waking a sleeping one is not a start.
 
-    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction. Where its bound
-    is shared with the other organisations of its people (`ReplicaStarts.shared_with`), their placements are serialised
-    too, on one transaction-scoped lock of theirs, and the count read again once it is held: each holding its own
-    organisation's row alone, two at once each counted the other's start as not yet made."""
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction; its starts are
+    read under the person's lock where their bound is shared (`lock_starts`)."""
+    starts = lock_starts(endpoint)
+    return None if starts is None or starts.num_left else starts.refusal()
+
+
+def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
+    """The endpoint's organisation's `ReplicaStarts`, read under a transaction-scoped lock of its people's where its
+    bound is shared with the other organisations of its people (`ReplicaStarts.shared_with`): their placements are
+    serialised too, and the count read again once it is held. Each holding its own organisation's row alone, two at
+    once each counted the other's start as not yet made.
+
+    NOTE: lock order: the organisation's row, then this lock, then nodes' rows (`place_replica`, `wake_replica`). A
+    scale-up that locks its GPU type's nodes before it may place (`replicas.lock_nodes_to_wake`) takes this first:
+    after them, it waited for this lock holding the nodes while another of its people's organisations held this lock
+    and waited for the nodes to place, a deadlock (`tests/test_replica_starts_per_person.py`). Taken again in the same
+    transaction, it is held already and waits for nothing."""
     starts = replica_starts(endpoint.organization)
     if starts is not None and starts.shared_with:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
                            [PERSON_STARTS_LOCK, min(endpoint.organization_id, *starts.shared_with)])
         starts = replica_starts(endpoint.organization)
-    return None if starts is None or starts.num_left else starts.refusal()
+    return starts
 
 
 @dataclass(slots=True, frozen=True)

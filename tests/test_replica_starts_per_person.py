@@ -12,12 +12,14 @@ import pytest
 from django.db import connection, transaction
 
 from billing.models import BillingAccount
+from controlplane import tasks as controlplane_tasks
 from controlplane.accounts.services import Actor, create_organization
 from endpoints import quotas
 from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from endpoints.quota_room import replica_starts
 from endpoints.scheduler import reconcile_endpoint
+from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory, OrganizationFactory, UserFactory
 from tests.test_placement import make_node
 
@@ -122,3 +124,49 @@ def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_th
 
     assert refusals[True] is None and refusals[False] is not None
     assert Replica.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_her_organisation_waking_a_sleeper_it_must_replace_does_not_deadlock_with_another_of_hers_placing(monkeypatch):
+    """A scale-up whose sleeper cannot wake in place locks its GPU type's nodes (`lock_nodes_to_wake`) before it counts
+    its starts; another of her organisations placing meanwhile held the person's lock (`start_refusal`) and then waited
+    for those nodes (`place_replica`). Before, the first waited for the person's lock holding the nodes: PostgreSQL
+    found the deadlock and rolled one placement back, its call's cold start refused."""
+    monkeypatch.setattr(controlplane_tasks.current_app, "send_task", lambda name, **kwargs: None)
+    waking, placing = her_organizations(2)
+    make_node(memory_mb=80_000)
+    sleepy = EndpointFactory(organization=waking, gpu_type="l4")
+    Replica.objects.create(endpoint=sleepy, node=make_node(memory_mb=80_000, state=NodeState.CORDONED),
+                           state=ReplicaState.SLEEPING, gpu_indices=[0], reserved_memory_mb=1_000)
+    cold = EndpointFactory(organization=placing, gpu_type="l4")
+    go, real_start_refusal = threading.Event(), quotas.start_refusal
+
+    def counted_then_paused(endpoint):
+        refusal = real_start_refusal(endpoint)
+        if endpoint.pk == cold.pk and not go.is_set():
+            go.set()
+            time.sleep(1.5)  # the person's lock held: the other scale-up locks its nodes meanwhile
+        return refusal
+
+    monkeypatch.setattr(quotas, "start_refusal", counted_then_paused)
+    errors = {}
+
+    def run(name, endpoint, *, first: bool):
+        try:
+            if not first:
+                go.wait(10)
+            reconcile_endpoint(str(endpoint.pk), called_now())
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = repr(exc)[:300]
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=("placing", cold), kwargs={"first": True}),
+               threading.Thread(target=run, args=("waking", sleepy), kwargs={"first": False})]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert go.is_set() and errors == {}
+    assert Replica.objects.filter(endpoint__in=[sleepy, cold], state=ReplicaState.PENDING).count() == 2
