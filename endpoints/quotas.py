@@ -40,8 +40,8 @@ from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
-# The first key of the transaction-scoped lock a person's organisations without a card place under (`start_refusal`),
-# the second their lowest organisation id. NOTE: the two-key form: apart from the one-key locks (`billing.rollups`).
+# The first key of the transaction-scoped locks a person's organisations without a card place under (`lock_starts`),
+# the second an organisation's id. NOTE: the two-key form: apart from the one-key locks (`billing.rollups`).
 PERSON_STARTS_LOCK = 7301
 
 
@@ -224,10 +224,14 @@ def start_refusal(endpoint: Endpoint) -> str | None:
 
 
 def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
-    """The endpoint's organisation's `ReplicaStarts`, read under a transaction-scoped lock of its people's where its
-    bound is shared with the other organisations of its people (`ReplicaStarts.shared_with`): their placements are
-    serialised too, and the count read again once it is held. Each holding its own organisation's row alone, two at
-    once each counted the other's start as not yet made.
+    """The endpoint's organisation's `ReplicaStarts`, read under transaction-scoped locks where its bound is shared with
+    the other organisations of its people (`ReplicaStarts.shared_with`): their placements are serialised too, and the
+    count read again once they are held. Each holding its own organisation's row alone, two at once each counted the
+    other's start as not yet made.
+
+    NOTE: one lock an organisation, its own and each it counts, in their ids' order in one statement: who counts whom
+    is no equivalence (handed on, an organisation counts its creator's others and its new owner's, each of those it
+    alone), so one lock of the lowest id of each circle left two that counted each other under two locks.
 
     NOTE: lock order: the organisation's row, then this lock, then nodes' rows (`place_replica`, `wake_replica`). A
     scale-up that locks its GPU type's nodes before it may place (`replicas.lock_nodes_to_wake`) takes this first:
@@ -237,8 +241,10 @@ def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
     starts = replica_starts(endpoint.organization)
     if starts is not None and starts.shared_with:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
-                           [PERSON_STARTS_LOCK, min(endpoint.organization_id, *starts.shared_with)])
+            # NOTE: ordered in a subquery, which PostgreSQL never flattens, so each placement takes them in that order
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, organization_id) FROM (SELECT unnest(%s::integer[]) AS "
+                           "organization_id ORDER BY 1) AS ordered",
+                           [PERSON_STARTS_LOCK, sorted({endpoint.organization_id, *starts.shared_with})])
         starts = replica_starts(endpoint.organization)
     return starts
 

@@ -13,6 +13,7 @@ from django.db import connection, transaction
 
 from billing.models import BillingAccount
 from controlplane import tasks as controlplane_tasks
+from controlplane.accounts.models import Membership, Role
 from controlplane.accounts.services import Actor, create_organization
 from endpoints import quotas
 from endpoints.autoscaler import Load
@@ -20,7 +21,7 @@ from endpoints.models import Replica
 from endpoints.quota_room import replica_starts
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
-from tests.factories import EndpointFactory, OrganizationFactory, UserFactory
+from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 from tests.test_placement import make_node
 
 pytestmark = pytest.mark.django_db
@@ -124,6 +125,53 @@ def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_th
 
     assert refusals[True] is None and refusals[False] is not None
     assert Replica.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_organisation_handed_on_and_one_of_its_creators_do_not_both_pass_the_bound_placing_at_once(settings):
+    """Whose bound is shared is no equivalence: handed on, an organisation counts its creator's and its new owner's
+    others, each of those it alone. Before, each placed under the lowest id of its own circle: the handed-on one under
+    its new owner's older organisation, her creator's other under its own, so the two, counting each other's starts,
+    placed at once, each seeing the other's as not yet made."""
+    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 1
+    heir, maker = UserFactory(), UserFactory()
+    create_organization(Actor(user=heir), name="heirs", owner=heir)  # the lowest id of the handed-on one's circle
+    makers = create_organization(Actor(user=maker), name="makers", owner=maker)
+    handed = create_organization(Actor(user=maker), name="handed", owner=maker)
+    MembershipFactory(organization=handed, user=heir, role=Role.OWNER)
+    Membership.objects.filter(organization=handed, user=maker).delete()  # handed on to the heir
+    assert set(replica_starts(handed).shared_with) >= {makers.pk} and replica_starts(makers).shared_with == (handed.pk,)
+
+    assert _placed_at_once([EndpointFactory(organization=organization, gpu_type="l4")
+                            for organization in (handed, makers)]) == 1
+
+
+def _placed_at_once(endpoints) -> int:
+    """Each of two endpoints places one replica in a transaction of its own, the second while the first, placed, holds
+    its locks; how many replicas were placed."""
+    counted = threading.Event()
+
+    def place(endpoint, *, first_in: bool) -> None:
+        try:
+            if not first_in:
+                counted.wait(10)
+            with transaction.atomic():
+                quotas.lock_organization(endpoint.organization_id)
+                if quotas.start_refusal(endpoint) is None:
+                    Replica.objects.create(endpoint=endpoint)
+                if first_in:
+                    counted.set()
+                    time.sleep(0.5)  # the other counts meanwhile
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=place, args=(endpoint,), kwargs={"first_in": index == 0})
+               for index, endpoint in enumerate(endpoints)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return Replica.objects.filter(endpoint__in=endpoints).count()
 
 
 @pytest.mark.django_db(transaction=True)
