@@ -36,7 +36,7 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
-from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
+from endpoints.quota_room import ReplicaStarts, recounted, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
@@ -245,7 +245,7 @@ def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s, organization_id) FROM (SELECT unnest(%s::integer[]) AS "
                            "organization_id ORDER BY 1) AS ordered",
                            [PERSON_STARTS_LOCK, sorted({endpoint.organization_id, *starts.shared_with})])
-        starts = replica_starts(endpoint.organization)
+        starts = recounted(starts, endpoint.organization_id)
     return starts
 
 

@@ -92,6 +92,17 @@ def test_her_organisations_are_read_in_the_same_few_queries_however_many_she_has
         assert replica_starts(organizations[0]).num_started == num_organizations
 
 
+def test_a_placement_reads_her_organisations_once_and_only_the_count_again_under_the_lock(django_assert_max_num_queries):
+    """Before, the whole reading (15 queries) was made twice, the second under the lock, and a scale-up's second
+    placement (or one after a sleeper's wake) made both while it held its GPU type's nodes, which heartbeats wait for."""
+    organizations = her_organizations(5)
+    for organization in organizations:
+        Replica.objects.create(endpoint=EndpointFactory(organization=organization))
+    endpoint = EndpointFactory(organization=organizations[0])
+    with django_assert_max_num_queries(15 + 2):  # `replica_starts`, the lock, the count again
+        assert quotas.start_refusal(endpoint) is not None  # her five starts, past her 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_the_bound(settings):
     """Each placement holds its own organisation's row alone (`quotas.lock_organization`): two of hers at once each
