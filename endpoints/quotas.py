@@ -233,11 +233,11 @@ def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
     is no equivalence (handed on, an organisation counts its creator's others and its new owner's, each of those it
     alone), so one lock of the lowest id of each circle left two that counted each other under two locks.
 
-    NOTE: lock order: the organisation's row, then this lock, then nodes' rows (`place_replica`, `wake_replica`). A
-    scale-up that locks its GPU type's nodes before it may place (`replicas.lock_nodes_to_wake`) takes this first:
-    after them, it waited for this lock holding the nodes while another of its people's organisations held this lock
-    and waited for the nodes to place, a deadlock (`tests/test_replica_starts_per_person.py`). Taken again in the same
-    transaction, it is held already and waits for nothing."""
+    NOTE: lock order: the organisation's row, then these locks, then nodes' rows (`place_replica`, `wake_replica`). A
+    scale-up that locks its GPU type's nodes before it may place (`replicas.lock_nodes_to_wake`) takes them first:
+    after the nodes, it waited for them holding the nodes while another of its people's organisations held them and
+    waited for the nodes to place, a deadlock (`tests/test_replica_starts_per_person.py`). Taken again in the same
+    transaction, they are held already and wait for nothing."""
     starts = replica_starts(endpoint.organization)
     if starts is not None and starts.shared_with:
         with connection.cursor() as cursor:
