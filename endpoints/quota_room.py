@@ -7,7 +7,7 @@ Its own module, beside `endpoints.quotas` (which judges specs, uploads and place
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from django.conf import settings
@@ -134,8 +134,14 @@ def replica_starts(organization: Organization) -> ReplicaStarts | None:
     limit = min(limits)
     without_card = without_card and limit == settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD
     others = _others_without_card(organization) if without_card else []
-    num_created, num_moved = _created_and_moved([organization.pk, *others])
-    return ReplicaStarts(limit, max(0, num_created - min(num_moved, limit)), without_card, shared_with=tuple(others))
+    return recounted(ReplicaStarts(limit, 0, without_card, shared_with=tuple(others)), organization.pk)
+
+
+def recounted(starts: ReplicaStarts, organization_id: int) -> ReplicaStarts:
+    """`starts` of the organisation with its count read now, for the same bound and organisations (one query): what a
+    placement reads again once it holds the locks of those it counts (`quotas.lock_starts`)."""
+    num_created, num_moved = _created_and_moved([organization_id, *starts.shared_with])
+    return replace(starts, num_started=max(0, num_created - min(num_moved, starts.limit)))
 
 
 def _others_without_card(organization: Organization) -> list[int]:

@@ -36,12 +36,12 @@ from controlplane.redis_client import get_redis, redis_time
 from controlplane.redis_keys import held_key
 from endpoints.batches.models import File
 from endpoints.models import ACTIVE_REPLICA_STATES, SERVING_REPLICA_STATES, Endpoint, Replica
-from endpoints.quota_room import ReplicaStarts, replica_room, replica_starts
+from endpoints.quota_room import ReplicaStarts, recounted, replica_room, replica_starts
 from endpoints.replicas import request_reconcile
 from gpu_agent.protocol import ReplicaState
 
-# The first key of the transaction-scoped lock a person's organisations without a card place under (`start_refusal`),
-# the second their lowest organisation id. NOTE: the two-key form: apart from the one-key locks (`billing.rollups`).
+# The first key of the transaction-scoped locks a person's organisations without a card place under (`lock_starts`),
+# the second an organisation's id. NOTE: the two-key form: apart from the one-key locks (`billing.rollups`).
 PERSON_STARTS_LOCK = 7301
 
 
@@ -217,17 +217,36 @@ def start_refusal(endpoint: Endpoint) -> str | None:
     """Why the endpoint's organisation may not start (place anew) one more replica this hour, or None
     (`quota_room.ReplicaStarts`); waking a sleeping one is not a start.
 
-    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction. Where its bound
-    is shared with the other organisations of its people (`ReplicaStarts.shared_with`), their placements are serialised
-    too, on one transaction-scoped lock of theirs, and the count read again once it is held: each holding its own
-    organisation's row alone, two at once each counted the other's start as not yet made."""
+    NOTE: call with the organisation locked (`lock_organization`), then place in the same transaction; its starts are
+    read under the person's lock where their bound is shared (`lock_starts`)."""
+    starts = lock_starts(endpoint)
+    return None if starts is None or starts.num_left else starts.refusal()
+
+
+def lock_starts(endpoint: Endpoint) -> ReplicaStarts | None:
+    """The endpoint's organisation's `ReplicaStarts`, read under transaction-scoped locks where its bound is shared with
+    the other organisations of its people (`ReplicaStarts.shared_with`): their placements are serialised too, and the
+    count read again once they are held. Each holding its own organisation's row alone, two at once each counted the
+    other's start as not yet made.
+
+    NOTE: one lock an organisation, its own and each it counts, in their ids' order in one statement: who counts whom
+    is no equivalence (handed on, an organisation counts its creator's others and its new owner's, each of those it
+    alone), so one lock of the lowest id of each circle left two that counted each other under two locks.
+
+    NOTE: lock order: the organisation's row, then these locks, then nodes' rows (`place_replica`, `wake_replica`). A
+    scale-up that locks its GPU type's nodes before it may place (`replicas.lock_nodes_to_wake`) takes them first:
+    after the nodes, it waited for them holding the nodes while another of its people's organisations held them and
+    waited for the nodes to place, a deadlock (`tests/test_replica_starts_per_person.py`). Taken again in the same
+    transaction, they are held already and wait for nothing."""
     starts = replica_starts(endpoint.organization)
     if starts is not None and starts.shared_with:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
-                           [PERSON_STARTS_LOCK, min(endpoint.organization_id, *starts.shared_with)])
-        starts = replica_starts(endpoint.organization)
-    return None if starts is None or starts.num_left else starts.refusal()
+            # NOTE: ordered in a subquery, which PostgreSQL never flattens, so each placement takes them in that order
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, organization_id) FROM (SELECT unnest(%s::integer[]) AS "
+                           "organization_id ORDER BY 1) AS ordered",
+                           [PERSON_STARTS_LOCK, sorted({endpoint.organization_id, *starts.shared_with})])
+        starts = recounted(starts, endpoint.organization_id)
+    return starts
 
 
 @dataclass(slots=True, frozen=True)

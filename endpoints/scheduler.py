@@ -171,6 +171,8 @@ def _reconcile(endpoint_id: str, load: autoscaler.Load | None, *, now: float | N
             for may_place in (False, True) if sleeping else (True,):
                 try:
                     with transaction.atomic():  # a savepoint: rolled back, its writes and its nodes' locks go
+                        if sleeping and may_place:
+                            quotas.lock_starts(endpoint)  # NOTE: before the nodes' locks, as placement takes it
                         if sleeping:
                             lock_nodes_to_wake(endpoint, sleeping, to_place=may_place)
                         num_unplaced, message, event, waiting_for_capacity = _add_replicas(

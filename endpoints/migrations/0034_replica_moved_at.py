@@ -4,6 +4,9 @@ and time, read beside the hour's starts.
 
 NOTE: a nullable column without a default (no table rewrite); the index built CONCURRENTLY
 (`controlplane.migration_indexes`), so replicas are placed meanwhile. The release before neither writes nor reads it.
+NOTE: the column IF NOT EXISTS, as `billing/0030`'s: not atomic, a run cut short after it (a pod killed during the
+index's build, `migrate`'s own retry after a lock it gave up on) kept it, and Django's AddField failed every run after
+on it (DuplicateColumn) until someone dropped it by hand (`tests/test_migration_replica_moved_at_rerun.py`).
 """
 
 from django.db import migrations, models
@@ -22,10 +25,18 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.AddField(
-            model_name="replica",
-            name="moved_at",
-            field=models.DateTimeField(blank=True, null=True),
+        migrations.SeparateDatabaseAndState(
+            state_operations=[
+                migrations.AddField(
+                    model_name="replica",
+                    name="moved_at",
+                    field=models.DateTimeField(blank=True, null=True),
+                ),
+            ],
+            database_operations=[
+                migrations.RunSQL(f'ALTER TABLE "{_TABLE}" ADD COLUMN IF NOT EXISTS "moved_at" timestamp with time zone NULL',
+                                  reverse_sql=f'ALTER TABLE "{_TABLE}" DROP COLUMN IF EXISTS "moved_at"'),
+            ],
         ),
         migrations.SeparateDatabaseAndState(
             state_operations=[
