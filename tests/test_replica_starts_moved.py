@@ -2,7 +2,6 @@
 off its node for a reason of its own (the node drained, lost, retired or released, a sleeper that could not wake in
 place) is no start of its organisation's (`Replica.moved_at`, `quota_room.replica_starts`)."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -12,7 +11,6 @@ from billing.models import BillingAccount
 from controlplane.accounts.models import Plan
 from controlplane.accounts.services import SYSTEM
 from endpoints import scheduler
-from endpoints.autoscaler import Load
 from endpoints.fleet.services import retire_node, set_node_state
 from endpoints.models import Replica
 from endpoints.nodes.models import NodeLaunch
@@ -24,20 +22,9 @@ from tests.factories import EndpointFactory, OrganizationFactory
 from tests.fleet.test_pool_failing_endpoints import ONE_REPLICA_MB
 from tests.fleet.test_pool_policy import TINY, RecordingProvider, make_pool, tick
 from tests.test_placement import make_node
+from tests.test_replica_starts import _billed_through_stripe, called_now  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _billed_through_stripe(settings):
-    """Stripe configured (no call reaches it here): an organisation without a card is held to the lower bound."""
-    settings.STRIPE_SECRET_KEY = "sk_test_inferplane"
-    settings.REPLICA_STARTS_PER_HOUR = 4
-    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 2
-
-
-def called_now() -> Load:
-    return Load(num_inflight=0, num_waiting=1, last_request_at=time.time(), peak_concurrency=1)
 
 
 def serving(endpoint) -> Replica:

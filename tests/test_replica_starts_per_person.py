@@ -16,26 +16,15 @@ from controlplane import tasks as controlplane_tasks
 from controlplane.accounts.models import Membership, Role
 from controlplane.accounts.services import Actor, create_organization
 from endpoints import quotas
-from endpoints.autoscaler import Load
 from endpoints.models import Replica
 from endpoints.quota_room import replica_starts
 from endpoints.scheduler import reconcile_endpoint
 from gpu_agent.protocol import NodeState, ReplicaState
 from tests.factories import EndpointFactory, MembershipFactory, OrganizationFactory, UserFactory
 from tests.test_placement import make_node
+from tests.test_replica_starts import _billed_through_stripe, called_now  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _billed_through_stripe(settings):
-    settings.STRIPE_SECRET_KEY = "sk_test_inferplane"
-    settings.REPLICA_STARTS_PER_HOUR = 4
-    settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 2
-
-
-def called_now() -> Load:
-    return Load(num_inflight=0, num_waiting=1, last_request_at=time.time(), peak_concurrency=1)
 
 
 def her_organizations(num: int):
