@@ -99,32 +99,8 @@ def test_two_of_her_organisations_placing_at_the_same_moment_do_not_both_pass_th
     settings.REPLICA_STARTS_PER_HOUR_WITHOUT_CARD = 1
     first, second = her_organizations(2)
     endpoints = [EndpointFactory(organization=organization, gpu_type="l4") for organization in (first, second)]
-    counted, refusals = threading.Event(), {}
 
-    def place(endpoint, *, first_in: bool) -> None:
-        try:
-            if not first_in:
-                counted.wait(10)
-            with transaction.atomic():
-                quotas.lock_organization(endpoint.organization_id)
-                refusals[first_in] = quotas.start_refusal(endpoint)
-                if refusals[first_in] is None:
-                    Replica.objects.create(endpoint=endpoint)
-                if first_in:
-                    counted.set()
-                    time.sleep(0.5)  # the other counts meanwhile
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=place, args=(endpoint,), kwargs={"first_in": index == 0})
-               for index, endpoint in enumerate(endpoints)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-
-    assert refusals[True] is None and refusals[False] is not None
-    assert Replica.objects.count() == 1
+    assert _placed_at_once(endpoints) == 1 and Replica.objects.get().endpoint == endpoints[0]  # the second refused
 
 
 @pytest.mark.django_db(transaction=True)
