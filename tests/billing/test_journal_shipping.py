@@ -1148,7 +1148,7 @@ from billing import journal_shipping, usage_writer
 client = journal_shipping._client()
 put = client.put_object
 def slowly(**kwargs):
-    time.sleep(2)  # a slow bucket (boto3 retrying)
+    time.sleep(1.5)  # a slow bucket (boto3 retrying): past the replay's 0.5 s by 1 s
     return put(**kwargs)
 client.put_object = slowly
 started = time.monotonic()
@@ -1384,7 +1384,7 @@ from billing import journal_shipping, usage_writer
 client = journal_shipping._client()
 put = client.put_object
 def slowly(**kwargs):
-    time.sleep(2)  # a slow bucket (boto3 retrying)
+    time.sleep(1.2)  # a slow bucket (boto3 retrying): past the child's exit (0.2 s in) by 1 s
     return put(**kwargs)
 client.put_object = slowly
 if sys.argv[1] == "child":
