@@ -34,8 +34,9 @@ PROCESS_BOUND = 4
 
 
 @pytest.fixture
-def bounded_gateway(transactional_db, tmp_path):
-    child, base_url = start_web_server(tmp_path, name="gateway",
+def bounded_gateway(transactional_db, tmp_path, web_zygote):
+    # NOTE: forked from the zygote of its settings (started anew, each paid the imports: ~1.4 s)
+    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote,
                                        extra_env={"INFERPLANE_MAX_HELD_REQUESTS_PER_PROCESS": str(PROCESS_BOUND)})
     yield base_url
     child.stop()
