@@ -198,7 +198,8 @@ def test_a_call_during_a_failure_its_agent_tries_again_is_held_and_served_once_t
 def test_a_call_during_a_failure_its_agent_tries_again_is_a_503_to_retry_once_its_hold_times_out(
         gateway, tenant, start_mock_upstream):
     upstream = start_mock_upstream()
-    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=3)
+    # NOTE: a hold of 2 s (3 before): the one call is held, nothing races its end
+    endpoint = _lora_endpoint(tenant, upstream, cold_start_timeout_s=2)
     _report(endpoint, adapter_failures={"slow": HUB_DOWN}, adapter_failures_retried=["slow"])
     answer = _call(gateway, tenant)
     # before: 400 adapter_failed
