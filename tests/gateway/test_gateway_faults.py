@@ -438,9 +438,7 @@ def test_an_organisation_whose_ledger_reads_slower_than_a_rebuild_may_take_gets_
     read = rebuild.period_spend_and_pending
 
     def slow_read(*args, **kwargs):  # a large organisation's month of rows: longer than a rebuild's window
-        # NOTE: 1.5 s: past the first window (1 s) by half of it, and within the next, twice what the slow one took
-        # (3 s and more) by 1.5 s. (2.5 s before: each of the four reads a second longer.)
-        time.sleep(1.5)
+        time.sleep(2.5)
         return read(*args, **kwargs)
 
     monkeypatch.setattr(rebuild, "period_spend_and_pending", slow_read)
