@@ -450,6 +450,10 @@ GATEWAY_DRAIN_S = env_float("INFERPLANE_GATEWAY_DRAIN_S", 100.0, minimum=0)
 # GATEWAY_DRAIN_S would leave the steps after it no room (`endpoints.gateway.drain.stop_budget_end`, `drain_bound_s`;
 # `tests/infra/test_manifests.py` holds it to web.yaml).
 GATEWAY_STOP_GRACE_S = env_float("INFERPLANE_GATEWAY_STOP_GRACE_S", 0.0, minimum=0)
+# A call held for a cold start wakes its endpoint's reconcile again this often, and looks then whether its endpoint failed,
+# found no room, was paused or deleted meanwhile (`endpoints.gateway.cold_start`): such a call is told within about this
+# long (plus `ENDPOINT_CACHE_S`), not held its whole cold-start timeout. Tests that wait it out shorten it.
+GATEWAY_REWAKE_EVERY_S = env_float("INFERPLANE_GATEWAY_REWAKE_EVERY_S", 5.0, minimum=0.1)
 # A client that takes none of its answer for this long is cut off (`endpoints.gateway.delivery`), and the bytes of
 # an organisation's whole answers in a gateway process (read from engines, not yet taken by its clients) are bounded:
 # past this many, its new calls are refused (429 `unread_answers`) and its answers still being read wait, but one.

@@ -34,6 +34,7 @@ import redis
 from django.conf import settings
 
 from controlplane import pubsub, redis_scripts
+from controlplane.hot_settings import hot
 from controlplane.redis_keys import endpoint_held_key, held_key
 from controlplane.redis_scripts import Script
 from endpoints.gateway import directory, errors, standing, traffic
@@ -46,7 +47,6 @@ from endpoints.nodes.notify import endpoint_ready_channel
 logger = logging.getLogger("inferplane.gateway")
 
 COLD_START_POLL_S = 0.25
-REWAKE_EVERY_S = 5.0
 MAX_WAITING_PER_ENDPOINT = 256
 # A place outlives its hold's deadline by this much before it stops counting (its gateway died).
 PLACE_GRACE_S = 30
@@ -256,7 +256,7 @@ async def _wait_for_ready(call: HeldCall, place: Place | None, ready_signal: pub
         if now > deadline:
             raise await _not_ready_in_time(endpoint)
         await keep_place(place)
-        if now - last_wake > REWAKE_EVERY_S:
+        if now - last_wake > hot.GATEWAY_REWAKE_EVERY_S:
             # An endpoint that failed, or ran out of capacity, while we waited says so now.
             await standing.refuse_if_stopped_meanwhile(endpoint, wait_for_capacity=call.request.wait_for_capacity)
             await wake_endpoint(endpoint.id)

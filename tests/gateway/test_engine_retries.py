@@ -20,6 +20,9 @@ from tests.gateway.conftest import serve_endpoint
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
+# NOTE: a middlebox's close this long after the call went out: past the window of a stopping server's close by 0.5 s (1 s
+# before). Its silence counts from its relay of the call, after the gateway sent it: the gateway sees it no sooner.
+LATE_S = upstream.CLOSED_UNREAD_WITHIN_S + 0.5
 
 
 def _num_requests(address: str) -> int:
@@ -184,7 +187,7 @@ def test_a_call_its_engine_read_whose_connection_a_middlebox_reset_as_its_replic
     # taken for one its engine never read and sent to the other replica, which computed it again, the first engine's
     # work (read, perhaps run to its end) never billed.
     engine, live = start_mock_upstream(token_delay_ms=500), start_mock_upstream()  # 20 tokens: 10 s
-    middlebox = _draining(ResettingMiddlebox(engine, silent_s=upstream.CLOSED_UNREAD_WITHIN_S + 1))
+    middlebox = _draining(ResettingMiddlebox(engine, silent_s=LATE_S))
     endpoint = serve_endpoint(tenant.org, middlebox.address, live)
     answer, num_sent_to_live = _calls_until_closed(gateway, tenant.key, endpoint, middlebox, live)
     _assert_openai_server_error(answer)
@@ -199,7 +202,7 @@ def test_a_call_on_a_pooled_connection_a_middlebox_closed_plainly_as_its_replica
     # late, and `idle_close_raced` could take such a close for a stopping server's (the call computed again on the
     # other replica, the first engine's work unbilled) with every test passing.
     engine, live = start_mock_upstream(token_delay_ms=500), start_mock_upstream()  # 0.5 s a token
-    middlebox = _draining(ResettingMiddlebox(engine, silent_s=upstream.CLOSED_UNREAD_WITHIN_S + 1, plain=True))
+    middlebox = _draining(ResettingMiddlebox(engine, silent_s=LATE_S, plain=True))
     endpoint = serve_endpoint(tenant.org, middlebox.address, live)
     assert _call(gateway, tenant.key, endpoint, "someone", max_tokens=1).status_code == 200  # the connection pooled
     answer = _call(gateway, tenant.key, endpoint, "someone")  # 20 tokens: 10 s, silent

@@ -57,14 +57,14 @@ def test_a_client_that_leaves_a_non_streamed_call_is_billed_for_the_answer_the_e
     # engine's request aborted and was billed nothing: any prompt prefilled, most of an answer generated, free.
     upstream = start_mock_upstream(token_delay_ms=20)
     endpoint = serve_endpoint(tenant.org, upstream)
-    with pytest.raises(httpx.ReadTimeout):  # leaves 2 s into a ~4 s answer
+    with pytest.raises(httpx.ReadTimeout):  # leaves 1.5 s into a ~3 s answer
         httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
-                   json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 200},
-                   timeout=httpx.Timeout(30, read=2))
+                   json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150},
+                   timeout=httpx.Timeout(30, read=1.5))
 
     row = wait_until(lambda: UsageRecord.objects.first(), 30, message="the usage row")
     assert row.status == "client_aborted"
-    assert (row.prompt_tokens, row.completion_tokens) == (7, 200) and row.cost > 0
+    assert (row.prompt_tokens, row.completion_tokens) == (7, 150) and row.cost > 0
     assert UsageRecord.objects.count() == 1
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1  # read to its end, never sent again
     wait_until(lambda: not get_redis().hlen(reservations_key(tenant.org.pk)), 10, message="the reservation settled")
@@ -140,14 +140,15 @@ def test_a_non_streamed_answer_longer_than_the_read_timeout_is_waited_for_while_
     child, gateway = _slow_gateway(tmp_path, web_zygote)
     try:
         response = httpx.post(f"{gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {tenant.key}"},
-                              json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 150}, timeout=60)
+                              json={"model": endpoint.name, "messages": MESSAGES, "max_tokens": 100}, timeout=60)
     finally:
         child.stop()
 
+    # NOTE: 100 tokens (150 before): 2 s of generating, twice the gateway's 1 s read timeout
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 150
+    assert response.json()["usage"]["completion_tokens"] == 100
     row = UsageRecord.objects.get()
-    assert (row.status, row.completion_tokens) == ("ok", 150) and row.cost > 0
+    assert (row.status, row.completion_tokens) == ("ok", 100) and row.cost > 0
     assert httpx.get(f"{upstream}/_stats").json()["num_requests"] == 1
 
 
@@ -187,7 +188,8 @@ def test_a_call_that_runs_past_its_reservation_deadline_keeps_its_hold_until_its
                                       zygote=web_zygote)
     received = 0
     try:
-        with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=150) as response:  # ~6 s
+        # NOTE: 125 tokens (150 before): the call runs on 0.6 s after the look at 110, which takes a few milliseconds
+        with _stream_request(gateway, tenant.key, endpoint.name, max_tokens=125) as response:  # ~5 s
             for line in response.iter_lines():
                 received += line.startswith("data: {")
                 if received == 110:  # ~4.4 s in, past the first deadline
@@ -195,9 +197,9 @@ def test_a_call_that_runs_past_its_reservation_deadline_keeps_its_hold_until_its
                     assert get_redis().hlen(reservations_key(tenant.org.pk)) == 1
     finally:
         child.stop()
-    assert received >= 150
+    assert received >= 125
     row = UsageRecord.objects.get()
-    assert (row.status, row.completion_tokens) == ("ok", 150)
+    assert (row.status, row.completion_tokens) == ("ok", 125)
     assert not get_redis().hlen(reservations_key(tenant.org.pk))  # settled by the call's own end
 
 

@@ -854,10 +854,18 @@ def short_lived_alive_key(monkeypatch):
     monkeypatch.setattr(presence, "BEAT_S", 0.2)
 
 
-async def beat_until(deadline: float) -> None:
-    """Beat every `BEAT_S` as `presence._beat_forever` does, until `deadline` (monotonic)."""
+async def beat_until(deadline: float, done=lambda: False) -> None:
+    """Beat every `BEAT_S` as `presence._beat_forever` does, until `deadline` (monotonic), or until `done()` holds after
+    a beat: then the parts beside that beat until they end (`beat_and_its_parts`), none cut by the loop's end.
+
+    NOTE: `done`: what the test waits the beats out for, waited for rather than a fixed time (the rest of it was lost)."""
     while time.monotonic() < deadline:
         await presence.beat(web=True)
+        if done():
+            beating = presence._beats.get()
+            parts = [beating.server, beating.reconcile, beating.deadlines, beating.progress]
+            await asyncio.gather(*(part for part in parts if part is not None))
+            return
         await asyncio.sleep(presence.BEAT_S)
 
 
@@ -928,15 +936,19 @@ def test_a_gateway_whose_loop_stalls_past_its_alive_key_is_swept_and_puts_its_ca
     redis = get_redis()
     alive = redis_keys.gateway_alive_key(traffic.gateway_id())
 
+    swept = []
+
     async def scenario():
         admitted = await admit(caller, endpoint, replica, "frozen")
-        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + presence.ALIVE_TTL_S + 2.5))
+        beating = asyncio.get_running_loop().create_task(beat_until(
+            time.monotonic() + presence.ALIVE_TTL_S + 2.5, done=lambda: swept and counts(endpoint, replica) == (1, 1)))
         await asyncio.sleep(0.5)
         assert redis.exists(alive)
         time.sleep(presence.ALIVE_TTL_S + 0.5)  # the loop stalled: no beat runs
         assert not redis.exists(alive)
         assert presence.sweep_dead_gateways() == 1 and counts(endpoint, replica) == (0, 0)
-        await beating  # it beats again for a second and a half, finds its key gone and puts its call back
+        swept.append(True)
+        await beating  # it beats again (up to a second and a half), finds its key gone and puts its call back
         assert counts(endpoint, replica) == (1, 1)
         await finish(caller, endpoint, replica, "frozen", admitted)
 
@@ -969,9 +981,16 @@ def test_redis_forgetting_the_gateway_during_a_long_reconcile_has_the_next_one_r
         monkeypatch.setattr(presence, "_restore_organization", slow_first)
         monkeypatch.setattr(presence, "_reconcile", noting_its_mode)
         presence._repair.num_beats = presence.RECONCILE_EVERY_BEATS
-        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + 2.5))
+        flushed = []
+
+        def put_back() -> bool:
+            return (bool(flushed) and len(forgotten_modes) >= 2 and counts(endpoint, replica) == (1, 1)
+                    and redis.hexists(redis_keys.reservations_key(org), "kept"))
+
+        beating = asyncio.get_running_loop().create_task(beat_until(time.monotonic() + 2.5, done=put_back))
         await asyncio.sleep(0.5)  # the slow reconcile runs
         redis.flushdb()  # Redis restarted without persistence
+        flushed.append(True)
         await beating
         assert forgotten_modes[:2] == [False, True]
         assert counts(endpoint, replica) == (1, 1) and redis.hexists(redis_keys.reservations_key(org), "kept")

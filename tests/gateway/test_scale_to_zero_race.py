@@ -19,13 +19,18 @@ from controlplane.redis_keys import held_key, inflight_key, reservations_key, wa
 from endpoints.models import Endpoint, Replica, ReplicaState
 from endpoints.nodes.models import Node
 from endpoints.services import delete_endpoint, pause_endpoint
-from tests.conftest import wait_until
+from tests.conftest import start_web_server, wait_until
 from tests.fakes.closing_engine import ClosingEngine
 from tests.gateway.conftest import held_chat, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
+# NOTE: a held call looks whether its endpoint was paused or deleted at each re-wake, reading the endpoint through the
+# gateway's cache (`ENDPOINT_CACHE_S`, 2 s, reloaded behind a stale read): at the production 5 s the call was told at
+# the second re-wake, ~10 s in. A re-wake every 0.5 s tells it within ~3 s, far under the test's 20 s bound, and the
+# cold-start timeout (40 s) stays what a call that was never told would wait.
+REWAKE_EVERY_S = "0.5"
 
 
 def _scale_to_zero(endpoint, start_mock_upstream, address: str) -> Replica:
@@ -142,9 +147,19 @@ def test_a_held_call_whose_engine_dies_on_it_is_answered_at_once_never_held_agai
     assert not UsageRecord.objects.exclude(status="ok").filter(completion_tokens__gt=0).exists()  # billed nothing
 
 
+@pytest.fixture
+def rewaking_gateway(transactional_db, tmp_path, web_zygote):
+    """A gateway whose held calls re-wake (and look at their endpoint again) every `REWAKE_EVERY_S`."""
+    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote,
+                                       extra_env={"INFERPLANE_GATEWAY_REWAKE_EVERY_S": REWAKE_EVERY_S})
+    yield base_url
+    child.stop()
+
+
 @pytest.mark.parametrize("stop", ["pause", "delete"])
 def test_a_call_held_for_an_endpoint_its_organisation_pauses_or_deletes_meanwhile_is_answered_so_not_held_to_the_timeout(
-        gateway, tenant, stop):
+        rewaking_gateway, tenant, stop):
+    gateway = rewaking_gateway
     # NOTE: a pause (or a delete) drains the endpoint's replicas and starts none: a call held for it (a cold call, or one
     # held again because the pause drained the replica it was sent to) waited its whole cold-start timeout for a replica
     # that never came, holding its reservation and place, and was then told 503 "no replica became ready".
