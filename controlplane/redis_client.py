@@ -253,17 +253,87 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
 
+    async def initialize(self, *args, **kwargs):
+        """redis-py's reading of the cluster's layout, keeping the connections of the nodes whose role it left as it was.
+
+        NOTE: redis-py marks every connection of every node to be closed and opened again at each reading (lest one
+        keep a replica's `READONLY`: these clients never read from replicas), the layout unchanged or not. Read once
+        a second while a node is silent (`_layout_reread_due`), that reconnected every gateway to the whole cluster
+        every second (`tests/test_redis_cluster_circuit.py`). A node that became a replica or a primary, or whose
+        circuit is open, is reconnected as redis-py does, and so is a connection marked before the reading."""
+        if not self._initialize:
+            return self
+        nodes = self.nodes_manager.nodes_cache
+        roles = {name: node.server_type for name, node in nodes.items()}
+        marked = {connection for node in nodes.values() for connection in node._connections
+                  if connection.should_reconnect()}
+        await super().initialize(*args, **kwargs)
+        for name, node in self.nodes_manager.nodes_cache.items():
+            if roles.get(name) == node.server_type and not node_circuit(name).is_open:
+                for connection in node._connections:
+                    if connection not in marked:
+                        connection.reset_should_reconnect()
+        return self
+
     def get_default_node(self):
         return _answering_default_node(self)
 
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        if not transaction:
+            pipe._execution_strategy = _NodePipelineStrategy(pipe)
+        return pipe
+
     async def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():
-            if _layout_reread_due(self):
-                self._initialize = True  # redis-py's own mark after a node's connection error
-                with contextlib.suppress(Exception):  # none answered: the next command reads it again
-                    await self.initialize(last_failed_node_name=target_node.name)
+            await self.reread_layout_if_due(target_node.name)
             raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
         return await super()._execute_command(target_node, *args, **kwargs)
+
+    async def reread_layout_if_due(self, failed_node_name: str | None) -> None:
+        """Read the cluster's layout again after a silent node's refusal, at most every `LAYOUT_REREAD_S`."""
+        if _layout_reread_due(self):
+            self._initialize = True  # redis-py's own mark after a node's connection error
+            with contextlib.suppress(Exception):  # none answered: the next command reads it again
+                await self.initialize(last_failed_node_name=failed_node_name)
+
+
+class _NodePipelineStrategy(redis.asyncio.cluster.PipelineStrategy):
+    """redis-py's async cluster pipeline (`transaction=False`), without its closing of every node's connections when
+    one node fails it.
+
+    NOTE: redis-py meets a node's connection error, timeout or `CLUSTERDOWN` in a pipeline by closing the whole
+    client (`RedisCluster.aclose`: every connection to every node, those under other callers' commands included), then
+    sends the pipeline again a quarter second later. A gateway's beat pipelines many organisations' keys
+    (`presence`), so one silent node, its circuit refusing, closed every gateway's connections to the whole cluster
+    every second, and a call in flight on one was sent again (`tests/test_redis_cluster_circuit.py`). Here a refusal
+    (the node's circuit open: nothing sent, and nothing to gain by sending it again) is raised at once, and a failure
+    marks the layout to be read again before the one retry, as a single command's does; the failed connection closed
+    itself."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list:
+        if not self._command_queue:
+            return []
+        client = self._pipe.cluster_client
+        try:
+            tries_left = client.retry.get_retries()
+            while True:
+                try:
+                    if client._initialize:
+                        await client.initialize()
+                    return await self._execute(client, self._command_queue, raise_on_error=raise_on_error,
+                                               allow_redirections=allow_redirections)
+                except Refused:
+                    await client.reread_layout_if_due(None)
+                    raise
+                except redis.asyncio.cluster.RedisCluster.ERRORS_ALLOW_RETRY:
+                    if tries_left <= 0:
+                        raise
+                    tries_left -= 1
+                    client._initialize = True
+                    await asyncio.sleep(0.25)  # redis-py's: a cluster failing a node over needs a moment
+        finally:
+            await self.reset()
 
 
 def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
