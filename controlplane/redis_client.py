@@ -216,11 +216,22 @@ def _tls() -> bool:
     return settings.REDIS_URL.startswith("rediss://")
 
 
+def _more_startup_nodes(cluster_module) -> list:
+    """The nodes of `REDIS_CLUSTER_NODES`, as `cluster_module`'s (sync or asyncio) `ClusterNode`s: where a cluster
+    client reads the layout from besides `REDIS_URL`'s node.
+
+    NOTE: a client started from that node alone could not start while it was down (a rolling deploy during a node's
+    failure): every process started then failed its every command, the other nodes answering
+    (`tests/test_redis_cluster.py`). The client keeps `REDIS_URL`'s credentials and TLS for these."""
+    return [cluster_module.ClusterNode(host, port) for host, port in settings.REDIS_CLUSTER_NODES]
+
+
 @functools.cache
 def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     if settings.REDIS_CLUSTER:
-        return _ClusterClient.from_url(settings.REDIS_URL, retry=retry, **connection_options())
+        return _ClusterClient.from_url(settings.REDIS_URL, retry=retry, startup_nodes=_more_startup_nodes(redis.cluster),
+                                       **connection_options())
     connection_class = _CircuitSSLConnection if _tls() else _CircuitConnection
     return redis.Redis.from_url(settings.REDIS_URL, retry=retry, connection_class=connection_class,
                                 **connection_options())
@@ -344,7 +355,8 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
         options = connection_options()
         del options["retry_on_timeout"]  # the cluster client's retry covers connection errors only already
         return _AsyncClusterClient.from_url(
-            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry, **options)
+            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry,
+            startup_nodes=_more_startup_nodes(redis.asyncio.cluster), **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S, retry=retry,
         connection_class=_AsyncCircuitSSLConnection if _tls() else _AsyncCircuitConnection, **connection_options())

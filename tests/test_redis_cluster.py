@@ -396,3 +396,20 @@ def test_pub_sub_messages_reach_a_listener_on_another_node_of_the_cluster(on_clu
             return False
 
     assert asyncio.run(scenario())
+
+
+def test_the_cluster_clients_start_from_another_listed_node_while_the_node_redis_url_names_is_down(
+        on_cluster, redis_cluster, settings):
+    # A process started during a node's failure (a rolling deploy) had only `REDIS_URL`'s node to read the layout from:
+    # down, every command failed for as long as the process lived, the other nodes answering.
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: the node is down
+    settings.REDIS_CLUSTER_NODES = tuple(("127.0.0.1", port) for port in redis_cluster[1:])
+    redis_client.get_redis.cache_clear()
+    key = redis_keys.org_reserved_key(7)
+
+    redis_client.get_redis().set(key, "1")
+
+    async def read():
+        return await redis_client.get_async_redis().get(key)
+
+    assert asyncio.run(read()) == "1"
