@@ -240,6 +240,29 @@ def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
 POOL_WAIT_S = 10
 
 
+class _KeepingNodesManager(redis.asyncio.cluster.NodesManager):
+    """redis-py's async cluster layout, whose reading keeps the connections of the nodes whose role it left as it was.
+
+    NOTE: redis-py marks every connection of every node to be closed and opened again at each reading (lest one keep a
+    replica's `READONLY`: these clients never read from replicas), the layout unchanged or not. Read once a second
+    while a node is silent (`_layout_reread_due`), that reconnected every gateway to the whole cluster every second
+    (`tests/test_redis_cluster_circuit.py`). A node that became a replica or a primary, or whose circuit is open, is
+    reconnected as redis-py does, and so is a connection marked before the reading."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args, **kwargs) -> None:
+        roles = {name: node.server_type for name, node in self.nodes_cache.items()}
+        marked = {connection for node in self.nodes_cache.values() for connection in node._connections
+                  if connection.should_reconnect()}
+        await super().initialize(*args, **kwargs)
+        for name, node in self.nodes_cache.items():
+            if roles.get(name) == node.server_type and not node_circuit(name).is_open:
+                for connection in node._connections:
+                    if connection not in marked:
+                        connection.reset_should_reconnect()
+
+
 class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
     """redis-py's async cluster client, initialised (slots and nodes read) before its first command.
 
@@ -255,6 +278,7 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
         self.layout_read_at = 0.0  # by a refused command (`_layout_reread_due`)
         super().__init__(*args, **kwargs)
         connection_class = _AsyncNodeCircuitSSLConnection if _tls() else _AsyncNodeCircuitConnection
+        self.nodes_manager.__class__ = _KeepingNodesManager  # slotted: its methods cannot be wrapped on the instance
         _guard_nodes(self.nodes_manager, connection_class)
         for node in self.nodes_manager.startup_nodes.values():  # made already, not connected yet
             node.connection_class = connection_class
@@ -263,28 +287,6 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
         if self._initialize:
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
-
-    async def initialize(self, *args, **kwargs):
-        """redis-py's reading of the cluster's layout, keeping the connections of the nodes whose role it left as it was.
-
-        NOTE: redis-py marks every connection of every node to be closed and opened again at each reading (lest one
-        keep a replica's `READONLY`: these clients never read from replicas), the layout unchanged or not. Read once
-        a second while a node is silent (`_layout_reread_due`), that reconnected every gateway to the whole cluster
-        every second (`tests/test_redis_cluster_circuit.py`). A node that became a replica or a primary, or whose
-        circuit is open, is reconnected as redis-py does, and so is a connection marked before the reading."""
-        if not self._initialize:
-            return self
-        nodes = self.nodes_manager.nodes_cache
-        roles = {name: node.server_type for name, node in nodes.items()}
-        marked = {connection for node in nodes.values() for connection in node._connections
-                  if connection.should_reconnect()}
-        await super().initialize(*args, **kwargs)
-        for name, node in self.nodes_manager.nodes_cache.items():
-            if roles.get(name) == node.server_type and not node_circuit(name).is_open:
-                for connection in node._connections:
-                    if connection not in marked:
-                        connection.reset_should_reconnect()
-        return self
 
     def get_default_node(self):
         return _answering_default_node(self)
