@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import random
@@ -301,7 +302,24 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
         if not node_circuit(target_node.name).admits():
             await self.reread_layout_if_due(target_node.name)
             raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
-        return await super()._execute_command(target_node, *args, **kwargs)
+        handling = _handling_a_command.set(True)
+        try:
+            return await super()._execute_command(target_node, *args, **kwargs)
+        finally:
+            _handling_a_command.reset(handling)
+
+    async def aclose(self) -> None:
+        """Close every connection, unless redis-py's handling of one command's answer asks it.
+
+        NOTE: redis-py closes the whole client (every connection to every node, those under other callers' commands
+        included) to have the layout read again after a `CLUSTERDOWN` (a failover under way) and at every fifth
+        `MOVED` (a reshard): every process reconnected to the whole cluster as it struggled, and a call in flight on a
+        closed connection was sent again (`tests/test_redis_cluster.py`). There the layout is only marked to be read
+        again before the command's retry."""
+        if _handling_a_command.get():
+            self._initialize = True
+            return
+        await super().aclose()
 
     async def reread_layout_if_due(self, failed_node_name: str | None) -> None:
         """Read the cluster's layout again after a silent node's refusal, at most every `LAYOUT_REREAD_S`."""
@@ -309,6 +327,9 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
             self._initialize = True  # redis-py's own mark after a node's connection error
             with contextlib.suppress(Exception):  # none answered: the next command reads it again
                 await self.initialize(last_failed_node_name=failed_node_name)
+
+
+_handling_a_command: contextvars.ContextVar[bool] = contextvars.ContextVar("handling_a_cluster_command", default=False)
 
 
 class _NodePipelineStrategy(redis.asyncio.cluster.PipelineStrategy):
