@@ -124,6 +124,18 @@ def env_networks(name: str, default: str = "") -> tuple[ipaddress.IPv4Network | 
     return tuple(networks)
 
 
+def env_host_ports(name: str) -> tuple[tuple[str, int], ...]:
+    """Comma-separated `host:port` addresses (`node-2:6379,[fd00::3]:6379`); unset means none."""
+    addresses = []
+    for item in env_list(name):
+        host, separator, port = item.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not separator or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ImproperlyConfiguredEnv(f"{name} must list addresses as host:port, comma-separated, not {item!r}")
+        addresses.append((host, int(port)))
+    return tuple(addresses)
+
+
 def env_counts(name: str) -> dict[str, int]:
     """`name=count,name=count` (e.g. `h100=2,a100=4`) as a dict; unset means empty."""
     counts = {}

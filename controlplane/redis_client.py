@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import random
@@ -216,17 +217,51 @@ def _tls() -> bool:
     return settings.REDIS_URL.startswith("rediss://")
 
 
+def _more_startup_nodes(cluster_module) -> list:
+    """The nodes of `REDIS_CLUSTER_NODES`, as `cluster_module`'s (sync or asyncio) `ClusterNode`s: where a cluster
+    client reads the layout from besides `REDIS_URL`'s node.
+
+    NOTE: a client started from that node alone could not start while it was down (a rolling deploy during a node's
+    failure): every process started then failed its every command, the other nodes answering
+    (`tests/test_redis_cluster.py`). The client keeps `REDIS_URL`'s credentials and TLS for these."""
+    return [cluster_module.ClusterNode(host, port) for host, port in settings.REDIS_CLUSTER_NODES]
+
+
 @functools.cache
 def get_redis() -> redis.Redis | redis.cluster.RedisCluster:
     retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     if settings.REDIS_CLUSTER:
-        return _ClusterClient.from_url(settings.REDIS_URL, retry=retry, **connection_options())
+        return _ClusterClient.from_url(settings.REDIS_URL, retry=retry, startup_nodes=_more_startup_nodes(redis.cluster),
+                                       **connection_options())
     connection_class = _CircuitSSLConnection if _tls() else _CircuitConnection
     return redis.Redis.from_url(settings.REDIS_URL, retry=retry, connection_class=connection_class,
                                 **connection_options())
 
 
 POOL_WAIT_S = 10
+
+
+class _KeepingNodesManager(redis.asyncio.cluster.NodesManager):
+    """redis-py's async cluster layout, whose reading keeps the connections of the nodes whose role it left as it was.
+
+    NOTE: redis-py marks every connection of every node to be closed and opened again at each reading (lest one keep a
+    replica's `READONLY`: these clients never read from replicas), the layout unchanged or not. Read once a second
+    while a node is silent (`_layout_reread_due`), that reconnected every gateway to the whole cluster every second
+    (`tests/test_redis_cluster_circuit.py`). A node that became a replica or a primary, or whose circuit is open, is
+    reconnected as redis-py does, and so is a connection marked before the reading."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args, **kwargs) -> None:
+        roles = {name: node.server_type for name, node in self.nodes_cache.items()}
+        marked = {connection for node in self.nodes_cache.values() for connection in node._connections
+                  if connection.should_reconnect()}
+        await super().initialize(*args, **kwargs)
+        for name, node in self.nodes_cache.items():
+            if roles.get(name) == node.server_type and not node_circuit(name).is_open:
+                for connection in node._connections:
+                    if connection not in marked:
+                        connection.reset_should_reconnect()
 
 
 class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
@@ -244,6 +279,7 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
         self.layout_read_at = 0.0  # by a refused command (`_layout_reread_due`)
         super().__init__(*args, **kwargs)
         connection_class = _AsyncNodeCircuitSSLConnection if _tls() else _AsyncNodeCircuitConnection
+        self.nodes_manager.__class__ = _KeepingNodesManager  # slotted: its methods cannot be wrapped on the instance
         _guard_nodes(self.nodes_manager, connection_class)
         for node in self.nodes_manager.startup_nodes.values():  # made already, not connected yet
             node.connection_class = connection_class
@@ -256,14 +292,82 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
     def get_default_node(self):
         return _answering_default_node(self)
 
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        if not transaction:
+            pipe._execution_strategy = _NodePipelineStrategy(pipe)
+        return pipe
+
     async def _execute_command(self, target_node, *args, **kwargs):
         if not node_circuit(target_node.name).admits():
-            if _layout_reread_due(self):
-                self._initialize = True  # redis-py's own mark after a node's connection error
-                with contextlib.suppress(Exception):  # none answered: the next command reads it again
-                    await self.initialize(last_failed_node_name=target_node.name)
+            await self.reread_layout_if_due(target_node.name)
             raise RedisSilent(f"Redis cluster node {target_node.name} is not answering")
-        return await super()._execute_command(target_node, *args, **kwargs)
+        handling = _handling_a_command.set(True)
+        try:
+            return await super()._execute_command(target_node, *args, **kwargs)
+        finally:
+            _handling_a_command.reset(handling)
+
+    async def aclose(self) -> None:
+        """Close every connection, unless redis-py's handling of one command's answer asks it.
+
+        NOTE: redis-py closes the whole client (every connection to every node, those under other callers' commands
+        included) to have the layout read again after a `CLUSTERDOWN` (a failover under way) and at every fifth
+        `MOVED` (a reshard): every process reconnected to the whole cluster as it struggled, and a call in flight on a
+        closed connection was sent again (`tests/test_redis_cluster.py`). There the layout is only marked to be read
+        again before the command's retry."""
+        if _handling_a_command.get():
+            self._initialize = True
+            return
+        await super().aclose()
+
+    async def reread_layout_if_due(self, failed_node_name: str | None) -> None:
+        """Read the cluster's layout again after a silent node's refusal, at most every `LAYOUT_REREAD_S`."""
+        if _layout_reread_due(self):
+            self._initialize = True  # redis-py's own mark after a node's connection error
+            with contextlib.suppress(Exception):  # none answered: the next command reads it again
+                await self.initialize(last_failed_node_name=failed_node_name)
+
+
+_handling_a_command: contextvars.ContextVar[bool] = contextvars.ContextVar("handling_a_cluster_command", default=False)
+
+
+class _NodePipelineStrategy(redis.asyncio.cluster.PipelineStrategy):
+    """redis-py's async cluster pipeline (`transaction=False`), without its closing of every node's connections when
+    one node fails it.
+
+    NOTE: redis-py meets a node's connection error, timeout or `CLUSTERDOWN` in a pipeline by closing the whole
+    client (`RedisCluster.aclose`: every connection to every node, those under other callers' commands included), then
+    sends the pipeline again a quarter second later. A gateway's beat pipelines many organisations' keys
+    (`presence`), so one silent node, its circuit refusing, closed every gateway's connections to the whole cluster
+    every second, and a call in flight on one was sent again (`tests/test_redis_cluster_circuit.py`). Here a refusal
+    (the node's circuit open: nothing sent, and nothing to gain by sending it again) is raised at once, and a failure
+    marks the layout to be read again before the one retry, as a single command's does; the failed connection closed
+    itself."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list:
+        if not self._command_queue:
+            return []
+        client = self._pipe.cluster_client
+        try:
+            tries_left = client.retry.get_retries()
+            while True:
+                try:
+                    if client._initialize:
+                        await client.initialize()
+                    return await self._execute(client, self._command_queue, raise_on_error=raise_on_error,
+                                               allow_redirections=allow_redirections)
+                except Refused:
+                    await client.reread_layout_if_due(None)
+                    raise
+                except redis.asyncio.cluster.RedisCluster.ERRORS_ALLOW_RETRY:
+                    if tries_left <= 0:
+                        raise
+                    tries_left -= 1
+                    client._initialize = True
+                    await asyncio.sleep(0.25)  # redis-py's: a cluster failing a node over needs a moment
+        finally:
+            await self.reset()
 
 
 def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster:
@@ -274,7 +378,8 @@ def _new_async_client() -> redis.asyncio.Redis | redis.asyncio.cluster.RedisClus
         options = connection_options()
         del options["retry_on_timeout"]  # the cluster client's retry covers connection errors only already
         return _AsyncClusterClient.from_url(
-            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry, **options)
+            settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, retry=retry,
+            startup_nodes=_more_startup_nodes(redis.asyncio.cluster), **options)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.REDIS_URL, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=POOL_WAIT_S, retry=retry,
         connection_class=_AsyncCircuitSSLConnection if _tls() else _AsyncCircuitConnection, **connection_options())

@@ -30,6 +30,7 @@ from controlplane.env import (
     env_counts,
     env_decimal,
     env_float,
+    env_host_ports,
     env_int,
     env_list,
     env_networks,
@@ -225,6 +226,8 @@ REDIS_TIMEOUT_S = env_float("INFERPLANE_REDIS_TIMEOUT_S", 2.0, minimum=0.1)
 # and the keys of one script share a hash tag (`controlplane.redis_keys`). Celery's broker and Django's
 # cache cannot use a cluster: they take CELERY_BROKER_URL, a plain Redis, required then.
 REDIS_CLUSTER = env_bool("REDIS_CLUSTER", False)
+# More nodes the cluster clients may start from (`host:port`, comma-separated) when REDIS_URL's node is down
+REDIS_CLUSTER_NODES = env_host_ports("REDIS_CLUSTER_NODES")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL
 if REDIS_CLUSTER and CELERY_BROKER_URL == REDIS_URL:
     raise ImproperlyConfiguredEnv("REDIS_CLUSTER=1 needs CELERY_BROKER_URL: a plain (not clustered) Redis for Celery")

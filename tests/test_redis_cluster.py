@@ -396,3 +396,58 @@ def test_pub_sub_messages_reach_a_listener_on_another_node_of_the_cluster(on_clu
             return False
 
     assert asyncio.run(scenario())
+
+
+def test_the_cluster_clients_start_from_another_listed_node_while_the_node_redis_url_names_is_down(
+        on_cluster, redis_cluster, settings):
+    # A process started during a node's failure (a rolling deploy) had only `REDIS_URL`'s node to read the layout from:
+    # down, every command failed for as long as the process lived, the other nodes answering.
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: the node is down
+    settings.REDIS_CLUSTER_NODES = tuple(("127.0.0.1", port) for port in redis_cluster[1:])
+    redis_client.get_redis.cache_clear()
+    key = redis_keys.org_reserved_key(7)
+
+    redis_client.get_redis().set(key, "1")
+
+    async def read():
+        return await redis_client.get_async_redis().get(key)
+
+    assert asyncio.run(read()) == "1"
+
+
+def test_a_reshard_moving_slots_under_the_async_client_leaves_its_connections_to_the_other_nodes_open(
+        on_cluster, redis_cluster):
+    # A reshard answers MOVED to the commands on the slots it moved. Before: at every fifth, redis-py closed every
+    # connection of the client, to every node, those under other organisations' calls included (sent again), to read
+    # the layout again: every gateway reconnected to the whole cluster, over and over while the reshard went on.
+    source, destination, other = redis_cluster
+    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in redis_cluster}
+    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == source][:6]
+    other_key = next(key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+                     if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == other)
+
+    def assign(slot: int, port: int) -> None:
+        for each in (destination, source, other):
+            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+
+    async def scenario():
+        client = redis_client.get_async_redis()
+        for key in keys:
+            await client.get(key)
+        await client.get(other_key)
+        node = next(node for node in client.get_nodes() if node.port == other)
+        open_before = [connection._writer for connection in node._connections if connection.is_connected]
+        for key in keys:
+            assign(key_slot(key), destination)
+        answers = [await client.get(key) for key in keys]  # each a MOVED first, then served by the destination
+        return open_before, [connection._writer for connection in node._connections if connection.is_connected], answers
+
+    try:
+        open_before, open_after, answers = asyncio.run(scenario())
+    finally:
+        for key in keys:
+            assign(key_slot(key), source)
+
+    assert answers == [None] * len(keys)
+    assert open_before and open_after == open_before

@@ -20,7 +20,7 @@ import redis
 from controlplane import redis_circuit, redis_client, redis_keys
 from controlplane.redis_circuit import Refused
 from controlplane.redis_keys import key_slot
-from endpoints.gateway import admission, errors
+from endpoints.gateway import admission, errors, presence
 from tests.factories import EndpointFactory, OrganizationFactory
 from tests.processes import ChildProcess, free_port, wait_until
 from tests.test_redis_cluster import (  # noqa: F401 - the fixtures
@@ -328,3 +328,90 @@ def test_a_silent_cluster_node_that_is_the_clients_default_never_refuses_a_comma
             refused.append(exc)
         assert time.monotonic() - started < REFUSED_WITHIN_S
     assert refused == []
+
+
+def _sockets(client, port: int) -> list:
+    """The streams of the async cluster client's open connections to the node at `port`: a connection closed and
+    opened again has a new one."""
+    node = next(node for node in client.get_nodes() if node.port == port)
+    return [connection._writer for connection in node._connections if connection.is_connected]
+
+
+def _silent_and_healthy(cluster, ports: list[int]):
+    """A node to silence (not the one admissions list themselves on, `GATEWAYS_KEY`), an organisation and endpoint on
+    it and on another node, and that other node's port."""
+    registry_port = cluster.nodes_manager.get_node_from_slot(key_slot(redis_keys.GATEWAYS_KEY)).port
+    silent_port = next(port for port in ports if port != registry_port)
+    silent_organization = _org_on(cluster, silent_port)
+    healthy_organization = _org_on(cluster, silent_port, other_than=silent_port)
+    healthy_port = cluster.nodes_manager.get_node_from_slot(
+        key_slot(redis_keys.inflight_key(healthy_organization.pk, "e"))).port
+    return (silent_port, (silent_organization, str(EndpointFactory(organization=silent_organization).pk)),
+            (healthy_organization, str(EndpointFactory(organization=healthy_organization).pk)), healthy_port)
+
+
+async def _silence(frozen, silent_port: int, silent, healthy, healthy_port: int):
+    """Freeze the node at `silent_port` and trip its circuit by a call of its organisation's (`silent`), then serve one
+    of `healthy`'s; returns the async client and the streams of its connections to `healthy_port`."""
+    client = redis_client.get_async_redis()
+    await _admit(*silent, "before")
+    frozen(silent_port)
+    await _timed_admission(*silent, "trips")
+    await _admit(*healthy, "before")
+    return client, _sockets(client, healthy_port)
+
+
+def test_a_pipeline_refused_for_a_silent_node_leaves_the_connections_to_the_other_nodes_open(
+        cluster, redis_cluster, frozen, monkeypatch):  # noqa: F811 - the fixture imported above
+    # A gateway's beat pipelines the keys of many organisations (`presence._read_idle`, the reservations' deadlines),
+    # and so reaches a silent node every second. Before: redis-py's async cluster pipeline met the node's refusal as a
+    # connection error and closed every connection of the client, to every node, those under other organisations'
+    # calls included, then waited 0.25 s to send it again (refused again): every gateway reconnected to the whole
+    # cluster every beat while one node was silent, and a call in flight on a closed connection was sent again.
+    silent_port, (silent_organization, silent_endpoint), (healthy_organization, healthy_endpoint), healthy_port = (
+        _silent_and_healthy(cluster, redis_cluster))
+    monkeypatch.setattr(redis_client, "LAYOUT_REREAD_S", 60.0)
+
+    async def scenario():
+        client, open_before = await _silence(frozen, silent_port, (silent_organization, silent_endpoint),
+                                             (healthy_organization, healthy_endpoint), healthy_port)
+        client.layout_read_at = time.monotonic()  # read again as the node tripped: not due again during the test
+        started = time.monotonic()
+        with pytest.raises(Refused):
+            await presence._read_idle([silent_organization.pk, healthy_organization.pk],
+                                      [silent_organization.pk, healthy_organization.pk])
+        refused_s = time.monotonic() - started
+        open_after = _sockets(client, healthy_port)
+        served = await _timed_admission(healthy_organization, healthy_endpoint, "served")
+        return open_before, open_after, refused_s, served
+
+    open_before, open_after, refused_s, (served_s, served_error) = asyncio.run(scenario())
+
+    assert open_before and open_after == open_before
+    assert refused_s < 0.2, refused_s
+    assert served_error is None and served_s < REFUSED_WITHIN_S
+
+
+def test_reading_the_layout_again_for_a_silent_node_leaves_the_connections_to_the_other_nodes_open(
+        cluster, redis_cluster, frozen):  # noqa: F811 - the fixture imported above
+    # A command refused for a silent node reads the cluster's layout again, once a second (`LAYOUT_REREAD_S`), to find
+    # the replica that takes its slots over. Before: redis-py marked every connection to every node to be closed and
+    # opened again at each reading, the layout unchanged: every gateway reconnected to the whole cluster every second
+    # while one node was silent.
+    silent_port, (silent_organization, silent_endpoint), (healthy_organization, healthy_endpoint), healthy_port = (
+        _silent_and_healthy(cluster, redis_cluster))
+
+    async def scenario():
+        client, open_before = await _silence(frozen, silent_port, (silent_organization, silent_endpoint),
+                                             (healthy_organization, healthy_endpoint), healthy_port)
+        client.layout_read_at = 0.0  # the next refusal reads the layout again
+        _, refused = await _timed_admission(silent_organization, silent_endpoint, "refused")
+        read_again = client.layout_read_at > 0
+        served = await _timed_admission(healthy_organization, healthy_endpoint, "served")
+        return open_before, _sockets(client, healthy_port), refused, read_again, served
+
+    open_before, open_after, refused, read_again, (_, served_error) = asyncio.run(scenario())
+
+    assert isinstance(refused, Refused) and read_again
+    assert served_error is None
+    assert open_before and open_after == open_before

@@ -277,6 +277,7 @@ def test_behind_pgbouncer_in_transaction_mode_prepared_statements_and_server_sid
     ({"DATABASE_POOLER": "transaction", "DATABASE_URL": "postgresql://u:p@pgbouncer:6432/app?prepare_threshold=5"},
      "DATABASE_POOLER=transaction cannot use prepared statements"),
     ({"REDIS_CLUSTER": "1"}, "REDIS_CLUSTER=1 needs CELERY_BROKER_URL"),
+    ({"REDIS_CLUSTER_NODES": "node-2:6379,node-3"}, "REDIS_CLUSTER_NODES must list addresses as host:port"),
 ])
 def test_a_pooler_or_cluster_setting_that_cannot_work_refuses_to_start(forks, env, message):
     result = _read_setting(forks, env, "settings.DATABASES")
