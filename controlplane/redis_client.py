@@ -320,6 +320,10 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
             self._initialize = True
             return
         await super().aclose()
+        # NOTE: redis-py's closes nothing while the layout is marked to be read again, as above (or by a pipeline's
+        # failure, `_NodePipelineStrategy`): a loop ending before the next command left every connection open past it.
+        await self.nodes_manager.aclose()
+        await self.nodes_manager.aclose("startup_nodes")
 
     async def reread_layout_if_due(self, failed_node_name: str | None) -> None:
         """Read the cluster's layout again after a silent node's refusal, at most every `LAYOUT_REREAD_S`."""

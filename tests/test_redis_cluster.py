@@ -451,3 +451,37 @@ def test_a_reshard_moving_slots_under_the_async_client_leaves_its_connections_to
 
     assert answers == [None] * len(keys)
     assert open_before and open_after == open_before
+
+
+def test_the_async_client_closed_as_its_loop_ends_right_after_a_reshards_moved_leaves_no_connection_open(
+        on_cluster, redis_cluster):
+    # At every fifth MOVED the client only marks the layout to be read again (`_AsyncClusterClient.aclose`). Before:
+    # redis-py's own close, as the loop ended, closes nothing while that mark is set, so every connection to every node
+    # stayed open past its loop when the loop's last command met a reshard (a loop per task or per test: one leak each).
+    source, destination, other = redis_cluster
+    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in redis_cluster}
+    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == source][:5]
+
+    def assign(slot: int, port: int) -> None:
+        for each in (destination, source, other):
+            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+
+    async def scenario():
+        client = redis_client.get_async_redis()
+        for key in keys:
+            await client.get(key)
+        for key in keys:
+            assign(key_slot(key), destination)
+        for key in keys:  # the fifth MOVED marks the layout to be read again, and the loop ends
+            await client.get(key)
+        return [connection for node in client.get_nodes() for connection in node._connections]
+
+    try:
+        connections = asyncio.run(scenario())
+    finally:
+        for key in keys:
+            assign(key_slot(key), source)
+
+    assert connections
+    assert [connection for connection in connections if connection.is_connected] == []
