@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import tomllib
 import types
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
+from django.conf import settings as django_settings
 from django.utils import timezone
+from packaging.requirements import Requirement
 
 from billing.quota import reads, sweeper
 from controlplane import pubsub, redis_client, redis_keys, redis_scripts
@@ -485,3 +488,15 @@ def test_the_async_client_closed_as_its_loop_ends_right_after_a_reshards_moved_l
 
     assert connections
     assert [connection for connection in connections if connection.is_connected] == []
+
+
+def test_redis_py_is_held_to_the_minor_version_whose_cluster_internals_the_clients_override():
+    # `redis_client` subclasses redis-py's async cluster internals (`PipelineStrategy`, `NodesManager.initialize`, the
+    # client's `aclose` as `_execute_command` calls it) and reads its connections' reconnect marks. Before: pyproject
+    # took any redis-py from 5.0, where these are missing (the import fails for every process, cluster or not) or
+    # behave otherwise (a lock upgraded past 8.1 kept the overrides silently, unreviewed).
+    pyproject = tomllib.loads((Path(django_settings.BASE_DIR) / "pyproject.toml").read_text())["project"]
+    requirement = next(Requirement(line) for line in pyproject["dependencies"] if Requirement(line).name == "redis")
+
+    assert requirement.specifier.contains(redis.__version__)
+    assert not requirement.specifier.contains("8.0.0") and not requirement.specifier.contains("8.2.0")
