@@ -500,3 +500,25 @@ def test_redis_py_is_held_to_the_minor_version_whose_cluster_internals_the_clien
 
     assert requirement.specifier.contains(redis.__version__)
     assert not requirement.specifier.contains("8.0.0") and not requirement.specifier.contains("8.2.0")
+
+
+def test_an_async_pipeline_meeting_a_nodes_dropped_connections_is_served_on_its_retry(on_cluster, redis_cluster):
+    # A node that restarted (or dropped its clients) left every pooled connection to it dead. Before: the pipeline met
+    # one, and its retry took the next dead one from the pool (nothing closed them, unlike redis-py's close of every
+    # connection it replaced, or its single commands' closing of the failed node's free ones): a gateway's beat failed.
+    port = redis_cluster[0]
+    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == port][:2]
+
+    async def scenario():
+        client = redis_client.get_async_redis()
+        await asyncio.gather(*(client.get(key) for key in keys * 2))  # several pooled connections to the node
+        node = next(node for node in client.get_nodes() if node.port == port)
+        assert len(node._connections) > 1
+        redis.Redis(port=port, socket_timeout=5).client_kill_filter(_type="normal")  # skips its own
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+            return await pipe.execute()
+
+    assert asyncio.run(scenario()) == [None, None]
