@@ -129,8 +129,11 @@ def env_host_ports(name: str) -> tuple[tuple[str, int], ...]:
     addresses = []
     for item in env_list(name):
         host, separator, port = item.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not separator or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        bracketed = host.startswith("[") and host.endswith("]")
+        host = host[1:-1] if bracketed else host
+        # NOTE: an IPv6 host only in brackets: `fd00::3` (its port forgotten) would read as the host `fd00:` on port 3
+        if (not separator or not host or (":" in host) != bracketed or not (port.isascii() and port.isdigit())
+                or not 0 < int(port) < 65536):
             raise ImproperlyConfiguredEnv(f"{name} must list addresses as host:port, comma-separated, not {item!r}")
         addresses.append((host, int(port)))
     return tuple(addresses)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import tomllib
 import types
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
+from django.conf import settings as django_settings
 from django.utils import timezone
+from packaging.requirements import Requirement
 
 from billing.quota import reads, sweeper
 from controlplane import pubsub, redis_client, redis_keys, redis_scripts
@@ -451,3 +454,71 @@ def test_a_reshard_moving_slots_under_the_async_client_leaves_its_connections_to
 
     assert answers == [None] * len(keys)
     assert open_before and open_after == open_before
+
+
+def test_the_async_client_closed_as_its_loop_ends_right_after_a_reshards_moved_leaves_no_connection_open(
+        on_cluster, redis_cluster):
+    # At every fifth MOVED the client only marks the layout to be read again (`_AsyncClusterClient.aclose`). Before:
+    # redis-py's own close, as the loop ended, closes nothing while that mark is set, so every connection to every node
+    # stayed open past its loop when the loop's last command met a reshard (a loop per task or per test: one leak each).
+    source, destination, other = redis_cluster
+    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in redis_cluster}
+    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == source][:5]
+
+    def assign(slot: int, port: int) -> None:
+        for each in (destination, source, other):
+            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+
+    async def scenario():
+        client = redis_client.get_async_redis()
+        for key in keys:
+            await client.get(key)
+        for key in keys:
+            assign(key_slot(key), destination)
+        for key in keys:  # the fifth MOVED marks the layout to be read again, and the loop ends
+            await client.get(key)
+        return [connection for node in client.get_nodes() for connection in node._connections]
+
+    try:
+        connections = asyncio.run(scenario())
+    finally:
+        for key in keys:
+            assign(key_slot(key), source)
+
+    assert connections
+    assert [connection for connection in connections if connection.is_connected] == []
+
+
+def test_redis_py_is_held_to_the_minor_version_whose_cluster_internals_the_clients_override():
+    # `redis_client` subclasses redis-py's async cluster internals (`PipelineStrategy`, `NodesManager.initialize`, the
+    # client's `aclose` as `_execute_command` calls it) and reads its connections' reconnect marks. Before: pyproject
+    # took any redis-py from 5.0, where these are missing (the import fails for every process, cluster or not) or
+    # behave otherwise (a lock upgraded past 8.1 kept the overrides silently, unreviewed).
+    pyproject = tomllib.loads((Path(django_settings.BASE_DIR) / "pyproject.toml").read_text())["project"]
+    requirement = next(Requirement(line) for line in pyproject["dependencies"] if Requirement(line).name == "redis")
+
+    assert requirement.specifier.contains(redis.__version__)
+    assert not requirement.specifier.contains("8.0.0") and not requirement.specifier.contains("8.2.0")
+
+
+def test_an_async_pipeline_meeting_a_nodes_dropped_connections_is_served_on_its_retry(on_cluster, redis_cluster):
+    # A node that restarted (or dropped its clients) left every pooled connection to it dead. Before: the pipeline met
+    # one, and its retry took the next dead one from the pool (nothing closed them, unlike redis-py's close of every
+    # connection it replaced, or its single commands' closing of the failed node's free ones): a gateway's beat failed.
+    port = redis_cluster[0]
+    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == port][:2]
+
+    async def scenario():
+        client = redis_client.get_async_redis()
+        await asyncio.gather(*(client.get(key) for key in keys * 2))  # several pooled connections to the node
+        node = next(node for node in client.get_nodes() if node.port == port)
+        assert len(node._connections) > 1
+        redis.Redis(port=port, socket_timeout=5).client_kill_filter(_type="normal")  # skips its own
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+            return await pipe.execute()
+
+    assert asyncio.run(scenario()) == [None, None]

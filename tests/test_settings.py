@@ -8,6 +8,7 @@ from controlplane.env import (
     ImproperlyConfiguredEnv,
     env_aws_account_ids,
     env_bool,
+    env_host_ports,
     env_int,
     env_list,
     env_networks,
@@ -235,6 +236,20 @@ def test_node_networks_are_cidrs_or_the_setting_refuses_to_start(monkeypatch):
         monkeypatch.setenv("X_NETWORKS", f"10.20.0.0/16,{bad}")
         with pytest.raises(ImproperlyConfiguredEnv, match="X_NETWORKS must list networks as CIDRs"):
             env_networks("X_NETWORKS")
+
+
+def test_cluster_nodes_are_host_port_pairs_with_ipv6_hosts_bracketed_or_the_setting_refuses_to_start(monkeypatch):
+    # Before: an IPv6 address whose port was forgotten (`fd00::3`) was read as the host `fd00:` on port 3, a node no
+    # client could ever reach: the operator believed in a start point the cluster clients never had.
+    monkeypatch.setattr(env, "SETTINGS_ENV_VARS", set(env.SETTINGS_ENV_VARS))
+    assert env_host_ports("X_NODES") == ()
+    monkeypatch.setenv("X_NODES", "node-2:6379, [fd00::3]:6380 ,10.0.0.4:6381")
+    assert env_host_ports("X_NODES") == (("node-2", 6379), ("fd00::3", 6380), ("10.0.0.4", 6381))
+    for bad in ("fd00::3", "fd00::3:6379", "node-3", "[fd00::3]", "[node]:6379", "node:0", "node:65536", "node:\u00b2",
+                ":6379"):
+        monkeypatch.setenv("X_NODES", f"node-2:6379,{bad}")
+        with pytest.raises(ImproperlyConfiguredEnv, match="X_NODES must list addresses as host:port"):
+            env_host_ports("X_NODES")
 
 
 def test_production_settings_never_import_the_embedded_servers(forks):
