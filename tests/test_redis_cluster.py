@@ -418,21 +418,30 @@ def test_the_cluster_clients_start_from_another_listed_node_while_the_node_redis
     assert asyncio.run(read()) == "1"
 
 
+def _keys_on(client, port: int) -> list[str]:
+    """Organisations' reservation keys (of the first 400) whose slot the node at `port` holds, as `client` reads it."""
+    return [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
+            if client.nodes_manager.get_node_from_slot(key_slot(key)).port == port]
+
+
+def _slot_assigner(ports):
+    """A function that gives a slot to the node at a port, told to each node of `ports` in turn (`CLUSTER SETSLOT`)."""
+    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in ports}
+
+    def assign(slot: int, port: int) -> None:
+        for each in ports:
+            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+    return assign
+
+
 def test_a_reshard_moving_slots_under_the_async_client_leaves_its_connections_to_the_other_nodes_open(
         on_cluster, redis_cluster):
     # A reshard answers MOVED to the commands on the slots it moved. Before: at every fifth, redis-py closed every
     # connection of the client, to every node, those under other organisations' calls included (sent again), to read
     # the layout again: every gateway reconnected to the whole cluster, over and over while the reshard went on.
     source, destination, other = redis_cluster
-    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in redis_cluster}
-    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
-            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == source][:6]
-    other_key = next(key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
-                     if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == other)
-
-    def assign(slot: int, port: int) -> None:
-        for each in (destination, source, other):
-            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+    assign = _slot_assigner((destination, source, other))  # the destination first, as a reshard tells them
+    keys, other_key = _keys_on(on_cluster, source)[:6], _keys_on(on_cluster, other)[0]
 
     async def scenario():
         client = redis_client.get_async_redis()
@@ -462,13 +471,7 @@ def test_the_async_client_closed_as_its_loop_ends_right_after_a_reshards_moved_l
     # redis-py's own close, as the loop ended, closes nothing while that mark is set, so every connection to every node
     # stayed open past its loop when the loop's last command met a reshard (a loop per task or per test: one leak each).
     source, destination, other = redis_cluster
-    node_ids = {port: redis.Redis(port=port, socket_timeout=5).cluster("MYID") for port in redis_cluster}
-    keys = [key for key in (redis_keys.org_reserved_key(organization_id) for organization_id in range(1, 400))
-            if on_cluster.nodes_manager.get_node_from_slot(key_slot(key)).port == source][:5]
-
-    def assign(slot: int, port: int) -> None:
-        for each in (destination, source, other):
-            redis.Redis(port=each, socket_timeout=5).execute_command("CLUSTER SETSLOT", slot, "NODE", node_ids[port])
+    assign, keys = _slot_assigner((destination, source, other)), _keys_on(on_cluster, source)[:5]
 
     async def scenario():
         client = redis_client.get_async_redis()
