@@ -117,6 +117,22 @@ def gateway(transactional_db, tmp_path, web_zygote):
     child.stop()
 
 
+# NOTE: a held call looks whether its endpoint was paused, deleted, out of capacity or out of starts at each re-wake,
+# reading the endpoint through the gateway's cache (`ENDPOINT_CACHE_S`, 2 s, reloaded behind a stale read): at the
+# production 5 s the call was told at the second re-wake, ~10 s in. A re-wake every 0.5 s tells it within ~3 s, and a
+# call never told still waits its whole cold-start timeout.
+REWAKE_EVERY_S = "0.5"
+
+
+@pytest.fixture
+def rewaking_gateway(transactional_db, tmp_path, web_zygote):
+    """A gateway whose held calls re-wake (and look at their endpoint again) every `REWAKE_EVERY_S`."""
+    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote,
+                                       extra_env={"INFERPLANE_GATEWAY_REWAKE_EVERY_S": REWAKE_EVERY_S})
+    yield base_url
+    child.stop()
+
+
 @pytest.fixture
 def tenant(transactional_db):
     """An organisation with an owner and an inference+manage key; `.client(base_url)` is an openai client."""

@@ -95,7 +95,8 @@ def test_a_client_that_asks_to_wait_for_capacity_is_held_until_a_replica_is_read
     assert response.json()["choices"]
 
 
-def test_a_held_call_is_told_when_its_wake_finds_no_capacity(gateway, tenant):
+def test_a_held_call_is_told_when_its_wake_finds_no_capacity(rewaking_gateway, tenant):
+    gateway = rewaking_gateway
     endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S)  # scaled to zero: the call wakes it
     answers = []
     thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))

@@ -46,7 +46,8 @@ def test_a_cold_call_to_an_endpoint_out_of_starts_is_refused_at_once_and_never_h
     assert get_redis().zcard(redis_keys.waiting_key(endpoint.organization_id, str(endpoint.pk))) == 0
 
 
-def test_a_held_call_is_told_when_its_wake_finds_its_organisations_starts_spent(gateway, tenant):
+def test_a_held_call_is_told_when_its_wake_finds_its_organisations_starts_spent(rewaking_gateway, tenant):
+    gateway = rewaking_gateway
     endpoint = serve_endpoint(tenant.org, cold_start_timeout_s=HOLD_S)  # scaled to zero: the call wakes it
     answers = []
     thread = threading.Thread(target=lambda: answers.append(call(gateway, tenant, endpoint)))

@@ -19,18 +19,13 @@ from controlplane.redis_keys import held_key, inflight_key, reservations_key, wa
 from endpoints.models import Endpoint, Replica, ReplicaState
 from endpoints.nodes.models import Node
 from endpoints.services import delete_endpoint, pause_endpoint
-from tests.conftest import start_web_server, wait_until
+from tests.conftest import wait_until
 from tests.fakes.closing_engine import ClosingEngine
 from tests.gateway.conftest import held_chat, serve_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
-# NOTE: a held call looks whether its endpoint was paused or deleted at each re-wake, reading the endpoint through the
-# gateway's cache (`ENDPOINT_CACHE_S`, 2 s, reloaded behind a stale read): at the production 5 s the call was told at
-# the second re-wake, ~10 s in. A re-wake every 0.5 s tells it within ~3 s, far under the test's 20 s bound, and the
-# cold-start timeout (40 s) stays what a call that was never told would wait.
-REWAKE_EVERY_S = "0.5"
 
 
 def _scale_to_zero(endpoint, start_mock_upstream, address: str) -> Replica:
@@ -147,15 +142,6 @@ def test_a_held_call_whose_engine_dies_on_it_is_answered_at_once_never_held_agai
     # held 3 s, then in the engine 1.5 s: answered at once, not 4 s later
     assert answered_after_s < 6.5, answered_after_s
     assert not UsageRecord.objects.exclude(status="ok").filter(completion_tokens__gt=0).exists()  # billed nothing
-
-
-@pytest.fixture
-def rewaking_gateway(transactional_db, tmp_path, web_zygote):
-    """A gateway whose held calls re-wake (and look at their endpoint again) every `REWAKE_EVERY_S`."""
-    child, base_url = start_web_server(tmp_path, name="gateway", zygote=web_zygote,
-                                       extra_env={"INFERPLANE_GATEWAY_REWAKE_EVERY_S": REWAKE_EVERY_S})
-    yield base_url
-    child.stop()
 
 
 @pytest.mark.parametrize("stop", ["pause", "delete"])
